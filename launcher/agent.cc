@@ -1,0 +1,345 @@
+#include "launcher/agent.h"
+
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include <boost/asio/post.hpp>
+#include <fmt/format.h>
+
+#include "launcher/errors.h"
+
+namespace mg {
+
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string now_text() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  return fmt::format("{:04}-{:02}-{:02}_{:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
+                     tm.tm_min, tm.tm_sec);
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+std::string hostname() {
+  char host[256] = {};
+  return ::gethostname(host, sizeof(host) - 1) == 0 ? host : "unknown";
+}
+
+void notice(const std::string& text) { write_all(STDERR_FILENO, "[mglaunch] " + text + "\n"); }
+
+}  // namespace
+
+std::string read_error_file_message(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return {};
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("message")) return {};
+  const auto& m = j["message"];
+  if (m.is_string()) return m.get<std::string>();
+  if (m.is_object() && m.contains("message") && m["message"].is_string()) return m["message"].get<std::string>();
+  return m.dump();
+}
+
+std::string format_root_cause(const RootCause& rc, const std::string& program) {
+  const std::string rule(60, '=');
+  std::string out = fmt::format("{}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n", rule, program,
+                                std::string(60, '-'));
+  const auto& w = rc.worker;
+  out += fmt::format("  time       : {}\n  host       : {}\n  rank       : {} (local_rank: {})\n", rc.time, rc.host,
+                     w.rank, w.local_rank);
+  out += fmt::format("  exitcode   : {} (pid: {})\n", w.exit_code, w.pid);
+  if (w.signal) out += fmt::format("  signal     : {} ({})\n", signal_name(w.signal), w.signal);
+  if (!rc.error_file.empty()) out += fmt::format("  error_file : {}\n", rc.error_file);
+  out += fmt::format("  message    : {}\n", rc.message.empty() ? "<no error file written>" : rc.message);
+  if (!rc.stderr_tail.empty()) {
+    out += "  last stderr lines:\n";
+    for (const auto& l : rc.stderr_tail) out += "    " + l + "\n";
+  }
+  out += rule + "\n";
+  return out;
+}
+
+Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_env)
+    : io_(io),
+      opts_(std::move(opts)),
+      plan_(std::move(plan)),
+      base_env_(std::move(base_env)),
+      console_(STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
+      signals_(io),
+      grace_timer_(io) {}
+
+Agent::~Agent() {
+  workers_.clear();  // SIGKILLs anything still running
+  retired_.clear();
+  if (log_root_is_temp_ && !keep_log_root_) {
+    std::error_code ec;
+    fs::remove_all(log_root_, ec);
+  }
+}
+
+void Agent::start() {
+  const bool files_wanted = [&] {
+    for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
+      if (opts_.redirects.for_rank(lr) != Streams::kNone || opts_.tee.for_rank(lr) != Streams::kNone) return true;
+    return false;
+  }();
+  std::error_code ec;
+  if (!opts_.log_dir.empty()) {
+    log_root_ = opts_.log_dir;
+    fs::create_directories(fs::path(log_root_) / plan_.run_id, ec);
+    if (ec || ::access((fs::path(log_root_) / plan_.run_id).c_str(), W_OK) != 0)
+      throw UsageError(fmt::format("--log_dir '{}' is not writable{}; pick a directory you can write to", opts_.log_dir,
+                                   ec ? ": " + ec.message() : ""));
+  } else {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = fmt::format("{}/mglaunch_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!::mkdtemp(templ.data())) throw UsageError(fmt::format("cannot create a temporary log directory {}: {}", templ,
+                                                               std::strerror(errno)));
+    log_root_ = templ;
+    log_root_is_temp_ = true;
+    keep_log_root_ = files_wanted;  // redirected output must not vanish
+    if (files_wanted) notice(fmt::format("log directory: {}", log_root_));
+  }
+  if (plan_.set_omp_threads)
+    notice("setting OMP_NUM_THREADS=1 for each worker (more than one per node); set it yourself to tune");
+  for (const auto& w : opts_.warnings) notice(w);
+
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
+  wait_signal();
+  start_attempt();
+}
+
+std::string Agent::attempt_dir(int local_rank) const {
+  return (fs::path(log_root_) / plan_.run_id / fmt::format("attempt_{}", restart_count_) / std::to_string(local_rank))
+      .string();
+}
+
+void Agent::start_attempt() {
+  state_ = State::kRunning;
+  root_cause_.reset();
+  attempts_.push_back({restart_count_, std::chrono::system_clock::now(), 0, {}});
+  attempt_start_ = std::chrono::steady_clock::now();
+  std::vector<std::string> base;
+  for (int lr = 0; lr < plan_.nproc_per_node; ++lr) {
+    const std::string dir = attempt_dir(lr);
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    const std::string error_file = dir + "/error.json";
+    fs::remove(error_file, ec);  // a stale file from an earlier run must not be taken as this one's
+
+    WorkerSpec spec;
+    spec.local_rank = lr;
+    spec.rank = plan_.rank_offset + lr;
+    spec.executable = plan_.executable;
+    spec.argv = build_worker_argv(plan_, opts_, lr);
+    EnvMap env = base_env_;
+    for (auto& [k, v] : build_contract_env(plan_, opts_, base_env_, lr, restart_count_, error_file)) env[k] = v;
+    spec.env.reserve(env.size());
+    for (const auto& [k, v] : env) spec.env.push_back(k + "=" + v);
+    const bool shown = opts_.local_ranks_filter.empty() ||
+                       std::find(opts_.local_ranks_filter.begin(), opts_.local_ranks_filter.end(), lr) !=
+                           opts_.local_ranks_filter.end();
+    const Streams which[2] = {Streams::kOut, Streams::kErr};
+    const char* names[2] = {"stdout.log", "stderr.log"};
+    for (int s = 0; s < 2; ++s) {
+      spec.console[s] = shown && !opts_.redirects.covers(lr, which[s]);
+      if (opts_.redirects.covers(lr, which[s]) || opts_.tee.covers(lr, which[s])) spec.log_file[s] = dir + "/" + names[s];
+    }
+    spec.max_line_bytes = opts_.max_line_bytes;
+    workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_,
+                                                       [this](WorkerProcess& w) { on_worker_done(w); }));
+  }
+}
+
+WorkerOutcome Agent::outcome_of(const WorkerProcess& w) const {
+  WorkerOutcome o;
+  o.rank = w.spec().rank;
+  o.local_rank = w.spec().local_rank;
+  o.pid = w.pid();
+  const int st = w.wait_status();
+  o.exit_code = shell_exit_code(st);
+  o.signal = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
+  o.duration_s = w.duration_s();
+  return o;
+}
+
+void Agent::on_worker_done(WorkerProcess& w) {
+  WorkerOutcome o = outcome_of(w);
+  o.stopped_by_agent = state_ != State::kRunning;
+  attempts_.back().workers.push_back(o);
+  if (state_ == State::kRunning && o.exit_code != 0) {
+    RootCause rc;
+    rc.time = now_text();
+    rc.host = hostname();
+    rc.worker = o;
+    rc.error_file = attempt_dir(o.local_rank) + "/error.json";
+    rc.message = !w.spawn_error().empty() ? w.spawn_error() : read_error_file_message(rc.error_file);
+    if (rc.message.empty() && !fs::exists(rc.error_file)) rc.error_file.clear();
+    rc.stderr_tail.assign(w.stderr_tail().begin(), w.stderr_tail().end());
+    root_cause_ = std::move(rc);
+    stop_group(SIGTERM);
+  }
+  const bool all_done = std::all_of(workers_.begin(), workers_.end(), [](const auto& p) { return p->done(); });
+  if (!all_done) return;
+  if (state_ == State::kRunning) {
+    attempts_.back().duration_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - attempt_start_).count();
+    finish(exit_code::kOk);
+  } else if (state_ == State::kStopping) {
+    on_group_stopped();
+  }
+}
+
+void Agent::stop_group(int sig) {
+  if (state_ == State::kDone) return;
+  state_ = State::kStopping;
+  for (auto& w : workers_) w->signal_group(sig);
+  grace_timer_.expires_after(opts_.grace);
+  grace_timer_.async_wait([this](boost::system::error_code ec) {
+    if (ec || state_ != State::kStopping) return;
+    notice(fmt::format("workers still running {:.1f}s after SIGTERM: sending SIGKILL", opts_.grace.count() / 1000.0));
+    for (auto& w : workers_) w->signal_group(SIGKILL);
+  });
+}
+
+void Agent::on_group_stopped() {
+  grace_timer_.cancel();
+  attempts_.back().duration_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - attempt_start_).count();
+  if (agent_signal_) {
+    notice(fmt::format("stopped by {}", signal_name(agent_signal_)));
+    finish(exit_code::kSignalBase + agent_signal_);
+    return;
+  }
+  if (!root_cause_) {
+    finish(exit_code::kInternal);
+    return;
+  }
+  const auto& w = root_cause_->worker;
+  if (restart_count_ < opts_.max_restarts) {
+    ++restart_count_;
+    notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
+                       w.rank, w.local_rank, w.exit_code, restart_count_, opts_.max_restarts));
+    // The finished handles are destroyed later: we may be inside one of their callbacks.
+    for (auto& p : workers_) retired_.push_back(std::move(p));
+    workers_.clear();
+    asio::post(io_, [this] {
+      retired_.clear();
+      if (state_ != State::kDone) start_attempt();
+    });
+    return;
+  }
+  write_all(STDERR_FILENO, format_root_cause(*root_cause_, opts_.program));
+  finish(w.exit_code);
+}
+
+void Agent::finish(int code) {
+  if (state_ == State::kDone) return;
+  state_ = State::kDone;
+  exit_code_ = code;
+  boost::system::error_code ec;
+  signals_.cancel(ec);
+  grace_timer_.cancel();
+  for (auto& w : workers_) w->kill_stragglers();
+  if (!opts_.summary_json.empty()) {
+    std::ofstream out(opts_.summary_json);
+    out << summary().dump(2) << "\n";
+    if (!out) notice(fmt::format("cannot write --summary-json {}", opts_.summary_json));
+  }
+}
+
+void Agent::wait_signal() {
+  signals_.async_wait([this](boost::system::error_code ec, int sig) {
+    if (ec) return;
+    on_signal(sig);
+    if (state_ != State::kDone) wait_signal();
+  });
+}
+
+void Agent::on_signal(int sig) {
+  if (sig == SIGUSR1 || sig == SIGUSR2) {
+    for (auto& w : workers_) w->signal_group(sig);
+    return;
+  }
+  if (sig == SIGINT && ++interrupts_ >= 2) {
+    notice("second interrupt: killing the workers now");
+    for (auto& w : workers_) w->signal_group(SIGKILL);
+    agent_signal_ = SIGINT;
+    return;
+  }
+  if (agent_signal_ == 0) agent_signal_ = sig;
+  notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), opts_.grace.count() / 1000.0));
+  if (state_ == State::kStopping) {
+    for (auto& w : workers_) w->signal_group(sig);
+    return;
+  }
+  stop_group(sig);
+  // Between attempts (all workers gone, restart posted) nobody is left to report back.
+  if (workers_.empty()) on_group_stopped();
+}
+
+nlohmann::json Agent::summary() const {
+  nlohmann::json attempts = nlohmann::json::array();
+  for (const auto& a : attempts_) {
+    nlohmann::json workers = nlohmann::json::array();
+    for (const auto& w : a.workers)
+      workers.push_back({{"rank", w.rank},
+                         {"local_rank", w.local_rank},
+                         {"pid", w.pid},
+                         {"exit_code", w.exit_code},
+                         {"signal", w.signal ? nlohmann::json(signal_name(w.signal)) : nlohmann::json()},
+                         {"duration_s", w.duration_s},
+                         {"stopped_by_agent", w.stopped_by_agent}});
+    std::time_t t = std::chrono::system_clock::to_time_t(a.start);
+    workers = [&] {
+      auto sorted = workers;
+      std::sort(sorted.begin(), sorted.end(), [](const auto& x, const auto& y) { return x["rank"] < y["rank"]; });
+      return sorted;
+    }();
+    attempts.push_back({{"restart_count", a.restart_count},
+                        {"start_unix", static_cast<long long>(t)},
+                        {"duration_s", a.duration_s},
+                        {"workers", workers}});
+  }
+  nlohmann::json root = nullptr;
+  if (root_cause_) {
+    const auto& rc = *root_cause_;
+    root = {{"time", rc.time},
+            {"host", rc.host},
+            {"rank", rc.worker.rank},
+            {"local_rank", rc.worker.local_rank},
+            {"exit_code", rc.worker.exit_code},
+            {"signal", rc.worker.signal ? nlohmann::json(signal_name(rc.worker.signal)) : nlohmann::json()},
+            {"message", rc.message},
+            {"error_file", rc.error_file},
+            {"stderr_tail", rc.stderr_tail}};
+  }
+  return {{"mglaunch_version", MGLAUNCH_VERSION},
+          {"run_id", plan_.run_id},
+          {"program", opts_.program},
+          {"nnodes", plan_.nnodes},
+          {"node_rank", plan_.node_rank},
+          {"nproc_per_node", plan_.nproc_per_node},
+          {"world_size", plan_.world_size},
+          {"max_restarts", opts_.max_restarts},
+          {"restarts", restart_count_},
+          {"exit_code", exit_code_},
+          {"agent_signal", agent_signal_ ? nlohmann::json(signal_name(agent_signal_)) : nlohmann::json()},
+          {"root_cause", root},
+          {"attempts", attempts}};
+}
+
+}  // namespace mg

@@ -1,0 +1,105 @@
+// Agent: runs one node's worker group to completion on a single io_context. It spawns
+// the workers, relays their output, stops the group on the first failure (SIGTERM to
+// every process group, --grace, SIGKILL), restarts while restarts remain, forwards the
+// agent's signals, and decides the exit code. It never calls exit() and prints only the
+// relayed lines, its own one-line notices and the failure report.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <nlohmann/json.hpp>
+
+#include "launcher/console.h"
+#include "launcher/options.h"
+#include "launcher/plan.h"
+#include "launcher/worker_process.h"
+
+namespace mg {
+
+struct WorkerOutcome {
+  int rank = 0;
+  int local_rank = 0;
+  int pid = -1;
+  int exit_code = 0;  // shell style: N or 128+signal
+  int signal = 0;     // terminating signal, 0 if it exited
+  double duration_s = 0;
+  bool stopped_by_agent = false;  // ended because the agent stopped the group
+};
+
+struct RootCause {
+  std::string time;
+  std::string host;
+  WorkerOutcome worker;
+  std::string error_file;
+  std::string message;  // from the torchelastic error file, or the spawn error
+  std::vector<std::string> stderr_tail;
+};
+
+// Reads the message of a torchelastic error file ({"message": {"message": ...}} or
+// {"message": "..."}); empty when absent or unreadable.
+std::string read_error_file_message(const std::string& path);
+
+// The failure report block (several lines, each ending in '\n').
+std::string format_root_cause(const RootCause& rc, const std::string& program);
+
+class Agent {
+ public:
+  Agent(boost::asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_env);
+  ~Agent();
+
+  // Prepares the log directory, installs signal handlers and starts attempt 0. Throws
+  // UsageError when --log_dir cannot be created.
+  void start();
+  // Valid once io.run() returned.
+  int exit_code() const { return exit_code_; }
+  nlohmann::json summary() const;
+
+ private:
+  enum class State { kRunning, kStopping, kDone };
+  struct Attempt {
+    int restart_count = 0;
+    std::chrono::system_clock::time_point start;
+    double duration_s = 0;
+    std::vector<WorkerOutcome> workers;
+  };
+
+  void start_attempt();
+  void on_worker_done(WorkerProcess& w);
+  void stop_group(int sig);
+  void on_group_stopped();
+  void finish(int code);
+  void wait_signal();
+  void on_signal(int sig);
+  std::string attempt_dir(int local_rank) const;
+  WorkerOutcome outcome_of(const WorkerProcess& w) const;
+
+  boost::asio::io_context& io_;
+  AgentOptions opts_;
+  RunPlan plan_;
+  EnvMap base_env_;
+  Console console_;
+  boost::asio::signal_set signals_;
+  boost::asio::steady_timer grace_timer_;
+  std::vector<std::unique_ptr<WorkerProcess>> workers_;
+  std::vector<std::unique_ptr<WorkerProcess>> retired_;
+  State state_ = State::kRunning;
+  int restart_count_ = 0;
+  int agent_signal_ = 0;       // TERM/INT/HUP that is stopping the run
+  int interrupts_ = 0;         // SIGINTs seen (a second one kills at once)
+  std::optional<RootCause> root_cause_;
+  std::vector<Attempt> attempts_;
+  std::string log_root_;       // {log_dir} or a temporary directory
+  bool log_root_is_temp_ = false;
+  bool keep_log_root_ = true;
+  int exit_code_ = 0;
+  std::chrono::steady_clock::time_point attempt_start_;
+};
+
+}  // namespace mg

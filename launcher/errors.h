@@ -1,0 +1,31 @@
+// Error types that cross library boundaries; only main() turns them into exit codes.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace mg {
+
+// Bad flags, values or config: exit code 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The training program or its interpreter cannot be found or run: exit code 127.
+struct ProgramNotFound : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Documented exit codes of mglaunch itself (worker codes pass through unchanged).
+namespace exit_code {
+inline constexpr int kOk = 0;
+inline constexpr int kInternal = 1;
+inline constexpr int kUsage = 2;
+inline constexpr int kNotFound = 127;
+inline constexpr int kSignalBase = 128;
+}  // namespace exit_code
+
+// Maps a raw wait() status to a shell-style exit code: N for exit(N), 128+S for signal S.
+int shell_exit_code(int wait_status);
+
+}  // namespace mg

@@ -1,0 +1,53 @@
+// mglaunch: torchrun-compatible per-node agent. Parses flags, resolves the plan and runs
+// the Agent; this is the only place that turns errors into exit codes.
+#include <signal.h>
+#include <unistd.h>
+
+#include <boost/asio/io_context.hpp>
+#include <fmt/format.h>
+
+#include "launcher/agent.h"
+#include "launcher/errors.h"
+#include "launcher/options.h"
+#include "launcher/plan.h"
+
+extern char** environ;
+
+int main(int argc, char** argv) {
+  using namespace mg;
+  auto fail = [](int code, const std::string& msg) {
+    write_all(STDERR_FILENO, "mglaunch: error: " + msg + "\n");
+    return code;
+  };
+  try {
+    ::signal(SIGPIPE, SIG_IGN);
+    EnvMap env;
+    for (char** e = environ; *e; ++e) {
+      std::string_view kv = *e;
+      auto eq = kv.find('=');
+      if (eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+    }
+    ParseOutcome parsed = parse_agent_args(std::vector<std::string>(argv, argv + argc), env);
+    if (!parsed.options) {
+      write_all(STDOUT_FILENO, parsed.message);
+      return exit_code::kOk;
+    }
+    AgentOptions& opts = *parsed.options;
+    RunPlan plan = make_plan(opts, env);
+    if (opts.dry_run) {
+      write_all(STDOUT_FILENO, plan_to_json(plan, opts, env).dump(2) + "\n");
+      return exit_code::kOk;
+    }
+    boost::asio::io_context io(1);
+    Agent agent(io, std::move(opts), std::move(plan), std::move(env));
+    agent.start();
+    io.run();
+    return agent.exit_code();
+  } catch (const UsageError& e) {
+    return fail(exit_code::kUsage, e.what());
+  } catch (const ProgramNotFound& e) {
+    return fail(exit_code::kNotFound, e.what());
+  } catch (const std::exception& e) {
+    return fail(exit_code::kInternal, fmt::format("internal error: {}", e.what()));
+  }
+}

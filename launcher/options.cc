@@ -1,0 +1,313 @@
+#include "launcher/options.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "launcher/errors.h"
+
+namespace mg {
+
+int shell_exit_code(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return exit_code::kSignalBase + WTERMSIG(status);
+  return exit_code::kInternal;
+}
+
+namespace {
+
+int parse_int(const std::string& flag, std::string_view text, int min_value) {
+  int v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc{} || p != text.data() + text.size())
+    throw UsageError(fmt::format("bad {} '{}': expected an integer", flag, text));
+  if (v < min_value) throw UsageError(fmt::format("bad {} '{}': must be >= {}", flag, text, min_value));
+  return v;
+}
+
+std::vector<int> parse_int_list(const std::string& flag, const std::string& text) {
+  std::vector<int> out;
+  std::string_view rest = text;
+  while (true) {
+    auto comma = rest.find(',');
+    out.push_back(parse_int(flag, rest.substr(0, comma), 0));
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return out;
+}
+
+// "--nproc_per_node,--nproc-per-node" for a torchrun flag name with underscores.
+std::string both_spellings(const std::string& name) {
+  std::string dashed = name;
+  std::replace(dashed.begin(), dashed.end(), '_', '-');
+  return dashed == name ? "--" + name : "--" + name + ",--" + dashed;
+}
+
+// JSON config files for CLI11: {"nproc_per_node": 4, "standalone": true, ...}.
+class JsonConfig : public CLI::Config {
+ public:
+  std::string to_config(const CLI::App*, bool, bool, std::string) const override { return "{}"; }
+  std::vector<CLI::ConfigItem> from_config(std::istream& in) const override {
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) throw CLI::ConversionError("--config: the file is not a JSON object");
+    std::vector<CLI::ConfigItem> items;
+    for (auto& [key, value] : j.items()) {
+      CLI::ConfigItem item;
+      item.name = key;
+      auto text = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
+      if (value.is_array()) {
+        for (auto& v : value) item.inputs.push_back(text(v));
+      } else {
+        item.inputs.push_back(text(value));
+      }
+      items.push_back(std::move(item));
+    }
+    return items;
+  }
+};
+
+int read_sysfs_gpu_count() {
+  std::error_code ec;
+  int n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
+    ++n;
+  return n;
+}
+
+}  // namespace
+
+HardwareProbe HardwareProbe::system() {
+  return {read_sysfs_gpu_count, [] { return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN))); }};
+}
+
+Streams StreamSpec::for_rank(int local_rank) const {
+  if (auto it = per_rank.find(local_rank); it != per_rank.end()) return it->second;
+  return all;
+}
+
+bool StreamSpec::covers(int local_rank, Streams which) const {
+  return (static_cast<unsigned>(for_rank(local_rank)) & static_cast<unsigned>(which)) != 0;
+}
+
+StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
+  auto one = [&](std::string_view v) {
+    if (v.size() != 1 || v[0] < '0' || v[0] > '3')
+      throw UsageError(fmt::format("bad {} '{}': use 0 (none), 1 (stdout), 2 (stderr), 3 (both) or "
+                                   "LOCAL_RANK:N,... e.g. 0:3,1:2",
+                                   flag, text));
+    return static_cast<Streams>(v[0] - '0');
+  };
+  StreamSpec spec;
+  if (text.find(':') == std::string::npos) {
+    spec.all = one(text);
+    return spec;
+  }
+  std::string_view rest = text;
+  while (!rest.empty()) {
+    auto comma = rest.find(',');
+    auto item = rest.substr(0, comma);
+    auto colon = item.find(':');
+    if (colon == std::string_view::npos) one("x");
+    spec.per_rank[parse_int(flag, item.substr(0, colon), 0)] = one(item.substr(colon + 1));
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return spec;
+}
+
+NodeRange parse_nnodes(const std::string& text) {
+  NodeRange r;
+  auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    r.min = r.max = parse_int("--nnodes", text, 1);
+    return r;
+  }
+  r.min = parse_int("--nnodes", std::string_view(text).substr(0, colon), 1);
+  r.max = parse_int("--nnodes", std::string_view(text).substr(colon + 1), 1);
+  if (r.min > r.max) throw UsageError(fmt::format("bad --nnodes '{}': MIN must be <= MAX", text));
+  return r;
+}
+
+std::string substitute_local_rank(const std::string& arg, int local_rank) {
+  static constexpr std::string_view kName = "local_rank";
+  auto is_ident = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  std::string out;
+  out.reserve(arg.size());
+  for (std::size_t i = 0; i < arg.size(); ++i) {
+    if (arg[i] != '$' || i + 1 >= arg.size()) {
+      out += arg[i];
+      continue;
+    }
+    std::string_view rest = std::string_view(arg).substr(i + 1);
+    if (rest[0] == '$') {
+      out += '$';
+      ++i;
+    } else if (rest.starts_with("{local_rank}")) {
+      out += std::to_string(local_rank);
+      i += kName.size() + 2;
+    } else if (rest.starts_with(kName) && (rest.size() == kName.size() || !is_ident(rest[kName.size()]))) {
+      out += std::to_string(local_rank);
+      i += kName.size();
+    } else {
+      out += '$';  // safe_substitute keeps unknown placeholders as written
+    }
+  }
+  return out;
+}
+
+ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+                              const HardwareProbe& probe) {
+  AgentOptions o;
+  CLI::App app{"mglaunch: a drop-in for torchrun. Starts and supervises the workers of one node.", "mglaunch"};
+  app.prefix_command();
+  app.set_version_flag("--version", std::string("mglaunch ") + MGLAUNCH_VERSION);
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.config_formatter(std::make_shared<JsonConfig>());
+  app.set_config("--config", "", "JSON file with flag values (keys as flag names); flags override it");
+  app.get_formatter()->column_width(36);
+
+  std::string nnodes = "1:1", redirects, tee, filter, gpu_ids;
+  double grace_s = 30.0;
+  auto pet = [](std::string name) {
+    std::transform(name.begin(), name.end(), name.begin(), ::toupper);
+    return "PET_" + name;
+  };
+  auto opt = [&](const std::string& name, auto& var, const std::string& help) {
+    return app.add_option(both_spellings(name), var, help)->envname(pet(name));
+  };
+  auto flag = [&](const std::string& names, const std::string& env_name, bool& var, const std::string& help) {
+    auto* f = app.add_flag(names, var, help);
+    if (!env_name.empty()) f->envname(pet(env_name));
+    return f;
+  };
+  opt("nnodes", nnodes, "Number of nodes, N or MIN:MAX (elastic)");
+  opt("nproc_per_node", o.nproc_spec, "Workers per node: N, auto, gpu or cpu");
+  opt("node_rank", o.node_rank, "Rank of this node (static rendezvous)");
+  opt("master_addr", o.master_addr, "Master address (static rendezvous)");
+  opt("master_port", o.master_port, "Master port (static rendezvous)");
+  opt("rdzv_backend", o.rdzv_backend, "static, c10d or mglaunch");
+  opt("rdzv_endpoint", o.rdzv_endpoint, "Rendezvous HOST[:PORT]");
+  opt("rdzv_id", o.rdzv_id, "Job id shared by every node");
+  opt("rdzv_conf", o.rdzv_conf, "Rendezvous settings, KEY=VALUE,...");
+  flag(both_spellings("standalone"), "standalone", o.standalone, "Single node: local rendezvous on a free port");
+  opt("max_restarts", o.max_restarts, "Restarts of the worker group before failing");
+  opt("monitor_interval", o.monitor_interval, "Accepted for torchrun compatibility (supervision is event-driven)");
+  opt("role", o.role, "Worker role name");
+  opt("local_addr", o.local_addr, "Address this node advertises");
+  flag("-m,--module", "module", o.module, "Run the program as a Python module (python -m)");
+  flag(both_spellings("no_python"), "no_python", o.no_python, "Run the program directly, not through Python");
+  flag(both_spellings("run_path"), "run_path", o.run_path, "Run a Python script by path (same as the default)");
+  opt("log_dir", o.log_dir, "Directory for per-rank logs and error files");
+  app.add_option("-r,--redirects", redirects, "Send worker streams to log files only: 0-3 or RANK:N,...")
+      ->envname("PET_REDIRECTS");
+  app.add_option("-t,--tee", tee, "Copy worker streams to log files too: 0-3 or RANK:N,...")->envname("PET_TEE");
+  opt("local_ranks_filter", filter, "Show only these local ranks' output on the console, e.g. 0,3");
+  opt("start_method", o.start_method, "Accepted for torchrun compatibility; has no effect (always fork+exec)");
+  flag("--local-rank-arg,--local_rank_arg", "", o.local_rank_arg, "Pass --local_rank=N to the program");
+  bool use_env = false;
+  flag("--use_env,--use-env", "", use_env, "Accepted for torch.distributed.launch scripts; no effect");
+  app.add_option("--gpu_ids,--gpu-ids", gpu_ids, "GPU ids for local ranks 0,1,...: CUDA_VISIBLE_DEVICES per worker");
+  app.add_option("--grace", grace_s, "Seconds between SIGTERM and SIGKILL when stopping workers (default 30)");
+  app.add_option("--summary-json,--summary_json", o.summary_json, "Write the run's summary as JSON to this file");
+  flag("--dry-run,--dry_run", "", o.dry_run, "Print the resolved plan as JSON and start nothing");
+  flag("--timestamps", "", o.timestamps, "Prefix relayed worker lines with the time");
+  app.add_option("--python", o.python, "Interpreter for .py programs and -m (default $MGLAUNCH_PYTHON or python3)");
+
+  if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) o.python = it->second;
+  // CLI11 reads environment fallbacks through getenv: make the PET_* it sees exactly `env`'s.
+  std::vector<std::string> stale;
+  for (char** e = environ; *e; ++e)
+    if (std::string_view kv = *e; kv.starts_with("PET_")) stale.emplace_back(kv.substr(0, kv.find('=')));
+  for (const auto& k : stale) ::unsetenv(k.c_str());
+  for (const auto& [k, v] : env)
+    if (k.starts_with("PET_")) ::setenv(k.c_str(), v.c_str(), 1);
+
+  std::vector<std::string> args(argv.begin() + (argv.empty() ? 0 : 1), argv.end());
+  std::reverse(args.begin(), args.end());  // CLI11 consumes from the back
+  try {
+    app.parse(args);
+  } catch (const CLI::CallForVersion&) {
+    return {std::nullopt, std::string("mglaunch ") + MGLAUNCH_VERSION + "\n"};
+  } catch (const CLI::Success&) {
+    return {std::nullopt, app.help()};
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
+    throw UsageError(fmt::format("{} (see mglaunch --help)", what));
+  }
+
+  std::vector<std::string> rest = app.remaining();
+  if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
+  if (rest.empty())
+    throw UsageError("no training program given: usage is mglaunch [FLAGS] PROGRAM [ARGS...] (see mglaunch --help)");
+  if (rest.front().starts_with("-"))
+    throw UsageError(fmt::format("unknown flag '{}' (see mglaunch --help)", rest.front()));
+  o.program = rest.front();
+  o.program_args.assign(rest.begin() + 1, rest.end());
+
+  // Values that need more than a type check.
+  o.nnodes = parse_nnodes(nnodes);
+  if (o.nproc_spec == "auto" || o.nproc_spec == "gpu" || o.nproc_spec == "cpu") {
+    const int gpus = probe.gpu_count();
+    if (o.nproc_spec == "gpu" && gpus == 0)
+      throw UsageError("--nproc_per_node=gpu but no GPU is visible; give a number or use cpu");
+    o.nproc_per_node = (o.nproc_spec == "cpu" || (o.nproc_spec == "auto" && gpus == 0)) ? probe.cpu_count() : gpus;
+  } else {
+    o.nproc_per_node = parse_int("--nproc_per_node", o.nproc_spec, 1);
+  }
+  if (o.max_restarts < 0) throw UsageError(fmt::format("bad --max_restarts '{}': must be >= 0", o.max_restarts));
+  if (!(o.monitor_interval > 0))
+    throw UsageError(fmt::format("bad --monitor_interval '{}': must be > 0", o.monitor_interval));
+  if (!(grace_s >= 0) || grace_s > 86400) throw UsageError(fmt::format("bad --grace '{}': use 0..86400 seconds", grace_s));
+  o.grace = std::chrono::milliseconds(static_cast<long>(grace_s * 1000));
+  if (o.master_port < 0 || o.master_port > 65535)
+    throw UsageError(fmt::format("bad --master_port '{}': use 0..65535", o.master_port));
+  if (o.node_rank < 0) throw UsageError(fmt::format("bad --node_rank '{}': must be >= 0", o.node_rank));
+  if (!redirects.empty()) o.redirects = parse_stream_spec("--redirects", redirects);
+  if (!tee.empty()) o.tee = parse_stream_spec("--tee", tee);
+  if (!filter.empty()) o.local_ranks_filter = parse_int_list("--local_ranks_filter", filter);
+  if (!gpu_ids.empty()) {
+    o.gpu_ids = parse_int_list("--gpu_ids", gpu_ids);
+    if (static_cast<int>(o.gpu_ids.size()) < o.nproc_per_node)
+      throw UsageError(fmt::format("--gpu_ids '{}' names {} GPUs but --nproc_per_node is {}: give one id per worker",
+                                   gpu_ids, o.gpu_ids.size(), o.nproc_per_node));
+  }
+  if (o.module && o.no_python) throw UsageError("--module and --no_python cannot be used together");
+  if (o.start_method != "spawn" && o.start_method != "fork" && o.start_method != "forkserver")
+    throw UsageError(fmt::format("bad --start_method '{}': use spawn, fork or forkserver", o.start_method));
+  if (o.start_method != "spawn")
+    o.warnings.push_back("--start_method has no effect: mglaunch always starts workers with fork+exec");
+
+  if (o.standalone) {
+    if (o.nnodes.max != 1)
+      throw UsageError(fmt::format("--standalone runs a single node; drop --nnodes={} or the --standalone flag", nnodes));
+    o.rdzv_backend = "c10d";
+    o.rdzv_endpoint = "localhost:0";
+  }
+  static const std::vector<std::string> kBackends = {"static", "c10d", "mglaunch"};
+  if (std::find(kBackends.begin(), kBackends.end(), o.rdzv_backend) == kBackends.end())
+    throw UsageError(fmt::format("unsupported --rdzv_backend '{}': use static, c10d or mglaunch", o.rdzv_backend));
+  if (o.rdzv_backend == "static") {
+    if (o.nnodes.min != o.nnodes.max)
+      throw UsageError(fmt::format("--rdzv_backend=static needs a fixed --nnodes, not '{}'", nnodes));
+    if (o.node_rank >= o.nnodes.max)
+      throw UsageError(fmt::format("bad --node_rank {}: must be < --nnodes {}", o.node_rank, o.nnodes.max));
+  } else if (o.nnodes.max > 1) {
+    throw UsageError(
+        "multi-node dynamic rendezvous needs mglaunch-rdzv, which this build does not have yet; "
+        "use --rdzv_backend=static with --master_addr, --master_port and --node_rank");
+  }
+  return {std::move(o), {}};
+}
+
+}  // namespace mg

@@ -1,0 +1,92 @@
+// AgentOptions: everything the agent needs, built from torchrun-compatible flags, PET_*
+// environment fallbacks and an optional JSON config (flags > environment > config).
+// Parsing and validation are pure apart from the hardware probe seam.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mg {
+
+// torchrun's Std: which of stdout/stderr a redirect or tee applies to.
+enum class Streams : unsigned { kNone = 0, kOut = 1, kErr = 2, kAll = 3 };
+
+// "3" (every local rank) or "0:1,1:2" (per local rank), as torchrun's -r/-t.
+struct StreamSpec {
+  Streams all = Streams::kNone;
+  std::map<int, Streams> per_rank;
+  Streams for_rank(int local_rank) const;
+  bool covers(int local_rank, Streams which) const;
+};
+StreamSpec parse_stream_spec(const std::string& flag, const std::string& text);
+
+struct NodeRange {
+  int min = 1;
+  int max = 1;
+};
+NodeRange parse_nnodes(const std::string& text);
+
+struct HardwareProbe {
+  std::function<int()> gpu_count;  // visible NVIDIA GPUs
+  std::function<int()> cpu_count;
+  static HardwareProbe system();
+};
+
+struct AgentOptions {
+  // torchrun flags
+  NodeRange nnodes;
+  std::string nproc_spec = "1";
+  int nproc_per_node = 1;  // resolved from nproc_spec
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string rdzv_backend = "static";
+  std::string rdzv_endpoint;
+  std::string rdzv_id = "none";
+  std::string rdzv_conf;
+  bool standalone = false;
+  int max_restarts = 0;
+  double monitor_interval = 5.0;  // accepted; supervision is event-driven
+  std::string role = "default";
+  std::string local_addr;
+  bool module = false;
+  bool no_python = false;
+  bool run_path = false;
+  std::string log_dir;
+  StreamSpec redirects;
+  StreamSpec tee;
+  std::vector<int> local_ranks_filter;  // empty: all
+  std::string start_method = "spawn";
+  bool local_rank_arg = false;  // --local-rank-arg: pass --local_rank=N (torch.distributed.launch)
+  // mglaunch's own
+  std::vector<int> gpu_ids;
+  std::chrono::milliseconds grace{30000};
+  std::string summary_json;
+  bool dry_run = false;
+  bool timestamps = false;
+  std::string python = "python3";
+  std::size_t max_line_bytes = 64 * 1024;
+  // the training program
+  std::string program;
+  std::vector<std::string> program_args;
+  std::vector<std::string> warnings;  // to print once before starting
+};
+
+// Result of parsing: either options to run, or a text to print and exit 0 (--help, --version).
+struct ParseOutcome {
+  std::optional<AgentOptions> options;
+  std::string message;
+};
+
+// argv[0] is skipped. `env` supplies PET_* and MGLAUNCH_PYTHON. Throws UsageError.
+ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+                              const HardwareProbe& probe = HardwareProbe::system());
+
+// Python string.Template.safe_substitute with the single name `local_rank`.
+std::string substitute_local_rank(const std::string& arg, int local_rank);
+
+}  // namespace mg

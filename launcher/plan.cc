@@ -1,0 +1,202 @@
+#include "launcher/plan.h"
+
+#include <netdb.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <random>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "launcher/errors.h"
+#include "rendezvous/endpoint.h"
+
+namespace mg {
+
+EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base, int local_rank,
+                          int restart_count, const std::string& error_file) {
+  const int rank = plan.rank_offset + local_rank;
+  auto inherit_or = [&base](const char* name, const char* fallback) {
+    auto it = base.find(name);
+    return it != base.end() ? it->second : std::string(fallback);
+  };
+  EnvMap env{
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"RANK", std::to_string(rank)},
+      {"GROUP_RANK", std::to_string(plan.node_rank)},
+      {"ROLE_RANK", std::to_string(rank)},
+      {"ROLE_NAME", opts.role},
+      {"LOCAL_WORLD_SIZE", std::to_string(plan.nproc_per_node)},
+      {"WORLD_SIZE", std::to_string(plan.world_size)},
+      {"GROUP_WORLD_SIZE", std::to_string(plan.nnodes)},
+      {"ROLE_WORLD_SIZE", std::to_string(plan.world_size)},
+      {"MASTER_ADDR", plan.master_addr},
+      {"MASTER_PORT", std::to_string(plan.master_port)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(opts.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", plan.run_id},
+      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
+      {"TORCHELASTIC_ERROR_FILE", error_file},
+      {"NCCL_ASYNC_ERROR_HANDLING", inherit_or("NCCL_ASYNC_ERROR_HANDLING", "1")},
+      {"TORCH_NCCL_ASYNC_ERROR_HANDLING", inherit_or("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")},
+  };
+  if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
+  if (!opts.gpu_ids.empty()) env["CUDA_VISIBLE_DEVICES"] = std::to_string(opts.gpu_ids.at(local_rank));
+  return env;
+}
+
+std::vector<std::string> build_worker_argv(const RunPlan& plan, const AgentOptions& opts, int local_rank) {
+  std::vector<std::string> argv = plan.argv;
+  // plan.argv ends with the program's own arguments; substitute only in those.
+  const std::size_t first_user_arg = argv.size() - opts.program_args.size();
+  for (std::size_t i = first_user_arg; i < argv.size(); ++i) argv[i] = substitute_local_rank(argv[i], local_rank);
+  if (opts.local_rank_arg)
+    argv.insert(argv.begin() + static_cast<std::ptrdiff_t>(first_user_arg), fmt::format("--local_rank={}", local_rank));
+  return argv;
+}
+
+std::string find_executable(const std::string& name, const std::string& path_env) {
+  auto usable = [](const std::string& p) {
+    struct stat st{};
+    return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(p.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) {
+    if (!usable(name)) return {};
+    if (name.front() == '/') return name;
+    char cwd[4096];
+    return ::getcwd(cwd, sizeof(cwd)) ? std::string(cwd) + "/" + name : name;
+  }
+  std::size_t pos = 0;
+  while (pos <= path_env.size()) {
+    auto colon = path_env.find(':', pos);
+    std::string dir = path_env.substr(pos, colon == std::string::npos ? std::string::npos : colon - pos);
+    if (dir.empty()) dir = ".";
+    if (std::string candidate = dir + "/" + name; usable(candidate)) return find_executable(candidate, {});
+    if (colon == std::string::npos) break;
+    pos = colon + 1;
+  }
+  return {};
+}
+
+std::string fq_hostname() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) return "localhost";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  addrinfo* ai = nullptr;
+  std::string out = host;
+  if (::getaddrinfo(host, nullptr, &hints, &ai) == 0 && ai) {
+    char name[NI_MAXHOST] = {};
+    if (::getnameinfo(ai->ai_addr, ai->ai_addrlen, name, sizeof(name), nullptr, 0, NI_NAMEREQD) == 0) out = name;
+    ::freeaddrinfo(ai);
+  }
+  return out;
+}
+
+std::string random_uuid() {
+  std::random_device rd;
+  std::uniform_int_distribution<unsigned> byte(0, 255);
+  unsigned char b[16];
+  for (auto& x : b) x = static_cast<unsigned char>(byte(rd));
+  b[6] = (b[6] & 0x0f) | 0x40;
+  b[8] = (b[8] & 0x3f) | 0x80;
+  return fmt::format("{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+                     b[15]);
+}
+
+RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
+  RunPlan plan;
+  plan.nnodes = opts.nnodes.max;
+  plan.node_rank = opts.rdzv_backend == "static" ? opts.node_rank : 0;
+  plan.nproc_per_node = opts.nproc_per_node;
+  plan.world_size = plan.nnodes * plan.nproc_per_node;
+  plan.rank_offset = plan.node_rank * plan.nproc_per_node;
+  plan.rdzv_backend = opts.rdzv_backend;
+  plan.run_id = opts.standalone ? random_uuid() : opts.rdzv_id;
+  plan.set_omp_threads = opts.nproc_per_node > 1 && !base_env.contains("OMP_NUM_THREADS");
+
+  // Program and interpreter.
+  const auto path_it = base_env.find("PATH");
+  const std::string path = path_it != base_env.end() ? path_it->second : "/usr/local/bin:/usr/bin:/bin";
+  const bool python = opts.module || (!opts.no_python && (opts.run_path || opts.program.ends_with(".py")));
+  if (python) {
+    plan.executable = find_executable(opts.python, path);
+    if (plan.executable.empty())
+      throw ProgramNotFound(fmt::format("python interpreter '{}' not found or not executable; set --python or "
+                                        "MGLAUNCH_PYTHON",
+                                        opts.python));
+    plan.argv = {opts.python, "-u"};
+    if (opts.module) {
+      plan.argv.insert(plan.argv.end(), {"-m", opts.program});
+    } else {
+      if (::access(opts.program.c_str(), R_OK) != 0)
+        throw ProgramNotFound(fmt::format("training script '{}' not found or not readable", opts.program));
+      plan.argv.push_back(opts.program);
+    }
+  } else {
+    plan.executable = find_executable(opts.program, path);
+    if (plan.executable.empty())
+      throw ProgramNotFound(fmt::format("program '{}' not found or not executable (searched PATH)", opts.program));
+    plan.argv = {opts.program};
+  }
+  plan.argv.insert(plan.argv.end(), opts.program_args.begin(), opts.program_args.end());
+
+  // Master address and port.
+  if (opts.rdzv_backend == "static") {
+    rdzv::Endpoint master{opts.master_addr, opts.master_port};
+    try {
+      if (!opts.rdzv_endpoint.empty()) master = rdzv::parse_endpoint(opts.rdzv_endpoint, 29500);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(fmt::format("--rdzv_endpoint: {}", e.what()));
+    }
+    plan.master_addr = master.host;
+    plan.master_port = master.port;
+    plan.rdzv_endpoint = fmt::format("{}:{}", master.host, master.port);
+    if (plan.node_rank == 0 && plan.master_port != 0 && rdzv::is_local_host(plan.master_addr)) {
+      if (auto err = rdzv::probe_listen(plan.master_addr, plan.master_port))
+        throw UsageError(fmt::format("--master_port {} on {} cannot be used: {}; pick another port or use --standalone",
+                                     plan.master_port, plan.master_addr, *err));
+    }
+    if (plan.master_port == 0) plan.master_port = rdzv::find_free_port(plan.master_addr);
+  } else {
+    // Single node behind a dynamic backend: this agent is the host, as torchrun's c10d.
+    rdzv::Endpoint ep;
+    try {
+      ep = rdzv::parse_endpoint(opts.rdzv_endpoint.empty() ? "localhost:0" : opts.rdzv_endpoint, 29400);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(fmt::format("--rdzv_endpoint: {}", e.what()));
+    }
+    plan.rdzv_endpoint = fmt::format("{}:{}", ep.host, ep.port);
+    plan.master_addr = !opts.local_addr.empty() ? opts.local_addr : fq_hostname();
+    plan.master_port = rdzv::find_free_port(opts.standalone ? "127.0.0.1" : plan.master_addr);
+  }
+  plan.nodes = {plan.node_rank == 0 ? plan.master_addr : (opts.local_addr.empty() ? fq_hostname() : opts.local_addr)};
+  return plan;
+}
+
+nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base_env) {
+  nlohmann::json workers = nlohmann::json::array();
+  for (int lr = 0; lr < plan.nproc_per_node; ++lr) {
+    workers.push_back({{"local_rank", lr},
+                       {"rank", plan.rank_offset + lr},
+                       {"argv", build_worker_argv(plan, opts, lr)},
+                       {"env", build_contract_env(plan, opts, base_env, lr, 0, "")}});
+  }
+  return {{"nnodes", plan.nnodes},
+          {"node_rank", plan.node_rank},
+          {"nproc_per_node", plan.nproc_per_node},
+          {"world_size", plan.world_size},
+          {"nodes", plan.nodes},
+          {"rdzv_backend", plan.rdzv_backend},
+          {"rdzv_endpoint", plan.rdzv_endpoint},
+          {"rdzv_id", plan.run_id},
+          {"master_addr", plan.master_addr},
+          {"master_port", plan.master_port},
+          {"max_restarts", opts.max_restarts},
+          {"executable", plan.executable},
+          {"workers", workers}};
+}
+
+}  // namespace mg

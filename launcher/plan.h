@@ -1,0 +1,61 @@
+// The resolved plan of one agent: who the workers are (ranks, world), where the master
+// is, what each worker runs and which environment it gets. build_* functions are pure so
+// the torchrun environment contract is unit-tested without starting anything.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "launcher/options.h"
+
+namespace mg {
+
+using EnvMap = std::map<std::string, std::string>;
+
+struct RunPlan {
+  std::string run_id = "none";
+  int nnodes = 1;
+  int node_rank = 0;
+  int nproc_per_node = 1;
+  int world_size = 1;
+  int rank_offset = 0;
+  std::string master_addr;
+  int master_port = 0;
+  std::string rdzv_backend;
+  std::string rdzv_endpoint;
+  std::vector<std::string> nodes;  // addresses of the nodes, when known
+  std::string executable;          // absolute path of what exec() runs
+  std::vector<std::string> argv;   // argv[0..]: before ${local_rank} substitution
+  bool set_omp_threads = false;    // OMP_NUM_THREADS=1 added (torchrun's rule)
+};
+
+// Variables mglaunch sets for one worker (the base environment is added on top at spawn).
+EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base, int local_rank,
+                          int restart_count, const std::string& error_file);
+
+// argv of one worker, with ${local_rank} substituted and --local_rank=N when asked.
+std::vector<std::string> build_worker_argv(const RunPlan& plan, const AgentOptions& opts, int local_rank);
+
+// Finds `name` like execvp would (a name with '/' is taken as a path). Empty if not found
+// or not executable.
+std::string find_executable(const std::string& name, const std::string& path_env);
+
+// Resolves the plan for this node: program and interpreter paths (ProgramNotFound when
+// missing), master address and port (probing for a free one with --standalone, checking
+// that a static master port is free on node 0: UsageError naming the port when not).
+RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env);
+
+// The --dry-run document: nnodes, node_rank, nproc_per_node, nodes, rdzv_endpoint,
+// rdzv_id and per worker its rank, argv and the environment mglaunch sets.
+nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base_env);
+
+// Python's socket.getfqdn() for this host (what torchrun advertises as MASTER_ADDR).
+std::string fq_hostname();
+
+// A random UUID4 string, used as run id for --standalone.
+std::string random_uuid();
+
+}  // namespace mg

@@ -1,0 +1,203 @@
+#include "launcher/worker_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/readable_pipe.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/process/v2/posix/default_launcher.hpp>
+#include <boost/process/v2/process.hpp>
+#include <boost/process/v2/stdio.hpp>
+#include <fmt/format.h>
+
+namespace mg {
+
+namespace asio = boost::asio;
+namespace bp = boost::process::v2;
+
+namespace {
+
+// How long after the exit we keep reading a worker's pipes (a grandchild may hold them).
+constexpr std::chrono::milliseconds kDrainTimeout{2000};
+
+// Boost.Process initializer: the environment (parent side) and, in the child between fork
+// and exec, a process group of its own, death with the agent, default signal handling.
+struct ChildSetup {
+  const char* const* envp;
+  pid_t parent;
+
+  bp::error_code on_setup(bp::posix::default_launcher& launcher, const bp::filesystem::path&, const char* const*) {
+    launcher.env = envp;
+    return {};
+  }
+  bp::error_code on_exec_setup(bp::posix::default_launcher&, const bp::filesystem::path&, const char* const*) {
+    if (::setpgid(0, 0) != 0) return {errno, bp::system_category()};
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return {errno, bp::system_category()};
+    if (::getppid() != parent) ::_exit(128 + SIGKILL);  // the agent died before prctl
+    ::signal(SIGPIPE, SIG_DFL);                         // the agent ignores it; workers must not inherit that
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    return {};
+  }
+};
+
+}  // namespace
+
+struct WorkerProcess::Impl {
+  explicit Impl(asio::io_context& io) : pipes{asio::readable_pipe(io), asio::readable_pipe(io)}, drain(io) {}
+  std::array<asio::readable_pipe, 2> pipes;
+  std::array<std::array<char, 64 * 1024>, 2> bufs;
+  std::array<bool, 2> open{false, false};
+  std::array<FILE*, 2> files{nullptr, nullptr};
+  std::array<std::unique_ptr<LineSplitter>, 2> splitters;
+  std::unique_ptr<bp::basic_process_handle<asio::io_context::executor_type>> handle;
+  asio::steady_timer drain;
+};
+
+WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& console, DoneHandler on_done)
+    : io_(io), spec_(std::move(spec)), console_(console), on_done_(std::move(on_done)), impl_(std::make_unique<Impl>(io)) {
+  prefix_ = fmt::format("[rank{}]:", spec_.rank);
+  for (int s = 0; s < 2; ++s) {
+    impl_->splitters[s] = std::make_unique<LineSplitter>(spec_.max_line_bytes);
+    if (!spec_.log_file[s].empty()) {
+      impl_->files[s] = std::fopen(spec_.log_file[s].c_str(), "we");
+      if (!impl_->files[s]) spawn_error_ = fmt::format("cannot open log file {}", spec_.log_file[s]);
+    }
+  }
+  std::vector<const char*> envp;
+  envp.reserve(spec_.env.size() + 1);
+  for (const auto& kv : spec_.env) envp.push_back(kv.c_str());
+  envp.push_back(nullptr);
+  std::vector<std::string> args(spec_.argv.begin() + 1, spec_.argv.end());
+
+  start_ = std::chrono::steady_clock::now();
+  bp::error_code ec;
+  if (spawn_error_.empty()) {
+    bp::posix::default_launcher launcher;
+    auto proc = launcher(io.get_executor(), ec, bp::filesystem::path(spec_.executable), args,
+                         bp::process_stdio{{}, impl_->pipes[0], impl_->pipes[1]}, ChildSetup{envp.data(), ::getpid()});
+    if (ec) {
+      spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, ec.message());
+    } else {
+      pid_ = proc.id();
+      impl_->handle = std::make_unique<bp::basic_process_handle<asio::io_context::executor_type>>(proc.detach());
+    }
+  }
+  if (!spawn_error_.empty()) {
+    for (auto& p : impl_->pipes) p.close(ec);
+    // Report the failure from the event loop, never from inside the constructor.
+    asio::post(io_, [this] { on_exit(127 << 8); });
+    return;
+  }
+  for (int s = 0; s < 2; ++s) {
+    impl_->open[s] = true;
+    read_more(s);
+  }
+  impl_->handle->async_wait([this](bp::error_code ec, int status) { on_exit(ec ? (127 << 8) : status); });
+}
+
+WorkerProcess::~WorkerProcess() {
+  if (pid_ > 0 && !exited_) {
+    ::killpg(pid_, SIGKILL);
+    bp::error_code ec;
+    int status = 0;
+    if (impl_->handle) impl_->handle->wait(status, ec);  // reap; SIGKILL cannot be ignored
+  }
+  for (FILE* f : impl_->files)
+    if (f) std::fclose(f);
+}
+
+void WorkerProcess::signal_group(int sig) {
+  if (pid_ > 0 && !exited_) ::killpg(pid_, sig);
+}
+
+void WorkerProcess::kill_stragglers() {
+  if (pid_ > 0 && drained_by_timeout_) ::killpg(pid_, SIGKILL);
+}
+
+double WorkerProcess::duration_s() const {
+  auto end = exited_ ? end_ : std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(end - start_).count();
+}
+
+void WorkerProcess::read_more(int s) {
+  impl_->pipes[s].async_read_some(asio::buffer(impl_->bufs[s]), [this, s](bp::error_code ec, std::size_t n) {
+    if (n > 0) on_data(s, std::string_view(impl_->bufs[s].data(), n));
+    if (ec) {
+      close_stream(s);
+      return;
+    }
+    read_more(s);
+  });
+}
+
+void WorkerProcess::on_data(int s, std::string_view data) {
+  if (FILE* f = impl_->files[s]) {
+    std::fwrite(data.data(), 1, data.size(), f);
+    std::fflush(f);
+  }
+  const bool to_console = spec_.console[s];
+  const bool keep_tail = s == 1;
+  if (!to_console && !keep_tail) return;
+  console_.begin_batch();
+  impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) {
+    if (to_console) console_.line(s, prefix_, line, cut);
+    if (keep_tail) {
+      if (tail_.size() == spec_.tail_lines) tail_.pop_front();
+      tail_.emplace_back(line.substr(0, 512));
+    }
+  });
+  console_.flush();
+}
+
+void WorkerProcess::close_stream(int s) {
+  if (!impl_->open[s]) return;
+  impl_->open[s] = false;
+  const bool to_console = spec_.console[s];
+  impl_->splitters[s]->finish([&](std::string_view line, bool cut) {
+    if (to_console) console_.line(s, prefix_, line, cut);
+    if (s == 1) {
+      if (tail_.size() == spec_.tail_lines) tail_.pop_front();
+      tail_.emplace_back(line.substr(0, 512));
+    }
+  });
+  console_.flush();
+  bp::error_code ec;
+  impl_->pipes[s].close(ec);
+  maybe_done();
+}
+
+void WorkerProcess::on_exit(int status) {
+  if (exited_) return;
+  exited_ = true;
+  status_ = status;
+  end_ = std::chrono::steady_clock::now();
+  if (impl_->open[0] || impl_->open[1]) {
+    impl_->drain.expires_after(kDrainTimeout);
+    impl_->drain.async_wait([this](bp::error_code ec) {
+      if (ec) return;
+      drained_by_timeout_ = true;
+      for (int s = 0; s < 2; ++s) {
+        bp::error_code ignored;
+        if (impl_->open[s]) impl_->pipes[s].cancel(ignored);
+      }
+    });
+  }
+  maybe_done();
+}
+
+void WorkerProcess::maybe_done() {
+  if (done_ || !exited_ || impl_->open[0] || impl_->open[1]) return;
+  done_ = true;
+  impl_->drain.cancel();
+  on_done_(*this);
+}
+
+}  // namespace mg

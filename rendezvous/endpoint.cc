@@ -1,0 +1,123 @@
+#include "rendezvous/endpoint.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace mg::rdzv {
+namespace {
+
+struct AddrInfo {
+  addrinfo* head = nullptr;
+  ~AddrInfo() {
+    if (head) freeaddrinfo(head);
+  }
+};
+
+// Binds a TCP socket to host:port; returns errno (0 on success). Tries every address the
+// name resolves to and reports success for the first that binds.
+int try_bind(const std::string& host, int port, bool listen_too, int* bound_port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  AddrInfo ai;
+  const std::string service = std::to_string(port);
+  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &ai.head); rc != 0) return EADDRNOTAVAIL;
+  int last_err = EADDRNOTAVAIL;
+  for (addrinfo* p = ai.head; p; p = p->ai_next) {
+    int fd = ::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC, p->ai_protocol);
+    if (fd < 0) {
+      last_err = errno;
+      continue;
+    }
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    int rc = ::bind(fd, p->ai_addr, p->ai_addrlen);
+    if (rc == 0 && listen_too) rc = ::listen(fd, 1);
+    if (rc == 0) {
+      if (bound_port) {
+        sockaddr_storage ss{};
+        socklen_t len = sizeof(ss);
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+        *bound_port = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                               : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+      }
+      ::close(fd);
+      return 0;
+    }
+    last_err = errno;
+    ::close(fd);
+  }
+  return last_err;
+}
+
+}  // namespace
+
+Endpoint parse_endpoint(std::string_view text, int default_port) {
+  auto bad = [&](std::string_view why) {
+    return std::invalid_argument(fmt::format("bad endpoint '{}': {}", text, why));
+  };
+  if (text.empty()) throw bad("empty; expected HOST or HOST:PORT");
+  Endpoint ep;
+  std::string_view port_text;
+  if (text.front() == '[') {
+    auto close = text.find(']');
+    if (close == std::string_view::npos) throw bad("missing ']' after an IPv6 address");
+    ep.host = std::string(text.substr(1, close - 1));
+    auto rest = text.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest.front() != ':') throw bad("expected ':PORT' after ']'");
+      port_text = rest.substr(1);
+      if (port_text.empty()) throw bad("empty port after ':'");
+    }
+  } else {
+    auto colon = text.rfind(':');
+    if (colon != std::string_view::npos && text.find(':') != colon) {
+      ep.host = std::string(text);  // bare IPv6 address without a port
+    } else if (colon != std::string_view::npos) {
+      ep.host = std::string(text.substr(0, colon));
+      port_text = text.substr(colon + 1);
+      if (port_text.empty()) throw bad("empty port after ':'");
+    } else {
+      ep.host = std::string(text);
+    }
+  }
+  if (ep.host.empty()) throw bad("empty host");
+  ep.port = default_port;
+  if (!port_text.empty()) {
+    int port = -1;
+    auto [ptr, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+    if (ec != std::errc{} || ptr != port_text.data() + port_text.size() || port < 0 || port > 65535)
+      throw bad("port must be a number in 0..65535");
+    ep.port = port;
+  }
+  return ep;
+}
+
+bool is_local_host(const std::string& host) {
+  int port = 0;
+  return try_bind(host, 0, false, &port) == 0;
+}
+
+int find_free_port(const std::string& host) {
+  int port = 0;
+  if (int err = try_bind(host, 0, true, &port); err != 0)
+    throw std::runtime_error(fmt::format("cannot bind a free port on {}: {}", host, std::strerror(err)));
+  return port;
+}
+
+std::optional<std::string> probe_listen(const std::string& host, int port) {
+  if (int err = try_bind(host, port, true, nullptr); err != 0) return std::string(std::strerror(err));
+  return std::nullopt;
+}
+
+}  // namespace mg::rdzv

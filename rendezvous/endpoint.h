@@ -1,0 +1,32 @@
+// Rendezvous endpoints (HOST[:PORT]) and the small socket probes around them: is a host
+// one of this machine's addresses, is a TCP port free, pick a free one. Pure parsing is
+// separate from the probes so it can be unit-tested without sockets.
+#pragma once
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace mg::rdzv {
+
+struct Endpoint {
+  std::string host;
+  int port = 0;  // 0: not given
+};
+
+// Parses "HOST", "HOST:PORT", "[v6]:PORT". Throws std::invalid_argument naming the input.
+Endpoint parse_endpoint(std::string_view text, int default_port);
+
+// True when `host` resolves to an address this machine can bind (loopback included).
+bool is_local_host(const std::string& host);
+
+// Binds HOST:0 and returns the port the kernel chose (the socket is closed again, so a
+// race with another process is possible, exactly as with torchrun's probe).
+int find_free_port(const std::string& host);
+
+// Returns an error text ("address already in use", ...) when HOST:PORT cannot be bound
+// for listening, std::nullopt when it can. Uses SO_REUSEADDR like a real server would.
+std::optional<std::string> probe_listen(const std::string& host, int port);
+
+}  // namespace mg::rdzv

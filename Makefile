@@ -1,0 +1,39 @@
+# Two commands for a new checkout: `make run` and `make test` (both install what is
+# missing first). Debian 12 packages only; apt-get runs as root or through sudo.
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev catch2 \
+        libcli11-dev libssl-dev libtorch-dev libgloo-dev python3-torch dataset-fashion-mnist
+BENCH_DEBS := hyperfine time
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+MGLAUNCH := $(BUILD_DIR)/bin/mglaunch
+
+.PHONY: all setup build run test bench clean
+
+all: build
+
+# Installs only the missing packages; does nothing when all are present.
+setup:
+	@missing=$$(for p in $(DEBS) $(EXTRA_DEBS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "make setup: installing" $$missing; \
+	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+build: setup
+	@[ -f $(BUILD_DIR)/build.ninja ] || cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# The main job: a 4-worker data-parallel training run on this machine (CPU, gloo).
+run: build
+	$(MGLAUNCH) --standalone --nproc_per_node=4 --python /usr/bin/python3 examples/ddp_train.py
+
+test: build
+	cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure --timeout 600
+
+bench:
+	$(MAKE) build EXTRA_DEBS="$(BENCH_DEBS)"
+	bench/launch_bench.sh $(BUILD_DIR)
+
+clean:
+	rm -rf $(BUILD_DIR)

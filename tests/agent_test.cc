@@ -1,0 +1,340 @@
+// Integration tests: the real mglaunch binary supervising real fake_worker processes.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "support/proc.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_cmds) {
+  std::vector<std::string> argv{kMglaunch};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(kFakeWorker);
+  argv.insert(argv.end(), worker_cmds.begin(), worker_cmds.end());
+  return argv;
+}
+
+std::vector<pid_t> read_pids(const std::string& path) {
+  std::vector<pid_t> pids;
+  for (const auto& l : split_lines(read_file(path)))
+    if (!l.empty()) pids.push_back(std::stoi(l));
+  return pids;
+}
+
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
+  return n;
+}
+
+nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
+
+}  // namespace
+
+TEST_CASE("all workers succeeding gives exit code 0 and rank-prefixed output with local_rank substituted") {
+  auto r = run(launch({"--standalone", "--nproc_per_node=3"}, {"print", "hello ${local_rank}", "eprint", "err"}));
+  CHECK(r.code == 0);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(count_of(r.out, "[rank" + std::to_string(i) + "]:hello " + std::to_string(i) + "\n") == 1);
+    CHECK(count_of(r.err, "[rank" + std::to_string(i) + "]:err\n") == 1);
+  }
+}
+
+TEST_CASE("the agent exits with the failing worker's own exit code and reports the root cause") {
+  auto r = run(launch({"--standalone", "--nproc_per_node=2", "--grace=5"},
+                      {"when-rank", "1", "eprint", "about to fail", "error-file", "boom: bad batch", "exit", "3"}));
+  CHECK(r.code == 3);
+  CHECK_THAT(r.err, Catch::Contains("Root Cause"));
+  CHECK_THAT(r.err, Catch::Contains("rank       : 1 (local_rank: 1)"));
+  CHECK_THAT(r.err, Catch::Contains("exitcode   : 3"));
+  CHECK_THAT(r.err, Catch::Contains("message    : boom: bad batch"));
+  CHECK_THAT(r.err, Catch::Contains("    about to fail"));
+}
+
+TEST_CASE("a worker killed by a signal gives 128+N and the signal's name") {
+  auto r = run(launch({"--standalone", "--nproc_per_node=2"}, {"when-rank", "0", "signal", "11"}));
+  CHECK(r.code == 128 + 11);
+  CHECK_THAT(r.err, Catch::Contains("SIGSEGV"));
+}
+
+TEST_CASE("bad input gets one line and a documented exit code before any worker starts") {
+  std::string dir = make_temp_dir();
+  std::string pidfile = dir + "/pids";
+  auto check = [&](std::vector<std::string> flags, int code, const std::string& needle) {
+    auto r = run(launch(flags, {"pidfile", pidfile}));
+    INFO(r.err);
+    CHECK(r.code == code);
+    CHECK(count_of(r.err, "\n") == 1);
+    CHECK_THAT(r.err, Catch::StartsWith("mglaunch: error: ") && Catch::Contains(needle));
+  };
+  check({"--nproc_per_node=0"}, 2, "--nproc_per_node");
+  check({"--nnodes=3:2"}, 2, "MIN must be <= MAX");
+  check({"--rdzv_backend=static", "--rdzv_endpoint=host:notaport"}, 2, "bad endpoint");
+  check({"--no-such-flag"}, 2, "--no-such-flag");
+  check({"--standalone", "--log_dir=/proc/version/logs"}, 2, "--log_dir");
+  CHECK_FALSE(fs::exists(pidfile));
+
+  auto none = run({kMglaunch, "--nproc_per_node=2"});
+  CHECK(none.code == 2);
+  CHECK_THAT(none.err, Catch::Contains("no training program"));
+  auto missing = run({kMglaunch, "--standalone", "/no/such/program"});
+  CHECK(missing.code == 127);
+  CHECK_THAT(missing.err, Catch::Contains("/no/such/program"));
+  auto missing_py = run({kMglaunch, "--standalone", "--python", "/no/python3", "x.py"});
+  CHECK(missing_py.code == 127);
+}
+
+TEST_CASE("help and version exit 0") {
+  auto h = run({kMglaunch, "--help"});
+  CHECK(h.code == 0);
+  CHECK_THAT(h.out, Catch::Contains("--nproc_per_node") && Catch::Contains("--grace"));
+  auto v = run({kMglaunch, "--version"});
+  CHECK(v.code == 0);
+  CHECK_THAT(v.out, Catch::StartsWith("mglaunch "));
+}
+
+TEST_CASE("a SIGKILLed agent leaves no orphan worker") {
+  std::string dir = make_temp_dir();
+  std::string pidfile = dir + "/pids";
+  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=3"}, {"pidfile", pidfile, "hang", "60"}));
+  REQUIRE(eventually([&] { return read_pids(pidfile).size() == 3; }, 10s));
+  auto pids = read_pids(pidfile);
+  for (pid_t p : pids) CHECK(pid_alive(p));
+  ::kill(agent.pid, SIGKILL);
+  agent.wait(5s);
+  bool all_gone = eventually(
+      [&] { return std::none_of(pids.begin(), pids.end(), [](pid_t p) { return pid_alive(p); }); }, 1s);
+  CHECK(all_gone);
+  for (pid_t p : pids)
+    if (pid_alive(p)) ::kill(p, SIGKILL);
+}
+
+TEST_CASE("a failing group is restarted up to --max_restarts with the restart count in the environment") {
+  std::string dir = make_temp_dir();
+  SECTION("recovers after two restarts") {
+    auto r = run(launch({"--standalone", "--nproc_per_node=2", "--max_restarts=3", "--summary-json", dir + "/s.json"},
+                        {"when-restart-below", "2", "when-rank", "1",
+                         "exit", "5"}));
+    CHECK(r.code == 0);
+    auto s = read_json(dir + "/s.json");
+    CHECK(s["restarts"] == 2);
+    REQUIRE(s["attempts"].size() == 3);
+    for (int k = 0; k < 3; ++k) {
+      CHECK(s["attempts"][k]["restart_count"] == k);
+      CHECK(s["attempts"][k]["workers"].size() == 2);
+    }
+    CHECK(s["attempts"][0]["workers"][1]["exit_code"] == 5);
+    CHECK(s["attempts"][0]["workers"][0]["stopped_by_agent"] == true);
+    CHECK(s["exit_code"] == 0);
+    CHECK(count_of(r.err, "restarting the worker group") == 2);
+  }
+  SECTION("gives up when the restarts are spent") {
+    auto r = run(launch({"--standalone", "--nproc_per_node=2", "--max_restarts=1", "--summary-json", dir + "/s.json"},
+                        {"when-rank", "0", "exit", "7"}));
+    CHECK(r.code == 7);
+    auto s = read_json(dir + "/s.json");
+    CHECK(s["attempts"].size() == 2);
+    CHECK(s["root_cause"]["rank"] == 0);
+    CHECK(s["root_cause"]["exit_code"] == 7);
+  }
+}
+
+TEST_CASE("the restart count reaches the workers' environment") {
+  std::string dir = make_temp_dir();
+  auto r = run(launch({"--standalone", "--nproc_per_node=1", "--max_restarts=2"},
+                      {"env", "when-restart-below", "2", "exit", "1"}));
+  CHECK(r.code == 0);
+  std::set<std::string> counts;
+  for (const auto& l : split_lines(r.out)) {
+    auto j = nlohmann::json::parse(l.substr(l.find(':') + 1));
+    counts.insert(j["TORCHELASTIC_RESTART_COUNT"].get<std::string>());
+    CHECK(j["TORCHELASTIC_MAX_RESTARTS"] == "2");
+  }
+  CHECK(counts == std::set<std::string>{"0", "1", "2"});
+}
+
+TEST_CASE("SIGUSR1 is forwarded and the run continues; SIGTERM stops it with 128+15") {
+  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=2"}, {"trap-usr", "print", "ready", "hang", "60"}));
+  REQUIRE(eventually([&] { return count_of(agent.out(), "ready") == 2; }, 10s));
+  ::kill(agent.pid, SIGUSR1);
+  CHECK(eventually([&] { return count_of(agent.out(), "got SIGUSR1") == 2; }, 5s));
+  CHECK(pid_alive(agent.pid));  // still running
+  ::kill(agent.pid, SIGTERM);
+  REQUIRE(agent.wait(10s));
+  CHECK(agent.exit_code() == 128 + SIGTERM);
+  CHECK_THAT(agent.err(), Catch::Contains("SIGTERM"));
+}
+
+TEST_CASE("workers that ignore SIGTERM are killed after the grace period") {
+  std::string dir = make_temp_dir();
+  std::string pidfile = dir + "/pids";
+  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=2", "--grace=0.3"},
+                            {"ignore-term", "pidfile", pidfile, "hang", "60"}));
+  REQUIRE(eventually([&] { return read_pids(pidfile).size() == 2; }, 10s));
+  ::kill(agent.pid, SIGTERM);
+  REQUIRE(agent.wait(10s));
+  CHECK(agent.exit_code() == 128 + SIGTERM);
+  CHECK_THAT(agent.err(), Catch::Contains("SIGKILL"));
+  for (pid_t p : read_pids(pidfile)) CHECK_FALSE(pid_alive(p));
+}
+
+TEST_CASE("a second Ctrl-C kills the workers at once") {
+  std::string dir = make_temp_dir();
+  std::string pidfile = dir + "/pids";
+  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=2", "--grace=60"},
+                            {"ignore-term", "pidfile", pidfile, "hang", "60"}));
+  REQUIRE(eventually([&] { return read_pids(pidfile).size() == 2; }, 10s));
+  ::kill(agent.pid, SIGINT);
+  CHECK(eventually([&] { return count_of(agent.err(), "got SIGINT") == 1; }, 5s));
+  ::kill(agent.pid, SIGINT);
+  REQUIRE(agent.wait(5s));  // far less than the 60 s grace
+  CHECK(agent.exit_code() == 128 + SIGINT);
+}
+
+TEST_CASE("4 workers x 200k lines arrive complete, whole and unmixed") {
+  constexpr long kLines = 200000;
+  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=4"}, {"lines", std::to_string(kLines)}));
+  REQUIRE(agent.wait(120s));
+  CHECK(agent.exit_code() == 0);
+  std::string out = agent.out();
+  std::vector<long> next(4, 0);
+  long bad = 0, total = 0;
+  std::size_t pos = 0;
+  while (pos < out.size()) {
+    auto nl = out.find('\n', pos);
+    REQUIRE(nl != std::string::npos);
+    std::string_view line(out.data() + pos, nl - pos);
+    pos = nl + 1;
+    ++total;
+    // "[rankR]:R:i:abc...789"
+    int r = line.size() > 6 ? line[5] - '0' : -1;
+    std::string expect = "[rank" + std::to_string(r) + "]:" + std::to_string(r) + ":" +
+                         std::to_string(r >= 0 && r < 4 ? next[r] : -1) + ":abcdefghijklmnopqrstuvwxyz0123456789";
+    if (r < 0 || r >= 4 || line != expect) {
+      ++bad;
+      continue;
+    }
+    ++next[r];
+  }
+  CHECK(bad == 0);
+  CHECK(total == 4 * kLines);
+  for (int r = 0; r < 4; ++r) CHECK(next[r] == kLines);
+}
+
+TEST_CASE("a last line without newline is flushed and very long lines are cut with a marker") {
+  auto r = run(launch({"--standalone", "--nproc_per_node=1"}, {"long-line", "150000", "print-nonl", "tail"}));
+  CHECK(r.code == 0);
+  auto lines = split_lines(r.out);
+  REQUIRE(lines.size() == 4);
+  CHECK(lines[3] == "[rank0]:tail");
+  long xs = 0;
+  for (int i = 0; i < 3; ++i) {
+    CHECK_THAT(lines[i], Catch::StartsWith("[rank0]:x"));
+    xs += std::count(lines[i].begin(), lines[i].end(), 'x');
+  }
+  CHECK(xs == 150000);
+  CHECK_THAT(lines[0], Catch::EndsWith("[mglaunch: line continues]"));
+  CHECK_THAT(lines[2], !Catch::EndsWith("[mglaunch: line continues]"));
+}
+
+TEST_CASE("log_dir gets torchrun's layout; redirects, tee and local_ranks_filter act as in torchrun") {
+  std::string dir = make_temp_dir();
+  SECTION("redirect both streams of every rank") {
+    auto r = run(launch({"--nproc_per_node=2", "--master_port=0", "--rdzv_id=job1", "--log_dir", dir, "-r", "3"},
+                        {"print", "out${local_rank}", "eprint", "err${local_rank}"}));
+    CHECK(r.code == 0);
+    CHECK(r.out.empty());
+    for (int lr = 0; lr < 2; ++lr) {
+      std::string base = dir + "/job1/attempt_0/" + std::to_string(lr) + "/";
+      CHECK(read_file(base + "stdout.log") == "out" + std::to_string(lr) + "\n");
+      CHECK(read_file(base + "stderr.log") == "err" + std::to_string(lr) + "\n");
+    }
+  }
+  SECTION("tee stdout of rank 1 only, show only rank 1 on the console") {
+    auto r = run(launch({"--nproc_per_node=2", "--master_port=0", "--rdzv_id=job2", "--log_dir", dir, "--tee", "1:1",
+                         "--local_ranks_filter", "1"},
+                        {"print", "out${local_rank}"}));
+    CHECK(r.code == 0);
+    CHECK(r.out == "[rank1]:out1\n");
+    CHECK(read_file(dir + "/job2/attempt_0/1/stdout.log") == "out1\n");
+    CHECK_FALSE(fs::exists(dir + "/job2/attempt_0/0/stdout.log"));
+  }
+  SECTION("the error file path is in the per-attempt directory") {
+    auto r = run(launch({"--nproc_per_node=1", "--master_port=0", "--rdzv_id=job3", "--log_dir", dir, "--max_restarts=1"},
+                        {"error-file", "first", "when-restart-below", "1", "exit", "2"}));
+    CHECK(r.code == 0);
+    CHECK(fs::exists(dir + "/job3/attempt_0/0/error.json"));
+    CHECK(fs::exists(dir + "/job3/attempt_1/0/error.json"));
+  }
+}
+
+TEST_CASE("dry-run prints the plan and starts nothing") {
+  std::string dir = make_temp_dir();
+  auto r = run(launch({"--nnodes=2", "--node_rank=1", "--nproc_per_node=2", "--master_addr=127.0.0.2",
+                       "--master_port=4242", "--dry-run"},
+                      {"pidfile", dir + "/pids", "--rank=${local_rank}"}));
+  REQUIRE(r.code == 0);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j["nnodes"] == 2);
+  CHECK(j["node_rank"] == 1);
+  CHECK(j["nproc_per_node"] == 2);
+  CHECK(j["rdzv_endpoint"] == "127.0.0.2:4242");
+  REQUIRE(j["workers"].size() == 2);
+  CHECK(j["workers"][1]["rank"] == 3);
+  CHECK(j["workers"][1]["env"]["MASTER_ADDR"] == "127.0.0.2");
+  CHECK(j["workers"][1]["env"]["GROUP_RANK"] == "1");
+  CHECK(j["workers"][1]["argv"].back() == "--rank=1");
+  CHECK_FALSE(fs::exists(dir + "/pids"));
+}
+
+TEST_CASE("PET_ variables and a config file configure a real run") {
+  std::string dir = make_temp_dir();
+  std::ofstream(dir + "/c.json") << R"({"nproc_per_node": 3, "standalone": true})";
+  auto r = run(launch({"--config", dir + "/c.json"}, {"print", "hi"}));
+  CHECK(r.code == 0);
+  CHECK(count_of(r.out, "hi\n") == 3);
+  auto p = run(launch({}, {"print", "hi"}), {{"PET_NPROC_PER_NODE", "2"}, {"PET_STANDALONE", "1"}});
+  CHECK(p.code == 0);
+  CHECK(count_of(p.out, "hi\n") == 2);
+}
+
+TEST_CASE("two static agents on 127.0.0.1 and 127.0.0.2 share one world") {
+  // Static rendezvous needs no server: each node derives its ranks from --node_rank.
+  int port = 0;
+  {
+    auto probe = run(launch({"--nproc_per_node=1", "--master_port=0", "--dry-run"}, {}));
+    port = nlohmann::json::parse(probe.out)["master_port"];
+  }
+  std::vector<std::string> common = {"--nnodes=2", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                                     "--master_port=" + std::to_string(port)};
+  auto n0 = common, n1 = common;
+  n0.push_back("--node_rank=0");
+  n1.insert(n1.end(), {"--node_rank=1", "--local_addr=127.0.0.2"});
+  Proc a = spawn(launch(n0, {"env"}));
+  Proc b = spawn(launch(n1, {"env"}));
+  REQUIRE(a.wait(10s));
+  REQUIRE(b.wait(10s));
+  CHECK(a.exit_code() == 0);
+  CHECK(b.exit_code() == 0);
+  std::set<std::string> ranks;
+  for (const auto* p : {&a, &b})
+    for (const auto& l : split_lines(p->out())) {
+      auto j = nlohmann::json::parse(l.substr(l.find(':') + 1));
+      ranks.insert(j["RANK"].get<std::string>());
+      CHECK(j["WORLD_SIZE"] == "4");
+      CHECK(j["MASTER_PORT"] == std::to_string(port));
+    }
+  CHECK(ranks == std::set<std::string>{"0", "1", "2", "3"});
+}

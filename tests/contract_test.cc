@@ -1,0 +1,65 @@
+// The environment contract compared with the reference peer: ../shared/peers/torchrun
+// (Debian's torch 1.13) and mglaunch each run fake_worker, which prints its environment.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "support/proc.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+// local rank -> environment, from "[rankN]:{json}" or bare "{json}" lines.
+std::map<int, nlohmann::json> envs_by_local_rank(const std::string& out) {
+  std::map<int, nlohmann::json> m;
+  for (const auto& l : split_lines(out)) {
+    auto brace = l.find('{');
+    if (brace == std::string::npos) continue;
+    auto j = nlohmann::json::parse(l.substr(brace));
+    m[std::stoi(j["LOCAL_RANK"].get<std::string>())] = j;
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_node=2") {
+  const std::string torchrun = kSourceDir + "/../shared/peers/torchrun";
+  REQUIRE(std::filesystem::exists(torchrun));
+  auto ref = run({"/usr/bin/python3", torchrun, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.1",
+                  "--no_python", kFakeWorker, "env"},
+                 {}, 120s);
+  INFO(ref.err);
+  REQUIRE(ref.code == 0);
+  auto ours = run({kMglaunch, "--standalone", "--nproc_per_node=2", "--no_python", kFakeWorker, "env"});
+  REQUIRE(ours.code == 0);
+  auto want = envs_by_local_rank(ref.out);
+  auto got = envs_by_local_rank(ours.out);
+  REQUIRE(want.size() == 2);
+  REQUIRE(got.size() == 2);
+
+  // Values that differ from run to run: compare presence only.
+  const std::set<std::string> run_specific = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"};
+  // Set by mglaunch on purpose beyond torch 1.13 (torch 2.x's name for the same setting).
+  const std::set<std::string> extra_ok = {"TORCH_NCCL_ASYNC_ERROR_HANDLING"};
+  for (int lr = 0; lr < 2; ++lr) {
+    for (auto& [key, value] : want[lr].items()) {
+      INFO("local rank " << lr << " variable " << key);
+      REQUIRE(got[lr].contains(key));
+      if (!run_specific.contains(key)) CHECK(got[lr][key] == value);
+    }
+    for (auto& [key, value] : got[lr].items()) {
+      INFO("mglaunch sets " << key << " which torchrun does not");
+      CHECK((want[lr].contains(key) || extra_ok.contains(key)));
+    }
+    CHECK(got[lr]["TORCHELASTIC_RUN_ID"] == got[0]["TORCHELASTIC_RUN_ID"]);
+    CHECK(got[lr]["MASTER_PORT"] == got[0]["MASTER_PORT"]);
+  }
+  CHECK(got[0]["TORCHELASTIC_ERROR_FILE"] != got[1]["TORCHELASTIC_ERROR_FILE"]);
+}

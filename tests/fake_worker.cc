@@ -1,0 +1,142 @@
+// fake_worker: a worker with modes, driven by the integration tests instead of shell
+// one-liners. Commands run left to right:
+//   env                 print the environment as one JSON object line
+//   exit N              exit with N
+//   signal N            raise signal N
+//   ignore-term         ignore SIGTERM from now on
+//   trap-usr            print "got SIGUSR1"/"got SIGUSR2" when those arrive
+//   lines N             print N lines "<rank>:<i>:<payload>" on stdout as fast as possible
+//   long-line N         print one line of N 'x'
+//   print T | eprint T  print T on stdout / stderr; print-nonl T: no newline
+//   error-file MSG      write a torchelastic error file with MSG to $TORCHELASTIC_ERROR_FILE
+//   pidfile PATH        append our pid to PATH
+//   hang SECS           sleep up to SECS seconds (signals still act)
+//   sleep-ms N          sleep N milliseconds
+//   when-rank R         ranks other than R hang (60 s) instead of running the rest
+//   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
+#include <fcntl.h>
+#include <signal.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+extern char** environ;
+
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : fallback;
+}
+
+void hang(double seconds) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    timespec ts{0, 50 * 1000 * 1000};
+    ::nanosleep(&ts, nullptr);
+  }
+}
+
+void on_usr(int sig) {
+  const char* msg = sig == SIGUSR1 ? "got SIGUSR1\n" : "got SIGUSR2\n";
+  ssize_t ignored = ::write(STDOUT_FILENO, msg, std::strlen(msg));
+  (void)ignored;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rank = env_int("RANK", 0);
+  for (int i = 1; i < argc; ++i) {
+    std::string_view cmd = argv[i];
+    auto arg = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "fake_worker: %s needs an argument\n", argv[i]);
+        std::exit(100);
+      }
+      return argv[++i];
+    };
+    if (cmd == "env") {
+      nlohmann::json j = nlohmann::json::object();
+      for (char** e = environ; *e; ++e) {
+        std::string_view kv = *e;
+        auto eq = kv.find('=');
+        if (eq != std::string_view::npos) j[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
+      }
+      std::printf("%s\n", j.dump().c_str());
+      std::fflush(stdout);
+    } else if (cmd == "exit") {
+      std::fflush(nullptr);
+      return std::atoi(arg());
+    } else if (cmd == "signal") {
+      std::fflush(nullptr);
+      int sig = std::atoi(arg());
+      ::signal(sig, SIG_DFL);
+      ::raise(sig);
+    } else if (cmd == "ignore-term") {
+      ::signal(SIGTERM, SIG_IGN);
+    } else if (cmd == "trap-usr") {
+      ::signal(SIGUSR1, on_usr);
+      ::signal(SIGUSR2, on_usr);
+    } else if (cmd == "lines") {
+      long n = std::atol(arg());
+      static char buf[1 << 16];
+      std::setvbuf(stdout, buf, _IOFBF, sizeof(buf));
+      for (long k = 0; k < n; ++k) std::printf("%d:%ld:abcdefghijklmnopqrstuvwxyz0123456789\n", rank, k);
+      std::fflush(stdout);
+      std::setvbuf(stdout, nullptr, _IOLBF, 0);
+    } else if (cmd == "long-line") {
+      std::string s(std::strtoul(arg(), nullptr, 10), 'x');
+      std::printf("%s\n", s.c_str());
+      std::fflush(stdout);
+    } else if (cmd == "print") {
+      std::printf("%s\n", arg());
+      std::fflush(stdout);
+    } else if (cmd == "print-nonl") {
+      std::printf("%s", arg());
+      std::fflush(stdout);
+    } else if (cmd == "eprint") {
+      std::fprintf(stderr, "%s\n", arg());
+    } else if (cmd == "error-file") {
+      const char* msg = arg();
+      const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+      if (path) {
+        nlohmann::json j = {{"message", {{"message", msg}, {"extraInfo", {{"py_callstack", "fake"}, {"timestamp", "0"}}}}}};
+        if (FILE* f = std::fopen(path, "w")) {
+          std::fprintf(f, "%s", j.dump().c_str());
+          std::fclose(f);
+        }
+      }
+    } else if (cmd == "pidfile") {
+      int fd = ::open(arg(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      std::string line = std::to_string(::getpid()) + "\n";
+      ssize_t ignored = ::write(fd, line.data(), line.size());
+      (void)ignored;
+      ::close(fd);
+    } else if (cmd == "hang") {
+      hang(std::atof(arg()));
+    } else if (cmd == "sleep-ms") {
+      hang(std::atof(arg()) / 1000.0);
+    } else if (cmd == "when-rank") {
+      if (rank != std::atoi(arg())) {
+        hang(60);
+        return 0;
+      }
+    } else if (cmd == "when-restart-below") {
+      if (env_int("TORCHELASTIC_RESTART_COUNT", 0) >= std::atoi(arg())) return 0;
+    } else {
+      std::fprintf(stderr, "fake_worker: unknown command '%s'\n", argv[i]);
+      return 100;
+    }
+  }
+  std::fflush(nullptr);
+  return 0;
+}

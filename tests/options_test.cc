@@ -1,0 +1,141 @@
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "launcher/errors.h"
+#include "launcher/options.h"
+
+using namespace mg;
+
+namespace {
+
+const HardwareProbe kProbe{[] { return 0; }, [] { return 6; }};
+const HardwareProbe kProbe8Gpus{[] { return 8; }, [] { return 6; }};
+
+AgentOptions parse(std::vector<std::string> args, std::map<std::string, std::string> env = {},
+                   const HardwareProbe& probe = kProbe) {
+  args.insert(args.begin(), "mglaunch");
+  auto out = parse_agent_args(args, env, probe);
+  REQUIRE(out.options);
+  return *out.options;
+}
+
+std::string usage_error(std::vector<std::string> args, std::map<std::string, std::string> env = {}) {
+  args.insert(args.begin(), "mglaunch");
+  try {
+    parse_agent_args(args, env, kProbe);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  FAIL("expected a UsageError");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("both flag spellings set the same option") {
+  CHECK(parse({"--nproc_per_node=3", "prog"}).nproc_per_node == 3);
+  CHECK(parse({"--nproc-per-node", "3", "prog"}).nproc_per_node == 3);
+  CHECK(parse({"--max-restarts=2", "prog"}).max_restarts == 2);
+  CHECK(parse({"--max_restarts", "2", "prog"}).max_restarts == 2);
+  CHECK(parse({"--no-python", "prog"}).no_python);
+  CHECK(parse({"--no_python", "prog"}).no_python);
+  CHECK(parse({"--log-dir", "/tmp/x", "prog"}).log_dir == "/tmp/x");
+  CHECK(parse({"--local-ranks-filter=0,2", "prog"}).local_ranks_filter == std::vector<int>{0, 2});
+}
+
+TEST_CASE("parsing stops at the program and passes its arguments through untouched") {
+  auto o = parse({"--nproc_per_node", "2", "train.py", "--nproc_per_node", "9", "-m", "--", "x"});
+  CHECK(o.program == "train.py");
+  CHECK(o.program_args == std::vector<std::string>{"--nproc_per_node", "9", "-m", "--", "x"});
+  CHECK(o.nproc_per_node == 2);
+  auto m = parse({"-m", "pkg.mod", "--lr", "0.1"});
+  CHECK(m.module);
+  CHECK(m.program == "pkg.mod");
+  CHECK(m.program_args == std::vector<std::string>{"--lr", "0.1"});
+  CHECK(parse({"--", "prog", "a"}).program == "prog");
+}
+
+TEST_CASE("PET_ environment variables are fallbacks that flags override") {
+  CHECK(parse({"prog"}, {{"PET_NPROC_PER_NODE", "4"}}).nproc_per_node == 4);
+  CHECK(parse({"--nproc_per_node=2", "prog"}, {{"PET_NPROC_PER_NODE", "4"}}).nproc_per_node == 2);
+  CHECK(parse({"prog"}, {{"PET_MAX_RESTARTS", "3"}}).max_restarts == 3);
+  CHECK(parse({"prog"}, {{"PET_STANDALONE", "1"}}).standalone);
+  CHECK(parse({"prog"}, {}).nproc_per_node == 1);  // no PET_ leaks from an earlier parse
+}
+
+TEST_CASE("nproc_per_node accepts auto, gpu and cpu") {
+  CHECK(parse({"--nproc_per_node=cpu", "prog"}).nproc_per_node == 6);
+  CHECK(parse({"--nproc_per_node=auto", "prog"}).nproc_per_node == 6);
+  CHECK(parse({"--nproc_per_node=auto", "prog"}, {}, kProbe8Gpus).nproc_per_node == 8);
+  CHECK(parse({"--nproc_per_node=gpu", "prog"}, {}, kProbe8Gpus).nproc_per_node == 8);
+  CHECK_THAT(usage_error({"--nproc_per_node=gpu", "prog"}), Catch::Contains("no GPU"));
+}
+
+TEST_CASE("bad values are usage errors that name the flag and the value") {
+  CHECK_THAT(usage_error({"--nproc_per_node=0", "prog"}), Catch::Contains("--nproc_per_node '0'"));
+  CHECK_THAT(usage_error({"--nproc_per_node=two", "prog"}), Catch::Contains("expected an integer"));
+  CHECK_THAT(usage_error({"--nnodes=3:2", "prog"}), Catch::Contains("MIN must be <= MAX"));
+  CHECK_THAT(usage_error({"--nnodes=2", "--node_rank=2", "prog"}), Catch::Contains("--node_rank"));
+  CHECK_THAT(usage_error({"--redirects=7", "prog"}), Catch::Contains("--redirects"));
+  CHECK_THAT(usage_error({"--bogus", "prog"}), Catch::Contains("--bogus"));
+  CHECK_THAT(usage_error({"--nproc_per_node=2"}), Catch::Contains("no training program"));
+  CHECK_THAT(usage_error({"--rdzv_backend=etcd", "prog"}), Catch::Contains("etcd"));
+  CHECK_THAT(usage_error({"--standalone", "--nnodes=2", "prog"}), Catch::Contains("--standalone"));
+  CHECK_THAT(usage_error({"--gpu_ids=0", "--nproc_per_node=2", "prog"}), Catch::Contains("one id per worker"));
+  CHECK_THAT(usage_error({"--grace=-1", "prog"}), Catch::Contains("--grace"));
+}
+
+TEST_CASE("standalone selects a local c10d rendezvous") {
+  auto o = parse({"--standalone", "prog"});
+  CHECK(o.rdzv_backend == "c10d");
+  CHECK(o.rdzv_endpoint == "localhost:0");
+}
+
+TEST_CASE("a JSON config file supplies defaults that flags override") {
+  std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/mg_config_test.json";
+  std::ofstream(path) << R"({"nproc_per_node": 3, "max_restarts": 4, "standalone": true})";
+  auto o = parse({"--config", path, "prog"});
+  CHECK(o.nproc_per_node == 3);
+  CHECK(o.max_restarts == 4);
+  CHECK(o.standalone);
+  CHECK(parse({"--config", path, "--nproc_per_node=5", "prog"}).nproc_per_node == 5);
+  std::ofstream(path) << "not json";
+  CHECK_THAT(usage_error({"--config", path, "prog"}), Catch::Contains("JSON"));
+}
+
+TEST_CASE("redirect and tee specs follow torchrun's forms") {
+  auto all = parse_stream_spec("-r", "3");
+  CHECK(all.covers(5, Streams::kOut));
+  CHECK(all.covers(5, Streams::kErr));
+  auto per = parse_stream_spec("-t", "0:1,1:2");
+  CHECK(per.covers(0, Streams::kOut));
+  CHECK_FALSE(per.covers(0, Streams::kErr));
+  CHECK(per.covers(1, Streams::kErr));
+  CHECK_FALSE(per.covers(2, Streams::kOut));
+  CHECK_THROWS_AS(parse_stream_spec("-t", "0:4"), UsageError);
+  CHECK_THROWS_AS(parse_stream_spec("-t", "a:1"), UsageError);
+}
+
+TEST_CASE("${local_rank} follows string.Template.safe_substitute") {
+  CHECK(substitute_local_rank("--gpu=${local_rank}", 3) == "--gpu=3");
+  CHECK(substitute_local_rank("$local_rank", 2) == "2");
+  CHECK(substitute_local_rank("$local_ranks", 2) == "$local_ranks");
+  CHECK(substitute_local_rank("$$local_rank", 2) == "$local_rank");
+  CHECK(substitute_local_rank("cost $5 ${other}", 1) == "cost $5 ${other}");
+  CHECK(substitute_local_rank("a$", 1) == "a$");
+}
+
+TEST_CASE("nnodes parses N and MIN:MAX") {
+  CHECK(parse_nnodes("4").min == 4);
+  CHECK(parse_nnodes("2:5").max == 5);
+  CHECK_THROWS_AS(parse_nnodes("0"), UsageError);
+  CHECK_THROWS_AS(parse_nnodes("2:"), UsageError);
+}
+
+TEST_CASE("exit codes map signals to 128+N") {
+  CHECK(shell_exit_code(3 << 8) == 3);
+  CHECK(shell_exit_code(9) == 137);
+  CHECK(shell_exit_code(0) == 0);
+}

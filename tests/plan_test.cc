@@ -1,0 +1,149 @@
+#include <catch2/catch.hpp>
+
+#include "launcher/errors.h"
+#include "launcher/options.h"
+#include "launcher/plan.h"
+#include "rendezvous/endpoint.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+using namespace mg;
+
+namespace {
+
+RunPlan two_node_plan(int node_rank) {
+  RunPlan plan;
+  plan.run_id = "job7";
+  plan.nnodes = 2;
+  plan.node_rank = node_rank;
+  plan.nproc_per_node = 4;
+  plan.world_size = 8;
+  plan.rank_offset = node_rank * 4;
+  plan.master_addr = "127.0.0.2";
+  plan.master_port = 12345;
+  plan.executable = "/bin/prog";
+  plan.argv = {"prog", "--rank=${local_rank}", "x"};
+  return plan;
+}
+
+}  // namespace
+
+TEST_CASE("the worker environment follows torchrun's contract") {
+  AgentOptions opts;
+  opts.max_restarts = 3;
+  opts.program_args = {"--rank=${local_rank}", "x"};
+  RunPlan plan = two_node_plan(1);
+  EnvMap env = build_contract_env(plan, opts, {}, 2, 1, "/logs/error.json");
+  CHECK(env.at("RANK") == "6");
+  CHECK(env.at("LOCAL_RANK") == "2");
+  CHECK(env.at("WORLD_SIZE") == "8");
+  CHECK(env.at("LOCAL_WORLD_SIZE") == "4");
+  CHECK(env.at("GROUP_RANK") == "1");
+  CHECK(env.at("GROUP_WORLD_SIZE") == "2");
+  CHECK(env.at("ROLE_NAME") == "default");
+  CHECK(env.at("ROLE_RANK") == "6");
+  CHECK(env.at("ROLE_WORLD_SIZE") == "8");
+  CHECK(env.at("MASTER_ADDR") == "127.0.0.2");
+  CHECK(env.at("MASTER_PORT") == "12345");
+  CHECK(env.at("TORCHELASTIC_RUN_ID") == "job7");
+  CHECK(env.at("TORCHELASTIC_RESTART_COUNT") == "1");
+  CHECK(env.at("TORCHELASTIC_MAX_RESTARTS") == "3");
+  CHECK(env.at("TORCHELASTIC_ERROR_FILE") == "/logs/error.json");
+  CHECK(env.at("TORCHELASTIC_USE_AGENT_STORE") == "False");
+  CHECK(env.at("NCCL_ASYNC_ERROR_HANDLING") == "1");
+  CHECK(env.at("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1");
+  CHECK_FALSE(env.contains("OMP_NUM_THREADS"));
+  CHECK_FALSE(env.contains("CUDA_VISIBLE_DEVICES"));
+}
+
+TEST_CASE("user settings of NCCL error handling are kept and gpu ids map per local rank") {
+  AgentOptions opts;
+  opts.gpu_ids = {4, 6, 1, 0};
+  RunPlan plan = two_node_plan(0);
+  plan.set_omp_threads = true;
+  EnvMap env = build_contract_env(plan, opts, {{"NCCL_ASYNC_ERROR_HANDLING", "0"}}, 1, 0, "e");
+  CHECK(env.at("NCCL_ASYNC_ERROR_HANDLING") == "0");
+  CHECK(env.at("CUDA_VISIBLE_DEVICES") == "6");
+  CHECK(env.at("OMP_NUM_THREADS") == "1");
+}
+
+TEST_CASE("worker argv substitutes local_rank only in the program's arguments") {
+  AgentOptions opts;
+  opts.program_args = {"--rank=${local_rank}", "x"};
+  RunPlan plan = two_node_plan(0);
+  CHECK(build_worker_argv(plan, opts, 3) == std::vector<std::string>{"prog", "--rank=3", "x"});
+  opts.local_rank_arg = true;
+  CHECK(build_worker_argv(plan, opts, 1) == std::vector<std::string>{"prog", "--local_rank=1", "--rank=1", "x"});
+}
+
+TEST_CASE("programs are resolved like execvp and missing ones are reported") {
+  CHECK(find_executable("sh", "/nonexistent:/bin:/usr/bin") == "/bin/sh");
+  CHECK(find_executable("/bin/sh", "") == "/bin/sh");
+  CHECK(find_executable("no-such-program-xyz", "/bin:/usr/bin").empty());
+  char tmpl[] = "/tmp/mg_noexec_XXXXXX";
+  int fd = ::mkstemp(tmpl);  // mode 0600: not executable
+  ::close(fd);
+  CHECK(find_executable(tmpl, "").empty());
+  ::unlink(tmpl);
+  AgentOptions opts;
+  opts.program = "no-such-program-xyz";
+  CHECK_THROWS_AS(make_plan(opts, {{"PATH", "/bin"}}), ProgramNotFound);
+  opts.program = "missing_script.py";
+  CHECK_THROWS_AS(make_plan(opts, {{"PATH", "/bin:/usr/bin"}}), ProgramNotFound);
+  opts.program = "sh";
+  opts.python = "no-such-python";
+  opts.module = true;
+  CHECK_THROWS_AS(make_plan(opts, {{"PATH", "/bin"}}), ProgramNotFound);
+}
+
+TEST_CASE("a .py program runs under python -u, -m as a module, others directly") {
+  AgentOptions opts;
+  opts.python = "sh";  // any interpreter found on PATH
+  opts.master_port = 0;
+  opts.program = "-c";
+  opts.module = true;
+  auto plan = make_plan(opts, {{"PATH", "/bin:/usr/bin"}});
+  CHECK(plan.argv == std::vector<std::string>{"sh", "-u", "-m", "-c"});
+  opts.module = false;
+  opts.program = "true";
+  plan = make_plan(opts, {{"PATH", "/bin:/usr/bin"}});
+  CHECK(plan.argv == std::vector<std::string>{"true"});
+  CHECK(plan.master_port > 0);  // --master_port=0 picks a free port
+}
+
+TEST_CASE("a master port already in use is a usage error naming the port") {
+  AgentOptions opts;
+  opts.program = "true";
+  opts.master_addr = "127.0.0.1";
+  // Hold a listening socket on a port the kernel picked.
+  int port = rdzv::find_free_port("127.0.0.1");
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(::listen(fd, 1) == 0);
+  opts.master_port = port;
+  try {
+    make_plan(opts, {{"PATH", "/bin:/usr/bin"}});
+    FAIL("expected a UsageError");
+  } catch (const UsageError& e) {
+    CHECK_THAT(e.what(), Catch::Contains(std::to_string(port)));
+  }
+  ::close(fd);
+  CHECK_NOTHROW(make_plan(opts, {{"PATH", "/bin:/usr/bin"}}));
+}
+
+TEST_CASE("endpoints parse host, port and IPv6 forms") {
+  CHECK(rdzv::parse_endpoint("node1:29400", 1).port == 29400);
+  CHECK(rdzv::parse_endpoint("node1", 29400).port == 29400);
+  CHECK(rdzv::parse_endpoint("[::1]:80", 1).host == "::1");
+  CHECK(rdzv::parse_endpoint("::1", 7).port == 7);
+  CHECK_THROWS_AS(rdzv::parse_endpoint("host:", 1), std::invalid_argument);
+  CHECK_THROWS_AS(rdzv::parse_endpoint("host:99999", 1), std::invalid_argument);
+  CHECK_THROWS_AS(rdzv::parse_endpoint(":80", 1), std::invalid_argument);
+  CHECK_THROWS_AS(rdzv::parse_endpoint("", 1), std::invalid_argument);
+}

@@ -1,0 +1,145 @@
+#include "support/proc.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+extern char** environ;
+
+namespace mgtest {
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string make_temp_dir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string templ = std::string(base && *base ? base : "/tmp") + "/mgtest_XXXXXX";
+  if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
+  return templ;
+}
+
+Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add) {
+  Proc p;
+  std::string dir = make_temp_dir();
+  p.out_path = dir + "/stdout";
+  p.err_path = dir + "/stderr";
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e; ++e) {
+    std::string kv = *e;
+    auto eq = kv.find('=');
+    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  for (const auto& [k, v] : env_add) {
+    if (v == "\x01unset")
+      env.erase(k);
+    else
+      env[k] = v;
+  }
+  std::vector<std::string> envs;
+  for (const auto& [k, v] : env) envs.push_back(k + "=" + v);
+  std::vector<char*> cargv, cenv;
+  for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  for (const auto& e : envs) cenv.push_back(const_cast<char*>(e.c_str()));
+  cenv.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    int in = ::open("/dev/null", O_RDONLY);
+    int out = ::open(p.out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int err = ::open(p.err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(in, 0);
+    ::dup2(out, 1);
+    ::dup2(err, 2);
+    ::execve(cargv[0], cargv.data(), cenv.data());
+    ::_exit(126);
+  }
+  ::setpgid(pid, pid);
+  p.pid = pid;
+  return p;
+}
+
+bool Proc::wait(std::chrono::milliseconds timeout) {
+  if (status != -1) return true;
+  bool ok = eventually([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, timeout);
+  if (!ok) {
+    ::killpg(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
+  return ok;
+}
+
+int Proc::exit_code() const {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+std::string Proc::out() const { return read_file(out_path); }
+std::string Proc::err() const { return read_file(err_path); }
+
+Proc::~Proc() {
+  if (pid > 0 && status == -1) {
+    ::killpg(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
+}
+
+Result run(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add,
+           std::chrono::milliseconds timeout) {
+  Proc p = spawn(argv, env_add);
+  Result r;
+  if (!p.wait(timeout)) r.code = -2;  // timed out
+  else r.code = p.exit_code();
+  r.out = p.out();
+  r.err = p.err();
+  return r;
+}
+
+bool eventually(const std::function<bool()>& pred, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int i = 0; i < 100000; ++i) {
+    if (pred()) return true;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    timespec ts{0, 10 * 1000 * 1000};
+    ::nanosleep(&ts, nullptr);
+  }
+  return pred();
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    auto nl = text.find('\n', pos);
+    if (nl == std::string::npos) {
+      out.push_back(text.substr(pos));
+      break;
+    }
+    out.push_back(text.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  return out;
+}
+
+bool pid_alive(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return false;
+  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  auto close = content.rfind(')');
+  return close != std::string::npos && close + 2 < content.size() && content[close + 2] != 'Z';
+}
+
+}  // namespace mgtest

@@ -1,0 +1,51 @@
+// Test helper: run real processes (mglaunch, torchrun, fake_worker) with their output in
+// temporary files, every wait bounded. Kills only what it started, by process group.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace mgtest {
+
+struct Proc {
+  pid_t pid = -1;
+  std::string out_path, err_path;
+  int status = -1;  // raw wait status once reaped
+
+  // Waits up to `timeout`; on timeout kills the process group and returns false.
+  bool wait(std::chrono::milliseconds timeout);
+  int exit_code() const;  // shell style: N or 128+signal
+  std::string out() const;
+  std::string err() const;
+  ~Proc();
+};
+
+// Starts argv in its own process group with `env_add` on top of our environment
+// (a value of "\x01unset" removes the variable).
+Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add = {});
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+Result run(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add = {},
+           std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// Polls `pred` every 10 ms until true or timeout; returns its last value.
+bool eventually(const std::function<bool()>& pred, std::chrono::milliseconds timeout);
+
+std::vector<std::string> split_lines(const std::string& text);
+std::string read_file(const std::string& path);
+std::string make_temp_dir();
+bool pid_alive(pid_t pid);  // zombies count as gone
+
+inline const std::string kMglaunch = MGLAUNCH_BIN;
+inline const std::string kFakeWorker = FAKE_WORKER_BIN;
+inline const std::string kSourceDir = SOURCE_DIR;
+
+}  // namespace mgtest

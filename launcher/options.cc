@@ -175,6 +175,11 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   app.config_formatter(std::make_shared<JsonConfig>());
   app.set_config("--config", "", "JSON file with flag values (keys as flag names); flags override it");
   app.get_formatter()->column_width(36);
+  app.footer(
+      "\nUsage: mglaunch [FLAGS] PROGRAM [ARGS...]  (flags stop at PROGRAM; its ARGS pass through untouched)\n"
+      "Exit codes: 0 all workers succeeded; N the failing worker's exit code (128+S if killed by signal S);\n"
+      "2 bad flags or config; 127 program or interpreter not found; 128+S the agent was stopped by signal S;\n"
+      "1 internal error. See README.md.");
 
   std::string nnodes = "1:1", redirects, tee, filter, gpu_ids;
   double grace_s = 30.0;

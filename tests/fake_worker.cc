@@ -12,6 +12,7 @@
 //   pidfile PATH        append our pid to PATH
 //   hang SECS           sleep up to SECS seconds (signals still act)
 //   sleep-ms N          sleep N milliseconds
+//   stamp FILE TAG      append "TAG RESTART_COUNT RANK CLOCK_REALTIME_NS" to FILE
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
 #include <fcntl.h>
@@ -118,6 +119,17 @@ int main(int argc, char** argv) {
     } else if (cmd == "pidfile") {
       int fd = ::open(arg(), O_WRONLY | O_CREAT | O_APPEND, 0644);
       std::string line = std::to_string(::getpid()) + "\n";
+      ssize_t ignored = ::write(fd, line.data(), line.size());
+      (void)ignored;
+      ::close(fd);
+    } else if (cmd == "stamp") {
+      const char* path = arg();
+      const char* tag = arg();
+      timespec ts{};
+      ::clock_gettime(CLOCK_REALTIME, &ts);
+      std::string line = std::string(tag) + " " + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0)) + " " +
+                         std::to_string(rank) + " " + std::to_string(ts.tv_sec * 1000000000LL + ts.tv_nsec) + "\n";
+      int fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
       ssize_t ignored = ::write(fd, line.data(), line.size());
       (void)ignored;
       ::close(fd);

@@ -338,3 +338,30 @@ TEST_CASE("two static agents on 127.0.0.1 and 127.0.0.2 share one world") {
     }
   CHECK(ranks == std::set<std::string>{"0", "1", "2", "3"});
 }
+
+TEST_CASE("timestamps prefix each relayed line with the local time") {
+  auto r = run(launch({"--standalone", "--nproc_per_node=1", "--timestamps"}, {"print", "a", "print", "b"}));
+  CHECK(r.code == 0);
+  auto lines = split_lines(r.out);
+  REQUIRE(lines.size() == 2);
+  for (const auto& l : lines) {
+    // 2026-11-22T21:40:16.123 [rank0]:a
+    REQUIRE(l.size() > 24);
+    CHECK(l[4] == '-');
+    CHECK(l[10] == 'T');
+    CHECK(l[19] == '.');
+    CHECK(l.substr(23, 9) == " [rank0]:");
+  }
+}
+
+TEST_CASE("MGLAUNCH_PYTHON picks the interpreter and --python overrides it") {
+  std::string dir = make_temp_dir();
+  std::ofstream(dir + "/hello.py") << "import os, sys\nprint('python ok', os.environ['RANK'], sys.argv[1:])\n";
+  auto bad = run({kMglaunch, "--standalone", dir + "/hello.py"}, {{"MGLAUNCH_PYTHON", "/no/such/python"}});
+  CHECK(bad.code == 127);
+  CHECK_THAT(bad.err, Catch::Contains("/no/such/python"));
+  auto good = run({kMglaunch, "--standalone", "--python", "/usr/bin/python3", dir + "/hello.py", "x"},
+                  {{"MGLAUNCH_PYTHON", "/no/such/python"}});
+  CHECK(good.code == 0);
+  CHECK_THAT(good.out, Catch::Contains("[rank0]:python ok 0 ['x']"));
+}

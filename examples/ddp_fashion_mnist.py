@@ -1,0 +1,119 @@
+"""The Python twin of mgtrain: same model, data, optimizer and hyper-parameters in
+PyTorch DDP, reading the same gzipped IDX files without torchvision.
+
+    ../shared/peers/torchrun --standalone --nproc_per_node=2 examples/ddp_fashion_mnist.py
+    mglaunch --standalone --nproc_per_node=2 --python /usr/bin/python3 examples/ddp_fashion_mnist.py
+"""
+import argparse
+import gzip
+import math
+import os
+import struct
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+MEAN, STD = 0.2860, 0.3530
+
+
+def load_idx(data_dir, train, limit):
+    prefix = os.path.join(data_dir, "train" if train else "t10k")
+    with gzip.open(prefix + "-images-idx3-ubyte.gz") as f:
+        _, n, rows, cols = struct.unpack(">IIII", f.read(16))
+        images = np.frombuffer(f.read(), dtype=np.uint8).reshape(n, 1, rows, cols)
+    with gzip.open(prefix + "-labels-idx1-ubyte.gz") as f:
+        f.read(8)
+        labels = np.frombuffer(f.read(), dtype=np.uint8)
+    if limit >= 0:
+        images, labels = images[:limit], labels[:limit]
+    x = (torch.from_numpy(images.astype(np.float32)) / 255.0 - MEAN) / STD
+    return x, torch.from_numpy(labels.astype(np.int64))
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.fc1 = nn.Linear(32 * 12 * 12, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(784, 256), nn.Linear(256, 128), nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--train-subset", type=int, default=-1)
+    p.add_argument("--test-subset", type=int, default=-1)
+    p.add_argument("--log-every", type=int, default=100)
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_x, train_y = load_idx(args.data_dir, True, args.train_subset)
+    test_x, test_y = load_idx(args.data_dir, False, args.test_subset)
+    torch.manual_seed(args.seed)
+    model = DDP(Cnn() if args.model == "cnn" else Mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    sampler = DistributedSampler(range(len(train_y)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    steps_per_epoch = math.ceil(sampler.num_samples / args.batch_size)
+    if rank == 0:
+        print(f"ddp_fashion_mnist: {args.model}, world {world}, {steps_per_epoch} steps/epoch", flush=True)
+    start, samples, step = time.time(), 0, 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        idx = torch.tensor(list(sampler))
+        model.train()
+        for b in range(0, len(idx), args.batch_size):
+            bi = idx[b:b + args.batch_size]
+            x, y = train_x[bi], train_y[bi]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            step += 1
+            samples += len(bi) * world
+            if rank == 0 and step % args.log_every == 0:
+                print(f"epoch {epoch + 1} step {step} loss {loss.item():.4f} "
+                      f"samples/s {samples / (time.time() - start):.0f}", flush=True)
+        model.eval()
+        with torch.no_grad():
+            shard = torch.arange(rank, len(test_y), world)
+            correct = (model(test_x[shard]).argmax(1) == test_y[shard]).sum().item()
+        stats = torch.tensor([correct, len(shard)], dtype=torch.float64)
+        dist.all_reduce(stats)
+        acc = (stats[0] / stats[1]).item()
+        if rank == 0:
+            print(f"epoch {epoch + 1} test accuracy {acc:.4f}", flush=True)
+    if rank == 0:
+        print(f"done: {step} steps, {samples / (time.time() - start):.0f} samples/s, test accuracy {acc:.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -24,9 +24,9 @@ build: setup
 	@[ -f $(BUILD_DIR)/build.ninja ] || cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
-# The main job: a 4-worker data-parallel training run on this machine (CPU, gloo).
+# The main job: mgtrain, 4 data-parallel workers (gloo on CPU), one Fashion-MNIST epoch.
 run: build
-	$(MGLAUNCH) --standalone --nproc_per_node=4 --python /usr/bin/python3 examples/ddp_train.py
+	$(MGLAUNCH) --standalone --nproc_per_node=4 $(BUILD_DIR)/bin/mgtrain --dataset fashion-mnist --model cnn --epochs 1
 
 test: build
 	cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure --timeout 600
@@ -34,6 +34,7 @@ test: build
 bench:
 	$(MAKE) build EXTRA_DEBS="$(BENCH_DEBS)"
 	bench/launch_bench.sh $(BUILD_DIR)
+	bench/train_bench.sh $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR)

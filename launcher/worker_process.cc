@@ -138,36 +138,29 @@ void WorkerProcess::read_more(int s) {
   });
 }
 
+void WorkerProcess::emit(int s, std::string_view line, bool cut) {
+  if (spec_.console[s]) console_.line(s, prefix_, line, cut);
+  if (s == 1) {  // stderr: keep the last lines for the failure report
+    if (tail_.size() == spec_.tail_lines) tail_.pop_front();
+    tail_.emplace_back(line.substr(0, 512));
+  }
+}
+
 void WorkerProcess::on_data(int s, std::string_view data) {
   if (FILE* f = impl_->files[s]) {
     std::fwrite(data.data(), 1, data.size(), f);
     std::fflush(f);
   }
-  const bool to_console = spec_.console[s];
-  const bool keep_tail = s == 1;
-  if (!to_console && !keep_tail) return;
+  if (!spec_.console[s] && s != 1) return;  // nothing to show or keep
   console_.begin_batch();
-  impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) {
-    if (to_console) console_.line(s, prefix_, line, cut);
-    if (keep_tail) {
-      if (tail_.size() == spec_.tail_lines) tail_.pop_front();
-      tail_.emplace_back(line.substr(0, 512));
-    }
-  });
+  impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut); });
   console_.flush();
 }
 
 void WorkerProcess::close_stream(int s) {
   if (!impl_->open[s]) return;
   impl_->open[s] = false;
-  const bool to_console = spec_.console[s];
-  impl_->splitters[s]->finish([&](std::string_view line, bool cut) {
-    if (to_console) console_.line(s, prefix_, line, cut);
-    if (s == 1) {
-      if (tail_.size() == spec_.tail_lines) tail_.pop_front();
-      tail_.emplace_back(line.substr(0, 512));
-    }
-  });
+  impl_->splitters[s]->finish([&](std::string_view line, bool cut) { emit(s, line, cut); });
   console_.flush();
   bp::error_code ec;
   impl_->pipes[s].close(ec);

@@ -63,6 +63,7 @@ class WorkerProcess {
   struct Stream;
   void read_more(int s);
   void on_data(int s, std::string_view data);
+  void emit(int s, std::string_view line, bool cut);
   void on_exit(int status);
   void close_stream(int s);
   void maybe_done();

@@ -66,7 +66,7 @@ struct Options {
   int fail_at_step = -1, fail_rank = 0, fail_signal = 0, timeout_s = 300;
   double lr = 0.02, momentum = 0.9, clip_grad_norm = 0, bucket_cap_mb = 25;
   std::uint64_t seed = 1;
-  bool amp = false, shuffle = true;
+  bool amp = false, shuffle = true, channels_last = true;
   // --bench allreduce
   std::string min_bytes = "8", max_bytes = "64M", dtype = "float";
   double step_factor = 2;
@@ -116,10 +116,12 @@ struct CnnImpl : torch::nn::Module {
     fc1 = register_module("fc1", torch::nn::Linear(32 * 12 * 12, 128));
     fc2 = register_module("fc2", torch::nn::Linear(128, 10));
   }
+  // max-pool and ReLU commute (both monotone), so pooling first gives the same values
+  // with a quarter of the ReLU work; in-place ReLUs save allocations.
   torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(conv1(x));
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
-    return fc2(torch::relu(fc1(x.flatten(1))));
+    x = conv1(x).relu_();
+    x = torch::max_pool2d(conv2(x), 2).relu_();
+    return fc2(fc1(x.flatten(1)).relu_());
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
@@ -476,7 +478,7 @@ int train(const Options& o, const Env& env, Comm& comm) {
   }
   model->to(comm.device);
   std::vector<torch::Tensor> params = model->parameters();
-  if (o.model == "cnn") {
+  if (o.model == "cnn" && o.channels_last) {
     // NHWC lets oneDNN run the convolutions and the max-pool without layout conversions
     // (1.4x faster on CPU here); the model and its results are unchanged.
     torch::NoGradGuard ng;
@@ -527,7 +529,7 @@ int train(const Options& o, const Env& env, Comm& comm) {
     std::int64_t loss_n = 0;
     std::int64_t micro = epoch == state.epoch ? state.batch_in_epoch : 0;
     while (micro < micro_per_epoch && state.step < total_steps) {
-      opt.zero_grad();
+      for (auto& p : params) p.mutable_grad().reset();  // set_to_none: no memset, no extra add
       torch::Tensor loss_acc = torch::zeros({}, comm.device);
       const std::int64_t k_end = std::min<std::int64_t>(micro + o.grad_accum, micro_per_epoch);
       const std::int64_t k_n = k_end - micro;
@@ -669,6 +671,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "linear", "sqrt"}));
   app.add_option("--comm-dtype", o.comm_dtype, "fp32, fp16 or bf16 for the gradient all-reduce")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  app.add_flag("!--no-channels-last", o.channels_last, "Keep the CNN in NCHW (default: channels-last on CPU)");
   app.add_flag("--amp", o.amp, "Mixed precision on CUDA (not supported by this build)");
   app.add_option("--log-every", o.log_every, "Progress line every N steps (rank 0)");
   app.add_option("--summary-json", o.summary_json, "Per-rank summary; {rank} is replaced");

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "launcher/errors.h"
+#include "rendezvous/endpoint.h"
 
 namespace mg {
 
@@ -60,7 +61,8 @@ std::string format_root_cause(const RootCause& rc, const std::string& program) {
   const auto& w = rc.worker;
   out += fmt::format("  time       : {}\n  host       : {}\n  rank       : {} (local_rank: {})\n", rc.time, rc.host,
                      w.rank, w.local_rank);
-  out += fmt::format("  exitcode   : {} (pid: {})\n", w.exit_code, w.pid);
+  out += w.pid > 0 ? fmt::format("  exitcode   : {} (pid: {})\n", w.exit_code, w.pid)
+                   : fmt::format("  exitcode   : {}\n", w.exit_code);
   if (w.signal) out += fmt::format("  signal     : {} ({})\n", signal_name(w.signal), w.signal);
   if (!rc.error_file.empty()) out += fmt::format("  error_file : {}\n", rc.error_file);
   out += fmt::format("  message    : {}\n", rc.message.empty() ? "<no error file written>" : rc.message);
@@ -119,7 +121,128 @@ void Agent::start() {
 
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
   wait_signal();
+  if (uses_rendezvous_server(opts_)) {
+    start_rendezvous();
+  } else {
+    start_attempt();
+  }
+}
+
+void Agent::start_rendezvous() {
+  rdzv_ = true;
+  state_ = State::kWaiting;
+  rdzv::Endpoint ep = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
+  // torchrun's "is host": when nothing answers at a local endpoint, serve it here.
+  if (rdzv::is_local_host(ep.host) && !rdzv::probe_listen(ep.host, ep.port)) {
+    try {
+      rdzv::ServerOptions so;
+      so.host = ep.host;
+      so.port = ep.port;
+      so.token = opts_.rdzv_token;
+      embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
+      notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
+    } catch (const std::exception&) {
+      // Another local agent got there first: join it as a client.
+    }
+  }
+  proto::Join j;
+  j.job_id = plan_.run_id;
+  j.host = hostname();
+  j.addr = plan_.master_addr;  // the address this node advertises
+  j.agent_id = fmt::format("{}:{}", hostname(), ::getpid());
+  j.nproc = plan_.nproc_per_node;
+  j.node_rank = opts_.node_rank_given ? opts_.node_rank : -1;
+  j.min_nodes = opts_.nnodes.min;
+  j.max_nodes = opts_.nnodes.max;
+  j.max_restarts = opts_.max_restarts;
+  j.master_port = plan_.master_port;
+  j.last_call_ms = static_cast<int>(opts_.last_call_timeout.count());
+  j.join_timeout_ms = static_cast<int>(opts_.join_timeout.count());
+  j.keep_alive_ms = static_cast<int>(opts_.keep_alive_interval.count());
+  j.keep_alive_max_attempt = opts_.keep_alive_max_attempt;
+  rdzv::ClientHandlers h;
+  h.on_assignment = [this](const proto::Assignment& a) { on_assignment(a); };
+  h.on_restart = [this](const proto::Restart& r) { on_restart(r); };
+  h.on_abort = [this](const proto::Abort& a) { on_abort(a); };
+  h.on_done = [this] { finish(exit_code::kOk); };
+  h.on_lost = [this](const std::string& why) { on_rdzv_lost(why); };
+  client_ = std::make_unique<rdzv::Client>(io_, rdzv::ClientOptions{ep.host, ep.port, opts_.rdzv_token, j}, std::move(h));
+  client_->start();
+}
+
+void Agent::on_assignment(const proto::Assignment& a) {
+  if (state_ != State::kWaiting) return;
+  round_ = a.round;
+  plan_.nnodes = a.group_world_size;
+  plan_.node_rank = a.group_rank;
+  plan_.rank_offset = a.rank_offset;
+  plan_.world_size = a.world_size;
+  plan_.master_addr = a.master_addr;
+  plan_.master_port = a.master_port;
+  plan_.nodes = a.nodes;
+  restart_count_ = a.restart_count;
+  notice(fmt::format("round {}: node {} of {}, ranks {}..{} of {}, master {}:{}, restart {}", a.round, a.group_rank,
+                     a.group_world_size, a.rank_offset, a.rank_offset + plan_.nproc_per_node - 1, a.world_size,
+                     a.master_addr, a.master_port, a.restart_count));
+  retire_workers();
   start_attempt();
+}
+
+void Agent::on_restart(const proto::Restart& r) {
+  if (state_ == State::kDone) return;
+  notice(fmt::format("restart {} decided by the rendezvous: {}", r.restart_count, r.reason));
+  if (state_ == State::kRunning) {
+    rejoin_after_stop_ = true;
+    stop_group(SIGTERM);
+  } else if (state_ == State::kWaiting) {
+    client_->rejoin();
+  } else {
+    rejoin_after_stop_ = true;  // already stopping: re-join once stopped
+  }
+}
+
+void Agent::on_abort(const proto::Abort& a) {
+  if (state_ == State::kDone) return;
+  abort_ = a;
+  if (state_ == State::kRunning) {
+    stop_group(SIGTERM);
+  } else if (state_ == State::kWaiting) {
+    finish_with_abort();
+  }
+}
+
+void Agent::finish_with_abort() {
+  const auto& f = abort_->root_cause;
+  RootCause rc;
+  rc.time = now_text();
+  rc.host = f.host;
+  rc.worker.rank = f.rank;
+  rc.worker.local_rank = f.local_rank;
+  rc.worker.exit_code = f.exit_code;
+  rc.worker.signal = f.signal;
+  rc.message = f.message.empty() ? abort_->reason : f.message;
+  rc.stderr_tail = f.last_lines;
+  write_all(STDERR_FILENO, format_root_cause(rc, opts_.program));
+  root_cause_ = rc;
+  finish(f.exit_code > 0 ? f.exit_code : exit_code::kInternal);
+}
+
+void Agent::on_rdzv_lost(const std::string& why) {
+  if (state_ == State::kDone) return;
+  notice(fmt::format("rendezvous: {}", why));
+  rdzv_ = false;  // from here on this node decides alone
+  if (state_ == State::kWaiting) {
+    // Our workers all succeeded (NodeDone sent) or there is nothing to run.
+    const bool ran_ok = !workers_.empty() && !root_cause_;
+    finish(ran_ok ? exit_code::kOk : exit_code::kRendezvous);
+  }
+}
+
+void Agent::retire_workers() {
+  // Finished handles are destroyed later: we may be inside one of their callbacks.
+  for (auto& p : workers_) retired_.push_back(std::move(p));
+  workers_.clear();
+  asio::post(io_, [this] { retired_.clear(); });
 }
 
 std::string Agent::attempt_dir(int local_rank) const {
@@ -197,6 +320,11 @@ void Agent::on_worker_done(WorkerProcess& w) {
   if (state_ == State::kRunning) {
     attempts_.back().duration_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - attempt_start_).count();
+    if (rdzv_) {
+      state_ = State::kWaiting;  // the job is done when every node is
+      client_->node_done(round_);
+      return;
+    }
     finish(exit_code::kOk);
   } else if (state_ == State::kStopping) {
     on_group_stopped();
@@ -224,6 +352,29 @@ void Agent::on_group_stopped() {
     finish(exit_code::kSignalBase + agent_signal_);
     return;
   }
+  if (rdzv_) {
+    state_ = State::kWaiting;
+    if (abort_) {
+      finish_with_abort();
+    } else if (rejoin_after_stop_) {
+      rejoin_after_stop_ = false;
+      client_->rejoin();
+    } else if (root_cause_) {
+      // Our failure: the server decides (restart everywhere or abort everywhere).
+      const auto& w = root_cause_->worker;
+      proto::WorkerFailed f;
+      f.round = round_;
+      f.host = root_cause_->host;
+      f.rank = w.rank;
+      f.local_rank = w.local_rank;
+      f.exit_code = w.exit_code;
+      f.signal = w.signal;
+      f.message = root_cause_->message;
+      f.last_lines = root_cause_->stderr_tail;
+      client_->worker_failed(f);
+    }
+    return;
+  }
   if (!root_cause_) {
     finish(exit_code::kInternal);
     return;
@@ -233,11 +384,8 @@ void Agent::on_group_stopped() {
     ++restart_count_;
     notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
                        w.rank, w.local_rank, w.exit_code, restart_count_, opts_.max_restarts));
-    // The finished handles are destroyed later: we may be inside one of their callbacks.
-    for (auto& p : workers_) retired_.push_back(std::move(p));
-    workers_.clear();
+    retire_workers();
     asio::post(io_, [this] {
-      retired_.clear();
       if (state_ != State::kDone) start_attempt();
     });
     return;
@@ -253,6 +401,13 @@ void Agent::finish(int code) {
   boost::system::error_code ec;
   signals_.cancel(ec);
   grace_timer_.cancel();
+  if (client_) client_->close();
+  if (embedded_server_) {
+    // Let the other nodes hear the decision before the server goes away with us.
+    auto* server = embedded_server_.get();
+    auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(200));
+    timer->async_wait([server, timer](boost::system::error_code) { server->stop(); });
+  }
   for (auto& w : workers_) w->kill_stragglers();
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
@@ -281,6 +436,11 @@ void Agent::on_signal(int sig) {
     return;
   }
   if (agent_signal_ == 0) agent_signal_ = sig;
+  if (state_ == State::kWaiting) {
+    notice(fmt::format("got {} while waiting for the rendezvous", signal_name(sig)));
+    finish(exit_code::kSignalBase + sig);
+    return;
+  }
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), opts_.grace.count() / 1000.0));
   if (state_ == State::kStopping) {
     for (auto& w : workers_) w->signal_group(sig);

@@ -20,6 +20,9 @@
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/worker_process.h"
+#include "proto/messages.h"
+#include "rendezvous/client.h"
+#include "rendezvous/server.h"
 
 namespace mg {
 
@@ -62,7 +65,8 @@ class Agent {
   nlohmann::json summary() const;
 
  private:
-  enum class State { kRunning, kStopping, kDone };
+  // kWaiting: no workers running, waiting for the rendezvous server's decision.
+  enum class State { kRunning, kStopping, kWaiting, kDone };
   struct Attempt {
     int restart_count = 0;
     std::chrono::system_clock::time_point start;
@@ -71,6 +75,13 @@ class Agent {
   };
 
   void start_attempt();
+  void start_rendezvous();
+  void on_assignment(const proto::Assignment& a);
+  void on_restart(const proto::Restart& r);
+  void on_abort(const proto::Abort& a);
+  void on_rdzv_lost(const std::string& why);
+  void finish_with_abort();
+  void retire_workers();
   void on_worker_done(WorkerProcess& w);
   void stop_group(int sig);
   void on_group_stopped();
@@ -99,6 +110,14 @@ class Agent {
   bool log_root_is_temp_ = false;
   bool keep_log_root_ = true;
   int exit_code_ = 0;
+  // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
+  // long as the agent: its cancelled handlers still run inside io.run().
+  std::unique_ptr<rdzv::Server> embedded_server_;
+  std::unique_ptr<rdzv::Client> client_;
+  bool rdzv_ = false;
+  int round_ = 0;
+  bool rejoin_after_stop_ = false;
+  std::optional<proto::Abort> abort_;
   std::chrono::steady_clock::time_point attempt_start_;
 };
 

@@ -21,6 +21,7 @@ namespace exit_code {
 inline constexpr int kOk = 0;
 inline constexpr int kInternal = 1;
 inline constexpr int kUsage = 2;
+inline constexpr int kRendezvous = 3;  // refused by or unable to reach the rendezvous
 inline constexpr int kNotFound = 127;
 inline constexpr int kSignalBase = 128;
 }  // namespace exit_code

@@ -138,6 +138,43 @@ NodeRange parse_nnodes(const std::string& text) {
   return r;
 }
 
+bool uses_rendezvous_server(const AgentOptions& o) { return o.rdzv_backend != "static" && o.nnodes.max > 1; }
+
+void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
+  std::string_view rest = conf;
+  while (!rest.empty()) {
+    auto comma = rest.find(',');
+    auto item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    auto eq = item.find('=');
+    if (eq == std::string_view::npos)
+      throw UsageError(fmt::format("bad --rdzv_conf '{}': expected KEY=VALUE,...", conf));
+    const std::string key(item.substr(0, eq));
+    const std::string value(item.substr(eq + 1));
+    // torchrun keys that mean nothing here
+    if (key == "is_host" || key == "store_type" || key == "use_agent_store" || key == "close_timeout" ||
+        key == "timeout" || key == "read_timeout")
+      continue;
+    double v = -1;
+    try {
+      std::size_t used = 0;
+      v = std::stod(value, &used);
+      if (used != value.size()) v = -1;
+    } catch (const std::exception&) {
+    }
+    if (!(v >= 0)) throw UsageError(fmt::format("bad --rdzv_conf value {}='{}': expected a number of seconds", key, value));
+    auto ms = std::chrono::milliseconds(static_cast<long>(v * 1000));
+    if (key == "join_timeout") o.join_timeout = ms;
+    else if (key == "last_call_timeout") o.last_call_timeout = ms;
+    else if (key == "keep_alive_interval") o.keep_alive_interval = std::max(ms, std::chrono::milliseconds(10));
+    else if (key == "keep_alive_max_attempt") o.keep_alive_max_attempt = std::max(1, static_cast<int>(v));
+    else
+      throw UsageError(fmt::format("unknown --rdzv_conf key '{}': use join_timeout, last_call_timeout, "
+                                   "keep_alive_interval or keep_alive_max_attempt",
+                                   key));
+  }
+}
+
 std::string substitute_local_rank(const std::string& arg, int local_rank) {
   static constexpr std::string_view kName = "local_rank";
   auto is_ident = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
@@ -226,6 +263,9 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   app.add_option("--summary-json,--summary_json", o.summary_json, "Write the run's summary as JSON to this file");
   flag("--dry-run,--dry_run", "", o.dry_run, "Print the resolved plan as JSON and start nothing");
   flag("--timestamps", "", o.timestamps, "Prefix relayed worker lines with the time");
+  std::string token_file;
+  app.add_option("--token-file,--token_file", token_file,
+                 "File with the rendezvous token (HMAC-SHA256 challenge); or set MGLAUNCH_RDZV_TOKEN");
   app.add_option("--python", o.python, "Interpreter for .py programs and -m (default $MGLAUNCH_PYTHON or python3)");
 
   if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) o.python = it->second;
@@ -251,6 +291,7 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
     throw UsageError(fmt::format("{} (see mglaunch --help)", what));
   }
 
+  o.node_rank_given = app.get_option("--node_rank")->count() > 0;
   std::vector<std::string> rest = app.remaining();
   if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
   if (rest.empty())
@@ -307,10 +348,18 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
       throw UsageError(fmt::format("--rdzv_backend=static needs a fixed --nnodes, not '{}'", nnodes));
     if (o.node_rank >= o.nnodes.max)
       throw UsageError(fmt::format("bad --node_rank {}: must be < --nnodes {}", o.node_rank, o.nnodes.max));
-  } else if (o.nnodes.max > 1) {
-    throw UsageError(
-        "multi-node dynamic rendezvous needs mglaunch-rdzv, which this build does not have yet; "
-        "use --rdzv_backend=static with --master_addr, --master_port and --node_rank");
+  } else if (o.nnodes.max > 1 && o.rdzv_endpoint.empty()) {
+    throw UsageError(fmt::format("--nnodes={} with --rdzv_backend={} needs --rdzv_endpoint=HOST[:PORT] (the "
+                                 "mglaunch-rdzv daemon, or the node that hosts it)",
+                                 nnodes, o.rdzv_backend));
+  }
+  if (!o.rdzv_conf.empty()) apply_rdzv_conf(o, o.rdzv_conf);
+  if (auto it = env.find("MGLAUNCH_RDZV_TOKEN"); it != env.end()) o.rdzv_token = it->second;
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    if (!in) throw UsageError(fmt::format("--token-file '{}' cannot be read", token_file));
+    std::getline(in, o.rdzv_token);
+    if (o.rdzv_token.empty()) throw UsageError(fmt::format("--token-file '{}' is empty", token_file));
   }
   return {std::move(o), {}};
 }

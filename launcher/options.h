@@ -30,6 +30,9 @@ struct NodeRange {
 };
 NodeRange parse_nnodes(const std::string& text);
 
+// True when this agent takes part in a multi-node dynamic rendezvous (c10d/mglaunch).
+bool uses_rendezvous_server(const struct AgentOptions& o);
+
 struct HardwareProbe {
   std::function<int()> gpu_count;  // visible NVIDIA GPUs
   std::function<int()> cpu_count;
@@ -42,6 +45,7 @@ struct AgentOptions {
   std::string nproc_spec = "1";
   int nproc_per_node = 1;  // resolved from nproc_spec
   int node_rank = 0;
+  bool node_rank_given = false;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string rdzv_backend = "static";
@@ -62,6 +66,12 @@ struct AgentOptions {
   std::vector<int> local_ranks_filter;  // empty: all
   std::string start_method = "spawn";
   bool local_rank_arg = false;  // --local-rank-arg: pass --local_rank=N (torch.distributed.launch)
+  // rendezvous (--rdzv_conf keys, torchrun's names and defaults) and its token
+  std::chrono::milliseconds join_timeout{600000};
+  std::chrono::milliseconds last_call_timeout{30000};
+  std::chrono::milliseconds keep_alive_interval{5000};
+  int keep_alive_max_attempt = 3;
+  std::string rdzv_token;  // from --token-file or MGLAUNCH_RDZV_TOKEN
   // mglaunch's own
   std::vector<int> gpu_ids;
   std::chrono::milliseconds grace{30000};
@@ -85,6 +95,10 @@ struct ParseOutcome {
 // argv[0] is skipped. `env` supplies PET_* and MGLAUNCH_PYTHON. Throws UsageError.
 ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
                               const HardwareProbe& probe = HardwareProbe::system());
+
+// Applies "key=value,..." (join_timeout, last_call_timeout, close_timeout,
+// keep_alive_interval, keep_alive_max_attempt; seconds) to `o`. Throws UsageError.
+void apply_rdzv_conf(AgentOptions& o, const std::string& conf);
 
 // Python string.Template.safe_substitute with the single name `local_rank`.
 std::string substitute_local_rank(const std::string& arg, int local_rank);

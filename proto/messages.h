@@ -1,0 +1,158 @@
+// Rendezvous messages: one struct per message type, each with its wire type and
+// nlohmann to_json/from_json (missing fields take their defaults, so an added field does
+// not break an older peer of the same protocol version). to_frame()/from_frame() are
+// pure; from_frame() throws ProtocolError on a wrong type or malformed payload.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "proto/frame.h"
+
+namespace mg::proto {
+
+struct ProtocolError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class MsgType : std::uint8_t {
+  kHello = 1,       // client -> server, first message
+  kChallenge = 2,   // server -> client when a token is configured
+  kAuth = 3,        // client -> server: HMAC-SHA256(token, nonce)
+  kWelcome = 4,     // server -> client: handshake done
+  kJoin = 5,        // client -> server: join (or re-join) a job's next round
+  kAssignment = 6,  // server -> client: this node's place in the round
+  kHeartbeat = 7,   // client -> server, every keep_alive_interval
+  kWorkerFailed = 8,
+  kNodeDone = 9,    // client -> server: every local worker exited 0
+  kRestart = 10,    // server -> client: stop workers and re-join
+  kAbort = 11,      // server -> client: stop workers, exit with the root cause
+  kDone = 12,       // server -> client: every node finished
+  kError = 13,      // either way: a refusal; the sender closes
+};
+
+struct Hello {
+  static constexpr MsgType kType = MsgType::kHello;
+  std::string agent_id;
+};
+struct Challenge {
+  static constexpr MsgType kType = MsgType::kChallenge;
+  std::string nonce;  // hex
+};
+struct Auth {
+  static constexpr MsgType kType = MsgType::kAuth;
+  std::string mac;  // hex HMAC-SHA256(token, nonce)
+};
+struct Welcome {
+  static constexpr MsgType kType = MsgType::kWelcome;
+  std::string server;
+};
+struct Join {
+  static constexpr MsgType kType = MsgType::kJoin;
+  std::string job_id;
+  std::string agent_id;
+  std::string host;
+  std::string addr;      // advertised address (MASTER_ADDR if this node gets group rank 0)
+  int nproc = 1;
+  int node_rank = -1;    // explicit --node_rank, -1 when not given
+  int min_nodes = 1;
+  int max_nodes = 1;
+  int max_restarts = 0;
+  int master_port = 0;   // a port this node found free
+  int last_call_ms = 30000;
+  int join_timeout_ms = 600000;
+  int keep_alive_ms = 5000;
+  int keep_alive_max_attempt = 3;
+};
+struct Assignment {
+  static constexpr MsgType kType = MsgType::kAssignment;
+  int round = 0;
+  int group_rank = 0;
+  int group_world_size = 1;
+  int rank_offset = 0;
+  int world_size = 1;
+  std::string master_addr;
+  int master_port = 0;
+  int restart_count = 0;
+  std::vector<std::string> nodes;  // advertised addresses by group rank
+};
+struct Heartbeat {
+  static constexpr MsgType kType = MsgType::kHeartbeat;
+  int round = 0;
+};
+struct WorkerFailed {
+  static constexpr MsgType kType = MsgType::kWorkerFailed;
+  int round = 0;
+  std::string host;
+  int rank = 0;
+  int local_rank = 0;
+  int exit_code = 1;
+  int signal = 0;
+  std::string message;
+  std::vector<std::string> last_lines;
+};
+struct NodeDone {
+  static constexpr MsgType kType = MsgType::kNodeDone;
+  int round = 0;
+};
+struct Restart {
+  static constexpr MsgType kType = MsgType::kRestart;
+  int restart_count = 0;
+  std::string reason;
+};
+struct Abort {
+  static constexpr MsgType kType = MsgType::kAbort;
+  WorkerFailed root_cause;
+  std::string reason;
+};
+struct Done {
+  static constexpr MsgType kType = MsgType::kDone;
+};
+struct Error {
+  static constexpr MsgType kType = MsgType::kError;
+  std::string message;
+};
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
+                                                max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
+                                                keep_alive_ms, keep_alive_max_attempt)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
+                                                world_size, master_addr, master_port, restart_count, nodes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank, local_rank, exit_code, signal,
+                                                message, last_lines)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(NodeDone, round)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Restart, restart_count, reason)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Abort, root_cause, reason)
+inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object(); }
+inline void from_json(const nlohmann::json&, Done&) {}
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
+
+template <typename T>
+Frame to_frame(const T& msg) {
+  return Frame{static_cast<std::uint8_t>(T::kType), nlohmann::json(msg)};
+}
+
+inline MsgType type_of(const Frame& f) { return static_cast<MsgType>(f.type); }
+
+template <typename T>
+T from_frame(const Frame& f) {
+  if (type_of(f) != T::kType)
+    throw ProtocolError("unexpected message type " + std::to_string(f.type) + ", expected " +
+                        std::to_string(static_cast<int>(T::kType)));
+  try {
+    return f.payload.get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    throw ProtocolError(std::string("malformed message: ") + e.what());
+  }
+}
+
+}  // namespace mg::proto

@@ -1,0 +1,205 @@
+#include "rendezvous/job.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace mg::rdzv {
+
+using namespace std::chrono;
+
+Actions Job::broadcast(const proto::Frame& f, SessionId except) const {
+  Actions out;
+  for (const auto& [s, n] : members_)
+    if (s != except) out.push_back({s, f});
+  for (const auto& [s, n] : joined_)
+    if (s != except && !members_.contains(s)) out.push_back({s, f});
+  return out;
+}
+
+Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
+  last_activity_ = now;
+  if (finished())
+    return {{s, proto::to_frame(proto::Error{fmt::format("job '{}' has already finished; use a new --rdzv_id", id_)})}};
+  if (!configured_) {
+    config_ = j;
+    configured_ = true;
+    first_join_ = now;
+  } else if (j.min_nodes != config_.min_nodes || j.max_nodes != config_.max_nodes) {
+    return {{s, proto::to_frame(proto::Error{fmt::format("job '{}' runs with --nnodes={}:{}, this node asked for {}:{}",
+                                                         id_, config_.min_nodes, config_.max_nodes, j.min_nodes,
+                                                         j.max_nodes)})}};
+  }
+  if (state_ == State::kRunning) {
+    if (members_.contains(s)) return {};
+    if (static_cast<int>(members_.size()) >= config_.max_nodes)
+      return {{s, proto::to_frame(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)})}};
+    // Scale up: everybody re-joins a new round with the newcomer; no restart is spent.
+    joined_[s] = {j, now};
+    state_ = State::kRestarting;
+    Actions out;
+    for (const auto& [m, n] : members_)
+      out.push_back({m, proto::to_frame(proto::Restart{restart_count_, "a node joined: scaling up"})});
+    members_.clear();
+    last_call_deadline_.reset();
+    return out;
+  }
+  if (state_ == State::kRestarting || state_ == State::kJoining) {
+    if (joined_.empty()) first_join_ = now;
+    joined_[s] = {j, now};
+    const int n = static_cast<int>(joined_.size());
+    if (n >= config_.max_nodes) return close_round(now);
+    if (n >= config_.min_nodes && !last_call_deadline_) last_call_deadline_ = now + milliseconds(config_.last_call_ms);
+  }
+  return {};
+}
+
+Actions Job::close_round(Clock::time_point now) {
+  std::vector<std::pair<SessionId, Node>> nodes(joined_.begin(), joined_.end());
+  // Explicit --node_rank first, then by (address, agent id): the same on every run.
+  std::sort(nodes.begin(), nodes.end(), [](const auto& a, const auto& b) {
+    const auto& x = a.second.join;
+    const auto& y = b.second.join;
+    const int rx = x.node_rank < 0 ? INT32_MAX : x.node_rank, ry = y.node_rank < 0 ? INT32_MAX : y.node_rank;
+    return std::tie(rx, x.addr, x.agent_id) < std::tie(ry, y.addr, y.agent_id);
+  });
+  if (static_cast<int>(nodes.size()) > config_.max_nodes) nodes.resize(static_cast<std::size_t>(config_.max_nodes));
+  ++round_;
+  proto::Assignment a;
+  a.round = round_;
+  a.group_world_size = static_cast<int>(nodes.size());
+  a.restart_count = restart_count_;
+  a.master_addr = nodes.front().second.join.addr;
+  a.master_port = nodes.front().second.join.master_port;
+  a.world_size = 0;
+  for (const auto& [s, n] : nodes) {
+    a.nodes.push_back(n.join.addr);
+    a.world_size += n.join.nproc;
+  }
+  Actions out;
+  members_.clear();
+  int offset = 0;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    auto& [s, n] = nodes[i];
+    a.group_rank = static_cast<int>(i);
+    a.rank_offset = offset;
+    offset += n.join.nproc;
+    n.last_seen = now;
+    members_[s] = n;
+    out.push_back({s, proto::to_frame(a)});
+  }
+  for (const auto& [s, n] : joined_)
+    if (!members_.contains(s))
+      out.push_back({s, proto::to_frame(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)})});
+  joined_.clear();
+  last_call_deadline_.reset();
+  state_ = State::kRunning;
+  return out;
+}
+
+Actions Job::heartbeat(SessionId s, Clock::time_point now) {
+  last_activity_ = now;
+  if (auto it = members_.find(s); it != members_.end()) it->second.last_seen = now;
+  if (auto it = joined_.find(s); it != joined_.end()) it->second.last_seen = now;
+  return {};
+}
+
+Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::string& reason, SessionId lost,
+                             Clock::time_point now) {
+  members_.erase(lost);
+  joined_.erase(lost);
+  const int survivors = static_cast<int>(members_.size());
+  if (restart_count_ < config_.max_restarts && survivors >= 1) {
+    ++restart_count_;
+    state_ = State::kRestarting;
+    first_join_ = now;
+    Actions out;
+    for (const auto& [s, n] : members_)
+      out.push_back({s, proto::to_frame(proto::Restart{restart_count_, reason})});
+    members_.clear();
+    return out;
+  }
+  state_ = State::kFailed;
+  auto out = broadcast(proto::to_frame(proto::Abort{root_cause, reason}));
+  members_.clear();
+  joined_.clear();
+  return out;
+}
+
+Actions Job::worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::time_point now) {
+  last_activity_ = now;
+  if (state_ != State::kRunning || !members_.contains(s) || f.round != round_) return {};
+  const std::string reason = fmt::format("rank {} on {} exited with {}", f.rank, f.host, f.exit_code);
+  // The failing node stays a member: it re-joins (or aborts) like the others.
+  return fail_or_restart(f, reason, 0, now);
+}
+
+Actions Job::node_done(SessionId s, Clock::time_point now) {
+  last_activity_ = now;
+  auto it = members_.find(s);
+  if (state_ != State::kRunning || it == members_.end()) return {};
+  it->second.done = true;
+  if (!std::all_of(members_.begin(), members_.end(), [](const auto& m) { return m.second.done; })) return {};
+  state_ = State::kDone;
+  auto out = broadcast(proto::to_frame(proto::Done{}));
+  members_.clear();
+  return out;
+}
+
+Actions Job::disconnected(SessionId s, Clock::time_point now) {
+  last_activity_ = now;
+  joined_.erase(s);
+  auto it = members_.find(s);
+  if (it == members_.end()) {
+    if (joined_.size() < static_cast<std::size_t>(config_.min_nodes)) last_call_deadline_.reset();
+    return {};
+  }
+  if (state_ != State::kRunning || it->second.done) {
+    members_.erase(it);
+    return {};
+  }
+  proto::WorkerFailed rc;
+  rc.round = round_;
+  rc.host = it->second.join.host;
+  rc.rank = -1;
+  rc.exit_code = 1;
+  rc.message = fmt::format("node {} ({}) lost: its connection closed", it->second.join.host, it->second.join.addr);
+  return fail_or_restart(rc, rc.message, s, now);
+}
+
+Actions Job::tick(Clock::time_point now) {
+  if (!configured_ || finished()) return {};
+  if ((state_ == State::kJoining || state_ == State::kRestarting) && !joined_.empty()) {
+    if (last_call_deadline_ && now >= *last_call_deadline_) return close_round(now);
+    if (now - first_join_ >= milliseconds(config_.join_timeout_ms)) {
+      proto::WorkerFailed rc;
+      rc.rank = -1;
+      rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
+                               config_.min_nodes, id_);
+      state_ = State::kFailed;
+      auto out = broadcast(proto::to_frame(proto::Abort{rc, rc.message}));
+      joined_.clear();
+      return out;
+    }
+  }
+  if (state_ == State::kRunning) {
+    const auto limit = milliseconds(config_.keep_alive_ms) * config_.keep_alive_max_attempt;
+    for (const auto& [s, n] : members_) {
+      if (n.done || now - n.last_seen <= limit) continue;
+      proto::WorkerFailed rc;
+      rc.round = round_;
+      rc.host = n.join.host;
+      rc.rank = -1;
+      rc.exit_code = 1;
+      rc.message = fmt::format("node {} ({}) missed {} heartbeats ({} ms apart): hung or unreachable", n.join.host,
+                               n.join.addr, config_.keep_alive_max_attempt, config_.keep_alive_ms);
+      auto out = fail_or_restart(rc, rc.message, s, now);
+      // The silent node is told too, in case it is only slow.
+      out.push_back({s, proto::to_frame(proto::Abort{rc, rc.message})});
+      return out;
+    }
+  }
+  return {};
+}
+
+}  // namespace mg::rdzv

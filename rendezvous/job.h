@@ -1,0 +1,79 @@
+// Job: the rendezvous state machine of one rdzv id, driven by messages and by tick(now)
+// with the time passed in, so every transition is unit-tested with a fake clock. It owns
+// no I/O: each call returns the frames to send, addressed by the server's session ids.
+//
+//   joining --(max nodes, or min nodes and last_call_timeout)--> running
+//   running --(worker failed | node lost)--> restarting (restarts left) | failed
+//   running --(a new node while below max)--> restarting (scale-up, restart count kept)
+//   restarting --(survivors re-join)--> running
+//   running --(every node done)--> done
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "proto/messages.h"
+
+namespace mg::rdzv {
+
+using Clock = std::chrono::steady_clock;
+using SessionId = std::uint64_t;
+
+struct Outgoing {
+  SessionId session = 0;
+  proto::Frame frame;
+};
+using Actions = std::vector<Outgoing>;
+
+class Job {
+ public:
+  enum class State { kJoining, kRunning, kRestarting, kDone, kFailed };
+
+  explicit Job(std::string id) : id_(std::move(id)) {}
+
+  Actions join(SessionId s, const proto::Join& j, Clock::time_point now);
+  Actions heartbeat(SessionId s, Clock::time_point now);
+  Actions worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::time_point now);
+  Actions node_done(SessionId s, Clock::time_point now);
+  Actions disconnected(SessionId s, Clock::time_point now);
+  // Closes a round after last call, detects silent nodes, expires a join that waits too long.
+  Actions tick(Clock::time_point now);
+
+  State state() const { return state_; }
+  int restart_count() const { return restart_count_; }
+  int round() const { return round_; }
+  std::size_t waiting() const { return joined_.size(); }
+  std::size_t members() const { return members_.size(); }
+  bool finished() const { return state_ == State::kDone || state_ == State::kFailed; }
+  Clock::time_point last_activity() const { return last_activity_; }
+
+ private:
+  struct Node {
+    proto::Join join;
+    Clock::time_point last_seen;
+    bool done = false;
+  };
+
+  Actions close_round(Clock::time_point now);
+  Actions fail_or_restart(const proto::WorkerFailed& root_cause, const std::string& reason, SessionId lost,
+                          Clock::time_point now);
+  Actions broadcast(const proto::Frame& f, SessionId except = 0) const;
+
+  std::string id_;
+  State state_ = State::kJoining;
+  proto::Join config_;  // settings from the first join (min/max nodes, timeouts, restarts)
+  bool configured_ = false;
+  int round_ = 0;
+  int restart_count_ = 0;
+  std::map<SessionId, Node> joined_;   // waiting for the next round
+  std::map<SessionId, Node> members_;  // in the running round
+  std::optional<Clock::time_point> last_call_deadline_;
+  Clock::time_point first_join_;
+  Clock::time_point last_activity_;
+};
+
+}  // namespace mg::rdzv

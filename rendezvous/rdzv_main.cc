@@ -1,0 +1,90 @@
+// mglaunch-rdzv: the rendezvous daemon. Serves many jobs until SIGTERM/SIGINT.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "rendezvous/endpoint.h"
+#include "rendezvous/server.h"
+
+int main(int argc, char** argv) {
+  std::string listen = "127.0.0.1:0", token_file;
+  bool json_log = false;
+  double handshake_s = 10, idle_expiry_s = 3600;
+  std::size_t max_connections = 20000, max_frame = mg::proto::kDefaultMaxFrame;
+  CLI::App app{"mglaunch-rdzv: rendezvous daemon for mglaunch agents (--rdzv_backend=mglaunch|c10d)", "mglaunch-rdzv"};
+  app.add_option("--listen", listen, "HOST:PORT to listen on (port 0 picks one; default 127.0.0.1:0)");
+  app.add_option("--token-file", token_file, "Require agents to prove this token (HMAC-SHA256); or MGLAUNCH_RDZV_TOKEN");
+  app.add_flag("--json-log", json_log, "Log one JSON object per line instead of text");
+  app.add_option("--max-connections", max_connections, "Refuse connections beyond this many")->check(CLI::PositiveNumber);
+  app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(64, 1 << 26));
+  app.add_option("--handshake-timeout", handshake_s, "Seconds a new connection has to authenticate")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds")
+      ->check(CLI::PositiveNumber);
+  app.footer("Prints 'listening on HOST:PORT' first. Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad flags or token "
+             "file; 3 cannot listen.");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    return app.exit(e);
+  } catch (const CLI::Error& e) {
+    std::string what = e.what();
+    std::fprintf(stderr, "mglaunch-rdzv: error: %s (see --help)\n", what.substr(0, what.find('\n')).c_str());
+    return 2;
+  }
+  mg::rdzv::ServerOptions so;
+  try {
+    auto ep = mg::rdzv::parse_endpoint(listen, 0);
+    so.host = ep.host;
+    so.port = ep.port;
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "mglaunch-rdzv: error: --listen: %s\n", e.what());
+    return 2;
+  }
+  if (const char* t = std::getenv("MGLAUNCH_RDZV_TOKEN")) so.token = t;
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    std::getline(in, so.token);
+    if (!in && so.token.empty()) {
+      std::fprintf(stderr, "mglaunch-rdzv: error: --token-file '%s' cannot be read or is empty\n", token_file.c_str());
+      return 2;
+    }
+  }
+  so.max_connections = max_connections;
+  so.max_frame = max_frame;
+  so.handshake_timeout = std::chrono::milliseconds(static_cast<long>(handshake_s * 1000));
+  so.idle_job_expiry = std::chrono::milliseconds(static_cast<long>(idle_expiry_s * 1000));
+  so.log = [json_log](const std::string& line) {
+    std::string out = json_log ? nlohmann::json{{"time", std::time(nullptr)}, {"event", line}}.dump()
+                               : fmt::format("mglaunch-rdzv: {}", line);
+    std::fprintf(stderr, "%s\n", out.c_str());
+  };
+  boost::asio::io_context io(1);
+  std::unique_ptr<mg::rdzv::Server> server;
+  try {
+    server = std::make_unique<mg::rdzv::Server>(io, so);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mglaunch-rdzv: error: %s\n", e.what());
+    return 3;
+  }
+  std::printf("listening on %s\n", server->address().c_str());
+  std::fflush(stdout);
+  const bool loopback = so.host.starts_with("127.") || so.host == "localhost" || so.host == "::1";
+  if (so.token.empty() && !loopback)
+    so.log(fmt::format("warning: listening on {} without a token: anyone who can reach it can join jobs; "
+                       "use --token-file", so.host));
+  boost::asio::signal_set signals(io, SIGTERM, SIGINT);
+  signals.async_wait([&](boost::system::error_code, int) { server->stop(); });
+  io.run();
+  return 0;
+}

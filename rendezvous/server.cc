@@ -163,6 +163,8 @@ void Server::on_close(const std::shared_ptr<Session>& s, const std::string& why)
   if (s->handshake_timer) s->handshake_timer->cancel();
   sessions_.erase(s->id);
   if (stopped_) return;
+  if (why != "closed" && why != "connection closed by peer")
+    log(fmt::format("{}: connection dropped: {}", s->conn->peer(), why));
   if (auto job = jobs_.find(s->job); job != jobs_.end()) {
     if (!job->second.finished()) log(fmt::format("job '{}': {} disconnected ({})", s->job, s->conn->peer(), why));
     apply(job->second.disconnected(s->id, Clock::now()));

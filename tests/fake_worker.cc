@@ -14,6 +14,7 @@
 //   sleep-ms N          sleep N milliseconds
 //   stamp FILE TAG      append "TAG RESTART_COUNT RANK CLOCK_REALTIME_NS" to FILE
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
+//   when-world-below N  hang (60 s) while WORLD_SIZE < N, then exit 0 (scale-up tests)
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
 #include <fcntl.h>
 #include <signal.h>
@@ -139,6 +140,11 @@ int main(int argc, char** argv) {
       hang(std::atof(arg()) / 1000.0);
     } else if (cmd == "when-rank") {
       if (rank != std::atoi(arg())) {
+        hang(60);
+        return 0;
+      }
+    } else if (cmd == "when-world-below") {
+      if (env_int("WORLD_SIZE", 1) < std::atoi(arg())) {
         hang(60);
         return 0;
       }

@@ -22,6 +22,12 @@ struct Proc {
   int exit_code() const;  // shell style: N or 128+signal
   std::string out() const;
   std::string err() const;
+  Proc() = default;
+  Proc(Proc&& o) noexcept : pid(o.pid), out_path(std::move(o.out_path)), err_path(std::move(o.err_path)), status(o.status) {
+    o.pid = -1;  // the moved-from handle no longer owns (or kills) the process
+  }
+  Proc(const Proc&) = delete;
+  Proc& operator=(const Proc&) = delete;
   ~Proc();
 };
 
@@ -46,6 +52,7 @@ bool pid_alive(pid_t pid);  // zombies count as gone
 
 inline const std::string kMglaunch = MGLAUNCH_BIN;
 inline const std::string kFakeWorker = FAKE_WORKER_BIN;
+inline const std::string kRdzvDaemon = MGLAUNCH_RDZV_BIN;
 inline const std::string kSourceDir = SOURCE_DIR;
 
 }  // namespace mgtest

@@ -1,0 +1,176 @@
+// The rendezvous job state machine, driven with a fake clock (time points passed in).
+#include <catch2/catch.hpp>
+
+#include "rendezvous/job.h"
+
+using namespace mg;
+using namespace mg::rdzv;
+using namespace std::chrono_literals;
+using proto::MsgType;
+
+namespace {
+
+proto::Join node(const std::string& addr, int min_nodes, int max_nodes, int nproc = 2, int max_restarts = 0) {
+  proto::Join j;
+  j.job_id = "job";
+  j.agent_id = "agent-" + addr;
+  j.host = "host-" + addr;
+  j.addr = addr;
+  j.nproc = nproc;
+  j.min_nodes = min_nodes;
+  j.max_nodes = max_nodes;
+  j.max_restarts = max_restarts;
+  j.master_port = 1000;
+  j.last_call_ms = 1000;
+  j.keep_alive_ms = 100;
+  j.keep_alive_max_attempt = 3;
+  j.join_timeout_ms = 5000;
+  return j;
+}
+
+std::vector<Outgoing> of_type(const Actions& a, MsgType t) {
+  std::vector<Outgoing> out;
+  for (const auto& o : a)
+    if (proto::type_of(o.frame) == t) out.push_back(o);
+  return out;
+}
+
+const Clock::time_point T0{};
+
+}  // namespace
+
+TEST_CASE("a static job closes its round the moment N nodes joined, with deterministic ranks") {
+  Job job("job");
+  CHECK(job.join(1, node("127.0.0.3", 3, 3), T0).empty());
+  CHECK(job.join(2, node("127.0.0.1", 3, 3, 4), T0).empty());
+  auto out = job.join(3, node("127.0.0.2", 3, 3), T0);
+  auto assigned = of_type(out, MsgType::kAssignment);
+  REQUIRE(assigned.size() == 3);
+  CHECK(job.state() == Job::State::kRunning);
+  std::map<SessionId, proto::Assignment> by_session;
+  for (auto& o : assigned) by_session[o.session] = proto::from_frame<proto::Assignment>(o.frame);
+  // Sorted by address: 127.0.0.1 (session 2) is group rank 0 and the master.
+  CHECK(by_session[2].group_rank == 0);
+  CHECK(by_session[3].group_rank == 1);
+  CHECK(by_session[1].group_rank == 2);
+  CHECK(by_session[3].rank_offset == 4);
+  CHECK(by_session[1].rank_offset == 6);
+  for (auto& [s, a] : by_session) {
+    CHECK(a.world_size == 8);
+    CHECK(a.master_addr == "127.0.0.1");
+    CHECK(a.group_world_size == 3);
+  }
+}
+
+TEST_CASE("an explicit node rank comes before address order") {
+  Job job("job");
+  auto a = node("127.0.0.1", 2, 2);
+  auto b = node("127.0.0.9", 2, 2);
+  b.node_rank = 0;
+  job.join(1, a, T0);
+  auto out = of_type(job.join(2, b, T0), MsgType::kAssignment);
+  REQUIRE(out.size() == 2);
+  for (auto& o : out)
+    if (o.session == 2) CHECK(proto::from_frame<proto::Assignment>(o.frame).group_rank == 0);
+}
+
+TEST_CASE("an elastic job waits last_call_timeout after MIN for more nodes") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 3), T0);
+  CHECK(job.join(2, node("127.0.0.2", 2, 3), T0 + 10ms).empty());
+  CHECK(job.tick(T0 + 500ms).empty());  // last call still open
+  CHECK(job.join(3, node("127.0.0.3", 2, 3), T0 + 600ms).size() == 3);  // MAX closes at once
+  Job late("job");
+  late.join(1, node("127.0.0.1", 2, 3), T0);
+  late.join(2, node("127.0.0.2", 2, 3), T0);
+  CHECK(late.tick(T0 + 999ms).empty());
+  CHECK(of_type(late.tick(T0 + 1001ms), MsgType::kAssignment).size() == 2);
+}
+
+TEST_CASE("a node joining a running job below MAX triggers a new round without spending a restart") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 1, 2), T0);
+  job.tick(T0 + 2s);
+  REQUIRE(job.state() == Job::State::kRunning);
+  auto out = job.join(2, node("127.0.0.2", 1, 2), T0 + 3s);
+  CHECK(of_type(out, MsgType::kRestart).size() == 1);
+  CHECK(job.join(1, node("127.0.0.1", 1, 2), T0 + 3s).size() == 2);  // both assigned
+  CHECK(job.restart_count() == 0);
+  CHECK(job.round() == 2);
+}
+
+TEST_CASE("a worker failure restarts every node with one restart count, then aborts when spent") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2, 2, 1), T0);
+  job.join(2, node("127.0.0.2", 2, 2, 2, 1), T0);
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.rank = 3;
+  f.exit_code = 7;
+  auto out = job.worker_failed(2, f, T0 + 1s);
+  auto restarts = of_type(out, MsgType::kRestart);
+  REQUIRE(restarts.size() == 2);
+  for (auto& r : restarts) CHECK(proto::from_frame<proto::Restart>(r.frame).restart_count == 1);
+  job.join(1, node("127.0.0.1", 2, 2, 2, 1), T0 + 1s);
+  auto again = of_type(job.join(2, node("127.0.0.2", 2, 2, 2, 1), T0 + 1s), MsgType::kAssignment);
+  REQUIRE(again.size() == 2);
+  CHECK(proto::from_frame<proto::Assignment>(again[0].frame).restart_count == 1);
+  f.round = 2;
+  auto aborts = of_type(job.worker_failed(1, f, T0 + 2s), MsgType::kAbort);
+  REQUIRE(aborts.size() == 2);
+  CHECK(proto::from_frame<proto::Abort>(aborts[0].frame).root_cause.exit_code == 7);
+  CHECK(job.state() == Job::State::kFailed);
+  CHECK(of_type(job.join(3, node("127.0.0.3", 2, 2), T0 + 3s), MsgType::kError).size() == 1);
+}
+
+TEST_CASE("a silent node is declared lost after keep_alive_interval x max attempts") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2), T0);
+  job.join(2, node("127.0.0.2", 2, 2), T0);
+  job.heartbeat(1, T0 + 250ms);
+  CHECK(job.tick(T0 + 290ms).empty());
+  job.heartbeat(1, T0 + 300ms);
+  auto out = job.tick(T0 + 310ms);  // node 2 silent for 310 ms > 3 x 100 ms
+  auto aborts = of_type(out, MsgType::kAbort);
+  REQUIRE(aborts.size() == 2);
+  CHECK_THAT(proto::from_frame<proto::Abort>(aborts[0].frame).root_cause.message, Catch::Contains("missed 3 heartbeats"));
+}
+
+TEST_CASE("a closed connection ends the round; survivors restart while restarts remain") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 1, 2, 1, 2), T0);
+  job.join(2, node("127.0.0.2", 1, 2, 1, 2), T0);
+  auto out = job.disconnected(2, T0 + 1s);
+  auto restarts = of_type(out, MsgType::kRestart);
+  REQUIRE(restarts.size() == 1);
+  CHECK(restarts[0].session == 1);
+  job.join(1, node("127.0.0.1", 1, 2, 1, 2), T0 + 1s);
+  auto assigned = of_type(job.tick(T0 + 3s), MsgType::kAssignment);  // MIN 1 after last call
+  REQUIRE(assigned.size() == 1);
+  CHECK(proto::from_frame<proto::Assignment>(assigned[0].frame).world_size == 1);
+}
+
+TEST_CASE("the job is done when every node reports done; too few nodes time out") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2), T0);
+  job.join(2, node("127.0.0.2", 2, 2), T0);
+  CHECK(job.node_done(1, T0 + 1s).empty());
+  CHECK(of_type(job.node_done(2, T0 + 1s), MsgType::kDone).size() == 2);
+  CHECK(job.state() == Job::State::kDone);
+  Job lonely("job");
+  lonely.join(1, node("127.0.0.1", 2, 2), T0);
+  CHECK(lonely.tick(T0 + 4s).empty());
+  CHECK(of_type(lonely.tick(T0 + 6s), MsgType::kAbort).size() == 1);
+}
+
+TEST_CASE("messages round-trip through frames and reject the wrong type") {
+  proto::Assignment a;
+  a.nodes = {"x", "y"};
+  a.world_size = 9;
+  auto back = proto::from_frame<proto::Assignment>(proto::decode(proto::encode(proto::to_frame(a))).frame);
+  CHECK(back.nodes == a.nodes);
+  CHECK(back.world_size == 9);
+  CHECK_THROWS_AS(proto::from_frame<proto::Join>(proto::to_frame(a)), proto::ProtocolError);
+  proto::Frame missing{static_cast<std::uint8_t>(MsgType::kJoin), nlohmann::json::object()};
+  CHECK(proto::from_frame<proto::Join>(missing).nproc == 1);  // absent fields take defaults
+}

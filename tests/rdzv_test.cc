@@ -1,0 +1,221 @@
+// Multi-node rendezvous with real processes: agents on 127.0.0.1-127.0.0.4 (--local_addr),
+// an embedded or standalone mglaunch-rdzv, fake_worker as the workload.
+#include <catch2/catch.hpp>
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "support/proc.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct Daemon {
+  Proc proc;
+  std::string endpoint;
+};
+
+Daemon start_daemon(std::map<std::string, std::string> env = {}) {
+  Daemon d{spawn({kRdzvDaemon, "--listen", "127.0.0.1:0"}, env), ""};
+  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
+  auto line = split_lines(d.proc.out()).at(0);
+  REQUIRE(line.rfind("listening on ", 0) == 0);
+  d.endpoint = line.substr(13);
+  return d;
+}
+
+std::vector<std::string> agent_argv(const std::string& endpoint, const std::string& job, int index, std::string nnodes,
+                                    int nproc, std::vector<std::string> flags, std::vector<std::string> worker) {
+  std::vector<std::string> argv{kMglaunch,
+                                "--nnodes=" + nnodes,
+                                "--nproc_per_node=" + std::to_string(nproc),
+                                "--rdzv_backend=c10d",
+                                "--rdzv_endpoint=" + endpoint,
+                                "--rdzv_id=" + job,
+                                "--local_addr=127.0.0." + std::to_string(index)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(kFakeWorker);
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  return argv;
+}
+
+std::vector<nlohmann::json> envs(const std::string& out) {
+  std::vector<nlohmann::json> v;
+  for (const auto& l : split_lines(out))
+    if (auto b = l.find('{'); b != std::string::npos) v.push_back(nlohmann::json::parse(l.substr(b)));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("3 agents x 2 workers get ranks 0..5 once each and one MASTER_ADDR") {
+  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i) agents.push_back(spawn(agent_argv(ep, "ranks", i, "3", 2, {}, {"env"})));
+  std::multiset<std::string> ranks;
+  std::set<std::string> masters, ports, worlds;
+  for (auto& a : agents) {
+    REQUIRE(a.wait(30s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    for (const auto& e : envs(a.out())) {
+      ranks.insert(e["RANK"].get<std::string>());
+      masters.insert(e["MASTER_ADDR"].get<std::string>());
+      ports.insert(e["MASTER_PORT"].get<std::string>());
+      worlds.insert(e["WORLD_SIZE"].get<std::string>() + "/" + e["GROUP_WORLD_SIZE"].get<std::string>());
+    }
+  }
+  CHECK(ranks == std::multiset<std::string>{"0", "1", "2", "3", "4", "5"});
+  CHECK(masters == std::set<std::string>{"127.0.0.1"});
+  CHECK(ports.size() == 1);
+  CHECK(worlds == std::set<std::string>{"6/3"});
+}
+
+TEST_CASE("elastic 2:3 starts with two nodes and scales up when a third arrives") {
+  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  const std::vector<std::string> flags{"--rdzv_conf=last_call_timeout=0.5"};
+  const std::vector<std::string> worker{"print", "world=${local_rank}", "env", "when-world-below", "3"};
+  Proc a = spawn(agent_argv(ep, "elastic", 1, "2:3", 1, flags, worker));
+  Proc b = spawn(agent_argv(ep, "elastic", 2, "2:3", 1, flags, worker));
+  // Round 1 (two nodes) is running when the third node comes.
+  REQUIRE(eventually([&] { return envs(a.out()).size() == 1 && envs(b.out()).size() == 1; }, 20s));
+  CHECK(envs(a.out())[0]["WORLD_SIZE"] == "2");
+  Proc c = spawn(agent_argv(ep, "elastic", 3, "2:3", 1, flags, worker));
+  for (auto* p : {&a, &b, &c}) {
+    REQUIRE(p->wait(30s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+    CHECK(envs(p->out()).back()["WORLD_SIZE"] == "3");
+  }
+}
+
+TEST_CASE("a worker failure on node 2 restarts every node with the same restart count") {
+  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(agent_argv(ep, "restart", i, "3", 2, {"--max_restarts=2"},
+                                      {"env", "when-restart-below", "1", "when-rank", "3", "exit", "7"})));
+  for (auto& a : agents) {
+    REQUIRE(a.wait(30s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    std::set<std::string> counts;
+    for (const auto& e : envs(a.out())) counts.insert(e["TORCHELASTIC_RESTART_COUNT"].get<std::string>());
+    CHECK(counts == std::set<std::string>{"0", "1"});
+    CHECK_THAT(a.err(), Catch::Contains("restart 1 decided by the rendezvous: rank 3"));
+  }
+}
+
+TEST_CASE("without restarts every node prints the same root cause and exits with its code") {
+  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(agent_argv(ep, "abort", i, "3", 1, {}, {"when-rank", "2", "eprint", "bad input", "exit", "9"})));
+  for (auto& a : agents) {
+    REQUIRE(a.wait(30s));
+    CHECK(a.exit_code() == 9);
+    CHECK_THAT(a.err(), Catch::Contains("rank       : 2 (local_rank: 0)") && Catch::Contains("    bad input"));
+  }
+}
+
+TEST_CASE("a SIGKILLed agent and a SIGSTOPped agent are both detected by the survivors") {
+  Daemon d = start_daemon();
+  const std::vector<std::string> flags{"--rdzv_conf=keep_alive_interval=0.2,keep_alive_max_attempt=2"};
+  for (int sig : {SIGKILL, SIGSTOP}) {
+    INFO("signal " << sig);
+    const std::string job = "lost" + std::to_string(sig);
+    std::vector<Proc> agents;
+    for (int i = 1; i <= 3; ++i)
+      agents.push_back(spawn(agent_argv(d.endpoint, job, i, "3", 1, flags, {"print", "up", "hang", "60"})));
+    REQUIRE(eventually([&] {
+      return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
+    }, 20s));
+    ::kill(agents[1].pid, sig);
+    for (int i : {0, 2}) {
+      REQUIRE(agents[i].wait(10s));
+      CHECK(agents[i].exit_code() == 1);
+      CHECK_THAT(agents[i].err(),
+                 Catch::Contains(sig == SIGKILL ? "connection closed" : "missed 2 heartbeats"));
+    }
+    ::kill(agents[1].pid, SIGKILL);
+    agents[1].wait(5s);
+  }
+  ::kill(d.proc.pid, SIGTERM);
+  REQUIRE(d.proc.wait(5s));
+  CHECK(d.proc.exit_code() == 0);
+}
+
+TEST_CASE("the daemon refuses a wrong or missing token and accepts the right one") {
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", "s3cret"}});
+  auto run_agent = [&](const std::string& job, std::map<std::string, std::string> env) {
+    return run(agent_argv(d.endpoint, job, 1, "2:2", 1, {"--rdzv_conf=join_timeout=5"}, {"print", "ok"}), env, 30s);
+  };
+  auto wrong = run_agent("t1", {{"MGLAUNCH_RDZV_TOKEN", "guess"}});
+  CHECK(wrong.code == 3);
+  CHECK_THAT(wrong.err, Catch::Contains("wrong rendezvous token"));
+  auto none = run_agent("t2", {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}});
+  CHECK(none.code == 3);
+  CHECK_THAT(none.err, Catch::Contains("wants a token"));
+  CHECK_THAT(d.proc.err(), Catch::Contains("wrong rendezvous token"));
+  Proc a = spawn(agent_argv(d.endpoint, "t3", 1, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "s3cret"}});
+  Proc b = spawn(agent_argv(d.endpoint, "t3", 2, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "s3cret"}});
+  REQUIRE(a.wait(20s));
+  REQUIRE(b.wait(20s));
+  CHECK(a.exit_code() == 0);
+  CHECK(b.exit_code() == 0);
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}
+
+TEST_CASE("garbage and oversized frames close only their own connection while a job proceeds") {
+  Daemon d = start_daemon();
+  const int port = std::stoi(d.endpoint.substr(d.endpoint.rfind(':') + 1));
+  auto raw = [&](const std::vector<unsigned char>& bytes) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    REQUIRE(::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()));
+    return fd;
+  };
+  Proc a = spawn(agent_argv(d.endpoint, "busy", 1, "2", 1, {}, {"sleep-ms", "300", "print", "ok"}));
+  int garbage = raw({0, 0, 0, 6, 1, 5, 0xff, 0xfe, 0xfd, 0xfc});
+  int huge = raw({0x7f, 0xff, 0xff, 0xff, 1, 5});
+  char c;
+  CHECK(::read(garbage, &c, 1) <= 0);  // closed by the daemon
+  CHECK(::read(huge, &c, 1) <= 0);
+  ::close(garbage);
+  ::close(huge);
+  Proc b = spawn(agent_argv(d.endpoint, "busy", 2, "2", 1, {}, {"sleep-ms", "300", "print", "ok"}));
+  REQUIRE(a.wait(20s));
+  REQUIRE(b.wait(20s));
+  CHECK(a.exit_code() == 0);
+  CHECK(b.exit_code() == 0);
+  CHECK_THAT(d.proc.err(), Catch::Contains("exceeds the limit"));
+  CHECK(pid_alive(d.proc.pid));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}

@@ -3,7 +3,8 @@
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev catch2 \
-        libcli11-dev libssl-dev libtorch-dev libgloo-dev python3-torch dataset-fashion-mnist
+        libcli11-dev libssl-dev libtorch-dev libgloo-dev python3-torch dataset-fashion-mnist \
+        clang libclang-rt-14-dev
 BENCH_DEBS := hyperfine time
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MGLAUNCH := $(BUILD_DIR)/bin/mglaunch
@@ -34,6 +35,7 @@ test: build
 bench:
 	$(MAKE) build EXTRA_DEBS="$(BENCH_DEBS)"
 	bench/launch_bench.sh $(BUILD_DIR)
+	/usr/bin/python3 bench/rdzv_bench.py $(BUILD_DIR)
 	bench/train_bench.sh $(BUILD_DIR)
 
 clean:

@@ -38,7 +38,13 @@ DecodeResult decode(std::span<const std::uint8_t> bytes, std::size_t max_frame) 
                             bytes[4], kProtocolVersion));
   if (bytes.size() < 4 + std::size_t{length}) return r;
   auto body = bytes.subspan(kHeaderSize, length - 2);
-  nlohmann::json payload = nlohmann::json::from_cbor(body.begin(), body.end(), true, false);
+  nlohmann::json payload;
+  try {
+    // allow_exceptions=false still throws for some inputs (e.g. an absurd array size).
+    payload = nlohmann::json::from_cbor(body.begin(), body.end(), true, false);
+  } catch (const nlohmann::json::exception& e) {
+    return fail(fmt::format("frame payload is not valid CBOR: {}", e.what()));
+  }
   if (payload.is_discarded()) return fail("frame payload is not valid CBOR");
   r.status = DecodeResult::Status::kOk;
   r.frame.type = bytes[5];

@@ -73,7 +73,9 @@ Actions Job::close_round(Clock::time_point now) {
   a.master_port = nodes.front().second.join.master_port;
   a.world_size = 0;
   for (const auto& [s, n] : nodes) {
-    a.nodes.push_back(n.join.addr);
+    // The node list rides along for jobs up to kMaxListedNodes (10,000 nodes would make
+    // every assignment 120 KB and the round 1.2 GB).
+    if (nodes.size() <= kMaxListedNodes) a.nodes.push_back(n.join.addr);
     a.world_size += n.join.nproc;
   }
   Actions out;

@@ -29,6 +29,8 @@ struct Outgoing {
 };
 using Actions = std::vector<Outgoing>;
 
+inline constexpr std::size_t kMaxListedNodes = 1024;
+
 class Job {
  public:
   enum class State { kJoining, kRunning, kRestarting, kDone, kFailed };

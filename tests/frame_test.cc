@@ -39,3 +39,11 @@ TEST_CASE("garbage payloads are errors, not exceptions") {
   std::vector<std::uint8_t> bytes = {0, 0, 0, 4, kProtocolVersion, 1, 0xff, 0xff};
   CHECK(decode(bytes).status == DecodeResult::Status::kError);
 }
+
+TEST_CASE("a CBOR array claiming an absurd size is an error, not an exception (found by the fuzzer)") {
+  std::vector<std::uint8_t> bytes = {0x00, 0x00, 0x00, 0x11, 0x01, 0x99, 0x9b, 0x99, 0x2d, 0x99, 0x99,
+                                     0x99, 0xbb, 0xbb, 0xbb, 0xbb, 0xbb, 0xbb, 0xbb, 0xbb, 0x99};
+  auto r = decode(bytes);
+  CHECK(r.status == DecodeResult::Status::kError);
+  CHECK_THAT(r.error, Catch::Contains("not valid CBOR"));
+}

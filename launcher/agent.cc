@@ -166,6 +166,7 @@ void Agent::start_rendezvous() {
   h.on_abort = [this](const proto::Abort& a) { on_abort(a); };
   h.on_done = [this] { finish(exit_code::kOk); };
   h.on_lost = [this](const std::string& why) { on_rdzv_lost(why); };
+  h.on_notice = [](const std::string& text) { notice("rendezvous: " + text); };
   client_ = std::make_unique<rdzv::Client>(io_, rdzv::ClientOptions{ep.host, ep.port, opts_.rdzv_token, j}, std::move(h));
   client_->start();
 }

@@ -67,6 +67,12 @@ struct Join {
   int join_timeout_ms = 600000;
   int keep_alive_ms = 5000;
   int keep_alive_max_attempt = 3;
+  // Re-registration after the server restarted: the round this node is running (0: none).
+  int resume_round = 0;
+  int resume_group_rank = -1;
+  int resume_group_world_size = 0;
+  int resume_restart_count = 0;
+  bool resume_done = false;  // this node's workers already finished the round
 };
 struct Assignment {
   static constexpr MsgType kType = MsgType::kAssignment;
@@ -123,7 +129,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
-                                                keep_alive_ms, keep_alive_max_attempt)
+                                                keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
+                                                resume_restart_count, resume_done)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round)

@@ -54,7 +54,10 @@ void Client::try_connect() {
           if (alive.lock() && !closed_) on_frame(f);
         },
         [this, alive](const std::string& why) {
-          if (alive.lock()) lost(why);
+          if (!alive.lock()) return;
+          // A server that welcomed us and then vanished may come back: keep trying.
+          if (welcomed_) reconnect_later(why);
+          else lost(why);
         });
     conn_->send(proto::to_frame(proto::Hello{opts_.join.agent_id}));
   });
@@ -70,18 +73,33 @@ void Client::on_frame(const proto::Frame& f) {
         conn_->send(proto::to_frame(proto::Auth{hmac_sha256_hex(opts_.token, c.nonce)}));
         return;
       }
-      case MsgType::kWelcome:
+      case MsgType::kWelcome: {
         welcomed_ = true;
-        conn_->send(proto::to_frame(opts_.join));
+        backoff_ = std::chrono::milliseconds(100);
+        proto::Join j = opts_.join;
+        if (current_) {
+          if (h_.on_notice) h_.on_notice(fmt::format("reconnected; re-registered round {}", current_->round));
+          j.resume_round = current_->round;
+          j.resume_group_rank = current_->group_rank;
+          j.resume_group_world_size = current_->group_world_size;
+          j.resume_restart_count = current_->restart_count;
+          j.resume_done = done_sent_;
+        }
+        conn_->send(proto::to_frame(j));
+        heartbeat_timer_.cancel();
         heartbeat();
         return;
+      }
       case MsgType::kAssignment: {
         auto a = proto::from_frame<proto::Assignment>(f);
         round_ = a.round;
+        current_ = a;
+        done_sent_ = false;
         h_.on_assignment(a);
         return;
       }
       case MsgType::kRestart:
+        current_.reset();
         h_.on_restart(proto::from_frame<proto::Restart>(f));
         return;
       case MsgType::kAbort:
@@ -118,7 +136,22 @@ void Client::worker_failed(const proto::WorkerFailed& f) {
 }
 
 void Client::node_done(int round) {
+  done_sent_ = true;
   if (connected()) conn_->send(proto::to_frame(proto::NodeDone{round}));
+}
+
+void Client::reconnect_later(const std::string& why) {
+  if (closed_) return;
+  heartbeat_timer_.cancel();
+  if (conn_) conn_->close(true);
+  conn_.reset();
+  deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(opts_.join.join_timeout_ms);
+  retry_timer_.expires_after(backoff_);
+  backoff_ = std::min(backoff_ * 2, std::chrono::milliseconds(2000));
+  retry_timer_.async_wait([this](boost::system::error_code ec) {
+    if (!ec) try_connect();
+  });
+  if (h_.on_notice) h_.on_notice(fmt::format("lost the rendezvous server ({}); workers keep running, reconnecting", why));
 }
 
 void Client::lost(const std::string& why) {

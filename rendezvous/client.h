@@ -6,6 +6,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <boost/asio/io_context.hpp>
@@ -28,7 +29,8 @@ struct ClientHandlers {
   std::function<void(const proto::Restart&)> on_restart;
   std::function<void(const proto::Abort&)> on_abort;
   std::function<void()> on_done;
-  std::function<void(const std::string&)> on_lost;  // refused, unreachable or disconnected
+  std::function<void(const std::string&)> on_lost;  // refused, or unreachable past join_timeout
+  std::function<void(const std::string&)> on_notice;  // connection dropped / re-registered
 };
 
 class Client {
@@ -44,6 +46,7 @@ class Client {
 
  private:
   void try_connect();
+  void reconnect_later(const std::string& why);
   void on_frame(const proto::Frame& f);
   void lost(const std::string& why);
   void heartbeat();
@@ -56,6 +59,9 @@ class Client {
   boost::asio::steady_timer retry_timer_, heartbeat_timer_;
   std::chrono::steady_clock::time_point deadline_;
   int round_ = 0;
+  std::optional<proto::Assignment> current_;  // the round this node runs, for re-registration
+  bool done_sent_ = false;
+  std::chrono::milliseconds backoff_{100};
   bool closed_ = false;
   bool welcomed_ = false;
   // Callbacks of a connection that outlives this client (graceful close) check this.

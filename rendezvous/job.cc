@@ -30,6 +30,17 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
                                                          id_, config_.min_nodes, config_.max_nodes, j.min_nodes,
                                                          j.max_nodes)})}};
   }
+  if (j.resume_round > 0 && (state_ == State::kJoining || state_ == State::kRunning) &&
+      (members_.empty() || j.resume_round == round_)) {
+    // A restarted server learns the running round back from its nodes.
+    round_ = j.resume_round;
+    restart_count_ = j.resume_restart_count;
+    joined_.erase(s);
+    members_[s] = {j, now, j.resume_done};
+    expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
+    state_ = State::kRunning;
+    return maybe_done();
+  }
   if (state_ == State::kRunning) {
     if (members_.contains(s)) return {};
     if (static_cast<int>(members_.size()) >= config_.max_nodes)
@@ -95,6 +106,7 @@ Actions Job::close_round(Clock::time_point now) {
       out.push_back({s, proto::to_frame(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)})});
   joined_.clear();
   last_call_deadline_.reset();
+  expected_members_ = members_.size();
   state_ = State::kRunning;
   return out;
 }
@@ -141,7 +153,13 @@ Actions Job::node_done(SessionId s, Clock::time_point now) {
   auto it = members_.find(s);
   if (state_ != State::kRunning || it == members_.end()) return {};
   it->second.done = true;
-  if (!std::all_of(members_.begin(), members_.end(), [](const auto& m) { return m.second.done; })) return {};
+  return maybe_done();
+}
+
+Actions Job::maybe_done() {
+  if (members_.size() < expected_members_ ||
+      !std::all_of(members_.begin(), members_.end(), [](const auto& m) { return m.second.done; }))
+    return {};
   state_ = State::kDone;
   auto out = broadcast(proto::to_frame(proto::Done{}));
   members_.clear();

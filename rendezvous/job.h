@@ -64,6 +64,7 @@ class Job {
   Actions fail_or_restart(const proto::WorkerFailed& root_cause, const std::string& reason, SessionId lost,
                           Clock::time_point now);
   Actions broadcast(const proto::Frame& f, SessionId except = 0) const;
+  Actions maybe_done();
 
   std::string id_;
   State state_ = State::kJoining;
@@ -73,6 +74,7 @@ class Job {
   int restart_count_ = 0;
   std::map<SessionId, Node> joined_;   // waiting for the next round
   std::map<SessionId, Node> members_;  // in the running round
+  std::size_t expected_members_ = 0;   // size of the running round (members may re-register late)
   std::optional<Clock::time_point> last_call_deadline_;
   Clock::time_point first_join_;
   Clock::time_point last_activity_;

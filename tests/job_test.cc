@@ -174,3 +174,22 @@ TEST_CASE("messages round-trip through frames and reject the wrong type") {
   proto::Frame missing{static_cast<std::uint8_t>(MsgType::kJoin), nlohmann::json::object()};
   CHECK(proto::from_frame<proto::Join>(missing).nproc == 1);  // absent fields take defaults
 }
+
+TEST_CASE("a restarted server rebuilds the running round from re-registering nodes") {
+  Job job("job");
+  auto a = node("127.0.0.1", 2, 2);
+  auto b = node("127.0.0.2", 2, 2);
+  for (auto* j : {&a, &b}) {
+    j->resume_round = 4;
+    j->resume_restart_count = 1;
+    j->resume_group_world_size = 2;
+  }
+  a.resume_done = true;
+  CHECK(job.join(7, a, T0).empty());
+  CHECK(job.state() == Job::State::kRunning);
+  CHECK(job.round() == 4);
+  CHECK(job.restart_count() == 1);
+  CHECK(job.node_done(7, T0).empty());  // node b has not re-registered yet
+  CHECK(job.join(8, b, T0).empty());
+  CHECK(of_type(job.node_done(8, T0), MsgType::kDone).size() == 2);
+}

@@ -60,6 +60,12 @@ std::vector<std::string> agent_argv(const std::string& endpoint, const std::stri
   return argv;
 }
 
+int count_of_up(const std::string& out) {
+  int n = 0;
+  for (const auto& l : split_lines(out)) n += l.find(":up") != std::string::npos;
+  return n;
+}
+
 std::vector<nlohmann::json> envs(const std::string& out) {
   std::vector<nlohmann::json> v;
   for (const auto& l : split_lines(out))
@@ -218,4 +224,34 @@ TEST_CASE("garbage and oversized frames close only their own connection while a 
   CHECK(pid_alive(d.proc.pid));
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
+}
+
+TEST_CASE("the daemon killed and restarted mid-run: workers keep running and the job completes") {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  auto listen = [&] {
+    Daemon d{spawn({kRdzvDaemon, "--listen", endpoint}), endpoint};
+    REQUIRE(eventually([&] { return d.proc.out().find("listening on") != std::string::npos; }, 10s));
+    return d;
+  };
+  Daemon first = listen();
+  const std::vector<std::string> worker{"pidfile", make_temp_dir() + "/p", "print", "up", "sleep-ms", "2500", "print",
+                                        "bye"};
+  Proc a = spawn(agent_argv(endpoint, "survive", 1, "2", 1, {}, worker));
+  Proc b = spawn(agent_argv(endpoint, "survive", 2, "2", 1, {}, worker));
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     20s));
+  ::kill(first.proc.pid, SIGKILL);
+  REQUIRE(first.proc.wait(5s));
+  Daemon second = listen();
+  REQUIRE(a.wait(30s));
+  REQUIRE(b.wait(30s));
+  INFO(a.err() << b.err() << second.proc.err());
+  CHECK(a.exit_code() == 0);
+  CHECK(b.exit_code() == 0);
+  CHECK_THAT(a.out(), Catch::Contains("bye"));
+  CHECK_THAT(b.out(), Catch::Contains("bye"));
+  CHECK(count_of_up(a.out()) == 1);  // the workers were never restarted
+  CHECK_THAT(second.proc.err(), Catch::Contains("job 'survive' created"));
+  ::kill(second.proc.pid, SIGTERM);
+  second.proc.wait(5s);
 }

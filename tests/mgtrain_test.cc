@@ -207,6 +207,9 @@ TEST_CASE("mgtrain reports an unreachable master and missing data with exit code
   CHECK_THAT(d.err, Catch::Contains("dataset-fashion-mnist"));
   auto u = run({kMgtrain, "--model", "resnet"}, {}, 60s);
   CHECK(u.code == 2);
+  auto amp = run({kMgtrain, "--amp"}, {}, 60s);  // this CPU build has no CUDA autocast
+  CHECK(amp.code == 2);
+  CHECK_THAT(amp.err, Catch::Contains("--amp needs a CUDA build"));
 }
 
 TEST_CASE("one real Fashion-MNIST epoch of the CNN passes 85% test accuracy") {

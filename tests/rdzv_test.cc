@@ -255,3 +255,30 @@ TEST_CASE("the daemon killed and restarted mid-run: workers keep running and the
   ::kill(second.proc.pid, SIGTERM);
   second.proc.wait(5s);
 }
+
+TEST_CASE("a silent client is dropped after the handshake timeout and connections beyond the limit are refused") {
+  Daemon d{spawn({kRdzvDaemon, "--listen", "127.0.0.1:0", "--handshake-timeout", "0.3", "--max-connections", "2"}), ""};
+  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
+  const auto line = split_lines(d.proc.out()).at(0);
+  const int port = std::stoi(line.substr(line.rfind(':') + 1));
+  auto connect_raw = [&] {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    return fd;
+  };
+  int slow1 = connect_raw(), slow2 = connect_raw();
+  int third = connect_raw();
+  char c;
+  CHECK(::read(third, &c, 1) <= 0);  // refused: 2 connections open
+  CHECK(eventually([&] { return d.proc.err().find("no handshake within 300 ms") != std::string::npos; }, 5s));
+  CHECK(::read(slow1, &c, 1) <= 0);
+  CHECK(::read(slow2, &c, 1) <= 0);
+  CHECK_THAT(d.proc.err(), Catch::Contains("(max)"));
+  for (int fd : {slow1, slow2, third}) ::close(fd);
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}

@@ -29,15 +29,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def eight_agents(launcher, runs):
+def eight_agents(launcher, runs, local_addr=True):
     times = []
     for r in range(runs):
         port = free_port()
         t0 = time.perf_counter()
-        procs = [subprocess.Popen(launcher + ["--nnodes=8", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                                              f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=bench{r}",
-                                              f"--local_addr=127.0.0.{i + 1}", "--no_python", "/bin/true"],
-                                  stdout=DEVNULL, stderr=DEVNULL) for i in range(8)]
+        def argv(i):
+            # torch 1.13's torchrun has no --local_addr: its agents all advertise this host.
+            addr = [f"--local_addr=127.0.0.{i + 1}"] if local_addr else []
+            return launcher + ["--nnodes=8", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                               f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=bench{r}"] + addr + \
+                ["--no_python", "/bin/true"]
+        procs = [subprocess.Popen(argv(i), stdout=DEVNULL, stderr=DEVNULL) for i in range(8)]
         codes = [p.wait(timeout=120) for p in procs]
         times.append(time.perf_counter() - t0)
         assert codes == [0] * 8, codes
@@ -75,7 +78,7 @@ def hung_detection():
 
 def main():
     ours = eight_agents([os.path.join(BIN, "mglaunch")], 10)
-    ref = eight_agents(TORCHRUN, 3)
+    ref = eight_agents(TORCHRUN, 3, local_addr=False)
     print("| metric | mglaunch | torchrun (1.13, --monitor_interval=0.1) | torchrun / mglaunch |")
     print("|---|---|---|---|")
     print(f"| 8 agents x 1 worker, /bin/true, start -> all exited (median) | {ours * 1e3:.0f} ms | {ref * 1e3:.0f} ms "

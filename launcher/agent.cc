@@ -403,12 +403,8 @@ void Agent::finish(int code) {
   signals_.cancel(ec);
   grace_timer_.cancel();
   if (client_) client_->close();
-  if (embedded_server_) {
-    // Let the other nodes hear the decision before the server goes away with us.
-    auto* server = embedded_server_.get();
-    auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(200));
-    timer->async_wait([server, timer](boost::system::error_code) { server->stop(); });
-  }
+  // The other nodes still hear the decision already queued for them.
+  if (embedded_server_) embedded_server_->stop(/*flush=*/true);
   for (auto& w : workers_) w->kill_stragglers();
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);

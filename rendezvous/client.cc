@@ -40,7 +40,8 @@ void Client::try_connect() {
     if (ec) {
       if (std::chrono::steady_clock::now() >= deadline_)
         return lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, ec.message()));
-      retry_timer_.expires_after(std::chrono::milliseconds(50));
+      retry_timer_.expires_after(connect_backoff_);
+      connect_backoff_ = std::min(connect_backoff_ * 2, std::chrono::milliseconds(500));
       retry_timer_.async_wait([this](boost::system::error_code ec) {
         if (!ec) try_connect();
       });

@@ -61,7 +61,8 @@ class Client {
   int round_ = 0;
   std::optional<proto::Assignment> current_;  // the round this node runs, for re-registration
   bool done_sent_ = false;
-  std::chrono::milliseconds backoff_{100};
+  std::chrono::milliseconds backoff_{100};          // between reconnects after a loss
+  std::chrono::milliseconds connect_backoff_{10};  // between refused connects at start
   bool closed_ = false;
   bool welcomed_ = false;
   // Callbacks of a connection that outlives this client (graceful close) check this.

@@ -47,7 +47,7 @@ void Server::log(const std::string& line) const {
   if (opts_.log) opts_.log(line);
 }
 
-void Server::stop() {
+void Server::stop(bool flush) {
   if (stopped_) return;
   stopped_ = true;
   boost::system::error_code ec;
@@ -56,7 +56,7 @@ void Server::stop() {
   auto sessions = std::move(sessions_);
   for (auto& [id, s] : sessions) {
     if (s->handshake_timer) s->handshake_timer->cancel();
-    s->conn->close(true);
+    s->conn->close(!flush);
   }
 }
 

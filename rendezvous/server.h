@@ -38,7 +38,9 @@ class Server {
   ~Server();
   int port() const { return port_; }
   std::string address() const;
-  void stop();
+  // Stops accepting and closes every connection; with `flush`, after its queued frames
+  // (a decision just broadcast) are written.
+  void stop(bool flush = false);
   std::size_t job_count() const { return jobs_.size(); }
 
  private:

@@ -121,7 +121,7 @@ TEST_CASE("a worker failure on node 2 restarts every node with the same restart 
   std::vector<Proc> agents;
   for (int i = 1; i <= 3; ++i)
     agents.push_back(spawn(agent_argv(ep, "restart", i, "3", 2, {"--max_restarts=2"},
-                                      {"env", "when-restart-below", "1", "when-rank", "3", "exit", "7"})));
+                                      {"env", "when-restart-below", "1", "when-rank", "3", "sleep-ms", "300", "exit", "7"})));
   for (auto& a : agents) {
     REQUIRE(a.wait(30s));
     INFO(a.err());

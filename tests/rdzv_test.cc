@@ -198,12 +198,8 @@ TEST_CASE("garbage and oversized frames close only their own connection while a 
   Daemon d = start_daemon();
   const int port = std::stoi(d.endpoint.substr(d.endpoint.rfind(':') + 1));
   auto raw = [&](const std::vector<unsigned char>& bytes) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    int fd = connect_loopback(port);
+    REQUIRE(fd >= 0);
     REQUIRE(::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()));
     return fd;
   };
@@ -262,12 +258,8 @@ TEST_CASE("a silent client is dropped after the handshake timeout and connection
   const auto line = split_lines(d.proc.out()).at(0);
   const int port = std::stoi(line.substr(line.rfind(':') + 1));
   auto connect_raw = [&] {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    int fd = connect_loopback(port);
+    REQUIRE(fd >= 0);
     return fd;
   };
   int slow1 = connect_raw(), slow2 = connect_raw();

@@ -21,11 +21,14 @@ int main(int argc, char** argv) {
   bool json_log = false;
   double handshake_s = 10, idle_expiry_s = 3600;
   std::size_t max_connections = 20000, max_frame = mg::proto::kDefaultMaxFrame;
+  int max_nodes_per_job = 100000;
   CLI::App app{"mglaunch-rdzv: rendezvous daemon for mglaunch agents (--rdzv_backend=mglaunch|c10d)", "mglaunch-rdzv"};
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0 picks one; default 127.0.0.1:0)");
   app.add_option("--token-file", token_file, "Require agents to prove this token (HMAC-SHA256); or MGLAUNCH_RDZV_TOKEN");
   app.add_flag("--json-log", json_log, "Log one JSON object per line instead of text");
   app.add_option("--max-connections", max_connections, "Refuse connections beyond this many")->check(CLI::PositiveNumber);
+  app.add_option("--max-nodes-per-job", max_nodes_per_job, "Refuse jobs whose --nnodes allows more nodes")
+      ->check(CLI::PositiveNumber);
   app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(64, 1 << 26));
   app.add_option("--handshake-timeout", handshake_s, "Seconds a new connection has to authenticate")
       ->check(CLI::PositiveNumber);
@@ -61,6 +64,7 @@ int main(int argc, char** argv) {
     }
   }
   so.max_connections = max_connections;
+  so.max_nodes_per_job = max_nodes_per_job;
   so.max_frame = max_frame;
   so.handshake_timeout = std::chrono::milliseconds(static_cast<long>(handshake_s * 1000));
   so.idle_job_expiry = std::chrono::milliseconds(static_cast<long>(idle_expiry_s * 1000));

@@ -129,6 +129,9 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
     if (proto::type_of(f) == MsgType::kJoin) {
       auto join = proto::from_frame<proto::Join>(f);
       if (join.job_id.empty()) return refuse("join without a job id (--rdzv_id)");
+      if (join.max_nodes > opts_.max_nodes_per_job)
+        return refuse(fmt::format("--nnodes max {} exceeds this daemon's limit of {} nodes per job", join.max_nodes,
+                                  opts_.max_nodes_per_job));
       if (!s->job.empty() && s->job != join.job_id) return refuse("one connection serves one job");
       s->job = join.job_id;
       auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id);

@@ -24,6 +24,7 @@ struct ServerOptions {
   int port = 0;
   std::string token;  // empty: no authentication
   std::size_t max_connections = 20000;
+  int max_nodes_per_job = 100000;
   std::size_t max_frame = proto::kDefaultMaxFrame;
   std::chrono::milliseconds handshake_timeout{10000};
   std::chrono::milliseconds idle_job_expiry{3600 * 1000};

@@ -36,8 +36,10 @@ struct Daemon {
   std::string endpoint;
 };
 
-Daemon start_daemon(std::map<std::string, std::string> env = {}) {
-  Daemon d{spawn({kRdzvDaemon, "--listen", "127.0.0.1:0"}, env), ""};
+Daemon start_daemon(std::map<std::string, std::string> env = {}, std::vector<std::string> flags = {}) {
+  std::vector<std::string> argv{kRdzvDaemon, "--listen", "127.0.0.1:0"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  Daemon d{spawn(argv, env), ""};
   REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
   auto line = split_lines(d.proc.out()).at(0);
   REQUIRE(line.rfind("listening on ", 0) == 0);
@@ -172,14 +174,18 @@ TEST_CASE("a SIGKILLed agent and a SIGSTOPped agent are both detected by the sur
   CHECK(d.proc.exit_code() == 0);
 }
 
-TEST_CASE("the daemon refuses a wrong or missing token and accepts the right one") {
-  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", "s3cret"}});
+TEST_CASE("the daemon refuses a wrong or missing token, too many nodes, and accepts the right one") {
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", "s3cret"}}, {"--max-nodes-per-job", "8"});
   auto run_agent = [&](const std::string& job, std::map<std::string, std::string> env) {
     return run(agent_argv(d.endpoint, job, 1, "2:2", 1, {"--rdzv_conf=join_timeout=5"}, {"print", "ok"}), env, 30s);
   };
   auto wrong = run_agent("t1", {{"MGLAUNCH_RDZV_TOKEN", "guess"}});
   CHECK(wrong.code == 3);
   CHECK_THAT(wrong.err, Catch::Contains("wrong rendezvous token"));
+  auto big = run(agent_argv(d.endpoint, "t4", 1, "1:50", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "s3cret"}},
+                 30s);
+  CHECK(big.code == 3);
+  CHECK_THAT(big.err, Catch::Contains("limit of 8 nodes per job"));
   auto none = run_agent("t2", {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}});
   CHECK(none.code == 3);
   CHECK_THAT(none.err, Catch::Contains("wants a token"));

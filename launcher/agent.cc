@@ -461,11 +461,7 @@ nlohmann::json Agent::summary() const {
                          {"duration_s", w.duration_s},
                          {"stopped_by_agent", w.stopped_by_agent}});
     std::time_t t = std::chrono::system_clock::to_time_t(a.start);
-    workers = [&] {
-      auto sorted = workers;
-      std::sort(sorted.begin(), sorted.end(), [](const auto& x, const auto& y) { return x["rank"] < y["rank"]; });
-      return sorted;
-    }();
+    std::sort(workers.begin(), workers.end(), [](const auto& x, const auto& y) { return x["rank"] < y["rank"]; });
     attempts.push_back({{"restart_count", a.restart_count},
                         {"start_unix", static_cast<long long>(t)},
                         {"duration_s", a.duration_s},

@@ -34,11 +34,6 @@ std::string signal_name(int sig) {
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
 }
 
-std::string hostname() {
-  char host[256] = {};
-  return ::gethostname(host, sizeof(host) - 1) == 0 ? host : "unknown";
-}
-
 void notice(const std::string& text) { write_all(STDERR_FILENO, "[mglaunch] " + text + "\n"); }
 
 }  // namespace
@@ -147,9 +142,9 @@ void Agent::start_rendezvous() {
   }
   proto::Join j;
   j.job_id = plan_.run_id;
-  j.host = hostname();
+  j.host = local_hostname();
   j.addr = plan_.master_addr;  // the address this node advertises
-  j.agent_id = fmt::format("{}:{}", hostname(), ::getpid());
+  j.agent_id = fmt::format("{}:{}", local_hostname(), ::getpid());
   j.nproc = plan_.nproc_per_node;
   j.node_rank = opts_.node_rank_given ? opts_.node_rank : -1;
   j.min_nodes = opts_.nnodes.min;
@@ -307,7 +302,7 @@ void Agent::on_worker_done(WorkerProcess& w) {
   if (state_ == State::kRunning && o.exit_code != 0) {
     RootCause rc;
     rc.time = now_text();
-    rc.host = hostname();
+    rc.host = local_hostname();
     rc.worker = o;
     rc.error_file = attempt_dir(o.local_rank) + "/error.json";
     rc.message = !w.spawn_error().empty() ? w.spawn_error() : read_error_file_message(rc.error_file);

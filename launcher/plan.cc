@@ -79,14 +79,18 @@ std::string find_executable(const std::string& name, const std::string& path_env
   return {};
 }
 
-std::string fq_hostname() {
+std::string local_hostname() {
   char host[256] = {};
-  if (::gethostname(host, sizeof(host) - 1) != 0) return "localhost";
+  return ::gethostname(host, sizeof(host) - 1) == 0 ? std::string(host) : "localhost";
+}
+
+std::string fq_hostname() {
+  const std::string host = local_hostname();
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   addrinfo* ai = nullptr;
   std::string out = host;
-  if (::getaddrinfo(host, nullptr, &hints, &ai) == 0 && ai) {
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &ai) == 0 && ai) {
     char name[NI_MAXHOST] = {};
     if (::getnameinfo(ai->ai_addr, ai->ai_addrlen, name, sizeof(name), nullptr, 0, NI_NAMEREQD) == 0) out = name;
     ::freeaddrinfo(ai);

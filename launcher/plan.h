@@ -52,6 +52,9 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env);
 // rdzv_id and per worker its rank, argv and the environment mglaunch sets.
 nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base_env);
 
+// gethostname(), or "localhost" when it fails.
+std::string local_hostname();
+
 // Python's socket.getfqdn() for this host (what torchrun advertises as MASTER_ADDR).
 std::string fq_hostname();
 

@@ -156,24 +156,21 @@ void Client::reconnect_later(const std::string& why) {
 }
 
 void Client::lost(const std::string& why) {
-  if (closed_) return;
-  closed_ = true;
-  boost::system::error_code ec;
-  retry_timer_.cancel();
-  heartbeat_timer_.cancel();
-  if (connecting_) connecting_->close(ec);
-  if (conn_) conn_->close(true);
+  if (!shut(/*flush=*/false)) return;
   if (h_.on_lost) h_.on_lost(why);
 }
 
-void Client::close() {
-  if (closed_) return;
+void Client::close() { shut(/*flush=*/true); }  // flush what is queued (e.g. NodeDone) first
+
+bool Client::shut(bool flush) {
+  if (closed_) return false;
   closed_ = true;
   retry_timer_.cancel();
   heartbeat_timer_.cancel();
   boost::system::error_code ec;
   if (connecting_) connecting_->close(ec);
-  if (conn_) conn_->close();  // flush what is queued (e.g. NodeDone) first
+  if (conn_) conn_->close(!flush);
+  return true;
 }
 
 }  // namespace mg::rdzv

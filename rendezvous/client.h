@@ -49,6 +49,7 @@ class Client {
   void reconnect_later(const std::string& why);
   void on_frame(const proto::Frame& f);
   void lost(const std::string& why);
+  bool shut(bool flush);  // false when already closed
   void heartbeat();
 
   boost::asio::io_context& io_;

@@ -28,7 +28,6 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void close(bool now = false);
   bool open() const { return open_; }
   std::string peer() const { return peer_; }
-  boost::asio::ip::tcp::socket& socket() { return socket_; }
 
  private:
   void read_more();

@@ -48,8 +48,6 @@ class Job {
   State state() const { return state_; }
   int restart_count() const { return restart_count_; }
   int round() const { return round_; }
-  std::size_t waiting() const { return joined_.size(); }
-  std::size_t members() const { return members_.size(); }
   bool finished() const { return state_ == State::kDone || state_ == State::kFailed; }
   Clock::time_point last_activity() const { return last_activity_; }
 

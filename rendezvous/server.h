@@ -42,7 +42,6 @@ class Server {
   // Stops accepting and closes every connection; with `flush`, after its queued frames
   // (a decision just broadcast) are written.
   void stop(bool flush = false);
-  std::size_t job_count() const { return jobs_.size(); }
 
  private:
   struct Session;

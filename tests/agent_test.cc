@@ -41,6 +41,14 @@ int count_of(const std::string& text, const std::string& what) {
 
 nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
 
+// An agent whose 2 workers ignore SIGTERM, returned once both workers are up.
+Proc start_stubborn_agent(const std::string& grace, const std::string& pidfile) {
+  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=2", "--grace=" + grace},
+                            {"ignore-term", "pidfile", pidfile, "hang", "60"}));
+  REQUIRE(eventually([&] { return read_pids(pidfile).size() == 2; }, 10s));
+  return agent;
+}
+
 }  // namespace
 
 TEST_CASE("all workers succeeding gives exit code 0 and rank-prefixed output with local_rank substituted") {
@@ -180,9 +188,7 @@ TEST_CASE("SIGUSR1 is forwarded and the run continues; SIGTERM stops it with 128
 TEST_CASE("workers that ignore SIGTERM are killed after the grace period") {
   std::string dir = make_temp_dir();
   std::string pidfile = dir + "/pids";
-  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=2", "--grace=0.3"},
-                            {"ignore-term", "pidfile", pidfile, "hang", "60"}));
-  REQUIRE(eventually([&] { return read_pids(pidfile).size() == 2; }, 10s));
+  Proc agent = start_stubborn_agent("0.3", pidfile);
   ::kill(agent.pid, SIGTERM);
   REQUIRE(agent.wait(10s));
   CHECK(agent.exit_code() == 128 + SIGTERM);
@@ -193,9 +199,7 @@ TEST_CASE("workers that ignore SIGTERM are killed after the grace period") {
 TEST_CASE("a second Ctrl-C kills the workers at once") {
   std::string dir = make_temp_dir();
   std::string pidfile = dir + "/pids";
-  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=2", "--grace=60"},
-                            {"ignore-term", "pidfile", pidfile, "hang", "60"}));
-  REQUIRE(eventually([&] { return read_pids(pidfile).size() == 2; }, 10s));
+  Proc agent = start_stubborn_agent("60", pidfile);
   ::kill(agent.pid, SIGINT);
   CHECK(eventually([&] { return count_of(agent.err(), "got SIGINT") == 1; }, 5s));
   ::kill(agent.pid, SIGINT);

@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <linux/close_range.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <array>
@@ -26,6 +28,39 @@ namespace {
 // How long after the exit we keep reading a worker's pipes (a grandchild may hold them).
 constexpr std::chrono::milliseconds kDrainTimeout{2000};
 
+// Sets FD_CLOEXEC on every descriptor above 2. Runs between fork and exec, so only
+// async-signal-safe calls: close_range (Linux >= 5.11), else getdents64 on /proc/self/fd.
+bool mark_cloexec_above_stderr() {
+#if defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
+  if (::syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC) == 0) return true;
+#endif
+  const int dir = ::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return false;
+  alignas(8) char buf[4096];
+  for (;;) {
+    const long n = ::syscall(SYS_getdents64, dir, buf, sizeof(buf));
+    if (n <= 0) break;
+    for (long off = 0; off < n;) {
+      struct Dirent64 {
+        ino64_t d_ino;
+        off64_t d_off;
+        unsigned short d_reclen;
+        unsigned char d_type;
+        char d_name[1];
+      };
+      const auto* e = reinterpret_cast<const Dirent64*>(buf + off);
+      off += e->d_reclen;
+      int fd = 0;
+      const char* c = e->d_name;
+      if (*c < '0' || *c > '9') continue;
+      for (; *c >= '0' && *c <= '9'; ++c) fd = fd * 10 + (*c - '0');
+      if (fd > 2 && fd != dir) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    }
+  }
+  ::close(dir);
+  return true;
+}
+
 // Boost.Process initializer: the environment (parent side) and, in the child between fork
 // and exec, a process group of its own, death with the agent, default signal handling.
 struct ChildSetup {
@@ -37,6 +72,10 @@ struct ChildSetup {
     return {};
   }
   bp::error_code on_exec_setup(bp::posix::default_launcher&, const bp::filesystem::path&, const char* const*) {
+    // Nothing of the agent (rendezvous sockets, other workers' pipes, log files) may reach
+    // the worker. Close-on-exec rather than close: Boost's exec-error pipe must stay open
+    // until the exec succeeds.
+    if (!mark_cloexec_above_stderr()) return {errno, bp::system_category()};
     if (::setpgid(0, 0) != 0) return {errno, bp::system_category()};
     if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return {errno, bp::system_category()};
     if (::getppid() != parent) ::_exit(128 + SIGKILL);  // the agent died before prctl

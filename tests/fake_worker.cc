@@ -1,6 +1,7 @@
 // fake_worker: a worker with modes, driven by the integration tests instead of shell
 // one-liners. Commands run left to right:
 //   env                 print the environment as one JSON object line
+//   fds                 print {"fds": {"N": "target", ...}} of our open descriptors as one line
 //   exit N              exit with N
 //   signal N            raise signal N
 //   ignore-term         ignore SIGTERM from now on
@@ -16,6 +17,7 @@
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
 //   when-world-below N  hang (60 s) while WORLD_SIZE < N, then exit 0 (scale-up tests)
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <time.h>
@@ -74,6 +76,21 @@ int main(int argc, char** argv) {
         if (eq != std::string_view::npos) j[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
       }
       std::printf("%s\n", j.dump().c_str());
+      std::fflush(stdout);
+    } else if (cmd == "fds") {
+      nlohmann::json fds = nlohmann::json::object();
+      if (DIR* d = ::opendir("/proc/self/fd")) {
+        const int own = ::dirfd(d);  // the listing's own descriptor is not inherited
+        while (dirent* e = ::readdir(d)) {
+          if (e->d_name[0] == '.' || std::atoi(e->d_name) == own) continue;
+          char target[512] = {};
+          std::string link = std::string("/proc/self/fd/") + e->d_name;
+          ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+          fds[e->d_name] = n > 0 ? std::string(target, static_cast<std::size_t>(n)) : std::string("?");
+        }
+        ::closedir(d);
+      }
+      std::printf("%s\n", nlohmann::json{{"fds", fds}}.dump().c_str());
       std::fflush(stdout);
     } else if (cmd == "exit") {
       std::fflush(nullptr);

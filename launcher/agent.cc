@@ -76,7 +76,10 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       base_env_(std::move(base_env)),
       console_(STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
       signals_(io),
-      grace_timer_(io) {}
+      grace_timer_(io) {
+  // The rendezvous token authenticates this agent; a worker (user code) must not see it.
+  base_env_.erase("MGLAUNCH_RDZV_TOKEN");
+}
 
 Agent::~Agent() {
   workers_.clear();  // SIGKILLs anything still running

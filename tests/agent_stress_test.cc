@@ -101,3 +101,21 @@ TEST_CASE("a worker inherits no descriptor of the agent: only stdin, stdout and 
     }
   }
 }
+
+TEST_CASE("the rendezvous token never reaches a worker's environment") {
+  const std::string token = "s3cret-token-" + std::to_string(::getpid());
+  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  const std::map<std::string, std::string> env{{"MGLAUNCH_RDZV_TOKEN", token}};
+  Proc a = spawn(node_argv(ep, "token", 1, 2, {}, {"env"}), env);
+  Proc b = spawn(node_argv(ep, "token", 2, 2, {}, {"env"}), env);
+  for (auto* p : {&a, &b}) {
+    REQUIRE(p->wait(30s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+    auto lines = json_lines(p->out());
+    REQUIRE(lines.size() == 1);
+    CHECK(lines[0].contains("RANK"));  // the dump is the worker's environment
+    CHECK_FALSE(lines[0].contains("MGLAUNCH_RDZV_TOKEN"));
+    CHECK(p->out().find(token) == std::string::npos);
+  }
+}

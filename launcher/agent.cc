@@ -2,6 +2,8 @@
 
 #include <signal.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -76,6 +78,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       base_env_(std::move(base_env)),
       console_(STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
       signals_(io),
+      children_(io),
       grace_timer_(io) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
@@ -84,6 +87,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
 Agent::~Agent() {
   workers_.clear();  // SIGKILLs anything still running
   retired_.clear();
+  kill_leftovers(/*reap=*/true);
   if (log_root_is_temp_ && !keep_log_root_) {
     std::error_code ec;
     fs::remove_all(log_root_, ec);
@@ -119,6 +123,11 @@ void Agent::start() {
 
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
   wait_signal();
+  if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
+    notice(fmt::format("cannot become a child subreaper ({}): daemonised worker processes may outlive the run",
+                       std::strerror(errno)));
+  children_.add(SIGCHLD);
+  wait_child();
   if (uses_rendezvous_server(opts_)) {
     start_rendezvous();
   } else {
@@ -238,6 +247,9 @@ void Agent::on_rdzv_lost(const std::string& why) {
 }
 
 void Agent::retire_workers() {
+  // Nothing of a finished attempt may live on into the next one.
+  for (auto& p : workers_) p->kill_stragglers();
+  kill_leftovers(/*reap=*/false);
   // Finished handles are destroyed later: we may be inside one of their callbacks.
   for (auto& p : workers_) retired_.push_back(std::move(p));
   workers_.clear();
@@ -334,11 +346,13 @@ void Agent::stop_group(int sig) {
   if (state_ == State::kDone) return;
   state_ = State::kStopping;
   for (auto& w : workers_) w->signal_group(sig);
+  signal_escaped(sig);
   grace_timer_.expires_after(opts_.grace);
   grace_timer_.async_wait([this](boost::system::error_code ec) {
     if (ec || state_ != State::kStopping) return;
     notice(fmt::format("workers still running {:.1f}s after SIGTERM: sending SIGKILL", opts_.grace.count() / 1000.0));
     for (auto& w : workers_) w->signal_group(SIGKILL);
+    signal_escaped(SIGKILL);
   });
 }
 
@@ -399,11 +413,13 @@ void Agent::finish(int code) {
   exit_code_ = code;
   boost::system::error_code ec;
   signals_.cancel(ec);
+  children_.cancel(ec);
   grace_timer_.cancel();
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
   for (auto& w : workers_) w->kill_stragglers();
+  kill_leftovers(/*reap=*/true);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
     out << summary().dump(2) << "\n";
@@ -427,6 +443,7 @@ void Agent::on_signal(int sig) {
   if (sig == SIGINT && ++interrupts_ >= 2) {
     notice("second interrupt: killing the workers now");
     for (auto& w : workers_) w->signal_group(SIGKILL);
+    signal_escaped(SIGKILL);
     agent_signal_ = SIGINT;
     return;
   }
@@ -439,11 +456,66 @@ void Agent::on_signal(int sig) {
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), opts_.grace.count() / 1000.0));
   if (state_ == State::kStopping) {
     for (auto& w : workers_) w->signal_group(sig);
+    signal_escaped(sig);
     return;
   }
   stop_group(sig);
   // Between attempts (all workers gone, restart posted) nobody is left to report back.
   if (workers_.empty()) on_group_stopped();
+}
+
+bool Agent::is_live_worker_leader(pid_t pid) const {
+  for (const auto* list : {&workers_, &retired_})
+    for (const auto& w : *list)
+      if (w->pid() == pid && !w->exited()) return true;
+  return false;
+}
+
+void Agent::signal_escaped(int sig) {
+  for (const auto& p : descendants_of(scan_processes(), ::getpid())) {
+    const bool in_worker_group = std::any_of(workers_.begin(), workers_.end(),
+                                             [&](const auto& w) { return w->pid() == p.pgrp && !w->exited(); });
+    if (!in_worker_group && !is_live_worker_leader(p.pid)) ::kill(p.pid, sig);
+  }
+}
+
+void Agent::kill_leftovers(bool reap) {
+  const pid_t self = ::getpid();
+  // A few rounds: a process may fork between the scan and its SIGKILL.
+  for (int round = 0; round < 10; ++round) {
+    std::vector<pid_t> victims;
+    for (const auto& p : descendants_of(scan_processes(), self))
+      if (!is_live_worker_leader(p.pid)) victims.push_back(p.pid);
+    if (victims.empty()) break;
+    for (pid_t pid : victims) ::kill(pid, SIGKILL);
+    if (!reap) break;  // on_child() reaps them
+    // Blocking waits only for children that cannot outlive them: killed ones, zombies.
+    for (const auto& p : scan_processes()) {
+      if (p.ppid != self || is_live_worker_leader(p.pid)) continue;
+      if (p.state != 'Z' && std::find(victims.begin(), victims.end(), p.pid) == victims.end()) continue;
+      int status = 0;
+      while (::waitpid(p.pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+}
+
+void Agent::wait_child() {
+  children_.async_wait([this](boost::system::error_code ec, int) {
+    if (ec) return;
+    reap_orphans();
+    if (state_ != State::kDone) wait_child();
+  });
+}
+
+void Agent::reap_orphans() {
+  // Only orphans: a worker leader is reaped by its own handle (pidfd), never here.
+  const pid_t self = ::getpid();
+  for (const auto& p : scan_processes()) {
+    if (p.ppid != self || is_live_worker_leader(p.pid)) continue;
+    int status = 0;
+    ::waitpid(p.pid, &status, WNOHANG);
+  }
 }
 
 nlohmann::json Agent::summary() const {

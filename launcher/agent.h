@@ -88,6 +88,19 @@ class Agent {
   void finish(int code);
   void wait_signal();
   void on_signal(int sig);
+  // Process hygiene. The agent is a child subreaper: a worker's daemonised grandchild
+  // (double fork, setsid) becomes the agent's child, so every process a worker started
+  // stays among the agent's descendants. The agent assumes all of its descendants belong
+  // to its workers (it starts nothing else).
+  bool is_live_worker_leader(pid_t pid) const;
+  // Sends `sig` to the descendants outside every live worker's process group (those get
+  // it through signal_group).
+  void signal_escaped(int sig);
+  // SIGKILLs every descendant but the unreaped worker leaders; with `reap`, waits for
+  // the killed children (end of the run) instead of leaving them to on_child().
+  void kill_leftovers(bool reap);
+  void wait_child();
+  void reap_orphans();
   std::string attempt_dir(int local_rank) const;
   WorkerOutcome outcome_of(const WorkerProcess& w) const;
 
@@ -97,6 +110,7 @@ class Agent {
   EnvMap base_env_;
   Console console_;
   boost::asio::signal_set signals_;
+  boost::asio::signal_set children_;  // SIGCHLD: reaps orphans handed to the subreaper
   boost::asio::steady_timer grace_timer_;
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
   std::vector<std::unique_ptr<WorkerProcess>> retired_;

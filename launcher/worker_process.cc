@@ -7,6 +7,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
+#include <algorithm>
 #include <array>
 #include <cstdio>
 
@@ -89,6 +92,81 @@ struct ChildSetup {
 
 }  // namespace
 
+std::optional<ProcStat> parse_proc_stat(std::string_view text) {
+  // "pid (comm) S ppid pgrp ...": comm is everything up to the LAST ')'.
+  const auto open = text.find('(');
+  const auto close = text.rfind(')');
+  if (open == std::string_view::npos || close == std::string_view::npos || close < open) return std::nullopt;
+  auto number = [](std::string_view& t, long& out) {
+    while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
+    bool neg = !t.empty() && t.front() == '-';
+    if (neg) t.remove_prefix(1);
+    if (t.empty() || t.front() < '0' || t.front() > '9') return false;
+    out = 0;
+    while (!t.empty() && t.front() >= '0' && t.front() <= '9') {
+      out = out * 10 + (t.front() - '0');
+      if (out > (1L << 31)) return false;
+      t.remove_prefix(1);
+    }
+    if (neg) out = -out;
+    return true;
+  };
+  ProcStat st;
+  long v = 0;
+  std::string_view head = text.substr(0, open);
+  if (!number(head, v) || v <= 0) return std::nullopt;
+  st.pid = static_cast<pid_t>(v);
+  std::string_view rest = text.substr(close + 1);
+  while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
+  if (rest.empty()) return std::nullopt;
+  st.state = rest.front();
+  rest.remove_prefix(1);
+  if (!number(rest, v)) return std::nullopt;
+  st.ppid = static_cast<pid_t>(v);
+  if (!number(rest, v)) return std::nullopt;
+  st.pgrp = static_cast<pid_t>(v);
+  return st;
+}
+
+std::vector<ProcStat> scan_processes() {
+  std::vector<ProcStat> out;
+  DIR* d = ::opendir("/proc");
+  if (!d) return out;
+  std::string path, text;
+  char buf[1024];
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+    path = fmt::format("/proc/{}/stat", e->d_name);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;  // gone meanwhile
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    ::close(fd);
+    if (n <= 0) continue;
+    if (auto st = parse_proc_stat(std::string_view(buf, static_cast<std::size_t>(n)))) out.push_back(*st);
+  }
+  ::closedir(d);
+  return out;
+}
+
+std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root) {
+  std::vector<ProcStat> out;
+  std::vector<pid_t> frontier{root};
+  // Breadth-first over parent links; bounded by the table (each pid is taken once).
+  std::vector<bool> taken(table.size(), false);
+  while (!frontier.empty()) {
+    std::vector<pid_t> next;
+    for (std::size_t i = 0; i < table.size(); ++i) {
+      if (taken[i] || table[i].pid == root) continue;
+      if (std::find(frontier.begin(), frontier.end(), table[i].ppid) == frontier.end()) continue;
+      taken[i] = true;
+      next.push_back(table[i].pid);
+      if (table[i].state != 'Z') out.push_back(table[i]);
+    }
+    frontier = std::move(next);
+  }
+  return out;
+}
+
 struct WorkerProcess::Impl {
   explicit Impl(asio::io_context& io) : pipes{asio::readable_pipe(io), asio::readable_pipe(io)}, drain(io) {}
   std::array<asio::readable_pipe, 2> pipes;
@@ -154,11 +232,15 @@ WorkerProcess::~WorkerProcess() {
 }
 
 void WorkerProcess::signal_group(int sig) {
-  if (pid_ > 0 && !exited_) ::killpg(pid_, sig);
-}
-
-void WorkerProcess::kill_stragglers() {
-  if (pid_ > 0 && drained_by_timeout_) ::killpg(pid_, SIGKILL);
+  if (pid_ <= 0) return;
+  if (!exited_) {  // the unreaped leader holds the group id: it cannot name another group
+    ::killpg(pid_, sig);
+    return;
+  }
+  // Once the leader is reaped the id could in principle be reused after the group
+  // empties: signal only while one of our own descendants is still in the group.
+  const auto mine = descendants_of(scan_processes(), ::getpid());
+  if (std::any_of(mine.begin(), mine.end(), [&](const ProcStat& p) { return p.pgrp == pid_; })) ::killpg(pid_, sig);
 }
 
 double WorkerProcess::duration_s() const {
@@ -215,7 +297,6 @@ void WorkerProcess::on_exit(int status) {
     impl_->drain.expires_after(kDrainTimeout);
     impl_->drain.async_wait([this](bp::error_code ec) {
       if (ec) return;
-      drained_by_timeout_ = true;
       for (int s = 0; s < 2; ++s) {
         bp::error_code ignored;
         if (impl_->open[s]) impl_->pipes[s].cancel(ignored);

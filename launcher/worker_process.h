@@ -5,6 +5,7 @@
 // child still runs SIGKILLs the child's process group.
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -12,7 +13,9 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
@@ -21,6 +24,24 @@
 #include "launcher/line_splitter.h"
 
 namespace mg {
+
+// The fields of /proc/PID/stat the agent needs to find its descendants.
+struct ProcStat {
+  pid_t pid = 0;
+  pid_t ppid = 0;
+  pid_t pgrp = 0;
+  char state = '?';  // 'Z': a zombie, already dead
+};
+
+// Parses one /proc/PID/stat text ("pid (comm) state ppid pgrp ..."; comm may hold spaces
+// and parentheses). Pure. nullopt when malformed.
+std::optional<ProcStat> parse_proc_stat(std::string_view text);
+
+// Every process /proc shows now (those that vanish while reading are skipped).
+std::vector<ProcStat> scan_processes();
+
+// The living (non-zombie) descendants of `root` in `table`, `root` excluded. Pure.
+std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root);
 
 struct WorkerSpec {
   int local_rank = 0;
@@ -45,10 +66,11 @@ class WorkerProcess {
   WorkerProcess(const WorkerProcess&) = delete;
   WorkerProcess& operator=(const WorkerProcess&) = delete;
 
-  // Sends `sig` to the worker's process group (no-op once it was reaped).
+  // Sends `sig` to the worker's process group as long as any member of it lives, also
+  // after the leader was reaped (a member is then one of the agent's descendants).
   void signal_group(int sig);
-  // SIGKILLs the process group even after the leader was reaped (stragglers).
-  void kill_stragglers();
+  // SIGKILLs what is left of the process group (stragglers of a finished worker).
+  void kill_stragglers() { signal_group(SIGKILL); }
 
   const WorkerSpec& spec() const { return spec_; }
   pid_t pid() const { return pid_; }
@@ -76,7 +98,6 @@ class WorkerProcess {
   pid_t pid_ = -1;
   bool exited_ = false;
   bool done_ = false;
-  bool drained_by_timeout_ = false;
   int status_ = 0;
   std::string spawn_error_;
   std::deque<std::string> tail_;

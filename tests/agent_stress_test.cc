@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "launcher/worker_process.h"
 #include "support/proc.h"
 
 using namespace mgtest;
@@ -71,6 +72,36 @@ std::set<std::string> fd_numbers(const nlohmann::json& j) {
   return s;
 }
 
+std::vector<pid_t> read_pids(const std::string& path) {
+  std::vector<pid_t> pids;
+  for (const auto& l : split_lines(read_file(path)))
+    if (!l.empty()) pids.push_back(std::stoi(l));
+  return pids;
+}
+
+bool is_fake_worker(pid_t pid) {
+  return read_file("/proc/" + std::to_string(pid) + "/cmdline").find("fake_worker") != std::string::npos;
+}
+
+// Kills, when the test ends however it ends, the fake_worker processes listed in a
+// pidfile that are still alive (what a broken agent left behind).
+struct Leftovers {
+  std::string pidfile;
+  ~Leftovers() {
+    for (pid_t p : read_pids(pidfile))
+      if (pid_alive(p) && is_fake_worker(p)) ::kill(p, SIGKILL);
+  }
+  // The listed pids still alive after giving SIGKILLs in flight time to land.
+  std::vector<pid_t> alive() const {
+    auto pids = read_pids(pidfile);
+    eventually([&] { return std::none_of(pids.begin(), pids.end(), pid_alive); }, 5s);
+    std::vector<pid_t> out;
+    for (pid_t p : pids)
+      if (pid_alive(p)) out.push_back(p);
+    return out;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("a worker inherits no descriptor of the agent: only stdin, stdout and stderr") {
@@ -118,4 +149,83 @@ TEST_CASE("the rendezvous token never reaches a worker's environment") {
     CHECK_FALSE(lines[0].contains("MGLAUNCH_RDZV_TOKEN"));
     CHECK(p->out().find(token) == std::string::npos);
   }
+}
+
+TEST_CASE("a straggler in the worker's group and a daemonised grandchild do not outlive the agent") {
+  std::string dir = make_temp_dir();
+  Leftovers left{dir + "/pids"};
+  const std::vector<std::string> spawn_both{"spawn-child", "group", left.pidfile, "spawn-child", "daemon", left.pidfile};
+  auto with = [&](std::vector<std::string> tail) {
+    auto cmds = spawn_both;
+    cmds.insert(cmds.end(), tail.begin(), tail.end());
+    return cmds;
+  };
+  SECTION("after the workers succeed") {
+    auto r = run(standalone({"--nproc_per_node=2"}, with({"exit", "0"})));
+    INFO(r.err);
+    CHECK(r.code == 0);
+    REQUIRE(read_pids(left.pidfile).size() == 4);
+    CHECK(left.alive().empty());
+  }
+  SECTION("after a worker fails") {
+    auto r = run(standalone({"--nproc_per_node=2", "--grace=60"}, with({"when-rank", "1", "exit", "3"})));
+    INFO(r.err);
+    CHECK(r.code == 3);
+    REQUIRE(read_pids(left.pidfile).size() == 4);
+    CHECK(left.alive().empty());
+  }
+  SECTION("after SIGTERM to the agent") {
+    Proc agent = spawn(standalone({"--nproc_per_node=2", "--grace=60"}, with({"print", "ready", "hang", "60"})));
+    REQUIRE(eventually([&] { return split_lines(agent.out()).size() == 2; }, 20s));
+    REQUIRE(read_pids(left.pidfile).size() == 4);
+    ::kill(agent.pid, SIGTERM);
+    REQUIRE(agent.wait(30s));
+    INFO(agent.err());
+    CHECK(agent.exit_code() == 128 + SIGTERM);
+    CHECK(left.alive().empty());
+  }
+  SECTION("in a 2-node job") {
+    const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+    Proc a = spawn(node_argv(ep, "leftovers", 1, 2, {}, with({"exit", "0"})));
+    Proc b = spawn(node_argv(ep, "leftovers", 2, 2, {}, with({"exit", "0"})));
+    for (auto* p : {&a, &b}) {
+      REQUIRE(p->wait(30s));
+      INFO(p->err());
+      CHECK(p->exit_code() == 0);
+    }
+    REQUIRE(read_pids(left.pidfile).size() == 4);
+    CHECK(left.alive().empty());
+  }
+}
+
+TEST_CASE("stragglers of a failed attempt are gone before the restarted workers start") {
+  std::string dir = make_temp_dir();
+  Leftovers left{dir + "/pids"};
+  // Attempt 0 leaves a straggler and a daemon and fails; attempt 1 exits 9 if either lives.
+  auto r = run(standalone({"--nproc_per_node=1", "--max_restarts=1"},
+                          {"expect-dead", left.pidfile, "when-restart-below", "1", "spawn-child", "group",
+                           left.pidfile, "spawn-child", "daemon", left.pidfile, "exit", "3"}));
+  INFO(r.err);
+  CHECK(r.code == 0);
+  CHECK(read_pids(left.pidfile).size() == 2);
+  CHECK(left.alive().empty());
+}
+
+TEST_CASE("the agent's view of /proc: stat lines parse, descendants are found through re-parenting") {
+  auto st = mg::parse_proc_stat("4242 (a (b) c) S 17 4242 4242 0 -1 4194560 ...");
+  REQUIRE(st);
+  CHECK(st->pid == 4242);
+  CHECK(st->ppid == 17);
+  CHECK(st->pgrp == 4242);
+  CHECK(st->state == 'S');
+  CHECK_FALSE(mg::parse_proc_stat(""));
+  CHECK_FALSE(mg::parse_proc_stat("12 (x"));
+  CHECK_FALSE(mg::parse_proc_stat("12 (x) S"));
+  CHECK_FALSE(mg::parse_proc_stat("x (y) S 1 1"));
+  std::vector<mg::ProcStat> table{{1, 0, 1, 'S'}, {10, 1, 10, 'S'}, {11, 10, 11, 'S'}, {12, 11, 11, 'Z'},
+                                  {13, 12, 11, 'S'}, {14, 10, 14, 'R'}, {20, 1, 20, 'S'}};
+  std::set<pid_t> d;
+  for (const auto& p : mg::descendants_of(table, 10)) d.insert(p.pid);
+  CHECK(d == std::set<pid_t>{11, 13, 14});  // the zombie 12 is skipped, its child is not
+  CHECK(mg::descendants_of(table, 20).empty());
 }

@@ -14,12 +14,17 @@
 //   hang SECS           sleep up to SECS seconds (signals still act)
 //   sleep-ms N          sleep N milliseconds
 //   stamp FILE TAG      append "TAG RESTART_COUNT RANK CLOCK_REALTIME_NS" to FILE
+//   spawn-child K PATH  start a process that ignores SIGTERM, has /dev/null as stdio and
+//                       sleeps 60 s, and append its pid to PATH. K = group: a plain child
+//                       (same process group); daemon: double fork + setsid
+//   expect-dead PATH    exit 9 unless every pid in PATH is gone within 10 s
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
 //   when-world-below N  hang (60 s) while WORLD_SIZE < N, then exit 0 (scale-up tests)
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -29,6 +34,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -47,6 +53,35 @@ void hang(double seconds) {
     timespec ts{0, 50 * 1000 * 1000};
     ::nanosleep(&ts, nullptr);
   }
+}
+
+bool alive(long pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  char buf[512] = {};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  const char* close = std::strrchr(buf, ')');
+  return n > 0 && close && close[1] == ' ' && close[2] != 'Z';  // a zombie is dead
+}
+
+void append_pid(const char* path, long pid) {
+  int fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  std::string line = std::to_string(pid) + "\n";
+  ssize_t ignored = ::write(fd, line.data(), line.size());
+  (void)ignored;
+  ::close(fd);
+}
+
+// The stubborn straggler: ignores SIGTERM, holds none of the worker's pipes.
+[[noreturn]] void straggle() {
+  ::signal(SIGTERM, SIG_IGN);
+  int null = ::open("/dev/null", O_RDWR);
+  for (int fd = 0; fd < 3; ++fd) ::dup2(null, fd);
+  hang(60);
+  ::_exit(0);
 }
 
 void on_usr(int sig) {
@@ -140,6 +175,54 @@ int main(int argc, char** argv) {
       ssize_t ignored = ::write(fd, line.data(), line.size());
       (void)ignored;
       ::close(fd);
+    } else if (cmd == "spawn-child") {
+      std::string_view kind = arg();
+      const char* path = arg();
+      std::fflush(nullptr);
+      if (kind == "group") {
+        pid_t pid = ::fork();
+        if (pid == 0) straggle();
+        append_pid(path, pid);
+      } else if (kind == "daemon") {
+        int p[2];
+        if (::pipe(p) != 0) return 101;
+        pid_t mid = ::fork();
+        if (mid == 0) {
+          ::setsid();
+          if (::fork() == 0) {
+            long self = ::getpid();
+            ssize_t ignored = ::write(p[1], &self, sizeof(self));
+            (void)ignored;
+            ::close(p[1]);
+            straggle();
+          }
+          ::_exit(0);  // the grandchild is orphaned: re-parented to a subreaper or init
+        }
+        ::close(p[1]);
+        long pid = 0;
+        if (::read(p[0], &pid, sizeof(pid)) != sizeof(pid)) return 102;
+        ::close(p[0]);
+        ::waitpid(mid, nullptr, 0);
+        append_pid(path, pid);
+      } else {
+        std::fprintf(stderr, "fake_worker: spawn-child: unknown kind '%s'\n", std::string(kind).c_str());
+        return 100;
+      }
+    } else if (cmd == "expect-dead") {
+      std::vector<long> pids;
+      if (FILE* f = std::fopen(arg(), "r")) {
+        long pid = 0;
+        while (std::fscanf(f, "%ld", &pid) == 1) pids.push_back(pid);
+        std::fclose(f);
+      }
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      for (long pid : pids) {
+        while (alive(pid) && std::chrono::steady_clock::now() < deadline) hang(0.01);
+        if (alive(pid)) {
+          std::fprintf(stderr, "fake_worker: pid %ld is still alive\n", pid);
+          return 9;
+        }
+      }
     } else if (cmd == "stamp") {
       const char* path = arg();
       const char* tag = arg();

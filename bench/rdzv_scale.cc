@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "proto/messages.h"
+#include "rendezvous/auth.h"
 #include "rendezvous/connection.h"
 #include "rendezvous/endpoint.h"
 
@@ -84,7 +85,7 @@ int main(int argc, char** argv) {
             }
           },
           [](const std::string&) {});
-      c->send(proto::to_frame(proto::Hello{j.agent_id}));
+      c->send(proto::to_frame(proto::Hello{j.agent_id, job, rdzv::auth::random_hex(32)}));
       launch();
     });
   };

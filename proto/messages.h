@@ -1,7 +1,9 @@
 // Rendezvous messages: one struct per message type, each with its wire type and
 // nlohmann to_json/from_json (missing fields take their defaults, so an added field does
 // not break an older peer of the same protocol version). to_frame()/from_frame() are
-// pure; from_frame() throws ProtocolError on a wrong type or malformed payload.
+// pure; from_frame() throws ProtocolError on a wrong type, a malformed payload, a number
+// that is not a 32-bit integer, or a field outside its range (validate(), limits.h), so
+// nothing a peer sends reaches the state machines unchecked.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "proto/frame.h"
+#include "proto/limits.h"
 
 namespace mg::proto {
 
@@ -20,13 +23,13 @@ struct ProtocolError : std::runtime_error {
 };
 
 enum class MsgType : std::uint8_t {
-  kHello = 1,       // client -> server, first message
-  kChallenge = 2,   // server -> client when a token is configured
-  kAuth = 3,        // client -> server: HMAC-SHA256(token, nonce)
+  kHello = 1,       // client -> server, first message: job id and the client's nonce
+  kChallenge = 2,   // server -> client when a token is configured: nonce and server proof
+  kAuth = 3,        // client -> server: the client's proof
   kWelcome = 4,     // server -> client: handshake done
   kJoin = 5,        // client -> server: join (or re-join) a job's next round
   kAssignment = 6,  // server -> client: this node's place in the round
-  kHeartbeat = 7,   // client -> server, every keep_alive_interval
+  kHeartbeat = 7,   // client -> server every keep_alive_interval; the server echoes it
   kWorkerFailed = 8,
   kNodeDone = 9,    // client -> server: every local worker exited 0
   kRestart = 10,    // server -> client: stop workers and re-join
@@ -38,14 +41,17 @@ enum class MsgType : std::uint8_t {
 struct Hello {
   static constexpr MsgType kType = MsgType::kHello;
   std::string agent_id;
+  std::string job_id;  // the session serves this job only; its key is derived from it
+  std::string nonce;   // hex, 32 random bytes
 };
 struct Challenge {
   static constexpr MsgType kType = MsgType::kChallenge;
-  std::string nonce;  // hex
+  std::string nonce;  // hex, 32 random bytes
+  std::string proof;  // hex: the server knows the job key (rendezvous/auth.h)
 };
 struct Auth {
   static constexpr MsgType kType = MsgType::kAuth;
-  std::string mac;  // hex HMAC-SHA256(token, nonce)
+  std::string mac;  // hex: the client knows the job key
 };
 struct Welcome {
   static constexpr MsgType kType = MsgType::kWelcome;
@@ -123,8 +129,8 @@ struct Error {
   std::string message;
 };
 
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
@@ -143,6 +149,30 @@ inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
 
+// Field checks; an empty string means valid. Ranges and lengths are in limits.h.
+std::string validate(const Hello& m);
+std::string validate(const Challenge& m);
+std::string validate(const Auth& m);
+std::string validate(const Welcome& m);
+std::string validate(const Join& m);
+std::string validate(const Assignment& m);
+std::string validate(const Heartbeat& m);
+std::string validate(const WorkerFailed& m);
+std::string validate(const NodeDone& m);
+std::string validate(const Restart& m);
+std::string validate(const Abort& m);
+std::string validate(const Done& m);
+std::string validate(const Error& m);
+
+// Cuts the free-text fields of a failure report to their limits (the sender's side of
+// "cap every string"): message, last lines, host.
+void truncate_to_limits(WorkerFailed& m);
+std::string truncate_text(std::string text, std::size_t max_bytes);
+
+// Throws ProtocolError unless every number in `j` is an integer that fits in 32 bits
+// (our messages carry no floats), so that no conversion below is out of range.
+void check_numbers(const nlohmann::json& j);
+
 template <typename T>
 Frame to_frame(const T& msg) {
   return Frame{static_cast<std::uint8_t>(T::kType), nlohmann::json(msg)};
@@ -155,11 +185,16 @@ T from_frame(const Frame& f) {
   if (type_of(f) != T::kType)
     throw ProtocolError("unexpected message type " + std::to_string(f.type) + ", expected " +
                         std::to_string(static_cast<int>(T::kType)));
+  if (!f.payload.is_object()) throw ProtocolError("malformed message: the payload is not a map");
+  check_numbers(f.payload);
+  T msg;
   try {
-    return f.payload.get<T>();
+    msg = f.payload.get<T>();
   } catch (const nlohmann::json::exception& e) {
     throw ProtocolError(std::string("malformed message: ") + e.what());
   }
+  if (auto bad = validate(msg); !bad.empty()) throw ProtocolError("invalid message: " + bad);
+  return msg;
 }
 
 }  // namespace mg::proto

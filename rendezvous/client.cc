@@ -1,15 +1,23 @@
 #include "rendezvous/client.h"
 
 #include <boost/asio/connect.hpp>
+#include <boost/asio/post.hpp>
 #include <fmt/format.h>
+
+#include "rendezvous/auth.h"
 
 namespace mg::rdzv {
 
 namespace asio = boost::asio;
 using proto::MsgType;
+using std::chrono::milliseconds;
 
 Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers)
-    : io_(io), opts_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io) {}
+    : io_(io), opts_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io) {
+  key_ = !opts_.job_token.empty() ? opts_.job_token
+         : opts_.token.empty()    ? std::string()
+                                  : auth::job_key(opts_.token, opts_.join.job_id);
+}
 
 Client::~Client() {
   close();
@@ -17,9 +25,17 @@ Client::~Client() {
 }
 
 void Client::start() {
-  deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(opts_.join.join_timeout_ms);
+  if (auto bad = proto::validate(opts_.join); !bad.empty()) {
+    asio::post(io_, [this, bad] { lost("cannot join: " + bad); });
+    return;
+  }
+  deadline_ = Clock::now() + milliseconds(opts_.join.join_timeout_ms);
+  wait_for_decision();
   try_connect();
+  watch();
 }
+
+void Client::wait_for_decision() { waiting_since_ = Clock::now(); }
 
 void Client::try_connect() {
   if (closed_) return;
@@ -38,17 +54,20 @@ void Client::try_connect() {
   connecting_->async_connect(ep, [this](boost::system::error_code ec) {
     if (closed_) return;
     if (ec) {
-      if (std::chrono::steady_clock::now() >= deadline_)
+      if (Clock::now() >= deadline_)
         return lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, ec.message()));
       retry_timer_.expires_after(connect_backoff_);
-      connect_backoff_ = std::min(connect_backoff_ * 2, std::chrono::milliseconds(500));
+      connect_backoff_ = std::min(connect_backoff_ * 2, milliseconds(500));
       retry_timer_.async_wait([this](boost::system::error_code ec) {
         if (!ec) try_connect();
       });
       return;
     }
-    conn_ = std::make_shared<FramedConnection>(std::move(*connecting_));
+    conn_ = std::make_shared<FramedConnection>(std::move(*connecting_), proto::kHandshakeMaxFrame);
     connecting_.reset();
+    connected_at_ = Clock::now();
+    challenged_ = welcomed_ = false;
+    nonce_ = auth::random_hex(32);
     std::weak_ptr<int> alive = alive_;
     conn_->start(
         [this, alive](const proto::Frame& f) {
@@ -57,10 +76,10 @@ void Client::try_connect() {
         [this, alive](const std::string& why) {
           if (!alive.lock()) return;
           // A server that welcomed us and then vanished may come back: keep trying.
-          if (welcomed_) reconnect_later(why);
+          if (ever_welcomed_) reconnect_later(why);
           else lost(why);
         });
-    conn_->send(proto::to_frame(proto::Hello{opts_.join.agent_id}));
+    conn_->send(proto::to_frame(proto::Hello{opts_.join.agent_id, opts_.join.job_id, nonce_}));
   });
 }
 
@@ -69,33 +88,37 @@ void Client::on_frame(const proto::Frame& f) {
     switch (proto::type_of(f)) {
       case MsgType::kChallenge: {
         auto c = proto::from_frame<proto::Challenge>(f);
-        if (opts_.token.empty())
+        if (challenged_ || welcomed_) return lost("the rendezvous server repeated its challenge");
+        if (key_.empty())
           return lost("the rendezvous server wants a token: set --token-file or MGLAUNCH_RDZV_TOKEN");
-        conn_->send(proto::to_frame(proto::Auth{hmac_sha256_hex(opts_.token, c.nonce)}));
+        if (!auth::equal_ct(c.proof, auth::server_proof(key_, nonce_, c.nonce)))
+          return lost(fmt::format("the rendezvous server at {}:{} cannot prove this job's key: wrong rendezvous token "
+                                  "here or there, or not the server you meant",
+                                  opts_.host, opts_.port));
+        challenged_ = true;
+        conn_->send(proto::to_frame(proto::Auth{auth::client_proof(key_, nonce_, c.nonce)}));
+        session_ = auth::session_key(key_, nonce_, c.nonce);
+        conn_->sign_sent(session_, 'c');  // the server's frames are signed from its Welcome on
         return;
       }
-      case MsgType::kWelcome: {
-        welcomed_ = true;
-        backoff_ = std::chrono::milliseconds(100);
-        proto::Join j = opts_.join;
-        if (current_) {
-          if (h_.on_notice) h_.on_notice(fmt::format("reconnected; re-registered round {}", current_->round));
-          j.resume_round = current_->round;
-          j.resume_group_rank = current_->group_rank;
-          j.resume_group_world_size = current_->group_world_size;
-          j.resume_restart_count = current_->restart_count;
-          j.resume_done = done_sent_;
-        }
-        conn_->send(proto::to_frame(j));
-        heartbeat_timer_.cancel();
-        heartbeat();
-        return;
-      }
+      case MsgType::kWelcome:
+        proto::from_frame<proto::Welcome>(f);
+        if (welcomed_) return lost("the rendezvous server repeated its welcome");
+        if (!key_.empty() && !challenged_)
+          return lost(fmt::format("the rendezvous server at {}:{} asks for no token while this agent has one: "
+                                  "refusing an unauthenticated server (give the daemon the same token)",
+                                  opts_.host, opts_.port));
+        return on_welcome();
+      case MsgType::kHeartbeat:
+        proto::from_frame<proto::Heartbeat>(f);
+        return;  // the echo: conn_->last_frame() moved
       case MsgType::kAssignment: {
         auto a = proto::from_frame<proto::Assignment>(f);
         round_ = a.round;
         current_ = a;
         done_sent_ = false;
+        unsent_failure_.reset();
+        waiting_since_.reset();
         h_.on_assignment(a);
         return;
       }
@@ -104,9 +127,11 @@ void Client::on_frame(const proto::Frame& f) {
         h_.on_restart(proto::from_frame<proto::Restart>(f));
         return;
       case MsgType::kAbort:
+        waiting_since_.reset();
         h_.on_abort(proto::from_frame<proto::Abort>(f));
         return;
       case MsgType::kDone:
+        waiting_since_.reset();
         h_.on_done();
         return;
       case MsgType::kError:
@@ -115,40 +140,100 @@ void Client::on_frame(const proto::Frame& f) {
         return lost(fmt::format("unexpected message type {} from the rendezvous server", f.type));
     }
   } catch (const proto::ProtocolError& e) {
-    lost(e.what());
+    lost(fmt::format("bad message from the rendezvous server: {}", e.what()));
   }
+}
+
+void Client::on_welcome() {
+  if (challenged_) conn_->verify_received(session_, 's');
+  welcomed_ = ever_welcomed_ = true;
+  in_outage_ = false;
+  backoff_ = milliseconds(100);
+  conn_->set_max_frame(proto::kDefaultMaxFrame);
+  proto::Join j = opts_.join;
+  if (current_) {
+    if (h_.on_notice) h_.on_notice(fmt::format("reconnected; re-registered round {}", current_->round));
+    j.resume_round = current_->round;
+    j.resume_group_rank = current_->group_rank;
+    j.resume_group_world_size = current_->group_world_size;
+    j.resume_restart_count = current_->restart_count;
+    j.resume_done = done_sent_;
+  }
+  conn_->send(proto::to_frame(j));
+  if (current_ && unsent_failure_) {
+    // Reported while the server was away: the rebuilt job must hear it.
+    conn_->send(proto::to_frame(*unsent_failure_));
+    unsent_failure_.reset();
+  }
+  heartbeat_timer_.cancel();
+  heartbeat();
 }
 
 void Client::heartbeat() {
   if (closed_ || !connected()) return;
   conn_->send(proto::to_frame(proto::Heartbeat{round_}));
-  heartbeat_timer_.expires_after(std::chrono::milliseconds(opts_.join.keep_alive_ms));
+  heartbeat_timer_.expires_after(milliseconds(opts_.join.keep_alive_ms));
   heartbeat_timer_.async_wait([this](boost::system::error_code ec) {
     if (!ec) heartbeat();
   });
 }
 
+void Client::watch() {
+  watchdog_.expires_after(milliseconds(opts_.join.keep_alive_ms));
+  watchdog_.async_wait([this](boost::system::error_code ec) {
+    if (ec || closed_) return;
+    const auto now = Clock::now();
+    const auto join_timeout = milliseconds(opts_.join.join_timeout_ms);
+    // The server decides on join_timeout itself; this catches a server that cannot.
+    if (waiting_since_ && now - *waiting_since_ > join_timeout + std::max(milliseconds(2000), join_timeout / 10))
+      return lost(fmt::format("no decision from the rendezvous server at {}:{} within join_timeout ({} s): it is "
+                              "unreachable or not answering",
+                              opts_.host, opts_.port, opts_.join.join_timeout_ms / 1000.0));
+    if (connected()) {
+      const auto silent = milliseconds(opts_.join.keep_alive_ms) * (opts_.join.keep_alive_max_attempt + 1);
+      if (!welcomed_ && now - connected_at_ > std::min(join_timeout, std::max(silent, milliseconds(10000)))) {
+        if (!ever_welcomed_ || now >= deadline_)
+          return lost(fmt::format("the rendezvous server at {}:{} accepts connections but does not answer the handshake",
+                                  opts_.host, opts_.port));
+        reconnect_later("no answer to the handshake");
+      } else if (welcomed_ && now - conn_->last_frame() > silent) {
+        reconnect_later(fmt::format("no answer for {} ms", std::chrono::duration_cast<milliseconds>(now - conn_->last_frame()).count()));
+      }
+    }
+    watch();
+  });
+}
+
 void Client::rejoin() {
+  wait_for_decision();
   if (connected()) conn_->send(proto::to_frame(opts_.join));
 }
 
-void Client::worker_failed(const proto::WorkerFailed& f) {
-  if (connected()) conn_->send(proto::to_frame(f));
+void Client::worker_failed(proto::WorkerFailed f) {
+  proto::truncate_to_limits(f);
+  if (connected() && welcomed_) conn_->send(proto::to_frame(f));
+  else unsent_failure_ = std::move(f);
+  wait_for_decision();
 }
 
 void Client::node_done(int round) {
   done_sent_ = true;
-  if (connected()) conn_->send(proto::to_frame(proto::NodeDone{round}));
+  wait_for_decision();
+  if (connected() && welcomed_) conn_->send(proto::to_frame(proto::NodeDone{round}));
 }
 
 void Client::reconnect_later(const std::string& why) {
   if (closed_) return;
   heartbeat_timer_.cancel();
+  welcomed_ = false;
   if (conn_) conn_->close(true);
   conn_.reset();
-  deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(opts_.join.join_timeout_ms);
+  if (!in_outage_) {  // one join_timeout for the whole outage, however many tries
+    in_outage_ = true;
+    deadline_ = Clock::now() + milliseconds(opts_.join.join_timeout_ms);
+  }
   retry_timer_.expires_after(backoff_);
-  backoff_ = std::min(backoff_ * 2, std::chrono::milliseconds(2000));
+  backoff_ = std::min(backoff_ * 2, milliseconds(2000));
   retry_timer_.async_wait([this](boost::system::error_code ec) {
     if (!ec) try_connect();
   });
@@ -167,6 +252,7 @@ bool Client::shut(bool flush) {
   closed_ = true;
   retry_timer_.cancel();
   heartbeat_timer_.cancel();
+  watchdog_.cancel();
   boost::system::error_code ec;
   if (connecting_) connecting_->close(ec);
   if (conn_) conn_->close(!flush);

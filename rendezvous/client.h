@@ -1,6 +1,9 @@
 // Client: an agent's link to the rendezvous server. Connects (retrying while the server
-// comes up, bounded by the join timeout), answers the token challenge, joins, sends
-// heartbeats, and turns server messages into handler calls on the agent's io_context.
+// comes up, bounded by the join timeout), proves the job's key and checks the server's
+// proof (an agent holding a token never talks to a server that cannot prove it), joins,
+// sends heartbeats and watches their echo, and turns server messages into handler calls
+// on the agent's io_context. A failure report or a "done" that could not be sent while the
+// server was away is replayed when the node re-registers.
 #pragma once
 
 #include <chrono>
@@ -20,8 +23,9 @@ namespace mg::rdzv {
 struct ClientOptions {
   std::string host;
   int port = 0;
-  std::string token;
-  proto::Join join;  // sent on start() and on every rejoin()
+  std::string token;      // the daemon token (the job key is derived from it), or
+  proto::Join join;       // sent on start() and on every rejoin()
+  std::string job_token;  // the job's own key (mglaunch-rdzv --job-token); wins when set
 };
 
 struct ClientHandlers {
@@ -39,33 +43,45 @@ class Client {
   ~Client();
   void start();
   void rejoin();
-  void worker_failed(const proto::WorkerFailed& f);
+  void worker_failed(proto::WorkerFailed f);
   void node_done(int round);
   void close();
   bool connected() const { return conn_ && conn_->open(); }
 
  private:
+  using Clock = std::chrono::steady_clock;
   void try_connect();
   void reconnect_later(const std::string& why);
   void on_frame(const proto::Frame& f);
+  void on_welcome();
   void lost(const std::string& why);
   bool shut(bool flush);  // false when already closed
   void heartbeat();
+  void watch();
+  void wait_for_decision();
 
   boost::asio::io_context& io_;
   ClientOptions opts_;
   ClientHandlers h_;
+  std::string key_;  // the job key; empty without a token
+  std::string nonce_, session_;
   std::shared_ptr<FramedConnection> conn_;
   std::unique_ptr<boost::asio::ip::tcp::socket> connecting_;
-  boost::asio::steady_timer retry_timer_, heartbeat_timer_;
-  std::chrono::steady_clock::time_point deadline_;
+  boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_;
+  Clock::time_point deadline_;                    // connect attempts give up here
+  std::optional<Clock::time_point> waiting_since_;  // joined, no decision yet
+  Clock::time_point connected_at_;
   int round_ = 0;
   std::optional<proto::Assignment> current_;  // the round this node runs, for re-registration
+  std::optional<proto::WorkerFailed> unsent_failure_;
   bool done_sent_ = false;
   std::chrono::milliseconds backoff_{100};          // between reconnects after a loss
   std::chrono::milliseconds connect_backoff_{10};  // between refused connects at start
   bool closed_ = false;
-  bool welcomed_ = false;
+  bool challenged_ = false;
+  bool welcomed_ = false;       // this connection completed the handshake
+  bool ever_welcomed_ = false;  // some connection did
+  bool in_outage_ = false;      // lost a welcomed connection, not welcomed again yet
   // Callbacks of a connection that outlives this client (graceful close) check this.
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);
 };

@@ -1,10 +1,5 @@
 #include "rendezvous/connection.h"
 
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/rand.h>
-
 #include <boost/asio/write.hpp>
 #include <fmt/format.h>
 
@@ -12,12 +7,28 @@ namespace mg::rdzv {
 
 namespace asio = boost::asio;
 
-FramedConnection::FramedConnection(asio::ip::tcp::socket socket, std::size_t max_frame)
-    : socket_(std::move(socket)), max_frame_(max_frame), in_(64 * 1024) {
+namespace {
+constexpr std::size_t kInitialBuffer = 4096;
+constexpr std::size_t kKeepBuffer = 64 * 1024;  // larger buffers shrink back once idle
+}  // namespace
+
+FramedConnection::FramedConnection(asio::ip::tcp::socket socket, std::size_t max_frame,
+                                   std::shared_ptr<MemoryBudget> budget)
+    : socket_(std::move(socket)), max_frame_(max_frame), budget_(std::move(budget)) {
   boost::system::error_code ec;
   auto ep = socket_.remote_endpoint(ec);
-  peer_ = ec ? "?" : fmt::format("{}:{}", ep.address().to_string(), ep.port());
+  peer_address_ = ec ? "?" : ep.address().to_string();
+  peer_ = ec ? "?" : fmt::format("{}:{}", peer_address_, ep.port());
   socket_.set_option(asio::ip::tcp::no_delay(true), ec);
+  reserve(kInitialBuffer);  // charged even past the budget: the owner refuses new connections first
+  if (in_.size() < kInitialBuffer) {
+    in_.resize(kInitialBuffer);
+    if (budget_) budget_->used += kInitialBuffer;
+  }
+}
+
+FramedConnection::~FramedConnection() {
+  if (budget_) budget_->release(in_.size());
 }
 
 void FramedConnection::start(FrameHandler on_frame, CloseHandler on_close) {
@@ -26,40 +37,97 @@ void FramedConnection::start(FrameHandler on_frame, CloseHandler on_close) {
   read_more();
 }
 
+bool FramedConnection::reserve(std::size_t bytes) {
+  if (bytes <= in_.size()) return true;
+  if (budget_ && !budget_->charge(bytes - in_.size())) return false;
+  std::vector<std::uint8_t> bigger(bytes);
+  std::copy(in_.begin(), in_.begin() + static_cast<std::ptrdiff_t>(in_used_), bigger.begin());
+  in_.swap(bigger);
+  return true;
+}
+
+void FramedConnection::shrink() {
+  if (in_.size() <= kKeepBuffer || in_used_ > kInitialBuffer) return;
+  std::vector<std::uint8_t> small(kInitialBuffer);
+  std::copy(in_.begin(), in_.begin() + static_cast<std::ptrdiff_t>(in_used_), small.begin());
+  if (budget_) budget_->release(in_.size() - small.size());
+  in_.swap(small);
+}
+
+void FramedConnection::sign_sent(const std::string& key, char direction) { send_mac_.emplace(key, direction); }
+void FramedConnection::verify_received(const std::string& key, char direction) { recv_mac_.emplace(key, direction); }
+
 void FramedConnection::read_more() {
-  if (in_used_ == in_.size()) in_.resize(std::min(in_.size() * 2, max_frame_ + 64));
+  if (in_used_ == in_.size() && !reserve(std::min(in_.size() * 2, max_frame_ + 4)))
+    return shut("the daemon's memory limit is reached; closing");
   auto self = shared_from_this();
   socket_.async_read_some(asio::buffer(in_.data() + in_used_, in_.size() - in_used_),
                           [this, self](boost::system::error_code ec, std::size_t n) {
                             if (!open_) return;
-                            if (ec) {
-                              shut(ec == asio::error::eof ? "connection closed by peer" : ec.message());
-                              return;
+                            if (ec) return shut(ec == asio::error::eof ? "connection closed by peer" : ec.message());
+                            try {
+                              on_read(n);
+                            } catch (const std::exception& e) {
+                              // One connection's failure closes that connection only.
+                              shut(fmt::format("internal error while handling a frame: {}", e.what()));
                             }
-                            in_used_ += n;
-                            std::size_t pos = 0;
-                            while (open_) {
-                              auto r = proto::decode(std::span(in_.data() + pos, in_used_ - pos), max_frame_);
-                              if (r.status == proto::DecodeResult::Status::kNeedMore) break;
-                              if (r.status == proto::DecodeResult::Status::kError) {
-                                shut(r.error);
-                                return;
-                              }
-                              pos += r.consumed;
-                              on_frame_(r.frame);
-                            }
-                            if (!open_) return;
-                            std::copy(in_.begin() + static_cast<std::ptrdiff_t>(pos),
-                                      in_.begin() + static_cast<std::ptrdiff_t>(in_used_), in_.begin());
-                            in_used_ -= pos;
-                            read_more();
                           });
 }
 
-void FramedConnection::send(const proto::Frame& frame) {
-  if (!open_ || close_after_write_) return;
-  out_.push_back(proto::encode(frame, max_frame_));
+void FramedConnection::on_read(std::size_t n) {
+  if (in_used_ == 0 && n > 0) partial_since_ = Clock::now();
+  in_used_ += n;
+  std::size_t pos = 0;
+  while (open_) {
+    const auto avail = std::span<const std::uint8_t>(in_.data() + pos, in_used_ - pos);
+    auto size = proto::peek(avail, max_frame_);
+    if (size.status == proto::DecodeResult::Status::kError) return shut(size.error);
+    if (size.status == proto::DecodeResult::Status::kNeedMore) {
+      // Make room for the whole frame at once rather than doubling towards it.
+      if (size.consumed > 0 && pos == 0 && !reserve(size.consumed))
+        return shut("the daemon's memory limit is reached; closing");
+      break;
+    }
+    const auto bytes = avail.first(size.consumed);
+    const std::size_t trailer = recv_mac_ ? auth::kFrameMacBytes : 0;
+    if (recv_mac_ && !recv_mac_->verify(bytes))
+      return shut("a frame failed authentication (bad MAC: forged, altered or replayed)");
+    auto r = proto::decode(bytes, max_frame_, trailer);
+    if (r.status != proto::DecodeResult::Status::kOk) return shut(r.error.empty() ? "malformed frame" : r.error);
+    pos += r.consumed;
+    last_frame_ = Clock::now();
+    on_frame_(r.frame);
+  }
+  if (!open_) return;
+  if (pos > 0) {
+    std::copy(in_.begin() + static_cast<std::ptrdiff_t>(pos), in_.begin() + static_cast<std::ptrdiff_t>(in_used_),
+              in_.begin());
+    in_used_ -= pos;
+    partial_since_ = in_used_ > 0 ? std::optional(Clock::now()) : std::nullopt;
+    shrink();
+  }
+  read_more();
+}
+
+bool FramedConnection::send(const proto::Frame& frame) {
+  if (!open_ || close_after_write_) return false;
+  std::vector<std::uint8_t> bytes;
+  try {
+    bytes = proto::encode(frame, max_frame_, send_mac_ ? auth::kFrameMacBytes : 0);
+  } catch (const std::length_error& e) {
+    shut(fmt::format("cannot send message type {}: {}", frame.type, e.what()));
+    return false;
+  }
+  if (send_mac_) send_mac_->sign(bytes);
+  out_bytes_ += bytes.size();
+  // A peer that does not read its replies must not make us buffer without bound.
+  if (out_bytes_ > 4 * std::max(max_frame_, proto::kDefaultMaxFrame)) {
+    shut("the peer does not read what is sent to it; closing");
+    return false;
+  }
+  out_.push_back(std::move(bytes));
   if (!writing_) write_next();
+  return true;
 }
 
 void FramedConnection::write_next() {
@@ -72,10 +140,8 @@ void FramedConnection::write_next() {
   auto self = shared_from_this();
   asio::async_write(socket_, asio::buffer(out_.front()), [this, self](boost::system::error_code ec, std::size_t) {
     if (!open_) return;
-    if (ec) {
-      shut(ec.message());
-      return;
-    }
+    if (ec) return shut(ec.message());
+    out_bytes_ -= out_.front().size();
     out_.pop_front();
     write_next();
   });
@@ -83,46 +149,24 @@ void FramedConnection::write_next() {
 
 void FramedConnection::close(bool now) {
   if (!open_) return;
-  if (now || (!writing_ && out_.empty())) {
-    shut("closed");
-    return;
-  }
+  if (now || (!writing_ && out_.empty())) return shut("closed");
   close_after_write_ = true;
 }
 
 void FramedConnection::shut(const std::string& why) {
   if (!open_) return;
   open_ = false;
+  partial_since_.reset();
   boost::system::error_code ec;
   socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ec);
   socket_.close(ec);
+  out_.clear();
+  out_bytes_ = 0;
   if (on_close_) {
     auto cb = std::move(on_close_);
     on_close_ = nullptr;
     cb(why);
   }
-}
-
-std::string hmac_sha256_hex(const std::string& key, const std::string& data) {
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(data.data()),
-       data.size(), md, &len);
-  std::string hex;
-  for (unsigned i = 0; i < len; ++i) hex += fmt::format("{:02x}", md[i]);
-  return hex;
-}
-
-bool equal_ct(const std::string& a, const std::string& b) {
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
-}
-
-std::string random_hex(std::size_t bytes) {
-  std::vector<unsigned char> buf(bytes);
-  RAND_bytes(buf.data(), static_cast<int>(buf.size()));
-  std::string hex;
-  for (unsigned char c : buf) hex += fmt::format("{:02x}", c);
-  return hex;
 }
 
 }  // namespace mg::rdzv

@@ -30,14 +30,19 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
                                                          id_, config_.min_nodes, config_.max_nodes, j.min_nodes,
                                                          j.max_nodes)})}};
   }
-  if (j.resume_round > 0 && (state_ == State::kJoining || state_ == State::kRunning) &&
-      (members_.empty() || j.resume_round == round_)) {
+  if (j.resume_round > 0) {
+    if (auto bad = check_resume(s, j); !bad.empty())
+      return {{s, proto::to_frame(proto::Error{fmt::format("job '{}': re-registration refused: {}", id_, bad)})}};
     // A restarted server learns the running round back from its nodes.
-    round_ = j.resume_round;
-    restart_count_ = j.resume_restart_count;
+    if (members_.empty()) {
+      round_ = j.resume_round;
+      restart_count_ = j.resume_restart_count;
+      expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
+      rebuilding_ = true;
+    }
     joined_.erase(s);
     members_[s] = {j, now, j.resume_done};
-    expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
+    if (members_.size() >= expected_members_) rebuilding_ = false;
     state_ = State::kRunning;
     return maybe_done();
   }
@@ -65,6 +70,36 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   return {};
 }
 
+std::string Job::check_resume(SessionId s, const proto::Join& j) const {
+  if (!joined_.empty()) return "other nodes are waiting for a new round";
+  if (members_.empty()) {
+    if (state_ != State::kJoining || round_ != 0) return "the job is not being rebuilt";
+    if (j.resume_group_world_size < 1 || j.resume_group_rank < 0 || j.resume_group_rank >= j.resume_group_world_size)
+      return "the claimed group rank or size is out of range";
+    return {};
+  }
+  if (!rebuilding_ || state_ != State::kRunning) return "the job is not being rebuilt";
+  if (members_.contains(s)) return "this connection is already registered";
+  if (j.resume_round != round_ || j.resume_restart_count != restart_count_ ||
+      static_cast<std::size_t>(j.resume_group_world_size) != expected_members_)
+    return fmt::format("round {} restart {} of {} nodes does not match the job's round {} restart {} of {} nodes",
+                       j.resume_round, j.resume_restart_count, j.resume_group_world_size, round_, restart_count_,
+                       expected_members_);
+  for (const auto& [id, n] : members_) {
+    if (n.join.resume_group_rank == j.resume_group_rank) return fmt::format("group rank {} is taken", j.resume_group_rank);
+    if (n.join.agent_id == j.agent_id) return fmt::format("agent '{}' is registered already", j.agent_id);
+  }
+  return {};
+}
+
+std::size_t Job::approx_bytes() const {
+  std::size_t bytes = sizeof(Job) + id_.size();
+  for (const auto* m : {&joined_, &members_})
+    for (const auto& [s, n] : *m)
+      bytes += sizeof(Node) + 64 + n.join.job_id.size() + n.join.agent_id.size() + n.join.host.size() + n.join.addr.size();
+  return bytes;
+}
+
 Actions Job::close_round(Clock::time_point now) {
   std::vector<std::pair<SessionId, Node>> nodes(joined_.begin(), joined_.end());
   // Explicit --node_rank first, then by (address, agent id): the same on every run.
@@ -86,7 +121,7 @@ Actions Job::close_round(Clock::time_point now) {
   for (const auto& [s, n] : nodes) {
     // The node list rides along for jobs up to kMaxListedNodes (10,000 nodes would make
     // every assignment 120 KB and the round 1.2 GB).
-    if (nodes.size() <= kMaxListedNodes) a.nodes.push_back(n.join.addr);
+    if (nodes.size() <= proto::kMaxListedNodes) a.nodes.push_back(n.join.addr);
     a.world_size += n.join.nproc;
   }
   Actions out;
@@ -107,6 +142,7 @@ Actions Job::close_round(Clock::time_point now) {
   joined_.clear();
   last_call_deadline_.reset();
   expected_members_ = members_.size();
+  rebuilding_ = false;
   state_ = State::kRunning;
   return out;
 }
@@ -148,10 +184,10 @@ Actions Job::worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::tim
   return fail_or_restart(f, reason, 0, now);
 }
 
-Actions Job::node_done(SessionId s, Clock::time_point now) {
+Actions Job::node_done(SessionId s, int round, Clock::time_point now) {
   last_activity_ = now;
   auto it = members_.find(s);
-  if (state_ != State::kRunning || it == members_.end()) return {};
+  if (state_ != State::kRunning || it == members_.end() || round != round_) return {};
   it->second.done = true;
   return maybe_done();
 }

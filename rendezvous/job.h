@@ -29,8 +29,6 @@ struct Outgoing {
 };
 using Actions = std::vector<Outgoing>;
 
-inline constexpr std::size_t kMaxListedNodes = 1024;
-
 class Job {
  public:
   enum class State { kJoining, kRunning, kRestarting, kDone, kFailed };
@@ -40,7 +38,7 @@ class Job {
   Actions join(SessionId s, const proto::Join& j, Clock::time_point now);
   Actions heartbeat(SessionId s, Clock::time_point now);
   Actions worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::time_point now);
-  Actions node_done(SessionId s, Clock::time_point now);
+  Actions node_done(SessionId s, int round, Clock::time_point now);
   Actions disconnected(SessionId s, Clock::time_point now);
   // Closes a round after last call, detects silent nodes, expires a join that waits too long.
   Actions tick(Clock::time_point now);
@@ -50,6 +48,8 @@ class Job {
   int round() const { return round_; }
   bool finished() const { return state_ == State::kDone || state_ == State::kFailed; }
   Clock::time_point last_activity() const { return last_activity_; }
+  // Memory held for this job's nodes, roughly (the daemon's --max-memory accounting).
+  std::size_t approx_bytes() const;
 
  private:
   struct Node {
@@ -63,6 +63,9 @@ class Job {
                           Clock::time_point now);
   Actions broadcast(const proto::Frame& f, SessionId except = 0) const;
   Actions maybe_done();
+  // A re-registration (resume_round > 0) is believed only while a restarted server
+  // rebuilds the round: no other node waits, the claims agree, the slot is free.
+  std::string check_resume(SessionId s, const proto::Join& j) const;
 
   std::string id_;
   State state_ = State::kJoining;
@@ -73,6 +76,7 @@ class Job {
   std::map<SessionId, Node> joined_;   // waiting for the next round
   std::map<SessionId, Node> members_;  // in the running round
   std::size_t expected_members_ = 0;   // size of the running round (members may re-register late)
+  bool rebuilding_ = false;            // the round is being rebuilt from re-registrations
   std::optional<Clock::time_point> last_call_deadline_;
   Clock::time_point first_join_;
   Clock::time_point last_activity_;

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/server.h"
 
@@ -20,16 +21,28 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:0", token_file;
   bool json_log = false;
   double handshake_s = 10, idle_expiry_s = 3600;
-  std::size_t max_connections = 20000, max_frame = mg::proto::kDefaultMaxFrame;
+  std::size_t max_connections = 0, max_per_address = 256, max_frame = mg::proto::kDefaultMaxFrame;
+  std::size_t max_memory_mib = 512;
+  double frame_timeout_s = 10;
   int max_nodes_per_job = 100000;
+  std::string job_token_for;
   CLI::App app{"mglaunch-rdzv: rendezvous daemon for mglaunch agents (--rdzv_backend=mglaunch|c10d)", "mglaunch-rdzv"};
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0 picks one; default 127.0.0.1:0)");
   app.add_option("--token-file", token_file, "Require agents to prove this token (HMAC-SHA256); or MGLAUNCH_RDZV_TOKEN");
   app.add_flag("--json-log", json_log, "Log one JSON object per line instead of text");
-  app.add_option("--max-connections", max_connections, "Refuse connections beyond this many")->check(CLI::PositiveNumber);
+  app.add_option("--max-connections", max_connections, "Refuse connections beyond this many (default: the descriptor limit less 64)");
+  app.add_option("--max-connections-per-address", max_per_address,
+                 "Refuse connections from one address beyond this many")->check(CLI::PositiveNumber);
+  app.add_option("--max-memory", max_memory_mib, "MiB for connection buffers and job state; new work is refused above it")
+      ->check(CLI::Range(16, 1 << 20));
+  app.add_option("--frame-timeout", frame_timeout_s, "Seconds a started frame has to arrive in full")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--job-token", job_token_for,
+                 "Print the key of job ID (derived from the daemon token) and exit: give it to that job's agents as "
+                 "MGLAUNCH_RDZV_JOB_TOKEN so they can open that job and no other");
   app.add_option("--max-nodes-per-job", max_nodes_per_job, "Refuse jobs whose --nnodes allows more nodes")
       ->check(CLI::PositiveNumber);
-  app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(64, 1 << 26));
+  app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(4096, 1 << 26));
   app.add_option("--handshake-timeout", handshake_s, "Seconds a new connection has to authenticate")
       ->check(CLI::PositiveNumber);
   app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds")
@@ -63,7 +76,18 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (!job_token_for.empty()) {
+    if (so.token.empty()) {
+      std::fprintf(stderr, "mglaunch-rdzv: error: --job-token needs the daemon token (--token-file or MGLAUNCH_RDZV_TOKEN)\n");
+      return 2;
+    }
+    std::printf("%s\n", mg::rdzv::auth::job_key(so.token, job_token_for).c_str());
+    return 0;
+  }
   so.max_connections = max_connections;
+  so.max_connections_per_address = max_per_address;
+  so.max_memory = max_memory_mib << 20;
+  so.frame_timeout = std::chrono::milliseconds(static_cast<long>(frame_timeout_s * 1000));
   so.max_nodes_per_job = max_nodes_per_job;
   so.max_frame = max_frame;
   so.handshake_timeout = std::chrono::milliseconds(static_cast<long>(handshake_s * 1000));

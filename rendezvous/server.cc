@@ -1,24 +1,38 @@
 #include "rendezvous/server.h"
 
+#include <sys/resource.h>
+
+#include <set>
+
 #include <fmt/format.h>
+
+#include "rendezvous/auth.h"
 
 namespace mg::rdzv {
 
 namespace asio = boost::asio;
 using proto::MsgType;
 
+namespace {
+constexpr std::size_t kReservedDescriptors = 64;  // logs, the acceptor, the agent's own pipes
+constexpr std::size_t kMaxTrackedAddresses = 4096;
+constexpr auto kMaxBlock = std::chrono::seconds(30);
+}  // namespace
+
 struct Server::Session {
   SessionId id = 0;
   std::shared_ptr<FramedConnection> conn;
+  std::string address;  // peer address, for the per-address cap
   enum class Phase { kHello, kAuth, kReady } phase = Phase::kHello;
-  std::string nonce;
-  std::string job;  // set by the first Join
-  std::string agent_id;
-  std::unique_ptr<asio::steady_timer> handshake_timer;
+  Clock::time_point since;  // connected, or welcomed
+  std::string client_nonce, server_nonce, key;
+  std::string job;  // from Hello: the only job this session may touch
+  bool joined = false;
+  std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
 };
 
 Server::Server(asio::io_context& io, ServerOptions opts)
-    : io_(io), opts_(std::move(opts)), acceptor_(io), ticker_(io) {
+    : io_(io), opts_(std::move(opts)), acceptor_(io), ticker_(io), accept_pause_(io) {
   boost::system::error_code ec;
   auto addr = asio::ip::make_address(opts_.host, ec);
   if (ec) {
@@ -35,6 +49,25 @@ Server::Server(asio::io_context& io, ServerOptions opts)
   if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) throw std::runtime_error(fmt::format("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message()));
   port_ = acceptor_.local_endpoint().port();
+  // Connections must run out before descriptors do, or accept() fails with EMFILE.
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    if (rl.rlim_cur < rl.rlim_max) {
+      rl.rlim_cur = rl.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &rl);
+      ::getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    const std::size_t usable = rl.rlim_cur > kReservedDescriptors * 2 ? rl.rlim_cur - kReservedDescriptors : 16;
+    if (opts_.max_connections == 0) {
+      opts_.max_connections = rl.rlim_cur == RLIM_INFINITY ? 1 << 20 : usable;
+    } else if (rl.rlim_cur != RLIM_INFINITY && opts_.max_connections > usable) {
+      log(fmt::format("max connections lowered from {} to {}: the descriptor limit is {} (raise it with ulimit -n)",
+                      opts_.max_connections, usable, rl.rlim_cur));
+      opts_.max_connections = usable;
+    }
+  }
+  if (opts_.max_connections == 0) opts_.max_connections = 1024;  // getrlimit failed
+  budget_->limit = opts_.max_memory;
   accept();
   tick();
 }
@@ -53,34 +86,58 @@ void Server::stop(bool flush) {
   boost::system::error_code ec;
   acceptor_.close(ec);
   ticker_.cancel();
+  accept_pause_.cancel();
   auto sessions = std::move(sessions_);
-  for (auto& [id, s] : sessions) {
-    if (s->handshake_timer) s->handshake_timer->cancel();
-    s->conn->close(!flush);
+  for (auto& [id, s] : sessions) s->conn->close(!flush);
+}
+
+bool Server::admit(const std::string& address) {
+  const auto now = Clock::now();
+  if (auto f = failures_.find(address); f != failures_.end() && now < f->second.blocked_until) return false;
+  if (sessions_.size() >= opts_.max_connections) {
+    log(fmt::format("refused a connection from {}: {} connections open (max)", address, sessions_.size()));
+    return false;
   }
+  if (per_address_[address] >= opts_.max_connections_per_address) {
+    log(fmt::format("refused a connection from {}: it has {} connections open (max per address)", address,
+                    opts_.max_connections_per_address));
+    return false;
+  }
+  if (budget_->used >= budget_->limit) {
+    log(fmt::format("refused a connection from {}: the memory limit of {} MiB is reached", address,
+                    opts_.max_memory >> 20));
+    return false;
+  }
+  return true;
 }
 
 void Server::accept() {
   acceptor_.async_accept([this](boost::system::error_code ec, asio::ip::tcp::socket socket) {
     if (stopped_) return;
+    if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space || ec == asio::error::no_memory) {
+      // Out of descriptors: pause instead of spinning on the pending connection.
+      log(fmt::format("accept failed: {}; pausing accepts for 100 ms", ec.message()));
+      accept_pause_.expires_after(std::chrono::milliseconds(100));
+      accept_pause_.async_wait([this](boost::system::error_code ec) {
+        if (!ec && !stopped_) accept();
+      });
+      return;
+    }
     if (!ec) {
-      if (sessions_.size() >= opts_.max_connections) {
-        log(fmt::format("refused a connection: {} connections open (max)", sessions_.size()));
-        boost::system::error_code ignored;
+      boost::system::error_code ignored;
+      auto remote = socket.remote_endpoint(ignored);
+      const std::string address = ignored ? "?" : remote.address().to_string();
+      if (!admit(address)) {
         socket.close(ignored);
       } else {
         auto s = std::make_shared<Session>();
         s->id = next_id_++;
-        s->conn = std::make_shared<FramedConnection>(std::move(socket), opts_.max_frame);
-        s->handshake_timer = std::make_unique<asio::steady_timer>(io_, opts_.handshake_timeout);
-        std::weak_ptr<Session> weak = s;
-        s->handshake_timer->async_wait([this, weak](boost::system::error_code ec) {
-          auto s = weak.lock();
-          if (ec || !s || s->phase == Session::Phase::kReady) return;
-          log(fmt::format("{}: no handshake within {} ms; closing", s->conn->peer(), opts_.handshake_timeout.count()));
-          s->conn->close(true);
-        });
+        s->address = address;
+        s->since = Clock::now();
+        ++per_address_[address];
+        s->conn = std::make_shared<FramedConnection>(std::move(socket), proto::kHandshakeMaxFrame, budget_);
         sessions_[s->id] = s;
+        std::weak_ptr<Session> weak = s;
         s->conn->start([this, weak](const proto::Frame& f) { if (auto s = weak.lock()) on_frame(s, f); },
                        [this, weak](const std::string& why) { if (auto s = weak.lock()) on_close(s, why); });
       }
@@ -89,62 +146,92 @@ void Server::accept() {
   });
 }
 
+void Server::auth_failed(const std::string& address) {
+  if (failures_.size() >= kMaxTrackedAddresses && !failures_.contains(address)) {
+    // Forget the address whose block ends first.
+    auto oldest = std::min_element(failures_.begin(), failures_.end(), [](const auto& a, const auto& b) {
+      return a.second.blocked_until < b.second.blocked_until;
+    });
+    failures_.erase(oldest);
+  }
+  auto& f = failures_[address];
+  ++f.count;
+  // 100 ms after the first failure, doubling up to 30 s: guessing stays slow.
+  const auto block = std::min<std::chrono::milliseconds>(
+      std::chrono::milliseconds(100L << std::min(f.count - 1, 16)), kMaxBlock);
+  f.blocked_until = Clock::now() + block;
+  if (f.count >= 3)
+    log(fmt::format("{}: {} authentication failures; its connections are refused for {} ms", address, f.count,
+                    block.count()));
+}
+
+void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f) {
+  auto welcome = [&] {
+    s->phase = Session::Phase::kReady;
+    s->since = Clock::now();
+    s->conn->send(proto::to_frame(proto::Welcome{"mglaunch-rdzv"}));
+    s->conn->set_max_frame(opts_.max_frame);
+  };
+  if (s->phase == Session::Phase::kHello) {
+    auto hello = proto::from_frame<proto::Hello>(f);
+    s->job = hello.job_id;
+    s->client_nonce = hello.nonce;
+    if (opts_.token.empty()) return welcome();
+    s->phase = Session::Phase::kAuth;
+    s->key = auth::job_key(opts_.token, s->job);
+    s->server_nonce = auth::random_hex(32);
+    s->conn->send(proto::to_frame(
+        proto::Challenge{s->server_nonce, auth::server_proof(s->key, s->client_nonce, s->server_nonce)}));
+    return;
+  }
+  auto a = proto::from_frame<proto::Auth>(f);
+  if (!auth::equal_ct(a.mac, auth::client_proof(s->key, s->client_nonce, s->server_nonce))) {
+    auth_failed(s->address);
+    throw proto::ProtocolError(fmt::format("authentication failed for job '{}': wrong rendezvous token", s->job));
+  }
+  failures_.erase(s->address);
+  welcome();
+  const std::string session = auth::session_key(s->key, s->client_nonce, s->server_nonce);
+  s->conn->sign_sent(session, 's');
+  s->conn->verify_received(session, 'c');
+}
+
 void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) {
   auto refuse = [&](const std::string& why) {
     log(fmt::format("{}: {}", s->conn->peer(), why));
-    s->conn->send(proto::to_frame(proto::Error{why}));
+    s->conn->send(proto::to_frame(proto::Error{proto::truncate_text(why, proto::kMaxTextBytes)}));
     s->conn->close();
   };
   try {
-    switch (s->phase) {
-      case Session::Phase::kHello: {
-        auto hello = proto::from_frame<proto::Hello>(f);
-        s->agent_id = hello.agent_id;
-        if (opts_.token.empty()) {
-          s->phase = Session::Phase::kReady;
-          s->handshake_timer->cancel();
-          s->conn->send(proto::to_frame(proto::Welcome{"mglaunch-rdzv"}));
-        } else {
-          s->phase = Session::Phase::kAuth;
-          s->nonce = random_hex(32);
-          s->conn->send(proto::to_frame(proto::Challenge{s->nonce}));
-        }
-        return;
-      }
-      case Session::Phase::kAuth: {
-        auto auth = proto::from_frame<proto::Auth>(f);
-        if (!equal_ct(auth.mac, hmac_sha256_hex(opts_.token, s->nonce))) {
-          refuse("authentication failed: wrong rendezvous token");
-          return;
-        }
-        s->phase = Session::Phase::kReady;
-        s->handshake_timer->cancel();
-        s->conn->send(proto::to_frame(proto::Welcome{"mglaunch-rdzv"}));
-        return;
-      }
-      case Session::Phase::kReady:
-        break;
-    }
+    if (s->phase != Session::Phase::kReady) return handshake(s, f);
     const auto now = Clock::now();
     if (proto::type_of(f) == MsgType::kJoin) {
       auto join = proto::from_frame<proto::Join>(f);
-      if (join.job_id.empty()) return refuse("join without a job id (--rdzv_id)");
+      if (join.job_id != s->job)
+        return refuse(fmt::format("this connection was opened for job '{}', not '{}'", s->job, join.job_id));
       if (join.max_nodes > opts_.max_nodes_per_job)
         return refuse(fmt::format("--nnodes max {} exceeds this daemon's limit of {} nodes per job", join.max_nodes,
                                   opts_.max_nodes_per_job));
-      if (!s->job.empty() && s->job != join.job_id) return refuse("one connection serves one job");
-      s->job = join.job_id;
+      if (budget_->used >= budget_->limit)
+        return refuse(fmt::format("the rendezvous daemon is at its memory limit ({} MiB); retry later or raise "
+                                  "--max-memory", opts_.max_memory >> 20));
       auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id);
       if (inserted) log(fmt::format("job '{}' created by {} ({})", join.job_id, join.host, s->conn->peer()));
+      s->joined = true;
+      s->idle_limit = std::max<std::chrono::milliseconds>(
+          opts_.frame_timeout, std::chrono::milliseconds(join.keep_alive_ms) * (join.keep_alive_max_attempt + 1));
       apply(it->second.join(s->id, join, now));
       return;
     }
     auto job = jobs_.find(s->job);
-    if (job == jobs_.end()) return refuse("message before join");
+    if (!s->joined || job == jobs_.end()) return refuse("message before join");
     switch (proto::type_of(f)) {
-      case MsgType::kHeartbeat:
+      case MsgType::kHeartbeat: {
+        auto hb = proto::from_frame<proto::Heartbeat>(f);
         apply(job->second.heartbeat(s->id, now));
+        s->conn->send(proto::to_frame(hb));  // lets the client see a hung server
         break;
+      }
       case MsgType::kWorkerFailed: {
         auto wf = proto::from_frame<proto::WorkerFailed>(f);
         log(fmt::format("job '{}': rank {} on {} failed with exit code {}", s->job, wf.rank, wf.host, wf.exit_code));
@@ -152,22 +239,29 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
         break;
       }
       case MsgType::kNodeDone:
-        apply(job->second.node_done(s->id, now));
+        apply(job->second.node_done(s->id, proto::from_frame<proto::NodeDone>(f).round, now));
         break;
       default:
         refuse(fmt::format("unexpected message type {}", f.type));
     }
   } catch (const proto::ProtocolError& e) {
     refuse(e.what());
+  } catch (const std::exception& e) {
+    // Whatever went wrong, it ends this connection only.
+    refuse(fmt::format("internal error: {}", e.what()));
   }
 }
 
 void Server::on_close(const std::shared_ptr<Session>& s, const std::string& why) {
-  if (s->handshake_timer) s->handshake_timer->cancel();
   sessions_.erase(s->id);
+  if (auto it = per_address_.find(s->address); it != per_address_.end() && --it->second == 0) per_address_.erase(it);
   if (stopped_) return;
-  if (why != "closed" && why != "connection closed by peer")
+  if (s->phase == Session::Phase::kAuth && why == "connection closed by peer")
+    log(fmt::format("{}: closed during authentication for job '{}' (the client may hold another token)",
+                    s->conn->peer(), s->job));
+  else if (why != "closed" && why != "connection closed by peer")
     log(fmt::format("{}: connection dropped: {}", s->conn->peer(), why));
+  if (!s->joined) return;
   if (auto job = jobs_.find(s->job); job != jobs_.end()) {
     if (!job->second.finished()) log(fmt::format("job '{}': {} disconnected ({})", s->job, s->conn->peer(), why));
     apply(job->second.disconnected(s->id, Clock::now()));
@@ -178,9 +272,38 @@ void Server::apply(const Actions& actions) {
   for (const auto& a : actions) {
     auto it = sessions_.find(a.session);
     if (it == sessions_.end()) continue;
-    it->second->conn->send(a.frame);
-    if (proto::type_of(a.frame) == MsgType::kError) it->second->conn->close();
+    auto conn = it->second->conn;  // send() may close and erase the session
+    conn->send(a.frame);
+    if (proto::type_of(a.frame) == MsgType::kError) conn->close();
   }
+}
+
+void Server::check_deadlines(Clock::time_point now) {
+  std::vector<std::pair<std::shared_ptr<Session>, std::string>> expired;
+  for (const auto& [id, s] : sessions_) {
+    const auto age = now - s->since;
+    if (s->phase != Session::Phase::kReady && age > opts_.handshake_timeout)
+      expired.emplace_back(s, fmt::format("no handshake within {} ms; closing", opts_.handshake_timeout.count()));
+    else if (s->phase == Session::Phase::kReady && !s->joined && age > opts_.handshake_timeout)
+      expired.emplace_back(s, fmt::format("no join within {} ms of the handshake; closing", opts_.handshake_timeout.count()));
+    else if (auto p = s->conn->partial_since(); p && now - *p > opts_.frame_timeout)
+      expired.emplace_back(s, fmt::format("a frame was not completed within {} ms; closing", opts_.frame_timeout.count()));
+    else if (s->joined && now - s->conn->last_frame() > s->idle_limit)
+      expired.emplace_back(s, fmt::format("no message for {} ms; closing",
+                                          std::chrono::duration_cast<std::chrono::milliseconds>(now - s->conn->last_frame()).count()));
+  }
+  for (auto& [s, why] : expired) {
+    log(fmt::format("{}: {}", s->conn->peer(), why));
+    s->conn->close(true);
+  }
+}
+
+void Server::account_jobs() {
+  std::size_t bytes = 0;
+  for (const auto& [id, job] : jobs_) bytes += job.approx_bytes();
+  budget_->release(jobs_bytes_);
+  budget_->used += bytes;
+  jobs_bytes_ = bytes;
 }
 
 void Server::tick() {
@@ -188,20 +311,31 @@ void Server::tick() {
   ticker_.async_wait([this](boost::system::error_code ec) {
     if (ec || stopped_) return;
     const auto now = Clock::now();
+    check_deadlines(now);
+    std::set<std::string> attended;
+    for (const auto& [id, s] : sessions_)
+      if (s->joined) attended.insert(s->job);
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       const auto before = it->second.state();
       apply(it->second.tick(now));
       if (it->second.state() != before && it->second.state() == Job::State::kFailed)
         log(fmt::format("job '{}' failed", it->first));
-      if (it->second.finished() && now - it->second.last_activity() > std::chrono::seconds(60)) {
+      const auto idle = now - it->second.last_activity();
+      if (it->second.finished() && idle > std::chrono::seconds(60)) {
         it = jobs_.erase(it);  // keep finished jobs a minute for late re-joins to be told
-      } else if (now - it->second.last_activity() > opts_.idle_job_expiry) {
+      } else if (!attended.contains(it->first) && idle > opts_.orphan_job_expiry) {
+        log(fmt::format("job '{}' forgotten: nobody connected for {} s", it->first, opts_.orphan_job_expiry.count() / 1000));
+        it = jobs_.erase(it);
+      } else if (idle > opts_.idle_job_expiry) {
         log(fmt::format("job '{}' expired after {} s idle", it->first, opts_.idle_job_expiry.count() / 1000));
         it = jobs_.erase(it);
       } else {
         ++it;
       }
     }
+    for (auto it = failures_.begin(); it != failures_.end();)
+      it = now - it->second.blocked_until > kMaxBlock * 2 ? failures_.erase(it) : std::next(it);
+    account_jobs();
     tick();
   });
 }

@@ -1,7 +1,10 @@
 // Server: the rendezvous daemon's core, embeddable in an agent. One acceptor, a session
-// per connection (handshake with optional HMAC-SHA256 challenge, then job messages),
-// many jobs keyed by rdzv id, and a 100 ms tick that drives the jobs' timers. Runs on the
-// caller's io_context; stop() closes everything.
+// per connection (handshake: Hello names the job, then with a token a mutual HMAC proof of
+// the job's key and MACs on every later frame), many jobs keyed by rdzv id, and a 100 ms
+// tick that drives the jobs' timers and the per-connection deadlines. Runs on the caller's
+// io_context; stop() closes everything. Nothing a peer sends ends the server: every
+// message is validated, each session's failure closes that session only, and
+// connections, frames, per-address use, authentication failures and memory are bounded.
 #pragma once
 
 #include <chrono>
@@ -23,11 +26,15 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 0;
   std::string token;  // empty: no authentication
-  std::size_t max_connections = 20000;
+  std::size_t max_connections = 0;  // 0: what the descriptor limit allows; clamped below it
+  std::size_t max_connections_per_address = 256;
   int max_nodes_per_job = 100000;
   std::size_t max_frame = proto::kDefaultMaxFrame;
-  std::chrono::milliseconds handshake_timeout{10000};
+  std::size_t max_memory = std::size_t{512} << 20;  // buffers and job state, bytes
+  std::chrono::milliseconds handshake_timeout{10000};  // connect -> Welcome, and Welcome -> Join
+  std::chrono::milliseconds frame_timeout{10000};      // first byte of a frame -> its last
   std::chrono::milliseconds idle_job_expiry{3600 * 1000};
+  std::chrono::milliseconds orphan_job_expiry{60000};  // a job nobody is connected to
   std::chrono::milliseconds tick{100};
   std::function<void(const std::string&)> log;  // one line per event; may be empty
 };
@@ -35,32 +42,47 @@ struct ServerOptions {
 class Server {
  public:
   // Binds and listens at once; throws std::runtime_error naming the address on failure.
+  // Raises the descriptor soft limit to the hard one and clamps max_connections below it.
   Server(boost::asio::io_context& io, ServerOptions opts);
   ~Server();
   int port() const { return port_; }
   std::string address() const;
+  std::size_t max_connections() const { return opts_.max_connections; }
   // Stops accepting and closes every connection; with `flush`, after its queued frames
   // (a decision just broadcast) are written.
   void stop(bool flush = false);
 
  private:
   struct Session;
+  struct Failures {
+    int count = 0;
+    Clock::time_point blocked_until;
+  };
   void accept();
+  bool admit(const std::string& address);
   void on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f);
+  void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void on_close(const std::shared_ptr<Session>& s, const std::string& why);
+  void auth_failed(const std::string& address);
   void apply(const Actions& actions);
   void tick();
+  void check_deadlines(Clock::time_point now);
+  void account_jobs();
   void log(const std::string& line) const;
 
   boost::asio::io_context& io_;
   ServerOptions opts_;
   boost::asio::ip::tcp::acceptor acceptor_;
-  boost::asio::steady_timer ticker_;
+  boost::asio::steady_timer ticker_, accept_pause_;
   int port_ = 0;
   bool stopped_ = false;
   SessionId next_id_ = 1;
   std::map<SessionId, std::shared_ptr<Session>> sessions_;
   std::map<std::string, Job> jobs_;
+  std::map<std::string, std::size_t> per_address_;  // open connections by peer address
+  std::map<std::string, Failures> failures_;        // authentication failures by peer address
+  std::shared_ptr<MemoryBudget> budget_ = std::make_shared<MemoryBudget>();
+  std::size_t jobs_bytes_ = 0;  // charged to budget_ at each tick
 };
 
 }  // namespace mg::rdzv

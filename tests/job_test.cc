@@ -154,8 +154,9 @@ TEST_CASE("the job is done when every node reports done; too few nodes time out"
   Job job("job");
   job.join(1, node("127.0.0.1", 2, 2), T0);
   job.join(2, node("127.0.0.2", 2, 2), T0);
-  CHECK(job.node_done(1, T0 + 1s).empty());
-  CHECK(of_type(job.node_done(2, T0 + 1s), MsgType::kDone).size() == 2);
+  CHECK(job.node_done(1, 1, T0 + 1s).empty());
+  CHECK(job.node_done(2, 0, T0 + 1s).empty());  // a stale round's report does not count
+  CHECK(of_type(job.node_done(2, 1, T0 + 1s), MsgType::kDone).size() == 2);
   CHECK(job.state() == Job::State::kDone);
   Job lonely("job");
   lonely.join(1, node("127.0.0.1", 2, 2), T0);
@@ -165,13 +166,15 @@ TEST_CASE("the job is done when every node reports done; too few nodes time out"
 
 TEST_CASE("messages round-trip through frames and reject the wrong type") {
   proto::Assignment a;
+  a.round = 1;
+  a.master_addr = "x";
   a.nodes = {"x", "y"};
   a.world_size = 9;
   auto back = proto::from_frame<proto::Assignment>(proto::decode(proto::encode(proto::to_frame(a))).frame);
   CHECK(back.nodes == a.nodes);
   CHECK(back.world_size == 9);
   CHECK_THROWS_AS(proto::from_frame<proto::Join>(proto::to_frame(a)), proto::ProtocolError);
-  proto::Frame missing{static_cast<std::uint8_t>(MsgType::kJoin), nlohmann::json::object()};
+  proto::Frame missing{static_cast<std::uint8_t>(MsgType::kJoin), {{"job_id", "j"}, {"agent_id", "a"}, {"addr", "x"}}};
   CHECK(proto::from_frame<proto::Join>(missing).nproc == 1);  // absent fields take defaults
 }
 
@@ -184,12 +187,58 @@ TEST_CASE("a restarted server rebuilds the running round from re-registering nod
     j->resume_restart_count = 1;
     j->resume_group_world_size = 2;
   }
+  a.resume_group_rank = 0;
+  b.resume_group_rank = 1;
   a.resume_done = true;
   CHECK(job.join(7, a, T0).empty());
   CHECK(job.state() == Job::State::kRunning);
   CHECK(job.round() == 4);
   CHECK(job.restart_count() == 1);
-  CHECK(job.node_done(7, T0).empty());  // node b has not re-registered yet
+  CHECK(job.node_done(7, 4, T0).empty());  // node b has not re-registered yet
   CHECK(job.join(8, b, T0).empty());
-  CHECK(of_type(job.node_done(8, T0), MsgType::kDone).size() == 2);
+  CHECK(of_type(job.node_done(8, 4, T0), MsgType::kDone).size() == 2);
+}
+
+namespace {
+std::string error_of(const Actions& a) {
+  auto e = of_type(a, MsgType::kError);
+  return e.empty() ? "" : proto::from_frame<proto::Error>(e[0].frame).message;
+}
+}  // namespace
+
+TEST_CASE("a forged re-registration cannot end or enter a job that is not being rebuilt") {
+  auto resume = [](proto::Join j, int round, int rank, int world) {
+    j.resume_round = round;
+    j.resume_group_rank = rank;
+    j.resume_group_world_size = world;
+    j.resume_done = true;
+    return j;
+  };
+  SECTION("a job with nodes waiting to start") {
+    Job job("job");
+    CHECK(job.join(1, node("127.0.0.1", 2, 2), T0).empty());
+    auto out = job.join(9, resume(node("127.0.0.9", 2, 2), 1, 0, 1), T0);
+    CHECK_THAT(error_of(out), Catch::Contains("re-registration refused"));
+    CHECK(of_type(out, MsgType::kDone).empty());
+    CHECK(job.state() == Job::State::kJoining);
+  }
+  SECTION("a running job") {
+    Job job("job");
+    job.join(1, node("127.0.0.1", 2, 2), T0);
+    job.join(2, node("127.0.0.2", 2, 2), T0);
+    REQUIRE(job.state() == Job::State::kRunning);
+    auto out = job.join(9, resume(node("127.0.0.9", 2, 2), 1, 1, 2), T0);
+    CHECK_THAT(error_of(out), Catch::Contains("not being rebuilt"));
+    CHECK(job.disconnected(9, T0).empty());  // and leaving again aborts nothing
+    CHECK(job.state() == Job::State::kRunning);
+  }
+  SECTION("a rebuild with a taken slot or a different round") {
+    Job job("job");
+    CHECK(job.join(1, resume(node("127.0.0.1", 2, 2), 3, 0, 2), T0).empty());
+    CHECK_THAT(error_of(job.join(2, resume(node("127.0.0.2", 2, 2), 3, 0, 2), T0)), Catch::Contains("group rank 0 is taken"));
+    CHECK_THAT(error_of(job.join(3, resume(node("127.0.0.3", 2, 2), 2, 1, 2), T0)), Catch::Contains("does not match"));
+    CHECK_THAT(error_of(job.join(4, resume(node("127.0.0.4", 2, 2), 3, 1, 1), T0)), Catch::Contains("does not match"));
+    CHECK(job.state() == Job::State::kRunning);
+    CHECK(of_type(job.join(5, resume(node("127.0.0.5", 2, 2), 3, 1, 2), T0), MsgType::kDone).size() == 2);
+  }
 }

@@ -1,0 +1,87 @@
+// Every field of every message is checked on receipt: what a hostile peer sends is
+// refused with a reason (ProtocolError), never converted out of range or stored unbounded.
+#include <catch2/catch.hpp>
+
+#include "proto/messages.h"
+
+using namespace mg::proto;
+
+namespace {
+
+Join good_join() {
+  Join j;
+  j.job_id = "job";
+  j.agent_id = "host:1";
+  j.host = "host";
+  j.addr = "127.0.0.1";
+  j.min_nodes = 1;
+  j.max_nodes = 2;
+  return j;
+}
+
+// The Join frame with one field replaced by a raw JSON value.
+Frame join_with(const std::string& field, nlohmann::json value) {
+  Frame f = to_frame(good_join());
+  f.payload[field] = std::move(value);
+  return f;
+}
+
+std::string refusal(const Frame& f) {
+  try {
+    from_frame<Join>(f);
+  } catch (const ProtocolError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("a valid join passes and every out-of-range field is refused with its name") {
+  CHECK(refusal(to_frame(good_join())).empty());
+  CHECK_THAT(refusal(join_with("max_nodes", -1)), Catch::Contains("max_nodes = -1"));
+  CHECK_THAT(refusal(join_with("max_nodes", 18446744073709551615ULL)), Catch::Contains("32 bits"));
+  CHECK_THAT(refusal(join_with("nproc", 1e300)), Catch::Contains("not an integer"));
+  CHECK_THAT(refusal(join_with("nproc", 0)), Catch::Contains("nproc"));
+  CHECK_THAT(refusal(join_with("min_nodes", 0)), Catch::Contains("min_nodes"));
+  CHECK_THAT(refusal(join_with("min_nodes", 3)), Catch::Contains("min_nodes 3 > max_nodes 2"));
+  CHECK_THAT(refusal(join_with("job_id", std::string(1 << 20, 'j'))), Catch::Contains("job_id is 1048576 bytes"));
+  CHECK_THAT(refusal(join_with("addr", std::string(600000, 'a'))), Catch::Contains("addr is 600000 bytes"));
+  CHECK_THAT(refusal(join_with("job_id", "")), Catch::Contains("job_id is empty"));
+  CHECK_THAT(refusal(join_with("master_port", 70000)), Catch::Contains("master_port"));
+  CHECK_THAT(refusal(join_with("keep_alive_ms", -5)), Catch::Contains("keep_alive_ms"));
+  CHECK_THAT(refusal(join_with("node_rank", 2)), Catch::Contains("node_rank"));
+  CHECK_THAT(refusal(join_with("nproc", "eight")), Catch::Contains("malformed"));
+  Frame not_a_map{static_cast<std::uint8_t>(MsgType::kJoin), nlohmann::json::array({1, 2})};
+  CHECK_THAT(refusal(not_a_map), Catch::Contains("not a map"));
+}
+
+TEST_CASE("handshake messages need hex nonces and MACs of the right length") {
+  CHECK_THROWS_AS(from_frame<Hello>(to_frame(Hello{"a", "job", "xyz"})), ProtocolError);
+  CHECK_THROWS_AS(from_frame<Hello>(to_frame(Hello{"a", "", std::string(64, 'a')})), ProtocolError);
+  CHECK_NOTHROW(from_frame<Hello>(to_frame(Hello{"a", "job", std::string(64, 'a')})));
+  CHECK_THROWS_AS(from_frame<Auth>(to_frame(Auth{std::string(64, 'G')})), ProtocolError);
+}
+
+TEST_CASE("failure reports are cut to their limits by the sender and refused beyond them by the receiver") {
+  WorkerFailed f;
+  f.host = "h";
+  f.message = std::string(100000, 'm');
+  f.last_lines.assign(100, std::string(2000, 'l'));
+  CHECK_THROWS_AS(from_frame<WorkerFailed>(to_frame(f)), ProtocolError);
+  truncate_to_limits(f);
+  auto back = from_frame<WorkerFailed>(to_frame(f));
+  CHECK(back.message.size() == kMaxTextBytes);
+  CHECK(back.last_lines.size() == kMaxLines);
+  CHECK(back.last_lines[0].size() == kMaxLineBytes);
+  CHECK(truncate_text("\xc3\xa9\xc3\xa9\xc3\xa9", 5) == "...");  // no half UTF-8 character is left
+}
+
+TEST_CASE("an assignment listing the most nodes of the longest addresses fits in a default frame") {
+  Assignment a;
+  a.group_world_size = static_cast<int>(kMaxListedNodes);
+  a.world_size = a.group_world_size;
+  a.master_addr = "m";
+  a.nodes.assign(kMaxListedNodes, std::string(kMaxHostBytes, 'n'));
+  CHECK_NOTHROW(encode(to_frame(a)));
+}

@@ -121,6 +121,8 @@ void Agent::start() {
     notice("setting OMP_NUM_THREADS=1 for each worker (more than one per node); set it yourself to tune");
   for (const auto& w : opts_.warnings) notice(w);
 
+  port_is_ours_ = opts_.rdzv_backend != "static" || opts_.master_port == 0;
+  if (port_is_ours_ && plan_.master_port > 0) hold_master_port(/*fresh=*/false);
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
   wait_signal();
   if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
@@ -296,6 +298,18 @@ void Agent::start_attempt() {
     workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_,
                                                        [this](WorkerProcess& w) { on_worker_done(w); }));
   }
+  port_hold_.reset();  // the workers may bind the master port now
+}
+
+void Agent::hold_master_port(bool fresh) {
+  if (!fresh) {
+    if (auto r = PortReservation::try_hold(plan_.master_port)) {
+      port_hold_ = std::move(r);
+      return;
+    }
+  }
+  port_hold_ = reserve_master_port();
+  plan_.master_port = port_hold_->port();
 }
 
 WorkerOutcome Agent::outcome_of(const WorkerProcess& w) const {
@@ -395,6 +409,9 @@ void Agent::on_group_stopped() {
   const auto& w = root_cause_->worker;
   if (restart_count_ < opts_.max_restarts) {
     ++restart_count_;
+    // As torchrun: a fresh master port for each attempt (the last one may still be held
+    // by a straggler, in TIME_WAIT, or taken by someone else: EADDRINUSE).
+    if (port_is_ours_) hold_master_port(/*fresh=*/true);
     notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
                        w.rank, w.local_rank, w.exit_code, restart_count_, opts_.max_restarts));
     retire_workers();

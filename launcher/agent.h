@@ -19,6 +19,7 @@
 #include "launcher/console.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "launcher/port.h"
 #include "launcher/worker_process.h"
 #include "proto/messages.h"
 #include "rendezvous/client.h"
@@ -101,6 +102,9 @@ class Agent {
   void kill_leftovers(bool reap);
   void wait_child();
   void reap_orphans();
+  // Holds plan_.master_port until the workers start (see launcher/port.h); with `fresh`,
+  // or when the port was taken meanwhile, chooses a new one and updates the plan.
+  void hold_master_port(bool fresh);
   std::string attempt_dir(int local_rank) const;
   WorkerOutcome outcome_of(const WorkerProcess& w) const;
 
@@ -133,6 +137,8 @@ class Agent {
   bool rejoin_after_stop_ = false;
   std::optional<proto::Abort> abort_;
   std::chrono::steady_clock::time_point attempt_start_;
+  bool port_is_ours_ = false;  // the master port was chosen by mglaunch, not the user
+  std::optional<PortReservation> port_hold_;
 };
 
 }  // namespace mg

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launcher/errors.h"
+#include "launcher/port.h"
 #include "rendezvous/endpoint.h"
 
 namespace mg {
@@ -163,7 +164,7 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
         throw UsageError(fmt::format("--master_port {} on {} cannot be used: {}; pick another port or use --standalone",
                                      plan.master_port, plan.master_addr, *err));
     }
-    if (plan.master_port == 0) plan.master_port = rdzv::find_free_port(plan.master_addr);
+    if (plan.master_port == 0) plan.master_port = reserve_master_port().port();  // see launcher/port.h
   } else {
     // Single node behind a dynamic backend: this agent is the host, as torchrun's c10d.
     rdzv::Endpoint ep;
@@ -174,7 +175,8 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
     }
     plan.rdzv_endpoint = fmt::format("{}:{}", ep.host, ep.port);
     plan.master_addr = !opts.local_addr.empty() ? opts.local_addr : fq_hostname();
-    plan.master_port = rdzv::find_free_port(opts.standalone ? "127.0.0.1" : plan.master_addr);
+    // Outside the ephemeral range; the agent holds it again until its workers start.
+    plan.master_port = reserve_master_port().port();
   }
   plan.nodes = {plan.node_rank == 0 ? plan.master_addr : (opts.local_addr.empty() ? fq_hostname() : opts.local_addr)};
   return plan;

@@ -8,11 +8,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
+#include "launcher/port.h"
 #include "launcher/worker_process.h"
 #include "support/proc.h"
 
@@ -228,4 +230,64 @@ TEST_CASE("the agent's view of /proc: stat lines parse, descendants are found th
   for (const auto& p : mg::descendants_of(table, 10)) d.insert(p.pid);
   CHECK(d == std::set<pid_t>{11, 13, 14});  // the zombie 12 is skipped, its child is not
   CHECK(mg::descendants_of(table, 20).empty());
+}
+
+TEST_CASE("master ports are drawn outside the kernel's ephemeral range") {
+  CHECK(mg::parse_port_range("32768\t60999\n")->lo == 32768);
+  CHECK(mg::parse_port_range("1024 65000")->hi == 65000);
+  CHECK_FALSE(mg::parse_port_range(""));
+  CHECK_FALSE(mg::parse_port_range("60999 32768"));
+  CHECK_FALSE(mg::parse_port_range("1 70000"));
+  CHECK_FALSE(mg::parse_port_range("1 2 3"));
+  const mg::PortRange eph{32768, 60999};
+  std::set<int> seen;
+  int bad = 0;
+  for (unsigned r = 0; r < 40000; ++r) {
+    const int p = mg::port_outside(eph, r);
+    bad += p < mg::kLowestMasterPort || p > 65535 || (p >= eph.lo && p <= eph.hi);
+    seen.insert(p);
+  }
+  CHECK(bad == 0);
+  // Every port on both sides of the range can be drawn.
+  CHECK(seen.size() == static_cast<std::size_t>((eph.lo - mg::kLowestMasterPort) + (65535 - eph.hi)));
+  CHECK(*seen.begin() == mg::kLowestMasterPort);
+  CHECK(*seen.rbegin() == 65535);
+  CHECK(mg::port_outside({1024, 65535}, 5) == 0);  // nothing left
+
+  // The real agent, with the real kernel range.
+  const mg::PortRange real = mg::ephemeral_port_range();
+  auto r = run(standalone({"--nproc_per_node=1"}, {"env"}));
+  REQUIRE(r.code == 0);
+  auto lines = json_lines(r.out);
+  REQUIRE(lines.size() == 1);
+  const int port = std::stoi(lines[0]["MASTER_PORT"].get<std::string>());
+  INFO("MASTER_PORT " << port << ", ephemeral range " << real.lo << "-" << real.hi);
+  CHECK((port < real.lo || port > real.hi));
+}
+
+TEST_CASE("a restart after EADDRINUSE on the master port gets a fresh port") {
+  std::string dir = make_temp_dir();
+  const std::string go = dir + "/go";
+  // Attempt 0 prints its env and waits until the test has taken its MASTER_PORT, then
+  // fails to listen there; attempt 1 must be given another port and succeed.
+  Proc agent = spawn(standalone({"--nproc_per_node=1", "--max_restarts=1"}, {"env", "wait-file", go, "listen-master"}));
+  REQUIRE(eventually([&] { return json_lines(agent.out()).size() == 1; }, 20s));
+  const int first = std::stoi(json_lines(agent.out())[0]["MASTER_PORT"].get<std::string>());
+  int squatter = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(first));
+  REQUIRE(::bind(squatter, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(::listen(squatter, 4) == 0);
+  std::ofstream(go) << "go\n";
+  const bool ended = agent.wait(30s);
+  ::close(squatter);
+  REQUIRE(ended);
+  INFO(agent.out() << agent.err());
+  CHECK_THAT(agent.err(), Catch::Contains("Address already in use"));
+  CHECK(agent.exit_code() == 0);
+  auto lines = json_lines(agent.out());
+  REQUIRE(lines.size() == 2);
+  CHECK(lines[1]["MASTER_PORT"] != lines[0]["MASTER_PORT"]);
 }

@@ -18,16 +18,22 @@
 //                       sleeps 60 s, and append its pid to PATH. K = group: a plain child
 //                       (same process group); daemon: double fork + setsid
 //   expect-dead PATH    exit 9 unless every pid in PATH is gone within 10 s
+//   wait-file PATH      wait until PATH exists (exit 8 after 30 s)
+//   listen-master       bind (SO_REUSEADDR, as c10d's TCPStore) and listen on
+//                       0.0.0.0:$MASTER_PORT, print "listening PORT"; exit 1 on failure
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
 //   when-world-below N  hang (60 s) while WORLD_SIZE < N, then exit 0 (scale-up tests)
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -223,6 +229,30 @@ int main(int argc, char** argv) {
           return 9;
         }
       }
+    } else if (cmd == "wait-file") {
+      const char* path = arg();
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (::access(path, F_OK) != 0) {
+        if (std::chrono::steady_clock::now() > deadline) return 8;
+        hang(0.01);
+      }
+    } else if (cmd == "listen-master") {
+      const int port = env_int("MASTER_PORT", 0);
+      int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      const int one = 1;
+      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_ANY);
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::listen(fd, 16) != 0) {
+        std::fprintf(stderr, "listen-master: 0.0.0.0:%d: %s (EADDRINUSE=%d)\n", port, std::strerror(errno),
+                     errno == EADDRINUSE);
+        return 1;
+      }
+      std::printf("listening %d\n", port);
+      std::fflush(stdout);
+      ::close(fd);
     } else if (cmd == "stamp") {
       const char* path = arg();
       const char* tag = arg();

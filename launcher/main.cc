@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
       return exit_code::kOk;
     }
     AgentOptions& opts = *parsed.options;
+    if (opts.slurm) write_all(STDERR_FILENO, "mglaunch: " + opts.slurm->summary + "\n");
     RunPlan plan = make_plan(opts, env);
     if (opts.dry_run) {
       write_all(STDOUT_FILENO, plan_to_json(plan, opts, env).dump(2) + "\n");

@@ -1,8 +1,11 @@
 #include "launcher/options.h"
 
+#include <fcntl.h>
+#include <netdb.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <charconv>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launcher/errors.h"
+#include "slurm/env.h"
 
 namespace mg {
 
@@ -84,10 +88,152 @@ int read_sysfs_gpu_count() {
   return n;
 }
 
+bool resolves(const std::string& name) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* ai = nullptr;
+  const bool ok = ::getaddrinfo(name.c_str(), nullptr, &hints, &ai) == 0;
+  if (ai) ::freeaddrinfo(ai);
+  return ok;
+}
+
+// stdout of argv (stderr discarded), or nullopt when it cannot run or exits non-zero.
+std::optional<std::string> capture(const std::vector<std::string>& argv) {
+  int fds[2];
+  if (::pipe(fds) != 0) return std::nullopt;
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return std::nullopt;
+  }
+  if (pid == 0) {
+    ::dup2(fds[1], STDOUT_FILENO);
+    if (int null = ::open("/dev/null", O_WRONLY); null >= 0) ::dup2(null, STDERR_FILENO);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 || out.size() > (1 << 20)) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
+  return out;
+}
+
+HardwareProbe::NodeAddress system_node_address(const std::string& name) {
+  if (resolves(name)) return {name, "resolves"};
+  if (auto out = capture({"scontrol", "show", "node", name})) {
+    if (std::string addr = slurm::parse_node_addr(*out); !addr.empty())
+      return {addr, fmt::format("'{}' does not resolve: NodeAddr from scontrol show node", name)};
+  }
+  return {name, fmt::format("'{}' does not resolve and scontrol show node gave no NodeAddr", name)};
+}
+
+std::pair<int, int> system_ephemeral_ports() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int lo = 0, hi = 0;
+  if (in >> lo >> hi && lo > 0 && hi >= lo && hi <= 65535) return {lo, hi};
+  return {32768, 60999};  // Linux's default
+}
+
+// Fills what the user left open from the Slurm step; `given(flag)` says what was explicit.
+void apply_slurm(AgentOptions& o, std::string& nnodes, const std::map<std::string, std::string>& env,
+                 const HardwareProbe& probe, const std::function<bool(const char*)>& given) {
+  const auto eph = probe.ephemeral_ports ? probe.ephemeral_ports() : system_ephemeral_ports();
+  slurm::SlurmPlan sp;
+  try {
+    sp = slurm::plan_from_env(env, {eph.first, eph.second});
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(fmt::format("inside a Slurm step: {}", e.what()));
+  }
+  auto address = [&](const std::string& name) {
+    return probe.node_address ? probe.node_address(name) : system_node_address(name);
+  };
+  SlurmContext ctx{sp.job_id, sp.step_id, sp.node_name.value, sp.nodes.value, sp.restart_count, {}};
+  auto& src = o.sources;
+  auto fill = [&](const char* flag, const char* key, const std::string& source, auto&& set) {
+    if (given(flag)) {
+      src[key] = "flag " + std::string(flag);
+      return false;
+    }
+    src[key] = source;
+    set();  // may refine src[key]
+    return true;
+  };
+  fill("--nproc_per_node", "nproc_per_node", sp.nproc_per_node.source,
+       [&] { o.nproc_spec = std::to_string(sp.nproc_per_node.value); });
+  src["nodes"] = sp.nodes.source;
+  std::string where;
+  if (o.standalone) {
+    // --standalone keeps this a single-node job; only the worker count comes from Slurm.
+    where = "--standalone: single node";
+  } else {
+    fill("--nnodes", "nnodes", sp.nnodes.source, [&] { nnodes = std::to_string(sp.nnodes.value); });
+    fill("--node_rank", "node_rank", sp.node_rank.source, [&] {
+      o.node_rank = sp.node_rank.value;
+      o.node_rank_given = true;  // the rendezvous keeps Slurm's node order
+    });
+    fill("--rdzv_backend", "rdzv_backend", "Slurm step: multi-node rendezvous hosted by node 0",
+         [&] { o.rdzv_backend = "c10d"; });
+    fill("--rdzv_id", "rdzv_id", sp.rdzv_id.source, [&] { o.rdzv_id = sp.rdzv_id.value; });
+    fill("--local_addr", "local_addr", "", [&] {
+      auto a = address(sp.node_name.value);
+      o.local_addr = a.address;
+      src["local_addr"] = fmt::format("{} ({})", sp.node_name.source, a.how);
+    });
+    if (o.rdzv_backend == "static") {
+      // An explicit static rendezvous: node 0 is the master, on the step's port.
+      const bool need_addr = !given("--master_addr"), need_port = !given("--master_port");
+      if (need_addr) {
+        auto a = address(sp.rdzv_host.value);
+        o.master_addr = a.address;
+        src["master_addr"] = fmt::format("{} '{}' ({})", sp.rdzv_host.source, sp.rdzv_host.value, a.how);
+      }
+      if (need_port) {
+        o.master_port = sp.rdzv_port.value;
+        src["master_port"] = sp.rdzv_port.source;
+      }
+      where = fmt::format("master {}:{}", o.master_addr, o.master_port);
+    } else {
+      fill("--rdzv_endpoint", "rdzv_endpoint", "", [&] {
+        auto a = address(sp.rdzv_host.value);
+        o.rdzv_endpoint = fmt::format("{}:{}", a.address.find(':') != std::string::npos ? "[" + a.address + "]" : a.address,
+                                      sp.rdzv_port.value);
+        src["rdzv_endpoint"] = fmt::format("{} '{}' ({}), port: {}", sp.rdzv_host.source, sp.rdzv_host.value, a.how,
+                                           sp.rdzv_port.source);
+      });
+      where = fmt::format("rendezvous {} on {}", o.rdzv_endpoint, sp.rdzv_host.value);
+    }
+  }
+  const std::string nproc_src = given("--nproc_per_node") ? "flag" : sp.nproc_per_node.source;
+  ctx.summary = fmt::format(
+      "Slurm step {}.{}{}: node {} of {} ({}), {} workers per node ({}), {}; flags you give win, --no-slurm turns "
+      "this off",
+      sp.job_id, sp.step_id, sp.restart_count > 0 ? fmt::format(" (restart {})", sp.restart_count) : "",
+      o.node_rank_given ? o.node_rank : sp.node_rank.value, given("--nnodes") ? nnodes : std::to_string(sp.nnodes.value),
+      sp.node_name.value, o.nproc_spec, nproc_src, where);
+  for (const auto& w : sp.warnings) o.warnings.push_back("Slurm: " + w);
+  o.slurm = std::move(ctx);
+}
+
 }  // namespace
 
 HardwareProbe HardwareProbe::system() {
-  return {read_sysfs_gpu_count, [] { return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN))); }};
+  return {read_sysfs_gpu_count, [] { return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN))); },
+          system_node_address, system_ephemeral_ports};
 }
 
 Streams StreamSpec::for_rank(int local_rank) const {
@@ -267,6 +413,8 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   app.add_option("--token-file,--token_file", token_file,
                  "File with the rendezvous token (HMAC-SHA256 challenge); or set MGLAUNCH_RDZV_TOKEN");
   app.add_option("--python", o.python, "Interpreter for .py programs and -m (default $MGLAUNCH_PYTHON or python3)");
+  flag("--no-slurm,--no_slurm", "", o.no_slurm,
+       "Ignore the Slurm step mglaunch runs in (by default its SLURM_* variables fill the flags not given)");
 
   if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) o.python = it->second;
   // CLI11 reads environment fallbacks through getenv: make the PET_* it sees exactly `env`'s.
@@ -292,6 +440,8 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   }
 
   o.node_rank_given = app.get_option("--node_rank")->count() > 0;
+  if (!o.no_slurm && slurm::in_slurm_step(env))
+    apply_slurm(o, nnodes, env, probe, [&](const char* name) { return app.get_option(name)->count() > 0; });
   std::vector<std::string> rest = app.remaining();
   if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
   if (rest.empty())

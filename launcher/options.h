@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mg {
@@ -33,10 +34,28 @@ NodeRange parse_nnodes(const std::string& text);
 // True when this agent takes part in a multi-node dynamic rendezvous (c10d/mglaunch).
 bool uses_rendezvous_server(const struct AgentOptions& o);
 
+// What the node and its network look like; tests pass fakes. Empty members fall back to
+// the real probe.
 struct HardwareProbe {
   std::function<int()> gpu_count;  // visible NVIDIA GPUs
   std::function<int()> cpu_count;
+  // An address other nodes reach a Slurm node by: the name when it resolves, else Slurm's
+  // NodeAddr (`scontrol show node NAME`); `how` says which.
+  struct NodeAddress {
+    std::string address, how;
+  };
+  std::function<NodeAddress(const std::string& node_name)> node_address{};
+  std::function<std::pair<int, int>()> ephemeral_ports{};  // /proc/sys/net/ipv4/ip_local_port_range
   static HardwareProbe system();
+};
+
+// What mglaunch took from the Slurm step it runs in (absent with --no-slurm or outside one).
+struct SlurmContext {
+  std::string job_id, step_id;
+  std::string node_name;           // this node (SLURMD_NODENAME)
+  std::vector<std::string> nodes;  // the step's nodes, node 0 first
+  int restart_count = 0;           // SLURM_RESTART_COUNT
+  std::string summary;             // the one line mglaunch prints about it
 };
 
 struct AgentOptions {
@@ -80,6 +99,9 @@ struct AgentOptions {
   bool timestamps = false;
   std::string python = "python3";
   std::size_t max_line_bytes = 64 * 1024;
+  bool no_slurm = false;                         // --no-slurm
+  std::optional<SlurmContext> slurm;             // set when running inside a Slurm step
+  std::map<std::string, std::string> sources;   // option name -> where its value came from (Slurm)
   // the training program
   std::string program;
   std::vector<std::string> program_args;
@@ -92,7 +114,9 @@ struct ParseOutcome {
   std::string message;
 };
 
-// argv[0] is skipped. `env` supplies PET_* and MGLAUNCH_PYTHON. Throws UsageError.
+// argv[0] is skipped. `env` supplies PET_* and MGLAUNCH_PYTHON and, inside a Slurm step
+// (srun), the SLURM_* variables that fill every flag the user did not give (explicit
+// flags, PET_* and --config win; --no-slurm turns this off). Throws UsageError.
 ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
                               const HardwareProbe& probe = HardwareProbe::system());
 

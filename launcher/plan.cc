@@ -190,19 +190,31 @@ nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const
                        {"argv", build_worker_argv(plan, opts, lr)},
                        {"env", build_contract_env(plan, opts, base_env, lr, 0, "")}});
   }
-  return {{"nnodes", plan.nnodes},
-          {"node_rank", plan.node_rank},
-          {"nproc_per_node", plan.nproc_per_node},
-          {"world_size", plan.world_size},
-          {"nodes", plan.nodes},
-          {"rdzv_backend", plan.rdzv_backend},
-          {"rdzv_endpoint", plan.rdzv_endpoint},
-          {"rdzv_id", plan.run_id},
-          {"master_addr", plan.master_addr},
-          {"master_port", plan.master_port},
-          {"max_restarts", opts.max_restarts},
-          {"executable", plan.executable},
-          {"workers", workers}};
+  nlohmann::json doc = {{"nnodes", plan.nnodes},
+                        {"node_rank", plan.node_rank},
+                        {"nproc_per_node", plan.nproc_per_node},
+                        {"world_size", plan.world_size},
+                        {"nodes", plan.nodes},
+                        {"rdzv_backend", plan.rdzv_backend},
+                        {"rdzv_endpoint", plan.rdzv_endpoint},
+                        {"rdzv_id", plan.run_id},
+                        {"master_addr", plan.master_addr},
+                        {"master_port", plan.master_port},
+                        {"max_restarts", opts.max_restarts},
+                        {"executable", plan.executable},
+                        {"workers", workers}};
+  if (opts.slurm) {
+    // Inside a Slurm step: the whole node list, and where each value came from.
+    doc["nodes"] = opts.slurm->nodes;
+    doc["node_rank"] = opts.node_rank;  // the rendezvous keeps Slurm's node order
+    doc["local_addr"] = opts.local_addr;
+    doc["slurm"] = {{"job_id", opts.slurm->job_id},
+                    {"step_id", opts.slurm->step_id},
+                    {"node_name", opts.slurm->node_name},
+                    {"restart_count", opts.slurm->restart_count}};
+    doc["source"] = opts.sources;
+  }
+  return doc;
 }
 
 }  // namespace mg

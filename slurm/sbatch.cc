@@ -1,0 +1,163 @@
+#include "slurm/sbatch.h"
+
+#include <algorithm>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+namespace mg::slurm {
+namespace {
+
+// `text` on one line: control characters as \n, \t or \xNN.
+std::string one_line(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7f) out += fmt::format("\\x{:02x}", c);
+    else out += static_cast<char>(c);
+  }
+  return out;
+}
+
+// #SBATCH values are split by sbatch at whitespace: refuse what would not survive.
+void check_directive_value(const std::string& flag, const std::string& value) {
+  if (value.empty()) throw SbatchUsageError(fmt::format("{} needs a value", flag));
+  const bool control = std::any_of(value.begin(), value.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; });
+  if (control || value.find_first_of(" '\"\\") != std::string::npos)
+    throw SbatchUsageError(fmt::format(
+        "bad {} '{}': spaces, quotes, backslashes and control characters cannot go into an #SBATCH line", flag,
+        one_line(value)));
+}
+
+}  // namespace
+
+std::string shell_quote(const std::string& word) {
+  const bool safe = !word.empty() && std::all_of(word.begin(), word.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("_-./:=@%+,").find(c) != std::string_view::npos;
+  });
+  if (safe) return word;
+  std::string out = "'";
+  for (char c : word) {
+    if (c == '\'') out += "'\\''";
+    else out += c;
+  }
+  return out + "'";
+}
+
+SbatchParse parse_sbatch_args(const std::vector<std::string>& argv) {
+  SbatchOptions o;
+  CLI::App app{"mglaunch-sbatch: submit a multi-node mglaunch job to Slurm in one line.", "mglaunch-sbatch"};
+  app.prefix_command();
+  app.set_version_flag("--version", std::string("mglaunch-sbatch ") + MGLAUNCH_VERSION);
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.get_formatter()->column_width(30);
+  app.footer(
+      "\nUsage: mglaunch-sbatch [FLAGS] -- [MGLAUNCH FLAGS] PROGRAM [ARGS...]\n"
+      "Writes a batch script that runs `srun mglaunch ...` with one agent per node; the agents take nodes, ranks,\n"
+      "rendezvous and workers per node from Slurm. SIGUSR1 (pre-emption, time limit) reaches the workers;\n"
+      "with --requeue a step that exits 75 (checkpointed) requeues the job, which then resumes.\n"
+      "Exit codes: 0 submitted (with --wait: the job succeeded); 2 bad flags; 127 sbatch not found;\n"
+      "otherwise sbatch's own exit code, which with --wait is the job's exit code.");
+  int gpus = -1;
+  app.add_option("-N,--nodes", o.nodes, "Number of nodes (default 1)");
+  app.add_option("--gpus-per-node,--gpus_per_node", gpus, "GPUs per node; mglaunch starts one worker per GPU");
+  app.add_option("-p,--partition", o.partition, "Slurm partition");
+  app.add_option("-t,--time", o.time, "Time limit, as sbatch takes it (e.g. 2:00:00)");
+  app.add_option("-A,--account", o.account, "Account to charge");
+  app.add_option("-o,--output", o.output, "Batch output file (sbatch's patterns such as %j work)");
+  app.add_option("-J,--job-name,--job_name", o.job_name, "Job name (default mglaunch)");
+  app.add_flag("--requeue", o.requeue, "Requeue the job when its step stops with 75 (checkpointed)");
+  app.add_option("--signal-before,--signal_before", o.signal_before,
+                 "Seconds before the time limit that the job gets SIGUSR1 (default 120)");
+  app.add_flag("--dry-run,--dry_run", o.dry_run, "Print the batch script and submit nothing");
+  app.add_flag("--wait", o.wait, "Wait for the job to end and exit with its exit code");
+  app.add_option("--mglaunch", o.mglaunch, "mglaunch to run on the nodes (default: the one next to mglaunch-sbatch)");
+
+  std::vector<std::string> args(argv.begin() + (argv.empty() ? 0 : 1), argv.end());
+  std::reverse(args.begin(), args.end());
+  try {
+    app.parse(args);
+  } catch (const CLI::CallForVersion&) {
+    return {std::nullopt, std::string("mglaunch-sbatch ") + MGLAUNCH_VERSION + "\n"};
+  } catch (const CLI::Success&) {
+    return {std::nullopt, app.help()};
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
+    throw SbatchUsageError(fmt::format("{} (see mglaunch-sbatch --help)", what));
+  }
+  o.command = app.remaining();
+  if (!o.command.empty() && o.command.front() == "--") {
+    o.command.erase(o.command.begin());
+  } else if (!o.command.empty() && o.command.front().starts_with("-")) {
+    throw SbatchUsageError(fmt::format("unknown flag '{}'; mglaunch's own flags go after '--' (see mglaunch-sbatch --help)",
+                                       o.command.front()));
+  }
+  if (o.command.empty())
+    throw SbatchUsageError("no program given: usage is mglaunch-sbatch [FLAGS] -- [MGLAUNCH FLAGS] PROGRAM [ARGS...]");
+  if (o.nodes < 1) throw SbatchUsageError(fmt::format("bad --nodes '{}': must be >= 1", o.nodes));
+  if (app.get_option("--gpus-per-node")->count() > 0) {
+    if (gpus < 1) throw SbatchUsageError(fmt::format("bad --gpus-per-node '{}': must be >= 1", gpus));
+    o.gpus_per_node = gpus;
+  }
+  if (o.signal_before < 1 || o.signal_before > 65535)
+    throw SbatchUsageError(fmt::format("bad --signal-before '{}': use 1..65535 seconds", o.signal_before));
+  if (!o.partition.empty()) check_directive_value("--partition", o.partition);
+  if (!o.time.empty()) check_directive_value("--time", o.time);
+  if (!o.account.empty()) check_directive_value("--account", o.account);
+  if (!o.output.empty()) check_directive_value("--output", o.output);
+  check_directive_value("--job-name", o.job_name);
+  if (!o.mglaunch.empty() && o.mglaunch.front() != '/')
+    throw SbatchUsageError(fmt::format("bad --mglaunch '{}': give an absolute path (the nodes run it)", o.mglaunch));
+  return {std::move(o), {}};
+}
+
+std::string make_batch_script(const SbatchOptions& o) {
+  std::string s = "#!/bin/bash\n";
+  auto directive = [&](const std::string& text) { s += "#SBATCH " + text + "\n"; };
+  directive("--job-name=" + o.job_name);
+  directive(fmt::format("--nodes={}", o.nodes));
+  directive("--ntasks-per-node=1");
+  if (o.gpus_per_node) directive(fmt::format("--gpus-per-node={}", *o.gpus_per_node));
+  if (!o.partition.empty()) directive("--partition=" + o.partition);
+  if (!o.time.empty()) directive("--time=" + o.time);
+  if (!o.account.empty()) directive("--account=" + o.account);
+  if (!o.output.empty()) directive("--output=" + o.output);
+  directive(fmt::format("--signal=B:USR1@{}", o.signal_before));
+  directive(o.requeue ? "--requeue" : "--no-requeue");
+
+  std::string cmd = "srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + shell_quote(o.mglaunch);
+  for (const auto& a : o.command) cmd += " " + shell_quote(a);
+
+  s += fmt::format(
+      "# Written by mglaunch-sbatch {}. One mglaunch agent per node; it takes the node count, node rank,\n"
+      "# rendezvous and workers per node from Slurm. SIGUSR1 (scancel --signal=USR1 --batch, or {} s before\n"
+      "# the time limit) goes to the step; workers that checkpoint and exit {} end the step with {}.\n",
+      MGLAUNCH_VERSION, o.signal_before, kStoppedExitCode, kStoppedExitCode);
+  s += "echo \"mglaunch-sbatch: job $SLURM_JOB_ID run ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST\" >&2\n";
+  s += cmd + " &\n";
+  s += "step=$!\n"
+       "interrupted=0\n"
+       "forward() { interrupted=1; echo \"mglaunch-sbatch: got SIGUSR1, passing it to the step\" >&2; "
+       "kill -USR1 \"$step\" 2>/dev/null; }\n"
+       "trap forward USR1\n"
+       "# A trapped signal ends `wait` early: wait again until the step itself has ended.\n"
+       "while :; do\n"
+       "  interrupted=0\n"
+       "  wait \"$step\"; rc=$?\n"
+       "  if [ \"$interrupted\" = 0 ] || [ \"$rc\" -le 128 ]; then break; fi\n"
+       "done\n";
+  if (o.requeue) {
+    s += fmt::format(
+        "if [ \"$rc\" -eq {0} ]; then\n"
+        "  echo \"mglaunch-sbatch: the step stopped with {0} (checkpointed): requeueing job $SLURM_JOB_ID\" >&2\n"
+        "  scontrol requeue \"$SLURM_JOB_ID\"\n"
+        "fi\n",
+        kStoppedExitCode);
+  }
+  s += "exit \"$rc\"\n";
+  return s;
+}
+
+}  // namespace mg::slurm

@@ -1,0 +1,139 @@
+// mglaunch inside a Slurm step: flags filled from SLURM_* (explicit flags win, --no-slurm
+// turns it off), node names resolved through the probe seam, and the --dry-run document.
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "launcher/errors.h"
+#include "launcher/options.h"
+#include "launcher/plan.h"
+
+using namespace mg;
+
+namespace {
+
+// Node names do not resolve here; "scontrol" says nN lives at 127.0.0.N.
+HardwareProbe fake_probe() {
+  HardwareProbe p{[] { return 0; }, [] { return 6; }};
+  p.node_address = [](const std::string& name) {
+    return HardwareProbe::NodeAddress{"127.0.0." + name.substr(1), "NodeAddr from the fake scontrol"};
+  };
+  p.ephemeral_ports = [] { return std::pair{32768, 60999}; };
+  return p;
+}
+
+std::map<std::string, std::string> step_env(int node) {
+  return {{"SLURM_JOB_ID", "77"},
+          {"SLURM_STEP_ID", "2"},
+          {"SLURM_NODEID", std::to_string(node)},
+          {"SLURM_STEP_NUM_NODES", "3"},
+          {"SLURM_STEP_NODELIST", "n[1-3]"},
+          {"SLURMD_NODENAME", "n" + std::to_string(node + 1)},
+          {"SLURM_STEP_TASKS_PER_NODE", "1(x3)"},
+          {"SLURM_GPUS_ON_NODE", "4"},
+          {"PATH", "/usr/bin:/bin"}};
+}
+
+AgentOptions parse(std::vector<std::string> args, const std::map<std::string, std::string>& env) {
+  args.insert(args.begin(), "mglaunch");
+  auto out = parse_agent_args(args, env, fake_probe());
+  REQUIRE(out.options);
+  return *out.options;
+}
+
+}  // namespace
+
+TEST_CASE("inside a Slurm step mglaunch needs no flags") {
+  const AgentOptions o = parse({"prog"}, step_env(1));
+  REQUIRE(o.slurm);
+  CHECK(o.nnodes.min == 3);
+  CHECK(o.nnodes.max == 3);
+  CHECK(o.node_rank == 1);
+  CHECK(o.node_rank_given);
+  CHECK(o.nproc_per_node == 4);
+  CHECK(o.rdzv_backend == "c10d");
+  CHECK(o.rdzv_id == "slurm-77.2");
+  CHECK(o.local_addr == "127.0.0.2");
+  CHECK(o.rdzv_endpoint.starts_with("127.0.0.1:"));
+  CHECK(uses_rendezvous_server(o));
+  CHECK(o.slurm->nodes == std::vector<std::string>{"n1", "n2", "n3"});
+  CHECK_THAT(o.slurm->summary, Catch::Contains("Slurm step 77.2") && Catch::Contains("node 1 of 3 (n2)") &&
+                                   Catch::Contains("--no-slurm"));
+  CHECK(o.slurm->summary.find('\n') == std::string::npos);
+  CHECK(o.sources.at("nproc_per_node") == "SLURM_GPUS_ON_NODE=4");
+  CHECK_THAT(o.sources.at("rdzv_endpoint"), Catch::Contains("n1") && Catch::Contains("hash of job 77 step 2"));
+}
+
+TEST_CASE("every node of a Slurm step computes the same rendezvous endpoint and id") {
+  const AgentOptions a = parse({"prog"}, step_env(0)), b = parse({"prog"}, step_env(2));
+  CHECK(a.rdzv_endpoint == b.rdzv_endpoint);
+  CHECK(a.rdzv_id == b.rdzv_id);
+  auto other_step = step_env(0);
+  other_step["SLURM_STEP_ID"] = "3";
+  CHECK(parse({"prog"}, other_step).rdzv_endpoint != a.rdzv_endpoint);
+}
+
+TEST_CASE("explicit flags and PET_ variables win over Slurm's values") {
+  const AgentOptions o = parse({"--nproc_per_node=2", "--rdzv_endpoint=127.0.0.9:1234", "--rdzv_id=mine", "prog"},
+                               step_env(0));
+  CHECK(o.nproc_per_node == 2);
+  CHECK(o.rdzv_endpoint == "127.0.0.9:1234");
+  CHECK(o.rdzv_id == "mine");
+  CHECK(o.nnodes.max == 3);  // the rest still from Slurm
+  CHECK(o.sources.at("nproc_per_node") == "flag --nproc_per_node");
+  auto env = step_env(0);
+  env["PET_NNODES"] = "2";
+  CHECK(parse({"prog"}, env).nnodes.max == 2);
+}
+
+TEST_CASE("an explicit static rendezvous under Slurm gets node 0 as master on the step's port") {
+  const AgentOptions o = parse({"--rdzv_backend=static", "prog"}, step_env(2));
+  CHECK(o.rdzv_backend == "static");
+  CHECK(o.node_rank == 2);
+  CHECK(o.master_addr == "127.0.0.1");
+  CHECK(o.master_port >= 20000);
+  CHECK(o.master_port < 32768);
+}
+
+TEST_CASE("--no-slurm and plain shells leave the flags alone") {
+  const AgentOptions o = parse({"--no-slurm", "prog"}, step_env(1));
+  CHECK_FALSE(o.slurm);
+  CHECK(o.nnodes.max == 1);
+  CHECK(o.rdzv_backend == "static");
+  auto batch = step_env(0);
+  batch.erase("SLURM_STEP_ID");  // the batch script itself
+  CHECK_FALSE(parse({"prog"}, batch).slurm);
+}
+
+TEST_CASE("--standalone under Slurm stays one node and takes only the worker count") {
+  const AgentOptions o = parse({"--standalone", "prog"}, step_env(1));
+  CHECK(o.nnodes.max == 1);
+  CHECK(o.nproc_per_node == 4);
+}
+
+TEST_CASE("a broken Slurm environment is a usage error that names the variable") {
+  auto env = step_env(1);
+  env["SLURM_STEP_TASKS_PER_NODE"] = "2(x3)";
+  try {
+    parse_agent_args({"mglaunch", "prog"}, env, fake_probe());
+    FAIL("expected a UsageError");
+  } catch (const UsageError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("SLURM_STEP_TASKS_PER_NODE") && Catch::Contains("--no-slurm"));
+  }
+}
+
+TEST_CASE("--dry-run under Slurm shows the expanded nodes and the source of each value") {
+  const AgentOptions o = parse({"--dry-run", "/bin/true"}, step_env(1));
+  const RunPlan plan = make_plan(o, step_env(1));
+  const nlohmann::json j = plan_to_json(plan, o, step_env(1));
+  CHECK(j["nodes"] == nlohmann::json({"n1", "n2", "n3"}));
+  CHECK(j["nnodes"] == 3);
+  CHECK(j["node_rank"] == 1);
+  CHECK(j["nproc_per_node"] == 4);
+  CHECK(j["rdzv_id"] == "slurm-77.2");
+  CHECK(j["slurm"]["job_id"] == "77");
+  CHECK(j["source"]["nnodes"] == "SLURM_STEP_NUM_NODES=3");
+  CHECK(j["source"]["node_rank"] == "SLURM_NODEID=1");
+  CHECK(j["source"]["nodes"] == "SLURM_STEP_NODELIST=n[1-3]");
+  CHECK_THAT(j["source"]["local_addr"].get<std::string>(), Catch::Contains("SLURMD_NODENAME=n2"));
+}

@@ -1,0 +1,115 @@
+// mglaunch-sbatch's flags and batch script, and the quoting that carries arguments
+// through it (checked by running the quoted words through a real /bin/sh).
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <random>
+
+#include "slurm/sbatch.h"
+
+using namespace mg::slurm;
+
+namespace {
+
+SbatchOptions parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "mglaunch-sbatch");
+  auto out = parse_sbatch_args(args);
+  REQUIRE(out.options);
+  out.options->mglaunch = "/opt/mg/bin/mglaunch";
+  return *out.options;
+}
+
+std::string usage_error(std::vector<std::string> args) {
+  args.insert(args.begin(), "mglaunch-sbatch");
+  try {
+    parse_sbatch_args(args);
+  } catch (const SbatchUsageError& e) {
+    return e.what();
+  }
+  FAIL("expected a SbatchUsageError");
+  return {};
+}
+
+// Runs `printf '%s\n' WORDS` through /bin/sh and returns what it printed.
+std::string through_shell(const std::string& words) {
+  std::string cmd = "printf '%s\\n' " + words;
+  std::string quoted_cmd = "/bin/sh -c " + shell_quote(cmd);
+  FILE* f = ::popen(quoted_cmd.c_str(), "r");
+  REQUIRE(f);
+  std::string out;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+  ::pclose(f);
+  return out;
+}
+
+bool has_line(const std::string& text, const std::string& line) {
+  return ("\n" + text).find("\n" + line + "\n") != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("mglaunch-sbatch writes #SBATCH lines for every flag given, one task per node and the signal") {
+  auto o = parse({"--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu", "--time", "1:00:00", "--account",
+                  "proj", "--output", "run-%j.out", "--signal-before", "300", "--", "train.py", "--lr", "0.1"});
+  const std::string s = make_batch_script(o);
+  CHECK(s.starts_with("#!/bin/bash\n"));
+  for (const char* line : {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                           "#SBATCH --partition=gpu", "#SBATCH --time=1:00:00", "#SBATCH --account=proj",
+                           "#SBATCH --output=run-%j.out", "#SBATCH --signal=B:USR1@300", "#SBATCH --no-requeue"}) {
+    INFO(line);
+    CHECK(has_line(s, line));
+  }
+  CHECK(has_line(s, "srun --kill-on-bad-exit=1 --ntasks-per-node=1 /opt/mg/bin/mglaunch train.py --lr 0.1 &"));
+  CHECK_THAT(s, !Catch::Contains("scontrol requeue"));
+  CHECK(has_line(s, "exit \"$rc\""));
+}
+
+TEST_CASE("with --requeue the script requeues the job when the step stopped with 75") {
+  auto o = parse({"--nodes", "3", "--requeue", "--", "--max_restarts=1", "prog"});
+  const std::string s = make_batch_script(o);
+  CHECK(has_line(s, "#SBATCH --requeue"));
+  CHECK(has_line(s, "#SBATCH --signal=B:USR1@120"));  // the default warning time
+  CHECK(has_line(s, "trap forward USR1"));
+  CHECK_THAT(s, Catch::Contains("if [ \"$rc\" -eq 75 ]") && Catch::Contains("scontrol requeue \"$SLURM_JOB_ID\""));
+  CHECK_THAT(s, Catch::Contains("/opt/mg/bin/mglaunch --max_restarts=1 prog &"));
+}
+
+TEST_CASE("arguments with spaces, quotes and shell characters survive the batch script") {
+  const std::vector<std::string> args = {"a b", "it's", "\"q\"", "$HOME", "`id`", "x;y", "", "tab\there", "new\nline",
+                                         "back\\slash", "*", "~"};
+  std::string words;
+  std::string expected;
+  for (const auto& a : args) {
+    words += " " + shell_quote(a);
+    expected += a + "\n";
+  }
+  CHECK(through_shell(words) == expected);
+  CHECK(shell_quote("plain-word_1.2:/x=y@z%,+") == "plain-word_1.2:/x=y@z%,+");
+  // Random bytes too (no NUL: argv cannot hold it).
+  std::mt19937 rng(11);
+  for (int i = 0; i < 50; ++i) {
+    std::string a;
+    for (int k = 0; k < 12; ++k) a += static_cast<char>(1 + rng() % 126);
+    CHECK(through_shell(shell_quote(a)) == a + "\n");
+  }
+}
+
+TEST_CASE("bad mglaunch-sbatch flags are one clear line each") {
+  CHECK_THAT(usage_error({"--nodes", "0", "--", "p"}), Catch::Contains("--nodes"));
+  CHECK_THAT(usage_error({"--gpus-per-node", "0", "--", "p"}), Catch::Contains("--gpus-per-node"));
+  CHECK_THAT(usage_error({"--nodes", "2"}), Catch::Contains("no program given"));
+  CHECK_THAT(usage_error({"--partition", "a b", "--", "p"}), Catch::Contains("#SBATCH"));
+  CHECK_THAT(usage_error({"--signal-before", "0", "--", "p"}), Catch::Contains("--signal-before"));
+  CHECK_THAT(usage_error({"--mglaunch", "bin/mglaunch", "--", "p"}), Catch::Contains("absolute"));
+  CHECK_THAT(usage_error({"--bogus", "--", "p"}), Catch::Contains("--bogus"));
+  for (const auto& e : {usage_error({"--nodes", "x", "--", "p"}), usage_error({"--time", "1\n2", "--", "p"})})
+    CHECK(e.find('\n') == std::string::npos);
+}
+
+TEST_CASE("mglaunch-sbatch's --help and --version print and do not submit") {
+  auto help = parse_sbatch_args({"mglaunch-sbatch", "--help"});
+  CHECK_FALSE(help.options);
+  CHECK_THAT(help.message, Catch::Contains("--requeue") && Catch::Contains("Exit codes"));
+  CHECK_THAT(parse_sbatch_args({"mglaunch-sbatch", "--version"}).message, Catch::Contains("mglaunch-sbatch"));
+}

@@ -176,7 +176,12 @@ void Agent::start_rendezvous() {
   h.on_done = [this] { finish(exit_code::kOk); };
   h.on_lost = [this](const std::string& why) { on_rdzv_lost(why); };
   h.on_notice = [](const std::string& text) { notice("rendezvous: " + text); };
-  client_ = std::make_unique<rdzv::Client>(io_, rdzv::ClientOptions{ep.host, ep.port, opts_.rdzv_token, j}, std::move(h));
+  rdzv::ClientOptions co;
+  co.host = ep.host;
+  co.port = ep.port;
+  co.token = opts_.rdzv_token;
+  co.join = j;
+  client_ = std::make_unique<rdzv::Client>(io_, std::move(co), std::move(h));
   client_->start();
 }
 

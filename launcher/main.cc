@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 
 #include "launcher/agent.h"
+#include "launcher/doctor.h"
+#include "launcher/multihost.h"
 #include "launcher/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
@@ -27,6 +29,11 @@ int main(int argc, char** argv) {
       auto eq = kv.find('=');
       if (eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
     }
+    // Bare metal: `mglaunch doctor ...` and `mglaunch --hostfile F ...` (launcher/doctor.h, multihost.h).
+    if (const std::vector<std::string> args(argv, argv + argc); args.size() > 1 && args[1] == "doctor")
+      return doctor_main(args, env);
+    else if (wants_multihost(args))
+      return multihost_main(args, env);
     ParseOutcome parsed = parse_agent_args(std::vector<std::string>(argv, argv + argc), env);
     if (!parsed.options) {
       write_all(STDOUT_FILENO, parsed.message);

@@ -1,0 +1,359 @@
+#include "launcher/doctor.h"
+
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "launcher/console.h"
+#include "launcher/errors.h"
+#include "launcher/multihost.h"
+#include "launcher/plan.h"
+#include "rendezvous/endpoint.h"
+
+namespace mg {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string gib(std::uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / kGiB); }
+
+// Pythons worth asking: $MGLAUNCH_PYTHON, python3 on PATH, /usr/bin/python3 (once each).
+std::vector<std::string> python_candidates(const std::map<std::string, std::string>& env) {
+  std::vector<std::string> names;
+  if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) names.push_back(it->second);
+  names.push_back("python3");
+  names.push_back("/usr/bin/python3");
+  const auto path = env.count("PATH") ? env.at("PATH") : std::string("/usr/bin:/bin");
+  std::vector<std::string> out;
+  std::set<std::string> seen;
+  for (const auto& n : names) {
+    std::string p = find_executable(n, path);
+    if (p.empty()) continue;
+    std::error_code ec;
+    std::string real = fs::canonical(p, ec).string();
+    if (seen.insert(ec ? p : real).second) out.push_back(p);
+  }
+  return out;
+}
+
+PythonInfo probe_python(const std::string& python) {
+  PythonInfo info;
+  info.path = python;
+  const std::string code =
+      "import torch, torch.distributed as d; print('torch', torch.__version__, int(torch.cuda.is_available()), "
+      "int(d.is_available() and d.is_nccl_available()), int(d.is_available() and d.is_gloo_available()))";
+  const std::string cmd = fmt::format("timeout 60 {} -c {} 2>&1", shell_quote(python), shell_quote(code));
+  FILE* f = ::popen(cmd.c_str(), "r");
+  if (!f) {
+    info.error = "cannot run " + python;
+    return info;
+  }
+  std::string out;
+  char buf[4096];
+  while (out.size() < 1 << 16) {
+    std::size_t n = std::fread(buf, 1, sizeof(buf), f);
+    if (n == 0) break;
+    out.append(buf, n);
+  }
+  ::pclose(f);
+  // The answer is the last line starting with "torch " (imports may print warnings first).
+  std::string last;
+  std::size_t pos = 0;
+  while (pos < out.size()) {
+    auto nl = out.find('\n', pos);
+    std::string line = out.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
+    if (line.starts_with("torch ")) last = line;
+    if (nl == std::string::npos) break;
+    pos = nl + 1;
+  }
+  char ver[128] = {};
+  int cuda = 0, nccl = 0, gloo = 0;
+  if (!last.empty() && std::sscanf(last.c_str(), "torch %127s %d %d %d", ver, &cuda, &nccl, &gloo) == 4) {
+    info.has_torch = true;
+    info.torch_version = ver;
+    info.cuda = cuda, info.nccl = nccl, info.gloo = gloo;
+  } else {
+    auto lines = out.empty() ? std::string("no output") : out.substr(0, out.find_last_not_of('\n') + 1);
+    auto cut = lines.rfind('\n');
+    info.error = cut == std::string::npos ? lines : lines.substr(cut + 1);
+  }
+  return info;
+}
+
+bool virtual_interface(const std::string& name) {
+  return name.starts_with("docker") || name.starts_with("veth") || name.starts_with("virbr") ||
+         name.starts_with("br-") || name.starts_with("cni") || name.starts_with("flannel");
+}
+
+}  // namespace
+
+BatchPlan batch_for_memory(double g, int gpus) {
+  BatchPlan b;
+  if (g >= 20) b = {16, 4};
+  else if (g >= 14) b = {12, 5};
+  else if (g >= 10) b = {8, 8};
+  else if (g >= 6) b = {4, 16};
+  else b = {2, 32};
+  if (gpus > 0 && gpus != 4)
+    b.grad_accum = std::max(1, static_cast<int>(std::lround(256.0 / (b.micro_batch * gpus))));
+  return b;
+}
+
+DoctorProbes real_doctor_probes() {
+  static const auto nvml = hw::make_nvml_probe();
+  DoctorProbes p;
+  p.gpu = nvml.get();
+  p.python = probe_python;
+  return p;
+}
+
+DoctorInputs gather(const DoctorOptions& o, const std::map<std::string, std::string>& env, const DoctorProbes& probes) {
+  DoctorInputs in;
+  in.cpu = hw::probe_cpus(probes.root);
+  in.mem = hw::probe_memory(probes.root);
+  in.numa = hw::probe_numa(probes.root);
+  if (probes.gpu) in.gpus = probes.gpu->gpus(in.gpu_error);
+  in.interfaces = hw::probe_interfaces();
+  in.master_addr = o.master_addr;
+  if (!o.master_addr.empty()) in.master_route = hw::route_source_address(o.master_addr, in.route_error);
+  in.port = o.port;
+  in.port_error = rdzv::probe_listen("0.0.0.0", o.port);
+  for (const auto& [k, v] : env)
+    if (k.starts_with("SLURM_")) in.slurm[k] = v;
+  if (o.python && probes.python)
+    for (const auto& p : python_candidates(env)) in.pythons.push_back(probes.python(p));
+  return in;
+}
+
+std::vector<Suggestion> suggest(const DoctorInputs& in) {
+  std::vector<Suggestion> s;
+  const int usable = in.cpu.usable();
+  std::string cpu_why = fmt::format("{} usable CPUs ({} online, {} in the affinity mask{})", usable, in.cpu.online,
+                                    in.cpu.affinity.size(),
+                                    in.cpu.cgroup_quota ? fmt::format(", cgroup quota {:.2f}", *in.cpu.cgroup_quota)
+                                                        : std::string(", no cgroup quota"));
+  int nproc = 1;
+  if (!in.gpus.empty()) {
+    nproc = static_cast<int>(in.gpus.size());
+    s.push_back({"--nproc_per_node", std::to_string(nproc),
+                 fmt::format("one worker per GPU: {} GPUs visible ({})", nproc, in.gpus.front().name)});
+  } else {
+    nproc = std::max<int>(1, static_cast<int>(in.numa.size()));
+    nproc = std::min(nproc, usable);
+    s.push_back({"--nproc_per_node", std::to_string(nproc),
+                 in.numa.size() > 1
+                     ? fmt::format("no GPU: one worker per NUMA node ({} nodes), each with its node's cores as threads",
+                                   in.numa.size())
+                     : "no GPU and one NUMA node: one worker using every usable CPU as threads"});
+  }
+  const int threads = std::max(1, usable / nproc);
+  s.push_back({"OMP_NUM_THREADS", std::to_string(threads),
+               fmt::format("{} / {} workers = {} threads each, so workers do not oversubscribe the CPUs", cpu_why,
+                           nproc, threads)});
+  if (in.cpu.cgroup_quota && *in.cpu.cgroup_quota + 0.5 < static_cast<double>(in.cpu.affinity.size()))
+    s.push_back({"cgroup", fmt::format("{:.2f} CPUs", *in.cpu.cgroup_quota),
+                 fmt::format("the cgroup quota allows fewer CPUs than the {} in the affinity mask: threads beyond "
+                             "{} are throttled, not parallel",
+                             in.cpu.affinity.size(), usable)});
+
+  // NCCL_SOCKET_IFNAME: the interface that reaches the master, else the first real one.
+  std::string ifname, ifwhy;
+  if (in.master_route) {
+    for (const auto& i : in.interfaces)
+      if (i.address == *in.master_route) {
+        ifname = i.name;
+        ifwhy = fmt::format("{} reaches --master_addr {} from {}", i.name, in.master_addr, i.address);
+        if (i.loopback) ifwhy += " (loopback: a single-machine job)";
+      }
+  }
+  if (ifname.empty()) {
+    for (const auto& i : in.interfaces)
+      if (!i.loopback && i.up && !virtual_interface(i.name) && i.address.find(':') == std::string::npos) {
+        ifname = i.name;
+        ifwhy = fmt::format("first non-loopback IPv4 interface ({}){}", i.address,
+                            in.master_addr.empty() ? "; pass --master_addr to pick the one that reaches the master"
+                                                   : "");
+        break;
+      }
+  }
+  if (!ifname.empty()) s.push_back({"NCCL_SOCKET_IFNAME", ifname, ifwhy});
+
+  if (!in.gpus.empty()) {
+    auto smallest = std::min_element(in.gpus.begin(), in.gpus.end(),
+                                     [](const auto& a, const auto& b) { return a.memory_total < b.memory_total; });
+    const double g = static_cast<double>(smallest->memory_total) / kGiB;
+    const int n = static_cast<int>(in.gpus.size());
+    BatchPlan b = batch_for_memory(g, n);
+    s.push_back({"batch", fmt::format("{} x {} (micro-batch x gradient accumulation)", b.micro_batch, b.grad_accum),
+                 fmt::format("smallest GPU has {:.1f} GiB; the guides' table for an effective batch of 256 on 4 GPUs "
+                             "(>=20: 16x4, 14-20: 12x5, 10-14: 8x8, 6-10: 4x16, <6: 2x32){}; effective {} x {} x {} "
+                             "GPUs = {}",
+                             g, n == 4 ? "" : fmt::format(", accumulation rescaled for {} GPUs", n), b.micro_batch,
+                             b.grad_accum, n, b.micro_batch * b.grad_accum * n)});
+    std::set<int> nodes;
+    for (const auto& gpu : in.gpus)
+      if (gpu.numa_node) nodes.insert(*gpu.numa_node);
+    if (nodes.size() > 1)
+      s.push_back({"binding", "keep each worker on its GPU's NUMA node",
+                   fmt::format("the GPUs sit on {} NUMA nodes; a worker on the far node pays for every host-device "
+                               "copy across the interconnect",
+                               nodes.size())});
+  }
+  if (in.port_error)
+    s.push_back({"--master_port", "another port",
+                 fmt::format("port {} cannot be bound here: {}", in.port, *in.port_error)});
+  return s;
+}
+
+nlohmann::json doctor_json(const DoctorInputs& in, const std::vector<Suggestion>& s) {
+  using nlohmann::json;
+  auto opt = [](const auto& o) { return o ? json(*o) : json(nullptr); };
+  json numa = json::array();
+  for (const auto& n : in.numa) numa.push_back({{"id", n.id}, {"cpus", hw::format_cpu_list(n.cpus)}});
+  json gpus = json::array();
+  for (const auto& g : in.gpus)
+    gpus.push_back({{"index", g.index},
+                    {"name", g.name},
+                    {"pci_bus_id", g.pci_bus_id},
+                    {"memory_total_mib", g.memory_total / (1024 * 1024)},
+                    {"memory_used_mib", g.memory_used / (1024 * 1024)},
+                    {"utilization_pct", opt(g.utilization_pct)},
+                    {"temperature_c", opt(g.temperature_c)},
+                    {"power_w", opt(g.power_w)},
+                    {"numa_node", opt(g.numa_node)}});
+  json ifs = json::array();
+  for (const auto& i : in.interfaces)
+    ifs.push_back({{"name", i.name}, {"address", i.address}, {"loopback", i.loopback}, {"up", i.up}});
+  json pys = json::array();
+  for (const auto& p : in.pythons)
+    pys.push_back({{"path", p.path},
+                   {"torch", p.has_torch ? json(p.torch_version) : json(nullptr)},
+                   {"cuda", p.cuda},
+                   {"nccl", p.nccl},
+                   {"gloo", p.gloo},
+                   {"error", p.error.empty() ? json(nullptr) : json(p.error)}});
+  json sug = json::array();
+  for (const auto& x : s) sug.push_back({{"name", x.name}, {"value", x.value}, {"reason", x.reason}});
+  std::string iface;
+  if (in.master_route)
+    for (const auto& i : in.interfaces)
+      if (i.address == *in.master_route) iface = i.name;
+  return {{"cpus",
+           {{"online", in.cpu.online},
+            {"affinity", hw::format_cpu_list(in.cpu.affinity)},
+            {"affinity_count", in.cpu.affinity.size()},
+            {"cgroup_quota", opt(in.cpu.cgroup_quota)},
+            {"usable", in.cpu.usable()}}},
+          {"memory",
+           {{"total_bytes", opt(in.mem.total)},
+            {"available_bytes", opt(in.mem.available)},
+            {"cgroup_limit_bytes", opt(in.mem.cgroup_limit)}}},
+          {"numa", numa},
+          {"gpus", gpus},
+          {"gpu_error", in.gpu_error.empty() ? json(nullptr) : json(in.gpu_error)},
+          {"interfaces", ifs},
+          {"master",
+           in.master_addr.empty()
+               ? json(nullptr)
+               : json{{"addr", in.master_addr},
+                      {"source_address", opt(in.master_route)},
+                      {"interface", iface.empty() ? json(nullptr) : json(iface)},
+                      {"error", in.master_route ? json(nullptr) : json(in.route_error)}}},
+          {"port", {{"port", in.port}, {"free", !in.port_error}, {"error", opt(in.port_error)}}},
+          {"slurm", in.slurm},
+          {"pythons", pys},
+          {"suggestions", sug}};
+}
+
+std::string doctor_text(const DoctorInputs& in, const std::vector<Suggestion>& s) {
+  std::string out = "mglaunch doctor: what this machine offers\n";
+  out += fmt::format("CPUs       : {} online, {} in the affinity mask ({}), cgroup quota {} -> {} usable\n",
+                     in.cpu.online, in.cpu.affinity.size(), hw::format_cpu_list(in.cpu.affinity),
+                     in.cpu.cgroup_quota ? fmt::format("{:.2f}", *in.cpu.cgroup_quota) : "none", in.cpu.usable());
+  out += fmt::format("Memory     : {} total, {} available, cgroup limit {}\n", in.mem.total ? gib(*in.mem.total) : "?",
+                     in.mem.available ? gib(*in.mem.available) : "?",
+                     in.mem.cgroup_limit ? gib(*in.mem.cgroup_limit) : "none");
+  out += fmt::format("NUMA       : {} node{}", in.numa.size(), in.numa.size() == 1 ? "" : "s");
+  for (const auto& n : in.numa) out += fmt::format(", node{} cpus {}", n.id, hw::format_cpu_list(n.cpus));
+  out += "\n";
+  if (in.gpus.empty()) out += fmt::format("GPUs       : none ({})\n", in.gpu_error.empty() ? "NVML sees no GPU" : in.gpu_error);
+  for (const auto& g : in.gpus)
+    out += fmt::format("GPU {:<6} : {}, {} ({} used), {}% util, {} C, {} W, NUMA node {}, PCI {}\n", g.index, g.name,
+                       gib(g.memory_total), gib(g.memory_used),
+                       g.utilization_pct ? std::to_string(*g.utilization_pct) : "?",
+                       g.temperature_c ? std::to_string(*g.temperature_c) : "?",
+                       g.power_w ? fmt::format("{:.0f}", *g.power_w) : "?",
+                       g.numa_node ? std::to_string(*g.numa_node) : "?", g.pci_bus_id);
+  out += "Network    :";
+  for (const auto& i : in.interfaces)
+    out += fmt::format(" {} {}{};", i.name, i.address, i.up ? "" : " (down)");
+  out += "\n";
+  if (!in.master_addr.empty())
+    out += in.master_route ? fmt::format("Master     : {} is reached from {}\n", in.master_addr, *in.master_route)
+                           : fmt::format("Master     : {} cannot be reached: {}\n", in.master_addr, in.route_error);
+  out += in.port_error ? fmt::format("Port       : {} is NOT free: {}\n", in.port, *in.port_error)
+                       : fmt::format("Port       : {} is free\n", in.port);
+  if (in.slurm.empty()) {
+    out += "Slurm      : not inside a Slurm job\n";
+  } else {
+    out += "Slurm      :";
+    for (const auto& [k, v] : in.slurm) out += fmt::format(" {}={}", k, v);
+    out += "\n";
+  }
+  for (const auto& p : in.pythons)
+    out += p.has_torch ? fmt::format("Python     : {}: torch {} (cuda {}, nccl {}, gloo {})\n", p.path, p.torch_version,
+                                     p.cuda ? "yes" : "no", p.nccl ? "yes" : "no", p.gloo ? "yes" : "no")
+                       : fmt::format("Python     : {}: no torch ({})\n", p.path, p.error);
+  out += "Suggestions:\n";
+  for (const auto& x : s) out += fmt::format("  {}={}\n      because {}\n", x.name, x.value, x.reason);
+  return out;
+}
+
+int doctor_main(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+  DoctorOptions o;
+  for (std::size_t i = 2; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    auto value = [&](const std::string& name) -> std::string {
+      if (a.size() > name.size() && a[name.size()] == '=') return a.substr(name.size() + 1);
+      if (i + 1 >= argv.size()) throw UsageError(fmt::format("mglaunch doctor: {} needs a value", name));
+      return argv[++i];
+    };
+    auto is = [&](const std::string& name) { return a == name || a.starts_with(name + "="); };
+    if (a == "--json") o.json = true;
+    else if (a == "--no-python" || a == "--no_python") o.python = false;
+    else if (is("--master_addr") || is("--master-addr")) o.master_addr = value(a.substr(0, a.find('=')));
+    else if (is("--port") || is("--master_port") || is("--master-port")) {
+      const std::string name = a.substr(0, a.find('='));
+      const std::string v = value(name);
+      char* end = nullptr;
+      long p = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end || p < 0 || p > 65535)
+        throw UsageError(fmt::format("mglaunch doctor: bad {} '{}': use 0..65535", name, v));
+      o.port = static_cast<int>(p);
+    } else if (a == "-h" || a == "--help") {
+      write_all(STDOUT_FILENO,
+                "Usage: mglaunch doctor [--json] [--master_addr ADDR] [--port PORT] [--no-python]\n"
+                "Shows what this machine offers (CPUs, cgroup limits, memory, NUMA, GPUs via NVML, interfaces,\n"
+                "the route to ADDR, whether PORT is free, Slurm, which python has torch) and suggested settings.\n");
+      return exit_code::kOk;
+    } else {
+      throw UsageError(fmt::format("mglaunch doctor: unknown flag '{}' (see mglaunch doctor --help)", a));
+    }
+  }
+  DoctorInputs in = gather(o, env, real_doctor_probes());
+  auto s = suggest(in);
+  write_all(STDOUT_FILENO, o.json ? doctor_json(in, s).dump(2) + "\n" : doctor_text(in, s));
+  return exit_code::kOk;
+}
+
+}  // namespace mg

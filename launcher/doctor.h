@@ -1,0 +1,82 @@
+// `mglaunch doctor [--json] [--master_addr A] [--port P] [--no-python]`: what this machine
+// really offers (CPUs with affinity and cgroup quota, memory, NUMA, GPUs through NVML,
+// interfaces, the route to the master, a free port, Slurm, which python has torch) and
+// settings derived from it, each with its reason. gather() does the probing through
+// seams; suggest() and the renderers are pure and unit-tested on made-up machines.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "launcher/hwprobe.h"
+
+namespace mg {
+
+struct DoctorOptions {
+  bool json = false;
+  std::string master_addr;  // empty: not asked
+  int port = 29500;
+  bool python = true;       // probe pythons for torch (imports torch: seconds)
+};
+
+struct PythonInfo {
+  std::string path;
+  bool has_torch = false;
+  std::string torch_version;
+  bool cuda = false, nccl = false, gloo = false;
+  std::string error;
+};
+
+struct DoctorInputs {
+  hw::CpuInfo cpu;
+  hw::MemInfo mem;
+  std::vector<hw::NumaNode> numa;
+  std::vector<hw::GpuInfo> gpus;
+  std::string gpu_error;
+  std::vector<hw::NetIf> interfaces;
+  std::string master_addr;
+  std::optional<std::string> master_route;  // local address that reaches master_addr
+  std::string route_error;
+  int port = 29500;
+  std::optional<std::string> port_error;  // nullopt: free
+  std::map<std::string, std::string> slurm;  // SLURM_* variables
+  std::vector<PythonInfo> pythons;
+};
+
+struct Suggestion {
+  std::string name;   // "--nproc_per_node", "OMP_NUM_THREADS", ...
+  std::string value;
+  std::string reason;
+};
+
+struct BatchPlan {
+  int micro_batch = 0;
+  int grad_accum = 0;
+};
+// The guides' table for an effective batch of 256 on 4 GPUs, by the smallest GPU's memory
+// in GiB: >= 20 -> 16x4, 14-20 -> 12x5, 10-14 -> 8x8, 6-10 -> 4x16, < 6 -> 2x32. With
+// `gpus` other than 4 the accumulation is scaled to keep micro x accum x gpus near 256.
+BatchPlan batch_for_memory(double gib, int gpus);
+
+// Seams for gather(): the Python probe runs `python -c 'import torch ...'`.
+struct DoctorProbes {
+  const hw::GpuProbe* gpu = nullptr;
+  std::function<PythonInfo(const std::string& python)> python;
+  std::string root;  // prefix for /proc and /sys (tests); empty: the real files
+};
+DoctorProbes real_doctor_probes();
+
+DoctorInputs gather(const DoctorOptions& o, const std::map<std::string, std::string>& env, const DoctorProbes& probes);
+std::vector<Suggestion> suggest(const DoctorInputs& in);
+nlohmann::json doctor_json(const DoctorInputs& in, const std::vector<Suggestion>& s);
+std::string doctor_text(const DoctorInputs& in, const std::vector<Suggestion>& s);
+
+// argv: {"mglaunch", "doctor", flags...}. Throws UsageError.
+int doctor_main(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env);
+
+}  // namespace mg

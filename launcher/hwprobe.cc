@@ -1,0 +1,361 @@
+#include "launcher/hwprobe.h"
+
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace mg::hw {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string_view trim(std::string_view s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return {};
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+template <typename T>
+bool to_num(std::string_view s, T& v) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  return !s.empty() && ec == std::errc{} && p == s.data() + s.size();
+}
+
+std::optional<std::string> read_text(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::vector<int> parse_cpu_list(std::string_view text) {
+  std::set<int> cpus;
+  std::string_view rest = trim(text);
+  auto bad = [&](std::string_view why) {
+    return std::invalid_argument(fmt::format("bad cpu list '{}': {}", trim(text), why));
+  };
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    std::string_view item = trim(rest.substr(0, comma));
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    if (item.empty()) continue;
+    const auto dash = item.find('-');
+    int lo = 0, hi = 0;
+    if (!to_num(item.substr(0, dash), lo) || lo < 0) throw bad(fmt::format("'{}' is not a cpu number", item));
+    hi = lo;
+    if (dash != std::string_view::npos && (!to_num(item.substr(dash + 1), hi) || hi < lo))
+      throw bad(fmt::format("'{}' is not a range LOW-HIGH", item));
+    if (hi >= 1 << 16) throw bad("cpu numbers above 65535");
+    for (int c = lo; c <= hi; ++c) cpus.insert(c);
+  }
+  return {cpus.begin(), cpus.end()};
+}
+
+std::string format_cpu_list(const std::vector<int>& cpus_in) {
+  std::vector<int> cpus = cpus_in;
+  std::sort(cpus.begin(), cpus.end());
+  std::string out;
+  for (std::size_t i = 0; i < cpus.size();) {
+    std::size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out += j == i ? std::to_string(cpus[i]) : fmt::format("{}-{}", cpus[i], cpus[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+std::optional<double> parse_cpu_max(std::string_view text) {
+  text = trim(text);
+  const auto sp = text.find(' ');
+  std::string_view quota = text.substr(0, sp);
+  if (quota == "max" || quota.empty()) return std::nullopt;
+  long q = 0, period = 100000;
+  if (!to_num(quota, q) || q <= 0) return std::nullopt;
+  if (sp != std::string_view::npos && (!to_num(trim(text.substr(sp + 1)), period) || period <= 0)) return std::nullopt;
+  return static_cast<double>(q) / static_cast<double>(period);
+}
+
+std::optional<std::uint64_t> parse_memory_max(std::string_view text) {
+  text = trim(text);
+  std::uint64_t v = 0;
+  if (text == "max" || !to_num(text, v)) return std::nullopt;
+  return v;
+}
+
+std::optional<std::uint64_t> parse_meminfo(std::string_view text, std::string_view field) {
+  while (!text.empty()) {
+    const auto nl = text.find('\n');
+    std::string_view line = text.substr(0, nl);
+    text = nl == std::string_view::npos ? std::string_view{} : text.substr(nl + 1);
+    const auto colon = line.find(':');
+    if (colon == std::string_view::npos || line.substr(0, colon) != field) continue;
+    std::string_view v = trim(line.substr(colon + 1));
+    std::uint64_t mult = 1;
+    if (v.ends_with(" kB")) {
+      mult = 1024;
+      v.remove_suffix(3);
+    }
+    std::uint64_t n = 0;
+    if (!to_num(trim(v), n)) return std::nullopt;
+    return n * mult;
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> parse_cgroup_path(std::string_view text) {
+  while (!text.empty()) {
+    const auto nl = text.find('\n');
+    std::string_view line = text.substr(0, nl);
+    text = nl == std::string_view::npos ? std::string_view{} : text.substr(nl + 1);
+    if (line.starts_with("0::")) return std::string(trim(line.substr(3)));
+  }
+  return std::nullopt;
+}
+
+int CpuInfo::usable() const {
+  int n = affinity.empty() ? online : static_cast<int>(affinity.size());
+  if (cgroup_quota) n = std::min(n, std::max(1, static_cast<int>(std::ceil(*cgroup_quota))));
+  return std::max(1, n);
+}
+
+namespace {
+
+// Reads `file` in the process's cgroup and every parent; `pick` keeps the tightest value.
+template <typename T, typename Parse>
+std::optional<T> cgroup_min(const std::string& root, const std::string& file, Parse parse) {
+  auto self = read_text(root + "/proc/self/cgroup");
+  if (!self) return std::nullopt;
+  auto path = parse_cgroup_path(*self);
+  if (!path) return std::nullopt;
+  std::optional<T> best;
+  fs::path p = *path;
+  for (int depth = 0; depth < 64; ++depth) {
+    if (auto text = read_text(root + "/sys/fs/cgroup" + (p.string() == "/" ? "" : p.string()) + "/" + file))
+      if (auto v = parse(*text); v && (!best || *v < *best)) best = v;
+    if (p == p.parent_path() || p.empty()) break;
+    p = p.parent_path();
+  }
+  return best;
+}
+
+}  // namespace
+
+CpuInfo probe_cpus(const std::string& root) {
+  CpuInfo c;
+  c.online = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
+  if (root.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::sched_getaffinity(0, sizeof(set), &set) == 0)
+      for (int i = 0; i < CPU_SETSIZE; ++i)
+        if (CPU_ISSET(i, &set)) c.affinity.push_back(i);
+  } else if (auto t = read_text(root + "/affinity")) {
+    c.affinity = parse_cpu_list(*t);
+  }
+  c.cgroup_quota = cgroup_min<double>(root, "cpu.max", parse_cpu_max);
+  return c;
+}
+
+MemInfo probe_memory(const std::string& root) {
+  MemInfo m;
+  if (auto t = read_text(root + "/proc/meminfo")) {
+    m.total = parse_meminfo(*t, "MemTotal");
+    m.available = parse_meminfo(*t, "MemAvailable");
+  }
+  m.cgroup_limit = cgroup_min<std::uint64_t>(root, "memory.max", parse_memory_max);
+  return m;
+}
+
+std::vector<NumaNode> probe_numa(const std::string& root) {
+  std::vector<NumaNode> nodes;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(root + "/sys/devices/system/node", ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    int id = 0;
+    if (!name.starts_with("node") || !to_num(std::string_view(name).substr(4), id)) continue;
+    NumaNode n;
+    n.id = id;
+    if (auto t = read_text(it->path().string() + "/cpulist")) {
+      try {
+        n.cpus = parse_cpu_list(*t);
+      } catch (const std::invalid_argument&) {
+      }
+    }
+    nodes.push_back(std::move(n));
+  }
+  std::sort(nodes.begin(), nodes.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
+  return nodes;
+}
+
+std::optional<int> pci_numa_node(const std::string& pci_bus_id, const std::string& sysfs_root) {
+  // NVML: "00000000:65:00.0" (8-digit domain); sysfs: "0000:65:00.0", lower case.
+  const auto colon = pci_bus_id.find(':');
+  if (colon == std::string::npos) return std::nullopt;
+  std::string domain = pci_bus_id.substr(0, colon);
+  if (domain.size() > 4) domain = domain.substr(domain.size() - 4);
+  std::string id = domain + pci_bus_id.substr(colon);
+  std::transform(id.begin(), id.end(), id.begin(), [](unsigned char c) { return std::tolower(c); });
+  auto t = read_text(sysfs_root + "/bus/pci/devices/" + id + "/numa_node");
+  int n = -1;
+  if (!t || !to_num(trim(*t), n) || n < 0) return std::nullopt;
+  return n;
+}
+
+namespace {
+
+// The few NVML entry points and structs used, declared here (no build dependency).
+using nvmlReturn_t = int;
+using nvmlDevice_t = void*;
+struct NvmlMemory {
+  unsigned long long total, free, used;
+};
+struct NvmlUtilization {
+  unsigned int gpu, memory;
+};
+struct NvmlPciInfo {
+  char bus_id_legacy[16];
+  unsigned int domain, bus, device, pci_device_id, pci_subsystem_id;
+  char bus_id[32];
+  char reserved[64];  // room should a later NVML grow the struct
+};
+
+class NvmlProbe : public GpuProbe {
+ public:
+  std::vector<GpuInfo> gpus(std::string& error) const override {
+    void* lib = ::dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      error = "libnvidia-ml.so.1 not found (no NVIDIA driver)";
+      return {};
+    }
+    auto sym = [&](const char* name) { return ::dlsym(lib, name); };
+    auto init = reinterpret_cast<nvmlReturn_t (*)()>(sym("nvmlInit_v2"));
+    auto shutdown = reinterpret_cast<nvmlReturn_t (*)()>(sym("nvmlShutdown"));
+    auto count = reinterpret_cast<nvmlReturn_t (*)(unsigned*)>(sym("nvmlDeviceGetCount_v2"));
+    auto by_index = reinterpret_cast<nvmlReturn_t (*)(unsigned, nvmlDevice_t*)>(sym("nvmlDeviceGetHandleByIndex_v2"));
+    auto name = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, char*, unsigned)>(sym("nvmlDeviceGetName"));
+    auto mem = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, NvmlMemory*)>(sym("nvmlDeviceGetMemoryInfo"));
+    auto util = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, NvmlUtilization*)>(sym("nvmlDeviceGetUtilizationRates"));
+    auto temp = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, int, unsigned*)>(sym("nvmlDeviceGetTemperature"));
+    auto power = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, unsigned*)>(sym("nvmlDeviceGetPowerUsage"));
+    auto pci = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, NvmlPciInfo*)>(sym("nvmlDeviceGetPciInfo_v3"));
+    std::vector<GpuInfo> out;
+    if (!init || !shutdown || !count || !by_index) {
+      error = "libnvidia-ml.so.1 lacks nvmlInit_v2/nvmlDeviceGetCount_v2 (driver too old)";
+    } else if (int rc = init(); rc != 0) {
+      error = fmt::format("nvmlInit failed (NVML error {})", rc);
+    } else {
+      unsigned n = 0;
+      if (count(&n) != 0) n = 0;
+      for (unsigned i = 0; i < n && i < 1024; ++i) {
+        nvmlDevice_t d = nullptr;
+        if (by_index(i, &d) != 0) continue;
+        GpuInfo g;
+        g.index = static_cast<int>(i);
+        char buf[256] = {};
+        if (name && name(d, buf, sizeof(buf) - 1) == 0) g.name = buf;
+        NvmlMemory m{};
+        if (mem && mem(d, &m) == 0) {
+          g.memory_total = m.total;
+          g.memory_used = m.used;
+        }
+        NvmlUtilization u{};
+        if (util && util(d, &u) == 0) g.utilization_pct = static_cast<int>(u.gpu);
+        unsigned t = 0;
+        if (temp && temp(d, 0, &t) == 0) g.temperature_c = static_cast<int>(t);
+        unsigned mw = 0;
+        if (power && power(d, &mw) == 0) g.power_w = mw / 1000.0;
+        NvmlPciInfo p{};
+        if (pci && pci(d, &p) == 0) {
+          p.bus_id[sizeof(p.bus_id) - 1] = 0;
+          g.pci_bus_id = p.bus_id;
+          g.numa_node = pci_numa_node(g.pci_bus_id);
+        }
+        out.push_back(std::move(g));
+      }
+      shutdown();
+    }
+    ::dlclose(lib);
+    return out;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<GpuProbe> make_nvml_probe() { return std::make_unique<NvmlProbe>(); }
+
+std::vector<NetIf> probe_interfaces() {
+  std::vector<NetIf> out;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return out;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6)) continue;
+    char host[NI_MAXHOST] = {};
+    const socklen_t len = i->ifa_addr->sa_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    if (::getnameinfo(i->ifa_addr, len, host, sizeof(host), nullptr, 0, NI_NUMERICHOST) != 0) continue;
+    NetIf n;
+    n.name = i->ifa_name;
+    n.address = host;
+    if (auto pct = n.address.find('%'); pct != std::string::npos) n.address.resize(pct);
+    n.loopback = (i->ifa_flags & IFF_LOOPBACK) != 0;
+    n.up = (i->ifa_flags & IFF_UP) != 0;
+    out.push_back(std::move(n));
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+std::optional<std::string> route_source_address(const std::string& host, std::string& error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* ai = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), "9", &hints, &ai); rc != 0 || !ai) {
+    error = fmt::format("cannot resolve {}: {}", host, ::gai_strerror(rc));
+    return std::nullopt;
+  }
+  std::optional<std::string> out;
+  error = "no route";
+  for (addrinfo* a = ai; a && !out; a = a->ai_next) {
+    int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char buf[NI_MAXHOST] = {};
+      if (::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) == 0)
+        out = buf;
+    } else {
+      error = fmt::format("no route to {}: {}", host, std::strerror(errno));
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(ai);
+  return out;
+}
+
+}  // namespace mg::hw

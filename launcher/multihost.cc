@@ -1,0 +1,632 @@
+#include "launcher/multihost.h"
+
+#include <fnmatch.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <array>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <boost/asio/readable_pipe.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/writable_pipe.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/process/v2/posix/default_launcher.hpp>
+#include <boost/process/v2/process.hpp>
+#include <boost/process/v2/stdio.hpp>
+#include <fmt/format.h>
+
+#include "launcher/console.h"
+#include "launcher/errors.h"
+#include "launcher/hwprobe.h"
+#include "launcher/line_splitter.h"
+#include "launcher/options.h"
+#include "launcher/plan.h"
+#include "rendezvous/endpoint.h"
+#include "rendezvous/server.h"
+
+extern char** environ;
+
+namespace mg {
+
+namespace asio = boost::asio;
+namespace bp = boost::process::v2;
+
+namespace {
+
+// Flags of the agent that take no value (everything else starting with '-' takes one,
+// as `--flag VALUE` or `--flag=VALUE`). Used only to find where PROGRAM starts.
+bool is_agent_bool_flag(std::string_view name) {
+  static const char* kBool[] = {"--standalone", "-m",        "--module",    "--no_python",     "--no-python",
+                                "--run_path",   "--run-path", "--use_env",  "--use-env",       "--local-rank-arg",
+                                "--local_rank_arg", "--timestamps", "--version"};
+  for (const char* b : kBool)
+    if (name == b) return true;
+  return false;
+}
+
+// Flags the fan-out sets for every agent itself.
+bool is_reserved_flag(std::string_view name) {
+  static const char* kReserved[] = {"--nnodes",       "--node_rank",     "--node-rank",     "--rdzv_backend",
+                                    "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id",
+                                    "--rdzv-id",      "--master_addr",   "--master-addr",   "--master_port",
+                                    "--master-port",  "--token-file",    "--token_file"};
+  for (const char* r : kReserved)
+    if (name == r) return true;
+  return false;
+}
+
+// The remote wrapper: reads the token from stdin, runs the agent in the background with
+// stdin from /dev/null, and a watcher that sends it SIGTERM when stdin reaches EOF (the
+// launcher closed the pipe, died, or the connection dropped). Exits with the agent's code.
+constexpr const char* kWrapper =
+    "IFS= read -r MGLAUNCH_RDZV_TOKEN || exit 1; export MGLAUNCH_RDZV_TOKEN; exec 3<&0; "
+    "\"$@\" </dev/null 3<&- & pid=$!; "
+    "{ while IFS= read -r _l; do :; done; kill -TERM \"$pid\"; } <&3 >/dev/null 2>&1 & w=$!; "
+    "exec 3<&-; wait \"$pid\"; rc=$?; kill \"$w\" 2>/dev/null; exit \"$rc\"";
+
+std::string self_exe() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string("mglaunch") : p.string();
+}
+
+std::string random_token() {
+  std::random_device rd;
+  std::string t;
+  for (int i = 0; i < 32; ++i) t += fmt::format("{:02x}", rd() & 0xff);
+  return t;
+}
+
+void notice_to(int fd, const std::string& text) { write_all(fd, "[mglaunch] " + text + "\n"); }
+
+// Process setup for a host's ssh: its own process group (a terminal's Ctrl-C reaches only
+// the launcher, which stops the hosts in order) and default signal handling.
+struct SshChildSetup {
+  const char* const* envp;
+  bp::error_code on_setup(bp::posix::default_launcher& launcher, const bp::filesystem::path&, const char* const*) {
+    launcher.env = envp;
+    return {};
+  }
+  bp::error_code on_exec_setup(bp::posix::default_launcher&, const bp::filesystem::path&, const char* const*) {
+    if (::setpgid(0, 0) != 0) return {errno, bp::system_category()};
+    ::signal(SIGPIPE, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    return {};
+  }
+};
+
+}  // namespace
+
+bool wants_multihost(const std::vector<std::string>& argv) {
+  for (std::size_t i = 1; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (a == "--" || !a.starts_with("-")) return false;
+    if (a == "--hostfile" || a.starts_with("--hostfile=")) return true;
+    if (a.find('=') == std::string::npos && !is_agent_bool_flag(a) && a != "--dry-run" && a != "--dry_run" &&
+        a != "-h" && a != "--help")
+      ++i;  // skip the flag's value
+  }
+  return false;
+}
+
+std::string multihost_help() {
+  return "Usage: mglaunch --hostfile FILE [--include SEL | --exclude SEL] [--ssh-opts \"...\"] [--export VAR]...\n"
+         "                [--dry-run] [AGENT FLAGS] PROGRAM [ARGS...]\n"
+         "Starts one agent per host over ssh and hosts their rendezvous here.\n"
+         "  --hostfile FILE        lines 'HOST slots=N' or 'HOST' (the host detects its workers); # comments\n"
+         "  --include SEL          only these hosts/slots, DeepSpeed syntax: h1@h2:0,2\n"
+         "  --exclude SEL          all but these hosts/slots\n"
+         "  --ssh-opts \"OPTS\"      extra ssh options, e.g. \"-p 2222 -i ~/.ssh/id_ed25519\"\n"
+         "  --export VAR           pass VAR (or VAR=VALUE, or a glob like 'NCCL_*') to every host; repeatable\n"
+         "  --rdzv-host ADDR       address the hosts reach this machine at (default: the route to the first host)\n"
+         "  --remote-mglaunch PATH mglaunch on the hosts (default: this binary's absolute path)\n"
+         "  --nproc_per_node SPEC  workers on hosts without slots=N (default auto)\n"
+         "  --dry-run              print the plan (nodes, ssh command per host) as JSON; start nothing\n"
+         "Every other flag goes to the agents unchanged (see mglaunch --help). Exit codes: 0 success; the first\n"
+         "failing host's code (the root cause's); 255 a host could not be reached over ssh; 2 bad flags;\n"
+         "128+S stopped by signal S.\n";
+}
+
+std::optional<MultiHostOptions> parse_multihost_args(const std::vector<std::string>& argv) {
+  MultiHostOptions o;
+  std::size_t i = 1;
+  for (; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (a == "--") {
+      ++i;
+      break;
+    }
+    if (!a.starts_with("-") || a == "-") break;
+    const auto eq = a.find('=');
+    const std::string name = a.starts_with("--") && eq != std::string::npos ? a.substr(0, eq) : a;
+    auto value = [&]() -> std::string {
+      if (eq != std::string::npos && a.starts_with("--")) return a.substr(eq + 1);
+      if (i + 1 >= argv.size()) throw UsageError(fmt::format("{} needs a value (see mglaunch --hostfile F --help)", name));
+      return argv[++i];
+    };
+    if (name == "-h" || name == "--help") return std::nullopt;
+    if (name == "--hostfile") o.hostfile = value();
+    else if (name == "--include") o.include = value();
+    else if (name == "--exclude") o.exclude = value();
+    else if (name == "--ssh-opts" || name == "--ssh_opts") {
+      auto words = split_shell_words(value());
+      o.ssh_opts.insert(o.ssh_opts.end(), words.begin(), words.end());
+    } else if (name == "--export") o.exports.push_back(value());
+    else if (name == "--rdzv-host" || name == "--rdzv_host") o.rdzv_host = value();
+    else if (name == "--remote-mglaunch" || name == "--remote_mglaunch") o.remote_mglaunch = value();
+    else if (name == "--nproc_per_node" || name == "--nproc-per-node") o.nproc_spec = value();
+    else if (name == "--dry-run" || name == "--dry_run") o.dry_run = true;
+    else if (is_reserved_flag(name))
+      throw UsageError(fmt::format("{} is set by mglaunch for every host with --hostfile; drop it", name));
+    else if (name == "--standalone")
+      throw UsageError("--standalone runs a single node; drop it when using --hostfile");
+    else {
+      o.forwarded.push_back(a);
+      const bool has_inline = (eq != std::string::npos && a.starts_with("--"));
+      if (!has_inline && !is_agent_bool_flag(name)) {
+        if (i + 1 >= argv.size()) throw UsageError(fmt::format("{} needs a value (see mglaunch --help)", name));
+        o.forwarded.push_back(argv[++i]);
+      }
+      if (name == "--grace") {
+        const std::string& g = has_inline ? a.substr(eq + 1) : o.forwarded.back();
+        double s = std::strtod(g.c_str(), nullptr);
+        if (s > 0 && s < 86400) o.grace = std::chrono::milliseconds(static_cast<long>(s * 1000));
+      }
+    }
+  }
+  o.program.assign(argv.begin() + static_cast<long>(std::min(i, argv.size())), argv.end());
+  if (o.hostfile.empty()) throw UsageError("--hostfile is empty: give the path of a file with lines 'HOST slots=N'");
+  if (o.program.empty())
+    throw UsageError("no training program given: usage is mglaunch --hostfile FILE [FLAGS] PROGRAM [ARGS...]");
+  return o;
+}
+
+std::vector<std::string> split_shell_words(const std::string& text) {
+  std::vector<std::string> out;
+  std::string cur;
+  bool have = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\'') {
+      const auto end = text.find('\'', i + 1);
+      if (end == std::string::npos) throw UsageError(fmt::format("--ssh-opts '{}': unterminated ' quote", text));
+      cur.append(text, i + 1, end - i - 1);
+      i = end;
+      have = true;
+    } else if (c == '"') {
+      std::size_t j = i + 1;
+      for (; j < text.size() && text[j] != '"'; ++j) {
+        if (text[j] == '\\' && j + 1 < text.size() && std::string_view("\"\\$`").find(text[j + 1]) != std::string::npos)
+          ++j;
+        cur += text[j];
+      }
+      if (j >= text.size()) throw UsageError(fmt::format("--ssh-opts '{}': unterminated \" quote", text));
+      i = j;
+      have = true;
+    } else if (c == '\\' && i + 1 < text.size()) {
+      cur += text[++i];
+      have = true;
+    } else if (c == ' ' || c == '\t' || c == '\n') {
+      if (have) out.push_back(std::move(cur));
+      cur.clear();
+      have = false;
+    } else {
+      cur += c;
+      have = true;
+    }
+  }
+  if (have) out.push_back(std::move(cur));
+  return out;
+}
+
+std::string shell_quote(const std::string& arg) {
+  if (!arg.empty() && arg.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./=:,@+%") ==
+                          std::string::npos)
+    return arg;
+  std::string out = "'";
+  for (char c : arg) {
+    if (c == '\'')
+      out += "'\\''";
+    else
+      out += c;
+  }
+  return out + "'";
+}
+
+EnvMap resolve_exports(const std::vector<std::string>& patterns, const EnvMap& env) {
+  auto valid_name = [](std::string_view n) {
+    return !n.empty() && !std::isdigit(static_cast<unsigned char>(n[0])) &&
+           std::all_of(n.begin(), n.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+  };
+  EnvMap out;
+  for (const auto& p : patterns) {
+    if (auto eq = p.find('='); eq != std::string::npos) {
+      if (!valid_name(std::string_view(p).substr(0, eq)))
+        throw UsageError(fmt::format("bad --export '{}': '{}' is not a variable name", p, p.substr(0, eq)));
+      out[p.substr(0, eq)] = p.substr(eq + 1);
+    } else if (p.find_first_of("*?[") != std::string::npos) {
+      for (const auto& [k, v] : env)
+        if (::fnmatch(p.c_str(), k.c_str(), 0) == 0) out[k] = v;
+    } else {
+      if (!valid_name(p)) throw UsageError(fmt::format("bad --export '{}': not a variable name or a glob", p));
+      auto it = env.find(p);
+      if (it == env.end())
+        throw UsageError(fmt::format("--export {}: {} is not set here; set it or use --export {}=VALUE", p, p, p));
+      out[p] = it->second;
+    }
+  }
+  out.erase("MGLAUNCH_RDZV_TOKEN");  // travels over stdin only
+  return out;
+}
+
+std::vector<std::string> OpenSshRunner::argv(const std::string& host, const std::string& remote_command) const {
+  std::vector<std::string> a{ssh_, "-T", "-o", "BatchMode=yes"};
+  a.insert(a.end(), opts_.begin(), opts_.end());
+  a.push_back(host);
+  a.push_back("--");
+  a.push_back(remote_command);
+  return a;
+}
+
+std::vector<std::string> LocalShellRunner::argv(const std::string& host, const std::string& remote_command) const {
+  if (std::find(unreachable_.begin(), unreachable_.end(), host) != unreachable_.end())
+    return {"/bin/sh", "-c",
+            fmt::format("echo 'ssh: connect to host {} port 22: Connection refused' >&2; exit 255", host)};
+  return {"/bin/sh", "-c", remote_command};
+}
+
+MultiHostPlan make_multihost_plan(const MultiHostOptions& o, const std::vector<HostEntry>& hosts, const EnvMap& exports,
+                                  const std::string& rdzv_endpoint, const std::string& rdzv_id,
+                                  const SshRunner& runner) {
+  MultiHostPlan plan;
+  plan.rdzv_id = rdzv_id;
+  plan.rdzv_endpoint = rdzv_endpoint;
+  plan.exports = exports;
+  const std::string mglaunch = o.remote_mglaunch.empty() ? self_exe() : o.remote_mglaunch;
+  for (std::size_t i = 0; i < hosts.size(); ++i) {
+    HostCommand hc;
+    hc.host = hosts[i];
+    hc.node_rank = static_cast<int>(i);
+    const int workers = hc.host.workers();
+    hc.agent_argv = {mglaunch,
+                     fmt::format("--nnodes={}", hosts.size()),
+                     "--nproc_per_node=" + (workers > 0 ? std::to_string(workers) : o.nproc_spec)};
+    if (!hc.host.slot_ids.empty()) {
+      std::string ids;
+      for (int s : hc.host.slot_ids) ids += (ids.empty() ? "" : ",") + std::to_string(s);
+      hc.agent_argv.push_back("--gpu_ids=" + ids);
+    }
+    hc.agent_argv.push_back(fmt::format("--node_rank={}", i));
+    hc.agent_argv.push_back("--rdzv_backend=c10d");
+    hc.agent_argv.push_back("--rdzv_endpoint=" + rdzv_endpoint);
+    hc.agent_argv.push_back("--rdzv_id=" + rdzv_id);
+    hc.agent_argv.insert(hc.agent_argv.end(), o.forwarded.begin(), o.forwarded.end());
+    hc.agent_argv.insert(hc.agent_argv.end(), o.program.begin(), o.program.end());
+
+    std::string cmd = "exec sh -c " + shell_quote(kWrapper) + " mglaunch-host";
+    if (!exports.empty()) {
+      cmd += " env";
+      for (const auto& [k, v] : exports) cmd += " " + shell_quote(k + "=" + v);
+    }
+    for (const auto& a : hc.agent_argv) cmd += " " + shell_quote(a);
+    hc.remote_command = std::move(cmd);
+    hc.argv = runner.argv(hc.host.host, hc.remote_command);
+    plan.hosts.push_back(std::move(hc));
+  }
+  return plan;
+}
+
+nlohmann::json multihost_plan_json(const MultiHostPlan& plan) {
+  nlohmann::json nodes = nlohmann::json::array();
+  for (const auto& h : plan.hosts) {
+    nodes.push_back({{"host", h.host.host},
+                     {"slots", h.host.slots > 0 ? nlohmann::json(h.host.slots) : nlohmann::json("auto")},
+                     {"gpu_ids", h.host.slot_ids},
+                     {"node_rank", h.node_rank},
+                     {"nproc_per_node", h.agent_argv.at(2).substr(std::string("--nproc_per_node=").size())},
+                     {"agent", h.agent_argv},
+                     {"ssh", h.argv}});
+  }
+  nlohmann::json exported = nlohmann::json::array();
+  for (const auto& [k, v] : plan.exports) exported.push_back(k);
+  return {{"nnodes", plan.hosts.size()},
+          {"rdzv_endpoint", plan.rdzv_endpoint},
+          {"rdzv_id", plan.rdzv_id},
+          {"exports", exported},
+          {"token", "sent on each ssh's stdin"},
+          {"nodes", nodes}};
+}
+
+std::string relay_prefix(const std::string& host, std::string_view& line) {
+  if (line.starts_with("[rank")) {
+    const auto close = line.find("]:");
+    if (close != std::string_view::npos && close > 5 &&
+        std::all_of(line.begin() + 5, line.begin() + static_cast<long>(close),
+                    [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) {
+      std::string prefix = fmt::format("[{}:{}]:", host, line.substr(1, close - 1));
+      line.remove_prefix(close + 2);
+      return prefix;
+    }
+  }
+  return "[" + host + "]:";
+}
+
+// ---------------------------------------------------------------------------------------
+// Fanout
+
+struct Fanout::Host {
+  explicit Host(asio::io_context& io) : in(io), pipes{asio::readable_pipe(io), asio::readable_pipe(io)} {}
+  HostCommand cmd;
+  asio::writable_pipe in;
+  std::array<asio::readable_pipe, 2> pipes;
+  std::array<std::array<char, 16 * 1024>, 2> bufs;
+  std::array<LineSplitter, 2> splitters{LineSplitter(64 * 1024), LineSplitter(64 * 1024)};
+  std::array<bool, 2> open{false, false};
+  std::unique_ptr<bp::basic_process_handle<asio::io_context::executor_type>> handle;
+  pid_t pid = -1;
+  bool exited = false;
+  bool done = false;
+  bool saw_output = false;
+  int code = 0;
+  std::string last_err;
+};
+
+struct Fanout::Timers {
+  explicit Timers(asio::io_context& io) : agree(io), kill(io), drain(io), signals(io) {}
+  asio::steady_timer agree, kill, drain;
+  asio::signal_set signals;
+  std::unique_ptr<Console> console;
+};
+
+Fanout::Fanout(asio::io_context& io, MultiHostPlan plan, std::string token, const MultiHostOptions& opts, FanoutIo fio)
+    : io_(io),
+      plan_(std::move(plan)),
+      token_(std::move(token)),
+      opts_(opts),
+      fio_(fio),
+      timers_(std::make_unique<Timers>(io)) {
+  timers_->console = std::make_unique<Console>(fio_.out_fd, fio_.err_fd, false);
+}
+
+Fanout::~Fanout() {
+  for (auto& h : hosts_) {
+    if (h->pid > 0 && !h->exited) {
+      ::killpg(h->pid, SIGKILL);
+      bp::error_code ec;
+      int status = 0;
+      if (h->handle) h->handle->wait(status, ec);
+    }
+  }
+}
+
+void Fanout::notice(const std::string& text) { notice_to(fio_.err_fd, text); }
+
+void Fanout::start() {
+  if (fio_.handle_signals) {
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) timers_->signals.add(sig);
+    wait_signal();
+  }
+  std::vector<std::string> envs;
+  for (char** e = environ; *e; ++e)
+    if (!std::string_view(*e).starts_with("MGLAUNCH_RDZV_TOKEN=")) envs.emplace_back(*e);
+  std::vector<const char*> envp;
+  for (const auto& e : envs) envp.push_back(e.c_str());
+  envp.push_back(nullptr);
+
+  for (auto& hc : plan_.hosts) {
+    auto h = std::make_unique<Host>(io_);
+    h->cmd = hc;
+    Host* hp = h.get();
+    hosts_.push_back(std::move(h));
+    bp::error_code ec;
+    bp::posix::default_launcher launcher;
+    std::vector<std::string> args(hc.argv.begin() + 1, hc.argv.end());
+    std::string exe = hc.argv.front();
+    if (exe.find('/') == std::string::npos) {
+      const char* path = std::getenv("PATH");
+      exe = find_executable(exe, path ? path : "/usr/bin:/bin");
+      if (exe.empty())
+        throw UsageError(fmt::format("cannot find '{}' on PATH; install OpenSSH's client or set MGLAUNCH_SSH",
+                                     hc.argv.front()));
+    }
+    auto proc = launcher(io_.get_executor(), ec, bp::filesystem::path(exe), args,
+                         bp::process_stdio{hp->in, hp->pipes[0], hp->pipes[1]}, SshChildSetup{envp.data()});
+    if (ec) throw std::runtime_error(fmt::format("cannot start {} for host {}: {}", exe, hc.host.host, ec.message()));
+    hp->pid = proc.id();
+    hp->handle = std::make_unique<bp::basic_process_handle<asio::io_context::executor_type>>(proc.detach());
+    // The token and its newline fit in the pipe buffer: this write does not block.
+    boost::system::error_code wec;
+    asio::write(hp->in, asio::buffer(token_ + "\n"), wec);
+    for (int s = 0; s < 2; ++s) {
+      hp->open[s] = true;
+      auto read_more = std::make_shared<std::function<void()>>();
+      *read_more = [this, hp, s, read_more] {
+        hp->pipes[s].async_read_some(asio::buffer(hp->bufs[s]), [this, hp, s, read_more](bp::error_code ec, std::size_t n) {
+          auto emit = [&](std::string_view line, bool cut) {
+            if (s == 1 && !line.empty()) hp->last_err = std::string(line.substr(0, 512));
+            std::string prefix = relay_prefix(hp->cmd.host.host, line);
+            timers_->console->line(s, prefix, line, cut);
+          };
+          if (n > 0) {
+            if (s == 0) hp->saw_output = true;
+            hp->splitters[s].feed(std::string_view(hp->bufs[s].data(), n), emit);
+            timers_->console->flush();
+          }
+          if (ec) {
+            hp->splitters[s].finish(emit);
+            timers_->console->flush();
+            hp->open[s] = false;
+            bp::error_code ignored;
+            hp->pipes[s].close(ignored);
+            if (hp->exited && !hp->open[0] && !hp->open[1]) maybe_done();
+            return;
+          }
+          (*read_more)();
+        });
+      };
+      (*read_more)();
+    }
+    hp->handle->async_wait([this, hp](bp::error_code ec, int status) { on_host_exit(*hp, ec ? 255 << 8 : status); });
+  }
+}
+
+void Fanout::on_host_exit(Host& h, int status) {
+  h.exited = true;
+  h.code = shell_exit_code(status);
+  if (h.code != 0 && first_failure_ == 0 && signal_ == 0) {
+    first_failure_ = h.code;
+    if (h.code == kExitSshFailed) {
+      notice(fmt::format("{} host {} over ssh (ssh exit 255{}); check the name, that sshd runs there and that "
+                         "'ssh -o BatchMode=yes {} true' works; stopping the other hosts",
+                         h.saw_output ? "lost the connection to" : "cannot reach", h.cmd.host.host,
+                         h.last_err.empty() ? "" : ": " + h.last_err, h.cmd.host.host));
+      stop_all("");
+    } else {
+      // The rendezvous normally stops the other agents with the same root cause at once;
+      // if one does not, its stdin is closed after the agreement window.
+      timers_->agree.expires_after(opts_.agree_window);
+      timers_->agree.async_wait([this](boost::system::error_code ec) {
+        if (!ec) stop_all("the other hosts did not stop after the failure");
+      });
+    }
+  }
+  if (h.open[0] || h.open[1]) {
+    // A grandchild may hold the pipes: read them a little longer, then stop reading.
+    timers_->drain.expires_after(std::chrono::seconds(5));
+    timers_->drain.async_wait([this](boost::system::error_code ec) {
+      if (ec) return;
+      for (auto& hp : hosts_)
+        if (hp->exited)
+          for (auto& p : hp->pipes) {
+            bp::error_code ignored;
+            p.cancel(ignored);
+          }
+    });
+  }
+  maybe_done();
+}
+
+void Fanout::stop_all(const std::string& why) {
+  if (stopping_) return;
+  stopping_ = true;
+  if (!why.empty()) notice(why + "; stopping every host");
+  for (auto& h : hosts_) {
+    bp::error_code ec;
+    h->in.close(ec);  // EOF: the host's wrapper sends SIGTERM to its agent
+  }
+  // The agents need up to --grace to stop their workers; past that, drop the connections.
+  timers_->kill.expires_after(opts_.grace + std::chrono::seconds(30));
+  timers_->kill.async_wait([this](boost::system::error_code ec) {
+    if (ec) return;
+    notice("hosts still running after the grace period: closing their ssh connections");
+    for (auto& h : hosts_)
+      if (!h->exited) ::killpg(h->pid, SIGKILL);
+  });
+}
+
+void Fanout::maybe_done() {
+  if (done_) return;
+  for (auto& h : hosts_)
+    if (!h->exited || h->open[0] || h->open[1]) return;
+  done_ = true;
+  timers_->agree.cancel();
+  timers_->kill.cancel();
+  timers_->drain.cancel();
+  boost::system::error_code ec;
+  timers_->signals.cancel(ec);
+  for (auto& h : hosts_) h->in.close(ec);
+  exit_code_ = signal_ ? exit_code::kSignalBase + signal_ : first_failure_;
+  if (signal_) notice(fmt::format("stopped by signal {}", signal_));
+  if (on_done) on_done();
+}
+
+void Fanout::wait_signal() {
+  timers_->signals.async_wait([this](boost::system::error_code ec, int sig) {
+    if (ec) return;
+    if (signal_ == 0) signal_ = sig;
+    if (sig == SIGINT && ++interrupts_ >= 2) {
+      notice("second interrupt: closing every ssh connection now");
+      for (auto& h : hosts_)
+        if (!h->exited) ::killpg(h->pid, SIGKILL);
+    } else {
+      notice(fmt::format("got signal {}: stopping the agents on every host", sig));
+      stop_all("");
+    }
+    if (!done_) wait_signal();
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+
+int run_multihost(const MultiHostOptions& o, const EnvMap& env, const SshRunner& runner, FanoutIo fio) {
+  std::ifstream in(o.hostfile);
+  if (!in) throw UsageError(fmt::format("--hostfile {} cannot be read; give a file with lines 'HOST slots=N'", o.hostfile));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto hosts = select_hosts(parse_hostfile(ss.str(), o.hostfile), o.include, o.exclude);
+  const EnvMap exports = resolve_exports(o.exports, env);
+
+  std::string addr = o.rdzv_host;
+  if (addr.empty()) {
+    std::string err;
+    auto a = hw::route_source_address(hosts.front().host, err);
+    if (!a)
+      throw UsageError(fmt::format("cannot tell which local address host {} can reach ({}); pass --rdzv-host ADDR",
+                                   hosts.front().host, err));
+    addr = *a;
+  }
+  const std::string id = random_uuid();
+  auto endpoint = [&](int port) {
+    return addr.find(':') != std::string::npos ? fmt::format("[{}]:{}", addr, port) : fmt::format("{}:{}", addr, port);
+  };
+  // The agents' own flag check, once here instead of N times over ssh.
+  {
+    MultiHostPlan probe = make_multihost_plan(o, hosts, exports, endpoint(1), id, runner);
+    HardwareProbe none{[] { return 1; }, [] { return 1; }};
+    parse_agent_args(probe.hosts.front().agent_argv, {}, none);
+  }
+  if (o.dry_run) {
+    auto plan = make_multihost_plan(o, hosts, exports, endpoint(rdzv::find_free_port(addr)), id, runner);
+    write_all(fio.out_fd, multihost_plan_json(plan).dump(2) + "\n");
+    return exit_code::kOk;
+  }
+  asio::io_context io(1);
+  rdzv::ServerOptions so;
+  so.host = addr;
+  so.port = 0;
+  so.token = random_token();
+  std::unique_ptr<rdzv::Server> server;
+  try {
+    server = std::make_unique<rdzv::Server>(io, so);
+  } catch (const std::exception& e) {
+    throw UsageError(fmt::format("cannot host the rendezvous on {}: {}; pass --rdzv-host ADDR", addr, e.what()));
+  }
+  auto plan = make_multihost_plan(o, hosts, exports, endpoint(server->port()), id, runner);
+  notice_to(fio.err_fd, fmt::format("{} hosts, rendezvous {} (job {})", plan.hosts.size(), plan.rdzv_endpoint, id));
+  Fanout fan(io, std::move(plan), so.token, o, fio);
+  fan.on_done = [&] { server->stop(); };
+  fan.start();
+  io.run();
+  return fan.exit_code();
+}
+
+int multihost_main(const std::vector<std::string>& argv, const EnvMap& env) {
+  auto o = parse_multihost_args(argv);
+  if (!o) {
+    write_all(STDOUT_FILENO, multihost_help());
+    return exit_code::kOk;
+  }
+  std::string ssh = "ssh";
+  if (auto it = env.find("MGLAUNCH_SSH"); it != env.end() && !it->second.empty()) ssh = it->second;
+  OpenSshRunner runner(o->ssh_opts, ssh);
+  return run_multihost(*o, env, runner);
+}
+
+}  // namespace mg

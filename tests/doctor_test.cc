@@ -1,0 +1,206 @@
+// `mglaunch doctor`: the kernel-format parsers on fixture text, probing a fixture /proc and
+// /sys tree, and the suggestions for made-up machines (a fake 8-GPU box with 2 NUMA
+// nodes, a CPU box under a cgroup quota).
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "launcher/doctor.h"
+#include "launcher/hwprobe.h"
+
+using namespace mg;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::uint64_t kGiB = 1024ull * 1024 * 1024;
+
+// An 8-GPU box: GPUs 0-3 on NUMA node 0, 4-7 on node 1.
+class FakeGpus : public hw::GpuProbe {
+ public:
+  explicit FakeGpus(int n, std::uint64_t mem) : n_(n), mem_(mem) {}
+  std::vector<hw::GpuInfo> gpus(std::string& error) const override {
+    std::vector<hw::GpuInfo> out;
+    for (int i = 0; i < n_; ++i) {
+      hw::GpuInfo g;
+      g.index = i;
+      g.name = "Fake H100";
+      g.pci_bus_id = "00000000:" + std::to_string(10 + i) + ":00.0";
+      g.memory_total = mem_;
+      g.memory_used = kGiB / 2;
+      g.utilization_pct = 0;
+      g.numa_node = i < n_ / 2 ? 0 : 1;
+      out.push_back(g);
+    }
+    if (n_ == 0) error = "no driver";
+    return out;
+  }
+
+ private:
+  int n_;
+  std::uint64_t mem_;
+};
+
+void put(const std::string& path, const std::string& text) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream(path) << text;
+}
+
+std::string temp_root() {
+  std::string t = (fs::temp_directory_path() / "mg_doctor_XXXXXX").string();
+  REQUIRE(::mkdtemp(t.data()));
+  return t;
+}
+
+const Suggestion* find(const std::vector<Suggestion>& s, const std::string& name) {
+  for (const auto& x : s)
+    if (x.name == name) return &x;
+  return nullptr;
+}
+
+// A 2-socket box seen through a fixture tree: 16 CPUs, 2 NUMA nodes, a cgroup quota.
+std::string fixture_box(const std::string& cpu_max) {
+  const std::string root = temp_root();
+  put(root + "/proc/self/cgroup", "0::/job.slice/job-1.scope\n");
+  put(root + "/sys/fs/cgroup/job.slice/job-1.scope/cpu.max", cpu_max);
+  put(root + "/sys/fs/cgroup/job.slice/job-1.scope/memory.max", "17179869184\n");
+  put(root + "/sys/fs/cgroup/job.slice/memory.max", "max\n");
+  put(root + "/proc/meminfo", "MemTotal:       65536000 kB\nMemFree:  100 kB\nMemAvailable:   32768000 kB\n");
+  put(root + "/affinity", "0-15\n");
+  put(root + "/sys/devices/system/node/node0/cpulist", "0-7\n");
+  put(root + "/sys/devices/system/node/node1/cpulist", "8-15\n");
+  put(root + "/sys/devices/system/node/possible", "0-1\n");  // not a node directory
+  return root;
+}
+
+}  // namespace
+
+TEST_CASE("cpu lists parse ranges and singles and print back compactly") {
+  CHECK(hw::parse_cpu_list("0-3,8-11\n") == std::vector<int>{0, 1, 2, 3, 8, 9, 10, 11});
+  CHECK(hw::parse_cpu_list("5") == std::vector<int>{5});
+  CHECK(hw::parse_cpu_list("") == std::vector<int>{});
+  CHECK(hw::parse_cpu_list("3,1-2,1") == std::vector<int>{1, 2, 3});
+  CHECK(hw::format_cpu_list({0, 1, 2, 3, 8, 9, 10, 11}) == "0-3,8-11");
+  CHECK(hw::format_cpu_list({7, 1, 3, 2}) == "1-3,7");
+  CHECK_THROWS_WITH(hw::parse_cpu_list("4-2"), Catch::Contains("bad cpu list '4-2'"));
+  CHECK_THROWS_WITH(hw::parse_cpu_list("a"), Catch::Contains("not a cpu number"));
+  CHECK_THROWS(hw::parse_cpu_list("0-99999999"));
+}
+
+TEST_CASE("cgroup v2 files and meminfo parse, with max meaning no limit") {
+  CHECK_FALSE(hw::parse_cpu_max("max 100000\n"));
+  CHECK(*hw::parse_cpu_max("250000 100000\n") == Approx(2.5));
+  CHECK(*hw::parse_cpu_max("50000") == Approx(0.5));
+  CHECK_FALSE(hw::parse_cpu_max("garbage 1"));
+  CHECK_FALSE(hw::parse_memory_max("max\n"));
+  CHECK(*hw::parse_memory_max("8589934592\n") == 8589934592ull);
+  const char* meminfo = "MemTotal:       16318260 kB\nMemAvailable:    9000000 kB\nHugePages_Total:       0\n";
+  CHECK(*hw::parse_meminfo(meminfo, "MemTotal") == 16318260ull * 1024);
+  CHECK(*hw::parse_meminfo(meminfo, "HugePages_Total") == 0);
+  CHECK_FALSE(hw::parse_meminfo(meminfo, "MemFree"));
+  CHECK(*hw::parse_cgroup_path("12:cpu:/old\n0::/user.slice/x.scope\n") == "/user.slice/x.scope");
+  CHECK_FALSE(hw::parse_cgroup_path("4:memory:/only-v1\n"));
+}
+
+TEST_CASE("a fixture box with a cgroup quota reports the quota as the usable CPUs") {
+  const std::string root = fixture_box("400000 100000\n");
+  auto cpu = hw::probe_cpus(root);
+  CHECK(cpu.affinity.size() == 16);
+  CHECK(*cpu.cgroup_quota == Approx(4.0));
+  CHECK(cpu.usable() == 4);
+  auto mem = hw::probe_memory(root);
+  CHECK(*mem.total == 65536000ull * 1024);
+  CHECK(*mem.cgroup_limit == 16 * kGiB);  // the tighter of the scope and its parent
+  auto numa = hw::probe_numa(root);
+  REQUIRE(numa.size() == 2);
+  CHECK(numa[1].cpus.front() == 8);
+  fs::remove_all(root);
+}
+
+TEST_CASE("a GPU's NUMA node comes from sysfs by its PCI bus id") {
+  const std::string root = temp_root();
+  put(root + "/bus/pci/devices/0000:65:00.0/numa_node", "1\n");
+  put(root + "/bus/pci/devices/0000:66:00.0/numa_node", "-1\n");
+  CHECK(*hw::pci_numa_node("00000000:65:00.0", root) == 1);
+  CHECK_FALSE(hw::pci_numa_node("00000000:66:00.0", root));  // -1: unknown
+  CHECK_FALSE(hw::pci_numa_node("00000000:67:00.0", root));
+  fs::remove_all(root);
+}
+
+TEST_CASE("the batch table follows the guides for 4 GPUs and rescales accumulation otherwise") {
+  auto b = [](double g, int n) {
+    auto p = batch_for_memory(g, n);
+    return std::to_string(p.micro_batch) + "x" + std::to_string(p.grad_accum);
+  };
+  CHECK(b(80, 4) == "16x4");
+  CHECK(b(20, 4) == "16x4");
+  CHECK(b(16, 4) == "12x5");
+  CHECK(b(12, 4) == "8x8");
+  CHECK(b(8, 4) == "4x16");
+  CHECK(b(4, 4) == "2x32");
+  CHECK(b(80, 8) == "16x2");  // 16 x 2 x 8 GPUs = 256
+  CHECK(b(80, 1) == "16x16");
+}
+
+TEST_CASE("an 8-GPU box with 2 NUMA nodes gets 8 workers, its batch plan and a binding hint") {
+  const std::string root = fixture_box("max 100000\n");
+  FakeGpus gpus(8, 80 * kGiB);
+  DoctorProbes probes;
+  probes.gpu = &gpus;
+  probes.root = root;
+  DoctorOptions o;
+  o.master_addr = "127.0.0.1";
+  o.port = 0;
+  o.python = false;
+  DoctorInputs in = gather(o, {{"SLURM_JOB_ID", "42"}, {"HOME", "/root"}}, probes);
+  auto s = suggest(in);
+  REQUIRE(find(s, "--nproc_per_node"));
+  CHECK(find(s, "--nproc_per_node")->value == "8");
+  CHECK(find(s, "OMP_NUM_THREADS")->value == "2");  // 16 usable CPUs / 8 workers
+  CHECK_THAT(find(s, "batch")->value, Catch::StartsWith("16 x 2"));
+  REQUIRE(find(s, "binding"));
+  CHECK_THAT(find(s, "binding")->reason, Catch::Contains("2 NUMA nodes"));
+  REQUIRE(find(s, "NCCL_SOCKET_IFNAME"));
+  CHECK(find(s, "NCCL_SOCKET_IFNAME")->value == "lo");  // the interface that reaches 127.0.0.1
+  auto j = doctor_json(in, s);
+  CHECK(j["gpus"].size() == 8);
+  CHECK(j["gpus"][7]["numa_node"] == 1);
+  CHECK(j["gpus"][0]["memory_total_mib"] == 80 * 1024);
+  CHECK(j["slurm"] == nlohmann::json{{"SLURM_JOB_ID", "42"}});
+  CHECK(j["master"]["interface"] == "lo");
+  CHECK(j["cpus"]["usable"] == 16);
+  for (const auto& x : s) CHECK_FALSE(x.reason.empty());
+  CHECK_THAT(doctor_text(in, s), Catch::Contains("GPU 7") && Catch::Contains("Suggestions:"));
+  fs::remove_all(root);
+}
+
+TEST_CASE("a CPU box under a 4-CPU quota gets one worker per NUMA node and threads from the quota") {
+  const std::string root = fixture_box("400000 100000\n");
+  FakeGpus none(0, 0);
+  DoctorProbes probes;
+  probes.gpu = &none;
+  probes.root = root;
+  DoctorOptions o;
+  o.python = false;
+  DoctorInputs in = gather(o, {}, probes);
+  auto s = suggest(in);
+  CHECK(find(s, "--nproc_per_node")->value == "2");
+  CHECK(find(s, "OMP_NUM_THREADS")->value == "2");  // 4 usable / 2 workers, not 16 / 2
+  REQUIRE(find(s, "cgroup"));
+  CHECK_FALSE(find(s, "batch"));
+  CHECK(doctor_json(in, s)["gpu_error"] == "no driver");
+  fs::remove_all(root);
+}
+
+TEST_CASE("a taken port is reported with a suggestion to pick another") {
+  DoctorInputs in;
+  in.cpu.online = 4;
+  in.port = 29500;
+  in.port_error = "address already in use";
+  auto s = suggest(in);
+  REQUIRE(find(s, "--master_port"));
+  CHECK_THAT(find(s, "--master_port")->reason, Catch::Contains("29500") && Catch::Contains("already in use"));
+}

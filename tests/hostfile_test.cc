@@ -1,0 +1,183 @@
+// Hostfile and --include/--exclude parsing, and the fan-out's pure pieces (flag split,
+// quoting, exports, per-host commands, output prefixes).
+#include <catch2/catch.hpp>
+
+#include "launcher/errors.h"
+#include "launcher/hostfile.h"
+#include "launcher/multihost.h"
+
+using namespace mg;
+
+namespace {
+
+std::vector<std::string> names(const std::vector<HostEntry>& hosts) {
+  std::vector<std::string> out;
+  for (const auto& h : hosts) out.push_back(h.host);
+  return out;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("a hostfile gives hosts in order with their slots, skipping comments and blank lines") {
+  auto hosts = parse_hostfile("# rack 1\n\nnode-a slots=4\n  node-b   slots=8  # big one\r\nnode-c\n", "hf");
+  REQUIRE(names(hosts) == std::vector<std::string>{"node-a", "node-b", "node-c"});
+  CHECK(hosts[0].slots == 4);
+  CHECK(hosts[1].slots == 8);
+  CHECK(hosts[2].slots == 0);  // the host decides
+  CHECK(hosts[2].workers() == 0);
+  CHECK(hosts[1].line == 4);
+}
+
+TEST_CASE("bad hostfile lines are refused naming the file and line") {
+  CHECK_THAT(error_of([] { parse_hostfile("a slots=2\nb slots=x\n", "my.hosts"); }),
+             Catch::Contains("my.hosts:2") && Catch::Contains("slots must be a number"));
+  CHECK_THAT(error_of([] { parse_hostfile("a slots=0\n", "f"); }), Catch::Contains("f:1"));
+  CHECK_THAT(error_of([] { parse_hostfile("a gpus=2\n", "f"); }), Catch::Contains("unexpected 'gpus=2'"));
+  CHECK_THAT(error_of([] { parse_hostfile("a\na slots=2\n", "f"); }), Catch::Contains("listed twice"));
+  CHECK_THAT(error_of([] { parse_hostfile("-oProxyCommand=x\n", "f"); }), Catch::Contains("not a host name"));
+  CHECK_THAT(error_of([] { parse_hostfile("# only a comment\n\n", "f"); }), Catch::Contains("lists no host"));
+  CHECK_THAT(error_of([] { parse_hostfile("a slots=2 slots=3\n", "f"); }), Catch::Contains("unexpected"));
+}
+
+TEST_CASE("--include keeps only the named hosts and slots, DeepSpeed style") {
+  auto all = parse_hostfile("w0 slots=4\nw1 slots=4\nw2 slots=4\n", "hf");
+  auto sel = select_hosts(all, "w2@w0:0,2", "");
+  REQUIRE(names(sel) == std::vector<std::string>{"w0", "w2"});  // hostfile order
+  CHECK(sel[0].slot_ids == std::vector<int>{0, 2});
+  CHECK(sel[0].workers() == 2);
+  CHECK(sel[1].slot_ids.empty());
+  CHECK(sel[1].workers() == 4);
+}
+
+TEST_CASE("--exclude drops whole hosts or single slots, and hosts left empty") {
+  auto all = parse_hostfile("w0 slots=2\nw1 slots=4\nw2 slots=1\n", "hf");
+  auto sel = select_hosts(all, "", "w0@w1:1,3@w2:0");
+  REQUIRE(names(sel) == std::vector<std::string>{"w1"});
+  CHECK(sel[0].slot_ids == std::vector<int>{0, 2});
+}
+
+TEST_CASE("bad selections name the host or slot at fault") {
+  auto all = parse_hostfile("w0 slots=2\nw1\n", "hf");
+  CHECK_THAT(error_of([&] { select_hosts(all, "w9", ""); }), Catch::Contains("w9") && Catch::Contains("not in the hostfile"));
+  CHECK_THAT(error_of([&] { select_hosts(all, "w0:2", ""); }), Catch::Contains("slot 2 of w0") && Catch::Contains("slots=2"));
+  CHECK_THAT(error_of([&] { select_hosts(all, "", "w1:0"); }), Catch::Contains("slot count is unknown"));
+  CHECK_THAT(error_of([&] { select_hosts(all, "w0", "w1"); }), Catch::Contains("cannot be used together"));
+  CHECK_THAT(error_of([&] { select_hosts(all, "", "w0@w1"); }), Catch::Contains("leaves no host"));
+  CHECK_THAT(error_of([&] { select_hosts(all, "w0:a", ""); }), Catch::Contains("slot 'a' of w0"));
+  CHECK_THAT(error_of([&] { select_hosts(all, "w0@w0", ""); }), Catch::Contains("named twice"));
+  // Including slots of a host with unknown slots is fine: that many workers on those GPUs.
+  auto sel = select_hosts(all, "w1:1,3", "");
+  CHECK(sel[0].workers() == 2);
+}
+
+TEST_CASE("the fan-out takes its own flags and forwards the rest and the program verbatim") {
+  auto o = parse_multihost_args({"mglaunch", "--hostfile", "hf", "--max_restarts", "2", "--include=a@b",
+                                 "--ssh-opts", "-p 2222 -o 'ProxyJump=gw host'", "--export", "NCCL_*", "--grace=5",
+                                 "--standalone_not_a_flag=1", "--dry-run", "-m", "train", "--lr", "0.1", "--hostfile",
+                                 "x"});
+  REQUIRE(o);
+  CHECK(o->hostfile == "hf");
+  CHECK(o->include == "a@b");
+  CHECK(o->ssh_opts == std::vector<std::string>{"-p", "2222", "-o", "ProxyJump=gw host"});
+  CHECK(o->exports == std::vector<std::string>{"NCCL_*"});
+  CHECK(o->dry_run);
+  CHECK(o->grace == std::chrono::milliseconds(5000));
+  CHECK(o->forwarded ==
+        std::vector<std::string>{"--max_restarts", "2", "--grace=5", "--standalone_not_a_flag=1", "-m"});
+  CHECK(o->program == std::vector<std::string>{"train", "--lr", "0.1", "--hostfile", "x"});
+}
+
+TEST_CASE("flags the fan-out sets itself are refused with --hostfile") {
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--nnodes=2", "p"}); }),
+             Catch::Contains("--nnodes is set by mglaunch"));
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--rdzv_endpoint", "x:1", "p"}); }),
+             Catch::Contains("--rdzv_endpoint"));
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf"}); }),
+             Catch::Contains("no training program"));
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile"}); }), Catch::Contains("needs a value"));
+}
+
+TEST_CASE("--hostfile is noticed only before the program") {
+  CHECK(wants_multihost({"mglaunch", "--nproc_per_node", "2", "--hostfile=h", "p"}));
+  CHECK(wants_multihost({"mglaunch", "--standalone", "--hostfile", "h", "p"}));
+  CHECK_FALSE(wants_multihost({"mglaunch", "--nproc_per_node=2", "p", "--hostfile", "h"}));
+  CHECK_FALSE(wants_multihost({"mglaunch", "--log_dir", "--hostfile", "p"}));  // a value, not a flag
+}
+
+TEST_CASE("shell quoting survives a round trip through sh") {
+  for (std::string s : {std::string("plain"), std::string("it's"), std::string("a b\tc"), std::string("$HOME `x` \"q\""),
+                        std::string(""), std::string("new\nline"), std::string("${local_rank}")}) {
+    std::string cmd = "printf %s " + shell_quote(s);
+    FILE* f = ::popen(cmd.c_str(), "r");
+    REQUIRE(f);
+    std::string out;
+    char buf[256];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+    ::pclose(f);
+    CHECK(out == s);
+  }
+}
+
+TEST_CASE("--ssh-opts is split like a shell splits words") {
+  CHECK(split_shell_words("  -i ~/k  -o \"A=b c\" x\\ y '' ") ==
+        std::vector<std::string>{"-i", "~/k", "-o", "A=b c", "x y", ""});
+  CHECK_THAT(error_of([] { split_shell_words("-o 'open"); }), Catch::Contains("unterminated"));
+}
+
+TEST_CASE("--export takes names, NAME=VALUE and globs, never the rendezvous token") {
+  EnvMap env{{"NCCL_DEBUG", "INFO"}, {"NCCL_IB_HCA", "mlx5"}, {"HOME", "/root"}, {"MGLAUNCH_RDZV_TOKEN", "s"}};
+  auto e = resolve_exports({"NCCL_*", "HOME", "X=1 2", "MGLAUNCH_*"}, env);
+  CHECK(e == EnvMap{{"NCCL_DEBUG", "INFO"}, {"NCCL_IB_HCA", "mlx5"}, {"HOME", "/root"}, {"X", "1 2"}});
+  CHECK_THAT(error_of([&] { resolve_exports({"NOPE"}, env); }), Catch::Contains("NOPE is not set here"));
+  CHECK_THAT(error_of([&] { resolve_exports({"A B"}, env); }), Catch::Contains("bad --export"));
+}
+
+TEST_CASE("each host gets one agent command with its node rank, slots and the shared rendezvous") {
+  MultiHostOptions o;
+  o.remote_mglaunch = "/opt/mg/mglaunch";
+  o.forwarded = {"--max_restarts", "1"};
+  o.program = {"train.py", "--name", "it's"};
+  auto hosts = select_hosts(parse_hostfile("a slots=2\nb slots=4\nc\n", "hf"), "a@b:1,3@c", "");
+  OpenSshRunner ssh({"-p", "2222"});
+  auto plan = make_multihost_plan(o, hosts, {{"NCCL_DEBUG", "INFO"}}, "10.0.0.1:4000", "job1", ssh);
+  REQUIRE(plan.hosts.size() == 3);
+  CHECK(plan.hosts[0].agent_argv ==
+        std::vector<std::string>{"/opt/mg/mglaunch", "--nnodes=3", "--nproc_per_node=2", "--node_rank=0",
+                                 "--rdzv_backend=c10d", "--rdzv_endpoint=10.0.0.1:4000", "--rdzv_id=job1",
+                                 "--max_restarts", "1", "train.py", "--name", "it's"});
+  CHECK(plan.hosts[1].agent_argv[2] == "--nproc_per_node=2");
+  CHECK(plan.hosts[1].agent_argv[3] == "--gpu_ids=1,3");
+  CHECK(plan.hosts[2].agent_argv[2] == "--nproc_per_node=auto");
+  const auto& argv = plan.hosts[1].argv;
+  CHECK(std::vector<std::string>(argv.begin(), argv.begin() + 7) ==
+        std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "b"});
+  CHECK(argv[7] == "--");
+  CHECK_THAT(argv[8], Catch::Contains("env NCCL_DEBUG=INFO /opt/mg/mglaunch") &&
+                          Catch::Contains("'it'\\''s'") && !Catch::Contains("MGLAUNCH_RDZV_TOKEN="));
+  auto j = multihost_plan_json(plan);
+  CHECK(j["nnodes"] == 3);
+  CHECK(j["nodes"][1]["host"] == "b");
+  CHECK(j["nodes"][1]["gpu_ids"] == nlohmann::json::array({1, 3}));
+  CHECK(j["nodes"][2]["slots"] == "auto");
+  CHECK(j["nodes"][0]["ssh"][8] == plan.hosts[0].remote_command);
+}
+
+TEST_CASE("relayed lines get [host:rankN] for worker lines and [host] for the rest") {
+  std::string_view l = "[rank12]:loss 0.5";
+  CHECK(relay_prefix("n1", l) == "[n1:rank12]:");
+  CHECK(l == "loss 0.5");
+  std::string_view m = "[mglaunch] round 1";
+  CHECK(relay_prefix("n1", m) == "[n1]:");
+  CHECK(m == "[mglaunch] round 1");
+  std::string_view r = "[rankx]:y";
+  CHECK(relay_prefix("n1", r) == "[n1]:");
+}

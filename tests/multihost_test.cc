@@ -1,0 +1,290 @@
+// `mglaunch --hostfile`: the fan-out with a local runner (the remote command runs with
+// /bin/sh -c here, as sshd would run it) and for real through a private sshd reached as
+// 127.0.0.2 and 127.0.0.3. The workers are tests/fake_worker; "no process behind" is
+// checked by scanning /proc for anything whose command line names the test's directory.
+#include <catch2/catch.hpp>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "launcher/errors.h"
+#include "launcher/multihost.h"
+#include "support/proc.h"
+#include "support/sshd.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Pids of live processes whose command line contains `needle` (zombies excluded).
+std::vector<pid_t> procs_mentioning(const std::string& needle) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator("/proc", ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || !std::isdigit(static_cast<unsigned char>(name[0]))) continue;
+    const pid_t pid = std::stoi(name);
+    if (pid == ::getpid()) continue;
+    std::string cmd = read_file(it->path().string() + "/cmdline");
+    if (cmd.find(needle) != std::string::npos && pid_alive(pid)) out.push_back(pid);
+  }
+  return out;
+}
+
+std::string write_hostfile(const std::string& dir, const std::string& text) {
+  const std::string path = dir + "/hostfile";
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::vector<pid_t> read_pids(const std::string& path) {
+  std::vector<pid_t> pids;
+  for (const auto& l : split_lines(read_file(path)))
+    if (!l.empty()) pids.push_back(std::stoi(l));
+  return pids;
+}
+
+// The worker lines "[host:rankN]:{json}" of a run's stdout, by rank.
+std::map<int, std::pair<std::string, nlohmann::json>> worker_envs(const std::string& out) {
+  std::map<int, std::pair<std::string, nlohmann::json>> by_rank;
+  for (const auto& l : split_lines(out)) {
+    auto b = l.find("]:{");
+    if (l.empty() || l[0] != '[' || b == std::string::npos) continue;
+    auto j = nlohmann::json::parse(l.substr(b + 2));
+    by_rank[std::stoi(j["RANK"].get<std::string>())] = {l.substr(1, l.find(":rank") - 1), j};
+  }
+  return by_rank;
+}
+
+struct Captured {
+  int code = -1;
+  std::string out, err;
+};
+
+// Runs the fan-out in this process with the local runner; output goes to temp files.
+Captured run_local(const std::string& dir, const std::string& hostfile, std::vector<std::string> worker,
+                   std::vector<std::string> unreachable = {}, std::vector<std::string> forwarded = {}) {
+  mg::MultiHostOptions o;
+  o.hostfile = hostfile;
+  o.rdzv_host = "127.0.0.1";
+  o.remote_mglaunch = kMglaunch;
+  o.forwarded = forwarded;
+  o.program = {kFakeWorker};
+  o.program.insert(o.program.end(), worker.begin(), worker.end());
+  const std::string out_path = dir + "/fan.out", err_path = dir + "/fan.err";
+  int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  mg::LocalShellRunner runner(unreachable);
+  Captured c;
+  c.code = mg::run_multihost(o, {}, runner, mg::FanoutIo{out, err, false});
+  ::close(out);
+  ::close(err);
+  c.out = read_file(out_path);
+  c.err = read_file(err_path);
+  return c;
+}
+
+std::vector<std::string> launcher_argv(const SshServer& sshd, const std::string& hostfile,
+                                       std::vector<std::string> worker, std::vector<std::string> flags = {}) {
+  std::vector<std::string> argv{kMglaunch, "--hostfile", hostfile, "--ssh-opts", sshd.ssh_opts()};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(kFakeWorker);
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  return argv;
+}
+
+}  // namespace
+
+TEST_CASE("two hosts with two slots each get ranks 0..3 and [host:rankN] prefixes (local runner)") {
+  const std::string dir = make_temp_dir();
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"), {"env"});
+  INFO(r.err);
+  CHECK(r.code == 0);
+  auto envs = worker_envs(r.out);
+  REQUIRE(envs.size() == 4);
+  CHECK(envs[0].first == "127.0.0.2");
+  CHECK(envs[1].first == "127.0.0.2");
+  CHECK(envs[2].first == "127.0.0.3");
+  CHECK(envs[3].first == "127.0.0.3");
+  for (auto& [rank, e] : envs) {
+    CHECK(e.second["WORLD_SIZE"] == "4");
+    CHECK(e.second["LOCAL_RANK"] == std::to_string(rank % 2));
+    CHECK_FALSE(e.second.contains("MGLAUNCH_RDZV_TOKEN"));
+  }
+  CHECK(procs_mentioning(dir).empty());
+}
+
+TEST_CASE("a worker failure on one host ends every host with that worker's exit code (local runner)") {
+  const std::string dir = make_temp_dir();
+  const std::string pids = dir + "/pids";
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
+                     {"pidfile", pids, "when-rank", "3", "sleep-ms", "300", "exit", "7"}, {}, {"--grace=5"});
+  INFO(r.err);
+  CHECK(r.code == 7);
+  CHECK(read_pids(pids).size() == 4);
+  CHECK_THAT(r.err, Catch::Contains("[127.0.0.3]:") && Catch::Contains("exitcode   : 7"));
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("an unreachable host is one error naming it, and the other host is stopped (local runner)") {
+  const std::string dir = make_temp_dir();
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
+                     {"pidfile", dir + "/pids", "hang", "60"}, {"127.0.0.3"});
+  INFO(r.err);
+  CHECK(r.code == mg::kExitSshFailed);
+  int naming = 0;
+  for (const auto& l : split_lines(r.err)) naming += l.find("cannot reach host 127.0.0.3") != std::string::npos;
+  CHECK(naming == 1);
+  CHECK(read_pids(dir + "/pids").empty());  // host 2 never got past the rendezvous
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("--dry-run prints the nodes and the exact ssh command per host and starts nothing") {
+  const std::string dir = make_temp_dir();
+  const std::string hf = write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3\n127.0.0.4 slots=8\n");
+  auto r = run({kMglaunch, "--hostfile", hf, "--exclude", "127.0.0.4", "--ssh-opts", "-p 2222", "--export", "A=1",
+                "--dry-run", "--max_restarts=1", kFakeWorker, "env"},
+               {{"MGLAUNCH_RDZV_TOKEN", "sekrit"}});
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j["nnodes"] == 2);
+  REQUIRE(j["nodes"].size() == 2);
+  CHECK(j["nodes"][0]["host"] == "127.0.0.2");
+  CHECK(j["nodes"][1]["nproc_per_node"] == "auto");
+  auto ssh = j["nodes"][1]["ssh"].get<std::vector<std::string>>();
+  CHECK(std::vector<std::string>(ssh.begin(), ssh.begin() + 6) ==
+        std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222"});
+  CHECK(ssh[6] == "127.0.0.3");
+  CHECK_THAT(ssh.back(), Catch::Contains("--node_rank=1") && Catch::Contains("--max_restarts=1") &&
+                             Catch::Contains("env A=1 ") && Catch::Contains(kFakeWorker));
+  CHECK(r.out.find("sekrit") == std::string::npos);
+}
+
+TEST_CASE("a bad hostfile or flag is one line and exit code 2") {
+  const std::string dir = make_temp_dir();
+  auto r = run({kMglaunch, "--hostfile", write_hostfile(dir, "a slots=two\n"), kFakeWorker});
+  CHECK(r.code == 2);
+  CHECK(split_lines(r.err).size() == 1);
+  CHECK_THAT(r.err, Catch::Contains("hostfile:1"));
+  auto missing = run({kMglaunch, "--hostfile", dir + "/nope", kFakeWorker});
+  CHECK(missing.code == 2);
+  CHECK_THAT(missing.err, Catch::Contains("cannot be read"));
+  auto bad_flag = run({kMglaunch, "--hostfile", write_hostfile(dir, "a\n"), "--rdzv_host", "127.0.0.1",
+                       "--max_restarts=x", kFakeWorker});
+  CHECK(bad_flag.code == 2);
+  CHECK_THAT(bad_flag.err, Catch::Contains("--max_restarts"));
+}
+
+// ----------------------------------------------------------------------------------------
+// Real ssh
+
+TEST_CASE("over real ssh two hosts with two workers each get ranks 0..3") {
+  SshServer sshd;
+  if (!sshd.skip_reason().empty()) {
+    WARN("skipped: " << sshd.skip_reason());
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"), {"env"}),
+               {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}}, 60s);
+  INFO(r.err << sshd.log());
+  CHECK(r.code == 0);
+  auto envs = worker_envs(r.out);
+  REQUIRE(envs.size() == 4);
+  std::set<std::string> hosts;
+  for (auto& [rank, e] : envs) {
+    hosts.insert(e.first);
+    CHECK(e.second["WORLD_SIZE"] == "4");
+    CHECK(e.second["GROUP_WORLD_SIZE"] == "2");
+    CHECK_FALSE(e.second.contains("MGLAUNCH_RDZV_TOKEN"));
+    CHECK(e.second.contains("SSH_CONNECTION"));  // really started through sshd
+  }
+  CHECK(envs[0].first == "127.0.0.2");
+  CHECK(envs[3].first == "127.0.0.3");
+  CHECK(hosts == std::set<std::string>{"127.0.0.2", "127.0.0.3"});
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("over real ssh a worker failure on one host stops the other with the failing worker's code") {
+  SshServer sshd;
+  if (!sshd.skip_reason().empty()) {
+    WARN("skipped: " << sshd.skip_reason());
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  const std::string pids = dir + "/pids";
+  auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
+                             {"pidfile", pids, "when-rank", "1", "sleep-ms", "300", "exit", "9"}, {"--grace=5"}),
+               {}, 90s);
+  INFO(r.err << sshd.log());
+  CHECK(r.code == 9);
+  CHECK(read_pids(pids).size() == 4);
+  CHECK_THAT(r.err, Catch::Contains("[127.0.0.2]:") && Catch::Contains("exitcode   : 9"));
+  for (pid_t p : read_pids(pids)) CHECK(eventually([&] { return !pid_alive(p); }, 20s));
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("over real ssh SIGINT to the launcher leaves no process behind on either host") {
+  SshServer sshd;
+  if (!sshd.skip_reason().empty()) {
+    WARN("skipped: " << sshd.skip_reason());
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  const std::string pids = dir + "/pids";
+  Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
+                                      {"pidfile", pids, "hang", "120"}, {"--grace=5"}));
+  REQUIRE(eventually([&] { return read_pids(pids).size() == 4; }, 60s));
+  ::kill(launcher.pid, SIGINT);
+  REQUIRE(launcher.wait(60s));
+  INFO(launcher.err() << sshd.log());
+  CHECK(launcher.exit_code() == 128 + SIGINT);
+  for (pid_t p : read_pids(pids)) CHECK(eventually([&] { return !pid_alive(p); }, 20s));
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("over real ssh a launcher killed with SIGKILL still leaves no process behind") {
+  SshServer sshd;
+  if (!sshd.skip_reason().empty()) {
+    WARN("skipped: " << sshd.skip_reason());
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  const std::string pids = dir + "/pids";
+  Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
+                                      {"pidfile", pids, "hang", "120"}, {"--grace=5"}));
+  REQUIRE(eventually([&] { return read_pids(pids).size() == 2; }, 60s));
+  ::kill(launcher.pid, SIGKILL);  // no chance to clean up: the hosts see their stdin close
+  REQUIRE(launcher.wait(10s));
+  for (pid_t p : read_pids(pids)) CHECK(eventually([&] { return !pid_alive(p); }, 30s));
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 30s));
+}
+
+TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
+  SshServer sshd;
+  if (!sshd.skip_reason().empty()) {
+    WARN("skipped: " << sshd.skip_reason());
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  // Nothing listens on 127.0.0.4 at the fixture's port: connection refused.
+  auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.4 slots=1\n"),
+                             {"pidfile", dir + "/pids", "hang", "60"}),
+               {}, 90s);
+  INFO(r.err);
+  CHECK(r.code == 255);
+  int naming = 0;
+  for (const auto& l : split_lines(r.err)) naming += l.rfind("[mglaunch] cannot reach host 127.0.0.4", 0) == 0;
+  CHECK(naming == 1);
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}

@@ -1,0 +1,38 @@
+// Test fixture: a private OpenSSH server on a free port of 127.0.0.2 and 127.0.0.3, with
+// its own host key and a fresh client key, so tests reach two "hosts" over real ssh.
+// RAII: the destructor stops sshd (its process group) and removes the directory, also
+// when a test fails. Needs /usr/sbin/sshd (Debian openssh-server) and root (sshd's
+// privilege separation); available() says why not otherwise.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "support/proc.h"
+
+namespace mgtest {
+
+class SshServer {
+ public:
+  SshServer();
+  ~SshServer();
+  SshServer(const SshServer&) = delete;
+  SshServer& operator=(const SshServer&) = delete;
+
+  // Empty when running; else the one-line reason to skip.
+  const std::string& skip_reason() const { return skip_; }
+  int port() const { return port_; }
+  // Client options for --ssh-opts: key, port, no host-key prompts.
+  std::string ssh_opts() const;
+  std::vector<std::string> ssh_opts_list() const;
+  const std::string& dir() const { return dir_; }
+  std::string log() const;
+
+ private:
+  std::string skip_, dir_;
+  int port_ = 0;
+  std::optional<Proc> proc_;
+};
+
+}  // namespace mgtest

@@ -16,7 +16,7 @@ using proto::MsgType;
 namespace {
 constexpr std::size_t kReservedDescriptors = 64;  // logs, the acceptor, the agent's own pipes
 constexpr std::size_t kMaxTrackedAddresses = 4096;
-constexpr auto kMaxBlock = std::chrono::seconds(30);
+constexpr auto kMaxBlock = std::chrono::seconds(5);  // below the client's handshake patience
 }  // namespace
 
 struct Server::Session {
@@ -28,7 +28,8 @@ struct Server::Session {
   std::string client_nonce, server_nonce, key;
   std::string job;  // from Hello: the only job this session may touch
   bool joined = false;
-  std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
+  std::chrono::milliseconds idle_limit{0};
+  std::unique_ptr<asio::steady_timer> delay;  // holds the challenge after recent failures  // from the job's keep-alive, once joined
 };
 
 Server::Server(asio::io_context& io, ServerOptions opts)
@@ -93,7 +94,6 @@ void Server::stop(bool flush) {
 
 bool Server::admit(const std::string& address) {
   const auto now = Clock::now();
-  if (auto f = failures_.find(address); f != failures_.end() && now < f->second.blocked_until) return false;
   if (sessions_.size() >= opts_.max_connections) {
     log(fmt::format("refused a connection from {}: {} connections open (max)", address, sessions_.size()));
     return false;
@@ -156,12 +156,13 @@ void Server::auth_failed(const std::string& address) {
   }
   auto& f = failures_[address];
   ++f.count;
-  // 100 ms after the first failure, doubling up to 30 s: guessing stays slow.
+  // The next challenge to this address waits 100 ms after the first failure, doubling up
+  // to 5 s: guessing stays slow, and an agent sharing the address is delayed, not refused.
   const auto block = std::min<std::chrono::milliseconds>(
       std::chrono::milliseconds(100L << std::min(f.count - 1, 16)), kMaxBlock);
   f.blocked_until = Clock::now() + block;
   if (f.count >= 3)
-    log(fmt::format("{}: {} authentication failures; its connections are refused for {} ms", address, f.count,
+    log(fmt::format("{}: {} authentication failures; its next challenge waits {} ms", address, f.count,
                     block.count()));
 }
 
@@ -180,11 +181,22 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     s->phase = Session::Phase::kAuth;
     s->key = auth::job_key(opts_.token, s->job);
     s->server_nonce = auth::random_hex(32);
-    s->conn->send(proto::to_frame(
-        proto::Challenge{s->server_nonce, auth::server_proof(s->key, s->client_nonce, s->server_nonce)}));
+    auto challenge = proto::to_frame(
+        proto::Challenge{s->server_nonce, auth::server_proof(s->key, s->client_nonce, s->server_nonce)});
+    auto f = failures_.find(s->address);
+    if (f == failures_.end() || Clock::now() >= f->second.blocked_until) {
+      s->conn->send(challenge);
+      return;
+    }
+    s->delay = std::make_unique<asio::steady_timer>(io_, f->second.blocked_until);
+    std::weak_ptr<Session> weak = s;
+    s->delay->async_wait([weak, challenge](boost::system::error_code ec) {
+      if (auto s = weak.lock(); s && !ec) s->conn->send(challenge);
+    });
     return;
   }
   auto a = proto::from_frame<proto::Auth>(f);
+  if (s->delay) s->delay.reset();  // an Auth before its challenge is simply wrong
   if (!auth::equal_ct(a.mac, auth::client_proof(s->key, s->client_nonce, s->server_nonce))) {
     auth_failed(s->address);
     throw proto::ProtocolError(fmt::format("authentication failed for job '{}': wrong rendezvous token", s->job));
@@ -254,6 +266,7 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
 
 void Server::on_close(const std::shared_ptr<Session>& s, const std::string& why) {
   sessions_.erase(s->id);
+  s->delay.reset();
   if (auto it = per_address_.find(s->address); it != per_address_.end() && --it->second == 0) per_address_.erase(it);
   if (stopped_) return;
   if (s->phase == Session::Phase::kAuth && why == "connection closed by peer")

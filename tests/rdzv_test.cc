@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/proc.h"
+#include "support/rdzv_fixture.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -29,37 +30,6 @@ int free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   ::close(fd);
   return ntohs(a.sin_port);
-}
-
-struct Daemon {
-  Proc proc;
-  std::string endpoint;
-};
-
-Daemon start_daemon(std::map<std::string, std::string> env = {}, std::vector<std::string> flags = {}) {
-  std::vector<std::string> argv{kRdzvDaemon, "--listen", "127.0.0.1:0"};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  Daemon d{spawn(argv, env), ""};
-  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
-  auto line = split_lines(d.proc.out()).at(0);
-  REQUIRE(line.rfind("listening on ", 0) == 0);
-  d.endpoint = line.substr(13);
-  return d;
-}
-
-std::vector<std::string> agent_argv(const std::string& endpoint, const std::string& job, int index, std::string nnodes,
-                                    int nproc, std::vector<std::string> flags, std::vector<std::string> worker) {
-  std::vector<std::string> argv{kMglaunch,
-                                "--nnodes=" + nnodes,
-                                "--nproc_per_node=" + std::to_string(nproc),
-                                "--rdzv_backend=c10d",
-                                "--rdzv_endpoint=" + endpoint,
-                                "--rdzv_id=" + job,
-                                "--local_addr=127.0.0." + std::to_string(index)};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kFakeWorker);
-  argv.insert(argv.end(), worker.begin(), worker.end());
-  return argv;
 }
 
 int count_of_up(const std::string& out) {

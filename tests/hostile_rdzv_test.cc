@@ -1,0 +1,404 @@
+// The rendezvous daemon under attack, with a small hostile client of our own (blocking
+// sockets, every read bounded by a timeout). Each case checks three things: the daemon
+// still runs, a real 2-agent job that waits on it through the attack completes, and the
+// bad connection is closed (or refused) within a bound.
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <optional>
+
+#include "proto/messages.h"
+#include "rendezvous/auth.h"
+#include "support/proc.h"
+#include "support/rdzv_fixture.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+namespace proto = mg::proto;
+namespace auth = mg::rdzv::auth;
+
+namespace {
+
+const std::string kToken = "hostile-test-token";
+
+class RawPeer {
+ public:
+  // Connects to 127.0.0.1:port from `source` (127.0.0.x), or fails the test.
+  explicit RawPeer(int port, const std::string& source = "127.0.0.1") {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in src{};
+    src.sin_family = AF_INET;
+    ::inet_pton(AF_INET, source.c_str(), &src.sin_addr);
+    REQUIRE(::bind(fd_, reinterpret_cast<sockaddr*>(&src), sizeof src) == 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  }
+  ~RawPeer() { ::close(fd_); }
+  RawPeer(const RawPeer&) = delete;
+
+  // Sends raw bytes; false when the daemon already closed the connection.
+  bool send_bytes(const std::vector<std::uint8_t>& bytes) {
+    std::size_t off = 0;
+    while (off < bytes.size()) {
+      ssize_t n = ::send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      off += static_cast<std::size_t>(n);
+    }
+    return true;
+  }
+  std::vector<std::uint8_t> encoded(const proto::Frame& f) {
+    auto bytes = proto::encode(f, 1 << 26, mac_out_ ? auth::kFrameMacBytes : 0);
+    if (mac_out_) mac_out_->sign(bytes);
+    return bytes;
+  }
+  bool send(const proto::Frame& f) { return send_bytes(encoded(f)); }
+
+  // The next frame, or nullopt on close, timeout or a bad frame.
+  std::optional<proto::Frame> read(std::chrono::milliseconds timeout = 10s) {
+    std::vector<std::uint8_t> buf(4);
+    if (!read_exact(buf.data(), 4, timeout)) return std::nullopt;
+    const std::size_t len = (std::size_t{buf[0]} << 24) | (buf[1] << 16) | (buf[2] << 8) | buf[3];
+    if (len > (1 << 22)) return std::nullopt;
+    buf.resize(4 + len);
+    if (!read_exact(buf.data() + 4, len, timeout)) return std::nullopt;
+    if (mac_in_ && !mac_in_->verify(buf)) return std::nullopt;
+    auto r = proto::decode(buf, 1 << 22, mac_in_ ? auth::kFrameMacBytes : 0);
+    if (r.status != proto::DecodeResult::Status::kOk) return std::nullopt;
+    return r.frame;
+  }
+
+  // True when the daemon closes the connection within `timeout` (frames before the close,
+  // such as an Error, are read and kept in `last`).
+  bool closed_within(std::chrono::milliseconds timeout) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    char c[4096];
+    while (std::chrono::steady_clock::now() < end) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      ssize_t n = ::recv(fd_, c, sizeof c, 0);
+      if (n <= 0) return true;
+      received_.append(c, static_cast<std::size_t>(n));
+    }
+    return false;
+  }
+  const std::string& received() const { return received_; }
+
+  // Hello -> (Challenge -> Auth) -> Welcome for `job`, with the job key derived from
+  // `token`; from then on frames are signed and checked. False if refused.
+  bool handshake(const std::string& job, const std::string& token = kToken) {
+    const std::string cn = auth::random_hex(32);
+    if (!send(proto::to_frame(proto::Hello{"hostile", job, cn}))) return false;
+    auto f = read();
+    if (!f) return false;
+    if (proto::type_of(*f) == proto::MsgType::kWelcome) return true;
+    if (proto::type_of(*f) != proto::MsgType::kChallenge) return false;
+    auto c = proto::from_frame<proto::Challenge>(*f);
+    const std::string key = auth::job_key(token, job);
+    if (!send(proto::to_frame(proto::Auth{auth::client_proof(key, cn, c.nonce)}))) return false;
+    const std::string session = auth::session_key(key, cn, c.nonce);
+    mac_out_.emplace(session, 'c');
+    f = read();
+    if (!f || proto::type_of(*f) != proto::MsgType::kWelcome) return false;
+    mac_in_.emplace(session, 's');
+    return true;
+  }
+
+ private:
+  bool read_exact(std::uint8_t* p, std::size_t n, std::chrono::milliseconds timeout) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (n > 0) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      pollfd pfd{fd_, POLLIN, 0};
+      if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return false;
+      ssize_t got = ::recv(fd_, p, n, 0);
+      if (got <= 0) return false;
+      p += got;
+      n -= static_cast<std::size_t>(got);
+    }
+    return true;
+  }
+  int fd_ = -1;
+  std::optional<auth::FrameMac> mac_out_, mac_in_;
+  std::string received_;
+};
+
+proto::Join join_for(const std::string& job) {
+  proto::Join j;
+  j.job_id = job;
+  j.agent_id = "hostile:1";
+  j.host = "hostile";
+  j.addr = "127.0.0.9";
+  j.min_nodes = j.max_nodes = 2;
+  return j;
+}
+
+// A frame around raw CBOR bytes.
+std::vector<std::uint8_t> raw_frame(std::uint8_t type, const std::vector<std::uint8_t>& cbor) {
+  const std::size_t len = cbor.size() + 2;
+  std::vector<std::uint8_t> out{static_cast<std::uint8_t>(len >> 24), static_cast<std::uint8_t>(len >> 16),
+                                static_cast<std::uint8_t>(len >> 8), static_cast<std::uint8_t>(len),
+                                proto::kProtocolVersion, type};
+  out.insert(out.end(), cbor.begin(), cbor.end());
+  return out;
+}
+
+// The daemon with a token, and a real job "real" of two agents: the first starts now and
+// waits through the attack; finish() starts the second and checks that both succeed and
+// that the daemon is still alive.
+struct Scene {
+  Daemon daemon;
+  Proc first;
+  explicit Scene(std::vector<std::string> flags = {})
+      : daemon(start_daemon({{"MGLAUNCH_RDZV_TOKEN", kToken}}, std::move(flags))),
+        first(spawn(agent_argv(daemon.endpoint, "real", 1, "2", 1, {}, {"env"}), {{"MGLAUNCH_RDZV_TOKEN", kToken}})) {
+    REQUIRE(eventually([&] { return daemon.proc.err().find("job 'real' created") != std::string::npos; }, 20s));
+  }
+  void finish() {
+    Proc second = spawn(agent_argv(daemon.endpoint, "real", 2, "2", 1, {}, {"env"}), {{"MGLAUNCH_RDZV_TOKEN", kToken}});
+    REQUIRE(first.wait(30s));
+    REQUIRE(second.wait(30s));
+    INFO(first.err() << second.err() << daemon.proc.err());
+    CHECK(first.exit_code() == 0);
+    CHECK(second.exit_code() == 0);
+    CHECK_THAT(first.out(), Catch::Contains("\"RANK\":\"0\"") || Catch::Contains("\"RANK\":\"1\""));
+    CHECK(pid_alive(daemon.proc.pid));
+  }
+  ~Scene() {
+    ::kill(daemon.proc.pid, SIGTERM);
+    daemon.proc.wait(5s);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a Hello of CBOR arrays nested 300,000 deep closes that connection and nothing else") {
+  Scene scene;
+  std::vector<std::uint8_t> deep(300000, 0x81);
+  deep.push_back(0x00);
+  RawPeer huge(scene.daemon.port());
+  huge.send_bytes(raw_frame(1, deep));
+  CHECK(huge.closed_within(5s));
+  std::vector<std::uint8_t> small_deep(4000, 0x81);  // within the handshake frame limit
+  small_deep.push_back(0x00);
+  RawPeer nested(scene.daemon.port());
+  nested.send_bytes(raw_frame(1, small_deep));
+  CHECK(nested.closed_within(5s));
+  scene.finish();
+  CHECK_THAT(scene.daemon.proc.err(), Catch::Contains("exceeds the limit of 4096") && Catch::Contains("nested deeper"));
+}
+
+TEST_CASE("joins with absurd fields are refused with a reason and closed, and the daemon lives") {
+  Scene scene;
+  // reason "": the frame is over the daemon's frame limit and is closed without a reply.
+  auto attack = [&](nlohmann::json field, const std::string& reason) {
+    INFO(field.dump().substr(0, 80));
+    RawPeer p(scene.daemon.port());
+    REQUIRE(p.handshake("evil"));
+    proto::Frame f = proto::to_frame(join_for("evil"));
+    for (auto& [k, v] : field.items()) f.payload[k] = v;
+    p.send(f);
+    if (!reason.empty()) {
+      auto reply = p.read(5s);
+      REQUIRE(reply);
+      CHECK(proto::type_of(*reply) == proto::MsgType::kError);
+      CHECK_THAT(proto::from_frame<proto::Error>(*reply).message, Catch::Contains(reason));
+    }
+    CHECK(p.closed_within(5s));
+  };
+  attack({{"max_nodes", -1}}, "max_nodes = -1");
+  attack({{"max_nodes", 18446744073709551615ULL}}, "32 bits");
+  attack({{"addr", std::string(600000, 'a')}}, "addr is 600000 bytes");
+  attack({{"min_nodes", 0}, {"max_nodes", 0}}, "min_nodes = 0");
+  attack({{"min_nodes", 3}, {"max_nodes", 2}}, "min_nodes 3 > max_nodes 2");
+  attack({{"job_id", std::string(900000, 'j')}}, "job_id is 900000 bytes");
+  attack({{"job_id", std::string(1 << 20, 'j')}}, "");
+  attack({{"nproc", -4}}, "nproc = -4");
+  attack({{"last_call_ms", 1e300}}, "not an integer");
+  attack({{"job_id", "real"}}, "opened for job 'evil', not 'real'");
+  scene.finish();
+}
+
+TEST_CASE("a frame cut mid-way, or a handshake never followed by a join, is closed at its deadline") {
+  Scene scene({"--frame-timeout", "0.5", "--handshake-timeout", "2"});
+  RawPeer cut(scene.daemon.port());
+  REQUIRE(cut.handshake("evil"));
+  auto bytes = cut.encoded(proto::to_frame(join_for("evil")));
+  bytes.resize(bytes.size() / 2);
+  cut.send_bytes(bytes);
+  CHECK(cut.closed_within(10s));
+  RawPeer idle(scene.daemon.port());  // handshake done, never joins
+  REQUIRE(idle.handshake("evil"));
+  CHECK(idle.closed_within(20s));
+  scene.finish();
+  CHECK_THAT(scene.daemon.proc.err(), Catch::Contains("a frame was not completed within 500 ms") &&
+                                          Catch::Contains("no join within 2000 ms of the handshake"));
+}
+
+TEST_CASE("forged, altered and replayed frames after the handshake close the connection") {
+  Scene scene;
+  {
+    RawPeer replay(scene.daemon.port());
+    REQUIRE(replay.handshake("evil"));
+    auto hb = replay.encoded(proto::to_frame(join_for("evil")));
+    replay.send_bytes(hb);
+    replay.send_bytes(hb);  // the same signed bytes again
+    CHECK(replay.closed_within(5s));
+  }
+  {
+    RawPeer altered(scene.daemon.port());
+    REQUIRE(altered.handshake("evil"));
+    auto bytes = altered.encoded(proto::to_frame(join_for("evil")));
+    bytes[10] ^= 1;
+    altered.send_bytes(bytes);
+    CHECK(altered.closed_within(5s));
+  }
+  {
+    RawPeer unsigned_frames(scene.daemon.port());
+    REQUIRE(unsigned_frames.handshake("evil"));
+    unsigned_frames.send_bytes(proto::encode(proto::to_frame(join_for("evil"))));
+    CHECK(unsigned_frames.closed_within(5s));
+  }
+  scene.finish();
+  CHECK_THAT(scene.daemon.proc.err(), Catch::Contains("bad MAC"));
+}
+
+TEST_CASE("one job's key opens no other job, and a forged done cannot end a waiting job") {
+  Scene scene;
+  // The key of job "other" (what its agents hold) does not authenticate for job "real".
+  const std::string other_key = auth::job_key(kToken, "other");
+  RawPeer outsider(scene.daemon.port());
+  const std::string cn = auth::random_hex(32);
+  outsider.send(proto::to_frame(proto::Hello{"x", "real", cn}));
+  auto ch = outsider.read();
+  REQUIRE(ch);
+  auto c = proto::from_frame<proto::Challenge>(*ch);
+  CHECK_FALSE(auth::equal_ct(c.proof, auth::server_proof(other_key, cn, c.nonce)));
+  outsider.send(proto::to_frame(proto::Auth{auth::client_proof(other_key, cn, c.nonce)}));
+  auto refused = outsider.read(5s);
+  REQUIRE(refused);
+  CHECK(proto::type_of(*refused) == proto::MsgType::kError);
+  CHECK(outsider.closed_within(5s));
+  // Even with the job's own key, a resume claiming "done" cannot end a job whose nodes wait.
+  RawPeer insider(scene.daemon.port());
+  REQUIRE(insider.handshake("real"));
+  auto j = join_for("real");
+  j.resume_round = 1;
+  j.resume_group_rank = 0;
+  j.resume_group_world_size = 1;
+  j.resume_done = true;
+  insider.send(proto::to_frame(j));
+  auto reply = insider.read(5s);
+  REQUIRE(reply);
+  CHECK_THAT(proto::from_frame<proto::Error>(*reply).message, Catch::Contains("re-registration refused"));
+  scene.finish();
+  CHECK_THAT(scene.first.out(), Catch::Contains("WORLD_SIZE"));  // its worker really ran
+}
+
+TEST_CASE("authentication failures are slowed down per address, other addresses are served") {
+  Scene scene;
+  // Each failure doubles the wait for that address's next challenge (100 ms .. 5 s).
+  for (int i = 0; i < 7; ++i) {
+    RawPeer guess(scene.daemon.port(), "127.0.0.7");
+    if (guess.handshake("real", "a wrong token")) FAIL("a wrong token was accepted");
+  }
+  RawPeer slowed(scene.daemon.port(), "127.0.0.7");
+  REQUIRE(slowed.send(proto::to_frame(proto::Hello{"x", "real", auth::random_hex(32)})));
+  CHECK_FALSE(slowed.read(1s).has_value());  // the challenge waits for the 5 s block
+  RawPeer other(scene.daemon.port(), "127.0.0.8");
+  CHECK(other.handshake("evil"));  // at once
+  CHECK(slowed.read(20s).has_value());  // then it comes: the address is slowed, not locked out
+  scene.finish();
+  CHECK_THAT(scene.daemon.proc.err(), Catch::Contains("127.0.0.7: 7 authentication failures"));
+}
+
+TEST_CASE("one address cannot take every connection") {
+  Scene scene({"--max-connections-per-address", "3"});
+  std::vector<std::unique_ptr<RawPeer>> hog;
+  for (int i = 0; i < 3; ++i) hog.push_back(std::make_unique<RawPeer>(scene.daemon.port(), "127.0.0.6"));
+  RawPeer fourth(scene.daemon.port(), "127.0.0.6");
+  CHECK(fourth.closed_within(5s));
+  scene.finish();  // the agents connect from 127.0.0.1
+  CHECK_THAT(scene.daemon.proc.err(), Catch::Contains("(max per address)"));
+}
+
+TEST_CASE("half-sent large frames cannot take the daemon's memory") {
+  Scene scene({"--max-memory", "16", "--max-connections-per-address", "1000"});
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  int closed = 0;
+  for (int i = 0; i < 40; ++i) {
+    auto p = std::make_unique<RawPeer>(scene.daemon.port());
+    if (!p->handshake("evil")) {
+      ++closed;  // refused at the door: the limit is reached
+      continue;
+    }
+    auto bytes = p->encoded(proto::to_frame(join_for("evil")));
+    std::vector<std::uint8_t> head{0x00, 0x0f, 0xff, 0xf0, proto::kProtocolVersion, 5};  // announces ~1 MB
+    head.resize(64 * 1024, 0x41);
+    p->send_bytes(head);
+    peers.push_back(std::move(p));
+  }
+  int dropped = 0;
+  for (auto& p : peers) dropped += p->closed_within(100ms);
+  CHECK(closed + dropped > 0);  // 40 MB were announced against a 16 MiB limit
+  std::string status = read_file("/proc/" + std::to_string(scene.daemon.proc.pid) + "/status");
+  auto rss = status.find("VmRSS:");
+  REQUIRE(rss != std::string::npos);
+  CHECK(std::stol(status.substr(rss + 6)) < 64 * 1024);  // kB: the limit plus the program itself
+  peers.clear();
+  scene.finish();
+  CHECK_THAT(scene.daemon.proc.err(), Catch::Contains("memory limit"));
+}
+
+TEST_CASE("an agent with a token refuses a daemon without one, and join_timeout covers a daemon that never answers") {
+  Daemon open_daemon = start_daemon();
+  auto r = run(agent_argv(open_daemon.endpoint, "j", 1, "2", 1, {}, {"print", "ran"}), {{"MGLAUNCH_RDZV_TOKEN", kToken}},
+               30s);
+  CHECK(r.code == 3);
+  CHECK_THAT(r.err, Catch::Contains("refusing an unauthenticated server"));
+  CHECK(r.out.find("ran") == std::string::npos);
+  ::kill(open_daemon.proc.pid, SIGSTOP);
+  auto stopped = run(agent_argv(open_daemon.endpoint, "j", 1, "2", 1, {"--rdzv_conf=join_timeout=2"}, {"print", "ran"}),
+                     {}, 60s);
+  ::kill(open_daemon.proc.pid, SIGCONT);
+  CHECK(stopped.code == 3);
+  CHECK_THAT(stopped.err, Catch::Contains("does not answer the handshake") || Catch::Contains("within join_timeout"));
+  ::kill(open_daemon.proc.pid, SIGTERM);
+  open_daemon.proc.wait(5s);
+}
+
+TEST_CASE("at a low descriptor limit the daemon refuses extra connections instead of spinning on accept") {
+  // A hard limit of 64 descriptors: --max-connections 1000 cannot be honoured.
+  Daemon d{spawn({"/bin/sh", "-c", "ulimit -n 64 && exec \"$0\" \"$@\"", kRdzvDaemon, "--listen", "127.0.0.1:0",
+                  "--max-connections", "1000", "--max-connections-per-address", "1000"},
+                 {{"MGLAUNCH_RDZV_TOKEN", kToken}}),
+           ""};
+  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
+  d.endpoint = split_lines(d.proc.out()).at(0).substr(13);
+  CHECK_THAT(d.proc.err(), Catch::Contains("max connections lowered from 1000"));
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  for (int i = 0; i < 80; ++i) peers.push_back(std::make_unique<RawPeer>(d.port(), "127.0.0.5"));
+  int refused = 0;
+  for (auto& p : peers) refused += p->closed_within(20ms);
+  CHECK(refused >= 16);
+  // The daemon is not stuck on its own descriptors: a real job still runs once they go.
+  peers.clear();
+  Proc a = spawn(agent_argv(d.endpoint, "low", 1, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", kToken}});
+  Proc b = spawn(agent_argv(d.endpoint, "low", 2, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", kToken}});
+  REQUIRE(a.wait(30s));
+  REQUIRE(b.wait(30s));
+  CHECK(a.exit_code() == 0);
+  CHECK(b.exit_code() == 0);
+  ::kill(d.proc.pid, SIGTERM);
+  REQUIRE(d.proc.wait(5s));
+  CHECK(d.proc.exit_code() == 0);
+}

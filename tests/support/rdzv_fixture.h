@@ -1,0 +1,49 @@
+// Shared by the rendezvous tests: a real mglaunch-rdzv started on 127.0.0.1:0 (its port
+// read from its first line) and the argv of an agent joining it as node 127.0.0.N.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "support/proc.h"
+
+namespace mgtest {
+
+struct Daemon {
+  Proc proc;
+  std::string endpoint;
+  int port() const { return std::stoi(endpoint.substr(endpoint.rfind(':') + 1)); }
+};
+
+inline Daemon start_daemon(std::map<std::string, std::string> env = {}, std::vector<std::string> flags = {}) {
+  using namespace std::chrono_literals;
+  std::vector<std::string> argv{kRdzvDaemon, "--listen", "127.0.0.1:0"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  Daemon d{spawn(argv, env), ""};
+  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
+  auto line = split_lines(d.proc.out()).at(0);
+  REQUIRE(line.rfind("listening on ", 0) == 0);
+  d.endpoint = line.substr(13);
+  return d;
+}
+
+inline std::vector<std::string> agent_argv(const std::string& endpoint, const std::string& job, int index,
+                                           std::string nnodes, int nproc, std::vector<std::string> flags,
+                                           std::vector<std::string> worker) {
+  std::vector<std::string> argv{kMglaunch,
+                                "--nnodes=" + nnodes,
+                                "--nproc_per_node=" + std::to_string(nproc),
+                                "--rdzv_backend=c10d",
+                                "--rdzv_endpoint=" + endpoint,
+                                "--rdzv_id=" + job,
+                                "--local_addr=127.0.0." + std::to_string(index)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(kFakeWorker);
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  return argv;
+}
+
+}  // namespace mgtest

@@ -82,6 +82,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       grace_timer_(io) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
+  base_env_.erase("MGLAUNCH_RDZV_JOB_TOKEN");
 }
 
 Agent::~Agent() {
@@ -148,6 +149,7 @@ void Agent::start_rendezvous() {
       so.host = ep.host;
       so.port = ep.port;
       so.token = opts_.rdzv_token;
+      if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
       embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
       notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
     } catch (const std::exception&) {
@@ -180,6 +182,7 @@ void Agent::start_rendezvous() {
   co.host = ep.host;
   co.port = ep.port;
   co.token = opts_.rdzv_token;
+  co.job_token = opts_.rdzv_job_token;
   co.join = j;
   client_ = std::make_unique<rdzv::Client>(io_, std::move(co), std::move(h));
   client_->start();

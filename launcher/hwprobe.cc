@@ -233,6 +233,12 @@ using nvmlDevice_t = void*;
 struct NvmlMemory {
   unsigned long long total, free, used;
 };
+// nvmlMemory_v2_t: `used` without the driver's reserved memory, as nvidia-smi shows it.
+struct NvmlMemoryV2 {
+  unsigned int version;
+  unsigned long long total, reserved, free, used;
+};
+constexpr unsigned int kNvmlMemoryV2Version = static_cast<unsigned int>(sizeof(NvmlMemoryV2)) | (2u << 24);
 struct NvmlUtilization {
   unsigned int gpu, memory;
 };
@@ -258,6 +264,7 @@ class NvmlProbe : public GpuProbe {
     auto by_index = reinterpret_cast<nvmlReturn_t (*)(unsigned, nvmlDevice_t*)>(sym("nvmlDeviceGetHandleByIndex_v2"));
     auto name = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, char*, unsigned)>(sym("nvmlDeviceGetName"));
     auto mem = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, NvmlMemory*)>(sym("nvmlDeviceGetMemoryInfo"));
+    auto mem2 = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, NvmlMemoryV2*)>(sym("nvmlDeviceGetMemoryInfo_v2"));
     auto util = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, NvmlUtilization*)>(sym("nvmlDeviceGetUtilizationRates"));
     auto temp = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, int, unsigned*)>(sym("nvmlDeviceGetTemperature"));
     auto power = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, unsigned*)>(sym("nvmlDeviceGetPowerUsage"));
@@ -277,8 +284,13 @@ class NvmlProbe : public GpuProbe {
         g.index = static_cast<int>(i);
         char buf[256] = {};
         if (name && name(d, buf, sizeof(buf) - 1) == 0) g.name = buf;
+        NvmlMemoryV2 m2{};
+        m2.version = kNvmlMemoryV2Version;
         NvmlMemory m{};
-        if (mem && mem(d, &m) == 0) {
+        if (mem2 && mem2(d, &m2) == 0) {
+          g.memory_total = m2.total;
+          g.memory_used = m2.used;
+        } else if (mem && mem(d, &m) == 0) {
           g.memory_total = m.total;
           g.memory_used = m.used;
         }

@@ -505,6 +505,12 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   }
   if (!o.rdzv_conf.empty()) apply_rdzv_conf(o, o.rdzv_conf);
   if (auto it = env.find("MGLAUNCH_RDZV_TOKEN"); it != env.end()) o.rdzv_token = it->second;
+  if (auto it = env.find("MGLAUNCH_RDZV_JOB_TOKEN"); it != env.end()) {
+    o.rdzv_job_token = it->second;
+    if (o.rdzv_job_token.size() != 64 ||
+        o.rdzv_job_token.find_first_not_of("0123456789abcdef") != std::string::npos)
+      throw UsageError("MGLAUNCH_RDZV_JOB_TOKEN must be the 64 hex digits printed by `mglaunch-rdzv --job-token ID`");
+  }
   if (!token_file.empty()) {
     std::ifstream in(token_file);
     if (!in) throw UsageError(fmt::format("--token-file '{}' cannot be read", token_file));

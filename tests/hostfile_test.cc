@@ -48,7 +48,7 @@ TEST_CASE("bad hostfile lines are refused naming the file and line") {
   CHECK_THAT(error_of([] { parse_hostfile("a slots=2 slots=3\n", "f"); }), Catch::Contains("unexpected"));
 }
 
-TEST_CASE("--include keeps only the named hosts and slots, DeepSpeed style") {
+TEST_CASE("including hosts with --include keeps only the named hosts and slots, DeepSpeed style") {
   auto all = parse_hostfile("w0 slots=4\nw1 slots=4\nw2 slots=4\n", "hf");
   auto sel = select_hosts(all, "w2@w0:0,2", "");
   REQUIRE(names(sel) == std::vector<std::string>{"w0", "w2"});  // hostfile order
@@ -58,7 +58,7 @@ TEST_CASE("--include keeps only the named hosts and slots, DeepSpeed style") {
   CHECK(sel[1].workers() == 4);
 }
 
-TEST_CASE("--exclude drops whole hosts or single slots, and hosts left empty") {
+TEST_CASE("excluding with --exclude drops whole hosts or single slots, and hosts left empty") {
   auto all = parse_hostfile("w0 slots=2\nw1 slots=4\nw2 slots=1\n", "hf");
   auto sel = select_hosts(all, "", "w0@w1:1,3@w2:0");
   REQUIRE(names(sel) == std::vector<std::string>{"w1"});
@@ -106,7 +106,7 @@ TEST_CASE("flags the fan-out sets itself are refused with --hostfile") {
   CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile"}); }), Catch::Contains("needs a value"));
 }
 
-TEST_CASE("--hostfile is noticed only before the program") {
+TEST_CASE("a --hostfile flag is noticed only before the program") {
   CHECK(wants_multihost({"mglaunch", "--nproc_per_node", "2", "--hostfile=h", "p"}));
   CHECK(wants_multihost({"mglaunch", "--standalone", "--hostfile", "h", "p"}));
   CHECK_FALSE(wants_multihost({"mglaunch", "--nproc_per_node=2", "p", "--hostfile", "h"}));
@@ -127,13 +127,13 @@ TEST_CASE("shell quoting survives a round trip through sh") {
   }
 }
 
-TEST_CASE("--ssh-opts is split like a shell splits words") {
+TEST_CASE("the --ssh-opts text is split like a shell splits words") {
   CHECK(split_shell_words("  -i ~/k  -o \"A=b c\" x\\ y '' ") ==
         std::vector<std::string>{"-i", "~/k", "-o", "A=b c", "x y", ""});
   CHECK_THAT(error_of([] { split_shell_words("-o 'open"); }), Catch::Contains("unterminated"));
 }
 
-TEST_CASE("--export takes names, NAME=VALUE and globs, never the rendezvous token") {
+TEST_CASE("exporting with --export takes names, NAME=VALUE and globs, never the rendezvous token") {
   EnvMap env{{"NCCL_DEBUG", "INFO"}, {"NCCL_IB_HCA", "mlx5"}, {"HOME", "/root"}, {"MGLAUNCH_RDZV_TOKEN", "s"}};
   auto e = resolve_exports({"NCCL_*", "HOME", "X=1 2", "MGLAUNCH_*"}, env);
   CHECK(e == EnvMap{{"NCCL_DEBUG", "INFO"}, {"NCCL_IB_HCA", "mlx5"}, {"HOME", "/root"}, {"X", "1 2"}});

@@ -148,7 +148,7 @@ TEST_CASE("an unreachable host is one error naming it, and the other host is sto
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
 
-TEST_CASE("--dry-run prints the nodes and the exact ssh command per host and starts nothing") {
+TEST_CASE("a dry run prints the nodes and the exact ssh command per host and starts nothing") {
   const std::string dir = make_temp_dir();
   const std::string hf = write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3\n127.0.0.4 slots=8\n");
   auto r = run({kMglaunch, "--hostfile", hf, "--exclude", "127.0.0.4", "--ssh-opts", "-p 2222", "--export", "A=1",

@@ -149,6 +149,9 @@ void Agent::start_rendezvous() {
       so.host = ep.host;
       so.port = ep.port;
       so.token = opts_.rdzv_token;
+      so.log = [](const std::string& line) {
+        if (line.starts_with("warning:")) notice("rendezvous server: " + line);
+      };
       if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
       embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
       notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));

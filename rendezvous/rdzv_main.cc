@@ -107,10 +107,6 @@ int main(int argc, char** argv) {
   }
   std::printf("listening on %s\n", server->address().c_str());
   std::fflush(stdout);
-  const bool loopback = so.host.starts_with("127.") || so.host == "localhost" || so.host == "::1";
-  if (so.token.empty() && !loopback)
-    so.log(fmt::format("warning: listening on {} without a token: anyone who can reach it can join jobs; "
-                       "use --token-file", so.host));
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](boost::system::error_code, int) { server->stop(); });
   io.run();

@@ -68,6 +68,9 @@ Server::Server(asio::io_context& io, ServerOptions opts)
     }
   }
   if (opts_.max_connections == 0) opts_.max_connections = 1024;  // getrlimit failed
+  if (opts_.token.empty() && opts_.job_tokens.empty() && !addr.is_loopback())
+    log(fmt::format("warning: listening on {} without a token: anyone who can reach it can join and disturb jobs; "
+                    "give it a token (--token-file or MGLAUNCH_RDZV_TOKEN)", address()));
   budget_->limit = opts_.max_memory;
   accept();
   tick();
@@ -177,9 +180,15 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     auto hello = proto::from_frame<proto::Hello>(f);
     s->job = hello.job_id;
     s->client_nonce = hello.nonce;
-    if (opts_.token.empty()) return welcome();
+    if (opts_.token.empty() && opts_.job_tokens.empty()) return welcome();
     s->phase = Session::Phase::kAuth;
-    s->key = auth::job_key(opts_.token, s->job);
+    if (!opts_.token.empty()) {
+      s->key = auth::job_key(opts_.token, s->job);
+    } else if (auto it = opts_.job_tokens.find(s->job); it != opts_.job_tokens.end()) {
+      s->key = it->second;
+    } else {
+      s->key = auth::random_hex(32);  // a job not served here: the proofs fail, nothing is revealed
+    }
     s->server_nonce = auth::random_hex(32);
     auto challenge = proto::to_frame(
         proto::Challenge{s->server_nonce, auth::server_proof(s->key, s->client_nonce, s->server_nonce)});

@@ -25,7 +25,10 @@ namespace mg::rdzv {
 struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 0;
-  std::string token;  // empty: no authentication
+  std::string token;  // the daemon token; empty (and no job_tokens): no authentication
+  // Without a daemon token: the keys of the only jobs served (an agent that holds just its
+  // job's key and hosts the rendezvous).
+  std::map<std::string, std::string> job_tokens;
   std::size_t max_connections = 0;  // 0: what the descriptor limit allows; clamped below it
   std::size_t max_connections_per_address = 256;
   int max_nodes_per_job = 100000;
@@ -42,6 +45,7 @@ struct ServerOptions {
 class Server {
  public:
   // Binds and listens at once; throws std::runtime_error naming the address on failure.
+  // Logs a warning when it listens beyond loopback without authentication.
   // Raises the descriptor soft limit to the hard one and clamps max_connections below it.
   Server(boost::asio::io_context& io, ServerOptions opts);
   ~Server();

@@ -171,6 +171,7 @@ struct Scene {
     CHECK(first.exit_code() == 0);
     CHECK(second.exit_code() == 0);
     CHECK_THAT(first.out(), Catch::Contains("\"RANK\":\"0\"") || Catch::Contains("\"RANK\":\"1\""));
+    CHECK_THAT(first.out(), !Catch::Contains("MGLAUNCH_RDZV"));  // no token reaches a worker
     CHECK(pid_alive(daemon.proc.pid));
   }
   ~Scene() {
@@ -401,4 +402,51 @@ TEST_CASE("at a low descriptor limit the daemon refuses extra connections instea
   ::kill(d.proc.pid, SIGTERM);
   REQUIRE(d.proc.wait(5s));
   CHECK(d.proc.exit_code() == 0);
+}
+
+TEST_CASE("an agent holding only its job's key joins that job and no other") {
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", kToken}});
+  auto key_of = [&](const std::string& job) {
+    auto r = run({kRdzvDaemon, "--job-token", job}, {{"MGLAUNCH_RDZV_TOKEN", kToken}});
+    REQUIRE(r.code == 0);
+    return split_lines(r.out).at(0);
+  };
+  const std::string real_key = key_of("keyed"), other_key = key_of("other");
+  CHECK(real_key.size() == 64);
+  CHECK(real_key != other_key);
+  auto wrong = run(agent_argv(d.endpoint, "keyed", 1, "2", 1, {}, {"print", "ran"}),
+                   {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}, {"MGLAUNCH_RDZV_JOB_TOKEN", other_key}}, 30s);
+  CHECK(wrong.code == 3);
+  CHECK_THAT(wrong.err, Catch::Contains("cannot prove this job's key"));
+  auto bad = run(agent_argv(d.endpoint, "keyed", 1, "2", 1, {}, {"print", "ran"}), {{"MGLAUNCH_RDZV_JOB_TOKEN", "xyz"}}, 30s);
+  CHECK(bad.code == 2);
+  CHECK_THAT(bad.err, Catch::Contains("MGLAUNCH_RDZV_JOB_TOKEN must be the 64 hex digits"));
+  const std::map<std::string, std::string> env{{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}, {"MGLAUNCH_RDZV_JOB_TOKEN", real_key}};
+  Proc a = spawn(agent_argv(d.endpoint, "keyed", 1, "2", 1, {}, {"env"}), env);
+  Proc b = spawn(agent_argv(d.endpoint, "keyed", 2, "2", 1, {}, {"env"}), env);
+  REQUIRE(a.wait(30s));
+  REQUIRE(b.wait(30s));
+  CHECK(a.exit_code() == 0);
+  CHECK(b.exit_code() == 0);
+  CHECK_THAT(a.out() + b.out(), Catch::Contains("WORLD_SIZE") && !Catch::Contains("MGLAUNCH_RDZV"));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}
+
+TEST_CASE("a server without a token warns when it listens beyond loopback") {
+  // In a network namespace of our own (only its loopback exists), 0.0.0.0 reaches nobody
+  // and a fixed port cannot collide with anything.
+  if (run({"unshare", "-n", "true"}).code != 0) {
+    WARN("skipped: cannot create a network namespace here (unshare -n)");
+    return;
+  }
+  auto r = run({"unshare", "-n", "/bin/sh", "-c", "\"$0\" --listen 0.0.0.0:0 & sleep 1; kill $!; wait", kRdzvDaemon}, {},
+               30s);
+  CHECK_THAT(r.err, Catch::Contains("warning: listening on 0.0.0.0") && Catch::Contains("without a token"));
+  auto agent = run({"unshare", "-n", "/bin/sh", "-c",
+                    "ip link set lo up; \"$0\" --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=0.0.0.0:29400 --rdzv_id=w "
+                    "--rdzv_conf=join_timeout=1 \"$1\" print x",
+                    kMglaunch, kFakeWorker},
+                   {}, 30s);
+  CHECK_THAT(agent.err, Catch::Contains("warning: listening on 0.0.0.0"));
 }

@@ -36,7 +36,6 @@ std::string signal_name(int sig) {
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
 }
 
-void notice(const std::string& text) { write_all(STDERR_FILENO, "[mglaunch] " + text + "\n"); }
 
 }  // namespace
 
@@ -76,7 +75,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       opts_(std::move(opts)),
       plan_(std::move(plan)),
       base_env_(std::move(base_env)),
-      console_(STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
+      console_(io, STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
       signals_(io),
       children_(io),
       grace_timer_(io) {
@@ -180,7 +179,7 @@ void Agent::start_rendezvous() {
   h.on_abort = [this](const proto::Abort& a) { on_abort(a); };
   h.on_done = [this] { finish(exit_code::kOk); };
   h.on_lost = [this](const std::string& why) { on_rdzv_lost(why); };
-  h.on_notice = [](const std::string& text) { notice("rendezvous: " + text); };
+  h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
   rdzv::ClientOptions co;
   co.host = ep.host;
   co.port = ep.port;
@@ -243,7 +242,7 @@ void Agent::finish_with_abort() {
   rc.worker.signal = f.signal;
   rc.message = f.message.empty() ? abort_->reason : f.message;
   rc.stderr_tail = f.last_lines;
-  write_all(STDERR_FILENO, format_root_cause(rc, opts_.program));
+  console_.write(1, format_root_cause(rc, opts_.program));
   root_cause_ = rc;
   finish(f.exit_code > 0 ? f.exit_code : exit_code::kInternal);
 }
@@ -431,7 +430,7 @@ void Agent::on_group_stopped() {
     });
     return;
   }
-  write_all(STDERR_FILENO, format_root_cause(*root_cause_, opts_.program));
+  console_.write(1, format_root_cause(*root_cause_, opts_.program));
   finish(w.exit_code);
 }
 
@@ -491,6 +490,8 @@ void Agent::on_signal(int sig) {
   // Between attempts (all workers gone, restart posted) nobody is left to report back.
   if (workers_.empty()) on_group_stopped();
 }
+
+void Agent::notice(const std::string& text) { console_.write(1, "[mglaunch] " + text + "\n"); }
 
 bool Agent::is_live_worker_leader(pid_t pid) const {
   for (const auto* list : {&workers_, &retired_})

@@ -2,21 +2,145 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <ctime>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
 
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
 namespace mg {
 
-void write_all(int fd, std::string_view data) {
+namespace asio = boost::asio;
+
+namespace {
+
+// write_all that says whether everything was written.
+bool write_fully(int fd, std::string_view data) {
   while (!data.empty()) {
     ssize_t n = ::write(fd, data.data(), data.size());
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
+    if (n <= 0) return false;
     data.remove_prefix(static_cast<std::size_t>(n));
   }
+  return true;
+}
+
+// Queue entries are joined into writes of at most this size.
+constexpr std::size_t kMaxWrite = 256 * 1024;
+
+}  // namespace
+
+void write_all(int fd, std::string_view data) { write_fully(fd, data); }
+
+// The asynchronous half. `queued`, `waiting` are shared with the writer threads (atomics);
+// the queues are under their stream's mutex; `waiters` and `guard` belong to the io thread.
+struct Console::Async {
+  struct Stream {
+    int fd = -1;
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::string> q;
+    bool stop = false;
+    std::atomic<std::size_t> queued{0};
+    std::thread thread;
+  };
+
+  Async(asio::io_context& io, int out_fd, int err_fd, std::size_t high_water)
+      : io(io), high(high_water ? high_water : 1), low(high / 4) {
+    streams[0].fd = out_fd;
+    streams[1].fd = err_fd;
+    for (auto& s : streams) s.thread = std::thread([this, &s] { run(s); });
+  }
+
+  ~Async() {
+    for (auto& s : streams) {
+      {
+        std::lock_guard<std::mutex> lk(s.m);
+        s.stop = true;
+      }
+      s.cv.notify_one();
+    }
+    for (auto& s : streams) s.thread.join();  // after writing what was queued
+  }
+
+  void push(int stream, std::string data) {
+    if (data.empty()) return;
+    auto& s = streams[stream];
+    s.queued += data.size();
+    {
+      std::lock_guard<std::mutex> lk(s.m);
+      s.q.push_back(std::move(data));
+    }
+    s.cv.notify_one();
+  }
+
+  bool above(std::size_t limit) const {
+    return streams[0].queued.load() > limit || streams[1].queued.load() > limit;
+  }
+
+  // Writer thread of one stream: blocking writes, whole queue entries.
+  void run(Stream& s) {
+    bool failed = false;  // a closed console: keep draining the queue, write nothing
+    for (;;) {
+      std::string chunk;
+      {
+        std::unique_lock<std::mutex> lk(s.m);
+        s.cv.wait(lk, [&] { return s.stop || !s.q.empty(); });
+        if (s.q.empty()) return;
+        chunk = std::move(s.q.front());
+        s.q.pop_front();
+        while (!s.q.empty() && chunk.size() + s.q.front().size() <= kMaxWrite) {
+          chunk += s.q.front();
+          s.q.pop_front();
+        }
+      }
+      if (!failed) failed = !write_fully(s.fd, chunk);
+      s.queued -= chunk.size();
+      if (waiting.load() && !above(low)) asio::post(io, [this] { resume(); });
+    }
+  }
+
+  void when_uncongested(std::function<void()> f) {
+    waiters.push_back(std::move(f));
+    if (!guard) guard.emplace(io.get_executor());  // paused readers are no reason to stop
+    waiting = true;
+    if (!above(low)) asio::post(io, [this] { resume(); });  // drained meanwhile
+  }
+
+  // io thread: runs the paused readers once the queues are low.
+  void resume() {
+    if (waiters.empty() || above(low)) return;
+    auto ready = std::move(waiters);
+    waiters.clear();
+    waiting = false;
+    guard.reset();
+    for (auto& f : ready) f();
+  }
+
+  asio::io_context& io;
+  const std::size_t high, low;
+  Stream streams[2];
+  std::atomic<bool> waiting{false};
+  std::vector<std::function<void()>> waiters;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard;
+};
+
+Console::Console(int out_fd, int err_fd, bool timestamps) : fds_{out_fd, err_fd}, timestamps_(timestamps) {}
+
+Console::Console(asio::io_context& io, int out_fd, int err_fd, bool timestamps, std::size_t high_water)
+    : fds_{out_fd, err_fd}, timestamps_(timestamps), async_(std::make_unique<Async>(io, out_fd, err_fd, high_water)) {}
+
+Console::~Console() {
+  flush();
+  async_.reset();  // blocks until the queues are written
 }
 
 void Console::begin_batch() {
@@ -43,9 +167,32 @@ void Console::line(int stream, std::string_view prefix, std::string_view text, b
 void Console::flush() {
   for (int s = 0; s < 2; ++s) {
     if (buf_[s].empty()) continue;
-    write_all(fds_[s], buf_[s]);
+    if (async_) {
+      async_->push(s, std::move(buf_[s]));
+    } else {
+      write_all(fds_[s], buf_[s]);
+    }
     buf_[s].clear();
   }
+}
+
+void Console::write(int stream, std::string_view text) {
+  flush();
+  if (async_) {
+    async_->push(stream, std::string(text));
+  } else {
+    write_all(fds_[stream], text);
+  }
+}
+
+bool Console::congested() const { return async_ && async_->above(async_->high); }
+
+void Console::when_uncongested(std::function<void()> resume) {
+  if (!async_) {
+    resume();
+    return;
+  }
+  async_->when_uncongested(std::move(resume));
 }
 
 }  // namespace mg

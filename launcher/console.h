@@ -1,31 +1,67 @@
-// Console: the agent's single writer of relayed worker lines. Lines are appended to one
-// buffer per stream and written with whole-buffer write() calls, so a line is never split
-// or interleaved with another worker's. Owned by the agent; single-threaded.
+// Console: the single writer of relayed worker lines and the agent's own notices. Lines
+// are appended to one buffer per stream and handed on as whole buffers, so a line is
+// never split or interleaved with another worker's.
+//
+// Two modes:
+//  - synchronous (out_fd, err_fd, timestamps): flush() writes with blocking write() calls;
+//    for callers without an event loop to protect.
+//  - asynchronous (io, out_fd, err_fd, timestamps): flush() and write() only queue; one
+//    writer thread per stream does the blocking write() calls, so a stalled stdout (a
+//    paused terminal, a slow pipe reader) never stops the event loop (heartbeats,
+//    signals, exits). The queue is bounded by back-pressure: above `high_water` bytes
+//    queued on a stream congested() is true and the readers of worker pipes are expected
+//    to stop reading and call when_uncongested(); their callbacks run on `io` once every
+//    stream is below a quarter of it. The destructor writes what is queued (blocking, as
+//    a synchronous console would) and joins the writers.
+// Owned by the agent; every member function is called from the io_context's thread.
 #pragma once
 
+#include <cstddef>
+#include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
 
 namespace mg {
 
 class Console {
  public:
-  Console(int out_fd, int err_fd, bool timestamps) : fds_{out_fd, err_fd}, timestamps_(timestamps) {}
+  static constexpr std::size_t kDefaultHighWater = 1 << 20;
+
+  Console(int out_fd, int err_fd, bool timestamps);
+  Console(boost::asio::io_context& io, int out_fd, int err_fd, bool timestamps,
+          std::size_t high_water = kDefaultHighWater);
+  ~Console();
+  Console(const Console&) = delete;
+  Console& operator=(const Console&) = delete;
 
   // stream: 0 stdout, 1 stderr. `prefix` like "[rank3]:". A cut piece gets a marker.
   void line(int stream, std::string_view prefix, std::string_view text, bool cut);
-  // Writes what is buffered; called after each batch of lines from one read.
+  // Writes (or queues) what is buffered; called after each batch of lines from one read.
   void flush();
   // Starts a batch: refreshes the timestamp used by line().
   void begin_batch();
+  // Writes (or queues) `text` as is, after everything before it on that stream.
+  void write(int stream, std::string_view text);
+
+  // Asynchronous mode: too much is queued; stop producing. Always false when synchronous.
+  bool congested() const;
+  // Runs `resume` on the io_context once the console is no longer congested (at once,
+  // posted, if it is not). The io_context keeps running meanwhile.
+  void when_uncongested(std::function<void()> resume);
 
   static constexpr std::string_view kCutMarker = " [mglaunch: line continues]";
 
  private:
+  struct Async;
   int fds_[2];
   bool timestamps_;
   std::string stamp_;
   std::string buf_[2];
+  std::unique_ptr<Async> async_;  // null: synchronous
 };
 
 // Writes all of `data` to fd, retrying on EINTR/partial writes; gives up silently on

@@ -249,6 +249,16 @@ double WorkerProcess::duration_s() const {
 }
 
 void WorkerProcess::read_more(int s) {
+  if (spec_.console[s] && console_.congested()) {
+    // Back-pressure: the worker blocks on its full pipe until the console caught up.
+    paused_[s] = true;
+    console_.when_uncongested([this, s, alive = std::weak_ptr<int>(alive_)] {
+      if (alive.expired()) return;
+      paused_[s] = false;
+      if (impl_->open[s]) read_more(s);
+    });
+    return;
+  }
   impl_->pipes[s].async_read_some(asio::buffer(impl_->bufs[s]), [this, s](bp::error_code ec, std::size_t n) {
     if (n > 0) on_data(s, std::string_view(impl_->bufs[s].data(), n));
     if (ec) {
@@ -293,17 +303,25 @@ void WorkerProcess::on_exit(int status) {
   exited_ = true;
   status_ = status;
   end_ = std::chrono::steady_clock::now();
-  if (impl_->open[0] || impl_->open[1]) {
-    impl_->drain.expires_after(kDrainTimeout);
-    impl_->drain.async_wait([this](bp::error_code ec) {
-      if (ec) return;
-      for (int s = 0; s < 2; ++s) {
-        bp::error_code ignored;
-        if (impl_->open[s]) impl_->pipes[s].cancel(ignored);
-      }
-    });
-  }
+  if (impl_->open[0] || impl_->open[1]) arm_drain();
   maybe_done();
+}
+
+void WorkerProcess::arm_drain() {
+  impl_->drain.expires_after(kDrainTimeout);
+  impl_->drain.async_wait([this](bp::error_code ec) {
+    if (ec) return;
+    // Time spent paused by a congested console does not count: what is in the pipe
+    // is still to be shown.
+    if ((impl_->open[0] && paused_[0]) || (impl_->open[1] && paused_[1])) {
+      arm_drain();
+      return;
+    }
+    for (int s = 0; s < 2; ++s) {
+      bp::error_code ignored;
+      if (impl_->open[s]) impl_->pipes[s].cancel(ignored);
+    }
+  });
 }
 
 void WorkerProcess::maybe_done() {

@@ -89,6 +89,7 @@ class WorkerProcess {
   void on_exit(int status);
   void close_stream(int s);
   void maybe_done();
+  void arm_drain();
 
   boost::asio::io_context& io_;
   WorkerSpec spec_;
@@ -98,6 +99,8 @@ class WorkerProcess {
   pid_t pid_ = -1;
   bool exited_ = false;
   bool done_ = false;
+  bool paused_[2] = {false, false};  // not reading: the console is congested
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // expires with this handle
   int status_ = 0;
   std::string spawn_error_;
   std::deque<std::string> tail_;

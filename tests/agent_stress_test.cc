@@ -3,9 +3,13 @@
 // real fake_worker processes, rendezvous on 127.0.0.x with ports picked at run time.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -104,6 +108,79 @@ struct Leftovers {
   }
 };
 
+struct Daemon {
+  Proc proc;  // killed with its process group if the test ends first
+  std::string endpoint;
+};
+
+Daemon start_daemon() {
+  Daemon d{spawn({kRdzvDaemon, "--listen", "127.0.0.1:0"}), ""};
+  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
+  auto line = split_lines(d.proc.out()).at(0);
+  REQUIRE(line.rfind("listening on ", 0) == 0);
+  d.endpoint = line.substr(13);
+  return d;
+}
+
+// A process whose stdout is a pipe that the test reads only when it chooses to; stderr
+// goes to a file. Its process group is killed if the test ends before it does.
+struct PipedProc {
+  pid_t pid = -1;
+  int out = -1;  // read end
+  std::string err_path;
+  int status = -1;
+  bool exited() { return status != -1 || ::waitpid(pid, &status, WNOHANG) == pid; }
+  std::string err() const { return read_file(err_path); }
+  ~PipedProc() {
+    if (pid > 0 && status == -1) {
+      ::killpg(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    }
+    if (out >= 0) ::close(out);
+  }
+};
+
+std::unique_ptr<PipedProc> spawn_piped(const std::vector<std::string>& argv) {
+  auto p = std::make_unique<PipedProc>();
+  p->err_path = make_temp_dir() + "/stderr";
+  int fds[2];
+  REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  std::vector<char*> cargv;
+  for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    int in = ::open("/dev/null", O_RDONLY);
+    int err = ::open(p->err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(in, 0);
+    ::dup2(fds[1], 1);
+    ::dup2(err, 2);
+    ::execv(cargv[0], cargv.data());
+    ::_exit(126);
+  }
+  ::setpgid(pid, pid);
+  ::close(fds[1]);
+  p->pid = pid;
+  p->out = fds[0];
+  return p;
+}
+
+// Reads fd to its end (at most `timeout`).
+std::string read_to_end(int fd, std::chrono::milliseconds timeout) {
+  std::string data;
+  char buf[65536];
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, 100) <= 0) continue;
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n == 0) break;
+    if (n > 0) data.append(buf, static_cast<std::size_t>(n));
+  }
+  return data;
+}
+
 }  // namespace
 
 TEST_CASE("a worker inherits no descriptor of the agent: only stdin, stdout and stderr") {
@@ -170,10 +247,14 @@ TEST_CASE("a straggler in the worker's group and a daemonised grandchild do not 
     CHECK(left.alive().empty());
   }
   SECTION("after a worker fails") {
-    auto r = run(standalone({"--nproc_per_node=2", "--grace=60"}, with({"when-rank", "1", "exit", "3"})));
+    // Rank 1 leaves both behind and fails; rank 0 is stopped while it hangs.
+    auto cmds = spawn_both;
+    cmds.insert(cmds.begin(), {"when-rank", "1"});
+    cmds.insert(cmds.end(), {"exit", "3"});
+    auto r = run(standalone({"--nproc_per_node=2", "--grace=60"}, cmds));
     INFO(r.err);
     CHECK(r.code == 3);
-    REQUIRE(read_pids(left.pidfile).size() == 4);
+    REQUIRE(read_pids(left.pidfile).size() == 2);
     CHECK(left.alive().empty());
   }
   SECTION("after SIGTERM to the agent") {
@@ -290,4 +371,46 @@ TEST_CASE("a restart after EADDRINUSE on the master port gets a fresh port") {
   auto lines = json_lines(agent.out());
   REQUIRE(lines.size() == 2);
   CHECK(lines[1]["MASTER_PORT"] != lines[0]["MASTER_PORT"]);
+}
+
+TEST_CASE("a stalled stdout does not stop the heartbeats: the 2-node job completes once it is read") {
+  Daemon d = start_daemon();
+  // Heartbeats every 0.5 s, a node is lost after 2 missed ones (1 s).
+  const std::vector<std::string> flags{"--rdzv_conf=keep_alive_interval=0.5,keep_alive_max_attempt=2"};
+  constexpr long kLines = 100000;  // ~5 MB: far more than a pipe and the console's queue hold
+  auto a = spawn_piped(node_argv(d.endpoint, "stall", 1, 2, flags, {"lines", std::to_string(kLines)}));
+  Proc b = spawn(node_argv(d.endpoint, "stall", 2, 2, flags, {"print", "b-done"}));
+  // Node 1's stdout pipe fills up and nobody reads it.
+  REQUIRE(eventually([&] {
+    int queued = 0;
+    return ::ioctl(a->out, FIONREAD, &queued) == 0 && queued >= 65536;
+  }, 30s));
+  REQUIRE(eventually([&] { return b.out().find("b-done") != std::string::npos; }, 30s));
+  // The stall lasts five heartbeat timeouts. An agent whose event loop is blocked in
+  // write() misses its heartbeats: the job is aborted and node 2 exits early.
+  const bool b_ended_during_stall = eventually([&] { return ::waitpid(b.pid, &b.status, WNOHANG) == b.pid; }, 5s);
+  INFO(b.err());
+  CHECK_FALSE(b_ended_during_stall);
+  CHECK_FALSE(a->exited());
+  // Now read: every line arrives, whole and in order, and both nodes succeed.
+  const std::string out = read_to_end(a->out, 120s);
+  REQUIRE(eventually([&] { return a->exited(); }, 30s));
+  INFO(a->err());
+  CHECK(WIFEXITED(a->status));
+  CHECK(WEXITSTATUS(a->status) == 0);
+  REQUIRE(b.wait(30s));
+  CHECK(b.exit_code() == 0);
+  long next = 0, bad = 0;
+  for (const auto& l : split_lines(out)) {
+    // "[rankR]:R:i:abc...789"
+    auto c1 = l.find(':'), c2 = l.find(':', c1 + 1), c3 = l.find(':', c2 + 1);
+    if (c3 == std::string::npos || l.substr(c3 + 1) != "abcdefghijklmnopqrstuvwxyz0123456789" ||
+        l.substr(c2 + 1, c3 - c2 - 1) != std::to_string(next)) {
+      ++bad;
+      continue;
+    }
+    ++next;
+  }
+  CHECK(bad == 0);
+  CHECK(next == kLines);
 }

@@ -148,7 +148,7 @@ void Agent::start_rendezvous() {
       so.host = ep.host;
       so.port = ep.port;
       so.token = opts_.rdzv_token;
-      so.log = [](const std::string& line) {
+      so.log = [this](const std::string& line) {
         if (line.starts_with("warning:")) notice("rendezvous server: " + line);
       };
       if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;

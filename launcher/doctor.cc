@@ -97,6 +97,15 @@ bool virtual_interface(const std::string& name) {
 
 }  // namespace
 
+std::vector<hw::Binding> binding_for(const DoctorInputs& in, int nproc) {
+  std::vector<std::optional<int>> gpu_numa;
+  for (int r = 0; r < nproc && r < static_cast<int>(in.gpus.size()); ++r) gpu_numa.push_back(in.gpus[r].numa_node);
+  std::vector<int> usable = in.cpu.affinity;
+  if (usable.empty())
+    for (int c = 0; c < in.cpu.online; ++c) usable.push_back(c);
+  return hw::plan_binding("cores", nproc, usable, in.numa, gpu_numa);
+}
+
 BatchPlan batch_for_memory(double g, int gpus) {
   BatchPlan b;
   if (g >= 20) b = {16, 4};
@@ -200,14 +209,27 @@ std::vector<Suggestion> suggest(const DoctorInputs& in) {
                              "GPUs = {}",
                              g, n == 4 ? "" : fmt::format(", accumulation rescaled for {} GPUs", n), b.micro_batch,
                              b.grad_accum, n, b.micro_batch * b.grad_accum * n)});
+  }
+  if (nproc > 1 || in.numa.size() > 1) {
     std::set<int> nodes;
     for (const auto& gpu : in.gpus)
       if (gpu.numa_node) nodes.insert(*gpu.numa_node);
-    if (nodes.size() > 1)
-      s.push_back({"binding", "keep each worker on its GPU's NUMA node",
-                   fmt::format("the GPUs sit on {} NUMA nodes; a worker on the far node pays for every host-device "
-                               "copy across the interconnect",
-                               nodes.size())});
+    std::string value;
+    try {
+      auto plan = binding_for(in, nproc);
+      for (std::size_t r = 0; r < plan.size(); ++r)
+        value += (value.empty() ? "" : "; ") + hw::format_binding(static_cast<int>(r), plan[r]);
+    } catch (const std::invalid_argument& e) {
+      value = e.what();
+    }
+    s.push_back({"binding", value,
+                 nodes.size() > 1
+                     ? fmt::format("the GPUs sit on {} NUMA nodes: a worker on the far node pays for every host-device "
+                                   "copy across the interconnect, so each gets disjoint cores on its GPU's node (apply "
+                                   "with taskset/numactl; the agent's --cpu-bind is not wired yet)",
+                                   nodes.size())
+                     : "disjoint cores per worker keep workers from migrating onto each other's caches (apply with "
+                       "taskset/numactl; the agent's --cpu-bind is not wired yet)"});
   }
   if (in.port_error)
     s.push_back({"--master_port", "another port",

@@ -63,6 +63,10 @@ struct BatchPlan {
 // `gpus` other than 4 the accumulation is scaled to keep micro x accum x gpus near 256.
 BatchPlan batch_for_memory(double gib, int gpus);
 
+// The "cores" binding for `nproc` workers on this machine (GPU i's NUMA node for local rank
+// i). Throws std::invalid_argument when the workers cannot get disjoint CPUs.
+std::vector<hw::Binding> binding_for(const DoctorInputs& in, int nproc);
+
 // Seams for gather(): the Python probe runs `python -c 'import torch ...'`.
 struct DoctorProbes {
   const hw::GpuProbe* gpu = nullptr;

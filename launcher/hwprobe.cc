@@ -16,6 +16,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -223,6 +225,99 @@ std::optional<int> pci_numa_node(const std::string& pci_bus_id, const std::strin
   int n = -1;
   if (!t || !to_num(trim(*t), n) || n < 0) return std::nullopt;
   return n;
+}
+
+namespace {
+
+std::vector<int> intersect(const std::vector<int>& a, const std::vector<int>& b) {
+  std::vector<int> out;
+  std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(out));
+  return out;
+}
+
+// Splits `cpus` into `n` contiguous, disjoint, near-equal parts (the first get the extra).
+std::vector<std::vector<int>> split_even(const std::vector<int>& cpus, int n) {
+  std::vector<std::vector<int>> parts(static_cast<std::size_t>(n));
+  const std::size_t base = cpus.size() / static_cast<std::size_t>(n), extra = cpus.size() % static_cast<std::size_t>(n);
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const std::size_t take = base + (i < extra ? 1 : 0);
+    parts[i].assign(cpus.begin() + static_cast<long>(at), cpus.begin() + static_cast<long>(at + take));
+    at += take;
+  }
+  return parts;
+}
+
+}  // namespace
+
+std::vector<Binding> plan_binding(const std::string& policy, int nproc, const std::vector<int>& usable_in,
+                                  const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa) {
+  if (policy != "none" && policy != "cores" && policy != "numa")
+    throw std::invalid_argument(fmt::format("bad --cpu-bind '{}': use none, cores or numa", policy));
+  std::vector<Binding> out(static_cast<std::size_t>(std::max(0, nproc)));
+  if (policy == "none" || nproc <= 0) return out;
+  std::vector<int> usable = usable_in;
+  std::sort(usable.begin(), usable.end());
+  // Nodes with usable CPUs, by id.
+  std::map<int, std::vector<int>> node_cpus;
+  for (const auto& n : numa) {
+    std::vector<int> c = n.cpus;
+    std::sort(c.begin(), c.end());
+    if (auto u = intersect(c, usable); !u.empty()) node_cpus[n.id] = std::move(u);
+  }
+  auto gpu_node = [&](int r) -> std::optional<int> {
+    if (static_cast<std::size_t>(r) < gpu_numa.size() && gpu_numa[r] && node_cpus.count(*gpu_numa[r])) return gpu_numa[r];
+    return std::nullopt;
+  };
+  if (policy == "numa") {
+    if (node_cpus.empty()) throw std::invalid_argument("--cpu-bind=numa: no NUMA node with usable CPUs is known");
+    std::vector<int> ids;
+    for (const auto& [id, c] : node_cpus) ids.push_back(id);
+    for (int r = 0; r < nproc; ++r) {
+      const int node = gpu_node(r).value_or(ids[static_cast<std::size_t>(r) * ids.size() / static_cast<std::size_t>(nproc)]);
+      out[r] = {node_cpus[node], node};
+    }
+    return out;
+  }
+  // cores: ranks whose GPU's node is known share that node's CPUs; the others share the rest.
+  std::map<int, std::vector<int>> ranks_on_node;
+  std::vector<int> unplaced;
+  for (int r = 0; r < nproc; ++r) {
+    if (auto n = gpu_node(r)) ranks_on_node[*n].push_back(r);
+    else unplaced.push_back(r);
+  }
+  std::vector<int> rest = usable;
+  // With unplaced ranks left, placed ones take a fair share from their node, not all of it.
+  const std::size_t share = std::max<std::size_t>(1, usable.size() / static_cast<std::size_t>(nproc));
+  for (const auto& [node, ranks] : ranks_on_node) {
+    std::vector<int> pool = node_cpus[node];
+    if (!unplaced.empty() && pool.size() > share * ranks.size()) pool.resize(share * ranks.size());
+    auto parts = split_even(pool, static_cast<int>(ranks.size()));
+    for (std::size_t i = 0; i < ranks.size(); ++i) out[ranks[i]] = {parts[i], node};
+    std::vector<int> left;
+    std::set_difference(rest.begin(), rest.end(), pool.begin(), pool.end(), std::back_inserter(left));
+    rest = std::move(left);
+  }
+  if (!unplaced.empty()) {
+    auto parts = split_even(rest, static_cast<int>(unplaced.size()));
+    for (std::size_t i = 0; i < unplaced.size(); ++i) {
+      out[unplaced[i]].cpus = parts[i];
+      for (const auto& [id, c] : node_cpus)  // the node, when the set lies within one
+        if (!parts[i].empty() && intersect(parts[i], c).size() == parts[i].size()) out[unplaced[i]].numa_node = id;
+    }
+  }
+  for (int r = 0; r < nproc; ++r)
+    if (out[r].cpus.empty())
+      throw std::invalid_argument(fmt::format("--cpu-bind=cores: {} workers cannot have disjoint CPUs among the {} "
+                                              "usable ({}); use fewer workers or --cpu-bind=numa",
+                                              nproc, usable.size(), format_cpu_list(usable)));
+  return out;
+}
+
+std::string format_binding(int local_rank, const Binding& b) {
+  if (b.cpus.empty()) return fmt::format("local_rank {}: not bound", local_rank);
+  return fmt::format("local_rank {}: cpus {}{}", local_rank, format_cpu_list(b.cpus),
+                     b.numa_node ? fmt::format(" (NUMA node {})", *b.numa_node) : "");
 }
 
 namespace {

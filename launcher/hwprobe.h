@@ -71,6 +71,20 @@ CpuInfo probe_cpus(const std::string& root = "");  // root: prefix for /proc and
 MemInfo probe_memory(const std::string& root = "");
 std::vector<NumaNode> probe_numa(const std::string& root = "");
 
+// CPU binding for `--cpu-bind` (policy "none", "cores" or "numa"), pure: which CPUs each
+// local rank gets. cores: disjoint sets within `usable`, taken from the rank's GPU NUMA
+// node when known (gpu_numa[local_rank]), the rest split evenly; numa: every usable CPU
+// of the rank's node (its GPU's, else nodes dealt out in rank order). none: empty sets.
+// Throws std::invalid_argument naming the policy when it cannot be satisfied.
+struct Binding {
+  std::vector<int> cpus;
+  std::optional<int> numa_node;
+};
+std::vector<Binding> plan_binding(const std::string& policy, int nproc, const std::vector<int>& usable,
+                                  const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa);
+// One line per rank: "local_rank 0: cpus 0-3 (NUMA node 0)".
+std::string format_binding(int local_rank, const Binding& b);
+
 struct NetIf {
   std::string name;
   std::string address;  // IPv4 or IPv6 text

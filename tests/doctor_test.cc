@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "launcher/doctor.h"
 #include "launcher/hwprobe.h"
@@ -163,6 +164,8 @@ TEST_CASE("an 8-GPU box with 2 NUMA nodes gets 8 workers, its batch plan and a b
   CHECK_THAT(find(s, "batch")->value, Catch::StartsWith("16 x 2"));
   REQUIRE(find(s, "binding"));
   CHECK_THAT(find(s, "binding")->reason, Catch::Contains("2 NUMA nodes"));
+  CHECK_THAT(find(s, "binding")->value, Catch::StartsWith("local_rank 0: cpus 0-1 (NUMA node 0); local_rank 1: cpus 2-3") &&
+                                            Catch::Contains("local_rank 4: cpus 8-9 (NUMA node 1)"));
   REQUIRE(find(s, "NCCL_SOCKET_IFNAME"));
   CHECK(find(s, "NCCL_SOCKET_IFNAME")->value == "lo");  // the interface that reaches 127.0.0.1
   auto j = doctor_json(in, s);
@@ -203,4 +206,43 @@ TEST_CASE("a taken port is reported with a suggestion to pick another") {
   auto s = suggest(in);
   REQUIRE(find(s, "--master_port"));
   CHECK_THAT(find(s, "--master_port")->reason, Catch::Contains("29500") && Catch::Contains("already in use"));
+}
+
+TEST_CASE("cores binding gives disjoint CPU sets, from each GPU's NUMA node when known") {
+  const std::vector<hw::NumaNode> numa{{0, hw::parse_cpu_list("0-7")}, {1, hw::parse_cpu_list("8-15")}};
+  const auto all = hw::parse_cpu_list("0-15");
+  // GPUs 0,1 on node 1 and GPU 2 on node 0; rank 3 has no GPU: it gets what is left.
+  auto b = hw::plan_binding("cores", 4, all, numa, {1, 1, 0});
+  CHECK(hw::format_binding(0, b[0]) == "local_rank 0: cpus 8-11 (NUMA node 1)");
+  CHECK(hw::format_binding(1, b[1]) == "local_rank 1: cpus 12-15 (NUMA node 1)");
+  CHECK(hw::format_binding(2, b[2]) == "local_rank 2: cpus 0-3 (NUMA node 0)");
+  CHECK(hw::format_binding(3, b[3]) == "local_rank 3: cpus 4-7 (NUMA node 0)");
+  auto whole = hw::plan_binding("cores", 2, all, numa, {1, 0});  // every rank placed: whole nodes
+  CHECK(hw::format_binding(0, whole[0]) == "local_rank 0: cpus 8-15 (NUMA node 1)");
+  std::set<int> seen;
+  for (const auto& x : b)
+    for (int c : x.cpus) CHECK(seen.insert(c).second);  // disjoint
+}
+
+TEST_CASE("cores binding stays inside the affinity mask and fails clearly when CPUs run out") {
+  const std::vector<hw::NumaNode> numa{{0, hw::parse_cpu_list("0-7")}};
+  auto b = hw::plan_binding("cores", 3, hw::parse_cpu_list("2-6"), numa, {});
+  CHECK(hw::format_cpu_list(b[0].cpus) == "2-3");
+  CHECK(hw::format_cpu_list(b[1].cpus) == "4-5");
+  CHECK(hw::format_cpu_list(b[2].cpus) == "6");
+  CHECK_THROWS_WITH(hw::plan_binding("cores", 4, hw::parse_cpu_list("0-2"), numa, {}),
+                    Catch::Contains("4 workers cannot have disjoint CPUs among the 3 usable (0-2)"));
+  CHECK_THROWS_WITH(hw::plan_binding("sockets", 1, {0}, numa, {}), Catch::Contains("use none, cores or numa"));
+  CHECK(hw::plan_binding("none", 2, {0, 1}, numa, {})[1].cpus.empty());
+}
+
+TEST_CASE("numa binding gives each rank its node's usable CPUs, dealing nodes out in rank order") {
+  const std::vector<hw::NumaNode> numa{{0, hw::parse_cpu_list("0-3")}, {1, hw::parse_cpu_list("4-7")}};
+  auto b = hw::plan_binding("numa", 4, hw::parse_cpu_list("0-6"), numa, {});
+  CHECK(hw::format_binding(0, b[0]) == "local_rank 0: cpus 0-3 (NUMA node 0)");
+  CHECK(hw::format_binding(1, b[1]) == "local_rank 1: cpus 0-3 (NUMA node 0)");
+  CHECK(hw::format_binding(3, b[3]) == "local_rank 3: cpus 4-6 (NUMA node 1)");
+  auto g = hw::plan_binding("numa", 2, hw::parse_cpu_list("0-7"), numa, {1, 0});
+  CHECK(*g[0].numa_node == 1);
+  CHECK(*g[1].numa_node == 0);
 }

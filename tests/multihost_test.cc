@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -287,4 +288,37 @@ TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
   for (const auto& l : split_lines(r.err)) naming += l.rfind("[mglaunch] cannot reach host 127.0.0.4", 0) == 0;
   CHECK(naming == 1);
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+// ----------------------------------------------------------------------------------------
+// mglaunch doctor, the real binary against what this process sees itself
+
+TEST_CASE("doctor --json reports the CPUs, affinity and memory this process sees") {
+  auto r = run({kMglaunch, "doctor", "--json", "--no-python", "--master_addr", "127.0.0.1", "--port", "0"});
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  auto j = nlohmann::json::parse(r.out);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  REQUIRE(::sched_getaffinity(0, sizeof(set), &set) == 0);
+  CHECK(j["cpus"]["online"] == ::sysconf(_SC_NPROCESSORS_ONLN));
+  CHECK(j["cpus"]["affinity_count"] == CPU_COUNT(&set));
+  std::uint64_t kb = 0;
+  for (const auto& l : split_lines(read_file("/proc/meminfo")))
+    if (l.rfind("MemTotal:", 0) == 0) kb = std::stoull(l.substr(9));
+  CHECK(j["memory"]["total_bytes"] == kb * 1024);
+  CHECK(j["master"]["interface"] == "lo");
+  CHECK(j["port"]["free"] == true);
+  CHECK(j["suggestions"].size() >= 2);
+  for (const auto& s : j["suggestions"]) CHECK_FALSE(s["reason"].get<std::string>().empty());
+}
+
+TEST_CASE("doctor with a bad flag is one line and exit code 2") {
+  auto r = run({kMglaunch, "doctor", "--port", "99999"});
+  CHECK(r.code == 2);
+  CHECK(split_lines(r.err).size() == 1);
+  CHECK_THAT(r.err, Catch::Contains("bad --port '99999'"));
+  auto u = run({kMglaunch, "doctor", "--gpus"});
+  CHECK(u.code == 2);
+  CHECK_THAT(u.err, Catch::Contains("unknown flag '--gpus'"));
 }

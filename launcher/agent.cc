@@ -252,10 +252,21 @@ void Agent::on_rdzv_lost(const std::string& why) {
   notice(fmt::format("rendezvous: {}", why));
   rdzv_ = false;  // from here on this node decides alone
   if (state_ == State::kWaiting) {
-    // Our workers all succeeded (NodeDone sent) or there is nothing to run.
-    const bool ran_ok = !workers_.empty() && !root_cause_;
-    finish(ran_ok ? exit_code::kOk : exit_code::kRendezvous);
+    // No decision will come: this node answers for its own workers.
+    if (root_cause_) console_.write(1, format_root_cause(*root_cause_, opts_.program));
+    finish(own_exit_code());
   }
+}
+
+int Agent::own_exit_code() const {
+  if (root_cause_) return root_cause_->worker.exit_code;
+  if (attempts_.empty()) return exit_code::kRendezvous;  // nothing ran
+  const auto& ws = attempts_.back().workers;
+  for (const auto& w : ws)
+    if (w.exit_code != 0) return w.exit_code;  // e.g. 143: stopped for a restart that never came
+  for (const auto& w : ws)
+    if (w.stopped_by_agent) return exit_code::kRendezvous;  // stopped, even if it exited 0
+  return ws.empty() ? exit_code::kRendezvous : exit_code::kOk;
 }
 
 void Agent::retire_workers() {
@@ -413,7 +424,7 @@ void Agent::on_group_stopped() {
     return;
   }
   if (!root_cause_) {
-    finish(exit_code::kInternal);
+    finish(own_exit_code());  // the rendezvous was lost while stopping for it
     return;
   }
   const auto& w = root_cause_->worker;

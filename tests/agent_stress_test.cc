@@ -414,3 +414,25 @@ TEST_CASE("a stalled stdout does not stop the heartbeats: the 2-node job complet
   CHECK(bad == 0);
   CHECK(next == kLines);
 }
+
+TEST_CASE("a node that loses the rendezvous after its workers were stopped exits with their code, not 0") {
+  Daemon d = start_daemon();
+  std::string dir = make_temp_dir();
+  const std::vector<std::string> flags{"--max_restarts=1",
+                                       "--rdzv_conf=keep_alive_interval=0.5,keep_alive_max_attempt=2,join_timeout=5"};
+  Proc a = spawn(node_argv(d.endpoint, "lost", 1, 2, flags, {"pidfile", dir + "/a", "print", "up", "hang", "60"}));
+  Proc b = spawn(node_argv(d.endpoint, "lost", 2, 2, flags, {"print", "up", "hang", "60"}));
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     30s));
+  // Node 2 hangs: the rendezvous restarts the job; node 1 stops its worker and waits for
+  // a new round that cannot come, and then the rendezvous itself goes away.
+  ::kill(b.pid, SIGSTOP);
+  REQUIRE(eventually([&] { return a.err().find("restart 1 decided by the rendezvous") != std::string::npos; }, 30s));
+  const auto pids = read_pids(dir + "/a");
+  REQUIRE(pids.size() == 1);
+  REQUIRE(eventually([&] { return !pid_alive(pids[0]); }, 30s));
+  ::kill(d.proc.pid, SIGKILL);
+  REQUIRE(a.wait(60s));
+  INFO(a.err());
+  CHECK(a.exit_code() == 128 + SIGTERM);  // its worker's own code: stopped by SIGTERM
+}

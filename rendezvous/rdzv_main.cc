@@ -20,7 +20,7 @@
 int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:0", token_file;
   bool json_log = false;
-  double handshake_s = 10, idle_expiry_s = 3600;
+  double handshake_s = 10, idle_expiry_s = 3600, orphan_expiry_s = 60;
   std::size_t max_connections = 0, max_per_address = 256, max_frame = mg::proto::kDefaultMaxFrame;
   std::size_t max_memory_mib = 512;
   double frame_timeout_s = 10;
@@ -44,6 +44,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(4096, 1 << 26));
   app.add_option("--handshake-timeout", handshake_s, "Seconds a new connection has to authenticate")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--orphan-job-expiry", orphan_expiry_s, "Forget a job nobody is connected to after this many seconds")
       ->check(CLI::PositiveNumber);
   app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds")
       ->check(CLI::PositiveNumber);
@@ -92,6 +94,7 @@ int main(int argc, char** argv) {
   so.max_frame = max_frame;
   so.handshake_timeout = std::chrono::milliseconds(static_cast<long>(handshake_s * 1000));
   so.idle_job_expiry = std::chrono::milliseconds(static_cast<long>(idle_expiry_s * 1000));
+  so.orphan_job_expiry = std::chrono::milliseconds(static_cast<long>(orphan_expiry_s * 1000));
   so.log = [json_log](const std::string& line) {
     std::string out = json_log ? nlohmann::json{{"time", std::time(nullptr)}, {"event", line}}.dump()
                                : fmt::format("mglaunch-rdzv: {}", line);

@@ -1,5 +1,6 @@
 #include "rendezvous/server.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 
 #include <set>
@@ -326,6 +327,13 @@ void Server::account_jobs() {
   budget_->release(jobs_bytes_);
   budget_->used += bytes;
   jobs_bytes_ = bytes;
+  // Give memory back to the system once a burst of clients has gone (glibc keeps freed
+  // heap otherwise, and RSS would stay at its peak).
+  if (budget_->used + (std::size_t{32} << 20) < peak_used_) {
+    ::malloc_trim(0);
+    peak_used_ = budget_->used;
+  }
+  peak_used_ = std::max(peak_used_, budget_->used);
 }
 
 void Server::tick() {

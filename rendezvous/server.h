@@ -87,6 +87,7 @@ class Server {
   std::map<std::string, Failures> failures_;        // authentication failures by peer address
   std::shared_ptr<MemoryBudget> budget_ = std::make_shared<MemoryBudget>();
   std::size_t jobs_bytes_ = 0;  // charged to budget_ at each tick
+  std::size_t peak_used_ = 0;   // budget use since the last malloc_trim
 };
 
 }  // namespace mg::rdzv

@@ -332,8 +332,17 @@ TEST_CASE("one address cannot take every connection") {
   CHECK_THAT(scene.daemon.proc.err(), Catch::Contains("(max per address)"));
 }
 
-TEST_CASE("half-sent large frames cannot take the daemon's memory") {
-  Scene scene({"--max-memory", "16", "--max-connections-per-address", "1000"});
+TEST_CASE("half-sent large frames cannot take the daemon's memory, and abandoned jobs are forgotten") {
+  Scene scene({"--max-memory", "16", "--max-connections-per-address", "1000", "--orphan-job-expiry", "1"});
+  for (int i = 0; i < 20; ++i) {  // joins of jobs that never start, then gone
+    RawPeer p(scene.daemon.port());
+    REQUIRE(p.handshake("abandoned" + std::to_string(i)));
+    auto j = join_for("abandoned" + std::to_string(i));
+    j.job_id = "abandoned" + std::to_string(i);
+    j.agent_id = std::string(256, 'a');
+    p.send(proto::to_frame(j));
+  }
+  CHECK(eventually([&] { return scene.daemon.proc.err().find("job 'abandoned19' forgotten") != std::string::npos; }, 20s));
   std::vector<std::unique_ptr<RawPeer>> peers;
   int closed = 0;
   for (int i = 0; i < 40; ++i) {
@@ -436,15 +445,17 @@ TEST_CASE("an agent holding only its job's key joins that job and no other") {
 TEST_CASE("a server without a token warns when it listens beyond loopback") {
   // In a network namespace of our own (only its loopback exists), 0.0.0.0 reaches nobody
   // and a fixed port cannot collide with anything.
-  if (run({"unshare", "-n", "true"}).code != 0) {
+  if (run({"/usr/bin/unshare", "-n", "/bin/true"}).code != 0) {
     WARN("skipped: cannot create a network namespace here (unshare -n)");
     return;
   }
-  auto r = run({"unshare", "-n", "/bin/sh", "-c", "\"$0\" --listen 0.0.0.0:0 & sleep 1; kill $!; wait", kRdzvDaemon}, {},
-               30s);
-  CHECK_THAT(r.err, Catch::Contains("warning: listening on 0.0.0.0") && Catch::Contains("without a token"));
-  auto agent = run({"unshare", "-n", "/bin/sh", "-c",
-                    "ip link set lo up; \"$0\" --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=0.0.0.0:29400 --rdzv_id=w "
+  Proc daemon = spawn({"/usr/bin/unshare", "-n", kRdzvDaemon, "--listen", "0.0.0.0:0"});
+  REQUIRE(eventually([&] { return daemon.out().find("listening on") != std::string::npos; }, 10s));
+  CHECK_THAT(daemon.err(), Catch::Contains("warning: listening on 0.0.0.0") && Catch::Contains("without a token"));
+  ::kill(daemon.pid, SIGTERM);
+  daemon.wait(5s);
+  auto agent = run({"/usr/bin/unshare", "-n", "/bin/sh", "-c",
+                    "ip link set lo up 2>/dev/null; \"$0\" --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=0.0.0.0:29400 --rdzv_id=w "
                     "--rdzv_conf=join_timeout=1 \"$1\" print x",
                     kMglaunch, kFakeWorker},
                    {}, 30s);

@@ -155,7 +155,7 @@ std::vector<Suggestion> suggest(const DoctorInputs& in) {
   if (!in.gpus.empty()) {
     nproc = static_cast<int>(in.gpus.size());
     s.push_back({"--nproc_per_node", std::to_string(nproc),
-                 fmt::format("one worker per GPU: {} GPUs visible ({})", nproc, in.gpus.front().name)});
+                 fmt::format("one worker per GPU: {} GPU{} visible ({})", nproc, nproc == 1 ? "" : "s", in.gpus.front().name)});
   } else {
     nproc = std::max<int>(1, static_cast<int>(in.numa.size()));
     nproc = std::min(nproc, usable);
@@ -167,8 +167,8 @@ std::vector<Suggestion> suggest(const DoctorInputs& in) {
   }
   const int threads = std::max(1, usable / nproc);
   s.push_back({"OMP_NUM_THREADS", std::to_string(threads),
-               fmt::format("{} / {} workers = {} threads each, so workers do not oversubscribe the CPUs", cpu_why,
-                           nproc, threads)});
+               fmt::format("{} / {} worker{} = {} threads each, so workers do not oversubscribe the CPUs", cpu_why,
+                           nproc, nproc == 1 ? "" : "s", threads)});
   if (in.cpu.cgroup_quota && *in.cpu.cgroup_quota + 0.5 < static_cast<double>(in.cpu.affinity.size()))
     s.push_back({"cgroup", fmt::format("{:.2f} CPUs", *in.cpu.cgroup_quota),
                  fmt::format("the cgroup quota allows fewer CPUs than the {} in the affinity mask: threads beyond "
@@ -207,7 +207,7 @@ std::vector<Suggestion> suggest(const DoctorInputs& in) {
                  fmt::format("smallest GPU has {:.1f} GiB; the guides' table for an effective batch of 256 on 4 GPUs "
                              "(>=20: 16x4, 14-20: 12x5, 10-14: 8x8, 6-10: 4x16, <6: 2x32){}; effective {} x {} x {} "
                              "GPUs = {}",
-                             g, n == 4 ? "" : fmt::format(", accumulation rescaled for {} GPUs", n), b.micro_batch,
+                             g, n == 4 ? "" : fmt::format(", accumulation rescaled for {} GPU{}", n, n == 1 ? "" : "s"), b.micro_batch,
                              b.grad_accum, n, b.micro_batch * b.grad_accum * n)});
   }
   if (nproc > 1 || in.numa.size() > 1) {

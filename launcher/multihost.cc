@@ -409,6 +409,9 @@ Fanout::~Fanout() {
 void Fanout::notice(const std::string& text) { notice_to(fio_.err_fd, text); }
 
 void Fanout::start() {
+  // A host that exits before reading its token must not kill us with SIGPIPE (mglaunch's
+  // main ignores it already; this covers library users such as the tests).
+  ::signal(SIGPIPE, SIG_IGN);
   if (fio_.handle_signals) {
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) timers_->signals.add(sig);
     wait_signal();

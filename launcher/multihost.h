@@ -133,7 +133,8 @@ struct FanoutIo {
   bool handle_signals = true;  // SIGINT/SIGTERM/SIGHUP stop every host
 };
 
-// Runs a plan to completion on `io`. Single-threaded; destroying it SIGKILLs the process
+// Runs a plan to completion on `io`. Single-threaded; start() sets SIGPIPE to ignored
+// (a host may close its stdin early). Destroying it SIGKILLs the process
 // groups of children still running (which closes their connections: the hosts see EOF).
 class Fanout {
  public:

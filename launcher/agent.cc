@@ -141,13 +141,19 @@ void Agent::start_rendezvous() {
   rdzv_ = true;
   state_ = State::kWaiting;
   rdzv::Endpoint ep = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
-  // torchrun's "is host": when nothing answers at a local endpoint, serve it here.
-  if (rdzv::is_local_host(ep.host) && !rdzv::probe_listen(ep.host, ep.port)) {
+  // Host the rendezvous here when told (is_host=true) or clearly meant to: the endpoint is
+  // the address this node advertises. (torchrun hosts whenever the endpoint is local; then
+  // an agent started during a daemon's outage takes the daemon's port.) Either way only
+  // while nothing listens there, and only for this job.
+  const bool meant = opts_.rdzv_is_host ? *opts_.rdzv_is_host
+                                        : rdzv::is_local_host(ep.host) && rdzv::same_address(ep.host, plan_.master_addr);
+  if (meant && !rdzv::probe_listen(ep.host, ep.port)) {
     try {
       rdzv::ServerOptions so;
       so.host = ep.host;
       so.port = ep.port;
       so.token = opts_.rdzv_token;
+      so.only_job = plan_.run_id;
       so.log = [this](const std::string& line) {
         if (line.starts_with("warning:")) notice("rendezvous server: " + line);
       };

@@ -297,8 +297,14 @@ void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
       throw UsageError(fmt::format("bad --rdzv_conf '{}': expected KEY=VALUE,...", conf));
     const std::string key(item.substr(0, eq));
     const std::string value(item.substr(eq + 1));
+    if (key == "is_host") {
+      if (value == "true" || value == "1" || value == "yes") o.rdzv_is_host = true;
+      else if (value == "false" || value == "0" || value == "no") o.rdzv_is_host = false;
+      else throw UsageError(fmt::format("bad --rdzv_conf is_host='{}': use true or false", value));
+      continue;
+    }
     // torchrun keys that mean nothing here
-    if (key == "is_host" || key == "store_type" || key == "use_agent_store" || key == "close_timeout" ||
+    if (key == "store_type" || key == "use_agent_store" || key == "close_timeout" ||
         key == "timeout" || key == "read_timeout")
       continue;
     double v = -1;

@@ -91,6 +91,7 @@ struct AgentOptions {
   std::chrono::milliseconds keep_alive_interval{5000};
   int keep_alive_max_attempt = 3;
   std::string rdzv_token;  // from --token-file or MGLAUNCH_RDZV_TOKEN
+  std::optional<bool> rdzv_is_host;  // --rdzv_conf is_host=true|false; unset: auto
   std::string rdzv_job_token;  // MGLAUNCH_RDZV_JOB_TOKEN: the key of this job only (mglaunch-rdzv --job-token)
   // mglaunch's own
   std::vector<int> gpu_ids;

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -106,6 +107,34 @@ Endpoint parse_endpoint(std::string_view text, int default_port) {
 bool is_local_host(const std::string& host) {
   int port = 0;
   return try_bind(host, 0, false, &port) == 0;
+}
+
+namespace {
+std::vector<std::string> resolve_all(const std::string& host) {
+  std::vector<std::string> out;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return out;
+  for (addrinfo* p = res; p; p = p->ai_next) {
+    char buf[INET6_ADDRSTRLEN] = {};
+    const void* a = p->ai_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr)
+                                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(p->ai_addr)->sin6_addr);
+    if (::inet_ntop(p->ai_family, a, buf, sizeof buf)) out.emplace_back(buf);
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
+}  // namespace
+
+bool same_address(const std::string& a, const std::string& b) {
+  if (a == b) return true;
+  const auto x = resolve_all(a), y = resolve_all(b);
+  for (const auto& i : x)
+    for (const auto& j : y)
+      if (i == j) return true;
+  return false;
 }
 
 int find_free_port(const std::string& host) {

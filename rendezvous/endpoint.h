@@ -21,6 +21,10 @@ Endpoint parse_endpoint(std::string_view text, int default_port);
 // True when `host` resolves to an address this machine can bind (loopback included).
 bool is_local_host(const std::string& host);
 
+// True when `a` and `b` resolve to at least one common IP address (a name and its FQDN,
+// or a name and its address); false when either does not resolve.
+bool same_address(const std::string& a, const std::string& b);
+
 // Binds HOST:0 and returns the port the kernel chose (the socket is closed again, so a
 // race with another process is possible, exactly as with torchrun's probe).
 int find_free_port(const std::string& host);

@@ -181,6 +181,9 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     auto hello = proto::from_frame<proto::Hello>(f);
     s->job = hello.job_id;
     s->client_nonce = hello.nonce;
+    if (!opts_.only_job.empty() && s->job != opts_.only_job)
+      throw proto::ProtocolError(fmt::format("this rendezvous is hosted by an agent of another job and serves only "
+                                             "that job; is --rdzv_endpoint right, and is the mglaunch-rdzv daemon up?"));
     if (opts_.token.empty() && opts_.job_tokens.empty()) return welcome();
     s->phase = Session::Phase::kAuth;
     if (!opts_.token.empty()) {

@@ -29,6 +29,8 @@ struct ServerOptions {
   // Without a daemon token: the keys of the only jobs served (an agent that holds just its
   // job's key and hosts the rendezvous).
   std::map<std::string, std::string> job_tokens;
+  // Non-empty: serve this job only (an agent's built-in server).
+  std::string only_job;
   std::size_t max_connections = 0;  // 0: what the descriptor limit allows; clamped below it
   std::size_t max_connections_per_address = 256;
   int max_nodes_per_job = 100000;

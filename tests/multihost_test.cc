@@ -79,8 +79,7 @@ Captured run_local(const std::string& dir, const std::string& hostfile, std::vec
   o.rdzv_host = "127.0.0.1";
   o.remote_mglaunch = kMglaunch;
   o.forwarded = forwarded;
-  o.program = {kFakeWorker};
-  o.program.insert(o.program.end(), worker.begin(), worker.end());
+  o.program = std::move(worker);
   const std::string out_path = dir + "/fan.out", err_path = dir + "/fan.err";
   int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -98,16 +97,33 @@ std::vector<std::string> launcher_argv(const SshServer& sshd, const std::string&
                                        std::vector<std::string> worker, std::vector<std::string> flags = {}) {
   std::vector<std::string> argv{kMglaunch, "--hostfile", hostfile, "--ssh-opts", sshd.ssh_opts()};
   argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kFakeWorker);
   argv.insert(argv.end(), worker.begin(), worker.end());
   return argv;
+}
+
+// fake_worker with these commands.
+std::vector<std::string> fw(std::vector<std::string> cmds) {
+  cmds.insert(cmds.begin(), kFakeWorker);
+  return cmds;
+}
+
+// A worker that records its pid; rank `rank` exits with `code` once all `n` workers have
+// recorded theirs (bounded: 60 s), the others sleep. So the failure always finds every
+// host's workers running, however loaded the machine. ("$$$$": the agent turns "$$" into
+// "$", Python string.Template style.)
+std::vector<std::string> fail_when_all_up(const std::string& pids, int n, int rank, int code) {
+  const std::string script =
+      "echo $$$$ >> \"$0\"; if [ \"$RANK\" = " + std::to_string(rank) + " ]; then i=0; "
+      "while [ \"$(wc -l < \"$0\")\" -lt " + std::to_string(n) + " ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; "
+      "echo 'bad batch' >&2; exit " + std::to_string(code) + "; fi; exec sleep 120";
+  return {"/bin/sh", "-c", script, pids};
 }
 
 }  // namespace
 
 TEST_CASE("two hosts with two slots each get ranks 0..3 and [host:rankN] prefixes (local runner)") {
   const std::string dir = make_temp_dir();
-  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"), {"env"});
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"), fw({"env"}));
   INFO(r.err);
   CHECK(r.code == 0);
   auto envs = worker_envs(r.out);
@@ -128,7 +144,7 @@ TEST_CASE("a worker failure on one host ends every host with that worker's exit 
   const std::string dir = make_temp_dir();
   const std::string pids = dir + "/pids";
   auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
-                     {"pidfile", pids, "when-rank", "3", "sleep-ms", "300", "exit", "7"}, {}, {"--grace=5"});
+                     fail_when_all_up(pids, 4, 3, 7), {}, {"--grace=5"});
   INFO(r.err);
   CHECK(r.code == 7);
   CHECK(read_pids(pids).size() == 4);
@@ -139,7 +155,7 @@ TEST_CASE("a worker failure on one host ends every host with that worker's exit 
 TEST_CASE("an unreachable host is one error naming it, and the other host is stopped (local runner)") {
   const std::string dir = make_temp_dir();
   auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
-                     {"pidfile", dir + "/pids", "hang", "60"}, {"127.0.0.3"});
+                     fw({"pidfile", dir + "/pids", "hang", "60"}), {"127.0.0.3"});
   INFO(r.err);
   CHECK(r.code == mg::kExitSshFailed);
   int naming = 0;
@@ -196,7 +212,7 @@ TEST_CASE("over real ssh two hosts with two workers each get ranks 0..3") {
     return;
   }
   const std::string dir = make_temp_dir();
-  auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"), {"env"}),
+  auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"), fw({"env"})),
                {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}}, 60s);
   INFO(r.err << sshd.log());
   CHECK(r.code == 0);
@@ -225,7 +241,7 @@ TEST_CASE("over real ssh a worker failure on one host stops the other with the f
   const std::string dir = make_temp_dir();
   const std::string pids = dir + "/pids";
   auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
-                             {"pidfile", pids, "when-rank", "1", "sleep-ms", "300", "exit", "9"}, {"--grace=5"}),
+                             fail_when_all_up(pids, 4, 1, 9), {"--grace=5"}),
                {}, 90s);
   INFO(r.err << sshd.log());
   CHECK(r.code == 9);
@@ -244,7 +260,7 @@ TEST_CASE("over real ssh SIGINT to the launcher leaves no process behind on eith
   const std::string dir = make_temp_dir();
   const std::string pids = dir + "/pids";
   Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
-                                      {"pidfile", pids, "hang", "120"}, {"--grace=5"}));
+                                      fw({"pidfile", pids, "hang", "120"}), {"--grace=5"}));
   REQUIRE(eventually([&] { return read_pids(pids).size() == 4; }, 60s));
   ::kill(launcher.pid, SIGINT);
   REQUIRE(launcher.wait(60s));
@@ -263,7 +279,7 @@ TEST_CASE("over real ssh a launcher killed with SIGKILL still leaves no process 
   const std::string dir = make_temp_dir();
   const std::string pids = dir + "/pids";
   Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
-                                      {"pidfile", pids, "hang", "120"}, {"--grace=5"}));
+                                      fw({"pidfile", pids, "hang", "120"}), {"--grace=5"}));
   REQUIRE(eventually([&] { return read_pids(pids).size() == 2; }, 60s));
   ::kill(launcher.pid, SIGKILL);  // no chance to clean up: the hosts see their stdin close
   REQUIRE(launcher.wait(10s));
@@ -280,7 +296,7 @@ TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
   const std::string dir = make_temp_dir();
   // Nothing listens on 127.0.0.4 at the fixture's port: connection refused.
   auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.4 slots=1\n"),
-                             {"pidfile", dir + "/pids", "hang", "60"}),
+                             fw({"pidfile", dir + "/pids", "hang", "60"})),
                {}, 90s);
   INFO(r.err);
   CHECK(r.code == 255);

@@ -22,8 +22,9 @@ std::string_view trim(std::string_view s) {
 bool valid_host(std::string_view h) {
   if (h.empty() || h.size() > 255 || h.front() == '-') return false;
   return std::all_of(h.begin(), h.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' || c == '@' || c == ':' ||
-           c == '[' || c == ']';
+    // No '@' (it separates hosts in --include/--exclude; give users with -l or ~/.ssh/config).
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' || c == ':' || c == '[' ||
+           c == ']';
   });
 }
 

@@ -358,6 +358,41 @@ std::string relay_prefix(const std::string& host, std::string_view& line) {
   return "[" + host + "]:";
 }
 
+std::vector<std::string> RootCauseFilter::feed(const std::string& host, std::string_view line) {
+  static const std::string kRule(60, '=');
+  auto it = open_.find(host);
+  if (it == open_.end()) {
+    if (line != kRule) return {std::string(line)};
+    open_[host].lines.emplace_back(line);
+    return {};
+  }
+  auto& lines = it->second.lines;
+  lines.emplace_back(line);
+  if (line != kRule && lines.size() < 200) return {};
+  // The block is complete (or too long to be one): compare it, time line aside.
+  std::vector<std::string> block = std::move(lines);
+  open_.erase(it);
+  if (block.back() != kRule) return block;
+  std::string key;
+  for (const auto& l : block)
+    if (!l.starts_with("  time ")) key += l + "\n";
+  if (!shown_) {
+    shown_ = key;
+    shown_host_ = host;
+    return block;
+  }
+  if (key == *shown_) return {fmt::format("[mglaunch] the same root cause as {} reported above", shown_host_)};
+  return block;
+}
+
+std::vector<std::string> RootCauseFilter::finish(const std::string& host) {
+  auto it = open_.find(host);
+  if (it == open_.end()) return {};
+  std::vector<std::string> lines = std::move(it->second.lines);
+  open_.erase(it);
+  return lines;
+}
+
 // ---------------------------------------------------------------------------------------
 // Fanout
 
@@ -383,6 +418,7 @@ struct Fanout::Timers {
   asio::steady_timer agree, kill, drain;
   asio::signal_set signals;
   std::unique_ptr<Console> console;
+  RootCauseFilter root_causes;
 };
 
 Fanout::Fanout(asio::io_context& io, MultiHostPlan plan, std::string token, const MultiHostOptions& opts, FanoutIo fio)
@@ -449,35 +485,45 @@ void Fanout::start() {
     asio::write(hp->in, asio::buffer(token_ + "\n"), wec);
     for (int s = 0; s < 2; ++s) {
       hp->open[s] = true;
-      auto read_more = std::make_shared<std::function<void()>>();
-      *read_more = [this, hp, s, read_more] {
-        hp->pipes[s].async_read_some(asio::buffer(hp->bufs[s]), [this, hp, s, read_more](bp::error_code ec, std::size_t n) {
-          auto emit = [&](std::string_view line, bool cut) {
-            if (s == 1 && !line.empty()) hp->last_err = std::string(line.substr(0, 512));
-            std::string prefix = relay_prefix(hp->cmd.host.host, line);
-            timers_->console->line(s, prefix, line, cut);
-          };
-          if (n > 0) {
-            if (s == 0) hp->saw_output = true;
-            hp->splitters[s].feed(std::string_view(hp->bufs[s].data(), n), emit);
-            timers_->console->flush();
-          }
-          if (ec) {
-            hp->splitters[s].finish(emit);
-            timers_->console->flush();
-            hp->open[s] = false;
-            bp::error_code ignored;
-            hp->pipes[s].close(ignored);
-            if (hp->exited && !hp->open[0] && !hp->open[1]) maybe_done();
-            return;
-          }
-          (*read_more)();
-        });
-      };
-      (*read_more)();
+      read_more(hp, s);
     }
     hp->handle->async_wait([this, hp](bp::error_code ec, int status) { on_host_exit(*hp, ec ? 255 << 8 : status); });
   }
+}
+
+void Fanout::read_more(Host* hp, int s) {
+  hp->pipes[s].async_read_some(asio::buffer(hp->bufs[s]), [this, hp, s](bp::error_code ec, std::size_t n) {
+    auto emit = [&](std::string_view line, bool cut) { relay(*hp, s, line, cut); };
+    if (n > 0) {
+      if (s == 0) hp->saw_output = true;
+      hp->splitters[s].feed(std::string_view(hp->bufs[s].data(), n), emit);
+      timers_->console->flush();
+    }
+    if (!ec) return read_more(hp, s);
+    hp->splitters[s].finish(emit);
+    if (s == 1)
+      for (const auto& l : timers_->root_causes.finish(hp->cmd.host.host)) relay(*hp, 0, "\x01" + l, false);
+    timers_->console->flush();
+    hp->open[s] = false;
+    bp::error_code ignored;
+    hp->pipes[s].close(ignored);
+    if (hp->exited && !hp->open[0] && !hp->open[1]) maybe_done();
+  });
+}
+
+// Shows one line of a host's stream s with its [host:rankN] or [host] prefix. Stderr goes
+// through the root-cause filter first; a leading \x01 marks a line that already did.
+void Fanout::relay(Host& h, int s, std::string_view line, bool cut) {
+  if (line.starts_with('\x01')) {
+    line.remove_prefix(1);
+    s = 1;
+  } else if (s == 1) {
+    if (!line.empty()) h.last_err = std::string(line.substr(0, 512));
+    for (const auto& l : timers_->root_causes.feed(h.cmd.host.host, line)) relay(h, 1, "\x01" + l, cut);
+    return;
+  }
+  std::string prefix = relay_prefix(h.cmd.host.host, line);
+  timers_->console->line(s, prefix, line, cut);
 }
 
 void Fanout::on_host_exit(Host& h, int status) {

@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
@@ -127,6 +128,24 @@ nlohmann::json multihost_plan_json(const MultiHostPlan& plan);
 // "[host:rank3]:x", anything else -> "[host]:x".
 std::string relay_prefix(const std::string& host, std::string_view& line);
 
+// Every agent prints the same root-cause block (the rendezvous tells all of them); this
+// keeps the first one whole and turns each identical one (the time line aside) into one
+// line naming the host that showed it. Pure: stderr lines in, lines to show out.
+class RootCauseFilter {
+ public:
+  std::vector<std::string> feed(const std::string& host, std::string_view line);
+  // The host's stream ended: a block cut short comes out as it was.
+  std::vector<std::string> finish(const std::string& host);
+
+ private:
+  struct Open {
+    std::vector<std::string> lines;
+  };
+  std::map<std::string, Open> open_;
+  std::optional<std::string> shown_;  // the first block, time line aside
+  std::string shown_host_;
+};
+
 struct FanoutIo {
   int out_fd = 1;
   int err_fd = 2;
@@ -151,6 +170,8 @@ class Fanout {
 
  private:
   struct Host;
+  void read_more(Host* h, int s);
+  void relay(Host& h, int s, std::string_view line, bool cut);
   void on_host_exit(Host& h, int code);
   void maybe_done();
   void wait_signal();

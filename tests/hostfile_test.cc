@@ -46,6 +46,7 @@ TEST_CASE("bad hostfile lines are refused naming the file and line") {
   CHECK_THAT(error_of([] { parse_hostfile("-oProxyCommand=x\n", "f"); }), Catch::Contains("not a host name"));
   CHECK_THAT(error_of([] { parse_hostfile("# only a comment\n\n", "f"); }), Catch::Contains("lists no host"));
   CHECK_THAT(error_of([] { parse_hostfile("a slots=2 slots=3\n", "f"); }), Catch::Contains("unexpected"));
+  CHECK_THAT(error_of([] { parse_hostfile("root@a slots=2\n", "f"); }), Catch::Contains("'root@a' is not a host name"));
 }
 
 TEST_CASE("including hosts with --include keeps only the named hosts and slots, DeepSpeed style") {
@@ -180,4 +181,28 @@ TEST_CASE("relayed lines get [host:rankN] for worker lines and [host] for the re
   CHECK(m == "[mglaunch] round 1");
   std::string_view r = "[rankx]:y";
   CHECK(relay_prefix("n1", r) == "[n1]:");
+}
+
+TEST_CASE("identical root-cause blocks from several hosts are shown once, different ones in full") {
+  const std::string rule(60, '=');
+  auto block = [&](const std::string& time, const std::string& rank) {
+    return std::vector<std::string>{rule, "train.py FAILED", std::string(60, '-'), "Root Cause (first observed failure):",
+                                    "  time       : " + time, "  rank       : " + rank, rule};
+  };
+  RootCauseFilter f;
+  auto feed_all = [&](const std::string& host, const std::vector<std::string>& lines) {
+    std::vector<std::string> out;
+    for (const auto& l : lines)
+      for (auto& x : f.feed(host, l)) out.push_back(x);
+    return out;
+  };
+  CHECK(feed_all("a", {"[rank1]:boom", "[mglaunch] notice"}) == std::vector<std::string>{"[rank1]:boom", "[mglaunch] notice"});
+  CHECK(feed_all("a", block("10:00:01", "3")) == block("10:00:01", "3"));
+  CHECK(feed_all("b", block("10:00:02", "3")) ==
+        std::vector<std::string>{"[mglaunch] the same root cause as a reported above"});
+  CHECK(feed_all("c", block("10:00:02", "5")) == block("10:00:02", "5"));
+  // A block cut short by the end of the stream still comes out.
+  CHECK(feed_all("d", {rule, "x FAILED"}).empty());
+  CHECK(f.finish("d") == std::vector<std::string>{rule, "x FAILED"});
+  CHECK(f.finish("d").empty());
 }

@@ -250,3 +250,36 @@ TEST_CASE("a silent client is dropped after the handshake timeout and connection
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
 }
+
+TEST_CASE("an agent started during a daemon outage does not take the daemon's port") {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  auto listen = [&] {
+    Daemon d{spawn({kRdzvDaemon, "--listen", endpoint}), endpoint};
+    REQUIRE(eventually([&] { return !d.proc.out().empty() || !pid_alive(d.proc.pid); }, 10s));
+    return d;
+  };
+  Daemon first = listen();
+  REQUIRE_THAT(first.proc.out(), Catch::Contains("listening on"));
+  const std::vector<std::string> worker{"print", "up", "sleep-ms", "2500", "print", "bye"};
+  Proc a = spawn(agent_argv(endpoint, "outage", 2, "2", 1, {}, worker));
+  Proc b = spawn(agent_argv(endpoint, "outage", 3, "2", 1, {}, worker));
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     20s));
+  ::kill(first.proc.pid, SIGKILL);
+  REQUIRE(first.proc.wait(5s));
+  // A node of another job starts now; the endpoint is on this machine but not its address.
+  Proc newcomer = spawn(agent_argv(endpoint, "newcomer", 4, "2", 1, {"--rdzv_conf=join_timeout=60"}, {"print", "x"}));
+  CHECK_FALSE(eventually([&] { return newcomer.err().find("hosting the rendezvous") != std::string::npos; }, 2s));
+  Daemon second = listen();
+  INFO(second.proc.err());
+  CHECK_THAT(second.proc.out(), Catch::Contains("listening on"));  // the port was still free
+  REQUIRE(a.wait(30s));
+  REQUIRE(b.wait(30s));
+  CHECK(a.exit_code() == 0);
+  CHECK(b.exit_code() == 0);
+  CHECK_THAT(a.out(), Catch::Contains("bye"));
+  ::kill(newcomer.pid, SIGTERM);
+  newcomer.wait(10s);
+  ::kill(second.proc.pid, SIGTERM);
+  second.proc.wait(5s);
+}

@@ -19,6 +19,12 @@ Actions Job::broadcast(const proto::Frame& f, SessionId except) const {
 
 Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   last_activity_ = now;
+  // A node re-registering a round that ended while it was away hears how it ended.
+  if (j.resume_round > 0 && j.resume_round == round_) {
+    if (state_ == State::kFailed && abort_) return {{s, proto::to_frame(*abort_)}};
+    if (state_ == State::kDone) return {{s, proto::to_frame(proto::Done{})}};
+    if (state_ == State::kRestarting) return {{s, proto::to_frame(proto::Restart{restart_count_, restart_reason_})}};
+  }
   if (finished())
     return {{s, proto::to_frame(proto::Error{fmt::format("job '{}' has already finished; use a new --rdzv_id", id_)})}};
   if (!configured_) {
@@ -162,6 +168,7 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
   if (restart_count_ < config_.max_restarts && survivors >= 1) {
     ++restart_count_;
     state_ = State::kRestarting;
+    restart_reason_ = reason;
     first_join_ = now;
     Actions out;
     for (const auto& [s, n] : members_)
@@ -170,7 +177,8 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     return out;
   }
   state_ = State::kFailed;
-  auto out = broadcast(proto::to_frame(proto::Abort{root_cause, reason}));
+  abort_ = proto::Abort{root_cause, reason};
+  auto out = broadcast(proto::to_frame(*abort_));
   members_.clear();
   joined_.clear();
   return out;
@@ -233,7 +241,8 @@ Actions Job::tick(Clock::time_point now) {
       rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
                                config_.min_nodes, id_);
       state_ = State::kFailed;
-      auto out = broadcast(proto::to_frame(proto::Abort{rc, rc.message}));
+      abort_ = proto::Abort{rc, rc.message};
+      auto out = broadcast(proto::to_frame(*abort_));
       joined_.clear();
       return out;
     }

@@ -77,6 +77,8 @@ class Job {
   std::map<SessionId, Node> members_;  // in the running round
   std::size_t expected_members_ = 0;   // size of the running round (members may re-register late)
   bool rebuilding_ = false;            // the round is being rebuilt from re-registrations
+  std::optional<proto::Abort> abort_;  // the decision of a failed job, for late re-registrations
+  std::string restart_reason_;         // of the restart in progress
   std::optional<Clock::time_point> last_call_deadline_;
   Clock::time_point first_join_;
   Clock::time_point last_activity_;

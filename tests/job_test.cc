@@ -242,3 +242,33 @@ TEST_CASE("a forged re-registration cannot end or enter a job that is not being 
     CHECK(of_type(job.join(5, resume(node("127.0.0.5", 2, 2), 3, 1, 2), T0), MsgType::kDone).size() == 2);
   }
 }
+
+TEST_CASE("a node re-registering a round that ended while it was away hears how it ended") {
+  auto back = [](proto::Join j, int rank) {
+    j.resume_round = 1;
+    j.resume_group_rank = rank;
+    j.resume_group_world_size = 2;
+    return j;
+  };
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.rank = 3;
+  f.exit_code = 7;
+  SECTION("the job failed: the late node gets the same abort") {
+    Job job("job");
+    job.join(1, back(node("127.0.0.1", 2, 2), 0), T0);
+    auto out = job.worker_failed(1, f, T0);
+    CHECK(of_type(out, MsgType::kAbort).size() == 1);
+    auto late = of_type(job.join(2, back(node("127.0.0.2", 2, 2), 1), T0), MsgType::kAbort);
+    REQUIRE(late.size() == 1);
+    CHECK(proto::from_frame<proto::Abort>(late[0].frame).root_cause.exit_code == 7);
+  }
+  SECTION("the job restarts: the late node is told to restart") {
+    Job job("job");
+    job.join(1, back(node("127.0.0.1", 2, 2, 2, /*max_restarts=*/1), 0), T0);
+    CHECK(of_type(job.worker_failed(1, f, T0), MsgType::kRestart).size() == 1);
+    auto late = of_type(job.join(2, back(node("127.0.0.2", 2, 2, 2, 1), 1), T0), MsgType::kRestart);
+    REQUIRE(late.size() == 1);
+    CHECK(proto::from_frame<proto::Restart>(late[0].frame).restart_count == 1);
+  }
+}

@@ -7,6 +7,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <fstream>
 #include <map>
 #include <set>
 
@@ -280,6 +282,36 @@ TEST_CASE("an agent started during a daemon outage does not take the daemon's po
   CHECK_THAT(a.out(), Catch::Contains("bye"));
   ::kill(newcomer.pid, SIGTERM);
   newcomer.wait(10s);
+  ::kill(second.proc.pid, SIGTERM);
+  second.proc.wait(5s);
+}
+
+TEST_CASE("a worker that fails while the daemon is down is reported when the daemon is back") {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  auto listen = [&] {
+    Daemon d{spawn({kRdzvDaemon, "--listen", endpoint}), endpoint};
+    REQUIRE(eventually([&] { return d.proc.out().find("listening on") != std::string::npos; }, 10s));
+    return d;
+  };
+  Daemon first = listen();
+  const std::string go = make_temp_dir() + "/go";
+  std::vector<Proc> agents;
+  for (int i = 2; i <= 4; ++i)
+    agents.push_back(spawn(agent_argv(endpoint, "report", i, "3", 1, {},
+                                      {"print", "up", "when-rank", "2", "wait-file", go, "exit", "7"})));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
+  }, 20s));
+  ::kill(first.proc.pid, SIGKILL);
+  REQUIRE(first.proc.wait(5s));
+  { std::ofstream(go) << "now"; }  // rank 2 exits 7 while nobody can hear it
+  Daemon second = listen();
+  for (auto& a : agents) {
+    REQUIRE(a.wait(60s));
+    INFO(a.err() << second.proc.err());
+    CHECK(a.exit_code() == 7);
+    CHECK_THAT(a.err(), Catch::Contains("rank       : 2"));
+  }
   ::kill(second.proc.pid, SIGTERM);
   second.proc.wait(5s);
 }

@@ -21,55 +21,6 @@ namespace mg {
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
 
-namespace {
-
-std::string now_text() {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  ::localtime_r(&t, &tm);
-  return fmt::format("{:04}-{:02}-{:02}_{:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
-                     tm.tm_min, tm.tm_sec);
-}
-
-std::string signal_name(int sig) {
-  const char* abbrev = ::sigabbrev_np(sig);
-  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
-}
-
-
-}  // namespace
-
-std::string read_error_file_message(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return {};
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("message")) return {};
-  const auto& m = j["message"];
-  if (m.is_string()) return m.get<std::string>();
-  if (m.is_object() && m.contains("message") && m["message"].is_string()) return m["message"].get<std::string>();
-  return m.dump();
-}
-
-std::string format_root_cause(const RootCause& rc, const std::string& program) {
-  const std::string rule(60, '=');
-  std::string out = fmt::format("{}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n", rule, program,
-                                std::string(60, '-'));
-  const auto& w = rc.worker;
-  out += fmt::format("  time       : {}\n  host       : {}\n  rank       : {} (local_rank: {})\n", rc.time, rc.host,
-                     w.rank, w.local_rank);
-  out += w.pid > 0 ? fmt::format("  exitcode   : {} (pid: {})\n", w.exit_code, w.pid)
-                   : fmt::format("  exitcode   : {}\n", w.exit_code);
-  if (w.signal) out += fmt::format("  signal     : {} ({})\n", signal_name(w.signal), w.signal);
-  if (!rc.error_file.empty()) out += fmt::format("  error_file : {}\n", rc.error_file);
-  out += fmt::format("  message    : {}\n", rc.message.empty() ? "<no error file written>" : rc.message);
-  if (!rc.stderr_tail.empty()) {
-    out += "  last stderr lines:\n";
-    for (const auto& l : rc.stderr_tail) out += "    " + l + "\n";
-  }
-  out += rule + "\n";
-  return out;
-}
-
 Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_env)
     : io_(io),
       opts_(std::move(opts)),
@@ -565,50 +516,20 @@ void Agent::reap_orphans() {
 }
 
 nlohmann::json Agent::summary() const {
-  nlohmann::json attempts = nlohmann::json::array();
-  for (const auto& a : attempts_) {
-    nlohmann::json workers = nlohmann::json::array();
-    for (const auto& w : a.workers)
-      workers.push_back({{"rank", w.rank},
-                         {"local_rank", w.local_rank},
-                         {"pid", w.pid},
-                         {"exit_code", w.exit_code},
-                         {"signal", w.signal ? nlohmann::json(signal_name(w.signal)) : nlohmann::json()},
-                         {"duration_s", w.duration_s},
-                         {"stopped_by_agent", w.stopped_by_agent}});
-    std::time_t t = std::chrono::system_clock::to_time_t(a.start);
-    std::sort(workers.begin(), workers.end(), [](const auto& x, const auto& y) { return x["rank"] < y["rank"]; });
-    attempts.push_back({{"restart_count", a.restart_count},
-                        {"start_unix", static_cast<long long>(t)},
-                        {"duration_s", a.duration_s},
-                        {"workers", workers}});
-  }
-  nlohmann::json root = nullptr;
-  if (root_cause_) {
-    const auto& rc = *root_cause_;
-    root = {{"time", rc.time},
-            {"host", rc.host},
-            {"rank", rc.worker.rank},
-            {"local_rank", rc.worker.local_rank},
-            {"exit_code", rc.worker.exit_code},
-            {"signal", rc.worker.signal ? nlohmann::json(signal_name(rc.worker.signal)) : nlohmann::json()},
-            {"message", rc.message},
-            {"error_file", rc.error_file},
-            {"stderr_tail", rc.stderr_tail}};
-  }
-  return {{"mglaunch_version", MGLAUNCH_VERSION},
-          {"run_id", plan_.run_id},
-          {"program", opts_.program},
-          {"nnodes", plan_.nnodes},
-          {"node_rank", plan_.node_rank},
-          {"nproc_per_node", plan_.nproc_per_node},
-          {"world_size", plan_.world_size},
-          {"max_restarts", opts_.max_restarts},
-          {"restarts", restart_count_},
-          {"exit_code", exit_code_},
-          {"agent_signal", agent_signal_ ? nlohmann::json(signal_name(agent_signal_)) : nlohmann::json()},
-          {"root_cause", root},
-          {"attempts", attempts}};
+  RunRecord run;
+  run.run_id = plan_.run_id;
+  run.program = opts_.program;
+  run.nnodes = plan_.nnodes;
+  run.node_rank = plan_.node_rank;
+  run.nproc_per_node = plan_.nproc_per_node;
+  run.world_size = plan_.world_size;
+  run.max_restarts = opts_.max_restarts;
+  run.restarts = restart_count_;
+  run.exit_code = exit_code_;
+  run.agent_signal = agent_signal_;
+  run.root_cause = root_cause_;
+  run.attempts = attempts_;
+  return summary_json(run);
 }
 
 }  // namespace mg

@@ -20,38 +20,13 @@
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/port.h"
+#include "launcher/report.h"
 #include "launcher/worker_process.h"
 #include "proto/messages.h"
 #include "rendezvous/client.h"
 #include "rendezvous/server.h"
 
 namespace mg {
-
-struct WorkerOutcome {
-  int rank = 0;
-  int local_rank = 0;
-  int pid = -1;
-  int exit_code = 0;  // shell style: N or 128+signal
-  int signal = 0;     // terminating signal, 0 if it exited
-  double duration_s = 0;
-  bool stopped_by_agent = false;  // ended because the agent stopped the group
-};
-
-struct RootCause {
-  std::string time;
-  std::string host;
-  WorkerOutcome worker;
-  std::string error_file;
-  std::string message;  // from the torchelastic error file, or the spawn error
-  std::vector<std::string> stderr_tail;
-};
-
-// Reads the message of a torchelastic error file ({"message": {"message": ...}} or
-// {"message": "..."}); empty when absent or unreadable.
-std::string read_error_file_message(const std::string& path);
-
-// The failure report block (several lines, each ending in '\n').
-std::string format_root_cause(const RootCause& rc, const std::string& program);
 
 class Agent {
  public:
@@ -68,12 +43,6 @@ class Agent {
  private:
   // kWaiting: no workers running, waiting for the rendezvous server's decision.
   enum class State { kRunning, kStopping, kWaiting, kDone };
-  struct Attempt {
-    int restart_count = 0;
-    std::chrono::system_clock::time_point start;
-    double duration_s = 0;
-    std::vector<WorkerOutcome> workers;
-  };
 
   void start_attempt();
   void start_rendezvous();
@@ -129,7 +98,7 @@ class Agent {
   int agent_signal_ = 0;       // TERM/INT/HUP that is stopping the run
   int interrupts_ = 0;         // SIGINTs seen (a second one kills at once)
   std::optional<RootCause> root_cause_;
-  std::vector<Attempt> attempts_;
+  std::vector<AttemptRecord> attempts_;
   std::string log_root_;       // {log_dir} or a temporary directory
   bool log_root_is_temp_ = false;
   bool keep_log_root_ = true;

@@ -1,0 +1,105 @@
+#include "launcher/report.h"
+
+#include <string.h>
+
+#include <algorithm>
+#include <ctime>
+#include <fstream>
+
+#include <fmt/format.h>
+
+namespace mg {
+
+std::string now_text() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  return fmt::format("{:04}-{:02}-{:02}_{:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
+                     tm.tm_min, tm.tm_sec);
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+std::string read_error_file_message(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return {};
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("message")) return {};
+  const auto& m = j["message"];
+  if (m.is_string()) return m.get<std::string>();
+  if (m.is_object() && m.contains("message") && m["message"].is_string()) return m["message"].get<std::string>();
+  return m.dump();
+}
+
+std::string format_root_cause(const RootCause& rc, const std::string& program) {
+  const std::string rule(60, '=');
+  std::string out = fmt::format("{}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n", rule, program,
+                                std::string(60, '-'));
+  const auto& w = rc.worker;
+  out += fmt::format("  time       : {}\n  host       : {}\n  rank       : {} (local_rank: {})\n", rc.time, rc.host,
+                     w.rank, w.local_rank);
+  out += w.pid > 0 ? fmt::format("  exitcode   : {} (pid: {})\n", w.exit_code, w.pid)
+                   : fmt::format("  exitcode   : {}\n", w.exit_code);
+  if (w.signal) out += fmt::format("  signal     : {} ({})\n", signal_name(w.signal), w.signal);
+  if (!rc.error_file.empty()) out += fmt::format("  error_file : {}\n", rc.error_file);
+  out += fmt::format("  message    : {}\n", rc.message.empty() ? "<no error file written>" : rc.message);
+  if (!rc.stderr_tail.empty()) {
+    out += "  last stderr lines:\n";
+    for (const auto& l : rc.stderr_tail) out += "    " + l + "\n";
+  }
+  out += rule + "\n";
+  return out;
+}
+
+nlohmann::json summary_json(const RunRecord& run) {
+  auto signal_or_null = [](int sig) { return sig ? nlohmann::json(signal_name(sig)) : nlohmann::json(); };
+  nlohmann::json attempts = nlohmann::json::array();
+  for (const auto& a : run.attempts) {
+    auto sorted = a.workers;
+    std::stable_sort(sorted.begin(), sorted.end(), [](const auto& x, const auto& y) { return x.rank < y.rank; });
+    nlohmann::json workers = nlohmann::json::array();
+    for (const auto& w : sorted)
+      workers.push_back({{"rank", w.rank},
+                         {"local_rank", w.local_rank},
+                         {"pid", w.pid},
+                         {"exit_code", w.exit_code},
+                         {"signal", signal_or_null(w.signal)},
+                         {"duration_s", w.duration_s},
+                         {"stopped_by_agent", w.stopped_by_agent}});
+    attempts.push_back({{"restart_count", a.restart_count},
+                        {"start_unix", static_cast<long long>(std::chrono::system_clock::to_time_t(a.start))},
+                        {"duration_s", a.duration_s},
+                        {"workers", workers}});
+  }
+  nlohmann::json root = nullptr;
+  if (run.root_cause) {
+    const auto& rc = *run.root_cause;
+    root = {{"time", rc.time},
+            {"host", rc.host},
+            {"rank", rc.worker.rank},
+            {"local_rank", rc.worker.local_rank},
+            {"exit_code", rc.worker.exit_code},
+            {"signal", signal_or_null(rc.worker.signal)},
+            {"message", rc.message},
+            {"error_file", rc.error_file},
+            {"stderr_tail", rc.stderr_tail}};
+  }
+  return {{"mglaunch_version", MGLAUNCH_VERSION},
+          {"run_id", run.run_id},
+          {"program", run.program},
+          {"nnodes", run.nnodes},
+          {"node_rank", run.node_rank},
+          {"nproc_per_node", run.nproc_per_node},
+          {"world_size", run.world_size},
+          {"max_restarts", run.max_restarts},
+          {"restarts", run.restarts},
+          {"exit_code", run.exit_code},
+          {"agent_signal", signal_or_null(run.agent_signal)},
+          {"root_cause", root},
+          {"attempts", attempts}};
+}
+
+}  // namespace mg

@@ -1,0 +1,74 @@
+// Reporting of a node's run: the failure report block (torchrun's "Root Cause"), the
+// --summary-json document and the torchelastic error-file reader. Pure functions of the
+// recorded outcomes (read_error_file_message reads one file); the agent records, this
+// unit formats.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace mg {
+
+struct WorkerOutcome {
+  int rank = 0;
+  int local_rank = 0;
+  int pid = -1;
+  int exit_code = 0;  // shell style: N or 128+signal
+  int signal = 0;     // terminating signal, 0 if it exited
+  double duration_s = 0;
+  bool stopped_by_agent = false;  // ended because the agent stopped the group
+};
+
+struct RootCause {
+  std::string time;
+  std::string host;
+  WorkerOutcome worker;
+  std::string error_file;
+  std::string message;  // from the torchelastic error file, or the spawn error
+  std::vector<std::string> stderr_tail;
+};
+
+struct AttemptRecord {
+  int restart_count = 0;
+  std::chrono::system_clock::time_point start;
+  double duration_s = 0;
+  std::vector<WorkerOutcome> workers;  // in the order they ended
+};
+
+// What --summary-json reports about one node's run.
+struct RunRecord {
+  std::string run_id;
+  std::string program;
+  int nnodes = 1;
+  int node_rank = 0;
+  int nproc_per_node = 1;
+  int world_size = 1;
+  int max_restarts = 0;
+  int restarts = 0;
+  int exit_code = 0;
+  int agent_signal = 0;  // the signal that stopped the agent, 0 if none
+  std::optional<RootCause> root_cause;
+  std::vector<AttemptRecord> attempts;
+};
+
+// Reads the message of a torchelastic error file ({"message": {"message": ...}} or
+// {"message": "..."}); empty when absent or unreadable.
+std::string read_error_file_message(const std::string& path);
+
+// The failure report block (several lines, each ending in '\n').
+std::string format_root_cause(const RootCause& rc, const std::string& program);
+
+// "SIGTERM", or "signal N" for a number without a name.
+std::string signal_name(int sig);
+
+// The local time as torchrun prints it: 2026-11-23_10:45:41.
+std::string now_text();
+
+// The --summary-json document; workers of each attempt sorted by rank.
+nlohmann::json summary_json(const RunRecord& run);
+
+}  // namespace mg

@@ -1,0 +1,116 @@
+// The reporting unit: root-cause block, --summary-json document, error-file reader.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "launcher/report.h"
+
+using namespace mg;
+
+namespace {
+
+std::string temp_file(const std::string& content) {
+  char path[] = "/tmp/mgreport_XXXXXX";
+  int fd = ::mkstemp(path);
+  REQUIRE(fd >= 0);
+  ::close(fd);
+  std::ofstream(path) << content;
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("the error file's message is read in both torchelastic layouts, and nothing from garbage") {
+  const auto nested = temp_file(R"({"message": {"message": "boom", "extraInfo": {"timestamp": "0"}}})");
+  const auto flat = temp_file(R"({"message": "flat boom"})");
+  const auto other = temp_file(R"({"message": {"code": 3}})");
+  const auto garbage = temp_file("not json {");
+  CHECK(read_error_file_message(nested) == "boom");
+  CHECK(read_error_file_message(flat) == "flat boom");
+  CHECK(read_error_file_message(other) == R"({"code":3})");
+  CHECK(read_error_file_message(garbage).empty());
+  CHECK(read_error_file_message("/no/such/error.json").empty());
+  for (const auto& p : {nested, flat, other, garbage}) ::unlink(p.c_str());
+}
+
+TEST_CASE("the root-cause block names rank, exit code, signal, error file, message and the stderr tail") {
+  RootCause rc;
+  rc.time = "2026-11-23_10:45:41";
+  rc.host = "node7";
+  rc.worker.rank = 5;
+  rc.worker.local_rank = 1;
+  rc.worker.pid = 4242;
+  rc.worker.exit_code = 128 + SIGSEGV;
+  rc.worker.signal = SIGSEGV;
+  rc.error_file = "/logs/attempt_0/1/error.json";
+  rc.message = "bad batch";
+  rc.stderr_tail = {"line one", "line two"};
+  const std::string out = format_root_cause(rc, "train.py");
+  CHECK(out ==
+        "============================================================\n"
+        "train.py FAILED\n"
+        "------------------------------------------------------------\n"
+        "Root Cause (first observed failure):\n"
+        "  time       : 2026-11-23_10:45:41\n"
+        "  host       : node7\n"
+        "  rank       : 5 (local_rank: 1)\n"
+        "  exitcode   : 139 (pid: 4242)\n"
+        "  signal     : SIGSEGV (11)\n"
+        "  error_file : /logs/attempt_0/1/error.json\n"
+        "  message    : bad batch\n"
+        "  last stderr lines:\n"
+        "    line one\n"
+        "    line two\n"
+        "============================================================\n");
+
+  RootCause bare;  // a failure reported by another node: no pid, no file, no message
+  bare.worker.exit_code = 7;
+  const std::string b = format_root_cause(bare, "x");
+  CHECK_THAT(b, Catch::Contains("  exitcode   : 7\n"));
+  CHECK_THAT(b, Catch::Contains("  message    : <no error file written>\n"));
+  CHECK_THAT(b, !Catch::Contains("signal") && !Catch::Contains("error_file") && !Catch::Contains("stderr"));
+}
+
+TEST_CASE("the run summary sorts each attempt's workers by rank and names signals") {
+  RunRecord run;
+  run.run_id = "job";
+  run.program = "train.py";
+  run.nproc_per_node = 2;
+  run.world_size = 2;
+  run.max_restarts = 1;
+  run.restarts = 1;
+  run.exit_code = 0;
+  AttemptRecord a0;
+  a0.restart_count = 0;
+  a0.start = std::chrono::system_clock::from_time_t(1700000000);
+  a0.workers = {{1, 1, 11, 5, 0, 0.5, false}, {0, 0, 10, 143, SIGTERM, 0.6, true}};  // in the order they ended
+  AttemptRecord a1;
+  a1.restart_count = 1;
+  a1.workers = {{0, 0, 20, 0, 0, 1.0, false}, {1, 1, 21, 0, 0, 1.0, false}};
+  run.attempts = {a0, a1};
+  auto j = summary_json(run);
+  CHECK(j["run_id"] == "job");
+  CHECK(j["restarts"] == 1);
+  CHECK(j["root_cause"].is_null());
+  CHECK(j["agent_signal"].is_null());
+  REQUIRE(j["attempts"].size() == 2);
+  CHECK(j["attempts"][0]["start_unix"] == 1700000000);
+  CHECK(j["attempts"][0]["workers"][0]["rank"] == 0);
+  CHECK(j["attempts"][0]["workers"][0]["signal"] == "SIGTERM");
+  CHECK(j["attempts"][0]["workers"][0]["stopped_by_agent"] == true);
+  CHECK(j["attempts"][0]["workers"][1]["rank"] == 1);
+  CHECK(j["attempts"][0]["workers"][1]["exit_code"] == 5);
+  CHECK(j["attempts"][0]["workers"][1]["signal"].is_null());
+
+  run.agent_signal = SIGINT;
+  run.root_cause = RootCause{"t", "h", {1, 1, 11, 5, 0, 0.5, false}, "", "m", {"tail"}};
+  j = summary_json(run);
+  CHECK(j["agent_signal"] == "SIGINT");
+  CHECK(j["root_cause"]["rank"] == 1);
+  CHECK(j["root_cause"]["exit_code"] == 5);
+  CHECK(j["root_cause"]["stderr_tail"] == nlohmann::json::array({"tail"}));
+}

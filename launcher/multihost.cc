@@ -408,7 +408,7 @@ struct Fanout::Host {
   pid_t pid = -1;
   bool exited = false;
   bool done = false;
-  bool saw_output = false;
+  bool saw_output = false;  // the agent printed something: ssh got through
   int code = 0;
   std::string last_err;
 };
@@ -495,7 +495,6 @@ void Fanout::read_more(Host* hp, int s) {
   hp->pipes[s].async_read_some(asio::buffer(hp->bufs[s]), [this, hp, s](bp::error_code ec, std::size_t n) {
     auto emit = [&](std::string_view line, bool cut) { relay(*hp, s, line, cut); };
     if (n > 0) {
-      if (s == 0) hp->saw_output = true;
       hp->splitters[s].feed(std::string_view(hp->bufs[s].data(), n), emit);
       timers_->console->flush();
     }
@@ -514,6 +513,8 @@ void Fanout::read_more(Host* hp, int s) {
 // Shows one line of a host's stream s with its [host:rankN] or [host] prefix. Stderr goes
 // through the root-cause filter first; a leading \x01 marks a line that already did.
 void Fanout::relay(Host& h, int s, std::string_view line, bool cut) {
+  // The agent spoke (not only ssh): the connection was made.
+  if (line.starts_with("[mglaunch]") || line.starts_with("[rank")) h.saw_output = true;
   if (line.starts_with('\x01')) {
     line.remove_prefix(1);
     s = 1;

@@ -287,6 +287,37 @@ TEST_CASE("over real ssh a launcher killed with SIGKILL still leaves no process 
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 30s));
 }
 
+TEST_CASE("over real ssh a dropped connection stops that host's agent and every other host") {
+  SshServer sshd;
+  if (!sshd.skip_reason().empty()) {
+    WARN("skipped: " << sshd.skip_reason());
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  const std::string pids = dir + "/pids";
+  Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
+                                      fw({"pidfile", pids, "hang", "120"}), {"--grace=5"}));
+  REQUIRE(eventually([&] { return read_pids(pids).size() == 2; }, 60s));
+  // The remote wrapper of node 1 runs under our sshd's session process for that
+  // connection: killing that process drops the connection as a network failure would.
+  pid_t session = -1;
+  for (pid_t p : procs_mentioning(dir)) {
+    const std::string cmd = read_file("/proc/" + std::to_string(p) + "/cmdline");
+    if (cmd.rfind(std::string("sh\0-c\0", 6), 0) != 0 || cmd.find("--node_rank=1") == std::string::npos) continue;
+    std::string stat = read_file("/proc/" + std::to_string(p) + "/stat");
+    const pid_t parent = std::stoi(stat.substr(stat.rfind(')') + 4));
+    if (read_file("/proc/" + std::to_string(parent) + "/cmdline").rfind("sshd", 0) == 0) session = parent;
+  }
+  REQUIRE(session > 0);
+  ::kill(session, SIGKILL);
+  REQUIRE(launcher.wait(60s));
+  INFO(launcher.err());
+  CHECK(launcher.exit_code() == 255);
+  CHECK_THAT(launcher.err(), Catch::Contains("lost the connection to host 127.0.0.3"));
+  for (pid_t p : read_pids(pids)) CHECK(eventually([&] { return !pid_alive(p); }, 30s));
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 30s));
+}
+
 TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
   SshServer sshd;
   if (!sshd.skip_reason().empty()) {

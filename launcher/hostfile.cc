@@ -119,7 +119,9 @@ std::vector<HostEntry> select_hosts(std::vector<HostEntry> hosts, const std::str
   const std::string flag = inc ? "--include" : "--exclude";
   const auto sel = parse_selection(flag, inc ? include : exclude);
   std::map<std::string, std::set<int>> by_host;
-  for (const auto& [h, s] : sel) {
+  for (const auto& item : sel) {
+    const std::string& h = item.first;  // (a plain name: clang 14 cannot capture bindings)
+    const std::set<int>& s = item.second;
     auto it = std::find_if(hosts.begin(), hosts.end(), [&](const HostEntry& e) { return e.host == h; });
     if (it == hosts.end())
       throw UsageError(fmt::format("{} names host {}, which is not in the hostfile", flag, h));

@@ -82,12 +82,9 @@ void FramedConnection::on_read(std::size_t n) {
     const auto avail = std::span<const std::uint8_t>(in_.data() + pos, in_used_ - pos);
     auto size = proto::peek(avail, max_frame_);
     if (size.status == proto::DecodeResult::Status::kError) return shut(size.error);
-    if (size.status == proto::DecodeResult::Status::kNeedMore) {
-      // Make room for the whole frame at once rather than doubling towards it.
-      if (size.consumed > 0 && pos == 0 && !reserve(size.consumed))
-        return shut("the daemon's memory limit is reached; closing");
-      break;
-    }
+    // An incomplete frame: the buffer grows (doubling) only as its bytes arrive, so a
+    // header announcing 1 MiB costs nothing until the megabyte is really sent.
+    if (size.status == proto::DecodeResult::Status::kNeedMore) break;
     const auto bytes = avail.first(size.consumed);
     const std::size_t trailer = recv_mac_ ? auth::kFrameMacBytes : 0;
     if (recv_mac_ && !recv_mac_->verify(bytes))

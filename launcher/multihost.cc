@@ -533,10 +533,14 @@ void Fanout::on_host_exit(Host& h, int status) {
   if (h.code != 0 && first_failure_ == 0 && signal_ == 0) {
     first_failure_ = h.code;
     if (h.code == kExitSshFailed) {
-      notice(fmt::format("{} host {} over ssh (ssh exit 255{}); check the name, that sshd runs there and that "
-                         "'ssh -o BatchMode=yes {} true' works; stopping the other hosts",
-                         h.saw_output ? "lost the connection to" : "cannot reach", h.cmd.host.host,
-                         h.last_err.empty() ? "" : ": " + h.last_err, h.cmd.host.host));
+      const std::string why = h.last_err.empty() ? "" : ": " + h.last_err;
+      if (h.saw_output)
+        notice(fmt::format("lost the connection to host {} (ssh exit 255{}); stopping the other hosts",
+                           h.cmd.host.host, why));
+      else
+        notice(fmt::format("cannot reach host {} over ssh (ssh exit 255{}); check the name, that sshd runs there "
+                           "and that 'ssh -o BatchMode=yes {} true' works; stopping the other hosts",
+                           h.cmd.host.host, why, h.cmd.host.host));
       stop_all("");
     } else {
       // The rendezvous normally stops the other agents with the same root cause at once;

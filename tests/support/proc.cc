@@ -136,6 +136,11 @@ std::vector<std::string> split_lines(const std::string& text) {
   return out;
 }
 
+bool python_has_torch() {
+  static const bool has = run({"/usr/bin/python3", "-c", "import torch"}, {}, std::chrono::seconds(120)).code == 0;
+  return has;
+}
+
 bool pid_alive(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   if (!stat) return false;

@@ -49,6 +49,7 @@ std::vector<std::string> split_lines(const std::string& text);
 std::string read_file(const std::string& path);
 std::string make_temp_dir();
 bool pid_alive(pid_t pid);  // zombies count as gone
+bool python_has_torch();    // /usr/bin/python3 -c "import torch" succeeds (checked once)
 int connect_loopback(int port);  // a connected TCP socket to 127.0.0.1:port, or -1
 
 inline const std::string kMglaunch = MGLAUNCH_BIN;

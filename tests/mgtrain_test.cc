@@ -126,7 +126,7 @@ TEST_CASE("a rank killed mid-run is restarted by mglaunch and resumes from the c
   CHECK(c0["weights_sha256"] == s0["weights_sha256"]);
 }
 
-TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun resumes") {
+TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun ends bit-identical to an uninterrupted run") {
   std::string dir = make_temp_dir();
   std::vector<std::string> argv{kMgtrain};
   auto args = with({"--model", "mlp", "--synthetic-size", "20000", "--batch-size", "4", "--log-every", "1",
@@ -141,10 +141,29 @@ TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun resumes") {
   REQUIRE(p.wait(60s));
   CHECK(p.exit_code() == 75);
   CHECK(std::filesystem::exists(dir + "/checkpoint.pt"));
-  auto again = run({kMgtrain, "--dataset", "synthetic", "--synthetic-size", "20000", "--model", "mlp", "--seed", "5",
-                    "--checkpoint-dir", dir, "--max-steps", "1", "--log-every", "0"},
-                   env, 60s);
-  CHECK_THAT(again.out, Catch::Contains("resumed from"));
+  // The last step it logged; the checkpoint is at most one stop-agreement interval later.
+  long last = 0;
+  for (const auto& line : split_lines(p.out()))
+    if (auto at = line.find(" step "); at != std::string::npos) last = std::atol(line.c_str() + at + 6);
+  REQUIRE(last >= 3);
+  const std::string total = std::to_string(last + 24);
+  auto command = [&](std::vector<std::string> extra) {
+    std::vector<std::string> v{kMgtrain};
+    auto a = with({"--model", "mlp", "--synthetic-size", "20000", "--batch-size", "4", "--max-steps", total});
+    v.insert(v.end(), a.begin(), a.end());
+    v.insert(v.end(), extra.begin(), extra.end());
+    return v;
+  };
+  auto resumed = run(command({"--checkpoint-dir", dir, "--summary-json", dir + "/resumed.json"}), env, 120s);
+  INFO(resumed.err);
+  REQUIRE(resumed.code == 0);
+  CHECK_THAT(resumed.out, Catch::Contains("resumed from"));
+  // Bit-identical to a run that was never stopped.
+  auto clean = command({"--summary-json", dir + "/clean.json"});
+  auto straight = run(clean, env, 120s);
+  REQUIRE(straight.code == 0);
+  CHECK(nlohmann::json::parse(read_file(dir + "/resumed.json"))["weights_sha256"] ==
+        nlohmann::json::parse(read_file(dir + "/clean.json"))["weights_sha256"]);
 }
 
 TEST_CASE("two static agents on 127.0.0.1 and 127.0.0.2 train one model") {

@@ -35,12 +35,22 @@ TEST_CASE("drop_last truncates instead of padding") {
 }
 
 TEST_CASE("shuffling changes per epoch and is the same on every rank for an epoch") {
-  DistributedSampler a(1000, 2, 0, true, 1, false), b(1000, 2, 0, true, 1, false);
-  a.set_epoch(0);
-  b.set_epoch(0);
-  CHECK(a.indices() == b.indices());
-  b.set_epoch(1);
-  CHECK(a.indices() != b.indices());
+  // Rank 0 and rank 1 must split one permutation: disjoint halves that cover the data set
+  // (ranks shuffling differently would overlap), and not the unshuffled stride.
+  DistributedSampler r0(1000, 2, 0, true, 1, false), r1(1000, 2, 1, true, 1, false);
+  r0.set_epoch(0);
+  r1.set_epoch(0);
+  const auto a = r0.indices(), b = r1.indices();
+  std::set<std::int64_t> all(a.begin(), a.end());
+  all.insert(b.begin(), b.end());
+  CHECK(all.size() == 1000);
+  DistributedSampler unshuffled(1000, 2, 0, false, 1, false);
+  CHECK(a != unshuffled.indices());
+  r0.set_epoch(1);
+  CHECK(r0.indices() != a);
+  DistributedSampler again(1000, 2, 0, true, 1, false);  // a new process, same seed and epoch
+  again.set_epoch(0);
+  CHECK(again.indices() == a);
   DistributedSampler plain(10, 2, 1, false, 0, false);
   CHECK(plain.indices() == std::vector<std::int64_t>{1, 3, 5, 7, 9});
 }

@@ -436,3 +436,23 @@ TEST_CASE("a node that loses the rendezvous after its workers were stopped exits
   INFO(a.err());
   CHECK(a.exit_code() == 128 + SIGTERM);  // its worker's own code: stopped by SIGTERM
 }
+
+TEST_CASE("signals reach a worker's process group after its leader has exited") {
+  std::string dir = make_temp_dir();
+  Leftovers left{dir + "/pids"};
+  // Rank 0 leaves a member of its process group behind and exits 0; rank 1 (which
+  // survives SIGUSR1) keeps the run going.
+  Proc agent = spawn(standalone({"--nproc_per_node=2"}, {"trap-usr", "print", "ready", "when-rank", "0", "pidfile", dir + "/leader", "spawn-child",
+                                                        "group-usr", left.pidfile, "exit", "0"}));
+  REQUIRE(eventually([&] { return read_pids(left.pidfile).size() == 1 && read_pids(dir + "/leader").size() == 1; },
+                     30s));
+  REQUIRE(eventually([&] { return split_lines(agent.out()).size() == 2; }, 30s));  // both ranks trap SIGUSR1
+  const pid_t leader = read_pids(dir + "/leader")[0];
+  REQUIRE(eventually([&] { return !pid_alive(leader); }, 30s));
+  ::kill(agent.pid, SIGUSR1);
+  CHECK(eventually([&] { return read_file(left.pidfile + ".usr").find("got SIGUSR1") != std::string::npos; }, 20s));
+  ::kill(agent.pid, SIGTERM);
+  REQUIRE(agent.wait(30s));
+  CHECK(agent.exit_code() == 128 + SIGTERM);
+  CHECK(left.alive().empty());
+}

@@ -16,7 +16,8 @@
 //   stamp FILE TAG      append "TAG RESTART_COUNT RANK CLOCK_REALTIME_NS" to FILE
 //   spawn-child K PATH  start a process that ignores SIGTERM, has /dev/null as stdio and
 //                       sleeps 60 s, and append its pid to PATH. K = group: a plain child
-//                       (same process group); daemon: double fork + setsid
+//                       (same process group); daemon: double fork + setsid; group-usr: a
+//                       plain child that appends "got SIGUSR1" to PATH.usr on SIGUSR1
 //   expect-dead PATH    exit 9 unless every pid in PATH is gone within 10 s
 //   wait-file PATH      wait until PATH exists (exit 8 after 30 s)
 //   listen-master       bind (SO_REUSEADDR, as c10d's TCPStore) and listen on
@@ -77,6 +78,14 @@ void append_pid(const char* path, long pid) {
   int fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   std::string line = std::to_string(pid) + "\n";
   ssize_t ignored = ::write(fd, line.data(), line.size());
+  (void)ignored;
+  ::close(fd);
+}
+
+char usr_path[4096];
+void on_usr_to_file(int) {
+  int fd = ::open(usr_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  ssize_t ignored = ::write(fd, "got SIGUSR1\n", 12);
   (void)ignored;
   ::close(fd);
 }
@@ -185,9 +194,13 @@ int main(int argc, char** argv) {
       std::string_view kind = arg();
       const char* path = arg();
       std::fflush(nullptr);
-      if (kind == "group") {
+      if (kind == "group" || kind == "group-usr") {
+        std::snprintf(usr_path, sizeof(usr_path), "%s.usr", path);
         pid_t pid = ::fork();
-        if (pid == 0) straggle();
+        if (pid == 0) {
+          if (kind == "group-usr") ::signal(SIGUSR1, on_usr_to_file);
+          straggle();
+        }
         append_pid(path, pid);
       } else if (kind == "daemon") {
         int p[2];

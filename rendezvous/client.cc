@@ -217,8 +217,9 @@ void Client::worker_failed(proto::WorkerFailed f) {
 }
 
 void Client::node_done(int round) {
+  // No decision deadline here: "done" comes when the slowest node finishes, and the
+  // heartbeat echo already tells a dead server from a slow job.
   done_sent_ = true;
-  wait_for_decision();
   if (connected() && welcomed_) conn_->send(proto::to_frame(proto::NodeDone{round}));
 }
 

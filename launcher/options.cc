@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launcher/errors.h"
+#include "rendezvous/endpoint.h"
 #include "slurm/env.h"
 
 namespace mg {
@@ -214,6 +215,16 @@ void apply_slurm(AgentOptions& o, std::string& nnodes, const std::map<std::strin
                                       sp.rdzv_port.value);
         src["rdzv_endpoint"] = fmt::format("{} '{}' ({}), port: {}", sp.rdzv_host.source, sp.rdzv_host.value, a.how,
                                            sp.rdzv_port.source);
+        // Node 0 hosts it, the others only join (an explicit --rdzv_conf is_host=... still wins).
+        o.rdzv_is_host = o.node_rank == 0;
+        if (o.node_rank != 0 || o.rdzv_conf.find("is_host") != std::string::npos) return;
+        auto busy = probe.listen_error ? probe.listen_error(a.address, sp.rdzv_port.value)
+                                       : rdzv::probe_listen(a.address, sp.rdzv_port.value);
+        if (busy)
+          throw UsageError(fmt::format(
+              "the rendezvous port of this Slurm step, {}:{} ({}), cannot be used on node 0: {}; another program or a "
+              "step whose hash collides holds it: run srun with --resv-ports, or give --rdzv_endpoint={}:FREE_PORT",
+              a.address, sp.rdzv_port.value, sp.rdzv_port.source, *busy, a.address));
       });
       where = fmt::format("rendezvous {} on {}", o.rdzv_endpoint, sp.rdzv_host.value);
     }

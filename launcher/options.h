@@ -46,6 +46,8 @@ struct HardwareProbe {
   };
   std::function<NodeAddress(const std::string& node_name)> node_address{};
   std::function<std::pair<int, int>()> ephemeral_ports{};  // /proc/sys/net/ipv4/ip_local_port_range
+  // Why HOST:PORT cannot be listened on (in use, ...), nullopt when it can.
+  std::function<std::optional<std::string>(const std::string& host, int port)> listen_error{};
   static HardwareProbe system();
 };
 

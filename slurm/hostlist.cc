@@ -136,7 +136,7 @@ int zero_padding(unsigned long long n, int width) {
   return width > digits ? width - digits : 0;
 }
 
-// Slurm's _width_equiv: may a range ending at n (width wn) continue with m (width wm)?
+// Slurm's _width_equiv: may a range starting at n (width wn) go on with m (width wm)?
 // On success the widths are made equal.
 bool width_equiv(unsigned long long n, int& wn, unsigned long long m, int& wm) {
   if (wn == wm) return true;
@@ -194,7 +194,7 @@ std::string compress_hostlist(const std::vector<std::string>& hosts) {
       HostRange& tail = ranges.back();
       int tw = tail.width, hw = h.width;
       if (h.numbered && tail.numbered && tail.prefix == h.prefix && tail.hi + 1 == h.num &&
-          width_equiv(tail.hi, tw, h.num, hw)) {
+          width_equiv(tail.lo, tw, h.num, hw)) {  // Slurm compares with the range's low end
         tail.width = tw;
         tail.hi = h.num;
         continue;

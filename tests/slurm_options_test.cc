@@ -19,6 +19,7 @@ HardwareProbe fake_probe() {
     return HardwareProbe::NodeAddress{"127.0.0." + name.substr(1), "NodeAddr from the fake scontrol"};
   };
   p.ephemeral_ports = [] { return std::pair{32768, 60999}; };
+  p.listen_error = [](const std::string&, int) { return std::optional<std::string>(); };
   return p;
 }
 
@@ -136,4 +137,24 @@ TEST_CASE("--dry-run under Slurm shows the expanded nodes and the source of each
   CHECK(j["source"]["node_rank"] == "SLURM_NODEID=1");
   CHECK(j["source"]["nodes"] == "SLURM_STEP_NODELIST=n[1-3]");
   CHECK_THAT(j["source"]["local_addr"].get<std::string>(), Catch::Contains("SLURMD_NODENAME=n2"));
+}
+
+TEST_CASE("node 0 hosts the Slurm step's rendezvous and the other nodes only join") {
+  CHECK(parse({"prog"}, step_env(0)).rdzv_is_host == true);
+  CHECK(parse({"prog"}, step_env(2)).rdzv_is_host == false);
+  CHECK(parse({"--rdzv_conf=is_host=false", "prog"}, step_env(0)).rdzv_is_host == false);
+}
+
+TEST_CASE("a taken rendezvous port on node 0 is an error that names it and the way out") {
+  HardwareProbe probe = fake_probe();
+  probe.listen_error = [](const std::string&, int) { return std::optional<std::string>("address already in use"); };
+  try {
+    parse_agent_args({"mglaunch", "prog"}, step_env(0), probe);
+    FAIL("expected a UsageError");
+  } catch (const UsageError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("127.0.0.1:") && Catch::Contains("address already in use") &&
+                             Catch::Contains("--resv-ports") && Catch::Contains("--rdzv_endpoint"));
+  }
+  // Only node 0 binds it: the others do not look.
+  CHECK(parse_agent_args({"mglaunch", "prog"}, step_env(1), probe).options);
 }

@@ -315,3 +315,23 @@ TEST_CASE("a worker that fails while the daemon is down is reported when the dae
   ::kill(second.proc.pid, SIGTERM);
   second.proc.wait(5s);
 }
+
+TEST_CASE("a node whose workers finished early waits for the slowest node beyond join_timeout") {
+  Daemon d = start_daemon();
+  const std::string go = make_temp_dir() + "/go";
+  const std::vector<std::string> flags{"--rdzv_conf=join_timeout=2"};
+  Proc fast = spawn(agent_argv(d.endpoint, "slow", 2, "2", 1, flags, {"print", "fast-done"}));
+  Proc slow = spawn(agent_argv(d.endpoint, "slow", 3, "2", 1, flags, {"wait-file", go, "print", "slow-done"}));
+  REQUIRE(eventually([&] { return fast.out().find("fast-done") != std::string::npos; }, 20s));
+  // Past join_timeout (2 s) plus the client's margin (2 s), the finished node still waits.
+  CHECK_FALSE(eventually([&] { return !pid_alive(fast.pid) || !pid_alive(slow.pid); }, 6s));
+  { std::ofstream(go) << "now"; }
+  REQUIRE(fast.wait(30s));
+  REQUIRE(slow.wait(30s));
+  INFO(fast.err() << slow.err());
+  CHECK(fast.exit_code() == 0);
+  CHECK(slow.exit_code() == 0);
+  CHECK_THAT(fast.out() + slow.out(), Catch::Contains("slow-done"));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -42,21 +44,25 @@ void write_all(int fd, std::string_view data) { write_fully(fd, data); }
 
 // The asynchronous half. `queued`, `waiting` are shared with the writer threads (atomics);
 // the queues are under their stream's mutex; `waiters` and `guard` belong to the io thread.
+// Streams: 0 stdout, 1 stderr, 2 log files (one writer for all of them).
 struct Console::Async {
-  struct Stream {
+  struct Item {
     int fd = -1;
+    std::string data;
+    bool close = false;  // close fd once what came before is written
+  };
+  struct Stream {
     std::mutex m;
     std::condition_variable cv;
-    std::deque<std::string> q;
+    std::deque<Item> q;
     bool stop = false;
     std::atomic<std::size_t> queued{0};
     std::thread thread;
   };
+  static constexpr int kFiles = 2;
 
   Async(asio::io_context& io, int out_fd, int err_fd, std::size_t high_water)
-      : io(io), high(high_water ? high_water : 1), low(high / 4) {
-    streams[0].fd = out_fd;
-    streams[1].fd = err_fd;
+      : io(io), high(high_water ? high_water : 1), low(high / 4), fds{out_fd, err_fd} {
     for (auto& s : streams) s.thread = std::thread([this, &s] { run(s); });
   }
 
@@ -73,37 +79,47 @@ struct Console::Async {
 
   void push(int stream, std::string data) {
     if (data.empty()) return;
+    push_item(stream, {fds[stream], std::move(data), false});
+  }
+
+  void push_item(int stream, Item item) {
     auto& s = streams[stream];
-    s.queued += data.size();
+    s.queued += item.data.size();
     {
       std::lock_guard<std::mutex> lk(s.m);
-      s.q.push_back(std::move(data));
+      s.q.push_back(std::move(item));
     }
     s.cv.notify_one();
   }
 
   bool above(std::size_t limit) const {
-    return streams[0].queued.load() > limit || streams[1].queued.load() > limit;
+    return std::any_of(std::begin(streams), std::end(streams), [&](const Stream& s) { return s.queued.load() > limit; });
   }
 
-  // Writer thread of one stream: blocking writes, whole queue entries.
+  // Writer thread of one stream: blocking writes of whole queue entries, in order.
   void run(Stream& s) {
-    bool failed = false;  // a closed console: keep draining the queue, write nothing
+    std::vector<int> failed;  // fds that failed (a closed console): skip their data
     for (;;) {
-      std::string chunk;
+      Item chunk;
       {
         std::unique_lock<std::mutex> lk(s.m);
         s.cv.wait(lk, [&] { return s.stop || !s.q.empty(); });
         if (s.q.empty()) return;
         chunk = std::move(s.q.front());
         s.q.pop_front();
-        while (!s.q.empty() && chunk.size() + s.q.front().size() <= kMaxWrite) {
-          chunk += s.q.front();
+        while (!chunk.close && !s.q.empty() && s.q.front().fd == chunk.fd && !s.q.front().close &&
+               chunk.data.size() + s.q.front().data.size() <= kMaxWrite) {
+          chunk.data += s.q.front().data;
           s.q.pop_front();
         }
       }
-      if (!failed) failed = !write_fully(s.fd, chunk);
-      s.queued -= chunk.size();
+      const bool bad = std::find(failed.begin(), failed.end(), chunk.fd) != failed.end();
+      if (!bad && !chunk.data.empty() && !write_fully(chunk.fd, chunk.data)) failed.push_back(chunk.fd);
+      if (chunk.close) {
+        ::close(chunk.fd);
+        failed.erase(std::remove(failed.begin(), failed.end(), chunk.fd), failed.end());
+      }
+      s.queued -= chunk.data.size();
       if (waiting.load() && !above(low)) asio::post(io, [this] { resume(); });
     }
   }
@@ -127,7 +143,8 @@ struct Console::Async {
 
   asio::io_context& io;
   const std::size_t high, low;
-  Stream streams[2];
+  const int fds[2];
+  Stream streams[3];
   std::atomic<bool> waiting{false};
   std::vector<std::function<void()>> waiters;
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard;
@@ -182,6 +199,23 @@ void Console::write(int stream, std::string_view text) {
     async_->push(stream, std::string(text));
   } else {
     write_all(fds_[stream], text);
+  }
+}
+
+void Console::write_file(int fd, std::string_view data) {
+  if (data.empty()) return;
+  if (async_) {
+    async_->push_item(Async::kFiles, {fd, std::string(data), false});
+  } else {
+    write_all(fd, data);
+  }
+}
+
+void Console::close_file(int fd) {
+  if (async_) {
+    async_->push_item(Async::kFiles, {fd, {}, true});
+  } else {
+    ::close(fd);
   }
 }
 

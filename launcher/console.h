@@ -5,10 +5,10 @@
 // Two modes:
 //  - synchronous (out_fd, err_fd, timestamps): flush() writes with blocking write() calls;
 //    for callers without an event loop to protect.
-//  - asynchronous (io, out_fd, err_fd, timestamps): flush() and write() only queue; one
-//    writer thread per stream does the blocking write() calls, so a stalled stdout (a
-//    paused terminal, a slow pipe reader) never stops the event loop (heartbeats,
-//    signals, exits). The queue is bounded by back-pressure: above `high_water` bytes
+//  - asynchronous (io, out_fd, err_fd, timestamps): flush(), write() and write_file()
+//    only queue; writer threads (stdout, stderr, log files) do the blocking write() calls,
+//    so a stalled stdout (a paused terminal, a slow pipe reader) or a stalled log file
+//    system never stops the event loop (heartbeats, signals, exits). The queue is bounded by back-pressure: above `high_water` bytes
 //    queued on a stream congested() is true and the readers of worker pipes are expected
 //    to stop reading and call when_uncongested(); their callbacks run on `io` once every
 //    stream is below a quarter of it. The destructor writes what is queued (blocking, as
@@ -46,6 +46,11 @@ class Console {
   void begin_batch();
   // Writes (or queues) `text` as is, after everything before it on that stream.
   void write(int stream, std::string_view text);
+  // Log files: writes (or queues) `data` to `fd`; close_file closes fd after what was
+  // queued for it. In asynchronous mode one writer thread serves every log file and their
+  // queue counts for congested() too. The console owns fd from the first call on.
+  void write_file(int fd, std::string_view data);
+  void close_file(int fd);
 
   // Asynchronous mode: too much is queued; stop producing. Always false when synchronous.
   bool congested() const;

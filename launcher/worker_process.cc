@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstring>
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/readable_pipe.hpp>
@@ -172,7 +173,7 @@ struct WorkerProcess::Impl {
   std::array<asio::readable_pipe, 2> pipes;
   std::array<std::array<char, 64 * 1024>, 2> bufs;
   std::array<bool, 2> open{false, false};
-  std::array<FILE*, 2> files{nullptr, nullptr};
+  std::array<int, 2> files{-1, -1};  // log files; the console closes them
   std::array<std::unique_ptr<LineSplitter>, 2> splitters;
   std::unique_ptr<bp::basic_process_handle<asio::io_context::executor_type>> handle;
   asio::steady_timer drain;
@@ -184,8 +185,15 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
   for (int s = 0; s < 2; ++s) {
     impl_->splitters[s] = std::make_unique<LineSplitter>(spec_.max_line_bytes);
     if (!spec_.log_file[s].empty()) {
-      impl_->files[s] = std::fopen(spec_.log_file[s].c_str(), "we");
-      if (!impl_->files[s]) spawn_error_ = fmt::format("cannot open log file {}", spec_.log_file[s]);
+      // O_NONBLOCK only for the open (a FIFO without a reader must not hang the agent);
+      // the console's writer thread writes blocking.
+      const int fd = ::open(spec_.log_file[s].c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0666);
+      if (fd < 0) {
+        spawn_error_ = fmt::format("cannot open log file {}: {}", spec_.log_file[s], std::strerror(errno));
+        continue;
+      }
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+      impl_->files[s] = fd;
     }
   }
   std::vector<const char*> envp;
@@ -227,8 +235,8 @@ WorkerProcess::~WorkerProcess() {
     int status = 0;
     if (impl_->handle) impl_->handle->wait(status, ec);  // reap; SIGKILL cannot be ignored
   }
-  for (FILE* f : impl_->files)
-    if (f) std::fclose(f);
+  for (int fd : impl_->files)
+    if (fd >= 0) console_.close_file(fd);  // after what is queued for it
 }
 
 void WorkerProcess::signal_group(int sig) {
@@ -249,7 +257,7 @@ double WorkerProcess::duration_s() const {
 }
 
 void WorkerProcess::read_more(int s) {
-  if (spec_.console[s] && console_.congested()) {
+  if ((spec_.console[s] || impl_->files[s] >= 0) && console_.congested()) {
     // Back-pressure: the worker blocks on its full pipe until the console caught up.
     paused_[s] = true;
     console_.when_uncongested([this, s, alive = std::weak_ptr<int>(alive_)] {
@@ -278,10 +286,7 @@ void WorkerProcess::emit(int s, std::string_view line, bool cut) {
 }
 
 void WorkerProcess::on_data(int s, std::string_view data) {
-  if (FILE* f = impl_->files[s]) {
-    std::fwrite(data.data(), 1, data.size(), f);
-    std::fflush(f);
-  }
+  if (impl_->files[s] >= 0) console_.write_file(impl_->files[s], data);
   if (!spec_.console[s] && s != 1) return;  // nothing to show or keep
   console_.begin_batch();
   impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut); });

@@ -9,9 +9,11 @@
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -455,4 +457,55 @@ TEST_CASE("signals reach a worker's process group after its leader has exited") 
   REQUIRE(agent.wait(30s));
   CHECK(agent.exit_code() == 128 + SIGTERM);
   CHECK(left.alive().empty());
+}
+
+TEST_CASE("a stalled log file does not stop the heartbeats: the 2-node job completes once it is read") {
+  Daemon d = start_daemon();
+  const std::vector<std::string> rdzv{"--rdzv_conf=keep_alive_interval=0.5,keep_alive_max_attempt=2"};
+  constexpr long kLines = 100000;
+  // Node 1's stdout.log is a FIFO this test holds open and does not read for a while
+  // (a log file system that stalls).
+  const std::string dir = make_temp_dir();
+  const std::string attempt_dir = dir + "/stall-log/attempt_0/0";
+  std::filesystem::create_directories(attempt_dir);
+  const std::string fifo = attempt_dir + "/stdout.log";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  REQUIRE(reader >= 0);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{reader};
+  auto flags = rdzv;
+  flags.insert(flags.end(), {"--log_dir", dir, "--redirects", "1"});
+  Proc a = spawn(node_argv(d.endpoint, "stall-log", 1, 2, flags, {"lines", std::to_string(kLines)}));
+  Proc b = spawn(node_argv(d.endpoint, "stall-log", 2, 2, rdzv, {"print", "b-done"}));
+  REQUIRE(eventually([&] {
+    int queued = 0;
+    return ::ioctl(reader, FIONREAD, &queued) == 0 && queued >= 65536;
+  }, 30s));
+  REQUIRE(eventually([&] { return b.out().find("b-done") != std::string::npos; }, 30s));
+  // Five heartbeat timeouts with the log file stalled.
+  const bool b_ended_during_stall = eventually([&] { return ::waitpid(b.pid, &b.status, WNOHANG) == b.pid; }, 5s);
+  INFO(b.err());
+  CHECK_FALSE(b_ended_during_stall);
+  const std::string out = read_to_end(reader, 120s);
+  REQUIRE(a.wait(30s));
+  INFO(a.err());
+  CHECK(a.exit_code() == 0);
+  REQUIRE(b.wait(30s));
+  CHECK(b.exit_code() == 0);
+  long next = 0, bad = 0;
+  for (const auto& l : split_lines(out)) {
+    // "R:i:abc...789", raw (no prefix in log files)
+    auto c1 = l.find(':'), c2 = l.find(':', c1 + 1);
+    if (c2 == std::string::npos || l.substr(c2 + 1) != "abcdefghijklmnopqrstuvwxyz0123456789" ||
+        l.substr(c1 + 1, c2 - c1 - 1) != std::to_string(next)) {
+      ++bad;
+      continue;
+    }
+    ++next;
+  }
+  CHECK(bad == 0);
+  CHECK(next == kLines);
 }

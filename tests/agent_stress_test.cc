@@ -29,18 +29,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 std::vector<std::string> standalone(std::vector<std::string> flags, std::vector<std::string> worker) {
   std::vector<std::string> argv{kMglaunch, "--standalone"};
   argv.insert(argv.end(), flags.begin(), flags.end());
@@ -49,8 +37,7 @@ std::vector<std::string> standalone(std::vector<std::string> flags, std::vector<
   return argv;
 }
 
-// One agent of an n-node job on 127.0.0.<index> against the rendezvous at `endpoint`
-// (the first agent to come hosts it).
+// One agent of an n-node job on 127.0.0.<index> against the rendezvous at `endpoint`.
 std::vector<std::string> node_argv(const std::string& endpoint, const std::string& job, int index, int nnodes,
                                    std::vector<std::string> flags, std::vector<std::string> worker) {
   std::vector<std::string> argv{kMglaunch,
@@ -115,8 +102,9 @@ struct Daemon {
   std::string endpoint;
 };
 
-Daemon start_daemon() {
-  Daemon d{spawn({kRdzvDaemon, "--listen", "127.0.0.1:0"}), ""};
+// mglaunch-rdzv on a port it picks itself (no bind-close-reuse race).
+Daemon start_daemon(const std::map<std::string, std::string>& env = {}) {
+  Daemon d{spawn({kRdzvDaemon, "--listen", "127.0.0.1:0"}, env), ""};
   REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
   auto line = split_lines(d.proc.out()).at(0);
   REQUIRE(line.rfind("listening on ", 0) == 0);
@@ -187,7 +175,8 @@ std::string read_to_end(int fd, std::chrono::milliseconds timeout) {
 
 TEST_CASE("a worker inherits no descriptor of the agent: only stdin, stdout and stderr") {
   SECTION("in a 2-node job, where the agent holds rendezvous sockets") {
-    const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+    Daemon d = start_daemon();
+    const std::string& ep = d.endpoint;
     Proc a = spawn(node_argv(ep, "fds", 1, 2, {}, {"fds"}));
     Proc b = spawn(node_argv(ep, "fds", 2, 2, {}, {"fds"}));
     for (auto* p : {&a, &b}) {
@@ -216,8 +205,9 @@ TEST_CASE("a worker inherits no descriptor of the agent: only stdin, stdout and 
 
 TEST_CASE("the rendezvous token never reaches a worker's environment") {
   const std::string token = "s3cret-token-" + std::to_string(::getpid());
-  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
   const std::map<std::string, std::string> env{{"MGLAUNCH_RDZV_TOKEN", token}};
+  Daemon d = start_daemon(env);
+  const std::string& ep = d.endpoint;
   Proc a = spawn(node_argv(ep, "token", 1, 2, {}, {"env"}), env);
   Proc b = spawn(node_argv(ep, "token", 2, 2, {}, {"env"}), env);
   for (auto* p : {&a, &b}) {
@@ -270,7 +260,8 @@ TEST_CASE("a straggler in the worker's group and a daemonised grandchild do not 
     CHECK(left.alive().empty());
   }
   SECTION("in a 2-node job") {
-    const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+    Daemon d = start_daemon();
+    const std::string& ep = d.endpoint;
     Proc a = spawn(node_argv(ep, "leftovers", 1, 2, {}, with({"exit", "0"})));
     Proc b = spawn(node_argv(ep, "leftovers", 2, 2, {}, with({"exit", "0"})));
     for (auto* p : {&a, &b}) {

@@ -96,7 +96,7 @@ TEST_CASE("an explicit static rendezvous under Slurm gets node 0 as master on th
   CHECK(o.master_port < 32768);
 }
 
-TEST_CASE("--no-slurm and plain shells leave the flags alone") {
+TEST_CASE("the --no-slurm flag and plain shells leave the flags alone") {
   const AgentOptions o = parse({"--no-slurm", "prog"}, step_env(1));
   CHECK_FALSE(o.slurm);
   CHECK(o.nnodes.max == 1);
@@ -106,7 +106,7 @@ TEST_CASE("--no-slurm and plain shells leave the flags alone") {
   CHECK_FALSE(parse({"prog"}, batch).slurm);
 }
 
-TEST_CASE("--standalone under Slurm stays one node and takes only the worker count") {
+TEST_CASE("a --standalone run under Slurm stays one node and takes only the worker count") {
   const AgentOptions o = parse({"--standalone", "prog"}, step_env(1));
   CHECK(o.nnodes.max == 1);
   CHECK(o.nproc_per_node == 4);
@@ -123,7 +123,7 @@ TEST_CASE("a broken Slurm environment is a usage error that names the variable")
   }
 }
 
-TEST_CASE("--dry-run under Slurm shows the expanded nodes and the source of each value") {
+TEST_CASE("the --dry-run plan under Slurm shows the expanded nodes and the source of each value") {
   const AgentOptions o = parse({"--dry-run", "/bin/true"}, step_env(1));
   const RunPlan plan = make_plan(o, step_env(1));
   const nlohmann::json j = plan_to_json(plan, o, step_env(1));

@@ -186,12 +186,14 @@ TEST_CASE("mglaunch-sbatch --wait runs the job and returns its exit code, argume
   INFO(out);
   for (int rank = 0; rank < 6; ++rank)
     CHECK_THAT(out, Catch::Contains("[rank" + std::to_string(rank) + "]:it's a \"quoted\" $HOME arg\n"));
-  CHECK(c->job(id)["ExitCode"] == "0:0");
+  auto job = c->job(id);
+  INFO("JobState=" << job["JobState"] << " ExitCode=" << job["ExitCode"]);
+  CHECK(job["ExitCode"] == "0:0");
 
   auto bad = c->run({kSbatchTool, "--nodes", "2", "--wait", "--output", dir + "/bad-%j.out", "--", kFakeWorker,
                      "exit", "7"},
                     180s);
-  INFO(bad.out << bad.err);
+  INFO(bad.out << bad.err << read_file(dir + "/bad-" + job_id_of(bad.out) + ".out"));
   CHECK(bad.code == 7);
 }
 
@@ -293,10 +295,15 @@ TEST_CASE("pre-emption drill: USR1, checkpoint, requeue, resume, same final weig
   CHECK_THAT(job_out(), Catch::Contains("run 1 on") && Catch::Contains("resumed from"));
   const auto drill_sum = nlohmann::json::parse(read_file(dir + "/drill-0.json"));
   CHECK(drill_sum["weights_sha256"] == ref_sum["weights_sha256"]);
+  std::smatch resumed;
+  const std::string rerun = job_out();
+  std::regex_search(rerun, resumed, std::regex("resumed from \\S+ at step ([0-9]+)"));
   CHECK(nlohmann::json::parse(read_file(dir + "/drill-1.json"))["weights_sha256"] == ref_sum["weights_sha256"]);
   std::printf(
       "drill timings: uninterrupted run %.1f s; submit -> USR1 %.1f s; USR1 -> requeued (Restarts=1) %.1f s; "
-      "requeued -> running again after StartTime=now %.1f s; running -> completed %.1f s; total %.1f s\n",
-      ref_s, t_usr1, t_requeued - t_usr1, t_restarted - t_requeued, t_done - t_restarted, t_done);
+      "requeued -> running again after StartTime=now %.1f s; running -> completed %.1f s (resumed at step %s of 600); "
+      "total %.1f s\n",
+      ref_s, t_usr1, t_requeued - t_usr1, t_restarted - t_requeued, t_done - t_restarted,
+      resumed.size() > 1 ? resumed[1].str().c_str() : "?", t_done);
 }
 #endif

@@ -13,8 +13,8 @@ constexpr std::size_t kKeepBuffer = 64 * 1024;  // larger buffers shrink back on
 }  // namespace
 
 FramedConnection::FramedConnection(asio::ip::tcp::socket socket, std::size_t max_frame,
-                                   std::shared_ptr<MemoryBudget> budget)
-    : socket_(std::move(socket)), max_frame_(max_frame), budget_(std::move(budget)) {
+                                   std::shared_ptr<MemoryBudget> budget, std::shared_ptr<Traffic> traffic)
+    : socket_(std::move(socket)), max_frame_(max_frame), budget_(std::move(budget)), traffic_(std::move(traffic)) {
   boost::system::error_code ec;
   auto ep = socket_.remote_endpoint(ec);
   peer_address_ = ec ? "?" : ep.address().to_string();
@@ -77,6 +77,7 @@ void FramedConnection::read_more() {
 void FramedConnection::on_read(std::size_t n) {
   if (in_used_ == 0 && n > 0) partial_since_ = Clock::now();
   in_used_ += n;
+  if (traffic_) traffic_->bytes_in += n;
   std::size_t pos = 0;
   while (open_) {
     const auto avail = std::span<const std::uint8_t>(in_.data() + pos, in_used_ - pos);
@@ -93,6 +94,7 @@ void FramedConnection::on_read(std::size_t n) {
     if (r.status != proto::DecodeResult::Status::kOk) return shut(r.error.empty() ? "malformed frame" : r.error);
     pos += r.consumed;
     last_frame_ = Clock::now();
+    if (traffic_) ++traffic_->frames_in;
     on_frame_(r.frame);
   }
   if (!open_) return;
@@ -117,6 +119,10 @@ bool FramedConnection::send(const proto::Frame& frame) {
   }
   if (send_mac_) send_mac_->sign(bytes);
   out_bytes_ += bytes.size();
+  if (traffic_) {
+    ++traffic_->frames_out;
+    traffic_->bytes_out += bytes.size();
+  }
   // A peer that does not read its replies must not make us buffer without bound.
   if (out_bytes_ > 4 * std::max(max_frame_, proto::kDefaultMaxFrame)) {
     shut("the peer does not read what is sent to it; closing");

@@ -35,6 +35,11 @@ struct MemoryBudget {
   void release(std::size_t n) { used -= std::min(n, used); }
 };
 
+// Frames and bytes through every connection that shares it (for metrics).
+struct Traffic {
+  std::uint64_t frames_in = 0, frames_out = 0, bytes_in = 0, bytes_out = 0;
+};
+
 class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
  public:
   using Clock = std::chrono::steady_clock;
@@ -42,7 +47,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   using CloseHandler = std::function<void(const std::string& why)>;
 
   FramedConnection(boost::asio::ip::tcp::socket socket, std::size_t max_frame = proto::kDefaultMaxFrame,
-                   std::shared_ptr<MemoryBudget> budget = nullptr);
+                   std::shared_ptr<MemoryBudget> budget = nullptr, std::shared_ptr<Traffic> traffic = nullptr);
   ~FramedConnection();
   void start(FrameHandler on_frame, CloseHandler on_close);
   // Returns false (and closes, telling the close handler why) when the frame cannot be sent.
@@ -72,6 +77,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   boost::asio::ip::tcp::socket socket_;
   std::size_t max_frame_;
   std::shared_ptr<MemoryBudget> budget_;
+  std::shared_ptr<Traffic> traffic_;
   std::vector<std::uint8_t> in_;
   std::size_t in_used_ = 0;
   std::deque<std::vector<std::uint8_t>> out_;

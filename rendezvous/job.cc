@@ -228,6 +228,7 @@ Actions Job::disconnected(SessionId s, Clock::time_point now) {
   rc.rank = -1;
   rc.exit_code = 1;
   rc.message = fmt::format("node {} ({}) lost: its connection closed", it->second.join.host, it->second.join.addr);
+  ++disconnects_;
   return fail_or_restart(rc, rc.message, s, now);
 }
 
@@ -258,6 +259,7 @@ Actions Job::tick(Clock::time_point now) {
       rc.exit_code = 1;
       rc.message = fmt::format("node {} ({}) missed {} heartbeats ({} ms apart): hung or unreachable", n.join.host,
                                n.join.addr, config_.keep_alive_max_attempt, config_.keep_alive_ms);
+      ++missed_heartbeats_;
       auto out = fail_or_restart(rc, rc.message, s, now);
       // The silent node is told too, in case it is only slow.
       out.push_back({s, proto::to_frame(proto::Abort{rc, rc.message})});

@@ -46,6 +46,11 @@ class Job {
   State state() const { return state_; }
   int restart_count() const { return restart_count_; }
   int round() const { return round_; }
+  // For metrics: nodes in the running round (or waiting for the next), nodes lost by a
+  // closed connection, and by missed heartbeats.
+  std::size_t nodes() const { return members_.size() + joined_.size(); }
+  int disconnects() const { return disconnects_; }
+  int missed_heartbeats() const { return missed_heartbeats_; }
   bool finished() const { return state_ == State::kDone || state_ == State::kFailed; }
   Clock::time_point last_activity() const { return last_activity_; }
   // Memory held for this job's nodes, roughly (the daemon's --max-memory accounting).
@@ -79,6 +84,7 @@ class Job {
   bool rebuilding_ = false;            // the round is being rebuilt from re-registrations
   std::optional<proto::Abort> abort_;  // the decision of a failed job, for late re-registrations
   std::string restart_reason_;         // of the restart in progress
+  int disconnects_ = 0, missed_heartbeats_ = 0;
   std::optional<Clock::time_point> last_call_deadline_;
   Clock::time_point first_join_;
   Clock::time_point last_activity_;

@@ -15,6 +15,7 @@
 
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
+#include "rendezvous/http.h"
 #include "rendezvous/server.h"
 
 int main(int argc, char** argv) {
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   double frame_timeout_s = 10;
   int max_nodes_per_job = 100000;
   std::string job_token_for;
+  int metrics_port = -1;
   CLI::App app{"mglaunch-rdzv: rendezvous daemon for mglaunch agents (--rdzv_backend=mglaunch|c10d)", "mglaunch-rdzv"};
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0 picks one; default 127.0.0.1:0)");
   app.add_option("--token-file", token_file, "Require agents to prove this token (HMAC-SHA256); or MGLAUNCH_RDZV_TOKEN");
@@ -40,6 +42,9 @@ int main(int argc, char** argv) {
   app.add_option("--job-token", job_token_for,
                  "Print the key of job ID (derived from the daemon token) and exit: give it to that job's agents as "
                  "MGLAUNCH_RDZV_JOB_TOKEN so they can open that job and no other");
+  app.add_option("--metrics-port", metrics_port,
+                 "Serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics (0 picks a port; printed second)")
+      ->check(CLI::Range(0, 65535));
   app.add_option("--max-nodes-per-job", max_nodes_per_job, "Refuse jobs whose --nnodes allows more nodes")
       ->check(CLI::PositiveNumber);
   app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(4096, 1 << 26));
@@ -49,7 +54,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds")
       ->check(CLI::PositiveNumber);
-  app.footer("Prints 'listening on HOST:PORT' first. Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad flags or token "
+  app.footer("Prints 'listening on HOST:PORT' first (then 'metrics on URL' with --metrics-port). Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad flags or token "
              "file; 3 cannot listen.");
   try {
     app.parse(argc, argv);
@@ -109,9 +114,29 @@ int main(int argc, char** argv) {
     return 3;
   }
   std::printf("listening on %s\n", server->address().c_str());
+  std::unique_ptr<mg::rdzv::HttpServer> metrics;
+  if (metrics_port >= 0) {
+    try {
+      metrics = std::make_unique<mg::rdzv::HttpServer>(
+          io, so.host, metrics_port, [&server](const std::string& method, const std::string& target) {
+            if (method != "GET") return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET\n"};
+            if (target == "/metrics")
+              return mg::rdzv::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", server->metrics()};
+            if (target == "/") return mg::rdzv::HttpResponse{200, "text/plain; charset=utf-8", "mglaunch-rdzv: see /metrics\n"};
+            return mg::rdzv::HttpResponse{404, "text/plain; charset=utf-8", "not found: try /metrics\n"};
+          });
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "mglaunch-rdzv: error: --metrics-port: %s\n", e.what());
+      return 3;
+    }
+    std::printf("metrics on http://%s/metrics\n", metrics->address().c_str());
+  }
   std::fflush(stdout);
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
-  signals.async_wait([&](boost::system::error_code, int) { server->stop(); });
+  signals.async_wait([&](boost::system::error_code, int) {
+    server->stop();
+    if (metrics) metrics->stop();
+  });
   io.run();
   return 0;
 }

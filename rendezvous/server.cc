@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "rendezvous/auth.h"
+#include "rendezvous/http.h"
 
 namespace mg::rdzv {
 
@@ -99,15 +100,18 @@ void Server::stop(bool flush) {
 bool Server::admit(const std::string& address) {
   const auto now = Clock::now();
   if (sessions_.size() >= opts_.max_connections) {
+    refused("connections");
     log(fmt::format("refused a connection from {}: {} connections open (max)", address, sessions_.size()));
     return false;
   }
   if (per_address_[address] >= opts_.max_connections_per_address) {
+    refused("per_address");
     log(fmt::format("refused a connection from {}: it has {} connections open (max per address)", address,
                     opts_.max_connections_per_address));
     return false;
   }
   if (budget_->used >= budget_->limit) {
+    refused("memory");
     log(fmt::format("refused a connection from {}: the memory limit of {} MiB is reached", address,
                     opts_.max_memory >> 20));
     return false;
@@ -120,6 +124,7 @@ void Server::accept() {
     if (stopped_) return;
     if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space || ec == asio::error::no_memory) {
       // Out of descriptors: pause instead of spinning on the pending connection.
+      refused("descriptors");
       log(fmt::format("accept failed: {}; pausing accepts for 100 ms", ec.message()));
       accept_pause_.expires_after(std::chrono::milliseconds(100));
       accept_pause_.async_wait([this](boost::system::error_code ec) {
@@ -134,12 +139,13 @@ void Server::accept() {
       if (!admit(address)) {
         socket.close(ignored);
       } else {
+        ++accepted_;
         auto s = std::make_shared<Session>();
         s->id = next_id_++;
         s->address = address;
         s->since = Clock::now();
         ++per_address_[address];
-        s->conn = std::make_shared<FramedConnection>(std::move(socket), proto::kHandshakeMaxFrame, budget_);
+        s->conn = std::make_shared<FramedConnection>(std::move(socket), proto::kHandshakeMaxFrame, budget_, traffic_);
         sessions_[s->id] = s;
         std::weak_ptr<Session> weak = s;
         s->conn->start([this, weak](const proto::Frame& f) { if (auto s = weak.lock()) on_frame(s, f); },
@@ -158,6 +164,7 @@ void Server::auth_failed(const std::string& address) {
     });
     failures_.erase(oldest);
   }
+  ++auth_failures_;
   auto& f = failures_[address];
   ++f.count;
   // The next challenge to this address waits 100 ms after the first failure, doubling up
@@ -223,6 +230,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
 
 void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) {
   auto refuse = [&](const std::string& why) {
+    ++refusals_;
     log(fmt::format("{}: {}", s->conn->peer(), why));
     s->conn->send(proto::to_frame(proto::Error{proto::truncate_text(why, proto::kMaxTextBytes)}));
     s->conn->close();
@@ -241,7 +249,10 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
         return refuse(fmt::format("the rendezvous daemon is at its memory limit ({} MiB); retry later or raise "
                                   "--max-memory", opts_.max_memory >> 20));
       auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id);
-      if (inserted) log(fmt::format("job '{}' created by {} ({})", join.job_id, join.host, s->conn->peer()));
+      if (inserted) {
+        ++jobs_created_;
+        log(fmt::format("job '{}' created by {} ({})", join.job_id, join.host, s->conn->peer()));
+      }
       s->joined = true;
       s->idle_limit = std::max<std::chrono::milliseconds>(
           opts_.frame_timeout, std::chrono::milliseconds(join.keep_alive_ms) * (join.keep_alive_max_attempt + 1));
@@ -324,6 +335,73 @@ void Server::check_deadlines(Clock::time_point now) {
   }
 }
 
+void Server::forget(std::map<std::string, Job>::iterator job) {
+  forgotten_disconnects_ += static_cast<std::uint64_t>(job->second.disconnects());
+  forgotten_missed_heartbeats_ += static_cast<std::uint64_t>(job->second.missed_heartbeats());
+  jobs_.erase(job);
+}
+
+std::string Server::metrics() const {
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help) {
+    out += fmt::format("# HELP mglaunch_rdzv_{} {}\n# TYPE mglaunch_rdzv_{} {}\n", name, help, name, type);
+  };
+  auto value = [&](const char* name, const std::string& labels, auto v) {
+    out += labels.empty() ? fmt::format("mglaunch_rdzv_{} {}\n", name, v)
+                          : fmt::format("mglaunch_rdzv_{}{{{}}} {}\n", name, labels, v);
+  };
+  metric("connections", "gauge", "Open connections.");
+  value("connections", "", sessions_.size());
+  metric("connections_limit", "gauge", "Connections accepted at most (after the descriptor limit).");
+  value("connections_limit", "", opts_.max_connections);
+  metric("connections_accepted_total", "counter", "Connections accepted.");
+  value("connections_accepted_total", "", accepted_);
+  metric("connections_refused_total", "counter", "Connections refused at accept, by reason.");
+  for (const char* reason : {"connections", "per_address", "memory", "descriptors"}) {
+    auto it = refused_.find(reason);
+    value("connections_refused_total", fmt::format("reason=\"{}\"", reason), it == refused_.end() ? 0 : it->second);
+  }
+  metric("auth_failures_total", "counter", "Failed authentications (wrong token or job key).");
+  value("auth_failures_total", "", auth_failures_);
+  metric("refusals_total", "counter", "Messages refused with an error (the connection is then closed).");
+  value("refusals_total", "", refusals_);
+  metric("frames_received_total", "counter", "Frames received.");
+  value("frames_received_total", "", traffic_->frames_in);
+  metric("frames_sent_total", "counter", "Frames sent.");
+  value("frames_sent_total", "", traffic_->frames_out);
+  metric("received_bytes_total", "counter", "Bytes received.");
+  value("received_bytes_total", "", traffic_->bytes_in);
+  metric("sent_bytes_total", "counter", "Bytes sent.");
+  value("sent_bytes_total", "", traffic_->bytes_out);
+  metric("memory_bytes", "gauge", "Bytes held by connection buffers and job state.");
+  value("memory_bytes", "", budget_->used);
+  metric("memory_limit_bytes", "gauge", "--max-memory.");
+  value("memory_limit_bytes", "", budget_->limit);
+  metric("jobs_created_total", "counter", "Jobs created.");
+  value("jobs_created_total", "", jobs_created_);
+  std::map<std::string, int> by_state{{"joining", 0}, {"running", 0}, {"restarting", 0}, {"done", 0}, {"failed", 0}};
+  std::uint64_t disconnects = forgotten_disconnects_, missed = forgotten_missed_heartbeats_;
+  static constexpr const char* kStateNames[] = {"joining", "running", "restarting", "done", "failed"};
+  for (const auto& [id, job] : jobs_) {
+    ++by_state[kStateNames[static_cast<int>(job.state())]];
+    disconnects += static_cast<std::uint64_t>(job.disconnects());
+    missed += static_cast<std::uint64_t>(job.missed_heartbeats());
+  }
+  metric("jobs", "gauge", "Jobs held, by state.");
+  for (const auto& [state, n] : by_state) value("jobs", fmt::format("state=\"{}\"", state), n);
+  metric("nodes_lost_total", "counter", "Nodes lost from a running round, by cause.");
+  value("nodes_lost_total", "cause=\"disconnect\"", disconnects);
+  value("nodes_lost_total", "cause=\"missed_heartbeats\"", missed);
+  metric("job_nodes", "gauge", "Nodes in a job's round or waiting for the next one.");
+  for (const auto& [id, job] : jobs_) value("job_nodes", fmt::format("job=\"{}\"", prometheus_label(id)), job.nodes());
+  metric("job_round", "gauge", "A job's current round.");
+  for (const auto& [id, job] : jobs_) value("job_round", fmt::format("job=\"{}\"", prometheus_label(id)), job.round());
+  metric("job_restarts", "gauge", "Restarts a job has spent.");
+  for (const auto& [id, job] : jobs_)
+    value("job_restarts", fmt::format("job=\"{}\"", prometheus_label(id)), job.restart_count());
+  return out;
+}
+
 void Server::account_jobs() {
   std::size_t bytes = 0;
   for (const auto& [id, job] : jobs_) bytes += job.approx_bytes();
@@ -355,13 +433,13 @@ void Server::tick() {
         log(fmt::format("job '{}' failed", it->first));
       const auto idle = now - it->second.last_activity();
       if (it->second.finished() && idle > std::chrono::seconds(60)) {
-        it = jobs_.erase(it);  // keep finished jobs a minute for late re-joins to be told
+        forget(it++);  // keep finished jobs a minute for late re-joins to be told
       } else if (!attended.contains(it->first) && idle > opts_.orphan_job_expiry) {
         log(fmt::format("job '{}' forgotten: nobody connected for {} s", it->first, opts_.orphan_job_expiry.count() / 1000));
-        it = jobs_.erase(it);
+        forget(it++);
       } else if (idle > opts_.idle_job_expiry) {
         log(fmt::format("job '{}' expired after {} s idle", it->first, opts_.idle_job_expiry.count() / 1000));
-        it = jobs_.erase(it);
+        forget(it++);
       } else {
         ++it;
       }

@@ -54,6 +54,8 @@ class Server {
   int port() const { return port_; }
   std::string address() const;
   std::size_t max_connections() const { return opts_.max_connections; }
+  // The Prometheus text exposition of the daemon's state and counters (/metrics).
+  std::string metrics() const;
   // Stops accepting and closes every connection; with `flush`, after its queued frames
   // (a decision just broadcast) are written.
   void stop(bool flush = false);
@@ -66,6 +68,8 @@ class Server {
   };
   void accept();
   bool admit(const std::string& address);
+  void refused(const char* reason) { ++refused_[reason]; }
+  void forget(std::map<std::string, Job>::iterator job);
   void on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void on_close(const std::shared_ptr<Session>& s, const std::string& why);
@@ -90,6 +94,11 @@ class Server {
   std::shared_ptr<MemoryBudget> budget_ = std::make_shared<MemoryBudget>();
   std::size_t jobs_bytes_ = 0;  // charged to budget_ at each tick
   std::size_t peak_used_ = 0;   // budget use since the last malloc_trim
+  // Counters for metrics(); those of forgotten jobs are kept in the totals.
+  std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
+  std::map<std::string, std::uint64_t> refused_;
+  std::uint64_t accepted_ = 0, auth_failures_ = 0, refusals_ = 0, jobs_created_ = 0;
+  std::uint64_t forgotten_disconnects_ = 0, forgotten_missed_heartbeats_ = 0;
 };
 
 }  // namespace mg::rdzv

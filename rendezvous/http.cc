@@ -1,0 +1,126 @@
+#include "rendezvous/http.h"
+
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <fmt/format.h>
+
+namespace mg::rdzv {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+
+namespace {
+constexpr int kMaxConnections = 64;
+constexpr auto kTimeout = std::chrono::seconds(5);
+}  // namespace
+
+struct HttpServer::Session : std::enable_shared_from_this<Session> {
+  Session(asio::ip::tcp::socket s, std::shared_ptr<HttpHandler> h, std::shared_ptr<int> active)
+      : stream(std::move(s)), handler(std::move(h)), active(std::move(active)) {
+    ++*this->active;
+    parser.header_limit(8192);
+    parser.body_limit(0);
+  }
+  ~Session() { --*active; }
+
+  void start() {
+    stream.expires_after(kTimeout);
+    http::async_read(stream, buffer, parser, [self = shared_from_this()](beast::error_code ec, std::size_t) {
+      self->on_read(ec);
+    });
+  }
+
+  void on_read(beast::error_code ec) {
+    if (ec) return close();
+    const auto& req = parser.get();
+    HttpResponse r;
+    try {
+      r = (*handler)(std::string(req.method_string()), std::string(req.target()));
+    } catch (const std::exception& e) {
+      r = {500, "text/plain; charset=utf-8", fmt::format("internal error: {}\n", e.what())};
+    }
+    res.version(req.version());
+    res.result(static_cast<http::status>(r.status));
+    res.set(http::field::server, "mglaunch");
+    res.set(http::field::content_type, r.content_type);
+    res.set(http::field::cache_control, "no-store");
+    res.keep_alive(false);
+    res.body() = std::move(r.body);
+    res.prepare_payload();
+    http::async_write(stream, res, [self = shared_from_this()](beast::error_code, std::size_t) { self->close(); });
+  }
+
+  void close() {
+    beast::error_code ignored;
+    stream.socket().shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+    stream.close();
+  }
+
+  beast::tcp_stream stream;
+  beast::flat_buffer buffer{8192};
+  http::request_parser<http::empty_body> parser;
+  http::response<http::string_body> res;
+  std::shared_ptr<HttpHandler> handler;
+  std::shared_ptr<int> active;
+};
+
+HttpServer::HttpServer(asio::io_context& io, const std::string& host, int port, HttpHandler handler)
+    : io_(io), host_(host), acceptor_(io), handler_(std::make_shared<HttpHandler>(std::move(handler))) {
+  boost::system::error_code ec;
+  auto addr = asio::ip::make_address(host, ec);
+  if (ec) {
+    asio::ip::tcp::resolver resolver(io);
+    auto results = resolver.resolve(host, "", ec);
+    if (ec || results.empty()) throw std::runtime_error(fmt::format("cannot resolve HTTP listen address '{}'", host));
+    addr = results.begin()->endpoint().address();
+  }
+  asio::ip::tcp::endpoint ep(addr, static_cast<unsigned short>(port));
+  acceptor_.open(ep.protocol(), ec);
+  if (!ec) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor_.bind(ep, ec);
+  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) throw std::runtime_error(fmt::format("cannot listen for HTTP on {}:{}: {}", host, port, ec.message()));
+  port_ = acceptor_.local_endpoint().port();
+  accept();
+}
+
+HttpServer::~HttpServer() { stop(); }
+
+std::string HttpServer::address() const { return fmt::format("{}:{}", host_, port_); }
+
+void HttpServer::stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  boost::system::error_code ec;
+  acceptor_.close(ec);
+}
+
+void HttpServer::accept() {
+  acceptor_.async_accept([this](boost::system::error_code ec, asio::ip::tcp::socket socket) {
+    if (stopped_) return;
+    if (!ec) {
+      if (*active_ >= kMaxConnections) {
+        boost::system::error_code ignored;
+        socket.close(ignored);
+      } else {
+        std::make_shared<Session>(std::move(socket), handler_, active_)->start();
+      }
+    }
+    accept();
+  });
+}
+
+std::string prometheus_label(const std::string& value) {
+  std::string out;
+  out.reserve(value.size());
+  for (char c : value) {
+    if (c == '\\') out += "\\\\";
+    else if (c == '"') out += "\\\"";
+    else if (c == '\n') out += "\\n";
+    else out += c;
+  }
+  return out;
+}
+
+}  // namespace mg::rdzv

@@ -1,0 +1,48 @@
+// HttpServer: a small HTTP/1.1 server (Boost.Beast) on the caller's io_context, for the
+// Prometheus /metrics endpoint and status pages. One request per connection, no request
+// bodies, headers up to 8 KiB, 5 s per connection, at most 64 connections at once: it is
+// for scrapers and operators, not for load. The handler runs on the io_context.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+
+namespace mg::rdzv {
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "text/plain; charset=utf-8";
+  std::string body;
+};
+using HttpHandler = std::function<HttpResponse(const std::string& method, const std::string& target)>;
+
+class HttpServer {
+ public:
+  // Binds and listens at once; throws std::runtime_error naming the address on failure.
+  HttpServer(boost::asio::io_context& io, const std::string& host, int port, HttpHandler handler);
+  ~HttpServer();
+  int port() const { return port_; }
+  std::string address() const;
+  void stop();
+
+ private:
+  struct Session;
+  void accept();
+
+  boost::asio::io_context& io_;
+  std::string host_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  std::shared_ptr<HttpHandler> handler_;  // shared with sessions that outlive a stop()
+  int port_ = 0;
+  std::shared_ptr<int> active_ = std::make_shared<int>(0);  // open connections, shared with sessions
+  bool stopped_ = false;
+};
+
+// Prometheus text exposition: a label value with \, " and newline escaped.
+std::string prometheus_label(const std::string& value);
+
+}  // namespace mg::rdzv

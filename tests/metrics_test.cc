@@ -1,0 +1,140 @@
+// mglaunch-rdzv's Prometheus endpoint: the exposition checked by Debian's promtool, and a
+// real Prometheus scraping the daemon while a real 2-agent job runs.
+#include <catch2/catch.hpp>
+
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include <nlohmann/json.hpp>
+
+#include "support/proc.h"
+#include "support/rdzv_fixture.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+// GET http://127.0.0.1:port/path; the whole response (head and body), "" on failure.
+std::string http_get(int port, const std::string& path) {
+  int fd = connect_loopback(port);
+  if (fd < 0) return "";
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    ::close(fd);
+    return "";
+  }
+  std::string out;
+  char buf[8192];
+  const auto end = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+std::string body_of(const std::string& response) {
+  auto at = response.find("\r\n\r\n");
+  return at == std::string::npos ? "" : response.substr(at + 4);
+}
+
+struct MetricsDaemon {
+  Daemon d;
+  int metrics_port = 0;
+};
+
+MetricsDaemon start_with_metrics() {
+  MetricsDaemon m{start_daemon({}, {"--metrics-port", "0"}), 0};
+  REQUIRE(eventually([&] { return split_lines(m.d.proc.out()).size() >= 2; }, 10s));
+  const auto line = split_lines(m.d.proc.out()).at(1);
+  REQUIRE(line.rfind("metrics on http://127.0.0.1:", 0) == 0);
+  m.metrics_port = std::stoi(line.substr(line.rfind(':') + 1));
+  return m;
+}
+
+void run_job(const Daemon& d, const std::string& job) {
+  Proc a = spawn(agent_argv(d.endpoint, job, 2, "2", 1, {}, {"print", "ok"}));
+  Proc b = spawn(agent_argv(d.endpoint, job, 3, "2", 1, {}, {"print", "ok"}));
+  REQUIRE(a.wait(30s));
+  REQUIRE(b.wait(30s));
+  REQUIRE(a.exit_code() == 0);
+  REQUIRE(b.exit_code() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("mglaunch-rdzv serves Prometheus metrics that promtool accepts") {
+  auto m = start_with_metrics();
+  run_job(m.d, "metered");
+  const std::string response = http_get(m.metrics_port, "/metrics");
+  REQUIRE_THAT(response, Catch::StartsWith("HTTP/1.1 200"));
+  const std::string text = body_of(response);
+  CHECK_THAT(text, Catch::Contains("mglaunch_rdzv_jobs_created_total 1\n"));
+  CHECK_THAT(text, Catch::Contains("mglaunch_rdzv_jobs{state=\"done\"} 1\n"));
+  CHECK_THAT(text, Catch::Contains("mglaunch_rdzv_job_round{job=\"metered\"} 1\n"));
+  CHECK(std::regex_search(text, std::regex("mglaunch_rdzv_frames_received_total [1-9]")));
+  CHECK_THAT(http_get(m.metrics_port, "/nothing"), Catch::StartsWith("HTTP/1.1 404"));
+  if (!std::filesystem::exists("/usr/bin/promtool")) {
+    WARN("skipped the promtool check: promtool is not installed (apt-get install prometheus)");
+  } else {
+    const std::string file = make_temp_dir() + "/metrics.txt";
+    std::ofstream(file) << text;
+    auto check = run({"/bin/sh", "-c", "/usr/bin/promtool check metrics < \"$0\"", file});
+    INFO(check.out << check.err);
+    CHECK(check.code == 0);
+  }
+  ::kill(m.d.proc.pid, SIGTERM);
+  REQUIRE(m.d.proc.wait(5s));
+  CHECK(m.d.proc.exit_code() == 0);
+}
+
+TEST_CASE("a real Prometheus scrapes the daemon and reads back the job count") {
+  if (!std::filesystem::exists("/usr/bin/prometheus")) {
+    WARN("skipped: prometheus is not installed (apt-get install prometheus)");
+    return;
+  }
+  auto m = start_with_metrics();
+  run_job(m.d, "scraped1");
+  run_job(m.d, "scraped2");
+  const std::string dir = make_temp_dir();
+  std::ofstream(dir + "/prometheus.yml") << "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: rdzv\n"
+                                          << "    static_configs:\n      - targets: ['127.0.0.1:" << m.metrics_port
+                                          << "']\n";
+  Proc prom = spawn({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml", "--storage.tsdb.path=" + dir + "/data",
+                     "--web.listen-address=127.0.0.1:0"});
+  // Prometheus logs the port it bound: address=127.0.0.1:NNNNN on its "Listening on" line.
+  int port = 0;
+  REQUIRE(eventually([&] {
+    std::smatch match;
+    const std::string err = prom.err();
+    static const std::regex listening("msg=\"Listening on\" address=127\\.0\\.0\\.1:([0-9]+)");
+    if (!std::regex_search(err, match, listening)) return false;
+    port = std::stoi(match[1]);
+    return true;
+  }, 60s));
+  std::string value;
+  CHECK(eventually([&] {
+    auto body = body_of(http_get(port, "/api/v1/query?query=mglaunch_rdzv_jobs_created_total"));
+    auto j = nlohmann::json::parse(body, nullptr, false);
+    if (j.is_discarded() || j["status"] != "success" || j["data"]["result"].empty()) return false;
+    value = j["data"]["result"][0]["value"][1].get<std::string>();
+    return true;
+  }, 60s));
+  CHECK(value == "2");
+  ::kill(prom.pid, SIGTERM);
+  prom.wait(20s);
+  ::kill(m.d.proc.pid, SIGTERM);
+  m.d.proc.wait(5s);
+}

@@ -8,7 +8,7 @@ namespace mg::rdzv {
 namespace asio = boost::asio;
 
 namespace {
-constexpr std::size_t kInitialBuffer = 4096;
+constexpr std::size_t kInitialBuffer = 512;  // a Hello, a Join or a heartbeat fits
 constexpr std::size_t kKeepBuffer = 64 * 1024;  // larger buffers shrink back once idle
 }  // namespace
 

@@ -27,17 +27,14 @@ namespace mg {
 namespace asio = boost::asio;
 namespace bp = boost::process::v2;
 
-namespace {
-
-// How long after the exit we keep reading a worker's pipes (a grandchild may hold them).
-constexpr std::chrono::milliseconds kDrainTimeout{2000};
-
-// Sets FD_CLOEXEC on every descriptor above 2. Runs between fork and exec, so only
-// async-signal-safe calls: close_range (Linux >= 5.11), else getdents64 on /proc/self/fd.
 bool mark_cloexec_above_stderr() {
 #if defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
   if (::syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC) == 0) return true;
 #endif
+  return mark_cloexec_above_stderr_by_listing();
+}
+
+bool mark_cloexec_above_stderr_by_listing() {
   const int dir = ::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir < 0) return false;
   alignas(8) char buf[4096];
@@ -64,6 +61,11 @@ bool mark_cloexec_above_stderr() {
   ::close(dir);
   return true;
 }
+
+namespace {
+
+// How long after the exit we keep reading a worker's pipes (a grandchild may hold them).
+constexpr std::chrono::milliseconds kDrainTimeout{2000};
 
 // Boost.Process initializer: the environment (parent side) and, in the child between fork
 // and exec, a process group of its own, death with the agent, default signal handling.

@@ -43,6 +43,14 @@ std::vector<ProcStat> scan_processes();
 // The living (non-zombie) descendants of `root` in `table`, `root` excluded. Pure.
 std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root);
 
+// Sets FD_CLOEXEC on every descriptor above 2, so that exec() passes on only stdin,
+// stdout and stderr. For the child side of any spawn (between fork and exec): only
+// async-signal-safe calls (close_range with CLOSE_RANGE_CLOEXEC, Linux >= 5.11, else
+// getdents64 on /proc/self/fd). False (errno set) when neither works.
+bool mark_cloexec_above_stderr();
+// The fallback alone (kernels before 5.11); exposed for its test.
+bool mark_cloexec_above_stderr_by_listing();
+
 struct WorkerSpec {
   int local_rank = 0;
   int rank = 0;

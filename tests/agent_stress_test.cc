@@ -500,3 +500,31 @@ TEST_CASE("a stalled log file does not stop the heartbeats: the 2-node job compl
   CHECK(bad == 0);
   CHECK(next == kLines);
 }
+
+TEST_CASE("both ways of marking descriptors close-on-exec leave an exec'd program only 0, 1 and 2") {
+  for (bool listing : {false, true}) {
+    INFO((listing ? "the /proc/self/fd fallback" : "close_range"));
+    std::string dir = make_temp_dir();
+    int leak[2];
+    REQUIRE(::pipe(leak) == 0);  // no O_CLOEXEC: inherited unless marked
+    const std::string out = dir + "/out";
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      const bool ok = listing ? mg::mark_cloexec_above_stderr_by_listing() : mg::mark_cloexec_above_stderr();
+      if (!ok) ::_exit(90);
+      ::execl(kFakeWorker.c_str(), kFakeWorker.c_str(), "fds", static_cast<char*>(nullptr));
+      ::_exit(91);
+    }
+    int status = 0;
+    REQUIRE(eventually([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, 30s));
+    ::close(leak[0]);
+    ::close(leak[1]);
+    REQUIRE(WIFEXITED(status));
+    REQUIRE(WEXITSTATUS(status) == 0);
+    auto j = nlohmann::json::parse(read_file(out));
+    INFO(j.dump());
+    CHECK(fd_numbers(j) == std::set<std::string>{"0", "1", "2"});
+  }
+}

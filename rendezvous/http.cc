@@ -36,7 +36,9 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
     const auto& req = parser.get();
     HttpResponse r;
     try {
-      r = (*handler)(std::string(req.method_string()), std::string(req.target()));
+      HttpRequest request{std::string(req.method_string()), std::string(req.target()), ""};
+      if (auto it = req.find(http::field::authorization); it != req.end()) request.authorization = std::string(it->value());
+      r = (*handler)(request);
     } catch (const std::exception& e) {
       r = {500, "text/plain; charset=utf-8", fmt::format("internal error: {}\n", e.what())};
     }

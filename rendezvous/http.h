@@ -18,7 +18,12 @@ struct HttpResponse {
   std::string content_type = "text/plain; charset=utf-8";
   std::string body;
 };
-using HttpHandler = std::function<HttpResponse(const std::string& method, const std::string& target)>;
+struct HttpRequest {
+  std::string method;
+  std::string target;         // path and query
+  std::string authorization;  // the Authorization header, "" when absent
+};
+using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
 
 class HttpServer {
  public:

@@ -98,6 +98,32 @@ std::string Job::check_resume(SessionId s, const proto::Join& j) const {
   return {};
 }
 
+nlohmann::json Job::describe(Clock::time_point now) const {
+  static constexpr const char* kStates[] = {"joining", "running", "restarting", "done", "failed"};
+  nlohmann::json nodes = nlohmann::json::array();
+  auto add = [&](const Node& n, const char* status) {
+    if (nodes.size() >= proto::kMaxListedNodes) return;
+    nodes.push_back({{"host", n.join.host},
+                     {"addr", n.join.addr},
+                     {"nproc", n.join.nproc},
+                     {"status", n.done ? "done" : status},
+                     {"last_seen_ms", duration_cast<milliseconds>(now - n.last_seen).count()}});
+  };
+  for (const auto& [s, n] : members_) add(n, "running");
+  for (const auto& [s, n] : joined_)
+    if (!members_.contains(s)) add(n, "waiting");
+  nlohmann::json j = {{"id", id_},
+                      {"state", kStates[static_cast<int>(state_)]},
+                      {"round", round_},
+                      {"restart_count", restart_count_},
+                      {"max_restarts", config_.max_restarts},
+                      {"min_nodes", config_.min_nodes},
+                      {"max_nodes", config_.max_nodes},
+                      {"nodes", nodes}};
+  if (abort_) j["root_cause"] = abort_->reason;
+  return j;
+}
+
 std::size_t Job::approx_bytes() const {
   std::size_t bytes = sizeof(Job) + id_.size();
   for (const auto* m : {&joined_, &members_})

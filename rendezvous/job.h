@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "proto/messages.h"
 
 namespace mg::rdzv {
@@ -53,6 +55,9 @@ class Job {
   int missed_heartbeats() const { return missed_heartbeats_; }
   bool finished() const { return state_ == State::kDone || state_ == State::kFailed; }
   Clock::time_point last_activity() const { return last_activity_; }
+  // The job for the status page: state, round, restarts, settings, and its nodes (at most
+  // proto::kMaxListedNodes) with their address, workers and status.
+  nlohmann::json describe(Clock::time_point now) const;
   // Memory held for this job's nodes, roughly (the daemon's --max-memory accounting).
   std::size_t approx_bytes() const;
 

@@ -17,6 +17,7 @@
 #include "rendezvous/endpoint.h"
 #include "rendezvous/http.h"
 #include "rendezvous/server.h"
+#include "rendezvous/status_page.h"
 
 int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:0", token_file;
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
   int max_nodes_per_job = 100000;
   std::string job_token_for;
   int metrics_port = -1;
+  std::string http_listen;
   CLI::App app{"mglaunch-rdzv: rendezvous daemon for mglaunch agents (--rdzv_backend=mglaunch|c10d)", "mglaunch-rdzv"};
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0 picks one; default 127.0.0.1:0)");
   app.add_option("--token-file", token_file, "Require agents to prove this token (HMAC-SHA256); or MGLAUNCH_RDZV_TOKEN");
@@ -45,6 +47,9 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-port", metrics_port,
                  "Serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics (0 picks a port; printed second)")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--http", http_listen,
+                 "Serve the status page and /api/jobs at [HOST:]PORT (default host 127.0.0.1; port 0 picks one; "
+                 "printed as 'status page on URL'; with a token the API asks for it)");
   app.add_option("--max-nodes-per-job", max_nodes_per_job, "Refuse jobs whose --nnodes allows more nodes")
       ->check(CLI::PositiveNumber);
   app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(4096, 1 << 26));
@@ -118,8 +123,9 @@ int main(int argc, char** argv) {
   if (metrics_port >= 0) {
     try {
       metrics = std::make_unique<mg::rdzv::HttpServer>(
-          io, so.host, metrics_port, [&server](const std::string& method, const std::string& target) {
-            if (method != "GET") return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET\n"};
+          io, so.host, metrics_port, [&server](const mg::rdzv::HttpRequest& req) {
+            if (req.method != "GET") return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET\n"};
+            const std::string& target = req.target;
             if (target == "/metrics")
               return mg::rdzv::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", server->metrics()};
             if (target == "/") return mg::rdzv::HttpResponse{200, "text/plain; charset=utf-8", "mglaunch-rdzv: see /metrics\n"};
@@ -131,11 +137,27 @@ int main(int argc, char** argv) {
     }
     std::printf("metrics on http://%s/metrics\n", metrics->address().c_str());
   }
+  std::unique_ptr<mg::rdzv::HttpServer> status;
+  if (!http_listen.empty()) {
+    try {
+      auto ep = mg::rdzv::parse_endpoint(http_listen.find(':') == std::string::npos ? "127.0.0.1:" + http_listen
+                                                                                   : http_listen,
+                                         0);
+      status = std::make_unique<mg::rdzv::HttpServer>(
+          io, ep.host, ep.port,
+          [&server, token = so.token](const mg::rdzv::HttpRequest& req) { return mg::rdzv::serve_status(*server, token, req); });
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "mglaunch-rdzv: error: --http '%s': %s\n", http_listen.c_str(), e.what());
+      return 2;
+    }
+    std::printf("status page on http://%s/\n", status->address().c_str());
+  }
   std::fflush(stdout);
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](boost::system::error_code, int) {
     server->stop();
     if (metrics) metrics->stop();
+    if (status) status->stop();
   });
   io.run();
   return 0;

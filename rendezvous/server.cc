@@ -83,7 +83,25 @@ Server::~Server() { stop(); }
 std::string Server::address() const { return fmt::format("{}:{}", opts_.host, port_); }
 
 void Server::log(const std::string& line) const {
+  const auto unix_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  events_.push_back({next_event_++, unix_ms, line});
+  if (events_.size() > 1000) events_.pop_front();
   if (opts_.log) opts_.log(line);
+}
+
+nlohmann::json Server::jobs_json() const {
+  const auto now = Clock::now();
+  nlohmann::json jobs = nlohmann::json::array();
+  for (const auto& [id, job] : jobs_) jobs.push_back(job.describe(now));
+  return jobs;
+}
+
+nlohmann::json Server::events_json(std::uint64_t since) const {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& e : events_)
+    if (e.seq > since) out.push_back({{"seq", e.seq}, {"unix_ms", e.unix_ms}, {"text", e.text}});
+  return out;
 }
 
 void Server::stop(bool flush) {

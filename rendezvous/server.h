@@ -13,6 +13,8 @@
 #include <memory>
 #include <string>
 
+#include <deque>
+
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -56,6 +58,10 @@ class Server {
   std::size_t max_connections() const { return opts_.max_connections; }
   // The Prometheus text exposition of the daemon's state and counters (/metrics).
   std::string metrics() const;
+  // For the status page: every job (Job::describe), and the events (log lines) after
+  // sequence number `since`, oldest first, from a ring of the last 1000.
+  nlohmann::json jobs_json() const;
+  nlohmann::json events_json(std::uint64_t since) const;
   // Stops accepting and closes every connection; with `flush`, after its queued frames
   // (a decision just broadcast) are written.
   void stop(bool flush = false);
@@ -99,6 +105,13 @@ class Server {
   std::map<std::string, std::uint64_t> refused_;
   std::uint64_t accepted_ = 0, auth_failures_ = 0, refusals_ = 0, jobs_created_ = 0;
   std::uint64_t forgotten_disconnects_ = 0, forgotten_missed_heartbeats_ = 0;
+  struct Event {
+    std::uint64_t seq;
+    std::int64_t unix_ms;
+    std::string text;
+  };
+  mutable std::deque<Event> events_;  // log() is const; the ring is not part of the state
+  mutable std::uint64_t next_event_ = 1;
 };
 
 }  // namespace mg::rdzv

@@ -138,3 +138,47 @@ TEST_CASE("a real Prometheus scrapes the daemon and reads back the job count") {
   ::kill(m.d.proc.pid, SIGTERM);
   m.d.proc.wait(5s);
 }
+
+TEST_CASE("the status API asks for the daemon's token and lists jobs and events") {
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", "api-token"}}, {"--http", "0"});
+  REQUIRE(eventually([&] { return split_lines(d.proc.out()).size() >= 2; }, 10s));
+  const auto line = split_lines(d.proc.out()).at(1);
+  REQUIRE(line.rfind("status page on http://127.0.0.1:", 0) == 0);
+  const int port = std::stoi(line.substr(line.rfind(':') + 1));
+  CHECK_THAT(http_get(port, "/"), Catch::StartsWith("HTTP/1.1 200") && Catch::Contains("<title>mglaunch-rdzv</title>"));
+  CHECK_THAT(http_get(port, "/api/jobs"), Catch::StartsWith("HTTP/1.1 401"));
+  Proc a = spawn(agent_argv(d.endpoint, "api", 2, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "api-token"}});
+  Proc b = spawn(agent_argv(d.endpoint, "api", 3, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "api-token"}});
+  REQUIRE(a.wait(30s));
+  REQUIRE(b.wait(30s));
+  auto get = [&](const std::string& path, const std::string& auth) {
+    int fd = connect_loopback(port);
+    REQUIRE(fd >= 0);
+    const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth + "\r\nConnection: close\r\n\r\n";
+    REQUIRE(::write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size()));
+    std::string out;
+    char buf[8192];
+    for (int i = 0; i < 1000; ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n <= 0) break;
+      out.append(buf, static_cast<std::size_t>(n));
+    }
+    ::close(fd);
+    return out;
+  };
+  CHECK_THAT(get("/api/jobs", "Bearer wrong"), Catch::StartsWith("HTTP/1.1 401"));
+  auto jobs = nlohmann::json::parse(body_of(get("/api/jobs", "Bearer api-token")));
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0]["id"] == "api");
+  CHECK(jobs[0]["state"] == "done");
+  CHECK(jobs[0]["round"] == 1);
+  auto events = nlohmann::json::parse(body_of(get("/api/events?since=0", "Bearer api-token")));
+  REQUIRE(!events.empty());
+  CHECK_THAT(events[0]["text"].get<std::string>(), Catch::Contains("job 'api' created"));
+  const auto last = events.back()["seq"].get<std::uint64_t>();
+  CHECK(nlohmann::json::parse(body_of(get("/api/events?since=" + std::to_string(last), "Bearer api-token"))).empty());
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}

@@ -368,35 +368,39 @@ std::string Server::metrics() const {
     out += labels.empty() ? fmt::format("mglaunch_rdzv_{} {}\n", name, v)
                           : fmt::format("mglaunch_rdzv_{}{{{}}} {}\n", name, labels, v);
   };
-  metric("connections", "gauge", "Open connections.");
-  value("connections", "", sessions_.size());
-  metric("connections_limit", "gauge", "Connections accepted at most (after the descriptor limit).");
-  value("connections_limit", "", opts_.max_connections);
-  metric("connections_accepted_total", "counter", "Connections accepted.");
-  value("connections_accepted_total", "", accepted_);
+  struct Single {
+    const char* name;
+    const char* type;
+    const char* help;
+    std::uint64_t v;
+  };
+  const Single head[] = {
+      {"connections", "gauge", "Open connections.", sessions_.size()},
+      {"connections_limit", "gauge", "Connections accepted at most (after the descriptor limit).", opts_.max_connections},
+      {"connections_accepted_total", "counter", "Connections accepted.", accepted_}};
+  const Single tail[] = {
+      {"auth_failures_total", "counter", "Failed authentications (wrong token or job key).", auth_failures_},
+      {"refusals_total", "counter", "Messages refused with an error (the connection is then closed).", refusals_},
+      {"frames_received_total", "counter", "Frames received.", traffic_->frames_in},
+      {"frames_sent_total", "counter", "Frames sent.", traffic_->frames_out},
+      {"received_bytes_total", "counter", "Bytes received.", traffic_->bytes_in},
+      {"sent_bytes_total", "counter", "Bytes sent.", traffic_->bytes_out},
+      {"memory_bytes", "gauge", "Bytes held by connection buffers and job state.", budget_->used},
+      {"memory_limit_bytes", "gauge", "--max-memory.", budget_->limit},
+      {"jobs_created_total", "counter", "Jobs created.", jobs_created_}};
+  for (const auto& m : head) {
+    metric(m.name, m.type, m.help);
+    value(m.name, "", m.v);
+  }
   metric("connections_refused_total", "counter", "Connections refused at accept, by reason.");
   for (const char* reason : {"connections", "per_address", "memory", "descriptors"}) {
     auto it = refused_.find(reason);
     value("connections_refused_total", fmt::format("reason=\"{}\"", reason), it == refused_.end() ? 0 : it->second);
   }
-  metric("auth_failures_total", "counter", "Failed authentications (wrong token or job key).");
-  value("auth_failures_total", "", auth_failures_);
-  metric("refusals_total", "counter", "Messages refused with an error (the connection is then closed).");
-  value("refusals_total", "", refusals_);
-  metric("frames_received_total", "counter", "Frames received.");
-  value("frames_received_total", "", traffic_->frames_in);
-  metric("frames_sent_total", "counter", "Frames sent.");
-  value("frames_sent_total", "", traffic_->frames_out);
-  metric("received_bytes_total", "counter", "Bytes received.");
-  value("received_bytes_total", "", traffic_->bytes_in);
-  metric("sent_bytes_total", "counter", "Bytes sent.");
-  value("sent_bytes_total", "", traffic_->bytes_out);
-  metric("memory_bytes", "gauge", "Bytes held by connection buffers and job state.");
-  value("memory_bytes", "", budget_->used);
-  metric("memory_limit_bytes", "gauge", "--max-memory.");
-  value("memory_limit_bytes", "", budget_->limit);
-  metric("jobs_created_total", "counter", "Jobs created.");
-  value("jobs_created_total", "", jobs_created_);
+  for (const auto& m : tail) {
+    metric(m.name, m.type, m.help);
+    value(m.name, "", m.v);
+  }
   std::map<std::string, int> by_state{{"joining", 0}, {"running", 0}, {"restarting", 0}, {"done", 0}, {"failed", 0}};
   std::uint64_t disconnects = forgotten_disconnects_, missed = forgotten_missed_heartbeats_;
   static constexpr const char* kStateNames[] = {"joining", "running", "restarting", "done", "failed"};

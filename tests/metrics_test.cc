@@ -23,10 +23,12 @@ using namespace std::chrono_literals;
 namespace {
 
 // GET http://127.0.0.1:port/path; the whole response (head and body), "" on failure.
-std::string http_get(int port, const std::string& path) {
+std::string http_get(int port, const std::string& path, const std::string& authorization = "") {
   int fd = connect_loopback(port);
   if (fd < 0) return "";
-  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
+                          (authorization.empty() ? "" : "Authorization: " + authorization + "\r\n") +
+                          "Connection: close\r\n\r\n";
   if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
     ::close(fd);
     return "";
@@ -151,23 +153,7 @@ TEST_CASE("the status API asks for the daemon's token and lists jobs and events"
   Proc b = spawn(agent_argv(d.endpoint, "api", 3, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "api-token"}});
   REQUIRE(a.wait(30s));
   REQUIRE(b.wait(30s));
-  auto get = [&](const std::string& path, const std::string& auth) {
-    int fd = connect_loopback(port);
-    REQUIRE(fd >= 0);
-    const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth + "\r\nConnection: close\r\n\r\n";
-    REQUIRE(::write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size()));
-    std::string out;
-    char buf[8192];
-    for (int i = 0; i < 1000; ++i) {
-      pollfd p{fd, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      ssize_t n = ::read(fd, buf, sizeof buf);
-      if (n <= 0) break;
-      out.append(buf, static_cast<std::size_t>(n));
-    }
-    ::close(fd);
-    return out;
-  };
+  auto get = [&](const std::string& path, const std::string& auth) { return http_get(port, path, auth); };
   CHECK_THAT(get("/api/jobs", "Bearer wrong"), Catch::StartsWith("HTTP/1.1 401"));
   auto jobs = nlohmann::json::parse(body_of(get("/api/jobs", "Bearer api-token")));
   REQUIRE(jobs.size() == 1);

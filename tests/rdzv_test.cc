@@ -203,8 +203,8 @@ TEST_CASE("garbage and oversized frames close only their own connection while a 
 TEST_CASE("the daemon killed and restarted mid-run: workers keep running and the job completes") {
   const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
   auto listen = [&] {
-    Daemon d{spawn({kRdzvDaemon, "--listen", endpoint}), endpoint};
-    REQUIRE(eventually([&] { return d.proc.out().find("listening on") != std::string::npos; }, 10s));
+    Daemon d = listen_at(endpoint);
+    REQUIRE_THAT(d.proc.out(), Catch::Contains("listening on"));
     return d;
   };
   Daemon first = listen();
@@ -255,11 +255,7 @@ TEST_CASE("a silent client is dropped after the handshake timeout and connection
 
 TEST_CASE("an agent started during a daemon outage does not take the daemon's port") {
   const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
-  auto listen = [&] {
-    Daemon d{spawn({kRdzvDaemon, "--listen", endpoint}), endpoint};
-    REQUIRE(eventually([&] { return !d.proc.out().empty() || !pid_alive(d.proc.pid); }, 10s));
-    return d;
-  };
+  auto listen = [&] { return listen_at(endpoint); };
   Daemon first = listen();
   REQUIRE_THAT(first.proc.out(), Catch::Contains("listening on"));
   const std::vector<std::string> worker{"print", "up", "sleep-ms", "2500", "print", "bye"};
@@ -289,8 +285,8 @@ TEST_CASE("an agent started during a daemon outage does not take the daemon's po
 TEST_CASE("a worker that fails while the daemon is down is reported when the daemon is back") {
   const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
   auto listen = [&] {
-    Daemon d{spawn({kRdzvDaemon, "--listen", endpoint}), endpoint};
-    REQUIRE(eventually([&] { return d.proc.out().find("listening on") != std::string::npos; }, 10s));
+    Daemon d = listen_at(endpoint);
+    REQUIRE_THAT(d.proc.out(), Catch::Contains("listening on"));
     return d;
   };
   Daemon first = listen();

@@ -30,6 +30,15 @@ inline Daemon start_daemon(std::map<std::string, std::string> env = {}, std::vec
   return d;
 }
 
+// A daemon on a given endpoint (to restart one where agents expect it). Returns once it
+// printed its first line or died; the caller checks for "listening on".
+inline Daemon listen_at(const std::string& endpoint) {
+  using namespace std::chrono_literals;
+  Daemon d{spawn({kRdzvDaemon, "--listen", endpoint}), endpoint};
+  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos || !pid_alive(d.proc.pid); }, 10s));
+  return d;
+}
+
 inline std::vector<std::string> agent_argv(const std::string& endpoint, const std::string& job, int index,
                                            std::string nnodes, int nproc, std::vector<std::string> flags,
                                            std::vector<std::string> worker) {

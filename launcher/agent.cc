@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "launcher/errors.h"
+#include "launcher/supervision.h"
 #include "rendezvous/endpoint.h"
 
 namespace mg {
@@ -211,19 +212,8 @@ void Agent::on_rdzv_lost(const std::string& why) {
   if (state_ == State::kWaiting) {
     // No decision will come: this node answers for its own workers.
     if (root_cause_) console_.write(1, format_root_cause(*root_cause_, opts_.program));
-    finish(own_exit_code());
+    finish(node_exit_code(root_cause_, attempts_));
   }
-}
-
-int Agent::own_exit_code() const {
-  if (root_cause_) return root_cause_->worker.exit_code;
-  if (attempts_.empty()) return exit_code::kRendezvous;  // nothing ran
-  const auto& ws = attempts_.back().workers;
-  for (const auto& w : ws)
-    if (w.exit_code != 0) return w.exit_code;  // e.g. 143: stopped for a restart that never came
-  for (const auto& w : ws)
-    if (w.stopped_by_agent) return exit_code::kRendezvous;  // stopped, even if it exited 0
-  return ws.empty() ? exit_code::kRendezvous : exit_code::kOk;
 }
 
 void Agent::retire_workers() {
@@ -352,19 +342,29 @@ void Agent::on_group_stopped() {
   grace_timer_.cancel();
   attempts_.back().duration_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - attempt_start_).count();
-  if (agent_signal_) {
-    notice(fmt::format("stopped by {}", signal_name(agent_signal_)));
-    finish(exit_code::kSignalBase + agent_signal_);
-    return;
-  }
-  if (rdzv_) {
-    state_ = State::kWaiting;
-    if (abort_) {
+  StopFacts facts;
+  facts.agent_signal = agent_signal_;
+  facts.rdzv = rdzv_;
+  facts.abort = abort_.has_value();
+  facts.rejoin = rejoin_after_stop_;
+  facts.root_cause = root_cause_.has_value();
+  facts.restart_count = restart_count_;
+  facts.max_restarts = opts_.max_restarts;
+  const AfterStop next = after_stop(facts);
+  if (rdzv_ && next != AfterStop::kStoppedBySignal) state_ = State::kWaiting;
+  switch (next) {
+    case AfterStop::kStoppedBySignal:
+      notice(fmt::format("stopped by {}", signal_name(agent_signal_)));
+      finish(exit_code::kSignalBase + agent_signal_);
+      return;
+    case AfterStop::kAbort:
       finish_with_abort();
-    } else if (rejoin_after_stop_) {
+      return;
+    case AfterStop::kRejoin:
       rejoin_after_stop_ = false;
       client_->rejoin();
-    } else if (root_cause_) {
+      return;
+    case AfterStop::kReportFailure: {
       // Our failure: the server decides (restart everywhere or abort everywhere).
       const auto& w = root_cause_->worker;
       proto::WorkerFailed f;
@@ -377,29 +377,32 @@ void Agent::on_group_stopped() {
       f.message = root_cause_->message;
       f.last_lines = root_cause_->stderr_tail;
       client_->worker_failed(f);
+      return;
     }
-    return;
+    case AfterStop::kWait:
+      return;
+    case AfterStop::kEndWithoutCause:
+      finish(node_exit_code(root_cause_, attempts_));  // the rendezvous was lost while stopping for it
+      return;
+    case AfterStop::kRestart: {
+      const auto& w = root_cause_->worker;
+      ++restart_count_;
+      // As torchrun: a fresh master port for each attempt (the last one may still be held
+      // by a straggler, in TIME_WAIT, or taken by someone else: EADDRINUSE).
+      if (port_is_ours_) hold_master_port(/*fresh=*/true);
+      notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
+                         w.rank, w.local_rank, w.exit_code, restart_count_, opts_.max_restarts));
+      retire_workers();
+      asio::post(io_, [this] {
+        if (state_ != State::kDone) start_attempt();
+      });
+      return;
+    }
+    case AfterStop::kGiveUp:
+      console_.write(1, format_root_cause(*root_cause_, opts_.program));
+      finish(root_cause_->worker.exit_code);
+      return;
   }
-  if (!root_cause_) {
-    finish(own_exit_code());  // the rendezvous was lost while stopping for it
-    return;
-  }
-  const auto& w = root_cause_->worker;
-  if (restart_count_ < opts_.max_restarts) {
-    ++restart_count_;
-    // As torchrun: a fresh master port for each attempt (the last one may still be held
-    // by a straggler, in TIME_WAIT, or taken by someone else: EADDRINUSE).
-    if (port_is_ours_) hold_master_port(/*fresh=*/true);
-    notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
-                       w.rank, w.local_rank, w.exit_code, restart_count_, opts_.max_restarts));
-    retire_workers();
-    asio::post(io_, [this] {
-      if (state_ != State::kDone) start_attempt();
-    });
-    return;
-  }
-  console_.write(1, format_root_cause(*root_cause_, opts_.program));
-  finish(w.exit_code);
 }
 
 void Agent::finish(int code) {

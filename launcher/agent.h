@@ -50,10 +50,6 @@ class Agent {
   void on_restart(const proto::Restart& r);
   void on_abort(const proto::Abort& a);
   void on_rdzv_lost(const std::string& why);
-  // The exit code of a node that ends without a decision of the rendezvous: its root
-  // cause's code, else its last attempt's first non-zero worker code; never 0 unless
-  // every worker of the last attempt exited 0 by itself; kRendezvous when none ran.
-  int own_exit_code() const;
   void finish_with_abort();
   void retire_workers();
   void on_worker_done(WorkerProcess& w);

@@ -1,0 +1,61 @@
+// The agent's supervision rules as pure functions: facts in, a decision out, no I/O, no
+// clock. The agent (launcher/agent.cc) gathers the facts and carries the decision out.
+// A first step towards a full events-in/actions-out core (as rendezvous/job is).
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "launcher/errors.h"
+#include "launcher/report.h"
+
+namespace mg {
+
+// What the agent does once every worker of a group it was stopping has ended.
+enum class AfterStop {
+  kStoppedBySignal,  // the agent itself got SIGTERM/SIGINT/SIGHUP: exit 128+signal
+  kAbort,            // the rendezvous aborted the job: print its root cause, exit its code
+  kRejoin,           // the rendezvous decided a restart: join the next round
+  kReportFailure,    // our worker failed: tell the rendezvous, which decides for every node
+  kWait,             // multi-node, nothing to tell: wait for the rendezvous
+  kRestart,          // single node, restarts left: start the next attempt
+  kGiveUp,           // single node, restarts spent: print the root cause, exit its code
+  kEndWithoutCause,  // stopped for a rendezvous that is gone: exit with node_exit_code()
+};
+
+struct StopFacts {
+  int agent_signal = 0;   // the signal stopping the agent, 0 if none
+  bool rdzv = false;      // a rendezvous server still decides for this node
+  bool abort = false;     // an Abort was received
+  bool rejoin = false;    // a Restart was received while running
+  bool root_cause = false;  // one of our workers failed first
+  int restart_count = 0;
+  int max_restarts = 0;
+};
+
+inline AfterStop after_stop(const StopFacts& f) {
+  if (f.agent_signal) return AfterStop::kStoppedBySignal;
+  if (f.rdzv) {
+    if (f.abort) return AfterStop::kAbort;
+    if (f.rejoin) return AfterStop::kRejoin;
+    return f.root_cause ? AfterStop::kReportFailure : AfterStop::kWait;
+  }
+  if (!f.root_cause) return AfterStop::kEndWithoutCause;
+  return f.restart_count < f.max_restarts ? AfterStop::kRestart : AfterStop::kGiveUp;
+}
+
+// The exit code of a node that ends without a decision of the rendezvous: its root cause's
+// code, else its last attempt's first non-zero worker code (in the order they ended); never
+// 0 unless every worker of the last attempt exited 0 by itself; kRendezvous when none ran.
+inline int node_exit_code(const std::optional<RootCause>& root_cause, const std::vector<AttemptRecord>& attempts) {
+  if (root_cause) return root_cause->worker.exit_code;
+  if (attempts.empty() || attempts.back().workers.empty()) return exit_code::kRendezvous;
+  const auto& ws = attempts.back().workers;
+  for (const auto& w : ws)
+    if (w.exit_code != 0) return w.exit_code;
+  for (const auto& w : ws)
+    if (w.stopped_by_agent) return exit_code::kRendezvous;
+  return exit_code::kOk;
+}
+
+}  // namespace mg

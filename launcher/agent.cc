@@ -434,11 +434,18 @@ void Agent::wait_signal() {
 }
 
 void Agent::on_signal(int sig) {
-  if (sig == SIGUSR1 || sig == SIGUSR2) {
+  if (sig == SIGINT) ++interrupts_;
+  SignalFacts facts;
+  facts.sig = sig;
+  facts.interrupts = interrupts_;
+  facts.waiting = state_ == State::kWaiting;
+  facts.stopping = state_ == State::kStopping;
+  const OnSignal what = on_agent_signal(facts);
+  if (what == OnSignal::kForward) {
     for (auto& w : workers_) w->signal_group(sig);
     return;
   }
-  if (sig == SIGINT && ++interrupts_ >= 2) {
+  if (what == OnSignal::kKillNow) {
     notice("second interrupt: killing the workers now");
     for (auto& w : workers_) w->signal_group(SIGKILL);
     signal_escaped(SIGKILL);
@@ -446,13 +453,13 @@ void Agent::on_signal(int sig) {
     return;
   }
   if (agent_signal_ == 0) agent_signal_ = sig;
-  if (state_ == State::kWaiting) {
+  if (what == OnSignal::kEndWhileWaiting) {
     notice(fmt::format("got {} while waiting for the rendezvous", signal_name(sig)));
     finish(exit_code::kSignalBase + sig);
     return;
   }
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), opts_.grace.count() / 1000.0));
-  if (state_ == State::kStopping) {
+  if (what == OnSignal::kForwardWhileStopping) {
     for (auto& w : workers_) w->signal_group(sig);
     signal_escaped(sig);
     return;

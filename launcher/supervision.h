@@ -3,6 +3,8 @@
 // A first step towards a full events-in/actions-out core (as rendezvous/job is).
 #pragma once
 
+#include <signal.h>
+
 #include <optional>
 #include <vector>
 
@@ -56,6 +58,29 @@ inline int node_exit_code(const std::optional<RootCause>& root_cause, const std:
   for (const auto& w : ws)
     if (w.stopped_by_agent) return exit_code::kRendezvous;
   return exit_code::kOk;
+}
+
+// What the agent does with a signal sent to it.
+enum class OnSignal {
+  kForward,            // SIGUSR1/SIGUSR2: pass on to every worker group, keep running
+  kKillNow,            // a second SIGINT: SIGKILL everything at once
+  kEndWhileWaiting,    // no workers running (waiting for the rendezvous): exit 128+signal
+  kForwardWhileStopping,  // a stop is under way: pass the signal on, keep the grace timer
+  kStop,               // stop the group (SIGTERM-like, then SIGKILL after --grace)
+};
+
+struct SignalFacts {
+  int sig = 0;
+  int interrupts = 0;  // SIGINTs seen so far, this one included
+  bool waiting = false;
+  bool stopping = false;
+};
+
+inline OnSignal on_agent_signal(const SignalFacts& f) {
+  if (f.sig == SIGUSR1 || f.sig == SIGUSR2) return OnSignal::kForward;
+  if (f.sig == SIGINT && f.interrupts >= 2) return OnSignal::kKillNow;
+  if (f.waiting) return OnSignal::kEndWhileWaiting;
+  return f.stopping ? OnSignal::kForwardWhileStopping : OnSignal::kStop;
 }
 
 }  // namespace mg

@@ -77,3 +77,17 @@ TEST_CASE("a node without a decision exits with its own workers' code and never 
   two.push_back(last);
   CHECK(node_exit_code(std::nullopt, two) == exit_code::kOk);
 }
+
+TEST_CASE("a signal to the agent: USR1/USR2 forwarded, a second Ctrl-C kills, waiting ends, a stop is graded") {
+  auto with = [](int sig, int interrupts, bool waiting, bool stopping) {
+    return on_agent_signal(SignalFacts{sig, interrupts, waiting, stopping});
+  };
+  CHECK(with(SIGUSR1, 0, false, false) == OnSignal::kForward);
+  CHECK(with(SIGUSR2, 0, true, true) == OnSignal::kForward);
+  CHECK(with(SIGINT, 1, false, false) == OnSignal::kStop);
+  CHECK(with(SIGINT, 2, false, true) == OnSignal::kKillNow);
+  CHECK(with(SIGINT, 2, true, false) == OnSignal::kKillNow);
+  CHECK(with(SIGTERM, 0, true, false) == OnSignal::kEndWhileWaiting);
+  CHECK(with(SIGHUP, 0, false, true) == OnSignal::kForwardWhileStopping);
+  CHECK(with(SIGTERM, 5, false, false) == OnSignal::kStop);  // only SIGINTs count as interrupts
+}

@@ -15,6 +15,23 @@
 
 extern char** environ;
 
+namespace {
+
+// Once the run is decided, a termination signal must not turn the exit code into death by
+// that signal: srun --kill-on-bad-exit sends SIGTERM to every node still exiting when the
+// first one ends, and srun reports a signalled task above every exit code.
+void ignore_late_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2}) {
+    ::signal(sig, SIG_IGN);
+    sigaddset(&set, sig);
+  }
+  ::pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace mg;
   auto fail = [](int code, const std::string& msg) {
@@ -46,11 +63,17 @@ int main(int argc, char** argv) {
       write_all(STDOUT_FILENO, plan_to_json(plan, opts, env).dump(2) + "\n");
       return exit_code::kOk;
     }
-    boost::asio::io_context io(1);
-    Agent agent(io, std::move(opts), std::move(plan), std::move(env));
-    agent.start();
-    io.run();
-    return agent.exit_code();
+    int code = exit_code::kInternal;
+    {
+      boost::asio::io_context io(1);
+      Agent agent(io, std::move(opts), std::move(plan), std::move(env));
+      agent.start();
+      io.run();
+      code = agent.exit_code();
+      ignore_late_signals();
+    }
+    ignore_late_signals();  // again: tearing the agent down restores the default actions
+    return code;
   } catch (const UsageError& e) {
     return fail(exit_code::kUsage, e.what());
   } catch (const ProgramNotFound& e) {

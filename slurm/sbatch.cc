@@ -138,8 +138,8 @@ std::string make_batch_script(const SbatchOptions& o) {
   s += "echo \"mglaunch-sbatch: job $SLURM_JOB_ID run ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST\" >&2\n";
   s += cmd + " &\n";
   s += "step=$!\n"
-       "interrupted=0\n"
-       "forward() { interrupted=1; echo \"mglaunch-sbatch: got SIGUSR1, passing it to the step\" >&2; "
+       "interrupted=0 preempted=0\n"
+       "forward() { interrupted=1 preempted=1; echo \"mglaunch-sbatch: got SIGUSR1, passing it to the step\" >&2; "
        "kill -USR1 \"$step\" 2>/dev/null; }\n"
        "trap forward USR1\n"
        "# A trapped signal ends `wait` early: wait again until the step itself has ended.\n"
@@ -149,9 +149,12 @@ std::string make_batch_script(const SbatchOptions& o) {
        "  if [ \"$interrupted\" = 0 ] || [ \"$rc\" -le 128 ]; then break; fi\n"
        "done\n";
   if (o.requeue) {
+    // After a SIGUSR1, 143 counts as stopped too: when the first node ends with 75, srun
+    // --kill-on-bad-exit sends SIGTERM to the nodes still stopping, and an agent stopped by
+    // SIGTERM ends with 143 although its workers checkpointed.
     s += fmt::format(
-        "if [ \"$rc\" -eq {0} ]; then\n"
-        "  echo \"mglaunch-sbatch: the step stopped with {0} (checkpointed): requeueing job $SLURM_JOB_ID\" >&2\n"
+        "if [ \"$rc\" -eq {0} ] || {{ [ \"$preempted\" = 1 ] && [ \"$rc\" -eq 143 ]; }}; then\n"
+        "  echo \"mglaunch-sbatch: the step stopped with $rc after checkpointing: requeueing job $SLURM_JOB_ID\" >&2\n"
         "  scontrol requeue \"$SLURM_JOB_ID\"\n"
         "fi\n",
         kStoppedExitCode);

@@ -71,7 +71,8 @@ TEST_CASE("with --requeue the script requeues the job when the step stopped with
   CHECK(has_line(s, "#SBATCH --requeue"));
   CHECK(has_line(s, "#SBATCH --signal=B:USR1@120"));  // the default warning time
   CHECK(has_line(s, "trap forward USR1"));
-  CHECK_THAT(s, Catch::Contains("if [ \"$rc\" -eq 75 ]") && Catch::Contains("scontrol requeue \"$SLURM_JOB_ID\""));
+  CHECK_THAT(s, Catch::Contains("if [ \"$rc\" -eq 75 ] || { [ \"$preempted\" = 1 ] && [ \"$rc\" -eq 143 ]; }") &&
+                   Catch::Contains("scontrol requeue \"$SLURM_JOB_ID\""));
   CHECK_THAT(s, Catch::Contains("/opt/mg/bin/mglaunch --max_restarts=1 prog &"));
 }
 

@@ -24,6 +24,16 @@ namespace {
 
 const std::string kSbatchTool = MGLAUNCH_SBATCH_BIN;
 
+// A temporary directory removed at the end of the test case.
+struct TempDir {
+  std::string path = make_temp_dir();
+  ~TempDir() {
+    std::error_code ec;
+    if (!std::getenv("MGTEST_KEEP_SLURM")) fs::remove_all(path, ec);
+  }
+  operator const std::string&() const { return path; }
+};
+
 #define NEED_SLURM(c)                                               \
   SlurmCluster* c = SlurmCluster::shared();                         \
   if (!c) {                                                         \
@@ -130,7 +140,8 @@ TEST_CASE("hostlist expansion and compression agree with scontrol on generated l
 
 TEST_CASE("srun -N3 mglaunch --nproc_per_node=2 forms one world of 6 ranks with one master") {
   NEED_SLURM(c);
-  const std::string dir = make_temp_dir();
+  const TempDir tmp;
+  const std::string& dir = tmp.path;
   auto r = c->run({"srun", "-N3", "--kill-on-bad-exit=1", "-o", dir + "/task%t.out", kMglaunch, "--nproc_per_node=2",
                    kFakeWorker, "env"},
                   120s);
@@ -148,7 +159,8 @@ TEST_CASE("srun -N3 mglaunch --nproc_per_node=2 forms one world of 6 ranks with 
 
 TEST_CASE("two mglaunch steps at once on the same nodes both succeed on different rendezvous ports") {
   NEED_SLURM(c);
-  const std::string dir = make_temp_dir();
+  const TempDir tmp;
+  const std::string& dir = tmp.path;
   std::string steps;
   for (const char* name : {"a", "b"})
     steps += "srun --overlap -N3 --ntasks-per-node=1 --kill-on-bad-exit=1 -o " + dir + "/" + name + "%t.out " +
@@ -174,7 +186,8 @@ TEST_CASE("two mglaunch steps at once on the same nodes both succeed on differen
 
 TEST_CASE("mglaunch-sbatch --wait runs the job and returns its exit code, arguments intact") {
   NEED_SLURM(c);
-  const std::string dir = make_temp_dir();
+  const TempDir tmp;
+  const std::string& dir = tmp.path;
   auto ok = c->run({kSbatchTool, "--nodes", "3", "--wait", "--output", dir + "/ok-%j.out", "--", "--nproc_per_node=2",
                     kFakeWorker, "print", "it's a \"quoted\" $HOME arg"},
                    180s);
@@ -199,7 +212,8 @@ TEST_CASE("mglaunch-sbatch --wait runs the job and returns its exit code, argume
 
 TEST_CASE("a failing rank ends the whole Slurm job with its exit code") {
   NEED_SLURM(c);
-  const std::string dir = make_temp_dir();
+  const TempDir tmp;
+  const std::string& dir = tmp.path;
   // Rank 4 exits 9; the other five would hang for 60 s if nobody stopped them.
   auto p = c->spawn({kSbatchTool, "--nodes", "3", "--wait", "--output", dir + "/job.out", "--", "--nproc_per_node=2",
                      kFakeWorker, "when-rank", "4", "exit", "9"});
@@ -222,7 +236,8 @@ TEST_CASE("sbatch's own errors reach the user unchanged") {
 #ifdef MGTRAIN_BIN
 TEST_CASE("pre-emption drill: USR1, checkpoint, requeue, resume, same final weights as without it") {
   NEED_SLURM(c);
-  const std::string dir = make_temp_dir();
+  const TempDir tmp;
+  const std::string& dir = tmp.path;
   auto train_args = [&](const std::string& tag) {
     return std::vector<std::string>{MGTRAIN_BIN,       "--model",       "mlp",  "--dataset",   "synthetic",
                                     "--synthetic-size", "8192", "--epochs", "100", "--batch-size", "64", "--max-steps",

@@ -17,6 +17,8 @@
 #include <sstream>
 #include <stdexcept>
 
+extern char** environ;
+
 namespace mgtest {
 namespace {
 
@@ -163,6 +165,9 @@ void SlurmCluster::start(int attempt) {
     << "SlurmdParameters=config_overrides\nMpiDefault=none\n"
     << "AccountingStorageType=accounting_storage/none\nJobAcctGatherType=jobacct_gather/none\n"
     << "JobCompType=jobcomp/none\nReturnToService=2\nInactiveLimit=0\nKillWait=10\nMinJobAge=600\n"
+    // Job ids of their own, so that test clusters running side by side do not hash their
+    // steps to the same rendezvous ports.
+    << "FirstJobId=" << 1000 + std::random_device{}() % 1000000 << "\n"
     << "StateSaveLocation=" << run << "/state\n"
     << "SlurmdSpoolDir=" << run << "/spool/%n\n"
     << "SlurmctldPidFile=" << run << "/slurmctld.pid\n"
@@ -244,17 +249,26 @@ bool SlurmCluster::all_nodes_idle() const {
   return r.code == 0 && idle == nodes_;
 }
 
+// Our cluster's config, and none of the SLURM_* of a job the tests themselves may run in.
+std::map<std::string, std::string> SlurmCluster::client_env(std::map<std::string, std::string> env) const {
+  for (char** e = environ; *e; ++e) {
+    std::string_view kv = *e;
+    if (kv.starts_with("SLURM_") || kv.starts_with("SLURMD_"))
+      env.emplace(std::string(kv.substr(0, kv.find('='))), "\x01unset");
+  }
+  env["SLURM_CONF"] = conf_;
+  return env;
+}
+
 Result SlurmCluster::run(std::vector<std::string> argv, std::chrono::milliseconds timeout,
                          std::map<std::string, std::string> env) const {
   if (argv.at(0).find('/') == std::string::npos) argv[0] = command(argv[0]);
-  env["SLURM_CONF"] = conf_;
-  return mgtest::run(argv, env, timeout);
+  return mgtest::run(argv, client_env(std::move(env)), timeout);
 }
 
 Proc SlurmCluster::spawn(std::vector<std::string> argv, std::map<std::string, std::string> env) const {
   if (argv.at(0).find('/') == std::string::npos) argv[0] = command(argv[0]);
-  env["SLURM_CONF"] = conf_;
-  return mgtest::spawn(argv, env);
+  return mgtest::spawn(argv, client_env(std::move(env)));
 }
 
 std::map<std::string, std::string> SlurmCluster::job(const std::string& id) const {

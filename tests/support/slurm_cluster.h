@@ -47,6 +47,7 @@ class SlurmCluster {
 
  private:
   bool all_nodes_idle() const;
+  std::map<std::string, std::string> client_env(std::map<std::string, std::string> env) const;
   void start(int attempt);  // writes slurm.conf with fresh ports, starts the daemons, waits until idle
   void stop_daemons();      // SIGTERM, then SIGKILL to the group after 15 s; reaps
   void cancel_all_jobs();

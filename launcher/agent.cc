@@ -30,7 +30,8 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       console_(io, STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
       signals_(io),
       children_(io),
-      grace_timer_(io) {
+      grace_timer_(io),
+      leave_timer_(io) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
   base_env_.erase("MGLAUNCH_RDZV_JOB_TOKEN");
@@ -135,7 +136,7 @@ void Agent::start_rendezvous() {
   h.on_assignment = [this](const proto::Assignment& a) { on_assignment(a); };
   h.on_restart = [this](const proto::Restart& r) { on_restart(r); };
   h.on_abort = [this](const proto::Abort& a) { on_abort(a); };
-  h.on_done = [this] { finish(exit_code::kOk); };
+  h.on_done = [this] { finish(leaving_code_ ? leaving_code_ : exit_code::kOk); };
   h.on_lost = [this](const std::string& why) { on_rdzv_lost(why); };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
   rdzv::ClientOptions co;
@@ -149,7 +150,7 @@ void Agent::start_rendezvous() {
 }
 
 void Agent::on_assignment(const proto::Assignment& a) {
-  if (state_ != State::kWaiting) return;
+  if (state_ != State::kWaiting || leaving_code_) return;
   round_ = a.round;
   plan_.nnodes = a.group_world_size;
   plan_.node_rank = a.group_rank;
@@ -168,6 +169,10 @@ void Agent::on_assignment(const proto::Assignment& a) {
 
 void Agent::on_restart(const proto::Restart& r) {
   if (state_ == State::kDone) return;
+  if (leaving_code_) {
+    finish(leaving_code_);  // the others heard it: this node is gone
+    return;
+  }
   notice(fmt::format("restart {} decided by the rendezvous: {}", r.restart_count, r.reason));
   if (state_ == State::kRunning) {
     rejoin_after_stop_ = true;
@@ -181,6 +186,10 @@ void Agent::on_restart(const proto::Restart& r) {
 
 void Agent::on_abort(const proto::Abort& a) {
   if (state_ == State::kDone) return;
+  if (leaving_code_) {
+    finish(leaving_code_);
+    return;
+  }
   abort_ = a;
   if (state_ == State::kRunning) {
     stop_group(SIGTERM);
@@ -207,6 +216,10 @@ void Agent::finish_with_abort() {
 
 void Agent::on_rdzv_lost(const std::string& why) {
   if (state_ == State::kDone) return;
+  if (leaving_code_) {
+    finish(leaving_code_);
+    return;
+  }
   notice(fmt::format("rendezvous: {}", why));
   rdzv_ = false;  // from here on this node decides alone
   if (state_ == State::kWaiting) {
@@ -355,7 +368,7 @@ void Agent::on_group_stopped() {
   switch (next) {
     case AfterStop::kStoppedBySignal:
       notice(fmt::format("stopped by {}", signal_name(agent_signal_)));
-      finish(exit_code::kSignalBase + agent_signal_);
+      leave_job(agent_signal_);
       return;
     case AfterStop::kAbort:
       finish_with_abort();
@@ -413,6 +426,7 @@ void Agent::finish(int code) {
   signals_.cancel(ec);
   children_.cancel(ec);
   grace_timer_.cancel();
+  leave_timer_.cancel();
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
@@ -454,8 +468,12 @@ void Agent::on_signal(int sig) {
   }
   if (agent_signal_ == 0) agent_signal_ = sig;
   if (what == OnSignal::kEndWhileWaiting) {
+    if (leaving_code_) {  // a second signal while telling the others: go now
+      finish(leaving_code_);
+      return;
+    }
     notice(fmt::format("got {} while waiting for the rendezvous", signal_name(sig)));
-    finish(exit_code::kSignalBase + sig);
+    leave_job(sig);
     return;
   }
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), opts_.grace.count() / 1000.0));
@@ -467,6 +485,30 @@ void Agent::on_signal(int sig) {
   stop_group(sig);
   // Between attempts (all workers gone, restart posted) nobody is left to report back.
   if (workers_.empty()) on_group_stopped();
+}
+
+void Agent::leave_job(int sig) {
+  const int code = exit_code::kSignalBase + sig;
+  // Not in a multi-node job, or not placed in a round yet: nobody to tell.
+  if (!rdzv_ || !client_ || round_ == 0) {
+    finish(code);
+    return;
+  }
+  leaving_code_ = code;
+  state_ = State::kWaiting;
+  proto::WorkerFailed f;
+  f.round = round_;
+  f.host = local_hostname();
+  f.rank = -1;
+  f.local_rank = -1;
+  f.exit_code = code;
+  f.signal = sig;
+  f.message = fmt::format("node {} (node rank {}) was stopped by {}", f.host, plan_.node_rank, signal_name(sig));
+  client_->worker_failed(f);
+  leave_timer_.expires_after(kLeaveTimeout);
+  leave_timer_.async_wait([this](boost::system::error_code ec) {
+    if (!ec) finish(leaving_code_);
+  });
 }
 
 void Agent::notice(const std::string& text) { console_.write(1, "[mglaunch] " + text + "\n"); }

@@ -50,6 +50,12 @@ class Agent {
   void on_restart(const proto::Restart& r);
   void on_abort(const proto::Abort& a);
   void on_rdzv_lost(const std::string& why);
+  // The agent ends for its own signal `sig`. In a multi-node job it first tells the
+  // rendezvous that this node left (a WorkerFailed with rank -1), so the other nodes stop
+  // their workers now instead of at join_timeout, and waits up to kLeaveTimeout for the
+  // decision (a hosting agent's server still delivers it to them) before finishing.
+  void leave_job(int sig);
+  static constexpr std::chrono::seconds kLeaveTimeout{5};
   void finish_with_abort();
   void retire_workers();
   void on_worker_done(WorkerProcess& w);
@@ -87,6 +93,8 @@ class Agent {
   boost::asio::signal_set signals_;
   boost::asio::signal_set children_;  // SIGCHLD: reaps orphans handed to the subreaper
   boost::asio::steady_timer grace_timer_;
+  boost::asio::steady_timer leave_timer_;
+  int leaving_code_ = 0;  // set by leave_job(): the exit code once the decision is in
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
   std::vector<std::unique_ptr<WorkerProcess>> retired_;
   State state_ = State::kRunning;

@@ -529,3 +529,36 @@ TEST_CASE("both ways of marking descriptors close-on-exec leave an exec'd progra
     CHECK(fd_numbers(j) == std::set<std::string>{"0", "1", "2"});
   }
 }
+
+TEST_CASE("a hosting agent stopped by SIGTERM tells the other node, which stops at once instead of at join_timeout") {
+  // The first agent hosts the rendezvous in-process; when it goes, so does the server.
+  int port = 0;
+  {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    socklen_t len = sizeof(a);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    ::close(fd);
+    port = ntohs(a.sin_port);
+  }
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  const std::vector<std::string> host_flags{"--rdzv_conf=is_host=true,join_timeout=300"};
+  const std::vector<std::string> flags{"--rdzv_conf=join_timeout=300"};
+  Proc a = spawn(node_argv(ep, "leave", 1, 2, host_flags, {"print", "up", "hang", "120"}));
+  REQUIRE(eventually([&] { return a.err().find("hosting the rendezvous") != std::string::npos; }, 30s));
+  Proc b = spawn(node_argv(ep, "leave", 2, 2, flags, {"print", "up", "hang", "120"}));
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     30s));
+  ::kill(a.pid, SIGTERM);
+  REQUIRE(a.wait(60s));
+  INFO(a.err());
+  CHECK(a.exit_code() == 128 + SIGTERM);
+  // Far less than join_timeout (300 s): the other node heard that this one left.
+  REQUIRE(b.wait(60s));
+  INFO(b.err());
+  CHECK(b.exit_code() == 128 + SIGTERM);
+  CHECK_THAT(b.err(), Catch::Contains("was stopped by SIGTERM"));
+}

@@ -5,12 +5,12 @@ JOBS ?= $(shell nproc)
 DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev catch2 \
         libcli11-dev libssl-dev libtorch-dev libgloo-dev python3-torch dataset-fashion-mnist \
         clang libclang-rt-14-dev openssh-server openssh-client slurm-wlm prometheus \
-        chromium chromium-driver python3-selenium
+        chromium chromium-driver python3-selenium help2man
 BENCH_DEBS := hyperfine time
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MGLAUNCH := $(BUILD_DIR)/bin/mglaunch
 
-.PHONY: all setup build run test bench clean
+.PHONY: all setup build run test bench package clean
 
 all: build
 
@@ -38,6 +38,10 @@ bench:
 	bench/launch_bench.sh $(BUILD_DIR)
 	/usr/bin/python3 bench/rdzv_bench.py $(BUILD_DIR)
 	bench/train_bench.sh $(BUILD_DIR)
+
+# A .deb of the build (binaries, man pages, README, the mglaunch-rdzv systemd unit) in $(BUILD_DIR).
+package: build
+	cd $(BUILD_DIR) && cpack -G DEB
 
 clean:
 	rm -rf $(BUILD_DIR)

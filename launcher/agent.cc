@@ -178,7 +178,7 @@ void Agent::on_restart(const proto::Restart& r) {
     rejoin_after_stop_ = true;
     stop_group(SIGTERM);
   } else if (state_ == State::kWaiting) {
-    client_->rejoin();
+    rejoin();
   } else {
     rejoin_after_stop_ = true;  // already stopping: re-join once stopped
   }
@@ -282,6 +282,16 @@ void Agent::start_attempt() {
   port_hold_.reset();  // the workers may bind the master port now
 }
 
+void Agent::rejoin() {
+  // A new round gets a fresh master port, as a restart on one node does (the last one may
+  // be held by a straggler, in TIME_WAIT, or taken meanwhile).
+  if (port_is_ours_) {
+    hold_master_port(/*fresh=*/true);
+    client_->set_master_port(plan_.master_port);
+  }
+  client_->rejoin();
+}
+
 void Agent::hold_master_port(bool fresh) {
   if (!fresh) {
     if (auto r = PortReservation::try_hold(plan_.master_port)) {
@@ -375,7 +385,7 @@ void Agent::on_group_stopped() {
       return;
     case AfterStop::kRejoin:
       rejoin_after_stop_ = false;
-      client_->rejoin();
+      rejoin();
       return;
     case AfterStop::kReportFailure: {
       // Our failure: the server decides (restart everywhere or abort everywhere).

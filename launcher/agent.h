@@ -82,6 +82,7 @@ class Agent {
   // Holds plan_.master_port until the workers start (see launcher/port.h); with `fresh`,
   // or when the port was taken meanwhile, chooses a new one and updates the plan.
   void hold_master_port(bool fresh);
+  void rejoin();  // re-join the rendezvous for the next round, offering a fresh master port
   std::string attempt_dir(int local_rank) const;
   WorkerOutcome outcome_of(const WorkerProcess& w) const;
 

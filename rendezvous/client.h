@@ -43,6 +43,8 @@ class Client {
   ~Client();
   void start();
   void rejoin();
+  // The master port offered in later joins (a fresh one for each round).
+  void set_master_port(int port) { opts_.join.master_port = port; }
   void worker_failed(proto::WorkerFailed f);
   void node_done(int round);
   void close();

@@ -101,8 +101,13 @@ TEST_CASE("a worker failure on node 2 restarts every node with the same restart 
     INFO(a.err());
     CHECK(a.exit_code() == 0);
     std::set<std::string> counts;
-    for (const auto& e : envs(a.out())) counts.insert(e["TORCHELASTIC_RESTART_COUNT"].get<std::string>());
+    std::map<std::string, std::string> port_of_restart;
+    for (const auto& e : envs(a.out())) {
+      counts.insert(e["TORCHELASTIC_RESTART_COUNT"].get<std::string>());
+      port_of_restart[e["TORCHELASTIC_RESTART_COUNT"].get<std::string>()] = e["MASTER_PORT"].get<std::string>();
+    }
     CHECK(counts == std::set<std::string>{"0", "1"});
+    CHECK(port_of_restart["0"] != port_of_restart["1"]);  // each round gets a fresh master port
     CHECK_THAT(a.err(), Catch::Contains("restart 1 decided by the rendezvous: rank 3"));
   }
 }

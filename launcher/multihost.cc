@@ -26,6 +26,7 @@
 #include "launcher/line_splitter.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "launcher/worker_process.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/server.h"
 
@@ -94,6 +95,8 @@ struct SshChildSetup {
   }
   bp::error_code on_exec_setup(bp::posix::default_launcher&, const bp::filesystem::path&, const char* const*) {
     if (::setpgid(0, 0) != 0) return {errno, bp::system_category()};
+    // ssh must not inherit the launcher's sockets (the rendezvous server) or other pipes.
+    if (!mark_cloexec_above_stderr()) return {errno, bp::system_category()};
     ::signal(SIGPIPE, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);

@@ -36,6 +36,8 @@ struct TempDir {
 
 #define NEED_SLURM(c)                                               \
   SlurmCluster* c = SlurmCluster::shared();                         \
+  if (!c && !SlurmCluster::start_error().empty())                   \
+    FAIL(SlurmCluster::start_error());                              \
   if (!c) {                                                         \
     WARN("skipped: " << SlurmCluster::skip_reason());               \
     return;                                                         \

@@ -103,13 +103,14 @@ std::string tail(const std::string& path, std::size_t lines) {
   return out;
 }
 
-std::string g_skip_reason;
+std::string g_skip_reason, g_start_error;
 
 }  // namespace
 
 std::string SlurmCluster::command(const std::string& name) { return find_on_path(name); }
 
 const std::string& SlurmCluster::skip_reason() { return g_skip_reason; }
+const std::string& SlurmCluster::start_error() { return g_start_error; }
 
 SlurmCluster* SlurmCluster::shared() {
   static std::unique_ptr<SlurmCluster> cluster;
@@ -122,7 +123,7 @@ SlurmCluster* SlurmCluster::shared() {
       try {
         cluster = std::make_unique<SlurmCluster>(3);
       } catch (const std::exception& e) {
-        g_skip_reason = std::string("the test Slurm cluster did not start: ") + e.what();
+        g_start_error = std::string("the test Slurm cluster did not start: ") + e.what();
       }
     }
   }

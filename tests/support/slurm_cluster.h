@@ -20,9 +20,11 @@ namespace mgtest {
 class SlurmCluster {
  public:
   // The cluster shared by the tests of this process, started on first use; nullptr when
-  // Slurm is not installed or the cluster does not come up (then skip_reason() says why).
+  // Slurm is not installed (skip_reason() says so: the tests skip) or when the cluster
+  // did not come up (start_error() says why, with the daemons' logs: the tests fail).
   static SlurmCluster* shared();
   static const std::string& skip_reason();
+  static const std::string& start_error();
 
   explicit SlurmCluster(int nodes);
   ~SlurmCluster();

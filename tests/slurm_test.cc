@@ -159,6 +159,32 @@ TEST_CASE("srun -N3 mglaunch --nproc_per_node=2 forms one world of 6 ranks with 
   }
 }
 
+TEST_CASE("the --dry-run plan inside srun names the nodes, Slurm's NodeAddr and the source of each value") {
+  NEED_SLURM(c);
+  const TempDir tmp;
+  const std::string& dir = tmp.path;
+  auto r = c->run({"srun", "-N3", "-o", dir + "/plan%t.json", "-e", dir + "/err%t.txt", kMglaunch, "--dry-run",
+                   "--max_restarts=1", kFakeWorker, "env"},
+                  120s);
+  INFO(r.err << read_file(dir + "/err0.txt"));
+  REQUIRE(r.code == 0);
+  for (int t = 0; t < 3; ++t) {
+    INFO("task " << t);
+    const auto j = nlohmann::json::parse(read_file(dir + "/plan" + std::to_string(t) + ".json"));
+    CHECK(j["nodes"] == nlohmann::json({"n1", "n2", "n3"}));
+    CHECK(j["node_rank"] == t);
+    CHECK(j["nnodes"] == 3);
+    CHECK(j["max_restarts"] == 1);  // a flag, untouched
+    CHECK(j["slurm"]["node_name"] == "n" + std::to_string(t + 1));
+    // The node names do not resolve here: NodeAddr (127.0.0.1) from scontrol show node.
+    CHECK(j["local_addr"] == "127.0.0.1");
+    CHECK_THAT(j["source"]["local_addr"].get<std::string>(), Catch::Contains("NodeAddr from scontrol show node"));
+    CHECK_THAT(j["source"]["rdzv_endpoint"].get<std::string>(), Catch::Contains("SLURM_STEP_NODELIST"));
+    CHECK(j["source"]["nnodes"] == "SLURM_STEP_NUM_NODES=3");
+    CHECK_THAT(j["rdzv_id"].get<std::string>(), Catch::Matches("slurm-[0-9]+\\.0"));
+  }
+}
+
 TEST_CASE("two mglaunch steps at once on the same nodes both succeed on different rendezvous ports") {
   NEED_SLURM(c);
   const TempDir tmp;

@@ -73,6 +73,15 @@ void Agent::start() {
   if (plan_.set_omp_threads)
     notice("setting OMP_NUM_THREADS=1 for each worker (more than one per node); set it yourself to tune");
   for (const auto& w : opts_.warnings) notice(w);
+  if (opts_.cpu_bind != "none") {
+    try {
+      bindings_ = hw::bind_this_machine(opts_.cpu_bind, plan_.nproc_per_node, opts_.gpu_ids);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());  // it names --cpu-bind and the fix
+    }
+    for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
+      notice(hw::format_binding(lr, bindings_[static_cast<std::size_t>(lr)]));
+  }
 
   port_is_ours_ = opts_.rdzv_backend != "static" || opts_.master_port == 0;
   if (port_is_ours_ && plan_.master_port > 0) hold_master_port(/*fresh=*/false);
@@ -276,6 +285,7 @@ void Agent::start_attempt() {
       if (opts_.redirects.covers(lr, which[s]) || opts_.tee.covers(lr, which[s])) spec.log_file[s] = dir + "/" + names[s];
     }
     spec.max_line_bytes = opts_.max_line_bytes;
+    if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
     workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_,
                                                        [this](WorkerProcess& w) { on_worker_done(w); }));
   }

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launcher/console.h"
+#include "launcher/hwprobe.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/port.h"
@@ -119,6 +120,7 @@ class Agent {
   std::chrono::steady_clock::time_point attempt_start_;
   bool port_is_ours_ = false;  // the master port was chosen by mglaunch, not the user
   std::optional<PortReservation> port_hold_;
+  std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
 };
 
 }  // namespace mg

@@ -250,6 +250,19 @@ std::vector<std::vector<int>> split_even(const std::vector<int>& cpus, int n) {
 
 }  // namespace
 
+std::vector<Binding> bind_this_machine(const std::string& policy, int nproc, const std::vector<int>& gpu_ids) {
+  if (policy == "none") return std::vector<Binding>(static_cast<std::size_t>(std::max(nproc, 0)));
+  std::string error;
+  const auto gpus = make_nvml_probe()->gpus(error);
+  std::vector<std::optional<int>> gpu_numa;
+  for (int lr = 0; lr < nproc; ++lr) {
+    const int id = lr < static_cast<int>(gpu_ids.size()) ? gpu_ids[static_cast<std::size_t>(lr)] : lr;
+    gpu_numa.push_back(id >= 0 && id < static_cast<int>(gpus.size()) ? gpus[static_cast<std::size_t>(id)].numa_node
+                                                                     : std::nullopt);
+  }
+  return plan_binding(policy, nproc, probe_cpus().affinity, probe_numa(), gpu_numa);
+}
+
 std::vector<Binding> plan_binding(const std::string& policy, int nproc, const std::vector<int>& usable_in,
                                   const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa) {
   if (policy != "none" && policy != "cores" && policy != "numa")

@@ -82,6 +82,10 @@ struct Binding {
 };
 std::vector<Binding> plan_binding(const std::string& policy, int nproc, const std::vector<int>& usable,
                                   const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa);
+// The bindings of `nproc` local ranks on this machine: its usable CPUs (affinity), NUMA
+// nodes and, for ranks with a GPU (gpu_ids[local_rank], else the rank's index), that GPU's
+// NUMA node from NVML when a driver is there. Throws std::invalid_argument like plan_binding.
+std::vector<Binding> bind_this_machine(const std::string& policy, int nproc, const std::vector<int>& gpu_ids);
 // One line per rank: "local_rank 0: cpus 0-3 (NUMA node 0)".
 std::string format_binding(int local_rank, const Binding& b);
 

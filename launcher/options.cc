@@ -421,6 +421,9 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   flag("--local-rank-arg,--local_rank_arg", "", o.local_rank_arg, "Pass --local_rank=N to the program");
   bool use_env = false;
   flag("--use_env,--use-env", "", use_env, "Accepted for torch.distributed.launch scripts; no effect");
+  app.add_option("--cpu-bind,--cpu_bind", o.cpu_bind,
+                 "Pin each worker: none (default), cores (disjoint cores, near its GPU), numa (its NUMA node)")
+      ->check(CLI::IsMember({"none", "cores", "numa"}));
   app.add_option("--gpu_ids,--gpu-ids", gpu_ids, "GPU ids for local ranks 0,1,...: CUDA_VISIBLE_DEVICES per worker");
   app.add_option("--grace", grace_s, "Seconds between SIGTERM and SIGKILL when stopping workers (default 30)");
   app.add_option("--summary-json,--summary_json", o.summary_json, "Write the run's summary as JSON to this file");

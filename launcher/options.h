@@ -97,6 +97,7 @@ struct AgentOptions {
   std::string rdzv_job_token;  // MGLAUNCH_RDZV_JOB_TOKEN: the key of this job only (mglaunch-rdzv --job-token)
   // mglaunch's own
   std::vector<int> gpu_ids;
+  std::string cpu_bind = "none";  // --cpu-bind none|cores|numa
   std::chrono::milliseconds grace{30000};
   std::string summary_json;
   bool dry_run = false;

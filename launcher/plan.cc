@@ -11,6 +11,7 @@
 
 #include "launcher/errors.h"
 #include "launcher/port.h"
+#include "launcher/hwprobe.h"
 #include "rendezvous/endpoint.h"
 
 namespace mg {
@@ -184,11 +185,19 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
 
 nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base_env) {
   nlohmann::json workers = nlohmann::json::array();
+  std::vector<hw::Binding> bindings;
+  try {
+    bindings = hw::bind_this_machine(opts.cpu_bind, plan.nproc_per_node, opts.gpu_ids);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());  // it names --cpu-bind and the fix
+  }
   for (int lr = 0; lr < plan.nproc_per_node; ++lr) {
     workers.push_back({{"local_rank", lr},
                        {"rank", plan.rank_offset + lr},
                        {"argv", build_worker_argv(plan, opts, lr)},
                        {"env", build_contract_env(plan, opts, base_env, lr, 0, "")}});
+    if (opts.cpu_bind != "none")
+      workers.back()["binding"] = hw::format_binding(lr, bindings[static_cast<std::size_t>(lr)]);
   }
   nlohmann::json doc = {{"nnodes", plan.nnodes},
                         {"node_rank", plan.node_rank},
@@ -201,6 +210,7 @@ nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const
                         {"master_addr", plan.master_addr},
                         {"master_port", plan.master_port},
                         {"max_restarts", opts.max_restarts},
+                        {"cpu_bind", opts.cpu_bind},
                         {"executable", plan.executable},
                         {"workers", workers}};
   if (opts.slurm) {

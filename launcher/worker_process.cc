@@ -1,6 +1,7 @@
 #include "launcher/worker_process.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <linux/close_range.h>
 #include <sys/prctl.h>
@@ -72,6 +73,7 @@ constexpr std::chrono::milliseconds kDrainTimeout{2000};
 struct ChildSetup {
   const char* const* envp;
   pid_t parent;
+  const cpu_set_t* cpus;  // nullptr: keep the agent's affinity
 
   bp::error_code on_setup(bp::posix::default_launcher& launcher, const bp::filesystem::path&, const char* const*) {
     launcher.env = envp;
@@ -85,6 +87,7 @@ struct ChildSetup {
     if (::setpgid(0, 0) != 0) return {errno, bp::system_category()};
     if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return {errno, bp::system_category()};
     if (::getppid() != parent) ::_exit(128 + SIGKILL);  // the agent died before prctl
+    if (cpus && ::sched_setaffinity(0, sizeof(cpu_set_t), cpus) != 0) return {errno, bp::system_category()};
     ::signal(SIGPIPE, SIG_DFL);                         // the agent ignores it; workers must not inherit that
     sigset_t none;
     sigemptyset(&none);
@@ -207,9 +210,13 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
   start_ = std::chrono::steady_clock::now();
   bp::error_code ec;
   if (spawn_error_.empty()) {
+    cpu_set_t cpu_set;
+    CPU_ZERO(&cpu_set);
+    for (int c : spec_.cpus)
+      if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &cpu_set);
     bp::posix::default_launcher launcher;
     auto proc = launcher(io.get_executor(), ec, bp::filesystem::path(spec_.executable), args,
-                         bp::process_stdio{{}, impl_->pipes[0], impl_->pipes[1]}, ChildSetup{envp.data(), ::getpid()});
+                         bp::process_stdio{{}, impl_->pipes[0], impl_->pipes[1]}, ChildSetup{envp.data(), ::getpid(), spec_.cpus.empty() ? nullptr : &cpu_set});
     if (ec) {
       spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, ec.message());
     } else {

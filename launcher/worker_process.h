@@ -61,6 +61,7 @@ struct WorkerSpec {
   std::string log_file[2];           // raw copy of stdout / stderr ("" = none)
   std::size_t max_line_bytes = 64 * 1024;
   std::size_t tail_lines = 10;       // last stderr lines kept for the failure report
+  std::vector<int> cpus;             // CPU affinity set in the child (--cpu-bind); empty: inherited
 };
 
 class WorkerProcess {

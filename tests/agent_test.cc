@@ -1,6 +1,7 @@
 // Integration tests: the real mglaunch binary supervising real fake_worker processes.
 #include <catch2/catch.hpp>
 
+#include <sched.h>
 #include <signal.h>
 
 #include <filesystem>
@@ -368,4 +369,33 @@ TEST_CASE("MGLAUNCH_PYTHON picks the interpreter and --python overrides it") {
                   {{"MGLAUNCH_PYTHON", "/no/such/python"}});
   CHECK(good.code == 0);
   CHECK_THAT(good.out, Catch::Contains("[rank0]:python ok 0 ['x']"));
+}
+
+TEST_CASE("cpu-bind cores pins each worker to its own CPUs and says so; too many workers is exit 2") {
+  cpu_set_t mine;
+  REQUIRE(::sched_getaffinity(0, sizeof mine, &mine) == 0);
+  if (CPU_COUNT(&mine) < 2) {
+    WARN("skipped: this process may use only one CPU");
+    return;
+  }
+  auto r = run({kMglaunch, "--cpu-bind", "cores", "--nproc_per_node=2", "/bin/sh", "-c",
+                "grep Cpus_allowed_list /proc/self/status"});
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  std::map<std::string, std::string> allowed;  // "[rank0]" -> "0"
+  for (const auto& line : split_lines(r.out))
+    if (auto tab = line.find('\t'); tab != std::string::npos) allowed[line.substr(0, line.find(':'))] = line.substr(tab + 1);
+  REQUIRE(allowed.size() == 2);
+  CHECK(!allowed["[rank0]"].empty());
+  CHECK(allowed["[rank0]"] != allowed["[rank1]"]);
+  CHECK_THAT(r.err, Catch::Contains("local_rank 0: cpus " + allowed["[rank0]"]) &&
+                        Catch::Contains("local_rank 1: cpus " + allowed["[rank1]"]));
+  auto dry = run({kMglaunch, "--cpu-bind", "cores", "--nproc_per_node=2", "--dry-run", "/bin/true"});
+  REQUIRE(dry.code == 0);
+  auto j = nlohmann::json::parse(dry.out);
+  CHECK(j["cpu_bind"] == "cores");
+  CHECK_THAT(j["workers"][1]["binding"].get<std::string>(), Catch::Contains("local_rank 1: cpus " + allowed["[rank1]"]));
+  auto many = run({kMglaunch, "--cpu-bind", "cores", "--nproc_per_node=" + std::to_string(CPU_COUNT(&mine) + 1), "/bin/true"});
+  CHECK(many.code == 2);
+  CHECK_THAT(many.err, Catch::Contains("cannot have disjoint CPUs") && Catch::Contains("--cpu-bind=numa"));
 }

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launcher/errors.h"
+#include "launcher/hwprobe.h"
 #include "rendezvous/endpoint.h"
 #include "slurm/env.h"
 
@@ -243,8 +244,14 @@ void apply_slurm(AgentOptions& o, std::string& nnodes, const std::map<std::strin
 }  // namespace
 
 HardwareProbe HardwareProbe::system() {
-  return {read_sysfs_gpu_count, [] { return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN))); },
-          system_node_address, system_ephemeral_ports};
+  // GPUs: NVML's count when a driver is there, else the NVIDIA devices in sysfs. CPUs: what
+  // this process may really use (affinity mask and cgroup quota), not the online count.
+  auto gpus = [] {
+    std::string error;
+    const auto nvml = hw::make_nvml_probe()->gpus(error);
+    return nvml.empty() ? read_sysfs_gpu_count() : static_cast<int>(nvml.size());
+  };
+  return {gpus, [] { return std::max(1, hw::probe_cpus().usable()); }, system_node_address, system_ephemeral_ports};
 }
 
 Streams StreamSpec::for_rank(int local_rank) const {

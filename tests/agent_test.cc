@@ -3,6 +3,7 @@
 
 #include <sched.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -398,4 +399,17 @@ TEST_CASE("cpu-bind cores pins each worker to its own CPUs and says so; too many
   auto many = run({kMglaunch, "--cpu-bind", "cores", "--nproc_per_node=" + std::to_string(CPU_COUNT(&mine) + 1), "/bin/true"});
   CHECK(many.code == 2);
   CHECK_THAT(many.err, Catch::Contains("cannot have disjoint CPUs") && Catch::Contains("--cpu-bind=numa"));
+}
+
+TEST_CASE("nproc_per_node=cpu counts the CPUs this process may use, not the CPUs online") {
+  if (::sysconf(_SC_NPROCESSORS_ONLN) < 2 || !std::filesystem::exists("/usr/bin/taskset")) {
+    WARN("skipped: needs two online CPUs and taskset");
+    return;
+  }
+  auto pinned = run({"/usr/bin/taskset", "-c", "0", kMglaunch, "--nproc_per_node=cpu", "--dry-run", "/bin/true"});
+  REQUIRE(pinned.code == 0);
+  CHECK(nlohmann::json::parse(pinned.out)["nproc_per_node"] == 1);
+  auto all = run({kMglaunch, "--nproc_per_node=cpu", "--dry-run", "/bin/true"});
+  REQUIRE(all.code == 0);
+  CHECK(nlohmann::json::parse(all.out)["nproc_per_node"].get<int>() >= 2);
 }

@@ -1,5 +1,6 @@
 #include "slurm/env.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <stdexcept>
@@ -221,7 +222,7 @@ SlurmPlan plan_from_env(const Env& env, PortRange ephemeral) {
     if (i < counts.size() && counts[i] > 1)
       throw std::invalid_argument(fmt::format(
           "{}: this step runs {} tasks on node {}, but mglaunch starts the workers itself; run one task per node "
-          "(srun --ntasks-per-node=1 mglaunch ...) or pass --no-slurm",
+          "(srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 mglaunch ...) or pass --no-slurm",
           with_value(*tpn), counts[i], p.node_name.value));
   }
 
@@ -232,6 +233,12 @@ SlurmPlan plan_from_env(const Env& env, PortRange ephemeral) {
     p.nproc_per_node = {count_gpu_list(v->second), with_value(*v)};
   } else if (auto v = first_of(env, {"SLURM_GPUS_PER_NODE"}); v && parse_gpus_per_node(v->second) > 0) {
     p.nproc_per_node = {parse_gpus_per_node(v->second), with_value(*v)};
+  } else if (auto cpt = first_of(env, {"SLURM_CPUS_PER_TASK"}), con = first_of(env, {"SLURM_CPUS_ON_NODE"});
+             cpt && con) {
+    // No GPUs: as many workers as tasks of --cpus-per-task fit in this node's allocation
+    // (sbatch --ntasks-per-node=4 --cpus-per-task=8 gives 32 CPUs: 4 workers of 8).
+    const int per = parse_count(cpt->first, cpt->second, 1), on = parse_count(con->first, con->second, 1);
+    p.nproc_per_node = {std::max(1, on / per), fmt::format("{} / {}", with_value(*con), with_value(*cpt))};
   } else {
     p.nproc_per_node = {1, "default: no GPUs allocated to this step (pass --nproc_per_node for CPU workers)"};
   }

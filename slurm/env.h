@@ -77,7 +77,7 @@ struct SlurmPlan {
   Sourced<int> rdzv_port;
   Sourced<std::string> node_name;  // this node's name (resolve before use)
   Sourced<std::vector<std::string>> nodes;  // the step's nodes, node 0 first
-  std::optional<int> cpus_per_task;
+  std::optional<int> cpus_per_task;  // SLURM_CPUS_PER_TASK
   int restart_count = 0;  // SLURM_RESTART_COUNT: > 0 after a requeue
   std::vector<std::string> warnings;
 };

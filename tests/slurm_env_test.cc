@@ -118,10 +118,23 @@ TEST_CASE("workers per node follow the GPUs Slurm gave the node") {
   CHECK(plan_from_env(env).cpus_per_task == 16);
 }
 
+TEST_CASE("without GPUs, workers per node are the node's CPUs divided by the CPUs per task") {
+  Env env = step_env();
+  env["SLURM_CPUS_ON_NODE"] = "32";
+  CHECK(plan_from_env(env).nproc_per_node.value == 1);  // no --cpus-per-task: the default
+  env["SLURM_CPUS_PER_TASK"] = "8";
+  CHECK(plan_from_env(env).nproc_per_node.value == 4);
+  CHECK(plan_from_env(env).nproc_per_node.source == "SLURM_CPUS_ON_NODE=32 / SLURM_CPUS_PER_TASK=8");
+  env["SLURM_CPUS_PER_TASK"] = "64";
+  CHECK(plan_from_env(env).nproc_per_node.value == 1);  // never 0
+  env["SLURM_GPUS_ON_NODE"] = "2";
+  CHECK(plan_from_env(env).nproc_per_node.value == 2);  // GPUs first
+}
+
 TEST_CASE("several tasks of the step on one node are refused with the fix") {
   Env env = step_env();
   env["SLURM_STEP_TASKS_PER_NODE"] = "1,4,1";
-  CHECK_THROWS_WITH(plan_from_env(env), Catch::Contains("--ntasks-per-node=1"));
+  CHECK_THROWS_WITH(plan_from_env(env), Catch::Contains("--ntasks-per-node=1") && Catch::Contains("--no-slurm"));
 }
 
 TEST_CASE("an inconsistent or incomplete Slurm environment is a clear error") {
@@ -168,7 +181,7 @@ TEST_CASE("random garbage in every Slurm variable never crashes the planner") {
   const std::string alphabet = "0123456789n[]-,(x):gpu ";
   const std::vector<std::string> keys = {"SLURM_STEP_NUM_NODES", "SLURM_NODEID", "SLURM_STEP_NODELIST",
                                          "SLURM_STEP_TASKS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS",
-                                         "SLURM_GPUS_PER_NODE", "SLURM_CPUS_PER_TASK", "SLURM_RESTART_COUNT",
+                                         "SLURM_GPUS_PER_NODE", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_RESTART_COUNT",
                                          "SLURM_STEP_RESV_PORTS", "SLURM_JOB_ID", "SLURM_STEP_ID"};
   int planned = 0;
   for (int i = 0; i < 20000; ++i) {
@@ -184,6 +197,7 @@ TEST_CASE("random garbage in every Slurm variable never crashes the planner") {
       SlurmPlan p = plan_from_env(env);
       CHECK(p.node_rank.value < p.nnodes.value);
       CHECK(static_cast<int>(p.nodes.value.size()) == p.nnodes.value);
+      CHECK(p.nproc_per_node.value >= 1);
       ++planned;
     } catch (const std::invalid_argument&) {
     }

@@ -23,6 +23,7 @@
 #include "launcher/port.h"
 #include "launcher/worker_process.h"
 #include "support/proc.h"
+#include "support/rdzv_fixture.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -40,17 +41,7 @@ std::vector<std::string> standalone(std::vector<std::string> flags, std::vector<
 // One agent of an n-node job on 127.0.0.<index> against the rendezvous at `endpoint`.
 std::vector<std::string> node_argv(const std::string& endpoint, const std::string& job, int index, int nnodes,
                                    std::vector<std::string> flags, std::vector<std::string> worker) {
-  std::vector<std::string> argv{kMglaunch,
-                                "--nnodes=" + std::to_string(nnodes),
-                                "--nproc_per_node=1",
-                                "--rdzv_backend=c10d",
-                                "--rdzv_endpoint=" + endpoint,
-                                "--rdzv_id=" + job,
-                                "--local_addr=127.0.0." + std::to_string(index)};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kFakeWorker);
-  argv.insert(argv.end(), worker.begin(), worker.end());
-  return argv;
+  return agent_argv(endpoint, job, index, std::to_string(nnodes), 1, std::move(flags), std::move(worker));
 }
 
 // The JSON objects printed by the workers ("[rankN]:{...}" lines).
@@ -96,21 +87,6 @@ struct Leftovers {
     return out;
   }
 };
-
-struct Daemon {
-  Proc proc;  // killed with its process group if the test ends first
-  std::string endpoint;
-};
-
-// mglaunch-rdzv on a port it picks itself (no bind-close-reuse race).
-Daemon start_daemon(const std::map<std::string, std::string>& env = {}) {
-  Daemon d{spawn({kRdzvDaemon, "--listen", "127.0.0.1:0"}, env), ""};
-  REQUIRE(eventually([&] { return d.proc.out().find('\n') != std::string::npos; }, 10s));
-  auto line = split_lines(d.proc.out()).at(0);
-  REQUIRE(line.rfind("listening on ", 0) == 0);
-  d.endpoint = line.substr(13);
-  return d;
-}
 
 // A process whose stdout is a pipe that the test reads only when it chooses to; stderr
 // goes to a file. Its process group is killed if the test ends before it does.
@@ -532,18 +508,7 @@ TEST_CASE("both ways of marking descriptors close-on-exec leave an exec'd progra
 
 TEST_CASE("a hosting agent stopped by SIGTERM tells the other node, which stops at once instead of at join_timeout") {
   // The first agent hosts the rendezvous in-process; when it goes, so does the server.
-  int port = 0;
-  {
-    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-    socklen_t len = sizeof(a);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    ::close(fd);
-    port = ntohs(a.sin_port);
-  }
+  const int port = free_loopback_port();
   const std::string ep = "127.0.0.1:" + std::to_string(port);
   const std::vector<std::string> host_flags{"--rdzv_conf=is_host=true,join_timeout=300"};
   const std::vector<std::string> flags{"--rdzv_conf=join_timeout=300"};

@@ -22,17 +22,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 int count_of_up(const std::string& out) {
   int n = 0;
@@ -50,7 +39,7 @@ std::vector<nlohmann::json> envs(const std::string& out) {
 }  // namespace
 
 TEST_CASE("3 agents x 2 workers get ranks 0..5 once each and one MASTER_ADDR") {
-  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  const std::string ep = "127.0.0.1:" + std::to_string(free_loopback_port());
   std::vector<Proc> agents;
   for (int i = 1; i <= 3; ++i) agents.push_back(spawn(agent_argv(ep, "ranks", i, "3", 2, {}, {"env"})));
   std::multiset<std::string> ranks;
@@ -73,7 +62,7 @@ TEST_CASE("3 agents x 2 workers get ranks 0..5 once each and one MASTER_ADDR") {
 }
 
 TEST_CASE("elastic 2:3 starts with two nodes and scales up when a third arrives") {
-  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  const std::string ep = "127.0.0.1:" + std::to_string(free_loopback_port());
   const std::vector<std::string> flags{"--rdzv_conf=last_call_timeout=0.5"};
   const std::vector<std::string> worker{"print", "world=${local_rank}", "env", "when-world-below", "3"};
   Proc a = spawn(agent_argv(ep, "elastic", 1, "2:3", 1, flags, worker));
@@ -91,7 +80,7 @@ TEST_CASE("elastic 2:3 starts with two nodes and scales up when a third arrives"
 }
 
 TEST_CASE("a worker failure on node 2 restarts every node with the same restart count") {
-  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  const std::string ep = "127.0.0.1:" + std::to_string(free_loopback_port());
   std::vector<Proc> agents;
   for (int i = 1; i <= 3; ++i)
     agents.push_back(spawn(agent_argv(ep, "restart", i, "3", 2, {"--max_restarts=2"},
@@ -113,7 +102,7 @@ TEST_CASE("a worker failure on node 2 restarts every node with the same restart 
 }
 
 TEST_CASE("without restarts every node prints the same root cause and exits with its code") {
-  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  const std::string ep = "127.0.0.1:" + std::to_string(free_loopback_port());
   std::vector<Proc> agents;
   for (int i = 1; i <= 3; ++i)
     agents.push_back(spawn(agent_argv(ep, "abort", i, "3", 1, {}, {"when-rank", "2", "eprint", "bad input", "exit", "9"})));
@@ -206,12 +195,8 @@ TEST_CASE("garbage and oversized frames close only their own connection while a 
 }
 
 TEST_CASE("the daemon killed and restarted mid-run: workers keep running and the job completes") {
-  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
-  auto listen = [&] {
-    Daemon d = listen_at(endpoint);
-    REQUIRE_THAT(d.proc.out(), Catch::Contains("listening on"));
-    return d;
-  };
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
+  auto listen = [&] { return listening_at(endpoint); };
   Daemon first = listen();
   const std::vector<std::string> worker{"pidfile", make_temp_dir() + "/p", "print", "up", "sleep-ms", "2500", "print",
                                         "bye"};
@@ -259,7 +244,7 @@ TEST_CASE("a silent client is dropped after the handshake timeout and connection
 }
 
 TEST_CASE("an agent started during a daemon outage does not take the daemon's port") {
-  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
   auto listen = [&] { return listen_at(endpoint); };
   Daemon first = listen();
   REQUIRE_THAT(first.proc.out(), Catch::Contains("listening on"));
@@ -288,12 +273,8 @@ TEST_CASE("an agent started during a daemon outage does not take the daemon's po
 }
 
 TEST_CASE("a worker that fails while the daemon is down is reported when the daemon is back") {
-  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
-  auto listen = [&] {
-    Daemon d = listen_at(endpoint);
-    REQUIRE_THAT(d.proc.out(), Catch::Contains("listening on"));
-    return d;
-  };
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
+  auto listen = [&] { return listening_at(endpoint); };
   Daemon first = listen();
   const std::string go = make_temp_dir() + "/go";
   std::vector<Proc> agents;

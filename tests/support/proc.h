@@ -51,6 +51,9 @@ std::string make_temp_dir();
 bool pid_alive(pid_t pid);  // zombies count as gone
 bool python_has_torch();    // /usr/bin/python3 -c "import torch" succeeds (checked once)
 int connect_loopback(int port);  // a connected TCP socket to 127.0.0.1:port, or -1
+// A port that was free on 127.0.0.1 a moment ago, for servers that must come back on the
+// same endpoint (a restarted daemon); everything else binds port 0 and reports it.
+int free_loopback_port();
 
 inline const std::string kMglaunch = MGLAUNCH_BIN;
 inline const std::string kFakeWorker = FAKE_WORKER_BIN;

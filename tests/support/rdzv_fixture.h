@@ -39,6 +39,13 @@ inline Daemon listen_at(const std::string& endpoint) {
   return d;
 }
 
+// listen_at() that must succeed.
+inline Daemon listening_at(const std::string& endpoint) {
+  Daemon d = listen_at(endpoint);
+  REQUIRE_THAT(d.proc.out(), Catch::Contains("listening on"));
+  return d;
+}
+
 inline std::vector<std::string> agent_argv(const std::string& endpoint, const std::string& job, int index,
                                            std::string nnodes, int nproc, std::vector<std::string> flags,
                                            std::vector<std::string> worker) {

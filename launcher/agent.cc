@@ -388,6 +388,8 @@ void Agent::on_group_stopped() {
   switch (next) {
     case AfterStop::kStoppedBySignal:
       notice(fmt::format("stopped by {}", signal_name(agent_signal_)));
+      // A worker that failed before the signal came is still the root cause.
+      if (root_cause_) console_.write(1, format_root_cause(*root_cause_, opts_.program));
       leave_job(agent_signal_);
       return;
     case AfterStop::kAbort:
@@ -508,7 +510,7 @@ void Agent::on_signal(int sig) {
 }
 
 void Agent::leave_job(int sig) {
-  const int code = exit_code::kSignalBase + sig;
+  const int code = root_cause_ ? root_cause_->worker.exit_code : exit_code::kSignalBase + sig;
   // Not in a multi-node job, or not placed in a round yet: nobody to tell.
   if (!rdzv_ || !client_ || round_ == 0) {
     finish(code);
@@ -524,6 +526,13 @@ void Agent::leave_job(int sig) {
   f.exit_code = code;
   f.signal = sig;
   f.message = fmt::format("node {} (node rank {}) was stopped by {}", f.host, plan_.node_rank, signal_name(sig));
+  if (root_cause_) {  // our worker's failure, which came first
+    f.rank = root_cause_->worker.rank;
+    f.local_rank = root_cause_->worker.local_rank;
+    f.signal = root_cause_->worker.signal;
+    f.message = root_cause_->message;
+    f.last_lines = root_cause_->stderr_tail;
+  }
   client_->worker_failed(f);
   leave_timer_.expires_after(kLeaveTimeout);
   leave_timer_.async_wait([this](boost::system::error_code ec) {

@@ -15,7 +15,8 @@ namespace mg {
 
 // What the agent does once every worker of a group it was stopping has ended.
 enum class AfterStop {
-  kStoppedBySignal,  // the agent itself got SIGTERM/SIGINT/SIGHUP: exit 128+signal
+  kStoppedBySignal,  // the agent itself got SIGTERM/SIGINT/SIGHUP: leave with 128+signal, or with
+                     // our root cause's code when a worker failed before the signal came
   kAbort,            // the rendezvous aborted the job: print its root cause, exit its code
   kRejoin,           // the rendezvous decided a restart: join the next round
   kReportFailure,    // our worker failed: tell the rendezvous, which decides for every node
@@ -36,6 +37,9 @@ struct StopFacts {
 };
 
 inline AfterStop after_stop(const StopFacts& f) {
+  // An abort already decided for the job wins over a signal that came during the stop
+  // (srun --kill-on-bad-exit sends one as soon as any node exits).
+  if (f.rdzv && f.abort) return AfterStop::kAbort;
   if (f.agent_signal) return AfterStop::kStoppedBySignal;
   if (f.rdzv) {
     if (f.abort) return AfterStop::kAbort;

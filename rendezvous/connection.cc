@@ -75,6 +75,10 @@ void FramedConnection::read_more() {
 }
 
 void FramedConnection::on_read(std::size_t n) {
+  if (lingering_) {  // closing: the peer's last words are read and dropped
+    in_used_ = 0;
+    return read_more();
+  }
   if (in_used_ == 0 && n > 0) partial_since_ = Clock::now();
   in_used_ += n;
   if (traffic_) traffic_->bytes_in += n;
@@ -136,7 +140,7 @@ bool FramedConnection::send(const proto::Frame& frame) {
 void FramedConnection::write_next() {
   if (out_.empty()) {
     writing_ = false;
-    if (close_after_write_) shut("closed");
+    if (close_after_write_) linger();
     return;
   }
   writing_ = true;
@@ -152,14 +156,30 @@ void FramedConnection::write_next() {
 
 void FramedConnection::close(bool now) {
   if (!open_) return;
-  if (now || (!writing_ && out_.empty())) return shut("closed");
+  if (now) return shut("closed");
   close_after_write_ = true;
+  if (!writing_ && out_.empty()) linger();
+}
+
+void FramedConnection::linger() {
+  if (!open_ || lingering_) return;
+  lingering_ = true;
+  boost::system::error_code ec;
+  socket_.shutdown(asio::ip::tcp::socket::shutdown_send, ec);
+  if (ec) return shut("closed");
+  linger_timer_ = std::make_unique<asio::steady_timer>(socket_.get_executor(), std::chrono::seconds(3));
+  auto self = shared_from_this();
+  linger_timer_->async_wait([this, self](boost::system::error_code ec) {
+    if (!ec) shut("closed");
+  });
+  // The read loop keeps running: frames are dropped (on_read checks lingering_), EOF shuts.
 }
 
 void FramedConnection::shut(const std::string& why) {
   if (!open_) return;
   open_ = false;
   partial_since_.reset();
+  if (linger_timer_) linger_timer_->cancel();
   boost::system::error_code ec;
   socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ec);
   socket_.close(ec);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 
 #include "proto/frame.h"
 #include "rendezvous/auth.h"
@@ -52,7 +53,10 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void start(FrameHandler on_frame, CloseHandler on_close);
   // Returns false (and closes, telling the close handler why) when the frame cannot be sent.
   bool send(const proto::Frame& frame);
-  // Closes once the queued frames are written (or at once when `now`).
+  // Closes once the queued frames are written (or at once when `now`). The graceful way
+  // half-closes and waits (up to 3 s) for the peer to close too, reading and discarding
+  // meanwhile: closing with unread input would send a reset, which can destroy the last
+  // frames (a decision) before the peer has read them.
   void close(bool now = false);
   void set_max_frame(std::size_t n) { max_frame_ = n; }
   // From now on, frames sent / received carry a MAC under this session key.
@@ -73,6 +77,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void shrink();
   void write_next();
   void shut(const std::string& why);
+  void linger();
 
   boost::asio::ip::tcp::socket socket_;
   std::size_t max_frame_;
@@ -85,6 +90,8 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   bool writing_ = false;
   bool open_ = true;
   bool close_after_write_ = false;
+  bool lingering_ = false;
+  std::unique_ptr<boost::asio::steady_timer> linger_timer_;
   std::string peer_, peer_address_;
   std::optional<auth::FrameMac> send_mac_, recv_mac_;
   std::optional<Clock::time_point> partial_since_;

@@ -413,3 +413,16 @@ TEST_CASE("nproc_per_node=cpu counts the CPUs this process may use, not the CPUs
   REQUIRE(all.code == 0);
   CHECK(nlohmann::json::parse(all.out)["nproc_per_node"].get<int>() >= 2);
 }
+
+TEST_CASE("a SIGTERM to the agent while it stops after a worker failure keeps the failure's exit code") {
+  const std::string dir = make_temp_dir();
+  // Rank 1 fails with 7; rank 0 notes the agent's SIGTERM in a file and ends at the second.
+  Proc p = spawn({kMglaunch, "--nproc_per_node=2", "--grace", "60", kFakeWorker, "term-file", dir + "/term",
+                  "when-rank", "1", "eprint", "rank 1 fails", "exit", "7"});
+  REQUIRE(eventually([&] { return std::filesystem::exists(dir + "/term"); }, 30s));
+  ::kill(p.pid, SIGTERM);  // as srun --kill-on-bad-exit does once any node has exited
+  REQUIRE(p.wait(30s));
+  INFO(p.err());
+  CHECK(p.exit_code() == 7);
+  CHECK_THAT(p.err(), Catch::Contains("rank       : 1") && Catch::Contains("rank 1 fails"));
+}

@@ -5,6 +5,7 @@
 //   exit N              exit with N
 //   signal N            raise signal N
 //   ignore-term         ignore SIGTERM from now on
+//   term-file PATH      on the first SIGTERM create PATH and keep running; exit 0 on the second
 //   trap-usr            print "got SIGUSR1"/"got SIGUSR2" when those arrive
 //   lines N             print N lines "<rank>:<i>:<payload>" on stdout as fast as possible
 //   long-line N         print one line of N 'x'
@@ -99,6 +100,13 @@ void on_usr_to_file(int) {
   ::_exit(0);
 }
 
+const char* term_path = nullptr;
+volatile sig_atomic_t terms = 0;
+void on_term_file(int) {
+  if (terms++ > 0) ::_exit(0);
+  ::close(::open(term_path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+}
+
 void on_usr(int sig) {
   const char* msg = sig == SIGUSR1 ? "got SIGUSR1\n" : "got SIGUSR2\n";
   ssize_t ignored = ::write(STDOUT_FILENO, msg, std::strlen(msg));
@@ -152,6 +160,9 @@ int main(int argc, char** argv) {
       ::raise(sig);
     } else if (cmd == "ignore-term") {
       ::signal(SIGTERM, SIG_IGN);
+    } else if (cmd == "term-file") {
+      term_path = arg();
+      ::signal(SIGTERM, on_term_file);
     } else if (cmd == "trap-usr") {
       ::signal(SIGUSR1, on_usr);
       ::signal(SIGUSR2, on_usr);

@@ -7,7 +7,7 @@
 
 using namespace mg;
 
-TEST_CASE("after a stop the agent's own signal wins over every rendezvous and restart rule") {
+TEST_CASE("after a stop a decided abort wins over a late signal, and the signal over every other rule") {
   StopFacts f;
   f.agent_signal = SIGTERM;
   f.rdzv = true;
@@ -15,6 +15,8 @@ TEST_CASE("after a stop the agent's own signal wins over every rendezvous and re
   f.rejoin = true;
   f.root_cause = true;
   f.max_restarts = 3;
+  CHECK(after_stop(f) == AfterStop::kAbort);
+  f.abort = false;
   CHECK(after_stop(f) == AfterStop::kStoppedBySignal);
   f.rdzv = false;
   CHECK(after_stop(f) == AfterStop::kStoppedBySignal);

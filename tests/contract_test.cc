@@ -45,10 +45,12 @@ TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_no
   // (loopback only) two suites running side by side cannot collide on it.
   if (run({"/usr/bin/unshare", "-n", "/bin/true"}).code == 0 && std::filesystem::exists("/usr/sbin/ip"))
     argv.insert(argv.begin(), {"/usr/bin/unshare", "-n", "/bin/sh", "-c", "/usr/sbin/ip link set lo up && exec \"$@\"", "sh"});
-  auto ref = run(argv, {}, 120s);
+  // The same PWD for both (the sh above would otherwise correct a stale inherited one).
+  const std::map<std::string, std::string> pwd{{"PWD", std::filesystem::current_path().string()}};
+  auto ref = run(argv, pwd, 120s);
   INFO(ref.err);
   REQUIRE(ref.code == 0);
-  auto ours = run({kMglaunch, "--standalone", "--nproc_per_node=2", "--no_python", kFakeWorker, "env"});
+  auto ours = run({kMglaunch, "--standalone", "--nproc_per_node=2", "--no_python", kFakeWorker, "env"}, pwd);
   REQUIRE(ours.code == 0);
   auto want = envs_by_local_rank(ref.out);
   auto got = envs_by_local_rank(ours.out);

@@ -533,7 +533,10 @@ void Fanout::relay(Host& h, int s, std::string_view line, bool cut) {
 void Fanout::on_host_exit(Host& h, int status) {
   h.exited = true;
   h.code = shell_exit_code(status);
-  if (h.code != 0 && first_failure_ == 0 && signal_ == 0) {
+  // A host whose connection was lost makes its agent leave the job, and the other hosts
+  // may end first with 128+SIGTERM because of that: the lost connection is still the cause.
+  const bool consequence = first_failure_ > exit_code::kSignalBase && first_failure_ < exit_code::kSignalBase + 32;
+  if (h.code != 0 && signal_ == 0 && (first_failure_ == 0 || (h.code == kExitSshFailed && consequence))) {
     first_failure_ = h.code;
     if (h.code == kExitSshFailed) {
       const std::string why = h.last_err.empty() ? "" : ": " + h.last_err;

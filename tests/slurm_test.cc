@@ -316,14 +316,24 @@ TEST_CASE("pre-emption drill: USR1, checkpoint, requeue, resume, same final weig
   INFO(job_out() << c->log_tail());
   REQUIRE(requeued);
   const double t_requeued = since();
-  // A requeued job waits ~2 minutes before it may start again: let it start now.
-  REQUIRE(eventually(
+  // A requeued job waits ~2 minutes before it may start again: let it start now, but only
+  // once its first run has completed on every node and a later second has begun (slurmd
+  // revokes the old run's credential with a time stamp in whole seconds, and refuses a new
+  // run of the same job id stamped in that second: "Job credential revoked").
+  const auto requeued_at = std::chrono::steady_clock::now();
+  const bool restarted = eventually(
       [&] {
         j = c->job(id);
-        if (j["JobState"] == "PENDING") c->run({"scontrol", "update", "JobId=" + id, "StartTime=now"});
+        if (j["JobState"] == "PENDING" && std::chrono::steady_clock::now() - requeued_at > 2s && c->all_nodes_idle())
+          c->run({"scontrol", "update", "JobId=" + id, "StartTime=now"});
         return j["JobState"] == "RUNNING" || j["JobState"] == "COMPLETED";
       },
-      180s));
+      180s);
+  if (!restarted) {
+    std::string fields;
+    for (const auto& [k, v] : j) fields += k + "=" + v + " ";
+    FAIL("the requeued job did not start again: " << fields << "\n" << c->log_tail());
+  }
   const double t_restarted = since();
   REQUIRE(eventually(
       [&] {

@@ -46,9 +46,10 @@ class SlurmCluster {
   std::map<std::string, std::string> job(const std::string& id) const;
   // Last lines of the daemons' logs, for failure messages.
   std::string log_tail() const;
+  // Every node idle: no job, and nothing of an ended one still completing.
+  bool all_nodes_idle() const;
 
  private:
-  bool all_nodes_idle() const;
   std::map<std::string, std::string> client_env(std::map<std::string, std::string> env) const;
   void start(int attempt);  // writes slurm.conf with fresh ports, starts the daemons, waits until idle
   void stop_daemons();      // SIGTERM, then SIGKILL to the group after 15 s; reaps

@@ -251,23 +251,44 @@ TEST_CASE("over real ssh a worker failure on one host stops the other with the f
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
 
+namespace {
+
+// A launcher whose workers (`slots` per host on 127.0.0.2 and .3) wrote their pids and
+// hang; the tests then stop it in some way and check that nothing is left.
+struct HungJob {
+  std::string dir, pids;
+  Proc launcher;
+};
+
+HungJob start_hung_job(const SshServer& sshd, int slots) {
+  const std::string dir = make_temp_dir(), pids = dir + "/pids";
+  const std::string hosts =
+      "127.0.0.2 slots=" + std::to_string(slots) + "\n127.0.0.3 slots=" + std::to_string(slots) + "\n";
+  HungJob h{dir, pids, spawn(launcher_argv(sshd, write_hostfile(dir, hosts), fw({"pidfile", pids, "hang", "120"}),
+                                           {"--grace=5"}))};
+  REQUIRE(eventually([&] { return read_pids(h.pids).size() == static_cast<std::size_t>(2 * slots); }, 60s));
+  return h;
+}
+
+void check_nothing_left(const HungJob& h) {
+  for (pid_t p : read_pids(h.pids)) CHECK(eventually([&] { return !pid_alive(p); }, 30s));
+  CHECK(eventually([&] { return procs_mentioning(h.dir).empty(); }, 30s));
+}
+
+}  // namespace
+
 TEST_CASE("over real ssh SIGINT to the launcher leaves no process behind on either host") {
   SshServer sshd;
   if (!sshd.skip_reason().empty()) {
     WARN("skipped: " << sshd.skip_reason());
     return;
   }
-  const std::string dir = make_temp_dir();
-  const std::string pids = dir + "/pids";
-  Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
-                                      fw({"pidfile", pids, "hang", "120"}), {"--grace=5"}));
-  REQUIRE(eventually([&] { return read_pids(pids).size() == 4; }, 60s));
-  ::kill(launcher.pid, SIGINT);
-  REQUIRE(launcher.wait(60s));
-  INFO(launcher.err() << sshd.log());
-  CHECK(launcher.exit_code() == 128 + SIGINT);
-  for (pid_t p : read_pids(pids)) CHECK(eventually([&] { return !pid_alive(p); }, 20s));
-  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+  HungJob h = start_hung_job(sshd, 2);
+  ::kill(h.launcher.pid, SIGINT);
+  REQUIRE(h.launcher.wait(60s));
+  INFO(h.launcher.err() << sshd.log());
+  CHECK(h.launcher.exit_code() == 128 + SIGINT);
+  check_nothing_left(h);
 }
 
 TEST_CASE("over real ssh a launcher killed with SIGKILL still leaves no process behind") {
@@ -276,15 +297,10 @@ TEST_CASE("over real ssh a launcher killed with SIGKILL still leaves no process 
     WARN("skipped: " << sshd.skip_reason());
     return;
   }
-  const std::string dir = make_temp_dir();
-  const std::string pids = dir + "/pids";
-  Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
-                                      fw({"pidfile", pids, "hang", "120"}), {"--grace=5"}));
-  REQUIRE(eventually([&] { return read_pids(pids).size() == 2; }, 60s));
-  ::kill(launcher.pid, SIGKILL);  // no chance to clean up: the hosts see their stdin close
-  REQUIRE(launcher.wait(10s));
-  for (pid_t p : read_pids(pids)) CHECK(eventually([&] { return !pid_alive(p); }, 30s));
-  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 30s));
+  HungJob h = start_hung_job(sshd, 1);
+  ::kill(h.launcher.pid, SIGKILL);  // no chance to clean up: the hosts see their stdin close
+  REQUIRE(h.launcher.wait(10s));
+  check_nothing_left(h);
 }
 
 TEST_CASE("over real ssh a dropped connection stops that host's agent and every other host") {
@@ -293,15 +309,11 @@ TEST_CASE("over real ssh a dropped connection stops that host's agent and every 
     WARN("skipped: " << sshd.skip_reason());
     return;
   }
-  const std::string dir = make_temp_dir();
-  const std::string pids = dir + "/pids";
-  Proc launcher = spawn(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
-                                      fw({"pidfile", pids, "hang", "120"}), {"--grace=5"}));
-  REQUIRE(eventually([&] { return read_pids(pids).size() == 2; }, 60s));
+  HungJob h = start_hung_job(sshd, 1);
   // The remote wrapper of node 1 runs under our sshd's session process for that
   // connection: killing that process drops the connection as a network failure would.
   pid_t session = -1;
-  for (pid_t p : procs_mentioning(dir)) {
+  for (pid_t p : procs_mentioning(h.dir)) {
     const std::string cmd = read_file("/proc/" + std::to_string(p) + "/cmdline");
     if (cmd.rfind(std::string("sh\0-c\0", 6), 0) != 0 || cmd.find("--node_rank=1") == std::string::npos) continue;
     std::string stat = read_file("/proc/" + std::to_string(p) + "/stat");
@@ -310,12 +322,11 @@ TEST_CASE("over real ssh a dropped connection stops that host's agent and every 
   }
   REQUIRE(session > 0);
   ::kill(session, SIGKILL);
-  REQUIRE(launcher.wait(60s));
-  INFO(launcher.err());
-  CHECK(launcher.exit_code() == 255);
-  CHECK_THAT(launcher.err(), Catch::Contains("lost the connection to host 127.0.0.3"));
-  for (pid_t p : read_pids(pids)) CHECK(eventually([&] { return !pid_alive(p); }, 30s));
-  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 30s));
+  REQUIRE(h.launcher.wait(60s));
+  INFO(h.launcher.err());
+  CHECK(h.launcher.exit_code() == 255);
+  CHECK_THAT(h.launcher.err(), Catch::Contains("lost the connection to host 127.0.0.3"));
+  check_nothing_left(h);
 }
 
 TEST_CASE("over real ssh an unreachable host is one clear error naming it") {

@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds")
       ->check(CLI::PositiveNumber);
   app.footer("Prints 'listening on HOST:PORT' first (then 'metrics on URL' with --metrics-port). Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad flags or token "
-             "file; 3 cannot listen.");
+             "file; 3 cannot listen (rendezvous, metrics or status page).");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -139,16 +139,21 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<mg::rdzv::HttpServer> status;
   if (!http_listen.empty()) {
+    mg::rdzv::Endpoint ep;
     try {
-      auto ep = mg::rdzv::parse_endpoint(http_listen.find(':') == std::string::npos ? "127.0.0.1:" + http_listen
-                                                                                   : http_listen,
-                                         0);
+      ep = mg::rdzv::parse_endpoint(http_listen.find(':') == std::string::npos ? "127.0.0.1:" + http_listen : http_listen,
+                                    0);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "mglaunch-rdzv: error: --http '%s': %s\n", http_listen.c_str(), e.what());
+      return 2;
+    }
+    try {
       status = std::make_unique<mg::rdzv::HttpServer>(
           io, ep.host, ep.port,
           [&server, token = so.token](const mg::rdzv::HttpRequest& req) { return mg::rdzv::serve_status(*server, token, req); });
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "mglaunch-rdzv: error: --http '%s': %s\n", http_listen.c_str(), e.what());
-      return 2;
+      std::fprintf(stderr, "mglaunch-rdzv: error: --http: %s\n", e.what());
+      return 3;
     }
     std::printf("status page on http://%s/\n", status->address().c_str());
   }

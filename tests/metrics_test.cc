@@ -165,6 +165,13 @@ TEST_CASE("the status API asks for the daemon's token and lists jobs and events"
   CHECK_THAT(events[0]["text"].get<std::string>(), Catch::Contains("job 'api' created"));
   const auto last = events.back()["seq"].get<std::uint64_t>();
   CHECK(nlohmann::json::parse(body_of(get("/api/events?since=" + std::to_string(last), "Bearer api-token"))).empty());
+  // Its port is taken now: a second daemon cannot serve a page there (3), and a bad value is 2.
+  auto taken = run({kRdzvDaemon, "--listen", "127.0.0.1:0", "--http", std::to_string(port)});
+  CHECK(taken.code == 3);
+  CHECK_THAT(taken.err, Catch::Contains("cannot listen for HTTP on 127.0.0.1:" + std::to_string(port)));
+  auto bad = run({kRdzvDaemon, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:notaport"});
+  CHECK(bad.code == 2);
+  CHECK_THAT(bad.err, Catch::Contains("--http '127.0.0.1:notaport'"));
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
 }

@@ -1,5 +1,8 @@
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 
@@ -94,7 +97,9 @@ TEST_CASE("standalone selects a local c10d rendezvous") {
 }
 
 TEST_CASE("a JSON config file supplies defaults that flags override") {
-  std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/mg_config_test.json";
+  // Per process: two suites run side by side must not share the file.
+  std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/mg_config_test." +
+                     std::to_string(::getpid()) + ".json";
   std::ofstream(path) << R"({"nproc_per_node": 3, "max_restarts": 4, "standalone": true})";
   auto o = parse({"--config", path, "prog"});
   CHECK(o.nproc_per_node == 3);
@@ -103,6 +108,7 @@ TEST_CASE("a JSON config file supplies defaults that flags override") {
   CHECK(parse({"--config", path, "--nproc_per_node=5", "prog"}).nproc_per_node == 5);
   std::ofstream(path) << "not json";
   CHECK_THAT(usage_error({"--config", path, "prog"}), Catch::Contains("JSON"));
+  std::remove(path.c_str());
 }
 
 TEST_CASE("redirect and tee specs follow torchrun's forms") {

@@ -5,7 +5,6 @@ without a reload. Usage: status_page_test.py BIN_DIR FAKE_WORKER SCREENSHOT.png
 Exits 77 (skipped, with a one-line reason) when Chromium, chromedriver or selenium is absent."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,12 +43,6 @@ def wait_for(what, pred, timeout=60):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 procs, driver = [], None
 tmp = tempfile.mkdtemp()
 try:
@@ -61,12 +54,23 @@ try:
     url = daemon.stdout.readline().split()[-1]
     assert url.startswith("http://127.0.0.1:"), url
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1100,760",
-                 f"--user-data-dir={tmp}/profile", f"--remote-debugging-port={free_port()}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    # Chromium sometimes fails to start its renderer on a loaded machine ("session not
+    # created"): that is the browser's start, not the page under test, so try three times,
+    # each with a fresh profile (chromedriver picks the debugging port itself).
+    for attempt in range(3):
+        options = webdriver.ChromeOptions()
+        options.binary_location = "/usr/bin/chromium"
+        for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--window-size=1100,760", f"--user-data-dir={tmp}/profile{attempt}"):
+            options.add_argument(flag)
+        try:
+            driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+            break
+        except Exception as err:  # selenium's SessionNotCreatedException and friends
+            if attempt == 2:
+                raise
+            print(f"chromium did not start ({str(err).splitlines()[0]}); trying again")
+            time.sleep(2)
     driver.set_page_load_timeout(60)
     driver.get(url)
     status = lambda: driver.find_element(By.ID, "status").text

@@ -41,7 +41,7 @@ TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_no
   }
   std::vector<std::string> argv{"/usr/bin/python3", torchrun,  "--standalone", "--nproc_per_node=2",
                                 "--monitor_interval=0.1", "--no_python", kFakeWorker, "env"};
-  // torch 1.13's --standalone always takes port 29400: in a network namespace of its own
+  // torch 1.13's --standalone always takes the same fixed port: in a network namespace of its own
   // (loopback only) two suites running side by side cannot collide on it.
   if (run({"/usr/bin/unshare", "-n", "/bin/true"}).code == 0 && std::filesystem::exists("/usr/sbin/ip"))
     argv.insert(argv.begin(), {"/usr/bin/unshare", "-n", "/bin/sh", "-c", "/usr/sbin/ip link set lo up && exec \"$@\"", "sh"});

@@ -11,6 +11,7 @@
 
 #include "launcher/doctor.h"
 #include "launcher/hwprobe.h"
+#include "support/proc.h"
 
 using namespace mg;
 namespace fs = std::filesystem;
@@ -201,11 +202,12 @@ TEST_CASE("a CPU box under a 4-CPU quota gets one worker per NUMA node and threa
 TEST_CASE("a taken port is reported with a suggestion to pick another") {
   DoctorInputs in;
   in.cpu.online = 4;
-  in.port = 29500;
+  in.port = mgtest::free_loopback_port();  // any port: the probe's verdict is given below
   in.port_error = "address already in use";
   auto s = suggest(in);
   REQUIRE(find(s, "--master_port"));
-  CHECK_THAT(find(s, "--master_port")->reason, Catch::Contains("29500") && Catch::Contains("already in use"));
+  CHECK_THAT(find(s, "--master_port")->reason,
+             Catch::Contains(std::to_string(in.port)) && Catch::Contains("already in use"));
 }
 
 TEST_CASE("cores binding gives disjoint CPU sets, from each GPU's NUMA node when known") {

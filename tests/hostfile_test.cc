@@ -149,11 +149,11 @@ TEST_CASE("each host gets one agent command with its node rank, slots and the sh
   o.program = {"train.py", "--name", "it's"};
   auto hosts = select_hosts(parse_hostfile("a slots=2\nb slots=4\nc\n", "hf"), "a@b:1,3@c", "");
   OpenSshRunner ssh({"-p", "2222"});
-  auto plan = make_multihost_plan(o, hosts, {{"NCCL_DEBUG", "INFO"}}, "10.0.0.1:4000", "job1", ssh);
+  auto plan = make_multihost_plan(o, hosts, {{"NCCL_DEBUG", "INFO"}}, "127.0.0.9:4000", "job1", ssh);
   REQUIRE(plan.hosts.size() == 3);
   CHECK(plan.hosts[0].agent_argv ==
         std::vector<std::string>{"/opt/mg/mglaunch", "--nnodes=3", "--nproc_per_node=2", "--node_rank=0",
-                                 "--rdzv_backend=c10d", "--rdzv_endpoint=10.0.0.1:4000", "--rdzv_id=job1",
+                                 "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.9:4000", "--rdzv_id=job1",
                                  "--max_restarts", "1", "train.py", "--name", "it's"});
   CHECK(plan.hosts[1].agent_argv[2] == "--nproc_per_node=2");
   CHECK(plan.hosts[1].agent_argv[3] == "--gpu_ids=1,3");

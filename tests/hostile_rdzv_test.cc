@@ -455,8 +455,9 @@ TEST_CASE("a server without a token warns when it listens beyond loopback") {
   ::kill(daemon.pid, SIGTERM);
   daemon.wait(5s);
   auto agent = run({"/usr/bin/unshare", "-n", "/bin/sh", "-c",
-                    "ip link set lo up 2>/dev/null; \"$0\" --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=0.0.0.0:29400 --rdzv_id=w "
-                    "--rdzv_conf=is_host=true,join_timeout=1 \"$1\" print x",
+                    "ip link set lo up 2>/dev/null; \"$0\" --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=0.0.0.0:" +
+                        std::to_string(free_loopback_port()) +
+                        " --rdzv_id=w --rdzv_conf=is_host=true,join_timeout=1 \"$1\" print x",
                     kMglaunch, kFakeWorker},
                    {}, 30s);
   CHECK_THAT(agent.err, Catch::Contains("warning: listening on 0.0.0.0"));

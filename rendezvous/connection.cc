@@ -20,11 +20,9 @@ FramedConnection::FramedConnection(asio::ip::tcp::socket socket, std::size_t max
   peer_address_ = ec ? "?" : ep.address().to_string();
   peer_ = ec ? "?" : fmt::format("{}:{}", peer_address_, ep.port());
   socket_.set_option(asio::ip::tcp::no_delay(true), ec);
-  reserve(kInitialBuffer);  // charged even past the budget: the owner refuses new connections first
-  if (in_.size() < kInitialBuffer) {
-    in_.resize(kInitialBuffer);
-    if (budget_) budget_->used += kInitialBuffer;
-  }
+  // Charged even past the budget: the owner refuses new connections before that.
+  in_.resize(kInitialBuffer);
+  if (budget_) budget_->used += kInitialBuffer;
 }
 
 FramedConnection::~FramedConnection() {

@@ -122,7 +122,7 @@ bool Server::admit(const std::string& address) {
     log(fmt::format("refused a connection from {}: {} connections open (max)", address, sessions_.size()));
     return false;
   }
-  if (per_address_[address] >= opts_.max_connections_per_address) {
+  if (auto it = per_address_.find(address); it != per_address_.end() && it->second >= opts_.max_connections_per_address) {
     refused("per_address");
     log(fmt::format("refused a connection from {}: it has {} connections open (max per address)", address,
                     opts_.max_connections_per_address));

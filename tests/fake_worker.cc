@@ -21,6 +21,8 @@
 //                       plain child that appends "got SIGUSR1" to PATH.usr on SIGUSR1
 //   expect-dead PATH    exit 9 unless every pid in PATH is gone within 10 s
 //   wait-file PATH      wait until PATH exists (exit 8 after 30 s)
+//   wait-lines PATH N   wait until PATH holds at least N lines (exit 8 after 60 s): orders
+//                       events between workers of different agents without a sleep
 //   listen-master       bind (SO_REUSEADDR, as c10d's TCPStore) and listen on
 //                       0.0.0.0:$MASTER_PORT, print "listening PORT"; exit 1 on failure
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
@@ -257,6 +259,22 @@ int main(int argc, char** argv) {
       const char* path = arg();
       auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       while (::access(path, F_OK) != 0) {
+        if (std::chrono::steady_clock::now() > deadline) return 8;
+        hang(0.01);
+      }
+    } else if (cmd == "wait-lines") {
+      const char* path = arg();
+      const long want = std::atol(arg());
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      auto lines = [&] {
+        FILE* f = std::fopen(path, "r");
+        if (!f) return 0L;
+        long n = 0;
+        for (int c; (c = std::fgetc(f)) != EOF;) n += c == '\n';
+        std::fclose(f);
+        return n;
+      };
+      while (lines() < want) {
         if (std::chrono::steady_clock::now() > deadline) return 8;
         hang(0.01);
       }

@@ -1,5 +1,6 @@
 #include "launcher/agent.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -14,6 +15,8 @@
 #include <fmt/format.h>
 
 #include "launcher/errors.h"
+#include "launcher/monitor.h"
+#include "launcher/trace.h"
 #include "launcher/supervision.h"
 #include "rendezvous/endpoint.h"
 
@@ -38,6 +41,12 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
 }
 
 Agent::~Agent() {
+  monitor_.reset();
+  if (trace_) {
+    trace_->close();
+    trace_.reset();
+    console_.close_file(trace_fd_);
+  }
   workers_.clear();  // SIGKILLs anything still running
   retired_.clear();
   kill_leftovers(/*reap=*/true);
@@ -83,6 +92,7 @@ void Agent::start() {
       notice(hw::format_binding(lr, bindings_[static_cast<std::size_t>(lr)]));
   }
 
+  start_ops();
   port_is_ours_ = opts_.rdzv_backend != "static" || opts_.master_port == 0;
   if (port_is_ours_ && plan_.master_port > 0) hold_master_port(/*fresh=*/false);
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
@@ -97,10 +107,12 @@ void Agent::start() {
   } else {
     start_attempt();
   }
+  if (monitor_) monitor_->start();
 }
 
 void Agent::start_rendezvous() {
   rdzv_ = true;
+  if (trace_) rdzv_since_us_ = trace_->now();
   state_ = State::kWaiting;
   rdzv::Endpoint ep = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
   // Host the rendezvous here when told (is_host=true) or clearly meant to: the endpoint is
@@ -169,6 +181,11 @@ void Agent::on_assignment(const proto::Assignment& a) {
   plan_.master_port = a.master_port;
   plan_.nodes = a.nodes;
   restart_count_ = a.restart_count;
+  if (trace_)
+    trace_->complete(fmt::format("rendezvous round {}", a.round), "rendezvous", 0, rdzv_since_us_,
+                     {{"round", a.round}, {"node_rank", a.group_rank}, {"nnodes", a.group_world_size},
+                      {"world_size", a.world_size}, {"restart_count", a.restart_count},
+                      {"master", fmt::format("{}:{}", a.master_addr, a.master_port)}});
   notice(fmt::format("round {}: node {} of {}, ranks {}..{} of {}, master {}:{}, restart {}", a.round, a.group_rank,
                      a.group_world_size, a.rank_offset, a.rank_offset + plan_.nproc_per_node - 1, a.world_size,
                      a.master_addr, a.master_port, a.restart_count));
@@ -183,6 +200,7 @@ void Agent::on_restart(const proto::Restart& r) {
     return;
   }
   notice(fmt::format("restart {} decided by the rendezvous: {}", r.restart_count, r.reason));
+  trace_instant("restart", "restart", {{"restart_count", r.restart_count}, {"reason", r.reason}, {"by", "rendezvous"}});
   if (state_ == State::kRunning) {
     rejoin_after_stop_ = true;
     stop_group(SIGTERM);
@@ -258,6 +276,7 @@ void Agent::start_attempt() {
   root_cause_.reset();
   attempts_.push_back({restart_count_, std::chrono::system_clock::now(), 0, {}});
   attempt_start_ = std::chrono::steady_clock::now();
+  if (trace_) attempt_since_us_ = trace_->now();
   std::vector<std::string> base;
   for (int lr = 0; lr < plan_.nproc_per_node; ++lr) {
     const std::string dir = attempt_dir(lr);
@@ -288,6 +307,10 @@ void Agent::start_attempt() {
     if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
     workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_,
                                                        [this](WorkerProcess& w) { on_worker_done(w); }));
+    if (trace_)
+      trace_->instant(fmt::format("spawn rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
+                      {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", workers_.back()->pid()},
+                       {"attempt", restart_count_}});
   }
   port_hold_.reset();  // the workers may bind the master port now
 }
@@ -299,6 +322,7 @@ void Agent::rejoin() {
     hold_master_port(/*fresh=*/true);
     client_->set_master_port(plan_.master_port);
   }
+  if (trace_) rdzv_since_us_ = trace_->now();
   client_->rejoin();
 }
 
@@ -329,6 +353,11 @@ void Agent::on_worker_done(WorkerProcess& w) {
   WorkerOutcome o = outcome_of(w);
   o.stopped_by_agent = state_ != State::kRunning;
   attempts_.back().workers.push_back(o);
+  if (trace_)
+    trace_->complete(fmt::format("rank {}", o.rank), "worker", TraceWriter::worker_tid(o.local_rank),
+                     trace_->now() - static_cast<std::int64_t>(o.duration_s * 1e6),
+                     {{"rank", o.rank}, {"local_rank", o.local_rank}, {"pid", o.pid}, {"attempt", restart_count_},
+                      {"exit_code", o.exit_code}, {"signal", o.signal}, {"stopped_by_agent", o.stopped_by_agent}});
   if (state_ == State::kRunning && o.exit_code != 0) {
     RootCause rc;
     rc.time = now_text();
@@ -343,6 +372,9 @@ void Agent::on_worker_done(WorkerProcess& w) {
   }
   const bool all_done = std::all_of(workers_.begin(), workers_.end(), [](const auto& p) { return p->done(); });
   if (!all_done) return;
+  if (trace_)
+    trace_->complete(fmt::format("attempt {}", restart_count_), "attempt", 0, attempt_since_us_,
+                     {{"attempt", restart_count_}, {"failed", state_ != State::kRunning || root_cause_.has_value()}});
   if (state_ == State::kRunning) {
     attempts_.back().duration_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - attempt_start_).count();
@@ -360,12 +392,14 @@ void Agent::on_worker_done(WorkerProcess& w) {
 void Agent::stop_group(int sig) {
   if (state_ == State::kDone) return;
   state_ = State::kStopping;
+  trace_instant(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}});
   for (auto& w : workers_) w->signal_group(sig);
   signal_escaped(sig);
   grace_timer_.expires_after(opts_.grace);
   grace_timer_.async_wait([this](boost::system::error_code ec) {
     if (ec || state_ != State::kStopping) return;
     notice(fmt::format("workers still running {:.1f}s after SIGTERM: sending SIGKILL", opts_.grace.count() / 1000.0));
+    trace_instant("send SIGKILL to the workers", "signal", {{"signal", SIGKILL}, {"after_grace_s", opts_.grace.count() / 1000.0}});
     for (auto& w : workers_) w->signal_group(SIGKILL);
     signal_escaped(SIGKILL);
   });
@@ -427,6 +461,9 @@ void Agent::on_group_stopped() {
       if (port_is_ours_) hold_master_port(/*fresh=*/true);
       notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
                          w.rank, w.local_rank, w.exit_code, restart_count_, opts_.max_restarts));
+      trace_instant("restart", "restart",
+                    {{"restart_count", restart_count_}, {"max_restarts", opts_.max_restarts}, {"failed_rank", w.rank},
+                     {"exit_code", w.exit_code}, {"by", "agent"}});
       retire_workers();
       asio::post(io_, [this] {
         if (state_ != State::kDone) start_attempt();
@@ -444,6 +481,7 @@ void Agent::finish(int code) {
   if (state_ == State::kDone) return;
   state_ = State::kDone;
   exit_code_ = code;
+  if (monitor_) monitor_->stop();
   boost::system::error_code ec;
   signals_.cancel(ec);
   children_.cancel(ec);
@@ -459,6 +497,12 @@ void Agent::finish(int code) {
     out << summary().dump(2) << "\n";
     if (!out) notice(fmt::format("cannot write --summary-json {}", opts_.summary_json));
   }
+  if (trace_) {
+    trace_instant("exit", "agent", {{"exit_code", code}, {"restarts", restart_count_}});
+    trace_->close();
+    console_.close_file(trace_fd_);
+    trace_.reset();
+  }
 }
 
 void Agent::wait_signal() {
@@ -471,6 +515,7 @@ void Agent::wait_signal() {
 
 void Agent::on_signal(int sig) {
   if (sig == SIGINT) ++interrupts_;
+  trace_instant(fmt::format("got {}", signal_name(sig)), "signal", {{"signal", sig}});
   SignalFacts facts;
   facts.sig = sig;
   facts.interrupts = interrupts_;
@@ -541,6 +586,61 @@ void Agent::leave_job(int sig) {
 }
 
 void Agent::notice(const std::string& text) { console_.write(1, "[mglaunch] " + text + "\n"); }
+
+void Agent::start_ops() {
+  if (!opts_.trace_file.empty()) {
+    trace_fd_ = ::open(opts_.trace_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (trace_fd_ < 0)
+      throw UsageError(fmt::format("--trace '{}' cannot be written: {}; pick a file you can write", opts_.trace_file,
+                                   std::strerror(errno)));
+    trace_ = std::make_unique<TraceWriter>([this](std::string_view text) { console_.write_file(trace_fd_, text); },
+                                           ::getpid(), fmt::format("mglaunch {} {}", local_hostname(), plan_.run_id));
+    for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
+      trace_->thread_name(TraceWriter::worker_tid(lr), fmt::format("local_rank {}", lr));
+  }
+  const bool sampling = opts_.monitor_s > 0 || !opts_.metrics_json.empty() || opts_.metrics_port >= 0;
+  if (!sampling) return;
+  mon::MonitorOptions mo;
+  mo.interval_s = opts_.monitor_s > 0 ? opts_.monitor_s : 5.0;
+  mo.console_line = opts_.monitor_s > 0;
+  mo.json_file = opts_.metrics_json;
+  mo.metrics_port = opts_.metrics_port;
+  mo.metrics_host = opts_.metrics_host;
+  mo.host = local_hostname();
+  mo.run_id = plan_.run_id;
+  if (auto it = base_env_.find("MGLAUNCH_TEST_GPU_JSON"); it != base_env_.end()) mo.gpu_json = it->second;
+  try {
+    monitor_ = std::make_unique<mon::AgentMonitor>(io_, console_, std::move(mo), [this] { return monitor_facts(); },
+                                                   [this](const std::string& line) { notice(line); });
+  } catch (const std::runtime_error& e) {
+    throw UsageError(e.what());
+  }
+  if (monitor_->metrics_port() >= 0) notice(fmt::format("metrics on {}", monitor_->metrics_url()));
+}
+
+mon::AgentFacts Agent::monitor_facts() const {
+  mon::AgentFacts f;
+  f.host = local_hostname();
+  f.run_id = plan_.run_id;
+  f.node_rank = plan_.node_rank;
+  f.round = round_;
+  f.restarts = restart_count_;
+  f.max_restarts = opts_.max_restarts;
+  for (const auto& w : workers_) {
+    mon::RankTarget t;
+    t.rank = w->spec().rank;
+    t.local_rank = w->spec().local_rank;
+    t.pid = w->pid();
+    if (!w->exited()) t.state = state_ == State::kStopping ? "stopping" : "running";
+    else t.state = w->wait_status() == 0 ? "exited" : "failed";
+    f.ranks.push_back(std::move(t));
+  }
+  return f;
+}
+
+void Agent::trace_instant(const std::string& name, const std::string& cat, nlohmann::json args) {
+  if (trace_) trace_->instant(name, cat, 0, std::move(args));
+}
 
 bool Agent::is_live_worker_leader(pid_t pid) const {
   for (const auto* list : {&workers_, &retired_})

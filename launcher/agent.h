@@ -29,6 +29,12 @@
 
 namespace mg {
 
+class TraceWriter;
+namespace mon {
+class AgentMonitor;
+struct AgentFacts;
+}  // namespace mon
+
 class Agent {
  public:
   Agent(boost::asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_env);
@@ -121,6 +127,16 @@ class Agent {
   bool port_is_ours_ = false;  // the master port was chosen by mglaunch, not the user
   std::optional<PortReservation> port_hold_;
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
+  // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or
+  // --trace is given (launcher/monitor.h, launcher/trace.h). Declared last: gone before
+  // the console they write through.
+  void start_ops();
+  mon::AgentFacts monitor_facts() const;
+  void trace_instant(const std::string& name, const std::string& cat, nlohmann::json args = nlohmann::json::object());
+  std::unique_ptr<TraceWriter> trace_;
+  int trace_fd_ = -1;
+  std::int64_t rdzv_since_us_ = 0, attempt_since_us_ = 0;
+  std::unique_ptr<mon::AgentMonitor> monitor_;
 };
 
 }  // namespace mg

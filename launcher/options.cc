@@ -443,6 +443,16 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   flag("--no-slurm,--no_slurm", "", o.no_slurm,
        "Ignore the Slurm step mglaunch runs in (by default its SLURM_* variables fill the flags not given)");
 
+  std::string monitor;
+  app.add_flag("--monitor{5}", monitor,
+               "Print each worker's CPU%/RSS (whole process tree) and each GPU's figures every SECONDS "
+               "(--monitor or --monitor=SECONDS, default 5)");
+  app.add_option("--metrics-json,--metrics_json", o.metrics_json, "Append every monitor sample as one JSON line to FILE");
+  app.add_option("--metrics-port,--metrics_port", o.metrics_port,
+                 "Serve Prometheus metrics at http://METRICS-HOST:P/metrics (0 picks a port; printed)");
+  app.add_option("--metrics-host,--metrics_host", o.metrics_host, "Address for --metrics-port (default 127.0.0.1)");
+  app.add_option("--trace", o.trace_file, "Write a Chrome/Perfetto trace (JSON) of the run to FILE");
+
   if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) o.python = it->second;
   // CLI11 reads environment fallbacks through getenv: make the PET_* it sees exactly `env`'s.
   std::vector<std::string> stale;
@@ -505,6 +515,18 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
       throw UsageError(fmt::format("--gpu_ids '{}' names {} GPUs but --nproc_per_node is {}: give one id per worker",
                                    gpu_ids, o.gpu_ids.size(), o.nproc_per_node));
   }
+  if (!monitor.empty()) {
+    double v = -1;
+    auto [p, ec] = std::from_chars(monitor.data(), monitor.data() + monitor.size(), v);
+    if (ec != std::errc{} || p != monitor.data() + monitor.size() || !(v >= 0.1) || v > 86400)
+      throw UsageError(fmt::format("bad --monitor '{}': use --monitor or --monitor=SECONDS with 0.1..86400 seconds", monitor));
+    o.monitor_s = v;
+  }
+  if (o.metrics_port < -1 || o.metrics_port > 65535 || (o.metrics_port == -1 && app.count("--metrics-port") > 0))
+    throw UsageError(fmt::format("bad --metrics-port '{}': use 0..65535 (0 picks a free port)", o.metrics_port));
+  if (app.count("--metrics-json") > 0 && o.metrics_json.empty())
+    throw UsageError("--metrics-json needs a file name");
+  if (app.count("--trace") > 0 && o.trace_file.empty()) throw UsageError("--trace needs a file name");
   if (o.module && o.no_python) throw UsageError("--module and --no_python cannot be used together");
   if (o.start_method != "spawn" && o.start_method != "fork" && o.start_method != "forkserver")
     throw UsageError(fmt::format("bad --start_method '{}': use spawn, fork or forkserver", o.start_method));

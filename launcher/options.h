@@ -105,6 +105,12 @@ struct AgentOptions {
   std::string python = "python3";
   std::size_t max_line_bytes = 64 * 1024;
   bool no_slurm = false;                         // --no-slurm
+  // monitoring and operations (launcher/monitor.h, launcher/trace.h); all off by default
+  double monitor_s = 0;                          // --monitor[=SECONDS]: console status line (0: off)
+  std::string metrics_json;                      // --metrics-json FILE: every sample as a JSON line
+  int metrics_port = -1;                         // --metrics-port P: Prometheus /metrics (0: any port)
+  std::string metrics_host = "127.0.0.1";        // --metrics-host: where /metrics listens
+  std::string trace_file;                        // --trace FILE: Chrome trace of the run
   std::optional<SlurmContext> slurm;             // set when running inside a Slurm step
   std::map<std::string, std::string> sources;   // option name -> where its value came from (Slurm)
   // the training program

@@ -13,6 +13,8 @@
 //   error-file MSG      write a torchelastic error file with MSG to $TORCHELASTIC_ERROR_FILE
 //   pidfile PATH        append our pid to PATH
 //   hang SECS           sleep up to SECS seconds (signals still act)
+//   alloc MB            allocate MB MiB, touch every page and keep it (RSS for the monitor tests)
+//   burn SECS           keep one CPU busy for SECS seconds
 //   sleep-ms N          sleep N milliseconds
 //   stamp FILE TAG      append "TAG RESTART_COUNT RANK CLOCK_REALTIME_NS" to FILE
 //   spawn-child K PATH  start a process that ignores SIGTERM, has /dev/null as stdio and
@@ -28,6 +30,7 @@
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
 //   when-world-below N  hang (60 s) while WORLD_SIZE < N, then exit 0 (scale-up tests)
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
+//   fail-first-attempt R N  rank R exits N in the first attempt (restart count 0); otherwise go on
 #include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -104,6 +107,7 @@ void on_usr_to_file(int) {
 
 const char* term_path = nullptr;
 volatile sig_atomic_t terms = 0;
+char* volatile g_kept = nullptr;  // `alloc`'s memory, reachable so it is never optimised away
 void on_term_file(int) {
   if (terms++ > 0) ::_exit(0);
   ::close(::open(term_path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
@@ -306,6 +310,17 @@ int main(int argc, char** argv) {
       ssize_t ignored = ::write(fd, line.data(), line.size());
       (void)ignored;
       ::close(fd);
+    } else if (cmd == "alloc") {
+      const std::size_t bytes = static_cast<std::size_t>(std::atof(arg()) * 1024 * 1024);
+      char* p = static_cast<char*>(std::malloc(bytes));
+      if (!p) return 103;
+      for (std::size_t at = 0; at < bytes; at += 4096) p[at] = 1;  // resident now; never freed
+      g_kept = p;
+    } else if (cmd == "burn") {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(std::atof(arg()));
+      volatile unsigned long spin = 0;
+      while (std::chrono::steady_clock::now() < deadline)
+        for (int k = 0; k < 100000; ++k) spin = spin + 1;
     } else if (cmd == "hang") {
       hang(std::atof(arg()));
     } else if (cmd == "sleep-ms") {
@@ -319,6 +334,12 @@ int main(int argc, char** argv) {
       if (env_int("WORLD_SIZE", 1) < std::atoi(arg())) {
         hang(60);
         return 0;
+      }
+    } else if (cmd == "fail-first-attempt") {
+      const int r = std::atoi(arg()), code = std::atoi(arg());
+      if (rank == r && env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0) {
+        std::fflush(nullptr);
+        return code;
       }
     } else if (cmd == "when-restart-below") {
       if (env_int("TORCHELASTIC_RESTART_COUNT", 0) >= std::atoi(arg())) return 0;

@@ -1,9 +1,12 @@
 #include "launcher/agent.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,16 +50,61 @@ Agent::~Agent() {
     trace_.reset();
     console_.close_file(trace_fd_);
   }
+  leaders_.clear();
   workers_.clear();  // SIGKILLs anything still running
   retired_.clear();
   kill_leftovers(/*reap=*/true);
+  watchdog_.release();  // it kills whatever still carries this run's mark
   if (log_root_is_temp_ && !keep_log_root_) {
     std::error_code ec;
     fs::remove_all(log_root_, ec);
   }
 }
 
+void Agent::check_descriptor_budget() {
+  int files = 0;  // log files held open for the run
+  for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
+    for (Streams which : {Streams::kOut, Streams::kErr})
+      if (opts_.redirects.covers(lr, which) || opts_.tee.covers(lr, which)) ++files;
+  const int per_worker = merge_streams_ ? 1 : 2;
+  int open_now = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') ++open_now;
+    ::closedir(d);
+  }
+  constexpr int kReserve = 64;  // rendezvous sockets, the watchdog's pipe, files opened while running
+  const long long fixed = static_cast<long long>(open_now) + kReserve + files;
+  const long long needed = fixed + static_cast<long long>(per_worker) * plan_.nproc_per_node;
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (lim.rlim_cur != RLIM_INFINITY && static_cast<unsigned long long>(needed) > lim.rlim_cur) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (lim.rlim_max != lim.rlim_cur && ::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
+      worker_nofile_ = lim;  // the workers start with the limit they would have had
+      lim = raised;
+    }
+  }
+  if (lim.rlim_cur == RLIM_INFINITY || static_cast<unsigned long long>(needed) <= lim.rlim_cur) return;
+  const long long fit = std::max<long long>(0, (static_cast<long long>(lim.rlim_cur) - fixed) / per_worker);
+  throw ResourceError(fmt::format(
+      "{} workers need about {} open descriptors ({} per worker{}, {} for the agent) but the descriptor limit "
+      "(RLIMIT_NOFILE, `ulimit -n`) is {} and its hard limit {}: at most {} workers fit; raise the hard limit "
+      "(`ulimit -Hn`, LimitNOFILE= for a service, nofile in /etc/security/limits.conf) or start fewer workers",
+      plan_.nproc_per_node, needed, per_worker, files ? " and the log files" : "", fixed - files, lim.rlim_cur,
+      lim.rlim_max == RLIM_INFINITY ? std::string("unlimited") : std::to_string(lim.rlim_max), fit));
+}
+
 void Agent::start() {
+  {
+    // One pipe per worker when stdout and stderr are the same file (a terminal, 2>&1):
+    // nothing is lost by merging, and a worker costs one descriptor instead of two.
+    struct stat out{}, err{};
+    merge_streams_ = ::fstat(STDOUT_FILENO, &out) == 0 && ::fstat(STDERR_FILENO, &err) == 0 &&
+                     out.st_dev == err.st_dev && out.st_ino == err.st_ino && out.st_rdev == err.st_rdev;
+  }
+  check_descriptor_budget();
   const bool files_wanted = [&] {
     for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
       if (opts_.redirects.for_rank(lr) != Streams::kNone || opts_.tee.for_rank(lr) != Streams::kNone) return true;
@@ -102,6 +150,10 @@ void Agent::start() {
                        std::strerror(errno)));
   children_.add(SIGCHLD);
   wait_child();
+  if (std::string error; !watchdog_.start(error))
+    notice(fmt::format("cannot start the watchdog ({}): after kill -9 of mglaunch, processes the workers "
+                       "started may outlive it",
+                       error));
   if (uses_rendezvous_server(opts_)) {
     start_rendezvous();
   } else {
@@ -258,7 +310,7 @@ void Agent::on_rdzv_lost(const std::string& why) {
 
 void Agent::retire_workers() {
   // Nothing of a finished attempt may live on into the next one.
-  for (auto& p : workers_) p->kill_stragglers();
+  signal_workers(SIGKILL);
   kill_leftovers(/*reap=*/false);
   // Finished handles are destroyed later: we may be inside one of their callbacks.
   for (auto& p : workers_) retired_.push_back(std::move(p));
@@ -292,6 +344,10 @@ void Agent::start_attempt() {
     spec.argv = build_worker_argv(plan_, opts_, lr);
     EnvMap env = base_env_;
     for (auto& [k, v] : build_contract_env(plan_, opts_, base_env_, lr, restart_count_, error_file)) env[k] = v;
+    if (!watchdog_.token().empty()) {
+      auto inherited = base_env_.find(kRunMarkVar);
+      env[kRunMarkVar] = watchdog_.mark_value(inherited == base_env_.end() ? std::string() : inherited->second);
+    }
     spec.env.reserve(env.size());
     for (const auto& [k, v] : env) spec.env.push_back(k + "=" + v);
     const bool shown = opts_.local_ranks_filter.empty() ||
@@ -304,6 +360,10 @@ void Agent::start_attempt() {
       if (opts_.redirects.covers(lr, which[s]) || opts_.tee.covers(lr, which[s])) spec.log_file[s] = dir + "/" + names[s];
     }
     spec.max_line_bytes = opts_.max_line_bytes;
+    spec.merge_streams = merge_streams_ && spec.console[0] == spec.console[1] && spec.log_file[0].empty() &&
+                         spec.log_file[1].empty();
+    spec.prefix = fmt::format("[rank{}]:", spec.rank);
+    if (worker_nofile_) spec.nofile = &*worker_nofile_;
     if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
     workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_,
                                                        [this](WorkerProcess& w) { on_worker_done(w); }));
@@ -311,6 +371,7 @@ void Agent::start_attempt() {
       trace_->instant(fmt::format("spawn rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
                       {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", workers_.back()->pid()},
                        {"attempt", restart_count_}});
+    if (workers_.back()->pid() > 0) leaders_[workers_.back()->pid()] = workers_.back().get();
   }
   port_hold_.reset();  // the workers may bind the master port now
 }
@@ -393,14 +454,14 @@ void Agent::stop_group(int sig) {
   if (state_ == State::kDone) return;
   state_ = State::kStopping;
   trace_instant(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}});
-  for (auto& w : workers_) w->signal_group(sig);
+  signal_workers(sig);
   signal_escaped(sig);
   grace_timer_.expires_after(opts_.grace);
   grace_timer_.async_wait([this](boost::system::error_code ec) {
     if (ec || state_ != State::kStopping) return;
     notice(fmt::format("workers still running {:.1f}s after SIGTERM: sending SIGKILL", opts_.grace.count() / 1000.0));
     trace_instant("send SIGKILL to the workers", "signal", {{"signal", SIGKILL}, {"after_grace_s", opts_.grace.count() / 1000.0}});
-    for (auto& w : workers_) w->signal_group(SIGKILL);
+    signal_workers(SIGKILL);
     signal_escaped(SIGKILL);
   });
 }
@@ -490,7 +551,7 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
-  for (auto& w : workers_) w->kill_stragglers();
+  signal_workers(SIGKILL);
   kill_leftovers(/*reap=*/true);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
@@ -523,12 +584,12 @@ void Agent::on_signal(int sig) {
   facts.stopping = state_ == State::kStopping;
   const OnSignal what = on_agent_signal(facts);
   if (what == OnSignal::kForward) {
-    for (auto& w : workers_) w->signal_group(sig);
+    signal_workers(sig);
     return;
   }
   if (what == OnSignal::kKillNow) {
     notice("second interrupt: killing the workers now");
-    for (auto& w : workers_) w->signal_group(SIGKILL);
+    signal_workers(SIGKILL);
     signal_escaped(SIGKILL);
     agent_signal_ = SIGINT;
     return;
@@ -545,7 +606,7 @@ void Agent::on_signal(int sig) {
   }
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), opts_.grace.count() / 1000.0));
   if (what == OnSignal::kForwardWhileStopping) {
-    for (auto& w : workers_) w->signal_group(sig);
+    signal_workers(sig);
     signal_escaped(sig);
     return;
   }
@@ -642,17 +703,19 @@ void Agent::trace_instant(const std::string& name, const std::string& cat, nlohm
   if (trace_) trace_->instant(name, cat, 0, std::move(args));
 }
 
-bool Agent::is_live_worker_leader(pid_t pid) const {
-  for (const auto* list : {&workers_, &retired_})
-    for (const auto& w : *list)
-      if (w->pid() == pid && !w->exited()) return true;
-  return false;
+bool Agent::is_live_worker_leader(pid_t pid) const { return leaders_.contains(pid); }
+
+void Agent::signal_workers(int sig) {
+  const bool any_reaped = std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited(); });
+  std::unordered_set<pid_t> groups;
+  if (any_reaped) groups = descendant_groups(scan_processes(), ::getpid());
+  for (auto& w : workers_) w->signal_group(sig, &groups);
 }
 
 void Agent::signal_escaped(int sig) {
   for (const auto& p : descendants_of(scan_processes(), ::getpid())) {
-    const bool in_worker_group = std::any_of(workers_.begin(), workers_.end(),
-                                             [&](const auto& w) { return w->pid() == p.pgrp && !w->exited(); });
+    if (p.pid == watchdog_.pid()) continue;
+    const bool in_worker_group = leaders_.contains(p.pgrp);
     if (!in_worker_group && !is_live_worker_leader(p.pid)) ::kill(p.pid, sig);
   }
 }
@@ -661,16 +724,16 @@ void Agent::kill_leftovers(bool reap) {
   const pid_t self = ::getpid();
   // A few rounds: a process may fork between the scan and its SIGKILL.
   for (int round = 0; round < 10; ++round) {
-    std::vector<pid_t> victims;
+    std::unordered_set<pid_t> victims;
     for (const auto& p : descendants_of(scan_processes(), self))
-      if (!is_live_worker_leader(p.pid)) victims.push_back(p.pid);
+      if (!is_live_worker_leader(p.pid) && p.pid != watchdog_.pid()) victims.insert(p.pid);
     if (victims.empty()) break;
     for (pid_t pid : victims) ::kill(pid, SIGKILL);
-    if (!reap) break;  // on_child() reaps them
+    if (!reap) break;  // reap_children() reaps them
     // Blocking waits only for children that cannot outlive them: killed ones, zombies.
     for (const auto& p : scan_processes()) {
-      if (p.ppid != self || is_live_worker_leader(p.pid)) continue;
-      if (p.state != 'Z' && std::find(victims.begin(), victims.end(), p.pid) == victims.end()) continue;
+      if (p.ppid != self || is_live_worker_leader(p.pid) || p.pid == watchdog_.pid()) continue;
+      if (p.state != 'Z' && !victims.contains(p.pid)) continue;
       int status = 0;
       while (::waitpid(p.pid, &status, 0) < 0 && errno == EINTR) {
       }
@@ -681,18 +744,25 @@ void Agent::kill_leftovers(bool reap) {
 void Agent::wait_child() {
   children_.async_wait([this](boost::system::error_code ec, int) {
     if (ec) return;
-    reap_orphans();
+    reap_children();
     if (state_ != State::kDone) wait_child();
   });
 }
 
-void Agent::reap_orphans() {
-  // Only orphans: a worker leader is reaped by its own handle (pidfd), never here.
-  const pid_t self = ::getpid();
-  for (const auto& p : scan_processes()) {
-    if (p.ppid != self || is_live_worker_leader(p.pid)) continue;
+void Agent::reap_children() {
+  for (;;) {
     int status = 0;
-    ::waitpid(p.pid, &status, WNOHANG);
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno == EINTR) continue;
+    if (pid <= 0) return;
+    if (auto it = leaders_.find(pid); it != leaders_.end()) {
+      WorkerProcess* w = it->second;
+      leaders_.erase(it);
+      w->on_exit(status);
+    } else if (pid == watchdog_.pid()) {
+      watchdog_.forget();
+      notice("the watchdog process died: after kill -9 of mglaunch, processes the workers started may outlive it");
+    }
   }
 }
 

@@ -9,6 +9,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
@@ -22,6 +24,7 @@
 #include "launcher/plan.h"
 #include "launcher/port.h"
 #include "launcher/report.h"
+#include "launcher/watchdog.h"
 #include "launcher/worker_process.h"
 #include "proto/messages.h"
 #include "rendezvous/client.h"
@@ -85,7 +88,15 @@ class Agent {
   // the killed children (end of the run) instead of leaving them to on_child().
   void kill_leftovers(bool reap);
   void wait_child();
-  void reap_orphans();
+  // The one reaper: waitpid(-1) until nothing is left to reap; a worker leader's status
+  // goes to its handle, anything else (an orphan handed to the subreaper) is dropped.
+  void reap_children();
+  // Sends `sig` to every worker's process group (one /proc scan for all the groups whose
+  // leader was reaped, not one per worker).
+  void signal_workers(int sig);
+  // Checks that the worker count fits the descriptor limit, raising the soft limit to the
+  // hard one when needed; throws ResourceError naming the limit and the count that fits.
+  void check_descriptor_budget();
   // Holds plan_.master_port until the workers start (see launcher/port.h); with `fresh`,
   // or when the port was taken meanwhile, chooses a new one and updates the plan.
   void hold_master_port(bool fresh);
@@ -103,6 +114,10 @@ class Agent {
   boost::asio::steady_timer grace_timer_;
   boost::asio::steady_timer leave_timer_;
   int leaving_code_ = 0;  // set by leave_job(): the exit code once the decision is in
+  Watchdog watchdog_;  // kills what the workers left behind once the agent is gone, even by kill -9
+  std::unordered_map<pid_t, WorkerProcess*> leaders_;  // unreaped worker leaders, by pid
+  bool merge_streams_ = false;  // the agent's stdout and stderr are one file: one pipe per worker
+  std::optional<struct rlimit> worker_nofile_;  // the original limit, when the agent raised its own
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
   std::vector<std::unique_ptr<WorkerProcess>> retired_;
   State state_ = State::kRunning;

@@ -16,12 +16,18 @@ struct ProgramNotFound : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The machine cannot give what the run needs (descriptors for the workers): exit code 4.
+struct ResourceError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // Documented exit codes of mglaunch itself (worker codes pass through unchanged).
 namespace exit_code {
 inline constexpr int kOk = 0;
 inline constexpr int kInternal = 1;
 inline constexpr int kUsage = 2;
 inline constexpr int kRendezvous = 3;  // refused by or unable to reach the rendezvous
+inline constexpr int kResource = 4;    // a resource limit (open descriptors) too low for the run
 inline constexpr int kNotFound = 127;
 inline constexpr int kSignalBase = 128;
 }  // namespace exit_code

@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
     return code;
   } catch (const UsageError& e) {
     return fail(exit_code::kUsage, e.what());
+  } catch (const ResourceError& e) {
+    return fail(exit_code::kResource, e.what());
   } catch (const ProgramNotFound& e) {
     return fail(exit_code::kNotFound, e.what());
   } catch (const std::exception& e) {

@@ -4,8 +4,10 @@
 #include <sched.h>
 #include <signal.h>
 #include <linux/close_range.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <dirent.h>
@@ -14,19 +16,17 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <unordered_map>
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/readable_pipe.hpp>
 #include <boost/asio/steady_timer.hpp>
-#include <boost/process/v2/posix/default_launcher.hpp>
-#include <boost/process/v2/process.hpp>
-#include <boost/process/v2/stdio.hpp>
 #include <fmt/format.h>
 
 namespace mg {
 
 namespace asio = boost::asio;
-namespace bp = boost::process::v2;
+using error_code = boost::system::error_code;
 
 bool mark_cloexec_above_stderr() {
 #if defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
@@ -68,35 +68,90 @@ namespace {
 // How long after the exit we keep reading a worker's pipes (a grandchild may hold them).
 constexpr std::chrono::milliseconds kDrainTimeout{2000};
 
-// Boost.Process initializer: the environment (parent side) and, in the child between fork
-// and exec, a process group of its own, death with the agent, default signal handling.
-struct ChildSetup {
-  const char* const* envp;
+// What the child of spawn_process() reads (before exec it shares the parent's memory, and
+// the parent is suspended until the exec or _exit: CLONE_VFORK).
+struct ChildArgs {
+  const SpawnRequest* req;
   pid_t parent;
-  const cpu_set_t* cpus;  // nullptr: keep the agent's affinity
-
-  bp::error_code on_setup(bp::posix::default_launcher& launcher, const bp::filesystem::path&, const char* const*) {
-    launcher.env = envp;
-    return {};
-  }
-  bp::error_code on_exec_setup(bp::posix::default_launcher&, const bp::filesystem::path&, const char* const*) {
-    // Nothing of the agent (rendezvous sockets, other workers' pipes, log files) may reach
-    // the worker. Close-on-exec rather than close: Boost's exec-error pipe must stay open
-    // until the exec succeeds.
-    if (!mark_cloexec_above_stderr()) return {errno, bp::system_category()};
-    if (::setpgid(0, 0) != 0) return {errno, bp::system_category()};
-    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return {errno, bp::system_category()};
-    if (::getppid() != parent) ::_exit(128 + SIGKILL);  // the agent died before prctl
-    if (cpus && ::sched_setaffinity(0, sizeof(cpu_set_t), cpus) != 0) return {errno, bp::system_category()};
-    ::signal(SIGPIPE, SIG_DFL);                         // the agent ignores it; workers must not inherit that
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    return {};
-  }
+  int error;          // errno of the failed step, 0 if exec succeeded
+  const char* stage;  // which step failed
 };
 
+// Runs in the child on its own stack: only system calls, no allocation, no locks.
+int child_main(void* p) {
+  auto* a = static_cast<ChildArgs*>(p);
+  const SpawnRequest& r = *a->req;
+  auto fail = [&](const char* stage) {
+    a->error = errno;
+    a->stage = stage;
+    ::_exit(127);
+    return 0;
+  };
+  // Default dispositions before unblocking (exec would reset the caught ones, but a
+  // signal could come before it); ignored ones the agent set (SIGPIPE, SIGTTIN) too.
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig == SIGKILL || sig == SIGSTOP) continue;
+    struct sigaction old {};
+    if (::sigaction(sig, nullptr, &old) != 0) continue;
+    const bool agent_ignores = sig == SIGPIPE || sig == SIGTTIN || sig == SIGTTOU;
+    if (old.sa_handler != SIG_DFL && (old.sa_handler != SIG_IGN || agent_ignores)) ::signal(sig, SIG_DFL);
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  if (::setpgid(0, 0) != 0) return fail("setpgid");
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return fail("prctl");
+  if (::getppid() != a->parent) ::_exit(128 + SIGKILL);  // the agent died before prctl
+  if (r.cpus && ::sched_setaffinity(0, sizeof(cpu_set_t), r.cpus) != 0) return fail("sched_setaffinity");
+  if (r.nofile && ::setrlimit(RLIMIT_NOFILE, r.nofile) != 0) return fail("setrlimit");
+  // fds[i] may already be i (the agent's own stdin); dup2 of a descriptor onto itself
+  // would leave a close-on-exec flag in place, so clear it explicitly.
+  for (int i = 0; i < 3; ++i) {
+    if (r.fds[i] == i) {
+      ::fcntl(i, F_SETFD, 0);
+    } else if (::dup2(r.fds[i], i) < 0) {
+      return fail("dup2");
+    }
+  }
+  // Nothing of the agent (rendezvous sockets, other workers' pipes, log files) may reach
+  // the worker.
+  if (!mark_cloexec_above_stderr()) return fail("close_range");
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::execve(r.path, const_cast<char* const*>(r.argv), const_cast<char* const*>(r.envp));
+  return fail("execve");
+}
+
 }  // namespace
+
+pid_t spawn_process(const SpawnRequest& req, std::string& error) {
+  // One stack for every child, reused: CLONE_VFORK lets only one child use it at a time.
+  static constexpr std::size_t kStack = 256 * 1024;
+  static char* stack = static_cast<char*>(::mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
+                                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0));
+  if (stack == MAP_FAILED) {
+    error = fmt::format("mmap: {}", std::strerror(errno));
+    return -1;
+  }
+  ChildArgs args{&req, ::getpid(), 0, nullptr};
+  // No signal handler of the agent may run in the child (it shares our memory).
+  sigset_t all, old;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &old);
+  const pid_t pid = ::clone(child_main, stack + kStack, CLONE_VM | CLONE_VFORK | SIGCHLD, &args);
+  const int clone_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  if (pid < 0) {
+    error = fmt::format("clone: {}", std::strerror(clone_errno));
+    return -1;
+  }
+  if (args.error != 0) {
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    error = fmt::format("{}: {}", args.stage ? args.stage : "spawn", std::strerror(args.error));
+    return -1;
+  }
+  return pid;
+}
 
 std::optional<ProcStat> parse_proc_stat(std::string_view text) {
   // "pid (comm) S ppid pgrp ...": comm is everything up to the LAST ')'.
@@ -155,21 +210,30 @@ std::vector<ProcStat> scan_processes() {
 }
 
 std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root) {
+  std::unordered_map<pid_t, std::vector<std::size_t>> children;
+  children.reserve(table.size());
+  for (std::size_t i = 0; i < table.size(); ++i)
+    if (table[i].pid != root) children[table[i].ppid].push_back(i);
   std::vector<ProcStat> out;
-  std::vector<pid_t> frontier{root};
-  // Breadth-first over parent links; bounded by the table (each pid is taken once).
-  std::vector<bool> taken(table.size(), false);
-  while (!frontier.empty()) {
-    std::vector<pid_t> next;
-    for (std::size_t i = 0; i < table.size(); ++i) {
-      if (taken[i] || table[i].pid == root) continue;
-      if (std::find(frontier.begin(), frontier.end(), table[i].ppid) == frontier.end()) continue;
-      taken[i] = true;
-      next.push_back(table[i].pid);
+  std::vector<pid_t> stack{root};
+  std::unordered_set<pid_t> seen{root};  // a malformed table (a cycle) must not loop
+  while (!stack.empty()) {
+    const pid_t p = stack.back();
+    stack.pop_back();
+    auto it = children.find(p);
+    if (it == children.end()) continue;
+    for (std::size_t i : it->second) {
+      if (!seen.insert(table[i].pid).second) continue;
+      stack.push_back(table[i].pid);
       if (table[i].state != 'Z') out.push_back(table[i]);
     }
-    frontier = std::move(next);
   }
+  return out;
+}
+
+std::unordered_set<pid_t> descendant_groups(const std::vector<ProcStat>& table, pid_t root) {
+  std::unordered_set<pid_t> out;
+  for (const auto& p : descendants_of(table, root)) out.insert(p.pgrp);
   return out;
 }
 
@@ -180,13 +244,12 @@ struct WorkerProcess::Impl {
   std::array<bool, 2> open{false, false};
   std::array<int, 2> files{-1, -1};  // log files; the console closes them
   std::array<std::unique_ptr<LineSplitter>, 2> splitters;
-  std::unique_ptr<bp::basic_process_handle<asio::io_context::executor_type>> handle;
   asio::steady_timer drain;
 };
 
 WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& console, DoneHandler on_done)
     : io_(io), spec_(std::move(spec)), console_(console), on_done_(std::move(on_done)), impl_(std::make_unique<Impl>(io)) {
-  prefix_ = fmt::format("[rank{}]:", spec_.rank);
+  prefix_ = spec_.prefix;
   for (int s = 0; s < 2; ++s) {
     impl_->splitters[s] = std::make_unique<LineSplitter>(spec_.max_line_bytes);
     if (!spec_.log_file[s].empty()) {
@@ -201,54 +264,77 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
       impl_->files[s] = fd;
     }
   }
-  std::vector<const char*> envp;
-  envp.reserve(spec_.env.size() + 1);
-  for (const auto& kv : spec_.env) envp.push_back(kv.c_str());
-  envp.push_back(nullptr);
-  std::vector<std::string> args(spec_.argv.begin() + 1, spec_.argv.end());
-
   start_ = std::chrono::steady_clock::now();
-  bp::error_code ec;
+  const int nstreams = spec_.merge_streams ? 1 : 2;
+  int ends[2][2] = {{-1, -1}, {-1, -1}};
+  for (int s = 0; s < nstreams && spawn_error_.empty(); ++s)
+    if (::pipe2(ends[s], O_CLOEXEC) != 0)
+      spawn_error_ = fmt::format("cannot start {}: pipe: {}", spec_.executable, std::strerror(errno));
+  int devnull = -1;
+  if (spawn_error_.empty() && spec_.stdin_fd < 0) {
+    devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull < 0) spawn_error_ = fmt::format("cannot open /dev/null: {}", std::strerror(errno));
+  }
   if (spawn_error_.empty()) {
+    std::vector<const char*> envp;
+    envp.reserve(spec_.env.size() + 1);
+    for (const auto& kv : spec_.env) envp.push_back(kv.c_str());
+    envp.push_back(nullptr);
+    std::vector<const char*> argv;
+    argv.reserve(spec_.argv.size() + 1);
+    for (const auto& a : spec_.argv) argv.push_back(a.c_str());
+    argv.push_back(nullptr);
     cpu_set_t cpu_set;
     CPU_ZERO(&cpu_set);
     for (int c : spec_.cpus)
       if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &cpu_set);
-    bp::posix::default_launcher launcher;
-    auto proc = launcher(io.get_executor(), ec, bp::filesystem::path(spec_.executable), args,
-                         bp::process_stdio{{}, impl_->pipes[0], impl_->pipes[1]}, ChildSetup{envp.data(), ::getpid(), spec_.cpus.empty() ? nullptr : &cpu_set});
-    if (ec) {
-      spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, ec.message());
-    } else {
-      pid_ = proc.id();
-      impl_->handle = std::make_unique<bp::basic_process_handle<asio::io_context::executor_type>>(proc.detach());
+    SpawnRequest req;
+    req.path = spec_.executable.c_str();
+    req.argv = argv.data();
+    req.envp = envp.data();
+    req.fds[0] = spec_.stdin_fd >= 0 ? spec_.stdin_fd : devnull;
+    req.fds[1] = ends[0][1];
+    req.fds[2] = spec_.merge_streams ? ends[0][1] : ends[1][1];
+    req.cpus = spec_.cpus.empty() ? nullptr : &cpu_set;
+    req.nofile = spec_.nofile;
+    std::string error;
+    pid_ = spawn_process(req, error);
+    if (pid_ < 0) spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, error);
+  }
+  if (devnull >= 0) ::close(devnull);
+  for (int s = 0; s < 2; ++s) {
+    if (ends[s][1] >= 0) ::close(ends[s][1]);
+    if (ends[s][0] < 0) continue;
+    if (!spawn_error_.empty()) {
+      ::close(ends[s][0]);
+      continue;
     }
+    impl_->pipes[s].assign(ends[s][0]);
+    impl_->open[s] = true;
   }
   if (!spawn_error_.empty()) {
-    for (auto& p : impl_->pipes) p.close(ec);
     // Report the failure from the event loop, never from inside the constructor.
-    asio::post(io_, [this] { on_exit(127 << 8); });
+    asio::post(io_, [this, alive = std::weak_ptr<int>(alive_)] {
+      if (!alive.expired()) on_exit(127 << 8);
+    });
     return;
   }
-  for (int s = 0; s < 2; ++s) {
-    impl_->open[s] = true;
-    read_more(s);
-  }
-  impl_->handle->async_wait([this](bp::error_code ec, int status) { on_exit(ec ? (127 << 8) : status); });
+  for (int s = 0; s < 2; ++s)
+    if (impl_->open[s]) read_more(s);
 }
 
 WorkerProcess::~WorkerProcess() {
   if (pid_ > 0 && !exited_) {
     ::killpg(pid_, SIGKILL);
-    bp::error_code ec;
     int status = 0;
-    if (impl_->handle) impl_->handle->wait(status, ec);  // reap; SIGKILL cannot be ignored
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {  // SIGKILL cannot be ignored
+    }
   }
   for (int fd : impl_->files)
     if (fd >= 0) console_.close_file(fd);  // after what is queued for it
 }
 
-void WorkerProcess::signal_group(int sig) {
+void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* groups) {
   if (pid_ <= 0) return;
   if (!exited_) {  // the unreaped leader holds the group id: it cannot name another group
     ::killpg(pid_, sig);
@@ -256,8 +342,11 @@ void WorkerProcess::signal_group(int sig) {
   }
   // Once the leader is reaped the id could in principle be reused after the group
   // empties: signal only while one of our own descendants is still in the group.
-  const auto mine = descendants_of(scan_processes(), ::getpid());
-  if (std::any_of(mine.begin(), mine.end(), [&](const ProcStat& p) { return p.pgrp == pid_; })) ::killpg(pid_, sig);
+  if (groups) {
+    if (groups->contains(pid_)) ::killpg(pid_, sig);
+    return;
+  }
+  if (descendant_groups(scan_processes(), ::getpid()).contains(pid_)) ::killpg(pid_, sig);
 }
 
 double WorkerProcess::duration_s() const {
@@ -276,7 +365,7 @@ void WorkerProcess::read_more(int s) {
     });
     return;
   }
-  impl_->pipes[s].async_read_some(asio::buffer(impl_->bufs[s]), [this, s](bp::error_code ec, std::size_t n) {
+  impl_->pipes[s].async_read_some(asio::buffer(impl_->bufs[s]), [this, s](error_code ec, std::size_t n) {
     if (n > 0) on_data(s, std::string_view(impl_->bufs[s].data(), n));
     if (ec) {
       close_stream(s);
@@ -288,7 +377,7 @@ void WorkerProcess::read_more(int s) {
 
 void WorkerProcess::emit(int s, std::string_view line, bool cut) {
   if (spec_.console[s]) console_.line(s, prefix_, line, cut);
-  if (s == 1) {  // stderr: keep the last lines for the failure report
+  if (s == 1 || spec_.merge_streams) {  // stderr: keep the last lines for the failure report
     if (tail_.size() == spec_.tail_lines) tail_.pop_front();
     tail_.emplace_back(line.substr(0, 512));
   }
@@ -296,7 +385,7 @@ void WorkerProcess::emit(int s, std::string_view line, bool cut) {
 
 void WorkerProcess::on_data(int s, std::string_view data) {
   if (impl_->files[s] >= 0) console_.write_file(impl_->files[s], data);
-  if (!spec_.console[s] && s != 1) return;  // nothing to show or keep
+  if (!spec_.console[s] && s != 1 && !spec_.merge_streams) return;  // nothing to show or keep
   console_.begin_batch();
   impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut); });
   console_.flush();
@@ -307,7 +396,7 @@ void WorkerProcess::close_stream(int s) {
   impl_->open[s] = false;
   impl_->splitters[s]->finish([&](std::string_view line, bool cut) { emit(s, line, cut); });
   console_.flush();
-  bp::error_code ec;
+  error_code ec;
   impl_->pipes[s].close(ec);
   maybe_done();
 }
@@ -323,7 +412,7 @@ void WorkerProcess::on_exit(int status) {
 
 void WorkerProcess::arm_drain() {
   impl_->drain.expires_after(kDrainTimeout);
-  impl_->drain.async_wait([this](bp::error_code ec) {
+  impl_->drain.async_wait([this](error_code ec) {
     if (ec) return;
     // Time spent paused by a congested console does not count: what is in the pipe
     // is still to be shown.
@@ -332,7 +421,7 @@ void WorkerProcess::arm_drain() {
       return;
     }
     for (int s = 0; s < 2; ++s) {
-      bp::error_code ignored;
+      error_code ignored;
       if (impl_->open[s]) impl_->pipes[s].cancel(ignored);
     }
   });

@@ -1,10 +1,14 @@
 // WorkerProcess: one supervised worker. It owns the child (its own process group, killed
 // with the agent via PR_SET_PDEATHSIG), its stdout/stderr pipes, their log files and the
 // line relay to the Console. Everything arrives as Asio completions on the agent's single
-// io_context: pipe reads, the exit (pidfd), the drain timer. Destroying a handle whose
-// child still runs SIGKILLs the child's process group.
+// io_context: pipe reads, the drain timer; the exit comes from the agent's one reaper
+// (waitpid(-1) on SIGCHLD), which calls on_exit(). A worker costs the agent one or two
+// descriptors (its pipes, one when stdout and stderr are merged) plus its log files, no
+// pidfd. Destroying a handle whose child still runs SIGKILLs and reaps the child.
 #pragma once
 
+#include <sched.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <sys/types.h>
 
@@ -16,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
@@ -40,8 +45,28 @@ std::optional<ProcStat> parse_proc_stat(std::string_view text);
 // Every process /proc shows now (those that vanish while reading are skipped).
 std::vector<ProcStat> scan_processes();
 
-// The living (non-zombie) descendants of `root` in `table`, `root` excluded. Pure.
+// The living (non-zombie) descendants of `root` in `table`, `root` excluded. Pure; linear
+// in the table's size.
 std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root);
+
+// The process groups that hold at least one living descendant of `root`.
+std::unordered_set<pid_t> descendant_groups(const std::vector<ProcStat>& table, pid_t root);
+
+// Starts `path` with clone(CLONE_VM|CLONE_VFORK) (no copy of the agent's memory: start
+// time does not grow with the agent's size): in the child, stdin/stdout/stderr from
+// `fds`, every other descriptor closed on exec, its own process group, PR_SET_PDEATHSIG
+// SIGKILL (and _exit if the parent is already gone), the CPU set when given, default
+// signal dispositions and an empty signal mask. Returns the pid, or -1 with `error` set
+// to what failed ("execve: No such file or directory"); a failed child is reaped here.
+struct SpawnRequest {
+  const char* path = nullptr;
+  const char* const* argv = nullptr;
+  const char* const* envp = nullptr;
+  int fds[3] = {-1, -1, -1};
+  const cpu_set_t* cpus = nullptr;  // nullptr: keep the agent's affinity
+  const struct rlimit* nofile = nullptr;  // RLIMIT_NOFILE for the child (the agent may have raised its own)
+};
+pid_t spawn_process(const SpawnRequest& req, std::string& error);
 
 // Sets FD_CLOEXEC on every descriptor above 2, so that exec() passes on only stdin,
 // stdout and stderr. For the child side of any spawn (between fork and exec): only
@@ -62,14 +87,18 @@ struct WorkerSpec {
   std::size_t max_line_bytes = 64 * 1024;
   std::size_t tail_lines = 10;       // last stderr lines kept for the failure report
   std::vector<int> cpus;             // CPU affinity set in the child (--cpu-bind); empty: inherited
+  int stdin_fd = -1;                 // the worker's stdin (the agent keeps it open); -1: /dev/null
+  bool merge_streams = false;        // stderr into the stdout pipe (the agent's stdout and stderr are one file)
+  std::string prefix;                // put before each relayed line, e.g. "[rank3]:"
+  const struct rlimit* nofile = nullptr;  // the descriptor limit the worker starts with (null: the agent's)
 };
 
 class WorkerProcess {
  public:
   using DoneHandler = std::function<void(WorkerProcess&)>;
 
-  // Starts the worker. On a spawn failure (exec error) the worker is reported done at
-  // once with exit status 127 and `spawn_error()` says why.
+  // Starts the worker. On a spawn failure (exec error) the worker is reported done from
+  // the event loop with exit status 127 and `spawn_error()` says why.
   WorkerProcess(boost::asio::io_context& io, WorkerSpec spec, Console& console, DoneHandler on_done);
   ~WorkerProcess();
   WorkerProcess(const WorkerProcess&) = delete;
@@ -77,9 +106,13 @@ class WorkerProcess {
 
   // Sends `sig` to the worker's process group as long as any member of it lives, also
   // after the leader was reaped (a member is then one of the agent's descendants).
-  void signal_group(int sig);
+  // `groups`: the result of descendant_groups() for the agent, computed once by a caller
+  // that signals many workers; nullptr: scan /proc here when needed.
+  void signal_group(int sig, const std::unordered_set<pid_t>* groups = nullptr);
   // SIGKILLs what is left of the process group (stragglers of a finished worker).
-  void kill_stragglers() { signal_group(SIGKILL); }
+  void kill_stragglers(const std::unordered_set<pid_t>* groups = nullptr) { signal_group(SIGKILL, groups); }
+  // The exit, from the agent's reaper: `status` as waitpid returned it.
+  void on_exit(int status);
 
   const WorkerSpec& spec() const { return spec_; }
   pid_t pid() const { return pid_; }
@@ -95,7 +128,6 @@ class WorkerProcess {
   void read_more(int s);
   void on_data(int s, std::string_view data);
   void emit(int s, std::string_view line, bool cut);
-  void on_exit(int status);
   void close_stream(int s);
   void maybe_done();
   void arm_drain();

@@ -60,7 +60,8 @@ TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_no
   // Values that differ from run to run: compare presence only.
   const std::set<std::string> run_specific = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"};
   // Set by mglaunch on purpose beyond torch 1.13 (torch 2.x's name for the same setting).
-  const std::set<std::string> extra_ok = {"TORCH_NCCL_ASYNC_ERROR_HANDLING"};
+  // MGLAUNCH_RUN_MARK: the token of the agent's watchdog (launcher/watchdog.h).
+  const std::set<std::string> extra_ok = {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "MGLAUNCH_RUN_MARK"};
   for (int lr = 0; lr < 2; ++lr) {
     for (auto& [key, value] : want[lr].items()) {
       INFO("local rank " << lr << " variable " << key);

@@ -22,6 +22,7 @@
 #include "launcher/trace.h"
 #include "launcher/supervision.h"
 #include "rendezvous/endpoint.h"
+#include "rendezvous/etcd_backend.h"
 
 namespace mg {
 
@@ -41,6 +42,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
   base_env_.erase("MGLAUNCH_RDZV_JOB_TOKEN");
+  base_env_.erase("MGLAUNCH_ETCD_PASSWORD");
 }
 
 Agent::~Agent() {
@@ -166,12 +168,13 @@ void Agent::start_rendezvous() {
   rdzv_ = true;
   if (trace_) rdzv_since_us_ = trace_->now();
   state_ = State::kWaiting;
-  rdzv::Endpoint ep = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
+  const bool etcd = opts_.rdzv_backend == "etcd";
+  rdzv::Endpoint ep = etcd ? rdzv::Endpoint{} : rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
   // Host the rendezvous here when told (is_host=true) or clearly meant to: the endpoint is
   // the address this node advertises. (torchrun hosts whenever the endpoint is local; then
   // an agent started during a daemon's outage takes the daemon's port.) Either way only
   // while nothing listens there, and only for this job.
-  const bool meant = opts_.rdzv_is_host ? *opts_.rdzv_is_host
+  const bool meant = etcd ? false : opts_.rdzv_is_host ? *opts_.rdzv_is_host
                                         : rdzv::is_local_host(ep.host) && rdzv::same_address(ep.host, plan_.master_addr);
   if (meant && !rdzv::probe_listen(ep.host, ep.port)) {
     try {
@@ -212,13 +215,24 @@ void Agent::start_rendezvous() {
   h.on_done = [this] { finish(leaving_code_ ? leaving_code_ : exit_code::kOk); };
   h.on_lost = [this](const std::string& why) { on_rdzv_lost(why); };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
+  if (etcd) {  // the job lives in etcd; the same rules (rendezvous::Job) run in every agent
+    rdzv::EtcdOptions eo;
+    eo.endpoints = rdzv::etcd::parse_endpoints(opts_.rdzv_endpoint);  // checked with the options
+    for (auto& e : eo.endpoints) e.tls = e.tls || opts_.etcd_https;
+    eo.credentials = {opts_.etcd_user, opts_.etcd_password, opts_.etcd_cacert, opts_.etcd_cert, opts_.etcd_key};
+    eo.prefix = opts_.etcd_prefix;
+    eo.join = j;
+    client_ = std::make_unique<rdzv::EtcdLink>(io_, std::move(eo), std::move(h));
+    client_->start();
+    return;
+  }
   rdzv::ClientOptions co;
   co.host = ep.host;
   co.port = ep.port;
   co.token = opts_.rdzv_token;
   co.job_token = opts_.rdzv_job_token;
   co.join = j;
-  client_ = std::make_unique<rdzv::Client>(io_, std::move(co), std::move(h));
+  client_ = std::make_unique<rdzv::LinkTo<rdzv::Client>>(io_, std::move(co), std::move(h));
   client_->start();
 }
 

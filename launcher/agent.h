@@ -28,6 +28,7 @@
 #include "launcher/worker_process.h"
 #include "proto/messages.h"
 #include "rendezvous/client.h"
+#include "rendezvous/link.h"
 #include "rendezvous/server.h"
 
 namespace mg {
@@ -133,7 +134,7 @@ class Agent {
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;
-  std::unique_ptr<rdzv::Client> client_;
+  std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink
   bool rdzv_ = false;
   int round_ = 0;
   bool rejoin_after_stop_ = false;

@@ -18,6 +18,7 @@
 #include "launcher/errors.h"
 #include "launcher/hwprobe.h"
 #include "rendezvous/endpoint.h"
+#include "rendezvous/etcd_log.h"
 #include "slurm/env.h"
 
 namespace mg {
@@ -321,6 +322,18 @@ void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
       else throw UsageError(fmt::format("bad --rdzv_conf is_host='{}': use true or false", value));
       continue;
     }
+    if (key == "cacert" || key == "cert" || key == "key" || key == "user" || key == "etcd_prefix") {
+      if (value.empty()) throw UsageError(fmt::format("bad --rdzv_conf {}='': give a value", key));
+      (key == "cacert" ? o.etcd_cacert : key == "cert" ? o.etcd_cert : key == "key" ? o.etcd_key
+       : key == "user" ? o.etcd_user : o.etcd_prefix) = value;
+      continue;
+    }
+    if (key == "protocol") {
+      if (value != "http" && value != "https")
+        throw UsageError(fmt::format("bad --rdzv_conf protocol='{}': use http or https", value));
+      o.etcd_https = value == "https";
+      continue;
+    }
     // torchrun keys that mean nothing here
     if (key == "store_type" || key == "use_agent_store" || key == "close_timeout" ||
         key == "timeout" || key == "read_timeout")
@@ -407,7 +420,7 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   opt("node_rank", o.node_rank, "Rank of this node (static rendezvous)");
   opt("master_addr", o.master_addr, "Master address (static rendezvous)");
   opt("master_port", o.master_port, "Master port (static rendezvous)");
-  opt("rdzv_backend", o.rdzv_backend, "static, c10d or mglaunch");
+  opt("rdzv_backend", o.rdzv_backend, "static, c10d, mglaunch or etcd");
   opt("rdzv_endpoint", o.rdzv_endpoint, "Rendezvous HOST[:PORT]");
   opt("rdzv_id", o.rdzv_id, "Job id shared by every node");
   opt("rdzv_conf", o.rdzv_conf, "Rendezvous settings, KEY=VALUE,...");
@@ -539,9 +552,17 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
     o.rdzv_backend = "c10d";
     o.rdzv_endpoint = "localhost:0";
   }
-  static const std::vector<std::string> kBackends = {"static", "c10d", "mglaunch"};
+  static const std::vector<std::string> kBackends = {"static", "c10d", "mglaunch", "etcd"};
   if (std::find(kBackends.begin(), kBackends.end(), o.rdzv_backend) == kBackends.end())
-    throw UsageError(fmt::format("unsupported --rdzv_backend '{}': use static, c10d or mglaunch", o.rdzv_backend));
+    throw UsageError(fmt::format("unsupported --rdzv_backend '{}': use static, c10d, mglaunch or etcd", o.rdzv_backend));
+  if (o.rdzv_backend == "etcd" && !o.rdzv_endpoint.empty()) {
+    try {
+      mg::rdzv::etcd::parse_endpoints(o.rdzv_endpoint);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(fmt::format("--rdzv_endpoint: {}; use HOST:2379[,HOST2:2379,...]", e.what()));
+    }
+  }
+  if (auto it = env.find("MGLAUNCH_ETCD_PASSWORD"); it != env.end()) o.etcd_password = it->second;
   if (o.rdzv_backend == "static") {
     if (o.nnodes.min != o.nnodes.max)
       throw UsageError(fmt::format("--rdzv_backend=static needs a fixed --nnodes, not '{}'", nnodes));

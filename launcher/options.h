@@ -95,6 +95,10 @@ struct AgentOptions {
   std::string rdzv_token;  // from --token-file or MGLAUNCH_RDZV_TOKEN
   std::optional<bool> rdzv_is_host;  // --rdzv_conf is_host=true|false; unset: auto
   std::string rdzv_job_token;  // MGLAUNCH_RDZV_JOB_TOKEN: the key of this job only (mglaunch-rdzv --job-token)
+  // --rdzv_backend=etcd: --rdzv_conf cacert=,cert=,key= (TLS), user= (password from
+  // MGLAUNCH_ETCD_PASSWORD), etcd_prefix= (default /mglaunch), protocol=https
+  std::string etcd_cacert, etcd_cert, etcd_key, etcd_user, etcd_password, etcd_prefix = "/mglaunch";
+  bool etcd_https = false;
   // mglaunch's own
   std::vector<int> gpu_ids;
   std::string cpu_bind = "none";  // --cpu-bind none|cores|numa

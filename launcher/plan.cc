@@ -170,11 +170,13 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
     // Single node behind a dynamic backend: this agent is the host, as torchrun's c10d.
     rdzv::Endpoint ep;
     try {
-      ep = rdzv::parse_endpoint(opts.rdzv_endpoint.empty() ? "localhost:0" : opts.rdzv_endpoint, 29400);
+      // etcd's endpoint list was checked with the options.
+      if (opts.rdzv_backend != "etcd")
+        ep = rdzv::parse_endpoint(opts.rdzv_endpoint.empty() ? "localhost:0" : opts.rdzv_endpoint, 29400);
     } catch (const std::invalid_argument& e) {
       throw UsageError(fmt::format("--rdzv_endpoint: {}", e.what()));
     }
-    plan.rdzv_endpoint = fmt::format("{}:{}", ep.host, ep.port);
+    plan.rdzv_endpoint = opts.rdzv_backend == "etcd" ? opts.rdzv_endpoint : fmt::format("{}:{}", ep.host, ep.port);
     plan.master_addr = !opts.local_addr.empty() ? opts.local_addr : fq_hostname();
     // Outside the ephemeral range; the agent holds it again until its workers start.
     plan.master_port = reserve_master_port().port();

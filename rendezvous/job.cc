@@ -236,7 +236,7 @@ Actions Job::maybe_done() {
   return out;
 }
 
-Actions Job::disconnected(SessionId s, Clock::time_point now) {
+Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view why) {
   last_activity_ = now;
   joined_.erase(s);
   auto it = members_.find(s);
@@ -253,7 +253,7 @@ Actions Job::disconnected(SessionId s, Clock::time_point now) {
   rc.host = it->second.join.host;
   rc.rank = -1;
   rc.exit_code = 1;
-  rc.message = fmt::format("node {} ({}) lost: its connection closed", it->second.join.host, it->second.join.addr);
+  rc.message = fmt::format("node {} ({}) lost: {}", it->second.join.host, it->second.join.addr, why);
   ++disconnects_;
   return fail_or_restart(rc, rc.message, s, now);
 }

@@ -14,6 +14,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -41,7 +42,8 @@ class Job {
   Actions heartbeat(SessionId s, Clock::time_point now);
   Actions worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::time_point now);
   Actions node_done(SessionId s, int round, Clock::time_point now);
-  Actions disconnected(SessionId s, Clock::time_point now);
+  // `why` ends the root cause "node H (A) lost: WHY" (the etcd backend: a lease expired).
+  Actions disconnected(SessionId s, Clock::time_point now, std::string_view why = "its connection closed");
   // Closes a round after last call, detects silent nodes, expires a join that waits too long.
   Actions tick(Clock::time_point now);
 

@@ -84,10 +84,25 @@ TEST_CASE("bad values are usage errors that name the flag and the value") {
   CHECK_THAT(usage_error({"--redirects=7", "prog"}), Catch::Contains("--redirects"));
   CHECK_THAT(usage_error({"--bogus", "prog"}), Catch::Contains("--bogus"));
   CHECK_THAT(usage_error({"--nproc_per_node=2"}), Catch::Contains("no training program"));
-  CHECK_THAT(usage_error({"--rdzv_backend=etcd", "prog"}), Catch::Contains("etcd"));
+  CHECK_THAT(usage_error({"--rdzv_backend=etcd-v2", "prog"}), Catch::Contains("etcd-v2"));
+  CHECK_THAT(usage_error({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=a:1,,b:2", "prog"}),
+             Catch::Contains("--rdzv_endpoint") && Catch::Contains("empty etcd endpoint"));
+  CHECK_THAT(usage_error({"--rdzv_backend=etcd", "--rdzv_conf=protocol=ftp", "prog"}), Catch::Contains("protocol"));
   CHECK_THAT(usage_error({"--standalone", "--nnodes=2", "prog"}), Catch::Contains("--standalone"));
   CHECK_THAT(usage_error({"--gpu_ids=0", "--nproc_per_node=2", "prog"}), Catch::Contains("one id per worker"));
   CHECK_THAT(usage_error({"--grace=-1", "prog"}), Catch::Contains("--grace"));
+}
+
+TEST_CASE("the etcd backend takes an endpoint list and its TLS, user and prefix settings") {
+  auto o = parse({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=https://a:2379,b",
+                  "--rdzv_conf=cacert=/ca.pem,cert=/c.pem,key=/k.pem,user=me,etcd_prefix=/x,join_timeout=9", "prog"});
+  CHECK(o.rdzv_backend == "etcd");
+  CHECK(o.etcd_cacert == "/ca.pem");
+  CHECK(o.etcd_cert == "/c.pem");
+  CHECK(o.etcd_key == "/k.pem");
+  CHECK(o.etcd_user == "me");
+  CHECK(o.etcd_prefix == "/x");
+  CHECK(o.join_timeout == std::chrono::seconds(9));
 }
 
 TEST_CASE("standalone selects a local c10d rendezvous") {

@@ -1,0 +1,424 @@
+#include "rendezvous/etcd_backend.h"
+
+#include <boost/asio/post.hpp>
+#include <fmt/format.h>
+
+namespace mg::rdzv {
+
+namespace asio = boost::asio;
+using etcd::base64_decode;
+using etcd::base64_encode;
+using etcd::Event;
+using etcd::number;
+using std::chrono::milliseconds;
+using nlohmann::json;
+
+namespace {
+
+constexpr milliseconds kRequestTimeout{2000};
+constexpr milliseconds kCloseTimeout{1000};
+constexpr milliseconds kWatchIdle{15000};  // a silent watch is reopened (on the next endpoint)
+constexpr milliseconds kStartWindow{5000};  // etcd must answer within this at start
+
+std::int64_t steady_ms() {
+  return std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+json range_of(const std::string& prefix) {
+  return {{"key", base64_encode(prefix)}, {"range_end", base64_encode(etcd::prefix_end(prefix))}};
+}
+
+json put_op(const std::string& key, const std::string& value, std::int64_t lease = 0) {
+  json p = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
+  if (lease) p["lease"] = std::to_string(lease);
+  return {{"request_put", p}};
+}
+
+}  // namespace
+
+EtcdLink::EtcdLink(asio::io_context& io, EtcdOptions opts, ClientHandlers handlers)
+    : io_(io),
+      opts_(std::move(opts)),
+      h_(std::move(handlers)),
+      keys_(etcd::keys_for(opts_.prefix, opts_.join.job_id)),
+      agent_(opts_.join.agent_id),
+      replay_(opts_.join.job_id, opts_.join.agent_id),
+      ticker_(io) {}
+
+EtcdLink::~EtcdLink() {
+  close();
+  alive_token_.reset();
+}
+
+std::int64_t EtcdLink::now_ms() const {
+  return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+void EtcdLink::post(std::function<void()> f) {
+  std::weak_ptr<int> alive = alive_token_;
+  asio::post(io_, [alive, f = std::move(f)] {
+    if (alive.lock()) f();
+  });
+}
+
+void EtcdLink::start() {
+  work_.emplace(io_.get_executor());
+  if (auto bad = proto::validate(opts_.join); !bad.empty()) {
+    post([this, bad] { lost("cannot join: " + bad); });
+    return;
+  }
+  try {
+    http_ = std::make_unique<etcd::Http>(opts_.endpoints, opts_.credentials);
+    watch_http_ = std::make_unique<etcd::Http>(opts_.endpoints, opts_.credentials);
+  } catch (const etcd::Error& e) {
+    post([this, why = std::string(e.what())] { lost(why); });
+    return;
+  }
+  last_ok_ms_ = steady_ms();
+  requests_ = std::thread([this] { request_loop(); });
+  check();
+}
+
+// ---- io thread ----
+
+void EtcdLink::on_changes(const std::vector<Change>& changes) {
+  for (const auto& c : changes) {
+    if (closed_ || lost_) return;
+    if (c.key.starts_with(keys_.log())) {
+      if (!c.put) continue;  // the job's keys deleted at its end
+      seen_revision_ = std::max(seen_revision_, c.revision);
+      Event e;
+      try {
+        e = etcd::event_from_json(json::parse(c.value));
+      } catch (const std::exception& ex) {
+        if (h_.on_notice) h_.on_notice(fmt::format("ignoring a bad event in etcd at {}: {}", c.key, ex.what()));
+        continue;
+      }
+      if (e.kind == Event::Kind::kJoin) joined_agents_.insert(e.agent);
+      for (const auto& f : replay_.apply(e)) {
+        deliver(f);
+        if (closed_ || lost_) return;
+      }
+    } else if (auto agent = keys_.agent_of_alive(c.key); !agent.empty()) {
+      if (c.put) {
+        alive_.insert(agent);
+      } else {
+        alive_.erase(agent);
+        pending_lost_.insert(agent);
+      }
+    }
+  }
+}
+
+void EtcdLink::deliver(const proto::Frame& f) {
+  try {
+    switch (proto::type_of(f)) {
+      case proto::MsgType::kAssignment: return h_.on_assignment(proto::from_frame<proto::Assignment>(f));
+      case proto::MsgType::kRestart: return h_.on_restart(proto::from_frame<proto::Restart>(f));
+      case proto::MsgType::kAbort: return h_.on_abort(proto::from_frame<proto::Abort>(f));
+      case proto::MsgType::kDone: return h_.on_done();
+      case proto::MsgType::kError:
+        return lost(fmt::format("refused by the rendezvous: {}", proto::from_frame<proto::Error>(f).message));
+      default: return;
+    }
+  } catch (const proto::ProtocolError& e) {
+    lost(fmt::format("bad decision from the job's log: {}", e.what()));
+  }
+}
+
+void EtcdLink::append(Event e, bool conditional) {
+  e.t_ms = now_ms();
+  const std::int64_t cond_rev = seen_revision_;
+  if (conditional) conditional_in_flight_ = true;
+  auto task = [this, e = std::move(e), conditional, cond_rev](etcd::Http& http) {
+    const std::string key = keys_.log_key(agent_, next_seq_++);
+    json compare;
+    if (conditional) {  // only if the log did not move since this agent decided
+      compare = range_of(keys_.log());
+      compare["target"] = "MOD";
+      compare["result"] = "LESS";
+      compare["mod_revision"] = std::to_string(cond_rev + 1);
+    } else {  // put-if-absent: a retried put cannot log the event twice
+      compare = {{"key", base64_encode(key)}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
+    }
+    const json body = {{"compare", json::array({compare})}, {"success", json::array({put_op(key, to_json(e).dump())})}};
+    for (int attempt = 0;; ++attempt) {
+      try {
+        http.call("/v3/kv/txn", body, kRequestTimeout);
+        last_ok_ms_ = steady_ms();
+        break;
+      } catch (const etcd::Error&) {
+        std::unique_lock lk(mutex_);
+        if (conditional || stopping_ || http.stopped()) break;
+        // etcd is away: try again until it is back (check() gives up after join_timeout).
+        cv_.wait_for(lk, milliseconds(std::min(100 << std::min(attempt, 4), 1000)), [&] { return stopping_; });
+      }
+    }
+    if (conditional) post([this] { conditional_in_flight_ = false; });
+  };
+  {
+    std::lock_guard lk(mutex_);
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+void EtcdLink::check() {
+  if (closed_ || lost_) return;
+  if (started_ && !conditional_in_flight_ && !replay_.job().finished()) {
+    bool appended = false;
+    for (auto it = pending_lost_.begin(); it != pending_lost_.end();) {
+      if (!replay_.live(*it) || alive_.contains(*it)) {
+        it = pending_lost_.erase(it);
+        continue;
+      }
+      Event e;
+      e.kind = Event::Kind::kLost;
+      e.agent = *it;
+      e.why = fmt::format("its etcd lease expired (agent {} stopped renewing it: hung, dead or cut off)", *it);
+      append(std::move(e), /*conditional=*/true);
+      appended = true;
+      break;
+    }
+    if (!appended && replay_.tick_due(now_ms())) {
+      Event e;
+      e.kind = Event::Kind::kTick;
+      e.agent = agent_;
+      append(std::move(e), /*conditional=*/true);
+    }
+  }
+  const auto silent = steady_ms() - last_ok_ms_;
+  if (started_ && silent > opts_.join.join_timeout_ms)
+    return lost(fmt::format("no answer from etcd ({}) for {} s (join_timeout)", http_->all(), silent / 1000));
+  ticker_.expires_after(milliseconds(100));
+  ticker_.async_wait([this](boost::system::error_code ec) {
+    if (!ec) check();
+  });
+}
+
+void EtcdLink::lost(const std::string& why) {
+  if (closed_ || lost_) return;
+  lost_ = true;
+  if (h_.on_lost) h_.on_lost(why);
+}
+
+void EtcdLink::rejoin() {
+  Event e;
+  e.kind = Event::Kind::kJoin;
+  e.agent = agent_;
+  e.join = opts_.join;
+  append(std::move(e), false);
+}
+
+void EtcdLink::worker_failed(proto::WorkerFailed f) {
+  proto::truncate_to_limits(f);
+  Event e;
+  e.kind = Event::Kind::kFailed;
+  e.agent = agent_;
+  e.failed = std::move(f);
+  append(std::move(e), false);
+}
+
+void EtcdLink::node_done(int round) {
+  Event e;
+  e.kind = Event::Kind::kDone;
+  e.agent = agent_;
+  e.round = round;
+  append(std::move(e), false);
+}
+
+void EtcdLink::close() {
+  if (closed_) return;
+  closed_ = true;
+  ticker_.cancel();
+  {
+    std::lock_guard lk(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (requests_.joinable()) requests_.join();  // flushes the queue (a "done"), revokes the lease
+  {
+    std::lock_guard lk(mutex_);
+    watch_stop_ = true;
+  }
+  cv_.notify_all();
+  if (watch_http_) watch_http_->stop();
+  if (watcher_.joinable()) watcher_.join();
+  work_.reset();
+}
+
+// ---- request thread ----
+
+bool EtcdLink::start_sequence(etcd::Http& http) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::min<milliseconds>(kStartWindow, milliseconds(opts_.join.join_timeout_ms));
+  const std::int64_t want_ttl =
+      std::max<std::int64_t>(2, (static_cast<std::int64_t>(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt + 999) / 1000);
+  Event join;
+  join.kind = Event::Kind::kJoin;
+  join.agent = agent_;
+  join.join = opts_.join;
+  bool joined = false;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      if (!lease_) {
+        auto g = http.call("/v3/lease/grant", {{"TTL", std::to_string(want_ttl)}}, kRequestTimeout);
+        if (!number(g, "ID")) throw etcd::Error(fmt::format("no lease granted: {}", g.dump()));
+        std::lock_guard lk(mutex_);
+        lease_ = number(g, "ID");
+        ttl_s_ = std::max<std::int64_t>(1, number(g, "TTL"));
+      }
+      if (!joined) {
+        join.t_ms = now_ms();
+        const std::string key = keys_.log_key(agent_, next_seq_);
+        json alive_empty = range_of(keys_.alive());
+        alive_empty["target"] = "CREATE";
+        alive_empty["result"] = "EQUAL";
+        alive_empty["create_revision"] = "0";
+        // No agent alive: whatever the job's keys hold is a dead run's; start afresh. (etcd
+        // allows no put beside a delete of the same range in one txn; the two steps are
+        // safe apart: once an agent put its alive key, nobody clears the job.)
+        http.call("/v3/kv/txn",
+                  {{"compare", json::array({alive_empty})},
+                   {"success", json::array({{{"request_delete_range", range_of(keys_.root)}}})}},
+                  kRequestTimeout);
+        http.call("/v3/kv/txn",
+                  {{"success", json::array({put_op(keys_.alive_key(agent_), agent_, lease_),
+                                            put_op(key, to_json(join).dump())})}},
+                  kRequestTimeout);
+        ++next_seq_;
+        joined = true;
+      }
+      json range = range_of(keys_.root);
+      range["sort_order"] = "ASCEND";
+      range["sort_target"] = "CREATE";
+      auto r = http.call("/v3/kv/range", range, kRequestTimeout);
+      last_ok_ms_ = steady_ms();
+      const std::int64_t revision = number(r.value("header", json::object()), "revision");
+      std::vector<Change> changes;
+      for (const auto& kv : r.value("kvs", json::array()))
+        changes.push_back({true, base64_decode(kv.value("key", "")), base64_decode(kv.value("value", "")),
+                           number(kv, "mod_revision")});
+      post([this, changes = std::move(changes)] {
+        on_changes(changes);
+        for (const auto& a : joined_agents_)
+          if (!alive_.contains(a)) pending_lost_.insert(a);  // gone before this agent looked
+        started_ = true;
+      });
+      watcher_ = std::thread([this, revision] { watch_loop(revision + 1); });
+      return true;
+    } catch (const std::exception& e) {
+      if (http.stopped()) return false;
+      std::unique_lock lk(mutex_);
+      if (stopping_) return false;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        const std::string why = fmt::format("cannot reach etcd: {}", e.what());
+        post([this, why] { lost(why); });
+        return false;
+      }
+      cv_.wait_for(lk, milliseconds(std::min(50 << std::min(attempt, 4), 500)), [&] { return stopping_; });
+    }
+  }
+}
+
+void EtcdLink::keep_alive(etcd::Http& http) {
+  try {
+    auto r = http.call("/v3/lease/keepalive", {{"ID", std::to_string(lease_)}}, kRequestTimeout);
+    last_ok_ms_ = steady_ms();
+    // TTL 0: the lease is gone; the watch shows this agent's alive key deleted, and the
+    // job's log its loss.
+    (void)r;
+  } catch (const etcd::Error&) {
+    // An outage: check() gives up after join_timeout; the others see the lease expire.
+  }
+}
+
+void EtcdLink::finish_job(etcd::Http& http) {
+  if (!lease_) return;
+  try {
+    http.call("/v3/lease/revoke", {{"ID", std::to_string(lease_)}}, kCloseTimeout);
+    json count = range_of(keys_.alive());
+    count["count_only"] = true;
+    auto r = http.call("/v3/kv/range", count, kCloseTimeout);
+    if (number(r, "count") == 0) {  // the last agent out deletes the job's keys
+      json del = range_of(keys_.alive());
+      del["target"] = "CREATE";
+      del["result"] = "EQUAL";
+      del["create_revision"] = "0";
+      http.call("/v3/kv/txn",
+                {{"compare", json::array({del})}, {"success", json::array({{{"request_delete_range", range_of(keys_.root)}}})}},
+                kCloseTimeout);
+    }
+  } catch (const etcd::Error&) {
+    // etcd is away: the lease expires by itself, and the next run of this id clears the log.
+  }
+}
+
+void EtcdLink::request_loop() {
+  if (!start_sequence(*http_)) return;
+  const auto period = milliseconds(std::max<std::int64_t>(100, ttl_s_ * 1000 / 3));
+  auto next_keep_alive = std::chrono::steady_clock::now() + period;
+  while (true) {
+    std::function<void(etcd::Http&)> task;
+    {
+      std::unique_lock lk(mutex_);
+      cv_.wait_until(lk, next_keep_alive, [&] { return !queue_.empty() || stopping_; });
+      if (!queue_.empty()) {
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      } else if (stopping_) {
+        break;
+      }
+    }
+    if (task) task(*http_);
+    if (http_->stopped()) return;
+    if (std::chrono::steady_clock::now() >= next_keep_alive) {
+      keep_alive(*http_);
+      next_keep_alive = std::chrono::steady_clock::now() + period;
+    }
+  }
+  finish_job(*http_);
+}
+
+// ---- watch thread ----
+
+void EtcdLink::watch_loop(std::int64_t from_revision) {
+  std::int64_t next = from_revision;
+  for (int failures = 0;; ++failures) {
+    json create = range_of(keys_.root);
+    create["start_revision"] = std::to_string(next);
+    try {
+      watch_http_->stream("/v3/watch", {{"create_request", create}}, kRequestTimeout, kWatchIdle, [&](const json& m) {
+        if (m.contains("error")) throw etcd::Error(m["error"].dump());
+        const auto& r = m.value("result", json::object());
+        last_ok_ms_ = steady_ms();
+        failures = 0;
+        if (r.value("canceled", false)) {
+          if (number(r, "compact_revision"))
+            post([this] { lost("etcd compacted the job's history while this agent was away; start the job again"); });
+          throw etcd::Error("watch canceled: " + r.value("cancel_reason", std::string()));
+        }
+        std::vector<Change> changes;
+        for (const auto& ev : r.value("events", json::array())) {
+          const auto& kv = ev.value("kv", json::object());
+          Change c;
+          c.put = ev.value("type", std::string("PUT")) != "DELETE";
+          c.key = base64_decode(kv.value("key", ""));
+          c.value = base64_decode(kv.value("value", ""));
+          c.revision = number(kv, "mod_revision");
+          next = std::max(next, c.revision + 1);
+          changes.push_back(std::move(c));
+        }
+        if (!changes.empty()) post([this, changes = std::move(changes)] { on_changes(changes); });
+        return true;
+      });
+    } catch (const std::exception&) {
+    }
+    if (watch_http_->stopped()) return;
+    watch_http_->fail_over();
+    std::unique_lock lk(mutex_);
+    if (cv_.wait_for(lk, milliseconds(std::min(50 << std::min(failures, 4), 1000)), [&] { return watch_stop_; })) return;
+  }
+}
+
+}  // namespace mg::rdzv

@@ -1,0 +1,107 @@
+// EtcdLink: the agent's rendezvous on etcd (--rdzv_backend=etcd). Storage and transport
+// only; the rules are rendezvous::Job's, replayed from the job's event log (etcd_log.h).
+//
+// Threads: the agent's io_context owns the replay and every handler call; a request thread
+// grants this agent's lease, appends events and sends keep-alives; a watch thread streams
+// the job's keys (/v3/watch) and posts each change to the io_context. Start: lease, then
+// one txn that clears a stale log (no agent alive) and puts this agent's alive key and its
+// join, then a range of the job read in revision order, then the watch from the next
+// revision. A vanished alive key becomes a "lost" event and a due deadline a "tick" event,
+// each appended by a txn that holds only if the log did not move since this agent last
+// looked (so the first agent to notice appends it once). close() revokes the lease and the
+// last agent deletes the job's keys.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include "rendezvous/client.h"
+#include "rendezvous/etcd_client.h"
+#include "rendezvous/etcd_log.h"
+#include "rendezvous/link.h"
+
+namespace mg::rdzv {
+
+struct EtcdOptions {
+  std::vector<etcd::Endpoint> endpoints;
+  etcd::Credentials credentials;
+  std::string prefix = "/mglaunch";
+  proto::Join join;
+};
+
+class EtcdLink : public Link {
+ public:
+  EtcdLink(boost::asio::io_context& io, EtcdOptions opts, ClientHandlers handlers);
+  ~EtcdLink() override;
+  void start() override;
+  void rejoin() override;
+  void set_master_port(int port) override { opts_.join.master_port = port; }
+  void worker_failed(proto::WorkerFailed f) override;
+  void node_done(int round) override;
+  void close() override;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Change {
+    bool put = true;
+    std::string key, value;
+    std::int64_t revision = 0;
+  };
+  // io thread
+  void on_changes(const std::vector<Change>& changes);
+  void deliver(const proto::Frame& f);
+  void append(etcd::Event e, bool conditional);
+  void check();  // every 100 ms: a lost agent or a deadline to record, an etcd outage
+  void lost(const std::string& why);
+  std::int64_t now_ms() const;
+  // request thread
+  void request_loop();
+  bool start_sequence(etcd::Http& http);
+  void keep_alive(etcd::Http& http);
+  void finish_job(etcd::Http& http);
+  // watch thread
+  void watch_loop(std::int64_t from_revision);
+  void post(std::function<void()> f);
+
+  boost::asio::io_context& io_;
+  EtcdOptions opts_;
+  ClientHandlers h_;
+  etcd::Keys keys_;
+  std::string agent_;
+  etcd::JobReplay replay_;
+  boost::asio::steady_timer ticker_;
+  std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;
+  std::set<std::string> alive_, pending_lost_, joined_agents_;
+  bool conditional_in_flight_ = false;
+  std::int64_t seen_revision_ = 0;  // the last log revision applied
+  bool started_ = false, closed_ = false, lost_ = false;
+  std::shared_ptr<int> alive_token_ = std::make_shared<int>(0);
+
+  // shared with the threads (mutex_)
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void(etcd::Http&)>> queue_;
+  bool stopping_ = false;  // finish the queue, then end
+  std::int64_t lease_ = 0;
+  std::int64_t ttl_s_ = 0;
+  std::atomic<std::int64_t> last_ok_ms_{0};  // steady clock: the last answer from etcd
+  bool watch_stop_ = false;
+  std::int64_t next_seq_ = 1;       // request thread only
+  std::unique_ptr<etcd::Http> http_, watch_http_;
+  std::thread requests_, watcher_;
+};
+
+}  // namespace mg::rdzv

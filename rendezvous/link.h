@@ -1,0 +1,40 @@
+// Link: what the agent needs from a rendezvous backend, whatever stores the job: the own
+// daemon (rendezvous/client.h, through LinkTo<Client>) or etcd (rendezvous/etcd_backend.h).
+// Both report through the same ClientHandlers on the agent's io_context.
+#pragma once
+
+#include <utility>
+
+#include "proto/messages.h"
+
+namespace mg::rdzv {
+
+class Link {
+ public:
+  virtual ~Link() = default;
+  virtual void start() = 0;
+  virtual void rejoin() = 0;
+  virtual void set_master_port(int port) = 0;  // offered in later joins
+  virtual void worker_failed(proto::WorkerFailed f) = 0;
+  virtual void node_done(int round) = 0;
+  virtual void close() = 0;  // flushes what is queued (a "done") first
+};
+
+// Adapts a backend with the same member functions (rdzv::Client) to Link.
+template <class T>
+class LinkTo : public Link {
+ public:
+  template <class... Args>
+  explicit LinkTo(Args&&... args) : impl_(std::forward<Args>(args)...) {}
+  void start() override { impl_.start(); }
+  void rejoin() override { impl_.rejoin(); }
+  void set_master_port(int port) override { impl_.set_master_port(port); }
+  void worker_failed(proto::WorkerFailed f) override { impl_.worker_failed(std::move(f)); }
+  void node_done(int round) override { impl_.node_done(round); }
+  void close() override { impl_.close(); }
+
+ private:
+  T impl_;
+};
+
+}  // namespace mg::rdzv

@@ -1,0 +1,129 @@
+// Test helper: a real etcd (Debian's etcd-server) of 1 or 3 members on 127.0.0.1..3, free
+// ports, a temporary data directory; every member is SIGKILLed and reaped and the data
+// removed when the cluster goes out of scope, whatever the test did.
+#pragma once
+
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "support/proc.h"
+
+namespace mgtest {
+
+inline const std::string kEtcd = "/usr/bin/etcd";
+inline const std::string kEtcdctl = "/usr/bin/etcdctl";
+
+// A port that was free on `host` a moment ago (etcd binds its own ports by number).
+inline int free_port_on(const std::string& host) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+  int port = -1;
+  socklen_t len = sizeof a;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+struct EtcdMember {
+  std::string name, host;
+  int client_port = 0, peer_port = 0;
+  std::optional<Proc> proc;  // Proc cannot be assigned
+  std::string endpoint() const { return host + ":" + std::to_string(client_port); }
+};
+
+class EtcdCluster {
+ public:
+  // Empty when the tests can run; else why not (one line).
+  static std::string skip_reason() {
+    if (::access(kEtcd.c_str(), X_OK) != 0) return kEtcd + " is missing (make setup installs etcd-server)";
+    return {};
+  }
+
+  explicit EtcdCluster(int size) : dir_(make_temp_dir()) {
+    using namespace std::chrono_literals;
+    // A port taken between the probe and etcd's bind makes a member die: start again.
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      members_.clear();
+      std::string initial;
+      for (int i = 1; i <= size; ++i) {
+        EtcdMember m;
+        m.name = "m" + std::to_string(i);
+        m.host = "127.0.0." + std::to_string(i);
+        m.client_port = free_port_on(m.host);
+        m.peer_port = free_port_on(m.host);
+        initial += (initial.empty() ? "" : ",") + m.name + "=http://" + m.host + ":" + std::to_string(m.peer_port);
+        members_.push_back(std::move(m));
+      }
+      const std::string token = "mgtest-" + std::to_string(::getpid()) + "-" + std::to_string(attempt);
+      for (auto& m : members_) {
+        const std::string client = "http://" + m.endpoint();
+        const std::string peer = "http://" + m.host + ":" + std::to_string(m.peer_port);
+        m.proc.emplace(spawn({kEtcd, "--name", m.name, "--data-dir", dir_ + "/" + m.name + "-" + std::to_string(attempt),
+                        "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                        "--initial-advertise-peer-urls", peer, "--initial-cluster", initial,
+                        "--initial-cluster-state", "new", "--initial-cluster-token", token, "--log-level", "warn"}));
+      }
+      if (eventually([&] { return healthy() || !all_alive(); }, 60s) && healthy()) return;
+      for (auto& m : members_) {
+        ::kill(m.proc->pid, SIGKILL);
+        m.proc->wait(10s);
+      }
+    }
+    FAIL("etcd did not start: " << members_.front().proc->err());
+  }
+
+  ~EtcdCluster() {
+    using namespace std::chrono_literals;
+    members_.clear();  // Proc's destructor SIGKILLs and reaps
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  std::string endpoints(int first = 0) const {
+    std::string out;
+    for (std::size_t i = 0; i < members_.size(); ++i) {
+      const auto& m = members_[(i + static_cast<std::size_t>(first)) % members_.size()];
+      out += (out.empty() ? "" : ",") + m.endpoint();
+    }
+    return out;
+  }
+  EtcdMember& member(int i) { return members_.at(static_cast<std::size_t>(i)); }
+  // Keys under `prefix` (etcdctl get --prefix --keys-only), one per line.
+  std::vector<std::string> keys(const std::string& prefix) const {
+    std::vector<std::string> out;
+    for (const auto& l : split_lines(
+             run({kEtcdctl, "--endpoints=" + endpoints(), "get", "--prefix", "--keys-only", prefix}).out))
+      if (!l.empty()) out.push_back(l);
+    return out;
+  }
+
+ private:
+  bool all_alive() const {
+    for (const auto& m : members_)
+      if (!pid_alive(m.proc->pid)) return false;
+    return true;
+  }
+  bool healthy() const {
+    using namespace std::chrono_literals;
+    auto r = run({kEtcdctl, "--endpoints=" + endpoints(), "--command-timeout=2s", "endpoint", "health"}, {}, 10s);
+    return r.code == 0;
+  }
+
+  std::string dir_;
+  std::vector<EtcdMember> members_;
+};
+
+}  // namespace mgtest

@@ -1,0 +1,172 @@
+// --rdzv_backend=etcd with real processes: a real etcd (1 or 3 members on 127.0.0.1-3)
+// started by each test, agents on 127.0.0.1-3 (--local_addr), fake_worker as the workload.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "etcd_cluster.h"
+#include "support/proc.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+#define ETCD_OR_SKIP()                                       \
+  if (!EtcdCluster::skip_reason().empty()) {                 \
+    WARN("skipped: " << EtcdCluster::skip_reason());         \
+    return;                                                  \
+  }
+
+std::vector<std::string> etcd_agent(const std::string& endpoints, const std::string& job, int index, int nproc,
+                                    std::vector<std::string> flags, std::vector<std::string> worker) {
+  std::vector<std::string> argv{kMglaunch,
+                                "--nnodes=3",
+                                "--nproc_per_node=" + std::to_string(nproc),
+                                "--rdzv_backend=etcd",
+                                "--rdzv_endpoint=" + endpoints,
+                                "--rdzv_id=" + job,
+                                "--local_addr=127.0.0." + std::to_string(index)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(kFakeWorker);
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  return argv;
+}
+
+std::vector<nlohmann::json> envs(const std::string& out) {
+  std::vector<nlohmann::json> v;
+  for (const auto& l : split_lines(out))
+    if (auto b = l.find('{'); b != std::string::npos) v.push_back(nlohmann::json::parse(l.substr(b)));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("etcd: 3 agents x 2 workers get ranks 0..5 once each, one MASTER_ADDR, and the job's keys are deleted") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i) agents.push_back(spawn(etcd_agent(etcd.endpoints(), "ranks", i, 2, {}, {"env"})));
+  std::multiset<std::string> ranks;
+  std::set<std::string> masters, ports, worlds;
+  for (auto& a : agents) {
+    REQUIRE(a.wait(60s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    for (const auto& e : envs(a.out())) {
+      ranks.insert(e["RANK"].get<std::string>());
+      masters.insert(e["MASTER_ADDR"].get<std::string>());
+      ports.insert(e["MASTER_PORT"].get<std::string>());
+      worlds.insert(e["WORLD_SIZE"].get<std::string>() + "/" + e["GROUP_WORLD_SIZE"].get<std::string>());
+    }
+  }
+  CHECK(ranks == std::multiset<std::string>{"0", "1", "2", "3", "4", "5"});
+  CHECK(masters == std::set<std::string>{"127.0.0.1"});  // sorted by address: 127.0.0.1 is group rank 0
+  CHECK(ports.size() == 1);
+  CHECK(worlds == std::set<std::string>{"6/3"});
+  CHECK(etcd.keys("/mglaunch/ranks/").empty());
+}
+
+TEST_CASE("etcd: a worker failure restarts all three agents with one restart count") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(etcd_agent(etcd.endpoints(), "restart", i, 2, {"--max_restarts=2"},
+                                      {"env", "when-restart-below", "1", "when-rank", "3", "sleep-ms", "300", "exit", "7"})));
+  for (auto& a : agents) {
+    REQUIRE(a.wait(60s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    std::multiset<std::string> counts;
+    for (const auto& e : envs(a.out())) counts.insert(e["TORCHELASTIC_RESTART_COUNT"].get<std::string>());
+    CHECK(counts == std::multiset<std::string>{"0", "0", "1", "1"});
+    CHECK_THAT(a.err(), Catch::Contains("restart 1 decided by the rendezvous: rank 3"));
+  }
+}
+
+TEST_CASE("etcd: without restarts every node prints the same root cause and exits with its code") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(
+        spawn(etcd_agent(etcd.endpoints(), "abort", i, 1, {}, {"when-rank", "2", "eprint", "bad input", "exit", "9"})));
+  for (auto& a : agents) {
+    REQUIRE(a.wait(60s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 9);
+    CHECK_THAT(a.err(), Catch::Contains("rank       : 2 (local_rank: 0)") && Catch::Contains("    bad input"));
+  }
+}
+
+TEST_CASE("etcd: a SIGSTOPped agent is detected through its lease and named as the root cause by the others") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  const std::vector<std::string> flags{"--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=2"};
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(etcd_agent(etcd.endpoints(), "stopped", i, 1, flags, {"print", "up", "hang", "60"})));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
+  }, 30s));
+  ::kill(agents[1].pid, SIGSTOP);  // the agent only: its worker runs on, its lease is not renewed
+  for (int i : {0, 2}) {
+    REQUIRE(agents[i].wait(60s));
+    INFO(agents[i].err());
+    CHECK(agents[i].exit_code() == 1);
+    CHECK_THAT(agents[i].err(), Catch::Contains("node ") && Catch::Contains("(127.0.0.2) lost: its etcd lease expired") &&
+                                    Catch::Contains("agent ") && Catch::Contains(":" + std::to_string(agents[1].pid) + " "));
+  }
+  ::kill(agents[1].pid, SIGKILL);
+  agents[1].wait(10s);
+}
+
+TEST_CASE("etcd: SIGKILLing the etcd member an agent talks to mid-run changes nothing for the job") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(3);
+  const std::string go = make_temp_dir() + "/go";
+  std::vector<Proc> agents;
+  // Agent i talks to member i first; the others are its fail-over list.
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(etcd_agent(etcd.endpoints(i - 1), "ha", i, 1, {"--max_restarts=1"},
+                                      {"env", "print", "up", "wait-file", go})));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
+  }, 60s));
+  ::kill(etcd.member(0).proc->pid, SIGKILL);  // agent 1's member (and maybe the leader)
+  REQUIRE(etcd.member(0).proc->wait(10s));
+  std::ofstream(go).put('\n');  // the workers finish: every "done" is written after the loss
+  std::multiset<std::string> ranks;
+  for (auto& a : agents) {
+    REQUIRE(a.wait(60s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    CHECK_THAT(a.err(), !Catch::Contains("restart 1"));
+    for (const auto& e : envs(a.out())) {
+      ranks.insert(e["RANK"].get<std::string>());
+      CHECK(e["TORCHELASTIC_RESTART_COUNT"] == "0");
+    }
+  }
+  CHECK(ranks == std::multiset<std::string>{"0", "1", "2"});
+}
+
+TEST_CASE("etcd: unreachable etcd at start is one clear error line and exit 3") {
+  ETCD_OR_SKIP();
+  const int port = free_port_on("127.0.0.1");  // nobody listens there
+  auto r = run(etcd_agent("127.0.0.1:" + std::to_string(port), "nobody", 1, 1, {"--rdzv_conf=join_timeout=20"}, {"env"}),
+               {}, 60s);
+  INFO(r.err);
+  CHECK(r.code == 3);
+  int lines = 0;
+  for (const auto& l : split_lines(r.err)) lines += l.find("cannot reach etcd") != std::string::npos;
+  CHECK(lines == 1);
+  CHECK_THAT(r.err, Catch::Contains("127.0.0.1:" + std::to_string(port)));
+  CHECK(envs(r.out).empty());
+}

@@ -85,7 +85,7 @@ int metrics_port_of(const Proc& p) {
 
 }  // namespace
 
-TEST_CASE("--monitor prints each rank's CPU, memory and process count and the GPUs; --metrics-json keeps every sample") {
+TEST_CASE("agent --monitor prints each rank's CPU, memory and process count and the GPUs; --metrics-json keeps every sample") {
   const std::string dir = make_temp_dir();
   const std::string json = dir + "/metrics.jsonl";
   // Each worker holds 64 MiB, forks a child that shares them (a tree of 2), then keeps a CPU busy.
@@ -131,7 +131,7 @@ TEST_CASE("without --monitor the agent prints no monitor line and starts no samp
   CHECK_THAT(r.err, !Catch::Contains("metrics on"));
 }
 
-TEST_CASE("--metrics-port serves per-rank, GPU and restart figures that promtool accepts, on loopback") {
+TEST_CASE("agent --metrics-port serves per-rank, GPU and restart figures that promtool accepts, on loopback") {
   const std::string dir = make_temp_dir();
   // Attempt 0: rank 0 fails and the group restarts; attempt 1: both hold 32 MiB until released.
   Proc agent = spawn(launch({"--nproc_per_node=2", "--max_restarts=1", "--grace=5", "--metrics-port", "0",
@@ -174,7 +174,7 @@ TEST_CASE("--metrics-port serves per-rank, GPU and restart figures that promtool
   CHECK(connect_loopback(port) < 0);  // the endpoint ends with the run
 }
 
-TEST_CASE("--metrics-port on a port already taken is a usage error that names the flag, before any worker runs") {
+TEST_CASE("agent --metrics-port on a port already taken is a usage error that names the flag, before any worker runs") {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -193,7 +193,7 @@ TEST_CASE("--metrics-port on a port already taken is a usage error that names th
   CHECK_FALSE(std::filesystem::exists(dir + "/ran"));
 }
 
-TEST_CASE("--trace writes a Chrome trace of spawns, exits, the stop signal, the restart and the exit in order") {
+TEST_CASE("agent --trace writes a Chrome trace of spawns, exits, the stop signal, the restart and the exit in order") {
   const std::string dir = make_temp_dir();
   const std::string trace = dir + "/trace.json";
   // Attempt 0: rank 0 exits 3, rank 1 hangs until the agent's SIGTERM; attempt 1: both exit 0.
@@ -259,7 +259,7 @@ TEST_CASE("--trace writes a Chrome trace of spawns, exits, the stop signal, the 
   }
 }
 
-TEST_CASE("--trace of a 2-node job shows the rendezvous round before the workers") {
+TEST_CASE("agent --trace of a 2-node job shows the rendezvous round before the workers") {
   Daemon d = start_daemon();
   const std::string dir = make_temp_dir();
   Proc a = spawn(agent_argv(d.endpoint, "traced", 2, "2", 1, {"--trace", dir + "/a.json"}, {"print", "ok"}));

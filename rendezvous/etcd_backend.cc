@@ -311,8 +311,11 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
       if (http.stopped()) return false;
       std::unique_lock lk(mutex_);
       if (stopping_) return false;
+      const auto* etcd_error = dynamic_cast<const etcd::Error*>(&e);
       if (std::chrono::steady_clock::now() >= deadline) {
-        const std::string why = fmt::format("cannot reach etcd: {}", e.what());
+        const std::string why = fmt::format("{}: {}", etcd_error && etcd_error->answered ? "etcd refused this agent"
+                                                                                          : "cannot reach etcd",
+                                            e.what());
         post([this, why] { lost(why); });
         return false;
       }

@@ -157,12 +157,14 @@ void Http::authenticate(const Endpoint& ep, milliseconds timeout) {
   auto j = nlohmann::json::parse(text, nullptr, false);
   if (status != 200 || !j.is_object() || !j.contains("token"))
     throw Error(fmt::format("authentication as '{}' failed: {}", cred_.user,
-                            j.is_object() ? j.value("message", j.value("error", text)) : text));
+                            j.is_object() ? j.value("message", j.value("error", text)) : text),
+                /*answered=*/true);
   token_ = j["token"].get<std::string>();
 }
 
 nlohmann::json Http::call(const std::string& path, const nlohmann::json& body, milliseconds timeout) {
   std::string errors;
+  bool answered = false;
   const std::string text = body.dump();
   for (std::size_t tried = 0; tried < endpoints_.size(); ++tried) {
     const auto& ep = endpoints_[current_];
@@ -179,16 +181,17 @@ nlohmann::json Http::call(const std::string& path, const nlohmann::json& body, m
           token_.clear();  // expired or from another member: authenticate again
           continue;
         }
-        throw Error(fmt::format("HTTP {}: {}", status, message));
+        throw Error(fmt::format("HTTP {}: {}", status, message), /*answered=*/true);
       } catch (const Error& e) {
         if (stopped_) throw;
+        answered = answered || e.answered;
         errors += fmt::format("{}{}: {}", errors.empty() ? "" : "; ", ep.text(), e.what());
         break;
       }
     }
     fail_over();
   }
-  throw Error(errors);
+  throw Error(errors, answered);
 }
 
 void Http::stream(const std::string& path, const nlohmann::json& body, milliseconds connect_timeout, milliseconds idle,

@@ -26,7 +26,8 @@ class context;
 namespace mg::rdzv::etcd {
 
 struct Error : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  explicit Error(const std::string& what, bool answered_ = false) : std::runtime_error(what), answered(answered_) {}
+  bool answered;  // some endpoint answered (and refused): not an outage
 };
 
 struct Credentials {

@@ -52,8 +52,11 @@ class EtcdCluster {
     return {};
   }
 
-  explicit EtcdCluster(int size) : dir_(make_temp_dir()) {
+  // With `tls`, a CA and a certificate for 127.0.0.1-3 are made (openssl) and the members
+  // serve https only; ca() is the CA's PEM file.
+  explicit EtcdCluster(int size, bool tls = false) : dir_(make_temp_dir()), tls_(tls) {
     using namespace std::chrono_literals;
+    if (tls_) make_certificates();
     // A port taken between the probe and etcd's bind makes a member die: start again.
     for (int attempt = 0; attempt < 3; ++attempt) {
       members_.clear();
@@ -69,12 +72,17 @@ class EtcdCluster {
       }
       const std::string token = "mgtest-" + std::to_string(::getpid()) + "-" + std::to_string(attempt);
       for (auto& m : members_) {
-        const std::string client = "http://" + m.endpoint();
+        const std::string client = (tls_ ? "https://" : "http://") + m.endpoint();
         const std::string peer = "http://" + m.host + ":" + std::to_string(m.peer_port);
-        m.proc.emplace(spawn({kEtcd, "--name", m.name, "--data-dir", dir_ + "/" + m.name + "-" + std::to_string(attempt),
-                        "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                        "--initial-advertise-peer-urls", peer, "--initial-cluster", initial,
-                        "--initial-cluster-state", "new", "--initial-cluster-token", token, "--log-level", "warn"}));
+        std::vector<std::string> argv{kEtcd, "--name", m.name, "--data-dir",
+                                      dir_ + "/" + m.name + "-" + std::to_string(attempt), "--listen-client-urls",
+                                      client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                                      "--initial-advertise-peer-urls", peer, "--initial-cluster", initial,
+                                      "--initial-cluster-state", "new", "--initial-cluster-token", token,
+                                      "--log-level", "warn"};
+        if (tls_)
+          argv.insert(argv.end(), {"--cert-file", dir_ + "/server.pem", "--key-file", dir_ + "/server.key"});
+        m.proc.emplace(spawn(argv));
       }
       if (eventually([&] { return healthy() || !all_alive(); }, 60s) && healthy()) return;
       for (auto& m : members_) {
@@ -92,6 +100,14 @@ class EtcdCluster {
     std::filesystem::remove_all(dir_, ec);
   }
 
+  std::string ca() const { return dir_ + "/ca.pem"; }
+  // etcdctl against this cluster (its CA when TLS), e.g. {"user", "add", "root:pw"}.
+  Result ctl(std::vector<std::string> args) const {
+    std::vector<std::string> argv{kEtcdctl, "--endpoints=" + endpoints(), "--command-timeout=5s"};
+    if (tls_) argv.push_back("--cacert=" + ca());
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run(argv, {}, std::chrono::seconds(20));
+  }
   std::string endpoints(int first = 0) const {
     std::string out;
     for (std::size_t i = 0; i < members_.size(); ++i) {
@@ -104,8 +120,7 @@ class EtcdCluster {
   // Keys under `prefix` (etcdctl get --prefix --keys-only), one per line.
   std::vector<std::string> keys(const std::string& prefix) const {
     std::vector<std::string> out;
-    for (const auto& l : split_lines(
-             run({kEtcdctl, "--endpoints=" + endpoints(), "get", "--prefix", "--keys-only", prefix}).out))
+    for (const auto& l : split_lines(ctl({"get", "--prefix", "--keys-only", prefix}).out))
       if (!l.empty()) out.push_back(l);
     return out;
   }
@@ -116,13 +131,23 @@ class EtcdCluster {
       if (!pid_alive(m.proc->pid)) return false;
     return true;
   }
-  bool healthy() const {
-    using namespace std::chrono_literals;
-    auto r = run({kEtcdctl, "--endpoints=" + endpoints(), "--command-timeout=2s", "endpoint", "health"}, {}, 10s);
-    return r.code == 0;
+  bool healthy() const { return ctl({"endpoint", "health"}).code == 0; }
+  void make_certificates() const {
+    const std::string script =
+        "set -e; cd '" + dir_ + "'; "
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca.pem "
+        "-days 2 -subj /CN=mgtest-ca 2>/dev/null; "
+        "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout server.key -out server.csr "
+        "-subj /CN=127.0.0.1 2>/dev/null; "
+        "printf 'subjectAltName=IP:127.0.0.1,IP:127.0.0.2,IP:127.0.0.3\\n' > ext.cnf; "
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 "
+        "-extfile ext.cnf 2>/dev/null";
+    auto r = run({"/bin/sh", "-c", script});
+    REQUIRE(r.code == 0);
   }
 
   std::string dir_;
+  bool tls_ = false;
   std::vector<EtcdMember> members_;
 };
 

@@ -170,3 +170,60 @@ TEST_CASE("etcd: unreachable etcd at start is one clear error line and exit 3") 
   CHECK_THAT(r.err, Catch::Contains("127.0.0.1:" + std::to_string(port)));
   CHECK(envs(r.out).empty());
 }
+
+TEST_CASE("etcd: TLS and a user's password are passed through, and a wrong password or an unknown CA is exit 3") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1, /*tls=*/true);
+  REQUIRE(etcd.ctl({"user", "add", "root:s3cret"}).code == 0);
+  REQUIRE(etcd.ctl({"auth", "enable"}).code == 0);
+  const std::string eps = "https://" + etcd.endpoints();
+  const std::vector<std::string> flags{"--rdzv_conf=cacert=" + etcd.ca() + ",user=root"};
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(etcd_agent(eps, "tls", i, 1, flags, {"env"}), {{"MGLAUNCH_ETCD_PASSWORD", "s3cret"}}));
+  std::multiset<std::string> ranks;
+  for (auto& a : agents) {
+    REQUIRE(a.wait(60s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    for (const auto& e : envs(a.out())) {
+      ranks.insert(e["RANK"].get<std::string>());
+      CHECK_FALSE(e.contains("MGLAUNCH_ETCD_PASSWORD"));  // the workers never see it
+    }
+  }
+  CHECK(ranks == std::multiset<std::string>{"0", "1", "2"});
+
+  const std::vector<std::string> quick{"--rdzv_conf=join_timeout=2,cacert=" + etcd.ca() + ",user=root"};
+  auto wrong = run(etcd_agent(eps, "tls-wrong", 1, 1, quick, {"env"}), {{"MGLAUNCH_ETCD_PASSWORD", "guess"}}, 60s);
+  INFO(wrong.err);
+  CHECK(wrong.code == 3);
+  CHECK_THAT(wrong.err, Catch::Contains("etcd refused this agent") && Catch::Contains("authentication as 'root' failed"));
+  auto untrusted = run(etcd_agent(eps, "tls-ca", 1, 1, {"--rdzv_conf=join_timeout=2,user=root"}, {"env"}),
+                       {{"MGLAUNCH_ETCD_PASSWORD", "s3cret"}}, 60s);
+  INFO(untrusted.err);
+  CHECK(untrusted.code == 3);
+  CHECK_THAT(untrusted.err, Catch::Contains("cannot reach etcd") && Catch::Contains("certificate verify failed"));
+}
+
+TEST_CASE("etcd: elastic 2:3 starts with two nodes and scales up when a third arrives") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  auto agent = [&](int i) {
+    auto argv = etcd_agent(etcd.endpoints(), "elastic", i, 1, {"--rdzv_conf=last_call_timeout=0.5"},
+                           {"print", "world=${local_rank}", "env", "when-world-below", "3"});
+    argv[1] = "--nnodes=2:3";
+    return spawn(argv);
+  };
+  Proc a = agent(1);
+  Proc b = agent(2);
+  REQUIRE(eventually([&] { return envs(a.out()).size() == 1 && envs(b.out()).size() == 1; }, 30s));
+  CHECK(envs(a.out())[0]["WORLD_SIZE"] == "2");
+  Proc c = agent(3);
+  for (auto* p : {&a, &b, &c}) {
+    REQUIRE(p->wait(60s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+    CHECK(envs(p->out()).back()["WORLD_SIZE"] == "3");
+    CHECK(envs(p->out()).back()["TORCHELASTIC_RESTART_COUNT"] == "0");  // scale-up spends no restart
+  }
+}

@@ -175,7 +175,7 @@ TEST_CASE("the restart count reaches the workers' environment") {
   CHECK(counts == std::set<std::string>{"0", "1", "2"});
 }
 
-TEST_CASE("SIGUSR1 is forwarded and the run continues; SIGTERM stops it with 128+15") {
+TEST_CASE("SIGUSR1 is forwarded and the run continues, then SIGTERM stops it with 128+15") {
   Proc agent = spawn(launch({"--standalone", "--nproc_per_node=2"}, {"trap-usr", "print", "ready", "hang", "60"}));
   REQUIRE(eventually([&] { return count_of(agent.out(), "ready") == 2; }, 30s));
   ::kill(agent.pid, SIGUSR1);
@@ -255,7 +255,7 @@ TEST_CASE("a last line without newline is flushed and very long lines are cut wi
   CHECK_THAT(lines[2], !Catch::EndsWith("[mglaunch: line continues]"));
 }
 
-TEST_CASE("log_dir gets torchrun's layout; redirects, tee and local_ranks_filter act as in torchrun") {
+TEST_CASE("log_dir gets torchrun's layout and redirects, tee and local_ranks_filter act as in torchrun") {
   std::string dir = make_temp_dir();
   SECTION("redirect both streams of every rank") {
     auto r = run(launch({"--nproc_per_node=2", "--master_port=0", "--rdzv_id=job1", "--log_dir", dir, "-r", "3"},
@@ -372,7 +372,7 @@ TEST_CASE("MGLAUNCH_PYTHON picks the interpreter and --python overrides it") {
   CHECK_THAT(good.out, Catch::Contains("[rank0]:python ok 0 ['x']"));
 }
 
-TEST_CASE("cpu-bind cores pins each worker to its own CPUs and says so; too many workers is exit 2") {
+TEST_CASE("cpu-bind cores pins each worker to its own CPUs and says so, and too many workers is exit 2") {
   cpu_set_t mine;
   REQUIRE(::sched_getaffinity(0, sizeof mine, &mine) == 0);
   if (CPU_COUNT(&mine) < 2) {

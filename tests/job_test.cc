@@ -136,7 +136,7 @@ TEST_CASE("a silent node is declared lost after keep_alive_interval x max attemp
   CHECK_THAT(proto::from_frame<proto::Abort>(aborts[0].frame).root_cause.message, Catch::Contains("missed 3 heartbeats"));
 }
 
-TEST_CASE("a closed connection ends the round; survivors restart while restarts remain") {
+TEST_CASE("a closed connection ends the round and survivors restart while restarts remain") {
   Job job("job");
   job.join(1, node("127.0.0.1", 1, 2, 1, 2), T0);
   job.join(2, node("127.0.0.2", 1, 2, 1, 2), T0);
@@ -150,7 +150,7 @@ TEST_CASE("a closed connection ends the round; survivors restart while restarts 
   CHECK(proto::from_frame<proto::Assignment>(assigned[0].frame).world_size == 1);
 }
 
-TEST_CASE("the job is done when every node reports done; too few nodes time out") {
+TEST_CASE("the job is done when every node reports done, and too few nodes time out") {
   Job job("job");
   job.join(1, node("127.0.0.1", 2, 2), T0);
   job.join(2, node("127.0.0.2", 2, 2), T0);

@@ -85,7 +85,7 @@ int metrics_port_of(const Proc& p) {
 
 }  // namespace
 
-TEST_CASE("agent --monitor prints each rank's CPU, memory and process count and the GPUs; --metrics-json keeps every sample") {
+TEST_CASE("agent --monitor prints each rank's CPU, memory and process count and the GPUs, and --metrics-json keeps every sample") {
   const std::string dir = make_temp_dir();
   const std::string json = dir + "/metrics.jsonl";
   // Each worker holds 64 MiB, forks a child that shares them (a tree of 2), then keeps a CPU busy.

@@ -357,6 +357,14 @@ struct NvmlPciInfo {
   char reserved[64];  // room should a later NVML grow the struct
 };
 
+// nvmlProcessInfo_t of the _v2/_v3 entry points.
+struct NvmlProcessInfo {
+  unsigned int pid;
+  unsigned long long used_gpu_memory;
+  unsigned int gpu_instance_id, compute_instance_id;
+};
+constexpr unsigned long long kNvmlValueNotAvailable = ~0ull;
+
 class NvmlProbe : public GpuProbe {
  public:
   std::vector<GpuInfo> gpus(std::string& error) const override {
@@ -377,6 +385,9 @@ class NvmlProbe : public GpuProbe {
     auto temp = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, int, unsigned*)>(sym("nvmlDeviceGetTemperature"));
     auto power = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, unsigned*)>(sym("nvmlDeviceGetPowerUsage"));
     auto pci = reinterpret_cast<nvmlReturn_t (*)(nvmlDevice_t, NvmlPciInfo*)>(sym("nvmlDeviceGetPciInfo_v3"));
+    using ProcsFn = nvmlReturn_t (*)(nvmlDevice_t, unsigned*, NvmlProcessInfo*);
+    auto procs = reinterpret_cast<ProcsFn>(sym("nvmlDeviceGetComputeRunningProcesses_v3"));
+    if (!procs) procs = reinterpret_cast<ProcsFn>(sym("nvmlDeviceGetComputeRunningProcesses_v2"));
     std::vector<GpuInfo> out;
     if (!init || !shutdown || !count || !by_index) {
       error = "libnvidia-ml.so.1 lacks nvmlInit_v2/nvmlDeviceGetCount_v2 (driver too old)";
@@ -413,6 +424,15 @@ class NvmlProbe : public GpuProbe {
           p.bus_id[sizeof(p.bus_id) - 1] = 0;
           g.pci_bus_id = p.bus_id;
           g.numa_node = pci_numa_node(g.pci_bus_id);
+        }
+        if (procs) {
+          NvmlProcessInfo infos[256] = {};
+          unsigned n_procs = 256;
+          if (procs(d, &n_procs, infos) == 0)
+            for (unsigned k = 0; k < n_procs && k < 256; ++k)
+              g.processes.push_back({infos[k].pid, infos[k].used_gpu_memory == kNvmlValueNotAvailable
+                                                       ? std::nullopt
+                                                       : std::optional<std::uint64_t>(infos[k].used_gpu_memory)});
         }
         out.push_back(std::move(g));
       }

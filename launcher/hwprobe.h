@@ -53,6 +53,13 @@ struct GpuInfo {
   std::optional<int> utilization_pct, temperature_c;
   std::optional<double> power_w;
   std::optional<int> numa_node;
+  // Compute processes on this GPU and the memory each holds (NVML; host pids), for the
+  // monitor's per-rank GPU figures. memory_used is nullopt where NVML cannot tell.
+  struct Process {
+    unsigned pid = 0;
+    std::optional<std::uint64_t> memory_used;
+  };
+  std::vector<Process> processes;
 };
 
 // GPU probing seam. NvmlGpuProbe loads libnvidia-ml.so.1 with dlopen at run time.

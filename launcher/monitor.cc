@@ -172,6 +172,22 @@ std::vector<RankUsage> measure_ranks(const ProcTable& table, const std::vector<R
   return out;
 }
 
+void attribute_gpus(std::vector<RankUsage>& ranks, const ProcTable& table, const std::vector<hw::GpuInfo>& gpus) {
+  for (auto& r : ranks) {
+    r.gpu_memory.clear();
+    if (r.target.pid <= 0) continue;
+    std::set<pid_t> tree;
+    for (const auto* e : process_tree(table, r.target.pid)) tree.insert(e->stat.pid);
+    for (const auto& g : gpus)
+      for (const auto& p : g.processes) {
+        if (!tree.count(static_cast<pid_t>(p.pid))) continue;
+        auto [it, fresh] = r.gpu_memory.try_emplace(g.index, std::uint64_t{0});
+        if (!p.memory_used || !it->second) it->second.reset();  // one unknown makes the sum unknown
+        else *it->second += *p.memory_used;
+      }
+  }
+}
+
 std::string human_bytes(std::uint64_t b) {
   constexpr double kK = 1024.0, kM = kK * 1024, kG = kM * 1024, kT = kG * 1024;
   const double v = static_cast<double>(b);
@@ -189,6 +205,9 @@ nlohmann::json sample_json(const Sample& s) {
                         {"state", r.target.state},      {"processes", r.processes},          {"rss_bytes", r.rss_bytes},
                         {"cpu_pct", nullptr}};
     if (r.cpu_pct) j["cpu_pct"] = std::round(*r.cpu_pct * 10) / 10;
+    j["gpus"] = nlohmann::json::array();
+    for (const auto& [index, bytes] : r.gpu_memory)
+      j["gpus"].push_back({{"index", index}, {"memory_used_bytes", bytes ? nlohmann::json(*bytes) : nlohmann::json()}});
     ranks.push_back(std::move(j));
   }
   nlohmann::json gpus = nlohmann::json::array();
@@ -216,6 +235,8 @@ std::string status_line(const Sample& s) {
       out += r.cpu_pct ? fmt::format(" {:.0f}%", *r.cpu_pct) : std::string(" --%");
       out += " " + human_bytes(r.rss_bytes);
       if (r.processes > 1) out += fmt::format(" ({} procs)", r.processes);
+      for (const auto& [index, bytes] : r.gpu_memory)
+        out += fmt::format(" gpu{}:{}", index, bytes ? human_bytes(*bytes) : std::string("?"));
     }
     sep = " | ";
   }
@@ -270,6 +291,11 @@ std::string prometheus_text(const AgentFacts& f, const Sample* last) {
     if (r.processes > 0) out += fmt::format("mglaunch_worker_resident_memory_bytes{{{}}} {}\n", rank_labels(r), r.rss_bytes);
   family("mglaunch_worker_processes", "gauge", "Processes in the rank's process tree, last sample.");
   for (const auto& r : last->ranks) out += fmt::format("mglaunch_worker_processes{{{}}} {}\n", rank_labels(r), r.processes);
+  family("mglaunch_worker_gpu_memory_used_bytes", "gauge",
+         "GPU memory held by the rank's process tree on each GPU it computes on (NVML), last sample.");
+  for (const auto& r : last->ranks)
+    for (const auto& [index, bytes] : r.gpu_memory)
+      if (bytes) out += fmt::format("mglaunch_worker_gpu_memory_used_bytes{{{},gpu=\"{}\"}} {}\n", rank_labels(r), index, *bytes);
   auto gpu_labels = [](const hw::GpuInfo& g) {
     return fmt::format("gpu=\"{}\",name=\"{}\"", g.index, rdzv::prometheus_label(g.name));
   };
@@ -356,6 +382,13 @@ std::vector<hw::GpuInfo> parse_gpu_json(std::string_view text) {
       if (g.contains("utilization_pct")) info.utilization_pct = g.at("utilization_pct").get<int>();
       if (g.contains("temperature_c")) info.temperature_c = g.at("temperature_c").get<int>();
       if (g.contains("power_w")) info.power_w = g.at("power_w").get<double>();
+      if (g.contains("processes"))
+        for (const auto& p : g.at("processes")) {
+          hw::GpuInfo::Process proc;
+          proc.pid = p.at("pid").get<unsigned>();
+          if (p.contains("memory_used")) proc.memory_used = p.at("memory_used").get<std::uint64_t>();
+          info.processes.push_back(proc);
+        }
     } catch (const nlohmann::json::exception& e) {
       throw std::invalid_argument(fmt::format("GPU JSON: GPU {}: {}", out.size(), e.what()));
     }
@@ -409,6 +442,7 @@ struct Sampler::Impl {
       s.ranks = measure_ranks(table, targets, previous, opts.clock(), hz);
       if (opts.gpu_probe) {
         s.gpus = opts.gpu_probe->gpus(s.gpu_error);
+        attribute_gpus(s.ranks, table, s.gpus);
         if (s.gpus.empty() && s.gpu_error.empty()) s.gpu_error = "no GPU";
       }
       s.unix_time = opts.wall();
@@ -448,7 +482,11 @@ bool Sampler::request(std::vector<RankTarget> ranks, int node_rank, int round, i
   s.node_rank = node_rank;
   s.round = round;
   s.restarts = restarts;
-  for (auto& r : ranks) s.ranks.push_back({std::move(r), 0, std::nullopt, 0});
+  for (auto& r : ranks) {
+    RankUsage u;
+    u.target = std::move(r);
+    s.ranks.push_back(std::move(u));
+  }
   {
     std::lock_guard lock(impl_->mu);
     impl_->request = std::move(s);

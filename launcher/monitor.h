@@ -80,7 +80,14 @@ struct RankUsage {
   int processes = 0;              // in its tree now
   std::optional<double> cpu_pct;  // nullopt on the first sample of a process tree
   std::uint64_t rss_bytes = 0;
+  // The GPUs its tree's processes compute on and the memory they hold there (nullopt
+  // where NVML cannot tell), by GPU index.
+  std::map<int, std::optional<std::uint64_t>> gpu_memory;
 };
+
+// Fills each rank's gpu_memory from the GPUs' compute processes that belong to its
+// process tree in `table` (pure).
+void attribute_gpus(std::vector<RankUsage>& ranks, const ProcTable& table, const std::vector<hw::GpuInfo>& gpus);
 
 struct Sample {
   double unix_time = 0;  // seconds since the epoch
@@ -120,7 +127,7 @@ void read_tree_rss(ProcTable& table, const std::vector<RankTarget>& ranks, const
 // The GPU probe the monitor uses: NVML, or, when `fake_file` is not empty (the test seam
 // MGLAUNCH_TEST_GPU_JSON), a probe that reads the GPUs from that JSON file at every sample:
 // [{"index":0,"name":"...","memory_total":N,"memory_used":N,"utilization_pct":N,
-//   "temperature_c":N,"power_w":X}, ...].
+//   "temperature_c":N,"power_w":X,"processes":[{"pid":N,"memory_used":N}]}, ...].
 std::unique_ptr<hw::GpuProbe> make_gpu_probe(const std::string& fake_file);
 // Parses that JSON text (pure). Throws std::invalid_argument naming what is wrong.
 std::vector<hw::GpuInfo> parse_gpu_json(std::string_view text);

@@ -164,6 +164,31 @@ TEST_CASE("measure_ranks sums RSS over the tree and has CPU percent from the sec
   CHECK(previous.count(100) == 0);
 }
 
+TEST_CASE("GPU memory is attributed to the rank whose process tree computes on that GPU") {
+  const ProcTable table = {entry(100, 1, 100), entry(101, 100, 100), entry(200, 1, 200), entry(300, 1, 300)};
+  hw::GpuInfo g0 = gpu0(), g1 = gpu0();
+  g1.index = 1;
+  g0.processes = {{101, 1000}, {200, 500}, {999, 7}};  // 999: someone else's
+  g1.processes = {{100, 10}, {101, 20}, {300, std::nullopt}};
+  std::vector<RankUsage> ranks(3);
+  ranks[0].target = {0, 0, 100, "running"};
+  ranks[1].target = {1, 1, 200, "running"};
+  ranks[2].target = {2, 2, 300, "running"};
+  attribute_gpus(ranks, table, {g0, g1});
+  CHECK(ranks[0].gpu_memory == std::map<int, std::optional<std::uint64_t>>{{0, 1000}, {1, 30}});
+  CHECK(ranks[1].gpu_memory == std::map<int, std::optional<std::uint64_t>>{{0, 500}});
+  CHECK(ranks[2].gpu_memory == std::map<int, std::optional<std::uint64_t>>{{1, std::nullopt}});
+  ranks[1].processes = 1;
+  CHECK(status_line(Sample{0, "", "", 0, 0, 0, {ranks[1]}, {}, ""}) == "monitor: rank1 --% 0B gpu0:500B");
+  CHECK(sample_json(Sample{0, "", "", 0, 0, 0, {ranks[0]}, {}, ""})["ranks"][0]["gpus"] ==
+        nlohmann::json::parse(R"([{"index":0,"memory_used_bytes":1000},{"index":1,"memory_used_bytes":30}])"));
+  Sample s;
+  s.ranks = ranks;
+  CHECK_THAT(prometheus_text({}, &s),
+             Catch::Contains("mglaunch_worker_gpu_memory_used_bytes{rank=\"0\",local_rank=\"0\",gpu=\"1\"} 30\n"));
+  CHECK_THAT(prometheus_text({}, &s), !Catch::Contains("rank=\"2\",local_rank=\"2\",gpu="));  // unknown: no series
+}
+
 TEST_CASE("the status line shows each rank's CPU, memory and tree size and each GPU's figures") {
   CHECK(status_line(two_rank_sample()) ==
         "monitor: rank0 150% 1.5G (2 procs) | rank1 exited | gpu0 87% 31.2/80.0G 64C 312W");
@@ -224,11 +249,16 @@ TEST_CASE("the Prometheus text has one family per figure with escaped labels") {
 
 TEST_CASE("the fake GPU file of the test seam is parsed, and a bad one is refused with the reason") {
   auto g = parse_gpu_json(R"([{"index":1,"name":"A","memory_total":100,"memory_used":40,"utilization_pct":5,
-                             "temperature_c":30,"power_w":70.5},{"name":"B"}])");
+                             "temperature_c":30,"power_w":70.5,"processes":[{"pid":42,"memory_used":30},{"pid":43}]},
+                            {"name":"B"}])");
   REQUIRE(g.size() == 2);
   CHECK(g[0].index == 1);
   CHECK(g[0].memory_used == 40);
   CHECK(*g[0].power_w == 70.5);
+  REQUIRE(g[0].processes.size() == 2);
+  CHECK(g[0].processes[0].pid == 42);
+  CHECK(g[0].processes[0].memory_used == 30u);
+  CHECK_FALSE(g[0].processes[1].memory_used);
   CHECK(g[1].index == 1);  // defaults to its position
   CHECK_FALSE(g[1].utilization_pct);
   CHECK_THROWS_WITH(parse_gpu_json("{}"), Catch::Contains("array"));

@@ -124,11 +124,25 @@ TEST_CASE("agent --monitor prints each rank's CPU, memory and process count and 
   CHECK(samples.back()["time"].get<double>() > samples.front()["time"].get<double>());
 }
 
-TEST_CASE("without --monitor the agent prints no monitor line and starts no sampler thread") {
-  auto r = run(launch({"--nproc_per_node=1"}, {"sleep-ms", "300"}));
-  REQUIRE(r.code == 0);
-  CHECK_THAT(r.err, !Catch::Contains("monitor:"));
-  CHECK_THAT(r.err, !Catch::Contains("metrics on"));
+TEST_CASE("without the monitoring flags the agent starts no sampler thread and prints no monitor line") {
+  const std::string dir = make_temp_dir();
+  // The number of threads of a running agent, its stderr once it ended.
+  auto threads_of = [&](const std::vector<std::string>& flags, const std::string& tag) {
+    Proc p = spawn(launch(flags, {"pidfile", dir + "/" + tag, "wait-file", dir + "/go_" + tag}));
+    REQUIRE(eventually([&] { return !read_file(dir + "/" + tag).empty(); }, 20s));
+    std::size_t n = 0;
+    for ([[maybe_unused]] const auto& t : std::filesystem::directory_iterator("/proc/" + std::to_string(p.pid) + "/task"))
+      ++n;
+    std::ofstream(dir + "/go_" + tag).put('\n');
+    REQUIRE(p.wait(30s));
+    CHECK(p.exit_code() == 0);
+    return std::make_pair(n, p.err());
+  };
+  const auto [plain, plain_err] = threads_of({}, "plain");
+  const auto [monitored, monitored_err] = threads_of({"--monitor=60"}, "monitored");
+  CHECK(monitored == plain + 1);  // the sampler's thread, and only when asked for
+  CHECK_THAT(plain_err, !Catch::Contains("monitor:"));
+  CHECK_THAT(plain_err, !Catch::Contains("metrics on"));
 }
 
 TEST_CASE("agent --metrics-port serves per-rank, GPU and restart figures that promtool accepts, on loopback") {
@@ -136,7 +150,8 @@ TEST_CASE("agent --metrics-port serves per-rank, GPU and restart figures that pr
   // Attempt 0: rank 0 fails and the group restarts; attempt 1: both hold 32 MiB until released.
   Proc agent = spawn(launch({"--nproc_per_node=2", "--max_restarts=1", "--grace=5", "--metrics-port", "0",
                              "--monitor=0.2"},
-                            {"fail-first-attempt", "0", "3", "alloc", "32", "wait-file", dir + "/release"}),
+                            {"fail-first-attempt", "0", "3", "alloc", "32", "pidfile", dir + "/pid_${local_rank}",
+                             "wait-file", dir + "/release"}),
                      {{"MGLAUNCH_TEST_GPU_JSON", write_fake_gpus(dir)}});
   REQUIRE(eventually([&] { return metrics_port_of(agent) > 0; }, 20s));
   const int port = metrics_port_of(agent);
@@ -150,7 +165,30 @@ TEST_CASE("agent --metrics-port serves per-rank, GPU and restart figures that pr
                metric(text, "mglaunch_worker_resident_memory_bytes{rank=\"0\",local_rank=\"0\"}") >= 32 << 20;
       },
       30s));
+  // Per-rank GPU memory: the fake NVML now shows each worker of attempt 1 computing on "its" GPU.
+  // The workers of attempt 1: the last pid each local rank wrote, once it is a living one
+  // (attempt 0's were reaped before the restart was counted).
+  auto last_pid = [&](int local_rank) -> std::string {
+    auto l = split_lines(read_file(dir + "/pid_" + std::to_string(local_rank)));
+    while (!l.empty() && l.back().empty()) l.pop_back();
+    return !l.empty() && pid_alive(std::stoi(l.back())) ? l.back() : "";
+  };
+  REQUIRE(eventually([&] { return !last_pid(0).empty() && !last_pid(1).empty(); }, 20s));
+  std::ofstream(dir + "/gpus.tmp") << R"([{"index":0,"name":"Fake H100","memory_total":85899345920,"memory_used":33554432000,
+      "utilization_pct":87,"temperature_c":64,"power_w":312.5,"processes":[{"pid":)" << last_pid(0) << R"(,"memory_used":32212254720}]},
+    {"index":1,"name":"Fake H100","memory_total":85899345920,"memory_used":1073741824,
+      "utilization_pct":3,"temperature_c":41,"power_w":71.0,"processes":[{"pid":)" << last_pid(1) << R"(,"memory_used":1048576000},{"pid":1,"memory_used":5}]}])";
+  std::filesystem::rename(dir + "/gpus.tmp", dir + "/gpus.json");
+  REQUIRE(eventually(
+      [&] {
+        text = http_get(port, "/metrics");
+        return metric(text, "mglaunch_worker_gpu_memory_used_bytes{rank=\"1\",local_rank=\"1\",gpu=\"1\"}") >= 0;
+      },
+      30s));
   INFO(text);
+  CHECK(metric(text, "mglaunch_worker_gpu_memory_used_bytes{rank=\"0\",local_rank=\"0\",gpu=\"0\"}") == 32212254720.0);
+  CHECK(metric(text, "mglaunch_worker_gpu_memory_used_bytes{rank=\"1\",local_rank=\"1\",gpu=\"1\"}") == 1048576000.0);
+  CHECK(metric(text, "mglaunch_worker_gpu_memory_used_bytes{rank=\"0\",local_rank=\"0\",gpu=\"1\"}") == -1);
   CHECK(metric(text, "mglaunch_agent_max_restarts") == 1);
   CHECK(metric(text, "mglaunch_agent_workers{state=\"running\"}") == 2);
   CHECK(metric(text, "mglaunch_worker_state{rank=\"0\",local_rank=\"0\",state=\"running\"}") == 1);

@@ -365,10 +365,18 @@ struct NvmlProcessInfo {
 };
 constexpr unsigned long long kNvmlValueNotAvailable = ~0ull;
 
+// Opens NVML at the first gpus() and keeps it open and initialised until destroyed, so
+// that a monitor sampling every few seconds does not pay nvmlInit each time. One thread
+// at a time.
 class NvmlProbe : public GpuProbe {
  public:
+  ~NvmlProbe() override {
+    if (shutdown_) shutdown_();
+    if (lib_) ::dlclose(lib_);
+  }
   std::vector<GpuInfo> gpus(std::string& error) const override {
-    void* lib = ::dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib_) lib_ = ::dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    void* lib = lib_;
     if (!lib) {
       error = "libnvidia-ml.so.1 not found (no NVIDIA driver)";
       return {};
@@ -391,9 +399,10 @@ class NvmlProbe : public GpuProbe {
     std::vector<GpuInfo> out;
     if (!init || !shutdown || !count || !by_index) {
       error = "libnvidia-ml.so.1 lacks nvmlInit_v2/nvmlDeviceGetCount_v2 (driver too old)";
-    } else if (int rc = init(); rc != 0) {
+    } else if (int rc = shutdown_ ? 0 : init(); rc != 0) {
       error = fmt::format("nvmlInit failed (NVML error {})", rc);
     } else {
+      shutdown_ = shutdown;  // initialised: shut down by the destructor
       unsigned n = 0;
       if (count(&n) != 0) n = 0;
       for (unsigned i = 0; i < n && i < 1024; ++i) {
@@ -436,11 +445,13 @@ class NvmlProbe : public GpuProbe {
         }
         out.push_back(std::move(g));
       }
-      shutdown();
     }
-    ::dlclose(lib);
     return out;
   }
+
+ private:
+  mutable void* lib_ = nullptr;
+  mutable nvmlReturn_t (*shutdown_)() = nullptr;  // set once nvmlInit succeeded
 };
 
 }  // namespace

@@ -297,30 +297,71 @@ TEST_CASE("agent --trace writes a Chrome trace of spawns, exits, the stop signal
   }
 }
 
-TEST_CASE("agent --trace of a 2-node job shows the rendezvous round before the workers") {
+TEST_CASE("agent --trace of a 2-node job with a restart shows each rendezvous round, the restart and the rounds' workers in order") {
   Daemon d = start_daemon();
   const std::string dir = make_temp_dir();
-  Proc a = spawn(agent_argv(d.endpoint, "traced", 2, "2", 1, {"--trace", dir + "/a.json"}, {"print", "ok"}));
-  Proc b = spawn(agent_argv(d.endpoint, "traced", 3, "2", 1, {"--trace", dir + "/b.json"}, {"print", "ok"}));
+  // Global rank 0 fails in the first attempt; the rendezvous restarts both nodes into round 2.
+  const std::vector<std::string> worker = {"fail-first-attempt", "0", "3", "print", "ok"};
+  Proc a = spawn(agent_argv(d.endpoint, "traced", 2, "2", 1, {"--max_restarts=1", "--trace", dir + "/a.json"}, worker));
+  Proc b = spawn(agent_argv(d.endpoint, "traced", 3, "2", 1, {"--max_restarts=1", "--trace", dir + "/b.json"}, worker));
   REQUIRE(a.wait(60s));
   REQUIRE(b.wait(60s));
+  INFO(a.err() << b.err());
   REQUIRE(a.exit_code() == 0);
   REQUIRE(b.exit_code() == 0);
   for (const char* f : {"/a.json", "/b.json"}) {
+    INFO(f);
     const auto events = nlohmann::json::parse(read_file(dir + f));
-    std::int64_t round_end = -1, spawn = -1;
+    std::int64_t round1_end = -1, round2_start = -1, round2_end = -1, restart = -1, exit = -1;
+    std::vector<std::int64_t> spawns;
     for (const auto& e : events) {
-      if (e["name"] == "rendezvous round 1") {
+      const std::string name = e["name"];
+      if (name == "rendezvous round 1" || name == "rendezvous round 2") {
         CHECK(e["cat"] == "rendezvous");
         CHECK(e["args"]["nnodes"] == 2);
         CHECK(e["args"]["world_size"] == 2);
-        round_end = e["ts"].get<std::int64_t>() + e["dur"].get<std::int64_t>();
+        CHECK(e["args"]["restart_count"] == (name == "rendezvous round 1" ? 0 : 1));
+        const std::int64_t ts = e["ts"], end = ts + e["dur"].get<std::int64_t>();
+        if (name == "rendezvous round 1") round1_end = end;
+        else round2_start = ts, round2_end = end;
       }
-      if (e["name"].get<std::string>().rfind("spawn rank", 0) == 0) spawn = e["ts"];
+      if (name == "restart") {
+        CHECK(e["args"]["by"] == "rendezvous");
+        CHECK(e["args"]["restart_count"] == 1);
+        restart = e["ts"];
+      }
+      if (name.rfind("spawn rank", 0) == 0) spawns.push_back(e["ts"]);
+      if (name == "exit") exit = e["ts"];
     }
-    CHECK(round_end >= 0);
-    CHECK(spawn >= round_end);
+    REQUIRE(spawns.size() == 2);  // one worker per round
+    CHECK(round1_end >= 0);
+    CHECK(round1_end <= spawns[0]);
+    CHECK(spawns[0] <= restart);
+    CHECK(restart <= round2_start);
+    CHECK(round2_end <= spawns[1]);
+    CHECK(spawns[1] <= exit);
   }
   ::kill(d.proc.pid, SIGTERM);
   CHECK(d.proc.wait(10s));
+}
+
+TEST_CASE("agent --trace records the signal the agent got, the one it sent and the exit code it ended with") {
+  const std::string dir = make_temp_dir();
+  const std::string trace = dir + "/trace.json";
+  Proc agent = spawn(launch({"--nproc_per_node=1", "--trace", trace}, {"pidfile", dir + "/pid", "hang", "60"}));
+  REQUIRE(eventually([&] { return !read_file(dir + "/pid").empty(); }, 20s));
+  ::kill(agent.pid, SIGTERM);
+  REQUIRE(agent.wait(30s));
+  CHECK(agent.exit_code() == 143);
+  std::vector<std::string> names;
+  std::int64_t last_ts = -1;
+  for (const auto& e : nlohmann::json::parse(read_file(trace))) {
+    if (e["ph"] != "i") continue;  // the instants, in the order they happened
+    CHECK(e["ts"].get<std::int64_t>() >= last_ts);
+    last_ts = e["ts"];
+    names.push_back(e["name"]);
+    if (e["name"] == "exit") CHECK(e["args"]["exit_code"] == 143);
+    if (e["name"] == "got SIGTERM") CHECK(e["args"]["signal"] == 15);
+  }
+  CHECK(names == std::vector<std::string>{"spawn rank 0", "got SIGTERM", "send SIGTERM to the workers", "exit"});
 }

@@ -365,3 +365,61 @@ TEST_CASE("agent --trace records the signal the agent got, the one it sent and t
   }
   CHECK(names == std::vector<std::string>{"spawn rank 0", "got SIGTERM", "send SIGTERM to the workers", "exit"});
 }
+
+TEST_CASE("a real Prometheus scrapes the agent and reads back a rank's memory and a GPU's power") {
+  if (!std::filesystem::exists("/usr/bin/prometheus")) {
+    WARN("skipped: prometheus is not installed (apt-get install prometheus)");
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  Proc agent = spawn(launch({"--nproc_per_node=2", "--metrics-port", "0", "--monitor=0.5"},
+                            {"alloc", "32", "hang", "300"}),  // however long Prometheus takes to start
+                     {{"MGLAUNCH_TEST_GPU_JSON", write_fake_gpus(dir)}});
+  REQUIRE(eventually([&] { return metrics_port_of(agent) > 0; }, 20s));
+  std::ofstream(dir + "/prometheus.yml") << "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: agent\n"
+                                          << "    static_configs:\n      - targets: ['127.0.0.1:" << metrics_port_of(agent)
+                                          << "']\n";
+  Proc prom = spawn({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml",
+                     "--storage.tsdb.path=" + dir + "/data", "--web.listen-address=127.0.0.1:0"});
+  int port = 0;
+  REQUIRE(eventually(
+      [&] {
+        std::smatch match;
+        const std::string err = prom.err();
+        static const std::regex listening("msg=\"Listening on\" address=127\\.0\\.0\\.1:([0-9]+)");
+        if (!std::regex_search(err, match, listening)) return false;
+        port = std::stoi(match[1]);
+        return true;
+      },
+      60s));
+  // The value of `query`'s series whose label `label` is `value`, "" until Prometheus has it.
+  auto query = [&](const std::string& q, const std::string& label, const std::string& want) -> std::string {
+    auto j = nlohmann::json::parse(http_get(port, "/api/v1/query?query=" + q), nullptr, false);
+    if (j.is_discarded() || j["status"] != "success") return "";
+    for (const auto& r : j["data"]["result"])
+      if (r["metric"].value(label, "") == want) return r["value"][1].get<std::string>();
+    return "";
+  };
+  std::string rss, power;
+  CHECK(eventually([&] { return !(rss = query("mglaunch_worker_resident_memory_bytes", "rank", "1")).empty(); }, 60s));
+  CHECK(eventually([&] { return !(power = query("mglaunch_gpu_power_watts", "gpu", "0")).empty(); }, 60s));
+  CHECK(!rss.empty());
+  if (!rss.empty()) CHECK(std::stod(rss) >= 32 << 20);
+  CHECK(power == "312.5");
+  ::kill(prom.pid, SIGTERM);
+  prom.wait(20s);
+  ::kill(agent.pid, SIGTERM);
+  REQUIRE(agent.wait(30s));
+  CHECK(agent.exit_code() == 143);
+}
+
+TEST_CASE("agent --trace and --metrics-json files that cannot be written are usage errors before any worker runs") {
+  const std::string dir = make_temp_dir();
+  for (const std::string flag : {"--trace", "--metrics-json"}) {
+    auto r = run(launch({flag, dir + "/no/such/dir/file"}, {"pidfile", dir + "/ran"}));
+    CHECK(r.code == 2);
+    CHECK_THAT(r.err, Catch::StartsWith("mglaunch: error: " + flag + " '" + dir + "/no/such/dir/file'"));
+    CHECK(split_lines(r.err).size() == 1);
+  }
+  CHECK_FALSE(std::filesystem::exists(dir + "/ran"));
+}

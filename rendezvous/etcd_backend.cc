@@ -95,10 +95,15 @@ void EtcdLink::on_changes(const std::vector<Change>& changes) {
         continue;
       }
       if (e.kind == Event::Kind::kJoin) joined_agents_.insert(e.agent);
-      for (const auto& f : replay_.apply(e)) {
+      const auto frames = replay_.apply(e);
+      for (const auto& f : frames) {
         deliver(f);
         if (closed_ || lost_) return;
       }
+      // Declared lost while no round ran for it (joining, or between rounds): nothing will
+      // ever be decided for this agent again.
+      if (e.kind == Event::Kind::kLost && e.agent == agent_ && frames.empty() && !replay_.job().finished())
+        return lost(fmt::format("this agent was declared lost by the job: {}", e.why));
     } else if (auto agent = keys_.agent_of_alive(c.key); !agent.empty()) {
       if (c.put) {
         alive_.insert(agent);

@@ -224,7 +224,7 @@ TEST_CASE("mgtrain reports an unreachable master and missing data with exit code
   auto d = run({kMgtrain, "--data-dir", "/nonexistent"}, {{"RANK", "0"}, {"WORLD_SIZE", "1"}}, 60s);
   CHECK(d.code == 3);
   CHECK_THAT(d.err, Catch::Contains("dataset-fashion-mnist"));
-  auto u = run({kMgtrain, "--model", "resnet"}, {}, 60s);
+  auto u = run({kMgtrain, "--model", "resnet50"}, {}, 60s);
   CHECK(u.code == 2);
   auto amp = run({kMgtrain, "--amp"}, {}, 60s);  // this CPU build has no CUDA autocast
   CHECK(amp.code == 2);

@@ -1,0 +1,36 @@
+// mgtrain's checkpoints: rank 0 writes model (parameters and buffers), optimizer state,
+// position and RNG state atomically (temp file, fsync, rename, fsync of the directory);
+// on start rank 0 alone reads it and broadcasts its bytes, so every rank resumes from the
+// same state even when the directory is node-local or stale elsewhere. Included only by
+// torch units.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "worker/comm.h"
+
+namespace mg::train {
+
+struct Position {
+  std::int64_t step = 0;            // optimizer steps done
+  std::int64_t epoch = 0;           // epoch in progress
+  std::int64_t batch_in_epoch = 0;  // micro-batches of `epoch` already consumed
+};
+
+std::string checkpoint_file(const std::string& dir);
+
+// Rank 0 only. Throws std::runtime_error naming the path and the failing call (write,
+// fsync, rename) with errno's text.
+void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos);
+
+// Every rank calls it (a collective in ddp mode). Returns the position to resume from, or
+// nullopt for a fresh start (no checkpoint on any rank). Throws SetupError (exit 3) when
+// rank 0 has no checkpoint but another rank has one, when rank 0's checkpoint cannot be
+// read, or when the ranks end up at different steps.
+std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
+                               torch::optim::Optimizer& opt);
+
+}  // namespace mg::train

@@ -1,0 +1,57 @@
+// mgtrain's communication setup: the c10d store and process group (Gloo on CPU, NCCL on
+// CUDA builds) from the torchrun contract, or no process group at all in single mode,
+// plus the few collectives the trainer needs outside the gradient reducer. Included only
+// by mgtrain's torch units.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/torch.h>
+#include <torch/version.h>
+#if __has_include(<gloo/algorithm.h>)  // pip/conda LibTorch ships no Gloo headers (NCCL only)
+#define MGLAUNCH_WITH_GLOO 1
+#endif
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+#include "worker/options.h"
+
+namespace mg::train {
+
+#if TORCH_VERSION_MAJOR >= 2
+using PG = c10d::Backend;
+#else
+using PG = c10d::ProcessGroup;
+#endif
+
+// Owns the store and the process group of one rank. `pg` is null in single mode: every
+// collective below is then the identity.
+struct Comm {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<PG> pg;
+  std::string backend = "none";
+  torch::Device device{torch::kCPU};
+  int rank = 0, world = 1;
+  std::function<void()> shutdown = [] {};  // orderly teardown where the backend has one
+
+  bool distributed() const { return static_cast<bool>(pg); }
+  void allreduce_sum(torch::Tensor& t) const;
+  // Broadcasts every tensor from rank 0 in place, coalesced: one collective per dtype.
+  void broadcast_coalesced(const std::vector<torch::Tensor>& tensors) const;
+};
+
+// Joins the process group of the launcher (throws SetupError naming the master).
+Comm connect(const Options& o, const Env& env);
+// One process, no store, no process group; the device is the first GPU on CUDA builds.
+Comm local_comm(const Options& o);
+// A Gloo process group over an existing store (the reducer's tests: ranks as threads
+// over a c10d::HashStore). Throws SetupError on builds without Gloo.
+c10::intrusive_ptr<PG> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world, int timeout_s);
+
+}  // namespace mg::train

@@ -1,0 +1,166 @@
+#include "worker/options.h"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+
+extern char** environ;
+
+namespace mg::train {
+
+std::int64_t parse_bytes(const std::string& text) {
+  std::size_t pos = 0;
+  double v = -1;
+  try {
+    v = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    pos = 0;
+  }
+  const std::string unit = pos ? text.substr(pos) : "?";
+  const std::int64_t mult = unit.empty() || unit == "B" ? 1 : unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : -1;
+  if (mult < 0 || v < 0) throw UsageError("bad byte size '" + text + "': use N, NK, NM or NG");
+  return static_cast<std::int64_t>(v * static_cast<double>(mult));
+}
+
+ParseResult parse_options(int argc, const char* const* argv) {
+  ParseResult r;
+  Options& o = r.options;
+  CLI::App app{"mgtrain: LibTorch data-parallel trainer (c10d Gloo/NCCL); run it under mglaunch or torchrun", "mgtrain"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--backend", o.backend, "auto, nccl or gloo")->check(CLI::IsMember({"auto", "nccl", "gloo"}));
+  app.add_option("--mode", o.mode, "auto (ddp under a launcher, else single), single or ddp; data-parallel means ddp")
+      ->check(CLI::IsMember({"auto", "single", "ddp", "data-parallel", "dp"}));
+  app.add_option("--dataset", o.dataset, "fashion-mnist or synthetic")->check(CLI::IsMember({"fashion-mnist", "synthetic"}));
+  app.add_option("--data-dir", o.data_dir, "Directory with the Fashion-MNIST IDX .gz files");
+  app.add_option("--synthetic-size", o.synthetic_size, "Training samples of --dataset synthetic")->check(CLI::PositiveNumber);
+  app.add_option("--train-subset", o.train_subset, "Use only the first N training samples");
+  app.add_option("--test-subset", o.test_subset, "Use only the first N test samples");
+  app.add_option("--model", o.model, "mlp, cnn or resnet (test models: mlp-unused, mlp-rank-branch)")
+      ->check(CLI::IsMember({"mlp", "cnn", "resnet", "mlp-unused", "mlp-rank-branch"}));
+  app.add_option("--epochs", o.epochs, "Epochs")->check(CLI::PositiveNumber);
+  app.add_option("--max-steps", o.max_steps, "Stop after this many optimizer steps");
+  app.add_option("--batch-size", o.batch_size, "Micro-batch per rank")->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "Learning rate (before --lr-scaling)");
+  app.add_option("--momentum", o.momentum, "SGD momentum");
+  app.add_option("--seed", o.seed, "Seed for init and shuffling");
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MiB")->check(CLI::PositiveNumber);
+  app.add_option("--grad-accum", o.grad_accum, "Micro-steps per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--clip-grad-norm", o.clip_grad_norm, "Clip the gradient norm (0: off)");
+  app.add_option("--lr-scaling", o.lr_scaling, "none, linear or sqrt in the world size")
+      ->check(CLI::IsMember({"none", "linear", "sqrt"}));
+  app.add_option("--comm-dtype", o.comm_dtype, "fp32, fp16 or bf16 for the gradient all-reduce")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  app.add_option("--reducer", o.reducer, "mgtrain (our buckets, default) or c10d (c10d::Reducer, Python DDP's engine)")
+      ->check(CLI::IsMember({"mgtrain", "c10d"}));
+  app.add_flag("--find-unused-parameters", o.find_unused_parameters,
+               "Parameters without a gradient in a step contribute zeros (else that step is an error)");
+  app.add_flag("--static-graph", o.static_graph, "The graph is the same every step: learn the bucket plan and unused set once");
+  app.add_flag("--broadcast-buffers,!--no-broadcast-buffers", o.broadcast_buffers,
+               "Broadcast buffers (BatchNorm statistics) from rank 0 before each forward (default on)");
+  app.add_flag("--sync-batchnorm", o.sync_batchnorm, "BatchNorm statistics reduced across ranks (SyncBatchNorm)");
+  app.add_flag("!--no-channels-last", o.channels_last, "Keep the CNN in NCHW (default: channels-last on CPU)");
+  app.add_flag("--amp", o.amp, "bf16 mixed precision on CUDA (CUDA builds with LibTorch >= 2.4)");
+  app.add_option("--log-every", o.log_every, "Progress line every N steps (rank 0)");
+  app.add_option("--summary-json", o.summary_json, "Per-rank summary; {rank} is replaced");
+  app.add_option("--save-weights", o.save_weights, "Rank 0 writes the final parameters and buffers as raw float32");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "Checkpoint directory (resume from it when present)");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "Checkpoint every N steps (0: only on signals)");
+  app.add_option("--fail-at-step", o.fail_at_step, "Fault injection: fail at this step (first attempt only)");
+  app.add_option("--fail-rank", o.fail_rank, "Fault injection: the rank that fails");
+  app.add_option("--fail-signal", o.fail_signal, "Fault injection: raise this signal instead of exit 1");
+  app.add_option("--threads", o.threads, "Intra-op threads (default: OMP_NUM_THREADS / torch default)");
+  app.add_option("--timeout", o.timeout_s, "Seconds to wait for the store and collectives")->check(CLI::PositiveNumber);
+  app.add_option("--bench", o.bench, "allreduce: run the collective benchmark instead of training")
+      ->check(CLI::IsMember({"allreduce"}));
+  app.add_option("--min-bytes", o.min_bytes, "Benchmark: smallest size (N, NK, NM, NG)");
+  app.add_option("--max-bytes", o.max_bytes, "Benchmark: largest size");
+  app.add_option("--step-factor", o.step_factor, "Benchmark: size multiplier")->check(CLI::Range(1.01, 1024.0));
+  app.add_option("--iters", o.iters, "Benchmark: timed iterations")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", o.warmup, "Benchmark: warm-up iterations");
+  app.add_option("--dtype", o.dtype, "Benchmark: float, double, half or int");
+  app.footer("Exit codes: 0 done; 1 failure; 2 bad flags; 3 setup error (data, master, backend, checkpoint); "
+             "75 stopped by SIGTERM/SIGUSR1 after checkpointing (run again to resume).");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    r.help = app.help();
+    return r;
+  } catch (const CLI::Error& e) {
+    std::string what = e.what();
+    throw UsageError(what.substr(0, what.find('\n')) + " (see mgtrain --help)");
+  }
+  if (o.mode == "data-parallel" || o.mode == "dp") o.mode = "ddp";  // the guides' DataParallel: see README
+  parse_bytes(o.min_bytes);
+  parse_bytes(o.max_bytes);
+  if (o.reducer == "c10d" && o.comm_dtype != "fp32")
+    throw UsageError("--comm-dtype " + o.comm_dtype + " needs --reducer mgtrain (c10d::Reducer's hooks are Python-only here)");
+  return r;
+}
+
+namespace {
+int to_int(const std::map<std::string, std::string>& vars, const char* name, int fallback) {
+  auto it = vars.find(name);
+  if (it == vars.end() || it->second.empty()) return fallback;
+  try {
+    std::size_t pos = 0;
+    int v = std::stoi(it->second, &pos);
+    if (pos == it->second.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw UsageError(std::string(name) + "='" + it->second + "' is not an integer; run under mglaunch or torchrun");
+}
+}  // namespace
+
+Env read_env(const std::map<std::string, std::string>& vars) {
+  Env env;
+  env.rank = to_int(vars, "RANK", 0);
+  env.world = to_int(vars, "WORLD_SIZE", 1);
+  env.local_rank = to_int(vars, "LOCAL_RANK", 0);
+  env.restart_count = to_int(vars, "TORCHELASTIC_RESTART_COUNT", 0);
+  if (auto it = vars.find("MASTER_ADDR"); it != vars.end() && !it->second.empty()) env.master_addr = it->second;
+  env.master_port = to_int(vars, "MASTER_PORT", 0);
+  env.launched = env.master_port > 0 || env.world > 1;
+  if (env.world < 1 || env.rank < 0 || env.rank >= env.world)
+    throw UsageError("RANK=" + std::to_string(env.rank) + " WORLD_SIZE=" + std::to_string(env.world) +
+                     " is not a valid pair; run under mglaunch or torchrun");
+  if (env.world > 1 && env.master_port <= 0) throw UsageError("MASTER_PORT is not set; run under mglaunch or torchrun");
+  return env;
+}
+
+std::map<std::string, std::string> process_env() {
+  std::map<std::string, std::string> m;
+  for (char** e = environ; e && *e; ++e) {
+    std::string kv = *e;
+    if (auto eq = kv.find('='); eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return m;
+}
+
+Mode resolve_mode(const Options& o, const Env& env) {
+  if (o.mode == "single") {
+    if (env.world > 1)
+      throw UsageError("--mode single with WORLD_SIZE=" + std::to_string(env.world) +
+                       ": drop --mode single or launch one process");
+    return Mode::single;
+  }
+  if (o.mode == "ddp" || !o.bench.empty()) return Mode::ddp;
+  return env.launched ? Mode::ddp : Mode::single;
+}
+
+}  // namespace mg::train
+
+#include <ctime>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+namespace mg::train {
+void write_error_file(const std::string& message) {
+  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+  if (!path || !*path) return;
+  nlohmann::json j = {{"message",
+                       {{"message", message},
+                        {"extraInfo", {{"py_callstack", "mgtrain (C++)"}, {"timestamp", std::to_string(std::time(nullptr))}}}}}};
+  std::ofstream(path) << j.dump();
+}
+}  // namespace mg::train

@@ -1,0 +1,83 @@
+// mgtrain's options and environment: the flags (parsed by pure functions, no torch), the
+// torchrun environment contract, the exit codes and the training mode rule. Included by
+// mgtrain's main and by every mgtrain unit; it includes no torch header.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace mg::train {
+
+// Exit codes (README): 0 done; 1 failure (incl. injected); 2 usage; 3 setup error
+// (data, master unreachable, backend, checkpoint); 75 stopped on SIGTERM/SIGUSR1 after
+// checkpointing.
+constexpr int kExitFailure = 1, kExitUsage = 2, kExitSetup = 3, kExitStopped = 75;
+
+// Bad flags or environment: exit 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Setup failed (data, store, backend, checkpoint): exit 3.
+struct SetupError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::string backend = "auto", dataset = "fashion-mnist", data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string model = "cnn", lr_scaling = "none", comm_dtype = "fp32", summary_json, checkpoint_dir, save_weights;
+  std::string bench;
+  std::string mode = "auto";      // auto | single | ddp (data-parallel is accepted as ddp)
+  std::string reducer = "mgtrain";  // mgtrain (our buckets) | c10d (c10d::Reducer, as Python's DDP)
+  std::int64_t synthetic_size = 8192, train_subset = -1, test_subset = -1, max_steps = -1;
+  int epochs = 1, batch_size = 64, grad_accum = 1, log_every = 100, checkpoint_every = 0, threads = 0;
+  int fail_at_step = -1, fail_rank = 0, fail_signal = 0, timeout_s = 300;
+  double lr = 0.02, momentum = 0.9, clip_grad_norm = 0, bucket_cap_mb = 25;
+  std::uint64_t seed = 1;
+  bool amp = false, shuffle = true, channels_last = true;
+  // DDP's options (MultiGPUConfig / torch.nn.parallel.DistributedDataParallel).
+  bool find_unused_parameters = false, static_graph = false, broadcast_buffers = true, sync_batchnorm = false;
+  // --bench allreduce
+  std::string min_bytes = "8", max_bytes = "64M", dtype = "float";
+  double step_factor = 2;
+  int iters = 20, warmup = 5;
+};
+
+// The torchrun contract as read from the environment.
+struct Env {
+  int rank = 0, world = 1, local_rank = 0, restart_count = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  bool launched = false;  // RANK/WORLD_SIZE/MASTER_PORT came from a launcher
+};
+
+// Parses argv into Options. Returns the text to print and exit 0 for --help; throws
+// UsageError with a one-line message for bad flags.
+struct ParseResult {
+  Options options;
+  std::string help;  // non-empty: print it and exit 0
+};
+ParseResult parse_options(int argc, const char* const* argv);
+
+// Reads the contract from `vars` (the process environment in main). Throws UsageError
+// when RANK/WORLD_SIZE are not a valid pair or a multi-process world has no MASTER_PORT.
+Env read_env(const std::map<std::string, std::string>& vars);
+std::map<std::string, std::string> process_env();
+
+// "8", "64K", "1.5M", "2G" -> bytes; throws UsageError.
+std::int64_t parse_bytes(const std::string& text);
+
+// --mode: "single" trains in one process without a process group; "ddp" joins the
+// process group of the launcher. auto: ddp under a launcher (or WORLD_SIZE > 1), else
+// single. Throws UsageError for --mode single with WORLD_SIZE > 1.
+enum class Mode { single, ddp };
+Mode resolve_mode(const Options& o, const Env& env);
+
+}  // namespace mg::train
+
+namespace mg::train {
+// Writes torchelastic's error file ($TORCHELASTIC_ERROR_FILE) when the launcher set one.
+void write_error_file(const std::string& message);
+}  // namespace mg::train

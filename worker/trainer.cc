@@ -1,0 +1,339 @@
+// The training loop: data on the device, the model, SGD, the gradient reducer, buffer
+// broadcasts, checkpoints, stop agreement, evaluation and the summary.
+#include "worker/trainer.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <openssl/sha.h>
+
+#include "worker/allreduce_bench.h"
+#include "worker/checkpoint.h"
+#include "worker/comm.h"
+#include "worker/data.h"
+#include "worker/models.h"
+#include "worker/reducer.h"
+#ifdef MGLAUNCH_WITH_NCCL
+#include <ATen/autocast_mode.h>
+#endif
+
+namespace mg::train {
+namespace {
+
+namespace data = mg::data;
+constexpr std::int64_t kStopCheckEvery = 8;
+
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+// bf16 autocast on CUDA for the forward pass (bf16 keeps fp32's range: no loss scaling).
+// Needs the device-type autocast API of LibTorch >= 2.4; elsewhere --amp is refused.
+#if defined(MGLAUNCH_WITH_NCCL) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+constexpr bool kAmpSupported = true;
+class AutocastScope {
+ public:
+  explicit AutocastScope(bool on) : on_(on) {
+    if (!on_) return;
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+  }
+
+ private:
+  bool on_;
+};
+#else
+constexpr bool kAmpSupported = false;
+struct AutocastScope {
+  explicit AutocastScope(bool) {}
+};
+#endif
+
+// Parameters then buffers, in registration order: what weights_sha256 and
+// --save-weights cover.
+std::vector<torch::Tensor> state_tensors(torch::nn::Module& m) {
+  auto v = m.parameters();
+  for (auto& b : m.buffers()) v.push_back(b);
+  return v;
+}
+
+std::string sha256_of(const std::vector<torch::Tensor>& tensors) {
+  SHA256_CTX ctx;
+  SHA256_Init(&ctx);
+  for (const auto& p : tensors) {
+    auto c = p.detach().to(torch::kCPU).contiguous();
+    SHA256_Update(&ctx, c.data_ptr(), c.numel() * c.element_size());
+  }
+  unsigned char md[SHA256_DIGEST_LENGTH];
+  SHA256_Final(md, &ctx);
+  std::string hex;
+  for (unsigned char ch : md) hex += fmt::format("{:02x}", ch);
+  return hex;
+}
+
+std::string with_rank(std::string path, int rank) {
+  if (auto p = path.find("{rank}"); p != std::string::npos) path.replace(p, 6, std::to_string(rank));
+  return path;
+}
+
+int train(const Options& o, Comm& comm) {
+  using clock = std::chrono::steady_clock;
+  const bool lead = comm.rank == 0;
+  data::Dataset train_set, test_set;
+  try {
+    if (o.dataset == "synthetic") {
+      train_set = data::make_synthetic(o.synthetic_size, o.seed);
+      test_set = data::make_synthetic(std::max<std::int64_t>(1, o.synthetic_size / 5), o.seed + 1000);
+    } else {
+      train_set = data::load_fashion_mnist(o.data_dir, true, o.train_subset);
+      test_set = data::load_fashion_mnist(o.data_dir, false, o.test_subset);
+    }
+  } catch (const std::runtime_error& e) {
+    throw SetupError(e.what());
+  }
+  auto to_tensors = [&](const data::Dataset& d) {
+    auto x = torch::from_blob(const_cast<float*>(d.images.data()), {d.size(), 1, d.rows, d.cols}, torch::kFloat).clone();
+    auto y = torch::from_blob(const_cast<std::int64_t*>(d.labels.data()), {d.size()}, torch::kLong).clone();
+    return std::make_pair(x.to(comm.device), y.to(comm.device));
+  };
+  auto [train_x, train_y] = to_tensors(train_set);
+  auto [test_x, test_y] = to_tensors(test_set);
+
+  torch::manual_seed(o.seed);
+  ModelOptions mo;
+  mo.name = o.model;
+  mo.rank = comm.rank;
+  mo.channels_last = o.channels_last;
+  if (o.sync_batchnorm && comm.world > 1) mo.sync_batchnorm = [&comm](torch::Tensor& t) { comm.allreduce_sum(t); };
+  Model model = make_model(mo);
+  model.module->to(comm.device);
+  if (model.convolutional && o.channels_last) {
+    train_x = train_x.contiguous(at::MemoryFormat::ChannelsLast);
+    test_x = test_x.contiguous(at::MemoryFormat::ChannelsLast);
+  }
+  std::vector<torch::Tensor> params = model.module->parameters();
+  std::vector<torch::Tensor> buffers = model.module->buffers();
+  comm.broadcast_coalesced(state_tensors(*model.module));  // every rank starts from rank 0's state
+  const bool sync_buffers = o.broadcast_buffers && comm.distributed() && !buffers.empty();
+  auto broadcast_buffers = [&] {
+    if (sync_buffers) comm.broadcast_coalesced(buffers);
+  };
+
+  const double scale = o.lr_scaling == "linear" ? comm.world : o.lr_scaling == "sqrt" ? std::sqrt(comm.world) : 1.0;
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(o.lr * scale).momentum(o.momentum));
+  std::unique_ptr<GradientSync> reducer;
+  if (comm.distributed()) {
+    ReducerOptions ro;
+    ro.bucket_cap_mb = o.bucket_cap_mb;
+    ro.comm_dtype = o.comm_dtype == "fp16" ? torch::kHalf : o.comm_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat;
+    ro.find_unused = o.find_unused_parameters;
+    ro.static_graph = o.static_graph;
+    if (o.reducer == "c10d")
+      reducer = std::make_unique<C10dReducer>(params, model.param_names, comm.pg, ro);
+    else
+      reducer = std::make_unique<GradReducer>(params, model.param_names, comm.pg, comm.world, ro);
+  }
+
+  Position state;
+  const std::string ckpt_dir = with_rank(o.checkpoint_dir, comm.rank);
+  if (auto c = resume(ckpt_dir, comm, *model.module, opt)) {
+    state = *c;
+    if (lead)
+      std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(ckpt_dir).c_str(),
+                  static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1));
+  }
+  data::DistributedSampler sampler(train_set.size(), comm.world, comm.rank, o.shuffle, o.seed, false);
+  const std::int64_t micro_per_epoch = (sampler.num_samples() + o.batch_size - 1) / o.batch_size;
+  const std::int64_t steps_per_epoch = (micro_per_epoch + o.grad_accum - 1) / o.grad_accum;
+  std::int64_t total_steps = steps_per_epoch * o.epochs;
+  if (o.max_steps >= 0) total_steps = std::min(total_steps, o.max_steps);
+  if (lead)
+    std::printf("mgtrain: %s on %s, %s, world %d, backend %s, %lld steps/epoch (batch %d x %d accum per rank), %zu buckets\n",
+                o.model.c_str(), o.dataset.c_str(), comm.distributed() ? "ddp" : "single process", comm.world,
+                comm.backend.c_str(), static_cast<long long>(steps_per_epoch), o.batch_size, o.grad_accum,
+                reducer ? reducer->bucket_count() : std::size_t{0});
+
+  auto t_start = clock::now();
+  std::int64_t samples_done = 0, steps_this_run = 0;
+  double last_loss = 0, test_acc = 0;
+  auto stop_flag = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
+  bool stopped = false;
+  for (std::int64_t epoch = state.epoch; epoch < o.epochs && state.step < total_steps && !stopped; ++epoch) {
+    sampler.set_epoch(epoch);
+    auto idx_all = sampler.indices();
+    auto idx = torch::from_blob(idx_all.data(), {static_cast<std::int64_t>(idx_all.size())}, torch::kLong).to(comm.device);
+    model.module->train();
+    double loss_sum = 0;
+    std::int64_t loss_n = 0;
+    std::int64_t micro = epoch == state.epoch ? state.batch_in_epoch : 0;
+    while (micro < micro_per_epoch && state.step < total_steps) {
+      for (auto& p : params) p.mutable_grad().reset();  // set_to_none: no memset, no extra add
+      torch::Tensor loss_acc = torch::zeros({}, comm.device);
+      const std::int64_t k_end = std::min<std::int64_t>(micro + o.grad_accum, micro_per_epoch);
+      const std::int64_t k_n = k_end - micro;
+      for (; micro < k_end; ++micro) {
+        const std::int64_t b0 = micro * o.batch_size;
+        const std::int64_t b1 = std::min<std::int64_t>(b0 + o.batch_size, idx.size(0));
+        auto bi = idx.slice(0, b0, b1);
+        auto x = train_x.index_select(0, bi), y = train_y.index_select(0, bi);
+        broadcast_buffers();  // DDP: rank 0's buffers before every forward
+        torch::Tensor logits;
+        {
+          AutocastScope amp(o.amp);
+          logits = model.forward(x);
+        }
+        auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y) / static_cast<double>(k_n);
+        if (reducer) reducer->arm(micro + 1 == k_end, {loss});
+        loss.backward();
+        loss_acc += loss.detach();
+        samples_done += (b1 - b0) * comm.world;
+      }
+      if (reducer) reducer->finish();
+      if (o.clip_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, o.clip_grad_norm);
+      opt.step();
+      ++state.step;
+      ++steps_this_run;
+      last_loss = loss_acc.item<double>();
+      loss_sum += last_loss;
+      ++loss_n;
+      state.epoch = epoch;
+      state.batch_in_epoch = micro;
+
+      if (o.fail_at_step >= 0 && state.step == o.fail_at_step && comm.rank == o.fail_rank) {
+        const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+        if (!restarts || std::atoi(restarts) == 0) {
+          write_error_file(fmt::format("injected failure at step {} on rank {}", state.step, comm.rank));
+          std::fflush(stdout);
+          if (o.fail_signal > 0) {
+            std::signal(o.fail_signal, SIG_DFL);
+            std::raise(o.fail_signal);
+          }
+          std::_Exit(1);
+        }
+      }
+      // Every rank learns of a stop request at the same step: ranks compare notes every
+      // kStopCheckEvery steps (a collective per step would cost ~4% of a CPU step).
+      bool stop_now = false;
+      if (state.step % kStopCheckEvery == 0 || state.step == total_steps) {
+        stop_flag.fill_(g_stop_signal.load() ? 1.0 : 0.0);
+        comm.allreduce_sum(stop_flag);
+        stop_now = stop_flag.item<float>() > 0;
+      }
+      const bool periodic = o.checkpoint_every > 0 && state.step % o.checkpoint_every == 0;
+      if (!o.checkpoint_dir.empty() && (periodic || stop_now)) {
+        broadcast_buffers();  // the checkpoint holds the buffers every rank's next forward gets
+        Position c = state;
+        if (c.batch_in_epoch >= micro_per_epoch) {
+          c.batch_in_epoch = 0;
+          ++c.epoch;
+        }
+        if (lead) save_checkpoint(ckpt_dir, *model.module, opt, c);
+      }
+      if (stop_now) {
+        stopped = true;
+        break;
+      }
+      if (lead && o.log_every > 0 && state.step % o.log_every == 0) {
+        const double secs = std::chrono::duration<double>(clock::now() - t_start).count();
+        const double sps = static_cast<double>(samples_done) / std::max(secs, 1e-9);
+        const double eta = static_cast<double>(total_steps - state.step) * secs /
+                           static_cast<double>(std::max<std::int64_t>(1, steps_this_run));
+        std::printf("epoch %lld/%d step %lld/%lld loss %.4f samples/s %.0f eta %.0fs\n", static_cast<long long>(epoch + 1),
+                    o.epochs, static_cast<long long>(state.step), static_cast<long long>(total_steps), last_loss, sps, eta);
+        std::fflush(stdout);
+      }
+    }
+    if (stopped) break;
+    // Test accuracy over every rank's disjoint shard of the test set, with rank 0's buffers.
+    broadcast_buffers();
+    model.module->eval();
+    torch::NoGradGuard ng;
+    auto shard =
+        torch::arange(comm.rank, test_set.size(), comm.world, torch::TensorOptions().dtype(torch::kLong)).to(comm.device);
+    double correct = 0;
+    for (std::int64_t b = 0; b < shard.size(0); b += 1000) {
+      auto bi = shard.slice(0, b, std::min<std::int64_t>(b + 1000, shard.size(0)));
+      correct += model.forward(test_x.index_select(0, bi)).argmax(1).eq(test_y.index_select(0, bi)).sum().item<double>();
+    }
+    auto acc = torch::tensor({correct, static_cast<double>(shard.size(0)), loss_sum, static_cast<double>(loss_n)},
+                             torch::TensorOptions().dtype(torch::kDouble))
+                   .to(comm.device);
+    comm.allreduce_sum(acc);
+    acc = acc.to(torch::kCPU);
+    test_acc = acc[0].item<double>() / std::max(1.0, acc[1].item<double>());
+    if (lead) {
+      std::printf("epoch %lld/%d train loss %.4f test accuracy %.4f\n", static_cast<long long>(epoch + 1), o.epochs,
+                  acc[2].item<double>() / std::max(1.0, acc[3].item<double>()), test_acc);
+      std::fflush(stdout);
+    }
+    state.batch_in_epoch = 0;
+    state.epoch = epoch + 1;
+  }
+  broadcast_buffers();  // the final model is the one the next forward would see
+  const double secs = std::chrono::duration<double>(clock::now() - t_start).count();
+  const double sps = static_cast<double>(samples_done) / std::max(secs, 1e-9);
+  const auto tensors = state_tensors(*model.module);
+  const std::string digest = sha256_of(tensors);
+  if (lead) {
+    std::printf("done: %lld steps, %.0f samples/s, test accuracy %.4f, weights sha256 %s\n",
+                static_cast<long long>(state.step), sps, test_acc, digest.c_str());
+    std::fflush(stdout);
+  }
+  if (!o.summary_json.empty()) {
+    nlohmann::json j = {{"rank", comm.rank},
+                        {"world_size", comm.world},
+                        {"backend", comm.backend},
+                        {"mode", comm.distributed() ? "ddp" : "single"},
+                        {"steps", state.step},
+                        {"epochs", o.epochs},
+                        {"final_train_loss", last_loss},
+                        {"test_accuracy", test_acc},
+                        {"samples_per_sec", sps},
+                        {"restart_count", std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT")) : 0},
+                        {"weights_sha256", digest},
+                        {"params_sha256", sha256_of(params)},
+                        {"stopped_by_signal", stopped}};
+    std::ofstream(with_rank(o.summary_json, comm.rank)) << j.dump(2) << "\n";
+  }
+  if (!o.save_weights.empty()) {
+    const std::string path = with_rank(o.save_weights, comm.rank);
+    if (lead || path != o.save_weights) {
+      std::ofstream out(path, std::ios::binary);
+      for (const auto& p : tensors) {
+        auto c = p.detach().to(torch::kCPU).to(torch::kFloat).contiguous();
+        out.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * sizeof(float)));
+      }
+    }
+  }
+  return stopped ? kExitStopped : 0;
+}
+
+}  // namespace
+
+void install_stop_handlers() {
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+}
+
+int run(const Options& o, const Env& env) {
+  if (o.amp && !kAmpSupported) throw UsageError("--amp needs a CUDA build of mgtrain against LibTorch >= 2.4");
+  const Mode mode = resolve_mode(o, env);
+  if (o.threads > 0) torch::set_num_threads(o.threads);
+  Comm comm = mode == Mode::single ? local_comm(o) : connect(o, env);
+  const int code = o.bench == "allreduce" ? run_allreduce_bench(o, comm) : train(o, comm);
+  comm.shutdown();
+  return code;
+}
+
+}  // namespace mg::train

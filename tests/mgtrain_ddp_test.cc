@@ -152,7 +152,7 @@ TEST_CASE("a checkpoint that cannot be written is reported with the path") {
   CHECK_THAT(r.err, Catch::Contains("checkpoint: cannot create directory") && Catch::Contains(dir + "/file/sub"));
 }
 
-TEST_CASE("without a launcher mgtrain trains in one process with no process group; --mode picks explicitly") {
+TEST_CASE("without a launcher mgtrain trains in one process with no process group, and --mode picks explicitly") {
   std::string dir = make_temp_dir();
   const std::map<std::string, std::string> bare{{"RANK", "\x01unset"},        {"WORLD_SIZE", "\x01unset"},
                                                 {"MASTER_PORT", "\x01unset"}, {"MASTER_ADDR", "\x01unset"},

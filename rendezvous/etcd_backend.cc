@@ -85,7 +85,8 @@ void EtcdLink::on_changes(const std::vector<Change>& changes) {
   for (const auto& c : changes) {
     if (closed_ || lost_) return;
     if (c.key.starts_with(keys_.log())) {
-      if (!c.put) continue;  // the job's keys deleted at its end
+      // Deleted: the job's keys at its end. Already seen: a re-read after a compaction.
+      if (!c.put || c.revision <= seen_revision_) continue;
       seen_revision_ = std::max(seen_revision_, c.revision);
       Event e;
       try {
@@ -294,22 +295,7 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
         ++next_seq_;
         joined = true;
       }
-      json range = range_of(keys_.root);
-      range["sort_order"] = "ASCEND";
-      range["sort_target"] = "CREATE";
-      auto r = http.call("/v3/kv/range", range, kRequestTimeout);
-      last_ok_ms_ = steady_ms();
-      const std::int64_t revision = number(r.value("header", json::object()), "revision");
-      std::vector<Change> changes;
-      for (const auto& kv : r.value("kvs", json::array()))
-        changes.push_back({true, base64_decode(kv.value("key", "")), base64_decode(kv.value("value", "")),
-                           number(kv, "mod_revision")});
-      post([this, changes = std::move(changes)] {
-        on_changes(changes);
-        for (const auto& a : joined_agents_)
-          if (!alive_.contains(a)) pending_lost_.insert(a);  // gone before this agent looked
-        started_ = true;
-      });
+      const std::int64_t revision = read_job(http);
       watcher_ = std::thread([this, revision] { watch_loop(revision + 1); });
       return true;
     } catch (const std::exception& e) {
@@ -388,10 +374,33 @@ void EtcdLink::request_loop() {
   finish_job(*http_);
 }
 
+std::int64_t EtcdLink::read_job(etcd::Http& http) {
+  json range = range_of(keys_.root);
+  range["sort_order"] = "ASCEND";
+  range["sort_target"] = "CREATE";
+  auto r = http.call("/v3/kv/range", range, kRequestTimeout);
+  last_ok_ms_ = steady_ms();
+  std::vector<Change> kvs;
+  for (const auto& kv : r.value("kvs", json::array()))
+    kvs.push_back({true, base64_decode(kv.value("key", "")), base64_decode(kv.value("value", "")),
+                   number(kv, "mod_revision")});
+  post([this, kvs = std::move(kvs)] { resync(kvs); });
+  return number(r.value("header", json::object()), "revision");
+}
+
+void EtcdLink::resync(const std::vector<Change>& kvs) {
+  alive_.clear();
+  on_changes(kvs);  // log events already applied are skipped
+  for (const auto& a : joined_agents_)
+    if (!alive_.contains(a)) pending_lost_.insert(a);  // gone while this agent did not look
+  started_ = true;
+}
+
 // ---- watch thread ----
 
 void EtcdLink::watch_loop(std::int64_t from_revision) {
   std::int64_t next = from_revision;
+  bool reread = false;
   for (int failures = 0;; ++failures) {
     json create = range_of(keys_.root);
     create["start_revision"] = std::to_string(next);
@@ -402,8 +411,9 @@ void EtcdLink::watch_loop(std::int64_t from_revision) {
         last_ok_ms_ = steady_ms();
         failures = 0;
         if (r.value("canceled", false)) {
-          if (number(r, "compact_revision"))
-            post([this] { lost("etcd compacted the job's history while this agent was away; start the job again"); });
+          // History this agent missed was compacted away: read the job's keys instead
+          // (log keys are written once, so the log itself is all there).
+          if (number(r, "compact_revision")) reread = true;
           throw etcd::Error("watch canceled: " + r.value("cancel_reason", std::string()));
         }
         std::vector<Change> changes;
@@ -423,6 +433,14 @@ void EtcdLink::watch_loop(std::int64_t from_revision) {
     } catch (const std::exception&) {
     }
     if (watch_http_->stopped()) return;
+    if (reread) {
+      try {
+        next = read_job(*watch_http_) + 1;
+        reread = false;
+        continue;
+      } catch (const std::exception&) {
+      }
+    }
     watch_http_->fail_over();
     std::unique_lock lk(mutex_);
     if (cv_.wait_for(lk, milliseconds(std::min(50 << std::min(failures, 4), 1000)), [&] { return watch_stop_; })) return;

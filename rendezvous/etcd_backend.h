@@ -66,10 +66,13 @@ class EtcdLink : public Link {
   void append(etcd::Event e, bool conditional);
   void check();  // every 100 ms: a lost agent or a deadline to record, an etcd outage
   void lost(const std::string& why);
+  void resync(const std::vector<Change>& kvs);  // the job's keys as read at one revision
   std::int64_t now_ms() const;
   // request thread
   void request_loop();
   bool start_sequence(etcd::Http& http);
+  // Ranges the job's keys, posts them to resync(); returns the revision read (either thread).
+  std::int64_t read_job(etcd::Http& http);
   void keep_alive(etcd::Http& http);
   void finish_job(etcd::Http& http);
   // watch thread

@@ -227,3 +227,39 @@ TEST_CASE("etcd: elastic 2:3 starts with two nodes and scales up when a third ar
     CHECK(envs(p->out()).back()["TORCHELASTIC_RESTART_COUNT"] == "0");  // scale-up spends no restart
   }
 }
+
+TEST_CASE("etcd: an agent whose missed history was compacted away reads the job back and follows the restart") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(3);
+  const std::string go = make_temp_dir() + "/go";
+  // A long lease: agent 1 is stopped for a while and must not be declared lost.
+  const std::vector<std::string> flags{"--max_restarts=1", "--rdzv_conf=keep_alive_interval=10"};
+  const std::vector<std::string> worker{"env", "print", "up", "when-restart-below", "1", "wait-file", go,
+                                        "when-rank", "1", "exit", "7"};
+  auto agent = [&](int i) {
+    auto argv = etcd_agent(etcd.endpoints(i - 1), "compacted", i, 1, flags, worker);
+    argv[1] = "--nnodes=2";
+    return spawn(argv);
+  };
+  Proc a = agent(1);  // talks to member 1
+  Proc b = agent(2);  // talks to member 2
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     60s));
+  ::kill(a.pid, SIGSTOP);  // agent 1 only (its worker runs on)
+  ::kill(etcd.member(0).proc->pid, SIGKILL);  // agent 1's watch breaks under it
+  REQUIRE(etcd.member(0).proc->wait(10s));
+  std::ofstream(go).put('\n');  // rank 1 (agent 2) fails: the job decides a restart
+  REQUIRE(eventually([&] { return b.err().find("restart 1 decided") != std::string::npos; }, 60s));
+  const std::string m2 = "--endpoints=" + etcd.member(1).endpoint();
+  auto status = run({kEtcdctl, m2, "get", "--prefix", "/mglaunch/compacted/", "-w", "json"}, {}, 20s);
+  REQUIRE(status.code == 0);
+  const auto revision = nlohmann::json::parse(status.out)["header"]["revision"].get<std::int64_t>();
+  REQUIRE(run({kEtcdctl, m2, "compact", std::to_string(revision)}, {}, 20s).code == 0);
+  ::kill(a.pid, SIGCONT);  // its watch resumes from before the restart: compacted away
+  for (auto* p : {&a, &b}) {
+    REQUIRE(p->wait(60s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+    CHECK(envs(p->out()).back()["TORCHELASTIC_RESTART_COUNT"] == "1");
+  }
+}

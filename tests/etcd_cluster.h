@@ -53,8 +53,10 @@ class EtcdCluster {
   }
 
   // With `tls`, a CA and a certificate for 127.0.0.1-3 are made (openssl) and the members
-  // serve https only; ca() is the CA's PEM file.
-  explicit EtcdCluster(int size, bool tls = false) : dir_(make_temp_dir()), tls_(tls) {
+  // serve https only; ca() is the CA's PEM file. With `client_certs` too, etcd asks every
+  // client for a certificate signed by that CA (client_cert(), client_key()).
+  explicit EtcdCluster(int size, bool tls = false, bool client_certs = false)
+      : dir_(make_temp_dir()), tls_(tls || client_certs), client_certs_(client_certs) {
     using namespace std::chrono_literals;
     if (tls_) make_certificates();
     // A port taken between the probe and etcd's bind makes a member die: start again.
@@ -82,6 +84,7 @@ class EtcdCluster {
                                       "--log-level", "warn"};
         if (tls_)
           argv.insert(argv.end(), {"--cert-file", dir_ + "/server.pem", "--key-file", dir_ + "/server.key"});
+        if (client_certs_) argv.insert(argv.end(), {"--client-cert-auth", "--trusted-ca-file", ca()});
         m.proc.emplace(spawn(argv));
       }
       if (eventually([&] { return healthy() || !all_alive(); }, 60s) && healthy()) return;
@@ -101,10 +104,13 @@ class EtcdCluster {
   }
 
   std::string ca() const { return dir_ + "/ca.pem"; }
+  std::string client_cert() const { return dir_ + "/client.pem"; }
+  std::string client_key() const { return dir_ + "/client.key"; }
   // etcdctl against this cluster (its CA when TLS), e.g. {"user", "add", "root:pw"}.
   Result ctl(std::vector<std::string> args) const {
     std::vector<std::string> argv{kEtcdctl, "--endpoints=" + endpoints(), "--command-timeout=5s"};
     if (tls_) argv.push_back("--cacert=" + ca());
+    if (client_certs_) argv.insert(argv.end(), {"--cert=" + client_cert(), "--key=" + client_key()});
     argv.insert(argv.end(), args.begin(), args.end());
     return run(argv, {}, std::chrono::seconds(20));
   }
@@ -141,13 +147,16 @@ class EtcdCluster {
         "-subj /CN=127.0.0.1 2>/dev/null; "
         "printf 'subjectAltName=IP:127.0.0.1,IP:127.0.0.2,IP:127.0.0.3\\n' > ext.cnf; "
         "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 "
-        "-extfile ext.cnf 2>/dev/null";
+        "-extfile ext.cnf 2>/dev/null; "
+        "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout client.key -out client.csr "
+        "-subj /CN=mgtest-client 2>/dev/null; "
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 2>/dev/null";
     auto r = run({"/bin/sh", "-c", script});
     REQUIRE(r.code == 0);
   }
 
   std::string dir_;
-  bool tls_ = false;
+  bool tls_ = false, client_certs_ = false;
   std::vector<EtcdMember> members_;
 };
 

@@ -263,3 +263,26 @@ TEST_CASE("etcd: an agent whose missed history was compacted away reads the job 
     CHECK(envs(p->out()).back()["TORCHELASTIC_RESTART_COUNT"] == "1");
   }
 }
+
+TEST_CASE("etcd: a client certificate is passed through to an etcd that requires one") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1, /*tls=*/true, /*client_certs=*/true);
+  const std::string eps = etcd.endpoints();  // no scheme: protocol=https makes them TLS
+  const std::string tls = "protocol=https,cacert=" + etcd.ca();
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(etcd_agent(
+        eps, "mtls", i, 1, {"--rdzv_conf=" + tls + ",cert=" + etcd.client_cert() + ",key=" + etcd.client_key()},
+        {"env"})));
+  for (auto& a : agents) {
+    REQUIRE(a.wait(60s));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    CHECK(envs(a.out()).size() == 1);
+  }
+  auto without = run(etcd_agent(eps, "mtls-none", 1, 1, {"--rdzv_conf=join_timeout=2," + tls}, {"env"}), {}, 60s);
+  INFO(without.err);
+  CHECK(without.code == 3);
+  CHECK_THAT(without.err, Catch::Contains("cannot reach etcd") && Catch::Contains("bad certificate"));
+  CHECK(envs(without.out).empty());
+}

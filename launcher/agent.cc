@@ -37,6 +37,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       console_(io, STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
       signals_(io),
       children_(io),
+      job_control_(io),
       grace_timer_(io),
       leave_timer_(io) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
@@ -152,6 +153,16 @@ void Agent::start() {
                        std::strerror(errno)));
   children_.add(SIGCHLD);
   wait_child();
+  job_control_.add(SIGTSTP);
+  job_control_.add(SIGCONT);
+  wait_job_control();
+  python_run_ = opts_.module || (!opts_.no_python && (opts_.run_path || opts_.program.ends_with(".py")));
+  if (opts_.stdin_rank >= 0 && ::isatty(STDIN_FILENO) == 1) {
+    ::signal(SIGTTIN, SIG_IGN);  // in the background a read of the terminal fails instead of stopping us
+    stdin_relay_ = std::make_unique<StdinRelay>(io_, STDIN_FILENO, [this](std::string_view input) {
+      if (!input.empty() && input.back() == '\n') console_.input_echoed();
+    });
+  }
   if (std::string error; !watchdog_.start(error))
     notice(fmt::format("cannot start the watchdog ({}): after kill -9 of mglaunch, processes the workers "
                        "started may outlive it",
@@ -376,7 +387,20 @@ void Agent::start_attempt() {
     spec.max_line_bytes = opts_.max_line_bytes;
     spec.merge_streams = merge_streams_ && spec.console[0] == spec.console[1] && spec.log_file[0].empty() &&
                          spec.log_file[1].empty();
-    spec.prefix = fmt::format("[rank{}]:", spec.rank);
+    spec.prefix = opts_.log_line_prefix_template
+                      ? expand_line_prefix(*opts_.log_line_prefix_template, opts_.role, spec.rank, lr)
+                      : fmt::format("[rank{}]:", spec.rank);
+    int stdin_pipe = -1;
+    if (lr == opts_.stdin_rank) {
+      if (stdin_relay_) {
+        std::string error;
+        stdin_pipe = stdin_relay_->open_pipe(error);
+        if (stdin_pipe < 0) notice(error + "; the worker reads /dev/null");
+        spec.stdin_fd = stdin_pipe;
+      } else {
+        spec.stdin_fd = STDIN_FILENO;  // a file or a pipe: passed on as it is
+      }
+    }
     if (worker_nofile_) spec.nofile = &*worker_nofile_;
     if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
     workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_,
@@ -386,6 +410,7 @@ void Agent::start_attempt() {
                       {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", workers_.back()->pid()},
                        {"attempt", restart_count_}});
     if (workers_.back()->pid() > 0) leaders_[workers_.back()->pid()] = workers_.back().get();
+    if (stdin_pipe >= 0) ::close(stdin_pipe);  // the worker holds it now
   }
   port_hold_.reset();  // the workers may bind the master port now
 }
@@ -425,6 +450,7 @@ WorkerOutcome Agent::outcome_of(const WorkerProcess& w) const {
 }
 
 void Agent::on_worker_done(WorkerProcess& w) {
+  if (stdin_relay_ && w.spec().local_rank == opts_.stdin_rank) stdin_relay_->close_pipe();
   WorkerOutcome o = outcome_of(w);
   o.stopped_by_agent = state_ != State::kRunning;
   attempts_.back().workers.push_back(o);
@@ -442,6 +468,9 @@ void Agent::on_worker_done(WorkerProcess& w) {
     rc.message = !w.spawn_error().empty() ? w.spawn_error() : read_error_file_message(rc.error_file);
     if (rc.message.empty() && !fs::exists(rc.error_file)) rc.error_file.clear();
     rc.stderr_tail.assign(w.stderr_tail().begin(), w.stderr_tail().end());
+    if (python_run_)
+      if (auto hint = missing_torch_hint(rc.stderr_tail, plan_.executable, opts_.python_source); !hint.empty())
+        rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
     root_cause_ = std::move(rc);
     stop_group(SIGTERM);
   }
@@ -560,6 +589,8 @@ void Agent::finish(int code) {
   boost::system::error_code ec;
   signals_.cancel(ec);
   children_.cancel(ec);
+  job_control_.cancel(ec);
+  if (stdin_relay_) stdin_relay_->close_pipe();
   grace_timer_.cancel();
   leave_timer_.cancel();
   if (client_) client_->close();
@@ -753,6 +784,37 @@ void Agent::kill_leftovers(bool reap) {
       }
     }
   }
+}
+
+void Agent::wait_job_control() {
+  job_control_.async_wait([this](boost::system::error_code ec, int sig) {
+    if (ec) return;
+    if (sig == SIGTSTP) {
+      // Ctrl-Z: the workers first (they are in process groups of their own, the terminal
+      // stopped only us), then the agent, as the shell expects of its job.
+      signal_workers(SIGSTOP);
+      signal_escaped(SIGSTOP);
+      trace_instant("stopped (SIGTSTP)", "signal", {{"signal", sig}});
+      ::kill(::getpid(), SIGSTOP);
+    } else {
+      // fg or bg (or anyone's SIGCONT): the workers go on with us.
+      signal_workers(SIGCONT);
+      signal_escaped(SIGCONT);
+      trace_instant("continued (SIGCONT)", "signal", {{"signal", sig}});
+      if (state_ == State::kStopping) {
+        // The time spent stopped does not count against the workers' grace.
+        grace_timer_.expires_after(opts_.grace);
+        grace_timer_.async_wait([this](boost::system::error_code ec2) {
+          if (ec2 || state_ != State::kStopping) return;
+          notice(fmt::format("workers still running {:.1f}s after SIGTERM: sending SIGKILL",
+                             opts_.grace.count() / 1000.0));
+          signal_workers(SIGKILL);
+          signal_escaped(SIGKILL);
+        });
+      }
+    }
+    if (state_ != State::kDone) wait_job_control();
+  });
 }
 
 void Agent::wait_child() {

@@ -24,6 +24,7 @@
 #include "launcher/plan.h"
 #include "launcher/port.h"
 #include "launcher/report.h"
+#include "launcher/stdin_relay.h"
 #include "launcher/watchdog.h"
 #include "launcher/worker_process.h"
 #include "proto/messages.h"
@@ -112,6 +113,12 @@ class Agent {
   Console console_;
   boost::asio::signal_set signals_;
   boost::asio::signal_set children_;  // SIGCHLD: reaps orphans handed to the subreaper
+  // Ctrl-Z (SIGTSTP): stop every worker group, then the agent itself; SIGCONT (fg, bg):
+  // continue them. See README "Interactive use".
+  boost::asio::signal_set job_control_;
+  void wait_job_control();
+  std::unique_ptr<StdinRelay> stdin_relay_;  // the agent's stdin is a terminal: relayed to --stdin-rank
+  bool python_run_ = false;  // the program runs under opts_.python
   boost::asio::steady_timer grace_timer_;
   boost::asio::steady_timer leave_timer_;
   int leaving_code_ = 0;  // set by leave_job(): the exit code once the decision is in

@@ -1,5 +1,6 @@
 #include "launcher/console.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -150,10 +151,71 @@ struct Console::Async {
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> guard;
 };
 
-Console::Console(int out_fd, int err_fd, bool timestamps) : fds_{out_fd, err_fd}, timestamps_(timestamps) {}
+Console::Console(int out_fd, int err_fd, bool timestamps) : fds_{out_fd, err_fd}, timestamps_(timestamps) {
+  init_live();
+}
 
 Console::Console(asio::io_context& io, int out_fd, int err_fd, bool timestamps, std::size_t high_water)
-    : fds_{out_fd, err_fd}, timestamps_(timestamps), async_(std::make_unique<Async>(io, out_fd, err_fd, high_water)) {}
+    : fds_{out_fd, err_fd}, timestamps_(timestamps), async_(std::make_unique<Async>(io, out_fd, err_fd, high_water)) {
+  init_live();
+}
+
+void Console::init_live() {
+  for (int s = 0; s < 2; ++s) live_[s] = ::isatty(fds_[s]) == 1;
+  struct stat a{}, b{};
+  same_tty_ = live_[0] && live_[1] && ::fstat(fds_[0], &a) == 0 && ::fstat(fds_[1], &b) == 0 && a.st_rdev == b.st_rdev;
+}
+
+void Console::break_line(int q) {
+  if (!owner_[q]) return;
+  buf_[q].push_back('\n');
+  owner_line_[q]->at_start = true;
+  owner_line_[q]->cr_pending = false;
+  owner_[q] = nullptr;
+  owner_line_[q] = nullptr;
+}
+
+void Console::relay(int stream, const void* who, LiveLine& state, std::string_view prefix, std::string_view data) {
+  const int q = queue_of(stream);
+  if (owner_[q] && owner_line_[q] != &state) break_line(q);
+  if (timestamps_) {
+    const std::string p = stamp_ + std::string(prefix);
+    live_relay(buf_[q], state, p, data);
+  } else {
+    live_relay(buf_[q], state, prefix, data);
+  }
+  if (!state.at_start) {
+    owner_[q] = who;
+    owner_line_[q] = &state;
+  } else if (owner_line_[q] == &state) {
+    owner_[q] = nullptr;
+    owner_line_[q] = nullptr;
+  }
+}
+
+void Console::end_relay(int stream, const void* who, LiveLine& state) {
+  const int q = queue_of(stream);
+  if (owner_line_[q] == &state) break_line(q);
+  state = LiveLine{};
+}
+
+void Console::input_echoed() {
+  for (int q = 0; q < 2; ++q) {
+    if (!owner_[q] || !live_[q]) continue;
+    owner_line_[q]->at_start = true;
+    owner_line_[q]->cr_pending = false;
+    owner_[q] = nullptr;
+    owner_line_[q] = nullptr;
+  }
+}
+
+void Console::forget(const void* who) {
+  for (int q = 0; q < 2; ++q)
+    if (owner_[q] == who) {
+      owner_[q] = nullptr;
+      owner_line_[q] = nullptr;
+    }
+}
 
 Console::~Console() {
   flush();
@@ -173,7 +235,9 @@ void Console::begin_batch() {
 }
 
 void Console::line(int stream, std::string_view prefix, std::string_view text, bool cut) {
-  std::string& b = buf_[stream];
+  const int q = queue_of(stream);
+  break_line(q);
+  std::string& b = buf_[q];
   b.append(stamp_);
   b.append(prefix);
   b.append(text);
@@ -194,6 +258,8 @@ void Console::flush() {
 }
 
 void Console::write(int stream, std::string_view text) {
+  stream = queue_of(stream);
+  break_line(stream);
   flush();
   if (async_) {
     async_->push(stream, std::string(text));

@@ -13,6 +13,14 @@
 //    to stop reading and call when_uncongested(); their callbacks run on `io` once every
 //    stream is below a quarter of it. The destructor writes what is queued (blocking, as
 //    a synchronous console would) and joins the writers.
+//
+// On a terminal a stream is "live" (live()): a worker's output goes out as it comes, partial
+// lines included (progress bars, prompts), through relay(), which puts the prefix at the
+// start of each visual line (after a '\r' too). A line is still never mixed with another
+// worker's: when another worker (or a notice) writes while one worker's line is open, that
+// line is ended with a newline first, and its continuation gets its prefix again. When
+// stdout and stderr are the same terminal they share one queue and one open line. Pipes
+// and files keep whole lines, byte for byte (line()).
 // Owned by the agent; every member function is called from the io_context's thread.
 #pragma once
 
@@ -24,6 +32,8 @@
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
+
+#include "launcher/line_splitter.h"
 
 namespace mg {
 
@@ -40,6 +50,17 @@ class Console {
 
   // stream: 0 stdout, 1 stderr. `prefix` like "[rank3]:". A cut piece gets a marker.
   void line(int stream, std::string_view prefix, std::string_view text, bool cut);
+  // True when `stream` is a terminal: use relay() for it instead of line().
+  bool live(int stream) const { return live_[stream]; }
+  // Live output of one worker stream (`who` and its `state` identify it): see above.
+  void relay(int stream, const void* who, LiveLine& state, std::string_view prefix, std::string_view data);
+  // The worker stream ended: its open line, if any, gets its newline.
+  void end_relay(int stream, const void* who, LiveLine& state);
+  // The terminal echoed typed input that ended with a newline: the cursor is at the start
+  // of a line, so an open line is closed without writing anything.
+  void input_echoed();
+  // `who` is going away: forget it (without writing anything).
+  void forget(const void* who);
   // Writes (or queues) what is buffered; called after each batch of lines from one read.
   void flush();
   // Starts a batch: refreshes the timestamp used by line().
@@ -62,6 +83,13 @@ class Console {
 
  private:
   struct Async;
+  void init_live();
+  int queue_of(int stream) const { return same_tty_ ? 0 : stream; }
+  void break_line(int q);  // ends the open line of queue q with a newline
+  bool live_[2] = {false, false};
+  bool same_tty_ = false;             // stdout and stderr are one terminal: one queue, one open line
+  const void* owner_[2] = {nullptr, nullptr};  // whose line is open on each queue
+  LiveLine* owner_line_[2] = {nullptr, nullptr};
   int fds_[2];
   bool timestamps_;
   std::string stamp_;

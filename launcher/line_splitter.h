@@ -1,11 +1,15 @@
 // Splits a byte stream into lines for relaying. Complete lines come out whole; a line
 // longer than the limit comes out in pieces of at most `max_line` bytes, each but the last
 // flagged `cut`; finish() flushes a last line that had no newline. Pure: no I/O.
+// Also the other pure text rules of the relay: the live form of a worker stream for a
+// terminal (live_relay) and the line prefix template (expand_line_prefix).
 #pragma once
 
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace mg {
 
@@ -55,5 +59,95 @@ class LineSplitter {
   std::size_t max_line_;
   std::string pending_;
 };
+
+// Where one worker stream stands on a terminal between two pieces of its output.
+struct LiveLine {
+  bool at_start = true;     // the cursor is at the start of a visual line: the prefix is still to come
+  bool cr_pending = false;  // the last byte was '\r': a new visual line, unless '\n' follows (CRLF)
+};
+
+// Appends to `out` what a terminal gets for `data` from one worker stream, at once (a
+// progress bar's "\r50%", a prompt without newline): `prefix` at the start of each
+// visual line, that is at the start of a line and after each '\r' that is not part of
+// "\r\n"; a '\r' at the start of a line is dropped (the cursor is already there).
+// A '\r' at the end of `data` waits for the next piece (it may be a CRLF). Pure.
+inline void live_relay(std::string& out, LiveLine& st, std::string_view prefix, std::string_view data) {
+  while (!data.empty()) {
+    if (st.cr_pending) {
+      st.cr_pending = false;
+      if (data.front() == '\n') {
+        out.append("\r\n");
+        st.at_start = true;
+        data.remove_prefix(1);
+        continue;
+      }
+      out.push_back('\r');
+      st.at_start = true;
+    }
+    const auto stop = data.find_first_of("\r\n");
+    const std::string_view text = data.substr(0, stop);
+    if (!text.empty()) {
+      if (st.at_start) out.append(prefix);
+      st.at_start = false;
+      out.append(text);
+    }
+    if (stop == std::string_view::npos) return;
+    if (data[stop] == '\n') {
+      if (st.at_start) out.append(prefix);  // an empty line still shows whose it is
+      out.push_back('\n');
+      st.at_start = true;
+    } else if (!st.at_start) {
+      st.cr_pending = true;
+    }
+    data.remove_prefix(stop + 1);
+  }
+}
+
+// torchrun 2.x's --log-line-prefix-template: Python string.Template.safe_substitute with
+// role_name, rank and local_rank (${name} and $name; $$ is a '$'; anything else is left as
+// it is). Pure.
+inline std::string expand_line_prefix(std::string_view tmpl, const std::string& role_name, int rank, int local_rank) {
+  const std::pair<std::string_view, std::string> names[] = {
+      {"role_name", role_name}, {"local_rank", std::to_string(local_rank)}, {"rank", std::to_string(rank)}};
+  auto is_ident = [](char c, bool first) {
+    return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (!first && c >= '0' && c <= '9');
+  };
+  std::string out;
+  for (std::size_t i = 0; i < tmpl.size();) {
+    if (tmpl[i] != '$' || i + 1 == tmpl.size()) {
+      out.push_back(tmpl[i++]);
+      continue;
+    }
+    if (tmpl[i + 1] == '$') {
+      out.push_back('$');
+      i += 2;
+      continue;
+    }
+    std::string_view name;
+    std::size_t end = i + 1;
+    if (tmpl[i + 1] == '{') {
+      const auto close = tmpl.find('}', i + 2);
+      if (close != std::string_view::npos) {
+        name = tmpl.substr(i + 2, close - i - 2);
+        end = close + 1;
+      }
+    } else {
+      std::size_t j = i + 1;
+      while (j < tmpl.size() && is_ident(tmpl[j], j == i + 1)) ++j;
+      name = tmpl.substr(i + 1, j - i - 1);
+      end = j;
+    }
+    const std::string* value = nullptr;
+    for (const auto& [n, v] : names)
+      if (n == name) value = &v;
+    if (value && !name.empty()) {
+      out.append(*value);
+      i = end;
+    } else {
+      out.push_back(tmpl[i++]);  // safe_substitute: left as it is
+    }
+  }
+  return out;
+}
 
 }  // namespace mg

@@ -453,6 +453,12 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   app.add_option("--token-file,--token_file", token_file,
                  "File with the rendezvous token (HMAC-SHA256 challenge); or set MGLAUNCH_RDZV_TOKEN");
   app.add_option("--python", o.python, "Interpreter for .py programs and -m (default $MGLAUNCH_PYTHON or python3)");
+  std::string stdin_rank = "0", prefix_template;
+  app.add_option("--stdin-rank,--stdin_rank", stdin_rank,
+                 "Local rank that reads mglaunch's stdin (default 0), or none: the others read /dev/null");
+  app.add_option("--log-line-prefix-template,--log_line_prefix_template", prefix_template,
+                 "Prefix of relayed lines: ${role_name}, ${rank}, ${local_rank} (default [rank${rank}]:); empty: raw")
+      ->envname("PET_LOG_LINE_PREFIX_TEMPLATE");
   flag("--no-slurm,--no_slurm", "", o.no_slurm,
        "Ignore the Slurm step mglaunch runs in (by default its SLURM_* variables fill the flags not given)");
 
@@ -466,7 +472,10 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   app.add_option("--metrics-host,--metrics_host", o.metrics_host, "Address for --metrics-port (default 127.0.0.1)");
   app.add_option("--trace", o.trace_file, "Write a Chrome/Perfetto trace (JSON) of the run to FILE");
 
-  if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) o.python = it->second;
+  if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) {
+    o.python = it->second;
+    o.python_source = "MGLAUNCH_PYTHON";
+  }
   // CLI11 reads environment fallbacks through getenv: make the PET_* it sees exactly `env`'s.
   std::vector<std::string> stale;
   for (char** e = environ; *e; ++e)
@@ -541,6 +550,17 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
     throw UsageError("--metrics-json needs a file name");
   if (app.count("--trace") > 0 && o.trace_file.empty()) throw UsageError("--trace needs a file name");
   if (o.module && o.no_python) throw UsageError("--module and --no_python cannot be used together");
+  if (app.get_option("--python")->count() > 0) o.python_source = "--python";
+  if (stdin_rank == "none") {
+    o.stdin_rank = -1;
+  } else {
+    o.stdin_rank = parse_int("--stdin-rank", stdin_rank, 0);
+    if (o.stdin_rank >= o.nproc_per_node)
+      throw UsageError(fmt::format("bad --stdin-rank {}: this node has {} workers (local ranks 0..{}); give one of "
+                                   "them or none",
+                                   o.stdin_rank, o.nproc_per_node, o.nproc_per_node - 1));
+  }
+  if (app.get_option("--log-line-prefix-template")->count() > 0) o.log_line_prefix_template = prefix_template;
   if (o.start_method != "spawn" && o.start_method != "fork" && o.start_method != "forkserver")
     throw UsageError(fmt::format("bad --start_method '{}': use spawn, fork or forkserver", o.start_method));
   if (o.start_method != "spawn")

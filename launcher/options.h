@@ -107,6 +107,9 @@ struct AgentOptions {
   bool dry_run = false;
   bool timestamps = false;
   std::string python = "python3";
+  std::string python_source = "python3 from PATH";  // how `python` was chosen: --python, MGLAUNCH_PYTHON, default
+  int stdin_rank = 0;  // --stdin-rank: the local rank that reads the agent's stdin; -1 (none): all get /dev/null
+  std::optional<std::string> log_line_prefix_template;  // --log-line-prefix-template; "" = raw, unprefixed lines
   std::size_t max_line_bytes = 64 * 1024;
   bool no_slurm = false;                         // --no-slurm
   // monitoring and operations (launcher/monitor.h, launcher/trace.h); all off by default

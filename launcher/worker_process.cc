@@ -332,6 +332,7 @@ WorkerProcess::~WorkerProcess() {
   }
   for (int fd : impl_->files)
     if (fd >= 0) console_.close_file(fd);  // after what is queued for it
+  console_.forget(this);
 }
 
 void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* groups) {
@@ -375,9 +376,9 @@ void WorkerProcess::read_more(int s) {
   });
 }
 
-void WorkerProcess::emit(int s, std::string_view line, bool cut) {
-  if (spec_.console[s]) console_.line(s, prefix_, line, cut);
-  if (s == 1 || spec_.merge_streams) {  // stderr: keep the last lines for the failure report
+void WorkerProcess::emit(int s, std::string_view line, bool cut, bool to_console) {
+  if (to_console) console_.line(s, prefix_, line, cut);
+  if (keeps_tail(s)) {  // stderr: keep the last lines for the failure report
     if (tail_.size() == spec_.tail_lines) tail_.pop_front();
     tail_.emplace_back(line.substr(0, 512));
   }
@@ -385,16 +386,27 @@ void WorkerProcess::emit(int s, std::string_view line, bool cut) {
 
 void WorkerProcess::on_data(int s, std::string_view data) {
   if (impl_->files[s] >= 0) console_.write_file(impl_->files[s], data);
-  if (!spec_.console[s] && s != 1 && !spec_.merge_streams) return;  // nothing to show or keep
+  const bool show = spec_.console[s];
+  if (show && console_.live(s)) {
+    // A terminal: shown at once, partial lines included; the splitter only keeps the tail.
+    console_.begin_batch();
+    console_.relay(s, this, live_[s], prefix_, data);
+    console_.flush();
+    if (keeps_tail(s)) impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut, false); });
+    return;
+  }
+  if (!show && !keeps_tail(s)) return;  // nothing to show or keep
   console_.begin_batch();
-  impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut); });
+  impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut, show); });
   console_.flush();
 }
 
 void WorkerProcess::close_stream(int s) {
   if (!impl_->open[s]) return;
   impl_->open[s] = false;
-  impl_->splitters[s]->finish([&](std::string_view line, bool cut) { emit(s, line, cut); });
+  const bool live = spec_.console[s] && console_.live(s);
+  if (live) console_.end_relay(s, this, live_[s]);
+  impl_->splitters[s]->finish([&](std::string_view line, bool cut) { emit(s, line, cut, spec_.console[s] && !live); });
   console_.flush();
   error_code ec;
   impl_->pipes[s].close(ec);

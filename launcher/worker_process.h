@@ -127,7 +127,8 @@ class WorkerProcess {
   struct Stream;
   void read_more(int s);
   void on_data(int s, std::string_view data);
-  void emit(int s, std::string_view line, bool cut);
+  void emit(int s, std::string_view line, bool cut, bool to_console);
+  bool keeps_tail(int s) const { return s == 1 || spec_.merge_streams; }
   void close_stream(int s);
   void maybe_done();
   void arm_drain();
@@ -141,6 +142,7 @@ class WorkerProcess {
   bool exited_ = false;
   bool done_ = false;
   bool paused_[2] = {false, false};  // not reading: the console is congested
+  LiveLine live_[2];                 // where each stream stands on a terminal (Console::relay)
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // expires with this handle
   int status_ = 0;
   std::string spawn_error_;

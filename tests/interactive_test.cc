@@ -7,16 +7,21 @@
 #include <poll.h>
 #include <pty.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/wait.h>
 #include <termios.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "launcher/watchdog.h"
 #include "support/proc.h"
+
+extern char** environ;
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -129,4 +134,226 @@ TEST_CASE("500 workers all start and exit 0 when the soft descriptor limit is ra
   }
   CHECK(ranks.size() == 500);
   CHECK(with_original_limit == 500);
+}
+
+namespace {
+
+// mglaunch on a pseudo-terminal of its own: the session leader with the terminal as its
+// controlling terminal, stdin, stdout and stderr (the foreground job, as after a shell
+// started it). Killed (by process group) and reaped if the test ends first.
+struct PtyProc {
+  pid_t pid = -1;
+  int master = -1;
+  int status = -1;
+  std::string out;  // everything read so far, "\r\n" as the terminal wrote it
+
+  explicit PtyProc(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add = {}) {
+    int slave = -1;
+    REQUIRE(::openpty(&master, &slave, nullptr, nullptr, nullptr) == 0);
+    std::vector<std::string> envs;
+    for (char** e = environ; *e; ++e) {
+      std::string kv = *e;
+      if (!env_add.contains(kv.substr(0, kv.find('=')))) envs.push_back(kv);
+    }
+    for (const auto& [k, v] : env_add) envs.push_back(k + "=" + v);
+    std::vector<char*> cargv, cenv;
+    for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    for (const auto& e : envs) cenv.push_back(const_cast<char*>(e.c_str()));
+    cenv.push_back(nullptr);
+    pid = ::fork();
+    if (pid == 0) {
+      ::setsid();
+      ::ioctl(slave, TIOCSCTTY, 0);
+      for (int i = 0; i < 3; ++i) ::dup2(slave, i);
+      ::close(slave);
+      ::close(master);
+      ::execve(cargv[0], cargv.data(), cenv.data());
+      ::_exit(126);
+    }
+    ::close(slave);
+  }
+  ~PtyProc() {
+    if (pid > 0 && status == -1) {
+      ::kill(-pid, SIGKILL);
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    }
+    if (master >= 0) ::close(master);
+  }
+  // Reads what is there within `ms`; false at end of file (every holder of the terminal gone).
+  bool pump(int ms) {
+    pollfd p{master, POLLIN, 0};
+    if (::poll(&p, 1, ms) <= 0) return true;
+    char buf[4096];
+    const ssize_t n = ::read(master, buf, sizeof(buf));
+    if (n <= 0) return false;
+    out.append(buf, static_cast<std::size_t>(n));
+    return true;
+  }
+  // The output with the terminal's "\r\n" as "\n" (a lone '\r' stays).
+  std::string text() const {
+    std::string t;
+    for (std::size_t i = 0; i < out.size(); ++i)
+      if (!(out[i] == '\r' && i + 1 < out.size() && out[i + 1] == '\n')) t.push_back(out[i]);
+    return t;
+  }
+  bool wait_for(const std::string& what, std::chrono::milliseconds timeout) {
+    return eventually(
+        [&] {
+          pump(50);
+          return text().find(what) != std::string::npos;
+        },
+        timeout);
+  }
+  void type(const std::string& s) { REQUIRE(::write(master, s.data(), s.size()) == static_cast<ssize_t>(s.size())); }
+  // Waits for the exit, reading the terminal meanwhile; the shell-style exit code or -1.
+  int wait_exit(std::chrono::milliseconds timeout) {
+    eventually(
+        [&] {
+          pump(50);
+          return ::waitpid(pid, &status, WNOHANG) == pid;
+        },
+        timeout);
+    while (status != -1 && pump(50)) {
+    }
+    if (status == -1) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+};
+
+char proc_state(pid_t pid) {
+  const std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  const auto close = stat.rfind(')');
+  return close == std::string::npos || close + 2 >= stat.size() ? '?' : stat[close + 2];
+}
+
+}  // namespace
+
+TEST_CASE("on a terminal the stdin rank runs pdb: its prompt shows at once and typed commands reach it") {
+  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/usr/bin/python3", "-c",
+             "import os, sys\n"
+             "x = 41\n"
+             "if os.environ['RANK'] == '0':\n"
+             "    breakpoint()\n"
+             "    print('after', x)\n"
+             "else:\n"
+             "    print('rank1 read', repr(sys.stdin.read()))\n"},
+            {{"PYTHONBREAKPOINT", "pdb.set_trace"}});
+  // The prompt has no newline: it must show before anything is typed.
+  REQUIRE(p.wait_for("[rank0]:(Pdb) ", 60s));
+  p.type("p x + 1\n");
+  REQUIRE(p.wait_for("42\n", 30s));
+  p.type("c\n");
+  CHECK(p.wait_exit(60s) == 0);
+  INFO(p.text());
+  CHECK(p.text().find("[rank0]:after 41\n") != std::string::npos);
+  CHECK(p.text().find("[rank0]:42\n") != std::string::npos);  // after the echoed line: a new line, prefixed
+  CHECK(p.text().find("[rank1]:rank1 read ''\n") != std::string::npos);  // the others read /dev/null
+}
+
+TEST_CASE("--stdin-rank picks the worker that reads the terminal, none gives every worker /dev/null") {
+  const std::string prog = "read line; echo \"rank $RANK got [$line]\"";
+  SECTION("--stdin-rank 1") {
+    PtyProc p({kMglaunch, "--nproc_per_node=2", "--stdin-rank", "1", "--no_python", "/bin/sh", "-c", prog});
+    REQUIRE(p.wait_for("[rank0]:rank 0 got []", 60s));
+    p.type("hello\n");
+    CHECK(p.wait_exit(60s) == 0);
+    INFO(p.text());
+    CHECK(p.text().find("[rank1]:rank 1 got [hello]") != std::string::npos);
+  }
+  SECTION("--stdin-rank none") {
+    PtyProc p({kMglaunch, "--nproc_per_node=2", "--stdin-rank=none", "--no_python", "/bin/sh", "-c", prog});
+    CHECK(p.wait_exit(60s) == 0);
+    INFO(p.text());
+    CHECK(p.text().find("[rank0]:rank 0 got []") != std::string::npos);
+    CHECK(p.text().find("[rank1]:rank 1 got []") != std::string::npos);
+  }
+  SECTION("a local rank this node does not have is exit 2") {
+    auto r = run({kMglaunch, "--nproc_per_node=2", "--stdin-rank=2", "--no_python", "/bin/true"});
+    CHECK(r.code == 2);
+    CHECK_THAT(r.err, Catch::StartsWith("mglaunch: error: bad --stdin-rank 2"));
+  }
+}
+
+TEST_CASE("Ctrl-Z stops the agent and every worker, SIGCONT (fg, bg) resumes them and the run completes") {
+  const std::string dir = make_temp_dir();
+  KillList kill_list{dir + "/pids"};
+  const std::string go = dir + "/go";
+  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
+             "echo $$$$ >> "  /* $$ after torchrun's ${local_rank} substitution */ + kill_list.pidfile + "; echo up; while [ ! -e " + go +
+                 " ]; do sleep 0.05; done; echo done"});
+  REQUIRE(p.wait_for("[rank1]:up", 60s));
+  REQUIRE(p.wait_for("[rank0]:up", 60s));
+  const auto workers = read_pids(kill_list.pidfile);
+  INFO(p.text() << "\npids: " << read_file(kill_list.pidfile));
+  REQUIRE(workers.size() == 2);
+  p.type("\x1a");  // Ctrl-Z
+  int st = 0;
+  REQUIRE(eventually([&] { return ::waitpid(p.pid, &st, WNOHANG | WUNTRACED) == p.pid; }, 30s));
+  CHECK(WIFSTOPPED(st));
+  for (pid_t w : workers) CHECK(eventually([&] { return proc_state(w) == 'T'; }, 30s));
+  write_text(go, "");
+  ::kill(p.pid, SIGCONT);
+  CHECK(p.wait_exit(60s) == 0);
+  INFO(p.text());
+  CHECK(p.text().find("[rank0]:done") != std::string::npos);
+  CHECK(p.text().find("[rank1]:done") != std::string::npos);
+}
+
+TEST_CASE("on a terminal partial lines show at once, a \\r gets the prefix, and two workers' lines never mix") {
+  const std::string dir = make_temp_dir();
+  // rank 0 leaves "half" open until rank 1 has written a whole line in between.
+  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
+             "if [ $RANK = 0 ]; then printf 'a\\rb\\n'; printf half; while [ ! -e " + dir +
+                 "/f1 ]; do sleep 0.05; done; echo ' rest'; else while [ ! -e " + dir +
+                 "/f0 ]; do sleep 0.05; done; echo other; fi"});
+  REQUIRE(p.wait_for("[rank0]:half", 60s));  // live: no newline yet
+  write_text(dir + "/f0", "");
+  REQUIRE(p.wait_for("[rank1]:other", 60s));
+  write_text(dir + "/f1", "");
+  CHECK(p.wait_exit(60s) == 0);
+  const std::string t = p.text();
+  INFO(t);
+  CHECK(t.find("[rank0]:a\r[rank0]:b\n") != std::string::npos);
+  CHECK(t.find("[rank0]:half\n[rank1]:other\n[rank0]: rest\n") != std::string::npos);
+}
+
+TEST_CASE("into a pipe or a file lines stay whole and byte for byte: no prefix after a \\r") {
+  auto r = run({kMglaunch, "--no_python", "/bin/sh", "-c", "printf 'a\\rb\\nhalf'; echo ' rest'"});
+  CHECK(r.code == 0);
+  CHECK(r.out == "[rank0]:a\rb\n[rank0]:half rest\n");
+}
+
+TEST_CASE("--log-line-prefix-template sets the prefix as torchrun's; an empty one gives raw lines") {
+  auto r = run({kMglaunch, "--nproc_per_node=2", "--role", "trainer",
+                "--log-line-prefix-template=[${role_name}${rank}|${local_rank}]:", "--no_python", "/bin/sh", "-c",
+                "echo hi"});
+  CHECK(r.code == 0);
+  CHECK(r.out.find("[trainer0|0]:hi\n") != std::string::npos);
+  CHECK(r.out.find("[trainer1|1]:hi\n") != std::string::npos);
+  auto raw = run({kMglaunch, "--nproc_per_node=2", "--log-line-prefix-template", "", "--no_python", "/bin/sh", "-c",
+                  "echo '{\"rank\": '$RANK'}'"});
+  CHECK(raw.code == 0);
+  auto lines = split_lines(raw.out);
+  std::sort(lines.begin(), lines.end());
+  CHECK(lines == std::vector<std::string>{"{\"rank\": 0}", "{\"rank\": 1}"});
+  auto env = run({kMglaunch, "--no_python", "/bin/sh", "-c", "echo hi"}, {{"PET_LOG_LINE_PREFIX_TEMPLATE", "<${rank}> "}});
+  CHECK(env.out == "<0> hi\n");
+}
+
+TEST_CASE("a Python worker that cannot import torch: the root cause names the interpreter and how to choose another") {
+  const std::string dir = make_temp_dir();
+  // A python3 first on PATH that lacks torch (as a venv without it would).
+  write_text(dir + "/python3",
+             "#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+             "echo \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n");
+  fs::permissions(dir + "/python3", fs::perms::owner_all);
+  write_text(dir + "/train.py", "import torch\n");
+  auto r = run({kMglaunch, dir + "/train.py"}, {{"PATH", dir + ":" + std::getenv("PATH")}});
+  INFO(r.out << r.err);
+  CHECK(r.code == 1);
+  CHECK_THAT(r.out + r.err, Catch::Contains("the worker ran under " + dir + "/python3 (python3 from PATH), which "
+                                            "cannot import torch") &&
+                                Catch::Contains("--python PATH") && Catch::Contains("MGLAUNCH_PYTHON=PATH"));
 }

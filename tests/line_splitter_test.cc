@@ -62,3 +62,32 @@ TEST_CASE("byte-by-byte feeding gives the same lines as one chunk") {
   CHECK(a.lines == b.lines);
   CHECK(a.cuts == b.cuts);
 }
+
+TEST_CASE("live relay puts the prefix at each visual line start, keeps CRLF, and holds a trailing \\r") {
+  std::string out;
+  mg::LiveLine st;
+  mg::live_relay(out, st, "P:", "50%");
+  CHECK(out == "P:50%");
+  CHECK_FALSE(st.at_start);
+  mg::live_relay(out, st, "P:", "\r60%\r");
+  CHECK(out == "P:50%\rP:60%");  // the last \r waits: it may start "\r\n"
+  CHECK(st.cr_pending);
+  mg::live_relay(out, st, "P:", "\n\n");
+  CHECK(out == "P:50%\rP:60%\r\nP:\n");  // CRLF as is; an empty line still gets its prefix
+  CHECK(st.at_start);
+  out.clear();
+  mg::live_relay(out, st, "P:", "\rfrom the start\n");  // a \r at a line start is dropped
+  CHECK(out == "P:from the start\n");
+  out.clear();
+  mg::LiveLine raw;
+  mg::live_relay(out, raw, "", "a\rb\nc");
+  CHECK(out == "a\rb\nc");
+}
+
+TEST_CASE("the line prefix template substitutes role_name, rank and local_rank as Python's safe_substitute") {
+  CHECK(mg::expand_line_prefix("[${role_name}${rank}]:", "default", 3, 1) == "[default3]:");
+  CHECK(mg::expand_line_prefix("$rank/$local_rank ", "r", 12, 4) == "12/4 ");
+  CHECK(mg::expand_line_prefix("$$${rank} ${unknown} $other $", "r", 5, 0) == "$5 ${unknown} $other $");
+  CHECK(mg::expand_line_prefix("${rank", "r", 5, 0) == "${rank");
+  CHECK(mg::expand_line_prefix("", "r", 5, 0).empty());
+}

@@ -1,6 +1,7 @@
 #include "rendezvous/etcd_log.h"
 
 #include <algorithm>
+#include <climits>
 
 #include <fmt/format.h>
 
@@ -175,6 +176,7 @@ std::optional<nlohmann::json> JsonStream::next() {
 
 namespace {
 constexpr const char* kKinds[] = {"join", "failed", "done", "lost", "tick"};
+constexpr std::int64_t kMaxEventTimeMs = 4'000'000'000'000;  // year 2096
 }
 
 nlohmann::json to_json(const Event& e) {
@@ -198,7 +200,12 @@ Event event_from_json(const nlohmann::json& j) {
     if (k == std::end(kKinds)) throw std::invalid_argument(fmt::format("unknown event kind '{}'", kind));
     e.kind = static_cast<Event::Kind>(k - std::begin(kKinds));
     e.agent = j.at("agent").get<std::string>();
-    e.t_ms = j.at("t").get<std::int64_t>();
+    if (e.agent.empty() || e.agent.size() > proto::kMaxTextBytes) throw std::invalid_argument("bad event agent");
+    // The writer's wall clock in ms: an integer, and one a steady_clock time_point can hold.
+    const auto& t = j.at("t");
+    if (!t.is_number_integer() || t.get<std::int64_t>() < 0 || t.get<std::int64_t>() > kMaxEventTimeMs)
+      throw std::invalid_argument("bad event time");
+    e.t_ms = t.get<std::int64_t>();
     std::string bad;
     switch (e.kind) {
       case Event::Kind::kJoin:
@@ -211,8 +218,16 @@ Event event_from_json(const nlohmann::json& j) {
         e.failed = j.at("failed").get<proto::WorkerFailed>();
         bad = proto::validate(e.failed);
         break;
-      case Event::Kind::kDone: e.round = j.at("round").get<int>(); break;
-      case Event::Kind::kLost: e.why = j.at("why").get<std::string>(); break;
+      case Event::Kind::kDone: {
+        const auto& r = j.at("round");
+        if (!r.is_number_integer() || r.get<std::int64_t>() < 0 || r.get<std::int64_t>() > INT32_MAX)
+          throw std::invalid_argument("bad event round");
+        e.round = r.get<int>();
+        break;
+      }
+      case Event::Kind::kLost:
+        e.why = proto::truncate_text(j.at("why").get<std::string>(), proto::kMaxTextBytes);
+        break;
       case Event::Kind::kTick: break;
     }
     if (!bad.empty()) throw std::invalid_argument("invalid event: " + bad);

@@ -110,6 +110,16 @@ TEST_CASE("events survive JSON and a malformed event is refused") {
   auto neg = to_json(j);
   neg["join"]["nproc"] = -5;
   CHECK_THROWS_AS(event_from_json(neg), std::invalid_argument);
+  // Times a steady_clock cannot hold and rounds that are not ints are refused, not wrapped.
+  for (const nlohmann::json& t : {nlohmann::json(-1), nlohmann::json(INT64_MAX), nlohmann::json(1.5e300), nlohmann::json("1")}) {
+    auto bad = to_json(j);
+    bad["t"] = t;
+    CHECK_THROWS_AS(event_from_json(bad), std::invalid_argument);
+  }
+  Event done = simple(Event::Kind::kDone, "a", T0);
+  auto big = to_json(done);
+  big["round"] = 1e300;
+  CHECK_THROWS_AS(event_from_json(big), std::invalid_argument);
 }
 
 TEST_CASE("every agent replaying the same log gets its own place in one consistent round") {

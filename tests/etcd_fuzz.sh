@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer target for the etcd backend's input side (gateway stream splitter,
+# base64, endpoint lists, events replayed into the Job) with clang (ASan + UBSan) and runs
+# it for SECONDS (default 20). Seeds: a watch response and a small job log.
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+seconds=${1:-20}
+out=${FUZZ_DIR:-$(mktemp -d)}
+clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
+  -I"$src" "$src/rendezvous/etcd_log.cc" "$src/rendezvous/job.cc" "$src/rendezvous/endpoint.cc" \
+  "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/tests/etcd_fuzz.cc" -o "$out/etcd_fuzz"
+mkdir -p "$out/corpus"
+printf '%s\n' '{"result":{"header":{"revision":"5"},"events":[{"kv":{"key":"YQ==","mod_revision":"5","value":"Yg=="}}]}}' \
+  > "$out/corpus/watch"
+j='"job_id":"job","agent_id":"A","host":"h","addr":"10.0.0.1","nproc":2,"min_nodes":2,"max_nodes":2,"max_restarts":1'
+printf '%s\n' "{\"kind\":\"join\",\"agent\":\"a\",\"t\":1700000000000,\"join\":{$j}}" \
+  "{\"kind\":\"join\",\"agent\":\"b\",\"t\":1700000000001,\"join\":{${j/10.0.0.1/10.0.0.2}}}" \
+  '{"kind":"failed","agent":"b","t":1700000000100,"failed":{"round":1,"host":"h","rank":3,"exit_code":7}}' \
+  '{"kind":"lost","agent":"a","t":1700000000200,"why":"lease"}' '{"kind":"tick","agent":"b","t":1700000999999}' \
+  '{"kind":"done","agent":"b","t":1700001000000,"round":1}' > "$out/corpus/log"
+exec "$out/etcd_fuzz" -max_total_time="$seconds" -max_len=8192 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus"

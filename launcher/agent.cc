@@ -340,6 +340,7 @@ void Agent::retire_workers() {
   // Finished handles are destroyed later: we may be inside one of their callbacks.
   for (auto& p : workers_) retired_.push_back(std::move(p));
   workers_.clear();
+  done_count_ = 0;
   asio::post(io_, [this] { retired_.clear(); });
 }
 
@@ -354,8 +355,28 @@ void Agent::start_attempt() {
   attempts_.push_back({restart_count_, std::chrono::system_clock::now(), 0, {}});
   attempt_start_ = std::chrono::steady_clock::now();
   if (trace_) attempt_since_us_ = trace_->now();
-  std::vector<std::string> base;
-  for (int lr = 0; lr < plan_.nproc_per_node; ++lr) {
+  spawned_ = 0;
+  done_count_ = 0;
+  spawn_batch(++attempt_gen_);
+}
+
+void Agent::spawn_batch(std::uint64_t gen) {
+  if (gen != attempt_gen_) return;  // an attempt that ended meanwhile
+  // A batch at a time, then back to the event loop: exits, end-of-file on the pipes of
+  // workers that already ended and failures are handled while the rest start, so a run
+  // of many short workers never holds all their descriptors and zombies at once.
+  constexpr int kBatch = 128;
+  const int end = std::min(plan_.nproc_per_node, spawned_ + kBatch);
+  while (state_ == State::kRunning && spawned_ < end) spawn_worker(spawned_++);
+  if (state_ == State::kRunning && spawned_ < plan_.nproc_per_node) {
+    asio::post(io_, [this, gen] { spawn_batch(gen); });
+    return;
+  }
+  port_hold_.reset();  // the workers may bind the master port now
+}
+
+void Agent::spawn_worker(int lr) {
+  {
     const std::string dir = attempt_dir(lr);
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -412,7 +433,6 @@ void Agent::start_attempt() {
     if (workers_.back()->pid() > 0) leaders_[workers_.back()->pid()] = workers_.back().get();
     if (stdin_pipe >= 0) ::close(stdin_pipe);  // the worker holds it now
   }
-  port_hold_.reset();  // the workers may bind the master port now
 }
 
 void Agent::rejoin() {
@@ -474,7 +494,10 @@ void Agent::on_worker_done(WorkerProcess& w) {
     root_cause_ = std::move(rc);
     stop_group(SIGTERM);
   }
-  const bool all_done = std::all_of(workers_.begin(), workers_.end(), [](const auto& p) { return p->done(); });
+  // Ranks still to start count while running; once stopping, they never will.
+  // (A count, not a scan of every worker per exit: linear in the worker count.)
+  const bool all_done = ++done_count_ == workers_.size() &&
+                        (spawned_ == plan_.nproc_per_node || state_ != State::kRunning);
   if (!all_done) return;
   if (trace_)
     trace_->complete(fmt::format("attempt {}", restart_count_), "attempt", 0, attempt_since_us_,

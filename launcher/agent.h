@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +58,11 @@ class Agent {
   enum class State { kRunning, kStopping, kWaiting, kDone };
 
   void start_attempt();
+  void spawn_batch(std::uint64_t gen);  // starts the next few workers of attempt `gen`
+  void spawn_worker(int local_rank);
+  int spawned_ = 0;                // workers of this attempt started so far
+  std::size_t done_count_ = 0;     // workers of this attempt reported done
+  std::uint64_t attempt_gen_ = 0;  // bumped by each start_attempt(): stale batches stop
   void start_rendezvous();
   void on_assignment(const proto::Assignment& a);
   void on_restart(const proto::Restart& r);

@@ -357,3 +357,14 @@ TEST_CASE("a Python worker that cannot import torch: the root cause names the in
                                             "cannot import torch") &&
                                 Catch::Contains("--python PATH") && Catch::Contains("MGLAUNCH_PYTHON=PATH"));
 }
+
+TEST_CASE("a worker failing while later workers are still being started stops the run with its exit code") {
+  // Workers start in batches; rank 0 fails at once, so the stop comes before every rank
+  // has started: the ranks not started yet are never started and the run still ends.
+  auto r = run({kMglaunch, "--nproc_per_node=600", "--grace=30", "--no_python", "/bin/sh", "-c",
+                "[ $RANK = 0 ] && exit 7; exec sleep 120"},
+               {}, 240s);
+  INFO(r.err.substr(0, 2000));
+  CHECK(r.code == 7);
+  CHECK_THAT(r.out + r.err, Catch::Contains("exitcode   : 7"));
+}

@@ -463,9 +463,10 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
        "Ignore the Slurm step mglaunch runs in (by default its SLURM_* variables fill the flags not given)");
 
   std::string monitor;
-  app.add_flag("--monitor{5}", monitor,
+  app.add_flag("--monitor", monitor,
                "Print each worker's CPU%/RSS (whole process tree) and each GPU's figures every SECONDS "
-               "(--monitor or --monitor=SECONDS, default 5)");
+               "(--monitor or --monitor=SECONDS, default 5)")
+      ->option_text("[=SECONDS]");
   app.add_option("--metrics-json,--metrics_json", o.metrics_json, "Append every monitor sample as one JSON line to FILE");
   app.add_option("--metrics-port,--metrics_port", o.metrics_port,
                  "Serve Prometheus metrics at http://METRICS-HOST:P/metrics (0 picks a port; printed)");
@@ -537,6 +538,7 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
       throw UsageError(fmt::format("--gpu_ids '{}' names {} GPUs but --nproc_per_node is {}: give one id per worker",
                                    gpu_ids, o.gpu_ids.size(), o.nproc_per_node));
   }
+  if (monitor == "true") monitor = "5";  // a bare --monitor (CLI11 gives a flag's value as "true")
   if (!monitor.empty()) {
     double v = -1;
     auto [p, ec] = std::from_chars(monitor.data(), monitor.data() + monitor.size(), v);

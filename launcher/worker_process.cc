@@ -88,9 +88,11 @@ int child_main(void* p) {
     return 0;
   };
   // Default dispositions before unblocking (exec would reset the caught ones, but a
-  // signal could come before it); ignored ones the agent set (SIGPIPE, SIGTTIN) too.
-  for (int sig = 1; sig < NSIG; ++sig) {
-    if (sig == SIGKILL || sig == SIGSTOP) continue;
+  // signal could come before it); ignored ones the agent set (SIGPIPE, SIGTTIN) too. Only
+  // the signals the agent (asio's signal_set) may catch: every system call here is time
+  // the agent waits (CLONE_VFORK).
+  for (int sig : {SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGPIPE, SIGALRM, SIGTERM, SIGCHLD, SIGCONT, SIGTSTP,
+                  SIGTTIN, SIGTTOU, SIGWINCH, SIGURG, SIGXFSZ}) {
     struct sigaction old {};
     if (::sigaction(sig, nullptr, &old) != 0) continue;
     const bool agent_ignores = sig == SIGPIPE || sig == SIGTTIN || sig == SIGTTOU;

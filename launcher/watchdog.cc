@@ -1,6 +1,8 @@
 #include "launcher/watchdog.h"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
@@ -10,11 +12,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <fmt/format.h>
 
-#include "launcher/worker_process.h"
 
 namespace mg {
 
@@ -30,6 +32,45 @@ bool environ_has_mark(std::string_view environ, std::string_view token) {
     environ.remove_prefix(end + 1);
   }
   return false;
+}
+
+bool parse_stat_ids(std::string_view text, StatIds& out) {
+  // "pid (comm) S ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
+  //  stime cutime cstime priority nice threads itrealvalue starttime ...": comm is
+  // everything up to the LAST ')'.
+  const auto open = text.find('(');
+  const auto close = text.rfind(')');
+  if (open == std::string_view::npos || close == std::string_view::npos || close < open) return false;
+  auto number = [](std::string_view& t, unsigned long long& v, bool& neg) {
+    while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
+    neg = !t.empty() && t.front() == '-';
+    if (neg) t.remove_prefix(1);
+    if (t.empty() || t.front() < '0' || t.front() > '9') return false;
+    v = 0;
+    while (!t.empty() && t.front() >= '0' && t.front() <= '9') {
+      if (v > (~0ULL - 9) / 10) return false;
+      v = v * 10 + static_cast<unsigned>(t.front() - '0');
+      t.remove_prefix(1);
+    }
+    return true;
+  };
+  unsigned long long v = 0;
+  bool neg = false;
+  std::string_view head = text.substr(0, open);
+  if (!number(head, v, neg) || neg || v == 0 || v > (1U << 30)) return false;
+  out.pid = static_cast<long>(v);
+  std::string_view rest = text.substr(close + 1);
+  while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
+  if (rest.empty()) return false;
+  out.state = rest.front();
+  rest.remove_prefix(1);
+  for (int field = 4; field <= 22; ++field) {
+    if (!number(rest, v, neg)) return false;
+    if (field == 4) out.ppid = neg ? -1 : static_cast<long>(v);
+    if (field == 5) out.pgrp = neg ? -1 : static_cast<long>(v);
+    if (field == 22) out.starttime = v;
+  }
+  return true;
 }
 
 namespace {
@@ -50,26 +91,68 @@ long read_small(const char* path, char* buf, std::size_t cap) {
 }
 
 // Writes "/proc/<pid>/<leaf>" into out (no allocation).
-void proc_path(char* out, const char* pid, const char* leaf) {
+void proc_path(char* out, long pid, const char* leaf) {
+  char digits[24];
+  int n = 0;
+  do {
+    digits[n++] = static_cast<char>('0' + pid % 10);
+    pid /= 10;
+  } while (pid > 0 && n < 20);
   char* p = out;
   for (const char* s = "/proc/"; *s;) *p++ = *s++;
-  for (const char* s = pid; *s;) *p++ = *s++;
+  while (n > 0) *p++ = digits[--n];
   *p++ = '/';
   for (const char* s = leaf; *s;) *p++ = *s++;
   *p = '\0';
 }
 
-// Big buffers live outside the child's stack; fork gives the child its own copy.
+// Appends text to the trace descriptor, if any (system calls only).
+void trace(int fd, const char* what, long n) {
+  if (fd < 0) return;
+  char line[96];
+  char* p = line;
+  for (const char* s = what; *s && p < line + 60;) *p++ = *s++;
+  *p++ = ' ';
+  char digits[24];
+  int k = 0;
+  do {
+    digits[k++] = static_cast<char>('0' + n % 10);
+    n /= 10;
+  } while (n > 0 && k < 20);
+  while (k > 0) *p++ = digits[--k];
+  *p++ = '\n';
+  [[maybe_unused]] ssize_t w = ::write(fd, line, static_cast<std::size_t>(p - line));
+}
+
+// All tables are static: the child of a threaded process may not allocate. fork gives
+// the watchdog its own copy; the agent never touches them (no cost to its memory).
+constexpr long kMaxPid = 1L << 22;  // the kernel's PID_MAX_LIMIT
+constexpr std::size_t kMaxProcs = 1 << 16;
+struct Entry {
+  long pid, ppid, pgrp;
+  unsigned long long starttime;
+};
+Entry g_table[kMaxProcs];      // the processes /proc shows, in the order it lists them
+std::size_t g_count = 0;
+Entry g_snapshot[kMaxProcs];  // the agent's descendants at the last snapshot, by pid
+std::size_t g_snapshot_count = 0;
+bool g_snapshot_sorted = true;
+unsigned char g_victim[kMaxPid / 8];  // a bit per pid
+Entry g_victims[kMaxProcs];           // each victim's identity, to re-check after stops
+std::size_t g_victim_count = 0;
 char g_environ_buf[1 << 20];
 char g_dents[1 << 15];
 
-// One pass over /proc: SIGKILL every marked process and its process group. Returns how
-// many marked processes were found alive.
-int kill_marked(std::string_view token) {
+bool bit(const unsigned char* bits, long pid) { return pid > 0 && pid < kMaxPid && (bits[pid >> 3] >> (pid & 7)) & 1; }
+void set_bit(unsigned char* bits, long pid) {
+  if (pid > 0 && pid < kMaxPid) bits[pid >> 3] = static_cast<unsigned char>(bits[pid >> 3] | (1 << (pid & 7)));
+}
+
+// Reads every process's ids into g_table (zombies and kernel threads are skipped).
+void scan() {
+  g_count = 0;
   const int dir = ::open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir < 0) return 0;
-  const pid_t self = ::getpid();
-  int found = 0;
+  if (dir < 0) return;
   for (;;) {
     const long n = ::syscall(SYS_getdents64, dir, g_dents, sizeof(g_dents));
     if (n <= 0) break;
@@ -88,46 +171,193 @@ int kill_marked(std::string_view token) {
       long pid = 0;
       bool numeric = true;
       for (const char* c = name; *c; ++c) {
-        if (*c < '0' || *c > '9') {
+        if (*c < '0' || *c > '9' || pid >= kMaxPid) {
           numeric = false;
           break;
         }
         pid = pid * 10 + (*c - '0');
       }
-      if (!numeric || pid == self || std::strlen(name) > 12) continue;
-      char path[64];
-      proc_path(path, name, "environ");
-      const long len = read_small(path, g_environ_buf, sizeof(g_environ_buf));
-      if (len <= 0) continue;  // gone, a zombie, a kernel thread, or not ours to read
-      if (!environ_has_mark(std::string_view(g_environ_buf, static_cast<std::size_t>(len)), token)) continue;
-      ++found;
-      char stat[1024];
-      proc_path(path, name, "stat");
-      const long slen = read_small(path, stat, sizeof(stat));
-      if (slen > 0)
-        if (auto st = parse_proc_stat(std::string_view(stat, static_cast<std::size_t>(slen))); st && st->pgrp > 1)
-          ::kill(-st->pgrp, SIGKILL);
-      ::kill(static_cast<pid_t>(pid), SIGKILL);
+      if (!numeric || g_count == kMaxProcs) continue;
+      char path[64], stat[1024];
+      proc_path(path, pid, "stat");
+      const long len = read_small(path, stat, sizeof(stat));
+      StatIds ids;
+      if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) continue;
+      if (ids.state == 'Z' || ids.ppid == 2 || ids.pid == 2) continue;  // dead already, or a kernel thread
+      g_table[g_count++] = Entry{ids.pid, ids.ppid, ids.pgrp, ids.starttime};
     }
   }
   ::close(dir);
+}
+
+// Marks in `bits` every process of g_table below one already marked; bounded passes.
+void close_under(unsigned char* bits) {
+  for (int pass = 0; pass < 256; ++pass) {
+    bool changed = false;
+    for (std::size_t i = 0; i < g_count; ++i)
+      if (!bit(bits, g_table[i].pid) && bit(bits, g_table[i].ppid)) {
+        set_bit(bits, g_table[i].pid);
+        changed = true;
+      }
+    if (!changed) break;
+  }
+}
+
+void clear_bits(unsigned char* bits, const Entry* entries, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (entries[i].pid > 0 && entries[i].pid < kMaxPid) bits[entries[i].pid >> 3] = 0;
+}
+
+// The agent's descendants now, into g_snapshot (g_victim is scratch space here).
+void take_snapshot(long agent, long self) {
+  scan();
+  set_bit(g_victim, agent);
+  close_under(g_victim);
+  g_snapshot_count = 0;
+  g_snapshot_sorted = true;
+  for (std::size_t i = 0; i < g_count; ++i) {
+    const Entry& e = g_table[i];
+    if (e.pid == self || e.pid == agent || !bit(g_victim, e.pid)) continue;
+    if (g_snapshot_count > 0 && g_snapshot[g_snapshot_count - 1].pid > e.pid) g_snapshot_sorted = false;
+    g_snapshot[g_snapshot_count++] = e;
+  }
+  clear_bits(g_victim, g_table, g_count);
+  if (agent > 0 && agent < kMaxPid) g_victim[agent >> 3] = 0;
+}
+
+bool in_snapshot(const Entry& e) {
+  if (g_snapshot_sorted) {
+    std::size_t lo = 0, hi = g_snapshot_count;
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (g_snapshot[mid].pid < e.pid)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo < g_snapshot_count && g_snapshot[lo].pid == e.pid && g_snapshot[lo].starttime == e.starttime;
+  }
+  for (std::size_t i = 0; i < g_snapshot_count; ++i)
+    if (g_snapshot[i].pid == e.pid) return g_snapshot[i].starttime == e.starttime;
+  return false;
+}
+
+bool carries_mark(long pid, std::string_view token) {
+  char path[64];
+  proc_path(path, pid, "environ");
+  const long len = read_small(path, g_environ_buf, sizeof(g_environ_buf));
+  return len > 0 && environ_has_mark(std::string_view(g_environ_buf, static_cast<std::size_t>(len)), token);
+}
+
+bool is_victim(const Entry& e) {
+  for (std::size_t i = 0; i < g_victim_count; ++i)
+    if (g_victims[i].pid == e.pid) return g_victims[i].starttime == e.starttime;
+  return false;
+}
+
+// One pass: finds the victims /proc shows now (see the header), SIGSTOPs the new ones and
+// returns how many new ones it found.
+std::size_t stop_new_victims(long self, std::string_view token, unsigned long long fresh_after) {
+  scan();
+  // Known victims and the snapshot's processes (still the same ones) seed the set.
+  for (std::size_t i = 0; i < g_count; ++i) {
+    const Entry& e = g_table[i];
+    if (e.pid == self) continue;
+    if (is_victim(e) || in_snapshot(e) || (e.starttime >= fresh_after && carries_mark(e.pid, token))) set_bit(g_victim, e.pid);
+  }
+  close_under(g_victim);
+  std::size_t found = 0;
+  for (std::size_t i = 0; i < g_count; ++i) {
+    const Entry& e = g_table[i];
+    if (e.pid == self || !bit(g_victim, e.pid) || is_victim(e) || g_victim_count == kMaxProcs) continue;
+    ::kill(static_cast<pid_t>(e.pid), SIGSTOP);
+    g_victims[g_victim_count++] = e;
+    ++found;
+  }
+  clear_bits(g_victim, g_table, g_count);
   return found;
 }
 
-[[noreturn]] void watchdog_main(int fd, const char* token, std::size_t token_len) {
+unsigned long long boot_ticks(long ticks_per_second) {
+  timespec ts{};
+  ::clock_gettime(CLOCK_BOOTTIME, &ts);
+  return static_cast<unsigned long long>(ts.tv_sec) * static_cast<unsigned long long>(ticks_per_second) +
+         static_cast<unsigned long long>(ts.tv_nsec) / (1000000000ULL / static_cast<unsigned long long>(ticks_per_second));
+}
+
+struct WatchArgs {
+  int pipe_fd, trace_fd;
+  long agent, ticks_per_second;
+  unsigned long long agent_start;
+  const char* token;
+  std::size_t token_len;
+};
+
+[[noreturn]] void watchdog_main(const WatchArgs& a) {
+  const long self = ::getpid();
+  const std::string_view token(a.token, a.token_len);
+  // Processes started after this tick cannot be in the snapshot: the token is believed.
+  unsigned long long fresh_after = a.agent_start;
+  long generation = 0;
+  int interval_ms = 1000;
   for (;;) {
-    char buf[64];
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n > 0 || (n < 0 && errno == EINTR)) continue;
-    break;  // end of file: the agent is gone
+    pollfd p{a.pipe_fd, POLLIN, 0};
+    const int r = ::poll(&p, 1, interval_ms);
+    if (r < 0 && errno == EINTR) continue;
+    if (r > 0) {
+      char buf[64];
+      const ssize_t n = ::read(a.pipe_fd, buf, sizeof(buf));
+      if (n > 0 || (n < 0 && (errno == EINTR || errno == EAGAIN))) continue;
+      break;  // end of file: the agent is gone
+    }
+    if (r < 0) break;
+    // A snapshot; the next one waits at least 50 times as long as this one took.
+    const unsigned long long before = boot_ticks(a.ticks_per_second);
+    timespec t0{}, t1{};
+    ::clock_gettime(CLOCK_MONOTONIC, &t0);
+    take_snapshot(a.agent, self);
+    ::clock_gettime(CLOCK_MONOTONIC, &t1);
+    fresh_after = before;
+    const long took_ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+    interval_ms = took_ms * 50 > 1000 ? static_cast<int>(took_ms * 50 < 30000 ? took_ms * 50 : 30000) : 1000;
+    trace(a.trace_fd, "snapshot", ++generation);
   }
-  const std::string_view tok(token, token_len);
+  // Stop every victim, rescanning until none is new (bounded), then kill them all.
+  std::size_t stopped = 0;
+  for (int round = 0; round < 50; ++round) {
+    const std::size_t found = stop_new_victims(self, token, fresh_after);
+    stopped += found;
+    if (found == 0) break;
+  }
+  trace(a.trace_fd, "stopped", static_cast<long>(stopped));
   for (int round = 0; round < 100; ++round) {
-    if (kill_marked(tok) == 0) break;
+    std::size_t alive = 0;
+    for (std::size_t i = 0; i < g_victim_count; ++i) {
+      char path[64], stat[1024];
+      proc_path(path, g_victims[i].pid, "stat");
+      const long len = read_small(path, stat, sizeof(stat));
+      StatIds ids;
+      if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) continue;
+      if (ids.starttime != g_victims[i].starttime || ids.state == 'Z') continue;  // gone (or its pid reused)
+      ++alive;
+      // Its group too, when the group's leader is a victim (e.g. a worker's group).
+      if (ids.pgrp > 1 && ids.pgrp == g_victims[i].pid) ::kill(static_cast<pid_t>(-ids.pgrp), SIGKILL);
+      ::kill(static_cast<pid_t>(g_victims[i].pid), SIGKILL);
+    }
+    trace(a.trace_fd, "kill round alive", static_cast<long>(alive));
+    if (alive == 0) break;
     timespec ts{0, 20 * 1000 * 1000};
     ::nanosleep(&ts, nullptr);
   }
   ::_exit(0);
+}
+
+// The start time (clock ticks after boot) of this process, 0 when unknown.
+unsigned long long own_starttime() {
+  char stat[1024];
+  const long len = read_small("/proc/self/stat", stat, sizeof(stat));
+  StatIds ids;
+  return len > 0 && parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids) ? ids.starttime : 0;
 }
 
 }  // namespace
@@ -146,16 +376,17 @@ bool Watchdog::start(std::string& error) {
     return false;
   }
   const int devnull = ::open("/dev/null", O_RDWR | O_CLOEXEC);
-  const char* token = token_.c_str();
-  const std::size_t token_len = token_.size();
+  int trace_fd = -1;
+  if (const char* path = std::getenv("MGLAUNCH_WATCHDOG_TRACE"); path && *path)
+    trace_fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  WatchArgs args{fds[0], trace_fd, static_cast<long>(::getpid()), ::sysconf(_SC_CLK_TCK), own_starttime(),
+                 token_.c_str(), token_.size()};
+  if (args.ticks_per_second <= 0) args.ticks_per_second = 100;
+  // No signal may run the agent's handlers in the child before it resets them.
+  sigset_t all, old;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &old);
   const pid_t pid = ::fork();
-  if (pid < 0) {
-    error = fmt::format("fork: {}", std::strerror(errno));
-    ::close(fds[0]);
-    ::close(fds[1]);
-    if (devnull >= 0) ::close(devnull);
-    return false;
-  }
   if (pid == 0) {
     // Only system calls from here on: the agent has threads.
     ::setpgid(0, 0);
@@ -167,15 +398,30 @@ bool Watchdog::start(std::string& error) {
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    const int keep = ::fcntl(fds[0], F_DUPFD, 10);  // out of the way of 0..3
+    const int keep = ::fcntl(fds[0], F_DUPFD, 10);  // out of the way of 0..4
+    const int keep_trace = trace_fd >= 0 ? ::fcntl(trace_fd, F_DUPFD, 10) : -1;
     if (devnull >= 0)
       for (int i = 0; i < 3; ++i) ::dup2(devnull, i);
     ::dup2(keep, 3);
-    ::syscall(SYS_close_range, 4U, ~0U, 0U);
-    watchdog_main(3, token, token_len);
+    args.pipe_fd = 3;
+    args.trace_fd = -1;
+    if (keep_trace >= 0) {
+      ::dup2(keep_trace, 4);
+      args.trace_fd = 4;
+    }
+    ::syscall(SYS_close_range, 5U, ~0U, 0U);
+    watchdog_main(args);
   }
+  const int fork_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
   ::close(fds[0]);
   if (devnull >= 0) ::close(devnull);
+  if (trace_fd >= 0) ::close(trace_fd);
+  if (pid < 0) {
+    error = fmt::format("fork: {}", std::strerror(fork_errno));
+    ::close(fds[1]);
+    return false;
+  }
   pid_ = pid;
   pipe_fd_ = fds[1];
   return true;

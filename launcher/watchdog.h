@@ -3,18 +3,30 @@
 // also after `kill -9` of the agent (PR_SET_PDEATHSIG reaches only the workers
 // themselves, and when the agent dies its descendants are handed to init, out of reach).
 //
-// Every worker gets MGLAUNCH_RUN_MARK in its environment, holding a random token of this
-// agent (appended to an outer agent's, when mglaunch runs inside a worker); a process
-// keeps its environment across fork and exec unless it clears it, so the token marks the
-// workers' children, grandchildren and daemons, even those that left the worker's process
-// group or session. The watchdog holds the read end of a pipe whose write end only the
-// agent holds; when it reads end-of-file (the agent exited or died) it SIGKILLs every
-// process whose /proc/PID/environ holds the token and every process group that holds
-// such a process, in rounds until none is left (bounded), and exits.
+// While the agent lives, the watchdog takes a snapshot of the agent's descendants
+// (pid and start time, from /proc) about once a second; the agent is a child subreaper,
+// so every process a worker started, even one that called setsid() or double-forked,
+// stays below the agent. Every worker also gets MGLAUNCH_RUN_MARK in its environment,
+// holding a random token of this agent (appended to an outer agent's, when mglaunch runs
+// inside a worker). The watchdog holds the read end of a pipe whose write end only the
+// agent holds; when it reads end-of-file (the agent exited or died) it stops, then
+// SIGKILLs:
+//   - every process of the last snapshot that is still the same process (same start
+//     time: a reused pid is spared), whatever it did to its environment or name;
+//   - every descendant of those, as /proc shows them then;
+//   - every process carrying the token that started after the last snapshot (it could
+//     not be in it yet: a daemon started in the agent's last second). A process that
+//     carries the token but was already alive, and not a descendant, at the last snapshot
+//     is not ours (a copied environment: tmux, at, a batch job) and is spared;
+//   - the process groups whose leader is one of those.
+// It first SIGSTOPs each victim and rescans until no new one appears (a process cannot
+// fork past it), then SIGKILLs them all, in bounded rounds, and exits.
 //
 // The watchdog runs in its own process group (no terminal signal reaches it: Ctrl-C,
 // Ctrl-Z), ignores SIGINT, SIGHUP, SIGTERM, SIGQUIT and SIGTSTP, holds no descriptor of
 // the agent but its pipe, and uses only system calls after fork (the agent has threads).
+// MGLAUNCH_WATCHDOG_TRACE=FILE (a diagnostic and test seam) makes it append one line per
+// snapshot ("snapshot N") and per kill round to FILE.
 #pragma once
 
 #include <sys/types.h>
@@ -29,6 +41,14 @@ inline constexpr const char* kRunMarkVar = "MGLAUNCH_RUN_MARK";
 // True when the NUL-separated environment block `environ` holds `token` in the value of
 // MGLAUNCH_RUN_MARK. Pure; async-signal-safe.
 bool environ_has_mark(std::string_view environ, std::string_view token);
+
+// The fields of /proc/PID/stat the watchdog uses. Pure; async-signal-safe.
+struct StatIds {
+  long pid = 0, ppid = 0, pgrp = 0;
+  char state = '?';
+  unsigned long long starttime = 0;  // clock ticks after boot
+};
+bool parse_stat_ids(std::string_view text, StatIds& out);
 
 class Watchdog {
  public:

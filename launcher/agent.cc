@@ -760,6 +760,7 @@ mon::AgentFacts Agent::monitor_facts() const {
     t.rank = w->spec().rank;
     t.local_rank = w->spec().local_rank;
     t.pid = w->pid();
+    t.reaped = w->exited();
     if (!w->exited()) t.state = state_ == State::kStopping ? "stopping" : "running";
     else t.state = w->wait_status() == 0 ? "exited" : "failed";
     f.ranks.push_back(std::move(t));

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <unordered_set>
 
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
@@ -108,26 +109,25 @@ std::optional<std::uint64_t> parse_status_rss(std::string_view text) {
   return std::nullopt;
 }
 
-std::vector<const ProcEntry*> process_tree(const ProcTable& table, pid_t root) {
+std::vector<const ProcEntry*> process_tree(const ProcTable& table, pid_t root, bool root_reaped) {
   std::vector<const ProcEntry*> out;
-  std::set<pid_t> in;
+  std::unordered_set<pid_t> in;
   // The root and its group first, then breadth-first over parent links from every member.
   for (const auto& e : table) {
     if (e.stat.state == 'Z') continue;
-    if (e.stat.pid == root || e.stat.pgrp == root) {
+    if ((e.stat.pid == root && !root_reaped) || e.stat.pgrp == root) {
       if (in.insert(e.stat.pid).second) out.push_back(&e);
     }
   }
-  std::vector<pid_t> frontier(in.begin(), in.end());
-  frontier.push_back(root);  // a zombie root's children still belong to it
+  std::unordered_set<pid_t> frontier(in.begin(), in.end());
+  if (!root_reaped) frontier.insert(root);  // a zombie root's children still belong to it
   for (int depth = 0; !frontier.empty() && depth < 4096; ++depth) {
-    std::vector<pid_t> next;
+    std::unordered_set<pid_t> next;
     for (const auto& e : table) {
-      if (in.count(e.stat.pid) || std::find(frontier.begin(), frontier.end(), e.stat.ppid) == frontier.end()) continue;
-      if (e.stat.state == 'Z') continue;
+      if (e.stat.state == 'Z' || in.count(e.stat.pid) || !frontier.count(e.stat.ppid)) continue;
       in.insert(e.stat.pid);
       out.push_back(&e);
-      next.push_back(e.stat.pid);
+      next.insert(e.stat.pid);
     }
     frontier = std::move(next);
   }
@@ -159,7 +159,7 @@ std::vector<RankUsage> measure_ranks(const ProcTable& table, const std::vector<R
     RankUsage u;
     u.target = t;
     if (t.pid > 0) {
-      const auto tree = process_tree(table, t.pid);
+      const auto tree = process_tree(table, t.pid, t.reaped);
       u.processes = static_cast<int>(tree.size());
       for (const auto* e : tree) u.rss_bytes += e->rss_bytes;
       TickMap ticks = ticks_of(tree);
@@ -177,7 +177,7 @@ void attribute_gpus(std::vector<RankUsage>& ranks, const ProcTable& table, const
     r.gpu_memory.clear();
     if (r.target.pid <= 0) continue;
     std::set<pid_t> tree;
-    for (const auto* e : process_tree(table, r.target.pid)) tree.insert(e->stat.pid);
+    for (const auto* e : process_tree(table, r.target.pid, r.target.reaped)) tree.insert(e->stat.pid);
     for (const auto& g : gpus)
       for (const auto& p : g.processes) {
         if (!tree.count(static_cast<pid_t>(p.pid))) continue;
@@ -334,7 +334,7 @@ void read_tree_rss(ProcTable& table, const std::vector<RankTarget>& ranks, const
   std::set<pid_t> wanted;
   for (const auto& r : ranks)
     if (r.pid > 0)
-      for (const auto* e : process_tree(table, r.pid)) wanted.insert(e->stat.pid);
+      for (const auto* e : process_tree(table, r.pid, r.reaped)) wanted.insert(e->stat.pid);
   for (auto& e : table)
     if (wanted.count(e.stat.pid))
       e.rss_bytes = parse_status_rss(read_small(fmt::format("{}/{}/status", root, e.stat.pid), 16384)).value_or(0);

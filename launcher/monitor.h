@@ -55,7 +55,10 @@ using ProcTable = std::vector<ProcEntry>;
 // The process tree of a worker: `root`, its living descendants and the living members of
 // its process group (a daemonised grandchild is re-parented to the agent but keeps the
 // group unless it called setsid). Zombies are left out. Pure; each pid at most once.
-std::vector<const ProcEntry*> process_tree(const ProcTable& table, pid_t root);
+// Once the worker was reaped (`root_reaped`), its pid may belong to an unrelated new
+// process: only the members of its process group are its tree then (the kernel does not
+// reuse a pid while a group still carries it).
+std::vector<const ProcEntry*> process_tree(const ProcTable& table, pid_t root, bool root_reaped = false);
 
 // CPU ticks by process (pid, start time), for CPU% between two samples.
 using TickMap = std::map<std::pair<pid_t, std::uint64_t>, std::uint64_t>;
@@ -73,6 +76,7 @@ struct RankTarget {
   int rank = 0, local_rank = 0;
   pid_t pid = -1;
   std::string state;  // "running", "exited", "failed", "stopping"
+  bool reaped = false;  // the worker itself exited and was reaped: its pid may be reused
 };
 
 struct RankUsage {

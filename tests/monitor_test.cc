@@ -131,6 +131,21 @@ TEST_CASE("a worker's tree holds its descendants and its process group, not zomb
   CHECK(process_tree(table, 999).empty());
 }
 
+TEST_CASE("a reaped worker's pid taken by a stranger is not counted: only its group is its tree") {
+  const ProcTable table = {
+      entry(50, 1, 50),     // the agent
+      entry(100, 1, 100),   // a stranger that got the reaped worker's pid 100 (a group of its own)
+      entry(101, 100, 100), // the stranger's child
+      entry(103, 50, 300),  // the reaped worker 300's daemon, re-parented to the agent, still in its group
+      entry(104, 103, 300),
+  };
+  CHECK(pids_of(process_tree(table, 300, true)) == std::set<pid_t>{103, 104});
+  // The process that has a reaped worker's pid (in another group) is a stranger; while
+  // the worker is not reaped, that pid is the worker.
+  CHECK(pids_of(process_tree({entry(100, 1, 77), entry(101, 100, 77)}, 100, true)).empty());
+  CHECK(pids_of(process_tree({entry(100, 1, 77), entry(101, 100, 77)}, 100, false)) == std::set<pid_t>{100, 101});
+}
+
 TEST_CASE("CPU percent counts the ticks each process gained, and all ticks of one born meanwhile") {
   TickMap before = {{{100, 5}, 100}, {{101, 6}, 40}};
   TickMap after = {{{100, 5}, 150}, {{102, 9}, 50}};  // 101 ended, 102 is new

@@ -718,10 +718,10 @@ void Agent::notice(const std::string& text) { console_.write(1, "[mglaunch] " + 
 
 void Agent::start_ops() {
   if (!opts_.trace_file.empty()) {
-    trace_fd_ = ::open(opts_.trace_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    trace_fd_ = open_output_file(opts_.trace_file, O_TRUNC);
     if (trace_fd_ < 0)
       throw UsageError(fmt::format("--trace '{}' cannot be written: {}; pick a file you can write", opts_.trace_file,
-                                   std::strerror(errno)));
+                                   errno == ENXIO ? "a FIFO that no process reads" : std::strerror(errno)));
     trace_ = std::make_unique<TraceWriter>([this](std::string_view text) { console_.write_file(trace_fd_, text); },
                                            ::getpid(), fmt::format("mglaunch {} {}", local_hostname(), plan_.run_id));
     for (int lr = 0; lr < plan_.nproc_per_node; ++lr)

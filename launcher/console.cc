@@ -1,5 +1,6 @@
 #include "launcher/console.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -293,6 +294,13 @@ void Console::when_uncongested(std::function<void()> resume) {
     return;
   }
   async_->when_uncongested(std::move(resume));
+}
+
+int open_output_file(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | flags, 0644);
+  if (fd < 0) return -1;
+  if (const int fl = ::fcntl(fd, F_GETFL); fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
 }
 
 }  // namespace mg

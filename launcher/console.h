@@ -101,4 +101,10 @@ class Console {
 // errors (a closed console must not kill the agent).
 void write_all(int fd, std::string_view data);
 
+// Opens an output file (a trace, a metrics log) for writing without ever blocking: a FIFO
+// that no process reads is refused (ENXIO) instead of hanging the agent before any worker
+// starts. The descriptor returned is blocking again (the console's writer thread writes it).
+// -1 with errno set on failure. `flags` adds O_TRUNC or O_APPEND.
+int open_output_file(const std::string& path, int flags);
+
 }  // namespace mg

@@ -498,10 +498,10 @@ bool Sampler::request(std::vector<RankTarget> ranks, int node_rank, int round, i
 AgentMonitor::AgentMonitor(boost::asio::io_context& io, Console& console, MonitorOptions opts, Facts facts, Notice notice)
     : console_(console), opts_(std::move(opts)), facts_(std::move(facts)), notice_(std::move(notice)), timer_(io) {
   if (!opts_.json_file.empty()) {
-    json_fd_ = ::open(opts_.json_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    json_fd_ = open_output_file(opts_.json_file, O_APPEND);
     if (json_fd_ < 0)
       throw std::runtime_error(fmt::format("--metrics-json '{}' cannot be opened for appending: {}; pick a file you can write",
-                                           opts_.json_file, std::strerror(errno)));
+                                           opts_.json_file, errno == ENXIO ? "a FIFO that no process reads" : std::strerror(errno)));
   }
   if (opts_.metrics_port >= 0) {
     try {

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -420,6 +421,14 @@ TEST_CASE("agent --trace and --metrics-json files that cannot be written are usa
     CHECK(r.code == 2);
     CHECK_THAT(r.err, Catch::StartsWith("mglaunch: error: " + flag + " '" + dir + "/no/such/dir/file'"));
     CHECK(split_lines(r.err).size() == 1);
+  }
+  // A FIFO that no process reads would block open(2) for ever: refused at once instead.
+  const std::string fifo = dir + "/fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  for (const std::string flag : {"--trace", "--metrics-json"}) {
+    auto r = run(launch({flag, fifo}, {"pidfile", dir + "/ran"}), {}, 60s);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.err, Catch::Contains("a FIFO that no process reads"));
   }
   CHECK_FALSE(std::filesystem::exists(dir + "/ran"));
 }

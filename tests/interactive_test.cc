@@ -252,7 +252,7 @@ TEST_CASE("on a terminal the stdin rank runs pdb: its prompt shows at once and t
   CHECK(p.text().find("[rank1]:rank1 read ''\n") != std::string::npos);  // the others read /dev/null
 }
 
-TEST_CASE("--stdin-rank picks the worker that reads the terminal, none gives every worker /dev/null") {
+TEST_CASE("the --stdin-rank flag picks the worker that reads the terminal, none gives every worker /dev/null") {
   const std::string prog = "read line; echo \"rank $RANK got [$line]\"";
   SECTION("--stdin-rank 1") {
     PtyProc p({kMglaunch, "--nproc_per_node=2", "--stdin-rank", "1", "--no_python", "/bin/sh", "-c", prog});
@@ -301,7 +301,7 @@ TEST_CASE("Ctrl-Z stops the agent and every worker, SIGCONT (fg, bg) resumes the
   CHECK(p.text().find("[rank1]:done") != std::string::npos);
 }
 
-TEST_CASE("on a terminal partial lines show at once, a \\r gets the prefix, and two workers' lines never mix") {
+TEST_CASE("on a terminal partial lines show at once, a carriage return gets the prefix, and two workers' lines never mix") {
   const std::string dir = make_temp_dir();
   // rank 0 leaves "half" open until rank 1 has written a whole line in between.
   PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
@@ -319,13 +319,13 @@ TEST_CASE("on a terminal partial lines show at once, a \\r gets the prefix, and 
   CHECK(t.find("[rank0]:half\n[rank1]:other\n[rank0]: rest\n") != std::string::npos);
 }
 
-TEST_CASE("into a pipe or a file lines stay whole and byte for byte: no prefix after a \\r") {
+TEST_CASE("into a pipe or a file lines stay whole and byte for byte: no prefix after a carriage return") {
   auto r = run({kMglaunch, "--no_python", "/bin/sh", "-c", "printf 'a\\rb\\nhalf'; echo ' rest'"});
   CHECK(r.code == 0);
   CHECK(r.out == "[rank0]:a\rb\n[rank0]:half rest\n");
 }
 
-TEST_CASE("--log-line-prefix-template sets the prefix as torchrun's; an empty one gives raw lines") {
+TEST_CASE("the --log-line-prefix-template flag sets the prefix as torchrun's and an empty one gives raw lines") {
   auto r = run({kMglaunch, "--nproc_per_node=2", "--role", "trainer",
                 "--log-line-prefix-template=[${role_name}${rank}|${local_rank}]:", "--no_python", "/bin/sh", "-c",
                 "echo hi"});

@@ -63,7 +63,7 @@ TEST_CASE("byte-by-byte feeding gives the same lines as one chunk") {
   CHECK(a.cuts == b.cuts);
 }
 
-TEST_CASE("live relay puts the prefix at each visual line start, keeps CRLF, and holds a trailing \\r") {
+TEST_CASE("live relay puts the prefix at each visual line start, keeps CRLF, and holds a trailing carriage return") {
   std::string out;
   mg::LiveLine st;
   mg::live_relay(out, st, "P:", "50%");

@@ -1,0 +1,65 @@
+// mgtrain's pure option, environment and mode rules (no torch, no process).
+#include <catch2/catch.hpp>
+
+#include "worker/options.h"
+
+using namespace mg::train;
+
+namespace {
+Options parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "mgtrain");
+  return parse_options(static_cast<int>(args.size()), args.data()).options;
+}
+}  // namespace
+
+TEST_CASE("mgtrain's DDP flags parse with DDP's defaults") {
+  auto d = parse({});
+  CHECK(d.broadcast_buffers);
+  CHECK_FALSE(d.find_unused_parameters);
+  CHECK_FALSE(d.static_graph);
+  CHECK_FALSE(d.sync_batchnorm);
+  CHECK(d.mode == "auto");
+  auto o = parse({"--find-unused-parameters", "--static-graph", "--no-broadcast-buffers", "--sync-batchnorm", "--model",
+                  "resnet", "--mode", "data-parallel"});
+  CHECK(o.find_unused_parameters);
+  CHECK(o.static_graph);
+  CHECK_FALSE(o.broadcast_buffers);
+  CHECK(o.sync_batchnorm);
+  CHECK(o.model == "resnet");
+  CHECK(o.mode == "ddp");  // the guides' DataParallel maps to DDP
+}
+
+TEST_CASE("mgtrain's bad flags are usage errors that point at --help") {
+  CHECK_THROWS_AS(parse({"--model", "resnet50"}), UsageError);
+  CHECK_THROWS_WITH(parse({"--mode", "threads"}), Catch::Contains("--help"));
+  CHECK_THROWS_WITH(parse({"--reducer", "c10d", "--comm-dtype", "bf16"}), Catch::Contains("--reducer mgtrain"));
+  CHECK_THROWS_WITH(parse({"--max-bytes", "12X"}), Catch::Contains("bad byte size '12X'"));
+  CHECK(parse_bytes("64K") == 64 * 1024);
+  CHECK(parse_bytes("1.5M") == 3 * 512 * 1024);
+}
+
+TEST_CASE("the training mode is single without a launcher and ddp under one") {
+  Options o;
+  auto bare = read_env({});
+  CHECK_FALSE(bare.launched);
+  CHECK(resolve_mode(o, bare) == Mode::single);
+  auto one = read_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  CHECK(resolve_mode(o, one) == Mode::ddp);
+  auto two = read_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}});
+  CHECK(two.rank == 1);
+  CHECK(resolve_mode(o, two) == Mode::ddp);
+  o.mode = "ddp";
+  CHECK(resolve_mode(o, bare) == Mode::ddp);
+  o.mode = "single";
+  CHECK(resolve_mode(o, one) == Mode::single);
+  CHECK_THROWS_WITH(resolve_mode(o, two), Catch::Contains("--mode single with WORLD_SIZE=2"));
+  o.mode = "auto";
+  o.bench = "allreduce";  // the benchmark needs a process group even alone
+  CHECK(resolve_mode(o, bare) == Mode::ddp);
+}
+
+TEST_CASE("a torchrun environment that does not add up is a usage error") {
+  CHECK_THROWS_WITH(read_env({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}), Catch::Contains("RANK=2 WORLD_SIZE=2"));
+  CHECK_THROWS_WITH(read_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}}), Catch::Contains("MASTER_PORT is not set"));
+  CHECK_THROWS_WITH(read_env({{"WORLD_SIZE", "two"}}), Catch::Contains("WORLD_SIZE='two' is not an integer"));
+}

@@ -2,6 +2,8 @@
 // broadcasts, checkpoints, stop agreement, evaluation and the summary.
 #include "worker/trainer.h"
 
+#include <sys/resource.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -80,6 +82,15 @@ std::string sha256_of(const std::vector<torch::Tensor>& tensors) {
   std::string hex;
   for (unsigned char ch : md) hex += fmt::format("{:02x}", ch);
   return hex;
+}
+
+// CPU seconds of this process (all threads): samples per CPU second compares trainers
+// fairly on a machine that other jobs load.
+double cpu_seconds() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
 std::string with_rank(std::string path, int rank) {
@@ -165,6 +176,7 @@ int train(const Options& o, Comm& comm) {
                 reducer ? reducer->bucket_count() : std::size_t{0});
 
   auto t_start = clock::now();
+  const double cpu_start = cpu_seconds();
   std::int64_t samples_done = 0, steps_this_run = 0;
   double last_loss = 0, test_acc = 0;
   auto stop_flag = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
@@ -283,11 +295,13 @@ int train(const Options& o, Comm& comm) {
   broadcast_buffers();  // the final model is the one the next forward would see
   const double secs = std::chrono::duration<double>(clock::now() - t_start).count();
   const double sps = static_cast<double>(samples_done) / std::max(secs, 1e-9);
+  // Every rank did the same work: samples of all ranks over (this rank's CPU time x world).
+  const double sp_cpu = static_cast<double>(samples_done) / std::max((cpu_seconds() - cpu_start) * comm.world, 1e-9);
   const auto tensors = state_tensors(*model.module);
   const std::string digest = sha256_of(tensors);
   if (lead) {
-    std::printf("done: %lld steps, %.0f samples/s, test accuracy %.4f, weights sha256 %s\n",
-                static_cast<long long>(state.step), sps, test_acc, digest.c_str());
+    std::printf("done: %lld steps, %.0f samples/s, %.0f per cpu-s, test accuracy %.4f, weights sha256 %s\n",
+                static_cast<long long>(state.step), sps, sp_cpu, test_acc, digest.c_str());
     std::fflush(stdout);
   }
   if (!o.summary_json.empty()) {
@@ -300,6 +314,7 @@ int train(const Options& o, Comm& comm) {
                         {"final_train_loss", last_loss},
                         {"test_accuracy", test_acc},
                         {"samples_per_sec", sps},
+                        {"samples_per_cpu_sec", sp_cpu},
                         {"restart_count", std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT")) : 0},
                         {"weights_sha256", digest},
                         {"params_sha256", sha256_of(params)},

@@ -1,5 +1,9 @@
 """The Python twin of mgtrain: same model, data, optimizer and hyper-parameters in
-PyTorch DDP, reading the same gzipped IDX files without torchvision.
+PyTorch DDP, reading the same gzipped IDX files without torchvision. It also makes
+mgtrain's model-level choices (the same forward graph: pool before ReLU, in-place ReLUs;
+channels-last CNN and inputs on CPU; gradients reset to None; evaluation in chunks of
+1000), so that a comparison measures the trainers; --legacy runs the earlier twin
+(ReLU then pool, NCHW, zero-filled gradients, one evaluation batch) for the old ratio.
 
     ../shared/peers/torchrun --standalone --nproc_per_node=2 examples/ddp_fashion_mnist.py
     mglaunch --standalone --nproc_per_node=2 --python /usr/bin/python3 examples/ddp_fashion_mnist.py
@@ -20,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 MEAN, STD = 0.2860, 0.3530
+LEGACY = False
 
 
 def load_idx(data_dir, train, limit):
@@ -45,9 +50,14 @@ class Cnn(nn.Module):
         self.fc2 = nn.Linear(128, 10)
 
     def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+        if LEGACY:
+            x = F.relu(self.conv1(x))
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+            return self.fc2(F.relu(self.fc1(x.flatten(1))))
+        # mgtrain's graph: max-pool and ReLU commute, so pool first; in-place ReLUs.
+        x = self.conv1(x).relu_()
+        x = F.max_pool2d(self.conv2(x), 2).relu_()
+        return self.fc2(self.fc1(x.flatten(1)).relu_())
 
 
 class Mlp(nn.Module):
@@ -71,20 +81,28 @@ def main():
     p.add_argument("--train-subset", type=int, default=-1)
     p.add_argument("--test-subset", type=int, default=-1)
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--legacy", action="store_true", help="the earlier twin: NCHW, ReLU before pool, zeroed grads")
     args = p.parse_args()
+    global LEGACY
+    LEGACY = args.legacy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     train_x, train_y = load_idx(args.data_dir, True, args.train_subset)
     test_x, test_y = load_idx(args.data_dir, False, args.test_subset)
     torch.manual_seed(args.seed)
-    model = DDP(Cnn() if args.model == "cnn" else Mlp())
+    net = Cnn() if args.model == "cnn" else Mlp()
+    if args.model == "cnn" and not LEGACY:  # mgtrain runs its CNN channels-last on CPU
+        net = net.to(memory_format=torch.channels_last)
+        train_x = train_x.contiguous(memory_format=torch.channels_last)
+        test_x = test_x.contiguous(memory_format=torch.channels_last)
+    model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     sampler = DistributedSampler(range(len(train_y)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     steps_per_epoch = math.ceil(sampler.num_samples / args.batch_size)
     if rank == 0:
         print(f"ddp_fashion_mnist: {args.model}, world {world}, {steps_per_epoch} steps/epoch", flush=True)
-    start, samples, step = time.time(), 0, 0
+    start, cpu_start, samples, step = time.time(), time.process_time(), 0, 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         idx = torch.tensor(list(sampler))
@@ -92,7 +110,7 @@ def main():
         for b in range(0, len(idx), args.batch_size):
             bi = idx[b:b + args.batch_size]
             x, y = train_x[bi], train_y[bi]
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not LEGACY)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
@@ -104,14 +122,18 @@ def main():
         model.eval()
         with torch.no_grad():
             shard = torch.arange(rank, len(test_y), world)
-            correct = (model(test_x[shard]).argmax(1) == test_y[shard]).sum().item()
+            chunk = len(shard) if LEGACY else 1000
+            correct = sum((model(test_x[shard[b:b + chunk]]).argmax(1) == test_y[shard[b:b + chunk]]).sum().item()
+                          for b in range(0, len(shard), chunk))
         stats = torch.tensor([correct, len(shard)], dtype=torch.float64)
         dist.all_reduce(stats)
         acc = (stats[0] / stats[1]).item()
         if rank == 0:
             print(f"epoch {epoch + 1} test accuracy {acc:.4f}", flush=True)
     if rank == 0:
-        print(f"done: {step} steps, {samples / (time.time() - start):.0f} samples/s, test accuracy {acc:.4f}", flush=True)
+        cpu = (time.process_time() - cpu_start) * world  # every rank did the same work
+        print(f"done: {step} steps, {samples / (time.time() - start):.0f} samples/s, {samples / cpu:.0f} per cpu-s, "
+              f"test accuracy {acc:.4f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -338,6 +338,12 @@ void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
     if (key == "store_type" || key == "use_agent_store" || key == "close_timeout" ||
         key == "timeout" || key == "read_timeout")
       continue;
+    static constexpr std::string_view kValid =
+        "join_timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt, is_host, protocol, "
+        "cacert, cert, key, user or etcd_prefix";
+    if (key != "join_timeout" && key != "last_call_timeout" && key != "keep_alive_interval" &&
+        key != "keep_alive_max_attempt")
+      throw UsageError(fmt::format("unknown --rdzv_conf key '{}': use {}", key, kValid));
     double v = -1;
     try {
       std::size_t used = 0;
@@ -350,11 +356,7 @@ void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
     if (key == "join_timeout") o.join_timeout = ms;
     else if (key == "last_call_timeout") o.last_call_timeout = ms;
     else if (key == "keep_alive_interval") o.keep_alive_interval = std::max(ms, std::chrono::milliseconds(10));
-    else if (key == "keep_alive_max_attempt") o.keep_alive_max_attempt = std::max(1, static_cast<int>(v));
-    else
-      throw UsageError(fmt::format("unknown --rdzv_conf key '{}': use join_timeout, last_call_timeout, "
-                                   "keep_alive_interval or keep_alive_max_attempt",
-                                   key));
+    else o.keep_alive_max_attempt = std::max(1, static_cast<int>(v));
   }
 }
 
@@ -596,6 +598,13 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
                                  nnodes, o.rdzv_backend));
   }
   if (!o.rdzv_conf.empty()) apply_rdzv_conf(o, o.rdzv_conf);
+  if (o.rdzv_backend == "etcd" && !o.etcd_cacert.empty() && !o.etcd_https && !o.rdzv_endpoint.empty()) {
+    for (const auto& ep : mg::rdzv::etcd::parse_endpoints(o.rdzv_endpoint))
+      if (!ep.tls)
+        throw UsageError(fmt::format("--rdzv_conf cacert='{}' is for TLS but the etcd endpoint {}:{} is plain http: add "
+                                     "protocol=https to --rdzv_conf (or write it https://HOST:PORT)",
+                                     o.etcd_cacert, ep.host, ep.port));
+  }
   if (auto it = env.find("MGLAUNCH_RDZV_TOKEN"); it != env.end()) o.rdzv_token = it->second;
   if (auto it = env.find("MGLAUNCH_RDZV_JOB_TOKEN"); it != env.end()) {
     o.rdzv_job_token = it->second;

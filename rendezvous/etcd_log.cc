@@ -38,6 +38,8 @@ std::vector<Endpoint> parse_endpoints(std::string_view text) {
     auto parsed = parse_endpoint(item, 2379);  // throws invalid_argument naming the item
     ep.host = parsed.host;
     ep.port = parsed.port;
+    if (ep.port == 0)
+      throw std::invalid_argument(fmt::format("etcd endpoint '{}': port 0 is not a port etcd listens on", item));
     out.push_back(ep);
     if (comma == std::string_view::npos) break;
     rest = rest.substr(comma + 1);

@@ -93,8 +93,24 @@ TEST_CASE("bad values are usage errors that name the flag and the value") {
   CHECK_THAT(usage_error({"--grace=-1", "prog"}), Catch::Contains("--grace"));
 }
 
+TEST_CASE("etcd settings a client cannot use are usage errors naming the fix") {
+  // An unknown key is named, with the keys there are (not "expected a number of seconds").
+  const auto unknown = usage_error({"--rdzv_backend=etcd", "--rdzv_endpoint=a:2379", "--rdzv_conf=prefix=/x", "prog"});
+  CHECK_THAT(unknown, Catch::Contains("unknown --rdzv_conf key 'prefix'") && Catch::Contains("etcd_prefix"));
+  CHECK_THAT(unknown, !Catch::Contains("seconds"));
+  // Port 0 is no port a client can reach.
+  CHECK_THAT(usage_error({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=127.0.0.1:0", "prog"}),
+             Catch::Contains("--rdzv_endpoint") && Catch::Contains("port 0"));
+  // A CA certificate on a plain http endpoint would be ignored: refused, naming protocol=https.
+  CHECK_THAT(usage_error({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=127.0.0.1:2379",
+                          "--rdzv_conf=cacert=/ca.pem", "prog"}),
+             Catch::Contains("cacert") && Catch::Contains("protocol=https"));
+  CHECK(parse({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=127.0.0.1:2379",
+               "--rdzv_conf=protocol=https,cacert=/ca.pem", "prog"}).etcd_cacert == "/ca.pem");
+}
+
 TEST_CASE("the etcd backend takes an endpoint list and its TLS, user and prefix settings") {
-  auto o = parse({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=https://a:2379,b",
+  auto o = parse({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=https://a:2379,https://b",
                   "--rdzv_conf=cacert=/ca.pem,cert=/c.pem,key=/k.pem,user=me,etcd_prefix=/x,join_timeout=9", "prog"});
   CHECK(o.rdzv_backend == "etcd");
   CHECK(o.etcd_cacert == "/ca.pem");

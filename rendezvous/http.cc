@@ -48,8 +48,12 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
     res.set(http::field::content_type, r.content_type);
     res.set(http::field::cache_control, "no-store");
     res.keep_alive(false);
-    res.body() = std::move(r.body);
-    res.prepare_payload();
+    if (req.method() == http::verb::head) {  // the headers a GET would get, no body
+      res.content_length(r.body.size());
+    } else {
+      res.body() = std::move(r.body);
+      res.prepare_payload();
+    }
     http::async_write(stream, res, [self = shared_from_this()](beast::error_code, std::size_t) { self->close(); });
   }
 
@@ -68,7 +72,7 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
 };
 
 HttpServer::HttpServer(asio::io_context& io, const std::string& host, int port, HttpHandler handler)
-    : io_(io), host_(host), acceptor_(io), handler_(std::make_shared<HttpHandler>(std::move(handler))) {
+    : io_(io), host_(host), acceptor_(io), pause_(io), handler_(std::make_shared<HttpHandler>(std::move(handler))) {
   boost::system::error_code ec;
   auto addr = asio::ip::make_address(host, ec);
   if (ec) {
@@ -96,6 +100,7 @@ void HttpServer::stop() {
   stopped_ = true;
   boost::system::error_code ec;
   acceptor_.close(ec);
+  pause_.cancel();
 }
 
 void HttpServer::accept() {
@@ -108,6 +113,13 @@ void HttpServer::accept() {
       } else {
         std::make_shared<Session>(std::move(socket), handler_, active_)->start();
       }
+    } else if (ec != asio::error::operation_aborted) {
+      // Out of descriptors (EMFILE) or another accept error: pause instead of spinning.
+      pause_.expires_after(std::chrono::milliseconds(100));
+      pause_.async_wait([this](boost::system::error_code wait_ec) {
+        if (!wait_ec && !stopped_) accept();
+      });
+      return;
     }
     accept();
   });

@@ -10,6 +10,7 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 
 namespace mg::rdzv {
 
@@ -41,6 +42,7 @@ class HttpServer {
   boost::asio::io_context& io_;
   std::string host_;
   boost::asio::ip::tcp::acceptor acceptor_;
+  boost::asio::steady_timer pause_;  // after an accept error (EMFILE), before the next accept
   std::shared_ptr<HttpHandler> handler_;  // shared with sessions that outlive a stop()
   int port_ = 0;
   std::shared_ptr<int> active_ = std::make_shared<int>(0);  // open connections, shared with sessions

@@ -124,7 +124,8 @@ int main(int argc, char** argv) {
     try {
       metrics = std::make_unique<mg::rdzv::HttpServer>(
           io, so.host, metrics_port, [&server](const mg::rdzv::HttpRequest& req) {
-            if (req.method != "GET") return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET\n"};
+            if (req.method != "GET" && req.method != "HEAD")
+              return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET and HEAD\n"};
             const std::string& target = req.target;
             if (target == "/metrics")
               return mg::rdzv::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", server->metrics()};

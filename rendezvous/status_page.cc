@@ -104,7 +104,7 @@ HttpResponse json(const nlohmann::json& j) {
 }  // namespace
 
 HttpResponse serve_status(const Server& server, const std::string& token, const HttpRequest& req) {
-  if (req.method != "GET") return {405, "text/plain; charset=utf-8", "only GET\n"};
+  if (req.method != "GET" && req.method != "HEAD") return {405, "text/plain; charset=utf-8", "only GET and HEAD\n"};
   const auto q = req.target.find('?');
   const std::string path = req.target.substr(0, q);
   if (path == "/" || path == "/index.html") return {200, "text/html; charset=utf-8", kPage};

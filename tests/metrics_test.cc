@@ -23,10 +23,11 @@ using namespace std::chrono_literals;
 namespace {
 
 // GET http://127.0.0.1:port/path; the whole response (head and body), "" on failure.
-std::string http_get(int port, const std::string& path, const std::string& authorization = "") {
+std::string http_get(int port, const std::string& path, const std::string& authorization = "",
+                     const std::string& method = "GET") {
   int fd = connect_loopback(port);
   if (fd < 0) return "";
-  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
+  const std::string req = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
                           (authorization.empty() ? "" : "Authorization: " + authorization + "\r\n") +
                           "Connection: close\r\n\r\n";
   if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
@@ -88,6 +89,11 @@ TEST_CASE("mglaunch-rdzv serves Prometheus metrics that promtool accepts") {
   CHECK_THAT(text, Catch::Contains("mglaunch_rdzv_job_round{job=\"metered\"} 1\n"));
   CHECK(std::regex_search(text, std::regex("mglaunch_rdzv_frames_received_total [1-9]")));
   CHECK_THAT(http_get(m.metrics_port, "/nothing"), Catch::StartsWith("HTTP/1.1 404"));
+  // HEAD: the same headers (the length of the body a GET would get), no body.
+  const std::string head = http_get(m.metrics_port, "/metrics", "", "HEAD");
+  CHECK_THAT(head, Catch::StartsWith("HTTP/1.1 200"));
+  CHECK(std::regex_search(head, std::regex("Content-Length: [1-9]")));
+  CHECK(body_of(head).empty());
   if (!std::filesystem::exists("/usr/bin/promtool")) {
     WARN("skipped the promtool check: promtool is not installed (apt-get install prometheus)");
   } else {

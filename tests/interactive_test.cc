@@ -280,9 +280,10 @@ TEST_CASE("Ctrl-Z stops the agent and every worker, SIGCONT (fg, bg) resumes the
   const std::string dir = make_temp_dir();
   KillList kill_list{dir + "/pids"};
   const std::string go = dir + "/go";
-  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
-             "echo $$$$ >> "  /* $$ after torchrun's ${local_rank} substitution */ + kill_list.pidfile + "; echo up; while [ ! -e " + go +
-                 " ]; do sleep 0.05; done; echo done"});
+  // The workers never fork while they wait: a shell that forks `sleep` can be caught in
+  // vfork()'s wait (state D) by the stop, stopped in effect but not shown as 'T'.
+  PtyProc p({kMglaunch, "--nproc_per_node=2", kFakeWorker, "pidfile", kill_list.pidfile, "print", "up", "wait-file", go,
+             "print", "done"});
   REQUIRE(p.wait_for("[rank1]:up", 60s));
   REQUIRE(p.wait_for("[rank0]:up", 60s));
   const auto workers = read_pids(kill_list.pidfile);

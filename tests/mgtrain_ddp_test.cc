@@ -179,3 +179,20 @@ TEST_CASE("without a launcher mgtrain trains in one process with no process grou
   CHECK(refused.code == 2);
   CHECK_THAT(refused.err, Catch::Contains("--mode single with WORLD_SIZE=2"));
 }
+
+TEST_CASE("our reducer and c10d::Reducer (Python DDP's engine) give bit-identical weights on a rank-dependent branch") {
+  std::string dir = make_temp_dir();
+  auto theirs = train(2, {"--model", "mlp-rank-branch", "--max-steps", "6", "--find-unused-parameters", "--reducer", "c10d",
+                          "--summary-json", dir + "/c{rank}.json"});
+  if (theirs.code == 3 && theirs.err.find("needs LibTorch 1.x") != std::string::npos) {
+    WARN("skipped: this LibTorch's c10d::Reducer does not take mgtrain's process group");
+    return;
+  }
+  REQUIRE(theirs.code == 0);
+  auto ours = train(2, {"--model", "mlp-rank-branch", "--max-steps", "6", "--find-unused-parameters", "--summary-json",
+                        dir + "/s{rank}.json"});
+  REQUIRE(ours.code == 0);
+  const auto c0 = nlohmann::json::parse(read_file(dir + "/c0.json"));
+  CHECK(c0["weights_sha256"] == summary(dir, 0)["weights_sha256"]);
+  CHECK(summary(dir, 0)["weights_sha256"] == summary(dir, 1)["weights_sha256"]);
+}

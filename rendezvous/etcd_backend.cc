@@ -70,6 +70,7 @@ void EtcdLink::start() {
   try {
     http_ = std::make_unique<etcd::Http>(opts_.endpoints, opts_.credentials);
     watch_http_ = std::make_unique<etcd::Http>(opts_.endpoints, opts_.credentials);
+    keep_http_ = std::make_unique<etcd::Http>(opts_.endpoints, opts_.credentials);
   } catch (const etcd::Error& e) {
     post([this, why = std::string(e.what())] { lost(why); });
     return;
@@ -119,7 +120,9 @@ void EtcdLink::on_changes(const std::vector<Change>& changes) {
 void EtcdLink::deliver(const proto::Frame& f) {
   try {
     switch (proto::type_of(f)) {
-      case proto::MsgType::kAssignment: return h_.on_assignment(proto::from_frame<proto::Assignment>(f));
+      case proto::MsgType::kAssignment:
+        assigned_ = true;
+        return h_.on_assignment(proto::from_frame<proto::Assignment>(f));
       case proto::MsgType::kRestart: return h_.on_restart(proto::from_frame<proto::Restart>(f));
       case proto::MsgType::kAbort: return h_.on_abort(proto::from_frame<proto::Abort>(f));
       case proto::MsgType::kDone: return h_.on_done();
@@ -147,13 +150,18 @@ void EtcdLink::append(Event e, bool conditional) {
     } else {  // put-if-absent: a retried put cannot log the event twice
       compare = {{"key", base64_encode(key)}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
     }
-    const json body = {{"compare", json::array({compare})}, {"success", json::array({put_op(key, to_json(e).dump())})}};
+    const json body = {{"compare", json::array({compare})},
+                       {"success", json::array({put_op(key, to_json(e).dump(), job_lease_)})}};
     for (int attempt = 0;; ++attempt) {
       try {
         http.call("/v3/kv/txn", body, kRequestTimeout);
         last_ok_ms_ = steady_ms();
         break;
-      } catch (const etcd::Error&) {
+      } catch (const etcd::Error& err) {
+        if (err.status) {  // refused (permission, a bad request, a lease gone): retrying cannot help
+          post([this, why = std::string(err.what())] { lost("etcd refused this agent's event: " + why); });
+          break;
+        }
         std::unique_lock lk(mutex_);
         if (conditional || stopping_ || http.stopped()) break;
         // etcd is away: try again until it is back (check() gives up after join_timeout).
@@ -191,6 +199,24 @@ void EtcdLink::check() {
       e.kind = Event::Kind::kTick;
       e.agent = agent_;
       append(std::move(e), /*conditional=*/true);
+    }
+  }
+  if (started_ && !assigned_ && !fresh_in_flight_ && alive_.size() == 1 && alive_.contains(agent_)) {
+    // A log whose agents are all gone (a run killed, its leases expired since this agent
+    // joined): nobody will ever decide for this agent there. Start a fresh one.
+    bool others = false, live_other = false;
+    for (const auto& a : joined_agents_) {
+      if (a == agent_) continue;
+      others = true;
+      live_other = live_other || replay_.live(a);
+    }
+    if (others && !live_other) {
+      fresh_in_flight_ = true;
+      {
+        std::lock_guard lk(mutex_);
+        queue_.push_back([this](etcd::Http& http) { fresh_start(http); });
+      }
+      cv_.notify_all();
     }
   }
   const auto silent = steady_ms() - last_ok_ms_;
@@ -245,6 +271,13 @@ void EtcdLink::close() {
   if (requests_.joinable()) requests_.join();  // flushes the queue (a "done"), revokes the lease
   {
     std::lock_guard lk(mutex_);
+    keeper_stop_ = true;
+  }
+  cv_.notify_all();
+  if (keep_http_) keep_http_->stop();
+  if (keeper_.joinable()) keeper_.join();
+  {
+    std::lock_guard lk(mutex_);
     watch_stop_ = true;
   }
   cv_.notify_all();
@@ -288,9 +321,10 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
                   {{"compare", json::array({alive_empty})},
                    {"success", json::array({{{"request_delete_range", range_of(keys_.root)}}})}},
                   kRequestTimeout);
+        ensure_job_lease(http);
         http.call("/v3/kv/txn",
                   {{"success", json::array({put_op(keys_.alive_key(agent_), agent_, lease_),
-                                            put_op(key, to_json(join).dump())})}},
+                                            put_op(key, to_json(join).dump(), job_lease_)})}},
                   kRequestTimeout);
         ++next_seq_;
         joined = true;
@@ -315,15 +349,114 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
   }
 }
 
-void EtcdLink::keep_alive(etcd::Http& http) {
+void EtcdLink::ensure_job_lease(etcd::Http& http) {
+  if (job_lease_) return;
+  auto g = http.call("/v3/lease/grant", {{"TTL", std::to_string(ttl_s_)}}, kRequestTimeout);
+  const std::int64_t mine = number(g, "ID");
+  if (!mine) throw etcd::Error(fmt::format("no lease granted: {}", g.dump()));
+  json absent = {{"key", base64_encode(keys_.lease())}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
+  json get = {{"key", base64_encode(keys_.lease())}};
+  auto r = http.call("/v3/kv/txn",
+                     {{"compare", json::array({absent})},
+                      {"success", json::array({put_op(keys_.lease(), std::to_string(mine), mine)})},
+                      {"failure", json::array({{{"request_range", get}}})}},
+                     kRequestTimeout);
+  std::int64_t id = mine;
+  if (!r.value("succeeded", false)) {  // another agent's: renew that one, drop ours
+    try {
+      const auto& kvs = r.at("responses").at(0).at("response_range").at("kvs");
+      id = std::stoll(base64_decode(kvs.at(0).value("value", "")));
+    } catch (const std::exception& e) {
+      throw etcd::Error(fmt::format("bad job lease under {}: {}", keys_.lease(), e.what()));
+    }
+    try {
+      http.call("/v3/lease/revoke", {{"ID", std::to_string(mine)}}, kRequestTimeout);
+    } catch (const etcd::Error&) {  // it expires by itself
+    }
+  }
+  std::lock_guard lk(mutex_);
+  job_lease_ = id;
+}
+
+void EtcdLink::fresh_start(etcd::Http& http) {
   try {
-    auto r = http.call("/v3/lease/keepalive", {{"ID", std::to_string(lease_)}}, kRequestTimeout);
+    // Only this agent's alive key: no key before it and none after it under alive/.
+    const std::string mine = keys_.alive_key(agent_);
+    json before = {{"key", base64_encode(keys_.alive())}, {"range_end", base64_encode(mine)}};
+    json after = {{"key", base64_encode(mine + std::string(1, '\0'))},
+                  {"range_end", base64_encode(etcd::prefix_end(keys_.alive()))}};
+    for (auto* c : {&before, &after}) {
+      (*c)["target"] = "CREATE";
+      (*c)["result"] = "EQUAL";
+      (*c)["create_revision"] = "0";
+    }
+    auto r = http.call("/v3/kv/txn",
+                       {{"compare", json::array({before, after})},
+                        {"success", json::array({{{"request_delete_range", range_of(keys_.log())}},
+                                                 {{"request_delete_range", {{"key", base64_encode(keys_.lease())}}}}})}},
+                       kRequestTimeout);
     last_ok_ms_ = steady_ms();
-    // TTL 0: the lease is gone; the watch shows this agent's alive key deleted, and the
-    // job's log its loss.
-    (void)r;
-  } catch (const etcd::Error&) {
-    // An outage: check() gives up after join_timeout; the others see the lease expire.
+    if (!r.value("succeeded", false)) {  // another agent came: its job it is
+      post([this] { fresh_in_flight_ = false; });
+      return;
+    }
+    const std::int64_t revision = number(r.value("header", json::object()), "revision");
+    const std::int64_t old = job_lease_;
+    {
+      std::lock_guard lk(mutex_);
+      job_lease_ = 0;
+    }
+    try {
+      http.call("/v3/lease/revoke", {{"ID", std::to_string(old)}}, kRequestTimeout);
+    } catch (const etcd::Error&) {  // it expires by itself
+    }
+    ensure_job_lease(http);
+    post([this, revision] { reset_replay(revision); });
+    Event join;
+    join.kind = Event::Kind::kJoin;
+    join.agent = agent_;
+    join.join = opts_.join;
+    join.t_ms = now_ms();
+    http.call("/v3/kv/txn",
+              {{"success", json::array({put_op(keys_.log_key(agent_, next_seq_++), to_json(join).dump(), job_lease_)})}},
+              kRequestTimeout);
+  } catch (const etcd::Error& e) {
+    post([this, why = std::string(e.what())] { lost("cannot start a fresh log for this job: " + why); });
+  }
+}
+
+void EtcdLink::reset_replay(std::int64_t revision) {
+  if (h_.on_notice) h_.on_notice("every agent of this job's previous run is gone: starting the job afresh");
+  replay_ = etcd::JobReplay(opts_.join.job_id, agent_);
+  joined_agents_.clear();
+  pending_lost_.clear();
+  seen_revision_ = std::max(seen_revision_, revision);
+  assigned_ = false;
+  fresh_in_flight_ = false;
+}
+
+void EtcdLink::keep_alive_loop() {
+  const auto period = milliseconds(std::max<std::int64_t>(100, ttl_s_ * 1000 / 3));
+  while (true) {
+    std::int64_t leases[2];
+    {
+      std::unique_lock lk(mutex_);
+      if (cv_.wait_for(lk, period, [&] { return keeper_stop_; })) return;
+      leases[0] = lease_;
+      leases[1] = job_lease_;
+    }
+    for (const auto id : leases) {
+      if (!id) continue;
+      try {
+        // TTL 0: the lease is gone; the watch shows this agent's alive key deleted, and
+        // the job's log its loss.
+        keep_http_->call("/v3/lease/keepalive", {{"ID", std::to_string(id)}}, kRequestTimeout);
+        last_ok_ms_ = steady_ms();
+      } catch (const etcd::Error&) {
+        // An outage: check() gives up after join_timeout; the others see the lease expire.
+        if (keep_http_->stopped()) return;
+      }
+    }
   }
 }
 
@@ -339,9 +472,12 @@ void EtcdLink::finish_job(etcd::Http& http) {
       del["target"] = "CREATE";
       del["result"] = "EQUAL";
       del["create_revision"] = "0";
-      http.call("/v3/kv/txn",
-                {{"compare", json::array({del})}, {"success", json::array({{{"request_delete_range", range_of(keys_.root)}}})}},
-                kCloseTimeout);
+      auto d = http.call("/v3/kv/txn",
+                         {{"compare", json::array({del})},
+                          {"success", json::array({{{"request_delete_range", range_of(keys_.root)}}})}},
+                         kCloseTimeout);
+      if (d.value("succeeded", false) && job_lease_)
+        http.call("/v3/lease/revoke", {{"ID", std::to_string(job_lease_)}}, kCloseTimeout);
     }
   } catch (const etcd::Error&) {
     // etcd is away: the lease expires by itself, and the next run of this id clears the log.
@@ -350,13 +486,12 @@ void EtcdLink::finish_job(etcd::Http& http) {
 
 void EtcdLink::request_loop() {
   if (!start_sequence(*http_)) return;
-  const auto period = milliseconds(std::max<std::int64_t>(100, ttl_s_ * 1000 / 3));
-  auto next_keep_alive = std::chrono::steady_clock::now() + period;
+  keeper_ = std::thread([this] { keep_alive_loop(); });
   while (true) {
     std::function<void(etcd::Http&)> task;
     {
       std::unique_lock lk(mutex_);
-      cv_.wait_until(lk, next_keep_alive, [&] { return !queue_.empty() || stopping_; });
+      cv_.wait(lk, [&] { return !queue_.empty() || stopping_; });
       if (!queue_.empty()) {
         task = std::move(queue_.front());
         queue_.pop_front();
@@ -366,10 +501,6 @@ void EtcdLink::request_loop() {
     }
     if (task) task(*http_);
     if (http_->stopped()) return;
-    if (std::chrono::steady_clock::now() >= next_keep_alive) {
-      keep_alive(*http_);
-      next_keep_alive = std::chrono::steady_clock::now() + period;
-    }
   }
   finish_job(*http_);
 }

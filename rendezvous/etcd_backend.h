@@ -2,7 +2,8 @@
 // only; the rules are rendezvous::Job's, replayed from the job's event log (etcd_log.h).
 //
 // Threads: the agent's io_context owns the replay and every handler call; a request thread
-// grants this agent's lease, appends events and sends keep-alives; a watch thread streams
+// grants this agent's lease, appends events; a keep-alive thread renews this agent's lease
+// and the job lease on its own connection (a slow append never starves it); a watch thread streams
 // the job's keys (/v3/watch) and posts each change to the io_context. Start: lease, then
 // one txn that clears a stale log (no agent alive) and puts this agent's alive key and its
 // join, then a range of the job read in revision order, then the watch from the next
@@ -73,8 +74,15 @@ class EtcdLink : public Link {
   bool start_sequence(etcd::Http& http);
   // Ranges the job's keys, posts them to resync(); returns the revision read (either thread).
   std::int64_t read_job(etcd::Http& http);
-  void keep_alive(etcd::Http& http);
   void finish_job(etcd::Http& http);
+  // The job lease (PREFIX/JOB/lease): created by the first agent, renewed by every one.
+  void ensure_job_lease(etcd::Http& http);
+  // Only this agent is alive and nobody live is left in the replayed job (a dead run's
+  // log): delete the log and join a fresh one (request thread).
+  void fresh_start(etcd::Http& http);
+  void reset_replay(std::int64_t revision);  // io thread
+  // keep-alive thread: both leases, on their own connection and timer
+  void keep_alive_loop();
   // watch thread
   void watch_loop(std::int64_t from_revision);
   void post(std::function<void()> f);
@@ -89,6 +97,8 @@ class EtcdLink : public Link {
   std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;
   std::set<std::string> alive_, pending_lost_, joined_agents_;
   bool conditional_in_flight_ = false;
+  bool assigned_ = false;        // an assignment came since this agent's (last) join
+  bool fresh_in_flight_ = false;
   std::int64_t seen_revision_ = 0;  // the last log revision applied
   bool started_ = false, closed_ = false, lost_ = false;
   std::shared_ptr<int> alive_token_ = std::make_shared<int>(0);
@@ -99,12 +109,14 @@ class EtcdLink : public Link {
   std::deque<std::function<void(etcd::Http&)>> queue_;
   bool stopping_ = false;  // finish the queue, then end
   std::int64_t lease_ = 0;
+  std::int64_t job_lease_ = 0;
   std::int64_t ttl_s_ = 0;
   std::atomic<std::int64_t> last_ok_ms_{0};  // steady clock: the last answer from etcd
   bool watch_stop_ = false;
   std::int64_t next_seq_ = 1;       // request thread only
-  std::unique_ptr<etcd::Http> http_, watch_http_;
-  std::thread requests_, watcher_;
+  std::unique_ptr<etcd::Http> http_, watch_http_, keep_http_;
+  std::thread requests_, watcher_, keeper_;
+  bool keeper_stop_ = false;
 };
 
 }  // namespace mg::rdzv

@@ -165,6 +165,8 @@ void Http::authenticate(const Endpoint& ep, milliseconds timeout) {
 nlohmann::json Http::call(const std::string& path, const nlohmann::json& body, milliseconds timeout) {
   std::string errors;
   bool answered = false;
+  int refused = 0;  // endpoints that answered 4xx
+  int refused_status = 0;
   const std::string text = body.dump();
   for (std::size_t tried = 0; tried < endpoints_.size(); ++tried) {
     const auto& ep = endpoints_[current_];
@@ -181,17 +183,21 @@ nlohmann::json Http::call(const std::string& path, const nlohmann::json& body, m
           token_.clear();  // expired or from another member: authenticate again
           continue;
         }
-        throw Error(fmt::format("HTTP {}: {}", status, message), /*answered=*/true);
+        throw Error(fmt::format("HTTP {}: {}", status, message), /*answered=*/true, status);
       } catch (const Error& e) {
         if (stopped_) throw;
         answered = answered || e.answered;
+        if (e.status >= 400 && e.status < 500) {
+          ++refused;
+          refused_status = e.status;
+        }
         errors += fmt::format("{}{}: {}", errors.empty() ? "" : "; ", ep.text(), e.what());
         break;
       }
     }
     fail_over();
   }
-  throw Error(errors, answered);
+  throw Error(errors, answered, refused == static_cast<int>(endpoints_.size()) ? refused_status : 0);
 }
 
 void Http::stream(const std::string& path, const nlohmann::json& body, milliseconds connect_timeout, milliseconds idle,

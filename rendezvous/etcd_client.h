@@ -26,8 +26,10 @@ class context;
 namespace mg::rdzv::etcd {
 
 struct Error : std::runtime_error {
-  explicit Error(const std::string& what, bool answered_ = false) : std::runtime_error(what), answered(answered_) {}
+  explicit Error(const std::string& what, bool answered_ = false, int status_ = 0)
+      : std::runtime_error(what), answered(answered_), status(status_) {}
   bool answered;  // some endpoint answered (and refused): not an outage
+  int status;     // 4xx when every endpoint refused the request itself (no retry helps), else 0
 };
 
 struct Credentials {

@@ -6,6 +6,8 @@
 // A job lives under PREFIX/JOB/ (PREFIX defaults to /mglaunch):
 //   log/AGENT/SEQ   one event (JSON), written once; the log's order is etcd's revision order
 //   alive/AGENT     attached to AGENT's lease: deleted by etcd when the agent stops renewing
+//   lease           the job lease's id; it and every log key are attached to the job lease,
+//                   which every live agent renews: etcd deletes them once all agents are gone
 // Every agent feeds the same events, in revision order, into its own JobReplay, so every
 // agent computes the same decisions (ranks, rounds, restart count, abort and root cause).
 // Time-based transitions (last call, join timeout) are "tick" events appended by whichever
@@ -52,6 +54,7 @@ struct Keys {
   std::string root;  // PREFIX/JOB/
   std::string log() const { return root + "log/"; }
   std::string alive() const { return root + "alive/"; }
+  std::string lease() const { return root + "lease"; }  // the job lease's id, on that lease
   std::string log_key(const std::string& agent, std::int64_t seq) const;
   std::string alive_key(const std::string& agent) const { return alive() + agent; }
   // The agent of an alive key; empty when `key` is not one.

@@ -290,3 +290,81 @@ TEST_CASE("etcd: a client certificate is passed through to an etcd that requires
   CHECK_THAT(without.err, Catch::Contains("cannot reach etcd") && Catch::Contains("bad certificate"));
   CHECK(envs(without.out).empty());
 }
+
+TEST_CASE("etcd: rerunning a job id at once after its only agent was SIGKILLed starts a new job instead of hanging") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  // A 3 s lease: the dead agent's alive key is still there when the rerun joins.
+  auto agent = [&](std::vector<std::string> worker) {
+    auto argv = etcd_agent(etcd.endpoints(), "rerun", 1, 1, {"--rdzv_conf=last_call_timeout=1,keep_alive_interval=1"},
+                           std::move(worker));
+    argv[1] = "--nnodes=1:2";
+    return argv;
+  };
+  Proc first = spawn(agent({"env", "hang", "120"}));
+  REQUIRE(eventually([&] { return envs(first.out()).size() == 1; }, 60s));
+  ::kill(first.pid, SIGKILL);
+  REQUIRE(first.wait(10s));
+  auto second = run(agent({"env"}), {}, 90s);
+  INFO(second.err);
+  CHECK(second.code == 0);
+  CHECK(envs(second.out).size() == 1);
+  CHECK_THAT(second.err, Catch::Contains("starting the job afresh"));
+}
+
+TEST_CASE("etcd: when every agent of a job is SIGKILLed, etcd deletes all of the job's keys once the leases expire") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 3; ++i)
+    agents.push_back(spawn(etcd_agent(etcd.endpoints(), "killed", i, 1, {"--rdzv_conf=keep_alive_interval=1"},
+                                      {"env", "hang", "120"})));
+  REQUIRE(eventually([&] {
+    for (auto& a : agents)
+      if (envs(a.out()).size() != 1) return false;
+    return true;
+  }, 60s));
+  REQUIRE_FALSE(etcd.keys("/mglaunch/killed/").empty());
+  for (auto& a : agents) {
+    ::kill(a.pid, SIGKILL);
+    REQUIRE(a.wait(10s));
+  }
+  std::vector<std::string> left;
+  CHECK(eventually([&] {
+    left = etcd.keys("/mglaunch/killed/");
+    return left.empty();
+  }, 60s));
+  INFO(left.size() << " keys left, the first: " << (left.empty() ? "" : left.front()));
+  CHECK(left.empty());
+}
+
+TEST_CASE("etcd: an event etcd refuses (permission denied) ends that agent at once, naming the refusal, instead of retrying forever") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  REQUIRE(etcd.ctl({"user", "add", "root:s3cret"}).code == 0);
+  REQUIRE(etcd.ctl({"user", "add", "mg:pw"}).code == 0);
+  REQUIRE(etcd.ctl({"role", "add", "mgrole"}).code == 0);
+  REQUIRE(etcd.ctl({"role", "grant-permission", "mgrole", "--prefix=true", "readwrite", "/mglaunch/"}).code == 0);
+  REQUIRE(etcd.ctl({"user", "grant-role", "mg", "mgrole"}).code == 0);
+  REQUIRE(etcd.ctl({"auth", "enable"}).code == 0);
+  const std::string go = make_temp_dir() + "/go";
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 2; ++i) {
+    auto argv = etcd_agent(etcd.endpoints(), "refused", i, 1, {"--rdzv_conf=user=mg,join_timeout=600"},
+                           {"env", "wait-file", go, "exit", i == 1 ? "7" : "0"});
+    argv[1] = "--nnodes=2";
+    agents.push_back(spawn(argv, {{"MGLAUNCH_ETCD_PASSWORD", "pw"}}));
+  }
+  REQUIRE(eventually([&] { return envs(agents[0].out()).size() == 1 && envs(agents[1].out()).size() == 1; }, 60s));
+  // Writing is taken away: agent 1's worker failure cannot be logged, retrying cannot help.
+  REQUIRE(etcd.ctl({"--user=root:s3cret", "role", "revoke-permission", "mgrole", "--prefix=true", "/mglaunch/"}).code == 0);
+  REQUIRE(etcd.ctl({"--user=root:s3cret", "role", "grant-permission", "mgrole", "--prefix=true", "read", "/mglaunch/"})
+              .code == 0);
+  { std::ofstream(go) << "go\n"; }
+  REQUIRE(agents[0].wait(90s));
+  INFO(agents[0].err());
+  // Cut off from the job, the node answers for its own workers: its worker's code.
+  CHECK(agents[0].exit_code() == 7);
+  CHECK_THAT(agents[0].err(), Catch::Contains("etcd refused this agent's event") &&
+                                  Catch::Contains("permission denied"));
+}

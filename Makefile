@@ -6,7 +6,7 @@ DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-
         libcli11-dev libssl-dev libtorch-dev libgloo-dev python3-torch dataset-fashion-mnist \
         clang libclang-rt-14-dev openssh-server openssh-client slurm-wlm prometheus \
         chromium chromium-driver python3-selenium help2man etcd-server
-BENCH_DEBS := hyperfine time
+BENCH_DEBS := hyperfine time gnuplot-nox
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MGLAUNCH := $(BUILD_DIR)/bin/mglaunch
 
@@ -33,11 +33,20 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure --timeout 600
 
+# Every benchmark case, mglaunch and torchrun in one run (bench/bench.py; README "Benchmarks"):
+# bench/results/latest.json, then the README's tables and docs/bench_*.png from it.
+# BENCH_QUICK=1: every case once at smaller sizes, written under $(BUILD_DIR)/bench-quick.
 bench:
 	$(MAKE) build EXTRA_DEBS="$(BENCH_DEBS)"
-	bench/launch_bench.sh $(BUILD_DIR)
-	/usr/bin/python3 bench/rdzv_bench.py $(BUILD_DIR)
-	bench/train_bench.sh $(BUILD_DIR)
+ifeq ($(filter-out 0,$(BENCH_QUICK)),)
+	/usr/bin/python3 bench/bench.py $(BUILD_DIR)
+	/usr/bin/python3 bench/render.py
+else
+	mkdir -p $(BUILD_DIR)/bench-quick && cp README.md $(BUILD_DIR)/bench-quick/README.md
+	/usr/bin/python3 bench/bench.py $(BUILD_DIR) --out $(BUILD_DIR)/bench-quick/quick.json
+	/usr/bin/python3 bench/render.py --json $(BUILD_DIR)/bench-quick/quick.json \
+	  --readme $(BUILD_DIR)/bench-quick/README.md --docs $(BUILD_DIR)/bench-quick/docs
+endif
 
 # A .deb of the build (binaries, man pages, README, the mglaunch-rdzv systemd unit) in $(BUILD_DIR).
 package: build

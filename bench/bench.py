@@ -1,0 +1,508 @@
+#!/usr/bin/python3
+"""mglaunch's benchmark harness: every case, mglaunch and its peer (torchrun) in the same
+run on this machine, written to one results file. `make bench` runs it and then
+bench/render.py (README tables, docs/*.png plots).
+
+Usage: bench.py BUILD_DIR [--out FILE] [--cases a,b,...]
+  BENCH_QUICK=1   every case once, with smaller sizes (a smoke run)
+  BENCH_SMOKE=1   as quick, smallest sizes (the ctest `bench: ...`)
+  BENCH_NO_PEER=1 skip the peer (torchrun) everywhere
+  BENCH_TRAIN_SEEDS="1 2 3"  seeds for the training case (each seed: one epoch per trainer and count)
+  BENCH_PEER_MAX_AGENTS=K  torchrun's c10d case only up to K agents (default 8: each
+                  torchrun agent is a ~230 MiB Python process on a 2-core machine)
+  TORCHRUN=CMD    the peer; else `torchrun` on PATH, else ../shared/peers/torchrun. It
+                  always gets --monitor_interval=0.1.
+
+Whole-process timings come from hyperfine (warm-up runs discarded; mglaunch and the peer
+alternate round by round); in-run events from CLOCK_REALTIME stamps the workers write.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
+# BENCH_SMOKE=1 (the ctest): as quick, with the smallest sizes that still run every path.
+SMOKE = os.environ.get("BENCH_SMOKE", "") not in ("", "0")
+QUICK = QUICK or SMOKE
+
+
+def size(full, quick, smoke):
+    return smoke if SMOKE else quick if QUICK else full
+NO_PEER = os.environ.get("BENCH_NO_PEER", "") not in ("", "0")
+PEER_MAX_AGENTS = int(os.environ.get("BENCH_PEER_MAX_AGENTS", "8"))
+DEVNULL = subprocess.DEVNULL
+PY = "/usr/bin/python3"  # Debian's python3-torch lives there
+
+
+def log(msg):
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def stats(samples):
+    s = sorted(samples)
+    return {"samples": s, "min": s[0], "median": statistics.median(s), "max": s[-1]} if s else None
+
+
+def row(param, ours, peer=None, unit="ms", better="lower", target=None, note=None, extra=None):
+    """One result row: ours/peer are sample lists; ratio = how many times better ours is."""
+    r = {"param": param, "unit": unit, "better": better, "ours": stats(ours), "peer": stats(peer) if peer else None}
+    if r["ours"] and r["peer"] and r["ours"]["median"] and r["peer"]["median"]:
+        a, b = r["ours"]["median"], r["peer"]["median"]
+        r["ratio"] = b / a if better == "lower" else a / b
+    else:
+        r["ratio"] = None
+    if target:
+        op, value = target
+        m = r["ours"]["median"] if r["ours"] else None
+        r["target"] = {"op": op, "value": value,
+                       "met": m is not None and (m <= value if op == "<=" else m >= value)}
+    if note:
+        r["note"] = note
+    if extra:
+        r.update(extra)
+    return r
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_kib(pid, field="VmHWM:"):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Bench:
+    def __init__(self, build):
+        self.build = os.path.abspath(build)
+        self.bin = os.path.join(self.build, "bin")
+        self.ours = [os.path.join(self.bin, "mglaunch")]
+        self.fake = os.path.join(self.bin, "fake_worker")
+        self.peer, self.peer_note = (None, "BENCH_NO_PEER set") if NO_PEER else self.find_peer()
+        self.tmp = tempfile.mkdtemp(prefix="mgbench_")
+
+    # ---- the peer -------------------------------------------------------------------------
+    def find_peer(self):
+        cands = []
+        if os.environ.get("TORCHRUN"):
+            cands.append(("$TORCHRUN", shlex.split(os.environ["TORCHRUN"])))
+        if shutil.which("torchrun"):
+            cands.append(("torchrun on PATH", [shutil.which("torchrun")]))
+        shared = os.path.normpath(os.path.join(ROOT, "..", "shared", "peers", "torchrun"))
+        if os.path.exists(shared):
+            cands.append(("../shared/peers/torchrun", [PY, shared]))
+        notes = []
+        for name, cmd in cands:
+            cmd = cmd + ["--monitor_interval=0.1"]
+            # The relay case needs --tee: Debian's stock torchrun (Python 3.11) cannot parse it.
+            probe = subprocess.run(cmd + ["--standalone", "--nproc_per_node=1", "--tee", "3", "--no_python", "/bin/true"],
+                                   stdout=DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+            if probe.returncode == 0:
+                return cmd, "; ".join(notes + [f"peer: {name} ({' '.join(cmd)})"])
+            last = (probe.stderr.strip().splitlines() or ["?"])[-1][:160]
+            notes.append(f"{name} skipped: `--tee 3` run failed ({last})")
+        return None, "; ".join(notes) or "no torchrun found ($TORCHRUN, PATH, ../shared/peers/torchrun)"
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def hyperfine(self, cmd, warmup, runs, output="null"):
+        """Seconds of each timed run of `cmd` (a list), warm-up runs discarded."""
+        out = os.path.join(self.tmp, "hf.json")
+        subprocess.run(["hyperfine", "-N", "--style", "none", "--warmup", str(warmup), "--runs", str(runs),
+                        "--output", output, "--export-json", out, shlex.join(cmd)],
+                       stdout=DEVNULL, check=True, timeout=3600)
+        with open(out) as f:
+            r = json.load(f)["results"][0]
+        self.last_cpu_ms = (r["user"] + r["system"]) * 1e3  # mean CPU of one run, children included
+        return r["times"]
+
+    def alternate(self, ours_cmd, peer_cmd, rounds, ours_runs, peer_runs, warmup=2, peer_warmup=1, output="null"):
+        """Rounds of hyperfine, mglaunch then the peer: ms samples of each."""
+        a, b = [], []
+        self.cpu = ([], [])
+        for _ in range(rounds):
+            a += [t * 1e3 for t in self.hyperfine(ours_cmd, warmup, ours_runs, output)]
+            self.cpu[0].append(self.last_cpu_ms)
+            if peer_cmd:
+                b += [t * 1e3 for t in self.hyperfine(peer_cmd, peer_warmup, peer_runs, output)]
+                self.cpu[1].append(self.last_cpu_ms)
+        return a, b
+
+    # ---- (1) launch -> exit -------------------------------------------------------------------
+    def launch_exit(self):
+        rows = []
+        for n in size([1, 4, 16, 64], [1, 4, 16, 64], [1, 4]):
+            args = ["--standalone", f"--nproc_per_node={n}", "--no_python", "/bin/true"]
+            ours, peer = self.alternate(self.ours + args, self.peer + args if self.peer else None,
+                                        rounds=1 if QUICK else 3, ours_runs=1 if QUICK else 10,
+                                        peer_runs=1 if QUICK else 2, warmup=0 if QUICK else 3,
+                                        peer_warmup=0 if QUICK else 1)
+            # CPU time (user + system of the launcher and its workers) does not wait for a
+            # busy machine's scheduler: the load-independent figure beside the wall time.
+            rows.append(row({"N": n}, ours, peer, target=("<=", 5.0) if n == 4 else None,
+                            extra={"cpu_ms": {"ours": statistics.median(self.cpu[0]),
+                                              "peer": statistics.median(self.cpu[1]) if self.cpu[1] else None}}))
+        return {"title": "launch → exit, `--standalone --nproc_per_node=N --no_python /bin/true` (hyperfine)",
+                "param": "N", "rows": rows}
+
+    # ---- (2) agent peak RSS ---------------------------------------------------------------------
+    def rss_once(self, cmd):
+        p = subprocess.Popen(cmd + ["--standalone", "--nproc_per_node=4", "--no_python", self.fake, "hang", "1.5"],
+                             stdout=DEVNULL, stderr=DEVNULL)
+        peak, anon, deadline = 0, 0, time.time() + 120
+        while p.poll() is None and time.time() < deadline:
+            peak = max(peak, peak_kib(p.pid))
+            anon = max(anon, peak_kib(p.pid, "RssAnon:"))
+            time.sleep(0.05)
+        p.wait(timeout=120)
+        self.anon.append(anon / 1024)
+        return peak / 1024
+
+    def agent_rss(self):
+        n = 1 if QUICK else 3
+        self.anon = []
+        ours = [self.rss_once(self.ours) for _ in range(n)]
+        ours_anon = self.anon
+        self.anon = []
+        peer = [self.rss_once(self.peer) for _ in range(1 if QUICK else 2)] if self.peer else None
+        return {"title": "agent peak RSS (VmHWM of the agent process) while 4 workers run", "param": "",
+                "rows": [row({"what": "VmHWM (shared library pages included)"}, ours, peer, unit="MiB",
+                             target=("<=", 4.0)),
+                         row({"what": "private memory (largest RssAnon seen)"}, ours_anon, self.anon or None,
+                             unit="MiB")]}
+
+    # ---- (3) restart ----------------------------------------------------------------------------
+    def restart_once(self, cmd):
+        stamps = os.path.join(self.tmp, "restart_stamps")
+        if os.path.exists(stamps):
+            os.unlink(stamps)
+        worker = [self.fake, "stamp", stamps, "start", "when-restart-below", "1", "when-rank", "0",
+                  "stamp", stamps, "fail", "exit", "1"]
+        subprocess.run(cmd + ["--standalone", "--nproc_per_node=4", "--max_restarts=1", "--no_python"] + worker,
+                       stdout=DEVNULL, stderr=DEVNULL, check=True, timeout=300)
+        rows = [line.split() for line in open(stamps)]
+        fail = min(int(r[3]) for r in rows if r[0] == "fail")
+        started = [int(r[3]) for r in rows if r[0] == "start" and r[1] == "1"]
+        assert len(started) == 4, rows
+        return (max(started) - fail) / 1e6
+
+    def restart(self):
+        ours = [self.restart_once(self.ours) for _ in range(1 if QUICK else 10)]
+        peer = [self.restart_once(self.peer) for _ in range(1 if QUICK else 3)] if self.peer else None
+        return {"title": "a worker fails → all 4 workers of the next attempt started (worker stamps)", "param": "",
+                "rows": [row({}, ours, peer, target=("<=", 5.0))]}
+
+    # ---- (4) K agents on loopback -----------------------------------------------------------------
+    def agents_once(self, cmd, k, local_addr):
+        stamps = os.path.join(self.tmp, f"agents_{k}")
+        if os.path.exists(stamps):
+            os.unlink(stamps)
+        port = free_port()
+
+        def argv(i):
+            # torch 1.13's torchrun has no --local_addr: its agents all advertise this host.
+            addr = [f"--local_addr=127.0.0.{i + 1}"] if local_addr else []
+            return cmd + [f"--nnodes={k}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                          f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=bench{port}"] + addr + \
+                ["--no_python", self.fake, "stamp", stamps, "start"]
+        t0 = time.time_ns()
+        procs = [subprocess.Popen(argv(i), stdout=DEVNULL, stderr=DEVNULL) for i in range(k)]
+        codes = [p.wait(timeout=600) for p in procs]
+        assert codes == [0] * k, codes
+        started = [int(line.split()[3]) for line in open(stamps)]
+        assert len(started) == k, started
+        return (max(started) - t0) / 1e6
+
+    def rdzv_agents(self):
+        rows = []
+        for k in size([2, 8, 32, 64], [2, 8, 32, 64], [2, 4]):
+            ours = [self.agents_once(self.ours, k, True) for _ in range(1 if QUICK else 5)]
+            peer = None
+            if self.peer and k <= PEER_MAX_AGENTS:
+                peer = [self.agents_once(self.peer, k, False) for _ in range(1 if QUICK else 2)]
+            rows.append(row({"K": k}, ours, peer, target=("<=", 150.0) if k == 64 else None,
+                            note=None if peer or not self.peer else f"torchrun not run above {PEER_MAX_AGENTS} agents"))
+        return {"title": "K agents on 127.0.0.1..K × 1 worker, c10d: first agent started → all workers started "
+                         "(worker stamps)", "param": "K", "rows": rows}
+
+    # ---- (5) the daemon alone -------------------------------------------------------------------
+    def daemon_scale(self):
+        rows = []
+        for n in size([1000, 10000], [1000, 10000], [100]):
+            d = subprocess.Popen([os.path.join(self.bin, "mglaunch-rdzv"), "--listen", "127.0.0.1:0",
+                                  "--max-connections-per-address", "100000"], stdout=subprocess.PIPE, stderr=DEVNULL,
+                                 text=True)
+            try:
+                endpoint = d.stdout.readline().split()[-1]
+                base = peak_kib(d.pid)
+                times, errors = [], []
+                for run in range(2):  # the second run against the same daemon must work too
+                    r = subprocess.run([os.path.join(self.bin, "rdzv_scale"), endpoint, str(n), f"scale{run}"],
+                                       capture_output=True, text=True, timeout=600)
+                    if r.returncode != 0:
+                        errors.append(f"run {run + 1}: {r.stdout.strip()} {r.stderr.strip()}"[:300])
+                    else:
+                        times.append(float(r.stdout.split()[-2]) * 1e3)
+                per_agent = (peak_kib(d.pid) - base) / n
+            finally:
+                d.send_signal(signal.SIGTERM)
+                d.wait(timeout=60)
+            rows.append(row({"agents": n, "what": "time (two runs, one daemon)"}, times,
+                            target=("<=", 1000.0) if n == 10000 else None,
+                            note="; ".join(errors) if errors else None, extra={"runs_ok": len(times)}))
+            rows.append(row({"agents": n, "what": "daemon peak memory per agent"}, [per_agent], unit="KiB",
+                            target=("<=", 2.0)))
+        n = size(100000, 100000, 1000)
+        out = subprocess.run([os.path.join(self.bin, "rdzv_job_bench"), str(n)], capture_output=True, text=True,
+                             timeout=600, check=True).stdout
+        rows.append(row({"agents": n, "what": "in-process job state machine (rdzv_job_bench)"},
+                        [float(out.split()[-2]) * 1e3], target=("<=", 10000.0)))
+        return {"title": "the daemon alone: simulated agents over real sockets (rdzv_scale) join one job", "param": "",
+                "rows": rows}
+
+    # ---- (6) log relay ---------------------------------------------------------------------------
+    def relay(self):
+        lines = size(1000000, 100000, 10000)
+        total = 4 * lines
+        worker = [self.fake, "lines", str(lines)]
+        args = ["--standalone", "--nproc_per_node=4", "--no_python"] + worker
+        # The check: one run into a file, every line prefixed, none lost, none mixed.
+        out = os.path.join(self.tmp, "relay.out")
+        with open(out, "wb") as f:
+            subprocess.run(self.ours + args, stdout=f, stderr=DEVNULL, check=True, timeout=600)
+        check = check_relay(out, 4, lines)
+        os.unlink(out)
+        runs = 1 if QUICK else 3
+        ours = [total / (t / 1e3) for t in self.alternate(self.ours + args, None, 1, runs, 0, 0 if QUICK else 1,
+                                                        output="pipe")[0]]
+        peer = None
+        if self.peer:
+            peer = [total / (t / 1e3) for t in
+                    self.alternate(self.peer + ["--tee", "3"] + args, None, 1, 1 if QUICK else 2, 0, 0, "pipe")[0]]
+        sh = " ".join(f"RANK={r} {shlex.quote(self.fake)} lines {lines} >/dev/null &" for r in range(4)) + " wait"
+        limit = [total / t for t in self.hyperfine(["sh", "-c", sh], 0 if QUICK else 1, runs)]
+        rows = [row({"what": "mglaunch vs torchrun --tee 3"}, ours, peer, unit="lines/s", better="higher",
+                    extra={"check": check}),
+                row({"what": "mglaunch vs workers straight to /dev/null (the limit)"}, ours, limit, unit="lines/s",
+                    better="higher")]
+        if rows[0]["ratio"] is not None:
+            rows[0]["target"] = {"op": ">=", "value": 5.0, "on": "ratio", "met": rows[0]["ratio"] >= 5.0}
+        if rows[1]["ratio"] is not None:
+            rows[1]["target"] = {"op": ">=", "value": 0.5, "on": "ratio", "met": rows[1]["ratio"] >= 0.5}
+        return {"title": f"log relay: 4 workers × {lines:,} lines each to a pipe, lines/s with `[rankN]:` prefixes",
+                "param": "", "rows": rows}
+
+    # ---- (7) all-reduce -----------------------------------------------------------------------
+    def allreduce(self):
+        mgtrain = os.path.join(self.bin, "mgtrain")
+        if not os.path.exists(mgtrain):
+            return {"skipped": "mgtrain not built (no LibTorch)"}
+        sizes = ["--min-bytes", "4K", "--max-bytes", "1M" if QUICK else "16M", "--step-factor", "4",
+                 "--iters", "2" if QUICK else "20", "--warmup", "1" if QUICK else "5"]
+        rows = []
+        for world in (2, 4):
+            launch = self.ours + ["--standalone", f"--nproc_per_node={world}"]
+            ours_t, py_t = {}, {}
+            for _ in range(1 if QUICK else 3):
+                for cmd, into in ((launch + [mgtrain, "--bench", "allreduce"] + sizes, ours_t),
+                                  (launch + ["--no_python", PY, os.path.join(ROOT, "bench", "allreduce_loop.py")] + sizes,
+                                   py_t)):
+                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                    if r.returncode != 0:
+                        raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr[-500:]}")
+                    for size, us, busbw in parse_allreduce(r.stdout):
+                        into.setdefault(size, []).append((us, busbw))
+            for size in sorted(ours_t):
+                bus = lambda v: [b for _, b in v]
+                r = row({"world": world, "bytes": size}, bus(ours_t[size]), bus(py_t.get(size, [])), unit="GB/s",
+                        better="higher")
+                o, p = statistics.median(u for u, _ in ours_t[size]), statistics.median(u for u, _ in py_t[size])
+                r["overhead"] = o / p - 1.0  # time per all-reduce, mgtrain vs the Python loop
+                if size >= 1 << 20:
+                    r["target"] = {"op": "<=", "value": 0.05, "on": "overhead", "met": r["overhead"] <= 0.05}
+                rows.append(r)
+        return {"title": "Gloo all-reduce bus bandwidth: `mgtrain --bench allreduce` vs a Python "
+                         "`torch.distributed.all_reduce` loop (bench/allreduce_loop.py), both under mglaunch",
+                "param": "world, bytes", "rows": rows}
+
+    # ---- (8) training -----------------------------------------------------------------------------
+    def training(self):
+        if not os.path.exists(os.path.join(self.bin, "mgtrain")):
+            return {"skipped": "mgtrain not built (no LibTorch)"}
+        env = dict(os.environ, NPROCS="1 2", SEEDS="1" if QUICK else os.environ.get("BENCH_TRAIN_SEEDS", "1 2 3"))
+        if QUICK:
+            env["EXTRA"] = "--train-subset 2000 --test-subset 1000"
+        r = subprocess.run([os.path.join(ROOT, "bench", "train_bench.sh"), self.build], capture_output=True, text=True,
+                           env=env, timeout=7200)
+        if r.returncode != 0:
+            return {"skipped": f"bench/train_bench.sh failed: {r.stderr.strip()[-300:]}"}
+        return {"title": "training: mgtrain vs the Python twin (bench/train_bench.sh), Fashion-MNIST CNN, gloo on CPU",
+                "text": r.stdout, "rows": parse_train(r.stdout)}
+
+    # ---- (9) rendezvous backends (bench/rdzv_backends.py, when present) ---------------------------
+    def backends(self):
+        script = os.path.join(ROOT, "bench", "rdzv_backends.py")
+        if not os.path.exists(script):
+            return {"skipped": "bench/rdzv_backends.py not present"}
+        r = subprocess.run([PY, script, self.build], capture_output=True, text=True, timeout=3600,
+                           env=dict(os.environ, BENCH_QUICK="1" if QUICK else "0"))
+        if r.returncode != 0:
+            return {"skipped": f"bench/rdzv_backends.py failed: {r.stderr.strip()[-300:]}"}
+        return {"title": "rendezvous backends, 8 agents (bench/rdzv_backends.py)", "text": r.stdout}
+
+    # ---- (10) a hung node ------------------------------------------------------------------------
+    def hung(self):
+        port = free_port()
+        agents = [subprocess.Popen(self.ours + ["--nnodes=3", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=hung",
+                                                "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3",
+                                                f"--local_addr=127.0.0.{i + 1}", "--no_python", "sleep", "60"],
+                                   stdout=DEVNULL, stderr=DEVNULL) for i in range(3)]
+        try:
+            time.sleep(2)  # round formed, workers sleeping
+            t0 = time.perf_counter()
+            agents[2].send_signal(signal.SIGSTOP)
+            for a in agents[:2]:
+                a.wait(timeout=60)
+            elapsed = time.perf_counter() - t0
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    a.kill()
+                    a.wait()
+        return {"title": "a SIGSTOPped node → the survivors told and exited (keep-alive 1 s × 3; bound 4 s)",
+                "param": "", "rows": [row({}, [elapsed * 1e3], note="torchrun 1.13 never detects it")]}
+
+
+def check_relay(path, ranks, lines):
+    """Every line `[rankR]:R:i:payload`, each rank's i = 0..lines-1 in order: none lost or mixed."""
+    nxt = [0] * ranks
+    bad = 0
+    payload = b"abcdefghijklmnopqrstuvwxyz0123456789"
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.startswith(b"[rank"):
+                if line.startswith(b"[mglaunch]"):
+                    continue
+                bad += 1
+                continue
+            head, _, rest = line.partition(b"]:")
+            try:
+                r = int(head[5:])
+                rr, i, p = rest.rstrip(b"\n").split(b":")
+                ok = int(rr) == r and int(i) == nxt[r] and p == payload
+            except (ValueError, IndexError):
+                ok = False
+            if ok:
+                nxt[r] += 1
+            else:
+                bad += 1
+    return {"lines_expected": ranks * lines, "lines_ok": sum(nxt), "bad_lines": bad,
+            "passed": bad == 0 and nxt == [lines] * ranks}
+
+
+def parse_allreduce(text):
+    for line in text.splitlines():
+        f = line.split("]:", 1)[-1].split()
+        if len(f) == 7 and f[0].isdigit():
+            yield int(f[0]), float(f[3]), float(f[5])
+
+
+def parse_train(text):
+    """Rows from train_bench.sh's tables: per process count, each tool's mean samples/s and accuracy."""
+    rows, nproc = [], 2
+    header = []
+    for line in text.splitlines():
+        if line.startswith("###"):
+            digits = [int(w) for w in line.split() if w.isdigit()]
+            nproc = digits[0] if digits else nproc
+        elif line.startswith("| seed"):
+            header = [c.strip() for c in line.strip("|").split("|")]
+        elif line.startswith("| mean"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.append({"nproc": nproc, "columns": header, "mean": cells})
+    return rows
+
+
+def meta(bench):
+    def version(cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            return None
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    mem = next((int(l.split()[1]) // 1024 for l in open("/proc/meminfo") if l.startswith("MemTotal")), 0)
+    torch_v = version([PY, "-c", "import torch; print(torch.__version__)"])
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{cpu}, {mem // 1024} GiB",
+        "kernel": platform.release(),
+        "cores": os.cpu_count(),
+        "load_at_start": os.getloadavg()[0],
+        "quick": QUICK,
+        "peer": " ".join(bench.peer) if bench.peer else None,
+        "peer_note": bench.peer_note,
+        "versions": {
+            "mglaunch": version(["git", "-C", ROOT, "describe", "--always", "--dirty"]),
+            "torch (peer and Python loops)": torch_v,
+            "hyperfine": version(["hyperfine", "--version"]),
+            "gcc": version(["g++", "--version"]),
+            "python": version([PY, "--version"]),
+        },
+    }
+
+
+CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "daemon_scale", "relay", "allreduce", "training",
+         "backends", "hung"]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("build")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "latest.json"))
+    p.add_argument("--cases", default=",".join(CASES))
+    a = p.parse_args()
+    b = Bench(a.build)
+    log(b.peer_note)
+    res = {"meta": meta(b), "cases": {}}
+    try:
+        for name in a.cases.split(","):
+            log(f"{name} ...")
+            t0 = time.time()
+            try:
+                res["cases"][name] = getattr(b, name)()
+            except Exception as e:  # one broken case must not lose the others
+                res["cases"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                log(f"{name} FAILED: {e}")
+            log(f"{name} done in {time.time() - t0:.0f} s")
+    finally:
+        shutil.rmtree(b.tmp, ignore_errors=True)
+    res["meta"]["load_at_end"] = os.getloadavg()[0]
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"wrote {a.out}")
+    return 1 if any("error" in c for c in res["cases"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+#!/usr/bin/python3
+"""Renders bench/results/latest.json: the README's benchmark tables (between the
+`<!-- bench:begin -->` and `<!-- bench:end -->` markers) and PNG plots with gnuplot.
+
+Usage: render.py [--json FILE] [--readme FILE] [--docs DIR]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def fmt(v, unit):
+    if v is None:
+        return "–"
+    if unit == "lines/s":
+        return f"{v / 1e6:.2f} M"
+    if unit == "GB/s":
+        return f"{v:.3f}"
+    if unit == "KiB":
+        return f"{v:.2f}"
+    if unit == "MiB":
+        return f"{v:.1f}"
+    if v >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def cell(s, unit):
+    if not s:
+        return "–"
+    if len(s["samples"]) == 1:
+        return fmt(s["median"], unit)
+    return f"**{fmt(s['median'], unit)}** ({fmt(s['min'], unit)}–{fmt(s['max'], unit)}, n={len(s['samples'])})"
+
+
+def ratio(r):
+    return f"{r['ratio']:.1f}x" if r.get("ratio") else "–"
+
+
+def target(r):
+    t = r.get("target")
+    if not t:
+        return ""
+    on = t.get("on", "median")
+    v = t["value"]
+    shown = f"{v:.0%}" if on == "overhead" else (f"{v:g}x" if on == "ratio" else f"{v:g}")
+    return f"{'met' if t['met'] else 'NOT met'} ({on} {t['op']} {shown})"
+
+
+def param_text(p):
+    return ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{v}" for k, v in p.items())
+
+
+def table(case):
+    rows = case["rows"]
+    unit = rows[0]["unit"]
+    better = "higher is better" if rows[0]["better"] == "higher" else "lower is better"
+    out = [f"| case | mglaunch ({unit}) | torchrun / reference ({unit}) | advantage | target |", "|---|---|---|---|---|"]
+    for r in rows:
+        name = param_text(r["param"]) or "–"
+        if r.get("note"):
+            name += f" ({r['note']})"
+        if r.get("cpu_ms"):
+            c = r["cpu_ms"]
+            name += f"; CPU {c['ours']:.1f} ms" + (f" vs {c['peer']:,.0f} ms" if c.get("peer") else "")
+        if r.get("check"):
+            c = r["check"]
+            name += f"; check: {c['lines_ok']:,} of {c['lines_expected']:,} lines in order, {c['bad_lines']} bad " \
+                    f"({'passed' if c['passed'] else 'FAILED'})"
+        out.append(f"| {name} | {cell(r['ours'], r['unit'])} | {cell(r['peer'], r['unit'])} | {ratio(r)} | "
+                   f"{target(r)} |")
+    out.append(f"\n({better}; median in bold, range and sample count after it; advantage = how many times "
+               "better mglaunch's median is)")
+    return "\n".join(out)
+
+
+def allreduce_table(case):
+    out = ["| world | bytes | mgtrain busbw (GB/s) | Python loop busbw (GB/s) | mgtrain time / Python time − 1 | target |",
+           "|---|---|---|---|---|---|"]
+    for r in case["rows"]:
+        p = r["param"]
+        out.append(f"| {p['world']} | {p['bytes']:,} | {fmt(r['ours']['median'], 'GB/s')} | "
+                   f"{fmt(r['peer']['median'] if r['peer'] else None, 'GB/s')} | {r['overhead']:+.1%} | {target(r)} |")
+    out.append("\n(medians of 3 alternating runs of 20 timed all-reduces each; negative: mgtrain faster)")
+    return "\n".join(out)
+
+
+PLOTS = {
+    "launch_exit": ("bench_launch.png", "launch → exit of N × /bin/true", "workers N", "ms (log)", True),
+    "rdzv_agents": ("bench_rdzv.png", "K loopback agents: start → all workers started", "agents K", "ms (log)", True),
+    "allreduce": ("bench_allreduce.png", "Gloo all-reduce bus bandwidth", "message bytes (log)", "GB/s", False),
+    "relay": ("bench_relay.png", "log relay, 4 workers", "", "million lines/s", False),
+}
+
+
+def plot(name, case, docs, tmp):
+    png, title, xl, yl, logy = PLOTS[name]
+    data = os.path.join(tmp, name + ".dat")
+    script = [f"set terminal pngcairo size 720,420 noenhanced font 'sans,10'" if has_cairo() else
+              "set terminal png size 720,420 noenhanced",
+              f"set output '{os.path.join(docs, png)}'", f"set title '{title}'", "set key top left",
+              "set grid", f"set xlabel '{xl}'", f"set ylabel '{yl}'"]
+    rows = case["rows"]
+    if name in ("launch_exit", "rdzv_agents"):
+        key = "N" if name == "launch_exit" else "K"
+        with open(data, "w") as f:
+            for r in rows:
+                peer = r["peer"]["median"] if r["peer"] else "NaN"
+                f.write(f"{r['param'][key]} {r['ours']['median']} {peer}\n")
+        script += ["set logscale x 2", "set logscale y", "set style data linespoints",
+                   f"plot '{data}' using 1:2 title 'mglaunch' lw 2, '' using 1:3 title 'torchrun' lw 2"]
+    elif name == "allreduce":
+        plots = []
+        for world in (2, 4):
+            d = f"{data}.{world}"
+            with open(d, "w") as f:
+                for r in rows:
+                    if r["param"]["world"] == world:
+                        f.write(f"{r['param']['bytes']} {r['ours']['median']} "
+                                f"{r['peer']['median'] if r['peer'] else 'NaN'}\n")
+            plots += [f"'{d}' using 1:2 title 'mgtrain, {world} ranks' lw 2",
+                      f"'{d}' using 1:3 title 'Python loop, {world} ranks' lw 2 dt 2"]
+        script += ["set logscale x 2", "set style data linespoints", "plot " + ", ".join(plots)]
+    elif name == "relay":
+        r0, r1 = rows
+        with open(data, "w") as f:
+            f.write(f"\"mglaunch\" {r0['ours']['median'] / 1e6}\n")
+            if r0["peer"]:
+                f.write(f"\"torchrun --tee 3\" {r0['peer']['median'] / 1e6}\n")
+            f.write(f"\"/dev/null (limit)\" {r1['peer']['median'] / 1e6}\n")
+        script += ["set style data histograms", "set style fill solid 0.7", "set boxwidth 0.6", "unset key",
+                   "set yrange [0:*]", f"plot '{data}' using 2:xtic(1) lc rgb '#3060c0'"]
+    gp = os.path.join(tmp, name + ".gp")
+    with open(gp, "w") as f:
+        f.write("\n".join(script) + "\n")
+    subprocess.run(["gnuplot", gp], check=True, timeout=120)
+    return png
+
+
+_cairo = None
+
+
+def has_cairo():
+    global _cairo
+    if _cairo is None:
+        r = subprocess.run(["gnuplot", "-e", "set terminal"], capture_output=True, text=True)
+        _cairo = "pngcairo" in (r.stdout + r.stderr)
+    return _cairo
+
+
+def render(res, docs, docs_rel):
+    m = res["meta"]
+    v = m["versions"]
+    out = [f"Generated by `make bench` (bench/bench.py, then bench/render.py) from "
+           f"`bench/results/latest.json` — do not edit by hand.",
+           "",
+           f"Run: {m['date']} on {m['machine']}, {m['cores']} cores, Linux {m['kernel']}; mglaunch {v['mglaunch']}, "
+           f"torch {v['torch (peer and Python loops)']}, {v['hyperfine']}, {v['gcc']}, {v['python']}. "
+           f"Load average {m['load_at_start']:.1f} at the start, {m.get('load_at_end', 0):.1f} at the end"
+           + (" — the machine was shared with other jobs, so absolute times are noisy; "
+              "both tools ran in the same run, alternating" if max(m['load_at_start'], m.get('load_at_end', 0)) > 1.0
+              else "") + ".",
+           "",
+           f"Peer: `{m['peer'] or 'none'}` — {m['peer_note']}. The peer is `$TORCHRUN`, else `torchrun` on PATH, else "
+           "`../shared/peers/torchrun`, always with `--monitor_interval=0.1`; one that cannot run `--tee 3` is "
+           "skipped." + (" **Quick run (BENCH_QUICK=1): one sample per case, smaller sizes.**" if m["quick"] else ""),
+           ""]
+    plots = []
+    for n, (name, case) in enumerate(res["cases"].items(), 1):
+        if "skipped" in case or "error" in case:
+            out += [f"#### ({n}) {name}", "", f"Not measured: {case.get('skipped') or case.get('error')}", ""]
+            continue
+        out += [f"#### ({n}) {case['title']}", ""]
+        if name == "allreduce":
+            out.append(allreduce_table(case))
+        elif "rows" in case and name != "training" and case["rows"]:
+            out.append(table(case))
+        if case.get("text"):
+            out += ["", case["text"].rstrip()]
+        out.append("")
+        if name in PLOTS and docs and case.get("rows"):
+            try:
+                png = plot(name, case, docs, render.tmp)
+                out += [f"![{PLOTS[name][1]}]({docs_rel}/{png})", ""]
+                plots.append(png)
+            except (subprocess.CalledProcessError, OSError, KeyError, ValueError) as e:
+                out += [f"(plot failed: {e})", ""]
+    return "\n".join(out).rstrip() + "\n", plots
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "latest.json"))
+    p.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    p.add_argument("--docs", default=os.path.join(ROOT, "docs"))
+    a = p.parse_args()
+    with open(a.json) as f:
+        res = json.load(f)
+    if not shutil.which("gnuplot"):
+        print("render: gnuplot not found (apt-get install gnuplot-nox): no plots", file=sys.stderr)
+        docs = None
+    else:
+        docs = a.docs
+        os.makedirs(docs, exist_ok=True)
+    docs_rel = os.path.relpath(a.docs, os.path.dirname(os.path.abspath(a.readme)))
+    render.tmp = tempfile.mkdtemp(prefix="mgrender_")
+    try:
+        text, plots = render(res, docs, docs_rel)
+    finally:
+        shutil.rmtree(render.tmp, ignore_errors=True)
+    with open(a.readme) as f:
+        readme = f.read()
+    if BEGIN not in readme or END not in readme:
+        print(f"render: {a.readme} has no {BEGIN} ... {END} markers; add them where the tables go", file=sys.stderr)
+        return 2
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(a.readme, "w") as f:
+        f.write(head + BEGIN + "\n" + text + END + tail)
+    print(f"render: {a.readme} updated; plots: {', '.join(plots) or 'none'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# ctest "bench: ...": the harness end to end at the smallest sizes, mglaunch only (no
+# torchrun, no training, no all-reduce): bench.py writes a results file with every case
+# measured and the relay check passed, render.py fills a copy of the README's markers and
+# draws the plots. Keeps `make bench` from rotting without costing a full run.
+# Usage: smoke_test.sh BUILD_DIR. Exit 77 (skipped) without hyperfine or gnuplot.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+build=$(cd "$1" && pwd)
+for tool in hyperfine gnuplot; do
+  command -v "$tool" >/dev/null || { echo "skipped: $tool is not installed (make bench installs it)"; exit 77; }
+done
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+BENCH_SMOKE=1 BENCH_NO_PEER=1 /usr/bin/python3 "$here/bench.py" "$build" --out "$tmp/r.json" \
+  --cases launch_exit,agent_rss,restart,rdzv_agents,daemon_scale,relay
+/usr/bin/python3 - "$tmp/r.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["meta"]["cores"] and r["meta"]["versions"]["mglaunch"], r["meta"]
+for name in ["launch_exit", "agent_rss", "restart", "rdzv_agents", "daemon_scale", "relay"]:
+    c = r["cases"][name]
+    assert "rows" in c and c["rows"], (name, c)
+    for row in c["rows"]:
+        assert row["ours"] and row["ours"]["median"] > 0, (name, row)
+assert r["cases"]["relay"]["rows"][0]["check"]["passed"], r["cases"]["relay"]["rows"][0]["check"]
+assert all(row.get("runs_ok", 2) == 2 for row in r["cases"]["daemon_scale"]["rows"]), r["cases"]["daemon_scale"]
+print("results ok")
+PY
+printf 'before\n<!-- bench:begin -->\nstale\n<!-- bench:end -->\nafter\n' > "$tmp/README.md"
+/usr/bin/python3 "$here/render.py" --json "$tmp/r.json" --readme "$tmp/README.md" --docs "$tmp/docs"
+grep -q '^#### (1) launch' "$tmp/README.md"
+! grep -q stale "$tmp/README.md"
+grep -q '^after$' "$tmp/README.md"
+for png in bench_launch.png bench_rdzv.png bench_relay.png; do
+  [ "$(head -c 4 "$tmp/docs/$png" | tail -c 3)" = PNG ] || { echo "no plot $png"; exit 1; }
+done
+echo "bench smoke: ok"

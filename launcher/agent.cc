@@ -777,12 +777,12 @@ bool Agent::is_live_worker_leader(pid_t pid) const { return leaders_.contains(pi
 void Agent::signal_workers(int sig) {
   const bool any_reaped = std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited(); });
   std::unordered_set<pid_t> groups;
-  if (any_reaped) groups = descendant_groups(scan_processes(), ::getpid());
+  if (any_reaped) groups = descendant_groups(scan_family(::getpid()), ::getpid());
   for (auto& w : workers_) w->signal_group(sig, &groups);
 }
 
 void Agent::signal_escaped(int sig) {
-  for (const auto& p : descendants_of(scan_processes(), ::getpid())) {
+  for (const auto& p : descendants_of(scan_family(::getpid()), ::getpid())) {
     if (p.pid == watchdog_.pid()) continue;
     const bool in_worker_group = leaders_.contains(p.pgrp);
     if (!in_worker_group && !is_live_worker_leader(p.pid)) ::kill(p.pid, sig);
@@ -794,13 +794,13 @@ void Agent::kill_leftovers(bool reap) {
   // A few rounds: a process may fork between the scan and its SIGKILL.
   for (int round = 0; round < 10; ++round) {
     std::unordered_set<pid_t> victims;
-    for (const auto& p : descendants_of(scan_processes(), self))
+    for (const auto& p : descendants_of(scan_family(self), self))
       if (!is_live_worker_leader(p.pid) && p.pid != watchdog_.pid()) victims.insert(p.pid);
     if (victims.empty()) break;
     for (pid_t pid : victims) ::kill(pid, SIGKILL);
     if (!reap) break;  // reap_children() reaps them
     // Blocking waits only for children that cannot outlive them: killed ones, zombies.
-    for (const auto& p : scan_processes()) {
+    for (const auto& p : scan_family(self)) {
       if (p.ppid != self || is_live_worker_leader(p.pid) || p.pid == watchdog_.pid()) continue;
       if (p.state != 'Z' && !victims.contains(p.pid)) continue;
       int status = 0;

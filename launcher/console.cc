@@ -64,9 +64,7 @@ struct Console::Async {
   static constexpr int kFiles = 2;
 
   Async(asio::io_context& io, int out_fd, int err_fd, std::size_t high_water)
-      : io(io), high(high_water ? high_water : 1), low(high / 4), fds{out_fd, err_fd} {
-    for (auto& s : streams) s.thread = std::thread([this, &s] { run(s); });
-  }
+      : io(io), high(high_water ? high_water : 1), low(high / 4), fds{out_fd, err_fd} {}  // writers start on demand
 
   ~Async() {
     for (auto& s : streams) {
@@ -76,7 +74,8 @@ struct Console::Async {
       }
       s.cv.notify_one();
     }
-    for (auto& s : streams) s.thread.join();  // after writing what was queued
+    for (auto& s : streams)
+      if (s.thread.joinable()) s.thread.join();  // after writing what was queued
   }
 
   void push(int stream, std::string data) {
@@ -86,6 +85,8 @@ struct Console::Async {
 
   void push_item(int stream, Item item) {
     auto& s = streams[stream];
+    // A stream's writer starts with its first item: a run with quiet workers starts no thread.
+    if (!s.thread.joinable()) s.thread = std::thread([this, &s] { run(s); });
     s.queued += item.data.size();
     {
       std::lock_guard<std::mutex> lk(s.m);

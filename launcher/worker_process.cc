@@ -211,6 +211,54 @@ std::vector<ProcStat> scan_processes() {
   return out;
 }
 
+std::vector<ProcStat> scan_family(pid_t root) {
+  static const bool have_children = [] {
+    const std::string self = fmt::format("/proc/{0}/task/{0}/children", ::getpid());
+    return ::access(self.c_str(), R_OK) == 0;
+  }();
+  if (!have_children) return scan_processes();
+  std::vector<ProcStat> out;
+  std::vector<pid_t> frontier{root};
+  std::unordered_set<pid_t> seen{root};  // each pid once: bounded by the tree
+  char buf[4096];
+  std::string list;
+  while (!frontier.empty()) {
+    std::vector<pid_t> next;
+    for (pid_t pid : frontier) {
+      // Every thread: an orphan re-parented to a subreaper goes to one of its threads.
+      DIR* tasks = ::opendir(fmt::format("/proc/{}/task", pid).c_str());
+      if (!tasks) continue;  // gone meanwhile
+      while (dirent* t = ::readdir(tasks)) {
+        if (t->d_name[0] < '1' || t->d_name[0] > '9') continue;
+        const int fd = ::open(fmt::format("/proc/{}/task/{}/children", pid, t->d_name).c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        list.clear();
+        for (ssize_t n; (n = ::read(fd, buf, sizeof(buf))) > 0;) list.append(buf, static_cast<std::size_t>(n));
+        ::close(fd);
+        for (std::size_t i = 0; i < list.size();) {
+          pid_t child = 0;
+          for (; i < list.size() && list[i] >= '0' && list[i] <= '9'; ++i) child = child * 10 + (list[i] - '0');
+          for (; i < list.size() && (list[i] < '0' || list[i] > '9'); ++i) {
+          }
+          if (child <= 0 || !seen.insert(child).second) continue;
+          const int sfd = ::open(fmt::format("/proc/{}/stat", child).c_str(), O_RDONLY | O_CLOEXEC);
+          if (sfd < 0) continue;
+          const ssize_t n = ::read(sfd, buf, sizeof(buf));
+          ::close(sfd);
+          if (n <= 0) continue;
+          if (auto st = parse_proc_stat(std::string_view(buf, static_cast<std::size_t>(n)))) {
+            out.push_back(*st);
+            next.push_back(child);
+          }
+        }
+      }
+      ::closedir(tasks);
+    }
+    frontier = std::move(next);
+  }
+  return out;
+}
+
 std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root) {
   std::unordered_map<pid_t, std::vector<std::size_t>> children;
   children.reserve(table.size());
@@ -349,7 +397,7 @@ void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* group
     if (groups->contains(pid_)) ::killpg(pid_, sig);
     return;
   }
-  if (descendant_groups(scan_processes(), ::getpid()).contains(pid_)) ::killpg(pid_, sig);
+  if (descendant_groups(scan_family(::getpid()), ::getpid()).contains(pid_)) ::killpg(pid_, sig);
 }
 
 double WorkerProcess::duration_s() const {

@@ -45,6 +45,12 @@ std::optional<ProcStat> parse_proc_stat(std::string_view text);
 // Every process /proc shows now (those that vanish while reading are skipped).
 std::vector<ProcStat> scan_processes();
 
+// The descendants of `root` (zombies included), found through the kernel's
+// /proc/PID/task/TID/children lists: the cost grows with root's tree, not with the number
+// of processes on the machine (thousands on a shared one). Falls back to scan_processes()
+// where those lists are absent (CONFIG_PROC_CHILDREN off). Feed it to descendants_of(.., root).
+std::vector<ProcStat> scan_family(pid_t root);
+
 // The living (non-zombie) descendants of `root` in `table`, `root` excluded. Pure; linear
 // in the table's size.
 std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root);

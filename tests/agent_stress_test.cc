@@ -527,3 +527,78 @@ TEST_CASE("a hosting agent stopped by SIGTERM tells the other node, which stops 
   CHECK(b.exit_code() == 128 + SIGTERM);
   CHECK_THAT(b.err(), Catch::Contains("was stopped by SIGTERM"));
 }
+
+TEST_CASE("the agent finds its own process tree through the kernel's children lists, zombies included") {
+  // A child that starts a grandchild, and a child that exits unreaped (a zombie). Both wait
+  // on a pipe, so closing it ends them; the guard does that and reaps even on failure.
+  int gate[2];
+  REQUIRE(::pipe(gate) == 0);
+  auto wait_gate = [&] {
+    ::close(gate[1]);
+    char c;
+    while (::read(gate[0], &c, 1) < 0 && errno == EINTR) {
+    }
+  };
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    const pid_t grandchild = ::fork();
+    if (grandchild == 0) {
+      ::close(ready[1]);
+      wait_gate();
+      ::_exit(0);
+    }
+    const ssize_t ignored = ::write(ready[1], &grandchild, sizeof(grandchild));
+    (void)ignored;
+    ::close(ready[1]);
+    wait_gate();
+    ::waitpid(grandchild, nullptr, 0);
+    ::_exit(0);
+  }
+  const pid_t zombie = ::fork();
+  if (zombie == 0) ::_exit(0);
+  struct Reap {
+    int gate_w;
+    pid_t a, z;
+    ~Reap() {
+      ::close(gate_w);
+      ::waitpid(a, nullptr, 0);
+      if (z > 0) ::waitpid(z, nullptr, 0);
+    }
+  } reap{gate[1], child, zombie};
+  ::close(gate[0]);
+  ::close(ready[1]);
+  pid_t grandchild = 0;
+  REQUIRE(::read(ready[0], &grandchild, sizeof(grandchild)) == sizeof(grandchild));
+  ::close(ready[0]);
+  REQUIRE(zombie > 0);
+  // The zombie: until it is one, it is simply a child (bounded wait).
+  for (int i = 0; i < 500; ++i) {
+    auto st = mg::parse_proc_stat([&] {
+      std::ifstream f("/proc/" + std::to_string(zombie) + "/stat");
+      return std::string(std::istreambuf_iterator<char>(f), {});
+    }());
+    if (st && st->state == 'Z') break;
+    ::usleep(10000);
+  }
+
+  const pid_t self = ::getpid();
+  std::map<pid_t, mg::ProcStat> family;
+  for (const auto& p : mg::scan_family(self)) family[p.pid] = p;
+  REQUIRE(family.count(child));
+  REQUIRE(family.count(grandchild));
+  REQUIRE(family.count(zombie));
+  CHECK(family[child].ppid == self);
+  CHECK(family[grandchild].ppid == child);
+  CHECK(family[zombie].state == 'Z');
+  // The same living descendants as a scan of every process on the machine.
+  std::set<pid_t> fast, full;
+  for (const auto& p : mg::descendants_of(mg::scan_family(self), self)) fast.insert(p.pid);
+  for (const auto& p : mg::descendants_of(mg::scan_processes(), self)) full.insert(p.pid);
+  CHECK(fast == full);
+  CHECK(fast.count(grandchild));
+  CHECK_FALSE(fast.count(zombie));
+}

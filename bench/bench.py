@@ -363,7 +363,7 @@ class Bench:
         script = os.path.join(ROOT, "bench", "rdzv_backends.py")
         if not os.path.exists(script):
             return {"skipped": "bench/rdzv_backends.py not present"}
-        r = subprocess.run([PY, script, self.build], capture_output=True, text=True, timeout=3600,
+        r = subprocess.run([PY, script, self.build, "1" if QUICK else "3"], capture_output=True, text=True, timeout=3600,
                            env=dict(os.environ, BENCH_QUICK="1" if QUICK else "0"))
         if r.returncode != 0:
             return {"skipped": f"bench/rdzv_backends.py failed: {r.stderr.strip()[-300:]}"}

@@ -528,7 +528,7 @@ TEST_CASE("a hosting agent stopped by SIGTERM tells the other node, which stops 
   CHECK_THAT(b.err(), Catch::Contains("was stopped by SIGTERM"));
 }
 
-TEST_CASE("the agent finds its own process tree through the kernel's children lists, zombies included") {
+TEST_CASE("the agent finds its own process tree and its zombies through the kernel's children lists") {
   // A child that starts a grandchild, and a child that exits unreaped (a zombie). Both wait
   // on a pipe, so closing it ends them; the guard does that and reaps even on failure.
   int gate[2];

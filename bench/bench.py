@@ -269,8 +269,9 @@ class Bench:
             rows.append(row({"agents": n, "what": "time (two runs, one daemon)"}, times,
                             target=("<=", 1000.0) if n == 10000 else None,
                             note="; ".join(errors) if errors else None, extra={"runs_ok": len(times)}))
+            # (peak - the daemon's own start-up peak) / n: at 1,000 the daemon's fixed memory dominates.
             rows.append(row({"agents": n, "what": "daemon peak memory per agent"}, [per_agent], unit="KiB",
-                            target=("<=", 2.0)))
+                            target=("<=", 2.0) if n == 10000 else None))
         n = size(100000, 100000, 1000)
         out = subprocess.run([os.path.join(self.bin, "rdzv_job_bench"), str(n)], capture_output=True, text=True,
                              timeout=600, check=True).stdout

@@ -127,7 +127,7 @@ def plot(name, case, docs, tmp):
                                 f"{r['peer']['median'] if r['peer'] else 'NaN'}\n")
             plots += [f"'{d}' using 1:2 title 'mgtrain, {world} ranks' lw 2",
                       f"'{d}' using 1:3 title 'Python loop, {world} ranks' lw 2 dt 2"]
-        script += ["set logscale x 2", "set style data linespoints", "plot " + ", ".join(plots)]
+        script += ["set logscale x 2", "set format x '%.0b %BB'", "set style data linespoints", "plot " + ", ".join(plots)]
     elif name == "relay":
         r0, r1 = rows
         with open(data, "w") as f:
@@ -183,7 +183,8 @@ def render(res, docs, docs_rel):
         elif "rows" in case and name != "training" and case["rows"]:
             out.append(table(case))
         if case.get("text"):
-            out += ["", case["text"].rstrip()]
+            text = case["text"].rstrip()
+            out += ["", text if text.lstrip().startswith("|") else "```\n" + text + "\n```"]
         out.append("")
         if name in PLOTS and docs and case.get("rows"):
             try:

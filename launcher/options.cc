@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/args.h"
 #include "launcher/errors.h"
 #include "launcher/hwprobe.h"
 #include "rendezvous/endpoint.h"
@@ -31,12 +32,28 @@ int shell_exit_code(int status) {
 
 namespace {
 
-int parse_int(const std::string& flag, std::string_view text, int min_value) {
+// `flag` names where the text came from: "--node_rank", "PET_NODE_RANK" or a --config key.
+int parse_int(const std::string& flag, std::string_view text, int min_value,
+              std::optional<int> max_value = std::nullopt) {
   int v = 0;
   auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (text.empty() || ec != std::errc{} || p != text.data() + text.size())
+  const std::string range =
+      max_value ? fmt::format("use {}..{}", min_value, *max_value) : fmt::format("must be >= {}", min_value);
+  if (text.empty()) throw UsageError(fmt::format("bad {} '': empty (an unset shell variable?); expected an integer", flag));
+  if (ec == std::errc::result_out_of_range) throw UsageError(fmt::format("bad {} '{}': {}", flag, text, range));
+  if (ec != std::errc{} || p != text.data() + text.size())
     throw UsageError(fmt::format("bad {} '{}': expected an integer", flag, text));
-  if (v < min_value) throw UsageError(fmt::format("bad {} '{}': must be >= {}", flag, text, min_value));
+  if (v < min_value || (max_value && v > *max_value)) throw UsageError(fmt::format("bad {} '{}': {}", flag, text, range));
+  return v;
+}
+
+// Seconds in [min_s, max_s] (a decimal number).
+double parse_seconds(const std::string& flag, std::string_view text, double min_s, double max_s) {
+  if (text.empty()) throw UsageError(fmt::format("bad {} '': empty (an unset shell variable?); expected seconds", flag));
+  double v = -1;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || p != text.data() + text.size() || !(v >= min_s) || v > max_s)
+    throw UsageError(fmt::format("bad {} '{}': use {}..{} seconds", flag, text, min_s, max_s));
   return v;
 }
 
@@ -59,15 +76,23 @@ std::string both_spellings(const std::string& name) {
   return dashed == name ? "--" + name : "--" + name + ",--" + dashed;
 }
 
-// JSON config files for CLI11: {"nproc_per_node": 4, "standalone": true, ...}.
+// JSON config files for CLI11: {"nproc_per_node": 4, "standalone": true, ...}. A key that
+// is no flag name is an error naming the nearest one.
 class JsonConfig : public CLI::Config {
  public:
+  std::vector<std::string> valid_keys;  // long flag names, set once every option is added
+
   std::string to_config(const CLI::App*, bool, bool, std::string) const override { return "{}"; }
   std::vector<CLI::ConfigItem> from_config(std::istream& in) const override {
     nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
     if (j.is_discarded() || !j.is_object()) throw CLI::ConversionError("--config: the file is not a JSON object");
     std::vector<CLI::ConfigItem> items;
     for (auto& [key, value] : j.items()) {
+      if (std::find(valid_keys.begin(), valid_keys.end(), key) == valid_keys.end()) {
+        auto near = cli::nearest_name(key, valid_keys);
+        throw CLI::ConversionError(fmt::format("--config: unknown key '{}'{}", key,
+                                               near ? fmt::format(": did you mean '{}'?", *near) : ""));
+      }
       CLI::ConfigItem item;
       item.name = key;
       auto text = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
@@ -290,16 +315,16 @@ StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
   return spec;
 }
 
-NodeRange parse_nnodes(const std::string& text) {
+NodeRange parse_nnodes(const std::string& text, const std::string& flag) {
   NodeRange r;
   auto colon = text.find(':');
   if (colon == std::string::npos) {
-    r.min = r.max = parse_int("--nnodes", text, 1);
+    r.min = r.max = parse_int(flag, text, 1);
     return r;
   }
-  r.min = parse_int("--nnodes", std::string_view(text).substr(0, colon), 1);
-  r.max = parse_int("--nnodes", std::string_view(text).substr(colon + 1), 1);
-  if (r.min > r.max) throw UsageError(fmt::format("bad --nnodes '{}': MIN must be <= MAX", text));
+  r.min = parse_int(flag, std::string_view(text).substr(0, colon), 1);
+  r.max = parse_int(flag, std::string_view(text).substr(colon + 1), 1);
+  if (r.min > r.max) throw UsageError(fmt::format("bad {} '{}': MIN must be <= MAX", flag, text));
   return r;
 }
 
@@ -394,7 +419,8 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   app.prefix_command();
   app.set_version_flag("--version", std::string("mglaunch ") + MGLAUNCH_VERSION);
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app.config_formatter(std::make_shared<JsonConfig>());
+  auto json_config = std::make_shared<JsonConfig>();
+  app.config_formatter(json_config);
   app.set_config("--config", "", "JSON file with flag values (keys as flag names); flags override it");
   app.get_formatter()->column_width(36);
   app.footer(
@@ -404,50 +430,57 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
       "1 internal error. See README.md.");
 
   std::string nnodes = "1:1", redirects, tee, filter, gpu_ids;
-  double grace_s = 30.0;
+  // Numbers are taken as text and checked below, so that every error names where the
+  // value came from (flag, PET_* variable or --config key) and the valid range.
+  std::string node_rank = "0", master_port = "29500", max_restarts = "0", monitor_interval = "5", grace = "30";
   auto pet = [](std::string name) {
     std::transform(name.begin(), name.end(), name.begin(), ::toupper);
     return "PET_" + name;
   };
+  // Options with a PET_* fallback; applied after parsing (flags > PET_* > --config).
+  std::vector<std::pair<CLI::Option*, std::string>> pet_options;
   auto opt = [&](const std::string& name, auto& var, const std::string& help) {
-    return app.add_option(both_spellings(name), var, help)->envname(pet(name));
+    auto* option = app.add_option(both_spellings(name), var, help);
+    pet_options.emplace_back(option, pet(name));
+    return option;
   };
   auto flag = [&](const std::string& names, const std::string& env_name, bool& var, const std::string& help) {
     auto* f = app.add_flag(names, var, help);
-    if (!env_name.empty()) f->envname(pet(env_name));
+    if (!env_name.empty()) pet_options.emplace_back(f, pet(env_name));
     return f;
   };
   opt("nnodes", nnodes, "Number of nodes, N or MIN:MAX (elastic)");
   opt("nproc_per_node", o.nproc_spec, "Workers per node: N, auto, gpu or cpu");
-  opt("node_rank", o.node_rank, "Rank of this node (static rendezvous)");
+  opt("node_rank", node_rank, "Rank of this node (static rendezvous)");
   opt("master_addr", o.master_addr, "Master address (static rendezvous)");
-  opt("master_port", o.master_port, "Master port (static rendezvous)");
+  opt("master_port", master_port, "Master port (static rendezvous)");
   opt("rdzv_backend", o.rdzv_backend, "static, c10d, mglaunch or etcd");
   opt("rdzv_endpoint", o.rdzv_endpoint, "Rendezvous HOST[:PORT]");
   opt("rdzv_id", o.rdzv_id, "Job id shared by every node");
   opt("rdzv_conf", o.rdzv_conf, "Rendezvous settings, KEY=VALUE,...");
   flag(both_spellings("standalone"), "standalone", o.standalone, "Single node: local rendezvous on a free port");
-  opt("max_restarts", o.max_restarts, "Restarts of the worker group before failing");
-  opt("monitor_interval", o.monitor_interval, "Accepted for torchrun compatibility (supervision is event-driven)");
+  opt("max_restarts", max_restarts, "Restarts of the worker group before failing");
+  opt("monitor_interval", monitor_interval, "Accepted for torchrun compatibility (supervision is event-driven)");
   opt("role", o.role, "Worker role name");
   opt("local_addr", o.local_addr, "Address this node advertises");
   flag("-m,--module", "module", o.module, "Run the program as a Python module (python -m)");
   flag(both_spellings("no_python"), "no_python", o.no_python, "Run the program directly, not through Python");
   flag(both_spellings("run_path"), "run_path", o.run_path, "Run a Python script by path (same as the default)");
   opt("log_dir", o.log_dir, "Directory for per-rank logs and error files");
-  app.add_option("-r,--redirects", redirects, "Send worker streams to log files only: 0-3 or RANK:N,...")
-      ->envname("PET_REDIRECTS");
-  app.add_option("-t,--tee", tee, "Copy worker streams to log files too: 0-3 or RANK:N,...")->envname("PET_TEE");
+  pet_options.emplace_back(
+      app.add_option("-r,--redirects", redirects, "Send worker streams to log files only: 0-3 or RANK:N,..."),
+      "PET_REDIRECTS");
+  pet_options.emplace_back(app.add_option("-t,--tee", tee, "Copy worker streams to log files too: 0-3 or RANK:N,..."),
+                           "PET_TEE");
   opt("local_ranks_filter", filter, "Show only these local ranks' output on the console, e.g. 0,3");
   opt("start_method", o.start_method, "Accepted for torchrun compatibility; has no effect (always fork+exec)");
   flag("--local-rank-arg,--local_rank_arg", "", o.local_rank_arg, "Pass --local_rank=N to the program");
   bool use_env = false;
   flag("--use_env,--use-env", "", use_env, "Accepted for torch.distributed.launch scripts; no effect");
   app.add_option("--cpu-bind,--cpu_bind", o.cpu_bind,
-                 "Pin each worker: none (default), cores (disjoint cores, near its GPU), numa (its NUMA node)")
-      ->check(CLI::IsMember({"none", "cores", "numa"}));
+                 "Pin each worker: none (default), cores (disjoint cores, near its GPU), numa (its NUMA node)");
   app.add_option("--gpu_ids,--gpu-ids", gpu_ids, "GPU ids for local ranks 0,1,...: CUDA_VISIBLE_DEVICES per worker");
-  app.add_option("--grace", grace_s, "Seconds between SIGTERM and SIGKILL when stopping workers (default 30)");
+  app.add_option("--grace", grace, "Seconds between SIGTERM and SIGKILL when stopping workers (default 30)");
   app.add_option("--summary-json,--summary_json", o.summary_json, "Write the run's summary as JSON to this file");
   flag("--dry-run,--dry_run", "", o.dry_run, "Print the resolved plan as JSON and start nothing");
   flag("--timestamps", "", o.timestamps, "Prefix relayed worker lines with the time");
@@ -479,15 +512,20 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
     o.python = it->second;
     o.python_source = "MGLAUNCH_PYTHON";
   }
-  // CLI11 reads environment fallbacks through getenv: make the PET_* it sees exactly `env`'s.
-  std::vector<std::string> stale;
-  for (char** e = environ; *e; ++e)
-    if (std::string_view kv = *e; kv.starts_with("PET_")) stale.emplace_back(kv.substr(0, kv.find('=')));
-  for (const auto& k : stale) ::unsetenv(k.c_str());
-  for (const auto& [k, v] : env)
-    if (k.starts_with("PET_")) ::setenv(k.c_str(), v.c_str(), 1);
+  json_config->valid_keys = cli::long_names(cli::specs_of(app));
 
-  std::vector<std::string> args(argv.begin() + (argv.empty() ? 0 : 1), argv.end());
+  // Argparse's rules first (explicit empty values, unique prefixes, a value never taken
+  // from the next flag), then CLI11 on the flags alone; the program and its arguments are
+  // never looked at.
+  const std::vector<cli::FlagSpec> specs = cli::specs_of(app);
+  cli::Normalized norm;
+  try {
+    norm = cli::normalize_args(std::vector<std::string>(argv.begin() + (argv.empty() ? 0 : 1), argv.end()), specs,
+                               /*stop_at_positional=*/true);
+  } catch (const cli::ArgsError& e) {
+    throw UsageError(fmt::format("{} (see mglaunch --help)", e.what()));
+  }
+  std::vector<std::string> args(norm.args.begin(), norm.args.begin() + static_cast<std::ptrdiff_t>(norm.rest));
   std::reverse(args.begin(), args.end());  // CLI11 consumes from the back
   try {
     app.parse(args);
@@ -501,39 +539,65 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
     throw UsageError(fmt::format("{} (see mglaunch --help)", what));
   }
 
+  // Where each value came from, for error messages: the flag, its PET_* variable or --config.
+  std::map<const CLI::Option*, std::string> source;
+  for (auto k : norm.given) source[app.get_option(specs[k].display())] = specs[k].display();
+  for (auto& [option, var] : pet_options) {
+    if (source.count(option)) continue;  // a flag beats the environment
+    auto it = env.find(var);
+    if (it == env.end()) continue;
+    const bool text = option->get_type_name().starts_with("TEXT") && option->get_expected_max() > 0;
+    if (it->second.empty() && !text)
+      throw UsageError(fmt::format("{} is set but empty: give it a value or unset it", var));
+    option->clear();
+    option->add_result(it->second);
+    try {
+      option->run_callback();
+    } catch (const CLI::ParseError&) {
+      throw UsageError(fmt::format("bad {} '{}': expected {}", var, it->second,
+                                   option->get_expected_max() == 0 ? "0 or 1" : option->get_type_name()));
+    }
+    source[option] = var;
+  }
+  auto from = [&](const std::string& flag_name) {
+    const CLI::Option* option = app.get_option(flag_name);
+    if (auto it = source.find(option); it != source.end()) return it->second;
+    if (option->count() > 0) return fmt::format("--config key '{}'", option->get_lnames().front());
+    return flag_name;
+  };
+
+  o.node_rank = parse_int(from("--node_rank"), node_rank, 0);
   o.node_rank_given = app.get_option("--node_rank")->count() > 0;
+  o.master_port = parse_int(from("--master_port"), master_port, 0, 65535);
   if (!o.no_slurm && slurm::in_slurm_step(env))
     apply_slurm(o, nnodes, env, probe, [&](const char* name) { return app.get_option(name)->count() > 0; });
-  std::vector<std::string> rest = app.remaining();
+  std::vector<std::string> rest(norm.args.begin() + static_cast<std::ptrdiff_t>(norm.rest), norm.args.end());
   if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
   if (rest.empty())
     throw UsageError("no training program given: usage is mglaunch [FLAGS] PROGRAM [ARGS...] (see mglaunch --help)");
-  if (rest.front().starts_with("-"))
-    throw UsageError(fmt::format("unknown flag '{}' (see mglaunch --help)", rest.front()));
   o.program = rest.front();
   o.program_args.assign(rest.begin() + 1, rest.end());
 
   // Values that need more than a type check.
-  o.nnodes = parse_nnodes(nnodes);
+  o.nnodes = parse_nnodes(nnodes, from("--nnodes"));
+  if (o.rdzv_id.empty()) o.rdzv_id = "none";  // as torchrun: an empty run id is no run id
   if (o.nproc_spec == "auto" || o.nproc_spec == "gpu" || o.nproc_spec == "cpu") {
     const int gpus = probe.gpu_count();
     if (o.nproc_spec == "gpu" && gpus == 0)
       throw UsageError("--nproc_per_node=gpu but no GPU is visible; give a number or use cpu");
     o.nproc_per_node = (o.nproc_spec == "cpu" || (o.nproc_spec == "auto" && gpus == 0)) ? probe.cpu_count() : gpus;
   } else {
-    o.nproc_per_node = parse_int("--nproc_per_node", o.nproc_spec, 1);
+    o.nproc_per_node = parse_int(from("--nproc_per_node"), o.nproc_spec, 1);
   }
-  if (o.max_restarts < 0) throw UsageError(fmt::format("bad --max_restarts '{}': must be >= 0", o.max_restarts));
-  if (!(o.monitor_interval > 0))
-    throw UsageError(fmt::format("bad --monitor_interval '{}': must be > 0", o.monitor_interval));
-  if (!(grace_s >= 0) || grace_s > 86400) throw UsageError(fmt::format("bad --grace '{}': use 0..86400 seconds", grace_s));
-  o.grace = std::chrono::milliseconds(static_cast<long>(grace_s * 1000));
-  if (o.master_port < 0 || o.master_port > 65535)
-    throw UsageError(fmt::format("bad --master_port '{}': use 0..65535", o.master_port));
-  if (o.node_rank < 0) throw UsageError(fmt::format("bad --node_rank '{}': must be >= 0", o.node_rank));
-  if (!redirects.empty()) o.redirects = parse_stream_spec("--redirects", redirects);
-  if (!tee.empty()) o.tee = parse_stream_spec("--tee", tee);
-  if (!filter.empty()) o.local_ranks_filter = parse_int_list("--local_ranks_filter", filter);
+  o.max_restarts = parse_int(from("--max_restarts"), max_restarts, 0);
+  o.monitor_interval = parse_seconds(from("--monitor_interval"), monitor_interval, 0.001, 86400);
+  o.grace = std::chrono::milliseconds(static_cast<long>(parse_seconds(from("--grace"), grace, 0, 86400) * 1000));
+  if (o.cpu_bind != "none" && o.cpu_bind != "cores" && o.cpu_bind != "numa")
+    throw UsageError(fmt::format("bad --cpu-bind '{}': use none, cores or numa", o.cpu_bind));
+  if (o.python.empty()) throw UsageError("bad --python '': give an interpreter (a name on PATH or a path)");
+  if (!redirects.empty()) o.redirects = parse_stream_spec(from("--redirects"), redirects);
+  if (!tee.empty()) o.tee = parse_stream_spec(from("--tee"), tee);
+  if (!filter.empty()) o.local_ranks_filter = parse_int_list(from("--local_ranks_filter"), filter);
   if (!gpu_ids.empty()) {
     o.gpu_ids = parse_int_list("--gpu_ids", gpu_ids);
     if (static_cast<int>(o.gpu_ids.size()) < o.nproc_per_node)
@@ -604,6 +668,33 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
         throw UsageError(fmt::format("--rdzv_conf cacert='{}' is for TLS but the etcd endpoint {}:{} is plain http: add "
                                      "protocol=https to --rdzv_conf (or write it https://HOST:PORT)",
                                      o.etcd_cacert, ep.host, ep.port));
+  }
+
+  // Addresses are checked now, not when the run is under way.
+  auto check_host = [&](const std::string& flag_name, const std::string& host) {
+    if (auto why = rdzv::host_problem(host)) throw UsageError(fmt::format("bad {} '{}': {}", from(flag_name), host, *why));
+  };
+  check_host("--master_addr", o.master_addr);
+  if (!o.local_addr.empty()) check_host("--local_addr", o.local_addr);
+  if (app.count("--metrics-host") > 0) check_host("--metrics-host", o.metrics_host);
+  if (!o.rdzv_endpoint.empty() && o.rdzv_backend != "etcd") {  // etcd: a list, checked above
+    rdzv::Endpoint ep;
+    try {
+      ep = rdzv::parse_endpoint(o.rdzv_endpoint, -1);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(fmt::format("{}: {}", from("--rdzv_endpoint"), e.what()));
+    }
+    const bool port_given = app.count("--master_port") > 0;
+    if (o.rdzv_backend == "static" && ep.port >= 0 && port_given && ep.port != o.master_port)
+      throw UsageError(fmt::format("--rdzv_endpoint={} names port {} but --master_port is {}: give the port once",
+                                   o.rdzv_endpoint, ep.port, o.master_port));
+    // static: HOST without a port takes --master_port (plan.cc). The dynamic backends listen
+    // on the endpoint's port, 29400 when it has none, and never on --master_port (torchrun).
+    if (o.rdzv_backend != "static" && ep.port < 0 && port_given)
+      o.warnings.push_back(fmt::format(
+          "--master_port has no effect with --rdzv_backend={}: the rendezvous uses port 29400 of --rdzv_endpoint={}; "
+          "write --rdzv_endpoint={}:{} to use port {}",
+          o.rdzv_backend, o.rdzv_endpoint, o.rdzv_endpoint, o.master_port, o.master_port));
   }
   if (auto it = env.find("MGLAUNCH_RDZV_TOKEN"); it != env.end()) o.rdzv_token = it->second;
   if (auto it = env.find("MGLAUNCH_RDZV_JOB_TOKEN"); it != env.end()) {

@@ -29,7 +29,8 @@ struct NodeRange {
   int min = 1;
   int max = 1;
 };
-NodeRange parse_nnodes(const std::string& text);
+// `flag` names where the text came from in errors ("--nnodes", "PET_NNODES", ...).
+NodeRange parse_nnodes(const std::string& text, const std::string& flag = "--nnodes");
 
 // True when this agent takes part in a multi-node dynamic rendezvous (c10d/mglaunch).
 bool uses_rendezvous_server(const struct AgentOptions& o);

@@ -153,7 +153,8 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
   if (opts.rdzv_backend == "static") {
     rdzv::Endpoint master{opts.master_addr, opts.master_port};
     try {
-      if (!opts.rdzv_endpoint.empty()) master = rdzv::parse_endpoint(opts.rdzv_endpoint, 29500);
+      // HOST without a port: --master_port (default 29500).
+      if (!opts.rdzv_endpoint.empty()) master = rdzv::parse_endpoint(opts.rdzv_endpoint, opts.master_port);
     } catch (const std::invalid_argument& e) {
       throw UsageError(fmt::format("--rdzv_endpoint: {}", e.what()));
     }

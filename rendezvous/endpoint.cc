@@ -63,6 +63,31 @@ int try_bind(const std::string& host, int port, bool listen_too, int* bound_port
 
 }  // namespace
 
+std::optional<std::string> host_problem(std::string_view host) {
+  if (host.empty()) return "empty host";
+  if (host.find(':') != std::string_view::npos) {
+    in6_addr a6{};
+    if (::inet_pton(AF_INET6, std::string(host).c_str(), &a6) != 1)
+      return fmt::format("'{}' is not an IPv6 address (write HOST:PORT, or [IPv6]:PORT)", host);
+    return std::nullopt;
+  }
+  if (host.size() > 253) return "host name longer than 253 characters";
+  std::string_view rest = host;
+  if (rest.back() == '.') rest.remove_suffix(1);  // a fully qualified "name."
+  while (true) {
+    const auto dot = rest.find('.');
+    const auto label = rest.substr(0, dot);
+    if (label.empty() || label.size() > 63)
+      return fmt::format("'{}' is not a host name (empty or over-long label between dots)", host);
+    for (unsigned char c : label)
+      if (!std::isalnum(c) && c != '-' && c != '_')
+        return fmt::format("'{}' is not a host name or address (character '{}')", host, static_cast<char>(c));
+    if (dot == std::string_view::npos) break;
+    rest = rest.substr(dot + 1);
+  }
+  return std::nullopt;
+}
+
 Endpoint parse_endpoint(std::string_view text, int default_port) {
   auto bad = [&](std::string_view why) {
     return std::invalid_argument(fmt::format("bad endpoint '{}': {}", text, why));
@@ -83,7 +108,10 @@ Endpoint parse_endpoint(std::string_view text, int default_port) {
   } else {
     auto colon = text.rfind(':');
     if (colon != std::string_view::npos && text.find(':') != colon) {
-      ep.host = std::string(text);  // bare IPv6 address without a port
+      ep.host = std::string(text);  // only a bare IPv6 address (no port) has several ':'
+      in6_addr a6{};
+      if (::inet_pton(AF_INET6, ep.host.c_str(), &a6) != 1)
+        throw bad("more than one ':' but not an IPv6 address; write HOST:PORT, or [IPv6]:PORT for an IPv6 address");
     } else if (colon != std::string_view::npos) {
       ep.host = std::string(text.substr(0, colon));
       port_text = text.substr(colon + 1);
@@ -92,7 +120,7 @@ Endpoint parse_endpoint(std::string_view text, int default_port) {
       ep.host = std::string(text);
     }
   }
-  if (ep.host.empty()) throw bad("empty host");
+  if (auto why = host_problem(ep.host)) throw bad(*why);
   ep.port = default_port;
   if (!port_text.empty()) {
     int port = -1;

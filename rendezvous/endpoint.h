@@ -15,8 +15,13 @@ struct Endpoint {
   int port = 0;  // 0: not given
 };
 
-// Parses "HOST", "HOST:PORT", "[v6]:PORT". Throws std::invalid_argument naming the input.
+// Parses "HOST", "HOST:PORT", "[v6]:PORT" (a bare IPv6 address without a port too). The
+// host must be a host name (labels of letters, digits, '-', '_'), an IPv4 or an IPv6
+// address; the port 0..65535. Throws std::invalid_argument naming the input.
 Endpoint parse_endpoint(std::string_view text, int default_port);
+
+// Why `host` is not a host name, IPv4 or IPv6 address (without brackets), or nullopt.
+std::optional<std::string> host_problem(std::string_view host);
 
 // True when `host` resolves to an address this machine can bind (loopback included).
 bool is_local_host(const std::string& host);

@@ -2,10 +2,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <stdexcept>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
@@ -13,22 +16,50 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/args.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/http.h"
 #include "rendezvous/server.h"
 #include "rendezvous/status_page.h"
 
+namespace {
+
+struct BadFlag : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// A whole number in lo..hi; `text` as given to `flag`.
+unsigned long long count_in(const char* flag, const std::string& text, unsigned long long lo, unsigned long long hi) {
+  unsigned long long v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc{} || p != text.data() + text.size() || v < lo || v > hi)
+    throw BadFlag(fmt::format("bad {} '{}': use a whole number in {}..{}", flag, text, lo, hi));
+  return v;
+}
+
+// Seconds in lo..hi.
+std::chrono::milliseconds seconds_in(const char* flag, const std::string& text, double lo, double hi) {
+  double v = -1;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc{} || p != text.data() + text.size() || !(v >= lo) || v > hi)
+    throw BadFlag(fmt::format("bad {} '{}': use {}..{} seconds", flag, text, lo, hi));
+  return std::chrono::milliseconds(static_cast<long long>(v * 1000));
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:0", token_file;
   bool json_log = false;
-  double handshake_s = 10, idle_expiry_s = 3600, orphan_expiry_s = 60;
-  std::size_t max_connections = 0, max_per_address = 256, max_frame = mg::proto::kDefaultMaxFrame;
-  std::size_t max_memory_mib = 512;
-  double frame_timeout_s = 10;
-  int max_nodes_per_job = 100000;
+  // Numbers as text: checked below with their real ranges (CLI11 would print 1.8e308).
+  std::string handshake_s = "10", idle_expiry_s = "3600", orphan_expiry_s = "60";
+  std::string max_connections, max_per_address = "256", max_frame = std::to_string(mg::proto::kDefaultMaxFrame);
+  std::string max_memory_mib = "512";
+  std::string frame_timeout_s = "10";
+  std::string max_nodes_per_job = "100000";
   std::string job_token_for;
-  int metrics_port = -1;
+  std::string metrics_port;
   std::string http_listen;
   CLI::App app{"mglaunch-rdzv: rendezvous daemon for mglaunch agents (--rdzv_backend=mglaunch|c10d)", "mglaunch-rdzv"};
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0 picks one; default 127.0.0.1:0)");
@@ -36,47 +67,79 @@ int main(int argc, char** argv) {
   app.add_flag("--json-log", json_log, "Log one JSON object per line instead of text");
   app.add_option("--max-connections", max_connections, "Refuse connections beyond this many (default: the descriptor limit less 64)");
   app.add_option("--max-connections-per-address", max_per_address,
-                 "Refuse connections from one address beyond this many")->check(CLI::PositiveNumber);
-  app.add_option("--max-memory", max_memory_mib, "MiB for connection buffers and job state; new work is refused above it")
-      ->check(CLI::Range(16, 1 << 20));
-  app.add_option("--frame-timeout", frame_timeout_s, "Seconds a started frame has to arrive in full")
-      ->check(CLI::PositiveNumber);
+                 "Refuse connections from one address beyond this many");
+  app.add_option("--max-memory", max_memory_mib, "MiB for connection buffers and job state; new work is refused above it");
+  app.add_option("--frame-timeout", frame_timeout_s, "Seconds a started frame has to arrive in full");
   app.add_option("--job-token", job_token_for,
                  "Print the key of job ID (derived from the daemon token) and exit: give it to that job's agents as "
                  "MGLAUNCH_RDZV_JOB_TOKEN so they can open that job and no other");
   app.add_option("--metrics-port", metrics_port,
-                 "Serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics (0 picks a port; printed second)")
-      ->check(CLI::Range(0, 65535));
+                 "Serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics (0 picks a port; printed second)");
   app.add_option("--http", http_listen,
                  "Serve the status page and /api/jobs at [HOST:]PORT (default host 127.0.0.1; port 0 picks one; "
                  "printed as 'status page on URL'; with a token the API asks for it)");
-  app.add_option("--max-nodes-per-job", max_nodes_per_job, "Refuse jobs whose --nnodes allows more nodes")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes")->check(CLI::Range(4096, 1 << 26));
-  app.add_option("--handshake-timeout", handshake_s, "Seconds a new connection has to authenticate")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--orphan-job-expiry", orphan_expiry_s, "Forget a job nobody is connected to after this many seconds")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--max-nodes-per-job", max_nodes_per_job, "Refuse jobs whose --nnodes allows more nodes");
+  app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes");
+  app.add_option("--handshake-timeout", handshake_s, "Seconds a new connection has to authenticate");
+  app.add_option("--orphan-job-expiry", orphan_expiry_s, "Forget a job nobody is connected to after this many seconds");
+  app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds");
   app.footer("Prints 'listening on HOST:PORT' first (then 'metrics on URL' with --metrics-port). Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad flags or token "
              "file; 3 cannot listen (rendezvous, metrics or status page).");
   try {
-    app.parse(argc, argv);
+    // argparse's rules as mglaunch: `--flag=` is an empty value, unique prefixes name a flag.
+    auto norm = mg::cli::normalize_args(std::vector<std::string>(argv + 1, argv + argc), mg::cli::specs_of(app),
+                                        /*stop_at_positional=*/false);
+    std::reverse(norm.args.begin(), norm.args.end());
+    app.parse(norm.args);
   } catch (const CLI::Success& e) {
     return app.exit(e);
   } catch (const CLI::Error& e) {
     std::string what = e.what();
     std::fprintf(stderr, "mglaunch-rdzv: error: %s (see --help)\n", what.substr(0, what.find('\n')).c_str());
     return 2;
+  } catch (const mg::cli::ArgsError& e) {
+    std::fprintf(stderr, "mglaunch-rdzv: error: %s (see --help)\n", e.what());
+    return 2;
   }
   mg::rdzv::ServerOptions so;
+  mg::rdzv::Endpoint http_ep;
+  int metrics_port_number = -1;
   try {
-    auto ep = mg::rdzv::parse_endpoint(listen, 0);
-    so.host = ep.host;
-    so.port = ep.port;
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "mglaunch-rdzv: error: --listen: %s\n", e.what());
+    try {
+      auto ep = mg::rdzv::parse_endpoint(listen, 0);
+      so.host = ep.host;
+      so.port = ep.port;
+    } catch (const std::invalid_argument& e) {
+      throw BadFlag(fmt::format("--listen: {}", e.what()));
+    }
+    if (app.count("--http") > 0) {
+      try {
+        http_ep = mg::rdzv::parse_endpoint(
+            http_listen.find_first_of(":[") == std::string::npos && !http_listen.empty() ? "127.0.0.1:" + http_listen
+                                                                                        : http_listen,
+            -1);
+        if (http_ep.port < 0) throw std::invalid_argument("give a port, [HOST:]PORT");
+      } catch (const std::invalid_argument& e) {
+        throw BadFlag(fmt::format("--http '{}': {}", http_listen, e.what()));
+      }
+    }
+    if (app.count("--metrics-port") > 0) metrics_port_number = static_cast<int>(count_in("--metrics-port", metrics_port, 0, 65535));
+    if (!max_connections.empty() || app.count("--max-connections") > 0)
+      so.max_connections = count_in("--max-connections", max_connections, 1, 1u << 24);
+    so.max_connections_per_address = count_in("--max-connections-per-address", max_per_address, 1, 1u << 24);
+    so.max_memory = count_in("--max-memory", max_memory_mib, 16, 1u << 20) << 20;
+    so.frame_timeout = seconds_in("--frame-timeout", frame_timeout_s, 0.001, 86400);
+    so.max_nodes_per_job = static_cast<int>(count_in("--max-nodes-per-job", max_nodes_per_job, 1, 1000000));
+    so.max_frame = count_in("--max-frame", max_frame, 4096, 1u << 26);
+    so.handshake_timeout = seconds_in("--handshake-timeout", handshake_s, 0.001, 86400);
+    so.idle_job_expiry = seconds_in("--idle-job-expiry", idle_expiry_s, 0.001, 31536000);
+    so.orphan_job_expiry = seconds_in("--orphan-job-expiry", orphan_expiry_s, 0.001, 31536000);
+    if (app.count("--token-file") > 0 && token_file.empty())
+      throw BadFlag("--token-file is empty (an unset shell variable?): give the token's file");
+    if (app.count("--job-token") > 0 && job_token_for.empty())
+      throw BadFlag("--job-token is empty (an unset shell variable?): give the job id");
+  } catch (const BadFlag& e) {
+    std::fprintf(stderr, "mglaunch-rdzv: error: %s (see --help)\n", e.what());
     return 2;
   }
   if (const char* t = std::getenv("MGLAUNCH_RDZV_TOKEN")) so.token = t;
@@ -96,15 +159,6 @@ int main(int argc, char** argv) {
     std::printf("%s\n", mg::rdzv::auth::job_key(so.token, job_token_for).c_str());
     return 0;
   }
-  so.max_connections = max_connections;
-  so.max_connections_per_address = max_per_address;
-  so.max_memory = max_memory_mib << 20;
-  so.frame_timeout = std::chrono::milliseconds(static_cast<long>(frame_timeout_s * 1000));
-  so.max_nodes_per_job = max_nodes_per_job;
-  so.max_frame = max_frame;
-  so.handshake_timeout = std::chrono::milliseconds(static_cast<long>(handshake_s * 1000));
-  so.idle_job_expiry = std::chrono::milliseconds(static_cast<long>(idle_expiry_s * 1000));
-  so.orphan_job_expiry = std::chrono::milliseconds(static_cast<long>(orphan_expiry_s * 1000));
   so.log = [json_log](const std::string& line) {
     std::string out = json_log ? nlohmann::json{{"time", std::time(nullptr)}, {"event", line}}.dump()
                                : fmt::format("mglaunch-rdzv: {}", line);
@@ -120,10 +174,10 @@ int main(int argc, char** argv) {
   }
   std::printf("listening on %s\n", server->address().c_str());
   std::unique_ptr<mg::rdzv::HttpServer> metrics;
-  if (metrics_port >= 0) {
+  if (metrics_port_number >= 0) {
     try {
       metrics = std::make_unique<mg::rdzv::HttpServer>(
-          io, so.host, metrics_port, [&server](const mg::rdzv::HttpRequest& req) {
+          io, so.host, metrics_port_number, [&server](const mg::rdzv::HttpRequest& req) {
             if (req.method != "GET" && req.method != "HEAD")
               return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET and HEAD\n"};
             const std::string& target = req.target;
@@ -139,15 +193,8 @@ int main(int argc, char** argv) {
     std::printf("metrics on http://%s/metrics\n", metrics->address().c_str());
   }
   std::unique_ptr<mg::rdzv::HttpServer> status;
-  if (!http_listen.empty()) {
-    mg::rdzv::Endpoint ep;
-    try {
-      ep = mg::rdzv::parse_endpoint(http_listen.find(':') == std::string::npos ? "127.0.0.1:" + http_listen : http_listen,
-                                    0);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "mglaunch-rdzv: error: --http '%s': %s\n", http_listen.c_str(), e.what());
-      return 2;
-    }
+  if (app.count("--http") > 0) {
+    const mg::rdzv::Endpoint& ep = http_ep;
     try {
       status = std::make_unique<mg::rdzv::HttpServer>(
           io, ep.host, ep.port,

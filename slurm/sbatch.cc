@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include <CLI/CLI.hpp>
+
+#include "cli/args.h"
 #include <fmt/format.h>
 
 namespace mg::slurm {
@@ -74,7 +76,16 @@ SbatchParse parse_sbatch_args(const std::vector<std::string>& argv) {
   app.add_flag("--wait", o.wait, "Wait for the job to end and exit with its exit code");
   app.add_option("--mglaunch", o.mglaunch, "mglaunch to run on the nodes (default: the one next to mglaunch-sbatch)");
 
-  std::vector<std::string> args(argv.begin() + (argv.empty() ? 0 : 1), argv.end());
+  // argparse's rules as mglaunch: `--flag=` is an empty value that never takes the next
+  // argument, unique prefixes name a flag; the command after the flags is not looked at.
+  mg::cli::Normalized norm;
+  try {
+    norm = mg::cli::normalize_args(std::vector<std::string>(argv.begin() + (argv.empty() ? 0 : 1), argv.end()),
+                                   mg::cli::specs_of(app), /*stop_at_positional=*/true);
+  } catch (const mg::cli::ArgsError& e) {
+    throw SbatchUsageError(fmt::format("{}; mglaunch's own flags go after '--' (see mglaunch-sbatch --help)", e.what()));
+  }
+  std::vector<std::string> args(norm.args.begin(), norm.args.begin() + static_cast<std::ptrdiff_t>(norm.rest));
   std::reverse(args.begin(), args.end());
   try {
     app.parse(args);
@@ -87,13 +98,8 @@ SbatchParse parse_sbatch_args(const std::vector<std::string>& argv) {
     if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
     throw SbatchUsageError(fmt::format("{} (see mglaunch-sbatch --help)", what));
   }
-  o.command = app.remaining();
-  if (!o.command.empty() && o.command.front() == "--") {
-    o.command.erase(o.command.begin());
-  } else if (!o.command.empty() && o.command.front().starts_with("-")) {
-    throw SbatchUsageError(fmt::format("unknown flag '{}'; mglaunch's own flags go after '--' (see mglaunch-sbatch --help)",
-                                       o.command.front()));
-  }
+  o.command.assign(norm.args.begin() + static_cast<std::ptrdiff_t>(norm.rest), norm.args.end());
+  if (!o.command.empty() && o.command.front() == "--") o.command.erase(o.command.begin());
   if (o.command.empty())
     throw SbatchUsageError("no program given: usage is mglaunch-sbatch [FLAGS] -- [MGLAUNCH FLAGS] PROGRAM [ARGS...]");
   if (o.nodes < 1) throw SbatchUsageError(fmt::format("bad --nodes '{}': must be >= 1", o.nodes));

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -175,4 +176,126 @@ TEST_CASE("exit codes map signals to 128+N") {
   CHECK(shell_exit_code(3 << 8) == 3);
   CHECK(shell_exit_code(9) == 137);
   CHECK(shell_exit_code(0) == 0);
+}
+
+TEST_CASE("an empty flag value from an unset variable never eats the next flag") {
+  auto o = parse({"--rdzv_id=", "--nproc_per_node=2", "prog"});
+  CHECK(o.nproc_per_node == 2);
+  CHECK(o.rdzv_id == "none");  // torchrun: an empty run id is no run id
+  CHECK(o.program == "prog");
+  CHECK(parse({"--log_dir=", "--max_restarts=1", "prog"}).max_restarts == 1);
+  CHECK(parse({"--rdzv_conf=", "--role=", "prog"}).role.empty());
+  // where empty means nothing, a one-line error naming the flag
+  CHECK_THAT(usage_error({"--nproc_per_node=", "--nnodes=1", "prog"}), Catch::Contains("bad --nproc_per_node ''"));
+  CHECK_THAT(usage_error({"--node_rank=", "prog"}), Catch::Contains("bad --node_rank ''"));
+  CHECK_THAT(usage_error({"--master_port=", "prog"}), Catch::Contains("bad --master_port ''"));
+  CHECK_THAT(usage_error({"--grace=", "prog"}), Catch::Contains("bad --grace ''"));
+  CHECK_THAT(usage_error({"--master_addr=", "prog"}), Catch::Contains("--master_addr"));
+  CHECK_THAT(usage_error({"--rdzv_backend=", "prog"}), Catch::Contains("--rdzv_backend ''"));
+  CHECK_THAT(usage_error({"--python=", "prog"}), Catch::Contains("--python"));
+  CHECK_THAT(usage_error({"--cpu-bind=", "prog"}), Catch::Contains("bad --cpu-bind ''"));
+  CHECK_THAT(usage_error({"--standalone=", "prog"}), Catch::Contains("--standalone"));
+  CHECK_THAT(usage_error({"--config=", "prog"}), Catch::Contains("--config"));
+  CHECK_THAT(usage_error({"--rdzv_id", "--nproc_per_node=2", "prog"}), Catch::Contains("needs a value"));
+}
+
+TEST_CASE("every text flag takes an explicit empty value without eating the next argument") {
+  // Whatever flags are added later: `--X=` followed by --max_restarts=1 either parses with
+  // max_restarts 1 or is a usage error that names --X; it never swallows the next flag.
+  HardwareProbe probe = kProbe;
+  probe.listen_error = [](const std::string&, int) { return std::nullopt; };
+  std::string help = parse_agent_args({"mglaunch", "--help"}, {}, kProbe).message;
+  std::vector<std::string> names;
+  for (std::size_t at = help.find(",--"); at != std::string::npos; at = help.find(",--", at + 1)) {
+    auto end = help.find_first_of(" ,\n", at + 1);
+    names.push_back(help.substr(at + 1, end - at - 1));
+  }
+  for (std::size_t at = help.find("\n  --"); at != std::string::npos; at = help.find("\n  --", at + 1)) {
+    auto end = help.find_first_of(" ,\n", at + 3);
+    names.push_back(help.substr(at + 3, end - at - 3));
+  }
+  REQUIRE(names.size() > 30);
+  for (const auto& name : names) {
+    if (name == "--help" || name == "--version") continue;
+    INFO(name);
+    try {
+      auto out = parse_agent_args({"mglaunch", name + "=", "--max_restarts=1", "prog"}, {}, probe);
+      REQUIRE(out.options);
+      CHECK(out.options->max_restarts == 1);
+      CHECK(out.options->program == "prog");
+    } catch (const UsageError& e) {
+      std::string what = e.what(), bare = name.substr(2);
+      std::replace(what.begin(), what.end(), '-', '_');
+      std::replace(bare.begin(), bare.end(), '-', '_');
+      CHECK_THAT(what, Catch::Contains(bare));
+      CHECK_THAT(what, !Catch::Contains("max_restarts"));
+    }
+  }
+}
+
+TEST_CASE("unique prefixes of long flags are accepted and ambiguous ones list the candidates") {
+  CHECK(parse({"--nproc=3", "prog"}).nproc_per_node == 3);
+  CHECK(parse({"--max_re", "2", "prog"}).max_restarts == 2);
+  CHECK(parse({"--stand", "prog"}).standalone);
+  const auto e = usage_error({"--n=1", "prog"});
+  CHECK_THAT(e, Catch::Contains("ambiguous flag '--n'"));
+  CHECK_THAT(e, Catch::Contains("--nnodes"));
+  CHECK_THAT(e, Catch::Contains("--nproc_per_node"));
+  CHECK_THAT(e, Catch::Contains("--no_python"));
+  CHECK_THAT(usage_error({"--nproc_per_nodes=2", "prog"}), Catch::Contains("did you mean '--nproc_per_node'?"));
+}
+
+TEST_CASE("endpoints and addresses are checked before anything starts") {
+  CHECK_THAT(usage_error({"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=a:b:c", "prog"}),
+             Catch::Contains("bad endpoint 'a:b:c'"));
+  CHECK_THAT(usage_error({"--rdzv_endpoint=host:70000", "prog"}), Catch::Contains("0..65535"));
+  CHECK_THAT(usage_error({"--rdzv_endpoint=[::1:5", "prog"}), Catch::Contains("']'"));
+  CHECK_THAT(usage_error({"--rdzv_endpoint=[zz::q]:5", "prog"}), Catch::Contains("not an IPv6 address"));
+  CHECK_THAT(usage_error({"--rdzv_endpoint=ho st:5", "prog"}), Catch::Contains("not a host name"));
+  CHECK_THAT(usage_error({"--master_addr=a..b", "prog"}), Catch::Contains("bad --master_addr 'a..b'"));
+  CHECK_THAT(usage_error({"--local_addr=x/y", "prog"}), Catch::Contains("bad --local_addr 'x/y'"));
+  CHECK_THAT(usage_error({"--master_port=65536", "prog"}), Catch::Contains("use 0..65535"));
+  CHECK(parse({"--rdzv_endpoint=[::1]:29400", "prog"}).rdzv_endpoint == "[::1]:29400");
+  CHECK(parse({"--rdzv_endpoint=::1", "prog"}).rdzv_endpoint == "::1");
+  CHECK(parse({"--rdzv_endpoint=node-1.example.org:29400", "prog"}).rdzv_endpoint == "node-1.example.org:29400");
+}
+
+TEST_CASE("a static rendezvous endpoint without a port takes --master_port, and the two must agree") {
+  // plan.cc uses opts.master_port for HOST without a port; see plan_test for the plan itself.
+  auto o = parse({"--rdzv_endpoint=127.0.0.1", "--master_port=12345", "prog"});
+  CHECK(o.master_port == 12345);
+  CHECK_THAT(usage_error({"--rdzv_endpoint=127.0.0.1:1000", "--master_port=2000", "prog"}),
+             Catch::Contains("give the port once"));
+  CHECK(parse({"--rdzv_endpoint=127.0.0.1:2000", "--master_port=2000", "prog"}).master_port == 2000);
+  auto c = parse({"--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1", "--master_port=1234", "prog"});
+  REQUIRE(c.warnings.size() == 1);
+  CHECK_THAT(c.warnings[0], Catch::Contains("--rdzv_endpoint=127.0.0.1:1234"));
+}
+
+TEST_CASE("a config key that is no flag is an error naming the nearest flag") {
+  std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/mg_config_keys." +
+                     std::to_string(::getpid()) + ".json";
+  std::ofstream(path) << R"({"nproc_per_nodes": 3})";
+  CHECK_THAT(usage_error({"--config", path, "prog"}),
+             Catch::Contains("unknown key 'nproc_per_nodes': did you mean 'nproc_per_node'?"));
+  std::ofstream(path) << R"({"nproc-per-node": 2, "max_restarts": 1})";
+  auto o = parse({"--config", path, "prog"});
+  CHECK(o.nproc_per_node == 2);
+  CHECK(o.max_restarts == 1);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("a bad PET_ variable is named as that variable, and PET_ beats the config") {
+  CHECK_THAT(usage_error({"prog"}, {{"PET_NNODES", "x"}}), Catch::Contains("bad PET_NNODES 'x'"));
+  CHECK_THAT(usage_error({"prog"}, {{"PET_MAX_RESTARTS", "-1"}}), Catch::Contains("bad PET_MAX_RESTARTS '-1'"));
+  CHECK_THAT(usage_error({"prog"}, {{"PET_MASTER_PORT", "99999"}}), Catch::Contains("bad PET_MASTER_PORT '99999': use 0..65535"));
+  CHECK_THAT(usage_error({"prog"}, {{"PET_STANDALONE", "maybe"}}), Catch::Contains("PET_STANDALONE"));
+  CHECK_THAT(usage_error({"--nnodes=x", "prog"}, {{"PET_NNODES", "2"}}), Catch::Contains("bad --nnodes 'x'"));
+  std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/mg_config_env." +
+                     std::to_string(::getpid()) + ".json";
+  std::ofstream(path) << R"({"max_restarts": 4})";
+  CHECK(parse({"--config", path, "prog"}, {{"PET_MAX_RESTARTS", "2"}}).max_restarts == 2);
+  std::ofstream(path) << R"({"max_restarts": -4})";
+  CHECK_THAT(usage_error({"--config", path, "prog"}), Catch::Contains("--config key 'max_restarts'"));
+  std::remove(path.c_str());
 }

@@ -147,3 +147,28 @@ TEST_CASE("endpoints parse host, port and IPv6 forms") {
   CHECK_THROWS_AS(rdzv::parse_endpoint(":80", 1), std::invalid_argument);
   CHECK_THROWS_AS(rdzv::parse_endpoint("", 1), std::invalid_argument);
 }
+
+TEST_CASE("a static --rdzv_endpoint without a port uses --master_port") {
+  AgentOptions opts;
+  opts.program = "true";
+  opts.rdzv_endpoint = "127.0.0.1";
+  opts.master_port = rdzv::find_free_port("127.0.0.1");
+  auto plan = make_plan(opts, {{"PATH", "/bin:/usr/bin"}});
+  CHECK(plan.master_addr == "127.0.0.1");
+  CHECK(plan.master_port == opts.master_port);
+  CHECK(plan.rdzv_endpoint == "127.0.0.1:" + std::to_string(opts.master_port));
+}
+
+TEST_CASE("endpoints with more than one ':' must be IPv6 addresses, and hosts must be host names") {
+  CHECK_THROWS_WITH(rdzv::parse_endpoint("a:b:c", 1), Catch::Contains("[IPv6]:PORT"));
+  CHECK_THROWS_WITH(rdzv::parse_endpoint("::1:29500", 1), Catch::Contains("not an IPv6 address"));
+  CHECK_THROWS_WITH(rdzv::parse_endpoint("[fe80::zz]:1", 1), Catch::Contains("not an IPv6 address"));
+  CHECK_THROWS_WITH(rdzv::parse_endpoint("bad host:1", 1), Catch::Contains("not a host name"));
+  CHECK_THROWS_WITH(rdzv::parse_endpoint("a..b:1", 1), Catch::Contains("not a host name"));
+  CHECK(rdzv::parse_endpoint("fe80::1", 7).host == "fe80::1");
+  CHECK(rdzv::parse_endpoint("[2001:db8::1]:29400", 7).port == 29400);
+  CHECK(rdzv::parse_endpoint("node-01.cluster_a.example.:5", 7).host == "node-01.cluster_a.example.");
+  CHECK(rdzv::parse_endpoint("10.0.0.1:0", 7).port == 0);
+  CHECK_FALSE(rdzv::host_problem("localhost"));
+  CHECK(rdzv::host_problem(""));
+}

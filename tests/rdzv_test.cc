@@ -328,3 +328,40 @@ TEST_CASE("a node whose workers finished early waits for the slowest node beyond
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
 }
+
+TEST_CASE("mglaunch-rdzv refuses bad flag values in one line that gives the real range") {
+  struct Case {
+    std::vector<std::string> args;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {{"--max-connections", "0"}, "bad --max-connections '0': use a whole number in 1..16777216"},
+      {{"--max-connections", "-1"}, "bad --max-connections '-1'"},
+      {{"--max-connections-per-address", "0"}, "use a whole number in 1..16777216"},
+      {{"--frame-timeout", "0"}, "bad --frame-timeout '0': use 0.001..86400 seconds"},
+      {{"--max-nodes-per-job", "0"}, "bad --max-nodes-per-job '0'"},
+      {{"--listen", "a:b:c"}, "bad endpoint 'a:b:c'"},
+      {{"--listen", "127.0.0.1:65536"}, "0..65535"},
+      {{"--http", "[::1"}, "--http"},
+      {{"--listen=", "--json-log"}, "bad endpoint ''"},  // empty, and --json-log is not eaten
+      {{"--token-file=", "--json-log"}, "--token-file is empty"},
+      {{"--job-token=", "--json-log"}, "--job-token is empty"},
+      {{"--max-conn", "5"}, "ambiguous flag '--max-conn'"},
+      {{"--max-frames", "5000"}, "did you mean '--max-frame'?"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.args.front());
+    std::vector<std::string> argv{kRdzvDaemon};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    auto r = run(argv, {}, 30s);
+    CHECK(r.code == 2);
+    const auto lines = split_lines(r.err);
+    REQUIRE(lines.size() == 1);
+    CHECK_THAT(lines[0], Catch::StartsWith("mglaunch-rdzv: error: ") && Catch::Contains(c.says));
+    CHECK(lines[0].size() < 300);
+    CHECK(r.out.empty());  // nothing listened
+  }
+  // a unique prefix is a flag: --max-frame=4096 via --max-fr
+  Daemon d = start_daemon({}, {"--max-fr", "4096"});
+  CHECK(d.port() > 0);
+}

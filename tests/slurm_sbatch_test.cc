@@ -114,3 +114,21 @@ TEST_CASE("mglaunch-sbatch's --help and --version print and do not submit") {
   CHECK_THAT(help.message, Catch::Contains("--requeue") && Catch::Contains("Exit codes"));
   CHECK_THAT(parse_sbatch_args({"mglaunch-sbatch", "--version"}).message, Catch::Contains("mglaunch-sbatch"));
 }
+
+TEST_CASE("an empty mglaunch-sbatch flag value never eats the next argument") {
+  // `--partition=$UNSET --nodes=2`: no partition, two nodes (not partition '--nodes=2').
+  auto o = parse({"--partition=", "--nodes=2", "--", "p"});
+  CHECK(o.partition.empty());
+  CHECK(o.nodes == 2);
+  CHECK(o.command == std::vector<std::string>{"p"});
+  CHECK_THAT(usage_error({"--nodes=", "--", "p"}), Catch::Contains("empty value in '--nodes='"));
+  CHECK_THAT(usage_error({"--job-name=", "--", "p"}), Catch::Contains("--job-name"));
+  CHECK_THAT(usage_error({"--partition", "--nodes=2", "--", "p"}), Catch::Contains("--partition needs a value"));
+}
+
+TEST_CASE("mglaunch-sbatch takes unique prefixes of its long flags") {
+  CHECK(parse({"--part=gpu", "--", "p"}).partition == "gpu");
+  CHECK(parse({"--signal-b", "60", "--", "p"}).signal_before == 60);
+  CHECK(parse({"--re", "--", "p"}).requeue);
+  CHECK_THAT(usage_error({"--nodez=2", "--", "p"}), Catch::Contains("did you mean '--nodes'?"));
+}

@@ -304,6 +304,24 @@ void Agent::on_abort(const proto::Abort& a) {
 
 void Agent::finish_with_abort() {
   const auto& f = abort_->root_cause;
+  if (f.rank < 0 && attempts_.empty()) {
+    // The job ended before any worker of this node ran (join_timeout): no root-cause block
+    // with an empty host and rank -1, but what happened and what to check.
+    RootCause rc;
+    rc.time = now_text();
+    rc.worker.rank = -1;
+    rc.worker.exit_code = exit_code::kRendezvous;
+    rc.message = abort_->reason;
+    root_cause_ = rc;
+    const std::string where = opts_.rdzv_backend == "etcd" ? "etcd at " + opts_.rdzv_endpoint : opts_.rdzv_endpoint;
+    error_line(fmt::format(
+        "the rendezvous timed out, no worker started: {} ({} s, rendezvous {}); check that every node runs mglaunch "
+        "with the same --rdzv_endpoint, --rdzv_id and --nnodes, that it can reach {}, or give late nodes more time "
+        "with --rdzv_conf=join_timeout=SECONDS",
+        abort_->reason, opts_.join_timeout.count() / 1000.0, where, where));
+    finish(exit_code::kRendezvous);
+    return;
+  }
   RootCause rc;
   rc.time = now_text();
   rc.host = f.host;
@@ -324,7 +342,10 @@ void Agent::on_rdzv_lost(const std::string& why) {
     finish(leaving_code_);
     return;
   }
-  notice(fmt::format("rendezvous: {}", why));
+  if (state_ == State::kWaiting && attempts_.empty() && !root_cause_)
+    error_line(fmt::format("rendezvous: {}", why));  // this ends the run (exit 3) before any worker ran
+  else
+    notice(fmt::format("rendezvous: {}", why));
   rdzv_ = false;  // from here on this node decides alone
   if (state_ == State::kWaiting) {
     // No decision will come: this node answers for its own workers.
@@ -523,9 +544,10 @@ void Agent::stop_group(int sig) {
   signal_workers(sig);
   signal_escaped(sig);
   grace_timer_.expires_after(opts_.grace);
-  grace_timer_.async_wait([this](boost::system::error_code ec) {
+  grace_timer_.async_wait([this, sig](boost::system::error_code ec) {
     if (ec || state_ != State::kStopping) return;
-    notice(fmt::format("workers still running {:.1f}s after SIGTERM: sending SIGKILL", opts_.grace.count() / 1000.0));
+    notice(fmt::format("workers still running {:.1f}s after {}: sending SIGKILL", opts_.grace.count() / 1000.0,
+                       signal_name(sig)));
     trace_instant("send SIGKILL to the workers", "signal", {{"signal", SIGKILL}, {"after_grace_s", opts_.grace.count() / 1000.0}});
     signal_workers(SIGKILL);
     signal_escaped(SIGKILL);
@@ -715,6 +737,8 @@ void Agent::leave_job(int sig) {
 }
 
 void Agent::notice(const std::string& text) { console_.write(1, "[mglaunch] " + text + "\n"); }
+
+void Agent::error_line(const std::string& text) { console_.write(1, "mglaunch: error: " + text + "\n"); }
 
 void Agent::start_ops() {
   if (!opts_.trace_file.empty()) {

@@ -84,6 +84,7 @@ class Agent {
   void on_signal(int sig);
   // One "[mglaunch] text" line on stderr, in order with the relayed lines (never blocks).
   void notice(const std::string& text);
+  void error_line(const std::string& text);  // "mglaunch: error: TEXT" on stderr: the run ends on it
   // Process hygiene. The agent is a child subreaper: a worker's daemonised grandchild
   // (double fork, setsid) becomes the agent's child, so every process a worker started
   // stays among the agent's descendants. The agent assumes all of its descendants belong

@@ -198,6 +198,22 @@ TEST_CASE("workers that ignore SIGTERM are killed after the grace period") {
   for (pid_t p : read_pids(pidfile)) CHECK_FALSE(pid_alive(p));
 }
 
+TEST_CASE("the grace message names the signal the workers got") {
+  for (int sig : {SIGHUP, SIGINT}) {
+    const std::string name = sig == SIGHUP ? "SIGHUP" : "SIGINT";
+    INFO(name);
+    std::string pidfile = make_temp_dir() + "/pids";
+    Proc agent = spawn(launch({"--standalone", "--nproc_per_node=1", "--grace=0.3"},
+                              {"ignore", std::to_string(sig), "pidfile", pidfile, "hang", "60"}));
+    REQUIRE(eventually([&] { return read_pids(pidfile).size() == 1; }, 30s));
+    ::kill(agent.pid, sig);
+    REQUIRE(agent.wait(30s));
+    CHECK(agent.exit_code() == 128 + sig);
+    CHECK_THAT(agent.err(), Catch::Contains("after " + name + ": sending SIGKILL"));
+    CHECK_THAT(agent.err(), !Catch::Contains("after SIGTERM"));
+  }
+}
+
 TEST_CASE("a second Ctrl-C kills the workers at once") {
   std::string dir = make_temp_dir();
   std::string pidfile = dir + "/pids";

@@ -5,6 +5,7 @@
 //   exit N              exit with N
 //   signal N            raise signal N
 //   ignore-term         ignore SIGTERM from now on
+//   ignore N            ignore signal N from now on (SIGHUP, SIGINT: the agent passes those on)
 //   term-file PATH      on the first SIGTERM create PATH and keep running; exit 0 on the second
 //   trap-usr            print "got SIGUSR1"/"got SIGUSR2" when those arrive
 //   lines N             print N lines "<rank>:<i>:<payload>" on stdout as fast as possible
@@ -166,6 +167,8 @@ int main(int argc, char** argv) {
       ::raise(sig);
     } else if (cmd == "ignore-term") {
       ::signal(SIGTERM, SIG_IGN);
+    } else if (cmd == "ignore") {
+      ::signal(std::atoi(arg()), SIG_IGN);
     } else if (cmd == "term-file") {
       term_path = arg();
       ::signal(SIGTERM, on_term_file);

@@ -365,3 +365,27 @@ TEST_CASE("mglaunch-rdzv refuses bad flag values in one line that gives the real
   Daemon d = start_daemon({}, {"--max-fr", "4096"});
   CHECK(d.port() > 0);
 }
+
+TEST_CASE("a join timeout says that the rendezvous timed out, how many nodes came and what to check") {
+  Daemon d = start_daemon();
+  auto r = run(agent_argv(d.endpoint, "lonely", 2, "2", 1, {"--rdzv_conf=join_timeout=1"}, {"print", "never"}), {}, 60s);
+  CHECK(r.code == 3);  // README: no decision within join_timeout before any worker ran
+  CHECK(r.out.find("never") == std::string::npos);
+  std::vector<std::string> errors;
+  for (const auto& l : split_lines(r.err))
+    if (l.starts_with("mglaunch: error: ")) errors.push_back(l);
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("the rendezvous timed out") && Catch::Contains("only 1 of at least 2 nodes") &&
+                            Catch::Contains("--rdzv_id") && Catch::Contains("join_timeout=SECONDS"));
+  CHECK_THAT(r.err, !Catch::Contains("Root Cause") && !Catch::Contains("rank       : -1"));
+}
+
+TEST_CASE("a rendezvous that refuses the node ends in one mglaunch: error: line") {
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", "right"}});
+  auto r = run(agent_argv(d.endpoint, "refused", 2, "2", 1, {"--rdzv_conf=join_timeout=5"}, {"print", "never"}),
+               {{"MGLAUNCH_RDZV_TOKEN", "wrong"}}, 60s);
+  CHECK(r.code == 3);
+  int errors = 0;
+  for (const auto& l : split_lines(r.err)) errors += l.starts_with("mglaunch: error: rendezvous: ");
+  CHECK(errors == 1);
+}

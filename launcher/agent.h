@@ -142,6 +142,7 @@ class Agent {
   std::optional<RootCause> root_cause_;
   std::vector<AttemptRecord> attempts_;
   std::string log_root_;       // {log_dir} or a temporary directory
+  std::string log_run_dir_;    // this run's files: {log_root}/{run_id}, or {log_dir}/{run_id}_{time}_XXXXXX (default id)
   bool log_root_is_temp_ = false;
   bool keep_log_root_ = true;
   int exit_code_ = 0;

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -441,4 +442,40 @@ TEST_CASE("a SIGTERM to the agent while it stops after a worker failure keeps th
   INFO(p.err());
   CHECK(p.exit_code() == 7);
   CHECK_THAT(p.err(), Catch::Contains("rank       : 1") && Catch::Contains("rank 1 fails"));
+}
+
+TEST_CASE("a failed run keeps the error file it names, a successful one leaves no temporary directory") {
+  namespace fs = std::filesystem;
+  const std::string tmp = make_temp_dir();
+  auto failed = run(launch({"--standalone", "--nproc_per_node=1"}, {"error-file", "boom: kept", "exit", "3"}),
+                    {{"TMPDIR", tmp}});
+  CHECK(failed.code == 3);
+  const auto at = failed.err.find("error_file : ");
+  REQUIRE(at != std::string::npos);
+  const std::string path = failed.err.substr(at + 13, failed.err.find('\n', at) - at - 13);
+  INFO(failed.err);
+  CHECK(fs::exists(path));  // still there after mglaunch exited
+  CHECK_THAT(read_file(path), Catch::Contains("boom: kept"));
+  CHECK_THAT(failed.err, Catch::Contains("kept in " + tmp + "/mglaunch_"));
+  const std::string ok_tmp = make_temp_dir();
+  auto ok = run(launch({"--standalone", "--nproc_per_node=2"}, {"error-file", "unused", "exit", "0"}), {{"TMPDIR", ok_tmp}});
+  CHECK(ok.code == 0);
+  CHECK(fs::is_empty(ok_tmp));
+}
+
+TEST_CASE("with the default run id each run gets its own log directory, so a re-run keeps the last run's logs") {
+  namespace fs = std::filesystem;
+  const std::string dir = make_temp_dir();
+  auto first = run(launch({"--nproc_per_node=1", "--master_port=0", "--log_dir", dir, "-r", "1"}, {"print", "first"}));
+  auto second = run(launch({"--nproc_per_node=1", "--master_port=0", "--log_dir", dir, "-r", "1"}, {"print", "second"}));
+  REQUIRE(first.code == 0);
+  REQUIRE(second.code == 0);
+  std::vector<std::string> logs;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    CHECK_THAT(e.path().filename().string(), Catch::StartsWith("none_"));
+    logs.push_back(read_file((e.path() / "attempt_0/0/stdout.log").string()));
+  }
+  std::sort(logs.begin(), logs.end());
+  CHECK(logs == std::vector<std::string>{"first\n", "second\n"});
+  CHECK_THAT(first.err, Catch::Contains("log directory: " + dir + "/none_"));
 }

@@ -17,6 +17,8 @@
 
 #include <fmt/format.h>
 
+#include "launcher/dirents.h"
+
 
 namespace mg {
 
@@ -141,7 +143,7 @@ unsigned char g_victim[kMaxPid / 8];  // a bit per pid
 Entry g_victims[kMaxProcs];           // each victim's identity, to re-check after stops
 std::size_t g_victim_count = 0;
 char g_environ_buf[1 << 20];
-char g_dents[1 << 15];
+alignas(8) char g_dents[1 << 15];
 
 bool bit(const unsigned char* bits, long pid) { return pid > 0 && pid < kMaxPid && (bits[pid >> 3] >> (pid & 7)) & 1; }
 void set_bit(unsigned char* bits, long pid) {
@@ -153,40 +155,26 @@ void scan() {
   g_count = 0;
   const int dir = ::open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir < 0) return;
-  for (;;) {
-    const long n = ::syscall(SYS_getdents64, dir, g_dents, sizeof(g_dents));
-    if (n <= 0) break;
-    for (long off = 0; off < n;) {
-      struct Dirent64 {
-        ino64_t d_ino;
-        off64_t d_off;
-        unsigned short d_reclen;
-        unsigned char d_type;
-        char d_name[1];
-      };
-      const auto* e = reinterpret_cast<const Dirent64*>(g_dents + off);
-      off += e->d_reclen;
-      const char* name = e->d_name;
-      if (*name < '1' || *name > '9') continue;
-      long pid = 0;
-      bool numeric = true;
-      for (const char* c = name; *c; ++c) {
-        if (*c < '0' || *c > '9' || pid >= kMaxPid) {
-          numeric = false;
-          break;
-        }
-        pid = pid * 10 + (*c - '0');
+  for_each_dirent(dir, g_dents, sizeof(g_dents), [](const char* name) {
+    if (*name < '1' || *name > '9') return;
+    long pid = 0;
+    bool numeric = true;
+    for (const char* c = name; *c; ++c) {
+      if (*c < '0' || *c > '9' || pid >= kMaxPid) {
+        numeric = false;
+        break;
       }
-      if (!numeric || g_count == kMaxProcs) continue;
-      char path[64], stat[1024];
-      proc_path(path, pid, "stat");
-      const long len = read_small(path, stat, sizeof(stat));
-      StatIds ids;
-      if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) continue;
-      if (ids.state == 'Z' || ids.ppid == 2 || ids.pid == 2) continue;  // dead already, or a kernel thread
-      g_table[g_count++] = Entry{ids.pid, ids.ppid, ids.pgrp, ids.starttime};
+      pid = pid * 10 + (*c - '0');
     }
-  }
+    if (!numeric || g_count == kMaxProcs) return;
+    char path[64], stat[1024];
+    proc_path(path, pid, "stat");
+    const long len = read_small(path, stat, sizeof(stat));
+    StatIds ids;
+    if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) return;
+    if (ids.state == 'Z' || ids.ppid == 2 || ids.pid == 2) return;  // dead already, or a kernel thread
+    g_table[g_count++] = Entry{ids.pid, ids.ppid, ids.pgrp, ids.starttime};
+  });
   ::close(dir);
 }
 

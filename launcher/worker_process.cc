@@ -23,6 +23,8 @@
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/format.h>
 
+#include "launcher/dirents.h"
+
 namespace mg {
 
 namespace asio = boost::asio;
@@ -39,26 +41,12 @@ bool mark_cloexec_above_stderr_by_listing() {
   const int dir = ::open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir < 0) return false;
   alignas(8) char buf[4096];
-  for (;;) {
-    const long n = ::syscall(SYS_getdents64, dir, buf, sizeof(buf));
-    if (n <= 0) break;
-    for (long off = 0; off < n;) {
-      struct Dirent64 {
-        ino64_t d_ino;
-        off64_t d_off;
-        unsigned short d_reclen;
-        unsigned char d_type;
-        char d_name[1];
-      };
-      const auto* e = reinterpret_cast<const Dirent64*>(buf + off);
-      off += e->d_reclen;
-      int fd = 0;
-      const char* c = e->d_name;
-      if (*c < '0' || *c > '9') continue;
-      for (; *c >= '0' && *c <= '9'; ++c) fd = fd * 10 + (*c - '0');
-      if (fd > 2 && fd != dir) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
-    }
-  }
+  for_each_dirent(dir, buf, sizeof(buf), [dir](const char* c) {
+    int fd = 0;
+    if (*c < '0' || *c > '9') return;
+    for (; *c >= '0' && *c <= '9'; ++c) fd = fd * 10 + (*c - '0');
+    if (fd > 2 && fd != dir) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  });
   ::close(dir);
   return true;
 }

@@ -21,14 +21,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_cmds) {
-  std::vector<std::string> argv{kMglaunch};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kFakeWorker);
-  argv.insert(argv.end(), worker_cmds.begin(), worker_cmds.end());
-  return argv;
-}
-
 std::vector<pid_t> read_pids(const std::string& path) {
   std::vector<pid_t> pids;
   for (const auto& l : split_lines(read_file(path)))

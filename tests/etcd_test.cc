@@ -14,6 +14,7 @@
 
 #include "etcd_cluster.h"
 #include "support/proc.h"
+#include "support/rdzv_fixture.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -30,24 +31,7 @@ namespace {
 
 std::vector<std::string> etcd_agent(const std::string& endpoints, const std::string& job, int index, int nproc,
                                     std::vector<std::string> flags, std::vector<std::string> worker) {
-  std::vector<std::string> argv{kMglaunch,
-                                "--nnodes=3",
-                                "--nproc_per_node=" + std::to_string(nproc),
-                                "--rdzv_backend=etcd",
-                                "--rdzv_endpoint=" + endpoints,
-                                "--rdzv_id=" + job,
-                                "--local_addr=127.0.0." + std::to_string(index)};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kFakeWorker);
-  argv.insert(argv.end(), worker.begin(), worker.end());
-  return argv;
-}
-
-std::vector<nlohmann::json> envs(const std::string& out) {
-  std::vector<nlohmann::json> v;
-  for (const auto& l : split_lines(out))
-    if (auto b = l.find('{'); b != std::string::npos) v.push_back(nlohmann::json::parse(l.substr(b)));
-  return v;
+  return agent_argv(endpoints, job, index, "3", nproc, std::move(flags), std::move(worker), "etcd");
 }
 
 }  // namespace
@@ -57,23 +41,11 @@ TEST_CASE("etcd: 3 agents x 2 workers get ranks 0..5 once each, one MASTER_ADDR,
   EtcdCluster etcd(1);
   std::vector<Proc> agents;
   for (int i = 1; i <= 3; ++i) agents.push_back(spawn(etcd_agent(etcd.endpoints(), "ranks", i, 2, {}, {"env"})));
-  std::multiset<std::string> ranks;
-  std::set<std::string> masters, ports, worlds;
-  for (auto& a : agents) {
-    REQUIRE(a.wait(60s));
-    INFO(a.err());
-    CHECK(a.exit_code() == 0);
-    for (const auto& e : envs(a.out())) {
-      ranks.insert(e["RANK"].get<std::string>());
-      masters.insert(e["MASTER_ADDR"].get<std::string>());
-      ports.insert(e["MASTER_PORT"].get<std::string>());
-      worlds.insert(e["WORLD_SIZE"].get<std::string>() + "/" + e["GROUP_WORLD_SIZE"].get<std::string>());
-    }
-  }
-  CHECK(ranks == std::multiset<std::string>{"0", "1", "2", "3", "4", "5"});
-  CHECK(masters == std::set<std::string>{"127.0.0.1"});  // sorted by address: 127.0.0.1 is group rank 0
-  CHECK(ports.size() == 1);
-  CHECK(worlds == std::set<std::string>{"6/3"});
+  const WorldSeen w = world_seen(agents, 60s);
+  CHECK(w.ranks == std::multiset<std::string>{"0", "1", "2", "3", "4", "5"});
+  CHECK(w.masters == std::set<std::string>{"127.0.0.1"});  // sorted by address: 127.0.0.1 is group rank 0
+  CHECK(w.ports.size() == 1);
+  CHECK(w.worlds == std::set<std::string>{"6/3"});
   CHECK(etcd.keys("/mglaunch/ranks/").empty());
 }
 

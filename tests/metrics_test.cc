@@ -22,37 +22,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// GET http://127.0.0.1:port/path; the whole response (head and body), "" on failure.
-std::string http_get(int port, const std::string& path, const std::string& authorization = "",
-                     const std::string& method = "GET") {
-  int fd = connect_loopback(port);
-  if (fd < 0) return "";
-  const std::string req = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
-                          (authorization.empty() ? "" : "Authorization: " + authorization + "\r\n") +
-                          "Connection: close\r\n\r\n";
-  if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
-    ::close(fd);
-    return "";
-  }
-  std::string out;
-  char buf[8192];
-  const auto end = std::chrono::steady_clock::now() + 10s;
-  while (std::chrono::steady_clock::now() < end) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n <= 0) break;
-    out.append(buf, static_cast<std::size_t>(n));
-  }
-  ::close(fd);
-  return out;
-}
-
-std::string body_of(const std::string& response) {
-  auto at = response.find("\r\n\r\n");
-  return at == std::string::npos ? "" : response.substr(at + 4);
-}
-
 struct MetricsDaemon {
   Daemon d;
   int metrics_port = 0;
@@ -81,16 +50,16 @@ void run_job(const Daemon& d, const std::string& job) {
 TEST_CASE("mglaunch-rdzv serves Prometheus metrics that promtool accepts") {
   auto m = start_with_metrics();
   run_job(m.d, "metered");
-  const std::string response = http_get(m.metrics_port, "/metrics");
+  const std::string response = http_request(m.metrics_port, "/metrics");
   REQUIRE_THAT(response, Catch::StartsWith("HTTP/1.1 200"));
   const std::string text = body_of(response);
   CHECK_THAT(text, Catch::Contains("mglaunch_rdzv_jobs_created_total 1\n"));
   CHECK_THAT(text, Catch::Contains("mglaunch_rdzv_jobs{state=\"done\"} 1\n"));
   CHECK_THAT(text, Catch::Contains("mglaunch_rdzv_job_round{job=\"metered\"} 1\n"));
   CHECK(std::regex_search(text, std::regex("mglaunch_rdzv_frames_received_total [1-9]")));
-  CHECK_THAT(http_get(m.metrics_port, "/nothing"), Catch::StartsWith("HTTP/1.1 404"));
+  CHECK_THAT(http_request(m.metrics_port, "/nothing"), Catch::StartsWith("HTTP/1.1 404"));
   // HEAD: the same headers (the length of the body a GET would get), no body.
-  const std::string head = http_get(m.metrics_port, "/metrics", "", "HEAD");
+  const std::string head = http_request(m.metrics_port, "/metrics", "", "HEAD");
   CHECK_THAT(head, Catch::StartsWith("HTTP/1.1 200"));
   CHECK(std::regex_search(head, std::regex("Content-Length: [1-9]")));
   CHECK(body_of(head).empty());
@@ -134,7 +103,7 @@ TEST_CASE("a real Prometheus scrapes the daemon and reads back the job count") {
   }, 60s));
   std::string value;
   CHECK(eventually([&] {
-    auto body = body_of(http_get(port, "/api/v1/query?query=mglaunch_rdzv_jobs_created_total"));
+    auto body = body_of(http_request(port, "/api/v1/query?query=mglaunch_rdzv_jobs_created_total"));
     auto j = nlohmann::json::parse(body, nullptr, false);
     if (j.is_discarded() || j["status"] != "success" || j["data"]["result"].empty()) return false;
     value = j["data"]["result"][0]["value"][1].get<std::string>();
@@ -153,13 +122,13 @@ TEST_CASE("the status API asks for the daemon's token and lists jobs and events"
   const auto line = split_lines(d.proc.out()).at(1);
   REQUIRE(line.rfind("status page on http://127.0.0.1:", 0) == 0);
   const int port = std::stoi(line.substr(line.rfind(':') + 1));
-  CHECK_THAT(http_get(port, "/"), Catch::StartsWith("HTTP/1.1 200") && Catch::Contains("<title>mglaunch-rdzv</title>"));
-  CHECK_THAT(http_get(port, "/api/jobs"), Catch::StartsWith("HTTP/1.1 401"));
+  CHECK_THAT(http_request(port, "/"), Catch::StartsWith("HTTP/1.1 200") && Catch::Contains("<title>mglaunch-rdzv</title>"));
+  CHECK_THAT(http_request(port, "/api/jobs"), Catch::StartsWith("HTTP/1.1 401"));
   Proc a = spawn(agent_argv(d.endpoint, "api", 2, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "api-token"}});
   Proc b = spawn(agent_argv(d.endpoint, "api", 3, "2", 1, {}, {"print", "ok"}), {{"MGLAUNCH_RDZV_TOKEN", "api-token"}});
   REQUIRE(a.wait(30s));
   REQUIRE(b.wait(30s));
-  auto get = [&](const std::string& path, const std::string& auth) { return http_get(port, path, auth); };
+  auto get = [&](const std::string& path, const std::string& auth) { return http_request(port, path, auth); };
   CHECK_THAT(get("/api/jobs", "Bearer wrong"), Catch::StartsWith("HTTP/1.1 401"));
   auto jobs = nlohmann::json::parse(body_of(get("/api/jobs", "Bearer api-token")));
   REQUIRE(jobs.size() == 1);

@@ -26,14 +26,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_cmds) {
-  std::vector<std::string> argv{kMglaunch};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kFakeWorker);
-  argv.insert(argv.end(), worker_cmds.begin(), worker_cmds.end());
-  return argv;
-}
-
 // Two fake GPUs for the agent's GPU probe (MGLAUNCH_TEST_GPU_JSON).
 std::string write_fake_gpus(const std::string& dir) {
   const std::string path = dir + "/gpus.json";
@@ -46,27 +38,8 @@ std::string write_fake_gpus(const std::string& dir) {
 
 // GET http://127.0.0.1:port/path: the body of a 200 response, "" otherwise.
 std::string http_get(int port, const std::string& path) {
-  int fd = connect_loopback(port);
-  if (fd < 0) return "";
-  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
-  if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
-    ::close(fd);
-    return "";
-  }
-  std::string out;
-  char buf[8192];
-  const auto end = std::chrono::steady_clock::now() + 10s;
-  while (std::chrono::steady_clock::now() < end) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n <= 0) break;
-    out.append(buf, static_cast<std::size_t>(n));
-  }
-  ::close(fd);
-  if (out.rfind("HTTP/1.1 200", 0) != 0) return "";
-  auto at = out.find("\r\n\r\n");
-  return at == std::string::npos ? "" : out.substr(at + 4);
+  const std::string r = http_request(port, path);
+  return r.rfind("HTTP/1.1 200", 0) == 0 ? body_of(r) : "";
 }
 
 // The value of the first series whose line starts with `series` ("name{labels}"), or -1.

@@ -29,12 +29,6 @@ int count_of_up(const std::string& out) {
   return n;
 }
 
-std::vector<nlohmann::json> envs(const std::string& out) {
-  std::vector<nlohmann::json> v;
-  for (const auto& l : split_lines(out))
-    if (auto b = l.find('{'); b != std::string::npos) v.push_back(nlohmann::json::parse(l.substr(b)));
-  return v;
-}
 
 }  // namespace
 
@@ -42,23 +36,11 @@ TEST_CASE("3 agents x 2 workers get ranks 0..5 once each and one MASTER_ADDR") {
   const std::string ep = "127.0.0.1:" + std::to_string(free_loopback_port());
   std::vector<Proc> agents;
   for (int i = 1; i <= 3; ++i) agents.push_back(spawn(agent_argv(ep, "ranks", i, "3", 2, {}, {"env"})));
-  std::multiset<std::string> ranks;
-  std::set<std::string> masters, ports, worlds;
-  for (auto& a : agents) {
-    REQUIRE(a.wait(30s));
-    INFO(a.err());
-    CHECK(a.exit_code() == 0);
-    for (const auto& e : envs(a.out())) {
-      ranks.insert(e["RANK"].get<std::string>());
-      masters.insert(e["MASTER_ADDR"].get<std::string>());
-      ports.insert(e["MASTER_PORT"].get<std::string>());
-      worlds.insert(e["WORLD_SIZE"].get<std::string>() + "/" + e["GROUP_WORLD_SIZE"].get<std::string>());
-    }
-  }
-  CHECK(ranks == std::multiset<std::string>{"0", "1", "2", "3", "4", "5"});
-  CHECK(masters == std::set<std::string>{"127.0.0.1"});
-  CHECK(ports.size() == 1);
-  CHECK(worlds == std::set<std::string>{"6/3"});
+  const WorldSeen w = world_seen(agents, 30s);
+  CHECK(w.ranks == std::multiset<std::string>{"0", "1", "2", "3", "4", "5"});
+  CHECK(w.masters == std::set<std::string>{"127.0.0.1"});
+  CHECK(w.ports.size() == 1);
+  CHECK(w.worlds == std::set<std::string>{"6/3"});
 }
 
 TEST_CASE("elastic 2:3 starts with two nodes and scales up when a third arrives") {

@@ -1,6 +1,7 @@
 #include "support/proc.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <signal.h>
@@ -172,6 +173,43 @@ int connect_loopback(int port) {
     return -1;
   }
   return fd;
+}
+
+std::string http_request(int port, const std::string& path, const std::string& authorization, const std::string& method) {
+  int fd = connect_loopback(port);
+  if (fd < 0) return "";
+  const std::string req = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
+                          (authorization.empty() ? "" : "Authorization: " + authorization + "\r\n") +
+                          "Connection: close\r\n\r\n";
+  if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    ::close(fd);
+    return "";
+  }
+  std::string out;
+  char buf[8192];
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+std::string body_of(const std::string& response) {
+  auto at = response.find("\r\n\r\n");
+  return at == std::string::npos ? "" : response.substr(at + 4);
+}
+
+std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_cmds) {
+  std::vector<std::string> argv{kMglaunch};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(kFakeWorker);
+  argv.insert(argv.end(), worker_cmds.begin(), worker_cmds.end());
+  return argv;
 }
 
 }  // namespace mgtest

@@ -51,6 +51,16 @@ std::string make_temp_dir();
 bool pid_alive(pid_t pid);  // zombies count as gone
 bool python_has_torch();    // /usr/bin/python3 -c "import torch" succeeds (checked once)
 int connect_loopback(int port);  // a connected TCP socket to 127.0.0.1:port, or -1
+
+// One HTTP/1.1 request to 127.0.0.1:port (Connection: close): the whole response, head and
+// body, "" when it cannot connect; reads for at most 10 s.
+std::string http_request(int port, const std::string& path, const std::string& authorization = "",
+                         const std::string& method = "GET");
+// The body of a whole HTTP response, "" when it has none.
+std::string body_of(const std::string& response);
+
+// argv of mglaunch with `flags` running tests/fake_worker with `worker_cmds`.
+std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_cmds);
 // A port that was free on 127.0.0.1 a moment ago, for servers that must come back on the
 // same endpoint (a restarted daemon); everything else binds port 0 and reports it.
 int free_loopback_port();

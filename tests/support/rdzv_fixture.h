@@ -2,11 +2,14 @@
 // read from its first line) and the argv of an agent joining it as node 127.0.0.N.
 #pragma once
 
+#include <chrono>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include "support/proc.h"
 
@@ -48,11 +51,11 @@ inline Daemon listening_at(const std::string& endpoint) {
 
 inline std::vector<std::string> agent_argv(const std::string& endpoint, const std::string& job, int index,
                                            std::string nnodes, int nproc, std::vector<std::string> flags,
-                                           std::vector<std::string> worker) {
+                                           std::vector<std::string> worker, const std::string& backend = "c10d") {
   std::vector<std::string> argv{kMglaunch,
                                 "--nnodes=" + nnodes,
                                 "--nproc_per_node=" + std::to_string(nproc),
-                                "--rdzv_backend=c10d",
+                                "--rdzv_backend=" + backend,
                                 "--rdzv_endpoint=" + endpoint,
                                 "--rdzv_id=" + job,
                                 "--local_addr=127.0.0." + std::to_string(index)};
@@ -60,6 +63,35 @@ inline std::vector<std::string> agent_argv(const std::string& endpoint, const st
   argv.push_back(kFakeWorker);
   argv.insert(argv.end(), worker.begin(), worker.end());
   return argv;
+}
+
+// The environments fake_worker's `env` printed, one JSON object per line of `out`.
+inline std::vector<nlohmann::json> envs(const std::string& out) {
+  std::vector<nlohmann::json> v;
+  for (const auto& l : split_lines(out))
+    if (auto b = l.find('{'); b != std::string::npos) v.push_back(nlohmann::json::parse(l.substr(b)));
+  return v;
+}
+
+// What the workers of a job saw, over every agent (each waited for, exit 0 checked).
+struct WorldSeen {
+  std::multiset<std::string> ranks;
+  std::set<std::string> masters, ports, worlds;  // worlds: "WORLD_SIZE/GROUP_WORLD_SIZE"
+};
+inline WorldSeen world_seen(std::vector<Proc>& agents, std::chrono::milliseconds timeout) {
+  WorldSeen w;
+  for (auto& a : agents) {
+    REQUIRE(a.wait(timeout));
+    INFO(a.err());
+    CHECK(a.exit_code() == 0);
+    for (const auto& e : envs(a.out())) {
+      w.ranks.insert(e["RANK"].get<std::string>());
+      w.masters.insert(e["MASTER_ADDR"].get<std::string>());
+      w.ports.insert(e["MASTER_PORT"].get<std::string>());
+      w.worlds.insert(e["WORLD_SIZE"].get<std::string>() + "/" + e["GROUP_WORLD_SIZE"].get<std::string>());
+    }
+  }
+  return w;
 }
 
 }  // namespace mgtest

@@ -70,6 +70,7 @@ bool parse_stat_ids(std::string_view text, StatIds& out) {
     if (!number(rest, v, neg)) return false;
     if (field == 4) out.ppid = neg ? -1 : static_cast<long>(v);
     if (field == 5) out.pgrp = neg ? -1 : static_cast<long>(v);
+    if (field == 9) out.flags = v;
     if (field == 22) out.starttime = v;
   }
   return true;
@@ -139,6 +140,9 @@ std::size_t g_count = 0;
 Entry g_snapshot[kMaxProcs];  // the agent's descendants at the last snapshot, by pid
 std::size_t g_snapshot_count = 0;
 bool g_snapshot_sorted = true;
+Entry g_previous[kMaxProcs];  // the snapshot before, restored when the agent died during a scan
+std::size_t g_previous_count = 0;
+bool g_previous_sorted = true;
 unsigned char g_victim[kMaxPid / 8];  // a bit per pid
 Entry g_victims[kMaxProcs];           // each victim's identity, to re-check after stops
 std::size_t g_victim_count = 0;
@@ -172,7 +176,8 @@ void scan() {
     const long len = read_small(path, stat, sizeof(stat));
     StatIds ids;
     if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) return;
-    if (ids.state == 'Z' || ids.ppid == 2 || ids.pid == 2) return;  // dead already, or a kernel thread
+    constexpr unsigned long long kPfKthread = 0x00200000;  // pid 2 may be ours in a pid namespace
+    if (ids.state == 'Z' || (ids.flags & kPfKthread)) return;  // dead already, or a kernel thread
     g_table[g_count++] = Entry{ids.pid, ids.ppid, ids.pgrp, ids.starttime};
   });
   ::close(dir);
@@ -295,17 +300,37 @@ struct WatchArgs {
     if (r > 0) {
       char buf[64];
       const ssize_t n = ::read(a.pipe_fd, buf, sizeof(buf));
-      if (n > 0 || (n < 0 && (errno == EINTR || errno == EAGAIN))) continue;
-      break;  // end of file: the agent is gone
+      if (n == 0) break;  // end of file: the agent is gone
+      if (n < 0 && errno != EINTR && errno != EAGAIN) {  // not a reason to kill a live run
+        timespec ts{0, 100 * 1000 * 1000};
+        ::nanosleep(&ts, nullptr);
+      }
+      continue;
     }
-    if (r < 0) break;
+    if (r < 0) {
+      timespec ts{0, 100 * 1000 * 1000};
+      ::nanosleep(&ts, nullptr);
+      continue;
+    }
     // A snapshot; the next one waits at least 50 times as long as this one took.
     const unsigned long long before = boot_ticks(a.ticks_per_second);
     timespec t0{}, t1{};
     ::clock_gettime(CLOCK_MONOTONIC, &t0);
     take_snapshot(a.agent, self);
     ::clock_gettime(CLOCK_MONOTONIC, &t1);
-    fresh_after = before;
+    // The agent may have died during the scan: its children were handed on, so this
+    // snapshot would miss them. Keep the last one (and its tick) then.
+    pollfd after{a.pipe_fd, POLLIN, 0};
+    if (::poll(&after, 1, 0) > 0) {
+      g_snapshot_count = g_previous_count;
+      for (std::size_t i = 0; i < g_previous_count; ++i) g_snapshot[i] = g_previous[i];
+      g_snapshot_sorted = g_previous_sorted;
+      continue;  // the read above tells a byte from end-of-file
+    }
+    for (std::size_t i = 0; i < g_snapshot_count; ++i) g_previous[i] = g_snapshot[i];
+    g_previous_count = g_snapshot_count;
+    g_previous_sorted = g_snapshot_sorted;
+    fresh_after = before > 0 ? before - 1 : 0;
     const long took_ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
     interval_ms = took_ms * 50 > 1000 ? static_cast<int>(took_ms * 50 < 30000 ? took_ms * 50 : 30000) : 1000;
     trace(a.trace_fd, "snapshot", ++generation);
@@ -386,7 +411,9 @@ bool Watchdog::start(std::string& error) {
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::close(fds[1]);  // only the agent may hold the write end: its death is our end-of-file
     const int keep = ::fcntl(fds[0], F_DUPFD, 10);  // out of the way of 0..4
+    if (keep < 0) ::_exit(1);
     const int keep_trace = trace_fd >= 0 ? ::fcntl(trace_fd, F_DUPFD, 10) : -1;
     if (devnull >= 0)
       for (int i = 0; i < 3; ++i) ::dup2(devnull, i);
@@ -397,7 +424,20 @@ bool Watchdog::start(std::string& error) {
       ::dup2(keep_trace, 4);
       args.trace_fd = 4;
     }
-    ::syscall(SYS_close_range, 5U, ~0U, 0U);
+    const unsigned first_free = args.trace_fd >= 0 ? 5U : 4U;
+    if (::syscall(SYS_close_range, first_free, ~0U, 0U) != 0) {  // before Linux 5.9: one by one
+      const int dir = ::open("/proc/self/fd", O_RDONLY | O_DIRECTORY);
+      alignas(8) char buf[4096];
+      if (dir >= 0) {
+        for_each_dirent(dir, buf, sizeof(buf), [dir, first_free](const char* c) {
+          int fd = 0;
+          if (*c < '0' || *c > '9') return;
+          for (; *c >= '0' && *c <= '9'; ++c) fd = fd * 10 + (*c - '0');
+          if (fd >= static_cast<int>(first_free) && fd != dir) ::close(fd);
+        });
+        ::close(dir);
+      }
+    }
     watchdog_main(args);
   }
   const int fork_errno = errno;

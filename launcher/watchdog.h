@@ -46,6 +46,7 @@ bool environ_has_mark(std::string_view environ, std::string_view token);
 struct StatIds {
   long pid = 0, ppid = 0, pgrp = 0;
   char state = '?';
+  unsigned long long flags = 0;      // PF_* (field 9): PF_KTHREAD marks a kernel thread
   unsigned long long starttime = 0;  // clock ticks after boot
 };
 bool parse_stat_ids(std::string_view text, StatIds& out);

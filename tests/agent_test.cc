@@ -425,9 +425,12 @@ TEST_CASE("nproc_per_node=cpu counts the CPUs this process may use, not the CPUs
 
 TEST_CASE("a SIGTERM to the agent while it stops after a worker failure keeps the failure's exit code") {
   const std::string dir = make_temp_dir();
-  // Rank 1 fails with 7; rank 0 notes the agent's SIGTERM in a file and ends at the second.
-  Proc p = spawn({kMglaunch, "--nproc_per_node=2", "--grace", "60", kFakeWorker, "term-file", dir + "/term",
-                  "when-rank", "1", "eprint", "rank 1 fails", "exit", "7"});
+  // Rank 1 fails with 7 once both ranks handle SIGTERM (each appended to `ready`; under
+  // load rank 1 could otherwise fail before rank 0 set its handler); rank 0 notes the
+  // agent's SIGTERM in a file and ends at the second.
+  const std::string ready = dir + "/ready";
+  Proc p = spawn({kMglaunch, "--nproc_per_node=2", "--grace", "60", kFakeWorker, "term-file", dir + "/term", "pidfile",
+                  ready, "when-rank", "1", "wait-lines", ready, "2", "eprint", "rank 1 fails", "exit", "7"});
   REQUIRE(eventually([&] { return std::filesystem::exists(dir + "/term"); }, 30s));
   ::kill(p.pid, SIGTERM);  // as srun --kill-on-bad-exit does once any node has exited
   REQUIRE(p.wait(30s));

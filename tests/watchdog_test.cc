@@ -55,6 +55,7 @@ TEST_CASE("the watchdog reads pid, parent, group and start time from /proc/PID/s
   CHECK(ids.ppid == 17);
   CHECK(ids.pgrp == 4242);
   CHECK(ids.state == 'S');
+  CHECK(ids.flags == 4194560);  // field 9, where PF_KTHREAD (0x200000) marks a kernel thread
   CHECK(ids.starttime == 987654);
   CHECK_FALSE(mg::parse_stat_ids("4242 (x) S 17 4242", ids));  // cut short before the start time
   CHECK_FALSE(mg::parse_stat_ids("garbage", ids));

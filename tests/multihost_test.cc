@@ -264,7 +264,7 @@ HungJob start_hung_job(const SshServer& sshd, int slots) {
   const std::string dir = make_temp_dir(), pids = dir + "/pids";
   const std::string hosts =
       "127.0.0.2 slots=" + std::to_string(slots) + "\n127.0.0.3 slots=" + std::to_string(slots) + "\n";
-  HungJob h{dir, pids, spawn(launcher_argv(sshd, write_hostfile(dir, hosts), fw({"pidfile", pids, "hang", "120"}),
+  HungJob h{dir, pids, spawn(launcher_argv(sshd, write_hostfile(dir, hosts), fw({"print", "up", "pidfile", pids, "hang", "120"}),
                                            {"--grace=5"}))};
   REQUIRE(eventually([&] { return read_pids(h.pids).size() == static_cast<std::size_t>(2 * slots); }, 60s));
   return h;
@@ -310,6 +310,9 @@ TEST_CASE("over real ssh a dropped connection stops that host's agent and every 
     return;
   }
   HungJob h = start_hung_job(sshd, 1);
+  // Output from both hosts came back: the launcher knows each connection was up (without
+  // it, a drop reads as "cannot reach", which a loaded machine made happen once).
+  REQUIRE(eventually([&] { return split_lines(h.launcher.out()).size() >= 2; }, 60s));
   // The remote wrapper of node 1 runs under our sshd's session process for that
   // connection: killing that process drops the connection as a network failure would.
   pid_t session = -1;

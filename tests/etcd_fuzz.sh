@@ -12,9 +12,9 @@ clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-reco
 mkdir -p "$out/corpus"
 printf '%s\n' '{"result":{"header":{"revision":"5"},"events":[{"kv":{"key":"YQ==","mod_revision":"5","value":"Yg=="}}]}}' \
   > "$out/corpus/watch"
-j='"job_id":"job","agent_id":"A","host":"h","addr":"10.0.0.1","nproc":2,"min_nodes":2,"max_nodes":2,"max_restarts":1'
+j='"job_id":"job","agent_id":"A","host":"h","addr":"127.0.0.1","nproc":2,"min_nodes":2,"max_nodes":2,"max_restarts":1'
 printf '%s\n' "{\"kind\":\"join\",\"agent\":\"a\",\"t\":1700000000000,\"join\":{$j}}" \
-  "{\"kind\":\"join\",\"agent\":\"b\",\"t\":1700000000001,\"join\":{${j/10.0.0.1/10.0.0.2}}}" \
+  "{\"kind\":\"join\",\"agent\":\"b\",\"t\":1700000000001,\"join\":{${j/127.0.0.1/127.0.0.2}}}" \
   '{"kind":"failed","agent":"b","t":1700000000100,"failed":{"round":1,"host":"h","rank":3,"exit_code":7}}' \
   '{"kind":"lost","agent":"a","t":1700000000200,"why":"lease"}' '{"kind":"tick","agent":"b","t":1700000999999}' \
   '{"kind":"done","agent":"b","t":1700001000000,"round":1}' > "$out/corpus/log"

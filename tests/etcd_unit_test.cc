@@ -97,10 +97,10 @@ TEST_CASE("the gateway's stream is split into whole objects whatever the chunkin
 }
 
 TEST_CASE("events survive JSON and a malformed event is refused") {
-  auto j = join_event("a", "10.0.0.1", T0);
+  auto j = join_event("a", "127.0.0.1", T0);
   auto back = event_from_json(to_json(j));
   CHECK(back.kind == Event::Kind::kJoin);
-  CHECK(back.join.addr == "10.0.0.1");
+  CHECK(back.join.addr == "127.0.0.1");
   CHECK(back.t_ms == T0);
   Event lost = simple(Event::Kind::kLost, "b", T0 + 5);
   lost.why = "gone";
@@ -124,8 +124,8 @@ TEST_CASE("events survive JSON and a malformed event is refused") {
 
 TEST_CASE("every agent replaying the same log gets its own place in one consistent round") {
   // Agents join in an order different from their addresses: ranks follow the addresses.
-  const std::vector<Event> log = {join_event("c", "10.0.0.3", T0), join_event("a", "10.0.0.1", T0 + 10),
-                                  join_event("b", "10.0.0.2", T0 + 20)};
+  const std::vector<Event> log = {join_event("c", "127.0.0.3", T0), join_event("a", "127.0.0.1", T0 + 10),
+                                  join_event("b", "127.0.0.2", T0 + 20)};
   std::set<int> offsets;
   for (const std::string self : {"a", "b", "c"}) {
     JobReplay r("job", self);
@@ -135,7 +135,7 @@ TEST_CASE("every agent replaying the same log gets its own place in one consiste
     REQUIRE(mine.size() == 1);
     auto a = mg::proto::from_frame<mg::proto::Assignment>(mine[0]);
     CHECK(a.world_size == 6);
-    CHECK(a.master_addr == "10.0.0.1");
+    CHECK(a.master_addr == "127.0.0.1");
     CHECK(a.group_rank == self[0] - 'a');
     offsets.insert(a.rank_offset);
   }
@@ -144,8 +144,8 @@ TEST_CASE("every agent replaying the same log gets its own place in one consiste
 
 TEST_CASE("a last call is due only once its time has come, and the tick closes the round for everyone") {
   JobReplay r("job", "a");
-  r.apply(join_event("a", "10.0.0.1", T0, 2, 3));
-  r.apply(join_event("b", "10.0.0.2", T0 + 100, 2, 3));
+  r.apply(join_event("a", "127.0.0.1", T0, 2, 3));
+  r.apply(join_event("b", "127.0.0.2", T0 + 100, 2, 3));
   CHECK_FALSE(r.tick_due(T0 + 500));
   CHECK(r.tick_due(T0 + 1200));
   auto frames = r.apply(simple(Event::Kind::kTick, "b", T0 + 1200));
@@ -156,7 +156,7 @@ TEST_CASE("a last call is due only once its time has come, and the tick closes t
 
 TEST_CASE("a join that waits past join_timeout aborts when the tick comes") {
   JobReplay r("job", "a");
-  r.apply(join_event("a", "10.0.0.1", T0));
+  r.apply(join_event("a", "127.0.0.1", T0));
   CHECK_FALSE(r.tick_due(T0 + 4000));
   REQUIRE(r.tick_due(T0 + 6000));
   auto frames = r.apply(simple(Event::Kind::kTick, "a", T0 + 6000));
@@ -165,8 +165,8 @@ TEST_CASE("a join that waits past join_timeout aborts when the tick comes") {
 }
 
 TEST_CASE("a lost agent restarts the survivors with one count and is told to stop itself") {
-  const std::vector<Event> base = {join_event("a", "10.0.0.1", T0), join_event("b", "10.0.0.2", T0 + 1),
-                                   join_event("c", "10.0.0.3", T0 + 2)};
+  const std::vector<Event> base = {join_event("a", "127.0.0.1", T0), join_event("b", "127.0.0.2", T0 + 1),
+                                   join_event("c", "127.0.0.3", T0 + 2)};
   Event lost = simple(Event::Kind::kLost, "b", T0 + 50);
   lost.why = "its etcd lease expired";
   for (const std::string self : {"a", "b", "c"}) {
@@ -176,11 +176,11 @@ TEST_CASE("a lost agent restarts the survivors with one count and is told to sto
     REQUIRE(frames.size() == 1);
     if (self == "b") {
       auto abort = mg::proto::from_frame<mg::proto::Abort>(frames[0]);
-      CHECK_THAT(abort.reason, Catch::Contains("node h10.0.0.2 (10.0.0.2) lost: its etcd lease expired"));
+      CHECK_THAT(abort.reason, Catch::Contains("node h127.0.0.2 (127.0.0.2) lost: its etcd lease expired"));
     } else {
       auto restart = mg::proto::from_frame<mg::proto::Restart>(frames[0]);
       CHECK(restart.restart_count == 1);
-      CHECK_THAT(restart.reason, Catch::Contains("(10.0.0.2) lost: its etcd lease expired"));
+      CHECK_THAT(restart.reason, Catch::Contains("(127.0.0.2) lost: its etcd lease expired"));
     }
     CHECK(r.apply(lost).empty());  // a second report of the same loss changes nothing
     CHECK_FALSE(r.live("b"));
@@ -188,15 +188,15 @@ TEST_CASE("a lost agent restarts the survivors with one count and is told to sto
 }
 
 TEST_CASE("a worker failure then everybody done: same decisions for every agent") {
-  std::vector<Event> log = {join_event("a", "10.0.0.1", T0), join_event("b", "10.0.0.2", T0 + 1),
-                            join_event("c", "10.0.0.3", T0 + 2)};
+  std::vector<Event> log = {join_event("a", "127.0.0.1", T0), join_event("b", "127.0.0.2", T0 + 1),
+                            join_event("c", "127.0.0.3", T0 + 2)};
   Event failed = simple(Event::Kind::kFailed, "c", T0 + 10);
   failed.failed.round = 1;
-  failed.failed.host = "h10.0.0.3";
+  failed.failed.host = "h127.0.0.3";
   failed.failed.rank = 5;
   failed.failed.exit_code = 7;
   log.push_back(failed);
-  for (const char* agent : {"a", "b", "c"}) log.push_back(join_event(agent, std::string("10.0.0.") + char('1' + (agent[0] - 'a')), T0 + 20));
+  for (const char* agent : {"a", "b", "c"}) log.push_back(join_event(agent, std::string("127.0.0.") + char('1' + (agent[0] - 'a')), T0 + 20));
   for (const char* agent : {"a", "b", "c"}) {
     Event done = simple(Event::Kind::kDone, agent, T0 + 30);
     done.round = 2;

@@ -43,9 +43,9 @@ TEST_CASE("the training mode is single without a launcher and ddp under one") {
   auto bare = read_env({});
   CHECK_FALSE(bare.launched);
   CHECK(resolve_mode(o, bare) == Mode::single);
-  auto one = read_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  auto one = read_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "41234"}});
   CHECK(resolve_mode(o, one) == Mode::ddp);
-  auto two = read_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}});
+  auto two = read_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "41234"}});
   CHECK(two.rank == 1);
   CHECK(resolve_mode(o, two) == Mode::ddp);
   o.mode = "ddp";

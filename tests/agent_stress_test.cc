@@ -58,13 +58,6 @@ std::set<std::string> fd_numbers(const nlohmann::json& j) {
   return s;
 }
 
-std::vector<pid_t> read_pids(const std::string& path) {
-  std::vector<pid_t> pids;
-  for (const auto& l : split_lines(read_file(path)))
-    if (!l.empty()) pids.push_back(std::stoi(l));
-  return pids;
-}
-
 bool is_fake_worker(pid_t pid) {
   return read_file("/proc/" + std::to_string(pid) + "/cmdline").find("fake_worker") != std::string::npos;
 }

@@ -21,13 +21,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<pid_t> read_pids(const std::string& path) {
-  std::vector<pid_t> pids;
-  for (const auto& l : split_lines(read_file(path)))
-    if (!l.empty()) pids.push_back(std::stoi(l));
-  return pids;
-}
-
 int count_of(const std::string& text, const std::string& what) {
   int n = 0;
   for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;

@@ -29,13 +29,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<pid_t> read_pids(const std::string& path) {
-  std::vector<pid_t> pids;
-  for (const auto& l : split_lines(read_file(path)))
-    if (!l.empty() && l.find_first_not_of("0123456789") == std::string::npos) pids.push_back(std::stoi(l));
-  return pids;
-}
-
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path);
   out << text;

@@ -47,13 +47,6 @@ std::string write_hostfile(const std::string& dir, const std::string& text) {
   return path;
 }
 
-std::vector<pid_t> read_pids(const std::string& path) {
-  std::vector<pid_t> pids;
-  for (const auto& l : split_lines(read_file(path)))
-    if (!l.empty()) pids.push_back(std::stoi(l));
-  return pids;
-}
-
 // The worker lines "[host:rankN]:{json}" of a run's stdout, by rank.
 std::map<int, std::pair<std::string, nlohmann::json>> worker_envs(const std::string& out) {
   std::map<int, std::pair<std::string, nlohmann::json>> by_rank;

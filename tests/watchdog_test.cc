@@ -18,13 +18,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::vector<pid_t> pids_in(const std::string& path) {
-  std::vector<pid_t> pids;
-  for (const auto& l : split_lines(read_file(path)))
-    if (!l.empty() && l.find_first_not_of("0123456789") == std::string::npos) pids.push_back(std::stoi(l));
-  return pids;
-}
-
 long snapshots(const std::string& trace) {
   long n = 0;
   for (const auto& l : split_lines(read_file(trace))) n += l.rfind("snapshot ", 0) == 0;
@@ -73,9 +66,9 @@ TEST_CASE("after kill -9 of the agent a descendant that wiped its environment is
                       "echo ready; exec /bin/sleep 300",
                       "sh", markfile, pidfile},
                      {{"MGLAUNCH_WATCHDOG_TRACE", trace}});
-  REQUIRE(eventually([&] { return agent.out().find("ready") != std::string::npos && pids_in(pidfile).size() == 1; },
+  REQUIRE(eventually([&] { return agent.out().find("ready") != std::string::npos && read_pids(pidfile).size() == 1; },
                      60s));
-  const pid_t wiped = pids_in(pidfile).at(0);
+  const pid_t wiped = read_pids(pidfile).at(0);
   reaper.pids.push_back(wiped);
   const std::string mark = read_file(markfile);
   REQUIRE_FALSE(mark.empty());

@@ -212,4 +212,11 @@ std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std:
   return argv;
 }
 
+std::vector<pid_t> read_pids(const std::string& path) {
+  std::vector<pid_t> pids;
+  for (const auto& l : split_lines(read_file(path)))
+    if (!l.empty() && l.find_first_not_of("0123456789") == std::string::npos) pids.push_back(std::stoi(l));
+  return pids;
+}
+
 }  // namespace mgtest

@@ -59,6 +59,9 @@ std::string http_request(int port, const std::string& path, const std::string& a
 // The body of a whole HTTP response, "" when it has none.
 std::string body_of(const std::string& response);
 
+// The pids listed in `path`, one per line (fake_worker's pidfile); other lines are skipped.
+std::vector<pid_t> read_pids(const std::string& path);
+
 // argv of mglaunch with `flags` running tests/fake_worker with `worker_cmds`.
 std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_cmds);
 // A port that was free on 127.0.0.1 a moment ago, for servers that must come back on the

@@ -10,8 +10,10 @@
 
 namespace mg {
 
-std::string now_text() {
-  std::time_t t = std::time(nullptr);
+std::string now_text() { return time_text(std::chrono::system_clock::now()); }
+
+std::string time_text(std::chrono::system_clock::time_point when) {
+  std::time_t t = std::chrono::system_clock::to_time_t(when);
   std::tm tm{};
   ::localtime_r(&t, &tm);
   return fmt::format("{:04}-{:02}-{:02}_{:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,

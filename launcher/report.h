@@ -67,6 +67,7 @@ std::string signal_name(int sig);
 
 // The local time as torchrun prints it: 2026-11-23_10:45:41.
 std::string now_text();
+std::string time_text(std::chrono::system_clock::time_point when);
 
 // The --summary-json document; workers of each attempt sorted by rank.
 nlohmann::json summary_json(const RunRecord& run);

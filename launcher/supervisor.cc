@@ -1,0 +1,424 @@
+#include "launcher/supervisor.h"
+
+#include <signal.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "launcher/errors.h"
+
+namespace mg::sup {
+
+namespace {
+double seconds(std::chrono::milliseconds ms) { return static_cast<double>(ms.count()) / 1000.0; }
+}  // namespace
+
+Actions Supervisor::start(const Now& now) {
+  Actions out;
+  if (cfg_.rdzv) {
+    rdzv_ = true;
+    state_ = State::kWaiting;
+    out.push_back(act::JoinRendezvous{});
+  } else {
+    start_attempt(now, out);
+  }
+  return out;
+}
+
+void Supervisor::start_attempt(const Now& now, Actions& out) {
+  state_ = State::kRunning;
+  root_cause_.reset();
+  attempts_.push_back({restart_count_, now.wall, 0, {}});
+  attempt_start_ = now.steady;
+  out.push_back(act::AttemptStarted{restart_count_});
+  spawned_ = 0;
+  done_ = 0;
+  spawn_batch(++gen_, out);
+}
+
+Actions Supervisor::spawn_batch_due(std::uint64_t gen, const Now&) {
+  Actions out;
+  spawn_batch(gen, out);
+  return out;
+}
+
+void Supervisor::spawn_batch(std::uint64_t gen, Actions& out) {
+  if (gen != gen_ || state_ == State::kDone) return;  // an attempt that ended meanwhile
+  // A batch at a time, then back to the event loop: exits and failures are handled while
+  // the rest start, so a run of many short workers never holds all their descriptors and
+  // zombies at once.
+  const int end = std::min(cfg_.nproc, spawned_ + std::max(1, cfg_.spawn_batch));
+  while (state_ == State::kRunning && spawned_ < end) {
+    out.push_back(act::Spawn{spawned_++, restart_count_});
+    ++handles_;
+  }
+  if (state_ == State::kRunning && spawned_ < cfg_.nproc) {
+    out.push_back(act::SpawnMoreLater{gen});
+    return;
+  }
+  out.push_back(act::ReleaseMasterPort{});
+}
+
+Actions Supervisor::attempt_due(const Now& now) {
+  Actions out;
+  if (state_ != State::kDone) start_attempt(now, out);
+  return out;
+}
+
+Actions Supervisor::worker_ended(WorkerOutcome o, std::optional<RootCause> rc, const Now& now) {
+  Actions out;
+  if (state_ == State::kDone || attempts_.empty()) return out;
+  o.stopped_by_agent = state_ != State::kRunning;
+  attempts_.back().workers.push_back(o);
+  if (state_ == State::kRunning && o.exit_code != 0) {
+    if (!rc) {  // the agent gathered nothing: the outcome alone
+      rc.emplace();
+      rc->time = time_text(now.wall);
+      rc->host = cfg_.host;
+    }
+    rc->worker = o;
+    root_cause_ = std::move(rc);
+    stop_group(SIGTERM, now, out);
+  }
+  // Ranks still to start count while running; once stopping, they never will.
+  ++done_;
+  const bool all_done = done_ >= handles_ && (spawned_ == cfg_.nproc || state_ != State::kRunning);
+  if (!all_done) return out;
+  out.push_back(act::AttemptEnded{restart_count_, state_ != State::kRunning || root_cause_.has_value()});
+  if (state_ == State::kRunning) {
+    attempts_.back().duration_s = std::chrono::duration<double>(now.steady - attempt_start_).count();
+    if (rdzv_) {
+      state_ = State::kWaiting;  // the job is done when every node is
+      out.push_back(act::SendNodeDone{round_});
+      return out;
+    }
+    finish(exit_code::kOk, out);
+  } else if (state_ == State::kStopping) {
+    group_stopped(now, out);
+  }
+  return out;
+}
+
+void Supervisor::stop_group(int sig, const Now& now, Actions& out) {
+  if (state_ == State::kDone) return;
+  state_ = State::kStopping;
+  stop_signal_ = sig;
+  trace(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}}, out);
+  out.push_back(act::SignalWorkers{sig, true});
+  out.push_back(act::ArmTimer{Timer::kGrace, now.steady + cfg_.grace});
+}
+
+Actions Supervisor::timer_fired(Timer t, const Now&) {
+  Actions out;
+  if (t == Timer::kGrace) {
+    if (state_ != State::kStopping) return out;
+    notice(fmt::format("workers still running {:.1f}s after {}: sending SIGKILL", seconds(cfg_.grace),
+                       signal_name(stop_signal_)),
+           out);
+    trace("send SIGKILL to the workers", "signal", {{"signal", SIGKILL}, {"after_grace_s", seconds(cfg_.grace)}}, out);
+    out.push_back(act::SignalWorkers{SIGKILL, true});
+  } else if (t == Timer::kLeave) {
+    if (state_ != State::kDone) finish(leaving_code_, out);
+  }
+  return out;
+}
+
+void Supervisor::group_stopped(const Now& now, Actions& out) {
+  out.push_back(act::CancelTimer{Timer::kGrace});
+  if (!attempts_.empty())
+    attempts_.back().duration_s = std::chrono::duration<double>(now.steady - attempt_start_).count();
+  StopFacts facts;
+  facts.agent_signal = agent_signal_;
+  facts.rdzv = rdzv_;
+  facts.abort = abort_.has_value();
+  facts.rejoin = rejoin_after_stop_;
+  facts.root_cause = root_cause_.has_value();
+  facts.restart_count = restart_count_;
+  facts.max_restarts = cfg_.max_restarts;
+  const AfterStop next = after_stop(facts);
+  if (rdzv_ && next != AfterStop::kStoppedBySignal) state_ = State::kWaiting;
+  switch (next) {
+    case AfterStop::kStoppedBySignal:
+      notice(fmt::format("stopped by {}", signal_name(agent_signal_)), out);
+      // A worker that failed before the signal came is still the root cause.
+      if (root_cause_) out.push_back(act::PrintRootCause{*root_cause_});
+      leave_job(agent_signal_, now, out);
+      return;
+    case AfterStop::kAbort:
+      finish_with_abort(now, out);
+      return;
+    case AfterStop::kRejoin:
+      rejoin_after_stop_ = false;
+      rejoin(out);
+      return;
+    case AfterStop::kReportFailure: {
+      // Our failure: the server decides (restart everywhere or abort everywhere).
+      const auto& w = root_cause_->worker;
+      proto::WorkerFailed f;
+      f.round = round_;
+      f.host = root_cause_->host;
+      f.rank = w.rank;
+      f.local_rank = w.local_rank;
+      f.exit_code = w.exit_code;
+      f.signal = w.signal;
+      f.message = root_cause_->message;
+      f.last_lines = root_cause_->stderr_tail;
+      out.push_back(act::SendWorkerFailed{std::move(f)});
+      return;
+    }
+    case AfterStop::kWait:
+      return;
+    case AfterStop::kEndWithoutCause:
+      finish(node_exit_code(root_cause_, attempts_), out);  // the rendezvous was lost while stopping for it
+      return;
+    case AfterStop::kRestart: {
+      const auto& w = root_cause_->worker;
+      ++restart_count_;
+      // As torchrun: a fresh master port for each attempt (the last one may still be held
+      // by a straggler, in TIME_WAIT, or taken by someone else: EADDRINUSE).
+      if (cfg_.port_is_ours) out.push_back(act::HoldMasterPort{true});
+      notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
+                         w.rank, w.local_rank, w.exit_code, restart_count_, cfg_.max_restarts),
+             out);
+      trace("restart", "restart",
+            {{"restart_count", restart_count_}, {"max_restarts", cfg_.max_restarts}, {"failed_rank", w.rank},
+             {"exit_code", w.exit_code}, {"by", "agent"}},
+            out);
+      retire(out);
+      out.push_back(act::AttemptDue{});
+      return;
+    }
+    case AfterStop::kGiveUp:
+      out.push_back(act::PrintRootCause{*root_cause_});
+      finish(root_cause_->worker.exit_code, out);
+      return;
+  }
+}
+
+void Supervisor::retire(Actions& out) {
+  out.push_back(act::RetireWorkers{});
+  handles_ = 0;
+  done_ = 0;
+}
+
+void Supervisor::rejoin(Actions& out) {
+  // A new round gets a fresh master port, as a restart on one node does (the last one may
+  // be held by a straggler, in TIME_WAIT, or taken meanwhile).
+  if (cfg_.port_is_ours) out.push_back(act::HoldMasterPort{true});
+  out.push_back(act::Rejoin{});
+}
+
+void Supervisor::finish(int code, Actions& out) {
+  if (state_ == State::kDone) return;
+  state_ = State::kDone;
+  exit_code_ = code;
+  out.push_back(act::CancelTimer{Timer::kGrace});
+  out.push_back(act::CancelTimer{Timer::kLeave});
+  out.push_back(act::Finish{code});
+}
+
+Actions Supervisor::signal(int sig, const Now& now) {
+  Actions out;
+  if (state_ == State::kDone) return out;
+  if (sig == SIGINT) ++interrupts_;
+  trace(fmt::format("got {}", signal_name(sig)), "signal", {{"signal", sig}}, out);
+  SignalFacts facts;
+  facts.sig = sig;
+  facts.interrupts = interrupts_;
+  facts.waiting = state_ == State::kWaiting;
+  facts.stopping = state_ == State::kStopping;
+  const OnSignal what = on_agent_signal(facts);
+  if (what == OnSignal::kForward) {
+    out.push_back(act::SignalWorkers{sig, false});
+    return out;
+  }
+  if (what == OnSignal::kKillNow) {
+    notice("second interrupt: killing the workers now", out);
+    out.push_back(act::SignalWorkers{SIGKILL, true});
+    agent_signal_ = SIGINT;
+    return out;
+  }
+  if (agent_signal_ == 0) agent_signal_ = sig;
+  if (what == OnSignal::kEndWhileWaiting) {
+    if (leaving_code_) {  // a second signal while telling the others: go now
+      finish(leaving_code_, out);
+      return out;
+    }
+    notice(fmt::format("got {} while waiting for the rendezvous", signal_name(sig)), out);
+    leave_job(sig, now, out);
+    return out;
+  }
+  notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), seconds(cfg_.grace)), out);
+  if (what == OnSignal::kForwardWhileStopping)
+    out.push_back(act::SignalWorkers{sig, true});
+  else
+    stop_group(sig, now, out);
+  // Between attempts (all workers gone, the restart due) nobody is left to report back:
+  // the stop is over now, and the next attempt never starts.
+  if (handles_ == 0) group_stopped(now, out);
+  return out;
+}
+
+Actions Supervisor::job_control(int sig, const Now& now) {
+  Actions out;
+  if (state_ == State::kDone) return out;
+  if (sig == SIGTSTP) {
+    // Ctrl-Z: the workers first (they are in process groups of their own, the terminal
+    // stopped only us), then the agent, as the shell expects of its job.
+    out.push_back(act::SignalWorkers{SIGSTOP, true});
+    trace("stopped (SIGTSTP)", "signal", {{"signal", sig}}, out);
+    out.push_back(act::StopSelf{});
+    return out;
+  }
+  // fg or bg (or anyone's SIGCONT): the workers go on with us. The time spent stopped
+  // counts neither against the workers' grace nor against the drain of an ended
+  // worker's output.
+  out.push_back(act::SignalWorkers{SIGCONT, true});
+  trace("continued (SIGCONT)", "signal", {{"signal", sig}}, out);
+  out.push_back(act::ResumeOutputDrains{});
+  if (state_ == State::kStopping) out.push_back(act::ArmTimer{Timer::kGrace, now.steady + cfg_.grace});
+  return out;
+}
+
+void Supervisor::leave_job(int sig, const Now& now, Actions& out) {
+  const int code = root_cause_ ? root_cause_->worker.exit_code : exit_code::kSignalBase + sig;
+  // Not in a multi-node job, or not placed in a round yet: nobody to tell.
+  if (!rdzv_ || round_ == 0) {
+    finish(code, out);
+    return;
+  }
+  leaving_code_ = code;
+  state_ = State::kWaiting;
+  proto::WorkerFailed f;
+  f.round = round_;
+  f.host = cfg_.host;
+  f.rank = -1;
+  f.local_rank = -1;
+  f.exit_code = code;
+  f.signal = sig;
+  f.message = fmt::format("node {} (node rank {}) was stopped by {}", f.host, node_rank_, signal_name(sig));
+  if (root_cause_) {  // our worker's failure, which came first
+    f.rank = root_cause_->worker.rank;
+    f.local_rank = root_cause_->worker.local_rank;
+    f.signal = root_cause_->worker.signal;
+    f.message = root_cause_->message;
+    f.last_lines = root_cause_->stderr_tail;
+  }
+  out.push_back(act::SendWorkerFailed{std::move(f)});
+  // The decision (a hosting agent's server still delivers it to the others) or this.
+  out.push_back(act::ArmTimer{Timer::kLeave, now.steady + Config::kLeaveTimeout});
+}
+
+Actions Supervisor::assignment(const proto::Assignment& a, const Now& now) {
+  Actions out;
+  if (state_ != State::kWaiting || leaving_code_) return out;
+  round_ = a.round;
+  node_rank_ = a.group_rank;
+  restart_count_ = a.restart_count;
+  out.push_back(act::ApplyAssignment{a});
+  notice(fmt::format("round {}: node {} of {}, ranks {}..{} of {}, master {}:{}, restart {}", a.round, a.group_rank,
+                     a.group_world_size, a.rank_offset, a.rank_offset + cfg_.nproc - 1, a.world_size, a.master_addr,
+                     a.master_port, a.restart_count),
+         out);
+  retire(out);
+  start_attempt(now, out);
+  return out;
+}
+
+Actions Supervisor::restart(const proto::Restart& r, const Now& now) {
+  Actions out;
+  if (state_ == State::kDone) return out;
+  if (leaving_code_) {
+    finish(leaving_code_, out);  // the others heard it: this node is gone
+    return out;
+  }
+  notice(fmt::format("restart {} decided by the rendezvous: {}", r.restart_count, r.reason), out);
+  trace("restart", "restart", {{"restart_count", r.restart_count}, {"reason", r.reason}, {"by", "rendezvous"}}, out);
+  if (state_ == State::kRunning) {
+    rejoin_after_stop_ = true;
+    stop_group(SIGTERM, now, out);
+  } else if (state_ == State::kWaiting) {
+    rejoin(out);
+  } else {
+    rejoin_after_stop_ = true;  // already stopping: re-join once stopped
+  }
+  return out;
+}
+
+Actions Supervisor::abort(const proto::Abort& a, const Now& now) {
+  Actions out;
+  if (state_ == State::kDone) return out;
+  if (leaving_code_) {
+    finish(leaving_code_, out);
+    return out;
+  }
+  abort_ = a;
+  if (state_ == State::kRunning) {
+    stop_group(SIGTERM, now, out);
+  } else if (state_ == State::kWaiting) {
+    finish_with_abort(now, out);
+  }
+  return out;
+}
+
+void Supervisor::finish_with_abort(const Now& now, Actions& out) {
+  const auto& f = abort_->root_cause;
+  if (f.rank < 0 && attempts_.empty()) {
+    // The job ended before any worker of this node ran (join_timeout): no root-cause block
+    // with an empty host and rank -1, but what happened and what to check.
+    RootCause rc;
+    rc.time = time_text(now.wall);
+    rc.worker.rank = -1;
+    rc.worker.exit_code = exit_code::kRendezvous;
+    rc.message = abort_->reason;
+    root_cause_ = rc;
+    out.push_back(act::ErrorLine{fmt::format(
+        "the rendezvous timed out, no worker started: {} ({} s, rendezvous {}); check that every node runs mglaunch "
+        "with the same --rdzv_endpoint, --rdzv_id and --nnodes, that it can reach {}, or give late nodes more time "
+        "with --rdzv_conf=join_timeout=SECONDS",
+        abort_->reason, seconds(cfg_.join_timeout), cfg_.rdzv_where, cfg_.rdzv_where)});
+    finish(exit_code::kRendezvous, out);
+    return;
+  }
+  RootCause rc;
+  rc.time = time_text(now.wall);
+  rc.host = f.host;
+  rc.worker.rank = f.rank;
+  rc.worker.local_rank = f.local_rank;
+  rc.worker.exit_code = f.exit_code;
+  rc.worker.signal = f.signal;
+  rc.message = f.message.empty() ? abort_->reason : f.message;
+  rc.stderr_tail = f.last_lines;
+  out.push_back(act::PrintRootCause{rc});
+  root_cause_ = rc;
+  finish(f.exit_code > 0 ? f.exit_code : exit_code::kInternal, out);
+}
+
+Actions Supervisor::rendezvous_done(const Now&) {
+  Actions out;
+  finish(leaving_code_ ? leaving_code_ : exit_code::kOk, out);
+  return out;
+}
+
+Actions Supervisor::rendezvous_lost(const std::string& why, const Now&) {
+  Actions out;
+  if (state_ == State::kDone) return out;
+  if (leaving_code_) {
+    finish(leaving_code_, out);
+    return out;
+  }
+  if (state_ == State::kWaiting && attempts_.empty() && !root_cause_)
+    out.push_back(act::ErrorLine{fmt::format("rendezvous: {}", why)});  // this ends the run (exit 3) before any worker ran
+  else
+    notice(fmt::format("rendezvous: {}", why), out);
+  rdzv_ = false;  // from here on this node decides alone
+  if (state_ == State::kWaiting) {
+    // No decision will come: this node answers for its own workers.
+    if (root_cause_) out.push_back(act::PrintRootCause{*root_cause_});
+    finish(node_exit_code(root_cause_, attempts_), out);
+  }
+  return out;
+}
+
+}  // namespace mg::sup

@@ -1,0 +1,621 @@
+// The agent's supervision core (launcher/supervisor.h) driven through every transition
+// with a fake clock: the time is passed in, the actions are read back as a fake spawner,
+// timer and rendezvous client would receive them.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include "launcher/errors.h"
+#include "launcher/supervisor.h"
+
+using namespace mg;
+using namespace mg::sup;
+using namespace std::chrono_literals;
+
+namespace {
+
+Now at(int ms) {
+  return {Clock::time_point{} + std::chrono::milliseconds(ms),
+          std::chrono::system_clock::time_point{} + std::chrono::milliseconds(ms)};
+}
+
+Config single(int nproc, int max_restarts = 0) {
+  Config c;
+  c.nproc = nproc;
+  c.max_restarts = max_restarts;
+  c.grace = 3000ms;
+  c.port_is_ours = true;
+  c.host = "node-a";
+  c.program = "train.py";
+  return c;
+}
+
+Config multi(int nproc) {
+  Config c = single(nproc, 3);
+  c.rdzv = true;
+  c.rdzv_where = "127.0.0.1:29400";
+  c.join_timeout = 600000ms;
+  return c;
+}
+
+template <class A>
+std::vector<A> all(const Actions& out) {
+  std::vector<A> v;
+  for (const auto& a : out)
+    if (const A* p = std::get_if<A>(&a)) v.push_back(*p);
+  return v;
+}
+
+template <class A>
+bool has(const Actions& out) {
+  return !all<A>(out).empty();
+}
+
+// The index of the first action of type A, or -1.
+template <class A>
+int index_of(const Actions& out) {
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (std::holds_alternative<A>(out[i])) return static_cast<int>(i);
+  return -1;
+}
+
+std::vector<int> signals_sent(const Actions& out) {
+  std::vector<int> v;
+  for (const auto& s : all<act::SignalWorkers>(out)) v.push_back(s.sig);
+  return v;
+}
+
+std::optional<int> finished(const Actions& out) {
+  auto f = all<act::Finish>(out);
+  if (f.empty()) return std::nullopt;
+  return f.front().code;
+}
+
+bool noticed(const Actions& out, const std::string& words) {
+  for (const auto& n : all<act::Notice>(out))
+    if (n.text.find(words) != std::string::npos) return true;
+  return false;
+}
+
+WorkerOutcome ended(int local_rank, int exit_code, int sig = 0) {
+  WorkerOutcome o;
+  o.rank = local_rank;
+  o.local_rank = local_rank;
+  o.pid = 1000 + local_rank;
+  o.exit_code = exit_code;
+  o.signal = sig;
+  return o;
+}
+
+RootCause details(int local_rank, const std::string& message) {
+  RootCause rc;
+  rc.host = "node-a";
+  rc.message = message;
+  rc.stderr_tail = {"Traceback", "ValueError: " + message};
+  rc.worker.local_rank = local_rank;
+  return rc;
+}
+
+// A failure of `local_rank` with code `code`, the details gathered when the core takes them.
+Actions fail(Supervisor& s, int local_rank, int code, const Now& now, const std::string& message = "boom") {
+  std::optional<RootCause> rc;
+  if (s.takes_root_cause()) rc = details(local_rank, message);
+  return s.worker_ended(ended(local_rank, code), rc, now);
+}
+
+proto::Assignment assignment(int round, int group_rank, int restart_count = 0) {
+  proto::Assignment a;
+  a.round = round;
+  a.group_rank = group_rank;
+  a.group_world_size = 2;
+  a.rank_offset = group_rank * 2;
+  a.world_size = 4;
+  a.master_addr = "127.0.0.2";
+  a.master_port = 45678;
+  a.restart_count = restart_count;
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("a single node run spawns every local rank of attempt 0 and ends with 0 once all exited well") {
+  Supervisor s(single(3));
+  auto out = s.start(at(0));
+  auto spawns = all<act::Spawn>(out);
+  REQUIRE(spawns.size() == 3);
+  for (int lr = 0; lr < 3; ++lr) {
+    CHECK(spawns[static_cast<std::size_t>(lr)].local_rank == lr);
+    CHECK(spawns[static_cast<std::size_t>(lr)].attempt == 0);
+  }
+  // The master port is let go only once every worker was started.
+  CHECK(index_of<act::ReleaseMasterPort>(out) > index_of<act::Spawn>(out));
+  CHECK(s.state() == State::kRunning);
+  CHECK(s.worker_ended(ended(1, 0), std::nullopt, at(100)).empty());
+  CHECK(s.worker_ended(ended(0, 0), std::nullopt, at(200)).empty());
+  out = s.worker_ended(ended(2, 0), std::nullopt, at(1500));
+  CHECK(finished(out) == exit_code::kOk);
+  CHECK(s.state() == State::kDone);
+  REQUIRE(s.attempts().size() == 1);
+  CHECK(s.attempts()[0].workers.size() == 3);
+  CHECK(s.attempts()[0].duration_s == Approx(1.5));
+  CHECK_FALSE(s.attempts()[0].workers[0].stopped_by_agent);
+  CHECK_FALSE(all<act::AttemptEnded>(out).at(0).failed);
+}
+
+TEST_CASE("workers start in batches and a batch of an attempt that ended meanwhile starts nothing") {
+  Config c = single(5, 1);
+  c.spawn_batch = 2;
+  Supervisor s(c);
+  auto out = s.start(at(0));
+  CHECK(all<act::Spawn>(out).size() == 2);
+  auto more = all<act::SpawnMoreLater>(out);
+  REQUIRE(more.size() == 1);
+  CHECK_FALSE(has<act::ReleaseMasterPort>(out));
+  out = s.spawn_batch_due(more[0].gen, at(1));
+  REQUIRE(all<act::Spawn>(out).size() == 2);
+  CHECK(all<act::Spawn>(out)[0].local_rank == 2);
+  const auto stale = all<act::SpawnMoreLater>(out).at(0).gen;
+  // A worker fails before the last batch: the stop wins, the rest never start.
+  out = fail(s, 0, 1, at(2));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK_FALSE(has<act::Spawn>(s.spawn_batch_due(stale, at(3))));
+  // The four started end; the fifth never counted.
+  for (int lr = 1; lr < 3; ++lr) CHECK_FALSE(finished(s.worker_ended(ended(lr, 143, SIGTERM), std::nullopt, at(4))));
+  out = s.worker_ended(ended(3, 143, SIGTERM), std::nullopt, at(5));
+  CHECK(has<act::AttemptDue>(out));  // restart 1 of 1
+  out = s.attempt_due(at(6));
+  CHECK(all<act::Spawn>(out).size() == 2);
+  CHECK(all<act::Spawn>(out)[0].attempt == 1);
+  CHECK(s.spawn_batch_due(stale, at(7)).empty());  // still stale in the next attempt
+}
+
+TEST_CASE("a failing worker becomes the root cause and the group is stopped with SIGTERM under a grace timer") {
+  Supervisor s(single(2));
+  s.start(at(0));
+  REQUIRE(s.takes_root_cause());
+  auto out = fail(s, 1, 7, at(1000), "bad input");
+  CHECK(s.state() == State::kStopping);
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK(all<act::SignalWorkers>(out)[0].escaped);
+  auto timers = all<act::ArmTimer>(out);
+  REQUIRE(timers.size() == 1);
+  CHECK(timers[0].timer == Timer::kGrace);
+  CHECK(timers[0].at == at(4000).steady);
+  REQUIRE(s.root_cause());
+  CHECK(s.root_cause()->worker.local_rank == 1);
+  CHECK(s.root_cause()->worker.exit_code == 7);
+  CHECK(s.root_cause()->message == "bad input");
+  // Later failures are the stop's doing: no new root cause.
+  CHECK_FALSE(s.takes_root_cause());
+}
+
+TEST_CASE("with restarts left the group restarts on a fresh master port once every worker ended") {
+  Supervisor s(single(2, 2));
+  s.start(at(0));
+  fail(s, 0, 3, at(10));
+  auto out = s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(20));
+  CHECK(has<act::CancelTimer>(out));
+  CHECK(noticed(out, "restarting the worker group (1 of 2)"));
+  CHECK(all<act::HoldMasterPort>(out).at(0).fresh);
+  // The old attempt's handles go before the next attempt starts, from the event loop.
+  CHECK(index_of<act::RetireWorkers>(out) < index_of<act::AttemptDue>(out));
+  CHECK_FALSE(has<act::Spawn>(out));
+  CHECK(s.restart_count() == 1);
+  CHECK(s.attempts().at(0).workers.at(1).stopped_by_agent);
+  out = s.attempt_due(at(30));
+  CHECK(all<act::Spawn>(out).size() == 2);
+  CHECK(all<act::Spawn>(out)[1].attempt == 1);
+  CHECK_FALSE(s.root_cause());
+  CHECK(s.attempts().size() == 2);
+  s.worker_ended(ended(0, 0), std::nullopt, at(40));
+  CHECK(finished(s.worker_ended(ended(1, 0), std::nullopt, at(50))) == 0);
+}
+
+TEST_CASE("with restarts spent the agent prints the root cause and exits with the failed worker's code") {
+  Supervisor s(single(2, 1));
+  s.start(at(0));
+  fail(s, 0, 5, at(10));
+  s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(20));
+  s.attempt_due(at(30));
+  fail(s, 1, 9, at(40), "again");
+  auto out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(50));
+  auto printed = all<act::PrintRootCause>(out);
+  REQUIRE(printed.size() == 1);
+  CHECK(printed[0].rc.worker.local_rank == 1);
+  CHECK(printed[0].rc.message == "again");
+  CHECK(finished(out) == 9);
+  CHECK(s.exit_code() == 9);
+}
+
+TEST_CASE("a port the user chose is not replaced by a restart") {
+  Config c = single(1, 1);
+  c.port_is_ours = false;
+  Supervisor s(c);
+  s.start(at(0));
+  auto out = fail(s, 0, 1, at(10));
+  CHECK(has<act::AttemptDue>(out));
+  CHECK_FALSE(has<act::HoldMasterPort>(out));
+}
+
+TEST_CASE("the grace timer sends SIGKILL only while the group is still stopping") {
+  Supervisor s(single(2));
+  s.start(at(0));
+  CHECK(s.timer_fired(Timer::kGrace, at(5)).empty());  // a late timer of no stop
+  fail(s, 0, 1, at(10));
+  auto out = s.timer_fired(Timer::kGrace, at(3010));
+  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
+  CHECK(noticed(out, "workers still running 3.0s after SIGTERM: sending SIGKILL"));
+  out = s.worker_ended(ended(1, 137, SIGKILL), std::nullopt, at(3020));
+  CHECK(finished(out) == 1);
+  CHECK(s.timer_fired(Timer::kGrace, at(3030)).empty());
+}
+
+TEST_CASE("SIGTERM stops the group and the run ends with 128 plus the signal") {
+  Supervisor s(single(2, 3));
+  s.start(at(0));
+  auto out = s.signal(SIGTERM, at(10));
+  CHECK(noticed(out, "got SIGTERM: stopping the workers (grace 3.0s)"));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK(has<act::ArmTimer>(out));
+  s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(20));
+  out = s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(30));
+  CHECK(noticed(out, "stopped by SIGTERM"));
+  CHECK_FALSE(has<act::AttemptDue>(out));  // restarts left do not apply to a signal
+  CHECK(finished(out) == 128 + SIGTERM);
+  CHECK(s.agent_signal() == SIGTERM);
+}
+
+TEST_CASE("a worker that failed before SIGTERM stays the root cause and its code is the exit code") {
+  Supervisor s(single(2, 3));
+  s.start(at(0));
+  fail(s, 1, 4, at(10));
+  auto out = s.signal(SIGTERM, at(20));
+  // Already stopping: the signal is passed on, the grace timer kept.
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK_FALSE(has<act::ArmTimer>(out));
+  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  CHECK(all<act::PrintRootCause>(out).size() == 1);
+  CHECK(finished(out) == 4);
+}
+
+TEST_CASE("a second SIGINT kills the workers at once") {
+  Supervisor s(single(2));
+  s.start(at(0));
+  auto out = s.signal(SIGINT, at(10));
+  CHECK(signals_sent(out) == std::vector<int>{SIGINT});
+  out = s.signal(SIGINT, at(20));
+  CHECK(noticed(out, "second interrupt"));
+  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
+  s.worker_ended(ended(0, 137, SIGKILL), std::nullopt, at(30));
+  out = s.worker_ended(ended(1, 137, SIGKILL), std::nullopt, at(40));
+  CHECK(finished(out) == 128 + SIGINT);
+}
+
+TEST_CASE("SIGUSR1 and SIGUSR2 are passed on to the worker groups and nothing else happens") {
+  Supervisor s(single(2));
+  s.start(at(0));
+  for (int sig : {SIGUSR1, SIGUSR2}) {
+    auto out = s.signal(sig, at(10));
+    CHECK(signals_sent(out) == std::vector<int>{sig});
+    CHECK_FALSE(all<act::SignalWorkers>(out)[0].escaped);
+    CHECK_FALSE(has<act::ArmTimer>(out));
+    CHECK(s.state() == State::kRunning);
+  }
+  CHECK(s.agent_signal() == 0);
+}
+
+TEST_CASE("a signal between attempts ends the run at once") {
+  Supervisor s(single(1, 2));
+  s.start(at(0));
+  auto out = fail(s, 0, 1, at(10));
+  REQUIRE(has<act::AttemptDue>(out));
+  REQUIRE(s.handles() == 0);
+  out = s.signal(SIGHUP, at(20));
+  CHECK(finished(out) == 1);  // the failure came first: its code
+  CHECK(s.attempt_due(at(30)).empty());
+}
+
+TEST_CASE("a stop during the spawn batches starts no further worker and ends once the started ones ended") {
+  Config c = single(4);
+  c.spawn_batch = 1;
+  Supervisor s(c);
+  auto out = s.start(at(0));
+  const auto gen = all<act::SpawnMoreLater>(out).at(0).gen;
+  s.signal(SIGTERM, at(1));
+  CHECK_FALSE(has<act::Spawn>(s.spawn_batch_due(gen, at(2))));
+  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(3));
+  CHECK(finished(out) == 128 + SIGTERM);
+}
+
+TEST_CASE("Ctrl-Z stops the workers before the agent stops itself") {
+  Supervisor s(single(2));
+  s.start(at(0));
+  auto out = s.job_control(SIGTSTP, at(10));
+  CHECK(signals_sent(out) == std::vector<int>{SIGSTOP});
+  CHECK(index_of<act::SignalWorkers>(out) < index_of<act::StopSelf>(out));
+  CHECK_FALSE(has<act::ArmTimer>(out));
+}
+
+TEST_CASE("after a resume the output drains of ended workers start over") {
+  // An ended worker's output is drained for 2 s (its daemonised children may hold the
+  // pipe); the time spent stopped by Ctrl-Z must not count against it.
+  Supervisor s(single(2));
+  s.start(at(0));
+  auto out = s.job_control(SIGCONT, at(60000));
+  CHECK(signals_sent(out) == std::vector<int>{SIGCONT});
+  CHECK(has<act::ResumeOutputDrains>(out));
+  CHECK_FALSE(has<act::ArmTimer>(out));  // nothing is stopping: no grace to restart
+}
+
+TEST_CASE("after a resume while stopping the grace starts over") {
+  Supervisor s(single(2));
+  s.start(at(0));
+  fail(s, 0, 1, at(10));
+  s.job_control(SIGTSTP, at(20));
+  auto out = s.job_control(SIGCONT, at(90000));
+  auto timers = all<act::ArmTimer>(out);
+  REQUIRE(timers.size() == 1);
+  CHECK(timers[0].timer == Timer::kGrace);
+  CHECK(timers[0].at == at(93000).steady);
+  CHECK(has<act::ResumeOutputDrains>(out));
+}
+
+TEST_CASE("a multi-node agent joins the rendezvous and starts its workers on the assignment") {
+  Supervisor s(multi(2));
+  auto out = s.start(at(0));
+  CHECK(has<act::JoinRendezvous>(out));
+  CHECK_FALSE(has<act::Spawn>(out));
+  CHECK(s.state() == State::kWaiting);
+  out = s.assignment(assignment(1, 1, 2), at(100));
+  REQUIRE(all<act::ApplyAssignment>(out).size() == 1);
+  CHECK(noticed(out, "round 1: node 1 of 2, ranks 2..3 of 4, master 127.0.0.2:45678, restart 2"));
+  CHECK(all<act::Spawn>(out).size() == 2);
+  CHECK(all<act::Spawn>(out)[0].attempt == 2);
+  CHECK(s.round() == 1);
+  CHECK(s.node_rank() == 1);
+  // A second assignment while running is not for us.
+  CHECK(s.assignment(assignment(2, 0), at(200)).empty());
+}
+
+TEST_CASE("a node whose workers all ended well tells the rendezvous and waits for the job to end") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  auto out = s.worker_ended(ended(0, 0), std::nullopt, at(20));
+  REQUIRE(all<act::SendNodeDone>(out).size() == 1);
+  CHECK(all<act::SendNodeDone>(out)[0].round == 1);
+  CHECK_FALSE(finished(out));
+  CHECK(s.state() == State::kWaiting);
+  CHECK(finished(s.rendezvous_done(at(30))) == 0);
+}
+
+TEST_CASE("a worker failure in a multi-node job is reported to the rendezvous which decides") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(3, 1), at(10));
+  fail(s, 1, 6, at(20), "nan loss");
+  auto out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  auto sent = all<act::SendWorkerFailed>(out);
+  REQUIRE(sent.size() == 1);
+  CHECK(sent[0].f.round == 3);
+  CHECK(sent[0].f.local_rank == 1);
+  CHECK(sent[0].f.exit_code == 6);
+  CHECK(sent[0].f.message == "nan loss");
+  CHECK(sent[0].f.last_lines.size() == 2);
+  CHECK_FALSE(has<act::AttemptDue>(out));  // local restarts never apply under a rendezvous
+  CHECK(s.state() == State::kWaiting);
+}
+
+TEST_CASE("a restart decided by the rendezvous stops the running workers and rejoins once they ended") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  proto::Restart r;
+  r.restart_count = 1;
+  r.reason = "node 127.0.0.3 lost";
+  auto out = s.restart(r, at(20));
+  CHECK(noticed(out, "restart 1 decided by the rendezvous: node 127.0.0.3 lost"));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK_FALSE(has<act::Rejoin>(out));
+  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  CHECK(all<act::HoldMasterPort>(out).at(0).fresh);
+  CHECK(index_of<act::HoldMasterPort>(out) < index_of<act::Rejoin>(out));
+  CHECK(s.state() == State::kWaiting);
+  out = s.assignment(assignment(2, 0, 1), at(40));
+  CHECK(index_of<act::RetireWorkers>(out) < index_of<act::Spawn>(out));
+  CHECK(all<act::Spawn>(out).at(0).attempt == 1);
+}
+
+TEST_CASE("a restart decided while waiting rejoins at once and one decided while stopping after the stop") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_ended(ended(0, 0), std::nullopt, at(20));  // node done: waiting
+  proto::Restart r;
+  r.restart_count = 1;
+  CHECK(has<act::Rejoin>(s.restart(r, at(30))));
+
+  Supervisor u(multi(2));
+  u.start(at(0));
+  u.assignment(assignment(1, 0), at(10));
+  fail(u, 0, 2, at(20));
+  REQUIRE(u.state() == State::kStopping);
+  CHECK_FALSE(has<act::Rejoin>(u.restart(r, at(30))));
+  auto out = u.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(40));
+  CHECK(has<act::Rejoin>(out));
+  CHECK_FALSE(has<act::SendWorkerFailed>(out));  // the decision is in: nothing to report
+}
+
+TEST_CASE("an abort while running stops the workers then prints the job's root cause and exits its code") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  proto::Abort a;
+  a.reason = "restarts spent";
+  a.root_cause.host = "node-b";
+  a.root_cause.rank = 3;
+  a.root_cause.local_rank = 1;
+  a.root_cause.exit_code = 11;
+  a.root_cause.message = "segfault";
+  auto out = s.abort(a, at(20));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK_FALSE(finished(out));
+  // A signal during the stop (srun --kill-on-bad-exit) does not hide the decided abort.
+  s.signal(SIGTERM, at(25));
+  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  auto printed = all<act::PrintRootCause>(out);
+  REQUIRE(printed.size() == 1);
+  CHECK(printed[0].rc.host == "node-b");
+  CHECK(printed[0].rc.worker.rank == 3);
+  CHECK(printed[0].rc.message == "segfault");
+  CHECK(finished(out) == 11);
+}
+
+TEST_CASE("an abort without a worker code exits 1 and one before any worker ran is a time-out error with exit 3") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_ended(ended(0, 0), std::nullopt, at(20));
+  proto::Abort a;
+  a.reason = "node lost";
+  a.root_cause.rank = 2;
+  a.root_cause.exit_code = 0;
+  CHECK(finished(s.abort(a, at(30))) == exit_code::kInternal);
+
+  Supervisor t(multi(1));
+  t.start(at(0));
+  proto::Abort timeout;
+  timeout.reason = "1 of 2 nodes joined";
+  timeout.root_cause.rank = -1;
+  auto out = t.abort(timeout, at(600000));
+  auto errors = all<act::ErrorLine>(out);
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].text.find("the rendezvous timed out, no worker started: 1 of 2 nodes joined (600 s") !=
+        std::string::npos);
+  CHECK(errors[0].text.find("127.0.0.1:29400") != std::string::npos);
+  CHECK_FALSE(has<act::PrintRootCause>(out));
+  CHECK(finished(out) == exit_code::kRendezvous);
+}
+
+TEST_CASE("a rendezvous lost before any worker ran is an error with exit 3") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  auto out = s.rendezvous_lost("cannot reach 127.0.0.1:29400", at(10));
+  REQUIRE(all<act::ErrorLine>(out).size() == 1);
+  CHECK(finished(out) == exit_code::kRendezvous);
+}
+
+TEST_CASE("a rendezvous lost while waiting ends with the node's own workers' code") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  fail(s, 1, 8, at(20));
+  s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));  // reported: waiting
+  auto out = s.rendezvous_lost("connection closed", at(40));
+  CHECK(noticed(out, "rendezvous: connection closed"));
+  CHECK(all<act::PrintRootCause>(out).size() == 1);
+  CHECK(finished(out) == 8);
+}
+
+TEST_CASE("a rendezvous lost while running lets the node decide alone with its own restarts") {
+  Supervisor s(multi(1));  // --max_restarts=3
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  auto out = s.rendezvous_lost("connection closed", at(20));
+  CHECK_FALSE(finished(out));
+  CHECK_FALSE(s.rdzv());
+  out = fail(s, 0, 1, at(30));
+  CHECK(has<act::AttemptDue>(out));
+  CHECK_FALSE(has<act::SendWorkerFailed>(out));
+}
+
+TEST_CASE("a rendezvous lost while stopping for its restart ends with node_exit_code") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  proto::Restart r;
+  r.restart_count = 1;
+  s.restart(r, at(20));
+  s.rendezvous_lost("connection closed", at(30));
+  // The worker was stopped by the agent, nothing failed by itself: never 0.
+  auto out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(40));
+  CHECK(finished(out) == 143);
+}
+
+TEST_CASE("a signal while waiting in a round tells the rendezvous and leaves on its decision or the leave timer") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(2, 1), at(10));
+  s.worker_ended(ended(0, 0), std::nullopt, at(20));  // node done: waiting
+  auto out = s.signal(SIGTERM, at(30));
+  CHECK(noticed(out, "got SIGTERM while waiting for the rendezvous"));
+  auto sent = all<act::SendWorkerFailed>(out);
+  REQUIRE(sent.size() == 1);
+  CHECK(sent[0].f.rank == -1);
+  CHECK(sent[0].f.round == 2);
+  CHECK(sent[0].f.signal == SIGTERM);
+  CHECK(sent[0].f.message == "node node-a (node rank 1) was stopped by SIGTERM");
+  auto timers = all<act::ArmTimer>(out);
+  REQUIRE(timers.size() == 1);
+  CHECK(timers[0].timer == Timer::kLeave);
+  CHECK(timers[0].at == at(5030).steady);
+  CHECK_FALSE(finished(out));
+  // No assignment is taken once leaving; the decision (or the timer) ends the node.
+  CHECK(s.assignment(assignment(3, 1), at(40)).empty());
+  SECTION("the decision came") {
+    proto::Abort a;
+    a.root_cause.exit_code = 143;
+    CHECK(finished(s.abort(a, at(50))) == 128 + SIGTERM);
+  }
+  SECTION("the restart came") {
+    CHECK(finished(s.restart(proto::Restart{}, at(50))) == 128 + SIGTERM);
+  }
+  SECTION("nothing came") {
+    CHECK(finished(s.timer_fired(Timer::kLeave, at(5030))) == 128 + SIGTERM);
+  }
+  SECTION("a second signal") {
+    CHECK(finished(s.signal(SIGINT, at(50))) == 128 + SIGTERM);
+  }
+  SECTION("the rendezvous was lost") {
+    CHECK(finished(s.rendezvous_lost("gone", at(50))) == 128 + SIGTERM);
+  }
+}
+
+TEST_CASE("a signal while waiting before any round ends at once") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  auto out = s.signal(SIGINT, at(10));
+  CHECK_FALSE(has<act::SendWorkerFailed>(out));
+  CHECK(finished(out) == 128 + SIGINT);
+}
+
+TEST_CASE("a signal that stops a multi-node run reports a failure that came first to the rendezvous") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.signal(SIGTERM, at(20));
+  fail(s, 0, 1, at(30));  // stopping: not a root cause
+  auto out = s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(40));
+  CHECK(noticed(out, "stopped by SIGTERM"));
+  auto sent = all<act::SendWorkerFailed>(out);
+  REQUIRE(sent.size() == 1);
+  CHECK(sent[0].f.rank == -1);
+  CHECK(sent[0].f.exit_code == 128 + SIGTERM);
+  CHECK(has<act::ArmTimer>(out));
+}
+
+TEST_CASE("nothing changes once the run has ended") {
+  Supervisor s(single(1));
+  s.start(at(0));
+  REQUIRE(finished(s.worker_ended(ended(0, 0), std::nullopt, at(10))) == 0);
+  CHECK(s.signal(SIGTERM, at(20)).empty());
+  CHECK(s.job_control(SIGCONT, at(20)).empty());
+  CHECK(s.timer_fired(Timer::kGrace, at(20)).empty());
+  CHECK(s.timer_fired(Timer::kLeave, at(20)).empty());
+  CHECK(s.restart(proto::Restart{}, at(20)).empty());
+  CHECK(s.abort(proto::Abort{}, at(20)).empty());
+  CHECK(s.rendezvous_lost("gone", at(20)).empty());
+  CHECK(s.rendezvous_done(at(20)).empty());
+  CHECK(s.attempt_due(at(20)).empty());
+  CHECK(s.exit_code() == 0);
+}

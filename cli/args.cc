@@ -19,7 +19,10 @@ bool is_number(std::string_view s) {
 // "-1", "-0.5": argparse takes these as values, not as flags.
 bool is_negative_number(std::string_view s) { return s.size() > 1 && s[0] == '-' && is_number(s.substr(1)); }
 
-bool looks_like_flag(std::string_view s) { return s.size() > 1 && s[0] == '-' && !is_negative_number(s); }
+// "-p 2222" (a value with a space, e.g. for --ssh-opts): argparse takes it as a value too.
+bool looks_like_flag(std::string_view s) {
+  return s.size() > 1 && s[0] == '-' && !is_negative_number(s) && s.find(' ') == std::string_view::npos;
+}
 
 std::size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<std::size_t> row(b.size() + 1);
@@ -122,6 +125,7 @@ Normalized normalize_args(const std::vector<std::string>& args, const std::vecto
       out.args.push_back(is_long ? name + "=" + *value : name + *value);
     }
     out.given.push_back(k);
+    out.values.push_back(std::move(value));
   };
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -161,6 +165,7 @@ Normalized normalize_args(const std::vector<std::string>& args, const std::vecto
         if (!specs[*k].takes_value) {  // combined switches (-mh): CLI11 splits them
           out.args.push_back(a);
           out.given.push_back(*k);
+          out.values.emplace_back();
           continue;
         }
         value = a.substr(a[2] == '=' ? 3 : 2);

@@ -37,6 +37,9 @@ struct Normalized {
   // switch), then the first positional argument and everything after it, untouched.
   std::vector<std::string> args;
   std::vector<std::size_t> given;  // indices into the specs, in command-line order
+  // The value of each `given` flag (same order); nullopt for a switch. For parsers that
+  // do not hand the canonical args to CLI11 (mglaunch doctor, the --hostfile fan-out).
+  std::vector<std::optional<std::string>> values;
   std::size_t rest = 0;            // index into `args` where the positional arguments start
 };
 

@@ -5,12 +5,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <set>
 
 #include <fmt/format.h>
 
+#include "cli/args.h"
 #include "launcher/console.h"
 #include "launcher/errors.h"
 #include "launcher/multihost.h"
@@ -341,37 +343,77 @@ std::string doctor_text(const DoctorInputs& in, const std::vector<Suggestion>& s
   return out;
 }
 
-int doctor_main(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+std::string doctor_help() {
+  return "Usage: mglaunch doctor [--json] [--master_addr ADDR] [--port PORT] [--no-python]\n"
+         "Shows what this machine offers (CPUs, cgroup limits, memory, NUMA, GPUs via NVML, interfaces,\n"
+         "the route to ADDR, whether PORT is free, Slurm, which python has torch) and suggested settings.\n"
+         "Exit codes: 0 the report was printed; 2 bad flags.\n";
+}
+
+std::optional<DoctorOptions> parse_doctor_args(const std::vector<std::string>& argv) {
+  auto spec = [](std::vector<std::string> longs, std::vector<std::string> shorts, bool takes_value) {
+    cli::FlagSpec f;
+    f.long_names = std::move(longs);
+    f.short_names = std::move(shorts);
+    f.takes_value = takes_value;
+    f.empty_ok = false;
+    return f;
+  };
+  enum { kJson, kNoPython, kMasterAddr, kPort, kHelp };
+  const std::vector<cli::FlagSpec> specs = {
+      spec({"json"}, {}, false), spec({"no-python", "no_python"}, {}, false),
+      spec({"master_addr", "master-addr"}, {}, true), spec({"port", "master_port", "master-port"}, {}, true),
+      spec({"help"}, {"h"}, false)};
+  cli::Normalized norm;
+  try {
+    norm = cli::normalize_args(std::vector<std::string>(argv.begin() + std::min<std::size_t>(2, argv.size()), argv.end()),
+                               specs, /*stop_at_positional=*/true);
+  } catch (const cli::ArgsError& e) {
+    throw UsageError(fmt::format("doctor: {} (see mglaunch doctor --help)", e.what()));
+  }
+  if (norm.rest < norm.args.size())
+    throw UsageError(fmt::format("doctor: unexpected argument '{}': doctor takes only flags (see mglaunch "
+                                 "doctor --help)",
+                                 norm.args[norm.rest]));
   DoctorOptions o;
-  for (std::size_t i = 2; i < argv.size(); ++i) {
-    const std::string& a = argv[i];
-    auto value = [&](const std::string& name) -> std::string {
-      if (a.size() > name.size() && a[name.size()] == '=') return a.substr(name.size() + 1);
-      if (i + 1 >= argv.size()) throw UsageError(fmt::format("mglaunch doctor: {} needs a value", name));
-      return argv[++i];
-    };
-    auto is = [&](const std::string& name) { return a == name || a.starts_with(name + "="); };
-    if (a == "--json") o.json = true;
-    else if (a == "--no-python" || a == "--no_python") o.python = false;
-    else if (is("--master_addr") || is("--master-addr")) o.master_addr = value(a.substr(0, a.find('=')));
-    else if (is("--port") || is("--master_port") || is("--master-port")) {
-      const std::string name = a.substr(0, a.find('='));
-      const std::string v = value(name);
-      char* end = nullptr;
-      long p = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || p < 0 || p > 65535)
-        throw UsageError(fmt::format("mglaunch doctor: bad {} '{}': use 0..65535", name, v));
-      o.port = static_cast<int>(p);
-    } else if (a == "-h" || a == "--help") {
-      write_all(STDOUT_FILENO,
-                "Usage: mglaunch doctor [--json] [--master_addr ADDR] [--port PORT] [--no-python]\n"
-                "Shows what this machine offers (CPUs, cgroup limits, memory, NUMA, GPUs via NVML, interfaces,\n"
-                "the route to ADDR, whether PORT is free, Slurm, which python has torch) and suggested settings.\n");
-      return exit_code::kOk;
-    } else {
-      throw UsageError(fmt::format("mglaunch doctor: unknown flag '{}' (see mglaunch doctor --help)", a));
+  for (std::size_t n = 0; n < norm.given.size(); ++n) {
+    const std::size_t k = norm.given[n];
+    const std::string v = norm.values[n].value_or("");
+    switch (k) {
+      case kHelp:
+        return std::nullopt;
+      case kJson:
+      case kNoPython:
+        if (norm.values[n])  // `--json=1`: a switch takes no value
+          throw UsageError(fmt::format("doctor: {} takes no value: write {} alone", specs[k].display(),
+                                       specs[k].display()));
+        if (k == kJson) o.json = true;
+        else o.python = false;
+        break;
+      case kMasterAddr:
+        o.master_addr = v;
+        break;
+      case kPort: {
+        int p = -1;
+        auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), p);
+        if (ec != std::errc{} || end != v.data() + v.size() || p < 0 || p > 65535)
+          throw UsageError(fmt::format("doctor: bad --port '{}': use a whole number in 0..65535",
+                                       v.size() > 40 ? v.substr(0, 40) + "..." : v));
+        o.port = p;
+        break;
+      }
     }
   }
+  return o;
+}
+
+int doctor_main(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+  const std::optional<DoctorOptions> parsed = parse_doctor_args(argv);
+  if (!parsed) {
+    write_all(STDOUT_FILENO, doctor_help());
+    return exit_code::kOk;
+  }
+  const DoctorOptions& o = *parsed;
   DoctorInputs in = gather(o, env, real_doctor_probes());
   auto s = suggest(in);
   write_all(STDOUT_FILENO, o.json ? doctor_json(in, s).dump(2) + "\n" : doctor_text(in, s));

@@ -80,6 +80,12 @@ std::vector<Suggestion> suggest(const DoctorInputs& in);
 nlohmann::json doctor_json(const DoctorInputs& in, const std::vector<Suggestion>& s);
 std::string doctor_text(const DoctorInputs& in, const std::vector<Suggestion>& s);
 
+// argv: {"mglaunch", "doctor", flags...}, with the main CLI's rules (cli/args.h): unknown
+// flags name the nearest valid one, unique prefixes are accepted, ambiguous ones listed,
+// `--flag=` is an empty value. Pure. Throws UsageError; nullopt: --help was asked.
+std::optional<DoctorOptions> parse_doctor_args(const std::vector<std::string>& argv);
+std::string doctor_help();
+
 // argv: {"mglaunch", "doctor", flags...}. Throws UsageError.
 int doctor_main(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env);
 

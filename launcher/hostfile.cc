@@ -90,20 +90,35 @@ std::vector<HostEntry> parse_hostfile(std::string_view text, const std::string& 
     HostEntry e;
     e.line = line_no;
     e.host = std::string(line.substr(0, sp));
-    if (!valid_host(e.host))
-      throw UsageError(fmt::format("{}: '{}' is not a host name; lines are 'HOST slots=N' or 'HOST'", where(), e.host));
+    if (!valid_host(e.host)) {
+      const auto at = e.host.find('@');
+      throw UsageError(
+          at != std::string::npos
+              ? fmt::format("{}: '{}' names a user: give the host alone ('{}') and the user in ~/.ssh/config or "
+                            "--ssh-opts \"-l {}\"",
+                            where(), e.host, e.host.substr(at + 1), e.host.substr(0, at))
+              : fmt::format("{}: '{}' is not a host name (letters, digits, '.', '-', '_', ':' and [IPv6] only, "
+                            "not starting with '-'); lines are 'HOST slots=N' or 'HOST'",
+                            where(), e.host.size() > 64 ? e.host.substr(0, 64) + "..." : e.host));
+    }
     if (sp != std::string_view::npos) {
       std::string_view rest = trim(line.substr(sp));
+      if (rest.starts_with("slots") && !rest.starts_with("slots=") && rest.find('=') != std::string_view::npos)
+        throw UsageError(fmt::format("{}: '{}' after {}: write slots=N without spaces around '='", where(), rest,
+                                     e.host));
       if (!rest.starts_with("slots=") || rest.find_first_of(" \t") != std::string_view::npos)
         throw UsageError(fmt::format("{}: unexpected '{}' after {}; lines are 'HOST slots=N' or 'HOST'", where(),
                                      rest, e.host));
       if (!to_int(rest.substr(6), e.slots) || e.slots < 1 || e.slots > kMaxSlots)
-        throw UsageError(fmt::format("{}: bad '{}': slots must be a number in 1..{}", where(), rest, kMaxSlots));
+        throw UsageError(fmt::format("{}: bad '{}': slots must be a whole number in 1..{} (or leave slots= out: "
+                                     "the host detects its workers)",
+                                     where(), rest.size() > 64 ? std::string(rest.substr(0, 64)) + "..." : std::string(rest),
+                                     kMaxSlots));
     }
     if (!seen.insert(e.host).second)
       throw UsageError(fmt::format("{}: host {} is listed twice; give it one line with slots=N", where(), e.host));
     if (static_cast<int>(hosts.size()) >= kMaxHosts)
-      throw UsageError(fmt::format("{}: more than {} hosts", where(), kMaxHosts));
+      throw UsageError(fmt::format("{}: more than {} hosts: split the job into several hostfiles", where(), kMaxHosts));
     hosts.push_back(std::move(e));
   }
   if (hosts.empty()) throw UsageError(fmt::format("hostfile {} lists no host; add lines 'HOST slots=N'", source));

@@ -4,7 +4,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <charconv>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -20,6 +22,7 @@
 #include <boost/process/v2/stdio.hpp>
 #include <fmt/format.h>
 
+#include "cli/args.h"
 #include "launcher/console.h"
 #include "launcher/errors.h"
 #include "launcher/hwprobe.h"
@@ -47,17 +50,6 @@ bool is_agent_bool_flag(std::string_view name) {
                                 "--local_rank_arg", "--timestamps", "--version"};
   for (const char* b : kBool)
     if (name == b) return true;
-  return false;
-}
-
-// Flags the fan-out sets for every agent itself.
-bool is_reserved_flag(std::string_view name) {
-  static const char* kReserved[] = {"--nnodes",       "--node_rank",     "--node-rank",     "--rdzv_backend",
-                                    "--rdzv-backend", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_id",
-                                    "--rdzv-id",      "--master_addr",   "--master-addr",   "--master_port",
-                                    "--master-port",  "--token-file",    "--token_file"};
-  for (const char* r : kReserved)
-    if (name == r) return true;
   return false;
 }
 
@@ -107,7 +99,69 @@ struct SshChildSetup {
 
 }  // namespace
 
+namespace {
+
+// The fan-out's own flags first, then every agent flag it does not take itself: one table,
+// so prefixes, typos and empty values are judged as mglaunch judges them (cli/args.h).
+enum MultiHostFlag : std::size_t {
+  kHostfile, kInclude, kExclude, kSshOpts, kExport, kRdzvHost, kRemoteMglaunch, kNproc, kDryRun, kHelp, kOwnFlags
+};
+
+const std::vector<cli::FlagSpec>& multihost_specs() {
+  static const std::vector<cli::FlagSpec> specs = [] {
+    auto spec = [](std::vector<std::string> longs, bool takes_value, std::vector<std::string> shorts = {}) {
+      cli::FlagSpec f;
+      f.long_names = std::move(longs);
+      f.short_names = std::move(shorts);
+      f.takes_value = takes_value;
+      f.empty_ok = false;
+      return f;
+    };
+    std::vector<cli::FlagSpec> out = {spec({"hostfile"}, true),
+                                      spec({"include"}, true),
+                                      spec({"exclude"}, true),
+                                      spec({"ssh-opts", "ssh_opts"}, true),
+                                      spec({"export"}, true),
+                                      spec({"rdzv-host", "rdzv_host"}, true),
+                                      spec({"remote-mglaunch", "remote_mglaunch"}, true),
+                                      spec({"nproc_per_node", "nproc-per-node"}, true),
+                                      spec({"dry-run", "dry_run"}, false),
+                                      spec({"help"}, false, {"h"})};
+    auto taken = [&](const cli::FlagSpec& f) {
+      for (std::size_t k = 0; k < kOwnFlags; ++k) {
+        for (const auto& l : f.long_names)
+          if (std::find(out[k].long_names.begin(), out[k].long_names.end(), l) != out[k].long_names.end()) return true;
+        for (const auto& c : f.short_names)
+          if (std::find(out[k].short_names.begin(), out[k].short_names.end(), c) != out[k].short_names.end()) return true;
+      }
+      return false;
+    };
+    for (auto& f : agent_flag_specs())
+      if (!taken(f)) out.push_back(std::move(f));
+    return out;
+  }();
+  return specs;
+}
+
+// Flags the fan-out sets for every agent itself (by any of their names).
+bool is_reserved(const cli::FlagSpec& f) {
+  static const char* kReserved[] = {"nnodes",  "node_rank",   "rdzv_backend", "rdzv_endpoint",
+                                    "rdzv_id", "master_addr", "master_port",  "token-file"};
+  for (const char* r : kReserved)
+    if (std::find(f.long_names.begin(), f.long_names.end(), r) != f.long_names.end()) return true;
+  return false;
+}
+
+}  // namespace
+
 bool wants_multihost(const std::vector<std::string>& argv) {
+  const std::vector<std::string> args(argv.begin() + std::min<std::size_t>(1, argv.size()), argv.end());
+  try {
+    const auto norm = cli::normalize_args(args, multihost_specs(), /*stop_at_positional=*/true);
+    return std::find(norm.given.begin(), norm.given.end(), std::size_t{kHostfile}) != norm.given.end();
+  } catch (const cli::ArgsError&) {
+    // A bad command line: the fan-out reports it when it names --hostfile before the program.
+  }
   for (std::size_t i = 1; i < argv.size(); ++i) {
     const std::string& a = argv[i];
     if (a == "--" || !a.starts_with("-")) return false;
@@ -138,53 +192,56 @@ std::string multihost_help() {
 }
 
 std::optional<MultiHostOptions> parse_multihost_args(const std::vector<std::string>& argv) {
+  const auto& specs = multihost_specs();
+  cli::Normalized norm;
+  try {
+    norm = cli::normalize_args(std::vector<std::string>(argv.begin() + std::min<std::size_t>(1, argv.size()), argv.end()),
+                               specs, /*stop_at_positional=*/true);
+  } catch (const cli::ArgsError& e) {
+    throw UsageError(fmt::format("{} (see mglaunch --hostfile F --help)", e.what()));
+  }
   MultiHostOptions o;
-  std::size_t i = 1;
-  for (; i < argv.size(); ++i) {
-    const std::string& a = argv[i];
-    if (a == "--") {
-      ++i;
-      break;
-    }
-    if (!a.starts_with("-") || a == "-") break;
-    const auto eq = a.find('=');
-    const std::string name = a.starts_with("--") && eq != std::string::npos ? a.substr(0, eq) : a;
-    auto value = [&]() -> std::string {
-      if (eq != std::string::npos && a.starts_with("--")) return a.substr(eq + 1);
-      if (i + 1 >= argv.size()) throw UsageError(fmt::format("{} needs a value (see mglaunch --hostfile F --help)", name));
-      return argv[++i];
-    };
-    if (name == "-h" || name == "--help") return std::nullopt;
-    if (name == "--hostfile") o.hostfile = value();
-    else if (name == "--include") o.include = value();
-    else if (name == "--exclude") o.exclude = value();
-    else if (name == "--ssh-opts" || name == "--ssh_opts") {
-      auto words = split_shell_words(value());
-      o.ssh_opts.insert(o.ssh_opts.end(), words.begin(), words.end());
-    } else if (name == "--export") o.exports.push_back(value());
-    else if (name == "--rdzv-host" || name == "--rdzv_host") o.rdzv_host = value();
-    else if (name == "--remote-mglaunch" || name == "--remote_mglaunch") o.remote_mglaunch = value();
-    else if (name == "--nproc_per_node" || name == "--nproc-per-node") o.nproc_spec = value();
-    else if (name == "--dry-run" || name == "--dry_run") o.dry_run = true;
-    else if (is_reserved_flag(name))
-      throw UsageError(fmt::format("{} is set by mglaunch for every host with --hostfile; drop it", name));
-    else if (name == "--standalone")
-      throw UsageError("--standalone runs a single node; drop it when using --hostfile");
-    else {
-      o.forwarded.push_back(a);
-      const bool has_inline = (eq != std::string::npos && a.starts_with("--"));
-      if (!has_inline && !is_agent_bool_flag(name)) {
-        if (i + 1 >= argv.size()) throw UsageError(fmt::format("{} needs a value (see mglaunch --help)", name));
-        o.forwarded.push_back(argv[++i]);
+  for (std::size_t n = 0; n < norm.given.size(); ++n) {
+    const std::size_t k = norm.given[n];
+    const cli::FlagSpec& f = specs[k];
+    const std::optional<std::string>& value = norm.values[n];
+    const std::string v = value.value_or("");
+    switch (k) {
+      case kHelp: return std::nullopt;
+      case kHostfile: o.hostfile = v; break;
+      case kInclude: o.include = v; break;
+      case kExclude: o.exclude = v; break;
+      case kSshOpts: {
+        auto words = split_shell_words(v);
+        o.ssh_opts.insert(o.ssh_opts.end(), words.begin(), words.end());
+        break;
       }
-      if (name == "--grace") {
-        const std::string& g = has_inline ? a.substr(eq + 1) : o.forwarded.back();
-        double s = std::strtod(g.c_str(), nullptr);
-        if (s > 0 && s < 86400) o.grace = std::chrono::milliseconds(static_cast<long>(s * 1000));
-      }
+      case kExport: o.exports.push_back(v); break;
+      case kRdzvHost: o.rdzv_host = v; break;
+      case kRemoteMglaunch: o.remote_mglaunch = v; break;
+      case kNproc: o.nproc_spec = v; break;
+      case kDryRun:
+        if (value) throw UsageError(fmt::format("--dry-run takes no value: write --dry-run alone"));
+        o.dry_run = true;
+        break;
+      default:
+        if (is_reserved(f))
+          throw UsageError(fmt::format("{} is set by mglaunch for every host with --hostfile; drop it", f.display()));
+        if (std::find(f.long_names.begin(), f.long_names.end(), "standalone") != f.long_names.end())
+          throw UsageError("--standalone runs a single node; drop it when using --hostfile");
+        // By its canonical name, so the agents see exactly what was checked here.
+        o.forwarded.push_back(value ? f.display() + "=" + *value : f.display());
+        if (std::find(f.long_names.begin(), f.long_names.end(), "grace") != f.long_names.end()) {
+          double s = -1;
+          auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), s);
+          if (ec != std::errc{} || p != v.data() + v.size() || !(s >= 0) || s > 86400)
+            throw UsageError(fmt::format("bad --grace '{}': use 0..86400 seconds", v));
+          if (s > 0) o.grace = std::chrono::milliseconds(static_cast<long>(s * 1000));
+        }
     }
   }
-  o.program.assign(argv.begin() + static_cast<long>(std::min(i, argv.size())), argv.end());
+  o.program.assign(norm.args.begin() + static_cast<std::ptrdiff_t>(norm.rest), norm.args.end());
+  if (!o.program.empty() && o.program.front() == "--") o.program.erase(o.program.begin());
   if (o.hostfile.empty()) throw UsageError("--hostfile is empty: give the path of a file with lines 'HOST slots=N'");
   if (o.program.empty())
     throw UsageError("no training program given: usage is mglaunch --hostfile FILE [FLAGS] PROGRAM [ARGS...]");

@@ -412,8 +412,11 @@ std::string substitute_local_rank(const std::string& arg, int local_rank) {
   return out;
 }
 
-ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
-                              const HardwareProbe& probe) {
+namespace {
+
+// With `specs_only`, fills it with the flag table and returns before parsing anything.
+ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+                                   const HardwareProbe& probe, std::vector<cli::FlagSpec>* specs_only) {
   AgentOptions o;
   CLI::App app{"mglaunch: a drop-in for torchrun. Starts and supervises the workers of one node.", "mglaunch"};
   app.prefix_command();
@@ -518,6 +521,10 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
   // from the next flag), then CLI11 on the flags alone; the program and its arguments are
   // never looked at.
   const std::vector<cli::FlagSpec> specs = cli::specs_of(app);
+  if (specs_only) {
+    *specs_only = specs;
+    return {};
+  }
   cli::Normalized norm;
   try {
     norm = cli::normalize_args(std::vector<std::string>(argv.begin() + (argv.empty() ? 0 : 1), argv.end()), specs,
@@ -710,6 +717,19 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
     if (o.rdzv_token.empty()) throw UsageError(fmt::format("--token-file '{}' is empty", token_file));
   }
   return {std::move(o), {}};
+}
+
+}  // namespace
+
+ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+                              const HardwareProbe& probe) {
+  return parse_agent_args_impl(argv, env, probe, nullptr);
+}
+
+std::vector<cli::FlagSpec> agent_flag_specs() {
+  std::vector<cli::FlagSpec> specs;
+  parse_agent_args_impl({"mglaunch"}, {}, HardwareProbe::system(), &specs);
+  return specs;
 }
 
 }  // namespace mg

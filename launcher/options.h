@@ -11,6 +11,10 @@
 #include <utility>
 #include <vector>
 
+namespace mg::cli {
+struct FlagSpec;
+}
+
 namespace mg {
 
 // torchrun's Std: which of stdout/stderr a redirect or tee applies to.
@@ -138,6 +142,10 @@ struct ParseOutcome {
 // flags, PET_* and --config win; --no-slurm turns this off). Throws UsageError.
 ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
                               const HardwareProbe& probe = HardwareProbe::system());
+
+// The agent's flags as parse_agent_args knows them (for the --hostfile fan-out, which
+// checks the flags it forwards by the same rules). cli::FlagSpec is in cli/args.h.
+std::vector<cli::FlagSpec> agent_flag_specs();
 
 // Applies "key=value,..." (join_timeout, last_call_timeout, close_timeout,
 // keep_alive_interval, keep_alive_max_attempt; seconds) to `o`. Throws UsageError.

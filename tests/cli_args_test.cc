@@ -95,3 +95,19 @@ TEST_CASE("nearest_name finds a likely typo and nothing for a stranger") {
   CHECK(nearest_name("max-restart", {"max_restarts", "role"}) == "max_restarts");
   CHECK_FALSE(nearest_name("banana", {"nnodes", "role"}));
 }
+
+TEST_CASE("a value that starts with '-' but holds a space is a value, as argparse") {
+  auto n = normalize_args({"--rdzv_id", "-p 2222", "prog"}, kSpecs, true);
+  CHECK(n.args == std::vector<std::string>{"--rdzv_id=-p 2222", "prog"});
+  CHECK(error_of({"--rdzv_id", "-p2222", "prog"}).find("followed by the flag '-p2222'") != std::string::npos);
+}
+
+TEST_CASE("each given flag's value is kept beside it, nothing for a switch") {
+  auto n = normalize_args({"--nproc=2", "--standalone", "--rdzv_id=", "-m", "prog"}, kSpecs, true);
+  REQUIRE(n.given.size() == 4);
+  REQUIRE(n.values.size() == 4);
+  CHECK(n.values[0] == std::optional<std::string>("2"));
+  CHECK_FALSE(n.values[1]);
+  CHECK(n.values[2] == std::optional<std::string>(""));
+  CHECK_FALSE(n.values[3]);
+}

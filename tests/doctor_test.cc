@@ -10,6 +10,7 @@
 #include <set>
 
 #include "launcher/doctor.h"
+#include "launcher/errors.h"
 #include "launcher/hwprobe.h"
 #include "support/proc.h"
 
@@ -247,4 +248,32 @@ TEST_CASE("numa binding gives each rank its node's usable CPUs, dealing nodes ou
   auto g = hw::plan_binding("numa", 2, hw::parse_cpu_list("0-7"), numa, {1, 0});
   CHECK(*g[0].numa_node == 1);
   CHECK(*g[1].numa_node == 0);
+}
+
+TEST_CASE("doctor's flags follow the main CLI's rules: nearest name, prefixes, ambiguity, ranges") {
+  auto error_of = [](std::vector<std::string> args) {
+    args.insert(args.begin(), {"mglaunch", "doctor"});
+    try {
+      parse_doctor_args(args);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(error_of({"--jsn"}), Catch::Contains("unknown flag '--jsn'") && Catch::Contains("did you mean '--json'?"));
+  CHECK_THAT(error_of({"--master"}), Catch::Contains("ambiguous") && Catch::Contains("--master_addr"));
+  CHECK_THAT(error_of({"--port=70000"}), Catch::Contains("bad --port '70000'") && Catch::Contains("0..65535"));
+  CHECK_THAT(error_of({"--port", std::string(400, '9')}), Catch::Contains("..."));
+  CHECK(error_of({"--port", std::string(400, '9')}).size() < 200);
+  CHECK_THAT(error_of({"--port="}), Catch::Contains("empty value in '--port='"));
+  CHECK_THAT(error_of({"--master_addr", "--json"}), Catch::Contains("followed by the flag '--json'"));
+  CHECK_THAT(error_of({"--json=yes"}), Catch::Contains("--json takes no value"));
+  CHECK_THAT(error_of({"extra"}), Catch::Contains("unexpected argument 'extra'"));
+  auto o = parse_doctor_args({"mglaunch", "doctor", "--js", "--no_p", "--master-a=127.0.0.1", "--po", "0"});
+  REQUIRE(o);
+  CHECK(o->json);
+  CHECK_FALSE(o->python);
+  CHECK(o->master_addr == "127.0.0.1");
+  CHECK(o->port == 0);
+  CHECK_FALSE(parse_doctor_args({"mglaunch", "doctor", "-h"}));
 }

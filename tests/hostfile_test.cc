@@ -39,14 +39,28 @@ TEST_CASE("a hostfile gives hosts in order with their slots, skipping comments a
 
 TEST_CASE("bad hostfile lines are refused naming the file and line") {
   CHECK_THAT(error_of([] { parse_hostfile("a slots=2\nb slots=x\n", "my.hosts"); }),
-             Catch::Contains("my.hosts:2") && Catch::Contains("slots must be a number"));
+             Catch::Contains("my.hosts:2") && Catch::Contains("slots must be a whole number"));
   CHECK_THAT(error_of([] { parse_hostfile("a slots=0\n", "f"); }), Catch::Contains("f:1"));
   CHECK_THAT(error_of([] { parse_hostfile("a gpus=2\n", "f"); }), Catch::Contains("unexpected 'gpus=2'"));
   CHECK_THAT(error_of([] { parse_hostfile("a\na slots=2\n", "f"); }), Catch::Contains("listed twice"));
   CHECK_THAT(error_of([] { parse_hostfile("-oProxyCommand=x\n", "f"); }), Catch::Contains("not a host name"));
   CHECK_THAT(error_of([] { parse_hostfile("# only a comment\n\n", "f"); }), Catch::Contains("lists no host"));
   CHECK_THAT(error_of([] { parse_hostfile("a slots=2 slots=3\n", "f"); }), Catch::Contains("unexpected"));
-  CHECK_THAT(error_of([] { parse_hostfile("root@a slots=2\n", "f"); }), Catch::Contains("'root@a' is not a host name"));
+  CHECK_THAT(error_of([] { parse_hostfile("root@a slots=2\n", "f"); }),
+             Catch::Contains("f:1: 'root@a' names a user") && Catch::Contains("-l root"));
+}
+
+TEST_CASE("a malformed hostfile line says file:line, what is wrong and how to fix it, in one line") {
+  auto one_line = [](const std::string& e) { return !e.empty() && e.find('\n') == std::string::npos; };
+  const std::string spaced = error_of([] { parse_hostfile("a slots=2\n\nb slots = 4\n", "hosts.txt"); });
+  CHECK_THAT(spaced, Catch::StartsWith("hosts.txt:3: ") && Catch::Contains("without spaces"));
+  const std::string zero = error_of([] { parse_hostfile("a slots=0\n", "f"); });
+  CHECK_THAT(zero, Catch::StartsWith("f:1: ") && Catch::Contains("1..4096") && Catch::Contains("leave slots= out"));
+  const std::string bad = error_of([] { parse_hostfile("# c\nbad/host\n", "f"); });
+  CHECK_THAT(bad, Catch::StartsWith("f:2: ") && Catch::Contains("letters, digits"));
+  const std::string huge = error_of([] { parse_hostfile("a slots=" + std::string(5000, '9') + "\n", "f"); });
+  CHECK(huge.size() < 300);  // a hostile value is cut, not echoed whole
+  for (const auto& e : {spaced, zero, bad, huge}) CHECK(one_line(e));
 }
 
 TEST_CASE("including hosts with --include keeps only the named hosts and slots, DeepSpeed style") {
@@ -83,8 +97,7 @@ TEST_CASE("bad selections name the host or slot at fault") {
 TEST_CASE("the fan-out takes its own flags and forwards the rest and the program verbatim") {
   auto o = parse_multihost_args({"mglaunch", "--hostfile", "hf", "--max_restarts", "2", "--include=a@b",
                                  "--ssh-opts", "-p 2222 -o 'ProxyJump=gw host'", "--export", "NCCL_*", "--grace=5",
-                                 "--standalone_not_a_flag=1", "--dry-run", "-m", "train", "--lr", "0.1", "--hostfile",
-                                 "x"});
+                                 "--dry-run", "-m", "train", "--lr", "0.1", "--hostfile", "x"});
   REQUIRE(o);
   CHECK(o->hostfile == "hf");
   CHECK(o->include == "a@b");
@@ -92,8 +105,8 @@ TEST_CASE("the fan-out takes its own flags and forwards the rest and the program
   CHECK(o->exports == std::vector<std::string>{"NCCL_*"});
   CHECK(o->dry_run);
   CHECK(o->grace == std::chrono::milliseconds(5000));
-  CHECK(o->forwarded ==
-        std::vector<std::string>{"--max_restarts", "2", "--grace=5", "--standalone_not_a_flag=1", "-m"});
+  // By their canonical names, as the agents will check them.
+  CHECK(o->forwarded == std::vector<std::string>{"--max_restarts=2", "--grace=5", "--module"});
   CHECK(o->program == std::vector<std::string>{"train", "--lr", "0.1", "--hostfile", "x"});
 }
 
@@ -105,6 +118,33 @@ TEST_CASE("flags the fan-out sets itself are refused with --hostfile") {
   CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf"}); }),
              Catch::Contains("no training program"));
   CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile"}); }), Catch::Contains("needs a value"));
+}
+
+TEST_CASE("the fan-out judges flags by the main CLI's rules: unknown, prefix, ambiguous, empty") {
+  // Unknown flags are errors naming the nearest valid one, the fan-out's own included.
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--max_restars=2", "p"}); }),
+             Catch::Contains("unknown flag '--max_restars'") && Catch::Contains("did you mean '--max_restarts'?"));
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--exlude=a", "p"}); }),
+             Catch::Contains("did you mean '--exclude'?"));
+  // Unique prefixes name the flag; the agents get the full name.
+  auto o = parse_multihost_args({"mglaunch", "--hostf=hf", "--incl", "a", "--max_r=3", "p"});
+  REQUIRE(o);
+  CHECK(o->hostfile == "hf");
+  CHECK(o->include == "a");
+  CHECK(o->forwarded == std::vector<std::string>{"--max_restarts=3"});
+  // Ambiguous ones list the candidates.
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--ex=a", "p"}); }),
+             Catch::Contains("ambiguous") && Catch::Contains("--exclude") && Catch::Contains("--export"));
+  // An empty value is an empty value: it never takes the next argument.
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile=", "--nproc_per_node=2", "p"}); }),
+             Catch::Contains("empty value in '--hostfile='"));
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--include", "--dry-run", "p"}); }),
+             Catch::Contains("followed by the flag '--dry-run'"));
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--grace=soon", "p"}); }),
+             Catch::Contains("bad --grace 'soon'"));
+  CHECK_THAT(error_of([] { parse_multihost_args({"mglaunch", "--hostfile", "hf", "--rdzv-id=x", "p"}); }),
+             Catch::Contains("--rdzv_id is set by mglaunch"));
+  CHECK(wants_multihost({"mglaunch", "--hostf=h", "p"}));
 }
 
 TEST_CASE("a --hostfile flag is noticed only before the program") {

@@ -134,9 +134,21 @@ constexpr std::size_t kMaxProcs = 1 << 16;
 struct Entry {
   long pid, ppid, pgrp;
   unsigned long long starttime;
+  char state;
 };
 Entry g_table[kMaxProcs];      // the processes /proc shows, in the order it lists them
 std::size_t g_count = 0;
+bool g_table_sorted = true;    // by pid (/proc lists them so in practice)
+std::size_t g_cap = kMaxProcs;  // MGLAUNCH_WATCHDOG_MAX_PROCS (a test seam) may lower it
+int g_err_fd = -1;              // the agent's stderr, for the one overflow warning
+bool g_overflow_said = false;
+std::size_t g_skipped_d = 0;    // fresh processes whose environ was not read (state D)
+// The agent and its ancestors when the watchdog started (pid and start time): the agent's
+// orphans are its children while it lives (it is a subreaper) and land on one of its
+// ancestors when it dies (init or a subreaper above it).
+constexpr std::size_t kMaxAncestors = 64;
+Entry g_ancestors[kMaxAncestors];
+std::size_t g_ancestor_count = 0;
 Entry g_snapshot[kMaxProcs];  // the agent's descendants at the last snapshot, by pid
 std::size_t g_snapshot_count = 0;
 bool g_snapshot_sorted = true;
@@ -146,6 +158,7 @@ bool g_previous_sorted = true;
 unsigned char g_victim[kMaxPid / 8];  // a bit per pid
 Entry g_victims[kMaxProcs];           // each victim's identity, to re-check after stops
 std::size_t g_victim_count = 0;
+PidSet<kMaxProcs * 2> g_victim_set;   // the same victims, for lookups in O(1)
 char g_environ_buf[1 << 20];
 alignas(8) char g_dents[1 << 15];
 
@@ -154,9 +167,37 @@ void set_bit(unsigned char* bits, long pid) {
   if (pid > 0 && pid < kMaxPid) bits[pid >> 3] = static_cast<unsigned char>(bits[pid >> 3] | (1 << (pid & 7)));
 }
 
+// Says once on the agent's stderr that a table is full (system calls only; skipped when
+// stderr would block, so a full pipe cannot hold the watchdog up).
+void say_overflow(const char* what) {
+  if (g_overflow_said || g_err_fd < 0) return;
+  g_overflow_said = true;
+  char line[256];
+  char* p = line;
+  auto put = [&](const char* t) {
+    for (; *t && p < line + sizeof(line) - 24; ++t) *p++ = *t;
+  };
+  put("mglaunch: warning: watchdog: more than ");
+  char digits[24];
+  int k = 0;
+  std::size_t n = g_cap;
+  do {
+    digits[k++] = static_cast<char>('0' + n % 10);
+    n /= 10;
+  } while (n > 0 && k < 20);
+  while (k > 0) *p++ = digits[--k];
+  put(" ");
+  put(what);
+  put("; the ones beyond are not watched and may outlive the agent\n");
+  pollfd out{g_err_fd, POLLOUT, 0};
+  if (::poll(&out, 1, 0) == 1 && (out.revents & POLLOUT))
+    [[maybe_unused]] ssize_t w = ::write(g_err_fd, line, static_cast<std::size_t>(p - line));
+}
+
 // Reads every process's ids into g_table (zombies and kernel threads are skipped).
 void scan() {
   g_count = 0;
+  g_table_sorted = true;
   const int dir = ::open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir < 0) return;
   for_each_dirent(dir, g_dents, sizeof(g_dents), [](const char* name) {
@@ -170,7 +211,11 @@ void scan() {
       }
       pid = pid * 10 + (*c - '0');
     }
-    if (!numeric || g_count == kMaxProcs) return;
+    if (!numeric) return;
+    if (g_count >= g_cap) {
+      say_overflow("processes on this machine");
+      return;
+    }
     char path[64], stat[1024];
     proc_path(path, pid, "stat");
     const long len = read_small(path, stat, sizeof(stat));
@@ -178,7 +223,8 @@ void scan() {
     if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) return;
     constexpr unsigned long long kPfKthread = 0x00200000;  // pid 2 may be ours in a pid namespace
     if (ids.state == 'Z' || (ids.flags & kPfKthread)) return;  // dead already, or a kernel thread
-    g_table[g_count++] = Entry{ids.pid, ids.ppid, ids.pgrp, ids.starttime};
+    if (g_count > 0 && g_table[g_count - 1].pid > ids.pid) g_table_sorted = false;
+    g_table[g_count++] = Entry{ids.pid, ids.ppid, ids.pgrp, ids.starttime, ids.state};
   });
   ::close(dir);
 }
@@ -235,18 +281,60 @@ bool in_snapshot(const Entry& e) {
   return false;
 }
 
-bool carries_mark(long pid, std::string_view token) {
+// The entry of `pid` in g_table, or nullptr.
+const Entry* find_in_table(long pid) {
+  if (g_table_sorted) {
+    std::size_t lo = 0, hi = g_count;
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (g_table[mid].pid < pid)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo < g_count && g_table[lo].pid == pid ? &g_table[lo] : nullptr;
+  }
+  for (std::size_t i = 0; i < g_count; ++i)
+    if (g_table[i].pid == pid) return &g_table[i];
+  return nullptr;
+}
+
+bool is_ancestor_of_agent(const Entry& e) {
+  for (std::size_t i = 0; i < g_ancestor_count; ++i)
+    if (g_ancestors[i].pid == e.pid && g_ancestors[i].starttime == e.starttime) return true;
+  return false;
+}
+
+// A fresh process (started after the last snapshot) may be ours only when, going up
+// through fresh processes, the first one that is not fresh is where the agent's orphans
+// land (one of the agent's ancestors: init or a subreaper above it). A fresh child of a
+// spared stranger that copied the token (its first older ancestor is the stranger) is not.
+// Descendants of snapshot processes and victims are found by close_under() anyway.
+bool fresh_orphan_of_agent(const Entry& e, unsigned long long fresh_after) {
+  const Entry* cur = &e;
+  for (int depth = 0; depth < 64; ++depth) {
+    const Entry* parent = find_in_table(cur->ppid);
+    if (!parent) return false;  // its parent is gone or was not listed (a full table)
+    if (parent->starttime < fresh_after) return is_ancestor_of_agent(*parent);
+    cur = parent;
+  }
+  return false;
+}
+
+bool carries_mark(const Entry& e, std::string_view token) {
+  // Reading /proc/PID/environ takes the process's memory-map lock: a process in state D
+  // may hold it (or wait behind a holder) for ever, and the watchdog must not hang there.
+  if (e.state == 'D') {
+    ++g_skipped_d;
+    return false;
+  }
   char path[64];
-  proc_path(path, pid, "environ");
+  proc_path(path, e.pid, "environ");
   const long len = read_small(path, g_environ_buf, sizeof(g_environ_buf));
   return len > 0 && environ_has_mark(std::string_view(g_environ_buf, static_cast<std::size_t>(len)), token);
 }
 
-bool is_victim(const Entry& e) {
-  for (std::size_t i = 0; i < g_victim_count; ++i)
-    if (g_victims[i].pid == e.pid) return g_victims[i].starttime == e.starttime;
-  return false;
-}
+bool is_victim(const Entry& e) { return g_victim_set.contains(e.pid, e.starttime); }
 
 // One pass: finds the victims /proc shows now (see the header), SIGSTOPs the new ones and
 // returns how many new ones it found.
@@ -256,15 +344,32 @@ std::size_t stop_new_victims(long self, std::string_view token, unsigned long lo
   for (std::size_t i = 0; i < g_count; ++i) {
     const Entry& e = g_table[i];
     if (e.pid == self) continue;
-    if (is_victim(e) || in_snapshot(e) || (e.starttime >= fresh_after && carries_mark(e.pid, token))) set_bit(g_victim, e.pid);
+    if (is_victim(e) || in_snapshot(e)) set_bit(g_victim, e.pid);
   }
   close_under(g_victim);
+  // Then fresh processes that carry the token and are orphans of the agent's tree.
+  bool more = false;
+  for (std::size_t i = 0; i < g_count; ++i) {
+    const Entry& e = g_table[i];
+    if (e.pid == self || bit(g_victim, e.pid) || e.starttime < fresh_after) continue;
+    if (fresh_orphan_of_agent(e, fresh_after) && carries_mark(e, token)) {
+      set_bit(g_victim, e.pid);
+      more = true;
+    }
+  }
+  if (more) close_under(g_victim);
   std::size_t found = 0;
   for (std::size_t i = 0; i < g_count; ++i) {
     const Entry& e = g_table[i];
-    if (e.pid == self || !bit(g_victim, e.pid) || is_victim(e) || g_victim_count == kMaxProcs) continue;
-    ::kill(static_cast<pid_t>(e.pid), SIGSTOP);
+    if (e.pid == self || !bit(g_victim, e.pid) || is_victim(e)) continue;
+    if (g_victim_count == g_cap || g_victim_count == kMaxProcs) {
+      say_overflow("processes to stop");
+      break;
+    }
+    // Stopped only while it is still the process the scan saw (a pidfd pins it).
+    if (signal_same_process(e.pid, e.starttime, SIGSTOP) == 0) continue;  // gone, or its pid reused
     g_victims[g_victim_count++] = e;
+    g_victim_set.insert(e.pid, e.starttime);
     ++found;
   }
   clear_bits(g_victim, g_table, g_count);
@@ -279,7 +384,8 @@ unsigned long long boot_ticks(long ticks_per_second) {
 }
 
 struct WatchArgs {
-  int pipe_fd, trace_fd;
+  int pipe_fd, trace_fd, err_fd;
+  std::size_t cap;
   long agent, ticks_per_second;
   unsigned long long agent_start;
   const char* token;
@@ -289,6 +395,8 @@ struct WatchArgs {
 [[noreturn]] void watchdog_main(const WatchArgs& a) {
   const long self = ::getpid();
   const std::string_view token(a.token, a.token_len);
+  g_cap = a.cap;
+  g_err_fd = a.err_fd;
   // Processes started after this tick cannot be in the snapshot: the token is believed.
   unsigned long long fresh_after = a.agent_start;
   long generation = 0;
@@ -343,6 +451,7 @@ struct WatchArgs {
     if (found == 0) break;
   }
   trace(a.trace_fd, "stopped", static_cast<long>(stopped));
+  if (g_skipped_d > 0) trace(a.trace_fd, "environ not read (state D)", static_cast<long>(g_skipped_d));
   for (int round = 0; round < 100; ++round) {
     std::size_t alive = 0;
     for (std::size_t i = 0; i < g_victim_count; ++i) {
@@ -353,9 +462,11 @@ struct WatchArgs {
       if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) continue;
       if (ids.starttime != g_victims[i].starttime || ids.state == 'Z') continue;  // gone (or its pid reused)
       ++alive;
-      // Its group too, when the group's leader is a victim (e.g. a worker's group).
-      if (ids.pgrp > 1 && ids.pgrp == g_victims[i].pid) ::kill(static_cast<pid_t>(-ids.pgrp), SIGKILL);
-      ::kill(static_cast<pid_t>(g_victims[i].pid), SIGKILL);
+      // Its group too, when the group's leader is a victim (e.g. a worker's group) and still
+      // alive: a group id cannot be reused while its leader lives.
+      if (ids.pgrp > 1 && ids.pgrp == g_victims[i].pid && signal_same_process(ids.pid, ids.starttime, 0) == 1)
+        ::kill(static_cast<pid_t>(-ids.pgrp), SIGKILL);
+      signal_same_process(g_victims[i].pid, g_victims[i].starttime, SIGKILL);
     }
     trace(a.trace_fd, "kill round alive", static_cast<long>(alive));
     if (alive == 0) break;
@@ -373,7 +484,57 @@ unsigned long long own_starttime() {
   return len > 0 && parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids) ? ids.starttime : 0;
 }
 
+// The agent and its ancestors up to pid 1 (called in the agent before the fork).
+void record_ancestors() {
+  g_ancestor_count = 0;
+  long pid = ::getpid();
+  while (pid > 0 && g_ancestor_count < kMaxAncestors) {
+    char path[64], stat[1024];
+    proc_path(path, pid, "stat");
+    const long len = read_small(path, stat, sizeof(stat));
+    StatIds ids;
+    if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids)) break;
+    g_ancestors[g_ancestor_count++] = Entry{ids.pid, ids.ppid, ids.pgrp, ids.starttime, ids.state};
+    if (ids.pid == 1) break;
+    pid = ids.ppid;
+  }
+}
+
 }  // namespace
+
+int signal_same_process(long pid, unsigned long long starttime, int sig, bool use_pidfd) {
+  if (pid <= 0) return 0;
+  int pidfd = -1;
+#ifdef SYS_pidfd_open
+  if (use_pidfd) {
+    pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+    if (pidfd < 0 && errno != ENOSYS) return errno == ESRCH ? 0 : -1;
+  }
+#endif
+  // The pidfd (when there is one) was opened first: if the start time still matches now,
+  // it refers to that process, and a signal through it cannot reach a later one.
+  char path[64], stat[1024];
+  proc_path(path, pid, "stat");
+  const long len = read_small(path, stat, sizeof(stat));
+  StatIds ids;
+  if (len <= 0 || !parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids) ||
+      ids.starttime != starttime || ids.state == 'Z') {
+    if (pidfd >= 0) ::close(pidfd);
+    return 0;
+  }
+#ifdef SYS_pidfd_send_signal
+  if (pidfd >= 0) {
+    const long r = ::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0U);
+    const int e = errno;
+    ::close(pidfd);
+    if (r == 0) return 1;
+    if (e != ENOSYS) return e == ESRCH ? 0 : -1;
+  }
+#else
+  if (pidfd >= 0) ::close(pidfd);
+#endif
+  return ::kill(static_cast<pid_t>(pid), sig) == 0 ? 1 : (errno == ESRCH ? 0 : -1);
+}
 
 bool Watchdog::start(std::string& error) {
   unsigned char raw[16];
@@ -392,7 +553,14 @@ bool Watchdog::start(std::string& error) {
   int trace_fd = -1;
   if (const char* path = std::getenv("MGLAUNCH_WATCHDOG_TRACE"); path && *path)
     trace_fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  WatchArgs args{fds[0], trace_fd, static_cast<long>(::getpid()), ::sysconf(_SC_CLK_TCK), own_starttime(),
+  std::size_t cap = kMaxProcs;
+  if (const char* v = std::getenv("MGLAUNCH_WATCHDOG_MAX_PROCS"); v && *v) {
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(v, &end, 10);
+    if (*end == '\0' && n >= 1 && n < kMaxProcs) cap = n;
+  }
+  record_ancestors();
+  WatchArgs args{fds[0], trace_fd, -1, cap, static_cast<long>(::getpid()), ::sysconf(_SC_CLK_TCK), own_starttime(),
                  token_.c_str(), token_.size()};
   if (args.ticks_per_second <= 0) args.ticks_per_second = 100;
   // No signal may run the agent's handlers in the child before it resets them.
@@ -415,8 +583,15 @@ bool Watchdog::start(std::string& error) {
     const int keep = ::fcntl(fds[0], F_DUPFD, 10);  // out of the way of 0..4
     if (keep < 0) ::_exit(1);
     const int keep_trace = trace_fd >= 0 ? ::fcntl(trace_fd, F_DUPFD, 10) : -1;
+    const int keep_err = ::fcntl(STDERR_FILENO, F_DUPFD, 10);  // the agent's stderr, for one warning
     if (devnull >= 0)
-      for (int i = 0; i < 3; ++i) ::dup2(devnull, i);
+      for (int i = 0; i < 2; ++i) ::dup2(devnull, i);
+    if (keep_err >= 0) {
+      ::dup2(keep_err, STDERR_FILENO);
+      args.err_fd = STDERR_FILENO;
+    } else if (devnull >= 0) {
+      ::dup2(devnull, STDERR_FILENO);
+    }
     ::dup2(keep, 3);
     args.pipe_fd = 3;
     args.trace_fd = -1;

@@ -15,22 +15,33 @@
 //     time: a reused pid is spared), whatever it did to its environment or name;
 //   - every descendant of those, as /proc shows them then;
 //   - every process carrying the token that started after the last snapshot (it could
-//     not be in it yet: a daemon started in the agent's last second). A process that
-//     carries the token but was already alive, and not a descendant, at the last snapshot
-//     is not ours (a copied environment: tmux, at, a batch job) and is spared;
+//     not be in it yet: a daemon started in the agent's last second) and is an orphan of
+//     the agent's tree: going up through processes that are fresh too, the first older
+//     one is the agent or one of its ancestors (where orphans land: the agent while it
+//     lives, as a subreaper; init or a subreaper above it after). A process that carries
+//     the token but was already alive, and not a descendant, at the last snapshot is not
+//     ours (a copied environment: tmux, at, a batch job) and is spared, and so are its
+//     new children. The environment of a process in state D is not read (the read can
+//     block for ever on its memory-map lock): such a process is spared, counted in the
+//     trace ("environ not read (state D) N");
 //   - the process groups whose leader is one of those.
 // It first SIGSTOPs each victim and rescans until no new one appears (a process cannot
-// fork past it), then SIGKILLs them all, in bounded rounds, and exits.
+// fork past it), then SIGKILLs them all, in bounded rounds, and exits. Each signal goes
+// through a pidfd after re-checking the start time (signal_same_process), so a pid
+// reused since the scan is never hit. Its tables are fixed (65,536 processes); when one
+// is full it says so once on the agent's stderr ("mglaunch: warning: watchdog: ...").
 //
 // The watchdog runs in its own process group (no terminal signal reaches it: Ctrl-C,
 // Ctrl-Z), ignores SIGINT, SIGHUP, SIGTERM, SIGQUIT and SIGTSTP, holds no descriptor of
-// the agent but its pipe, and uses only system calls after fork (the agent has threads).
+// the agent but its pipe and its stderr (for that one warning), and uses only system calls after fork (the agent has threads).
 // MGLAUNCH_WATCHDOG_TRACE=FILE (a diagnostic and test seam) makes it append one line per
-// snapshot ("snapshot N") and per kill round to FILE.
+// snapshot ("snapshot N") and per kill round to FILE; MGLAUNCH_WATCHDOG_MAX_PROCS=N (a
+// test seam) lowers the table size to N.
 #pragma once
 
 #include <sys/types.h>
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -50,6 +61,59 @@ struct StatIds {
   unsigned long long starttime = 0;  // clock ticks after boot
 };
 bool parse_stat_ids(std::string_view text, StatIds& out);
+
+// Sends `sig` (0: only checks) to `pid` only while it is still the process that started
+// at `starttime`: a pidfd is opened first (pidfd_open), the start time read after it, and
+// the signal sent through it (pidfd_send_signal), so a pid reused between the check and
+// the signal is never hit. Falls back to kill() when the kernel has no pidfd (ENOSYS) or
+// `use_pidfd` is false (tests). Returns 1 sent, 0 gone or not the same process, -1 another
+// error (EPERM). Async-signal-safe: system calls only.
+int signal_same_process(long pid, unsigned long long starttime, int sig, bool use_pidfd = true);
+
+// A set of (pid, start time) in fixed storage (no allocation: it lives in the forked
+// watchdog), open addressing with linear probing; Capacity is a power of two and the set
+// holds at most Capacity / 2 entries, so a lookup stays O(1).
+template <std::size_t Capacity>
+class PidSet {
+  static_assert((Capacity & (Capacity - 1)) == 0 && Capacity >= 2, "Capacity must be a power of two");
+
+ public:
+  // False when the set is full (Capacity / 2 entries) and the pair is not in it.
+  bool insert(long pid, unsigned long long starttime) {
+    std::size_t i = slot_of(pid);
+    for (std::size_t n = 0; n < Capacity; ++n, i = (i + 1) & (Capacity - 1)) {
+      if (slots_[i].pid == 0) {
+        if (size_ >= Capacity / 2) return false;
+        slots_[i] = {pid, starttime};
+        ++size_;
+        return true;
+      }
+      if (slots_[i].pid == pid && slots_[i].starttime == starttime) return true;
+    }
+    return false;
+  }
+  bool contains(long pid, unsigned long long starttime) const {
+    std::size_t i = slot_of(pid);
+    for (std::size_t n = 0; n < Capacity; ++n, i = (i + 1) & (Capacity - 1)) {
+      if (slots_[i].pid == 0) return false;
+      if (slots_[i].pid == pid && slots_[i].starttime == starttime) return true;
+    }
+    return false;
+  }
+  std::size_t size() const { return size_; }
+
+ private:
+  static std::size_t slot_of(long pid) {
+    return static_cast<std::size_t>((static_cast<unsigned long long>(pid) * 0x9E3779B97F4A7C15ULL) >> 20) &
+           (Capacity - 1);
+  }
+  struct Slot {
+    long pid = 0;  // 0: empty (no process has pid 0)
+    unsigned long long starttime = 0;
+  };
+  Slot slots_[Capacity];
+  std::size_t size_ = 0;
+};
 
 class Watchdog {
  public:

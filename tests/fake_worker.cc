@@ -32,6 +32,8 @@
 //   when-world-below N  hang (60 s) while WORLD_SIZE < N, then exit 0 (scale-up tests)
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
 //   fail-first-attempt R N  rank R exits N in the first attempt (restart count 0); otherwise go on
+//   vfork-hang SECS     vfork a child that sleeps SECS seconds: until it ends we wait in
+//                       state D (an uninterruptible wait), as the watchdog tests need
 #include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -262,6 +264,14 @@ int main(int argc, char** argv) {
           return 9;
         }
       }
+    } else if (cmd == "vfork-hang") {
+      const timespec ts{std::atol(arg()), 0};
+      const pid_t pid = ::vfork();
+      if (pid == 0) {  // shares our memory: system calls only, then _exit
+        ::nanosleep(&ts, nullptr);
+        ::_exit(0);
+      }
+      if (pid > 0) ::waitpid(pid, nullptr, 0);
     } else if (cmd == "wait-file") {
       const char* path = arg();
       auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);

@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -38,7 +40,66 @@ struct Reaper {  // SIGKILLs what the test started, whatever happened
   }
 };
 
+// The start time of `pid` from /proc (0 when it is gone).
+unsigned long long starttime_of(pid_t pid) {
+  mg::StatIds ids;
+  const std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  return mg::parse_stat_ids(stat, ids) ? ids.starttime : 0;
+}
+
+void touch(const std::string& path) { std::ofstream(path) << "go\n"; }
+
+// The state letter of `pid` ('?' when it is gone).
+char state_of(pid_t pid) {
+  mg::StatIds ids;
+  return mg::parse_stat_ids(read_file("/proc/" + std::to_string(pid) + "/stat"), ids) ? ids.state : '?';
+}
+
 }  // namespace
+
+TEST_CASE("the watchdog signals a pid only while it is the process that started at the time it saw, with or without a pidfd") {
+  for (bool use_pidfd : {true, false}) {
+    INFO("pidfd: " << use_pidfd);
+    const pid_t child = ::fork();
+    if (child == 0) {
+      for (;;) ::pause();
+    }
+    REQUIRE(child > 0);
+    Reaper reaper;
+    reaper.pids.push_back(child);
+    unsigned long long st = 0;
+    REQUIRE(eventually([&] { return (st = starttime_of(child)) != 0; }, 10s));
+    // Another start time: a pid reused since the scan. Neither a check nor a signal reaches it.
+    CHECK(mg::signal_same_process(child, st + 1, 0, use_pidfd) == 0);
+    CHECK(mg::signal_same_process(child, st + 1, SIGKILL, use_pidfd) == 0);
+    int status = 0;
+    CHECK(::waitpid(child, &status, WNOHANG) == 0);  // still alive
+    CHECK(mg::signal_same_process(child, st, 0, use_pidfd) == 1);
+    CHECK(mg::signal_same_process(child, st, SIGKILL, use_pidfd) == 1);
+    REQUIRE(::waitpid(child, &status, 0) == child);
+    CHECK((WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL));
+    CHECK(mg::signal_same_process(child, st, SIGKILL, use_pidfd) == 0);  // gone
+  }
+}
+
+TEST_CASE("the watchdog's victim set finds each pid and start time, also when pids collide, and refuses past half full") {
+  static mg::PidSet<64> set;  // static: 1 KiB of slots, as the watchdog keeps it
+  // Pids 64 apart, 4096 apart and the same pid with another start time.
+  for (long pid : {7L, 71L, 135L, 4103L, 8199L}) CHECK(set.insert(pid, 1000 + static_cast<unsigned long long>(pid)));
+  CHECK(set.insert(7, 1007));  // again: already there
+  CHECK(set.size() == 5);
+  for (long pid : {7L, 71L, 135L, 4103L, 8199L}) CHECK(set.contains(pid, 1000 + static_cast<unsigned long long>(pid)));
+  CHECK_FALSE(set.contains(7, 1008));  // a reused pid is another process
+  CHECK_FALSE(set.contains(8, 1008));
+  CHECK(set.insert(7, 1008));
+  CHECK(set.contains(7, 1008));
+  CHECK(set.contains(7, 1007));
+  long pid = 10000;
+  while (set.size() < 32) CHECK(set.insert(pid++, 1));
+  CHECK_FALSE(set.insert(pid, 1));  // half full: lookups stay short
+  CHECK(set.contains(pid - 1, 1));
+  CHECK_FALSE(set.contains(pid, 1));
+}
 
 TEST_CASE("the watchdog reads pid, parent, group and start time from /proc/PID/stat, comm with spaces and parentheses") {
   mg::StatIds ids;
@@ -83,4 +144,97 @@ TEST_CASE("after kill -9 of the agent a descendant that wiped its environment is
   REQUIRE(eventually([&] { return read_file(trace).find("kill round alive 0") != std::string::npos; }, 60s));
   CHECK(eventually([&] { return !pid_alive(wiped); }, 30s));
   CHECK(pid_alive(stranger.pid));
+}
+
+TEST_CASE("after kill -9 of the agent a fresh daemon of a worker is killed, a fresh child of a marked stranger is spared") {
+  // Both start after the watchdog's last snapshot and both carry the run mark; only the
+  // daemon is an orphan of the agent's tree. A snapshot between their start and the kill
+  // would decide by ancestry instead of this rule: then the attempt is repeated.
+  bool exercised = false;
+  for (int attempt = 0; attempt < 4 && !exercised; ++attempt) {
+    const std::string dir = make_temp_dir();
+    const std::string trace = dir + "/watch", markfile = dir + "/mark", go = dir + "/go";
+    const std::string daemon_pids = dir + "/daemon", stranger_pids = dir + "/stranger";
+    Reaper reaper;
+    Proc agent = spawn({kMglaunch, "--nproc_per_node=1", "--no_python", "/bin/sh", "-c",
+                        "printf '%s' \"$MGLAUNCH_RUN_MARK\" > \"$1\"; exec \"$2\" wait-file \"$3\" spawn-child daemon \"$4\" "
+                        "hang 120",
+                        "sh", markfile, kFakeWorker, go, daemon_pids},
+                       {{"MGLAUNCH_WATCHDOG_TRACE", trace}});
+    REQUIRE(eventually([&] { return !read_file(markfile).empty(); }, 60s));
+    const std::string mark = read_file(markfile);
+    // Someone else's process with a copy of the worker's environment, older than the
+    // last snapshot; it starts a child when told to.
+    Proc stranger = spawn({kFakeWorker, "wait-file", go, "spawn-child", "group", stranger_pids, "hang", "120"},
+                          {{"MGLAUNCH_RUN_MARK", mark}});
+    reaper.pids.push_back(stranger.pid);
+    REQUIRE(two_more_snapshots(trace));
+    const long before = snapshots(trace);
+    touch(go);
+    REQUIRE(eventually([&] { return read_pids(daemon_pids).size() == 1 && read_pids(stranger_pids).size() == 1; }, 30s));
+    ::kill(agent.pid, SIGKILL);
+    const pid_t daemon = read_pids(daemon_pids).at(0), child = read_pids(stranger_pids).at(0);
+    reaper.pids.push_back(daemon);
+    reaper.pids.push_back(child);
+    REQUIRE(agent.wait(30s));
+    REQUIRE(eventually([&] { return read_file(trace).find("kill round alive 0") != std::string::npos; }, 60s));
+    if (snapshots(trace) != before) {
+      WARN("a snapshot came between the fresh processes' start and the kill; trying again");
+      continue;
+    }
+    exercised = true;
+    CHECK(eventually([&] { return !pid_alive(daemon); }, 30s));
+    CHECK(pid_alive(child));
+    CHECK(pid_alive(stranger.pid));
+  }
+  CHECK(exercised);
+}
+
+TEST_CASE("after kill -9 of the agent the watchdog does not read the environment of a fresh process in state D") {
+  // A vfork parent waits in state D; reading its environ would not block, but one whose
+  // memory-map lock is held would for ever, and the watchdog cannot tell them apart.
+  bool exercised = false;
+  for (int attempt = 0; attempt < 4 && !exercised; ++attempt) {
+    const std::string dir = make_temp_dir();
+    const std::string trace = dir + "/watch", markfile = dir + "/mark", pids = dir + "/pids";
+    Reaper reaper;
+    Proc agent = spawn({kMglaunch, "--nproc_per_node=1", "--no_python", "/bin/sh", "-c",
+                        "printf '%s' \"$MGLAUNCH_RUN_MARK\" > \"$1\"; exec /bin/sleep 120", "sh", markfile},
+                       {{"MGLAUNCH_WATCHDOG_TRACE", trace}});
+    REQUIRE(eventually([&] { return !read_file(markfile).empty(); }, 60s));
+    REQUIRE(two_more_snapshots(trace));
+    const long before = snapshots(trace);
+    // Fresh, marked, and its parent (this test) is the agent's parent: the watchdog would
+    // take it for the agent's orphan if it read its environment.
+    Proc waiter = spawn({kFakeWorker, "pidfile", pids, "vfork-hang", "120"}, {{"MGLAUNCH_RUN_MARK", read_file(markfile)}});
+    reaper.pids.push_back(waiter.pid);
+    REQUIRE(eventually([&] { return state_of(waiter.pid) == 'D'; }, 30s));
+    ::kill(agent.pid, SIGKILL);
+    REQUIRE(agent.wait(30s));
+    REQUIRE(eventually([&] { return read_file(trace).find("kill round alive 0") != std::string::npos; }, 60s));
+    if (snapshots(trace) != before) {
+      WARN("a snapshot came between the process's start and the kill; trying again");
+      continue;
+    }
+    exercised = true;
+    CHECK_THAT(read_file(trace), Catch::Contains("environ not read (state D)"));
+  }
+  CHECK(exercised);
+}
+
+TEST_CASE("a full watchdog table is said once on the agent's stderr, and the run goes on") {
+  const std::string dir = make_temp_dir();
+  const std::string trace = dir + "/watch";
+  // The worker ends once the watchdog has taken two snapshots (each overflows the table).
+  auto r = run({kMglaunch, "--nproc_per_node=1", kFakeWorker, "wait-lines", trace, "2"},
+               {{"MGLAUNCH_WATCHDOG_TRACE", trace}, {"MGLAUNCH_WATCHDOG_MAX_PROCS", "3"}}, 90s);
+  INFO(r.err);
+  CHECK(r.code == 0);
+  int warnings = 0;
+  for (const auto& l : split_lines(r.err))
+    if (l.find("watchdog:") != std::string::npos) {
+      ++warnings;
+      CHECK_THAT(l, Catch::StartsWith("mglaunch: warning: watchdog: more than 3 processes"));
+    }
+  CHECK(warnings == 1);
 }

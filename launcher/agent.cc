@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <variant>
 #include <filesystem>
 #include <fstream>
 
@@ -20,7 +22,6 @@
 #include "launcher/errors.h"
 #include "launcher/monitor.h"
 #include "launcher/trace.h"
-#include "launcher/supervision.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_backend.h"
 
@@ -39,7 +40,8 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       children_(io),
       job_control_(io),
       grace_timer_(io),
-      leave_timer_(io) {
+      leave_timer_(io),
+      core_(core_config(opts_, plan_)) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
   base_env_.erase("MGLAUNCH_RDZV_JOB_TOKEN");
@@ -178,18 +180,12 @@ void Agent::start() {
     notice(fmt::format("cannot start the watchdog ({}): after kill -9 of mglaunch, processes the workers "
                        "started may outlive it",
                        error));
-  if (uses_rendezvous_server(opts_)) {
-    start_rendezvous();
-  } else {
-    start_attempt();
-  }
+  run(core_.start(now()));
   if (monitor_) monitor_->start();
 }
 
 void Agent::start_rendezvous() {
-  rdzv_ = true;
   if (trace_) rdzv_since_us_ = trace_->now();
-  state_ = State::kWaiting;
   const bool etcd = opts_.rdzv_backend == "etcd";
   rdzv::Endpoint ep = etcd ? rdzv::Endpoint{} : rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
   // Host the rendezvous here when told (is_host=true) or clearly meant to: the endpoint is
@@ -231,11 +227,11 @@ void Agent::start_rendezvous() {
   j.keep_alive_ms = static_cast<int>(opts_.keep_alive_interval.count());
   j.keep_alive_max_attempt = opts_.keep_alive_max_attempt;
   rdzv::ClientHandlers h;
-  h.on_assignment = [this](const proto::Assignment& a) { on_assignment(a); };
-  h.on_restart = [this](const proto::Restart& r) { on_restart(r); };
-  h.on_abort = [this](const proto::Abort& a) { on_abort(a); };
-  h.on_done = [this] { finish(leaving_code_ ? leaving_code_ : exit_code::kOk); };
-  h.on_lost = [this](const std::string& why) { on_rdzv_lost(why); };
+  h.on_assignment = [this](const proto::Assignment& a) { run(core_.assignment(a, now())); };
+  h.on_restart = [this](const proto::Restart& r) { run(core_.restart(r, now())); };
+  h.on_abort = [this](const proto::Abort& a) { run(core_.abort(a, now())); };
+  h.on_done = [this] { run(core_.rendezvous_done(now())); };
+  h.on_lost = [this](const std::string& why) { run(core_.rendezvous_lost(why, now())); };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
   if (etcd) {  // the job lives in etcd; the same rules (rendezvous::Job) run in every agent
     rdzv::EtcdOptions eo;
@@ -258,9 +254,7 @@ void Agent::start_rendezvous() {
   client_->start();
 }
 
-void Agent::on_assignment(const proto::Assignment& a) {
-  if (state_ != State::kWaiting || leaving_code_) return;
-  round_ = a.round;
+void Agent::apply_assignment(const proto::Assignment& a) {
   plan_.nnodes = a.group_world_size;
   plan_.node_rank = a.group_rank;
   plan_.rank_offset = a.rank_offset;
@@ -268,101 +262,11 @@ void Agent::on_assignment(const proto::Assignment& a) {
   plan_.master_addr = a.master_addr;
   plan_.master_port = a.master_port;
   plan_.nodes = a.nodes;
-  restart_count_ = a.restart_count;
   if (trace_)
     trace_->complete(fmt::format("rendezvous round {}", a.round), "rendezvous", 0, rdzv_since_us_,
                      {{"round", a.round}, {"node_rank", a.group_rank}, {"nnodes", a.group_world_size},
                       {"world_size", a.world_size}, {"restart_count", a.restart_count},
                       {"master", fmt::format("{}:{}", a.master_addr, a.master_port)}});
-  notice(fmt::format("round {}: node {} of {}, ranks {}..{} of {}, master {}:{}, restart {}", a.round, a.group_rank,
-                     a.group_world_size, a.rank_offset, a.rank_offset + plan_.nproc_per_node - 1, a.world_size,
-                     a.master_addr, a.master_port, a.restart_count));
-  retire_workers();
-  start_attempt();
-}
-
-void Agent::on_restart(const proto::Restart& r) {
-  if (state_ == State::kDone) return;
-  if (leaving_code_) {
-    finish(leaving_code_);  // the others heard it: this node is gone
-    return;
-  }
-  notice(fmt::format("restart {} decided by the rendezvous: {}", r.restart_count, r.reason));
-  trace_instant("restart", "restart", {{"restart_count", r.restart_count}, {"reason", r.reason}, {"by", "rendezvous"}});
-  if (state_ == State::kRunning) {
-    rejoin_after_stop_ = true;
-    stop_group(SIGTERM);
-  } else if (state_ == State::kWaiting) {
-    rejoin();
-  } else {
-    rejoin_after_stop_ = true;  // already stopping: re-join once stopped
-  }
-}
-
-void Agent::on_abort(const proto::Abort& a) {
-  if (state_ == State::kDone) return;
-  if (leaving_code_) {
-    finish(leaving_code_);
-    return;
-  }
-  abort_ = a;
-  if (state_ == State::kRunning) {
-    stop_group(SIGTERM);
-  } else if (state_ == State::kWaiting) {
-    finish_with_abort();
-  }
-}
-
-void Agent::finish_with_abort() {
-  const auto& f = abort_->root_cause;
-  if (f.rank < 0 && attempts_.empty()) {
-    // The job ended before any worker of this node ran (join_timeout): no root-cause block
-    // with an empty host and rank -1, but what happened and what to check.
-    RootCause rc;
-    rc.time = now_text();
-    rc.worker.rank = -1;
-    rc.worker.exit_code = exit_code::kRendezvous;
-    rc.message = abort_->reason;
-    root_cause_ = rc;
-    const std::string where = opts_.rdzv_backend == "etcd" ? "etcd at " + opts_.rdzv_endpoint : opts_.rdzv_endpoint;
-    error_line(fmt::format(
-        "the rendezvous timed out, no worker started: {} ({} s, rendezvous {}); check that every node runs mglaunch "
-        "with the same --rdzv_endpoint, --rdzv_id and --nnodes, that it can reach {}, or give late nodes more time "
-        "with --rdzv_conf=join_timeout=SECONDS",
-        abort_->reason, opts_.join_timeout.count() / 1000.0, where, where));
-    finish(exit_code::kRendezvous);
-    return;
-  }
-  RootCause rc;
-  rc.time = now_text();
-  rc.host = f.host;
-  rc.worker.rank = f.rank;
-  rc.worker.local_rank = f.local_rank;
-  rc.worker.exit_code = f.exit_code;
-  rc.worker.signal = f.signal;
-  rc.message = f.message.empty() ? abort_->reason : f.message;
-  rc.stderr_tail = f.last_lines;
-  console_.write(1, format_root_cause(rc, opts_.program));
-  root_cause_ = rc;
-  finish(f.exit_code > 0 ? f.exit_code : exit_code::kInternal);
-}
-
-void Agent::on_rdzv_lost(const std::string& why) {
-  if (state_ == State::kDone) return;
-  if (leaving_code_) {
-    finish(leaving_code_);
-    return;
-  }
-  if (state_ == State::kWaiting && attempts_.empty() && !root_cause_)
-    error_line(fmt::format("rendezvous: {}", why));  // this ends the run (exit 3) before any worker ran
-  else
-    notice(fmt::format("rendezvous: {}", why));
-  rdzv_ = false;  // from here on this node decides alone
-  if (state_ == State::kWaiting) {
-    // No decision will come: this node answers for its own workers.
-    if (root_cause_) console_.write(1, format_root_cause(*root_cause_, opts_.program));
-    finish(node_exit_code(root_cause_, attempts_));
-  }
 }
 
 void Agent::retire_workers() {
@@ -372,39 +276,12 @@ void Agent::retire_workers() {
   // Finished handles are destroyed later: we may be inside one of their callbacks.
   for (auto& p : workers_) retired_.push_back(std::move(p));
   workers_.clear();
-  done_count_ = 0;
   asio::post(io_, [this] { retired_.clear(); });
 }
 
 std::string Agent::attempt_dir(int local_rank) const {
-  return (fs::path(log_run_dir_) / fmt::format("attempt_{}", restart_count_) / std::to_string(local_rank))
+  return (fs::path(log_run_dir_) / fmt::format("attempt_{}", core_.restart_count()) / std::to_string(local_rank))
       .string();
-}
-
-void Agent::start_attempt() {
-  state_ = State::kRunning;
-  root_cause_.reset();
-  attempts_.push_back({restart_count_, std::chrono::system_clock::now(), 0, {}});
-  attempt_start_ = std::chrono::steady_clock::now();
-  if (trace_) attempt_since_us_ = trace_->now();
-  spawned_ = 0;
-  done_count_ = 0;
-  spawn_batch(++attempt_gen_);
-}
-
-void Agent::spawn_batch(std::uint64_t gen) {
-  if (gen != attempt_gen_) return;  // an attempt that ended meanwhile
-  // A batch at a time, then back to the event loop: exits, end-of-file on the pipes of
-  // workers that already ended and failures are handled while the rest start, so a run
-  // of many short workers never holds all their descriptors and zombies at once.
-  constexpr int kBatch = 128;
-  const int end = std::min(plan_.nproc_per_node, spawned_ + kBatch);
-  while (state_ == State::kRunning && spawned_ < end) spawn_worker(spawned_++);
-  if (state_ == State::kRunning && spawned_ < plan_.nproc_per_node) {
-    asio::post(io_, [this, gen] { spawn_batch(gen); });
-    return;
-  }
-  port_hold_.reset();  // the workers may bind the master port now
 }
 
 void Agent::spawn_worker(int lr) {
@@ -421,7 +298,7 @@ void Agent::spawn_worker(int lr) {
     spec.executable = plan_.executable;
     spec.argv = build_worker_argv(plan_, opts_, lr);
     EnvMap env = base_env_;
-    for (auto& [k, v] : build_contract_env(plan_, opts_, base_env_, lr, restart_count_, error_file)) env[k] = v;
+    for (auto& [k, v] : build_contract_env(plan_, opts_, base_env_, lr, core_.restart_count(), error_file)) env[k] = v;
     if (!watchdog_.token().empty()) {
       auto inherited = base_env_.find(kRunMarkVar);
       env[kRunMarkVar] = watchdog_.mark_value(inherited == base_env_.end() ? std::string() : inherited->second);
@@ -461,19 +338,15 @@ void Agent::spawn_worker(int lr) {
     if (trace_)
       trace_->instant(fmt::format("spawn rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
                       {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", workers_.back()->pid()},
-                       {"attempt", restart_count_}});
+                       {"attempt", core_.restart_count()}});
     if (workers_.back()->pid() > 0) leaders_[workers_.back()->pid()] = workers_.back().get();
     if (stdin_pipe >= 0) ::close(stdin_pipe);  // the worker holds it now
   }
 }
 
 void Agent::rejoin() {
-  // A new round gets a fresh master port, as a restart on one node does (the last one may
-  // be held by a straggler, in TIME_WAIT, or taken meanwhile).
-  if (port_is_ours_) {
-    hold_master_port(/*fresh=*/true);
-    client_->set_master_port(plan_.master_port);
-  }
+  // The core held a fresh master port for the new round (when the port is ours).
+  if (port_is_ours_) client_->set_master_port(plan_.master_port);
   if (trace_) rdzv_since_us_ = trace_->now();
   client_->rejoin();
 }
@@ -504,143 +377,108 @@ WorkerOutcome Agent::outcome_of(const WorkerProcess& w) const {
 void Agent::on_worker_done(WorkerProcess& w) {
   if (stdin_relay_ && w.spec().local_rank == opts_.stdin_rank) stdin_relay_->close_pipe();
   WorkerOutcome o = outcome_of(w);
-  o.stopped_by_agent = state_ != State::kRunning;
-  attempts_.back().workers.push_back(o);
+  const bool running = core_.takes_root_cause();
   if (trace_)
     trace_->complete(fmt::format("rank {}", o.rank), "worker", TraceWriter::worker_tid(o.local_rank),
                      trace_->now() - static_cast<std::int64_t>(o.duration_s * 1e6),
-                     {{"rank", o.rank}, {"local_rank", o.local_rank}, {"pid", o.pid}, {"attempt", restart_count_},
-                      {"exit_code", o.exit_code}, {"signal", o.signal}, {"stopped_by_agent", o.stopped_by_agent}});
-  if (state_ == State::kRunning && o.exit_code != 0) {
-    RootCause rc;
-    rc.time = now_text();
-    rc.host = local_hostname();
-    rc.worker = o;
-    rc.error_file = attempt_dir(o.local_rank) + "/error.json";
-    rc.message = !w.spawn_error().empty() ? w.spawn_error() : read_error_file_message(rc.error_file);
-    if (rc.message.empty() && !fs::exists(rc.error_file)) rc.error_file.clear();
-    rc.stderr_tail.assign(w.stderr_tail().begin(), w.stderr_tail().end());
+                     {{"rank", o.rank}, {"local_rank", o.local_rank}, {"pid", o.pid}, {"attempt", core_.restart_count()},
+                      {"exit_code", o.exit_code}, {"signal", o.signal}, {"stopped_by_agent", !running}});
+  std::optional<RootCause> rc;
+  if (running && o.exit_code != 0) {
+    std::vector<std::string> tail(w.stderr_tail().begin(), w.stderr_tail().end());
+    rc = worker_root_cause(o, local_hostname(), attempt_dir(o.local_rank) + "/error.json", w.spawn_error(),
+                           std::move(tail));
     if (python_run_)
-      if (auto hint = missing_torch_hint(rc.stderr_tail, plan_.executable, opts_.python_source); !hint.empty())
-        rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
-    root_cause_ = std::move(rc);
-    stop_group(SIGTERM);
+      if (auto hint = missing_torch_hint(rc->stderr_tail, plan_.executable, opts_.python_source); !hint.empty())
+        rc->message = rc->message.empty() ? hint : hint + "; " + rc->message;
   }
-  // Ranks still to start count while running; once stopping, they never will.
-  // (A count, not a scan of every worker per exit: linear in the worker count.)
-  const bool all_done = ++done_count_ == workers_.size() &&
-                        (spawned_ == plan_.nproc_per_node || state_ != State::kRunning);
-  if (!all_done) return;
-  if (trace_)
-    trace_->complete(fmt::format("attempt {}", restart_count_), "attempt", 0, attempt_since_us_,
-                     {{"attempt", restart_count_}, {"failed", state_ != State::kRunning || root_cause_.has_value()}});
-  if (state_ == State::kRunning) {
-    attempts_.back().duration_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - attempt_start_).count();
-    if (rdzv_) {
-      state_ = State::kWaiting;  // the job is done when every node is
-      client_->node_done(round_);
-      return;
-    }
-    finish(exit_code::kOk);
-  } else if (state_ == State::kStopping) {
-    on_group_stopped();
-  }
+  run(core_.worker_ended(o, std::move(rc), now()));
 }
 
-void Agent::stop_group(int sig) {
-  if (state_ == State::kDone) return;
-  state_ = State::kStopping;
-  trace_instant(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}});
-  signal_workers(sig);
-  signal_escaped(sig);
-  grace_timer_.expires_after(opts_.grace);
-  grace_timer_.async_wait([this, sig](boost::system::error_code ec) {
-    if (ec || state_ != State::kStopping) return;
-    notice(fmt::format("workers still running {:.1f}s after {}: sending SIGKILL", opts_.grace.count() / 1000.0,
-                       signal_name(sig)));
-    trace_instant("send SIGKILL to the workers", "signal", {{"signal", SIGKILL}, {"after_grace_s", opts_.grace.count() / 1000.0}});
-    signal_workers(SIGKILL);
-    signal_escaped(SIGKILL);
-  });
+sup::Now Agent::now() { return {std::chrono::steady_clock::now(), std::chrono::system_clock::now()}; }
+
+sup::Config Agent::core_config(const AgentOptions& opts, const RunPlan& plan) {
+  sup::Config c;
+  c.nproc = plan.nproc_per_node;
+  c.max_restarts = opts.max_restarts;
+  c.grace = opts.grace;
+  c.rdzv = uses_rendezvous_server(opts);
+  c.port_is_ours = opts.rdzv_backend != "static" || opts.master_port == 0;
+  c.node_rank = plan.node_rank;
+  c.host = local_hostname();
+  c.program = opts.program;
+  c.rdzv_where = opts.rdzv_backend == "etcd" ? "etcd at " + opts.rdzv_endpoint : opts.rdzv_endpoint;
+  c.join_timeout = opts.join_timeout;
+  return c;
 }
 
-void Agent::on_group_stopped() {
-  grace_timer_.cancel();
-  attempts_.back().duration_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - attempt_start_).count();
-  StopFacts facts;
-  facts.agent_signal = agent_signal_;
-  facts.rdzv = rdzv_;
-  facts.abort = abort_.has_value();
-  facts.rejoin = rejoin_after_stop_;
-  facts.root_cause = root_cause_.has_value();
-  facts.restart_count = restart_count_;
-  facts.max_restarts = opts_.max_restarts;
-  const AfterStop next = after_stop(facts);
-  if (rdzv_ && next != AfterStop::kStoppedBySignal) state_ = State::kWaiting;
-  switch (next) {
-    case AfterStop::kStoppedBySignal:
-      notice(fmt::format("stopped by {}", signal_name(agent_signal_)));
-      // A worker that failed before the signal came is still the root cause.
-      if (root_cause_) console_.write(1, format_root_cause(*root_cause_, opts_.program));
-      leave_job(agent_signal_);
-      return;
-    case AfterStop::kAbort:
-      finish_with_abort();
-      return;
-    case AfterStop::kRejoin:
-      rejoin_after_stop_ = false;
-      rejoin();
-      return;
-    case AfterStop::kReportFailure: {
-      // Our failure: the server decides (restart everywhere or abort everywhere).
-      const auto& w = root_cause_->worker;
-      proto::WorkerFailed f;
-      f.round = round_;
-      f.host = root_cause_->host;
-      f.rank = w.rank;
-      f.local_rank = w.local_rank;
-      f.exit_code = w.exit_code;
-      f.signal = w.signal;
-      f.message = root_cause_->message;
-      f.last_lines = root_cause_->stderr_tail;
-      client_->worker_failed(f);
-      return;
-    }
-    case AfterStop::kWait:
-      return;
-    case AfterStop::kEndWithoutCause:
-      finish(node_exit_code(root_cause_, attempts_));  // the rendezvous was lost while stopping for it
-      return;
-    case AfterStop::kRestart: {
-      const auto& w = root_cause_->worker;
-      ++restart_count_;
-      // As torchrun: a fresh master port for each attempt (the last one may still be held
-      // by a straggler, in TIME_WAIT, or taken by someone else: EADDRINUSE).
-      if (port_is_ours_) hold_master_port(/*fresh=*/true);
-      notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
-                         w.rank, w.local_rank, w.exit_code, restart_count_, opts_.max_restarts));
-      trace_instant("restart", "restart",
-                    {{"restart_count", restart_count_}, {"max_restarts", opts_.max_restarts}, {"failed_rank", w.rank},
-                     {"exit_code", w.exit_code}, {"by", "agent"}});
-      retire_workers();
-      asio::post(io_, [this] {
-        if (state_ != State::kDone) start_attempt();
-      });
-      return;
-    }
-    case AfterStop::kGiveUp:
-      console_.write(1, format_root_cause(*root_cause_, opts_.program));
-      finish(root_cause_->worker.exit_code);
-      return;
+void Agent::run(sup::Actions actions) {
+  for (auto& action : actions) {
+    std::visit(
+        [&](auto& a) {
+          using A = std::decay_t<decltype(a)>;
+          if constexpr (std::is_same_v<A, sup::act::Notice>) {
+            notice(a.text);
+          } else if constexpr (std::is_same_v<A, sup::act::ErrorLine>) {
+            error_line(a.text);
+          } else if constexpr (std::is_same_v<A, sup::act::PrintRootCause>) {
+            console_.write(1, format_root_cause(a.rc, opts_.program));
+          } else if constexpr (std::is_same_v<A, sup::act::Trace>) {
+            trace_instant(a.name, a.cat, std::move(a.args));
+          } else if constexpr (std::is_same_v<A, sup::act::JoinRendezvous>) {
+            start_rendezvous();
+          } else if constexpr (std::is_same_v<A, sup::act::ApplyAssignment>) {
+            apply_assignment(a.a);
+          } else if constexpr (std::is_same_v<A, sup::act::AttemptStarted>) {
+            if (trace_) attempt_since_us_ = trace_->now();
+          } else if constexpr (std::is_same_v<A, sup::act::AttemptEnded>) {
+            if (trace_)
+              trace_->complete(fmt::format("attempt {}", a.attempt), "attempt", 0, attempt_since_us_,
+                               {{"attempt", a.attempt}, {"failed", a.failed}});
+          } else if constexpr (std::is_same_v<A, sup::act::Spawn>) {
+            spawn_worker(a.local_rank);
+          } else if constexpr (std::is_same_v<A, sup::act::SpawnMoreLater>) {
+            asio::post(io_, [this, gen = a.gen] { run(core_.spawn_batch_due(gen, now())); });
+          } else if constexpr (std::is_same_v<A, sup::act::SignalWorkers>) {
+            signal_workers(a.sig);
+            if (a.escaped) signal_escaped(a.sig);
+          } else if constexpr (std::is_same_v<A, sup::act::PauseOutputDrains>) {
+            for (auto& w : workers_) w->pause_drain();
+          } else if constexpr (std::is_same_v<A, sup::act::ResumeOutputDrains>) {
+            for (auto& w : workers_) w->resume_drain();
+          } else if constexpr (std::is_same_v<A, sup::act::StopSelf>) {
+            ::kill(::getpid(), SIGSTOP);
+          } else if constexpr (std::is_same_v<A, sup::act::ArmTimer>) {
+            const sup::Timer t = a.timer;
+            timer(t).expires_at(a.at);
+            timer(t).async_wait([this, t](boost::system::error_code ec) {
+              if (!ec) run(core_.timer_fired(t, now()));
+            });
+          } else if constexpr (std::is_same_v<A, sup::act::CancelTimer>) {
+            timer(a.timer).cancel();
+          } else if constexpr (std::is_same_v<A, sup::act::RetireWorkers>) {
+            retire_workers();
+          } else if constexpr (std::is_same_v<A, sup::act::AttemptDue>) {
+            asio::post(io_, [this] { run(core_.attempt_due(now())); });
+          } else if constexpr (std::is_same_v<A, sup::act::HoldMasterPort>) {
+            hold_master_port(a.fresh);
+          } else if constexpr (std::is_same_v<A, sup::act::ReleaseMasterPort>) {
+            port_hold_.reset();  // the workers may bind the master port now
+          } else if constexpr (std::is_same_v<A, sup::act::Rejoin>) {
+            rejoin();
+          } else if constexpr (std::is_same_v<A, sup::act::SendWorkerFailed>) {
+            client_->worker_failed(a.f);
+          } else if constexpr (std::is_same_v<A, sup::act::SendNodeDone>) {
+            client_->node_done(a.round);
+          } else if constexpr (std::is_same_v<A, sup::act::Finish>) {
+            finish(a.code);
+          }
+        },
+        action);
   }
 }
 
 void Agent::finish(int code) {
-  if (state_ == State::kDone) return;
-  state_ = State::kDone;
-  exit_code_ = code;
   if (monitor_) monitor_->stop();
   boost::system::error_code ec;
   signals_.cancel(ec);
@@ -676,7 +514,7 @@ void Agent::finish(int code) {
     if (!out) notice(fmt::format("cannot write --summary-json {}", opts_.summary_json));
   }
   if (trace_) {
-    trace_instant("exit", "agent", {{"exit_code", code}, {"restarts", restart_count_}});
+    trace_instant("exit", "agent", {{"exit_code", code}, {"restarts", core_.restart_count()}});
     trace_->close();
     console_.close_file(trace_fd_);
     trace_.reset();
@@ -686,80 +524,8 @@ void Agent::finish(int code) {
 void Agent::wait_signal() {
   signals_.async_wait([this](boost::system::error_code ec, int sig) {
     if (ec) return;
-    on_signal(sig);
-    if (state_ != State::kDone) wait_signal();
-  });
-}
-
-void Agent::on_signal(int sig) {
-  if (sig == SIGINT) ++interrupts_;
-  trace_instant(fmt::format("got {}", signal_name(sig)), "signal", {{"signal", sig}});
-  SignalFacts facts;
-  facts.sig = sig;
-  facts.interrupts = interrupts_;
-  facts.waiting = state_ == State::kWaiting;
-  facts.stopping = state_ == State::kStopping;
-  const OnSignal what = on_agent_signal(facts);
-  if (what == OnSignal::kForward) {
-    signal_workers(sig);
-    return;
-  }
-  if (what == OnSignal::kKillNow) {
-    notice("second interrupt: killing the workers now");
-    signal_workers(SIGKILL);
-    signal_escaped(SIGKILL);
-    agent_signal_ = SIGINT;
-    return;
-  }
-  if (agent_signal_ == 0) agent_signal_ = sig;
-  if (what == OnSignal::kEndWhileWaiting) {
-    if (leaving_code_) {  // a second signal while telling the others: go now
-      finish(leaving_code_);
-      return;
-    }
-    notice(fmt::format("got {} while waiting for the rendezvous", signal_name(sig)));
-    leave_job(sig);
-    return;
-  }
-  notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), opts_.grace.count() / 1000.0));
-  if (what == OnSignal::kForwardWhileStopping) {
-    signal_workers(sig);
-    signal_escaped(sig);
-    return;
-  }
-  stop_group(sig);
-  // Between attempts (all workers gone, restart posted) nobody is left to report back.
-  if (workers_.empty()) on_group_stopped();
-}
-
-void Agent::leave_job(int sig) {
-  const int code = root_cause_ ? root_cause_->worker.exit_code : exit_code::kSignalBase + sig;
-  // Not in a multi-node job, or not placed in a round yet: nobody to tell.
-  if (!rdzv_ || !client_ || round_ == 0) {
-    finish(code);
-    return;
-  }
-  leaving_code_ = code;
-  state_ = State::kWaiting;
-  proto::WorkerFailed f;
-  f.round = round_;
-  f.host = local_hostname();
-  f.rank = -1;
-  f.local_rank = -1;
-  f.exit_code = code;
-  f.signal = sig;
-  f.message = fmt::format("node {} (node rank {}) was stopped by {}", f.host, plan_.node_rank, signal_name(sig));
-  if (root_cause_) {  // our worker's failure, which came first
-    f.rank = root_cause_->worker.rank;
-    f.local_rank = root_cause_->worker.local_rank;
-    f.signal = root_cause_->worker.signal;
-    f.message = root_cause_->message;
-    f.last_lines = root_cause_->stderr_tail;
-  }
-  client_->worker_failed(f);
-  leave_timer_.expires_after(kLeaveTimeout);
-  leave_timer_.async_wait([this](boost::system::error_code ec) {
-    if (!ec) finish(leaving_code_);
+    run(core_.signal(sig, now()));
+    if (core_.state() != sup::State::kDone) wait_signal();
   });
 }
 
@@ -803,8 +569,8 @@ mon::AgentFacts Agent::monitor_facts() const {
   f.host = local_hostname();
   f.run_id = plan_.run_id;
   f.node_rank = plan_.node_rank;
-  f.round = round_;
-  f.restarts = restart_count_;
+  f.round = core_.round();
+  f.restarts = core_.restart_count();
   f.max_restarts = opts_.max_restarts;
   for (const auto& w : workers_) {
     mon::RankTarget t;
@@ -812,7 +578,7 @@ mon::AgentFacts Agent::monitor_facts() const {
     t.local_rank = w->spec().local_rank;
     t.pid = w->pid();
     t.reaped = w->exited();
-    if (!w->exited()) t.state = state_ == State::kStopping ? "stopping" : "running";
+    if (!w->exited()) t.state = core_.state() == sup::State::kStopping ? "stopping" : "running";
     else t.state = w->wait_status() == 0 ? "exited" : "failed";
     f.ranks.push_back(std::move(t));
   }
@@ -864,31 +630,10 @@ void Agent::kill_leftovers(bool reap) {
 void Agent::wait_job_control() {
   job_control_.async_wait([this](boost::system::error_code ec, int sig) {
     if (ec) return;
-    if (sig == SIGTSTP) {
-      // Ctrl-Z: the workers first (they are in process groups of their own, the terminal
-      // stopped only us), then the agent, as the shell expects of its job.
-      signal_workers(SIGSTOP);
-      signal_escaped(SIGSTOP);
-      trace_instant("stopped (SIGTSTP)", "signal", {{"signal", sig}});
-      ::kill(::getpid(), SIGSTOP);
-    } else {
-      // fg or bg (or anyone's SIGCONT): the workers go on with us.
-      signal_workers(SIGCONT);
-      signal_escaped(SIGCONT);
-      trace_instant("continued (SIGCONT)", "signal", {{"signal", sig}});
-      if (state_ == State::kStopping) {
-        // The time spent stopped does not count against the workers' grace.
-        grace_timer_.expires_after(opts_.grace);
-        grace_timer_.async_wait([this](boost::system::error_code ec2) {
-          if (ec2 || state_ != State::kStopping) return;
-          notice(fmt::format("workers still running {:.1f}s after SIGTERM: sending SIGKILL",
-                             opts_.grace.count() / 1000.0));
-          signal_workers(SIGKILL);
-          signal_escaped(SIGKILL);
-        });
-      }
-    }
-    if (state_ != State::kDone) wait_job_control();
+    // SIGTSTP (Ctrl-Z): the workers, then the agent stop; SIGCONT (fg, bg, anyone's): they
+    // go on, and the time stopped counts neither against the grace nor the output drains.
+    run(core_.job_control(sig, now()));
+    if (core_.state() != sup::State::kDone) wait_job_control();
   });
 }
 
@@ -896,7 +641,7 @@ void Agent::wait_child() {
   children_.async_wait([this](boost::system::error_code ec, int) {
     if (ec) return;
     reap_children();
-    if (state_ != State::kDone) wait_child();
+    if (core_.state() != sup::State::kDone) wait_child();
   });
 }
 
@@ -926,11 +671,11 @@ nlohmann::json Agent::summary() const {
   run.nproc_per_node = plan_.nproc_per_node;
   run.world_size = plan_.world_size;
   run.max_restarts = opts_.max_restarts;
-  run.restarts = restart_count_;
-  run.exit_code = exit_code_;
-  run.agent_signal = agent_signal_;
-  run.root_cause = root_cause_;
-  run.attempts = attempts_;
+  run.restarts = core_.restart_count();
+  run.exit_code = core_.exit_code();
+  run.agent_signal = core_.agent_signal();
+  run.root_cause = core_.root_cause();
+  run.attempts = core_.attempts();
   return summary_json(run);
 }
 

@@ -1,7 +1,9 @@
-// Agent: runs one node's worker group to completion on a single io_context. It spawns
-// the workers, relays their output, stops the group on the first failure (SIGTERM to
-// every process group, --grace, SIGKILL), restarts while restarts remain, forwards the
-// agent's signals, and decides the exit code. It never calls exit() and prints only the
+// Agent: runs one node's worker group to completion on a single io_context. It is the
+// wiring around the supervision core (launcher/supervisor.h, which decides: stop the
+// group on the first failure with SIGTERM, --grace, SIGKILL; restart while restarts
+// remain; forward the agent's signals; the exit code): it feeds the core the events
+// (signals, worker exits, timers, the rendezvous' messages) and carries out its actions
+// (spawn, signal, timers, messages, console). It never calls exit() and prints only the
 // relayed lines, its own one-line notices and the failure report.
 #pragma once
 
@@ -26,6 +28,7 @@
 #include "launcher/port.h"
 #include "launcher/report.h"
 #include "launcher/stdin_relay.h"
+#include "launcher/supervisor.h"
 #include "launcher/watchdog.h"
 #include "launcher/worker_process.h"
 #include "proto/messages.h"
@@ -50,38 +53,24 @@ class Agent {
   // UsageError when --log_dir cannot be created.
   void start();
   // Valid once io.run() returned.
-  int exit_code() const { return exit_code_; }
+  int exit_code() const { return core_.exit_code(); }
   nlohmann::json summary() const;
 
  private:
-  // kWaiting: no workers running, waiting for the rendezvous server's decision.
-  enum class State { kRunning, kStopping, kWaiting, kDone };
+  // The supervision rules live in core_ (launcher/supervisor.h): every event goes there
+  // with the time, and run() carries out the actions it returns, in order.
+  void run(sup::Actions actions);
+  static sup::Now now();
+  static sup::Config core_config(const AgentOptions& opts, const RunPlan& plan);
+  boost::asio::steady_timer& timer(sup::Timer t) { return t == sup::Timer::kGrace ? grace_timer_ : leave_timer_; }
 
-  void start_attempt();
-  void spawn_batch(std::uint64_t gen);  // starts the next few workers of attempt `gen`
   void spawn_worker(int local_rank);
-  int spawned_ = 0;                // workers of this attempt started so far
-  std::size_t done_count_ = 0;     // workers of this attempt reported done
-  std::uint64_t attempt_gen_ = 0;  // bumped by each start_attempt(): stale batches stop
   void start_rendezvous();
-  void on_assignment(const proto::Assignment& a);
-  void on_restart(const proto::Restart& r);
-  void on_abort(const proto::Abort& a);
-  void on_rdzv_lost(const std::string& why);
-  // The agent ends for its own signal `sig`. In a multi-node job it first tells the
-  // rendezvous that this node left (a WorkerFailed with rank -1), so the other nodes stop
-  // their workers now instead of at join_timeout, and waits up to kLeaveTimeout for the
-  // decision (a hosting agent's server still delivers it to them) before finishing.
-  void leave_job(int sig);
-  static constexpr std::chrono::seconds kLeaveTimeout{5};
-  void finish_with_abort();
+  void apply_assignment(const proto::Assignment& a);
   void retire_workers();
   void on_worker_done(WorkerProcess& w);
-  void stop_group(int sig);
-  void on_group_stopped();
-  void finish(int code);
+  void finish(int code);  // the effects of the end: every handle stops, logs and summary written
   void wait_signal();
-  void on_signal(int sig);
   // One "[mglaunch] text" line on stderr, in order with the relayed lines (never blocks).
   void notice(const std::string& text);
   void error_line(const std::string& text);  // "mglaunch: error: TEXT" on stderr: the run ends on it
@@ -128,33 +117,21 @@ class Agent {
   bool python_run_ = false;  // the program runs under opts_.python
   boost::asio::steady_timer grace_timer_;
   boost::asio::steady_timer leave_timer_;
-  int leaving_code_ = 0;  // set by leave_job(): the exit code once the decision is in
   Watchdog watchdog_;  // kills what the workers left behind once the agent is gone, even by kill -9
   std::unordered_map<pid_t, WorkerProcess*> leaders_;  // unreaped worker leaders, by pid
   bool merge_streams_ = false;  // the agent's stdout and stderr are one file: one pipe per worker
   std::optional<struct rlimit> worker_nofile_;  // the original limit, when the agent raised its own
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
   std::vector<std::unique_ptr<WorkerProcess>> retired_;
-  State state_ = State::kRunning;
-  int restart_count_ = 0;
-  int agent_signal_ = 0;       // TERM/INT/HUP that is stopping the run
-  int interrupts_ = 0;         // SIGINTs seen (a second one kills at once)
-  std::optional<RootCause> root_cause_;
-  std::vector<AttemptRecord> attempts_;
+  sup::Supervisor core_;
   std::string log_root_;       // {log_dir} or a temporary directory
   std::string log_run_dir_;    // this run's files: {log_root}/{run_id}, or {log_dir}/{run_id}_{time}_XXXXXX (default id)
   bool log_root_is_temp_ = false;
   bool keep_log_root_ = true;
-  int exit_code_ = 0;
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;
   std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink
-  bool rdzv_ = false;
-  int round_ = 0;
-  bool rejoin_after_stop_ = false;
-  std::optional<proto::Abort> abort_;
-  std::chrono::steady_clock::time_point attempt_start_;
   bool port_is_ours_ = false;  // the master port was chosen by mglaunch, not the user
   std::optional<PortReservation> port_hold_;
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -18,6 +19,20 @@ std::string time_text(std::chrono::system_clock::time_point when) {
   ::localtime_r(&t, &tm);
   return fmt::format("{:04}-{:02}-{:02}_{:02}:{:02}:{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
                      tm.tm_min, tm.tm_sec);
+}
+
+RootCause worker_root_cause(const WorkerOutcome& o, const std::string& host, const std::string& error_file,
+                            const std::string& spawn_error, std::vector<std::string> stderr_tail) {
+  RootCause rc;
+  rc.time = now_text();
+  rc.host = host;
+  rc.worker = o;
+  rc.error_file = error_file;
+  rc.message = !spawn_error.empty() ? spawn_error : read_error_file_message(rc.error_file);
+  std::error_code ec;
+  if (rc.message.empty() && !std::filesystem::exists(rc.error_file, ec)) rc.error_file.clear();
+  rc.stderr_tail = std::move(stderr_tail);
+  return rc;
 }
 
 std::string signal_name(int sig) {

@@ -59,6 +59,12 @@ struct RunRecord {
 // {"message": "..."}); empty when absent or unreadable.
 std::string read_error_file_message(const std::string& path);
 
+// The root cause of a worker that failed on its own: its outcome, the message of its
+// torchelastic error file at `error_file` (or `spawn_error` when it never ran; the path
+// is kept only when the file exists), its last stderr lines, the time now.
+RootCause worker_root_cause(const WorkerOutcome& o, const std::string& host, const std::string& error_file,
+                            const std::string& spawn_error, std::vector<std::string> stderr_tail);
+
 // The failure report block (several lines, each ending in '\n').
 std::string format_root_cause(const RootCause& rc, const std::string& program);
 

@@ -268,6 +268,7 @@ Actions Supervisor::job_control(int sig, const Now& now) {
     // stopped only us), then the agent, as the shell expects of its job.
     out.push_back(act::SignalWorkers{SIGSTOP, true});
     trace("stopped (SIGTSTP)", "signal", {{"signal", sig}}, out);
+    out.push_back(act::PauseOutputDrains{});
     out.push_back(act::StopSelf{});
     return out;
   }

@@ -69,7 +69,8 @@ struct Spawn { int local_rank = 0; int attempt = 0; };
 struct SpawnMoreLater { std::uint64_t gen = 0; };  // feed spawn_batch_due(gen) from the event loop
 struct SignalWorkers { int sig = 0; bool escaped = true; };  // every worker group, and (escaped) the
                                                               // descendants outside them
-struct ResumeOutputDrains {};  // the workers' output drain deadlines restart (time stopped does not count)
+struct PauseOutputDrains {};   // before the agent stops: an ended worker's output drain waits
+struct ResumeOutputDrains {};  // the drains start over (the time stopped does not count)
 struct StopSelf {};            // SIGSTOP the agent (Ctrl-Z, after the workers)
 struct ArmTimer { Timer timer; Clock::time_point at; };
 struct CancelTimer { Timer timer; };
@@ -85,7 +86,7 @@ struct Finish { int code = 0; };  // the run is over: every effect stops, exit w
 
 using Action = std::variant<act::Notice, act::ErrorLine, act::PrintRootCause, act::Trace, act::JoinRendezvous,
                             act::ApplyAssignment, act::AttemptStarted, act::AttemptEnded, act::Spawn,
-                            act::SpawnMoreLater, act::SignalWorkers, act::ResumeOutputDrains, act::StopSelf,
+                            act::SpawnMoreLater, act::SignalWorkers, act::PauseOutputDrains, act::ResumeOutputDrains, act::StopSelf,
                             act::ArmTimer, act::CancelTimer, act::RetireWorkers, act::AttemptDue,
                             act::HoldMasterPort, act::ReleaseMasterPort, act::Rejoin, act::SendWorkerFailed,
                             act::SendNodeDone, act::Finish>;

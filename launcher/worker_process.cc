@@ -477,6 +477,14 @@ void WorkerProcess::arm_drain() {
   });
 }
 
+void WorkerProcess::pause_drain() {
+  if (exited_ && !done_) impl_->drain.cancel();
+}
+
+void WorkerProcess::resume_drain() {
+  if (exited_ && !done_ && (impl_->open[0] || impl_->open[1])) arm_drain();
+}
+
 void WorkerProcess::maybe_done() {
   if (done_ || !exited_ || impl_->open[0] || impl_->open[1]) return;
   done_ = true;

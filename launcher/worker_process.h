@@ -119,6 +119,10 @@ class WorkerProcess {
   void kill_stragglers(const std::unordered_set<pid_t>* groups = nullptr) { signal_group(SIGKILL, groups); }
   // The exit, from the agent's reaper: `status` as waitpid returned it.
   void on_exit(int status);
+  // The agent stops (Ctrl-Z) / goes on: an ended worker's output drain (kDrainTimeout)
+  // waits meanwhile and starts over, so the time stopped does not count against it.
+  void pause_drain();
+  void resume_drain();
 
   const WorkerSpec& spec() const { return spec_; }
   pid_t pid() const { return pid_; }

@@ -333,6 +333,9 @@ TEST_CASE("Ctrl-Z stops the workers before the agent stops itself") {
   auto out = s.job_control(SIGTSTP, at(10));
   CHECK(signals_sent(out) == std::vector<int>{SIGSTOP});
   CHECK(index_of<act::SignalWorkers>(out) < index_of<act::StopSelf>(out));
+  // An ended worker's output drain must not run out while everything is stopped.
+  CHECK(index_of<act::PauseOutputDrains>(out) >= 0);
+  CHECK(index_of<act::PauseOutputDrains>(out) < index_of<act::StopSelf>(out));
   CHECK_FALSE(has<act::ArmTimer>(out));
 }
 

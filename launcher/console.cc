@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <iterator>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <ctime>
 #include <deque>
@@ -37,8 +39,35 @@ bool write_fully(int fd, std::string_view data) {
   return true;
 }
 
-// Queue entries are joined into writes of at most this size.
-constexpr std::size_t kMaxWrite = 256 * 1024;
+// writev() of `parts`, all of them, retrying on EINTR and partial writes; whether
+// everything was written.
+bool write_fully(int fd, std::vector<std::string>& parts) {
+  std::vector<iovec> iov;
+  iov.reserve(parts.size());
+  for (auto& p : parts)
+    if (!p.empty()) iov.push_back({p.data(), p.size()});
+  std::size_t i = 0;
+  while (i < iov.size()) {
+    const ssize_t n = ::writev(fd, &iov[i], static_cast<int>(std::min<std::size_t>(iov.size() - i, IOV_MAX)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    for (auto left = static_cast<std::size_t>(n); left > 0;) {
+      const std::size_t take = std::min(left, iov[i].iov_len);
+      iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + take;
+      iov[i].iov_len -= take;
+      left -= take;
+      if (iov[i].iov_len == 0) ++i;
+    }
+  }
+  return true;
+}
+
+// Queue entries of one file are written together (one writev) up to this many bytes, so a
+// writer that fell behind catches up in few system calls and without copying.
+constexpr std::size_t kMaxWrite = 1024 * 1024;
+// Written buffers kept for reuse (per stream), so a steady relay neither allocates nor
+// faults in fresh pages for each batch.
+constexpr std::size_t kSpareBuffers = 4;
 
 }  // namespace
 
@@ -57,6 +86,7 @@ struct Console::Async {
     std::mutex m;
     std::condition_variable cv;
     std::deque<Item> q;
+    std::vector<std::string> spares;  // written buffers, cleared, for spare()
     bool stop = false;
     std::atomic<std::size_t> queued{0};
     std::thread thread;
@@ -83,6 +113,16 @@ struct Console::Async {
     push_item(stream, {fds[stream], std::move(data), false});
   }
 
+  // A cleared buffer with room from an earlier batch of `stream`, if one came back.
+  std::string spare(int stream) {
+    auto& s = streams[stream];
+    std::lock_guard<std::mutex> lk(s.m);
+    if (s.spares.empty()) return {};
+    std::string b = std::move(s.spares.back());
+    s.spares.pop_back();
+    return b;
+  }
+
   void push_item(int stream, Item item) {
     auto& s = streams[stream];
     // A stream's writer starts with its first item: a run with quiet workers starts no thread.
@@ -99,30 +139,44 @@ struct Console::Async {
     return std::any_of(std::begin(streams), std::end(streams), [&](const Stream& s) { return s.queued.load() > limit; });
   }
 
-  // Writer thread of one stream: blocking writes of whole queue entries, in order.
+  // Writer thread of one stream: blocking writes of whole queue entries, in order; the
+  // entries for one file that are queued together go out in one writev().
   void run(Stream& s) {
     std::vector<int> failed;  // fds that failed (a closed console): skip their data
+    std::vector<std::string> parts;
     for (;;) {
-      Item chunk;
+      int fd = -1;
+      bool close = false;
+      std::size_t bytes = 0;
       {
         std::unique_lock<std::mutex> lk(s.m);
         s.cv.wait(lk, [&] { return s.stop || !s.q.empty(); });
         if (s.q.empty()) return;
-        chunk = std::move(s.q.front());
-        s.q.pop_front();
-        while (!chunk.close && !s.q.empty() && s.q.front().fd == chunk.fd && !s.q.front().close &&
-               chunk.data.size() + s.q.front().data.size() <= kMaxWrite) {
-          chunk.data += s.q.front().data;
+        fd = s.q.front().fd;
+        while (!s.q.empty() && s.q.front().fd == fd && !close && (parts.empty() || bytes < kMaxWrite)) {
+          Item& it = s.q.front();
+          close = it.close;
+          bytes += it.data.size();
+          parts.push_back(std::move(it.data));
           s.q.pop_front();
         }
       }
-      const bool bad = std::find(failed.begin(), failed.end(), chunk.fd) != failed.end();
-      if (!bad && !chunk.data.empty() && !write_fully(chunk.fd, chunk.data)) failed.push_back(chunk.fd);
-      if (chunk.close) {
-        ::close(chunk.fd);
-        failed.erase(std::remove(failed.begin(), failed.end(), chunk.fd), failed.end());
+      const bool bad = std::find(failed.begin(), failed.end(), fd) != failed.end();
+      if (!bad && bytes > 0 && !write_fully(fd, parts)) failed.push_back(fd);
+      if (close) {
+        ::close(fd);
+        failed.erase(std::remove(failed.begin(), failed.end(), fd), failed.end());
       }
-      s.queued -= chunk.data.size();
+      {
+        std::lock_guard<std::mutex> lk(s.m);
+        for (auto& p : parts) {
+          if (s.spares.size() >= kSpareBuffers || p.capacity() > kMaxWrite) break;
+          p.clear();
+          s.spares.push_back(std::move(p));
+        }
+      }
+      parts.clear();
+      s.queued -= bytes;
       if (waiting.load() && !above(low)) asio::post(io, [this] { resume(); });
     }
   }
@@ -252,10 +306,11 @@ void Console::flush() {
     if (buf_[s].empty()) continue;
     if (async_) {
       async_->push(s, std::move(buf_[s]));
+      buf_[s] = async_->spare(s);
     } else {
       write_all(fds_[s], buf_[s]);
+      buf_[s].clear();
     }
-    buf_[s].clear();
   }
 }
 

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "launcher/watchdog.h"
 #include "support/proc.h"
@@ -308,6 +309,35 @@ TEST_CASE("Ctrl-Z stops the agent and every worker, SIGCONT (fg, bg) resumes the
   INFO(p.text());
   CHECK(p.text().find("[rank0]:done") != std::string::npos);
   CHECK(p.text().find("[rank1]:done") != std::string::npos);
+}
+
+TEST_CASE("the time stopped by Ctrl-Z does not count against the output drain of a worker that already ended") {
+  // The worker exits at once; its background child keeps the pipe and writes once told.
+  // After an exit the agent drains the pipes for 2 s: a stop longer than that must not
+  // cut the child's line when the job is continued.
+  const std::string dir = make_temp_dir();
+  KillList kill_list{dir + "/pids"};
+  const std::string go = dir + "/go";
+  PtyProc p({kMglaunch, "--nproc_per_node=1", "--no_python", "/bin/sh", "-c",
+             "(while [ ! -e " + go + " ]; do sleep 0.05; done; echo late) & echo $! >> " + kill_list.pidfile +
+                 "; read -r me rest < /proc/self/stat; echo leader $me end; exit 0"});
+  REQUIRE(p.wait_for(" end", 60s));
+  const auto at = p.text().find("[rank0]:leader ");
+  const pid_t leader = static_cast<pid_t>(std::stol(p.text().substr(at + 15)));
+  INFO(p.text());
+  // Reaped by the agent: its drain of the pipes has begun.
+  REQUIRE(eventually([&] { return !fs::exists("/proc/" + std::to_string(leader)); }, 30s));
+  p.type("\x1a");  // Ctrl-Z
+  int st = 0;
+  REQUIRE(eventually([&] { return ::waitpid(p.pid, &st, WNOHANG | WUNTRACED) == p.pid; }, 30s));
+  REQUIRE(WIFSTOPPED(st));
+  // Not an ordering wait: the drain's 2 s must pass while everything is stopped.
+  std::this_thread::sleep_for(3s);
+  write_text(go, "");
+  ::kill(p.pid, SIGCONT);
+  CHECK(p.wait_exit(60s) == 0);
+  INFO(p.text());
+  CHECK(p.text().find("[rank0]:late") != std::string::npos);
 }
 
 TEST_CASE("on a terminal partial lines show at once, a carriage return gets the prefix, and two workers' lines never mix") {

@@ -4,9 +4,9 @@
 #include <sched.h>
 #include <signal.h>
 #include <linux/close_range.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <linux/futex.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
@@ -56,90 +57,269 @@ namespace {
 // How long after the exit we keep reading a worker's pipes (a grandchild may hold them).
 constexpr std::chrono::milliseconds kDrainTimeout{2000};
 
-// What the child of spawn_process() reads (before exec it shares the parent's memory, and
-// the parent is suspended until the exec or _exit: CLONE_VFORK).
-struct ChildArgs {
-  const SpawnRequest* req;
-  pid_t parent;
-  int error;          // errno of the failed step, 0 if exec succeeded
-  const char* stage;  // which step failed
+// The child of spawn_process() runs on a stack of its own, in the agent's memory
+// (CLONE_VM), while the agent goes on: it may not touch anything the agent uses, not even
+// errno (the agent thread's, through the shared thread pointer). So it calls the kernel
+// directly, with results as -errno.
+#if defined(__x86_64__)
+#define MG_RAW_SYSCALLS 1
+inline long raw_syscall(long n, long a = 0, long b = 0, long c = 0, long d = 0) {
+  long ret;
+  register long r10 __asm__("r10") = d;
+  __asm__ volatile("syscall" : "=a"(ret) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10) : "rcx", "r11", "memory");
+  return ret;
+}
+#elif defined(__aarch64__)
+#define MG_RAW_SYSCALLS 1
+inline long raw_syscall(long n, long a = 0, long b = 0, long c = 0, long d = 0) {
+  register long x8 __asm__("x8") = n;
+  register long x0 __asm__("x0") = a;
+  register long x1 __asm__("x1") = b;
+  register long x2 __asm__("x2") = c;
+  register long x3 __asm__("x3") = d;
+  __asm__ volatile("svc 0" : "+r"(x0) : "r"(x8), "r"(x1), "r"(x2), "r"(x3) : "memory");
+  return x0;
+}
+#else
+// Elsewhere the agent waits for the exec (CLONE_VFORK): the libc wrappers may then write
+// errno, as in posix_spawn.
+#define MG_RAW_SYSCALLS 0
+inline long raw_syscall(long n, long a = 0, long b = 0, long c = 0, long d = 0) {
+  const long r = ::syscall(n, a, b, c, d);
+  return r < 0 ? -errno : r;
+}
+#endif
+
+// The kernel's struct sigaction (x86-64 and arm64; rt_sigaction with an 8-byte set).
+struct KernelSigaction {
+  void* handler;
+  unsigned long flags;
+  void* restorer;
+  unsigned long mask;
 };
 
-// Runs in the child on its own stack: only system calls, no allocation, no locks.
+// Stacks of children between clone and exec. A stack is reused once its child has exec'd
+// or exited (the kernel clears the ticket's tid word then: CLONE_CHILD_CLEARTID). Used by
+// the one thread that spawns.
+constexpr std::size_t kChildStack = 32 * 1024;  // child_main needs a few hundred bytes
+constexpr std::size_t kMaxInFlight = 128;       // then wait for the oldest child's exec
+constexpr std::size_t kKeepFree = 16;
+
+bool tid_cleared(const int* tid) { return __atomic_load_n(tid, __ATOMIC_ACQUIRE) == 0; }
+
+}  // namespace
+
+struct SpawnTicket::State {
+  int tid = 1;  // zeroed by the kernel when the child execs or exits (CLONE_CHILD_CLEARTID)
+  // Written by the child before it exits 127: the step that failed and its errno.
+  int error = 0;
+  const char* stage = nullptr;
+  // What the child reads; the agent does not change it while the child may run.
+  SpawnRequest req;
+  cpu_set_t cpus;
+  bool has_cpus = false;
+  unsigned long long nofile[2] = {0, 0};  // struct rlimit64 for prlimit64
+  bool has_nofile = false;
+  bool waited = false;  // CLONE_VFORK: the agent is suspended until the exec
+  pid_t parent = 0;
+  char* stack = nullptr;  // owned until the child settles
+};
+
+namespace {
+
+struct StackPool {
+  std::vector<char*> free;
+  std::vector<SpawnTicket::State*> in_flight;
+
+  char* take() {
+    reclaim();
+    if (in_flight.size() >= kMaxInFlight) {
+      // Far ahead of the children (a saturated machine): wait for the oldest one's exec,
+      // at most 100 ms (a child stopped before its exec must not stop the agent).
+      SpawnTicket::State* oldest = in_flight.front();
+      if (const int v = __atomic_load_n(&oldest->tid, __ATOMIC_ACQUIRE); v != 0) {
+        timespec limit{0, 100 * 1000 * 1000};
+        ::syscall(SYS_futex, &oldest->tid, FUTEX_WAIT, v, &limit, nullptr, 0);
+      }
+      reclaim();
+    }
+    if (!free.empty()) {
+      char* s = free.back();
+      free.pop_back();
+      return s;
+    }
+    return static_cast<char*>(std::aligned_alloc(64, kChildStack));
+  }
+  void give(char* s) {
+    if (free.size() < kKeepFree) free.push_back(s);
+    else std::free(s);
+  }
+  void reclaim() {
+    std::erase_if(in_flight, [this](SpawnTicket::State* st) {
+      if (!tid_cleared(&st->tid)) return false;
+      give(st->stack);
+      st->stack = nullptr;
+      return true;
+    });
+  }
+  void forget(SpawnTicket::State* st) { std::erase(in_flight, st); }
+};
+
+StackPool& stack_pool() {
+  static StackPool* pool = new StackPool;  // never destroyed: children may settle during exit
+  return *pool;
+}
+
+// Runs in the child: raw system calls only (see above), no allocation, no lock.
 int child_main(void* p) {
-  auto* a = static_cast<ChildArgs*>(p);
-  const SpawnRequest& r = *a->req;
-  auto fail = [&](const char* stage) {
-    a->error = errno;
-    a->stage = stage;
-    ::_exit(127);
-    return 0;
+  auto* st = static_cast<SpawnTicket::State*>(p);
+  const SpawnRequest& r = st->req;
+  auto fail = [st](const char* stage, long rc) {
+    st->error = static_cast<int>(-rc);
+    st->stage = stage;
+    raw_syscall(SYS_exit_group, 127);
+    __builtin_unreachable();
   };
   // Default dispositions before unblocking (exec would reset the caught ones, but a
   // signal could come before it); ignored ones the agent set (SIGPIPE, SIGTTIN) too. Only
-  // the signals the agent (asio's signal_set) may catch: every system call here is time
-  // the agent waits (CLONE_VFORK).
+  // the signals the agent (asio's signal_set) may catch.
   for (int sig : {SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGPIPE, SIGALRM, SIGTERM, SIGCHLD, SIGCONT, SIGTSTP,
                   SIGTTIN, SIGTTOU, SIGWINCH, SIGURG, SIGXFSZ}) {
+    const bool agent_ignores = sig == SIGPIPE || sig == SIGTTIN || sig == SIGTTOU;
+#if MG_RAW_SYSCALLS
+    KernelSigaction old{};
+    if (raw_syscall(SYS_rt_sigaction, sig, 0, reinterpret_cast<long>(&old), 8) != 0) continue;
+    const bool dfl = old.handler == reinterpret_cast<void*>(SIG_DFL);
+    const bool ign = old.handler == reinterpret_cast<void*>(SIG_IGN);
+    if (!dfl && (!ign || agent_ignores)) {
+      KernelSigaction def{};  // SIG_DFL, no flags, empty mask
+      raw_syscall(SYS_rt_sigaction, sig, reinterpret_cast<long>(&def), 0, 8);
+    }
+#else
     struct sigaction old {};
     if (::sigaction(sig, nullptr, &old) != 0) continue;
-    const bool agent_ignores = sig == SIGPIPE || sig == SIGTTIN || sig == SIGTTOU;
     if (old.sa_handler != SIG_DFL && (old.sa_handler != SIG_IGN || agent_ignores)) ::signal(sig, SIG_DFL);
+#endif
   }
-  sigset_t none;
-  sigemptyset(&none);
-  if (::setpgid(0, 0) != 0) return fail("setpgid");
-  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return fail("prctl");
-  if (::getppid() != a->parent) ::_exit(128 + SIGKILL);  // the agent died before prctl
-  if (r.cpus && ::sched_setaffinity(0, sizeof(cpu_set_t), r.cpus) != 0) return fail("sched_setaffinity");
-  if (r.nofile && ::setrlimit(RLIMIT_NOFILE, r.nofile) != 0) return fail("setrlimit");
-  // fds[i] may already be i (the agent's own stdin); dup2 of a descriptor onto itself
+  long rc = 0;
+  if ((rc = raw_syscall(SYS_setpgid, 0, 0)) != 0) fail("setpgid", rc);
+  if ((rc = raw_syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL)) != 0) fail("prctl", rc);
+  if (raw_syscall(SYS_getppid) != st->parent) raw_syscall(SYS_exit_group, 128 + SIGKILL);  // the agent died before prctl
+  if (st->has_cpus &&
+      (rc = raw_syscall(SYS_sched_setaffinity, 0, sizeof(cpu_set_t), reinterpret_cast<long>(&st->cpus))) != 0)
+    fail("sched_setaffinity", rc);
+  if (st->has_nofile &&
+      (rc = raw_syscall(SYS_prlimit64, 0, RLIMIT_NOFILE, reinterpret_cast<long>(st->nofile), 0)) != 0)
+    fail("setrlimit", rc);
+  // fds[i] may already be i (the agent's own stdin); dup of a descriptor onto itself
   // would leave a close-on-exec flag in place, so clear it explicitly.
   for (int i = 0; i < 3; ++i) {
     if (r.fds[i] == i) {
-      ::fcntl(i, F_SETFD, 0);
-    } else if (::dup2(r.fds[i], i) < 0) {
-      return fail("dup2");
+      raw_syscall(SYS_fcntl, i, F_SETFD, 0);
+    } else if ((rc = raw_syscall(SYS_dup3, r.fds[i], i, 0)) < 0) {
+      fail("dup2", rc);
     }
   }
   // Nothing of the agent (rendezvous sockets, other workers' pipes, log files) may reach
   // the worker.
-  if (!mark_cloexec_above_stderr()) return fail("close_range");
+  if (!st->waited) {
+    // Only when the kernel has CLOSE_RANGE_CLOEXEC (checked by spawn_skips_exec_wait()).
+    if ((rc = raw_syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC)) != 0) fail("close_range", rc);
+  } else if (!mark_cloexec_above_stderr()) {
+    fail("close_range", -errno);
+  }
+#if MG_RAW_SYSCALLS
+  const unsigned long none = 0;
+  raw_syscall(SYS_rt_sigprocmask, SIG_SETMASK, reinterpret_cast<long>(&none), 0, 8);
+#else
+  sigset_t none;
+  sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
-  ::execve(r.path, const_cast<char* const*>(r.argv), const_cast<char* const*>(r.envp));
-  return fail("execve");
+#endif
+  rc = raw_syscall(SYS_execve, reinterpret_cast<long>(r.path), reinterpret_cast<long>(r.argv),
+                   reinterpret_cast<long>(r.envp));
+  fail("execve", rc);
+  return 127;
 }
 
 }  // namespace
 
-pid_t spawn_process(const SpawnRequest& req, std::string& error) {
-  // One stack for every child, reused: CLONE_VFORK lets only one child use it at a time.
-  static constexpr std::size_t kStack = 256 * 1024;
-  static char* stack = static_cast<char*>(::mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
-                                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0));
-  if (stack == MAP_FAILED) {
-    error = fmt::format("mmap: {}", std::strerror(errno));
+bool spawn_skips_exec_wait() {
+  static const bool skips = [] {
+#if MG_RAW_SYSCALLS && defined(SYS_close_range) && defined(CLOSE_RANGE_CLOEXEC)
+    // An empty range: accepted wherever the kernel knows CLOSE_RANGE_CLOEXEC (Linux >= 5.11).
+    return ::syscall(SYS_close_range, ~0U, ~0U, CLOSE_RANGE_CLOEXEC) == 0;
+#else
+    return false;
+#endif
+  }();
+  return skips;
+}
+
+SpawnTicket::SpawnTicket() = default;
+
+SpawnTicket::~SpawnTicket() {
+  if (!state_ || !state_->stack) return;
+  stack_pool().forget(state_.get());
+  // The child has settled (the caller reaped it); otherwise its stack is left to it.
+  if (tid_cleared(&state_->tid)) stack_pool().give(state_->stack);
+}
+
+bool SpawnTicket::settled() const { return !state_ || tid_cleared(&state_->tid); }
+
+std::string SpawnTicket::failure() const {
+  if (!state_ || !tid_cleared(&state_->tid) || state_->error == 0) return {};
+  return fmt::format("{}: {}", state_->stage ? state_->stage : "spawn", std::strerror(state_->error));
+}
+
+pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& error) {
+  auto st = std::make_unique<SpawnTicket::State>();
+  st->req = req;
+  if (req.cpus) {
+    st->cpus = *req.cpus;
+    st->has_cpus = true;
+  }
+  if (req.nofile) {
+    auto wide = [](rlim_t v) { return v == RLIM_INFINITY ? ~0ULL : static_cast<unsigned long long>(v); };
+    st->nofile[0] = wide(req.nofile->rlim_cur);
+    st->nofile[1] = wide(req.nofile->rlim_max);
+    st->has_nofile = true;
+  }
+  st->waited = req.wait_exec || !spawn_skips_exec_wait();
+  st->parent = ::getpid();
+  StackPool& pool = stack_pool();
+  st->stack = pool.take();
+  if (!st->stack) {
+    error = "no memory for the child's stack";
     return -1;
   }
-  ChildArgs args{&req, ::getpid(), 0, nullptr};
-  // No signal handler of the agent may run in the child (it shares our memory).
+  // No signal handler of the agent may run in the child (it shares our memory); the child
+  // resets the dispositions, then unblocks.
   sigset_t all, old;
   sigfillset(&all);
   ::pthread_sigmask(SIG_SETMASK, &all, &old);
-  const pid_t pid = ::clone(child_main, stack + kStack, CLONE_VM | CLONE_VFORK | SIGCHLD, &args);
+  const int flags = CLONE_VM | CLONE_CHILD_CLEARTID | SIGCHLD | (st->waited ? CLONE_VFORK : 0);
+  const pid_t pid = ::clone(child_main, st->stack + kChildStack, flags, st.get(), nullptr, nullptr, &st->tid);
   const int clone_errno = errno;
+  if (pid > 0 && !st->waited) {
+    // The child's own group at once, also for a signal sent before the child ran setpgid
+    // (EACCES once it has exec'd: then it did so itself).
+    ::setpgid(pid, pid);
+  }
   ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
   if (pid < 0) {
+    pool.give(st->stack);
+    st->stack = nullptr;
     error = fmt::format("clone: {}", std::strerror(clone_errno));
     return -1;
   }
-  if (args.error != 0) {
-    int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    error = fmt::format("{}: {}", args.stage ? args.stage : "spawn", std::strerror(args.error));
-    return -1;
+  if (tid_cleared(&st->tid)) {
+    pool.give(st->stack);
+    st->stack = nullptr;
+  } else {
+    pool.in_flight.push_back(st.get());
   }
+  ticket.state_ = std::move(st);
   return pid;
 }
 
@@ -283,6 +463,9 @@ struct WorkerProcess::Impl {
   std::array<int, 2> files{-1, -1};  // log files; the console closes them
   std::array<std::unique_ptr<LineSplitter>, 2> splitters;
   asio::steady_timer drain;
+  // The child until its exec, and what it reads meanwhile (spawn_process's lifetimes).
+  SpawnTicket ticket;
+  std::vector<const char*> argv, envp;
 };
 
 WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& console, DoneHandler on_done)
@@ -314,11 +497,11 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     if (devnull < 0) spawn_error_ = fmt::format("cannot open /dev/null: {}", std::strerror(errno));
   }
   if (spawn_error_.empty()) {
-    std::vector<const char*> envp;
+    auto& envp = impl_->envp;
     envp.reserve(spec_.env.size() + 1);
     for (const auto& kv : spec_.env) envp.push_back(kv.c_str());
     envp.push_back(nullptr);
-    std::vector<const char*> argv;
+    auto& argv = impl_->argv;
     argv.reserve(spec_.argv.size() + 1);
     for (const auto& a : spec_.argv) argv.push_back(a.c_str());
     argv.push_back(nullptr);
@@ -336,7 +519,7 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     req.cpus = spec_.cpus.empty() ? nullptr : &cpu_set;
     req.nofile = spec_.nofile;
     std::string error;
-    pid_ = spawn_process(req, error);
+    pid_ = spawn_process(req, impl_->ticket, error);
     if (pid_ < 0) spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, error);
   }
   if (devnull >= 0) ::close(devnull);
@@ -456,6 +639,10 @@ void WorkerProcess::on_exit(int status) {
   exited_ = true;
   status_ = status;
   end_ = std::chrono::steady_clock::now();
+  // A step before the program ran failed (the child exited 127): say which, as the
+  // constructor does for failures in the agent.
+  if (std::string failure = impl_->ticket.failure(); !failure.empty() && spawn_error_.empty())
+    spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, failure);
   if (impl_->open[0] || impl_->open[1]) arm_drain();
   maybe_done();
 }

@@ -45,6 +45,25 @@ std::string empty_value_error(const std::string& written) {
 
 }  // namespace
 
+std::string one_line(std::string_view text, std::size_t max) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.remove_suffix(1);
+  std::string out;
+  out.reserve(std::min(text.size(), max) + 8);
+  for (const char ch : text) {
+    if (out.size() >= max) {
+      out += "...";
+      break;
+    }
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7f) out += fmt::format("\\x{:02x}", c);
+    else out += ch;
+  }
+  return out;
+}
+
 std::string FlagSpec::display() const {
   return long_names.empty() ? "-" + short_names.at(0) : "--" + long_names.front();
 }

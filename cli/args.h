@@ -11,6 +11,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace CLI {
@@ -53,6 +54,11 @@ Normalized normalize_args(const std::vector<std::string>& args, const std::vecto
 // The candidate closest to `word` by edit distance, if it is close enough to be a likely
 // typo (at most a third of the word's length, at least 1 edit); nullopt otherwise.
 std::optional<std::string> nearest_name(const std::string& word, const std::vector<std::string>& candidates);
+
+// `text` made fit for a one-line error: newlines, tabs and other control characters as
+// escapes (`\n`, `\t`, `\x1b`), cut to `max` bytes with "..." (a user's value may hold
+// anything: `--rdzv_id=$'a\nb'`). Every binary's `PROGRAM: error:` line goes through it.
+std::string one_line(std::string_view text, std::size_t max = 2000);
 
 // Every long name of every spec, for nearest_name().
 std::vector<std::string> long_names(const std::vector<FlagSpec>& specs);

@@ -19,6 +19,7 @@
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
+#include "cli/args.h"
 #include "launcher/errors.h"
 #include "launcher/monitor.h"
 #include "launcher/trace.h"
@@ -511,7 +512,7 @@ void Agent::finish(int code) {
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
     out << summary().dump(2) << "\n";
-    if (!out) notice(fmt::format("cannot write --summary-json {}", opts_.summary_json));
+    if (!out) error_line(fmt::format("cannot write --summary-json '{}'; pick a file you can write", opts_.summary_json));
   }
   if (trace_) {
     trace_instant("exit", "agent", {{"exit_code", code}, {"restarts", core_.restart_count()}});
@@ -531,7 +532,7 @@ void Agent::wait_signal() {
 
 void Agent::notice(const std::string& text) { console_.write(1, "[mglaunch] " + text + "\n"); }
 
-void Agent::error_line(const std::string& text) { console_.write(1, "mglaunch: error: " + text + "\n"); }
+void Agent::error_line(const std::string& text) { console_.write(1, "mglaunch: error: " + cli::one_line(text) + "\n"); }
 
 void Agent::start_ops() {
   if (!opts_.trace_file.empty()) {

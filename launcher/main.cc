@@ -1,11 +1,16 @@
 // mglaunch: torchrun-compatible per-node agent. Parses flags, resolves the plan and runs
 // the Agent; this is the only place that turns errors into exit codes.
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <boost/asio/io_context.hpp>
 #include <fmt/format.h>
 
+#include "cli/args.h"
 #include "launcher/agent.h"
 #include "launcher/doctor.h"
 #include "launcher/multihost.h"
@@ -35,7 +40,7 @@ void ignore_late_signals() {
 int main(int argc, char** argv) {
   using namespace mg;
   auto fail = [](int code, const std::string& msg) {
-    write_all(STDERR_FILENO, "mglaunch: error: " + msg + "\n");
+    write_all(STDERR_FILENO, "mglaunch: error: " + cli::one_line(msg) + "\n");
     return code;
   };
   try {
@@ -63,6 +68,14 @@ int main(int argc, char** argv) {
       write_all(STDOUT_FILENO, plan_to_json(plan, opts, env).dump(2) + "\n");
       return exit_code::kOk;
     }
+    // An unwritable --summary-json is a bad flag now, not a notice after the whole run.
+    if (!opts.summary_json.empty()) {
+      const int fd = ::open(opts.summary_json.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+      if (fd < 0)
+        throw UsageError(fmt::format("--summary-json '{}' cannot be written: {}; pick a file you can write",
+                                     opts.summary_json, std::strerror(errno)));
+      ::close(fd);
+    }
     int code = exit_code::kInternal;
     {
       boost::asio::io_context io(1);
@@ -82,5 +95,7 @@ int main(int argc, char** argv) {
     return fail(exit_code::kNotFound, e.what());
   } catch (const std::exception& e) {
     return fail(exit_code::kInternal, fmt::format("internal error: {}", e.what()));
+  } catch (...) {
+    return fail(exit_code::kInternal, "internal error: an unknown exception");
   }
 }

@@ -49,7 +49,12 @@ std::chrono::milliseconds seconds_in(const char* flag, const std::string& text, 
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// Every error line: one line, `mglaunch-rdzv: error: ...` (a value may hold a newline).
+static void error_line(const std::string& text) {
+  std::fprintf(stderr, "mglaunch-rdzv: error: %s\n", mg::cli::one_line(text).c_str());
+}
+
+static int run_daemon(int argc, char** argv) {
   std::string listen = "127.0.0.1:0", token_file;
   bool json_log = false;
   // Numbers as text: checked below with their real ranges (CLI11 would print 1.8e308).
@@ -84,7 +89,7 @@ int main(int argc, char** argv) {
   app.add_option("--orphan-job-expiry", orphan_expiry_s, "Forget a job nobody is connected to after this many seconds");
   app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds");
   app.footer("Prints 'listening on HOST:PORT' first (then 'metrics on URL' with --metrics-port). Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad flags or token "
-             "file; 3 cannot listen (rendezvous, metrics or status page).");
+             "file; 3 cannot listen (rendezvous, metrics or status page); 1 internal error.");
   try {
     // argparse's rules as mglaunch: `--flag=` is an empty value, unique prefixes name a flag.
     auto norm = mg::cli::normalize_args(std::vector<std::string>(argv + 1, argv + argc), mg::cli::specs_of(app),
@@ -95,10 +100,10 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::Error& e) {
     std::string what = e.what();
-    std::fprintf(stderr, "mglaunch-rdzv: error: %s (see --help)\n", what.substr(0, what.find('\n')).c_str());
+    error_line(what.substr(0, what.find('\n')) + " (see --help)");
     return 2;
   } catch (const mg::cli::ArgsError& e) {
-    std::fprintf(stderr, "mglaunch-rdzv: error: %s (see --help)\n", e.what());
+    error_line(std::string(e.what()) + " (see --help)");
     return 2;
   }
   mg::rdzv::ServerOptions so;
@@ -139,7 +144,7 @@ int main(int argc, char** argv) {
     if (app.count("--job-token") > 0 && job_token_for.empty())
       throw BadFlag("--job-token is empty (an unset shell variable?): give the job id");
   } catch (const BadFlag& e) {
-    std::fprintf(stderr, "mglaunch-rdzv: error: %s (see --help)\n", e.what());
+    error_line(std::string(e.what()) + " (see --help)");
     return 2;
   }
   if (const char* t = std::getenv("MGLAUNCH_RDZV_TOKEN")) so.token = t;
@@ -147,13 +152,14 @@ int main(int argc, char** argv) {
     std::ifstream in(token_file);
     std::getline(in, so.token);
     if (!in && so.token.empty()) {
-      std::fprintf(stderr, "mglaunch-rdzv: error: --token-file '%s' cannot be read or is empty\n", token_file.c_str());
+      error_line(fmt::format("--token-file '{}' cannot be read or is empty; give a file whose first line is the token",
+                             token_file));
       return 2;
     }
   }
   if (!job_token_for.empty()) {
     if (so.token.empty()) {
-      std::fprintf(stderr, "mglaunch-rdzv: error: --job-token needs the daemon token (--token-file or MGLAUNCH_RDZV_TOKEN)\n");
+      error_line("--job-token needs the daemon token (--token-file or MGLAUNCH_RDZV_TOKEN)");
       return 2;
     }
     std::printf("%s\n", mg::rdzv::auth::job_key(so.token, job_token_for).c_str());
@@ -169,7 +175,7 @@ int main(int argc, char** argv) {
   try {
     server = std::make_unique<mg::rdzv::Server>(io, so);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "mglaunch-rdzv: error: %s\n", e.what());
+    error_line(e.what());
     return 3;
   }
   std::printf("listening on %s\n", server->address().c_str());
@@ -187,7 +193,7 @@ int main(int argc, char** argv) {
             return mg::rdzv::HttpResponse{404, "text/plain; charset=utf-8", "not found: try /metrics\n"};
           });
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "mglaunch-rdzv: error: --metrics-port: %s\n", e.what());
+      error_line(fmt::format("--metrics-port: {}", e.what()));
       return 3;
     }
     std::printf("metrics on http://%s/metrics\n", metrics->address().c_str());
@@ -200,7 +206,7 @@ int main(int argc, char** argv) {
           io, ep.host, ep.port,
           [&server, token = so.token](const mg::rdzv::HttpRequest& req) { return mg::rdzv::serve_status(*server, token, req); });
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "mglaunch-rdzv: error: --http: %s\n", e.what());
+      error_line(fmt::format("--http: {}", e.what()));
       return 3;
     }
     std::printf("status page on http://%s/\n", status->address().c_str());
@@ -214,4 +220,15 @@ int main(int argc, char** argv) {
   });
   io.run();
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run_daemon(argc, argv);
+  } catch (const std::exception& e) {
+    error_line(fmt::format("internal error: {}", e.what()));
+  } catch (...) {
+    error_line("internal error: an unknown exception");
+  }
+  return 1;
 }

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "cli/args.h"
 #include "slurm/sbatch.h"
 
 namespace {
@@ -121,10 +122,13 @@ int main(int argc, char** argv) {
     }
     return submit(script, o.wait);
   } catch (const SbatchUsageError& e) {
-    std::cerr << "mglaunch-sbatch: error: " << e.what() << "\n";
+    std::cerr << "mglaunch-sbatch: error: " << mg::cli::one_line(e.what()) << "\n";
     return kUsage;
   } catch (const std::exception& e) {
-    std::cerr << "mglaunch-sbatch: error: internal error: " << e.what() << "\n";
+    std::cerr << "mglaunch-sbatch: error: internal error: " << mg::cli::one_line(e.what()) << "\n";
+    return kInternal;
+  } catch (...) {
+    std::cerr << "mglaunch-sbatch: error: internal error: an unknown exception\n";
     return kInternal;
   }
 }

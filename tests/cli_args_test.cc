@@ -111,3 +111,12 @@ TEST_CASE("each given flag's value is kept beside it, nothing for a switch") {
   CHECK(n.values[2] == std::optional<std::string>(""));
   CHECK_FALSE(n.values[3]);
 }
+
+TEST_CASE("one_line keeps an error on one line whatever the value holds, and cuts a huge one") {
+  CHECK(one_line("bad --rdzv_id 'a\nb'") == "bad --rdzv_id 'a\\nb'");
+  CHECK(one_line("tab\there\r, bell\x07, del\x7f") == "tab\\there\\r, bell\\x07, del\\x7f");
+  CHECK(one_line("trailing newline\n") == "trailing newline");
+  CHECK(one_line("caf\xc3\xa9") == "caf\xc3\xa9");  // UTF-8 passes as it is
+  const std::string cut = one_line(std::string(5000, 'x'), 100);
+  CHECK(cut == std::string(100, 'x') + "...");
+}

@@ -4,9 +4,24 @@
 // models, reducer, checkpoint, allreduce_bench, trainer).
 #include <cstdio>
 #include <string>
+#include <string_view>
 
 #include "worker/options.h"
 #include "worker/trainer.h"
+
+namespace {
+
+// One line, whatever the message holds (a flag value with a newline, a multi-line torch
+// error): the first line, control characters as '?', cut at 2000 bytes.
+void error_line(std::string_view what) {
+  what = what.substr(0, what.find('\n'));
+  std::string line(what.substr(0, 2000));
+  for (char& c : line)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  std::fprintf(stderr, "mgtrain: error: %s\n", line.c_str());
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace mg::train;
@@ -22,24 +37,28 @@ int main(int argc, char** argv) {
     env = read_env(process_env());
     resolve_mode(o, env);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "mgtrain: error: %s\n", e.what());
+    error_line(e.what());
     return kExitUsage;
   }
   install_stop_handlers();
   try {
     return run(o, env);
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "mgtrain: error: %s\n", e.what());
+    error_line(e.what());
     return kExitUsage;
   } catch (const SetupError& e) {
-    std::fprintf(stderr, "mgtrain: error: %s\n", e.what());
+    error_line(e.what());
     write_error_file(e.what());
     return kExitSetup;
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
-    std::fprintf(stderr, "mgtrain: error: %s\n", what.c_str());
+    error_line(what);
     write_error_file(what);
+    return kExitFailure;
+  } catch (...) {
+    error_line("internal error: an unknown exception");
+    write_error_file("internal error: an unknown exception");
     return kExitFailure;
   }
 }

@@ -597,11 +597,15 @@ void Fanout::on_host_exit(Host& h, int status) {
     first_failure_ = h.code;
     if (h.code == kExitSshFailed) {
       const std::string why = h.last_err.empty() ? "" : ": " + h.last_err;
+      // The launcher's own failure: an error line (the first one decides the exit code, 255).
+      auto error = [this](const std::string& text) {
+        write_all(fio_.err_fd, "mglaunch: error: " + cli::one_line(text) + "\n");
+      };
       if (h.saw_output)
-        notice(fmt::format("lost the connection to host {} (ssh exit 255{}); stopping the other hosts",
+        error(fmt::format("lost the connection to host {} (ssh exit 255{}); stopping the other hosts",
                            h.cmd.host.host, why));
       else
-        notice(fmt::format("cannot reach host {} over ssh (ssh exit 255{}); check the name, that sshd runs there "
+        error(fmt::format("cannot reach host {} over ssh (ssh exit 255{}); check the name, that sshd runs there "
                            "and that 'ssh -o BatchMode=yes {} true' works; stopping the other hosts",
                            h.cmd.host.host, why, h.cmd.host.host));
       stop_all("");

@@ -154,6 +154,9 @@ TEST_CASE("an unreachable host is one error naming it, and the other host is sto
   int naming = 0;
   for (const auto& l : split_lines(r.err)) naming += l.find("cannot reach host 127.0.0.3") != std::string::npos;
   CHECK(naming == 1);
+  // The launcher's own error: one line of the promised form.
+  CHECK_THAT(r.err, Catch::Contains("\nmglaunch: error: cannot reach host 127.0.0.3 over ssh") ||
+                        Catch::StartsWith("mglaunch: error: cannot reach host 127.0.0.3 over ssh"));
   CHECK(read_pids(dir + "/pids").empty());  // host 2 never got past the rendezvous
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
@@ -339,7 +342,7 @@ TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
   INFO(r.err);
   CHECK(r.code == 255);
   int naming = 0;
-  for (const auto& l : split_lines(r.err)) naming += l.rfind("[mglaunch] cannot reach host 127.0.0.4", 0) == 0;
+  for (const auto& l : split_lines(r.err)) naming += l.rfind("mglaunch: error: cannot reach host 127.0.0.4", 0) == 0;
   CHECK(naming == 1);
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }

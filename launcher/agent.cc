@@ -61,10 +61,7 @@ Agent::~Agent() {
   retired_.clear();
   kill_leftovers(/*reap=*/true);
   watchdog_.release();  // it kills whatever still carries this run's mark
-  if (log_root_is_temp_ && !keep_log_root_) {
-    std::error_code ec;
-    fs::remove_all(log_root_, ec);
-  }
+  logs_.clean_up();
 }
 
 void Agent::check_descriptor_budget() {
@@ -116,34 +113,13 @@ void Agent::start() {
       if (opts_.redirects.for_rank(lr) != Streams::kNone || opts_.tee.for_rank(lr) != Streams::kNone) return true;
     return false;
   }();
-  std::error_code ec;
-  if (!opts_.log_dir.empty()) {
-    log_root_ = opts_.log_dir;
-    log_run_dir_ = opts_.rdzv_id == "none" ? log_root_ : (fs::path(log_root_) / plan_.run_id).string();
-    fs::create_directories(log_run_dir_, ec);
-    if (ec || ::access(log_run_dir_.c_str(), W_OK) != 0)
-      throw UsageError(fmt::format("--log_dir '{}' is not writable{}; pick a directory you can write to", opts_.log_dir,
-                                   ec ? ": " + ec.message() : ""));
-    if (opts_.rdzv_id == "none") {
-      // The default run id: each run gets its own directory (as torchrun's RUN_ID_XXXXXX),
-      // so a re-run never overwrites the last run's logs.
-      std::string templ = fmt::format("{}/{}_{}_XXXXXX", log_root_, plan_.run_id, now_text());
-      if (!::mkdtemp(templ.data()))
-        throw UsageError(fmt::format("--log_dir '{}': cannot create {}: {}", opts_.log_dir, templ, std::strerror(errno)));
-      log_run_dir_ = templ;
-      notice(fmt::format("log directory: {}", log_run_dir_));
-    }
-  } else {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = fmt::format("{}/mglaunch_XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!::mkdtemp(templ.data())) throw UsageError(fmt::format("cannot create a temporary log directory {}: {}", templ,
-                                                               std::strerror(errno)));
-    log_root_ = templ;
-    log_run_dir_ = (fs::path(log_root_) / plan_.run_id).string();
-    log_root_is_temp_ = true;
-    keep_log_root_ = files_wanted;  // redirected output must not vanish
-    if (files_wanted) notice(fmt::format("log directory: {}", log_root_));
-  }
+  LogLayoutOptions lo;
+  lo.log_dir = opts_.log_dir;
+  lo.rdzv_id = opts_.rdzv_id;
+  lo.run_id = plan_.run_id;
+  lo.files_wanted = files_wanted;
+  lo.time_text = now_text();
+  if (std::string text = logs_.create(lo); !text.empty()) notice(text);
   if (plan_.set_omp_threads)
     notice("setting OMP_NUM_THREADS=1 for each worker (more than one per node); set it yourself to tune");
   for (const auto& w : opts_.warnings) notice(w);
@@ -281,8 +257,7 @@ void Agent::retire_workers() {
 }
 
 std::string Agent::attempt_dir(int local_rank) const {
-  return (fs::path(log_run_dir_) / fmt::format("attempt_{}", core_.restart_count()) / std::to_string(local_rank))
-      .string();
+  return logs_.attempt_dir(core_.restart_count(), local_rank);
 }
 
 void Agent::spawn_worker(int lr) {
@@ -493,22 +468,7 @@ void Agent::finish(int code) {
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
   signal_workers(SIGKILL);
   kill_leftovers(/*reap=*/true);
-  if (code != exit_code::kOk && log_root_is_temp_ && !keep_log_root_) {
-    // A failed run keeps what its workers wrote (error files the root cause names, logs);
-    // only a successful run's temporary directory goes. An empty tree goes either way.
-    std::error_code fe;
-    bool any_file = false;
-    for (auto it = fs::recursive_directory_iterator(log_root_, fe); !fe && it != fs::recursive_directory_iterator();
-         it.increment(fe))
-      if (it->is_regular_file(fe)) {
-        any_file = true;
-        break;
-      }
-    if (any_file) {
-      keep_log_root_ = true;
-      notice(fmt::format("this run failed: its error files and logs are kept in {}", log_root_));
-    }
-  }
+  if (std::string text = logs_.finish(code); !text.empty()) notice(text);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
     out << summary().dump(2) << "\n";

@@ -23,6 +23,7 @@
 
 #include "launcher/console.h"
 #include "launcher/hwprobe.h"
+#include "launcher/log_layout.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/port.h"
@@ -124,10 +125,7 @@ class Agent {
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
   std::vector<std::unique_ptr<WorkerProcess>> retired_;
   sup::Supervisor core_;
-  std::string log_root_;       // {log_dir} or a temporary directory
-  std::string log_run_dir_;    // this run's files: {log_root}/{run_id}, or {log_dir}/{run_id}_{time}_XXXXXX (default id)
-  bool log_root_is_temp_ = false;
-  bool keep_log_root_ = true;
+  LogLayout logs_;  // where this run's files go (launcher/log_layout.h)
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;

@@ -1,0 +1,49 @@
+// LogLayout: where one node's run keeps its files, and whether they outlive it.
+//   --log_dir D, --rdzv_id ID:   D/ID/attempt_{N}/{local_rank}/{stdout,stderr}.log, error.json
+//   --log_dir D, default id:     D/{run_id}_{time}_XXXXXX/attempt_{N}/... (a re-run never overwrites)
+//   no --log_dir:                $TMPDIR/mglaunch_XXXXXX/{run_id}/attempt_{N}/..., removed at the end
+//                                unless output is redirected to files or a failed run left files
+#pragma once
+
+#include <string>
+
+namespace mg {
+
+struct LogLayoutOptions {
+  std::string log_dir;          // --log_dir ("" = a temporary directory)
+  std::string rdzv_id;          // "none": the default run id
+  std::string run_id;
+  bool files_wanted = false;    // --redirects/--tee send some output to files
+  std::string time_text;        // for the default id's directory name (now_text())
+  std::string tmpdir;           // "" = $TMPDIR, else /tmp
+};
+
+class LogLayout {
+ public:
+  LogLayout() = default;
+  LogLayout(const LogLayout&) = delete;
+  LogLayout& operator=(const LogLayout&) = delete;
+  ~LogLayout();
+
+  // Creates the run's directory. Throws UsageError (naming --log_dir and the fix) when it
+  // cannot be created or written. Returns the notice to print ("log directory: ..."), or "".
+  std::string create(const LogLayoutOptions& o);
+  // The directory of local rank `local_rank` in attempt `attempt` (created by the caller).
+  std::string attempt_dir(int attempt, int local_rank) const;
+  const std::string& root() const { return root_; }
+  const std::string& run_dir() const { return run_dir_; }
+  bool kept() const { return !is_temp_ || keep_; }
+  // The run ended with `code`: a failed run's temporary directory is kept when it holds a
+  // file (the error files the root cause names, logs). Returns the notice to print, or "".
+  std::string finish(int code);
+  // Removes a temporary directory that is not kept (also done by the destructor).
+  void clean_up();
+
+ private:
+  std::string root_;     // {log_dir} or a temporary directory
+  std::string run_dir_;  // this run's files
+  bool is_temp_ = false;
+  bool keep_ = true;
+};
+
+}  // namespace mg

@@ -1,0 +1,151 @@
+// Where a run keeps its files (launcher/log_layout.h), in a temporary directory of the test's own.
+#include <catch2/catch.hpp>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "launcher/errors.h"
+#include "launcher/log_layout.h"
+
+using namespace mg;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    const char* env = std::getenv("TMPDIR");
+    std::string templ = std::string(env && *env ? env : "/tmp") + "/log_layout_test_XXXXXX";
+    REQUIRE(::mkdtemp(templ.data()) != nullptr);
+    path = templ;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ec);
+    fs::remove_all(path, ec);
+  }
+};
+
+LogLayoutOptions options(const std::string& log_dir, const std::string& rdzv_id = "job7") {
+  LogLayoutOptions o;
+  o.log_dir = log_dir;
+  o.rdzv_id = rdzv_id;
+  o.run_id = rdzv_id == "none" ? "abc123" : rdzv_id;
+  o.time_text = "2026-11-23_16:40:00";
+  return o;
+}
+
+void touch(const std::string& path) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream(path) << "x";
+}
+
+}  // namespace
+
+TEST_CASE("a named run keeps its files under the log directory by run id and attempt") {
+  TempDir t;
+  LogLayout l;
+  CHECK(l.create(options(t.path + "/logs")).empty());
+  CHECK(l.run_dir() == t.path + "/logs/job7");
+  CHECK(fs::is_directory(l.run_dir()));
+  CHECK(l.attempt_dir(2, 5) == t.path + "/logs/job7/attempt_2/5");
+  CHECK(l.kept());
+  CHECK(l.finish(1).empty());
+}
+
+TEST_CASE("the default run id gets a directory of its own per run so a re-run never overwrites the last") {
+  TempDir t;
+  LogLayout a, b;
+  const std::string na = a.create(options(t.path, "none"));
+  const std::string nb = b.create(options(t.path, "none"));
+  CHECK(a.run_dir() != b.run_dir());
+  CHECK(fs::path(a.run_dir()).filename().string().starts_with("abc123_2026-11-23_16:40:00_"));
+  CHECK(na == "log directory: " + a.run_dir());
+  CHECK(nb == "log directory: " + b.run_dir());
+}
+
+TEST_CASE("a log directory that cannot be written is a usage error naming --log_dir") {
+  if (::geteuid() == 0) {
+    // root writes anywhere: a path under a regular file cannot be created by anyone.
+    TempDir t;
+    touch(t.path + "/file");
+    LogLayout l;
+    CHECK_THROWS_WITH(l.create(options(t.path + "/file/logs")), Catch::Contains("--log_dir") &&
+                                                                     Catch::Contains("pick a directory you can write to"));
+    return;
+  }
+  TempDir t;
+  fs::permissions(t.path, fs::perms::owner_read | fs::perms::owner_exec);
+  LogLayout l;
+  CHECK_THROWS_AS(l.create(options(t.path + "/logs")), UsageError);
+}
+
+TEST_CASE("without a log directory the files go to a temporary one removed at the end of a good run") {
+  TempDir t;
+  auto o = options("");
+  o.tmpdir = t.path;
+  std::string root;
+  {
+    LogLayout l;
+    CHECK(l.create(o).empty());  // nothing to show: nothing goes to files
+    root = l.root();
+    CHECK(fs::path(root).parent_path() == t.path);
+    CHECK(l.run_dir() == root + "/job7");
+    CHECK_FALSE(l.kept());
+    touch(l.attempt_dir(0, 0) + "/stdout.log");
+    CHECK(l.finish(0).empty());
+  }
+  CHECK_FALSE(fs::exists(root));
+}
+
+TEST_CASE("a failed run keeps its temporary directory when a worker left a file there") {
+  TempDir t;
+  auto o = options("");
+  o.tmpdir = t.path;
+  std::string root;
+  {
+    LogLayout l;
+    l.create(o);
+    root = l.root();
+    touch(l.attempt_dir(0, 1) + "/error.json");
+    CHECK(l.finish(3) == "this run failed: its error files and logs are kept in " + root);
+    CHECK(l.kept());
+  }
+  CHECK(fs::exists(root + "/job7/attempt_0/1/error.json"));
+}
+
+TEST_CASE("a failed run that left no file removes its temporary directory") {
+  TempDir t;
+  auto o = options("");
+  o.tmpdir = t.path;
+  std::string root;
+  {
+    LogLayout l;
+    l.create(o);
+    root = l.root();
+    fs::create_directories(l.attempt_dir(0, 0));
+    CHECK(l.finish(1).empty());
+  }
+  CHECK_FALSE(fs::exists(root));
+}
+
+TEST_CASE("output redirected to files keeps the temporary directory and says where it is") {
+  TempDir t;
+  auto o = options("");
+  o.tmpdir = t.path;
+  o.files_wanted = true;
+  std::string root;
+  {
+    LogLayout l;
+    const std::string text = l.create(o);
+    root = l.root();
+    CHECK(text == "log directory: " + root);
+    CHECK(l.kept());
+  }
+  CHECK(fs::exists(root));
+}

@@ -17,6 +17,7 @@
 #include "launcher/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "rendezvous/openssl_loader.h"
 
 extern char** environ;
 
@@ -62,6 +63,11 @@ int main(int argc, char** argv) {
       return exit_code::kOk;
     }
     AgentOptions& opts = *parsed.options;
+    // OpenSSL is loaded only when needed (launcher/openssl_lazy.cc): check it before anything starts.
+    if (!opts.rdzv_token.empty() || !opts.rdzv_job_token.empty() ||
+        opts.rdzv_endpoint.find("https://") != std::string::npos) {
+      if (std::string error; !openssl_available(error)) return fail(exit_code::kResource, error);
+    }
     if (opts.slurm) write_all(STDERR_FILENO, "mglaunch: " + opts.slurm->summary + "\n");
     RunPlan plan = make_plan(opts, env);
     if (opts.dry_run) {

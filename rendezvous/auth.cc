@@ -1,16 +1,40 @@
 #include "rendezvous/auth.h"
 
-#include <openssl/crypto.h>
+#include <sys/random.h>
+
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
-#include <openssl/rand.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <stdexcept>
+
+#include "rendezvous/openssl_loader.h"
+
+namespace mg {
+
+// Linked OpenSSL (see openssl_loader.h); mglaunch's launcher/openssl_lazy.cc replaces these.
+__attribute__((weak)) bool openssl_available(std::string&) { return true; }
+__attribute__((weak)) bool openssl_loaded_lazily() { return false; }
+
+void require_openssl(const char* what) {
+  std::string error;
+  if (!openssl_available(error)) throw std::runtime_error(std::string(what) + " needs OpenSSL: " + error);
+}
+
+}  // namespace mg
 
 namespace mg::rdzv::auth {
 
 namespace {
+
+// Constant-time: the time depends on the length only.
+bool equal_bytes_ct(const unsigned char* a, const unsigned char* b, std::size_t n) {
+  volatile unsigned char diff = 0;  // no early exit
+  for (std::size_t i = 0; i < n; ++i) diff = static_cast<unsigned char>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
 
 std::string to_hex(const unsigned char* p, std::size_t n) {
   static constexpr char kDigits[] = "0123456789abcdef";
@@ -25,6 +49,7 @@ std::string to_hex(const unsigned char* p, std::size_t n) {
 }  // namespace
 
 std::string hmac_sha256_hex(const std::string& key, const std::string& data) {
+  require_openssl("the rendezvous token (HMAC-SHA256)");
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(data.data()),
@@ -33,13 +58,19 @@ std::string hmac_sha256_hex(const std::string& key, const std::string& data) {
 }
 
 bool equal_ct(const std::string& a, const std::string& b) {
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+  return a.size() == b.size() && equal_bytes_ct(reinterpret_cast<const unsigned char*>(a.data()),
+                                                reinterpret_cast<const unsigned char*>(b.data()), a.size());
 }
 
 std::string random_hex(std::size_t bytes) {
+  // The kernel's generator (what OpenSSL's seeds from): no OpenSSL needed for a nonce.
   std::vector<unsigned char> buf(bytes);
-  if (RAND_bytes(buf.data(), static_cast<int>(buf.size())) != 1)
-    throw std::runtime_error("OpenSSL RAND_bytes failed: no randomness for a nonce");
+  for (std::size_t got = 0; got < buf.size();) {
+    const ssize_t n = ::getrandom(buf.data() + got, buf.size() - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw std::runtime_error(std::string("getrandom failed: no randomness for a nonce: ") + std::strerror(errno));
+    got += static_cast<std::size_t>(n);
+  }
   return to_hex(buf.data(), buf.size());
 }
 
@@ -64,6 +95,7 @@ void FrameMac::mac(std::span<const std::uint8_t> bytes, unsigned char out[kFrame
   data[0] = static_cast<unsigned char>(direction_);
   for (int i = 0; i < 8; ++i) data[1 + static_cast<std::size_t>(i)] = static_cast<unsigned char>(seq_ >> (56 - 8 * i));
   std::copy(bytes.begin(), bytes.end(), data.begin() + 9);
+  require_openssl("the rendezvous token (HMAC-SHA256)");
   unsigned int len = 0;
   if (!HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), data.data(), data.size(), out, &len) ||
       len != kFrameMacBytes)
@@ -82,7 +114,7 @@ bool FrameMac::verify(std::span<const std::uint8_t> frame) {
   unsigned char out[kFrameMacBytes];
   mac(frame.first(frame.size() - kFrameMacBytes), out);
   ++seq_;
-  return CRYPTO_memcmp(out, frame.data() + frame.size() - kFrameMacBytes, kFrameMacBytes) == 0;
+  return equal_bytes_ct(out, frame.data() + frame.size() - kFrameMacBytes, kFrameMacBytes);
 }
 
 }  // namespace mg::rdzv::auth

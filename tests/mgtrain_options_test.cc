@@ -63,3 +63,19 @@ TEST_CASE("a torchrun environment that does not add up is a usage error") {
   CHECK_THROWS_WITH(read_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}}), Catch::Contains("MASTER_PORT is not set"));
   CHECK_THROWS_WITH(read_env({{"WORLD_SIZE", "two"}}), Catch::Contains("WORLD_SIZE='two' is not an integer"));
 }
+
+TEST_CASE("mgtrain's range errors read like the other errors, without a 300-digit bound") {
+  for (const char* flag : {"--epochs", "--batch-size", "--timeout", "--grad-accum", "--bucket-cap-mb", "--synthetic-size"}) {
+    INFO(flag);
+    try {
+      parse({flag, "0"});
+      FAIL("expected a UsageError");
+    } catch (const UsageError& e) {
+      const std::string what = e.what();
+      CHECK_THAT(what, Catch::Contains(flag) && Catch::Contains("'0' must be greater than 0"));
+      CHECK(what.size() < 200);
+    }
+  }
+  CHECK_THROWS_WITH(parse({"--epochs", "x"}), Catch::Contains("'x' is not a number"));
+  CHECK(parse({"--epochs", "3"}).epochs == 3);
+}

@@ -11,13 +11,20 @@
 
 namespace {
 
-// One line, whatever the message holds (a flag value with a newline, a multi-line torch
-// error): the first line, control characters as '?', cut at 2000 bytes.
-void error_line(std::string_view what) {
-  what = what.substr(0, what.find('\n'));
-  std::string line(what.substr(0, 2000));
-  for (char& c : line)
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+// One line, whatever the message holds: a flag value with a newline is escaped (`\n`);
+// a multi-line torch error keeps its first line (the rest is a C++ backtrace). Cut at
+// 2000 bytes.
+void error_line(std::string_view what, bool first_line_only = false) {
+  if (first_line_only) what = what.substr(0, what.find('\n'));
+  while (!what.empty() && what.back() == '\n') what.remove_suffix(1);
+  std::string line;
+  for (const char ch : what.substr(0, 2000)) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '\n') line += "\\n";
+    else if (c < 0x20 || c == 0x7f) line += '?';
+    else line += ch;
+  }
+  if (what.size() > 2000) line += "...";
   std::fprintf(stderr, "mgtrain: error: %s\n", line.c_str());
 }
 
@@ -47,13 +54,13 @@ int main(int argc, char** argv) {
     error_line(e.what());
     return kExitUsage;
   } catch (const SetupError& e) {
-    error_line(e.what());
+    error_line(e.what(), true);
     write_error_file(e.what());
     return kExitSetup;
   } catch (const std::exception& e) {
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
-    error_line(what);
+    error_line(what, true);
     write_error_file(what);
     return kExitFailure;
   } catch (...) {

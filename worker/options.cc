@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <charconv>
+
 #include <CLI/CLI.hpp>
 
 extern char** environ;
@@ -22,7 +24,21 @@ std::int64_t parse_bytes(const std::string& text) {
   return static_cast<std::int64_t>(v * static_cast<double>(mult));
 }
 
+namespace {
+
+// CLI::PositiveNumber names its bound as a 300-digit number; this says what it means.
+std::string positive_check(std::string& text) {
+  double v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc{} || p != text.data() + text.size()) return "'" + text + "' is not a number";
+  if (!(v > 0)) return "'" + text + "' must be greater than 0";
+  return {};
+}
+
+}  // namespace
+
 ParseResult parse_options(int argc, const char* const* argv) {
+  const CLI::Validator positive(positive_check, "POSITIVE");
   ParseResult r;
   Options& o = r.options;
   CLI::App app{"mgtrain: LibTorch data-parallel trainer (c10d Gloo/NCCL); run it under mglaunch or torchrun", "mgtrain"};
@@ -32,19 +48,19 @@ ParseResult parse_options(int argc, const char* const* argv) {
       ->check(CLI::IsMember({"auto", "single", "ddp", "data-parallel", "dp"}));
   app.add_option("--dataset", o.dataset, "fashion-mnist or synthetic")->check(CLI::IsMember({"fashion-mnist", "synthetic"}));
   app.add_option("--data-dir", o.data_dir, "Directory with the Fashion-MNIST IDX .gz files");
-  app.add_option("--synthetic-size", o.synthetic_size, "Training samples of --dataset synthetic")->check(CLI::PositiveNumber);
+  app.add_option("--synthetic-size", o.synthetic_size, "Training samples of --dataset synthetic")->check(positive);
   app.add_option("--train-subset", o.train_subset, "Use only the first N training samples");
   app.add_option("--test-subset", o.test_subset, "Use only the first N test samples");
   app.add_option("--model", o.model, "mlp, cnn or resnet (test models: mlp-unused, mlp-rank-branch)")
       ->check(CLI::IsMember({"mlp", "cnn", "resnet", "mlp-unused", "mlp-rank-branch"}));
-  app.add_option("--epochs", o.epochs, "Epochs")->check(CLI::PositiveNumber);
+  app.add_option("--epochs", o.epochs, "Epochs")->check(positive);
   app.add_option("--max-steps", o.max_steps, "Stop after this many optimizer steps");
-  app.add_option("--batch-size", o.batch_size, "Micro-batch per rank")->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", o.batch_size, "Micro-batch per rank")->check(positive);
   app.add_option("--lr", o.lr, "Learning rate (before --lr-scaling)");
   app.add_option("--momentum", o.momentum, "SGD momentum");
   app.add_option("--seed", o.seed, "Seed for init and shuffling");
-  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MiB")->check(CLI::PositiveNumber);
-  app.add_option("--grad-accum", o.grad_accum, "Micro-steps per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MiB")->check(positive);
+  app.add_option("--grad-accum", o.grad_accum, "Micro-steps per optimizer step")->check(positive);
   app.add_option("--clip-grad-norm", o.clip_grad_norm, "Clip the gradient norm (0: off)");
   app.add_option("--lr-scaling", o.lr_scaling, "none, linear or sqrt in the world size")
       ->check(CLI::IsMember({"none", "linear", "sqrt"}));
@@ -69,13 +85,13 @@ ParseResult parse_options(int argc, const char* const* argv) {
   app.add_option("--fail-rank", o.fail_rank, "Fault injection: the rank that fails");
   app.add_option("--fail-signal", o.fail_signal, "Fault injection: raise this signal instead of exit 1");
   app.add_option("--threads", o.threads, "Intra-op threads (default: OMP_NUM_THREADS / torch default)");
-  app.add_option("--timeout", o.timeout_s, "Seconds to wait for the store and collectives")->check(CLI::PositiveNumber);
+  app.add_option("--timeout", o.timeout_s, "Seconds to wait for the store and collectives")->check(positive);
   app.add_option("--bench", o.bench, "allreduce: run the collective benchmark instead of training")
       ->check(CLI::IsMember({"allreduce"}));
   app.add_option("--min-bytes", o.min_bytes, "Benchmark: smallest size (N, NK, NM, NG)");
   app.add_option("--max-bytes", o.max_bytes, "Benchmark: largest size");
   app.add_option("--step-factor", o.step_factor, "Benchmark: size multiplier")->check(CLI::Range(1.01, 1024.0));
-  app.add_option("--iters", o.iters, "Benchmark: timed iterations")->check(CLI::PositiveNumber);
+  app.add_option("--iters", o.iters, "Benchmark: timed iterations")->check(positive);
   app.add_option("--warmup", o.warmup, "Benchmark: warm-up iterations");
   app.add_option("--dtype", o.dtype, "Benchmark: float, double, half or int");
   app.footer("Exit codes: 0 done; 1 failure; 2 bad flags; 3 setup error (data, master, backend, checkpoint); "

@@ -42,6 +42,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       job_control_(io),
       grace_timer_(io),
       leave_timer_(io),
+      group_(io, console_, watchdog_),
       core_(core_config(opts_, plan_)) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
@@ -56,10 +57,7 @@ Agent::~Agent() {
     trace_.reset();
     console_.close_file(trace_fd_);
   }
-  leaders_.clear();
-  workers_.clear();  // SIGKILLs anything still running
-  retired_.clear();
-  kill_leftovers(/*reap=*/true);
+  group_.close();  // SIGKILLs anything still running
   watchdog_.release();  // it kills whatever still carries this run's mark
   logs_.clean_up();
 }
@@ -246,16 +244,6 @@ void Agent::apply_assignment(const proto::Assignment& a) {
                       {"master", fmt::format("{}:{}", a.master_addr, a.master_port)}});
 }
 
-void Agent::retire_workers() {
-  // Nothing of a finished attempt may live on into the next one.
-  signal_workers(SIGKILL);
-  kill_leftovers(/*reap=*/false);
-  // Finished handles are destroyed later: we may be inside one of their callbacks.
-  for (auto& p : workers_) retired_.push_back(std::move(p));
-  workers_.clear();
-  asio::post(io_, [this] { retired_.clear(); });
-}
-
 std::string Agent::attempt_dir(int local_rank) const {
   return logs_.attempt_dir(core_.restart_count(), local_rank);
 }
@@ -309,13 +297,11 @@ void Agent::spawn_worker(int lr) {
     }
     if (worker_nofile_) spec.nofile = &*worker_nofile_;
     if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
-    workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_,
-                                                       [this](WorkerProcess& w) { on_worker_done(w); }));
+    WorkerProcess& w = group_.spawn(std::move(spec), [this](WorkerProcess& done) { on_worker_done(done); });
     if (trace_)
       trace_->instant(fmt::format("spawn rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
-                      {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", workers_.back()->pid()},
+                      {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", w.pid()},
                        {"attempt", core_.restart_count()}});
-    if (workers_.back()->pid() > 0) leaders_[workers_.back()->pid()] = workers_.back().get();
     if (stdin_pipe >= 0) ::close(stdin_pipe);  // the worker holds it now
   }
 }
@@ -416,12 +402,11 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::SpawnMoreLater>) {
             asio::post(io_, [this, gen = a.gen] { run(core_.spawn_batch_due(gen, now())); });
           } else if constexpr (std::is_same_v<A, sup::act::SignalWorkers>) {
-            signal_workers(a.sig);
-            if (a.escaped) signal_escaped(a.sig);
+            group_.signal(a.sig, a.escaped);
           } else if constexpr (std::is_same_v<A, sup::act::PauseOutputDrains>) {
-            for (auto& w : workers_) w->pause_drain();
+            group_.pause_drains();
           } else if constexpr (std::is_same_v<A, sup::act::ResumeOutputDrains>) {
-            for (auto& w : workers_) w->resume_drain();
+            group_.resume_drains();
           } else if constexpr (std::is_same_v<A, sup::act::StopSelf>) {
             ::kill(::getpid(), SIGSTOP);
           } else if constexpr (std::is_same_v<A, sup::act::ArmTimer>) {
@@ -433,7 +418,7 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::CancelTimer>) {
             timer(a.timer).cancel();
           } else if constexpr (std::is_same_v<A, sup::act::RetireWorkers>) {
-            retire_workers();
+            group_.retire();
           } else if constexpr (std::is_same_v<A, sup::act::AttemptDue>) {
             asio::post(io_, [this] { run(core_.attempt_due(now())); });
           } else if constexpr (std::is_same_v<A, sup::act::HoldMasterPort>) {
@@ -466,8 +451,8 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
-  signal_workers(SIGKILL);
-  kill_leftovers(/*reap=*/true);
+  group_.signal(SIGKILL, /*escaped=*/false);
+  group_.kill_leftovers(/*reap=*/true);
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
@@ -533,7 +518,7 @@ mon::AgentFacts Agent::monitor_facts() const {
   f.round = core_.round();
   f.restarts = core_.restart_count();
   f.max_restarts = opts_.max_restarts;
-  for (const auto& w : workers_) {
+  for (const auto& w : group_.workers()) {
     mon::RankTarget t;
     t.rank = w->spec().rank;
     t.local_rank = w->spec().local_rank;
@@ -550,44 +535,6 @@ void Agent::trace_instant(const std::string& name, const std::string& cat, nlohm
   if (trace_) trace_->instant(name, cat, 0, std::move(args));
 }
 
-bool Agent::is_live_worker_leader(pid_t pid) const { return leaders_.contains(pid); }
-
-void Agent::signal_workers(int sig) {
-  const bool any_reaped = std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited(); });
-  std::unordered_set<pid_t> groups;
-  if (any_reaped) groups = descendant_groups(scan_family(::getpid()), ::getpid());
-  for (auto& w : workers_) w->signal_group(sig, &groups);
-}
-
-void Agent::signal_escaped(int sig) {
-  for (const auto& p : descendants_of(scan_family(::getpid()), ::getpid())) {
-    if (p.pid == watchdog_.pid()) continue;
-    const bool in_worker_group = leaders_.contains(p.pgrp);
-    if (!in_worker_group && !is_live_worker_leader(p.pid)) ::kill(p.pid, sig);
-  }
-}
-
-void Agent::kill_leftovers(bool reap) {
-  const pid_t self = ::getpid();
-  // A few rounds: a process may fork between the scan and its SIGKILL.
-  for (int round = 0; round < 10; ++round) {
-    std::unordered_set<pid_t> victims;
-    for (const auto& p : descendants_of(scan_family(self), self))
-      if (!is_live_worker_leader(p.pid) && p.pid != watchdog_.pid()) victims.insert(p.pid);
-    if (victims.empty()) break;
-    for (pid_t pid : victims) ::kill(pid, SIGKILL);
-    if (!reap) break;  // reap_children() reaps them
-    // Blocking waits only for children that cannot outlive them: killed ones, zombies.
-    for (const auto& p : scan_family(self)) {
-      if (p.ppid != self || is_live_worker_leader(p.pid) || p.pid == watchdog_.pid()) continue;
-      if (p.state != 'Z' && !victims.contains(p.pid)) continue;
-      int status = 0;
-      while (::waitpid(p.pid, &status, 0) < 0 && errno == EINTR) {
-      }
-    }
-  }
-}
-
 void Agent::wait_job_control() {
   job_control_.async_wait([this](boost::system::error_code ec, int sig) {
     if (ec) return;
@@ -601,26 +548,10 @@ void Agent::wait_job_control() {
 void Agent::wait_child() {
   children_.async_wait([this](boost::system::error_code ec, int) {
     if (ec) return;
-    reap_children();
+    if (!group_.reap())
+      notice("the watchdog process died: after kill -9 of mglaunch, processes the workers started may outlive it");
     if (core_.state() != sup::State::kDone) wait_child();
   });
-}
-
-void Agent::reap_children() {
-  for (;;) {
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid < 0 && errno == EINTR) continue;
-    if (pid <= 0) return;
-    if (auto it = leaders_.find(pid); it != leaders_.end()) {
-      WorkerProcess* w = it->second;
-      leaders_.erase(it);
-      w->on_exit(status);
-    } else if (pid == watchdog_.pid()) {
-      watchdog_.forget();
-      notice("the watchdog process died: after kill -9 of mglaunch, processes the workers started may outlive it");
-    }
-  }
 }
 
 nlohmann::json Agent::summary() const {

@@ -31,6 +31,7 @@
 #include "launcher/stdin_relay.h"
 #include "launcher/supervisor.h"
 #include "launcher/watchdog.h"
+#include "launcher/worker_group.h"
 #include "launcher/worker_process.h"
 #include "proto/messages.h"
 #include "rendezvous/client.h"
@@ -68,31 +69,13 @@ class Agent {
   void spawn_worker(int local_rank);
   void start_rendezvous();
   void apply_assignment(const proto::Assignment& a);
-  void retire_workers();
   void on_worker_done(WorkerProcess& w);
   void finish(int code);  // the effects of the end: every handle stops, logs and summary written
   void wait_signal();
   // One "[mglaunch] text" line on stderr, in order with the relayed lines (never blocks).
   void notice(const std::string& text);
   void error_line(const std::string& text);  // "mglaunch: error: TEXT" on stderr: the run ends on it
-  // Process hygiene. The agent is a child subreaper: a worker's daemonised grandchild
-  // (double fork, setsid) becomes the agent's child, so every process a worker started
-  // stays among the agent's descendants. The agent assumes all of its descendants belong
-  // to its workers (it starts nothing else).
-  bool is_live_worker_leader(pid_t pid) const;
-  // Sends `sig` to the descendants outside every live worker's process group (those get
-  // it through signal_group).
-  void signal_escaped(int sig);
-  // SIGKILLs every descendant but the unreaped worker leaders; with `reap`, waits for
-  // the killed children (end of the run) instead of leaving them to on_child().
-  void kill_leftovers(bool reap);
-  void wait_child();
-  // The one reaper: waitpid(-1) until nothing is left to reap; a worker leader's status
-  // goes to its handle, anything else (an orphan handed to the subreaper) is dropped.
-  void reap_children();
-  // Sends `sig` to every worker's process group (one /proc scan for all the groups whose
-  // leader was reaped, not one per worker).
-  void signal_workers(int sig);
+  void wait_child();  // SIGCHLD: the group's one reaper
   // Checks that the worker count fits the descriptor limit, raising the soft limit to the
   // hard one when needed; throws ResourceError naming the limit and the count that fits.
   void check_descriptor_budget();
@@ -119,11 +102,9 @@ class Agent {
   boost::asio::steady_timer grace_timer_;
   boost::asio::steady_timer leave_timer_;
   Watchdog watchdog_;  // kills what the workers left behind once the agent is gone, even by kill -9
-  std::unordered_map<pid_t, WorkerProcess*> leaders_;  // unreaped worker leaders, by pid
   bool merge_streams_ = false;  // the agent's stdout and stderr are one file: one pipe per worker
   std::optional<struct rlimit> worker_nofile_;  // the original limit, when the agent raised its own
-  std::vector<std::unique_ptr<WorkerProcess>> workers_;
-  std::vector<std::unique_ptr<WorkerProcess>> retired_;
+  WorkerGroup group_;  // the workers of the attempt: spawn, signals, reaping (launcher/worker_group.h)
   sup::Supervisor core_;
   LogLayout logs_;  // where this run's files go (launcher/log_layout.h)
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as

@@ -1,0 +1,100 @@
+#include "launcher/worker_group.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <unordered_set>
+
+#include <boost/asio/post.hpp>
+
+namespace mg {
+
+void WorkerGroup::close() {
+  leaders_.clear();
+  workers_.clear();  // SIGKILLs anything still running
+  retired_.clear();
+  kill_leftovers(/*reap=*/true);
+}
+
+WorkerProcess& WorkerGroup::spawn(WorkerSpec spec, WorkerProcess::DoneHandler on_done) {
+  workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_, std::move(on_done)));
+  WorkerProcess& w = *workers_.back();
+  if (w.pid() > 0) leaders_[w.pid()] = &w;
+  return w;
+}
+
+void WorkerGroup::signal(int sig, bool escaped) {
+  const bool any_reaped = std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited(); });
+  std::unordered_set<pid_t> groups;
+  if (any_reaped) groups = descendant_groups(scan_family(::getpid()), ::getpid());
+  for (auto& w : workers_) w->signal_group(sig, &groups);
+  if (escaped) signal_escaped(sig);
+}
+
+void WorkerGroup::signal_escaped(int sig) {
+  for (const auto& p : descendants_of(scan_family(::getpid()), ::getpid())) {
+    if (p.pid == watchdog_.pid()) continue;
+    const bool in_worker_group = leaders_.contains(p.pgrp);
+    if (!in_worker_group && !is_live_leader(p.pid)) ::kill(p.pid, sig);
+  }
+}
+
+void WorkerGroup::retire() {
+  signal(SIGKILL, /*escaped=*/false);
+  kill_leftovers(/*reap=*/false);
+  for (auto& p : workers_) retired_.push_back(std::move(p));
+  workers_.clear();
+  boost::asio::post(io_, [this] { retired_.clear(); });
+}
+
+void WorkerGroup::kill_leftovers(bool reap) {
+  const pid_t self = ::getpid();
+  // A few rounds: a process may fork between the scan and its SIGKILL.
+  for (int round = 0; round < 10; ++round) {
+    std::unordered_set<pid_t> victims;
+    for (const auto& p : descendants_of(scan_family(self), self))
+      if (!is_live_leader(p.pid) && p.pid != watchdog_.pid()) victims.insert(p.pid);
+    if (victims.empty()) break;
+    for (pid_t pid : victims) ::kill(pid, SIGKILL);
+    if (!reap) break;  // reap() reaps them
+    // Blocking waits only for children that cannot outlive them: killed ones, zombies.
+    for (const auto& p : scan_family(self)) {
+      if (p.ppid != self || is_live_leader(p.pid) || p.pid == watchdog_.pid()) continue;
+      if (p.state != 'Z' && !victims.contains(p.pid)) continue;
+      int status = 0;
+      while (::waitpid(p.pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+}
+
+bool WorkerGroup::reap() {
+  bool watchdog_alive = true;
+  for (;;) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno == EINTR) continue;
+    if (pid <= 0) return watchdog_alive;
+    if (auto it = leaders_.find(pid); it != leaders_.end()) {
+      WorkerProcess* w = it->second;
+      leaders_.erase(it);
+      w->on_exit(status);
+    } else if (pid == watchdog_.pid()) {
+      watchdog_.forget();
+      watchdog_alive = false;
+    }
+  }
+}
+
+void WorkerGroup::pause_drains() {
+  for (auto& w : workers_) w->pause_drain();
+}
+
+void WorkerGroup::resume_drains() {
+  for (auto& w : workers_) w->resume_drain();
+}
+
+}  // namespace mg

@@ -1,0 +1,69 @@
+// WorkerGroup: the agent's spawner and its process hygiene, behind the supervision core
+// (launcher/supervisor.h decides, this carries out Spawn, SignalWorkers, RetireWorkers and
+// the drains). It holds the worker handles of the current attempt (launcher/worker_process,
+// used through its public API only), the attempt's retired handles until the event loop
+// has left their callbacks, and the unreaped worker leaders for the one reaper.
+//
+// The agent is a child subreaper: a worker's daemonised grandchild (double fork, setsid)
+// becomes the agent's child, so every process a worker started stays among the agent's
+// descendants. The group assumes all of the agent's descendants belong to its workers (the
+// agent starts nothing else but the watchdog, which is spared).
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
+
+#include "launcher/console.h"
+#include "launcher/watchdog.h"
+#include "launcher/worker_process.h"
+
+namespace mg {
+
+class WorkerGroup {
+ public:
+  WorkerGroup(boost::asio::io_context& io, Console& console, Watchdog& watchdog)
+      : io_(io), console_(console), watchdog_(watchdog) {}
+  ~WorkerGroup() { close(); }
+  // Drops every handle (SIGKILLing and reaping its worker) and kills what is left.
+  void close();
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+
+  // Starts one worker of the current attempt; `on_done` comes from the event loop.
+  WorkerProcess& spawn(WorkerSpec spec, WorkerProcess::DoneHandler on_done);
+  // Sends `sig` to every worker's process group (one /proc scan for all the groups whose
+  // leader was reaped, not one per worker); with `escaped`, also to the descendants
+  // outside every live worker's process group.
+  void signal(int sig, bool escaped);
+  // Nothing of a finished attempt may live on into the next one: SIGKILL to what is left,
+  // the handles dropped (destroyed from the event loop: we may be inside their callbacks).
+  void retire();
+  // SIGKILLs every descendant but the unreaped worker leaders and the watchdog; with
+  // `reap`, waits for the killed children (end of the run) instead of leaving them to reap().
+  void kill_leftovers(bool reap);
+  // The one reaper (on SIGCHLD): waitpid(-1) until nothing is left to reap; a worker
+  // leader's status goes to its handle, anything else (an orphan handed to the subreaper)
+  // is dropped. False when the watchdog was among them (it is forgotten).
+  bool reap();
+  void pause_drains();
+  void resume_drains();
+  const std::vector<std::unique_ptr<WorkerProcess>>& workers() const { return workers_; }
+
+ private:
+  bool is_live_leader(pid_t pid) const { return leaders_.contains(pid); }
+  void signal_escaped(int sig);
+
+  boost::asio::io_context& io_;
+  Console& console_;
+  Watchdog& watchdog_;
+  std::unordered_map<pid_t, WorkerProcess*> leaders_;  // unreaped worker leaders, by pid
+  std::vector<std::unique_ptr<WorkerProcess>> workers_;
+  std::vector<std::unique_ptr<WorkerProcess>> retired_;
+};
+
+}  // namespace mg

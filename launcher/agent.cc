@@ -23,6 +23,7 @@
 #include "launcher/errors.h"
 #include "launcher/monitor.h"
 #include "launcher/trace.h"
+#include "launcher/worker_spec.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_backend.h"
 
@@ -256,34 +257,16 @@ void Agent::spawn_worker(int lr) {
     const std::string error_file = dir + "/error.json";
     fs::remove(error_file, ec);  // a stale file from an earlier run must not be taken as this one's
 
-    WorkerSpec spec;
-    spec.local_rank = lr;
-    spec.rank = plan_.rank_offset + lr;
-    spec.executable = plan_.executable;
-    spec.argv = build_worker_argv(plan_, opts_, lr);
-    EnvMap env = base_env_;
-    for (auto& [k, v] : build_contract_env(plan_, opts_, base_env_, lr, core_.restart_count(), error_file)) env[k] = v;
+    SpecInputs in;
+    in.local_rank = lr;
+    in.attempt = core_.restart_count();
+    in.dir = dir;
+    in.merge_streams = merge_streams_;
     if (!watchdog_.token().empty()) {
       auto inherited = base_env_.find(kRunMarkVar);
-      env[kRunMarkVar] = watchdog_.mark_value(inherited == base_env_.end() ? std::string() : inherited->second);
+      in.run_mark = watchdog_.mark_value(inherited == base_env_.end() ? std::string() : inherited->second);
     }
-    spec.env.reserve(env.size());
-    for (const auto& [k, v] : env) spec.env.push_back(k + "=" + v);
-    const bool shown = opts_.local_ranks_filter.empty() ||
-                       std::find(opts_.local_ranks_filter.begin(), opts_.local_ranks_filter.end(), lr) !=
-                           opts_.local_ranks_filter.end();
-    const Streams which[2] = {Streams::kOut, Streams::kErr};
-    const char* names[2] = {"stdout.log", "stderr.log"};
-    for (int s = 0; s < 2; ++s) {
-      spec.console[s] = shown && !opts_.redirects.covers(lr, which[s]);
-      if (opts_.redirects.covers(lr, which[s]) || opts_.tee.covers(lr, which[s])) spec.log_file[s] = dir + "/" + names[s];
-    }
-    spec.max_line_bytes = opts_.max_line_bytes;
-    spec.merge_streams = merge_streams_ && spec.console[0] == spec.console[1] && spec.log_file[0].empty() &&
-                         spec.log_file[1].empty();
-    spec.prefix = opts_.log_line_prefix_template
-                      ? expand_line_prefix(*opts_.log_line_prefix_template, opts_.role, spec.rank, lr)
-                      : fmt::format("[rank{}]:", spec.rank);
+    WorkerSpec spec = make_worker_spec(plan_, opts_, base_env_, in);
     int stdin_pipe = -1;
     if (lr == opts_.stdin_rank) {
       if (stdin_relay_) {

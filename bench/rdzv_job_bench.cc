@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "proto/frame.h"
+#include "proto/wire.h"
 #include "rendezvous/job.h"
 
 using namespace mg;
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   const auto now = rdzv::Clock::now();
   const auto t0 = std::chrono::steady_clock::now();
   std::size_t frames = 0, bytes = 0;
+  std::vector<std::uint8_t> wire;  // each frame as the server writes it
   for (int i = 0; i < n; ++i) {
     proto::Join j;
     j.job_id = "bench";
@@ -34,7 +36,9 @@ int main(int argc, char** argv) {
     j.addr = fmt::format("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
     j.min_nodes = j.max_nodes = n;
     for (const auto& out : job.join(static_cast<rdzv::SessionId>(i + 1), j, now)) {
-      bytes += proto::encode(out.frame).size();
+      wire.clear();
+      proto::append_frame(out.frame, wire);
+      bytes += wire.size();
       ++frames;
     }
   }

@@ -102,11 +102,11 @@ void FrameMac::mac(std::span<const std::uint8_t> bytes, unsigned char out[kFrame
     throw std::runtime_error("OpenSSL HMAC failed");
 }
 
-void FrameMac::sign(std::vector<std::uint8_t>& frame) {
+void FrameMac::sign(std::vector<std::uint8_t>& buf, std::size_t from) {
   unsigned char out[kFrameMacBytes];
-  mac(frame, out);
+  mac(std::span<const std::uint8_t>(buf).subspan(from), out);
   ++seq_;
-  frame.insert(frame.end(), out, out + kFrameMacBytes);
+  buf.insert(buf.end(), out, out + kFrameMacBytes);
 }
 
 bool FrameMac::verify(std::span<const std::uint8_t> frame) {

@@ -40,7 +40,10 @@ std::string session_key(const std::string& key, const std::string& client_nonce,
 class FrameMac {
  public:
   FrameMac(std::string session_key, char direction) : key_(std::move(session_key)), direction_(direction) {}
-  void sign(std::vector<std::uint8_t>& frame);
+  void sign(std::vector<std::uint8_t>& frame) { sign(frame, 0); }
+  // Signs the frame that starts at buf[from] and ends the buffer (frames queued before it
+  // stay as they are), appending its trailer.
+  void sign(std::vector<std::uint8_t>& buf, std::size_t from);
   bool verify(std::span<const std::uint8_t> frame);
 
  private:

@@ -80,6 +80,11 @@ void Client::try_connect() {
           else lost(why);
         });
     conn_->send(proto::to_frame(proto::Hello{opts_.join.agent_id, opts_.join.job_id, nonce_}));
+    // Without a token nothing is proven first: the join rides with the hello, saving a
+    // round trip (the server reads them in order; one that wants a token answers the hello
+    // with its challenge, which this client refuses, before it reads the join).
+    joined_early_ = key_.empty();
+    if (joined_early_) send_join();
   });
 }
 
@@ -150,6 +155,18 @@ void Client::on_welcome() {
   in_outage_ = false;
   backoff_ = milliseconds(100);
   conn_->set_max_frame(proto::kDefaultMaxFrame);
+  if (!joined_early_) send_join();
+  if (current_ && unsent_failure_) {
+    // Reported while the server was away: the rebuilt job must hear it.
+    conn_->send(proto::to_frame(*unsent_failure_));
+    unsent_failure_.reset();
+  }
+  // The join itself shows this node alive: the first heartbeat is due one interval later.
+  heartbeat_timer_.cancel();
+  schedule_heartbeat();
+}
+
+void Client::send_join() {
   proto::Join j = opts_.join;
   if (current_) {
     if (h_.on_notice) h_.on_notice(fmt::format("reconnected; re-registered round {}", current_->round));
@@ -160,18 +177,15 @@ void Client::on_welcome() {
     j.resume_done = done_sent_;
   }
   conn_->send(proto::to_frame(j));
-  if (current_ && unsent_failure_) {
-    // Reported while the server was away: the rebuilt job must hear it.
-    conn_->send(proto::to_frame(*unsent_failure_));
-    unsent_failure_.reset();
-  }
-  heartbeat_timer_.cancel();
-  heartbeat();
 }
 
 void Client::heartbeat() {
   if (closed_ || !connected()) return;
-  conn_->send(proto::to_frame(proto::Heartbeat{round_}));
+  conn_->send(proto::to_wire(proto::Heartbeat{round_}));
+  schedule_heartbeat();
+}
+
+void Client::schedule_heartbeat() {
   heartbeat_timer_.expires_after(milliseconds(opts_.join.keep_alive_ms));
   heartbeat_timer_.async_wait([this](boost::system::error_code ec) {
     if (!ec) heartbeat();

@@ -58,7 +58,9 @@ class Client {
   void on_welcome();
   void lost(const std::string& why);
   bool shut(bool flush);  // false when already closed
+  void send_join();
   void heartbeat();
+  void schedule_heartbeat();
   void watch();
   void wait_for_decision();
 
@@ -82,6 +84,7 @@ class Client {
   bool closed_ = false;
   bool challenged_ = false;
   bool welcomed_ = false;       // this connection completed the handshake
+  bool joined_early_ = false;   // this connection sent its join with the hello (no token)
   bool ever_welcomed_ = false;  // some connection did
   bool in_outage_ = false;      // lost a welcomed connection, not welcomed again yet
   // Callbacks of a connection that outlives this client (graceful close) check this.

@@ -1,6 +1,10 @@
 #include "rendezvous/connection.h"
 
-#include <boost/asio/write.hpp>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <fmt/format.h>
 
 namespace mg::rdzv {
@@ -8,155 +12,268 @@ namespace mg::rdzv {
 namespace asio = boost::asio;
 
 namespace {
-constexpr std::size_t kInitialBuffer = 512;  // a Hello, a Join or a heartbeat fits
-constexpr std::size_t kKeepBuffer = 64 * 1024;  // larger buffers shrink back once idle
+
+constexpr std::size_t kReadScratch = 64 * 1024;
+
+// A per-thread buffer lent to one user at a time; a nested user (a handler that ends up
+// here again) gets a buffer of its own.
+class Scratch {
+ public:
+  explicit Scratch(int which) : which_(which) {
+    if (!busy()[which_]) {
+      busy()[which_] = true;
+      lent_ = true;
+      buf_ = &shared()[which_];
+    } else {
+      buf_ = &own_;
+    }
+  }
+  ~Scratch() {
+    if (lent_) busy()[which_] = false;
+  }
+  Scratch(const Scratch&) = delete;
+  std::vector<std::uint8_t>& buf() { return *buf_; }
+
+ private:
+  static std::vector<std::uint8_t>* shared() {
+    thread_local std::vector<std::uint8_t> bufs[2];
+    return bufs;
+  }
+  static bool* busy() {
+    thread_local bool flags[2] = {false, false};
+    return flags;
+  }
+  int which_;
+  bool lent_ = false;
+  std::vector<std::uint8_t>* buf_ = nullptr;
+  std::vector<std::uint8_t> own_;
+};
+constexpr int kReading = 0, kWriting = 1;
+
 }  // namespace
 
 FramedConnection::FramedConnection(asio::ip::tcp::socket socket, std::size_t max_frame,
-                                   std::shared_ptr<MemoryBudget> budget, std::shared_ptr<Traffic> traffic)
+                                   std::shared_ptr<MemoryBudget> budget, std::shared_ptr<Traffic> traffic,
+                                   std::optional<asio::ip::tcp::endpoint> peer)
     : socket_(std::move(socket)), max_frame_(max_frame), budget_(std::move(budget)), traffic_(std::move(traffic)) {
   boost::system::error_code ec;
-  auto ep = socket_.remote_endpoint(ec);
-  peer_address_ = ec ? "?" : ep.address().to_string();
-  peer_ = ec ? "?" : fmt::format("{}:{}", peer_address_, ep.port());
+  if (peer) {
+    peer_ = *peer;
+    peer_known_ = true;
+  } else {
+    peer_ = socket_.remote_endpoint(ec);
+    peer_known_ = !ec;
+  }
   socket_.set_option(asio::ip::tcp::no_delay(true), ec);
-  // Charged even past the budget: the owner refuses new connections before that.
-  in_.resize(kInitialBuffer);
-  if (budget_) budget_->used += kInitialBuffer;
 }
 
 FramedConnection::~FramedConnection() {
-  if (budget_) budget_->release(in_.size());
+  if (budget_) budget_->release(in_charged_);
 }
+
+std::string FramedConnection::peer() const {
+  return peer_known_ ? fmt::format("{}:{}", peer_.address().to_string(), peer_.port()) : "?";
+}
+
+std::string FramedConnection::peer_address() const { return peer_known_ ? peer_.address().to_string() : "?"; }
 
 void FramedConnection::start(FrameHandler on_frame, CloseHandler on_close) {
   on_frame_ = std::move(on_frame);
   on_close_ = std::move(on_close);
-  read_more();
+  wait_readable();
 }
 
-bool FramedConnection::reserve(std::size_t bytes) {
-  if (bytes <= in_.size()) return true;
-  if (budget_ && !budget_->charge(bytes - in_.size())) return false;
-  std::vector<std::uint8_t> bigger(bytes);
-  std::copy(in_.begin(), in_.begin() + static_cast<std::ptrdiff_t>(in_used_), bigger.begin());
-  in_.swap(bigger);
-  return true;
+void FramedConnection::sign_sent(const std::string& key, char direction) {
+  send_mac_ = std::make_unique<auth::FrameMac>(key, direction);
+}
+void FramedConnection::verify_received(const std::string& key, char direction) {
+  recv_mac_ = std::make_unique<auth::FrameMac>(key, direction);
 }
 
-void FramedConnection::shrink() {
-  if (in_.size() <= kKeepBuffer || in_used_ > kInitialBuffer) return;
-  std::vector<std::uint8_t> small(kInitialBuffer);
-  std::copy(in_.begin(), in_.begin() + static_cast<std::ptrdiff_t>(in_used_), small.begin());
-  if (budget_) budget_->release(in_.size() - small.size());
-  in_.swap(small);
-}
-
-void FramedConnection::sign_sent(const std::string& key, char direction) { send_mac_.emplace(key, direction); }
-void FramedConnection::verify_received(const std::string& key, char direction) { recv_mac_.emplace(key, direction); }
-
-void FramedConnection::read_more() {
-  if (in_used_ == in_.size() && !reserve(std::min(in_.size() * 2, max_frame_ + 4)))
-    return shut("the daemon's memory limit is reached; closing");
+void FramedConnection::wait_readable() {
   auto self = shared_from_this();
-  socket_.async_read_some(asio::buffer(in_.data() + in_used_, in_.size() - in_used_),
-                          [this, self](boost::system::error_code ec, std::size_t n) {
-                            if (!open_) return;
-                            if (ec) return shut(ec == asio::error::eof ? "connection closed by peer" : ec.message());
-                            try {
-                              on_read(n);
-                            } catch (const std::exception& e) {
-                              // One connection's failure closes that connection only.
-                              shut(fmt::format("internal error while handling a frame: {}", e.what()));
-                            }
-                          });
+  socket_.async_wait(asio::ip::tcp::socket::wait_read, [this, self](boost::system::error_code ec) {
+    if (!open_) return;
+    if (ec) return shut(ec.message());
+    try {
+      on_readable();
+    } catch (const std::exception& e) {
+      // One connection's failure closes that connection only.
+      shut(fmt::format("internal error while handling a frame: {}", e.what()));
+    }
+  });
 }
 
-void FramedConnection::on_read(std::size_t n) {
-  if (lingering_) {  // closing: the peer's last words are read and dropped
-    in_used_ = 0;
-    return read_more();
+void FramedConnection::on_readable() {
+  // asio registers sockets edge-triggered: read until the socket reports nothing more
+  // (EAGAIN), or an end of file that came with the last bytes would never be seen. The
+  // wait below is queued before this (single) thread polls again, so bytes arriving
+  // later wake it.
+  Scratch scratch(kReading);
+  auto& buf = scratch.buf();
+  if (buf.size() < kReadScratch) buf.resize(kReadScratch);
+  for (;;) {
+    const ssize_t n = ::recv(socket_.native_handle(), buf.data(), buf.size(), MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      return shut(std::strerror(errno));
+    }
+    if (n == 0) return shut("connection closed by peer");
+    take(std::span<const std::uint8_t>(buf.data(), static_cast<std::size_t>(n)));
+    if (!open_) return;
   }
-  if (in_used_ == 0 && n > 0) partial_since_ = Clock::now();
-  in_used_ += n;
-  if (traffic_) traffic_->bytes_in += n;
+  wait_readable();
+}
+
+void FramedConnection::take(std::span<const std::uint8_t> data) {
+  if (traffic_) traffic_->bytes_in += data.size();
+  if (lingering_) return;  // closing: the peer's last words are read and dropped
+  if (in_.empty()) {
+    const std::size_t used = decode_frames(data);
+    if (!open_ || used == data.size()) return;
+    if (keep_partial(data.subspan(used))) partial_since_ = Clock::now();
+    return;
+  }
+  if (!keep_partial(data)) return;
+  const std::size_t used = decode_frames(in_);
+  if (!open_) return;
+  if (used == in_.size()) {
+    release_in();
+    partial_since_.reset();
+  } else if (used > 0) {
+    in_.erase(in_.begin(), in_.begin() + static_cast<std::ptrdiff_t>(used));
+    partial_since_ = Clock::now();
+  }
+}
+
+std::size_t FramedConnection::decode_frames(std::span<const std::uint8_t> data) {
   std::size_t pos = 0;
   while (open_) {
-    const auto avail = std::span<const std::uint8_t>(in_.data() + pos, in_used_ - pos);
+    const auto avail = data.subspan(pos);
     auto size = proto::peek(avail, max_frame_);
-    if (size.status == proto::DecodeResult::Status::kError) return shut(size.error);
-    // An incomplete frame: the buffer grows (doubling) only as its bytes arrive, so a
-    // header announcing 1 MiB costs nothing until the megabyte is really sent.
+    if (size.status == proto::DecodeResult::Status::kError) {
+      shut(size.error);
+      break;
+    }
     if (size.status == proto::DecodeResult::Status::kNeedMore) break;
     const auto bytes = avail.first(size.consumed);
     const std::size_t trailer = recv_mac_ ? auth::kFrameMacBytes : 0;
-    if (recv_mac_ && !recv_mac_->verify(bytes))
-      return shut("a frame failed authentication (bad MAC: forged, altered or replayed)");
+    if (recv_mac_ && !recv_mac_->verify(bytes)) {
+      shut("a frame failed authentication (bad MAC: forged, altered or replayed)");
+      break;
+    }
     auto r = proto::decode(bytes, max_frame_, trailer);
-    if (r.status != proto::DecodeResult::Status::kOk) return shut(r.error.empty() ? "malformed frame" : r.error);
+    if (r.status != proto::DecodeResult::Status::kOk) {
+      shut(r.error.empty() ? "malformed frame" : r.error);
+      break;
+    }
     pos += r.consumed;
     last_frame_ = Clock::now();
     if (traffic_) ++traffic_->frames_in;
     on_frame_(r.frame);
   }
-  if (!open_) return;
-  if (pos > 0) {
-    std::copy(in_.begin() + static_cast<std::ptrdiff_t>(pos), in_.begin() + static_cast<std::ptrdiff_t>(in_used_),
-              in_.begin());
-    in_used_ -= pos;
-    partial_since_ = in_used_ > 0 ? std::optional(Clock::now()) : std::nullopt;
-    shrink();
-  }
-  read_more();
+  return pos;
 }
 
-bool FramedConnection::send(const proto::Frame& frame) {
+bool FramedConnection::keep_partial(std::span<const std::uint8_t> rest) {
+  const std::size_t need = in_.size() + rest.size();
+  if (need > in_.capacity()) {
+    // Doubling as the frame's bytes arrive (a frame is at most max_frame + 4 bytes).
+    const std::size_t cap = std::max(need, std::min(in_.capacity() * 2, max_frame_ + 4));
+    if (budget_ && cap > in_charged_ && !budget_->charge(cap - in_charged_)) {
+      shut("the daemon's memory limit is reached; closing");
+      return false;
+    }
+    in_.reserve(cap);
+    in_charged_ = std::max(in_charged_, cap);
+  }
+  in_.insert(in_.end(), rest.begin(), rest.end());
+  return true;
+}
+
+void FramedConnection::release_in() {
+  std::vector<std::uint8_t>().swap(in_);
+  if (budget_) budget_->release(in_charged_);
+  in_charged_ = 0;
+}
+
+bool FramedConnection::send(const proto::Wire& frame) {
   if (!open_ || close_after_write_) return false;
-  std::vector<std::uint8_t> bytes;
+  const std::size_t trailer = send_mac_ ? auth::kFrameMacBytes : 0;
+  const bool queued = !out_.empty();  // a write wait is pending; flush() takes this along
+  Scratch scratch(kWriting);
+  std::vector<std::uint8_t>& buf = queued ? out_ : scratch.buf();
+  if (!queued) buf.clear();
+  const std::size_t start = buf.size();
   try {
-    bytes = proto::encode(frame, max_frame_, send_mac_ ? auth::kFrameMacBytes : 0);
+    proto::append_frame(frame, buf, max_frame_, trailer);
   } catch (const std::length_error& e) {
     shut(fmt::format("cannot send message type {}: {}", frame.type, e.what()));
     return false;
   }
-  if (send_mac_) send_mac_->sign(bytes);
-  out_bytes_ += bytes.size();
+  if (send_mac_) send_mac_->sign(buf, start);
   if (traffic_) {
     ++traffic_->frames_out;
-    traffic_->bytes_out += bytes.size();
+    traffic_->bytes_out += buf.size() - start;
   }
-  // A peer that does not read its replies must not make us buffer without bound.
-  if (out_bytes_ > 4 * std::max(max_frame_, proto::kDefaultMaxFrame)) {
-    shut("the peer does not read what is sent to it; closing");
-    return false;
+  if (queued) {
+    // A peer that does not read its replies must not make us buffer without bound.
+    if (out_.size() - out_sent_ > 4 * std::max(max_frame_, proto::kDefaultMaxFrame)) {
+      shut("the peer does not read what is sent to it; closing");
+      return false;
+    }
+    return true;
   }
-  out_.push_back(std::move(bytes));
-  if (!writing_) write_next();
+  std::size_t sent = 0;
+  while (sent < buf.size()) {
+    const ssize_t n = ::send(socket_.native_handle(), buf.data() + sent, buf.size() - sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      const std::string why = std::strerror(errno);
+      shut(why);
+      return false;
+    }
+    sent += static_cast<std::size_t>(n);
+  }
+  if (sent == buf.size()) return true;
+  out_.assign(buf.begin() + static_cast<std::ptrdiff_t>(sent), buf.end());
+  out_sent_ = 0;
+  wait_writable();
   return true;
 }
 
-void FramedConnection::write_next() {
-  if (out_.empty()) {
-    writing_ = false;
-    if (close_after_write_) linger();
-    return;
-  }
-  writing_ = true;
+void FramedConnection::wait_writable() {
   auto self = shared_from_this();
-  asio::async_write(socket_, asio::buffer(out_.front()), [this, self](boost::system::error_code ec, std::size_t) {
+  socket_.async_wait(asio::ip::tcp::socket::wait_write, [this, self](boost::system::error_code ec) {
     if (!open_) return;
     if (ec) return shut(ec.message());
-    out_bytes_ -= out_.front().size();
-    out_.pop_front();
-    write_next();
+    flush();
   });
+}
+
+void FramedConnection::flush() {
+  while (out_sent_ < out_.size()) {
+    const ssize_t n =
+        ::send(socket_.native_handle(), out_.data() + out_sent_, out_.size() - out_sent_, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return wait_writable();
+      return shut(std::strerror(errno));
+    }
+    out_sent_ += static_cast<std::size_t>(n);
+  }
+  std::vector<std::uint8_t>().swap(out_);
+  out_sent_ = 0;
+  if (close_after_write_) linger();
 }
 
 void FramedConnection::close(bool now) {
   if (!open_) return;
   if (now) return shut("closed");
   close_after_write_ = true;
-  if (!writing_ && out_.empty()) linger();
+  if (out_.empty()) linger();
 }
 
 void FramedConnection::linger() {
@@ -170,7 +287,7 @@ void FramedConnection::linger() {
   linger_timer_->async_wait([this, self](boost::system::error_code ec) {
     if (!ec) shut("closed");
   });
-  // The read loop keeps running: frames are dropped (on_read checks lingering_), EOF shuts.
+  // The read wait stays: bytes are dropped (take() checks lingering_), end of file shuts.
 }
 
 void FramedConnection::shut(const std::string& why) {
@@ -181,8 +298,8 @@ void FramedConnection::shut(const std::string& why) {
   boost::system::error_code ec;
   socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ec);
   socket_.close(ec);
-  out_.clear();
-  out_bytes_ = 0;
+  std::vector<std::uint8_t>().swap(out_);  // in_ may be being decoded: the destructor frees it
+  out_sent_ = 0;
   if (on_close_) {
     auto cb = std::move(on_close_);
     on_close_ = nullptr;

@@ -1,14 +1,22 @@
 // FramedConnection: one TCP connection carrying proto frames, shared by the server's
 // sessions and the agent's client. Reads decode frames as they complete (a garbage or
-// oversized frame, a bad MAC or a throwing handler closes this connection only); writes
-// are queued with exactly one in flight, and a peer that stops reading is dropped once
-// the queue passes a bound. The read buffer starts small, grows to the frame in progress
-// and shrinks back after a large frame; its bytes are charged to an optional shared
-// MemoryBudget. Owned through shared_ptr; callbacks run on the socket's io_context.
+// oversized frame, a bad MAC or a throwing handler closes this connection only).
+//
+// Memory is spent only while something is in flight, so that a daemon holding 10,000
+// idle agents holds no buffers for them: the socket is read (when readable) into one
+// scratch buffer per thread, and only the bytes of a frame that is still incomplete are
+// kept, in a buffer of this connection charged to an optional shared MemoryBudget (a
+// header announcing 1 MiB costs nothing until the megabyte really arrives). A frame sent
+// is written at once from a per-thread scratch buffer when nothing is queued (no
+// allocation; one send() per frame); what the socket does not take is queued, frames
+// sent meanwhile are appended to that queue and leave in one send(), and a peer that
+// stops reading is dropped once the queue passes a bound.
+//
+// Owned through shared_ptr; callbacks run on the socket's io_context, which must be run
+// by one thread (the reads rely on it: see on_readable()).
 #pragma once
 
 #include <chrono>
-#include <list>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -19,6 +27,7 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include "proto/frame.h"
+#include "proto/wire.h"
 #include "rendezvous/auth.h"
 
 namespace mg::rdzv {
@@ -47,12 +56,16 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   using FrameHandler = std::function<void(const proto::Frame&)>;
   using CloseHandler = std::function<void(const std::string& why)>;
 
+  // `peer`: the remote endpoint when the caller knows it (accept() reported it), else it
+  // is asked from the socket.
   FramedConnection(boost::asio::ip::tcp::socket socket, std::size_t max_frame = proto::kDefaultMaxFrame,
-                   std::shared_ptr<MemoryBudget> budget = nullptr, std::shared_ptr<Traffic> traffic = nullptr);
+                   std::shared_ptr<MemoryBudget> budget = nullptr, std::shared_ptr<Traffic> traffic = nullptr,
+                   std::optional<boost::asio::ip::tcp::endpoint> peer = std::nullopt);
   ~FramedConnection();
   void start(FrameHandler on_frame, CloseHandler on_close);
   // Returns false (and closes, telling the close handler why) when the frame cannot be sent.
-  bool send(const proto::Frame& frame);
+  bool send(const proto::Wire& frame);
+  bool send(const proto::Frame& frame) { return send(proto::wire_of(frame)); }
   // Closes once the queued frames are written (or at once when `now`). The graceful way
   // half-closes and waits (up to 3 s) for the peer to close too, reading and discarding
   // meanwhile: closing with unread input would send a reset, which can destroy the last
@@ -64,18 +77,23 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void verify_received(const std::string& session_key, char direction);
 
   bool open() const { return open_; }
-  std::string peer() const { return peer_; }
-  std::string peer_address() const { return peer_address_; }
+  std::string peer() const;          // "address:port"
+  std::string peer_address() const;  // "address"
   // When the first byte of a frame that is still incomplete arrived (nullopt: none pending).
   std::optional<Clock::time_point> partial_since() const { return partial_since_; }
   Clock::time_point last_frame() const { return last_frame_; }
+  // Bytes this connection holds for an incomplete frame received and for unsent frames.
+  std::size_t buffered() const { return in_.capacity() + out_.capacity(); }
 
  private:
-  void read_more();
-  void on_read(std::size_t n);
-  bool reserve(std::size_t bytes);  // grows the read buffer within the budget
-  void shrink();
-  void write_next();
+  void wait_readable();
+  void on_readable();
+  void take(std::span<const std::uint8_t> data);  // frames out of newly received bytes
+  std::size_t decode_frames(std::span<const std::uint8_t> data);  // bytes consumed
+  bool keep_partial(std::span<const std::uint8_t> rest);  // within the budget
+  void release_in();
+  void wait_writable();
+  void flush();
   void shut(const std::string& why);
   void linger();
 
@@ -83,19 +101,17 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   std::size_t max_frame_;
   std::shared_ptr<MemoryBudget> budget_;
   std::shared_ptr<Traffic> traffic_;
-  std::vector<std::uint8_t> in_;
-  std::size_t in_used_ = 0;
-  // A list, not a deque: an idle connection holds no queue storage (a deque allocates
-  // ~570 bytes up front, a quarter of the daemon's memory per agent).
-  std::list<std::vector<std::uint8_t>> out_;
-  std::size_t out_bytes_ = 0;
-  bool writing_ = false;
+  std::vector<std::uint8_t> in_;   // an incomplete frame's bytes; no capacity when none
+  std::size_t in_charged_ = 0;     // in_'s capacity as charged to budget_
+  std::vector<std::uint8_t> out_;  // bytes not written yet (from out_sent_ on); no capacity when none
+  std::size_t out_sent_ = 0;
   bool open_ = true;
   bool close_after_write_ = false;
   bool lingering_ = false;
   std::unique_ptr<boost::asio::steady_timer> linger_timer_;
-  std::string peer_, peer_address_;
-  std::optional<auth::FrameMac> send_mac_, recv_mac_;
+  boost::asio::ip::tcp::endpoint peer_;
+  bool peer_known_ = false;
+  std::unique_ptr<auth::FrameMac> send_mac_, recv_mac_;
   std::optional<Clock::time_point> partial_since_;
   Clock::time_point last_frame_ = Clock::now();
   FrameHandler on_frame_;

@@ -288,7 +288,7 @@ std::vector<proto::Frame> JobReplay::apply(const Event& e) {
         rc.rank = -1;
         rc.exit_code = 1;
         rc.message = fmt::format("node {} ({}) lost: {}", j.host, j.addr, e.why);
-        actions.push_back({session->second, proto::to_frame(proto::Abort{rc, rc.message})});
+        actions.push_back({session->second, proto::to_wire(proto::Abort{rc, rc.message})});
       }
       break;
     }
@@ -300,7 +300,7 @@ std::vector<proto::Frame> JobReplay::apply(const Event& e) {
   auto self = sessions_.find(self_);
   if (self == sessions_.end()) return mine;
   for (auto& a : actions)
-    if (a.session == self->second) mine.push_back(std::move(a.frame));
+    if (a.session == self->second) mine.push_back(proto::frame_of(a.frame));
   return mine;
 }
 

@@ -8,8 +8,9 @@ namespace mg::rdzv {
 
 using namespace std::chrono;
 
-Actions Job::broadcast(const proto::Frame& f, SessionId except) const {
+Actions Job::broadcast(const proto::Wire& f, SessionId except) const {
   Actions out;
+  out.reserve(members_.size() + joined_.size());
   for (const auto& [s, n] : members_)
     if (s != except) out.push_back({s, f});
   for (const auto& [s, n] : joined_)
@@ -21,24 +22,24 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   last_activity_ = now;
   // A node re-registering a round that ended while it was away hears how it ended.
   if (j.resume_round > 0 && j.resume_round == round_) {
-    if (state_ == State::kFailed && abort_) return {{s, proto::to_frame(*abort_)}};
-    if (state_ == State::kDone) return {{s, proto::to_frame(proto::Done{})}};
-    if (state_ == State::kRestarting) return {{s, proto::to_frame(proto::Restart{restart_count_, restart_reason_})}};
+    if (state_ == State::kFailed && abort_) return {{s, proto::to_wire(*abort_)}};
+    if (state_ == State::kDone) return {{s, proto::to_wire(proto::Done{})}};
+    if (state_ == State::kRestarting) return {{s, proto::to_wire(proto::Restart{restart_count_, restart_reason_})}};
   }
   if (finished())
-    return {{s, proto::to_frame(proto::Error{fmt::format("job '{}' has already finished; use a new --rdzv_id", id_)})}};
+    return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' has already finished; use a new --rdzv_id", id_)})}};
   if (!configured_) {
     config_ = j;
     configured_ = true;
     first_join_ = now;
   } else if (j.min_nodes != config_.min_nodes || j.max_nodes != config_.max_nodes) {
-    return {{s, proto::to_frame(proto::Error{fmt::format("job '{}' runs with --nnodes={}:{}, this node asked for {}:{}",
+    return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' runs with --nnodes={}:{}, this node asked for {}:{}",
                                                          id_, config_.min_nodes, config_.max_nodes, j.min_nodes,
                                                          j.max_nodes)})}};
   }
   if (j.resume_round > 0) {
     if (auto bad = check_resume(s, j); !bad.empty())
-      return {{s, proto::to_frame(proto::Error{fmt::format("job '{}': re-registration refused: {}", id_, bad)})}};
+      return {{s, proto::to_wire(proto::Error{fmt::format("job '{}': re-registration refused: {}", id_, bad)})}};
     // A restarted server learns the running round back from its nodes.
     if (members_.empty()) {
       round_ = j.resume_round;
@@ -55,13 +56,13 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   if (state_ == State::kRunning) {
     if (members_.contains(s)) return {};
     if (static_cast<int>(members_.size()) >= config_.max_nodes)
-      return {{s, proto::to_frame(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)})}};
+      return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)})}};
     // Scale up: everybody re-joins a new round with the newcomer; no restart is spent.
     joined_[s] = {j, now};
     state_ = State::kRestarting;
     Actions out;
-    for (const auto& [m, n] : members_)
-      out.push_back({m, proto::to_frame(proto::Restart{restart_count_, "a node joined: scaling up"})});
+    const auto restart = proto::to_wire(proto::Restart{restart_count_, "a node joined: scaling up"});
+    for (const auto& [m, n] : members_) out.push_back({m, restart});
     members_.clear();
     last_call_deadline_.reset();
     return out;
@@ -133,7 +134,13 @@ std::size_t Job::approx_bytes() const {
 }
 
 Actions Job::close_round(Clock::time_point now) {
-  std::vector<std::pair<SessionId, Node>> nodes(joined_.begin(), joined_.end());
+  // Nodes are moved, not copied: at 100,000 nodes a copy of the round is ~25 MB.
+  std::vector<std::pair<SessionId, Node>> nodes;
+  nodes.reserve(joined_.size());
+  while (!joined_.empty()) {
+    auto h = joined_.extract(joined_.begin());
+    nodes.emplace_back(h.key(), std::move(h.mapped()));
+  }
   // Explicit --node_rank first, then by (address, agent id): the same on every run.
   std::sort(nodes.begin(), nodes.end(), [](const auto& a, const auto& b) {
     const auto& x = a.second.join;
@@ -141,7 +148,13 @@ Actions Job::close_round(Clock::time_point now) {
     const int rx = x.node_rank < 0 ? INT32_MAX : x.node_rank, ry = y.node_rank < 0 ? INT32_MAX : y.node_rank;
     return std::tie(rx, x.addr, x.agent_id) < std::tie(ry, y.addr, y.agent_id);
   });
-  if (static_cast<int>(nodes.size()) > config_.max_nodes) nodes.resize(static_cast<std::size_t>(config_.max_nodes));
+  Actions out;
+  out.reserve(nodes.size());
+  if (static_cast<int>(nodes.size()) > config_.max_nodes) {
+    const auto full = proto::to_wire(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)});
+    for (auto i = static_cast<std::size_t>(config_.max_nodes); i < nodes.size(); ++i) out.push_back({nodes[i].first, full});
+    nodes.resize(static_cast<std::size_t>(config_.max_nodes));
+  }
   ++round_;
   proto::Assignment a;
   a.round = round_;
@@ -152,26 +165,20 @@ Actions Job::close_round(Clock::time_point now) {
   a.world_size = 0;
   for (const auto& [s, n] : nodes) {
     // The node list rides along for jobs up to kMaxListedNodes (10,000 nodes would make
-    // every assignment 120 KB and the round 1.2 GB).
+    // every assignment 120 KB and the round 1.2 GB). It is encoded once for every node.
     if (nodes.size() <= proto::kMaxListedNodes) a.nodes.push_back(n.join.addr);
     a.world_size += n.join.nproc;
   }
-  Actions out;
+  const proto::AssignmentEncoder assignment(a);
   members_.clear();
   int offset = 0;
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     auto& [s, n] = nodes[i];
-    a.group_rank = static_cast<int>(i);
-    a.rank_offset = offset;
+    out.push_back({s, assignment(static_cast<int>(i), offset)});
     offset += n.join.nproc;
     n.last_seen = now;
-    members_[s] = n;
-    out.push_back({s, proto::to_frame(a)});
+    members_.emplace_hint(members_.end(), s, std::move(n));
   }
-  for (const auto& [s, n] : joined_)
-    if (!members_.contains(s))
-      out.push_back({s, proto::to_frame(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)})});
-  joined_.clear();
   last_call_deadline_.reset();
   expected_members_ = members_.size();
   rebuilding_ = false;
@@ -197,14 +204,14 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     restart_reason_ = reason;
     first_join_ = now;
     Actions out;
-    for (const auto& [s, n] : members_)
-      out.push_back({s, proto::to_frame(proto::Restart{restart_count_, reason})});
+    const auto restart = proto::to_wire(proto::Restart{restart_count_, reason});
+    for (const auto& [s, n] : members_) out.push_back({s, restart});
     members_.clear();
     return out;
   }
   state_ = State::kFailed;
   abort_ = proto::Abort{root_cause, reason};
-  auto out = broadcast(proto::to_frame(*abort_));
+  auto out = broadcast(proto::to_wire(*abort_));
   members_.clear();
   joined_.clear();
   return out;
@@ -231,7 +238,7 @@ Actions Job::maybe_done() {
       !std::all_of(members_.begin(), members_.end(), [](const auto& m) { return m.second.done; }))
     return {};
   state_ = State::kDone;
-  auto out = broadcast(proto::to_frame(proto::Done{}));
+  auto out = broadcast(proto::to_wire(proto::Done{}));
   members_.clear();
   return out;
 }
@@ -269,7 +276,7 @@ Actions Job::tick(Clock::time_point now) {
                                config_.min_nodes, id_);
       state_ = State::kFailed;
       abort_ = proto::Abort{rc, rc.message};
-      auto out = broadcast(proto::to_frame(*abort_));
+      auto out = broadcast(proto::to_wire(*abort_));
       joined_.clear();
       return out;
     }
@@ -288,7 +295,7 @@ Actions Job::tick(Clock::time_point now) {
       ++missed_heartbeats_;
       auto out = fail_or_restart(rc, rc.message, s, now);
       // The silent node is told too, in case it is only slow.
-      out.push_back({s, proto::to_frame(proto::Abort{rc, rc.message})});
+      out.push_back({s, proto::to_wire(proto::Abort{rc, rc.message})});
       return out;
     }
   }

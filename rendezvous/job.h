@@ -20,15 +20,18 @@
 #include <nlohmann/json.hpp>
 
 #include "proto/messages.h"
+#include "proto/wire.h"
 
 namespace mg::rdzv {
 
 using Clock = std::chrono::steady_clock;
 using SessionId = std::uint64_t;
 
+// A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
+// for N nodes holds its bytes once.
 struct Outgoing {
   SessionId session = 0;
-  proto::Frame frame;
+  proto::Wire frame;
 };
 using Actions = std::vector<Outgoing>;
 
@@ -73,7 +76,7 @@ class Job {
   Actions close_round(Clock::time_point now);
   Actions fail_or_restart(const proto::WorkerFailed& root_cause, const std::string& reason, SessionId lost,
                           Clock::time_point now);
-  Actions broadcast(const proto::Frame& f, SessionId except = 0) const;
+  Actions broadcast(const proto::Wire& w, SessionId except = 0) const;
   Actions maybe_done();
   // A re-registration (resume_round > 0) is believed only while a restarted server
   // rebuilds the round: no other node waits, the claims agree, the slot is free.

@@ -19,6 +19,7 @@ namespace {
 constexpr std::size_t kReservedDescriptors = 64;  // logs, the acceptor, the agent's own pipes
 constexpr std::size_t kMaxTrackedAddresses = 4096;
 constexpr auto kMaxBlock = std::chrono::seconds(5);  // below the client's handshake patience
+constexpr std::size_t kAcceptBatch = 4096;  // connections taken per wake-up at most (a full backlog)
 }  // namespace
 
 struct Server::Session {
@@ -50,6 +51,7 @@ Server::Server(asio::io_context& io, ServerOptions opts)
   if (!ec) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), ec);
   if (!ec) acceptor_.bind(ep, ec);
   if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+  if (!ec) acceptor_.non_blocking(true, ec);  // accept() below drains the backlog
   if (ec) throw std::runtime_error(fmt::format("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message()));
   port_ = acceptor_.local_endpoint().port();
   // Connections must run out before descriptors do, or accept() fails with EMFILE.
@@ -116,7 +118,6 @@ void Server::stop(bool flush) {
 }
 
 bool Server::admit(const std::string& address) {
-  const auto now = Clock::now();
   if (sessions_.size() >= opts_.max_connections) {
     refused("connections");
     log(fmt::format("refused a connection from {}: {} connections open (max)", address, sessions_.size()));
@@ -138,8 +139,22 @@ bool Server::admit(const std::string& address) {
 }
 
 void Server::accept() {
-  acceptor_.async_accept([this](boost::system::error_code ec, asio::ip::tcp::socket socket) {
+  acceptor_.async_accept(accept_peer_, [this](boost::system::error_code ec, asio::ip::tcp::socket socket) {
     if (stopped_) return;
+    if (!ec) {
+      admit_socket(std::move(socket), accept_peer_);
+      // Take every connection already waiting, not one per turn of the event loop: under a
+      // burst (10,000 agents at once) the listen backlog fills while the loop serves other
+      // sockets, and the kernel then drops connection requests, which the clients resend
+      // only a second later. The acceptor is non-blocking: this stops at "would block".
+      for (std::size_t i = 0; i < kAcceptBatch && !stopped_; ++i) {
+        asio::ip::tcp::endpoint peer;
+        asio::ip::tcp::socket next = acceptor_.accept(peer, ec);
+        if (ec) break;
+        admit_socket(std::move(next), peer);
+      }
+      if (ec == asio::error::would_block || ec == asio::error::try_again) ec = {};
+    }
     if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space || ec == asio::error::no_memory) {
       // Out of descriptors: pause instead of spinning on the pending connection.
       refused("descriptors");
@@ -150,28 +165,35 @@ void Server::accept() {
       });
       return;
     }
-    if (!ec) {
-      boost::system::error_code ignored;
-      auto remote = socket.remote_endpoint(ignored);
-      const std::string address = ignored ? "?" : remote.address().to_string();
-      if (!admit(address)) {
-        socket.close(ignored);
-      } else {
-        ++accepted_;
-        auto s = std::make_shared<Session>();
-        s->id = next_id_++;
-        s->address = address;
-        s->since = Clock::now();
-        ++per_address_[address];
-        s->conn = std::make_shared<FramedConnection>(std::move(socket), proto::kHandshakeMaxFrame, budget_, traffic_);
-        sessions_[s->id] = s;
-        std::weak_ptr<Session> weak = s;
-        s->conn->start([this, weak](const proto::Frame& f) { if (auto s = weak.lock()) on_frame(s, f); },
-                       [this, weak](const std::string& why) { if (auto s = weak.lock()) on_close(s, why); });
-      }
-    }
+    if (stopped_) return;
     accept();
   });
+}
+
+void Server::admit_socket(asio::ip::tcp::socket socket, const asio::ip::tcp::endpoint& peer) {
+  boost::system::error_code ignored;
+  const std::string address = peer.address().to_string();
+  if (!admit(address)) {
+    socket.close(ignored);
+    return;
+  }
+  ++accepted_;
+  auto s = std::make_shared<Session>();
+  s->id = next_id_++;
+  s->address = address;
+  s->since = Clock::now();
+  ++per_address_[address];
+  s->conn = std::make_shared<FramedConnection>(std::move(socket), proto::kHandshakeMaxFrame, budget_, traffic_, peer);
+  sessions_[s->id] = s;
+  // Captures of 16 bytes fit in std::function without an allocation of their own.
+  const SessionId id = s->id;
+  s->conn->start(
+      [this, id](const proto::Frame& f) {
+        if (auto it = sessions_.find(id); it != sessions_.end()) on_frame(std::shared_ptr<Session>(it->second), f);
+      },
+      [this, id](const std::string& why) {
+        if (auto it = sessions_.find(id); it != sessions_.end()) on_close(std::shared_ptr<Session>(it->second), why);
+      });
 }
 
 void Server::auth_failed(const std::string& address) {
@@ -199,6 +221,9 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
   auto welcome = [&] {
     s->phase = Session::Phase::kReady;
     s->since = Clock::now();
+    // The handshake's nonces and key are spent: an idle session holds none of them.
+    std::string().swap(s->client_nonce);
+    std::string().swap(s->server_nonce);
     s->conn->send(proto::to_frame(proto::Welcome{"mglaunch-rdzv"}));
     s->conn->set_max_frame(opts_.max_frame);
   };
@@ -240,8 +265,9 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     throw proto::ProtocolError(fmt::format("authentication failed for job '{}': wrong rendezvous token", s->job));
   }
   failures_.erase(s->address);
-  welcome();
   const std::string session = auth::session_key(s->key, s->client_nonce, s->server_nonce);
+  std::string().swap(s->key);
+  welcome();
   s->conn->sign_sent(session, 's');
   s->conn->verify_received(session, 'c');
 }
@@ -283,7 +309,7 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
       case MsgType::kHeartbeat: {
         auto hb = proto::from_frame<proto::Heartbeat>(f);
         apply(job->second.heartbeat(s->id, now));
-        s->conn->send(proto::to_frame(hb));  // lets the client see a hung server
+        s->conn->send(proto::to_wire(hb));  // lets the client see a hung server
         break;
       }
       case MsgType::kWorkerFailed: {
@@ -445,9 +471,10 @@ void Server::tick() {
     if (ec || stopped_) return;
     const auto now = Clock::now();
     check_deadlines(now);
-    std::set<std::string> attended;
+    std::set<std::string_view> attended;  // views of the sessions' strings, alive during the tick
+    const std::string* last = nullptr;
     for (const auto& [id, s] : sessions_)
-      if (s->joined) attended.insert(s->job);
+      if (s->joined && (!last || *last != s->job)) attended.insert(*(last = &s->job));
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       const auto before = it->second.state();
       apply(it->second.tick(now));

@@ -73,6 +73,7 @@ class Server {
     Clock::time_point blocked_until;
   };
   void accept();
+  void admit_socket(boost::asio::ip::tcp::socket socket, const boost::asio::ip::tcp::endpoint& peer);
   bool admit(const std::string& address);
   void refused(const char* reason) { ++refused_[reason]; }
   void forget(std::map<std::string, Job>::iterator job);
@@ -89,6 +90,7 @@ class Server {
   boost::asio::io_context& io_;
   ServerOptions opts_;
   boost::asio::ip::tcp::acceptor acceptor_;
+  boost::asio::ip::tcp::endpoint accept_peer_;  // filled by the pending async_accept
   boost::asio::steady_timer ticker_, accept_pause_;
   int port_ = 0;
   bool stopped_ = false;

@@ -2,13 +2,15 @@
 // never a crash, an exception, deep recursion or an allocation beyond the frame bound; a
 // decoded frame must re-encode to a frame that decodes again; check_cbor must agree with
 // the decoder; and every message parser must either accept its payload or throw
-// ProtocolError (validation included). Inputs run up to the 1 MiB frame limit.
+// ProtocolError (validation included); an assignment that parses must come back unchanged
+// through the direct encoder (proto/wire.h). Inputs run up to the 1 MiB frame limit.
 #include <cstddef>
 #include <cstdint>
 #include <span>
 
 #include "proto/frame.h"
 #include "proto/messages.h"
+#include "proto/wire.h"
 
 namespace {
 template <typename T>
@@ -17,6 +19,18 @@ void try_parse(const mg::proto::Frame& f) {
     mg::proto::Frame copy = f;
     copy.type = static_cast<std::uint8_t>(T::kType);
     (void)mg::proto::from_frame<T>(copy);
+  } catch (const mg::proto::ProtocolError&) {
+  }
+}
+// An assignment that parses must survive the direct encoder (proto/wire.h) unchanged.
+void assignment_round_trip(const mg::proto::Frame& f) {
+  using namespace mg::proto;
+  try {
+    Frame copy = f;
+    copy.type = static_cast<std::uint8_t>(MsgType::kAssignment);
+    const auto a = from_frame<Assignment>(copy);
+    const auto back = from_frame<Assignment>(to_wire(a));
+    if (nlohmann::json(back) != nlohmann::json(a)) __builtin_trap();
   } catch (const mg::proto::ProtocolError&) {
   }
 }
@@ -38,6 +52,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     try_parse<Auth>(r.frame);
     try_parse<Join>(r.frame);
     try_parse<Assignment>(r.frame);
+    assignment_round_trip(r.frame);
     try_parse<Heartbeat>(r.frame);
     try_parse<WorkerFailed>(r.frame);
     try_parse<Restart>(r.frame);

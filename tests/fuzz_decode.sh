@@ -9,7 +9,7 @@ seconds=${1:-20}
 max_len=${FUZZ_MAX_LEN:-65536}
 out=${FUZZ_DIR:-$(mktemp -d)}
 clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
-  -I"$src" "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/tests/fuzz_decode.cc" -o "$out/fuzz_decode"
+  -I"$src" "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/wire.cc" "$src/tests/fuzz_decode.cc" -o "$out/fuzz_decode"
 mkdir -p "$out/corpus"
 # Seeds: a frame header (version 2, type 5) over arrays nested 5,000 deep, and over a map.
 python3 - "$out/corpus" <<'PY'

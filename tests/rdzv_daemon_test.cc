@@ -1,0 +1,318 @@
+// The rendezvous server and its connections at scale, over real loopback sockets: bursts of
+// connections, memory held per idle connection, the client's pipelined join, and
+// thousands of simulated agents joining the real mglaunch-rdzv, twice.
+#include <catch2/catch.hpp>
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <functional>
+#include <memory>
+#include <set>
+
+#include <boost/asio.hpp>
+#include <fmt/format.h>
+
+#include "proto/messages.h"
+#include "proto/wire.h"
+#include "rendezvous/auth.h"
+#include "rendezvous/client.h"
+#include "rendezvous/connection.h"
+#include "rendezvous/server.h"
+#include "support/proc.h"
+#include "support/rdzv_fixture.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+namespace asio = boost::asio;
+namespace proto = mg::proto;
+namespace rdzv = mg::rdzv;
+
+namespace {
+
+std::uint64_t metric(const std::string& text, const std::string& name) {
+  const std::string key = "mglaunch_rdzv_" + name + " ";
+  const auto at = text.find("\n" + key);
+  REQUIRE(at != std::string::npos);
+  return std::stoull(text.substr(at + 1 + key.size()));
+}
+
+// Runs `io` one handler at a time until `done` or `max_handlers`, each wait bounded.
+int run_until(asio::io_context& io, const std::function<bool()>& done, int max_handlers) {
+  int n = 0;
+  while (!done() && n < max_handlers) {
+    if (io.run_one_for(5s) == 0) break;
+    ++n;
+  }
+  return n;
+}
+
+struct Fds {
+  std::vector<int> fds;
+  ~Fds() {
+    for (int fd : fds) ::close(fd);
+  }
+};
+
+int connect_blocking(int port, const std::string& source = "127.0.0.1") {
+  asio::io_context io;
+  asio::ip::tcp::socket s(io);
+  s.open(asio::ip::tcp::v4());
+  s.bind({asio::ip::make_address(source), 0});
+  s.connect({asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)});
+  return s.release();
+}
+
+std::vector<std::uint8_t> bytes_of(const proto::Frame& f) { return proto::encode(f); }
+
+void send_all(int fd, const std::uint8_t* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    REQUIRE(k > 0);
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+}
+
+proto::Join sim_join(const std::string& job, int i, int n, const std::string& addr) {
+  proto::Join j;
+  j.job_id = job;
+  j.agent_id = fmt::format("sim-{}", i);
+  j.host = fmt::format("sim{}", i);
+  j.addr = addr;
+  j.min_nodes = j.max_nodes = n;
+  j.keep_alive_ms = 600000;
+  j.join_timeout_ms = 600000;
+  return j;
+}
+
+}  // namespace
+
+TEST_CASE("the daemon takes every waiting connection at once, so a burst does not overflow its listen backlog") {
+  asio::io_context io(1);
+  rdzv::ServerOptions so;
+  so.max_connections_per_address = 100000;
+  rdzv::Server server(io, so);
+  constexpr int kClients = 300;
+  Fds clients;
+  // The kernel completes these handshakes into the backlog while the server's loop is not running.
+  for (int i = 0; i < kClients; ++i) clients.fds.push_back(connect_blocking(server.port()));
+  const int handlers =
+      run_until(io, [&] { return metric(server.metrics(), "connections") == kClients; }, 10 * kClients);
+  CHECK(metric(server.metrics(), "connections") == kClients);
+  // One accept per turn of the loop would need a handler per connection.
+  CHECK(handlers <= 10);
+}
+
+TEST_CASE("a connection holds memory only for a frame still arriving") {
+  asio::io_context io(1);
+  asio::ip::tcp::acceptor acceptor(io, {asio::ip::make_address("127.0.0.1"), 0});
+  Fds client;
+  client.fds.push_back(connect_blocking(acceptor.local_endpoint().port()));
+  const int fd = client.fds[0];
+  auto budget = std::make_shared<rdzv::MemoryBudget>();
+  std::vector<proto::Frame> got;
+  std::string closed;
+  auto conn = std::make_shared<rdzv::FramedConnection>(acceptor.accept(), proto::kDefaultMaxFrame, budget);
+  conn->start([&](const proto::Frame& f) { got.push_back(f); }, [&](const std::string& why) { closed = why; });
+  CHECK(budget->used == 0);  // an idle connection: no read buffer
+
+  const auto hb = bytes_of(proto::to_frame(proto::Heartbeat{1}));
+  const auto big = bytes_of(proto::Frame{13, {{"message", std::string(200000, 'x')}}});  // beyond one read
+  std::vector<std::uint8_t> first = hb;
+  first.insert(first.end(), big.begin(), big.begin() + 3);  // a frame and the start of the next
+  send_all(fd, first.data(), first.size());
+  run_until(io, [&] { return got.size() == 1 && budget->used > 0; }, 100);
+  REQUIRE(got.size() == 1);
+  CHECK(proto::from_frame<proto::Heartbeat>(got[0]).round == 1);
+  CHECK(budget->used > 0);  // the partial frame is kept, and charged
+  CHECK(conn->partial_since().has_value());
+
+  send_all(fd, big.data() + 3, big.size() - 3);
+  run_until(io, [&] { return got.size() == 2; }, 1000);
+  REQUIRE(got.size() == 2);
+  CHECK(got[1].payload["message"].get<std::string>().size() == 200000);
+  CHECK(budget->used == 0);  // given back once the frame is complete
+  CHECK(!conn->partial_since().has_value());
+  CHECK(conn->buffered() == 0);
+
+  // Sent frames leave at once: nothing stays queued on an idle connection.
+  CHECK(conn->send(proto::to_wire(proto::Heartbeat{2})));
+  CHECK(conn->buffered() == 0);
+  std::vector<std::uint8_t> echo(64);
+  pollfd p{fd, POLLIN, 0};
+  REQUIRE(::poll(&p, 1, 10000) == 1);
+  const ssize_t n = ::recv(fd, echo.data(), echo.size(), 0);
+  REQUIRE(n > 0);
+  auto r = proto::decode(std::span<const std::uint8_t>(echo.data(), static_cast<std::size_t>(n)));
+  REQUIRE(r.status == proto::DecodeResult::Status::kOk);
+  CHECK(proto::from_frame<proto::Heartbeat>(r.frame).round == 2);
+  CHECK(closed.empty());
+  conn->close(true);
+}
+
+TEST_CASE("without a token the agent sends its join with its hello, with a token it waits for the challenge") {
+  for (const bool token : {false, true}) {
+    INFO("token: " << token);
+    asio::io_context io(1);
+    asio::ip::tcp::acceptor acceptor(io, {asio::ip::make_address("127.0.0.1"), 0});
+    rdzv::ClientOptions co;
+    co.host = "127.0.0.1";
+    co.port = acceptor.local_endpoint().port();
+    co.token = token ? "a-token" : "";
+    co.join = sim_join("pipelined", 1, 2, "127.0.0.1");
+    std::string lost;
+    rdzv::ClientHandlers h;
+    h.on_lost = [&](const std::string& why) { lost = why; };
+    rdzv::Client client(io, co, h);
+    client.start();
+    asio::ip::tcp::socket server = acceptor.accept();  // the kernel completed the handshake
+    // Read what the client sends without answering it.
+    std::vector<std::uint8_t> in;
+    std::vector<proto::MsgType> types;
+    const auto end = std::chrono::steady_clock::now() + (token ? 500ms : 10s);
+    while (types.size() < 2 && std::chrono::steady_clock::now() < end) {
+      io.poll();
+      pollfd p{server.native_handle(), POLLIN, 0};
+      if (::poll(&p, 1, 20) != 1) continue;
+      std::uint8_t buf[4096];
+      const ssize_t n = ::recv(server.native_handle(), buf, sizeof buf, 0);
+      REQUIRE(n > 0);
+      in.insert(in.end(), buf, buf + n);
+      for (;;) {
+        auto r = proto::decode(in);
+        if (r.status != proto::DecodeResult::Status::kOk) break;
+        types.push_back(proto::type_of(r.frame));
+        in.erase(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(r.consumed));
+      }
+    }
+    REQUIRE(!types.empty());
+    CHECK(types[0] == proto::MsgType::kHello);
+    if (token) {
+      CHECK(types.size() == 1);  // nothing before the server proved the job's key
+    } else {
+      REQUIRE(types.size() == 2);
+      CHECK(types[1] == proto::MsgType::kJoin);
+    }
+    CHECK(lost.empty());
+    client.close();
+  }
+}
+
+TEST_CASE("2,000 agents join the daemon over real sockets with distinct ranks and one world, and a second job works") {
+  rlimit rl{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &rl) == 0);
+  if (rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  constexpr int kAgents = 2000;
+  if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < kAgents + 256) {
+    WARN("skipped: the descriptor limit " << rl.rlim_cur << " is below " << kAgents + 256);
+    return;
+  }
+  Daemon daemon = start_daemon({}, {"--max-connections-per-address", "100000"});
+  struct Killer {
+    Proc& p;
+    ~Killer() {
+      ::kill(p.pid, SIGTERM);
+      p.wait(10s);
+    }
+  } killer{daemon.proc};
+
+  for (const std::string job : {"first", "second"}) {
+    INFO("job " << job);
+    asio::io_context io(1);
+    const asio::ip::tcp::endpoint server(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(daemon.port()));
+    struct Agent {
+      std::shared_ptr<rdzv::FramedConnection> conn;
+      std::optional<proto::Assignment> assignment;
+      bool done = false;
+      std::string problem;
+    };
+    std::vector<Agent> agents(kAgents);
+    int next = 0, assigned = 0, finished = 0, failed = 0;
+    std::function<void()> launch = [&] {
+      if (next >= kAgents) return;
+      const int i = next++;
+      const auto src = asio::ip::make_address_v4(fmt::format("127.0.{}.{}", 1 + i / 250, 1 + i % 250));
+      auto sock = std::make_shared<asio::ip::tcp::socket>(io);
+      sock->open(asio::ip::tcp::v4());
+      sock->bind({src, 0});
+      sock->async_connect(server, [&, i, sock, src](boost::system::error_code ec) {
+        auto& a = agents[static_cast<std::size_t>(i)];
+        if (ec) {
+          a.problem = "connect: " + ec.message();
+          ++failed;
+          return launch();
+        }
+        a.conn = std::make_shared<rdzv::FramedConnection>(std::move(*sock));
+        const auto join = sim_join(job, i, kAgents, src.to_string());
+        std::weak_ptr<rdzv::FramedConnection> weak = a.conn;
+        a.conn->start(
+            [&, i, join, weak](const proto::Frame& f) {
+              auto& a = agents[static_cast<std::size_t>(i)];
+              auto c = weak.lock();
+              if (!c) return;
+              switch (proto::type_of(f)) {
+                case proto::MsgType::kWelcome:
+                  c->send(proto::to_frame(join));
+                  break;
+                case proto::MsgType::kAssignment:
+                  a.assignment = proto::from_frame<proto::Assignment>(f);
+                  if (++assigned == kAgents)  // every node runs: each reports done
+                    for (auto& x : agents) x.conn->send(proto::to_frame(proto::NodeDone{x.assignment->round}));
+                  break;
+                case proto::MsgType::kDone:
+                  a.done = true;
+                  if (++finished == kAgents) io.stop();
+                  break;
+                default:
+                  a.problem = fmt::format("unexpected message type {}", f.type);
+                  ++failed;
+              }
+            },
+            [&, i](const std::string& why) {
+              auto& a = agents[static_cast<std::size_t>(i)];
+              if (!a.done) {
+                a.problem = "closed: " + why;
+                ++failed;
+              }
+            });
+        a.conn->send(proto::to_frame(proto::Hello{join.agent_id, job, rdzv::auth::random_hex(32)}));
+        launch();
+      });
+    };
+    for (int k = 0; k < 128; ++k) launch();
+    io.run_for(240s);
+    for (auto& a : agents)
+      if (a.conn) a.conn->close(true);
+    io.poll();
+
+    std::string problems;
+    for (std::size_t i = 0; i < agents.size() && problems.size() < 2000; ++i)
+      if (!agents[i].problem.empty()) problems += fmt::format("agent {}: {}\n", i, agents[i].problem);
+    INFO(problems << daemon.proc.err());
+    CHECK(failed == 0);
+    REQUIRE(assigned == kAgents);
+    CHECK(finished == kAgents);
+    std::set<int> ranks;
+    std::set<std::string> worlds;
+    for (const auto& a : agents) {
+      ranks.insert(a.assignment->group_rank);
+      worlds.insert(fmt::format("{}/{}/{}/{}:{}/round {}", a.assignment->group_world_size, a.assignment->world_size,
+                                a.assignment->nodes.size(), a.assignment->master_addr, a.assignment->master_port,
+                                a.assignment->round));
+      CHECK(a.assignment->rank_offset == a.assignment->group_rank);  // one worker per node
+    }
+    CHECK(ranks.size() == static_cast<std::size_t>(kAgents));
+    CHECK(*ranks.begin() == 0);
+    CHECK(*ranks.rbegin() == kAgents - 1);
+    // Beyond kMaxListedNodes the node list is left out.
+    CHECK(worlds == std::set<std::string>{fmt::format("{}/{}/0/127.0.1.1:0/round 1", kAgents, kAgents)});
+  }
+  CHECK(pid_alive(daemon.proc.pid));
+}

@@ -1,6 +1,7 @@
 // rdzv_scale: N simulated agents (clients on one event loop, each from its own 127.0.x.y
 // source address) join one job of one mglaunch-rdzv daemon. Prints the time from the first
-// connect to the last assignment received. Usage: rdzv_scale HOST:PORT [N] [JOB]
+// connect to the last assignment received. Each agent sends its join with its hello, as
+// mglaunch's client does without a token. Usage: rdzv_scale HOST:PORT [N] [JOB]
 #include <sys/resource.h>
 
 #include <chrono>
@@ -68,8 +69,7 @@ int main(int argc, char** argv) {
       c->start(
           [&, c, j](const proto::Frame& f) {
             switch (proto::type_of(f)) {
-              case proto::MsgType::kWelcome:
-                c->send(proto::to_frame(j));
+              case proto::MsgType::kWelcome:  // the join went with the hello
                 break;
               case proto::MsgType::kAssignment:
                 world = proto::from_frame<proto::Assignment>(f).group_world_size;
@@ -85,7 +85,9 @@ int main(int argc, char** argv) {
             }
           },
           [](const std::string&) {});
+      // As an agent without a token does (rendezvous/client.cc): the join rides with the hello.
       c->send(proto::to_frame(proto::Hello{j.agent_id, job, rdzv::auth::random_hex(32)}));
+      c->send(proto::to_frame(j));
       launch();
     });
   };

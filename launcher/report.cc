@@ -1,6 +1,7 @@
 #include "launcher/report.h"
 
 #include <string.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <ctime>
@@ -29,10 +30,26 @@ RootCause worker_root_cause(const WorkerOutcome& o, const std::string& host, con
   rc.worker = o;
   rc.error_file = error_file;
   rc.message = !spawn_error.empty() ? spawn_error : read_error_file_message(rc.error_file);
+  // Named only when there is one to read (a worker that never ran wrote none).
   std::error_code ec;
-  if (rc.message.empty() && !std::filesystem::exists(rc.error_file, ec)) rc.error_file.clear();
+  if (!std::filesystem::exists(rc.error_file, ec)) rc.error_file.clear();
   rc.stderr_tail = std::move(stderr_tail);
   return rc;
+}
+
+std::string process_limit_text(unsigned long long soft, unsigned long long hard) {
+  auto text = [](unsigned long long v) { return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v); };
+  return fmt::format(
+      "too many processes: the process limit (RLIMIT_NPROC, `ulimit -u`, counted over every process and thread of "
+      "this user) is {} and its hard limit {}, or the cgroup's pids.max (TasksMax= of a service) is reached; raise "
+      "it (`ulimit -u`, nproc in /etc/security/limits.conf, TasksMax= or pids.max) or start fewer workers",
+      text(soft), text(hard));
+}
+
+std::string process_limit_text() {
+  rlimit lim{RLIM_INFINITY, RLIM_INFINITY};
+  ::getrlimit(RLIMIT_NPROC, &lim);
+  return process_limit_text(lim.rlim_cur, lim.rlim_max);
 }
 
 std::string signal_name(int sig) {

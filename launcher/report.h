@@ -68,6 +68,13 @@ RootCause worker_root_cause(const WorkerOutcome& o, const std::string& host, con
 // The failure report block (several lines, each ending in '\n').
 std::string format_root_cause(const RootCause& rc, const std::string& program);
 
+// Why a worker could not be made (clone: EAGAIN, ENOMEM) and what to do: the process
+// limit (RLIMIT_NPROC, `ulimit -u`) with its soft and hard values as getrlimit gave them
+// (RLIM_INFINITY: unlimited), a cgroup's pids.max, fewer workers. process_limit_text()
+// reads this process's limit.
+std::string process_limit_text(unsigned long long soft, unsigned long long hard);
+std::string process_limit_text();
+
 // "SIGTERM", or "signal N" for a number without a name.
 std::string signal_name(int sig);
 

@@ -44,7 +44,9 @@ Actions Supervisor::spawn_batch_due(std::uint64_t gen, const Now&) {
 }
 
 void Supervisor::spawn_batch(std::uint64_t gen, Actions& out) {
-  if (gen != gen_ || state_ == State::kDone) return;  // an attempt that ended meanwhile
+  // An attempt that is over or stopping: nothing to start, and the master port stays as
+  // it is (held for the next attempt or round by then).
+  if (gen != gen_ || state_ != State::kRunning) return;
   // A batch at a time, then back to the event loop: exits and failures are handled while
   // the rest start, so a run of many short workers never holds all their descriptors and
   // zombies at once.
@@ -106,13 +108,14 @@ void Supervisor::stop_group(int sig, const Now& now, Actions& out) {
   stop_signal_ = sig;
   trace(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}}, out);
   out.push_back(act::SignalWorkers{sig, true});
-  out.push_back(act::ArmTimer{Timer::kGrace, now.steady + cfg_.grace});
+  grace_due_ = now.steady + cfg_.grace;
+  out.push_back(act::ArmTimer{Timer::kGrace, grace_due_});
 }
 
-Actions Supervisor::timer_fired(Timer t, const Now&) {
+Actions Supervisor::timer_fired(Timer t, const Now& now) {
   Actions out;
   if (t == Timer::kGrace) {
-    if (state_ != State::kStopping) return out;
+    if (state_ != State::kStopping || now.steady < grace_due_) return out;
     notice(fmt::format("workers still running {:.1f}s after {}: sending SIGKILL", seconds(cfg_.grace),
                        signal_name(stop_signal_)),
            out);
@@ -249,14 +252,23 @@ Actions Supervisor::signal(int sig, const Now& now) {
     leave_job(sig, now, out);
     return out;
   }
+  if (state_ == State::kStopping && handles_ == 0) {
+    // Between attempts (every worker gone, the restart due): nothing to stop, and the
+    // failure that came before was dealt with by the restart. The restart never starts;
+    // the run ends as any run stopped by a signal does (128+S), the last attempt's
+    // record as it was.
+    --restart_count_;  // announced, never started
+    root_cause_.reset();
+    notice(fmt::format("got {} before restart {} started: not restarting", signal_name(sig), restart_count_ + 1),
+           out);
+    finish(exit_code::kSignalBase + sig, out);
+    return out;
+  }
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), seconds(cfg_.grace)), out);
   if (what == OnSignal::kForwardWhileStopping)
     out.push_back(act::SignalWorkers{sig, true});
   else
     stop_group(sig, now, out);
-  // Between attempts (all workers gone, the restart due) nobody is left to report back:
-  // the stop is over now, and the next attempt never starts.
-  if (handles_ == 0) group_stopped(now, out);
   return out;
 }
 
@@ -269,6 +281,9 @@ Actions Supervisor::job_control(int sig, const Now& now) {
     out.push_back(act::SignalWorkers{SIGSTOP, true});
     trace("stopped (SIGTSTP)", "signal", {{"signal", sig}}, out);
     out.push_back(act::PauseOutputDrains{});
+    // The grace must not run out while we are stopped: a timer that expired meanwhile
+    // would fire the moment we go on, before the SIGCONT that starts it over is handled.
+    if (state_ == State::kStopping) out.push_back(act::CancelTimer{Timer::kGrace});
     out.push_back(act::StopSelf{});
     return out;
   }
@@ -278,7 +293,10 @@ Actions Supervisor::job_control(int sig, const Now& now) {
   out.push_back(act::SignalWorkers{SIGCONT, true});
   trace("continued (SIGCONT)", "signal", {{"signal", sig}}, out);
   out.push_back(act::ResumeOutputDrains{});
-  if (state_ == State::kStopping) out.push_back(act::ArmTimer{Timer::kGrace, now.steady + cfg_.grace});
+  if (state_ == State::kStopping) {
+    grace_due_ = now.steady + cfg_.grace;
+    out.push_back(act::ArmTimer{Timer::kGrace, grace_due_});
+  }
   return out;
 }
 

@@ -156,6 +156,10 @@ class Supervisor {
   int agent_signal_ = 0;  // TERM/INT/HUP that is stopping the run
   int interrupts_ = 0;    // SIGINTs seen (a second one kills at once)
   int stop_signal_ = SIGTERM;  // the signal of the stop under way, for the grace notice
+  // When the grace of the stop under way runs out: set by stop_group and started over by
+  // SIGCONT. A grace timer that fires before it (a completion queued while the agent was
+  // stopped, before the SIGCONT that re-armed it was handled) is stale.
+  Clock::time_point grace_due_{};
   int leaving_code_ = 0;  // set by leave_job(): the exit code once the decision is in
   bool rejoin_after_stop_ = false;
   std::optional<proto::Abort> abort_;

@@ -25,6 +25,8 @@
 #include <fmt/format.h>
 
 #include "launcher/dirents.h"
+#include "launcher/errors.h"
+#include "launcher/report.h"
 
 namespace mg {
 
@@ -291,6 +293,7 @@ pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& e
   st->stack = pool.take();
   if (!st->stack) {
     error = "no memory for the child's stack";
+    errno = ENOMEM;
     return -1;
   }
   // No signal handler of the agent may run in the child (it shares our memory); the child
@@ -311,6 +314,7 @@ pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& e
     pool.give(st->stack);
     st->stack = nullptr;
     error = fmt::format("clone: {}", std::strerror(clone_errno));
+    errno = clone_errno;
     return -1;
   }
   if (tid_cleared(&st->tid)) {
@@ -486,6 +490,7 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     }
   }
   start_ = std::chrono::steady_clock::now();
+  int failed_status = exit_code::kNotFound << 8;  // reported when nothing could be started
   const int nstreams = spec_.merge_streams ? 1 : 2;
   int ends[2][2] = {{-1, -1}, {-1, -1}};
   for (int s = 0; s < nstreams && spawn_error_.empty(); ++s)
@@ -520,7 +525,14 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     req.nofile = spec_.nofile;
     std::string error;
     pid_ = spawn_process(req, impl_->ticket, error);
-    if (pid_ < 0) spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, error);
+    if (pid_ < 0) {
+      const int why = errno;
+      spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, error);
+      if (why == EAGAIN || why == ENOMEM) {  // a limit of the machine, not a missing program
+        failed_status = exit_code::kResource << 8;
+        spawn_error_ += "; " + process_limit_text();
+      }
+    }
   }
   if (devnull >= 0) ::close(devnull);
   for (int s = 0; s < 2; ++s) {
@@ -535,8 +547,8 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
   }
   if (!spawn_error_.empty()) {
     // Report the failure from the event loop, never from inside the constructor.
-    asio::post(io_, [this, alive = std::weak_ptr<int>(alive_)] {
-      if (!alive.expired()) on_exit(127 << 8);
+    asio::post(io_, [this, failed_status, alive = std::weak_ptr<int>(alive_)] {
+      if (!alive.expired()) on_exit(failed_status);
     });
     return;
   }
@@ -665,10 +677,13 @@ void WorkerProcess::arm_drain() {
 }
 
 void WorkerProcess::pause_drain() {
+  drain_paused_ = true;
   if (exited_ && !done_) impl_->drain.cancel();
 }
 
 void WorkerProcess::resume_drain() {
+  if (!drain_paused_) return;  // a SIGCONT without a stop before it: the drain goes on as it is
+  drain_paused_ = false;
   if (exited_ && !done_ && (impl_->open[0] || impl_->open[1])) arm_drain();
 }
 

@@ -69,7 +69,8 @@ std::unordered_set<pid_t> descendant_groups(const std::vector<ProcStat>& table, 
 // close_range(CLOSE_RANGE_CLOEXEC) are missing (not x86-64 or arm64, Linux < 5.11) the
 // agent waits for the exec as before (CLONE_VFORK); the results are the same.
 //
-// Returns the pid, or -1 with `error` set when no child could be made (clone failed).
+// Returns the pid, or -1 with `error` set when no child could be made (clone failed;
+// errno is clone's: EAGAIN or ENOMEM for a process limit).
 // When a step in the child fails (the exec of a file that is not a program, setpgid, ...)
 // the child exits with status 127 and, once the caller has reaped it, ticket.failure()
 // says which step and why ("execve: Exec format error").
@@ -155,6 +156,7 @@ class WorkerProcess {
   void on_exit(int status);
   // The agent stops (Ctrl-Z) / goes on: an ended worker's output drain (kDrainTimeout)
   // waits meanwhile and starts over, so the time stopped does not count against it.
+  // resume_drain() without a pause_drain() before it (anyone's SIGCONT) changes nothing.
   void pause_drain();
   void resume_drain();
 
@@ -186,6 +188,7 @@ class WorkerProcess {
   bool exited_ = false;
   bool done_ = false;
   bool paused_[2] = {false, false};  // not reading: the console is congested
+  bool drain_paused_ = false;        // pause_drain() (Ctrl-Z) until resume_drain()
   LiveLine live_[2];                 // where each stream stands on a terminal (Console::relay)
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // expires with this handle
   int status_ = 0;

@@ -340,6 +340,76 @@ TEST_CASE("the time stopped by Ctrl-Z does not count against the output drain of
   CHECK(p.text().find("[rank0]:late") != std::string::npos);
 }
 
+TEST_CASE("a Ctrl-Z while stopping that outlasts the grace does not count: the workers are not killed as they resume") {
+  // The worker ignores SIGTERM. SIGTERM to the agent starts the 5 s grace; a Ctrl-Z stops
+  // everything for longer than that. Once continued the grace starts over: the worker
+  // still answers a SIGUSR1 sent after the SIGCONT, and is SIGKILLed only 5 s later.
+  const std::string dir = make_temp_dir();
+  KillList kill_list{dir + "/pids"};
+  PtyProc p({kMglaunch, "--nproc_per_node=1", "--grace=5", kFakeWorker, "pidfile", kill_list.pidfile, "ignore-term",
+             "trap-usr", "print", "up", "hang", "120"});
+  REQUIRE(p.wait_for("[rank0]:up", 60s));
+  ::kill(p.pid, SIGTERM);
+  REQUIRE(p.wait_for("got SIGTERM: stopping the workers", 30s));
+  p.type("\x1a");  // Ctrl-Z
+  int st = 0;
+  REQUIRE(eventually([&] { return ::waitpid(p.pid, &st, WNOHANG | WUNTRACED) == p.pid; }, 30s));
+  REQUIRE(WIFSTOPPED(st));
+  // Not an ordering wait: the grace must run out while everything is stopped.
+  std::this_thread::sleep_for(6s);
+  ::kill(p.pid, SIGCONT);
+  ::kill(p.pid, SIGUSR1);
+  const bool answered = p.wait_for("[rank0]:got SIGUSR1", 30s);
+  const int code = p.wait_exit(60s);
+  INFO(p.text());
+  CHECK(answered);
+  const auto usr = p.text().find("[rank0]:got SIGUSR1");
+  const auto kill = p.text().find("sending SIGKILL");
+  REQUIRE(kill != std::string::npos);  // the grace still ends the stop
+  CHECK(usr < kill);
+  CHECK(code == 128 + SIGTERM);
+}
+
+TEST_CASE("a SIGCONT without a Ctrl-Z before it does not start an ended worker's output drain over") {
+  // The worker exits at once; its background child holds the pipe for a minute. The agent
+  // drains the pipe 2 s after the exit and ends. SIGCONTs (a scheduler's, `kill -CONT`, a
+  // repeated `bg`) every 0.3 s must not keep it running.
+  const std::string dir = make_temp_dir();
+  KillList kill_list{dir + "/pids"};
+  Proc agent = spawn({kMglaunch, "--nproc_per_node=1", "--no_python", "/bin/sh", "-c",
+                      "sleep 60 & echo $! >> " + kill_list.pidfile + "; echo started"});
+  REQUIRE(eventually([&] { return agent.out().find("[rank0]:started") != std::string::npos; }, 60s));
+  bool ended = false;
+  for (int i = 0; i < 100 && !ended; ++i) {  // 30 s of SIGCONTs at most
+    ::kill(agent.pid, SIGCONT);
+    ended = eventually([&] { return ::waitpid(agent.pid, &agent.status, WNOHANG) == agent.pid; }, 300ms);
+  }
+  if (!ended) ::kill(agent.pid, SIGTERM);
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(ended);
+  CHECK(agent.exit_code() == 0);
+}
+
+TEST_CASE("a process limit too low for the workers ends the run with exit 4 and names RLIMIT_NPROC and the fix") {
+  // RLIMIT_NPROC binds a user without CAP_SYS_RESOURCE, never root: the run is made as
+  // nobody with `prlimit --nproc`.
+  if (::geteuid() != 0 || !fs::exists("/usr/bin/setpriv") || !fs::exists("/usr/bin/prlimit")) {
+    WARN("skipped: needs root to run mglaunch as nobody, and setpriv and prlimit (util-linux)");
+    return;
+  }
+  auto r = run({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/prlimit",
+                "--nproc=40", kMglaunch, "--standalone", "--nproc_per_node=100", "--no_python", kFakeWorker, "hang",
+                "60"},
+               {{"TMPDIR", "/tmp"}}, 120s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 4);
+  CHECK_THAT(r.err, Catch::Contains("exitcode   : 4") && Catch::Contains("clone: Resource temporarily unavailable") &&
+                        Catch::Contains("RLIMIT_NPROC") && Catch::Contains("`ulimit -u`") &&
+                        Catch::Contains("is 40") && Catch::Contains("start fewer workers"));
+  CHECK(r.err.find("exitcode   : 127") == std::string::npos);
+}
+
 TEST_CASE("on a terminal partial lines show at once, a carriage return gets the prefix, and two workers' lines never mix") {
   const std::string dir = make_temp_dir();
   // rank 0 leaves "half" open until rank 1 has written a whole line in between.

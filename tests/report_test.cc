@@ -3,6 +3,7 @@
 
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -35,6 +36,32 @@ TEST_CASE("the error file's message is read in both torchelastic layouts, and no
   CHECK(read_error_file_message(garbage).empty());
   CHECK(read_error_file_message("/no/such/error.json").empty());
   for (const auto& p : {nested, flat, other, garbage}) ::unlink(p.c_str());
+}
+
+TEST_CASE("a root cause names its error file only when the file exists, also for a worker that never ran") {
+  WorkerOutcome o;
+  o.exit_code = 127;
+  // A spawn failure: the message says why, and no error file was ever written.
+  auto rc = worker_root_cause(o, "node-a", "/no/such/attempt_0/0/error.json", "cannot start x: execve: failed", {});
+  CHECK(rc.message == "cannot start x: execve: failed");
+  CHECK(rc.error_file.empty());
+  CHECK_THAT(format_root_cause(rc, "x"), !Catch::Contains("error_file"));
+  // A worker that wrote one: named, its message read.
+  const auto written = temp_file(R"({"message": "kept"})");
+  rc = worker_root_cause(o, "node-a", written, "", {});
+  CHECK(rc.error_file == written);
+  CHECK(rc.message == "kept");
+  // Neither: nothing named.
+  CHECK(worker_root_cause(o, "node-a", "/no/such/error.json", "", {}).error_file.empty());
+  ::unlink(written.c_str());
+}
+
+TEST_CASE("a process limit that stops a worker from starting is named with its values and how to raise it") {
+  const auto text = process_limit_text(150, 300);
+  CHECK_THAT(text, Catch::Contains("RLIMIT_NPROC") && Catch::Contains("`ulimit -u`") && Catch::Contains("is 150") &&
+                       Catch::Contains("hard limit 300") && Catch::Contains("pids.max") &&
+                       Catch::Contains("/etc/security/limits.conf") && Catch::Contains("start fewer workers"));
+  CHECK_THAT(process_limit_text(RLIM_INFINITY, RLIM_INFINITY), Catch::Contains("is unlimited and its hard limit unlimited"));
 }
 
 TEST_CASE("the root-cause block names rank, exit code, signal, error file, message and the stderr tail") {

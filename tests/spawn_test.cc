@@ -188,6 +188,7 @@ TEST_CASE("a worker whose program cannot be exec'd fails the run with exit 127 a
   CHECK(r.code == 127);
   CHECK(r.err.find("message    : cannot start " + garbage + ": execve: Exec format error") != std::string::npos);
   CHECK(r.err.find("exitcode   : 127") != std::string::npos);
+  CHECK(r.err.find("error_file") == std::string::npos);  // it never ran: no error file to name
 }
 
 TEST_CASE("a run of 1000 workers starts every one and ends with every one reaped") {

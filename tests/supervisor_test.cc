@@ -59,6 +59,14 @@ int index_of(const Actions& out) {
   return -1;
 }
 
+// The index of the last action of type A, or -1.
+template <class A>
+int last_index_of(const Actions& out) {
+  for (std::size_t i = out.size(); i-- > 0;)
+    if (std::holds_alternative<A>(out[i])) return static_cast<int>(i);
+  return -1;
+}
+
 std::vector<int> signals_sent(const Actions& out) {
   std::vector<int> v;
   for (const auto& s : all<act::SignalWorkers>(out)) v.push_back(s.sig);
@@ -128,7 +136,8 @@ TEST_CASE("a single node run spawns every local rank of attempt 0 and ends with 
     CHECK(spawns[static_cast<std::size_t>(lr)].attempt == 0);
   }
   // The master port is let go only once every worker was started.
-  CHECK(index_of<act::ReleaseMasterPort>(out) > index_of<act::Spawn>(out));
+  CHECK(index_of<act::ReleaseMasterPort>(out) > last_index_of<act::Spawn>(out));
+  CHECK(all<act::ReleaseMasterPort>(out).size() == 1);
   CHECK(s.state() == State::kRunning);
   CHECK(s.worker_ended(ended(1, 0), std::nullopt, at(100)).empty());
   CHECK(s.worker_ended(ended(0, 0), std::nullopt, at(200)).empty());
@@ -154,19 +163,54 @@ TEST_CASE("workers start in batches and a batch of an attempt that ended meanwhi
   out = s.spawn_batch_due(more[0].gen, at(1));
   REQUIRE(all<act::Spawn>(out).size() == 2);
   CHECK(all<act::Spawn>(out)[0].local_rank == 2);
+  CHECK_FALSE(has<act::ReleaseMasterPort>(out));
   const auto stale = all<act::SpawnMoreLater>(out).at(0).gen;
-  // A worker fails before the last batch: the stop wins, the rest never start.
+  // A worker fails before the last batch: the stop wins, the rest never start, and the
+  // batch does nothing at all (no release of the port either).
   out = fail(s, 0, 1, at(2));
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
-  CHECK_FALSE(has<act::Spawn>(s.spawn_batch_due(stale, at(3))));
+  CHECK(s.spawn_batch_due(stale, at(3)).empty());
   // The four started end; the fifth never counted.
   for (int lr = 1; lr < 3; ++lr) CHECK_FALSE(finished(s.worker_ended(ended(lr, 143, SIGTERM), std::nullopt, at(4))));
   out = s.worker_ended(ended(3, 143, SIGTERM), std::nullopt, at(5));
   CHECK(has<act::AttemptDue>(out));  // restart 1 of 1
+  CHECK(all<act::HoldMasterPort>(out).at(0).fresh);
+  // The fresh port held for attempt 1 stays held until attempt 1's workers started.
+  CHECK(s.spawn_batch_due(stale, at(6)).empty());
   out = s.attempt_due(at(6));
   CHECK(all<act::Spawn>(out).size() == 2);
   CHECK(all<act::Spawn>(out)[0].attempt == 1);
   CHECK(s.spawn_batch_due(stale, at(7)).empty());  // still stale in the next attempt
+}
+
+TEST_CASE("a batch posted by an attempt whose last workers ended before it ran leaves the next attempt's port held") {
+  // Rank 0 fails at once (a spawn failure is reported before the next batch runs), rank 1
+  // ends: the stop is over and the restart holds a fresh port before the batch comes.
+  Config c = single(4, 1);
+  c.spawn_batch = 2;
+  Supervisor s(c);
+  auto out = s.start(at(0));
+  const auto gen = all<act::SpawnMoreLater>(out).at(0).gen;
+  fail(s, 0, 127, at(1));
+  out = s.worker_ended(ended(1, 0), std::nullopt, at(2));
+  REQUIRE(has<act::HoldMasterPort>(out));
+  REQUIRE(has<act::AttemptDue>(out));
+  CHECK(s.spawn_batch_due(gen, at(3)).empty());
+
+  // The same under a rendezvous: the port offered for the next round stays held.
+  Config mc = multi(4);
+  mc.spawn_batch = 2;
+  Supervisor r(mc);
+  r.start(at(0));
+  out = r.assignment(assignment(1, 0), at(1));
+  const auto rgen = all<act::SpawnMoreLater>(out).at(0).gen;
+  proto::Restart restart;
+  restart.restart_count = 1;
+  r.restart(restart, at(2));
+  r.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(3));
+  out = r.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(4));
+  REQUIRE(index_of<act::HoldMasterPort>(out) < index_of<act::Rejoin>(out));
+  CHECK(r.spawn_batch_due(rgen, at(5)).empty());
 }
 
 TEST_CASE("a failing worker becomes the root cause and the group is stopped with SIGTERM under a grace timer") {
@@ -310,8 +354,23 @@ TEST_CASE("a signal between attempts ends the run at once") {
   auto out = fail(s, 0, 1, at(10));
   REQUIRE(has<act::AttemptDue>(out));
   REQUIRE(s.handles() == 0);
+  REQUIRE(s.restart_count() == 1);
   out = s.signal(SIGHUP, at(20));
-  CHECK(finished(out) == 1);  // the failure came first: its code
+  // The failure was dealt with by the restart: the run was stopped by the signal (README's
+  // exit codes: 128+S), with nothing to stop and no second root-cause block.
+  CHECK(finished(out) == 128 + SIGHUP);
+  CHECK(s.exit_code() == 128 + SIGHUP);
+  CHECK(s.agent_signal() == SIGHUP);
+  CHECK_FALSE(noticed(out, "stopping the workers"));
+  CHECK(noticed(out, "got SIGHUP before restart 1 started: not restarting"));
+  CHECK_FALSE(has<act::PrintRootCause>(out));
+  CHECK_FALSE(has<act::SignalWorkers>(out));
+  CHECK_FALSE(has<act::ArmTimer>(out));
+  // The record: one attempt, as long as it was; no restart that never ran.
+  REQUIRE(s.attempts().size() == 1);
+  CHECK(s.attempts()[0].duration_s == Approx(0.010));
+  CHECK(s.restart_count() == 0);
+  CHECK_FALSE(s.root_cause());
   CHECK(s.attempt_due(at(30)).empty());
 }
 
@@ -361,6 +420,27 @@ TEST_CASE("after a resume while stopping the grace starts over") {
   CHECK(timers[0].timer == Timer::kGrace);
   CHECK(timers[0].at == at(93000).steady);
   CHECK(has<act::ResumeOutputDrains>(out));
+  // The grace timer armed before the stop expired while stopped: its fire, taken after
+  // the resume, is stale and kills nobody; the new deadline does.
+  CHECK(s.timer_fired(Timer::kGrace, at(90001)).empty());
+  CHECK(s.timer_fired(Timer::kGrace, at(92999)).empty());
+  CHECK(signals_sent(s.timer_fired(Timer::kGrace, at(93000))) == std::vector<int>{SIGKILL});
+}
+
+TEST_CASE("Ctrl-Z while stopping cancels the grace timer before the agent stops itself") {
+  Supervisor s(single(2));
+  s.start(at(0));
+  fail(s, 0, 1, at(10));  // grace until 3010
+  auto out = s.job_control(SIGTSTP, at(20));
+  REQUIRE(index_of<act::StopSelf>(out) >= 0);
+  const int cancel = index_of<act::CancelTimer>(out);
+  REQUIRE(cancel >= 0);
+  CHECK(all<act::CancelTimer>(out)[0].timer == Timer::kGrace);
+  CHECK(cancel < index_of<act::StopSelf>(out));
+  // Stopped far past the grace, then resumed: the old deadline does not count.
+  s.job_control(SIGCONT, at(10000));
+  CHECK(s.timer_fired(Timer::kGrace, at(10000)).empty());
+  CHECK(s.state() == State::kStopping);
 }
 
 TEST_CASE("a multi-node agent joins the rendezvous and starts its workers on the assignment") {

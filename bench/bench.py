@@ -224,8 +224,17 @@ class Bench:
             return cmd + [f"--nnodes={k}", "--nproc_per_node=1", "--rdzv_backend=c10d",
                           f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=bench{port}"] + addr + \
                 ["--no_python", self.fake, "stamp", stamps, "start"]
+        # The nodes of a cluster start their agents at about the same time, not one after
+        # another from one Python loop (whose spawn cost grows with K and is not the
+        # launchers'): every agent waits behind a gate (a shell reading the pipe on its stdin),
+        # and the clock starts when the gate opens (the pipe's write end closes).
+        gate_r, gate_w = os.pipe()
+        procs = [subprocess.Popen(["sh", "-c", 'read _; exec "$@" </dev/null', "gate"] + argv(i), stdin=gate_r,
+                                  stdout=DEVNULL, stderr=DEVNULL) for i in range(k)]
+        os.close(gate_r)
+        wait_reading_stdin([p.pid for p in procs])
         t0 = time.time_ns()
-        procs = [subprocess.Popen(argv(i), stdout=DEVNULL, stderr=DEVNULL) for i in range(k)]
+        os.close(gate_w)
         codes = [p.wait(timeout=600) for p in procs]
         assert codes == [0] * k, codes
         started = [int(line.split()[3]) for line in open(stamps)]
@@ -241,8 +250,8 @@ class Bench:
                 peer = [self.agents_once(self.peer, k, False) for _ in range(1 if QUICK else 2)]
             rows.append(row({"K": k}, ours, peer, target=("<=", 150.0) if k == 64 else None,
                             note=None if peer or not self.peer else f"torchrun not run above {PEER_MAX_AGENTS} agents"))
-        return {"title": "K agents on 127.0.0.1..K × 1 worker, c10d: first agent started → all workers started "
-                         "(worker stamps)", "param": "K", "rows": rows}
+        return {"title": "K agents on 127.0.0.1..K × 1 worker, c10d: all agents let go at once (as K nodes "
+                         "starting together) → all workers started (worker stamps)", "param": "K", "rows": rows}
 
     # ---- (5) the daemon alone -------------------------------------------------------------------
     def daemon_scale(self):
@@ -392,6 +401,24 @@ class Bench:
                     a.wait()
         return {"title": "a SIGSTOPped node → the survivors told and exited (keep-alive 1 s × 3; bound 4 s)",
                 "param": "", "rows": [row({}, [elapsed * 1e3], note="torchrun 1.13 never detects it")]}
+
+
+def wait_reading_stdin(pids, timeout=60):
+    """Until every process in `pids` blocks in read() on its stdin (bounded in time)."""
+    deadline = time.time() + timeout
+    left = set(pids)
+    while left and time.time() < deadline:
+        for pid in list(left):
+            try:
+                with open(f"/proc/{pid}/syscall") as f:
+                    if f.read().startswith("0 0x0 "):
+                        left.discard(pid)
+            except OSError:
+                left.discard(pid)  # gone: its wait() will tell
+        if left:
+            time.sleep(0.005)
+    if left:
+        raise RuntimeError(f"{len(left)} agents never reached the start gate")
 
 
 def check_relay(path, ranks, lines):

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -35,14 +36,40 @@ void write_text(const std::string& path, const std::string& text) {
   out << text;
 }
 
-// Pids the test must not leave behind: SIGKILLed at the end, whatever happened.
+// Whether `pid` runs under an mglaunch agent (its environment carries a run mark). With a
+// small pid_max (32768) pids come round again within seconds while other tests start
+// thousands of processes: a pid recorded by a test may name another test's agent or
+// watchdog by the time it is cleaned up.
+bool run_by_mglaunch(pid_t pid) {
+  return read_file("/proc/" + std::to_string(pid) + "/environ").find("MGLAUNCH_RUN_MARK=") != std::string::npos;
+}
+
+// Pids the test must not leave behind: SIGKILLed at the end, whatever happened (only
+// while they still are processes a worker started).
 struct KillList {
   std::string pidfile;
   ~KillList() {
     for (pid_t p : read_pids(pidfile))
-      if (p > 1 && pid_alive(p)) ::kill(p, SIGKILL);
+      if (p > 1 && pid_alive(p) && run_by_mglaunch(p)) ::kill(p, SIGKILL);
   }
 };
+
+// A process by pid and start time: the same one, not a later one given its pid.
+struct Ident {
+  pid_t pid = 0;
+  unsigned long long start = 0;
+};
+
+std::optional<mg::StatIds> stat_of(pid_t pid) {
+  mg::StatIds ids;
+  if (!mg::parse_stat_ids(read_file("/proc/" + std::to_string(pid) + "/stat"), ids)) return std::nullopt;
+  return ids;
+}
+
+bool same_alive(const Ident& id) {
+  auto ids = stat_of(id.pid);
+  return ids && ids->starttime == id.start && ids->state != 'Z';
+}
 
 }  // namespace
 
@@ -75,24 +102,43 @@ echo ready
 wait
 )");
   // 7 pids per worker: sleep, sh + sleep, setsid sh + sh + sleep, daemon sleep.
-  Proc agent = spawn({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", script, kill_list.pidfile});
+  const std::string trace = dir + "/watchdog.trace";
+  Proc agent = spawn({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", script, kill_list.pidfile},
+                     {{"MGLAUNCH_WATCHDOG_TRACE", trace}});
   REQUIRE(eventually([&] { return read_pids(kill_list.pidfile).size() == 14 && split_lines(agent.out()).size() == 2; },
                      60s));
-  const auto pids = read_pids(kill_list.pidfile);
-  for (pid_t p : pids) REQUIRE(pid_alive(p));
+  // Each by its start time as well: a pid that comes round again (pid_max may be 32768)
+  // is not a survivor.
+  std::vector<Ident> procs;
+  for (pid_t p : read_pids(kill_list.pidfile)) {
+    auto ids = stat_of(p);
+    REQUIRE(ids);
+    REQUIRE(ids->state != 'Z');
+    procs.push_back({p, ids->starttime});
+  }
   ::kill(agent.pid, SIGKILL);
   REQUIRE(agent.wait(30s));
-  std::vector<pid_t> alive;
+  std::vector<Ident> alive;
   eventually(
       [&] {
         alive.clear();
-        for (pid_t p : pids)
-          if (pid_alive(p)) alive.push_back(p);
+        for (const auto& id : procs)
+          if (same_alive(id)) alive.push_back(id);
         return alive.empty();
       },
       30s);
-  INFO("still alive: " << alive.size() << " of " << pids.size());
+  // What is left and what the watchdog did, for a failure seen under load.
+  std::string left;
+  for (const auto& id : alive) {
+    left += read_file("/proc/" + std::to_string(id.pid) + "/stat").substr(0, 120) + "\n";
+    for (const auto& l : split_lines(read_file("/proc/" + std::to_string(id.pid) + "/status")))
+      if (l.starts_with("State:") || l.starts_with("PPid:") || l.starts_with("SigPnd:") || l.starts_with("ShdPnd:"))
+        left += "  " + l + "\n";
+  }
+  INFO("still alive: " << alive.size() << " of " << procs.size() << "\n" << left << "watchdog trace:\n"
+                       << read_file(trace) << "agent:\n" << agent.err());
   CHECK(alive.empty());
+  for (const auto& id : alive) mg::signal_same_process(id.pid, id.start, SIGKILL);
 }
 
 TEST_CASE("more workers than the descriptor limit allows are refused up front with exit 4 and the count that fits") {

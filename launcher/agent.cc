@@ -59,7 +59,8 @@ Agent::~Agent() {
     console_.close_file(trace_fd_);
   }
   group_.close();  // SIGKILLs anything still running
-  watchdog_.release();  // it kills whatever still carries this run's mark
+  // It kills whatever still carries this run's mark, unless nothing is left to kill.
+  watchdog_.release(group_.nothing_left());
   logs_.clean_up();
 }
 

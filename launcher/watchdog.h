@@ -25,6 +25,9 @@
 //     block for ever on its memory-map lock): such a process is spared, counted in the
 //     trace ("environ not read (state D) N");
 //   - the process groups whose leader is one of those.
+// At a normal end the agent first checks that nothing below it is alive (no descendant
+// can leave a live subreaper's tree); then it writes one byte before closing the pipe, and
+// the watchdog exits at once without that sweep, which could find nothing.
 // It first SIGSTOPs each victim and rescans until no new one appears (a process cannot
 // fork past it), then SIGKILLs them all, in bounded rounds, and exits. Each signal goes
 // through a pidfd after re-checking the start time (signal_same_process), so a pid
@@ -131,8 +134,10 @@ class Watchdog {
   // The agent reaped the watchdog (it died early: the guarantee is gone).
   void forget() { pid_ = -1; }
   // Closes the pipe (the watchdog kills what carries the token) and waits for it to
-  // finish, at most `wait_ms`.
-  void release(int wait_ms = 10000);
+  // finish, at most `wait_ms`. `clean`: the agent saw nothing of its tree left alive
+  // (WorkerGroup::nothing_left): the watchdog is told so first and exits without its
+  // sweep, which would find nothing (a descendant cannot leave a live subreaper's tree).
+  void release(bool clean = false, int wait_ms = 10000);
 
  private:
   std::string token_;

@@ -71,6 +71,12 @@ void WorkerGroup::kill_leftovers(bool reap) {
   }
 }
 
+bool WorkerGroup::nothing_left() const {
+  const auto family = scan_family(::getpid());
+  return std::all_of(family.begin(), family.end(),
+                     [&](const ProcStat& p) { return p.state == 'Z' || p.pid == watchdog_.pid(); });
+}
+
 bool WorkerGroup::reap() {
   bool watchdog_alive = true;
   for (;;) {

@@ -46,6 +46,9 @@ class WorkerGroup {
   // SIGKILLs every descendant but the unreaped worker leaders and the watchdog; with
   // `reap`, waits for the killed children (end of the run) instead of leaving them to reap().
   void kill_leftovers(bool reap);
+  // Whether nothing below the agent is alive (zombies and the watchdog aside): then no
+  // process the workers started can remain once the agent exits.
+  bool nothing_left() const;
   // The one reaper (on SIGCHLD): waitpid(-1) until nothing is left to reap; a worker
   // leader's status goes to its handle, anything else (an orphan handed to the subreaper)
   // is dropped. False when the watchdog was among them (it is forgotten).

@@ -238,3 +238,16 @@ TEST_CASE("a full watchdog table is said once on the agent's stderr, and the run
     }
   CHECK(warnings == 1);
 }
+
+TEST_CASE("a run that leaves nothing of its tree alive tells the watchdog so and the watchdog exits without a sweep") {
+  const std::string dir = make_temp_dir();
+  const std::string trace = dir + "/watch";
+  // Workers whose children are gone before the end (a background sleep that is waited
+  // for): at the end nothing below the agent is alive.
+  Proc agent = spawn({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c", "/bin/sleep 0.1 & wait"},
+                     {{"MGLAUNCH_WATCHDOG_TRACE", trace}});
+  REQUIRE(agent.wait(60s));
+  CHECK(agent.exit_code() == 0);
+  // The agent waited for the watchdog: had it swept, its "stopped N" line would be there.
+  CHECK(read_file(trace).find("stopped") == std::string::npos);
+}

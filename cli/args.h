@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace CLI {
@@ -32,6 +33,16 @@ struct FlagSpec {
   bool empty_ok = true;                  // an explicit empty value means something (a text option)
   std::string display() const;           // "--nproc_per_node" (or "-m" for a short-only flag)
 };
+
+// A flag whose explicit empty value is an error (`--port=`), as the small parsers want.
+inline FlagSpec strict_flag(std::vector<std::string> longs, bool takes_value, std::vector<std::string> shorts = {}) {
+  FlagSpec f;
+  f.long_names = std::move(longs);
+  f.short_names = std::move(shorts);
+  f.takes_value = takes_value;
+  f.empty_ok = false;
+  return f;
+}
 
 struct Normalized {
   // Flags as `--name=VALUE`, `--name` `""` (an explicit empty text value) or `--name` (a

@@ -351,19 +351,11 @@ std::string doctor_help() {
 }
 
 std::optional<DoctorOptions> parse_doctor_args(const std::vector<std::string>& argv) {
-  auto spec = [](std::vector<std::string> longs, std::vector<std::string> shorts, bool takes_value) {
-    cli::FlagSpec f;
-    f.long_names = std::move(longs);
-    f.short_names = std::move(shorts);
-    f.takes_value = takes_value;
-    f.empty_ok = false;
-    return f;
-  };
   enum { kJson, kNoPython, kMasterAddr, kPort, kHelp };
   const std::vector<cli::FlagSpec> specs = {
-      spec({"json"}, {}, false), spec({"no-python", "no_python"}, {}, false),
-      spec({"master_addr", "master-addr"}, {}, true), spec({"port", "master_port", "master-port"}, {}, true),
-      spec({"help"}, {"h"}, false)};
+      cli::strict_flag({"json"}, false), cli::strict_flag({"no-python", "no_python"}, false),
+      cli::strict_flag({"master_addr", "master-addr"}, true),
+      cli::strict_flag({"port", "master_port", "master-port"}, true), cli::strict_flag({"help"}, false, {"h"})};
   cli::Normalized norm;
   try {
     norm = cli::normalize_args(std::vector<std::string>(argv.begin() + std::min<std::size_t>(2, argv.size()), argv.end()),

@@ -109,24 +109,16 @@ enum MultiHostFlag : std::size_t {
 
 const std::vector<cli::FlagSpec>& multihost_specs() {
   static const std::vector<cli::FlagSpec> specs = [] {
-    auto spec = [](std::vector<std::string> longs, bool takes_value, std::vector<std::string> shorts = {}) {
-      cli::FlagSpec f;
-      f.long_names = std::move(longs);
-      f.short_names = std::move(shorts);
-      f.takes_value = takes_value;
-      f.empty_ok = false;
-      return f;
-    };
-    std::vector<cli::FlagSpec> out = {spec({"hostfile"}, true),
-                                      spec({"include"}, true),
-                                      spec({"exclude"}, true),
-                                      spec({"ssh-opts", "ssh_opts"}, true),
-                                      spec({"export"}, true),
-                                      spec({"rdzv-host", "rdzv_host"}, true),
-                                      spec({"remote-mglaunch", "remote_mglaunch"}, true),
-                                      spec({"nproc_per_node", "nproc-per-node"}, true),
-                                      spec({"dry-run", "dry_run"}, false),
-                                      spec({"help"}, false, {"h"})};
+    std::vector<cli::FlagSpec> out = {cli::strict_flag({"hostfile"}, true),
+                                      cli::strict_flag({"include"}, true),
+                                      cli::strict_flag({"exclude"}, true),
+                                      cli::strict_flag({"ssh-opts", "ssh_opts"}, true),
+                                      cli::strict_flag({"export"}, true),
+                                      cli::strict_flag({"rdzv-host", "rdzv_host"}, true),
+                                      cli::strict_flag({"remote-mglaunch", "remote_mglaunch"}, true),
+                                      cli::strict_flag({"nproc_per_node", "nproc-per-node"}, true),
+                                      cli::strict_flag({"dry-run", "dry_run"}, false),
+                                      cli::strict_flag({"help"}, false, {"h"})};
     auto taken = [&](const cli::FlagSpec& f) {
       for (std::size_t k = 0; k < kOwnFlags; ++k) {
         for (const auto& l : f.long_names)

@@ -135,7 +135,6 @@ void Agent::start() {
 
   start_ops();
   port_is_ours_ = opts_.rdzv_backend != "static" || opts_.master_port == 0;
-  if (port_is_ours_ && plan_.master_port > 0) hold_master_port(/*fresh=*/false);
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
   wait_signal();
   if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
@@ -157,6 +156,9 @@ void Agent::start() {
     notice(fmt::format("cannot start the watchdog ({}): after kill -9 of mglaunch, processes the workers "
                        "started may outlive it",
                        error));
+  // Held only now: the watchdog (a fork that closes what it inherited once it runs, which
+  // on a busy machine may be after the first worker's bind) gets no copy of it.
+  if (port_is_ours_ && plan_.master_port > 0) hold_master_port(/*fresh=*/false);
   run(core_.start(now()));
   if (monitor_) monitor_->start();
 }
@@ -408,6 +410,11 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::HoldMasterPort>) {
             hold_master_port(a.fresh);
           } else if constexpr (std::is_same_v<A, sup::act::ReleaseMasterPort>) {
+            // Until its exec a worker holds a copy of the hold socket: let the port go once
+            // every worker has exec'd or exited (at most 1 s: one stopped before its exec
+            // must not stop the agent), so that a worker binding it without SO_REUSEADDR
+            // finds it free (launcher/port.h).
+            if (port_hold_) spawn_settle_all(std::chrono::seconds(1));
             port_hold_.reset();  // the workers may bind the master port now
           } else if constexpr (std::is_same_v<A, sup::act::Rejoin>) {
             rejoin();

@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <linux/close_range.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
@@ -102,10 +103,33 @@ struct KernelSigaction {
 
 // Stacks of children between clone and exec. A stack is reused once its child has exec'd
 // or exited (the kernel clears the ticket's tid word then: CLONE_CHILD_CLEARTID). Used by
-// the one thread that spawns.
-constexpr std::size_t kChildStack = 32 * 1024;  // child_main needs a few hundred bytes
+// the one thread that spawns. Each stack is its own mapping with a PROT_NONE guard page
+// below it, so an overflow faults in the child instead of writing into the agent's heap
+// (the child shares the agent's memory); up to kKeepFree of them are kept for reuse.
+constexpr std::size_t kChildStack = 64 * 1024;  // child_main needs a few hundred bytes; the
+                                                // CLONE_VFORK path lists /proc/self/fd (4 KiB)
 constexpr std::size_t kMaxInFlight = 128;       // then wait for the oldest child's exec
 constexpr std::size_t kKeepFree = 16;
+
+std::size_t page_size() {
+  static const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+// The usable stack: kChildStack bytes above a guard page; nullptr when out of memory.
+char* map_stack() {
+  const std::size_t guard = page_size();
+  void* m = ::mmap(nullptr, guard + kChildStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1,
+                   0);
+  if (m == MAP_FAILED) return nullptr;
+  if (::mprotect(m, guard, PROT_NONE) != 0) {
+    ::munmap(m, guard + kChildStack);
+    return nullptr;
+  }
+  return static_cast<char*>(m) + guard;
+}
+
+void unmap_stack(char* s) { ::munmap(s - page_size(), page_size() + kChildStack); }
 
 bool tid_cleared(const int* tid) { return __atomic_load_n(tid, __ATOMIC_ACQUIRE) == 0; }
 
@@ -131,14 +155,19 @@ namespace {
 
 struct StackPool {
   std::vector<char*> free;
+  // Children not yet settled whose ticket still owns their State.
   std::vector<SpawnTicket::State*> in_flight;
+  // Children not yet settled whose ticket is gone: the pool owns their State (the kernel
+  // will still clear its tid word, the child still reads its request) and frees it, with
+  // the stack back to the pool, once the child has settled.
+  std::vector<SpawnTicket::State*> orphans;
 
   char* take() {
     reclaim();
-    if (in_flight.size() >= kMaxInFlight) {
+    if (in_flight.size() + orphans.size() >= kMaxInFlight) {
       // Far ahead of the children (a saturated machine): wait for the oldest one's exec,
       // at most 100 ms (a child stopped before its exec must not stop the agent).
-      SpawnTicket::State* oldest = in_flight.front();
+      SpawnTicket::State* oldest = in_flight.empty() ? orphans.front() : in_flight.front();
       if (const int v = __atomic_load_n(&oldest->tid, __ATOMIC_ACQUIRE); v != 0) {
         timespec limit{0, 100 * 1000 * 1000};
         ::syscall(SYS_futex, &oldest->tid, FUTEX_WAIT, v, &limit, nullptr, 0);
@@ -150,11 +179,11 @@ struct StackPool {
       free.pop_back();
       return s;
     }
-    return static_cast<char*>(std::aligned_alloc(64, kChildStack));
+    return map_stack();
   }
   void give(char* s) {
     if (free.size() < kKeepFree) free.push_back(s);
-    else std::free(s);
+    else unmap_stack(s);
   }
   void reclaim() {
     std::erase_if(in_flight, [this](SpawnTicket::State* st) {
@@ -163,8 +192,33 @@ struct StackPool {
       st->stack = nullptr;
       return true;
     });
+    std::erase_if(orphans, [this](SpawnTicket::State* st) {
+      if (!tid_cleared(&st->tid)) return false;
+      give(st->stack);
+      delete st;
+      return true;
+    });
   }
   void forget(SpawnTicket::State* st) { std::erase(in_flight, st); }
+  // Takes over the State of an unsettled child whose ticket goes away.
+  void adopt(SpawnTicket::State* st) {
+    forget(st);
+    orphans.push_back(st);
+  }
+  // Waits until every child spawned so far has exec'd or exited, at most until `deadline`.
+  bool settle_all(std::chrono::steady_clock::time_point deadline) {
+    for (;;) {
+      reclaim();
+      SpawnTicket::State* st = !in_flight.empty() ? in_flight.front() : !orphans.empty() ? orphans.front() : nullptr;
+      if (!st) return true;
+      const auto left = deadline - std::chrono::steady_clock::now();
+      if (left <= std::chrono::steady_clock::duration::zero()) return false;
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+      timespec limit{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+      if (const int v = __atomic_load_n(&st->tid, __ATOMIC_ACQUIRE); v != 0)
+        ::syscall(SYS_futex, &st->tid, FUTEX_WAIT, v, &limit, nullptr, 0);
+    }
+  }
 };
 
 StackPool& stack_pool() {
@@ -262,9 +316,15 @@ SpawnTicket::SpawnTicket() = default;
 
 SpawnTicket::~SpawnTicket() {
   if (!state_ || !state_->stack) return;
-  stack_pool().forget(state_.get());
-  // The child has settled (the caller reaped it); otherwise its stack is left to it.
-  if (tid_cleared(&state_->tid)) stack_pool().give(state_->stack);
+  StackPool& pool = stack_pool();
+  if (tid_cleared(&state_->tid)) {
+    pool.forget(state_.get());
+    pool.give(state_->stack);
+  } else {
+    // The child has not exec'd or exited yet: it still reads the State and the kernel will
+    // clear its tid word. The pool frees both once it has settled.
+    pool.adopt(state_.release());
+  }
 }
 
 bool SpawnTicket::settled() const { return !state_ || tid_cleared(&state_->tid); }
@@ -274,7 +334,22 @@ std::string SpawnTicket::failure() const {
   return fmt::format("{}: {}", state_->stage ? state_->stage : "spawn", std::strerror(state_->error));
 }
 
+bool spawn_settle_all(std::chrono::milliseconds timeout) {
+  return stack_pool().settle_all(std::chrono::steady_clock::now() + timeout);
+}
+
 pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& error) {
+  if (!ticket.settled()) {
+    // Its child still runs on the State (and its stack): a ticket serves one child.
+    error = "the spawn ticket is still in use by a child that has not exec'd or exited";
+    errno = EBUSY;
+    return -1;
+  }
+  if (ticket.state_) {
+    // A settled child's State: its stack back to the pool (~SpawnTicket) before it goes.
+    SpawnTicket old;
+    old.state_ = std::move(ticket.state_);
+  }
   auto st = std::make_unique<SpawnTicket::State>();
   st->req = req;
   if (req.cpus) {

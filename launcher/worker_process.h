@@ -76,8 +76,10 @@ std::unordered_set<pid_t> descendant_groups(const std::vector<ProcStat>& table, 
 // says which step and why ("execve: Exec format error").
 //
 // Lifetimes: the strings and arrays `req` points to must stay valid until the child has
-// exec'd or exited (ticket.settled(), always true once it was reaped); the ticket must not
-// be destroyed before then (kill and reap the child first). One thread spawns at a time.
+// exec'd or exited (ticket.settled(), always true once it was reaped). A ticket destroyed
+// before then hands the child's state to a pool that frees it once the child settles; a
+// ticket whose child has not settled cannot start another (-1, errno EBUSY). One thread
+// spawns at a time.
 struct SpawnRequest {
   const char* path = nullptr;
   const char* const* argv = nullptr;
@@ -105,6 +107,10 @@ class SpawnTicket {
   std::unique_ptr<State> state_;
 };
 pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& error);
+// Waits, at most `timeout`, until every child spawn_process() has made so far has exec'd or
+// exited; true if all have. Until its exec a child holds copies of the agent's descriptors
+// (a held master port, listeners): the agent calls this before it lets a port go.
+bool spawn_settle_all(std::chrono::milliseconds timeout);
 // Whether spawn_process() returns before the child's exec on this machine (false: it waits,
 // CLONE_VFORK). For tests and diagnostics.
 bool spawn_skips_exec_wait();

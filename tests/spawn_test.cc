@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "launcher/port.h"
 #include "launcher/worker_process.h"
 #include "support/proc.h"
 
@@ -133,6 +134,16 @@ std::set<std::string> fd_numbers(const std::string& json_line) {
   for (const auto& [k, v] : j["fds"].items()) s.insert(k);
   return s;
 }
+
+// SIGKILLs and reaps a child the test started, whatever happened.
+struct KillAndReap {
+  pid_t pid;
+  ~KillAndReap() {
+    ::kill(pid, SIGKILL);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+  }
+};
 
 }  // namespace
 
@@ -279,14 +290,7 @@ TEST_CASE("a ticket whose child has not exec'd yet refuses a second child, and o
       WARN("skipped: no child could be stopped before its exec in 500 tries");
       return;
     }
-    struct Reap {
-      pid_t pid;
-      ~Reap() {
-        ::kill(pid, SIGKILL);
-        int st = 0;
-        ::waitpid(pid, &st, 0);
-      }
-    } reap{pid};
+    KillAndReap reap{pid};
     std::string error;
     mg::SpawnRequest req;
     req.path = argv[0];
@@ -347,21 +351,6 @@ TEST_CASE("a port held by the parent is free for a plain bind once spawn_settle_
   for (const auto& a : args) argv.push_back(a.c_str());
   argv.push_back(nullptr);
   const char* envp[] = {nullptr};
-  // The hold, as launcher/port.h makes it: SO_REUSEADDR, bound, not listening, close-on-exec.
-  auto hold = [](int port) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-      ::close(fd);
-      return -1;
-    }
-    return fd;
-  };
   auto plain_bind = [](int port) {  // no SO_REUSEADDR
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
@@ -385,24 +374,18 @@ TEST_CASE("a port held by the parent is free for a plain bind once spawn_settle_
     port = ntohs(a.sin_port);
     ::close(probe);
   }
-  const int held = hold(port);
-  REQUIRE(held >= 0);
+  // Held as the agent holds the master port (launcher/port.h: SO_REUSEADDR, bound, not
+  // listening, close-on-exec).
+  auto held = mg::PortReservation::try_hold(port);
+  REQUIRE(held);
   mg::SpawnTicket ticket;
   const pid_t pid = spawn_stopped_before_exec(ticket, argv.data(), envp, dir + "/out");
   if (pid <= 0) {
-    ::close(held);
     WARN("skipped: no child could be stopped before its exec in 500 tries");
     return;
   }
-  struct Reap {
-    pid_t pid;
-    ~Reap() {
-      ::kill(pid, SIGKILL);
-      int st = 0;
-      ::waitpid(pid, &st, 0);
-    }
-  } reap{pid};
-  ::close(held);
+  KillAndReap reap{pid};
+  held.reset();
   // The child, stopped before its exec, still holds a copy of the socket.
   CHECK_FALSE(mg::spawn_settle_all(std::chrono::milliseconds(50)));
   CHECK_FALSE(plain_bind(port));

@@ -257,7 +257,7 @@ TEST_CASE("endpoints and addresses are checked before anything starts") {
   CHECK_THAT(usage_error({"--master_port=65536", "prog"}), Catch::Contains("use 0..65535"));
   CHECK(parse({"--rdzv_endpoint=[::1]:41234", "prog"}).rdzv_endpoint == "[::1]:41234");
   CHECK(parse({"--rdzv_endpoint=::1", "prog"}).rdzv_endpoint == "::1");
-  CHECK(parse({"--rdzv_endpoint=node-1.example.org:29400", "prog"}).rdzv_endpoint == "node-1.example.org:29400");
+  CHECK(parse({"--rdzv_endpoint=node-1.example.org:41237", "prog"}).rdzv_endpoint == "node-1.example.org:41237");
 }
 
 TEST_CASE("a static rendezvous endpoint without a port takes --master_port, and the two must agree") {

@@ -161,14 +161,14 @@ TEST_CASE("a static --rdzv_endpoint without a port uses --master_port") {
 
 TEST_CASE("endpoints with more than one ':' must be IPv6 addresses, and hosts must be host names") {
   CHECK_THROWS_WITH(rdzv::parse_endpoint("a:b:c", 1), Catch::Contains("[IPv6]:PORT"));
-  CHECK_THROWS_WITH(rdzv::parse_endpoint("::1:29500", 1), Catch::Contains("not an IPv6 address"));
+  CHECK_THROWS_WITH(rdzv::parse_endpoint("::1:41235", 1), Catch::Contains("not an IPv6 address"));
   CHECK_THROWS_WITH(rdzv::parse_endpoint("[fe80::zz]:1", 1), Catch::Contains("not an IPv6 address"));
   CHECK_THROWS_WITH(rdzv::parse_endpoint("bad host:1", 1), Catch::Contains("not a host name"));
   CHECK_THROWS_WITH(rdzv::parse_endpoint("a..b:1", 1), Catch::Contains("not a host name"));
-  CHECK(rdzv::parse_endpoint("fe80::1", 7).host == "fe80::1");
-  CHECK(rdzv::parse_endpoint("[2001:db8::1]:29400", 7).port == 29400);
+  CHECK(rdzv::parse_endpoint("::1", 7).host == "::1");
+  CHECK(rdzv::parse_endpoint("[::1]:41236", 7).port == 41236);
   CHECK(rdzv::parse_endpoint("node-01.cluster_a.example.:5", 7).host == "node-01.cluster_a.example.");
-  CHECK(rdzv::parse_endpoint("10.0.0.1:0", 7).port == 0);
+  CHECK(rdzv::parse_endpoint("127.0.0.5:0", 7).port == 0);
   CHECK_FALSE(rdzv::host_problem("localhost"));
   CHECK(rdzv::host_problem(""));
 }

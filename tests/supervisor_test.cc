@@ -33,7 +33,7 @@ Config single(int nproc, int max_restarts = 0) {
 Config multi(int nproc) {
   Config c = single(nproc, 3);
   c.rdzv = true;
-  c.rdzv_where = "127.0.0.1:29400";
+  c.rdzv_where = "127.0.0.1:41238";
   c.join_timeout = 600000ms;
   return c;
 }
@@ -575,7 +575,7 @@ TEST_CASE("an abort without a worker code exits 1 and one before any worker ran 
   REQUIRE(errors.size() == 1);
   CHECK(errors[0].text.find("the rendezvous timed out, no worker started: 1 of 2 nodes joined (600 s") !=
         std::string::npos);
-  CHECK(errors[0].text.find("127.0.0.1:29400") != std::string::npos);
+  CHECK(errors[0].text.find("127.0.0.1:41238") != std::string::npos);
   CHECK_FALSE(has<act::PrintRootCause>(out));
   CHECK(finished(out) == exit_code::kRendezvous);
 }
@@ -583,7 +583,7 @@ TEST_CASE("an abort without a worker code exits 1 and one before any worker ran 
 TEST_CASE("a rendezvous lost before any worker ran is an error with exit 3") {
   Supervisor s(multi(1));
   s.start(at(0));
-  auto out = s.rendezvous_lost("cannot reach 127.0.0.1:29400", at(10));
+  auto out = s.rendezvous_lost("cannot reach 127.0.0.1:41238", at(10));
   REQUIRE(all<act::ErrorLine>(out).size() == 1);
   CHECK(finished(out) == exit_code::kRendezvous);
 }

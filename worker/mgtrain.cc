@@ -6,26 +6,17 @@
 #include <string>
 #include <string_view>
 
+#include "cli/args.h"
 #include "worker/options.h"
 #include "worker/trainer.h"
 
 namespace {
 
-// One line, whatever the message holds: a flag value with a newline is escaped (`\n`);
-// a multi-line torch error keeps its first line (the rest is a C++ backtrace). Cut at
-// 2000 bytes.
+// One line, whatever the message holds (cli::one_line escapes a flag value's newline); a
+// multi-line torch error keeps its first line (the rest is a C++ backtrace).
 void error_line(std::string_view what, bool first_line_only = false) {
   if (first_line_only) what = what.substr(0, what.find('\n'));
-  while (!what.empty() && what.back() == '\n') what.remove_suffix(1);
-  std::string line;
-  for (const char ch : what.substr(0, 2000)) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c == '\n') line += "\\n";
-    else if (c < 0x20 || c == 0x7f) line += '?';
-    else line += ch;
-  }
-  if (what.size() > 2000) line += "...";
-  std::fprintf(stderr, "mgtrain: error: %s\n", line.c_str());
+  std::fprintf(stderr, "mgtrain: error: %s\n", mg::cli::one_line(what).c_str());
 }
 
 }  // namespace

@@ -58,9 +58,9 @@ Agent::~Agent() {
     trace_.reset();
     console_.close_file(trace_fd_);
   }
-  group_.close();  // SIGKILLs anything still running
+  const bool clean = group_.close();  // SIGKILLs anything still running
   // It kills whatever still carries this run's mark, unless nothing is left to kill.
-  watchdog_.release(group_.nothing_left());
+  watchdog_.release(clean);
   logs_.clean_up();
 }
 

@@ -135,7 +135,7 @@ class Watchdog {
   void forget() { pid_ = -1; }
   // Closes the pipe (the watchdog kills what carries the token) and waits for it to
   // finish, at most `wait_ms`. `clean`: the agent saw nothing of its tree left alive
-  // (WorkerGroup::nothing_left): the watchdog is told so first and exits without its
+  // (WorkerGroup::close): the watchdog is told so first and exits without its
   // sweep, which would find nothing (a descendant cannot leave a live subreaper's tree).
   void release(bool clean = false, int wait_ms = 10000);
 

@@ -12,11 +12,11 @@
 
 namespace mg {
 
-void WorkerGroup::close() {
+bool WorkerGroup::close() {
   leaders_.clear();
   workers_.clear();  // SIGKILLs anything still running
   retired_.clear();
-  kill_leftovers(/*reap=*/true);
+  return kill_leftovers(/*reap=*/true);
 }
 
 WorkerProcess& WorkerGroup::spawn(WorkerSpec spec, WorkerProcess::DoneHandler on_done) {
@@ -50,16 +50,16 @@ void WorkerGroup::retire() {
   boost::asio::post(io_, [this] { retired_.clear(); });
 }
 
-void WorkerGroup::kill_leftovers(bool reap) {
+bool WorkerGroup::kill_leftovers(bool reap) {
   const pid_t self = ::getpid();
   // A few rounds: a process may fork between the scan and its SIGKILL.
   for (int round = 0; round < 10; ++round) {
     std::unordered_set<pid_t> victims;
     for (const auto& p : descendants_of(scan_family(self), self))
       if (!is_live_leader(p.pid) && p.pid != watchdog_.pid()) victims.insert(p.pid);
-    if (victims.empty()) break;
+    if (victims.empty()) return true;
     for (pid_t pid : victims) ::kill(pid, SIGKILL);
-    if (!reap) break;  // reap() reaps them
+    if (!reap) return false;  // reap() reaps them
     // Blocking waits only for children that cannot outlive them: killed ones, zombies.
     for (const auto& p : scan_family(self)) {
       if (p.ppid != self || is_live_leader(p.pid) || p.pid == watchdog_.pid()) continue;
@@ -69,12 +69,7 @@ void WorkerGroup::kill_leftovers(bool reap) {
       }
     }
   }
-}
-
-bool WorkerGroup::nothing_left() const {
-  const auto family = scan_family(::getpid());
-  return std::all_of(family.begin(), family.end(),
-                     [&](const ProcStat& p) { return p.state == 'Z' || p.pid == watchdog_.pid(); });
+  return false;
 }
 
 bool WorkerGroup::reap() {

@@ -29,8 +29,10 @@ class WorkerGroup {
   WorkerGroup(boost::asio::io_context& io, Console& console, Watchdog& watchdog)
       : io_(io), console_(console), watchdog_(watchdog) {}
   ~WorkerGroup() { close(); }
-  // Drops every handle (SIGKILLing and reaping its worker) and kills what is left.
-  void close();
+  // Drops every handle (SIGKILLing and reaping its worker) and kills what is left. True
+  // when a last scan found nothing below the agent alive but the watchdog: then no process
+  // the workers started can remain once the agent exits.
+  bool close();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
@@ -45,10 +47,8 @@ class WorkerGroup {
   void retire();
   // SIGKILLs every descendant but the unreaped worker leaders and the watchdog; with
   // `reap`, waits for the killed children (end of the run) instead of leaving them to reap().
-  void kill_leftovers(bool reap);
-  // Whether nothing below the agent is alive (zombies and the watchdog aside): then no
-  // process the workers started can remain once the agent exits.
-  bool nothing_left() const;
+  // True when its last scan found nothing to kill.
+  bool kill_leftovers(bool reap);
   // The one reaper (on SIGCHLD): waitpid(-1) until nothing is left to reap; a worker
   // leader's status goes to its handle, anything else (an orphan handed to the subreaper)
   // is dropped. False when the watchdog was among them (it is forgotten).

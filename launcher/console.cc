@@ -301,6 +301,16 @@ void Console::line(int stream, std::string_view prefix, std::string_view text, b
   b.push_back('\n');
 }
 
+void Console::lines(int stream, std::string_view prefix, std::string_view run, std::size_t max_line) {
+  const int q = queue_of(stream);
+  break_line(q);
+  if (!stamp_.empty()) {
+    stamped_.assign(stamp_).append(prefix);
+    prefix = stamped_;
+  }
+  append_prefixed_lines(buf_[q], prefix, run, max_line, kCutMarker);
+}
+
 void Console::flush() {
   for (int s = 0; s < 2; ++s) {
     if (buf_[s].empty()) continue;

@@ -50,6 +50,9 @@ class Console {
 
   // stream: 0 stdout, 1 stderr. `prefix` like "[rank3]:". A cut piece gets a marker.
   void line(int stream, std::string_view prefix, std::string_view text, bool cut);
+  // A run of complete lines (each ending in '\n', from LineSplitter::feed_runs), as one
+  // line() call per line or piece of `max_line` bytes would append them, in bulk.
+  void lines(int stream, std::string_view prefix, std::string_view run, std::size_t max_line);
   // True when `stream` is a terminal: use relay() for it instead of line().
   bool live(int stream) const { return live_[stream]; }
   // Live output of one worker stream (`who` and its `state` identify it): see above.
@@ -93,6 +96,7 @@ class Console {
   int fds_[2];
   bool timestamps_;
   std::string stamp_;
+  std::string stamped_;  // stamp_ + a prefix, for lines() with timestamps
   std::string buf_[2];
   std::unique_ptr<Async> async_;  // null: synchronous
 };

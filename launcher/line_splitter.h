@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -47,6 +48,32 @@ class LineSplitter {
     }
   }
 
+  // As feed(), for a caller that copies whole lines in bulk: the complete lines of `data`
+  // that need no joining with earlier bytes come to run(std::string_view) as one run of
+  // lines, each with its '\n' and of any length (for_each_piece() cuts them as feed()
+  // would); the line that completes earlier bytes and the unfinished tail go to sink as
+  // in feed(). Everything comes out in the order of `data`, as from feed().
+  template <typename Run, typename Sink>
+  void feed_runs(std::string_view data, Run&& run, Sink&& sink) {
+    if (!pending_.empty()) {
+      const auto nl = data.find('\n');
+      if (nl == std::string_view::npos) {
+        feed(data, sink);
+        return;
+      }
+      feed(data.substr(0, nl + 1), sink);  // ends with its newline: nothing stays pending
+      data.remove_prefix(nl + 1);
+    }
+    if (const void* last = data.empty() ? nullptr : ::memrchr(data.data(), '\n', data.size())) {
+      const std::size_t n = static_cast<std::size_t>(static_cast<const char*>(last) - data.data()) + 1;
+      run(data.substr(0, n));
+      data.remove_prefix(n);
+    }
+    feed(data, sink);
+  }
+
+  std::size_t max_line() const { return max_line_; }
+
   template <typename Sink>
   void finish(Sink&& sink) {
     if (!pending_.empty()) sink(std::string_view(pending_), false);
@@ -59,6 +86,59 @@ class LineSplitter {
   std::size_t max_line_;
   std::string pending_;
 };
+
+// The lines of `run` (complete lines, each ending in '\n') as feed() gives them: sink(line
+// without its newline, cut), a line longer than `max_line` in pieces of `max_line` bytes,
+// each but the last flagged cut. Pure.
+template <typename Sink>
+void for_each_piece(std::string_view run, std::size_t max_line, Sink&& sink) {
+  if (max_line == 0) max_line = 1;
+  while (!run.empty()) {
+    const auto* nl = static_cast<const char*>(::memchr(run.data(), '\n', run.size()));
+    std::size_t len = nl ? static_cast<std::size_t>(nl - run.data()) : run.size();
+    std::string_view line = run.substr(0, len);
+    run.remove_prefix(nl ? len + 1 : len);
+    while (line.size() > max_line) {
+      sink(line.substr(0, max_line), true);
+      line.remove_prefix(max_line);
+    }
+    sink(line, false);
+  }
+}
+
+// Appends to `out` what the relay writes for `run` (complete lines, as from
+// LineSplitter::feed_runs): each line or piece as `prefix` + text (+ `cut_marker` when
+// cut) + '\n', byte for byte what one Console::line() call per piece appends. The common
+// case (a line within `max_line`) costs two appends. Pure.
+inline void append_prefixed_lines(std::string& out, std::string_view prefix, std::string_view run,
+                                  std::size_t max_line, std::string_view cut_marker) {
+  if (max_line == 0) max_line = 1;
+  const char* p = run.data();
+  const char* const end = p + run.size();
+  while (p < end) {
+    const auto* nl = static_cast<const char*>(::memchr(p, '\n', static_cast<std::size_t>(end - p)));
+    const char* const stop = nl ? nl : end;
+    const auto len = static_cast<std::size_t>(stop - p);
+    if (len <= max_line && nl) {
+      out.append(prefix);
+      out.append(p, len + 1);  // the line with its newline
+      p = nl + 1;
+      continue;
+    }
+    std::string_view line(p, len);
+    p = nl ? nl + 1 : end;
+    while (line.size() > max_line) {
+      out.append(prefix);
+      out.append(line.substr(0, max_line));
+      out.append(cut_marker);
+      out.push_back('\n');
+      line.remove_prefix(max_line);
+    }
+    out.append(prefix);
+    out.append(line);
+    out.push_back('\n');
+  }
+}
 
 // Where one worker stream stands on a terminal between two pieces of its output.
 struct LiveLine {

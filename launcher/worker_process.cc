@@ -692,20 +692,52 @@ void WorkerProcess::emit(int s, std::string_view line, bool cut, bool to_console
   }
 }
 
+void WorkerProcess::keep_tail(int s, std::string_view run) {
+  // Only the last tail_lines lines of the run can stay in the tail (each line gives at
+  // least one entry): emitting just those leaves the tail as emitting every line would.
+  if (spec_.tail_lines == 0 || run.empty()) return;
+  std::size_t pos = run.size() - 1;  // the newline that ends the run's last line
+  std::size_t start = 0;
+  for (std::size_t k = 0; k < spec_.tail_lines; ++k) {
+    const void* prev = pos > 0 ? ::memrchr(run.data(), '\n', pos) : nullptr;
+    if (!prev) {
+      start = 0;
+      break;
+    }
+    pos = static_cast<std::size_t>(static_cast<const char*>(prev) - run.data());
+    start = pos + 1;
+  }
+  for_each_piece(run.substr(start), impl_->splitters[s]->max_line(),
+                 [&](std::string_view line, bool cut) { emit(s, line, cut, false); });
+}
+
 void WorkerProcess::on_data(int s, std::string_view data) {
   if (impl_->files[s] >= 0) console_.write_file(impl_->files[s], data);
   const bool show = spec_.console[s];
+  LineSplitter& splitter = *impl_->splitters[s];
+  auto tail_only = [&](std::string_view run) { keep_tail(s, run); };
+  auto tail_line = [&](std::string_view line, bool cut) { emit(s, line, cut, false); };
   if (show && console_.live(s)) {
     // A terminal: shown at once, partial lines included; the splitter only keeps the tail.
     console_.begin_batch();
     console_.relay(s, this, live_[s], prefix_, data);
     console_.flush();
-    if (keeps_tail(s)) impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut, false); });
+    if (keeps_tail(s)) splitter.feed_runs(data, tail_only, tail_line);
     return;
   }
-  if (!show && !keeps_tail(s)) return;  // nothing to show or keep
+  if (!show) {
+    if (keeps_tail(s)) splitter.feed_runs(data, tail_only, tail_line);
+    return;
+  }
+  // A pipe or a file: whole lines, byte for byte; the complete ones in bulk.
   console_.begin_batch();
-  impl_->splitters[s]->feed(data, [&](std::string_view line, bool cut) { emit(s, line, cut, show); });
+  splitter.feed_runs(
+      data,
+      [&](std::string_view run) {
+        console_.lines(s, prefix_, run, splitter.max_line());
+        if (keeps_tail(s)) keep_tail(s, run);
+      },
+      [&](std::string_view line, bool cut) { emit(s, line, cut, true); });
   console_.flush();
 }
 

@@ -180,6 +180,7 @@ class WorkerProcess {
   void read_more(int s);
   void on_data(int s, std::string_view data);
   void emit(int s, std::string_view line, bool cut, bool to_console);
+  void keep_tail(int s, std::string_view run);  // run: complete lines from LineSplitter::feed_runs
   bool keeps_tail(int s) const { return s == 1 || spec_.merge_streams; }
   void close_stream(int s);
   void maybe_done();

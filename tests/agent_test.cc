@@ -59,6 +59,15 @@ TEST_CASE("the agent exits with the failing worker's own exit code and reports t
   CHECK_THAT(r.err, Catch::Contains("    about to fail"));
 }
 
+TEST_CASE("the root cause shows the last 10 stderr lines even when many arrive in one read") {
+  auto r = run(launch({"--standalone", "--nproc_per_node=1"}, {"eprint-lines", "25", "exit", "3"}));
+  CHECK(r.code == 3);
+  for (int i = 0; i < 25; ++i) CHECK(count_of(r.err, "[rank0]:err " + std::to_string(i) + "\n") == 1);
+  const auto cause = r.err.substr(std::min(r.err.find("Root Cause"), r.err.size()));
+  for (int i = 15; i < 25; ++i) CHECK(count_of(cause, "    err " + std::to_string(i) + "\n") == 1);
+  CHECK(count_of(cause, "    err 14\n") == 0);
+}
+
 TEST_CASE("a worker killed by a signal gives 128+N and the signal's name") {
   auto r = run(launch({"--standalone", "--nproc_per_node=2"}, {"when-rank", "0", "signal", "11"}));
   CHECK(r.code == 128 + 11);

@@ -11,6 +11,7 @@
 //   lines N             print N lines "<rank>:<i>:<payload>" on stdout as fast as possible
 //   long-line N         print one line of N 'x'
 //   print T | eprint T  print T on stdout / stderr; print-nonl T: no newline
+//   eprint-lines N      write N lines "err <i>" to stderr in one write() (one read for the agent)
 //   error-file MSG      write a torchelastic error file with MSG to $TORCHELASTIC_ERROR_FILE
 //   pidfile PATH        append our pid to PATH
 //   hang SECS           sleep up to SECS seconds (signals still act)
@@ -194,6 +195,15 @@ int main(int argc, char** argv) {
     } else if (cmd == "print-nonl") {
       std::printf("%s", arg());
       std::fflush(stdout);
+    } else if (cmd == "eprint-lines") {
+      std::string text;
+      for (long k = 0, n = std::atol(arg()); k < n; ++k) text += "err " + std::to_string(k) + "\n";
+      std::fflush(stderr);
+      for (std::string_view left = text; !left.empty();) {
+        const ssize_t w = ::write(2, left.data(), left.size());
+        if (w <= 0) break;
+        left.remove_prefix(static_cast<std::size_t>(w));
+      }
     } else if (cmd == "eprint") {
       std::fprintf(stderr, "%s\n", arg());
     } else if (cmd == "error-file") {

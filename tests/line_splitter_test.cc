@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -90,4 +91,81 @@ TEST_CASE("the line prefix template substitutes role_name, rank and local_rank a
   CHECK(mg::expand_line_prefix("$$${rank} ${unknown} $other $", "r", 5, 0) == "$5 ${unknown} $other $");
   CHECK(mg::expand_line_prefix("${rank", "r", 5, 0) == "${rank");
   CHECK(mg::expand_line_prefix("", "r", 5, 0).empty());
+}
+
+namespace {
+// Random text: short and long lines, empty lines, '\r', an unfinished last line or not.
+std::string random_text(unsigned seed, std::size_t max_line) {
+  std::string text;
+  unsigned x = seed * 2654435761u + 1;
+  auto next = [&] { return x = x * 1103515245u + 12345u, (x >> 8) & 0xffff; };
+  const int lines = 1 + static_cast<int>(next() % 40);
+  for (int i = 0; i < lines; ++i) {
+    const std::size_t len = next() % 4 == 0 ? next() % (3 * max_line + 2) : next() % (max_line + 1);
+    for (std::size_t k = 0; k < len; ++k) text.push_back(static_cast<char>('a' + next() % 26));
+    if (i + 1 < lines || next() % 2) text.push_back('\n');
+  }
+  return text;
+}
+// The same text cut at random points.
+std::vector<std::string> random_chunks(const std::string& text, unsigned seed) {
+  std::vector<std::string> chunks;
+  unsigned x = seed + 7;
+  for (std::size_t i = 0; i < text.size();) {
+    x = x * 1103515245u + 12345u;
+    const std::size_t n = std::min<std::size_t>(text.size() - i, 1 + (x >> 8) % 23);
+    chunks.push_back(text.substr(i, n));
+    i += n;
+  }
+  return chunks;
+}
+}  // namespace
+
+TEST_CASE("feed_runs gives the same lines and cut flags as feed, in the same order, for any chunking") {
+  for (std::size_t max_line : {1u, 3u, 8u, 64u}) {
+    for (unsigned seed = 0; seed < 200; ++seed) {
+      const std::string text = random_text(seed, max_line);
+      const auto chunks = random_chunks(text, seed);
+      LineSplitter plain(max_line), runs(max_line);
+      const Collected want = feed_all(plain, chunks);
+      Collected got;
+      auto sink = [&](std::string_view l, bool cut) {
+        got.lines.emplace_back(l);
+        got.cuts.push_back(cut);
+      };
+      for (const auto& ch : chunks)
+        runs.feed_runs(ch, [&](std::string_view run) {
+          REQUIRE(!run.empty());
+          REQUIRE(run.back() == '\n');
+          mg::for_each_piece(run, runs.max_line(), sink);
+        }, sink);
+      runs.finish(sink);
+      INFO("max_line " << max_line << ", seed " << seed);
+      REQUIRE(got.lines == want.lines);
+      REQUIRE(got.cuts == want.cuts);
+    }
+  }
+}
+
+TEST_CASE("append_prefixed_lines writes byte for byte what one prefixed line per piece would") {
+  const std::string marker = " [cut]";
+  for (std::size_t max_line : {1u, 4u, 16u}) {
+    for (unsigned seed = 0; seed < 200; ++seed) {
+      std::string run = random_text(seed, max_line);
+      if (run.empty() || run.back() != '\n') run.push_back('\n');
+      std::string want = "before|";
+      mg::for_each_piece(run, max_line, [&](std::string_view l, bool cut) {
+        want.append("[rank7]:").append(l);
+        if (cut) want.append(marker);
+        want.push_back('\n');
+      });
+      std::string got = "before|";
+      mg::append_prefixed_lines(got, "[rank7]:", run, max_line, marker);
+      INFO("max_line " << max_line << ", seed " << seed);
+      REQUIRE(got == want);
+    }
+  }
+  std::string empty_prefix;
+  mg::append_prefixed_lines(empty_prefix, "", "a\n\nbcdef\n", 3, "+");
+  CHECK(empty_prefix == "a\n\nbcd+\nef\n");
 }

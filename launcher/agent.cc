@@ -108,6 +108,10 @@ void Agent::start() {
                      out.st_dev == err.st_dev && out.st_ino == err.st_ino && out.st_rdev == err.st_rdev;
   }
   check_descriptor_budget();
+  // The agent that hosts the rendezvous listens before the rest of its start-up (the log
+  // directory, the watchdog's fork): the other agents, started at the same moment, then
+  // find it listening instead of being refused and waiting to retry.
+  if (uses_rendezvous_server(opts_) && opts_.rdzv_backend != "etcd") host_rendezvous();
   const bool files_wanted = [&] {
     for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
       if (opts_.redirects.for_rank(lr) != Streams::kNone || opts_.tee.for_rank(lr) != Streams::kNone) return true;
@@ -163,33 +167,39 @@ void Agent::start() {
   if (monitor_) monitor_->start();
 }
 
-void Agent::start_rendezvous() {
-  if (trace_) rdzv_since_us_ = trace_->now();
-  const bool etcd = opts_.rdzv_backend == "etcd";
-  rdzv::Endpoint ep = etcd ? rdzv::Endpoint{} : rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
+void Agent::host_rendezvous() {
+  if (hosting_decided_) return;
+  hosting_decided_ = true;
+  rdzv::Endpoint ep = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
   // Host the rendezvous here when told (is_host=true) or clearly meant to: the endpoint is
   // the address this node advertises. (torchrun hosts whenever the endpoint is local; then
   // an agent started during a daemon's outage takes the daemon's port.) Either way only
   // while nothing listens there, and only for this job.
-  const bool meant = etcd ? false : opts_.rdzv_is_host ? *opts_.rdzv_is_host
+  const bool meant = opts_.rdzv_is_host ? *opts_.rdzv_is_host
                                         : rdzv::is_local_host(ep.host) && rdzv::same_address(ep.host, plan_.master_addr);
-  if (meant && !rdzv::probe_listen(ep.host, ep.port)) {
-    try {
-      rdzv::ServerOptions so;
-      so.host = ep.host;
-      so.port = ep.port;
-      so.token = opts_.rdzv_token;
-      so.only_job = plan_.run_id;
-      so.log = [this](const std::string& line) {
-        if (line.starts_with("warning:")) notice("rendezvous server: " + line);
-      };
-      if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
-      embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
-      notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
-    } catch (const std::exception&) {
-      // Another local agent got there first: join it as a client.
-    }
+  if (!meant || rdzv::probe_listen(ep.host, ep.port)) return;
+  try {
+    rdzv::ServerOptions so;
+    so.host = ep.host;
+    so.port = ep.port;
+    so.token = opts_.rdzv_token;
+    so.only_job = plan_.run_id;
+    so.log = [this](const std::string& line) {
+      if (line.starts_with("warning:")) notice("rendezvous server: " + line);
+    };
+    if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
+    embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
+    notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
+  } catch (const std::exception&) {
+    // Another local agent got there first: join it as a client.
   }
+}
+
+void Agent::start_rendezvous() {
+  if (trace_) rdzv_since_us_ = trace_->now();
+  const bool etcd = opts_.rdzv_backend == "etcd";
+  rdzv::Endpoint ep = etcd ? rdzv::Endpoint{} : rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
+  if (!etcd) host_rendezvous();  // done at start() already
   proto::Join j;
   j.job_id = plan_.run_id;
   j.host = local_hostname();

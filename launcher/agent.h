@@ -68,6 +68,9 @@ class Agent {
 
   void spawn_worker(int local_rank);
   void start_rendezvous();
+  // Listens for the rendezvous here when this agent is meant to host it (once; a no-op
+  // otherwise). Called early in start(), so the others are not refused while it starts.
+  void host_rendezvous();
   void apply_assignment(const proto::Assignment& a);
   void on_worker_done(WorkerProcess& w);
   void finish(int code);  // the effects of the end: every handle stops, logs and summary written
@@ -110,6 +113,7 @@ class Agent {
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;
+  bool hosting_decided_ = false;  // host_rendezvous() ran
   std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink
   bool port_is_ours_ = false;  // the master port was chosen by mglaunch, not the user
   std::optional<PortReservation> port_hold_;

@@ -12,6 +12,12 @@ namespace asio = boost::asio;
 using proto::MsgType;
 using std::chrono::milliseconds;
 
+std::chrono::milliseconds connect_retry_delay(int retry) {
+  int ms = 5;
+  for (int i = 1; i < retry && ms < 500; ++i) ms = ms * 3 / 2;
+  return milliseconds(std::min(500, ms));
+}
+
 Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers)
     : io_(io), opts_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io) {
   key_ = !opts_.job_token.empty() ? opts_.job_token
@@ -51,18 +57,19 @@ void Client::try_connect() {
     ep = *results.begin();
   }
   connecting_ = std::make_unique<asio::ip::tcp::socket>(io_);
+  ++connect_attempts_;
   connecting_->async_connect(ep, [this](boost::system::error_code ec) {
     if (closed_) return;
     if (ec) {
       if (Clock::now() >= deadline_)
         return lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, ec.message()));
-      retry_timer_.expires_after(connect_backoff_);
-      connect_backoff_ = std::min(connect_backoff_ * 2, milliseconds(500));
+      retry_timer_.expires_after(connect_retry_delay(++refused_));
       retry_timer_.async_wait([this](boost::system::error_code ec) {
         if (!ec) try_connect();
       });
       return;
     }
+    refused_ = 0;
     conn_ = std::make_shared<FramedConnection>(std::move(*connecting_), proto::kHandshakeMaxFrame);
     connecting_.reset();
     connected_at_ = Clock::now();

@@ -37,6 +37,12 @@ struct ClientHandlers {
   std::function<void(const std::string&)> on_notice;  // connection dropped / re-registered
 };
 
+// The wait before the `retry`-th new attempt (1, 2, ...) to reach a server that refused the
+// connection (nothing listens yet). The agents of a job start together and the host listens
+// moments after its own start, so the first retries come within a few milliseconds; the
+// wait then grows by half each time, to 500 ms, so a host that is late costs little.
+std::chrono::milliseconds connect_retry_delay(int retry);
+
 class Client {
  public:
   Client(boost::asio::io_context& io, ClientOptions opts, ClientHandlers handlers);
@@ -49,6 +55,7 @@ class Client {
   void node_done(int round);
   void close();
   bool connected() const { return conn_ && conn_->open(); }
+  int connect_attempts() const { return connect_attempts_; }  // since start(), refused ones included
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -80,7 +87,8 @@ class Client {
   std::optional<proto::WorkerFailed> unsent_failure_;
   bool done_sent_ = false;
   std::chrono::milliseconds backoff_{100};          // between reconnects after a loss
-  std::chrono::milliseconds connect_backoff_{10};  // between refused connects at start
+  int refused_ = 0;  // refused connects in a row at start (connect_retry_delay)
+  int connect_attempts_ = 0;
   bool closed_ = false;
   bool challenged_ = false;
   bool welcomed_ = false;       // this connection completed the handshake

@@ -202,6 +202,64 @@ TEST_CASE("without a token the agent sends its join with its hello, with a token
   }
 }
 
+TEST_CASE("an agent refused by a host that does not listen yet retries within milliseconds at first, then backs off to 500 ms") {
+  using ms = std::chrono::milliseconds;
+  CHECK(rdzv::connect_retry_delay(1) <= ms(5));
+  ms waited{0};
+  int tries_in_100ms = 0;
+  for (int n = 1; n <= 40; ++n) {
+    const ms d = rdzv::connect_retry_delay(n);
+    INFO("retry " << n << ": " << d.count() << " ms");
+    CHECK(d > ms(0));
+    CHECK(d <= ms(500));
+    if (n > 1) {
+      CHECK(d >= rdzv::connect_retry_delay(n - 1));
+      CHECK(d.count() * 2 <= rdzv::connect_retry_delay(n - 1).count() * 3);  // at most 1.5 times the last wait
+    }
+    waited += d;
+    if (waited <= ms(100)) ++tries_in_100ms;
+  }
+  // A host that listens within 100 ms of the first refusal is found within a few ms of it.
+  CHECK(tries_in_100ms >= 6);
+  CHECK(rdzv::connect_retry_delay(40) == ms(500));  // a host that is late is not hammered
+}
+
+TEST_CASE("an agent started before its host is refused, keeps trying, and joins on its first try after the host listens") {
+  asio::io_context io(1);
+  // The port is bound but not listening: connects to it are refused, and no one takes it.
+  asio::ip::tcp::acceptor holder(io);
+  holder.open(asio::ip::tcp::v4());
+  holder.bind({asio::ip::make_address("127.0.0.1"), 0});
+  const int port = holder.local_endpoint().port();
+  rdzv::ClientOptions co;
+  co.host = "127.0.0.1";
+  co.port = port;
+  co.join = sim_join("early-client", 1, 1, "127.0.0.1");
+  int assignments = 0;
+  std::string lost;
+  rdzv::ClientHandlers h;
+  h.on_assignment = [&](const proto::Assignment&) { ++assignments; };
+  h.on_lost = [&](const std::string& why) { lost = why; };
+  rdzv::Client client(io, co, h);
+  client.start();
+  run_until(io, [&] { return client.connect_attempts() >= 3 || !lost.empty(); }, 1000);
+  INFO(lost);
+  REQUIRE(client.connect_attempts() >= 3);
+  REQUIRE(!client.connected());
+  const int refused = client.connect_attempts();
+  // The host comes up on that port (the same socket option as the server: reuse_address).
+  holder.close();
+  rdzv::ServerOptions so;
+  so.port = port;
+  rdzv::Server server(io, so);
+  run_until(io, [&] { return assignments > 0 || !lost.empty(); }, 10000);
+  CHECK(lost.empty());
+  CHECK(assignments == 1);  // a job of one node: its join closes the round
+  CHECK(client.connect_attempts() == refused + 1);
+  client.close();
+  server.stop();
+}
+
 TEST_CASE("2,000 agents join the daemon over real sockets with distinct ranks and one world, and a second job works") {
   rlimit rl{};
   REQUIRE(::getrlimit(RLIMIT_NOFILE, &rl) == 0);

@@ -5,7 +5,7 @@ JOBS ?= $(shell nproc)
 DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev catch2 \
         libcli11-dev libssl-dev libtorch-dev libgloo-dev python3-torch dataset-fashion-mnist \
         clang libclang-rt-14-dev openssh-server openssh-client slurm-wlm prometheus \
-        chromium chromium-driver python3-selenium help2man etcd-server
+        chromium chromium-driver python3-selenium help2man etcd-server lld
 BENCH_DEBS := hyperfine time gnuplot-nox
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MGLAUNCH := $(BUILD_DIR)/bin/mglaunch

@@ -59,8 +59,13 @@ Agent::~Agent() {
     console_.close_file(trace_fd_);
   }
   const bool clean = group_.close();  // SIGKILLs anything still running
-  // It kills whatever still carries this run's mark, unless nothing is left to kill.
-  watchdog_.release(clean);
+  // It kills whatever still carries this run's mark, unless nothing is left to kill. With
+  // nothing left, the temporary tree goes while the watchdog exits (~Watchdog waits for it).
+  if (clean) {
+    watchdog_.let_go(true);
+  } else {
+    watchdog_.release(false);
+  }
   logs_.clean_up();
 }
 
@@ -122,7 +127,7 @@ void Agent::start() {
   lo.rdzv_id = opts_.rdzv_id;
   lo.run_id = plan_.run_id;
   lo.files_wanted = files_wanted;
-  lo.time_text = now_text();
+  if (!opts_.log_dir.empty()) lo.time_text = now_text();  // (reads the time zone: only when used)
   if (std::string text = logs_.create(lo); !text.empty()) notice(text);
   if (plan_.set_omp_threads)
     notice("setting OMP_NUM_THREADS=1 for each worker (more than one per node); set it yourself to tune");

@@ -37,9 +37,17 @@ std::string LogLayout::create(const LogLayoutOptions& o) {
   }
   const char* env = std::getenv("TMPDIR");
   const std::string tmp = !o.tmpdir.empty() ? o.tmpdir : env && *env ? env : "/tmp";
-  std::string templ = fmt::format("{}/mglaunch_XXXXXX", tmp);
-  if (!::mkdtemp(templ.data()))
-    throw UsageError(fmt::format("cannot create a temporary log directory {}: {}", templ, std::strerror(errno)));
+  std::string templ;
+  // TMPDIR unset and only error files to hold: in memory when that works, else in /tmp.
+  if (o.tmpdir.empty() && !(env && *env) && !o.files_wanted && !o.shm_dir.empty()) {
+    templ = fmt::format("{}/mglaunch_XXXXXX", o.shm_dir);
+    if (!::mkdtemp(templ.data())) templ.clear();
+  }
+  if (templ.empty()) {
+    templ = fmt::format("{}/mglaunch_XXXXXX", tmp);
+    if (!::mkdtemp(templ.data()))
+      throw UsageError(fmt::format("cannot create a temporary log directory {}: {}", templ, std::strerror(errno)));
+  }
   root_ = templ;
   run_dir_ = (fs::path(root_) / o.run_id).string();
   is_temp_ = true;

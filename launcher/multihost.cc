@@ -69,9 +69,10 @@ std::string self_exe() {
 }
 
 std::string random_token() {
-  std::random_device rd;
+  unsigned char b[32];
+  random_bytes(b, sizeof(b));
   std::string t;
-  for (int i = 0; i < 32; ++i) t += fmt::format("{:02x}", rd() & 0xff);
+  for (unsigned char c : b) t += fmt::format("{:02x}", c);
   return t;
 }
 

@@ -3,6 +3,7 @@
 // the torchrun environment contract is unit-tested without starting anything.
 #pragma once
 
+#include <cstddef>
 #include <map>
 #include <string>
 #include <vector>
@@ -58,6 +59,8 @@ std::string local_hostname();
 // Python's socket.getfqdn() for this host (what torchrun advertises as MASTER_ADDR).
 std::string fq_hostname();
 
+// `n` random bytes from the kernel (getrandom).
+void random_bytes(void* out, std::size_t n);
 // A random UUID4 string, used as run id for --standalone.
 std::string random_uuid();
 

@@ -9,12 +9,14 @@
 #pragma once
 
 #include <netinet/in.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -119,8 +121,10 @@ class PortReservation {
 // most 200). Throws std::runtime_error naming the range when none could be held.
 inline PortReservation reserve_master_port() {
   const PortRange eph = ephemeral_port_range();
-  std::random_device rd;
-  std::mt19937 gen(rd());
+  unsigned seed = 0;
+  if (::getrandom(&seed, sizeof(seed), 0) != static_cast<ssize_t>(sizeof(seed)))
+    seed = static_cast<unsigned>(::getpid()) ^ static_cast<unsigned>(::time(nullptr));  // no getrandom: any spread will do
+  std::mt19937 gen(seed);
   for (int attempt = 0; attempt < 200; ++attempt) {
     const int port = port_outside(eph, static_cast<unsigned>(gen()));
     if (port == 0) break;

@@ -638,7 +638,7 @@ std::string Watchdog::mark_value(const std::string& inherited) const {
   return inherited.empty() ? token_ : inherited + "," + token_;
 }
 
-void Watchdog::release(bool clean, int wait_ms) {
+void Watchdog::let_go(bool clean) {
   if (pipe_fd_ >= 0) {
     if (clean) {
       const char c = kCleanExit;
@@ -648,6 +648,10 @@ void Watchdog::release(bool clean, int wait_ms) {
     ::close(pipe_fd_);
   }
   pipe_fd_ = -1;
+}
+
+void Watchdog::release(bool clean, int wait_ms) {
+  let_go(clean);
   if (pid_ <= 0) return;
   // Woken the moment it exits (a pidfd polls readable then); every 5 ms without one.
   const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0));

@@ -138,6 +138,10 @@ class Watchdog {
   // (WorkerGroup::close): the watchdog is told so first and exits without its
   // sweep, which would find nothing (a descendant cannot leave a live subreaper's tree).
   void release(bool clean = false, int wait_ms = 10000);
+  // The first half of release(): closes the pipe (telling the watchdog first when `clean`)
+  // without waiting, so the agent can tidy up while the watchdog exits; release() (or the
+  // destructor) then waits for it.
+  void let_go(bool clean);
 
  private:
   std::string token_;

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "launcher/errors.h"
 #include "launcher/log_layout.h"
@@ -148,4 +149,80 @@ TEST_CASE("output redirected to files keeps the temporary directory and says whe
     CHECK(l.kept());
   }
   CHECK(fs::exists(root));
+}
+
+namespace {
+
+// TMPDIR unset for one test, restored after it (the defaults below depend on it).
+struct NoTmpdirEnv {
+  std::optional<std::string> saved;
+  NoTmpdirEnv() {
+    if (const char* v = std::getenv("TMPDIR")) saved = v;
+    ::unsetenv("TMPDIR");
+  }
+  ~NoTmpdirEnv() {
+    if (saved) ::setenv("TMPDIR", saved->c_str(), 1);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("with TMPDIR unset a run without output files keeps its error files in memory, under the shm directory") {
+  TempDir t;
+  NoTmpdirEnv no_tmpdir;
+  auto o = options("");
+  o.shm_dir = t.path;  // stands in for /dev/shm
+  std::string root;
+  {
+    LogLayout l;
+    CHECK(l.create(o).empty());
+    root = l.root();
+    CHECK(fs::path(root).parent_path() == t.path);
+    CHECK(fs::path(root).filename().string().starts_with("mglaunch_"));
+    touch(l.attempt_dir(0, 0) + "/error.json");
+    CHECK(l.finish(1) == "this run failed: its error files and logs are kept in " + root);
+  }
+  CHECK(fs::exists(root + "/job7/attempt_0/0/error.json"));
+}
+
+TEST_CASE("with TMPDIR unset and no usable shm directory the temporary directory goes to /tmp") {
+  TempDir t;
+  NoTmpdirEnv no_tmpdir;
+  auto o = options("");
+  o.shm_dir = t.path + "/missing";
+  std::string root;
+  {
+    LogLayout l;
+    l.create(o);
+    root = l.root();
+    CHECK(fs::path(root).parent_path() == "/tmp");
+    CHECK(l.finish(0).empty());
+  }
+  CHECK_FALSE(fs::exists(root));
+}
+
+TEST_CASE("with TMPDIR unset output redirected to files goes to /tmp, not to memory") {
+  TempDir t;
+  NoTmpdirEnv no_tmpdir;
+  auto o = options("");
+  o.shm_dir = t.path;
+  o.files_wanted = true;
+  LogLayout l;
+  l.create(o);
+  const std::string root = l.root();
+  CHECK(fs::path(root).parent_path() == "/tmp");
+  CHECK(l.kept());
+  std::error_code ec;
+  fs::remove_all(root, ec);
+}
+
+TEST_CASE("a TMPDIR that is set wins over the shm directory") {
+  TempDir t, shm;
+  NoTmpdirEnv no_tmpdir;
+  ::setenv("TMPDIR", t.path.c_str(), 1);
+  auto o = options("");
+  o.shm_dir = shm.path;
+  LogLayout l;
+  l.create(o);
+  CHECK(fs::path(l.root()).parent_path() == t.path);
 }

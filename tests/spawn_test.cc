@@ -486,3 +486,18 @@ TEST_CASE("a token without a loadable OpenSSL stops the run before it starts wit
   CHECK(r.err.find("/nonexistent/libssl.so.3") != std::string::npos);
   CHECK(split_lines(r.err).size() == 1);
 }
+
+TEST_CASE("a test's process handle removes its output files and their directory when it goes, leaving $TMPDIR as it was") {
+  std::string dir;
+  {
+    Proc p = spawn({kFakeWorker, "print", "hello"});
+    REQUIRE(p.wait(30s));
+    CHECK_THAT(p.out(), Catch::Contains("hello"));
+    dir = p.out_path.substr(0, p.out_path.rfind('/'));
+    struct stat st{};
+    REQUIRE(::stat(dir.c_str(), &st) == 0);
+    Proc moved(std::move(p));  // one owner: the moved-from handle removes nothing
+  }
+  struct stat st{};
+  CHECK(::stat(dir.c_str(), &st) != 0);
+}

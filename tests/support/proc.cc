@@ -98,6 +98,14 @@ Proc::~Proc() {
     ::killpg(pid, SIGKILL);
     ::waitpid(pid, &status, 0);
   }
+  // The output files and their directory (make_temp_dir) go with the handle: left behind,
+  // every test run added a directory to $TMPDIR, and a /tmp of 170,000 entries slowed every
+  // mkdir and rmdir there (the agents' temporary log directories among them).
+  if (!out_path.empty()) {
+    ::unlink(out_path.c_str());
+    ::unlink(err_path.c_str());
+    ::rmdir(out_path.substr(0, out_path.rfind('/')).c_str());
+  }
 }
 
 Result run(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add,

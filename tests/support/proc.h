@@ -24,7 +24,9 @@ struct Proc {
   std::string err() const;
   Proc() = default;
   Proc(Proc&& o) noexcept : pid(o.pid), out_path(std::move(o.out_path)), err_path(std::move(o.err_path)), status(o.status) {
-    o.pid = -1;  // the moved-from handle no longer owns (or kills) the process
+    o.pid = -1;  // the moved-from handle no longer owns (or kills) the process, nor its files
+    o.out_path.clear();
+    o.err_path.clear();
   }
   Proc(const Proc&) = delete;
   Proc& operator=(const Proc&) = delete;

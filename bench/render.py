@@ -88,7 +88,8 @@ def allreduce_table(case):
         p = r["param"]
         out.append(f"| {p['world']} | {p['bytes']:,} | {fmt(r['ours']['median'], 'GB/s')} | "
                    f"{fmt(r['peer']['median'] if r['peer'] else None, 'GB/s')} | {r['overhead']:+.1%} | {target(r)} |")
-    out.append("\n(medians of 3 alternating runs of 20 timed all-reduces each; negative: mgtrain faster)")
+    method = case.get("method", "medians of 3 alternating runs of 20 timed all-reduces each")
+    out.append(f"\n({method}; negative: mgtrain faster)")
     return "\n".join(out)
 
 

@@ -324,6 +324,24 @@ void Console::flush() {
   }
 }
 
+void Console::flush_soon() {
+  if (!async_) {
+    flush();
+    return;
+  }
+  if (buf_[0].size() + buf_[1].size() > kFlushSoonMax) {
+    flush();
+    return;
+  }
+  if (flush_posted_) return;
+  flush_posted_ = true;
+  asio::post(async_->io, [this, alive = std::weak_ptr<int>(alive_)] {
+    if (alive.expired()) return;
+    flush_posted_ = false;
+    flush();
+  });
+}
+
 void Console::write(int stream, std::string_view text) {
   stream = queue_of(stream);
   break_line(stream);

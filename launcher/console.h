@@ -40,6 +40,7 @@ namespace mg {
 class Console {
  public:
   static constexpr std::size_t kDefaultHighWater = 1 << 20;
+  static constexpr std::size_t kFlushSoonMax = 256 * 1024;
 
   Console(int out_fd, int err_fd, bool timestamps);
   Console(boost::asio::io_context& io, int out_fd, int err_fd, bool timestamps,
@@ -66,6 +67,11 @@ class Console {
   void forget(const void* who);
   // Writes (or queues) what is buffered; called after each batch of lines from one read.
   void flush();
+  // As flush(), once the io_context has run the handlers that are ready now (asynchronous
+  // mode; synchronous: at once): the lines of several workers' reads in one event-loop
+  // round go to each writer as one buffer, one wake-up and one write. Above kFlushSoonMax
+  // bytes buffered it flushes at once, so back-pressure (congested()) still sees them.
+  void flush_soon();
   // Starts a batch: refreshes the timestamp used by line().
   void begin_batch();
   // Writes (or queues) `text` as is, after everything before it on that stream.
@@ -98,6 +104,8 @@ class Console {
   std::string stamp_;
   std::string stamped_;  // stamp_ + a prefix, for lines() with timestamps
   std::string buf_[2];
+  bool flush_posted_ = false;
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // expires with the console: a posted flush checks it
   std::unique_ptr<Async> async_;  // null: synchronous
 };
 

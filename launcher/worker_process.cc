@@ -738,7 +738,7 @@ void WorkerProcess::on_data(int s, std::string_view data) {
         if (keeps_tail(s)) keep_tail(s, run);
       },
       [&](std::string_view line, bool cut) { emit(s, line, cut, true); });
-  console_.flush();
+  console_.flush_soon();
 }
 
 void WorkerProcess::close_stream(int s) {

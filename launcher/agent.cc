@@ -44,7 +44,8 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       grace_timer_(io),
       leave_timer_(io),
       group_(io, console_, watchdog_),
-      core_(core_config(opts_, plan_)) {
+      core_(core_config(opts_, plan_)),
+      fence_timer_(io) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
   base_env_.erase("MGLAUNCH_RDZV_JOB_TOKEN");
@@ -268,6 +269,13 @@ std::string Agent::attempt_dir(int local_rank) const {
 }
 
 void Agent::spawn_worker(int lr) {
+  if (port_hold_ && exec_fence_w_ < 0 && !exec_fence_) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) == 0) {
+      exec_fence_ = std::make_unique<asio::posix::stream_descriptor>(io_, fds[0]);
+      exec_fence_w_ = fds[1];
+    }
+  }
   {
     const std::string dir = attempt_dir(lr);
     std::error_code ec;
@@ -314,7 +322,43 @@ void Agent::rejoin() {
   client_->rejoin();
 }
 
+void Agent::drop_exec_fence() {
+  ++fence_gen_;  // a wait still pending finds nothing to do
+  fence_timer_.cancel();
+  exec_fence_.reset();
+  if (exec_fence_w_ >= 0) ::close(exec_fence_w_);
+  exec_fence_w_ = -1;
+}
+
+void Agent::release_master_port_when_started() {
+  if (!port_hold_ || exec_fence_w_ < 0 || !exec_fence_) {
+    // Without the pipe (pipe2 failed): wait for the children here, at most 1 s.
+    if (port_hold_) spawn_settle_all(std::chrono::seconds(1));
+    drop_exec_fence();
+    port_hold_.reset();  // the workers may bind the master port now
+    return;
+  }
+  ::close(exec_fence_w_);
+  exec_fence_w_ = -1;
+  const std::uint64_t gen = ++fence_gen_;
+  exec_fence_->async_wait(asio::posix::stream_descriptor::wait_read, [this, gen](boost::system::error_code ec) {
+    if (!ec) let_master_port_go(gen);
+  });
+  // A worker stopped before its exec must not keep the port for ever.
+  fence_timer_.expires_after(std::chrono::seconds(1));
+  fence_timer_.async_wait([this, gen](boost::system::error_code ec) {
+    if (!ec) let_master_port_go(gen);
+  });
+}
+
+void Agent::let_master_port_go(std::uint64_t gen) {
+  if (gen != fence_gen_) return;
+  drop_exec_fence();
+  port_hold_.reset();  // the workers may bind the master port now
+}
+
 void Agent::hold_master_port(bool fresh) {
+  drop_exec_fence();  // a release still waiting was for the port this one replaces
   if (!fresh) {
     if (auto r = PortReservation::try_hold(plan_.master_port)) {
       port_hold_ = std::move(r);
@@ -429,8 +473,7 @@ void Agent::run(sup::Actions actions) {
             // every worker has exec'd or exited (at most 1 s: one stopped before its exec
             // must not stop the agent), so that a worker binding it without SO_REUSEADDR
             // finds it free (launcher/port.h).
-            if (port_hold_) spawn_settle_all(std::chrono::seconds(1));
-            port_hold_.reset();  // the workers may bind the master port now
+            release_master_port_when_started();
           } else if constexpr (std::is_same_v<A, sup::act::Rejoin>) {
             rejoin();
           } else if constexpr (std::is_same_v<A, sup::act::SendWorkerFailed>) {
@@ -447,6 +490,7 @@ void Agent::run(sup::Actions actions) {
 
 void Agent::finish(int code) {
   if (monitor_) monitor_->stop();
+  drop_exec_fence();
   boost::system::error_code ec;
   signals_.cancel(ec);
   children_.cancel(ec);
@@ -457,8 +501,7 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
-  group_.signal(SIGKILL, /*escaped=*/false);
-  group_.kill_leftovers(/*reap=*/true);
+  group_.kill_all();
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <nlohmann/json.hpp>
@@ -117,6 +118,17 @@ class Agent {
   std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink
   bool port_is_ours_ = false;  // the master port was chosen by mglaunch, not the user
   std::optional<PortReservation> port_hold_;
+  // Until its exec a worker holds a copy of every descriptor of the agent, the hold socket
+  // too. The attempt's workers also inherit the write end of this pipe (close-on-exec):
+  // once the agent closed its own, end-of-file says every one has exec'd or exited, and
+  // the port goes then (at most 1 s later), without stopping the event loop meanwhile.
+  int exec_fence_w_ = -1;
+  std::unique_ptr<boost::asio::posix::stream_descriptor> exec_fence_;
+  boost::asio::steady_timer fence_timer_;
+  std::uint64_t fence_gen_ = 0;
+  void release_master_port_when_started();
+  void let_master_port_go(std::uint64_t gen);
+  void drop_exec_fence();
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or
   // --trace is given (launcher/monitor.h, launcher/trace.h). Declared last: gone before

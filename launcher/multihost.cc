@@ -148,6 +148,12 @@ bool is_reserved(const cli::FlagSpec& f) {
 }  // namespace
 
 bool wants_multihost(const std::vector<std::string>& argv) {
+  // Only a token that starts with "--ho" can name --hostfile (in full or as a unique
+  // prefix): without one, the plain path skips building every agent flag's spec, which
+  // cost as many instructions as parsing the command line itself (1.5 M of 4.5 M, callgrind).
+  if (std::none_of(argv.begin() + std::min<std::size_t>(1, argv.size()), argv.end(),
+                   [](const std::string& a) { return a.starts_with("--ho"); }))
+    return false;
   const std::vector<std::string> args(argv.begin() + std::min<std::size_t>(1, argv.size()), argv.end());
   try {
     const auto norm = cli::normalize_args(args, multihost_specs(), /*stop_at_positional=*/true);

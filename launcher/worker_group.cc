@@ -13,13 +13,17 @@
 namespace mg {
 
 bool WorkerGroup::close() {
+  // Nothing below the agent at the last scan and no worker left to reap since: nothing can
+  // have started since either (only a live descendant could have started it).
+  const bool known_clean = clean_ && leaders_.empty();
   leaders_.clear();
   workers_.clear();  // SIGKILLs anything still running
   retired_.clear();
-  return kill_leftovers(/*reap=*/true);
+  return known_clean || kill_leftovers(/*reap=*/true);
 }
 
 WorkerProcess& WorkerGroup::spawn(WorkerSpec spec, WorkerProcess::DoneHandler on_done) {
+  clean_ = false;
   workers_.push_back(std::make_unique<WorkerProcess>(io_, std::move(spec), console_, std::move(on_done)));
   WorkerProcess& w = *workers_.back();
   if (w.pid() > 0) leaders_[w.pid()] = &w;
@@ -27,15 +31,19 @@ WorkerProcess& WorkerGroup::spawn(WorkerSpec spec, WorkerProcess::DoneHandler on
 }
 
 void WorkerGroup::signal(int sig, bool escaped) {
+  const pid_t self = ::getpid();
   const bool any_reaped = std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited(); });
+  // One scan serves the groups whose leader was reaped and the escaped descendants.
+  std::vector<ProcStat> table;
+  if (any_reaped || escaped) table = scan_family(self);
   std::unordered_set<pid_t> groups;
-  if (any_reaped) groups = descendant_groups(scan_family(::getpid()), ::getpid());
+  if (any_reaped) groups = descendant_groups(table, self);
   for (auto& w : workers_) w->signal_group(sig, &groups);
-  if (escaped) signal_escaped(sig);
+  if (escaped) signal_escaped(sig, table);
 }
 
-void WorkerGroup::signal_escaped(int sig) {
-  for (const auto& p : descendants_of(scan_family(::getpid()), ::getpid())) {
+void WorkerGroup::signal_escaped(int sig, const std::vector<ProcStat>& table) {
+  for (const auto& p : descendants_of(table, ::getpid())) {
     if (p.pid == watchdog_.pid()) continue;
     const bool in_worker_group = leaders_.contains(p.pgrp);
     if (!in_worker_group && !is_live_leader(p.pid)) ::kill(p.pid, sig);
@@ -43,11 +51,25 @@ void WorkerGroup::signal_escaped(int sig) {
 }
 
 void WorkerGroup::retire() {
-  signal(SIGKILL, /*escaped=*/false);
-  kill_leftovers(/*reap=*/false);
+  // SIGKILL to every worker's group and to every other descendant but the unreaped
+  // leaders and the watchdog (reap() reaps them), from one scan.
+  const pid_t self = ::getpid();
+  const std::vector<ProcStat> table = scan_family(self);
+  const std::unordered_set<pid_t> groups = descendant_groups(table, self);
+  for (auto& w : workers_) w->signal_group(SIGKILL, &groups);
+  for (const auto& p : descendants_of(table, self))
+    if (!is_live_leader(p.pid) && p.pid != watchdog_.pid()) ::kill(p.pid, SIGKILL);
   for (auto& p : workers_) retired_.push_back(std::move(p));
   workers_.clear();
   boost::asio::post(io_, [this] { retired_.clear(); });
+}
+
+bool WorkerGroup::kill_all() {
+  // A reaped leader's group holds only descendants of the agent (a subreaper keeps them
+  // all), which kill_leftovers() kills one by one: no scan for the groups first.
+  for (auto& w : workers_)
+    if (!w->exited()) w->signal_group(SIGKILL, nullptr);
+  return kill_leftovers(/*reap=*/true);
 }
 
 bool WorkerGroup::kill_leftovers(bool reap) {
@@ -57,7 +79,10 @@ bool WorkerGroup::kill_leftovers(bool reap) {
     std::unordered_set<pid_t> victims;
     for (const auto& p : descendants_of(scan_family(self), self))
       if (!is_live_leader(p.pid) && p.pid != watchdog_.pid()) victims.insert(p.pid);
-    if (victims.empty()) return true;
+    if (victims.empty()) {
+      clean_ = leaders_.empty();
+      return true;
+    }
     for (pid_t pid : victims) ::kill(pid, SIGKILL);
     if (!reap) return false;  // reap() reaps them
     // Blocking waits only for children that cannot outlive them: killed ones, zombies.

@@ -45,6 +45,9 @@ class WorkerGroup {
   // Nothing of a finished attempt may live on into the next one: SIGKILL to what is left,
   // the handles dropped (destroyed from the event loop: we may be inside their callbacks).
   void retire();
+  // The end of the run: SIGKILL to every worker's group and every descendant but the
+  // watchdog, reaping them (kill_leftovers(true)); true as kill_leftovers.
+  bool kill_all();
   // SIGKILLs every descendant but the unreaped worker leaders and the watchdog; with
   // `reap`, waits for the killed children (end of the run) instead of leaving them to reap().
   // True when its last scan found nothing to kill.
@@ -59,7 +62,7 @@ class WorkerGroup {
 
  private:
   bool is_live_leader(pid_t pid) const { return leaders_.contains(pid); }
-  void signal_escaped(int sig);
+  void signal_escaped(int sig, const std::vector<ProcStat>& table);
 
   boost::asio::io_context& io_;
   Console& console_;
@@ -67,6 +70,9 @@ class WorkerGroup {
   std::unordered_map<pid_t, WorkerProcess*> leaders_;  // unreaped worker leaders, by pid
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
   std::vector<std::unique_ptr<WorkerProcess>> retired_;
+  // The last kill_leftovers() scan found nothing but the watchdog with every leader reaped,
+  // and nothing was spawned since: close() needs no scan of its own.
+  bool clean_ = false;
 };
 
 }  // namespace mg

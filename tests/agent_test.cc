@@ -476,3 +476,17 @@ TEST_CASE("with the default run id each run gets its own log directory, so a re-
   CHECK(logs == std::vector<std::string>{"first\n", "second\n"});
   CHECK_THAT(first.err, Catch::Contains("log directory: " + dir + "/none_"));
 }
+
+TEST_CASE("the master port the agent held is free for a plain bind once every worker has started, while the run goes on") {
+  std::string dir = make_temp_dir();
+  const std::string stamps = dir + "/stamps";
+  // Every worker waits until all have exec'd (each stamps after its exec), then binds the
+  // port without SO_REUSEADDR: the agent's hold (and every copy the workers inherited
+  // before their exec) must be gone by then, at the latest within the bounded retry.
+  auto r = run(launch({"--standalone", "--nproc_per_node=3"},
+                      {"stamp", stamps, "start", "wait-lines", stamps, "3", "bind-master-plain", "20"}));
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 3);
+  CHECK_THAT(r.out, Catch::Contains("bound "));
+}

@@ -27,6 +27,8 @@
 //   wait-file PATH      wait until PATH exists (exit 8 after 30 s)
 //   wait-lines PATH N   wait until PATH holds at least N lines (exit 8 after 60 s): orders
 //                       events between workers of different agents without a sleep
+//   bind-master-plain SECS  bind 0.0.0.0:$MASTER_PORT without SO_REUSEADDR (retrying up to
+//                       SECS s), release it, print "bound PORT"; exit 1 if it stayed held
 //   listen-master       bind (SO_REUSEADDR, as c10d's TCPStore) and listen on
 //                       0.0.0.0:$MASTER_PORT, print "listening PORT"; exit 1 on failure
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
@@ -322,6 +324,29 @@ int main(int argc, char** argv) {
       std::printf("listening %d\n", port);
       std::fflush(stdout);
       ::close(fd);
+    } else if (cmd == "bind-master-plain") {
+      // Binds 0.0.0.0:$MASTER_PORT without SO_REUSEADDR (any other socket bound there makes
+      // it fail), retrying for up to SECS seconds, then lets it go; exit 1 if it never could.
+      const double secs = std::strtod(arg(), nullptr);
+      const int port = env_int("MASTER_PORT", 0);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(secs);
+      for (;;) {
+        int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_ANY);
+        a.sin_port = htons(static_cast<uint16_t>(port));
+        const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+        ::close(fd);
+        if (bound) break;
+        if (std::chrono::steady_clock::now() > deadline) {
+          std::fprintf(stderr, "bind-master-plain: 0.0.0.0:%d stayed held\n", port);
+          return 1;
+        }
+        hang(0.01);
+      }
+      std::printf("bound %d\n", port);
+      std::fflush(stdout);
     } else if (cmd == "stamp") {
       const char* path = arg();
       const char* tag = arg();

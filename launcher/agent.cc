@@ -501,7 +501,9 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
-  group_.kill_all();
+  // Nothing below the agent alive any more: the watchdog may go now, while the agent
+  // finishes (its exit is waited for last, in ~Watchdog).
+  if (group_.kill_all()) watchdog_.let_go(/*clean=*/true);
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/syscall.h>
@@ -11,9 +12,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -488,6 +494,34 @@ unsigned long long own_starttime() {
   return len > 0 && parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids) ? ids.starttime : 0;
 }
 
+// [start, end) of the agent's brk heap ("[heap]" in /proc/self/maps); {0, 0} if not found.
+std::pair<std::uintptr_t, std::uintptr_t> heap_range() {
+  char maps[16384];
+  const long len = read_small("/proc/self/maps", maps, sizeof(maps));
+  if (len <= 0) return {0, 0};
+  const std::string_view text(maps, static_cast<std::size_t>(len));
+  for (std::size_t pos = 0; pos < text.size();) {
+    std::size_t nl = text.find('\n', pos);
+    if (nl == std::string_view::npos) nl = text.size();
+    const std::string_view line = text.substr(pos, nl - pos);
+    pos = nl + 1;
+    if (!line.ends_with("[heap]")) continue;
+    std::uintptr_t lo = 0, hi = 0;
+    const char* p = line.data();
+    const char* end = line.data() + line.size();
+    auto hex = [&](std::uintptr_t& v) {
+      const auto r = std::from_chars(p, end, v, 16);
+      p = r.ptr;
+      return r.ec == std::errc();
+    };
+    if (!hex(lo) || p == end || *p++ != '-' || !hex(hi) || lo >= hi) return {0, 0};
+    return {lo, hi};
+  }
+  return {0, 0};
+}
+
+char g_token[128];  // the token, out of the heap the watchdog does not inherit
+
 // The agent and its ancestors up to pid 1 (called in the agent before the fork).
 void record_ancestors() {
   g_ancestor_count = 0;
@@ -564,14 +598,26 @@ bool Watchdog::start(std::string& error) {
     if (*end == '\0' && n >= 1 && n < kMaxProcs) cap = n;
   }
   record_ancestors();
+  const std::size_t token_len = std::min(token_.size(), sizeof(g_token) - 1);
+  std::memcpy(g_token, token_.data(), token_len);
+  g_token[token_len] = '\0';
   WatchArgs args{fds[0], trace_fd, -1, cap, static_cast<long>(::getpid()), ::sysconf(_SC_CLK_TCK), own_starttime(),
-                 token_.c_str(), token_.size()};
+                 g_token, token_len};
   if (args.ticks_per_second <= 0) args.ticks_per_second = 100;
+  // The watchdog never reads the agent's heap: it does not inherit it (MADV_DONTFORK), so
+  // the fork neither copies nor write-protects those page table entries, and each heap
+  // page the agent writes afterwards costs no copy-on-write fault (a page copy and a TLB
+  // shootdown of the CPUs running the agent's thread and spawn children). glibc's fork()
+  // runs child-side handlers that touch the heap (NSS state): then the raw system call,
+  // after which the child makes system calls only, as it does anyway.
+  const auto [heap_lo, heap_hi] = heap_range();
+  const bool no_heap =
+      heap_lo < heap_hi && ::madvise(reinterpret_cast<void*>(heap_lo), heap_hi - heap_lo, MADV_DONTFORK) == 0;
   // No signal may run the agent's handlers in the child before it resets them.
   sigset_t all, old;
   sigfillset(&all);
   ::pthread_sigmask(SIG_SETMASK, &all, &old);
-  const pid_t pid = ::fork();
+  const pid_t pid = no_heap ? static_cast<pid_t>(::syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0)) : ::fork();
   if (pid == 0) {
     // Only system calls from here on: the agent has threads.
     ::setpgid(0, 0);
@@ -620,6 +666,7 @@ bool Watchdog::start(std::string& error) {
     watchdog_main(args);
   }
   const int fork_errno = errno;
+  if (no_heap) ::madvise(reinterpret_cast<void*>(heap_lo), heap_hi - heap_lo, MADV_DOFORK);
   ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
   ::close(fds[0]);
   if (devnull >= 0) ::close(devnull);

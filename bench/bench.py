@@ -291,6 +291,13 @@ class Bench:
 
     # ---- (6) log relay ---------------------------------------------------------------------------
     def relay(self):
+        """(6) 4 workers x N lines: mglaunch relaying them with prefixes into a pipe, vs the
+        same 4 workers (same program, same lines, same 64 KiB stdio buffer) writing straight
+        to /dev/null: the limit does strictly less (no pipes, no prefixes, no agent start or
+        exit), so the ratio is a lower bound of our share. hyperfine --output=pipe drains our
+        stdout with splice(2) to /dev/null, the cheapest reader there is. The runs of the two
+        are not interleaved (ours, then the peer, then the limit): read the ratio from a
+        quiet machine only."""
         lines = size(1000000, 100000, 10000)
         total = 4 * lines
         worker = [self.fake, "lines", str(lines)]

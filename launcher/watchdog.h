@@ -142,6 +142,8 @@ class Watchdog {
   // without waiting, so the agent can tidy up while the watchdog exits; release() (or the
   // destructor) then waits for it.
   void let_go(bool clean);
+  // let_go() (or release()) was called: the watchdog's exit is expected now.
+  bool let_go_done() const { return pipe_fd_ < 0; }
 
  private:
   std::string token_;

@@ -109,8 +109,9 @@ bool WorkerGroup::reap() {
       leaders_.erase(it);
       w->on_exit(status);
     } else if (pid == watchdog_.pid()) {
+      // Its exit is news only while the agent still holds the pipe (not yet let go).
+      watchdog_alive = watchdog_.let_go_done();
       watchdog_.forget();
-      watchdog_alive = false;
     }
   }
 }

@@ -54,7 +54,8 @@ class WorkerGroup {
   bool kill_leftovers(bool reap);
   // The one reaper (on SIGCHLD): waitpid(-1) until nothing is left to reap; a worker
   // leader's status goes to its handle, anything else (an orphan handed to the subreaper)
-  // is dropped. False when the watchdog was among them (it is forgotten).
+  // is dropped. False when the watchdog was among them before the agent let it go (it is
+  // forgotten either way).
   bool reap();
   void pause_drains();
   void resume_drains();

@@ -16,11 +16,24 @@ WorkerSpec make_worker_spec(const RunPlan& plan, const AgentOptions& opts, const
   spec.rank = plan.rank_offset + lr;
   spec.executable = plan.executable;
   spec.argv = build_worker_argv(plan, opts, lr);
-  EnvMap env = base_env;
-  for (auto& [k, v] : build_contract_env(plan, opts, base_env, lr, in.attempt, in.dir + "/error.json")) env[k] = v;
-  if (!in.run_mark.empty()) env[kRunMarkVar] = in.run_mark;
-  spec.env.reserve(env.size());
-  for (const auto& [k, v] : env) spec.env.push_back(k + "=" + v);
+  // The base environment with the contract's variables (and the run mark) over it, in
+  // key order: one merge of the two sorted maps, without copying the base map per worker.
+  EnvMap contract = build_contract_env(plan, opts, base_env, lr, in.attempt, in.dir + "/error.json");
+  if (!in.run_mark.empty()) contract[kRunMarkVar] = in.run_mark;
+  spec.env.reserve(base_env.size() + contract.size());
+  auto add = [&spec](const std::string& k, const std::string& v) {
+    std::string kv;
+    kv.reserve(k.size() + 1 + v.size());
+    kv.append(k).append(1, '=').append(v);
+    spec.env.push_back(std::move(kv));
+  };
+  auto b = base_env.begin();
+  for (const auto& [k, v] : contract) {
+    for (; b != base_env.end() && b->first < k; ++b) add(b->first, b->second);
+    if (b != base_env.end() && b->first == k) ++b;  // the contract's value wins
+    add(k, v);
+  }
+  for (; b != base_env.end(); ++b) add(b->first, b->second);
   const bool shown = opts.local_ranks_filter.empty() ||
                      std::find(opts.local_ranks_filter.begin(), opts.local_ranks_filter.end(), lr) !=
                          opts.local_ranks_filter.end();

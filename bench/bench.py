@@ -295,9 +295,9 @@ class Bench:
         same 4 workers (same program, same lines, same 64 KiB stdio buffer) writing straight
         to /dev/null: the limit does strictly less (no pipes, no prefixes, no agent start or
         exit), so the ratio is a lower bound of our share. hyperfine --output=pipe drains our
-        stdout with splice(2) to /dev/null, the cheapest reader there is. The runs of the two
-        are not interleaved (ours, then the peer, then the limit): read the ratio from a
-        quiet machine only."""
+        stdout with splice(2) to /dev/null, the cheapest reader there is. Our runs and the
+        limit's take turns (one of each per round, 5 rounds), so a change in the machine's load
+        falls on both; torchrun's runs come after."""
         lines = size(1000000, 100000, 10000)
         total = 4 * lines
         worker = [self.fake, "lines", str(lines)]
@@ -308,15 +308,16 @@ class Bench:
             subprocess.run(self.ours + args, stdout=f, stderr=DEVNULL, check=True, timeout=600)
         check = check_relay(out, 4, lines)
         os.unlink(out)
-        runs = 1 if QUICK else 3
-        ours = [total / (t / 1e3) for t in self.alternate(self.ours + args, None, 1, runs, 0, 0 if QUICK else 1,
-                                                        output="pipe")[0]]
+        sh = " ".join(f"RANK={r} {shlex.quote(self.fake)} lines {lines} >/dev/null &" for r in range(4)) + " wait"
+        ours_ms, limit_ms = self.alternate(self.ours + args, ["sh", "-c", sh], rounds=1 if QUICK else 5, ours_runs=1,
+                                           peer_runs=1, warmup=0 if QUICK else 1, peer_warmup=0 if QUICK else 1,
+                                           output="pipe")
+        ours = [total / (t / 1e3) for t in ours_ms]
+        limit = [total / (t / 1e3) for t in limit_ms]
         peer = None
         if self.peer:
             peer = [total / (t / 1e3) for t in
                     self.alternate(self.peer + ["--tee", "3"] + args, None, 1, 1 if QUICK else 2, 0, 0, "pipe")[0]]
-        sh = " ".join(f"RANK={r} {shlex.quote(self.fake)} lines {lines} >/dev/null &" for r in range(4)) + " wait"
-        limit = [total / t for t in self.hyperfine(["sh", "-c", sh], 0 if QUICK else 1, runs)]
         rows = [row({"what": "mglaunch vs torchrun --tee 3"}, ours, peer, unit="lines/s", better="higher",
                     extra={"check": check}),
                 row({"what": "mglaunch vs workers straight to /dev/null (the limit)"}, ours, limit, unit="lines/s",

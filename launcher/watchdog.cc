@@ -611,8 +611,13 @@ bool Watchdog::start(std::string& error) {
   // runs child-side handlers that touch the heap (NSS state): then the raw system call,
   // after which the child makes system calls only, as it does anyway.
   const auto [heap_lo, heap_hi] = heap_range();
-  const bool no_heap =
-      heap_lo < heap_hi && ::madvise(reinterpret_cast<void*>(heap_lo), heap_hi - heap_lo, MADV_DONTFORK) == 0;
+  bool no_heap = heap_lo < heap_hi;
+  if (no_heap && ::madvise(reinterpret_cast<void*>(heap_lo), heap_hi - heap_lo, MADV_DONTFORK) != 0) {
+    // The heap changed meanwhile (trimmed by another thread): whatever part took the
+    // advice is inherited again, and glibc's fork() runs as before.
+    ::madvise(reinterpret_cast<void*>(heap_lo), heap_hi - heap_lo, MADV_DOFORK);
+    no_heap = false;
+  }
   // No signal may run the agent's handlers in the child before it resets them.
   sigset_t all, old;
   sigfillset(&all);

@@ -114,10 +114,6 @@ void Agent::start() {
                      out.st_dev == err.st_dev && out.st_ino == err.st_ino && out.st_rdev == err.st_rdev;
   }
   check_descriptor_budget();
-  // The agent that hosts the rendezvous listens before the rest of its start-up (the log
-  // directory, the watchdog's fork): the other agents, started at the same moment, then
-  // find it listening instead of being refused and waiting to retry.
-  if (uses_rendezvous_server(opts_) && opts_.rdzv_backend != "etcd") host_rendezvous();
   const bool files_wanted = [&] {
     for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
       if (opts_.redirects.for_rank(lr) != Streams::kNone || opts_.tee.for_rank(lr) != Streams::kNone) return true;
@@ -144,6 +140,12 @@ void Agent::start() {
   }
 
   start_ops();
+  // The agent that hosts the rendezvous listens once every start-up step that can fail has
+  // passed (the log directory, --cpu-bind, the trace and metrics files) and before the rest
+  // (the watchdog's fork): the agents started with it find it listening sooner, and one
+  // that connects never meets a host that then gives up (a refused agent retries until
+  // join_timeout; a connection reset before the welcome ends its run).
+  if (uses_rendezvous_server(opts_) && opts_.rdzv_backend != "etcd") host_rendezvous();
   port_is_ours_ = opts_.rdzv_backend != "static" || opts_.master_port == 0;
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
   wait_signal();

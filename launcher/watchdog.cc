@@ -26,6 +26,8 @@
 #include "launcher/dirents.h"
 
 
+extern "C" char _end[];  // the end of the program's .data and .bss (the linker's symbol)
+
 namespace mg {
 
 bool environ_has_mark(std::string_view environ, std::string_view token) {
@@ -80,6 +82,30 @@ bool parse_stat_ids(std::string_view text, StatIds& out) {
     if (field == 22) out.starttime = v;
   }
   return true;
+}
+
+std::pair<std::uintptr_t, std::uintptr_t> heap_range_in(std::string_view maps, std::uintptr_t data_end,
+                                                        std::uintptr_t page) {
+  const std::uintptr_t floor = page > 0 ? (data_end + page - 1) / page * page : data_end;
+  for (std::size_t pos = 0; pos < maps.size();) {
+    std::size_t nl = maps.find('\n', pos);
+    if (nl == std::string_view::npos) nl = maps.size();
+    const std::string_view line = maps.substr(pos, nl - pos);
+    pos = nl + 1;
+    if (!line.ends_with("[heap]")) continue;
+    std::uintptr_t lo = 0, hi = 0;
+    const char* p = line.data();
+    const char* end = line.data() + line.size();
+    auto hex = [&](std::uintptr_t& v) {
+      const auto r = std::from_chars(p, end, v, 16);
+      p = r.ptr;
+      return r.ec == std::errc();
+    };
+    if (!hex(lo) || p == end || *p++ != '-' || !hex(hi) || lo >= hi) return {0, 0};
+    lo = std::max(lo, floor);  // never the program's own data, which the watchdog uses
+    if (lo < hi) return {lo, hi};
+  }
+  return {0, 0};
 }
 
 namespace {
@@ -494,30 +520,13 @@ unsigned long long own_starttime() {
   return len > 0 && parse_stat_ids(std::string_view(stat, static_cast<std::size_t>(len)), ids) ? ids.starttime : 0;
 }
 
-// [start, end) of the agent's brk heap ("[heap]" in /proc/self/maps); {0, 0} if not found.
+// [start, end) of the agent's brk heap, from /proc/self/maps; {0, 0} if not found.
 std::pair<std::uintptr_t, std::uintptr_t> heap_range() {
   char maps[16384];
   const long len = read_small("/proc/self/maps", maps, sizeof(maps));
   if (len <= 0) return {0, 0};
-  const std::string_view text(maps, static_cast<std::size_t>(len));
-  for (std::size_t pos = 0; pos < text.size();) {
-    std::size_t nl = text.find('\n', pos);
-    if (nl == std::string_view::npos) nl = text.size();
-    const std::string_view line = text.substr(pos, nl - pos);
-    pos = nl + 1;
-    if (!line.ends_with("[heap]")) continue;
-    std::uintptr_t lo = 0, hi = 0;
-    const char* p = line.data();
-    const char* end = line.data() + line.size();
-    auto hex = [&](std::uintptr_t& v) {
-      const auto r = std::from_chars(p, end, v, 16);
-      p = r.ptr;
-      return r.ec == std::errc();
-    };
-    if (!hex(lo) || p == end || *p++ != '-' || !hex(hi) || lo >= hi) return {0, 0};
-    return {lo, hi};
-  }
-  return {0, 0};
+  return heap_range_in(std::string_view(maps, static_cast<std::size_t>(len)), reinterpret_cast<std::uintptr_t>(_end),
+                       static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE)));
 }
 
 char g_token[128];  // the token, out of the heap the watchdog does not inherit

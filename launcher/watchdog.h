@@ -45,8 +45,10 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace mg {
 
@@ -117,6 +119,14 @@ class PidSet {
   Slot slots_[Capacity];
   std::size_t size_ = 0;
 };
+
+// The agent's brk heap [lo, hi) in a /proc/PID/maps text, for the watchdog's fork to leave
+// out: the first "[heap]" mapping, from no lower than `data_end` (the end of the program's
+// .data and .bss, rounded up to `page`). Older kernels (6.1, 5.15) also label "[heap]" an anonymous
+// mapping that merely ends where the heap starts, which is the program's .bss when the heap
+// is not placed at a random distance from it; the watchdog needs that .bss. {0, 0}: none.
+std::pair<std::uintptr_t, std::uintptr_t> heap_range_in(std::string_view maps, std::uintptr_t data_end,
+                                                        std::uintptr_t page);
 
 class Watchdog {
  public:

@@ -8,8 +8,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "launcher/watchdog.h"
@@ -250,4 +252,32 @@ TEST_CASE("a run that leaves nothing of its tree alive tells the watchdog so and
   CHECK(agent.exit_code() == 0);
   // The agent waited for the watchdog: had it swept, its "stopped N" line would be there.
   CHECK(read_file(trace).find("stopped") == std::string::npos);
+}
+
+TEST_CASE("the heap the watchdog's fork leaves out never takes in the program's own data, however the kernel labels it") {
+  const std::uintptr_t page = 4096;
+  const std::uintptr_t data_end = 0x555556682000 - 100;  // inside the last page of .bss
+  // Today's kernels: only the brk mapping is "[heap]".
+  const std::string strict =
+      "555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n"
+      "5555558fb000-555556682000 rw-p 00000000 00:00 0 \n"
+      "555556682000-5555566a3000 rw-p 00000000 00:00 0                          [heap]\n"
+      "7ffff7dd0000-7ffff7df6000 r--p 00000000 08:01 7 /usr/lib/x86_64-linux-gnu/libc.so.6\n";
+  CHECK(mg::heap_range_in(strict, data_end, page) == std::pair<std::uintptr_t, std::uintptr_t>{0x555556682000, 0x5555566a3000});
+  // Older kernels label the .bss that ends where the heap starts "[heap]" too, and first.
+  const std::string inclusive =
+      "555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n"
+      "5555558fb000-555556682000 rw-p 00000000 00:00 0                          [heap]\n"
+      "555556682000-5555566a3000 rw-p 00000000 00:00 0                          [heap]\n";
+  CHECK(mg::heap_range_in(inclusive, data_end, page) == std::pair<std::uintptr_t, std::uintptr_t>{0x555556682000, 0x5555566a3000});
+  // The .bss and the heap merged into one mapping: only the part above the program's data.
+  const std::string merged =
+      "555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n"
+      "5555558fb000-5555566a3000 rw-p 00000000 00:00 0                          [heap]\n";
+  CHECK(mg::heap_range_in(merged, data_end, page) == std::pair<std::uintptr_t, std::uintptr_t>{0x555556682000, 0x5555566a3000});
+  // No heap, or only the program's data: nothing to leave out.
+  CHECK(mg::heap_range_in("555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n", data_end, page) ==
+        std::pair<std::uintptr_t, std::uintptr_t>{0, 0});
+  CHECK(mg::heap_range_in("5555558fb000-555556682000 rw-p 00000000 00:00 0 [heap]\n", data_end, page) ==
+        std::pair<std::uintptr_t, std::uintptr_t>{0, 0});
 }

@@ -317,7 +317,8 @@ class Bench:
         peer = None
         if self.peer:
             peer = [total / (t / 1e3) for t in
-                    self.alternate(self.peer + ["--tee", "3"] + args, None, 1, 1 if QUICK else 2, 0, 0, "pipe")[0]]
+                    self.alternate(self.peer + ["--tee", "3"] + args, None, 1, 1 if QUICK else 2, 0, 0 if QUICK else 1,
+                                  "pipe")[0]]
         rows = [row({"what": "mglaunch vs torchrun --tee 3"}, ours, peer, unit="lines/s", better="higher",
                     extra={"check": check}),
                 row({"what": "mglaunch vs workers straight to /dev/null (the limit)"}, ours, limit, unit="lines/s",

@@ -164,6 +164,7 @@ void Agent::start() {
       if (!input.empty() && input.back() == '\n') console_.input_echoed();
     });
   }
+  if (!logs_.kept()) Watchdog::set_temporary_tree(logs_.root());  // a temporary tree nobody was told of
   if (std::string error; !watchdog_.start(error))
     notice(fmt::format("cannot start the watchdog ({}): after kill -9 of mglaunch, processes the workers "
                        "started may outlive it",

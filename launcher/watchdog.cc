@@ -417,6 +417,41 @@ unsigned long long boot_ticks(long ticks_per_second) {
 
 // The byte the agent writes before closing the pipe when nothing of its tree is left.
 constexpr char kCleanExit = 'C';
+// The byte the agent writes before closing the pipe otherwise: it is alive and sees to its
+// temporary directory itself. End of file without either: the agent died.
+constexpr char kAgentEnds = 'E';
+
+char g_tree[4096];  // the agent's temporary directory, removed when the agent dies; "" for none
+
+// Removes the directory tree at `dir` (an open directory; `depth` levels further at most),
+// with system calls only, never following a symbolic link.
+void remove_entries(int dir, int depth) {
+  alignas(8) char buf[4096];
+  for (int pass = 0; pass < 64; ++pass) {  // getdents after unlinks: rescan until empty
+    bool any = false;
+    ::lseek(dir, 0, SEEK_SET);
+    for_each_dirent(dir, buf, sizeof(buf), [&](const char* name) {
+      if (std::strcmp(name, ".") == 0 || std::strcmp(name, "..") == 0) return;
+      any = true;
+      if (::unlinkat(dir, name, 0) == 0 || errno == ENOENT) return;
+      if (depth <= 0) return;
+      const int sub = ::openat(dir, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (sub < 0) return;
+      remove_entries(sub, depth - 1);
+      ::close(sub);
+      ::unlinkat(dir, name, AT_REMOVEDIR);
+    });
+    if (!any) return;
+  }
+}
+
+void remove_tree(const char* path) {
+  const int dir = ::open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir < 0) return;
+  remove_entries(dir, 8);
+  ::close(dir);
+  ::rmdir(path);
+}
 
 struct WatchArgs {
   int pipe_fd, trace_fd, err_fd;
@@ -436,6 +471,7 @@ struct WatchArgs {
   unsigned long long fresh_after = a.agent_start;
   long generation = 0;
   int interval_ms = 1000;
+  bool agent_ends = false;  // the agent said it sees to its temporary directory
   for (;;) {
     pollfd p{a.pipe_fd, POLLIN, 0};
     const int r = ::poll(&p, 1, interval_ms);
@@ -445,6 +481,7 @@ struct WatchArgs {
       const ssize_t n = ::read(a.pipe_fd, buf, sizeof(buf));
       if (n == 0) break;  // end of file: the agent is gone
       if (n > 0 && std::memchr(buf, kCleanExit, static_cast<std::size_t>(n))) ::_exit(0);  // nothing left to kill
+      if (n > 0 && std::memchr(buf, kAgentEnds, static_cast<std::size_t>(n))) agent_ends = true;
       if (n < 0 && errno != EINTR && errno != EAGAIN) {  // not a reason to kill a live run
         timespec ts{0, 100 * 1000 * 1000};
         ::nanosleep(&ts, nullptr);
@@ -508,6 +545,11 @@ struct WatchArgs {
     if (alive == 0) break;
     timespec ts{0, 20 * 1000 * 1000};
     ::nanosleep(&ts, nullptr);
+  }
+  // The agent died (kill -9): its temporary directory, which nobody was told of, goes too.
+  if (!agent_ends && g_tree[0] != '\0') {
+    remove_tree(g_tree);
+    trace(a.trace_fd, "temporary directory removed", 1);
   }
   ::_exit(0);
 }
@@ -699,12 +741,16 @@ std::string Watchdog::mark_value(const std::string& inherited) const {
   return inherited.empty() ? token_ : inherited + "," + token_;
 }
 
+void Watchdog::set_temporary_tree(std::string_view path) {
+  const std::size_t n = path.size() < sizeof(g_tree) ? path.size() : 0;  // too long: none
+  std::memcpy(g_tree, path.data(), n);
+  g_tree[n] = '\0';
+}
+
 void Watchdog::let_go(bool clean) {
   if (pipe_fd_ >= 0) {
-    if (clean) {
-      const char c = kCleanExit;
-      while (::write(pipe_fd_, &c, 1) < 0 && errno == EINTR) {
-      }
+    const char c = clean ? kCleanExit : kAgentEnds;
+    while (::write(pipe_fd_, &c, 1) < 0 && errno == EINTR) {
     }
     ::close(pipe_fd_);
   }

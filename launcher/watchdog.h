@@ -137,6 +137,9 @@ class Watchdog {
 
   // Forks the watchdog for a fresh random token. False (with `error`) when it cannot.
   bool start(std::string& error);
+  // Before start(): the run's temporary directory, which nobody else knows of. Should the
+  // agent die without let_go() (kill -9), the watchdog removes it after its sweep.
+  static void set_temporary_tree(std::string_view path);
   // The value of MGLAUNCH_RUN_MARK for a worker, given the agent's own (inherited) value.
   std::string mark_value(const std::string& inherited) const;
   const std::string& token() const { return token_; }

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -280,4 +281,26 @@ TEST_CASE("the heap the watchdog's fork leaves out never takes in the program's 
         std::pair<std::uintptr_t, std::uintptr_t>{0, 0});
   CHECK(mg::heap_range_in("5555558fb000-555556682000 rw-p 00000000 00:00 0 [heap]\n", data_end, page) ==
         std::pair<std::uintptr_t, std::uintptr_t>{0, 0});
+}
+
+TEST_CASE("after kill -9 of the agent the watchdog removes the run's temporary directory, which nobody was told of") {
+  namespace fs = std::filesystem;
+  const std::string dir = make_temp_dir();
+  const std::string trace = dir + "/watch", tmp = dir + "/tmp";
+  fs::create_directory(tmp);
+  auto trees = [&] {
+    std::size_t n = 0;
+    for (const auto& e : fs::directory_iterator(tmp)) n += e.path().filename().string().starts_with("mglaunch_");
+    return n;
+  };
+  Proc agent = spawn({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c", "echo ready; exec /bin/sleep 300"},
+                     {{"MGLAUNCH_WATCHDOG_TRACE", trace}, {"TMPDIR", tmp}});
+  REQUIRE(eventually([&] { return agent.out().find("ready") != std::string::npos; }, 60s));
+  REQUIRE(trees() == 1);
+  REQUIRE(two_more_snapshots(trace));  // the watchdog runs
+  ::kill(agent.pid, SIGKILL);
+  REQUIRE(agent.wait(30s));
+  REQUIRE(eventually([&] { return read_file(trace).find("kill round alive 0") != std::string::npos; }, 60s));
+  INFO(read_file(trace));
+  CHECK(eventually([&] { return trees() == 0; }, 30s));
 }

@@ -350,7 +350,7 @@ class Bench:
         if not os.path.exists(mgtrain):
             return {"skipped": "mgtrain not built (no LibTorch)"}
         rounds_large = size(5, 1, 1)
-        iters_large = size(50, 2, 2)
+        iters_large = size(200, 2, 2)
         sweeps = [  # (arguments, rounds); QUICK: one sweep, every size once
             (["--min-bytes", "4K", "--max-bytes", "1M" if QUICK else "256K", "--step-factor", "4",
               "--iters", "2" if QUICK else "20", "--warmup", "1" if QUICK else "5"], 1 if QUICK else 3)]

@@ -18,9 +18,9 @@ Assignment sample(std::size_t listed) {
   a.rank_offset = 2400000;
   a.world_size = 2400008;
   a.master_addr = "127.0.0.1";
-  a.master_port = 29500;
+  a.master_port = 41234;  // any port: nothing binds it
   a.restart_count = 3;
-  for (std::size_t i = 0; i < listed; ++i) a.nodes.push_back("10.0.0." + std::to_string(i));
+  for (std::size_t i = 0; i < listed; ++i) a.nodes.push_back("127.0." + std::to_string(i / 256) + "." + std::to_string(i % 256));
   return a;
 }
 

@@ -30,6 +30,7 @@
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/worker_process.h"
+#include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/server.h"
 
@@ -68,13 +69,7 @@ std::string self_exe() {
   return ec ? std::string("mglaunch") : p.string();
 }
 
-std::string random_token() {
-  unsigned char b[32];
-  random_bytes(b, sizeof(b));
-  std::string t;
-  for (unsigned char c : b) t += fmt::format("{:02x}", c);
-  return t;
-}
+std::string random_token() { return rdzv::auth::random_hex(32); }
 
 void notice_to(int fd, const std::string& text) { write_all(fd, "[mglaunch] " + text + "\n"); }
 

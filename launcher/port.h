@@ -9,14 +9,12 @@
 #pragma once
 
 #include <netinet/in.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -26,6 +24,8 @@
 #include <string>
 #include <string_view>
 #include <utility>
+
+#include "launcher/plan.h"
 
 namespace mg {
 
@@ -122,8 +122,7 @@ class PortReservation {
 inline PortReservation reserve_master_port() {
   const PortRange eph = ephemeral_port_range();
   unsigned seed = 0;
-  if (::getrandom(&seed, sizeof(seed), 0) != static_cast<ssize_t>(sizeof(seed)))
-    seed = static_cast<unsigned>(::getpid()) ^ static_cast<unsigned>(::time(nullptr));  // no getrandom: any spread will do
+  random_bytes(&seed, sizeof(seed));
   std::mt19937 gen(seed);
   for (int attempt = 0; attempt < 200; ++attempt) {
     const int port = port_outside(eph, static_cast<unsigned>(gen()));

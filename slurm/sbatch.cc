@@ -32,6 +32,29 @@ void check_directive_value(const std::string& flag, const std::string& value) {
         one_line(value)));
 }
 
+// An `--sbatch OPTION` word: one sbatch option, not one of those mglaunch-sbatch writes itself.
+void check_sbatch_option(const std::string& opt) {
+  check_directive_value("--sbatch", opt);
+  if (opt.size() < 2 || opt[0] != '-')
+    throw SbatchUsageError(fmt::format("bad --sbatch '{}': give one sbatch option, e.g. --sbatch=--constraint=a100",
+                                       one_line(opt)));
+  std::string name = opt.substr(opt.find_first_not_of('-'));
+  name = name.substr(0, name.find('='));
+  if (opt[1] != '-') name = name.substr(0, 1);  // -N4, -n 4
+  // The one-agent-per-node layout and the signal are the script's own; the others have a flag here.
+  static const std::pair<const char*, const char*> kOwn[] = {
+      {"nodes", "--nodes"}, {"N", "--nodes"}, {"ntasks-per-node", ""}, {"ntasks", ""}, {"n", ""},
+      {"signal", "--signal-before"}, {"requeue", "--requeue"}, {"no-requeue", "--requeue"},
+      {"job-name", "--job-name"}, {"J", "--job-name"}, {"wait", "--wait"}, {"W", "--wait"}};
+  for (const auto& [own, flag] : kOwn)
+    if (name == own)
+      throw SbatchUsageError(
+          *flag ? fmt::format("bad --sbatch '{}': use mglaunch-sbatch's {} instead", one_line(opt), flag)
+                : fmt::format("bad --sbatch '{}': the script runs one mglaunch agent per node (--ntasks-per-node=1); "
+                              "set workers per node with mglaunch's --nproc_per_node after '--'",
+                              one_line(opt)));
+}
+
 }  // namespace
 
 std::string shell_quote(const std::string& word) {
@@ -69,6 +92,15 @@ SbatchParse parse_sbatch_args(const std::vector<std::string>& argv) {
   app.add_option("-A,--account", o.account, "Account to charge");
   app.add_option("-o,--output", o.output, "Batch output file (sbatch's patterns such as %j work)");
   app.add_option("-J,--job-name,--job_name", o.job_name, "Job name (default mglaunch)");
+  int cpus = -1;
+  app.add_option("-c,--cpus-per-task,--cpus_per_task", cpus, "CPUs per node for the agent and its workers");
+  app.add_option("--mem", o.mem, "Memory per node, as sbatch takes it (e.g. 64G)");
+  app.add_flag("--exclusive", o.exclusive, "Nodes not shared with other jobs");
+  app.add_option("-q,--qos", o.qos, "Quality of service");
+  app.add_option("--gres", o.gres, "Generic resources per node (e.g. gpu:a100:4)");
+  app.add_option("--sbatch", o.sbatch_options,
+                 "Any other sbatch option, as one word: --sbatch=--constraint=a100 (repeatable)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_flag("--requeue", o.requeue, "Requeue the job when its step stops with 75 (checkpointed)");
   app.add_option("--signal-before,--signal_before", o.signal_before,
                  "Seconds before the time limit that the job gets SIGUSR1 (default 120)");
@@ -109,6 +141,14 @@ SbatchParse parse_sbatch_args(const std::vector<std::string>& argv) {
   }
   if (o.signal_before < 1 || o.signal_before > 65535)
     throw SbatchUsageError(fmt::format("bad --signal-before '{}': use 1..65535 seconds", o.signal_before));
+  if (app.get_option("--cpus-per-task")->count() > 0) {
+    if (cpus < 1) throw SbatchUsageError(fmt::format("bad --cpus-per-task '{}': must be >= 1", cpus));
+    o.cpus_per_task = cpus;
+  }
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--mem", &o.mem}, {"--qos", &o.qos},
+                                    {"--gres", &o.gres}})
+    if (app.get_option(flag)->count() > 0) check_directive_value(flag, *value);
+  for (const auto& opt : o.sbatch_options) check_sbatch_option(opt);
   if (!o.partition.empty()) check_directive_value("--partition", o.partition);
   if (!o.time.empty()) check_directive_value("--time", o.time);
   if (!o.account.empty()) check_directive_value("--account", o.account);
@@ -130,6 +170,12 @@ std::string make_batch_script(const SbatchOptions& o) {
   if (!o.time.empty()) directive("--time=" + o.time);
   if (!o.account.empty()) directive("--account=" + o.account);
   if (!o.output.empty()) directive("--output=" + o.output);
+  if (o.cpus_per_task) directive(fmt::format("--cpus-per-task={}", *o.cpus_per_task));
+  if (!o.mem.empty()) directive("--mem=" + o.mem);
+  if (o.exclusive) directive("--exclusive");
+  if (!o.qos.empty()) directive("--qos=" + o.qos);
+  if (!o.gres.empty()) directive("--gres=" + o.gres);
+  for (const auto& opt : o.sbatch_options) directive(opt);
   directive(fmt::format("--signal=B:USR1@{}", o.signal_before));
   directive(o.requeue ? "--requeue" : "--no-requeue");
 

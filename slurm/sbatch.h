@@ -27,6 +27,11 @@ struct SbatchOptions {
   int nodes = 1;
   std::optional<int> gpus_per_node;
   std::string partition, time, account, output, job_name = "mglaunch";
+  std::optional<int> cpus_per_task;
+  std::string mem, qos, gres;
+  bool exclusive = false;
+  // --sbatch OPTION (repeatable): any other sbatch option, written as `#SBATCH OPTION`.
+  std::vector<std::string> sbatch_options;
   bool requeue = false;
   int signal_before = 120;  // seconds before the time limit that SIGUSR1 comes
   bool dry_run = false;

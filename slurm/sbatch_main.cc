@@ -9,11 +9,15 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <map>
 
 #include <fmt/format.h>
 
 #include "cli/args.h"
 #include "slurm/sbatch.h"
+#include "slurm/sbatch_check.h"
+
+extern char** environ;
 
 namespace {
 
@@ -114,6 +118,17 @@ int main(int argc, char** argv) {
       std::cerr << "mglaunch-sbatch: error: mglaunch is neither next to mglaunch-sbatch nor on PATH; "
                    "give --mglaunch /abs/path/to/mglaunch\n";
       return kNotFound;
+    }
+    // A typo in the mglaunch flags is refused here, not on the nodes after waiting in the queue.
+    std::map<std::string, std::string> env;
+    for (char** e = environ; *e; ++e) {
+      std::string_view kv = *e;
+      if (auto eq = kv.find('='); eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+    }
+    if (auto why = mglaunch_usage_error(o, env)) {
+      std::cerr << "mglaunch-sbatch: error: the mglaunch flags after '--': " << mg::cli::one_line(*why)
+                << "; nothing was submitted\n";
+      return kUsage;
     }
     const std::string script = make_batch_script(o);
     if (o.dry_run) {

@@ -2,10 +2,17 @@
 // through it (checked by running the quoted words through a real /bin/sh).
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <random>
+#include <tuple>
 
 #include "slurm/sbatch.h"
+#include "slurm/sbatch_check.h"
 
 using namespace mg::slurm;
 
@@ -131,4 +138,82 @@ TEST_CASE("mglaunch-sbatch takes unique prefixes of its long flags") {
   CHECK(parse({"--signal-b", "60", "--", "p"}).signal_before == 60);
   CHECK(parse({"--re", "--", "p"}).requeue);
   CHECK_THAT(usage_error({"--nodez=2", "--", "p"}), Catch::Contains("did you mean '--nodes'?"));
+}
+
+TEST_CASE("mglaunch-sbatch writes --cpus-per-task, --mem, --exclusive, --qos, --gres and any --sbatch option") {
+  auto o = parse({"--nodes=2", "-c", "16", "--mem", "64G", "--exclusive", "--qos=high", "--gres=gpu:a100:4",
+                  "--sbatch=--constraint=a100", "--sbatch=--mail-type=END", "--", "train.py"});
+  const std::string s = make_batch_script(o);
+  for (const char* line : {"#SBATCH --cpus-per-task=16", "#SBATCH --mem=64G", "#SBATCH --exclusive", "#SBATCH --qos=high",
+                           "#SBATCH --gres=gpu:a100:4", "#SBATCH --constraint=a100", "#SBATCH --mail-type=END"}) {
+    INFO(line);
+    CHECK(has_line(s, line));
+  }
+  CHECK(has_line(s, "#SBATCH --ntasks-per-node=1"));
+  // Not given: not written.
+  const std::string plain = make_batch_script(parse({"--", "train.py"}));
+  CHECK_THAT(plain, !Catch::Contains("--mem") && !Catch::Contains("--exclusive") && !Catch::Contains("--cpus-per-task"));
+  CHECK_THAT(usage_error({"--cpus-per-task=0", "--", "p"}), Catch::Contains("--cpus-per-task"));
+  CHECK_THAT(usage_error({"--mem", "8 G", "--", "p"}), Catch::Contains("#SBATCH"));
+  CHECK_THAT(usage_error({"--sbatch", "--constraint=a100", "--", "p"}), Catch::Contains("--sbatch=VALUE"));
+  CHECK_THAT(usage_error({"--sbatch=constraint", "--", "p"}), Catch::Contains("one sbatch option"));
+  // What the script sets itself is not overridden behind its back.
+  CHECK_THAT(usage_error({"--sbatch=--ntasks-per-node=4", "--", "p"}), Catch::Contains("--nproc_per_node"));
+  CHECK_THAT(usage_error({"--sbatch=-N3", "--", "p"}), Catch::Contains("use mglaunch-sbatch's --nodes"));
+  CHECK_THAT(usage_error({"--sbatch=--signal=USR2@60", "--", "p"}), Catch::Contains("--signal-before"));
+}
+
+TEST_CASE("the mglaunch flags after -- go through mglaunch's own parser as node 0 of the job sees them") {
+  CHECK_FALSE(mglaunch_usage_error(parse({"--nodes=2", "--", "--nproc_per_node=4", "--max_restarts=2", "train.py"}), {}));
+  CHECK_FALSE(mglaunch_usage_error(parse({"--nodes=3", "--gpus-per-node=8", "--", "train.py", "--lr", "0.1"}), {}));
+  auto typo = mglaunch_usage_error(parse({"--nodes=2", "--", "--nprocs_per_node=4", "train.py"}), {});
+  REQUIRE(typo);
+  CHECK_THAT(*typo, Catch::Contains("--nprocs_per_node") && Catch::Contains("did you mean"));
+  CHECK(mglaunch_usage_error(parse({"--", "--max_restarts=x", "train.py"}), {}));
+  CHECK(mglaunch_usage_error(parse({"--", "--nproc_per_node=4"}), {}));  // no program
+  // The submitting shell's PET_* variables reach the job (sbatch exports them): checked too.
+  CHECK(mglaunch_usage_error(parse({"--", "train.py"}), {{"PET_MAX_RESTARTS", "many"}}));
+  // Its own SLURM_* variables (mglaunch-sbatch run inside an allocation) are not the job's.
+  const auto env = simulated_step_env(parse({"--nodes=4", "--", "p"}), {{"SLURM_NODEID", "3"}, {"HOME", "/h"}});
+  CHECK(env.at("SLURM_NODEID") == "0");
+  CHECK(env.at("SLURM_NNODES") == "4");
+  CHECK(env.at("HOME") == "/h");
+}
+
+TEST_CASE("mglaunch-sbatch refuses a typo in the mglaunch flags before it runs sbatch (one line, exit 2)") {
+  char dir_template[] = "/tmp/mg_sbatch_XXXXXX";
+  REQUIRE(::mkdtemp(dir_template));
+  const std::string dir = dir_template;
+  const std::string marker = dir + "/sbatch_ran";
+  {  // a fake sbatch on PATH that says whether it ran
+    FILE* f = std::fopen((dir + "/sbatch").c_str(), "w");
+    REQUIRE(f);
+    std::fprintf(f, "#!/bin/sh\ncat > %s\necho 'Submitted batch job 7'\n", marker.c_str());
+    std::fclose(f);
+    REQUIRE(::chmod((dir + "/sbatch").c_str(), 0755) == 0);
+  }
+  auto run = [&](const std::string& args) {
+    const std::string cmd = "PATH=" + dir + ":/usr/bin:/bin " + std::string(MGLAUNCH_SBATCH_BIN) + " " + args + " 2>&1";
+    FILE* f = ::popen(cmd.c_str(), "r");
+    REQUIRE(f);
+    std::string out;
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+    const int status = ::pclose(f);
+    return std::pair<int, std::string>{WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  };
+  auto [code, out] = run("--mglaunch=/bin/true --nodes 2 -- --nproc-per-nod=4 --max_restars=1 train.py");
+  CHECK(code == 2);
+  CHECK_THAT(out, Catch::StartsWith("mglaunch-sbatch: error: the mglaunch flags after '--': ") &&
+                      Catch::Contains("--max_restars") && Catch::Contains("nothing was submitted"));
+  CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+  CHECK(::access(marker.c_str(), F_OK) != 0);
+  // The same command without the typo is submitted, the script on sbatch's stdin.
+  std::tie(code, out) = run("--mglaunch=/bin/true --nodes 2 --mem=8G -- --nproc-per-nod=4 --max_restarts=1 train.py");
+  CHECK(code == 0);
+  CHECK_THAT(out, Catch::Contains("Submitted batch job 7"));
+  CHECK(::access(marker.c_str(), F_OK) == 0);
+  std::remove(marker.c_str());
+  std::remove((dir + "/sbatch").c_str());
+  ::rmdir(dir.c_str());
 }

@@ -428,6 +428,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   app.get_formatter()->column_width(36);
   app.footer(
       "\nUsage: mglaunch [FLAGS] PROGRAM [ARGS...]  (flags stop at PROGRAM; its ARGS pass through untouched)\n"
+      "       mglaunch --hostfile FILE [FLAGS] PROGRAM [ARGS...]  one agent per host of FILE over ssh\n"
+      "                (see mglaunch --hostfile FILE --help)\n"
+      "       mglaunch doctor [--json]  what this machine offers and suggested settings (see mglaunch doctor --help)\n"
       "Exit codes: 0 all workers succeeded; N the failing worker's exit code (128+S if killed by signal S);\n"
       "2 bad flags or config; 127 program or interpreter not found; 128+S the agent was stopped by signal S;\n"
       "1 internal error. See README.md.");

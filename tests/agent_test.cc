@@ -105,6 +105,8 @@ TEST_CASE("help and version exit 0") {
   auto h = run({kMglaunch, "--help"});
   CHECK(h.code == 0);
   CHECK_THAT(h.out, Catch::Contains("--nproc_per_node") && Catch::Contains("--grace"));
+  // The other forms of the command are named too (the man page is made from this text).
+  CHECK_THAT(h.out, Catch::Contains("mglaunch doctor") && Catch::Contains("mglaunch --hostfile FILE"));
   auto v = run({kMglaunch, "--version"});
   CHECK(v.code == 0);
   CHECK_THAT(v.out, Catch::StartsWith("mglaunch "));

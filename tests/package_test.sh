@@ -28,6 +28,15 @@ mkdir "$out/root"
 dpkg-deb -x "$deb" "$out/root"
 zcat "$out/root/usr/share/man/man1/mglaunch.1.gz" | grep -q 'nproc_per_node' || fail "mglaunch.1 lacks the flags"
 zcat "$out/root/usr/share/man/man1/mglaunch-rdzv.1.gz" | grep -q 'max\\*\?-connections' || fail "mglaunch-rdzv.1 lacks the flags"
+# Every page's NAME line says what the program is, not its name twice ("mglaunch \- mglaunch"),
+# and mglaunch's page names its other forms (doctor, --hostfile).
+for page in "$out"/root/usr/share/man/man1/*.1.gz; do
+  name=$(basename "$page" .1.gz)
+  zcat "$page" | sed -n '/^\.SH NAME/{n;p;}' | grep -Eqv "^${name} \\\\?- ${name}\$" ||
+    fail "$name.1: NAME line is '$(zcat "$page" | sed -n '/^\.SH NAME/{n;p;}')'"
+done
+zcat "$out/root/usr/share/man/man1/mglaunch.1.gz" | grep -q 'doctor' || fail "mglaunch.1 does not mention doctor"
+zcat "$out/root/usr/share/man/man1/mglaunch.1.gz" | grep -q 'hostfile' || fail "mglaunch.1 does not mention --hostfile"
 # The unit as packaged, with ExecStart pointing at the unpacked binary (verify checks that
 # the command exists; the package is not installed on this machine). Documentation= names a
 # man page this machine does not have installed, hence --man=no.

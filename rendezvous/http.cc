@@ -10,29 +10,34 @@ namespace asio = boost::asio;
 namespace beast = boost::beast;
 namespace http = beast::http;
 
-namespace {
-constexpr int kMaxConnections = 64;
-constexpr auto kTimeout = std::chrono::seconds(5);
-}  // namespace
-
 struct HttpServer::Session : std::enable_shared_from_this<Session> {
-  Session(asio::ip::tcp::socket s, std::shared_ptr<HttpHandler> h, std::shared_ptr<int> active)
-      : stream(std::move(s)), handler(std::move(h)), active(std::move(active)) {
-    ++*this->active;
-    parser.header_limit(8192);
+  Session(asio::ip::tcp::socket s, asio::ip::address peer, std::shared_ptr<HttpHandler> h,
+          std::shared_ptr<Connections> connections)
+      : stream(std::move(s)), peer(peer), handler(std::move(h)), connections(std::move(connections)) {
+    ++this->connections->total;
+    ++this->connections->per_address[peer];
+    this->connections->open.insert(this);
+    parser.header_limit(static_cast<std::uint32_t>(kHttpLimits.max_header_bytes));
     parser.body_limit(0);
   }
-  ~Session() { --*active; }
+  ~Session() {
+    connections->open.erase(this);
+    --connections->total;
+    if (auto it = connections->per_address.find(peer); it != connections->per_address.end() && --it->second == 0)
+      connections->per_address.erase(it);
+  }
 
   void start() {
-    stream.expires_after(kTimeout);
+    // One deadline for the whole request, not reset by each byte: a client trickling its
+    // headers in is closed as surely as a silent one.
+    stream.expires_after(kHttpLimits.request_timeout);
     http::async_read(stream, buffer, parser, [self = shared_from_this()](beast::error_code ec, std::size_t) {
       self->on_read(ec);
     });
   }
 
   void on_read(beast::error_code ec) {
-    if (ec) return close();
+    if (ec || connections->stopped) return close();
     const auto& req = parser.get();
     HttpResponse r;
     try {
@@ -54,6 +59,7 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
       res.body() = std::move(r.body);
       res.prepare_payload();
     }
+    stream.expires_after(kHttpLimits.write_timeout);  // a client that does not read its answer
     http::async_write(stream, res, [self = shared_from_this()](beast::error_code, std::size_t) { self->close(); });
   }
 
@@ -64,11 +70,12 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
   }
 
   beast::tcp_stream stream;
-  beast::flat_buffer buffer{8192};
+  asio::ip::address peer;
+  beast::flat_buffer buffer{kHttpLimits.max_header_bytes};
   http::request_parser<http::empty_body> parser;
   http::response<http::string_body> res;
   std::shared_ptr<HttpHandler> handler;
-  std::shared_ptr<int> active;
+  std::shared_ptr<Connections> connections;
 };
 
 HttpServer::HttpServer(asio::io_context& io, const std::string& host, int port, HttpHandler handler)
@@ -95,23 +102,36 @@ HttpServer::~HttpServer() { stop(); }
 
 std::string HttpServer::address() const { return fmt::format("{}:{}", host_, port_); }
 
+bool HttpServer::loopback() const {
+  boost::system::error_code ec;
+  const auto ep = acceptor_.local_endpoint(ec);
+  return !ec && ep.address().is_loopback();
+}
+
 void HttpServer::stop() {
   if (stopped_) return;
   stopped_ = true;
   boost::system::error_code ec;
   acceptor_.close(ec);
   pause_.cancel();
+  connections_->stopped = true;
+  for (Session* s : connections_->open) s->close();  // their completions come later: the set stays as it is here
 }
 
 void HttpServer::accept() {
   acceptor_.async_accept([this](boost::system::error_code ec, asio::ip::tcp::socket socket) {
     if (stopped_) return;
     if (!ec) {
-      if (*active_ >= kMaxConnections) {
+      boost::system::error_code peer_ec;
+      auto peer = socket.remote_endpoint(peer_ec).address();
+      if (peer.is_v6() && peer.to_v6().is_v4_mapped()) peer = asio::ip::make_address_v4(asio::ip::v4_mapped, peer.to_v6());
+      const auto it = connections_->per_address.find(peer);
+      if (peer_ec || connections_->total >= kHttpLimits.max_connections ||
+          (it != connections_->per_address.end() && it->second >= kHttpLimits.max_per_address)) {
         boost::system::error_code ignored;
         socket.close(ignored);
       } else {
-        std::make_shared<Session>(std::move(socket), handler_, active_)->start();
+        std::make_shared<Session>(std::move(socket), peer, handler_, connections_)->start();
       }
     } else if (ec != asio::error::operation_aborted) {
       // Out of descriptors (EMFILE) or another accept error: pause instead of spinning.

@@ -1,11 +1,18 @@
 // HttpServer: a small HTTP/1.1 server (Boost.Beast) on the caller's io_context, for the
-// Prometheus /metrics endpoint and status pages. One request per connection, no request
-// bodies, headers up to 8 KiB, 5 s per connection, at most 64 connections at once: it is
-// for scrapers and operators, not for load. The handler runs on the io_context.
+// Prometheus /metrics endpoint and status pages: for scrapers and operators, not for load.
+// The handler runs on the io_context. Its limits (kHttpLimits) keep one client from
+// starving the others: one request per connection, no request bodies, a request line and
+// headers of at most 8 KiB that must have arrived 5 s after the connection was accepted
+// (however slowly they trickle in), 10 s to write the response, at most 64 connections at
+// once and 8 from one address (a connection beyond either is closed at once).
 #pragma once
 
+#include <chrono>
+#include <cstddef>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include <boost/asio/io_context.hpp>
@@ -26,6 +33,15 @@ struct HttpRequest {
 };
 using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
 
+struct HttpLimits {
+  std::size_t max_connections = 64;
+  std::size_t max_per_address = 8;
+  std::size_t max_header_bytes = 8192;              // request line and headers
+  std::chrono::milliseconds request_timeout{5000};  // from accept to the end of the headers
+  std::chrono::milliseconds write_timeout{10000};   // the whole response
+};
+inline constexpr HttpLimits kHttpLimits{};
+
 class HttpServer {
  public:
   // Binds and listens at once; throws std::runtime_error naming the address on failure.
@@ -33,10 +49,22 @@ class HttpServer {
   ~HttpServer();
   int port() const { return port_; }
   std::string address() const;
+  // Stops accepting and closes every open connection, answered or not, so that none keeps
+  // the io_context running until its deadline.
   void stop();
+  // The address it listens on is a loopback one (127.0.0.0/8, ::1).
+  bool loopback() const;
 
  private:
   struct Session;
+  // Open connections, in total and per client address; shared with sessions (which may
+  // outlive a stop()) and touched only on the io_context.
+  struct Connections {
+    std::size_t total = 0;
+    std::map<boost::asio::ip::address, std::size_t> per_address;
+    std::set<Session*> open;  // closed by stop()
+    bool stopped = false;
+  };
   void accept();
 
   boost::asio::io_context& io_;
@@ -45,7 +73,7 @@ class HttpServer {
   boost::asio::steady_timer pause_;  // after an accept error (EMFILE), before the next accept
   std::shared_ptr<HttpHandler> handler_;  // shared with sessions that outlive a stop()
   int port_ = 0;
-  std::shared_ptr<int> active_ = std::make_shared<int>(0);  // open connections, shared with sessions
+  std::shared_ptr<Connections> connections_ = std::make_shared<Connections>();
   bool stopped_ = false;
 };
 

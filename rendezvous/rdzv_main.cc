@@ -57,6 +57,7 @@ static void error_line(const std::string& text) {
 static int run_daemon(int argc, char** argv) {
   std::string listen = "127.0.0.1:0", token_file;
   bool json_log = false;
+  bool metrics_job_ids = false;
   // Numbers as text: checked below with their real ranges (CLI11 would print 1.8e308).
   std::string handshake_s = "10", idle_expiry_s = "3600", orphan_expiry_s = "60";
   std::string max_connections, max_per_address = "256", max_frame = std::to_string(mg::proto::kDefaultMaxFrame);
@@ -80,6 +81,9 @@ static int run_daemon(int argc, char** argv) {
                  "MGLAUNCH_RDZV_JOB_TOKEN so they can open that job and no other");
   app.add_option("--metrics-port", metrics_port,
                  "Serve Prometheus metrics at http://LISTEN-HOST:PORT/metrics (0 picks a port; printed second)");
+  app.add_flag("--metrics-job-ids", metrics_job_ids,
+               "Show job ids (the per-job series) in /metrics to every scraper; with a token they are shown "
+               "only to requests carrying Authorization: Bearer TOKEN otherwise");
   app.add_option("--http", http_listen,
                  "Serve the status page and /api/jobs at [HOST:]PORT (default host 127.0.0.1; port 0 picks one; "
                  "printed as 'status page on URL'; with a token the API asks for it)");
@@ -183,12 +187,22 @@ static int run_daemon(int argc, char** argv) {
   if (metrics_port_number >= 0) {
     try {
       metrics = std::make_unique<mg::rdzv::HttpServer>(
-          io, so.host, metrics_port_number, [&server](const mg::rdzv::HttpRequest& req) {
+          io, so.host, metrics_port_number,
+          [&server, token = so.token, metrics_job_ids](const mg::rdzv::HttpRequest& req) {
             if (req.method != "GET" && req.method != "HEAD")
               return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET and HEAD\n"};
             const std::string& target = req.target;
-            if (target == "/metrics")
-              return mg::rdzv::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", server->metrics()};
+            if (target == "/metrics") {
+              // Job ids are what /api/jobs guards with the token: a scraper without it gets
+              // the daemon's totals only.
+              const bool job_ids =
+                  token.empty() || metrics_job_ids || mg::rdzv::auth::equal_ct(req.authorization, "Bearer " + token);
+              std::string text = server->metrics(job_ids);
+              if (!job_ids)
+                text += "# per-job series (job ids) need the daemon's token (Authorization: Bearer TOKEN) or "
+                        "--metrics-job-ids\n";
+              return mg::rdzv::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", std::move(text)};
+            }
             if (target == "/") return mg::rdzv::HttpResponse{200, "text/plain; charset=utf-8", "mglaunch-rdzv: see /metrics\n"};
             return mg::rdzv::HttpResponse{404, "text/plain; charset=utf-8", "not found: try /metrics\n"};
           });
@@ -210,6 +224,10 @@ static int run_daemon(int argc, char** argv) {
       return 3;
     }
     std::printf("status page on http://%s/\n", status->address().c_str());
+    if (so.token.empty() && !status->loopback())
+      so.log(fmt::format("warning: status page on {} without a token: anyone who can reach it can read every job, "
+                         "its nodes and the daemon's events; give it a token (--token-file or MGLAUNCH_RDZV_TOKEN)",
+                         status->address()));
   }
   std::fflush(stdout);
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);

@@ -385,7 +385,7 @@ void Server::forget(std::map<std::string, Job>::iterator job) {
   jobs_.erase(job);
 }
 
-std::string Server::metrics() const {
+std::string Server::metrics(bool job_ids) const {
   std::string out;
   auto metric = [&](const char* name, const char* type, const char* help) {
     out += fmt::format("# HELP mglaunch_rdzv_{} {}\n# TYPE mglaunch_rdzv_{} {}\n", name, help, name, type);
@@ -440,6 +440,7 @@ std::string Server::metrics() const {
   metric("nodes_lost_total", "counter", "Nodes lost from a running round, by cause.");
   value("nodes_lost_total", "cause=\"disconnect\"", disconnects);
   value("nodes_lost_total", "cause=\"missed_heartbeats\"", missed);
+  if (!job_ids) return out;
   metric("job_nodes", "gauge", "Nodes in a job's round or waiting for the next one.");
   for (const auto& [id, job] : jobs_) value("job_nodes", fmt::format("job=\"{}\"", prometheus_label(id)), job.nodes());
   metric("job_round", "gauge", "A job's current round.");

@@ -190,6 +190,28 @@ TEST_CASE("slow HTTP connections from one address leave the agent's /metrics to 
   CHECK(agent.exit_code() == 143);
 }
 
+TEST_CASE("a status page bound beyond loopback without a token warns like --listen does") {
+  // In a network namespace of our own (only its loopback exists), 0.0.0.0 reaches nobody.
+  if (run({"/usr/bin/unshare", "-n", "/bin/true"}).code != 0) {
+    WARN("skipped: cannot create a network namespace here (unshare -n)");
+    return;
+  }
+  auto start = [](const std::string& http, const std::map<std::string, std::string>& env) {
+    Proc p = spawn({"/usr/bin/unshare", "-n", "/bin/sh", "-c", "ip link set lo up 2>/dev/null; exec \"$@\"", "sh",
+                    kRdzvDaemon, "--listen", "127.0.0.1:0", "--http", http},
+                   env);
+    REQUIRE(eventually([&] { return p.out().find("status page on") != std::string::npos || !pid_alive(p.pid); }, 10s));
+    REQUIRE_THAT(p.out(), Catch::Contains("status page on"));
+    ::kill(p.pid, SIGTERM);
+    p.wait(5s);
+    return p.err();
+  };
+  CHECK_THAT(start("0.0.0.0:0", {}),
+             Catch::Contains("warning: status page on 0.0.0.0:") && Catch::Contains("without a token"));
+  CHECK_THAT(start("0.0.0.0:0", {{"MGLAUNCH_RDZV_TOKEN", "t"}}), !Catch::Contains("warning"));
+  CHECK_THAT(start("127.0.0.1:0", {}), !Catch::Contains("warning"));
+}
+
 TEST_CASE("a stopped daemon closes its open HTTP connections instead of serving them until their deadline") {
   Daemon d = start_daemon({}, {"--metrics-port", "0"});
   REQUIRE(eventually([&] { return port_on_line(d.proc.out(), "metrics on http://127.0.0.1:") > 0; }, 10s));

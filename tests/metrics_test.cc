@@ -27,8 +27,9 @@ struct MetricsDaemon {
   int metrics_port = 0;
 };
 
-MetricsDaemon start_with_metrics() {
-  MetricsDaemon m{start_daemon({}, {"--metrics-port", "0"}), 0};
+MetricsDaemon start_with_metrics(std::map<std::string, std::string> env = {}, std::vector<std::string> flags = {}) {
+  flags.insert(flags.begin(), {"--metrics-port", "0"});
+  MetricsDaemon m{start_daemon(env, flags), 0};
   REQUIRE(eventually([&] { return split_lines(m.d.proc.out()).size() >= 2; }, 10s));
   const auto line = split_lines(m.d.proc.out()).at(1);
   REQUIRE(line.rfind("metrics on http://127.0.0.1:", 0) == 0);
@@ -36,9 +37,9 @@ MetricsDaemon start_with_metrics() {
   return m;
 }
 
-void run_job(const Daemon& d, const std::string& job) {
-  Proc a = spawn(agent_argv(d.endpoint, job, 2, "2", 1, {}, {"print", "ok"}));
-  Proc b = spawn(agent_argv(d.endpoint, job, 3, "2", 1, {}, {"print", "ok"}));
+void run_job(const Daemon& d, const std::string& job, const std::map<std::string, std::string>& env = {}) {
+  Proc a = spawn(agent_argv(d.endpoint, job, 2, "2", 1, {}, {"print", "ok"}), env);
+  Proc b = spawn(agent_argv(d.endpoint, job, 3, "2", 1, {}, {"print", "ok"}), env);
   REQUIRE(a.wait(30s));
   REQUIRE(b.wait(30s));
   REQUIRE(a.exit_code() == 0);
@@ -77,16 +78,51 @@ TEST_CASE("mglaunch-rdzv serves Prometheus metrics that promtool accepts") {
   CHECK(m.d.proc.exit_code() == 0);
 }
 
-TEST_CASE("a real Prometheus scrapes the daemon and reads back the job count") {
+TEST_CASE("with a token, /metrics names jobs only to a scraper that carries it, or to all with --metrics-job-ids") {
+  const std::map<std::string, std::string> token{{"MGLAUNCH_RDZV_TOKEN", "metrics-token"}};
+  {
+    auto m = start_with_metrics(token);
+    run_job(m.d, "secret-job", token);
+    const std::string anonymous = http_request(m.metrics_port, "/metrics");
+    REQUIRE_THAT(anonymous, Catch::StartsWith("HTTP/1.1 200"));
+    INFO(anonymous);
+    CHECK_THAT(anonymous, Catch::Contains("mglaunch_rdzv_jobs_created_total 1\n") &&
+                              Catch::Contains("mglaunch_rdzv_jobs{state=\"done\"} 1\n") && !Catch::Contains("secret-job"));
+    CHECK_THAT(http_request(m.metrics_port, "/metrics", "Bearer wrong"), !Catch::Contains("secret-job"));
+    CHECK_THAT(http_request(m.metrics_port, "/metrics", "Bearer metrics-token"),
+               Catch::Contains("mglaunch_rdzv_job_round{job=\"secret-job\"} 1\n"));
+    if (std::filesystem::exists("/usr/bin/promtool")) {
+      const std::string file = make_temp_dir() + "/metrics.txt";
+      std::ofstream(file) << body_of(anonymous);
+      auto check = run({"/bin/sh", "-c", "/usr/bin/promtool check metrics < \"$0\"", file});
+      INFO(check.out << check.err);
+      CHECK(check.code == 0);
+    }
+    ::kill(m.d.proc.pid, SIGTERM);
+    m.d.proc.wait(5s);
+  }
+  auto m = start_with_metrics(token, {"--metrics-job-ids"});
+  run_job(m.d, "shown-job", token);
+  CHECK_THAT(http_request(m.metrics_port, "/metrics"), Catch::Contains("mglaunch_rdzv_job_round{job=\"shown-job\"} 1\n"));
+  ::kill(m.d.proc.pid, SIGTERM);
+  m.d.proc.wait(5s);
+}
+
+TEST_CASE("a real Prometheus scrapes the daemon with its token and reads back the job count and a job's round") {
   if (!std::filesystem::exists("/usr/bin/prometheus")) {
     WARN("skipped: prometheus is not installed (apt-get install prometheus)");
     return;
   }
-  auto m = start_with_metrics();
-  run_job(m.d, "scraped1");
-  run_job(m.d, "scraped2");
+  const std::map<std::string, std::string> token{{"MGLAUNCH_RDZV_TOKEN", "scrape-token"}};
+  auto m = start_with_metrics(token);
+  run_job(m.d, "scraped1", token);
+  run_job(m.d, "scraped2", token);
   const std::string dir = make_temp_dir();
+  // The README's scrape config for a daemon with a token (the per-job series need it): the
+  // token file as the daemon's --token-file would be.
+  std::ofstream(dir + "/token") << "scrape-token\n";
   std::ofstream(dir + "/prometheus.yml") << "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: rdzv\n"
+                                          << "    authorization: {credentials_file: " << dir << "/token}\n"
                                           << "    static_configs:\n      - targets: ['127.0.0.1:" << m.metrics_port
                                           << "']\n";
   Proc prom = spawn({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml", "--storage.tsdb.path=" + dir + "/data",
@@ -110,6 +146,17 @@ TEST_CASE("a real Prometheus scrapes the daemon and reads back the job count") {
     return true;
   }, 60s));
   CHECK(value == "2");
+  std::string round;
+  CHECK(eventually([&] {
+    auto body = body_of(http_request(port, "/api/v1/query?query=mglaunch_rdzv_job_round"));
+    auto j = nlohmann::json::parse(body, nullptr, false);
+    if (j.is_discarded() || j["status"] != "success") return false;
+    // Prometheus keeps its own `job` label (the scrape job) and renames ours exported_job.
+    for (const auto& r : j["data"]["result"])
+      if (r["metric"].value("exported_job", "") == "scraped2") round = r["value"][1].get<std::string>();
+    return !round.empty();
+  }, 60s));
+  CHECK(round == "1");
   ::kill(prom.pid, SIGTERM);
   prom.wait(20s);
   ::kill(m.d.proc.pid, SIGTERM);

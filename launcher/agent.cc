@@ -41,6 +41,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       signals_(io),
       children_(io),
       job_control_(io),
+      winch_(io),
       grace_timer_(io),
       leave_timer_(io),
       group_(io, console_, watchdog_),
@@ -157,6 +158,10 @@ void Agent::start() {
   job_control_.add(SIGTSTP);
   job_control_.add(SIGCONT);
   wait_job_control();
+  if (console_.live(0) || console_.live(1)) {
+    winch_.add(SIGWINCH);
+    wait_winch();
+  }
   python_run_ = opts_.module || (!opts_.no_python && (opts_.run_path || opts_.program.ends_with(".py")));
   if (opts_.stdin_rank >= 0 && ::isatty(STDIN_FILENO) == 1) {
     ::signal(SIGTTIN, SIG_IGN);  // in the background a read of the terminal fails instead of stopping us
@@ -498,6 +503,7 @@ void Agent::finish(int code) {
   signals_.cancel(ec);
   children_.cancel(ec);
   job_control_.cancel(ec);
+  winch_.cancel(ec);
   if (stdin_relay_) stdin_relay_->close_pipe();
   grace_timer_.cancel();
   leave_timer_.cancel();
@@ -596,6 +602,14 @@ void Agent::wait_job_control() {
     // go on, and the time stopped counts neither against the grace nor the output drains.
     run(core_.job_control(sig, now()));
     if (core_.state() != sup::State::kDone) wait_job_control();
+  });
+}
+
+void Agent::wait_winch() {
+  winch_.async_wait([this](boost::system::error_code ec, int) {
+    if (ec) return;
+    for (const auto& w : group_.workers()) w->window_changed();
+    if (core_.state() != sup::State::kDone) wait_winch();
   });
 }
 

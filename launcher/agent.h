@@ -101,6 +101,9 @@ class Agent {
   // continue them. See README "Interactive use".
   boost::asio::signal_set job_control_;
   void wait_job_control();
+  // SIGWINCH (the terminal was resized): passed to the workers' pseudo-terminals.
+  boost::asio::signal_set winch_;
+  void wait_winch();
   std::unique_ptr<StdinRelay> stdin_relay_;  // the agent's stdin is a terminal: relayed to --stdin-rank
   bool python_run_ = false;  // the program runs under opts_.python
   boost::asio::steady_timer grace_timer_;

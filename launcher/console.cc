@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <condition_variable>
 #include <ctime>
 #include <deque>
@@ -218,15 +219,32 @@ Console::Console(asio::io_context& io, int out_fd, int err_fd, bool timestamps, 
 
 void Console::init_live() {
   for (int s = 0; s < 2; ++s) live_[s] = ::isatty(fds_[s]) == 1;
+  const char* term = std::getenv("TERM");
+  can_clear_ = term && *term && std::string_view(term) != "dumb";
   struct stat a{}, b{};
   same_tty_ = live_[0] && live_[1] && ::fstat(fds_[0], &a) == 0 && ::fstat(fds_[1], &b) == 0 && a.st_rdev == b.st_rdev;
 }
 
+std::optional<winsize> Console::window_size() const {
+  for (int s = 0; s < 2; ++s) {
+    winsize ws{};
+    if (live_[s] && ::ioctl(fds_[s], TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws;
+  }
+  return std::nullopt;
+}
+
 void Console::break_line(int q) {
   if (!owner_[q]) return;
-  buf_[q].push_back('\n');
+  // A progress bar on a terminal is wiped, not ended: it comes back with its next redraw,
+  // below what came in between, so two workers' bars share one line instead of one line
+  // per update. Anything else (and everything in a pipe or a file) ends with a newline.
+  if (live_[q] && can_clear_ && owner_line_[q]->redrawn)
+    buf_[q].append("\r\x1b[K");
+  else
+    buf_[q].push_back('\n');
   owner_line_[q]->at_start = true;
   owner_line_[q]->cr_pending = false;
+  owner_line_[q]->redrawn = false;
   owner_[q] = nullptr;
   owner_line_[q] = nullptr;
 }
@@ -260,6 +278,7 @@ void Console::input_echoed() {
     if (!owner_[q] || !live_[q]) continue;
     owner_line_[q]->at_start = true;
     owner_line_[q]->cr_pending = false;
+    owner_line_[q]->redrawn = false;
     owner_[q] = nullptr;
     owner_line_[q] = nullptr;
   }

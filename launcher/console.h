@@ -19,14 +19,21 @@
 // start of each visual line (after a '\r' too). A line is still never mixed with another
 // worker's: when another worker (or a notice) writes while one worker's line is open, that
 // line is ended with a newline first, and its continuation gets its prefix again. When
-// stdout and stderr are the same terminal they share one queue and one open line. Pipes
-// and files keep whole lines, byte for byte (line()).
+// stdout and stderr are the same terminal they share one queue and one open line. A
+// progress bar's open line (redrawn after a '\r') is wiped instead ("\r" + erase to the end
+// of the line; not with TERM=dumb) and comes back at its next redraw. Pipes and files keep
+// whole lines, byte for byte (line()), except that a worker's unfinished line may go out
+// through relay() too (a '\r' progress bar, a raw line above the limit): then another
+// worker's line ends it with a newline first, so each line of the file is one worker's.
 // Owned by the agent; every member function is called from the io_context's thread.
 #pragma once
+
+#include <sys/ioctl.h>
 
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -56,6 +63,11 @@ class Console {
   void lines(int stream, std::string_view prefix, std::string_view run, std::size_t max_line);
   // True when `stream` is a terminal: use relay() for it instead of line().
   bool live(int stream) const { return live_[stream]; }
+  // The size of the terminal the console writes to (stdout's, else stderr's); nullopt
+  // when neither is a terminal or its size is unknown.
+  std::optional<winsize> window_size() const;
+  // Lines get a time stamp (--timestamps).
+  bool timestamps() const { return timestamps_; }
   // Live output of one worker stream (`who` and its `state` identify it): see above.
   void relay(int stream, const void* who, LiveLine& state, std::string_view prefix, std::string_view data);
   // The worker stream ended: its open line, if any, gets its newline.
@@ -97,6 +109,7 @@ class Console {
   void break_line(int q);  // ends the open line of queue q with a newline
   bool live_[2] = {false, false};
   bool same_tty_ = false;             // stdout and stderr are one terminal: one queue, one open line
+  bool can_clear_ = false;            // the terminal knows "erase to the end of the line" (TERM is set, not dumb)
   const void* owner_[2] = {nullptr, nullptr};  // whose line is open on each queue
   LiveLine* owner_line_[2] = {nullptr, nullptr};
   int fds_[2];

@@ -81,6 +81,8 @@ class LineSplitter {
   }
 
   bool has_pending() const { return !pending_.empty(); }
+  // The unfinished line kept so far (after the last piece given out).
+  std::string_view pending() const { return pending_; }
 
  private:
   std::size_t max_line_;
@@ -113,6 +115,10 @@ void for_each_piece(std::string_view run, std::size_t max_line, Sink&& sink) {
 inline void append_prefixed_lines(std::string& out, std::string_view prefix, std::string_view run,
                                   std::size_t max_line, std::string_view cut_marker) {
   if (max_line == 0) max_line = 1;
+  if (prefix.empty() && run.size() <= max_line) {  // raw lines, none to cut: the bytes as they are
+    out.append(run);
+    return;
+  }
   const char* p = run.data();
   const char* const end = p + run.size();
   while (p < end) {
@@ -144,25 +150,39 @@ inline void append_prefixed_lines(std::string& out, std::string_view prefix, std
 struct LiveLine {
   bool at_start = true;     // the cursor is at the start of a visual line: the prefix is still to come
   bool cr_pending = false;  // the last byte was '\r': a new visual line, unless '\n' follows (CRLF)
+  bool redrawn = false;     // the line is being redrawn after a '\r' (a progress bar) since its last '\n'
 };
 
 // Appends to `out` what a terminal gets for `data` from one worker stream, at once (a
 // progress bar's "\r50%", a prompt without newline): `prefix` at the start of each
 // visual line, that is at the start of a line and after each '\r' that is not part of
 // "\r\n"; a '\r' at the start of a line is dropped (the cursor is already there).
-// A '\r' at the end of `data` waits for the next piece (it may be a CRLF). Pure.
+// A '\r' at the end of `data` waits for the next piece (it may be a CRLF).
+// Without a prefix (raw lines) the bytes go out exactly as they came. Pure.
 inline void live_relay(std::string& out, LiveLine& st, std::string_view prefix, std::string_view data) {
+  if (prefix.empty()) {
+    if (data.empty()) return;
+    out.append(data);
+    const void* nl = ::memrchr(data.data(), '\n', data.size());
+    const std::size_t from = nl ? static_cast<std::size_t>(static_cast<const char*>(nl) - data.data()) + 1 : 0;
+    if (nl) st.redrawn = false;
+    if (data.find('\r', from) != std::string_view::npos) st.redrawn = true;
+    st.at_start = data.back() == '\n';
+    return;
+  }
   while (!data.empty()) {
     if (st.cr_pending) {
       st.cr_pending = false;
       if (data.front() == '\n') {
         out.append("\r\n");
         st.at_start = true;
+        st.redrawn = false;
         data.remove_prefix(1);
         continue;
       }
       out.push_back('\r');
       st.at_start = true;
+      st.redrawn = true;
     }
     const auto stop = data.find_first_of("\r\n");
     const std::string_view text = data.substr(0, stop);
@@ -176,8 +196,11 @@ inline void live_relay(std::string& out, LiveLine& st, std::string_view prefix, 
       if (st.at_start) out.append(prefix);  // an empty line still shows whose it is
       out.push_back('\n');
       st.at_start = true;
+      st.redrawn = false;
     } else if (!st.at_start) {
       st.cr_pending = true;
+    } else if (stop + 1 == data.size() || data[stop + 1] != '\n') {
+      st.redrawn = true;  // "\r" + a bar at the start of a line (tqdm's first draw)
     }
     data.remove_prefix(stop + 1);
   }

@@ -8,7 +8,9 @@
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
+#include <sys/ioctl.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <dirent.h>
@@ -534,11 +536,38 @@ std::unordered_set<pid_t> descendant_groups(const std::vector<ProcStat>& table, 
   return out;
 }
 
+namespace {
+
+// A pseudo-terminal for one worker stream: {master, slave}, both close-on-exec; the slave
+// passes bytes as they are written (raw: no "\n" -> "\r\n") and has `size` when it is known.
+// {-1, -1} when none can be had (no /dev/ptmx, the pty limit): the caller uses a pipe.
+std::array<int, 2> open_worker_pty(const std::optional<winsize>& size) {
+  const int m = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (m < 0) return {-1, -1};
+  char name[64];
+  int sl = -1;
+  if (::grantpt(m) == 0 && ::unlockpt(m) == 0 && ::ptsname_r(m, name, sizeof(name)) == 0)
+    sl = ::open(name, O_RDWR | O_NOCTTY | O_CLOEXEC);
+  termios t{};
+  if (sl < 0 || ::tcgetattr(sl, &t) != 0) {
+    if (sl >= 0) ::close(sl);
+    ::close(m);
+    return {-1, -1};
+  }
+  ::cfmakeraw(&t);
+  ::tcsetattr(sl, TCSANOW, &t);
+  if (size) ::ioctl(m, TIOCSWINSZ, &*size);
+  return {m, sl};
+}
+
+}  // namespace
+
 struct WorkerProcess::Impl {
   explicit Impl(asio::io_context& io) : pipes{asio::readable_pipe(io), asio::readable_pipe(io)}, drain(io) {}
   std::array<asio::readable_pipe, 2> pipes;
   std::array<std::array<char, 64 * 1024>, 2> bufs;
   std::array<bool, 2> open{false, false};
+  std::array<bool, 2> pty{false, false};  // the stream is a pseudo-terminal's master, not a pipe
   std::array<int, 2> files{-1, -1};  // log files; the console closes them
   std::array<std::unique_ptr<LineSplitter>, 2> splitters;
   asio::steady_timer drain;
@@ -568,9 +597,20 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
   int failed_status = exit_code::kNotFound << 8;  // reported when nothing could be started
   const int nstreams = spec_.merge_streams ? 1 : 2;
   int ends[2][2] = {{-1, -1}, {-1, -1}};
-  for (int s = 0; s < nstreams && spawn_error_.empty(); ++s)
+  for (int s = 0; s < nstreams && spawn_error_.empty(); ++s) {
+    // A stream shown on a terminal: the worker writes to a terminal too (isatty, its size).
+    if (spec_.terminal && spec_.console[s] && console_.live(s)) {
+      const auto pty = open_worker_pty(console_.window_size());
+      if (pty[0] >= 0) {
+        ends[s][0] = pty[0];
+        ends[s][1] = pty[1];
+        impl_->pty[s] = true;
+        continue;
+      }
+    }
     if (::pipe2(ends[s], O_CLOEXEC) != 0)
       spawn_error_ = fmt::format("cannot start {}: pipe: {}", spec_.executable, std::strerror(errno));
+  }
   int devnull = -1;
   if (spawn_error_.empty() && spec_.stdin_fd < 0) {
     devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -658,6 +698,20 @@ void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* group
   if (descendant_groups(scan_family(::getpid()), ::getpid()).contains(pid_)) ::killpg(pid_, sig);
 }
 
+void WorkerProcess::window_changed() {
+  bool any = false;
+  const auto size = console_.window_size();
+  for (int s = 0; s < 2; ++s) {
+    if (!impl_->pty[s] || !impl_->open[s] || !size) continue;
+    ::ioctl(impl_->pipes[s].native_handle(), TIOCSWINSZ, &*size);
+    any = true;
+  }
+  // The pty is nobody's controlling terminal, so the kernel tells no one: the agent does.
+  if (any && pid_ > 0 && !exited_) ::killpg(pid_, SIGWINCH);
+}
+
+bool WorkerProcess::on_terminal(int s) const { return impl_->pty[s]; }
+
 double WorkerProcess::duration_s() const {
   auto end = exited_ ? end_ : std::chrono::steady_clock::now();
   return std::chrono::duration<double>(end - start_).count();
@@ -731,21 +785,59 @@ void WorkerProcess::on_data(int s, std::string_view data) {
   }
   // A pipe or a file: whole lines, byte for byte; the complete ones in bulk.
   console_.begin_batch();
+  if (open_line_[s]) {
+    // The rest of a line that went out unfinished (below): as it comes, up to its end.
+    const void* nl = ::memchr(data.data(), '\n', data.size());
+    const std::size_t head = nl ? static_cast<std::size_t>(static_cast<const char*>(nl) - data.data()) + 1 : data.size();
+    console_.relay(s, this, live_[s], prefix_, data.substr(0, head));
+    splitter.feed_runs(data.substr(0, head), tail_only, tail_line);  // it holds the line too: it must see its end
+    data.remove_prefix(head);
+    if (nl) open_line_[s] = false;
+    if (data.empty()) {
+      console_.flush_soon();
+      return;
+    }
+  }
+  // Raw lines (no prefix, no time stamp) are never cut: a line above the limit goes out in
+  // pieces as it comes, with nothing added.
+  const bool raw = prefix_.empty() && !console_.timestamps();
   splitter.feed_runs(
       data,
       [&](std::string_view run) {
-        console_.lines(s, prefix_, run, splitter.max_line());
+        console_.lines(s, prefix_, run, raw ? std::string_view::npos : splitter.max_line());
         if (keeps_tail(s)) keep_tail(s, run);
       },
-      [&](std::string_view line, bool cut) { emit(s, line, cut, true); });
+      [&](std::string_view line, bool cut) {
+        if (raw && (cut || open_line_[s])) {
+          console_.relay(s, this, live_[s], prefix_, line);
+          if (!cut) console_.relay(s, this, live_[s], prefix_, "\n");
+          open_line_[s] = cut;
+          emit(s, line, cut, false);
+          return;
+        }
+        emit(s, line, cut, true);
+      });
+  if (splitter.has_pending()) {
+    if (!open_line_[s]) {
+      // A progress bar ("\r 10%|#  |") goes out now, not when its line ends, as a worker
+      // writing to the pipe itself would show it; each update gets the prefix (relay()).
+      // Only the unfinished end of this read is looked at: nothing per line.
+      const void* nl = ::memrchr(data.data(), '\n', data.size());
+      const std::size_t from = nl ? static_cast<std::size_t>(static_cast<const char*>(nl) - data.data()) + 1 : 0;
+      open_line_[s] = ::memchr(data.data() + from, '\r', data.size() - from) != nullptr;
+    }
+    // (Already open: the rest of a raw line that was cut just now.)
+    if (open_line_[s]) console_.relay(s, this, live_[s], prefix_, splitter.pending());
+  }
   console_.flush_soon();
 }
 
 void WorkerProcess::close_stream(int s) {
   if (!impl_->open[s]) return;
   impl_->open[s] = false;
-  const bool live = spec_.console[s] && console_.live(s);
+  const bool live = spec_.console[s] && (console_.live(s) || open_line_[s]);
   if (live) console_.end_relay(s, this, live_[s]);
+  open_line_[s] = false;
   impl_->splitters[s]->finish([&](std::string_view line, bool cut) { emit(s, line, cut, spec_.console[s] && !live); });
   console_.flush();
   error_code ec;

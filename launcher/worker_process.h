@@ -10,6 +10,7 @@
 #include <sched.h>
 #include <sys/resource.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -137,6 +138,9 @@ struct WorkerSpec {
   int stdin_fd = -1;                 // the worker's stdin (the agent keeps it open); -1: /dev/null
   bool merge_streams = false;        // stderr into the stdout pipe (the agent's stdout and stderr are one file)
   std::string prefix;                // put before each relayed line, e.g. "[rank3]:"
+  // A stream relayed to a terminal comes through a pseudo-terminal of its own, sized like
+  // the real one: the worker sees a terminal (isatty, its width) as under torchrun.
+  bool terminal = true;
   const struct rlimit* nofile = nullptr;  // the descriptor limit the worker starts with (null: the agent's)
 };
 
@@ -165,6 +169,11 @@ class WorkerProcess {
   // resume_drain() without a pause_drain() before it (anyone's SIGCONT) changes nothing.
   void pause_drain();
   void resume_drain();
+  // The agent's terminal changed size (SIGWINCH): the worker's pseudo-terminals take the
+  // new size and the worker's process group gets SIGWINCH. Nothing without one.
+  void window_changed();
+  // Whether stream `s` (0 stdout, 1 stderr) is a pseudo-terminal for the worker.
+  bool on_terminal(int s) const;
 
   const WorkerSpec& spec() const { return spec_; }
   pid_t pid() const { return pid_; }
@@ -197,6 +206,7 @@ class WorkerProcess {
   bool paused_[2] = {false, false};  // not reading: the console is congested
   bool drain_paused_ = false;        // pause_drain() (Ctrl-Z) until resume_drain()
   LiveLine live_[2];                 // where each stream stands on a terminal (Console::relay)
+  bool open_line_[2] = {false, false};  // a pipe or file: the current line went out in part (Console::relay)
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // expires with this handle
   int status_ = 0;
   std::string spawn_error_;

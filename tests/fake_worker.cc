@@ -11,6 +11,10 @@
 //   lines N             print N lines "<rank>:<i>:<payload>" on stdout as fast as possible
 //   long-line N         print one line of N 'x'
 //   print T | eprint T  print T on stdout / stderr; print-nonl T: no newline
+//   tty                 print "tty in=I out=O err=E size=COLSxROWS" (isatty of 0, 1, 2; the
+//                       window size of stdout, "none" when it has none)
+//   winch SECS          print "waiting for SIGWINCH", wait for it (exit 8 after SECS), then
+//                       print "winch size=COLSxROWS"
 //   eprint-lines N      write N lines "err <i>" to stderr in one write() (one read for the agent)
 //   error-file MSG      write a torchelastic error file with MSG to $TORCHELASTIC_ERROR_FILE
 //   pidfile PATH        append our pid to PATH
@@ -41,6 +45,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -193,6 +198,26 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     } else if (cmd == "print") {
       std::printf("%s\n", arg());
+      std::fflush(stdout);
+    } else if (cmd == "tty" || cmd == "winch") {
+      if (cmd == "winch") {
+        sigset_t set;
+        sigemptyset(&set);
+        sigaddset(&set, SIGWINCH);
+        ::sigprocmask(SIG_BLOCK, &set, nullptr);
+        std::printf("waiting for SIGWINCH\n");
+        std::fflush(stdout);
+        const timespec limit{std::atol(arg()), 0};
+        if (::sigtimedwait(&set, nullptr, &limit) != SIGWINCH) return 8;
+      }
+      winsize ws{};
+      const std::string size = ::ioctl(1, TIOCGWINSZ, &ws) == 0
+                                   ? std::to_string(ws.ws_col) + "x" + std::to_string(ws.ws_row)
+                                   : std::string("none");
+      if (cmd == "winch")
+        std::printf("winch size=%s\n", size.c_str());
+      else
+        std::printf("tty in=%d out=%d err=%d size=%s\n", ::isatty(0), ::isatty(1), ::isatty(2), size.c_str());
       std::fflush(stdout);
     } else if (cmd == "print-nonl") {
       std::printf("%s", arg());

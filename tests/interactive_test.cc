@@ -187,9 +187,10 @@ struct PtyProc {
   int status = -1;
   std::string out;  // everything read so far, "\r\n" as the terminal wrote it
 
-  explicit PtyProc(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add = {}) {
+  explicit PtyProc(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add = {},
+                   const winsize* size = nullptr) {
     int slave = -1;
-    REQUIRE(::openpty(&master, &slave, nullptr, nullptr, nullptr) == 0);
+    REQUIRE(::openpty(&master, &slave, nullptr, nullptr, size) == 0);
     std::vector<std::string> envs;
     for (char** e = environ; *e; ++e) {
       std::string kv = *e;
@@ -474,10 +475,84 @@ TEST_CASE("on a terminal partial lines show at once, a carriage return gets the 
   CHECK(t.find("[rank0]:half\n[rank1]:other\n[rank0]: rest\n") != std::string::npos);
 }
 
-TEST_CASE("into a pipe or a file lines stay whole and byte for byte: no prefix after a carriage return") {
+TEST_CASE("into a pipe or a file a line that comes whole stays whole and byte for byte, a carriage return included") {
   auto r = run({kMglaunch, "--no_python", "/bin/sh", "-c", "printf 'a\\rb\\nhalf'; echo ' rest'"});
   CHECK(r.code == 0);
   CHECK(r.out == "[rank0]:a\rb\n[rank0]:half rest\n");
+  // No terminal for the workers either: their output is not one.
+  auto t = run({kMglaunch, "--no_python", kFakeWorker, "tty"});
+  CHECK(t.out == "[rank0]:tty in=0 out=0 err=0 size=none\n");
+}
+
+TEST_CASE("into a pipe or a file a progress bar's updates go out as they come, each with the prefix") {
+  // `mglaunch ... | tee log`: an update ("\r 1/3") shows before its line ends, as it does
+  // when the worker writes to the pipe itself (torchrun).
+  const std::string dir = make_temp_dir();
+  Proc agent = spawn({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
+                      "w() { i=0; while [ ! -e " + dir + "/$1 ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; }\n"
+                      "if [ $RANK = 0 ]; then printf '\\r 1/3'; w go; printf '\\r 2/3'; w go2; printf '\\r 3/3\\n';\n"
+                      "else w go1; echo hello; fi"});
+  const bool shown = eventually([&] { return agent.out().find("[rank0]: 1/3") != std::string::npos; }, 60s);
+  write_text(dir + "/go", "");
+  REQUIRE(eventually([&] { return agent.out().find("[rank0]: 2/3") != std::string::npos; }, 60s));
+  // Another worker's line in between ends the open one first: each line of the file is one worker's.
+  write_text(dir + "/go1", "");
+  REQUIRE(eventually([&] { return agent.out().find("[rank1]:hello\n") != std::string::npos; }, 60s));
+  write_text(dir + "/go2", "");
+  REQUIRE(agent.wait(60s));
+  INFO(agent.out());
+  CHECK(shown);
+  CHECK(agent.exit_code() == 0);
+  CHECK(agent.out() == "[rank0]: 1/3\r[rank0]: 2/3\n[rank1]:hello\n[rank0]: 3/3\n");
+}
+
+TEST_CASE("raw lines (an empty prefix template) pass through byte for byte, also above the line limit") {
+  auto r = run({kMglaunch, "--log-line-prefix-template=", "--no_python", kFakeWorker, "long-line", "150000",
+                "print-nonl", "\r 1/2\r 2/2", "print", "", "print-nonl", "tail"});
+  CHECK(r.code == 0);
+  CHECK(r.out == std::string(150000, 'x') + "\n\r 1/2\r 2/2\ntail\n");
+  CHECK(r.out.find("line continues") == std::string::npos);
+}
+
+TEST_CASE("on a terminal each worker writes to a pseudo-terminal sized like the real one, and a resize reaches it") {
+  winsize size{};
+  size.ws_col = 123;
+  size.ws_row = 45;
+  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", kFakeWorker, "tty", "winch", "60"}, {}, &size);
+  REQUIRE(p.wait_for("[rank0]:waiting for SIGWINCH", 60s));
+  REQUIRE(p.wait_for("[rank1]:waiting for SIGWINCH", 60s));
+  size.ws_col = 99;
+  size.ws_row = 33;
+  REQUIRE(::ioctl(p.master, TIOCSWINSZ, &size) == 0);  // the kernel tells mglaunch (SIGWINCH), mglaunch the workers
+  CHECK(p.wait_exit(60s) == 0);
+  const std::string t = p.text();
+  INFO(t);
+  for (const char* line : {"[rank0]:tty in=0 out=1 err=1 size=123x45\n", "[rank1]:tty in=0 out=1 err=1 size=123x45\n",
+                           "[rank0]:winch size=99x33\n", "[rank1]:winch size=99x33\n"})
+    CHECK(t.find(line) != std::string::npos);
+}
+
+TEST_CASE("on a terminal two workers' progress bars share one line: an interrupted bar is wiped, not ended") {
+  const std::string dir = make_temp_dir();
+  // In turn: rank 0 draws, rank 1 draws, rank 0 redraws, rank 1 ends its bar, rank 0 ends its bar.
+  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
+             "w() { i=0; while [ ! -e " + dir + "/$1 ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; }\n"
+             "if [ $RANK = 0 ]; then printf '\\rA 1'; w s2; printf '\\rA 2'; w s4; printf '\\rA done\\n';\n"
+             "else w s1; printf '\\rB 1'; w s3; printf '\\rB done\\n'; fi"},
+            {{"TERM", "xterm"}});
+  REQUIRE(p.wait_for("[rank0]:A 1", 60s));
+  write_text(dir + "/s1", "");
+  REQUIRE(p.wait_for("[rank1]:B 1", 60s));
+  write_text(dir + "/s2", "");
+  REQUIRE(p.wait_for("[rank0]:A 2", 60s));
+  write_text(dir + "/s3", "");
+  REQUIRE(p.wait_for("[rank1]:B done\n", 60s));
+  write_text(dir + "/s4", "");
+  CHECK(p.wait_exit(60s) == 0);
+  const std::string t = p.text();
+  INFO(t);
+  CHECK(t.find("[rank0]:A 1\r\x1b[K[rank1]:B 1\r\x1b[K[rank0]:A 2\r\x1b[K[rank1]:B done\n[rank0]:A done\n") !=
+        std::string::npos);
 }
 
 TEST_CASE("the --log-line-prefix-template flag sets the prefix as torchrun's and an empty one gives raw lines") {

@@ -85,6 +85,33 @@ TEST_CASE("live relay puts the prefix at each visual line start, keeps CRLF, and
   CHECK(out == "a\rb\nc");
 }
 
+TEST_CASE("live relay marks a line redrawn after a carriage return, and raw lines keep every byte") {
+  std::string out;
+  mg::LiveLine st;
+  mg::live_relay(out, st, "P:", "plain");
+  CHECK_FALSE(st.redrawn);
+  mg::live_relay(out, st, "P:", "\r10%");
+  CHECK(st.redrawn);  // a progress bar: the console may wipe it instead of ending it
+  mg::live_relay(out, st, "P:", "\n");
+  CHECK_FALSE(st.redrawn);
+  mg::live_relay(out, st, "P:", "\r 0%");
+  CHECK(st.redrawn);  // tqdm's first draw, at the start of a line
+  mg::LiveLine crlf;
+  mg::live_relay(out, crlf, "P:", "a\r");
+  mg::live_relay(out, crlf, "P:", "\n");
+  CHECK_FALSE(crlf.redrawn);  // a CRLF line end, split between two reads
+  out.clear();
+  mg::LiveLine raw;  // no prefix: nothing dropped, nothing held back
+  mg::live_relay(out, raw, "", "\rx\r");
+  CHECK(out == "\rx\r");
+  CHECK(raw.redrawn);
+  CHECK_FALSE(raw.at_start);
+  mg::live_relay(out, raw, "", "y\n");
+  CHECK(out == "\rx\ry\n");
+  CHECK(raw.at_start);
+  CHECK_FALSE(raw.redrawn);
+}
+
 TEST_CASE("the line prefix template substitutes role_name, rank and local_rank as Python's safe_substitute") {
   CHECK(mg::expand_line_prefix("[${role_name}${rank}]:", "default", 3, 1) == "[default3]:");
   CHECK(mg::expand_line_prefix("$rank/$local_rank ", "r", 12, 4) == "12/4 ");

@@ -7,6 +7,10 @@ channels-last CNN and inputs on CPU; gradients reset to None; evaluation in chun
 
     ../shared/peers/torchrun --standalone --nproc_per_node=2 examples/ddp_fashion_mnist.py
     mglaunch --standalone --nproc_per_node=2 --python /usr/bin/python3 examples/ddp_fashion_mnist.py
+
+On a GPU (--device cuda) it is mgtrain's CUDA twin: NCCL, the data set and each epoch's
+sample indices resident on the device, --amp for bf16 autocast of the forward pass, and
+the loss read back only for progress lines, as mgtrain does.
 """
 import argparse
 import gzip
@@ -82,21 +86,29 @@ def main():
     p.add_argument("--test-subset", type=int, default=-1)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--legacy", action="store_true", help="the earlier twin: NCHW, ReLU before pool, zeroed grads")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, data on the GPU")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast of the forward pass (cuda)")
     args = p.parse_args()
+    if args.amp and args.device != "cuda":
+        p.error("--amp needs --device cuda")
     global LEGACY
     LEGACY = args.legacy
 
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    train_x, train_y = load_idx(args.data_dir, True, args.train_subset)
-    test_x, test_y = load_idx(args.data_dir, False, args.test_subset)
+    train_x, train_y = (t.to(dev) for t in load_idx(args.data_dir, True, args.train_subset))
+    test_x, test_y = (t.to(dev) for t in load_idx(args.data_dir, False, args.test_subset))
     torch.manual_seed(args.seed)
-    net = Cnn() if args.model == "cnn" else Mlp()
+    net = (Cnn() if args.model == "cnn" else Mlp()).to(dev)
     if args.model == "cnn" and not LEGACY:  # mgtrain runs its CNN channels-last on CPU
         net = net.to(memory_format=torch.channels_last)
         train_x = train_x.contiguous(memory_format=torch.channels_last)
         test_x = test_x.contiguous(memory_format=torch.channels_last)
-    model = DDP(net)
+    model = DDP(net, device_ids=[dev.index] if cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     sampler = DistributedSampler(range(len(train_y)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     steps_per_epoch = math.ceil(sampler.num_samples / args.batch_size)
@@ -105,13 +117,18 @@ def main():
     start, cpu_start, samples, step = time.time(), time.process_time(), 0, 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        idx = torch.tensor(list(sampler))
+        idx = torch.tensor(list(sampler), device=dev)
         model.train()
         for b in range(0, len(idx), args.batch_size):
             bi = idx[b:b + args.batch_size]
             x, y = train_x[bi], train_y[bi]
             opt.zero_grad(set_to_none=not LEGACY)
-            loss = F.cross_entropy(model(x), y)
+            if args.amp:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    logits = model(x)
+            else:
+                logits = model(x)
+            loss = F.cross_entropy(logits.float(), y)
             loss.backward()
             opt.step()
             step += 1
@@ -121,11 +138,11 @@ def main():
                       f"samples/s {samples / (time.time() - start):.0f}", flush=True)
         model.eval()
         with torch.no_grad():
-            shard = torch.arange(rank, len(test_y), world)
+            shard = torch.arange(rank, len(test_y), world, device=dev)
             chunk = len(shard) if LEGACY else 1000
             correct = sum((model(test_x[shard[b:b + chunk]]).argmax(1) == test_y[shard[b:b + chunk]]).sum().item()
                           for b in range(0, len(shard), chunk))
-        stats = torch.tensor([correct, len(shard)], dtype=torch.float64)
+        stats = torch.tensor([correct, len(shard)], dtype=torch.float64, device=dev)
         dist.all_reduce(stats)
         acc = (stats[0] / stats[1]).item()
         if rank == 0:

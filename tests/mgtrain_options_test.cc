@@ -79,3 +79,14 @@ TEST_CASE("mgtrain's range errors read like the other errors, without a 300-digi
   CHECK_THROWS_WITH(parse({"--epochs", "x"}), Catch::Contains("'x' is not a number"));
   CHECK(parse({"--epochs", "3"}).epochs == 3);
 }
+
+TEST_CASE("--cuda-graphs refuses, before any GPU work, what a captured step cannot hold") {
+  CHECK(parse({"--cuda-graphs"}).cuda_graphs);
+  CHECK(parse({"--cuda-graphs", "--static-graph", "--amp"}).cuda_graphs);
+  CHECK_THROWS_WITH(parse({"--cuda-graphs", "--find-unused-parameters"}), Catch::Contains("--static-graph"));
+  CHECK_THROWS_WITH(parse({"--cuda-graphs", "--grad-accum", "2"}), Catch::Contains("--grad-accum"));
+  CHECK_THROWS_WITH(parse({"--cuda-graphs", "--clip-grad-norm", "1"}), Catch::Contains("--clip-grad-norm"));
+  CHECK_THROWS_WITH(parse({"--cuda-graphs", "--sync-batchnorm"}), Catch::Contains("--sync-batchnorm"));
+  CHECK_THROWS_WITH(parse({"--cuda-graphs", "--reducer", "c10d"}), Catch::Contains("--reducer mgtrain"));
+  CHECK_THROWS_AS(parse({"--cuda-graphs", "--bench", "allreduce"}), UsageError);
+}

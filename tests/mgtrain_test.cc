@@ -246,3 +246,12 @@ TEST_CASE("one real Fashion-MNIST epoch of the CNN passes 85% test accuracy") {
   CHECK(s["test_accuracy"].get<double>() > 0.85);
   CHECK_THAT(r.out, Catch::Contains("test accuracy"));
 }
+
+TEST_CASE("mgtrain --help lists --cuda-graphs, and a build without CUDA refuses it with exit 2") {
+  auto h = run({kMgtrain, "--help"}, {}, 60s);
+  CHECK(h.code == 0);
+  CHECK_THAT(h.out, Catch::Contains("--cuda-graphs"));
+  auto g = run({kMgtrain, "--cuda-graphs", "--dataset", "synthetic", "--synthetic-size", "256"}, {}, 60s);
+  CHECK(g.code == 2);
+  CHECK_THAT(g.err, Catch::Contains("--cuda-graphs needs a CUDA build"));
+}

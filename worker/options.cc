@@ -76,6 +76,9 @@ ParseResult parse_options(int argc, const char* const* argv) {
   app.add_flag("--sync-batchnorm", o.sync_batchnorm, "BatchNorm statistics reduced across ranks (SyncBatchNorm)");
   app.add_flag("!--no-channels-last", o.channels_last, "Keep the CNN in NCHW (default: channels-last on CPU)");
   app.add_flag("--amp", o.amp, "bf16 mixed precision on CUDA (CUDA builds with LibTorch >= 2.4)");
+  app.add_flag("--cuda-graphs", o.cuda_graphs,
+               "Capture the whole training step (forward, backward, gradient all-reduce, optimizer) once as a "
+               "CUDA graph and replay it (CUDA builds; a GPU)");
   app.add_option("--log-every", o.log_every, "Progress line every N steps (rank 0)");
   app.add_option("--summary-json", o.summary_json, "Per-rank summary; {rank} is replaced");
   app.add_option("--save-weights", o.save_weights, "Rank 0 writes the final parameters and buffers as raw float32");
@@ -110,6 +113,22 @@ ParseResult parse_options(int argc, const char* const* argv) {
   parse_bytes(o.max_bytes);
   if (o.reducer == "c10d" && o.comm_dtype != "fp32")
     throw UsageError("--comm-dtype " + o.comm_dtype + " needs --reducer mgtrain (c10d::Reducer's hooks are Python-only here)");
+  if (o.cuda_graphs) {
+    // What the captured step cannot hold: work whose shape or control flow the CPU decides
+    // anew each step. Said before any GPU work (exit 2).
+    if (o.find_unused_parameters)
+      throw UsageError("--cuda-graphs cannot capture --find-unused-parameters (its unused-parameter search reads a "
+                       "bitmap on the CPU every step): use --static-graph, or drop --cuda-graphs");
+    if (o.grad_accum != 1)
+      throw UsageError("--cuda-graphs captures one micro-batch per optimizer step: drop --grad-accum or --cuda-graphs");
+    if (o.clip_grad_norm > 0)
+      throw UsageError("--cuda-graphs cannot capture --clip-grad-norm (the norm is read on the CPU): drop one of them");
+    if (o.sync_batchnorm)
+      throw UsageError("--cuda-graphs cannot capture --sync-batchnorm (the global sample count is read on the CPU)");
+    if (o.reducer != "mgtrain")
+      throw UsageError("--cuda-graphs needs --reducer mgtrain (c10d::Reducer prepares every step on the CPU)");
+    if (!o.bench.empty()) throw UsageError("--cuda-graphs is for training, not --bench");
+  }
   return r;
 }
 

@@ -37,6 +37,7 @@ struct Options {
   double lr = 0.02, momentum = 0.9, clip_grad_norm = 0, bucket_cap_mb = 25;
   std::uint64_t seed = 1;
   bool amp = false, shuffle = true, channels_last = true;
+  bool cuda_graphs = false;  // capture the training step once, replay it (CUDA builds)
   // DDP's options (MultiGPUConfig / torch.nn.parallel.DistributedDataParallel).
   bool find_unused_parameters = false, static_graph = false, broadcast_buffers = true, sync_batchnorm = false;
   // --bench allreduce

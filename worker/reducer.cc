@@ -1,8 +1,12 @@
 #include "worker/reducer.h"
 
 #include <fmt/format.h>
-#if TORCH_VERSION_MAJOR < 2
+#if TORCH_VERSION_MAJOR < 2 || defined(MGLAUNCH_C10D_REDUCER_V2)
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+#endif
+#ifdef MGLAUNCH_C10D_REDUCER_V2
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
 
 namespace mg::train {
@@ -222,10 +226,88 @@ void C10dReducer::arm(bool sync, const std::vector<torch::Tensor>& outputs) {
   reducer_->prepare_for_forward();
   reducer_->prepare_for_backward(find_unused_ ? outputs : std::vector<torch::Tensor>{});
 }
+#elif defined(MGLAUNCH_C10D_REDUCER_V2)
+// LibTorch 2.x: c10d::Reducer takes a c10d::ProcessGroup, whose collectives dispatch by
+// device type to a c10d::Backend; ours is a bare Backend (Gloo or NCCL), so it is wrapped.
+// The constructors changed between 2.x releases: each form is picked at compile time by
+// what the installed headers declare (templates, so that only the one that exists is
+// instantiated).
+namespace {
+
+template <typename P = c10d::ProcessGroup>
+c10::intrusive_ptr<P> wrap_backend(const c10::intrusive_ptr<PG>& backend) {
+  auto store = c10::make_intrusive<c10d::HashStore>();  // never used: the backend is connected
+  c10::intrusive_ptr<P> pg;
+  if constexpr (std::is_constructible_v<P, c10::intrusive_ptr<c10d::Store>, int, int>) {
+    pg = c10::make_intrusive<P>(store, backend->getRank(), backend->getSize());
+  } else {
+    auto opts = c10::make_intrusive<typename P::Options>(backend->getBackendName());
+    pg = c10::make_intrusive<P>(store, backend->getRank(), backend->getSize(), opts);
+  }
+  const bool nccl = backend->getBackendName() == "nccl";
+  const auto type = nccl ? P::BackendType::NCCL : P::BackendType::GLOO;
+  pg->setBackend(nccl ? c10::DeviceType::CUDA : c10::DeviceType::CPU, type, backend);
+  pg->setDefaultBackend(type);
+  return pg;
+}
+
+template <typename R = c10d::Reducer>
+std::unique_ptr<R> new_reducer(std::vector<at::Tensor> params, std::vector<std::vector<size_t>> indices,
+                               std::vector<size_t> limits, c10::intrusive_ptr<c10d::ProcessGroup> pg, std::vector<bool> sparse,
+                               std::int64_t cap, bool find_unused, std::unordered_map<size_t, std::string> names,
+                               std::int64_t first) {
+  using Params = std::vector<at::Tensor>;
+  using Indices = std::vector<std::vector<size_t>>;
+  using Pg = c10::intrusive_ptr<c10d::ProcessGroup>;
+  using Sparse = std::vector<bool>;
+  using Names = std::unordered_map<size_t, std::string>;
+  using I = std::int64_t;
+  // 2.8+: ..., skip_all_reduce_unused_params, use_python_reducer, bucket_bytes_cap_list[, batched_grad_copy]
+  if constexpr (std::is_constructible_v<R, Params, Indices, Pg, Sparse, I, bool, bool, Names, I, bool, bool, std::vector<I>>)
+    return std::make_unique<R>(params, indices, pg, sparse, cap, find_unused, false, names, first, false, false,
+                               std::vector<I>{});
+  else if constexpr (std::is_constructible_v<R, Params, Indices, Pg, Sparse, I, bool, bool, Names, I, bool, bool>)
+    return std::make_unique<R>(params, indices, pg, sparse, cap, find_unused, false, names, first, false, false);
+  else if constexpr (std::is_constructible_v<R, Params, Indices, Pg, Sparse, I, bool, bool, Names, I, bool>)
+    return std::make_unique<R>(params, indices, pg, sparse, cap, find_unused, false, names, first, false);
+  else if constexpr (std::is_constructible_v<R, Params, Indices, std::vector<size_t>, Pg, Sparse, I, bool, bool, Names, I>)
+    return std::make_unique<R>(params, indices, limits, pg, sparse, cap, find_unused, false, names, first);
+  else
+    return std::make_unique<R>(params, indices, pg, sparse, cap, find_unused, false, names, first);
+}
+
+}  // namespace
+
+C10dReducer::C10dReducer(std::vector<torch::Tensor> params, std::vector<std::string> names, c10::intrusive_ptr<PG> pg,
+                         ReducerOptions o)
+    : find_unused_(o.find_unused) {
+  const auto cap = static_cast<std::size_t>(o.bucket_cap_mb * 1024 * 1024);
+  const auto first = static_cast<std::size_t>(o.first_bucket_cap_mb * 1024 * 1024);
+  std::vector<bool> sparse(params.size(), false);
+  auto [indices, limits] = c10d::compute_bucket_assignment_by_size(params, {first, cap}, sparse);
+  std::reverse(indices.begin(), indices.end());  // as DDP: approximately backward's order
+  std::reverse(limits.begin(), limits.end());
+  buckets_ = indices.size();
+  std::unordered_map<std::size_t, std::string> param_names;
+  for (std::size_t i = 0; i < names.size(); ++i) param_names[i] = names[i];
+  reducer_ = new_reducer(params, indices, limits, wrap_backend(pg), sparse, static_cast<std::int64_t>(cap), o.find_unused,
+                         param_names, static_cast<std::int64_t>(first));
+  if (o.static_graph) reducer_->set_static_graph();
+}
+
+C10dReducer::~C10dReducer() = default;
+
+void C10dReducer::arm(bool sync, const std::vector<torch::Tensor>& outputs) {
+  if (!sync) return;
+  reducer_->rebuild_buckets();
+  reducer_->prepare_for_forward();
+  reducer_->prepare_for_backward(find_unused_ ? outputs : std::vector<torch::Tensor>{});
+}
 #else
 C10dReducer::C10dReducer(std::vector<torch::Tensor>, std::vector<std::string>, c10::intrusive_ptr<PG>, ReducerOptions)
     : find_unused_(false) {
-  throw SetupError("--reducer c10d needs LibTorch 1.x here (in 2.x Gloo is a c10d::Backend); use --reducer mgtrain");
+  throw SetupError("--reducer c10d is not built into this mgtrain (LibTorch 2.x without MGLAUNCH_C10D_REDUCER_V2); "
+                   "use --reducer mgtrain");
 }
 C10dReducer::~C10dReducer() = default;
 void C10dReducer::arm(bool, const std::vector<torch::Tensor>&) {}

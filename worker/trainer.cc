@@ -21,6 +21,7 @@
 #include "worker/data.h"
 #include "worker/models.h"
 #include "worker/reducer.h"
+#include "worker/step_graph.h"
 #ifdef MGLAUNCH_WITH_NCCL
 #include <ATen/autocast_mode.h>
 #endif
@@ -175,10 +176,48 @@ int train(const Options& o, Comm& comm) {
                 comm.backend.c_str(), static_cast<long long>(steps_per_epoch), o.batch_size, o.grad_accum,
                 reducer ? reducer->bucket_count() : std::size_t{0});
 
+  // One step's parts, shared by the eager loop and the captured graph.
+  auto reset_grads = [&] {
+    for (auto& p : params) p.mutable_grad().reset();  // set_to_none: no memset, no extra add
+  };
+  auto forward_backward = [&](const torch::Tensor& bi, std::int64_t k_n, bool sync) {
+    auto x = train_x.index_select(0, bi), y = train_y.index_select(0, bi);
+    broadcast_buffers();  // DDP: rank 0's buffers before every forward
+    torch::Tensor logits;
+    {
+      AutocastScope amp(o.amp);
+      logits = model.forward(x);
+    }
+    auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y) / static_cast<double>(k_n);
+    if (reducer) reducer->arm(sync, {loss});
+    loss.backward();
+    return loss.detach();
+  };
+  auto finish_step = [&] {
+    if (reducer) reducer->finish();
+    if (o.clip_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, o.clip_grad_norm);
+    opt.step();
+  };
+  std::unique_ptr<StepGraph> graph;
+  if (o.cuda_graphs) {
+    if (sampler.num_samples() < o.batch_size)
+      throw UsageError(fmt::format("--cuda-graphs: no full batch of {} fits in this rank's {} samples; use a smaller "
+                                   "--batch-size", o.batch_size, sampler.num_samples()));
+    graph = std::make_unique<StepGraph>(comm.device, o.batch_size);
+  }
+  auto graph_step = [&](const torch::Tensor& bi) {
+    reset_grads();
+    auto loss = forward_backward(bi, 1, true);
+    finish_step();
+    return loss;
+  };
+
   auto t_start = clock::now();
   const double cpu_start = cpu_seconds();
   std::int64_t samples_done = 0, steps_this_run = 0;
   double last_loss = 0, test_acc = 0;
+  // Losses stay on the device until a line or the summary needs them: no per-step sync.
+  torch::Tensor last_loss_t, loss_sum_t = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
   auto stop_flag = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
   bool stopped = false;
   for (std::int64_t epoch = state.epoch; epoch < o.epochs && state.step < total_steps && !stopped; ++epoch) {
@@ -186,38 +225,33 @@ int train(const Options& o, Comm& comm) {
     auto idx_all = sampler.indices();
     auto idx = torch::from_blob(idx_all.data(), {static_cast<std::int64_t>(idx_all.size())}, torch::kLong).to(comm.device);
     model.module->train();
-    double loss_sum = 0;
+    loss_sum_t.zero_();
     std::int64_t loss_n = 0;
     std::int64_t micro = epoch == state.epoch ? state.batch_in_epoch : 0;
     while (micro < micro_per_epoch && state.step < total_steps) {
-      for (auto& p : params) p.mutable_grad().reset();  // set_to_none: no memset, no extra add
-      torch::Tensor loss_acc = torch::zeros({}, comm.device);
-      const std::int64_t k_end = std::min<std::int64_t>(micro + o.grad_accum, micro_per_epoch);
-      const std::int64_t k_n = k_end - micro;
-      for (; micro < k_end; ++micro) {
-        const std::int64_t b0 = micro * o.batch_size;
-        const std::int64_t b1 = std::min<std::int64_t>(b0 + o.batch_size, idx.size(0));
-        auto bi = idx.slice(0, b0, b1);
-        auto x = train_x.index_select(0, bi), y = train_y.index_select(0, bi);
-        broadcast_buffers();  // DDP: rank 0's buffers before every forward
-        torch::Tensor logits;
-        {
-          AutocastScope amp(o.amp);
-          logits = model.forward(x);
+      const std::int64_t first = micro * o.batch_size;
+      if (graph && first + o.batch_size <= idx.size(0)) {
+        // A full batch through the graph (an epoch's last, partial batch runs eagerly below).
+        last_loss_t = graph->run(idx.slice(0, first, first + o.batch_size), graph_step);
+        samples_done += o.batch_size * comm.world;
+        ++micro;
+      } else {
+        reset_grads();
+        torch::Tensor loss_acc = torch::zeros({}, comm.device);
+        const std::int64_t k_end = std::min<std::int64_t>(micro + o.grad_accum, micro_per_epoch);
+        const std::int64_t k_n = k_end - micro;
+        for (; micro < k_end; ++micro) {
+          const std::int64_t b0 = micro * o.batch_size;
+          const std::int64_t b1 = std::min<std::int64_t>(b0 + o.batch_size, idx.size(0));
+          loss_acc += forward_backward(idx.slice(0, b0, b1), k_n, micro + 1 == k_end);
+          samples_done += (b1 - b0) * comm.world;
         }
-        auto loss = torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y) / static_cast<double>(k_n);
-        if (reducer) reducer->arm(micro + 1 == k_end, {loss});
-        loss.backward();
-        loss_acc += loss.detach();
-        samples_done += (b1 - b0) * comm.world;
+        finish_step();
+        last_loss_t = loss_acc;
       }
-      if (reducer) reducer->finish();
-      if (o.clip_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, o.clip_grad_norm);
-      opt.step();
+      loss_sum_t += last_loss_t;
       ++state.step;
       ++steps_this_run;
-      last_loss = loss_acc.item<double>();
-      loss_sum += last_loss;
       ++loss_n;
       state.epoch = epoch;
       state.batch_in_epoch = micro;
@@ -257,6 +291,7 @@ int train(const Options& o, Comm& comm) {
         break;
       }
       if (lead && o.log_every > 0 && state.step % o.log_every == 0) {
+        last_loss = last_loss_t.item<double>();
         const double secs = std::chrono::duration<double>(clock::now() - t_start).count();
         const double sps = static_cast<double>(samples_done) / std::max(secs, 1e-9);
         const double eta = static_cast<double>(total_steps - state.step) * secs /
@@ -278,6 +313,7 @@ int train(const Options& o, Comm& comm) {
       auto bi = shard.slice(0, b, std::min<std::int64_t>(b + 1000, shard.size(0)));
       correct += model.forward(test_x.index_select(0, bi)).argmax(1).eq(test_y.index_select(0, bi)).sum().item<double>();
     }
+    const double loss_sum = loss_sum_t.item<double>();
     auto acc = torch::tensor({correct, static_cast<double>(shard.size(0)), loss_sum, static_cast<double>(loss_n)},
                              torch::TensorOptions().dtype(torch::kDouble))
                    .to(comm.device);
@@ -293,6 +329,7 @@ int train(const Options& o, Comm& comm) {
     state.epoch = epoch + 1;
   }
   broadcast_buffers();  // the final model is the one the next forward would see
+  if (last_loss_t.defined()) last_loss = last_loss_t.item<double>();
   const double secs = std::chrono::duration<double>(clock::now() - t_start).count();
   const double sps = static_cast<double>(samples_done) / std::max(secs, 1e-9);
   // Every rank did the same work: samples of all ranks over (this rank's CPU time x world).
@@ -318,7 +355,8 @@ int train(const Options& o, Comm& comm) {
                         {"restart_count", std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT")) : 0},
                         {"weights_sha256", digest},
                         {"params_sha256", sha256_of(params)},
-                        {"stopped_by_signal", stopped}};
+                        {"stopped_by_signal", stopped},
+                        {"cuda_graphs", graph && graph->captured()}};
     std::ofstream(with_rank(o.summary_json, comm.rank)) << j.dump(2) << "\n";
   }
   if (!o.save_weights.empty()) {

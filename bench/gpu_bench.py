@@ -54,7 +54,7 @@ def main():
     if not os.path.exists(os.path.join(data, "train-images-idx3-ubyte.gz")):
         data = "/usr/share/datasets/fashion-mnist"
     py = sys.executable
-    tmp = os.path.join(a.out, "..", "gpu-work")
+    tmp = os.path.join(a.out, "work")
     os.makedirs(tmp, exist_ok=True)
     res = {"checks": {}, "table": [], "c10d_reducer_v2_built": a.c10d_v2 == "on"}
 
@@ -161,7 +161,8 @@ def main():
             "rc": rc,
             "monitor_lines": [l for l in out.splitlines() if "monitor:" in l][-3:],
             "agent_samples": [{"time": x.get("time"), "gpus": x.get("gpus"),
-                               "rank_gpus": [r.get("gpus") for r in x.get("ranks", [])]} for x in ours],
+                               "rank_gpus": [r.get("gpus") for r in x.get("ranks", [])],
+                               "rank_pids": [r.get("pid") for r in x.get("ranks", [])]} for x in ours],
             "nvidia_smi_samples": samples_smi,
         }
     save()

@@ -63,11 +63,16 @@ def render(res):
            "gradient all-reduce runs (and is captured) but moves nothing; a multi-GPU bus bandwidth "
            "(goal: >= 0.9x nccl-tests) still has to be measured.", ""]
     t = res["table"]
-    reps = max((len(r["runs"]) for r in t), default=0)
+    reps = max((len([x for x in r["runs"] if x.get("samples_per_sec")]) for r in t), default=0)
     out += [f"Fashion-MNIST CNN, {t[0]['epochs'] if t else '?'} epochs, samples/s as each trainer reports it (its "
             f"training loop and per-epoch evaluation, start-up excluded), median of {reps} run(s), trainers "
             "alternating; the Python twin is `examples/ddp_fashion_mnist.py --device cuda` (PyTorch DDP, data and "
-            "indices on the GPU, the loss read only for progress lines, as mgtrain).", "",
+            "indices on the GPU, the loss read only for progress lines; mgtrain also synchronises every 8 steps "
+            "for its stop agreement, the twin never). The gain of `--cuda-graphs` is the graph's: the eager C++ "
+            "loop is about as fast as Python DDP, and the twin does not use PyTorch's own capture "
+            "(`torch.cuda.graph`), which could close much of the gap for a Python user. The two trainers "
+            "initialise and shuffle differently, so their accuracies differ by a point or so; ratios whose "
+            "ranges overlap are noise.", "",
             "| batch | precision | trainer | samples/s (min–max) | vs Python twin (medians) | test accuracy |", "|---|---|---|---|---|---|"]
     for r in t:
         vs = f"{r['vs_twin']:.2f}x" if r.get("vs_twin") else "–"
@@ -82,11 +87,11 @@ def render(res):
     out.append(f"- `--cuda-graphs` against the eager loop (MLP, 2 epochs of 2,000 synthetic samples: a partial last "
                f"batch runs eagerly between replays): weights "
                f"{'bit-identical' if ge.get('weights_equal') else 'NOT identical'} (eager repeatable: "
-               f"{ge.get('eager_repeatable')}), final loss {ge.get('loss_eager'):.6g} / {ge.get('loss_graph'):.6g}.")
+               f"{ge.get('eager_repeatable')}), final loss {ge.get('loss_eager')} / {ge.get('loss_graph')}; world 1.")
     cr = c.get("c10d_reducer", {})
     out.append(f"- `--reducer c10d` (c10d::Reducer over the NCCL backend, LibTorch {d['torch']}): "
                + (f"exit {cr.get('rc')}, weights {'bit-identical to' if cr.get('weights_equal_to_ours') else 'differ from'}"
-                  f" mgtrain's reducer on the same MLP run; CNN at batch 512, 1 epoch: test accuracy "
+                  f" mgtrain's reducer on the same MLP run (world 1: the averaging across ranks is not exercised); CNN at batch 512, 1 epoch: test accuracy "
                   f"{cr.get('cnn_test_accuracy')}" if cr.get("rc") == 0 else f"failed: {cr.get('error')}") + ".")
     nc = c.get("nccl_allreduce", {})
     out.append(f"- `mgtrain --bench allreduce` over NCCL: {nc.get('rows')} sizes from 1 KiB to 64 MiB, #wrong "
@@ -110,7 +115,7 @@ def render(res):
             out.append(f"- `--monitor=0.5 --metrics-json` during a 3-epoch mgtrain run, each of {len(rows)} agent "
                        f"samples against the `nvidia-smi` sample nearest in time (within 0.5 s): median absolute "
                        f"difference of GPU memory used {num(diff('mem'), 1)} MiB (of {num(mem)} MiB), of the rank's "
-                       f"own GPU memory (NVML compute processes) {num(diff('proc_mem'), 1)} MiB, utilisation "
+                       f"own GPU memory (NVML's compute processes; mgtrain was the only one) {num(diff('proc_mem'), 1)} MiB, utilisation "
                        f"{num(diff('util'))} points, power {num(diff('power'), 1)} W, temperature {num(diff('temp'))} C.")
         if mv.get("monitor_lines"):
             out += ["", "```", *mv["monitor_lines"][-2:], "```"]

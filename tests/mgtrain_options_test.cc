@@ -89,4 +89,5 @@ TEST_CASE("--cuda-graphs refuses, before any GPU work, what a captured step cann
   CHECK_THROWS_WITH(parse({"--cuda-graphs", "--sync-batchnorm"}), Catch::Contains("--sync-batchnorm"));
   CHECK_THROWS_WITH(parse({"--cuda-graphs", "--reducer", "c10d"}), Catch::Contains("--reducer mgtrain"));
   CHECK_THROWS_AS(parse({"--cuda-graphs", "--bench", "allreduce"}), UsageError);
+  CHECK_THROWS_WITH(parse({"--cuda-graphs", "--backend", "gloo"}), Catch::Contains("needs a GPU"));
 }

@@ -248,10 +248,14 @@ TEST_CASE("one real Fashion-MNIST epoch of the CNN passes 85% test accuracy") {
 }
 
 TEST_CASE("mgtrain --help lists --cuda-graphs, and a build without CUDA refuses it with exit 2") {
+  // The suite's builds are Debian's CPU LibTorch; a CUDA build is checked by bench/gpu.sh.
   auto h = run({kMgtrain, "--help"}, {}, 60s);
   CHECK(h.code == 0);
   CHECK_THAT(h.out, Catch::Contains("--cuda-graphs"));
   auto g = run({kMgtrain, "--cuda-graphs", "--dataset", "synthetic", "--synthetic-size", "256"}, {}, 60s);
   CHECK(g.code == 2);
   CHECK_THAT(g.err, Catch::Contains("--cuda-graphs needs a CUDA build"));
+  auto gloo = run({kMgtrain, "--cuda-graphs", "--backend", "gloo"}, {}, 60s);
+  CHECK(gloo.code == 2);
+  CHECK_THAT(gloo.err, Catch::Contains("drop --backend gloo"));
 }

@@ -128,6 +128,7 @@ ParseResult parse_options(int argc, const char* const* argv) {
     if (o.reducer != "mgtrain")
       throw UsageError("--cuda-graphs needs --reducer mgtrain (c10d::Reducer prepares every step on the CPU)");
     if (!o.bench.empty()) throw UsageError("--cuda-graphs is for training, not --bench");
+    if (o.backend == "gloo") throw UsageError("--cuda-graphs needs a GPU: drop --backend gloo");
   }
   return r;
 }

@@ -22,7 +22,7 @@ struct StepGraph::Impl {
   c10::cuda::CUDAStream side;
   torch::Tensor idx, loss;  // static: the graph reads idx and writes loss at fixed addresses
   int warmup_left;
-  bool captured = false;
+  bool captured = false, failed = false;
 };
 
 StepGraph::StepGraph(torch::Device device, std::int64_t batch_size, int warmup) {
@@ -33,6 +33,7 @@ StepGraph::StepGraph(torch::Device device, std::int64_t batch_size, int warmup) 
 
 torch::Tensor StepGraph::run(const torch::Tensor& idx, const Step& step) {
   Impl& g = *impl_;
+  if (g.failed) throw std::logic_error("StepGraph::run after a failed capture");
   if (idx.numel() != g.idx.numel())
     throw std::logic_error("StepGraph::run: a batch of " + std::to_string(idx.numel()) + " samples, captured for " +
                            std::to_string(g.idx.numel()));
@@ -58,6 +59,7 @@ torch::Tensor StepGraph::run(const torch::Tensor& idx, const Step& step) {
       try {
         g.loss = step(g.idx);
       } catch (...) {
+        g.failed = true;
         try {
           g.graph.capture_end();
         } catch (...) {

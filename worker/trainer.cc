@@ -217,7 +217,7 @@ int train(const Options& o, Comm& comm) {
   std::int64_t samples_done = 0, steps_this_run = 0;
   double last_loss = 0, test_acc = 0;
   // Losses stay on the device until a line or the summary needs them: no per-step sync.
-  torch::Tensor last_loss_t, loss_sum_t = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
+  torch::Tensor last_loss_t, loss_sum_t = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(comm.device));
   auto stop_flag = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
   bool stopped = false;
   for (std::int64_t epoch = state.epoch; epoch < o.epochs && state.step < total_steps && !stopped; ++epoch) {
@@ -381,6 +381,9 @@ void install_stop_handlers() {
 
 int run(const Options& o, const Env& env) {
   if (o.amp && !kAmpSupported) throw UsageError("--amp needs a CUDA build of mgtrain against LibTorch >= 2.4");
+#ifndef MGLAUNCH_WITH_NCCL
+  if (o.cuda_graphs) throw UsageError("--cuda-graphs needs a CUDA build of mgtrain (LibTorch with CUDA; see README, mgtrain)");
+#endif
   const Mode mode = resolve_mode(o, env);
   if (o.threads > 0) torch::set_num_threads(o.threads);
   Comm comm = mode == Mode::single ? local_comm(o) : connect(o, env);

@@ -92,87 +92,89 @@ def main():
         s = json.load(open(summary)) if rc == 0 and os.path.exists(summary) else {}
         return rc, s, out, dt
 
-    # --help and the refusals on a real GPU.
-    rc, out, _ = sh([mgtrain, "--help"])
-    res["checks"]["help_lists_cuda_graphs"] = "--cuda-graphs" in out
-    rc, out, _ = sh([mgtrain, "--cuda-graphs", "--find-unused-parameters"])
-    res["checks"]["refuses_find_unused"] = {"rc": rc, "line": out.strip().splitlines()[-1] if out.strip() else ""}
+    only_table = os.environ.get("GPU_ONLY_TABLE") == "1"
+    if not only_table:
+        # --help and the refusals on a real GPU.
+        rc, out, _ = sh([mgtrain, "--help"])
+        res["checks"]["help_lists_cuda_graphs"] = "--cuda-graphs" in out
+        rc, out, _ = sh([mgtrain, "--cuda-graphs", "--find-unused-parameters"])
+        res["checks"]["refuses_find_unused"] = {"rc": rc, "line": out.strip().splitlines()[-1] if out.strip() else ""}
 
-    # The graph trains the same weights as the eager loop (MLP: deterministic kernels), with
-    # an epoch whose last batch is partial (eager, between replays): 2,000 / 64 = 31.25.
-    common = ["--dataset", "synthetic", "--synthetic-size", "2000", "--model", "mlp", "--epochs", "2", "--log-every", "0"]
-    e1 = mg(common, "eq_eager1")
-    e2 = mg(common, "eq_eager2")
-    g1 = mg(common + ["--cuda-graphs"], "eq_graph")
-    res["checks"]["graph_vs_eager"] = {
-        "eager_rc": e1[0], "graph_rc": g1[0],
-        "eager_repeatable": bool(e1[1]) and e1[1].get("weights_sha256") == e2[1].get("weights_sha256"),
-        "weights_equal": bool(g1[1]) and g1[1].get("weights_sha256") == e1[1].get("weights_sha256"),
-        "graph_used": g1[1].get("cuda_graphs"),
-        "loss_eager": e1[1].get("final_train_loss"), "loss_graph": g1[1].get("final_train_loss"),
-        "acc_eager": e1[1].get("test_accuracy"), "acc_graph": g1[1].get("test_accuracy"),
-    }
-    # --reducer c10d on this LibTorch (c10d::Reducer over NCCL) against ours.
-    c = mg(common + ["--reducer", "c10d"], "c10d")
-    res["checks"]["c10d_reducer"] = {"rc": c[0], "weights_equal_to_ours": bool(c[1]) and c[1].get("weights_sha256") ==
-                                     e1[1].get("weights_sha256"), "error": "" if c[0] == 0 else c[2].strip()[-300:]}
-    cc = mg(["--model", "cnn", "--epochs", "1", "--batch-size", "512", "--reducer", "c10d", "--log-every", "0"], "c10d_cnn")
-    res["checks"]["c10d_reducer"]["cnn_test_accuracy"] = cc[1].get("test_accuracy")
-    # NCCL all-reduce, every element checked.
-    rc, out, _ = sh(launch(mgtrain, ["--bench", "allreduce", "--min-bytes", "1K", "--max-bytes", "64M", "--step-factor", "8"]))
-    rows = [l.split() for l in out.splitlines() if re.match(r"^\S*\s*\d+\s+\d+\s+float", l.split(":", 1)[-1])]
-    res["checks"]["nccl_allreduce"] = {"rc": rc, "rows": len(rows), "wrong": [r[-1] for r in rows]}
-    save()
-
-    # doctor and --monitor against nvidia-smi, in the same run.
-    if res["launcher"] == "mglaunch":
-        q = "name,pci.bus_id,memory.total,memory.used,utilization.gpu,temperature.gpu,power.draw"
-        rc, smi, _ = sh(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"])
-        rc2, doc, _ = sh([mgl, "doctor", "--json", "--no-python"])
-        try:
-            g = json.loads(doc)["gpus"][0]
-        except Exception:  # noqa: BLE001 - recorded as is
-            g = {"error": doc[-300:]}
-        res["checks"]["doctor_vs_nvidia_smi"] = {"nvidia_smi": [x.strip() for x in smi.strip().split(",")], "doctor": g}
-        samples_smi = []
-        stop = threading.Event()
-
-        def poll():
-            while not stop.is_set():
-                t = time.time()
-                _, o, _ = sh(["nvidia-smi", "--query-gpu=memory.used,utilization.gpu,power.draw,temperature.gpu",
-                              "--format=csv,noheader,nounits"], timeout=10)
-                _, apps, _ = sh(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                                timeout=10)
-                samples_smi.append({"time": t, "gpu": o.strip(), "apps": apps.strip()})
-                stop.wait(0.5)
-
-        th = threading.Thread(target=poll)
-        th.start()
-        mfile = os.path.join(tmp, "metrics.jsonl")
-        if os.path.exists(mfile):
-            os.remove(mfile)
-        rc, s, out, dt = mg(["--model", "cnn", "--epochs", "3", "--batch-size", "64", "--log-every", "0"], "monitor",
-                            extra_flags=("--monitor=0.5", "--metrics-json", mfile))
-        stop.set()
-        th.join()
-        ours = [json.loads(l) for l in open(mfile)] if os.path.exists(mfile) else []
-        res["checks"]["monitor_vs_nvidia_smi"] = {
-            "rc": rc,
-            "monitor_lines": [l for l in out.splitlines() if "monitor:" in l][-3:],
-            "agent_samples": [{"time": x.get("time"), "gpus": x.get("gpus"),
-                               "rank_gpus": [r.get("gpus") for r in x.get("ranks", [])],
-                               "rank_pids": [r.get("pid") for r in x.get("ranks", [])]} for x in ours],
-            "nvidia_smi_samples": samples_smi,
+        # The graph trains the same weights as the eager loop (MLP: deterministic kernels), with
+        # an epoch whose last batch is partial (eager, between replays): 2,000 / 64 = 31.25.
+        common = ["--dataset", "synthetic", "--synthetic-size", "2000", "--model", "mlp", "--epochs", "2", "--log-every", "0"]
+        e1 = mg(common, "eq_eager1")
+        e2 = mg(common, "eq_eager2")
+        g1 = mg(common + ["--cuda-graphs"], "eq_graph")
+        res["checks"]["graph_vs_eager"] = {
+            "eager_rc": e1[0], "graph_rc": g1[0],
+            "eager_repeatable": bool(e1[1]) and e1[1].get("weights_sha256") == e2[1].get("weights_sha256"),
+            "weights_equal": bool(g1[1]) and g1[1].get("weights_sha256") == e1[1].get("weights_sha256"),
+            "graph_used": g1[1].get("cuda_graphs"),
+            "loss_eager": e1[1].get("final_train_loss"), "loss_graph": g1[1].get("final_train_loss"),
+            "acc_eager": e1[1].get("test_accuracy"), "acc_graph": g1[1].get("test_accuracy"),
         }
-    save()
+        # --reducer c10d on this LibTorch (c10d::Reducer over NCCL) against ours.
+        c = mg(common + ["--reducer", "c10d"], "c10d")
+        res["checks"]["c10d_reducer"] = {"rc": c[0], "weights_equal_to_ours": bool(c[1]) and c[1].get("weights_sha256") ==
+                                         e1[1].get("weights_sha256"), "error": "" if c[0] == 0 else c[2].strip()[-300:]}
+        cc = mg(["--model", "cnn", "--epochs", "1", "--batch-size", "512", "--reducer", "c10d", "--log-every", "0"], "c10d_cnn")
+        res["checks"]["c10d_reducer"]["cnn_test_accuracy"] = cc[1].get("test_accuracy")
+        # NCCL all-reduce, every element checked.
+        rc, out, _ = sh(launch(mgtrain, ["--bench", "allreduce", "--min-bytes", "1K", "--max-bytes", "64M", "--step-factor", "8"]))
+        rows = [l.split() for l in out.splitlines() if re.match(r"^\S*\s*\d+\s+\d+\s+float", l.split(":", 1)[-1])]
+        res["checks"]["nccl_allreduce"] = {"rc": rc, "rows": len(rows), "wrong": [r[-1] for r in rows]}
+        save()
+
+        # doctor and --monitor against nvidia-smi, in the same run.
+        if res["launcher"] == "mglaunch":
+            q = "name,pci.bus_id,memory.total,memory.used,utilization.gpu,temperature.gpu,power.draw"
+            rc, smi, _ = sh(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"])
+            rc2, doc, _ = sh([mgl, "doctor", "--json", "--no-python"])
+            try:
+                g = json.loads(doc)["gpus"][0]
+            except Exception:  # noqa: BLE001 - recorded as is
+                g = {"error": doc[-300:]}
+            res["checks"]["doctor_vs_nvidia_smi"] = {"nvidia_smi": [x.strip() for x in smi.strip().split(",")], "doctor": g}
+            samples_smi = []
+            stop = threading.Event()
+
+            def poll():
+                while not stop.is_set():
+                    t = time.time()
+                    _, o, _ = sh(["nvidia-smi", "--query-gpu=memory.used,utilization.gpu,power.draw,temperature.gpu",
+                                  "--format=csv,noheader,nounits"], timeout=10)
+                    _, apps, _ = sh(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                    timeout=10)
+                    samples_smi.append({"time": t, "gpu": o.strip(), "apps": apps.strip()})
+                    stop.wait(0.5)
+
+            th = threading.Thread(target=poll)
+            th.start()
+            mfile = os.path.join(tmp, "metrics.jsonl")
+            if os.path.exists(mfile):
+                os.remove(mfile)
+            rc, s, out, dt = mg(["--model", "cnn", "--epochs", "3", "--batch-size", "64", "--log-every", "0"], "monitor",
+                                extra_flags=("--monitor=0.5", "--metrics-json", mfile))
+            stop.set()
+            th.join()
+            ours = [json.loads(l) for l in open(mfile)] if os.path.exists(mfile) else []
+            res["checks"]["monitor_vs_nvidia_smi"] = {
+                "rc": rc,
+                "monitor_lines": [l for l in out.splitlines() if "monitor:" in l][-3:],
+                "agent_samples": [{"time": x.get("time"), "gpus": x.get("gpus"),
+                                   "rank_gpus": [r.get("gpus") for r in x.get("ranks", [])],
+                                   "rank_pids": [r.get("pid") for r in x.get("ranks", [])]} for x in ours],
+                "nvidia_smi_samples": samples_smi,
+            }
+        save()
     # The table.
     reps = int(os.environ.get("GPU_REPS", "1"))
     epochs = int(os.environ.get("GPU_EPOCHS", "2"))
     cases = []
     for batch in (64, 512):
         for prec in ("fp32", "bf16"):
-            for trainer in ("python twin", "mgtrain", "mgtrain --cuda-graphs"):
+            for trainer in ("python twin", "python twin --cuda-graphs", "mgtrain", "mgtrain --cuda-graphs"):
                 cases.append((batch, prec, trainer))
     samples = {c: [] for c in cases}
 
@@ -195,10 +197,11 @@ def main():
         for batch, prec, trainer in cases:
             amp = ["--amp"] if prec == "bf16" else []
             args = ["--model", "cnn", "--epochs", str(epochs), "--batch-size", str(batch), "--log-every", "0"] + amp
-            if trainer == "python twin":
+            if trainer.startswith("python twin"):
                 rc, out, dt = sh(launch("examples/ddp_fashion_mnist.py",
                                         ["--device", "cuda", "--data-dir", data, "--model", "cnn", "--epochs", str(epochs),
-                                         "--batch-size", str(batch), "--log-every", "100000"] + amp))
+                                         "--batch-size", str(batch), "--log-every", "100000"] + amp +
+                                        (["--cuda-graphs"] if "graphs" in trainer else [])))
                 m = re.search(r"done: (\d+) steps, (\d+) samples/s, .*test accuracy ([0-9.]+)", out)
                 sps, acc = (float(m.group(2)), float(m.group(3))) if m and rc == 0 else (None, None)
             else:
@@ -206,8 +209,8 @@ def main():
                 rc, s, out, dt = mg(args + graphs, f"t{batch}{prec}{len(graphs)}")
                 sps, acc = s.get("samples_per_sec"), s.get("test_accuracy")
             samples[(batch, prec, trainer)].append({"rc": rc, "samples_per_sec": sps, "test_accuracy": acc, "wall_s": dt})
-        summarize()
-        save()
+            summarize()
+            save()
 
     print(json.dumps({k: v for k, v in res.items() if k != "checks"} | {"checks": {k: (v if k not in (
         "monitor_vs_nvidia_smi",) else "...") for k, v in res["checks"].items()}}, default=str)[:8000])

@@ -65,8 +65,8 @@ def render(res):
     t = res["table"]
     reps = max((len([x for x in r["runs"] if x.get("samples_per_sec")]) for r in t), default=0)
     out += [f"Fashion-MNIST CNN, {t[0]['epochs'] if t else '?'} epochs, samples/s as each trainer reports it (its "
-            f"training loop and per-epoch evaluation, start-up excluded), median of {reps} run(s), trainers "
-            "alternating; the Python twin is `examples/ddp_fashion_mnist.py --device cuda` (PyTorch DDP, data and "
+            f"training loop and per-epoch evaluation, start-up excluded), median of {reps} run(s) (min–max in "
+            "brackets), trainers alternating; the Python twin is `examples/ddp_fashion_mnist.py --device cuda` (PyTorch DDP, data and "
             "indices on the GPU, the loss read only for progress lines; mgtrain also synchronises every 8 steps "
             "for its stop agreement, the twin never). The gain of `--cuda-graphs` is the graph's: the eager C++ "
             "loop is about as fast as Python DDP, and the twin does not use PyTorch's own capture "
@@ -77,12 +77,20 @@ def render(res):
     for r in t:
         vs = f"{r['vs_twin']:.2f}x" if r.get("vs_twin") else "–"
         acc = "–" if r.get("test_accuracy") is None else f"{r['test_accuracy']:.4f}"
-        name = f"**{r['trainer']}**" if "graphs" in r["trainer"] else r["trainer"]
+        name = f"**{r['trainer']}**" if r["trainer"] == "mgtrain --cuda-graphs" else r["trainer"]
         got = [x["samples_per_sec"] for x in r["runs"] if x.get("samples_per_sec")]
         spread = f" ({num(min(got))}–{num(max(got))})" if len(got) > 1 else ""
         out.append(f"| {r['batch']} | {r['precision']} | {name} | {num(r['samples_per_sec'])}{spread} | {vs} | {acc} |")
+    if res.get("runs_note"):
+        out += ["", f"Runs: {res['runs_note']}."]
+    pg = res.get("python_twin_cuda_graphs")
+    if pg:
+        out += ["", f"The twin with PyTorch's own whole-step capture (`--cuda-graphs`: `torch.cuda.graph` around the "
+                f"DDP step on a side stream after 11 eager warm-up steps, as PyTorch's notes describe) failed in "
+                f"{pg['failed']} of {pg['runs']} runs: {pg['error']}. It was not pursued further in that loan, so "
+                f"there is no Python-with-graphs row yet."]
     c = res["checks"]
-    out += ["", "Checks in the same run:"]
+    out += ["", "Checks (first loan):"]
     ge = c.get("graph_vs_eager", {})
     out.append(f"- `--cuda-graphs` against the eager loop (MLP, 2 epochs of 2,000 synthetic samples: a partial last "
                f"batch runs eagerly between replays): weights "

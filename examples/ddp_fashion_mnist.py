@@ -73,6 +73,36 @@ class Mlp(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
 
 
+class GraphedStep:
+    """Whole-step capture as PyTorch documents it for DDP: eager warm-up steps on a side
+    stream (11, for DDP), then one capture, then replays over a static index buffer."""
+
+    def __init__(self, step, batch, dev, warmup=11):
+        self.step, self.warmup, self.graph = step, warmup, None
+        self.idx = torch.empty(batch, dtype=torch.long, device=dev)
+        self.side = torch.cuda.Stream()
+
+    def __call__(self, bi):
+        self.idx.copy_(bi, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.loss
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self.side):
+            if self.warmup > 0:
+                self.warmup -= 1
+                loss = self.step(self.idx)
+            else:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=self.side):
+                    self.loss = self.step(self.idx)
+        torch.cuda.synchronize()
+        if self.graph is None:
+            return loss
+        self.graph.replay()
+        return self.loss
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
@@ -88,9 +118,13 @@ def main():
     p.add_argument("--legacy", action="store_true", help="the earlier twin: NCHW, ReLU before pool, zeroed grads")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, data on the GPU")
     p.add_argument("--amp", action="store_true", help="bf16 autocast of the forward pass (cuda)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="PyTorch's own whole-step capture (torch.cuda.graph), as mgtrain --cuda-graphs")
     args = p.parse_args()
-    if args.amp and args.device != "cuda":
-        p.error("--amp needs --device cuda")
+    if (args.amp or args.cuda_graphs) and args.device != "cuda":
+        p.error("--amp and --cuda-graphs need --device cuda")
+    if args.cuda_graphs:  # DDP under capture (PyTorch's notes on CUDA graphs): no async NCCL error handling
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     global LEGACY
     LEGACY = args.legacy
 
@@ -114,6 +148,20 @@ def main():
     steps_per_epoch = math.ceil(sampler.num_samples / args.batch_size)
     if rank == 0:
         print(f"ddp_fashion_mnist: {args.model}, world {world}, {steps_per_epoch} steps/epoch", flush=True)
+    def train_step(bi):
+        x, y = train_x[bi], train_y[bi]
+        opt.zero_grad(set_to_none=not LEGACY)
+        if args.amp:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(x)
+        else:
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graphs = GraphedStep(train_step, args.batch_size, dev) if args.cuda_graphs else None
     start, cpu_start, samples, step = time.time(), time.process_time(), 0, 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -121,16 +169,10 @@ def main():
         model.train()
         for b in range(0, len(idx), args.batch_size):
             bi = idx[b:b + args.batch_size]
-            x, y = train_x[bi], train_y[bi]
-            opt.zero_grad(set_to_none=not LEGACY)
-            if args.amp:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    logits = model(x)
+            if graphs is not None and len(bi) == args.batch_size:
+                loss = graphs(bi)
             else:
-                logits = model(x)
-            loss = F.cross_entropy(logits.float(), y)
-            loss.backward()
-            opt.step()
+                loss = train_step(bi)
             step += 1
             samples += len(bi) * world
             if rank == 0 and step % args.log_every == 0:

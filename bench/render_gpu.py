@@ -69,8 +69,7 @@ def render(res):
             "brackets), trainers alternating; the Python twin is `examples/ddp_fashion_mnist.py --device cuda` (PyTorch DDP, data and "
             "indices on the GPU, the loss read only for progress lines; mgtrain also synchronises every 8 steps "
             "for its stop agreement, the twin never). The gain of `--cuda-graphs` is the graph's: the eager C++ "
-            "loop is about as fast as Python DDP, and the twin does not use PyTorch's own capture "
-            "(`torch.cuda.graph`), which could close much of the gap for a Python user. The two trainers "
+            "loop is about as fast as Python DDP; the twin here does not capture (see below). The two trainers "
             "initialise and shuffle differently, so their accuracies differ by a point or so; ratios whose "
             "ranges overlap are noise.", "",
             "| batch | precision | trainer | samples/s (min–max) | vs Python twin (medians) | test accuracy |", "|---|---|---|---|---|---|"]
@@ -90,7 +89,7 @@ def render(res):
                 f"{pg['failed']} of {pg['runs']} runs: {pg['error']}. It was not pursued further in that loan, so "
                 f"there is no Python-with-graphs row yet."]
     c = res["checks"]
-    out += ["", "Checks (first loan):"]
+    out += ["", "Checks (in the loan of rounds 1-2):"]
     ge = c.get("graph_vs_eager", {})
     out.append(f"- `--cuda-graphs` against the eager loop (MLP, 2 epochs of 2,000 synthetic samples: a partial last "
                f"batch runs eagerly between replays): weights "

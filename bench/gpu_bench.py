@@ -174,7 +174,7 @@ def main():
     cases = []
     for batch in (64, 512):
         for prec in ("fp32", "bf16"):
-            for trainer in ("python twin", "python twin --cuda-graphs", "mgtrain", "mgtrain --cuda-graphs"):
+            for trainer in ("python twin", "mgtrain", "mgtrain --cuda-graphs"):
                 cases.append((batch, prec, trainer))
     samples = {c: [] for c in cases}
 
@@ -200,8 +200,7 @@ def main():
             if trainer.startswith("python twin"):
                 rc, out, dt = sh(launch("examples/ddp_fashion_mnist.py",
                                         ["--device", "cuda", "--data-dir", data, "--model", "cnn", "--epochs", str(epochs),
-                                         "--batch-size", str(batch), "--log-every", "100000"] + amp +
-                                        (["--cuda-graphs"] if "graphs" in trainer else [])))
+                                         "--batch-size", str(batch), "--log-every", "100000"] + amp))
                 m = re.search(r"done: (\d+) steps, (\d+) samples/s, .*test accuracy ([0-9.]+)", out)
                 sps, acc = (float(m.group(2)), float(m.group(3))) if m and rc == 0 else (None, None)
             else:

@@ -84,10 +84,10 @@ def render(res):
         out += ["", f"Runs: {res['runs_note']}."]
     pg = res.get("python_twin_cuda_graphs")
     if pg:
-        out += ["", f"The twin with PyTorch's own whole-step capture (`--cuda-graphs`: `torch.cuda.graph` around the "
+        out += ["", f"An attempt at the twin with PyTorch's own whole-step capture (`torch.cuda.graph` around the "
                 f"DDP step on a side stream after 11 eager warm-up steps, as PyTorch's notes describe) failed in "
-                f"{pg['failed']} of {pg['runs']} runs: {pg['error']}. It was not pursued further in that loan, so "
-                f"there is no Python-with-graphs row yet."]
+                f"{pg['failed']} of {pg['runs']} runs: {pg['error']}. It was not pursued in that loan and is not "
+                f"kept in the example, so there is no Python-with-graphs row yet."]
     c = res["checks"]
     out += ["", "Checks (in the loan of rounds 1-2):"]
     ge = c.get("graph_vs_eager", {})

@@ -73,36 +73,6 @@ class Mlp(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
 
 
-class GraphedStep:
-    """Whole-step capture as PyTorch documents it for DDP: eager warm-up steps on a side
-    stream (11, for DDP), then one capture, then replays over a static index buffer."""
-
-    def __init__(self, step, batch, dev, warmup=11):
-        self.step, self.warmup, self.graph = step, warmup, None
-        self.idx = torch.empty(batch, dtype=torch.long, device=dev)
-        self.side = torch.cuda.Stream()
-
-    def __call__(self, bi):
-        self.idx.copy_(bi, non_blocking=True)
-        if self.graph is not None:
-            self.graph.replay()
-            return self.loss
-        torch.cuda.synchronize()
-        with torch.cuda.stream(self.side):
-            if self.warmup > 0:
-                self.warmup -= 1
-                loss = self.step(self.idx)
-            else:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, stream=self.side):
-                    self.loss = self.step(self.idx)
-        torch.cuda.synchronize()
-        if self.graph is None:
-            return loss
-        self.graph.replay()
-        return self.loss
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
@@ -118,13 +88,9 @@ def main():
     p.add_argument("--legacy", action="store_true", help="the earlier twin: NCHW, ReLU before pool, zeroed grads")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, data on the GPU")
     p.add_argument("--amp", action="store_true", help="bf16 autocast of the forward pass (cuda)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="PyTorch's own whole-step capture (torch.cuda.graph), as mgtrain --cuda-graphs")
     args = p.parse_args()
-    if (args.amp or args.cuda_graphs) and args.device != "cuda":
-        p.error("--amp and --cuda-graphs need --device cuda")
-    if args.cuda_graphs:  # DDP under capture (PyTorch's notes on CUDA graphs): no async NCCL error handling
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    if args.amp and args.device != "cuda":
+        p.error("--amp needs --device cuda")
     global LEGACY
     LEGACY = args.legacy
 
@@ -161,7 +127,6 @@ def main():
         opt.step()
         return loss.detach()
 
-    graphs = GraphedStep(train_step, args.batch_size, dev) if args.cuda_graphs else None
     start, cpu_start, samples, step = time.time(), time.process_time(), 0, 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -169,10 +134,7 @@ def main():
         model.train()
         for b in range(0, len(idx), args.batch_size):
             bi = idx[b:b + args.batch_size]
-            if graphs is not None and len(bi) == args.batch_size:
-                loss = graphs(bi)
-            else:
-                loss = train_step(bi)
+            loss = train_step(bi)
             step += 1
             samples += len(bi) * world
             if rank == 0 and step % args.log_every == 0:

@@ -37,7 +37,18 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
   }
 
   void on_read(beast::error_code ec) {
-    if (ec || connections->stopped) return close();
+    if (connections->stopped) return close();
+    if (ec) {
+      // A request it will not take gets a status saying why; a client that went away or
+      // ran out of time gets nothing.
+      if (ec == http::error::header_limit || ec == http::error::buffer_overflow)
+        return refuse(431, fmt::format("request line and headers over {} bytes\n", kHttpLimits.max_header_bytes));
+      if (ec == http::error::body_limit) return refuse(413, "no request body is accepted\n");
+      if (ec.category() == http::make_error_code(http::error::bad_target).category() && ec != http::error::end_of_stream &&
+          ec != http::error::partial_message)
+        return refuse(400, fmt::format("bad request: {}\n", ec.message()));
+      return close();
+    }
     const auto& req = parser.get();
     HttpResponse r;
     try {
@@ -47,13 +58,19 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
     } catch (const std::exception& e) {
       r = {500, "text/plain; charset=utf-8", fmt::format("internal error: {}\n", e.what())};
     }
-    res.version(req.version());
+    respond(req.version(), req.method() == http::verb::head, std::move(r));
+  }
+
+  void refuse(int status, std::string text) { respond(11, false, {status, "text/plain; charset=utf-8", std::move(text)}); }
+
+  void respond(unsigned version, bool head, HttpResponse r) {
+    res.version(version);
     res.result(static_cast<http::status>(r.status));
     res.set(http::field::server, "mglaunch");
     res.set(http::field::content_type, r.content_type);
     res.set(http::field::cache_control, "no-store");
     res.keep_alive(false);
-    if (req.method() == http::verb::head) {  // the headers a GET would get, no body
+    if (head) {  // the headers a GET would get, no body
       res.content_length(r.body.size());
     } else {
       res.body() = std::move(r.body);

@@ -4,7 +4,8 @@
 // starving the others: one request per connection, no request bodies, a request line and
 // headers of at most 8 KiB that must have arrived 5 s after the connection was accepted
 // (however slowly they trickle in), 10 s to write the response, at most 64 connections at
-// once and 8 from one address (a connection beyond either is closed at once).
+// once and 8 from one address (a connection beyond either is closed at once). A request
+// it does not take is answered 431 (headers too large), 413 (a body) or 400 (malformed).
 #pragma once
 
 #include <chrono>

@@ -244,3 +244,26 @@ TEST_CASE("a stopped daemon closes its open HTTP connections instead of serving 
   REQUIRE(d.proc.wait(10s));
   CHECK(d.proc.exit_code() == 0);
 }
+
+TEST_CASE("requests the HTTP server does not take are answered with a status that says why, and it serves on") {
+  Daemon d = start_daemon({}, {"--metrics-port", "0"});
+  REQUIRE(eventually([&] { return port_on_line(d.proc.out(), "metrics on http://127.0.0.1:") > 0; }, 10s));
+  const int port = port_on_line(d.proc.out(), "metrics on http://127.0.0.1:");
+  CHECK_THAT(exchange("127.0.0.2", port, "GET /metrics HTTP/1.1\r\nX-Big: " + std::string(9000, 'a') + "\r\n\r\n"),
+             Catch::StartsWith("HTTP/1.1 431") && Catch::Contains("over 8192 bytes"));
+  CHECK_THAT(exchange("127.0.0.2", port, "GET /" + std::string(9000, 'a') + " HTTP/1.1\r\n\r\n"),
+             Catch::StartsWith("HTTP/1.1 431"));
+  CHECK_THAT(exchange("127.0.0.2", port, "POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello"),
+             Catch::StartsWith("HTTP/1.1 413") && Catch::Contains("no request body"));
+  CHECK_THAT(exchange("127.0.0.2", port, "POST /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+             Catch::StartsWith("HTTP/1.1 413"));
+  CHECK_THAT(exchange("127.0.0.2", port, std::string("\x01\x02 nonsense\r\n\r\n")), Catch::StartsWith("HTTP/1.1 400"));
+  // A thousand small headers fit in 8 KiB: served.
+  std::string many = "GET /metrics HTTP/1.1\r\n";
+  for (int i = 0; i < 1000; ++i) many += "a: b\r\n";
+  CHECK_THAT(exchange("127.0.0.2", port, many + "\r\n"), Catch::StartsWith("HTTP/1.1 200"));
+  CHECK_THAT(get_from("127.0.0.2", port, "/metrics"), Catch::StartsWith("HTTP/1.1 200"));
+  ::kill(d.proc.pid, SIGTERM);
+  REQUIRE(d.proc.wait(10s));
+  CHECK(d.proc.exit_code() == 0);
+}

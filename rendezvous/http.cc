@@ -1,5 +1,7 @@
 #include "rendezvous/http.h"
 
+#include <vector>
+
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <fmt/format.h>
@@ -17,10 +19,16 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
     ++this->connections->total;
     ++this->connections->per_address[peer];
     this->connections->open.insert(this);
+    seq = ++this->connections->accepted;
     parser.header_limit(static_cast<std::uint32_t>(kHttpLimits.max_header_bytes));
     parser.body_limit(0);
   }
-  ~Session() {
+  ~Session() { release(); }
+
+  // Gives its place back (once): from its close on, it counts as gone.
+  void release() {
+    if (released) return;
+    released = true;
     connections->open.erase(this);
     --connections->total;
     if (auto it = connections->per_address.find(peer); it != connections->per_address.end() && --it->second == 0)
@@ -37,6 +45,7 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
   }
 
   void on_read(beast::error_code ec) {
+    waiting = false;
     if (connections->stopped) return close();
     if (ec) {
       // A request it will not take gets a status saying why; a client that went away or
@@ -81,6 +90,7 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
   }
 
   void close() {
+    release();
     beast::error_code ignored;
     stream.socket().shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
     stream.close();
@@ -93,6 +103,9 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
   http::response<http::string_body> res;
   std::shared_ptr<HttpHandler> handler;
   std::shared_ptr<Connections> connections;
+  std::uint64_t seq = 0;  // order of acceptance
+  bool waiting = true;    // for its request
+  bool released = false;
 };
 
 HttpServer::HttpServer(asio::io_context& io, const std::string& host, int port, HttpHandler handler)
@@ -132,7 +145,24 @@ void HttpServer::stop() {
   acceptor_.close(ec);
   pause_.cancel();
   connections_->stopped = true;
-  for (Session* s : connections_->open) s->close();  // their completions come later: the set stays as it is here
+  const std::vector<Session*> open(connections_->open.begin(), connections_->open.end());
+  for (Session* s : open) s->close();  // each leaves the set; its completion comes later
+}
+
+bool HttpServer::evict_for(std::size_t newcomer_holds) {
+  Session* victim = nullptr;
+  std::size_t most = 0;
+  for (Session* s : connections_->open) {
+    if (!s->waiting) continue;
+    const std::size_t n = connections_->per_address.at(s->peer);
+    if (!victim || n > most || (n == most && s->seq < victim->seq)) {
+      victim = s;
+      most = n;
+    }
+  }
+  if (!victim || most < newcomer_holds + 2) return false;
+  victim->close();
+  return true;
 }
 
 void HttpServer::accept() {
@@ -143,8 +173,9 @@ void HttpServer::accept() {
       auto peer = socket.remote_endpoint(peer_ec).address();
       if (peer.is_v6() && peer.to_v6().is_v4_mapped()) peer = asio::ip::make_address_v4(asio::ip::v4_mapped, peer.to_v6());
       const auto it = connections_->per_address.find(peer);
-      if (peer_ec || connections_->total >= kHttpLimits.max_connections ||
-          (it != connections_->per_address.end() && it->second >= kHttpLimits.max_per_address)) {
+      const std::size_t holds = it == connections_->per_address.end() ? 0 : it->second;
+      if (peer_ec || holds >= kHttpLimits.max_per_address ||
+          (connections_->total >= kHttpLimits.max_connections && !evict_for(holds))) {
         boost::system::error_code ignored;
         socket.close(ignored);
       } else {

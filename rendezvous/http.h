@@ -4,12 +4,17 @@
 // starving the others: one request per connection, no request bodies, a request line and
 // headers of at most 8 KiB that must have arrived 5 s after the connection was accepted
 // (however slowly they trickle in), 10 s to write the response, at most 64 connections at
-// once and 8 from one address (a connection beyond either is closed at once). A request
-// it does not take is answered 431 (headers too large), 413 (a body) or 400 (malformed).
+// once and 8 from one address (a connection beyond either is closed at once, except that
+// with all 64 taken a newcomer displaces the connection that has waited longest for its
+// request among those of the address holding the most, when that holds at least two more
+// than the newcomer's: many addresses holding slow connections cannot lock out one that
+// holds few). A request it does not take is answered 431 (headers too large), 413 (a body)
+// or 400 (malformed).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -64,9 +69,13 @@ class HttpServer {
     std::size_t total = 0;
     std::map<boost::asio::ip::address, std::size_t> per_address;
     std::set<Session*> open;  // closed by stop()
+    std::uint64_t accepted = 0;
     bool stopped = false;
   };
   void accept();
+  // At the connection limit, for a newcomer whose address holds `newcomer_holds`: closes
+  // the connection to displace (see above); false when none may be.
+  bool evict_for(std::size_t newcomer_holds);
 
   boost::asio::io_context& io_;
   std::string host_;

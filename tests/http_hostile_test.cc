@@ -12,8 +12,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <memory>
 #include <regex>
 #include <thread>
+#include <vector>
 
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
@@ -170,6 +172,21 @@ TEST_CASE("slow HTTP connections from one address leave the daemon's /metrics an
   }
   // Once the hog has gone, its address is served again.
   CHECK(eventually([&] { return get_from("127.0.0.2", metrics, "/metrics").rfind("HTTP/1.1 200", 0) == 0; }, 20s));
+  ::kill(d.proc.pid, SIGTERM);
+  REQUIRE(d.proc.wait(10s));
+  CHECK(d.proc.exit_code() == 0);
+}
+
+TEST_CASE("slow HTTP connections from many addresses, 8 each, cannot lock out one more address") {
+  Daemon d = start_daemon({}, {"--metrics-port", "0"});
+  REQUIRE(eventually([&] { return port_on_line(d.proc.out(), "metrics on http://127.0.0.1:") > 0; }, 10s));
+  const int port = port_on_line(d.proc.out(), "metrics on http://127.0.0.1:");
+  {
+    std::vector<std::unique_ptr<SlowHog>> hogs;  // 10 addresses x 8 = 80 > 64
+    for (int i = 10; i < 20; ++i) hogs.push_back(std::make_unique<SlowHog>("127.0.0." + std::to_string(i), std::vector<int>{port}, 8));
+    for (int i = 0; i < 3; ++i)
+      CHECK_THAT(get_from("127.0.0.3", port, "/metrics"), Catch::StartsWith("HTTP/1.1 200"));
+  }
   ::kill(d.proc.pid, SIGTERM);
   REQUIRE(d.proc.wait(10s));
   CHECK(d.proc.exit_code() == 0);

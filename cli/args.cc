@@ -96,7 +96,17 @@ std::optional<std::string> nearest_name(const std::string& word, const std::vect
 Normalized normalize_args(const std::vector<std::string>& args, const std::vector<FlagSpec>& specs,
                           bool stop_at_positional) {
   Normalized out;
+  // The flag just before a positional argument, when it was a switch that takes an
+  // optional value and was given without one (`--monitor 2`).
+  std::optional<std::size_t> bare_optional;
   auto rest_from = [&](std::size_t i) {
+    // argparse's rule makes `--monitor 2` the program "2"; almost always a typo for `--monitor=2`.
+    if (bare_optional && args[i] != "--" && is_number(args[i])) {
+      const std::string name = specs[*bare_optional].display();
+      throw ArgsError(fmt::format("'{} {}' makes '{}' the program: write {}={} (the value of an optional-value flag "
+                                  "needs '='), or '{} -- {}' if '{}' really is the program",
+                                  name, args[i], args[i], name, args[i], name, args[i], args[i]));
+    }
     out.rest = out.args.size();
     out.args.insert(out.args.end(), args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
     return out;
@@ -143,11 +153,13 @@ Normalized normalize_args(const std::vector<std::string>& args, const std::vecto
     } else {
       out.args.push_back(is_long ? name + "=" + *value : name + *value);
     }
+    if (!value && s.optional_value) bare_optional = k;
     out.given.push_back(k);
     out.values.push_back(std::move(value));
   };
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
+    if (looks_like_flag(a)) bare_optional.reset();  // emit() sets it again for this flag
     if (a == "--") {
       if (stop_at_positional) return rest_from(i);
       out.args.insert(out.args.end(), args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
@@ -193,6 +205,7 @@ Normalized normalize_args(const std::vector<std::string>& args, const std::vecto
       continue;
     }
     if (stop_at_positional) return rest_from(i);
+    bare_optional.reset();
     out.args.push_back(a);
   }
   out.rest = out.args.size();
@@ -208,6 +221,7 @@ std::vector<FlagSpec> specs_of(const CLI::App& app) {
     if (s.long_names.empty() && s.short_names.empty()) continue;  // a positional
     s.takes_value = o->get_expected_max() > 0;  // 0: a flag (switch)
     s.empty_ok = o->get_type_name().starts_with("TEXT");
+    s.optional_value = !s.takes_value && o->get_option_text().starts_with("[=");
     out.push_back(std::move(s));
   }
   return out;

@@ -31,6 +31,7 @@ struct FlagSpec {
   std::vector<std::string> short_names;  // single characters, without "-"
   bool takes_value = true;               // false: a switch (`--standalone`); `--switch=VALUE` still passes on
   bool empty_ok = true;                  // an explicit empty value means something (a text option)
+  bool optional_value = false;           // a switch that also takes `=VALUE` (`--monitor[=S]`): never `--flag VALUE`
   std::string display() const;           // "--nproc_per_node" (or "-m" for a short-only flag)
 };
 

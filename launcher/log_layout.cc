@@ -21,19 +21,34 @@ std::string LogLayout::create(const LogLayoutOptions& o) {
   std::error_code ec;
   if (!o.log_dir.empty()) {
     root_ = o.log_dir;
-    run_dir_ = o.rdzv_id == "none" ? root_ : (fs::path(root_) / o.run_id).string();
-    fs::create_directories(run_dir_, ec);
-    if (ec || ::access(run_dir_.c_str(), W_OK) != 0)
+    fs::create_directories(root_, ec);
+    if (ec || ::access(root_.c_str(), W_OK) != 0)
       throw UsageError(fmt::format("--log_dir '{}' is not writable{}; pick a directory you can write to", o.log_dir,
                                    ec ? ": " + ec.message() : ""));
-    if (o.rdzv_id != "none") return {};
-    // The default run id: each run gets its own directory (as torchrun's RUN_ID_XXXXXX),
-    // so a re-run never overwrites the last run's logs.
+    // Each run gets its own directory (as torchrun's RUN_ID_XXXXXXXX), so a re-run with the
+    // same id (a Slurm requeue keeps its id) never overwrites or mixes with the last run.
     std::string templ = fmt::format("{}/{}_{}_XXXXXX", root_, o.run_id, o.time_text);
+    fs::create_directories(fs::path(templ).parent_path(), ec);  // an id with '/' in it
     if (!::mkdtemp(templ.data()))
       throw UsageError(fmt::format("--log_dir '{}': cannot create {}: {}", o.log_dir, templ, std::strerror(errno)));
     run_dir_ = templ;
-    return fmt::format("log directory: {}", run_dir_);
+    if (o.rdzv_id == "none") return fmt::format("log directory: {}", run_dir_);
+    // A named run: {log_dir}/{run_id} is a link to the newest run of that id, replaced
+    // atomically (rename), so it never dangles half-made.
+    const fs::path link = fs::path(root_) / o.run_id;
+    const std::string own = fs::path(run_dir_).filename().string();
+    if (fs::exists(fs::symlink_status(link, ec)) && !fs::is_symlink(fs::symlink_status(link, ec)))
+      return fmt::format("log directory: {} ({} is not a link: an older mglaunch's run, left as it is)", run_dir_,
+                         link.string());
+    const fs::path tmp = fs::path(run_dir_).parent_path() / ("." + own + ".link");
+    fs::create_directory_symlink(own, tmp, ec);
+    if (!ec) fs::rename(tmp, link, ec);
+    if (ec) {
+      std::error_code ignored;
+      fs::remove(tmp, ignored);
+      return fmt::format("log directory: {} (cannot point {} at it: {})", run_dir_, link.string(), ec.message());
+    }
+    return fmt::format("log directory: {} (newest run of {}: {})", run_dir_, o.run_id, link.string());
   }
   const char* env = std::getenv("TMPDIR");
   const std::string tmp = !o.tmpdir.empty() ? o.tmpdir : env && *env ? env : "/tmp";

@@ -1,5 +1,6 @@
 // LogLayout: where one node's run keeps its files, and whether they outlive it.
-//   --log_dir D, --rdzv_id ID:   D/ID/attempt_{N}/{local_rank}/{stdout,stderr}.log, error.json
+//   --log_dir D, --rdzv_id ID:   D/ID_{time}_XXXXXX/attempt_{N}/{local_rank}/{stdout,stderr}.log, error.json
+//                                and D/ID a link to the newest run of ID (a re-run never overwrites)
 //   --log_dir D, default id:     D/{run_id}_{time}_XXXXXX/attempt_{N}/... (a re-run never overwrites)
 //   no --log_dir:                $TMPDIR/mglaunch_XXXXXX/{run_id}/attempt_{N}/..., removed at the end
 //                                unless output is redirected to files or a failed run left files;

@@ -57,8 +57,14 @@ bool is_agent_bool_flag(std::string_view name) {
 // The remote wrapper: reads the token from stdin, runs the agent in the background with
 // stdin from /dev/null, and a watcher that sends it SIGTERM when stdin reaches EOF (the
 // launcher closed the pipe, died, or the connection dropped). Exits with the agent's code.
+// With a working directory it is run as `sh -c WRAPPER mglaunch-host -C DIR AGENT...` and
+// first changes to DIR (a directory that is missing there is one error line and exit 2).
 constexpr const char* kWrapper =
-    "IFS= read -r MGLAUNCH_RDZV_TOKEN || exit 1; export MGLAUNCH_RDZV_TOKEN; exec 3<&0; "
+    "if [ \"$1\" = -C ]; then cd -- \"$2\" 2>/dev/null || { printf 'mglaunch: error: the working directory %s does not "
+    "exist on this host (or cannot be entered): mglaunch --hostfile starts every agent in the directory it was started "
+    "in; create it there or start mglaunch from a directory every host has\\n' \"$2\" >&2; exit 2; }; shift 2; fi; "
+    "IFS= read -r MGLAUNCH_RDZV_TOKEN || exit 1; export MGLAUNCH_RDZV_TOKEN; unset MGLAUNCH_RDZV_JOB_TOKEN; "
+    "exec 3<&0; "
     "\"$@\" </dev/null 3<&- & pid=$!; "
     "{ while IFS= read -r _l; do :; done; kill -TERM \"$pid\"; } <&3 >/dev/null 2>&1 & w=$!; "
     "exec 3<&-; wait \"$pid\"; rc=$?; kill \"$w\" 2>/dev/null; exit \"$rc\"";
@@ -294,7 +300,11 @@ std::string shell_quote(const std::string& arg) {
   return out + "'";
 }
 
-EnvMap resolve_exports(const std::vector<std::string>& patterns, const EnvMap& env) {
+bool is_rdzv_secret(std::string_view name) {
+  return name.starts_with("MGLAUNCH_RDZV_") || name == "MGLAUNCH_ETCD_PASSWORD";
+}
+
+EnvMap resolve_exports(const std::vector<std::string>& patterns, const EnvMap& env, std::vector<std::string>* left_out) {
   auto valid_name = [](std::string_view n) {
     return !n.empty() && !std::isdigit(static_cast<unsigned char>(n[0])) &&
            std::all_of(n.begin(), n.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
@@ -316,7 +326,16 @@ EnvMap resolve_exports(const std::vector<std::string>& patterns, const EnvMap& e
       out[p] = it->second;
     }
   }
-  out.erase("MGLAUNCH_RDZV_TOKEN");  // travels over stdin only
+  // The launcher's own token travels over ssh's stdin; a secret on the command line would
+  // show in `ps` on both ends (and a job key there would override that token).
+  for (auto it = out.begin(); it != out.end();) {
+    if (!is_rdzv_secret(it->first)) {
+      ++it;
+      continue;
+    }
+    if (left_out) left_out->push_back(it->first);
+    it = out.erase(it);
+  }
   return out;
 }
 
@@ -343,6 +362,7 @@ MultiHostPlan make_multihost_plan(const MultiHostOptions& o, const std::vector<H
   plan.rdzv_id = rdzv_id;
   plan.rdzv_endpoint = rdzv_endpoint;
   plan.exports = exports;
+  plan.workdir = o.workdir;
   const std::string mglaunch = o.remote_mglaunch.empty() ? self_exe() : o.remote_mglaunch;
   for (std::size_t i = 0; i < hosts.size(); ++i) {
     HostCommand hc;
@@ -365,6 +385,7 @@ MultiHostPlan make_multihost_plan(const MultiHostOptions& o, const std::vector<H
     hc.agent_argv.insert(hc.agent_argv.end(), o.program.begin(), o.program.end());
 
     std::string cmd = "exec sh -c " + shell_quote(kWrapper) + " mglaunch-host";
+    if (!o.workdir.empty()) cmd += " -C " + shell_quote(o.workdir);
     if (!exports.empty()) {
       cmd += " env";
       for (const auto& [k, v] : exports) cmd += " " + shell_quote(k + "=" + v);
@@ -391,6 +412,7 @@ nlohmann::json multihost_plan_json(const MultiHostPlan& plan) {
   nlohmann::json exported = nlohmann::json::array();
   for (const auto& [k, v] : plan.exports) exported.push_back(k);
   return {{"nnodes", plan.hosts.size()},
+          {"workdir", plan.workdir},
           {"rdzv_endpoint", plan.rdzv_endpoint},
           {"rdzv_id", plan.rdzv_id},
           {"exports", exported},
@@ -427,6 +449,7 @@ std::vector<std::string> RootCauseFilter::feed(const std::string& host, std::str
   std::vector<std::string> block = std::move(lines);
   open_.erase(it);
   if (block.back() != kRule) return block;
+  if (drop_) return {};
   std::string key;
   for (const auto& l : block)
     if (!l.starts_with("  time ")) key += l + "\n";
@@ -444,6 +467,7 @@ std::vector<std::string> RootCauseFilter::finish(const std::string& host) {
   if (it == open_.end()) return {};
   std::vector<std::string> lines = std::move(it->second.lines);
   open_.erase(it);
+  if (drop_) return {};
   return lines;
 }
 
@@ -508,7 +532,7 @@ void Fanout::start() {
   }
   std::vector<std::string> envs;
   for (char** e = environ; *e; ++e)
-    if (!std::string_view(*e).starts_with("MGLAUNCH_RDZV_TOKEN=")) envs.emplace_back(*e);
+    if (std::string_view kv(*e); !is_rdzv_secret(kv.substr(0, kv.find('=')))) envs.emplace_back(*e);
   std::vector<const char*> envp;
   for (const auto& e : envs) envp.push_back(e.c_str());
   envp.push_back(nullptr);
@@ -603,6 +627,10 @@ void Fanout::on_host_exit(Host& h, int status) {
                            "and that 'ssh -o BatchMode=yes {} true' works; stopping the other hosts",
                            h.cmd.host.host, why, h.cmd.host.host));
       stop_all("");
+    } else if (h.code == exit_code::kUsage && !h.saw_output) {
+      // The host refused before its agent started (no working directory there, a flag its
+      // mglaunch refuses): the others would only wait in the rendezvous.
+      stop_all("");
     } else {
       // The rendezvous normally stops the other agents with the same root cause at once;
       // if one does not, its stdin is closed after the agreement window.
@@ -666,6 +694,7 @@ void Fanout::wait_signal() {
   timers_->signals.async_wait([this](boost::system::error_code ec, int sig) {
     if (ec) return;
     if (signal_ == 0) signal_ = sig;
+    timers_->root_causes.drop_blocks();
     if (sig == SIGINT && ++interrupts_ >= 2) {
       notice("second interrupt: closing every ssh connection now");
       for (auto& h : hosts_)
@@ -680,13 +709,33 @@ void Fanout::wait_signal() {
 
 // ---------------------------------------------------------------------------------------
 
-int run_multihost(const MultiHostOptions& o, const EnvMap& env, const SshRunner& runner, FanoutIo fio) {
+int run_multihost(const MultiHostOptions& opts, const EnvMap& env, const SshRunner& runner, FanoutIo fio) {
+  MultiHostOptions o = opts;
+  if (o.workdir.empty()) {
+    // As DeepSpeed's launcher: every agent starts where mglaunch was started, so a relative
+    // PROGRAM (and --log_dir) means the same on every host.
+    std::error_code ec;
+    auto cwd = std::filesystem::current_path(ec);
+    if (ec)
+      throw UsageError(fmt::format("cannot tell the current directory ({}): mglaunch --hostfile starts every agent in "
+                                   "it; cd to a directory every host has",
+                                   ec.message()));
+    o.workdir = cwd.string();
+  }
   std::ifstream in(o.hostfile);
   if (!in) throw UsageError(fmt::format("--hostfile {} cannot be read; give a file with lines 'HOST slots=N'", o.hostfile));
   std::stringstream ss;
   ss << in.rdbuf();
   auto hosts = select_hosts(parse_hostfile(ss.str(), o.hostfile), o.include, o.exclude);
-  const EnvMap exports = resolve_exports(o.exports, env);
+  std::vector<std::string> secrets;
+  const EnvMap exports = resolve_exports(o.exports, env, &secrets);
+  if (!secrets.empty()) {
+    std::string names;
+    for (const auto& n : secrets) names += (names.empty() ? "" : ", ") + n;
+    write_all(fio.err_fd, fmt::format("mglaunch: warning: --export: left out {}: rendezvous secrets never go on an ssh "
+                                      "command line (the hosts get this run's own token over ssh's stdin)\n",
+                                      names));
+  }
 
   std::string addr = o.rdzv_host;
   if (addr.empty()) {
@@ -708,8 +757,12 @@ int run_multihost(const MultiHostOptions& o, const EnvMap& env, const SshRunner&
     parse_agent_args(probe.hosts.front().agent_argv, {}, none);
   }
   if (o.dry_run) {
-    auto plan = make_multihost_plan(o, hosts, exports, endpoint(rdzv::find_free_port(addr)), id, runner);
-    write_all(fio.out_fd, multihost_plan_json(plan).dump(2) + "\n");
+    // A dry run binds nothing: the port is the one the run will pick (a free one of ADDR).
+    const std::string where = addr.find(':') != std::string::npos ? "[" + addr + "]" : addr;
+    auto plan = make_multihost_plan(o, hosts, exports, where + ":PORT", id, runner);
+    auto doc = multihost_plan_json(plan);
+    doc["rdzv_port"] = fmt::format("PORT: a free port of {}, picked when the run starts", addr);
+    write_all(fio.out_fd, doc.dump(2) + "\n");
     return exit_code::kOk;
   }
   asio::io_context io(1);
@@ -721,7 +774,11 @@ int run_multihost(const MultiHostOptions& o, const EnvMap& env, const SshRunner&
   try {
     server = std::make_unique<rdzv::Server>(io, so);
   } catch (const std::exception& e) {
-    throw UsageError(fmt::format("cannot host the rendezvous on {}: {}; pass --rdzv-host ADDR", addr, e.what()));
+    throw UsageError(fmt::format("cannot host the rendezvous on {} ({}): {}; give --rdzv-host an address of this "
+                                 "machine that every host can reach",
+                                 addr, o.rdzv_host.empty() ? "the address that routes to " + hosts.front().host
+                                                           : "--rdzv-host",
+                                 e.what()));
   }
   auto plan = make_multihost_plan(o, hosts, exports, endpoint(server->port()), id, runner);
   notice_to(fio.err_fd, fmt::format("{} hosts, rendezvous {} (job {})", plan.hosts.size(), plan.rdzv_endpoint, id));

@@ -46,6 +46,7 @@ struct MultiHostOptions {
   std::string rdzv_host;        // address the hosts reach us at; default: the route to the first host
   std::string remote_mglaunch;  // mglaunch on the hosts; default: this binary's absolute path
   std::string nproc_spec = "auto";  // for hosts without slots=N
+  std::string workdir;  // where every agent starts; run_multihost fills in the current directory when empty
   std::chrono::milliseconds grace{30000};  // the agents' --grace (ours waits longer)
   std::chrono::milliseconds agree_window{10000};  // after a failure, time for the others to stop by themselves
   std::vector<std::string> forwarded;  // agent flags, verbatim
@@ -68,8 +69,13 @@ std::vector<std::string> split_shell_words(const std::string& text);
 std::string shell_quote(const std::string& arg);
 
 // --export patterns resolved against this environment: NAME=VALUE pairs. Throws
-// UsageError for a plain NAME that is not set or a bad name.
-EnvMap resolve_exports(const std::vector<std::string>& patterns, const EnvMap& env);
+// UsageError for a plain NAME that is not set or a bad name. Rendezvous secrets
+// (is_rdzv_secret) never go on a command line whatever the patterns say: they are left out
+// and their names added to `left_out`.
+EnvMap resolve_exports(const std::vector<std::string>& patterns, const EnvMap& env,
+                       std::vector<std::string>* left_out = nullptr);
+// MGLAUNCH_RDZV_* (the daemon token, a job's key) and MGLAUNCH_ETCD_PASSWORD.
+bool is_rdzv_secret(std::string_view name);
 
 class SshRunner {
  public:
@@ -111,6 +117,7 @@ struct HostCommand {
 struct MultiHostPlan {
   std::string rdzv_id;
   std::string rdzv_endpoint;  // ADDR:PORT of the in-process rendezvous
+  std::string workdir;        // every host's agent starts here ("" = the remote shell's)
   EnvMap exports;
   std::vector<HostCommand> hosts;
 };
@@ -136,6 +143,9 @@ class RootCauseFilter {
   std::vector<std::string> feed(const std::string& host, std::string_view line);
   // The host's stream ended: a block cut short comes out as it was.
   std::vector<std::string> finish(const std::string& host);
+  // From now on every complete block is dropped: the user stopped the run (Ctrl-C), so the
+  // agents reporting each other as stopped is no failure to show.
+  void drop_blocks() { drop_ = true; }
 
  private:
   struct Open {
@@ -144,6 +154,7 @@ class RootCauseFilter {
   std::map<std::string, Open> open_;
   std::optional<std::string> shown_;  // the first block, time line aside
   std::string shown_host_;
+  bool drop_ = false;
 };
 
 struct FanoutIo {

@@ -596,9 +596,29 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     if (o.nproc_spec == "gpu" && gpus == 0)
       throw UsageError("--nproc_per_node=gpu but no GPU is visible; give a number or use cpu");
     o.nproc_per_node = (o.nproc_spec == "cpu" || (o.nproc_spec == "auto" && gpus == 0)) ? probe.cpu_count() : gpus;
+    if (o.nproc_per_node > kMaxWorkersPerNode)
+      throw UsageError(fmt::format("--nproc_per_node={} gives {} workers: at most {} per node; give a number",
+                                   o.nproc_spec, o.nproc_per_node, kMaxWorkersPerNode));
   } else {
-    o.nproc_per_node = parse_int(from("--nproc_per_node"), o.nproc_spec, 1);
+    const int n = parse_int(from("--nproc_per_node"), o.nproc_spec, 1);
+    if (n > kMaxWorkersPerNode) {
+      // A count Slurm gave (SLURM_GPUS_ON_NODE=...) is named as that variable.
+      auto src = o.sources.find("nproc_per_node");
+      if (o.slurm && src != o.sources.end() && !src->second.starts_with("flag "))
+        throw UsageError(fmt::format("inside a Slurm step: {} gives {} workers: at most {} per node; pass "
+                                     "--nproc_per_node=N (or --no-slurm)",
+                                     src->second, n, kMaxWorkersPerNode));
+      throw UsageError(
+          fmt::format("bad {} '{}': at most {} workers per node", from("--nproc_per_node"), o.nproc_spec, kMaxWorkersPerNode));
+    }
+    o.nproc_per_node = n;
   }
+  // Overflow-safe: every rank of the job must fit RANK's 32 bits.
+  if (static_cast<long long>(o.nnodes.max) * o.nproc_per_node > kMaxRanks)
+    throw UsageError(fmt::format("--nnodes={} with {} workers per node makes {} ranks: at most {} (2^31-1); use fewer "
+                                 "nodes or workers",
+                                 o.nnodes.max, o.nproc_per_node,
+                                 static_cast<long long>(o.nnodes.max) * o.nproc_per_node, kMaxRanks));
   o.max_restarts = parse_int(from("--max_restarts"), max_restarts, 0);
   o.monitor_interval = parse_seconds(from("--monitor_interval"), monitor_interval, 0.001, 86400);
   o.grace = std::chrono::milliseconds(static_cast<long>(parse_seconds(from("--grace"), grace, 0, 86400) * 1000));
@@ -645,8 +665,14 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     o.warnings.push_back("--start_method has no effect: mglaunch always starts workers with fork+exec");
 
   if (o.standalone) {
-    if (o.nnodes.max != 1)
-      throw UsageError(fmt::format("--standalone runs a single node; drop --nnodes={} or the --standalone flag", nnodes));
+    // torchrun 1.13 keeps MIN:MAX and runs the one node it has once its last call ends; no
+    // other node can ever join a standalone rendezvous (a free port on localhost, a fresh
+    // id), so mglaunch runs that node at once. A MIN above 1 could never be reached.
+    if (o.nnodes.min != 1)
+      throw UsageError(fmt::format("--standalone runs a single node, so --nnodes={} can never be reached; drop "
+                                   "--nnodes, give --nnodes=1 (or 1:N), or drop --standalone",
+                                   nnodes));
+    o.nnodes = NodeRange{1, 1};
     o.rdzv_backend = "c10d";
     o.rdzv_endpoint = "localhost:0";
   }

@@ -29,6 +29,11 @@ struct StreamSpec {
 };
 StreamSpec parse_stream_spec(const std::string& flag, const std::string& text);
 
+// Documented limits (README, Flags): workers on one node, and ranks in a job (RANK is a
+// 32-bit signed integer in torch). Beyond them parse_agent_args refuses the run (exit 2).
+inline constexpr int kMaxWorkersPerNode = 4096;
+inline constexpr long long kMaxRanks = 2147483647;  // 2^31 - 1
+
 struct NodeRange {
   int min = 1;
   int max = 1;

@@ -195,8 +195,9 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
     }
     plan.rdzv_endpoint = opts.rdzv_backend == "etcd" ? opts.rdzv_endpoint : fmt::format("{}:{}", ep.host, ep.port);
     plan.master_addr = !opts.local_addr.empty() ? opts.local_addr : fq_hostname();
-    // Outside the ephemeral range; the agent holds it again until its workers start.
-    plan.master_port = reserve_master_port().port();
+    // Outside the ephemeral range; the agent holds it again until its workers start. A dry
+    // run of a multi-node job binds nothing: the rendezvous decides the master.
+    if (!(opts.dry_run && opts.nnodes.max > 1)) plan.master_port = reserve_master_port().port();
   }
   plan.nodes = {plan.node_rank == 0 ? plan.master_addr : (opts.local_addr.empty() ? fq_hostname() : opts.local_addr)};
   return plan;
@@ -210,24 +211,42 @@ nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const
   } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());  // it names --cpu-bind and the fix
   }
+  // A multi-node dynamic rendezvous decides the node's place, the ranks, the world size
+  // and the master when the round closes: the plan says so instead of guessing.
+  const bool rdzv_decides = opts.rdzv_backend != "static" && opts.nnodes.max > 1;
+  const nlohmann::json decided = kDecidedAtRendezvous;
+  auto or_decided = [&](auto value) { return rdzv_decides ? decided : nlohmann::json(value); };
   for (int lr = 0; lr < plan.nproc_per_node; ++lr) {
+    nlohmann::json env = build_contract_env(plan, opts, base_env, lr, 0, "");
+    if (rdzv_decides) {
+      for (const char* k : {"RANK", "ROLE_RANK", "GROUP_RANK", "WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                            "MASTER_PORT"})
+        env[k] = decided;
+      if (opts.nnodes.min != opts.nnodes.max) env["GROUP_WORLD_SIZE"] = decided;
+    }
     workers.push_back({{"local_rank", lr},
-                       {"rank", plan.rank_offset + lr},
+                       {"rank", or_decided(plan.rank_offset + lr)},
                        {"argv", build_worker_argv(plan, opts, lr)},
-                       {"env", build_contract_env(plan, opts, base_env, lr, 0, "")}});
+                       {"env", std::move(env)}});
     if (opts.cpu_bind != "none")
       workers.back()["binding"] = hw::format_binding(lr, bindings[static_cast<std::size_t>(lr)]);
   }
-  nlohmann::json doc = {{"nnodes", plan.nnodes},
-                        {"node_rank", plan.node_rank},
+  // An explicit --node_rank (or Slurm's) is what this node asks for: the rendezvous orders
+  // the nodes by it.
+  const nlohmann::json node_rank =
+      rdzv_decides && !opts.node_rank_given ? decided : nlohmann::json(rdzv_decides ? opts.node_rank : plan.node_rank);
+  nlohmann::json doc = {{"nnodes", opts.nnodes.min == opts.nnodes.max
+                                       ? nlohmann::json(plan.nnodes)
+                                       : nlohmann::json(fmt::format("{}:{}", opts.nnodes.min, opts.nnodes.max))},
+                        {"node_rank", node_rank},
                         {"nproc_per_node", plan.nproc_per_node},
-                        {"world_size", plan.world_size},
+                        {"world_size", or_decided(plan.world_size)},
                         {"nodes", plan.nodes},
                         {"rdzv_backend", plan.rdzv_backend},
                         {"rdzv_endpoint", plan.rdzv_endpoint},
                         {"rdzv_id", plan.run_id},
-                        {"master_addr", plan.master_addr},
-                        {"master_port", plan.master_port},
+                        {"master_addr", or_decided(plan.master_addr)},
+                        {"master_port", or_decided(plan.master_port)},
                         {"max_restarts", opts.max_restarts},
                         {"cpu_bind", opts.cpu_bind},
                         {"executable", plan.executable},
@@ -235,7 +254,6 @@ nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const
   if (opts.slurm) {
     // Inside a Slurm step: the whole node list, and where each value came from.
     doc["nodes"] = opts.slurm->nodes;
-    doc["node_rank"] = opts.node_rank;  // the rendezvous keeps Slurm's node order
     doc["local_addr"] = opts.local_addr;
     doc["slurm"] = {{"job_id", opts.slurm->job_id},
                     {"step_id", opts.slurm->step_id},

@@ -49,8 +49,14 @@ std::string find_executable(const std::string& name, const std::string& path_env
 // that a static master port is free on node 0: UsageError naming the port when not).
 RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env);
 
+// What the --dry-run document shows for a value a multi-node dynamic rendezvous decides.
+inline constexpr const char* kDecidedAtRendezvous = "decided at rendezvous";
+
 // The --dry-run document: nnodes, node_rank, nproc_per_node, nodes, rdzv_endpoint,
-// rdzv_id and per worker its rank, argv and the environment mglaunch sets.
+// rdzv_id and per worker its rank, argv and the environment mglaunch sets. With a
+// multi-node dynamic rendezvous (c10d, mglaunch, etcd; a Slurm step) the ranks, world
+// size, master address and port (and the node rank unless given) read
+// kDecidedAtRendezvous.
 nlohmann::json plan_to_json(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base_env);
 
 // gethostname(), or "localhost" when it fails.

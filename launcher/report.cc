@@ -73,8 +73,12 @@ std::string format_root_cause(const RootCause& rc, const std::string& program) {
   std::string out = fmt::format("{}\n{} FAILED\n{}\nRoot Cause (first observed failure):\n", rule, program,
                                 std::string(60, '-'));
   const auto& w = rc.worker;
-  out += fmt::format("  time       : {}\n  host       : {}\n  rank       : {} (local_rank: {})\n", rc.time, rc.host,
-                     w.rank, w.local_rank);
+  out += fmt::format("  time       : {}\n  host       : {}\n", rc.time, rc.host);
+  // A node that failed as a whole (killed, stopped, cut off, interrupted) has no rank: say
+  // which node it was; the message says what happened to it.
+  out += w.rank >= 0 ? fmt::format("  rank       : {} (local_rank: {})\n", w.rank, w.local_rank)
+                     : fmt::format("  rank       : none (node {} failed, not one of its workers)\n",
+                                   rc.host.empty() ? std::string("?") : rc.host);
   out += w.pid > 0 ? fmt::format("  exitcode   : {} (pid: {})\n", w.exit_code, w.pid)
                    : fmt::format("  exitcode   : {}\n", w.exit_code);
   if (w.signal) out += fmt::format("  signal     : {} ({})\n", signal_name(w.signal), w.signal);
@@ -113,8 +117,8 @@ nlohmann::json summary_json(const RunRecord& run) {
     const auto& rc = *run.root_cause;
     root = {{"time", rc.time},
             {"host", rc.host},
-            {"rank", rc.worker.rank},
-            {"local_rank", rc.worker.local_rank},
+            {"rank", rc.worker.rank >= 0 ? nlohmann::json(rc.worker.rank) : nlohmann::json()},
+            {"local_rank", rc.worker.rank >= 0 ? nlohmann::json(rc.worker.local_rank) : nlohmann::json()},
             {"exit_code", rc.worker.exit_code},
             {"signal", signal_or_null(rc.worker.signal)},
             {"message", rc.message},

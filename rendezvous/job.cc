@@ -155,6 +155,20 @@ Actions Job::close_round(Clock::time_point now) {
     for (auto i = static_cast<std::size_t>(config_.max_nodes); i < nodes.size(); ++i) out.push_back({nodes[i].first, full});
     nodes.resize(static_cast<std::size_t>(config_.max_nodes));
   }
+  // Every rank must fit RANK's 32 bits (#23 D9): the nodes that would push the world past
+  // 2^31-1 ranks are refused like those of a full job (overflow-safe sum).
+  {
+    long long ranks = 0;
+    std::size_t fit = 0;
+    while (fit < nodes.size() && ranks + nodes[fit].second.join.nproc <= INT32_MAX)
+      ranks += nodes[fit++].second.join.nproc;
+    if (fit < nodes.size()) {
+      const auto too_many = proto::to_wire(proto::Error{fmt::format(
+          "job '{}' would have more than {} ranks (2^31-1) with this node; use fewer workers per node", id_, INT32_MAX)});
+      for (auto i = fit; i < nodes.size(); ++i) out.push_back({nodes[i].first, too_many});
+      nodes.resize(fit);
+    }
+  }
   ++round_;
   proto::Assignment a;
   a.round = round_;

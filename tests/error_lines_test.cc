@@ -110,6 +110,40 @@ TEST_CASE("every mglaunch error on bad input is one line 'mglaunch: error:' with
               });
 }
 
+// #22, #23 D9/D10: numbers past the documented limits (4096 workers per node, 2^31-1 ranks)
+// are one line and exit 2, never an overflowed rank, std::bad_alloc or a huge plan.
+TEST_CASE("worker counts and world sizes past the documented limits are one line and exit 2 (#23)") {
+  const std::string t = "/bin/true";
+  const std::map<std::string, std::string> step = {
+      {"SLURM_JOB_ID", "77"},        {"SLURM_STEP_ID", "2"},         {"SLURM_NODEID", "0"},
+      {"SLURM_STEP_NUM_NODES", "1"}, {"SLURM_STEP_NODELIST", "localhost"}, {"SLURMD_NODENAME", "localhost"},
+      {"SLURM_STEP_TASKS_PER_NODE", "1"}};
+  auto with = [&](std::string k, std::string v) {
+    auto e = step;
+    e[k] = v;
+    return e;
+  };
+  check_cases("mglaunch",
+              {
+                  {{kMglaunch, "--nnodes=2147483647", "--node_rank=2147483646", "--nproc_per_node=2", "--dry-run",
+                    "--no_python", t},
+                   2},
+                  {{kMglaunch, "--nproc_per_node=999999999", "--no_python", t}, 2},
+                  {{kMglaunch, "--nproc_per_node=4097", "--dry-run", "--no_python", t}, 2},
+                  {{kMglaunch, "--dry-run", "--no_python", t}, 2, with("SLURM_GPUS_ON_NODE", "999999999")},
+                  {{kMglaunch, "--dry-run", "--no_python", t}, 2, with("SLURM_GPUS_PER_NODE", "gpu:999999")},
+              });
+  auto r = run({kMglaunch, "--nnodes=2147483647", "--node_rank=2147483646", "--nproc_per_node=2", "--dry-run",
+                "--no_python", t});
+  CHECK_THAT(r.err, Catch::Contains("at most 2147483647"));
+  CHECK(r.out.empty());
+  r = run({kMglaunch, "--dry-run", "--no_python", t}, with("SLURM_GPUS_PER_NODE", "gpu:999999"));
+  CHECK_THAT(r.err, Catch::Contains("SLURM_GPUS_PER_NODE") && Catch::Contains("at most 4096"));
+  CHECK(r.out.empty());
+  // At the limit it still works.
+  CHECK(run({kMglaunch, "--nproc_per_node=4096", "--dry-run", "--no_python", t}).code == 0);
+}
+
 TEST_CASE("every mglaunch-rdzv error on bad input is one line 'mglaunch-rdzv: error:' with its documented exit code") {
   const std::string dir = make_temp_dir();
   int fd = -1;

@@ -182,6 +182,18 @@ TEST_CASE("exporting with --export takes names, NAME=VALUE and globs, never the 
   CHECK_THAT(error_of([&] { resolve_exports({"A B"}, env); }), Catch::Contains("bad --export"));
 }
 
+TEST_CASE("no rendezvous secret is ever exported, whatever --export says, and each one left out is named (#23 D8)") {
+  const std::string key(64, 'a');
+  EnvMap env{{"MGLAUNCH_RDZV_TOKEN", "s"}, {"MGLAUNCH_RDZV_JOB_TOKEN", key}, {"MGLAUNCH_ETCD_PASSWORD", "pw"},
+             {"MGLAUNCH_PYTHON", "python3"}};
+  std::vector<std::string> left_out;
+  auto e = resolve_exports({"MGLAUNCH_*", "MGLAUNCH_RDZV_JOB_TOKEN", "MGLAUNCH_RDZV_X=1"}, env, &left_out);
+  CHECK(e == EnvMap{{"MGLAUNCH_PYTHON", "python3"}});
+  std::sort(left_out.begin(), left_out.end());
+  CHECK(left_out == std::vector<std::string>{"MGLAUNCH_ETCD_PASSWORD", "MGLAUNCH_RDZV_JOB_TOKEN", "MGLAUNCH_RDZV_TOKEN",
+                                             "MGLAUNCH_RDZV_X"});
+}
+
 TEST_CASE("each host gets one agent command with its node rank, slots and the shared rendezvous") {
   MultiHostOptions o;
   o.remote_mglaunch = "/opt/mg/mglaunch";
@@ -245,4 +257,19 @@ TEST_CASE("identical root-cause blocks from several hosts are shown once, differ
   CHECK(feed_all("d", {rule, "x FAILED"}).empty());
   CHECK(f.finish("d") == std::vector<std::string>{rule, "x FAILED"});
   CHECK(f.finish("d").empty());
+}
+
+TEST_CASE("after the user stopped a --hostfile run no root-cause block is shown (#22)") {
+  const std::string rule(60, '=');
+  const std::vector<std::string> block{rule, "train.py FAILED", "  rank       : none (node a failed, not one of its workers)",
+                                       rule};
+  RootCauseFilter f;
+  f.drop_blocks();
+  std::vector<std::string> out;
+  for (const auto& l : block)
+    for (auto& x : f.feed("a", l)) out.push_back(x);
+  for (auto& x : f.feed("a", "[mglaunch] stopped")) out.push_back(x);
+  CHECK(out == std::vector<std::string>{"[mglaunch] stopped"});
+  for (const auto& l : {rule, std::string("x FAILED")}) CHECK(f.feed("b", l).empty());
+  CHECK(f.finish("b").empty());
 }

@@ -62,6 +62,25 @@ TEST_CASE("a static job closes its round the moment N nodes joined, with determi
   }
 }
 
+TEST_CASE("nodes that would take the world past 2^31-1 ranks are refused, never an overflowed world size (#23 D9)") {
+  Job job("job");
+  constexpr int kNodes = 32769;  // x 65536 workers (the protocol's most): 32767 nodes fit below 2^31
+  Actions out;
+  for (int i = 0; i < kNodes; ++i) {
+    auto j = node("127.0." + std::to_string(i / 256) + "." + std::to_string(i % 256), kNodes, kNodes, proto::kMaxNproc);
+    j.agent_id = "agent-" + std::to_string(i);
+    out = job.join(static_cast<SessionId>(i + 1), j, T0);
+  }
+  auto assigned = of_type(out, MsgType::kAssignment);
+  auto refused = of_type(out, MsgType::kError);
+  CHECK(refused.size() == 2);
+  REQUIRE(assigned.size() == kNodes - 2);
+  const auto a = proto::from_frame<proto::Assignment>(assigned.front().frame);
+  CHECK(a.world_size == (kNodes - 2) * proto::kMaxNproc);
+  CHECK(a.world_size > 0);
+  CHECK_THAT(proto::from_frame<proto::Error>(refused.front().frame).message, Catch::Contains("2147483647 ranks"));
+}
+
 TEST_CASE("an explicit node rank comes before address order") {
   Job job("job");
   auto a = node("127.0.0.1", 2, 2);

@@ -51,12 +51,55 @@ void touch(const std::string& path) {
 TEST_CASE("a named run keeps its files under the log directory by run id and attempt") {
   TempDir t;
   LogLayout l;
-  CHECK(l.create(options(t.path + "/logs")).empty());
-  CHECK(l.run_dir() == t.path + "/logs/job7");
+  const std::string notice = l.create(options(t.path + "/logs"));
+  CHECK(notice == "log directory: " + l.run_dir() + " (newest run of job7: " + t.path + "/logs/job7)");
+  CHECK(fs::path(l.run_dir()).parent_path() == t.path + "/logs");
+  CHECK(fs::path(l.run_dir()).filename().string().starts_with("job7_2026-11-23_16:40:00_"));
   CHECK(fs::is_directory(l.run_dir()));
-  CHECK(l.attempt_dir(2, 5) == t.path + "/logs/job7/attempt_2/5");
+  CHECK(l.attempt_dir(2, 5) == l.run_dir() + "/attempt_2/5");
   CHECK(l.kept());
   CHECK(l.finish(1).empty());
+}
+
+TEST_CASE("a reused run id gets a new directory per run and its name links to the newest (#22)") {
+  TempDir t;
+  const std::string logs = t.path + "/logs";
+  std::string first;
+  {
+    LogLayout a;
+    a.create(options(logs));
+    first = a.run_dir();
+    touch(a.attempt_dir(0, 0) + "/stdout.log");
+    touch(a.attempt_dir(2, 0) + "/stdout.log");
+  }
+  LogLayout b;
+  b.create(options(logs));
+  CHECK(b.run_dir() != first);
+  // The last run's files are untouched and apart from the new run's.
+  CHECK(fs::exists(first + "/attempt_0/0/stdout.log"));
+  CHECK(fs::exists(first + "/attempt_2/0/stdout.log"));
+  CHECK_FALSE(fs::exists(b.run_dir() + "/attempt_2"));
+  // {log_dir}/{id} is a relative link to the newest run (the documented path keeps working).
+  CHECK(fs::is_symlink(logs + "/job7"));
+  CHECK(fs::read_symlink(logs + "/job7") == fs::path(b.run_dir()).filename());
+  CHECK(fs::equivalent(logs + "/job7", b.run_dir()));
+  // No temporary link is left behind.
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(logs)) ++entries;
+  CHECK(entries == 3);
+  // An id with '/' in it gets its directories made.
+  LogLayout c;
+  c.create(options(logs, "team/exp1"));
+  CHECK(fs::equivalent(logs + "/team/exp1", c.run_dir()));
+}
+
+TEST_CASE("a directory named as the run id (an older mglaunch's run) is left as it is") {
+  TempDir t;
+  touch(t.path + "/job7/attempt_0/0/stdout.log");
+  LogLayout l;
+  CHECK_THAT(l.create(options(t.path)), Catch::Contains("is not a link"));
+  CHECK(fs::exists(t.path + "/job7/attempt_0/0/stdout.log"));
+  CHECK(fs::is_directory(l.run_dir()));
 }
 
 TEST_CASE("the default run id gets a directory of its own per run so a re-run never overwrites the last") {

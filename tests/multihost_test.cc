@@ -66,8 +66,10 @@ struct Captured {
 
 // Runs the fan-out in this process with the local runner; output goes to temp files.
 Captured run_local(const std::string& dir, const std::string& hostfile, std::vector<std::string> worker,
-                   std::vector<std::string> unreachable = {}, std::vector<std::string> forwarded = {}) {
+                   std::vector<std::string> unreachable = {}, std::vector<std::string> forwarded = {},
+                   std::string workdir = "") {
   mg::MultiHostOptions o;
+  o.workdir = std::move(workdir);
   o.hostfile = hostfile;
   o.rdzv_host = "127.0.0.1";
   o.remote_mglaunch = kMglaunch;
@@ -183,6 +185,73 @@ TEST_CASE("a dry run prints the nodes and the exact ssh command per host and sta
   CHECK(r.out.find("sekrit") == std::string::npos);
 }
 
+TEST_CASE("--export 'MGLAUNCH_*' never puts a rendezvous secret on an ssh command line and says so once (#23 D8)") {
+  const std::string dir = make_temp_dir();
+  const std::string key(64, 'b');
+  auto r = run({kMglaunch, "--hostfile", write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"), "--rdzv-host",
+                "127.0.0.1", "--export", "MGLAUNCH_*", "--dry-run", kFakeWorker, "env"},
+               {{"MGLAUNCH_RDZV_JOB_TOKEN", key}, {"MGLAUNCH_RDZV_TOKEN", "sekrit"}, {"MGLAUNCH_KEEP", "1"}});
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  CHECK(r.out.find(key) == std::string::npos);
+  CHECK(r.out.find("sekrit") == std::string::npos);
+  CHECK(r.out.find("MGLAUNCH_RDZV_JOB_TOKEN=") == std::string::npos);
+  CHECK_THAT(r.out, Catch::Contains("MGLAUNCH_KEEP=1"));
+  const auto lines = split_lines(r.err);
+  REQUIRE(lines.size() == 1);
+  CHECK_THAT(lines[0], Catch::StartsWith("mglaunch: warning: --export: left out ") &&
+                           Catch::Contains("MGLAUNCH_RDZV_JOB_TOKEN") && Catch::Contains("MGLAUNCH_RDZV_TOKEN"));
+}
+
+TEST_CASE("a working directory missing on a host is one error naming it, exit 2, and the other host is stopped (#22)") {
+  const std::string dir = make_temp_dir();
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"),
+                     fw({"pidfile", dir + "/pids", "hang", "60"}), {}, {}, dir + "/not here");
+  INFO(r.err);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("]:mglaunch: error: the working directory " + dir +
+                                    "/not here does not exist on this host"));
+  CHECK(read_pids(dir + "/pids").empty());
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("a dry run names the working directory every host starts in (#22)") {
+  const std::string dir = make_temp_dir();
+  (void)write_hostfile(dir, "127.0.0.2\n");
+  auto r = run({"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"", dir, kMglaunch, "--hostfile", "hostfile", "--rdzv-host",
+           "127.0.0.1", "--dry-run", "./train.py"});
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j["workdir"] == fs::canonical(dir).string());
+  CHECK_THAT(j["nodes"][0]["ssh"].back().get<std::string>(),
+             Catch::Contains("mglaunch-host -C " + fs::canonical(dir).string() + " "));
+}
+
+TEST_CASE("--rdzv-host an address this machine lacks: a dry run binds nothing, a real run is one line naming it (#22)") {
+  const std::string dir = make_temp_dir();
+  const std::string hf = write_hostfile(dir, "127.0.0.2 slots=1\n");
+  // TEST-NET-1 (RFC 5737): no machine has it; binding it fails without sending anything.
+  auto dry = run({kMglaunch, "--hostfile", hf, "--rdzv-host", "192.0.2.1", "--dry-run", kFakeWorker, "env"});
+  INFO(dry.err);
+  REQUIRE(dry.code == 0);
+  auto j = nlohmann::json::parse(dry.out);
+  CHECK(j["rdzv_endpoint"] == "192.0.2.1:PORT");
+  CHECK_THAT(j["nodes"][0]["ssh"].back().get<std::string>(), Catch::Contains("--rdzv_endpoint=192.0.2.1:PORT"));
+  if (read_file("/proc/sys/net/ipv4/ip_nonlocal_bind").starts_with("1")) {
+    WARN("skipped the real run: net.ipv4.ip_nonlocal_bind=1 lets this machine bind any address");
+    return;
+  }
+  // ssh is /bin/false: even if the address could be bound, nothing would leave this machine.
+  auto real = run({kMglaunch, "--hostfile", hf, "--rdzv-host", "192.0.2.1", kFakeWorker, "env"},
+                  {{"MGLAUNCH_SSH", "/bin/false"}});
+  INFO(real.err);
+  CHECK(real.code == 2);
+  const auto lines = split_lines(real.err);
+  REQUIRE(lines.size() == 1);
+  CHECK_THAT(lines[0], Catch::StartsWith("mglaunch: error: cannot host the rendezvous on 192.0.2.1 (--rdzv-host)"));
+}
+
 TEST_CASE("a bad hostfile or flag is one line and exit code 2") {
   const std::string dir = make_temp_dir();
   auto r = run({kMglaunch, "--hostfile", write_hostfile(dir, "a slots=two\n"), kFakeWorker});
@@ -225,6 +294,28 @@ TEST_CASE("over real ssh two hosts with two workers each get ranks 0..3") {
   CHECK(envs[0].first == "127.0.0.2");
   CHECK(envs[3].first == "127.0.0.3");
   CHECK(hosts == std::set<std::string>{"127.0.0.2", "127.0.0.3"});
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("over real ssh a relative program path runs from the launcher's directory on every host (#22)") {
+  SshServer sshd;
+  if (!sshd.skip_reason().empty()) {
+    WARN("skipped: " << sshd.skip_reason());
+    return;
+  }
+  const std::string dir = make_temp_dir();
+  fs::create_symlink(kFakeWorker, dir + "/worker");
+  const std::string hf = write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n");
+  // The remote shell starts in $HOME; "./worker" exists only in `dir`.
+  std::vector<std::string> argv{"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"", dir};
+  for (const auto& a : launcher_argv(sshd, "hostfile", {"./worker", "env"}, {"--no_python"})) argv.push_back(a);
+  auto r = run(argv, {}, 60s);
+  INFO(r.err << sshd.log());
+  CHECK(r.code == 0);
+  auto envs = worker_envs(r.out);
+  REQUIRE(envs.size() == 2);
+  CHECK(envs[0].first == "127.0.0.2");
+  CHECK(envs[1].first == "127.0.0.3");
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
 
@@ -284,6 +375,9 @@ TEST_CASE("over real ssh SIGINT to the launcher leaves no process behind on eith
   REQUIRE(h.launcher.wait(60s));
   INFO(h.launcher.err() << sshd.log());
   CHECK(h.launcher.exit_code() == 128 + SIGINT);
+  // The user stopped it: no FAILED block, and no rank -1 anywhere (#22).
+  CHECK_THAT(h.launcher.err(), !Catch::Contains("FAILED") && !Catch::Contains("rank       : -1") &&
+                                   !Catch::Contains("local_rank: -1"));
   check_nothing_left(h);
 }
 

@@ -128,6 +128,47 @@ TEST_CASE("standalone selects a local c10d rendezvous") {
   CHECK(o.rdzv_endpoint == "localhost:0");
 }
 
+TEST_CASE("standalone with --nnodes=1:N runs one node as torchrun does, and a MIN above 1 is refused (#22)") {
+  auto o = parse({"--standalone", "--nnodes=1:2", "prog"});
+  CHECK(o.nnodes.min == 1);
+  CHECK(o.nnodes.max == 1);
+  CHECK_FALSE(uses_rendezvous_server(o));
+  CHECK(parse({"--standalone", "--nnodes=1", "prog"}).nnodes.max == 1);
+  CHECK_THAT(usage_error({"--standalone", "--nnodes=2", "prog"}), Catch::Contains("can never be reached"));
+  CHECK_THAT(usage_error({"--standalone", "--nnodes=2:4", "prog"}), Catch::Contains("--nnodes=2:4"));
+}
+
+TEST_CASE("a flag with an optional value followed by a number with a space is refused with the '=' form (#22)") {
+  const std::string e = usage_error({"--monitor", "2", "train.py"});
+  CHECK_THAT(e, Catch::Contains("write --monitor=2") && Catch::Contains("'--monitor -- 2'"));
+  CHECK(e.find('\n') == std::string::npos);
+  CHECK_THAT(usage_error({"--standalone", "--monitor", "0.5", "prog"}), Catch::Contains("write --monitor=0.5"));
+  // What is not a number is the program, and -- says a number is one.
+  CHECK(parse({"--monitor", "train.py"}).program == "train.py");
+  auto o = parse({"--monitor", "--", "2"});
+  CHECK(o.program == "2");
+  CHECK(o.monitor_s == 5);
+  CHECK(parse({"--monitor=2", "3"}).program == "3");
+  CHECK(parse({"--monitor", "--standalone", "3"}).program == "3");
+}
+
+TEST_CASE("worker counts and ranks past the documented limits are usage errors (#23 D9, D10)") {
+  CHECK(parse({"--nproc_per_node=4096", "prog"}).nproc_per_node == 4096);
+  CHECK_THAT(usage_error({"--nproc_per_node=4097", "prog"}), Catch::Contains("at most 4096"));
+  CHECK_THAT(usage_error({"--nproc_per_node=999999999", "prog"}), Catch::Contains("--nproc_per_node"));
+  CHECK_THAT(usage_error({"--nnodes=2147483647", "--node_rank=2147483646", "--nproc_per_node=2", "prog"}),
+             Catch::Contains("4294967294 ranks") && Catch::Contains("2147483647"));
+  CHECK(parse({"--nnodes=1073741823", "--node_rank=1073741822", "--nproc_per_node=2", "prog"}).nnodes.max ==
+        1073741823);
+  CHECK_THAT(usage_error({"--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "--nnodes=1:2147483647",
+                          "--nproc_per_node=2", "prog"}),
+             Catch::Contains("ranks"));
+  // A probe that finds more CPUs than a node may run workers.
+  HardwareProbe many{[] { return 0; }, [] { return 5000; }};
+  CHECK_THROWS_WITH(parse_agent_args({"mglaunch", "--nproc_per_node=cpu", "prog"}, {}, many),
+                    Catch::Contains("at most 4096"));
+}
+
 TEST_CASE("a JSON config file supplies defaults that flags override") {
   // Per process: two suites run side by side must not share the file.
   std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/mg_config_test." +

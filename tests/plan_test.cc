@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include "launcher/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
@@ -111,6 +113,40 @@ TEST_CASE("a .py program runs under python -u, -m as a module, others directly")
   plan = make_plan(opts, {{"PATH", "/bin:/usr/bin"}});
   CHECK(plan.argv == std::vector<std::string>{"true"});
   CHECK(plan.master_port > 0);  // --master_port=0 picks a free port
+}
+
+TEST_CASE("a dry run of a multi-node c10d job shows what it asked for and leaves the rest to the rendezvous (#22)") {
+  auto parsed = parse_agent_args({"mglaunch", "--nnodes=2", "--node_rank=1", "--nproc_per_node=2",
+                                  "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1", "--dry-run", "/bin/true"},
+                                 {}, HardwareProbe{[] { return 0; }, [] { return 2; }});
+  REQUIRE(parsed.options);
+  const auto& o = *parsed.options;
+  const RunPlan plan = make_plan(o, {});
+  CHECK(plan.master_port == 0);  // nothing bound for a dry run
+  auto j = plan_to_json(plan, o, {});
+  INFO(j.dump(2));
+  CHECK(j["node_rank"] == 1);
+  CHECK(j["master_addr"] == kDecidedAtRendezvous);
+  CHECK(j["world_size"] == kDecidedAtRendezvous);
+  CHECK(j["workers"][1]["rank"] == kDecidedAtRendezvous);
+  CHECK(j["workers"][1]["env"]["RANK"] == kDecidedAtRendezvous);
+  CHECK(j["workers"][1]["env"]["MASTER_ADDR"] == kDecidedAtRendezvous);
+  CHECK(j["workers"][1]["env"]["LOCAL_RANK"] == "1");
+  // Without --node_rank the node's place is the rendezvous's too; an elastic range is shown as given.
+  parsed = parse_agent_args({"mglaunch", "--nnodes=1:3", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
+                             "--dry-run", "/bin/true"},
+                            {}, HardwareProbe{[] { return 0; }, [] { return 2; }});
+  j = plan_to_json(make_plan(*parsed.options, {}), *parsed.options, {});
+  CHECK(j["node_rank"] == kDecidedAtRendezvous);
+  CHECK(j["nnodes"] == "1:3");
+  CHECK(j["workers"][0]["env"]["GROUP_WORLD_SIZE"] == kDecidedAtRendezvous);
+  // A static or single-node plan knows everything.
+  parsed = parse_agent_args({"mglaunch", "--nnodes=2", "--node_rank=1", "--nproc_per_node=2", "--master_port=0",
+                             "--dry-run", "/bin/true"},
+                            {}, HardwareProbe{[] { return 0; }, [] { return 2; }});
+  j = plan_to_json(make_plan(*parsed.options, {}), *parsed.options, {});
+  CHECK(j["workers"][1]["env"]["RANK"] == "3");
+  CHECK(j["node_rank"] == 1);
 }
 
 TEST_CASE("a master port already in use is a usage error naming the port") {

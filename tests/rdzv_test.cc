@@ -120,6 +120,8 @@ TEST_CASE("a SIGKILLed agent and a SIGSTOPped agent are both detected by the sur
       CHECK(agents[i].exit_code() == 1);
       CHECK_THAT(agents[i].err(), Catch::Contains(sig == SIGKILL ? "(127.0.0.2) lost: its connection closed"
                                                                  : "(127.0.0.2) missed 3 heartbeats"));
+      // The node is named, never rank -1 (#22).
+      CHECK_THAT(agents[i].err(), Catch::Contains("rank       : none (node ") && !Catch::Contains("rank       : -1"));
     }
     ::kill(agents[1].pid, SIGKILL);
     agents[1].wait(5s);

@@ -102,6 +102,26 @@ TEST_CASE("the root-cause block names rank, exit code, signal, error file, messa
   CHECK_THAT(b, !Catch::Contains("signal") && !Catch::Contains("error_file") && !Catch::Contains("stderr"));
 }
 
+TEST_CASE("a node that failed as a whole is named in the root cause, never rank -1 (#22)") {
+  RootCause rc;  // what the rendezvous reports for a killed, stopped or interrupted agent
+  rc.time = "t";
+  rc.host = "node3";
+  rc.worker.rank = -1;
+  rc.worker.local_rank = -1;
+  rc.worker.exit_code = 1;
+  rc.message = "node node3 (10.1.1.3) lost: its connection closed";
+  const std::string out = format_root_cause(rc, "train.py");
+  CHECK_THAT(out, Catch::Contains("  rank       : none (node node3 failed, not one of its workers)\n") &&
+                      Catch::Contains("  message    : node node3 (10.1.1.3) lost: its connection closed\n"));
+  CHECK_THAT(out, !Catch::Contains("-1"));
+  RunRecord run;
+  run.root_cause = rc;
+  const auto j = summary_json(run);
+  CHECK(j["root_cause"]["rank"].is_null());
+  CHECK(j["root_cause"]["local_rank"].is_null());
+  CHECK(j["root_cause"]["host"] == "node3");
+}
+
 TEST_CASE("the run summary sorts each attempt's workers by rank and names signals") {
   RunRecord run;
   run.run_id = "job";

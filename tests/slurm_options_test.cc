@@ -139,6 +139,25 @@ TEST_CASE("the --dry-run plan under Slurm shows the expanded nodes and the sourc
   CHECK_THAT(j["source"]["local_addr"].get<std::string>(), Catch::Contains("SLURMD_NODENAME=n2"));
 }
 
+TEST_CASE("the --dry-run plan of node 2 of a Slurm step leaves the ranks and the master to the rendezvous (#22)") {
+  const AgentOptions o = parse({"--dry-run", "/bin/true"}, step_env(2));
+  const nlohmann::json j = plan_to_json(make_plan(o, step_env(2)), o, step_env(2));
+  INFO(j.dump(2));
+  CHECK(j["node_rank"] == 2);  // what this node asks for (SLURM_NODEID); the rendezvous keeps that order
+  CHECK(j["world_size"] == kDecidedAtRendezvous);
+  CHECK(j["master_addr"] == kDecidedAtRendezvous);
+  CHECK(j["master_port"] == kDecidedAtRendezvous);
+  REQUIRE(j["workers"].size() == 4);
+  for (const auto& w : j["workers"]) {
+    CHECK(w["rank"] == kDecidedAtRendezvous);
+    for (const char* k : {"RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+      CHECK(w["env"][k] == kDecidedAtRendezvous);
+    CHECK(w["env"]["GROUP_WORLD_SIZE"] == "3");  // a fixed --nnodes: known
+    CHECK(w["env"]["LOCAL_WORLD_SIZE"] == "4");
+  }
+  CHECK(j["workers"][3]["env"]["LOCAL_RANK"] == "3");
+}
+
 TEST_CASE("node 0 hosts the Slurm step's rendezvous and the other nodes only join") {
   CHECK(parse({"prog"}, step_env(0)).rdzv_is_host == true);
   CHECK(parse({"prog"}, step_env(2)).rdzv_is_host == false);

@@ -425,8 +425,13 @@ TEST_CASE("a stalled log file does not stop the heartbeats: the 2-node job compl
   const std::vector<std::string> rdzv{"--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3"};
   constexpr long kLines = 100000;
   // Node 1's stdout.log is a FIFO this test holds open and does not read for a while
-  // (a log file system that stalls).
+  // (a log file system that stalls). The run's directory is DIR/stall-log_TIME_XXXXXX,
+  // linked as DIR/stall-log once node 1 started; its workers start only when node 2 joins.
   const std::string dir = make_temp_dir();
+  auto flags = rdzv;
+  flags.insert(flags.end(), {"--log_dir", dir, "--redirects", "1"});
+  Proc a = spawn(node_argv(d.endpoint, "stall-log", 1, 2, flags, {"lines", std::to_string(kLines)}));
+  REQUIRE(eventually([&] { return std::filesystem::is_symlink(dir + "/stall-log"); }, 30s));
   const std::string attempt_dir = dir + "/stall-log/attempt_0/0";
   std::filesystem::create_directories(attempt_dir);
   const std::string fifo = attempt_dir + "/stdout.log";
@@ -437,9 +442,6 @@ TEST_CASE("a stalled log file does not stop the heartbeats: the 2-node job compl
     int fd;
     ~Closer() { ::close(fd); }
   } closer{reader};
-  auto flags = rdzv;
-  flags.insert(flags.end(), {"--log_dir", dir, "--redirects", "1"});
-  Proc a = spawn(node_argv(d.endpoint, "stall-log", 1, 2, flags, {"lines", std::to_string(kLines)}));
   Proc b = spawn(node_argv(d.endpoint, "stall-log", 2, 2, rdzv, {"print", "b-done"}));
   REQUIRE(eventually([&] {
     int queued = 0;

@@ -479,6 +479,31 @@ TEST_CASE("with the default run id each run gets its own log directory, so a re-
   CHECK_THAT(first.err, Catch::Contains("log directory: " + dir + "/none_"));
 }
 
+TEST_CASE("a reused --rdzv_id keeps every run's logs apart and DIR/ID names the newest (#22)") {
+  namespace fs = std::filesystem;
+  const std::string dir = make_temp_dir();
+  auto first = run(launch({"--nproc_per_node=1", "--master_port=0", "--rdzv_id=job9", "--log_dir", dir, "-r", "1",
+                           "--max_restarts=2"},
+                          {"print", "first", "when-restart-below", "2", "exit", "3"}));
+  auto second = run(launch({"--nproc_per_node=1", "--master_port=0", "--rdzv_id=job9", "--log_dir", dir, "-r", "1"},
+                           {"print", "second"}));
+  REQUIRE(first.code == 0);
+  REQUIRE(second.code == 0);
+  // The newest run alone is under DIR/job9: its one attempt, not the first run's attempt_1..2.
+  CHECK(read_file(dir + "/job9/attempt_0/0/stdout.log") == "second\n");
+  CHECK_FALSE(fs::exists(dir + "/job9/attempt_1"));
+  std::vector<std::string> runs;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (!fs::is_symlink(e.symlink_status())) runs.push_back(e.path().filename().string());
+  REQUIRE(runs.size() == 2);
+  std::sort(runs.begin(), runs.end());
+  for (const auto& r : runs) CHECK_THAT(r, Catch::StartsWith("job9_"));
+  int kept = 0;
+  for (const auto& r : runs) kept += fs::exists(dir + "/" + r + "/attempt_2/0/stdout.log");
+  CHECK(kept == 1);  // the first run's last attempt is still there
+  CHECK_THAT(second.err, Catch::Contains("log directory: " + dir + "/job9_"));
+}
+
 TEST_CASE("the master port the agent held is free for a plain bind once every worker has started, while the run goes on") {
   std::string dir = make_temp_dir();
   const std::string stamps = dir + "/stamps";

@@ -479,6 +479,22 @@ TEST_CASE("with the default run id each run gets its own log directory, so a re-
   CHECK_THAT(first.err, Catch::Contains("log directory: " + dir + "/none_"));
 }
 
+TEST_CASE("a standalone run with --nnodes=1:2 runs its one node as torchrun does (#22)") {
+  auto r = run(launch({"--standalone", "--nnodes=1:2", "--nproc_per_node=2"}, {"env"}));
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  int workers = 0;
+  for (const auto& l : split_lines(r.out)) {
+    const auto b = l.find("]:{");
+    if (b == std::string::npos) continue;
+    const auto j = nlohmann::json::parse(l.substr(b + 2));
+    CHECK(j["WORLD_SIZE"] == "2");
+    CHECK(j["GROUP_WORLD_SIZE"] == "1");
+    ++workers;
+  }
+  CHECK(workers == 2);
+}
+
 TEST_CASE("a reused --rdzv_id keeps every run's logs apart and DIR/ID names the newest (#22)") {
   namespace fs = std::filesystem;
   const std::string dir = make_temp_dir();

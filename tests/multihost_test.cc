@@ -185,7 +185,7 @@ TEST_CASE("a dry run prints the nodes and the exact ssh command per host and sta
   CHECK(r.out.find("sekrit") == std::string::npos);
 }
 
-TEST_CASE("--export 'MGLAUNCH_*' never puts a rendezvous secret on an ssh command line and says so once (#23 D8)") {
+TEST_CASE("exporting 'MGLAUNCH_*' never puts a rendezvous secret on an ssh command line and says so once (#23 D8)") {
   const std::string dir = make_temp_dir();
   const std::string key(64, 'b');
   auto r = run({kMglaunch, "--hostfile", write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"), "--rdzv-host",
@@ -228,7 +228,7 @@ TEST_CASE("a dry run names the working directory every host starts in (#22)") {
              Catch::Contains("mglaunch-host -C " + fs::canonical(dir).string() + " "));
 }
 
-TEST_CASE("--rdzv-host an address this machine lacks: a dry run binds nothing, a real run is one line naming it (#22)") {
+TEST_CASE("an --rdzv-host address this machine lacks: a dry run binds nothing, a real run is one line naming it (#22)") {
   const std::string dir = make_temp_dir();
   const std::string hf = write_hostfile(dir, "127.0.0.2 slots=1\n");
   // TEST-NET-1 (RFC 5737): no machine has it; binding it fails without sending anything.

@@ -80,7 +80,7 @@ TEST_CASE("mgtrain's range errors read like the other errors, without a 300-digi
   CHECK(parse({"--epochs", "3"}).epochs == 3);
 }
 
-TEST_CASE("--cuda-graphs refuses, before any GPU work, what a captured step cannot hold") {
+TEST_CASE("mgtrain refuses, with --cuda-graphs and before training, what a captured step cannot hold") {
   CHECK(parse({"--cuda-graphs"}).cuda_graphs);
   CHECK(parse({"--cuda-graphs", "--static-graph", "--amp"}).cuda_graphs);
   CHECK_THROWS_WITH(parse({"--cuda-graphs", "--find-unused-parameters"}), Catch::Contains("--static-graph"));

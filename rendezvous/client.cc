@@ -95,7 +95,52 @@ void Client::try_connect() {
   });
 }
 
+namespace {
+const char* type_name(MsgType t) {
+  switch (t) {
+    case MsgType::kAssignment: return "an Assignment";
+    case MsgType::kHeartbeat: return "a Heartbeat";
+    case MsgType::kRestart: return "a Restart";
+    case MsgType::kAbort: return "an Abort";
+    case MsgType::kDone: return "a Done";
+    case MsgType::kError: return "an Error";
+    default: return "a message of an unexpected type";
+  }
+}
+}  // namespace
+
+void Client::failed_attempt(const std::string& why) {
+  if (ever_welcomed_) reconnect_later(why);  // the real server may come back within join_timeout
+  else lost(why);
+}
+
 void Client::on_frame(const proto::Frame& f) {
+  // The handshake is a state machine: until the Welcome (and with a key, until the server
+  // proved it in its Challenge) only Challenge and Welcome are read. Anything else comes
+  // from a server that proved nothing: it closes the connection as a failed attempt, and
+  // never counts as a decision, whatever it says.
+  if (!welcomed_ && proto::type_of(f) != MsgType::kChallenge && proto::type_of(f) != MsgType::kWelcome) {
+    std::string said;  // an error's text, shown for what it is: a claim nobody proved
+    if (proto::type_of(f) == MsgType::kError) {
+      try {
+        said = proto::from_frame<proto::Error>(f).message;
+      } catch (const proto::ProtocolError& e) {
+        return failed_attempt(fmt::format("bad message from the rendezvous server at {}:{}: {}", opts_.host,
+                                          opts_.port, e.what()));
+      }
+      // Without a token nothing can be proved: the refusal is all there is to say.
+      if (key_.empty()) return failed_attempt(fmt::format("refused by the rendezvous server: {}", said));
+    }
+    if (key_.empty())
+      return failed_attempt(fmt::format("the server at {}:{} sent {} before its welcome: not a mglaunch rendezvous "
+                                        "server; closed the connection and ignored it",
+                                        opts_.host, opts_.port, type_name(proto::type_of(f))));
+    return failed_attempt(fmt::format(
+        "the rendezvous server at {}:{} could not be authenticated: it sent {} before proving this job's key{}; closed "
+        "the connection and ignored it (not the server you meant, or one without this job's key)",
+        opts_.host, opts_.port, type_name(proto::type_of(f)),
+        said.empty() ? std::string() : fmt::format(" (unproven: '{}')", proto::truncate_text(said, 200))));
+  }
   try {
     switch (proto::type_of(f)) {
       case MsgType::kChallenge: {
@@ -246,6 +291,11 @@ void Client::node_done(int round) {
 
 void Client::reconnect_later(const std::string& why) {
   if (closed_) return;
+  // Connections that are made but fail (an unauthenticated server) count against the
+  // outage's join_timeout like refused ones.
+  if (in_outage_ && Clock::now() >= deadline_)
+    return lost(fmt::format("no authenticated rendezvous server at {}:{} within join_timeout ({} s): {}", opts_.host,
+                            opts_.port, opts_.join.join_timeout_ms / 1000.0, why));
   heartbeat_timer_.cancel();
   welcomed_ = false;
   if (conn_) conn_->close(true);

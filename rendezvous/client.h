@@ -61,6 +61,7 @@ class Client {
   using Clock = std::chrono::steady_clock;
   void try_connect();
   void reconnect_later(const std::string& why);
+  void failed_attempt(const std::string& why);  // a connection made that proved nothing
   void on_frame(const proto::Frame& f);
   void on_welcome();
   void lost(const std::string& why);

@@ -11,7 +11,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <fstream>
 #include <optional>
+#include <thread>
 
 #include "proto/messages.h"
 #include "rendezvous/auth.h"
@@ -30,6 +33,8 @@ const std::string kToken = "hostile-test-token";
 class RawPeer {
  public:
   // Connects to 127.0.0.1:port from `source` (127.0.0.x), or fails the test.
+  struct Adopt {};
+  RawPeer(Adopt, int fd) : fd_(fd) {}  // an accepted connection (FakeServer)
   explicit RawPeer(int port, const std::string& source = "127.0.0.1") {
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in src{};
@@ -130,6 +135,53 @@ class RawPeer {
   int fd_ = -1;
   std::optional<auth::FrameMac> mac_out_, mac_in_;
   std::string received_;
+};
+
+// A server that holds no token: it reads each agent's Hello and answers with `forged`,
+// unsigned, instead of a Challenge (a local process that took a restarted daemon's port).
+class FakeServer {
+ public:
+  explicit FakeServer(proto::Frame forged, int port = 0) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::listen(fd_, 16) == 0);
+    socklen_t len = sizeof a;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this, forged] {
+      while (!stop_) {  // bounded by the destructor
+        pollfd p{fd_, POLLIN, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c < 0) continue;
+        RawPeer agent(RawPeer::Adopt{}, c);
+        auto hello = agent.read(10s);
+        if (!hello || proto::type_of(*hello) != proto::MsgType::kHello) continue;
+        ++hellos_;
+        agent.send(forged);
+        agent.closed_within(10s);  // the agent should hang up
+      }
+    });
+  }
+  ~FakeServer() {
+    stop_ = true;
+    thread_.join();
+    ::close(fd_);
+  }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  int hellos() const { return hellos_; }
+
+ private:
+  int fd_ = -1, port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> hellos_{0};
+  std::thread thread_;
 };
 
 proto::Join join_for(const std::string& job) {
@@ -461,4 +513,61 @@ TEST_CASE("a server without a token warns when it listens beyond loopback") {
                     kMglaunch, kFakeWorker},
                    {}, 30s);
   CHECK_THAT(agent.err, Catch::Contains("warning: listening on 0.0.0.0"));
+}
+
+TEST_CASE("an agent holding a token believes no frame from a server that has not proved it") {
+  proto::Abort abort;
+  abort.root_cause.exit_code = 42;
+  abort.root_cause.host = "forged";
+  abort.root_cause.message = "forged root cause";
+  abort.reason = "forged";
+  proto::Assignment assignment;
+  assignment.master_addr = "127.0.0.66";
+  assignment.master_port = 41234;
+  assignment.group_world_size = 1;
+  assignment.world_size = 1;
+  assignment.nodes = {"127.0.0.66"};
+  const std::vector<std::pair<std::string, proto::Frame>> forgeries{
+      {"Abort", proto::to_frame(abort)},
+      {"Done", proto::to_frame(proto::Done{})},
+      {"Assignment", proto::to_frame(assignment)},
+      {"Restart", proto::to_frame(proto::Restart{1, "forged"})},
+      {"Error", proto::to_frame(proto::Error{"forged refusal"})}};
+  for (const auto& [name, frame] : forgeries) {
+    INFO("forged " << name);
+    FakeServer fake(frame);
+    auto r = run(agent_argv(fake.endpoint(), "j", 1, "2", 1, {}, {"env"}), {{"MGLAUNCH_RDZV_TOKEN", kToken}}, 60s);
+    INFO(r.err);
+    CHECK(fake.hellos() >= 1);
+    CHECK(r.code == 3);  // neither 42 (the forged root cause) nor 0 (a forged done)
+    CHECK_THAT(r.err, Catch::Contains("could not be authenticated") && Catch::Contains("before proving this job's key"));
+    CHECK_THAT(r.err, !Catch::Contains("forged root cause"));
+    CHECK(r.out.find("MASTER_ADDR") == std::string::npos);  // no worker was started
+  }
+}
+
+TEST_CASE("an agent whose daemon restarted and whose port an impostor took keeps its workers and believes nothing") {
+  const int port = free_loopback_port();
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  Daemon d{spawn({kRdzvDaemon, "--listen", ep}, {{"MGLAUNCH_RDZV_TOKEN", kToken}}), ep};
+  REQUIRE(eventually([&] { return d.proc.out().find("listening on") != std::string::npos; }, 10s));
+  const std::string go = make_temp_dir() + "/go";
+  Proc agent = spawn(agent_argv(ep, "survive", 1, "1:2", 1, {"--rdzv_conf=join_timeout=5,last_call_timeout=0"},
+                                {"env", "wait-file", go}),
+                     {{"MGLAUNCH_RDZV_TOKEN", kToken}});
+  REQUIRE(eventually([&] { return agent.out().find("MASTER_ADDR") != std::string::npos; }, 30s));  // its worker runs
+  ::kill(d.proc.pid, SIGKILL);
+  REQUIRE(d.proc.wait(5s));
+  proto::Abort abort;
+  abort.root_cause.exit_code = 42;
+  abort.root_cause.message = "forged root cause";
+  FakeServer impostor(proto::to_frame(abort), port);
+  // It comes back after the first forged abort: that one was a failed attempt, not a decision.
+  if (!eventually([&] { return impostor.hellos() >= 2; }, 30s)) FAIL("hellos " << impostor.hellos() << "\n" << agent.err());
+  CHECK(pid_alive(agent.pid));
+  std::ofstream(go) << "go";
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(agent.exit_code() == 0);  // its own workers' result, never the forged 42
+  CHECK_THAT(agent.err(), Catch::Contains("could not be authenticated") && !Catch::Contains("forged root cause"));
 }

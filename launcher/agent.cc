@@ -24,6 +24,7 @@
 #include "launcher/monitor.h"
 #include "launcher/trace.h"
 #include "launcher/worker_spec.h"
+#include "proto/text.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_backend.h"
 
@@ -516,7 +517,7 @@ void Agent::finish(int code) {
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
-    out << summary().dump(2) << "\n";
+    out << proto::dump_json(summary(), 2) << "\n";
     if (!out) error_line(fmt::format("cannot write --summary-json '{}'; pick a file you can write", opts_.summary_json));
   }
   if (trace_) {

@@ -17,6 +17,7 @@
 #include "launcher/errors.h"
 #include "launcher/multihost.h"
 #include "launcher/plan.h"
+#include "proto/text.h"
 #include "rendezvous/endpoint.h"
 
 namespace mg {
@@ -408,7 +409,7 @@ int doctor_main(const std::vector<std::string>& argv, const std::map<std::string
   const DoctorOptions& o = *parsed;
   DoctorInputs in = gather(o, env, real_doctor_probes());
   auto s = suggest(in);
-  write_all(STDOUT_FILENO, o.json ? doctor_json(in, s).dump(2) + "\n" : doctor_text(in, s));
+  write_all(STDOUT_FILENO, o.json ? mg::proto::dump_json(doctor_json(in, s), 2) + "\n" : doctor_text(in, s));
   return exit_code::kOk;
 }
 

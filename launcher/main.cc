@@ -18,6 +18,7 @@
 #include "launcher/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "proto/text.h"
 #include "rendezvous/openssl_loader.h"
 
 extern char** environ;
@@ -76,7 +77,7 @@ int main(int argc, char** argv) {
     if (opts.slurm) write_all(STDERR_FILENO, "mglaunch: " + opts.slurm->summary + "\n");
     RunPlan plan = make_plan(opts, env);
     if (opts.dry_run) {
-      write_all(STDOUT_FILENO, plan_to_json(plan, opts, env).dump(2) + "\n");
+      write_all(STDOUT_FILENO, mg::proto::dump_json(plan_to_json(plan, opts, env), 2) + "\n");
       return exit_code::kOk;
     }
     // An unwritable --summary-json is a bad flag now, not a notice after the whole run.

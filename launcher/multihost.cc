@@ -30,6 +30,7 @@
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/worker_process.h"
+#include "proto/text.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/server.h"
@@ -762,7 +763,7 @@ int run_multihost(const MultiHostOptions& opts, const EnvMap& env, const SshRunn
     auto plan = make_multihost_plan(o, hosts, exports, where + ":PORT", id, runner);
     auto doc = multihost_plan_json(plan);
     doc["rdzv_port"] = fmt::format("PORT: a free port of {}, picked when the run starts", addr);
-    write_all(fio.out_fd, doc.dump(2) + "\n");
+    write_all(fio.out_fd, proto::dump_json(doc, 2) + "\n");
     return exit_code::kOk;
   }
   asio::io_context io(1);

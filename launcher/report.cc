@@ -10,6 +10,8 @@
 
 #include <fmt/format.h>
 
+#include "proto/text.h"
+
 namespace mg {
 
 std::string now_text() { return time_text(std::chrono::system_clock::now()); }
@@ -65,7 +67,7 @@ std::string read_error_file_message(const std::string& path) {
   const auto& m = j["message"];
   if (m.is_string()) return m.get<std::string>();
   if (m.is_object() && m.contains("message") && m["message"].is_string()) return m["message"].get<std::string>();
-  return m.dump();
+  return mg::proto::dump_json(m);
 }
 
 std::string format_root_cause(const RootCause& rc, const std::string& program) {

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "proto/text.h"
+
 namespace mg::proto {
 
 namespace {
@@ -12,6 +14,7 @@ namespace {
 std::string text(const char* field, const std::string& v, std::size_t max, bool required = false) {
   if (required && v.empty()) return fmt::format("{} is empty", field);
   if (v.size() > max) return fmt::format("{} is {} bytes long (limit {})", field, v.size(), max);
+  if (auto bad = text_problem(v); !bad.empty()) return fmt::format("{} {}", field, bad);
   return {};
 }
 
@@ -112,11 +115,11 @@ std::string truncate_text(std::string t, std::size_t max_bytes) {
 }
 
 void truncate_to_limits(WorkerFailed& m) {
-  m.host = truncate_text(std::move(m.host), kMaxHostBytes);
-  m.message = truncate_text(std::move(m.message), kMaxTextBytes);
+  m.host = truncate_text(printable(m.host), kMaxHostBytes);
+  m.message = truncate_text(printable(m.message), kMaxTextBytes);
   if (m.last_lines.size() > kMaxLines)
     m.last_lines.erase(m.last_lines.begin(), m.last_lines.end() - static_cast<std::ptrdiff_t>(kMaxLines));
-  for (auto& l : m.last_lines) l = truncate_text(std::move(l), kMaxLineBytes);
+  for (auto& l : m.last_lines) l = truncate_text(printable(l), kMaxLineBytes);
 }
 
 void check_numbers(const nlohmann::json& j) {

@@ -149,7 +149,8 @@ inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
 
-// Field checks; an empty string means valid. Ranges and lengths are in limits.h.
+// Field checks; an empty string means valid. Ranges and lengths are in limits.h; every
+// text is valid UTF-8 without control characters (text_problem() in text.h).
 std::string validate(const Hello& m);
 std::string validate(const Challenge& m);
 std::string validate(const Auth& m);
@@ -164,8 +165,9 @@ std::string validate(const Abort& m);
 std::string validate(const Done& m);
 std::string validate(const Error& m);
 
-// Cuts the free-text fields of a failure report to their limits (the sender's side of
-// "cap every string"): message, last lines, host.
+// Makes the free-text fields of a failure report valid for validate() (the sender's side
+// of "cap every string"): message, last lines and host made printable() (a worker's stderr
+// may hold any bytes) and cut to their limits.
 void truncate_to_limits(WorkerFailed& m);
 std::string truncate_text(std::string text, std::size_t max_bytes);
 

@@ -3,6 +3,8 @@
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
+#include "proto/text.h"
+
 namespace mg::rdzv {
 
 namespace asio = boost::asio;
@@ -93,7 +95,7 @@ void EtcdLink::on_changes(const std::vector<Change>& changes) {
       try {
         e = etcd::event_from_json(json::parse(c.value));
       } catch (const std::exception& ex) {
-        if (h_.on_notice) h_.on_notice(fmt::format("ignoring a bad event in etcd at {}: {}", c.key, ex.what()));
+        if (h_.on_notice) h_.on_notice(proto::printable(fmt::format("ignoring a bad event in etcd at {}: {}", c.key, ex.what())));
         continue;
       }
       if (e.kind == Event::Kind::kJoin) joined_agents_.insert(e.agent);
@@ -151,7 +153,7 @@ void EtcdLink::append(Event e, bool conditional) {
       compare = {{"key", base64_encode(key)}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
     }
     const json body = {{"compare", json::array({compare})},
-                       {"success", json::array({put_op(key, to_json(e).dump(), job_lease_)})}};
+                       {"success", json::array({put_op(key, proto::dump_json(to_json(e)), job_lease_)})}};
     for (int attempt = 0;; ++attempt) {
       try {
         http.call("/v3/kv/txn", body, kRequestTimeout);
@@ -324,7 +326,7 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
         ensure_job_lease(http);
         http.call("/v3/kv/txn",
                   {{"success", json::array({put_op(keys_.alive_key(agent_), agent_, lease_),
-                                            put_op(key, to_json(join).dump(), job_lease_)})}},
+                                            put_op(key, proto::dump_json(to_json(join)), job_lease_)})}},
                   kRequestTimeout);
         ++next_seq_;
         joined = true;
@@ -418,7 +420,7 @@ void EtcdLink::fresh_start(etcd::Http& http) {
     join.join = opts_.join;
     join.t_ms = now_ms();
     http.call("/v3/kv/txn",
-              {{"success", json::array({put_op(keys_.log_key(agent_, next_seq_++), to_json(join).dump(), job_lease_)})}},
+              {{"success", json::array({put_op(keys_.log_key(agent_, next_seq_++), proto::dump_json(to_json(join)), job_lease_)})}},
               kRequestTimeout);
   } catch (const etcd::Error& e) {
     post([this, why = std::string(e.what())] { lost("cannot start a fresh log for this job: " + why); });

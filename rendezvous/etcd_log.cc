@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "proto/text.h"
 #include "rendezvous/endpoint.h"
 
 namespace mg::rdzv::etcd {
@@ -202,7 +203,7 @@ Event event_from_json(const nlohmann::json& j) {
     if (k == std::end(kKinds)) throw std::invalid_argument(fmt::format("unknown event kind '{}'", kind));
     e.kind = static_cast<Event::Kind>(k - std::begin(kKinds));
     e.agent = j.at("agent").get<std::string>();
-    if (e.agent.empty() || e.agent.size() > proto::kMaxTextBytes) throw std::invalid_argument("bad event agent");
+    if (e.agent.empty() || e.agent.size() > proto::kMaxTextBytes || !proto::text_problem(e.agent).empty()) throw std::invalid_argument("bad event agent");
     // The writer's wall clock in ms: an integer, and one a steady_clock time_point can hold.
     const auto& t = j.at("t");
     if (!t.is_number_integer() || t.get<std::int64_t>() < 0 || t.get<std::int64_t>() > kMaxEventTimeMs)
@@ -228,7 +229,7 @@ Event event_from_json(const nlohmann::json& j) {
         break;
       }
       case Event::Kind::kLost:
-        e.why = proto::truncate_text(j.at("why").get<std::string>(), proto::kMaxTextBytes);
+        e.why = proto::truncate_text(proto::printable(j.at("why").get<std::string>()), proto::kMaxTextBytes);
         break;
       case Event::Kind::kTick: break;
     }

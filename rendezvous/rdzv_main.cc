@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/args.h"
+#include "proto/text.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/http.h"
@@ -170,7 +171,7 @@ static int run_daemon(int argc, char** argv) {
     return 0;
   }
   so.log = [json_log](const std::string& line) {
-    std::string out = json_log ? nlohmann::json{{"time", std::time(nullptr)}, {"event", line}}.dump()
+    std::string out = json_log ? mg::proto::dump_json(nlohmann::json{{"time", std::time(nullptr)}, {"event", line}})
                                : fmt::format("mglaunch-rdzv: {}", line);
     std::fprintf(stderr, "%s\n", out.c_str());
   };

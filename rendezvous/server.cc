@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "proto/text.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/http.h"
 
@@ -84,7 +85,10 @@ Server::~Server() { stop(); }
 
 std::string Server::address() const { return fmt::format("{}:{}", opts_.host, port_); }
 
-void Server::log(const std::string& line) const {
+void Server::log(const std::string& raw) const {
+  // Peer strings are checked on receipt (validate()); this also covers whatever else a line
+  // quotes (an exception's text), so no line can break a JSON writer or a terminal.
+  const std::string line = proto::printable(raw);
   const auto unix_ms =
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   events_.push_back({next_event_++, unix_ms, line});
@@ -276,7 +280,7 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
   auto refuse = [&](const std::string& why) {
     ++refusals_;
     log(fmt::format("{}: {}", s->conn->peer(), why));
-    s->conn->send(proto::to_frame(proto::Error{proto::truncate_text(why, proto::kMaxTextBytes)}));
+    s->conn->send(proto::to_frame(proto::Error{proto::truncate_text(proto::printable(why), proto::kMaxTextBytes)}));
     s->conn->close();
   };
   try {

@@ -2,6 +2,7 @@
 
 #include <charconv>
 
+#include "proto/text.h"
 #include "rendezvous/auth.h"
 
 namespace mg::rdzv {
@@ -98,7 +99,7 @@ poll();
 )html";
 
 HttpResponse json(const nlohmann::json& j) {
-  return {200, "application/json", j.dump()};
+  return {200, "application/json", proto::dump_json(j)};
 }
 
 }  // namespace

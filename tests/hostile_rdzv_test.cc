@@ -571,3 +571,99 @@ TEST_CASE("an agent whose daemon restarted and whose port an impostor took keeps
   CHECK(agent.exit_code() == 0);  // its own workers' result, never the forged 42
   CHECK_THAT(agent.err(), Catch::Contains("could not be authenticated") && !Catch::Contains("forged root cause"));
 }
+
+TEST_CASE("text that is not UTF-8 or holds control characters is refused, and no log, page or summary breaks on it") {
+  // --json-log without a token: the hello (with the join behind it) names a job that is not UTF-8.
+  Daemon json_log = start_daemon({}, {"--json-log"});
+  {
+    RawPeer p(json_log.port());
+    const std::string bad_job = "job\xff\xfe";
+    p.send(proto::to_frame(proto::Hello{"hostile", bad_job, auth::random_hex(32)}));
+    p.send(proto::to_frame(join_for(bad_job)));
+    auto reply = p.read(5s);
+    REQUIRE(reply);
+    REQUIRE(proto::type_of(*reply) == proto::MsgType::kError);
+    CHECK_THAT(proto::from_frame<proto::Error>(*reply).message, Catch::Contains("job_id is not valid UTF-8"));
+    CHECK(p.closed_within(5s));
+  }
+  {
+    RawPeer p(json_log.port());  // a job id that is UTF-8 but steers a terminal
+    p.send(proto::to_frame(proto::Hello{"hostile", "job\x1b[2J", auth::random_hex(32)}));
+    auto reply = p.read(5s);
+    REQUIRE(reply);
+    CHECK_THAT(proto::from_frame<proto::Error>(*reply).message, Catch::Contains("job_id holds a control character"));
+  }
+  Proc a = spawn(agent_argv(json_log.endpoint, "after", 1, "2", 1, {}, {"print", "ok"}));
+  Proc b = spawn(agent_argv(json_log.endpoint, "after", 2, "2", 1, {}, {"print", "ok"}));
+  REQUIRE(a.wait(30s));
+  REQUIRE(b.wait(30s));
+  CHECK(a.exit_code() == 0);  // the daemon serves on
+  CHECK(b.exit_code() == 0);
+  CHECK(pid_alive(json_log.proc.pid));
+  for (const auto& line : split_lines(json_log.proc.err())) CHECK_NOTHROW(nlohmann::json::parse(line));
+  ::kill(json_log.proc.pid, SIGTERM);
+  json_log.proc.wait(5s);
+
+  // The status API after a pre-auth hello and a join whose host is not UTF-8.
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", kToken}}, {"--http", "0"});
+  REQUIRE(eventually([&] { return split_lines(d.proc.out()).size() >= 2; }, 10s));
+  const auto line = split_lines(d.proc.out()).at(1);
+  const int http = std::stoi(line.substr(line.rfind(':') + 1));
+  {
+    RawPeer pre(d.port());
+    pre.send(proto::to_frame(proto::Hello{"hostile\xc0\xaf", "pre\xed\xa0\x80", auth::random_hex(32)}));
+    CHECK(pre.closed_within(5s));
+    RawPeer host(d.port());
+    REQUIRE(host.handshake("hosts"));
+    auto j = join_for("hosts");
+    j.host = "node\x80";
+    host.send(proto::to_frame(j));
+    auto reply = host.read(5s);
+    REQUIRE(reply);
+    CHECK_THAT(proto::from_frame<proto::Error>(*reply).message, Catch::Contains("host is not valid UTF-8"));
+    RawPeer failed(d.port());  // a failure report relayed to every node of the job
+    REQUIRE(failed.handshake("hosts"));
+    auto ok = join_for("hosts");
+    ok.min_nodes = ok.max_nodes = 1;
+    failed.send(proto::to_frame(ok));
+    auto assigned = failed.read(5s);
+    REQUIRE(assigned);
+    REQUIRE(proto::type_of(*assigned) == proto::MsgType::kAssignment);
+    proto::WorkerFailed wf;
+    wf.round = 1;
+    wf.host = "hostile";
+    wf.exit_code = 7;
+    wf.message = "bad \xff bytes";
+    failed.send(proto::to_frame(wf));
+    reply = failed.read(5s);
+    REQUIRE(reply);
+    CHECK_THAT(proto::from_frame<proto::Error>(*reply).message, Catch::Contains("message is not valid UTF-8"));
+  }
+  const std::string bearer = "Bearer " + kToken;
+  CHECK_THAT(http_request(http, "/api/events?since=0", bearer), Catch::StartsWith("HTTP/1.1 200"));
+  CHECK_NOTHROW(nlohmann::json::parse(body_of(http_request(http, "/api/events?since=0", bearer))));
+  CHECK_THAT(http_request(http, "/api/jobs", bearer), Catch::StartsWith("HTTP/1.1 200"));
+  CHECK(pid_alive(d.proc.pid));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}
+
+TEST_CASE("a worker's stderr that is not UTF-8 reaches every node, which exit with its code and write their summaries") {
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", kToken}});
+  const std::string dir = make_temp_dir();
+  std::vector<Proc> agents;
+  for (int i = 1; i <= 2; ++i)
+    agents.push_back(spawn(agent_argv(d.endpoint, "bytes", i, "2", 1, {"--summary-json=" + dir + "/s" + std::to_string(i)},
+                                      {"when-rank", "1", "eprint", "bad \xff\xfe\x1b[31m bytes", "exit", "7"}),
+                           {{"MGLAUNCH_RDZV_TOKEN", kToken}}));
+  for (int i = 0; i < 2; ++i) {
+    REQUIRE(agents[i].wait(60s));
+    INFO(agents[i].err());
+    CHECK(agents[i].exit_code() == 7);
+    nlohmann::json summary;
+    CHECK_NOTHROW(summary = nlohmann::json::parse(read_file(dir + "/s" + std::to_string(i + 1))));
+    CHECK(summary.dump().find("bad ") != std::string::npos);
+  }
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "proto/messages.h"
+#include "proto/text.h"
 
 using namespace mg::proto;
 
@@ -75,6 +76,38 @@ TEST_CASE("failure reports are cut to their limits by the sender and refused bey
   CHECK(back.last_lines.size() == kMaxLines);
   CHECK(back.last_lines[0].size() == kMaxLineBytes);
   CHECK(truncate_text("\xc3\xa9\xc3\xa9\xc3\xa9", 5) == "...");  // no half UTF-8 character is left
+}
+
+TEST_CASE("every text field must be UTF-8 without control characters; the sender's report is made so") {
+  using mg::proto::printable;
+  using mg::proto::text_problem;
+  CHECK(text_problem("plain ascii, é, 日本, 🙂").empty());
+  CHECK(text_problem("a\xff").find("not valid UTF-8 (byte 1)") != std::string::npos);
+  CHECK_FALSE(text_problem("\xc0\xaf").empty());          // overlong '/'
+  CHECK_FALSE(text_problem("\xed\xa0\x80").empty());      // a surrogate
+  CHECK_FALSE(text_problem("\xf4\x90\x80\x80").empty());  // past U+10FFFF
+  CHECK_FALSE(text_problem("\xe6\x97").empty());          // cut short
+  CHECK(text_problem("a\x1b[2J").find("control character (U+001B at byte 1)") != std::string::npos);
+  CHECK_FALSE(text_problem("tab\there").empty());
+  CHECK_FALSE(text_problem("\xc2\x85").empty());  // U+0085, a C1 control
+  CHECK(printable("a\tb\nc\x1b\xff日") == "a b c\xEF\xBF\xBD\xEF\xBF\xBD日");
+  for (std::string bad : {"\xff\xfe", "\xc0\xaf", "x\x7f", "\xe6\x97", "\xed\xa0\x80"}) CHECK(text_problem(printable(bad)).empty());
+  CHECK(mg::proto::dump_json(nlohmann::json{{"k", "a\xff"}}) == "{\"k\":\"a\xEF\xBF\xBD\"}");
+
+  Join j;
+  j.job_id = "job\xff";
+  j.agent_id = "a";
+  j.addr = "127.0.0.1";
+  CHECK(validate(j) == "job_id is not valid UTF-8 (byte 3)");
+  WorkerFailed f;
+  f.message = "boom\n\x1b[31mred\xfe";
+  f.last_lines = {"ok", "bad\xff"};
+  f.host = "h\x01";
+  CHECK_FALSE(validate(f).empty());
+  truncate_to_limits(f);
+  CHECK(validate(f).empty());
+  CHECK(f.message == "boom \xEF\xBF\xBD[31mred\xEF\xBF\xBD");
+  CHECK(validate(Error{"refused: \x1b]0;title\x07"}).find("message holds a control character") != std::string::npos);
 }
 
 TEST_CASE("an assignment listing the most nodes of the longest addresses fits in a default frame") {

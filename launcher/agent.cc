@@ -238,6 +238,11 @@ void Agent::start_rendezvous() {
   h.on_lost = [this](const std::string& why) { run(core_.rendezvous_lost(why, now())); };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
   if (etcd) {  // the job lives in etcd; the same rules (rendezvous::Job) run in every agent
+    // etcd proves nothing with the rendezvous token: say so rather than let its holder think
+    // the decisions it reads are authenticated.
+    if (!opts_.rdzv_token.empty() || !opts_.rdzv_job_token.empty())
+      notice("warning: --rdzv_backend=etcd does not use the rendezvous token: whoever can write this job's keys in "
+             "etcd decides for it; protect them with etcd's own authentication (--rdzv_conf user=, cert=, https)");
     rdzv::EtcdOptions eo;
     eo.endpoints = rdzv::etcd::parse_endpoints(opts_.rdzv_endpoint);  // checked with the options
     for (auto& e : eo.endpoints) e.tls = e.tls || opts_.etcd_https;

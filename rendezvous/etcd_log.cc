@@ -133,9 +133,20 @@ std::string Keys::agent_of_alive(const std::string& key) const {
   return key.starts_with(p) ? key.substr(p.size()) : std::string();
 }
 
+std::string key_component(std::string_view id) {
+  std::string out;
+  out.reserve(id.size());
+  for (char c : id) {
+    if (c == '%') out += "%25";
+    else if (c == '/') out += "%2F";
+    else out += c;
+  }
+  return out;
+}
+
 Keys keys_for(std::string prefix, const std::string& job) {
   while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
-  return Keys{prefix + "/" + job + "/"};
+  return Keys{prefix + "/" + key_component(job) + "/"};
 }
 
 void JsonStream::feed(std::string_view bytes) {

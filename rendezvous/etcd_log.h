@@ -3,7 +3,8 @@
 // (encode/decode) and its replay into the shared rendezvous::Job state machine. No I/O:
 // everything here is unit-tested without etcd (tests/etcd_unit_test.cc).
 //
-// A job lives under PREFIX/JOB/ (PREFIX defaults to /mglaunch):
+// A job lives under PREFIX/JOB/ (PREFIX defaults to /mglaunch; JOB with '/' and '%' escaped,
+// keys_for()):
 //   log/AGENT/SEQ   one event (JSON), written once; the log's order is etcd's revision order
 //   alive/AGENT     attached to AGENT's lease: deleted by etcd when the agent stops renewing
 //   lease           the job lease's id; it and every log key are attached to the job lease,
@@ -60,6 +61,11 @@ struct Keys {
   // The agent of an alive key; empty when `key` is not one.
   std::string agent_of_alive(const std::string& key) const;
 };
+// A job id as one key component: '%' and '/' percent-encoded (nothing else), so that it
+// holds no '/' and two ids never share a component.
+std::string key_component(std::string_view id);
+// The one place a job id becomes storage keys: PREFIX/key_component(JOB)/. No job's root is
+// a prefix of another's (job "team" cannot reach the keys of job "team/exp1").
 Keys keys_for(std::string prefix, const std::string& job);
 
 // Splits the gateway's streamed response (JSON objects one after another, whatever the

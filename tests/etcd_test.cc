@@ -49,6 +49,25 @@ TEST_CASE("etcd: 3 agents x 2 workers get ranks 0..5 once each, one MASTER_ADDR,
   CHECK(etcd.keys("/mglaunch/ranks/").empty());
 }
 
+TEST_CASE("etcd: a job whose id is a prefix of another's ('team' and 'team/exp1') leaves the other's keys alone") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  Proc first = spawn(agent_argv(etcd.endpoints(), "team/exp1", 1, "2", 1, {}, {"env"}, "etcd"));
+  REQUIRE(eventually([&] { return !etcd.keys("/mglaunch/").empty(); }, 30s));  // it joined and waits
+  // Job "team" starts (clearing what it takes for its own stale log) and ends (deleting its keys).
+  auto team = run(agent_argv(etcd.endpoints(), "team", 2, "1:2", 1, {"--rdzv_conf=last_call_timeout=0"}, {"print", "ok"}, "etcd"),
+                  {{"MGLAUNCH_RDZV_TOKEN", "unused"}}, 60s);
+  CHECK(team.code == 0);
+  CHECK_THAT(team.err, Catch::Contains("--rdzv_backend=etcd does not use the rendezvous token"));
+  CHECK(pid_alive(first.pid));
+  std::vector<Proc> agents;
+  agents.push_back(std::move(first));
+  agents.push_back(spawn(agent_argv(etcd.endpoints(), "team/exp1", 3, "2", 1, {}, {"env"}, "etcd")));
+  const WorldSeen w = world_seen(agents, 60s);  // both nodes of team/exp1 exit 0
+  CHECK(w.worlds == std::set<std::string>{"2/2"});
+  CHECK(etcd.keys("/mglaunch/").empty());
+}
+
 TEST_CASE("etcd: a worker failure restarts all three agents with one restart count") {
   ETCD_OR_SKIP();
   EtcdCluster etcd(1);

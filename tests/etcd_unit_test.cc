@@ -70,6 +70,12 @@ TEST_CASE("etcd base64 round-trips any bytes and a prefix's range end follows ev
   CHECK(k.log_key("h:1", 7) == "/mglaunch/j/log/h:1/0000000007");
   CHECK(k.agent_of_alive("/mglaunch/j/alive/h:1") == "h:1");
   CHECK(k.agent_of_alive("/mglaunch/j/log/h:1/1").empty());
+  // A job id holds no '/' once in a key: no job's keys lie under another job's root.
+  const auto team = keys_for("/mglaunch", "team").root, exp = keys_for("/mglaunch", "team/exp1").root;
+  CHECK(exp == "/mglaunch/team%2Fexp1/");
+  CHECK_FALSE(exp.starts_with(team));
+  CHECK(keys_for("/mglaunch", "a%2Fb").root == "/mglaunch/a%252Fb/");
+  CHECK(keys_for("/mglaunch", "a%2Fb").root != keys_for("/mglaunch", "a/b").root);
   CHECK(number(nlohmann::json{{"revision", "42"}}, "revision") == 42);
   CHECK(number(nlohmann::json{{"revision", 7}}, "revision") == 7);
   CHECK(number(nlohmann::json::object(), "revision") == 0);

@@ -20,6 +20,9 @@ namespace {
 constexpr std::size_t kReservedDescriptors = 64;  // logs, the acceptor, the agent's own pipes
 constexpr std::size_t kMaxTrackedAddresses = 4096;
 constexpr auto kMaxBlock = std::chrono::seconds(5);  // below the client's handshake patience
+// Challenges one address may have unanswered at once; its further hellos wait their turn,
+// so parallel connections check no more guesses than this per back-off period.
+constexpr std::size_t kMaxChallengesPerAddress = 4;
 constexpr std::size_t kAcceptBatch = 4096;  // connections taken per wake-up at most (a full backlog)
 }  // namespace
 
@@ -32,8 +35,8 @@ struct Server::Session {
   std::string client_nonce, server_nonce, key;
   std::string job;  // from Hello: the only job this session may touch
   bool joined = false;
-  std::chrono::milliseconds idle_limit{0};
-  std::unique_ptr<asio::steady_timer> delay;  // holds the challenge after recent failures  // from the job's keep-alive, once joined
+  bool challenged = false;  // its challenge is out and unanswered (it holds one of its address's turns)
+  std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
 };
 
 Server::Server(asio::io_context& io, ServerOptions opts)
@@ -117,6 +120,8 @@ void Server::stop(bool flush) {
   acceptor_.close(ec);
   ticker_.cancel();
   accept_pause_.cancel();
+  for (auto& [address, gate] : gates_)
+    if (gate.timer) gate.timer->cancel();
   auto sessions = std::move(sessions_);
   for (auto& [id, s] : sessions) s->conn->close(!flush);
 }
@@ -221,6 +226,43 @@ void Server::auth_failed(const std::string& address) {
                     block.count()));
 }
 
+void Server::next_challenges(const std::string& address) {
+  auto g = gates_.find(address);
+  if (g == gates_.end()) return;
+  AuthGate& gate = g->second;
+  if (gate.busy) return;  // a send below closed a session, which came back here: the loop goes on
+  gate.busy = true;
+  while (gate.outstanding < kMaxChallengesPerAddress && !gate.waiting.empty()) {
+    if (auto f = failures_.find(address); f != failures_.end() && Clock::now() < f->second.blocked_until) {
+      if (!gate.timer) {  // after recent failures the next challenge waits for the back-off
+        gate.timer = std::make_unique<asio::steady_timer>(io_, f->second.blocked_until);
+        gate.timer->async_wait([this, address](boost::system::error_code ec) {
+          if (ec || stopped_) return;
+          if (auto g = gates_.find(address); g != gates_.end()) g->second.timer.reset();
+          next_challenges(address);
+        });
+      }
+      break;
+    }
+    auto s = gate.waiting.front().lock();
+    gate.waiting.pop_front();
+    if (!s || !sessions_.contains(s->id) || s->phase != Session::Phase::kAuth || s->challenged) continue;
+    s->challenged = true;
+    ++gate.outstanding;
+    s->conn->send(proto::to_frame(
+        proto::Challenge{s->server_nonce, auth::server_proof(s->key, s->client_nonce, s->server_nonce)}));
+  }
+  gate.busy = false;
+  if (gate.outstanding == 0 && gate.waiting.empty() && !gate.timer) gates_.erase(g);
+}
+
+void Server::answered(Session& s) {
+  if (!s.challenged) return;
+  s.challenged = false;
+  if (auto g = gates_.find(s.address); g != gates_.end() && g->second.outstanding > 0) --g->second.outstanding;
+  next_challenges(s.address);
+}
+
 void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f) {
   auto welcome = [&] {
     s->phase = Session::Phase::kReady;
@@ -248,22 +290,11 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
       s->key = auth::random_hex(32);  // a job not served here: the proofs fail, nothing is revealed
     }
     s->server_nonce = auth::random_hex(32);
-    auto challenge = proto::to_frame(
-        proto::Challenge{s->server_nonce, auth::server_proof(s->key, s->client_nonce, s->server_nonce)});
-    auto f = failures_.find(s->address);
-    if (f == failures_.end() || Clock::now() >= f->second.blocked_until) {
-      s->conn->send(challenge);
-      return;
-    }
-    s->delay = std::make_unique<asio::steady_timer>(io_, f->second.blocked_until);
-    std::weak_ptr<Session> weak = s;
-    s->delay->async_wait([weak, challenge](boost::system::error_code ec) {
-      if (auto s = weak.lock(); s && !ec) s->conn->send(challenge);
-    });
-    return;
+    gates_[s->address].waiting.push_back(s);
+    return next_challenges(s->address);
   }
   auto a = proto::from_frame<proto::Auth>(f);
-  if (s->delay) s->delay.reset();  // an Auth before its challenge is simply wrong
+  answered(*s);  // an Auth before its challenge is simply wrong
   if (!auth::equal_ct(a.mac, auth::client_proof(s->key, s->client_nonce, s->server_nonce))) {
     auth_failed(s->address);
     throw proto::ProtocolError(fmt::format("authentication failed for job '{}': wrong rendezvous token", s->job));
@@ -338,9 +369,12 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
 
 void Server::on_close(const std::shared_ptr<Session>& s, const std::string& why) {
   sessions_.erase(s->id);
-  s->delay.reset();
   if (auto it = per_address_.find(s->address); it != per_address_.end() && --it->second == 0) per_address_.erase(it);
   if (stopped_) return;
+  // A client that leaves with its challenge unanswered could not prove the key (a wrong or
+  // missing token, or it found the server's proof wrong): a failed authentication too.
+  if (s->challenged) ++auth_failures_;
+  answered(*s);
   if (s->phase == Session::Phase::kAuth && why == "connection closed by peer")
     log(fmt::format("{}: closed during authentication for job '{}' (the client may hold another token)",
                     s->conn->peer(), s->job));

@@ -69,6 +69,15 @@ class Server {
 
  private:
   struct Session;
+  // The sessions of one address in authentication: those whose challenge is out (at most
+  // a few) and those waiting for their turn, in order of arrival. The timer wakes the
+  // queue when the address's back-off ends.
+  struct AuthGate {
+    std::size_t outstanding = 0;
+    std::deque<std::weak_ptr<Session>> waiting;
+    std::unique_ptr<boost::asio::steady_timer> timer;
+    bool busy = false;  // next_challenges() runs for it
+  };
   struct Failures {
     int count = 0;
     Clock::time_point blocked_until;
@@ -82,6 +91,10 @@ class Server {
   void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void on_close(const std::shared_ptr<Session>& s, const std::string& why);
   void auth_failed(const std::string& address);
+  // Sends the challenges `address` may have out now (kMaxChallengesPerAddress at most, none
+  // during its back-off); answered() frees a session's turn.
+  void next_challenges(const std::string& address);
+  void answered(Session& s);
   void apply(const Actions& actions);
   void tick();
   void check_deadlines(Clock::time_point now);
@@ -100,6 +113,7 @@ class Server {
   std::map<std::string, Job> jobs_;
   std::map<std::string, std::size_t> per_address_;  // open connections by peer address
   std::map<std::string, Failures> failures_;        // authentication failures by peer address
+  std::map<std::string, AuthGate> gates_;           // sessions in authentication by peer address
   std::shared_ptr<MemoryBudget> budget_ = std::make_shared<MemoryBudget>();
   std::size_t jobs_bytes_ = 0;  // charged to budget_ at each tick
   std::size_t peak_used_ = 0;   // budget use since the last malloc_trim

@@ -667,3 +667,52 @@ TEST_CASE("a worker's stderr that is not UTF-8 reaches every node, which exit wi
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
 }
+
+TEST_CASE("one address has at most a few challenges unanswered, so parallel connections do not check guesses in parallel") {
+  Scene scene({"--handshake-timeout", "120"});  // no unanswered challenge expires during the test
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  std::vector<std::string> nonces;
+  for (int i = 0; i < 20; ++i) {
+    peers.push_back(std::make_unique<RawPeer>(scene.daemon.port(), "127.0.0.11"));
+    nonces.push_back(auth::random_hex(32));
+    REQUIRE(peers.back()->send(proto::to_frame(proto::Hello{"x", "real", nonces.back()})));
+  }
+  std::vector<std::optional<proto::Challenge>> got(peers.size());
+  auto collect = [&](std::chrono::milliseconds each) {
+    for (std::size_t i = 0; i < peers.size(); ++i)
+      if (!got[i])
+        if (auto f = peers[i]->read(each); f && proto::type_of(*f) == proto::MsgType::kChallenge)
+          got[i] = proto::from_frame<proto::Challenge>(*f);
+    return std::count_if(got.begin(), got.end(), [](const auto& c) { return c.has_value(); });
+  };
+  REQUIRE(eventually([&] { return collect(10ms) >= 4; }, 20s));
+  CHECK(collect(200ms) == 4);  // the others wait for a turn
+  // A wrong proof frees one turn: one more challenge comes (after the back-off), no more.
+  const auto first = static_cast<std::size_t>(std::find_if(got.begin(), got.end(), [](const auto& c) { return c.has_value(); }) - got.begin());
+  peers[first]->send(proto::to_frame(proto::Auth{auth::client_proof(auth::job_key("wrong", "real"), nonces[first], got[first]->nonce)}));
+  CHECK(peers[first]->closed_within(5s));
+  CHECK(eventually([&] { return collect(10ms) == 5; }, 10s));
+  CHECK(collect(200ms) == 5);
+  scene.finish();  // the real agents (127.0.0.1) are not held up
+}
+
+TEST_CASE("agents that fail to authenticate (wrong or missing token, wrong job key) count in auth_failures_total") {
+  Daemon d = start_daemon({{"MGLAUNCH_RDZV_TOKEN", kToken}}, {"--metrics-port", "0"});
+  REQUIRE(eventually([&] { return split_lines(d.proc.out()).size() >= 2; }, 10s));
+  const auto line = split_lines(d.proc.out()).at(1);
+  const int metrics = std::stoi(line.substr(line.rfind(':') + 1));
+  const std::vector<std::map<std::string, std::string>> envs{
+      {{"MGLAUNCH_RDZV_TOKEN", "a wrong token"}},
+      {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}},
+      {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}, {"MGLAUNCH_RDZV_JOB_TOKEN", auth::job_key(kToken, "other")}}};
+  for (const auto& env : envs) {
+    auto r = run(agent_argv(d.endpoint, "counted", 1, "2", 1, {}, {"print", "ran"}), env, 30s);
+    CHECK(r.code == 3);
+  }
+  // Each agent hangs up at once; the daemon counts it when it sees the connection close.
+  CHECK(eventually([&] {
+    return body_of(http_request(metrics, "/metrics")).find("mglaunch_rdzv_auth_failures_total 3\n") != std::string::npos;
+  }, 10s));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}

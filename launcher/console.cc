@@ -233,12 +233,13 @@ std::optional<winsize> Console::window_size() const {
   return std::nullopt;
 }
 
-void Console::break_line(int q) {
+void Console::break_line(int q, bool interrupted) {
   if (!owner_[q]) return;
-  // A progress bar on a terminal is wiped, not ended: it comes back with its next redraw,
-  // below what came in between, so two workers' bars share one line instead of one line
-  // per update. Anything else (and everything in a pipe or a file) ends with a newline.
-  if (live_[q] && can_clear_ && owner_line_[q]->redrawn)
+  // A progress bar on a terminal that another worker interrupts is wiped, not ended: it
+  // comes back with its next redraw, below what came in between, so two workers' bars
+  // share one line instead of one line per update. Anything else (a bar whose worker's
+  // output ended, before a notice, everything in a pipe or a file) ends with a newline.
+  if (interrupted && live_[q] && can_clear_ && owner_line_[q]->redrawn)
     buf_[q].append("\r\x1b[K");
   else
     buf_[q].push_back('\n');
@@ -269,7 +270,7 @@ void Console::relay(int stream, const void* who, LiveLine& state, std::string_vi
 
 void Console::end_relay(int stream, const void* who, LiveLine& state) {
   const int q = queue_of(stream);
-  if (owner_line_[q] == &state) break_line(q);
+  if (owner_line_[q] == &state) break_line(q, false);  // its last state stays
   state = LiveLine{};
 }
 
@@ -363,7 +364,7 @@ void Console::flush_soon() {
 
 void Console::write(int stream, std::string_view text) {
   stream = queue_of(stream);
-  break_line(stream);
+  break_line(stream, false);  // a notice: the bar above it keeps its last state
   flush();
   if (async_) {
     async_->push(stream, std::string(text));

@@ -20,11 +20,13 @@
 // worker's: when another worker (or a notice) writes while one worker's line is open, that
 // line is ended with a newline first, and its continuation gets its prefix again. When
 // stdout and stderr are the same terminal they share one queue and one open line. A
-// progress bar's open line (redrawn after a '\r') is wiped instead ("\r" + erase to the end
-// of the line; not with TERM=dumb) and comes back at its next redraw. Pipes and files keep
-// whole lines, byte for byte (line()), except that a worker's unfinished line may go out
-// through relay() too (a '\r' progress bar, a raw line above the limit): then another
-// worker's line ends it with a newline first, so each line of the file is one worker's.
+// progress bar's open line (redrawn after a '\r') that another worker interrupts is wiped
+// instead ("\r" + erase to the end of the line; not with TERM=dumb) and comes back at its
+// next redraw; when its worker's output ends, or before a notice (write()), it ends with a
+// newline and keeps its last state. Pipes and files keep whole lines, byte for byte
+// (line()), except that a worker's unfinished line may go out through relay() too (a '\r'
+// progress bar, a raw line above the limit): then another worker's line ends it with a
+// newline first, so each line of the file is one worker's.
 // Owned by the agent; every member function is called from the io_context's thread.
 #pragma once
 
@@ -48,6 +50,8 @@ class Console {
  public:
   static constexpr std::size_t kDefaultHighWater = 1 << 20;
   static constexpr std::size_t kFlushSoonMax = 256 * 1024;
+  // Columns of a --timestamps stamp ("2024-01-31T12:34:56.789 ").
+  static constexpr std::size_t kStampWidth = 24;
 
   Console(int out_fd, int err_fd, bool timestamps);
   Console(boost::asio::io_context& io, int out_fd, int err_fd, bool timestamps,
@@ -106,7 +110,9 @@ class Console {
   struct Async;
   void init_live();
   int queue_of(int stream) const { return same_tty_ ? 0 : stream; }
-  void break_line(int q);  // ends the open line of queue q with a newline
+  // Ends the open line of queue q: with a newline, or wiped when `interrupted` (another
+  // worker writes) and it is a progress bar on a terminal that can erase.
+  void break_line(int q, bool interrupted = true);
   bool live_[2] = {false, false};
   bool same_tty_ = false;             // stdout and stderr are one terminal: one queue, one open line
   bool can_clear_ = false;            // the terminal knows "erase to the end of the line" (TERM is set, not dumb)

@@ -560,6 +560,36 @@ std::array<int, 2> open_worker_pty(const std::optional<winsize>& size) {
   return {m, sl};
 }
 
+// The columns `text` takes on a terminal: its UTF-8 characters, escape sequences aside.
+std::size_t display_width(std::string_view text) {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == 0x1b && i + 1 < text.size() && text[i + 1] == '[') {  // CSI: ESC [ ... final byte
+      i += 2;
+      while (i < text.size() && !(text[i] >= 0x40 && text[i] <= 0x7e)) ++i;
+      continue;
+    }
+    if ((c & 0xc0) != 0x80 && c >= 0x20 && c != 0x7f) ++n;
+  }
+  return n;
+}
+
+// A worker's terminal size: the real one less the columns its prefix (and time stamp) takes
+// on each line, so a full-width line of the worker (a progress bar) still fits, at least 1.
+std::optional<winsize> worker_window(const Console& console, const std::string& prefix) {
+  auto size = console.window_size();
+  if (!size) return size;
+  const std::size_t used = display_width(prefix) + (console.timestamps() ? Console::kStampWidth : 0);
+  size->ws_col = static_cast<unsigned short>(size->ws_col > used + 1 ? size->ws_col - used : 1);
+  size->ws_xpixel = 0;  // no longer the real window's pixels
+  return size;
+}
+
+// Pagers a worker on a pseudo-terminal would start read that terminal, which nobody
+// writes to: they would wait forever. Unless the user chose one, they print instead.
+constexpr const char* kPagerVars[] = {"PAGER", "GIT_PAGER", "MANPAGER", "SYSTEMD_PAGER"};
+
 }  // namespace
 
 struct WorkerProcess::Impl {
@@ -574,6 +604,7 @@ struct WorkerProcess::Impl {
   // The child until its exec, and what it reads meanwhile (spawn_process's lifetimes).
   SpawnTicket ticket;
   std::vector<const char*> argv, envp;
+  std::vector<std::string> pager_env;  // PAGER=cat and the like, for a worker on a pty
 };
 
 WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& console, DoneHandler on_done)
@@ -599,8 +630,9 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
   int ends[2][2] = {{-1, -1}, {-1, -1}};
   for (int s = 0; s < nstreams && spawn_error_.empty(); ++s) {
     // A stream shown on a terminal: the worker writes to a terminal too (isatty, its size).
-    if (spec_.terminal && spec_.console[s] && console_.live(s)) {
-      const auto pty = open_worker_pty(console_.window_size());
+    // Not when the stream goes to a log file too (--tee): that file gets what a pipe gets.
+    if (spec_.terminal && spec_.console[s] && console_.live(s) && spec_.log_file[s].empty()) {
+      const auto pty = open_worker_pty(worker_window(console_, prefix_));
       if (pty[0] >= 0) {
         ends[s][0] = pty[0];
         ends[s][1] = pty[1];
@@ -618,8 +650,15 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
   }
   if (spawn_error_.empty()) {
     auto& envp = impl_->envp;
-    envp.reserve(spec_.env.size() + 1);
+    if (impl_->pty[0] || impl_->pty[1])
+      for (const char* var : kPagerVars) {
+        const std::string eq = std::string(var) + "=";
+        if (std::none_of(spec_.env.begin(), spec_.env.end(), [&](const std::string& kv) { return kv.starts_with(eq); }))
+          impl_->pager_env.push_back(eq + "cat");
+      }
+    envp.reserve(spec_.env.size() + impl_->pager_env.size() + 1);
     for (const auto& kv : spec_.env) envp.push_back(kv.c_str());
+    for (const auto& kv : impl_->pager_env) envp.push_back(kv.c_str());
     envp.push_back(nullptr);
     auto& argv = impl_->argv;
     argv.reserve(spec_.argv.size() + 1);
@@ -700,7 +739,7 @@ void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* group
 
 void WorkerProcess::window_changed() {
   bool any = false;
-  const auto size = console_.window_size();
+  const auto size = worker_window(console_, prefix_);
   for (int s = 0; s < 2; ++s) {
     if (!impl_->pty[s] || !impl_->open[s] || !size) continue;
     ::ioctl(impl_->pipes[s].native_handle(), TIOCSWINSZ, &*size);

@@ -514,7 +514,7 @@ TEST_CASE("raw lines (an empty prefix template) pass through byte for byte, also
   CHECK(r.out.find("line continues") == std::string::npos);
 }
 
-TEST_CASE("on a terminal each worker writes to a pseudo-terminal sized like the real one, and a resize reaches it") {
+TEST_CASE("on a terminal each worker writes to a pseudo-terminal as wide as the real one less its prefix, and a resize reaches it") {
   winsize size{};
   size.ws_col = 123;
   size.ws_row = 45;
@@ -527,9 +527,42 @@ TEST_CASE("on a terminal each worker writes to a pseudo-terminal sized like the 
   CHECK(p.wait_exit(60s) == 0);
   const std::string t = p.text();
   INFO(t);
-  for (const char* line : {"[rank0]:tty in=0 out=1 err=1 size=123x45\n", "[rank1]:tty in=0 out=1 err=1 size=123x45\n",
-                           "[rank0]:winch size=99x33\n", "[rank1]:winch size=99x33\n"})
+  // "[rankN]:" takes 8 columns of each line: a full-width line of the worker still fits.
+  for (const char* line : {"[rank0]:tty in=0 out=1 err=1 size=115x45\n", "[rank1]:tty in=0 out=1 err=1 size=115x45\n",
+                           "[rank0]:winch size=91x33\n", "[rank1]:winch size=91x33\n"})
     CHECK(t.find(line) != std::string::npos);
+  // A time stamp takes 24 more; a window narrower than what a line's start takes leaves 1.
+  size.ws_col = 123;
+  PtyProc stamped({kMglaunch, "--timestamps", "--no_python", kFakeWorker, "tty"}, {}, &size);
+  CHECK(stamped.wait_exit(60s) == 0);
+  CHECK_THAT(stamped.text(), Catch::Contains("[rank0]:tty in=0 out=1 err=1 size=91x33\n"));
+  size.ws_col = 5;
+  PtyProc narrow({kMglaunch, "--no_python", kFakeWorker, "tty"}, {}, &size);
+  CHECK(narrow.wait_exit(60s) == 0);
+  CHECK_THAT(narrow.text(), Catch::Contains("tty in=0 out=1 err=1 size=1x33\n"));
+}
+
+TEST_CASE("on a terminal a worker's pager prints instead of waiting for keys nobody types, unless the user chose one") {
+  PtyProc p({kMglaunch, "--no_python", "/bin/sh", "-c", "echo \"pagers $PAGER $GIT_PAGER $MANPAGER $SYSTEMD_PAGER\""},
+            {{"GIT_PAGER", "mine"}});
+  CHECK(p.wait_exit(60s) == 0);
+  CHECK_THAT(p.text(), Catch::Contains("[rank0]:pagers cat mine cat cat\n"));
+}
+
+TEST_CASE("on a terminal a stream that also goes to a log file (--tee) is a pipe for the worker, as that file needs") {
+  const std::string dir = make_temp_dir();
+  PtyProc p({kMglaunch, "--log_dir", dir, "--tee", "1", "--no_python", kFakeWorker, "tty"});
+  CHECK(p.wait_exit(60s) == 0);
+  CHECK_THAT(p.text(), Catch::Contains("[rank0]:tty in=0 out=0 err=1 size=none\n"));
+}
+
+TEST_CASE("on a terminal a progress bar keeps its last state when its worker's output ends") {
+  PtyProc p({kMglaunch, "--no_python", "/bin/sh", "-c", "printf 'loss 0.9\\rloss 0.1'"}, {{"TERM", "xterm"}});
+  CHECK(p.wait_exit(60s) == 0);
+  const std::string t = p.text();
+  INFO(t);
+  CHECK(t.find("[rank0]:loss 0.9\r[rank0]:loss 0.1\n") != std::string::npos);
+  CHECK(t.find("\x1b[K") == std::string::npos);
 }
 
 TEST_CASE("on a terminal two workers' progress bars share one line: an interrupted bar is wiped, not ended") {

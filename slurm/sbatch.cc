@@ -38,16 +38,22 @@ void check_sbatch_option(const std::string& opt) {
   if (opt.size() < 2 || opt[0] != '-')
     throw SbatchUsageError(fmt::format("bad --sbatch '{}': give one sbatch option, e.g. --sbatch=--constraint=a100",
                                        one_line(opt)));
-  std::string name = opt.substr(opt.find_first_not_of('-'));
+  const auto start = opt.find_first_not_of('-');
+  if (start == std::string::npos || opt[start] == '=')
+    throw SbatchUsageError(fmt::format("bad --sbatch '{}': give one sbatch option, e.g. --sbatch=--constraint=a100",
+                                       one_line(opt)));
+  std::string name = opt.substr(start);
   name = name.substr(0, name.find('='));
-  if (opt[1] != '-') name = name.substr(0, 1);  // -N4, -n 4
+  const bool long_name = opt[1] == '-';
+  if (!long_name) name = name.substr(0, 1);  // -N4, -n 4
   // The one-agent-per-node layout and the signal are the script's own; the others have a flag here.
   static const std::pair<const char*, const char*> kOwn[] = {
       {"nodes", "--nodes"}, {"N", "--nodes"}, {"ntasks-per-node", ""}, {"ntasks", ""}, {"n", ""},
       {"signal", "--signal-before"}, {"requeue", "--requeue"}, {"no-requeue", "--requeue"},
       {"job-name", "--job-name"}, {"J", "--job-name"}, {"wait", "--wait"}, {"W", "--wait"}};
+  // sbatch takes an unambiguous start of a long name for the name: --ntasks-per-nod, --sig.
   for (const auto& [own, flag] : kOwn)
-    if (name == own)
+    if (name == own || (long_name && std::string_view(own).size() > 1 && std::string_view(own).starts_with(name)))
       throw SbatchUsageError(
           *flag ? fmt::format("bad --sbatch '{}': use mglaunch-sbatch's {} instead", one_line(opt), flag)
                 : fmt::format("bad --sbatch '{}': the script runs one mglaunch agent per node (--ntasks-per-node=1); "
@@ -179,7 +185,10 @@ std::string make_batch_script(const SbatchOptions& o) {
   directive(fmt::format("--signal=B:USR1@{}", o.signal_before));
   directive(o.requeue ? "--requeue" : "--no-requeue");
 
-  std::string cmd = "srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + shell_quote(o.mglaunch);
+  std::string cmd = "srun --kill-on-bad-exit=1 --ntasks-per-node=1 ";
+  // Slurm 22.05 and later: a step does not take the job's --cpus-per-task, it must say so.
+  if (o.cpus_per_task) cmd += fmt::format("--cpus-per-task={} ", *o.cpus_per_task);
+  cmd += shell_quote(o.mglaunch);
   for (const auto& a : o.command) cmd += " " + shell_quote(a);
 
   s += fmt::format(

@@ -150,6 +150,8 @@ TEST_CASE("mglaunch-sbatch writes --cpus-per-task, --mem, --exclusive, --qos, --
     CHECK(has_line(s, line));
   }
   CHECK(has_line(s, "#SBATCH --ntasks-per-node=1"));
+  // Slurm >= 22.05: the step does not inherit the job's --cpus-per-task, so srun says it too.
+  CHECK_THAT(s, Catch::Contains("srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=16 /opt/mg/bin/mglaunch"));
   // Not given: not written.
   const std::string plain = make_batch_script(parse({"--", "train.py"}));
   CHECK_THAT(plain, !Catch::Contains("--mem") && !Catch::Contains("--exclusive") && !Catch::Contains("--cpus-per-task"));
@@ -161,6 +163,14 @@ TEST_CASE("mglaunch-sbatch writes --cpus-per-task, --mem, --exclusive, --qos, --
   CHECK_THAT(usage_error({"--sbatch=--ntasks-per-node=4", "--", "p"}), Catch::Contains("--nproc_per_node"));
   CHECK_THAT(usage_error({"--sbatch=-N3", "--", "p"}), Catch::Contains("use mglaunch-sbatch's --nodes"));
   CHECK_THAT(usage_error({"--sbatch=--signal=USR2@60", "--", "p"}), Catch::Contains("--signal-before"));
+  // sbatch takes a long name's unambiguous start: so does the refusal.
+  CHECK_THAT(usage_error({"--sbatch=--ntasks-per-nod=4", "--", "p"}), Catch::Contains("--nproc_per_node"));
+  CHECK_THAT(usage_error({"--sbatch=--sig=B:USR2@60", "--", "p"}), Catch::Contains("--signal-before"));
+  CHECK_THAT(usage_error({"--sbatch=--job=x", "--", "p"}), Catch::Contains("--job-name"));
+  CHECK_NOTHROW(parse({"--sbatch=--wait-all-nodes=1", "--sbatch=--nice=5", "--", "p"}));
+  // No name at all: a usage error, not a crash.
+  for (const char* bad : {"--sbatch=--", "--sbatch=---", "--sbatch=--=4"})
+    CHECK_THAT(usage_error({bad, "--", "p"}), Catch::Contains("one sbatch option"));
 }
 
 TEST_CASE("the mglaunch flags after -- go through mglaunch's own parser as node 0 of the job sees them") {

@@ -125,11 +125,14 @@ int main(int argc, char** argv) {
       std::string_view kv = *e;
       if (auto eq = kv.find('='); eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
     }
-    if (auto why = mglaunch_usage_error(o, env)) {
+    std::string warning;
+    if (auto why = mglaunch_usage_error(o, env, &warning)) {
       std::cerr << "mglaunch-sbatch: error: the mglaunch flags after '--': " << mg::cli::one_line(*why)
                 << "; nothing was submitted\n";
       return kUsage;
     }
+    if (!warning.empty())
+      std::cerr << "mglaunch-sbatch: warning: the mglaunch flags after '--': " << mg::cli::one_line(warning) << "\n";
     const std::string script = make_batch_script(o);
     if (o.dry_run) {
       std::cout << script;

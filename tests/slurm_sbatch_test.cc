@@ -227,3 +227,26 @@ TEST_CASE("mglaunch-sbatch refuses a typo in the mglaunch flags before it runs s
   std::remove((dir + "/sbatch").c_str());
   ::rmdir(dir.c_str());
 }
+
+TEST_CASE("the check of the mglaunch flags counts the GPUs of --gres and --sbatch=--gpus*, and only warns when it cannot") {
+  CHECK(job_gpus_per_node(parse({"--gres=gpu:a100:4", "--", "p"})).count == 4);
+  CHECK(job_gpus_per_node(parse({"--gres=nvme:1,gpu:2,gpu:v100:2", "--", "p"})).count == 4);
+  CHECK(job_gpus_per_node(parse({"--gres=gpu", "--", "p"})).count == 1);
+  CHECK(job_gpus_per_node(parse({"--sbatch=--gpus-per-node=a100:8", "--", "p"})).count == 8);
+  CHECK(job_gpus_per_node(parse({"--", "p"})).count == 0);
+  CHECK(job_gpus_per_node(parse({"--", "p"})).known);
+  CHECK_FALSE(job_gpus_per_node(parse({"--nodes=2", "--sbatch=--gpus=8", "--", "p"})).known);
+  // Valid GPU jobs pass.
+  CHECK_FALSE(mglaunch_usage_error(parse({"--nodes", "2", "--gres=gpu:4", "--", "--nproc_per_node=gpu", "train.py"}), {}));
+  CHECK_FALSE(mglaunch_usage_error(parse({"--sbatch=--gpus-per-node=4", "--", "--nproc_per_node=gpu", "train.py"}), {}));
+  CHECK_FALSE(mglaunch_usage_error(parse({"--gres=gpu:4", "--", "--stdin-rank=2", "train.py"}), {}));
+  // What the count makes wrong is still refused when the count is known.
+  CHECK(mglaunch_usage_error(parse({"--gres=gpu:2", "--", "--stdin-rank=2", "train.py"}), {}));
+  CHECK(mglaunch_usage_error(parse({"--", "--nproc_per_node=gpu", "train.py"}), {}));
+  // Not known: a warning, not a refusal; a typo is still refused.
+  std::string warning;
+  CHECK_FALSE(mglaunch_usage_error(parse({"--nodes=2", "--sbatch=--gpus=8", "--", "--stdin-rank=9", "train.py"}), {},
+                                   &warning));
+  CHECK_THAT(warning, Catch::Contains("--stdin-rank") && Catch::Contains("--gpus-per-node"));
+  CHECK(mglaunch_usage_error(parse({"--nodes=2", "--sbatch=--gpus=8", "--", "--nprocs_per_node=4", "train.py"}), {}));
+}

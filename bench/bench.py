@@ -118,10 +118,19 @@ class Bench:
             probe = subprocess.run(cmd + ["--standalone", "--nproc_per_node=1", "--tee", "3", "--no_python", "/bin/true"],
                                    stdout=DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
             if probe.returncode == 0:
-                return cmd, "; ".join(notes + [f"peer: {name} ({' '.join(cmd)})"])
+                # Recorded as a checkout has it, not as this machine's absolute path.
+                shown = " ".join("../shared/peers/torchrun" if c == shared else c for c in cmd)
+                return cmd, "; ".join(notes + [f"peer: {name} ({shown})"])
             last = (probe.stderr.strip().splitlines() or ["?"])[-1][:160]
             notes.append(f"{name} skipped: `--tee 3` run failed ({last})")
         return None, "; ".join(notes) or "no torchrun found ($TORCHRUN, PATH, ../shared/peers/torchrun)"
+
+    def peer_shown(self):
+        """The peer's command as a checkout has it: ../shared/peers/torchrun, not this machine's path."""
+        if not self.peer:
+            return None
+        shared = os.path.normpath(os.path.join(ROOT, "..", "shared", "peers", "torchrun"))
+        return " ".join("../shared/peers/torchrun" if c == shared else c for c in self.peer)
 
     # ---- helpers ------------------------------------------------------------------------------
     def hyperfine(self, cmd, warmup, runs, output="null"):
@@ -521,7 +530,7 @@ def meta(bench):
         "cores": os.cpu_count(),
         "load_at_start": os.getloadavg()[0],
         "quick": QUICK,
-        "peer": " ".join(bench.peer) if bench.peer else None,
+        "peer": bench.peer_shown(),
         "peer_note": bench.peer_note,
         "versions": {
             "mglaunch": version(["git", "-C", ROOT, "describe", "--always", "--dirty"]),

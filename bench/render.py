@@ -7,6 +7,7 @@ Usage: render.py [--json FILE] [--readme FILE] [--docs DIR]
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,13 @@ def has_cairo():
     return _cairo
 
 
+def portable(text):
+    """`text` with the peer written as a checkout has it (../shared/peers/torchrun), never as
+    the absolute path of the machine that ran the benchmark (results from before bench.py
+    recorded it so have one)."""
+    return re.sub(r"(?<![\w.])/[^\s`'()]*/shared/peers/torchrun", "../shared/peers/torchrun", text) if text else text
+
+
 def render(res, docs, docs_rel):
     m = res["meta"]
     v = m["versions"]
@@ -169,7 +177,7 @@ def render(res, docs, docs_rel):
               "both tools ran in the same run, alternating" if max(m['load_at_start'], m.get('load_at_end', 0)) > 1.0
               else "") + ".",
            "",
-           f"Peer: `{m['peer'] or 'none'}` — {m['peer_note']}. The peer is `$TORCHRUN`, else `torchrun` on PATH, else "
+           f"Peer: `{portable(m['peer']) or 'none'}` — {portable(m['peer_note'])}. The peer is `$TORCHRUN`, else `torchrun` on PATH, else "
            "`../shared/peers/torchrun`, always with `--monitor_interval=0.1`; one that cannot run `--tee 3` is "
            "skipped." + (" **Quick run (BENCH_QUICK=1): one sample per case, smaller sizes.**" if m["quick"] else ""),
            ""]

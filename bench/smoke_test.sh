@@ -3,13 +3,14 @@
 # torchrun, no training, no all-reduce): bench.py writes a results file with every case
 # measured and the relay check passed, render.py fills a copy of the README's markers and
 # draws the plots. Keeps `make bench` from rotting without costing a full run.
-# Usage: smoke_test.sh BUILD_DIR. Exit 77 (skipped) without hyperfine or gnuplot.
+# Usage: smoke_test.sh BUILD_DIR. Exit 77 (skipped) without hyperfine or gnuplot, 1 under
+# CI=true (tests/support/skip.sh).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=$(cd "$1" && pwd)
-for tool in hyperfine gnuplot; do
-  command -v "$tool" >/dev/null || { echo "skipped: $tool is not installed (make bench installs it)"; exit 77; }
-done
+. "$here/../tests/support/skip.sh"
+require_program hyperfine hyperfine
+require_program gnuplot gnuplot-nox
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 BENCH_SMOKE=1 BENCH_NO_PEER=1 /usr/bin/python3 "$here/bench.py" "$build" --out "$tmp/r.json" \
@@ -35,4 +36,15 @@ grep -q '^after$' "$tmp/README.md"
 for png in bench_launch.png bench_rdzv.png bench_relay.png; do
   [ "$(head -c 4 "$tmp/docs/$png" | tail -c 3)" = PNG ] || { echo "no plot $png"; exit 1; }
 done
+# A peer recorded with this machine's absolute path is written as a checkout has it.
+/usr/bin/python3 - "$tmp/r.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+r["meta"]["peer"] = "/usr/bin/python3 /somewhere/shared/peers/torchrun --monitor_interval=0.1"
+r["meta"]["peer_note"] = "peer: ../shared/peers/torchrun (/usr/bin/python3 /somewhere/shared/peers/torchrun)"
+json.dump(r, open(sys.argv[1], "w"))
+PY
+/usr/bin/python3 "$here/render.py" --json "$tmp/r.json" --readme "$tmp/README.md" --docs "$tmp/docs"
+grep -q '^Peer: `/usr/bin/python3 \.\./shared/peers/torchrun --monitor_interval=0.1`' "$tmp/README.md"
+! grep -q /somewhere "$tmp/README.md"
 echo "bench smoke: ok"

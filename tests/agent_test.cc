@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -388,10 +389,7 @@ TEST_CASE("MGLAUNCH_PYTHON picks the interpreter and --python overrides it") {
 TEST_CASE("cpu-bind cores pins each worker to its own CPUs and says so, and too many workers is exit 2") {
   cpu_set_t mine;
   REQUIRE(::sched_getaffinity(0, sizeof mine, &mine) == 0);
-  if (CPU_COUNT(&mine) < 2) {
-    WARN("skipped: this process may use only one CPU");
-    return;
-  }
+  if (CPU_COUNT(&mine) < 2) SKIP_TEST("this process may use only one CPU");
   auto r = run({kMglaunch, "--cpu-bind", "cores", "--nproc_per_node=2", "/bin/sh", "-c",
                 "grep Cpus_allowed_list /proc/self/status"});
   INFO(r.err);
@@ -415,10 +413,8 @@ TEST_CASE("cpu-bind cores pins each worker to its own CPUs and says so, and too 
 }
 
 TEST_CASE("nproc_per_node=cpu counts the CPUs this process may use, not the CPUs online") {
-  if (::sysconf(_SC_NPROCESSORS_ONLN) < 2 || !std::filesystem::exists("/usr/bin/taskset")) {
-    WARN("skipped: needs two online CPUs and taskset");
-    return;
-  }
+  require_program("/usr/bin/taskset", "util-linux");
+  if (::sysconf(_SC_NPROCESSORS_ONLN) < 2) SKIP_TEST("needs two online CPUs");
   auto pinned = run({"/usr/bin/taskset", "-c", "0", kMglaunch, "--nproc_per_node=cpu", "--dry-run", "/bin/true"});
   REQUIRE(pinned.code == 0);
   CHECK(nlohmann::json::parse(pinned.out)["nproc_per_node"] == 1);

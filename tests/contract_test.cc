@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -31,14 +32,10 @@ std::map<int, nlohmann::json> envs_by_local_rank(const std::string& out) {
 
 TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_node=2") {
   const std::string torchrun = kSourceDir + "/../shared/peers/torchrun";
-  if (!std::filesystem::exists(torchrun)) {
-    WARN("skipped: the reference torchrun is not at " << torchrun << " (../shared is absent from this checkout)");
-    return;
-  }
-  if (!python_has_torch()) {
-    WARN("skipped: /usr/bin/python3 cannot import torch (apt-get install python3-torch)");
-    return;
-  }
+  // A peer outside the repository: skipped when absent, under CI too (support/skip.h).
+  if (!std::filesystem::exists(torchrun))
+    SKIP_TEST("the reference torchrun is not at ../shared/peers/torchrun (../shared is absent beside this checkout)");
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
   std::vector<std::string> argv{"/usr/bin/python3", torchrun,  "--standalone", "--nproc_per_node=2",
                                 "--monitor_interval=0.1", "--no_python", kFakeWorker, "env"};
   // torch 1.13's --standalone always takes the same fixed port: in a network namespace of its own

@@ -2,15 +2,13 @@
 #include <catch2/catch.hpp>
 
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
 
 TEST_CASE("examples/ddp_train.py trains with gloo under mglaunch --nproc_per_node=2") {
-  if (!python_has_torch()) {
-    WARN("skipped: /usr/bin/python3 cannot import torch (apt-get install python3-torch)");
-    return;
-  }
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
   auto r = run({kMglaunch, "--standalone", "--nproc_per_node=2", "--python", "/usr/bin/python3",
                 kSourceDir + "/examples/ddp_train.py", "--epochs", "2"},
                {}, 240s);

@@ -16,6 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/proc.h"
+#include "support/skip.h"
 
 namespace mgtest {
 
@@ -46,10 +47,12 @@ struct EtcdMember {
 
 class EtcdCluster {
  public:
-  // Empty when the tests can run; else why not (one line).
-  static std::string skip_reason() {
-    if (::access(kEtcd.c_str(), X_OK) != 0) return kEtcd + " is missing (make setup installs etcd-server)";
-    return {};
+  // Returns when every program the cluster calls is installed; else the test skips, or
+  // fails under CI=true (support/skip.h). Call it before anything else in the test.
+  static void require_programs() {
+    require_program(kEtcd, "etcd-server");
+    require_program(kEtcdctl, "etcd-client");
+    require_program("/usr/bin/openssl", "openssl");  // the TLS clusters' certificates
   }
 
   // With `tls`, a CA and a certificate for 127.0.0.1-3 are made (openssl) and the members

@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer target for the etcd backend's input side (gateway stream splitter,
 # base64, endpoint lists, events replayed into the Job) with clang (ASan + UBSan) and runs
-# it for SECONDS (default 20). Seeds: a watch response and a small job log.
+# it for SECONDS (default 20; ctest: 5, and 120 under the soak label). Seeds: a watch
+# response and a small job log.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-20}
-out=${FUZZ_DIR:-$(mktemp -d)}
-clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
+out=${FUZZ_DIR:-}
+if [ -z "$out" ]; then
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+fi
+. "$src/tests/support/skip.sh"
+require_program clang++ clang
+require_installed "$([ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ] && echo 1 || echo 0)" \
+  "libFuzzer (libclang_rt.fuzzer for clang++)" libclang-rt-14-dev
+clang++ -std=c++20 -O1 -gline-tables-only -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
   -I"$src" "$src/rendezvous/etcd_log.cc" "$src/rendezvous/job.cc" "$src/rendezvous/endpoint.cc" \
   "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/wire.cc" "$src/tests/etcd_fuzz.cc" -o "$out/etcd_fuzz"
 mkdir -p "$out/corpus"
@@ -18,4 +27,4 @@ printf '%s\n' "{\"kind\":\"join\",\"agent\":\"a\",\"t\":1700000000000,\"join\":{
   '{"kind":"failed","agent":"b","t":1700000000100,"failed":{"round":1,"host":"h","rank":3,"exit_code":7}}' \
   '{"kind":"lost","agent":"a","t":1700000000200,"why":"lease"}' '{"kind":"tick","agent":"b","t":1700000999999}' \
   '{"kind":"done","agent":"b","t":1700001000000,"round":1}' > "$out/corpus/log"
-exec "$out/etcd_fuzz" -max_total_time="$seconds" -max_len=8192 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus"
+"$out/etcd_fuzz" -max_total_time="$seconds" -max_len=8192 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus"

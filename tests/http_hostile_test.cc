@@ -19,6 +19,7 @@
 
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -210,8 +211,7 @@ TEST_CASE("slow HTTP connections from one address leave the agent's /metrics to 
 TEST_CASE("a status page bound beyond loopback without a token warns like --listen does") {
   // In a network namespace of our own (only its loopback exists), 0.0.0.0 reaches nobody.
   if (run({"/usr/bin/unshare", "-n", "/bin/true"}).code != 0) {
-    WARN("skipped: cannot create a network namespace here (unshare -n)");
-    return;
+    SKIP_TEST("cannot create a network namespace here (unshare -n)");
   }
   auto start = [](const std::string& http, const std::map<std::string, std::string>& env) {
     Proc p = spawn({"/usr/bin/unshare", "-n", "/bin/sh", "-c", "ip link set lo up 2>/dev/null; exec \"$@\"", "sh",

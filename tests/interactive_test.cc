@@ -22,6 +22,7 @@
 
 #include "launcher/watchdog.h"
 #include "support/proc.h"
+#include "support/skip.h"
 
 extern char** environ;
 
@@ -441,10 +442,9 @@ TEST_CASE("a SIGCONT without a Ctrl-Z before it does not start an ended worker's
 TEST_CASE("a process limit too low for the workers ends the run with exit 4 and names RLIMIT_NPROC and the fix") {
   // RLIMIT_NPROC binds a user without CAP_SYS_RESOURCE, never root: the run is made as
   // nobody with `prlimit --nproc`.
-  if (::geteuid() != 0 || !fs::exists("/usr/bin/setpriv") || !fs::exists("/usr/bin/prlimit")) {
-    WARN("skipped: needs root to run mglaunch as nobody, and setpriv and prlimit (util-linux)");
-    return;
-  }
+  require_program("/usr/bin/setpriv", "util-linux");
+  require_program("/usr/bin/prlimit", "util-linux");
+  if (::geteuid() != 0) SKIP_TEST("needs root to run mglaunch as nobody");
   auto r = run({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/prlimit",
                 "--nproc=40", kMglaunch, "--standalone", "--nproc_per_node=100", "--no_python", kFakeWorker, "hang",
                 "60"},

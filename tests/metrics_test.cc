@@ -16,6 +16,7 @@
 
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -49,6 +50,7 @@ void run_job(const Daemon& d, const std::string& job, const std::map<std::string
 }  // namespace
 
 TEST_CASE("mglaunch-rdzv serves Prometheus metrics that promtool accepts") {
+  require_program("/usr/bin/promtool", "prometheus");
   auto m = start_with_metrics();
   run_job(m.d, "metered");
   const std::string response = http_request(m.metrics_port, "/metrics");
@@ -64,9 +66,7 @@ TEST_CASE("mglaunch-rdzv serves Prometheus metrics that promtool accepts") {
   CHECK_THAT(head, Catch::StartsWith("HTTP/1.1 200"));
   CHECK(std::regex_search(head, std::regex("Content-Length: [1-9]")));
   CHECK(body_of(head).empty());
-  if (!std::filesystem::exists("/usr/bin/promtool")) {
-    WARN("skipped the promtool check: promtool is not installed (apt-get install prometheus)");
-  } else {
+  {
     const std::string file = make_temp_dir() + "/metrics.txt";
     std::ofstream(file) << text;
     auto check = run({"/bin/sh", "-c", "/usr/bin/promtool check metrics < \"$0\"", file});
@@ -79,6 +79,7 @@ TEST_CASE("mglaunch-rdzv serves Prometheus metrics that promtool accepts") {
 }
 
 TEST_CASE("with a token, /metrics names jobs only to a scraper that carries it, or to all with --metrics-job-ids") {
+  require_program("/usr/bin/promtool", "prometheus");
   const std::map<std::string, std::string> token{{"MGLAUNCH_RDZV_TOKEN", "metrics-token"}};
   {
     auto m = start_with_metrics(token);
@@ -91,7 +92,7 @@ TEST_CASE("with a token, /metrics names jobs only to a scraper that carries it, 
     CHECK_THAT(http_request(m.metrics_port, "/metrics", "Bearer wrong"), !Catch::Contains("secret-job"));
     CHECK_THAT(http_request(m.metrics_port, "/metrics", "Bearer metrics-token"),
                Catch::Contains("mglaunch_rdzv_job_round{job=\"secret-job\"} 1\n"));
-    if (std::filesystem::exists("/usr/bin/promtool")) {
+    {
       const std::string file = make_temp_dir() + "/metrics.txt";
       std::ofstream(file) << body_of(anonymous);
       auto check = run({"/bin/sh", "-c", "/usr/bin/promtool check metrics < \"$0\"", file});
@@ -109,10 +110,7 @@ TEST_CASE("with a token, /metrics names jobs only to a scraper that carries it, 
 }
 
 TEST_CASE("a real Prometheus scrapes the daemon with its token and reads back the job count and a job's round") {
-  if (!std::filesystem::exists("/usr/bin/prometheus")) {
-    WARN("skipped: prometheus is not installed (apt-get install prometheus)");
-    return;
-  }
+  require_program("/usr/bin/prometheus", "prometheus");
   const std::map<std::string, std::string> token{{"MGLAUNCH_RDZV_TOKEN", "scrape-token"}};
   auto m = start_with_metrics(token);
   run_job(m.d, "scraped1", token);

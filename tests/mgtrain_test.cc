@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -233,10 +234,7 @@ TEST_CASE("mgtrain reports an unreachable master and missing data with exit code
 }
 
 TEST_CASE("one real Fashion-MNIST epoch of the CNN passes 85% test accuracy") {
-  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) {
-    WARN("skipped: Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)");
-    return;
-  }
+  require_path("/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist");
   std::string dir = make_temp_dir();
   // A full epoch: about 20 s on a quiet 2-core machine, 4 minutes when it is shared.
   auto r = train(2, {"--model", "cnn", "--epochs", "1", "--log-every", "200", "--summary-json", dir + "/s{rank}.json"}, {},

@@ -272,10 +272,6 @@ TEST_CASE("a bad hostfile or flag is one line and exit code 2") {
 
 TEST_CASE("over real ssh two hosts with two workers each get ranks 0..3") {
   SshServer sshd;
-  if (!sshd.skip_reason().empty()) {
-    WARN("skipped: " << sshd.skip_reason());
-    return;
-  }
   const std::string dir = make_temp_dir();
   auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"), fw({"env"})),
                {{"MGLAUNCH_RDZV_TOKEN", "\x01unset"}}, 60s);
@@ -321,10 +317,6 @@ TEST_CASE("over real ssh a relative program path runs from the launcher's direct
 
 TEST_CASE("over real ssh a worker failure on one host stops the other with the failing worker's code") {
   SshServer sshd;
-  if (!sshd.skip_reason().empty()) {
-    WARN("skipped: " << sshd.skip_reason());
-    return;
-  }
   const std::string dir = make_temp_dir();
   const std::string pids = dir + "/pids";
   auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n"),
@@ -366,10 +358,6 @@ void check_nothing_left(const HungJob& h) {
 
 TEST_CASE("over real ssh SIGINT to the launcher leaves no process behind on either host") {
   SshServer sshd;
-  if (!sshd.skip_reason().empty()) {
-    WARN("skipped: " << sshd.skip_reason());
-    return;
-  }
   HungJob h = start_hung_job(sshd, 2);
   ::kill(h.launcher.pid, SIGINT);
   REQUIRE(h.launcher.wait(60s));
@@ -383,10 +371,6 @@ TEST_CASE("over real ssh SIGINT to the launcher leaves no process behind on eith
 
 TEST_CASE("over real ssh a launcher killed with SIGKILL still leaves no process behind") {
   SshServer sshd;
-  if (!sshd.skip_reason().empty()) {
-    WARN("skipped: " << sshd.skip_reason());
-    return;
-  }
   HungJob h = start_hung_job(sshd, 1);
   ::kill(h.launcher.pid, SIGKILL);  // no chance to clean up: the hosts see their stdin close
   REQUIRE(h.launcher.wait(10s));
@@ -395,10 +379,6 @@ TEST_CASE("over real ssh a launcher killed with SIGKILL still leaves no process 
 
 TEST_CASE("over real ssh a dropped connection stops that host's agent and every other host") {
   SshServer sshd;
-  if (!sshd.skip_reason().empty()) {
-    WARN("skipped: " << sshd.skip_reason());
-    return;
-  }
   HungJob h = start_hung_job(sshd, 1);
   // Output from both hosts came back: the launcher knows each connection was up (without
   // it, a drop reads as "cannot reach", which a loaded machine made happen once).
@@ -424,10 +404,6 @@ TEST_CASE("over real ssh a dropped connection stops that host's agent and every 
 
 TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
   SshServer sshd;
-  if (!sshd.skip_reason().empty()) {
-    WARN("skipped: " << sshd.skip_reason());
-    return;
-  }
   const std::string dir = make_temp_dir();
   // Nothing listens on 127.0.0.4 at the fixture's port: connection refused.
   auto r = run(launcher_argv(sshd, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.4 slots=1\n"),

@@ -20,6 +20,7 @@
 
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -120,6 +121,7 @@ TEST_CASE("without the monitoring flags the agent starts no sampler thread and p
 }
 
 TEST_CASE("agent --metrics-port serves per-rank, GPU and restart figures that promtool accepts, on loopback") {
+  require_program("/usr/bin/promtool", "prometheus");
   const std::string dir = make_temp_dir();
   // Attempt 0: rank 0 fails and the group restarts; attempt 1: both hold 32 MiB until released.
   Proc agent = spawn(launch({"--nproc_per_node=2", "--max_restarts=1", "--grace=5", "--metrics-port", "0",
@@ -171,9 +173,7 @@ TEST_CASE("agent --metrics-port serves per-rank, GPU and restart figures that pr
   CHECK(metric(text, "mglaunch_gpu_temperature_celsius{gpu=\"1\",name=\"Fake H100\"}") == 41);
   CHECK(metric(text, "mglaunch_gpu_memory_used_bytes{gpu=\"1\",name=\"Fake H100\"}") == 1073741824);
   CHECK(http_get(port, "/nothing").empty());
-  if (!std::filesystem::exists("/usr/bin/promtool")) {
-    WARN("skipped the promtool check: promtool is not installed (apt-get install prometheus)");
-  } else {
+  {
     const std::string file = dir + "/metrics.txt";
     std::ofstream(file) << text;
     auto check = run({"/bin/sh", "-c", "/usr/bin/promtool check metrics < \"$0\"", file});
@@ -341,10 +341,7 @@ TEST_CASE("agent --trace records the signal the agent got, the one it sent and t
 }
 
 TEST_CASE("a real Prometheus scrapes the agent and reads back a rank's memory and a GPU's power") {
-  if (!std::filesystem::exists("/usr/bin/prometheus")) {
-    WARN("skipped: prometheus is not installed (apt-get install prometheus)");
-    return;
-  }
+  require_program("/usr/bin/prometheus", "prometheus");
   const std::string dir = make_temp_dir();
   Proc agent = spawn(launch({"--nproc_per_node=2", "--metrics-port", "0", "--monitor=0.5"},
                             {"alloc", "32", "hang", "300"}),  // however long Prometheus takes to start

@@ -2,12 +2,17 @@
 # The .deb from `make package`: built with CPack from BUILD_DIR into a temporary directory,
 # then checked with dpkg-deb (contents, dependencies, conffiles, maintainer script), its man
 # pages read back, and its systemd unit checked by `systemd-analyze verify`.
-# Exits 77 (skipped) when a tool is missing. Usage: package_test.sh BUILD_DIR
+# Exits 77 (skipped) when a tool is missing, 1 under CI=true (tests/support/skip.sh).
+# Usage: package_test.sh BUILD_DIR
 set -euo pipefail
 build=$1
-for tool in cpack dpkg-deb dpkg-shlibdeps systemd-analyze help2man; do
-  command -v "$tool" > /dev/null || { echo "skipped: $tool is not installed"; exit 77; }
-done
+. "$(dirname "$0")/support/skip.sh"
+require_program cpack cmake
+require_program dpkg-deb dpkg
+require_program dpkg-shlibdeps dpkg-dev
+require_program systemd-analyze systemd
+require_program help2man help2man
+require_program zcat gzip
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 (cd "$build" && cpack -G DEB -B "$out" > "$out/cpack.log" 2>&1) || { cat "$out/cpack.log"; exit 1; }

@@ -24,6 +24,7 @@
 #include "rendezvous/server.h"
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -269,8 +270,7 @@ TEST_CASE("2,000 agents join the daemon over real sockets with distinct ranks an
   }
   constexpr int kAgents = 2000;
   if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < kAgents + 256) {
-    WARN("skipped: the descriptor limit " << rl.rlim_cur << " is below " << kAgents + 256);
-    return;
+    SKIP_TEST("the descriptor limit " << rl.rlim_cur << " is below " << kAgents + 256);
   }
   Daemon daemon = start_daemon({}, {"--max-connections-per-address", "100000"});
   struct Killer {

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "worker/data.h"
+#include "support/skip.h"
 
 using mg::data::DistributedSampler;
 
@@ -60,10 +61,7 @@ TEST_CASE("the synthetic dataset is deterministic and Fashion-MNIST loads with i
   CHECK(a.images == b.images);
   CHECK(a.labels == b.labels);
   CHECK_THROWS_WITH(mg::data::load_fashion_mnist("/nonexistent", true), Catch::Contains("dataset-fashion-mnist"));
-  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) {
-    WARN("skipped: Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)");
-    return;
-  }
+  mgtest::require_path("/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist");
   auto test = mg::data::load_fashion_mnist("/usr/share/datasets/fashion-mnist", false, 100);
   CHECK(test.size() == 100);
   CHECK(test.rows == 28);

@@ -26,6 +26,7 @@
 #include "launcher/port.h"
 #include "launcher/worker_process.h"
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -272,8 +273,7 @@ TEST_CASE("a child's stack is a mapping of its own with an inaccessible guard pa
 TEST_CASE("a ticket whose child has not exec'd yet refuses a second child, and one destroyed then leaves the "
           "child's state intact until its exec") {
   if (!mg::spawn_skips_exec_wait()) {
-    WARN("skipped: the fast path (no wait for the exec) is unavailable here, so no ticket outlives its child's exec");
-    return;
+    SKIP_TEST("the fast path (no wait for the exec) is unavailable here, so no ticket outlives its child's exec");
   }
   const std::string dir = make_temp_dir();
   const std::string out_path = dir + "/out";
@@ -287,8 +287,7 @@ TEST_CASE("a ticket whose child has not exec'd yet refuses a second child, and o
     mg::SpawnTicket ticket;
     const pid_t pid = spawn_stopped_before_exec(ticket, argv.data(), envp, out_path);
     if (pid <= 0) {
-      WARN("skipped: no child could be stopped before its exec in 500 tries");
-      return;
+      SKIP_TEST("no child could be stopped before its exec in 500 tries");
     }
     KillAndReap reap{pid};
     std::string error;
@@ -309,8 +308,7 @@ TEST_CASE("a ticket whose child has not exec'd yet refuses a second child, and o
     auto ticket = std::make_unique<mg::SpawnTicket>();
     const pid_t pid = spawn_stopped_before_exec(*ticket, argv.data(), envp, out_path);
     if (pid <= 0) {
-      WARN("skipped: no child could be stopped before its exec in 500 tries");
-      return;
+      SKIP_TEST("no child could be stopped before its exec in 500 tries");
     }
     bool reaped = false;
     struct Reap {
@@ -342,8 +340,7 @@ TEST_CASE("a ticket whose child has not exec'd yet refuses a second child, and o
 TEST_CASE("a port held by the parent is free for a plain bind once spawn_settle_all says every child has exec'd, "
           "and not while one has not") {
   if (!mg::spawn_skips_exec_wait()) {
-    WARN("skipped: the fast path (no wait for the exec) is unavailable here, so every child has exec'd already");
-    return;
+    SKIP_TEST("the fast path (no wait for the exec) is unavailable here, so every child has exec'd already");
   }
   const std::string dir = make_temp_dir();
   std::vector<std::string> args{kFakeWorker, "hang", "30"};
@@ -381,8 +378,7 @@ TEST_CASE("a port held by the parent is free for a plain bind once spawn_settle_
   mg::SpawnTicket ticket;
   const pid_t pid = spawn_stopped_before_exec(ticket, argv.data(), envp, dir + "/out");
   if (pid <= 0) {
-    WARN("skipped: no child could be stopped before its exec in 500 tries");
-    return;
+    SKIP_TEST("no child could be stopped before its exec in 500 tries");
   }
   KillAndReap reap{pid};
   held.reset();
@@ -450,8 +446,7 @@ bool maps_library(pid_t pid, const std::string& part) {
 TEST_CASE("a run without a token or TLS maps no libssl, libcrypto or libm, and one with a token loads OpenSSL and "
           "completes") {
 #if !defined(__x86_64__)
-  WARN("skipped: OpenSSL is loaded lazily on x86-64 only");
-  return;
+  SKIP_TEST("OpenSSL is loaded lazily on x86-64 only");
 #endif
   const std::string dir = make_temp_dir();
   for (bool token : {false, true}) {
@@ -475,8 +470,7 @@ TEST_CASE("a run without a token or TLS maps no libssl, libcrypto or libm, and o
 TEST_CASE("a token without a loadable OpenSSL stops the run before it starts with one line naming the library and exit "
           "4") {
 #if !defined(__x86_64__)
-  WARN("skipped: OpenSSL is loaded lazily on x86-64 only");
-  return;
+  SKIP_TEST("OpenSSL is loaded lazily on x86-64 only");
 #endif
   auto r = run({kMglaunch, "--standalone", "--nproc_per_node=1", "--no_python", "/bin/true"},
                {{"MGLAUNCH_RDZV_TOKEN", "a-secret"}, {"MGLAUNCH_LIBSSL", "/nonexistent/libssl.so.3"}}, 60s);

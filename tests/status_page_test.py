@@ -2,7 +2,8 @@
 """mglaunch-rdzv's status page in a real headless Chromium (selenium + chromedriver): the page
 asks for the daemon's token, then shows a real 2-node job appear, restart once and end, all
 without a reload. Usage: status_page_test.py BIN_DIR FAKE_WORKER SCREENSHOT.png
-Exits 77 (skipped, with a one-line reason) when Chromium, chromedriver or selenium is absent."""
+Exits 77 (skipped, with a one-line reason) when Chromium, chromedriver or selenium is absent,
+and fails then under CI=true (tests/support/skip.py)."""
 import os
 import shutil
 import subprocess
@@ -10,24 +11,20 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from skip import require_installed, require_program  # noqa: E402
+
 BIN, FAKE, SHOT = sys.argv[1], sys.argv[2], sys.argv[3]
 TOKEN = "status-page-token"
-
-
-def skip(why):
-    print(f"skipped: {why}")
-    sys.exit(77)
-
 
 try:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 except ImportError:
-    skip("python3-selenium is not installed (apt-get install python3-selenium)")
-for tool in ("/usr/bin/chromium", "/usr/bin/chromedriver"):
-    if not os.path.exists(tool):
-        skip(f"{tool} is not installed (apt-get install chromium chromium-driver)")
+    require_installed(False, "python3 module selenium", "python3-selenium")
+require_program("/usr/bin/chromium", "chromium")
+require_program("/usr/bin/chromedriver", "chromium-driver")
 
 
 def wait_for(what, pred, timeout=60):

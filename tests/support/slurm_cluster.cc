@@ -1,4 +1,5 @@
 #include "support/slurm_cluster.h"
+#include "support/skip.h"
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -103,13 +104,18 @@ std::string tail(const std::string& path, std::size_t lines) {
   return out;
 }
 
-std::string g_skip_reason, g_start_error;
+std::string g_start_error;
 
 }  // namespace
 
 std::string SlurmCluster::command(const std::string& name) { return find_on_path(name); }
 
-const std::string& SlurmCluster::skip_reason() { return g_skip_reason; }
+void SlurmCluster::require_programs() {
+  for (const char* name : {"slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "scancel"}) {
+    const std::string path = command(name);
+    require_program(path.empty() ? name : path, "slurm-wlm");
+  }
+}
 const std::string& SlurmCluster::start_error() { return g_start_error; }
 
 SlurmCluster* SlurmCluster::shared() {
@@ -117,14 +123,11 @@ SlurmCluster* SlurmCluster::shared() {
   static bool tried = false;
   if (!tried) {
     tried = true;
-    if (command("slurmctld").empty() || command("slurmd").empty() || command("srun").empty()) {
-      g_skip_reason = "Slurm is not installed (apt-get install slurm-wlm, or make setup)";
-    } else {
-      try {
-        cluster = std::make_unique<SlurmCluster>(3);
-      } catch (const std::exception& e) {
-        g_start_error = std::string("the test Slurm cluster did not start: ") + e.what();
-      }
+    require_programs();
+    try {
+      cluster = std::make_unique<SlurmCluster>(3);
+    } catch (const std::exception& e) {
+      g_start_error = std::string("the test Slurm cluster did not start: ") + e.what();
     }
   }
   return cluster.get();

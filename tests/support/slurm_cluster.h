@@ -19,11 +19,13 @@ namespace mgtest {
 
 class SlurmCluster {
  public:
-  // The cluster shared by the tests of this process, started on first use; nullptr when
-  // Slurm is not installed (skip_reason() says so: the tests skip) or when the cluster
-  // did not come up (start_error() says why, with the daemons' logs: the tests fail).
+  // The cluster shared by the tests of this process, started on first use. When Slurm is
+  // not installed the test skips (fails under CI=true: support/skip.h) in require_programs();
+  // nullptr when the cluster did not come up (start_error() says why, with the daemons'
+  // logs: the tests fail).
   static SlurmCluster* shared();
-  static const std::string& skip_reason();
+  // Every Slurm program the cluster and the tests call (slurm-wlm), or a skip/failure.
+  static void require_programs();
   static const std::string& start_error();
 
   explicit SlurmCluster(int nodes);

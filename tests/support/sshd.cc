@@ -1,4 +1,5 @@
 #include "support/sshd.h"
+#include "support/skip.h"
 
 #include <netinet/in.h>
 #include <signal.h>
@@ -9,6 +10,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 
 using namespace std::chrono_literals;
 
@@ -45,32 +47,27 @@ bool can_connect(const char* addr, int port) {
 }  // namespace
 
 SshServer::SshServer() {
-  if (::access("/usr/sbin/sshd", X_OK) != 0) {
-    skip_ = "sshd is not installed (Debian package openssh-server)";
-    return;
-  }
-  if (::access("/usr/bin/ssh", X_OK) != 0 || ::access("/usr/bin/ssh-keygen", X_OK) != 0) {
-    skip_ = "ssh or ssh-keygen is not installed (Debian package openssh-client)";
-    return;
-  }
-  if (::geteuid() != 0) {
-    skip_ = "the sshd fixture needs root (privilege separation directory, PermitRootLogin)";
-    return;
-  }
+  require_program("/usr/sbin/sshd", "openssh-server");
+  require_program("/usr/bin/ssh", "openssh-client");
+  require_program("/usr/bin/ssh-keygen", "openssh-client");
+  if (::geteuid() != 0) SKIP_TEST("the sshd fixture needs root (privilege separation directory, PermitRootLogin)");
   std::error_code ec;
   std::filesystem::create_directories("/run/sshd", ec);  // sshd's privilege separation directory
   dir_ = make_temp_dir();
+  // Installed but not working is a failure, never a skip: clean up, then throw.
+  auto fail = [&](const std::string& why) {
+    proc_.reset();
+    std::filesystem::remove_all(dir_, ec);
+    throw std::runtime_error(why);
+  };
   for (const char* key : {"hostkey", "id"}) {
     auto r = run({"/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", dir_ + "/" + key}, {}, 30s);
-    if (r.code != 0) {
-      skip_ = "ssh-keygen failed: " + r.err;
-      return;
-    }
+    if (r.code != 0) fail("ssh-keygen failed: " + r.err);
   }
   std::filesystem::copy_file(dir_ + "/id.pub", dir_ + "/authorized_keys", ec);
   // sshd refuses keys readable by others only with StrictModes; keep the client key private anyway.
   ::chmod((dir_ + "/id").c_str(), 0600);
-  for (int attempt = 0; attempt < 5 && skip_.empty(); ++attempt) {
+  for (int attempt = 0; attempt < 5; ++attempt) {
     port_ = free_port_on("127.0.0.2");
     {
       std::ofstream cfg(dir_ + "/sshd_config");
@@ -85,7 +82,7 @@ SshServer::SshServer() {
     if (eventually([&] { return can_connect("127.0.0.2", port_) && can_connect("127.0.0.3", port_); }, 10s)) return;
     // Not listening: sshd exited (the port was taken meanwhile: retry) or hangs (give up).
     const bool exited = proc_->wait(1s);
-    if (!exited || attempt == 4) skip_ = "sshd did not start: " + log();
+    if (!exited || attempt == 4) fail("sshd did not start: " + log());
   }
 }
 

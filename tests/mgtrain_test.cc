@@ -233,7 +233,22 @@ TEST_CASE("mgtrain reports an unreachable master and missing data with exit code
   CHECK_THAT(amp.err, Catch::Contains("--amp needs a CUDA build"));
 }
 
-TEST_CASE("one real Fashion-MNIST epoch of the CNN passes 85% test accuracy") {
+// The short check (make test): the first 12,000 training images, 2,000 test images; the
+// README's training bench measured 0.78 for 2 processes on exactly this (0.81 for 1).
+TEST_CASE("a Fashion-MNIST epoch of the CNN on 12,000 images passes 70% test accuracy") {
+  require_path("/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist");
+  std::string dir = make_temp_dir();
+  auto r = train(2, {"--model", "cnn", "--epochs", "1", "--train-subset", "12000", "--test-subset", "2000",
+                     "--log-every", "50", "--summary-json", dir + "/s{rank}.json"},
+                 {}, 300s);
+  REQUIRE(r.code == 0);
+  auto s = nlohmann::json::parse(read_file(dir + "/s0.json"));
+  CHECK(s["test_accuracy"].get<double>() > 0.70);
+  CHECK_THAT(r.out, Catch::Contains("test accuracy"));
+}
+
+// The soak (make soak): the whole data set.
+TEST_CASE("one real Fashion-MNIST epoch of the CNN passes 85% test accuracy", "[soak]") {
   require_path("/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist");
   std::string dir = make_temp_dir();
   // A full epoch: about 20 s on a quiet 2-core machine, 4 minutes when it is shared.

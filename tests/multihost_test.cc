@@ -18,6 +18,7 @@
 #include "launcher/errors.h"
 #include "launcher/multihost.h"
 #include "support/proc.h"
+#include "support/skip.h"
 #include "support/sshd.h"
 
 using namespace mgtest;
@@ -239,8 +240,7 @@ TEST_CASE("an --rdzv-host address this machine lacks: a dry run binds nothing, a
   CHECK(j["rdzv_endpoint"] == "192.0.2.1:PORT");
   CHECK_THAT(j["nodes"][0]["ssh"].back().get<std::string>(), Catch::Contains("--rdzv_endpoint=192.0.2.1:PORT"));
   if (read_file("/proc/sys/net/ipv4/ip_nonlocal_bind").starts_with("1")) {
-    WARN("skipped the real run: net.ipv4.ip_nonlocal_bind=1 lets this machine bind any address");
-    return;
+    SKIP_TEST("the real run: net.ipv4.ip_nonlocal_bind=1 lets this machine bind any address");
   }
   // ssh is /bin/false: even if the address could be bound, nothing would leave this machine.
   auto real = run({kMglaunch, "--hostfile", hf, "--rdzv-host", "192.0.2.1", kFakeWorker, "env"},
@@ -295,10 +295,6 @@ TEST_CASE("over real ssh two hosts with two workers each get ranks 0..3") {
 
 TEST_CASE("over real ssh a relative program path runs from the launcher's directory on every host (#22)") {
   SshServer sshd;
-  if (!sshd.skip_reason().empty()) {
-    WARN("skipped: " << sshd.skip_reason());
-    return;
-  }
   const std::string dir = make_temp_dir();
   fs::create_symlink(kFakeWorker, dir + "/worker");
   const std::string hf = write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n");

@@ -17,7 +17,7 @@ require_installed "$([ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.
   "libFuzzer (libclang_rt.fuzzer for clang++)" libclang-rt-14-dev
 clang++ -std=c++20 -O1 -gline-tables-only -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
   -I"$src" "$src/rendezvous/etcd_log.cc" "$src/rendezvous/job.cc" "$src/rendezvous/endpoint.cc" \
-  "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/wire.cc" "$src/tests/etcd_fuzz.cc" -o "$out/etcd_fuzz"
+  "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/text.cc" "$src/proto/wire.cc" "$src/tests/etcd_fuzz.cc" -o "$out/etcd_fuzz"
 mkdir -p "$out/corpus"
 printf '%s\n' '{"result":{"header":{"revision":"5"},"events":[{"kv":{"key":"YQ==","mod_revision":"5","value":"Yg=="}}]}}' \
   > "$out/corpus/watch"

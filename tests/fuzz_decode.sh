@@ -19,7 +19,7 @@ require_installed "$([ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.
   "libFuzzer (libclang_rt.fuzzer for clang++)" libclang-rt-14-dev
 require_program python3 python3
 clang++ -std=c++20 -O1 -gline-tables-only -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
-  -I"$src" "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/wire.cc" "$src/tests/fuzz_decode.cc" -o "$out/fuzz_decode"
+  -I"$src" "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/text.cc" "$src/proto/wire.cc" "$src/tests/fuzz_decode.cc" -o "$out/fuzz_decode"
 mkdir -p "$out/corpus"
 # Seeds: a frame header (version 2, type 5) over arrays nested 5,000 deep, and over a map.
 python3 - "$out/corpus" <<'PY'

@@ -36,6 +36,7 @@ struct Server::Session {
   std::string job;  // from Hello: the only job this session may touch
   bool joined = false;
   bool challenged = false;  // its challenge is out and unanswered (it holds one of its address's turns)
+  Clock::time_point queued_at;  // when it joined its address's queue for a challenge
   std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
 };
 
@@ -233,20 +234,29 @@ void Server::next_challenges(const std::string& address) {
   if (gate.busy) return;  // a send below closed a session, which came back here: the loop goes on
   gate.busy = true;
   while (gate.outstanding < kMaxChallengesPerAddress && !gate.waiting.empty()) {
-    if (auto f = failures_.find(address); f != failures_.end() && Clock::now() < f->second.blocked_until) {
-      if (!gate.timer) {  // after recent failures the next challenge waits for the back-off
-        gate.timer = std::make_unique<asio::steady_timer>(io_, f->second.blocked_until);
-        gate.timer->async_wait([this, address](boost::system::error_code ec) {
-          if (ec || stopped_) return;
-          if (auto g = gates_.find(address); g != gates_.end()) g->second.timer.reset();
-          next_challenges(address);
-        });
-      }
-      break;
-    }
     auto s = gate.waiting.front().lock();
+    if (!s || !sessions_.contains(s->id) || s->phase != Session::Phase::kAuth || s->challenged) {
+      gate.waiting.pop_front();
+      continue;
+    }
+    // After recent failures the next challenge waits for the back-off, but a queued session
+    // waits at most kMaxBlock from its Hello, whatever failures come meanwhile: a host that
+    // keeps failing delays the agents sharing its address, it cannot starve them.
+    if (auto f = failures_.find(address); f != failures_.end()) {
+      const auto until = std::min(f->second.blocked_until, s->queued_at + kMaxBlock);
+      if (Clock::now() < until) {
+        if (!gate.timer) {
+          gate.timer = std::make_unique<asio::steady_timer>(io_, until);
+          gate.timer->async_wait([this, address](boost::system::error_code ec) {
+            if (ec || stopped_) return;
+            if (auto g = gates_.find(address); g != gates_.end()) g->second.timer.reset();
+            next_challenges(address);
+          });
+        }
+        break;
+      }
+    }
     gate.waiting.pop_front();
-    if (!s || !sessions_.contains(s->id) || s->phase != Session::Phase::kAuth || s->challenged) continue;
     s->challenged = true;
     ++gate.outstanding;
     s->conn->send(proto::to_frame(
@@ -290,11 +300,16 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
       s->key = auth::random_hex(32);  // a job not served here: the proofs fail, nothing is revealed
     }
     s->server_nonce = auth::random_hex(32);
+    s->queued_at = Clock::now();
     gates_[s->address].waiting.push_back(s);
     return next_challenges(s->address);
   }
   auto a = proto::from_frame<proto::Auth>(f);
-  answered(*s);  // an Auth before its challenge is simply wrong
+  // An Auth before its challenge cannot be a guess (the client never saw the nonce): the
+  // session is closed, and the address's back-off is not extended, or one host could keep
+  // every agent sharing its address from ever getting a challenge.
+  if (!s->challenged) throw proto::ProtocolError("an Auth before the server's challenge");
+  answered(*s);
   if (!auth::equal_ct(a.mac, auth::client_proof(s->key, s->client_nonce, s->server_nonce))) {
     auth_failed(s->address);
     throw proto::ProtocolError(fmt::format("authentication failed for job '{}': wrong rendezvous token", s->job));
@@ -374,6 +389,17 @@ void Server::on_close(const std::shared_ptr<Session>& s, const std::string& why)
   // A client that leaves with its challenge unanswered could not prove the key (a wrong or
   // missing token, or it found the server's proof wrong): a failed authentication too.
   if (s->challenged) ++auth_failures_;
+  if (s->phase == Session::Phase::kAuth && !s->challenged) {
+    // Still queued: drop it (and the entries of sessions already gone) from the queue, so a
+    // blocked address that keeps connecting and leaving holds no memory for them.
+    if (auto g = gates_.find(s->address); g != gates_.end() && !g->second.busy) {
+      std::erase_if(g->second.waiting, [&](const std::weak_ptr<Session>& w) {
+        auto p = w.lock();
+        return !p || p == s;
+      });
+      if (g->second.waiting.empty() && g->second.outstanding == 0 && !g->second.timer) gates_.erase(g);
+    }
+  }
   answered(*s);
   if (s->phase == Session::Phase::kAuth && why == "connection closed by peer")
     log(fmt::format("{}: closed during authentication for job '{}' (the client may hold another token)",

@@ -76,12 +76,14 @@ void Client::try_connect() {
     challenged_ = welcomed_ = false;
     nonce_ = auth::random_hex(32);
     std::weak_ptr<int> alive = alive_;
+    const FramedConnection* self = conn_.get();
     conn_->start(
         [this, alive](const proto::Frame& f) {
           if (alive.lock() && !closed_) on_frame(f);
         },
         [this, alive](const std::string& why) {
-          if (!alive.lock()) return;
+          // Not when this client closed it itself (reconnect_later has moved on to the next try).
+          if (!alive.lock() || conn_.get() != self) return;
           // A server that welcomed us and then vanished may come back: keep trying.
           if (ever_welcomed_) reconnect_later(why);
           else lost(why);
@@ -145,13 +147,13 @@ void Client::on_frame(const proto::Frame& f) {
     switch (proto::type_of(f)) {
       case MsgType::kChallenge: {
         auto c = proto::from_frame<proto::Challenge>(f);
-        if (challenged_ || welcomed_) return lost("the rendezvous server repeated its challenge");
+        if (challenged_ || welcomed_) return failed_attempt("the rendezvous server repeated its challenge");
         if (key_.empty())
-          return lost("the rendezvous server wants a token: set --token-file or MGLAUNCH_RDZV_TOKEN");
+          return failed_attempt("the rendezvous server wants a token: set --token-file or MGLAUNCH_RDZV_TOKEN");
         if (!auth::equal_ct(c.proof, auth::server_proof(key_, nonce_, c.nonce)))
-          return lost(fmt::format("the rendezvous server at {}:{} cannot prove this job's key: wrong rendezvous token "
-                                  "here or there, or not the server you meant",
-                                  opts_.host, opts_.port));
+          return failed_attempt(fmt::format("the rendezvous server at {}:{} cannot prove this job's key: wrong "
+                                            "rendezvous token here or there, or not the server you meant",
+                                            opts_.host, opts_.port));
         challenged_ = true;
         conn_->send(proto::to_frame(proto::Auth{auth::client_proof(key_, nonce_, c.nonce)}));
         session_ = auth::session_key(key_, nonce_, c.nonce);
@@ -162,9 +164,9 @@ void Client::on_frame(const proto::Frame& f) {
         proto::from_frame<proto::Welcome>(f);
         if (welcomed_) return lost("the rendezvous server repeated its welcome");
         if (!key_.empty() && !challenged_)
-          return lost(fmt::format("the rendezvous server at {}:{} asks for no token while this agent has one: "
-                                  "refusing an unauthenticated server (give the daemon the same token)",
-                                  opts_.host, opts_.port));
+          return failed_attempt(fmt::format("the rendezvous server at {}:{} asks for no token while this agent has "
+                                            "one: refusing an unauthenticated server (give the daemon the same token)",
+                                            opts_.host, opts_.port));
         return on_welcome();
       case MsgType::kHeartbeat:
         proto::from_frame<proto::Heartbeat>(f);
@@ -197,7 +199,10 @@ void Client::on_frame(const proto::Frame& f) {
         return lost(fmt::format("unexpected message type {} from the rendezvous server", f.type));
     }
   } catch (const proto::ProtocolError& e) {
-    lost(fmt::format("bad message from the rendezvous server: {}", e.what()));
+    // Before the welcome nothing is proven: a malformed frame is a failed attempt, not the end.
+    const std::string why = fmt::format("bad message from the rendezvous server: {}", e.what());
+    if (welcomed_) lost(why);
+    else failed_attempt(why);
   }
 }
 
@@ -298,8 +303,7 @@ void Client::reconnect_later(const std::string& why) {
                             opts_.port, opts_.join.join_timeout_ms / 1000.0, why));
   heartbeat_timer_.cancel();
   welcomed_ = false;
-  if (conn_) conn_->close(true);
-  conn_.reset();
+  if (auto c = std::move(conn_)) c->close(true);  // its on_close sees conn_ gone: no second notice
   if (!in_outage_) {  // one join_timeout for the whole outage, however many tries
     in_outage_ = true;
     deadline_ = Clock::now() + milliseconds(opts_.join.join_timeout_ms);

@@ -716,3 +716,52 @@ TEST_CASE("agents that fail to authenticate (wrong or missing token, wrong job k
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
 }
+
+TEST_CASE("a host that keeps sending an Auth before its challenge cannot lock out the agents sharing its address") {
+  Scene scene;
+  // The attacker shares 127.0.0.1 with the real agents: Hello then a garbage Auth, over and over.
+  std::atomic<bool> stop{false};
+  std::thread attacker([&] {
+    for (int i = 0; i < 600 && !stop; ++i) {  // bounded: at most ~2 minutes
+      RawPeer p(scene.daemon.port(), "127.0.0.1");
+      p.send(proto::to_frame(proto::Hello{"x", "any", auth::random_hex(32)}));
+      p.send(proto::to_frame(proto::Auth{std::string(64, 'a')}));
+      p.closed_within(200ms);
+    }
+  });
+  struct Stopper {
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~Join() { stop = true; t.join(); }
+  } stopper{stop, attacker};
+  std::this_thread::sleep_for(2s);  // the attack is under way
+  RawPeer victim(scene.daemon.port(), "127.0.0.1");
+  REQUIRE(victim.send(proto::to_frame(proto::Hello{"v", "real", auth::random_hex(32)})));
+  // Delayed, never refused: its challenge comes before the daemon's handshake deadline closes it.
+  auto f = victim.read(30s);
+  REQUIRE(f.has_value());
+  CHECK(proto::type_of(*f) == proto::MsgType::kChallenge);
+  scene.finish();  // the second real agent connects during the attack too
+}
+
+TEST_CASE("an impostor's challenge with a wrong proof does not end a running agent's reconnection") {
+  const int port = free_loopback_port();
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  Daemon d{spawn({kRdzvDaemon, "--listen", ep}, {{"MGLAUNCH_RDZV_TOKEN", kToken}}), ep};
+  REQUIRE(eventually([&] { return d.proc.out().find("listening on") != std::string::npos; }, 10s));
+  const std::string go = make_temp_dir() + "/go";
+  Proc agent = spawn(agent_argv(ep, "survive", 1, "1:2", 1, {"--rdzv_conf=join_timeout=5,last_call_timeout=0"},
+                                {"env", "wait-file", go}),
+                     {{"MGLAUNCH_RDZV_TOKEN", kToken}});
+  REQUIRE(eventually([&] { return agent.out().find("MASTER_ADDR") != std::string::npos; }, 30s));
+  ::kill(d.proc.pid, SIGKILL);
+  REQUIRE(d.proc.wait(5s));
+  FakeServer impostor(proto::to_frame(proto::Challenge{auth::random_hex(32), std::string(64, 'b')}), port);
+  if (!eventually([&] { return impostor.hellos() >= 2; }, 30s)) FAIL("hellos " << impostor.hellos() << "\n" << agent.err());
+  CHECK(pid_alive(agent.pid));
+  std::ofstream(go) << "go";
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(agent.exit_code() == 0);  // its own workers' result
+  CHECK_THAT(agent.err(), Catch::Contains("cannot prove this job's key"));
+}

@@ -81,7 +81,7 @@ void Client::try_connect() {
         [this, alive](const proto::Frame& f) {
           if (alive.lock() && !closed_) on_frame(f);
         },
-        [this, alive](const std::string& why) {
+        [this, alive, self](const std::string& why) {
           // Not when this client closed it itself (reconnect_later has moved on to the next try).
           if (!alive.lock() || conn_.get() != self) return;
           // A server that welcomed us and then vanished may come back: keep trying.

@@ -732,7 +732,7 @@ TEST_CASE("a host that keeps sending an Auth before its challenge cannot lock ou
   struct Stopper {
     std::atomic<bool>& stop;
     std::thread& t;
-    ~Join() { stop = true; t.join(); }
+    ~Stopper() { stop = true; t.join(); }
   } stopper{stop, attacker};
   std::this_thread::sleep_for(2s);  // the attack is under way
   RawPeer victim(scene.daemon.port(), "127.0.0.1");

@@ -30,6 +30,13 @@ json range_of(const std::string& prefix) {
   return {{"key", base64_encode(prefix)}, {"range_end", base64_encode(etcd::prefix_end(prefix))}};
 }
 
+// Deletes the job's own keys (log/, alive/, lease) and nothing else under its root.
+json delete_job_ops(const etcd::Keys& k) {
+  return json::array({{{"request_delete_range", range_of(k.log())}},
+                      {{"request_delete_range", range_of(k.alive())}},
+                      {{"request_delete_range", {{"key", base64_encode(k.lease())}}}}});
+}
+
 json put_op(const std::string& key, const std::string& value, std::int64_t lease = 0) {
   json p = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
   if (lease) p["lease"] = std::to_string(lease);
@@ -321,7 +328,7 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
         // safe apart: once an agent put its alive key, nobody clears the job.)
         http.call("/v3/kv/txn",
                   {{"compare", json::array({alive_empty})},
-                   {"success", json::array({{{"request_delete_range", range_of(keys_.root)}}})}},
+                   {"success", delete_job_ops(keys_)}},
                   kRequestTimeout);
         ensure_job_lease(http);
         http.call("/v3/kv/txn",
@@ -476,7 +483,7 @@ void EtcdLink::finish_job(etcd::Http& http) {
       del["create_revision"] = "0";
       auto d = http.call("/v3/kv/txn",
                          {{"compare", json::array({del})},
-                          {"success", json::array({{{"request_delete_range", range_of(keys_.root)}}})}},
+                          {"success", delete_job_ops(keys_)}},
                          kCloseTimeout);
       if (d.value("succeeded", false) && job_lease_)
         http.call("/v3/lease/revoke", {{"ID", std::to_string(job_lease_)}}, kCloseTimeout);

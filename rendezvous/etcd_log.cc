@@ -134,6 +134,11 @@ std::string Keys::agent_of_alive(const std::string& key) const {
 }
 
 std::string key_component(std::string_view id) {
+  // A job's own subkeys (log/, alive/, lease) are names no job component may take: a job
+  // whose prefix is another job's root must not land inside that job's ranges. Their first
+  // letter is escaped; '%' is always escaped, so the mapping stays injective.
+  if (id == "log" || id == "alive" || id == "lease")
+    return fmt::format("%{:02X}{}", static_cast<unsigned char>(id[0]), id.substr(1));
   std::string out;
   out.reserve(id.size());
   for (char c : id) {

@@ -64,6 +64,26 @@ TEST_CASE("etcd: a job whose id is a prefix of another's ('team' and 'team/exp1'
   CHECK(etcd.keys("/mglaunch/").empty());
 }
 
+TEST_CASE("etcd: a job whose etcd_prefix is another job's root keeps its keys when that job starts and ends") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  const std::string nested = "--rdzv_conf=etcd_prefix=/mglaunch/team";
+  Proc first = spawn(agent_argv(etcd.endpoints(), "exp1", 1, "2", 1, {nested}, {"env"}, "etcd"));
+  REQUIRE(eventually([&] { return !etcd.keys("/mglaunch/team/exp1/").empty(); }, 30s));  // it joined and waits
+  // Job "team" (default prefix: root /mglaunch/team/) starts, clearing its own stale keys, and ends.
+  auto team = run(agent_argv(etcd.endpoints(), "team", 2, "1:2", 1, {"--rdzv_conf=last_call_timeout=0"}, {"print", "ok"}, "etcd"),
+                  {}, 60s);
+  CHECK(team.code == 0);
+  CHECK(pid_alive(first.pid));
+  CHECK_FALSE(etcd.keys("/mglaunch/team/exp1/").empty());
+  std::vector<Proc> agents;
+  agents.push_back(std::move(first));
+  agents.push_back(spawn(agent_argv(etcd.endpoints(), "exp1", 3, "2", 1, {nested}, {"env"}, "etcd")));
+  const WorldSeen w = world_seen(agents, 60s);  // both nodes of exp1 exit 0
+  CHECK(w.worlds == std::set<std::string>{"2/2"});
+  CHECK(etcd.keys("/mglaunch/").empty());
+}
+
 TEST_CASE("etcd: a worker failure restarts all three agents with one restart count") {
   ETCD_OR_SKIP();
   EtcdCluster etcd(1);

@@ -76,6 +76,17 @@ TEST_CASE("etcd base64 round-trips any bytes and a prefix's range end follows ev
   CHECK_FALSE(exp.starts_with(team));
   CHECK(keys_for("/mglaunch", "a%2Fb").root == "/mglaunch/a%252Fb/");
   CHECK(keys_for("/mglaunch", "a%2Fb").root != keys_for("/mglaunch", "a/b").root);
+  // A job whose etcd_prefix is another job's root stays out of that job's own key ranges,
+  // even when its id is one of their names.
+  const auto t = keys_for("/mglaunch", "team");
+  for (const char* id : {"log", "alive", "lease", "exp1"}) {
+    const auto nested = keys_for("/mglaunch/team", id);
+    CHECK_FALSE(nested.root.starts_with(t.log()));
+    CHECK_FALSE(nested.root.starts_with(t.alive()));
+    CHECK_FALSE(nested.root.starts_with(t.lease()));
+  }
+  CHECK(keys_for("/m", "log").root == "/m/%6Cog/");
+  CHECK(keys_for("/m", "%6Cog").root == "/m/%256Cog/");  // injective: a literal '%' is escaped
   CHECK(number(nlohmann::json{{"revision", "42"}}, "revision") == 42);
   CHECK(number(nlohmann::json{{"revision", 7}}, "revision") == 7);
   CHECK(number(nlohmann::json::object(), "revision") == 0);

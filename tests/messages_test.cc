@@ -78,7 +78,7 @@ TEST_CASE("failure reports are cut to their limits by the sender and refused bey
   CHECK(truncate_text("\xc3\xa9\xc3\xa9\xc3\xa9", 5) == "...");  // no half UTF-8 character is left
 }
 
-TEST_CASE("every text field must be UTF-8 without control characters; the sender's report is made so") {
+TEST_CASE("every text field must be UTF-8 without control characters and the sender makes its report so") {
   using mg::proto::printable;
   using mg::proto::text_problem;
   CHECK(text_problem("plain ascii, é, 日本, 🙂").empty());

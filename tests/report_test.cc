@@ -109,10 +109,10 @@ TEST_CASE("a node that failed as a whole is named in the root cause, never rank 
   rc.worker.rank = -1;
   rc.worker.local_rank = -1;
   rc.worker.exit_code = 1;
-  rc.message = "node node3 (10.1.1.3) lost: its connection closed";
+  rc.message = "node node3 (127.0.0.3) lost: its connection closed";
   const std::string out = format_root_cause(rc, "train.py");
   CHECK_THAT(out, Catch::Contains("  rank       : none (node node3 failed, not one of its workers)\n") &&
-                      Catch::Contains("  message    : node node3 (10.1.1.3) lost: its connection closed\n"));
+                      Catch::Contains("  message    : node node3 (127.0.0.3) lost: its connection closed\n"));
   CHECK_THAT(out, !Catch::Contains("-1"));
   RunRecord run;
   run.root_cause = rc;

@@ -4,21 +4,9 @@
 # it for SECONDS (default 20; ctest: 5, and 120 under the soak label). Seeds: a watch
 # response and a small job log.
 set -euo pipefail
-src=$(cd "$(dirname "$0")/.." && pwd)
-seconds=${1:-20}
-out=${FUZZ_DIR:-}
-if [ -z "$out" ]; then
-  out=$(mktemp -d)
-  trap 'rm -rf "$out"' EXIT
-fi
-. "$src/tests/support/skip.sh"
-require_program clang++ clang
-require_installed "$([ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ] && echo 1 || echo 0)" \
-  "libFuzzer (libclang_rt.fuzzer for clang++)" libclang-rt-14-dev
-clang++ -std=c++20 -O1 -gline-tables-only -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
-  -I"$src" "$src/rendezvous/etcd_log.cc" "$src/rendezvous/job.cc" "$src/rendezvous/endpoint.cc" \
-  "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/text.cc" "$src/proto/wire.cc" "$src/tests/etcd_fuzz.cc" -o "$out/etcd_fuzz"
-mkdir -p "$out/corpus"
+. "$(dirname "$0")/support/fuzz.sh"
+fuzz_build etcd_fuzz "$src/rendezvous/etcd_log.cc" "$src/rendezvous/job.cc" "$src/rendezvous/endpoint.cc" \
+  "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/text.cc" "$src/proto/wire.cc" "$src/tests/etcd_fuzz.cc"
 printf '%s\n' '{"result":{"header":{"revision":"5"},"events":[{"kv":{"key":"YQ==","mod_revision":"5","value":"Yg=="}}]}}' \
   > "$out/corpus/watch"
 j='"job_id":"job","agent_id":"A","host":"h","addr":"127.0.0.1","nproc":2,"min_nodes":2,"max_nodes":2,"max_restarts":1'

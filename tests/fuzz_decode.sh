@@ -5,22 +5,10 @@
 # limit; inputs may grow to MAX_LEN bytes (default 64 KiB in CI; FUZZ_MAX_LEN=1048582
 # reaches the frame limit).
 set -euo pipefail
-src=$(cd "$(dirname "$0")/.." && pwd)
-seconds=${1:-20}
+. "$(dirname "$0")/support/fuzz.sh"
 max_len=${FUZZ_MAX_LEN:-65536}
-out=${FUZZ_DIR:-}
-if [ -z "$out" ]; then
-  out=$(mktemp -d)
-  trap 'rm -rf "$out"' EXIT
-fi
-. "$src/tests/support/skip.sh"
-require_program clang++ clang
-require_installed "$([ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ] && echo 1 || echo 0)" \
-  "libFuzzer (libclang_rt.fuzzer for clang++)" libclang-rt-14-dev
 require_program python3 python3
-clang++ -std=c++20 -O1 -gline-tables-only -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY \
-  -I"$src" "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/text.cc" "$src/proto/wire.cc" "$src/tests/fuzz_decode.cc" -o "$out/fuzz_decode"
-mkdir -p "$out/corpus"
+fuzz_build fuzz_decode "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/text.cc" "$src/proto/wire.cc" "$src/tests/fuzz_decode.cc"
 # Seeds: a frame header (version 2, type 5) over arrays nested 5,000 deep, and over a map.
 python3 - "$out/corpus" <<'PY'
 import sys, struct

@@ -20,13 +20,14 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
-#include "launcher/errors.h"
-#include "launcher/monitor.h"
-#include "launcher/trace.h"
+#include "cli/errors.h"
+#include "ops/monitor.h"
+#include "ops/trace.h"
 #include "launcher/worker_spec.h"
 #include "proto/text.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_backend.h"
+#include "process/command.h"
 
 namespace mg {
 

@@ -22,14 +22,14 @@
 #include <boost/asio/steady_timer.hpp>
 #include <nlohmann/json.hpp>
 
-#include "launcher/console.h"
-#include "launcher/hwprobe.h"
-#include "launcher/log_layout.h"
+#include "logs/console.h"
+#include "ops/hwprobe.h"
+#include "logs/log_layout.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/port.h"
 #include "launcher/report.h"
-#include "launcher/stdin_relay.h"
+#include "logs/stdin_relay.h"
 #include "launcher/supervisor.h"
 #include "launcher/watchdog.h"
 #include "launcher/worker_group.h"
@@ -113,7 +113,7 @@ class Agent {
   std::optional<struct rlimit> worker_nofile_;  // the original limit, when the agent raised its own
   WorkerGroup group_;  // the workers of the attempt: spawn, signals, reaping (launcher/worker_group.h)
   sup::Supervisor core_;
-  LogLayout logs_;  // where this run's files go (launcher/log_layout.h)
+  LogLayout logs_;  // where this run's files go (logs/log_layout.h)
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;
@@ -134,7 +134,7 @@ class Agent {
   void drop_exec_fence();
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or
-  // --trace is given (launcher/monitor.h, launcher/trace.h). Declared last: gone before
+  // --trace is given (ops/monitor.h, ops/trace.h). Declared last: gone before
   // the console they write through.
   void start_ops();
   mon::AgentFacts monitor_facts() const;

@@ -13,9 +13,9 @@
 
 #include "cli/args.h"
 #include "launcher/agent.h"
-#include "launcher/doctor.h"
-#include "launcher/multihost.h"
-#include "launcher/errors.h"
+#include "ops/doctor.h"
+#include "baremetal/multihost.h"
+#include "cli/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "proto/text.h"
@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
       auto eq = kv.find('=');
       if (eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
     }
-    // Bare metal: `mglaunch doctor ...` and `mglaunch --hostfile F ...` (launcher/doctor.h, multihost.h).
+    // Bare metal: `mglaunch doctor ...` and `mglaunch --hostfile F ...` (ops/doctor.h, multihost.h).
     if (const std::vector<std::string> args(argv, argv + argc); args.size() > 1 && args[1] == "doctor")
       return doctor_main(args, env);
     else if (wants_multihost(args))

@@ -16,19 +16,14 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/args.h"
-#include "launcher/errors.h"
-#include "launcher/hwprobe.h"
+#include "cli/errors.h"
+#include "ops/hwprobe.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_log.h"
 #include "slurm/env.h"
 
 namespace mg {
 
-int shell_exit_code(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return exit_code::kSignalBase + WTERMSIG(status);
-  return exit_code::kInternal;
-}
 
 namespace {
 

@@ -122,7 +122,7 @@ struct AgentOptions {
   std::optional<std::string> log_line_prefix_template;  // --log-line-prefix-template; "" = raw, unprefixed lines
   std::size_t max_line_bytes = 64 * 1024;
   bool no_slurm = false;                         // --no-slurm
-  // monitoring and operations (launcher/monitor.h, launcher/trace.h); all off by default
+  // monitoring and operations (ops/monitor.h, ops/trace.h); all off by default
   double monitor_s = 0;                          // --monitor[=SECONDS]: console status line (0: off)
   std::string metrics_json;                      // --metrics-json FILE: every sample as a JSON line
   int metrics_port = -1;                         // --metrics-port P: Prometheus /metrics (0: any port)

@@ -11,10 +11,11 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/port.h"
-#include "launcher/hwprobe.h"
+#include "ops/hwprobe.h"
 #include "rendezvous/endpoint.h"
+#include "process/command.h"
 
 namespace mg {
 
@@ -60,28 +61,6 @@ std::vector<std::string> build_worker_argv(const RunPlan& plan, const AgentOptio
   return argv;
 }
 
-std::string find_executable(const std::string& name, const std::string& path_env) {
-  auto usable = [](const std::string& p) {
-    struct stat st{};
-    return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(p.c_str(), X_OK) == 0;
-  };
-  if (name.find('/') != std::string::npos) {
-    if (!usable(name)) return {};
-    if (name.front() == '/') return name;
-    char cwd[4096];
-    return ::getcwd(cwd, sizeof(cwd)) ? std::string(cwd) + "/" + name : name;
-  }
-  std::size_t pos = 0;
-  while (pos <= path_env.size()) {
-    auto colon = path_env.find(':', pos);
-    std::string dir = path_env.substr(pos, colon == std::string::npos ? std::string::npos : colon - pos);
-    if (dir.empty()) dir = ".";
-    if (std::string candidate = dir + "/" + name; usable(candidate)) return find_executable(candidate, {});
-    if (colon == std::string::npos) break;
-    pos = colon + 1;
-  }
-  return {};
-}
 
 std::string local_hostname() {
   char host[256] = {};

@@ -40,10 +40,6 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
 // argv of one worker, with ${local_rank} substituted and --local_rank=N when asked.
 std::vector<std::string> build_worker_argv(const RunPlan& plan, const AgentOptions& opts, int local_rank);
 
-// Finds `name` like execvp would (a name with '/' is taken as a path). Empty if not found
-// or not executable.
-std::string find_executable(const std::string& name, const std::string& path_env);
-
 // Resolves the plan for this node: program and interpreter paths (ProgramNotFound when
 // missing), master address and port (probing for a free one with --standalone, checking
 // that a static master port is free on node 0: UsageError naming the port when not).

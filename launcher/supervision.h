@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/report.h"
 
 namespace mg {

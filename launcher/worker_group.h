@@ -18,7 +18,7 @@
 
 #include <boost/asio/io_context.hpp>
 
-#include "launcher/console.h"
+#include "logs/console.h"
 #include "launcher/watchdog.h"
 #include "launcher/worker_process.h"
 

@@ -28,7 +28,7 @@
 #include <fmt/format.h>
 
 #include "launcher/dirents.h"
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/report.h"
 
 namespace mg {

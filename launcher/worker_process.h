@@ -26,8 +26,8 @@
 
 #include <boost/asio/io_context.hpp>
 
-#include "launcher/console.h"
-#include "launcher/line_splitter.h"
+#include "logs/console.h"
+#include "logs/line_splitter.h"
 
 namespace mg {
 

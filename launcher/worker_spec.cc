@@ -4,7 +4,7 @@
 
 #include <fmt/format.h>
 
-#include "launcher/line_splitter.h"
+#include "logs/line_splitter.h"
 #include "launcher/watchdog.h"
 
 namespace mg {

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/args.h"
+#include "process/command.h"
 #include <fmt/format.h>
 
 namespace mg::slurm {
@@ -63,18 +64,6 @@ void check_sbatch_option(const std::string& opt) {
 
 }  // namespace
 
-std::string shell_quote(const std::string& word) {
-  const bool safe = !word.empty() && std::all_of(word.begin(), word.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("_-./:=@%+,").find(c) != std::string_view::npos;
-  });
-  if (safe) return word;
-  std::string out = "'";
-  for (char c : word) {
-    if (c == '\'') out += "'\\''";
-    else out += c;
-  }
-  return out + "'";
-}
 
 SbatchParse parse_sbatch_args(const std::vector<std::string>& argv) {
   SbatchOptions o;

@@ -49,9 +49,6 @@ struct SbatchParse {
 // argv[0] is skipped. Throws SbatchUsageError with one line saying what is wrong.
 SbatchParse parse_sbatch_args(const std::vector<std::string>& argv);
 
-// POSIX shell quoting: the word as is when it is plainly safe, else in single quotes.
-std::string shell_quote(const std::string& word);
-
 // The batch script. `o.mglaunch` must be set (absolute).
 std::string make_batch_script(const SbatchOptions& o);
 

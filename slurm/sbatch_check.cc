@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/options.h"
 #include "slurm/env.h"
 

@@ -9,7 +9,7 @@
 
 #include <boost/asio/io_context.hpp>
 
-#include "launcher/console.h"
+#include "logs/console.h"
 
 namespace {
 

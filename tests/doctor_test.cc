@@ -9,9 +9,9 @@
 #include <fstream>
 #include <set>
 
-#include "launcher/doctor.h"
-#include "launcher/errors.h"
-#include "launcher/hwprobe.h"
+#include "ops/doctor.h"
+#include "cli/errors.h"
+#include "ops/hwprobe.h"
 #include "support/proc.h"
 
 using namespace mg;

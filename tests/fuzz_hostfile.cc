@@ -11,9 +11,9 @@
 #include <string>
 #include <string_view>
 
-#include "launcher/errors.h"
-#include "launcher/hostfile.h"
-#include "launcher/hwprobe.h"
+#include "cli/errors.h"
+#include "baremetal/hostfile.h"
+#include "ops/hwprobe.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mg;

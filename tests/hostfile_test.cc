@@ -2,9 +2,10 @@
 // quoting, exports, per-host commands, output prefixes).
 #include <catch2/catch.hpp>
 
-#include "launcher/errors.h"
-#include "launcher/hostfile.h"
-#include "launcher/multihost.h"
+#include "cli/errors.h"
+#include "baremetal/hostfile.h"
+#include "baremetal/multihost.h"
+#include "process/command.h"
 
 using namespace mg;
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "launcher/line_splitter.h"
+#include "logs/line_splitter.h"
 
 using mg::LineSplitter;
 

@@ -1,4 +1,4 @@
-// Where a run keeps its files (launcher/log_layout.h), in a temporary directory of the test's own.
+// Where a run keeps its files (logs/log_layout.h), in a temporary directory of the test's own.
 #include <catch2/catch.hpp>
 
 #include <sys/stat.h>
@@ -9,8 +9,8 @@
 #include <fstream>
 #include <optional>
 
-#include "launcher/errors.h"
-#include "launcher/log_layout.h"
+#include "cli/errors.h"
+#include "logs/log_layout.h"
 
 using namespace mg;
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-// launcher/monitor.h: the /proc parsers, the process tree, CPU% from two samples, the
+// ops/monitor.h: the /proc parsers, the process tree, CPU% from two samples, the
 // output formats, and the Sampler against the real /proc with a child of this test.
 #include <catch2/catch.hpp>
 
@@ -16,8 +16,8 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
 
-#include "launcher/errors.h"
-#include "launcher/monitor.h"
+#include "cli/errors.h"
+#include "ops/monitor.h"
 #include "launcher/options.h"
 
 using namespace mg;

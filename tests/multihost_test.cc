@@ -15,8 +15,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "launcher/errors.h"
-#include "launcher/multihost.h"
+#include "cli/errors.h"
+#include "baremetal/multihost.h"
 #include "support/proc.h"
 #include "support/skip.h"
 #include "support/sshd.h"

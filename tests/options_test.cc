@@ -7,8 +7,9 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/options.h"
+#include "process/command.h"
 
 using namespace mg;
 

@@ -2,10 +2,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "rendezvous/endpoint.h"
+#include "process/command.h"
 
 #include <netinet/in.h>
 #include <sys/socket.h>

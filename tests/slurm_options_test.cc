@@ -4,7 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 

@@ -13,8 +13,10 @@
 
 #include "slurm/sbatch.h"
 #include "slurm/sbatch_check.h"
+#include "process/command.h"
 
 using namespace mg::slurm;
+using mg::shell_quote;
 
 namespace {
 

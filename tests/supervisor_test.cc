@@ -5,7 +5,7 @@
 
 #include <signal.h>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 #include "launcher/supervisor.h"
 
 using namespace mg;

@@ -1,9 +1,9 @@
-// launcher/trace.h: the Chrome trace events and the streaming writer, under a fake clock.
+// ops/trace.h: the Chrome trace events and the streaming writer, under a fake clock.
 #include <catch2/catch.hpp>
 
 #include <nlohmann/json.hpp>
 
-#include "launcher/trace.h"
+#include "ops/trace.h"
 
 using namespace mg;
 

@@ -1,4 +1,4 @@
-#include "launcher/monitor.h"
+#include "ops/monitor.h"
 
 #include <dirent.h>
 #include <fcntl.h>

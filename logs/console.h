@@ -42,7 +42,7 @@
 
 #include <boost/asio/io_context.hpp>
 
-#include "launcher/line_splitter.h"
+#include "logs/line_splitter.h"
 
 namespace mg {
 

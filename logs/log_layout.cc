@@ -1,4 +1,4 @@
-#include "launcher/log_layout.h"
+#include "logs/log_layout.h"
 
 #include <string.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 
 #include <fmt/format.h>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 
 namespace mg {
 

@@ -1,4 +1,4 @@
-#include "launcher/console.h"
+#include "logs/console.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

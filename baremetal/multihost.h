@@ -27,7 +27,7 @@
 #include <boost/asio/io_context.hpp>
 #include <nlohmann/json.hpp>
 
-#include "launcher/hostfile.h"
+#include "baremetal/hostfile.h"
 
 namespace mg {
 
@@ -65,8 +65,6 @@ std::optional<MultiHostOptions> parse_multihost_args(const std::vector<std::stri
 
 // Splits --ssh-opts text like sh would (quotes and backslashes; no expansions).
 std::vector<std::string> split_shell_words(const std::string& text);
-// Quotes one argument for a POSIX shell ('...' with embedded quotes escaped).
-std::string shell_quote(const std::string& arg);
 
 // --export patterns resolved against this environment: NAME=VALUE pairs. Throws
 // UsageError for a plain NAME that is not set or a bad name. Rendezvous secrets

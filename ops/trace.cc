@@ -1,4 +1,4 @@
-#include "launcher/trace.h"
+#include "ops/trace.h"
 
 #include <chrono>
 

@@ -1,4 +1,4 @@
-#include "launcher/doctor.h"
+#include "ops/doctor.h"
 
 #include <stdio.h>
 #include <sys/wait.h>
@@ -13,12 +13,11 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
-#include "launcher/console.h"
-#include "launcher/errors.h"
-#include "launcher/multihost.h"
-#include "launcher/plan.h"
+#include "logs/console.h"
+#include "cli/errors.h"
 #include "proto/text.h"
 #include "rendezvous/endpoint.h"
+#include "process/command.h"
 
 namespace mg {
 

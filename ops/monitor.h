@@ -23,8 +23,8 @@
 #include <boost/asio/steady_timer.hpp>
 #include <nlohmann/json.hpp>
 
-#include "launcher/console.h"
-#include "launcher/hwprobe.h"
+#include "logs/console.h"
+#include "ops/hwprobe.h"
 
 namespace mg::rdzv {
 class HttpServer;

@@ -1,4 +1,4 @@
-#include "launcher/multihost.h"
+#include "baremetal/multihost.h"
 
 #include <fnmatch.h>
 #include <signal.h>
@@ -23,10 +23,10 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
-#include "launcher/console.h"
-#include "launcher/errors.h"
-#include "launcher/hwprobe.h"
-#include "launcher/line_splitter.h"
+#include "logs/console.h"
+#include "cli/errors.h"
+#include "ops/hwprobe.h"
+#include "logs/line_splitter.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/worker_process.h"
@@ -34,6 +34,7 @@
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/server.h"
+#include "process/command.h"
 
 extern char** environ;
 
@@ -287,19 +288,6 @@ std::vector<std::string> split_shell_words(const std::string& text) {
   return out;
 }
 
-std::string shell_quote(const std::string& arg) {
-  if (!arg.empty() && arg.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./=:,@+%") ==
-                          std::string::npos)
-    return arg;
-  std::string out = "'";
-  for (char c : arg) {
-    if (c == '\'')
-      out += "'\\''";
-    else
-      out += c;
-  }
-  return out + "'";
-}
 
 bool is_rdzv_secret(std::string_view name) {
   return name.starts_with("MGLAUNCH_RDZV_") || name == "MGLAUNCH_ETCD_PASSWORD";

@@ -1,4 +1,4 @@
-#include "launcher/stdin_relay.h"
+#include "logs/stdin_relay.h"
 
 #include <fcntl.h>
 #include <limits.h>

@@ -32,7 +32,4 @@ inline constexpr int kNotFound = 127;
 inline constexpr int kSignalBase = 128;
 }  // namespace exit_code
 
-// Maps a raw wait() status to a shell-style exit code: N for exit(N), 128+S for signal S.
-int shell_exit_code(int wait_status);
-
 }  // namespace mg

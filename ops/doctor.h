@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "launcher/hwprobe.h"
+#include "ops/hwprobe.h"
 
 namespace mg {
 

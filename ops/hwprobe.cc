@@ -1,4 +1,4 @@
-#include "launcher/hwprobe.h"
+#include "ops/hwprobe.h"
 
 #include <arpa/inet.h>
 #include <dlfcn.h>

@@ -1,4 +1,4 @@
-#include "launcher/hostfile.h"
+#include "baremetal/hostfile.h"
 
 #include <algorithm>
 #include <charconv>
@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "launcher/errors.h"
+#include "cli/errors.h"
 
 namespace mg {
 

@@ -1,0 +1,149 @@
+#include "store/engine.h"
+
+#include <algorithm>
+#include <charconv>
+
+#include <fmt/format.h>
+
+namespace mg::store {
+
+bool Engine::has_all(const std::vector<std::string>& keys) const {
+  return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return data_.count(k) > 0; });
+}
+
+void Engine::wake(const std::string& key, std::vector<Reply>& out) {
+  auto it = waiters_.find(key);
+  if (it == waiters_.end()) return;
+  for (ClientId c : it->second) {
+    auto a = awaited_.find(c);
+    if (a == awaited_.end()) continue;
+    if (--a->second == 0) {
+      awaited_.erase(a);
+      Reply r{c, {}};
+      put_u8(r.bytes, kStopWaiting);
+      out.push_back(std::move(r));
+    }
+  }
+  waiters_.erase(it);
+}
+
+std::string Engine::set(const std::string& key, std::string value, std::vector<Reply>& out) {
+  auto it = data_.find(key);
+  const std::size_t old = it == data_.end() ? 0 : key.size() + it->second.size();
+  const std::size_t now = key.size() + value.size();
+  if (bytes_ - old + now > max_bytes_)
+    return fmt::format("the store would hold more than {} bytes (set of a {}-byte value)", max_bytes_, value.size());
+  bytes_ = bytes_ - old + now;
+  data_[key] = std::move(value);
+  wake(key, out);
+  return {};
+}
+
+std::string Engine::apply(ClientId from, const Query& q, std::vector<Reply>& out) {
+  auto reply = [&]() -> std::string& { return out.emplace_back(Reply{from, {}}).bytes; };
+  switch (q.op) {
+    case Op::kValidate:
+      return {};
+    case Op::kSet:
+      return set(q.keys[0], q.values[0], out);
+    case Op::kAppend: {
+      auto it = data_.find(q.keys[0]);
+      return set(q.keys[0], it == data_.end() ? q.values[0] : it->second + q.values[0], out);
+    }
+    case Op::kMultiSet:
+      for (std::size_t i = 0; i < q.keys.size(); ++i)
+        if (auto e = set(q.keys[i], q.values[i], out); !e.empty()) return e;
+      return {};
+    case Op::kCompareSet: {
+      const std::string& key = q.keys[0];
+      const std::string& expected = q.values[0];
+      auto it = data_.find(key);
+      if (it == data_.end()) {
+        if (!expected.empty()) {  // torch answers with the expected value: nothing was set
+          put_bytes(reply(), expected);
+          return {};
+        }
+        if (auto e = set(key, q.values[1], out); !e.empty()) return e;
+      } else if (it->second == expected) {
+        if (auto e = set(key, q.values[1], out); !e.empty()) return e;
+      }
+      put_bytes(reply(), data_.at(key));
+      return {};
+    }
+    case Op::kGet:
+    case Op::kMultiGet: {
+      if (!has_all(q.keys)) return fmt::format("{} of a key that is not set", op_name(q.op));
+      std::string& r = reply();
+      for (const auto& k : q.keys) put_bytes(r, data_.at(k));
+      return {};
+    }
+    case Op::kAdd: {
+      std::int64_t value = q.number;
+      if (auto it = data_.find(q.keys[0]); it != data_.end()) {
+        std::int64_t old = 0;
+        const char* b = it->second.data();
+        const char* e = b + it->second.size();
+        auto [p, ec] = std::from_chars(b, e, old);
+        if (ec != std::errc() || p != e) return fmt::format("add to key '{}', whose value is not a number", q.keys[0]);
+        value += old;
+      }
+      if (auto e = set(q.keys[0], std::to_string(value), out); !e.empty()) return e;
+      put_i64(reply(), value);
+      return {};
+    }
+    case Op::kCheck:
+      put_u8(reply(), has_all(q.keys) ? kCheckReady : kCheckNotReady);
+      return {};
+    case Op::kWait: {
+      if (awaited_.count(from)) return "a second wait before the first one ended";
+      std::size_t missing = 0;
+      for (const auto& k : q.keys) {
+        if (data_.count(k)) continue;
+        auto& w = waiters_[k];
+        if (std::find(w.begin(), w.end(), from) != w.end()) continue;  // the same key twice
+        w.push_back(from);
+        ++missing;
+      }
+      if (missing == 0)
+        put_u8(reply(), kStopWaiting);
+      else
+        awaited_[from] = missing;
+      return {};
+    }
+    case Op::kCancelWait:
+      disconnected(from);
+      put_u8(reply(), kWaitCanceled);
+      return {};
+    case Op::kNumKeys:
+      put_i64(reply(), static_cast<std::int64_t>(data_.size()));
+      return {};
+    case Op::kDelete: {
+      auto it = data_.find(q.keys[0]);
+      std::int64_t n = 0;
+      if (it != data_.end()) {
+        bytes_ -= it->first.size() + it->second.size();
+        data_.erase(it);
+        n = 1;
+      }
+      put_i64(reply(), n);
+      return {};
+    }
+    case Op::kPing:
+      put_u32(reply(), static_cast<std::uint32_t>(q.number));
+      return {};
+    case Op::kWatchKey:
+      return "watch_key (torch 1.x's key callbacks) is not served by the agent's store";
+  }
+  return "unknown query";
+}
+
+void Engine::disconnected(ClientId c) {
+  if (awaited_.erase(c) == 0) return;
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    auto& v = it->second;
+    v.erase(std::remove(v.begin(), v.end(), c), v.end());
+    it = v.empty() ? waiters_.erase(it) : std::next(it);
+  }
+}
+
+}  // namespace mg::store

@@ -1,0 +1,52 @@
+// The store itself, without I/O: keys and values, and the clients waiting for keys, as
+// c10d's classic TCPStore server keeps them. The server feeds it parsed queries and sends
+// the replies it returns; a query that must not be served (a GET of a missing key, an ADD
+// to a value that is not a number, a store over its byte budget) returns an error, and the
+// server closes that client's connection, as torch's server does. Pure and single-threaded.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "store/wire.h"
+
+namespace mg::store {
+
+using ClientId = std::uint64_t;
+
+struct Reply {
+  ClientId to = 0;
+  std::string bytes;
+};
+
+class Engine {
+ public:
+  // `max_bytes`: keys and values together, at most.
+  explicit Engine(std::size_t max_bytes = std::size_t{1} << 30) : max_bytes_(max_bytes) {}
+
+  // Applies `q` sent by `from`; appends the replies (to `from`, and to the clients a SET
+  // wakes). Returns "" or why `from` must be disconnected.
+  std::string apply(ClientId from, const Query& q, std::vector<Reply>& out);
+  // `c` is gone: its wait is forgotten.
+  void disconnected(ClientId c);
+
+  std::size_t keys() const { return data_.size(); }
+  std::size_t bytes() const { return bytes_; }
+  std::size_t waiting_clients() const { return awaited_.size(); }
+
+ private:
+  std::string set(const std::string& key, std::string value, std::vector<Reply>& out);
+  void wake(const std::string& key, std::vector<Reply>& out);
+  bool has_all(const std::vector<std::string>& keys) const;
+
+  std::size_t max_bytes_;
+  std::size_t bytes_ = 0;
+  std::unordered_map<std::string, std::string> data_;
+  std::unordered_map<std::string, std::vector<ClientId>> waiters_;  // key -> clients waiting for it
+  std::unordered_map<ClientId, std::size_t> awaited_;               // client -> keys it still waits for
+};
+
+}  // namespace mg::store

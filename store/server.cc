@@ -1,0 +1,211 @@
+#include "store/server.h"
+
+#include <array>
+#include <deque>
+#include <stdexcept>
+#include <unordered_map>
+
+#include <boost/asio/write.hpp>
+#include <fmt/format.h>
+
+namespace mg::store {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
+  struct Client {
+    explicit Client(tcp::socket s) : socket(std::move(s)) {}
+    tcp::socket socket;
+    Dialect dialect = Dialect::kUnknown;
+    std::string pending;            // the start of a query still arriving
+    std::deque<std::string> out;    // replies; the front one is being written
+  };
+
+  Impl(asio::io_context& io, tcp::acceptor a, ServerOptions o)
+      : io(io), acceptor(std::move(a)), opts(std::move(o)), engine(opts.max_bytes) {}
+
+  asio::io_context& io;
+  tcp::acceptor acceptor;
+  ServerOptions opts;
+  Engine engine;
+  std::unordered_map<ClientId, std::shared_ptr<Client>> clients;
+  ClientId next_id = 1;
+  std::size_t dropped = 0;
+  bool stopped = false;
+  std::array<char, 64 * 1024> scratch{};
+  std::vector<Reply> replies;
+
+  void log(const std::string& line) {
+    if (opts.log) opts.log(line);
+  }
+
+  void accept() {
+    acceptor.async_accept([self = shared_from_this()](boost::system::error_code ec, tcp::socket s) {
+      if (self->stopped) return;
+      if (!ec) {
+        if (self->clients.size() >= self->opts.max_clients) {
+          ++self->dropped;
+          self->log(fmt::format("agent store: refused a client: {} clients is the limit", self->opts.max_clients));
+        } else {
+          boost::system::error_code ignored;
+          s.set_option(tcp::no_delay(true), ignored);
+          s.non_blocking(true, ignored);
+          const ClientId id = self->next_id++;
+          self->clients.emplace(id, std::make_shared<Client>(std::move(s)));
+          self->read(id);
+        }
+      } else if (ec == asio::error::operation_aborted) {
+        return;
+      }
+      self->accept();  // EMFILE and the like: keep serving the clients we have
+    });
+  }
+
+  void read(ClientId id) {
+    auto it = clients.find(id);
+    if (it == clients.end()) return;
+    it->second->socket.async_wait(tcp::socket::wait_read, [self = shared_from_this(), id](boost::system::error_code ec) {
+      if (self->stopped || ec == asio::error::operation_aborted) return;
+      self->on_readable(id, ec);
+    });
+  }
+
+  void drop(ClientId id, const std::string& why) {
+    auto it = clients.find(id);
+    if (it == clients.end()) return;
+    if (!why.empty()) {
+      ++dropped;
+      log(fmt::format("agent store: disconnected a client: {}", why));
+    }
+    boost::system::error_code ignored;
+    it->second->socket.close(ignored);
+    clients.erase(it);
+    engine.disconnected(id);
+  }
+
+  void on_readable(ClientId id, boost::system::error_code ec) {
+    auto it = clients.find(id);
+    if (it == clients.end()) return;
+    Client& c = *it->second;
+    if (ec) return drop(id, {});
+    for (int round = 0; round < 16; ++round) {  // bounded: other clients get their turn
+      boost::system::error_code rec;
+      const std::size_t n = c.socket.read_some(asio::buffer(scratch), rec);
+      if (rec == asio::error::would_block) break;
+      if (rec || n == 0) return drop(id, {});  // the client went away (normal at its exit)
+      std::string_view data(scratch.data(), n);
+      if (!c.pending.empty()) {
+        c.pending.append(data);
+        data = c.pending;
+      }
+      const std::size_t used = serve(id, c, data);
+      if (used == std::string::npos) return;  // dropped
+      if (!c.pending.empty()) {
+        c.pending.erase(0, used);
+      } else if (used < data.size()) {
+        c.pending.assign(data.substr(used));
+      }
+      if (c.pending.empty() && c.pending.capacity() > 4096) std::string().swap(c.pending);
+      if (n < scratch.size()) break;
+    }
+    read(id);
+  }
+
+  // Serves every whole query at the front of `data`; returns the bytes used, npos when the
+  // client was dropped.
+  std::size_t serve(ClientId id, Client& c, std::string_view data) {
+    std::size_t used = 0;
+    while (used < data.size()) {
+      Parsed p = parse_query(data.substr(used), c.dialect, opts.limits);
+      if (p.status == Parsed::kNeedMore) break;
+      if (p.status == Parsed::kBad) {
+        drop(id, p.error);
+        return std::string::npos;
+      }
+      used += p.consumed;
+      replies.clear();
+      if (auto err = engine.apply(id, p.query, replies); !err.empty()) {
+        send_all();
+        drop(id, err);
+        return std::string::npos;
+      }
+      send_all();
+    }
+    return used;
+  }
+
+  void send_all() {
+    for (auto& r : replies) {
+      auto it = clients.find(r.to);
+      if (it == clients.end()) continue;
+      Client& c = *it->second;
+      const bool idle = c.out.empty();
+      c.out.push_back(std::move(r.bytes));
+      if (idle) write(r.to);
+    }
+    replies.clear();
+  }
+
+  void write(ClientId id) {
+    auto it = clients.find(id);
+    if (it == clients.end() || it->second->out.empty()) return;
+    auto c = it->second;
+    asio::async_write(c->socket, asio::buffer(c->out.front()),
+                      [self = shared_from_this(), id, c](boost::system::error_code ec, std::size_t) {
+                        if (self->stopped || ec == asio::error::operation_aborted) return;
+                        if (ec) return self->drop(id, {});
+                        c->out.pop_front();
+                        if (!c->out.empty()) self->write(id);
+                      });
+  }
+
+  void stop() {
+    if (stopped) return;
+    stopped = true;
+    boost::system::error_code ignored;
+    acceptor.close(ignored);
+    for (auto& [id, c] : clients) c->socket.close(ignored);
+    clients.clear();
+  }
+};
+
+namespace {
+
+tcp::acceptor bind_acceptor(asio::io_context& io, const std::string& host, int port) {
+  boost::system::error_code ec;
+  const auto addr = asio::ip::make_address(host, ec);
+  if (ec) throw std::runtime_error(fmt::format("agent store: '{}' is not an IP address", host));
+  tcp::acceptor a(io);
+  const tcp::endpoint ep(addr, static_cast<unsigned short>(port));
+  a.open(ep.protocol(), ec);
+  if (!ec) a.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) a.bind(ep, ec);
+  if (!ec) a.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) throw std::runtime_error(fmt::format("agent store: cannot listen on {}:{}: {}", host, port, ec.message()));
+  return a;
+}
+
+}  // namespace
+
+StoreServer::StoreServer(asio::io_context& io, tcp::acceptor acceptor, ServerOptions opts)
+    : impl_(std::make_shared<Impl>(io, std::move(acceptor), std::move(opts))) {
+  impl_->accept();
+}
+
+StoreServer::StoreServer(asio::io_context& io, const std::string& host, int port, ServerOptions opts)
+    : StoreServer(io, bind_acceptor(io, host, port), std::move(opts)) {}
+
+StoreServer::~StoreServer() { impl_->stop(); }
+
+int StoreServer::port() const {
+  boost::system::error_code ec;
+  auto ep = impl_->acceptor.local_endpoint(ec);
+  return ec ? 0 : ep.port();
+}
+void StoreServer::stop() { impl_->stop(); }
+std::size_t StoreServer::clients() const { return impl_->clients.size(); }
+std::size_t StoreServer::dropped() const { return impl_->dropped; }
+const Engine& StoreServer::engine() const { return impl_->engine; }
+
+}  // namespace mg::store

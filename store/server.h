@@ -1,0 +1,54 @@
+// StoreServer: c10d's TCPStore protocol (store/wire.h) served on the agent's io_context,
+// so that workers connect to the agent's store as clients (TORCHELASTIC_USE_AGENT_STORE)
+// and no worker binds MASTER_PORT. One acceptor, one small session per client; reads go
+// into one shared scratch buffer and only an unfinished query stays with its session, so
+// an idle client costs a socket and a few hundred bytes. Bounded: clients, key and value
+// sizes, keys per query, bytes stored; a client that breaks a bound or the protocol is
+// disconnected with one log line, and nothing a client sends ends the server.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+
+#include "store/engine.h"
+#include "store/wire.h"
+
+namespace mg::store {
+
+struct ServerOptions {
+  std::size_t max_clients = 100000;
+  std::size_t max_bytes = std::size_t{1} << 30;  // keys and values stored
+  Limits limits;
+  std::function<void(const std::string&)> log;  // one line per dropped client; may be empty
+};
+
+class StoreServer {
+ public:
+  // Serves on `acceptor`, already bound and listening (the agent's held MASTER_PORT).
+  StoreServer(boost::asio::io_context& io, boost::asio::ip::tcp::acceptor acceptor, ServerOptions opts = {});
+  // Binds `host`:`port` (0: any free port) itself. Throws std::runtime_error naming the
+  // address when it cannot.
+  StoreServer(boost::asio::io_context& io, const std::string& host, int port, ServerOptions opts = {});
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  int port() const;
+  // Closes the acceptor and every client.
+  void stop();
+
+  std::size_t clients() const;
+  std::size_t dropped() const;  // clients disconnected for breaking a bound or the protocol
+  const Engine& engine() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace mg::store

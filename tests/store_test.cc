@@ -1,0 +1,249 @@
+// The agent's store (store/): the pure wire parser and engine, then the server against real
+// torch clients: 1.13 here, 2.6 inside ../shared/peers/torch2's root when it is set up.
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+#include <catch2/catch.hpp>
+
+#include "store/engine.h"
+#include "store/server.h"
+#include "store/wire.h"
+#include "support/proc.h"
+#include "support/skip.h"
+
+using namespace mg::store;
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string u64(std::uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+std::string str(std::string_view s) { return u64(s.size()) + std::string(s); }
+std::string byte(int b) { return std::string(1, static_cast<char>(b)); }
+std::string validate() {
+  std::uint32_t m = kValidationMagic;
+  return byte(0) + std::string(reinterpret_cast<const char*>(&m), 4);
+}
+
+// A server on its own thread, stopped and joined when the test ends (also on failure).
+struct ServerThread {
+  boost::asio::io_context io;
+  std::unique_ptr<StoreServer> server;
+  std::thread thread;
+  std::vector<std::string> log;
+  explicit ServerThread(ServerOptions o = {}) {
+    o.log = [this](const std::string& l) { log.push_back(l); };
+    server = std::make_unique<StoreServer>(io, "127.0.0.1", 0, o);
+    thread = std::thread([this] {
+      auto guard = boost::asio::make_work_guard(io);
+      io.run();
+    });
+  }
+  ~ServerThread() {
+    boost::asio::post(io, [this] { server->stop(); io.stop(); });
+    thread.join();
+  }
+  int port() const { return server->port(); }
+};
+
+// The client script, copied under /tmp: the torch 2.6 root shares /tmp, not the checkout.
+// Removed with its directory when the test binary exits.
+std::string client_script() {
+  static const struct Copy {
+    std::string dir = make_temp_dir();
+    std::string path = dir + "/store_client.py";
+    Copy() {
+      auto r = run({"/bin/cp", kSourceDir + "/tests/store_client.py", path});
+      if (r.code != 0) throw std::runtime_error("cannot copy store_client.py: " + r.err);
+    }
+    ~Copy() { run({"/bin/rm", "-rf", dir}); }
+  } copy;
+  return copy.path;
+}
+
+// The torch 2.6 root of ../shared/peers/torch2, or a skip saying why it is not there.
+std::string torch2_or_skip() {
+  const std::string t2 = kSourceDir + "/../shared/peers/torch2";
+  struct stat st{};
+  if (::stat(t2.c_str(), &st) != 0) SKIP_TEST("torch 2.6 is not at ../shared/peers/torch2 (../shared is absent beside this checkout)");
+  const char* root = std::getenv("TORCH2_ROOT");
+  const std::string ready = std::string(root ? root : "/var/cache/mglaunch-peers/torch2-root") + "/.ready";
+  if (::stat(ready.c_str(), &st) != 0) SKIP_TEST("the torch 2.6 root is not set up: run ../shared/peers/torch2 setup once (~2 min)");
+  return t2;
+}
+
+}  // namespace
+
+TEST_CASE("the first query tells a torch 1.x client from a 2.x one, and each dialect numbers its queries") {
+  Dialect d = Dialect::kUnknown;
+  auto p = parse_query(byte(0) + str("/k") + str("v"), d);  // 1.x: SET is 0
+  REQUIRE(p.status == Parsed::kOk);
+  CHECK(d == Dialect::kV1);
+  CHECK(p.query.op == Op::kSet);
+  CHECK(p.query.keys == std::vector<std::string>{"/k"});
+  CHECK(p.query.values == std::vector<std::string>{"v"});
+
+  d = Dialect::kUnknown;
+  p = parse_query(validate(), d);
+  REQUIRE(p.status == Parsed::kOk);
+  CHECK(d == Dialect::kV2);
+  CHECK(p.query.op == Op::kValidate);
+  p = parse_query(byte(1) + str("/k") + str("v"), d);  // 2.x: SET is 1
+  REQUIRE(p.status == Parsed::kOk);
+  CHECK(p.query.op == Op::kSet);
+  p = parse_query(byte(2) + str("/k") + str("e") + str("n"), d);
+  CHECK(p.query.op == Op::kCompareSet);
+
+  Dialect v1 = Dialect::kV1;
+  CHECK(parse_query(byte(2) + str("/k"), v1).query.op == Op::kGet);
+  CHECK(parse_query(byte(5) + u64(2) + str("a") + str("b"), v1).query.op == Op::kWait);
+  CHECK(parse_query(byte(6), v1).query.op == Op::kNumKeys);
+  CHECK(parse_query(byte(8) + str("a"), v1).query.op == Op::kDelete);
+  CHECK(parse_query(byte(9), v1).status == Parsed::kBad);  // 1.x has no APPEND
+}
+
+TEST_CASE("a query cut anywhere needs more bytes, and one over a bound is refused with the reason") {
+  const std::string q = byte(11) + u64(2) + str("k1") + str("v1") + str("k2") + str("value two");  // 2.x MULTI_SET
+  for (std::size_t cut = 0; cut < q.size(); ++cut) {
+    Dialect d = Dialect::kV2;
+    CHECK(parse_query(q.substr(0, cut), d).status == Parsed::kNeedMore);
+  }
+  Dialect d = Dialect::kV2;
+  auto p = parse_query(q + "next", d);
+  REQUIRE(p.status == Parsed::kOk);
+  CHECK(p.consumed == q.size());
+  CHECK(p.query.values.back() == "value two");
+
+  Limits small;
+  small.max_key = 4;
+  small.max_keys = 1;
+  d = Dialect::kV2;
+  p = parse_query(byte(1) + str("longkey"), d, small);  // refused before its bytes arrive
+  CHECK(p.status == Parsed::kBad);
+  CHECK(p.error == "a key of 7 bytes is over the limit of 4");
+  p = parse_query(byte(6) + u64(2), d, small);
+  CHECK(p.status == Parsed::kBad);
+  CHECK_THAT(p.error, Catch::Contains("2 keys"));
+  d = Dialect::kV2;
+  std::uint32_t bad = 0x12345678;
+  // 2.x's VALIDATE with a wrong number: first the dialect is 1.x (no magic), as a SET...
+  Dialect u = Dialect::kUnknown;
+  CHECK(parse_query(byte(0) + std::string(reinterpret_cast<const char*>(&bad), 4), u).status == Parsed::kNeedMore);
+  // ...and a 2.x connection that validates again with a wrong number is refused.
+  CHECK(parse_query(byte(0) + std::string(reinterpret_cast<const char*>(&bad), 4), d).status == Parsed::kBad);
+}
+
+TEST_CASE("the engine answers as torch's server does and wakes a waiting client when its last key is set") {
+  Engine e;
+  std::vector<Reply> out;
+  auto q = [](Op op, std::vector<std::string> keys, std::vector<std::string> values = {}, std::int64_t n = 0) {
+    Query x;
+    x.op = op;
+    x.keys = std::move(keys);
+    x.values = std::move(values);
+    x.number = n;
+    return x;
+  };
+  CHECK(e.apply(1, q(Op::kWait, {"a", "b"}), out).empty());
+  CHECK(out.empty());
+  CHECK(e.waiting_clients() == 1);
+  CHECK(e.apply(2, q(Op::kSet, {"a"}, {"x"}), out).empty());
+  CHECK(out.empty());  // one key of two
+  CHECK(e.apply(2, q(Op::kAdd, {"b"}, {}, 7), out).empty());
+  REQUIRE(out.size() == 2);
+  CHECK(out[0].to == 1);
+  CHECK(out[0].bytes == byte(kStopWaiting));
+  CHECK(out[1].to == 2);
+  CHECK(out[1].bytes == std::string("\x07\0\0\0\0\0\0\0", 8));
+  CHECK(e.waiting_clients() == 0);
+  out.clear();
+  CHECK(e.apply(2, q(Op::kAdd, {"a"}, {}, 1), out) == "add to key 'a', whose value is not a number");
+  CHECK(e.apply(2, q(Op::kGet, {"missing"}), out) == "get of a key that is not set");
+  out.clear();
+  CHECK(e.apply(3, q(Op::kCompareSet, {"c"}, {"", "new"}), out).empty());
+  CHECK(out.back().bytes == str("new"));
+  CHECK(e.apply(3, q(Op::kCompareSet, {"c"}, {"other", "x"}), out).empty());
+  CHECK(out.back().bytes == str("new"));
+  CHECK(e.apply(3, q(Op::kWait, {"z"}), out).empty());
+  e.disconnected(3);  // a client that goes away stops waiting
+  CHECK(e.waiting_clients() == 0);
+  CHECK(e.apply(3, q(Op::kSet, {"z"}, {"1"}), out).empty());
+
+  Engine tiny(10);
+  CHECK(tiny.apply(1, q(Op::kSet, {"k"}, {"12345678"}), out).empty());
+  CHECK_THAT(tiny.apply(1, q(Op::kSet, {"k2"}, {"1"}), out), Catch::Contains("more than 10 bytes"));
+  CHECK(tiny.apply(1, q(Op::kSet, {"k"}, {"123456789"}), out).empty());  // a replacement counts its difference
+}
+
+TEST_CASE("the store server serves torch 1.13's TCPStore client: every query type, waits served by another client") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  ServerThread s;
+  auto r = run({"/usr/bin/python3", client_script(), "ops", "127.0.0.1", std::to_string(s.port())}, {}, 120s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::StartsWith("ok 1."));
+}
+
+TEST_CASE("three torch 1.13 gloo workers initialise through the store server with the agent-store contract") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  ServerThread s;
+  std::vector<Proc> ranks;
+  for (int r = 0; r < 3; ++r)
+    ranks.push_back(spawn({"/usr/bin/python3", client_script(), "allreduce", "127.0.0.1", std::to_string(s.port()),
+                           std::to_string(r), "3"}));
+  for (auto& p : ranks) {
+    REQUIRE(p.wait(120s));
+    INFO(p.out() << p.err());
+    CHECK(p.exit_code() == 0);
+    CHECK_THAT(p.out(), Catch::Contains("sum 6"));
+  }
+}
+
+TEST_CASE("the store server serves torch 2.6's TCPStore client and three 2.6 gloo workers") {
+  const std::string t2 = torch2_or_skip();
+  ServerThread s;
+  const std::string port = std::to_string(s.port());
+  auto r = run({t2, "run", "python3", client_script(), "ops", "127.0.0.1", port}, {}, 180s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::StartsWith("ok 2.6"));
+  std::vector<Proc> ranks;
+  for (int rk = 0; rk < 3; ++rk)
+    ranks.push_back(spawn({t2, "run", "python3", client_script(), "allreduce", "127.0.0.1", port, std::to_string(rk), "3"}));
+  for (auto& p : ranks) {
+    REQUIRE(p.wait(180s));
+    INFO(p.out() << p.err());
+    CHECK(p.exit_code() == 0);
+    CHECK_THAT(p.out(), Catch::Contains("sum 6"));
+  }
+}
+
+TEST_CASE("a client that breaks the protocol is disconnected with one log line and the others go on") {
+  ServerThread s;
+  boost::asio::io_context io;
+  using tcp = boost::asio::ip::tcp;
+  tcp::socket good(io), bad(io);
+  good.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  bad.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  boost::asio::write(bad, boost::asio::buffer(validate() + byte(200)));  // no query 200
+  char c;
+  boost::system::error_code ec;
+  boost::asio::read(bad, boost::asio::buffer(&c, 1), ec);
+  CHECK(ec == boost::asio::error::eof);  // closed by the server
+  boost::asio::write(good, boost::asio::buffer(validate() + byte(4) + str("n") + u64(41)));  // 2.x ADD
+  std::int64_t v = 0;
+  boost::asio::read(good, boost::asio::buffer(&v, 8));
+  CHECK(v == 41);
+  REQUIRE(eventually([&] { return s.server->dropped() == 1; }, 10s));
+  boost::asio::post(s.io, [] {});
+  std::this_thread::sleep_for(50ms);
+  CHECK_THAT(s.log.at(0), Catch::Contains("unknown query type 200"));
+}

@@ -3,8 +3,8 @@
 # from pip (python3 -c 'import torch' works there), nothing else assumed:
 #   bench/gpu.sh OUT [EXTRA]
 # builds mgtrain alone against that LibTorch (-DMGLAUNCH_WORKER_ONLY=ON), then runs
-# bench/gpu_bench.py, which writes OUT/gpu.json (bench/render.py turns it into the
-# README's GPU table). EXTRA (default .gpu) may hold what the machine lacks:
+# bench/gpu_bench.py, which writes OUT/gpu.json (bench/render_gpu.py turns it into the
+# GPU table of docs/benchmarks.md). EXTRA (default .gpu) may hold what the machine lacks:
 #   EXTRA/sys/{include,lib}  header-only CLI11, nlohmann_json and fmt; OpenSSL and zlib
 #   EXTRA/data               the Fashion-MNIST IDX .gz files
 #   EXTRA/bin/mglaunch       an mglaunch built elsewhere (EXTRA/bin/lib: its libraries),

@@ -1,8 +1,13 @@
 #!/usr/bin/python3
-"""Renders bench/results/latest.json: the README's benchmark tables (between the
-`<!-- bench:begin -->` and `<!-- bench:end -->` markers) and PNG plots with gnuplot.
+"""Renders bench/results/latest.json:
+- docs/benchmarks.md between `<!-- bench:begin -->` and `<!-- bench:end -->`: the
+  guardrails (issue #24: each with its measured value, limit, held or broken) and every
+  case's table;
+- README.md between `<!-- headline:begin -->` and `<!-- headline:end -->`: five headline
+  figures against torchrun (skipped, with a note, when the README has no such markers);
+- PNG plots with gnuplot into --docs.
 
-Usage: render.py [--json FILE] [--readme FILE] [--docs DIR]
+Usage: render.py [--json FILE] [--out FILE] [--readme FILE] [--docs DIR]
 """
 import argparse
 import json
@@ -15,6 +20,108 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+HEAD_BEGIN, HEAD_END = "<!-- headline:begin -->", "<!-- headline:end -->"
+
+# The guardrails of issue #24: what the restructuring may not quietly cost. Each names the
+# case and row of bench.py that measures it, the figure (a row's median, or its ratio to the
+# peer) and its limit. Kept here, not in bench.py, so that results from before the guardrails
+# render them too.
+GUARDRAILS = [
+    ("launch → exit of 4 × `/bin/true` (median)", "launch_exit", lambda p: p.get("N") == 4,
+     "median", "<=", 8.0, "ms"),
+    ("a worker fails → all 4 workers of the next attempt started (median)", "restart", lambda p: True,
+     "median", "<=", 10.0, "ms"),
+    ("agent peak RSS with 4 workers (VmHWM, median)", "agent_rss", lambda p: str(p.get("what", "")).startswith("VmHWM"),
+     "median", "<=", 8.0, "MiB"),
+    ("log relay, 4 workers: mglaunch / torchrun `--tee 3` (lines/s)", "relay",
+     lambda p: "torchrun" in str(p.get("what", "")), "ratio", ">=", 10.0, "x"),
+    ("10,000 simulated agents join one daemon (median of two runs)", "daemon_scale",
+     lambda p: p.get("agents") == 10000 and str(p.get("what", "")).startswith("time"), "median", "<=", 1000.0, "ms"),
+]
+
+
+def guardrail(res, case_name, match, on):
+    """(value, why-not): the measured figure of one guardrail, or None and the reason."""
+    case = res["cases"].get(case_name)
+    if case is None:
+        return None, f"case {case_name} not run"
+    if "rows" not in case:
+        return None, f"case {case_name}: {case.get('skipped') or case.get('error') or 'no rows'}"
+    for r in case["rows"]:
+        if match(r["param"]):
+            if on == "ratio":
+                if r.get("check") and not r["check"]["passed"]:
+                    return None, "the relay check failed (lines lost or mixed)"
+                return (r["ratio"], None) if r.get("ratio") else (None, "no peer measured")
+            return (r["ours"]["median"], None) if r.get("ours") else (None, "no samples")
+    return None, f"case {case_name} has no such row (a quick run measures smaller sizes)"
+
+
+def guardrails_table(res):
+    out = ["| guardrail | measured | limit | |", "|---|---|---|---|"]
+    held = broken = 0
+    for label, case, match, on, op, limit, unit in GUARDRAILS:
+        v, why = guardrail(res, case, match, on)
+        shown_limit = f"{op.replace('<=', '≤').replace('>=', '≥')} {limit:,g} {unit}" if unit != "x" else \
+            f"{op.replace('>=', '≥')} {limit:g}x"
+        if v is None:
+            out.append(f"| {label} | – | {shown_limit} | not measured: {why} |")
+            continue
+        ok = v <= limit if op == "<=" else v >= limit
+        held, broken = held + ok, broken + (not ok)
+        shown = f"{v:.1f}x" if unit == "x" else f"{fmt(v, unit)} {unit}"
+        out.append(f"| {label} | {shown} | {shown_limit} | {'held' if ok else '**broken**'} |")
+    out.append(f"\n{held} held, {broken} broken, {len(GUARDRAILS) - held - broken} not measured "
+               "(bench/render.py `GUARDRAILS`: which case and row of bench.py measures each).")
+    return "\n".join(out)
+
+
+def headline(res):
+    """Five lines for the README: ours against torchrun, from the same results."""
+    def find(case_name, match):
+        case = res["cases"].get(case_name) or {}
+        return next((r for r in case.get("rows", []) if match(r["param"])), None)
+
+    def vs(r, unit):
+        if not r or not r.get("ours"):
+            return "not measured", "–", "–"
+        peer = f"{fmt(r['peer']['median'], unit)} {unit}" if r.get("peer") else "–"
+        return f"{fmt(r['ours']['median'], unit)} {unit}", peer, ratio(r)
+    m = res["meta"]
+    rows = [("launch → exit, 4 × `/bin/true`", vs(find("launch_exit", lambda p: p.get("N") == 4), "ms")),
+            ("a worker fails → 4 workers restarted", vs(find("restart", lambda p: True), "ms")),
+            ("agent peak RSS, 4 workers", vs(find("agent_rss", lambda p: str(p.get("what", "")).startswith("VmHWM")),
+                                              "MiB")),
+            ("log relay, 4 workers into a pipe", vs(find("relay", lambda p: "torchrun" in str(p.get("what", ""))),
+                                                     "lines/s")),
+            ("8 loopback agents (c10d) → all workers started", vs(find("rdzv_agents", lambda p: p.get("K") == 8),
+                                                                  "ms"))]
+    out = [f"Medians of one `make bench` run ({m['date']}, {m['cores']} cores; generated by bench/render.py "
+           "from `bench/results/latest.json`; all cases, guardrails and method in "
+           "[docs/benchmarks.md](docs/benchmarks.md)):", "",
+           "| | mglaunch | torchrun | advantage |", "|---|---|---|---|"]
+    out += [f"| {name} | {a} | {b} | {c} |" for name, (a, b, c) in rows]
+    states = []
+    for _, case, match, on, op, limit, _ in GUARDRAILS:
+        v, _ = guardrail(res, case, match, on)
+        states.append(None if v is None else (v <= limit if op == "<=" else v >= limit))
+    out += ["", f"Guardrails (issue #24): {states.count(True)} of {len(states)} held"
+                + (f", {states.count(False)} broken" if False in states else "")
+                + (f", {states.count(None)} not measured" if None in states else "") + "."]
+    return "\n".join(out) + "\n"
+
+
+def splice(path, begin, end, text):
+    """Replaces what lies between the markers in `path`; False when the markers are missing."""
+    with open(path) as f:
+        page = f.read()
+    if begin not in page or end not in page:
+        return False
+    head, rest = page.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(head + begin + "\n" + text + end + tail)
+    return True
 
 
 def fmt(v, unit):
@@ -180,6 +287,10 @@ def render(res, docs, docs_rel):
            f"Peer: `{portable(m['peer']) or 'none'}` — {portable(m['peer_note'])}. The peer is `$TORCHRUN`, else `torchrun` on PATH, else "
            "`../shared/peers/torchrun`, always with `--monitor_interval=0.1`; one that cannot run `--tee 3` is "
            "skipped." + (" **Quick run (BENCH_QUICK=1): one sample per case, smaller sizes.**" if m["quick"] else ""),
+           "",
+           "#### Guardrails (issue #24)",
+           "",
+           guardrails_table(res),
            ""]
     plots = []
     for n, (name, case) in enumerate(res["cases"].items(), 1):
@@ -198,7 +309,7 @@ def render(res, docs, docs_rel):
         if name in PLOTS and docs and case.get("rows"):
             try:
                 png = plot(name, case, docs, render.tmp)
-                out += [f"![{PLOTS[name][1]}]({docs_rel}/{png})", ""]
+                out += [f"![{PLOTS[name][1]}]({png if docs_rel == '.' else docs_rel + '/' + png})", ""]
                 plots.append(png)
             except (subprocess.CalledProcessError, OSError, KeyError, ValueError) as e:
                 out += [f"(plot failed: {e})", ""]
@@ -208,8 +319,11 @@ def render(res, docs, docs_rel):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "latest.json"))
-    p.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
-    p.add_argument("--docs", default=os.path.join(ROOT, "docs"))
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"),
+                   help="the page with the bench markers (default docs/benchmarks.md)")
+    p.add_argument("--readme", default=os.path.join(ROOT, "README.md"),
+                   help="the page with the headline markers (default README.md)")
+    p.add_argument("--docs", default=os.path.join(ROOT, "docs"), help="where the plots go")
     a = p.parse_args()
     with open(a.json) as f:
         res = json.load(f)
@@ -219,22 +333,20 @@ def main():
     else:
         docs = a.docs
         os.makedirs(docs, exist_ok=True)
-    docs_rel = os.path.relpath(a.docs, os.path.dirname(os.path.abspath(a.readme)))
+    docs_rel = os.path.relpath(a.docs, os.path.dirname(os.path.abspath(a.out)))
     render.tmp = tempfile.mkdtemp(prefix="mgrender_")
     try:
         text, plots = render(res, docs, docs_rel)
     finally:
         shutil.rmtree(render.tmp, ignore_errors=True)
-    with open(a.readme) as f:
-        readme = f.read()
-    if BEGIN not in readme or END not in readme:
-        print(f"render: {a.readme} has no {BEGIN} ... {END} markers; add them where the tables go", file=sys.stderr)
+    if not splice(a.out, BEGIN, END, text):
+        print(f"render: {a.out} has no {BEGIN} ... {END} markers; add them where the tables go", file=sys.stderr)
         return 2
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(a.readme, "w") as f:
-        f.write(head + BEGIN + "\n" + text + END + tail)
-    print(f"render: {a.readme} updated; plots: {', '.join(plots) or 'none'}", file=sys.stderr)
+    print(f"render: {a.out} updated; plots: {', '.join(plots) or 'none'}", file=sys.stderr)
+    if os.path.exists(a.readme) and splice(a.readme, HEAD_BEGIN, HEAD_END, headline(res)):
+        print(f"render: {a.readme} headline updated", file=sys.stderr)
+    else:
+        print(f"render: {a.readme} has no {HEAD_BEGIN} ... {HEAD_END} markers: no headline written", file=sys.stderr)
     return 0
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
-"""Renders bench/results/gpu.json (written by bench/gpu.sh on a GPU machine) into the
-README between `<!-- gpu:begin -->` and `<!-- gpu:end -->`.
+"""Renders bench/results/gpu.json (written by bench/gpu.sh on a GPU machine) into
+docs/benchmarks.md between `<!-- gpu:begin -->` and `<!-- gpu:end -->`.
 
-Usage: render_gpu.py [--json FILE] [--readme FILE]
+Usage: render_gpu.py [--json FILE] [--out FILE]
 """
 import argparse
 import json
@@ -132,20 +132,21 @@ def render(res):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "gpu.json"))
-    p.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    p.add_argument("--out", "--readme", dest="out", default=os.path.join(ROOT, "docs", "benchmarks.md"),
+                   help="the page holding the markers (default docs/benchmarks.md)")
     a = p.parse_args()
     with open(a.json) as f:
         res = json.load(f)
-    with open(a.readme) as f:
-        readme = f.read()
-    if BEGIN not in readme or END not in readme:
-        print(f"render_gpu: {a.readme} has no {BEGIN} ... {END} markers", file=sys.stderr)
+    with open(a.out) as f:
+        page = f.read()
+    if BEGIN not in page or END not in page:
+        print(f"render_gpu: {a.out} has no {BEGIN} ... {END} markers", file=sys.stderr)
         return 2
-    head, rest = readme.split(BEGIN, 1)
+    head, rest = page.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    with open(a.readme, "w") as f:
+    with open(a.out, "w") as f:
         f.write(head + BEGIN + "\n" + render(res) + END + tail)
-    print(f"render_gpu: {a.readme} updated", file=sys.stderr)
+    print(f"render_gpu: {a.out} updated", file=sys.stderr)
     return 0
 
 

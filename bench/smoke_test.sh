@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ctest "bench: ...": the harness end to end at the smallest sizes, mglaunch only (no
 # torchrun, no training, no all-reduce): bench.py writes a results file with every case
-# measured and the relay check passed, render.py fills a copy of the README's markers and
-# draws the plots. Keeps `make bench` from rotting without costing a full run.
+# measured and the relay check passed, render.py fills copies of docs/benchmarks.md's markers
+# (tables and guardrails) and of the README's headline markers, and draws the plots. Keeps
+# `make bench` from rotting without costing a full run.
 # Usage: smoke_test.sh BUILD_DIR. Exit 77 (skipped) without hyperfine or gnuplot, 1 under
 # CI=true (tests/support/skip.sh).
 set -euo pipefail
@@ -28,11 +29,20 @@ assert r["cases"]["relay"]["rows"][0]["check"]["passed"], r["cases"]["relay"]["r
 assert all(row.get("runs_ok", 2) == 2 for row in r["cases"]["daemon_scale"]["rows"]), r["cases"]["daemon_scale"]
 print("results ok")
 PY
-printf 'before\n<!-- bench:begin -->\nstale\n<!-- bench:end -->\nafter\n' > "$tmp/README.md"
-/usr/bin/python3 "$here/render.py" --json "$tmp/r.json" --readme "$tmp/README.md" --docs "$tmp/docs"
-grep -q '^#### (1) launch' "$tmp/README.md"
+printf 'before\n<!-- bench:begin -->\nstale\n<!-- bench:end -->\nafter\n' > "$tmp/benchmarks.md"
+printf 'top\n<!-- headline:begin -->\nstale\n<!-- headline:end -->\nbottom\n' > "$tmp/README.md"
+render() { /usr/bin/python3 "$here/render.py" --json "$tmp/r.json" --out "$tmp/benchmarks.md" --readme "$tmp/README.md" --docs "$tmp/docs"; }
+render
+grep -q '^#### (1) launch' "$tmp/benchmarks.md"
+! grep -q stale "$tmp/benchmarks.md"
+grep -q '^after$' "$tmp/benchmarks.md"
+# The guardrails: every one measured at these sizes but the 10,000 agents (smoke: 100).
+grep -q '^#### Guardrails' "$tmp/benchmarks.md"
+[ "$(grep -cE '^\| .* \| (held|\*\*broken\*\*) \|$' "$tmp/benchmarks.md")" = 3 ] || { grep -A9 '^#### Guardrails' "$tmp/benchmarks.md"; exit 1; }
+grep -q '^| 10,000 simulated agents.*not measured' "$tmp/benchmarks.md"
+grep -q '^| launch → exit, 4 × `/bin/true` | [0-9.]* ms |' "$tmp/README.md"
 ! grep -q stale "$tmp/README.md"
-grep -q '^after$' "$tmp/README.md"
+grep -q '^bottom$' "$tmp/README.md"
 for png in bench_launch.png bench_rdzv.png bench_relay.png; do
   [ "$(head -c 4 "$tmp/docs/$png" | tail -c 3)" = PNG ] || { echo "no plot $png"; exit 1; }
 done
@@ -44,7 +54,7 @@ r["meta"]["peer"] = "/usr/bin/python3 /somewhere/shared/peers/torchrun --monitor
 r["meta"]["peer_note"] = "peer: ../shared/peers/torchrun (/usr/bin/python3 /somewhere/shared/peers/torchrun)"
 json.dump(r, open(sys.argv[1], "w"))
 PY
-/usr/bin/python3 "$here/render.py" --json "$tmp/r.json" --readme "$tmp/README.md" --docs "$tmp/docs"
-grep -q '^Peer: `/usr/bin/python3 \.\./shared/peers/torchrun --monitor_interval=0.1`' "$tmp/README.md"
-! grep -q /somewhere "$tmp/README.md"
+render
+grep -q '^Peer: `/usr/bin/python3 \.\./shared/peers/torchrun --monitor_interval=0.1`' "$tmp/benchmarks.md"
+! grep -q /somewhere "$tmp/benchmarks.md"
 echo "bench smoke: ok"

@@ -108,7 +108,7 @@ ParseResult parse_options(int argc, const char* const* argv) {
     std::string what = e.what();
     throw UsageError(what.substr(0, what.find('\n')) + " (see mgtrain --help)");
   }
-  if (o.mode == "data-parallel" || o.mode == "dp") o.mode = "ddp";  // the guides' DataParallel: see README
+  if (o.mode == "data-parallel" || o.mode == "dp") o.mode = "ddp";  // the guides' DataParallel: see docs/mgtrain.md
   parse_bytes(o.min_bytes);
   parse_bytes(o.max_bytes);
   if (o.reducer == "c10d" && o.comm_dtype != "fp32")

@@ -11,7 +11,7 @@
 
 namespace mg::train {
 
-// Exit codes (README): 0 done; 1 failure (incl. injected); 2 usage; 3 setup error
+// Exit codes (README, docs/mgtrain.md): 0 done; 1 failure (incl. injected); 2 usage; 3 setup error
 // (data, master unreachable, backend, checkpoint); 75 stopped on SIGTERM/SIGUSR1 after
 // checkpointing.
 constexpr int kExitFailure = 1, kExitUsage = 2, kExitSetup = 3, kExitStopped = 75;

@@ -80,7 +80,7 @@ bool StepGraph::captured() const { return impl_->captured; }
 #else
 struct StepGraph::Impl {};
 StepGraph::StepGraph(torch::Device, std::int64_t, int) {
-  throw UsageError("--cuda-graphs needs a CUDA build of mgtrain (LibTorch with CUDA; see README, mgtrain)");
+  throw UsageError("--cuda-graphs needs a CUDA build of mgtrain (LibTorch with CUDA; see docs/mgtrain.md)");
 }
 torch::Tensor StepGraph::run(const torch::Tensor&, const Step&) { return {}; }
 bool StepGraph::captured() const { return false; }

@@ -382,7 +382,7 @@ void install_stop_handlers() {
 int run(const Options& o, const Env& env) {
   if (o.amp && !kAmpSupported) throw UsageError("--amp needs a CUDA build of mgtrain against LibTorch >= 2.4");
 #ifndef MGLAUNCH_WITH_NCCL
-  if (o.cuda_graphs) throw UsageError("--cuda-graphs needs a CUDA build of mgtrain (LibTorch with CUDA; see README, mgtrain)");
+  if (o.cuda_graphs) throw UsageError("--cuda-graphs needs a CUDA build of mgtrain (LibTorch with CUDA; see docs/mgtrain.md)");
 #endif
   const Mode mode = resolve_mode(o, env);
   if (o.threads > 0) torch::set_num_threads(o.threads);

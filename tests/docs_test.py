@@ -19,8 +19,12 @@ problems = []
 
 
 def read(path):
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        problems.append(f"cannot read {os.path.relpath(path, SRC)}: {e.strerror}")
+        return ""
 
 
 def slug(heading):
@@ -48,7 +52,8 @@ if lines > 300:
     problems.append(f"README.md has {lines} lines; at most 300 (move details into docs/)")
 
 # 2. Links.
-pages = [readme] + sorted(os.path.join(SRC, "docs", f) for f in os.listdir(os.path.join(SRC, "docs"))
+docs = os.path.join(SRC, "docs")
+pages = [readme] + sorted(os.path.join(docs, f) for f in (os.listdir(docs) if os.path.isdir(docs) else [])
                           if f.endswith(".md"))
 for page in pages:
     text = re.sub(r"```.*?```", "", read(page), flags=re.S)

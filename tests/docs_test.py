@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 SRC, BIN = sys.argv[1], sys.argv[2]
-ROOMS = ["proto", "cli", "process", "rendezvous", "logs", "ops", "slurm", "launcher", "baremetal", "worker"]
+ROOMS = ["proto", "cli", "process", "store", "rendezvous", "logs", "ops", "slurm", "launcher", "baremetal", "worker"]
 problems = []
 
 

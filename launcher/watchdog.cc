@@ -23,7 +23,7 @@
 
 #include <fmt/format.h>
 
-#include "launcher/dirents.h"
+#include "process/dirents.h"
 
 
 extern "C" char _end[];  // the end of the program's .data and .bss (the linker's symbol)

@@ -1,4 +1,4 @@
-// Starting workers without waiting for their exec (launcher/worker_process.h,
+// Starting workers without waiting for their exec (process/spawn.h,
 // spawn_process): every guarantee of the child holds in both modes (the agent returns at
 // once; the agent waits, CLONE_VFORK, as where the kernel lacks what the first needs), an
 // exec failure is reported after the reap exactly as before, and a large run ends with
@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "launcher/port.h"
-#include "launcher/worker_process.h"
+#include "process/spawn.h"
 #include "support/proc.h"
 #include "support/skip.h"
 

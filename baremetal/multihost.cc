@@ -1,7 +1,9 @@
 #include "baremetal/multihost.h"
 
+#include <fcntl.h>
 #include <fnmatch.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,9 +19,6 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/writable_pipe.hpp>
 #include <boost/asio/write.hpp>
-#include <boost/process/v2/posix/default_launcher.hpp>
-#include <boost/process/v2/process.hpp>
-#include <boost/process/v2/stdio.hpp>
 #include <fmt/format.h>
 
 #include "cli/args.h"
@@ -41,7 +40,6 @@ extern char** environ;
 namespace mg {
 
 namespace asio = boost::asio;
-namespace bp = boost::process::v2;
 
 namespace {
 
@@ -81,25 +79,12 @@ std::string random_token() { return rdzv::auth::random_hex(32); }
 
 void notice_to(int fd, const std::string& text) { write_all(fd, "[mglaunch] " + text + "\n"); }
 
-// Process setup for a host's ssh: its own process group (a terminal's Ctrl-C reaches only
-// the launcher, which stops the hosts in order) and default signal handling.
-struct SshChildSetup {
-  const char* const* envp;
-  bp::error_code on_setup(bp::posix::default_launcher& launcher, const bp::filesystem::path&, const char* const*) {
-    launcher.env = envp;
-    return {};
-  }
-  bp::error_code on_exec_setup(bp::posix::default_launcher&, const bp::filesystem::path&, const char* const*) {
-    if (::setpgid(0, 0) != 0) return {errno, bp::system_category()};
-    // ssh must not inherit the launcher's sockets (the rendezvous server) or other pipes.
-    if (!mark_cloexec_above_stderr()) return {errno, bp::system_category()};
-    ::signal(SIGPIPE, SIG_DFL);
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    return {};
-  }
-};
+// A pipe whose two ends are closed on exec (the child gets its end through dup2); -1s on failure.
+std::array<int, 2> cloexec_pipe() {
+  int fds[2] = {-1, -1};
+  if (::pipe2(fds, O_CLOEXEC) != 0) return {-1, -1};
+  return {fds[0], fds[1]};
+}
 
 }  // namespace
 
@@ -471,8 +456,8 @@ struct Fanout::Host {
   std::array<std::array<char, 16 * 1024>, 2> bufs;
   std::array<LineSplitter, 2> splitters{LineSplitter(64 * 1024), LineSplitter(64 * 1024)};
   std::array<bool, 2> open{false, false};
-  std::unique_ptr<bp::basic_process_handle<asio::io_context::executor_type>> handle;
-  pid_t pid = -1;
+  SpawnTicket ticket;
+  pid_t pid = -1;  // ours to reap (Timers::children), its own process group
   bool exited = false;
   bool done = false;
   bool saw_output = false;  // the agent printed something: ssh got through
@@ -481,9 +466,12 @@ struct Fanout::Host {
 };
 
 struct Fanout::Timers {
-  explicit Timers(asio::io_context& io) : agree(io), kill(io), drain(io), signals(io) {}
+  explicit Timers(asio::io_context& io) : agree(io), kill(io), drain(io), signals(io), children(io) {}
   asio::steady_timer agree, kill, drain;
   asio::signal_set signals;
+  // SIGCHLD: each host's ssh is reaped by its own pid (waitpid(pid, WNOHANG)), never with
+  // waitpid(-1): a program embedding the fan-out may have children of its own.
+  asio::signal_set children;
   std::unique_ptr<Console> console;
   RootCauseFilter root_causes;
 };
@@ -502,9 +490,9 @@ Fanout::~Fanout() {
   for (auto& h : hosts_) {
     if (h->pid > 0 && !h->exited) {
       ::killpg(h->pid, SIGKILL);
-      bp::error_code ec;
       int status = 0;
-      if (h->handle) h->handle->wait(status, ec);
+      while (::waitpid(h->pid, &status, 0) < 0 && errno == EINTR) {
+      }
     }
   }
 }
@@ -519,6 +507,8 @@ void Fanout::start() {
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) timers_->signals.add(sig);
     wait_signal();
   }
+  // Before the first child starts: its SIGCHLD is then never missed.
+  timers_->children.add(SIGCHLD);
   std::vector<std::string> envs;
   for (char** e = environ; *e; ++e)
     if (std::string_view kv(*e); !is_rdzv_secret(kv.substr(0, kv.find('=')))) envs.emplace_back(*e);
@@ -531,9 +521,6 @@ void Fanout::start() {
     h->cmd = hc;
     Host* hp = h.get();
     hosts_.push_back(std::move(h));
-    bp::error_code ec;
-    bp::posix::default_launcher launcher;
-    std::vector<std::string> args(hc.argv.begin() + 1, hc.argv.end());
     std::string exe = hc.argv.front();
     if (exe.find('/') == std::string::npos) {
       const char* path = std::getenv("PATH");
@@ -542,11 +529,7 @@ void Fanout::start() {
         throw UsageError(fmt::format("cannot find '{}' on PATH; install OpenSSH's client or set MGLAUNCH_SSH",
                                      hc.argv.front()));
     }
-    auto proc = launcher(io_.get_executor(), ec, bp::filesystem::path(exe), args,
-                         bp::process_stdio{hp->in, hp->pipes[0], hp->pipes[1]}, SshChildSetup{envp.data()});
-    if (ec) throw std::runtime_error(fmt::format("cannot start {} for host {}: {}", exe, hc.host.host, ec.message()));
-    hp->pid = proc.id();
-    hp->handle = std::make_unique<bp::basic_process_handle<asio::io_context::executor_type>>(proc.detach());
+    spawn_host(*hp, exe, envp.data());
     // The token and its newline fit in the pipe buffer: this write does not block.
     boost::system::error_code wec;
     asio::write(hp->in, asio::buffer(token_ + "\n"), wec);
@@ -554,12 +537,85 @@ void Fanout::start() {
       hp->open[s] = true;
       read_more(hp, s);
     }
-    hp->handle->async_wait([this, hp](bp::error_code ec, int status) { on_host_exit(*hp, ec ? 255 << 8 : status); });
+  }
+  // Reaps what has already ended and waits for the next SIGCHLD.
+  reap();
+}
+
+// Starts one host's ssh (its own process group: a terminal's Ctrl-C reaches only the
+// launcher, which stops the hosts in order; default signal handling; none of the
+// launcher's other descriptors) with pipes on its stdin, stdout and stderr.
+void Fanout::spawn_host(Host& h, const std::string& exe, const char* const* envp) {
+  std::array<std::array<int, 2>, 3> p{cloexec_pipe(), cloexec_pipe(), cloexec_pipe()};
+  auto close_all = [&] {
+    for (auto& fds : p)
+      for (int& fd : fds)
+        if (fd >= 0) ::close(std::exchange(fd, -1));
+  };
+  for (const auto& fds : p)
+    if (fds[0] < 0) {
+      const int e = errno;
+      close_all();
+      throw std::runtime_error(fmt::format("cannot start {} for host {}: pipe: {}", exe, h.cmd.host.host,
+                                           std::strerror(e)));
+    }
+  std::vector<const char*> argv;
+  for (const auto& a : h.cmd.argv) argv.push_back(a.c_str());
+  argv.push_back(nullptr);
+  SpawnRequest req;
+  req.path = exe.c_str();
+  req.argv = argv.data();
+  req.envp = envp;
+  req.fds[0] = p[0][0];
+  req.fds[1] = p[1][1];
+  req.fds[2] = p[2][1];
+  req.wait_exec = true;  // argv and envp are this call's: the child is done with them on return
+  std::string error;
+  h.pid = spawn_process(req, h.ticket, error);
+  ::close(std::exchange(p[0][0], -1));
+  ::close(std::exchange(p[1][1], -1));
+  ::close(std::exchange(p[2][1], -1));
+  if (h.pid < 0) {
+    close_all();
+    throw std::runtime_error(fmt::format("cannot start {} for host {}: {}", exe, h.cmd.host.host, error));
+  }
+  h.in.assign(std::exchange(p[0][1], -1));
+  h.pipes[0].assign(std::exchange(p[1][0], -1));
+  h.pipes[1].assign(std::exchange(p[2][0], -1));
+  if (std::string failure = h.ticket.failure(); !failure.empty()) {
+    // The child could not exec (it has exited 127): reap it here, not as a host's exit.
+    int status = 0;
+    while (::waitpid(h.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    h.exited = true;
+    throw std::runtime_error(fmt::format("cannot start {} for host {}: {}", exe, h.cmd.host.host, failure));
+  }
+}
+
+// Reaps every host's ssh that has ended (by pid) and waits for the next SIGCHLD while any runs.
+void Fanout::reap() {
+  bool running = false;
+  for (auto& h : hosts_) {
+    if (h->pid <= 0 || h->exited) continue;
+    int status = 0;
+    pid_t r;
+    while ((r = ::waitpid(h->pid, &status, WNOHANG)) < 0 && errno == EINTR) {
+    }
+    if (r == h->pid) on_host_exit(*h, status);
+    else if (r < 0) on_host_exit(*h, 255 << 8);  // not ours to reap after all (ECHILD): count it as lost
+    else running = true;
+  }
+  if (running && !waiting_children_) {
+    waiting_children_ = true;
+    timers_->children.async_wait([this](boost::system::error_code ec, int) {
+      waiting_children_ = false;
+      if (!ec) reap();
+    });
   }
 }
 
 void Fanout::read_more(Host* hp, int s) {
-  hp->pipes[s].async_read_some(asio::buffer(hp->bufs[s]), [this, hp, s](bp::error_code ec, std::size_t n) {
+  hp->pipes[s].async_read_some(asio::buffer(hp->bufs[s]), [this, hp, s](boost::system::error_code ec, std::size_t n) {
     auto emit = [&](std::string_view line, bool cut) { relay(*hp, s, line, cut); };
     if (n > 0) {
       hp->splitters[s].feed(std::string_view(hp->bufs[s].data(), n), emit);
@@ -571,7 +627,7 @@ void Fanout::read_more(Host* hp, int s) {
       for (const auto& l : timers_->root_causes.finish(hp->cmd.host.host)) relay(*hp, 0, "\x01" + l, false);
     timers_->console->flush();
     hp->open[s] = false;
-    bp::error_code ignored;
+    boost::system::error_code ignored;
     hp->pipes[s].close(ignored);
     if (hp->exited && !hp->open[0] && !hp->open[1]) maybe_done();
   });
@@ -637,7 +693,7 @@ void Fanout::on_host_exit(Host& h, int status) {
       for (auto& hp : hosts_)
         if (hp->exited)
           for (auto& p : hp->pipes) {
-            bp::error_code ignored;
+            boost::system::error_code ignored;
             p.cancel(ignored);
           }
     });
@@ -650,7 +706,7 @@ void Fanout::stop_all(const std::string& why) {
   stopping_ = true;
   if (!why.empty()) notice(why + "; stopping every host");
   for (auto& h : hosts_) {
-    bp::error_code ec;
+    boost::system::error_code ec;
     h->in.close(ec);  // EOF: the host's wrapper sends SIGTERM to its agent
   }
   // The agents need up to --grace to stop their workers; past that, drop the connections.
@@ -673,6 +729,7 @@ void Fanout::maybe_done() {
   timers_->drain.cancel();
   boost::system::error_code ec;
   timers_->signals.cancel(ec);
+  timers_->children.cancel(ec);
   for (auto& h : hosts_) h->in.close(ec);
   exit_code_ = signal_ ? exit_code::kSignalBase + signal_ : first_failure_;
   if (signal_) notice(fmt::format("stopped by signal {}", signal_));

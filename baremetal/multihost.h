@@ -179,6 +179,8 @@ class Fanout {
 
  private:
   struct Host;
+  void spawn_host(Host& h, const std::string& exe, const char* const* envp);
+  void reap();
   void read_more(Host* h, int s);
   void relay(Host& h, int s, std::string_view line, bool cut);
   void on_host_exit(Host& h, int code);
@@ -199,6 +201,7 @@ class Fanout {
   int interrupts_ = 0;
   bool stopping_ = false;
   bool done_ = false;
+  bool waiting_children_ = false;  // a SIGCHLD wait is armed
   int exit_code_ = 0;
 };
 

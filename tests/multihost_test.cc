@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -146,6 +147,21 @@ TEST_CASE("a worker failure on one host ends every host with that worker's exit 
   CHECK(read_pids(pids).size() == 4);
   CHECK_THAT(r.err, Catch::Contains("[127.0.0.3]:") && Catch::Contains("exitcode   : 7"));
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("the fan-out reaps only its own ssh children: a child of the program embedding it stays its own") {
+  const std::string dir = make_temp_dir();
+  // Ended before the fan-out starts: a reaper that took any child (waitpid(-1)) would take it.
+  Proc mine = spawn({"/bin/sh", "-c", "exit 5"});
+  REQUIRE(eventually([&] { return !pid_alive(mine.pid); }, 10s));
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"), fw({"env"}));
+  INFO(r.err);
+  CHECK(r.code == 0);
+  CHECK(worker_envs(r.out).size() == 2);
+  int status = 0;
+  CHECK(::waitpid(mine.pid, &status, WNOHANG) == mine.pid);
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 5));
+  mine.status = status;
 }
 
 TEST_CASE("an unreachable host is one error naming it, and the other host is stopped (local runner)") {

@@ -298,6 +298,66 @@ class Bench:
         return {"title": "the daemon alone: simulated agents over real sockets (rdzv_scale) join one job", "param": "",
                 "rows": rows}
 
+    # ---- (5b) the agent's store against torch's TCPStore server ----------------------------------
+    def store(self):
+        """N simulated clients (bench/store_bench.cc, one event loop) do init_process_group's
+        store traffic (add, set, wait, get, a barrier) against our store server (store/, its own
+        process) and against torch's classic TCPStore server (a Python process holding a
+        TCPStore(is_master=True)), speaking torch 1.x's dialect to both; per client memory is
+        the server's (peak - its idle peak) / N."""
+        sb = os.path.join(self.bin, "store_bench")
+        torch_server = os.path.join(ROOT, "bench", "torch_store_server.py")
+
+        def serve(argv):
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=DEVNULL, text=True)
+            port = int(p.stdout.readline().split()[-1])
+            return p, port, peak_kib(p.pid)
+
+        def run_clients(port, n, dialect):
+            r = subprocess.run([sb, "clients", str(port), str(n), str(dialect)], capture_output=True, text=True,
+                               timeout=300)
+            out = json.loads(r.stdout) if r.stdout.strip() else {}
+            return (out["seconds"] * 1e3 if r.returncode == 0 else None), out
+
+        rows = []
+        for n in size([1000, 10000], [1000, 10000], [100]):
+            ours, peer, mem, notes = [], [], [], []
+            for _ in range(size(3, 1, 1)):
+                p, port, base = serve([sb, "serve"])
+                try:
+                    ms, out = run_clients(port, n, 1)
+                    if ms is None:
+                        notes.append(f"ours: {out}")
+                    else:
+                        ours.append(ms)
+                        mem.append((peak_kib(p.pid) - base) * 1024 / n)
+                finally:
+                    p.stdin.close()
+                    p.wait(timeout=60)
+                if NO_PEER:
+                    continue
+                p, port, _ = serve([PY, torch_server])
+                try:
+                    ms, out = run_clients(port, n, 1)
+                    if ms is None:
+                        notes.append(f"torch's server: {out.get('done', 0)} of {n} clients done in 120 s")
+                    else:
+                        peer.append(ms)
+                finally:
+                    p.stdin.close()
+                    p.wait(timeout=60)
+            rows.append(row({"clients": n, "what": "init_process_group's store traffic"}, ours, peer or None,
+                            target=("<=", 1000.0) if n == 10000 else None,
+                            note="; ".join(sorted(set(notes))) if notes else None))
+            rows.append(row({"clients": n, "what": "store server memory per client"}, mem, unit="B",
+                            target=("<=", 2048.0) if n == 10000 else None))
+        n = size(100000, 100000, 1000)
+        out = json.loads(subprocess.run([sb, "inprocess", str(n)], capture_output=True, text=True, timeout=600,
+                                        check=True).stdout)
+        rows.append(row({"clients": n, "what": "in-process: parser and engine alone"}, [out["seconds"] * 1e3],
+                        target=("<=", 10000.0)))
+        return {"title": "the agent's store (store/) against torch's TCPStore server", "param": "", "rows": rows}
+
     # ---- (6) log relay ---------------------------------------------------------------------------
     def relay(self):
         """(6) 4 workers x N lines: mglaunch relaying them with prefixes into a pipe, vs the
@@ -542,7 +602,7 @@ def meta(bench):
     }
 
 
-CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "daemon_scale", "relay", "allreduce", "training",
+CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "daemon_scale", "store", "relay", "allreduce", "training",
          "backends", "hung"]
 
 

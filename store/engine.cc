@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <string_view>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -97,11 +99,10 @@ std::string Engine::apply(ClientId from, const Query& q, std::vector<Reply>& out
     case Op::kWait: {
       if (awaited_.count(from)) return "a second wait before the first one ended";
       std::size_t missing = 0;
+      std::unordered_set<std::string_view> seen;  // a key named twice counts once
       for (const auto& k : q.keys) {
-        if (data_.count(k)) continue;
-        auto& w = waiters_[k];
-        if (std::find(w.begin(), w.end(), from) != w.end()) continue;  // the same key twice
-        w.push_back(from);
+        if (data_.count(k) || !seen.insert(k).second) continue;
+        waiters_[k].push_back(from);
         ++missing;
       }
       if (missing == 0)

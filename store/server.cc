@@ -1,7 +1,6 @@
 #include "store/server.h"
 
 #include <array>
-#include <deque>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -18,8 +17,9 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     explicit Client(tcp::socket s) : socket(std::move(s)) {}
     tcp::socket socket;
     Dialect dialect = Dialect::kUnknown;
-    std::string pending;            // the start of a query still arriving
-    std::deque<std::string> out;    // replies; the front one is being written
+    std::string pending;  // the start of a query still arriving
+    std::string out;      // replies not yet handed to a write
+    std::string writing;  // the bytes of the one write in flight (empty: none)
   };
 
   Impl(asio::io_context& io, tcp::acceptor a, ServerOptions o)
@@ -140,22 +140,23 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       auto it = clients.find(r.to);
       if (it == clients.end()) continue;
       Client& c = *it->second;
-      const bool idle = c.out.empty();
-      c.out.push_back(std::move(r.bytes));
-      if (idle) write(r.to);
+      c.out += r.bytes;
+      if (c.writing.empty()) write(r.to);
     }
     replies.clear();
   }
 
+  // One write in flight per client; replies queued meanwhile go out with the next one.
   void write(ClientId id) {
     auto it = clients.find(id);
     if (it == clients.end() || it->second->out.empty()) return;
     auto c = it->second;
-    asio::async_write(c->socket, asio::buffer(c->out.front()),
+    c->writing.swap(c->out);
+    asio::async_write(c->socket, asio::buffer(c->writing),
                       [self = shared_from_this(), id, c](boost::system::error_code ec, std::size_t) {
                         if (self->stopped || ec == asio::error::operation_aborted) return;
                         if (ec) return self->drop(id, {});
-                        c->out.pop_front();
+                        std::string().swap(c->writing);
                         if (!c->out.empty()) self->write(id);
                       });
   }

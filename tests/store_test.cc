@@ -172,6 +172,12 @@ TEST_CASE("the engine answers as torch's server does and wakes a waiting client 
   CHECK(out.back().bytes == str("new"));
   CHECK(e.apply(3, q(Op::kCompareSet, {"c"}, {"other", "x"}), out).empty());
   CHECK(out.back().bytes == str("new"));
+  out.clear();
+  CHECK(e.apply(4, q(Op::kWait, {"twice", "twice"}), out).empty());  // one key named twice is one key
+  CHECK(e.apply(2, q(Op::kSet, {"twice"}, {"1"}), out).empty());
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].to == 4);
+  CHECK(e.waiting_clients() == 0);
   CHECK(e.apply(3, q(Op::kWait, {"z"}), out).empty());
   e.disconnected(3);  // a client that goes away stops waiting
   CHECK(e.waiting_clients() == 0);

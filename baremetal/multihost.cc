@@ -28,7 +28,7 @@
 #include "logs/line_splitter.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
-#include "launcher/worker_process.h"
+#include "process/spawn.h"
 #include "proto/text.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"

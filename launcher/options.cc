@@ -1,8 +1,6 @@
 #include "launcher/options.h"
 
-#include <fcntl.h>
 #include <netdb.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,6 +16,7 @@
 #include "cli/args.h"
 #include "cli/errors.h"
 #include "ops/hwprobe.h"
+#include "process/run.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_log.h"
 #include "slurm/env.h"
@@ -121,39 +120,14 @@ bool resolves(const std::string& name) {
   return ok;
 }
 
-// stdout of argv (stderr discarded), or nullopt when it cannot run or exits non-zero.
+// stdout of argv (stderr discarded), or nullopt when it cannot run, exits non-zero or
+// takes longer than 30 s (scontrol with an unreachable slurmctld).
 std::optional<std::string> capture(const std::vector<std::string>& argv) {
-  int fds[2];
-  if (::pipe(fds) != 0) return std::nullopt;
-  const pid_t pid = ::fork();
-  if (pid < 0) {
-    ::close(fds[0]);
-    ::close(fds[1]);
-    return std::nullopt;
-  }
-  if (pid == 0) {
-    ::dup2(fds[1], STDOUT_FILENO);
-    if (int null = ::open("/dev/null", O_WRONLY); null >= 0) ::dup2(null, STDERR_FILENO);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execvp(args[0], args.data());
-    ::_exit(127);
-  }
-  ::close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) != 0;) {
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 || out.size() > (1 << 20)) break;
-    out.append(buf, static_cast<std::size_t>(n));
-  }
-  ::close(fds[0]);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return std::nullopt;
-  return out;
+  RunOptions o;
+  o.timeout = std::chrono::seconds(30);
+  RunResult r = run_capture(argv, o);
+  if (!r.ok()) return std::nullopt;
+  return std::move(r.out);
 }
 
 HardwareProbe::NodeAddress system_node_address(const std::string& name) {

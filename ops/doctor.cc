@@ -1,7 +1,6 @@
 #include "ops/doctor.h"
 
 #include <stdio.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 #include "proto/text.h"
 #include "rendezvous/endpoint.h"
 #include "process/command.h"
+#include "process/run.h"
 
 namespace mg {
 
@@ -48,26 +48,28 @@ std::vector<std::string> python_candidates(const std::map<std::string, std::stri
   return out;
 }
 
-PythonInfo probe_python(const std::string& python) {
+}  // namespace
+
+PythonInfo probe_python(const std::string& python, std::chrono::milliseconds timeout) {
   PythonInfo info;
   info.path = python;
   const std::string code =
       "import torch, torch.distributed as d; print('torch', torch.__version__, int(torch.cuda.is_available()), "
       "int(d.is_available() and d.is_nccl_available()), int(d.is_available() and d.is_gloo_available()))";
-  const std::string cmd = fmt::format("timeout 60 {} -c {} 2>&1", shell_quote(python), shell_quote(code));
-  FILE* f = ::popen(cmd.c_str(), "r");
-  if (!f) {
-    info.error = "cannot run " + python;
+  RunOptions ro;
+  ro.timeout = timeout;
+  ro.merge_stderr = true;
+  ro.max_output = 1 << 16;
+  RunResult run = run_capture({python, "-c", code}, ro);
+  if (!run.started) {
+    info.error = run.error;
     return info;
   }
-  std::string out;
-  char buf[4096];
-  while (out.size() < 1 << 16) {
-    std::size_t n = std::fread(buf, 1, sizeof(buf), f);
-    if (n == 0) break;
-    out.append(buf, n);
+  if (run.timed_out) {
+    info.error = fmt::format("no answer within {} s (importing torch hangs?)", std::chrono::duration<double>(timeout).count());
+    return info;
   }
-  ::pclose(f);
+  const std::string& out = run.out;
   // The answer is the last line starting with "torch " (imports may print warnings first).
   std::string last;
   std::size_t pos = 0;
@@ -91,6 +93,8 @@ PythonInfo probe_python(const std::string& python) {
   }
   return info;
 }
+
+namespace {
 
 bool virtual_interface(const std::string& name) {
   return name.starts_with("docker") || name.starts_with("veth") || name.starts_with("virbr") ||
@@ -124,7 +128,7 @@ DoctorProbes real_doctor_probes() {
   static const auto nvml = hw::make_nvml_probe();
   DoctorProbes p;
   p.gpu = nvml.get();
-  p.python = probe_python;
+  p.python = [](const std::string& python) { return probe_python(python); };
   return p;
 }
 

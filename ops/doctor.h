@@ -5,6 +5,7 @@
 // seams; suggest() and the renderers are pure and unit-tested on made-up machines.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <optional>
@@ -66,6 +67,13 @@ BatchPlan batch_for_memory(double gib, int gpus);
 // The "cores" binding for `nproc` workers on this machine (GPU i's NUMA node for local rank
 // i). Throws std::invalid_argument when the workers cannot get disjoint CPUs.
 std::vector<hw::Binding> binding_for(const DoctorInputs& in, int nproc);
+
+// Asks `python` for torch's version and whether CUDA, NCCL and gloo are there (`python -c
+// 'import torch ...'`, stdout and stderr read together). The answer is the last line
+// "torch VERSION CUDA NCCL GLOO"; without one, `error` is the last line it printed (the
+// ImportError), why it could not run, or that it gave no answer within `timeout` (then it
+// and its process group were killed).
+PythonInfo probe_python(const std::string& python, std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 // Seams for gather(): the Python probe runs `python -c 'import torch ...'`.
 struct DoctorProbes {

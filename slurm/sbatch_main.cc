@@ -14,6 +14,8 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
+#include "process/command.h"
+#include "process/spawn.h"
 #include "slurm/sbatch.h"
 #include "slurm/sbatch_check.h"
 
@@ -55,50 +57,52 @@ bool write_all(int fd, std::string_view data) {
   return true;
 }
 
-// Runs `sbatch [--wait]` with the script on its stdin; returns its shell-style exit code.
+// Runs `sbatch [--wait]` (found on PATH) through the process layer's spawner with the
+// script on its stdin and our stdout/stderr as its own; returns its shell-style exit code.
 int submit(const std::string& script, bool wait) {
-  int in[2];
-  if (::pipe(in) != 0) throw std::runtime_error(fmt::format("pipe: {}", std::strerror(errno)));
-  int err[2];  // exec failure reported through a close-on-exec pipe
-  if (::pipe2(err, O_CLOEXEC) != 0) throw std::runtime_error(fmt::format("pipe: {}", std::strerror(errno)));
-  pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error(fmt::format("fork: {}", std::strerror(errno)));
-  if (pid == 0) {
-    ::dup2(in[0], STDIN_FILENO);
-    ::close(in[0]);
-    ::close(in[1]);
-    ::close(err[0]);
-    std::vector<const char*> argv{"sbatch"};
-    if (wait) argv.push_back("--wait");
-    argv.push_back(nullptr);
-    ::execvp("sbatch", const_cast<char* const*>(argv.data()));
-    int e = errno;
-    ssize_t ignored = ::write(err[1], &e, sizeof(e));
-    (void)ignored;
-    ::_exit(kNotFound);
-  }
-  ::close(in[0]);
-  ::close(err[1]);
-  int exec_errno = 0;
-  ssize_t got;
-  do got = ::read(err[0], &exec_errno, sizeof(exec_errno));
-  while (got < 0 && errno == EINTR);
-  ::close(err[0]);
-  if (got == sizeof(exec_errno)) {
-    ::close(in[1]);
-    ::waitpid(pid, nullptr, 0);
-    std::cerr << "mglaunch-sbatch: error: cannot run sbatch: " << std::strerror(exec_errno)
+  auto cannot_run = [](const std::string& why) {
+    std::cerr << "mglaunch-sbatch: error: cannot run sbatch: " << why
               << "; install Slurm's client commands or put sbatch on PATH\n";
     return kNotFound;
+  };
+  const char* path = std::getenv("PATH");
+  const std::string exe = mg::find_executable("sbatch", path ? path : "/usr/bin:/bin");
+  if (exe.empty()) return cannot_run("not found on PATH");
+  int in[2];
+  if (::pipe2(in, O_CLOEXEC) != 0) throw std::runtime_error(fmt::format("pipe: {}", std::strerror(errno)));
+  std::vector<const char*> argv{"sbatch"};
+  if (wait) argv.push_back("--wait");
+  argv.push_back(nullptr);
+  mg::SpawnRequest req;
+  req.path = exe.c_str();
+  req.argv = argv.data();
+  req.envp = environ;
+  req.fds[0] = in[0];
+  req.fds[1] = STDOUT_FILENO;
+  req.fds[2] = STDERR_FILENO;
+  req.wait_exec = true;  // argv is this call's: the child is done with it on return
+  mg::SpawnTicket ticket;
+  std::string error;
+  const pid_t pid = mg::spawn_process(req, ticket, error);
+  ::close(in[0]);
+  if (pid < 0) {
+    ::close(in[1]);
+    throw std::runtime_error("cannot start sbatch: " + error);
+  }
+  auto reap = [pid] {
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    return status;
+  };
+  if (std::string failure = ticket.failure(); !failure.empty()) {
+    ::close(in[1]);
+    reap();
+    return cannot_run(exe + ": " + failure);
   }
   write_all(in[1], script);  // a failed write shows up as sbatch's own error
   ::close(in[1]);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return kInternal;
+  return mg::shell_exit_code(reap());
 }
 
 }  // namespace

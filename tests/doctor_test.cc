@@ -13,6 +13,7 @@
 #include "cli/errors.h"
 #include "ops/hwprobe.h"
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace mg;
 namespace fs = std::filesystem;
@@ -276,4 +277,69 @@ TEST_CASE("doctor's flags follow the main CLI's rules: nearest name, prefixes, a
   CHECK(o->master_addr == "127.0.0.1");
   CHECK(o->port == 0);
   CHECK_FALSE(parse_doctor_args({"mglaunch", "doctor", "-h"}));
+}
+
+namespace {
+
+// A stand-in python: a shell script that checks it was asked `-c 'import torch ...'`.
+std::string fake_python(const std::string& dir, const std::string& name, const std::string& body) {
+  const std::string path = dir + "/" + name;
+  std::ofstream(path) << "#!/bin/sh\n"
+                         "case \"$2\" in *'import torch'*) ;; *) echo \"asked: $*\"; exit 9;; esac\n"
+                      << body;
+  fs::permissions(path, fs::perms::owner_all);
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("doctor's python probe runs the python and reads torch's version after any warnings") {
+  const std::string dir = mgtest::make_temp_dir();
+  auto info = probe_python(fake_python(dir, "py", "echo 'UserWarning: something' >&2\n"
+                                                  "echo 'torch 2.4.1+cu121 1 0 1'\n"));
+  INFO(info.error);
+  CHECK(info.has_torch);
+  CHECK(info.torch_version == "2.4.1+cu121");
+  CHECK(info.cuda);
+  CHECK_FALSE(info.nccl);
+  CHECK(info.gloo);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("doctor's python probe reports the last line a python without torch printed on stderr") {
+  const std::string dir = mgtest::make_temp_dir();
+  auto info = probe_python(fake_python(dir, "py", "echo 'Traceback (most recent call last):' >&2\n"
+                                                  "echo \"ModuleNotFoundError: No module named 'torch'\" >&2\n"
+                                                  "exit 1\n"));
+  CHECK_FALSE(info.has_torch);
+  CHECK(info.error == "ModuleNotFoundError: No module named 'torch'");
+  // Not a program at all: why it could not run, in one line.
+  const std::string junk = dir + "/junk";
+  std::ofstream(junk) << "not a program\n";
+  fs::permissions(junk, fs::perms::owner_all);
+  info = probe_python(junk);
+  CHECK_FALSE(info.has_torch);
+  CHECK_THAT(info.error, Catch::Contains("Exec format error"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("doctor's python probe gives up on a python that hangs, at its deadline, and kills it") {
+  const std::string dir = mgtest::make_temp_dir();
+  const std::string pid_file = dir + "/pid";
+  auto info = probe_python(fake_python(dir, "py", "echo $$ > " + pid_file + "\nexec sleep 600\n"),
+                           std::chrono::milliseconds(300));
+  CHECK_FALSE(info.has_torch);
+  CHECK_THAT(info.error, Catch::Contains("no answer within 0.3 s"));
+  const pid_t pid = std::stoi(mgtest::read_file(pid_file));
+  CHECK(mgtest::eventually([&] { return !mgtest::pid_alive(pid); }, std::chrono::seconds(10)));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("doctor's python probe asks a real python whether it has torch") {
+  mgtest::require_installed(::access("/usr/bin/python3", X_OK) == 0, "/usr/bin/python3", "python3");
+  auto info = probe_python("/usr/bin/python3");
+  INFO(info.error);
+  CHECK(info.has_torch == mgtest::python_has_torch());
+  if (info.has_torch) CHECK_FALSE(info.torch_version.empty());
+  else CHECK_THAT(info.error, Catch::Contains("torch"));
 }

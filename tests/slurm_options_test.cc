@@ -2,6 +2,14 @@
 // turns it off), node names resolved through the probe seam, and the --dry-run document.
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
 #include <nlohmann/json.hpp>
 
 #include "cli/errors.h"
@@ -176,4 +184,33 @@ TEST_CASE("a taken rendezvous port on node 0 is an error that names it and the w
   }
   // Only node 0 binds it: the others do not look.
   CHECK(parse_agent_args({"mglaunch", "prog"}, step_env(1), probe).options);
+}
+
+TEST_CASE("a Slurm node name that does not resolve is looked up with scontrol show node (its NodeAddr)") {
+  char dir_template[] = "/tmp/mg_scontrol_XXXXXX";
+  REQUIRE(::mkdtemp(dir_template));
+  const std::string dir = dir_template;
+  const std::string args_file = dir + "/args";
+  {  // a fake scontrol: records its arguments, answers like Slurm's, noise on stderr
+    std::ofstream(dir + "/scontrol") << "#!/bin/sh\necho \"$@\" > " << args_file
+                                     << "\necho 'NodeName=gpu-7 Arch=x86_64 CoresPerSocket=4'\n"
+                                        "echo '   NodeAddr=127.0.0.7 NodeHostName=gpu-7 Version=23.02'\n"
+                                        "echo 'scontrol: note' >&2\n";
+    REQUIRE(::chmod((dir + "/scontrol").c_str(), 0755) == 0);
+  }
+  const char* old = std::getenv("PATH");
+  const std::string saved = old ? old : "";
+  ::setenv("PATH", (dir + ":/usr/bin:/bin").c_str(), 1);
+  const auto found = mg::HardwareProbe::system().node_address("mg-no-such-node.invalid");
+  std::ofstream(dir + "/scontrol") << "#!/bin/sh\necho 'slurm_load_node error: Unable to contact slurm controller' >&2\nexit 1\n";
+  const auto failed = mg::HardwareProbe::system().node_address("mg-no-such-node.invalid");
+  ::setenv("PATH", saved.c_str(), 1);
+  CHECK(found.address == "127.0.0.7");
+  CHECK_THAT(found.how, Catch::Contains("NodeAddr from scontrol show node"));
+  std::ifstream args(args_file);
+  std::string a((std::istreambuf_iterator<char>(args)), std::istreambuf_iterator<char>());
+  CHECK(a == "show node mg-no-such-node.invalid\n");
+  CHECK(failed.address == "mg-no-such-node.invalid");
+  CHECK_THAT(failed.how, Catch::Contains("gave no NodeAddr"));
+  std::filesystem::remove_all(dir);
 }

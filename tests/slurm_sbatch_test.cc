@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <tuple>
 
@@ -251,4 +254,67 @@ TEST_CASE("the check of the mglaunch flags counts the GPUs of --gres and --sbatc
                                    &warning));
   CHECK_THAT(warning, Catch::Contains("--stdin-rank") && Catch::Contains("--gpus-per-node"));
   CHECK(mglaunch_usage_error(parse({"--nodes=2", "--sbatch=--gpus=8", "--", "--nprocs_per_node=4", "train.py"}), {}));
+}
+
+namespace {
+
+// Runs mglaunch-sbatch with PATH=path_dirs and stdout, stderr apart: {exit code, stdout, stderr}.
+struct SbatchRun {
+  int code = -1;
+  std::string out, err;
+};
+SbatchRun run_sbatch_main(const std::string& dir, const std::string& path_dirs, const std::string& args) {
+  const std::string err_path = dir + "/stderr";
+  const std::string cmd = "PATH=" + path_dirs + " " + std::string(MGLAUNCH_SBATCH_BIN) + " " + args + " 2>" + err_path;
+  FILE* f = ::popen(cmd.c_str(), "r");
+  REQUIRE(f);
+  SbatchRun r;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) r.out.append(buf, n);
+  const int status = ::pclose(f);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(err_path);
+  r.err.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("mglaunch-sbatch passes sbatch's stdout, stderr and exit code through, the script on its stdin") {
+  char dir_template[] = "/tmp/mg_sbatch_XXXXXX";
+  REQUIRE(::mkdtemp(dir_template));
+  const std::string dir = dir_template;
+  {  // a fake sbatch that keeps its stdin and arguments and fails its own way
+    std::ofstream(dir + "/sbatch") << "#!/bin/sh\ncat > " << dir << "/script\necho \"$@\" > " << dir
+                                   << "/args\necho 'Submitted batch job 9'\necho 'sbatch: warning: odd' >&2\nexit 3\n";
+    REQUIRE(::chmod((dir + "/sbatch").c_str(), 0755) == 0);
+  }
+  auto r = run_sbatch_main(dir, dir + ":/usr/bin:/bin", "--mglaunch=/bin/true --wait --nodes 2 -- train.py");
+  CHECK(r.code == 3);
+  CHECK(r.out == "Submitted batch job 9\n");
+  CHECK(r.err == "sbatch: warning: odd\n");
+  std::ifstream args(dir + "/args"), script(dir + "/script");
+  std::string a((std::istreambuf_iterator<char>(args)), std::istreambuf_iterator<char>());
+  std::string s((std::istreambuf_iterator<char>(script)), std::istreambuf_iterator<char>());
+  CHECK(a == "--wait\n");
+  CHECK_THAT(s, Catch::StartsWith("#!") && Catch::Contains("#SBATCH") && Catch::Contains("train.py"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("mglaunch-sbatch without a runnable sbatch is one line and exit 127") {
+  char dir_template[] = "/tmp/mg_sbatch_XXXXXX";
+  REQUIRE(::mkdtemp(dir_template));
+  const std::string dir = dir_template;
+  auto r = run_sbatch_main(dir, dir, "--mglaunch=/bin/true -- train.py");  // no sbatch on PATH
+  CHECK(r.code == 127);
+  CHECK_THAT(r.err, Catch::StartsWith("mglaunch-sbatch: error: cannot run sbatch: not found on PATH;"));
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  std::ofstream(dir + "/sbatch") << "not a program\n";  // executable, but no #! and no ELF
+  REQUIRE(::chmod((dir + "/sbatch").c_str(), 0755) == 0);
+  r = run_sbatch_main(dir, dir, "--mglaunch=/bin/true -- train.py");
+  CHECK(r.code == 127);
+  CHECK_THAT(r.err, Catch::StartsWith("mglaunch-sbatch: error: cannot run sbatch: ") &&
+                        Catch::Contains("Exec format error"));
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  std::filesystem::remove_all(dir);
 }

@@ -100,7 +100,7 @@ RunResult run_capture(const std::vector<std::string>& argv, const RunOptions& o)
   null_in.reset();
   null_out.reset();
   if (pid < 0) {
-    r.error = error;
+    r.error = "cannot run " + exe + ": " + error;
     return r;
   }
   if (std::string failure = ticket.failure(); !failure.empty()) {

@@ -85,9 +85,9 @@ int submit(const std::string& script, bool wait) {
   std::string error;
   const pid_t pid = mg::spawn_process(req, ticket, error);
   ::close(in[0]);
-  if (pid < 0) {
+  if (pid < 0) {  // no child (a process limit), or one that could not exec where the spawner says so at once
     ::close(in[1]);
-    throw std::runtime_error("cannot start sbatch: " + error);
+    return cannot_run(exe + ": " + error);
   }
   auto reap = [pid] {
     int status = 0;

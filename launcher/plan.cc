@@ -13,6 +13,7 @@
 
 #include "cli/errors.h"
 #include "launcher/port.h"
+#include "launcher/torch_version.h"
 #include "ops/hwprobe.h"
 #include "rendezvous/endpoint.h"
 #include "process/command.h"
@@ -41,11 +42,13 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(opts.max_restarts)},
       {"TORCHELASTIC_RUN_ID", plan.run_id},
-      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
+      {"TORCHELASTIC_USE_AGENT_STORE", plan.agent_store ? "True" : "False"},
       {"TORCHELASTIC_ERROR_FILE", error_file},
-      {"NCCL_ASYNC_ERROR_HANDLING", inherit_or("NCCL_ASYNC_ERROR_HANDLING", "1")},
       {"TORCH_NCCL_ASYNC_ERROR_HANDLING", inherit_or("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")},
   };
+  // torchrun 1.x's name, for workers that may be on 1.x (torch 2.x warns about it); a value
+  // the user set is inherited either way.
+  if (plan.torch_major < 2) env["NCCL_ASYNC_ERROR_HANDLING"] = inherit_or("NCCL_ASYNC_ERROR_HANDLING", "1");
   if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
   if (!opts.gpu_ids.empty()) env["CUDA_VISIBLE_DEVICES"] = std::to_string(opts.gpu_ids.at(local_rank));
   return env;
@@ -128,6 +131,7 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
       throw ProgramNotFound(fmt::format("python interpreter '{}' not found or not executable; set --python or "
                                         "MGLAUNCH_PYTHON",
                                         opts.python));
+    if (auto v = find_torch_version(plan.executable, base_env)) plan.torch_major = v->major;
     plan.argv = {opts.python, "-u"};
     if (opts.module) {
       plan.argv.insert(plan.argv.end(), {"-m", opts.program});

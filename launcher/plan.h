@@ -31,6 +31,13 @@ struct RunPlan {
   std::string executable;          // absolute path of what exec() runs
   std::vector<std::string> argv;   // argv[0..]: before ${local_rank} substitution
   bool set_omp_threads = false;    // OMP_NUM_THREADS=1 added (torchrun's rule)
+  // The major version of the torch a Python worker imports (launcher/torch_version.h); 0:
+  // unknown (not Python, or not found). 2 and later: no NCCL_ASYNC_ERROR_HANDLING, whose
+  // 1.x name draws a deprecation warning from every 2.x NCCL process group.
+  int torch_major = 0;
+  // Workers connect to the agent's store at MASTER_ADDR:MASTER_PORT as clients
+  // (TORCHELASTIC_USE_AGENT_STORE=True), as torchrun 2.x does; the agent serves it.
+  bool agent_store = false;
 };
 
 // Variables mglaunch sets for one worker (the base environment is added on top at spawn).

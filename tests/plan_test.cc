@@ -72,6 +72,19 @@ TEST_CASE("user settings of NCCL error handling are kept and gpu ids map per loc
   CHECK(env.at("OMP_NUM_THREADS") == "1");
 }
 
+TEST_CASE("workers on torch 2.x get no NCCL_ASYNC_ERROR_HANDLING, and the agent store is announced when served") {
+  AgentOptions opts;
+  RunPlan plan = two_node_plan(0);
+  plan.torch_major = 2;
+  plan.agent_store = true;
+  EnvMap env = build_contract_env(plan, opts, {}, 0, 0, "e");
+  CHECK_FALSE(env.contains("NCCL_ASYNC_ERROR_HANDLING"));  // torch 2.x warns about the 1.x name
+  CHECK(env.at("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1");
+  CHECK(env.at("TORCHELASTIC_USE_AGENT_STORE") == "True");
+  plan.torch_major = 1;
+  CHECK(build_contract_env(plan, opts, {}, 0, 0, "e").at("NCCL_ASYNC_ERROR_HANDLING") == "1");
+}
+
 TEST_CASE("worker argv substitutes local_rank only in the program's arguments") {
   AgentOptions opts;
   opts.program_args = {"--rank=${local_rank}", "x"};

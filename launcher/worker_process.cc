@@ -94,10 +94,6 @@ struct WorkerProcess::Impl {
   std::array<int, 2> files{-1, -1};  // log files; the console closes them
   std::array<std::unique_ptr<LineSplitter>, 2> splitters;
   asio::steady_timer drain;
-  // The child until its exec, and what it reads meanwhile (spawn_process's lifetimes).
-  SpawnTicket ticket;
-  std::vector<const char*> argv, envp;
-  std::vector<std::string> pager_env;  // PAGER=cat and the like, for a worker on a pty
 };
 
 WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& console, DoneHandler on_done)
@@ -142,18 +138,18 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     if (devnull < 0) spawn_error_ = fmt::format("cannot open /dev/null: {}", std::strerror(errno));
   }
   if (spawn_error_.empty()) {
-    auto& envp = impl_->envp;
+    std::vector<std::string> pager_env;  // PAGER=cat and the like, for a worker on a pty
     if (impl_->pty[0] || impl_->pty[1])
       for (const char* var : kPagerVars) {
         const std::string eq = std::string(var) + "=";
         if (std::none_of(spec_.env.begin(), spec_.env.end(), [&](const std::string& kv) { return kv.starts_with(eq); }))
-          impl_->pager_env.push_back(eq + "cat");
+          pager_env.push_back(eq + "cat");
       }
-    envp.reserve(spec_.env.size() + impl_->pager_env.size() + 1);
+    std::vector<const char*> envp, argv;
+    envp.reserve(spec_.env.size() + pager_env.size() + 1);
     for (const auto& kv : spec_.env) envp.push_back(kv.c_str());
-    for (const auto& kv : impl_->pager_env) envp.push_back(kv.c_str());
+    for (const auto& kv : pager_env) envp.push_back(kv.c_str());
     envp.push_back(nullptr);
-    auto& argv = impl_->argv;
     argv.reserve(spec_.argv.size() + 1);
     for (const auto& a : spec_.argv) argv.push_back(a.c_str());
     argv.push_back(nullptr);
@@ -170,12 +166,12 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     req.fds[2] = spec_.merge_streams ? ends[0][1] : ends[1][1];
     req.cpus = spec_.cpus.empty() ? nullptr : &cpu_set;
     req.nofile = spec_.nofile;
-    std::string error;
-    pid_ = spawn_process(req, impl_->ticket, error);
+    SpawnError error;
+    pid_ = spawn_process(req, error);
     if (pid_ < 0) {
-      const int why = errno;
-      spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, error);
-      if (why == EAGAIN || why == ENOMEM) {  // a limit of the machine, not a missing program
+      // A step in the child (the exec) failed: exit 127 as from a shell, with the reason.
+      spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, error.message());
+      if (error.no_child() && (error.code == EAGAIN || error.code == ENOMEM)) {  // a limit of the machine
         failed_status = exit_code::kResource << 8;
         spawn_error_ += "; " + process_limit_text();
       }
@@ -382,10 +378,6 @@ void WorkerProcess::on_exit(int status) {
   exited_ = true;
   status_ = status;
   end_ = std::chrono::steady_clock::now();
-  // A step before the program ran failed (the child exited 127): say which, as the
-  // constructor does for failures in the agent.
-  if (std::string failure = impl_->ticket.failure(); !failure.empty() && spawn_error_.empty())
-    spawn_error_ = fmt::format("cannot start {}: {}", spec_.executable, failure);
   if (impl_->open[0] || impl_->open[1]) arm_drain();
   maybe_done();
 }

@@ -1,5 +1,34 @@
-// The spawner of the process layer: every program the agent starts goes through
-// spawn_process().
+// The spawner of the process layer: every program the product starts goes through
+// spawn_process() (workers, the watchdog, ssh clients, helper commands: process/run.h's
+// run_capture is built on it).
+//
+// The mechanism is glibc's posix_spawn (sysdeps/unix/sysv/linux/spawni.c): the parent
+// blocks every signal, then clone(CLONE_VM | CLONE_VFORK) runs the child on a stack of its
+// own, in the parent's memory, while the calling thread waits; the calling thread goes on
+// once the child has exec'd its program or exited. The child, in order:
+//   1. resets every signal's action to SIG_DFL, in a loop over 1.._NSIG-1 (what the parent
+//      ignored too: a worker starts as it would from a fresh shell);
+//   2. own_group: its own process group (setpgid(0, 0));
+//   3. die_with_parent: PR_SET_PDEATHSIG SIGKILL, and exits at once when the parent is
+//      already gone. The kernel ties the death signal to the THREAD that made the child:
+//      it comes when that thread ends, not only the process. The agent spawns from its one
+//      io thread, which lives as long as the agent; other callers spawn from a thread that
+//      outlives the child, or leave die_with_parent off;
+//   4. the CPU set and RLIMIT_NOFILE when given;
+//   5. stdin, stdout and stderr from `fds` (-1: the parent's own one, inherited), every other
+//      descriptor close-on-exec (close_range CLOSE_RANGE_CLOEXEC, or a listing of
+//      /proc/self/fd before Linux 5.11): nothing of the parent (sockets, other workers'
+//      pipes, log files) reaches the program;
+//   6. an empty signal mask, then execve.
+// A step that fails (the exec of a file that is not a program, setpgid, ...) leaves its
+// name and errno in memory the parent reads (the child shares it), and the child exits 127;
+// the parent reaps that child and spawn_process() returns -1 with the step and errno. So
+// when spawn_process() returns a pid, that process runs `path`: every descriptor of the
+// parent it held for a moment is closed (a port the parent then releases is free).
+//
+// The child only makes async-signal-safe calls, allocates nothing and takes no lock; it
+// shares the parent's memory and thread-local storage (errno) while the calling thread is
+// suspended, as in posix_spawn. Any thread may spawn; each call is independent.
 #pragma once
 
 #include <sched.h>
@@ -7,72 +36,56 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <memory>
 #include <string>
 
 namespace mg {
 
-// Starts `path` and returns at once, without waiting for the child's exec: a child that
-// has to wait for a CPU on a busy machine no longer holds up the agent, so the agent
-// starts the next worker meanwhile. The child is made with clone(CLONE_VM) (no copy of
-// the agent's memory: start time does not grow with the agent's size) on a stack of its
-// own, and runs only raw system calls until its exec: stdin/stdout/stderr from `fds`,
-// every other descriptor closed on exec, its own process group, PR_SET_PDEATHSIG SIGKILL
-// (and _exit if the parent is already gone), the CPU set and descriptor limit when given,
-// default signal dispositions and an empty signal mask. Where raw system calls or
-// close_range(CLOSE_RANGE_CLOEXEC) are missing (not x86-64 or arm64, Linux < 5.11) the
-// agent waits for the exec as before (CLONE_VFORK); the results are the same.
-//
-// Returns the pid, or -1 with `error` set when no child could be made (clone failed;
-// errno is clone's: EAGAIN or ENOMEM for a process limit).
-// When a step in the child fails (the exec of a file that is not a program, setpgid, ...)
-// the child exits with status 127 and, once the caller has reaped it, ticket.failure()
-// says which step and why ("execve: Exec format error").
-//
-// Lifetimes: the strings and arrays `req` points to must stay valid until the child has
-// exec'd or exited (ticket.settled(), always true once it was reaped). A ticket destroyed
-// before then hands the child's state to a pool that frees it once the child settles; a
-// ticket whose child has not settled cannot start another (-1, errno EBUSY). One thread
-// spawns at a time.
 struct SpawnRequest {
-  const char* path = nullptr;
-  const char* const* argv = nullptr;
-  const char* const* envp = nullptr;
-  int fds[3] = {-1, -1, -1};
-  const cpu_set_t* cpus = nullptr;  // nullptr: keep the agent's affinity (copied: need not outlive the call)
-  const struct rlimit* nofile = nullptr;  // RLIMIT_NOFILE for the child (the agent may have raised its own; copied)
-  bool wait_exec = false;  // wait for the exec (CLONE_VFORK) even where not needed (tests)
+  const char* path = nullptr;          // what runs (no PATH search: process/command.h's find_executable)
+  const char* const* argv = nullptr;   // argv[0] is what the program sees as its name
+  const char* const* envp = nullptr;   // the whole environment, "KEY=VALUE"
+  int fds[3] = {-1, -1, -1};           // the child's 0, 1, 2; -1: the parent's own (inherited)
+  const cpu_set_t* cpus = nullptr;     // nullptr: keep the parent's affinity
+  const struct rlimit* nofile = nullptr;  // RLIMIT_NOFILE for the child (nullptr: the parent's)
+  bool own_group = true;               // its own process group, led by itself
+  bool die_with_parent = true;         // PR_SET_PDEATHSIG SIGKILL (see above: tied to the calling thread)
+  bool wait_exec = true;               // ignored: every spawn waits for the exec (the earlier form's field)
 };
+
+// Why no program runs: the step that failed and its errno.
+struct SpawnError {
+  const char* step = nullptr;  // "clone" or "mmap" (the parent could make no child), "execve", "setpgid", ...
+  int code = 0;                // errno
+  // The parent could make no child (clone or mmap failed): EAGAIN or ENOMEM mean a process
+  // or memory limit, not a missing program.
+  bool no_child() const;
+  // "execve: No such file or directory".
+  std::string message() const;
+};
+
+// Starts the program; the pid, or -1 with `error` (and errno) set. The strings and arrays
+// `req` points to need only outlive the call. The caller reaps the child (waitpid).
+pid_t spawn_process(const SpawnRequest& req, SpawnError& error);
+
+// The earlier form, kept until its last callers move to the one above: the child has
+// exec'd or exited on return, so the ticket is always settled and failure() is always ""
+// (an exec error is returned here, -1 with `error` "execve: ...").
 class SpawnTicket {
  public:
-  SpawnTicket();
-  ~SpawnTicket();
-  SpawnTicket(const SpawnTicket&) = delete;
-  SpawnTicket& operator=(const SpawnTicket&) = delete;
-  // The child has exec'd its program or exited: its stack and the request are free.
-  bool settled() const;
-  // Why the child could not run its program ("execve: No such file or directory"), "" if
-  // it did (or it has not got that far yet). Read it after the child was reaped.
-  std::string failure() const;
-  struct State;
-
- private:
-  friend pid_t spawn_process(const SpawnRequest&, SpawnTicket&, std::string&);
-  std::unique_ptr<State> state_;
+  bool settled() const { return true; }
+  std::string failure() const { return {}; }
 };
 pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& error);
-// Waits, at most `timeout`, until every child spawn_process() has made so far has exec'd or
-// exited; true if all have. Until its exec a child holds copies of the agent's descriptors
-// (a held master port, listeners): the agent calls this before it lets a port go.
-bool spawn_settle_all(std::chrono::milliseconds timeout);
-// Whether spawn_process() returns before the child's exec on this machine (false: it waits,
-// CLONE_VFORK). For tests and diagnostics.
-bool spawn_skips_exec_wait();
+
+// Always true at once: spawn_process() returns only when its child has exec'd or exited,
+// so no child holds a copy of the parent's descriptors (a held port) afterwards. For
+// callers written against the earlier spawner, which returned before the exec; a fence on
+// it is no longer needed.
+inline bool spawn_settle_all(std::chrono::milliseconds) { return true; }
 
 // Sets FD_CLOEXEC on every descriptor above 2, so that exec() passes on only stdin,
-// stdout and stderr. For the child side of any spawn (between fork and exec): only
-// async-signal-safe calls (close_range with CLOSE_RANGE_CLOEXEC, Linux >= 5.11, else
-// getdents64 on /proc/self/fd). False (errno set) when neither works.
+// stdout and stderr. Async-signal-safe (close_range with CLOSE_RANGE_CLOEXEC, Linux >= 5.11,
+// else getdents64 on /proc/self/fd). False (errno set) when neither works.
 bool mark_cloexec_above_stderr();
 // The fallback alone (kernels before 5.11); exposed for its test.
 bool mark_cloexec_above_stderr_by_listing();

@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "launcher/plan.h"
+#include "process/proc.h"
 
 namespace mg {
 
@@ -36,28 +37,15 @@ struct PortRange {
 
 // Parses the text of ip_local_port_range ("32768\t60999\n"). Pure. nullopt when malformed.
 inline std::optional<PortRange> parse_port_range(std::string_view text) {
-  auto skip_space = [&] {
-    while (!text.empty() && (text.front() == ' ' || text.front() == '\t' || text.front() == '\n')) text.remove_prefix(1);
-  };
-  auto number = [&](int& out) {
-    skip_space();
-    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
-    if (ec != std::errc{} || ptr == text.data()) return false;
-    text.remove_prefix(static_cast<std::size_t>(ptr - text.data()));
-    return true;
-  };
-  PortRange r;
-  if (!number(r.lo) || !number(r.hi)) return std::nullopt;
-  skip_space();
-  if (!text.empty() || r.lo < 1 || r.hi > 65535 || r.lo > r.hi) return std::nullopt;
-  return r;
+  const auto r = parse_port_range_text(text);
+  if (!r) return std::nullopt;
+  return PortRange{r->first, r->second};
 }
 
-// The kernel's ephemeral range, or Linux's default when it cannot be read.
+// The kernel's ephemeral range (process/proc.h), or Linux's default when it cannot be read.
 inline PortRange ephemeral_port_range() {
-  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return parse_port_range(text).value_or(PortRange{});
+  const auto r = ephemeral_port_range_of_kernel();
+  return r ? PortRange{r->first, r->second} : PortRange{};
 }
 
 // The ports a master port is drawn from: [kLowestMasterPort, 65535] minus `eph`. Maps

@@ -27,88 +27,6 @@
 
 namespace mg::mon {
 
-namespace {
-
-// Reads the next space-separated field of `t` as an unsigned number.
-bool next_number(std::string_view& t, std::uint64_t& out) {
-  while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
-  const auto end = t.find(' ');
-  std::string_view field = t.substr(0, end);
-  // ppid/pgrp may be 0; negative values (tty_nr -1 etc.) only appear in fields we skip.
-  if (!field.empty() && field.front() == '-') field.remove_prefix(1);
-  auto [p, ec] = std::from_chars(field.data(), field.data() + field.size(), out);
-  if (field.empty() || ec != std::errc{} || p != field.data() + field.size()) return false;
-  t.remove_prefix(end == std::string_view::npos ? t.size() : end);
-  return true;
-}
-
-// Small bounded read of a /proc file; "" when it is gone.
-std::string read_small(const std::string& path, std::size_t max) {
-  std::string out;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return out;
-  out.resize(max);
-  std::size_t got = 0;
-  while (got < max) {
-    const ssize_t n = ::read(fd, out.data() + got, max - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    got += static_cast<std::size_t>(n);
-  }
-  ::close(fd);
-  out.resize(got);
-  return out;
-}
-
-}  // namespace
-
-std::optional<ProcStatTimes> parse_stat(std::string_view text) {
-  const auto open = text.find('(');
-  const auto close = text.rfind(')');
-  if (open == std::string_view::npos || close == std::string_view::npos || close < open) return std::nullopt;
-  ProcStatTimes st;
-  std::uint64_t v = 0;
-  std::string_view head = text.substr(0, open);
-  while (!head.empty() && head.back() == ' ') head.remove_suffix(1);
-  if (!next_number(head, v) || v == 0 || v > (1u << 31)) return std::nullopt;
-  st.pid = static_cast<pid_t>(v);
-  std::string_view rest = text.substr(close + 1);
-  while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
-  if (rest.empty()) return std::nullopt;
-  st.state = rest.front();
-  rest.remove_prefix(1);
-  // Fields after the state, numbered as in proc(5): 4 ppid, 5 pgrp, ..., 14 utime,
-  // 15 stime, ..., 22 starttime.
-  std::uint64_t f[23] = {};
-  for (int i = 4; i <= 22; ++i)
-    if (!next_number(rest, f[i])) return std::nullopt;
-  st.ppid = static_cast<pid_t>(f[4]);
-  st.pgrp = static_cast<pid_t>(f[5]);
-  st.cpu_ticks = f[14] + f[15];
-  st.start_ticks = f[22];
-  return st;
-}
-
-std::optional<std::uint64_t> parse_status_rss(std::string_view text) {
-  std::size_t at = 0;
-  while (at < text.size()) {
-    const auto nl = text.find('\n', at);
-    std::string_view line = text.substr(at, nl == std::string_view::npos ? std::string_view::npos : nl - at);
-    at = nl == std::string_view::npos ? text.size() : nl + 1;
-    if (!line.starts_with("VmRSS:")) continue;
-    line.remove_prefix(6);
-    while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.remove_prefix(1);
-    std::uint64_t kb = 0;
-    auto [p, ec] = std::from_chars(line.data(), line.data() + line.size(), kb);
-    if (ec != std::errc{} || p == line.data()) return std::nullopt;
-    std::string_view unit = line.substr(static_cast<std::size_t>(p - line.data()));
-    while (!unit.empty() && unit.front() == ' ') unit.remove_prefix(1);
-    if (unit != "kB") return std::nullopt;
-    return kb * 1024;
-  }
-  return std::nullopt;
-}
-
 std::vector<const ProcEntry*> process_tree(const ProcTable& table, pid_t root, bool root_reaped) {
   std::vector<const ProcEntry*> out;
   std::unordered_set<pid_t> in;
@@ -136,7 +54,7 @@ std::vector<const ProcEntry*> process_tree(const ProcTable& table, pid_t root, b
 
 TickMap ticks_of(const std::vector<const ProcEntry*>& tree) {
   TickMap m;
-  for (const auto* e : tree) m[{e->stat.pid, e->stat.start_ticks}] = e->stat.cpu_ticks;
+  for (const auto* e : tree) m[{e->stat.pid, e->stat.starttime}] = e->stat.cpu_ticks;
   return m;
 }
 
@@ -319,14 +237,7 @@ std::string prometheus_text(const AgentFacts& f, const Sample* last) {
 
 ProcTable read_proc_table(const std::string& root) {
   ProcTable out;
-  DIR* d = ::opendir(root.c_str());
-  if (!d) return out;
-  while (dirent* e = ::readdir(d)) {
-    if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
-    const std::string text = read_small(fmt::format("{}/{}/stat", root, e->d_name), 4096);
-    if (auto st = parse_stat(text)) out.push_back({*st, 0});
-  }
-  ::closedir(d);
+  for (const auto& st : scan_processes(root)) out.push_back({st, 0});
   return out;
 }
 
@@ -337,7 +248,7 @@ void read_tree_rss(ProcTable& table, const std::vector<RankTarget>& ranks, const
       for (const auto* e : process_tree(table, r.pid, r.reaped)) wanted.insert(e->stat.pid);
   for (auto& e : table)
     if (wanted.count(e.stat.pid))
-      e.rss_bytes = parse_status_rss(read_small(fmt::format("{}/{}/status", root, e.stat.pid), 16384)).value_or(0);
+      e.rss_bytes = proc_status_bytes(read_proc_file(e.stat.pid, "status", 16384, root), "VmRSS").value_or(0);
 }
 
 namespace {

@@ -25,6 +25,7 @@
 
 #include "logs/console.h"
 #include "ops/hwprobe.h"
+#include "process/proc.h"
 
 namespace mg::rdzv {
 class HttpServer;
@@ -32,19 +33,9 @@ class HttpServer;
 
 namespace mg::mon {
 
-// ---- /proc parsing (pure) ----
+// ---- the process table (process/proc.h reads and parses /proc) ----
 
-// The fields of /proc/PID/stat the sampler needs.
-struct ProcStatTimes {
-  pid_t pid = 0, ppid = 0, pgrp = 0;
-  char state = '?';
-  std::uint64_t cpu_ticks = 0;    // utime + stime (fields 14, 15), in clock ticks
-  std::uint64_t start_ticks = 0;  // starttime (field 22): with pid, names a process uniquely
-};
-// "pid (comm) S ppid pgrp ..."; comm may hold spaces and parentheses. nullopt when malformed.
-std::optional<ProcStatTimes> parse_stat(std::string_view text);
-// VmRSS of /proc/PID/status in bytes; nullopt when absent (kernel threads, zombies).
-std::optional<std::uint64_t> parse_status_rss(std::string_view text);
+using ProcStatTimes = ProcStat;  // pid, ppid, pgrp, state, cpu_ticks, starttime
 
 struct ProcEntry {
   ProcStatTimes stat;

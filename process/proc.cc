@@ -4,6 +4,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <unordered_map>
 
@@ -11,57 +16,144 @@
 
 namespace mg {
 
+namespace {
+
+// The next blank-separated field of `t` as a number; a leading '-' is read as 0 (tty_nr,
+// a pgrp of -1 in a pid namespace) and flagged in `neg`.
+bool next_number(std::string_view& t, std::uint64_t& out, bool& neg) {
+  while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
+  neg = !t.empty() && t.front() == '-';
+  if (neg) t.remove_prefix(1);
+  const auto end = t.find(' ');
+  const std::string_view field = t.substr(0, end);
+  auto [p, ec] = std::from_chars(field.data(), field.data() + field.size(), out);
+  if (field.empty() || ec != std::errc{} || p != field.data() + field.size()) return false;
+  t.remove_prefix(field.size());
+  return true;
+}
+
+}  // namespace
+
 std::optional<ProcStat> parse_proc_stat(std::string_view text) {
-  // "pid (comm) S ppid pgrp ...": comm is everything up to the LAST ')'.
   const auto open = text.find('(');
   const auto close = text.rfind(')');
   if (open == std::string_view::npos || close == std::string_view::npos || close < open) return std::nullopt;
-  auto number = [](std::string_view& t, long& out) {
-    while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
-    bool neg = !t.empty() && t.front() == '-';
-    if (neg) t.remove_prefix(1);
-    if (t.empty() || t.front() < '0' || t.front() > '9') return false;
-    out = 0;
-    while (!t.empty() && t.front() >= '0' && t.front() <= '9') {
-      out = out * 10 + (t.front() - '0');
-      if (out > (1L << 31)) return false;
-      t.remove_prefix(1);
-    }
-    if (neg) out = -out;
-    return true;
-  };
-  ProcStat st;
-  long v = 0;
+  std::uint64_t v = 0;
+  bool neg = false;
   std::string_view head = text.substr(0, open);
-  if (!number(head, v) || v <= 0) return std::nullopt;
+  while (!head.empty() && head.back() == ' ') head.remove_suffix(1);
+  if (!next_number(head, v, neg) || neg || v == 0 || v > (1U << 30) || !head.empty()) return std::nullopt;
+  ProcStat st;
   st.pid = static_cast<pid_t>(v);
   std::string_view rest = text.substr(close + 1);
   while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
   if (rest.empty()) return std::nullopt;
   st.state = rest.front();
   rest.remove_prefix(1);
-  if (!number(rest, v)) return std::nullopt;
-  st.ppid = static_cast<pid_t>(v);
-  if (!number(rest, v)) return std::nullopt;
-  st.pgrp = static_cast<pid_t>(v);
+  std::uint64_t f[23] = {};
+  for (int i = 4; i <= 22; ++i) {
+    if (!next_number(rest, f[i], neg)) return std::nullopt;
+    if (neg) f[i] = (i == 4 || i == 5) ? static_cast<std::uint64_t>(-1) : 0;
+  }
+  st.ppid = f[4] == static_cast<std::uint64_t>(-1) ? -1 : static_cast<pid_t>(f[4]);
+  st.pgrp = f[5] == static_cast<std::uint64_t>(-1) ? -1 : static_cast<pid_t>(f[5]);
+  st.flags = f[9];
+  st.cpu_ticks = f[14] + f[15];
+  st.starttime = f[22];
   return st;
 }
 
-std::vector<ProcStat> scan_processes() {
+std::optional<std::string_view> proc_status_field(std::string_view status, std::string_view name) {
+  for (std::size_t at = 0; at < status.size();) {
+    const auto nl = status.find('\n', at);
+    std::string_view line = status.substr(at, nl == std::string_view::npos ? std::string_view::npos : nl - at);
+    at = nl == std::string_view::npos ? status.size() : nl + 1;
+    if (line.size() <= name.size() || !line.starts_with(name) || line[name.size()] != ':') continue;
+    line.remove_prefix(name.size() + 1);
+    while (!line.empty() && (line.front() == ' ' || line.front() == '\t')) line.remove_prefix(1);
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\t')) line.remove_suffix(1);
+    return line;
+  }
+  return std::nullopt;
+}
+
+std::optional<std::uint64_t> proc_status_bytes(std::string_view status, std::string_view name) {
+  const auto value = proc_status_field(status, name);
+  if (!value) return std::nullopt;
+  std::uint64_t kb = 0;
+  auto [p, ec] = std::from_chars(value->data(), value->data() + value->size(), kb);
+  if (ec != std::errc{} || p == value->data()) return std::nullopt;
+  std::string_view unit = value->substr(static_cast<std::size_t>(p - value->data()));
+  while (!unit.empty() && unit.front() == ' ') unit.remove_prefix(1);
+  if (unit != "kB") return std::nullopt;
+  return kb * 1024;
+}
+
+std::string read_proc_file(pid_t pid, std::string_view leaf, std::size_t max, std::string_view proc_root) {
+  const std::string path = pid > 0 ? fmt::format("{}/{}/{}", proc_root, pid, leaf) : fmt::format("{}/self/{}", proc_root, leaf);
+  std::string out;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buf[4096];
+  while (out.size() < max) {
+    const ssize_t n = ::read(fd, buf, std::min(sizeof(buf), max - out.size()));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+std::optional<ProcStat> read_proc_stat(pid_t pid, std::string_view proc_root) {
+  return parse_proc_stat(read_proc_file(pid, "stat", 4096, proc_root));
+}
+
+std::vector<pid_t> read_proc_children(pid_t pid, pid_t tid) {
+  std::vector<pid_t> out;
+  const std::string list = read_proc_file(pid, fmt::format("task/{}/children", tid), std::size_t{1} << 22);
+  std::string_view t = list;
+  std::uint64_t v = 0;
+  bool neg = false;
+  while (next_number(t, v, neg))
+    if (!neg && v > 0) out.push_back(static_cast<pid_t>(v));
+  return out;
+}
+
+std::string read_proc_environ(pid_t pid, std::size_t max) { return read_proc_file(pid, "environ", max); }
+
+std::optional<std::pair<int, int>> parse_port_range_text(std::string_view text) {
+  std::uint64_t lo = 0, hi = 0;
+  bool neg = false;
+  std::string flat(text);
+  for (char& c : flat)
+    if (c == '\t' || c == '\n') c = ' ';
+  std::string_view t = flat;
+  if (!next_number(t, lo, neg) || neg || !next_number(t, hi, neg) || neg) return std::nullopt;
+  while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
+  if (!t.empty() || lo < 1 || hi > 65535 || lo > hi) return std::nullopt;
+  return std::pair<int, int>{static_cast<int>(lo), static_cast<int>(hi)};
+}
+
+std::optional<std::pair<int, int>> ephemeral_port_range_of_kernel() {
+  const int fd = ::open("/proc/sys/net/ipv4/ip_local_port_range", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  char buf[64];
+  const ssize_t n = ::read(fd, buf, sizeof(buf));
+  ::close(fd);
+  if (n <= 0) return std::nullopt;
+  return parse_port_range_text(std::string_view(buf, static_cast<std::size_t>(n)));
+}
+
+std::vector<ProcStat> scan_processes(std::string_view proc_root) {
   std::vector<ProcStat> out;
-  DIR* d = ::opendir("/proc");
+  DIR* d = ::opendir(std::string(proc_root).c_str());
   if (!d) return out;
-  std::string path, text;
-  char buf[1024];
   while (dirent* e = ::readdir(d)) {
     if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
-    path = fmt::format("/proc/{}/stat", e->d_name);
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) continue;  // gone meanwhile
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    ::close(fd);
-    if (n <= 0) continue;
-    if (auto st = parse_proc_stat(std::string_view(buf, static_cast<std::size_t>(n)))) out.push_back(*st);
+    pid_t pid = 0;
+    if (std::from_chars(e->d_name, e->d_name + std::strlen(e->d_name), pid).ec != std::errc{}) continue;
+    if (auto st = read_proc_stat(pid, proc_root)) out.push_back(*st);  // nothing when gone meanwhile
   }
   ::closedir(d);
   return out;
@@ -76,8 +168,6 @@ std::vector<ProcStat> scan_family(pid_t root) {
   std::vector<ProcStat> out;
   std::vector<pid_t> frontier{root};
   std::unordered_set<pid_t> seen{root};  // each pid once: bounded by the tree
-  char buf[4096];
-  std::string list;
   while (!frontier.empty()) {
     std::vector<pid_t> next;
     for (pid_t pid : frontier) {
@@ -86,23 +176,9 @@ std::vector<ProcStat> scan_family(pid_t root) {
       if (!tasks) continue;  // gone meanwhile
       while (dirent* t = ::readdir(tasks)) {
         if (t->d_name[0] < '1' || t->d_name[0] > '9') continue;
-        const int fd = ::open(fmt::format("/proc/{}/task/{}/children", pid, t->d_name).c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0) continue;
-        list.clear();
-        for (ssize_t n; (n = ::read(fd, buf, sizeof(buf))) > 0;) list.append(buf, static_cast<std::size_t>(n));
-        ::close(fd);
-        for (std::size_t i = 0; i < list.size();) {
-          pid_t child = 0;
-          for (; i < list.size() && list[i] >= '0' && list[i] <= '9'; ++i) child = child * 10 + (list[i] - '0');
-          for (; i < list.size() && (list[i] < '0' || list[i] > '9'); ++i) {
-          }
-          if (child <= 0 || !seen.insert(child).second) continue;
-          const int sfd = ::open(fmt::format("/proc/{}/stat", child).c_str(), O_RDONLY | O_CLOEXEC);
-          if (sfd < 0) continue;
-          const ssize_t n = ::read(sfd, buf, sizeof(buf));
-          ::close(sfd);
-          if (n <= 0) continue;
-          if (auto st = parse_proc_stat(std::string_view(buf, static_cast<std::size_t>(n)))) {
+        for (pid_t child : read_proc_children(pid, static_cast<pid_t>(std::atol(t->d_name)))) {
+          if (!seen.insert(child).second) continue;
+          if (auto st = read_proc_stat(child)) {
             out.push_back(*st);
             next.push_back(child);
           }

@@ -1,30 +1,64 @@
-// The /proc reader of the process layer: the fields of /proc/PID/stat, every process, a
-// process's descendants through the kernel's children lists.
+// The one /proc reader of the process layer (the agent's process hygiene, the watchdog,
+// the monitor): a process's stat, status fields, children and environment, every process,
+// a process's descendants through the kernel's children lists, the ephemeral port range.
+// The parsers are pure; the readers return nothing (nullopt, "") for a process that is gone.
 #pragma once
 
 #include <sys/types.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace mg {
 
-// The fields of /proc/PID/stat the agent needs to find its descendants.
+// The fields of /proc/PID/stat the product uses (numbered as in proc(5)).
 struct ProcStat {
   pid_t pid = 0;
-  pid_t ppid = 0;
-  pid_t pgrp = 0;
-  char state = '?';  // 'Z': a zombie, already dead
+  pid_t ppid = 0;                    // 4
+  pid_t pgrp = 0;                    // 5
+  char state = '?';                  // 3; 'Z': a zombie, already dead; 'D': uninterruptible
+  std::uint64_t flags = 0;           // 9: PF_* (PF_KTHREAD marks a kernel thread)
+  std::uint64_t cpu_ticks = 0;       // 14 + 15: utime + stime, in clock ticks
+  std::uint64_t starttime = 0;       // 22: clock ticks after boot; with pid, names a process
 };
+inline constexpr std::uint64_t kPfKthread = 0x00200000;
 
-// Parses one /proc/PID/stat text ("pid (comm) state ppid pgrp ..."; comm may hold spaces
-// and parentheses). Pure. nullopt when malformed.
+// Parses one /proc/PID/stat text ("pid (comm) state ppid pgrp ... starttime ..."; comm may
+// hold spaces and parentheses: it ends at the LAST ')'). Pure. nullopt when malformed or
+// cut short before the start time.
 std::optional<ProcStat> parse_proc_stat(std::string_view text);
 
-// Every process /proc shows now (those that vanish while reading are skipped).
-std::vector<ProcStat> scan_processes();
+// The value of field `name` in a /proc/PID/status text ("VmRSS:\t  123 kB" -> "123 kB"),
+// blanks trimmed. Pure.
+std::optional<std::string_view> proc_status_field(std::string_view status, std::string_view name);
+// A "N kB" field of /proc/PID/status in bytes; nullopt when absent or in another unit. Pure.
+std::optional<std::uint64_t> proc_status_bytes(std::string_view status, std::string_view name);
+
+// /proc/PID/LEAF (pid 0: /proc/self), at most `max` bytes; "" when it cannot be read (gone).
+// `proc_root` replaces "/proc" (tests).
+std::string read_proc_file(pid_t pid, std::string_view leaf, std::size_t max = 64 * 1024,
+                           std::string_view proc_root = "/proc");
+std::optional<ProcStat> read_proc_stat(pid_t pid, std::string_view proc_root = "/proc");
+// The children of thread `tid` of `pid` (/proc/PID/task/TID/children; CONFIG_PROC_CHILDREN).
+std::vector<pid_t> read_proc_children(pid_t pid, pid_t tid);
+// The NUL-separated environment block of `pid` (at most `max` bytes). Reading it takes the
+// process's memory-map lock: do not read that of a process in state D (it may block).
+std::string read_proc_environ(pid_t pid, std::size_t max = 1 << 20);
+
+// The kernel's ephemeral port range (/proc/sys/net/ipv4/ip_local_port_range,
+// "32768\t60999\n"); nullopt when it cannot be read or parsed.
+std::optional<std::pair<int, int>> parse_port_range_text(std::string_view text);
+std::optional<std::pair<int, int>> ephemeral_port_range_of_kernel();
+
+// Every process /proc shows now, zombies and kernel threads included (those that vanish
+// while reading are skipped). `proc_root` replaces "/proc" (tests).
+std::vector<ProcStat> scan_processes(std::string_view proc_root = "/proc");
 
 // The descendants of `root` (zombies included), found through the kernel's
 // /proc/PID/task/TID/children lists: the cost grows with root's tree, not with the number

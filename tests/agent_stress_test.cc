@@ -257,12 +257,14 @@ TEST_CASE("stragglers of a failed attempt are gone before the restarted workers 
 }
 
 TEST_CASE("the agent's view of /proc: stat lines parse, descendants are found through re-parenting") {
-  auto st = mg::parse_proc_stat("4242 (a (b) c) S 17 4242 4242 0 -1 4194560 ...");
+  auto st = mg::parse_proc_stat("4242 (a (b) c) S 17 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 12 34");
   REQUIRE(st);
   CHECK(st->pid == 4242);
   CHECK(st->ppid == 17);
   CHECK(st->pgrp == 4242);
   CHECK(st->state == 'S');
+  CHECK(st->starttime == 987654);
+  CHECK_FALSE(mg::parse_proc_stat("4242 (x) S 17 4242"));  // cut short before the start time
   CHECK_FALSE(mg::parse_proc_stat(""));
   CHECK_FALSE(mg::parse_proc_stat("12 (x"));
   CHECK_FALSE(mg::parse_proc_stat("12 (x) S"));

@@ -33,7 +33,7 @@ ProcEntry entry(pid_t pid, pid_t ppid, pid_t pgrp, std::uint64_t ticks = 0, std:
   e.stat.pgrp = pgrp;
   e.stat.state = state;
   e.stat.cpu_ticks = ticks;
-  e.stat.start_ticks = start;
+  e.stat.starttime = start;
   e.rss_bytes = rss;
   return e;
 }
@@ -76,42 +76,54 @@ Sample two_rank_sample() {
 
 }  // namespace
 
-TEST_CASE("parse_stat reads times, parent, group and start of a process whose name holds spaces and parentheses") {
+TEST_CASE("the /proc reader's parse_proc_stat reads times, flags, parent, group and start of a process whose name holds spaces and parentheses") {
   const std::string text =
       "1234 (my (odd) name) S 1 1200 1200 0 -1 4194560 100 0 0 0 250 50 7 9 20 0 3 0 98765 123456789 300 "
       "18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 3 0 0 0 0 0\n";
-  auto st = parse_stat(text);
+  auto st = mg::parse_proc_stat(text);
   REQUIRE(st);
   CHECK(st->pid == 1234);
   CHECK(st->ppid == 1);
   CHECK(st->pgrp == 1200);
   CHECK(st->state == 'S');
+  CHECK(st->flags == 4194560);
   CHECK(st->cpu_ticks == 300);  // utime + stime, not the children's
-  CHECK(st->start_ticks == 98765);
+  CHECK(st->starttime == 98765);
 }
 
-TEST_CASE("parse_stat refuses truncated or garbled text") {
-  CHECK_FALSE(parse_stat(""));
-  CHECK_FALSE(parse_stat("12 (x S 1 2"));
-  CHECK_FALSE(parse_stat("12 (x) S 1 2 3"));  // ends before utime
-  CHECK_FALSE(parse_stat("abc (x) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19"));
+TEST_CASE("parse_proc_stat refuses truncated or garbled text") {
+  CHECK_FALSE(mg::parse_proc_stat(""));
+  CHECK_FALSE(mg::parse_proc_stat("12 (x S 1 2"));
+  CHECK_FALSE(mg::parse_proc_stat("12 (x) S 1 2 3"));  // ends before utime
+  CHECK_FALSE(mg::parse_proc_stat("abc (x) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19"));
 }
 
-TEST_CASE("parse_stat reads this process's own /proc/self/stat") {
+TEST_CASE("parse_proc_stat reads this process's own /proc/self/stat") {
   std::ifstream in("/proc/self/stat");
   std::stringstream ss;
   ss << in.rdbuf();
-  auto st = parse_stat(ss.str());
+  auto st = mg::parse_proc_stat(ss.str());
   REQUIRE(st);
   CHECK(st->pid == ::getpid());
   CHECK(st->ppid == ::getppid());
-  CHECK(st->start_ticks > 0);
+  CHECK(st->starttime > 0);
 }
 
-TEST_CASE("parse_status_rss takes VmRSS in kB and nothing else") {
-  CHECK(parse_status_rss("Name:\tx\nVmPeak:\t  900 kB\nVmRSS:\t  123456 kB\nRssAnon:\t 5 kB\n") == 123456ull * 1024);
-  CHECK_FALSE(parse_status_rss("Name:\tkthreadd\nState:\tS (sleeping)\n"));
-  CHECK_FALSE(parse_status_rss("VmRSS:\t  12 MB\n"));
+TEST_CASE("a /proc/PID/status field is found by its whole name, and a size in kB only") {
+  constexpr std::string_view status = "Name:\tx\nVmPeak:\t  900 kB\nVmRSS:\t  123456 kB\nRssAnon:\t 5 kB\nVm:\t1 kB\n";
+  CHECK(mg::proc_status_bytes(status, "VmRSS") == 123456ull * 1024);
+  CHECK(mg::proc_status_bytes(status, "Vm") == 1024);  // not VmPeak's
+  CHECK(mg::proc_status_field(status, "Name") == "x");
+  CHECK_FALSE(mg::proc_status_bytes("Name:\tkthreadd\nState:\tS (sleeping)\n", "VmRSS"));
+  CHECK_FALSE(mg::proc_status_bytes("VmRSS:\t  12 MB\n", "VmRSS"));
+}
+
+TEST_CASE("the kernel's ephemeral port range parses from its text, and garbage does not") {
+  CHECK(mg::parse_port_range_text("32768\t60999\n") == std::pair{32768, 60999});
+  CHECK_FALSE(mg::parse_port_range_text("60999\t32768\n"));
+  CHECK_FALSE(mg::parse_port_range_text("1 2 3"));
+  CHECK_FALSE(mg::parse_port_range_text(""));
+  CHECK(mg::ephemeral_port_range_of_kernel().has_value());
 }
 
 TEST_CASE("a worker's tree holds its descendants and its process group, not zombies or strangers") {

@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
       return exit_code::kOk;
     }
     AgentOptions& opts = *parsed.options;
+    for (const auto& w : opts.usage_warnings) write_all(STDERR_FILENO, "mglaunch: warning: " + cli::one_line(w) + "\n");
     // OpenSSL is loaded only when needed (launcher/openssl_lazy.cc): check it before anything starts.
     if (!opts.rdzv_token.empty() || !opts.rdzv_job_token.empty() ||
         opts.rdzv_endpoint.find("https://") != std::string::npos) {

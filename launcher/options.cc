@@ -299,25 +299,76 @@ NodeRange parse_nnodes(const std::string& text, const std::string& flag) {
 
 bool uses_rendezvous_server(const AgentOptions& o) { return o.rdzv_backend != "static" && o.nnodes.max > 1; }
 
+namespace {
+
+// One pair of matching outer quotes ('...' or "...") off `text`, as a shell would have
+// removed them: PyTorch's own launcher tests pass --rdzv-conf='join_timeout=5,...' with
+// the quotes inside the value.
+std::string_view strip_outer_quotes(std::string_view text) {
+  if (text.size() >= 2 && (text.front() == '\'' || text.front() == '"') && text.back() == text.front())
+    return text.substr(1, text.size() - 2);
+  return text;
+}
+
+std::string_view strip_space(std::string_view text) {
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.remove_prefix(1);
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);
+  return text;
+}
+
+// torch's RendezvousParameters.get_as_bool spellings.
+std::optional<bool> conf_bool(std::string value) {
+  std::transform(value.begin(), value.end(), value.begin(), ::tolower);
+  for (const char* t : {"1", "true", "t", "yes", "y"})
+    if (value == t) return true;
+  for (const char* f : {"0", "false", "f", "no", "n"})
+    if (value == f) return false;
+  return std::nullopt;
+}
+
+}  // namespace
+
+const std::vector<std::string>& known_rdzv_conf_keys() {
+  static const std::vector<std::string> keys = {
+      // dynamic rendezvous (c10d, mglaunch) and its c10d store
+      "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+      "keep_alive_max_attempt", "read_timeout", "is_host", "store_type", "use_libuv", "use_agent_store",
+      // LaunchConfig (every backend) and the static backend
+      "timeout", "rank",
+      // etcd (and etcd-v2's spellings of its TLS files); user= is mglaunch's
+      "protocol", "cacert", "cert", "key", "etcd_prefix", "user", "ca_cert", "ssl_cert", "ssl_cert_key"};
+  return keys;
+}
+
 void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
-  std::string_view rest = conf;
+  // torchrun's _parse_rendezvous_config: KEY=VALUE items split at commas, spaces around
+  // keys and values dropped. mglaunch also drops one pair of outer quotes of the whole
+  // text and of each value.
+  std::string_view rest = strip_outer_quotes(strip_space(conf));
   while (!rest.empty()) {
     auto comma = rest.find(',');
     auto item = rest.substr(0, comma);
     rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
     auto eq = item.find('=');
-    if (eq == std::string_view::npos)
+    const std::string key(strip_space(item.substr(0, eq)));
+    if (eq == std::string_view::npos || key.empty())
       throw UsageError(fmt::format("bad --rdzv_conf '{}': expected KEY=VALUE,...", conf));
-    const std::string key(item.substr(0, eq));
-    const std::string value(item.substr(eq + 1));
-    if (key == "is_host") {
-      if (value == "true" || value == "1" || value == "yes") o.rdzv_is_host = true;
-      else if (value == "false" || value == "0" || value == "no") o.rdzv_is_host = false;
-      else throw UsageError(fmt::format("bad --rdzv_conf is_host='{}': use true or false", value));
+    const std::string value(strip_outer_quotes(strip_space(item.substr(eq + 1))));
+    const auto& known = known_rdzv_conf_keys();
+    if (std::find(known.begin(), known.end(), key) == known.end()) {
+      auto near = cli::nearest_name(key, known);
+      o.usage_warnings.push_back(fmt::format("--rdzv_conf key '{}' is not one mglaunch or torchrun knows{}; ignored",
+                                             key, near ? fmt::format(" (did you mean '{}'?)", *near) : ""));
+      continue;
+    }
+    if (value.empty()) throw UsageError(fmt::format("bad --rdzv_conf {}='': give a value", key));
+    if (key == "is_host" || key == "use_libuv" || key == "use_agent_store") {
+      auto b = conf_bool(value);
+      if (!b) throw UsageError(fmt::format("bad --rdzv_conf {}='{}': use true or false", key, value));
+      if (key == "is_host") o.rdzv_is_host = *b;
       continue;
     }
     if (key == "cacert" || key == "cert" || key == "key" || key == "user" || key == "etcd_prefix") {
-      if (value.empty()) throw UsageError(fmt::format("bad --rdzv_conf {}='': give a value", key));
       (key == "cacert" ? o.etcd_cacert : key == "cert" ? o.etcd_cert : key == "key" ? o.etcd_key
        : key == "user" ? o.etcd_user : o.etcd_prefix) = value;
       continue;
@@ -328,16 +379,15 @@ void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
       o.etcd_https = value == "https";
       continue;
     }
-    // torchrun keys that mean nothing here
-    if (key == "store_type" || key == "use_agent_store" || key == "close_timeout" ||
-        key == "timeout" || key == "read_timeout")
+    if (key == "store_type") {
+      std::string t = value;
+      std::transform(t.begin(), t.end(), t.begin(), ::tolower);
+      if (t != "tcp" && t != "file")
+        throw UsageError(fmt::format("bad --rdzv_conf store_type='{}': use tcp or file", value));
       continue;
-    static constexpr std::string_view kValid =
-        "join_timeout, last_call_timeout, keep_alive_interval, keep_alive_max_attempt, is_host, protocol, "
-        "cacert, cert, key, user or etcd_prefix";
-    if (key != "join_timeout" && key != "last_call_timeout" && key != "keep_alive_interval" &&
-        key != "keep_alive_max_attempt")
-      throw UsageError(fmt::format("unknown --rdzv_conf key '{}': use {}", key, kValid));
+    }
+    // etcd-v2's file names and the static backend's rank (torchrun sets it from --node_rank)
+    if (key == "ca_cert" || key == "ssl_cert" || key == "ssl_cert_key" || key == "rank") continue;
     double v = -1;
     try {
       std::size_t used = 0;
@@ -345,13 +395,60 @@ void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
       if (used != value.size()) v = -1;
     } catch (const std::exception&) {
     }
-    if (!(v >= 0)) throw UsageError(fmt::format("bad --rdzv_conf value {}='{}': expected a number of seconds", key, value));
+    if (!(v >= 0) || v > 1e9)
+      throw UsageError(fmt::format("bad --rdzv_conf value {}='{}': expected a number of seconds", key, value));
+    // torch's keys that mean nothing here: the store's read timeout, the close and
+    // heartbeat timeouts, the launcher's overall timeout
+    if (key == "timeout" || key == "read_timeout" || key == "close_timeout" || key == "heartbeat_timeout") continue;
     auto ms = std::chrono::milliseconds(static_cast<long>(v * 1000));
     if (key == "join_timeout") o.join_timeout = ms;
     else if (key == "last_call_timeout") o.last_call_timeout = ms;
     else if (key == "keep_alive_interval") o.keep_alive_interval = std::max(ms, std::chrono::milliseconds(10));
     else o.keep_alive_max_attempt = std::max(1, static_cast<int>(v));
   }
+}
+
+std::vector<std::string> parse_filter_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::string item;
+  for (std::size_t i = 0; i <= text.size(); ++i) {
+    if (i < text.size() && text[i] == ',' && i + 1 < text.size() && text[i + 1] == ',') {
+      item += ',';
+      ++i;
+    } else if (i == text.size() || text[i] == ',') {
+      if (!item.empty()) out.push_back(std::move(item));
+      item.clear();
+    } else {
+      item += text[i];
+    }
+  }
+  return out;
+}
+
+std::vector<int> parse_signal_list(const std::string& flag, const std::string& text) {
+  std::vector<int> out;
+  std::string_view rest = text;
+  while (true) {
+    const auto comma = rest.find(',');
+    std::string name(strip_space(rest.substr(0, comma)));
+    std::transform(name.begin(), name.end(), name.begin(), ::toupper);
+    const std::string bare = name.starts_with("SIG") ? name.substr(3) : name;
+    int sig = 0;
+    for (int n = 1; n < 32 && !bare.empty(); ++n)
+      if (const char* abbrev = ::sigabbrev_np(n); abbrev && bare == abbrev) sig = n;
+    if (bare == "IOT") sig = SIGABRT;
+    if (bare == "POLL") sig = SIGIO;
+    if (sig == 0)
+      throw UsageError(fmt::format("bad {} '{}': '{}' is no signal name; give names such as SIGTERM,SIGINT,SIGUSR1",
+                                   flag, text, std::string(strip_space(rest.substr(0, comma)))));
+    if (sig == SIGKILL || sig == SIGSTOP)
+      throw UsageError(fmt::format("bad {} '{}': SIG{} cannot be caught, so it cannot be handled; drop it", flag, text,
+                                   bare));
+    if (std::find(out.begin(), out.end(), sig) == out.end()) out.push_back(sig);
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return out;
 }
 
 std::string substitute_local_rank(const std::string& arg, int local_rank) {
@@ -453,7 +550,8 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   bool use_env = false;
   flag("--use_env,--use-env", "", use_env, "Accepted for torch.distributed.launch scripts; no effect");
   app.add_option("--cpu-bind,--cpu_bind", o.cpu_bind,
-                 "Pin each worker: none (default), cores (disjoint cores, near its GPU), numa (its NUMA node)");
+                 "Pin each worker: none (default), cores (disjoint cores, near its GPU), numa (its NUMA node), "
+                 "socket (its GPU's package), core-complex (one L3 cache of its node)");
   app.add_option("--gpu_ids,--gpu-ids", gpu_ids, "GPU ids for local ranks 0,1,...: CUDA_VISIBLE_DEVICES per worker");
   app.add_option("--grace", grace, "Seconds between SIGTERM and SIGKILL when stopping workers (default 30)");
   app.add_option("--summary-json,--summary_json", o.summary_json, "Write the run's summary as JSON to this file");
@@ -482,6 +580,26 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                  "Serve Prometheus metrics at http://METRICS-HOST:P/metrics (0 picks a port; printed)");
   app.add_option("--metrics-host,--metrics_host", o.metrics_host, "Address for --metrics-port (default 127.0.0.1)");
   app.add_option("--trace", o.trace_file, "Write a Chrome/Perfetto trace (JSON) of the run to FILE");
+  // torch 2.x's flags (docs/flags-torch2.md)
+  std::string shutdown_timeout, signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", numa_binding, dup_filters[2], logs_specs;
+  opt("shutdown_timeout", shutdown_timeout,
+      "torchrun's name for --grace: seconds from SIGTERM to SIGKILL (else $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30)");
+  opt("signals_to_handle", signals,
+      "Accepted for torchrun compatibility: SIG,... is checked (default SIGTERM,SIGINT,SIGHUP,SIGQUIT); the "
+      "agent passes on its own set");
+  app.add_option(both_spellings("numa_binding"), numa_binding,
+                 "Pin each worker near its GPU: node (its NUMA node), socket, exclusive (disjoint cores of its "
+                 "node) or core-complex (CPUs of one L3 cache); torchrun's names for --cpu-bind");
+  flag(both_spellings("virtual_local_rank"), "virtual_local_rank", o.virtual_local_rank,
+       "LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES its own GPU only");
+  opt("duplicate_stdout_filters", dup_filters[0],
+      "Copy stdout lines of tee'd ranks holding any of A,B,... (,, for a comma) to filtered_stdout.log");
+  opt("duplicate_stderr_filters", dup_filters[1],
+      "Copy stderr lines of tee'd ranks holding any of A,B,... (,, for a comma) to filtered_stderr.log");
+  opt("event_log_handler", o.event_log_handler,
+      "Accepted for torchrun compatibility: null (default) or console; no event records are printed yet");
+  app.add_option(both_spellings("logs_specs"), logs_specs,
+                 "torchrun's logs specs plugin: only the default (torch's DefaultLogsSpecs) exists here");
 
   if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) {
     o.python = it->second;
@@ -591,8 +709,47 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   o.max_restarts = parse_int(from("--max_restarts"), max_restarts, 0);
   o.monitor_interval = parse_seconds(from("--monitor_interval"), monitor_interval, 0.001, 86400);
   o.grace = std::chrono::milliseconds(static_cast<long>(parse_seconds(from("--grace"), grace, 0, 86400) * 1000));
-  if (o.cpu_bind != "none" && o.cpu_bind != "cores" && o.cpu_bind != "numa")
-    throw UsageError(fmt::format("bad --cpu-bind '{}': use none, cores or numa", o.cpu_bind));
+  // The stop grace: --shutdown-timeout (or PET_SHUTDOWN_TIMEOUT) > --grace >
+  // TORCH_ELASTIC_SHUTDOWN_TIMEOUT > 30 s.
+  const bool grace_given = app.get_option("--grace")->count() > 0;
+  auto to_ms = [](double s) { return std::chrono::milliseconds(static_cast<long>(s * 1000)); };
+  if (app.get_option("--shutdown_timeout")->count() > 0) {
+    const auto ms = to_ms(parse_seconds(from("--shutdown_timeout"), shutdown_timeout, 0, 86400));
+    if (grace_given && ms != o.grace)
+      o.warnings.push_back(fmt::format("--grace {} has no effect: {} {} sets the stop grace", grace,
+                                       from("--shutdown_timeout"), shutdown_timeout));
+    o.grace = ms;
+  } else if (auto it = env.find("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"); it != env.end() && !grace_given) {
+    o.grace = to_ms(parse_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", it->second, 0, 86400));
+  }
+  if (app.get_option("--signals_to_handle")->count() > 0)
+    o.signals_to_handle = parse_signal_list(from("--signals_to_handle"), signals);
+  else if (auto it = env.find("TORCHELASTIC_SIGNALS_TO_HANDLE"); it != env.end())
+    o.signals_to_handle = parse_signal_list("TORCHELASTIC_SIGNALS_TO_HANDLE", it->second);
+  if (app.get_option("--numa_binding")->count() > 0) {
+    static const std::map<std::string, std::string> kModes = {
+        {"node", "numa"}, {"exclusive", "cores"}, {"socket", "socket"}, {"core-complex", "core-complex"}};
+    auto mode = kModes.find(numa_binding);
+    if (mode == kModes.end())
+      throw UsageError(fmt::format("bad --numa-binding '{}': use node, socket, exclusive or core-complex", numa_binding));
+    if (app.get_option("--cpu-bind")->count() > 0 && o.cpu_bind != "none" && o.cpu_bind != mode->second)
+      throw UsageError(fmt::format("--numa-binding={} binds as --cpu-bind={}, but --cpu-bind is {}: give one of them",
+                                   numa_binding, mode->second, o.cpu_bind));
+    o.numa_binding = numa_binding;
+    o.cpu_bind = mode->second;
+  }
+  if (o.cpu_bind != "none" && o.cpu_bind != "cores" && o.cpu_bind != "numa" && o.cpu_bind != "socket" &&
+      o.cpu_bind != "core-complex")
+    throw UsageError(
+        fmt::format("bad --cpu-bind '{}': use none, cores, numa, socket or core-complex", o.cpu_bind));
+  for (int s = 0; s < 2; ++s) o.duplicate_filters[s] = parse_filter_list(dup_filters[s]);
+  if (o.event_log_handler != "null" && o.event_log_handler != "console")
+    throw UsageError(fmt::format("bad {} '{}': use null or console (the handlers torchrun registers)",
+                                 from("--event_log_handler"), o.event_log_handler));
+  if (app.get_option("--logs_specs")->count() > 0 && logs_specs != "default")
+    throw UsageError(fmt::format("--logs-specs '{}': Could not find entrypoint under 'torchrun.logs_specs[{}]' key; "
+                                 "mglaunch has only the default (torch's DefaultLogsSpecs): drop --logs-specs",
+                                 logs_specs, logs_specs));
   if (o.python.empty()) throw UsageError("bad --python '': give an interpreter (a name on PATH or a path)");
   if (!redirects.empty()) o.redirects = parse_stream_spec(from("--redirects"), redirects);
   if (!tee.empty()) o.tee = parse_stream_spec(from("--tee"), tee);
@@ -602,6 +759,17 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     if (static_cast<int>(o.gpu_ids.size()) < o.nproc_per_node)
       throw UsageError(fmt::format("--gpu_ids '{}' names {} GPUs but --nproc_per_node is {}: give one id per worker",
                                    gpu_ids, o.gpu_ids.size(), o.nproc_per_node));
+  }
+  if (o.virtual_local_rank && o.gpu_ids.empty()) {
+    // Each worker's one GPU is the local rank's entry of the inherited CUDA_VISIBLE_DEVICES
+    // (torch's _set_local_rank_env), so there must be one per worker.
+    if (auto it = env.find("CUDA_VISIBLE_DEVICES"); it != env.end()) {
+      const auto n = static_cast<int>(std::count(it->second.begin(), it->second.end(), ',')) + 1;
+      if (n < o.nproc_per_node)
+        throw UsageError(fmt::format("--virtual-local-rank with {} workers, but CUDA_VISIBLE_DEVICES={} names {} "
+                                     "GPU(s): give one GPU per worker (or --gpu_ids)",
+                                     o.nproc_per_node, it->second, n));
+    }
   }
   if (monitor == "true") monitor = "5";  // a bare --monitor (CLI11 gives a flag's value as "true")
   if (!monitor.empty()) {
@@ -627,7 +795,15 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                                    "them or none",
                                    o.stdin_rank, o.nproc_per_node, o.nproc_per_node - 1));
   }
-  if (app.get_option("--log-line-prefix-template")->count() > 0) o.log_line_prefix_template = prefix_template;
+  // The template: the flag, else PET_LOG_LINE_PREFIX_TEMPLATE, else torch 2.x's
+  // TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (empty counts as unset there, as in torch).
+  if (app.get_option("--log-line-prefix-template")->count() > 0) {
+    o.log_line_prefix_template = prefix_template;
+  } else if (auto pet_it = env.find("PET_LOG_LINE_PREFIX_TEMPLATE"); pet_it != env.end()) {
+    o.log_line_prefix_template = pet_it->second;
+  } else if (auto te = env.find("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"); te != env.end() && !te->second.empty()) {
+    o.log_line_prefix_template = te->second;
+  }
   if (o.start_method != "spawn" && o.start_method != "fork" && o.start_method != "forkserver")
     throw UsageError(fmt::format("bad --start_method '{}': use spawn, fork or forkserver", o.start_method));
   if (o.start_method != "spawn")

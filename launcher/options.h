@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <csignal>
 #include <functional>
 #include <map>
 #include <optional>
@@ -109,9 +110,19 @@ struct AgentOptions {
   // MGLAUNCH_ETCD_PASSWORD), etcd_prefix= (default /mglaunch), protocol=https
   std::string etcd_cacert, etcd_cert, etcd_key, etcd_user, etcd_password, etcd_prefix = "/mglaunch";
   bool etcd_https = false;
+  // torch 2.x's flags (#25; docs/flags-torch2.md)
+  // --signals-to-handle (PET_SIGNALS_TO_HANDLE, TORCHELASTIC_SIGNALS_TO_HANDLE): the
+  // signals the agent passes on to its workers; parsed and checked here.
+  std::vector<int> signals_to_handle{SIGTERM, SIGINT, SIGHUP, SIGQUIT};
+  std::string numa_binding;  // --numa-binding node|socket|exclusive|core-complex ("": none); sets cpu_bind
+  bool virtual_local_rank = false;  // --virtual-local-rank: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES its one GPU
+  // --duplicate-stdout-filters / --duplicate-stderr-filters: lines of tee'd ranks holding
+  // any of these go to {attempt dir}/filtered_stdout.log / filtered_stderr.log too.
+  std::vector<std::string> duplicate_filters[2];
+  std::string event_log_handler = "null";  // --event-log-handler null|console
   // mglaunch's own
   std::vector<int> gpu_ids;
-  std::string cpu_bind = "none";  // --cpu-bind none|cores|numa
+  std::string cpu_bind = "none";  // --cpu-bind none|cores|numa|socket|core-complex
   std::chrono::milliseconds grace{30000};
   std::string summary_json;
   bool dry_run = false;
@@ -134,6 +145,9 @@ struct AgentOptions {
   std::string program;
   std::vector<std::string> program_args;
   std::vector<std::string> warnings;  // to print once before starting
+  // Said about the command line itself, on stderr as "mglaunch: warning: ..." right after
+  // parsing (main.cc), before anything starts (--dry-run too).
+  std::vector<std::string> usage_warnings;
 };
 
 // Result of parsing: either options to run, or a text to print and exit 0 (--help, --version).
@@ -152,9 +166,22 @@ ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::m
 // checks the flags it forwards by the same rules). cli::FlagSpec is in cli/args.h.
 std::vector<cli::FlagSpec> agent_flag_specs();
 
-// Applies "key=value,..." (join_timeout, last_call_timeout, close_timeout,
-// keep_alive_interval, keep_alive_max_attempt; seconds) to `o`. Throws UsageError.
+// Applies "key=value,..." to `o` as torchrun 2.x reads --rdzv_conf: every key one of
+// torch's rendezvous backends reads is accepted (known_rdzv_conf_keys(); those that mean
+// nothing here, such as read_timeout or use_libuv, are checked and ignored); any other key
+// adds one usage warning naming the nearest known key. Spaces around keys and values and
+// one pair of matching outer quotes of the whole text and of each value are dropped
+// ('join_timeout=5,timeout=5' as PyTorch's tests pass it). Throws UsageError for a bad value.
 void apply_rdzv_conf(AgentOptions& o, const std::string& conf);
+const std::vector<std::string>& known_rdzv_conf_keys();
+
+// torchrun's comma_separated_list: "a,b" -> {a, b}; ",," is a comma inside an item; empty
+// items are dropped (an empty list duplicates nothing).
+std::vector<std::string> parse_filter_list(const std::string& text);
+
+// "SIGTERM,SIGUSR1" (names with or without SIG, any case) -> signal numbers. Throws
+// UsageError naming `flag` and the bad name; SIGKILL and SIGSTOP cannot be handled.
+std::vector<int> parse_signal_list(const std::string& flag, const std::string& text);
 
 // Python string.Template.safe_substitute with the single name `local_rank`.
 std::string substitute_local_rank(const std::string& arg, int local_rank);

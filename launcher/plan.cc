@@ -51,6 +51,20 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
   if (plan.torch_major < 2) env["NCCL_ASYNC_ERROR_HANDLING"] = inherit_or("NCCL_ASYNC_ERROR_HANDLING", "1");
   if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
   if (!opts.gpu_ids.empty()) env["CUDA_VISIBLE_DEVICES"] = std::to_string(opts.gpu_ids.at(local_rank));
+  if (opts.virtual_local_rank) {
+    // torch 2.x's --virtual-local-rank: every worker is local rank 0 of its own one GPU: its
+    // --gpu_ids entry, else its entry of the inherited CUDA_VISIBLE_DEVICES, else GPU N.
+    env["LOCAL_RANK"] = "0";
+    if (opts.gpu_ids.empty()) {
+      std::string device = std::to_string(local_rank);
+      if (auto it = base.find("CUDA_VISIBLE_DEVICES"); it != base.end()) {
+        std::string_view rest = it->second;
+        for (int i = 0; i < local_rank && rest.find(',') != std::string_view::npos; ++i) rest.remove_prefix(rest.find(',') + 1);
+        device = std::string(rest.substr(0, rest.find(',')));
+      }
+      env["CUDA_VISIBLE_DEVICES"] = device;
+    }
+  }
   return env;
 }
 

@@ -175,6 +175,8 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
         failed_status = exit_code::kResource << 8;
         spawn_error_ += "; " + process_limit_text();
       }
+    } else if (prefix_.find(kPrefixPidMark) != std::string::npos) {
+      prefix_ = replace_prefix_pid(std::move(prefix_), pid_);  // ${pid} in the line prefix template
     }
   }
   if (devnull >= 0) ::close(devnull);
@@ -294,6 +296,7 @@ void WorkerProcess::keep_tail(int s, std::string_view run) {
 }
 
 void WorkerProcess::on_data(int s, std::string_view data) {
+  if (spec_.tap[s]) spec_.tap[s](data, false);
   if (impl_->files[s] >= 0) console_.write_file(impl_->files[s], data);
   const bool show = spec_.console[s];
   LineSplitter& splitter = *impl_->splitters[s];
@@ -367,6 +370,7 @@ void WorkerProcess::close_stream(int s) {
   if (live) console_.end_relay(s, this, live_[s]);
   open_line_[s] = false;
   impl_->splitters[s]->finish([&](std::string_view line, bool cut) { emit(s, line, cut, spec_.console[s] && !live); });
+  if (spec_.tap[s]) spec_.tap[s]({}, true);
   console_.flush();
   error_code ec;
   impl_->pipes[s].close(ec);

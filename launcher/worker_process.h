@@ -51,6 +51,9 @@ struct WorkerSpec {
   // the real one: the worker sees a terminal (isatty, its width) as under torchrun.
   bool terminal = true;
   const struct rlimit* nofile = nullptr;  // the descriptor limit the worker starts with (null: the agent's)
+  // Sees every byte of stdout / stderr as it is read (end: the stream ended, data empty);
+  // empty: none. The --duplicate-*-filters copy (launcher/worker_spec.cc).
+  std::function<void(std::string_view data, bool end)> tap[2];
 };
 
 class WorkerProcess {

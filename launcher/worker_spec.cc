@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "logs/filtered_copy.h"
 #include "logs/line_splitter.h"
 #include "launcher/watchdog.h"
 
@@ -40,15 +41,38 @@ WorkerSpec make_worker_spec(const RunPlan& plan, const AgentOptions& opts, const
   const Streams which[2] = {Streams::kOut, Streams::kErr};
   const char* names[2] = {"stdout.log", "stderr.log"};
   for (int s = 0; s < 2; ++s) {
-    spec.console[s] = shown && !opts.redirects.covers(lr, which[s]);
+    // torchrun: tee is a redirect plus a copy to the console, so a stream both redirected
+    // and tee'd reaches the console and its file.
+    spec.console[s] = shown && (!opts.redirects.covers(lr, which[s]) || opts.tee.covers(lr, which[s]));
     if (opts.redirects.covers(lr, which[s]) || opts.tee.covers(lr, which[s])) spec.log_file[s] = in.dir + "/" + names[s];
   }
   spec.max_line_bytes = opts.max_line_bytes;
   spec.merge_streams = in.merge_streams && spec.console[0] == spec.console[1] && spec.log_file[0].empty() &&
                        spec.log_file[1].empty();
-  spec.prefix = opts.log_line_prefix_template
-                    ? expand_line_prefix(*opts.log_line_prefix_template, opts.role, spec.rank, lr)
-                    : fmt::format("[rank{}]:", spec.rank);
+  if (opts.log_line_prefix_template) {
+    const std::string& t = *opts.log_line_prefix_template;
+    spec.prefix = expand_line_prefix(t, opts.role, spec.rank, lr,
+                                     t.find("hostname") != std::string::npos ? local_hostname() : std::string());
+  } else {
+    spec.prefix = fmt::format("[rank{}]:", spec.rank);
+  }
+  // --duplicate-*-filters: the matching lines of tee'd ranks shown on the console also go
+  // to one file of the attempt, shared by the node's ranks (torch's DefaultLogsSpecs).
+  const char* filtered[2] = {"filtered_stdout.log", "filtered_stderr.log"};
+  const auto slash = in.dir.find_last_of('/');
+  const std::string attempt_dir = slash == std::string::npos ? "." : in.dir.substr(0, slash);
+  for (int s = 0; s < 2; ++s) {
+    if (opts.duplicate_filters[s].empty() || !shown || !opts.tee.covers(lr, which[s])) continue;
+    std::string prefix = spec.prefix;  // ${pid} is unknown here: left out of the copy's prefix
+    for (auto at = prefix.find(kPrefixPidMark); at != std::string::npos; at = prefix.find(kPrefixPidMark))
+      prefix.erase(at, kPrefixPidMark.size());
+    auto copy = std::make_shared<FilteredCopy>(attempt_dir + "/" + filtered[s], opts.duplicate_filters[s],
+                                               std::move(prefix), spec.max_line_bytes);
+    spec.tap[s] = [copy](std::string_view data, bool end) {
+      if (end) copy->finish();
+      else copy->feed(data);
+    };
+  }
   return spec;
 }
 

@@ -206,12 +206,22 @@ inline void live_relay(std::string& out, LiveLine& st, std::string_view prefix, 
   }
 }
 
-// torchrun 2.x's --log-line-prefix-template: Python string.Template.safe_substitute with
-// role_name, rank and local_rank (${name} and $name; $$ is a '$'; anything else is left as
-// it is). Pure.
-inline std::string expand_line_prefix(std::string_view tmpl, const std::string& role_name, int rank, int local_rank) {
-  const std::pair<std::string_view, std::string> names[] = {
-      {"role_name", role_name}, {"local_rank", std::to_string(local_rank)}, {"rank", std::to_string(rank)}};
+// The worker's pid in an expanded prefix until the worker runs (replace_prefix_pid): a
+// text no template holds (control characters).
+inline constexpr std::string_view kPrefixPidMark = "\x1e" "pid" "\x1e";
+
+// torchrun 2.x's --log-line-prefix-template (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE): Python
+// string.Template.safe_substitute with role_name, rank and local_rank (${name} and $name;
+// $$ is a '$'; anything else is left as it is). mglaunch adds hostname (this machine's
+// host name) and pid (the worker's process id: kPrefixPidMark here, the number once the
+// worker runs). Pure.
+inline std::string expand_line_prefix(std::string_view tmpl, const std::string& role_name, int rank, int local_rank,
+                                      const std::string& hostname = "") {
+  const std::pair<std::string_view, std::string> names[] = {{"role_name", role_name},
+                                                            {"local_rank", std::to_string(local_rank)},
+                                                            {"rank", std::to_string(rank)},
+                                                            {"hostname", hostname},
+                                                            {"pid", std::string(kPrefixPidMark)}};
   auto is_ident = [](char c, bool first) {
     return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (!first && c >= '0' && c <= '9');
   };
@@ -251,6 +261,13 @@ inline std::string expand_line_prefix(std::string_view tmpl, const std::string& 
     }
   }
   return out;
+}
+
+// `prefix` (from expand_line_prefix) with the worker's pid in place of kPrefixPidMark.
+inline std::string replace_prefix_pid(std::string prefix, long pid) {
+  for (auto at = prefix.find(kPrefixPidMark); at != std::string::npos; at = prefix.find(kPrefixPidMark, at))
+    prefix.replace(at, kPrefixPidMark.size(), std::to_string(pid));
+  return prefix;
 }
 
 }  // namespace mg

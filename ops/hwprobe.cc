@@ -260,13 +260,48 @@ std::vector<Binding> bind_this_machine(const std::string& policy, int nproc, con
     gpu_numa.push_back(id >= 0 && id < static_cast<int>(gpus.size()) ? gpus[static_cast<std::size_t>(id)].numa_node
                                                                      : std::nullopt);
   }
-  return plan_binding(policy, nproc, probe_cpus().affinity, probe_numa(), gpu_numa);
+  const bool topology = policy == "socket" || policy == "core-complex";
+  return plan_binding(policy, nproc, probe_cpus().affinity, probe_numa(), gpu_numa,
+                      topology ? probe_topology() : CpuTopology{});
+}
+
+CpuTopology probe_topology(const std::string& root) {
+  CpuTopology t;
+  std::set<std::vector<int>> l3;
+  std::error_code ec;
+  const std::string base = root + "/sys/devices/system/cpu";
+  for (auto it = fs::directory_iterator(base, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    int cpu = 0;
+    if (!name.starts_with("cpu") || !to_num(std::string_view(name).substr(3), cpu)) continue;
+    int pkg = -1;
+    if (auto text = read_text(it->path().string() + "/topology/physical_package_id"); text && to_num(trim(*text), pkg))
+      t.package[cpu] = pkg;
+    for (int k = 0; k < 16; ++k) {
+      const std::string index = fmt::format("{}/cache/index{}", it->path().string(), k);
+      auto level = read_text(index + "/level");
+      if (!level) continue;
+      int lv = 0;
+      if (!to_num(trim(*level), lv) || lv != 3) continue;
+      if (auto shared = read_text(index + "/shared_cpu_list")) {
+        try {
+          l3.insert(parse_cpu_list(*shared));
+        } catch (const std::invalid_argument&) {
+        }
+      }
+      break;
+    }
+  }
+  t.l3.assign(l3.begin(), l3.end());
+  return t;
 }
 
 std::vector<Binding> plan_binding(const std::string& policy, int nproc, const std::vector<int>& usable_in,
-                                  const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa) {
-  if (policy != "none" && policy != "cores" && policy != "numa")
-    throw std::invalid_argument(fmt::format("bad --cpu-bind '{}': use none, cores or numa", policy));
+                                  const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa,
+                                  const CpuTopology& topology) {
+  if (policy != "none" && policy != "cores" && policy != "numa" && policy != "socket" && policy != "core-complex")
+    throw std::invalid_argument(
+        fmt::format("bad --cpu-bind '{}': use none, cores, numa, socket or core-complex", policy));
   std::vector<Binding> out(static_cast<std::size_t>(std::max(0, nproc)));
   if (policy == "none" || nproc <= 0) return out;
   std::vector<int> usable = usable_in;
@@ -289,6 +324,49 @@ std::vector<Binding> plan_binding(const std::string& policy, int nproc, const st
     for (int r = 0; r < nproc; ++r) {
       const int node = gpu_node(r).value_or(ids[static_cast<std::size_t>(r) * ids.size() / static_cast<std::size_t>(nproc)]);
       out[r] = {node_cpus[node], node};
+    }
+    return out;
+  }
+  if (policy == "socket") {
+    // Packages with usable CPUs, by id.
+    std::map<int, std::vector<int>> package_cpus;
+    for (int c : usable)
+      if (auto p = topology.package.find(c); p != topology.package.end()) package_cpus[p->second].push_back(c);
+    if (package_cpus.empty())
+      throw std::invalid_argument("--numa-binding=socket: no CPU's package is known (sysfs topology/physical_package_id)");
+    std::vector<int> ids;
+    for (const auto& [id, c] : package_cpus) ids.push_back(id);
+    for (int r = 0; r < nproc; ++r) {
+      int pkg = ids[static_cast<std::size_t>(r) * ids.size() / static_cast<std::size_t>(nproc)];
+      const auto node = gpu_node(r);
+      if (node)
+        if (auto p = topology.package.find(node_cpus[*node].front()); p != topology.package.end()) pkg = p->second;
+      out[r] = {package_cpus[pkg], node};
+    }
+    return out;
+  }
+  if (policy == "core-complex") {
+    // The L3 groups (usable CPUs only), and which of them lie in each node.
+    std::vector<std::vector<int>> groups;
+    for (const auto& g : topology.l3)
+      if (auto u = intersect(g, usable); !u.empty()) groups.push_back(std::move(u));
+    if (groups.empty())
+      throw std::invalid_argument("--numa-binding=core-complex: no L3 cache's CPUs are known (sysfs cache/index3)");
+    std::map<int, int> dealt;  // node (or -1: no GPU node) -> ranks placed so far
+    for (int r = 0; r < nproc; ++r) {
+      const auto node = gpu_node(r);
+      std::vector<std::size_t> in_node;
+      for (std::size_t g = 0; g < groups.size(); ++g)
+        if (!node || !intersect(groups[g], node_cpus[*node]).empty()) in_node.push_back(g);
+      if (in_node.empty())  // the node's CPUs share no known cache: the whole node
+        for (std::size_t g = 0; g < groups.size(); ++g) in_node.push_back(g);
+      const int k = dealt[node.value_or(-1)]++;
+      auto cpus = groups[in_node[static_cast<std::size_t>(k) % in_node.size()]];
+      if (node) {
+        auto within = intersect(cpus, node_cpus[*node]);
+        if (!within.empty()) cpus = std::move(within);
+      }
+      out[r] = {std::move(cpus), node};
     }
     return out;
   }

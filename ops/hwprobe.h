@@ -78,17 +78,31 @@ CpuInfo probe_cpus(const std::string& root = "");  // root: prefix for /proc and
 MemInfo probe_memory(const std::string& root = "");
 std::vector<NumaNode> probe_numa(const std::string& root = "");
 
-// CPU binding for `--cpu-bind` (policy "none", "cores" or "numa"), pure: which CPUs each
+// Which CPUs share a package (socket) and which share an L3 cache (a core complex).
+struct CpuTopology {
+  std::map<int, int> package;            // cpu -> topology/physical_package_id
+  std::vector<std::vector<int>> l3;      // the CPU sets sharing one L3 cache (sorted, each once)
+};
+// From {root}/sys/devices/system/cpu/cpuN/topology/physical_package_id and
+// cpuN/cache/indexK/{level,shared_cpu_list} (the index whose level is 3).
+CpuTopology probe_topology(const std::string& root = "");
+
+// CPU binding for `--cpu-bind` (policy "none", "cores", "numa", "socket" or "core-complex";
+// torchrun's --numa-binding exclusive, node, socket, core-complex), pure: which CPUs each
 // local rank gets. cores: disjoint sets within `usable`, taken from the rank's GPU NUMA
 // node when known (gpu_numa[local_rank]), the rest split evenly; numa: every usable CPU
-// of the rank's node (its GPU's, else nodes dealt out in rank order). none: empty sets.
+// of the rank's node (its GPU's, else nodes dealt out in rank order); socket: every usable
+// CPU of the package that holds the rank's node (packages dealt out in rank order when the
+// GPU's node is unknown); core-complex: the usable CPUs of one L3 cache within the rank's
+// node, the ranks of a node dealt over its caches in rank order. none: empty sets.
 // Throws std::invalid_argument naming the policy when it cannot be satisfied.
 struct Binding {
   std::vector<int> cpus;
   std::optional<int> numa_node;
 };
 std::vector<Binding> plan_binding(const std::string& policy, int nproc, const std::vector<int>& usable,
-                                  const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa);
+                                  const std::vector<NumaNode>& numa, const std::vector<std::optional<int>>& gpu_numa,
+                                  const CpuTopology& topology = {});
 // The bindings of `nproc` local ranks on this machine: its usable CPUs (affinity), NUMA
 // nodes and, for ranks with a GPU (gpu_ids[local_rank], else the rank's index), that GPU's
 // NUMA node from NVML when a driver is there. Throws std::invalid_argument like plan_binding.

@@ -236,7 +236,7 @@ TEST_CASE("cores binding stays inside the affinity mask and fails clearly when C
   CHECK(hw::format_cpu_list(b[2].cpus) == "6");
   CHECK_THROWS_WITH(hw::plan_binding("cores", 4, hw::parse_cpu_list("0-2"), numa, {}),
                     Catch::Contains("4 workers cannot have disjoint CPUs among the 3 usable (0-2)"));
-  CHECK_THROWS_WITH(hw::plan_binding("sockets", 1, {0}, numa, {}), Catch::Contains("use none, cores or numa"));
+  CHECK_THROWS_WITH(hw::plan_binding("sockets", 1, {0}, numa, {}), Catch::Contains("use none, cores, numa, socket or core-complex"));
   CHECK(hw::plan_binding("none", 2, {0, 1}, numa, {})[1].cpus.empty());
 }
 
@@ -291,6 +291,22 @@ std::string fake_python(const std::string& dir, const std::string& name, const s
   return path;
 }
 
+// A 2-socket box, one NUMA node per socket, two L3 caches (core complexes) per socket:
+// CPUs 0-3 and 4-7 on package 0, 8-11 and 12-15 on package 1.
+std::string topology_box() {
+  const std::string root = temp_root();
+  for (int c = 0; c < 16; ++c) {
+    const std::string cpu = root + "/sys/devices/system/cpu/cpu" + std::to_string(c);
+    put(cpu + "/topology/physical_package_id", c < 8 ? "0\n" : "1\n");
+    put(cpu + "/cache/index0/level", "1\n");
+    put(cpu + "/cache/index0/shared_cpu_list", std::to_string(c) + "\n");
+    put(cpu + "/cache/index3/level", "3\n");
+    const int lo = c / 4 * 4;
+    put(cpu + "/cache/index3/shared_cpu_list", std::to_string(lo) + "-" + std::to_string(lo + 3) + "\n");
+  }
+  return root;
+}
+
 }  // namespace
 
 TEST_CASE("doctor's python probe runs the python and reads torch's version after any warnings") {
@@ -342,4 +358,41 @@ TEST_CASE("doctor's python probe asks a real python whether it has torch") {
   CHECK(info.has_torch == mgtest::python_has_torch());
   if (info.has_torch) CHECK_FALSE(info.torch_version.empty());
   else CHECK_THAT(info.error, Catch::Contains("torch"));
+}
+
+TEST_CASE("the CPU topology (packages and L3 caches) comes from sysfs") {
+  const std::string root = topology_box();
+  const auto t = hw::probe_topology(root);
+  CHECK(t.package.size() == 16);
+  CHECK(t.package.at(3) == 0);
+  CHECK(t.package.at(12) == 1);
+  REQUIRE(t.l3.size() == 4);
+  CHECK(hw::format_cpu_list(t.l3[2]) == "8-11");
+  CHECK(hw::probe_topology(root + "/nowhere").l3.empty());
+  fs::remove_all(root);
+}
+
+TEST_CASE("--numa-binding socket and core-complex bind to the GPU's package and to one L3 cache of its node") {
+  const std::string root = topology_box();
+  const auto topo = hw::probe_topology(root);
+  const std::vector<hw::NumaNode> numa{{0, hw::parse_cpu_list("0-7")}, {1, hw::parse_cpu_list("8-15")}};
+  const auto all = hw::parse_cpu_list("0-15");
+  // socket: the package of the GPU's node, whole.
+  auto s = hw::plan_binding("socket", 2, all, numa, {1, 0}, topo);
+  CHECK(hw::format_binding(0, s[0]) == "local_rank 0: cpus 8-15 (NUMA node 1)");
+  CHECK(hw::format_binding(1, s[1]) == "local_rank 1: cpus 0-7 (NUMA node 0)");
+  // No GPU: packages dealt out in rank order; only usable CPUs.
+  auto s2 = hw::plan_binding("socket", 2, hw::parse_cpu_list("1-15"), numa, {}, topo);
+  CHECK(hw::format_cpu_list(s2[0].cpus) == "1-7");
+  CHECK(hw::format_cpu_list(s2[1].cpus) == "8-15");
+  // core-complex: the ranks of a node take its L3 caches in turn.
+  auto c = hw::plan_binding("core-complex", 4, all, numa, {1, 1, 0, 1}, topo);
+  CHECK(hw::format_binding(0, c[0]) == "local_rank 0: cpus 8-11 (NUMA node 1)");
+  CHECK(hw::format_binding(1, c[1]) == "local_rank 1: cpus 12-15 (NUMA node 1)");
+  CHECK(hw::format_binding(2, c[2]) == "local_rank 2: cpus 0-3 (NUMA node 0)");
+  CHECK(hw::format_binding(3, c[3]) == "local_rank 3: cpus 8-11 (NUMA node 1)");  // a third rank on node 1 shares
+  // Without the topology each says what it misses.
+  CHECK_THROWS_WITH(hw::plan_binding("socket", 1, all, numa, {}, {}), Catch::Contains("physical_package_id"));
+  CHECK_THROWS_WITH(hw::plan_binding("core-complex", 1, all, numa, {}, {}), Catch::Contains("index3"));
+  fs::remove_all(root);
 }

@@ -8,8 +8,10 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
 
 #include "cli/errors.h"
+#include "logs/filtered_copy.h"
 #include "logs/log_layout.h"
 
 using namespace mg;
@@ -205,6 +207,7 @@ struct NoTmpdirEnv {
   }
   ~NoTmpdirEnv() {
     if (saved) ::setenv("TMPDIR", saved->c_str(), 1);
+    else ::unsetenv("TMPDIR");  // a test that set it leaves no TMPDIR behind (its directory is gone)
   }
 };
 
@@ -268,4 +271,30 @@ TEST_CASE("a TMPDIR that is set wins over the shm directory") {
   LogLayout l;
   l.create(o);
   CHECK(fs::path(l.root()).parent_path() == t.path);
+}
+
+TEST_CASE("the filtered copy holds the matching lines of every rank that feeds it, prefixed, each whole") {
+  TempDir tmp;
+  const std::string file = tmp.path + "/filtered_stdout.log";
+  {
+    FilteredCopy r0(file, {"apple", "orange,pear"}, "[rank0]:", 64);
+    FilteredCopy r1(file, {"apple", "orange,pear"}, "[rank1]:", 64);
+    r0.feed("no fruit\n");
+    CHECK_FALSE(fs::exists(file));  // nothing matched yet: no file
+    r0.feed("an apple a day\nno fruit\nhalf an ap");
+    r1.feed("orange,pear juice\n");
+    r0.feed("ple\n");  // the line completes across reads
+    r1.feed("last apple, no newline");
+    r1.finish();
+    r0.finish();
+    CHECK(r0.error().empty());
+  }
+  std::ifstream in(file);
+  std::stringstream got;
+  got << in.rdbuf();
+  CHECK(got.str() ==
+        "[rank0]:an apple a day\n[rank1]:orange,pear juice\n[rank0]:half an apple\n[rank1]:last apple, no newline\n");
+  FilteredCopy bad(tmp.path + "/no/such/dir/f.log", {"x"}, "", 64);
+  bad.feed("x\n");
+  CHECK_THAT(bad.error(), Catch::Contains("cannot open"));
 }

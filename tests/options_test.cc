@@ -96,10 +96,10 @@ TEST_CASE("bad values are usage errors that name the flag and the value") {
 }
 
 TEST_CASE("etcd settings a client cannot use are usage errors naming the fix") {
-  // An unknown key is named, with the keys there are (not "expected a number of seconds").
-  const auto unknown = usage_error({"--rdzv_backend=etcd", "--rdzv_endpoint=a:2379", "--rdzv_conf=prefix=/x", "prog"});
-  CHECK_THAT(unknown, Catch::Contains("unknown --rdzv_conf key 'prefix'") && Catch::Contains("etcd_prefix"));
-  CHECK_THAT(unknown, !Catch::Contains("seconds"));
+  // An unknown key is one warning naming the nearest known key (torchrun passes keys through).
+  const auto unknown = parse({"--rdzv_backend=etcd", "--rdzv_endpoint=a:2379", "--rdzv_conf=prefix=/x", "prog"});
+  REQUIRE(unknown.usage_warnings.size() == 1);
+  CHECK_THAT(unknown.usage_warnings[0], Catch::Contains("'prefix'") && !Catch::Contains("seconds"));
   // Port 0 is no port a client can reach.
   CHECK_THAT(usage_error({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=127.0.0.1:0", "prog"}),
              Catch::Contains("--rdzv_endpoint") && Catch::Contains("port 0"));
@@ -340,4 +340,145 @@ TEST_CASE("a bad PET_ variable is named as that variable, and PET_ beats the con
   std::ofstream(path) << R"({"max_restarts": -4})";
   CHECK_THAT(usage_error({"--config", path, "prog"}), Catch::Contains("--config key 'max_restarts'"));
   std::remove(path.c_str());
+}
+
+TEST_CASE("--rdzv_conf takes every key torchrun 2.x's rendezvous backends read") {
+  // The Done-when line of #25: torch 2.x users write these.
+  auto o = parse({"--rdzv_conf=use_libuv=0,read_timeout=60", "prog"});
+  CHECK(o.usage_warnings.empty());
+  // c10d / dynamic rendezvous, LaunchConfig, static, etcd and etcd-v2 keys, all at once.
+  auto all = parse({"--nnodes=1:2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:29400",
+                    "--rdzv-conf=read_timeout=60,timeout=900,is_host=false,use_libuv=False,store_type=tcp,"
+                    "join_timeout=7,last_call_timeout=2,close_timeout=5,heartbeat_timeout=10,keep_alive_interval=1,"
+                    "keep_alive_max_attempt=4,use_agent_store=true,rank=0,protocol=https,cacert=/ca,cert=/c,key=/k,"
+                    "etcd_prefix=/p,user=u,ca_cert=/a,ssl_cert=/b,ssl_cert_key=/d",
+                    "prog"});
+  CHECK(all.usage_warnings.empty());
+  CHECK(all.join_timeout == std::chrono::seconds(7));
+  CHECK(all.last_call_timeout == std::chrono::seconds(2));
+  CHECK(all.keep_alive_interval == std::chrono::seconds(1));
+  CHECK(all.keep_alive_max_attempt == 4);
+  CHECK(all.rdzv_is_host == false);
+  for (const auto& key : known_rdzv_conf_keys()) {
+    INFO(key);
+    const std::string value = key == "protocol" ? "http" : key == "store_type" ? "file" : "1";
+    CHECK(parse({"--rdzv_conf=" + key + "=" + value, "prog"}).usage_warnings.empty());
+  }
+  // torch's boolean spellings (RendezvousParameters.get_as_bool)
+  CHECK(parse({"--rdzv_conf=is_host=Y", "prog"}).rdzv_is_host == true);
+  CHECK(parse({"--rdzv_conf=is_host=F", "prog"}).rdzv_is_host == false);
+  // The environment variable torchrun's `env` action reads.
+  CHECK(parse({"prog"}, {{"PET_RDZV_CONF", "join_timeout=11"}}).join_timeout == std::chrono::seconds(11));
+  // Bad values of known keys stay usage errors naming the key.
+  CHECK_THAT(usage_error({"--rdzv_conf=use_libuv=maybe", "prog"}), Catch::Contains("use_libuv"));
+  CHECK_THAT(usage_error({"--rdzv_conf=read_timeout=soon", "prog"}), Catch::Contains("read_timeout"));
+  CHECK_THAT(usage_error({"--rdzv_conf=store_type=redis", "prog"}), Catch::Contains("store_type"));
+  CHECK_THAT(usage_error({"--rdzv_conf=timeout=", "prog"}), Catch::Contains("timeout"));
+  CHECK_THAT(usage_error({"--rdzv_conf=join_timeout", "prog"}), Catch::Contains("KEY=VALUE"));
+}
+
+TEST_CASE("an unknown --rdzv_conf key is one warning naming the nearest known key, not an error") {
+  auto o = parse({"--rdzv_conf=join_timout=5,last_call_timeout=1", "prog"});
+  REQUIRE(o.usage_warnings.size() == 1);
+  CHECK(o.usage_warnings[0] ==
+        "--rdzv_conf key 'join_timout' is not one mglaunch or torchrun knows (did you mean 'join_timeout'?); ignored");
+  CHECK(o.last_call_timeout == std::chrono::seconds(1));  // the other keys still apply
+  CHECK(o.join_timeout == std::chrono::seconds(600));
+  auto far = parse({"--rdzv_conf=flux_capacitor=1.21", "prog"});
+  REQUIRE(far.usage_warnings.size() == 1);
+  CHECK(far.usage_warnings[0] == "--rdzv_conf key 'flux_capacitor' is not one mglaunch or torchrun knows; ignored");
+}
+
+TEST_CASE("a --rdzv_conf wrapped in quotes, as PyTorch's launcher tests pass it, applies its keys") {
+  // test_run.py: --rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5' (quotes in the value).
+  auto o = parse({"--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", "prog"});
+  CHECK(o.usage_warnings.empty());
+  CHECK(o.join_timeout == std::chrono::seconds(5));
+  CHECK(o.last_call_timeout == std::chrono::seconds(1));
+  auto dq = parse({"--rdzv_conf=\"join_timeout=6\"", "prog"});
+  CHECK(dq.join_timeout == std::chrono::seconds(6));
+  // Each value's quotes and spaces around keys and values go too, as torchrun strips them.
+  auto each = parse({"--nnodes=2", "--rdzv_backend=etcd", "--rdzv_endpoint=127.0.0.1:2379",
+                     "--rdzv_conf= join_timeout = '8' ,etcd_prefix=\"/my prefix\"", "prog"});
+  CHECK(each.join_timeout == std::chrono::seconds(8));
+  CHECK(each.etcd_prefix == "/my prefix");
+  // Unmatched quotes are no pair: kept, and the key is then unknown.
+  CHECK_THAT(parse({"--rdzv_conf='join_timeout=5", "prog"}).usage_warnings.at(0), Catch::Contains("did you mean 'join_timeout'"));
+}
+
+TEST_CASE("torch 2.x's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE sets the prefix; the flag and PET_ one win") {
+  const std::map<std::string, std::string> torch2{{"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: "}};
+  CHECK(parse({"prog"}, torch2).log_line_prefix_template == "[rank${rank}]: ");
+  auto both = torch2;
+  both["PET_LOG_LINE_PREFIX_TEMPLATE"] = "pet ";
+  CHECK(parse({"prog"}, both).log_line_prefix_template == "pet ");
+  CHECK(parse({"--log-line-prefix-template=flag ", "prog"}, both).log_line_prefix_template == "flag ");
+  // Empty is unset for torch's variable (torch's `if template:`), raw lines for the flag.
+  CHECK_FALSE(parse({"prog"}, {{"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", ""}}).log_line_prefix_template);
+  CHECK(parse({"--log-line-prefix-template=", "prog"}, torch2).log_line_prefix_template == "");
+}
+
+TEST_CASE("--shutdown-timeout is torchrun's name for the stop grace: flag > --grace > TORCH_ELASTIC_SHUTDOWN_TIMEOUT") {
+  using std::chrono::milliseconds;
+  CHECK(parse({"prog"}).grace == milliseconds(30000));
+  CHECK(parse({"--shutdown-timeout=7", "prog"}).grace == milliseconds(7000));
+  CHECK(parse({"--shutdown_timeout", "7", "prog"}).grace == milliseconds(7000));
+  CHECK(parse({"prog"}, {{"PET_SHUTDOWN_TIMEOUT", "8"}}).grace == milliseconds(8000));
+  CHECK(parse({"prog"}, {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "9"}}).grace == milliseconds(9000));
+  CHECK(parse({"--grace=4", "prog"}, {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "9"}}).grace == milliseconds(4000));
+  auto both = parse({"--grace=4", "--shutdown-timeout=6", "prog"}, {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "9"}});
+  CHECK(both.grace == milliseconds(6000));
+  REQUIRE(both.warnings.size() == 1);
+  CHECK_THAT(both.warnings[0], Catch::Contains("--grace 4 has no effect"));
+  CHECK_THAT(usage_error({"--shutdown-timeout=soon", "prog"}), Catch::Contains("--shutdown_timeout"));
+  CHECK_THAT(usage_error({"prog"}, {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "-1"}}),
+             Catch::Contains("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"));
+}
+
+TEST_CASE("--signals-to-handle is parsed into signal numbers; a bad name is a usage error naming it") {
+  CHECK(parse({"prog"}).signals_to_handle == std::vector<int>{SIGTERM, SIGINT, SIGHUP, SIGQUIT});
+  CHECK(parse({"--signals-to-handle=SIGTERM,SIGUSR1,usr2", "prog"}).signals_to_handle ==
+        std::vector<int>{SIGTERM, SIGUSR1, SIGUSR2});
+  CHECK(parse({"prog"}, {{"PET_SIGNALS_TO_HANDLE", "SIGINT"}}).signals_to_handle == std::vector<int>{SIGINT});
+  CHECK(parse({"prog"}, {{"TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP"}}).signals_to_handle == std::vector<int>{SIGHUP});
+  CHECK(parse({"--signals_to_handle=SIGQUIT", "prog"}, {{"TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP"}})
+            .signals_to_handle == std::vector<int>{SIGQUIT});
+  CHECK_THAT(usage_error({"--signals-to-handle=SIGTERM,SIGFOO", "prog"}),
+             Catch::Contains("--signals_to_handle") && Catch::Contains("'SIGFOO' is no signal name"));
+  CHECK_THAT(usage_error({"--signals-to-handle=SIGKILL", "prog"}), Catch::Contains("SIGKILL cannot be caught"));
+  CHECK_THAT(usage_error({"--signals-to-handle=SIGTERM,", "prog"}), Catch::Contains("'' is no signal name"));
+}
+
+TEST_CASE("--numa-binding binds as --cpu-bind does, torchrun's names for its policies") {
+  CHECK(parse({"--numa-binding=node", "prog"}).cpu_bind == "numa");
+  CHECK(parse({"--numa_binding=exclusive", "prog"}).cpu_bind == "cores");
+  CHECK(parse({"--numa-binding=socket", "prog"}).cpu_bind == "socket");
+  auto cc = parse({"--numa-binding=core-complex", "prog"});
+  CHECK(cc.cpu_bind == "core-complex");
+  CHECK(cc.numa_binding == "core-complex");
+  CHECK(parse({"--cpu-bind=socket", "prog"}).cpu_bind == "socket");
+  CHECK(parse({"--cpu-bind=numa", "--numa-binding=node", "prog"}).cpu_bind == "numa");  // the same: fine
+  CHECK_THAT(usage_error({"--cpu-bind=cores", "--numa-binding=node", "prog"}), Catch::Contains("give one of them"));
+  CHECK_THAT(usage_error({"--numa-binding=rack", "prog"}),
+             Catch::Contains("bad --numa-binding 'rack': use node, socket, exclusive or core-complex"));
+}
+
+TEST_CASE("--virtual-local-rank, --event-log-handler, --logs-specs and the duplicate filters take torchrun's values") {
+  CHECK(parse({"--virtual-local-rank", "prog"}).virtual_local_rank);
+  CHECK(parse({"prog"}, {{"PET_VIRTUAL_LOCAL_RANK", "1"}}).virtual_local_rank);
+  CHECK_THAT(usage_error({"--nproc_per_node=3", "--virtual-local-rank", "prog"}, {{"CUDA_VISIBLE_DEVICES", "4,5"}}),
+             Catch::Contains("CUDA_VISIBLE_DEVICES=4,5 names 2 GPU(s)"));
+  CHECK(parse({"prog"}).event_log_handler == "null");
+  CHECK(parse({"--event-log-handler=console", "prog"}).event_log_handler == "console");
+  CHECK(parse({"prog"}, {{"PET_EVENT_LOG_HANDLER", "console"}}).event_log_handler == "console");
+  CHECK_THAT(usage_error({"--event_log_handler=scuba", "prog"}), Catch::Contains("use null or console"));
+  CHECK(parse({"--logs-specs=default", "prog"}).program == "prog");
+  CHECK_THAT(usage_error({"--logs_specs=mine", "prog"}),
+             Catch::Contains("Could not find entrypoint under 'torchrun.logs_specs[mine]' key"));
+  auto f = parse({"--duplicate-stdout-filters=apple,orange,,pear", "--duplicate_stderr_filters=x", "prog"});
+  CHECK(f.duplicate_filters[0] == std::vector<std::string>{"apple", "orange,pear"});
+  CHECK(f.duplicate_filters[1] == std::vector<std::string>{"x"});
+  CHECK(parse({"prog"}, {{"PET_DUPLICATE_STDOUT_FILTERS", "a"}}).duplicate_filters[0] == std::vector<std::string>{"a"});
+  CHECK(parse_filter_list("").empty());
+  CHECK(parse_filter_list(",a,,b,,,c,") == std::vector<std::string>{"a,b,", "c"});
 }

@@ -222,3 +222,28 @@ TEST_CASE("endpoints with more than one ':' must be IPv6 addresses, and hosts mu
   CHECK_FALSE(rdzv::host_problem("localhost"));
   CHECK(rdzv::host_problem(""));
 }
+
+TEST_CASE("--virtual-local-rank makes every worker local rank 0 of its own one GPU") {
+  AgentOptions opts;
+  opts.nproc_per_node = 4;
+  opts.virtual_local_rank = true;
+  RunPlan plan = two_node_plan(1);
+  // No GPU list anywhere: GPU N for local rank N.
+  EnvMap env = build_contract_env(plan, opts, {}, 2, 0, "e");
+  CHECK(env.at("LOCAL_RANK") == "0");
+  CHECK(env.at("RANK") == std::to_string(plan.rank_offset + 2));  // the global rank stays
+  CHECK(env.at("CUDA_VISIBLE_DEVICES") == "2");
+  // The local rank's entry of the inherited CUDA_VISIBLE_DEVICES.
+  env = build_contract_env(plan, opts, {{"CUDA_VISIBLE_DEVICES", "4,5,GPU-abc,7"}}, 2, 0, "e");
+  CHECK(env.at("CUDA_VISIBLE_DEVICES") == "GPU-abc");
+  env = build_contract_env(plan, opts, {{"CUDA_VISIBLE_DEVICES", "4,5,6,7"}}, 0, 0, "e");
+  CHECK(env.at("CUDA_VISIBLE_DEVICES") == "4");
+  // --gpu_ids names it.
+  opts.gpu_ids = {3, 1, 0, 2};
+  env = build_contract_env(plan, opts, {{"CUDA_VISIBLE_DEVICES", "4,5,6,7"}}, 1, 0, "e");
+  CHECK(env.at("CUDA_VISIBLE_DEVICES") == "1");
+  CHECK(env.at("LOCAL_RANK") == "0");
+  // Off: the real local rank.
+  opts.virtual_local_rank = false;
+  CHECK(build_contract_env(plan, opts, {}, 1, 0, "e").at("LOCAL_RANK") == "1");
+}

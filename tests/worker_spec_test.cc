@@ -110,3 +110,39 @@ TEST_CASE("the line prefix template names the role and ranks and an empty one re
   opts.log_line_prefix_template = "";
   CHECK(make_worker_spec(plan_of_two(), opts, {}, inputs(1)).prefix.empty());
 }
+
+TEST_CASE("the line prefix template takes ${hostname} now and ${pid} once the worker runs") {
+  AgentOptions opts;
+  opts.log_line_prefix_template = "[${hostname}:${rank}:${pid}] ";
+  const auto prefix = make_worker_spec(plan_of_two(), opts, {}, inputs(1)).prefix;
+  CHECK(prefix == "[" + local_hostname() + ":3:" + std::string(kPrefixPidMark) + "] ");
+  CHECK(replace_prefix_pid(prefix, 4242) == "[" + local_hostname() + ":3:4242] ");
+  // $$ stays an escaped '$' (no pid there).
+  opts.log_line_prefix_template = "$${pid}";
+  CHECK(make_worker_spec(plan_of_two(), opts, {}, inputs(0)).prefix == "${pid}");
+}
+
+TEST_CASE("a stream both redirected and tee'd reaches the console and its file, as torchrun adds tee on top") {
+  AgentOptions opts;
+  opts.redirects = parse_stream_spec("--redirects", "3");
+  opts.tee = parse_stream_spec("--tee", "1");  // stdout only
+  const auto s = make_worker_spec(plan_of_two(), opts, {}, inputs(0));
+  CHECK(s.console[0]);
+  CHECK(s.log_file[0] == "/logs/job7/attempt_2/0/stdout.log");
+  CHECK_FALSE(s.console[1]);  // redirected, not tee'd: the file only
+  CHECK(s.log_file[1] == "/logs/job7/attempt_2/0/stderr.log");
+  opts.local_ranks_filter = {1};  // the filter still hides a tee'd rank from the console
+  CHECK_FALSE(make_worker_spec(plan_of_two(), opts, {}, inputs(0)).console[0]);
+}
+
+TEST_CASE("duplicate filters tap the stdout and stderr of tee'd, shown ranks into the attempt's filtered logs") {
+  AgentOptions opts;
+  opts.duplicate_filters[0] = {"apple"};
+  CHECK_FALSE(make_worker_spec(plan_of_two(), opts, {}, inputs(0)).tap[0]);  // nothing tee'd: no copy
+  opts.tee = parse_stream_spec("--tee", "0:1");
+  CHECK(make_worker_spec(plan_of_two(), opts, {}, inputs(0)).tap[0]);
+  CHECK_FALSE(make_worker_spec(plan_of_two(), opts, {}, inputs(0)).tap[1]);  // no stderr filters
+  CHECK_FALSE(make_worker_spec(plan_of_two(), opts, {}, inputs(1)).tap[0]);  // rank 1 is not tee'd
+  opts.local_ranks_filter = {1};
+  CHECK_FALSE(make_worker_spec(plan_of_two(), opts, {}, inputs(0)).tap[0]);  // not shown: not copied (torch)
+}

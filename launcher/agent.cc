@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -23,10 +22,10 @@
 #include "cli/errors.h"
 #include "ops/monitor.h"
 #include "ops/trace.h"
+#include "launcher/watchdog.h"
 #include "launcher/worker_spec.h"
 #include "proto/text.h"
 #include "rendezvous/endpoint.h"
-#include "rendezvous/etcd_backend.h"
 #include "process/command.h"
 
 namespace mg {
@@ -34,21 +33,22 @@ namespace mg {
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
 
-Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_env)
+Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_env, AgentDeps deps)
     : io_(io),
+      clock_(std::move(deps.clock)),
+      make_link_(std::move(deps.link)),
+      hardware_(std::move(deps.hardware)),
       opts_(std::move(opts)),
       plan_(std::move(plan)),
       base_env_(std::move(base_env)),
-      console_(io, STDOUT_FILENO, STDERR_FILENO, opts_.timestamps),
+      out_fd_(deps.stdout_fd),
+      err_fd_(deps.stderr_fd),
+      console_(io, out_fd_, err_fd_, opts_.timestamps),
       signals_(io),
-      children_(io),
       job_control_(io),
       winch_(io),
-      grace_timer_(io),
-      leave_timer_(io),
-      group_(io, console_, watchdog_),
-      core_(core_config(opts_, plan_)),
-      fence_timer_(io) {
+      launcher_(deps.launcher(io, console_)),
+      core_(core_config(opts_, plan_)) {
   // The rendezvous token authenticates this agent; a worker (user code) must not see it.
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
   base_env_.erase("MGLAUNCH_RDZV_JOB_TOKEN");
@@ -62,14 +62,9 @@ Agent::~Agent() {
     trace_.reset();
     console_.close_file(trace_fd_);
   }
-  const bool clean = group_.close();  // SIGKILLs anything still running
-  // It kills whatever still carries this run's mark, unless nothing is left to kill. With
-  // nothing left, the temporary tree goes while the watchdog exits (~Watchdog waits for it).
-  if (clean) {
-    watchdog_.let_go(true);
-  } else {
-    watchdog_.release(false);
-  }
+  // SIGKILLs anything still running; with nothing left, the temporary tree goes while the
+  // watchdog exits (the launcher's destructor waits for it).
+  launcher_->close();
   logs_.clean_up();
 }
 
@@ -78,34 +73,30 @@ void Agent::check_descriptor_budget() {
   for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
     for (Streams which : {Streams::kOut, Streams::kErr})
       if (opts_.redirects.covers(lr, which) || opts_.tee.covers(lr, which)) ++files;
-  const int per_worker = merge_streams_ ? 1 : 2;
   int open_now = 0;
   if (DIR* d = ::opendir("/proc/self/fd")) {
     while (dirent* e = ::readdir(d))
       if (e->d_name[0] != '.') ++open_now;
     ::closedir(d);
   }
-  constexpr int kReserve = 64;  // rendezvous sockets, the watchdog's pipe, files opened while running
-  const long long fixed = static_cast<long long>(open_now) + kReserve + files;
-  const long long needed = fixed + static_cast<long long>(per_worker) * plan_.nproc_per_node;
+  const sup::DescriptorNeed need = sup::descriptor_need(plan_.nproc_per_node, merge_streams_, files, open_now);
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
-  if (lim.rlim_cur != RLIM_INFINITY && static_cast<unsigned long long>(needed) > lim.rlim_cur) {
+  auto limit = [](const rlimit& l) {
+    sup::DescriptorLimit d;
+    if (l.rlim_cur != RLIM_INFINITY) d.soft = l.rlim_cur;
+    if (l.rlim_max != RLIM_INFINITY) d.hard = l.rlim_max;
+    return d;
+  };
+  if (sup::worth_raising(need, limit(lim))) {
     rlimit raised = lim;
     raised.rlim_cur = lim.rlim_max;
-    if (lim.rlim_max != lim.rlim_cur && ::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
       worker_nofile_ = lim;  // the workers start with the limit they would have had
       lim = raised;
     }
   }
-  if (lim.rlim_cur == RLIM_INFINITY || static_cast<unsigned long long>(needed) <= lim.rlim_cur) return;
-  const long long fit = std::max<long long>(0, (static_cast<long long>(lim.rlim_cur) - fixed) / per_worker);
-  throw ResourceError(fmt::format(
-      "{} workers need about {} open descriptors ({} per worker{}, {} for the agent) but the descriptor limit "
-      "(RLIMIT_NOFILE, `ulimit -n`) is {} and its hard limit {}: at most {} workers fit; raise the hard limit "
-      "(`ulimit -Hn`, LimitNOFILE= for a service, nofile in /etc/security/limits.conf) or start fewer workers",
-      plan_.nproc_per_node, needed, per_worker, files ? " and the log files" : "", fixed - files, lim.rlim_cur,
-      lim.rlim_max == RLIM_INFINITY ? std::string("unlimited") : std::to_string(lim.rlim_max), fit));
+  if (!sup::fits(need, limit(lim))) throw ResourceError(sup::descriptor_shortfall(need, limit(lim)));
 }
 
 void Agent::start() {
@@ -113,7 +104,7 @@ void Agent::start() {
     // One pipe per worker when stdout and stderr are the same file (a terminal, 2>&1):
     // nothing is lost by merging, and a worker costs one descriptor instead of two.
     struct stat out{}, err{};
-    merge_streams_ = ::fstat(STDOUT_FILENO, &out) == 0 && ::fstat(STDERR_FILENO, &err) == 0 &&
+    merge_streams_ = ::fstat(out_fd_, &out) == 0 && ::fstat(err_fd_, &err) == 0 &&
                      out.st_dev == err.st_dev && out.st_ino == err.st_ino && out.st_rdev == err.st_rdev;
   }
   check_descriptor_budget();
@@ -134,7 +125,7 @@ void Agent::start() {
   for (const auto& w : opts_.warnings) notice(w);
   if (opts_.cpu_bind != "none") {
     try {
-      bindings_ = hw::bind_this_machine(opts_.cpu_bind, plan_.nproc_per_node, opts_.gpu_ids);
+      bindings_ = hardware_->bind(opts_.cpu_bind, plan_.nproc_per_node, opts_.gpu_ids);
     } catch (const std::invalid_argument& e) {
       throw UsageError(e.what());  // it names --cpu-bind and the fix
     }
@@ -148,15 +139,9 @@ void Agent::start() {
   // (the watchdog's fork): the agents started with it find it listening sooner, and one
   // that connects never meets a host that then gives up (a refused agent retries until
   // join_timeout; a connection reset before the welcome ends its run).
-  if (uses_rendezvous_server(opts_) && opts_.rdzv_backend != "etcd") host_rendezvous();
-  port_is_ours_ = opts_.rdzv_backend != "static" || opts_.master_port == 0;
+  host_rendezvous();
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
   wait_signal();
-  if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
-    notice(fmt::format("cannot become a child subreaper ({}): daemonised worker processes may outlive the run",
-                       std::strerror(errno)));
-  children_.add(SIGCHLD);
-  wait_child();
   job_control_.add(SIGTSTP);
   job_control_.add(SIGCONT);
   wait_job_control();
@@ -171,14 +156,12 @@ void Agent::start() {
       if (!input.empty() && input.back() == '\n') console_.input_echoed();
     });
   }
-  if (!logs_.kept()) Watchdog::set_temporary_tree(logs_.root());  // a temporary tree nobody was told of
-  if (std::string error; !watchdog_.start(error))
-    notice(fmt::format("cannot start the watchdog ({}): after kill -9 of mglaunch, processes the workers "
-                       "started may outlive it",
-                       error));
-  // Held only now: the watchdog (a fork that closes what it inherited once it runs, which
-  // on a busy machine may be after the first worker's bind) gets no copy of it.
-  if (port_is_ours_ && plan_.master_port > 0) hold_master_port(/*fresh=*/false);
+  // The subreaper, the reaper and the watchdog; a temporary tree nobody was told of goes
+  // with the watchdog when the agent is killed.
+  launcher_->prepare(logs_.kept() ? std::string() : logs_.root(), [this](const std::string& text) { notice(text); });
+  // The core holds the master port (HoldMasterPort) only now: the watchdog (a fork that
+  // closes what it inherited once it runs, which on a busy machine may be after the first
+  // worker's bind) gets no copy of it.
   run(core_.start(now()));
   if (monitor_) monitor_->start();
 }
@@ -186,14 +169,18 @@ void Agent::start() {
 void Agent::host_rendezvous() {
   if (hosting_decided_) return;
   hosting_decided_ = true;
-  rdzv::Endpoint ep = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
-  // Host the rendezvous here when told (is_host=true) or clearly meant to: the endpoint is
-  // the address this node advertises. (torchrun hosts whenever the endpoint is local; then
-  // an agent started during a daemon's outage takes the daemon's port.) Either way only
-  // while nothing listens there, and only for this job.
-  const bool meant = opts_.rdzv_is_host ? *opts_.rdzv_is_host
-                                        : rdzv::is_local_host(ep.host) && rdzv::same_address(ep.host, plan_.master_addr);
-  if (!meant || rdzv::probe_listen(ep.host, ep.port)) return;
+  std::optional<rdzv::Endpoint> parsed;  // (an etcd endpoint list is not one)
+  auto endpoint = [&]() -> const rdzv::Endpoint& {
+    if (!parsed) parsed = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
+    return *parsed;
+  };
+  const bool meant =
+      sup::meant_to_host(uses_rendezvous_server(opts_), opts_.rdzv_backend == "etcd", opts_.rdzv_is_host, [&] {
+        return rdzv::is_local_host(endpoint().host) && rdzv::same_address(endpoint().host, plan_.master_addr);
+      });
+  // Only while nothing listens there, and only for this job.
+  if (!meant || rdzv::probe_listen(endpoint().host, endpoint().port)) return;
+  const rdzv::Endpoint& ep = endpoint();
   try {
     rdzv::ServerOptions so;
     so.host = ep.host;
@@ -213,9 +200,7 @@ void Agent::host_rendezvous() {
 
 void Agent::start_rendezvous() {
   if (trace_) rdzv_since_us_ = trace_->now();
-  const bool etcd = opts_.rdzv_backend == "etcd";
-  rdzv::Endpoint ep = etcd ? rdzv::Endpoint{} : rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
-  if (!etcd) host_rendezvous();  // done at start() already
+  host_rendezvous();  // done at start() already
   proto::Join j;
   j.job_id = plan_.run_id;
   j.host = local_hostname();
@@ -238,29 +223,12 @@ void Agent::start_rendezvous() {
   h.on_done = [this] { run(core_.rendezvous_done(now())); };
   h.on_lost = [this](const std::string& why) { run(core_.rendezvous_lost(why, now())); };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
-  if (etcd) {  // the job lives in etcd; the same rules (rendezvous::Job) run in every agent
-    // etcd proves nothing with the rendezvous token: say so rather than let its holder think
-    // the decisions it reads are authenticated.
-    if (!opts_.rdzv_token.empty() || !opts_.rdzv_job_token.empty())
-      notice("warning: --rdzv_backend=etcd does not use the rendezvous token: whoever can write this job's keys in "
-             "etcd decides for it; protect them with etcd's own authentication (--rdzv_conf user=, cert=, https)");
-    rdzv::EtcdOptions eo;
-    eo.endpoints = rdzv::etcd::parse_endpoints(opts_.rdzv_endpoint);  // checked with the options
-    for (auto& e : eo.endpoints) e.tls = e.tls || opts_.etcd_https;
-    eo.credentials = {opts_.etcd_user, opts_.etcd_password, opts_.etcd_cacert, opts_.etcd_cert, opts_.etcd_key};
-    eo.prefix = opts_.etcd_prefix;
-    eo.join = j;
-    client_ = std::make_unique<rdzv::EtcdLink>(io_, std::move(eo), std::move(h));
-    client_->start();
-    return;
-  }
-  rdzv::ClientOptions co;
-  co.host = ep.host;
-  co.port = ep.port;
-  co.token = opts_.rdzv_token;
-  co.job_token = opts_.rdzv_job_token;
-  co.join = j;
-  client_ = std::make_unique<rdzv::LinkTo<rdzv::Client>>(io_, std::move(co), std::move(h));
+  // etcd proves nothing with the rendezvous token: say so rather than let its holder think
+  // the decisions it reads are authenticated.
+  if (opts_.rdzv_backend == "etcd" && (!opts_.rdzv_token.empty() || !opts_.rdzv_job_token.empty()))
+    notice("warning: --rdzv_backend=etcd does not use the rendezvous token: whoever can write this job's keys in "
+           "etcd decides for it; protect them with etcd's own authentication (--rdzv_conf user=, cert=, https)");
+  client_ = make_link_(io_, opts_, std::move(j), std::move(h));
   client_->start();
 }
 
@@ -284,13 +252,6 @@ std::string Agent::attempt_dir(int local_rank) const {
 }
 
 void Agent::spawn_worker(int lr) {
-  if (port_hold_ && exec_fence_w_ < 0 && !exec_fence_) {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) == 0) {
-      exec_fence_ = std::make_unique<asio::posix::stream_descriptor>(io_, fds[0]);
-      exec_fence_w_ = fds[1];
-    }
-  }
   {
     const std::string dir = attempt_dir(lr);
     std::error_code ec;
@@ -303,9 +264,9 @@ void Agent::spawn_worker(int lr) {
     in.attempt = core_.restart_count();
     in.dir = dir;
     in.merge_streams = merge_streams_;
-    if (!watchdog_.token().empty()) {
+    {
       auto inherited = base_env_.find(kRunMarkVar);
-      in.run_mark = watchdog_.mark_value(inherited == base_env_.end() ? std::string() : inherited->second);
+      in.run_mark = launcher_->run_mark(inherited == base_env_.end() ? std::string() : inherited->second);
     }
     WorkerSpec spec = make_worker_spec(plan_, opts_, base_env_, in);
     int stdin_pipe = -1;
@@ -321,59 +282,24 @@ void Agent::spawn_worker(int lr) {
     }
     if (worker_nofile_) spec.nofile = &*worker_nofile_;
     if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
-    WorkerProcess& w = group_.spawn(std::move(spec), [this](WorkerProcess& done) { on_worker_done(done); });
+    const pid_t pid = launcher_->start(std::move(spec), [this](const WorkerEnd& done) { on_worker_done(done); });
     if (trace_)
       trace_->instant(fmt::format("spawn rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
-                      {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", w.pid()},
+                      {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", pid},
                        {"attempt", core_.restart_count()}});
     if (stdin_pipe >= 0) ::close(stdin_pipe);  // the worker holds it now
   }
 }
 
-void Agent::rejoin() {
+void Agent::rejoin(bool offer_port) {
   // The core held a fresh master port for the new round (when the port is ours).
-  if (port_is_ours_) client_->set_master_port(plan_.master_port);
+  if (offer_port) client_->set_master_port(plan_.master_port);
   if (trace_) rdzv_since_us_ = trace_->now();
   client_->rejoin();
 }
 
-void Agent::drop_exec_fence() {
-  ++fence_gen_;  // a wait still pending finds nothing to do
-  fence_timer_.cancel();
-  exec_fence_.reset();
-  if (exec_fence_w_ >= 0) ::close(exec_fence_w_);
-  exec_fence_w_ = -1;
-}
-
-void Agent::release_master_port_when_started() {
-  if (!port_hold_ || exec_fence_w_ < 0 || !exec_fence_) {
-    // Without the pipe (pipe2 failed): wait for the children here, at most 1 s.
-    if (port_hold_) spawn_settle_all(std::chrono::seconds(1));
-    drop_exec_fence();
-    port_hold_.reset();  // the workers may bind the master port now
-    return;
-  }
-  ::close(exec_fence_w_);
-  exec_fence_w_ = -1;
-  const std::uint64_t gen = ++fence_gen_;
-  exec_fence_->async_wait(asio::posix::stream_descriptor::wait_read, [this, gen](boost::system::error_code ec) {
-    if (!ec) let_master_port_go(gen);
-  });
-  // A worker stopped before its exec must not keep the port for ever.
-  fence_timer_.expires_after(std::chrono::seconds(1));
-  fence_timer_.async_wait([this, gen](boost::system::error_code ec) {
-    if (!ec) let_master_port_go(gen);
-  });
-}
-
-void Agent::let_master_port_go(std::uint64_t gen) {
-  if (gen != fence_gen_) return;
-  drop_exec_fence();
-  port_hold_.reset();  // the workers may bind the master port now
-}
-
 void Agent::hold_master_port(bool fresh) {
-  drop_exec_fence();  // a release still waiting was for the port this one replaces
+  launcher_->drop_exec_fence();  // a release still waiting was for the port this one replaces
   if (!fresh) {
     if (auto r = PortReservation::try_hold(plan_.master_port)) {
       port_hold_ = std::move(r);
@@ -384,40 +310,31 @@ void Agent::hold_master_port(bool fresh) {
   plan_.master_port = port_hold_->port();
 }
 
-WorkerOutcome Agent::outcome_of(const WorkerProcess& w) const {
+WorkerOutcome Agent::outcome_of(const WorkerEnd& w) {
   WorkerOutcome o;
-  o.rank = w.spec().rank;
-  o.local_rank = w.spec().local_rank;
-  o.pid = w.pid();
-  const int st = w.wait_status();
-  o.exit_code = shell_exit_code(st);
-  o.signal = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
-  o.duration_s = w.duration_s();
+  o.rank = w.rank;
+  o.local_rank = w.local_rank;
+  o.pid = w.pid;
+  o.exit_code = shell_exit_code(w.wait_status);
+  o.signal = WIFSIGNALED(w.wait_status) ? WTERMSIG(w.wait_status) : 0;
+  o.duration_s = w.duration_s;
   return o;
 }
 
-void Agent::on_worker_done(WorkerProcess& w) {
-  if (stdin_relay_ && w.spec().local_rank == opts_.stdin_rank) stdin_relay_->close_pipe();
-  WorkerOutcome o = outcome_of(w);
-  const bool running = core_.takes_root_cause();
-  if (trace_)
-    trace_->complete(fmt::format("rank {}", o.rank), "worker", TraceWriter::worker_tid(o.local_rank),
-                     trace_->now() - static_cast<std::int64_t>(o.duration_s * 1e6),
-                     {{"rank", o.rank}, {"local_rank", o.local_rank}, {"pid", o.pid}, {"attempt", core_.restart_count()},
-                      {"exit_code", o.exit_code}, {"signal", o.signal}, {"stopped_by_agent", !running}});
-  std::optional<RootCause> rc;
-  if (running && o.exit_code != 0) {
-    std::vector<std::string> tail(w.stderr_tail().begin(), w.stderr_tail().end());
-    rc = worker_root_cause(o, local_hostname(), attempt_dir(o.local_rank) + "/error.json", w.spawn_error(),
-                           std::move(tail));
+void Agent::on_worker_done(const WorkerEnd& w) {
+  if (stdin_relay_ && w.local_rank == opts_.stdin_rank) stdin_relay_->close_pipe();
+  const WorkerOutcome o = outcome_of(w);
+  // The core says whether this exit is the root cause (act::WorkerEnded) and asks for its
+  // details only then.
+  run(core_.worker_ended(o, now(), [&] {
+    RootCause rc = worker_root_cause(o, local_hostname(), attempt_dir(o.local_rank) + "/error.json", w.spawn_error,
+                                     w.stderr_tail);
     if (python_run_)
-      if (auto hint = missing_torch_hint(rc->stderr_tail, plan_.executable, opts_.python_source); !hint.empty())
-        rc->message = rc->message.empty() ? hint : hint + "; " + rc->message;
-  }
-  run(core_.worker_ended(o, std::move(rc), now()));
+      if (auto hint = missing_torch_hint(rc.stderr_tail, plan_.executable, opts_.python_source); !hint.empty())
+        rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
+    return rc;
+  }));
 }
-
-sup::Now Agent::now() { return {std::chrono::steady_clock::now(), std::chrono::system_clock::now()}; }
 
 sup::Config Agent::core_config(const AgentOptions& opts, const RunPlan& plan) {
   sup::Config c;
@@ -426,6 +343,7 @@ sup::Config Agent::core_config(const AgentOptions& opts, const RunPlan& plan) {
   c.grace = opts.grace;
   c.rdzv = uses_rendezvous_server(opts);
   c.port_is_ours = opts.rdzv_backend != "static" || opts.master_port == 0;
+  c.master_port = plan.master_port;
   c.node_rank = plan.node_rank;
   c.host = local_hostname();
   c.program = opts.program;
@@ -459,38 +377,44 @@ void Agent::run(sup::Actions actions) {
                                {{"attempt", a.attempt}, {"failed", a.failed}});
           } else if constexpr (std::is_same_v<A, sup::act::Spawn>) {
             spawn_worker(a.local_rank);
+          } else if constexpr (std::is_same_v<A, sup::act::OpenExecFence>) {
+            launcher_->open_exec_fence();
+          } else if constexpr (std::is_same_v<A, sup::act::WatchExecs>) {
+            launcher_->watch_execs([this] { run(core_.execs_settled(now())); });
+          } else if constexpr (std::is_same_v<A, sup::act::WorkerEnded>) {
+            const WorkerOutcome& o = a.o;
+            if (trace_)
+              trace_->complete(fmt::format("rank {}", o.rank), "worker", TraceWriter::worker_tid(o.local_rank),
+                               trace_->now() - static_cast<std::int64_t>(o.duration_s * 1e6),
+                               {{"rank", o.rank}, {"local_rank", o.local_rank}, {"pid", o.pid}, {"attempt", a.attempt},
+                                {"exit_code", o.exit_code}, {"signal", o.signal},
+                                {"stopped_by_agent", o.stopped_by_agent}});
           } else if constexpr (std::is_same_v<A, sup::act::SpawnMoreLater>) {
             asio::post(io_, [this, gen = a.gen] { run(core_.spawn_batch_due(gen, now())); });
           } else if constexpr (std::is_same_v<A, sup::act::SignalWorkers>) {
-            group_.signal(a.sig, a.escaped);
+            launcher_->signal(a.sig, a.escaped);
           } else if constexpr (std::is_same_v<A, sup::act::PauseOutputDrains>) {
-            group_.pause_drains();
+            launcher_->pause_drains();
           } else if constexpr (std::is_same_v<A, sup::act::ResumeOutputDrains>) {
-            group_.resume_drains();
+            launcher_->resume_drains();
           } else if constexpr (std::is_same_v<A, sup::act::StopSelf>) {
             ::kill(::getpid(), SIGSTOP);
           } else if constexpr (std::is_same_v<A, sup::act::ArmTimer>) {
             const sup::Timer t = a.timer;
-            timer(t).expires_at(a.at);
-            timer(t).async_wait([this, t](boost::system::error_code ec) {
-              if (!ec) run(core_.timer_fired(t, now()));
-            });
+            clock_->arm(t, a.at, [this, t] { run(core_.timer_fired(t, now())); });
           } else if constexpr (std::is_same_v<A, sup::act::CancelTimer>) {
-            timer(a.timer).cancel();
+            clock_->cancel(a.timer);
           } else if constexpr (std::is_same_v<A, sup::act::RetireWorkers>) {
-            group_.retire();
+            launcher_->retire();
           } else if constexpr (std::is_same_v<A, sup::act::AttemptDue>) {
             asio::post(io_, [this] { run(core_.attempt_due(now())); });
           } else if constexpr (std::is_same_v<A, sup::act::HoldMasterPort>) {
             hold_master_port(a.fresh);
           } else if constexpr (std::is_same_v<A, sup::act::ReleaseMasterPort>) {
-            // Until its exec a worker holds a copy of the hold socket: let the port go once
-            // every worker has exec'd or exited (at most 1 s: one stopped before its exec
-            // must not stop the agent), so that a worker binding it without SO_REUSEADDR
-            // finds it free (launcher/port.h).
-            release_master_port_when_started();
+            launcher_->drop_exec_fence();
+            port_hold_.reset();  // the workers may bind the master port now
           } else if constexpr (std::is_same_v<A, sup::act::Rejoin>) {
-            rejoin();
+            rejoin(a.offer_port);
           } else if constexpr (std::is_same_v<A, sup::act::SendWorkerFailed>) {
             client_->worker_failed(a.f);
           } else if constexpr (std::is_same_v<A, sup::act::SendNodeDone>) {
@@ -505,21 +429,16 @@ void Agent::run(sup::Actions actions) {
 
 void Agent::finish(int code) {
   if (monitor_) monitor_->stop();
-  drop_exec_fence();
   boost::system::error_code ec;
   signals_.cancel(ec);
-  children_.cancel(ec);
   job_control_.cancel(ec);
   winch_.cancel(ec);
   if (stdin_relay_) stdin_relay_->close_pipe();
-  grace_timer_.cancel();
-  leave_timer_.cancel();
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
-  // Nothing below the agent alive any more: the watchdog may go now, while the agent
-  // finishes (its exit is waited for last, in ~Watchdog).
-  if (group_.kill_all()) watchdog_.let_go(/*clean=*/true);
+  // Every worker and what they started killed and reaped; the exec fence dropped.
+  launcher_->finish();
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);
   if (!opts_.summary_json.empty()) {
     std::ofstream out(opts_.summary_json);
@@ -567,7 +486,7 @@ void Agent::start_ops() {
   mo.metrics_host = opts_.metrics_host;
   mo.host = local_hostname();
   mo.run_id = plan_.run_id;
-  if (auto it = base_env_.find("MGLAUNCH_TEST_GPU_JSON"); it != base_env_.end()) mo.gpu_json = it->second;
+  mo.gpu_probe = hardware_->gpu_probe();
   try {
     monitor_ = std::make_unique<mon::AgentMonitor>(io_, console_, std::move(mo), [this] { return monitor_facts(); },
                                                    [this](const std::string& line) { notice(line); });
@@ -585,14 +504,14 @@ mon::AgentFacts Agent::monitor_facts() const {
   f.round = core_.round();
   f.restarts = core_.restart_count();
   f.max_restarts = opts_.max_restarts;
-  for (const auto& w : group_.workers()) {
+  for (const WorkerState& w : launcher_->workers()) {
     mon::RankTarget t;
-    t.rank = w->spec().rank;
-    t.local_rank = w->spec().local_rank;
-    t.pid = w->pid();
-    t.reaped = w->exited();
-    if (!w->exited()) t.state = core_.state() == sup::State::kStopping ? "stopping" : "running";
-    else t.state = w->wait_status() == 0 ? "exited" : "failed";
+    t.rank = w.rank;
+    t.local_rank = w.local_rank;
+    t.pid = w.pid;
+    t.reaped = w.exited;
+    if (!w.exited) t.state = core_.state() == sup::State::kStopping ? "stopping" : "running";
+    else t.state = w.wait_status == 0 ? "exited" : "failed";
     f.ranks.push_back(std::move(t));
   }
   return f;
@@ -615,17 +534,8 @@ void Agent::wait_job_control() {
 void Agent::wait_winch() {
   winch_.async_wait([this](boost::system::error_code ec, int) {
     if (ec) return;
-    for (const auto& w : group_.workers()) w->window_changed();
+    launcher_->window_changed();
     if (core_.state() != sup::State::kDone) wait_winch();
-  });
-}
-
-void Agent::wait_child() {
-  children_.async_wait([this](boost::system::error_code ec, int) {
-    if (ec) return;
-    if (!group_.reap())
-      notice("the watchdog process died: after kill -9 of mglaunch, processes the workers started may outlive it");
-    if (core_.state() != sup::State::kDone) wait_child();
   });
 }
 

@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
     int code = exit_code::kInternal;
     {
       boost::asio::io_context io(1);
-      Agent agent(io, std::move(opts), std::move(plan), std::move(env));
+      AgentDeps deps = machine_deps(io, env);
+      Agent agent(io, std::move(opts), std::move(plan), std::move(env), std::move(deps));
       agent.start();
       io.run();
       code = agent.exit_code();

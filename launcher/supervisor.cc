@@ -16,6 +16,8 @@ double seconds(std::chrono::milliseconds ms) { return static_cast<double>(ms.cou
 
 Actions Supervisor::start(const Now& now) {
   Actions out;
+  // A port mglaunch chose is held from the start (the rendezvous offers it to the others).
+  if (cfg_.port_is_ours && cfg_.master_port > 0) hold_port(/*fresh=*/false, out);
   if (cfg_.rdzv) {
     rdzv_ = true;
     state_ = State::kWaiting;
@@ -34,16 +36,16 @@ void Supervisor::start_attempt(const Now& now, Actions& out) {
   out.push_back(act::AttemptStarted{restart_count_});
   spawned_ = 0;
   done_ = 0;
-  spawn_batch(++gen_, out);
+  spawn_batch(++gen_, now, out);
 }
 
-Actions Supervisor::spawn_batch_due(std::uint64_t gen, const Now&) {
+Actions Supervisor::spawn_batch_due(std::uint64_t gen, const Now& now) {
   Actions out;
-  spawn_batch(gen, out);
+  spawn_batch(gen, now, out);
   return out;
 }
 
-void Supervisor::spawn_batch(std::uint64_t gen, Actions& out) {
+void Supervisor::spawn_batch(std::uint64_t gen, const Now& now, Actions& out) {
   // An attempt that is over or stopping: nothing to start, and the master port stays as
   // it is (held for the next attempt or round by then).
   if (gen != gen_ || state_ != State::kRunning) return;
@@ -51,6 +53,7 @@ void Supervisor::spawn_batch(std::uint64_t gen, Actions& out) {
   // the rest start, so a run of many short workers never holds all their descriptors and
   // zombies at once.
   const int end = std::min(cfg_.nproc, spawned_ + std::max(1, cfg_.spawn_batch));
+  if (spawned_ == 0 && port_held_) out.push_back(act::OpenExecFence{});
   while (state_ == State::kRunning && spawned_ < end) {
     out.push_back(act::Spawn{spawned_++, restart_count_});
     ++handles_;
@@ -59,7 +62,36 @@ void Supervisor::spawn_batch(std::uint64_t gen, Actions& out) {
     out.push_back(act::SpawnMoreLater{gen});
     return;
   }
+  if (!port_held_) return;
+  // Every worker started: the port goes once each has exec'd or exited, or after
+  // kExecFenceTimeout (one stopped before its exec must not keep it), so that a worker
+  // binding it without SO_REUSEADDR finds it free.
+  fence_pending_ = true;
+  fence_due_ = now.steady + Config::kExecFenceTimeout;
+  out.push_back(act::ArmTimer{Timer::kFence, fence_due_});
+  out.push_back(act::WatchExecs{});
+}
+
+void Supervisor::hold_port(bool fresh, Actions& out) {
+  if (fence_pending_) {  // a release still waiting was for the port this one replaces
+    fence_pending_ = false;
+    out.push_back(act::CancelTimer{Timer::kFence});
+  }
+  port_held_ = true;
+  out.push_back(act::HoldMasterPort{fresh});
+}
+
+void Supervisor::release_port(Actions& out) {
+  fence_pending_ = false;
+  port_held_ = false;
+  out.push_back(act::CancelTimer{Timer::kFence});
   out.push_back(act::ReleaseMasterPort{});
+}
+
+Actions Supervisor::execs_settled(const Now&) {
+  Actions out;
+  if (fence_pending_) release_port(out);
+  return out;
 }
 
 Actions Supervisor::attempt_due(const Now& now) {
@@ -68,18 +100,23 @@ Actions Supervisor::attempt_due(const Now& now) {
   return out;
 }
 
-Actions Supervisor::worker_ended(WorkerOutcome o, std::optional<RootCause> rc, const Now& now) {
+Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCauseDetails& details) {
   Actions out;
   if (state_ == State::kDone || attempts_.empty()) return out;
   o.stopped_by_agent = state_ != State::kRunning;
   attempts_.back().workers.push_back(o);
-  if (state_ == State::kRunning && o.exit_code != 0) {
-    if (!rc) {  // the agent gathered nothing: the outcome alone
-      rc.emplace();
-      rc->time = time_text(now.wall);
-      rc->host = cfg_.host;
+  // The first failure of a running attempt is its root cause; later ones are the stop's doing.
+  const bool cause = state_ == State::kRunning && o.exit_code != 0;
+  out.push_back(act::WorkerEnded{o, restart_count_, cause});
+  if (cause) {
+    RootCause rc;
+    if (details) {
+      rc = details();
+    } else {  // nothing to gather: the outcome alone
+      rc.time = time_text(now.wall);
+      rc.host = cfg_.host;
     }
-    rc->worker = o;
+    rc.worker = o;
     root_cause_ = std::move(rc);
     stop_group(SIGTERM, now, out);
   }
@@ -123,6 +160,8 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
     out.push_back(act::SignalWorkers{SIGKILL, true});
   } else if (t == Timer::kLeave) {
     if (state_ != State::kDone) finish(leaving_code_, out);
+  } else if (t == Timer::kFence) {
+    if (fence_pending_ && now.steady >= fence_due_) release_port(out);
   }
   return out;
 }
@@ -180,7 +219,7 @@ void Supervisor::group_stopped(const Now& now, Actions& out) {
       ++restart_count_;
       // As torchrun: a fresh master port for each attempt (the last one may still be held
       // by a straggler, in TIME_WAIT, or taken by someone else: EADDRINUSE).
-      if (cfg_.port_is_ours) out.push_back(act::HoldMasterPort{true});
+      if (cfg_.port_is_ours) hold_port(/*fresh=*/true, out);
       notice(fmt::format("rank {} (local_rank {}) failed with exit code {}; restarting the worker group ({} of {})",
                          w.rank, w.local_rank, w.exit_code, restart_count_, cfg_.max_restarts),
              out);
@@ -208,16 +247,18 @@ void Supervisor::retire(Actions& out) {
 void Supervisor::rejoin(Actions& out) {
   // A new round gets a fresh master port, as a restart on one node does (the last one may
   // be held by a straggler, in TIME_WAIT, or taken meanwhile).
-  if (cfg_.port_is_ours) out.push_back(act::HoldMasterPort{true});
-  out.push_back(act::Rejoin{});
+  if (cfg_.port_is_ours) hold_port(/*fresh=*/true, out);
+  out.push_back(act::Rejoin{cfg_.port_is_ours});
 }
 
 void Supervisor::finish(int code, Actions& out) {
   if (state_ == State::kDone) return;
   state_ = State::kDone;
   exit_code_ = code;
+  fence_pending_ = false;
   out.push_back(act::CancelTimer{Timer::kGrace});
   out.push_back(act::CancelTimer{Timer::kLeave});
+  out.push_back(act::CancelTimer{Timer::kFence});
   out.push_back(act::Finish{code});
 }
 
@@ -438,6 +479,44 @@ Actions Supervisor::rendezvous_lost(const std::string& why, const Now&) {
     finish(node_exit_code(root_cause_, attempts_), out);
   }
   return out;
+}
+
+}  // namespace mg::sup
+
+namespace mg::sup {
+
+DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now) {
+  constexpr int kReserve = 64;  // rendezvous sockets, the watchdog's pipe, files opened while running
+  DescriptorNeed n;
+  n.nproc = nproc;
+  n.per_worker = merge_streams ? 1 : 2;
+  n.log_files = log_files;
+  n.fixed = static_cast<long long>(open_now) + kReserve + log_files;
+  n.needed = n.fixed + static_cast<long long>(n.per_worker) * nproc;
+  return n;
+}
+
+bool fits(const DescriptorNeed& need, const DescriptorLimit& lim) {
+  return !lim.soft || static_cast<unsigned long long>(need.needed) <= *lim.soft;
+}
+
+bool worth_raising(const DescriptorNeed& need, const DescriptorLimit& lim) { return !fits(need, lim) && lim.hard != lim.soft; }
+
+std::string descriptor_shortfall(const DescriptorNeed& need, const DescriptorLimit& lim) {
+  const unsigned long long soft = lim.soft.value_or(0);
+  const long long fit = std::max<long long>(0, (static_cast<long long>(soft) - need.fixed) / need.per_worker);
+  return fmt::format(
+      "{} workers need about {} open descriptors ({} per worker{}, {} for the agent) but the descriptor limit "
+      "(RLIMIT_NOFILE, `ulimit -n`) is {} and its hard limit {}: at most {} workers fit; raise the hard limit "
+      "(`ulimit -Hn`, LimitNOFILE= for a service, nofile in /etc/security/limits.conf) or start fewer workers",
+      need.nproc, need.needed, need.per_worker, need.log_files ? " and the log files" : "", need.fixed - need.log_files,
+      soft, lim.hard ? std::to_string(*lim.hard) : std::string("unlimited"), fit);
+}
+
+bool meant_to_host(bool rdzv_server, bool etcd, std::optional<bool> is_host,
+                   const std::function<bool()>& endpoint_is_here) {
+  if (!rdzv_server || etcd) return false;
+  return is_host ? *is_host : endpoint_is_here();
 }
 
 }  // namespace mg::sup

@@ -4,7 +4,9 @@
 // time passed in, actions out (spawn local rank N, signal the worker groups, arm or
 // cancel a timer, tell the rendezvous, print a notice or the root cause, hold or release
 // the master port, finish with a code). It owns no I/O and reads no clock; the agent
-// (launcher/agent.cc) feeds it and carries out what it returns, in order.
+// (launcher/agent.cc) feeds it and carries out what it returns, in order. The agent's other
+// decisions are pure functions here too: the descriptor budget and whether this agent
+// hosts the rendezvous (at the end of this file).
 //
 //   (start) --> waiting (multi-node: for the rendezvous' assignment) | running
 //   running --(a worker failed | restart/abort decided | a signal)--> stopping
@@ -15,6 +17,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <variant>
@@ -38,7 +41,9 @@ struct Now {
 };
 
 enum class State { kRunning, kStopping, kWaiting, kDone };
-enum class Timer { kGrace, kLeave };
+// kGrace: SIGTERM to SIGKILL; kLeave: a stopped node waits for the job's decision;
+// kFence: the longest the master port waits for the workers' exec (WatchExecs).
+enum class Timer { kGrace, kLeave, kFence };
 
 struct Config {
   int nproc = 1;          // workers of this node
@@ -46,6 +51,7 @@ struct Config {
   std::chrono::milliseconds grace{30000};  // SIGTERM to SIGKILL
   bool rdzv = false;          // a rendezvous server decides for every node
   bool port_is_ours = false;  // mglaunch chose the master port (a fresh one per attempt)
+  int master_port = 0;        // the plan's: held from start() when ours (0: none yet)
   int node_rank = 0;          // until an assignment says otherwise
   std::string host;           // this node's name, for the rendezvous' messages
   std::string program;        // for the root-cause block
@@ -53,6 +59,8 @@ struct Config {
   std::chrono::milliseconds join_timeout{0};
   int spawn_batch = 128;  // workers started before the event loop gets a turn
   static constexpr std::chrono::seconds kLeaveTimeout{5};
+  // A worker stopped before its exec must not keep the master port held for ever.
+  static constexpr std::chrono::seconds kExecFenceTimeout{1};
 };
 
 // The actions, carried out in the order returned.
@@ -66,6 +74,16 @@ struct ApplyAssignment { proto::Assignment a; };  // the plan takes the round's 
 struct AttemptStarted { int attempt = 0; };
 struct AttemptEnded { int attempt = 0; bool failed = false; };
 struct Spawn { int local_rank = 0; int attempt = 0; };
+// The master port is held while workers start: until its exec a worker holds a copy of
+// the hold socket (launcher/port.h). OpenExecFence comes before the first Spawn of an
+// attempt: the workers started from now on are watched. WatchExecs comes after the last:
+// feed execs_settled() once every watched worker has exec'd or exited (the kFence timer
+// armed with it bounds the wait); then ReleaseMasterPort follows.
+struct OpenExecFence {};
+struct WatchExecs {};
+// A worker of the attempt ended: what it was (stopped_by_agent set) and whether its exit
+// is the attempt's root cause (then worker_ended() took its details).
+struct WorkerEnded { WorkerOutcome o; int attempt = 0; bool root_cause = false; };
 struct SpawnMoreLater { std::uint64_t gen = 0; };  // feed spawn_batch_due(gen) from the event loop
 struct SignalWorkers { int sig = 0; bool escaped = true; };  // every worker group, and (escaped) the
                                                               // descendants outside them
@@ -78,7 +96,7 @@ struct RetireWorkers {};       // kill what is left of the attempt, drop its han
 struct AttemptDue {};          // feed attempt_due() from the event loop
 struct HoldMasterPort { bool fresh = false; };
 struct ReleaseMasterPort {};   // the workers may bind it now
-struct Rejoin {};              // join the next round (with the port held now, when ours)
+struct Rejoin { bool offer_port = false; };  // join the next round (offering the port held now: ours)
 struct SendWorkerFailed { proto::WorkerFailed f; };
 struct SendNodeDone { int round = 0; };
 struct Finish { int code = 0; };  // the run is over: every effect stops, exit with `code`
@@ -86,6 +104,7 @@ struct Finish { int code = 0; };  // the run is over: every effect stops, exit w
 
 using Action = std::variant<act::Notice, act::ErrorLine, act::PrintRootCause, act::Trace, act::JoinRendezvous,
                             act::ApplyAssignment, act::AttemptStarted, act::AttemptEnded, act::Spawn,
+                            act::OpenExecFence, act::WatchExecs, act::WorkerEnded,
                             act::SpawnMoreLater, act::SignalWorkers, act::PauseOutputDrains, act::ResumeOutputDrains, act::StopSelf,
                             act::ArmTimer, act::CancelTimer, act::RetireWorkers, act::AttemptDue,
                             act::HoldMasterPort, act::ReleaseMasterPort, act::Rejoin, act::SendWorkerFailed,
@@ -102,12 +121,15 @@ class Supervisor {
   Actions spawn_batch_due(std::uint64_t gen, const Now& now);
   // A restart announced by AttemptDue.
   Actions attempt_due(const Now& now);
-  // Whether a failure now becomes the root cause (the agent then gathers its details:
-  // error file, stderr tail; see make_root_cause in launcher/report.h).
-  bool takes_root_cause() const { return state_ == State::kRunning; }
-  // A worker of the current attempt ended (its pipes drained). `rc`: the details of a
-  // failure, when takes_root_cause(). The outcome is recorded with stopped_by_agent set.
-  Actions worker_ended(WorkerOutcome o, std::optional<RootCause> rc, const Now& now);
+  // The details of a failure that becomes the root cause (error file, stderr tail; see
+  // worker_root_cause in launcher/report.h), gathered only then.
+  using RootCauseDetails = std::function<RootCause()>;
+  // A worker of the current attempt ended (its pipes drained). The first action is
+  // WorkerEnded: the outcome as recorded (stopped_by_agent set) and whether this exit is
+  // the root cause; only then is `details` called (once; empty: the outcome alone).
+  Actions worker_ended(WorkerOutcome o, const Now& now, const RootCauseDetails& details = {});
+  // Every worker watched since OpenExecFence has exec'd or exited (see WatchExecs).
+  Actions execs_settled(const Now& now);
   // SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 sent to the agent.
   Actions signal(int sig, const Now& now);
   // SIGTSTP (Ctrl-Z) or SIGCONT (fg, bg).
@@ -134,7 +156,9 @@ class Supervisor {
 
  private:
   void start_attempt(const Now& now, Actions& out);
-  void spawn_batch(std::uint64_t gen, Actions& out);
+  void spawn_batch(std::uint64_t gen, const Now& now, Actions& out);
+  void hold_port(bool fresh, Actions& out);
+  void release_port(Actions& out);
   void stop_group(int sig, const Now& now, Actions& out);
   void group_stopped(const Now& now, Actions& out);
   void leave_job(int sig, const Now& now, Actions& out);
@@ -171,6 +195,43 @@ class Supervisor {
   int handles_ = 0;        // worker handles held (spawned since the last retire)
   int done_ = 0;           // of those, ended
   int exit_code_ = 0;
+  bool port_held_ = false;     // HoldMasterPort was the last word on the port
+  bool fence_pending_ = false;  // WatchExecs out, ReleaseMasterPort not yet
+  Clock::time_point fence_due_{};
 };
+
+// ---- the agent's start-up decisions ----
+
+// Descriptors: a worker costs the agent one pipe per stream (one when its stdout and
+// stderr are merged), a log file per stream written, and the agent keeps a reserve for
+// the rendezvous sockets, the watchdog's pipe and files opened while running.
+struct DescriptorNeed {
+  int nproc = 0;
+  int per_worker = 2;
+  int log_files = 0;   // held open for the run
+  long long fixed = 0;   // what is open now + the reserve + the log files
+  long long needed = 0;  // fixed + per_worker * nproc
+};
+DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now);
+// The descriptor limit (RLIMIT_NOFILE); nullopt: unlimited.
+struct DescriptorLimit {
+  std::optional<unsigned long long> soft, hard;
+};
+// Whether `need` fits under the soft limit.
+bool fits(const DescriptorNeed& need, const DescriptorLimit& lim);
+// When it does not fit, whether raising the soft limit to the hard one is worth a try.
+bool worth_raising(const DescriptorNeed& need, const DescriptorLimit& lim);
+// The error (ResourceError's text) for a need that does not fit the limit in force: how
+// many workers fit and how to raise the limit.
+std::string descriptor_shortfall(const DescriptorNeed& need, const DescriptorLimit& lim);
+
+// Whether this agent listens for the rendezvous itself (once nothing listens there yet):
+// only with the own daemon's protocol (a rendezvous server that is not etcd), when told
+// (--rdzv_conf is_host=) or clearly meant to: `endpoint_is_here()` (asked only without
+// is_host) says the endpoint is a local address and the one this node advertises.
+// (torchrun hosts whenever the endpoint is local; then an agent started during a daemon's
+// outage takes the daemon's port.)
+bool meant_to_host(bool rdzv_server, bool etcd, std::optional<bool> is_host,
+                   const std::function<bool()>& endpoint_is_here);
 
 }  // namespace mg::sup

@@ -434,7 +434,7 @@ AgentMonitor::AgentMonitor(boost::asio::io_context& io, Console& console, Monito
   Sampler::Options so;
   so.host = opts_.host;
   so.run_id = opts_.run_id;
-  so.gpu_probe = make_gpu_probe(opts_.gpu_json);
+  so.gpu_probe = std::move(opts_.gpu_probe);
   sampler_ = std::make_unique<Sampler>(io, std::move(so), [this](Sample s) { on_sample(std::move(s)); });
 }
 

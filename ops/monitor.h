@@ -174,7 +174,7 @@ struct MonitorOptions {
   int metrics_port = -1;                 // --metrics-port (0: any free port; -1: none)
   std::string metrics_host = "127.0.0.1";  // --metrics-host
   std::string host, run_id;
-  std::string gpu_json;  // MGLAUNCH_TEST_GPU_JSON (test seam): fake GPUs from this file
+  std::unique_ptr<hw::GpuProbe> gpu_probe;  // the GPUs sampled (make_gpu_probe()); null: no GPU figures
 };
 
 class AgentMonitor {

@@ -104,11 +104,23 @@ RootCause details(int local_rank, const std::string& message) {
   return rc;
 }
 
-// A failure of `local_rank` with code `code`, the details gathered when the core takes them.
+// A failure of `local_rank` with code `code`, with the details the core gathers when it
+// takes the failure as the root cause.
 Actions fail(Supervisor& s, int local_rank, int code, const Now& now, const std::string& message = "boom") {
-  std::optional<RootCause> rc;
-  if (s.takes_root_cause()) rc = details(local_rank, message);
-  return s.worker_ended(ended(local_rank, code), rc, now);
+  return s.worker_ended(ended(local_rank, code), now, [=] { return details(local_rank, message); });
+}
+
+// What an exit was taken as (the WorkerEnded action, first of what worker_ended returns).
+act::WorkerEnded taken_as(const Actions& out) {
+  REQUIRE_FALSE(out.empty());
+  REQUIRE(std::holds_alternative<act::WorkerEnded>(out.front()));
+  return std::get<act::WorkerEnded>(out.front());
+}
+
+// The actions but the WorkerEnded record.
+Actions effects(Actions out) {
+  std::erase_if(out, [](const Action& a) { return std::holds_alternative<act::WorkerEnded>(a); });
+  return out;
 }
 
 proto::Assignment assignment(int round, int group_rank, int restart_count = 0) {
@@ -135,13 +147,15 @@ TEST_CASE("a single node run spawns every local rank of attempt 0 and ends with 
     CHECK(spawns[static_cast<std::size_t>(lr)].local_rank == lr);
     CHECK(spawns[static_cast<std::size_t>(lr)].attempt == 0);
   }
-  // The master port is let go only once every worker was started.
-  CHECK(index_of<act::ReleaseMasterPort>(out) > last_index_of<act::Spawn>(out));
-  CHECK(all<act::ReleaseMasterPort>(out).size() == 1);
+  CHECK_FALSE(has<act::HoldMasterPort>(out));  // no port chosen yet: nothing held
+  CHECK_FALSE(has<act::WatchExecs>(out));
   CHECK(s.state() == State::kRunning);
-  CHECK(s.worker_ended(ended(1, 0), std::nullopt, at(100)).empty());
-  CHECK(s.worker_ended(ended(0, 0), std::nullopt, at(200)).empty());
-  out = s.worker_ended(ended(2, 0), std::nullopt, at(1500));
+  out = s.worker_ended(ended(1, 0), at(100));
+  CHECK_FALSE(taken_as(out).root_cause);
+  CHECK_FALSE(taken_as(out).o.stopped_by_agent);
+  CHECK(effects(out).empty());
+  CHECK(effects(s.worker_ended(ended(0, 0), at(200))).empty());
+  out = s.worker_ended(ended(2, 0), at(1500));
   CHECK(finished(out) == exit_code::kOk);
   CHECK(s.state() == State::kDone);
   REQUIRE(s.attempts().size() == 1);
@@ -171,8 +185,8 @@ TEST_CASE("workers start in batches and a batch of an attempt that ended meanwhi
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   CHECK(s.spawn_batch_due(stale, at(3)).empty());
   // The four started end; the fifth never counted.
-  for (int lr = 1; lr < 3; ++lr) CHECK_FALSE(finished(s.worker_ended(ended(lr, 143, SIGTERM), std::nullopt, at(4))));
-  out = s.worker_ended(ended(3, 143, SIGTERM), std::nullopt, at(5));
+  for (int lr = 1; lr < 3; ++lr) CHECK_FALSE(finished(s.worker_ended(ended(lr, 143, SIGTERM), at(4))));
+  out = s.worker_ended(ended(3, 143, SIGTERM), at(5));
   CHECK(has<act::AttemptDue>(out));  // restart 1 of 1
   CHECK(all<act::HoldMasterPort>(out).at(0).fresh);
   // The fresh port held for attempt 1 stays held until attempt 1's workers started.
@@ -192,7 +206,7 @@ TEST_CASE("a batch posted by an attempt whose last workers ended before it ran l
   auto out = s.start(at(0));
   const auto gen = all<act::SpawnMoreLater>(out).at(0).gen;
   fail(s, 0, 127, at(1));
-  out = s.worker_ended(ended(1, 0), std::nullopt, at(2));
+  out = s.worker_ended(ended(1, 0), at(2));
   REQUIRE(has<act::HoldMasterPort>(out));
   REQUIRE(has<act::AttemptDue>(out));
   CHECK(s.spawn_batch_due(gen, at(3)).empty());
@@ -207,8 +221,8 @@ TEST_CASE("a batch posted by an attempt whose last workers ended before it ran l
   proto::Restart restart;
   restart.restart_count = 1;
   r.restart(restart, at(2));
-  r.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(3));
-  out = r.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(4));
+  r.worker_ended(ended(0, 143, SIGTERM), at(3));
+  out = r.worker_ended(ended(1, 143, SIGTERM), at(4));
   REQUIRE(index_of<act::HoldMasterPort>(out) < index_of<act::Rejoin>(out));
   CHECK(r.spawn_batch_due(rgen, at(5)).empty());
 }
@@ -216,8 +230,9 @@ TEST_CASE("a batch posted by an attempt whose last workers ended before it ran l
 TEST_CASE("a failing worker becomes the root cause and the group is stopped with SIGTERM under a grace timer") {
   Supervisor s(single(2));
   s.start(at(0));
-  REQUIRE(s.takes_root_cause());
   auto out = fail(s, 1, 7, at(1000), "bad input");
+  CHECK(taken_as(out).root_cause);
+  CHECK_FALSE(taken_as(out).o.stopped_by_agent);
   CHECK(s.state() == State::kStopping);
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   CHECK(all<act::SignalWorkers>(out)[0].escaped);
@@ -229,15 +244,116 @@ TEST_CASE("a failing worker becomes the root cause and the group is stopped with
   CHECK(s.root_cause()->worker.local_rank == 1);
   CHECK(s.root_cause()->worker.exit_code == 7);
   CHECK(s.root_cause()->message == "bad input");
-  // Later failures are the stop's doing: no new root cause.
-  CHECK_FALSE(s.takes_root_cause());
+  // Later failures are the stop's doing: no new root cause, and no details asked for.
+  bool asked = false;
+  out = s.worker_ended(ended(0, 143, SIGTERM), at(1100), [&] {
+    asked = true;
+    return details(0, "not the cause");
+  });
+  CHECK_FALSE(taken_as(out).root_cause);
+  CHECK(taken_as(out).o.stopped_by_agent);
+  CHECK_FALSE(asked);
+  CHECK(s.root_cause()->message == "bad input");
+}
+
+TEST_CASE("a failure without details becomes a root cause of the outcome alone") {
+  Supervisor s(single(1));
+  s.start(at(0));
+  auto out = s.worker_ended(ended(0, 4), at(10));
+  CHECK(taken_as(out).root_cause);
+  REQUIRE(s.root_cause());
+  CHECK(s.root_cause()->host == "node-a");
+  CHECK(s.root_cause()->worker.exit_code == 4);
+}
+
+TEST_CASE("a master port of ours is held from the start and let go once the workers exec'd or after a second") {
+  Config c = single(2, 1);
+  c.master_port = 29500;
+  Supervisor s(c);
+  auto out = s.start(at(0));
+  REQUIRE(all<act::HoldMasterPort>(out).size() == 1);
+  CHECK_FALSE(all<act::HoldMasterPort>(out)[0].fresh);
+  // The fence opens before the first worker starts and is watched after the last.
+  CHECK(index_of<act::HoldMasterPort>(out) < index_of<act::OpenExecFence>(out));
+  CHECK(index_of<act::OpenExecFence>(out) < index_of<act::Spawn>(out));
+  CHECK(index_of<act::WatchExecs>(out) > last_index_of<act::Spawn>(out));
+  CHECK_FALSE(has<act::ReleaseMasterPort>(out));
+  auto timers = all<act::ArmTimer>(out);
+  REQUIRE(timers.size() == 1);
+  CHECK(timers[0].timer == Timer::kFence);
+  CHECK(timers[0].at == at(1000).steady);
+  // The workers exec'd: the port goes, once.
+  out = s.execs_settled(at(5));
+  CHECK(all<act::ReleaseMasterPort>(out).size() == 1);
+  CHECK(s.execs_settled(at(6)).empty());
+  CHECK(s.timer_fired(Timer::kFence, at(1000)).empty());
+  // A restart holds a fresh port; a worker that never execs keeps it at most a second.
+  fail(s, 0, 1, at(10));
+  out = s.worker_ended(ended(1, 143, SIGTERM), at(20));
+  CHECK(all<act::HoldMasterPort>(out).at(0).fresh);
+  out = s.attempt_due(at(30));
+  REQUIRE(has<act::WatchExecs>(out));
+  CHECK(s.timer_fired(Timer::kFence, at(500)).empty());  // early (a stale completion)
+  out = s.timer_fired(Timer::kFence, at(1030));
+  CHECK(has<act::ReleaseMasterPort>(out));
+  CHECK(s.execs_settled(at(1040)).empty());
+}
+
+TEST_CASE("a port held again before the workers exec'd drops the release still waiting") {
+  Config c = single(1, 1);
+  c.master_port = 29500;
+  Supervisor s(c);
+  s.start(at(0));
+  // Fails before its exec settled: the restart's fresh port replaces the one waiting.
+  auto out = fail(s, 0, 127, at(1));
+  REQUIRE(has<act::HoldMasterPort>(out));
+  bool fence_cancelled = false;
+  for (const auto& t : all<act::CancelTimer>(out)) fence_cancelled = fence_cancelled || t.timer == Timer::kFence;
+  CHECK(fence_cancelled);
+  CHECK(s.execs_settled(at(2)).empty());
+  CHECK(s.timer_fired(Timer::kFence, at(1000)).empty());
+}
+
+TEST_CASE("the descriptor budget counts pipes, log files and a reserve, and says how many workers fit") {
+  auto need = descriptor_need(100, /*merge_streams=*/false, /*log_files=*/10, /*open_now=*/20);
+  CHECK(need.per_worker == 2);
+  CHECK(need.fixed == 20 + 64 + 10);
+  CHECK(need.needed == need.fixed + 200);
+  CHECK(descriptor_need(100, true, 0, 20).needed == 20 + 64 + 100);
+  CHECK(fits(need, {std::nullopt, std::nullopt}));
+  CHECK(fits(need, {294, 294}));
+  CHECK_FALSE(fits(need, {293, 4096}));
+  CHECK(worth_raising(need, {256, 4096}));
+  CHECK_FALSE(worth_raising(need, {256, 256}));
+  CHECK_FALSE(worth_raising(need, {4096, 4096}));
+  const std::string text = descriptor_shortfall(need, {256, 256});
+  CHECK_THAT(text, Catch::Contains("100 workers need about 294 open descriptors (2 per worker and the log files, 84 "
+                                   "for the agent)"));
+  CHECK_THAT(text, Catch::Contains("is 256 and its hard limit 256: at most 81 workers fit"));
+  CHECK_THAT(descriptor_shortfall(need, {256, std::nullopt}), Catch::Contains("hard limit unlimited"));
+}
+
+TEST_CASE("an agent hosts the rendezvous when told, or when the endpoint is its own address, and never for etcd") {
+  int asked = 0;
+  auto here = [&] {
+    ++asked;
+    return true;
+  };
+  auto elsewhere = [] { return false; };
+  CHECK(meant_to_host(true, false, std::nullopt, here));
+  CHECK_FALSE(meant_to_host(true, false, std::nullopt, elsewhere));
+  CHECK(meant_to_host(true, false, true, elsewhere));
+  CHECK_FALSE(meant_to_host(true, false, false, here));
+  CHECK_FALSE(meant_to_host(true, true, true, here));    // etcd: nothing to host
+  CHECK_FALSE(meant_to_host(false, false, true, here));  // static or single node
+  CHECK(asked == 1);  // the endpoint is looked at only without is_host
 }
 
 TEST_CASE("with restarts left the group restarts on a fresh master port once every worker ended") {
   Supervisor s(single(2, 2));
   s.start(at(0));
   fail(s, 0, 3, at(10));
-  auto out = s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(20));
+  auto out = s.worker_ended(ended(1, 143, SIGTERM), at(20));
   CHECK(has<act::CancelTimer>(out));
   CHECK(noticed(out, "restarting the worker group (1 of 2)"));
   CHECK(all<act::HoldMasterPort>(out).at(0).fresh);
@@ -251,18 +367,18 @@ TEST_CASE("with restarts left the group restarts on a fresh master port once eve
   CHECK(all<act::Spawn>(out)[1].attempt == 1);
   CHECK_FALSE(s.root_cause());
   CHECK(s.attempts().size() == 2);
-  s.worker_ended(ended(0, 0), std::nullopt, at(40));
-  CHECK(finished(s.worker_ended(ended(1, 0), std::nullopt, at(50))) == 0);
+  s.worker_ended(ended(0, 0), at(40));
+  CHECK(finished(s.worker_ended(ended(1, 0), at(50))) == 0);
 }
 
 TEST_CASE("with restarts spent the agent prints the root cause and exits with the failed worker's code") {
   Supervisor s(single(2, 1));
   s.start(at(0));
   fail(s, 0, 5, at(10));
-  s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(20));
+  s.worker_ended(ended(1, 143, SIGTERM), at(20));
   s.attempt_due(at(30));
   fail(s, 1, 9, at(40), "again");
-  auto out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(50));
+  auto out = s.worker_ended(ended(0, 143, SIGTERM), at(50));
   auto printed = all<act::PrintRootCause>(out);
   REQUIRE(printed.size() == 1);
   CHECK(printed[0].rc.worker.local_rank == 1);
@@ -289,7 +405,7 @@ TEST_CASE("the grace timer sends SIGKILL only while the group is still stopping"
   auto out = s.timer_fired(Timer::kGrace, at(3010));
   CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
   CHECK(noticed(out, "workers still running 3.0s after SIGTERM: sending SIGKILL"));
-  out = s.worker_ended(ended(1, 137, SIGKILL), std::nullopt, at(3020));
+  out = s.worker_ended(ended(1, 137, SIGKILL), at(3020));
   CHECK(finished(out) == 1);
   CHECK(s.timer_fired(Timer::kGrace, at(3030)).empty());
 }
@@ -301,8 +417,8 @@ TEST_CASE("SIGTERM stops the group and the run ends with 128 plus the signal") {
   CHECK(noticed(out, "got SIGTERM: stopping the workers (grace 3.0s)"));
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   CHECK(has<act::ArmTimer>(out));
-  s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(20));
-  out = s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(30));
+  s.worker_ended(ended(0, 143, SIGTERM), at(20));
+  out = s.worker_ended(ended(1, 143, SIGTERM), at(30));
   CHECK(noticed(out, "stopped by SIGTERM"));
   CHECK_FALSE(has<act::AttemptDue>(out));  // restarts left do not apply to a signal
   CHECK(finished(out) == 128 + SIGTERM);
@@ -317,7 +433,7 @@ TEST_CASE("a worker that failed before SIGTERM stays the root cause and its code
   // Already stopping: the signal is passed on, the grace timer kept.
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   CHECK_FALSE(has<act::ArmTimer>(out));
-  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  out = s.worker_ended(ended(0, 143, SIGTERM), at(30));
   CHECK(all<act::PrintRootCause>(out).size() == 1);
   CHECK(finished(out) == 4);
 }
@@ -330,8 +446,8 @@ TEST_CASE("a second SIGINT kills the workers at once") {
   out = s.signal(SIGINT, at(20));
   CHECK(noticed(out, "second interrupt"));
   CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
-  s.worker_ended(ended(0, 137, SIGKILL), std::nullopt, at(30));
-  out = s.worker_ended(ended(1, 137, SIGKILL), std::nullopt, at(40));
+  s.worker_ended(ended(0, 137, SIGKILL), at(30));
+  out = s.worker_ended(ended(1, 137, SIGKILL), at(40));
   CHECK(finished(out) == 128 + SIGINT);
 }
 
@@ -382,7 +498,7 @@ TEST_CASE("a stop during the spawn batches starts no further worker and ends onc
   const auto gen = all<act::SpawnMoreLater>(out).at(0).gen;
   s.signal(SIGTERM, at(1));
   CHECK_FALSE(has<act::Spawn>(s.spawn_batch_due(gen, at(2))));
-  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(3));
+  out = s.worker_ended(ended(0, 143, SIGTERM), at(3));
   CHECK(finished(out) == 128 + SIGTERM);
 }
 
@@ -464,7 +580,7 @@ TEST_CASE("a node whose workers all ended well tells the rendezvous and waits fo
   Supervisor s(multi(1));
   s.start(at(0));
   s.assignment(assignment(1, 0), at(10));
-  auto out = s.worker_ended(ended(0, 0), std::nullopt, at(20));
+  auto out = s.worker_ended(ended(0, 0), at(20));
   REQUIRE(all<act::SendNodeDone>(out).size() == 1);
   CHECK(all<act::SendNodeDone>(out)[0].round == 1);
   CHECK_FALSE(finished(out));
@@ -477,7 +593,7 @@ TEST_CASE("a worker failure in a multi-node job is reported to the rendezvous wh
   s.start(at(0));
   s.assignment(assignment(3, 1), at(10));
   fail(s, 1, 6, at(20), "nan loss");
-  auto out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  auto out = s.worker_ended(ended(0, 143, SIGTERM), at(30));
   auto sent = all<act::SendWorkerFailed>(out);
   REQUIRE(sent.size() == 1);
   CHECK(sent[0].f.round == 3);
@@ -500,7 +616,7 @@ TEST_CASE("a restart decided by the rendezvous stops the running workers and rej
   CHECK(noticed(out, "restart 1 decided by the rendezvous: node 127.0.0.3 lost"));
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   CHECK_FALSE(has<act::Rejoin>(out));
-  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  out = s.worker_ended(ended(0, 143, SIGTERM), at(30));
   CHECK(all<act::HoldMasterPort>(out).at(0).fresh);
   CHECK(index_of<act::HoldMasterPort>(out) < index_of<act::Rejoin>(out));
   CHECK(s.state() == State::kWaiting);
@@ -513,7 +629,7 @@ TEST_CASE("a restart decided while waiting rejoins at once and one decided while
   Supervisor s(multi(1));
   s.start(at(0));
   s.assignment(assignment(1, 0), at(10));
-  s.worker_ended(ended(0, 0), std::nullopt, at(20));  // node done: waiting
+  s.worker_ended(ended(0, 0), at(20));  // node done: waiting
   proto::Restart r;
   r.restart_count = 1;
   CHECK(has<act::Rejoin>(s.restart(r, at(30))));
@@ -524,7 +640,7 @@ TEST_CASE("a restart decided while waiting rejoins at once and one decided while
   fail(u, 0, 2, at(20));
   REQUIRE(u.state() == State::kStopping);
   CHECK_FALSE(has<act::Rejoin>(u.restart(r, at(30))));
-  auto out = u.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(40));
+  auto out = u.worker_ended(ended(1, 143, SIGTERM), at(40));
   CHECK(has<act::Rejoin>(out));
   CHECK_FALSE(has<act::SendWorkerFailed>(out));  // the decision is in: nothing to report
 }
@@ -545,7 +661,7 @@ TEST_CASE("an abort while running stops the workers then prints the job's root c
   CHECK_FALSE(finished(out));
   // A signal during the stop (srun --kill-on-bad-exit) does not hide the decided abort.
   s.signal(SIGTERM, at(25));
-  out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));
+  out = s.worker_ended(ended(0, 143, SIGTERM), at(30));
   auto printed = all<act::PrintRootCause>(out);
   REQUIRE(printed.size() == 1);
   CHECK(printed[0].rc.host == "node-b");
@@ -558,7 +674,7 @@ TEST_CASE("an abort without a worker code exits 1 and one before any worker ran 
   Supervisor s(multi(1));
   s.start(at(0));
   s.assignment(assignment(1, 0), at(10));
-  s.worker_ended(ended(0, 0), std::nullopt, at(20));
+  s.worker_ended(ended(0, 0), at(20));
   proto::Abort a;
   a.reason = "node lost";
   a.root_cause.rank = 2;
@@ -593,7 +709,7 @@ TEST_CASE("a rendezvous lost while waiting ends with the node's own workers' cod
   s.start(at(0));
   s.assignment(assignment(1, 0), at(10));
   fail(s, 1, 8, at(20));
-  s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(30));  // reported: waiting
+  s.worker_ended(ended(0, 143, SIGTERM), at(30));  // reported: waiting
   auto out = s.rendezvous_lost("connection closed", at(40));
   CHECK(noticed(out, "rendezvous: connection closed"));
   CHECK(all<act::PrintRootCause>(out).size() == 1);
@@ -621,7 +737,7 @@ TEST_CASE("a rendezvous lost while stopping for its restart ends with node_exit_
   s.restart(r, at(20));
   s.rendezvous_lost("connection closed", at(30));
   // The worker was stopped by the agent, nothing failed by itself: never 0.
-  auto out = s.worker_ended(ended(0, 143, SIGTERM), std::nullopt, at(40));
+  auto out = s.worker_ended(ended(0, 143, SIGTERM), at(40));
   CHECK(finished(out) == 143);
 }
 
@@ -629,7 +745,7 @@ TEST_CASE("a signal while waiting in a round tells the rendezvous and leaves on 
   Supervisor s(multi(1));
   s.start(at(0));
   s.assignment(assignment(2, 1), at(10));
-  s.worker_ended(ended(0, 0), std::nullopt, at(20));  // node done: waiting
+  s.worker_ended(ended(0, 0), at(20));  // node done: waiting
   auto out = s.signal(SIGTERM, at(30));
   CHECK(noticed(out, "got SIGTERM while waiting for the rendezvous"));
   auto sent = all<act::SendWorkerFailed>(out);
@@ -678,7 +794,7 @@ TEST_CASE("a signal that stops a multi-node run reports a failure that came firs
   s.assignment(assignment(1, 0), at(10));
   s.signal(SIGTERM, at(20));
   fail(s, 0, 1, at(30));  // stopping: not a root cause
-  auto out = s.worker_ended(ended(1, 143, SIGTERM), std::nullopt, at(40));
+  auto out = s.worker_ended(ended(1, 143, SIGTERM), at(40));
   CHECK(noticed(out, "stopped by SIGTERM"));
   auto sent = all<act::SendWorkerFailed>(out);
   REQUIRE(sent.size() == 1);
@@ -690,7 +806,7 @@ TEST_CASE("a signal that stops a multi-node run reports a failure that came firs
 TEST_CASE("nothing changes once the run has ended") {
   Supervisor s(single(1));
   s.start(at(0));
-  REQUIRE(finished(s.worker_ended(ended(0, 0), std::nullopt, at(10))) == 0);
+  REQUIRE(finished(s.worker_ended(ended(0, 0), at(10))) == 0);
   CHECK(s.signal(SIGTERM, at(20)).empty());
   CHECK(s.job_control(SIGCONT, at(20)).empty());
   CHECK(s.timer_fired(Timer::kGrace, at(20)).empty());

@@ -1,0 +1,86 @@
+#include "launcher/agent_seams.h"
+
+#include <array>
+
+#include <boost/asio/steady_timer.hpp>
+
+#include "launcher/options.h"
+#include "ops/monitor.h"
+#include "rendezvous/endpoint.h"
+#include "rendezvous/etcd_backend.h"
+
+namespace mg {
+
+namespace asio = boost::asio;
+
+namespace {
+
+class SystemClock final : public AgentClock {
+ public:
+  explicit SystemClock(asio::io_context& io) : timers_{asio::steady_timer(io), asio::steady_timer(io), asio::steady_timer(io)} {}
+  sup::Now now() const override { return {std::chrono::steady_clock::now(), std::chrono::system_clock::now()}; }
+  void arm(sup::Timer t, sup::Clock::time_point at, std::function<void()> fire) override {
+    auto& timer = timers_[static_cast<std::size_t>(t)];
+    timer.expires_at(at);  // cancels a wait still due
+    timer.async_wait([fire = std::move(fire)](boost::system::error_code ec) {
+      if (!ec) fire();
+    });
+  }
+  void cancel(sup::Timer t) override { timers_[static_cast<std::size_t>(t)].cancel(); }
+
+ private:
+  std::array<asio::steady_timer, 3> timers_;  // by sup::Timer
+};
+
+class MachineProbe final : public AgentHardware {
+ public:
+  explicit MachineProbe(std::string fake_gpu_json) : fake_gpu_json_(std::move(fake_gpu_json)) {}
+  std::vector<hw::Binding> bind(const std::string& policy, int nproc, const std::vector<int>& gpu_ids) override {
+    return hw::bind_this_machine(policy, nproc, gpu_ids);
+  }
+  std::unique_ptr<hw::GpuProbe> gpu_probe() override { return mon::make_gpu_probe(fake_gpu_json_); }
+
+ private:
+  std::string fake_gpu_json_;
+};
+
+}  // namespace
+
+std::unique_ptr<AgentClock> make_system_clock(asio::io_context& io) { return std::make_unique<SystemClock>(io); }
+
+std::unique_ptr<AgentHardware> make_machine_hardware(std::string fake_gpu_json) {
+  return std::make_unique<MachineProbe>(std::move(fake_gpu_json));
+}
+
+std::unique_ptr<rdzv::Link> make_rendezvous_link(asio::io_context& io, const AgentOptions& opts, proto::Join join,
+                                                 rdzv::ClientHandlers handlers) {
+  if (opts.rdzv_backend == "etcd") {  // the job lives in etcd; the same rules (rendezvous::Job) run in every agent
+    rdzv::EtcdOptions eo;
+    eo.endpoints = rdzv::etcd::parse_endpoints(opts.rdzv_endpoint);  // checked with the options
+    for (auto& e : eo.endpoints) e.tls = e.tls || opts.etcd_https;
+    eo.credentials = {opts.etcd_user, opts.etcd_password, opts.etcd_cacert, opts.etcd_cert, opts.etcd_key};
+    eo.prefix = opts.etcd_prefix;
+    eo.join = std::move(join);
+    return std::make_unique<rdzv::EtcdLink>(io, std::move(eo), std::move(handlers));
+  }
+  const rdzv::Endpoint ep = rdzv::parse_endpoint(opts.rdzv_endpoint, 29400);
+  rdzv::ClientOptions co;
+  co.host = ep.host;
+  co.port = ep.port;
+  co.token = opts.rdzv_token;
+  co.job_token = opts.rdzv_job_token;
+  co.join = std::move(join);
+  return std::make_unique<rdzv::LinkTo<rdzv::Client>>(io, std::move(co), std::move(handlers));
+}
+
+AgentDeps machine_deps(asio::io_context& io, const EnvMap& env) {
+  AgentDeps d;
+  d.clock = make_system_clock(io);
+  d.launcher = make_process_launcher;
+  d.link = make_rendezvous_link;
+  auto gpu_json = env.find("MGLAUNCH_TEST_GPU_JSON");
+  d.hardware = make_machine_hardware(gpu_json == env.end() ? std::string() : gpu_json->second);
+  return d;
+}
+
+}  // namespace mg

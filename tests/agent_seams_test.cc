@@ -1,0 +1,331 @@
+// The agent (launcher/agent.h) driven through whole runs with fakes for its seams
+// (launcher/agent_seams.h, launcher/worker_launcher.h): a launcher whose workers exit when
+// the test says, a clock whose timers fire when the test moves it. No process is started
+// and nothing sleeps: the grace before SIGKILL is a step of the test, not a wait.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+
+#include "launcher/agent.h"
+#include "launcher/agent_seams.h"
+#include "launcher/options.h"
+#include "launcher/plan.h"
+
+using namespace mg;
+using namespace std::chrono_literals;
+namespace asio = boost::asio;
+
+namespace {
+
+// Time moves only when the test says so; a timer fires when the time reaches it.
+class FakeClock final : public AgentClock {
+ public:
+  sup::Now now() const override { return now_; }
+  void arm(sup::Timer t, sup::Clock::time_point at, std::function<void()> fire) override {
+    armed_[t] = {at, std::move(fire)};
+  }
+  void cancel(sup::Timer t) override { armed_.erase(t); }
+
+  bool armed(sup::Timer t) const { return armed_.contains(t); }
+  // Moves the time to the earliest timer and fires it; false when none is armed.
+  bool fire_next() {
+    if (armed_.empty()) return false;
+    auto next = std::min_element(armed_.begin(), armed_.end(),
+                                 [](const auto& a, const auto& b) { return a.second.at < b.second.at; });
+    const auto dt = next->second.at - now_.steady;
+    if (dt > sup::Clock::duration::zero()) {
+      now_.steady += dt;
+      now_.wall += std::chrono::duration_cast<std::chrono::system_clock::duration>(dt);
+    }
+    auto fire = std::move(next->second.fire);
+    armed_.erase(next);
+    fire();
+    return true;
+  }
+  void advance(std::chrono::milliseconds d) {
+    now_.steady += d;
+    now_.wall += d;
+  }
+
+ private:
+  struct Due {
+    sup::Clock::time_point at;
+    std::function<void()> fire;
+  };
+  sup::Now now_{sup::Clock::time_point{} + 1000h, std::chrono::system_clock::time_point{} + 500000h};
+  std::map<sup::Timer, Due> armed_;
+};
+
+// Workers that run until the test ends them; what the agent asked for is recorded.
+class FakeLauncher final : public WorkerLauncher {
+ public:
+  struct Worker {
+    WorkerSpec spec;
+    pid_t pid = 0;
+    Ended ended;
+    bool exited = false;
+    int status = 0;
+  };
+
+  explicit FakeLauncher(asio::io_context& io) : io_(io) {}
+
+  void prepare(const std::string&, Notice) override { prepared = true; }
+  std::string run_mark(const std::string&) const override { return {}; }
+  pid_t start(WorkerSpec spec, Ended ended) override {
+    REQUIRE(prepared);
+    started.push_back(spec);
+    all_.push_back(std::make_unique<Worker>(Worker{std::move(spec), next_pid_++, std::move(ended)}));
+    current_.push_back(all_.back().get());
+    return all_.back()->pid;
+  }
+  void signal(int sig, bool) override { signals.push_back(sig); }
+  void retire() override {
+    ++retired;
+    current_.clear();  // (the handles stay: the agent may be inside their callbacks)
+  }
+  void pause_drains() override {}
+  void resume_drains() override {}
+  void window_changed() override {}
+  std::vector<WorkerState> workers() const override {
+    std::vector<WorkerState> out;
+    for (const Worker* w : current_) out.push_back({w->spec.rank, w->spec.local_rank, w->pid, w->exited, w->status});
+    return out;
+  }
+  void open_exec_fence() override {}
+  void watch_execs(std::function<void()> settled) override { asio::post(io_, std::move(settled)); }
+  void drop_exec_fence() override {}
+  void finish() override { finished = true; }
+  void close() override { closed = true; }
+
+  // Worker `local_rank` of the attempt running now ends with raw wait status `status`
+  // (from the event loop, as a real one would).
+  void end(int local_rank, int status, std::vector<std::string> tail = {}) {
+    auto it = std::find_if(current_.begin(), current_.end(), [&](const Worker* w) { return w->spec.local_rank == local_rank; });
+    REQUIRE(it != current_.end());
+    Worker& w = **it;
+    REQUIRE_FALSE(w.exited);
+    w.exited = true;
+    w.status = status;
+    WorkerEnd e;
+    e.rank = w.spec.rank;
+    e.local_rank = w.spec.local_rank;
+    e.pid = w.pid;
+    e.wait_status = status;
+    e.duration_s = 0.5;
+    e.stderr_tail = std::move(tail);
+    asio::post(io_, [ended = w.ended, e] { ended(e); });
+  }
+  std::size_t running() const { return current_.size(); }
+
+  bool prepared = false, finished = false, closed = false;
+  int retired = 0;
+  std::vector<WorkerSpec> started;
+  std::vector<int> signals;
+
+ private:
+  asio::io_context& io_;
+  pid_t next_pid_ = 4000;
+  std::vector<std::unique_ptr<Worker>> all_;
+  std::vector<Worker*> current_;
+};
+
+class FakeHardware final : public AgentHardware {
+ public:
+  std::vector<hw::Binding> bind(const std::string&, int nproc, const std::vector<int>&) override {
+    std::vector<hw::Binding> b(static_cast<std::size_t>(nproc));
+    for (int lr = 0; lr < nproc; ++lr) b[static_cast<std::size_t>(lr)].cpus = {100 + lr};
+    return b;
+  }
+  std::unique_ptr<hw::GpuProbe> gpu_probe() override { return nullptr; }
+};
+
+int exited(int code) { return code << 8; }
+int killed(int sig) { return sig; }
+
+std::string env_of(const WorkerSpec& spec, const std::string& key) {
+  for (const auto& kv : spec.env)
+    if (kv.starts_with(key + "=")) return kv.substr(key.size() + 1);
+  return "<unset>";
+}
+
+// One agent run with fakes: the console goes to a file the test reads at the end.
+struct Run {
+  asio::io_context io{1};
+  FakeClock* clock = nullptr;
+  FakeLauncher* launcher = nullptr;
+  std::string out_path;
+  int out_fd = -1;
+  std::unique_ptr<Agent> agent;
+
+  explicit Run(std::vector<std::string> flags) {
+    char path[] = "/tmp/mg_agent_seams_XXXXXX";
+    out_fd = ::mkstemp(path);
+    REQUIRE(out_fd >= 0);
+    out_path = path;
+    std::vector<std::string> argv = {"mglaunch", "--stdin-rank=none"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.push_back("/bin/true");  // never run: the launcher is a fake
+    const EnvMap env = {{"PATH", "/bin:/usr/bin"}};
+    auto parsed = parse_agent_args(argv, env, HardwareProbe{[] { return 0; }, [] { return 2; }});
+    REQUIRE(parsed.options);
+    RunPlan plan = make_plan(*parsed.options, env);
+    AgentDeps deps;
+    auto c = std::make_unique<FakeClock>();
+    clock = c.get();
+    deps.clock = std::move(c);
+    deps.launcher = [this](asio::io_context& io, Console&) {
+      auto l = std::make_unique<FakeLauncher>(io);
+      launcher = l.get();
+      return l;
+    };
+    deps.link = [](asio::io_context&, const AgentOptions&, proto::Join, rdzv::ClientHandlers) -> std::unique_ptr<rdzv::Link> {
+      FAIL("a single-node run joins no rendezvous");
+      return nullptr;
+    };
+    deps.hardware = std::make_unique<FakeHardware>();
+    deps.stdout_fd = out_fd;
+    deps.stderr_fd = out_fd;
+    agent = std::make_unique<Agent>(io, std::move(*parsed.options), std::move(plan), env, std::move(deps));
+    agent->start();
+    settle();
+  }
+  ~Run() {
+    agent.reset();
+    if (out_fd >= 0) ::close(out_fd);
+    ::unlink(out_path.c_str());
+  }
+
+  // Runs what is ready until nothing is (bounded); the timers wait for the test.
+  void settle() {
+    for (int i = 0; i < 10000; ++i) {
+      io.restart();
+      if (io.poll() == 0) return;
+    }
+    FAIL("the event loop never settled");
+  }
+  void end(int local_rank, int status, std::vector<std::string> tail = {}) {
+    launcher->end(local_rank, status, std::move(tail));
+    settle();
+  }
+  // Everything the agent wrote (once it is gone: the console flushed).
+  std::string output() {
+    agent.reset();
+    std::ifstream in(out_path);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("agent with fakes: a failed worker restarts the group and the run ends with 0 once both succeed") {
+  Run run({"--nproc_per_node=2", "--max_restarts=1"});
+  REQUIRE(run.launcher->started.size() == 2);
+  CHECK(env_of(run.launcher->started[0], "RANK") == "0");
+  CHECK(env_of(run.launcher->started[1], "RANK") == "1");
+  CHECK(env_of(run.launcher->started[1], "TORCHELASTIC_RESTART_COUNT") == "0");
+  CHECK(run.launcher->started[1].cpus.empty());  // no --cpu-bind
+
+  run.end(1, exited(3), {"ValueError: bad batch"});
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM});
+  CHECK(run.clock->armed(sup::Timer::kGrace));
+  CHECK(run.launcher->started.size() == 2);  // nothing restarts before the group stopped
+  run.end(0, killed(SIGTERM));
+  // Restart 1: both ranks again, the attempt's number in their environment.
+  CHECK_FALSE(run.clock->armed(sup::Timer::kGrace));
+  CHECK(run.launcher->retired == 1);
+  REQUIRE(run.launcher->started.size() == 4);
+  CHECK(env_of(run.launcher->started[2], "TORCHELASTIC_RESTART_COUNT") == "1");
+  CHECK(env_of(run.launcher->started[3], "RANK") == "1");
+  CHECK_FALSE(run.agent->done());
+
+  run.end(0, exited(0));
+  CHECK_FALSE(run.agent->done());
+  run.end(1, exited(0));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 0);
+  CHECK(run.launcher->finished);
+  const auto summary = run.agent->summary();
+  INFO(summary.dump(2));
+  CHECK(summary["restarts"] == 1);
+  CHECK(summary["exit_code"] == 0);
+  REQUIRE(summary["attempts"].size() == 2);
+  CHECK(summary["attempts"][0]["workers"][1]["exit_code"] == 3);
+  CHECK(summary["attempts"][0]["workers"][0]["stopped_by_agent"] == true);
+  CHECK(summary["attempts"][1]["workers"][1]["exit_code"] == 0);
+  const std::string out = run.output();
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("rank 1 (local_rank 1) failed with exit code 3; restarting the worker group (1 of 1)"));
+  CHECK_THAT(out, !Catch::Contains("Root Cause"));
+}
+
+TEST_CASE("agent with fakes: restarts spent, a worker that ignores SIGTERM is killed after the grace and the run "
+          "exits with the failed worker's code") {
+  Run run({"--nproc_per_node=2", "--max_restarts=1", "--grace=7"});
+  run.end(0, exited(5));
+  run.end(1, killed(SIGTERM));
+  REQUIRE(run.launcher->started.size() == 4);
+  // Attempt 1: rank 1 fails; rank 0 ignores SIGTERM.
+  run.end(1, exited(9), {"Traceback (most recent call last):", "RuntimeError: out of patience"});
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGTERM});
+  CHECK_FALSE(run.agent->done());
+  // The grace runs out when the clock says so, not after 7 real seconds.
+  REQUIRE(run.clock->fire_next());
+  run.settle();
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGTERM, SIGKILL});
+  CHECK_FALSE(run.agent->done());
+  run.end(0, killed(SIGKILL));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 9);
+  const auto summary = run.agent->summary();
+  INFO(summary.dump(2));
+  CHECK(summary["restarts"] == 1);
+  CHECK(summary["root_cause"]["rank"] == 1);
+  CHECK(summary["root_cause"]["exit_code"] == 9);
+  const std::string out = run.output();
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("workers still running 7.0s after SIGTERM: sending SIGKILL"));
+  CHECK_THAT(out, Catch::Contains("Root Cause (first observed failure):"));
+  CHECK_THAT(out, Catch::Contains("rank       : 1 (local_rank: 1)"));
+  CHECK_THAT(out, Catch::Contains("exitcode   : 9 (pid: 4003)"));
+  CHECK_THAT(out, Catch::Contains("    RuntimeError: out of patience"));
+  // Only the first failure of each attempt is a root cause: rank 0's SIGKILL is not in it.
+  CHECK_THAT(out, !Catch::Contains("exitcode   : 137"));
+}
+
+TEST_CASE("agent with fakes: --cpu-bind takes its CPUs from the hardware probe it was given") {
+  Run run({"--nproc_per_node=2", "--cpu-bind=cores"});
+  REQUIRE(run.launcher->started.size() == 2);
+  CHECK(run.launcher->started[0].cpus == std::vector<int>{100});
+  CHECK(run.launcher->started[1].cpus == std::vector<int>{101});
+  run.end(0, exited(0));
+  run.end(1, exited(0));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 0);
+  CHECK_THAT(run.output(), Catch::Contains("local_rank 1: cpus 101"));
+}
+
+TEST_CASE("agent with fakes: a master port the agent chose is let go once the workers exec'd") {
+  // --master_port=0: the agent picks a port outside the ephemeral range and holds it.
+  Run run({"--nproc_per_node=1", "--master_port=0"});
+  REQUIRE(run.launcher->started.size() == 1);
+  // The fake's workers exec at once: the exec fence settled, its timer is gone.
+  CHECK_FALSE(run.clock->armed(sup::Timer::kFence));
+  run.end(0, exited(0));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 0);
+}

@@ -154,6 +154,42 @@ class FakeHardware final : public AgentHardware {
   std::unique_ptr<hw::GpuProbe> gpu_probe() override { return nullptr; }
 };
 
+// The rendezvous as the test plays it: what the agent sent is recorded, the decisions come
+// through the handlers the agent gave (from the event loop, as a real link's do).
+class FakeLink final : public rdzv::Link {
+ public:
+  FakeLink(asio::io_context& io, proto::Join join, rdzv::ClientHandlers h) : io_(io), join(std::move(join)), h_(std::move(h)) {}
+  void start() override { ++joins; }
+  void rejoin() override { ++joins; }
+  void set_master_port(int port) override { offered_ports.push_back(port); }
+  void worker_failed(proto::WorkerFailed f) override { failures.push_back(std::move(f)); }
+  void node_done(int round) override { done_rounds.push_back(round); }
+  void close() override { closed = true; }
+
+  void assign(proto::Assignment a) {
+    asio::post(io_, [this, a] { h_.on_assignment(a); });
+  }
+  void restart(proto::Restart r) {
+    asio::post(io_, [this, r] { h_.on_restart(r); });
+  }
+  void abort(proto::Abort a) {
+    asio::post(io_, [this, a] { h_.on_abort(a); });
+  }
+  void done() {
+    asio::post(io_, [this] { h_.on_done(); });
+  }
+
+  proto::Join join;
+  int joins = 0;
+  bool closed = false;
+  std::vector<int> offered_ports, done_rounds;
+  std::vector<proto::WorkerFailed> failures;
+
+ private:
+  asio::io_context& io_;
+  rdzv::ClientHandlers h_;
+};
+
 int exited(int code) { return code << 8; }
 int killed(int sig) { return sig; }
 
@@ -168,6 +204,7 @@ struct Run {
   asio::io_context io{1};
   FakeClock* clock = nullptr;
   FakeLauncher* launcher = nullptr;
+  FakeLink* link = nullptr;  // made when the agent joins a rendezvous
   std::string out_path;
   int out_fd = -1;
   std::unique_ptr<Agent> agent;
@@ -193,9 +230,11 @@ struct Run {
       launcher = l.get();
       return l;
     };
-    deps.link = [](asio::io_context&, const AgentOptions&, proto::Join, rdzv::ClientHandlers) -> std::unique_ptr<rdzv::Link> {
-      FAIL("a single-node run joins no rendezvous");
-      return nullptr;
+    deps.link = [this](asio::io_context& io, const AgentOptions&, proto::Join join, rdzv::ClientHandlers h) {
+      REQUIRE(link == nullptr);  // one link for the run
+      auto l = std::make_unique<FakeLink>(io, std::move(join), std::move(h));
+      link = l.get();
+      return std::unique_ptr<rdzv::Link>(std::move(l));
     };
     deps.hardware = std::make_unique<FakeHardware>();
     deps.stdout_fd = out_fd;
@@ -220,6 +259,20 @@ struct Run {
   }
   void end(int local_rank, int status, std::vector<std::string> tail = {}) {
     launcher->end(local_rank, status, std::move(tail));
+    settle();
+  }
+  void assign(int round, int restart_count, int master_port) {
+    proto::Assignment a;
+    a.round = round;
+    a.group_rank = 1;
+    a.group_world_size = 2;
+    a.rank_offset = 2;
+    a.world_size = 4;
+    a.master_addr = "127.0.0.1";
+    a.master_port = master_port;
+    a.restart_count = restart_count;
+    a.nodes = {"127.0.0.1", "127.0.0.1"};
+    link->assign(a);
     settle();
   }
   // Everything the agent wrote (once it is gone: the console flushed).
@@ -259,6 +312,7 @@ TEST_CASE("agent with fakes: a failed worker restarts the group and the run ends
   REQUIRE(run.agent->done());
   CHECK(run.agent->exit_code() == 0);
   CHECK(run.launcher->finished);
+  CHECK(run.link == nullptr);  // a single node joins no rendezvous
   const auto summary = run.agent->summary();
   INFO(summary.dump(2));
   CHECK(summary["restarts"] == 1);
@@ -328,4 +382,87 @@ TEST_CASE("agent with fakes: a master port the agent chose is let go once the wo
   run.end(0, exited(0));
   REQUIRE(run.agent->done());
   CHECK(run.agent->exit_code() == 0);
+}
+
+TEST_CASE("agent with fakes: a node of a multi-node job runs the rounds its rendezvous link decides") {
+  // is_host=false: this agent hosts nothing, so nothing listens and no port is touched but
+  // the master port it holds for the job.
+  Run run({"--nnodes=2", "--nproc_per_node=2", "--max_restarts=3", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=127.0.0.1:1", "--rdzv_conf=is_host=false"});
+  REQUIRE(run.link != nullptr);
+  CHECK(run.link->joins == 1);
+  CHECK(run.link->join.nproc == 2);
+  CHECK(run.link->join.max_restarts == 3);
+  CHECK(run.launcher->started.empty());  // nothing runs before the assignment
+
+  run.assign(1, 0, 45001);
+  REQUIRE(run.launcher->started.size() == 2);
+  CHECK(env_of(run.launcher->started[0], "RANK") == "2");
+  CHECK(env_of(run.launcher->started[1], "RANK") == "3");
+  CHECK(env_of(run.launcher->started[1], "WORLD_SIZE") == "4");
+  CHECK(env_of(run.launcher->started[1], "MASTER_PORT") == "45001");
+
+  // Our rank 3 fails: the link hears it, with its last lines, and the job decides.
+  run.end(1, exited(6), {"RuntimeError: shard 3 is corrupt"});
+  run.end(0, killed(SIGTERM));
+  REQUIRE(run.link->failures.size() == 1);
+  CHECK(run.link->failures[0].rank == 3);
+  CHECK(run.link->failures[0].exit_code == 6);
+  CHECK(run.link->failures[0].round == 1);
+  CHECK(run.link->failures[0].last_lines == std::vector<std::string>{"RuntimeError: shard 3 is corrupt"});
+  CHECK_FALSE(run.agent->done());
+
+  // The rendezvous restarts every node: this one joins the next round offering a fresh port.
+  proto::Restart r;
+  r.restart_count = 1;
+  r.reason = "rank 3 failed";
+  run.link->restart(r);
+  run.settle();
+  CHECK(run.link->joins == 2);
+  REQUIRE(run.link->offered_ports.size() == 1);
+  CHECK(run.link->offered_ports[0] > 0);
+  run.assign(2, 1, 45002);
+  REQUIRE(run.launcher->started.size() == 4);
+  CHECK(env_of(run.launcher->started[2], "TORCHELASTIC_RESTART_COUNT") == "1");
+  CHECK(env_of(run.launcher->started[3], "MASTER_PORT") == "45002");
+
+  // Both end well: the node is done, the job ends when the rendezvous says so.
+  run.end(0, exited(0));
+  run.end(1, exited(0));
+  CHECK(run.link->done_rounds == std::vector<int>{2});
+  CHECK_FALSE(run.agent->done());
+  run.link->done();
+  run.settle();
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 0);
+  CHECK(run.link->closed);
+  const std::string out = run.output();
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("restart 1 decided by the rendezvous: rank 3 failed"));
+}
+
+TEST_CASE("agent with fakes: a job aborted by the rendezvous prints the job's root cause and exits with its code") {
+  Run run({"--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
+           "--rdzv_conf=is_host=false"});
+  REQUIRE(run.link != nullptr);
+  run.assign(1, 0, 45001);
+  REQUIRE(run.launcher->started.size() == 1);
+  // Another node's worker failed: the job is aborted while ours still runs.
+  proto::Abort a;
+  a.reason = "restarts spent";
+  a.root_cause.host = "node-b";
+  a.root_cause.rank = 0;
+  a.root_cause.exit_code = 42;
+  a.root_cause.message = "the other node's failure";
+  run.link->abort(a);
+  run.settle();
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM});
+  run.end(0, killed(SIGTERM));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 42);
+  CHECK(run.link->failures.empty());  // our worker was stopped: nothing of ours to report
+  const std::string out = run.output();
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("host       : node-b"));
+  CHECK_THAT(out, Catch::Contains("message    : the other node's failure"));
 }

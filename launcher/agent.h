@@ -105,7 +105,7 @@ class Agent {
   Console console_;
   boost::asio::signal_set signals_;
   // Ctrl-Z (SIGTSTP): stop every worker group, then the agent itself; SIGCONT (fg, bg):
-  // continue them. See README "Interactive use".
+  // continue them. See docs/running.md, "Interactive use".
   boost::asio::signal_set job_control_;
   void wait_job_control();
   // SIGWINCH (the terminal was resized): passed to the workers' pseudo-terminals.

@@ -580,7 +580,7 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                  "Serve Prometheus metrics at http://METRICS-HOST:P/metrics (0 picks a port; printed)");
   app.add_option("--metrics-host,--metrics_host", o.metrics_host, "Address for --metrics-port (default 127.0.0.1)");
   app.add_option("--trace", o.trace_file, "Write a Chrome/Perfetto trace (JSON) of the run to FILE");
-  // torch 2.x's flags (docs/flags-torch2.md)
+  // torch 2.x's flags (#25; docs/flags.md)
   std::string shutdown_timeout, signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", numa_binding, dup_filters[2], logs_specs;
   opt("shutdown_timeout", shutdown_timeout,
       "torchrun's name for --grace: seconds from SIGTERM to SIGKILL (else $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30)");

@@ -30,8 +30,9 @@ struct StreamSpec {
 };
 StreamSpec parse_stream_spec(const std::string& flag, const std::string& text);
 
-// Documented limits (README, Flags): workers on one node, and ranks in a job (RANK is a
-// 32-bit signed integer in torch). Beyond them parse_agent_args refuses the run (exit 2).
+// Documented limits (docs/flags.md, --nproc_per_node): workers on one node, and ranks in
+// a job (RANK is a 32-bit signed integer in torch). Beyond them parse_agent_args refuses
+// the run (exit 2).
 inline constexpr int kMaxWorkersPerNode = 4096;
 inline constexpr long long kMaxRanks = 2147483647;  // 2^31 - 1
 
@@ -110,7 +111,7 @@ struct AgentOptions {
   // MGLAUNCH_ETCD_PASSWORD), etcd_prefix= (default /mglaunch), protocol=https
   std::string etcd_cacert, etcd_cert, etcd_key, etcd_user, etcd_password, etcd_prefix = "/mglaunch";
   bool etcd_https = false;
-  // torch 2.x's flags (#25; docs/flags-torch2.md)
+  // torch 2.x's flags (#25; docs/flags.md)
   // --signals-to-handle (PET_SIGNALS_TO_HANDLE, TORCHELASTIC_SIGNALS_TO_HANDLE): the
   // signals the agent passes on to its workers; parsed and checked here.
   std::vector<int> signals_to_handle{SIGTERM, SIGINT, SIGHUP, SIGQUIT};

@@ -1,4 +1,4 @@
-// torch 2.x's flags and variables (#25, docs/flags-torch2.md) on the real mglaunch binary
+// torch 2.x's flags and variables (#25, docs/flags.md) on the real mglaunch binary
 // with real fake_worker processes: what a user sees on the console and finds in the files.
 #include <catch2/catch.hpp>
 

@@ -1,9 +1,10 @@
 // Supervisor: the agent's supervision rules as a pure state machine, as rendezvous/job
 // is: events in (start, the rendezvous' assignment/restart/abort/lost/done, a worker
-// ended, a signal to the agent, job control, a timer fired, a spawn batch due) with the
-// time passed in, actions out (spawn local rank N, signal the worker groups, arm or
-// cancel a timer, tell the rendezvous, print a notice or the root cause, hold or release
-// the master port, finish with a code). It owns no I/O and reads no clock; the agent
+// ended, the started workers' execs settled, a signal to the agent, job control, a timer
+// fired, a spawn batch due) with the time passed in, actions out (spawn local rank N,
+// signal the worker groups, arm or cancel a timer, tell the rendezvous, print a notice or
+// the root cause, which exit is the root cause, hold the master port and when to let it
+// go, finish with a code). It owns no I/O and reads no clock; the agent
 // (launcher/agent.cc) feeds it and carries out what it returns, in order. The agent's other
 // decisions are pure functions here too: the descriptor budget and whether this agent
 // hosts the rendezvous (at the end of this file).

@@ -18,6 +18,7 @@
 #include "cli/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "process/watchdog.h"
 #include "proto/text.h"
 #include "rendezvous/openssl_loader.h"
 
@@ -42,6 +43,8 @@ void ignore_late_signals() {
 
 int main(int argc, char** argv) {
   using namespace mg;
+  // The watchdog the agent starts (process/watchdog.h): this binary in a hidden mode.
+  if (argc > 1 && std::strcmp(argv[1], kWatchdogMode) == 0) return watchdog_main(argc, argv);
   auto fail = [](int code, const std::string& msg) {
     write_all(STDERR_FILENO, "mglaunch: error: " + cli::one_line(msg) + "\n");
     return code;

@@ -23,8 +23,9 @@
 // A step that fails (the exec of a file that is not a program, setpgid, ...) leaves its
 // name and errno in memory the parent reads (the child shares it), and the child exits 127;
 // the parent reaps that child and spawn_process() returns -1 with the step and errno. So
-// when spawn_process() returns a pid, that process runs `path`: every descriptor of the
-// parent it held for a moment is closed (a port the parent then releases is free).
+// when spawn_process() returns a pid, that process runs `path`; the kernel closes the
+// descriptors it held for a moment (the parent's close-on-exec ones) within that execve,
+// just after letting the parent go on.
 //
 // The child only makes async-signal-safe calls, allocates nothing and takes no lock; it
 // shares the parent's memory and thread-local storage (errno) while the calling thread is
@@ -77,10 +78,11 @@ class SpawnTicket {
 };
 pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& error);
 
-// Always true at once: spawn_process() returns only when its child has exec'd or exited,
-// so no child holds a copy of the parent's descriptors (a held port) afterwards. For
-// callers written against the earlier spawner, which returned before the exec; a fence on
-// it is no longer needed.
+// Always true at once: spawn_process() returns only when its child has exec'd or exited.
+// For callers written against the earlier spawner, which returned before the exec. (The
+// kernel closes the child's close-on-exec copies of the parent's descriptors, a held
+// port, a moment after it let the parent go on: a caller that releases a port and needs
+// it free at once retries its bind briefly.)
 inline bool spawn_settle_all(std::chrono::milliseconds) { return true; }
 
 // Sets FD_CLOEXEC on every descriptor above 2, so that exec() passes on only stdin,

@@ -7,6 +7,12 @@
 
 #include "support/skip.h"
 
+#ifdef MGTEST_WATCHDOG_MODE
+#include <cstring>
+
+#include "process/watchdog.h"
+#endif
+
 namespace {
 
 struct FailedCheckCounter : Catch::TestEventListenerBase {
@@ -22,6 +28,10 @@ struct FailedCheckCounter : Catch::TestEventListenerBase {
 CATCH_REGISTER_LISTENER(FailedCheckCounter)
 
 int main(int argc, char* argv[]) {
+#ifdef MGTEST_WATCHDOG_MODE
+  // This test binary is also the watchdog program its tests start (process/watchdog.h).
+  if (argc > 1 && std::strcmp(argv[1], mg::kWatchdogMode) == 0) return mg::watchdog_main(argc, argv);
+#endif
   Catch::Session session;
   session.configData().warnings = Catch::WarnAbout::NoTests;
   return session.run(argc, argv);

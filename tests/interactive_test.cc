@@ -20,7 +20,8 @@
 #include <set>
 #include <thread>
 
-#include "launcher/watchdog.h"
+#include "process/proc.h"
+#include "process/watchdog.h"
 #include "support/proc.h"
 #include "support/skip.h"
 
@@ -61,11 +62,7 @@ struct Ident {
   unsigned long long start = 0;
 };
 
-std::optional<mg::StatIds> stat_of(pid_t pid) {
-  mg::StatIds ids;
-  if (!mg::parse_stat_ids(read_file("/proc/" + std::to_string(pid) + "/stat"), ids)) return std::nullopt;
-  return ids;
-}
+std::optional<mg::ProcStat> stat_of(pid_t pid) { return mg::read_proc_stat(pid); }
 
 bool same_alive(const Ident& id) {
   auto ids = stat_of(id.pid);

@@ -15,7 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "launcher/watchdog.h"
+#include "process/proc.h"
+#include "process/watchdog.h"
 #include "support/proc.h"
 
 using namespace mgtest;
@@ -45,17 +46,16 @@ struct Reaper {  // SIGKILLs what the test started, whatever happened
 
 // The start time of `pid` from /proc (0 when it is gone).
 unsigned long long starttime_of(pid_t pid) {
-  mg::StatIds ids;
-  const std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
-  return mg::parse_stat_ids(stat, ids) ? ids.starttime : 0;
+  const auto st = mg::read_proc_stat(pid);
+  return st ? st->starttime : 0;
 }
 
 void touch(const std::string& path) { std::ofstream(path) << "go\n"; }
 
 // The state letter of `pid` ('?' when it is gone).
 char state_of(pid_t pid) {
-  mg::StatIds ids;
-  return mg::parse_stat_ids(read_file("/proc/" + std::to_string(pid) + "/stat"), ids) ? ids.state : '?';
+  const auto st = mg::read_proc_stat(pid);
+  return st ? st->state : '?';
 }
 
 }  // namespace
@@ -83,40 +83,6 @@ TEST_CASE("the watchdog signals a pid only while it is the process that started 
     CHECK((WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL));
     CHECK(mg::signal_same_process(child, st, SIGKILL, use_pidfd) == 0);  // gone
   }
-}
-
-TEST_CASE("the watchdog's victim set finds each pid and start time, also when pids collide, and refuses past half full") {
-  static mg::PidSet<64> set;  // static: 1 KiB of slots, as the watchdog keeps it
-  // Pids 64 apart, 4096 apart and the same pid with another start time.
-  for (long pid : {7L, 71L, 135L, 4103L, 8199L}) CHECK(set.insert(pid, 1000 + static_cast<unsigned long long>(pid)));
-  CHECK(set.insert(7, 1007));  // again: already there
-  CHECK(set.size() == 5);
-  for (long pid : {7L, 71L, 135L, 4103L, 8199L}) CHECK(set.contains(pid, 1000 + static_cast<unsigned long long>(pid)));
-  CHECK_FALSE(set.contains(7, 1008));  // a reused pid is another process
-  CHECK_FALSE(set.contains(8, 1008));
-  CHECK(set.insert(7, 1008));
-  CHECK(set.contains(7, 1008));
-  CHECK(set.contains(7, 1007));
-  long pid = 10000;
-  while (set.size() < 32) CHECK(set.insert(pid++, 1));
-  CHECK_FALSE(set.insert(pid, 1));  // half full: lookups stay short
-  CHECK(set.contains(pid - 1, 1));
-  CHECK_FALSE(set.contains(pid, 1));
-}
-
-TEST_CASE("the watchdog reads pid, parent, group and start time from /proc/PID/stat, comm with spaces and parentheses") {
-  mg::StatIds ids;
-  REQUIRE(mg::parse_stat_ids("4242 (a (b) c) S 17 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 12 34",
-                             ids));
-  CHECK(ids.pid == 4242);
-  CHECK(ids.ppid == 17);
-  CHECK(ids.pgrp == 4242);
-  CHECK(ids.state == 'S');
-  CHECK(ids.flags == 4194560);  // field 9, where PF_KTHREAD (0x200000) marks a kernel thread
-  CHECK(ids.starttime == 987654);
-  CHECK_FALSE(mg::parse_stat_ids("4242 (x) S 17 4242", ids));  // cut short before the start time
-  CHECK_FALSE(mg::parse_stat_ids("garbage", ids));
-  CHECK_FALSE(mg::parse_stat_ids("(x) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19", ids));
 }
 
 TEST_CASE("after kill -9 of the agent a descendant that wiped its environment is killed, a marked stranger is spared") {
@@ -253,34 +219,6 @@ TEST_CASE("a run that leaves nothing of its tree alive tells the watchdog so and
   CHECK(agent.exit_code() == 0);
   // The agent waited for the watchdog: had it swept, its "stopped N" line would be there.
   CHECK(read_file(trace).find("stopped") == std::string::npos);
-}
-
-TEST_CASE("the heap the watchdog's fork leaves out never takes in the program's own data, however the kernel labels it") {
-  const std::uintptr_t page = 4096;
-  const std::uintptr_t data_end = 0x555556682000 - 100;  // inside the last page of .bss
-  // Today's kernels: only the brk mapping is "[heap]".
-  const std::string strict =
-      "555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n"
-      "5555558fb000-555556682000 rw-p 00000000 00:00 0 \n"
-      "555556682000-5555566a3000 rw-p 00000000 00:00 0                          [heap]\n"
-      "7ffff7dd0000-7ffff7df6000 r--p 00000000 08:01 7 /usr/lib/x86_64-linux-gnu/libc.so.6\n";
-  CHECK(mg::heap_range_in(strict, data_end, page) == std::pair<std::uintptr_t, std::uintptr_t>{0x555556682000, 0x5555566a3000});
-  // Older kernels label the .bss that ends where the heap starts "[heap]" too, and first.
-  const std::string inclusive =
-      "555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n"
-      "5555558fb000-555556682000 rw-p 00000000 00:00 0                          [heap]\n"
-      "555556682000-5555566a3000 rw-p 00000000 00:00 0                          [heap]\n";
-  CHECK(mg::heap_range_in(inclusive, data_end, page) == std::pair<std::uintptr_t, std::uintptr_t>{0x555556682000, 0x5555566a3000});
-  // The .bss and the heap merged into one mapping: only the part above the program's data.
-  const std::string merged =
-      "555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n"
-      "5555558fb000-5555566a3000 rw-p 00000000 00:00 0                          [heap]\n";
-  CHECK(mg::heap_range_in(merged, data_end, page) == std::pair<std::uintptr_t, std::uintptr_t>{0x555556682000, 0x5555566a3000});
-  // No heap, or only the program's data: nothing to leave out.
-  CHECK(mg::heap_range_in("555555554000-5555558fa000 r-xp 00000000 08:01 42 /usr/bin/mglaunch\n", data_end, page) ==
-        std::pair<std::uintptr_t, std::uintptr_t>{0, 0});
-  CHECK(mg::heap_range_in("5555558fb000-555556682000 rw-p 00000000 00:00 0 [heap]\n", data_end, page) ==
-        std::pair<std::uintptr_t, std::uintptr_t>{0, 0});
 }
 
 TEST_CASE("after kill -9 of the agent the watchdog removes the run's temporary directory, which nobody was told of") {

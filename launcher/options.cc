@@ -16,6 +16,7 @@
 #include "cli/args.h"
 #include "cli/errors.h"
 #include "ops/hwprobe.h"
+#include "process/proc.h"
 #include "process/run.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_log.h"
@@ -140,10 +141,7 @@ HardwareProbe::NodeAddress system_node_address(const std::string& name) {
 }
 
 std::pair<int, int> system_ephemeral_ports() {
-  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
-  int lo = 0, hi = 0;
-  if (in >> lo >> hi && lo > 0 && hi >= lo && hi <= 65535) return {lo, hi};
-  return {32768, 60999};  // Linux's default
+  return ephemeral_port_range_of_kernel().value_or(std::pair<int, int>{32768, 60999});  // else Linux's default
 }
 
 // Fills what the user left open from the Slurm step; `given(flag)` says what was explicit.

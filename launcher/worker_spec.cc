@@ -6,7 +6,7 @@
 
 #include "logs/filtered_copy.h"
 #include "logs/line_splitter.h"
-#include "launcher/watchdog.h"
+#include "process/watchdog.h"
 
 namespace mg {
 

@@ -456,7 +456,6 @@ struct Fanout::Host {
   std::array<std::array<char, 16 * 1024>, 2> bufs;
   std::array<LineSplitter, 2> splitters{LineSplitter(64 * 1024), LineSplitter(64 * 1024)};
   std::array<bool, 2> open{false, false};
-  SpawnTicket ticket;
   pid_t pid = -1;  // ours to reap (Timers::children), its own process group
   bool exited = false;
   bool done = false;
@@ -569,27 +568,18 @@ void Fanout::spawn_host(Host& h, const std::string& exe, const char* const* envp
   req.fds[0] = p[0][0];
   req.fds[1] = p[1][1];
   req.fds[2] = p[2][1];
-  req.wait_exec = true;  // argv and envp are this call's: the child is done with them on return
-  std::string error;
-  h.pid = spawn_process(req, h.ticket, error);
+  SpawnError error;  // an exec error comes back here: nothing ran
+  h.pid = spawn_process(req, error);
   ::close(std::exchange(p[0][0], -1));
   ::close(std::exchange(p[1][1], -1));
   ::close(std::exchange(p[2][1], -1));
   if (h.pid < 0) {
     close_all();
-    throw std::runtime_error(fmt::format("cannot start {} for host {}: {}", exe, h.cmd.host.host, error));
+    throw std::runtime_error(fmt::format("cannot start {} for host {}: {}", exe, h.cmd.host.host, error.message()));
   }
   h.in.assign(std::exchange(p[0][1], -1));
   h.pipes[0].assign(std::exchange(p[1][0], -1));
   h.pipes[1].assign(std::exchange(p[2][0], -1));
-  if (std::string failure = h.ticket.failure(); !failure.empty()) {
-    // The child could not exec (it has exited 127): reap it here, not as a host's exit.
-    int status = 0;
-    while (::waitpid(h.pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    h.exited = true;
-    throw std::runtime_error(fmt::format("cannot start {} for host {}: {}", exe, h.cmd.host.host, failure));
-  }
 }
 
 // Reaps every host's ssh that has ended (by pid) and waits for the next SIGCHLD while any runs.

@@ -92,20 +92,13 @@ RunResult run_capture(const std::vector<std::string>& argv, const RunOptions& o)
   req.fds[0] = null_in.fd;
   req.fds[1] = out_w.fd;
   req.fds[2] = o.merge_stderr ? out_w.fd : null_out.fd;
-  req.wait_exec = true;  // args and exe are this call's: the child is done with them on return
-  SpawnTicket ticket;
-  std::string error;
-  const pid_t pid = spawn_process(req, ticket, error);
+  SpawnError error;  // an exec error comes back here: nothing ran
+  const pid_t pid = spawn_process(req, error);
   out_w.reset();  // EOF once the command (and whatever it started) has closed its copies
   null_in.reset();
   null_out.reset();
   if (pid < 0) {
-    r.error = "cannot run " + exe + ": " + error;
-    return r;
-  }
-  if (std::string failure = ticket.failure(); !failure.empty()) {
-    wait_for(pid, 0, r.status);
-    r.error = "cannot run " + exe + ": " + failure;
+    r.error = "cannot run " + exe + ": " + error.message();
     return r;
   }
   r.started = true;

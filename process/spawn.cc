@@ -177,11 +177,4 @@ pid_t spawn_process(const SpawnRequest& req, SpawnError& error) {
   return pid;
 }
 
-pid_t spawn_process(const SpawnRequest& req, SpawnTicket&, std::string& error) {
-  SpawnError e;
-  const pid_t pid = spawn_process(req, e);
-  if (pid < 0) error = e.message();
-  return pid;
-}
-
 }  // namespace mg

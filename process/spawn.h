@@ -50,7 +50,6 @@ struct SpawnRequest {
   const struct rlimit* nofile = nullptr;  // RLIMIT_NOFILE for the child (nullptr: the parent's)
   bool own_group = true;               // its own process group, led by itself
   bool die_with_parent = true;         // PR_SET_PDEATHSIG SIGKILL (see above: tied to the calling thread)
-  bool wait_exec = true;               // ignored: every spawn waits for the exec (the earlier form's field)
 };
 
 // Why no program runs: the step that failed and its errno.
@@ -67,16 +66,6 @@ struct SpawnError {
 // Starts the program; the pid, or -1 with `error` (and errno) set. The strings and arrays
 // `req` points to need only outlive the call. The caller reaps the child (waitpid).
 pid_t spawn_process(const SpawnRequest& req, SpawnError& error);
-
-// The earlier form, kept until its last callers move to the one above: the child has
-// exec'd or exited on return, so the ticket is always settled and failure() is always ""
-// (an exec error is returned here, -1 with `error` "execve: ...").
-class SpawnTicket {
- public:
-  bool settled() const { return true; }
-  std::string failure() const { return {}; }
-};
-pid_t spawn_process(const SpawnRequest& req, SpawnTicket& ticket, std::string& error);
 
 // Always true at once: spawn_process() returns only when its child has exec'd or exited.
 // For callers written against the earlier spawner, which returned before the exec. (The

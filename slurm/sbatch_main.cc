@@ -80,14 +80,12 @@ int submit(const std::string& script, bool wait) {
   req.fds[0] = in[0];
   req.fds[1] = STDOUT_FILENO;
   req.fds[2] = STDERR_FILENO;
-  req.wait_exec = true;  // argv is this call's: the child is done with it on return
-  mg::SpawnTicket ticket;
-  std::string error;
-  const pid_t pid = mg::spawn_process(req, ticket, error);
+  mg::SpawnError error;
+  const pid_t pid = mg::spawn_process(req, error);
   ::close(in[0]);
-  if (pid < 0) {  // no child (a process limit), or one that could not exec where the spawner says so at once
+  if (pid < 0) {  // no child (a process limit), or one that could not exec (the spawner says so at once)
     ::close(in[1]);
-    return cannot_run(exe + ": " + error);
+    return cannot_run(exe + ": " + error.message());
   }
   auto reap = [pid] {
     int status = 0;
@@ -95,11 +93,6 @@ int submit(const std::string& script, bool wait) {
     }
     return status;
   };
-  if (std::string failure = ticket.failure(); !failure.empty()) {
-    ::close(in[1]);
-    reap();
-    return cannot_run(exe + ": " + failure);
-  }
   write_all(in[1], script);  // a failed write shows up as sbatch's own error
   ::close(in[1]);
   return mg::shell_exit_code(reap());

@@ -252,6 +252,7 @@ std::string Agent::attempt_dir(int local_rank) const {
 }
 
 void Agent::spawn_worker(int lr) {
+  serve_store();  // before the first worker of an attempt can connect to it
   {
     const std::string dir = attempt_dir(lr);
     std::error_code ec;
@@ -298,8 +299,40 @@ void Agent::rejoin(bool offer_port) {
   client_->rejoin();
 }
 
+void Agent::serve_store() {
+  if (!plan_.agent_store || plan_.node_rank != 0) {
+    store_.reset();
+    return;
+  }
+  if (store_ && store_->port() == plan_.master_port) return;
+  store_.reset();
+  namespace ip = asio::ip;
+  ip::tcp::acceptor acceptor(io_);
+  boost::system::error_code ec;
+  if (port_hold_ && port_hold_->port() == plan_.master_port) {
+    acceptor.assign(ip::tcp::v4(), port_hold_->release(), ec);  // the port held since the plan
+    port_hold_.reset();
+  } else {
+    acceptor.open(ip::tcp::v4(), ec);
+    if (!ec) acceptor.set_option(ip::tcp::acceptor::reuse_address(true), ec);
+    if (!ec) acceptor.bind({ip::address_v4::any(), static_cast<unsigned short>(plan_.master_port)}, ec);
+  }
+  if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    // The workers would wait for a store nobody serves: say why, and let them fail fast.
+    notice(fmt::format("warning: cannot serve the agent's store on port {}: {}; workers connecting to "
+                       "MASTER_PORT will fail (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to have rank 0 host it)",
+                       plan_.master_port, ec.message()));
+    return;
+  }
+  store::ServerOptions so;
+  so.log = [this](const std::string& line) { notice(line); };
+  store_ = std::make_unique<store::StoreServer>(io_, std::move(acceptor), std::move(so));
+}
+
 void Agent::hold_master_port(bool fresh) {
   launcher_->drop_exec_fence();  // a release still waiting was for the port this one replaces
+  if (!fresh && store_ && store_->port() == plan_.master_port) return;  // the store holds it
   if (!fresh) {
     if (auto r = PortReservation::try_hold(plan_.master_port)) {
       port_hold_ = std::move(r);
@@ -437,6 +470,7 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
+  if (store_) store_->stop();  // its clients are gone with the workers
   // Every worker and what they started killed and reaped; the exec fence dropped.
   launcher_->finish();
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);

@@ -39,6 +39,7 @@
 #include "rendezvous/client.h"
 #include "rendezvous/link.h"
 #include "rendezvous/server.h"
+#include "store/server.h"
 
 namespace mg {
 
@@ -126,6 +127,11 @@ class Agent {
   bool hosting_decided_ = false;  // host_rendezvous() ran
   std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink
   std::optional<PortReservation> port_hold_;  // until the core's ReleaseMasterPort
+  // The agent's store (plan_.agent_store, on the node of group rank 0): c10d's TCPStore
+  // protocol on MASTER_PORT, which workers connect to as clients. Serves from the first
+  // spawn of an attempt on; moves with a fresh master port; gone with the agent.
+  void serve_store();
+  std::unique_ptr<store::StoreServer> store_;
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or
   // --trace is given (ops/monitor.h, ops/trace.h). Declared last: gone before

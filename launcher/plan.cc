@@ -49,6 +49,11 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
   // torchrun 1.x's name, for workers that may be on 1.x (torch 2.x warns about it); a value
   // the user set is inherited either way.
   if (plan.torch_major < 2) env["NCCL_ASYNC_ERROR_HANDLING"] = inherit_or("NCCL_ASYNC_ERROR_HANDLING", "1");
+  // The agent's store speaks the classic TCPStore protocol, which every torch client speaks;
+  // torch 2.x's env:// clients default to the libuv one, which Debian's torch 2.x lacks
+  // ("use_libuv was requested but PyTorch was build without libuv support"). A USE_LIBUV the
+  // user set is inherited.
+  if (plan.agent_store && plan.torch_major != 1) env["USE_LIBUV"] = inherit_or("USE_LIBUV", "0");
   if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
   if (!opts.gpu_ids.empty()) env["CUDA_VISIBLE_DEVICES"] = std::to_string(opts.gpu_ids.at(local_rank));
   if (opts.virtual_local_rank) {
@@ -161,6 +166,17 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
     plan.argv = {opts.program};
   }
   plan.argv.insert(plan.argv.end(), opts.program_args.begin(), opts.program_args.end());
+  // A program that is not Python (a shell script, a C++ trainer) is taken to use the torch of
+  // the Python it would find (torchrun's own interpreter, in torchrun's case).
+  if (!python)
+    if (auto py = find_executable(opts.python, path); !py.empty())
+      if (auto v = find_torch_version(py, base_env)) plan.torch_major = v->major;
+  // The agent's store, as torchrun's: torch 2.x's agent shares its store with the workers for
+  // every backend unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; torch 1.x's only in the static
+  // form (its c10d and etcd workers have rank 0 host the store).
+  const auto disable = base_env.find("TORCH_DISABLE_SHARE_RDZV_TCP_STORE");
+  const bool static_form = opts.rdzv_backend == "static" && !opts.standalone;
+  plan.agent_store = !(disable != base_env.end() && disable->second == "1") && (plan.torch_major != 1 || static_form);
 
   // Master address and port.
   if (opts.rdzv_backend == "static") {

@@ -98,6 +98,11 @@ class PortReservation {
     if (fd_ >= 0) ::close(fd_);
   }
   int port() const { return port_; }
+  // Hands the bound socket over (to the agent's store, which listens on it); -1 when empty.
+  int release() {
+    port_ = 0;
+    return std::exchange(fd_, -1);
+  }
 
  private:
   PortReservation(int fd, int port) : fd_(fd), port_(port) {}

@@ -315,7 +315,9 @@ TEST_CASE("a restart after EADDRINUSE on the master port gets a fresh port") {
   const std::string go = dir + "/go";
   // Attempt 0 prints its env and waits until the test has taken its MASTER_PORT, then
   // fails to listen there; attempt 1 must be given another port and succeed.
-  Proc agent = spawn(standalone({"--nproc_per_node=1", "--max_restarts=1"}, {"env", "wait-file", go, "listen-master"}));
+  // Rank 0 hosts the store on MASTER_PORT (the agent's store off, as torchrun's switch says).
+  Proc agent = spawn(standalone({"--nproc_per_node=1", "--max_restarts=1"}, {"env", "wait-file", go, "listen-master"}),
+                     {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
   REQUIRE(eventually([&] { return json_lines(agent.out()).size() == 1; }, 20s));
   const int first = std::stoi(json_lines(agent.out())[0]["MASTER_PORT"].get<std::string>());
   int squatter = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);

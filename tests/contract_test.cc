@@ -28,6 +28,30 @@ std::map<int, nlohmann::json> envs_by_local_rank(const std::string& out) {
   return m;
 }
 
+// Compares the environments mglaunch gave (`ours`) with the reference's (`ref`), two workers each.
+void compare_envs(const std::string& ref_out, const std::string& ours_out, const std::set<std::string>& extra_ok) {
+  auto want = envs_by_local_rank(ref_out);
+  auto got = envs_by_local_rank(ours_out);
+  REQUIRE(want.size() == 2);
+  REQUIRE(got.size() == 2);
+  // Values that differ from run to run: compare presence only.
+  const std::set<std::string> run_specific = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"};
+  for (int lr = 0; lr < 2; ++lr) {
+    for (auto& [key, value] : want[lr].items()) {
+      INFO("local rank " << lr << " variable " << key);
+      REQUIRE(got[lr].contains(key));
+      if (!run_specific.contains(key)) CHECK(got[lr][key] == value);
+    }
+    for (auto& [key, value] : got[lr].items()) {
+      INFO("mglaunch sets " << key << " which torchrun does not");
+      CHECK((want[lr].contains(key) || extra_ok.contains(key)));
+    }
+    CHECK(got[lr]["TORCHELASTIC_RUN_ID"] == got[0]["TORCHELASTIC_RUN_ID"]);
+    CHECK(got[lr]["MASTER_PORT"] == got[0]["MASTER_PORT"]);
+  }
+  CHECK(got[0]["TORCHELASTIC_ERROR_FILE"] != got[1]["TORCHELASTIC_ERROR_FILE"]);
+}
+
 }  // namespace
 
 TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_node=2") {
@@ -47,30 +71,37 @@ TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_no
   auto ref = run(argv, pwd, 120s);
   INFO(ref.err);
   REQUIRE(ref.code == 0);
-  auto ours = run({kMglaunch, "--standalone", "--nproc_per_node=2", "--no_python", kFakeWorker, "env"}, pwd);
+  // The program is not Python: mglaunch follows the torch of its Python, which torchrun runs under.
+  auto ours = run({kMglaunch, "--standalone", "--nproc_per_node=2", "--python=/usr/bin/python3", "--no_python",
+                   kFakeWorker, "env"},
+                  pwd);
   REQUIRE(ours.code == 0);
-  auto want = envs_by_local_rank(ref.out);
-  auto got = envs_by_local_rank(ours.out);
-  REQUIRE(want.size() == 2);
-  REQUIRE(got.size() == 2);
-
-  // Values that differ from run to run: compare presence only.
-  const std::set<std::string> run_specific = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"};
   // Set by mglaunch on purpose beyond torch 1.13 (torch 2.x's name for the same setting).
   // MGLAUNCH_RUN_MARK: the token of the agent's watchdog (launcher/watchdog.h).
-  const std::set<std::string> extra_ok = {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "MGLAUNCH_RUN_MARK"};
-  for (int lr = 0; lr < 2; ++lr) {
-    for (auto& [key, value] : want[lr].items()) {
-      INFO("local rank " << lr << " variable " << key);
-      REQUIRE(got[lr].contains(key));
-      if (!run_specific.contains(key)) CHECK(got[lr][key] == value);
-    }
-    for (auto& [key, value] : got[lr].items()) {
-      INFO("mglaunch sets " << key << " which torchrun does not");
-      CHECK((want[lr].contains(key) || extra_ok.contains(key)));
-    }
-    CHECK(got[lr]["TORCHELASTIC_RUN_ID"] == got[0]["TORCHELASTIC_RUN_ID"]);
-    CHECK(got[lr]["MASTER_PORT"] == got[0]["MASTER_PORT"]);
-  }
-  CHECK(got[0]["TORCHELASTIC_ERROR_FILE"] != got[1]["TORCHELASTIC_ERROR_FILE"]);
+  compare_envs(ref.out, ours.out, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "MGLAUNCH_RUN_MARK"});
+}
+
+TEST_CASE("inside the torch 2.6 root, the worker environment matches torchrun 2.6's, agent store included") {
+  const std::string t2 = kSourceDir + "/../shared/peers/torch2";
+  if (!std::filesystem::exists(t2))
+    SKIP_TEST("torch 2.6 is not at ../shared/peers/torch2 (../shared is absent beside this checkout)");
+  const char* root = std::getenv("TORCH2_ROOT");
+  if (!std::filesystem::exists(std::string(root ? root : "/var/cache/mglaunch-peers/torch2-root") + "/.ready"))
+    SKIP_TEST("the torch 2.6 root is not set up: run ../shared/peers/torch2 setup once (~2 min)");
+  // The root shares /tmp, not the build directory: torchrun 2.6 runs a copy of fake_worker.
+  const std::string dir = make_temp_dir();
+  const std::string fake = dir + "/fake_worker";
+  REQUIRE(run({"/bin/cp", kFakeWorker, fake}).code == 0);
+  // torchrun 2.6's --standalone takes a free port: runs beside another suite are fine.
+  auto ref = run({t2, "torchrun", "--standalone", "--nproc_per_node=2", "--no_python", fake, "env"}, {}, 180s);
+  run({"/bin/rm", "-rf", dir});
+  INFO(ref.err);
+  REQUIRE(ref.code == 0);
+  auto ours = run({t2, "run", kMglaunch, "--standalone", "--nproc_per_node=2", "--no_python", kFakeWorker, "env"}, {},
+                  180s);
+  INFO(ours.err);
+  REQUIRE(ours.code == 0);
+  // USE_LIBUV=0: the classic store client, which Debian's libuv-less torch 2.6 needs.
+  compare_envs(ref.out, ours.out, {"MGLAUNCH_RUN_MARK", "USE_LIBUV"});
+  CHECK(envs_by_local_rank(ours.out)[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True");
 }

@@ -372,7 +372,7 @@ TEST_CASE("the CPU topology (packages and L3 caches) comes from sysfs") {
   fs::remove_all(root);
 }
 
-TEST_CASE("--numa-binding socket and core-complex bind to the GPU's package and to one L3 cache of its node") {
+TEST_CASE("numa binding socket and core-complex bind to the GPU's package and to one L3 cache of its node") {
   const std::string root = topology_box();
   const auto topo = hw::probe_topology(root);
   const std::vector<hw::NumaNode> numa{{0, hw::parse_cpu_list("0-7")}, {1, hw::parse_cpu_list("8-15")}};

@@ -342,7 +342,7 @@ TEST_CASE("a bad PET_ variable is named as that variable, and PET_ beats the con
   std::remove(path.c_str());
 }
 
-TEST_CASE("--rdzv_conf takes every key torchrun 2.x's rendezvous backends read") {
+TEST_CASE("the rendezvous conf takes every key torchrun 2.x's rendezvous backends read") {
   // The Done-when line of #25: torch 2.x users write these.
   auto o = parse({"--rdzv_conf=use_libuv=0,read_timeout=60", "prog"});
   CHECK(o.usage_warnings.empty());
@@ -406,7 +406,7 @@ TEST_CASE("a --rdzv_conf wrapped in quotes, as PyTorch's launcher tests pass it,
   CHECK_THAT(parse({"--rdzv_conf='join_timeout=5", "prog"}).usage_warnings.at(0), Catch::Contains("did you mean 'join_timeout'"));
 }
 
-TEST_CASE("torch 2.x's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE sets the prefix; the flag and PET_ one win") {
+TEST_CASE("torch 2.x's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE sets the prefix, and the flag and PET_ one win") {
   const std::map<std::string, std::string> torch2{{"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]: "}};
   CHECK(parse({"prog"}, torch2).log_line_prefix_template == "[rank${rank}]: ");
   auto both = torch2;
@@ -418,7 +418,7 @@ TEST_CASE("torch 2.x's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE sets the prefix; th
   CHECK(parse({"--log-line-prefix-template=", "prog"}, torch2).log_line_prefix_template == "");
 }
 
-TEST_CASE("--shutdown-timeout is torchrun's name for the stop grace: flag > --grace > TORCH_ELASTIC_SHUTDOWN_TIMEOUT") {
+TEST_CASE("shutdown timeout: --shutdown-timeout is torchrun's name for the stop grace: flag > --grace > TORCH_ELASTIC_SHUTDOWN_TIMEOUT") {
   using std::chrono::milliseconds;
   CHECK(parse({"prog"}).grace == milliseconds(30000));
   CHECK(parse({"--shutdown-timeout=7", "prog"}).grace == milliseconds(7000));
@@ -435,7 +435,7 @@ TEST_CASE("--shutdown-timeout is torchrun's name for the stop grace: flag > --gr
              Catch::Contains("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"));
 }
 
-TEST_CASE("--signals-to-handle is parsed into signal numbers; a bad name is a usage error naming it") {
+TEST_CASE("signals to handle: --signals-to-handle is parsed into signal numbers, and a bad name is a usage error naming it") {
   CHECK(parse({"prog"}).signals_to_handle == std::vector<int>{SIGTERM, SIGINT, SIGHUP, SIGQUIT});
   CHECK(parse({"--signals-to-handle=SIGTERM,SIGUSR1,usr2", "prog"}).signals_to_handle ==
         std::vector<int>{SIGTERM, SIGUSR1, SIGUSR2});
@@ -449,7 +449,7 @@ TEST_CASE("--signals-to-handle is parsed into signal numbers; a bad name is a us
   CHECK_THAT(usage_error({"--signals-to-handle=SIGTERM,", "prog"}), Catch::Contains("'' is no signal name"));
 }
 
-TEST_CASE("--numa-binding binds as --cpu-bind does, torchrun's names for its policies") {
+TEST_CASE("numa binding: --numa-binding binds as --cpu-bind does, torchrun's names for its policies") {
   CHECK(parse({"--numa-binding=node", "prog"}).cpu_bind == "numa");
   CHECK(parse({"--numa_binding=exclusive", "prog"}).cpu_bind == "cores");
   CHECK(parse({"--numa-binding=socket", "prog"}).cpu_bind == "socket");
@@ -463,7 +463,7 @@ TEST_CASE("--numa-binding binds as --cpu-bind does, torchrun's names for its pol
              Catch::Contains("bad --numa-binding 'rack': use node, socket, exclusive or core-complex"));
 }
 
-TEST_CASE("--virtual-local-rank, --event-log-handler, --logs-specs and the duplicate filters take torchrun's values") {
+TEST_CASE("torch 2.x values: --virtual-local-rank, --event-log-handler, --logs-specs and the duplicate filters take torchrun's values") {
   CHECK(parse({"--virtual-local-rank", "prog"}).virtual_local_rank);
   CHECK(parse({"prog"}, {{"PET_VIRTUAL_LOCAL_RANK", "1"}}).virtual_local_rank);
   CHECK_THAT(usage_error({"--nproc_per_node=3", "--virtual-local-rank", "prog"}, {{"CUDA_VISIBLE_DEVICES", "4,5"}}),

@@ -81,6 +81,10 @@ TEST_CASE("workers on torch 2.x get no NCCL_ASYNC_ERROR_HANDLING, and the agent 
   CHECK_FALSE(env.contains("NCCL_ASYNC_ERROR_HANDLING"));  // torch 2.x warns about the 1.x name
   CHECK(env.at("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1");
   CHECK(env.at("TORCHELASTIC_USE_AGENT_STORE") == "True");
+  CHECK(env.at("USE_LIBUV") == "0");  // the classic client: Debian's torch 2.x has no libuv
+  CHECK(build_contract_env(plan, opts, {{"USE_LIBUV", "1"}}, 0, 0, "e").at("USE_LIBUV") == "1");
+  plan.agent_store = false;
+  CHECK_FALSE(build_contract_env(plan, opts, {}, 0, 0, "e").contains("USE_LIBUV"));
   plan.torch_major = 1;
   CHECK(build_contract_env(plan, opts, {}, 0, 0, "e").at("NCCL_ASYNC_ERROR_HANDLING") == "1");
 }
@@ -223,7 +227,7 @@ TEST_CASE("endpoints with more than one ':' must be IPv6 addresses, and hosts mu
   CHECK(rdzv::host_problem(""));
 }
 
-TEST_CASE("--virtual-local-rank makes every worker local rank 0 of its own one GPU") {
+TEST_CASE("virtual local rank: --virtual-local-rank makes every worker local rank 0 of its own one GPU") {
   AgentOptions opts;
   opts.nproc_per_node = 4;
   opts.virtual_local_rank = true;

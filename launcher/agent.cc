@@ -22,7 +22,7 @@
 #include "cli/errors.h"
 #include "ops/monitor.h"
 #include "ops/trace.h"
-#include "launcher/watchdog.h"
+#include "process/watchdog.h"
 #include "launcher/worker_spec.h"
 #include "proto/text.h"
 #include "rendezvous/endpoint.h"

@@ -19,7 +19,7 @@
 #include <boost/asio/io_context.hpp>
 
 #include "logs/console.h"
-#include "launcher/watchdog.h"
+#include "process/watchdog.h"
 #include "launcher/worker_process.h"
 
 namespace mg {

@@ -16,7 +16,7 @@
 #include <boost/asio/signal_set.hpp>
 #include <fmt/format.h>
 
-#include "launcher/watchdog.h"
+#include "process/watchdog.h"
 #include "launcher/worker_group.h"
 
 namespace mg {
@@ -116,8 +116,8 @@ class ProcessLauncher final : public WorkerLauncher {
     fence_wanted_ = false;
     const std::uint64_t gen = ++fence_gen_;
     if (exec_fence_w_ < 0 || !exec_fence_) {
-      // Without the pipe (pipe2 failed): wait for the children here, at most 1 s.
-      spawn_settle_all(std::chrono::seconds(1));
+      // Without the pipe (pipe2 failed): spawn_process returned after each child's exec,
+      // whose close-on-exec follows at once.
       asio::post(io_, [this, gen, settled = std::move(settled)] {
         if (gen == fence_gen_) settled();
       });

@@ -36,7 +36,6 @@
 #include <sys/resource.h>
 #include <sys/types.h>
 
-#include <chrono>
 #include <string>
 
 namespace mg {
@@ -66,13 +65,6 @@ struct SpawnError {
 // Starts the program; the pid, or -1 with `error` (and errno) set. The strings and arrays
 // `req` points to need only outlive the call. The caller reaps the child (waitpid).
 pid_t spawn_process(const SpawnRequest& req, SpawnError& error);
-
-// Always true at once: spawn_process() returns only when its child has exec'd or exited.
-// For callers written against the earlier spawner, which returned before the exec. (The
-// kernel closes the child's close-on-exec copies of the parent's descriptors, a held
-// port, a moment after it let the parent go on: a caller that releases a port and needs
-// it free at once retries its bind briefly.)
-inline bool spawn_settle_all(std::chrono::milliseconds) { return true; }
 
 // Sets FD_CLOEXEC on every descriptor above 2, so that exec() passes on only stdin,
 // stdout and stderr. Async-signal-safe (close_range with CLOSE_RANGE_CLOEXEC, Linux >= 5.11,

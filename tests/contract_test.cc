@@ -77,7 +77,7 @@ TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_no
                   pwd);
   REQUIRE(ours.code == 0);
   // Set by mglaunch on purpose beyond torch 1.13 (torch 2.x's name for the same setting).
-  // MGLAUNCH_RUN_MARK: the token of the agent's watchdog (launcher/watchdog.h).
+  // MGLAUNCH_RUN_MARK: the token of the agent's watchdog (process/watchdog.h).
   compare_envs(ref.out, ours.out, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "MGLAUNCH_RUN_MARK"});
 }
 

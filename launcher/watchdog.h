@@ -1,4 +1,0 @@
-// The watchdog lives in the process layer: process/watchdog.h.
-#pragma once
-
-#include "process/watchdog.h"

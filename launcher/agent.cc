@@ -176,7 +176,10 @@ void Agent::host_rendezvous() {
   };
   const bool meant =
       sup::meant_to_host(uses_rendezvous_server(opts_), opts_.rdzv_backend == "etcd", opts_.rdzv_is_host, [&] {
-        return rdzv::is_local_host(endpoint().host) && rdzv::same_address(endpoint().host, plan_.master_addr);
+        // A loopback endpoint is this machine, as for torchrun (a host name on 127.0.1.1, as
+        // Debian's hosts file has it, is not the same address as "localhost").
+        return rdzv::is_loopback_host(endpoint().host) ||
+               (rdzv::is_local_host(endpoint().host) && rdzv::same_address(endpoint().host, plan_.master_addr));
       });
   // Only while nothing listens there, and only for this job.
   if (!meant || rdzv::probe_listen(endpoint().host, endpoint().port)) return;

@@ -156,6 +156,15 @@ std::vector<std::string> resolve_all(const std::string& host) {
 }
 }  // namespace
 
+bool is_loopback_host(const std::string& host) {
+  if (host == "localhost") return true;
+  const auto addrs = resolve_all(host);
+  if (addrs.empty()) return false;
+  for (const auto& a : addrs)  // inet_ntop's text: 127.x.y.z, ::1, ::ffff:127.x.y.z
+    if (!(a.starts_with("127.") || a == "::1" || a.starts_with("::ffff:127."))) return false;
+  return true;
+}
+
 bool same_address(const std::string& a, const std::string& b) {
   if (a == b) return true;
   const auto x = resolve_all(a), y = resolve_all(b);

@@ -26,6 +26,10 @@ std::optional<std::string> host_problem(std::string_view host);
 // True when `host` resolves to an address this machine can bind (loopback included).
 bool is_local_host(const std::string& host);
 
+// True when `host` is this machine's loopback: "localhost" or a name or address that
+// resolves only to 127.0.0.0/8 or ::1 (torchrun takes such an endpoint as this machine).
+bool is_loopback_host(const std::string& host);
+
 // True when `a` and `b` resolve to at least one common IP address (a name and its FQDN,
 // or a name and its address); false when either does not resolve.
 bool same_address(const std::string& a, const std::string& b);

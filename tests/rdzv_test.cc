@@ -387,3 +387,23 @@ TEST_CASE("a rendezvous that refuses the node ends in one mglaunch: error: line"
   for (const auto& l : split_lines(r.err)) errors += l.starts_with("mglaunch: error: rendezvous: ");
   CHECK(errors == 1);
 }
+
+TEST_CASE("two agents given --rdzv_endpoint=localhost:PORT whose advertised addresses are not localhost finish: one "
+          "hosts, as torchrun does for a loopback endpoint") {
+  // Debian's hosts file puts the host name on 127.0.1.1: an agent's own address is then not
+  // "localhost", and before, nobody hosted and both waited out join_timeout.
+  const std::string ep = "localhost:" + std::to_string(free_loopback_port());
+  const std::vector<std::string> flags{"--rdzv_conf=join_timeout=60"};
+  Proc a = spawn(agent_argv(ep, "loopback", 2, "2", 1, flags, {"env"}));
+  Proc b = spawn(agent_argv(ep, "loopback", 3, "2", 1, flags, {"env"}));
+  for (auto* p : {&a, &b}) {
+    REQUIRE(p->wait(90s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+    REQUIRE(envs(p->out()).size() == 1);
+    CHECK(envs(p->out())[0]["WORLD_SIZE"] == "2");
+  }
+  const bool a_hosts = a.err().find("hosting the rendezvous") != std::string::npos;
+  const bool b_hosts = b.err().find("hosting the rendezvous") != std::string::npos;
+  CHECK(a_hosts != b_hosts);  // one of them
+}

@@ -108,6 +108,7 @@ void Agent::start() {
                      out.st_dev == err.st_dev && out.st_ino == err.st_ino && out.st_rdev == err.st_rdev;
   }
   check_descriptor_budget();
+  for (const auto& note : plan_.notes) notice(note);
   const bool files_wanted = [&] {
     for (int lr = 0; lr < plan_.nproc_per_node; ++lr)
       if (opts_.redirects.for_rank(lr) != Streams::kNone || opts_.tee.for_rank(lr) != Streams::kNone) return true;

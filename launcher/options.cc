@@ -111,16 +111,6 @@ int read_sysfs_gpu_count() {
   return n;
 }
 
-bool resolves(const std::string& name) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* ai = nullptr;
-  const bool ok = ::getaddrinfo(name.c_str(), nullptr, &hints, &ai) == 0;
-  if (ai) ::freeaddrinfo(ai);
-  return ok;
-}
-
 // stdout of argv (stderr discarded), or nullopt when it cannot run, exits non-zero or
 // takes longer than 30 s (scontrol with an unreachable slurmctld).
 std::optional<std::string> capture(const std::vector<std::string>& argv) {
@@ -132,7 +122,7 @@ std::optional<std::string> capture(const std::vector<std::string>& argv) {
 }
 
 HardwareProbe::NodeAddress system_node_address(const std::string& name) {
-  if (resolves(name)) return {name, "resolves"};
+  if (rdzv::resolves(name)) return {name, "resolves"};
   if (auto out = capture({"scontrol", "show", "node", name})) {
     if (std::string addr = slurm::parse_node_addr(*out); !addr.empty())
       return {addr, fmt::format("'{}' does not resolve: NodeAddr from scontrol show node", name)};

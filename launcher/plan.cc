@@ -189,6 +189,10 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
     }
     plan.master_addr = master.host;
     plan.master_port = master.port;
+    if (!rdzv::resolves(plan.master_addr))
+      throw UsageError(fmt::format("--master_addr '{}' does not resolve on this machine, so its workers could not "
+                                   "reach it (torch retries for ever): give an IP address or a name in /etc/hosts",
+                                   plan.master_addr));
     plan.rdzv_endpoint = fmt::format("{}:{}", master.host, master.port);
     if (plan.node_rank == 0 && plan.master_port != 0 && rdzv::is_local_host(plan.master_addr)) {
       if (auto err = rdzv::probe_listen(plan.master_addr, plan.master_port))
@@ -208,6 +212,22 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
     }
     plan.rdzv_endpoint = opts.rdzv_backend == "etcd" ? opts.rdzv_endpoint : fmt::format("{}:{}", ep.host, ep.port);
     plan.master_addr = !opts.local_addr.empty() ? opts.local_addr : fq_hostname();
+    // Workers connect to MASTER_ADDR: a name that does not resolve (a container or chroot
+    // whose hosts file lacks its own name) makes torch 2.x workers retry for ever.
+    if (!opts.local_addr.empty() && !rdzv::resolves(plan.master_addr))
+      throw UsageError(fmt::format("--local_addr '{}' does not resolve on this machine: give an IP address or a "
+                                   "name in /etc/hosts",
+                                   plan.master_addr));
+    if (opts.local_addr.empty() && !rdzv::resolves(plan.master_addr)) {
+      if (opts.nnodes.max > 1)
+        throw UsageError(fmt::format("this machine's name '{}' does not resolve here, so no worker could reach "
+                                     "MASTER_ADDR: pass --local_addr=ADDRESS (an IP address the other nodes reach) "
+                                     "or add the name to /etc/hosts",
+                                     plan.master_addr));
+      plan.notes.push_back(fmt::format("this machine's name '{}' does not resolve here: MASTER_ADDR is 127.0.0.1",
+                                       plan.master_addr));
+      plan.master_addr = "127.0.0.1";  // one node: its workers reach it on loopback
+    }
     // Outside the ephemeral range; the agent holds it again until its workers start. A dry
     // run of a multi-node job binds nothing: the rendezvous decides the master.
     if (!(opts.dry_run && opts.nnodes.max > 1)) plan.master_port = reserve_master_port().port();

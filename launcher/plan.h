@@ -38,6 +38,7 @@ struct RunPlan {
   // Workers connect to the agent's store at MASTER_ADDR:MASTER_PORT as clients
   // (TORCHELASTIC_USE_AGENT_STORE=True), as torchrun 2.x does; the agent serves it.
   bool agent_store = false;
+  std::vector<std::string> notes;  // "[mglaunch] ..." lines for the agent to print at start
 };
 
 // Variables mglaunch sets for one worker (the base environment is added on top at spawn).

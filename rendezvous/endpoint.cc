@@ -156,6 +156,8 @@ std::vector<std::string> resolve_all(const std::string& host) {
 }
 }  // namespace
 
+bool resolves(const std::string& host) { return !resolve_all(host).empty(); }
+
 bool is_loopback_host(const std::string& host) {
   if (host == "localhost") return true;
   const auto addrs = resolve_all(host);

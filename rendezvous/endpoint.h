@@ -26,6 +26,9 @@ std::optional<std::string> host_problem(std::string_view host);
 // True when `host` resolves to an address this machine can bind (loopback included).
 bool is_local_host(const std::string& host);
 
+// True when `host` resolves here (getaddrinfo; may wait for DNS).
+bool resolves(const std::string& host);
+
 // True when `host` is this machine's loopback: "localhost" or a name or address that
 // resolves only to 127.0.0.0/8 or ::1 (torchrun takes such an endpoint as this machine).
 bool is_loopback_host(const std::string& host);

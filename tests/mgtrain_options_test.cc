@@ -45,6 +45,9 @@ TEST_CASE("the training mode is single without a launcher and ddp under one") {
   CHECK(resolve_mode(o, bare) == Mode::single);
   auto one = read_env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "41234"}});
   CHECK(resolve_mode(o, one) == Mode::ddp);
+  CHECK_FALSE(read_env({}).agent_store);
+  CHECK(read_env({{"TORCHELASTIC_USE_AGENT_STORE", "True"}}).agent_store);
+  CHECK_FALSE(read_env({{"TORCHELASTIC_USE_AGENT_STORE", "False"}}).agent_store);
   auto two = read_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "41234"}});
   CHECK(two.rank == 1);
   CHECK(resolve_mode(o, two) == Mode::ddp);

@@ -1,6 +1,7 @@
 #include "worker/comm.h"
 
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef MGLAUNCH_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -81,15 +82,18 @@ Comm connect(const Options& o, const Env& env) {
   c.backend = o.backend == "auto" ? (cuda ? "nccl" : "gloo") : o.backend;
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
+  so.isServer = env.rank == 0 && !env.agent_store;
   so.numWorkers = env.world;
   so.waitWorkers = false;
   so.timeout = std::chrono::seconds(o.timeout_s);
   try {
     c.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    // The agent's store outlives a restart: each attempt keeps to its own keys.
+    if (env.agent_store)
+      c.store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), c.store);
   } catch (const std::exception& e) {
     std::string what = e.what();
-    throw SetupError(fmt::format("cannot {} the c10d store at {}:{} within {} s: {}", env.rank == 0 ? "serve" : "reach",
+    throw SetupError(fmt::format("cannot {} the c10d store at {}:{} within {} s: {}", so.isServer ? "serve" : "reach",
                                  env.master_addr, env.master_port, o.timeout_s, what.substr(0, what.find('\n'))));
   }
   if (c.backend == "gloo") {

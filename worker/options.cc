@@ -155,6 +155,7 @@ Env read_env(const std::map<std::string, std::string>& vars) {
   env.restart_count = to_int(vars, "TORCHELASTIC_RESTART_COUNT", 0);
   if (auto it = vars.find("MASTER_ADDR"); it != vars.end() && !it->second.empty()) env.master_addr = it->second;
   env.master_port = to_int(vars, "MASTER_PORT", 0);
+  if (auto it = vars.find("TORCHELASTIC_USE_AGENT_STORE"); it != vars.end()) env.agent_store = it->second == "True";
   env.launched = env.master_port > 0 || env.world > 1;
   if (env.world < 1 || env.rank < 0 || env.rank >= env.world)
     throw UsageError("RANK=" + std::to_string(env.rank) + " WORLD_SIZE=" + std::to_string(env.world) +

@@ -52,6 +52,10 @@ struct Env {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
   bool launched = false;  // RANK/WORLD_SIZE/MASTER_PORT came from a launcher
+  // TORCHELASTIC_USE_AGENT_STORE=True: the launcher's agent serves the c10d store on
+  // MASTER_PORT; every rank (rank 0 too) connects as a client, under the prefix
+  // /worker/attempt_N (N = restart_count), as torch's env:// rendezvous does.
+  bool agent_store = false;
 };
 
 // Parses argv into Options. Returns the text to print and exit 0 for --help; throws

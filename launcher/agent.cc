@@ -308,8 +308,15 @@ void Agent::serve_store() {
     store_.reset();
     return;
   }
-  if (store_ && store_->port() == plan_.master_port) return;
+  if (store_ && store_->port() == plan_.master_port) {
+    // Each attempt starts from an empty store, as torch's agent gives every attempt a fresh
+    // one (torch 2.6 and later no longer put /worker/attempt_N before their keys).
+    if (store_attempt_ != core_.restart_count()) store_->reset();
+    store_attempt_ = core_.restart_count();
+    return;
+  }
   store_.reset();
+  store_attempt_ = core_.restart_count();
   namespace ip = asio::ip;
   ip::tcp::acceptor acceptor(io_);
   boost::system::error_code ec;
@@ -322,13 +329,10 @@ void Agent::serve_store() {
     if (!ec) acceptor.bind({ip::address_v4::any(), static_cast<unsigned short>(plan_.master_port)}, ec);
   }
   if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
-  if (ec) {
-    // The workers would wait for a store nobody serves: say why, and let them fail fast.
-    notice(fmt::format("warning: cannot serve the agent's store on port {}: {}; workers connecting to "
-                       "MASTER_PORT will fail (set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to have rank 0 host it)",
-                       plan_.master_port, ec.message()));
-    return;
-  }
+  if (ec)  // the workers would talk to whatever holds the port (another job's store): stop here
+    throw ResourceError(fmt::format("cannot serve the agent's store on port {}: {}; pick another --master_port, or "
+                                    "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to have rank 0 host it",
+                                    plan_.master_port, ec.message()));
   store::ServerOptions so;
   so.log = [this](const std::string& line) { notice(line); };
   store_ = std::make_unique<store::StoreServer>(io_, std::move(acceptor), std::move(so));

@@ -132,6 +132,7 @@ class Agent {
   // spawn of an attempt on; moves with a fresh master port; gone with the agent.
   void serve_store();
   std::unique_ptr<store::StoreServer> store_;
+  int store_attempt_ = 0;  // the attempt the store's keys belong to
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or
   // --trace is given (ops/monitor.h, ops/trace.h). Declared last: gone before

@@ -48,12 +48,14 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
   };
   // torchrun 1.x's name, for workers that may be on 1.x (torch 2.x warns about it); a value
   // the user set is inherited either way.
-  if (plan.torch_major < 2) env["NCCL_ASYNC_ERROR_HANDLING"] = inherit_or("NCCL_ASYNC_ERROR_HANDLING", "1");
+  // (torch 2.0 and 2.1 read only this name.)
+  if (plan.torch_major < 2 || (plan.torch_major == 2 && plan.torch_minor < 2))
+    env["NCCL_ASYNC_ERROR_HANDLING"] = inherit_or("NCCL_ASYNC_ERROR_HANDLING", "1");
   // The agent's store speaks the classic TCPStore protocol, which every torch client speaks;
   // torch 2.x's env:// clients default to the libuv one, which Debian's torch 2.x lacks
   // ("use_libuv was requested but PyTorch was build without libuv support"). A USE_LIBUV the
   // user set is inherited.
-  if (plan.agent_store && plan.torch_major != 1) env["USE_LIBUV"] = inherit_or("USE_LIBUV", "0");
+  if (plan.agent_store && plan.torch_major >= 2) env["USE_LIBUV"] = inherit_or("USE_LIBUV", "0");
   if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
   if (!opts.gpu_ids.empty()) env["CUDA_VISIBLE_DEVICES"] = std::to_string(opts.gpu_ids.at(local_rank));
   if (opts.virtual_local_rank) {
@@ -150,7 +152,7 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
       throw ProgramNotFound(fmt::format("python interpreter '{}' not found or not executable; set --python or "
                                         "MGLAUNCH_PYTHON",
                                         opts.python));
-    if (auto v = find_torch_version(plan.executable, base_env)) plan.torch_major = v->major;
+    if (auto v = find_torch_version(plan.executable, base_env)) plan.torch_major = v->major, plan.torch_minor = v->minor;
     plan.argv = {opts.python, "-u"};
     if (opts.module) {
       plan.argv.insert(plan.argv.end(), {"-m", opts.program});
@@ -170,13 +172,17 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
   // the Python it would find (torchrun's own interpreter, in torchrun's case).
   if (!python)
     if (auto py = find_executable(opts.python, path); !py.empty())
-      if (auto v = find_torch_version(py, base_env)) plan.torch_major = v->major;
+      if (auto v = find_torch_version(py, base_env)) plan.torch_major = v->major, plan.torch_minor = v->minor;
   // The agent's store, as torchrun's: torch 2.x's agent shares its store with the workers for
   // every backend unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; torch 1.x's only in the static
   // form (its c10d and etcd workers have rank 0 host the store).
   const auto disable = base_env.find("TORCH_DISABLE_SHARE_RDZV_TCP_STORE");
   const bool static_form = opts.rdzv_backend == "static" && !opts.standalone;
-  plan.agent_store = !(disable != base_env.end() && disable->second == "1") && (plan.torch_major != 1 || static_form);
+  // torch 2.0 and 2.1 clients number their queries in a third way (no VALIDATE, DELETE_KEY=7)
+  // that cannot be told from 1.x's on the wire: their rank 0 hosts the store.
+  const bool torch_2_0_or_2_1 = plan.torch_major == 2 && plan.torch_minor < 2;
+  plan.agent_store = !(disable != base_env.end() && disable->second == "1") && !torch_2_0_or_2_1 &&
+                     (plan.torch_major != 1 || static_form);
 
   // Master address and port.
   if (opts.rdzv_backend == "static") {

@@ -34,7 +34,7 @@ struct RunPlan {
   // The major version of the torch a Python worker imports (launcher/torch_version.h); 0:
   // unknown (not Python, or not found). 2 and later: no NCCL_ASYNC_ERROR_HANDLING, whose
   // 1.x name draws a deprecation warning from every 2.x NCCL process group.
-  int torch_major = 0;
+  int torch_major = 0, torch_minor = 0;
   // Workers connect to the agent's store at MASTER_ADDR:MASTER_PORT as clients
   // (TORCHELASTIC_USE_AGENT_STORE=True), as torchrun 2.x does; the agent serves it.
   bool agent_store = false;

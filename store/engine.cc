@@ -19,7 +19,7 @@ void Engine::wake(const std::string& key, std::vector<Reply>& out) {
   for (ClientId c : it->second) {
     auto a = awaited_.find(c);
     if (a == awaited_.end()) continue;
-    if (--a->second == 0) {
+    if (--a->second.missing == 0) {
       awaited_.erase(a);
       Reply r{c, {}};
       put_u8(r.bytes, kStopWaiting);
@@ -85,9 +85,11 @@ std::string Engine::apply(ClientId from, const Query& q, std::vector<Reply>& out
         std::int64_t old = 0;
         const char* b = it->second.data();
         const char* e = b + it->second.size();
+        while (b < e && (*b == ' ' || *b == '\t')) ++b;  // as std::stoll, torch's parser, skips
         auto [p, ec] = std::from_chars(b, e, old);
-        if (ec != std::errc() || p != e) return fmt::format("add to key '{}', whose value is not a number", q.keys[0]);
-        value += old;
+        if (ec != std::errc() || p == b) return fmt::format("add to key '{}', whose value is not a number", q.keys[0]);
+        if (__builtin_add_overflow(value, old, &value))
+          return fmt::format("add to key '{}' overflows a 64-bit number", q.keys[0]);
       }
       if (auto e = set(q.keys[0], std::to_string(value), out); !e.empty()) return e;
       put_i64(reply(), value);
@@ -98,17 +100,18 @@ std::string Engine::apply(ClientId from, const Query& q, std::vector<Reply>& out
       return {};
     case Op::kWait: {
       if (awaited_.count(from)) return "a second wait before the first one ended";
-      std::size_t missing = 0;
+      Wait w;
       std::unordered_set<std::string_view> seen;  // a key named twice counts once
       for (const auto& k : q.keys) {
         if (data_.count(k) || !seen.insert(k).second) continue;
         waiters_[k].push_back(from);
-        ++missing;
+        w.keys.push_back(k);
       }
-      if (missing == 0)
+      w.missing = w.keys.size();
+      if (w.missing == 0)
         put_u8(reply(), kStopWaiting);
       else
-        awaited_[from] = missing;
+        awaited_[from] = std::move(w);
       return {};
     }
     case Op::kCancelWait:
@@ -139,12 +142,23 @@ std::string Engine::apply(ClientId from, const Query& q, std::vector<Reply>& out
 }
 
 void Engine::disconnected(ClientId c) {
-  if (awaited_.erase(c) == 0) return;
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
+  auto a = awaited_.find(c);
+  if (a == awaited_.end()) return;
+  for (const auto& k : a->second.keys) {
+    auto it = waiters_.find(k);
+    if (it == waiters_.end()) continue;
     auto& v = it->second;
     v.erase(std::remove(v.begin(), v.end(), c), v.end());
-    it = v.empty() ? waiters_.erase(it) : std::next(it);
+    if (v.empty()) waiters_.erase(it);
   }
+  awaited_.erase(a);
+}
+
+void Engine::clear() {
+  data_.clear();
+  waiters_.clear();
+  awaited_.clear();
+  bytes_ = 0;
 }
 
 }  // namespace mg::store

@@ -32,6 +32,9 @@ class Engine {
   std::string apply(ClientId from, const Query& q, std::vector<Reply>& out);
   // `c` is gone: its wait is forgotten.
   void disconnected(ClientId c);
+  // Forgets every key and wait (a new attempt of the job starts from an empty store, as
+  // torch's agent gives each attempt a fresh one).
+  void clear();
 
   std::size_t keys() const { return data_.size(); }
   std::size_t bytes() const { return bytes_; }
@@ -46,7 +49,11 @@ class Engine {
   std::size_t bytes_ = 0;
   std::unordered_map<std::string, std::string> data_;
   std::unordered_map<std::string, std::vector<ClientId>> waiters_;  // key -> clients waiting for it
-  std::unordered_map<ClientId, std::size_t> awaited_;               // client -> keys it still waits for
+  struct Wait {
+    std::size_t missing = 0;        // keys still to come
+    std::vector<std::string> keys;  // the keys it waits for (to forget it in O(its keys))
+  };
+  std::unordered_map<ClientId, Wait> awaited_;  // client -> its one wait
 };
 
 }  // namespace mg::store

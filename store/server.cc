@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 #include <fmt/format.h>
 
@@ -18,6 +19,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     tcp::socket socket;
     Dialect dialect = Dialect::kUnknown;
     std::string pending;  // the start of a query still arriving
+    std::size_t need = 0;  // pending cannot hold a whole query below this size (Parsed::need)
     std::string out;      // replies not yet handed to a write
     std::string writing;  // the bytes of the one write in flight (empty: none)
   };
@@ -33,6 +35,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   ClientId next_id = 1;
   std::size_t dropped = 0;
   bool stopped = false;
+  asio::steady_timer accept_pause{io};  // after an accept error (EMFILE): a pause, not a spin
+  bool accept_warned = false;
   std::array<char, 64 * 1024> scratch{};
   std::vector<Reply> replies;
 
@@ -57,8 +61,18 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
         }
       } else if (ec == asio::error::operation_aborted) {
         return;
+      } else {
+        // EMFILE and the like: keep serving the clients we have, try again in a moment.
+        if (!self->accept_warned)
+          self->log(fmt::format("agent store: cannot accept a client: {} (retrying every 100 ms)", ec.message()));
+        self->accept_warned = true;
+        self->accept_pause.expires_after(std::chrono::milliseconds(100));
+        self->accept_pause.async_wait([self](boost::system::error_code e) {
+          if (!e && !self->stopped) self->accept();
+        });
+        return;
       }
-      self->accept();  // EMFILE and the like: keep serving the clients we have
+      self->accept();
     });
   }
 
@@ -98,6 +112,10 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       if (!c.pending.empty()) {
         c.pending.append(data);
         data = c.pending;
+        if (c.pending.size() < c.need) {  // the query cannot be whole yet: no parse
+          if (n < scratch.size()) break;
+          continue;
+        }
       }
       const std::size_t used = serve(id, c, data);
       if (used == std::string::npos) return;  // dropped
@@ -118,7 +136,11 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     std::size_t used = 0;
     while (used < data.size()) {
       Parsed p = parse_query(data.substr(used), c.dialect, opts.limits);
-      if (p.status == Parsed::kNeedMore) break;
+      c.need = 0;
+      if (p.status == Parsed::kNeedMore) {
+        c.need = p.need;
+        break;
+      }
       if (p.status == Parsed::kBad) {
         drop(id, p.error);
         return std::string::npos;
@@ -126,24 +148,33 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       used += p.consumed;
       replies.clear();
       if (auto err = engine.apply(id, p.query, replies); !err.empty()) {
-        send_all();
-        drop(id, err);
+        if (!send_all(id)) drop(id, err);
         return std::string::npos;
       }
-      send_all();
+      if (send_all(id)) return std::string::npos;
     }
     return used;
   }
 
-  void send_all() {
+  // Queues the replies; true when `current` (the client being served) was dropped for not
+  // reading its replies, and must not be touched any more.
+  bool send_all(ClientId current) {
+    bool dropped_current = false;
     for (auto& r : replies) {
       auto it = clients.find(r.to);
       if (it == clients.end()) continue;
       Client& c = *it->second;
+      if (c.out.size() + c.writing.size() + r.bytes.size() > opts.max_unread) {
+        const ClientId to = r.to;
+        drop(to, fmt::format("more than {} bytes of replies it does not read", opts.max_unread));
+        dropped_current = dropped_current || to == current;
+        continue;
+      }
       c.out += r.bytes;
       if (c.writing.empty()) write(r.to);
     }
     replies.clear();
+    return dropped_current;
   }
 
   // One write in flight per client; replies queued meanwhile go out with the next one.
@@ -159,6 +190,13 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
                         std::string().swap(c->writing);
                         if (!c->out.empty()) self->write(id);
                       });
+  }
+
+  void reset() {
+    boost::system::error_code ignored;
+    for (auto& [id, c] : clients) c->socket.close(ignored);
+    clients.clear();
+    engine.clear();
   }
 
   void stop() {
@@ -205,6 +243,7 @@ int StoreServer::port() const {
   return ec ? 0 : ep.port();
 }
 void StoreServer::stop() { impl_->stop(); }
+void StoreServer::reset() { impl_->reset(); }
 std::size_t StoreServer::clients() const { return impl_->clients.size(); }
 std::size_t StoreServer::dropped() const { return impl_->dropped; }
 const Engine& StoreServer::engine() const { return impl_->engine; }

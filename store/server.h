@@ -23,6 +23,7 @@ namespace mg::store {
 struct ServerOptions {
   std::size_t max_clients = 100000;
   std::size_t max_bytes = std::size_t{1} << 30;  // keys and values stored
+  std::size_t max_unread = std::size_t{64} << 20;  // replies queued for a client that does not read them
   Limits limits;
   std::function<void(const std::string&)> log;  // one line per dropped client; may be empty
 };
@@ -41,6 +42,9 @@ class StoreServer {
   int port() const;
   // Closes the acceptor and every client.
   void stop();
+  // A new attempt of the job: every client (of the ended attempt) is disconnected and the
+  // store emptied; the listening socket stays.
+  void reset();
 
   std::size_t clients() const;
   std::size_t dropped() const;  // clients disconnected for breaking a bound or the protocol

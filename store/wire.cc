@@ -35,7 +35,10 @@ class Reader {
   explicit Reader(std::string_view in) : in_(in) {}
   template <typename T>
   bool value(T& v) {
-    if (in_.size() - pos_ < sizeof(T)) return false;
+    if (in_.size() - pos_ < sizeof(T)) {
+      need_ = pos_ + sizeof(T);
+      return false;
+    }
     std::memcpy(&v, in_.data() + pos_, sizeof(T));
     pos_ += sizeof(T);
     return true;
@@ -48,16 +51,21 @@ class Reader {
       error = fmt::format("{} of {} bytes is over the limit of {}", what, n, max);
       return false;
     }
-    if (in_.size() - pos_ < n) return false;
+    if (in_.size() - pos_ < n) {
+      need_ = pos_ + n;
+      return false;
+    }
     out.assign(in_.data() + pos_, n);
     pos_ += n;
     return true;
   }
   std::size_t pos() const { return pos_; }
+  std::size_t need() const { return need_; }
 
  private:
   std::string_view in_;
   std::size_t pos_ = 0;
+  std::size_t need_ = 0;
 };
 
 bool op_of(std::uint8_t type, Dialect d, Op& op) {
@@ -147,7 +155,15 @@ Parsed parse_query(std::string_view in, Dialect& dialect, const Limits& limits) 
     p.status = Parsed::kBad;
     return p;
   }
-  if (!ok) return Parsed{};  // need more
+  if (!ok) {  // need more
+    Parsed more;
+    more.need = r.need();
+    if (more.need > limits.max_query) {
+      more.status = Parsed::kBad;
+      more.error = fmt::format("a {} query of more than {} bytes is over the limit", op_name(op), limits.max_query);
+    }
+    return more;
+  }
   p.status = Parsed::kOk;
   p.consumed = r.pos();
   dialect = d;

@@ -40,11 +40,15 @@ struct Limits {
   std::size_t max_key = 64 * 1024;
   std::size_t max_value = std::size_t{64} << 20;
   std::size_t max_keys = 65536;  // per CHECK/WAIT/MULTI_* query
+  std::size_t max_query = std::size_t{256} << 20;  // one whole query, bytes
 };
 
 struct Parsed {
   enum Status { kNeedMore, kOk, kBad } status = kNeedMore;
   std::size_t consumed = 0;  // bytes of the query (kOk)
+  // kNeedMore: the query cannot be whole before this many bytes are there (a length field
+  // already read says so); parsing again earlier finds nothing new.
+  std::size_t need = 0;
   Query query;
   std::string error;  // kBad: what was wrong, e.g. "key of 70000 bytes is over 65536"
 };

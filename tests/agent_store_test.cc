@@ -94,3 +94,26 @@ TEST_CASE("three torch 2.6 gloo workers run through the agent's store, and TORCH
   std::sort(offl.begin(), offl.end());
   CHECK(offl[1] == "store False sum 3 bound True");
 }
+
+TEST_CASE("a restart starts from an empty agent store: keys of the failed attempt are gone") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  // Attempt 0 leaves a key and fails; attempt 1 counts the keys it finds.
+  const std::string code =
+      "import os, sys, datetime, torch.distributed as d\n"
+      "s = d.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), 1, False, "
+      "timeout=datetime.timedelta(seconds=30))\n"
+      "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+      "    s.set('default_pg/0', 'stale'); sys.exit(1)\n"
+      "try:\n"
+      "    s.wait(['default_pg/0'], datetime.timedelta(milliseconds=500)); print('stale key found')\n"
+      "except Exception:\n"
+      "    print('stale key gone')\n";
+  // A port given, as the static form's default 29500 is: the same port, so the same store, serves both attempts.
+  auto r = run({kMglaunch, "--master_addr=127.0.0.1", "--master_port=" + std::to_string(free_loopback_port()),
+                "--max_restarts=1", "--nproc_per_node=1",
+                "--no_python", "/usr/bin/python3", "-c", code},
+               {}, 240s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("stale key gone"));
+}

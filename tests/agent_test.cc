@@ -543,3 +543,23 @@ TEST_CASE("a successful run says nothing about its watchdog, which it lets go be
     CHECK_THAT(r.err, !Catch::Contains("watchdog"));
   }
 }
+
+TEST_CASE("a MASTER_ADDR that does not resolve is found before any worker starts") {
+  auto r = run({kMglaunch, "--master_addr=no-such-host.invalid", "--master_port=0", "--no_python", "/bin/true"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::StartsWith("mglaunch: error: --master_addr 'no-such-host.invalid' does not resolve"));
+  // A machine whose own name does not resolve (a container without it in /etc/hosts): one
+  // node takes 127.0.0.1, several are told to pass --local_addr. A UTS namespace of its own.
+  if (run({"/usr/bin/unshare", "-u", "/bin/true"}).code != 0) SKIP_TEST("unshare -u is not permitted here (needs root)");
+  const std::string rename = "hostname mglaunch-no-such-name.invalid && exec \"$@\"";
+  auto one = run({"/usr/bin/unshare", "-u", "/bin/sh", "-c", rename, "sh", kMglaunch, "--standalone", "--nproc_per_node=1",
+                  "--no_python", "/usr/bin/printenv", "MASTER_ADDR"});
+  INFO(one.err);
+  CHECK(one.code == 0);
+  CHECK(one.out == "[rank0]:127.0.0.1\n");
+  CHECK_THAT(one.err, Catch::Contains("does not resolve here: MASTER_ADDR is 127.0.0.1"));
+  auto two = run({"/usr/bin/unshare", "-u", "/bin/sh", "-c", rename, "sh", kMglaunch, "--nnodes=2", "--rdzv_backend=c10d",
+                  "--rdzv_endpoint=127.0.0.1:1", "--no_python", "/bin/true"});
+  CHECK(two.code == 2);
+  CHECK_THAT(two.err, Catch::Contains("pass --local_addr=ADDRESS"));
+}

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include <boost/asio/executor_work_guard.hpp>
@@ -252,4 +253,76 @@ TEST_CASE("a client that breaks the protocol is disconnected with one log line a
   boost::asio::post(s.io, [] {});
   std::this_thread::sleep_for(50ms);
   CHECK_THAT(s.log.at(0), Catch::Contains("unknown query type 200"));
+}
+
+TEST_CASE("an unfinished query says how many bytes it needs, so a large value is not parsed again at every read") {
+  Dialect d = Dialect::kV2;
+  const std::string q = byte(1) + str("key") + str(std::string(1000, 'v'));
+  auto p = parse_query(q.substr(0, 20), d);
+  CHECK(p.status == Parsed::kNeedMore);
+  CHECK(p.need == q.size());
+  Limits small;
+  small.max_query = 100;
+  p = parse_query(q.substr(0, 20), d, small);  // refused as soon as the lengths say it is too big
+  CHECK(p.status == Parsed::kBad);
+}
+
+TEST_CASE("the engine empties for a new attempt, adds as torch does and refuses an overflowing add") {
+  Engine e;
+  std::vector<Reply> out;
+  Query set;
+  set.op = Op::kSet;
+  set.keys = {"n"};
+  set.values = {" 41"};
+  CHECK(e.apply(1, set, out).empty());
+  Query add;
+  add.op = Op::kAdd;
+  add.keys = {"n"};
+  add.number = 1;
+  CHECK(e.apply(1, add, out).empty());  // std::stoll skips leading blanks, and so do we
+  CHECK(out.back().bytes == std::string("\x2a\0\0\0\0\0\0\0", 8));
+  add.number = std::numeric_limits<std::int64_t>::max();
+  CHECK_THAT(e.apply(1, add, out), Catch::Contains("overflows"));
+  e.clear();
+  CHECK(e.keys() == 0);
+  CHECK(e.bytes() == 0);
+}
+
+TEST_CASE("a client that never reads its replies is disconnected before they pile up in the agent") {
+  ServerOptions o;
+  o.max_unread = 64 * 1024;
+  ServerThread s(o);
+  boost::asio::io_context io;
+  using tcp = boost::asio::ip::tcp;
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  std::string q = validate() + byte(1) + str("big") + str(std::string(64 * 1024, 'x'));
+  for (int i = 0; i < 400; ++i) q += byte(3) + str("big");  // 400 GETs of 64 KiB: 25 MiB of replies
+  boost::system::error_code ec;
+  boost::asio::write(c, boost::asio::buffer(q), ec);  // may fail once the server has closed it
+  REQUIRE(eventually([&] { return s.server->dropped() == 1; }, 30s));
+  std::this_thread::sleep_for(50ms);
+  CHECK_THAT(s.log.at(0), Catch::Contains("replies it does not read"));
+}
+
+TEST_CASE("reset disconnects the clients of the ended attempt and empties the store") {
+  ServerThread s;
+  boost::asio::io_context io;
+  using tcp = boost::asio::ip::tcp;
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  boost::asio::write(c, boost::asio::buffer(validate() + byte(1) + str("k") + str("v") + byte(7)));  // SET, NUMKEYS
+  std::int64_t n = 0;
+  boost::asio::read(c, boost::asio::buffer(&n, 8));
+  CHECK(n == 1);
+  boost::asio::post(s.io, [&] { s.server->reset(); });
+  char x;
+  boost::system::error_code ec;
+  boost::asio::read(c, boost::asio::buffer(&x, 1), ec);
+  CHECK(ec == boost::asio::error::eof);
+  tcp::socket d(io);
+  d.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  boost::asio::write(d, boost::asio::buffer(validate() + byte(7)));
+  boost::asio::read(d, boost::asio::buffer(&n, 8));
+  CHECK(n == 0);
 }

@@ -76,6 +76,7 @@ TEST_CASE("workers on torch 2.x get no NCCL_ASYNC_ERROR_HANDLING, and the agent 
   AgentOptions opts;
   RunPlan plan = two_node_plan(0);
   plan.torch_major = 2;
+  plan.torch_minor = 6;
   plan.agent_store = true;
   EnvMap env = build_contract_env(plan, opts, {}, 0, 0, "e");
   CHECK_FALSE(env.contains("NCCL_ASYNC_ERROR_HANDLING"));  // torch 2.x warns about the 1.x name
@@ -85,6 +86,8 @@ TEST_CASE("workers on torch 2.x get no NCCL_ASYNC_ERROR_HANDLING, and the agent 
   CHECK(build_contract_env(plan, opts, {{"USE_LIBUV", "1"}}, 0, 0, "e").at("USE_LIBUV") == "1");
   plan.agent_store = false;
   CHECK_FALSE(build_contract_env(plan, opts, {}, 0, 0, "e").contains("USE_LIBUV"));
+  plan.torch_minor = 1;  // torch 2.0 and 2.1 read only the 1.x name
+  CHECK(build_contract_env(plan, opts, {}, 0, 0, "e").at("NCCL_ASYNC_ERROR_HANDLING") == "1");
   plan.torch_major = 1;
   CHECK(build_contract_env(plan, opts, {}, 0, 0, "e").at("NCCL_ASYNC_ERROR_HANDLING") == "1");
 }

@@ -142,6 +142,9 @@ void Agent::start() {
   // join_timeout; a connection reset before the welcome ends its run).
   host_rendezvous();
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
+  // torchrun's --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT): each one listed
+  // stops the workers with that signal and ends the run with 128+S, as the ones above do.
+  for (int sig : opts_.signals_to_handle) signals_.add(sig);
   wait_signal();
   job_control_.add(SIGTSTP);
   job_control_.add(SIGCONT);

@@ -573,8 +573,8 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   opt("shutdown_timeout", shutdown_timeout,
       "torchrun's name for --grace: seconds from SIGTERM to SIGKILL (else $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30)");
   opt("signals_to_handle", signals,
-      "Accepted for torchrun compatibility: SIG,... is checked (default SIGTERM,SIGINT,SIGHUP,SIGQUIT); the "
-      "agent passes on its own set");
+      "Signals that stop the workers with that signal and end the run with 128+S (default "
+      "SIGTERM,SIGINT,SIGHUP,SIGQUIT; SIGUSR1/SIGUSR2 are always forwarded)");
   app.add_option(both_spellings("numa_binding"), numa_binding,
                  "Pin each worker near its GPU: node (its NUMA node), socket, exclusive (disjoint cores of its "
                  "node) or core-complex (CPUs of one L3 cache); torchrun's names for --cpu-bind");

@@ -563,3 +563,18 @@ TEST_CASE("a MASTER_ADDR that does not resolve is found before any worker starts
   CHECK(two.code == 2);
   CHECK_THAT(two.err, Catch::Contains("pass --local_addr=ADDRESS"));
 }
+
+TEST_CASE("signals to handle: SIGQUIT (torchrun's default list) and a listed SIGXCPU stop the workers with 128+S") {
+  for (auto [sig, flags] : std::vector<std::pair<int, std::vector<std::string>>>{
+           {SIGQUIT, {"--standalone", "--nproc_per_node=1"}},
+           {SIGXCPU, {"--standalone", "--nproc_per_node=1", "--signals-to-handle=SIGTERM,SIGXCPU"}}}) {
+    INFO("signal " << sig);
+    Proc agent = spawn(launch(flags, {"print", "ready", "hang", "60"}));
+    REQUIRE(eventually([&] { return count_of(agent.out(), "ready") == 1; }, 30s));
+    ::kill(agent.pid, sig);
+    REQUIRE(agent.wait(30s));
+    CHECK(agent.exit_code() == 128 + sig);
+    // Handled, not the agent killed by the signal's default action: it says what it did.
+    CHECK_THAT(agent.err(), Catch::Contains(sig == SIGQUIT ? "SIGQUIT" : "SIGXCPU"));
+  }
+}

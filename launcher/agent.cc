@@ -376,6 +376,8 @@ void Agent::on_worker_done(const WorkerEnd& w) {
     if (python_run_)
       if (auto hint = missing_torch_hint(rc.stderr_tail, plan_.executable, opts_.python_source); !hint.empty())
         rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
+    if (auto hint = libuv_hint(rc.stderr_tail); !hint.empty())
+      rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
     return rc;
   }));
 }

@@ -104,4 +104,17 @@ inline std::string missing_torch_hint(const std::vector<std::string>& stderr_tai
          "--python PATH or MGLAUNCH_PYTHON=PATH";
 }
 
+// When a worker failed because its torch has no libuv (Debian's torch 2.x) and was asked
+// for a libuv TCPStore (torch 2.x's default; its last stderr lines hold "use_libuv was
+// requested but PyTorch was build without libuv support"), the root cause's message: what
+// to set. Empty otherwise.
+inline std::string libuv_hint(const std::vector<std::string>& stderr_tail) {
+  for (const auto& l : stderr_tail)
+    if (l.find("use_libuv was requested but PyTorch was build without libuv support") != std::string::npos)
+      return "this torch is built without libuv (as Debian's torch 2.x is) and the worker asked for a libuv "
+             "TCPStore, torch 2.x's default: set USE_LIBUV=0 for the workers (env:// reads it), or pass "
+             "use_libuv=False to the TCPStore it creates";
+  return {};
+}
+
 }  // namespace mg

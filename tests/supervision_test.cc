@@ -104,3 +104,12 @@ TEST_CASE("a worker that cannot import torch gets a root cause naming its interp
   CHECK(mg::missing_torch_hint({"ModuleNotFoundError: No module named 'numpy'"}, "/x", "--python").empty());
   CHECK(mg::missing_torch_hint({}, "/x", "--python").empty());
 }
+
+TEST_CASE("a worker whose torch has no libuv gets a root cause saying to set USE_LIBUV=0") {
+  const std::vector<std::string> tail = {
+      "  File \"/usr/lib/python3/dist-packages/torch/distributed/rendezvous.py\", line 189, in _create_c10d_store",
+      "RuntimeError: use_libuv was requested but PyTorch was build without libuv support, run with USE_LIBUV=0 to "
+      "disable it."};
+  CHECK_THAT(mg::libuv_hint(tail), Catch::Contains("set USE_LIBUV=0"));
+  CHECK(mg::libuv_hint({"RuntimeError: something else"}).empty());
+}

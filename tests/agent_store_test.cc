@@ -8,35 +8,16 @@
 
 #include "support/proc.h"
 #include "support/skip.h"
+#include "support/torch2.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
 
 namespace {
 
-// The worker script, copied under /tmp (the torch 2.6 root shares /tmp, not the checkout);
-// removed with its directory when the test binary exits.
 std::string worker_script() {
-  static const struct Copy {
-    std::string dir = make_temp_dir();
-    std::string path = dir + "/agent_store_worker.py";
-    Copy() {
-      auto r = run({"/bin/cp", kSourceDir + "/tests/agent_store_worker.py", path});
-      if (r.code != 0) throw std::runtime_error("cannot copy agent_store_worker.py: " + r.err);
-    }
-    ~Copy() { run({"/bin/rm", "-rf", dir}); }
-  } copy;
-  return copy.path;
-}
-
-std::string torch2_or_skip() {
-  const std::string t2 = kSourceDir + "/../shared/peers/torch2";
-  struct stat st{};
-  if (::stat(t2.c_str(), &st) != 0) SKIP_TEST("torch 2.6 is not at ../shared/peers/torch2 (../shared is absent beside this checkout)");
-  const char* root = std::getenv("TORCH2_ROOT");
-  const std::string ready = std::string(root ? root : "/var/cache/mglaunch-peers/torch2-root") + "/.ready";
-  if (::stat(ready.c_str(), &st) != 0) SKIP_TEST("the torch 2.6 root is not set up: run ../shared/peers/torch2 setup once (~2 min)");
-  return t2;
+  static const TmpCopy copy("tests/agent_store_worker.py");
+  return copy.path();
 }
 
 // The "store ... sum ... bound ..." lines of a run, one per worker.

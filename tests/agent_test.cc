@@ -22,12 +22,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-int count_of(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
-  return n;
-}
-
 nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
 
 // An agent whose 2 workers ignore SIGTERM, returned once both workers are up.

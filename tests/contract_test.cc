@@ -10,6 +10,7 @@
 
 #include "support/proc.h"
 #include "support/skip.h"
+#include "support/torch2.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -82,12 +83,7 @@ TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_no
 }
 
 TEST_CASE("inside the torch 2.6 root, the worker environment matches torchrun 2.6's, agent store included") {
-  const std::string t2 = kSourceDir + "/../shared/peers/torch2";
-  if (!std::filesystem::exists(t2))
-    SKIP_TEST("torch 2.6 is not at ../shared/peers/torch2 (../shared is absent beside this checkout)");
-  const char* root = std::getenv("TORCH2_ROOT");
-  if (!std::filesystem::exists(std::string(root ? root : "/var/cache/mglaunch-peers/torch2-root") + "/.ready"))
-    SKIP_TEST("the torch 2.6 root is not set up: run ../shared/peers/torch2 setup once (~2 min)");
+  const std::string t2 = torch2_or_skip();
   // The root shares /tmp, not the build directory: torchrun 2.6 runs a copy of fake_worker.
   const std::string dir = make_temp_dir();
   const std::string fake = dir + "/fake_worker";

@@ -19,6 +19,7 @@
 #include "store/wire.h"
 #include "support/proc.h"
 #include "support/skip.h"
+#include "support/torch2.h"
 
 using namespace mg::store;
 using namespace mgtest;
@@ -55,30 +56,9 @@ struct ServerThread {
   int port() const { return server->port(); }
 };
 
-// The client script, copied under /tmp: the torch 2.6 root shares /tmp, not the checkout.
-// Removed with its directory when the test binary exits.
 std::string client_script() {
-  static const struct Copy {
-    std::string dir = make_temp_dir();
-    std::string path = dir + "/store_client.py";
-    Copy() {
-      auto r = run({"/bin/cp", kSourceDir + "/tests/store_client.py", path});
-      if (r.code != 0) throw std::runtime_error("cannot copy store_client.py: " + r.err);
-    }
-    ~Copy() { run({"/bin/rm", "-rf", dir}); }
-  } copy;
-  return copy.path;
-}
-
-// The torch 2.6 root of ../shared/peers/torch2, or a skip saying why it is not there.
-std::string torch2_or_skip() {
-  const std::string t2 = kSourceDir + "/../shared/peers/torch2";
-  struct stat st{};
-  if (::stat(t2.c_str(), &st) != 0) SKIP_TEST("torch 2.6 is not at ../shared/peers/torch2 (../shared is absent beside this checkout)");
-  const char* root = std::getenv("TORCH2_ROOT");
-  const std::string ready = std::string(root ? root : "/var/cache/mglaunch-peers/torch2-root") + "/.ready";
-  if (::stat(ready.c_str(), &st) != 0) SKIP_TEST("the torch 2.6 root is not set up: run ../shared/peers/torch2 setup once (~2 min)");
-  return t2;
+  static const TmpCopy copy("tests/store_client.py");
+  return copy.path();
 }
 
 }  // namespace

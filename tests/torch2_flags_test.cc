@@ -20,12 +20,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-int count_of(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
-  return n;
-}
-
 std::multiset<std::string> line_set(const std::string& text) {
   auto lines = split_lines(text);
   return {lines.begin(), lines.end()};

@@ -227,4 +227,10 @@ std::vector<pid_t> read_pids(const std::string& path) {
   return pids;
 }
 
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
+  return n;
+}
+
 }  // namespace mgtest

@@ -48,6 +48,8 @@ Result run(const std::vector<std::string>& argv, const std::map<std::string, std
 bool eventually(const std::function<bool()>& pred, std::chrono::milliseconds timeout);
 
 std::vector<std::string> split_lines(const std::string& text);
+// How many times `what` occurs in `text` (overlapping ones too).
+int count_of(const std::string& text, const std::string& what);
 std::string read_file(const std::string& path);
 std::string make_temp_dir();
 bool pid_alive(pid_t pid);  // zombies count as gone

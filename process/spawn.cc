@@ -79,14 +79,21 @@ int child_main(void* p) {
   };
   // 1. Every signal to its default action, before the mask is cleared: no handler of the
   // parent may run here (it would run in the parent's memory), and no SIG_IGN of the
-  // parent is passed on. SIGKILL and SIGSTOP cannot change; glibc's own two (SIGCANCEL,
-  // SIGSETXID) are refused with EINVAL, and their handlers ignore a signal not meant for
-  // the parent's threads; exec resets them.
+  // parent is passed on. SIGKILL and SIGSTOP cannot change. glibc refuses its own two
+  // (SIGCANCEL, SIGSETXID: 32 and 33) with EINVAL; the kernel call resets them, since an
+  // ancestor that is not a glibc program may have left them ignored, which exec keeps.
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   sigemptyset(&dfl.sa_mask);
+  struct KernelSigaction {  // the kernel's struct sigaction (with sa_restorer: x86-64, arm64)
+    void (*handler)(int);
+    unsigned long flags;
+    void (*restorer)();
+    unsigned long mask;
+  } kdfl{SIG_DFL, 0, nullptr, 0};
   for (int sig = 1; sig < _NSIG; ++sig)
-    if (sig != SIGKILL && sig != SIGSTOP) ::sigaction(sig, &dfl, nullptr);
+    if (sig != SIGKILL && sig != SIGSTOP && ::sigaction(sig, &dfl, nullptr) != 0)
+      ::syscall(SYS_rt_sigaction, sig, &kdfl, nullptr, sizeof(kdfl.mask));
   // 2. Its own process group.
   if (r.own_group && ::setpgid(0, 0) != 0) return fail("setpgid");
   // 3. Killed with the thread that made it (see spawn.h), and at once if it is gone already.

@@ -162,8 +162,8 @@ bool is_loopback_host(const std::string& host) {
   if (host == "localhost") return true;
   const auto addrs = resolve_all(host);
   if (addrs.empty()) return false;
-  for (const auto& a : addrs)  // inet_ntop's text: 127.x.y.z, ::1, ::ffff:127.x.y.z
-    if (!(a.starts_with("127.") || a == "::1" || a.starts_with("::ffff:127."))) return false;
+  for (const auto& a : addrs)  // inet_ntop's text
+    if (!(a == "127.0.0.1" || a == "::1" || a == "::ffff:127.0.0.1")) return false;
   return true;
 }
 

@@ -29,8 +29,10 @@ bool is_local_host(const std::string& host);
 // True when `host` resolves here (getaddrinfo; may wait for DNS).
 bool resolves(const std::string& host);
 
-// True when `host` is this machine's loopback: "localhost" or a name or address that
-// resolves only to 127.0.0.0/8 or ::1 (torchrun takes such an endpoint as this machine).
+// True when `host` is this machine's loopback: "localhost", or a name or address that
+// resolves only to 127.0.0.1 or ::1, as torchrun takes such an endpoint for this machine.
+// The rest of 127.0.0.0/8 is not: it emulates other nodes on one machine (tests), and
+// an agent there still hosts only at its own advertised address.
 bool is_loopback_host(const std::string& host);
 
 // True when `a` and `b` resolve to at least one common IP address (a name and its FQDN,

@@ -237,7 +237,9 @@ TEST_CASE("a silent client is dropped after the handshake timeout and connection
 }
 
 TEST_CASE("an agent started during a daemon outage does not take the daemon's port") {
-  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
+  // The daemon's node is emulated at 127.0.0.5 (127.0.0.1 and localhost are this machine's
+  // own loopback, which an agent takes over as torchrun does).
+  const std::string endpoint = "127.0.0.5:" + std::to_string(free_loopback_port());
   auto listen = [&] { return listen_at(endpoint); };
   Daemon first = listen();
   REQUIRE_THAT(first.proc.out(), Catch::Contains("listening on"));

@@ -426,6 +426,20 @@ std::vector<int> parse_signal_list(const std::string& flag, const std::string& t
       if (const char* abbrev = ::sigabbrev_np(n); abbrev && bare == abbrev) sig = n;
     if (bare == "IOT") sig = SIGABRT;
     if (bare == "POLL") sig = SIGIO;
+    // Python's real-time names: RTMIN, RTMAX, RTMIN+N, RTMAX-N.
+    for (auto [prefix, base, dir] : {std::tuple{"RTMIN", SIGRTMIN, 1}, std::tuple{"RTMAX", SIGRTMAX, -1}}) {
+      const std::string_view p = prefix;
+      if (!bare.starts_with(p)) continue;
+      const std::string_view off = std::string_view(bare).substr(p.size());
+      int n = 0;
+      if (off.empty()) {
+        sig = base;
+      } else if (off.size() > 1 && off[0] == (dir > 0 ? '+' : '-')) {
+        auto [end, ec] = std::from_chars(off.data() + 1, off.data() + off.size(), n);
+        if (ec == std::errc() && end == off.data() + off.size() && n >= 0 && n <= SIGRTMAX - SIGRTMIN)
+          sig = base + dir * n;
+      }
+    }
     if (sig == 0)
       throw UsageError(fmt::format("bad {} '{}': '{}' is no signal name; give names such as SIGTERM,SIGINT,SIGUSR1",
                                    flag, text, std::string(strip_space(rest.substr(0, comma)))));

@@ -439,7 +439,8 @@ bool Watchdog::start(std::string& error, const char* program) {
   argv.push_back(nullptr);
   const std::string token_env = fmt::format("{}={}", kTokenVar, token_);
   std::vector<const char*> envp;
-  for (char** e = environ; e && *e; ++e) envp.push_back(*e);
+  for (char** e = environ; e && *e; ++e)  // an inherited token (an outer agent's watchdog) is replaced
+    if (!std::string_view(*e).starts_with(std::string(kTokenVar) + "=")) envp.push_back(*e);
   envp.push_back(token_env.c_str());
   envp.push_back(nullptr);
   int fds[2];

@@ -447,6 +447,10 @@ TEST_CASE("signals to handle: --signals-to-handle is parsed into signal numbers,
              Catch::Contains("--signals_to_handle") && Catch::Contains("'SIGFOO' is no signal name"));
   CHECK_THAT(usage_error({"--signals-to-handle=SIGKILL", "prog"}), Catch::Contains("SIGKILL cannot be caught"));
   CHECK_THAT(usage_error({"--signals-to-handle=SIGTERM,", "prog"}), Catch::Contains("'' is no signal name"));
+  // Python's real-time names (signal.SIGRTMIN, SIGRTMAX), and an offset from them.
+  CHECK(parse({"--signals-to-handle=SIGTERM,SIGRTMIN,SIGRTMAX,SIGRTMIN+2", "prog"}).signals_to_handle ==
+        std::vector<int>{SIGTERM, SIGRTMIN, SIGRTMAX, SIGRTMIN + 2});
+  CHECK_THAT(usage_error({"--signals-to-handle=SIGRTMIN+99", "prog"}), Catch::Contains("is no signal name"));
 }
 
 TEST_CASE("numa binding: --numa-binding binds as --cpu-bind does, torchrun's names for its policies") {

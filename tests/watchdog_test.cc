@@ -129,7 +129,8 @@ TEST_CASE("after kill -9 of the agent a fresh daemon of a worker is killed, a fr
                         "printf '%s' \"$MGLAUNCH_RUN_MARK\" > \"$1\"; exec \"$2\" wait-file \"$3\" spawn-child daemon \"$4\" "
                         "hang 120",
                         "sh", markfile, kFakeWorker, go, daemon_pids},
-                       {{"MGLAUNCH_WATCHDOG_TRACE", trace}});
+                       // A token left in the environment (an outer run's watchdog) is not the one it sweeps by.
+                       {{"MGLAUNCH_WATCHDOG_TRACE", trace}, {"MGLAUNCH_WATCHDOG_TOKEN", "stale-token-of-an-outer-run"}});
     REQUIRE(eventually([&] { return !read_file(markfile).empty(); }, 60s));
     const std::string mark = read_file(markfile);
     // Someone else's process with a copy of the worker's environment, older than the

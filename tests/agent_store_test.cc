@@ -89,7 +89,7 @@ TEST_CASE("a restart starts from an empty agent store: keys of the failed attemp
       "    s.wait(['default_pg/0'], datetime.timedelta(milliseconds=500)); print('stale key found')\n"
       "except Exception:\n"
       "    print('stale key gone')\n";
-  // A port given, as the static form's default 29500 is: the same port, so the same store, serves both attempts.
+  // A port given, as the static form's default is: the same port, so the same store, serves both attempts.
   auto r = run({kMglaunch, "--master_addr=127.0.0.1", "--master_port=" + std::to_string(free_loopback_port()),
                 "--max_restarts=1", "--nproc_per_node=1",
                 "--no_python", "/usr/bin/python3", "-c", code},

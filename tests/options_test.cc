@@ -347,7 +347,7 @@ TEST_CASE("the rendezvous conf takes every key torchrun 2.x's rendezvous backend
   auto o = parse({"--rdzv_conf=use_libuv=0,read_timeout=60", "prog"});
   CHECK(o.usage_warnings.empty());
   // c10d / dynamic rendezvous, LaunchConfig, static, etcd and etcd-v2 keys, all at once.
-  auto all = parse({"--nnodes=1:2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:29400",
+  auto all = parse({"--nnodes=1:2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:4242",
                     "--rdzv-conf=read_timeout=60,timeout=900,is_host=false,use_libuv=False,store_type=tcp,"
                     "join_timeout=7,last_call_timeout=2,close_timeout=5,heartbeat_timeout=10,keep_alive_interval=1,"
                     "keep_alive_max_attempt=4,use_agent_store=true,rank=0,protocol=https,cacert=/ca,cert=/c,key=/k,"

@@ -268,7 +268,7 @@ TEST_CASE("a failure without details becomes a root cause of the outcome alone")
 
 TEST_CASE("a master port of ours is held from the start and let go once the workers exec'd or after a second") {
   Config c = single(2, 1);
-  c.master_port = 29500;
+  c.master_port = 41234;
   Supervisor s(c);
   auto out = s.start(at(0));
   REQUIRE(all<act::HoldMasterPort>(out).size() == 1);
@@ -301,7 +301,7 @@ TEST_CASE("a master port of ours is held from the start and let go once the work
 
 TEST_CASE("a port held again before the workers exec'd drops the release still waiting") {
   Config c = single(1, 1);
-  c.master_port = 29500;
+  c.master_port = 41234;
   Supervisor s(c);
   s.start(at(0));
   // Fails before its exec settled: the restart's fresh port replaces the one waiting.

@@ -1,8 +1,10 @@
 #include "store/server.h"
 
 #include <array>
+#include <chrono>
 #include <stdexcept>
 #include <unordered_map>
+#include <utility>
 
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
@@ -40,8 +42,19 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   std::array<char, 64 * 1024> scratch{};
   std::vector<Reply> replies;
 
+  // At most one line a second: many clients breaking the rules at once (a port scan, a
+  // hostile peer) must not flood the agent's console. The next line counts the ones left out.
+  std::chrono::steady_clock::time_point last_log{};
+  std::size_t unlogged = 0;
   void log(const std::string& line) {
-    if (opts.log) opts.log(line);
+    if (!opts.log) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (last_log != std::chrono::steady_clock::time_point{} && now - last_log < std::chrono::seconds(1)) {
+      ++unlogged;
+      return;
+    }
+    last_log = now;
+    opts.log(unlogged ? fmt::format("{} (and {} more in the second before)", line, std::exchange(unlogged, 0)) : line);
   }
 
   void accept() {

@@ -306,3 +306,22 @@ TEST_CASE("reset disconnects the clients of the ended attempt and empties the st
   boost::asio::read(d, boost::asio::buffer(&n, 8));
   CHECK(n == 0);
 }
+
+TEST_CASE("many clients breaking the protocol at once give one log line, not one each") {
+  ServerThread s;
+  boost::asio::io_context io;
+  using tcp = boost::asio::ip::tcp;
+  for (int i = 0; i < 20; ++i) {
+    tcp::socket bad(io);
+    bad.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+    boost::asio::write(bad, boost::asio::buffer(validate() + byte(200)));
+    char c;
+    boost::system::error_code ec;
+    boost::asio::read(bad, boost::asio::buffer(&c, 1), ec);  // closed by the server
+  }
+  REQUIRE(eventually([&] { return s.server->dropped() == 20; }, 10s));
+  std::size_t lines = 0;
+  boost::asio::post(s.io, [&] { lines = s.log.size(); });
+  REQUIRE(eventually([&] { return lines > 0; }, 5s));
+  CHECK(lines < 20);
+}

@@ -27,9 +27,6 @@ namespace mg {
 
 namespace asio = boost::asio;
 
-namespace {
-
-// write_all that says whether everything was written.
 bool write_fully(int fd, std::string_view data) {
   while (!data.empty()) {
     ssize_t n = ::write(fd, data.data(), data.size());
@@ -39,6 +36,8 @@ bool write_fully(int fd, std::string_view data) {
   }
   return true;
 }
+
+namespace {
 
 // writev() of `parts`, all of them, retrying on EINTR and partial writes; whether
 // everything was written.

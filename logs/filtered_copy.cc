@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include "logs/console.h"
+
 namespace mg {
 
 FilteredCopy::FilteredCopy(std::string path, std::vector<std::string> filters, std::string prefix, std::size_t max_line)
@@ -41,16 +43,7 @@ void FilteredCopy::line(std::string_view text) {
   std::string out;
   out.reserve(prefix_.size() + text.size() + 1);
   out.append(prefix_).append(text).append(1, '\n');
-  std::string_view rest = out;
-  while (!rest.empty()) {
-    const ssize_t n = ::write(fd_, rest.data(), rest.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      error_ = fmt::format("cannot write {}: {}", path_, std::strerror(errno));
-      return;
-    }
-    rest.remove_prefix(static_cast<std::size_t>(n));
-  }
+  if (!write_fully(fd_, out)) error_ = fmt::format("cannot write {}: {}", path_, std::strerror(errno));
 }
 
 }  // namespace mg

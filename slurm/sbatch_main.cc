@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
+#include "logs/console.h"
 #include "process/command.h"
 #include "process/spawn.h"
 #include "slurm/sbatch.h"
@@ -45,16 +46,6 @@ std::string find_mglaunch() {
     if (auto candidate = dir + "/mglaunch"; executable(candidate)) return candidate;
   }
   return {};
-}
-
-bool write_all(int fd, std::string_view data) {
-  while (!data.empty()) {
-    ssize_t n = ::write(fd, data.data(), data.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    data.remove_prefix(static_cast<std::size_t>(n));
-  }
-  return true;
 }
 
 // Runs `sbatch [--wait]` (found on PATH) through the process layer's spawner with the
@@ -93,7 +84,7 @@ int submit(const std::string& script, bool wait) {
     }
     return status;
   };
-  write_all(in[1], script);  // a failed write shows up as sbatch's own error
+  mg::write_fully(in[1], script);  // a failed write shows up as sbatch's own error
   ::close(in[1]);
   return mg::shell_exit_code(reap());
 }

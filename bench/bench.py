@@ -323,29 +323,21 @@ class Bench:
         for n in size([1000, 10000], [1000, 10000], [100]):
             ours, peer, mem, notes = [], [], [], []
             for _ in range(size(3, 1, 1)):
-                p, port, base = serve([sb, "serve"])
-                try:
-                    ms, out = run_clients(port, n, 1)
-                    if ms is None:
-                        notes.append(f"ours: {out}")
-                    else:
-                        ours.append(ms)
-                        mem.append((peak_kib(p.pid) - base) * 1024 / n)
-                finally:
-                    p.stdin.close()
-                    p.wait(timeout=60)
-                if NO_PEER:
-                    continue
-                p, port, _ = serve([PY, torch_server])
-                try:
-                    ms, out = run_clients(port, n, 1)
-                    if ms is None:
-                        notes.append(f"torch's server: {out.get('done', 0)} of {n} clients done in 120 s")
-                    else:
-                        peer.append(ms)
-                finally:
-                    p.stdin.close()
-                    p.wait(timeout=60)
+                for argv, times, who in ([sb, "serve"], ours, "ours"), ([PY, torch_server], peer, "torch's server"):
+                    if NO_PEER and times is peer:
+                        continue
+                    p, port, base = serve(argv)
+                    try:
+                        ms, out = run_clients(port, n, 1)
+                        if ms is None:
+                            notes.append(f"{who}: {out.get('done', 0)} of {n} clients done in 120 s")
+                        else:
+                            times.append(ms)
+                            if times is ours:
+                                mem.append((peak_kib(p.pid) - base) * 1024 / n)
+                    finally:
+                        p.stdin.close()
+                        p.wait(timeout=60)
             rows.append(row({"clients": n, "what": "init_process_group's store traffic"}, ours, peer or None,
                             target=("<=", 1000.0) if n == 10000 else None,
                             note="; ".join(sorted(set(notes))) if notes else None))

@@ -4,6 +4,8 @@
 // listens on MASTER_PORT itself: with the agent's store none may.
 #include <sys/stat.h>
 
+#include <algorithm>
+
 #include <catch2/catch.hpp>
 
 #include "support/proc.h"
@@ -20,11 +22,15 @@ std::string worker_script() {
   return copy.path();
 }
 
-// The "store ... sum ... bound ..." lines of a run, one per worker.
-std::vector<std::string> results(const std::string& out) {
+// The "store ... sum ... bound ..." lines of a run that must have ended with 0, one per
+// worker, sorted.
+std::vector<std::string> results(const Result& run) {
+  INFO(run.out << run.err);
+  CHECK(run.code == 0);
   std::vector<std::string> r;
-  for (const auto& l : split_lines(out))
+  for (const auto& l : split_lines(run.out))
     if (auto at = l.find("store "); at != std::string::npos) r.push_back(l.substr(at));
+  std::sort(r.begin(), r.end());
   return r;
 }
 
@@ -36,9 +42,7 @@ TEST_CASE("torch 1.13 workers in the static --master_addr form get the agent's s
   auto r = run({kMglaunch, "--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1", "--master_port=0",
                 "--nproc_per_node=3", "--python=/usr/bin/python3", worker_script()},
                {}, 240s);
-  INFO(r.out << r.err);
-  CHECK(r.code == 0);
-  auto lines = results(r.out);
+  auto lines = results(r);
   CHECK(lines.size() == 3);
   for (const auto& l : lines) CHECK(l == "store True sum 6 bound False");
 }
@@ -47,11 +51,8 @@ TEST_CASE("torch 1.13 workers under --standalone host the store in rank 0, as fr
   require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
   auto r = run({kMglaunch, "--standalone", "--nproc_per_node=2", "--python=/usr/bin/python3", worker_script()}, {},
                240s);
-  INFO(r.out << r.err);
-  CHECK(r.code == 0);
-  auto lines = results(r.out);
+  auto lines = results(r);
   REQUIRE(lines.size() == 2);
-  std::sort(lines.begin(), lines.end());
   CHECK(lines[0] == "store False sum 3 bound False");
   CHECK(lines[1] == "store False sum 3 bound True");  // rank 0's own TCPStore server
 }
@@ -59,20 +60,13 @@ TEST_CASE("torch 1.13 workers under --standalone host the store in rank 0, as fr
 TEST_CASE("three torch 2.6 gloo workers run through the agent's store, and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
           "turns it off as in torchrun 2.6") {
   const std::string t2 = torch2_or_skip();
-  auto r = run({t2, "run", kMglaunch, "--standalone", "--nproc_per_node=3", worker_script()}, {}, 300s);
-  INFO(r.out << r.err);
-  CHECK(r.code == 0);
-  auto lines = results(r.out);
+  auto lines = results(run({t2, "run", kMglaunch, "--standalone", "--nproc_per_node=3", worker_script()}, {}, 300s));
   CHECK(lines.size() == 3);
   for (const auto& l : lines) CHECK(l == "store True sum 6 bound False");
 
-  auto off = run({t2, "run", kMglaunch, "--standalone", "--nproc_per_node=2", worker_script()},
-                 {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}}, 300s);
-  INFO(off.out << off.err);
-  CHECK(off.code == 0);
-  auto offl = results(off.out);
+  auto offl = results(run({t2, "run", kMglaunch, "--standalone", "--nproc_per_node=2", worker_script()},
+                          {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}}, 300s));
   REQUIRE(offl.size() == 2);
-  std::sort(offl.begin(), offl.end());
   CHECK(offl[1] == "store False sum 3 bound True");
 }
 

@@ -61,6 +61,24 @@ std::string client_script() {
   return copy.path();
 }
 
+// Three ranks of store_client.py's env:// gloo all-reduce, each started by `prefix` + the
+// script's arguments; every one must print the sum 1+2+3.
+void three_rank_allreduce(const std::vector<std::string>& prefix, const std::string& port,
+                          std::chrono::seconds timeout) {
+  std::vector<Proc> ranks;
+  for (int r = 0; r < 3; ++r) {
+    auto argv = prefix;
+    argv.insert(argv.end(), {client_script(), "allreduce", "127.0.0.1", port, std::to_string(r), "3"});
+    ranks.push_back(spawn(argv));
+  }
+  for (auto& p : ranks) {
+    REQUIRE(p.wait(timeout));
+    INFO(p.out() << p.err());
+    CHECK(p.exit_code() == 0);
+    CHECK_THAT(p.out(), Catch::Contains("sum 6"));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("the first query tells a torch 1.x client from a 2.x one, and each dialect numbers its queries") {
@@ -182,16 +200,7 @@ TEST_CASE("the store server serves torch 1.13's TCPStore client: every query typ
 TEST_CASE("three torch 1.13 gloo workers initialise through the store server with the agent-store contract") {
   require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
   ServerThread s;
-  std::vector<Proc> ranks;
-  for (int r = 0; r < 3; ++r)
-    ranks.push_back(spawn({"/usr/bin/python3", client_script(), "allreduce", "127.0.0.1", std::to_string(s.port()),
-                           std::to_string(r), "3"}));
-  for (auto& p : ranks) {
-    REQUIRE(p.wait(120s));
-    INFO(p.out() << p.err());
-    CHECK(p.exit_code() == 0);
-    CHECK_THAT(p.out(), Catch::Contains("sum 6"));
-  }
+  three_rank_allreduce({"/usr/bin/python3"}, std::to_string(s.port()), 120s);
 }
 
 TEST_CASE("the store server serves torch 2.6's TCPStore client and three 2.6 gloo workers") {
@@ -202,15 +211,7 @@ TEST_CASE("the store server serves torch 2.6's TCPStore client and three 2.6 glo
   INFO(r.out << r.err);
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::StartsWith("ok 2.6"));
-  std::vector<Proc> ranks;
-  for (int rk = 0; rk < 3; ++rk)
-    ranks.push_back(spawn({t2, "run", "python3", client_script(), "allreduce", "127.0.0.1", port, std::to_string(rk), "3"}));
-  for (auto& p : ranks) {
-    REQUIRE(p.wait(180s));
-    INFO(p.out() << p.err());
-    CHECK(p.exit_code() == 0);
-    CHECK_THAT(p.out(), Catch::Contains("sum 6"));
-  }
+  three_rank_allreduce({t2, "run", "python3"}, port, 180s);
 }
 
 TEST_CASE("a client that breaks the protocol is disconnected with one log line and the others go on") {

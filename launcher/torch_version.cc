@@ -1,5 +1,7 @@
 #include "launcher/torch_version.h"
 
+#include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <filesystem>
 #include <fstream>
@@ -53,6 +55,27 @@ std::string python_xy(const fs::path& python, const std::string& venv_cfg) {
   return {};
 }
 
+// The directories a site directory's .pth files add, in site.addpackage's order.
+std::vector<fs::path> pth_dirs(const fs::path& site) {
+  std::error_code ec;
+  std::vector<fs::path> pth;
+  for (fs::directory_iterator it(site, ec), end; !ec && it != end && pth.size() < 256; it.increment(ec))
+    if (it->path().extension() == ".pth") pth.push_back(it->path());
+  std::sort(pth.begin(), pth.end());
+  std::vector<fs::path> out;
+  for (const fs::path& f : pth) {
+    std::istringstream lines(read_small(f));
+    for (std::string line; std::getline(lines, line) && out.size() < 256;) {
+      while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.pop_back();
+      if (line.empty() || line.front() == '#' || line.rfind("import ", 0) == 0 || line.rfind("import\t", 0) == 0)
+        continue;
+      const fs::path d = site / line;  // an absolute line stays absolute
+      if (fs::exists(d, ec)) out.push_back(d);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::optional<TorchVersion> find_torch_version(const std::string& python, const std::map<std::string, std::string>& env) {
@@ -65,6 +88,7 @@ std::optional<TorchVersion> find_torch_version(const std::string& python, const 
       rest = colon == std::string_view::npos ? std::string_view{} : rest.substr(colon + 1);
     }
   }
+  const std::size_t pythonpath_dirs = dirs.size();
   const fs::path given(python);
   const fs::path venv = given.parent_path().parent_path();
   const std::string cfg = read_small(venv / "pyvenv.cfg");
@@ -77,8 +101,17 @@ std::optional<TorchVersion> find_torch_version(const std::string& python, const 
     system_site = cfg.find("include-system-site-packages = true") != std::string::npos;
   }
   if (system_site) {
-    if (auto home = env.find("HOME"); home != env.end() && !env.count("PYTHONNOUSERSITE"))
-      dirs.push_back(fs::path(home->second) / ".local" / "lib" / lib / "site-packages");
+    // site.py: the user's site-packages under PYTHONUSERBASE (default ~/.local), unless
+    // PYTHONNOUSERSITE is set to a non-empty value.
+    auto get = [&env](const char* k) {
+      auto it = env.find(k);
+      return it == env.end() ? std::string{} : it->second;
+    };
+    if (get("PYTHONNOUSERSITE").empty()) {
+      fs::path base = get("PYTHONUSERBASE");
+      if (base.empty() && !get("HOME").empty()) base = fs::path(get("HOME")) / ".local";
+      if (!base.empty()) dirs.push_back(base / "lib" / lib / "site-packages");
+    }
     std::error_code ec;
     const fs::path real = fs::canonical(given, ec);
     const fs::path prefix = (ec ? given : real).parent_path().parent_path();  // /usr of /usr/bin/python3.11
@@ -86,8 +119,16 @@ std::optional<TorchVersion> find_torch_version(const std::string& python, const 
                               prefix / "lib" / lib / "dist-packages", prefix / "lib" / lib / "site-packages"})
       dirs.push_back(d);
   }
-  for (const auto& d : dirs)
-    if (auto v = in_dir(d)) return v;
+  // A site directory's .pth files add directories right after it (site.addsitedir: the
+  // files in name order, a line per directory relative to the site directory; lines
+  // starting with "import" run code, which is not followed: a modern editable install's
+  // finder is not seen).
+  for (std::size_t i = 0; i < dirs.size() && i < 4096; ++i) {
+    if (auto v = in_dir(dirs[i])) return v;
+    if (i < pythonpath_dirs) continue;  // PYTHONPATH entries are not site directories
+    const std::vector<fs::path> extra = pth_dirs(dirs[i]);
+    dirs.insert(dirs.begin() + static_cast<std::ptrdiff_t>(i) + 1, extra.begin(), extra.end());
+  }
   return std::nullopt;
 }
 

@@ -1,8 +1,9 @@
 // Which torch a Python worker will import, found without starting Python (a `python -c
 // "import torch"` costs seconds): the torch/version.py of the first torch package on the
 // module search path that interpreter builds: PYTHONPATH, a virtual environment's
-// site-packages (pyvenv.cfg beside its bin/), the user's site-packages, then the
-// installation's (Debian's dist-packages and the upstream site-packages). The worker's
+// site-packages (pyvenv.cfg beside its bin/), the user's site-packages (PYTHONUSERBASE,
+// PYTHONNOUSERSITE), then the installation's (Debian's dist-packages and the upstream
+// site-packages), each site directory followed by what its .pth files add. The worker's
 // environment follows it (torch 2.x reads TORCH_NCCL_ASYNC_ERROR_HANDLING and warns about
 // the 1.x name). A heuristic by nature: nullopt when nothing is found.
 #pragma once
@@ -24,7 +25,7 @@ struct TorchVersion {
 std::optional<TorchVersion> parse_torch_version_py(std::string_view text);
 
 // `python`: the interpreter's absolute path, as the plan will exec it. `env`: the workers'
-// environment (PYTHONPATH, HOME, PYTHONNOUSERSITE).
+// environment (PYTHONPATH, HOME, PYTHONUSERBASE, PYTHONNOUSERSITE).
 std::optional<TorchVersion> find_torch_version(const std::string& python, const std::map<std::string, std::string>& env);
 
 }  // namespace mg

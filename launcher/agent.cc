@@ -38,6 +38,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       clock_(std::move(deps.clock)),
       make_link_(std::move(deps.link)),
       hardware_(std::move(deps.hardware)),
+      make_store_(std::move(deps.store)),
       opts_(std::move(opts)),
       plan_(std::move(plan)),
       base_env_(std::move(base_env)),
@@ -320,25 +321,12 @@ void Agent::serve_store() {
   }
   store_.reset();
   store_attempt_ = core_.restart_count();
-  namespace ip = asio::ip;
-  ip::tcp::acceptor acceptor(io_);
-  boost::system::error_code ec;
+  int held = -1;
   if (port_hold_ && port_hold_->port() == plan_.master_port) {
-    acceptor.assign(ip::tcp::v4(), port_hold_->release(), ec);  // the port held since the plan
+    held = port_hold_->release();  // the port held since the plan
     port_hold_.reset();
-  } else {
-    acceptor.open(ip::tcp::v4(), ec);
-    if (!ec) acceptor.set_option(ip::tcp::acceptor::reuse_address(true), ec);
-    if (!ec) acceptor.bind({ip::address_v4::any(), static_cast<unsigned short>(plan_.master_port)}, ec);
   }
-  if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
-  if (ec)  // the workers would talk to whatever holds the port (another job's store): stop here
-    throw ResourceError(fmt::format("cannot serve the agent's store on port {}: {}; pick another --master_port, or "
-                                    "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to have rank 0 host it",
-                                    plan_.master_port, ec.message()));
-  store::ServerOptions so;
-  so.log = [this](const std::string& line) { notice(line); };
-  store_ = std::make_unique<store::StoreServer>(io_, std::move(acceptor), std::move(so));
+  store_ = make_store_(io_, plan_.master_port, held, [this](const std::string& line) { notice(line); });
 }
 
 void Agent::hold_master_port(bool fresh) {

@@ -7,8 +7,8 @@
 // relayed lines, its own one-line notices and the failure report.
 //
 // It takes what it needs from outside (launcher/agent_seams.h): the clock and its timers,
-// the process launcher (launcher/worker_launcher.h), the rendezvous link and the hardware
-// probe; main() passes the machine's (machine_deps()), tests fakes.
+// the process launcher (launcher/worker_launcher.h), the rendezvous link, the hardware
+// probe and the store's socket; main() passes the machine's (machine_deps()), tests fakes.
 #pragma once
 
 #include <chrono>
@@ -39,7 +39,6 @@
 #include "rendezvous/client.h"
 #include "rendezvous/link.h"
 #include "rendezvous/server.h"
-#include "store/server.h"
 
 namespace mg {
 
@@ -99,6 +98,7 @@ class Agent {
   std::unique_ptr<AgentClock> clock_;
   LinkFactory make_link_;
   std::unique_ptr<AgentHardware> hardware_;
+  StoreFactory make_store_;
   AgentOptions opts_;
   RunPlan plan_;
   EnvMap base_env_;
@@ -131,7 +131,7 @@ class Agent {
   // protocol on MASTER_PORT, which workers connect to as clients. Serves from the first
   // spawn of an attempt on; moves with a fresh master port; gone with the agent.
   void serve_store();
-  std::unique_ptr<store::StoreServer> store_;
+  std::unique_ptr<AgentStore> store_;  // made by make_store_
   int store_attempt_ = 0;  // the attempt the store's keys belong to
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or

@@ -2,12 +2,16 @@
 
 #include <array>
 
+#include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <fmt/format.h>
 
+#include "cli/errors.h"
 #include "launcher/options.h"
 #include "ops/monitor.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_backend.h"
+#include "store/server.h"
 
 namespace mg {
 
@@ -73,11 +77,48 @@ std::unique_ptr<rdzv::Link> make_rendezvous_link(asio::io_context& io, const Age
   return std::make_unique<rdzv::LinkTo<rdzv::Client>>(io, std::move(co), std::move(handlers));
 }
 
+namespace {
+class MachineStore final : public AgentStore {
+ public:
+  explicit MachineStore(std::unique_ptr<store::StoreServer> s) : s_(std::move(s)) {}
+  int port() const override { return s_->port(); }
+  void reset() override { s_->reset(); }
+  void stop() override { s_->stop(); }
+
+ private:
+  std::unique_ptr<store::StoreServer> s_;
+};
+}  // namespace
+
+std::unique_ptr<AgentStore> serve_machine_store(asio::io_context& io, int port, int held_fd,
+                                                std::function<void(const std::string&)> log) {
+  namespace ip = asio::ip;
+  ip::tcp::acceptor acceptor(io);
+  boost::system::error_code ec;
+  if (held_fd >= 0) {
+    acceptor.assign(ip::tcp::v4(), held_fd, ec);
+    if (ec) ::close(held_fd);
+  } else {
+    acceptor.open(ip::tcp::v4(), ec);
+    if (!ec) acceptor.set_option(ip::tcp::acceptor::reuse_address(true), ec);
+    if (!ec) acceptor.bind({ip::address_v4::any(), static_cast<unsigned short>(port)}, ec);
+  }
+  if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec)  // the workers would talk to whatever holds the port (another job's store): stop here
+    throw ResourceError(fmt::format("cannot serve the agent's store on port {}: {}; pick another --master_port, or "
+                                    "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to have rank 0 host it",
+                                    port, ec.message()));
+  store::ServerOptions so;
+  so.log = std::move(log);
+  return std::make_unique<MachineStore>(std::make_unique<store::StoreServer>(io, std::move(acceptor), std::move(so)));
+}
+
 AgentDeps machine_deps(asio::io_context& io, const EnvMap& env) {
   AgentDeps d;
   d.clock = make_system_clock(io);
   d.launcher = make_process_launcher;
   d.link = make_rendezvous_link;
+  d.store = serve_machine_store;
   auto gpu_json = env.find("MGLAUNCH_TEST_GPU_JSON");
   d.hardware = make_machine_hardware(gpu_json == env.end() ? std::string() : gpu_json->second);
   return d;

@@ -1,6 +1,6 @@
 // The agent's seams where the outside world enters, besides processes
 // (launcher/worker_launcher.h): the clock and its timers, the hardware probe, the
-// rendezvous link. main() passes the machine's (machine_deps()); tests pass fakes
+// rendezvous link, the agent's store (a listening socket on MASTER_PORT). main() passes the machine's (machine_deps()); tests pass fakes
 // (tests/agent_seams_test.cc).
 #pragma once
 
@@ -58,16 +58,37 @@ using LinkFactory = std::function<std::unique_ptr<rdzv::Link>(boost::asio::io_co
 std::unique_ptr<rdzv::Link> make_rendezvous_link(boost::asio::io_context& io, const AgentOptions& opts, proto::Join join,
                                                  rdzv::ClientHandlers handlers);
 
+// The agent's store: c10d's TCPStore protocol on the master port (store/server.h), which
+// the node-0 agent serves when the plan says so (RunPlan::agent_store).
+class AgentStore {
+ public:
+  virtual ~AgentStore() = default;
+  virtual int port() const = 0;
+  // A new attempt: its clients are dropped and its keys forgotten; the port stays.
+  virtual void reset() = 0;
+  // Closes the port and every client.
+  virtual void stop() = 0;
+};
+// Starts serving on `port`: on `held_fd` (a socket bound to it, which the factory then
+// owns) when it is >= 0, else on a socket of its own bound to 0.0.0.0:`port`. `log` gets
+// the store's one-line notices. Throws ResourceError naming the port when it cannot listen.
+using StoreFactory = std::function<std::unique_ptr<AgentStore>(boost::asio::io_context& io, int port, int held_fd,
+                                                               std::function<void(const std::string&)> log)>;
+std::unique_ptr<AgentStore> serve_machine_store(boost::asio::io_context& io, int port, int held_fd,
+                                                std::function<void(const std::string&)> log);
+
 // Everything the agent takes from outside. Every member must be set (machine_deps()).
 struct AgentDeps {
   std::unique_ptr<AgentClock> clock;
   std::function<std::unique_ptr<WorkerLauncher>(boost::asio::io_context&, Console&)> launcher;
   LinkFactory link;
   std::unique_ptr<AgentHardware> hardware;
+  StoreFactory store;
   int stdout_fd = STDOUT_FILENO;  // where the console writes
   int stderr_fd = STDERR_FILENO;
 };
-// The real ones: the system clock, real processes, rdzv::Client or etcd, this machine.
+// The real ones: the system clock, real processes, rdzv::Client or etcd, this machine,
+// store::StoreServer.
 // `env`: the agent's environment (MGLAUNCH_TEST_GPU_JSON).
 AgentDeps machine_deps(boost::asio::io_context& io, const EnvMap& env);
 

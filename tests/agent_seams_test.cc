@@ -1,11 +1,15 @@
 // The agent (launcher/agent.h) driven through whole runs with fakes for its seams
 // (launcher/agent_seams.h, launcher/worker_launcher.h): a launcher whose workers exit when
-// the test says, a clock whose timers fire when the test moves it. No process is started
-// and nothing sleeps: the grace before SIGKILL is a step of the test, not a wait.
+// the test says, a clock whose timers fire when the test moves it, a store that listens on
+// nothing. No process is started, the agent serves no port (tests run side by side on one
+// machine: a real store on the default 29500 made them fail each other) and nothing sleeps:
+// the grace before SIGKILL is a step of the test, not a wait.
 #include <catch2/catch.hpp>
 
 #include <signal.h>
 #include <stdlib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -154,6 +158,24 @@ class FakeHardware final : public AgentHardware {
   std::unique_ptr<hw::GpuProbe> gpu_probe() override { return nullptr; }
 };
 
+// The agent's store without a socket: what the agent asked of it is recorded.
+class FakeStore final : public AgentStore {
+ public:
+  struct Record {
+    std::vector<int> served;  // the port of each store made, in order
+    int resets = 0, stops = 0;
+    bool held = false;  // the last one was given the agent's held socket
+  };
+  FakeStore(Record& r, int port) : r_(r), port_(port) {}
+  int port() const override { return port_; }
+  void reset() override { ++r_.resets; }
+  void stop() override { ++r_.stops; }
+
+ private:
+  Record& r_;
+  int port_;
+};
+
 // The rendezvous as the test plays it: what the agent sent is recorded, the decisions come
 // through the handlers the agent gave (from the event loop, as a real link's do).
 class FakeLink final : public rdzv::Link {
@@ -205,11 +227,12 @@ struct Run {
   FakeClock* clock = nullptr;
   FakeLauncher* launcher = nullptr;
   FakeLink* link = nullptr;  // made when the agent joins a rendezvous
+  FakeStore::Record store;
   std::string out_path;
   int out_fd = -1;
   std::unique_ptr<Agent> agent;
 
-  explicit Run(std::vector<std::string> flags) {
+  explicit Run(std::vector<std::string> flags, EnvMap extra_env = {}) {
     char path[] = "/tmp/mg_agent_seams_XXXXXX";
     out_fd = ::mkstemp(path);
     REQUIRE(out_fd >= 0);
@@ -217,7 +240,8 @@ struct Run {
     std::vector<std::string> argv = {"mglaunch", "--stdin-rank=none"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     argv.push_back("/bin/true");  // never run: the launcher is a fake
-    const EnvMap env = {{"PATH", "/bin:/usr/bin"}};
+    EnvMap env = {{"PATH", "/bin:/usr/bin"}};
+    env.merge(extra_env);
     auto parsed = parse_agent_args(argv, env, HardwareProbe{[] { return 0; }, [] { return 2; }});
     REQUIRE(parsed.options);
     RunPlan plan = make_plan(*parsed.options, env);
@@ -237,6 +261,12 @@ struct Run {
       return std::unique_ptr<rdzv::Link>(std::move(l));
     };
     deps.hardware = std::make_unique<FakeHardware>();
+    deps.store = [this](asio::io_context&, int port, int held_fd, std::function<void(const std::string&)>) {
+      store.held = held_fd >= 0;
+      if (held_fd >= 0) ::close(held_fd);
+      store.served.push_back(port);
+      return std::unique_ptr<AgentStore>(std::make_unique<FakeStore>(store, port));
+    };
     deps.stdout_fd = out_fd;
     deps.stderr_fd = out_fd;
     agent = std::make_unique<Agent>(io, std::move(*parsed.options), std::move(plan), env, std::move(deps));
@@ -371,6 +401,53 @@ TEST_CASE("agent with fakes: --cpu-bind takes its CPUs from the hardware probe i
   REQUIRE(run.agent->done());
   CHECK(run.agent->exit_code() == 0);
   CHECK_THAT(run.output(), Catch::Contains("local_rank 1: cpus 101"));
+}
+
+TEST_CASE("agent with fakes: the node-0 agent serves its store through the seam, on MASTER_PORT, emptied for each attempt") {
+  // Something else on this machine listens on the master port (on another loopback address,
+  // so the plan's own check on 127.0.0.1 passes): a faked agent does not care, as it serves
+  // no socket. (A real store here could not listen: the flake of the agent tests under load.)
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(listener >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(0x7f000002);  // 127.0.0.2, port 0: the kernel's choice
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(::listen(listener, 1) == 0);
+  socklen_t len = sizeof(a);
+  REQUIRE(::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  const int port = ntohs(a.sin_port);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{listener};
+
+  Run run({"--nproc_per_node=2", "--max_restarts=1", "--master_port=" + std::to_string(port)});
+  REQUIRE(run.launcher->started.size() == 2);
+  CHECK(env_of(run.launcher->started[0], "TORCHELASTIC_USE_AGENT_STORE") == "True");
+  CHECK(env_of(run.launcher->started[0], "MASTER_PORT") == std::to_string(port));
+  CHECK(run.store.served == std::vector<int>{port});  // one store, before the first worker
+  CHECK(run.store.resets == 0);
+  run.end(0, exited(1));
+  run.end(1, killed(SIGTERM));
+  // The restart keeps the store and its port, and empties it.
+  REQUIRE(run.launcher->started.size() == 4);
+  CHECK(run.store.served == std::vector<int>{port});
+  CHECK(run.store.resets == 1);
+  run.end(0, exited(0));
+  run.end(1, exited(0));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 0);
+  CHECK(run.store.stops == 1);
+}
+
+TEST_CASE("agent with fakes: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 leaves the store unserved") {
+  Run run({"--nproc_per_node=1"}, {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
+  REQUIRE(run.launcher->started.size() == 1);
+  CHECK(env_of(run.launcher->started[0], "TORCHELASTIC_USE_AGENT_STORE") == "False");
+  CHECK(run.store.served.empty());
+  run.end(0, exited(0));
+  CHECK(run.agent->exit_code() == 0);
 }
 
 TEST_CASE("agent with fakes: a master port the agent chose is let go once the workers exec'd") {

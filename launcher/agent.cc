@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <algorithm>
 #include <type_traits>
 #include <variant>
@@ -57,6 +58,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
 }
 
 Agent::~Agent() {
+  file_timer_.reset();  // the pipe removed (its hooks use the console)
   monitor_.reset();
   if (trace_) {
     trace_->close();
@@ -135,6 +137,7 @@ void Agent::start() {
       notice(hw::format_binding(lr, bindings_[static_cast<std::size_t>(lr)]));
   }
 
+  start_file_timer();
   start_ops();
   // The agent that hosts the rendezvous listens once every start-up step that can fail has
   // passed (the log directory, --cpu-bind, the trace and metrics files) and before the rest
@@ -366,6 +369,12 @@ void Agent::on_worker_done(const WorkerEnd& w) {
         rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
     if (auto hint = libuv_hint(rc.stderr_tail); !hint.empty())
       rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
+    if (auto k = timer_kills_.find(o.local_rank); k != timer_kills_.end()) {
+      const std::string why =
+          fmt::format("its FileTimer '{}' expired: the agent sent {} to pid {} (TORCHELASTIC_ENABLE_FILE_TIMER)",
+                      k->second.scope_id, signal_name(k->second.signal), k->second.pid);
+      rc.message = rc.message.empty() ? why : why + "; " + rc.message;
+    }
     return rc;
   }));
 }
@@ -405,6 +414,8 @@ void Agent::run(sup::Actions actions) {
             apply_assignment(a.a);
           } else if constexpr (std::is_same_v<A, sup::act::AttemptStarted>) {
             if (trace_) attempt_since_us_ = trace_->now();
+            if (file_timer_) file_timer_->clear();  // a new attempt starts without timers, as torch's
+            timer_kills_.clear();
           } else if constexpr (std::is_same_v<A, sup::act::AttemptEnded>) {
             if (trace_)
               trace_->complete(fmt::format("attempt {}", a.attempt), "attempt", 0, attempt_since_us_,
@@ -472,6 +483,7 @@ void Agent::finish(int code) {
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
   if (store_) store_->stop();  // its clients are gone with the workers
+  if (file_timer_) file_timer_->stop();  // the pipe removed
   // Every worker and what they started killed and reaped; the exec fence dropped.
   launcher_->finish();
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);
@@ -487,6 +499,50 @@ void Agent::finish(int code) {
     trace_.reset();
   }
 }
+
+void Agent::start_file_timer() {
+  // As torch's LocalElasticAgent: on with TORCHELASTIC_ENABLE_FILE_TIMER=1; the pipe is
+  // TORCHELASTIC_TIMER_FILE, else one of its own, and the workers get its path.
+  const auto on = base_env_.find("TORCHELASTIC_ENABLE_FILE_TIMER");
+  if (on == base_env_.end() || on->second != "1") return;
+  auto path = base_env_.find("TORCHELASTIC_TIMER_FILE");
+  if (path == base_env_.end() || path->second.empty())
+    path = base_env_.insert_or_assign("TORCHELASTIC_TIMER_FILE", ftimer::default_pipe_path()).first;
+  ftimer::ServerHooks h;
+  h.reap = [this](const ftimer::Expired& e) { reap_expired(e); };
+  h.log = [this](const std::string& line) { notice(line); };
+  h.event = [this](const std::string& name, const ftimer::Request* r) { watchdog_event(name, r); };
+  try {
+    file_timer_ = std::make_unique<ftimer::Server>(io_, path->second, std::move(h));
+  } catch (const std::runtime_error& e) {
+    throw UsageError(e.what());  // it names the variable, the path and the fix
+  }
+}
+
+void Agent::reap_expired(const ftimer::Expired& e) {
+  // Only this agent's workers and the processes they started (their process groups): a
+  // request naming any other pid is not a kill this agent may make.
+  for (const WorkerState& w : launcher_->workers()) {
+    if (w.exited || (e.pid != w.pid && ::getpgid(e.pid) != w.pid)) continue;
+    notice(fmt::format("rank {}: FileTimer '{}' expired; sending {} to pid {}", plan_.rank_offset + w.local_rank,
+                       e.scope_id, signal_name(e.signal), e.pid));
+    if (::kill(e.pid, e.signal) == 0 || errno == ESRCH) {
+      timer_kills_[w.local_rank] = {e.pid, e.signal, e.scope_id};
+      ftimer::Request r;
+      r.pid = e.pid;
+      r.scope_id = e.scope_id;
+      r.expiration_time = e.expiration_time;
+      r.signal = e.signal;
+      watchdog_event("kill worker process", &r);
+    }
+    return;
+  }
+  notice(fmt::format("FileTimer '{}' of pid {} expired, but that process is not one of this agent's workers: left "
+                     "alone",
+                     e.scope_id, e.pid));
+}
+
+void Agent::watchdog_event(const std::string&, const ftimer::Request*) {}
 
 void Agent::wait_signal() {
   signals_.async_wait([this](boost::system::error_code ec, int sig) {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -28,6 +29,7 @@
 #include "ops/hwprobe.h"
 #include "logs/log_layout.h"
 #include "launcher/agent_seams.h"
+#include "launcher/file_timer.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/port.h"
@@ -134,6 +136,20 @@ class Agent {
   std::unique_ptr<AgentStore> store_;  // made by make_store_
   int store_attempt_ = 0;  // the attempt the store's keys belong to
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
+  // The FileTimer watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1, launcher/file_timer.h): the
+  // pipe the workers' FileTimerClient writes to; null when not enabled.
+  void start_file_timer();
+  void reap_expired(const ftimer::Expired& e);
+  std::unique_ptr<ftimer::Server> file_timer_;
+  struct TimerKill {
+    pid_t pid = 0;
+    int signal = 0;
+    std::string scope_id;
+  };
+  std::map<int, TimerKill> timer_kills_;  // this attempt's, by local rank: for its root cause
+  // torch's elastic events (name, the request's fields for a watchdog event): printed
+  // with --event-log-handler console.
+  void watchdog_event(const std::string& name, const ftimer::Request* r);
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or
   // --trace is given (ops/monitor.h, ops/trace.h). Declared last: gone before
   // the console they write through.

@@ -1,0 +1,105 @@
+// The FileTimer watchdog of torchrun 2.x (and 1.13): with TORCHELASTIC_ENABLE_FILE_TIMER=1
+// in the agent's environment, the agent creates a named pipe (TORCHELASTIC_TIMER_FILE, else
+// /tmp/watchdog_timer_<uuid4>), gives its path to the workers, and reads the requests that
+// torch's FileTimerClient writes there (torch/distributed/elastic/timer/
+// file_based_local_timer.py): one JSON line per request,
+//   {"version": 1, "pid": 1234, "scope_id": "step", "expiration_time": 1732.5, "signal": 9}
+// where expiration_time is a time.time() (seconds since the epoch) and a negative one
+// releases the timer. A worker whose timer expired is sent the timer's signal, as
+// FileTimerServer does: per process, the expired timer due first with a signal > 0; a
+// process with expired timers but no signal is not reaped; either way its timers go.
+//
+// parse_request() and Table are pure (tested without a pipe); Server is the pipe on the
+// agent's io_context: no thread, no polling (a timer armed at the next expiry).
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
+
+namespace mg::ftimer {
+
+struct Request {
+  int version = 1;
+  pid_t pid = 0;
+  std::string scope_id;
+  double expiration_time = 0;  // seconds since the epoch; < 0: release
+  int signal = 0;
+};
+
+// One line as FileTimerClient writes it (without its '\n'). Pure. nullopt, with `error`
+// saying what is wrong, when it is not such a request.
+std::optional<Request> parse_request(std::string_view line, std::string& error);
+
+// A process whose timers expired: the one to reap it by (signal 0: none asked for a
+// signal, so it is left alone) and every scope that had expired.
+struct Expired {
+  pid_t pid = 0;
+  int signal = 0;
+  std::string scope_id;  // the timer the signal comes from (the first expired one when none)
+  double expiration_time = 0;
+  std::vector<std::string> scopes;
+};
+
+// The timers by (pid, scope), as FileTimerServer keeps them. Pure.
+class Table {
+ public:
+  // Sets the timer, or releases it (expiration_time < 0).
+  void apply(const Request& r);
+  // The processes with a timer due at `now` (expiration_time <= now), ordered by pid; all
+  // their timers are dropped, as FileTimerServer's clear_timers does.
+  std::vector<Expired> expire(double now);
+  // The earliest expiration_time held, nullopt when none.
+  std::optional<double> next_deadline() const;
+  void clear() { timers_.clear(); }
+  std::size_t size() const { return timers_.size(); }
+
+ private:
+  std::map<std::pair<pid_t, std::string>, Request> timers_;
+};
+
+struct ServerHooks {
+  // Reaps `e.pid` with `e.signal` (> 0); the hook decides (the agent only signals its own
+  // workers' processes).
+  std::function<void(const Expired& e)> reap;
+  // An expired process that asked for no signal, a malformed line: one line each.
+  std::function<void(const std::string& line)> log;
+  // torch's watchdog events ("watchdog started", "timer expired", "kill worker process",
+  // "watchdog stopped"); `r` is null for the first and the last.
+  std::function<void(const std::string& name, const Request* r)> event;
+};
+
+class Server {
+ public:
+  // Creates the pipe at `path` (a pipe already there is replaced; anything else is refused)
+  // and reads it. Throws std::runtime_error naming the path and the fix when it cannot.
+  Server(boost::asio::io_context& io, std::string path, ServerHooks hooks);
+  // Removes the pipe.
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  const std::string& path() const;
+  // A new attempt of the worker group: its timers are forgotten (torch starts a new server).
+  void clear();
+  // Stops reading and removes the pipe (idempotent).
+  void stop();
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+// "/tmp/watchdog_timer_" + a random uuid4, as torch's agent names the pipe.
+std::string default_pipe_path();
+
+}  // namespace mg::ftimer

@@ -1,0 +1,166 @@
+// The FileTimer watchdog (launcher/file_timer.h, TORCHELASTIC_ENABLE_FILE_TIMER): its parser
+// and timer table against torch's own FileTimerRequest, and whole runs whose workers use
+// torch's FileTimerClient: torch 1.13 here, torch 2.6 inside ../shared/peers/torch2's root
+// (skipped when it is not set up).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include "launcher/file_timer.h"
+#include "support/proc.h"
+#include "support/skip.h"
+#include "support/torch2.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string worker_script() {
+  static const TmpCopy copy("tests/file_timer_worker.py");
+  return copy.path();
+}
+
+bool exists(const std::string& path) {
+  struct stat st{};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// The value after "pipe " in a worker's "pipe PATH fifo True" line ("" when none).
+std::string pipe_of(const std::string& out) {
+  for (const auto& l : split_lines(out))
+    if (auto at = l.find("pipe "); at != std::string::npos) return l.substr(at + 5, l.find(" fifo") - at - 5);
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("FileTimer: a request as torch's FileTimerRequest writes it is read, and a release is told apart") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  auto r = run({"/usr/bin/python3", "-c",
+                "from torch.distributed.elastic.timer.file_based_local_timer import FileTimerRequest as R\n"
+                "print(R(4242, 'step 3', 1732666666.25, 9).to_json())\n"
+                "print(R(4242, 'step 3', -1, 0).to_json())\n"});
+  REQUIRE(r.code == 0);
+  const auto lines = split_lines(r.out);
+  REQUIRE(lines.size() == 2);
+  std::string error;
+  auto set = mg::ftimer::parse_request(lines[0], error);
+  REQUIRE(set);
+  CHECK(set->pid == 4242);
+  CHECK(set->scope_id == "step 3");
+  CHECK(set->expiration_time == 1732666666.25);
+  CHECK(set->signal == 9);
+  auto release = mg::ftimer::parse_request(lines[1], error);
+  REQUIRE(release);
+  CHECK(release->expiration_time < 0);
+
+  for (const char* bad : {"", "[]", "{\"pid\": 1}", "{\"pid\": \"1\", \"scope_id\": \"a\", \"expiration_time\": 1, "
+                          "\"signal\": 9}", "{\"pid\": 1, \"scope_id\": \"a\", \"expiration_time\": 1, \"signal\": 1.5}"}) {
+    INFO(bad);
+    CHECK_FALSE(mg::ftimer::parse_request(bad, error));
+    CHECK_FALSE(error.empty());
+  }
+}
+
+TEST_CASE("FileTimer: per process the first expired timer with a signal reaps it, one without is left alone, and "
+          "both lose their timers, as torch's FileTimerServer") {
+  mg::ftimer::Table t;
+  auto req = [](pid_t pid, const char* scope, double at, int sig) {
+    mg::ftimer::Request r;
+    r.pid = pid;
+    r.scope_id = scope;
+    r.expiration_time = at;
+    r.signal = sig;
+    return r;
+  };
+  t.apply(req(10, "a", 5, 0));   // expired first, but no signal
+  t.apply(req(10, "b", 7, 15));  // the one that reaps 10
+  t.apply(req(10, "c", 8, 9));
+  t.apply(req(10, "later", 50, 9));
+  t.apply(req(20, "x", 6, 0));   // 20 asked for no signal
+  t.apply(req(30, "y", 9, 9));
+  t.apply(req(30, "y", -1, 0));  // released
+  CHECK(t.next_deadline() == 5.0);
+  const auto due = t.expire(10);
+  REQUIRE(due.size() == 2);
+  CHECK(due[0].pid == 10);
+  CHECK(due[0].signal == 15);
+  CHECK(due[0].scope_id == "b");
+  CHECK(due[0].scopes == std::vector<std::string>{"a", "b", "c"});
+  CHECK(due[1].pid == 20);
+  CHECK(due[1].signal == 0);
+  CHECK(t.size() == 0);  // "later" went with its process, as clear_timers does
+  CHECK_FALSE(t.next_deadline());
+}
+
+TEST_CASE("FileTimer: torch 1.13 workers' FileTimerClient reaches the agent's pipe; an expired timer kills its "
+          "worker with the timer's signal and is the root cause; the pipe is gone at exit") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  const std::string dir = make_temp_dir();
+  const std::string pipe = dir + "/timer.pipe";
+  auto r = run({kMglaunch, "--nproc_per_node=2", "--python=/usr/bin/python3", worker_script(), "hang"},
+               {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", pipe}}, 200s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 128 + 9);  // SIGKILL, FileTimerClient's default
+  CHECK(count_of(r.out, "pipe " + pipe + " fifo True") == 2);
+  CHECK(count_of(r.out, "done") == 1);  // rank 0's
+  CHECK_THAT(r.err, Catch::Contains("rank 1: FileTimer 'step' expired; sending SIGKILL to pid"));
+  CHECK_THAT(r.err, Catch::Contains("message    : its FileTimer 'step' expired: the agent sent SIGKILL to pid"));
+  CHECK_FALSE(exists(pipe));
+  run({"/bin/rm", "-rf", dir});
+}
+
+TEST_CASE("FileTimer: timers kept and released run to the end; the agent names its own pipe and removes it; a "
+          "request naming a process that is not a worker kills nothing") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  auto r = run({kMglaunch, "--nproc_per_node=2", "--python=/usr/bin/python3", worker_script(), "forge"},
+               {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", "\x01unset"}}, 200s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK(count_of(r.out, "done") == 2);
+  const std::string pipe = pipe_of(r.out);
+  CHECK(pipe.starts_with("/tmp/watchdog_timer_"));  // torch's name: a uuid4 after it
+  CHECK(pipe.size() == std::string("/tmp/watchdog_timer_").size() + 36);
+  CHECK_FALSE(exists(pipe));
+  CHECK_THAT(r.err, Catch::Contains("FileTimer 'forged' of pid"));
+  CHECK_THAT(r.err, Catch::Contains("is not one of this agent's workers: left alone"));
+
+  // Off (the default): no pipe, no variable.
+  auto off = run({kMglaunch, "--nproc_per_node=1", "--python=/usr/bin/python3", worker_script()},
+                 {{"TORCHELASTIC_ENABLE_FILE_TIMER", "\x01unset"}, {"TORCHELASTIC_TIMER_FILE", "\x01unset"}}, 200s);
+  CHECK(off.code == 0);
+  CHECK_THAT(off.out, Catch::Contains("no timer file"));
+}
+
+TEST_CASE("FileTimer: a TORCHELASTIC_TIMER_FILE that is not a pipe is refused before any worker starts") {
+  const std::string dir = make_temp_dir();
+  const std::string file = dir + "/notes.txt";
+  run({"/bin/sh", "-c", "echo keep > " + file});
+  auto r = run({kMglaunch, "--nproc_per_node=1", "/bin/true"},
+               {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", file}});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("exists and is not a named pipe"));
+  CHECK(read_file(file) == "keep\n");  // not removed
+  auto missing = run({kMglaunch, "--nproc_per_node=1", "/bin/true"},
+                     {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", dir + "/no/such/dir/p"}});
+  CHECK(missing.code == 2);
+  CHECK_THAT(missing.err, Catch::Contains("cannot create the named pipe"));
+  run({"/bin/rm", "-rf", dir});
+}
+
+TEST_CASE("FileTimer: torch 2.6 workers' FileTimerClient reaches the agent's pipe, and an expired timer kills its "
+          "worker") {
+  const std::string t2 = torch2_or_skip();
+  const std::string dir = make_temp_dir();  // under /tmp, which the root shares
+  const std::string pipe = dir + "/timer.pipe";
+  auto r = run({t2, "run", kMglaunch, "--nproc_per_node=2", worker_script(), "hang"},
+               {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", pipe}}, 300s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 128 + 9);
+  CHECK(count_of(r.out, "pipe " + pipe + " fifo True") == 2);
+  CHECK_THAT(r.err, Catch::Contains("message    : its FileTimer 'step' expired: the agent sent SIGKILL to pid"));
+  CHECK_FALSE(exists(pipe));
+  run({"/bin/rm", "-rf", dir});
+}

@@ -49,15 +49,8 @@ Position load_from_bytes(const std::string& bytes, const torch::Device& device, 
   return p;
 }
 
-}  // namespace
-
-std::string checkpoint_file(const std::string& dir) { return dir + "/checkpoint.pt"; }
-
-void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw std::runtime_error(fmt::format("checkpoint: cannot create directory {}: {}", dir, ec.message()));
-  torch::serialize::OutputArchive ar;
+void write_state(torch::serialize::OutputArchive& ar, torch::nn::Module& model, torch::optim::Optimizer& opt,
+                 const Position& pos) {
   model.save(ar);  // parameters and buffers
   torch::serialize::OutputArchive opt_ar;
   opt.save(opt_ar);
@@ -67,6 +60,51 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
   ar.write("batch_in_epoch", torch::tensor(pos.batch_in_epoch));
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   ar.write("rng", gen.get_state());
+}
+
+}  // namespace
+
+std::string state_bytes(torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos) {
+  torch::serialize::OutputArchive ar;
+  write_state(ar, model, opt, pos);
+  std::ostringstream out;
+  ar.save_to(out);
+  return out.str();
+}
+
+Position load_state(const std::string& bytes, const torch::Device& device, torch::nn::Module& model,
+                    torch::optim::Optimizer& opt) {
+  return load_from_bytes(bytes, device, model, opt);
+}
+
+std::string broadcast_bytes(const Comm& comm, int root, std::string bytes) {
+  if (!comm.distributed()) return bytes;
+  const auto cpu_long = torch::TensorOptions().dtype(torch::kLong);
+  c10d::BroadcastOptions from;
+  from.rootRank = root;
+  auto head = torch::tensor({static_cast<std::int64_t>(bytes.size())}, cpu_long).to(comm.device);
+  std::vector<torch::Tensor> h{head};
+  wait_work(comm.pg->broadcast(h, from));
+  const std::int64_t n = head.to(torch::kCPU).item<std::int64_t>();
+  auto buf = comm.rank == root ? torch::from_blob(bytes.data(), {n}, torch::kByte).clone() : torch::empty({n}, torch::kByte);
+  buf = buf.to(comm.device);
+  std::vector<torch::Tensor> b{buf};
+  wait_work(comm.pg->broadcast(b, from));
+  if (comm.rank != root) {
+    buf = buf.to(torch::kCPU);
+    bytes.assign(static_cast<const char*>(buf.data_ptr()), static_cast<std::size_t>(n));
+  }
+  return bytes;
+}
+
+std::string checkpoint_file(const std::string& dir) { return dir + "/checkpoint.pt"; }
+
+void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw std::runtime_error(fmt::format("checkpoint: cannot create directory {}: {}", dir, ec.message()));
+  torch::serialize::OutputArchive ar;
+  write_state(ar, model, opt, pos);
   const std::string path = checkpoint_file(dir), tmp = path + ".tmp";
   try {
     ar.save_to(tmp);

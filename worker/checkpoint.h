@@ -26,6 +26,15 @@ std::string checkpoint_file(const std::string& dir);
 // fsync, rename) with errno's text.
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos);
 
+// The whole training state as a checkpoint file holds it (parameters, buffers, optimizer
+// state, position, CPU RNG state), in memory: in-place recovery broadcasts it.
+std::string state_bytes(torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos);
+// Loads state_bytes() into `model` and `opt` and sets the CPU RNG; returns the position.
+Position load_state(const std::string& bytes, const torch::Device& device, torch::nn::Module& model,
+                    torch::optim::Optimizer& opt);
+// Every rank calls it: `bytes` of rank `root` reach every rank (size first, then the bytes).
+std::string broadcast_bytes(const Comm& comm, int root, std::string bytes);
+
 // Every rank calls it (a collective in ddp mode). Returns the position to resume from, or
 // nullopt for a fresh start (no checkpoint on any rank). Throws SetupError (exit 3) when
 // rank 0 has no checkpoint but another rank has one, when rank 0's checkpoint cannot be

@@ -1,6 +1,7 @@
 #include "worker/comm.h"
 
 #include <fmt/format.h>
+#include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef MGLAUNCH_WITH_GLOO
@@ -20,6 +21,28 @@ void shutdown_if_supported(T& pg) {
   if constexpr (requires { pg.shutdown(); }) pg.shutdown();
 }
 
+// Calls pg.abort() where the backend has one (NCCL).
+template <typename T>
+void abort_if_supported(T& pg) {
+  if constexpr (requires { pg.abort(); }) pg.abort();
+}
+
+std::shared_ptr<Interrupt>& interrupt_slot() {
+  static std::shared_ptr<Interrupt> slot;
+  return slot;
+}
+
+// Groups and stores let go of by abandon(): never destroyed (see Comm::abandon).
+struct Graveyard {
+  std::mutex m;
+  std::vector<c10::intrusive_ptr<PG>> groups;
+  std::vector<c10::intrusive_ptr<c10d::Store>> stores;
+};
+Graveyard& graveyard() {
+  static auto* g = new Graveyard;  // leaked on purpose: no destructor at exit
+  return *g;
+}
+
 bool cuda_visible() {
 #ifdef MGLAUNCH_WITH_NCCL
   return torch::cuda::is_available();
@@ -30,10 +53,52 @@ bool cuda_visible() {
 
 }  // namespace
 
+void set_interrupt(std::shared_ptr<Interrupt> interrupt) { interrupt_slot() = std::move(interrupt); }
+
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work) {
+  const auto interrupt = interrupt_slot();
+  if (interrupt) {
+    auto fut = work->getFuture();
+    // Completion or the pause, whichever first. The callback takes the lock before it
+    // notifies, so no wake-up is lost between the predicate and the wait.
+    fut->addCallback([interrupt](c10::ivalue::Future&) {
+      std::lock_guard lk(interrupt->m);
+      interrupt->cv.notify_all();
+    });
+    std::unique_lock lk(interrupt->m);
+    interrupt->cv.wait(lk, [&] { return fut->completed() || interrupt->fired.load(); });
+    if (!fut->completed()) throw Interrupted("the agent paused this worker during a collective");
+  }
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    throw CollectiveError(what.substr(0, what.find('\n')));
+  }
+}
+
+std::size_t abandoned_groups() {
+  auto& g = graveyard();
+  std::lock_guard lk(g.m);
+  return g.groups.size();
+}
+
+void Comm::abandon() {
+  abort();
+  auto& g = graveyard();
+  std::lock_guard lk(g.m);
+  if (pg) g.groups.push_back(std::move(pg));
+  if (store) g.stores.push_back(std::move(store));
+  pg.reset();
+  store.reset();
+  shutdown = [] {};
+  abort = [] {};
+}
+
 void Comm::allreduce_sum(torch::Tensor& t) const {
   if (!pg) return;
   std::vector<torch::Tensor> v{t};
-  pg->allreduce(v)->wait();
+  wait_work(pg->allreduce(v));
 }
 
 void Comm::broadcast_coalesced(const std::vector<torch::Tensor>& tensors) const {
@@ -45,7 +110,7 @@ void Comm::broadcast_coalesced(const std::vector<torch::Tensor>& tensors) const 
     std::vector<torch::Tensor> flat_parts;
     for (const auto& t : group) flat_parts.push_back(t.reshape({-1}));
     std::vector<torch::Tensor> v{torch::cat(flat_parts)};
-    pg->broadcast(v)->wait();
+    wait_work(pg->broadcast(v));
     std::int64_t off = 0;
     for (auto& t : group) {
       t.copy_(v[0].narrow(0, off, t.numel()).view(t.sizes()));
@@ -107,6 +172,7 @@ Comm connect(const Options& o, const Env& env) {
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, env.rank, env.world, opts);
     c.shutdown = [nccl] { shutdown_if_supported(*nccl); };
+    c.abort = [nccl] { abort_if_supported(*nccl); };
     c.pg = nccl;
 #endif
   }

@@ -20,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
 
+#include "worker/control.h"
 #include "worker/options.h"
 
 namespace mg::train {
@@ -39,12 +40,35 @@ struct Comm {
   torch::Device device{torch::kCPU};
   int rank = 0, world = 1;
   std::function<void()> shutdown = [] {};  // orderly teardown where the backend has one
+  std::function<void()> abort = [] {};     // NCCL: abort the communicators (in-place recovery)
 
   bool distributed() const { return static_cast<bool>(pg); }
+  // In-place recovery: lets go of the process group and the store without waiting for
+  // anything. A Gloo group whose peer is gone may have a thread blocked in a collective,
+  // which its destructor would join: the group is kept, unused, for the process's life
+  // (run() then ends with _Exit). NCCL's communicators are aborted.
+  void abandon();
   void allreduce_sum(torch::Tensor& t) const;
   // Broadcasts every tensor from rank 0 in place, coalesced: one collective per dtype.
   void broadcast_coalesced(const std::vector<torch::Tensor>& tensors) const;
 };
+
+// A collective failed (a peer gone, a timeout): a worker with in-place recovery waits for
+// the agent's pause; any other rethrows it (exit 1).
+struct CollectiveError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// The agent's pause came first: the collective was left unfinished.
+struct Interrupted : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Waits for `work`; its failure is a CollectiveError. Once set_interrupt() installed an
+// Interrupt, a wait it fires before the work completes throws Interrupted instead.
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work);
+void set_interrupt(std::shared_ptr<Interrupt> interrupt);
+// How many process groups abandon() kept alive (0: none).
+std::size_t abandoned_groups();
 
 // Joins the process group of the launcher (throws SetupError naming the master).
 Comm connect(const Options& o, const Env& env);

@@ -79,6 +79,9 @@ ParseResult parse_options(int argc, const char* const* argv) {
   app.add_flag("--cuda-graphs", o.cuda_graphs,
                "Capture the whole training step (forward, backward, gradient all-reduce, optimizer) once as a "
                "CUDA graph and replay it (CUDA builds; a GPU)");
+  app.add_flag("--in-place-recovery", o.in_place_recovery,
+               "On a lost peer, keep the model, wait for the agent's new assignment (MGLAUNCH_CONTROL_SOCKET) and "
+               "go on from the state the ranks agree on, with no checkpoint read (docs/in-place-recovery.md)");
   app.add_option("--log-every", o.log_every, "Progress line every N steps (rank 0)");
   app.add_option("--summary-json", o.summary_json, "Per-rank summary; {rank} is replaced");
   app.add_option("--save-weights", o.save_weights, "Rank 0 writes the final parameters and buffers as raw float32");
@@ -113,6 +116,18 @@ ParseResult parse_options(int argc, const char* const* argv) {
   parse_bytes(o.max_bytes);
   if (o.reducer == "c10d" && o.comm_dtype != "fp32")
     throw UsageError("--comm-dtype " + o.comm_dtype + " needs --reducer mgtrain (c10d::Reducer's hooks are Python-only here)");
+  if (o.in_place_recovery) {
+    // What a rebuilt process group cannot take over. Said before any training (exit 2).
+    if (o.cuda_graphs)
+      throw UsageError("--in-place-recovery cannot rebuild --cuda-graphs (the captured step holds the old process "
+                       "group's communicators): drop one of them");
+    if (o.reducer != "mgtrain")
+      throw UsageError("--in-place-recovery needs --reducer mgtrain (c10d::Reducer keeps its process group for life)");
+    if (o.sync_batchnorm)
+      throw UsageError("--in-place-recovery cannot interrupt --sync-batchnorm's all-reduce inside autograd: drop one "
+                       "of them");
+    if (!o.bench.empty()) throw UsageError("--in-place-recovery is for training, not --bench");
+  }
   if (o.cuda_graphs) {
     // What the captured step cannot hold: work whose shape or control flow the CPU decides
     // anew each step. Said before any GPU work (exit 2).

@@ -38,6 +38,9 @@ struct Options {
   std::uint64_t seed = 1;
   bool amp = false, shuffle = true, channels_last = true;
   bool cuda_graphs = false;  // capture the training step once, replay it (CUDA builds)
+  // On a lost peer, wait for the agent's new assignment instead of exiting, rebuild the
+  // process group and go on (docs/in-place-recovery.md).
+  bool in_place_recovery = false;
   // DDP's options (MultiGPUConfig / torch.nn.parallel.DistributedDataParallel).
   bool find_unused_parameters = false, static_graph = false, broadcast_buffers = true, sync_batchnorm = false;
   // --bench allreduce

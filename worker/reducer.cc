@@ -31,7 +31,16 @@ GradReducer::GradReducer(std::vector<torch::Tensor> params, std::vector<std::str
 GradReducer::~GradReducer() {
   for (std::size_t i = 0; i < hooks_.size(); ++i) params_[i].remove_hook(hooks_[i]);
   for (auto& bk : buckets_)  // no collective of ours may outlive the buffers it reads
-    if (bk.work) bk.work->wait();
+    if (bk.work) {
+      try {
+        bk.work->wait();
+      } catch (const std::exception&) {  // a failed collective reads nothing more
+      }
+    }
+}
+
+void GradReducer::abandon() {
+  for (auto& bk : buckets_) bk.work.reset();  // the abandoned group's work holds its tensors
 }
 
 void GradReducer::build(const std::vector<int>& order) {
@@ -159,13 +168,13 @@ void GradReducer::finish() {
     for (std::size_t i = 0; i < used.size(); ++i) t[i] = used[i] ? 1.0f : 0.0f;
     t = t.to(params_[0].device());
     std::vector<torch::Tensor> v{t};
-    pg_->allreduce(v)->wait();
+    wait_work(pg_->allreduce(v));
     auto c = t.to(torch::kCPU);
     auto acc = c.accessor<float, 1>();
     for (std::size_t i = 0; i < used.size(); ++i) global_unused[i] = acc[i] == 0.0f;
   }
   for (auto& bk : buckets_) {
-    bk.work->wait();
+    wait_work(bk.work);
     torch::Tensor reduced = bk.comm.scalar_type() == bk.flat.scalar_type() ? bk.comm : bk.comm.to(bk.flat.scalar_type());
     for (int i : bk.members) {
       if (global_unused[i]) continue;
@@ -190,7 +199,7 @@ void GradReducer::finish() {
       if (!seen[i]) order.push_back(i);
     auto t = torch::tensor(order, torch::kLong).to(params_[0].device());
     std::vector<torch::Tensor> v{t};
-    pg_->broadcast(v)->wait();
+    wait_work(pg_->broadcast(v));
     auto c = t.to(torch::kCPU);
     std::vector<int> agreed(c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel());
     build(agreed);

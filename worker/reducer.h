@@ -40,6 +40,9 @@ class GradientSync {
   virtual void arm(bool sync, const std::vector<torch::Tensor>& outputs) = 0;
   virtual void finish() = 0;
   virtual std::size_t bucket_count() const = 0;
+  // In-place recovery: forget the collectives in flight (their group is abandoned), so
+  // the destructor waits for none.
+  virtual void abandon() {}
 };
 
 // Our reducer. Owns hooks on `params` for its lifetime (removed by the destructor);
@@ -57,6 +60,7 @@ class GradReducer final : public GradientSync {
   // find_unused is off (no collective of this step is left half-issued on this rank).
   void finish() override;
   std::size_t bucket_count() const override { return buckets_.size(); }
+  void abandon() override;
 
   // What the hooks call: parameter i's gradient of this backward. Public for tests that
   // feed gradients in a chosen order.

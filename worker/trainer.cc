@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@
 #include "worker/allreduce_bench.h"
 #include "worker/checkpoint.h"
 #include "worker/comm.h"
+#include "worker/control.h"
 #include "worker/data.h"
 #include "worker/models.h"
 #include "worker/reducer.h"
@@ -99,9 +101,11 @@ std::string with_rank(std::string path, int rank) {
   return path;
 }
 
-int train(const Options& o, Comm& comm) {
+// `control`: the agent's control channel when --in-place-recovery is on (else null).
+int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt* interrupt) {
   using clock = std::chrono::steady_clock;
-  const bool lead = comm.rank == 0;
+  const bool recovery = control != nullptr;
+  bool lead = comm.rank == 0;
   data::Dataset train_set, test_set;
   try {
     if (o.dataset == "synthetic") {
@@ -136,16 +140,19 @@ int train(const Options& o, Comm& comm) {
   }
   std::vector<torch::Tensor> params = model.module->parameters();
   std::vector<torch::Tensor> buffers = model.module->buffers();
-  comm.broadcast_coalesced(state_tensors(*model.module));  // every rank starts from rank 0's state
-  const bool sync_buffers = o.broadcast_buffers && comm.distributed() && !buffers.empty();
+  bool sync_buffers = false;
   auto broadcast_buffers = [&] {
     if (sync_buffers) comm.broadcast_coalesced(buffers);
   };
 
-  const double scale = o.lr_scaling == "linear" ? comm.world : o.lr_scaling == "sqrt" ? std::sqrt(comm.world) : 1.0;
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(o.lr * scale).momentum(o.momentum));
+  auto lr_for = [&](int world) {
+    return o.lr * (o.lr_scaling == "linear" ? world : o.lr_scaling == "sqrt" ? std::sqrt(world) : 1.0);
+  };
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(lr_for(comm.world)).momentum(o.momentum));
   std::unique_ptr<GradientSync> reducer;
-  if (comm.distributed()) {
+  auto make_reducer = [&] {
+    reducer.reset();
+    if (!comm.distributed()) return;
     ReducerOptions ro;
     ro.bucket_cap_mb = o.bucket_cap_mb;
     ro.comm_dtype = o.comm_dtype == "fp16" ? torch::kHalf : o.comm_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat;
@@ -155,21 +162,67 @@ int train(const Options& o, Comm& comm) {
       reducer = std::make_unique<C10dReducer>(params, model.param_names, comm.pg, ro);
     else
       reducer = std::make_unique<GradReducer>(params, model.param_names, comm.pg, comm.world, ro);
-  }
+  };
+  make_reducer();
 
   Position state;
-  const std::string ckpt_dir = with_rank(o.checkpoint_dir, comm.rank);
-  if (auto c = resume(ckpt_dir, comm, *model.module, opt)) {
-    state = *c;
-    if (lead)
-      std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(ckpt_dir).c_str(),
-                  static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1));
-  }
-  data::DistributedSampler sampler(train_set.size(), comm.world, comm.rank, o.shuffle, o.seed, false);
-  const std::int64_t micro_per_epoch = (sampler.num_samples() + o.batch_size - 1) / o.batch_size;
-  const std::int64_t steps_per_epoch = (micro_per_epoch + o.grad_accum - 1) / o.grad_accum;
-  std::int64_t total_steps = steps_per_epoch * o.epochs;
-  if (o.max_steps >= 0) total_steps = std::min(total_steps, o.max_steps);
+  // Every rank starts from one state: rank 0's initial parameters and buffers, and rank
+  // 0's checkpoint when there is one. With in-place recovery the ranks first compare
+  // their last applied steps: when some rank has trained, the lowest rank among the most
+  // advanced sends its whole state (no checkpoint read) to those behind.
+  auto establish = [&] {
+    sync_buffers = o.broadcast_buffers && comm.distributed() && !buffers.empty();
+    if (recovery && comm.distributed()) {
+      auto steps = torch::zeros({comm.world}, torch::kLong);
+      steps[comm.rank] = state.step;
+      steps = steps.to(comm.device);
+      comm.allreduce_sum(steps);
+      steps = steps.to(torch::kCPU);
+      std::int64_t best = 0;
+      int source = 0;
+      bool partial = false;
+      for (int r = 0; r < comm.world; ++r)
+        if (steps[r].item<std::int64_t>() > best) best = steps[r].item<std::int64_t>(), source = r;
+      for (int r = 0; r < comm.world; ++r)
+        partial = partial || (steps[r].item<std::int64_t>() > 0 && steps[r].item<std::int64_t>() < best);
+      if (best > 0) {
+        std::string bytes = comm.rank == source ? state_bytes(*model.module, opt, state) : std::string();
+        bytes = broadcast_bytes(comm, source, std::move(bytes));
+        if (state.step < best) {
+          const std::int64_t was = state.step;
+          state = load_state(bytes, comm.device, *model.module, opt);
+          std::printf("mgtrain: rank %d took step %lld's state from rank %d (it was at step %lld)\n", comm.rank,
+                      static_cast<long long>(best), source, static_cast<long long>(was));
+        }
+        if (partial && comm.rank == 0)
+          std::printf("mgtrain: step %lld was applied on some ranks only: recovering from it, the most advanced state "
+                      "(rank %d's)\n", static_cast<long long>(best), source);
+        std::fflush(stdout);
+        return;
+      }
+    }
+    comm.broadcast_coalesced(state_tensors(*model.module));
+    const std::string ckpt_dir = with_rank(o.checkpoint_dir, comm.rank);
+    if (auto c = resume(ckpt_dir, comm, *model.module, opt)) {
+      state = *c;
+      if (lead)
+        std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(ckpt_dir).c_str(),
+                    static_cast<long long>(state.step), static_cast<long long>(state.epoch + 1));
+    }
+  };
+  establish();
+
+  // This rank's shard and the step counts follow the world size (a new round may change it).
+  std::unique_ptr<data::DistributedSampler> sampler;
+  std::int64_t micro_per_epoch = 0, steps_per_epoch = 0, total_steps = 0;
+  auto reshard = [&] {
+    sampler = std::make_unique<data::DistributedSampler>(train_set.size(), comm.world, comm.rank, o.shuffle, o.seed, false);
+    micro_per_epoch = (sampler->num_samples() + o.batch_size - 1) / o.batch_size;
+    steps_per_epoch = (micro_per_epoch + o.grad_accum - 1) / o.grad_accum;
+    total_steps = steps_per_epoch * o.epochs;
+    if (o.max_steps >= 0) total_steps = std::min(total_steps, o.max_steps);
+  };
+  reshard();
   if (lead)
     std::printf("mgtrain: %s on %s, %s, world %d, backend %s, %lld steps/epoch (batch %d x %d accum per rank), %zu buckets\n",
                 o.model.c_str(), o.dataset.c_str(), comm.distributed() ? "ddp" : "single process", comm.world,
@@ -200,9 +253,9 @@ int train(const Options& o, Comm& comm) {
   };
   std::unique_ptr<StepGraph> graph;
   if (o.cuda_graphs) {
-    if (sampler.num_samples() < o.batch_size)
+    if (sampler->num_samples() < o.batch_size)
       throw UsageError(fmt::format("--cuda-graphs: no full batch of {} fits in this rank's {} samples; use a smaller "
-                                   "--batch-size", o.batch_size, sampler.num_samples()));
+                                   "--batch-size", o.batch_size, sampler->num_samples()));
     graph = std::make_unique<StepGraph>(comm.device, o.batch_size);
   }
   auto graph_step = [&](const torch::Tensor& bi) {
@@ -220,15 +273,27 @@ int train(const Options& o, Comm& comm) {
   torch::Tensor last_loss_t, loss_sum_t = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(comm.device));
   auto stop_flag = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
   bool stopped = false;
+  // In-place recovery: the failure being recovered from, until the first step after it.
+  struct Pending {
+    clock::time_point detected;
+    std::int64_t step = 0;
+    std::string lost;
+  };
+  std::optional<Pending> pending;
+  nlohmann::json recoveries = nlohmann::json::array();
+  // From `state` to the end of training; a collective that fails leaves `state` at the
+  // last step this rank applied, so a rerun of the loop redoes the interrupted step.
+  auto train_loop = [&] {
   for (std::int64_t epoch = state.epoch; epoch < o.epochs && state.step < total_steps && !stopped; ++epoch) {
-    sampler.set_epoch(epoch);
-    auto idx_all = sampler.indices();
+    sampler->set_epoch(epoch);
+    auto idx_all = sampler->indices();
     auto idx = torch::from_blob(idx_all.data(), {static_cast<std::int64_t>(idx_all.size())}, torch::kLong).to(comm.device);
     model.module->train();
     loss_sum_t.zero_();
     std::int64_t loss_n = 0;
     std::int64_t micro = epoch == state.epoch ? state.batch_in_epoch : 0;
     while (micro < micro_per_epoch && state.step < total_steps) {
+      if (interrupt && interrupt->fired.load()) throw Interrupted("the agent paused this worker between steps");
       const std::int64_t first = micro * o.batch_size;
       if (graph && first + o.batch_size <= idx.size(0)) {
         // A full batch through the graph (an epoch's last, partial batch runs eagerly below).
@@ -255,6 +320,13 @@ int train(const Options& o, Comm& comm) {
       ++loss_n;
       state.epoch = epoch;
       state.batch_in_epoch = micro;
+      if (pending) {
+        const double secs = std::chrono::duration<double>(clock::now() - pending->detected).count();
+        recoveries.push_back({{"step", pending->step}, {"seconds", secs}, {"lost", pending->lost}});
+        if (lead) std::printf("mgtrain: recovered in %.3f s: step %lld redone\n", secs, static_cast<long long>(pending->step));
+        std::fflush(stdout);
+        pending.reset();
+      }
 
       if (o.fail_at_step >= 0 && state.step == o.fail_at_step && comm.rank == o.fail_rank) {
         const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
@@ -284,7 +356,7 @@ int train(const Options& o, Comm& comm) {
           c.batch_in_epoch = 0;
           ++c.epoch;
         }
-        if (lead) save_checkpoint(ckpt_dir, *model.module, opt, c);
+        if (lead) save_checkpoint(with_rank(o.checkpoint_dir, comm.rank), *model.module, opt, c);
       }
       if (stop_now) {
         stopped = true;
@@ -329,6 +401,58 @@ int train(const Options& o, Comm& comm) {
     state.epoch = epoch + 1;
   }
   broadcast_buffers();  // the final model is the one the next forward would see
+  };
+
+  // A lost peer with --in-place-recovery: wait for the agent's pause (bounded), let go of
+  // the group, take the new round's assignment, build a new group under its store prefix
+  // and agree on the state; the loop then redoes the interrupted step.
+  auto recover = [&](const std::string& what) {
+    const auto failed_at = clock::now();
+    const auto bound = std::chrono::seconds(o.timeout_s);
+    auto pause = control->wait_pause(bound);
+    if (!pause) {
+      const std::string closed = control->closed_reason();
+      throw std::runtime_error(fmt::format("{} (in-place recovery: no pause from the agent within {} s{})", what,
+                                           o.timeout_s, closed.empty() ? "" : ": " + closed));
+    }
+    control->send_paused(state.step);
+    if (reducer) reducer->abandon();
+    reducer.reset();
+    comm.abandon();
+    auto next = control->wait_assign(bound);
+    if (!next) {
+      const std::string closed = control->closed_reason();
+      throw std::runtime_error(fmt::format("in-place recovery: no assignment from the agent within {} s of its pause ({}){}",
+                                           o.timeout_s, pause->reason, closed.empty() ? "" : ": " + closed));
+    }
+    for (const auto& [k, v] : next->env) ::setenv(k.c_str(), v.c_str(), 1);
+    const Env env = read_env(process_env());
+    const int old_world = comm.world;
+    comm = connect(o, env);
+    lead = comm.rank == 0;
+    make_reducer();
+    establish();
+    if (comm.world != old_world)  // the source's optimizer carried the old world's rate
+      static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).lr(lr_for(comm.world));
+    reshard();
+    pending = Pending{std::min(failed_at, pause->at), state.step + 1, pause->lost};
+    if (lead)
+      std::printf("mgtrain: in-place recovery, round %d (%s): world %d, redoing step %lld\n", next->round,
+                  pause->reason.c_str(), comm.world, static_cast<long long>(state.step + 1));
+    std::fflush(stdout);
+  };
+  for (;;) {
+    try {
+      train_loop();
+      break;
+    } catch (const CollectiveError& e) {
+      if (!recovery) throw;
+      recover(e.what());
+    } catch (const Interrupted& e) {
+      if (!recovery) throw;
+      recover(e.what());
+    }
+  }
   if (last_loss_t.defined()) last_loss = last_loss_t.item<double>();
   const double secs = std::chrono::duration<double>(clock::now() - t_start).count();
   const double sps = static_cast<double>(samples_done) / std::max(secs, 1e-9);
@@ -356,7 +480,8 @@ int train(const Options& o, Comm& comm) {
                         {"weights_sha256", digest},
                         {"params_sha256", sha256_of(params)},
                         {"stopped_by_signal", stopped},
-                        {"cuda_graphs", graph && graph->captured()}};
+                        {"cuda_graphs", graph && graph->captured()},
+                        {"recoveries", recoveries}};
     std::ofstream(with_rank(o.summary_json, comm.rank)) << j.dump(2) << "\n";
   }
   if (!o.save_weights.empty()) {
@@ -386,9 +511,38 @@ int run(const Options& o, const Env& env) {
 #endif
   const Mode mode = resolve_mode(o, env);
   if (o.threads > 0) torch::set_num_threads(o.threads);
+  // --in-place-recovery: the agent's control channel, connected before the group.
+  std::shared_ptr<Interrupt> interrupt;
+  std::unique_ptr<ControlChannel> control;
+  if (o.in_place_recovery) {
+    const char* name = std::getenv("MGLAUNCH_CONTROL_SOCKET");
+    std::string off;
+    if (mode == Mode::single) {
+      off = "a single process has no peer to lose";
+    } else if (!name || !*name) {
+      off = "no MGLAUNCH_CONTROL_SOCKET (the launcher offers no control channel)";
+    } else {
+      try {
+        interrupt = std::make_shared<Interrupt>();
+        control = std::make_unique<ControlChannel>(name, env.local_rank, interrupt);
+        set_interrupt(interrupt);
+      } catch (const std::exception& e) {
+        off = e.what();
+        interrupt.reset();
+      }
+    }
+    if (!off.empty() && env.rank == 0)
+      std::fprintf(stderr, "mgtrain: --in-place-recovery: %s: recovery is off, training goes on as usual\n", off.c_str());
+  }
   Comm comm = mode == Mode::single ? local_comm(o) : connect(o, env);
-  const int code = o.bench == "allreduce" ? run_allreduce_bench(o, comm) : train(o, comm);
+  const int code = o.bench == "allreduce" ? run_allreduce_bench(o, comm) : train(o, comm, control.get(), interrupt.get());
   comm.shutdown();
+  if (abandoned_groups() > 0) {
+    // A group abandoned by a recovery may hold a thread blocked on a lost peer: exit
+    // without running destructors that would join it.
+    std::fflush(nullptr);
+    std::_Exit(code);
+  }
   return code;
 }
 

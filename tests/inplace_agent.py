@@ -1,0 +1,222 @@
+#!/usr/bin/python3
+"""A stand-in agent for mgtrain's in-place recovery tests (docs/in-place-recovery.md).
+
+It does what one mglaunch agent of a one-node job does for the worker side of the
+protocol, and no more: it serves the c10d store (torch's TCPStore, as the agent's store),
+listens on an abstract Unix socket named in MGLAUNCH_CONTROL_SOCKET, spawns --nproc
+workers, and injects one fault once rank 0 reports step --at-step or later:
+
+  kill  SIGKILL rank --victim; the survivors see their collective fail.
+  stop  SIGSTOP rank --victim (a hung peer: the survivors' collective blocks), pause
+        the survivors at once, SIGKILL the victim only once every survivor said paused.
+  none  no fault (the undisturbed twin run).
+--no-control gives the workers no control socket (mgtrain then says recovery is off).
+
+When a worker fails it sends `pause` to every live worker that opted in, spawns a
+replacement with TORCHELASTIC_RESTART_COUNT + 1 and sends `assign` to the paused ones.
+Every loop is bounded by --deadline; every process it started is killed on the way out.
+Prints one JSON line: exit codes and the fault it injected. Exit 0 when every worker
+ended with 0.
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mgtrain", required=True)
+    ap.add_argument("--out", required=True, help="directory for the workers' logs")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--fault", choices=["none", "kill", "stop"], default="none")
+    ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--at-step", type=int, default=10)
+    ap.add_argument("--deadline", type=float, default=240)
+    ap.add_argument("--no-control", action="store_true", help="give the workers no MGLAUNCH_CONTROL_SOCKET")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    worker_args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    deadline = time.monotonic() + a.deadline
+
+    import torch.distributed as dist  # the agent's store: torch's own TCPStore server
+    store = dist.TCPStore("127.0.0.1", 0, a.nproc, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    name = "mglaunch-standin-%d-%s" % (os.getpid(), secrets.token_hex(8))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(16)
+    listener.setblocking(False)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, ("listen", None))
+
+    restart_count = 0
+    rnd = 0
+    workers = {}   # rank -> dict(proc, conn, paused, log)
+    conns = {}     # socket -> dict(buf, pid)
+    codes = {}     # "rank/attempt" -> exit code
+    fault = {"kind": a.fault, "injected_at_step": None}
+    step_re = re.compile(rb" step (\d+)/")
+
+    def env_for(rank):
+        return {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(a.nproc),
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(a.nproc), "LOCAL_WORLD_SIZE": str(a.nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+
+    def spawn(rank):
+        env = dict(os.environ)
+        env.update(env_for(rank))
+        env.pop("MGLAUNCH_CONTROL_SOCKET", None)
+        if not a.no_control:
+            env["MGLAUNCH_CONTROL_SOCKET"] = "@" + name
+        env["OMP_NUM_THREADS"] = "1"
+        log = open(os.path.join(a.out, "worker%d.%d.log" % (rank, restart_count)), "wb")
+        p = subprocess.Popen([a.mgtrain] + worker_args, env=env, stdout=subprocess.PIPE, stderr=log)
+        os.set_blocking(p.stdout.fileno(), False)
+        sel.register(p.stdout, selectors.EVENT_READ, ("out", rank))
+        workers[rank] = {"proc": p, "conn": None, "paused": False, "log": log, "attempt": restart_count}
+
+    def send(conn, msg):
+        try:
+            conn.sendall((json.dumps(msg) + "\n").encode())
+        except OSError:
+            pass
+
+    def conn_of_pid(pid):
+        for c, st in conns.items():
+            if st["pid"] == pid:
+                return c
+        return None
+
+    def new_round(failed_rank, reason):
+        nonlocal restart_count, rnd
+        # pause the live opted-in workers, replace the failed one, assign the new round
+        for r, w in workers.items():
+            if r != failed_rank and w["proc"].poll() is None:
+                c = conn_of_pid(w["proc"].pid)
+                if c is not None:
+                    send(c, {"type": "pause", "round": rnd, "reason": reason, "lost": "worker"})
+        rnd += 1
+        restart_count += 1
+        spawn(failed_rank)
+        for r, w in workers.items():
+            if r != failed_rank and w["proc"].poll() is None:
+                c = conn_of_pid(w["proc"].pid)
+                if c is not None:
+                    send(c, {"type": "assign", "round": rnd, "restart_count": restart_count, "env": env_for(r)})
+
+    for r in range(a.nproc):
+        spawn(r)
+    stopped_victim = None   # (rank, pid) SIGSTOPped, waiting for the survivors' paused
+    paused_pids = set()
+    rc = 0
+    try:
+        while workers and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=0.05):
+                kind, rank = key.data
+                if kind == "listen":
+                    c, _ = listener.accept()
+                    c.setblocking(False)
+                    conns[c] = {"buf": b"", "pid": None}
+                    sel.register(c, selectors.EVENT_READ, ("conn", None))
+                elif kind == "conn":
+                    c = key.fileobj
+                    data = b""
+                    try:
+                        data = c.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        pass
+                    if not data:
+                        sel.unregister(c)
+                        c.close()
+                        conns.pop(c, None)
+                        continue
+                    st = conns[c]
+                    st["buf"] += data
+                    while b"\n" in st["buf"]:
+                        line, st["buf"] = st["buf"].split(b"\n", 1)
+                        msg = json.loads(line)
+                        if msg.get("type") == "hello":
+                            st["pid"] = msg.get("pid")
+                            send(c, {"type": "welcome", "version": 1})
+                        elif msg.get("type") == "paused":
+                            paused_pids.add(st["pid"])
+                elif kind == "out":
+                    w = workers.get(rank)
+                    chunk = b""
+                    try:
+                        chunk = key.fileobj.read() or b""
+                    except (BlockingIOError, ValueError):
+                        pass
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    w["log"].write(chunk)
+                    w["log"].flush()
+                    if rank == 0 and a.fault != "none" and fault["injected_at_step"] is None:
+                        steps = [int(m) for m in step_re.findall(chunk)]
+                        if steps and max(steps) >= a.at_step:
+                            victim = workers[a.victim]["proc"]
+                            fault["injected_at_step"] = max(steps)
+                            fault["victim_pid"] = victim.pid
+                            if a.fault == "kill":
+                                victim.kill()
+                            else:
+                                victim.send_signal(signal.SIGSTOP)
+                                stopped_victim = (a.victim, victim.pid)
+                                for r, ww in workers.items():
+                                    c = conn_of_pid(ww["proc"].pid)
+                                    if r != a.victim and c is not None:
+                                        send(c, {"type": "pause", "round": rnd,
+                                                 "reason": "worker rank %d (pid %d) hangs" % (a.victim, victim.pid),
+                                                 "lost": "worker"})
+            if stopped_victim:
+                survivors = [w["proc"].pid for r, w in workers.items() if r != stopped_victim[0]]
+                if all(p in paused_pids for p in survivors):
+                    workers[stopped_victim[0]]["proc"].kill()
+                    stopped_victim = None
+            for r in list(workers):
+                w = workers[r]
+                code = w["proc"].poll()
+                if code is None:
+                    continue
+                codes["%d/%d" % (r, w["attempt"])] = code
+                try:
+                    sel.unregister(w["proc"].stdout)
+                except (KeyError, ValueError):
+                    pass
+                w["log"].close()
+                del workers[r]
+                if code != 0 and restart_count == 0:
+                    new_round(r, "worker rank %d (pid %d) failed: exit %d" % (r, w["proc"].pid, code))
+                elif code != 0:
+                    rc = 1
+        if workers:
+            rc = 3
+            codes["deadline"] = a.deadline
+    finally:
+        for w in workers.values():
+            w["proc"].kill()
+            w["proc"].wait()
+        listener.close()
+    print(json.dumps({"codes": codes, "fault": fault, "restart_count": restart_count}))
+    sys.stdout.flush()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

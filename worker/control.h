@@ -1,0 +1,76 @@
+// The worker's end of the agent's control channel (docs/in-place-recovery.md): connects to
+// the abstract Unix socket named in MGLAUNCH_CONTROL_SOCKET, opts in with `hello`, and
+// reads `pause` and `assign` on a thread of its own, so a pause reaches a worker blocked
+// in a collective. No torch: unit-tested with the launcher's tests.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+namespace mg::train {
+
+// Raised by the channel's thread when a pause arrives; collectives waiting through
+// comm's wait_work() give up when it is. The trainer clears it once it holds an assignment.
+struct Interrupt {
+  std::mutex m;
+  std::condition_variable cv;
+  std::atomic<bool> fired{false};
+  void fire();
+  void clear();
+};
+
+struct Pause {
+  int round = 0;
+  std::string reason, lost = "peer";  // lost: "host", "worker", or "peer" when the agent did not say
+  std::chrono::steady_clock::time_point at;  // when the first pause of this round arrived
+};
+
+struct Assignment {
+  int round = 0, restart_count = 0;
+  std::map<std::string, std::string> env;  // every torchrun variable of the new round
+};
+
+class ControlChannel {
+ public:
+  // Connects to `name` ("@abstract-name"), says hello and waits up to `welcome_timeout`
+  // for the agent's welcome. Throws std::runtime_error with a one-line reason.
+  ControlChannel(const std::string& name, int local_rank, std::shared_ptr<Interrupt> interrupt,
+                 std::chrono::milliseconds welcome_timeout = std::chrono::seconds(10));
+  ~ControlChannel();
+  ControlChannel(const ControlChannel&) = delete;
+  ControlChannel& operator=(const ControlChannel&) = delete;
+
+  // The pause not yet followed by an assign, waiting up to `timeout` for one; nullopt on
+  // timeout or when the agent closed the channel (closed_reason() says why).
+  std::optional<Pause> wait_pause(std::chrono::milliseconds timeout);
+  // The first assign after the last pause, waiting up to `timeout`; consumes the pause and
+  // clears the interrupt. nullopt on timeout or a closed channel.
+  std::optional<Assignment> wait_assign(std::chrono::milliseconds timeout);
+  // `paused` with the last optimizer step this worker applied (best effort).
+  void send_paused(std::int64_t step);
+  std::string closed_reason();
+
+ private:
+  void read_loop();
+  void handle(const std::string& line);
+  bool send_line(const std::string& line);
+
+  int fd_ = -1;
+  std::shared_ptr<Interrupt> interrupt_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool welcomed_ = false, closed_ = false;
+  std::string closed_reason_;
+  std::optional<Pause> pause_;
+  std::optional<Assignment> assign_;
+  std::thread reader_;
+};
+
+}  // namespace mg::train

@@ -21,6 +21,7 @@
 
 #include "cli/args.h"
 #include "cli/errors.h"
+#include "ops/health.h"
 #include "ops/monitor.h"
 #include "ops/trace.h"
 #include "process/watchdog.h"
@@ -58,6 +59,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
 }
 
 Agent::~Agent() {
+  health_.reset();
   file_timer_.reset();  // the pipe removed (its hooks use the console)
   monitor_.reset();
   if (trace_) {
@@ -138,6 +140,7 @@ void Agent::start() {
   }
 
   start_file_timer();
+  start_health_check();
   start_ops();
   // The agent that hosts the rendezvous listens once every start-up step that can fail has
   // passed (the log directory, --cpu-bind, the trace and metrics files) and before the rest
@@ -484,6 +487,7 @@ void Agent::finish(int code) {
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
   if (store_) store_->stop();  // its clients are gone with the workers
   if (file_timer_) file_timer_->stop();  // the pipe removed
+  if (health_) health_->stop();
   // Every worker and what they started killed and reaped; the exec fence dropped.
   launcher_->finish();
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);
@@ -517,6 +521,18 @@ void Agent::start_file_timer() {
   } catch (const std::runtime_error& e) {
     throw UsageError(e.what());  // it names the variable, the path and the fix
   }
+}
+
+void Agent::start_health_check() {
+  const auto var = base_env_.find("TORCHELASTIC_HEALTH_CHECK_PORT");
+  if (var == base_env_.end()) return;
+  try {
+    health_ = std::make_unique<mon::HealthServer>(io_, opts_.metrics_host, mon::parse_health_port(var->second),
+                                                  [this] { return monitor_facts(); });
+  } catch (const std::exception& e) {
+    throw UsageError(e.what());  // names the variable and the fix
+  }
+  notice(fmt::format("health check on {}", health_->url()));
 }
 
 void Agent::reap_expired(const ftimer::Expired& e) {

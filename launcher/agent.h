@@ -47,6 +47,7 @@ namespace mg {
 class TraceWriter;
 namespace mon {
 class AgentMonitor;
+class HealthServer;
 struct AgentFacts;
 }  // namespace mon
 
@@ -160,6 +161,9 @@ class Agent {
   int trace_fd_ = -1;
   std::int64_t rdzv_since_us_ = 0, attempt_since_us_ = 0;
   std::unique_ptr<mon::AgentMonitor> monitor_;
+  // TORCHELASTIC_HEALTH_CHECK_PORT (ops/health.h): answered from this event loop.
+  void start_health_check();
+  std::unique_ptr<mon::HealthServer> health_;
 };
 
 }  // namespace mg

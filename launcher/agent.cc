@@ -485,7 +485,19 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
-  if (store_) store_->stop();  // its clients are gone with the workers
+  // Its clients are gone with the workers, but for the static form's other nodes: there
+  // no rendezvous says when they are done, so the store outlives this node's workers until
+  // the others' leave it (torchrun's exit barrier; a rendezvous' "done" waits for every node).
+  if (store_ && code == 0 && opts_.rdzv_backend == "static" && opts_.nnodes.max > 1) {
+    signals_.async_wait([this](boost::system::error_code e, int) {
+      if (e || !store_) return;
+      clock_->cancel(sup::Timer::kStoreLinger);
+      store_->stop();
+    });
+    linger_store(now().steady, now().steady + kStoreLingerLimit);
+  } else if (store_) {
+    store_->stop();
+  }
   if (file_timer_) file_timer_->stop();  // the pipe removed
   if (health_) health_->stop();
   // Every worker and what they started killed and reaped; the exec fence dropped.
@@ -559,6 +571,28 @@ void Agent::reap_expired(const ftimer::Expired& e) {
 }
 
 void Agent::watchdog_event(const std::string&, const ftimer::Request*) {}
+
+void Agent::linger_store(sup::Clock::time_point since, sup::Clock::time_point deadline) {
+  const auto t = now().steady;
+  const std::size_t left = store_->clients();
+  if (left == 0 || t >= deadline) {
+    if (left > 0)
+      notice(fmt::format("stopping the store on port {} with {} clients of other nodes still connected, after {} s",
+                         store_->port(), left, kStoreLingerLimit.count()));
+    store_->stop();
+    boost::system::error_code ec;
+    signals_.cancel(ec);
+    return;
+  }
+  if (!lingering_said_ && t - since >= std::chrono::seconds(2)) {
+    lingering_said_ = true;
+    notice(fmt::format("this node's workers are done; serving the store on port {} until the other nodes' workers "
+                       "leave it ({} connections; at most {} s)",
+                       store_->port(), left, kStoreLingerLimit.count()));
+  }
+  clock_->arm(sup::Timer::kStoreLinger, t + std::chrono::milliseconds(50),
+              [this, since, deadline] { linger_store(since, deadline); });
+}
 
 void Agent::wait_signal() {
   signals_.async_wait([this](boost::system::error_code ec, int sig) {

@@ -80,7 +80,12 @@ class Agent {
   void host_rendezvous();
   void apply_assignment(const proto::Assignment& a);
   void on_worker_done(const WorkerEnd& w);
-  void finish(int code);  // the effects of the end: every handle stops, logs and summary written
+  void finish(int code);
+  // The static form's node 0 after its workers succeeded: the store serves until its last
+  // client leaves, at most until `deadline` (or a signal).
+  void linger_store(sup::Clock::time_point since, sup::Clock::time_point deadline);
+  static constexpr std::chrono::seconds kStoreLingerLimit{300};  // torchrun's exit_barrier_timeout
+  bool lingering_said_ = false;  // the effects of the end: every handle stops, logs and summary written
   void wait_signal();
   // One "[mglaunch] text" line on stderr, in order with the relayed lines (never blocks).
   void notice(const std::string& text);

@@ -1,6 +1,6 @@
 #include "launcher/agent_seams.h"
 
-#include <array>
+#include <vector>
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -21,7 +21,9 @@ namespace {
 
 class SystemClock final : public AgentClock {
  public:
-  explicit SystemClock(asio::io_context& io) : timers_{asio::steady_timer(io), asio::steady_timer(io), asio::steady_timer(io)} {}
+  explicit SystemClock(asio::io_context& io) {
+    for (std::size_t i = 0; i < static_cast<std::size_t>(sup::Timer::kCount); ++i) timers_.emplace_back(io);
+  }
   sup::Now now() const override { return {std::chrono::steady_clock::now(), std::chrono::system_clock::now()}; }
   void arm(sup::Timer t, sup::Clock::time_point at, std::function<void()> fire) override {
     auto& timer = timers_[static_cast<std::size_t>(t)];
@@ -33,7 +35,7 @@ class SystemClock final : public AgentClock {
   void cancel(sup::Timer t) override { timers_[static_cast<std::size_t>(t)].cancel(); }
 
  private:
-  std::array<asio::steady_timer, 3> timers_;  // by sup::Timer
+  std::vector<asio::steady_timer> timers_;  // by sup::Timer
 };
 
 class MachineProbe final : public AgentHardware {
@@ -84,6 +86,7 @@ class MachineStore final : public AgentStore {
   int port() const override { return s_->port(); }
   void reset() override { s_->reset(); }
   void stop() override { s_->stop(); }
+  std::size_t clients() const override { return s_->clients(); }
 
  private:
   std::unique_ptr<store::StoreServer> s_;

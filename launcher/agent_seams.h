@@ -68,6 +68,8 @@ class AgentStore {
   virtual void reset() = 0;
   // Closes the port and every client.
   virtual void stop() = 0;
+  // Clients connected now.
+  virtual std::size_t clients() const = 0;
 };
 // Starts serving on `port`: on `held_fd` (a socket bound to it, which the factory then
 // owns) when it is >= 0, else on a socket of its own bound to 0.0.0.0:`port`. `log` gets

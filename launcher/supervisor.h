@@ -44,7 +44,9 @@ struct Now {
 enum class State { kRunning, kStopping, kWaiting, kDone };
 // kGrace: SIGTERM to SIGKILL; kLeave: a stopped node waits for the job's decision;
 // kFence: the longest the master port waits for the workers' exec (WatchExecs).
-enum class Timer { kGrace, kLeave, kFence };
+// kStoreLinger is the agent's own (the node-0 agent's store outliving its workers), never
+// the supervisor's; kCount sizes the clock's table.
+enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kCount };
 
 struct Config {
   int nproc = 1;          // workers of this node

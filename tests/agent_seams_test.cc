@@ -170,6 +170,7 @@ class FakeStore final : public AgentStore {
   int port() const override { return port_; }
   void reset() override { ++r_.resets; }
   void stop() override { ++r_.stops; }
+  std::size_t clients() const override { return 0; }
 
  private:
   Record& r_;

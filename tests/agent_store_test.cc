@@ -92,3 +92,22 @@ TEST_CASE("a restart starts from an empty agent store: keys of the failed attemp
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("stale key gone"));
 }
+
+TEST_CASE("static form, two nodes: node 0's store serves node 1's workers after node 0's own are done, as "
+          "torchrun's exit barrier keeps it") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  const std::string port = std::to_string(free_loopback_port());
+  auto node = [&](int rank) {
+    return spawn({kMglaunch, "--nnodes=2", "--node_rank=" + std::to_string(rank), "--master_addr=127.0.0.1",
+                  "--master_port=" + port, "--nproc_per_node=1", "--python=/usr/bin/python3", worker_script()},
+                 {{"AGENT_STORE_TEST_LATE", "5"}});
+  };
+  Proc n0 = node(0), n1 = node(1);
+  REQUIRE(n0.wait(240s));
+  REQUIRE(n1.wait(240s));
+  INFO("node 0: " << n0.out() << n0.err() << "\nnode 1: " << n1.out() << n1.err());
+  CHECK(n0.exit_code() == 0);
+  CHECK(n1.exit_code() == 0);
+  CHECK_THAT(n1.out(), Catch::Contains("late store use ok"));
+  CHECK_THAT(n0.err(), Catch::Contains("serving the store on port " + port + " until the other nodes' workers leave it"));
+}

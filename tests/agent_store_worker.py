@@ -4,6 +4,7 @@ B says whether this process listens on MASTER_PORT itself (it must not with the 
 """
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,5 +37,11 @@ t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 bound = listens_on(int(os.environ["MASTER_PORT"]))
 dist.barrier()
-print("store", os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), "sum", int(t.item()), "bound", bound, flush=True)
+late = float(os.environ.get("AGENT_STORE_TEST_LATE", "0"))
+if late and dist.get_rank() != 0:
+    # Rank 0 (and its node) is done by now: its agent's store must still serve this rank.
+    time.sleep(late)
+    dist.distributed_c10d._get_default_store().set("late", "1")
+    print("late store use ok", flush=True)
 dist.destroy_process_group()
+print("store", os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), "sum", int(t.item()), "bound", bound, flush=True)

@@ -201,6 +201,7 @@ void Agent::host_rendezvous() {
     so.port = ep.port;
     so.token = opts_.rdzv_token;
     so.only_job = plan_.run_id;
+    so.host_agent = local_hostname();
     so.log = [this](const std::string& line) {
       if (line.starts_with("warning:")) notice("rendezvous server: " + line);
     };

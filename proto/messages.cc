@@ -54,7 +54,9 @@ std::string validate(const Challenge& m) {
   return first(hex("nonce", m.nonce, kNonceHexBytes), hex("proof", m.proof, kMacHexBytes));
 }
 std::string validate(const Auth& m) { return hex("mac", m.mac, kMacHexBytes); }
-std::string validate(const Welcome& m) { return text("server", m.server, kMaxIdBytes); }
+std::string validate(const Welcome& m) {
+  return first(text("server", m.server, kMaxIdBytes), text("host_agent", m.host_agent, kMaxHostBytes));
+}
 
 std::string validate(const Join& m) {
   auto e = first(text("job_id", m.job_id, kMaxIdBytes, true), text("agent_id", m.agent_id, kMaxIdBytes, true),

@@ -56,6 +56,10 @@ struct Auth {
 struct Welcome {
   static constexpr MsgType kType = MsgType::kWelcome;
   std::string server;
+  // The host name of the agent whose built-in server this is (c10d-style hosting); empty
+  // for the mglaunch-rdzv daemon. A daemon that goes away may come back (its clients wait
+  // for it until join_timeout); an agent that goes away does not.
+  std::string host_agent;
 };
 struct Join {
   static constexpr MsgType kType = MsgType::kJoin;
@@ -132,7 +136,7 @@ struct Error {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,

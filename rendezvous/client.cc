@@ -160,14 +160,18 @@ void Client::on_frame(const proto::Frame& f) {
         conn_->sign_sent(session_, 'c');  // the server's frames are signed from its Welcome on
         return;
       }
-      case MsgType::kWelcome:
-        proto::from_frame<proto::Welcome>(f);
+      case MsgType::kWelcome: {
+        auto w = proto::from_frame<proto::Welcome>(f);
         if (welcomed_) return lost("the rendezvous server repeated its welcome");
         if (!key_.empty() && !challenged_)
           return failed_attempt(fmt::format("the rendezvous server at {}:{} asks for no token while this agent has "
                                             "one: refusing an unauthenticated server (give the daemon the same token)",
                                             opts_.host, opts_.port));
+        // (The Welcome itself carries no MAC: a forged host_agent can only make this node
+        // give up sooner on a server that goes away, never obey one that proved nothing.)
+        host_agent_ = w.host_agent;
         return on_welcome();
+      }
       case MsgType::kHeartbeat:
         proto::from_frame<proto::Heartbeat>(f);
         return;  // the echo: conn_->last_frame() moved
@@ -175,6 +179,7 @@ void Client::on_frame(const proto::Frame& f) {
         auto a = proto::from_frame<proto::Assignment>(f);
         round_ = a.round;
         current_ = a;
+        assigned_ = true;
         done_sent_ = false;
         unsent_failure_.reset();
         waiting_since_.reset();
@@ -296,6 +301,7 @@ void Client::node_done(int round) {
 
 void Client::reconnect_later(const std::string& why) {
   if (closed_) return;
+  if (!host_agent_.empty()) return host_lost(why);
   // Connections that are made but fail (an unauthenticated server) count against the
   // outage's join_timeout like refused ones.
   if (in_outage_ && Clock::now() >= deadline_)
@@ -314,6 +320,22 @@ void Client::reconnect_later(const std::string& why) {
     if (!ec) try_connect();
   });
   if (h_.on_notice) h_.on_notice(fmt::format("lost the rendezvous server ({}); workers keep running, reconnecting", why));
+}
+
+void Client::host_lost(const std::string& why) {
+  const std::string reason = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
+  if (!assigned_) return lost(reason + "; no round had started, so the job ends here");
+  if (!shut(/*flush=*/false)) return;
+  // As the job's own decision would: every worker of this node stops, the root cause names
+  // the node that is gone.
+  proto::Abort a;
+  a.root_cause.round = round_;
+  a.root_cause.host = host_agent_;
+  a.root_cause.rank = -1;
+  a.root_cause.exit_code = kHostLostExitCode;
+  a.reason = a.root_cause.message = reason + "; the job cannot go on without it";
+  waiting_since_.reset();
+  h_.on_abort(a);
 }
 
 void Client::lost(const std::string& why) {

@@ -37,6 +37,10 @@ struct ClientHandlers {
   std::function<void(const std::string&)> on_notice;  // connection dropped / re-registered
 };
 
+// The exit code an agent ends with when the agent hosting its rendezvous is lost and the
+// job cannot go on (exit_code::kRendezvous in cli/errors.h; README, "Exit codes").
+inline constexpr int kHostLostExitCode = 3;
+
 // The wait before the `retry`-th new attempt (1, 2, ...) to reach a server that refused the
 // connection (nothing listens yet). The agents of a job start together and the host listens
 // moments after its own start, so the first retries come within a few milliseconds; the
@@ -65,6 +69,9 @@ class Client {
   void on_frame(const proto::Frame& f);
   void on_welcome();
   void lost(const std::string& why);
+  // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
+  // reconnection is tried; the node ends with the lost host as root cause.
+  void host_lost(const std::string& why);
   bool shut(bool flush);  // false when already closed
   void send_join();
   void heartbeat();
@@ -85,6 +92,8 @@ class Client {
   Clock::time_point connected_at_;
   int round_ = 0;
   std::optional<proto::Assignment> current_;  // the round this node runs, for re-registration
+  bool assigned_ = false;  // some round was assigned to this node
+  std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
   std::optional<proto::WorkerFailed> unsent_failure_;
   bool done_sent_ = false;
   std::chrono::milliseconds backoff_{100};          // between reconnects after a loss

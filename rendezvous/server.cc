@@ -280,7 +280,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     // The handshake's nonces and key are spent: an idle session holds none of them.
     std::string().swap(s->client_nonce);
     std::string().swap(s->server_nonce);
-    s->conn->send(proto::to_frame(proto::Welcome{"mglaunch-rdzv"}));
+    s->conn->send(proto::to_frame(proto::Welcome{"mglaunch-rdzv", opts_.host_agent}));
     s->conn->set_max_frame(opts_.max_frame);
   };
   if (s->phase == Session::Phase::kHello) {

@@ -33,6 +33,9 @@ struct ServerOptions {
   std::map<std::string, std::string> job_tokens;
   // Non-empty: serve this job only (an agent's built-in server).
   std::string only_job;
+  // Non-empty: the host name of the agent this server is built into, told to every client
+  // in its Welcome (proto::Welcome::host_agent).
+  std::string host_agent;
   std::size_t max_connections = 0;  // 0: what the descriptor limit allows; clamped below it
   std::size_t max_connections_per_address = 256;
   int max_nodes_per_job = 100000;

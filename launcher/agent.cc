@@ -15,6 +15,7 @@
 #include <variant>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
@@ -215,6 +216,7 @@ void Agent::host_rendezvous() {
 
 void Agent::start_rendezvous() {
   if (trace_) rdzv_since_us_ = trace_->now();
+  rdzv_began_ = std::chrono::steady_clock::now();
   host_rendezvous();  // done at start() already
   proto::Join j;
   j.job_id = plan_.run_id;
@@ -311,6 +313,7 @@ void Agent::rejoin(bool offer_port) {
   // The core held a fresh master port for the new round (when the port is ours).
   if (offer_port) client_->set_master_port(plan_.master_port);
   if (trace_) rdzv_since_us_ = trace_->now();
+  rdzv_began_ = std::chrono::steady_clock::now();
   client_->rejoin();
 }
 
@@ -420,6 +423,13 @@ void Agent::run(sup::Actions actions) {
             if (trace_) attempt_since_us_ = trace_->now();
             if (file_timer_) file_timer_->clear();  // a new attempt starts without timers, as torch's
             timer_kills_.clear();
+            last_outcomes_.clear();
+            elastic_event("RENDEZVOUS", false, nullptr, nullptr,
+                          rdzv_began_ ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                                                  *rdzv_began_)
+                                            .count()
+                                      : 0.0);
+            rdzv_began_.reset();
           } else if constexpr (std::is_same_v<A, sup::act::AttemptEnded>) {
             if (trace_)
               trace_->complete(fmt::format("attempt {}", a.attempt), "attempt", 0, attempt_since_us_,
@@ -432,6 +442,7 @@ void Agent::run(sup::Actions actions) {
             launcher_->watch_execs([this] { run(core_.execs_settled(now())); });
           } else if constexpr (std::is_same_v<A, sup::act::WorkerEnded>) {
             const WorkerOutcome& o = a.o;
+            last_outcomes_.push_back(o);
             if (trace_)
               trace_->complete(fmt::format("rank {}", o.rank), "worker", TraceWriter::worker_tid(o.local_rank),
                                trace_->now() - static_cast<std::int64_t>(o.duration_s * 1e6),
@@ -477,6 +488,7 @@ void Agent::run(sup::Actions actions) {
 }
 
 void Agent::finish(int code) {
+  final_events(code);
   if (monitor_) monitor_->stop();
   boost::system::error_code ec;
   signals_.cancel(ec);
@@ -571,7 +583,99 @@ void Agent::reap_expired(const ftimer::Expired& e) {
                      e.scope_id, e.pid));
 }
 
-void Agent::watchdog_event(const std::string&, const ftimer::Request*) {}
+namespace {
+// Python's json.dumps of `j` (", " and ": " between items, as torch's Event.serialize()).
+std::string python_json(const nlohmann::ordered_json& j) {
+  if (j.is_object()) {
+    std::string out = "{";
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      if (it != j.begin()) out += ", ";
+      out += nlohmann::json(it.key()).dump() + ": " + python_json(it.value());
+    }
+    return out + "}";
+  }
+  if (j.is_array()) {
+    std::string out = "[";
+    for (std::size_t i = 0; i < j.size(); ++i) out += (i ? ", " : "") + python_json(j[i]);
+    return out + "]";
+  }
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+}  // namespace
+
+void Agent::elastic_event(const std::string& state, bool from_worker, const WorkerOutcome* w,
+                          nlohmann::json raw_error, std::optional<double> duration_ms,
+                          const nlohmann::ordered_json* md_given, const std::string& name) {
+  if (opts_.event_log_handler != "console") return;
+  // torch's _construct_event: the inner "metadata" is itself a JSON string.
+  nlohmann::ordered_json md;
+  md["group_world_size"] = plan_.nnodes;
+  md["entry_point"] = opts_.program;
+  if (w) {
+    md["local_rank"] = nlohmann::json::array({w->local_rank});
+    md["role_rank"] = nlohmann::json::array({w->rank});
+    md["role_world_size"] = nlohmann::json::array({plan_.world_size});
+  }
+  if (md_given) md = *md_given;
+  nlohmann::ordered_json m;
+  m["run_id"] = plan_.run_id;
+  m["global_rank"] = w ? nlohmann::json(w->rank) : nlohmann::json();
+  m["group_rank"] = plan_.node_rank;
+  m["worker_id"] = w ? nlohmann::json(std::to_string(w->pid)) : nlohmann::json();
+  m["role"] = opts_.role;
+  m["hostname"] = local_hostname();
+  m["state"] = state;
+  m["total_run_time"] =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - started_at_).count();
+  m["rdzv_backend"] = opts_.rdzv_backend;
+  m["raw_error"] = raw_error;
+  m["metadata"] = python_json(md);
+  m["agent_restarts"] = core_.restart_count();
+  m["duration_ms"] = duration_ms ? nlohmann::json(*duration_ms) : nlohmann::json();
+  nlohmann::ordered_json e;
+  e["name"] = name.empty() ? "torchelastic.worker.status." + state : name;
+  e["source"] = from_worker ? "WORKER" : "AGENT";
+  e["timestamp"] = std::chrono::duration_cast<std::chrono::milliseconds>(
+                       std::chrono::system_clock::now().time_since_epoch())
+                       .count();
+  e["metadata"] = m;
+  console_.write(1, python_json(e) + "\n");
+}
+
+void Agent::watchdog_event(const std::string& name, const ftimer::Request* r) {
+  // torch's _log_watchdog_event: the event's name is the watchdog's, its state RUNNING.
+  nlohmann::ordered_json md;
+  md["watchdog_event"] = name;
+  if (r) {
+    md["worker_pid"] = std::to_string(r->pid);
+    md["scope_id"] = r->scope_id;
+    md["expiration_time"] = fmt::format("{}", r->expiration_time);
+    md["signal"] = std::to_string(r->signal);
+  }
+  elastic_event("RUNNING", false, nullptr, nullptr, std::nullopt, &md, name);
+}
+
+void Agent::final_events(int code) {
+  (void)code;
+  std::sort(last_outcomes_.begin(), last_outcomes_.end(),
+            [](const WorkerOutcome& a, const WorkerOutcome& b) { return a.rank < b.rank; });  // torch's order
+  for (const WorkerOutcome& o : last_outcomes_) {
+    const std::string state = o.stopped_by_agent ? "TERMINATED" : o.exit_code == 0 ? "SUCCEEDED" : "FAILED";
+    nlohmann::json raw = nullptr;
+    if (state == "FAILED") {
+      std::ifstream in(logs_.attempt_dir(core_.restart_count(), o.local_rank) + "/error.json");
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (!text.empty()) raw = text;
+    }
+    elastic_event(state, true, &o, raw, std::nullopt);
+  }
+  // As torchrun's launcher: SUCCEEDED says the agent's run() returned (its workers may have
+  // failed), FAILED that it was stopped (by a signal).
+  if (stop_signal_)
+    elastic_event("FAILED", false, nullptr, fmt::format("stopped by {}", signal_name(stop_signal_)), std::nullopt);
+  else
+    elastic_event("SUCCEEDED", false, nullptr, nullptr, std::nullopt);
+}
 
 void Agent::linger_store(sup::Clock::time_point since, sup::Clock::time_point deadline) {
   const auto t = now().steady;
@@ -598,6 +702,7 @@ void Agent::linger_store(sup::Clock::time_point since, sup::Clock::time_point de
 void Agent::wait_signal() {
   signals_.async_wait([this](boost::system::error_code ec, int sig) {
     if (ec) return;
+    if (sig != SIGUSR1 && sig != SIGUSR2 && !stop_signal_) stop_signal_ = sig;  // the others stop the run
     run(core_.signal(sig, now()));
     if (core_.state() != sup::State::kDone) wait_signal();
   });

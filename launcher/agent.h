@@ -153,9 +153,17 @@ class Agent {
     std::string scope_id;
   };
   std::map<int, TimerKill> timer_kills_;  // this attempt's, by local rank: for its root cause
-  // torch's elastic events (name, the request's fields for a watchdog event): printed
-  // with --event-log-handler console.
+  // torch's elastic events, printed with --event-log-handler console (one JSON line each on
+  // stderr, torch's Event: name, source, timestamp, metadata); silent with null.
   void watchdog_event(const std::string& name, const ftimer::Request* r);
+  void elastic_event(const std::string& state, bool from_worker, const WorkerOutcome* w, nlohmann::json raw_error,
+                     std::optional<double> duration_ms, const nlohmann::ordered_json* md_given = nullptr,
+                     const std::string& name = {});
+  void final_events(int code);  // each worker of the last attempt, then the agent
+  std::vector<WorkerOutcome> last_outcomes_;  // the attempt running or ended last
+  std::chrono::steady_clock::time_point started_at_ = std::chrono::steady_clock::now();
+  std::optional<std::chrono::steady_clock::time_point> rdzv_began_;  // this round's rendezvous
+  int stop_signal_ = 0;  // the signal that stopped the agent (0: none)
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or
   // --trace is given (ops/monitor.h, ops/trace.h). Declared last: gone before
   // the console they write through.

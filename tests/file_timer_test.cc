@@ -100,10 +100,15 @@ TEST_CASE("FileTimer: torch 1.13 workers' FileTimerClient reaches the agent's pi
   require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
   const std::string dir = make_temp_dir();
   const std::string pipe = dir + "/timer.pipe";
-  auto r = run({kMglaunch, "--nproc_per_node=2", "--python=/usr/bin/python3", worker_script(), "hang"},
+  auto r = run({kMglaunch, "--nproc_per_node=2", "--event-log-handler=console", "--python=/usr/bin/python3",
+                worker_script(), "hang"},
                {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", pipe}}, 200s);
   INFO(r.out << r.err);
   CHECK(r.code == 128 + 9);  // SIGKILL, FileTimerClient's default
+  // torch's watchdog events, with --event-log-handler console
+  for (const char* name : {"watchdog started", "timer expired", "kill worker process", "watchdog stopped"})
+    CHECK_THAT(r.err, Catch::Contains(std::string("{\"name\": \"") + name + "\", \"source\": \"AGENT\""));
+  CHECK_THAT(r.err, Catch::Contains("\\\"scope_id\\\": \\\"step\\\""));
   CHECK(count_of(r.out, "pipe " + pipe + " fifo True") == 2);
   CHECK(count_of(r.out, "done") == 1);  // rank 0's
   CHECK_THAT(r.err, Catch::Contains("rank 1: FileTimer 'step' expired; sending SIGKILL to pid"));

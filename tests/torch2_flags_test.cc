@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -152,4 +153,79 @@ TEST_CASE("torch 2.x: --signals-to-handle, --event-log-handler, --logs-specs and
     CHECK_THAT(nlohmann::json::parse(r.out)["workers"][0]["binding"].get<std::string>(),
                Catch::StartsWith("local_rank 0: cpus "));
   }
+}
+
+namespace {
+// The event lines of `err` (JSON objects starting with {"name": ), parsed.
+std::vector<nlohmann::json> events_of(const std::string& err) {
+  std::vector<nlohmann::json> out;
+  for (const auto& l : split_lines(err))
+    if (l.rfind("{\"name\": ", 0) == 0) out.push_back(nlohmann::json::parse(l));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("torch 2.x: --event-log-handler console prints the agent's elastic events as torch's Event lines; null "
+          "prints none") {
+  const std::string dir = make_temp_dir();
+  // Attempt 0: rank 1 fails; attempt 1 succeeds.
+  auto r = run(launch({"--standalone", "--nproc_per_node=2", "--max_restarts=1", "--event-log-handler=console"},
+                      {"fail-first-attempt", "1", "3"}));
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  const auto ev = events_of(r.err);
+  REQUIRE(ev.size() == 5);
+  std::vector<std::string> names;
+  for (const auto& e : ev) names.push_back(e["source"].get<std::string>() + " " + e["name"].get<std::string>());
+  CHECK(names == std::vector<std::string>{"AGENT torchelastic.worker.status.RENDEZVOUS",
+                                          "AGENT torchelastic.worker.status.RENDEZVOUS",
+                                          "WORKER torchelastic.worker.status.SUCCEEDED",
+                                          "WORKER torchelastic.worker.status.SUCCEEDED",
+                                          "AGENT torchelastic.worker.status.SUCCEEDED"});
+  CHECK(ev[1]["metadata"]["agent_restarts"] == 1);
+  CHECK(ev[2]["metadata"]["global_rank"] == 0);
+  CHECK(ev[3]["metadata"]["global_rank"] == 1);
+  CHECK(nlohmann::json::parse(ev[3]["metadata"]["metadata"].get<std::string>())["local_rank"] ==
+        nlohmann::json::array({1}));
+  CHECK(ev[4]["metadata"]["global_rank"].is_null());
+  for (const auto& e : ev) {
+    for (const char* key : {"run_id", "global_rank", "group_rank", "worker_id", "role", "hostname", "state",
+                            "total_run_time", "rdzv_backend", "raw_error", "metadata", "agent_restarts", "duration_ms"})
+      CHECK(e["metadata"].contains(key));
+    CHECK(e["timestamp"].get<std::int64_t>() > 0);
+  }
+
+  // A failure with no restart left: the failed rank FAILED, the one the agent stopped
+  // TERMINATED, the agent's run itself SUCCEEDED (torchrun's meaning: run() returned).
+  auto f = run(launch({"--standalone", "--nproc_per_node=2", "--event-log-handler=console"},
+                      {"when-rank", "1", "exit", "3"}));
+  INFO(f.err);
+  CHECK(f.code == 3);
+  const auto fe = events_of(f.err);
+  REQUIRE(fe.size() == 4);
+  CHECK(fe[1]["metadata"]["state"] == "TERMINATED");
+  CHECK(fe[2]["metadata"]["state"] == "FAILED");
+  CHECK(fe[3]["metadata"]["state"] == "SUCCEEDED");
+
+  // torch's own Event.deserialize takes every line.
+  if (python_has_torch()) {
+    std::string lines;
+    for (const auto& l : split_lines(r.err))
+      if (l.rfind("{\"name\": ", 0) == 0) lines += l + "\n";
+    std::ofstream(dir + "/events.jsonl") << lines;
+    auto py = run({"/usr/bin/python3", "-c",
+                   "import sys\nfrom torch.distributed.elastic.events.api import Event\n"
+                   "for l in open(sys.argv[1]):\n    e = Event.deserialize(l)\n    print(e.source.value, e.name)\n",
+                   dir + "/events.jsonl"});
+    INFO(py.err);
+    CHECK(py.code == 0);
+    CHECK(count_of(py.out, "\n") == 5);
+  }
+
+  // null (the default): nothing of the kind.
+  auto quiet = run(launch({"--standalone", "--nproc_per_node=2", "--max_restarts=1"}, {"fail-first-attempt", "1", "3"}));
+  CHECK(quiet.code == 0);
+  CHECK(events_of(quiet.err).empty());
+  CHECK(count_of(quiet.err, "torchelastic.worker.status") == 0);
+  run({"/bin/rm", "-rf", dir});
 }

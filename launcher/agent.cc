@@ -30,6 +30,7 @@
 #include "proto/text.h"
 #include "rendezvous/endpoint.h"
 #include "process/command.h"
+#include "process/proc.h"
 
 namespace mg {
 
@@ -70,6 +71,7 @@ Agent::~Agent() {
   }
   // SIGKILLs anything still running; with nothing left, the temporary tree goes while the
   // watchdog exits (the launcher's destructor waits for it).
+  if (control_) control_->stop();
   launcher_->close();
   logs_.clean_up();
 }
@@ -171,6 +173,7 @@ void Agent::start() {
   // The subreaper, the reaper and the watchdog; a temporary tree nobody was told of goes
   // with the watchdog when the agent is killed.
   launcher_->prepare(logs_.kept() ? std::string() : logs_.root(), [this](const std::string& text) { notice(text); });
+  start_control();
   // The core holds the master port (HoldMasterPort) only now: the watchdog (a fork that
   // closes what it inherited once it runs, which on a busy machine may be after the first
   // worker's bind) gets no copy of it.
@@ -363,7 +366,64 @@ WorkerOutcome Agent::outcome_of(const WorkerEnd& w) {
   return o;
 }
 
+void Agent::start_control() {
+  control::ServerOptions co;
+  co.worker_of = [this](pid_t pid) { return worker_of(pid); };
+  co.log = [this](const std::string& line) { notice(line); };
+  control::Handlers h;
+  h.hello = [this](int lr, const control::Hello& m) { run(core_.worker_hello(lr, m.in_place, now())); };
+  h.closed = [this](int lr) { run(core_.control_closed(lr, now())); };
+  h.paused = [this](int lr, const control::Paused& p) {
+    trace_instant("paused", "restart", {{"local_rank", lr}, {"step", p.step}});
+  };
+  try {
+    control_ = std::make_unique<control::Server>(io_, std::move(co), std::move(h));
+    base_env_[control::kSocketVar] = control_->address();
+  } catch (const std::runtime_error& e) {
+    notice(std::string(e.what()) + ": no worker can opt in to in-place recovery in this run");
+  }
+}
+
+int Agent::worker_of(pid_t pid) const {
+  const std::vector<WorkerState> ws = launcher_->workers();
+  auto of = [&](pid_t leader) {
+    for (const auto& w : ws)
+      if (!w.exited && w.pid == leader) return w.local_rank;
+    return -1;
+  };
+  // Up the parent chain (bounded) to a worker, or a process in a worker's process group.
+  for (int hop = 0; hop < 64 && pid > 1 && pid != ::getpid(); ++hop) {
+    if (int lr = of(pid); lr >= 0) return lr;
+    const auto st = read_proc_stat(pid);
+    if (!st) return -1;
+    if (int lr = of(st->pgrp); lr >= 0) return lr;
+    pid = st->ppid;
+  }
+  return -1;
+}
+
+void Agent::assign_worker(const sup::act::Assign& a) {
+  serve_store();  // the new attempt's (emptied) store
+  const int lr = a.local_rank;
+  const std::string dir = attempt_dir(lr);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  fs::remove(dir + "/error.json", ec);
+  // The same environment a spawned worker of this attempt gets (launcher/plan).
+  const EnvMap env = build_contract_env(plan_, opts_, base_env_, lr, a.restart_count, dir + "/error.json");
+  launcher_->reassign(lr, plan_.rank_offset + lr, worker_line_prefix(plan_, opts_, lr));
+  if (trace_)
+    trace_->instant(fmt::format("assign rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
+                    {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"attempt", a.restart_count}});
+  if (!control_ || !control_->send(lr, control::assign(a.round, a.restart_count, env))) {
+    // It can no longer hear of the round: its end is a failure of this attempt.
+    notice(fmt::format("local rank {} was paused but its control connection is gone: killing it", lr));
+    launcher_->signal_some(SIGKILL, {lr});
+  }
+}
+
 void Agent::on_worker_done(const WorkerEnd& w) {
+  if (control_) control_->forget(w.local_rank);  // (its connection ended with it)
   if (stdin_relay_ && w.local_rank == opts_.stdin_rank) stdin_relay_->close_pipe();
   const WorkerOutcome o = outcome_of(w);
   // The core says whether this exit is the root cause (act::WorkerEnded) and asks for its
@@ -452,7 +512,8 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::SpawnMoreLater>) {
             asio::post(io_, [this, gen = a.gen] { run(core_.spawn_batch_due(gen, now())); });
           } else if constexpr (std::is_same_v<A, sup::act::SignalWorkers>) {
-            launcher_->signal(a.sig, a.escaped);
+            if (a.only) launcher_->signal_some(a.sig, *a.only);
+            else launcher_->signal(a.sig, a.escaped);
           } else if constexpr (std::is_same_v<A, sup::act::PauseOutputDrains>) {
             launcher_->pause_drains();
           } else if constexpr (std::is_same_v<A, sup::act::ResumeOutputDrains>) {
@@ -465,7 +526,7 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::CancelTimer>) {
             clock_->cancel(a.timer);
           } else if constexpr (std::is_same_v<A, sup::act::RetireWorkers>) {
-            launcher_->retire();
+            launcher_->retire(a.keep);
           } else if constexpr (std::is_same_v<A, sup::act::AttemptDue>) {
             asio::post(io_, [this] { run(core_.attempt_due(now())); });
           } else if constexpr (std::is_same_v<A, sup::act::HoldMasterPort>) {
@@ -479,6 +540,13 @@ void Agent::run(sup::Actions actions) {
             client_->worker_failed(a.f);
           } else if constexpr (std::is_same_v<A, sup::act::SendNodeDone>) {
             client_->node_done(a.round);
+          } else if constexpr (std::is_same_v<A, sup::act::Pause>) {
+            if (!control_ || !control_->send(a.local_rank, control::pause(a.round, a.reason))) {
+              const int lr = a.local_rank;
+              asio::post(io_, [this, lr] { run(core_.control_closed(lr, now())); });
+            }
+          } else if constexpr (std::is_same_v<A, sup::act::Assign>) {
+            assign_worker(a);
           } else if constexpr (std::is_same_v<A, sup::act::Finish>) {
             finish(a.code);
           }
@@ -513,6 +581,7 @@ void Agent::finish(int code) {
   }
   if (file_timer_) file_timer_->stop();  // the pipe removed
   if (health_) health_->stop();
+  if (control_) control_->stop();
   // Every worker and what they started killed and reaped; the exec fence dropped.
   launcher_->finish();
   if (std::string text = logs_.finish(code); !text.empty()) notice(text);

@@ -25,6 +25,7 @@
 #include <boost/asio/signal_set.hpp>
 #include <nlohmann/json.hpp>
 
+#include "control/server.h"
 #include "logs/console.h"
 #include "ops/hwprobe.h"
 #include "logs/log_layout.h"
@@ -128,6 +129,13 @@ class Agent {
   // console it relays to).
   std::unique_ptr<WorkerLauncher> launcher_;
   sup::Supervisor core_;
+  // The control channel of in-place recovery (control/server.h, docs/in-place-recovery.md):
+  // listens from start() on, its name in every worker's MGLAUNCH_CONTROL_SOCKET; null when
+  // it could not listen (then no worker can opt in).
+  void start_control();
+  int worker_of(pid_t pid) const;  // the local rank of the worker `pid` is or descends from; -1: none
+  void assign_worker(const sup::act::Assign& a);
+  std::unique_ptr<control::Server> control_;
   LogLayout logs_;  // where this run's files go (logs/log_layout.h)
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().

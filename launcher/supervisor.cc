@@ -55,7 +55,15 @@ void Supervisor::spawn_batch(std::uint64_t gen, const Now& now, Actions& out) {
   const int end = std::min(cfg_.nproc, spawned_ + std::max(1, cfg_.spawn_batch));
   if (spawned_ == 0 && port_held_) out.push_back(act::OpenExecFence{});
   while (state_ == State::kRunning && spawned_ < end) {
-    out.push_back(act::Spawn{spawned_++, restart_count_});
+    const auto lr = static_cast<std::size_t>(spawned_++);
+    if (paused_[lr]) {  // kept in place: its handle counts already
+      paused_[lr] = 0;
+      out.push_back(act::Assign{static_cast<int>(lr), rdzv_ ? round_ : restart_count_, restart_count_});
+      continue;
+    }
+    out.push_back(act::Spawn{static_cast<int>(lr), restart_count_});
+    live_[lr] = 1;
+    in_place_[lr] = 0;  // a new process: not opted in until it says so
     ++handles_;
   }
   if (state_ == State::kRunning && spawned_ < cfg_.nproc) {
@@ -108,6 +116,12 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
   // The first failure of a running attempt is its root cause; later ones are the stop's doing.
   const bool cause = state_ == State::kRunning && o.exit_code != 0;
   out.push_back(act::WorkerEnded{o, restart_count_, cause});
+  if (valid(o.local_rank)) {
+    const auto lr = static_cast<std::size_t>(o.local_rank);
+    if (paused_[lr])
+      notice(fmt::format("local rank {} ended while paused: it is started anew in the next attempt", o.local_rank), out);
+    live_[lr] = in_place_[lr] = paused_[lr] = 0;
+  }
   if (cause) {
     RootCause rc;
     if (details) {
@@ -118,11 +132,19 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
     }
     rc.worker = o;
     root_cause_ = std::move(rc);
+    // While restarts remain (this node's count; with a rendezvous it decides, and an abort
+    // stops the paused workers after all), the workers that opted in wait in place.
+    if (restart_count_ < cfg_.max_restarts)
+      pause_in_place(fmt::format("rank {} (local_rank {}) on {} failed with exit code {}", o.rank, o.local_rank,
+                                 cfg_.host, o.exit_code),
+                     out);
     stop_group(SIGTERM, now, out);
   }
   // Ranks still to start count while running; once stopping, they never will.
   ++done_;
-  const bool all_done = done_ >= handles_ && (spawned_ == cfg_.nproc || state_ != State::kRunning);
+  if (state_ == State::kWaiting) return out;  // a paused worker ended between rounds
+  const bool all_done = (state_ == State::kRunning ? done_ >= handles_ : stop_complete()) &&
+                        (spawned_ == cfg_.nproc || state_ != State::kRunning);
   if (!all_done) return out;
   out.push_back(act::AttemptEnded{restart_count_, state_ != State::kRunning || root_cause_.has_value()});
   if (state_ == State::kRunning) {
@@ -139,12 +161,40 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
   return out;
 }
 
+int Supervisor::paused_count() const { return static_cast<int>(std::count(paused_.begin(), paused_.end(), 1)); }
+
+bool Supervisor::pause_in_place(const std::string& reason, Actions& out) {
+  std::string ranks;
+  for (int lr = 0; lr < cfg_.nproc; ++lr) {
+    const auto i = static_cast<std::size_t>(lr);
+    if (!live_[i] || !in_place_[i] || paused_[i]) continue;
+    paused_[i] = 1;
+    out.push_back(act::Pause{lr, rdzv_ ? round_ : restart_count_, reason});
+    ranks += (ranks.empty() ? "" : ",") + std::to_string(lr);
+  }
+  if (ranks.empty()) return false;
+  notice(fmt::format("in-place recovery: local rank(s) {} paused, kept for the next attempt", ranks), out);
+  trace("pause", "restart", {{"local_ranks", ranks}, {"reason", reason}}, out);
+  return true;
+}
+
+void Supervisor::unpause_all() {
+  std::fill(paused_.begin(), paused_.end(), 0);
+  stop_only_.reset();
+}
+
 void Supervisor::stop_group(int sig, const Now& now, Actions& out) {
   if (state_ == State::kDone) return;
   state_ = State::kStopping;
   stop_signal_ = sig;
+  stop_only_.reset();
+  if (paused_count() > 0) {  // the paused ones are spared
+    stop_only_.emplace();
+    for (int lr = 0; lr < cfg_.nproc; ++lr)
+      if (live_[static_cast<std::size_t>(lr)] && !paused_[static_cast<std::size_t>(lr)]) stop_only_->push_back(lr);
+  }
   trace(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}}, out);
-  out.push_back(act::SignalWorkers{sig, true});
+  if (!stop_only_ || !stop_only_->empty()) out.push_back(act::SignalWorkers{sig, true, stop_only_});
   grace_due_ = now.steady + cfg_.grace;
   out.push_back(act::ArmTimer{Timer::kGrace, grace_due_});
 }
@@ -157,7 +207,7 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
                        signal_name(stop_signal_)),
            out);
     trace("send SIGKILL to the workers", "signal", {{"signal", SIGKILL}, {"after_grace_s", seconds(cfg_.grace)}}, out);
-    out.push_back(act::SignalWorkers{SIGKILL, true});
+    out.push_back(act::SignalWorkers{SIGKILL, true, stop_only_});
   } else if (t == Timer::kLeave) {
     if (state_ != State::kDone) finish(leaving_code_, out);
   } else if (t == Timer::kFence) {
@@ -239,9 +289,19 @@ void Supervisor::group_stopped(const Now& now, Actions& out) {
 }
 
 void Supervisor::retire(Actions& out) {
-  out.push_back(act::RetireWorkers{});
-  handles_ = 0;
+  std::vector<int> keep;
+  for (int lr = 0; lr < cfg_.nproc; ++lr) {
+    const auto i = static_cast<std::size_t>(lr);
+    if (paused_[i]) {
+      keep.push_back(lr);
+    } else {
+      live_[i] = in_place_[i] = 0;
+    }
+  }
+  handles_ = static_cast<int>(keep.size());
   done_ = 0;
+  stop_only_.reset();
+  out.push_back(act::RetireWorkers{std::move(keep)});
 }
 
 void Supervisor::rejoin(Actions& out) {
@@ -274,16 +334,24 @@ Actions Supervisor::signal(int sig, const Now& now) {
   facts.stopping = state_ == State::kStopping;
   const OnSignal what = on_agent_signal(facts);
   if (what == OnSignal::kForward) {
-    out.push_back(act::SignalWorkers{sig, false});
+    out.push_back(act::SignalWorkers{sig, false, std::nullopt});
     return out;
   }
   if (what == OnSignal::kKillNow) {
     notice("second interrupt: killing the workers now", out);
-    out.push_back(act::SignalWorkers{SIGKILL, true});
+    out.push_back(act::SignalWorkers{SIGKILL, true, std::nullopt});
     agent_signal_ = SIGINT;
     return out;
   }
   if (agent_signal_ == 0) agent_signal_ = sig;
+  if (what == OnSignal::kEndWhileWaiting && paused_count() > 0 && !leaving_code_) {
+    // Paused workers wait for the next round: they are stopped as a running group is.
+    notice(fmt::format("got {}: stopping the paused workers (grace {:.1f}s)", signal_name(sig), seconds(cfg_.grace)),
+           out);
+    unpause_all();
+    stop_group(sig, now, out);
+    return out;
+  }
   if (what == OnSignal::kEndWhileWaiting) {
     if (leaving_code_) {  // a second signal while telling the others: go now
       finish(leaving_code_, out);
@@ -306,9 +374,10 @@ Actions Supervisor::signal(int sig, const Now& now) {
     return out;
   }
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), seconds(cfg_.grace)), out);
-  if (what == OnSignal::kForwardWhileStopping)
-    out.push_back(act::SignalWorkers{sig, true});
-  else
+  if (what == OnSignal::kForwardWhileStopping) {
+    unpause_all();  // the paused workers go too
+    out.push_back(act::SignalWorkers{sig, true, std::nullopt});
+  } else
     stop_group(sig, now, out);
   return out;
 }
@@ -319,7 +388,7 @@ Actions Supervisor::job_control(int sig, const Now& now) {
   if (sig == SIGTSTP) {
     // Ctrl-Z: the workers first (they are in process groups of their own, the terminal
     // stopped only us), then the agent, as the shell expects of its job.
-    out.push_back(act::SignalWorkers{SIGSTOP, true});
+    out.push_back(act::SignalWorkers{SIGSTOP, true, std::nullopt});
     trace("stopped (SIGTSTP)", "signal", {{"signal", sig}}, out);
     out.push_back(act::PauseOutputDrains{});
     // The grace must not run out while we are stopped: a timer that expired meanwhile
@@ -331,7 +400,7 @@ Actions Supervisor::job_control(int sig, const Now& now) {
   // fg or bg (or anyone's SIGCONT): the workers go on with us. The time spent stopped
   // counts neither against the workers' grace nor against the drain of an ended
   // worker's output.
-  out.push_back(act::SignalWorkers{SIGCONT, true});
+  out.push_back(act::SignalWorkers{SIGCONT, true, std::nullopt});
   trace("continued (SIGCONT)", "signal", {{"signal", sig}}, out);
   out.push_back(act::ResumeOutputDrains{});
   if (state_ == State::kStopping) {
@@ -397,7 +466,12 @@ Actions Supervisor::restart(const proto::Restart& r, const Now& now) {
   trace("restart", "restart", {{"restart_count", r.restart_count}, {"reason", r.reason}, {"by", "rendezvous"}}, out);
   if (state_ == State::kRunning) {
     rejoin_after_stop_ = true;
+    pause_in_place(r.reason, out);
     stop_group(SIGTERM, now, out);
+    if (stop_complete()) {  // every worker is paused: nothing to wait for
+      out.push_back(act::AttemptEnded{restart_count_, true});
+      group_stopped(now, out);
+    }
   } else if (state_ == State::kWaiting) {
     rejoin(out);
   } else {
@@ -414,6 +488,13 @@ Actions Supervisor::abort(const proto::Abort& a, const Now& now) {
     return out;
   }
   abort_ = a;
+  if (paused_count() > 0) {
+    // The paused workers wait for a round that will not come: they are stopped too.
+    unpause_all();
+    if (state_ == State::kStopping) out.push_back(act::SignalWorkers{SIGTERM, true, std::nullopt});
+    else stop_group(SIGTERM, now, out);
+    return out;
+  }
   if (state_ == State::kRunning) {
     stop_group(SIGTERM, now, out);
   } else if (state_ == State::kWaiting) {
@@ -517,6 +598,32 @@ bool meant_to_host(bool rdzv_server, bool etcd, std::optional<bool> is_host,
                    const std::function<bool()>& endpoint_is_here) {
   if (!rdzv_server || etcd) return false;
   return is_host ? *is_host : endpoint_is_here();
+}
+
+}  // namespace mg::sup
+
+namespace mg::sup {
+
+Actions Supervisor::worker_hello(int local_rank, bool in_place, const Now&) {
+  Actions out;
+  if (!valid(local_rank) || !live_[static_cast<std::size_t>(local_rank)] || state_ == State::kDone) return out;
+  in_place_[static_cast<std::size_t>(local_rank)] = in_place ? 1 : 0;
+  return out;
+}
+
+Actions Supervisor::control_closed(int local_rank, const Now&) {
+  Actions out;
+  if (!valid(local_rank) || state_ == State::kDone) return out;
+  const auto lr = static_cast<std::size_t>(local_rank);
+  in_place_[lr] = 0;
+  if (!paused_[lr]) return out;
+  // It can no longer be assigned: stopped as the others were, started anew next attempt.
+  paused_[lr] = 0;
+  notice(fmt::format("local rank {} closed its control connection while paused: stopping it", local_rank), out);
+  if (state_ == State::kStopping && stop_only_) stop_only_->push_back(local_rank);
+  out.push_back(act::SignalWorkers{state_ == State::kStopping ? stop_signal_ : SIGTERM, false,
+                                   std::vector<int>{local_rank}});
+  return out;
 }
 
 }  // namespace mg::sup

@@ -14,6 +14,13 @@
 //   running --(every worker ended well)--> done (single node) | waiting (node done, multi-node)
 //   stopping --(every worker ended)--> running (restart left) | waiting | done  (after_stop())
 //   waiting --(assignment)--> running;  --(abort | lost | signal)--> done
+//
+// In-place recovery (docs/in-place-recovery.md): a worker that said hello with in_place
+// over the control channel (worker_hello) and is alive when a restart is decided (a
+// Restart from the rendezvous, or a local failure while restarts remain) gets Pause
+// instead of the stop signal; its handle survives RetireWorkers, and the next attempt
+// sends it Assign where the others get Spawn. A paused worker that ends before its Assign
+// is spawned anew; once assigned, its end is an ordinary end of the new attempt.
 #pragma once
 
 #include <chrono>
@@ -88,14 +95,19 @@ struct WatchExecs {};
 // is the attempt's root cause (then worker_ended() took its details).
 struct WorkerEnded { WorkerOutcome o; int attempt = 0; bool root_cause = false; };
 struct SpawnMoreLater { std::uint64_t gen = 0; };  // feed spawn_batch_due(gen) from the event loop
-struct SignalWorkers { int sig = 0; bool escaped = true; };  // every worker group, and (escaped) the
-                                                              // descendants outside them
+// Every worker group and (escaped) the descendants outside them; with `only`, the process
+// groups of those local ranks alone (the paused ones are spared).
+struct SignalWorkers { int sig = 0; bool escaped = true; std::optional<std::vector<int>> only; };
 struct PauseOutputDrains {};   // before the agent stops: an ended worker's output drain waits
 struct ResumeOutputDrains {};  // the drains start over (the time stopped does not count)
 struct StopSelf {};            // SIGSTOP the agent (Ctrl-Z, after the workers)
 struct ArmTimer { Timer timer; Clock::time_point at; };
 struct CancelTimer { Timer timer; };
-struct RetireWorkers {};       // kill what is left of the attempt, drop its handles
+struct RetireWorkers { std::vector<int> keep; };  // kill what is left of the attempt, drop its
+                                                  // handles, but those of the local ranks in `keep` (paused)
+// In-place recovery: tell local rank N's worker over the control channel.
+struct Pause { int local_rank = 0; int round = 0; std::string reason; };  // the round that ended
+struct Assign { int local_rank = 0; int round = 0; int restart_count = 0; };  // the new one's: its env from the plan
 struct AttemptDue {};          // feed attempt_due() from the event loop
 struct HoldMasterPort { bool fresh = false; };
 struct ReleaseMasterPort {};   // the workers may bind it now
@@ -111,12 +123,17 @@ using Action = std::variant<act::Notice, act::ErrorLine, act::PrintRootCause, ac
                             act::SpawnMoreLater, act::SignalWorkers, act::PauseOutputDrains, act::ResumeOutputDrains, act::StopSelf,
                             act::ArmTimer, act::CancelTimer, act::RetireWorkers, act::AttemptDue,
                             act::HoldMasterPort, act::ReleaseMasterPort, act::Rejoin, act::SendWorkerFailed,
-                            act::SendNodeDone, act::Finish>;
+                            act::SendNodeDone, act::Finish, act::Pause, act::Assign>;
 using Actions = std::vector<Action>;
 
 class Supervisor {
  public:
-  explicit Supervisor(Config cfg) : cfg_(std::move(cfg)), node_rank_(cfg_.node_rank) {}
+  explicit Supervisor(Config cfg)
+      : cfg_(std::move(cfg)),
+        node_rank_(cfg_.node_rank),
+        live_(static_cast<std::size_t>(cfg_.nproc), 0),
+        in_place_(live_),
+        paused_(live_) {}
 
   // The agent is set up: join the rendezvous (multi-node) or start attempt 0.
   Actions start(const Now& now);
@@ -144,6 +161,10 @@ class Supervisor {
   Actions abort(const proto::Abort& a, const Now& now);
   Actions rendezvous_done(const Now& now);
   Actions rendezvous_lost(const std::string& why, const Now& now);
+  // From the control channel: local rank N's worker said hello (`in_place`: it opts in),
+  // or its connection closed (a paused one is then stopped: it can no longer be assigned).
+  Actions worker_hello(int local_rank, bool in_place, const Now& now);
+  Actions control_closed(int local_rank, const Now& now);
 
   State state() const { return state_; }
   int restart_count() const { return restart_count_; }
@@ -156,6 +177,8 @@ class Supervisor {
   const std::vector<AttemptRecord>& attempts() const { return attempts_; }
   // Worker handles of the attempt (started, not yet retired).
   int handles() const { return handles_; }
+  bool paused(int local_rank) const { return valid(local_rank) && paused_[static_cast<std::size_t>(local_rank)]; }
+  bool in_place(int local_rank) const { return valid(local_rank) && in_place_[static_cast<std::size_t>(local_rank)]; }
 
  private:
   void start_attempt(const Now& now, Actions& out);
@@ -169,6 +192,15 @@ class Supervisor {
   void rejoin(Actions& out);
   void retire(Actions& out);
   void finish(int code, Actions& out);
+  bool valid(int lr) const { return lr >= 0 && lr < cfg_.nproc; }
+  int paused_count() const;
+  // Pause every live worker that opted in (a restart is coming); false when none.
+  bool pause_in_place(const std::string& reason, Actions& out);
+  // The paused workers are to be stopped after all (an abort, a signal): they count again
+  // among the workers a stop waits for.
+  void unpause_all();
+  // The stop under way has nothing left to wait for (every handle ended or paused).
+  bool stop_complete() const { return done_ + paused_count() >= handles_; }
   void notice(std::string text, Actions& out) { out.push_back(act::Notice{std::move(text)}); }
   void trace(std::string name, std::string cat, nlohmann::json args, Actions& out) {
     out.push_back(act::Trace{std::move(name), std::move(cat), std::move(args)});
@@ -201,6 +233,11 @@ class Supervisor {
   bool port_held_ = false;     // HoldMasterPort was the last word on the port
   bool fence_pending_ = false;  // WatchExecs out, ReleaseMasterPort not yet
   Clock::time_point fence_due_{};
+  // In-place recovery, per local rank: a handle is alive; its worker opted in; it was sent
+  // Pause and waits for Assign. stop_only_: the ranks the stop under way signals (none:
+  // every worker).
+  std::vector<char> live_, in_place_, paused_;
+  std::optional<std::vector<int>> stop_only_;
 };
 
 // ---- the agent's start-up decisions ----

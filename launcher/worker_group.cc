@@ -50,17 +50,52 @@ void WorkerGroup::signal_escaped(int sig, const std::vector<ProcStat>& table) {
   }
 }
 
-void WorkerGroup::retire() {
+void WorkerGroup::signal_some(int sig, const std::vector<int>& local_ranks) {
+  const pid_t self = ::getpid();
+  std::vector<ProcStat> table;
+  std::unordered_set<pid_t> groups;
+  bool scanned = false;
+  for (auto& w : workers_) {
+    if (std::find(local_ranks.begin(), local_ranks.end(), w->spec().local_rank) == local_ranks.end()) continue;
+    if (w->exited() && !scanned) {  // its group lives on only in the agent's descendants
+      table = scan_family(self);
+      groups = descendant_groups(table, self);
+      scanned = true;
+    }
+    w->signal_group(sig, scanned ? &groups : nullptr);
+  }
+}
+
+void WorkerGroup::retire(const std::vector<int>& keep) {
   // SIGKILL to every worker's group and to every other descendant but the unreaped
-  // leaders and the watchdog (reap() reaps them), from one scan.
+  // leaders, the kept workers' families and the watchdog (reap() reaps them), from one scan.
   const pid_t self = ::getpid();
   const std::vector<ProcStat> table = scan_family(self);
   const std::unordered_set<pid_t> groups = descendant_groups(table, self);
-  for (auto& w : workers_) w->signal_group(SIGKILL, &groups);
-  for (const auto& p : descendants_of(table, self))
-    if (!is_live_leader(p.pid) && p.pid != watchdog_.pid()) ::kill(p.pid, SIGKILL);
-  for (auto& p : workers_) retired_.push_back(std::move(p));
-  workers_.clear();
+  std::vector<std::unique_ptr<WorkerProcess>> kept;
+  std::unordered_set<pid_t> spared;  // the kept workers' process groups and descendants
+  for (auto& w : workers_) {
+    const bool stays = !w->exited() && w->pid() > 0 &&
+                       std::find(keep.begin(), keep.end(), w->spec().local_rank) != keep.end();
+    if (!stays) {
+      w->signal_group(SIGKILL, &groups);
+      continue;
+    }
+    spared.insert(w->pid());
+    for (const auto& p : descendants_of(table, w->pid())) spared.insert(p.pid);
+  }
+  for (const auto& p : descendants_of(table, self)) {
+    if (is_live_leader(p.pid) || p.pid == watchdog_.pid() || spared.contains(p.pid)) continue;
+    bool in_kept_group = false;
+    for (auto& w : workers_)
+      if (p.pgrp == w->pid() && spared.contains(w->pid())) in_kept_group = true;
+    if (!in_kept_group) ::kill(p.pid, SIGKILL);
+  }
+  for (auto& p : workers_) {
+    if (spared.contains(p->pid()) && !p->exited()) kept.push_back(std::move(p));
+    else retired_.push_back(std::move(p));
+  }
+  workers_ = std::move(kept);
   boost::asio::post(io_, [this] { retired_.clear(); });
 }
 

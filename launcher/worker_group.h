@@ -42,9 +42,13 @@ class WorkerGroup {
   // leader was reaped, not one per worker); with `escaped`, also to the descendants
   // outside every live worker's process group.
   void signal(int sig, bool escaped);
+  // Sends `sig` to the process groups of the workers of these local ranks.
+  void signal_some(int sig, const std::vector<int>& local_ranks);
   // Nothing of a finished attempt may live on into the next one: SIGKILL to what is left,
   // the handles dropped (destroyed from the event loop: we may be inside their callbacks).
-  void retire();
+  // The live workers of the local ranks in `keep` stay, with their process groups and
+  // their descendants (those still below them, or in their groups).
+  void retire(const std::vector<int>& keep = {});
   // The end of the run: SIGKILL to every worker's group and every descendant but the
   // watchdog, reaping them (kill_leftovers(true)); true as kill_leftovers.
   bool kill_all();

@@ -92,7 +92,12 @@ class ProcessLauncher final : public WorkerLauncher {
   }
 
   void signal(int sig, bool escaped) override { group_.signal(sig, escaped); }
-  void retire() override { group_.retire(); }
+  void signal_some(int sig, const std::vector<int>& local_ranks) override { group_.signal_some(sig, local_ranks); }
+  void retire(const std::vector<int>& keep) override { group_.retire(keep); }
+  void reassign(int local_rank, int rank, const std::string& prefix) override {
+    for (const auto& w : group_.workers())
+      if (w->spec().local_rank == local_rank && !w->exited()) w->reassign(rank, prefix);
+  }
   void pause_drains() override { group_.pause_drains(); }
   void resume_drains() override { group_.resume_drains(); }
   void window_changed() override {

@@ -56,9 +56,15 @@ class WorkerLauncher {
   virtual pid_t start(WorkerSpec spec, Ended ended) = 0;
   // `sig` to every worker's process group; with `escaped`, also to the descendants outside them.
   virtual void signal(int sig, bool escaped) = 0;
+  // `sig` to the process groups of the workers of these local ranks only.
+  virtual void signal_some(int sig, const std::vector<int>& local_ranks) = 0;
   // Nothing of a finished attempt lives on into the next one: SIGKILL to what is left, the
-  // handles dropped.
-  virtual void retire() = 0;
+  // handles dropped; but the workers of the local ranks in `keep` (paused for in-place
+  // recovery), their process groups and their descendants stay, with their handles.
+  virtual void retire(const std::vector<int>& keep) = 0;
+  // A kept worker takes its place in the new attempt: its global rank (and the line
+  // prefix, WorkerSpec::prefix, of that rank) from now on.
+  virtual void reassign(int local_rank, int rank, const std::string& prefix) = 0;
   virtual void pause_drains() = 0;   // Ctrl-Z: an ended worker's output drain waits
   virtual void resume_drains() = 0;  // SIGCONT: the drains start over
   virtual void window_changed() = 0;  // SIGWINCH: the workers' terminals take the new size

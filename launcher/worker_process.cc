@@ -240,6 +240,11 @@ void WorkerProcess::window_changed() {
   if (any && pid_ > 0 && !exited_) ::killpg(pid_, SIGWINCH);
 }
 
+void WorkerProcess::reassign(int rank, const std::string& prefix) {
+  spec_.rank = rank;
+  prefix_ = prefix.find(kPrefixPidMark) != std::string::npos ? replace_prefix_pid(prefix, pid_) : prefix;
+}
+
 bool WorkerProcess::on_terminal(int s) const { return impl_->pty[s]; }
 
 double WorkerProcess::duration_s() const {

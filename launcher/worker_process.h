@@ -84,6 +84,9 @@ class WorkerProcess {
   // The agent's terminal changed size (SIGWINCH): the worker's pseudo-terminals take the
   // new size and the worker's process group gets SIGWINCH. Nothing without one.
   void window_changed();
+  // Kept for the next attempt (in-place recovery): its global rank and line prefix (a
+  // template's ${pid} filled in) from now on.
+  void reassign(int rank, const std::string& prefix);
   // Whether stream `s` (0 stdout, 1 stderr) is a pseudo-terminal for the worker.
   bool on_terminal(int s) const;
 

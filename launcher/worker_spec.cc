@@ -10,6 +10,14 @@
 
 namespace mg {
 
+std::string worker_line_prefix(const RunPlan& plan, const AgentOptions& opts, int lr) {
+  const int rank = plan.rank_offset + lr;
+  if (!opts.log_line_prefix_template) return fmt::format("[rank{}]:", rank);
+  const std::string& t = *opts.log_line_prefix_template;
+  return expand_line_prefix(t, opts.role, rank, lr,
+                            t.find("hostname") != std::string::npos ? local_hostname() : std::string());
+}
+
 WorkerSpec make_worker_spec(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base_env, const SpecInputs& in) {
   const int lr = in.local_rank;
   WorkerSpec spec;
@@ -49,13 +57,7 @@ WorkerSpec make_worker_spec(const RunPlan& plan, const AgentOptions& opts, const
   spec.max_line_bytes = opts.max_line_bytes;
   spec.merge_streams = in.merge_streams && spec.console[0] == spec.console[1] && spec.log_file[0].empty() &&
                        spec.log_file[1].empty();
-  if (opts.log_line_prefix_template) {
-    const std::string& t = *opts.log_line_prefix_template;
-    spec.prefix = expand_line_prefix(t, opts.role, spec.rank, lr,
-                                     t.find("hostname") != std::string::npos ? local_hostname() : std::string());
-  } else {
-    spec.prefix = fmt::format("[rank{}]:", spec.rank);
-  }
+  spec.prefix = worker_line_prefix(plan, opts, lr);
   // --duplicate-*-filters: the matching lines of tee'd ranks shown on the console also go
   // to one file of the attempt, shared by the node's ranks (torch's DefaultLogsSpecs).
   const char* filtered[2] = {"filtered_stdout.log", "filtered_stderr.log"};

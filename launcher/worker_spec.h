@@ -22,6 +22,10 @@ struct SpecInputs {
 // argv and executable; torchrun's environment over `base_env` (TORCHELASTIC_ERROR_FILE in
 // `dir`); the console and the log files of stdout/stderr by --redirects, --tee and
 // --local_ranks_filter; one pipe when both streams go only to one console; the line prefix.
+// The line prefix of local rank `local_rank`'s relayed lines ("[rank3]:", or
+// --log-line-prefix-template's expansion).
+std::string worker_line_prefix(const RunPlan& plan, const AgentOptions& opts, int local_rank);
+
 WorkerSpec make_worker_spec(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base_env, const SpecInputs& in);
 
 }  // namespace mg

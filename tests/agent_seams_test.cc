@@ -98,9 +98,17 @@ class FakeLauncher final : public WorkerLauncher {
     return all_.back()->pid;
   }
   void signal(int sig, bool) override { signals.push_back(sig); }
-  void retire() override {
+  void signal_some(int sig, const std::vector<int>&) override { signals.push_back(sig); }
+  void retire(const std::vector<int>& keep) override {
     ++retired;
-    current_.clear();  // (the handles stay: the agent may be inside their callbacks)
+    // (the handles stay: the agent may be inside their callbacks)
+    std::erase_if(current_, [&](const Worker* w) {
+      return std::find(keep.begin(), keep.end(), w->spec.local_rank) == keep.end();
+    });
+  }
+  void reassign(int local_rank, int rank, const std::string&) override {
+    for (Worker* w : current_)
+      if (w->spec.local_rank == local_rank) w->spec.rank = rank;
   }
   void pause_drains() override {}
   void resume_drains() override {}

@@ -818,3 +818,227 @@ TEST_CASE("nothing changes once the run has ended") {
   CHECK(s.attempt_due(at(20)).empty());
   CHECK(s.exit_code() == 0);
 }
+
+// ---- in-place recovery (docs/in-place-recovery.md) ----
+
+namespace {
+
+std::vector<int> paused_ranks(const Actions& out) {
+  std::vector<int> v;
+  for (const auto& p : all<act::Pause>(out)) v.push_back(p.local_rank);
+  return v;
+}
+
+std::vector<int> assigned_ranks(const Actions& out) {
+  std::vector<int> v;
+  for (const auto& a : all<act::Assign>(out)) v.push_back(a.local_rank);
+  return v;
+}
+
+std::vector<int> spawned_ranks(const Actions& out) {
+  std::vector<int> v;
+  for (const auto& a : all<act::Spawn>(out)) v.push_back(a.local_rank);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("in place: a local failure with restarts left pauses the opted-in workers and stops only the others") {
+  Supervisor s(single(3, 2));
+  s.start(at(0));
+  s.worker_hello(1, true, at(1));
+  s.worker_hello(2, false, at(1));  // said hello, did not opt in
+  auto out = fail(s, 0, 5, at(10));
+  CHECK(paused_ranks(out) == std::vector<int>{1});
+  CHECK(all<act::Pause>(out).at(0).reason == "rank 0 (local_rank 0) on node-a failed with exit code 5");
+  CHECK(index_of<act::Pause>(out) < index_of<act::SignalWorkers>(out));
+  auto sig = all<act::SignalWorkers>(out);
+  REQUIRE(sig.size() == 1);
+  CHECK(sig[0].sig == SIGTERM);
+  REQUIRE(sig[0].only);
+  CHECK(*sig[0].only == std::vector<int>{2});  // the failed one is gone, the paused one spared
+  CHECK(s.paused(1));
+  // The grace runs out: SIGKILL spares the paused worker too.
+  out = s.timer_fired(Timer::kGrace, at(10 + 3000));
+  REQUIRE(all<act::SignalWorkers>(out).size() == 1);
+  CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{2});
+  // The stop is over once the unpaused one ended: restart, the paused handle kept.
+  out = s.worker_ended(ended(2, 143, SIGTERM), at(3100));
+  REQUIRE(has<act::RetireWorkers>(out));
+  CHECK(all<act::RetireWorkers>(out)[0].keep == std::vector<int>{1});
+  CHECK(has<act::AttemptDue>(out));
+  CHECK(s.handles() == 1);
+  out = s.attempt_due(at(3200));
+  CHECK(spawned_ranks(out) == std::vector<int>{0, 2});
+  CHECK(assigned_ranks(out) == std::vector<int>{1});
+  CHECK(all<act::Assign>(out)[0].restart_count == 1);
+  CHECK_FALSE(s.paused(1));
+  CHECK(s.in_place(1));  // still connected: it stays opted in
+  // The assigned worker is an ordinary worker of the new attempt.
+  s.worker_ended(ended(0, 0), at(4000));
+  s.worker_ended(ended(2, 0), at(4000));
+  CHECK(finished(s.worker_ended(ended(1, 0), at(4100))) == 0);
+}
+
+TEST_CASE("in place: no worker opted in, or restarts spent: every worker is stopped as before, nothing paused") {
+  Supervisor s(single(2, 2));
+  s.start(at(0));
+  auto out = fail(s, 0, 5, at(10));
+  CHECK_FALSE(has<act::Pause>(out));
+  REQUIRE(all<act::SignalWorkers>(out).size() == 1);
+  CHECK_FALSE(all<act::SignalWorkers>(out)[0].only);
+
+  Supervisor spent(single(2, 0));
+  spent.start(at(0));
+  spent.worker_hello(1, true, at(1));
+  out = fail(spent, 0, 5, at(10));
+  CHECK_FALSE(has<act::Pause>(out));
+  CHECK_FALSE(all<act::SignalWorkers>(out)[0].only);
+}
+
+TEST_CASE("in place: a restart from the rendezvous pauses every opted-in worker and rejoins at once when none is left to stop") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(0, true, at(11));
+  s.worker_hello(1, true, at(11));
+  proto::Restart r;
+  r.restart_count = 1;
+  r.reason = "node n1 (127.0.0.3) lost: its connection closed";
+  auto out = s.restart(r, at(20));
+  CHECK(paused_ranks(out) == std::vector<int>{0, 1});
+  CHECK(all<act::Pause>(out)[0].round == 1);
+  CHECK(all<act::Pause>(out)[0].reason == r.reason);
+  CHECK_FALSE(has<act::SignalWorkers>(out));
+  CHECK(has<act::Rejoin>(out));
+  CHECK(s.state() == State::kWaiting);
+  out = s.assignment(assignment(2, 1, 1), at(40));
+  CHECK(all<act::RetireWorkers>(out).at(0).keep == std::vector<int>{0, 1});
+  CHECK(spawned_ranks(out).empty());
+  CHECK(assigned_ranks(out) == std::vector<int>{0, 1});
+  CHECK(all<act::Assign>(out)[1].round == 2);
+  CHECK(all<act::Assign>(out)[1].restart_count == 1);
+  CHECK(s.state() == State::kRunning);
+  s.worker_ended(ended(0, 0), at(50));
+  out = s.worker_ended(ended(1, 0), at(50));
+  CHECK(all<act::SendNodeDone>(out).at(0).round == 2);
+}
+
+TEST_CASE("in place: a restart from the rendezvous stops the workers that did not opt in, rejoins once they ended") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(1, true, at(11));
+  proto::Restart r;
+  r.restart_count = 1;
+  auto out = s.restart(r, at(20));
+  CHECK(paused_ranks(out) == std::vector<int>{1});
+  CHECK(*all<act::SignalWorkers>(out).at(0).only == std::vector<int>{0});
+  CHECK_FALSE(has<act::Rejoin>(out));
+  out = s.worker_ended(ended(0, 143, SIGTERM), at(30));
+  CHECK(has<act::Rejoin>(out));
+  out = s.assignment(assignment(2, 0, 1), at(40));
+  CHECK(spawned_ranks(out) == std::vector<int>{0});
+  CHECK(assigned_ranks(out) == std::vector<int>{1});
+}
+
+TEST_CASE("in place: a paused worker that ends before its assignment is spawned anew") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(0, true, at(11));
+  s.worker_hello(1, true, at(11));
+  proto::Restart r;
+  r.restart_count = 1;
+  s.restart(r, at(20));
+  auto out = s.worker_ended(ended(1, 1), at(25));
+  CHECK(noticed(out, "local rank 1 ended while paused"));
+  CHECK_FALSE(taken_as(out).root_cause);
+  CHECK_FALSE(has<act::SignalWorkers>(out));
+  out = s.assignment(assignment(2, 0, 1), at(40));
+  CHECK(all<act::RetireWorkers>(out).at(0).keep == std::vector<int>{0});
+  CHECK(assigned_ranks(out) == std::vector<int>{0});
+  CHECK(spawned_ranks(out) == std::vector<int>{1});
+}
+
+TEST_CASE("in place: an assigned worker that fails is a failure of the new round") {
+  Supervisor s(multi(1));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(0, true, at(11));
+  proto::Restart r;
+  r.restart_count = 1;
+  s.restart(r, at(20));
+  s.assignment(assignment(2, 0, 1), at(30));
+  auto out = fail(s, 0, 7, at(40));
+  CHECK(taken_as(out).root_cause);
+  CHECK(taken_as(out).attempt == 1);
+  CHECK(all<act::SendWorkerFailed>(out).at(0).f.round == 2);
+}
+
+TEST_CASE("in place: an abort or a signal while workers are paused stops them before the run ends") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(1, true, at(11));
+  auto out = fail(s, 0, 3, at(20));  // restarts left (3): local rank 1 paused
+  CHECK(paused_ranks(out) == std::vector<int>{1});
+  REQUIRE(has<act::SendWorkerFailed>(out));  // nothing else to stop: reported at once
+  REQUIRE(s.state() == State::kWaiting);
+  proto::Abort a;
+  a.reason = "restarts spent";
+  a.root_cause.exit_code = 3;
+  a.root_cause.rank = 0;
+  out = s.abort(a, at(30));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK_FALSE(all<act::SignalWorkers>(out)[0].only);
+  CHECK_FALSE(finished(out));
+  out = s.worker_ended(ended(1, 143, SIGTERM), at(40));
+  CHECK(finished(out) == 3);
+
+  Supervisor t(multi(2));
+  t.start(at(0));
+  t.assignment(assignment(1, 0), at(10));
+  t.worker_hello(1, true, at(11));
+  fail(t, 0, 3, at(20));
+  REQUIRE(t.state() == State::kWaiting);
+  out = t.signal(SIGTERM, at(30));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  CHECK_FALSE(finished(out));
+  out = t.worker_ended(ended(1, 143, SIGTERM), at(40));
+  CHECK(has<act::SendWorkerFailed>(out));  // leaves the job as a stopped node does
+}
+
+TEST_CASE("in place: a paused worker whose control connection closes is stopped and spawned anew") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(0, true, at(11));
+  s.worker_hello(1, true, at(11));
+  proto::Restart r;
+  r.restart_count = 1;
+  s.restart(r, at(20));
+  auto out = s.control_closed(1, at(25));
+  CHECK(noticed(out, "local rank 1 closed its control connection while paused"));
+  REQUIRE(all<act::SignalWorkers>(out).size() == 1);
+  CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{1});
+  CHECK_FALSE(s.paused(1));
+  out = s.assignment(assignment(2, 0, 1), at(40));
+  CHECK(assigned_ranks(out) == std::vector<int>{0});
+  CHECK(spawned_ranks(out) == std::vector<int>{1});
+  // A connection that closes while running only withdraws the opt-in.
+  CHECK(s.control_closed(0, at(50)).empty());
+  CHECK_FALSE(s.in_place(0));
+}
+
+TEST_CASE("in place: a hello from a local rank with no live worker changes nothing") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.worker_hello(0, true, at(1));  // no round yet: nothing spawned
+  CHECK_FALSE(s.in_place(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(5, true, at(11));
+  s.worker_hello(-1, true, at(11));
+  s.worker_hello(0, true, at(11));
+  CHECK(s.in_place(0));
+}

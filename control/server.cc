@@ -1,0 +1,261 @@
+#include "control/server.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <array>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/write.hpp>
+#include <fmt/format.h>
+
+#include <sys/random.h>
+
+namespace mg::control {
+
+namespace asio = boost::asio;
+using local = asio::local::stream_protocol;
+
+namespace {
+
+std::string default_name() {
+  unsigned char r[8] = {};
+  std::size_t got = 0;
+  while (got < sizeof(r)) {
+    const ssize_t n = ::getrandom(r + got, sizeof(r) - got, 0);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  std::string hex;
+  for (unsigned char c : r) hex += fmt::format("{:02x}", c);
+  return fmt::format("mglaunch-{}-{}", ::getpid(), hex);
+}
+
+}  // namespace
+
+struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
+  struct Session {
+    explicit Session(local::socket s) : socket(std::move(s)) {}
+    local::socket socket;
+    std::uint64_t id = 0;
+    int local_rank = -1;
+    pid_t pid = 0;
+    bool said_hello = false;
+    bool closing = false;  // an error line goes out, then the socket closes
+    LineBuffer in;
+    std::array<char, 4096> buf{};
+    std::string out, writing;
+  };
+
+  Impl(asio::io_context& io, ServerOptions o, Handlers h)
+      : opts(std::move(o)), handlers(std::move(h)), acceptor(io) {}
+
+  ServerOptions opts;
+  Handlers handlers;
+  local::acceptor acceptor;
+  std::string address;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Session>> sessions;
+  std::unordered_map<int, std::uint64_t> by_rank;  // local rank -> the session that said hello
+  std::uint64_t next_id = 1;
+  bool stopped = false;
+
+  void log(const std::string& line) {
+    if (opts.log) opts.log("control socket: " + line);
+  }
+
+  void accept() {
+    acceptor.async_accept([self = shared_from_this()](boost::system::error_code ec, local::socket s) {
+      if (self->stopped || ec == asio::error::operation_aborted) return;
+      if (!ec) self->admit(std::move(s));
+      self->accept();
+    });
+  }
+
+  void admit(local::socket s) {
+    auto session = std::make_shared<Session>(std::move(s));
+    session->id = next_id++;
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    std::string refusal;
+    if (::getsockopt(session->socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      refusal = "cannot read the peer's credentials";
+    } else if (cred.uid != ::geteuid()) {
+      refusal = fmt::format("uid {} is not this agent's user (uid {})", cred.uid, ::geteuid());
+    } else if (sessions.size() >= opts.max_sessions) {
+      refusal = fmt::format("{} connections is the limit", opts.max_sessions);
+    } else {
+      session->pid = cred.pid;
+      session->local_rank = opts.worker_of ? opts.worker_of(cred.pid) : -1;
+      if (session->local_rank < 0)
+        refusal = fmt::format("pid {} is neither a worker of this agent nor a descendant of one", cred.pid);
+    }
+    sessions.emplace(session->id, session);
+    if (!refusal.empty()) {
+      log("refused a connection: " + refusal);
+      refuse(*session, refusal);
+      return;
+    }
+    read(session);
+  }
+
+  // One error line, then the connection closes.
+  void refuse(Session& s, const std::string& message) {
+    if (s.closing) return;
+    s.closing = true;
+    if (s.said_hello) release_rank(s, /*notify=*/true);
+    s.out += error(message);
+    write(s.id);
+  }
+
+  void release_rank(Session& s, bool notify) {
+    auto it = by_rank.find(s.local_rank);
+    if (it == by_rank.end() || it->second != s.id) return;
+    by_rank.erase(it);
+    if (notify && handlers.closed) handlers.closed(s.local_rank);
+  }
+
+  void drop(std::uint64_t id, bool notify) {
+    auto it = sessions.find(id);
+    if (it == sessions.end()) return;
+    auto s = it->second;
+    sessions.erase(it);
+    release_rank(*s, notify);
+    boost::system::error_code ignored;
+    s->socket.close(ignored);
+  }
+
+  void read(const std::shared_ptr<Session>& s) {
+    s->socket.async_read_some(asio::buffer(s->buf),
+                              [self = shared_from_this(), s](boost::system::error_code ec, std::size_t n) {
+                                if (self->stopped || s->closing || !self->sessions.contains(s->id)) return;
+                                if (ec) return self->drop(s->id, /*notify=*/true);
+                                self->on_data(s, std::string_view(s->buf.data(), n));
+                              });
+  }
+
+  void on_data(const std::shared_ptr<Session>& s, std::string_view data) {
+    auto lines = s->in.feed(data);
+    for (auto& line : lines.lines) {
+      if (!s->socket.is_open() || s->closing) return;
+      handle(*s, line);
+    }
+    if (s->closing || !sessions.contains(s->id)) return;
+    if (lines.too_long) {
+      log(fmt::format("dropped local rank {}'s connection: a message over {} bytes", s->local_rank, kMaxMessage));
+      refuse(*s, fmt::format("a message is longer than {} bytes (one JSON object per line)", kMaxMessage));
+      return;
+    }
+    read(s);
+  }
+
+  void handle(Session& s, const std::string& line) {
+    FromWorker m = parse_from_worker(line);
+    if (auto* bad = std::get_if<Bad>(&m)) {
+      log(fmt::format("dropped local rank {}'s connection: {}", s.local_rank, bad->message));
+      refuse(s, bad->message);
+      return;
+    }
+    if (auto* h = std::get_if<Hello>(&m)) {
+      if (h->local_rank >= 0 && h->local_rank != s.local_rank) {
+        refuse(s, fmt::format("hello says local_rank {}, but pid {} belongs to local rank {}", h->local_rank, s.pid,
+                              s.local_rank));
+        return;
+      }
+      if (!s.said_hello) {
+        s.said_hello = true;
+        if (auto old = by_rank.find(s.local_rank); old != by_rank.end() && old->second != s.id)
+          drop(old->second, /*notify=*/false);  // a newer hello of the same worker wins
+        by_rank[s.local_rank] = s.id;
+      }
+      s.out += welcome();
+      write(s.id);
+      if (handlers.hello) handlers.hello(s.local_rank, *h);
+      return;
+    }
+    if (!s.said_hello) {
+      refuse(s, "the first message must be hello");
+      return;
+    }
+    if (auto* p = std::get_if<Paused>(&m))
+      if (handlers.paused) handlers.paused(s.local_rank, *p);
+  }
+
+  void write(std::uint64_t id) {
+    auto it = sessions.find(id);
+    if (it == sessions.end()) return;
+    auto s = it->second;
+    if (!s->writing.empty()) return;  // one write in flight; the rest follows it
+    if (s->out.empty()) {
+      if (s->closing) drop(id, /*notify=*/false);
+      return;
+    }
+    s->writing.swap(s->out);
+    asio::async_write(s->socket, asio::buffer(s->writing),
+                      [self = shared_from_this(), s](boost::system::error_code ec, std::size_t) {
+                        if (self->stopped || !self->sessions.contains(s->id)) return;
+                        s->writing.clear();
+                        if (ec) return self->drop(s->id, /*notify=*/true);
+                        self->write(s->id);
+                      });
+  }
+};
+
+Server::Server(asio::io_context& io, ServerOptions opts, Handlers handlers)
+    : impl_(std::make_shared<Impl>(io, std::move(opts), std::move(handlers))) {
+  Impl& m = *impl_;
+  const std::string name = m.opts.name.empty() ? default_name() : m.opts.name;
+  m.address = at_notation(name);
+  boost::system::error_code ec;
+  const std::string raw = abstract_address(m.address);
+  m.acceptor.open(local(), ec);
+  if (!ec) m.acceptor.bind(local::endpoint(raw), ec);
+  if (!ec) m.acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) throw std::runtime_error(fmt::format("cannot listen on the control socket {}: {}", m.address, ec.message()));
+  m.accept();
+}
+
+Server::~Server() { stop(); }
+
+const std::string& Server::address() const { return impl_->address; }
+
+bool Server::send(int local_rank, std::string line) {
+  Impl& m = *impl_;
+  auto it = m.by_rank.find(local_rank);
+  if (m.stopped || it == m.by_rank.end()) return false;
+  auto s = m.sessions.find(it->second);
+  if (s == m.sessions.end() || s->second->closing) return false;
+  if (s->second->out.size() + line.size() > m.opts.max_unsent) {
+    m.log(fmt::format("dropped local rank {}'s connection: it reads nothing", local_rank));
+    m.drop(it->second, /*notify=*/true);
+    return false;
+  }
+  s->second->out += line;
+  m.write(it->second);
+  return true;
+}
+
+bool Server::connected(int local_rank) const { return impl_->by_rank.contains(local_rank); }
+
+void Server::forget(int local_rank) {
+  Impl& m = *impl_;
+  auto it = m.by_rank.find(local_rank);
+  if (it != m.by_rank.end()) m.drop(it->second, /*notify=*/false);
+}
+
+void Server::stop() {
+  Impl& m = *impl_;
+  if (m.stopped) return;
+  m.stopped = true;
+  boost::system::error_code ignored;
+  m.acceptor.close(ignored);
+  for (auto& [id, s] : m.sessions) s->socket.close(ignored);
+  m.sessions.clear();
+  m.by_rank.clear();
+}
+
+std::size_t Server::sessions() const { return impl_->sessions.size(); }
+
+}  // namespace mg::control

@@ -1,0 +1,193 @@
+// In-place recovery, the agent's side (docs/in-place-recovery.md), with real processes:
+// tests/inplace_worker.py speaks the control protocol with Python's standard library; the
+// agents run alone (--standalone) or as two nodes of a real mglaunch-rdzv on
+// 127.0.0.2/.3. A worker that opted in keeps its pid through the restart and hears pause
+// then assign; one that did not is restarted as a new process.
+#include <catch2/catch.hpp>
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "support/proc.h"
+#include "support/rdzv_fixture.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+
+namespace {
+
+const std::string kWorker = kSourceDir + "/tests/inplace_worker.py";
+
+std::vector<json> events(const std::string& dir) {
+  std::vector<json> v;
+  for (const auto& l : split_lines(read_file(dir + "/events.jsonl")))
+    if (!l.empty()) v.push_back(json::parse(l));
+  return v;
+}
+
+// The events of `type` of local rank `lr`, in order.
+std::vector<json> of(const std::vector<json>& evs, const std::string& type, int lr) {
+  std::vector<json> v;
+  for (const auto& e : evs)
+    if (e["event"] == type && e["local_rank"] == lr) v.push_back(e);
+  return v;
+}
+
+bool has_event(const std::string& dir, const std::string& type, int lr, std::size_t n = 1) {
+  return of(events(dir), type, lr).size() >= n;
+}
+
+void finish(const std::string& dir) { std::ofstream(dir + "/finish").put('\n'); }
+
+// Connects to an agent's control socket ("@name") and returns its first line ("" if none in 10 s).
+std::string first_line_from(const std::string& at_name) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::string raw = at_name;
+  raw[0] = '\0';
+  std::memcpy(a.sun_path, raw.data(), raw.size());
+  std::string got;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + raw.size())) == 0) {
+    for (int i = 0; i < 100 && got.find('\n') == std::string::npos; ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 100) != 1) continue;
+      char buf[4096];
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n <= 0) break;
+      got.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+  ::close(fd);
+  return got.substr(0, got.find('\n'));
+}
+
+// The variables every worker of one attempt shares: the assignment must carry the same
+// values as the worker spawned beside it (both come from launcher/plan).
+void check_same_round(const json& assigned, const json& spawned) {
+  for (const char* k : {"WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"}) {
+    INFO(k);
+    CHECK(assigned.at(k) == spawned.at(k));
+  }
+}
+
+double pause_to_assign_ms(const std::vector<json>& evs, int lr) {
+  return (of(evs, "assign", lr).at(0)["time"].get<double>() - of(evs, "pause", lr).at(0)["time"].get<double>()) * 1000;
+}
+
+}  // namespace
+
+TEST_CASE("in place, one node: a local failure pauses the opted-in worker, which keeps its pid and is assigned the "
+          "next attempt, while the failed one is restarted") {
+  const std::string dir = make_temp_dir();
+  Proc agent = spawn({kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", "--no_python",
+                      "/usr/bin/python3", kWorker, dir, "0", "fail-once", "1"});
+  REQUIRE(eventually([&] { return has_event(dir, "assign", 0) && has_event(dir, "start", 1, 2); }, 60s));
+  // The socket serves workers only: the test, not one of the agent's workers, is refused.
+  const std::string socket_name = of(events(dir), "start", 0).at(0)["env"]["MGLAUNCH_CONTROL_SOCKET"];
+  REQUIRE(socket_name.starts_with("@mglaunch-" + std::to_string(agent.pid) + "-"));
+  const json refusal = json::parse(first_line_from(socket_name));
+  CHECK(refusal["type"] == "error");
+  CHECK_THAT(refusal["message"].get<std::string>(), Catch::Contains("is neither a worker of this agent"));
+  finish(dir);
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(agent.exit_code() == 0);
+  CHECK_THAT(agent.err(), Catch::Contains("in-place recovery: local rank(s) 0 paused"));
+  const auto evs = events(dir);
+  const auto starts0 = of(evs, "start", 0), starts1 = of(evs, "start", 1);
+  REQUIRE(starts0.size() == 1);  // never restarted
+  REQUIRE(starts1.size() == 2);
+  CHECK(starts1[0]["pid"] != starts1[1]["pid"]);
+  CHECK(starts1[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1");
+  const auto pauses = of(evs, "pause", 0), assigns = of(evs, "assign", 0), exits = of(evs, "exit", 0);
+  REQUIRE(pauses.size() == 1);
+  REQUIRE(assigns.size() == 1);
+  CHECK_THAT(pauses[0]["reason"].get<std::string>(), Catch::Contains("rank 1 (local_rank 1)"));
+  CHECK(assigns[0]["restart_count"] == 1);
+  CHECK(assigns[0]["env"]["RANK"] == "0");
+  check_same_round(assigns[0]["env"], starts1[1]["env"]);
+  CHECK(assigns[0]["env"]["MASTER_PORT"] != starts0[0]["env"]["MASTER_PORT"]);  // a fresh port per attempt
+  REQUIRE(exits.size() == 1);
+  CHECK(exits[0]["pid"] == starts0[0]["pid"]);
+  std::cout << "in place, one node: pause -> assign " << pause_to_assign_ms(evs, 0) << " ms\n";
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("in place, two nodes: node 1's agent SIGKILLed, node 0's opted-in worker keeps its pid and is assigned "
+          "the next round, its other worker is restarted") {
+  Daemon d = start_daemon();
+  const std::string dir0 = make_temp_dir(), dir1 = make_temp_dir(), dir1b = make_temp_dir();
+  auto node = [&](int node_rank, const std::string& dir) {
+    return spawn({kMglaunch, "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=" + d.endpoint,
+                  "--rdzv_id=inplace", "--max_restarts=2", "--node_rank=" + std::to_string(node_rank),
+                  "--local_addr=127.0.0." + std::to_string(node_rank + 2), "--no_python", "/usr/bin/python3", kWorker,
+                  dir, "0"});
+  };
+  Proc n0 = node(0, dir0);
+  Proc n1 = node(1, dir1);
+  REQUIRE(eventually([&] {
+    return has_event(dir0, "welcome", 0) && has_event(dir1, "welcome", 0) && has_event(dir0, "start", 1) &&
+           has_event(dir1, "start", 1);
+  }, 60s));
+  const pid_t kept = of(events(dir0), "start", 0).at(0)["pid"];
+  ::kill(n1.pid, SIGKILL);
+  REQUIRE(n1.wait(10s));
+  Proc n1b = node(1, dir1b);  // node 1 comes back
+  REQUIRE(eventually([&] { return has_event(dir0, "assign", 0) && has_event(dir0, "start", 1, 2); }, 60s));
+  REQUIRE(eventually([&] { return has_event(dir1b, "start", 0) && has_event(dir1b, "start", 1); }, 30s));
+  finish(dir0);
+  finish(dir1b);
+  for (Proc* p : {&n0, &n1b}) {
+    REQUIRE(p->wait(60s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  INFO(n0.err());
+  CHECK_THAT(n0.err(), Catch::Contains("(127.0.0.3) lost: its connection closed"));
+  const auto evs = events(dir0);
+  const auto starts0 = of(evs, "start", 0), starts1 = of(evs, "start", 1);
+  REQUIRE(starts0.size() == 1);
+  CHECK(starts0[0]["pid"] == kept);
+  REQUIRE(of(evs, "exit", 0).size() == 1);
+  CHECK(of(evs, "exit", 0)[0]["pid"] == kept);
+  REQUIRE(starts1.size() == 2);  // not opted in: restarted as a new process
+  CHECK(starts1[0]["pid"] != starts1[1]["pid"]);
+  const auto pauses = of(evs, "pause", 0), assigns = of(evs, "assign", 0);
+  REQUIRE(pauses.size() == 1);
+  REQUIRE(assigns.size() == 1);
+  CHECK(pauses[0]["round"] == 1);
+  CHECK_THAT(pauses[0]["reason"].get<std::string>(), Catch::Contains("lost"));
+  CHECK(assigns[0]["round"].get<int>() > 1);
+  CHECK(assigns[0]["restart_count"] == 1);
+  const json& env = assigns[0]["env"];
+  CHECK(env["RANK"] == "0");
+  CHECK(env["LOCAL_RANK"] == "0");
+  CHECK(env["WORLD_SIZE"] == "4");
+  CHECK(env["GROUP_WORLD_SIZE"] == "2");
+  CHECK(env["TORCHELASTIC_RESTART_COUNT"] == "1");
+  check_same_round(env, starts1[1]["env"]);
+  // The new node 1's workers are in the same round.
+  const auto new1 = of(events(dir1b), "start", 0);
+  REQUIRE(new1.size() == 1);
+  CHECK(new1[0]["env"]["RANK"] == "2");
+  CHECK(new1[0]["env"]["MASTER_PORT"] == env["MASTER_PORT"]);
+  std::cout << "in place, two nodes: pause -> assign " << pause_to_assign_ms(evs, 0)
+            << " ms (node 1's new agent started and joined meanwhile)\n";
+  ::kill(d.proc.pid, SIGTERM);
+  CHECK(d.proc.wait(10s));
+  for (const auto& dir : {dir0, dir1, dir1b}) std::filesystem::remove_all(dir);
+}

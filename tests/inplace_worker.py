@@ -1,0 +1,87 @@
+#!/usr/bin/python3
+"""A worker of the in-place recovery tests (tests/inplace_test.cc), speaking the agent's
+control protocol (docs/in-place-recovery.md) with the standard library only.
+
+    inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once LOCAL_RANK]
+
+Every event goes to OUT_DIR/events.jsonl, one JSON line each (appended in one write):
+start (pid and the torchrun variables), welcome, pause, assign (its env), exit. The local
+ranks listed (comma-separated) connect to MGLAUNCH_CONTROL_SOCKET and opt in; the others
+never connect. With `fail-once N`, local rank N of the first attempt exits 1 once every
+opted-in rank of its node was welcomed. Each worker exits 0 once OUT_DIR/finish exists,
+and 3 after 120 s (bounded)."""
+import json
+import os
+import select
+import socket
+import sys
+import time
+
+KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+        "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_USE_AGENT_STORE", "MGLAUNCH_CONTROL_SOCKET")
+
+out_dir = sys.argv[1]
+in_place = {int(x) for x in sys.argv[2].split(",") if x}
+fail_once = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-once" else -1
+lr = int(os.environ["LOCAL_RANK"])
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
+def log(event, **fields):
+    fields.update(event=event, pid=os.getpid(), local_rank=lr, time=time.time())
+    line = (json.dumps(fields) + "\n").encode()
+    fd = os.open(os.path.join(out_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, line)
+    os.close(fd)
+
+
+def touch(name):
+    open(os.path.join(out_dir, name), "w").close()
+
+
+log("start", env={k: os.environ.get(k) for k in KEYS})
+sock = None
+buf = b""
+if lr in in_place:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + os.environ["MGLAUNCH_CONTROL_SOCKET"][1:])
+    sock.sendall((json.dumps({"type": "hello", "version": 1, "pid": os.getpid(), "local_rank": lr,
+                              "in_place": True}) + "\n").encode())
+
+deadline = time.time() + 120
+while time.time() < deadline:
+    if os.path.exists(os.path.join(out_dir, "finish")):
+        log("exit")
+        sys.exit(0)
+    if lr == fail_once and restart == 0 and all(
+            os.path.exists(os.path.join(out_dir, "welcome.%d.%d" % (os.getppid(), r))) for r in in_place):
+        log("fail")
+        sys.exit(1)
+    if sock is None:
+        time.sleep(0.05)
+        continue
+    ready, _, _ = select.select([sock], [], [], 0.05)
+    if not ready:
+        continue
+    data = sock.recv(65536)
+    if not data:
+        log("closed")
+        sock = None
+        continue
+    buf += data
+    while b"\n" in buf:
+        line, buf = buf.split(b"\n", 1)
+        m = json.loads(line)
+        if m["type"] == "welcome":
+            log("welcome")
+            touch("welcome.%d.%d" % (os.getppid(), lr))
+        elif m["type"] == "pause":
+            log("pause", round=m["round"], reason=m["reason"])
+            sock.sendall(b'{"type":"paused","step":7}\n')
+        elif m["type"] == "assign":
+            log("assign", round=m["round"], restart_count=m["restart_count"], env=m["env"])
+        else:
+            log("other", message=m)
+log("timeout")
+sys.exit(3)

@@ -78,8 +78,8 @@ FromWorker parse_from_worker(std::string_view line) {
 
 std::string welcome() { return line_of({{"type", "welcome"}, {"version", kVersion}}); }
 
-std::string pause(int round, std::string_view reason) {
-  return line_of({{"type", "pause"}, {"round", round}, {"reason", std::string(reason)}});
+std::string pause(int round, std::string_view reason, std::string_view lost) {
+  return line_of({{"type", "pause"}, {"round", round}, {"reason", std::string(reason)}, {"lost", std::string(lost)}});
 }
 
 std::string assign(int round, int restart_count, const std::map<std::string, std::string>& env) {

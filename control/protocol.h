@@ -52,7 +52,8 @@ FromWorker parse_from_worker(std::string_view line);
 
 // The agent's messages, each one JSON object and its '\n'.
 std::string welcome();
-std::string pause(int round, std::string_view reason);
+// `lost`: "host" (a node left the job) or "worker" (a worker failed).
+std::string pause(int round, std::string_view reason, std::string_view lost);
 std::string assign(int round, int restart_count, const std::map<std::string, std::string>& env);
 std::string error(std::string_view message);
 

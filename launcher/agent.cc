@@ -541,7 +541,7 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::SendNodeDone>) {
             client_->node_done(a.round);
           } else if constexpr (std::is_same_v<A, sup::act::Pause>) {
-            if (!control_ || !control_->send(a.local_rank, control::pause(a.round, a.reason))) {
+            if (!control_ || !control_->send(a.local_rank, control::pause(a.round, a.reason, a.lost))) {
               const int lr = a.local_rank;
               asio::post(io_, [this, lr] { run(core_.control_closed(lr, now())); });
             }

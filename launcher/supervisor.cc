@@ -137,7 +137,7 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
     if (restart_count_ < cfg_.max_restarts)
       pause_in_place(fmt::format("rank {} (local_rank {}) on {} failed with exit code {}", o.rank, o.local_rank,
                                  cfg_.host, o.exit_code),
-                     out);
+                     "worker", out);
     stop_group(SIGTERM, now, out);
   }
   // Ranks still to start count while running; once stopping, they never will.
@@ -163,13 +163,13 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
 
 int Supervisor::paused_count() const { return static_cast<int>(std::count(paused_.begin(), paused_.end(), 1)); }
 
-bool Supervisor::pause_in_place(const std::string& reason, Actions& out) {
+bool Supervisor::pause_in_place(const std::string& reason, const std::string& lost, Actions& out) {
   std::string ranks;
   for (int lr = 0; lr < cfg_.nproc; ++lr) {
     const auto i = static_cast<std::size_t>(lr);
     if (!live_[i] || !in_place_[i] || paused_[i]) continue;
     paused_[i] = 1;
-    out.push_back(act::Pause{lr, rdzv_ ? round_ : restart_count_, reason});
+    out.push_back(act::Pause{lr, rdzv_ ? round_ : restart_count_, reason, lost});
     ranks += (ranks.empty() ? "" : ",") + std::to_string(lr);
   }
   if (ranks.empty()) return false;
@@ -466,7 +466,9 @@ Actions Supervisor::restart(const proto::Restart& r, const Now& now) {
   trace("restart", "restart", {{"restart_count", r.restart_count}, {"reason", r.reason}, {"by", "rendezvous"}}, out);
   if (state_ == State::kRunning) {
     rejoin_after_stop_ = true;
-    pause_in_place(r.reason, out);
+    // The Restart carries only its reason: a worker's failure reads "rank R on HOST exited
+    // with N" (rendezvous/job.cc); anything else is a change of the nodes.
+    pause_in_place(r.reason, r.reason.starts_with("rank ") ? "worker" : "host", out);
     stop_group(SIGTERM, now, out);
     if (stop_complete()) {  // every worker is paused: nothing to wait for
       out.push_back(act::AttemptEnded{restart_count_, true});

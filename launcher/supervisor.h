@@ -106,7 +106,8 @@ struct CancelTimer { Timer timer; };
 struct RetireWorkers { std::vector<int> keep; };  // kill what is left of the attempt, drop its
                                                   // handles, but those of the local ranks in `keep` (paused)
 // In-place recovery: tell local rank N's worker over the control channel.
-struct Pause { int local_rank = 0; int round = 0; std::string reason; };  // the round that ended
+struct Pause { int local_rank = 0; int round = 0; std::string reason; std::string lost; };  // the round that
+                                                                                      // ended; lost: host or worker
 struct Assign { int local_rank = 0; int round = 0; int restart_count = 0; };  // the new one's: its env from the plan
 struct AttemptDue {};          // feed attempt_due() from the event loop
 struct HoldMasterPort { bool fresh = false; };
@@ -195,7 +196,7 @@ class Supervisor {
   bool valid(int lr) const { return lr >= 0 && lr < cfg_.nproc; }
   int paused_count() const;
   // Pause every live worker that opted in (a restart is coming); false when none.
-  bool pause_in_place(const std::string& reason, Actions& out);
+  bool pause_in_place(const std::string& reason, const std::string& lost, Actions& out);
   // The paused workers are to be stopped after all (an abort, a signal): they count again
   // among the workers a stop waits for.
   void unpause_all();

@@ -79,15 +79,16 @@ TEST_CASE("the agent's messages are one JSON object and a newline each") {
     return json::parse(line);
   };
   CHECK(parse(welcome()) == json{{"type", "welcome"}, {"version", 1}});
-  auto p = parse(pause(4, "node n1 (127.0.0.3) lost: its connection closed\nsecond line"));
+  auto p = parse(pause(4, "node n1 (127.0.0.3) lost: its connection closed\nsecond line", "host"));
   CHECK(p["type"] == "pause");
+  CHECK(p["lost"] == "host");
   CHECK(p["round"] == 4);
   auto a = parse(assign(5, 2, {{"RANK", "3"}, {"WORLD_SIZE", "4"}}));
   CHECK(a["type"] == "assign");
   CHECK(a["restart_count"] == 2);
   CHECK(a["env"]["RANK"] == "3");
   CHECK(parse(error("no"))["message"] == "no");
-  CHECK(parse(pause(1, "\xff bad utf-8"))["type"] == "pause");  // replaced, never thrown
+  CHECK(parse(pause(1, "\xff bad utf-8", "worker"))["type"] == "pause");  // replaced, never thrown
   CHECK(at_notation("x") == "@x");
   CHECK(abstract_address("@x") == std::string("\0x", 2));
 }
@@ -197,7 +198,7 @@ TEST_CASE("the control socket lives in the abstract namespace and greets a worke
   CHECK(json::parse(c.line()) == json{{"type", "welcome"}, {"version", 1}});
   REQUIRE(f.saw("hello 0 in_place"));
   bool sent = false;
-  f.on_io([&] { sent = f.server->send(0, pause(3, "peer lost")); });
+  f.on_io([&] { sent = f.server->send(0, pause(3, "peer lost", "host")); });
   CHECK(sent);
   auto p = json::parse(c.line());
   CHECK(p["type"] == "pause");

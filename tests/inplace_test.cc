@@ -117,6 +117,7 @@ TEST_CASE("in place, one node: a local failure pauses the opted-in worker, which
   REQUIRE(pauses.size() == 1);
   REQUIRE(assigns.size() == 1);
   CHECK_THAT(pauses[0]["reason"].get<std::string>(), Catch::Contains("rank 1 (local_rank 1)"));
+  CHECK(pauses[0]["lost"] == "worker");
   CHECK(assigns[0]["restart_count"] == 1);
   CHECK(assigns[0]["env"]["RANK"] == "0");
   check_same_round(assigns[0]["env"], starts1[1]["env"]);
@@ -171,6 +172,7 @@ TEST_CASE("in place, two nodes: node 1's agent SIGKILLed, node 0's opted-in work
   REQUIRE(assigns.size() == 1);
   CHECK(pauses[0]["round"] == 1);
   CHECK_THAT(pauses[0]["reason"].get<std::string>(), Catch::Contains("lost"));
+  CHECK(pauses[0]["lost"] == "host");
   CHECK(assigns[0]["round"].get<int>() > 1);
   CHECK(assigns[0]["restart_count"] == 1);
   const json& env = assigns[0]["env"];

@@ -77,7 +77,7 @@ while time.time() < deadline:
             log("welcome")
             touch("welcome.%d.%d" % (os.getppid(), lr))
         elif m["type"] == "pause":
-            log("pause", round=m["round"], reason=m["reason"])
+            log("pause", round=m["round"], reason=m["reason"], lost=m.get("lost"))
             sock.sendall(b'{"type":"paused","step":7}\n')
         elif m["type"] == "assign":
             log("assign", round=m["round"], restart_count=m["restart_count"], env=m["env"])

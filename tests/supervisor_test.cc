@@ -851,6 +851,7 @@ TEST_CASE("in place: a local failure with restarts left pauses the opted-in work
   auto out = fail(s, 0, 5, at(10));
   CHECK(paused_ranks(out) == std::vector<int>{1});
   CHECK(all<act::Pause>(out).at(0).reason == "rank 0 (local_rank 0) on node-a failed with exit code 5");
+  CHECK(all<act::Pause>(out).at(0).lost == "worker");
   CHECK(index_of<act::Pause>(out) < index_of<act::SignalWorkers>(out));
   auto sig = all<act::SignalWorkers>(out);
   REQUIRE(sig.size() == 1);
@@ -909,6 +910,7 @@ TEST_CASE("in place: a restart from the rendezvous pauses every opted-in worker 
   CHECK(paused_ranks(out) == std::vector<int>{0, 1});
   CHECK(all<act::Pause>(out)[0].round == 1);
   CHECK(all<act::Pause>(out)[0].reason == r.reason);
+  CHECK(all<act::Pause>(out)[0].lost == "host");
   CHECK_FALSE(has<act::SignalWorkers>(out));
   CHECK(has<act::Rejoin>(out));
   CHECK(s.state() == State::kWaiting);
@@ -931,8 +933,10 @@ TEST_CASE("in place: a restart from the rendezvous stops the workers that did no
   s.worker_hello(1, true, at(11));
   proto::Restart r;
   r.restart_count = 1;
+  r.reason = "rank 3 on node-b exited with 7";  // rendezvous/job.cc's words for a worker's failure
   auto out = s.restart(r, at(20));
   CHECK(paused_ranks(out) == std::vector<int>{1});
+  CHECK(all<act::Pause>(out).at(0).lost == "worker");
   CHECK(*all<act::SignalWorkers>(out).at(0).only == std::vector<int>{0});
   CHECK_FALSE(has<act::Rejoin>(out));
   out = s.worker_ended(ended(0, 143, SIGTERM), at(30));

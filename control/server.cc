@@ -159,11 +159,8 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
       return;
     }
     if (auto* h = std::get_if<Hello>(&m)) {
-      if (h->local_rank >= 0 && h->local_rank != s.local_rank) {
-        refuse(s, fmt::format("hello says local_rank {}, but pid {} belongs to local rank {}", h->local_rank, s.pid,
-                              s.local_rank));
-        return;
-      }
+      // The session's local rank is the one its pid belongs to; hello's own (LOCAL_RANK,
+      // which --virtual-local-rank sets to 0 for every worker) is informational.
       if (!s.said_hello) {
         s.said_hello = true;
         if (auto old = by_rank.find(s.local_rank); old != by_rank.end() && old->second != s.id)

@@ -339,6 +339,7 @@ Actions Supervisor::signal(int sig, const Now& now) {
   }
   if (what == OnSignal::kKillNow) {
     notice("second interrupt: killing the workers now", out);
+    unpause_all();  // the paused ones too: the stop waits for them
     out.push_back(act::SignalWorkers{SIGKILL, true, std::nullopt});
     agent_signal_ = SIGINT;
     return out;

@@ -279,6 +279,8 @@ NodeRange parse_nnodes(const std::string& text, const std::string& flag) {
     r.min = r.max = parse_int(flag, text, 1);
     return r;
   }
+  if (text.find(':', colon + 1) != std::string::npos)  // torch's parse_min_max_nnodes refuses it too
+    throw UsageError(fmt::format("bad {} '{}': expected N or MIN:MAX", flag, text));
   r.min = parse_int(flag, std::string_view(text).substr(0, colon), 1);
   r.max = parse_int(flag, std::string_view(text).substr(colon + 1), 1);
   if (r.min > r.max) throw UsageError(fmt::format("bad {} '{}': MIN must be <= MAX", flag, text));

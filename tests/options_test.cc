@@ -212,6 +212,13 @@ TEST_CASE("nnodes parses N and MIN:MAX") {
   CHECK(parse_nnodes("2:5").max == 5);
   CHECK_THROWS_AS(parse_nnodes("0"), UsageError);
   CHECK_THROWS_AS(parse_nnodes("2:"), UsageError);
+  // Three parts (PyTorch's test_min_max_nodes_parse): the message names the whole value.
+  try {
+    parse_nnodes("2:20:30");
+    FAIL("2:20:30 accepted");
+  } catch (const UsageError& e) {
+    CHECK(std::string(e.what()) == "bad --nnodes '2:20:30': expected N or MIN:MAX");
+  }
 }
 
 TEST_CASE("exit codes map signals to 128+N") {

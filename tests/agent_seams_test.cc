@@ -250,6 +250,10 @@ struct Run {
     argv.insert(argv.end(), flags.begin(), flags.end());
     argv.push_back("/bin/true");  // never run: the launcher is a fake
     EnvMap env = {{"PATH", "/bin:/usr/bin"}};
+    // No fixed port: the plan's check of a given master port binds it for a moment, and a
+    // run of mglaunch elsewhere on this machine may hold torchrun's default 29500.
+    if (std::none_of(flags.begin(), flags.end(), [](const std::string& f) { return f.starts_with("--master_port"); }))
+      env["PET_MASTER_PORT"] = "0";
     env.merge(extra_env);
     auto parsed = parse_agent_args(argv, env, HardwareProbe{[] { return 0; }, [] { return 2; }});
     REQUIRE(parsed.options);

@@ -620,11 +620,19 @@ void Agent::start_file_timer() {
 void Agent::start_health_check() {
   const auto var = base_env_.find("TORCHELASTIC_HEALTH_CHECK_PORT");
   if (var == base_env_.end()) return;
+  int port = 0;
   try {
-    health_ = std::make_unique<mon::HealthServer>(io_, opts_.metrics_host, mon::parse_health_port(var->second),
-                                                  [this] { return monitor_facts(); });
-  } catch (const std::exception& e) {
+    port = mon::parse_health_port(var->second);
+  } catch (const std::invalid_argument& e) {
     throw UsageError(e.what());  // names the variable and the fix
+  }
+  try {
+    health_ = std::make_unique<mon::HealthServer>(io_, opts_.metrics_host, port, [this] { return monitor_facts(); });
+  } catch (const std::exception& e) {
+    // torchrun never fails a run for its health-check server (the stock one listens on
+    // nothing; another program may serve the port, as a cluster's own checker does).
+    notice(fmt::format("warning: no health check: {}", e.what()));
+    return;
   }
   notice(fmt::format("health check on {}", health_->url()));
 }

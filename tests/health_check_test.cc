@@ -3,6 +3,7 @@
 // port at exit; a bad value is exit 2 before any worker starts.
 #include <catch2/catch.hpp>
 
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -78,9 +79,28 @@ TEST_CASE("TORCHELASTIC_HEALTH_CHECK_PORT: the agent answers GET /health from it
   run({"/bin/rm", "-rf", dir});
 }
 
-TEST_CASE("TORCHELASTIC_HEALTH_CHECK_PORT: a value that is not a port is exit 2 naming it") {
+TEST_CASE("TORCHELASTIC_HEALTH_CHECK_PORT: a value that is not a port is exit 2 naming it; a port in use is one "
+          "warning and the run goes on") {
   auto r = run(launch({"--nproc_per_node=1"}, {"exit", "0"}), {{"TORCHELASTIC_HEALTH_CHECK_PORT", "health"}});
   CHECK(r.code == 2);
   CHECK_THAT(r.err, Catch::Contains("TORCHELASTIC_HEALTH_CHECK_PORT='health' is not a port"));
   CHECK(split_lines(r.err).size() == 1);
+
+  // Another program serves the port (as a cluster's own checker may): torchrun runs, so do we.
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(::listen(fd, 1) == 0);
+  socklen_t len = sizeof(a);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  auto busy = run(launch({"--nproc_per_node=1"}, {"print", "hi"}),
+                  {{"TORCHELASTIC_HEALTH_CHECK_PORT", std::to_string(ntohs(a.sin_port))}});
+  ::close(fd);
+  INFO(busy.err);
+  CHECK(busy.code == 0);
+  CHECK(busy.out == "[rank0]:hi\n");
+  CHECK(count_of(busy.err, "[mglaunch] warning: no health check: TORCHELASTIC_HEALTH_CHECK_PORT=") == 1);
 }

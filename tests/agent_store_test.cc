@@ -2,7 +2,10 @@
 // all-reduce through mglaunch, with torch 1.13 here and torch 2.6 inside
 // ../shared/peers/torch2's root (skipped when it is not set up). Each worker says whether it
 // listens on MASTER_PORT itself: with the agent's store none may.
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 
@@ -110,4 +113,26 @@ TEST_CASE("static form, two nodes: node 0's store serves node 1's workers after 
   CHECK(n1.exit_code() == 0);
   CHECK_THAT(n1.out(), Catch::Contains("late store use ok"));
   CHECK_THAT(n0.err(), Catch::Contains("serving the store on port " + port + " until the other nodes' workers leave it"));
+}
+
+TEST_CASE("the real agent's store that cannot listen on the master port stops the run before any worker, exit 4") {
+  // Something listens on the port on another loopback address: the plan's check (127.0.0.1)
+  // passes, the store's wildcard bind does not. Workers must not reach that other server.
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(0x7f000002);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(::listen(fd, 1) == 0);
+  socklen_t len = sizeof(a);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  auto r = run(launch({"--nproc_per_node=1", "--master_port=" + port}, {"print", "ran"}));
+  ::close(fd);
+  INFO(r.err);
+  CHECK(r.code == 4);
+  CHECK(r.out.empty());
+  CHECK_THAT(r.err, Catch::Contains("cannot serve the agent's store on port " + port) &&
+                        Catch::Contains("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"));
 }

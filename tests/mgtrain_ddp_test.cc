@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "support/mgtrain_run.h"
 #include "support/proc.h"
 #include "support/skip.h"
 
@@ -23,15 +24,7 @@ namespace {
 
 const std::string kMgtrain = MGTRAIN_BIN;
 
-Result train(int nproc, std::vector<std::string> args) {
-  std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=" + std::to_string(nproc), kMgtrain,
-                                "--dataset", "synthetic", "--synthetic-size", "512", "--batch-size", "16", "--log-every", "0",
-                                "--seed", "7"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  auto r = run(argv, {}, 240s);
-  INFO(r.err);
-  return r;
-}
+Result train(int nproc, std::vector<std::string> args) { return train_with({}, kMgtrain, nproc, args); }
 
 nlohmann::json summary(const std::string& dir, int rank) {
   return nlohmann::json::parse(read_file(dir + "/s" + std::to_string(rank) + ".json"));
@@ -182,17 +175,5 @@ TEST_CASE("without a launcher mgtrain trains in one process with no process grou
 }
 
 TEST_CASE("our reducer and c10d::Reducer (Python DDP's engine) give bit-identical weights on a rank-dependent branch") {
-  std::string dir = make_temp_dir();
-  auto theirs = train(2, {"--model", "mlp-rank-branch", "--max-steps", "6", "--find-unused-parameters", "--reducer", "c10d",
-                          "--summary-json", dir + "/c{rank}.json"});
-  if (theirs.code == 3 && theirs.err.find("needs LibTorch 1.x") != std::string::npos) {
-    SKIP_TEST("this LibTorch's c10d::Reducer does not take mgtrain's process group");
-  }
-  REQUIRE(theirs.code == 0);
-  auto ours = train(2, {"--model", "mlp-rank-branch", "--max-steps", "6", "--find-unused-parameters", "--summary-json",
-                        dir + "/s{rank}.json"});
-  REQUIRE(ours.code == 0);
-  const auto c0 = nlohmann::json::parse(read_file(dir + "/c0.json"));
-  CHECK(c0["weights_sha256"] == summary(dir, 0)["weights_sha256"]);
-  CHECK(summary(dir, 0)["weights_sha256"] == summary(dir, 1)["weights_sha256"]);
+  check_reducers_agree({}, kMgtrain, true);
 }

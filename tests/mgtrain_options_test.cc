@@ -48,6 +48,10 @@ TEST_CASE("the training mode is single without a launcher and ddp under one") {
   CHECK_FALSE(read_env({}).agent_store);
   CHECK(read_env({{"TORCHELASTIC_USE_AGENT_STORE", "True"}}).agent_store);
   CHECK_FALSE(read_env({{"TORCHELASTIC_USE_AGENT_STORE", "False"}}).agent_store);
+  // USE_LIBUV as torch 2.x's env:// reads it: "1" is libuv, anything else the classic store.
+  CHECK_FALSE(read_env({}).use_libuv.has_value());
+  CHECK(read_env({{"USE_LIBUV", "1"}}).use_libuv == true);
+  CHECK(read_env({{"USE_LIBUV", "0"}}).use_libuv == false);
   auto two = read_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "41234"}});
   CHECK(two.rank == 1);
   CHECK(resolve_mode(o, two) == Mode::ddp);

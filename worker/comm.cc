@@ -43,6 +43,17 @@ Graveyard& graveyard() {
   return *g;
 }
 
+// Sets TCPStoreOptions::useLibUV where this LibTorch has it (2.2 on; true by default there);
+// false where it has none (1.x: the classic store only).
+template <typename O>
+bool set_libuv(O& so, bool on) {
+  if constexpr (requires { so.useLibUV; }) {
+    so.useLibUV = on;
+    return true;
+  }
+  return false;
+}
+
 bool cuda_visible() {
 #ifdef MGLAUNCH_WITH_NCCL
   return torch::cuda::is_available();
@@ -151,8 +162,18 @@ Comm connect(const Options& o, const Env& env) {
   so.numWorkers = env.world;
   so.waitWorkers = false;
   so.timeout = std::chrono::seconds(o.timeout_s);
+  const bool libuv_option = set_libuv(so, env.use_libuv.value_or(true));
   try {
-    c.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    try {
+      c.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    } catch (const std::exception& e) {
+      // A LibTorch built without libuv (Debian's 2.x) refuses its own default before it
+      // binds or connects: unless USE_LIBUV=1 asked for libuv, the classic store (the same
+      // protocol) serves instead, as USE_LIBUV=0 would.
+      if (!libuv_option || env.use_libuv.has_value() || std::string(e.what()).find("libuv") == std::string::npos) throw;
+      set_libuv(so, false);
+      c.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    }
     // The agent's store outlives a restart: each attempt keeps to its own keys.
     if (env.agent_store)
       c.store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), c.store);

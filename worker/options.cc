@@ -171,6 +171,7 @@ Env read_env(const std::map<std::string, std::string>& vars) {
   if (auto it = vars.find("MASTER_ADDR"); it != vars.end() && !it->second.empty()) env.master_addr = it->second;
   env.master_port = to_int(vars, "MASTER_PORT", 0);
   if (auto it = vars.find("TORCHELASTIC_USE_AGENT_STORE"); it != vars.end()) env.agent_store = it->second == "True";
+  if (auto it = vars.find("USE_LIBUV"); it != vars.end()) env.use_libuv = it->second == "1";
   env.launched = env.master_port > 0 || env.world > 1;
   if (env.world < 1 || env.rank < 0 || env.rank >= env.world)
     throw UsageError("RANK=" + std::to_string(env.rank) + " WORLD_SIZE=" + std::to_string(env.world) +

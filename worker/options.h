@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -59,6 +60,9 @@ struct Env {
   // MASTER_PORT; every rank (rank 0 too) connects as a client, under the prefix
   // /worker/attempt_N (N = restart_count), as torch's env:// rendezvous does.
   bool agent_store = false;
+  // USE_LIBUV, as torch 2.x's env:// reads it ("1": the libuv TCPStore, else the classic
+  // one; both speak the same protocol). Unset: libuv where this LibTorch has it.
+  std::optional<bool> use_libuv;
 };
 
 // Parses argv into Options. Returns the text to print and exit 0 for --help; throws

@@ -189,7 +189,7 @@ class FakeStore final : public AgentStore {
 // through the handlers the agent gave (from the event loop, as a real link's do).
 class FakeLink final : public rdzv::Link {
  public:
-  FakeLink(asio::io_context& io, proto::Join join, rdzv::ClientHandlers h) : io_(io), join(std::move(join)), h_(std::move(h)) {}
+  FakeLink(asio::io_context& io, proto::Join j, rdzv::ClientHandlers h) : join(std::move(j)), io_(io), h_(std::move(h)) {}
   void start() override { ++joins; }
   void rejoin() override { ++joins; }
   void set_master_port(int port) override { offered_ports.push_back(port); }

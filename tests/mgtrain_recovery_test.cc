@@ -4,9 +4,14 @@
 // without exiting, and the final weights equal an undisturbed run's.
 #include <catch2/catch.hpp>
 
+#include <signal.h>
+
+#include <iostream>
+
 #include <nlohmann/json.hpp>
 
 #include "support/proc.h"
+#include "support/rdzv_fixture.h"
 #include "support/skip.h"
 
 using namespace mgtest;
@@ -101,4 +106,93 @@ TEST_CASE("--in-place-recovery without a control socket says recovery is off and
     CHECK_THAT(r.err, Catch::StartsWith("mgtrain: error: --in-place-recovery"));
     CHECK(count_of(r.err, "\n") == 1);
   }
+}
+
+// Under the real mglaunch (the agent side of docs/in-place-recovery.md).
+namespace {
+
+const std::vector<std::string> kJob = {"--dataset", "synthetic", "--synthetic-size", "4096", "--batch-size", "32",
+                                       "--model", "cnn", "--max-steps", "60", "--seed", "3", "--log-every", "1",
+                                       "--timeout", "60", "--in-place-recovery"};
+
+std::vector<std::string> job(const std::string& summary, std::vector<std::string> extra = {}) {
+  auto v = kJob;
+  v.insert(v.end(), {"--summary-json", summary});
+  v.insert(v.end(), extra.begin(), extra.end());
+  return v;
+}
+
+nlohmann::json summary_of(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
+
+}  // namespace
+
+TEST_CASE("in-place recovery under mglaunch: a worker that fails at step 10 is restarted, its peer keeps going, the weights equal an undisturbed run's") {
+  const std::string dir = make_temp_dir();
+  auto standalone = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", kMgtrain};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = run(argv, {}, 240s);
+    INFO(r.out << r.err);
+    return r;
+  };
+  auto calm = standalone(job(dir + "/c{rank}.json"));
+  REQUIRE(calm.code == 0);
+  auto hit = standalone(job(dir + "/s{rank}.json", {"--fail-at-step", "10", "--fail-rank", "1", "--fail-signal", "9"}));
+  INFO(hit.out << hit.err);
+  REQUIRE(hit.code == 0);
+  const auto s0 = summary_of(dir + "/s0.json");
+  CHECK(s0["weights_sha256"] == summary_of(dir + "/c0.json")["weights_sha256"]);
+  CHECK(summary_of(dir + "/s1.json")["weights_sha256"] == s0["weights_sha256"]);
+  REQUIRE(s0["recoveries"].size() == 1);  // rank 0 went through the restart in place
+  CHECK(s0["recoveries"][0]["step"] == 11);
+  CHECK(s0["recoveries"][0]["lost"] == "worker");
+  CHECK(s0["restart_count"] == 1);
+  CHECK_THAT(hit.out, Catch::Contains("rank 1 took step 10's state from rank 0"));
+  std::cout << "in-place recovery, one node, a worker SIGKILLed: " << s0["recoveries"][0]["seconds"].get<double>()
+            << " s from detection to the first step after it\n";
+}
+
+TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at step 10 or later, node 1 back, rank 0 goes on and the weights equal an undisturbed 2-node run's") {
+  const std::string dir = make_temp_dir();
+  Daemon d = start_daemon();
+  int jobs = 0;
+  auto node = [&](const std::string& id, int node_rank, const std::string& summary) {
+    std::vector<std::string> argv{kMglaunch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                  "--rdzv_endpoint=" + d.endpoint, "--rdzv_id=" + id, "--max_restarts=2",
+                                  "--node_rank=" + std::to_string(node_rank),
+                                  "--local_addr=127.0.0." + std::to_string(node_rank + 2), kMgtrain};
+    auto args = job(summary);
+    argv.insert(argv.end(), args.begin(), args.end());
+    return spawn(argv);
+  };
+  {
+    const std::string id = "calm" + std::to_string(++jobs);
+    Proc a = node(id, 0, dir + "/c{rank}.json"), b = node(id, 1, dir + "/c{rank}.json");
+    REQUIRE(a.wait(240s));
+    REQUIRE(b.wait(240s));
+    INFO(a.err() << b.err());
+    REQUIRE(a.exit_code() == 0);
+    REQUIRE(b.exit_code() == 0);
+  }
+  Proc n0 = node("hit", 0, dir + "/s{rank}.json"), n1 = node("hit", 1, dir + "/s{rank}.json");
+  REQUIRE(eventually([&] { return n0.out().find(" step 10/") != std::string::npos; }, 120s));
+  ::kill(n1.pid, SIGKILL);
+  REQUIRE(n1.wait(10s));
+  Proc n1b = node("hit", 1, dir + "/s{rank}.json");  // node 1 comes back (no standby here)
+  REQUIRE(n0.wait(240s));
+  REQUIRE(n1b.wait(60s));
+  INFO(n0.out() << n0.err() << n1b.err());
+  CHECK(n0.exit_code() == 0);
+  CHECK(n1b.exit_code() == 0);
+  const auto s0 = summary_of(dir + "/s0.json");
+  CHECK(s0["steps"] == 60);
+  CHECK(s0["weights_sha256"] == summary_of(dir + "/c0.json")["weights_sha256"]);
+  CHECK(summary_of(dir + "/s1.json")["weights_sha256"] == s0["weights_sha256"]);
+  REQUIRE(s0["recoveries"].size() == 1);
+  CHECK(s0["recoveries"][0]["step"].get<int>() >= 11);
+  CHECK(s0["recoveries"][0]["lost"] == "host");
+  std::cout << "in-place recovery, node 1's agent SIGKILLed and restarted: " << s0["recoveries"][0]["seconds"].get<double>()
+            << " s from detection to the first step after it\n";
+  ::kill(d.proc.pid, SIGTERM);
+  CHECK(d.proc.wait(10s));
 }

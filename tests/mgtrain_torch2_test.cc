@@ -1,7 +1,8 @@
 // mgtrain on LibTorch 2.6 (Debian 13's libtorch-dev) as well as on the LibTorch this build
 // found: tests/support/torch2_mgtrain.sh builds it inside the torch 2.6 peer's root
 // (../shared/peers/torch2; skipped when absent) into MGTRAIN_TORCH26_DIR, kept between runs,
-// and it trains there under our mglaunch. Needs no LibTorch on the host.
+// with the reducer's own tests (tests/mgtrain_reducer_test.cc); it trains there under our
+// mglaunch. Needs no LibTorch on the host.
 #include <catch2/catch.hpp>
 
 #include "support/mgtrain_run.h"
@@ -49,4 +50,13 @@ TEST_CASE("on Debian's libuv-less LibTorch 2.6 mgtrain uses the classic store un
   auto asked = train_with({"/usr/bin/env", "-C", bin_dir, "USE_LIBUV=1", t2, "run"}, mgtrain, 2, args);
   CHECK(asked.code != 0);
   CHECK_THAT(asked.err, Catch::Contains("mgtrain: error: cannot reach the c10d store") && Catch::Contains("libuv"));
+}
+
+TEST_CASE("on LibTorch 2.6 the reducer's own tests pass (ranks as threads over a HashStore and Gloo)") {
+  const std::string mgtrain = mgtrain_26();
+  const std::string bin_dir = mgtrain.substr(0, mgtrain.rfind('/'));
+  auto r = run({"/usr/bin/env", "-C", bin_dir, torch2_or_skip(), "run", bin_dir + "/mgtrain_reducer_tests"}, {}, 300s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("All tests passed"));
 }

@@ -1,0 +1,157 @@
+// The preflight network check (ops/preflight.h; issue #26): the verdict rules on made-up
+// reports, then real nodes over loopback TCP, one thread each (as gloo's tests run ranks
+// as threads), with a node slowed or made unreachable by the test hooks; then real agents
+// through mglaunch-rdzv (`mglaunch --preflight`) and `mglaunch doctor --preflight`.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "ops/preflight.h"
+#include "support/proc.h"
+#include "support/rdzv_fixture.h"
+
+using namespace mg::preflight;
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::vector<std::string> loopback(int n, int first = 2) {
+  std::vector<std::string> v;
+  for (int i = 0; i < n; ++i) v.push_back("127.0.0." + std::to_string(first + i));
+  return v;
+}
+
+// Reports of n nodes that all completed, every link at `rate` bytes/s but those in `slow`.
+std::vector<NodeReport> measured(int n, double rate, const std::map<std::pair<int, int>, double>& slow = {}) {
+  std::vector<NodeReport> v;
+  for (int r = 0; r < n; ++r) {
+    NodeReport x;
+    x.rank = r;
+    x.reached = x.reported = true;
+    x.allreduce_s = 0.01;
+    for (int s : shifts(n)) {
+      const int from = ((r - s) % n + n) % n;
+      auto it = slow.find({from, r});
+      x.received.push_back({from, 1e6, 1e6 / (it == slow.end() ? rate : it->second)});
+    }
+    v.push_back(x);
+  }
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("preflight meets log2(n) partners: shifts 1, 2, 4 ... below n") {
+  CHECK(shifts(1).empty());
+  CHECK(shifts(2) == std::vector<int>{1});
+  CHECK(shifts(3) == std::vector<int>{1, 2});
+  CHECK(shifts(8) == std::vector<int>{1, 2, 4});
+  CHECK(shifts(9) == std::vector<int>{1, 2, 4, 8});
+}
+
+TEST_CASE("preflight's judge names the node whose every send is slow, not its receivers") {
+  const auto nodes = loopback(8);
+  // Node 3 sends at 1 MB/s to each of its three partners; the rest at 1 GB/s.
+  std::map<std::pair<int, int>, double> slow;
+  for (int s : shifts(8)) slow[{3, (3 + s) % 8}] = 1e6;
+  const Verdict v = judge(measured(8, 1e9, slow), nodes, 0.25, 0.5);
+  CHECK_FALSE(v.ok);
+  CHECK(v.named == std::vector<int>{3});
+  CHECK_THAT(v.line, Catch::Contains("node 3 (127.0.0.5) sends at 1 MB/s at best") && Catch::Contains("below 1/4"));
+  // Links a few times slower than the median are not slow.
+  std::map<std::pair<int, int>, double> meh;
+  for (int s : shifts(8)) meh[{3, (3 + s) % 8}] = 0.4e9;
+  const Verdict ok = judge(measured(8, 1e9, meh), nodes, 0.25, 0.5);
+  CHECK(ok.ok);
+  CHECK(ok.named.empty());
+  CHECK_THAT(ok.line, Catch::Contains("preflight passed") && Catch::Contains("8 nodes"));
+}
+
+TEST_CASE("preflight's judge blames a slow receiver once the slow senders are set aside") {
+  const auto nodes = loopback(4);
+  std::map<std::pair<int, int>, double> slow;
+  for (int s : shifts(4)) slow[{(6 - s) % 4, 2}] = 1e6;  // everything node 2 receives
+  const Verdict v = judge(measured(4, 1e9, slow), nodes, 0.25, 0.5);
+  CHECK(v.named == std::vector<int>{2});
+  CHECK_THAT(v.line, Catch::Contains("node 2 (127.0.0.4) receives at"));
+  // Two nodes: the slow direction is blamed on its sender alone.
+  const Verdict two = judge(measured(2, 1e9, {{{1, 0}, 1e6}}), loopback(2), 0.25, 0.5);
+  CHECK(two.named == std::vector<int>{1});
+}
+
+TEST_CASE("preflight's judge names absent, silent and unreachable nodes before any figure") {
+  const auto nodes = loopback(4);
+  auto reports = measured(4, 1e9);
+  reports[2].reached = false;
+  Verdict v = judge(reports, nodes, 0.25, 1);
+  CHECK(v.named == std::vector<int>{2});
+  CHECK_THAT(v.line, Catch::Contains("node 2 (127.0.0.4) did not reach the coordinator"));
+  reports = measured(4, 1e9);
+  reports[1].reported = false;
+  v = judge(reports, nodes, 0.25, 1);
+  CHECK(v.named == std::vector<int>{1});
+  CHECK_THAT(v.line, Catch::Contains("stopped answering"));
+  // Node 3 is unreachable: the two nodes that try it (2 via shift 1, 1 via shift 2) fail.
+  reports = measured(4, 1e9);
+  reports[2].unreachable = {3};
+  reports[1].unreachable = {3};
+  reports[2].errors = {"node 2 -> node 3: cannot connect to 127.0.0.5:4000: Connection refused"};
+  v = judge(reports, nodes, 0.25, 1);
+  CHECK(v.named == std::vector<int>{3});
+  CHECK_THAT(v.line, Catch::Contains("no node can connect to node 3 (127.0.0.5)") && Catch::Contains("refused"));
+  // Waited on: the node whose data never came.
+  reports = measured(4, 1e9);
+  reports[1].waited_on = {0};
+  v = judge(reports, nodes, 0.25, 1);
+  CHECK(v.named == std::vector<int>{0});
+}
+
+TEST_CASE("preflight of 8 nodes on 127.0.0.2-9 passes, all-reduce sums checked, every node told") {
+  const mg::preflight::Result r = run_local(8, loopback(8));
+  INFO(r.line);
+  CHECK(r.ok);
+  CHECK(r.named.empty());
+  CHECK_THAT(r.line, Catch::StartsWith("preflight passed") && Catch::Contains("8 nodes"));
+  REQUIRE(r.reports.size() == 8);
+  for (const auto& j : r.reports) {
+    CHECK(j["allreduce_wrong"] == 0);
+    CHECK(j["allreduce_s"].get<double>() > 0);
+    CHECK(j["received"].size() == 3);
+  }
+}
+
+TEST_CASE("preflight names the node whose sends are throttled (test hook: paced sends)") {
+  Options base;
+  base.timeout = 20s;
+  const mg::preflight::Result r = run_local(8, loopback(8), base, [](int rank, Options& o) {
+    if (rank == 5) o.send_rate = 2e6;  // 2 MB/s, against loopback's hundreds
+  });
+  INFO(r.line);
+  CHECK_FALSE(r.ok);
+  CHECK(r.named == std::vector<int>{5});
+  CHECK_THAT(r.line, Catch::Contains("node 5 (127.0.0.7) sends at"));
+}
+
+TEST_CASE("preflight names the node whose listener cannot be reached") {
+  const mg::preflight::Result r = run_local(5, loopback(5), {}, [](int rank, Options& o) { o.unreachable = rank == 3; });
+  INFO(r.line);
+  CHECK_FALSE(r.ok);
+  CHECK(r.named == std::vector<int>{3});
+  CHECK_THAT(r.line, Catch::Contains("no node can connect to node 3 (127.0.0.5)"));
+}
+
+TEST_CASE("preflight names a node that never comes, within its time-out") {
+  Options base;
+  base.timeout = 2s;
+  // Node 2 of 3 is given a coordinator port where nothing listens: it never arrives.
+  const mg::preflight::Result r = run_local(3, loopback(3), base, [](int rank, Options& o) {
+    if (rank == 2) o.coordinator_port = 1;
+  });
+  INFO(r.line);
+  CHECK_FALSE(r.ok);
+  CHECK(r.named == std::vector<int>{2});
+  CHECK_THAT(r.line, Catch::Contains("node 2 (127.0.0.4) did not reach the coordinator"));
+}

@@ -28,6 +28,7 @@ inline constexpr int kInternal = 1;
 inline constexpr int kUsage = 2;
 inline constexpr int kRendezvous = 3;  // refused by or unable to reach the rendezvous
 inline constexpr int kResource = 4;    // a resource limit (open descriptors) too low for the run
+inline constexpr int kPreflight = 5;   // --preflight found a slow or broken node (ops/preflight.h)
 inline constexpr int kNotFound = 127;
 inline constexpr int kSignalBase = 128;
 }  // namespace exit_code

@@ -61,6 +61,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
 }
 
 Agent::~Agent() {
+  stop_preflight();
   health_.reset();
   file_timer_.reset();  // the pipe removed (its hooks use the console)
   monitor_.reset();
@@ -237,11 +238,23 @@ void Agent::start_rendezvous() {
   j.keep_alive_ms = static_cast<int>(opts_.keep_alive_interval.count());
   j.keep_alive_max_attempt = opts_.keep_alive_max_attempt;
   rdzv::ClientHandlers h;
-  h.on_assignment = [this](const proto::Assignment& a) { run(core_.assignment(a, now())); };
-  h.on_restart = [this](const proto::Restart& r) { run(core_.restart(r, now())); };
-  h.on_abort = [this](const proto::Abort& a) { run(core_.abort(a, now())); };
-  h.on_done = [this] { run(core_.rendezvous_done(now())); };
-  h.on_lost = [this](const std::string& why) { run(core_.rendezvous_lost(why, now())); };
+  h.on_assignment = [this](const proto::Assignment& a) { on_assignment(a); };
+  // During the preflight check the rendezvous' word waits for its verdict (a node that
+  // leaves on a failed check must not make the others end on the rendezvous instead).
+  auto after_preflight = [this](std::function<void()> f) {
+    if (preflight_thread_.joinable()) deferred_by_preflight_.push_back(std::move(f));
+    else f();
+  };
+  h.on_restart = [this, after_preflight](const proto::Restart& r) {
+    after_preflight([this, r] { run(core_.restart(r, now())); });
+  };
+  h.on_abort = [this, after_preflight](const proto::Abort& a) {
+    after_preflight([this, a] { run(core_.abort(a, now())); });
+  };
+  h.on_done = [this, after_preflight] { after_preflight([this] { run(core_.rendezvous_done(now())); }); };
+  h.on_lost = [this, after_preflight](const std::string& why) {
+    after_preflight([this, why] { run(core_.rendezvous_lost(why, now())); });
+  };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
   // etcd proves nothing with the rendezvous token: say so rather than let its holder think
   // the decisions it reads are authenticated.
@@ -250,6 +263,76 @@ void Agent::start_rendezvous() {
            "etcd decides for it; protect them with etcd's own authentication (--rdzv_conf user=, cert=, https)");
   client_ = make_link_(io_, opts_, std::move(j), std::move(h));
   client_->start();
+}
+
+void Agent::on_assignment(const proto::Assignment& a) {
+  if (opts_.preflight != "off" && !preflight_tried_ && core_.state() == sup::State::kWaiting) {
+    preflight_tried_ = true;  // once: before the job's first workers
+    if (a.group_world_size > 1 && static_cast<int>(a.nodes.size()) == a.group_world_size) {
+      start_preflight(a);
+      return;
+    }
+    notice(a.group_world_size > 1 ? "preflight: skipped (the rendezvous listed too many nodes to check)"
+                                  : "preflight: one node, nothing to check between nodes");
+  }
+  run(core_.assignment(a, now()));
+}
+
+void Agent::start_preflight(const proto::Assignment& a) {
+  preflight::Options o;
+  o.rank = a.group_rank;
+  o.nodes = a.nodes;
+  o.coordinator_host = a.master_addr;
+  o.coordinator_port = a.master_port;
+  o.job = fmt::format("{}/{}", plan_.run_id, a.round);
+  // Test hooks (docs/flags.md): this node's sends paced to N bytes/s; its listener refusing.
+  if (auto it = base_env_.find("MGLAUNCH_PREFLIGHT_TEST_SEND_RATE"); it != base_env_.end())
+    o.send_rate = std::strtod(it->second.c_str(), nullptr);
+  if (auto it = base_env_.find("MGLAUNCH_PREFLIGHT_TEST_UNREACHABLE"); it != base_env_.end())
+    o.unreachable = it->second == "1";
+  if (::pipe2(preflight_cancel_, O_CLOEXEC) != 0) {
+    notice(fmt::format("preflight: skipped (pipe: {})", std::strerror(errno)));
+    run(core_.assignment(a, now()));
+    return;
+  }
+  o.cancel_fd = preflight_cancel_[0];
+  notice(fmt::format("preflight: checking the network between the {} nodes (--preflight={})", a.group_world_size,
+                     opts_.preflight));
+  const std::uint64_t gen = ++preflight_gen_;
+  preflight_thread_ = std::thread([this, o = std::move(o), a, gen] {
+    preflight::Result r = preflight::run(o);
+    asio::post(io_, [this, a, gen, r = std::move(r)]() mutable { preflight_done(a, gen, std::move(r)); });
+  });
+}
+
+void Agent::stop_preflight() {
+  if (!preflight_thread_.joinable()) return;
+  ++preflight_gen_;  // its verdict, if already posted, is dropped
+  ::close(std::exchange(preflight_cancel_[1], -1));  // the check sees its end of the pipe readable
+  preflight_thread_.join();
+  ::close(std::exchange(preflight_cancel_[0], -1));
+}
+
+void Agent::preflight_done(const proto::Assignment& a, std::uint64_t gen, preflight::Result r) {
+  if (gen != preflight_gen_) return;
+  stop_preflight();  // (the thread has ended: this joins it)
+  trace_instant("preflight", "rendezvous",
+                {{"ok", r.ok}, {"seconds", r.seconds}, {"line", r.line}, {"named", r.named}});
+  if (core_.state() != sup::State::kWaiting) return;
+  if (r.ok) {
+    notice(r.line);
+  } else if (opts_.preflight == "warn") {
+    notice("warning: " + r.line + "; going on (--preflight=warn)");
+  } else {
+    run(core_.preflight_failed(r.line, now()));
+    return;
+  }
+  if (!deferred_by_preflight_.empty()) {  // the round is over already: what the rendezvous said instead
+    auto deferred = std::move(deferred_by_preflight_);
+    for (auto& f : deferred) f();
+    return;
+  }
+  run(core_.assignment(a, now()));
 }
 
 void Agent::apply_assignment(const proto::Assignment& a) {
@@ -556,6 +639,7 @@ void Agent::run(sup::Actions actions) {
 }
 
 void Agent::finish(int code) {
+  stop_preflight();
   final_events(code);
   if (monitor_) monitor_->stop();
   boost::system::error_code ec;

@@ -14,9 +14,11 @@
 #include <chrono>
 #include <map>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -28,6 +30,7 @@
 #include "control/server.h"
 #include "logs/console.h"
 #include "ops/hwprobe.h"
+#include "ops/preflight.h"
 #include "logs/log_layout.h"
 #include "launcher/agent_seams.h"
 #include "launcher/file_timer.h"
@@ -80,6 +83,20 @@ class Agent {
   // otherwise). Called early in start(), so the others are not refused while it starts.
   void host_rendezvous();
   void apply_assignment(const proto::Assignment& a);
+  // --preflight (ops/preflight.h): the first assignment waits for the network check, which
+  // runs on a thread of its own; what the rendezvous says meanwhile (restart, abort, done,
+  // lost) waits for its verdict, which the nodes learn together: a failed check ends the
+  // run (exit 5), else those events are carried out instead of the assignment. The end of
+  // the run (a signal) cancels the check.
+  void on_assignment(const proto::Assignment& a);
+  void start_preflight(const proto::Assignment& a);
+  void preflight_done(const proto::Assignment& a, std::uint64_t gen, preflight::Result r);
+  void stop_preflight();  // cancels the check under way, if any, and joins its thread
+  bool preflight_tried_ = false;
+  std::uint64_t preflight_gen_ = 0;
+  std::thread preflight_thread_;
+  int preflight_cancel_[2] = {-1, -1};  // a pipe: the write end closed cancels the check
+  std::vector<std::function<void()>> deferred_by_preflight_;  // the rendezvous' events meanwhile
   void on_worker_done(const WorkerEnd& w);
   void finish(int code);
   // The static form's node 0 after its workers succeeded: the store serves until its last

@@ -584,6 +584,12 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                  "Serve Prometheus metrics at http://METRICS-HOST:P/metrics (0 picks a port; printed)");
   app.add_option("--metrics-host,--metrics_host", o.metrics_host, "Address for --metrics-port (default 127.0.0.1)");
   app.add_option("--trace", o.trace_file, "Write a Chrome/Perfetto trace (JSON) of the run to FILE");
+  std::string preflight;
+  app.add_flag("--preflight", preflight,
+               "Before the job's workers start, the nodes run a short all-reduce and a point-to-point bandwidth "
+               "check between them and name a slow or broken node: fail (the default) ends the run with exit 5, "
+               "warn goes on (--preflight or --preflight=fail|warn|off)")
+      ->option_text("[=MODE]");
   // torch 2.x's flags (#25; docs/flags.md)
   std::string shutdown_timeout, signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", numa_binding, dup_filters[2], logs_specs;
   opt("shutdown_timeout", shutdown_timeout,
@@ -782,6 +788,14 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     if (ec != std::errc{} || p != monitor.data() + monitor.size() || !(v >= 0.1) || v > 86400)
       throw UsageError(fmt::format("bad --monitor '{}': use --monitor or --monitor=SECONDS with 0.1..86400 seconds", monitor));
     o.monitor_s = v;
+  }
+  if (preflight == "true") preflight = "fail";  // a bare --preflight
+  if (!preflight.empty()) {
+    if (preflight != "fail" && preflight != "warn" && preflight != "off")
+      throw UsageError(fmt::format("bad --preflight '{}': use --preflight, --preflight=fail, --preflight=warn or "
+                                   "--preflight=off",
+                                   preflight.size() > 40 ? preflight.substr(0, 40) + "..." : preflight));
+    o.preflight = preflight;
   }
   if (o.metrics_port < -1 || o.metrics_port > 65535 || (o.metrics_port == -1 && app.count("--metrics-port") > 0))
     throw UsageError(fmt::format("bad --metrics-port '{}': use 0..65535 (0 picks a free port)", o.metrics_port));

@@ -140,6 +140,9 @@ struct AgentOptions {
   int metrics_port = -1;                         // --metrics-port P: Prometheus /metrics (0: any port)
   std::string metrics_host = "127.0.0.1";        // --metrics-host: where /metrics listens
   std::string trace_file;                        // --trace FILE: Chrome trace of the run
+  // --preflight[=fail|warn] (ops/preflight.h): before the first round's workers, the nodes
+  // check the network between them; "fail" ends the run (exit 5) on a slow or broken node
+  std::string preflight = "off";                 // off | fail | warn
   std::optional<SlurmContext> slurm;             // set when running inside a Slurm step
   std::map<std::string, std::string> sources;   // option name -> where its value came from (Slurm)
   // the training program

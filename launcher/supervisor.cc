@@ -545,6 +545,21 @@ Actions Supervisor::rendezvous_done(const Now&) {
   return out;
 }
 
+Actions Supervisor::preflight_failed(const std::string& line, const Now& now) {
+  Actions out;
+  if (state_ != State::kWaiting || !attempts_.empty() || leaving_code_) return out;
+  RootCause rc;
+  rc.time = time_text(now.wall);
+  rc.host = cfg_.host;
+  rc.worker.rank = -1;
+  rc.worker.exit_code = exit_code::kPreflight;
+  rc.message = line;
+  root_cause_ = rc;
+  out.push_back(act::ErrorLine{line + "; fix or leave out the named node, or run with --preflight=warn"});
+  finish(exit_code::kPreflight, out);
+  return out;
+}
+
 Actions Supervisor::rendezvous_lost(const std::string& why, const Now&) {
   Actions out;
   if (state_ == State::kDone) return out;

@@ -166,6 +166,10 @@ class Supervisor {
   // or its connection closed (a paused one is then stopped: it can no longer be assigned).
   Actions worker_hello(int local_rank, bool in_place, const Now& now);
   Actions control_closed(int local_rank, const Now& now);
+  // The preflight check (ops/preflight.h, --preflight=fail) found a slow or broken node
+  // before any worker of the run started: the run ends with `line` (an error line and the
+  // root cause) and exit code 5. Nothing once the run is past that point.
+  Actions preflight_failed(const std::string& line, const Now& now);
 
   State state() const { return state_; }
   int restart_count() const { return restart_count_; }

@@ -155,3 +155,88 @@ TEST_CASE("preflight names a node that never comes, within its time-out") {
   CHECK(r.named == std::vector<int>{2});
   CHECK_THAT(r.line, Catch::Contains("node 2 (127.0.0.4) did not reach the coordinator"));
 }
+
+namespace {
+
+// n agents on 127.0.0.2.. joining one mglaunch-rdzv with --preflight (and `flags`), each
+// worker printing its environment; `env_of(i)` adds to agent i's environment.
+std::vector<Proc> agents_with_preflight(const Daemon& d, const std::string& job, int n, std::vector<std::string> flags,
+                                        const std::function<std::map<std::string, std::string>(int)>& env_of = {}) {
+  std::vector<Proc> agents;
+  for (int i = 0; i < n; ++i)
+    agents.push_back(spawn(agent_argv(d.endpoint, job, i + 2, std::to_string(n), 1, flags, {"env"}),
+                           env_of ? env_of(i) : std::map<std::string, std::string>{}));
+  return agents;
+}
+
+}  // namespace
+
+TEST_CASE("8 agents through mglaunch-rdzv with --preflight pass the check, then the job runs") {
+  Daemon d = start_daemon();
+  std::vector<Proc> agents = agents_with_preflight(d, "pf8", 8, {"--preflight"});
+  const WorldSeen w = world_seen(agents, 120s);
+  CHECK(w.ranks == std::multiset<std::string>{"0", "1", "2", "3", "4", "5", "6", "7"});
+  for (auto& a : agents) {
+    INFO(a.out() + a.err());
+    CHECK(count_of(a.out() + a.err(), "preflight passed in ") == 1);
+    CHECK_THAT(a.out() + a.err(), Catch::Contains("8 nodes, all-reduce"));
+  }
+}
+
+TEST_CASE("an agent whose sends are throttled is named by every node, and no worker runs (exit 5)") {
+  Daemon d = start_daemon();
+  // Test hook: agent 5 (127.0.0.7, whichever group rank it gets) paces its sends to 2 MB/s.
+  std::vector<Proc> agents = agents_with_preflight(d, "pfslow", 8, {"--preflight"}, [](int i) {
+    return i == 5 ? std::map<std::string, std::string>{{"MGLAUNCH_PREFLIGHT_TEST_SEND_RATE", "2000000"}}
+                  : std::map<std::string, std::string>{};
+  });
+  for (auto& a : agents) {
+    REQUIRE(a.wait(120s));
+    const std::string all = a.out() + a.err();
+    INFO(all);
+    CHECK(a.exit_code() == 5);
+    CHECK_THAT(all, Catch::Contains("mglaunch: error: preflight failed") && Catch::Contains("(127.0.0.7) sends at"));
+    CHECK(count_of(all, "(127.0.0.") == 1);  // that node alone is named
+    CHECK(envs(a.out()).empty());            // no worker ran
+  }
+}
+
+TEST_CASE("--preflight=warn names a node no peer can connect to, and the job still runs") {
+  Daemon d = start_daemon();
+  // Test hook: agent 1 (127.0.0.3) announces a port that refuses connections.
+  std::vector<Proc> agents = agents_with_preflight(d, "pfwarn", 3, {"--preflight=warn"}, [](int i) {
+    return i == 1 ? std::map<std::string, std::string>{{"MGLAUNCH_PREFLIGHT_TEST_UNREACHABLE", "1"}}
+                  : std::map<std::string, std::string>{};
+  });
+  const WorldSeen w = world_seen(agents, 120s);
+  CHECK(w.ranks == std::multiset<std::string>{"0", "1", "2"});
+  for (auto& a : agents) {
+    const std::string all = a.out() + a.err();
+    INFO(all);
+    CHECK_THAT(all, Catch::Contains("[mglaunch] warning: preflight failed") &&
+                        Catch::Contains("no node can connect to node") && Catch::Contains("(127.0.0.3)") &&
+                        Catch::Contains("going on (--preflight=warn)"));
+  }
+}
+
+TEST_CASE("mglaunch refuses a bad --preflight value in one line (exit 2)") {
+  const auto r = run({kMglaunch, "--preflight=maybe", "--no_python", "/bin/true"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("bad --preflight 'maybe'") && Catch::Contains("--preflight=warn"));
+}
+
+TEST_CASE("mglaunch doctor --preflight checks 4 loopback nodes; a bad node count is refused") {
+  auto r = run({kMglaunch, "doctor", "--no-python", "--preflight"});
+  INFO(r.out + r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("Preflight  : preflight passed in") && Catch::Contains("4 nodes"));
+  r = run({kMglaunch, "doctor", "--no-python", "--json", "--preflight=3"});
+  INFO(r.out + r.err);
+  CHECK(r.code == 0);
+  const auto j = nlohmann::json::parse(r.out);
+  CHECK(j["preflight"]["ok"] == true);
+  CHECK(j["preflight"]["nodes"] == 3);
+  r = run({kMglaunch, "doctor", "--preflight=1"});
+  CHECK(r.code == 2);
+  CHECK_THAT(r.err, Catch::Contains("bad --preflight '1'"));
+}

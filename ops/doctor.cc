@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
+#include "ops/preflight.h"
 #include "logs/console.h"
 #include "cli/errors.h"
 #include "proto/text.h"
@@ -300,6 +301,11 @@ nlohmann::json doctor_json(const DoctorInputs& in, const std::vector<Suggestion>
           {"port", {{"port", in.port}, {"free", !in.port_error}, {"error", opt(in.port_error)}}},
           {"slurm", in.slurm},
           {"pythons", pys},
+          {"preflight", in.preflight_line.empty() ? json(nullptr)
+                                                  : json{{"nodes", in.preflight_nodes},
+                                                         {"address", in.preflight_address},
+                                                         {"ok", in.preflight_ok},
+                                                         {"line", in.preflight_line}}},
           {"suggestions", sug}};
 }
 
@@ -342,24 +348,31 @@ std::string doctor_text(const DoctorInputs& in, const std::vector<Suggestion>& s
     out += p.has_torch ? fmt::format("Python     : {}: torch {} (cuda {}, nccl {}, gloo {})\n", p.path, p.torch_version,
                                      p.cuda ? "yes" : "no", p.nccl ? "yes" : "no", p.gloo ? "yes" : "no")
                        : fmt::format("Python     : {}: no torch ({})\n", p.path, p.error);
+  if (!in.preflight_line.empty())
+    out += fmt::format("Preflight  : {} (nodes on {})\n", in.preflight_line, in.preflight_address);
   out += "Suggestions:\n";
   for (const auto& x : s) out += fmt::format("  {}={}\n      because {}\n", x.name, x.value, x.reason);
   return out;
 }
 
 std::string doctor_help() {
-  return "Usage: mglaunch doctor [--json] [--master_addr ADDR] [--port PORT] [--no-python]\n"
+  return "Usage: mglaunch doctor [--json] [--master_addr ADDR] [--port PORT] [--no-python] [--preflight[=N]]\n"
          "Shows what this machine offers (CPUs, cgroup limits, memory, NUMA, GPUs via NVML, interfaces,\n"
          "the route to ADDR, whether PORT is free, Slurm, which python has torch) and suggested settings.\n"
-         "Exit codes: 0 the report was printed; 2 bad flags.\n";
+         "--preflight[=N]: the network check of mglaunch --preflight between N nodes (default 4, 2..64)\n"
+         "on this machine (on the address that reaches ADDR, else 127.0.0.1).\n"
+         "Exit codes: 0 the report was printed; 2 bad flags; 5 --preflight found a slow or broken node.\n";
 }
 
 std::optional<DoctorOptions> parse_doctor_args(const std::vector<std::string>& argv) {
-  enum { kJson, kNoPython, kMasterAddr, kPort, kHelp };
+  enum { kJson, kNoPython, kMasterAddr, kPort, kHelp, kPreflight };
+  cli::FlagSpec preflight = cli::strict_flag({"preflight"}, false);
+  preflight.optional_value = true;
   const std::vector<cli::FlagSpec> specs = {
       cli::strict_flag({"json"}, false), cli::strict_flag({"no-python", "no_python"}, false),
       cli::strict_flag({"master_addr", "master-addr"}, true),
-      cli::strict_flag({"port", "master_port", "master-port"}, true), cli::strict_flag({"help"}, false, {"h"})};
+      cli::strict_flag({"port", "master_port", "master-port"}, true), cli::strict_flag({"help"}, false, {"h"}),
+      preflight};
   cli::Normalized norm;
   try {
     norm = cli::normalize_args(std::vector<std::string>(argv.begin() + std::min<std::size_t>(2, argv.size()), argv.end()),
@@ -389,6 +402,18 @@ std::optional<DoctorOptions> parse_doctor_args(const std::vector<std::string>& a
       case kMasterAddr:
         o.master_addr = v;
         break;
+      case kPreflight: {
+        int nodes = 4;
+        if (norm.values[n]) {
+          auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), nodes);
+          if (ec != std::errc{} || end != v.data() + v.size() || nodes < 2 || nodes > 64)
+            throw UsageError(fmt::format("doctor: bad --preflight '{}': use --preflight or --preflight=N with 2..64 "
+                                         "nodes",
+                                         v.size() > 40 ? v.substr(0, 40) + "..." : v));
+        }
+        o.preflight_nodes = nodes;
+        break;
+      }
       case kPort: {
         int p = -1;
         auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), p);
@@ -411,9 +436,16 @@ int doctor_main(const std::vector<std::string>& argv, const std::map<std::string
   }
   const DoctorOptions& o = *parsed;
   DoctorInputs in = gather(o, env, real_doctor_probes());
+  if (o.preflight_nodes > 0) {
+    in.preflight_nodes = o.preflight_nodes;
+    in.preflight_address = in.master_route ? *in.master_route : "127.0.0.1";
+    const preflight::Result r = preflight::run_local(o.preflight_nodes, {in.preflight_address});
+    in.preflight_ok = r.ok;
+    in.preflight_line = r.line;
+  }
   auto s = suggest(in);
   write_all(STDOUT_FILENO, o.json ? mg::proto::dump_json(doctor_json(in, s), 2) + "\n" : doctor_text(in, s));
-  return exit_code::kOk;
+  return in.preflight_nodes > 0 && !in.preflight_ok ? exit_code::kPreflight : exit_code::kOk;
 }
 
 }  // namespace mg

@@ -1,7 +1,8 @@
-// `mglaunch doctor [--json] [--master_addr A] [--port P] [--no-python]`: what this machine
+// `mglaunch doctor [--json] [--master_addr A] [--port P] [--no-python] [--preflight[=N]]`: what this machine
 // really offers (CPUs with affinity and cgroup quota, memory, NUMA, GPUs through NVML,
 // interfaces, the route to the master, a free port, Slurm, which python has torch) and
-// settings derived from it, each with its reason. gather() does the probing through
+// settings derived from it, each with its reason; with --preflight, the network check of
+// `mglaunch --preflight` (ops/preflight.h) between N nodes on this machine. gather() does the probing through
 // seams; suggest() and the renderers are pure and unit-tested on made-up machines.
 #pragma once
 
@@ -23,6 +24,7 @@ struct DoctorOptions {
   std::string master_addr;  // empty: not asked
   int port = 29500;
   bool python = true;       // probe pythons for torch (imports torch: seconds)
+  int preflight_nodes = 0;  // --preflight[=N]: N nodes (default 4) on this machine; 0: no check
 };
 
 struct PythonInfo {
@@ -47,6 +49,12 @@ struct DoctorInputs {
   std::optional<std::string> port_error;  // nullopt: free
   std::map<std::string, std::string> slurm;  // SLURM_* variables
   std::vector<PythonInfo> pythons;
+  // --preflight: N nodes, threads of this process, on `preflight_address` (the address that
+  // reaches --master_addr, else 127.0.0.1); empty line: not run.
+  int preflight_nodes = 0;
+  std::string preflight_address;
+  bool preflight_ok = false;
+  std::string preflight_line;
 };
 
 struct Suggestion {
@@ -94,7 +102,8 @@ std::string doctor_text(const DoctorInputs& in, const std::vector<Suggestion>& s
 std::optional<DoctorOptions> parse_doctor_args(const std::vector<std::string>& argv);
 std::string doctor_help();
 
-// argv: {"mglaunch", "doctor", flags...}. Throws UsageError.
+// argv: {"mglaunch", "doctor", flags...}. Throws UsageError. Returns 0, or 5 when
+// --preflight found a slow or broken node.
 int doctor_main(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env);
 
 }  // namespace mg

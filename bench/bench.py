@@ -262,6 +262,58 @@ class Bench:
         return {"title": "K agents on 127.0.0.1..K × 1 worker, c10d: all agents let go at once (as K nodes "
                          "starting together) → all workers started (worker stamps)", "param": "K", "rows": rows}
 
+    # ---- (4b) --preflight (issue #26) ------------------------------------------------------------
+    def preflight_once(self, k, flags):
+        """K agents on 127.0.0.2.. through mglaunch-rdzv, let go at once (as agents_once):
+        (gate -> every worker started in ms, the slowest node's `preflight passed in S s`)."""
+        stamps = os.path.join(self.tmp, f"preflight_{k}")
+        if os.path.exists(stamps):
+            os.unlink(stamps)
+        d = subprocess.Popen([os.path.join(self.bin, "mglaunch-rdzv"), "--listen", "127.0.0.1:0"],
+                             stdout=subprocess.PIPE, stderr=DEVNULL, text=True)
+        try:
+            endpoint = d.stdout.readline().split()[-1]
+            outs = [os.path.join(self.tmp, f"preflight_{k}_{i}.out") for i in range(k)]
+            job = f"pf{d.pid}_{time.time_ns()}"
+            gate_r, gate_w = os.pipe()
+            procs = [subprocess.Popen(["sh", "-c", 'read _; exec "$@" </dev/null', "gate"] + self.ours +
+                                      [f"--nnodes={k}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                       f"--rdzv_endpoint={endpoint}", f"--rdzv_id={job}",
+                                       f"--local_addr=127.0.0.{i + 2}"] + flags +
+                                      ["--no_python", self.fake, "stamp", stamps, "start"],
+                                      stdin=gate_r, stdout=open(outs[i], "w"), stderr=subprocess.STDOUT)
+                     for i in range(k)]
+            os.close(gate_r)
+            wait_reading_stdin([p.pid for p in procs])
+            t0 = time.time_ns()
+            os.close(gate_w)
+            codes = [p.wait(timeout=600) for p in procs]
+            assert codes == [0] * k, codes
+            started = [int(line.split()[3]) for line in open(stamps)]
+            assert len(started) == k, started
+            checks = []
+            for o in outs:
+                for line in open(o):
+                    if "preflight passed in " in line:
+                        checks.append(float(line.split("preflight passed in ")[1].split()[0]) * 1e3)
+            assert not flags or len(checks) == k, open(outs[0]).read()[-500:]
+            return (max(started) - t0) / 1e6, max(checks) if checks else None
+        finally:
+            d.send_signal(signal.SIGTERM)
+            d.wait(timeout=60)
+
+    def preflight(self):
+        k = 8
+        runs = 1 if QUICK else 5
+        with_check = [self.preflight_once(k, ["--preflight"]) for _ in range(runs)]
+        without = [self.preflight_once(k, [])[0] for _ in range(runs)]
+        return {"title": "--preflight: 8 agents on 127.0.0.2-9 through mglaunch-rdzv, all let go at once "
+                         "(all-reduce of 256 KiB, 3 rounds of 4 MiB point-to-point per node)", "param": "",
+                "rows": [row({"what": "the check itself (slowest node's `preflight passed in`)"},
+                             [c for _, c in with_check], target=("<=", 3000.0)),
+                         row({"what": "gate → all 8 workers started, with --preflight"}, [t for t, _ in with_check]),
+                         row({"what": "gate → all 8 workers started, without"}, without)]}
+
     # ---- (5) the daemon alone -------------------------------------------------------------------
     def daemon_scale(self):
         rows = []
@@ -594,7 +646,7 @@ def meta(bench):
     }
 
 
-CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "daemon_scale", "store", "relay", "allreduce", "training",
+CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "preflight", "daemon_scale", "store", "relay", "allreduce", "training",
          "backends", "hung"]
 
 

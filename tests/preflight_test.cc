@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "cli/errors.h"
+#include "launcher/supervisor.h"
 #include "ops/preflight.h"
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
@@ -107,6 +109,37 @@ TEST_CASE("preflight's judge names absent, silent and unreachable nodes before a
   reports[1].waited_on = {0};
   v = judge(reports, nodes, 0.25, 1);
   CHECK(v.named == std::vector<int>{0});
+}
+
+TEST_CASE("a failed preflight ends a run still waiting for its first workers with exit 5, and nothing later") {
+  namespace sup = mg::sup;
+  sup::Config c;
+  c.rdzv = true;
+  c.host = "node-a";
+  auto at = [](int ms) {
+    return sup::Now{sup::Clock::time_point{} + std::chrono::milliseconds(ms),
+                    std::chrono::system_clock::time_point{} + std::chrono::milliseconds(ms)};
+  };
+  sup::Supervisor s(c);
+  s.start(at(0));
+  auto out = s.preflight_failed("preflight failed after 1.50 s: slow: node 3", at(10));
+  REQUIRE(out.size() >= 2);
+  REQUIRE(std::holds_alternative<sup::act::ErrorLine>(out.front()));
+  CHECK_THAT(std::get<sup::act::ErrorLine>(out.front()).text,
+             Catch::StartsWith("preflight failed after 1.50 s: slow: node 3") && Catch::Contains("--preflight=warn"));
+  REQUIRE(std::holds_alternative<sup::act::Finish>(out.back()));
+  CHECK(std::get<sup::act::Finish>(out.back()).code == mg::exit_code::kPreflight);
+  CHECK(s.exit_code() == 5);
+  REQUIRE(s.root_cause());
+  CHECK(s.root_cause()->worker.exit_code == 5);
+  // Once workers ran (an assignment applied), a late verdict changes nothing.
+  sup::Supervisor t(c);
+  t.start(at(0));
+  mg::proto::Assignment a;
+  a.round = 1;
+  t.assignment(a, at(5));
+  CHECK(t.preflight_failed("preflight failed", at(10)).empty());
+  CHECK(t.state() == sup::State::kRunning);
 }
 
 TEST_CASE("preflight of 8 nodes on 127.0.0.2-9 passes, all-reduce sums checked, every node told") {

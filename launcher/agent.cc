@@ -133,6 +133,10 @@ void Agent::start() {
   if (plan_.set_omp_threads)
     notice("setting OMP_NUM_THREADS=1 for each worker (more than one per node); set it yourself to tune");
   for (const auto& w : opts_.warnings) notice(w);
+  if (opts_.preflight != "off" && !uses_rendezvous_server(opts_))
+    notice(opts_.nnodes.max <= 1 ? "preflight: one node, nothing to check between nodes"
+                                 : "preflight: skipped (it needs a rendezvous, which lists the nodes: "
+                                   "--rdzv_backend=c10d or etcd)");
   if (opts_.cpu_bind != "none") {
     try {
       bindings_ = hardware_->bind(opts_.cpu_bind, plan_.nproc_per_node, opts_.gpu_ids);
@@ -268,11 +272,11 @@ void Agent::start_rendezvous() {
 void Agent::on_assignment(const proto::Assignment& a) {
   if (opts_.preflight != "off" && !preflight_tried_ && core_.state() == sup::State::kWaiting) {
     preflight_tried_ = true;  // once: before the job's first workers
-    if (a.group_world_size > 1 && static_cast<int>(a.nodes.size()) == a.group_world_size) {
+    if (a.group_world_size > 1 && static_cast<int>(a.nodes.size()) == a.group_world_size && a.master_port > 0) {
       start_preflight(a);
       return;
     }
-    notice(a.group_world_size > 1 ? "preflight: skipped (the rendezvous listed too many nodes to check)"
+    notice(a.group_world_size > 1 ? "preflight: skipped (the rendezvous gave no master port, or too many nodes to list)"
                                   : "preflight: one node, nothing to check between nodes");
   }
   run(core_.assignment(a, now()));

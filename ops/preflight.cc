@@ -34,6 +34,9 @@ constexpr std::size_t kMaxMessage = 1 << 20;  // a control message (a node's rep
 constexpr std::size_t kChunk = 256 * 1024;    // one send or receive call
 constexpr std::size_t kBurst = 64 * 1024;     // what a paced sender may send at once
 constexpr std::uint32_t kMagic = 0x4d475046;  // "MGPF": a data connection's first word
+// How much longer than the coordinator a node waits for its word: the coordinator's own
+// time-out (a node that never came) must reach the others before theirs.
+constexpr std::chrono::milliseconds kGrace{2000};
 
 // A socket closed when it goes.
 class Fd {
@@ -723,7 +726,7 @@ class Node {
     if (!send_msg(coord_.get(), {{"t", "hello"}, {"job", o_.job}, {"rank", o_.rank}, {"port", data_port_}}, deadline_,
                   o_.cancel_fd, error_))
       return lost_coordinator();
-    auto m = await_coordinator(deadline_);
+    auto m = await_coordinator(deadline_ + kGrace);
     if (!m) return false;
     if ((*m)["t"] == "verdict") return take_verdict(*m);
     ports_ = m->value("ports", std::vector<int>{});
@@ -754,7 +757,7 @@ class Node {
     const nlohmann::json mine = {{"t", "connected"}, {"unreachable", report_.unreachable}, {"errors", report_.errors}};
     if (o_.rank != 0) {
       if (!send_msg(coord_.get(), mine, deadline_, o_.cancel_fd, error_)) return lost_coordinator();
-      auto m = await_coordinator(deadline_);
+      auto m = await_coordinator(deadline_ + kGrace);
       if (!m) return false;
       if ((*m)["t"] == "verdict") return take_verdict(*m);
       return true;
@@ -889,7 +892,7 @@ class Node {
         lost_coordinator();
         return;
       }
-      auto v = await_coordinator(deadline_ + milliseconds(2000));
+      auto v = await_coordinator(deadline_ + kGrace);
       if (v) take_verdict(*v);
       return;
     }

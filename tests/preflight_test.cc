@@ -234,7 +234,7 @@ TEST_CASE("an agent whose sends are throttled is named by every node, and no wor
   }
 }
 
-TEST_CASE("--preflight=warn names a node no peer can connect to, and the job still runs") {
+TEST_CASE("with --preflight=warn a node no peer can connect to is named, and the job still runs") {
   Daemon d = start_daemon();
   // Test hook: agent 1 (127.0.0.3) announces a port that refuses connections.
   std::vector<Proc> agents = agents_with_preflight(d, "pfwarn", 3, {"--preflight=warn"}, [](int i) {
@@ -258,7 +258,7 @@ TEST_CASE("mglaunch refuses a bad --preflight value in one line (exit 2)") {
   CHECK_THAT(r.err, Catch::Contains("bad --preflight 'maybe'") && Catch::Contains("--preflight=warn"));
 }
 
-TEST_CASE("mglaunch doctor --preflight checks 4 loopback nodes; a bad node count is refused") {
+TEST_CASE("mglaunch doctor --preflight checks 4 loopback nodes and refuses a bad node count") {
   auto r = run({kMglaunch, "doctor", "--no-python", "--preflight"});
   INFO(r.out + r.err);
   CHECK(r.code == 0);

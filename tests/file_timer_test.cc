@@ -95,8 +95,8 @@ TEST_CASE("FileTimer: per process the first expired timer with a signal reaps it
   CHECK_FALSE(t.next_deadline());
 }
 
-TEST_CASE("FileTimer: torch 1.13 workers' FileTimerClient reaches the agent's pipe; an expired timer kills its "
-          "worker with the timer's signal and is the root cause; the pipe is gone at exit") {
+TEST_CASE("FileTimer: torch 1.13 workers' FileTimerClient reaches the agent's pipe, an expired timer kills its "
+          "worker with the timer's signal and is the root cause, the pipe is gone at exit") {
   require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
   const std::string dir = make_temp_dir();
   const std::string pipe = dir + "/timer.pipe";
@@ -117,7 +117,7 @@ TEST_CASE("FileTimer: torch 1.13 workers' FileTimerClient reaches the agent's pi
   run({"/bin/rm", "-rf", dir});
 }
 
-TEST_CASE("FileTimer: timers kept and released run to the end; the agent names its own pipe and removes it; a "
+TEST_CASE("FileTimer: timers kept and released run to the end, the agent names its own pipe and removes it, a "
           "request naming a process that is not a worker kills nothing") {
   require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
   auto r = run({kMglaunch, "--nproc_per_node=2", "--python=/usr/bin/python3", worker_script(), "forge"},

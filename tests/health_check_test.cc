@@ -79,7 +79,7 @@ TEST_CASE("TORCHELASTIC_HEALTH_CHECK_PORT: the agent answers GET /health from it
   run({"/bin/rm", "-rf", dir});
 }
 
-TEST_CASE("TORCHELASTIC_HEALTH_CHECK_PORT: a value that is not a port is exit 2 naming it; a port in use is one "
+TEST_CASE("TORCHELASTIC_HEALTH_CHECK_PORT: a value that is not a port is exit 2 naming it, and a port in use is one "
           "warning and the run goes on") {
   auto r = run(launch({"--nproc_per_node=1"}, {"exit", "0"}), {{"TORCHELASTIC_HEALTH_CHECK_PORT", "health"}});
   CHECK(r.code == 2);

@@ -165,7 +165,7 @@ std::vector<nlohmann::json> events_of(const std::string& err) {
 }
 }  // namespace
 
-TEST_CASE("torch 2.x: --event-log-handler console prints the agent's elastic events as torch's Event lines; null "
+TEST_CASE("torch 2.x: --event-log-handler console prints the agent's elastic events as torch's Event lines, null "
           "prints none") {
   const std::string dir = make_temp_dir();
   // Attempt 0: rank 1 fails; attempt 1 succeeds.

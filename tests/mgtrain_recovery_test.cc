@@ -89,7 +89,7 @@ TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor
   }
 }
 
-TEST_CASE("--in-place-recovery without a control socket says recovery is off and trains; impossible combinations are exit 2") {
+TEST_CASE("in-place recovery off: without a control socket mgtrain says so in one line and trains, and impossible combinations are exit 2") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   auto plain = train({"--fault", "none", "--no-control"});
   REQUIRE(plain.r.code == 0);

@@ -21,6 +21,8 @@ import datetime
 import json
 import os
 import platform
+import queue
+import re
 import shlex
 import shutil
 import signal
@@ -29,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -549,6 +552,220 @@ class Bench:
         return {"title": "a SIGSTOPped node → the survivors told and exited (keep-alive 1 s × 3; bound 4 s)",
                 "param": "", "rows": [row({}, [elapsed * 1e3], note="torchrun 1.13 never detects it")]}
 
+    # ---- (11) one node SIGKILLed mid-training: torchrun's restart vs in-place recovery -------------
+    def recovery(self):
+        """Two nodes (one worker each) on loopback, CPU/Gloo; node 1 (its agent and its worker)
+        SIGKILLed by pid at step KILL_AT or later, read from rank 0's progress lines.
+        torchrun: bench/ddp_checkpoint_train.py (seed style: checkpoint every CKPT_EVERY
+        steps, restart all, reload); torchrun has no standby, so a replacement agent starts
+        the moment node 1 is killed. mglaunch: mgtrain --in-place-recovery through
+        mglaunch-rdzv, with a third agent as a standby when this build has standbys (else a
+        replacement started at the kill, as for torchrun). Both measured the same way from
+        the outside: bench.py stamps every line of rank 0 as it reads it."""
+        mgtrain = os.path.join(self.bin, "mgtrain")
+        if not os.path.exists(mgtrain):
+            return {"skipped": "mgtrain not built (no LibTorch)"}
+        with open(self.ours[0], "rb") as f:
+            standby = b"standby for job" in f.read()
+        n = size(3, 1, 1)
+        ours = [self.recovery_once("ours", mgtrain, standby) for _ in range(n)]
+        peer = [self.recovery_once("peer", None, False) for _ in range(n)] if self.peer else []
+        ms = lambda runs: [r["recovery_ms"] for r in runs]
+        lost = lambda runs: [r["steps_lost"] for r in runs]
+        how = ("a standby (a third agent, beyond --nnodes=2) takes node 1's place" if standby else
+               "this build has no standbys: a replacement agent starts at the kill, as for torchrun")
+        rows = [row({"what": "SIGKILL of node 1 → first step completed after it (rank 0's progress lines)"},
+                    ms(ours), ms(peer), target=("<=", 1000.0)),
+                row({"what": "steps lost (step reached before the kill − step training resumed from)"},
+                    lost(ours), lost(peer), unit="steps", target=("<=", 0)),
+                row({"what": "mgtrain's own figure: summary `recoveries` seconds (detection → first step)"},
+                    [r["summary_s"] * 1e3 for r in ours if r.get("summary_s") is not None])]
+        lines = ["| run | launcher | killed at step (reached) | resumed from | steps lost | kill → first step (ms) | "
+                 "mgtrain `recoveries` (ms) | exit codes |", "|---|---|---|---|---|---|---|---|"]
+        for who, runs in (("mglaunch", ours), ("torchrun", peer)):
+            for i, r in enumerate(runs, 1):
+                s = f"{r['summary_s'] * 1e3:.0f}" if r.get("summary_s") is not None else "–"
+                lines.append(f"| {i} | {who} | {r['killed_at']} ({r['reached']}) | {r['resumed_from']} | "
+                             f"{r['steps_lost']} | {r['recovery_ms']:.0f} | {s} | {r['codes']} |")
+        lines += ["", f"Both sides: 2 nodes × 1 worker, `--nnodes=2 --rdzv_backend=c10d`, OMP_NUM_THREADS=1, "
+                  f"the same MLP (784-256-128-10) on synthetic data, batch 16 per rank, {RECOVERY_STEPS} steps; the "
+                  f"kill hits node 1's agent and its worker (a node lost) at the first progress line of step ≥ "
+                  f"{KILL_AT}. torchrun (`--max_restarts=3`, a separate torch TCPStore as its c10d store, "
+                  f"`is_host=false`; torch 1.13's torchrun has no `--local_addr`) runs bench/ddp_checkpoint_train.py, "
+                  f"checkpointing every {CKPT_EVERY} steps; it has no standby, so **a replacement agent is started the "
+                  f"moment node 1 is killed (the node comes back at once)**. mglaunch (`--local_addr=127.0.0.2/.3`, "
+                  f"mglaunch-rdzv, `--max_restarts=3`) runs `mgtrain --in-place-recovery`: {how}. First step after "
+                  "the kill: the first progress line after the restarted rank 0's `resumed from` line (torchrun) or "
+                  "after mgtrain's `in-place recovery ... redoing step K` line (mglaunch); lines still in flight "
+                  "from before the failure count as steps reached."]
+        return {"title": "one node SIGKILLed mid-training → training goes on: torchrun (restart all, checkpoint "
+                         "reload) vs mglaunch + `mgtrain --in-place-recovery`", "param": "", "rows": rows,
+                "standby": standby, "runs": {"ours": ours, "peer": peer}, "text": "\n".join(lines)}
+
+    def recovery_once(self, side, mgtrain, standby):
+        """One run: returns the figures of this fault (see recovery())."""
+        tmp = tempfile.mkdtemp(prefix=f"recovery_{side}_", dir=self.tmp)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("PET_MASTER_PORT", None)
+        events = queue.Queue()
+        procs = []  # [(name, Popen)]
+
+        def start(name, argv, stdin=DEVNULL):
+            p = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            procs.append((name, p))
+            for stream, pipe in (("out", p.stdout), ("err", p.stderr)):
+                threading.Thread(target=read_lines, args=(pipe, name, stream, events), daemon=True).start()
+            return p
+        try:
+            if side == "ours":
+                d = subprocess.Popen([os.path.join(self.bin, "mglaunch-rdzv"), "--listen", "127.0.0.1:0"],
+                                     stdout=subprocess.PIPE, stderr=DEVNULL, text=True)
+                procs.append(("daemon", d))
+                endpoint = d.stdout.readline().split()[-1]
+                train = [mgtrain, "--dataset", "synthetic", "--synthetic-size", "4096", "--batch-size", "16",
+                         "--model", "mlp", "--max-steps", str(RECOVERY_STEPS), "--seed", "7", "--log-every", "1",
+                         "--timeout", "60", "--in-place-recovery", "--summary-json", os.path.join(tmp, "s{rank}.json")]
+
+                def agent(addr):
+                    return self.ours + ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                        f"--rdzv_endpoint={endpoint}", "--rdzv_id=recovery", "--max_restarts=3",
+                                        f"--local_addr=127.0.0.{addr}"] + train
+                start("n0", agent(2))
+                start("n1", agent(3))
+                victim_of = lambda rank0_node: "n1"
+                progress = re.compile(r"^\[rank0\]:epoch \d+/\d+ step (\d+)/\d+ loss ")
+                marker = re.compile(r"^\[rank0\]:mgtrain: in-place recovery, .*redoing step (\d+)")
+                resumed = lambda m: int(m.group(1)) - 1
+            else:
+                store = subprocess.Popen([PY, os.path.join(ROOT, "bench", "torch_store_server.py")],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=DEVNULL, text=True)
+                procs.append(("store", store))
+                port = int(store.stdout.readline().split()[-1])
+                train = [os.path.join(ROOT, "bench", "ddp_checkpoint_train.py"), "--checkpoint-dir", tmp,
+                         "--checkpoint-every", str(CKPT_EVERY), "--max-steps", str(RECOVERY_STEPS)]
+
+                def agent(addr):  # torch 1.13's torchrun has no --local_addr
+                    return self.peer + ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                        f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=recovery{port}",
+                                        "--rdzv_conf=is_host=false", "--max_restarts=3"] + train
+                start("n0", agent(2))
+                start("n1", agent(3))
+                # c10d gives torchrun's group ranks in its own order: node 1 is the node without rank 0.
+                victim_of = lambda rank0_node: "n1" if rank0_node == "n0" else "n0"
+                progress = re.compile(r"^epoch \d+/\d+ step (\d+)/\d+ loss ")
+                marker = re.compile(r"^(?:resumed from .* at step (\d+)|no checkpoint)")
+                resumed = lambda m: int(m.group(1) or 0)
+            use_standby = side == "ours" and standby
+            deadline = time.monotonic() + 300
+            log_lines, killed, t_kill, reached, rank0_node = [], None, None, 0, None
+            standby_ready = not use_standby
+            after_marker, resumed_from, t_first, first_step = set(), None, None, None
+            while t_first is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"{side}: no step after the kill within 300 s; last lines: "
+                                       + " / ".join(log_lines[-8:]))
+                try:
+                    t, name, stream, line = events.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    if killed is None and all(p.poll() is not None for n, p in procs if n in ("n0", "n1")):
+                        raise RuntimeError(f"{side}: the agents ended before the kill: " + " / ".join(log_lines[-8:]))
+                    continue
+                log_lines.append(f"{name}/{stream}: {line}"[:300])
+                if use_standby and name == "n2" and "standby for job" in line:
+                    standby_ready = True
+                if stream != "out":
+                    continue
+                m = progress.match(line)
+                if killed is None:
+                    if not m:
+                        continue
+                    step = int(m.group(1))
+                    reached, rank0_node = max(reached, step), name
+                    if use_standby and not any(n == "n2" for n, _ in procs):
+                        start("n2", agent(4))  # the round is full: a standby
+                    if step >= KILL_AT and standby_ready:
+                        killed = victim_of(name)
+                        victim = next(p for n, p in procs if n == killed)
+                        pids = [victim.pid] + descendants(victim.pid)
+                        for pid in pids:
+                            os.kill(pid, signal.SIGKILL)
+                        t_kill = time.monotonic()
+                        killed_at = step
+                        if not use_standby:
+                            start("r1", agent(3))  # the node comes back at once
+                    continue
+                mk = marker.match(line)
+                if mk:
+                    after_marker.add(name)
+                    resumed_from = resumed(mk)
+                elif m and name in after_marker:
+                    t_first, first_step = t, int(m.group(1))
+                elif m and name != killed:
+                    reached = max(reached, int(m.group(1)))  # in flight from before the failure
+            codes = {}
+            for name, p in procs:
+                if name in ("daemon", "store"):
+                    continue
+                try:
+                    codes[name] = p.wait(timeout=max(1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    codes[name] = "hung"
+            summary_s = None
+            if side == "ours":
+                try:
+                    with open(os.path.join(tmp, "s0.json")) as f:
+                        rec = json.load(f).get("recoveries") or []
+                    summary_s = rec[0]["seconds"] if rec else None
+                except (OSError, ValueError):
+                    pass
+            return {"killed_at": killed_at, "reached": reached, "resumed_from": resumed_from,
+                    "steps_lost": reached - resumed_from, "first_step": first_step,
+                    "recovery_ms": (t_first - t_kill) * 1e3, "summary_s": summary_s,
+                    "codes": " ".join(f"{k} {v}" for k, v in codes.items() if k != killed)}
+        finally:
+            for name, p in procs:
+                if p.poll() is None:
+                    if name == "store":
+                        p.stdin.close()
+                    else:
+                        p.send_signal(signal.SIGTERM)
+            for name, p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+RECOVERY_STEPS, KILL_AT, CKPT_EVERY = 60, 15, 10
+
+
+def read_lines(pipe, name, stream, events):
+    """Every line of `pipe` onto `events`, stamped (CLOCK_MONOTONIC) the moment it is read."""
+    for raw in iter(pipe.readline, b""):
+        events.put((time.monotonic(), name, stream, raw.decode(errors="replace").rstrip("\n")))
+    pipe.close()
+
+
+def descendants(pid):
+    """Every process below `pid` (children first found through /proc's ppid fields)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
 
 def wait_reading_stdin(pids, timeout=60):
     """Until every process in `pids` blocks in read() on its stdin (bounded in time)."""
@@ -647,7 +864,7 @@ def meta(bench):
 
 
 CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "preflight", "daemon_scale", "store", "relay", "allreduce", "training",
-         "backends", "hung"]
+         "backends", "hung", "recovery"]
 
 
 def main():

@@ -3,10 +3,11 @@
 run on this machine, written to one results file. `make bench` runs it and then
 bench/render.py (docs/benchmarks.md tables, the README headline, docs/*.png plots).
 
-Usage: bench.py BUILD_DIR [--out FILE] [--cases a,b,...]
+Usage: bench.py BUILD_DIR [--out FILE] [--cases a,b,...] [--merge FILE]
   BENCH_QUICK=1   every case once, with smaller sizes (a smoke run)
   BENCH_SMOKE=1   as quick, smallest sizes (the ctest `bench: ...`)
   BENCH_NO_PEER=1 skip the peer (torchrun) everywhere
+  BENCH_RECOVERY_LOG=FILE  the recovery case appends every line it read there, in seconds after the kill
   BENCH_TRAIN_SEEDS="1 2 3"  seeds for the training case (each seed: one epoch per trainer and count)
   BENCH_PEER_MAX_AGENTS=K  torchrun's c10d case only up to K agents (default 8: each
                   torchrun agent is a ~230 MiB Python process on a 2-core machine)
@@ -581,12 +582,13 @@ class Bench:
                 row({"what": "mgtrain's own figure: summary `recoveries` seconds (detection → first step)"},
                     [r["summary_s"] * 1e3 for r in ours if r.get("summary_s") is not None])]
         lines = ["| run | launcher | killed at step (reached) | resumed from | steps lost | kill → first step (ms) | "
-                 "mgtrain `recoveries` (ms) | exit codes |", "|---|---|---|---|---|---|---|---|"]
+                 "of which kill → resumed line (ms) | mgtrain `recoveries` (ms) | exit codes |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for who, runs in (("mglaunch", ours), ("torchrun", peer)):
             for i, r in enumerate(runs, 1):
                 s = f"{r['summary_s'] * 1e3:.0f}" if r.get("summary_s") is not None else "–"
                 lines.append(f"| {i} | {who} | {r['killed_at']} ({r['reached']}) | {r['resumed_from']} | "
-                             f"{r['steps_lost']} | {r['recovery_ms']:.0f} | {s} | {r['codes']} |")
+                             f"{r['steps_lost']} | {r['recovery_ms']:.0f} | {r['resumed_ms']:.0f} | {s} | {r['codes']} |")
         lines += ["", f"Both sides: 2 nodes × 1 worker, `--nnodes=2 --rdzv_backend=c10d`, OMP_NUM_THREADS=1, "
                   f"the same MLP (784-256-128-10) on synthetic data, batch 16 per rank, {RECOVERY_STEPS} steps; the "
                   f"kill hits node 1's agent and its worker (a node lost) at the first progress line of step ≥ "
@@ -668,10 +670,12 @@ class Bench:
                 try:
                     t, name, stream, line = events.get(timeout=min(left, 1.0))
                 except queue.Empty:
-                    if killed is None and all(p.poll() is not None for n, p in procs if n in ("n0", "n1")):
-                        raise RuntimeError(f"{side}: the agents ended before the kill: " + " / ".join(log_lines[-8:]))
+                    agents = [p for n, p in procs if n not in ("daemon", "store", killed)]
+                    if all(p.poll() is not None for p in agents):
+                        raise RuntimeError(f"{side}: the agents ended {'after' if killed else 'before'} the kill "
+                                           "with no step after it: " + " / ".join(log_lines[-8:]))
                     continue
-                log_lines.append(f"{name}/{stream}: {line}"[:300])
+                log_lines.append(f"{t - t_kill if t_kill else 0:8.3f} {name}/{stream}: {line}"[:300])
                 if use_standby and name == "n2" and "standby for job" in line:
                     standby_ready = True
                 if stream != "out":
@@ -698,7 +702,7 @@ class Bench:
                 mk = marker.match(line)
                 if mk:
                     after_marker.add(name)
-                    resumed_from = resumed(mk)
+                    resumed_from, t_marker = resumed(mk), t
                 elif m and name in after_marker:
                     t_first, first_step = t, int(m.group(1))
                 elif m and name != killed:
@@ -719,9 +723,13 @@ class Bench:
                     summary_s = rec[0]["seconds"] if rec else None
                 except (OSError, ValueError):
                     pass
+            if os.environ.get("BENCH_RECOVERY_LOG"):  # every line read, seconds after the kill
+                with open(os.environ["BENCH_RECOVERY_LOG"], "a") as f:
+                    f.write("\n".join([f"== {side}"] + log_lines) + "\n")
             return {"killed_at": killed_at, "reached": reached, "resumed_from": resumed_from,
                     "steps_lost": reached - resumed_from, "first_step": first_step,
-                    "recovery_ms": (t_first - t_kill) * 1e3, "summary_s": summary_s,
+                    "recovery_ms": (t_first - t_kill) * 1e3, "resumed_ms": (t_marker - t_kill) * 1e3,
+                    "summary_s": summary_s,
                     "codes": " ".join(f"{k} {v}" for k, v in codes.items() if k != killed)}
         finally:
             for name, p in procs:
@@ -872,6 +880,10 @@ def main():
     p.add_argument("build")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "latest.json"))
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--merge", metavar="FILE",
+                   help="also merge the cases of this run into FILE (e.g. bench/results/latest.json): they replace "
+                        "FILE's cases of the same name, each stamped with this run's date, version and load; FILE's "
+                        "meta and other cases are kept")
     a = p.parse_args()
     b = Bench(a.build)
     log(b.peer_note)
@@ -893,6 +905,20 @@ def main():
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     log(f"wrote {a.out}")
+    if a.merge:
+        with open(a.merge) as f:
+            into = json.load(f)
+        m = res["meta"]
+        for name, case in res["cases"].items():
+            case["run"] = {"date": m["date"], "mglaunch": m["versions"]["mglaunch"], "quick": m["quick"],
+                           "load_at_start": m["load_at_start"], "load_at_end": m["load_at_end"]}
+            into["cases"][name] = case
+            earlier = into["meta"].get("earlier")
+            if earlier and name in earlier.get("cases", []):
+                earlier["cases"].remove(name)
+        with open(a.merge, "w") as f:
+            json.dump(into, f, indent=1)
+        log(f"merged {', '.join(res['cases'])} into {a.merge}")
     return 1 if any("error" in c for c in res["cases"].values()) else 0
 
 

@@ -14,11 +14,22 @@ require_program hyperfine hyperfine
 require_program gnuplot gnuplot-nox
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-BENCH_SMOKE=1 BENCH_NO_PEER=1 /usr/bin/python3 "$here/bench.py" "$build" --out "$tmp/r.json" \
-  --cases launch_exit,agent_rss,restart,rdzv_agents,daemon_scale,relay
+# With mgtrain (a build with LibTorch), the recovery case too: one node SIGKILLed under
+# mgtrain --in-place-recovery, mglaunch's side only.
+cases=launch_exit,agent_rss,restart,rdzv_agents,daemon_scale,relay
+[ -x "$build/bin/mgtrain" ] && cases=$cases,recovery
+BENCH_SMOKE=1 BENCH_NO_PEER=1 /usr/bin/python3 "$here/bench.py" "$build" --out "$tmp/r.json" --cases "$cases"
 /usr/bin/python3 - "$tmp/r.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
+if "recovery" in r["cases"]:
+    c = r["cases"]["recovery"]
+    assert "rows" in c, c
+    run = c["runs"]["ours"][0]
+    # In-place recovery redoes only the interrupted step; the survivor and the new node end well.
+    assert run["steps_lost"] == 0 and run["resumed_from"] >= 15 and run["recovery_ms"] > 0, run
+    assert set(run["codes"].split()[1::2]) == {"0"}, run
+    print("recovery ok:", run)
 assert r["meta"]["cores"] and r["meta"]["versions"]["mglaunch"], r["meta"]
 for name in ["launch_exit", "agent_rss", "restart", "rdzv_agents", "daemon_scale", "relay"]:
     c = r["cases"][name]
@@ -41,6 +52,10 @@ grep -q '^#### Guardrails' "$tmp/benchmarks.md"
 [ "$(grep -cE '^\| .* \| (held|\*\*broken\*\*) \|$' "$tmp/benchmarks.md")" = 3 ] || { grep -A9 '^#### Guardrails' "$tmp/benchmarks.md"; exit 1; }
 grep -q '^| 10,000 simulated agents.*not measured' "$tmp/benchmarks.md"
 grep -q '^| launch → exit, 4 × `/bin/true` | [0-9.]* ms |' "$tmp/README.md"
+if [ -x "$build/bin/mgtrain" ]; then
+  grep -q '^#### ([0-9]*) one node SIGKILLed mid-training' "$tmp/benchmarks.md"
+  grep -q '^| one node SIGKILLed mid-training .* | [0-9.,]* ms, 0 steps lost |' "$tmp/README.md"
+fi
 ! grep -q stale "$tmp/README.md"
 grep -q '^bottom$' "$tmp/README.md"
 for png in bench_launch.png bench_rdzv.png bench_relay.png; do

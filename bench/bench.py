@@ -582,13 +582,15 @@ class Bench:
                 row({"what": "mgtrain's own figure: summary `recoveries` seconds (detection → first step)"},
                     [r["summary_s"] * 1e3 for r in ours if r.get("summary_s") is not None])]
         lines = ["| run | launcher | killed at step (reached) | resumed from | steps lost | kill → first step (ms) | "
-                 "of which kill → resumed line (ms) | mgtrain `recoveries` (ms) | exit codes |",
-                 "|---|---|---|---|---|---|---|---|---|"]
+                 "of which kill → new round (ms) | kill → resumed line (ms) | mgtrain `recoveries` (ms) | "
+                 "exit codes |", "|---|---|---|---|---|---|---|---|---|---|"]
         for who, runs in (("mglaunch", ours), ("torchrun", peer)):
             for i, r in enumerate(runs, 1):
                 s = f"{r['summary_s'] * 1e3:.0f}" if r.get("summary_s") is not None else "–"
                 lines.append(f"| {i} | {who} | {r['killed_at']} ({r['reached']}) | {r['resumed_from']} | "
-                             f"{r['steps_lost']} | {r['recovery_ms']:.0f} | {r['resumed_ms']:.0f} | {s} | {r['codes']} |")
+                             f"{r['steps_lost']} | {r['recovery_ms']:.0f} | "
+                             f"{'–' if r.get('round_ms') is None else format(r['round_ms'], '.0f')} | "
+                             f"{r['resumed_ms']:.0f} | {s} | {r['codes']} |")
         lines += ["", f"Both sides: 2 nodes × 1 worker, `--nnodes=2 --rdzv_backend=c10d`, OMP_NUM_THREADS=1, "
                   f"the same MLP (784-256-128-10) on synthetic data, batch 16 per rank, {RECOVERY_STEPS} steps; the "
                   f"kill hits node 1's agent and its worker (a node lost) at the first progress line of step ≥ "
@@ -599,7 +601,11 @@ class Bench:
                   f"mglaunch-rdzv, `--max_restarts=3`) runs `mgtrain --in-place-recovery`: {how}. First step after "
                   "the kill: the first progress line after the restarted rank 0's `resumed from` line (torchrun) or "
                   "after mgtrain's `in-place recovery ... redoing step K` line (mglaunch); lines still in flight "
-                  "from before the failure count as steps reached."]
+                  "from before the failure count as steps reached. Kill → new round: until a surviving mglaunch agent "
+                  "prints the new round's assignment (`[mglaunch] round N:`), the launcher's part; torch 1.13's "
+                  "torchrun logs no such line. Between the new round and the `redoing step` line, mgtrain's survivor "
+                  "waits for the new node's worker: a fresh process that loads LibTorch (`mgtrain --help` alone "
+                  "takes seconds of wall time on this loaded machine), joins the new group and receives the state."]
         return {"title": "one node SIGKILLed mid-training → training goes on: torchrun (restart all, checkpoint "
                          "reload) vs mglaunch + `mgtrain --in-place-recovery`", "param": "", "rows": rows,
                 "standby": standby, "runs": {"ours": ours, "peer": peer}, "text": "\n".join(lines)}
@@ -661,7 +667,8 @@ class Bench:
             deadline = time.monotonic() + 300
             log_lines, killed, t_kill, reached, rank0_node = [], None, None, 0, None
             standby_ready = not use_standby
-            after_marker, resumed_from, t_first, first_step = set(), None, None, None
+            after_marker, resumed_from, t_first, first_step, t_round = set(), None, None, None, None
+            new_round = re.compile(r"^\[mglaunch\] round (\d+): ")
             while t_first is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -679,6 +686,8 @@ class Bench:
                 if use_standby and name == "n2" and "standby for job" in line:
                     standby_ready = True
                 if stream != "out":
+                    if killed and t_round is None and name != killed and new_round.match(line):
+                        t_round = t  # the launcher's part is done: the survivors know the new round
                     continue
                 m = progress.match(line)
                 if killed is None:
@@ -729,6 +738,7 @@ class Bench:
             return {"killed_at": killed_at, "reached": reached, "resumed_from": resumed_from,
                     "steps_lost": reached - resumed_from, "first_step": first_step,
                     "recovery_ms": (t_first - t_kill) * 1e3, "resumed_ms": (t_marker - t_kill) * 1e3,
+                    "round_ms": (t_round - t_kill) * 1e3 if t_round else None,
                     "summary_s": summary_s,
                     "codes": " ".join(f"{k} {v}" for k, v in codes.items() if k != killed)}
         finally:
@@ -871,6 +881,24 @@ def meta(bench):
     }
 
 
+def merge(res, path):
+    """The cases of results `res` into the results file `path`: they replace its cases of the
+    same name, each stamped with its own run (date, version, load); its meta and other cases
+    stay (render.py names such a case's run)."""
+    with open(path) as f:
+        into = json.load(f)
+    m = res["meta"]
+    for name, case in res["cases"].items():
+        case["run"] = {"date": m["date"], "mglaunch": m["versions"]["mglaunch"], "quick": m["quick"],
+                       "load_at_start": m["load_at_start"], "load_at_end": m["load_at_end"]}
+        into["cases"][name] = case
+        earlier = into["meta"].get("earlier")
+        if earlier and name in earlier.get("cases", []):
+            earlier["cases"].remove(name)
+    with open(path, "w") as f:
+        json.dump(into, f, indent=1)
+
+
 CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "preflight", "daemon_scale", "store", "relay", "allreduce", "training",
          "backends", "hung", "recovery"]
 
@@ -906,18 +934,7 @@ def main():
         json.dump(res, f, indent=1)
     log(f"wrote {a.out}")
     if a.merge:
-        with open(a.merge) as f:
-            into = json.load(f)
-        m = res["meta"]
-        for name, case in res["cases"].items():
-            case["run"] = {"date": m["date"], "mglaunch": m["versions"]["mglaunch"], "quick": m["quick"],
-                           "load_at_start": m["load_at_start"], "load_at_end": m["load_at_end"]}
-            into["cases"][name] = case
-            earlier = into["meta"].get("earlier")
-            if earlier and name in earlier.get("cases", []):
-                earlier["cases"].remove(name)
-        with open(a.merge, "w") as f:
-            json.dump(into, f, indent=1)
+        merge(res, a.merge)
         log(f"merged {', '.join(res['cases'])} into {a.merge}")
     return 1 if any("error" in c for c in res["cases"].values()) else 0
 

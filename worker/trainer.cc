@@ -4,6 +4,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <optional>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -406,6 +408,9 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   // A lost peer with --in-place-recovery: wait for the agent's pause (bounded), let go of
   // the group, take the new round's assignment, build a new group under its store prefix
   // and agree on the state; the loop then redoes the interrupted step.
+  // A recovery that failed part-way (a peer lost again while the group formed) is tried
+  // again, on the next pause, and counts from the first detection.
+  std::optional<clock::time_point> unrecovered;
   auto recover = [&](const std::string& what) {
     const auto failed_at = clock::now();
     const auto bound = std::chrono::seconds(o.timeout_s);
@@ -415,6 +420,7 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
       throw std::runtime_error(fmt::format("{} (in-place recovery: no pause from the agent within {} s{})", what,
                                            o.timeout_s, closed.empty() ? "" : ": " + closed));
     }
+    unrecovered = std::min({unrecovered.value_or(failed_at), failed_at, pause->at});
     control->send_paused(state.step);
     if (reducer) reducer->abandon();
     reducer.reset();
@@ -427,30 +433,39 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
     }
     for (const auto& [k, v] : next->env) ::setenv(k.c_str(), v.c_str(), 1);
     const Env env = read_env(process_env());
-    const int old_world = comm.world;
-    comm = connect(o, env);
+    try {
+      comm = connect(o, env);
+    } catch (const SetupError&) {
+      throw;  // the store is out of reach: no new round can form
+    } catch (const std::exception& e) {
+      std::string w = e.what();
+      throw CollectiveError("the new round's process group did not form: " + w.substr(0, w.find('\n')));
+    }
     lead = comm.rank == 0;
     make_reducer();
     establish();
-    if (comm.world != old_world)  // the source's optimizer carried the old world's rate
-      static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).lr(lr_for(comm.world));
+    // The source's optimizer carried its learning rate: the one of this world size.
+    static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).lr(lr_for(comm.world));
     reshard();
-    pending = Pending{std::min(failed_at, pause->at), state.step + 1, pause->lost};
+    pending = Pending{pending ? std::min(pending->detected, *unrecovered) : *unrecovered, state.step + 1, pause->lost};
+    unrecovered.reset();
     if (lead)
       std::printf("mgtrain: in-place recovery, round %d (%s): world %d, redoing step %lld\n", next->round,
                   pause->reason.c_str(), comm.world, static_cast<long long>(state.step + 1));
     std::fflush(stdout);
   };
+  std::string failure;
   for (;;) {
     try {
+      if (!failure.empty()) recover(std::exchange(failure, std::string()));
       train_loop();
       break;
     } catch (const CollectiveError& e) {
       if (!recovery) throw;
-      recover(e.what());
+      failure = e.what();
     } catch (const Interrupted& e) {
       if (!recovery) throw;
-      recover(e.what());
+      failure = e.what();
     }
   }
   if (last_loss_t.defined()) last_loss = last_loss_t.item<double>();

@@ -256,6 +256,7 @@ void Agent::start_rendezvous() {
     after_preflight([this, a] { run(core_.abort(a, now())); });
   };
   h.on_done = [this, after_preflight] { after_preflight([this] { run(core_.rendezvous_done(now())); }); };
+  h.on_standby = [this](const proto::Standby& s) { run(core_.standby(s, now())); };
   h.on_lost = [this, after_preflight](const std::string& why) {
     after_preflight([this, why] { run(core_.rendezvous_lost(why, now())); });
   };
@@ -546,6 +547,7 @@ sup::Config Agent::core_config(const AgentOptions& opts, const RunPlan& plan) {
   c.program = opts.program;
   c.rdzv_where = opts.rdzv_backend == "etcd" ? "etcd at " + opts.rdzv_endpoint : opts.rdzv_endpoint;
   c.join_timeout = opts.join_timeout;
+  c.job_id = plan.run_id;
   return c;
 }
 

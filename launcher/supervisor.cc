@@ -446,6 +446,7 @@ Actions Supervisor::assignment(const proto::Assignment& a, const Now& now) {
   round_ = a.round;
   node_rank_ = a.group_rank;
   restart_count_ = a.restart_count;
+  standby_ = false;
   out.push_back(act::ApplyAssignment{a});
   notice(fmt::format("round {}: node {} of {}, ranks {}..{} of {}, master {}:{}, restart {}", a.round, a.group_rank,
                      a.group_world_size, a.rank_offset, a.rank_offset + cfg_.nproc - 1, a.world_size, a.master_addr,
@@ -506,9 +507,22 @@ Actions Supervisor::abort(const proto::Abort& a, const Now& now) {
   return out;
 }
 
+Actions Supervisor::standby(const proto::Standby& s, const Now&) {
+  Actions out;
+  if (state_ != State::kWaiting || leaving_code_ || standby_) return out;
+  standby_ = true;
+  notice(fmt::format("standby for job {} (the round is full: {} nodes run it; standby {}): this node takes the place "
+                     "of a lost node, or exits when the job ends",
+                     cfg_.job_id, s.active_nodes, s.position),
+         out);
+  trace("standby", "rendezvous", {{"active_nodes", s.active_nodes}, {"position", s.position}}, out);
+  return out;
+}
+
 void Supervisor::finish_with_abort(const Now& now, Actions& out) {
   const auto& f = abort_->root_cause;
-  if (f.rank < 0 && attempts_.empty()) {
+  // A standby's job failed: the same root cause and exit code as every node's (below).
+  if (f.rank < 0 && attempts_.empty() && !standby_) {
     // The job ended before any worker of this node ran (join_timeout): no root-cause block
     // with an empty host and rank -1, but what happened and what to check.
     RootCause rc;

@@ -66,6 +66,7 @@ struct Config {
   std::string host;           // this node's name, for the rendezvous' messages
   std::string program;        // for the root-cause block
   std::string rdzv_where;     // "etcd at URL" or the endpoint, for the time-out error
+  std::string job_id;         // --rdzv_id, for the standby line
   std::chrono::milliseconds join_timeout{0};
   int spawn_batch = 128;  // workers started before the event loop gets a turn
   static constexpr std::chrono::seconds kLeaveTimeout{5};
@@ -161,6 +162,9 @@ class Supervisor {
   Actions restart(const proto::Restart& r, const Now& now);
   Actions abort(const proto::Abort& a, const Now& now);
   Actions rendezvous_done(const Now& now);
+  // The round is full: this node waits as a standby (no worker runs) until an assignment
+  // (a place freed), Done (exit 0) or Abort (the job's root cause and exit code).
+  Actions standby(const proto::Standby& s, const Now& now);
   Actions rendezvous_lost(const std::string& why, const Now& now);
   // From the control channel: local rank N's worker said hello (`in_place`: it opts in),
   // or its connection closed (a paused one is then stopped: it can no longer be assigned).
@@ -178,6 +182,7 @@ class Supervisor {
   int agent_signal() const { return agent_signal_; }
   int exit_code() const { return exit_code_; }
   bool rdzv() const { return rdzv_; }
+  bool is_standby() const { return standby_; }
   const std::optional<RootCause>& root_cause() const { return root_cause_; }
   const std::vector<AttemptRecord>& attempts() const { return attempts_; }
   // Worker handles of the attempt (started, not yet retired).
@@ -226,6 +231,7 @@ class Supervisor {
   Clock::time_point grace_due_{};
   int leaving_code_ = 0;  // set by leave_job(): the exit code once the decision is in
   bool rejoin_after_stop_ = false;
+  bool standby_ = false;  // told Standby, no assignment since
   std::optional<proto::Abort> abort_;
   std::optional<RootCause> root_cause_;
   std::vector<AttemptRecord> attempts_;

@@ -106,6 +106,9 @@ std::string validate(const Restart& m) {
 std::string validate(const Abort& m) { return first(validate(m.root_cause), text("reason", m.reason, kMaxTextBytes)); }
 std::string validate(const Done&) { return {}; }
 std::string validate(const Error& m) { return text("message", m.message, kMaxTextBytes); }
+std::string validate(const Standby& m) {
+  return first(range("active_nodes", m.active_nodes, 0, kMaxNodes), range("position", m.position, 1, kMaxNodes));
+}
 
 std::string truncate_text(std::string t, std::size_t max_bytes) {
   if (t.size() <= max_bytes) return t;

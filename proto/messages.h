@@ -36,6 +36,7 @@ enum class MsgType : std::uint8_t {
   kAbort = 11,      // server -> client: stop workers, exit with the root cause
   kDone = 12,       // server -> client: every node finished
   kError = 13,      // either way: a refusal; the sender closes
+  kStandby = 14,    // server -> client: the round is full; wait registered for a place
 };
 
 struct Hello {
@@ -132,6 +133,13 @@ struct Error {
   static constexpr MsgType kType = MsgType::kError;
   std::string message;
 };
+// The round is full: this node stays registered (heartbeats) as a standby until a place
+// frees (then an Assignment comes, at once) or the job ends (Done or Abort).
+struct Standby {
+  static constexpr MsgType kType = MsgType::kStandby;
+  int active_nodes = 0;  // nodes in the running round
+  int position = 1;      // this node's place among the standbys (1: taken first)
+};
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
@@ -152,6 +160,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Abort, root_cause, reason)
 inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object(); }
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Standby, active_nodes, position)
 
 // Field checks; an empty string means valid. Ranges and lengths are in limits.h; every
 // text is valid UTF-8 without control characters (text_problem() in text.h).
@@ -168,6 +177,7 @@ std::string validate(const Restart& m);
 std::string validate(const Abort& m);
 std::string validate(const Done& m);
 std::string validate(const Error& m);
+std::string validate(const Standby& m);
 
 // Makes the free-text fields of a failure report valid for validate() (the sender's side
 // of "cap every string"): message, last lines and host made printable() (a worker's stderr

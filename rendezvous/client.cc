@@ -106,6 +106,7 @@ const char* type_name(MsgType t) {
     case MsgType::kAbort: return "an Abort";
     case MsgType::kDone: return "a Done";
     case MsgType::kError: return "an Error";
+    case MsgType::kStandby: return "a Standby";
     default: return "a message of an unexpected type";
   }
 }
@@ -198,6 +199,13 @@ void Client::on_frame(const proto::Frame& f) {
         waiting_since_.reset();
         h_.on_done();
         return;
+      case MsgType::kStandby: {
+        // A decision: the wait for a place has no deadline (the job's end is told).
+        auto m = proto::from_frame<proto::Standby>(f);
+        waiting_since_.reset();
+        if (h_.on_standby) h_.on_standby(m);
+        return;
+      }
       case MsgType::kError:
         return lost(fmt::format("refused by the rendezvous server: {}", proto::from_frame<proto::Error>(f).message));
       default:

@@ -33,6 +33,8 @@ struct ClientHandlers {
   std::function<void(const proto::Restart&)> on_restart;
   std::function<void(const proto::Abort&)> on_abort;
   std::function<void()> on_done;
+  // The round is full: this node waits as a standby until an assignment or the job's end.
+  std::function<void(const proto::Standby&)> on_standby;
   std::function<void(const std::string&)> on_lost;  // refused, or unreachable past join_timeout
   std::function<void(const std::string&)> on_notice;  // connection dropped / re-registered
 };

@@ -135,6 +135,11 @@ void EtcdLink::deliver(const proto::Frame& f) {
       case proto::MsgType::kRestart: return h_.on_restart(proto::from_frame<proto::Restart>(f));
       case proto::MsgType::kAbort: return h_.on_abort(proto::from_frame<proto::Abort>(f));
       case proto::MsgType::kDone: return h_.on_done();
+      case proto::MsgType::kStandby: {
+        auto m = proto::from_frame<proto::Standby>(f);
+        if (h_.on_standby) h_.on_standby(m);
+        return;
+      }
       case proto::MsgType::kError:
         return lost(fmt::format("refused by the rendezvous: {}", proto::from_frame<proto::Error>(f).message));
       default: return;

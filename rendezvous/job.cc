@@ -10,12 +10,65 @@ using namespace std::chrono;
 
 Actions Job::broadcast(const proto::Wire& f, SessionId except) const {
   Actions out;
-  out.reserve(members_.size() + joined_.size());
+  out.reserve(members_.size() + joined_.size() + standby_.size());
   for (const auto& [s, n] : members_)
     if (s != except) out.push_back({s, f});
   for (const auto& [s, n] : joined_)
     if (s != except && !members_.contains(s)) out.push_back({s, f});
+  for (const auto& [s, n] : standby_)
+    if (s != except) out.push_back({s, f});
   return out;
+}
+
+Actions Job::make_standby(SessionId s, const proto::Join& j, Clock::time_point now) {
+  if (standby_.size() >= static_cast<std::size_t>(proto::kMaxNodes))
+    return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' is full ({} nodes) and has {} standbys already", id_,
+                                                         config_.max_nodes, standby_.size())})}};
+  standby_[s] = {j, now};
+  proto::Standby m;
+  m.active_nodes = static_cast<int>(state_ == State::kRunning ? std::max(members_.size(), expected_members_)
+                                                               : joined_.size() + rejoining_.size());
+  m.position = static_cast<int>(std::distance(standby_.begin(), standby_.find(s))) + 1;
+  return {{s, proto::to_wire(m)}};
+}
+
+Actions Job::promote_standbys(Clock::time_point now) {
+  const auto max = static_cast<std::size_t>(config_.max_nodes);
+  while (!standby_.empty() && joined_.size() + rejoining_.size() < max) joined_.insert(standby_.extract(standby_.begin()));
+  const int n = static_cast<int>(joined_.size());
+  if (n >= config_.max_nodes) return close_round(now);
+  if (n >= config_.min_nodes && !last_call_deadline_) last_call_deadline_ = now + milliseconds(config_.last_call_ms);
+  return {};
+}
+
+template <class Nodes>
+void Job::keep_places(Nodes& nodes) const {
+  if (placed_.empty()) return;
+  const std::size_t n = nodes.size();
+  std::vector<std::pair<int, std::size_t>> kept;  // (group rank in the last round, index)
+  std::vector<std::size_t> others;                 // standbys and newcomers, in first-round order
+  for (std::size_t i = 0; i < n; ++i) {
+    auto p = placed_.find(nodes[i].second.join.agent_id);
+    if (p != placed_.end()) kept.emplace_back(p->second, i);
+    else others.push_back(i);
+  }
+  if (kept.empty()) return;
+  std::sort(kept.begin(), kept.end());
+  bool exact = kept.back().first >= 0 && static_cast<std::size_t>(kept.back().first) < n && kept.front().first >= 0;
+  for (std::size_t k = 1; exact && k < kept.size(); ++k) exact = kept[k].first != kept[k - 1].first;
+  std::vector<std::size_t> order(n, SIZE_MAX);
+  if (exact) {  // every node that stays keeps its group rank
+    for (auto [rank, i] : kept) order[static_cast<std::size_t>(rank)] = i;
+  } else {  // the round shrank below a kept rank: the nodes that stay close up, in order
+    for (std::size_t k = 0; k < kept.size(); ++k) order[k] = kept[k].second;
+  }
+  std::size_t next = 0;
+  for (auto& slot : order)
+    if (slot == SIZE_MAX) slot = others[next++];
+  Nodes placed;
+  placed.reserve(n);
+  for (auto i : order) placed.push_back(std::move(nodes[i]));
+  nodes = std::move(placed);
 }
 
 Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
@@ -28,6 +81,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   }
   if (finished())
     return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' has already finished; use a new --rdzv_id", id_)})}};
+  if (standby_.contains(s)) return {};
   if (!configured_) {
     config_ = j;
     configured_ = true;
@@ -42,6 +96,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       return {{s, proto::to_wire(proto::Error{fmt::format("job '{}': re-registration refused: {}", id_, bad)})}};
     // A restarted server learns the running round back from its nodes.
     if (members_.empty()) {
+      placed_.clear();
       round_ = j.resume_round;
       restart_count_ = j.resume_restart_count;
       expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
@@ -49,25 +104,35 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     }
     joined_.erase(s);
     members_[s] = {j, now, j.resume_done};
+    placed_[j.agent_id] = j.resume_group_rank;
     if (members_.size() >= expected_members_) rebuilding_ = false;
     state_ = State::kRunning;
     return maybe_done();
   }
   if (state_ == State::kRunning) {
     if (members_.contains(s)) return {};
-    if (static_cast<int>(members_.size()) >= config_.max_nodes)
-      return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' is full ({} nodes)", id_, config_.max_nodes)})}};
+    // A full round (or one being rebuilt to its size) takes the newcomer as a standby.
+    if (std::max(members_.size(), expected_members_) >= static_cast<std::size_t>(config_.max_nodes))
+      return make_standby(s, j, now);
     // Scale up: everybody re-joins a new round with the newcomer; no restart is spent.
     joined_[s] = {j, now};
     state_ = State::kRestarting;
     Actions out;
     const auto restart = proto::to_wire(proto::Restart{restart_count_, "a node joined: scaling up"});
-    for (const auto& [m, n] : members_) out.push_back({m, restart});
+    rejoining_.clear();
+    for (const auto& [m, n] : members_) {
+      out.push_back({m, restart});
+      rejoining_.insert(m);
+    }
     members_.clear();
     last_call_deadline_.reset();
     return out;
   }
   if (state_ == State::kRestarting || state_ == State::kJoining) {
+    // The places of the nodes told to restart are theirs: a newcomer beyond them waits.
+    if (rejoining_.erase(s) == 0 && !joined_.contains(s) &&
+        joined_.size() + rejoining_.size() >= static_cast<std::size_t>(config_.max_nodes))
+      return make_standby(s, j, now);
     if (joined_.empty()) first_join_ = now;
     joined_[s] = {j, now};
     const int n = static_cast<int>(joined_.size());
@@ -113,6 +178,7 @@ nlohmann::json Job::describe(Clock::time_point now) const {
   for (const auto& [s, n] : members_) add(n, "running");
   for (const auto& [s, n] : joined_)
     if (!members_.contains(s)) add(n, "waiting");
+  for (const auto& [s, n] : standby_) add(n, "standby");
   nlohmann::json j = {{"id", id_},
                       {"state", kStates[static_cast<int>(state_)]},
                       {"round", round_},
@@ -120,6 +186,7 @@ nlohmann::json Job::describe(Clock::time_point now) const {
                       {"max_restarts", config_.max_restarts},
                       {"min_nodes", config_.min_nodes},
                       {"max_nodes", config_.max_nodes},
+                      {"standby_nodes", standby_.size()},
                       {"nodes", nodes}};
   if (abort_) j["root_cause"] = abort_->reason;
   return j;
@@ -127,9 +194,10 @@ nlohmann::json Job::describe(Clock::time_point now) const {
 
 std::size_t Job::approx_bytes() const {
   std::size_t bytes = sizeof(Job) + id_.size();
-  for (const auto* m : {&joined_, &members_})
+  for (const auto* m : {&joined_, &members_, &standby_})
     for (const auto& [s, n] : *m)
       bytes += sizeof(Node) + 64 + n.join.job_id.size() + n.join.agent_id.size() + n.join.host.size() + n.join.addr.size();
+  for (const auto& [agent, rank] : placed_) bytes += 64 + agent.size();
   return bytes;
 }
 
@@ -169,6 +237,7 @@ Actions Job::close_round(Clock::time_point now) {
       nodes.resize(fit);
     }
   }
+  keep_places(nodes);
   ++round_;
   proto::Assignment a;
   a.round = round_;
@@ -185,12 +254,15 @@ Actions Job::close_round(Clock::time_point now) {
   }
   const proto::AssignmentEncoder assignment(a);
   members_.clear();
+  placed_.clear();
+  rejoining_.clear();  // one that comes back after the last call finds the round closed
   int offset = 0;
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     auto& [s, n] = nodes[i];
     out.push_back({s, assignment(static_cast<int>(i), offset)});
     offset += n.join.nproc;
     n.last_seen = now;
+    placed_[n.join.agent_id] = static_cast<int>(i);
     members_.emplace_hint(members_.end(), s, std::move(n));
   }
   last_call_deadline_.reset();
@@ -204,6 +276,7 @@ Actions Job::heartbeat(SessionId s, Clock::time_point now) {
   last_activity_ = now;
   if (auto it = members_.find(s); it != members_.end()) it->second.last_seen = now;
   if (auto it = joined_.find(s); it != joined_.end()) it->second.last_seen = now;
+  if (auto it = standby_.find(s); it != standby_.end()) it->second.last_seen = now;
   return {};
 }
 
@@ -211,16 +284,24 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
                              Clock::time_point now) {
   members_.erase(lost);
   joined_.erase(lost);
-  const int survivors = static_cast<int>(members_.size());
-  if (restart_count_ < config_.max_restarts && survivors >= 1) {
+  const std::size_t survivors = members_.size();
+  if (restart_count_ < config_.max_restarts && survivors + standby_.size() >= 1) {
     ++restart_count_;
     state_ = State::kRestarting;
     restart_reason_ = reason;
     first_join_ = now;
     Actions out;
     const auto restart = proto::to_wire(proto::Restart{restart_count_, reason});
-    for (const auto& [s, n] : members_) out.push_back({s, restart});
+    rejoining_.clear();
+    for (const auto& [s, n] : members_) {
+      out.push_back({s, restart});
+      rejoining_.insert(s);
+    }
     members_.clear();
+    last_call_deadline_.reset();
+    // The places the survivors leave free go to standbys now, not after a join wait.
+    auto more = promote_standbys(now);
+    out.insert(out.end(), more.begin(), more.end());
     return out;
   }
   state_ = State::kFailed;
@@ -228,6 +309,8 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
   auto out = broadcast(proto::to_wire(*abort_));
   members_.clear();
   joined_.clear();
+  standby_.clear();
+  rejoining_.clear();
   return out;
 }
 
@@ -254,15 +337,20 @@ Actions Job::maybe_done() {
   state_ = State::kDone;
   auto out = broadcast(proto::to_wire(proto::Done{}));
   members_.clear();
+  standby_.clear();
   return out;
 }
 
 Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view why) {
   last_activity_ = now;
+  if (standby_.erase(s)) return {};
   joined_.erase(s);
+  rejoining_.erase(s);
   auto it = members_.find(s);
   if (it == members_.end()) {
     if (joined_.size() < static_cast<std::size_t>(config_.min_nodes)) last_call_deadline_.reset();
+    // A node lost between rounds leaves its place to a standby.
+    if (state_ == State::kRestarting && !standby_.empty()) return promote_standbys(now);
     return {};
   }
   if (state_ != State::kRunning || it->second.done) {
@@ -281,6 +369,20 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
 
 Actions Job::tick(Clock::time_point now) {
   if (!configured_ || finished()) return {};
+  // A silent standby is dropped (and told, in case it is only slow) before it could be
+  // given a place it cannot take.
+  const auto silent_limit = milliseconds(config_.keep_alive_ms) * config_.keep_alive_max_attempt;
+  for (auto it = standby_.begin(); it != standby_.end();) {
+    if (now - it->second.last_seen <= silent_limit) {
+      ++it;
+      continue;
+    }
+    Actions out{{it->first, proto::to_wire(proto::Error{fmt::format(
+                                "standby dropped from job '{}': no heartbeat for more than {} ms", id_,
+                                duration_cast<milliseconds>(silent_limit).count())})}};
+    standby_.erase(it);
+    return out;
+  }
   if ((state_ == State::kJoining || state_ == State::kRestarting) && !joined_.empty()) {
     if (last_call_deadline_ && now >= *last_call_deadline_) return close_round(now);
     if (now - first_join_ >= milliseconds(config_.join_timeout_ms)) {
@@ -292,6 +394,8 @@ Actions Job::tick(Clock::time_point now) {
       abort_ = proto::Abort{rc, rc.message};
       auto out = broadcast(proto::to_wire(*abort_));
       joined_.clear();
+      standby_.clear();
+      rejoining_.clear();
       return out;
     }
   }

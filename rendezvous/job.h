@@ -7,12 +7,22 @@
 //   running --(a new node while below max)--> restarting (scale-up, restart count kept)
 //   restarting --(survivors re-join)--> running
 //   running --(every node done)--> done
+//
+// Standbys: a node that joins while the round is full (max nodes running, or the nodes
+// told to restart fill it) is told Standby and kept, registered and heartbeating, until a
+// place frees or the job ends. A restart (a node lost, a worker failed) takes standbys,
+// the first arrived first, into the next round at once, as many as it has free places, so
+// the round closes the moment the survivors re-joined (max reached, no last call). Every
+// round after the first keeps the group ranks of the nodes that stay (their relative order
+// when the round shrinks); the freed places go to standbys and newcomers. Done and Abort
+// reach the standbys too.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -56,6 +66,7 @@ class Job {
   // For metrics: nodes in the running round (or waiting for the next), nodes lost by a
   // closed connection, and by missed heartbeats.
   std::size_t nodes() const { return members_.size() + joined_.size(); }
+  std::size_t standbys() const { return standby_.size(); }
   int disconnects() const { return disconnects_; }
   int missed_heartbeats() const { return missed_heartbeats_; }
   bool finished() const { return state_ == State::kDone || state_ == State::kFailed; }
@@ -78,6 +89,13 @@ class Job {
                           Clock::time_point now);
   Actions broadcast(const proto::Wire& w, SessionId except = 0) const;
   Actions maybe_done();
+  Actions make_standby(SessionId s, const proto::Join& j, Clock::time_point now);
+  // Moves standbys into the next round while it has free places (max nodes, less those
+  // that re-join or have re-joined); closes the round once full, else opens the last call.
+  Actions promote_standbys(Clock::time_point now);
+  // The order of a round after the first (see above): `nodes` sorted as for a first round.
+  template <class Nodes>
+  void keep_places(Nodes& nodes) const;
   // A re-registration (resume_round > 0) is believed only while a restarted server
   // rebuilds the round: no other node waits, the claims agree, the slot is free.
   std::string check_resume(SessionId s, const proto::Join& j) const;
@@ -90,6 +108,9 @@ class Job {
   int restart_count_ = 0;
   std::map<SessionId, Node> joined_;   // waiting for the next round
   std::map<SessionId, Node> members_;  // in the running round
+  std::map<SessionId, Node> standby_;  // waiting for a place; taken in session (arrival) order
+  std::set<SessionId> rejoining_;      // told to restart, not re-joined yet
+  std::map<std::string, int> placed_;  // agent id -> group rank in the last round
   std::size_t expected_members_ = 0;   // size of the running round (members may re-register late)
   bool rebuilding_ = false;            // the round is being rebuilt from re-registrations
   std::optional<proto::Abort> abort_;  // the decision of a failed job, for late re-registrations

@@ -1,6 +1,9 @@
 // The rendezvous job state machine, driven with a fake clock (time points passed in).
 #include <catch2/catch.hpp>
 
+#include <map>
+#include <set>
+
 #include "rendezvous/job.h"
 
 using namespace mg;
@@ -290,4 +293,183 @@ TEST_CASE("a node re-registering a round that ended while it was away hears how 
     REQUIRE(late.size() == 1);
     CHECK(proto::from_frame<proto::Restart>(late[0].frame).restart_count == 1);
   }
+}
+
+// ---- standbys (#26) ----
+
+namespace {
+std::map<SessionId, proto::Assignment> assignments(const Actions& a) {
+  std::map<SessionId, proto::Assignment> out;
+  for (const auto& o : of_type(a, MsgType::kAssignment)) out[o.session] = proto::from_frame<proto::Assignment>(o.frame);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("a node that arrives when the round is full becomes a standby, outlives join_timeout and hears Done") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2), T0);
+  job.join(2, node("127.0.0.2", 2, 2), T0);
+  REQUIRE(job.state() == Job::State::kRunning);
+  auto out = job.join(3, node("127.0.0.3", 2, 2), T0 + 1s);
+  REQUIRE(out.size() == 1);
+  REQUIRE(proto::type_of(out[0].frame) == MsgType::kStandby);
+  auto sb = proto::from_frame<proto::Standby>(out[0].frame);
+  CHECK(sb.active_nodes == 2);
+  CHECK(sb.position == 1);
+  CHECK(proto::from_frame<proto::Standby>(job.join(4, node("127.0.0.4", 2, 2), T0 + 1s)[0].frame).position == 2);
+  CHECK(job.standbys() == 2);
+  CHECK(job.nodes() == 2);
+  // Heartbeating standbys wait past join_timeout (5 s here) for as long as the job runs.
+  for (std::chrono::milliseconds t = 1s; t <= 20s; t += 100ms) {
+    for (SessionId s : {1, 2, 3, 4}) job.heartbeat(s, T0 + t);
+    CHECK(job.tick(T0 + t).empty());
+  }
+  auto desc = job.describe(T0 + 20s);
+  CHECK(desc["standby_nodes"] == 2);
+  CHECK(desc["nodes"].size() == 4);
+  CHECK(desc["nodes"][2]["status"] == "standby");
+  job.node_done(1, 1, T0 + 21s);
+  auto done = of_type(job.node_done(2, 1, T0 + 21s), MsgType::kDone);
+  std::set<SessionId> told;
+  for (auto& d : done) told.insert(d.session);
+  CHECK(told == std::set<SessionId>{1, 2, 3, 4});
+  CHECK(job.standbys() == 0);
+}
+
+TEST_CASE("a lost node's place goes to a standby at once, and the nodes that stay keep their group ranks") {
+  Job job("job");
+  for (SessionId s : {1, 2, 3}) job.join(s, node("127.0.0." + std::to_string(s), 3, 3, 2, 1), T0);
+  // The standby's address sorts first: by address it would be group rank 0; it takes the freed place instead.
+  CHECK(of_type(job.join(4, node("127.0.0.0", 3, 3, 2, 1), T0), MsgType::kStandby).size() == 1);
+  auto out = job.disconnected(2, T0 + 1s);  // group rank 1
+  CHECK(of_type(out, MsgType::kRestart).size() == 2);
+  CHECK(of_type(out, MsgType::kAssignment).empty());
+  CHECK(job.join(1, node("127.0.0.1", 3, 3, 2, 1), T0 + 1s).empty());
+  auto a = assignments(job.join(3, node("127.0.0.3", 3, 3, 2, 1), T0 + 1s));  // the last survivor: no last call
+  REQUIRE(a.size() == 3);
+  CHECK(a[1].group_rank == 0);
+  CHECK(a[4].group_rank == 1);
+  CHECK(a[3].group_rank == 2);
+  CHECK(a[4].rank_offset == 2);
+  CHECK(a[4].restart_count == 1);
+  CHECK(a[4].master_addr == "127.0.0.1");
+  CHECK(a[1].nodes == std::vector<std::string>{"127.0.0.1", "127.0.0.0", "127.0.0.3"});
+  CHECK(job.standbys() == 0);
+  CHECK(job.round() == 2);
+}
+
+TEST_CASE("with explicit node ranks the first round follows them, and a standby takes the place of a lost node 0") {
+  Job job("job");
+  for (int r : {2, 0, 1}) {
+    auto j = node("127.0.0." + std::to_string(9 - r), 3, 3, 1, 1);
+    j.node_rank = r;
+    job.join(static_cast<SessionId>(r + 1), j, T0);
+  }
+  REQUIRE(job.state() == Job::State::kRunning);
+  auto sb = node("127.0.0.5", 3, 3, 1, 1);
+  sb.node_rank = 3;
+  CHECK(of_type(job.join(9, sb, T0), MsgType::kStandby).size() == 1);
+  job.disconnected(1, T0 + 1s);  // node rank 0, the master
+  for (int r : {1, 2}) {
+    auto j = node("127.0.0." + std::to_string(9 - r), 3, 3, 1, 1);
+    j.node_rank = r;
+    auto a = assignments(job.join(static_cast<SessionId>(r + 1), j, T0 + 1s));
+    if (r == 2) {
+      REQUIRE(a.size() == 3);
+      CHECK(a[9].group_rank == 0);
+      CHECK(a[9].master_addr == "127.0.0.5");
+      CHECK(a[2].group_rank == 1);
+      CHECK(a[3].group_rank == 2);
+    }
+  }
+}
+
+TEST_CASE("an elastic job at MAX takes a standby instead of waiting out last_call_timeout") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 1, 2, 1, 1), T0);
+  job.join(2, node("127.0.0.2", 1, 2, 1, 1), T0);
+  REQUIRE(job.state() == Job::State::kRunning);
+  job.join(3, node("127.0.0.3", 1, 2, 1, 1), T0);
+  // Node 1 and the standby heartbeat; node 2 went silent at T0.
+  for (std::chrono::milliseconds t = 100ms; t <= 300ms; t += 100ms) {
+    job.heartbeat(1, T0 + t);
+    job.heartbeat(3, T0 + t);
+  }
+  CHECK(of_type(job.tick(T0 + 350ms), MsgType::kRestart).size() == 1);  // node 2 missed 3 x 100 ms
+  auto a = assignments(job.join(1, node("127.0.0.1", 1, 2, 1, 1), T0 + 400ms));  // no last call (1 s) wait
+  REQUIRE(a.size() == 2);
+  CHECK(a[1].group_rank == 0);
+  CHECK(a[3].group_rank == 1);
+  CHECK(a[3].world_size == 2);
+}
+
+TEST_CASE("a one-node job's standby takes over at once when the node is lost") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 1, 1, 1, 1), T0);
+  job.join(2, node("127.0.0.2", 1, 1, 1, 1), T0);
+  auto a = assignments(job.disconnected(1, T0 + 1s));
+  REQUIRE(a.size() == 1);
+  CHECK(a[2].group_rank == 0);
+  CHECK(a[2].master_addr == "127.0.0.2");
+  CHECK(job.state() == Job::State::kRunning);
+}
+
+TEST_CASE("a worker failure keeps every node in place and the standby waiting; when the job fails the standby hears it") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2, 1, 1), T0);
+  job.join(2, node("127.0.0.2", 2, 2, 1, 1), T0);
+  job.join(3, node("127.0.0.3", 2, 2, 1, 1), T0);
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.rank = 1;
+  f.exit_code = 7;
+  auto out = job.worker_failed(2, f, T0 + 1s);
+  CHECK(of_type(out, MsgType::kRestart).size() == 2);
+  for (auto& o : out) CHECK(o.session != 3);
+  // A newcomer while the two restart: their places are theirs, it waits too.
+  CHECK(of_type(job.join(4, node("127.0.0.4", 2, 2, 1, 1), T0 + 1s), MsgType::kStandby).size() == 1);
+  job.join(2, node("127.0.0.2", 2, 2, 1, 1), T0 + 1s);
+  auto a = assignments(job.join(1, node("127.0.0.1", 2, 2, 1, 1), T0 + 1s));
+  CHECK(a.size() == 2);
+  CHECK(job.standbys() == 2);
+  f.round = 2;
+  auto aborts = of_type(job.worker_failed(1, f, T0 + 2s), MsgType::kAbort);  // restarts spent
+  std::set<SessionId> told;
+  for (auto& o : aborts) told.insert(o.session);
+  CHECK(told == std::set<SessionId>{1, 2, 3, 4});
+  CHECK(proto::from_frame<proto::Abort>(aborts[0].frame).root_cause.exit_code == 7);
+}
+
+TEST_CASE("a node lost while the others re-join leaves its place to the next standby") {
+  Job job("job");
+  for (SessionId s : {1, 2, 3}) job.join(s, node("127.0.0." + std::to_string(s), 3, 3, 1, 2), T0);
+  job.join(4, node("127.0.0.4", 3, 3, 1, 2), T0);
+  job.join(5, node("127.0.0.5", 3, 3, 1, 2), T0);
+  job.disconnected(3, T0 + 1s);  // standby 4 is taken
+  job.join(1, node("127.0.0.1", 3, 3, 1, 2), T0 + 1s);
+  // Lost before it re-joined: standby 5 is taken too, and the round is full at once. The
+  // freed places (1 and 2) go to the standbys in address order.
+  auto a = assignments(job.disconnected(2, T0 + 1s));
+  REQUIRE(a.size() == 3);
+  CHECK(a[1].group_rank == 0);
+  CHECK(a[4].group_rank == 1);
+  CHECK(a[5].group_rank == 2);
+  CHECK(job.restart_count() == 1);
+}
+
+TEST_CASE("a silent standby is dropped and told, a closed one forgotten; with every node lost and no standby the job fails") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 1, 1, 1, 1), T0);
+  job.join(2, node("127.0.0.2", 1, 1, 1, 1), T0);
+  job.join(3, node("127.0.0.3", 1, 1, 1, 1), T0);
+  job.heartbeat(1, T0 + 250ms);
+  job.heartbeat(3, T0 + 250ms);
+  auto out = job.tick(T0 + 310ms);  // standby 2 silent for 310 ms > 3 x 100 ms
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].session == 2);
+  CHECK_THAT(error_of(out), Catch::Contains("standby dropped"));
+  CHECK(job.disconnected(3, T0 + 320ms).empty());
+  CHECK(job.standbys() == 0);
+  CHECK(of_type(job.disconnected(1, T0 + 330ms), MsgType::kAbort).empty());  // nobody left to tell
+  CHECK(job.state() == Job::State::kFailed);
 }

@@ -501,12 +501,19 @@ std::string Server::metrics(bool job_ids) const {
   }
   metric("jobs", "gauge", "Jobs held, by state.");
   for (const auto& [state, n] : by_state) value("jobs", fmt::format("state=\"{}\"", state), n);
+  std::uint64_t standbys = 0;
+  for (const auto& [id, job] : jobs_) standbys += job.standbys();
+  metric("standby_nodes", "gauge", "Standby nodes: registered, waiting for a place in a full round.");
+  value("standby_nodes", "", standbys);
   metric("nodes_lost_total", "counter", "Nodes lost from a running round, by cause.");
   value("nodes_lost_total", "cause=\"disconnect\"", disconnects);
   value("nodes_lost_total", "cause=\"missed_heartbeats\"", missed);
   if (!job_ids) return out;
   metric("job_nodes", "gauge", "Nodes in a job's round or waiting for the next one.");
   for (const auto& [id, job] : jobs_) value("job_nodes", fmt::format("job=\"{}\"", prometheus_label(id)), job.nodes());
+  metric("job_standby_nodes", "gauge", "A job's standby nodes.");
+  for (const auto& [id, job] : jobs_)
+    value("job_standby_nodes", fmt::format("job=\"{}\"", prometheus_label(id)), job.standbys());
   metric("job_round", "gauge", "A job's current round.");
   for (const auto& [id, job] : jobs_) value("job_round", fmt::format("job=\"{}\"", prometheus_label(id)), job.round());
   metric("job_restarts", "gauge", "Restarts a job has spent.");

@@ -60,7 +60,8 @@ class Server {
   std::string address() const;
   std::size_t max_connections() const { return opts_.max_connections; }
   // The Prometheus text exposition of the daemon's state and counters (/metrics); the
-  // series that name jobs (job_nodes, job_round, job_restarts) only with `job_ids`.
+  // series that name jobs (job_nodes, job_standby_nodes, job_round, job_restarts) only with
+  // `job_ids`.
   std::string metrics(bool job_ids = true) const;
   // For the status page: every job (Job::describe), and the events (log lines) after
   // sequence number `since`, oldest first, from a ring of the last 1000.

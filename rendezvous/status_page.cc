@@ -17,6 +17,7 @@ h1{font-size:1.3em;margin:0 0 .3em}
 table{border-collapse:collapse;margin:.6em 0 1.2em}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}
 th{background:#f3f3f3}
+.node-standby{color:#555;font-style:italic}
 .state-running{color:#07690b}.state-failed{color:#b00020}.state-restarting{color:#a05a00}.state-done{color:#555}
 #events{font-family:monospace;font-size:12px;max-height:22em;overflow:auto;border:1px solid #ddd;padding:.4em;margin:0}
 #events li{list-style:none;white-space:pre-wrap}
@@ -55,7 +56,9 @@ function showJobs(jobs) {
               text("td", j.restart_count + " of " + j.max_restarts, "restarts"));
     const nodes = document.createElement("td");
     nodes.className = "nodes";
-    nodes.append(...j.nodes.map(n => text("div", n.host + " (" + n.addr + ") x" + n.nproc + " " + n.status)));
+    nodes.append(...j.nodes.map(n => text("div", n.host + " (" + n.addr + ") x" + n.nproc + " " + n.status,
+                                          "node node-" + n.status)));
+    if (j.standby_nodes) nodes.append(text("small", j.standby_nodes + " standby"));
     if (j.root_cause) nodes.append(text("small", "root cause: " + j.root_cause));
     tr.append(nodes);
     body.append(tr);

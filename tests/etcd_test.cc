@@ -375,3 +375,59 @@ TEST_CASE("etcd: an event etcd refuses (permission denied) ends that agent at on
   CHECK_THAT(agents[0].err(), Catch::Contains("etcd refused this agent's event") &&
                                   Catch::Contains("permission denied"));
 }
+
+TEST_CASE("etcd: a standby takes the place of a SIGKILLed agent at once, the others keep their ranks, the job ends with 0") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  // 1:2 with a last call of 120 s: without the standby the survivor would wait it out.
+  const std::vector<std::string> flags{"--max_restarts=1",
+                                       "--rdzv_conf=last_call_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"};
+  const std::vector<std::string> worker{"env", "when-restart-below", "1", "print", "up", "hang", "120"};
+  auto agent = [&](int i) { return spawn(agent_argv(etcd.endpoints(), "spare", i, "1:2", 1, flags, worker, "etcd")); };
+  Proc a = agent(2), b = agent(3);
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     60s));
+  Proc s = agent(4);
+  REQUIRE(eventually([&] { return s.err().find("[mglaunch] standby for job spare") != std::string::npos || !pid_alive(s.pid); },
+                     30s));
+  CHECK(envs(s.out()).empty());
+  ::kill(b.pid, SIGKILL);  // 127.0.0.3: group rank 1
+  for (auto* p : {&a, &s}) {
+    REQUIRE(p->wait(90s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  b.wait(10s);
+  CHECK_THAT(a.err(), Catch::Contains("(127.0.0.3) lost: its etcd lease expired"));
+  const auto a_env = envs(a.out()), s_env = envs(s.out());
+  REQUIRE(a_env.size() == 2);
+  REQUIRE(s_env.size() == 1);
+  CHECK(a_env[1]["GROUP_RANK"] == "0");
+  CHECK(s_env[0]["GROUP_RANK"] == "1");
+  CHECK(s_env[0]["RANK"] == "1");
+  CHECK(s_env[0]["TORCHELASTIC_RESTART_COUNT"] == "1");
+  CHECK(s_env[0]["MASTER_ADDR"] == "127.0.0.2");
+  CHECK(etcd.keys("/mglaunch/spare/").empty());
+}
+
+TEST_CASE("etcd: a standby still waiting when the job ends exits 0 with the others") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  const std::string go = make_temp_dir() + "/go";
+  const std::vector<std::string> worker{"print", "up", "wait-file", go};
+  auto agent = [&](int i) { return spawn(agent_argv(etcd.endpoints(), "spare-ends", i, "2", 1, {}, worker, "etcd")); };
+  Proc a = agent(2), b = agent(3);
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     60s));
+  Proc s = agent(4);
+  REQUIRE(eventually([&] { return s.err().find("[mglaunch] standby for job spare-ends") != std::string::npos || !pid_alive(s.pid); },
+                     30s));
+  std::ofstream(go) << "go\n";
+  for (auto* p : {&a, &b, &s}) {
+    REQUIRE(p->wait(60s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  CHECK(s.out().find("up") == std::string::npos);
+  CHECK(etcd.keys("/mglaunch/spare-ends/").empty());
+}

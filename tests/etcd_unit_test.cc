@@ -3,6 +3,7 @@
 // rendezvous::Job, which must give every agent the same decisions.
 #include <catch2/catch.hpp>
 
+#include <map>
 #include <set>
 
 #include "rendezvous/etcd_log.h"
@@ -228,4 +229,31 @@ TEST_CASE("a worker failure then everybody done: same decisions for every agent"
     CHECK(r.job().restart_count() == 1);
     CHECK(r.job().state() == Job::State::kDone);
   }
+}
+
+TEST_CASE("a standby in the log: every agent computes the same standby, and it takes the lost agent's place") {
+  const std::vector<Event> base = {join_event("a", "127.0.0.1", T0, 2, 2), join_event("b", "127.0.0.2", T0 + 1, 2, 2),
+                                   join_event("c", "127.0.0.0", T0 + 2, 2, 2)};
+  Event lost = simple(Event::Kind::kLost, "a", T0 + 50);
+  lost.why = "its etcd lease expired";
+  const Event back = join_event("b", "127.0.0.2", T0 + 60, 2, 2);
+  std::map<std::string, std::vector<MsgType>> seen;
+  std::map<std::string, int> group_rank;
+  for (const std::string self : {"a", "b", "c"}) {
+    JobReplay r("job", self);
+    for (const auto& e : base)
+      for (auto& f : r.apply(e)) seen[self].push_back(mg::proto::type_of(f));
+    for (const auto& e : {lost, back})
+      for (auto& f : r.apply(e)) {
+        seen[self].push_back(mg::proto::type_of(f));
+        if (mg::proto::type_of(f) == MsgType::kAssignment) group_rank[self] = mg::proto::from_frame<mg::proto::Assignment>(f).group_rank;
+      }
+    CHECK(r.job().round() == 2);
+    CHECK(r.job().standbys() == 0);
+  }
+  CHECK(seen["c"] == std::vector<MsgType>{MsgType::kStandby, MsgType::kAssignment});
+  CHECK(seen["b"] == std::vector<MsgType>{MsgType::kAssignment, MsgType::kRestart, MsgType::kAssignment});
+  CHECK(seen["a"] == std::vector<MsgType>{MsgType::kAssignment, MsgType::kAbort});
+  CHECK(group_rank["b"] == 1);  // b keeps its place
+  CHECK(group_rank["c"] == 0);  // the standby takes a's
 }

@@ -1046,3 +1046,44 @@ TEST_CASE("in place: a hello from a local rank with no live worker changes nothi
   s.worker_hello(0, true, at(11));
   CHECK(s.in_place(0));
 }
+
+TEST_CASE("a standby says so once, runs nothing, and ends with the job: 0 on done, the root cause's code on abort (#26)") {
+  Config c = multi(2);
+  c.job_id = "job42";
+  Supervisor s(c);
+  s.start(at(0));
+  proto::Standby sb;
+  sb.active_nodes = 2;
+  sb.position = 1;
+  auto out = s.standby(sb, at(10));
+  CHECK(noticed(out, "standby for job job42 (the round is full: 2 nodes run it; standby 1)"));
+  CHECK_FALSE(has<act::Spawn>(out));
+  CHECK(s.is_standby());
+  CHECK(s.standby(sb, at(20)).empty());  // said once
+  CHECK(finished(s.rendezvous_done(at(30))) == 0);
+
+  // The job failed because a node was lost (no worker rank): the root-cause block and its
+  // code, as on every node, not a rendezvous time-out.
+  Supervisor t(c);
+  t.start(at(0));
+  t.standby(sb, at(10));
+  proto::Abort a;
+  a.reason = "node n2 (127.0.0.3) lost: its connection closed";
+  a.root_cause.rank = -1;
+  a.root_cause.host = "n2";
+  a.root_cause.exit_code = 1;
+  a.root_cause.message = a.reason;
+  out = t.abort(a, at(40));
+  CHECK_FALSE(has<act::ErrorLine>(out));
+  REQUIRE(all<act::PrintRootCause>(out).size() == 1);
+  CHECK(all<act::PrintRootCause>(out)[0].rc.message == a.reason);
+  CHECK(finished(out) == 1);
+
+  // Given a place, it is an ordinary node.
+  Supervisor u(c);
+  u.start(at(0));
+  u.standby(sb, at(10));
+  out = u.assignment(assignment(2, 1), at(50));
+  CHECK(all<act::Spawn>(out).size() == 2);
+  CHECK_FALSE(u.is_standby());
+}

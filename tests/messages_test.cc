@@ -118,3 +118,20 @@ TEST_CASE("an assignment listing the most nodes of the longest addresses fits in
   a.nodes.assign(kMaxListedNodes, std::string(kMaxHostBytes, 'n'));
   CHECK_NOTHROW(encode(to_frame(a)));
 }
+
+TEST_CASE("a standby message takes a node count and a 1-based position, and refuses others (#26)") {
+  Standby ok;
+  ok.active_nodes = 2;
+  ok.position = 1;
+  CHECK(validate(ok).empty());
+  auto back = from_frame<Standby>(to_frame(ok));
+  CHECK(back.active_nodes == 2);
+  CHECK(back.position == 1);
+  Standby zero = ok;
+  zero.position = 0;
+  CHECK(validate(zero).find("position") != std::string::npos);
+  Standby negative = ok;
+  negative.active_nodes = -1;
+  CHECK(validate(negative).find("active_nodes") != std::string::npos);
+  CHECK_THROWS_AS(from_frame<Standby>(to_frame(Done{})), ProtocolError);
+}

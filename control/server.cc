@@ -1,14 +1,17 @@
 #include "control/server.h"
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
 
 #include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 #include <fmt/format.h>
 
@@ -34,12 +37,21 @@ std::string default_name() {
   return fmt::format("mglaunch-{}-{}", ::getpid(), hex);
 }
 
+std::size_t default_max_sessions() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return 4096;
+  return std::clamp<std::size_t>(static_cast<std::size_t>(lim.rlim_cur) / 4, 16, 4096);
+}
+
 }  // namespace
 
 struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
   struct Session {
-    explicit Session(local::socket s) : socket(std::move(s)) {}
+    Session(local::socket s, asio::io_context& io) : socket(std::move(s)), hello_deadline(io) {}
     local::socket socket;
+    asio::steady_timer hello_deadline;
+    bool pending = false;  // counted in pending_by_rank (no hello yet)
+    bool is_worker = true;  // the peer is the worker process itself, not a descendant
     std::uint64_t id = 0;
     int local_rank = -1;
     pid_t pid = 0;
@@ -51,31 +63,75 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
   };
 
   Impl(asio::io_context& io, ServerOptions o, Handlers h)
-      : opts(std::move(o)), handlers(std::move(h)), acceptor(io) {}
+      : io(io), opts(std::move(o)), handlers(std::move(h)), acceptor(io), accept_pause(io) {
+    if (opts.max_sessions == 0) opts.max_sessions = default_max_sessions();
+  }
 
+  asio::io_context& io;
   ServerOptions opts;
   Handlers handlers;
   local::acceptor acceptor;
+  asio::steady_timer accept_pause;  // after an accept error (EMFILE): a pause, not a spin
+  std::size_t accept_failures = 0;
+  std::unordered_map<int, std::size_t> pending_by_rank;  // connections before their hello
   std::string address;
   std::unordered_map<std::uint64_t, std::shared_ptr<Session>> sessions;
   std::unordered_map<int, std::uint64_t> by_rank;  // local rank -> the session that said hello
   std::uint64_t next_id = 1;
   bool stopped = false;
 
+  // At most one line a second (the store's rule): a worker opening connections in a loop
+  // must not flood the agent's console. The next line counts the ones left out.
+  std::chrono::steady_clock::time_point last_log{};
+  std::size_t unlogged = 0;
   void log(const std::string& line) {
-    if (opts.log) opts.log("control socket: " + line);
+    if (!opts.log) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (last_log != std::chrono::steady_clock::time_point{} && now - last_log < std::chrono::seconds(1)) {
+      ++unlogged;
+      return;
+    }
+    last_log = now;
+    opts.log("control socket: " +
+             (unlogged ? fmt::format("{} (and {} more in the second before)", line, std::exchange(unlogged, 0)) : line));
   }
 
   void accept() {
     acceptor.async_accept([self = shared_from_this()](boost::system::error_code ec, local::socket s) {
       if (self->stopped || ec == asio::error::operation_aborted) return;
-      if (!ec) self->admit(std::move(s));
-      self->accept();
+      if (!ec) {
+        self->admit(std::move(s));
+        self->accept();
+        return;
+      }
+      // EMFILE, ENFILE and the like: the pending connection stays and accept would fail at
+      // once again. Keep serving the sessions we have and try again in 100 ms (as the store,
+      // the rendezvous daemon and the status page do) instead of spinning.
+      ++self->accept_failures;
+      self->log(fmt::format("cannot accept a connection: {}; pausing accepts for 100 ms", ec.message()));
+      self->accept_pause.expires_after(std::chrono::milliseconds(100));
+      self->accept_pause.async_wait([self](boost::system::error_code e) {
+        if (!e && !self->stopped) self->accept();
+      });
     });
   }
 
+  bool is_worker_itself(int local_rank, pid_t pid) const {  // asked once, at accept
+    if (!opts.worker_pid) return true;
+    const pid_t w = opts.worker_pid(local_rank);
+    return w <= 0 || w == pid;
+  }
+
+  void unpend(Session& s) {
+    if (!s.pending) return;
+    s.pending = false;
+    auto it = pending_by_rank.find(s.local_rank);
+    if (it != pending_by_rank.end() && --it->second == 0) pending_by_rank.erase(it);
+    s.hello_deadline.cancel();
+  }
+
   void admit(local::socket s) {
-    auto session = std::make_shared<Session>(std::move(s));
+    auto session = std::make_shared<Session>(std::move(s), io);
     session->id = next_id++;
     ucred cred{};
     socklen_t len = sizeof(cred);
@@ -89,8 +145,12 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
     } else {
       session->pid = cred.pid;
       session->local_rank = opts.worker_of ? opts.worker_of(cred.pid) : -1;
+      if (session->local_rank >= 0) session->is_worker = is_worker_itself(session->local_rank, cred.pid);
       if (session->local_rank < 0)
         refusal = fmt::format("pid {} is neither a worker of this agent nor a descendant of one", cred.pid);
+      else if (pending_by_rank[session->local_rank] >= opts.max_pending_per_rank)
+        refusal = fmt::format("local rank {} already has {} connections that have not said hello", session->local_rank,
+                              opts.max_pending_per_rank);
     }
     sessions.emplace(session->id, session);
     if (!refusal.empty()) {
@@ -98,6 +158,15 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
       refuse(*session, refusal);
       return;
     }
+    session->pending = true;
+    ++pending_by_rank[session->local_rank];
+    session->hello_deadline.expires_after(opts.hello_timeout);
+    session->hello_deadline.async_wait([self = shared_from_this(), s = session](boost::system::error_code ec) {
+      if (ec || self->stopped || s->said_hello || s->closing || !self->sessions.contains(s->id)) return;
+      self->log(fmt::format("dropped a connection of local rank {} (pid {}): no hello within {} ms", s->local_rank,
+                            s->pid, self->opts.hello_timeout.count()));
+      self->refuse(*s, fmt::format("no hello within {} ms", self->opts.hello_timeout.count()));
+    });
     read(session);
   }
 
@@ -105,6 +174,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
   void refuse(Session& s, const std::string& message) {
     if (s.closing) return;
     s.closing = true;
+    unpend(s);
     if (s.said_hello) release_rank(s, /*notify=*/true);
     s.out += error(message);
     write(s.id);
@@ -122,6 +192,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
     if (it == sessions.end()) return;
     auto s = it->second;
     sessions.erase(it);
+    unpend(*s);
     release_rank(*s, notify);
     boost::system::error_code ignored;
     s->socket.close(ignored);
@@ -162,9 +233,27 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
       // The session's local rank is the one its pid belongs to; hello's own (LOCAL_RANK,
       // which --virtual-local-rank sets to 0 for every worker) is informational.
       if (!s.said_hello) {
+        // The worker process itself wins over its descendants (a DataLoader worker or a
+        // helper that inherited MGLAUNCH_CONTROL_SOCKET must not take the worker's session
+        // nor withdraw its opt-in); otherwise the newest hello wins (a worker reconnecting).
+        if (auto old = by_rank.find(s.local_rank); old != by_rank.end() && old->second != s.id) {
+          auto o = sessions.find(old->second);
+          if (o != sessions.end() && o->second->is_worker && !s.is_worker) {
+            log(fmt::format("refused the hello of pid {}: local rank {}'s worker (pid {}) holds its session", s.pid,
+                            s.local_rank, o->second->pid));
+            refuse(s, fmt::format("local rank {}'s worker (pid {}) holds its control session; a descendant "
+                                  "cannot replace it",
+                                  s.local_rank, o->second->pid));
+            return;
+          }
+          if (o != sessions.end()) {
+            Session& replaced = *o->second;
+            release_rank(replaced, /*notify=*/false);
+            refuse(replaced, fmt::format("replaced by a newer hello of local rank {} (pid {})", s.local_rank, s.pid));
+          }
+        }
         s.said_hello = true;
-        if (auto old = by_rank.find(s.local_rank); old != by_rank.end() && old->second != s.id)
-          drop(old->second, /*notify=*/false);  // a newer hello of the same worker wins
+        unpend(s);
         by_rank[s.local_rank] = s.id;
       }
       s.out += welcome();
@@ -248,11 +337,18 @@ void Server::stop() {
   m.stopped = true;
   boost::system::error_code ignored;
   m.acceptor.close(ignored);
-  for (auto& [id, s] : m.sessions) s->socket.close(ignored);
+  m.accept_pause.cancel();
+  for (auto& [id, s] : m.sessions) {
+    s->hello_deadline.cancel();
+    s->socket.close(ignored);
+  }
+  m.pending_by_rank.clear();
   m.sessions.clear();
   m.by_rank.clear();
 }
 
 std::size_t Server::sessions() const { return impl_->sessions.size(); }
+
+std::size_t Server::accept_failures() const { return impl_->accept_failures; }
 
 }  // namespace mg::control

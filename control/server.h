@@ -3,12 +3,17 @@
 // nothing behind), served on the agent's io_context. A connection is kept only when its
 // peer (SO_PEERCRED) runs as the agent's user and `worker_of` maps its pid to a local rank
 // (a worker of this agent or one of its descendants); any other gets one error line and is
-// closed. Each local rank has at most one session: the last one that said hello.
+// closed. Each local rank has at most one session: the worker process itself wins over its
+// descendants, otherwise the last one that said hello; a replaced session (or a descendant's
+// hello refused because the worker holds the session) gets one error line, then closes.
+// A connection must say hello within `hello_timeout`; each local rank may hold at most
+// `max_pending_per_rank` connections that have not said hello yet.
 // Everything runs on the io thread; the handlers are called from it.
 #pragma once
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -24,8 +29,17 @@ struct ServerOptions {
   std::string name;  // the abstract name (without '@'); empty: mglaunch-<pid>-<16 random hex>
   // The local rank of the worker process `pid` is or descends from; -1: none (refused).
   std::function<int(pid_t)> worker_of;
-  std::function<void(const std::string&)> log;  // one line per refused or dropped connection; may be empty
-  std::size_t max_sessions = 4096;
+  // The pid of local rank `local_rank`'s worker process (0: unknown). Its own session wins
+  // over its descendants'. Empty: every peer counts as the worker itself.
+  std::function<pid_t(int)> worker_pid;
+  // A line per refused or dropped connection, at most one a second (the next one counts
+  // those left out); may be empty.
+  std::function<void(const std::string&)> log;
+  // Connections at once; 0: a quarter of the soft descriptor limit (RLIMIT_NOFILE), at
+  // most 4096 and at least 16, so that sessions never take the agent's last descriptors.
+  std::size_t max_sessions = 0;
+  std::size_t max_pending_per_rank = 16;  // connections of one local rank before their hello
+  std::chrono::milliseconds hello_timeout{10000};  // a connection silent for longer is closed
   std::size_t max_unsent = 1 << 20;  // bytes queued for a peer that does not read: then dropped
 };
 
@@ -55,6 +69,8 @@ class Server {
   // Closes the socket and every session.
   void stop();
   std::size_t sessions() const;
+  // accept() calls that failed (EMFILE and the like); after each the server pauses 100 ms.
+  std::size_t accept_failures() const;
 
  private:
   struct Impl;

@@ -457,6 +457,11 @@ WorkerOutcome Agent::outcome_of(const WorkerEnd& w) {
 void Agent::start_control() {
   control::ServerOptions co;
   co.worker_of = [this](pid_t pid) { return worker_of(pid); };
+  co.worker_pid = [this](int lr) -> pid_t {
+    for (const auto& w : launcher_->workers())
+      if (!w.exited && w.local_rank == lr) return w.pid;
+    return 0;
+  };
   co.log = [this](const std::string& line) { notice(line); };
   control::Handlers h;
   h.hello = [this](int lr, const control::Hello& m) { run(core_.worker_hello(lr, m.in_place, now())); };

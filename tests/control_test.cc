@@ -4,10 +4,12 @@
 #include <catch2/catch.hpp>
 
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -22,6 +24,7 @@
 
 #include "control/protocol.h"
 #include "control/server.h"
+#include "support/skip.h"
 
 using namespace mg::control;
 using json = nlohmann::json;
@@ -104,10 +107,16 @@ struct Fixture {
   std::mutex m;
   std::vector<std::string> events;
   std::atomic<int> owner{0};  // what worker_of answers
+  std::atomic<pid_t> worker{0};  // what worker_pid answers (0: unknown, every peer is the worker)
+  std::vector<std::string> logged;
 
-  Fixture() {
-    ServerOptions o;
+  explicit Fixture(ServerOptions o = {}) {
     o.worker_of = [this](pid_t pid) { return pid == ::getpid() ? owner.load() : -1; };
+    o.worker_pid = [this](int) { return worker.load(); };
+    o.log = [this](const std::string& line) {
+      std::lock_guard<std::mutex> l(m);
+      logged.push_back(line);
+    };
     Handlers h;
     h.hello = [this](int lr, const Hello& x) { add(fmt("hello", lr, x.in_place)); };
     h.paused = [this](int lr, const Paused& p) { add("paused " + std::to_string(lr) + " " + std::to_string(p.step)); };
@@ -184,6 +193,11 @@ struct Client {
     }
   }
   bool at_eof() { return line().empty() && buf.empty(); }
+  std::string error_line() {
+    auto j = json::parse(line());
+    REQUIRE(j["type"] == "error");
+    return j["message"].get<std::string>();
+  }
 };
 
 }  // namespace
@@ -269,9 +283,150 @@ TEST_CASE("a newer hello of the same worker replaces its session; forget() close
   Client b(f.server->address());
   b.send(R"({"type":"hello","version":1,"in_place":false})" "\n");
   REQUIRE(json::parse(b.line())["type"] == "welcome");
+  CHECK_THAT(a.error_line(), Catch::Contains("replaced by a newer hello of local rank 0"));
   CHECK(a.at_eof());
   f.on_io([&] { f.server->forget(0); });
   CHECK(b.at_eof());
   std::lock_guard<std::mutex> l(f.m);
   for (auto& e : f.events) CHECK(e.rfind("closed", 0) != 0);
+}
+
+TEST_CASE("a descendant's hello cannot replace the worker's own session; the worker's replaces a descendant's") {
+  Fixture f;
+  f.worker = ::getpid();  // the test's clients are the worker itself
+  Client w(f.server->address());
+  w.send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+  REQUIRE(json::parse(w.line())["type"] == "welcome");
+  f.worker = 1;  // from now on the clients are descendants of a worker with another pid
+  Client d(f.server->address());
+  d.send(R"({"type":"hello","version":1,"in_place":false})" "\n");
+  CHECK_THAT(d.error_line(), Catch::Contains("a descendant cannot replace it"));
+  CHECK(d.at_eof());
+  bool sent = false;
+  f.on_io([&] { sent = f.server->send(0, pause(1, "x", "worker")); });
+  CHECK(sent);
+  CHECK(json::parse(w.line())["type"] == "pause");  // the worker kept its session
+  {
+    std::lock_guard<std::mutex> l(f.m);
+    for (auto& e : f.events) CHECK(e != "hello 0");  // its opt-in was not withdrawn
+  }
+  // A descendant that holds the session (the worker never said hello) gives way to the worker.
+  f.on_io([&] { f.server->forget(0); });
+  CHECK(w.at_eof());
+  Client d2(f.server->address());
+  d2.send(R"({"type":"hello","version":1,"in_place":false})" "\n");
+  REQUIRE(json::parse(d2.line())["type"] == "welcome");
+  f.worker = ::getpid();
+  Client w2(f.server->address());
+  w2.send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+  REQUIRE(json::parse(w2.line())["type"] == "welcome");
+  CHECK_THAT(d2.error_line(), Catch::Contains("replaced by a newer hello"));
+}
+
+TEST_CASE("a connection that says no hello within the deadline is closed with an error") {
+  ServerOptions o;
+  o.hello_timeout = std::chrono::milliseconds(200);
+  Fixture f(std::move(o));
+  Client c(f.server->address());
+  CHECK_THAT(c.error_line(), Catch::Contains("no hello within 200 ms"));
+  CHECK(c.at_eof());
+  f.on_io([] {});
+  CHECK(f.server->sessions() == 0);
+}
+
+TEST_CASE("one local rank holds at most max_pending_per_rank connections before hello; refusals log one line a second") {
+  ServerOptions o;
+  o.max_pending_per_rank = 4;
+  Fixture f(std::move(o));
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::unique_ptr<Client>> silent;
+  for (int i = 0; i < 4; ++i) silent.push_back(std::make_unique<Client>(f.server->address()));
+  std::vector<std::unique_ptr<Client>> refused;
+  for (int i = 0; i < 40; ++i) {
+    refused.push_back(std::make_unique<Client>(f.server->address()));
+    CHECK_THAT(refused.back()->error_line(), Catch::Contains("already has 4 connections that have not said hello"));
+  }
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start).count();
+  {
+    std::lock_guard<std::mutex> l(f.m);
+    CHECK(f.logged.size() <= static_cast<std::size_t>(seconds) + 2);  // not 40 lines
+  }
+  // The silent ones still count; once one says hello, a new connection is let in.
+  silent[0]->send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+  REQUIRE(json::parse(silent[0]->line())["type"] == "welcome");
+  Client more(f.server->address());
+  more.send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+  CHECK(json::parse(more.line())["type"] == "welcome");
+}
+
+TEST_CASE("max_sessions defaults below the descriptor limit") {
+  // The common soft limit of 1024 for the test (restored after): 4096 sessions would not fit.
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  if (saved.rlim_cur != RLIM_INFINITY && saved.rlim_cur < 1024) SKIP_TEST("the soft descriptor limit is below 1024");
+  struct Restore {
+    rlimit r;
+    ~Restore() { ::setrlimit(RLIMIT_NOFILE, &r); }
+  } restore{saved};
+  rlimit low = saved;
+  low.rlim_cur = 1024;
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  ServerOptions o;
+  o.max_pending_per_rank = 1 << 20;
+  Fixture f(std::move(o));
+  const std::size_t cap = 256;  // a quarter of 1024
+  std::vector<std::unique_ptr<Client>> cs;
+  for (std::size_t i = 0; i < cap; ++i) cs.push_back(std::make_unique<Client>(f.server->address()));
+  for (int i = 0; i < 500; ++i) {  // bounded: until the server has taken them all
+    std::size_t n = 0;
+    f.on_io([&] { n = f.server->sessions(); });
+    if (n >= cap) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  f.owner = 1;  // another local rank: the per-rank cap is not what refuses it
+  Client over(f.server->address());
+  CHECK_THAT(over.error_line(), Catch::Contains("256 connections is the limit"));
+}
+
+TEST_CASE("out of descriptors, the server pauses its accepts instead of spinning, and serves again after") {
+  Fixture f;
+  // Hold the io thread while clients queue in the listen backlog.
+  std::atomic<bool> release{false}, held{false};
+  asio::post(f.io, [&] {
+    held = true;
+    for (int i = 0; i < 1000 && !release; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  });
+  for (int i = 0; i < 500 && !held; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(held);
+  std::vector<std::unique_ptr<Client>> cs;
+  for (int i = 0; i < 4; ++i) cs.push_back(std::make_unique<Client>(f.server->address()));
+  // No descriptor left: the lowest free one is the limit.
+  const int probe = ::dup(0);
+  REQUIRE(probe >= 0);
+  ::close(probe);
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(probe);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  const auto start = std::chrono::steady_clock::now();
+  release = true;
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  std::size_t failures = 0;
+  f.on_io([&] { failures = f.server->accept_failures(); });
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+  CHECK(failures >= 1);
+  // One try per 100 ms pause (a spinning acceptor tries hundreds of thousands of times).
+  CHECK(failures <= static_cast<std::size_t>(ms / 100) + 3);
+  {
+    std::lock_guard<std::mutex> l(f.m);
+    REQUIRE_FALSE(f.logged.empty());
+    CHECK_THAT(f.logged.front(), Catch::Contains("pausing accepts for 100 ms"));
+  }
+  // Descriptors again: the queued clients are served.
+  for (auto& c : cs) {
+    c->send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+    CHECK(json::parse(c->line())["type"] == "welcome");
+  }
 }

@@ -4,7 +4,10 @@
 // through mglaunch-rdzv (`mglaunch --preflight`) and `mglaunch doctor --preflight`.
 #include <catch2/catch.hpp>
 
+#include <signal.h>
+
 #include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -272,4 +275,26 @@ TEST_CASE("mglaunch doctor --preflight checks 4 loopback nodes and refuses a bad
   r = run({kMglaunch, "doctor", "--preflight=1"});
   CHECK(r.code == 2);
   CHECK_THAT(r.err, Catch::Contains("bad --preflight '1'"));
+}
+
+TEST_CASE("an agent SIGSTOPped during the check is named by the others within the time-out (exit 5)") {
+  Daemon d = start_daemon();
+  // Agent 2 (127.0.0.4) is slow enough (10 kB/s: the all-reduce alone needs 17 s) that the
+  // stop lands before its report, whatever the load; then it never answers again.
+  std::vector<Proc> agents = agents_with_preflight(d, "pfstop", 3, {"--preflight"}, [](int i) {
+    return i == 2 ? std::map<std::string, std::string>{{"MGLAUNCH_PREFLIGHT_TEST_SEND_RATE", "10000"}}
+                  : std::map<std::string, std::string>{};
+  });
+  REQUIRE(eventually([&] { return (agents[2].out() + agents[2].err()).find("preflight: checking") != std::string::npos; }, 60s));
+  REQUIRE(::kill(agents[2].pid, SIGSTOP) == 0);
+  for (int i = 0; i < 2; ++i) {
+    REQUIRE(agents[static_cast<std::size_t>(i)].wait(120s));
+    const std::string all = agents[static_cast<std::size_t>(i)].out() + agents[static_cast<std::size_t>(i)].err();
+    INFO(all);
+    CHECK(agents[static_cast<std::size_t>(i)].exit_code() == 5);
+    CHECK_THAT(all, Catch::Contains("(127.0.0.4) stopped answering") ||
+                        Catch::Contains("(127.0.0.4) did not reach the coordinator"));
+  }
+  ::kill(agents[2].pid, SIGKILL);
+  agents[2].wait(30s);
 }

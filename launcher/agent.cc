@@ -273,6 +273,11 @@ void Agent::start_rendezvous() {
 void Agent::on_assignment(const proto::Assignment& a) {
   if (opts_.preflight != "off" && !preflight_tried_ && core_.state() == sup::State::kWaiting) {
     preflight_tried_ = true;  // once: before the job's first workers
+    if (a.round != 1) {  // a standby or a late node: the others checked (or not) at round 1 and will not again
+      notice(fmt::format("preflight: skipped (this node joins the job at round {}, the check is at round 1)", a.round));
+      run(core_.assignment(a, now()));
+      return;
+    }
     if (a.group_world_size > 1 && static_cast<int>(a.nodes.size()) == a.group_world_size && a.master_port > 0) {
       start_preflight(a);
       return;

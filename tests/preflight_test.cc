@@ -298,3 +298,27 @@ TEST_CASE("an agent SIGSTOPped during the check is named by the others within th
   ::kill(agents[2].pid, SIGKILL);
   agents[2].wait(30s);
 }
+
+TEST_CASE("a standby that takes a lost node's place later skips the check (round 1 only), and the job ends with 0") {
+  Daemon d = start_daemon();
+  const std::vector<std::string> flags{"--preflight", "--max_restarts=1",
+                                       "--rdzv_conf=last_call_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"};
+  const std::vector<std::string> worker{"env", "when-restart-below", "1", "print", "up", "hang", "120"};
+  auto agent = [&](int i) { return spawn(agent_argv(d.endpoint, "pfspare", i, "1:2", 1, flags, worker)); };
+  Proc a = agent(2), b = agent(3);
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     60s));
+  CHECK_THAT(a.err(), Catch::Contains("preflight passed in"));
+  Proc s = agent(4);
+  REQUIRE(eventually([&] { return s.err().find("[mglaunch] standby for job pfspare") != std::string::npos || !pid_alive(s.pid); },
+                     30s));
+  ::kill(b.pid, SIGKILL);
+  for (auto* p : {&a, &s}) {
+    REQUIRE(p->wait(90s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  b.wait(10s);
+  CHECK_THAT(s.err(), Catch::Contains("preflight: skipped (this node joins the job at round 2"));
+  CHECK(envs(s.out()).size() == 1);
+}

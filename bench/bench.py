@@ -571,6 +571,12 @@ class Bench:
         n = size(3, 1, 1)
         ours = [self.recovery_once("ours", mgtrain, standby) for _ in range(n)]
         peer = [self.recovery_once("peer", None, False) for _ in range(n)] if self.peer else []
+        # What a new node's worker costs before it can join: a fresh mgtrain process loading LibTorch.
+        starts = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            subprocess.run([mgtrain, "--help"], stdout=DEVNULL, stderr=DEVNULL, timeout=120)
+            starts.append((time.monotonic() - t0) * 1e3)
         ms = lambda runs: [r["recovery_ms"] for r in runs]
         lost = lambda runs: [r["steps_lost"] for r in runs]
         how = ("a standby (a third agent, beyond --nnodes=2) takes node 1's place" if standby else
@@ -604,11 +610,13 @@ class Bench:
                   "from before the failure count as steps reached. Kill → new round: until a surviving mglaunch agent "
                   "prints the new round's assignment (`[mglaunch] round N:`), the launcher's part; torch 1.13's "
                   "torchrun logs no such line. Between the new round and the `redoing step` line, mgtrain's survivor "
-                  "waits for the new node's worker: a fresh process that loads LibTorch (`mgtrain --help` alone "
-                  "takes seconds of wall time on this loaded machine), joins the new group and receives the state."]
+                  "waits for the new node's worker: a fresh process that loads LibTorch (`mgtrain --help` alone took "
+                  f"{statistics.median(starts):.0f} ms here, median of 3, measured in this run), joins the new group "
+                  "and receives the state."]
         return {"title": "one node SIGKILLed mid-training → training goes on: torchrun (restart all, checkpoint "
                          "reload) vs mglaunch + `mgtrain --in-place-recovery`", "param": "", "rows": rows,
-                "standby": standby, "runs": {"ours": ours, "peer": peer}, "text": "\n".join(lines)}
+                "standby": standby, "runs": {"ours": ours, "peer": peer}, "mgtrain_help_ms": starts,
+                "text": "\n".join(lines)}
 
     def recovery_once(self, side, mgtrain, standby):
         """One run: returns the figures of this fault (see recovery())."""

@@ -709,9 +709,9 @@ class Bench:
                         killed = victim_of(name)
                         victim = next(p for n, p in procs if n == killed)
                         pids = [victim.pid] + descendants(victim.pid)
+                        t_kill = time.monotonic()  # the fault begins with the first kill
                         for pid in pids:
                             os.kill(pid, signal.SIGKILL)
-                        t_kill = time.monotonic()
                         killed_at = step
                         if not use_standby:
                             start("r1", agent(3))  # the node comes back at once

@@ -607,7 +607,8 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   opt("duplicate_stderr_filters", dup_filters[1],
       "Copy stderr lines of tee'd ranks holding any of A,B,... (,, for a comma) to filtered_stderr.log");
   opt("event_log_handler", o.event_log_handler,
-      "Accepted for torchrun compatibility: null (default) or console; no event records are printed yet");
+      "torchrun's event handler: null (default, silent) or console prints the agent's elastic events on stderr, "
+      "one JSON line each in torch's Event form");
   app.add_option(both_spellings("logs_specs"), logs_specs,
                  "torchrun's logs specs plugin: only the default (torch's DefaultLogsSpecs) exists here");
 

@@ -483,6 +483,13 @@ TEST_CASE("torch 2.x values: --virtual-local-rank, --event-log-handler, --logs-s
   CHECK(parse({"--event-log-handler=console", "prog"}).event_log_handler == "console");
   CHECK(parse({"prog"}, {{"PET_EVENT_LOG_HANDLER", "console"}}).event_log_handler == "console");
   CHECK_THAT(usage_error({"--event_log_handler=scuba", "prog"}), Catch::Contains("use null or console"));
+  // --help tells what console does (it prints the events; an old text said none were).
+  const std::string help = parse_agent_args({"mglaunch", "--help"}, {}, kProbe).message;
+  const auto at = help.find("--event_log_handler");
+  REQUIRE(at != std::string::npos);
+  const std::string text = help.substr(at, help.find("\n  -", at) - at);
+  CHECK_THAT(text, Catch::Contains("console prints"));
+  CHECK_THAT(text, !Catch::Contains("not printed") && !Catch::Contains("no event records"));
   CHECK(parse({"--logs-specs=default", "prog"}).program == "prog");
   CHECK_THAT(usage_error({"--logs_specs=mine", "prog"}),
              Catch::Contains("Could not find entrypoint under 'torchrun.logs_specs[mine]' key"));

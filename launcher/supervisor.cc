@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli/errors.h"
 
@@ -61,6 +62,10 @@ void Supervisor::spawn_batch(std::uint64_t gen, const Now& now, Actions& out) {
       out.push_back(act::Assign{static_cast<int>(lr), rdzv_ ? round_ : restart_count_, restart_count_});
       continue;
     }
+    if (closing_[lr]) {  // its old process is still being stopped: the new one starts after it ended
+      respawn_[lr] = 1;
+      continue;
+    }
     out.push_back(act::Spawn{static_cast<int>(lr), restart_count_});
     live_[lr] = 1;
     in_place_[lr] = 0;  // a new process: not opted in until it says so
@@ -108,9 +113,45 @@ Actions Supervisor::attempt_due(const Now& now) {
   return out;
 }
 
+bool Supervisor::closing_ended(const WorkerOutcome& o, Actions& out) {
+  if (!valid(o.local_rank) || !closing_[static_cast<std::size_t>(o.local_rank)]) return false;
+  const auto lr = static_cast<std::size_t>(o.local_rank);
+  closing_[lr] = 0;
+  live_[lr] = in_place_[lr] = 0;
+  --handles_;  // a handle kept from the attempt before: no worker of this one
+  arm_closing(out);
+  if (respawn_[lr]) {
+    respawn_[lr] = 0;
+    if (state_ == State::kRunning) {
+      out.push_back(act::Spawn{o.local_rank, restart_count_});
+      live_[lr] = 1;
+      ++handles_;
+    }
+  }
+  return true;
+}
+
 Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCauseDetails& details) {
   Actions out;
   if (state_ == State::kDone || attempts_.empty()) return out;
+  if (closing_ended(o, out)) {
+    // Not a worker of the attempt under way: neither recorded nor a root cause; a stop may
+    // have waited for it.
+    if (state_ == State::kStopping && stop_complete()) {
+      out.push_back(act::AttemptEnded{restart_count_, true});
+      group_stopped(now, out);
+    } else if (state_ == State::kRunning && spawned_ == cfg_.nproc && done_ >= handles_) {
+      out.push_back(act::AttemptEnded{restart_count_, root_cause_.has_value()});
+      attempts_.back().duration_s = std::chrono::duration<double>(now.steady - attempt_start_).count();
+      if (rdzv_) {
+        state_ = State::kWaiting;
+        out.push_back(act::SendNodeDone{round_});
+      } else {
+        finish(exit_code::kOk, out);
+      }
+    }
+    return out;
+  }
   o.stopped_by_agent = state_ != State::kRunning;
   attempts_.back().workers.push_back(o);
   // The first failure of a running attempt is its root cause; later ones are the stop's doing.
@@ -186,6 +227,7 @@ void Supervisor::unpause_all() {
 void Supervisor::stop_group(int sig, const Now& now, Actions& out) {
   if (state_ == State::kDone) return;
   state_ = State::kStopping;
+  std::fill(respawn_.begin(), respawn_.end(), 0);  // the attempt they were due in is over
   stop_signal_ = sig;
   stop_only_.reset();
   if (paused_count() > 0) {  // the paused ones are spared
@@ -212,8 +254,31 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
     if (state_ != State::kDone) finish(leaving_code_, out);
   } else if (t == Timer::kFence) {
     if (fence_pending_ && now.steady >= fence_due_) release_port(out);
+  } else if (t == Timer::kClosing) {
+    std::vector<int> late;
+    for (int lr = 0; lr < cfg_.nproc; ++lr) {
+      const auto i = static_cast<std::size_t>(lr);
+      if (!closing_[i] || closing_due_[i] > now.steady) continue;
+      closing_due_[i] = Clock::time_point::max();  // SIGKILL once; its end clears closing_
+      late.push_back(lr);
+    }
+    if (!late.empty()) {
+      notice(fmt::format("local rank(s) {} still running {:.1f}s after SIGTERM: sending SIGKILL",
+                         fmt::join(late, ","), seconds(cfg_.grace)),
+             out);
+      out.push_back(act::SignalWorkers{SIGKILL, true, late});
+    }
+    arm_closing(out);
   }
   return out;
+}
+
+void Supervisor::arm_closing(Actions& out) {
+  auto next = Clock::time_point::max();
+  for (std::size_t i = 0; i < closing_.size(); ++i)
+    if (closing_[i]) next = std::min(next, closing_due_[i]);
+  if (next == Clock::time_point::max()) out.push_back(act::CancelTimer{Timer::kClosing});
+  else out.push_back(act::ArmTimer{Timer::kClosing, next});
 }
 
 void Supervisor::group_stopped(const Now& now, Actions& out) {
@@ -301,6 +366,10 @@ void Supervisor::retire(Actions& out) {
   handles_ = static_cast<int>(keep.size());
   done_ = 0;
   stop_only_.reset();
+  // A closing worker's handle goes too (RetireWorkers SIGKILLs it): nothing waits for it.
+  std::fill(closing_.begin(), closing_.end(), 0);
+  std::fill(respawn_.begin(), respawn_.end(), 0);
+  out.push_back(act::CancelTimer{Timer::kClosing});
   out.push_back(act::RetireWorkers{std::move(keep)});
 }
 
@@ -319,6 +388,7 @@ void Supervisor::finish(int code, Actions& out) {
   out.push_back(act::CancelTimer{Timer::kGrace});
   out.push_back(act::CancelTimer{Timer::kLeave});
   out.push_back(act::CancelTimer{Timer::kFence});
+  out.push_back(act::CancelTimer{Timer::kClosing});
   out.push_back(act::Finish{code});
 }
 
@@ -643,18 +713,22 @@ Actions Supervisor::worker_hello(int local_rank, bool in_place, const Now&) {
   return out;
 }
 
-Actions Supervisor::control_closed(int local_rank, const Now&) {
+Actions Supervisor::control_closed(int local_rank, const Now& now) {
   Actions out;
   if (!valid(local_rank) || state_ == State::kDone) return out;
   const auto lr = static_cast<std::size_t>(local_rank);
   in_place_[lr] = 0;
   if (!paused_[lr]) return out;
-  // It can no longer be assigned: stopped as the others were, started anew next attempt.
+  // It can no longer be assigned: stopped (SIGTERM, SIGKILL after the grace), started
+  // anew in its next turn, once the old process has ended.
   paused_[lr] = 0;
   notice(fmt::format("local rank {} closed its control connection while paused: stopping it", local_rank), out);
   if (state_ == State::kStopping && stop_only_) stop_only_->push_back(local_rank);
+  closing_[lr] = 1;
+  closing_due_[lr] = now.steady + cfg_.grace;
   out.push_back(act::SignalWorkers{state_ == State::kStopping ? stop_signal_ : SIGTERM, false,
                                    std::vector<int>{local_rank}});
+  arm_closing(out);
   return out;
 }
 

@@ -53,7 +53,7 @@ enum class State { kRunning, kStopping, kWaiting, kDone };
 // kFence: the longest the master port waits for the workers' exec (WatchExecs).
 // kStoreLinger is the agent's own (the node-0 agent's store outliving its workers), never
 // the supervisor's; kCount sizes the clock's table.
-enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kCount };
+enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kCount };
 
 struct Config {
   int nproc = 1;          // workers of this node
@@ -135,7 +135,10 @@ class Supervisor {
         node_rank_(cfg_.node_rank),
         live_(static_cast<std::size_t>(cfg_.nproc), 0),
         in_place_(live_),
-        paused_(live_) {}
+        paused_(live_),
+        closing_(live_),
+        respawn_(live_),
+        closing_due_(static_cast<std::size_t>(cfg_.nproc)) {}
 
   // The agent is set up: join the rendezvous (multi-node) or start attempt 0.
   Actions start(const Now& now);
@@ -249,6 +252,14 @@ class Supervisor {
   // every worker).
   std::vector<char> live_, in_place_, paused_;
   std::optional<std::vector<int>> stop_only_;
+  // A paused worker whose control connection closed: SIGTERM sent, SIGKILL at closing_due_
+  // (Timer::kClosing); its handle still counts until it ends. respawn_: its local rank's
+  // turn to start came meanwhile: the new process starts once the old one has ended.
+  std::vector<char> closing_, respawn_;
+  std::vector<Clock::time_point> closing_due_;
+  void arm_closing(Actions& out);
+  // The end of a closing worker's process; true when `o` was one (it is no worker of the attempt).
+  bool closing_ended(const WorkerOutcome& o, Actions& out);
 };
 
 // ---- the agent's start-up decisions ----

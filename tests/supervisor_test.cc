@@ -1035,6 +1035,69 @@ TEST_CASE("in place: a paused worker whose control connection closes is stopped 
   CHECK_FALSE(s.in_place(0));
 }
 
+TEST_CASE("in place: a paused worker whose control closes gets SIGKILL after the grace; its replacement starts only "
+          "once it ended, and its end is no failure of the new attempt") {
+  Config c = single(4, 2);
+  c.spawn_batch = 2;
+  Supervisor s(c);
+  auto first = s.start(at(0));
+  REQUIRE(has<act::SpawnMoreLater>(first));
+  s.spawn_batch_due(all<act::SpawnMoreLater>(first)[0].gen, at(1));
+  for (int lr = 0; lr < 4; ++lr) s.worker_hello(lr, lr == 3, at(2));
+  auto out = fail(s, 0, 5, at(10));  // local rank 3 paused, the others stopped
+  CHECK(paused_ranks(out) == std::vector<int>{3});
+  s.worker_ended(ended(1, 143, SIGTERM), at(20));
+  out = s.worker_ended(ended(2, 143, SIGTERM), at(20));
+  REQUIRE(has<act::AttemptDue>(out));
+  out = s.attempt_due(at(30));  // the first batch: 0 and 1; local rank 3 is still paused
+  CHECK(spawned_ranks(out) == std::vector<int>{0, 1});
+  REQUIRE(has<act::SpawnMoreLater>(out));
+  const auto gen = all<act::SpawnMoreLater>(out)[0].gen;
+  // Its control connection closes before its turn: SIGTERM now, SIGKILL after the grace.
+  out = s.control_closed(3, at(40));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  REQUIRE(has<act::ArmTimer>(out));
+  CHECK(all<act::ArmTimer>(out)[0].timer == Timer::kClosing);
+  // Its turn comes while it lives: no second process for local rank 3 yet.
+  out = s.spawn_batch_due(gen, at(50));
+  CHECK(spawned_ranks(out) == std::vector<int>{2});
+  CHECK(assigned_ranks(out).empty());
+  out = s.timer_fired(Timer::kClosing, at(40 + 3000));
+  REQUIRE(all<act::SignalWorkers>(out).size() == 1);
+  CHECK(all<act::SignalWorkers>(out)[0].sig == SIGKILL);
+  CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{3});
+  // It ended (killed): no root cause of the new attempt, and now its replacement starts.
+  out = s.worker_ended(ended(3, 137, SIGKILL), at(3100));
+  CHECK_FALSE(has<act::WorkerEnded>(out));
+  CHECK(spawned_ranks(out) == std::vector<int>{3});
+  CHECK(s.state() == State::kRunning);
+  // The new attempt ends as usual once its four workers did.
+  for (int lr = 0; lr < 3; ++lr) CHECK_FALSE(finished(s.worker_ended(ended(lr, 0), at(4000))));
+  CHECK(finished(s.worker_ended(ended(3, 0), at(4100))) == 0);
+}
+
+TEST_CASE("in place: between rounds, a paused worker whose control closes gets SIGKILL after the grace") {
+  Supervisor s(multi(2));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  s.worker_hello(0, true, at(11));
+  s.worker_hello(1, true, at(11));
+  proto::Restart r;
+  r.restart_count = 1;
+  s.restart(r, at(20));
+  REQUIRE(s.state() == State::kWaiting);
+  auto out = s.control_closed(1, at(25));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  out = s.timer_fired(Timer::kClosing, at(25 + 3000));
+  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
+  CHECK_FALSE(has<act::SignalWorkers>(s.timer_fired(Timer::kClosing, at(25 + 6000))));  // once
+  out = s.worker_ended(ended(1, 137, SIGKILL), at(3100));
+  CHECK_FALSE(has<act::WorkerEnded>(out));
+  out = s.assignment(assignment(2, 0, 1), at(4000));
+  CHECK(assigned_ranks(out) == std::vector<int>{0});
+  CHECK(spawned_ranks(out) == std::vector<int>{1});
+}
+
 TEST_CASE("in place: a hello from a local rank with no live worker changes nothing") {
   Supervisor s(multi(2));
   s.start(at(0));

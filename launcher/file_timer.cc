@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/system_timer.hpp>
@@ -62,20 +63,45 @@ std::optional<Request> parse_request(std::string_view line, std::string& error) 
   return r;
 }
 
-void Table::apply(const Request& r) {
+bool Table::apply(const Request& r) {
   auto key = std::make_pair(r.pid, r.scope_id);
-  if (r.expiration_time < 0)
-    timers_.erase(key);
-  else
-    timers_[key] = r;
+  auto it = timers_.find(key);
+  if (r.expiration_time < 0) {
+    if (it != timers_.end()) erase(it);
+    return true;
+  }
+  if (it != timers_.end()) {  // a new deadline for a timer held
+    by_deadline_.erase({it->second.expiration_time, r.pid, r.scope_id});
+    it->second = r;
+    by_deadline_.insert({r.expiration_time, r.pid, r.scope_id});
+    return true;
+  }
+  std::size_t& mine = per_pid_[r.pid];
+  if (mine >= max_per_pid_ || timers_.size() >= max_timers_) {
+    if (mine == 0) per_pid_.erase(r.pid);
+    return false;
+  }
+  ++mine;
+  timers_.emplace(std::move(key), r);
+  by_deadline_.insert({r.expiration_time, r.pid, r.scope_id});
+  return true;
+}
+
+void Table::erase(std::map<std::pair<pid_t, std::string>, Request>::iterator it) {
+  by_deadline_.erase({it->second.expiration_time, it->first.first, it->first.second});
+  if (auto p = per_pid_.find(it->first.first); p != per_pid_.end() && --p->second == 0) per_pid_.erase(p);
+  timers_.erase(it);
 }
 
 std::vector<Expired> Table::expire(double now) {
-  std::map<pid_t, std::vector<const Request*>> due;
-  for (const auto& [key, r] : timers_)
-    if (r.expiration_time <= now) due[key.first].push_back(&r);
+  std::set<pid_t> pids;  // only the processes with a timer due: no scan of the others
+  for (auto it = by_deadline_.begin(); it != by_deadline_.end() && std::get<0>(*it) <= now; ++it)
+    pids.insert(std::get<1>(*it));
   std::vector<Expired> out;
-  for (auto& [pid, list] : due) {
+  for (pid_t pid : pids) {
+    std::vector<const Request*> list;
+    for (auto it = timers_.lower_bound({pid, std::string()}); it != timers_.end() && it->first.first == pid; ++it)
+      if (it->second.expiration_time <= now) list.push_back(&it->second);
     std::stable_sort(list.begin(), list.end(),
                      [](const Request* a, const Request* b) { return a->expiration_time < b->expiration_time; });
     Expired e;
@@ -94,15 +120,13 @@ std::vector<Expired> Table::expire(double now) {
   }
   for (const Expired& e : out)
     for (auto it = timers_.lower_bound({e.pid, std::string()}); it != timers_.end() && it->first.first == e.pid;)
-      it = timers_.erase(it);
+      erase(it++);
   return out;
 }
 
 std::optional<double> Table::next_deadline() const {
-  std::optional<double> next;
-  for (const auto& [key, r] : timers_)
-    if (!next || r.expiration_time < *next) next = r.expiration_time;
-  return next;
+  if (by_deadline_.empty()) return std::nullopt;
+  return std::get<0>(*by_deadline_.begin());
 }
 
 std::string default_pipe_path() {
@@ -129,6 +153,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   ServerHooks hooks;
   asio::posix::stream_descriptor pipe;
   int writer = -1;  // our own writer: the pipe never reads as ended between clients
+  dev_t dev = 0;    // the pipe made (stop() removes only it)
+  ino_t ino = 0;
   asio::system_timer timer;
   Table table;
   std::array<char, 8192> chunk{};
@@ -187,7 +213,25 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       bad(error);
       return;
     }
-    table.apply(*r);
+    if (!table.apply(*r)) dropped(*r);
+  }
+
+  // At most one line a second (the next one counts those left out).
+  std::chrono::steady_clock::time_point last_drop_log{};
+  std::size_t unlogged_drops = 0;
+  void dropped(const Request& r) {
+    const auto now = std::chrono::steady_clock::now();
+    if (last_drop_log != std::chrono::steady_clock::time_point{} && now - last_drop_log < std::chrono::seconds(1)) {
+      ++unlogged_drops;
+      return;
+    }
+    last_drop_log = now;
+    log(fmt::format("FileTimer pipe {}: dropped timer '{}' of pid {}: at most {} timers per process and {} in all are "
+                    "kept{}",
+                    path, r.scope_id, r.pid, Table::kMaxPerPid, Table::kMaxTimers,
+                    unlogged_drops ? fmt::format(" (and {} more dropped in the second before)",
+                                                 std::exchange(unlogged_drops, 0))
+                                   : ""));
   }
 
   void bad(const std::string& why) {
@@ -242,7 +286,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     pipe.close(ec);
     if (writer >= 0) ::close(writer);
     writer = -1;
-    ::unlink(path.c_str());
+    // Only our own pipe: one made at the same path since (a later run) is not ours to remove.
+    struct stat st{};
+    if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev && st.st_ino == ino) ::unlink(path.c_str());
     event("watchdog stopped", nullptr);
   }
 };
@@ -256,6 +302,15 @@ Server::Server(asio::io_context& io, std::string path, ServerHooks hooks)
       throw std::runtime_error(fmt::format("TORCHELASTIC_TIMER_FILE '{}' exists and is not a named pipe: remove it or "
                                            "name another path",
                                            p));
+    // A live reader (another agent's FileTimer server): opening for writing succeeds only
+    // then. Replacing its pipe would leave its workers' timers unwatched: refused.
+    if (const int probe = ::open(p.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC); probe >= 0) {
+      ::close(probe);
+      throw std::runtime_error(fmt::format("TORCHELASTIC_TIMER_FILE '{}' is a named pipe that a live process reads "
+                                           "(another agent's FileTimer?): give each agent its own path, or leave the "
+                                           "variable unset",
+                                           p));
+    }
     ::unlink(p.c_str());  // a pipe left by an earlier run, as torch's server replaces it
   }
   if (::mkfifo(p.c_str(), 0600) != 0)
@@ -273,6 +328,10 @@ Server::Server(asio::io_context& io, std::string path, ServerHooks hooks)
   }
   impl_->pipe.assign(rd);
   impl_->writer = wr;
+  if (::fstat(rd, &st) == 0) {
+    impl_->dev = st.st_dev;
+    impl_->ino = st.st_ino;
+  }
   impl_->event("watchdog started", nullptr);
   impl_->read();
 }

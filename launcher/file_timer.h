@@ -19,8 +19,10 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -50,21 +52,35 @@ struct Expired {
   std::vector<std::string> scopes;
 };
 
-// The timers by (pid, scope), as FileTimerServer keeps them. Pure.
+// The timers by (pid, scope), as FileTimerServer keeps them, with bounds torch has not (a
+// worker setting timers of ever new scopes must not grow the agent without end). Pure.
 class Table {
  public:
-  // Sets the timer, or releases it (expiration_time < 0).
-  void apply(const Request& r);
+  static constexpr std::size_t kMaxPerPid = 1024;
+  static constexpr std::size_t kMaxTimers = 65536;
+  explicit Table(std::size_t max_per_pid = kMaxPerPid, std::size_t max_timers = kMaxTimers)
+      : max_per_pid_(max_per_pid), max_timers_(max_timers) {}
+  // Sets the timer, or releases it (expiration_time < 0). false: a new timer over a bound
+  // (max_per_pid timers of its pid, or max_timers in all), dropped.
+  bool apply(const Request& r);
   // The processes with a timer due at `now` (expiration_time <= now), ordered by pid; all
   // their timers are dropped, as FileTimerServer's clear_timers does.
   std::vector<Expired> expire(double now);
-  // The earliest expiration_time held, nullopt when none.
+  // The earliest expiration_time held, nullopt when none. O(1).
   std::optional<double> next_deadline() const;
-  void clear() { timers_.clear(); }
+  void clear() {
+    timers_.clear();
+    by_deadline_.clear();
+    per_pid_.clear();
+  }
   std::size_t size() const { return timers_.size(); }
 
  private:
+  void erase(std::map<std::pair<pid_t, std::string>, Request>::iterator it);
+  std::size_t max_per_pid_, max_timers_;
   std::map<std::pair<pid_t, std::string>, Request> timers_;
+  std::set<std::tuple<double, pid_t, std::string>> by_deadline_;  // the same timers, by expiry
+  std::map<pid_t, std::size_t> per_pid_;
 };
 
 struct ServerHooks {
@@ -80,10 +96,10 @@ struct ServerHooks {
 
 class Server {
  public:
-  // Creates the pipe at `path` (a pipe already there is replaced; anything else is refused)
-  // and reads it. Throws std::runtime_error naming the path and the fix when it cannot.
+  // Creates the pipe at `path` and reads it. A pipe already there is replaced, unless a live
+  // process reads it (another agent's FileTimer: refused); anything else is refused. Throws std::runtime_error naming the path and the fix when it cannot.
   Server(boost::asio::io_context& io, std::string path, ServerHooks hooks);
-  // Removes the pipe.
+  // Removes the pipe (only if it is still the one it made).
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

@@ -169,3 +169,60 @@ TEST_CASE("FileTimer: torch 2.6 workers' FileTimerClient reaches the agent's pip
   CHECK_FALSE(exists(pipe));
   run({"/bin/rm", "-rf", dir});
 }
+
+TEST_CASE("FileTimer: the table keeps at most its bound of timers per process and in all, and finds the next "
+          "deadline by expiry") {
+  mg::ftimer::Table t(/*max_per_pid=*/3, /*max_timers=*/5);
+  auto req = [](pid_t pid, std::string scope, double at) {
+    mg::ftimer::Request r;
+    r.pid = pid;
+    r.scope_id = std::move(scope);
+    r.expiration_time = at;
+    r.signal = 9;
+    return r;
+  };
+  CHECK(t.apply(req(1, "a", 30)));
+  CHECK(t.apply(req(1, "b", 20)));
+  CHECK(t.apply(req(1, "c", 40)));
+  CHECK_FALSE(t.apply(req(1, "d", 5)));  // a fourth scope of pid 1: dropped
+  CHECK(t.apply(req(1, "a", 10)));       // a new deadline for one held is no new timer
+  CHECK(t.next_deadline() == 10.0);
+  CHECK(t.apply(req(2, "x", 50)));
+  CHECK(t.apply(req(3, "y", 60)));
+  CHECK_FALSE(t.apply(req(4, "z", 1)));  // five in all
+  CHECK(t.size() == 5);
+  CHECK(t.apply(req(1, "a", -1)));  // released: room again
+  CHECK(t.next_deadline() == 20.0);
+  CHECK(t.apply(req(4, "z", 1)));
+  CHECK(t.next_deadline() == 1.0);
+  const auto due = t.expire(25);
+  REQUIRE(due.size() == 2);
+  CHECK(due[0].pid == 1);
+  CHECK(due[1].pid == 4);
+  CHECK(t.size() == 2);  // pid 1's "c" went with it
+  CHECK(t.next_deadline() == 50.0);
+}
+
+TEST_CASE("FileTimer: a TORCHELASTIC_TIMER_FILE pipe that a live agent reads is refused, not taken over; a "
+          "stopped one's pipe is replaced") {
+  const std::string dir = make_temp_dir();
+  const std::string path = dir + "/timer";
+  boost::asio::io_context io;
+  auto first = std::make_unique<mg::ftimer::Server>(io, path, mg::ftimer::ServerHooks{});
+  struct stat before{};
+  REQUIRE(::lstat(path.c_str(), &before) == 0);
+  try {
+    mg::ftimer::Server second(io, path, {});
+    FAIL("the second server took the live pipe");
+  } catch (const std::runtime_error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("a named pipe that a live process reads"));
+  }
+  struct stat after{};
+  REQUIRE(::lstat(path.c_str(), &after) == 0);
+  CHECK(after.st_ino == before.st_ino);  // still the first one's
+  first.reset();  // stopped: its pipe removed
+  CHECK_FALSE(exists(path));
+  REQUIRE(::mkfifo(path.c_str(), 0600) == 0);  // one left by a dead run: nobody reads it
+  mg::ftimer::Server third(io, path, {});
+  CHECK(exists(path));
+}

@@ -671,11 +671,12 @@ void Agent::finish(int code) {
   // the others' leave it (torchrun's exit barrier; a rendezvous' "done" waits for every node).
   if (store_ && code == 0 && opts_.rdzv_backend == "static" && opts_.nnodes.max > 1) {
     signals_.async_wait([this](boost::system::error_code e, int) {
-      if (e || !store_) return;
+      if (e || !store_ || lingering_done_) return;
+      lingering_done_ = true;
       clock_->cancel(sup::Timer::kStoreLinger);
       store_->stop();
     });
-    linger_store(now().steady, now().steady + kStoreLingerLimit);
+    linger_store();
   } else if (store_) {
     store_->stop();
   }
@@ -854,26 +855,31 @@ void Agent::final_events(int code) {
     elastic_event("SUCCEEDED", false, nullptr, nullptr, std::nullopt);
 }
 
-void Agent::linger_store(sup::Clock::time_point since, sup::Clock::time_point deadline) {
+void Agent::linger_store() {
+  // Event-driven: the store says when its last client left; one timer for the notice after
+  // 2 s, then for the bound.
   const auto t = now().steady;
-  const std::size_t left = store_->clients();
-  if (left == 0 || t >= deadline) {
-    if (left > 0)
-      notice(fmt::format("stopping the store on port {} with {} clients of other nodes still connected, after {} s",
-                         store_->port(), left, kStoreLingerLimit.count()));
-    store_->stop();
-    boost::system::error_code ec;
-    signals_.cancel(ec);
-    return;
-  }
-  if (!lingering_said_ && t - since >= std::chrono::seconds(2)) {
+  clock_->arm(sup::Timer::kStoreLinger, t + std::chrono::seconds(2), [this, t] {
+    if (!store_ || lingering_done_) return;
     lingering_said_ = true;
     notice(fmt::format("this node's workers are done; serving the store on port {} until the other nodes' workers "
                        "leave it ({} connections; at most {} s)",
-                       store_->port(), left, kStoreLingerLimit.count()));
-  }
-  clock_->arm(sup::Timer::kStoreLinger, t + std::chrono::milliseconds(50),
-              [this, since, deadline] { linger_store(since, deadline); });
+                       store_->port(), store_->clients(), kStoreLingerLimit.count()));
+    clock_->arm(sup::Timer::kStoreLinger, t + kStoreLingerLimit, [this] { end_linger(/*timed_out=*/true); });
+  });
+  store_->when_idle([this] { end_linger(/*timed_out=*/false); });
+}
+
+void Agent::end_linger(bool timed_out) {
+  if (!store_ || lingering_done_) return;
+  lingering_done_ = true;
+  if (timed_out && store_->clients() > 0)
+    notice(fmt::format("stopping the store on port {} with {} clients of other nodes still connected, after {} s",
+                       store_->port(), store_->clients(), kStoreLingerLimit.count()));
+  clock_->cancel(sup::Timer::kStoreLinger);
+  store_->stop();
+  boost::system::error_code ec;
+  signals_.cancel(ec);
 }
 
 void Agent::wait_signal() {

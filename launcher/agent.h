@@ -101,7 +101,9 @@ class Agent {
   void finish(int code);
   // The static form's node 0 after its workers succeeded: the store serves until its last
   // client leaves, at most until `deadline` (or a signal).
-  void linger_store(sup::Clock::time_point since, sup::Clock::time_point deadline);
+  void linger_store();
+  void end_linger(bool timed_out);
+  bool lingering_done_ = false;
   static constexpr std::chrono::seconds kStoreLingerLimit{300};  // torchrun's exit_barrier_timeout
   bool lingering_said_ = false;  // the effects of the end: every handle stops, logs and summary written
   void wait_signal();

@@ -87,6 +87,7 @@ class MachineStore final : public AgentStore {
   void reset() override { s_->reset(); }
   void stop() override { s_->stop(); }
   std::size_t clients() const override { return s_->clients(); }
+  void when_idle(std::function<void()> f) override { s_->when_idle(std::move(f)); }
 
  private:
   std::unique_ptr<store::StoreServer> s_;

@@ -70,6 +70,9 @@ class AgentStore {
   virtual void stop() = 0;
   // Clients connected now.
   virtual std::size_t clients() const = 0;
+  // `f` runs once, from the event loop, as soon as no client is connected (soon when none
+  // is now); stop() forgets it.
+  virtual void when_idle(std::function<void()> f) = 0;
 };
 // Starts serving on `port`: on `held_fd` (a socket bound to it, which the factory then
 // owns) when it is >= 0, else on a socket of its own bound to 0.0.0.0:`port`. `log` gets

@@ -8,6 +8,7 @@
 
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
+#include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
 namespace mg::store {
@@ -109,6 +110,13 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     it->second->socket.close(ignored);
     clients.erase(it);
     engine.disconnected(id);
+    idle_check();
+  }
+
+  std::function<void()> idle;  // when_idle()'s
+  void idle_check() {
+    if (!idle || stopped || !clients.empty()) return;
+    asio::post(io, [f = std::exchange(idle, nullptr)] { f(); });
   }
 
   void on_readable(ClientId id, boost::system::error_code ec) {
@@ -210,6 +218,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     for (auto& [id, c] : clients) c->socket.close(ignored);
     clients.clear();
     engine.clear();
+    idle_check();
   }
 
   void stop() {
@@ -219,6 +228,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     acceptor.close(ignored);
     for (auto& [id, c] : clients) c->socket.close(ignored);
     clients.clear();
+    idle = nullptr;
   }
 };
 
@@ -258,6 +268,10 @@ int StoreServer::port() const {
 void StoreServer::stop() { impl_->stop(); }
 void StoreServer::reset() { impl_->reset(); }
 std::size_t StoreServer::clients() const { return impl_->clients.size(); }
+void StoreServer::when_idle(std::function<void()> f) {
+  impl_->idle = std::move(f);
+  impl_->idle_check();
+}
 std::size_t StoreServer::dropped() const { return impl_->dropped; }
 const Engine& StoreServer::engine() const { return impl_->engine; }
 

@@ -47,6 +47,9 @@ class StoreServer {
   void reset();
 
   std::size_t clients() const;
+  // `f` runs once, from the io_context, as soon as no client is connected (soon, when none
+  // is now); a later call replaces it; stop() forgets it.
+  void when_idle(std::function<void()> f);
   std::size_t dropped() const;  // clients disconnected for breaking a bound or the protocol
   const Engine& engine() const;
 

@@ -179,6 +179,7 @@ class FakeStore final : public AgentStore {
   void reset() override { ++r_.resets; }
   void stop() override { ++r_.stops; }
   std::size_t clients() const override { return 0; }
+  void when_idle(std::function<void()> f) override { f(); }  // never a client
 
  private:
   Record& r_;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <atomic>
 #include <thread>
 
 #include <boost/asio/executor_work_guard.hpp>
@@ -325,4 +326,35 @@ TEST_CASE("many clients breaking the protocol at once give one log line, not one
   boost::asio::post(s.io, [&] { lines = s.log.size(); });
   REQUIRE(eventually([&] { return lines > 0; }, 5s));
   CHECK(lines < 20);
+}
+
+TEST_CASE("when_idle runs once the last client left, not while one is connected") {
+  ServerThread s;
+  boost::asio::io_context io;
+  using tcp = boost::asio::ip::tcp;
+  std::atomic<int> idle{0};
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  boost::asio::write(c, boost::asio::buffer(validate() + byte(7)));  // NUMKEYS: connected and served
+  std::int64_t n = -1;
+  boost::asio::read(c, boost::asio::buffer(&n, 8));
+  std::atomic<bool> asked{false};
+  boost::asio::post(s.io, [&] {
+    s.server->when_idle([&] { ++idle; });
+    asked = true;
+  });
+  for (int i = 0; i < 500 && !asked; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(asked);
+  // Still connected: a query served after when_idle shows the loop ran past it.
+  boost::asio::write(c, boost::asio::buffer(byte(7)));
+  boost::asio::read(c, boost::asio::buffer(&n, 8));
+  CHECK(idle == 0);
+  c.close();
+  for (int i = 0; i < 1000 && idle == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));  // bounded: 10 s
+  CHECK(idle == 1);
+  // With no client now: soon.
+  std::atomic<int> again{0};
+  boost::asio::post(s.io, [&] { s.server->when_idle([&] { ++again; }); });
+  for (int i = 0; i < 1000 && again == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(again == 1);
 }

@@ -9,6 +9,8 @@ workers, and injects one fault once rank 0 reports step --at-step or later:
   kill  SIGKILL rank --victim; the survivors see their collective fail.
   stop  SIGSTOP rank --victim (a hung peer: the survivors' collective blocks), pause
         the survivors at once, SIGKILL the victim only once every survivor said paused.
+  term  SIGKILL rank --victim, pause the survivors but assign nothing: once every survivor
+        said paused, SIGTERM them (the agent stopping the job).
   none  no fault (the undisturbed twin run).
 --no-control gives the workers no control socket (mgtrain then says recovery is off).
 
@@ -37,7 +39,7 @@ def main():
     ap.add_argument("--mgtrain", required=True)
     ap.add_argument("--out", required=True, help="directory for the workers' logs")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--fault", choices=["none", "kill", "stop"], default="none")
+    ap.add_argument("--fault", choices=["none", "kill", "stop", "term"], default="none")
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--at-step", type=int, default=10)
     ap.add_argument("--deadline", type=float, default=240)
@@ -173,7 +175,7 @@ def main():
                             victim = workers[a.victim]["proc"]
                             fault["injected_at_step"] = max(steps)
                             fault["victim_pid"] = victim.pid
-                            if a.fault == "kill":
+                            if a.fault in ("kill", "term"):
                                 victim.kill()
                             else:
                                 victim.send_signal(signal.SIGSTOP)
@@ -184,6 +186,13 @@ def main():
                                         send(c, {"type": "pause", "round": rnd,
                                                  "reason": "worker rank %d (pid %d) hangs" % (a.victim, victim.pid),
                                                  "lost": "worker"})
+            if fault.get("term_pending"):
+                survivors = [w["proc"] for r, w in workers.items() if r != a.victim]
+                if survivors and all(p.pid in paused_pids for p in survivors):
+                    for p in survivors:
+                        p.send_signal(signal.SIGTERM)
+                    fault["term_pending"] = False
+                    fault["terminated"] = True
             if stopped_victim:
                 survivors = [w["proc"].pid for r, w in workers.items() if r != stopped_victim[0]]
                 if all(p in paused_pids for p in survivors):
@@ -201,7 +210,14 @@ def main():
                     pass
                 w["log"].close()
                 del workers[r]
-                if code != 0 and restart_count == 0:
+                if code != 0 and a.fault == "term" and not fault.get("terminated"):
+                    for rr, ww in workers.items():
+                        c = conn_of_pid(ww["proc"].pid)
+                        if c is not None:
+                            send(c, {"type": "pause", "round": rnd, "reason": "worker rank %d failed" % r,
+                                     "lost": "worker"})
+                    fault["term_pending"] = True
+                elif code != 0 and restart_count == 0 and a.fault != "term":
                     new_round(r, "worker rank %d (pid %d) failed: exit %d" % (r, w["proc"].pid, code))
                 elif code != 0:
                     rc = 1

@@ -89,6 +89,20 @@ TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor
   }
 }
 
+TEST_CASE("in-place recovery: SIGTERM while waiting for the agent's new round ends the worker with 75, not after --timeout") {
+  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
+  // --timeout 600 is longer than the stand-in's deadline (200 s): a worker that waited it
+  // out would end the stand-in with 3.
+  auto hit = train({"--fault", "term", "--victim", "1", "--at-step", "10"}, {"--timeout", "600"});
+  INFO(hit.r.out << hit.r.err << hit.logs());
+  const auto report = nlohmann::json::parse(hit.r.out);
+  CHECK(report["fault"]["terminated"] == true);
+  CHECK(report["codes"]["0/0"] == 75);
+  CHECK_FALSE(report["codes"].contains("deadline"));
+  CHECK(hit.summary(0)["stopped_by_signal"] == true);
+  CHECK_THAT(hit.logs(), Catch::Contains("stopped by a signal while waiting for the agent's new round"));
+}
+
 TEST_CASE("in-place recovery off: without a control socket mgtrain says so in one line and trains, and impossible combinations are exit 2") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   auto plain = train({"--fault", "none", "--no-control"});

@@ -411,10 +411,23 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   // A recovery that failed part-way (a peer lost again while the group formed) is tried
   // again, on the next pause, and counts from the first detection.
   std::optional<clock::time_point> unrecovered;
+  // Waits for the agent in slices, so SIGTERM/SIGUSR1 (the agent stopping the job) ends
+  // the wait at once: nullopt then, with `stopped` set.
+  auto wait_for = [&](auto&& wait_once) -> decltype(wait_once(std::chrono::milliseconds(0))) {
+    const auto end = clock::now() + std::chrono::seconds(o.timeout_s);
+    for (;;) {
+      if (g_stop_signal.load()) {
+        stopped = true;
+        return std::nullopt;
+      }
+      if (auto got = wait_once(std::chrono::milliseconds(100))) return got;
+      if (clock::now() >= end || !control->closed_reason().empty()) return std::nullopt;
+    }
+  };
   auto recover = [&](const std::string& what) {
     const auto failed_at = clock::now();
-    const auto bound = std::chrono::seconds(o.timeout_s);
-    auto pause = control->wait_pause(bound);
+    auto pause = wait_for([&](std::chrono::milliseconds t) { return control->wait_pause(t); });
+    if (stopped) return;
     if (!pause) {
       const std::string closed = control->closed_reason();
       throw std::runtime_error(fmt::format("{} (in-place recovery: no pause from the agent within {} s{})", what,
@@ -425,7 +438,8 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
     if (reducer) reducer->abandon();
     reducer.reset();
     comm.abandon();
-    auto next = control->wait_assign(bound);
+    auto next = wait_for([&](std::chrono::milliseconds t) { return control->wait_assign(t); });
+    if (stopped) return;
     if (!next) {
       const std::string closed = control->closed_reason();
       throw std::runtime_error(fmt::format("in-place recovery: no assignment from the agent within {} s of its pause ({}){}",
@@ -458,6 +472,10 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   for (;;) {
     try {
       if (!failure.empty()) recover(std::exchange(failure, std::string()));
+      if (stopped) {  // stopped while waiting for the agent: no group to checkpoint through
+        if (lead) std::printf("mgtrain: stopped by a signal while waiting for the agent's new round\n");
+        break;
+      }
       train_loop();
       break;
     } catch (const CollectiveError& e) {

@@ -1,11 +1,15 @@
 #include "logs/log_layout.h"
 
+#include <signal.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -14,6 +18,58 @@
 namespace mg {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kOwnerFile = ".mglaunch-agent";  // "PID PIDNS\n": the agent that made the tree
+
+std::string pid_namespace() {
+  std::error_code ec;
+  const auto target = fs::read_symlink("/proc/self/ns/pid", ec);
+  return ec ? std::string() : target.string();  // "pid:[4026531836]"
+}
+
+}  // namespace
+
+std::size_t sweep_dead_trees(const std::string& dir) {
+  // Only what can be proved to be a dead agent's, of this user, with nothing in it: a tree
+  // named mglaunch_*, a real directory owned by us, whose owner file names a pid of our own
+  // pid namespace (another container's pids mean nothing here) that no longer exists, and
+  // that holds directories only (a failed run's error files are kept, as finish() keeps them).
+  const std::string ns = pid_namespace();
+  if (ns.empty()) return 0;
+  std::size_t removed = 0, seen = 0;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator() && seen < 4096;
+       it.increment(ec), ++seen) {
+    const fs::path root = it->path();
+    if (!root.filename().string().starts_with("mglaunch_")) continue;
+    struct stat st{};
+    if (::lstat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) continue;
+    std::ifstream f(root / kOwnerFile);
+    long long pid = 0;
+    std::string their_ns;
+    if (!(f >> pid >> their_ns) || pid <= 0 || their_ns != ns) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to ask)
+    bool only_dirs = true;
+    std::error_code we;
+    std::size_t entries = 0;
+    for (auto w = fs::recursive_directory_iterator(root, fs::directory_options::none, we);
+         !we && w != fs::recursive_directory_iterator() && only_dirs; w.increment(we)) {
+      if (++entries > 100000) only_dirs = false;
+      const auto type = w->symlink_status(we).type();
+      if (type == fs::file_type::directory) continue;
+      if (type == fs::file_type::regular && w->path().parent_path() == root && w->path().filename() == kOwnerFile)
+        continue;
+      only_dirs = false;
+    }
+    if (we || !only_dirs) continue;
+    std::error_code re;
+    fs::remove_all(root, re);
+    if (!re) ++removed;
+  }
+  return removed;
+}
 
 LogLayout::~LogLayout() { clean_up(); }
 
@@ -55,8 +111,16 @@ std::string LogLayout::create(const LogLayoutOptions& o) {
   std::string templ;
   // TMPDIR unset and only error files to hold: in memory when that works, else in /tmp.
   if (o.tmpdir.empty() && !(env && *env) && !o.files_wanted && !o.shm_dir.empty()) {
+    // Agents killed with their watchdog (a whole process group SIGKILLed, a Slurm step
+    // cancelled) could not remove their trees: the next run removes the empty ones.
+    sweep_dead_trees(o.shm_dir);
     templ = fmt::format("{}/mglaunch_XXXXXX", o.shm_dir);
-    if (!::mkdtemp(templ.data())) templ.clear();
+    if (!::mkdtemp(templ.data())) {
+      templ.clear();
+    } else if (const std::string ns = pid_namespace(); !ns.empty()) {
+      std::ofstream owner(fs::path(templ) / kOwnerFile);
+      owner << ::getpid() << ' ' << ns << '\n';
+    }
   }
   if (templ.empty()) {
     templ = fmt::format("{}/mglaunch_XXXXXX", tmp);
@@ -81,7 +145,7 @@ std::string LogLayout::finish(int code) {
   std::error_code fe;
   for (auto it = fs::recursive_directory_iterator(root_, fe); !fe && it != fs::recursive_directory_iterator();
        it.increment(fe))
-    if (it->is_regular_file(fe)) {
+    if (it->is_regular_file(fe) && it->path().filename() != kOwnerFile) {
       keep_ = true;
       return fmt::format("this run failed: its error files and logs are kept in {}", root_);
     }

@@ -8,6 +8,7 @@
 //                                run without output files, else /tmp
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace mg {
@@ -25,6 +26,11 @@ struct LogLayoutOptions {
   // them per run of 4 workers: 0.9 of the agent's 3.2 ms of CPU.
   std::string shm_dir = "/dev/shm";
 };
+
+// Removes the mglaunch_* trees under `dir` (the shm directory) that a dead agent of this
+// user and pid namespace left with nothing but directories in them (its owner file names
+// it); returns how many. Called by create() before it makes a tree there.
+std::size_t sweep_dead_trees(const std::string& dir);
 
 class LogLayout {
  public:

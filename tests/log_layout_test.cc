@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -297,4 +298,51 @@ TEST_CASE("the filtered copy holds the matching lines of every rank that feeds i
   FilteredCopy bad(tmp.path + "/no/such/dir/f.log", {"x"}, "", 64);
   bad.feed("x\n");
   CHECK_THAT(bad.error(), Catch::Contains("cannot open"));
+}
+
+TEST_CASE("a run under the shm directory removes the empty trees of dead agents of its pid namespace, nothing else") {
+  TempDir t;
+  NoTmpdirEnv no_tmpdir;
+  // A pid that was ours and is gone (an agent SIGKILLed together with its watchdog).
+  struct {
+    pid_t pid = -1;
+  } gone;
+  gone.pid = ::fork();
+  REQUIRE(gone.pid >= 0);
+  if (gone.pid == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(gone.pid, &status, 0) == gone.pid);
+  const std::string ns = fs::read_symlink("/proc/self/ns/pid").string();
+  auto tree = [&](const std::string& name, const std::string& owner) {
+    const std::string root = t.path + "/" + name;
+    fs::create_directories(root + "/recovery/attempt_0/0");
+    if (!owner.empty()) std::ofstream(root + "/.mglaunch-agent") << owner << "\n";
+    return root;
+  };
+  const std::string dead = tree("mglaunch_dead01", std::to_string(gone.pid) + " " + ns);
+  const std::string alive = tree("mglaunch_live01", std::to_string(::getpid()) + " " + ns);
+  const std::string files = tree("mglaunch_file01", std::to_string(gone.pid) + " " + ns);
+  touch(files + "/recovery/attempt_0/0/error.json");  // a failed run's error file: kept
+  const std::string other_ns = tree("mglaunch_ns0001", std::to_string(gone.pid) + " pid:[1]");
+  const std::string no_owner = tree("mglaunch_old001", "");
+  const std::string not_ours = tree("other_dead01", std::to_string(gone.pid) + " " + ns);
+  auto o = options("");
+  o.shm_dir = t.path;
+  std::string root;
+  {
+    LogLayout l;
+    CHECK(l.create(o).empty());
+    root = l.root();
+    CHECK_FALSE(fs::exists(dead));
+    for (const auto& kept : {alive, files, other_ns, no_owner, not_ours}) CHECK(fs::exists(kept));
+    // Its own tree names it, and a failed run without files still leaves nothing behind.
+    std::ifstream owner(root + "/.mglaunch-agent");
+    long long pid = 0;
+    std::string their_ns;
+    REQUIRE(owner >> pid >> their_ns);
+    CHECK(pid == ::getpid());
+    CHECK(their_ns == ns);
+    CHECK(l.finish(1).empty());
+  }
+  CHECK_FALSE(fs::exists(root));
 }

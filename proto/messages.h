@@ -84,6 +84,8 @@ struct Join {
   int resume_group_world_size = 0;
   int resume_restart_count = 0;
   bool resume_done = false;  // this node's workers already finished the round
+  // Re-registration of a standby (no round of its own) after the server restarted.
+  bool resume_standby = false;
 };
 struct Assignment {
   static constexpr MsgType kType = MsgType::kAssignment;
@@ -148,7 +150,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
-                                                resume_restart_count, resume_done)
+                                                resume_restart_count, resume_done, resume_standby)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round)

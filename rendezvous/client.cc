@@ -180,6 +180,7 @@ void Client::on_frame(const proto::Frame& f) {
         auto a = proto::from_frame<proto::Assignment>(f);
         round_ = a.round;
         current_ = a;
+        standby_ = false;
         assigned_ = true;
         done_sent_ = false;
         unsent_failure_.reset();
@@ -203,6 +204,7 @@ void Client::on_frame(const proto::Frame& f) {
         // A decision: the wait for a place has no deadline (the job's end is told).
         auto m = proto::from_frame<proto::Standby>(f);
         waiting_since_.reset();
+        standby_ = true;
         if (h_.on_standby) h_.on_standby(m);
         return;
       }
@@ -245,6 +247,9 @@ void Client::send_join() {
     j.resume_group_world_size = current_->group_world_size;
     j.resume_restart_count = current_->restart_count;
     j.resume_done = done_sent_;
+  } else if (standby_) {
+    if (h_.on_notice) h_.on_notice("reconnected; re-registered as a standby");
+    j.resume_standby = true;
   }
   conn_->send(proto::to_frame(j));
 }

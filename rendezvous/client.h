@@ -98,6 +98,7 @@ class Client {
   std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
   std::optional<proto::WorkerFailed> unsent_failure_;
   bool done_sent_ = false;
+  bool standby_ = false;  // told Standby, no assignment since: said again on re-registering
   std::chrono::milliseconds backoff_{100};          // between reconnects after a loss
   int refused_ = 0;  // refused connects in a row at start (connect_retry_delay)
   int connect_attempts_ = 0;

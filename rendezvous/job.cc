@@ -109,6 +109,9 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     state_ = State::kRunning;
     return maybe_done();
   }
+  // A standby re-registering with a restarted server waits for the round its nodes rebuild
+  // (or, if none of them comes back within join_timeout, hears that the job failed: tick).
+  if (j.resume_standby && state_ == State::kJoining && round_ == 0 && joined_.empty()) return make_standby(s, j, now);
   if (state_ == State::kRunning) {
     if (members_.contains(s)) return {};
     // A full round (or one being rebuilt to its size) takes the newcomer as a standby.
@@ -381,6 +384,18 @@ Actions Job::tick(Clock::time_point now) {
                                 "standby dropped from job '{}': no heartbeat for more than {} ms", id_,
                                 duration_cast<milliseconds>(silent_limit).count())})}};
     standby_.erase(it);
+    return out;
+  }
+  if (state_ == State::kJoining && round_ == 0 && joined_.empty() && members_.empty() && !standby_.empty() &&
+      now - first_join_ >= milliseconds(config_.join_timeout_ms)) {
+    proto::WorkerFailed rc;
+    rc.rank = -1;
+    rc.message = fmt::format("no node of job '{}' re-registered its round within join_timeout after the rendezvous "
+                             "server restarted: nothing to stand by for", id_);
+    state_ = State::kFailed;
+    abort_ = proto::Abort{rc, rc.message};
+    auto out = broadcast(proto::to_wire(*abort_));
+    standby_.clear();
     return out;
   }
   if ((state_ == State::kJoining || state_ == State::kRestarting) && !joined_.empty()) {

@@ -473,3 +473,37 @@ TEST_CASE("a silent standby is dropped and told, a closed one forgotten; with ev
   CHECK(of_type(job.disconnected(1, T0 + 330ms), MsgType::kAbort).empty());  // nobody left to tell
   CHECK(job.state() == Job::State::kFailed);
 }
+
+TEST_CASE("a standby re-registering with a restarted server waits for the rebuilt round, or hears that none came back") {
+  auto sb = node("127.0.0.9", 2, 2, 1, 1);
+  sb.resume_standby = true;
+  Job job("job");
+  CHECK(of_type(job.join(9, sb, T0), MsgType::kStandby).size() == 1);
+  auto a = node("127.0.0.1", 2, 2, 1, 1), b = node("127.0.0.2", 2, 2, 1, 1);
+  for (auto* j : {&a, &b}) {
+    j->resume_round = 3;
+    j->resume_group_world_size = 2;
+  }
+  a.resume_group_rank = 0;
+  b.resume_group_rank = 1;
+  CHECK(job.join(1, a, T0).empty());
+  CHECK(job.join(2, b, T0).empty());
+  CHECK(job.state() == Job::State::kRunning);
+  CHECK(job.standbys() == 1);
+  CHECK(of_type(job.disconnected(2, T0 + 1s), MsgType::kRestart).size() == 1);  // the standby takes b's place
+  auto as = assignments(job.join(1, node("127.0.0.1", 2, 2, 1, 1), T0 + 1s));
+  REQUIRE(as.size() == 2);
+  CHECK(as[1].group_rank == 0);
+  CHECK(as[9].group_rank == 1);
+
+  Job alone("job");  // nobody of the round comes back
+  CHECK(of_type(alone.join(9, sb, T0), MsgType::kStandby).size() == 1);
+  for (std::chrono::milliseconds t = 100ms; t < 5s; t += 100ms) {
+    alone.heartbeat(9, T0 + t);
+    CHECK(alone.tick(T0 + t).empty());
+  }
+  alone.heartbeat(9, T0 + 5s);
+  auto aborts = of_type(alone.tick(T0 + 5s), MsgType::kAbort);
+  REQUIRE(aborts.size() == 1);
+  CHECK_THAT(proto::from_frame<proto::Abort>(aborts[0].frame).reason, Catch::Contains("nothing to stand by for"));
+}

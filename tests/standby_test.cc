@@ -29,6 +29,12 @@ int port_on_line(const Daemon& d, std::size_t index) {
 
 const std::string kStandbyLine = "[mglaunch] standby for job ";
 
+int count_of_up(const std::string& out) {
+  int n = 0;
+  for (const auto& l : split_lines(out)) n += l.find("up") != std::string::npos;
+  return n;
+}
+
 }  // namespace
 
 TEST_CASE("standby: the master node's agent SIGKILLed, the standby takes its place at once and the job ends with 0") {
@@ -118,4 +124,42 @@ TEST_CASE("standby: a job that ends while the standby waits ends it too: exit 0 
   }
   ::kill(d.proc.pid, SIGTERM);
   REQUIRE(d.proc.wait(10s));
+}
+
+TEST_CASE("standby: the daemon killed and restarted: the standby re-registers as one, the round is rebuilt, all exit 0") {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
+  Daemon first = listening_at(endpoint);
+  const std::string go = make_temp_dir() + "/go";
+  const std::vector<std::string> worker{"print", "up", "wait-file", go};
+  Proc a = spawn(agent_argv(endpoint, "spare-restart", 2, "2", 1, {}, worker));
+  Proc b = spawn(agent_argv(endpoint, "spare-restart", 3, "2", 1, {}, worker));
+  REQUIRE(eventually([&] { return a.out().find("up") != std::string::npos && b.out().find("up") != std::string::npos; },
+                     60s));
+  Proc s = spawn(agent_argv(endpoint, "spare-restart", 4, "2", 1, {}, worker));
+  REQUIRE(eventually([&] { return s.err().find(kStandbyLine) != std::string::npos || !pid_alive(s.pid); }, 30s));
+  // The standby reaches the new daemon first: the two running nodes' agents are stopped
+  // until it re-registered (their workers run on).
+  ::kill(a.pid, SIGSTOP);
+  ::kill(b.pid, SIGSTOP);
+  ::kill(first.proc.pid, SIGKILL);
+  REQUIRE(first.proc.wait(5s));
+  Daemon second = listening_at(endpoint);
+  REQUIRE(eventually([&] { return s.err().find("re-registered as a standby") != std::string::npos || !pid_alive(s.pid); },
+                     30s));
+  ::kill(a.pid, SIGCONT);
+  ::kill(b.pid, SIGCONT);
+  REQUIRE(eventually([&] {
+    return a.err().find("re-registered round 1") != std::string::npos &&
+           b.err().find("re-registered round 1") != std::string::npos;
+  }, 30s));
+  std::ofstream(go) << "go\n";
+  for (auto* p : {&a, &b, &s}) {
+    REQUIRE(p->wait(60s));
+    INFO(p->err() << second.proc.err());
+    CHECK(p->exit_code() == 0);
+  }
+  CHECK(s.out().find("up") == std::string::npos);
+  CHECK(count_of_up(a.out()) == 1);
+  ::kill(second.proc.pid, SIGTERM);
+  second.proc.wait(5s);
 }

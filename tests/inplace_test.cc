@@ -193,3 +193,57 @@ TEST_CASE("in place, two nodes: node 1's agent SIGKILLed, node 0's opted-in work
   CHECK(d.proc.wait(10s));
   for (const auto& dir : {dir0, dir1, dir1b}) std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("in place: a worker flooding the control socket neither locks the other ranks out nor spins the agent "
+          "out of descriptors (ulimit -n 256)") {
+  const std::string dir = make_temp_dir();
+  const std::string script = dir + "/flood.py";
+  std::ofstream(script) << R"PY(
+import os, socket, sys, time
+d, lr = sys.argv[1], int(os.environ["LOCAL_RANK"])
+addr = "\0" + os.environ["MGLAUNCH_CONTROL_SOCKET"][1:]
+def conn():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(addr)
+    return s
+if lr == 1:
+    held = []
+    for i in range(400):  # no hello, until this worker runs out of descriptors itself: more than the agent has
+        try:
+            held.append(conn())
+        except OSError:
+            break
+    for s in held[-8:]:  # room for this worker's own files
+        s.close()
+    del held[-8:]
+    open(os.path.join(d, "flooded"), "w").close()
+    for _ in range(600):  # bounded: 60 s
+        if os.path.exists(os.path.join(d, "done")):
+            break
+        time.sleep(0.1)
+    sys.exit(0)
+for _ in range(600):
+    if os.path.exists(os.path.join(d, "flooded")):
+        break
+    time.sleep(0.1)
+s = conn()
+s.sendall(b'{"type":"hello","version":1,"in_place":false}\n')
+line = s.makefile().readline()
+print("rank 0 got:", line.strip(), flush=True)
+open(os.path.join(d, "done"), "w").close()
+)PY";
+  auto r = run({"/bin/sh", "-c",
+                "ulimit -n 256 && exec " + kMglaunch + " --standalone --nproc_per_node=2 --no_python /usr/bin/python3 " +
+                    script + " " + dir},
+               {}, 120s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("rank 0 got: {\"type\":\"welcome\",\"version\":1}"));
+  // The refusals are logged at most once a second, not once each.
+  std::size_t lines = 0;
+  for (const auto& l : split_lines(r.out + r.err))
+    if (l.find("control socket: refused") != std::string::npos) ++lines;
+  CHECK(lines < 60);
+  std::filesystem::remove_all(dir);
+}

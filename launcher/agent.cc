@@ -1,7 +1,10 @@
 #include "launcher/agent.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -75,6 +78,7 @@ Agent::~Agent() {
   if (control_) control_->stop();
   launcher_->close();
   logs_.clean_up();
+  if (takeover_fd_ >= 0) ::close(takeover_fd_);
 }
 
 void Agent::check_descriptor_budget() {
@@ -205,21 +209,71 @@ void Agent::host_rendezvous() {
   if (!meant || rdzv::probe_listen(endpoint().host, endpoint().port)) return;
   const rdzv::Endpoint& ep = endpoint();
   try {
-    rdzv::ServerOptions so;
+    rdzv::ServerOptions so = server_options();
     so.host = ep.host;
     so.port = ep.port;
-    so.token = opts_.rdzv_token;
-    so.only_job = plan_.run_id;
-    so.host_agent = local_hostname();
-    so.log = [this](const std::string& line) {
-      if (line.starts_with("warning:")) notice("rendezvous server: " + line);
-    };
-    if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
     embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
     notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
   } catch (const std::exception&) {
     // Another local agent got there first: join it as a client.
   }
+}
+
+rdzv::ServerOptions Agent::server_options() {
+  rdzv::ServerOptions so;
+  so.token = opts_.rdzv_token;
+  so.only_job = plan_.run_id;
+  so.host_agent = local_hostname();
+  so.log = [this](const std::string& line) {
+    if (line.starts_with("warning:")) notice("rendezvous server: " + line);
+  };
+  if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
+  return so;
+}
+
+void Agent::bind_takeover_socket() {
+  if (embedded_server_ || takeover_fd_ >= 0) return;
+  // The advertised address when it is one of this machine's (IPv4), else every address.
+  auto try_bind = [&](in_addr_t addr) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = addr;
+    socklen_t len = sizeof sa;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+      ::close(fd);
+      return false;
+    }
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text);
+    takeover_fd_ = fd;
+    takeover_port_ = ntohs(sa.sin_port);
+    takeover_host_ = text;
+    return true;
+  };
+  in_addr advertised{};
+  if (::inet_pton(AF_INET, plan_.master_addr.c_str(), &advertised) == 1 && try_bind(advertised.s_addr)) return;
+  try_bind(htonl(INADDR_ANY));
+}
+
+int Agent::take_over(const rdzv::TakeoverSeed& seed) {
+  if (embedded_server_ || takeover_fd_ < 0) return 0;
+  try {
+    rdzv::ServerOptions so = server_options();
+    so.host = takeover_host_;
+    so.adopt_fd = std::exchange(takeover_fd_, -1);
+    embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
+    embedded_server_->take_over(plan_.run_id, seed);
+  } catch (const std::exception& e) {
+    embedded_server_.reset();
+    notice(fmt::format("cannot take the rendezvous over: {}", e.what()));
+    return 0;
+  }
+  notice(fmt::format("hosting the rendezvous for job '{}' on {}, taking over from {}", plan_.run_id,
+                     embedded_server_->address(), seed.lost_host));
+  return embedded_server_->port();
 }
 
 void Agent::start_rendezvous() {
@@ -241,6 +295,9 @@ void Agent::start_rendezvous() {
   j.join_timeout_ms = static_cast<int>(opts_.join_timeout.count());
   j.keep_alive_ms = static_cast<int>(opts_.keep_alive_interval.count());
   j.keep_alive_max_attempt = opts_.keep_alive_max_attempt;
+  // Every node that does not host can take the job over if its host is lost (#26).
+  if (opts_.rdzv_backend != "etcd") bind_takeover_socket();
+  j.takeover_port = embedded_server_ ? 0 : takeover_port_;
   rdzv::ClientHandlers h;
   h.on_assignment = [this](const proto::Assignment& a) { on_assignment(a); };
   // During the preflight check the rendezvous' word waits for its verdict (a node that
@@ -261,6 +318,7 @@ void Agent::start_rendezvous() {
     after_preflight([this, why] { run(core_.rendezvous_lost(why, now())); });
   };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
+  h.on_take_over = [this](const rdzv::TakeoverSeed& seed) { return take_over(seed); };
   // etcd proves nothing with the rendezvous token: say so rather than let its holder think
   // the decisions it reads are authenticated.
   if (opts_.rdzv_backend == "etcd" && (!opts_.rdzv_token.empty() || !opts_.rdzv_job_token.empty()))

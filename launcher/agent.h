@@ -160,6 +160,17 @@ class Agent {
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;
   bool hosting_decided_ = false;  // host_rendezvous() ran
+  // The rendezvous server's settings for this job (the token, this job only, this agent).
+  rdzv::ServerOptions server_options();
+  // The socket this agent would host the job on if its host were lost (bound at port 0 on
+  // the advertised address, not listening until then: a connection is refused), advertised
+  // in its Join (takeover_port); -1 when it hosts already or none could be bound.
+  void bind_takeover_socket();
+  // rdzv::ClientHandlers::on_take_over: serves the job from `seed` on that socket.
+  int take_over(const rdzv::TakeoverSeed& seed);
+  int takeover_fd_ = -1;
+  int takeover_port_ = 0;
+  std::string takeover_host_;
   std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink
   std::optional<PortReservation> port_hold_;  // until the core's ReleaseMasterPort
   // The agent's store (plan_.agent_store, on the node of group rank 0): c10d's TCPStore

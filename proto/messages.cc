@@ -72,7 +72,8 @@ std::string validate(const Join& m) {
   return first(range("node_rank", m.node_rank, -1, m.max_nodes - 1), range("resume_round", m.resume_round, 0, INT32_MAX),
                range("resume_group_world_size", m.resume_group_world_size, 0, m.max_nodes),
                range("resume_group_rank", m.resume_group_rank, -1, m.max_nodes - 1),
-               range("resume_restart_count", m.resume_restart_count, 0, m.max_restarts));
+               range("resume_restart_count", m.resume_restart_count, 0, m.max_restarts),
+               range("takeover_port", m.takeover_port, 0, 65535));
 }
 
 std::string validate(const Assignment& m) {
@@ -87,6 +88,10 @@ std::string validate(const Assignment& m) {
   if (m.nodes.size() > kMaxListedNodes) return fmt::format("nodes lists {} entries (limit {})", m.nodes.size(), kMaxListedNodes);
   for (const auto& n : m.nodes)
     if (auto bad = text("a node address", n, kMaxHostBytes); !bad.empty()) return bad;
+  if (!m.takeover_ports.empty() && m.takeover_ports.size() != m.nodes.size())
+    return fmt::format("takeover_ports lists {} entries for {} nodes", m.takeover_ports.size(), m.nodes.size());
+  for (int p : m.takeover_ports)
+    if (auto bad = range("a takeover port", p, 0, 65535); !bad.empty()) return bad;
   return {};
 }
 

@@ -86,6 +86,9 @@ struct Join {
   bool resume_done = false;  // this node's workers already finished the round
   // Re-registration of a standby (no round of its own) after the server restarted.
   bool resume_standby = false;
+  // The port this node would host the job on if its hosting agent were lost (bound, not
+  // listening, until then); 0: none (the node hosts already, or cannot).
+  int takeover_port = 0;
 };
 struct Assignment {
   static constexpr MsgType kType = MsgType::kAssignment;
@@ -98,6 +101,7 @@ struct Assignment {
   int master_port = 0;
   int restart_count = 0;
   std::vector<std::string> nodes;  // advertised addresses by group rank
+  std::vector<int> takeover_ports;  // by group rank, as nodes (Join::takeover_port); empty: none listed
 };
 struct Heartbeat {
   static constexpr MsgType kType = MsgType::kHeartbeat;
@@ -150,9 +154,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
-                                                resume_restart_count, resume_done, resume_standby)
+                                                resume_restart_count, resume_done, resume_standby, takeover_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
-                                                world_size, master_addr, master_port, restart_count, nodes)
+                                                world_size, master_addr, master_port, restart_count, nodes,
+                                                takeover_ports)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank, local_rank, exit_code, signal,
                                                 message, last_lines)

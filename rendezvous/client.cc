@@ -18,8 +18,28 @@ std::chrono::milliseconds connect_retry_delay(int retry) {
   return milliseconds(std::min(500, ms));
 }
 
+std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignment& a, const std::string& lost_addr,
+                                                   int lost_port) {
+  std::vector<TakeoverCandidate> out;
+  const std::size_t n = std::min(a.nodes.size(), a.takeover_ports.size());
+  for (std::size_t g = 0; g < n; ++g)
+    if (a.takeover_ports[g] > 0 && !(a.nodes[g] == lost_addr && a.takeover_ports[g] == lost_port))
+      out.push_back({static_cast<int>(g), a.nodes[g], a.takeover_ports[g]});
+  return out;
+}
+
+std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int min_nodes) {
+  if (restarts_spent >= max_restarts)
+    return fmt::format("no restart left for a new round (--max_restarts={})", max_restarts);
+  if (candidates == 0) return "no other node can host the rendezvous";
+  if (static_cast<int>(candidates) < min_nodes)
+    return fmt::format("{} node(s) left, fewer than the {} that --nnodes asks for", candidates, min_nodes);
+  return {};
+}
+
 Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers)
-    : io_(io), opts_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io) {
+    : io_(io), opts_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io),
+      takeover_timer_(io) {
   key_ = !opts_.job_token.empty() ? opts_.job_token
          : opts_.token.empty()    ? std::string()
                                   : auth::job_key(opts_.token, opts_.join.job_id);
@@ -53,15 +73,19 @@ void Client::try_connect() {
   } else {
     asio::ip::tcp::resolver resolver(io_);
     auto results = resolver.resolve(opts_.host, std::to_string(opts_.port), ec);
-    if (ec || results.empty()) return lost(fmt::format("cannot resolve rendezvous host '{}'", opts_.host));
+    if (ec || results.empty()) {
+      if (takeover_) return next_candidate("cannot resolve its address");
+      return lost(fmt::format("cannot resolve rendezvous host '{}'", opts_.host));
+    }
     ep = *results.begin();
   }
   connecting_ = std::make_unique<asio::ip::tcp::socket>(io_);
   ++connect_attempts_;
-  connecting_->async_connect(ep, [this](boost::system::error_code ec) {
-    if (closed_) return;
+  connecting_->async_connect(ep, [this, gen = ++connect_gen_](boost::system::error_code ec) {
+    if (closed_ || gen != connect_gen_) return;
     if (ec) {
-      if (Clock::now() >= deadline_)
+      // While a takeover is looked for, its timer moves on from a node that does not answer.
+      if (!takeover_ && Clock::now() >= deadline_)
         return lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, ec.message()));
       retry_timer_.expires_after(connect_retry_delay(++refused_));
       retry_timer_.async_wait([this](boost::system::error_code ec) {
@@ -178,20 +202,30 @@ void Client::on_frame(const proto::Frame& f) {
         return;  // the echo: conn_->last_frame() moved
       case MsgType::kAssignment: {
         auto a = proto::from_frame<proto::Assignment>(f);
+        if (!join_wanted_) {
+          pending_ = std::move(a);  // the agent takes it once its workers stopped (rejoin())
+          return;
+        }
         round_ = a.round;
         current_ = a;
         standby_ = false;
-        assigned_ = true;
+        last_ = a;
+        restarts_seen_ = std::max(restarts_seen_, a.restart_count);
         done_sent_ = false;
         unsent_failure_.reset();
         waiting_since_.reset();
         h_.on_assignment(a);
         return;
       }
-      case MsgType::kRestart:
+      case MsgType::kRestart: {
+        auto r = proto::from_frame<proto::Restart>(f);
         current_.reset();
-        h_.on_restart(proto::from_frame<proto::Restart>(f));
+        pending_.reset();
+        join_wanted_ = false;
+        restarts_seen_ = std::max(restarts_seen_, r.restart_count);
+        h_.on_restart(r);
         return;
+      }
       case MsgType::kAbort:
         waiting_since_.reset();
         h_.on_abort(proto::from_frame<proto::Abort>(f));
@@ -223,6 +257,13 @@ void Client::on_frame(const proto::Frame& f) {
 
 void Client::on_welcome() {
   if (challenged_) conn_->verify_received(session_, 's');
+  if (takeover_) {
+    takeover_timer_.cancel();
+    if (h_.on_notice)
+      h_.on_notice(fmt::format("the rendezvous is now hosted by {} at {}:{}; joining the next round",
+                               host_agent_.empty() ? std::string("a daemon") : host_agent_, opts_.host, opts_.port));
+    takeover_.reset();
+  }
   welcomed_ = ever_welcomed_ = true;
   in_outage_ = false;
   backoff_ = milliseconds(100);
@@ -295,7 +336,26 @@ void Client::watch() {
 
 void Client::rejoin() {
   wait_for_decision();
-  if (connected()) conn_->send(proto::to_frame(opts_.join));
+  join_wanted_ = true;
+  if (pending_) {
+    // Assigned while the workers stopped (the join went with a reconnection): take it now.
+    asio::post(io_, [this, alive = std::weak_ptr<int>(alive_)] {
+      if (!alive.lock() || closed_ || !pending_) return;
+      auto a = std::move(*pending_);
+      pending_.reset();
+      round_ = a.round;
+      current_ = a;
+      last_ = a;
+      restarts_seen_ = std::max(restarts_seen_, a.restart_count);
+      done_sent_ = false;
+      unsent_failure_.reset();
+      waiting_since_.reset();
+      h_.on_assignment(a);
+    });
+    return;
+  }
+  // (With the connection between its hello and its welcome, the join goes with the welcome.)
+  if (connected() && welcomed_) conn_->send(proto::to_frame(opts_.join));
 }
 
 void Client::worker_failed(proto::WorkerFailed f) {
@@ -335,9 +395,87 @@ void Client::reconnect_later(const std::string& why) {
   if (h_.on_notice) h_.on_notice(fmt::format("lost the rendezvous server ({}); workers keep running, reconnecting", why));
 }
 
+void Client::drop_connection() {
+  heartbeat_timer_.cancel();
+  retry_timer_.cancel();
+  welcomed_ = false;
+  ++connect_gen_;  // a connect in flight is stale now
+  boost::system::error_code ec;
+  if (connecting_) connecting_->close(ec);
+  connecting_.reset();
+  if (auto c = std::move(conn_)) c->close(true);  // its on_close sees conn_ gone: no notice
+}
+
 void Client::host_lost(const std::string& why) {
-  const std::string reason = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
-  if (!assigned_) return lost(reason + "; no round had started, so the job ends here");
+  if (takeover_) return next_candidate(why);  // a candidate's connection failed before its welcome
+  const std::string lost = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
+  if (standby_) return end_host_lost(lost + "; a standby does not follow a takeover");
+  if (!last_) return end_host_lost(lost + "; no round had started, so no node can take over");
+  auto candidates = takeover_candidates(*last_, opts_.host, opts_.port);
+  if (auto no = why_no_takeover(restarts_seen_, opts_.join.max_restarts, candidates.size(), opts_.join.min_nodes);
+      !no.empty())
+    return end_host_lost(lost + "; no survivor can take over: " + no);
+  drop_connection();
+  Takeover t;
+  t.candidates = std::move(candidates);
+  t.deadline = Clock::now() + milliseconds(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt;
+  t.lost = lost;
+  t.lost_host = host_agent_;
+  t.restart_count = restarts_seen_ = restarts_seen_ + 1;
+  takeover_ = std::move(t);
+  // The round is over, as for any lost node: a restart, then a fresh join with whoever hosts.
+  current_.reset();
+  pending_.reset();
+  unsent_failure_.reset();
+  done_sent_ = false;
+  join_wanted_ = false;
+  wait_for_decision();
+  h_.on_restart(proto::Restart{takeover_->restart_count,
+                               lost + "; the survivors go on with the lowest live node as rendezvous host"});
+  if (!closed_ && takeover_) next_candidate({});
+}
+
+void Client::next_candidate(const std::string& why_previous) {
+  Takeover& t = *takeover_;
+  if (!why_previous.empty() && t.next > 0) {
+    const auto& c = t.candidates[t.next - 1];
+    t.tried += fmt::format("{}node {} at {}:{}: {}", t.tried.empty() ? "" : "; ", c.group_rank, opts_.host,
+                           opts_.port, why_previous);
+  }
+  drop_connection();
+  takeover_timer_.cancel();
+  const auto now = Clock::now();
+  while (t.next < t.candidates.size() && now < t.deadline) {
+    const TakeoverCandidate c = t.candidates[t.next++];
+    int port = c.port;
+    if (c.group_rank == last_->group_rank) {
+      // Every node below this one is gone or silent: this one hosts.
+      port = h_.on_take_over ? h_.on_take_over({last_->round, t.restart_count, t.lost, t.lost_host, t.deadline}) : 0;
+      if (port <= 0) {
+        t.tried += fmt::format("{}node {} (this one): cannot host", t.tried.empty() ? "" : "; ", c.group_rank);
+        continue;
+      }
+      opts_.join.takeover_port = 0;  // it hosts from now on
+    }
+    opts_.host = c.addr;
+    opts_.port = port;
+    // One keep-alive interval for each node below this one (bounded by the whole search's).
+    takeover_timer_.expires_at(std::min(t.deadline, now + milliseconds(opts_.join.keep_alive_ms)));
+    takeover_timer_.async_wait([this](boost::system::error_code ec) {
+      if (!ec && !closed_ && takeover_) next_candidate("no answer");
+    });
+    refused_ = 0;
+    try_connect();
+    return;
+  }
+  std::string reason = t.lost + "; no survivor could take over";
+  if (!t.tried.empty()) reason += " (" + t.tried + ")";
+  takeover_.reset();
+  end_host_lost(reason);
+}
+
+void Client::end_host_lost(const std::string& reason) {
+  if (!last_) return lost(reason);
   if (!shut(/*flush=*/false)) return;
   // As the job's own decision would: every worker of this node stops, the root cause names
   // the node that is gone.
@@ -346,7 +484,7 @@ void Client::host_lost(const std::string& why) {
   a.root_cause.host = host_agent_;
   a.root_cause.rank = -1;
   a.root_cause.exit_code = kHostLostExitCode;
-  a.reason = a.root_cause.message = reason + "; the job cannot go on without it";
+  a.reason = a.root_cause.message = reason;
   waiting_since_.reset();
   h_.on_abort(a);
 }
@@ -364,6 +502,8 @@ bool Client::shut(bool flush) {
   retry_timer_.cancel();
   heartbeat_timer_.cancel();
   watchdog_.cancel();
+  takeover_timer_.cancel();
+  takeover_.reset();
   boost::system::error_code ec;
   if (connecting_) connecting_->close(ec);
   if (conn_) conn_->close(!flush);

@@ -4,6 +4,15 @@
 // sends heartbeats and watches their echo, and turns server messages into handler calls
 // on the agent's io_context. A failure report or a "done" that could not be sent while the
 // server was away is replayed when the node re-registers.
+//
+// A server built into an agent (Welcome::host_agent) does not come back once lost. The
+// survivors then take it over (#26): the next round is a restart (delivered as one), hosted
+// by the lowest live node by group rank of the last round (takeover_candidates()): each
+// survivor tries those below itself in that order, one keep-alive interval each, and hosts
+// itself when none answered (ClientHandlers::on_take_over); the whole search is bounded by
+// keep-alive x attempts. Where no takeover is possible (why_no_takeover()) or none
+// succeeds in time, the node ends with the lost host as root cause (kHostLostExitCode).
+// The new host proves the job's key like any server.
 #pragma once
 
 #include <chrono>
@@ -17,6 +26,7 @@
 
 #include "proto/messages.h"
 #include "rendezvous/connection.h"
+#include "rendezvous/job.h"
 
 namespace mg::rdzv {
 
@@ -37,11 +47,26 @@ struct ClientHandlers {
   std::function<void(const proto::Standby&)> on_standby;
   std::function<void(const std::string&)> on_lost;  // refused, or unreachable past join_timeout
   std::function<void(const std::string&)> on_notice;  // connection dropped / re-registered
+  // This node is next in line to host the job after its host was lost: serve it from the
+  // seed (Server::take_over) and return the port it listens on (0: it cannot, the next
+  // node is tried). Empty: this node never hosts.
+  std::function<int(const TakeoverSeed&)> on_take_over;
 };
 
-// The exit code an agent ends with when the agent hosting its rendezvous is lost and the
-// job cannot go on (exit_code::kRendezvous in cli/errors.h; README, "Exit codes").
-inline constexpr int kHostLostExitCode = 3;
+// Takeover: who hosts a job after its hosting agent was lost. Pure.
+struct TakeoverCandidate {
+  int group_rank = 0;
+  std::string addr;
+  int port = 0;
+};
+// The nodes of round `a` that advertised a takeover port, by group rank, without the lost
+// host at lost_addr:lost_port (after a first takeover, the lost host is one of them): the
+// order in which every survivor tries them.
+std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignment& a, const std::string& lost_addr,
+                                                   int lost_port);
+// Why the job cannot go on after losing its host (empty when a takeover may be tried): no
+// restart left, no node that can host, fewer candidates than --nnodes' minimum.
+std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int min_nodes);
 
 // The wait before the `retry`-th new attempt (1, 2, ...) to reach a server that refused the
 // connection (nothing listens yet). The agents of a job start together and the host listens
@@ -72,8 +97,12 @@ class Client {
   void on_welcome();
   void lost(const std::string& why);
   // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
-  // reconnection is tried; the node ends with the lost host as root cause.
+  // reconnection is tried; a survivor takes it over, or the node ends with the lost host as
+  // root cause (end_host_lost).
   void host_lost(const std::string& why);
+  void next_candidate(const std::string& why_previous);
+  void end_host_lost(const std::string& reason);
+  void drop_connection();  // the connection and any connect in flight, without a notice
   bool shut(bool flush);  // false when already closed
   void send_join();
   void heartbeat();
@@ -94,7 +123,25 @@ class Client {
   Clock::time_point connected_at_;
   int round_ = 0;
   std::optional<proto::Assignment> current_;  // the round this node runs, for re-registration
-  bool assigned_ = false;  // some round was assigned to this node
+  std::optional<proto::Assignment> last_;  // the last round assigned (kept through restarts)
+  int restarts_seen_ = 0;  // the highest restart count heard (or spent on a takeover)
+  // The agent asked to be in the next round (start, rejoin); false from a Restart until
+  // rejoin(). An assignment that comes before (a join sent on reconnecting) waits in
+  // pending_ for rejoin(): the agent takes one only once its workers stopped.
+  bool join_wanted_ = true;
+  std::optional<proto::Assignment> pending_;
+  struct Takeover {
+    std::vector<TakeoverCandidate> candidates;
+    std::size_t next = 0;
+    Clock::time_point deadline;
+    std::string lost;   // "rendezvous host H (EP) lost: WHY"
+    std::string lost_host;
+    int restart_count = 0;
+    std::string tried;  // what each candidate said, for the root cause
+  };
+  std::optional<Takeover> takeover_;  // looking for the node that took over
+  boost::asio::steady_timer takeover_timer_;
+  std::uint64_t connect_gen_ = 0;  // a connect whose generation is stale is ignored
   std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
   std::optional<proto::WorkerFailed> unsent_failure_;
   bool done_sent_ = false;

@@ -252,7 +252,10 @@ Actions Job::close_round(Clock::time_point now) {
   for (const auto& [s, n] : nodes) {
     // The node list rides along for jobs up to kMaxListedNodes (10,000 nodes would make
     // every assignment 120 KB and the round 1.2 GB). It is encoded once for every node.
-    if (nodes.size() <= proto::kMaxListedNodes) a.nodes.push_back(n.join.addr);
+    if (nodes.size() <= proto::kMaxListedNodes) {
+      a.nodes.push_back(n.join.addr);
+      a.takeover_ports.push_back(n.join.takeover_port);
+    }
     a.world_size += n.join.nproc;
   }
   const proto::AssignmentEncoder assignment(a);
@@ -269,6 +272,7 @@ Actions Job::close_round(Clock::time_point now) {
     members_.emplace_hint(members_.end(), s, std::move(n));
   }
   last_call_deadline_.reset();
+  takeover_.reset();
   expected_members_ = members_.size();
   rebuilding_ = false;
   state_ = State::kRunning;
@@ -370,6 +374,15 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
   return fail_or_restart(rc, rc.message, s, now);
 }
 
+void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
+  round_ = seed.round;
+  restart_count_ = seed.restart_count;
+  restart_reason_ = seed.reason;
+  state_ = State::kRestarting;
+  first_join_ = last_activity_ = now;
+  takeover_ = seed;
+}
+
 Actions Job::tick(Clock::time_point now) {
   if (!configured_ || finished()) return {};
   // A silent standby is dropped (and told, in case it is only slow) before it could be
@@ -397,6 +410,27 @@ Actions Job::tick(Clock::time_point now) {
     auto out = broadcast(proto::to_wire(*abort_));
     standby_.clear();
     return out;
+  }
+  if (takeover_ && state_ == State::kRestarting && now >= takeover_->deadline) {
+    const TakeoverSeed seed = std::move(*takeover_);
+    takeover_.reset();
+    if (static_cast<int>(joined_.size()) < config_.min_nodes) {
+      // Nobody else can come: the lost host's address is where late nodes would look.
+      proto::WorkerFailed rc;
+      rc.round = round_;
+      rc.host = seed.lost_host;
+      rc.rank = -1;
+      rc.exit_code = kHostLostExitCode;
+      rc.message = fmt::format("{}; only {} of at least {} nodes re-joined the node that took over", seed.reason,
+                               joined_.size(), config_.min_nodes);
+      state_ = State::kFailed;
+      abort_ = proto::Abort{rc, rc.message};
+      auto out = broadcast(proto::to_wire(*abort_));
+      joined_.clear();
+      standby_.clear();
+      rejoining_.clear();
+      return out;
+    }
   }
   if ((state_ == State::kJoining || state_ == State::kRestarting) && !joined_.empty()) {
     if (last_call_deadline_ && now >= *last_call_deadline_) return close_round(now);

@@ -37,6 +37,20 @@ namespace mg::rdzv {
 using Clock = std::chrono::steady_clock;
 using SessionId = std::uint64_t;
 
+// The exit code of every node of a job that ends because the agent hosting its rendezvous
+// was lost (exit_code::kRendezvous in cli/errors.h; README, "Exit codes").
+inline constexpr int kHostLostExitCode = 3;
+
+// What a survivor that takes over hosting a job knows of it (rendezvous/client.h): the
+// round that ran, the restart its loss costs, and why.
+struct TakeoverSeed {
+  int round = 0;          // the last round assigned
+  int restart_count = 0;  // of the next round (the lost host spends one restart)
+  std::string reason;     // "rendezvous host H (ENDPOINT) lost: WHY"
+  std::string lost_host;  // H
+  Clock::time_point deadline;  // the survivors re-join by then, or the job fails
+};
+
 // A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
 // for N nodes holds its bytes once.
 struct Outgoing {
@@ -59,6 +73,11 @@ class Job {
   Actions disconnected(SessionId s, Clock::time_point now, std::string_view why = "its connection closed");
   // Closes a round after last call, detects silent nodes, expires a join that waits too long.
   Actions tick(Clock::time_point now);
+  // Makes this new job go on from the round its lost hosting agent ran: the next round is
+  // restart seed.restart_count for the nodes that join (the survivors); with fewer than
+  // min nodes joined at seed.deadline it fails with seed.reason as root cause (exit
+  // kHostLostExitCode everywhere). Call before any join.
+  void take_over(const TakeoverSeed& seed, Clock::time_point now);
 
   State state() const { return state_; }
   int restart_count() const { return restart_count_; }
@@ -117,6 +136,7 @@ class Job {
   std::string restart_reason_;         // of the restart in progress
   int disconnects_ = 0, missed_heartbeats_ = 0;
   std::optional<Clock::time_point> last_call_deadline_;
+  std::optional<TakeoverSeed> takeover_;  // taken over, the survivors' round not closed yet
   Clock::time_point first_join_;
   Clock::time_point last_activity_;
 };

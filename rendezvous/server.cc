@@ -43,18 +43,29 @@ struct Server::Session {
 Server::Server(asio::io_context& io, ServerOptions opts)
     : io_(io), opts_(std::move(opts)), acceptor_(io), ticker_(io), accept_pause_(io) {
   boost::system::error_code ec;
-  auto addr = asio::ip::make_address(opts_.host, ec);
-  if (ec) {
-    asio::ip::tcp::resolver resolver(io);
-    auto results = resolver.resolve(opts_.host, "", ec);
-    if (ec || results.empty())
-      throw std::runtime_error(fmt::format("cannot resolve listen address '{}': {}", opts_.host, ec.message()));
-    addr = results.begin()->endpoint().address();
+  asio::ip::address addr;
+  if (opts_.adopt_fd >= 0) {
+    acceptor_.assign(asio::ip::tcp::v4(), opts_.adopt_fd, ec);
+    if (ec) ::close(opts_.adopt_fd);
+    if (!ec) {
+      auto bound = acceptor_.local_endpoint(ec);
+      addr = bound.address();
+      opts_.port = bound.port();
+    }
+  } else {
+    addr = asio::ip::make_address(opts_.host, ec);
+    if (ec) {
+      asio::ip::tcp::resolver resolver(io);
+      auto results = resolver.resolve(opts_.host, "", ec);
+      if (ec || results.empty())
+        throw std::runtime_error(fmt::format("cannot resolve listen address '{}': {}", opts_.host, ec.message()));
+      addr = results.begin()->endpoint().address();
+    }
+    asio::ip::tcp::endpoint ep(addr, static_cast<unsigned short>(opts_.port));
+    acceptor_.open(ep.protocol(), ec);
+    if (!ec) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(ep, ec);
   }
-  asio::ip::tcp::endpoint ep(addr, static_cast<unsigned short>(opts_.port));
-  acceptor_.open(ep.protocol(), ec);
-  if (!ec) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), ec);
-  if (!ec) acceptor_.bind(ep, ec);
   if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (!ec) acceptor_.non_blocking(true, ec);  // accept() below drains the backlog
   if (ec) throw std::runtime_error(fmt::format("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message()));
@@ -86,6 +97,13 @@ Server::Server(asio::io_context& io, ServerOptions opts)
 }
 
 Server::~Server() { stop(); }
+
+void Server::take_over(const std::string& job_id, const TakeoverSeed& seed) {
+  auto [it, inserted] = jobs_.try_emplace(job_id, job_id);
+  if (inserted) ++jobs_created_;
+  it->second.take_over(seed, Clock::now());
+  log(fmt::format("job '{}' taken over at round {}: {}", job_id, seed.round, seed.reason));
+}
 
 std::string Server::address() const { return fmt::format("{}:{}", opts_.host, port_); }
 

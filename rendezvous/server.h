@@ -36,6 +36,10 @@ struct ServerOptions {
   // Non-empty: the host name of the agent this server is built into, told to every client
   // in its Welcome (proto::Welcome::host_agent).
   std::string host_agent;
+  // >= 0: a bound IPv4 socket, not listening yet, to listen on instead of binding
+  // host:port (an agent taking over a lost host's job binds one at start); the server
+  // owns it from the constructor on, even when that throws.
+  int adopt_fd = -1;
   std::size_t max_connections = 0;  // 0: what the descriptor limit allows; clamped below it
   std::size_t max_connections_per_address = 256;
   int max_nodes_per_job = 100000;
@@ -67,6 +71,9 @@ class Server {
   // sequence number `since`, oldest first, from a ring of the last 1000.
   nlohmann::json jobs_json() const;
   nlohmann::json events_json(std::uint64_t since) const;
+  // Serves `job_id` from now on as the survivors of its lost hosting agent left it (see
+  // Job::take_over); before any of them joins.
+  void take_over(const std::string& job_id, const TakeoverSeed& seed);
   // Stops accepting and closes every connection; with `flush`, after its queued frames
   // (a decision just broadcast) are written.
   void stop(bool flush = false);

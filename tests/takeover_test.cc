@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -22,11 +23,12 @@ namespace {
 // endpoint), then the agents on 127.0.0.3 and 127.0.0.4; returns once every worker printed
 // "up". agents[0] hosts.
 std::vector<Proc> start_job(const std::string& ep, const std::string& job, const std::string& nnodes,
-                            const std::vector<std::string>& flags, const std::vector<std::string>& worker) {
+                            const std::vector<std::string>& flags, const std::vector<std::string>& worker,
+                            const std::map<std::string, std::string>& env = {}) {
   std::vector<Proc> agents;
-  agents.push_back(spawn(agent_argv(ep, job, 2, nnodes, 1, flags, worker)));
+  agents.push_back(spawn(agent_argv(ep, job, 2, nnodes, 1, flags, worker), env));
   REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
-  for (int i : {3, 4}) agents.push_back(spawn(agent_argv(ep, job, i, nnodes, 1, flags, worker)));
+  for (int i : {3, 4}) agents.push_back(spawn(agent_argv(ep, job, i, nnodes, 1, flags, worker), env));
   REQUIRE(eventually([&] {
     return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
   }, 30s));
@@ -35,20 +37,71 @@ std::vector<Proc> start_job(const std::string& ep, const std::string& job, const
 
 }  // namespace
 
-TEST_CASE("the hosting agent SIGKILLed with no restart left: every survivor ends with the lost host as root cause, "
-          "exit 3, never after join_timeout") {
+TEST_CASE("the hosting agent SIGKILLed where no survivor can take over (no restart left, too few nodes left): every "
+          "survivor ends at once with the lost host as root cause, exit 3, never after join_timeout") {
+  struct Case {
+    std::string nnodes, restarts, why;
+  };
+  for (const Case& c : {Case{"3", "0", "no restart left"}, Case{"3", "2", "2 node(s) left, fewer than the 3"}}) {
+    INFO("--nnodes=" << c.nnodes << " --max_restarts=" << c.restarts);
+    const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+    // join_timeout is left at 600 s: a survivor that waited it out fails the wait below.
+    const std::vector<std::string> flags{"--max_restarts=" + c.restarts,
+                                         "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3"};
+    std::vector<Proc> agents = start_job(ep, "hostlost" + c.restarts, c.nnodes, flags, {"print", "up", "hang", "300"});
+    ::kill(agents[0].pid, SIGKILL);
+    for (int i : {1, 2}) {
+      REQUIRE(agents[i].wait(60s));
+      INFO(agents[i].err());
+      CHECK(agents[i].exit_code() == 3);
+      CHECK_THAT(agents[i].out() + agents[i].err(),
+                 Catch::Contains("rendezvous host ") && Catch::Contains("(" + ep + ") lost: ") &&
+                     Catch::Contains("no survivor can take over: " + c.why) && !Catch::Contains("join_timeout"));
+    }
+    agents[0].wait(5s);
+  }
+}
+
+TEST_CASE("the hosting agent SIGKILLed: the lowest live node takes the rendezvous over, proving the job's token, "
+          "and the survivors finish the job in a restart round") {
   const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
-  // join_timeout is left at 600 s: a survivor that waited it out fails the wait below.
-  const std::vector<std::string> flags{"--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3"};
-  std::vector<Proc> agents = start_job(ep, "hostlost", "3", flags, {"print", "up", "hang", "300"});
+  const std::map<std::string, std::string> env{{"MGLAUNCH_RDZV_TOKEN", "takeover-test-token"}};
+  const std::vector<std::string> flags{"--max_restarts=1",
+                                       "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"};
+  // The first round hangs; the restart after the host's loss exits 0.
+  std::vector<Proc> agents = start_job(ep, "takeover", "2:3", flags,
+                                       {"print", "up", "env", "when-restart-below", "1", "hang", "300"}, env);
   ::kill(agents[0].pid, SIGKILL);
   for (int i : {1, 2}) {
     REQUIRE(agents[i].wait(60s));
     INFO(agents[i].err());
-    CHECK(agents[i].exit_code() == 3);
-    CHECK_THAT(agents[i].out() + agents[i].err(),
-               Catch::Contains("rendezvous host ") && Catch::Contains("(" + ep + ") lost: ") &&
-                   !Catch::Contains("join_timeout"));
+    CHECK(agents[i].exit_code() == 0);
+    const auto e = envs(agents[i].out());
+    REQUIRE(!e.empty());
+    CHECK(e.back()["TORCHELASTIC_RESTART_COUNT"] == "1");
+    CHECK(e.back()["WORLD_SIZE"] == "2");
+    CHECK(e.back()["MASTER_ADDR"] == "127.0.0.3");  // the new group rank 0
+    CHECK_THAT(agents[i].err(), Catch::Contains("(" + ep + ") lost: "));
   }
+  // 127.0.0.3 was group rank 1, the lowest live node: it hosts; 127.0.0.4 joins it.
+  CHECK_THAT(agents[1].err(), Catch::Contains("hosting the rendezvous for job 'takeover'") &&
+                                  Catch::Contains("taking over from"));
+  CHECK_THAT(agents[2].err(), Catch::Contains("the rendezvous is now hosted by") &&
+                                  !Catch::Contains("hosting the rendezvous"));
   agents[0].wait(5s);
+}
+
+TEST_CASE("the hosting agent and the next node SIGKILLed at once: the last survivor tries that node, hosts itself, "
+          "finds too few nodes and ends with the lost host as root cause, exit 3") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::vector<std::string> flags{"--max_restarts=1", "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3"};
+  std::vector<Proc> agents = start_job(ep, "twolost", "2:3", flags, {"print", "up", "hang", "300"});
+  ::kill(agents[0].pid, SIGKILL);
+  ::kill(agents[1].pid, SIGKILL);
+  REQUIRE(agents[2].wait(60s));
+  INFO(agents[2].err());
+  CHECK(agents[2].exit_code() == 3);
+  CHECK_THAT(agents[2].out() + agents[2].err(),
+             Catch::Contains("rendezvous host ") && Catch::Contains(" lost: ") && !Catch::Contains("join_timeout"));
+  for (int i : {0, 1}) agents[i].wait(5s);
 }

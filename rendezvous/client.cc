@@ -228,10 +228,12 @@ void Client::on_frame(const proto::Frame& f) {
       }
       case MsgType::kAbort:
         waiting_since_.reset();
+        decided_ = true;
         h_.on_abort(proto::from_frame<proto::Abort>(f));
         return;
       case MsgType::kDone:
         waiting_since_.reset();
+        decided_ = true;
         h_.on_done();
         return;
       case MsgType::kStandby: {
@@ -407,6 +409,8 @@ void Client::drop_connection() {
 }
 
 void Client::host_lost(const std::string& why) {
+  // The job ended (Abort, Done) and its host closes: nothing was lost, nothing to take over.
+  if (decided_) return drop_connection();
   if (takeover_) return next_candidate(why);  // a candidate's connection failed before its welcome
   const std::string lost = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
   if (standby_) return end_host_lost(lost + "; a standby does not follow a takeover");

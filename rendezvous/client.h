@@ -140,6 +140,7 @@ class Client {
     std::string tried;  // what each candidate said, for the root cause
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over
+  bool decided_ = false;  // the job ended (Abort or Done heard): its host may go
   boost::asio::steady_timer takeover_timer_;
   std::uint64_t connect_gen_ = 0;  // a connect whose generation is stale is ignored
   std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)

@@ -1,6 +1,7 @@
 #include "rendezvous/job.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -92,6 +93,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
                                                          j.max_nodes)})}};
   }
   if (j.resume_round > 0) {
+    Actions dropped = newer_than_rebuild(j) ? drop_rebuild(j) : Actions{};
     if (auto bad = check_resume(s, j); !bad.empty())
       return {{s, proto::to_wire(proto::Error{fmt::format("job '{}': re-registration refused: {}", id_, bad)})}};
     // A restarted server learns the running round back from its nodes.
@@ -107,7 +109,9 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     placed_[j.agent_id] = j.resume_group_rank;
     if (members_.size() >= expected_members_) rebuilding_ = false;
     state_ = State::kRunning;
-    return maybe_done();
+    Actions out = maybe_done();
+    out.insert(out.begin(), dropped.begin(), dropped.end());
+    return out;
   }
   // A standby re-registering with a restarted server waits for the round its nodes rebuild
   // (or, if none of them comes back within join_timeout, hears that the job failed: tick).
@@ -143,6 +147,26 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     if (n >= config_.min_nodes && !last_call_deadline_) last_call_deadline_ = now + milliseconds(config_.last_call_ms);
   }
   return {};
+}
+
+bool Job::newer_than_rebuild(const proto::Join& j) const {
+  return rebuilding_ && state_ == State::kRunning && !members_.empty() &&
+         std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
+}
+
+Actions Job::drop_rebuild(const proto::Join& j) {
+  const auto why = proto::to_wire(proto::Error{
+      fmt::format("job '{}': round {} (restart {}) is over: the job went on to round {} (restart {}) without this node",
+                  id_, round_, restart_count_, j.resume_round, j.resume_restart_count)});
+  Actions out;
+  for (const auto& [m, n] : members_) out.push_back({m, why});
+  members_.clear();
+  placed_.clear();
+  state_ = State::kJoining;
+  round_ = 0;
+  expected_members_ = 0;
+  rebuilding_ = false;
+  return out;
 }
 
 std::string Job::check_resume(SessionId s, const proto::Join& j) const {

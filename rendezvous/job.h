@@ -118,6 +118,12 @@ class Job {
   // A re-registration (resume_round > 0) is believed only while a restarted server
   // rebuilds the round: no other node waits, the claims agree, the slot is free.
   std::string check_resume(SessionId s, const proto::Join& j) const;
+  // A re-registration of a later round (restart count, then round) than the one rebuilt so
+  // far: the nodes that claimed the earlier one were left out of the job while they were
+  // away (one the job declared lost can reach a restarted server before the nodes that went
+  // on). drop_rebuild() tells them so and starts the rebuild again from `j`.
+  bool newer_than_rebuild(const proto::Join& j) const;
+  Actions drop_rebuild(const proto::Join& j);
 
   std::string id_;
   State state_ = State::kJoining;

@@ -265,6 +265,31 @@ TEST_CASE("a forged re-registration cannot end or enter a job that is not being 
   }
 }
 
+TEST_CASE("after a server restart a later round's re-registration wins over a node left out of it") {
+  // Node A was declared lost in round 1; the job went on to round 2 (restart 1) with B and
+  // C. The server restarts and A, back from its outage, re-registers first.
+  auto resume = [](proto::Join j, int round, int restart, int rank) {
+    j.resume_round = round;
+    j.resume_restart_count = restart;
+    j.resume_group_rank = rank;
+    j.resume_group_world_size = 2;
+    return j;
+  };
+  Job job("job");
+  CHECK(job.join(1, resume(node("127.0.0.1", 2, 2), 1, 0, 1), T0).empty());
+  auto out = job.join(2, resume(node("127.0.0.2", 2, 2), 2, 1, 0), T0);
+  CHECK_THAT(error_of(out), Catch::Contains("without this node"));
+  REQUIRE(of_type(out, MsgType::kError).size() == 1);
+  CHECK(of_type(out, MsgType::kError)[0].session == 1);  // A is told, B is taken
+  CHECK(job.round() == 2);
+  CHECK(job.restart_count() == 1);
+  // An older claim after the newer one is refused, as before.
+  CHECK_THAT(error_of(job.join(4, resume(node("127.0.0.4", 2, 2), 1, 0, 1), T0)), Catch::Contains("does not match"));
+  CHECK(job.join(3, resume(node("127.0.0.3", 2, 2), 2, 1, 1), T0).empty());
+  CHECK(of_type(job.node_done(2, 2, T0), MsgType::kDone).empty());
+  CHECK(of_type(job.node_done(3, 2, T0), MsgType::kDone).size() == 2);
+}
+
 TEST_CASE("a node re-registering a round that ended while it was away hears how it ended") {
   auto back = [](proto::Join j, int rank) {
     j.resume_round = 1;
@@ -414,7 +439,7 @@ TEST_CASE("a one-node job's standby takes over at once when the node is lost") {
   CHECK(job.state() == Job::State::kRunning);
 }
 
-TEST_CASE("a worker failure keeps every node in place and the standby waiting; when the job fails the standby hears it") {
+TEST_CASE("a worker failure keeps every node in place and the standby waiting - when the job fails the standby hears it") {
   Job job("job");
   job.join(1, node("127.0.0.1", 2, 2, 1, 1), T0);
   job.join(2, node("127.0.0.2", 2, 2, 1, 1), T0);
@@ -457,7 +482,7 @@ TEST_CASE("a node lost while the others re-join leaves its place to the next sta
   CHECK(job.restart_count() == 1);
 }
 
-TEST_CASE("a silent standby is dropped and told, a closed one forgotten; with every node lost and no standby the job fails") {
+TEST_CASE("a silent standby is dropped and told, a closed one forgotten - with every node lost and no standby the job fails") {
   Job job("job");
   job.join(1, node("127.0.0.1", 1, 1, 1, 1), T0);
   job.join(2, node("127.0.0.2", 1, 1, 1, 1), T0);

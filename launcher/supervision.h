@@ -35,6 +35,7 @@ struct StopFacts {
   bool root_cause = false;  // one of our workers failed first
   int restart_count = 0;
   int max_restarts = 0;
+  bool rdzv_lost = false;   // a rendezvous decided for this node once and is gone
 };
 
 inline AfterStop after_stop(const StopFacts& f) {
@@ -48,6 +49,9 @@ inline AfterStop after_stop(const StopFacts& f) {
     return f.root_cause ? AfterStop::kReportFailure : AfterStop::kWait;
   }
   if (!f.root_cause) return AfterStop::kEndWithoutCause;
+  // A node that lost its rendezvous cannot restart its share of a job on its own: the other
+  // nodes' workers would not restart with it (each attempt would wait for them in vain).
+  if (f.rdzv_lost) return AfterStop::kGiveUp;
   return f.restart_count < f.max_restarts ? AfterStop::kRestart : AfterStop::kGiveUp;
 }
 

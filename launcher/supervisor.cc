@@ -293,6 +293,7 @@ void Supervisor::group_stopped(const Now& now, Actions& out) {
   facts.root_cause = root_cause_.has_value();
   facts.restart_count = restart_count_;
   facts.max_restarts = cfg_.max_restarts;
+  facts.rdzv_lost = cfg_.rdzv && !rdzv_ && group_world_size_ > 1;
   const AfterStop next = after_stop(facts);
   if (rdzv_ && next != AfterStop::kStoppedBySignal) state_ = State::kWaiting;
   switch (next) {
@@ -514,6 +515,7 @@ Actions Supervisor::assignment(const proto::Assignment& a, const Now& now) {
   Actions out;
   if (state_ != State::kWaiting || leaving_code_) return out;
   round_ = a.round;
+  group_world_size_ = a.group_world_size;
   node_rank_ = a.group_rank;
   restart_count_ = a.restart_count;
   standby_ = false;

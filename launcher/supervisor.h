@@ -223,6 +223,7 @@ class Supervisor {
   State state_ = State::kRunning;
   bool rdzv_ = false;
   int round_ = 0;
+  int group_world_size_ = 1;  // nodes in the last round this node was given a place in
   int node_rank_ = 0;
   int restart_count_ = 0;
   int agent_signal_ = 0;  // TERM/INT/HUP that is stopping the run

@@ -113,3 +113,13 @@ TEST_CASE("a worker whose torch has no libuv gets a root cause saying to set USE
   CHECK_THAT(mg::libuv_hint(tail), Catch::Contains("set USE_LIBUV=0"));
   CHECK(mg::libuv_hint({"RuntimeError: something else"}).empty());
 }
+
+TEST_CASE("after a stop a node whose rendezvous is gone gives up instead of restarting its share alone") {
+  StopFacts f;
+  f.root_cause = true;
+  f.max_restarts = 1000;
+  f.rdzv_lost = true;  // the server refused this node, or stayed away: the other nodes would not restart with it
+  CHECK(after_stop(f) == AfterStop::kGiveUp);
+  f.root_cause = false;
+  CHECK(after_stop(f) == AfterStop::kEndWithoutCause);
+}

@@ -716,16 +716,30 @@ TEST_CASE("a rendezvous lost while waiting ends with the node's own workers' cod
   CHECK(finished(out) == 8);
 }
 
-TEST_CASE("a rendezvous lost while running lets the node decide alone with its own restarts") {
+TEST_CASE("a rendezvous lost while running: the workers go on, and a failure then ends a node of a multi-node "
+          "round, whose share cannot restart alone") {
   Supervisor s(multi(1));  // --max_restarts=3
   s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
+  s.assignment(assignment(1, 0), at(10));  // 2 nodes
   auto out = s.rendezvous_lost("connection closed", at(20));
   CHECK_FALSE(finished(out));
   CHECK_FALSE(s.rdzv());
   out = fail(s, 0, 1, at(30));
-  CHECK(has<act::AttemptDue>(out));
+  CHECK_FALSE(has<act::AttemptDue>(out));
   CHECK_FALSE(has<act::SendWorkerFailed>(out));
+  CHECK(finished(out) == 1);
+}
+
+TEST_CASE("a rendezvous lost while running a round of this node alone: it restarts on its own") {
+  Supervisor s(multi(1));  // --max_restarts=3
+  s.start(at(0));
+  auto a = assignment(1, 0);
+  a.group_world_size = 1;
+  a.world_size = 1;
+  s.assignment(a, at(10));
+  s.rendezvous_lost("connection closed", at(20));
+  auto out = fail(s, 0, 1, at(30));
+  CHECK(has<act::AttemptDue>(out));
 }
 
 TEST_CASE("a rendezvous lost while stopping for its restart ends with node_exit_code") {
@@ -1035,7 +1049,7 @@ TEST_CASE("in place: a paused worker whose control connection closes is stopped 
   CHECK_FALSE(s.in_place(0));
 }
 
-TEST_CASE("in place: a paused worker whose control closes gets SIGKILL after the grace; its replacement starts only "
+TEST_CASE("in place: a paused worker whose control closes gets SIGKILL after the grace - its replacement starts only "
           "once it ended, and its end is no failure of the new attempt") {
   Config c = single(4, 2);
   c.spawn_batch = 2;

@@ -51,7 +51,7 @@ TEST_CASE("a control message of 64 KiB passes, one byte more is refused, also wh
   CHECK(big.feed("y").too_long);
 }
 
-TEST_CASE("hello and paused parse; a wrong version, a bad field or an unknown type is refused") {
+TEST_CASE("hello and paused parse - a wrong version, a bad field or an unknown type is refused") {
   auto h = parse_from_worker(R"({"type":"hello","version":1,"pid":42,"local_rank":3,"in_place":true,"extra":"ignored"})");
   REQUIRE(std::holds_alternative<Hello>(h));
   CHECK(std::get<Hello>(h).in_place);
@@ -275,7 +275,7 @@ TEST_CASE("a session belongs to the local rank of the peer's worker, whatever lo
   CHECK(f.saw("hello 2 in_place"));
 }
 
-TEST_CASE("a newer hello of the same worker replaces its session; forget() closes it without a closed event") {
+TEST_CASE("a newer hello of the same worker replaces its session - forget() closes it without a closed event") {
   Fixture f;
   Client a(f.server->address());
   a.send(R"({"type":"hello","version":1,"in_place":true})" "\n");
@@ -291,7 +291,7 @@ TEST_CASE("a newer hello of the same worker replaces its session; forget() close
   for (auto& e : f.events) CHECK(e.rfind("closed", 0) != 0);
 }
 
-TEST_CASE("a descendant's hello cannot replace the worker's own session; the worker's replaces a descendant's") {
+TEST_CASE("a descendant's hello cannot replace the worker's own session - the worker's replaces a descendant's") {
   Fixture f;
   f.worker = ::getpid();  // the test's clients are the worker itself
   Client w(f.server->address());
@@ -334,7 +334,7 @@ TEST_CASE("a connection that says no hello within the deadline is closed with an
   CHECK(f.server->sessions() == 0);
 }
 
-TEST_CASE("one local rank holds at most max_pending_per_rank connections before hello; refusals log one line a second") {
+TEST_CASE("one local rank holds at most max_pending_per_rank connections before hello - refusals log one line a second") {
   ServerOptions o;
   o.max_pending_per_rank = 4;
   Fixture f(std::move(o));

@@ -203,7 +203,7 @@ TEST_CASE("FileTimer: the table keeps at most its bound of timers per process an
   CHECK(t.next_deadline() == 50.0);
 }
 
-TEST_CASE("FileTimer: a TORCHELASTIC_TIMER_FILE pipe that a live agent reads is refused, not taken over; a "
+TEST_CASE("FileTimer: a TORCHELASTIC_TIMER_FILE pipe that a live agent reads is refused, not taken over - a "
           "stopped one's pipe is replaced") {
   const std::string dir = make_temp_dir();
   const std::string path = dir + "/timer";

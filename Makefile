@@ -12,7 +12,7 @@ DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MGLAUNCH := $(BUILD_DIR)/bin/mglaunch
 
-.PHONY: all setup build run test soak test-all bench package clean
+.PHONY: all setup build run test soak test-all chaos bench package clean
 
 all: build
 
@@ -44,6 +44,13 @@ soak: build
 
 test-all: build
 	@rc=0; $(CTEST) || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); exit $$rc
+
+# The chaos soak (tests/chaos.py, issue #26): 12 minutes on the daemon, then 8 on a 3-member
+# etcd, faults at random; reports in bench/results/chaos-*.json (README "Chaos").
+CHAOS_SECONDS ?= 720
+chaos: build
+	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $(CHAOS_SECONDS) --backend daemon --report bench/results/chaos-daemon.json
+	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $$(( $(CHAOS_SECONDS) * 2 / 3 )) --backend etcd --report bench/results/chaos-etcd.json
 
 # Every benchmark case, mglaunch and torchrun in one run (bench/bench.py; docs/benchmarks.md):
 # bench/results/latest.json, then the tables and guardrails of docs/benchmarks.md, the

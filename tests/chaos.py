@@ -1,0 +1,524 @@
+#!/usr/bin/env python3
+"""Chaos soak (issue #26): mgtrain --in-place-recovery trains on 2 active loopback nodes with
+standbys, through mglaunch-rdzv (or a 3-member etcd), while faults are injected at random:
+SIGKILL and SIGSTOP of workers, agents and the daemon (or etcd members). A node lost for good
+is replaced by a fresh agent, which becomes the next standby.
+
+At the end:
+  * the job exits 0 and every rank's --summary-json holds the same weights_sha256;
+  * no process that carried this run's tag (MGCHAOS_TAG in its environment) is left, and
+    the run's TMPDIR is empty;
+  * every fault is in the report with the time from the fault to its detection (the first
+    agent line about it) and to recovery (the first step completed after it), and the steps
+    lost;
+  * then a fault that cannot be survived (an active node lost with no standby left): the
+    surviving agent must end with a root cause naming the lost node and a non-zero exit
+    code within its bound, never hang.
+
+  chaos.py BUILD_DIR --seconds N [--seed S] [--backend daemon|etcd] [--report FILE]
+
+Exit codes: 0 every check held; 1 a check failed (each one printed); 77 skipped (mgtrain not
+built, or etcd missing for --backend etcd). Every process is started here in its own
+session and killed by pid or process group at the end, whatever happened.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "support"))
+import skip  # noqa: E402  (tests/support/skip.py: one policy for skipped tests)
+
+NPROC = 2            # workers per node
+ACTIVE = 2           # --nnodes
+STANDBYS = 1         # agents beyond --nnodes kept waiting
+KEEP_ALIVE = "keep_alive_interval=0.5,keep_alive_max_attempt=4"
+LOG_EVERY = 2
+STEP_LINE = re.compile(r"\[rank0\]:epoch \d+/\d+ step (\d+)/(\d+)")
+# Agent lines that show a fault was seen (any node).
+DETECT = re.compile(r"^(\[mglaunch\]|mglaunch:).*(restart|lost|fail|pause|standby|rendezvous)", re.I)
+
+
+def now():
+    return time.monotonic()
+
+
+def free_port(host="127.0.0.1"):
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A process of ours in its own session, its output lines stamped as they arrive."""
+
+    def __init__(self, name, argv, env, log_dir):
+        self.name, self.argv = name, argv
+        self.lines = []  # (monotonic time, text)
+        self.log = open(os.path.join(log_dir, name + ".log"), "w")
+        self.p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace")
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            t = now()
+            self.lines.append((t, line.rstrip("\n")))
+            self.log.write(f"{t:.3f} {line}")
+            self.log.flush()
+
+    @property
+    def pid(self):
+        return self.p.pid
+
+    def alive(self):
+        return self.p.poll() is None
+
+    def send(self, sig):
+        try:
+            os.kill(self.p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop_all(self):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(self.p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.reader.join(timeout=5)
+
+    def wait(self, timeout):
+        try:
+            return self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def text(self):
+        return "\n".join(t for _, t in self.lines)
+
+
+def tagged_pids(tag):
+    """Processes of this user whose environment carries MGCHAOS_TAG=tag (ours, and what they started)."""
+    out, needle = [], f"MGCHAOS_TAG={tag}".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{d}").st_uid != os.getuid():
+                continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Chaos:
+    def __init__(self, args):
+        self.args = args
+        self.bin = os.path.join(os.path.abspath(args.build), "bin")
+        self.rng = random.Random(args.seed)
+        self.tag = uuid.uuid4().hex
+        self.root = tempfile.mkdtemp(prefix="mgchaos_")
+        self.tmp = os.path.join(self.root, "tmp")        # every process's TMPDIR: must end empty
+        self.logs = os.path.join(self.root, "logs")
+        self.out = os.path.join(self.root, "out")        # summaries
+        for d in (self.tmp, self.logs, self.out):
+            os.makedirs(d)
+        self.env = dict(os.environ, TMPDIR=self.tmp, MGCHAOS_TAG=self.tag, OMP_NUM_THREADS="1")
+        self.procs = []          # every Process started, for the final cleanup
+        self.agents = []         # Process per agent, in start order
+        self.next_addr = 2
+        self.daemon = None
+        self.etcd = []           # (Process, name, client port, peer port, data dir)
+        self.endpoint = None
+        self.faults = []
+        self.problems = []
+        self.job = f"chaos-{args.seed}-calibration"
+        self.replacements = 0    # agents started to replace lost ones (bounded by the node faults)
+
+    # ---- processes ----------------------------------------------------------------------------
+    def start(self, name, argv):
+        p = Process(name, argv, self.env, self.logs)
+        self.procs.append(p)
+        return p
+
+    def start_daemon(self, endpoint="127.0.0.1:0"):
+        for _ in range(50):
+            d = self.start(f"daemon{len(self.procs)}", [os.path.join(self.bin, "mglaunch-rdzv"), "--listen", endpoint])
+            deadline = now() + 10
+            while now() < deadline and not d.lines and d.alive():
+                time.sleep(0.01)
+            if d.lines and d.lines[0][1].startswith("listening on "):
+                self.daemon, self.endpoint = d, d.lines[0][1][len("listening on "):]
+                return
+            d.stop_all()
+            time.sleep(0.1)  # the port is briefly someone else's: bounded retries
+        raise RuntimeError(f"mglaunch-rdzv could not listen on {endpoint}")
+
+    def start_etcd(self):
+        members = [(f"m{i}", free_port(), free_port()) for i in range(3)]
+        cluster = ",".join(f"{n}=http://127.0.0.1:{pp}" for n, _, pp in members)
+        for name, cp, pp in members:
+            self.etcd.append([None, name, cp, pp, os.path.join(self.root, "etcd-" + name), cluster])
+            self.start_etcd_member(len(self.etcd) - 1, "new")
+        self.endpoint = ",".join(f"http://127.0.0.1:{cp}" for _, _, cp, _, _, _ in self.etcd)
+
+    def start_etcd_member(self, i, state):
+        _, name, cp, pp, data, cluster = self.etcd[i]
+        self.etcd[i][0] = self.start(f"etcd-{name}-{len(self.procs)}", [
+            "/usr/bin/etcd", "--name", name, "--data-dir", data,
+            "--listen-client-urls", f"http://127.0.0.1:{cp}", "--advertise-client-urls", f"http://127.0.0.1:{cp}",
+            "--listen-peer-urls", f"http://127.0.0.1:{pp}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
+            "--initial-cluster", cluster, "--initial-cluster-state", state, "--log-level", "error"])
+
+    def agent_argv(self, addr, max_steps):
+        backend = ["--rdzv_backend=etcd"] if self.args.backend == "etcd" else ["--rdzv_backend=mglaunch"]
+        return [os.path.join(self.bin, "mglaunch"), f"--nnodes={ACTIVE}", f"--nproc_per_node={NPROC}", *backend,
+                f"--rdzv_endpoint={self.endpoint}", f"--rdzv_id={self.job}", f"--local_addr={addr}",
+                "--max_restarts=1000", f"--rdzv_conf=join_timeout={self.args.join_timeout},{KEEP_ALIVE}",
+                os.path.join(self.bin, "mgtrain"), "--dataset", "synthetic", "--synthetic-size", "4096",
+                "--model", "mlp", "--epochs", "1000", "--max-steps", str(max_steps), "--batch-size", "16",
+                "--seed", str(self.args.seed), "--threads", "1", "--log-every", str(LOG_EVERY), "--timeout", "20",
+                "--in-place-recovery", "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
+
+    def start_agent(self, max_steps):
+        addr = f"127.0.0.{self.next_addr}"
+        self.next_addr += 1
+        a = self.start(f"agent-{addr}", self.agent_argv(addr, max_steps))
+        a.addr = addr
+        self.agents.append(a)
+        return a
+
+    def workers_of(self, agent):
+        return [c for c in children(agent.pid) if "mgtrain" in cmdline(c)]
+
+    def active_agents(self):
+        return [a for a in self.agents if a.alive() and self.workers_of(a)]
+
+    def standby_agents(self):
+        return [a for a in self.agents if a.alive() and not self.workers_of(a)
+                and any("standby" in t for _, t in a.lines)]
+
+    # ---- progress -----------------------------------------------------------------------------
+    def steps(self):
+        """(time, step) of every rank-0 progress line seen, in time order."""
+        seen = []
+        for a in self.agents:
+            for t, line in list(a.lines):
+                m = STEP_LINE.search(line)
+                if m:
+                    seen.append((t, int(m.group(1))))
+        return sorted(seen)
+
+    def first_line_after(self, t0, pattern):
+        best = None
+        for p in [*self.agents, *([self.daemon] if self.daemon else [])]:
+            for t, line in list(p.lines):
+                if t > t0 and pattern.search(line) and (best is None or t < best):
+                    best = t
+                    break
+        return best
+
+    # ---- faults -------------------------------------------------------------------------------
+    def fault_kinds(self):
+        kinds = ["kill-worker", "stop-worker", "kill-agent", "stop-agent"]
+        kinds += ["kill-etcd", "stop-etcd"] if self.args.backend == "etcd" else ["kill-daemon", "stop-daemon"]
+        if self.args.faults:
+            kinds = [k for k in kinds if k in self.args.faults.split(",")]
+        return kinds
+
+    def inject(self, kind, max_steps):
+        """Carries out one fault; returns (target, t0) or None when it does not apply now."""
+        active = self.active_agents()
+        if kind in ("kill-worker", "stop-worker"):
+            pids = [w for a in active for w in self.workers_of(a)]
+            if not pids:
+                return None
+            pid = self.rng.choice(pids)
+            t0 = now()
+            os.kill(pid, signal.SIGKILL if kind == "kill-worker" else signal.SIGSTOP)
+            return f"worker pid {pid}", t0
+        if kind in ("kill-agent", "stop-agent"):
+            if not active or not self.standby_agents():
+                return None  # keep the fault survivable: a standby must be waiting
+            a = self.rng.choice(active)
+            t0 = now()
+            a.send(signal.SIGKILL if kind == "kill-agent" else signal.SIGSTOP)
+            if kind == "stop-agent":
+                # Stopped past the keep-alive bound, so the job goes on without it; then it
+                # resumes, finds itself out of the job and must end.
+                threading.Timer(4.0, lambda: a.send(signal.SIGCONT)).start()
+            return f"agent {a.addr}", t0
+        if kind in ("kill-daemon", "stop-daemon"):
+            d, t0 = self.daemon, now()
+            if kind == "kill-daemon":
+                d.send(signal.SIGKILL)
+                d.wait(10)
+                time.sleep(self.rng.uniform(0.2, 2.0))
+                self.start_daemon(self.endpoint)
+            else:
+                d.send(signal.SIGSTOP)
+                time.sleep(self.rng.uniform(0.5, 3.0))
+                d.send(signal.SIGCONT)
+            return "daemon", t0
+        if kind in ("kill-etcd", "stop-etcd"):
+            i = self.rng.randrange(len(self.etcd))
+            proc, t0 = self.etcd[i][0], now()
+            if kind == "kill-etcd":
+                proc.send(signal.SIGKILL)
+                proc.wait(10)
+                time.sleep(self.rng.uniform(0.5, 3.0))
+                self.start_etcd_member(i, "existing")
+            else:
+                proc.send(signal.SIGSTOP)
+                time.sleep(self.rng.uniform(0.5, 3.0))
+                proc.send(signal.SIGCONT)
+            return f"etcd member {self.etcd[i][1]}", t0
+        raise ValueError(kind)
+
+    def replace_lost_agents(self, max_steps):
+        """An agent that ended (killed, or out of the job) is replaced by a fresh standby: at
+        most one per node fault, plus two."""
+        live = [a for a in self.agents if a.alive()]
+        allowed = 2 + sum(1 for f in self.faults if f["kind"] in ("kill-agent", "stop-agent"))
+        for _ in range(ACTIVE + STANDBYS - len(live)):
+            if self.replacements >= allowed:
+                return
+            self.replacements += 1
+            self.start_agent(max_steps)
+
+    # ---- the run ------------------------------------------------------------------------------
+    def calibrate(self):
+        """Steps per second of the undisturbed job (a short run), to size --max-steps."""
+        if self.args.max_steps:
+            return self.args.max_steps
+        agents = [self.start_agent(300) for _ in range(ACTIVE)]
+        for a in agents:
+            if a.wait(300) != 0:
+                raise RuntimeError(f"the undisturbed calibration run failed:\n{a.text()[-3000:]}")
+        steps = self.steps()
+        self.agents.clear()
+        for f in os.listdir(self.out):
+            os.unlink(os.path.join(self.out, f))
+        if len(steps) < 10:
+            raise RuntimeError("the calibration run printed too few progress lines")
+        rate = (steps[-1][1] - steps[2][1]) / max(1e-3, steps[-1][0] - steps[2][0])
+        return max(200, int(rate * self.args.seconds * 0.8))
+
+    def run(self):
+        if self.args.backend == "etcd":
+            self.start_etcd()
+        else:
+            self.start_daemon()
+        max_steps = self.calibrate()
+        self.job = f"chaos-{self.args.seed}-soak"
+        t_start = now()
+        for _ in range(ACTIVE + STANDBYS):
+            self.start_agent(max_steps)
+        faults_until = t_start + self.args.seconds * 0.85
+        deadline = t_start + self.args.seconds * 3 + 120
+        kinds = self.fault_kinds()
+        next_fault = t_start + self.rng.uniform(5, 10)
+        while now() < deadline:
+            if any(a.p.poll() == 0 for a in self.agents):
+                break  # the job is done: the others end on their own (evaluate waits for them)
+            if now() >= next_fault and now() < faults_until and self.steps():
+                kind = self.rng.choice(kinds)
+                done = self.inject(kind, max_steps)
+                if done:
+                    target, t0 = done
+                    self.faults.append({"kind": kind, "target": target, "t0": t0,
+                                        "step_before": max([s for t, s in self.steps() if t <= t0], default=0)})
+                    print(f"chaos: t+{t0 - t_start:.1f}s {kind} {target}", flush=True)
+                next_fault = now() + self.rng.uniform(self.args.min_gap, self.args.max_gap)
+            self.replace_lost_agents(max_steps)
+            time.sleep(0.05)
+        self.evaluate(t_start, max_steps)
+
+    def evaluate(self, t_start, max_steps):
+        # Every agent still alive has ended on its own by now, or it hangs.
+        for a in self.agents:
+            if a.wait(60) is None:
+                self.problems.append(f"agent {a.addr} did not end (pid {a.pid})")
+        steps = self.steps()
+        for f in self.faults:
+            f["detected_s"] = None
+            t_det = self.first_line_after(f["t0"], DETECT)
+            if t_det is not None:
+                f["detected_s"] = round(t_det - f["t0"], 3)
+            after = [(t, s) for t, s in steps if t > (t_det or f["t0"])]
+            f["recovered_s"] = round(after[0][0] - f["t0"], 3) if after else None
+            f["step_after"] = after[0][1] if after else None
+            f["steps_lost"] = max(0, f["step_before"] + LOG_EVERY - after[0][1]) if after else None
+            f["t"] = round(f.pop("t0") - t_start, 3)
+        summaries = {}
+        for name in os.listdir(self.out):
+            with open(os.path.join(self.out, name)) as fh:
+                summaries[name] = json.load(fh)
+        shas = {s.get("weights_sha256") for s in summaries.values()}
+        if len(summaries) != ACTIVE * NPROC:
+            self.problems.append(f"{len(summaries)} rank summaries, expected {ACTIVE * NPROC}")
+        if len(shas) != 1:
+            self.problems.append(f"ranks disagree on the weights: {sorted(map(str, shas))}")
+        finals = [s.get("steps") for s in summaries.values()]
+        if finals and set(finals) != {max_steps}:
+            self.problems.append(f"ranks ended at steps {sorted(set(finals))}, expected {max_steps}")
+        unrecovered = [f for f in self.faults if f["recovered_s"] is None]
+        if unrecovered:
+            self.problems.append(f"{len(unrecovered)} faults without a step after them: {unrecovered[:3]}")
+        self.report = {"backend": self.args.backend, "seed": self.args.seed, "seconds": round(now() - t_start, 1),
+                       "max_steps": max_steps, "faults": self.faults, "weights_sha256": sorted(map(str, shas)),
+                       "recoveries": [r for s in summaries.values() for r in s.get("recoveries", [])][:1000]}
+
+    def unsurvivable(self):
+        """An active node lost with no standby: the survivor ends with the root cause, in bound."""
+        max_steps = 100000
+        self.job = f"chaos-{self.args.seed}-unsurvivable"
+        agents = [self.start_agent(max_steps) for _ in range(ACTIVE)]
+        deadline = now() + 120
+        while now() < deadline and not all(self.workers_of(a) for a in agents):
+            time.sleep(0.05)
+        while now() < deadline and not self.steps_of(agents):
+            time.sleep(0.05)
+        victim, survivor = agents[1], agents[0]
+        t0 = now()
+        victim.send(signal.SIGKILL)
+        code = survivor.wait(self.args.join_timeout + 60)
+        took = now() - t0
+        result = {"exit_code": code, "seconds": round(took, 2)}
+        if code is None:
+            self.problems.append(f"unsurvivable fault: the survivor hung for {took:.0f} s")
+        elif code == 0:
+            self.problems.append("unsurvivable fault: the survivor exited 0")
+        elif victim.addr not in survivor.text():
+            self.problems.append(f"unsurvivable fault: the root cause does not name {victim.addr}: "
+                                 f"{survivor.text()[-800:]}")
+        return result
+
+    def steps_of(self, agents):
+        return [1 for a in agents for _, t in a.lines if STEP_LINE.search(t)]
+
+    def cleanup(self):
+        for p in self.procs:
+            p.stop_all()
+        time.sleep(0.5)
+        left = tagged_pids(self.tag)
+        if left:
+            self.problems.append(f"processes left behind: {[(p, cmdline(p)[:80]) for p in left]}")
+            for p in left:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        # A failed run keeps its error files and logs on purpose, and says where: those go.
+        for p in self.procs:
+            for _, line in p.lines:
+                m = re.search(r"error files and logs are kept in (\S+)", line)
+                if m and m.group(1).startswith(self.tmp + os.sep):
+                    shutil.rmtree(m.group(1), ignore_errors=True)
+        leftover = []
+        for dirpath, dirs, files in os.walk(self.tmp):
+            leftover += [os.path.join(dirpath, x) for x in files + dirs]
+        if leftover:
+            self.problems.append(f"temporary files left behind: {leftover[:10]}")
+
+
+def summarize(report):
+    faults = report["faults"]
+    by_kind = {}
+    for f in faults:
+        by_kind.setdefault(f["kind"], []).append(f)
+    rows = []
+    for kind, fs in sorted(by_kind.items()):
+        rec = sorted(f["recovered_s"] for f in fs if f["recovered_s"] is not None)
+        det = sorted(f["detected_s"] for f in fs if f["detected_s"] is not None)
+        lost = sum(f["steps_lost"] or 0 for f in fs)
+        rows.append({"kind": kind, "n": len(fs), "survived": len(rec),
+                     "detect_median_s": statistics.median(det) if det else None,
+                     "recover_median_s": statistics.median(rec) if rec else None,
+                     "recover_max_s": rec[-1] if rec else None, "steps_lost": lost})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("build")
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--backend", choices=["daemon", "etcd"], default="daemon")
+    ap.add_argument("--report", default="")
+    ap.add_argument("--min-gap", type=float, default=4.0, help="seconds between faults, at least")
+    ap.add_argument("--max-gap", type=float, default=10.0)
+    ap.add_argument("--max-steps", type=int, default=0, help="skip the calibration run")
+    ap.add_argument("--join-timeout", type=int, default=20)
+    ap.add_argument("--faults", default="", help="only these kinds (comma-separated), e.g. kill-worker,kill-agent")
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(args.build, "bin", "mgtrain")):
+        skip.skip_test("mgtrain is not built (configure with -DMGLAUNCH_WITH_TORCH=ON)")
+    if args.backend == "etcd":
+        skip.require_program("/usr/bin/etcd", "etcd-server")
+    c = Chaos(args)
+    print(f"chaos: seed {args.seed}, backend {args.backend}, {args.seconds:.0f} s, files in {c.root}", flush=True)
+    try:
+        c.run()
+        c.report["unsurvivable"] = c.unsurvivable()
+    except Exception as e:  # noqa: BLE001 (reported as a failed check, after the cleanup)
+        c.problems.append(f"{type(e).__name__}: {e}")
+        c.report = getattr(c, "report", {"faults": c.faults})
+    finally:
+        c.cleanup()
+    c.report["summary"] = summarize(c.report) if c.report.get("faults") else []
+    c.report["problems"] = c.problems
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(c.report, f, indent=1)
+    for row in c.report["summary"]:
+        print("chaos: " + json.dumps(row), flush=True)
+    for p in c.problems:
+        print("chaos: FAILED: " + p, flush=True)
+    if not c.problems:
+        shutil.rmtree(c.root, ignore_errors=True)
+        print(f"chaos: {len(c.report.get('faults', []))} faults survived; every check held", flush=True)
+        return 0
+    print(f"chaos: logs kept in {c.logs}", flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

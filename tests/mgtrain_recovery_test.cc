@@ -6,6 +6,8 @@
 
 #include <signal.h>
 
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
@@ -263,4 +265,21 @@ TEST_CASE("in-place recovery with a standby (#26's done-when): two active nodes 
             << s0["recoveries"][0]["seconds"].get<double>() << " s from detection to the first step after it\n";
   ::kill(d.proc.pid, SIGTERM);
   CHECK(d.proc.wait(10s));
+}
+
+TEST_CASE("in-place recovery is on for every rank or none: one rank without its control channel turns it off "
+          "everywhere, and training ends instead of hanging on mismatched collectives") {
+  const std::string dir = make_temp_dir();
+  // Rank 1 loses MGLAUNCH_CONTROL_SOCKET on its way (a wrapper that cleans the environment).
+  const std::string wrap = dir + "/wrap.sh";
+  std::ofstream(wrap) << "#!/bin/sh\n[ \"$RANK\" = 1 ] && unset MGLAUNCH_CONTROL_SOCKET\nexec \"$@\"\n";
+  std::filesystem::permissions(wrap, std::filesystem::perms::owner_all);
+  std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=2", "--no_python", wrap, kMgtrain};
+  for (const auto& a : job(dir + "/s{rank}.json")) argv.push_back(a);
+  auto r = run(argv, {}, 240s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out + r.err, Catch::Contains("another rank has no control channel: recovery is off on every rank"));
+  CHECK(summary_of(dir + "/s0.json")["weights_sha256"] == summary_of(dir + "/s1.json")["weights_sha256"]);
+  std::filesystem::remove_all(dir);
 }

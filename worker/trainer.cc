@@ -568,6 +568,19 @@ int run(const Options& o, const Env& env) {
       std::fprintf(stderr, "mgtrain: --in-place-recovery: %s: recovery is off, training goes on as usual\n", off.c_str());
   }
   Comm comm = mode == Mode::single ? local_comm(o) : connect(o, env);
+  if (o.in_place_recovery && comm.distributed()) {
+    // Recovery is on for every rank or for none: a rank without its control channel would
+    // skip the state agreement's collectives that the others make (a hang until --timeout).
+    auto have = torch::full({1}, control ? 1 : 0, torch::kLong).to(comm.device);
+    comm.allreduce_sum(have);
+    if (have.to(torch::kCPU).item<std::int64_t>() < comm.world && control) {
+      std::fprintf(stderr, "mgtrain: --in-place-recovery: rank %d: another rank has no control channel: recovery "
+                           "is off on every rank, training goes on as usual\n", comm.rank);
+      control.reset();  // the agent then stops and restarts this worker as any other
+      set_interrupt(nullptr);
+      interrupt.reset();
+    }
+  }
   const int code = o.bench == "allreduce" ? run_allreduce_bench(o, comm) : train(o, comm, control.get(), interrupt.get());
   comm.shutdown();
   if (abandoned_groups() > 0) {

@@ -86,6 +86,9 @@ class Case:
         e["TEST_SENTINEL_PARENT"] = "FOOBAR"
         e["MGLAUNCH_PYTHON"] = PYTHON
         e.update(extra or {})
+        # No case may take torchrun's default master port: PyTorch runs these cases one at a
+        # time, ctest runs the 1.13 and 2.6 suites side by side (and other suites beside them).
+        e.setdefault("PET_MASTER_PORT", "0")
         return e
 
     def launch(self, args, extra_env=None):

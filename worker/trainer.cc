@@ -106,7 +106,7 @@ std::string with_rank(std::string path, int rank) {
 // `control`: the agent's control channel when --in-place-recovery is on (else null).
 int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt* interrupt) {
   using clock = std::chrono::steady_clock;
-  const bool recovery = control != nullptr;
+  bool recovery = control != nullptr;  // off for every rank when one rank has no channel (establish)
   bool lead = comm.rank == 0;
   data::Dataset train_set, test_set;
   try {
@@ -174,12 +174,25 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   // advanced sends its whole state (no checkpoint read) to those behind.
   auto establish = [&] {
     sync_buffers = o.broadcast_buffers && comm.distributed() && !buffers.empty();
-    if (recovery && comm.distributed()) {
-      auto steps = torch::zeros({comm.world}, torch::kLong);
+    torch::Tensor steps;
+    if (o.in_place_recovery && comm.distributed()) {
+      // Every rank asked for recovery (the same flags): each says whether it has its control
+      // channel, in the same collective as its step. Recovery is on for every rank or none: a
+      // rank without it would skip the collectives of the state agreement (a hang).
+      steps = torch::zeros({2 * comm.world}, torch::kLong);
       steps[comm.rank] = state.step;
+      steps[comm.world + comm.rank] = recovery ? 1 : 0;
       steps = steps.to(comm.device);
       comm.allreduce_sum(steps);
       steps = steps.to(torch::kCPU);
+      if (steps.slice(0, comm.world, 2 * comm.world).sum().item<std::int64_t>() < comm.world) {
+        if (recovery)
+          std::fprintf(stderr, "mgtrain: --in-place-recovery: rank %d: another rank has no control channel: "
+                               "recovery is off on every rank, training goes on as usual\n", comm.rank);
+        recovery = false;
+      }
+    }
+    if (recovery && comm.distributed()) {
       std::int64_t best = 0;
       int source = 0;
       bool partial = false;
@@ -568,19 +581,6 @@ int run(const Options& o, const Env& env) {
       std::fprintf(stderr, "mgtrain: --in-place-recovery: %s: recovery is off, training goes on as usual\n", off.c_str());
   }
   Comm comm = mode == Mode::single ? local_comm(o) : connect(o, env);
-  if (o.in_place_recovery && comm.distributed()) {
-    // Recovery is on for every rank or for none: a rank without its control channel would
-    // skip the state agreement's collectives that the others make (a hang until --timeout).
-    auto have = torch::full({1}, control ? 1 : 0, torch::kLong).to(comm.device);
-    comm.allreduce_sum(have);
-    if (have.to(torch::kCPU).item<std::int64_t>() < comm.world && control) {
-      std::fprintf(stderr, "mgtrain: --in-place-recovery: rank %d: another rank has no control channel: recovery "
-                           "is off on every rank, training goes on as usual\n", comm.rank);
-      control.reset();  // the agent then stops and restarts this worker as any other
-      set_interrupt(nullptr);
-      interrupt.reset();
-    }
-  }
   const int code = o.bench == "allreduce" ? run_allreduce_bench(o, comm) : train(o, comm, control.get(), interrupt.get());
   comm.shutdown();
   if (abandoned_groups() > 0) {

@@ -2,7 +2,7 @@
 // (launcher/agent_seams.h, launcher/worker_launcher.h): a launcher whose workers exit when
 // the test says, a clock whose timers fire when the test moves it, a store that listens on
 // nothing. No process is started, the agent serves no port (tests run side by side on one
-// machine: a real store on the default 29500 made them fail each other) and nothing sleeps:
+// machine: a real store on torchrun's default master port made them fail each other) and nothing sleeps:
 // the grace before SIGKILL is a step of the test, not a wait.
 #include <catch2/catch.hpp>
 
@@ -252,7 +252,7 @@ struct Run {
     argv.push_back("/bin/true");  // never run: the launcher is a fake
     EnvMap env = {{"PATH", "/bin:/usr/bin"}};
     // No fixed port: the plan's check of a given master port binds it for a moment, and a
-    // run of mglaunch elsewhere on this machine may hold torchrun's default 29500.
+    // run of mglaunch elsewhere on this machine may hold torchrun's default master port.
     if (std::none_of(flags.begin(), flags.end(), [](const std::string& f) { return f.starts_with("--master_port"); }))
       env["PET_MASTER_PORT"] = "0";
     env.merge(extra_env);

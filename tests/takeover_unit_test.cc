@@ -43,21 +43,21 @@ const Clock::time_point T0{};
 
 TEST_CASE("the lowest live node by group rank is tried first, the lost host and nodes without a port never") {
   // Group rank 0 hosted (port 0); 1 and 2 can host.
-  auto a = round_of({"10.0.0.1", "10.0.0.2", "10.0.0.3"}, {0, 4001, 4002});
-  auto c = takeover_candidates(a, "10.0.0.1", 29400);
+  auto a = round_of({"127.0.0.11", "127.0.0.12", "127.0.0.13"}, {0, 4001, 4002});
+  auto c = takeover_candidates(a, "127.0.0.11", 41999);
   REQUIRE(c.size() == 2);
   CHECK(c[0].group_rank == 1);
-  CHECK(c[0].addr == "10.0.0.2");
+  CHECK(c[0].addr == "127.0.0.12");
   CHECK(c[0].port == 4001);
   CHECK(c[1].group_rank == 2);
   // The node that took over is lost in turn: the one after it hosts next.
-  c = takeover_candidates(a, "10.0.0.2", 4001);
+  c = takeover_candidates(a, "127.0.0.12", 4001);
   REQUIRE(c.size() == 1);
   CHECK(c[0].group_rank == 2);
   // Same address, another port (two agents on one machine): still a candidate.
-  CHECK(takeover_candidates(a, "10.0.0.2", 29400).size() == 2);
+  CHECK(takeover_candidates(a, "127.0.0.12", 41999).size() == 2);
   // A round with no ports listed (an older server, or too many nodes to list): nobody.
-  CHECK(takeover_candidates(round_of({"10.0.0.1", "10.0.0.2"}, {}), "10.0.0.1", 29400).empty());
+  CHECK(takeover_candidates(round_of({"127.0.0.11", "127.0.0.12"}, {}), "127.0.0.11", 41999).empty());
 }
 
 TEST_CASE("no takeover without a restart left, a node that can host, or enough nodes for --nnodes") {
@@ -69,10 +69,10 @@ TEST_CASE("no takeover without a restart left, a node that can host, or enough n
 
 TEST_CASE("a job taken over restarts with the survivors that join, with the restart the lost host cost") {
   Job job("job");
-  job.take_over({4, 2, "rendezvous host h1 (10.0.0.1:29400) lost: connection closed by peer", "h1", T0 + 300ms}, T0);
+  job.take_over({4, 2, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1", T0 + 300ms}, T0);
   CHECK(job.state() == Job::State::kRestarting);
-  CHECK(job.join(1, survivor("10.0.0.2"), T0 + 10ms).empty());
-  CHECK(job.join(2, survivor("10.0.0.3"), T0 + 20ms).empty());
+  CHECK(job.join(1, survivor("127.0.0.12"), T0 + 10ms).empty());
+  CHECK(job.join(2, survivor("127.0.0.13"), T0 + 20ms).empty());
   // Two of 2:3 joined: the round closes after last call, not at the takeover deadline.
   CHECK(job.tick(T0 + 400ms).empty());
   auto out = job.tick(T0 + 20ms + 1000ms);
@@ -90,8 +90,8 @@ TEST_CASE("a job taken over restarts with the survivors that join, with the rest
 
 TEST_CASE("a job taken over that too few survivors join fails at the deadline, naming the lost host") {
   Job job("job");
-  job.take_over({4, 1, "rendezvous host h1 (10.0.0.1:29400) lost: connection closed by peer", "h1", T0 + 300ms}, T0);
-  CHECK(job.join(1, survivor("10.0.0.2"), T0 + 10ms).empty());
+  job.take_over({4, 1, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1", T0 + 300ms}, T0);
+  CHECK(job.join(1, survivor("127.0.0.12"), T0 + 10ms).empty());
   CHECK(job.tick(T0 + 299ms).empty());
   auto out = job.tick(T0 + 300ms);
   REQUIRE(out.size() == 1);
@@ -100,14 +100,14 @@ TEST_CASE("a job taken over that too few survivors join fails at the deadline, n
   CHECK(abort.root_cause.host == "h1");
   CHECK(abort.root_cause.rank == -1);
   CHECK(abort.root_cause.exit_code == kHostLostExitCode);
-  CHECK_THAT(abort.reason, Catch::Contains("rendezvous host h1 (10.0.0.1:29400) lost") &&
+  CHECK_THAT(abort.reason, Catch::Contains("rendezvous host h1 (127.0.0.11:41999) lost") &&
                                Catch::Contains("only 1 of at least 2 nodes re-joined"));
   CHECK(job.state() == Job::State::kFailed);
 }
 
 TEST_CASE("an assignment lists every node's takeover port by group rank") {
   Job job("job");
-  auto a = survivor("10.0.0.1"), b = survivor("10.0.0.2");
+  auto a = survivor("127.0.0.11"), b = survivor("127.0.0.12");
   a.min_nodes = b.min_nodes = a.max_nodes = b.max_nodes = 2;
   a.takeover_port = 0;  // it hosts
   b.takeover_port = 4002;
@@ -116,5 +116,5 @@ TEST_CASE("an assignment lists every node's takeover port by group rank") {
   REQUIRE(out.size() == 2);
   auto got = proto::from_frame<proto::Assignment>(out[0].frame);
   CHECK(got.takeover_ports == std::vector<int>{0, 4002});
-  CHECK(got.nodes == std::vector<std::string>{"10.0.0.1", "10.0.0.2"});
+  CHECK(got.nodes == std::vector<std::string>{"127.0.0.11", "127.0.0.12"});
 }

@@ -149,6 +149,17 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   return {};
 }
 
+Actions Job::fail_job(const proto::WorkerFailed& root_cause, const std::string& reason) {
+  state_ = State::kFailed;
+  abort_ = proto::Abort{root_cause, reason};
+  auto out = broadcast(proto::to_wire(*abort_));  // every member, waiting node and standby
+  members_.clear();
+  joined_.clear();
+  standby_.clear();
+  rejoining_.clear();
+  return out;
+}
+
 bool Job::newer_than_rebuild(const proto::Join& j) const {
   return rebuilding_ && state_ == State::kRunning && !members_.empty() &&
          std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
@@ -335,14 +346,7 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     out.insert(out.end(), more.begin(), more.end());
     return out;
   }
-  state_ = State::kFailed;
-  abort_ = proto::Abort{root_cause, reason};
-  auto out = broadcast(proto::to_wire(*abort_));
-  members_.clear();
-  joined_.clear();
-  standby_.clear();
-  rejoining_.clear();
-  return out;
+  return fail_job(root_cause, reason);
 }
 
 Actions Job::worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::time_point now) {
@@ -429,11 +433,7 @@ Actions Job::tick(Clock::time_point now) {
     rc.rank = -1;
     rc.message = fmt::format("no node of job '{}' re-registered its round within join_timeout after the rendezvous "
                              "server restarted: nothing to stand by for", id_);
-    state_ = State::kFailed;
-    abort_ = proto::Abort{rc, rc.message};
-    auto out = broadcast(proto::to_wire(*abort_));
-    standby_.clear();
-    return out;
+    return fail_job(rc, rc.message);
   }
   if (takeover_ && state_ == State::kRestarting && now >= takeover_->deadline) {
     const TakeoverSeed seed = std::move(*takeover_);
@@ -447,13 +447,7 @@ Actions Job::tick(Clock::time_point now) {
       rc.exit_code = kHostLostExitCode;
       rc.message = fmt::format("{}; only {} of at least {} nodes re-joined the node that took over", seed.reason,
                                joined_.size(), config_.min_nodes);
-      state_ = State::kFailed;
-      abort_ = proto::Abort{rc, rc.message};
-      auto out = broadcast(proto::to_wire(*abort_));
-      joined_.clear();
-      standby_.clear();
-      rejoining_.clear();
-      return out;
+      return fail_job(rc, rc.message);
     }
   }
   if ((state_ == State::kJoining || state_ == State::kRestarting) && !joined_.empty()) {
@@ -463,13 +457,7 @@ Actions Job::tick(Clock::time_point now) {
       rc.rank = -1;
       rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
                                config_.min_nodes, id_);
-      state_ = State::kFailed;
-      abort_ = proto::Abort{rc, rc.message};
-      auto out = broadcast(proto::to_wire(*abort_));
-      joined_.clear();
-      standby_.clear();
-      rejoining_.clear();
-      return out;
+      return fail_job(rc, rc.message);
     }
   }
   if (state_ == State::kRunning) {

@@ -123,6 +123,9 @@ class Job {
   // away (one the job declared lost can reach a restarted server before the nodes that went
   // on). drop_rebuild() tells them so and starts the rebuild again from `j`.
   bool newer_than_rebuild(const proto::Join& j) const;
+  // The job failed: every node hears `root_cause` (the broadcast reaches members, waiting
+  // nodes and standbys) and the job forgets them.
+  Actions fail_job(const proto::WorkerFailed& root_cause, const std::string& reason);
   Actions drop_rebuild(const proto::Join& j);
 
   std::string id_;

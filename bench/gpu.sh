@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (issue #27) in one run on a machine with an NVIDIA GPU and CUDA LibTorch
 # from pip (python3 -c 'import torch' works there), nothing else assumed:
-#   bench/gpu.sh OUT [EXTRA]
+#   bench/gpu.sh OUT [EXTRA] [recovery]
 # builds mgtrain alone against that LibTorch (-DMGLAUNCH_WORKER_ONLY=ON), then runs
 # bench/gpu_bench.py, which writes OUT/gpu.json (bench/render_gpu.py turns it into the
 # GPU table of docs/benchmarks.md). EXTRA (default .gpu) may hold what the machine lacks:
@@ -9,6 +9,8 @@
 #   EXTRA/data               the Fashion-MNIST IDX .gz files
 #   EXTRA/bin/mglaunch       an mglaunch built elsewhere (EXTRA/bin/lib: its libraries),
 #                            for the launcher, doctor and --monitor checks
+# With `recovery`, it runs bench/gpu_recovery.py instead (#26: in-place recovery over NCCL,
+# every rank on the one GPU; OUT/gpu_recovery.json).
 set -uo pipefail
 out=${1:?usage: bench/gpu.sh OUT [EXTRA]}
 extra=$(readlink -f "${2:-.gpu}")
@@ -28,4 +30,7 @@ c10d_v2=on
   configure -DMGLAUNCH_C10D_REDUCER_V2=OFF && cmake --build build-gpu -j "$(nproc)" >>"$log" 2>&1
 } || { echo "gpu.sh: the build failed, see $log"; tail -40 "$log"; exit 1; }
 export LD_LIBRARY_PATH="$extra/bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [ "${3:-}" = recovery ]; then
+  exec python3 -u bench/gpu_recovery.py --mgtrain build-gpu/bin/mgtrain --mglaunch "$extra/bin/mglaunch" --out "$out"
+fi
 exec python3 -u bench/gpu_bench.py --mgtrain build-gpu/bin/mgtrain --extra "$extra" --out "$out" --c10d-v2 "$c10d_v2"

@@ -1,6 +1,7 @@
 #include "worker/comm.h"
 
 #include <fmt/format.h>
+#include <cstdlib>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -190,7 +191,13 @@ Comm connect(const Options& o, const Env& env) {
     const int dev = env.local_rank % std::max(1, devices);
     c10::cuda::set_device(dev);
     c.device = torch::Device(torch::kCUDA, dev);
+    // In-place recovery lives through a peer's death: torch 2.x's default error handling
+    // (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the whole process down on an NCCL error;
+    // 2 aborts the communicators and lets the failed collective throw (unless the user set
+    // it). The group waits --timeout, as Gloo's does, not NCCL's 10 minutes.
+    if (o.in_place_recovery) ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", 0);
     auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = std::chrono::seconds(o.timeout_s);
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, env.rank, env.world, opts);
     c.shutdown = [nccl] { shutdown_if_supported(*nccl); };
     c.abort = [nccl] { abort_if_supported(*nccl); };

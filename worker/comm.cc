@@ -191,11 +191,11 @@ Comm connect(const Options& o, const Env& env) {
     const int dev = env.local_rank % std::max(1, devices);
     c10::cuda::set_device(dev);
     c.device = torch::Device(torch::kCUDA, dev);
-    // In-place recovery lives through a peer's death: torch 2.x's default error handling
-    // (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the whole process down on an NCCL error;
-    // 2 aborts the communicators and lets the failed collective throw (unless the user set
-    // it). The group waits --timeout, as Gloo's does, not NCCL's 10 minutes.
-    if (o.in_place_recovery) ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", 0);
+    // In-place recovery lives through a peer's death: the agents' value (torchrun's and
+    // ours: TORCH_NCCL_ASYNC_ERROR_HANDLING=1) and torch 2.x's default (3) take the whole
+    // process down on an NCCL error; 2 aborts the communicators and lets the failed
+    // collective throw. The group waits --timeout, as Gloo's does, not NCCL's 10 minutes.
+    if (o.in_place_recovery) ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", 1);
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = std::chrono::seconds(o.timeout_s);
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, env.rank, env.world, opts);

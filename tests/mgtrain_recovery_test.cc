@@ -168,6 +168,36 @@ TEST_CASE("in-place recovery under mglaunch: a worker that fails at step 10 is r
             << " s from detection to the first step after it\n";
 }
 
+TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only (rank 1 left it unapplied, rank 2 lost after it) recovers from the most advanced state, says so, and the weights equal an undisturbed run's") {
+  const std::string dir = make_temp_dir();
+  auto standalone = [&](std::vector<std::string> args, std::map<std::string, std::string> env) {
+    std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=3", "--max_restarts=1", kMgtrain};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = run(argv, env, 240s);
+    INFO(r.out << r.err);
+    return r;
+  };
+  auto calm = standalone(job(dir + "/c{rank}.json"), {});
+  REQUIRE(calm.code == 0);
+  // Rank 0 applies step 10; rank 1 does not (its all-reduce "failed" after its peers'
+  // completed: the documented test hook); rank 2 applies it and is SIGKILLed.
+  auto hit = standalone(job(dir + "/s{rank}.json", {"--fail-at-step", "10", "--fail-rank", "2", "--fail-signal", "9"}),
+                        {{"MGTRAIN_TEST_UNAPPLIED_STEP", "10:1"}});
+  INFO(hit.out << hit.err);
+  REQUIRE(hit.code == 0);
+  CHECK_THAT(hit.out, Catch::Contains("step 10 was applied on some ranks only: recovering from it, the most advanced state (rank 0's)"));
+  CHECK(count_of(hit.out, "applied on some ranks only") == 1);
+  CHECK_THAT(hit.out, Catch::Contains("rank 1 took step 10's state from rank 0 (it was at step 9)"));
+  CHECK_THAT(hit.out, Catch::Contains("rank 2 took step 10's state from rank 0 (it was at step 0)"));
+  const auto s0 = summary_of(dir + "/s0.json");
+  CHECK(s0["steps"] == summary_of(dir + "/c0.json")["steps"]);  // one epoch of 43 steps at world 3
+  CHECK(s0["weights_sha256"] == summary_of(dir + "/c0.json")["weights_sha256"]);
+  for (int rank : {1, 2}) CHECK(summary_of(dir + "/s" + std::to_string(rank) + ".json")["weights_sha256"] == s0["weights_sha256"]);
+  REQUIRE(s0["recoveries"].size() == 1);
+  CHECK(s0["recoveries"][0]["step"] == 11);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at step 10 or later, node 1 back, rank 0 goes on and the weights equal an undisturbed 2-node run's") {
   const std::string dir = make_temp_dir();
   Daemon d = start_daemon();

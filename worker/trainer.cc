@@ -261,8 +261,20 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
     loss.backward();
     return loss.detach();
   };
+  // For tests only, never set otherwise (docs/mgtrain.md): MGTRAIN_TEST_UNAPPLIED_STEP=K:R
+  // makes rank R leave step K unapplied once, as if its gradient all-reduce had failed
+  // after its peers' completed (a peer lost at the very end of the exchange): the step is
+  // then applied on some ranks only.
+  int unapplied_rank = -1;
+  long long unapplied_step = -1;
+  if (const char* t = std::getenv("MGTRAIN_TEST_UNAPPLIED_STEP"); t && recovery)
+    if (std::sscanf(t, "%lld:%d", &unapplied_step, &unapplied_rank) != 2) unapplied_rank = -1;
   auto finish_step = [&] {
     if (reducer) reducer->finish();
+    if (comm.rank == unapplied_rank && state.step + 1 == unapplied_step) {
+      unapplied_rank = -1;
+      throw CollectiveError(fmt::format("MGTRAIN_TEST_UNAPPLIED_STEP: rank {} leaves step {} unapplied", comm.rank, unapplied_step));
+    }
     if (o.clip_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, o.clip_grad_norm);
     opt.step();
   };

@@ -201,6 +201,10 @@ Comm connect(const Options& o, const Env& env) {
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, env.rank, env.world, opts);
     c.shutdown = [nccl] { shutdown_if_supported(*nccl); };
     c.abort = [nccl] { abort_if_supported(*nccl); };
+    if (const auto& interrupt = interrupt_slot()) {  // --in-place-recovery: a pause aborts this group at once
+      std::lock_guard lk(interrupt->m);
+      interrupt->on_fire = c.abort;
+    }
     c.pg = nccl;
 #endif
   }

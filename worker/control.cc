@@ -19,9 +19,14 @@ constexpr std::size_t kMaxLine = 64 * 1024;  // the protocol's bound on one mess
 }  // namespace
 
 void Interrupt::fire() {
-  std::lock_guard lk(m);
-  fired = true;
-  cv.notify_all();
+  std::function<void()> hook;
+  {
+    std::lock_guard lk(m);
+    fired = true;
+    cv.notify_all();
+    hook = on_fire;
+  }
+  if (hook) hook();
 }
 
 void Interrupt::clear() {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -22,6 +23,11 @@ struct Interrupt {
   std::mutex m;
   std::condition_variable cv;
   std::atomic<bool> fired{false};
+  // Run by fire() (the channel's thread) after it set `fired`: the NCCL group aborts its
+  // communicators there, because an NCCL wait does not block the CPU and the thread is
+  // then stuck in a device synchronisation on a kernel that waits for the lost peer; the
+  // abort ends that kernel. Set under `m`; empty for Gloo, whose waits end through `cv`.
+  std::function<void()> on_fire;
   void fire();
   void clear();
 };

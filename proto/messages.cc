@@ -44,6 +44,18 @@ std::string lines(const std::vector<std::string>& v) {
   return {};
 }
 
+// A round's node list and takeover ports (Assignment, Standby).
+std::string node_list(const std::vector<std::string>& nodes, const std::vector<int>& ports) {
+  if (nodes.size() > kMaxListedNodes) return fmt::format("nodes lists {} entries (limit {})", nodes.size(), kMaxListedNodes);
+  for (const auto& n : nodes)
+    if (auto bad = text("a node address", n, kMaxHostBytes); !bad.empty()) return bad;
+  if (!ports.empty() && ports.size() != nodes.size())
+    return fmt::format("takeover_ports lists {} entries for {} nodes", ports.size(), nodes.size());
+  for (int p : ports)
+    if (auto bad = range("a takeover port", p, 0, 65535); !bad.empty()) return bad;
+  return {};
+}
+
 }  // namespace
 
 std::string validate(const Hello& m) {
@@ -73,7 +85,8 @@ std::string validate(const Join& m) {
                range("resume_group_world_size", m.resume_group_world_size, 0, m.max_nodes),
                range("resume_group_rank", m.resume_group_rank, -1, m.max_nodes - 1),
                range("resume_restart_count", m.resume_restart_count, 0, m.max_restarts),
-               range("takeover_port", m.takeover_port, 0, 65535));
+               range("takeover_port", m.takeover_port, 0, 65535),
+               range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1));
 }
 
 std::string validate(const Assignment& m) {
@@ -85,17 +98,13 @@ std::string validate(const Assignment& m) {
   e = first(range("group_rank", m.group_rank, 0, m.group_world_size - 1),
             range("rank_offset", m.rank_offset, 0, m.world_size - 1));
   if (!e.empty()) return e;
-  if (m.nodes.size() > kMaxListedNodes) return fmt::format("nodes lists {} entries (limit {})", m.nodes.size(), kMaxListedNodes);
-  for (const auto& n : m.nodes)
-    if (auto bad = text("a node address", n, kMaxHostBytes); !bad.empty()) return bad;
-  if (!m.takeover_ports.empty() && m.takeover_ports.size() != m.nodes.size())
-    return fmt::format("takeover_ports lists {} entries for {} nodes", m.takeover_ports.size(), m.nodes.size());
-  for (int p : m.takeover_ports)
-    if (auto bad = range("a takeover port", p, 0, 65535); !bad.empty()) return bad;
-  return {};
+  if (auto bad = range("standbys", m.standbys, 0, kMaxNodes); !bad.empty()) return bad;
+  return node_list(m.nodes, m.takeover_ports);
 }
 
-std::string validate(const Heartbeat& m) { return range("round", m.round, 0, INT32_MAX); }
+std::string validate(const Heartbeat& m) {
+  return first(range("round", m.round, 0, INT32_MAX), range("standbys", m.standbys, 0, kMaxNodes));
+}
 
 std::string validate(const WorkerFailed& m) {
   return first(range("round", m.round, 0, INT32_MAX), text("host", m.host, kMaxHostBytes),
@@ -112,7 +121,9 @@ std::string validate(const Abort& m) { return first(validate(m.root_cause), text
 std::string validate(const Done&) { return {}; }
 std::string validate(const Error& m) { return text("message", m.message, kMaxTextBytes); }
 std::string validate(const Standby& m) {
-  return first(range("active_nodes", m.active_nodes, 0, kMaxNodes), range("position", m.position, 1, kMaxNodes));
+  auto e = first(range("active_nodes", m.active_nodes, 0, kMaxNodes), range("position", m.position, 1, kMaxNodes),
+                 range("round", m.round, 0, INT32_MAX), range("restart_count", m.restart_count, 0, kMaxRestarts));
+  return e.empty() ? node_list(m.nodes, m.takeover_ports) : e;
 }
 
 std::string truncate_text(std::string t, std::size_t max_bytes) {

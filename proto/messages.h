@@ -89,6 +89,9 @@ struct Join {
   // The port this node would host the job on if its hosting agent were lost (bound, not
   // listening, until then); 0: none (the node hosts already, or cannot).
   int takeover_port = 0;
+  // Joining the node that took a job over after its host was lost: this node's group rank
+  // in the last round (-1: none), which the new host keeps (Job::keep_places).
+  int last_group_rank = -1;
 };
 struct Assignment {
   static constexpr MsgType kType = MsgType::kAssignment;
@@ -102,10 +105,14 @@ struct Assignment {
   int restart_count = 0;
   std::vector<std::string> nodes;  // advertised addresses by group rank
   std::vector<int> takeover_ports;  // by group rank, as nodes (Join::takeover_port); empty: none listed
+  int standbys = 0;  // the job's standby nodes when the round closed (Heartbeat::standbys keeps it current)
 };
 struct Heartbeat {
   static constexpr MsgType kType = MsgType::kHeartbeat;
   int round = 0;
+  // Server -> client only: the job's standby nodes, in the echo and pushed to the running
+  // nodes when the count changes, so that a survivor of its host's loss counts them (#26).
+  int standbys = 0;
 };
 struct WorkerFailed {
   static constexpr MsgType kType = MsgType::kWorkerFailed;
@@ -140,11 +147,17 @@ struct Error {
   std::string message;
 };
 // The round is full: this node stays registered (heartbeats) as a standby until a place
-// frees (then an Assignment comes, at once) or the job ends (Done or Abort).
+// frees (then an Assignment comes, at once) or the job ends (Done or Abort). Sent again
+// whenever a round closes without it, so that it always holds the running round's
+// takeover candidates: a standby follows a takeover of its lost hosting agent (#26).
 struct Standby {
   static constexpr MsgType kType = MsgType::kStandby;
   int active_nodes = 0;  // nodes in the running round
   int position = 1;      // this node's place among the standbys (1: taken first)
+  int round = 0;         // the running (or last) round; 0: none yet
+  int restart_count = 0;  // of that round
+  std::vector<std::string> nodes;   // that round's advertised addresses by group rank (Assignment::nodes)
+  std::vector<int> takeover_ports;  // by group rank, as nodes (Assignment::takeover_ports)
 };
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
@@ -154,11 +167,12 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
-                                                resume_restart_count, resume_done, resume_standby, takeover_port)
+                                                resume_restart_count, resume_done, resume_standby, takeover_port,
+                                                last_group_rank)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes,
-                                                takeover_ports)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round)
+                                                takeover_ports, standbys)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round, standbys)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank, local_rank, exit_code, signal,
                                                 message, last_lines)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(NodeDone, round)
@@ -167,7 +181,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Abort, root_cause, reason)
 inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object(); }
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Standby, active_nodes, position)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Standby, active_nodes, position, round, restart_count, nodes,
+                                                takeover_ports)
 
 // Field checks; an empty string means valid. Ranges and lengths are in limits.h; every
 // text is valid UTF-8 without control characters (text_problem() in text.h).

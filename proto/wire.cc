@@ -104,15 +104,15 @@ Frame frame_of(const Wire& w) {
 }
 
 AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
-  // The shared fields first; operator() appends group_rank and rank_offset (the map's 9th
-  // and 10th entries). Key order is free in CBOR maps: any decoder of ours reads them.
+  // The shared fields first; operator() appends group_rank and rank_offset (the map's 10th
+  // and 11th entries). Key order is free in CBOR maps: any decoder of ours reads them.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
   std::size_t bytes = 96 + a.master_addr.size();
   for (const auto& n : a.nodes) bytes += 2 + n.size();
   bytes += 20 + 3 * a.takeover_ports.size();
   out.reserve(bytes);
-  cbor::put_head(out, 5, 10);
+  cbor::put_head(out, 5, 11);
   cbor::put_text(out, "group_world_size");
   cbor::put_int(out, a.group_world_size);
   cbor::put_text(out, "master_addr");
@@ -126,6 +126,8 @@ AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
   cbor::put_int(out, a.restart_count);
   cbor::put_text(out, "round");
   cbor::put_int(out, a.round);
+  cbor::put_text(out, "standbys");
+  cbor::put_int(out, a.standbys);
   cbor::put_text(out, "takeover_ports");
   cbor::put_head(out, 4, a.takeover_ports.size());
   for (int p : a.takeover_ports) cbor::put_int(out, p);
@@ -152,9 +154,11 @@ Wire to_wire(const Heartbeat& h) {
   Wire w;
   w.type = static_cast<std::uint8_t>(MsgType::kHeartbeat);
   TailOut out{w};
-  head(out, 5, 1);
+  head(out, 5, 2);  // at most 1 + 6 + 5 + 9 + 5 bytes
   text(out, "round");
   integer(out, h.round);
+  text(out, "standbys");
+  integer(out, h.standbys);
   return w;
 }
 

@@ -18,22 +18,26 @@ std::chrono::milliseconds connect_retry_delay(int retry) {
   return milliseconds(std::min(500, ms));
 }
 
-std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignment& a, const std::string& lost_addr,
+std::vector<TakeoverCandidate> takeover_candidates(const std::vector<std::string>& nodes,
+                                                   const std::vector<int>& ports, const std::string& lost_addr,
                                                    int lost_port) {
   std::vector<TakeoverCandidate> out;
-  const std::size_t n = std::min(a.nodes.size(), a.takeover_ports.size());
+  const std::size_t n = std::min(nodes.size(), ports.size());
   for (std::size_t g = 0; g < n; ++g)
-    if (a.takeover_ports[g] > 0 && !(a.nodes[g] == lost_addr && a.takeover_ports[g] == lost_port))
-      out.push_back({static_cast<int>(g), a.nodes[g], a.takeover_ports[g]});
+    if (ports[g] > 0 && !(nodes[g] == lost_addr && ports[g] == lost_port))
+      out.push_back({static_cast<int>(g), nodes[g], ports[g]});
   return out;
 }
 
-std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int min_nodes) {
+std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int standbys,
+                            int min_nodes) {
   if (restarts_spent >= max_restarts)
     return fmt::format("no restart left for a new round (--max_restarts={})", max_restarts);
   if (candidates == 0) return "no other node can host the rendezvous";
-  if (static_cast<int>(candidates) < min_nodes)
-    return fmt::format("{} node(s) left, fewer than the {} that --nnodes asks for", candidates, min_nodes);
+  const auto left = static_cast<long long>(candidates) + std::max(0, standbys);
+  if (left < min_nodes)
+    return fmt::format("{} node(s) left{}, fewer than the {} that --nnodes asks for", left,
+                       standbys > 0 ? fmt::format(" ({} of them standbys)", standbys) : std::string(), min_nodes);
   return {};
 }
 
@@ -198,8 +202,9 @@ void Client::on_frame(const proto::Frame& f) {
         return on_welcome();
       }
       case MsgType::kHeartbeat:
-        proto::from_frame<proto::Heartbeat>(f);
-        return;  // the echo: conn_->last_frame() moved
+        // The echo (conn_->last_frame() moved), or the job's standby count changed.
+        standbys_ = proto::from_frame<proto::Heartbeat>(f).standbys;
+        return;
       case MsgType::kAssignment: {
         auto a = proto::from_frame<proto::Assignment>(f);
         if (!join_wanted_) {
@@ -209,6 +214,9 @@ void Client::on_frame(const proto::Frame& f) {
         round_ = a.round;
         current_ = a;
         standby_ = false;
+        standby_of_.reset();
+        standbys_ = a.standbys;
+        opts_.join.last_group_rank = -1;
         last_ = a;
         restarts_seen_ = std::max(restarts_seen_, a.restart_count);
         done_sent_ = false;
@@ -241,6 +249,10 @@ void Client::on_frame(const proto::Frame& f) {
         auto m = proto::from_frame<proto::Standby>(f);
         waiting_since_.reset();
         standby_ = true;
+        restarts_seen_ = std::max(restarts_seen_, m.restart_count);
+        standbys_ = std::max(standbys_, m.position);
+        // A node that took a job over lists no round before its own closes: keep the last.
+        if (!standby_of_ || !m.nodes.empty()) standby_of_ = m;
         if (h_.on_standby) h_.on_standby(m);
         return;
       }
@@ -347,6 +359,10 @@ void Client::rejoin() {
       pending_.reset();
       round_ = a.round;
       current_ = a;
+      standby_ = false;
+      standby_of_.reset();
+      standbys_ = a.standbys;
+      opts_.join.last_group_rank = -1;
       last_ = a;
       restarts_seen_ = std::max(restarts_seen_, a.restart_count);
       done_sent_ = false;
@@ -413,10 +429,15 @@ void Client::host_lost(const std::string& why) {
   if (decided_) return drop_connection();
   if (takeover_) return next_candidate(why);  // a candidate's connection failed before its welcome
   const std::string lost = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
-  if (standby_) return end_host_lost(lost + "; a standby does not follow a takeover");
-  if (!last_) return end_host_lost(lost + "; no round had started, so no node can take over");
-  auto candidates = takeover_candidates(*last_, opts_.host, opts_.port);
-  if (auto no = why_no_takeover(restarts_seen_, opts_.join.max_restarts, candidates.size(), opts_.join.min_nodes);
+  // A standby follows the round it was last told of; an active node the round it ran.
+  const bool standby = standby_ && !current_;
+  if (standby && (!standby_of_ || standby_of_->nodes.empty()))
+    return end_host_lost(lost + "; this standby was told no round to follow");
+  if (!standby && !last_) return end_host_lost(lost + "; no round had started, so no node can take over");
+  auto candidates = standby ? takeover_candidates(standby_of_->nodes, standby_of_->takeover_ports, opts_.host, opts_.port)
+                            : takeover_candidates(*last_, opts_.host, opts_.port);
+  if (auto no = why_no_takeover(restarts_seen_, opts_.join.max_restarts, candidates.size(), standbys_,
+                                opts_.join.min_nodes);
       !no.empty())
     return end_host_lost(lost + "; no survivor can take over: " + no);
   drop_connection();
@@ -426,7 +447,17 @@ void Client::host_lost(const std::string& why) {
   t.lost = lost;
   t.lost_host = host_agent_;
   t.restart_count = restarts_seen_ = restarts_seen_ + 1;
+  t.round = standby ? standby_of_->round : last_->round;
+  t.self_rank = standby ? -1 : last_->group_rank;
+  t.listed = static_cast<int>(standby ? standby_of_->nodes.size() : last_->nodes.size());
   takeover_ = std::move(t);
+  if (standby) {
+    // No workers to stop, no restart to take: it re-registers as a standby with the new host.
+    if (h_.on_notice) h_.on_notice(lost + "; this standby follows the node that takes over");
+    wait_for_decision();
+    return next_candidate({});
+  }
+  opts_.join.last_group_rank = last_->group_rank;  // the new host keeps it (until the next assignment)
   // The round is over, as for any lost node: a restart, then a fresh join with whoever hosts.
   current_.reset();
   pending_.reset();
@@ -452,9 +483,13 @@ void Client::next_candidate(const std::string& why_previous) {
   while (t.next < t.candidates.size() && now < t.deadline) {
     const TakeoverCandidate c = t.candidates[t.next++];
     int port = c.port;
-    if (c.group_rank == last_->group_rank) {
-      // Every node below this one is gone or silent: this one hosts.
-      port = h_.on_take_over ? h_.on_take_over({last_->round, t.restart_count, t.lost, t.lost_host, t.deadline}) : 0;
+    if (c.group_rank == t.self_rank) {
+      // Every node below this one is gone or silent: this one hosts. The last round's
+      // nodes but the lost host and those below this one are expected to re-join.
+      const int survivors = std::max(1, t.listed - 1 - static_cast<int>(t.next - 1));
+      port = h_.on_take_over
+                 ? h_.on_take_over({t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors})
+                 : 0;
       if (port <= 0) {
         t.tried += fmt::format("{}node {} (this one): cannot host", t.tried.empty() ? "" : "; ", c.group_rank);
         continue;

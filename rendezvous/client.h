@@ -10,9 +10,15 @@
 // by the lowest live node by group rank of the last round (takeover_candidates()): each
 // survivor tries those below itself in that order, one keep-alive interval each, and hosts
 // itself when none answered (ClientHandlers::on_take_over); the whole search is bounded by
-// keep-alive x attempts. Where no takeover is possible (why_no_takeover()) or none
-// succeeds in time, the node ends with the lost host as root cause (kHostLostExitCode).
-// The new host proves the job's key like any server.
+// keep-alive x attempts. A standby follows too: its Standby messages list the running
+// round's candidates (kept current: sent again whenever a round closes); it tries them in
+// the same order, never hosts, and re-registers as a standby (Join::resume_standby) with
+// the node that took over, which gives it a place the survivors leave free at once. The
+// survivors join with their last group rank (Join::last_group_rank), which the new host
+// keeps. Where no takeover is possible (why_no_takeover(): the job's standbys count
+// towards --nnodes' minimum, as Heartbeat::standbys tells them) or none succeeds in time,
+// the node ends with the lost host as root cause (kHostLostExitCode). The new host proves
+// the job's key like any server: no node obeys one that cannot.
 #pragma once
 
 #include <chrono>
@@ -62,11 +68,17 @@ struct TakeoverCandidate {
 // The nodes of round `a` that advertised a takeover port, by group rank, without the lost
 // host at lost_addr:lost_port (after a first takeover, the lost host is one of them): the
 // order in which every survivor tries them.
-std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignment& a, const std::string& lost_addr,
-                                                   int lost_port);
+std::vector<TakeoverCandidate> takeover_candidates(const std::vector<std::string>& nodes,
+                                                   const std::vector<int>& takeover_ports,
+                                                   const std::string& lost_addr, int lost_port);
+inline std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignment& a, const std::string& lost_addr,
+                                                          int lost_port) {
+  return takeover_candidates(a.nodes, a.takeover_ports, lost_addr, lost_port);
+}
 // Why the job cannot go on after losing its host (empty when a takeover may be tried): no
-// restart left, no node that can host, fewer candidates than --nnodes' minimum.
-std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int min_nodes);
+// restart left, no node that can host, fewer candidates and standbys than --nnodes' minimum.
+std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int standbys,
+                            int min_nodes);
 
 // The wait before the `retry`-th new attempt (1, 2, ...) to reach a server that refused the
 // connection (nothing listens yet). The agents of a job start together and the host listens
@@ -124,6 +136,8 @@ class Client {
   int round_ = 0;
   std::optional<proto::Assignment> current_;  // the round this node runs, for re-registration
   std::optional<proto::Assignment> last_;  // the last round assigned (kept through restarts)
+  std::optional<proto::Standby> standby_of_;  // told while a standby: the round's takeover candidates
+  int standbys_ = 0;  // the job's standby nodes, as last told (Assignment, Heartbeat)
   int restarts_seen_ = 0;  // the highest restart count heard (or spent on a takeover)
   // The agent asked to be in the next round (start, rejoin); false from a Restart until
   // rejoin(). An assignment that comes before (a join sent on reconnecting) waits in
@@ -137,6 +151,9 @@ class Client {
     std::string lost;   // "rendezvous host H (EP) lost: WHY"
     std::string lost_host;
     int restart_count = 0;
+    int round = 0;       // the last round (the seed's)
+    int self_rank = -1;  // this node's group rank in it; -1: a standby, which never hosts
+    int listed = 0;      // nodes listed in that round
     std::string tried;  // what each candidate said, for the root cause
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over

@@ -26,16 +26,38 @@ Actions Job::make_standby(SessionId s, const proto::Join& j, Clock::time_point n
     return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' is full ({} nodes) and has {} standbys already", id_,
                                                          config_.max_nodes, standby_.size())})}};
   standby_[s] = {j, now};
+  Actions out{{s, standby_message(s)}};
+  auto told = tell_standby_count();
+  out.insert(out.end(), told.begin(), told.end());
+  return out;
+}
+
+proto::Wire Job::standby_message(SessionId s) const {
   proto::Standby m;
   m.active_nodes = static_cast<int>(state_ == State::kRunning ? std::max(members_.size(), expected_members_)
                                                                : joined_.size() + rejoining_.size());
   m.position = static_cast<int>(std::distance(standby_.begin(), standby_.find(s))) + 1;
-  return {{s, proto::to_wire(m)}};
+  m.round = round_;
+  m.restart_count = restart_count_;
+  m.nodes = round_nodes_;
+  m.takeover_ports = round_ports_;
+  return proto::to_wire(m);
+}
+
+Actions Job::tell_standby_count() const {
+  if (state_ != State::kRunning) return {};  // the next assignment carries it
+  const auto w = proto::to_wire(proto::Heartbeat{round_, static_cast<int>(standby_.size())});
+  Actions out;
+  out.reserve(members_.size());
+  for (const auto& [s, n] : members_) out.push_back({s, w});
+  return out;
 }
 
 Actions Job::promote_standbys(Clock::time_point now) {
   const auto max = static_cast<std::size_t>(config_.max_nodes);
-  while (!standby_.empty() && joined_.size() + rejoining_.size() < max) joined_.insert(standby_.extract(standby_.begin()));
+  const auto reserved = static_cast<std::size_t>(takeover_ ? takeover_reserved_ : 0);
+  while (!standby_.empty() && joined_.size() + rejoining_.size() + reserved < max)
+    joined_.insert(standby_.extract(standby_.begin()));
   const int n = static_cast<int>(joined_.size());
   if (n >= config_.max_nodes) return close_round(now);
   if (n >= config_.min_nodes && !last_call_deadline_) last_call_deadline_ = now + milliseconds(config_.last_call_ms);
@@ -116,6 +138,18 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   // A standby re-registering with a restarted server waits for the round its nodes rebuild
   // (or, if none of them comes back within join_timeout, hears that the job failed: tick).
   if (j.resume_standby && state_ == State::kJoining && round_ == 0 && joined_.empty()) return make_standby(s, j, now);
+  if (takeover_ && state_ == State::kRestarting && !joined_.contains(s)) {
+    // The job taken over after its host's loss: a standby that followed takes a place the
+    // survivors leave free at once; a survivor keeps its group rank.
+    if (j.resume_standby) {
+      Actions out = make_standby(s, j, now);
+      auto more = promote_standbys(now);
+      out.insert(out.end(), more.begin(), more.end());
+      return out;
+    }
+    takeover_reserved_ = std::max(0, takeover_reserved_ - 1);
+    if (j.last_group_rank >= 0) placed_[j.agent_id] = j.last_group_rank;
+  }
   if (state_ == State::kRunning) {
     if (members_.contains(s)) return {};
     // A full round (or one being rebuilt to its size) takes the newcomer as a standby.
@@ -236,6 +270,7 @@ std::size_t Job::approx_bytes() const {
     for (const auto& [s, n] : *m)
       bytes += sizeof(Node) + 64 + n.join.job_id.size() + n.join.agent_id.size() + n.join.host.size() + n.join.addr.size();
   for (const auto& [agent, rank] : placed_) bytes += 64 + agent.size();
+  for (const auto& n : round_nodes_) bytes += 40 + n.size();
   return bytes;
 }
 
@@ -284,12 +319,17 @@ Actions Job::close_round(Clock::time_point now) {
   a.master_addr = nodes.front().second.join.addr;
   a.master_port = nodes.front().second.join.master_port;
   a.world_size = 0;
+  a.standbys = static_cast<int>(standby_.size());
+  round_nodes_.clear();
+  round_ports_.clear();
   for (const auto& [s, n] : nodes) {
     // The node list rides along for jobs up to kMaxListedNodes (10,000 nodes would make
     // every assignment 120 KB and the round 1.2 GB). It is encoded once for every node.
     if (nodes.size() <= proto::kMaxListedNodes) {
       a.nodes.push_back(n.join.addr);
       a.takeover_ports.push_back(n.join.takeover_port);
+      round_nodes_.push_back(n.join.addr);
+      round_ports_.push_back(n.join.takeover_port);
     }
     a.world_size += n.join.nproc;
   }
@@ -308,9 +348,12 @@ Actions Job::close_round(Clock::time_point now) {
   }
   last_call_deadline_.reset();
   takeover_.reset();
+  takeover_reserved_ = 0;
   expected_members_ = members_.size();
   rebuilding_ = false;
   state_ = State::kRunning;
+  // The standbys left out hold the new round's takeover candidates.
+  for (const auto& [s, n] : standby_) out.push_back({s, standby_message(s)});
   return out;
 }
 
@@ -378,7 +421,7 @@ Actions Job::maybe_done() {
 
 Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view why) {
   last_activity_ = now;
-  if (standby_.erase(s)) return {};
+  if (standby_.erase(s)) return tell_standby_count();
   joined_.erase(s);
   rejoining_.erase(s);
   auto it = members_.find(s);
@@ -409,6 +452,7 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   state_ = State::kRestarting;
   first_join_ = last_activity_ = now;
   takeover_ = seed;
+  takeover_reserved_ = std::max(0, seed.survivors);
 }
 
 Actions Job::tick(Clock::time_point now) {
@@ -425,6 +469,8 @@ Actions Job::tick(Clock::time_point now) {
                                 "standby dropped from job '{}': no heartbeat for more than {} ms", id_,
                                 duration_cast<milliseconds>(silent_limit).count())})}};
     standby_.erase(it);
+    auto told = tell_standby_count();
+    out.insert(out.end(), told.begin(), told.end());
     return out;
   }
   if (state_ == State::kJoining && round_ == 0 && joined_.empty() && members_.empty() && !standby_.empty() &&
@@ -436,6 +482,9 @@ Actions Job::tick(Clock::time_point now) {
     return fail_job(rc, rc.message);
   }
   if (takeover_ && state_ == State::kRestarting && now >= takeover_->deadline) {
+    // The survivors that did not come are gone: their places go to the standbys.
+    takeover_reserved_ = 0;
+    if (auto closed = promote_standbys(now); state_ == State::kRunning) return closed;
     const TakeoverSeed seed = std::move(*takeover_);
     takeover_.reset();
     if (static_cast<int>(joined_.size()) < config_.min_nodes) {

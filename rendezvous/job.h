@@ -15,7 +15,10 @@
 // the round closes the moment the survivors re-joined (max reached, no last call). Every
 // round after the first keeps the group ranks of the nodes that stay (their relative order
 // when the round shrinks); the freed places go to standbys and newcomers. Done and Abort
-// reach the standbys too.
+// reach the standbys too. A standby is told Standby again whenever a round closes without
+// it (the round's takeover candidates, for following a takeover), and the running nodes
+// hear the standby count (Heartbeat::standbys) when it changes, so that survivors of the
+// hosting agent's loss count the standbys (rendezvous/client.h).
 #pragma once
 
 #include <chrono>
@@ -49,6 +52,9 @@ struct TakeoverSeed {
   std::string reason;     // "rendezvous host H (ENDPOINT) lost: WHY"
   std::string lost_host;  // H
   Clock::time_point deadline;  // the survivors re-join by then, or the job fails
+  // The last round's nodes expected to re-join (the new host included): their places are
+  // kept from standbys until they joined or the deadline passed.
+  int survivors = 0;
 };
 
 // A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
@@ -74,9 +80,11 @@ class Job {
   // Closes a round after last call, detects silent nodes, expires a join that waits too long.
   Actions tick(Clock::time_point now);
   // Makes this new job go on from the round its lost hosting agent ran: the next round is
-  // restart seed.restart_count for the nodes that join (the survivors); with fewer than
-  // min nodes joined at seed.deadline it fails with seed.reason as root cause (exit
-  // kHostLostExitCode everywhere). Call before any join.
+  // restart seed.restart_count for the nodes that join (the survivors, keeping their group
+  // ranks: Join::last_group_rank) and the standbys that follow (Join::resume_standby), which
+  // take the places the survivors leave free at once; with fewer than min nodes joined at
+  // seed.deadline it fails with seed.reason as root cause (exit kHostLostExitCode
+  // everywhere). Call before any join.
   void take_over(const TakeoverSeed& seed, Clock::time_point now);
 
   State state() const { return state_; }
@@ -109,6 +117,10 @@ class Job {
   Actions broadcast(const proto::Wire& w, SessionId except = 0) const;
   Actions maybe_done();
   Actions make_standby(SessionId s, const proto::Join& j, Clock::time_point now);
+  // The Standby message for standby `s` (its position, the last round's candidates).
+  proto::Wire standby_message(SessionId s) const;
+  // The running nodes hear the standby count (after it changed).
+  Actions tell_standby_count() const;
   // Moves standbys into the next round while it has free places (max nodes, less those
   // that re-join or have re-joined); closes the round once full, else opens the last call.
   Actions promote_standbys(Clock::time_point now);
@@ -146,6 +158,10 @@ class Job {
   int disconnects_ = 0, missed_heartbeats_ = 0;
   std::optional<Clock::time_point> last_call_deadline_;
   std::optional<TakeoverSeed> takeover_;  // taken over, the survivors' round not closed yet
+  int takeover_reserved_ = 0;  // survivors of a takeover not re-joined yet (their places wait)
+  // The last round's advertised addresses and takeover ports by group rank (Standby).
+  std::vector<std::string> round_nodes_;
+  std::vector<int> round_ports_;
   Clock::time_point first_join_;
   Clock::time_point last_activity_;
 };

@@ -377,7 +377,8 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
       case MsgType::kHeartbeat: {
         auto hb = proto::from_frame<proto::Heartbeat>(f);
         apply(job->second.heartbeat(s->id, now));
-        s->conn->send(proto::to_wire(hb));  // lets the client see a hung server
+        // The echo lets the client see a hung server; it carries the job's standby count.
+        s->conn->send(proto::to_wire(proto::Heartbeat{hb.round, static_cast<int>(job->second.standbys())}));
         break;
       }
       case MsgType::kWorkerFailed: {

@@ -242,7 +242,8 @@ TEST_CASE("a standby in the log: every agent computes the same standby, and it t
   for (const std::string self : {"a", "b", "c"}) {
     JobReplay r("job", self);
     for (const auto& e : base)
-      for (auto& f : r.apply(e)) seen[self].push_back(mg::proto::type_of(f));
+      for (auto& f : r.apply(e))
+        if (mg::proto::type_of(f) != MsgType::kHeartbeat) seen[self].push_back(mg::proto::type_of(f));  // (the standby count)
     for (const auto& e : {lost, back})
       for (auto& f : r.apply(e)) {
         seen[self].push_back(mg::proto::type_of(f));

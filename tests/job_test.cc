@@ -336,8 +336,10 @@ TEST_CASE("a node that arrives when the round is full becomes a standby, outlive
   job.join(2, node("127.0.0.2", 2, 2), T0);
   REQUIRE(job.state() == Job::State::kRunning);
   auto out = job.join(3, node("127.0.0.3", 2, 2), T0 + 1s);
-  REQUIRE(out.size() == 1);
+  REQUIRE(out.size() == 3);  // and the standby count to the two running nodes
   REQUIRE(proto::type_of(out[0].frame) == MsgType::kStandby);
+  CHECK(out[0].session == 3);
+  CHECK(of_type(out, MsgType::kHeartbeat).size() == 2);
   auto sb = proto::from_frame<proto::Standby>(out[0].frame);
   CHECK(sb.active_nodes == 2);
   CHECK(sb.position == 1);
@@ -490,10 +492,14 @@ TEST_CASE("a silent standby is dropped and told, a closed one forgotten - with e
   job.heartbeat(1, T0 + 250ms);
   job.heartbeat(3, T0 + 250ms);
   auto out = job.tick(T0 + 310ms);  // standby 2 silent for 310 ms > 3 x 100 ms
-  REQUIRE(out.size() == 1);
+  REQUIRE(out.size() == 2);  // and node 1 hears the standby count
   CHECK(out[0].session == 2);
   CHECK_THAT(error_of(out), Catch::Contains("standby dropped"));
-  CHECK(job.disconnected(3, T0 + 320ms).empty());
+  CHECK(out[1].session == 1);
+  CHECK(proto::from_frame<proto::Heartbeat>(out[1].frame).standbys == 1);
+  out = job.disconnected(3, T0 + 320ms);
+  REQUIRE(out.size() == 1);
+  CHECK(proto::from_frame<proto::Heartbeat>(out[0].frame).standbys == 0);
   CHECK(job.standbys() == 0);
   CHECK(of_type(job.disconnected(1, T0 + 330ms), MsgType::kAbort).empty());  // nobody left to tell
   CHECK(job.state() == Job::State::kFailed);

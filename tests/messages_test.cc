@@ -135,3 +135,30 @@ TEST_CASE("a standby message takes a node count and a 1-based position, and refu
   CHECK(validate(negative).find("active_nodes") != std::string::npos);
   CHECK_THROWS_AS(from_frame<Standby>(to_frame(Done{})), ProtocolError);
 }
+
+TEST_CASE("a standby message carries its round's takeover candidates, checked as an assignment's (#26)") {
+  Standby ok;
+  ok.round = 3;
+  ok.restart_count = 1;
+  ok.nodes = {"127.0.0.2", "127.0.0.3"};
+  ok.takeover_ports = {0, 4101};
+  REQUIRE(validate(ok).empty());
+  auto back = from_frame<Standby>(to_frame(ok));
+  CHECK(back.round == 3);
+  CHECK(back.restart_count == 1);
+  CHECK(back.nodes == ok.nodes);
+  CHECK(back.takeover_ports == ok.takeover_ports);
+  Standby mismatched = ok;
+  mismatched.takeover_ports = {4101};
+  CHECK(validate(mismatched).find("takeover_ports lists 1 entries for 2 nodes") != std::string::npos);
+  Standby bad_port = ok;
+  bad_port.takeover_ports = {0, 70000};
+  CHECK(validate(bad_port).find("takeover port") != std::string::npos);
+  Standby bad_addr = ok;
+  bad_addr.nodes[1] = "a\nb";
+  CHECK(!validate(bad_addr).empty());
+  Heartbeat hb{5, 2};
+  CHECK(from_frame<Heartbeat>(to_frame(hb)).standbys == 2);
+  hb.standbys = -1;
+  CHECK(validate(hb).find("standbys") != std::string::npos);
+}

@@ -105,3 +105,53 @@ TEST_CASE("the hosting agent and the next node SIGKILLed at once: the last survi
              Catch::Contains("rendezvous host ") && Catch::Contains(" lost: ") && !Catch::Contains("join_timeout"));
   for (int i : {0, 1}) agents[i].wait(5s);
 }
+
+TEST_CASE("the hosting agent of a 3-node job with one standby SIGKILLed: the standby follows the takeover, proving "
+          "the job's token, takes the lost node's place at once, and the job finishes (#26, Done when)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::map<std::string, std::string> env{{"MGLAUNCH_RDZV_TOKEN", "takeover-standby-token"}};
+  // --nnodes=3 and a last call of 120 s: the job can go on only with the standby, and
+  // only if it gets its place at once (no join wait).
+  const std::vector<std::string> flags{
+      "--max_restarts=1", "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=120"};
+  const std::string pids = make_temp_dir() + "/pids";
+  // The first round hangs; the round after the host's loss prints its environment, exits 0.
+  const std::vector<std::string> worker{"pidfile", pids, "env", "when-restart-below", "1", "print", "up", "hang", "300"};
+  std::vector<Proc> agents = start_job(ep, "standby-follows", "3", flags, worker, env);
+  Proc s = spawn(agent_argv(ep, "standby-follows", 5, "3", 1, flags, worker), env);
+  REQUIRE(eventually([&] { return s.err().find("[mglaunch] standby for job ") != std::string::npos || !pid_alive(s.pid); },
+                     30s));
+  ::kill(agents[0].pid, SIGKILL);
+  for (Proc* p : {&agents[1], &agents[2], &s}) {
+    REQUIRE(p->wait(90s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  agents[0].wait(5s);
+  INFO(s.err());
+  // The standby followed: it re-registered as one with the node that took over (127.0.0.3,
+  // group rank 1, the lowest live node) and took group rank 0, the lost host's place.
+  CHECK_THAT(s.err(), Catch::Contains("(" + ep + ") lost: ") &&
+                          Catch::Contains("this standby follows the node that takes over") &&
+                          Catch::Contains("the rendezvous is now hosted by") &&
+                          Catch::Contains("re-registered as a standby") && Catch::Contains("round 2: node 0 of 3"));
+  CHECK_THAT(agents[1].err(), Catch::Contains("taking over from"));
+  const auto s_env = envs(s.out());
+  REQUIRE(s_env.size() == 1);
+  CHECK(s_env[0]["GROUP_RANK"] == "0");
+  CHECK(s_env[0]["WORLD_SIZE"] == "3");
+  CHECK(s_env[0]["TORCHELASTIC_RESTART_COUNT"] == "1");
+  CHECK(s_env[0]["MASTER_ADDR"] == "127.0.0.5");
+  // The survivors keep their group ranks.
+  for (int i : {1, 2}) {
+    const auto e = envs(agents[i].out());
+    REQUIRE(e.size() == 2);
+    CHECK(e.back()["GROUP_RANK"] == std::to_string(i));
+    CHECK(e.back()["TORCHELASTIC_RESTART_COUNT"] == "1");
+    CHECK(e.back()["MASTER_ADDR"] == "127.0.0.5");
+  }
+  // No worker is left, the lost host's included (its watchdog stopped it).
+  const auto started = read_pids(pids);
+  CHECK(started.size() == 6);  // 3 in the first round, 3 in the second
+  CHECK(eventually([&] { return std::none_of(started.begin(), started.end(), pid_alive); }, 30s));
+}

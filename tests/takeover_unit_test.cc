@@ -5,6 +5,8 @@
 #include "rendezvous/client.h"
 #include "rendezvous/job.h"
 
+#include <map>
+
 using namespace mg;
 using namespace mg::rdzv;
 using namespace std::chrono_literals;
@@ -61,10 +63,157 @@ TEST_CASE("the lowest live node by group rank is tried first, the lost host and 
 }
 
 TEST_CASE("no takeover without a restart left, a node that can host, or enough nodes for --nnodes") {
-  CHECK(why_no_takeover(0, 1, 2, 2).empty());
-  CHECK_THAT(why_no_takeover(1, 1, 2, 2), Catch::Contains("no restart left") && Catch::Contains("--max_restarts=1"));
-  CHECK_THAT(why_no_takeover(0, 3, 0, 1), Catch::Contains("no other node can host"));
-  CHECK_THAT(why_no_takeover(0, 3, 2, 3), Catch::Contains("2 node(s) left, fewer than the 3"));
+  CHECK(why_no_takeover(0, 1, 2, 0, 2).empty());
+  CHECK_THAT(why_no_takeover(1, 1, 2, 0, 2), Catch::Contains("no restart left") && Catch::Contains("--max_restarts=1"));
+  CHECK_THAT(why_no_takeover(0, 3, 0, 1, 1), Catch::Contains("no other node can host"));
+  CHECK_THAT(why_no_takeover(0, 3, 2, 0, 3), Catch::Contains("2 node(s) left, fewer than the 3"));
+}
+
+TEST_CASE("the standbys count towards --nnodes' minimum after the host's loss: 2 survivors and 1 standby go on at 3") {
+  CHECK(why_no_takeover(0, 1, 2, 1, 3).empty());
+  CHECK_THAT(why_no_takeover(0, 1, 1, 1, 3), Catch::Contains("2 node(s) left (1 of them standbys), fewer than the 3"));
+  // Standbys cannot host: without a candidate there is no takeover, whatever waits.
+  CHECK_THAT(why_no_takeover(0, 1, 0, 3, 1), Catch::Contains("no other node can host"));
+}
+
+namespace {
+
+std::vector<Outgoing> to(SessionId s, const Actions& out) {
+  std::vector<Outgoing> v;
+  for (const auto& o : out)
+    if (o.session == s) v.push_back(o);
+  return v;
+}
+
+proto::Join of_size(proto::Join j, int min_nodes, int max_nodes) {
+  j.min_nodes = min_nodes;
+  j.max_nodes = max_nodes;
+  return j;
+}
+
+proto::Join follower(const std::string& addr) {
+  auto j = of_size(survivor(addr), 3, 3);
+  j.resume_standby = true;
+  return j;
+}
+
+proto::Join survivor_of(const std::string& addr, int last_group_rank) {
+  auto j = of_size(survivor(addr), 3, 3);
+  j.last_group_rank = last_group_rank;
+  return j;
+}
+
+}  // namespace
+
+TEST_CASE("a standby is told the running round's takeover candidates, again when a round closes, and the running "
+          "nodes hear the standby count") {
+  Job job("job");
+  auto a = of_size(survivor("127.0.0.11"), 2, 2), b = of_size(survivor("127.0.0.12"), 2, 2);
+  b.takeover_port = 4002;
+  CHECK(job.join(1, a, T0).empty());
+  auto out = job.join(2, b, T0);
+  REQUIRE(out.size() == 2);
+  CHECK(proto::from_frame<proto::Assignment>(out[0].frame).standbys == 0);
+  auto s = of_size(survivor("127.0.0.13"), 2, 2);
+  s.takeover_port = 4003;
+  out = job.join(3, s, T0 + 1ms);
+  REQUIRE(to(3, out).size() == 1);
+  auto sb = proto::from_frame<proto::Standby>(to(3, out)[0].frame);
+  CHECK(sb.round == 1);
+  CHECK(sb.nodes == std::vector<std::string>{"127.0.0.11", "127.0.0.12"});
+  CHECK(sb.takeover_ports == std::vector<int>{0, 4002});
+  for (SessionId m : {1, 2}) {
+    REQUIRE(to(m, out).size() == 1);
+    REQUIRE(proto::type_of(to(m, out)[0].frame) == MsgType::kHeartbeat);
+    CHECK(proto::from_frame<proto::Heartbeat>(to(m, out)[0].frame).standbys == 1);
+  }
+  // A worker fails: the same two nodes run the next round; the standby hears of it.
+  proto::WorkerFailed f;
+  f.round = 1;
+  a.max_restarts = b.max_restarts = 3;
+  Job job2("job2");
+  job2.join(1, a, T0);
+  job2.join(2, b, T0);
+  job2.join(3, s, T0);
+  job2.worker_failed(1, f, T0 + 1ms);
+  job2.join(1, a, T0 + 2ms);
+  out = job2.join(2, b, T0 + 2ms);
+  REQUIRE(to(3, out).size() == 1);
+  sb = proto::from_frame<proto::Standby>(to(3, out)[0].frame);
+  CHECK(sb.round == 2);
+  CHECK(sb.restart_count == 1);
+  CHECK(sb.nodes == std::vector<std::string>{"127.0.0.11", "127.0.0.12"});
+  CHECK(proto::from_frame<proto::Assignment>(to(1, out)[0].frame).standbys == 1);
+  // The standby leaves: the running nodes hear the count.
+  out = job2.disconnected(3, T0 + 3ms);
+  REQUIRE(out.size() == 2);
+  CHECK(proto::from_frame<proto::Heartbeat>(out[0].frame).standbys == 0);
+}
+
+TEST_CASE("a job taken over: the standby that follows takes the lost host's place at once, the survivors keep theirs") {
+  for (const bool standby_first : {true, false}) {
+    INFO("the standby re-registers first: " << standby_first);
+    Job job("job");
+    // Group rank 0 hosted and is lost; 1 and 2 survive; 127.0.0.19 was the standby.
+    job.take_over({4, 1, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1", T0 + 300ms, 2},
+                  T0);
+    Actions out;
+    auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+    if (standby_first) add(job.join(9, follower("127.0.0.19"), T0 + 1ms));
+    add(job.join(1, survivor_of("127.0.0.12", 1), T0 + 2ms));
+    add(job.join(2, survivor_of("127.0.0.13", 2), T0 + 3ms));
+    if (!standby_first) add(job.join(9, follower("127.0.0.19"), T0 + 4ms));
+    // 3 of 3: the round closed at once, with no tick (no last call, no deadline).
+    CHECK(job.state() == Job::State::kRunning);
+    std::map<SessionId, proto::Assignment> got;
+    for (const auto& o : out)
+      if (proto::type_of(o.frame) == MsgType::kAssignment) got[o.session] = proto::from_frame<proto::Assignment>(o.frame);
+    REQUIRE(got.size() == 3);
+    CHECK(got[9].group_rank == 0);  // the lost host's place
+    CHECK(got[1].group_rank == 1);
+    CHECK(got[2].group_rank == 2);
+    CHECK(got[9].round == 5);
+    CHECK(got[9].restart_count == 1);
+    CHECK(got[9].master_addr == "127.0.0.19");
+  }
+}
+
+TEST_CASE("a job taken over keeps the survivors' places from standbys that follow first, and gives them the places "
+          "of survivors that never come at the deadline") {
+  Job job("job");
+  job.take_over({4, 1, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1", T0 + 300ms, 2},
+                T0);
+  // Two standbys follow before the survivors: one free place (3 less 2 survivors).
+  auto out = job.join(8, follower("127.0.0.18"), T0 + 1ms);
+  out = job.join(9, follower("127.0.0.19"), T0 + 2ms);
+  REQUIRE(to(9, out).size() == 1);
+  CHECK(proto::type_of(to(9, out)[0].frame) == MsgType::kStandby);
+  CHECK(job.standbys() == 1);
+  // Both survivors come: the round closes without the second standby, which hears of it.
+  job.join(1, survivor_of("127.0.0.12", 1), T0 + 3ms);
+  out = job.join(2, survivor_of("127.0.0.13", 2), T0 + 4ms);
+  CHECK(to(1, out).size() == 1);
+  CHECK(to(2, out).size() == 1);
+  REQUIRE(to(8, out).size() == 1);
+  CHECK(proto::from_frame<proto::Assignment>(to(8, out)[0].frame).group_rank == 0);
+  REQUIRE(to(9, out).size() == 1);
+  auto sb = proto::from_frame<proto::Standby>(to(9, out)[0].frame);
+  CHECK(sb.round == 5);
+  CHECK(sb.nodes == std::vector<std::string>{"127.0.0.18", "127.0.0.12", "127.0.0.13"});
+
+  // One survivor never comes: at the deadline its place goes to the waiting standby.
+  Job late("late");
+  late.take_over({4, 1, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1", T0 + 300ms, 2},
+                 T0);
+  late.join(8, follower("127.0.0.18"), T0 + 1ms);
+  late.join(9, follower("127.0.0.19"), T0 + 2ms);
+  late.join(1, survivor_of("127.0.0.12", 1), T0 + 3ms);
+  CHECK(late.tick(T0 + 299ms).empty());
+  CHECK(late.state() == Job::State::kRestarting);
+  out = late.tick(T0 + 300ms);
+  CHECK(late.state() == Job::State::kRunning);
+  CHECK(to(9, out).size() == 1);
+  CHECK(proto::type_of(to(9, out)[0].frame) == MsgType::kAssignment);
 }
 
 TEST_CASE("a job taken over restarts with the survivors that join, with the restart the lost host cost") {

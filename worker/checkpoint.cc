@@ -45,7 +45,7 @@ Position load_from_bytes(const std::string& bytes, const torch::Device& device, 
   torch::Tensor rng;
   ar.read("rng", rng);
   at::Generator gen = at::detail::getDefaultCPUGenerator();
-  gen.set_state(rng);
+  gen.set_state(rng.to(torch::kCPU));  // the archive was mapped to `device`; the generator's state is a CPU tensor
   return p;
 }
 

@@ -28,6 +28,16 @@ void abort_if_supported(T& pg) {
   if constexpr (requires { pg.abort(); }) pg.abort();
 }
 
+// A hook that aborts `pg` while it lives. A weak reference: the Interrupt lives in a
+// static slot, and a group it owned would be destroyed after CUDA at exit (the process
+// then aborts with "driver shutting down", seen on an H100).
+template <typename T>
+std::function<void()> abort_while_alive(const c10::intrusive_ptr<T>& pg) {
+  return [weak = c10::weak_intrusive_ptr<T>(pg)] {
+    if (auto p = weak.lock()) abort_if_supported(*p);
+  };
+}
+
 std::shared_ptr<Interrupt>& interrupt_slot() {
   static std::shared_ptr<Interrupt> slot;
   return slot;
@@ -203,7 +213,7 @@ Comm connect(const Options& o, const Env& env) {
     c.abort = [nccl] { abort_if_supported(*nccl); };
     if (const auto& interrupt = interrupt_slot()) {  // --in-place-recovery: a pause aborts this group at once
       std::lock_guard lk(interrupt->m);
-      interrupt->on_fire = c.abort;
+      interrupt->on_fire = abort_while_alive(nccl);
     }
     c.pg = nccl;
 #endif

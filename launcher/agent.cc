@@ -531,6 +531,7 @@ void Agent::start_control() {
   h.closed = [this](int lr) { run(core_.control_closed(lr, now())); };
   h.paused = [this](int lr, const control::Paused& p) {
     trace_instant("paused", "restart", {{"local_rank", lr}, {"step", p.step}});
+    run(core_.worker_paused(lr, now()));  // it answered: alive, its Assign may go
   };
   try {
     control_ = std::make_unique<control::Server>(io_, std::move(co), std::move(h));
@@ -669,8 +670,11 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::SpawnMoreLater>) {
             asio::post(io_, [this, gen = a.gen] { run(core_.spawn_batch_due(gen, now())); });
           } else if constexpr (std::is_same_v<A, sup::act::SignalWorkers>) {
-            if (a.only) launcher_->signal_some(a.sig, *a.only);
-            else launcher_->signal(a.sig, a.escaped);
+            for (int sig : {a.sig, a.cont ? SIGCONT : 0}) {  // SIGCONT: a SIGSTOPped worker gets the stop signal now
+              if (sig == 0) continue;
+              if (a.only) launcher_->signal_some(sig, *a.only);
+              else launcher_->signal(sig, a.escaped);
+            }
           } else if constexpr (std::is_same_v<A, sup::act::PauseOutputDrains>) {
             launcher_->pause_drains();
           } else if constexpr (std::is_same_v<A, sup::act::ResumeOutputDrains>) {

@@ -58,8 +58,8 @@ void Supervisor::spawn_batch(std::uint64_t gen, const Now& now, Actions& out) {
   while (state_ == State::kRunning && spawned_ < end) {
     const auto lr = static_cast<std::size_t>(spawned_++);
     if (paused_[lr]) {  // kept in place: its handle counts already
-      paused_[lr] = 0;
-      out.push_back(act::Assign{static_cast<int>(lr), rdzv_ ? round_ : restart_count_, restart_count_});
+      if (acked_[lr]) assign(static_cast<int>(lr), out);
+      else assign_held_[lr] = 1;  // once it answered its pause, or SIGKILL and a new one (timer_fired)
       continue;
     }
     if (closing_[lr]) {  // its old process is still being stopped: the new one starts after it ended
@@ -134,6 +134,17 @@ bool Supervisor::closing_ended(const WorkerOutcome& o, Actions& out) {
 Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCauseDetails& details) {
   Actions out;
   if (state_ == State::kDone || attempts_.empty()) return out;
+  if (valid(o.local_rank) && state_ == State::kRunning && paused_[static_cast<std::size_t>(o.local_rank)]) {
+    // Kept for this attempt, ended before its Assign (held for its answer, or its turn not
+    // come yet): no worker of the attempt; a new process takes its place (closing_ended).
+    const auto lr = static_cast<std::size_t>(o.local_rank);
+    notice(fmt::format("local rank {} ended while paused: it is started anew", o.local_rank), out);
+    paused_[lr] = acked_[lr] = 0;
+    closing_[lr] = 1;
+    closing_due_[lr] = Clock::time_point::max();
+    respawn_[lr] = assign_held_[lr];
+    assign_held_[lr] = 0;
+  }
   if (closing_ended(o, out)) {
     // Not a worker of the attempt under way: neither recorded nor a root cause; a stop may
     // have waited for it.
@@ -161,7 +172,7 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
     const auto lr = static_cast<std::size_t>(o.local_rank);
     if (paused_[lr])
       notice(fmt::format("local rank {} ended while paused: it is started anew in the next attempt", o.local_rank), out);
-    live_[lr] = in_place_[lr] = paused_[lr] = 0;
+    live_[lr] = in_place_[lr] = paused_[lr] = acked_[lr] = assign_held_[lr] = 0;
   }
   if (cause) {
     RootCause rc;
@@ -178,7 +189,7 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
     if (restart_count_ < cfg_.max_restarts)
       pause_in_place(fmt::format("rank {} (local_rank {}) on {} failed with exit code {}", o.rank, o.local_rank,
                                  cfg_.host, o.exit_code),
-                     "worker", out);
+                     "worker", now, out);
     stop_group(SIGTERM, now, out);
   }
   // Ranks still to start count while running; once stopping, they never will.
@@ -202,18 +213,28 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
   return out;
 }
 
+void Supervisor::assign(int local_rank, Actions& out) {
+  const auto lr = static_cast<std::size_t>(local_rank);
+  paused_[lr] = acked_[lr] = assign_held_[lr] = 0;
+  out.push_back(act::Assign{local_rank, rdzv_ ? round_ : restart_count_, restart_count_});
+  arm_closing(out);  // its answer deadline is gone
+}
+
 int Supervisor::paused_count() const { return static_cast<int>(std::count(paused_.begin(), paused_.end(), 1)); }
 
-bool Supervisor::pause_in_place(const std::string& reason, const std::string& lost, Actions& out) {
+bool Supervisor::pause_in_place(const std::string& reason, const std::string& lost, const Now& now, Actions& out) {
   std::string ranks;
   for (int lr = 0; lr < cfg_.nproc; ++lr) {
     const auto i = static_cast<std::size_t>(lr);
     if (!live_[i] || !in_place_[i] || paused_[i]) continue;
     paused_[i] = 1;
+    acked_[i] = 0;
+    ack_due_[i] = now.steady + cfg_.grace;  // the time a stopped worker has to exit
     out.push_back(act::Pause{lr, rdzv_ ? round_ : restart_count_, reason, lost});
     ranks += (ranks.empty() ? "" : ",") + std::to_string(lr);
   }
   if (ranks.empty()) return false;
+  arm_closing(out);
   notice(fmt::format("in-place recovery: local rank(s) {} paused, kept for the next attempt", ranks), out);
   trace("pause", "restart", {{"local_ranks", ranks}, {"reason", reason}}, out);
   return true;
@@ -221,6 +242,7 @@ bool Supervisor::pause_in_place(const std::string& reason, const std::string& lo
 
 void Supervisor::unpause_all() {
   std::fill(paused_.begin(), paused_.end(), 0);
+  std::fill(assign_held_.begin(), assign_held_.end(), 0);
   stop_only_.reset();
 }
 
@@ -228,6 +250,7 @@ void Supervisor::stop_group(int sig, const Now& now, Actions& out) {
   if (state_ == State::kDone) return;
   state_ = State::kStopping;
   std::fill(respawn_.begin(), respawn_.end(), 0);  // the attempt they were due in is over
+  std::fill(assign_held_.begin(), assign_held_.end(), 0);
   stop_signal_ = sig;
   stop_only_.reset();
   if (paused_count() > 0) {  // the paused ones are spared
@@ -236,7 +259,7 @@ void Supervisor::stop_group(int sig, const Now& now, Actions& out) {
       if (live_[static_cast<std::size_t>(lr)] && !paused_[static_cast<std::size_t>(lr)]) stop_only_->push_back(lr);
   }
   trace(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}}, out);
-  if (!stop_only_ || !stop_only_->empty()) out.push_back(act::SignalWorkers{sig, true, stop_only_});
+  if (!stop_only_ || !stop_only_->empty()) out.push_back(stop_sig(sig, stop_only_));
   grace_due_ = now.steady + cfg_.grace;
   out.push_back(act::ArmTimer{Timer::kGrace, grace_due_});
 }
@@ -255,6 +278,7 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
   } else if (t == Timer::kFence) {
     if (fence_pending_ && now.steady >= fence_due_) release_port(out);
   } else if (t == Timer::kClosing) {
+    kill_silent(now, out);
     std::vector<int> late;
     for (int lr = 0; lr < cfg_.nproc; ++lr) {
       const auto i = static_cast<std::size_t>(lr);
@@ -273,10 +297,37 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
   return out;
 }
 
+void Supervisor::kill_silent(const Now& now, Actions& out) {
+  std::vector<int> silent;
+  for (int lr = 0; lr < cfg_.nproc; ++lr) {
+    const auto i = static_cast<std::size_t>(lr);
+    if (!paused_[i] || acked_[i] || ack_due_[i] > now.steady) continue;
+    // No answer to its pause within the grace: stopped (SIGSTOP, which only SIGKILL gets
+    // through) or hung. It can no longer be trusted with the next round: it goes, and a new
+    // process takes its place in its turn, once the old one has ended (closing_ended).
+    paused_[i] = 0;
+    closing_[i] = 1;
+    closing_due_[i] = Clock::time_point::max();  // SIGKILL already
+    respawn_[i] = assign_held_[i];  // its turn came already
+    assign_held_[i] = 0;
+    if (state_ == State::kStopping && stop_only_) stop_only_->push_back(lr);
+    silent.push_back(lr);
+  }
+  if (silent.empty()) return;
+  notice(fmt::format("local rank(s) {} did not answer the pause within {:.1f}s (stopped or hung): sending SIGKILL; "
+                     "started anew in the next attempt",
+                     fmt::join(silent, ","), seconds(cfg_.grace)),
+         out);
+  trace("pause unanswered", "restart", {{"local_ranks", fmt::format("{}", fmt::join(silent, ","))}}, out);
+  out.push_back(act::SignalWorkers{SIGKILL, false, silent});
+}
+
 void Supervisor::arm_closing(Actions& out) {
   auto next = Clock::time_point::max();
-  for (std::size_t i = 0; i < closing_.size(); ++i)
+  for (std::size_t i = 0; i < closing_.size(); ++i) {
     if (closing_[i]) next = std::min(next, closing_due_[i]);
+    if (paused_[i] && !acked_[i]) next = std::min(next, ack_due_[i]);
+  }
   if (next == Clock::time_point::max()) out.push_back(act::CancelTimer{Timer::kClosing});
   else out.push_back(act::ArmTimer{Timer::kClosing, next});
 }
@@ -370,7 +421,7 @@ void Supervisor::retire(Actions& out) {
   // A closing worker's handle goes too (RetireWorkers SIGKILLs it): nothing waits for it.
   std::fill(closing_.begin(), closing_.end(), 0);
   std::fill(respawn_.begin(), respawn_.end(), 0);
-  out.push_back(act::CancelTimer{Timer::kClosing});
+  arm_closing(out);  // what is left: the kept workers' answer deadlines
   out.push_back(act::RetireWorkers{std::move(keep)});
 }
 
@@ -448,7 +499,7 @@ Actions Supervisor::signal(int sig, const Now& now) {
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), seconds(cfg_.grace)), out);
   if (what == OnSignal::kForwardWhileStopping) {
     unpause_all();  // the paused workers go too
-    out.push_back(act::SignalWorkers{sig, true, std::nullopt});
+    out.push_back(stop_sig(sig, std::nullopt));
   } else
     stop_group(sig, now, out);
   return out;
@@ -542,7 +593,7 @@ Actions Supervisor::restart(const proto::Restart& r, const Now& now) {
     rejoin_after_stop_ = true;
     // The Restart carries only its reason: a worker's failure reads "rank R on HOST exited
     // with N" (rendezvous/job.cc); anything else is a change of the nodes.
-    pause_in_place(r.reason, r.reason.starts_with("rank ") ? "worker" : "host", out);
+    pause_in_place(r.reason, r.reason.starts_with("rank ") ? "worker" : "host", now, out);
     stop_group(SIGTERM, now, out);
     if (stop_complete()) {  // every worker is paused: nothing to wait for
       out.push_back(act::AttemptEnded{restart_count_, true});
@@ -567,7 +618,7 @@ Actions Supervisor::abort(const proto::Abort& a, const Now& now) {
   if (paused_count() > 0) {
     // The paused workers wait for a round that will not come: they are stopped too.
     unpause_all();
-    if (state_ == State::kStopping) out.push_back(act::SignalWorkers{SIGTERM, true, std::nullopt});
+    if (state_ == State::kStopping) out.push_back(stop_sig(SIGTERM, std::nullopt));
     else stop_group(SIGTERM, now, out);
     return out;
   }
@@ -721,16 +772,31 @@ Actions Supervisor::control_closed(int local_rank, const Now& now) {
   const auto lr = static_cast<std::size_t>(local_rank);
   in_place_[lr] = 0;
   if (!paused_[lr]) return out;
+  if (assign_held_[lr]) respawn_[lr] = 1;  // its turn came already: the new process starts once it ended
+  assign_held_[lr] = 0;
   // It can no longer be assigned: stopped (SIGTERM, SIGKILL after the grace), started
   // anew in its next turn, once the old process has ended.
-  paused_[lr] = 0;
+  paused_[lr] = acked_[lr] = 0;
   notice(fmt::format("local rank {} closed its control connection while paused: stopping it", local_rank), out);
   if (state_ == State::kStopping && stop_only_) stop_only_->push_back(local_rank);
   closing_[lr] = 1;
   closing_due_[lr] = now.steady + cfg_.grace;
-  out.push_back(act::SignalWorkers{state_ == State::kStopping ? stop_signal_ : SIGTERM, false,
-                                   std::vector<int>{local_rank}});
+  out.push_back(stop_sig(state_ == State::kStopping ? stop_signal_ : SIGTERM, std::vector<int>{local_rank}, false));
   arm_closing(out);
+  return out;
+}
+
+}  // namespace mg::sup
+
+namespace mg::sup {
+
+Actions Supervisor::worker_paused(int local_rank, const Now&) {
+  Actions out;
+  if (!valid(local_rank) || state_ == State::kDone || !paused_[static_cast<std::size_t>(local_rank)]) return out;
+  const auto lr = static_cast<std::size_t>(local_rank);
+  acked_[lr] = 1;
+  if (assign_held_[lr] && state_ == State::kRunning) assign(local_rank, out);
+  else arm_closing(out);
   return out;
 }
 

@@ -20,7 +20,10 @@
 // Restart from the rendezvous, or a local failure while restarts remain) gets Pause
 // instead of the stop signal; its handle survives RetireWorkers, and the next attempt
 // sends it Assign where the others get Spawn. A paused worker that ends before its Assign
-// is spawned anew; once assigned, its end is an ordinary end of the new attempt.
+// is spawned anew; once assigned, its end is an ordinary end of the new attempt. A paused
+// worker answers with `paused` (worker_paused); its Assign waits for that answer, and one
+// that has not answered within the grace of its Pause is taken for dead (SIGSTOPped, hung):
+// SIGKILL, and spawned anew in its turn once the old process has ended.
 #pragma once
 
 #include <chrono>
@@ -97,8 +100,10 @@ struct WatchExecs {};
 struct WorkerEnded { WorkerOutcome o; int attempt = 0; bool root_cause = false; };
 struct SpawnMoreLater { std::uint64_t gen = 0; };  // feed spawn_batch_due(gen) from the event loop
 // Every worker group and (escaped) the descendants outside them; with `only`, the process
-// groups of those local ranks alone (the paused ones are spared).
-struct SignalWorkers { int sig = 0; bool escaped = true; std::optional<std::vector<int>> only; };
+// groups of those local ranks alone (the paused ones are spared). `cont`: SIGCONT to the
+// same ones right after, so that a worker stopped by SIGSTOP gets a stop signal now, not
+// once someone continues it (SIGKILL needs none).
+struct SignalWorkers { int sig = 0; bool escaped = true; std::optional<std::vector<int>> only; bool cont = false; };
 struct PauseOutputDrains {};   // before the agent stops: an ended worker's output drain waits
 struct ResumeOutputDrains {};  // the drains start over (the time stopped does not count)
 struct StopSelf {};            // SIGSTOP the agent (Ctrl-Z, after the workers)
@@ -136,9 +141,12 @@ class Supervisor {
         live_(static_cast<std::size_t>(cfg_.nproc), 0),
         in_place_(live_),
         paused_(live_),
+        acked_(live_),
+        assign_held_(live_),
         closing_(live_),
         respawn_(live_),
-        closing_due_(static_cast<std::size_t>(cfg_.nproc)) {}
+        closing_due_(static_cast<std::size_t>(cfg_.nproc)),
+        ack_due_(closing_due_) {}
 
   // The agent is set up: join the rendezvous (multi-node) or start attempt 0.
   Actions start(const Now& now);
@@ -173,6 +181,9 @@ class Supervisor {
   // or its connection closed (a paused one is then stopped: it can no longer be assigned).
   Actions worker_hello(int local_rank, bool in_place, const Now& now);
   Actions control_closed(int local_rank, const Now& now);
+  // Local rank N's worker answered its Pause (`paused`): it is alive and let go of its
+  // group; its Assign, if held for this answer, goes now.
+  Actions worker_paused(int local_rank, const Now& now);
   // The preflight check (ops/preflight.h, --preflight=fail) found a slow or broken node
   // before any worker of the run started: the run ends with `line` (an error line and the
   // root cause) and exit code 5. Nothing once the run is past that point.
@@ -192,6 +203,8 @@ class Supervisor {
   int handles() const { return handles_; }
   bool paused(int local_rank) const { return valid(local_rank) && paused_[static_cast<std::size_t>(local_rank)]; }
   bool in_place(int local_rank) const { return valid(local_rank) && in_place_[static_cast<std::size_t>(local_rank)]; }
+  // Paused and its `paused` answer came.
+  bool acknowledged(int local_rank) const { return paused(local_rank) && acked_[static_cast<std::size_t>(local_rank)]; }
 
  private:
   void start_attempt(const Now& now, Actions& out);
@@ -208,7 +221,7 @@ class Supervisor {
   bool valid(int lr) const { return lr >= 0 && lr < cfg_.nproc; }
   int paused_count() const;
   // Pause every live worker that opted in (a restart is coming); false when none.
-  bool pause_in_place(const std::string& reason, const std::string& lost, Actions& out);
+  bool pause_in_place(const std::string& reason, const std::string& lost, const Now& now, Actions& out);
   // The paused workers are to be stopped after all (an abort, a signal): they count again
   // among the workers a stop waits for.
   void unpause_all();
@@ -252,13 +265,26 @@ class Supervisor {
   // Pause and waits for Assign. stop_only_: the ranks the stop under way signals (none:
   // every worker).
   std::vector<char> live_, in_place_, paused_;
+  // acked_: a paused worker answered (`paused`); assign_held_: its turn in the attempt came
+  // before the answer: Assign goes with the answer.
+  std::vector<char> acked_, assign_held_;
   std::optional<std::vector<int>> stop_only_;
   // A paused worker whose control connection closed: SIGTERM sent, SIGKILL at closing_due_
   // (Timer::kClosing); its handle still counts until it ends. respawn_: its local rank's
   // turn to start came meanwhile: the new process starts once the old one has ended.
   std::vector<char> closing_, respawn_;
   std::vector<Clock::time_point> closing_due_;
+  // A paused worker that has not answered by ack_due_[lr] (its Pause + the grace) is taken
+  // for dead: SIGKILL, then closing_ as above. The kClosing timer serves both deadlines.
+  std::vector<Clock::time_point> ack_due_;
   void arm_closing(Actions& out);
+  // The paused workers whose answer is overdue: SIGKILL, closing_ (see ack_due_).
+  void kill_silent(const Now& now, Actions& out);
+  void assign(int local_rank, Actions& out);
+  // A stop signal: SIGCONT follows a signal other than SIGKILL (see act::SignalWorkers).
+  static act::SignalWorkers stop_sig(int sig, std::optional<std::vector<int>> only, bool escaped = true) {
+    return act::SignalWorkers{sig, escaped, std::move(only), sig != SIGKILL};
+  }
   // The end of a closing worker's process; true when `o` was one (it is no worker of the attempt).
   bool closing_ended(const WorkerOutcome& o, Actions& out);
 };

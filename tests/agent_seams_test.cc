@@ -338,7 +338,7 @@ TEST_CASE("agent with fakes: a failed worker restarts the group and the run ends
   CHECK(run.launcher->started[1].cpus.empty());  // no --cpu-bind
 
   run.end(1, exited(3), {"ValueError: bad batch"});
-  CHECK(run.launcher->signals == std::vector<int>{SIGTERM});
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGCONT});  // SIGCONT: a SIGSTOPped worker gets it now
   CHECK(run.clock->armed(sup::Timer::kGrace));
   CHECK(run.launcher->started.size() == 2);  // nothing restarts before the group stopped
   run.end(0, killed(SIGTERM));
@@ -379,12 +379,12 @@ TEST_CASE("agent with fakes: restarts spent, a worker that ignores SIGTERM is ki
   REQUIRE(run.launcher->started.size() == 4);
   // Attempt 1: rank 1 fails; rank 0 ignores SIGTERM.
   run.end(1, exited(9), {"Traceback (most recent call last):", "RuntimeError: out of patience"});
-  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGTERM});
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGCONT, SIGTERM, SIGCONT});
   CHECK_FALSE(run.agent->done());
   // The grace runs out when the clock says so, not after 7 real seconds.
   REQUIRE(run.clock->fire_next());
   run.settle();
-  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGTERM, SIGKILL});
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGCONT, SIGTERM, SIGCONT, SIGKILL});
   CHECK_FALSE(run.agent->done());
   run.end(0, killed(SIGKILL));
   REQUIRE(run.agent->done());
@@ -547,7 +547,7 @@ TEST_CASE("agent with fakes: a job aborted by the rendezvous prints the job's ro
   a.root_cause.message = "the other node's failure";
   run.link->abort(a);
   run.settle();
-  CHECK(run.launcher->signals == std::vector<int>{SIGTERM});
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGCONT});
   run.end(0, killed(SIGTERM));
   REQUIRE(run.agent->done());
   CHECK(run.agent->exit_code() == 42);

@@ -128,6 +128,68 @@ TEST_CASE("in place, one node: a local failure pauses the opted-in worker, which
   std::filesystem::remove_all(dir);
 }
 
+// A worker the test SIGSTOPped: SIGKILLed when the test ends, whatever happened (the agent
+// may have died or hung with it still stopped).
+struct StoppedWorker {
+  pid_t pid;
+  ~StoppedWorker() {
+    if (pid > 0) ::kill(pid, SIGKILL);
+  }
+};
+
+void touch_file(const std::string& path) { std::ofstream(path).put('\n'); }
+
+TEST_CASE("in place: a SIGSTOPped worker that opted in cannot answer its pause: SIGKILL once the grace is out, and a "
+          "new process in its place, never an assign to the stopped one (#26)") {
+  const std::string dir = make_temp_dir();
+  Proc agent = spawn({kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", "--grace=2", "--no_python",
+                      "/usr/bin/python3", kWorker, dir, "0", "fail-on-file", "1"});
+  REQUIRE(eventually([&] { return has_event(dir, "welcome", 0) && has_event(dir, "start", 1); }, 60s));
+  StoppedWorker stopped{of(events(dir), "start", 0).at(0)["pid"].get<pid_t>()};
+  REQUIRE(::kill(stopped.pid, SIGSTOP) == 0);
+  touch_file(dir + "/fail");  // local rank 1 fails: a restart, local rank 0 paused
+  // Before the fix it was assigned while stopped and kept for ever: no second process.
+  REQUIRE(eventually([&] { return has_event(dir, "start", 0, 2) && has_event(dir, "start", 1, 2); }, 60s));
+  REQUIRE(eventually([&] { return has_event(dir, "welcome", 0, 2); }, 30s));
+  finish(dir);
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(agent.exit_code() == 0);
+  CHECK_THAT(agent.err(), Catch::Contains("in-place recovery: local rank(s) 0 paused"));
+  CHECK_THAT(agent.err(), Catch::Contains("local rank(s) 0 did not answer the pause within 2.0s"));
+  CHECK_FALSE(pid_alive(stopped.pid));  // killed and reaped before its replacement ran
+  const auto evs = events(dir);
+  const auto starts0 = of(evs, "start", 0);
+  REQUIRE(starts0.size() == 2);
+  CHECK(starts0[1]["pid"] != stopped.pid);
+  CHECK(starts0[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1");
+  CHECK(starts0[1]["env"]["RANK"] == "0");
+  CHECK(of(evs, "assign", 0).empty());  // the stopped one never read one, the new one needs none
+  REQUIRE(of(evs, "exit", 0).size() == 1);
+  CHECK(of(evs, "exit", 0)[0]["pid"] == starts0[1]["pid"]);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("in place: a SIGSTOPped worker that did not opt in is stopped by SIGTERM at once (SIGCONT follows it), "
+          "not SIGKILLed after the grace (#26)") {
+  const std::string dir = make_temp_dir();
+  Proc agent = spawn({kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", "--grace=60", "--no_python",
+                      "/usr/bin/python3", kWorker, dir, "", "fail-on-file", "1"});
+  REQUIRE(eventually([&] { return has_event(dir, "start", 0) && has_event(dir, "start", 1); }, 60s));
+  StoppedWorker stopped{of(events(dir), "start", 0).at(0)["pid"].get<pid_t>()};
+  REQUIRE(::kill(stopped.pid, SIGSTOP) == 0);
+  touch_file(dir + "/fail");
+  // Before the fix SIGTERM waited for a SIGCONT that never came: SIGKILL after the grace.
+  REQUIRE(eventually([&] { return has_event(dir, "start", 0, 2) && has_event(dir, "start", 1, 2); }, 120s));
+  finish(dir);
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(agent.exit_code() == 0);
+  CHECK_THAT(agent.err(), !Catch::Contains("sending SIGKILL"));
+  CHECK_FALSE(pid_alive(stopped.pid));
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("in place, two nodes: node 1's agent SIGKILLed, node 0's opted-in worker keeps its pid and is assigned "
           "the next round, its other worker is restarted") {
   Daemon d = start_daemon();

@@ -2,13 +2,14 @@
 """A worker of the in-place recovery tests (tests/inplace_test.cc), speaking the agent's
 control protocol (docs/in-place-recovery.md) with the standard library only.
 
-    inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once LOCAL_RANK]
+    inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once|fail-on-file LOCAL_RANK]
 
 Every event goes to OUT_DIR/events.jsonl, one JSON line each (appended in one write):
 start (pid and the torchrun variables), welcome, pause, assign (its env), exit. The local
 ranks listed (comma-separated) connect to MGLAUNCH_CONTROL_SOCKET and opt in; the others
 never connect. With `fail-once N`, local rank N of the first attempt exits 1 once every
-opted-in rank of its node was welcomed. Each worker exits 0 once OUT_DIR/finish exists,
+opted-in rank of its node was welcomed; with `fail-on-file N`, once OUT_DIR/fail exists
+(the test creates it). Each worker exits 0 once OUT_DIR/finish exists,
 and 3 after 120 s (bounded)."""
 import json
 import os
@@ -24,6 +25,7 @@ KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "R
 out_dir = sys.argv[1]
 in_place = {int(x) for x in sys.argv[2].split(",") if x}
 fail_once = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-once" else -1
+fail_on_file = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-on-file" else -1
 lr = int(os.environ["LOCAL_RANK"])
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
@@ -56,6 +58,9 @@ while time.time() < deadline:
         sys.exit(0)
     if lr == fail_once and restart == 0 and all(
             os.path.exists(os.path.join(out_dir, "welcome.%d.%d" % (os.getppid(), r))) for r in in_place):
+        log("fail")
+        sys.exit(1)
+    if lr == fail_on_file and restart == 0 and os.path.exists(os.path.join(out_dir, "fail")):
         log("fail")
         sys.exit(1)
     if sock is None:

@@ -855,6 +855,30 @@ std::vector<int> spawned_ranks(const Actions& out) {
   return v;
 }
 
+// Node 0 of a two-node job, running round 1 since 10 ms; the local ranks in `opted_in`
+// said hello with in_place at 11 ms.
+Supervisor in_round(int nproc, std::initializer_list<int> opted_in) {
+  Supervisor s(multi(nproc));
+  s.start(at(0));
+  s.assignment(assignment(1, 0), at(10));
+  for (int lr : opted_in) s.worker_hello(lr, true, at(11));
+  return s;
+}
+
+const std::string kNodeLost = "node n1 (127.0.0.3) lost: its connection closed";
+
+// The rendezvous decides restart 1 at 20 ms (`reason`); the workers it paused answer at
+// 21 ms unless `answer` is false.
+Actions restart_1(Supervisor& s, const std::string& reason = kNodeLost, bool answer = true) {
+  proto::Restart r;
+  r.restart_count = 1;
+  r.reason = reason;
+  Actions out = s.restart(r, at(20));
+  if (answer)
+    for (int lr : paused_ranks(out)) s.worker_paused(lr, at(21));
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("in place: a local failure with restarts left pauses the opted-in workers and stops only the others") {
@@ -870,13 +894,17 @@ TEST_CASE("in place: a local failure with restarts left pauses the opted-in work
   auto sig = all<act::SignalWorkers>(out);
   REQUIRE(sig.size() == 1);
   CHECK(sig[0].sig == SIGTERM);
+  CHECK(sig[0].cont);  // a SIGSTOPped worker gets it now, not once continued
   REQUIRE(sig[0].only);
   CHECK(*sig[0].only == std::vector<int>{2});  // the failed one is gone, the paused one spared
   CHECK(s.paused(1));
+  s.worker_paused(1, at(11));
+  CHECK(s.acknowledged(1));
   // The grace runs out: SIGKILL spares the paused worker too.
   out = s.timer_fired(Timer::kGrace, at(10 + 3000));
   REQUIRE(all<act::SignalWorkers>(out).size() == 1);
   CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{2});
+  CHECK_FALSE(all<act::SignalWorkers>(out)[0].cont);
   // The stop is over once the unpaused one ended: restart, the paused handle kept.
   out = s.worker_ended(ended(2, 143, SIGTERM), at(3100));
   REQUIRE(has<act::RetireWorkers>(out));
@@ -912,18 +940,11 @@ TEST_CASE("in place: no worker opted in, or restarts spent: every worker is stop
 }
 
 TEST_CASE("in place: a restart from the rendezvous pauses every opted-in worker and rejoins at once when none is left to stop") {
-  Supervisor s(multi(2));
-  s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
-  s.worker_hello(0, true, at(11));
-  s.worker_hello(1, true, at(11));
-  proto::Restart r;
-  r.restart_count = 1;
-  r.reason = "node n1 (127.0.0.3) lost: its connection closed";
-  auto out = s.restart(r, at(20));
+  Supervisor s = in_round(2, {0, 1});
+  auto out = restart_1(s);
   CHECK(paused_ranks(out) == std::vector<int>{0, 1});
   CHECK(all<act::Pause>(out)[0].round == 1);
-  CHECK(all<act::Pause>(out)[0].reason == r.reason);
+  CHECK(all<act::Pause>(out)[0].reason == kNodeLost);
   CHECK(all<act::Pause>(out)[0].lost == "host");
   CHECK_FALSE(has<act::SignalWorkers>(out));
   CHECK(has<act::Rejoin>(out));
@@ -941,14 +962,8 @@ TEST_CASE("in place: a restart from the rendezvous pauses every opted-in worker 
 }
 
 TEST_CASE("in place: a restart from the rendezvous stops the workers that did not opt in, rejoins once they ended") {
-  Supervisor s(multi(2));
-  s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
-  s.worker_hello(1, true, at(11));
-  proto::Restart r;
-  r.restart_count = 1;
-  r.reason = "rank 3 on node-b exited with 7";  // rendezvous/job.cc's words for a worker's failure
-  auto out = s.restart(r, at(20));
+  Supervisor s = in_round(2, {1});
+  auto out = restart_1(s, "rank 3 on node-b exited with 7");  // rendezvous/job.cc's words for a worker's failure
   CHECK(paused_ranks(out) == std::vector<int>{1});
   CHECK(all<act::Pause>(out).at(0).lost == "worker");
   CHECK(*all<act::SignalWorkers>(out).at(0).only == std::vector<int>{0});
@@ -961,14 +976,8 @@ TEST_CASE("in place: a restart from the rendezvous stops the workers that did no
 }
 
 TEST_CASE("in place: a paused worker that ends before its assignment is spawned anew") {
-  Supervisor s(multi(2));
-  s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
-  s.worker_hello(0, true, at(11));
-  s.worker_hello(1, true, at(11));
-  proto::Restart r;
-  r.restart_count = 1;
-  s.restart(r, at(20));
+  Supervisor s = in_round(2, {0, 1});
+  restart_1(s);
   auto out = s.worker_ended(ended(1, 1), at(25));
   CHECK(noticed(out, "local rank 1 ended while paused"));
   CHECK_FALSE(taken_as(out).root_cause);
@@ -980,13 +989,8 @@ TEST_CASE("in place: a paused worker that ends before its assignment is spawned 
 }
 
 TEST_CASE("in place: an assigned worker that fails is a failure of the new round") {
-  Supervisor s(multi(1));
-  s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
-  s.worker_hello(0, true, at(11));
-  proto::Restart r;
-  r.restart_count = 1;
-  s.restart(r, at(20));
+  Supervisor s = in_round(1, {0});
+  restart_1(s);
   s.assignment(assignment(2, 0, 1), at(30));
   auto out = fail(s, 0, 7, at(40));
   CHECK(taken_as(out).root_cause);
@@ -995,10 +999,7 @@ TEST_CASE("in place: an assigned worker that fails is a failure of the new round
 }
 
 TEST_CASE("in place: an abort or a signal while workers are paused stops them before the run ends") {
-  Supervisor s(multi(2));
-  s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
-  s.worker_hello(1, true, at(11));
+  Supervisor s = in_round(2, {1});
   auto out = fail(s, 0, 3, at(20));  // restarts left (3): local rank 1 paused
   CHECK(paused_ranks(out) == std::vector<int>{1});
   REQUIRE(has<act::SendWorkerFailed>(out));  // nothing else to stop: reported at once
@@ -1010,14 +1011,12 @@ TEST_CASE("in place: an abort or a signal while workers are paused stops them be
   out = s.abort(a, at(30));
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   CHECK_FALSE(all<act::SignalWorkers>(out)[0].only);
+  CHECK(all<act::SignalWorkers>(out)[0].cont);
   CHECK_FALSE(finished(out));
   out = s.worker_ended(ended(1, 143, SIGTERM), at(40));
   CHECK(finished(out) == 3);
 
-  Supervisor t(multi(2));
-  t.start(at(0));
-  t.assignment(assignment(1, 0), at(10));
-  t.worker_hello(1, true, at(11));
+  Supervisor t = in_round(2, {1});
   fail(t, 0, 3, at(20));
   REQUIRE(t.state() == State::kWaiting);
   out = t.signal(SIGTERM, at(30));
@@ -1028,18 +1027,13 @@ TEST_CASE("in place: an abort or a signal while workers are paused stops them be
 }
 
 TEST_CASE("in place: a paused worker whose control connection closes is stopped and spawned anew") {
-  Supervisor s(multi(2));
-  s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
-  s.worker_hello(0, true, at(11));
-  s.worker_hello(1, true, at(11));
-  proto::Restart r;
-  r.restart_count = 1;
-  s.restart(r, at(20));
+  Supervisor s = in_round(2, {0, 1});
+  restart_1(s);
   auto out = s.control_closed(1, at(25));
   CHECK(noticed(out, "local rank 1 closed its control connection while paused"));
   REQUIRE(all<act::SignalWorkers>(out).size() == 1);
   CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{1});
+  CHECK(all<act::SignalWorkers>(out)[0].cont);
   CHECK_FALSE(s.paused(1));
   out = s.assignment(assignment(2, 0, 1), at(40));
   CHECK(assigned_ranks(out) == std::vector<int>{0});
@@ -1060,6 +1054,7 @@ TEST_CASE("in place: a paused worker whose control closes gets SIGKILL after the
   for (int lr = 0; lr < 4; ++lr) s.worker_hello(lr, lr == 3, at(2));
   auto out = fail(s, 0, 5, at(10));  // local rank 3 paused, the others stopped
   CHECK(paused_ranks(out) == std::vector<int>{3});
+  s.worker_paused(3, at(11));
   s.worker_ended(ended(1, 143, SIGTERM), at(20));
   out = s.worker_ended(ended(2, 143, SIGTERM), at(20));
   REQUIRE(has<act::AttemptDue>(out));
@@ -1091,14 +1086,8 @@ TEST_CASE("in place: a paused worker whose control closes gets SIGKILL after the
 }
 
 TEST_CASE("in place: between rounds, a paused worker whose control closes gets SIGKILL after the grace") {
-  Supervisor s(multi(2));
-  s.start(at(0));
-  s.assignment(assignment(1, 0), at(10));
-  s.worker_hello(0, true, at(11));
-  s.worker_hello(1, true, at(11));
-  proto::Restart r;
-  r.restart_count = 1;
-  s.restart(r, at(20));
+  Supervisor s = in_round(2, {0, 1});
+  restart_1(s);
   REQUIRE(s.state() == State::kWaiting);
   auto out = s.control_closed(1, at(25));
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
@@ -1110,6 +1099,86 @@ TEST_CASE("in place: between rounds, a paused worker whose control closes gets S
   out = s.assignment(assignment(2, 0, 1), at(4000));
   CHECK(assigned_ranks(out) == std::vector<int>{0});
   CHECK(spawned_ranks(out) == std::vector<int>{1});
+}
+
+TEST_CASE("in place: a paused worker's Assign waits for its answer (paused); one that does not answer within the "
+          "grace (SIGSTOPped) gets SIGKILL and a new process in its place once it ended (#26)") {
+  Supervisor s(single(2, 2));
+  s.start(at(0));
+  s.worker_hello(0, true, at(1));
+  s.worker_hello(1, true, at(1));
+  auto out = fail(s, 1, 5, at(10));  // local rank 0 paused: its answer is due by 10 + 3000
+  CHECK(paused_ranks(out) == std::vector<int>{0});
+  REQUIRE(has<act::AttemptDue>(out));  // nothing to stop: the restart is due at once
+  CHECK(all<act::ArmTimer>(out).back().timer == Timer::kClosing);
+  CHECK(all<act::ArmTimer>(out).back().at == at(10 + 3000).steady);
+  out = s.attempt_due(at(20));
+  CHECK(spawned_ranks(out) == std::vector<int>{1});
+  CHECK(assigned_ranks(out).empty());  // held for its answer
+  CHECK(s.paused(0));
+  CHECK_FALSE(has<act::SignalWorkers>(s.timer_fired(Timer::kClosing, at(3009))));  // not due yet
+  // No answer by then (a SIGSTOPped worker cannot give one, nor act on SIGTERM): SIGKILL.
+  out = s.timer_fired(Timer::kClosing, at(3010));
+  CHECK(noticed(out, "local rank(s) 0 did not answer the pause within 3.0s"));
+  REQUIRE(all<act::SignalWorkers>(out).size() == 1);
+  CHECK(all<act::SignalWorkers>(out)[0].sig == SIGKILL);
+  CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{0});
+  CHECK_FALSE(has<act::Spawn>(out));  // never while the old process runs
+  CHECK_FALSE(has<act::Assign>(out));
+  CHECK_FALSE(s.paused(0));
+  CHECK(s.worker_paused(0, at(3011)).empty());  // too late: it is being killed
+  // It ended: no worker of the new attempt, and its replacement starts now.
+  out = s.worker_ended(ended(0, 137, SIGKILL), at(3050));
+  CHECK_FALSE(has<act::WorkerEnded>(out));
+  CHECK(spawned_ranks(out) == std::vector<int>{0});
+  CHECK_FALSE(has<act::SignalWorkers>(s.timer_fired(Timer::kClosing, at(9000))));  // once
+  s.worker_ended(ended(1, 0), at(4000));
+  CHECK(finished(s.worker_ended(ended(0, 0), at(4100))) == 0);
+}
+
+TEST_CASE("in place: a paused worker that answers after its turn came is assigned on its answer") {
+  Supervisor s(single(2, 2));
+  s.start(at(0));
+  s.worker_hello(0, true, at(1));
+  fail(s, 1, 5, at(10));
+  auto out = s.attempt_due(at(20));
+  CHECK(assigned_ranks(out).empty());
+  out = s.worker_paused(0, at(30));
+  CHECK(assigned_ranks(out) == std::vector<int>{0});
+  CHECK(all<act::Assign>(out)[0].restart_count == 1);
+  CHECK_FALSE(s.paused(0));
+  CHECK(all<act::CancelTimer>(out).at(0).timer == Timer::kClosing);  // no deadline left
+  CHECK_FALSE(has<act::SignalWorkers>(s.timer_fired(Timer::kClosing, at(3010))));
+}
+
+TEST_CASE("in place: between rounds, a paused worker that does not answer within the grace gets SIGKILL; the next "
+          "round spawns it anew and assigns the one that answered (#26)") {
+  Supervisor s = in_round(2, {0, 1});
+  auto out = restart_1(s, kNodeLost, /*answer=*/false);
+  s.worker_paused(0, at(21));  // local rank 1 is SIGSTOPped: no answer
+  REQUIRE(s.state() == State::kWaiting);
+  out = s.timer_fired(Timer::kClosing, at(20 + 3000));
+  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
+  CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{1});
+  out = s.worker_ended(ended(1, 137, SIGKILL), at(3100));
+  CHECK_FALSE(has<act::WorkerEnded>(out));
+  out = s.assignment(assignment(2, 0, 1), at(4000));
+  CHECK(all<act::RetireWorkers>(out).at(0).keep == std::vector<int>{0});
+  CHECK(assigned_ranks(out) == std::vector<int>{0});
+  CHECK(spawned_ranks(out) == std::vector<int>{1});
+}
+
+TEST_CASE("in place: a paused worker that ends while its Assign is held is started anew, no failure of the attempt") {
+  Supervisor s(single(2, 2));
+  s.start(at(0));
+  s.worker_hello(0, true, at(1));
+  fail(s, 1, 5, at(10));
+  s.attempt_due(at(20));
+  auto out = s.worker_ended(ended(0, 1), at(30));
+  CHECK_FALSE(has<act::WorkerEnded>(out));
+  CHECK(noticed(out, "local rank 0 ended while paused"));
+  CHECK(spawned_ranks(out) == std::vector<int>{0});
+  CHECK_FALSE(s.root_cause());
 }
 
 TEST_CASE("in place: a hello from a local rank with no live worker changes nothing") {

@@ -13,6 +13,9 @@ workers, and injects one fault once rank 0 reports step --at-step or later:
         said paused, SIGTERM them (the agent stopping the job).
   none  no fault (the undisturbed twin run).
 --no-control gives the workers no control socket (mgtrain then says recovery is off).
+--again N (with kill or stop): a peer lost again during the recovery, N times: the
+replacement is SIGKILLed as soon as it says hello (before the new group forms), and the
+round after is paused and assigned anew (up to N + 1 restarts).
 
 When a worker fails it sends `pause` to every live worker that opted in, spawns a
 replacement with TORCHELASTIC_RESTART_COUNT + 1 and sends `assign` to the paused ones.
@@ -44,6 +47,7 @@ def main():
     ap.add_argument("--at-step", type=int, default=10)
     ap.add_argument("--deadline", type=float, default=240)
     ap.add_argument("--no-control", action="store_true", help="give the workers no MGLAUNCH_CONTROL_SOCKET")
+    ap.add_argument("--again", type=int, default=0, help="SIGKILL this many replacements at their hello")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     worker_args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -154,6 +158,12 @@ def main():
                         msg = json.loads(line)
                         if msg.get("type") == "hello":
                             st["pid"] = msg.get("pid")
+                            w = workers.get(a.victim)
+                            if (fault["injected_at_step"] is not None and fault.get("again", 0) < a.again
+                                    and w is not None and w["attempt"] > 0 and w["proc"].pid == st["pid"]):
+                                w["proc"].kill()  # lost again, before the new group forms
+                                fault["again"] = fault.get("again", 0) + 1
+                                continue
                             send(c, {"type": "welcome", "version": 1})
                         elif msg.get("type") == "paused":
                             paused_pids.add(st["pid"])
@@ -217,7 +227,7 @@ def main():
                             send(c, {"type": "pause", "round": rnd, "reason": "worker rank %d failed" % r,
                                      "lost": "worker"})
                     fault["term_pending"] = True
-                elif code != 0 and restart_count == 0 and a.fault != "term":
+                elif code != 0 and restart_count <= a.again and a.fault != "term":
                     new_round(r, "worker rank %d (pid %d) failed: exit %d" % (r, w["proc"].pid, code))
                 elif code != 0:
                     rc = 1

@@ -91,6 +91,32 @@ TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor
   }
 }
 
+TEST_CASE("in-place recovery: a peer lost again while the new group forms, twice, sends the survivor back to the agent's next round instead of ending it, and the weights equal an undisturbed run's") {
+  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
+  auto calm = train({"--fault", "none"});
+  REQUIRE(calm.r.code == 0);
+  // Each replacement is SIGKILLed at its hello, while the survivor builds the new group
+  // (it waits for the replacement's address): the survivor must leave that round on the
+  // next pause. --timeout 600 is longer than the stand-in's deadline (200 s): a survivor
+  // that waited out the dead round's group would end the stand-in with 3.
+  auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--again", "2"}, {"--timeout", "600"});
+  INFO(hit.r.out << hit.r.err << hit.logs());
+  REQUIRE(hit.r.code == 0);
+  const auto report = nlohmann::json::parse(hit.r.out);
+  CHECK(report["fault"]["again"] == 2);
+  CHECK(report["restart_count"] == 3);
+  CHECK(report["codes"]["0/0"] == 0);  // the survivor never exited
+  CHECK(report["codes"]["1/3"] == 0);
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    CHECK(hit.summary(rank)["steps"] == 30);
+    CHECK(hit.summary(rank)["weights_sha256"] == calm.summary(0)["weights_sha256"]);
+  }
+  const auto recoveries = hit.summary(0)["recoveries"];
+  REQUIRE(recoveries.size() == 1);  // one recovery, from the first detection to the first step after it
+  CHECK(recoveries[0]["step"].get<int>() >= 11);
+}
+
 TEST_CASE("in-place recovery: SIGTERM while waiting for the agent's new round ends the worker with 75, not after --timeout") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   // --timeout 600 is longer than the stand-in's deadline (200 s): a worker that waited it

@@ -1,8 +1,13 @@
 #include "worker/comm.h"
 
 #include <fmt/format.h>
+#include <condition_variable>
 #include <cstdlib>
+#include <exception>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef MGLAUNCH_WITH_GLOO
@@ -43,11 +48,13 @@ std::shared_ptr<Interrupt>& interrupt_slot() {
   return slot;
 }
 
-// Groups and stores let go of by abandon(): never destroyed (see Comm::abandon).
+// Groups and stores let go of by abandon(): never destroyed (see Comm::abandon). Also the
+// connections given up by connect_interruptible() (their threads may still run).
 struct Graveyard {
   std::mutex m;
   std::vector<c10::intrusive_ptr<PG>> groups;
   std::vector<c10::intrusive_ptr<c10d::Store>> stores;
+  std::vector<std::shared_ptr<void>> connections;
 };
 Graveyard& graveyard() {
   static auto* g = new Graveyard;  // leaked on purpose: no destructor at exit
@@ -102,7 +109,7 @@ void wait_work(const c10::intrusive_ptr<c10d::Work>& work) {
 std::size_t abandoned_groups() {
   auto& g = graveyard();
   std::lock_guard lk(g.m);
-  return g.groups.size();
+  return g.groups.size() + g.connections.size();
 }
 
 void Comm::abandon() {
@@ -151,6 +158,45 @@ c10::intrusive_ptr<PG> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, i
   opts->timeout = std::chrono::seconds(timeout_s);
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, opts);
 #endif
+}
+
+Comm connect_interruptible(const Options& o, const Env& env, const std::function<bool()>& give_up) {
+  struct Slot {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    std::optional<Comm> comm;
+    std::exception_ptr error;
+  };
+  auto slot = std::make_shared<Slot>();
+  std::thread([slot, o, env] {
+    std::optional<Comm> c;
+    std::exception_ptr error;
+    try {
+      c.emplace(connect(o, env));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lk(slot->m);
+    slot->comm = std::move(c);
+    slot->error = error;
+    slot->done = true;
+    slot->cv.notify_all();
+  }).detach();
+  std::unique_lock lk(slot->m);
+  while (!slot->cv.wait_for(lk, std::chrono::milliseconds(50), [&] { return slot->done; })) {
+    if (!give_up()) continue;
+    lk.unlock();
+    auto& g = graveyard();
+    std::lock_guard glk(g.m);
+    g.connections.push_back(slot);
+    throw Interrupted("the agent paused this worker again while the new process group formed");
+  }
+  if (slot->error) std::rethrow_exception(slot->error);
+#ifdef MGLAUNCH_WITH_NCCL
+  if (slot->comm->device.is_cuda()) c10::cuda::set_device(slot->comm->device.index());  // thread-local
+#endif
+  return std::move(*slot->comm);
 }
 
 Comm local_comm(const Options& o) {

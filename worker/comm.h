@@ -72,6 +72,12 @@ std::size_t abandoned_groups();
 
 // Joins the process group of the launcher (throws SetupError naming the master).
 Comm connect(const Options& o, const Env& env);
+// connect() on a thread of its own, for a recovery: `give_up` is asked every 50 ms and,
+// once it says true before the group formed (the agent paused again: a peer lost while the
+// new group forms; a stop signal), Interrupted is thrown at once. The thread is left to
+// finish or time out by itself (within --timeout); what it builds is kept, never used nor
+// destroyed (as abandon() keeps a group). connect()'s own errors are rethrown.
+Comm connect_interruptible(const Options& o, const Env& env, const std::function<bool()>& give_up);
 // One process, no store, no process group; the device is the first GPU on CUDA builds.
 Comm local_comm(const Options& o);
 // A Gloo process group over an existing store (the reducer's tests: ranks as threads

@@ -35,6 +35,7 @@ namespace {
 
 namespace data = mg::data;
 constexpr std::int64_t kStopCheckEvery = 8;
+constexpr int kRecoveryAttempts = 8;  // in-place recoveries in a row from one step
 
 std::atomic<int> g_stop_signal{0};
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
@@ -436,6 +437,8 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   // A recovery that failed part-way (a peer lost again while the group formed) is tried
   // again, on the next pause, and counts from the first detection.
   std::optional<clock::time_point> unrecovered;
+  int attempts = 0;
+  std::int64_t attempts_at = -1;
   // Waits for the agent in slices, so SIGTERM/SIGUSR1 (the agent stopping the job) ends
   // the wait at once: nullopt then, with `stopped` set.
   auto wait_for = [&](auto&& wait_once) -> decltype(wait_once(std::chrono::milliseconds(0))) {
@@ -451,6 +454,11 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   };
   auto recover = [&](const std::string& what) {
     const auto failed_at = clock::now();
+    // At most kRecoveryAttempts in a row that reach no new state (each wait bounded by --timeout).
+    if (state.step != attempts_at) attempts = 0, attempts_at = state.step;
+    if (++attempts > kRecoveryAttempts)
+      throw std::runtime_error(fmt::format("{} (in-place recovery: {} attempts in a row at step {} failed)", what,
+                                           kRecoveryAttempts, static_cast<long long>(state.step)));
     auto pause = wait_for([&](std::chrono::milliseconds t) { return control->wait_pause(t); });
     if (stopped) return;
     if (!pause) {
@@ -473,10 +481,15 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
     for (const auto& [k, v] : next->env) ::setenv(k.c_str(), v.c_str(), 1);
     const Env env = read_env(process_env());
     try {
-      comm = connect(o, env);
-    } catch (const SetupError&) {
-      throw;  // the store is out of reach: no new round can form
+      // A pause while the group forms (a peer lost again) or a stop signal ends the wait at
+      // once: the next round, not this one's --timeout.
+      comm = connect_interruptible(o, env, [&] {
+        return interrupt->fired.load() || g_stop_signal.load() != 0 || !control->closed_reason().empty();
+      });
+    } catch (const Interrupted&) {
+      throw;
     } catch (const std::exception& e) {
+      // The store out of reach too (its host lost): a later round may name another.
       std::string w = e.what();
       throw CollectiveError("the new round's process group did not form: " + w.substr(0, w.find('\n')));
     }

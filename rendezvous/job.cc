@@ -116,8 +116,21 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   }
   if (j.resume_round > 0) {
     Actions dropped = newer_than_rebuild(j) ? drop_rebuild(j) : Actions{};
-    if (auto bad = check_resume(s, j); !bad.empty())
+    // A restarted server where a new node (a replacement, started meanwhile) joined before
+    // the running round's nodes came back: their round wins, the new node waits as its
+    // standby (else every survivor was refused and the job wedged until join_timeout).
+    // A claim that would end the job at once (resume_done) is refused as before.
+    std::vector<std::pair<SessionId, Node>> waiting;
+    if (!j.resume_done && members_.empty() && state_ == State::kJoining && round_ == 0 && !joined_.contains(s))
+      while (!joined_.empty()) {
+        auto h = joined_.extract(joined_.begin());
+        waiting.emplace_back(h.key(), std::move(h.mapped()));
+      }
+    if (auto bad = check_resume(s, j); !bad.empty()) {
+      for (auto& w : waiting) joined_.insert(std::move(w));  // they wait on as before
       return {{s, proto::to_wire(proto::Error{fmt::format("job '{}': re-registration refused: {}", id_, bad)})}};
+    }
+    if (!waiting.empty()) last_call_deadline_.reset();
     // A restarted server learns the running round back from its nodes.
     if (members_.empty()) {
       placed_.clear();
@@ -133,6 +146,10 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     state_ = State::kRunning;
     Actions out = maybe_done();
     out.insert(out.begin(), dropped.begin(), dropped.end());
+    for (auto& [ws, wn] : waiting) {
+      auto told = make_standby(ws, wn.join, now);
+      out.insert(out.end(), told.begin(), told.end());
+    }
     return out;
   }
   // A standby re-registering with a restarted server waits for the round its nodes rebuild

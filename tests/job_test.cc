@@ -290,6 +290,38 @@ TEST_CASE("after a server restart a later round's re-registration wins over a no
   CHECK(of_type(job.node_done(3, 2, T0), MsgType::kDone).size() == 2);
 }
 
+TEST_CASE("after a server restart the running round's re-registration wins over a new node that joined first: it "
+          "becomes the round's standby (#26, found by the chaos soak)") {
+  // The job ran round 2 (restart 1) with A and B. The server restarts; a replacement node N,
+  // started meanwhile, reaches it before A and B do. A and B were refused ("other nodes are
+  // waiting for a new round") and the job wedged until join_timeout.
+  auto resume = [](proto::Join j, int rank) {
+    j.resume_round = 2;
+    j.resume_restart_count = 1;
+    j.resume_group_rank = rank;
+    j.resume_group_world_size = 2;
+    return j;
+  };
+  Job job("job");
+  CHECK(job.join(1, node("127.0.0.9", 2, 2), T0).empty());
+  auto out = job.join(2, resume(node("127.0.0.1", 2, 2), 0), T0);
+  CHECK(error_of(out).empty());
+  REQUIRE(of_type(out, MsgType::kStandby).size() == 1);
+  CHECK(of_type(out, MsgType::kStandby)[0].session == 1);
+  CHECK(job.state() == Job::State::kRunning);
+  CHECK(job.round() == 2);
+  CHECK(job.restart_count() == 1);
+  CHECK(error_of(job.join(3, resume(node("127.0.0.2", 2, 2), 1), T0)).empty());
+  CHECK(job.describe(T0)["standby_nodes"] == 1);
+  // A claim that would end the job at once is refused while a new node waits.
+  Job other("other");
+  CHECK(other.join(1, node("127.0.0.9", 2, 2), T0).empty());
+  auto done = resume(node("127.0.0.1", 2, 2), 0);
+  done.resume_done = true;
+  CHECK_THAT(error_of(other.join(2, done, T0)), Catch::Contains("other nodes are waiting for a new round"));
+  CHECK(other.state() == Job::State::kJoining);
+}
+
 TEST_CASE("a node re-registering a round that ended while it was away hears how it ended") {
   auto back = [](proto::Join j, int rank) {
     j.resume_round = 1;

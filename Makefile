@@ -51,6 +51,7 @@ CHAOS_SECONDS ?= 720
 chaos: build
 	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $(CHAOS_SECONDS) --backend daemon --report bench/results/chaos-daemon.json
 	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $$(( $(CHAOS_SECONDS) * 2 / 3 )) --backend etcd --report bench/results/chaos-etcd.json
+	python3 bench/render_chaos.py bench/results/chaos-daemon.json bench/results/chaos-etcd.json
 
 # Every benchmark case, mglaunch and torchrun in one run (bench/bench.py; docs/benchmarks.md):
 # bench/results/latest.json, then the tables and guardrails of docs/benchmarks.md, the

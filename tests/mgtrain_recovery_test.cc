@@ -6,6 +6,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -321,6 +322,69 @@ TEST_CASE("in-place recovery with a standby (#26's done-when): two active nodes 
             << s0["recoveries"][0]["seconds"].get<double>() << " s from detection to the first step after it\n";
   ::kill(d.proc.pid, SIGTERM);
   CHECK(d.proc.wait(10s));
+}
+
+TEST_CASE("in-place recovery when the hosting agent is lost (#26's done-when): three nodes hosted by node 0's agent "
+          "and one standby, node 0's agent SIGKILLed at step 10 or later, the standby follows the takeover, every node "
+          "exits 0 and the weights equal an undisturbed 3-node run's") {
+  const std::string dir = make_temp_dir();
+  const std::string token = "inplace-takeover-token";
+  auto node = [&](const std::string& ep, const std::string& id, int index, const std::string& summary) {
+    std::vector<std::string> argv{kMglaunch, "--nnodes=3", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                  "--rdzv_endpoint=" + ep, "--rdzv_id=" + id, "--max_restarts=2",
+                                  "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3",
+                                  "--local_addr=127.0.0." + std::to_string(index), kMgtrain};
+    auto args = job(summary);
+    argv.insert(argv.end(), args.begin(), args.end());
+    return spawn(argv, {{"MGLAUNCH_RDZV_TOKEN", token}});
+  };
+  // Node 0 (127.0.0.2) hosts the rendezvous at the endpoint: it starts first.
+  auto start = [&](const std::string& id, const std::string& summary) {
+    const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+    std::vector<Proc> nodes;
+    nodes.push_back(node(ep, id, 2, summary));
+    REQUIRE(eventually([&] { return nodes[0].err().find("hosting the rendezvous") != std::string::npos; }, 60s));
+    for (int i : {3, 4}) nodes.push_back(node(ep, id, i, summary));
+    // The round is decided before a standby comes.
+    REQUIRE(eventually([&] {
+      return std::all_of(nodes.begin(), nodes.end(), [](Proc& p) { return p.err().find("round 1: node") != std::string::npos; });
+    }, 60s));
+    return std::pair(ep, std::move(nodes));
+  };
+  {
+    auto calm = start("calm", dir + "/c{rank}.json");
+    for (auto& p : calm.second) {
+      REQUIRE(p.wait(240s));
+      INFO(p.err());
+      REQUIRE(p.exit_code() == 0);
+    }
+  }
+  auto hit = start("hit", dir + "/s{rank}.json");
+  const std::string ep = hit.first;
+  std::vector<Proc>& nodes = hit.second;
+  Proc standby = node(ep, "hit", 5, dir + "/s{rank}.json");
+  if (!eventually([&] { return standby.err().find("standby for job") != std::string::npos; }, 60s))
+    FAIL("no standby line: " << standby.err() << nodes[0].err());
+  REQUIRE(eventually([&] { return nodes[0].out().find(" step 10/") != std::string::npos; }, 120s));
+  ::kill(nodes[0].pid, SIGKILL);
+  REQUIRE(nodes[0].wait(10s));
+  for (Proc* p : {&nodes[1], &nodes[2], &standby}) {
+    REQUIRE(p->wait(240s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  INFO(standby.err());
+  CHECK_THAT(standby.err(), Catch::Contains("re-registered as a standby") && Catch::Contains("round 2: node 0 of 3"));
+  const auto calm = summary_of(dir + "/c0.json")["weights_sha256"];
+  for (int rank : {0, 1, 2}) CHECK(summary_of(dir + "/s" + std::to_string(rank) + ".json")["weights_sha256"] == calm);
+  const auto s1 = summary_of(dir + "/s1.json");
+  CHECK(s1["steps"] == summary_of(dir + "/c0.json")["steps"]);  // one epoch at world 3
+  REQUIRE(s1["recoveries"].size() == 1);
+  CHECK(s1["recoveries"][0]["step"].get<int>() >= 11);
+  CHECK(s1["recoveries"][0]["lost"] == "host");
+  std::cout << "in-place recovery with a standby, the hosting agent SIGKILLed: "
+            << s1["recoveries"][0]["seconds"].get<double>() << " s from detection to the first step after it\n";
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("in-place recovery is on for every rank or none: one rank without its control channel turns it off "

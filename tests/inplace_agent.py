@@ -16,6 +16,8 @@ workers, and injects one fault once rank 0 reports step --at-step or later:
 --again N (with kill or stop): a peer lost again during the recovery, N times: the
 replacement is SIGKILLed as soon as it says hello (before the new group forms), and the
 round after is paused and assigned anew (up to N + 1 restarts).
+--shrink (with kill): the failed worker is not replaced: the survivors are assigned a world
+one smaller, ranked in their old order (an elastic job that lost a node and has no standby).
 
 When a worker fails it sends `pause` to every live worker that opted in, spawns a
 replacement with TORCHELASTIC_RESTART_COUNT + 1 and sends `assign` to the paused ones.
@@ -48,6 +50,7 @@ def main():
     ap.add_argument("--deadline", type=float, default=240)
     ap.add_argument("--no-control", action="store_true", help="give the workers no MGLAUNCH_CONTROL_SOCKET")
     ap.add_argument("--again", type=int, default=0, help="SIGKILL this many replacements at their hello")
+    ap.add_argument("--shrink", action="store_true", help="go on without the failed worker, at a smaller world")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     worker_args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -72,11 +75,12 @@ def main():
     fault = {"kind": a.fault, "injected_at_step": None}
     step_re = re.compile(rb" step (\d+)/")
 
-    def env_for(rank):
+    def env_for(rank, world=None):
+        world = a.nproc if world is None else world
         return {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(a.nproc),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(a.nproc), "LOCAL_WORLD_SIZE": str(a.nproc),
+            "ROLE_WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "TORCHELASTIC_RESTART_COUNT": str(restart_count), "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
@@ -116,6 +120,14 @@ def main():
                     send(c, {"type": "pause", "round": rnd, "reason": reason, "lost": "worker"})
         rnd += 1
         restart_count += 1
+        if a.shrink:
+            survivors = sorted(r for r, w in workers.items() if r != failed_rank and w["proc"].poll() is None)
+            for new_rank, r in enumerate(survivors):
+                c = conn_of_pid(workers[r]["proc"].pid)
+                if c is not None:
+                    send(c, {"type": "assign", "round": rnd, "restart_count": restart_count,
+                             "env": env_for(new_rank, len(survivors))})
+            return
         spawn(failed_rank)
         for r, w in workers.items():
             if r != failed_rank and w["proc"].poll() is None:

@@ -118,6 +118,25 @@ TEST_CASE("in-place recovery: a peer lost again while the new group forms, twice
   CHECK(recoveries[0]["step"].get<int>() >= 11);
 }
 
+TEST_CASE("in-place recovery into a smaller world: rank 1 lost mid-epoch and not replaced, rank 0 alone trains the epoch's samples that world 2 had not, once, then whole epochs at world 1") {
+  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
+  // 1024 samples, batch 16: 32 steps an epoch at world 2, 64 at world 1; two epochs.
+  auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--shrink"}, {"--epochs", "2", "--max-steps", "1000"});
+  INFO(hit.r.out << hit.r.err << hit.logs());
+  REQUIRE(hit.r.code == 0);
+  const auto s0 = hit.summary(0);
+  CHECK(s0["world_size"] == 1);
+  REQUIRE(s0["recoveries"].size() == 1);
+  const int k = s0["recoveries"][0]["step"].get<int>() - 1;  // the steps world 2 applied
+  REQUIRE(k >= 10);
+  REQUIRE(k < 32);
+  // World 2 consumed 2 x 16 x k samples of epoch 1; the other 1024 - 32 k take (1024 - 32 k) / 16
+  // steps at world 1 (a world-1 shard read from the old position would take 64 - k, and
+  // see some samples twice and others never); epoch 2 is world 1's usual 64 steps.
+  CHECK(s0["steps"] == k + (1024 - 32 * k) / 16 + 64);
+  CHECK_THAT(hit.logs(), Catch::Contains("world 2 -> 1 in epoch 1: " + std::to_string(32 * k) + " of its 1024 samples done"));
+}
+
 TEST_CASE("in-place recovery: SIGTERM while waiting for the agent's new round ends the worker with 75, not after --timeout") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   // --timeout 600 is longer than the stand-in's deadline (200 s): a worker that waited it

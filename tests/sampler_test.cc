@@ -68,3 +68,45 @@ TEST_CASE("the synthetic dataset is deterministic and Fashion-MNIST loads with i
   CHECK(test.images.size() == 100 * 28 * 28);
   CHECK(*std::max_element(test.labels.begin(), test.labels.end()) <= 9);
 }
+
+TEST_CASE("a world size change mid-epoch deals the epoch's unconsumed samples to the new world: every sample once") {
+  // World 2 took 3 micro-batches of 8 per rank of a 103-sample epoch (positions [0, 48) of
+  // the permutation), then goes on at world 1, 3 or 2 from there.
+  const std::int64_t n = 103, bs = 8, micro = 3;
+  for (int new_world : {1, 3, 2}) {
+    INFO("new world " << new_world);
+    std::multiset<std::int64_t> seen;
+    std::int64_t offset = 0;
+    for (int r = 0; r < 2; ++r) {
+      DistributedSampler s(n, 2, r, true, 7, false);
+      s.set_epoch(4);
+      auto idx = s.indices();
+      seen.insert(idx.begin(), idx.begin() + micro * bs);
+      offset = s.consumed(micro * bs);
+    }
+    CHECK(offset == 48);
+    std::int64_t dealt = 0;
+    for (int r = 0; r < new_world; ++r) {
+      DistributedSampler s(n, new_world, r, true, 7, false);
+      s.set_epoch(4, offset);
+      auto idx = s.indices();
+      CHECK(static_cast<std::int64_t>(idx.size()) == s.num_samples());
+      CHECK(s.num_samples() == (n - offset + new_world - 1) / new_world);
+      dealt += static_cast<std::int64_t>(idx.size());
+      seen.insert(idx.begin(), idx.end());
+    }
+    // Each of the 103 samples at least once; the repeats are the new world's padding only.
+    for (std::int64_t i = 0; i < n; ++i) CHECK(seen.count(i) >= 1);
+    CHECK(static_cast<std::int64_t>(seen.size()) == 48 + dealt);
+    CHECK(dealt - (n - offset) < new_world);
+  }
+  // An offset at the end of the epoch leaves nothing to deal; an offset of 0 is the usual epoch.
+  DistributedSampler done(n, 2, 1, true, 7, false);
+  done.set_epoch(4, n);
+  CHECK(done.num_samples() == 0);
+  CHECK(done.indices().empty());
+  DistributedSampler a(n, 2, 1, true, 7, false), b(n, 2, 1, true, 7, false);
+  a.set_epoch(4);
+  b.set_epoch(4, 0);
+  CHECK(a.indices() == b.indices());
+}

@@ -42,6 +42,10 @@ Position load_from_bytes(const std::string& bytes, const torch::Device& device, 
   p.step = read_int(ar, "step");
   p.epoch = read_int(ar, "epoch");
   p.batch_in_epoch = read_int(ar, "batch_in_epoch");
+  for (auto [key, field] : {std::pair{"epoch_offset", &p.epoch_offset}, std::pair{"world", &p.world}}) {
+    torch::Tensor t;  // absent from the checkpoints of older mgtrains: 0
+    if (ar.try_read(key, t)) *field = t.item<std::int64_t>();
+  }
   torch::Tensor rng;
   ar.read("rng", rng);
   at::Generator gen = at::detail::getDefaultCPUGenerator();
@@ -58,6 +62,8 @@ void write_state(torch::serialize::OutputArchive& ar, torch::nn::Module& model, 
   ar.write("step", torch::tensor(pos.step));
   ar.write("epoch", torch::tensor(pos.epoch));
   ar.write("batch_in_epoch", torch::tensor(pos.batch_in_epoch));
+  ar.write("epoch_offset", torch::tensor(pos.epoch_offset));
+  ar.write("world", torch::tensor(pos.world));
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   ar.write("rng", gen.get_state());
 }

@@ -17,7 +17,12 @@ namespace mg::train {
 struct Position {
   std::int64_t step = 0;            // optimizer steps done
   std::int64_t epoch = 0;           // epoch in progress
-  std::int64_t batch_in_epoch = 0;  // micro-batches of `epoch` already consumed
+  std::int64_t batch_in_epoch = 0;  // micro-batches of `epoch` already consumed (at `world`, from `epoch_offset`)
+  // In-place recovery into another world size (docs/mgtrain.md): the permutation positions
+  // of `epoch` consumed before the current world took over (0: none), and the world size
+  // batch_in_epoch counts in (0: not recorded, an older checkpoint's: the current one).
+  std::int64_t epoch_offset = 0;
+  std::int64_t world = 0;
 };
 
 std::string checkpoint_file(const std::string& dir);

@@ -79,19 +79,32 @@ DistributedSampler::DistributedSampler(std::int64_t n, int replicas, int rank, b
                                        bool drop_last)
     : n_(n), replicas_(replicas), rank_(rank), shuffle_(shuffle), drop_last_(drop_last), seed_(seed) {
   if (replicas < 1 || rank < 0 || rank >= replicas) throw std::invalid_argument("sampler: rank must be in [0, replicas)");
-  num_samples_ = drop_last && n % replicas != 0 ? n / replicas : (n + replicas - 1) / replicas;
+  set_epoch(0, 0);
+}
+
+void DistributedSampler::set_epoch(std::int64_t epoch, std::int64_t offset) {
+  epoch_ = epoch;
+  offset_ = std::clamp<std::int64_t>(offset, 0, n_);
+  const std::int64_t left = n_ - offset_;
+  num_samples_ = drop_last_ && left % replicas_ != 0 ? left / replicas_ : (left + replicas_ - 1) / replicas_;
+}
+
+std::int64_t DistributedSampler::consumed(std::int64_t per_rank) const {
+  return std::min(n_, offset_ + std::min(per_rank, num_samples_) * replicas_);
 }
 
 std::vector<std::int64_t> DistributedSampler::indices() const {
-  std::vector<std::int64_t> all(static_cast<std::size_t>(n_));
-  std::iota(all.begin(), all.end(), 0);
+  std::vector<std::int64_t> perm(static_cast<std::size_t>(n_));
+  std::iota(perm.begin(), perm.end(), 0);
   if (shuffle_) {
     std::mt19937_64 rng(seed_ + static_cast<std::uint64_t>(epoch_));
-    std::shuffle(all.begin(), all.end(), rng);
+    std::shuffle(perm.begin(), perm.end(), rng);
   }
+  std::vector<std::int64_t> all(perm.begin() + offset_, perm.end());
+  const std::int64_t left = n_ - offset_;
   const std::int64_t total = num_samples_ * replicas_;
-  if (total > n_ && n_ > 0) {
-    for (std::int64_t i = n_; i < total; ++i) all.push_back(all[std::size_t((i - n_) % n_)]);
+  if (total > left && left > 0) {
+    for (std::int64_t i = left; i < total; ++i) all.push_back(all[std::size_t((i - left) % left)]);
   } else {
     all.resize(std::size_t(total));
   }

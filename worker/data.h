@@ -27,19 +27,28 @@ Dataset make_synthetic(std::int64_t n, std::uint64_t seed);
 // DistributedSampler: permutation of range(n) from seed+epoch (when shuffling), padded
 // by repeating from the start to a multiple of `replicas` (or truncated with drop_last),
 // then rank r takes positions r, r+replicas, ...
+//
+// With an offset (set_epoch's second argument) the epoch starts at that position of the
+// permutation: the positions before it were consumed at another world size (in-place
+// recovery into a new world, docs/mgtrain.md), and the rest, padded and dealt the same way,
+// is this world's share of the epoch. After m micro-batches of b samples on every rank of a
+// world w, positions [offset, offset + min(m*b, num_samples()) * w) are consumed: consumed().
 class DistributedSampler {
  public:
   DistributedSampler(std::int64_t n, int replicas, int rank, bool shuffle, std::uint64_t seed, bool drop_last);
-  void set_epoch(std::int64_t epoch) { epoch_ = epoch; }
+  void set_epoch(std::int64_t epoch, std::int64_t offset = 0);
   std::vector<std::int64_t> indices() const;
   std::int64_t num_samples() const { return num_samples_; }
+  // The permutation positions consumed once every rank took `per_rank` samples of this
+  // epoch (offset included), at most n.
+  std::int64_t consumed(std::int64_t per_rank) const;
 
  private:
   std::int64_t n_;
   int replicas_, rank_;
   bool shuffle_, drop_last_;
   std::uint64_t seed_;
-  std::int64_t epoch_ = 0;
+  std::int64_t epoch_ = 0, offset_ = 0;
   std::int64_t num_samples_;
 };
 

@@ -229,13 +229,35 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   establish();
 
   // This rank's shard and the step counts follow the world size (a new round may change it).
+  // A world that changes mid-epoch takes over the epoch where the old one left it: the
+  // permutation positions the old world consumed are skipped, the rest is dealt to the new
+  // ranks (DistributedSampler's offset), so each sample of the epoch is seen once.
   std::unique_ptr<data::DistributedSampler> sampler;
   std::int64_t micro_per_epoch = 0, steps_per_epoch = 0, total_steps = 0;
+  auto micro_batches = [&](std::int64_t samples) { return (samples + o.batch_size - 1) / o.batch_size; };
   auto reshard = [&] {
+    if (state.world > 0 && state.world != comm.world && (state.batch_in_epoch > 0 || state.epoch_offset > 0)) {
+      data::DistributedSampler old(train_set.size(), static_cast<int>(state.world), 0, o.shuffle, o.seed, false);
+      old.set_epoch(state.epoch, state.epoch_offset);
+      const std::int64_t consumed = old.consumed(state.batch_in_epoch * o.batch_size);
+      if (lead)
+        std::printf("mgtrain: world %lld -> %d in epoch %lld: %lld of its %lld samples done, the other %lld dealt to the new ranks\n",
+                    static_cast<long long>(state.world), comm.world, static_cast<long long>(state.epoch + 1),
+                    static_cast<long long>(consumed), static_cast<long long>(train_set.size()),
+                    static_cast<long long>(train_set.size() - consumed));
+      state.epoch_offset = consumed;
+      state.batch_in_epoch = 0;
+    }
+    state.world = comm.world;
     sampler = std::make_unique<data::DistributedSampler>(train_set.size(), comm.world, comm.rank, o.shuffle, o.seed, false);
-    micro_per_epoch = (sampler->num_samples() + o.batch_size - 1) / o.batch_size;
+    micro_per_epoch = micro_batches(sampler->num_samples());
     steps_per_epoch = (micro_per_epoch + o.grad_accum - 1) / o.grad_accum;
-    total_steps = steps_per_epoch * o.epochs;
+    // The steps left in the epoch under way (from its offset), then whole epochs.
+    sampler->set_epoch(state.epoch, state.epoch_offset);
+    const std::int64_t micro_now = micro_batches(sampler->num_samples());
+    const std::int64_t left_now = (std::max<std::int64_t>(0, micro_now - state.batch_in_epoch) + o.grad_accum - 1) / o.grad_accum;
+    total_steps = state.epoch >= o.epochs ? state.step
+                                          : state.step + left_now + steps_per_epoch * (o.epochs - state.epoch - 1);
     if (o.max_steps >= 0) total_steps = std::min(total_steps, o.max_steps);
   };
   reshard();
@@ -313,7 +335,8 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   // last step this rank applied, so a rerun of the loop redoes the interrupted step.
   auto train_loop = [&] {
   for (std::int64_t epoch = state.epoch; epoch < o.epochs && state.step < total_steps && !stopped; ++epoch) {
-    sampler->set_epoch(epoch);
+    sampler->set_epoch(epoch, epoch == state.epoch ? state.epoch_offset : 0);
+    micro_per_epoch = micro_batches(sampler->num_samples());
     auto idx_all = sampler->indices();
     auto idx = torch::from_blob(idx_all.data(), {static_cast<std::int64_t>(idx_all.size())}, torch::kLong).to(comm.device);
     model.module->train();
@@ -382,6 +405,7 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
         Position c = state;
         if (c.batch_in_epoch >= micro_per_epoch) {
           c.batch_in_epoch = 0;
+          c.epoch_offset = 0;
           ++c.epoch;
         }
         if (lead) save_checkpoint(with_rank(o.checkpoint_dir, comm.rank), *model.module, opt, c);
@@ -426,6 +450,7 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
       std::fflush(stdout);
     }
     state.batch_in_epoch = 0;
+    state.epoch_offset = 0;
     state.epoch = epoch + 1;
   }
   broadcast_buffers();  // the final model is the one the next forward would see

@@ -36,7 +36,8 @@ void compare_envs(const std::string& ref_out, const std::string& ours_out, const
   REQUIRE(want.size() == 2);
   REQUIRE(got.size() == 2);
   // Values that differ from run to run: compare presence only.
-  const std::set<std::string> run_specific = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID"};
+  // TMPDIR: each process a test starts has its own (support/proc.cc).
+  const std::set<std::string> run_specific = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "TMPDIR"};
   for (int lr = 0; lr < 2; ++lr) {
     for (auto& [key, value] : want[lr].items()) {
       INFO("local rank " << lr << " variable " << key);

@@ -13,7 +13,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <set>
 #include <string>
@@ -138,4 +140,64 @@ TEST_CASE("a test's process handle removes its output files and their directory 
   }
   struct stat st{};
   CHECK(::stat(dir.c_str(), &st) != 0);
+}
+
+TEST_CASE("a failed run's log tree, kept by mglaunch in the TMPDIR of the test's process handle, goes with the handle: nothing in /dev/shm or /tmp") {
+  std::string kept;
+  {
+    // A failed run keeps its error files (logs/log_layout.h) and says where.
+    Proc p = spawn(launch({"--standalone", "--nproc_per_node=1"}, {"error-file", "boom", "exit", "3"}));
+    REQUIRE(p.wait(60s));
+    CHECK(p.exit_code() == 3);
+    const std::string err = p.err();
+    INFO(err);
+    const auto at = err.find("kept in ");
+    REQUIRE(at != std::string::npos);
+    kept = err.substr(at + 8, err.find_first_of(" \n", at + 8) - at - 8);
+    struct stat st{};
+    REQUIRE(::stat(kept.c_str(), &st) == 0);
+  }
+  INFO(kept);
+  struct stat st{};
+  CHECK(::stat(kept.c_str(), &st) != 0);
+}
+
+// The helper the next test runs in a process of its own (hidden: not part of the suite).
+TEST_CASE("test helper: make a temporary directory and a process handle, and print the directory", "[.helper]") {
+  const std::string dir = make_temp_dir();
+  std::ofstream(dir + "/a-file") << "x";
+  Proc p = spawn({kFakeWorker, "exit", "0"});
+  REQUIRE(p.wait(30s));
+  std::cout << "dir=" << dir << std::endl;
+}
+
+TEST_CASE("a test process's temporary directories go when it exits, and a dead test process's are removed by the next one") {
+  const std::string base = make_temp_dir();  // the child's TMPDIR
+  // A root of a test process that is gone (its pid reaped), and one of a live process (ours).
+  Proc gone = spawn({kFakeWorker, "exit", "0"});
+  REQUIRE(gone.wait(30s));
+  const std::string dead_root = base + "/mgtest-" + std::to_string(gone.pid) + "-AbCdEf";
+  const std::string live_root = base + "/mgtest-" + std::to_string(::getpid()) + "-AbCdEf";
+  for (const auto& d : {dead_root, live_root}) {
+    std::filesystem::create_directories(d + "/mgtest_x");
+    std::ofstream(d + "/mgtest_x/f") << "x";
+  }
+  char self[4096] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  REQUIRE(n > 0);
+  auto child = run({std::string(self, static_cast<std::size_t>(n)), "test helper: make a temporary directory*"},
+                   {{"TMPDIR", base}}, 60s);
+  INFO(child.out << child.err);
+  REQUIRE(child.code == 0);
+  const auto at = child.out.find("dir=");
+  REQUIRE(at != std::string::npos);
+  const std::string made = child.out.substr(at + 4, child.out.find('\n', at) - at - 4);
+  CHECK(made.rfind(base + "/mgtest-", 0) == 0);
+  struct stat st{};
+  CHECK(::stat(made.c_str(), &st) != 0);      // gone with its process
+  CHECK(::stat(dead_root.c_str(), &st) != 0);  // swept: its process is gone
+  CHECK(::stat(live_root.c_str(), &st) == 0);  // kept: its process runs
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(base)) left.push_back(e.path().filename().string());
+  CHECK(left == std::vector<std::string>{std::filesystem::path(live_root).filename().string()});
 }

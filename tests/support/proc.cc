@@ -4,13 +4,18 @@
 #include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -18,6 +23,71 @@
 extern char** environ;
 
 namespace mgtest {
+namespace {
+
+// Every directory a test makes (make_temp_dir) and every process's own TMPDIR (spawn) lie
+// under one root per test process, $TMPDIR/mgtest-<pid>-XXXXXX, removed when the process
+// exits. What the processes a test starts leave in their TMPDIR (an agent's kept log tree
+// of a failed run, torchrun's torchelastic_* directories) goes with its handle, and the
+// directories a test made with the root: before, every run of the suite left thousands of
+// mgtest_* directories in /tmp and mglaunch_* trees in /dev/shm. A root whose process died
+// without exiting (killed at a timeout) is removed by the next test process that makes one.
+constexpr const char* kRootPrefix = "mgtest-";
+
+std::string tmp_base() {
+  const char* base = std::getenv("TMPDIR");
+  return base && *base ? base : "/tmp";
+}
+
+void sweep_dead_roots(const std::string& base) {
+  DIR* d = ::opendir(base.c_str());
+  if (!d) return;
+  std::vector<std::string> dead;
+  for (dirent* e; (e = ::readdir(d)) != nullptr;) {
+    const std::string name = e->d_name;
+    if (name.rfind(kRootPrefix, 0) != 0) continue;
+    const std::string rest = name.substr(std::strlen(kRootPrefix));
+    const auto dash = rest.find('-');
+    if (dash == std::string::npos || dash == 0 || rest.find_first_not_of("0123456789") != dash) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(rest.substr(0, dash)));
+    struct stat st {};
+    const std::string path = base + "/" + name;
+    // Ours (same user) and its process gone: kill(pid, 0) fails with ESRCH.
+    if (::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == ::getuid() && ::kill(pid, 0) != 0 &&
+        errno == ESRCH)
+      dead.push_back(path);
+  }
+  ::closedir(d);
+  for (const auto& p : dead) {
+    std::error_code ec;
+    std::filesystem::remove_all(p, ec);
+  }
+}
+
+struct Root {
+  std::string path;
+  pid_t owner = 0;
+  Root() {
+    const std::string base = tmp_base();
+    sweep_dead_roots(base);
+    std::string templ = base + "/" + kRootPrefix + std::to_string(::getpid()) + "-XXXXXX";
+    if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp " + templ + " failed: " + std::strerror(errno));
+    path = templ;
+    owner = ::getpid();
+  }
+  ~Root() {
+    if (::getpid() != owner) return;  // a forked child that exits runs no clean-up of ours
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+const std::string& root_dir() {
+  static Root root;
+  return root.path;
+}
+
+}  // namespace
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -27,9 +97,8 @@ std::string read_file(const std::string& path) {
 }
 
 std::string make_temp_dir() {
-  const char* base = std::getenv("TMPDIR");
-  std::string templ = std::string(base && *base ? base : "/tmp") + "/mgtest_XXXXXX";
-  if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
+  std::string templ = root_dir() + "/mgtest_XXXXXX";
+  if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp " + templ + " failed: " + std::strerror(errno));
   return templ;
 }
 
@@ -44,6 +113,9 @@ Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std
     auto eq = kv.find('=');
     if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
+  // A TMPDIR of its own (unless the test names one), removed with the handle.
+  const std::string own_tmp = dir + "/tmp";
+  if (!env_add.contains("TMPDIR") && ::mkdir(own_tmp.c_str(), 0700) == 0) env["TMPDIR"] = own_tmp;
   for (const auto& [k, v] : env_add) {
     if (v == "\x01unset")
       env.erase(k);
@@ -101,10 +173,10 @@ Proc::~Proc() {
   // The output files and their directory (make_temp_dir) go with the handle: left behind,
   // every test run added a directory to $TMPDIR, and a /tmp of 170,000 entries slowed every
   // mkdir and rmdir there (the agents' temporary log directories among them).
+  // Its TMPDIR goes too, with whatever the process and its children left there.
   if (!out_path.empty()) {
-    ::unlink(out_path.c_str());
-    ::unlink(err_path.c_str());
-    ::rmdir(out_path.substr(0, out_path.rfind('/')).c_str());
+    std::error_code ec;
+    std::filesystem::remove_all(out_path.substr(0, out_path.rfind('/')), ec);
   }
 }
 

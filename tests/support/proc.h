@@ -1,5 +1,9 @@
 // Test helper: run real processes (mglaunch, torchrun, fake_worker) with their output in
 // temporary files, every wait bounded. Kills only what it started, by process group.
+// Nothing is left behind: each process gets a TMPDIR of its own (unless the test names
+// one), removed with its handle, so an agent's kept log tree or torchrun's directories go
+// with it; make_temp_dir's directories lie under one root per test process
+// ($TMPDIR/mgtest-<pid>-XXXXXX), removed at its exit or, if it was killed, by the next one.
 #pragma once
 
 #include <sys/types.h>

@@ -17,6 +17,8 @@
 
 #include <sys/random.h>
 
+#include "proto/accept_backoff.h"
+
 namespace mg::control {
 
 namespace asio = boost::asio;
@@ -80,20 +82,12 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
   std::uint64_t next_id = 1;
   bool stopped = false;
 
-  // At most one line a second (the store's rule): a worker opening connections in a loop
-  // must not flood the agent's console. The next line counts the ones left out.
-  std::chrono::steady_clock::time_point last_log{};
-  std::size_t unlogged = 0;
+  // At most one line a second (proto/accept_backoff.h): a worker opening connections in a
+  // loop must not flood the agent's console. The next line counts the ones left out.
+  proto::LogLimiter limiter;
   void log(const std::string& line) {
     if (!opts.log) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (last_log != std::chrono::steady_clock::time_point{} && now - last_log < std::chrono::seconds(1)) {
-      ++unlogged;
-      return;
-    }
-    last_log = now;
-    opts.log("control socket: " +
-             (unlogged ? fmt::format("{} (and {} more in the second before)", line, std::exchange(unlogged, 0)) : line));
+    if (auto l = limiter.admit(line, std::chrono::steady_clock::now())) opts.log("control socket: " + *l);
   }
 
   void accept() {
@@ -104,14 +98,13 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
         self->accept();
         return;
       }
-      // EMFILE, ENFILE and the like: the pending connection stays and accept would fail at
-      // once again. Keep serving the sessions we have and try again in 100 ms (as the store,
-      // the rendezvous daemon and the status page do) instead of spinning.
+      // EMFILE, ENFILE and the like: keep serving the sessions we have, pause the accepts
+      // (proto/accept_backoff.h, as the store does) instead of spinning.
       ++self->accept_failures;
-      self->log(fmt::format("cannot accept a connection: {}; pausing accepts for 100 ms", ec.message()));
-      self->accept_pause.expires_after(std::chrono::milliseconds(100));
-      self->accept_pause.async_wait([self](boost::system::error_code e) {
-        if (!e && !self->stopped) self->accept();
+      self->log(fmt::format("cannot accept a connection: {}; pausing accepts for {} ms", ec.message(),
+                            proto::kAcceptPause.count()));
+      proto::pause_accepts(self->accept_pause, [self] {
+        if (!self->stopped) self->accept();
       });
     });
   }

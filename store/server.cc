@@ -11,6 +11,8 @@
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
+#include "proto/accept_backoff.h"
+
 namespace mg::store {
 
 namespace asio = boost::asio;
@@ -39,23 +41,16 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   std::size_t dropped = 0;
   bool stopped = false;
   asio::steady_timer accept_pause{io};  // after an accept error (EMFILE): a pause, not a spin
-  bool accept_warned = false;
   std::array<char, 64 * 1024> scratch{};
   std::vector<Reply> replies;
 
-  // At most one line a second: many clients breaking the rules at once (a port scan, a
-  // hostile peer) must not flood the agent's console. The next line counts the ones left out.
-  std::chrono::steady_clock::time_point last_log{};
-  std::size_t unlogged = 0;
+  // At most one line a second (proto/accept_backoff.h): many clients breaking the rules at
+  // once (a port scan, a hostile peer) must not flood the agent's console. The next line
+  // counts the ones left out.
+  proto::LogLimiter limiter;
   void log(const std::string& line) {
     if (!opts.log) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (last_log != std::chrono::steady_clock::time_point{} && now - last_log < std::chrono::seconds(1)) {
-      ++unlogged;
-      return;
-    }
-    last_log = now;
-    opts.log(unlogged ? fmt::format("{} (and {} more in the second before)", line, std::exchange(unlogged, 0)) : line);
+    if (auto l = limiter.admit(line, std::chrono::steady_clock::now())) opts.log(*l);
   }
 
   void accept() {
@@ -76,13 +71,12 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       } else if (ec == asio::error::operation_aborted) {
         return;
       } else {
-        // EMFILE and the like: keep serving the clients we have, try again in a moment.
-        if (!self->accept_warned)
-          self->log(fmt::format("agent store: cannot accept a client: {} (retrying every 100 ms)", ec.message()));
-        self->accept_warned = true;
-        self->accept_pause.expires_after(std::chrono::milliseconds(100));
-        self->accept_pause.async_wait([self](boost::system::error_code e) {
-          if (!e && !self->stopped) self->accept();
+        // EMFILE and the like: keep serving the clients we have, pause the accepts
+        // (proto/accept_backoff.h, as the control socket does) instead of spinning.
+        self->log(fmt::format("agent store: cannot accept a client: {}; pausing accepts for {} ms", ec.message(),
+                              proto::kAcceptPause.count()));
+        proto::pause_accepts(self->accept_pause, [self] {
+          if (!self->stopped) self->accept();
         });
         return;
       }

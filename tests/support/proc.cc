@@ -48,7 +48,7 @@ void sweep_dead_roots(const std::string& base) {
     if (name.rfind(kRootPrefix, 0) != 0) continue;
     const std::string rest = name.substr(std::strlen(kRootPrefix));
     const auto dash = rest.find('-');
-    if (dash == std::string::npos || dash == 0 || rest.find_first_not_of("0123456789") != dash) continue;
+    if (dash == std::string::npos || dash == 0 || dash > 9 || rest.find_first_not_of("0123456789") != dash) continue;
     const pid_t pid = static_cast<pid_t>(std::stol(rest.substr(0, dash)));
     struct stat st {};
     const std::string path = base + "/" + name;

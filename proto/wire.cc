@@ -148,6 +148,40 @@ Wire AssignmentEncoder::operator()(int group_rank, int rank_offset) const {
   return w;
 }
 
+StandbyEncoder::StandbyEncoder(const Standby& m) {
+  // operator() appends position, the map's 6th entry.
+  auto body = std::make_shared<std::vector<std::uint8_t>>();
+  auto& out = *body;
+  std::size_t bytes = 96;
+  for (const auto& n : m.nodes) bytes += 2 + n.size();
+  bytes += 3 * m.takeover_ports.size();
+  out.reserve(bytes);
+  cbor::put_head(out, 5, 6);
+  cbor::put_text(out, "active_nodes");
+  cbor::put_int(out, m.active_nodes);
+  cbor::put_text(out, "nodes");
+  cbor::put_head(out, 4, m.nodes.size());
+  for (const auto& n : m.nodes) cbor::put_text(out, n);
+  cbor::put_text(out, "restart_count");
+  cbor::put_int(out, m.restart_count);
+  cbor::put_text(out, "round");
+  cbor::put_int(out, m.round);
+  cbor::put_text(out, "takeover_ports");
+  cbor::put_head(out, 4, m.takeover_ports.size());
+  for (int p : m.takeover_ports) cbor::put_int(out, p);
+  body_ = std::move(body);
+}
+
+Wire StandbyEncoder::operator()(int position) const {
+  Wire w;
+  w.type = static_cast<std::uint8_t>(MsgType::kStandby);
+  w.body = body_;
+  TailOut out{w};  // at most 9 + 5 bytes
+  text(out, "position");
+  integer(out, position);
+  return w;
+}
+
 Wire to_wire(const Assignment& a) { return AssignmentEncoder(a)(a.group_rank, a.rank_offset); }
 
 Wire to_wire(const Heartbeat& h) {

@@ -63,6 +63,17 @@ class AssignmentEncoder {
   std::shared_ptr<const std::vector<std::uint8_t>> body_;
 };
 
+// The Standby messages of a job's standbys: the fields they share (the round's node list
+// included) encoded once, then one Wire per standby with its position.
+class StandbyEncoder {
+ public:
+  explicit StandbyEncoder(const Standby& shared);
+  Wire operator()(int position) const;
+
+ private:
+  std::shared_ptr<const std::vector<std::uint8_t>> body_;
+};
+
 // The CBOR items our messages use, in their shortest form (as nlohmann writes them).
 namespace cbor {
 void put_head(std::vector<std::uint8_t>& out, int major, std::uint64_t value);

@@ -26,22 +26,22 @@ Actions Job::make_standby(SessionId s, const proto::Join& j, Clock::time_point n
     return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' is full ({} nodes) and has {} standbys already", id_,
                                                          config_.max_nodes, standby_.size())})}};
   standby_[s] = {j, now};
-  Actions out{{s, standby_message(s)}};
+  const auto position = static_cast<int>(std::distance(standby_.begin(), standby_.find(s))) + 1;
+  Actions out{{s, proto::StandbyEncoder(standby_fields())(position)}};
   auto told = tell_standby_count();
   out.insert(out.end(), told.begin(), told.end());
   return out;
 }
 
-proto::Wire Job::standby_message(SessionId s) const {
+proto::Standby Job::standby_fields() const {
   proto::Standby m;
   m.active_nodes = static_cast<int>(state_ == State::kRunning ? std::max(members_.size(), expected_members_)
                                                                : joined_.size() + rejoining_.size());
-  m.position = static_cast<int>(std::distance(standby_.begin(), standby_.find(s))) + 1;
   m.round = round_;
   m.restart_count = restart_count_;
   m.nodes = round_nodes_;
   m.takeover_ports = round_ports_;
-  return proto::to_wire(m);
+  return m;
 }
 
 Actions Job::tell_standby_count() const {
@@ -369,8 +369,12 @@ Actions Job::close_round(Clock::time_point now) {
   expected_members_ = members_.size();
   rebuilding_ = false;
   state_ = State::kRunning;
-  // The standbys left out hold the new round's takeover candidates.
-  for (const auto& [s, n] : standby_) out.push_back({s, standby_message(s)});
+  // The standbys left out hold the new round's takeover candidates (encoded once).
+  if (!standby_.empty()) {
+    const proto::StandbyEncoder told(standby_fields());
+    int position = 0;
+    for (const auto& [s, n] : standby_) out.push_back({s, told(++position)});
+  }
   return out;
 }
 

@@ -117,8 +117,8 @@ class Job {
   Actions broadcast(const proto::Wire& w, SessionId except = 0) const;
   Actions maybe_done();
   Actions make_standby(SessionId s, const proto::Join& j, Clock::time_point now);
-  // The Standby message for standby `s` (its position, the last round's candidates).
-  proto::Wire standby_message(SessionId s) const;
+  // What every standby is told (the last round's candidates; the position is its own).
+  proto::Standby standby_fields() const;
   // The running nodes hear the standby count (after it changed).
   Actions tell_standby_count() const;
   // Moves standbys into the next round while it has free places (max nodes, less those

@@ -85,6 +85,27 @@ TEST_CASE("the assignments of a round share one encoding of what every node gets
   CHECK(ranks == std::set<int>{0, 1, 2});
 }
 
+TEST_CASE("the standbys told a new round share one encoding of its node list, and decode as nlohmann's (#26)") {
+  Standby m;
+  m.active_nodes = 2;
+  m.round = 300;
+  m.restart_count = 2;
+  m.nodes = {"127.0.0.1", "127.0.0.2"};
+  m.takeover_ports = {0, 40000};
+  const StandbyEncoder encode(m);
+  const Wire first = encode(1), second = encode(70000);
+  CHECK(first.body.get() == second.body.get());
+  for (int position : {1, 70000}) {
+    m.position = position;
+    const Wire w = position == 1 ? first : second;
+    CHECK(frame_of(w).payload == nlohmann::json(m));
+    auto back = from_frame<Standby>(w);
+    CHECK(back.position == position);
+    CHECK(back.nodes == m.nodes);
+    CHECK(back.takeover_ports == m.takeover_ports);
+  }
+}
+
 TEST_CASE("a heartbeat and any other message survive the trip through a Wire") {
   auto hb = decode(framed(to_wire(Heartbeat{12})));
   REQUIRE(hb.status == DecodeResult::Status::kOk);

@@ -708,6 +708,14 @@ void Agent::run(sup::Actions actions) {
             }
           } else if constexpr (std::is_same_v<A, sup::act::Assign>) {
             assign_worker(a);
+          } else if constexpr (std::is_same_v<A, sup::act::CheckStopped>) {
+            asio::post(io_, [this] {
+              std::vector<int> stopped;  // state T: stopped by a signal (t, a tracer's stop, is not)
+              for (const auto& w : launcher_->workers())
+                if (const auto st = w.exited || w.pid <= 0 ? std::nullopt : read_proc_stat(w.pid); st && st->state == 'T')
+                  stopped.push_back(w.local_rank);
+              run(core_.workers_stopped(stopped, now()));
+            });
           } else if constexpr (std::is_same_v<A, sup::act::Finish>) {
             finish(a.code);
           }

@@ -275,6 +275,15 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
     out.push_back(act::SignalWorkers{SIGKILL, true, stop_only_});
   } else if (t == Timer::kLeave) {
     if (state_ != State::kDone) finish(leaving_code_, out);
+  } else if (t == Timer::kWatch) {
+    watching_ = false;
+    if (state_ == State::kDone) return out;
+    bool any = false;
+    for (int lr = 0; lr < cfg_.nproc; ++lr)
+      if (live_[static_cast<std::size_t>(lr)] && in_place_[static_cast<std::size_t>(lr)]) any = true;
+    if (!any) return out;  // the next hello with in_place starts it again
+    out.push_back(act::CheckStopped{});
+    watch(now, out);
   } else if (t == Timer::kFence) {
     if (fence_pending_ && now.steady >= fence_due_) release_port(out);
   } else if (t == Timer::kClosing) {
@@ -441,6 +450,8 @@ void Supervisor::finish(int code, Actions& out) {
   out.push_back(act::CancelTimer{Timer::kLeave});
   out.push_back(act::CancelTimer{Timer::kFence});
   out.push_back(act::CancelTimer{Timer::kClosing});
+  out.push_back(act::CancelTimer{Timer::kWatch});
+  watching_ = false;
   out.push_back(act::Finish{code});
 }
 
@@ -508,6 +519,8 @@ Actions Supervisor::signal(int sig, const Now& now) {
 Actions Supervisor::job_control(int sig, const Now& now) {
   Actions out;
   if (state_ == State::kDone) return out;
+  // Stopped with us (Ctrl-Z), or continued: what was seen stopped before does not count.
+  std::fill(stopped_since_.begin(), stopped_since_.end(), Clock::time_point::max());
   if (sig == SIGTSTP) {
     // Ctrl-Z: the workers first (they are in process groups of their own, the terminal
     // stopped only us), then the agent, as the shell expects of its job.
@@ -759,10 +772,44 @@ bool meant_to_host(bool rdzv_server, bool etcd, std::optional<bool> is_host,
 
 namespace mg::sup {
 
-Actions Supervisor::worker_hello(int local_rank, bool in_place, const Now&) {
+Actions Supervisor::worker_hello(int local_rank, bool in_place, const Now& now) {
   Actions out;
   if (!valid(local_rank) || !live_[static_cast<std::size_t>(local_rank)] || state_ == State::kDone) return out;
   in_place_[static_cast<std::size_t>(local_rank)] = in_place ? 1 : 0;
+  if (in_place) watch(now, out);
+  return out;
+}
+
+void Supervisor::watch(const Now& now, Actions& out) {
+  if (watching_) return;
+  watching_ = true;
+  out.push_back(act::ArmTimer{Timer::kWatch, now.steady + Config::kWatchEvery});
+}
+
+Actions Supervisor::workers_stopped(const std::vector<int>& local_ranks, const Now& now) {
+  Actions out;
+  if (state_ == State::kDone) return out;
+  std::vector<int> hung;
+  for (int lr = 0; lr < cfg_.nproc; ++lr) {
+    const auto i = static_cast<std::size_t>(lr);
+    const bool stopped = std::find(local_ranks.begin(), local_ranks.end(), lr) != local_ranks.end();
+    // Only a running worker of a running attempt that opted in: a paused one has its own
+    // bound (ack_due_), the others are stopped by the stop under way or restarted anyway.
+    if (!stopped || state_ != State::kRunning || !live_[i] || !in_place_[i] || paused_[i] || closing_[i]) {
+      stopped_since_[i] = Clock::time_point::max();
+      continue;
+    }
+    if (stopped_since_[i] == Clock::time_point::max()) stopped_since_[i] = now.steady;
+    if (now.steady - stopped_since_[i] < cfg_.grace) continue;
+    stopped_since_[i] = Clock::time_point::max();
+    hung.push_back(lr);
+  }
+  if (hung.empty()) return out;
+  notice(fmt::format("local rank(s) {} stopped by a signal (SIGSTOP) for {:.1f}s: taken for hung, sending SIGKILL",
+                     fmt::join(hung, ","), seconds(cfg_.grace)),
+         out);
+  trace("stopped worker", "restart", {{"local_ranks", fmt::format("{}", fmt::join(hung, ","))}}, out);
+  out.push_back(act::SignalWorkers{SIGKILL, false, hung});
   return out;
 }
 

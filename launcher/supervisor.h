@@ -55,8 +55,9 @@ enum class State { kRunning, kStopping, kWaiting, kDone };
 // kGrace: SIGTERM to SIGKILL; kLeave: a stopped node waits for the job's decision;
 // kFence: the longest the master port waits for the workers' exec (WatchExecs).
 // kStoreLinger is the agent's own (the node-0 agent's store outliving its workers), never
-// the supervisor's; kCount sizes the clock's table.
-enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kCount };
+// the supervisor's; kCount sizes the clock's table. kWatch: the next look for workers stopped
+// by a signal (CheckStopped), while a worker that opted in to in-place recovery runs.
+enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kWatch, kCount };
 
 struct Config {
   int nproc = 1;          // workers of this node
@@ -75,6 +76,7 @@ struct Config {
   static constexpr std::chrono::seconds kLeaveTimeout{5};
   // A worker stopped before its exec must not keep the master port held for ever.
   static constexpr std::chrono::seconds kExecFenceTimeout{1};
+  static constexpr std::chrono::seconds kWatchEvery{1};
 };
 
 // The actions, carried out in the order returned.
@@ -116,6 +118,9 @@ struct Pause { int local_rank = 0; int round = 0; std::string reason; std::strin
                                                                                       // ended; lost: host or worker
 struct Assign { int local_rank = 0; int round = 0; int restart_count = 0; };  // the new one's: its env from the plan
 struct AttemptDue {};          // feed attempt_due() from the event loop
+// Look up which live workers are stopped by a signal (/proc state T) and feed them to
+// workers_stopped().
+struct CheckStopped {};
 struct HoldMasterPort { bool fresh = false; };
 struct ReleaseMasterPort {};   // the workers may bind it now
 struct Rejoin { bool offer_port = false; };  // join the next round (offering the port held now: ours)
@@ -130,7 +135,7 @@ using Action = std::variant<act::Notice, act::ErrorLine, act::PrintRootCause, ac
                             act::SpawnMoreLater, act::SignalWorkers, act::PauseOutputDrains, act::ResumeOutputDrains, act::StopSelf,
                             act::ArmTimer, act::CancelTimer, act::RetireWorkers, act::AttemptDue,
                             act::HoldMasterPort, act::ReleaseMasterPort, act::Rejoin, act::SendWorkerFailed,
-                            act::SendNodeDone, act::Finish, act::Pause, act::Assign>;
+                            act::SendNodeDone, act::Finish, act::Pause, act::Assign, act::CheckStopped>;
 using Actions = std::vector<Action>;
 
 class Supervisor {
@@ -146,7 +151,8 @@ class Supervisor {
         closing_(live_),
         respawn_(live_),
         closing_due_(static_cast<std::size_t>(cfg_.nproc)),
-        ack_due_(closing_due_) {}
+        ack_due_(closing_due_),
+        stopped_since_(static_cast<std::size_t>(cfg_.nproc), Clock::time_point::max()) {}
 
   // The agent is set up: join the rendezvous (multi-node) or start attempt 0.
   Actions start(const Now& now);
@@ -184,6 +190,11 @@ class Supervisor {
   // Local rank N's worker answered its Pause (`paused`): it is alive and let go of its
   // group; its Assign, if held for this answer, goes now.
   Actions worker_paused(int local_rank, const Now& now);
+  // The local ranks whose worker CheckStopped found stopped by a signal (SIGSTOP, not the
+  // agent's Ctrl-Z). A worker that opted in and stays stopped for the grace is taken for
+  // hung: SIGKILL, and its end is a failure of the attempt (the others are paused and kept),
+  // before its peers' collectives time out and they give up their state.
+  Actions workers_stopped(const std::vector<int>& local_ranks, const Now& now);
   // The preflight check (ops/preflight.h, --preflight=fail) found a slow or broken node
   // before any worker of the run started: the run ends with `line` (an error line and the
   // root cause) and exit code 5. Nothing once the run is past that point.
@@ -277,6 +288,11 @@ class Supervisor {
   // A paused worker that has not answered by ack_due_[lr] (its Pause + the grace) is taken
   // for dead: SIGKILL, then closing_ as above. The kClosing timer serves both deadlines.
   std::vector<Clock::time_point> ack_due_;
+  // Since when CheckStopped has found each worker stopped (max: not stopped); watching_:
+  // the kWatch timer is armed.
+  std::vector<Clock::time_point> stopped_since_;
+  bool watching_ = false;
+  void watch(const Now& now, Actions& out);
   void arm_closing(Actions& out);
   // The paused workers whose answer is overdue: SIGKILL, closing_ (see ack_due_).
   void kill_silent(const Now& now, Actions& out);

@@ -170,6 +170,30 @@ TEST_CASE("in place: a SIGSTOPped worker that opted in cannot answer its pause: 
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("in place: a worker that opted in, SIGSTOPped while training, is taken for hung after the grace: "
+          "SIGKILL, a new process in its place, its peer paused and kept (#26)") {
+  const std::string dir = make_temp_dir();
+  Proc agent = spawn({kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", "--grace=2", "--no_python",
+                      "/usr/bin/python3", kWorker, dir, "0,1"});
+  REQUIRE(eventually([&] { return has_event(dir, "welcome", 0) && has_event(dir, "welcome", 1); }, 60s));
+  StoppedWorker stopped{of(events(dir), "start", 1).at(0)["pid"].get<pid_t>()};
+  REQUIRE(::kill(stopped.pid, SIGSTOP) == 0);
+  // Before the fix nothing happened: its peers waited on it until their own time-outs.
+  REQUIRE(eventually([&] { return has_event(dir, "start", 1, 2) && has_event(dir, "assign", 0); }, 60s));
+  REQUIRE(eventually([&] { return has_event(dir, "welcome", 1, 2); }, 30s));
+  finish(dir);
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(agent.exit_code() == 0);
+  CHECK_THAT(agent.err(), Catch::Contains("local rank(s) 1 stopped by a signal (SIGSTOP) for 2.0s: taken for hung"));
+  CHECK_FALSE(pid_alive(stopped.pid));
+  const auto evs = events(dir);
+  REQUIRE(of(evs, "start", 0).size() == 1);  // kept in place
+  CHECK(of(evs, "pause", 0).at(0)["lost"] == "worker");
+  CHECK(of(evs, "start", 1).at(1)["env"]["TORCHELASTIC_RESTART_COUNT"] == "1");
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("in place: a SIGSTOPped worker that did not opt in is stopped by SIGTERM at once (SIGCONT follows it), "
           "not SIGKILLed after the grace (#26)") {
   const std::string dir = make_temp_dir();

@@ -1181,6 +1181,54 @@ TEST_CASE("in place: a paused worker that ends while its Assign is held is start
   CHECK_FALSE(s.root_cause());
 }
 
+TEST_CASE("in place: a worker that opted in and stays stopped by a signal for the grace is SIGKILLed, a failure of "
+          "the attempt: the others are paused and kept before their collectives time out (#26)") {
+  Supervisor s(single(2, 2));
+  s.start(at(0));
+  auto out = s.worker_hello(0, true, at(1));
+  REQUIRE(all<act::ArmTimer>(out).size() == 1);
+  CHECK(all<act::ArmTimer>(out)[0].timer == Timer::kWatch);
+  CHECK_FALSE(has<act::ArmTimer>(s.worker_hello(1, true, at(1))));  // watching already
+  out = s.timer_fired(Timer::kWatch, at(1001));
+  CHECK(has<act::CheckStopped>(out));
+  CHECK(all<act::ArmTimer>(out).at(0).timer == Timer::kWatch);  // and again in a second
+  CHECK(s.workers_stopped({1}, at(1001)).empty());  // seen stopped from now on
+  CHECK_FALSE(has<act::SignalWorkers>(s.workers_stopped({1}, at(4000))));  // not for the grace yet
+  out = s.workers_stopped({1}, at(4001));
+  CHECK(noticed(out, "local rank(s) 1 stopped by a signal (SIGSTOP) for 3.0s: taken for hung"));
+  REQUIRE(all<act::SignalWorkers>(out).size() == 1);
+  CHECK(all<act::SignalWorkers>(out)[0].sig == SIGKILL);
+  CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{1});
+  // Its end is the attempt's failure: local rank 0 is paused and kept.
+  out = s.worker_ended(ended(1, 137, SIGKILL), at(4010));
+  CHECK(taken_as(out).root_cause);
+  CHECK(paused_ranks(out) == std::vector<int>{0});
+  CHECK(has<act::AttemptDue>(out));
+
+  // A stop that ends in time starts the count over; a worker that did not opt in, or that
+  // is paused (it has the answer deadline), is never killed for it; nor after a Ctrl-Z.
+  Supervisor t(single(3, 2));
+  t.start(at(0));
+  t.worker_hello(0, true, at(1));
+  t.workers_stopped({0, 2}, at(1000));
+  t.workers_stopped({}, at(2000));
+  t.workers_stopped({0, 2}, at(2500));
+  CHECK_FALSE(has<act::SignalWorkers>(t.workers_stopped({0, 2}, at(4000))));
+  t.job_control(SIGTSTP, at(4100));
+  t.job_control(SIGCONT, at(9000));
+  CHECK_FALSE(has<act::SignalWorkers>(t.workers_stopped({0, 2}, at(9001))));
+  out = t.workers_stopped({0, 2}, at(12001));
+  CHECK(*all<act::SignalWorkers>(out).at(0).only == std::vector<int>{0});
+  // Nothing to watch once no worker that opted in is left.
+  Supervisor u(single(1, 2));
+  u.start(at(0));
+  u.worker_hello(0, true, at(1));
+  u.worker_hello(0, false, at(2));
+  out = u.timer_fired(Timer::kWatch, at(1001));
+  CHECK_FALSE(has<act::CheckStopped>(out));
+  CHECK_FALSE(has<act::ArmTimer>(out));
+}
+
 TEST_CASE("in place: a hello from a local rank with no live worker changes nothing") {
   Supervisor s(multi(2));
   s.start(at(0));

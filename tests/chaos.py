@@ -212,6 +212,7 @@ class Chaos:
         return [os.path.join(self.bin, "mglaunch"), f"--nnodes={ACTIVE}", f"--nproc_per_node={NPROC}", *backend,
                 f"--rdzv_endpoint={self.endpoint}", f"--rdzv_id={self.job}", f"--local_addr={addr}",
                 "--max_restarts=1000", f"--rdzv_conf=join_timeout={self.args.join_timeout},{KEEP_ALIVE}",
+                f"--grace={self.args.grace}",
                 os.path.join(self.bin, "mgtrain"), "--dataset", "synthetic", "--synthetic-size", "4096",
                 "--model", "mlp", "--epochs", "1000", "--max-steps", str(max_steps), "--batch-size", "16",
                 "--seed", str(self.args.seed), "--threads", "1", "--log-every", str(LOG_EVERY), "--timeout", "20",
@@ -487,6 +488,9 @@ def main():
     ap.add_argument("--max-gap", type=float, default=10.0)
     ap.add_argument("--max-steps", type=int, default=0, help="skip the calibration run")
     ap.add_argument("--join-timeout", type=int, default=20)
+    ap.add_argument("--grace", type=float, default=5,
+                    help="the agents' --grace: also how long a paused worker has to answer (a SIGSTOPped one is "
+                         "SIGKILLed and started anew after it)")
     ap.add_argument("--faults", default="", help="only these kinds (comma-separated), e.g. kill-worker,kill-agent")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.build, "bin", "mgtrain")):

@@ -567,9 +567,12 @@ class Bench:
         if not os.path.exists(mgtrain):
             return {"skipped": "mgtrain not built (no LibTorch)"}
         with open(self.ours[0], "rb") as f:
-            standby = b"standby for job" in f.read()
+            binary = f.read()
+        standby = b"standby for job" in binary
+        # The standby's mgtrain started ahead, loaded and waiting when the place comes (#26).
+        prestart = standby and b"--standby-prestart" in binary
         n = size(3, 1, 1)
-        ours = [self.recovery_once("ours", mgtrain, standby) for _ in range(n)]
+        ours = [self.recovery_once("ours", mgtrain, standby, prestart) for _ in range(n)]
         peer = [self.recovery_once("peer", None, False) for _ in range(n)] if self.peer else []
         # What a new node's worker costs before it can join: a fresh mgtrain process loading LibTorch.
         starts = []
@@ -579,7 +582,9 @@ class Bench:
             starts.append((time.monotonic() - t0) * 1e3)
         ms = lambda runs: [r["recovery_ms"] for r in runs]
         lost = lambda runs: [r["steps_lost"] for r in runs]
-        how = ("a standby (a third agent, beyond --nnodes=2) takes node 1's place" if standby else
+        how = ("a standby (a third agent, beyond --nnodes=2) takes node 1's place"
+               + (" with its mgtrain pre-started (`--standby-prestart`: loaded and waiting before the kill)"
+                  if prestart else "") if standby else
                "this build has no standbys: a replacement agent starts at the kill, as for torchrun")
         rows = [row({"what": "SIGKILL of node 1 → first step completed after it (rank 0's progress lines)"},
                     ms(ours), ms(peer), target=("<=", 1000.0)),
@@ -618,7 +623,7 @@ class Bench:
                 "standby": standby, "runs": {"ours": ours, "peer": peer}, "mgtrain_help_ms": starts,
                 "text": "\n".join(lines)}
 
-    def recovery_once(self, side, mgtrain, standby):
+    def recovery_once(self, side, mgtrain, standby, prestart=False):
         """One run: returns the figures of this fault (see recovery())."""
         tmp = tempfile.mkdtemp(prefix=f"recovery_{side}_", dir=self.tmp)
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -642,10 +647,10 @@ class Bench:
                          "--model", "mlp", "--max-steps", str(RECOVERY_STEPS), "--seed", "7", "--log-every", "1",
                          "--timeout", "60", "--in-place-recovery", "--summary-json", os.path.join(tmp, "s{rank}.json")]
 
-                def agent(addr):
+                def agent(addr, extra=()):
                     return self.ours + ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                                         f"--rdzv_endpoint={endpoint}", "--rdzv_id=recovery", "--max_restarts=3",
-                                        f"--local_addr=127.0.0.{addr}"] + train
+                                        f"--local_addr=127.0.0.{addr}"] + list(extra) + train
                 start("n0", agent(2))
                 start("n1", agent(3))
                 victim_of = lambda rank0_node: "n1"
@@ -691,7 +696,9 @@ class Bench:
                                            "with no step after it: " + " / ".join(log_lines[-8:]))
                     continue
                 log_lines.append(f"{t - t_kill if t_kill else 0:8.3f} {name}/{stream}: {line}"[:300])
-                if use_standby and name == "n2" and "standby for job" in line:
+                # With --standby-prestart the kill waits for the standby's worker to be loaded.
+                if use_standby and name == "n2" and (
+                        "standby worker ready" in line if prestart else "standby for job" in line):
                     standby_ready = True
                 if stream != "out":
                     if killed and t_round is None and name != killed and new_round.match(line):
@@ -704,7 +711,7 @@ class Bench:
                     step = int(m.group(1))
                     reached, rank0_node = max(reached, step), name
                     if use_standby and not any(n == "n2" for n, _ in procs):
-                        start("n2", agent(4))  # the round is full: a standby
+                        start("n2", agent(4, ["--standby-prestart"] if prestart else []))  # the round is full: a standby
                     if step >= KILL_AT and standby_ready:
                         killed = victim_of(name)
                         victim = next(p for n, p in procs if n == killed)

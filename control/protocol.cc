@@ -65,6 +65,10 @@ FromWorker parse_from_worker(std::string_view line) {
       if (!ip->is_boolean()) return Bad{"hello: 'in_place' must be true or false"};
       h.in_place = ip->get<bool>();
     }
+    if (auto sb = j.find("standby"); sb != j.end()) {
+      if (!sb->is_boolean()) return Bad{"hello: 'standby' must be true or false"};
+      h.standby = sb->get<bool>();
+    }
     return h;
   }
   if (t == "paused") {

@@ -18,6 +18,9 @@ inline constexpr int kVersion = 1;
 inline constexpr std::size_t kMaxMessage = 64 * 1024;  // bytes of one message, its '\n' excluded
 // The variable that names the agent's socket in every worker's environment ("@name").
 inline constexpr const char* kSocketVar = "MGLAUNCH_CONTROL_SOCKET";
+// Set to "1" in the environment of a worker that a standby node's agent pre-started
+// (--standby-prestart): it has no rank yet and waits for `assign` (docs/in-place-recovery.md).
+inline constexpr const char* kStandbyVar = "MGLAUNCH_STANDBY";
 
 // Splits a byte stream into lines.
 class LineBuffer {
@@ -39,6 +42,7 @@ struct Hello {
   long long pid = 0;       // the worker's own idea of its pid (informational)
   int local_rank = -1;     // -1: not given
   bool in_place = false;   // the opt-in
+  bool standby = false;    // a pre-started worker that waits for `assign` before anything needs a rank
 };
 struct Paused {
   long long step = -1;  // the last optimizer step the worker applied (-1: not given)

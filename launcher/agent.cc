@@ -313,7 +313,10 @@ void Agent::start_rendezvous() {
     after_preflight([this, a] { run(core_.abort(a, now())); });
   };
   h.on_done = [this, after_preflight] { after_preflight([this] { run(core_.rendezvous_done(now())); }); };
-  h.on_standby = [this](const proto::Standby& s) { run(core_.standby(s, now())); };
+  h.on_standby = [this](const proto::Standby& s) {
+    run(core_.standby(s, now()));
+    prestart_workers();
+  };
   h.on_lost = [this, after_preflight](const std::string& why) {
     after_preflight([this, why] { run(core_.rendezvous_lost(why, now())); });
   };
@@ -527,8 +530,14 @@ void Agent::start_control() {
   };
   co.log = [this](const std::string& line) { notice(line); };
   control::Handlers h;
-  h.hello = [this](int lr, const control::Hello& m) { run(core_.worker_hello(lr, m.in_place, now())); };
-  h.closed = [this](int lr) { run(core_.control_closed(lr, now())); };
+  h.hello = [this](int lr, const control::Hello& m) {
+    if (prestart_pending(lr)) prestart_hello(lr, m);
+    else run(core_.worker_hello(lr, m.in_place, now()));
+  };
+  h.closed = [this](int lr) {
+    if (prestart_pending(lr)) prestart_fall_back(lr, "closed its control connection");
+    else run(core_.control_closed(lr, now()));
+  };
   h.paused = [this](int lr, const control::Paused& p) {
     trace_instant("paused", "restart", {{"local_rank", lr}, {"step", p.step}});
     run(core_.worker_paused(lr, now()));  // it answered: alive, its Assign may go
@@ -577,6 +586,191 @@ void Agent::assign_worker(const sup::act::Assign& a) {
     notice(fmt::format("local rank {} was paused but its control connection is gone: killing it", lr));
     launcher_->signal_some(SIGKILL, {lr});
   }
+}
+
+// ---- --standby-prestart (docs/in-place-recovery.md, "Pre-started workers") ----
+
+void Agent::prestart_workers() {
+  if (!opts_.standby_prestart || !prestart_.empty() || !core_.is_standby() || core_.state() != sup::State::kWaiting)
+    return;
+  if (!control_) {
+    notice("--standby-prestart: no control channel (see above): the workers start when this node is given a place");
+    return;
+  }
+  prestart_.assign(static_cast<std::size_t>(plan_.nproc_per_node), {});
+  // The round's variables are unknown yet: left out, so that a worker that ignores the
+  // marker fails to join any group rather than join a wrong one.
+  static const char* const kRoundVars[] = {"RANK",           "GROUP_RANK",      "ROLE_RANK",   "WORLD_SIZE",
+                                           "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                           "TORCHELASTIC_RESTART_COUNT"};
+  for (int lr = 0; lr < plan_.nproc_per_node; ++lr) {
+    const std::string dir = attempt_dir(lr);
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    SpecInputs in;
+    in.local_rank = lr;
+    in.attempt = core_.restart_count();
+    in.dir = dir;
+    in.merge_streams = merge_streams_;
+    {
+      auto inherited = base_env_.find(kRunMarkVar);
+      in.run_mark = launcher_->run_mark(inherited == base_env_.end() ? std::string() : inherited->second);
+    }
+    WorkerSpec spec = make_worker_spec(plan_, opts_, base_env_, in);
+    std::erase_if(spec.env, [](const std::string& kv) {
+      const std::string_view name = std::string_view(kv).substr(0, kv.find('='));
+      if (name == control::kStandbyVar) return true;
+      for (const char* v : kRoundVars)
+        if (name == v) return true;
+      return false;
+    });
+    spec.env.push_back(std::string(control::kStandbyVar) + "=1");
+    spec.rank = -1;  // none yet
+    spec.prefix = fmt::format("[standby{}]:", lr);
+    if (worker_nofile_) spec.nofile = &*worker_nofile_;
+    if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
+    const pid_t pid = launcher_->start(std::move(spec), [this](const WorkerEnd& w) {
+      if (prestart_pids_.contains(w.pid)) prestart_ended(w);
+      else on_worker_done(w);
+    });
+    prestart_[static_cast<std::size_t>(lr)].pid = pid;
+    prestart_pids_.insert(pid);
+    trace_instant("prestart", "worker", {{"local_rank", lr}, {"pid", pid}});
+  }
+  notice(fmt::format("standby: {} worker(s) started ahead with {}=1 (--standby-prestart); they load and wait for "
+                     "this node's place",
+                     plan_.nproc_per_node, control::kStandbyVar));
+  prestart_hello_timer_ = std::make_unique<asio::steady_timer>(io_, kPrestartHello);
+  prestart_hello_timer_->async_wait([this](boost::system::error_code ec) {
+    if (ec) return;
+    for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
+      const Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+      if (e.pid && !e.ready && !e.stopping)
+        prestart_fall_back(lr, fmt::format("said no hello with \"standby\" within {} s", kPrestartHello.count()));
+    }
+  });
+}
+
+bool Agent::prestart_pending(int lr) const {
+  return lr >= 0 && lr < static_cast<int>(prestart_.size()) && prestart_[static_cast<std::size_t>(lr)].pid != 0;
+}
+
+void Agent::prestart_hello(int lr, const control::Hello& m) {
+  Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+  if (e.stopping) return;
+  if (!m.in_place || !m.standby) {
+    prestart_fall_back(lr, m.in_place ? "said hello without \"standby\" (it cannot wait for a place)"
+                                      : "said hello without \"in_place\"");
+    return;
+  }
+  e.ready = true;
+  trace_instant("prestart ready", "worker", {{"local_rank", lr}, {"pid", e.pid}});
+}
+
+void Agent::prestart_fall_back(int lr, const std::string& why) {
+  Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+  if (!e.pid || e.stopping) return;
+  e.stopping = true;
+  e.ready = false;
+  notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) {}: stopping it; a fresh "
+                     "worker starts when this node is given a place",
+                     lr, e.pid, why));
+  launcher_->signal_some(SIGTERM, {lr});
+  if (finish_after_prestart_) return;  // the stop under way has its own SIGKILL
+  prestart_kill_timer_ = std::make_unique<asio::steady_timer>(io_, opts_.grace);
+  prestart_kill_timer_->async_wait([this](boost::system::error_code ec) {
+    if (ec) return;
+    std::vector<int> late;
+    for (int i = 0; i < static_cast<int>(prestart_.size()); ++i)
+      if (prestart_[static_cast<std::size_t>(i)].pid && prestart_[static_cast<std::size_t>(i)].stopping) late.push_back(i);
+    if (!late.empty()) launcher_->signal_some(SIGKILL, late);
+  });
+}
+
+void Agent::prestart_ended(const WorkerEnd& w) {
+  prestart_pids_.erase(w.pid);
+  for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
+    Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+    if (e.pid != w.pid) continue;
+    if (!e.stopping)
+      notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) ended ({}) before this node "
+                         "was given a place: a fresh worker starts then",
+                         lr, w.pid,
+                         WIFSIGNALED(w.wait_status) ? fmt::format("signal {}", signal_name(WTERMSIG(w.wait_status)))
+                                                    : fmt::format("exit code {}", shell_exit_code(w.wait_status))));
+    e = {};
+    if (control_) control_->forget(lr);  // no other worker of this local rank runs
+  }
+  if (finish_after_prestart_ &&
+      std::none_of(prestart_.begin(), prestart_.end(), [](const Prestarted& e) { return e.pid != 0; }))
+    finish(*finish_after_prestart_);
+}
+
+void Agent::prestart_retire(std::vector<int>& keep) {
+  for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
+    Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+    if (!e.pid) continue;
+    if (e.ready) {
+      keep.push_back(lr);  // handed its place at the core's Spawn
+      continue;
+    }
+    if (!e.stopping)
+      notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) said no hello with "
+                         "\"standby\" before this node was given a place: killed; a fresh worker takes it",
+                         lr, e.pid));
+    e = {};  // RetireWorkers SIGKILLs it; its end stays in prestart_pids_ (no worker's)
+  }
+  if (prestart_hello_timer_) prestart_hello_timer_->cancel();
+}
+
+bool Agent::adopt_prestarted(int lr) {
+  if (!prestart_pending(lr)) return false;
+  Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+  const pid_t pid = e.pid;
+  e = {};
+  serve_store();  // the attempt's store, as for a spawned worker
+  const std::string dir = attempt_dir(lr);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  fs::remove(dir + "/error.json", ec);
+  const EnvMap env = build_contract_env(plan_, opts_, base_env_, lr, core_.restart_count(), dir + "/error.json");
+  if (!control_ || !control_->send(lr, control::assign(core_.round(), core_.restart_count(), env))) {
+    notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) lost its control connection: "
+                       "killed; a fresh worker takes the place",
+                       lr, pid));
+    launcher_->signal_some(SIGKILL, {lr});  // its end stays in prestart_pids_ (no worker's)
+    return false;
+  }
+  prestart_pids_.erase(pid);  // from now on a worker of the attempt
+  launcher_->reassign(lr, plan_.rank_offset + lr, worker_line_prefix(plan_, opts_, lr));
+  notice(fmt::format("local rank {}: the pre-started worker (pid {}) takes rank {}", lr, pid, plan_.rank_offset + lr));
+  if (trace_)
+    trace_->instant(fmt::format("assign rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
+                    {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", pid}, {"prestarted", true},
+                     {"attempt", core_.restart_count()}});
+  run(core_.worker_hello(lr, /*in_place=*/true, now()));  // it opted in with its hello
+  return true;
+}
+
+bool Agent::prestart_stop_before_finish(int code) {
+  std::vector<int> running;
+  for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr)
+    if (prestart_[static_cast<std::size_t>(lr)].pid) running.push_back(lr);
+  if (running.empty()) return true;
+  notice(fmt::format("stopping this standby's {} pre-started worker(s): SIGTERM, SIGKILL after {:.1f}s",
+                     running.size(), std::chrono::duration<double>(opts_.grace).count()));
+  for (int lr : running) prestart_[static_cast<std::size_t>(lr)].stopping = true;
+  launcher_->signal_some(SIGTERM, running);
+  finish_after_prestart_ = code;
+  if (prestart_hello_timer_) prestart_hello_timer_->cancel();
+  prestart_kill_timer_ = std::make_unique<asio::steady_timer>(io_, opts_.grace);
+  prestart_kill_timer_->async_wait([this](boost::system::error_code ec) {
+    if (ec || !finish_after_prestart_) return;
+    notice(fmt::format("pre-started workers still running {:.1f}s after SIGTERM: sending SIGKILL",
+                       std::chrono::duration<double>(opts_.grace).count()));
+    finish(*finish_after_prestart_);  // SIGKILLs and reaps what is left
+  });
+  return false;
 }
 
 void Agent::on_worker_done(const WorkerEnd& w) {
@@ -653,7 +847,7 @@ void Agent::run(sup::Actions actions) {
               trace_->complete(fmt::format("attempt {}", a.attempt), "attempt", 0, attempt_since_us_,
                                {{"attempt", a.attempt}, {"failed", a.failed}});
           } else if constexpr (std::is_same_v<A, sup::act::Spawn>) {
-            spawn_worker(a.local_rank);
+            if (!adopt_prestarted(a.local_rank)) spawn_worker(a.local_rank);
           } else if constexpr (std::is_same_v<A, sup::act::OpenExecFence>) {
             launcher_->open_exec_fence();
           } else if constexpr (std::is_same_v<A, sup::act::WatchExecs>) {
@@ -687,6 +881,7 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::CancelTimer>) {
             clock_->cancel(a.timer);
           } else if constexpr (std::is_same_v<A, sup::act::RetireWorkers>) {
+            prestart_retire(a.keep);
             launcher_->retire(a.keep);
           } else if constexpr (std::is_same_v<A, sup::act::AttemptDue>) {
             asio::post(io_, [this] { run(core_.attempt_due(now())); });
@@ -717,7 +912,7 @@ void Agent::run(sup::Actions actions) {
               run(core_.workers_stopped(stopped, now()));
             });
           } else if constexpr (std::is_same_v<A, sup::act::Finish>) {
-            finish(a.code);
+            if (prestart_stop_before_finish(a.code)) finish(a.code);
           }
         },
         action);
@@ -725,6 +920,9 @@ void Agent::run(sup::Actions actions) {
 }
 
 void Agent::finish(int code) {
+  finish_after_prestart_.reset();
+  if (prestart_hello_timer_) prestart_hello_timer_->cancel();
+  if (prestart_kill_timer_) prestart_kill_timer_->cancel();
   stop_preflight();
   final_events(code);
   if (monitor_) monitor_->stop();

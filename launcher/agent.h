@@ -25,6 +25,7 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <nlohmann/json.hpp>
 
 #include "control/server.h"
@@ -155,6 +156,35 @@ class Agent {
   int worker_of(pid_t pid) const;  // the local rank of the worker `pid` is or descends from; -1: none
   void assign_worker(const sup::act::Assign& a);
   std::unique_ptr<control::Server> control_;
+  // --standby-prestart (docs/in-place-recovery.md, "Pre-started workers"): while this node
+  // is a standby, one worker per local rank runs ahead, with MGLAUNCH_STANDBY=1 and no rank.
+  // One that said hello with in_place and standby is handed the place by `assign` when the
+  // core spawns its local rank (it keeps its pid); one that did not within kPrestartHello,
+  // said hello without it, exited or closed its channel is stopped (SIGTERM, SIGKILL after
+  // --grace) with one line, and its local rank starts a fresh worker then, as without the
+  // flag. The job's end while still a standby stops them (SIGTERM, SIGKILL after --grace)
+  // before the run finishes.
+  struct Prestarted {
+    pid_t pid = 0;          // 0: none (not started, handed its place, or ended)
+    bool ready = false;     // said hello with in_place and standby
+    bool stopping = false;  // being stopped: its end is expected
+  };
+  static constexpr std::chrono::seconds kPrestartHello{30};
+  void prestart_workers();
+  bool prestart_pending(int local_rank) const;  // a pre-started worker runs for it, not handed a place
+  void prestart_hello(int local_rank, const control::Hello& m);
+  void prestart_fall_back(int local_rank, const std::string& why);
+  void prestart_ended(const WorkerEnd& w);
+  // The core's Spawn of `local_rank`: true when its pre-started worker took the place.
+  bool adopt_prestarted(int local_rank);
+  // RetireWorkers: the ready pre-started workers are kept; the others go with the retire.
+  void prestart_retire(std::vector<int>& keep);
+  // Finish: false when pre-started workers are still to be stopped (finish(code) follows).
+  bool prestart_stop_before_finish(int code);
+  std::vector<Prestarted> prestart_;
+  std::unordered_set<pid_t> prestart_pids_;  // pre-started, not handed a place, not reaped: their end is no worker's
+  std::unique_ptr<boost::asio::steady_timer> prestart_hello_timer_, prestart_kill_timer_;
+  std::optional<int> finish_after_prestart_;
   LogLayout logs_;  // where this run's files go (logs/log_layout.h)
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().

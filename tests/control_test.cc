@@ -57,6 +57,10 @@ TEST_CASE("hello and paused parse - a wrong version, a bad field or an unknown t
   CHECK(std::get<Hello>(h).in_place);
   CHECK(std::get<Hello>(h).local_rank == 3);
   CHECK(std::get<Hello>(h).pid == 42);
+  CHECK_FALSE(std::get<Hello>(h).standby);  // absent: an ordinary worker
+  auto s = parse_from_worker(R"({"type":"hello","version":1,"in_place":true,"standby":true})");
+  REQUIRE(std::holds_alternative<Hello>(s));
+  CHECK(std::get<Hello>(s).standby);  // a pre-started worker (--standby-prestart)
   auto p = parse_from_worker(R"({"type":"paused","step":17})");
   REQUIRE(std::holds_alternative<Paused>(p));
   CHECK(std::get<Paused>(p).step == 17);
@@ -69,6 +73,7 @@ TEST_CASE("hello and paused parse - a wrong version, a bad field or an unknown t
   CHECK_THAT(bad(R"({"type":"hello","in_place":true})"), Catch::Contains("version"));
   CHECK_THAT(bad(R"({"type":"hello","version":1,"in_place":"yes"})"), Catch::Contains("in_place"));
   CHECK_THAT(bad(R"({"type":"hello","version":1,"local_rank":"0"})"), Catch::Contains("local_rank"));
+  CHECK_THAT(bad(R"({"type":"hello","version":1,"in_place":true,"standby":1})"), Catch::Contains("standby"));
   CHECK_THAT(bad(R"({"type":"reboot"})"), Catch::Contains("unknown message type 'reboot'"));
   CHECK_THAT(bad("not json"), Catch::Contains("JSON object"));
   CHECK_THAT(bad("[1,2]"), Catch::Contains("JSON object"));

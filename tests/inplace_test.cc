@@ -333,3 +333,130 @@ open(os.path.join(d, "done"), "w").close()
   CHECK(lines < 60);
   std::filesystem::remove_all(dir);
 }
+
+// --standby-prestart (docs/in-place-recovery.md, "Pre-started workers"): two active nodes
+// and a standby on a real mglaunch-rdzv, every worker tests/inplace_worker.py (local rank 0
+// opted in).
+namespace {
+
+struct StandbyJob {
+  Daemon d = start_daemon();
+  std::string dir2 = make_temp_dir(), dir3 = make_temp_dir(), dirs = make_temp_dir();
+  std::vector<Proc> nodes;
+  Proc node(int index, const std::string& dir, std::vector<std::string> flags = {}, std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv{kMglaunch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                  "--rdzv_endpoint=" + d.endpoint, "--rdzv_id=prestart", "--max_restarts=2",
+                                  "--grace=10", "--local_addr=127.0.0." + std::to_string(index)};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.insert(argv.end(), {"--no_python", "/usr/bin/python3", kWorker, dir, "0"});
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return spawn(argv);
+  }
+  // The active nodes running, then the standby (with `flags`) told it is one.
+  void start(std::vector<std::string> standby_flags, std::vector<std::string> standby_extra = {}) {
+    nodes.push_back(node(2, dir2));
+    nodes.push_back(node(3, dir3));
+    REQUIRE(eventually([&] { return has_event(dir2, "welcome", 0) && has_event(dir3, "welcome", 0); }, 60s));
+    nodes.push_back(node(4, dirs, standby_flags, standby_extra));
+    REQUIRE(eventually([&] { return nodes[2].err().find("standby for job prestart") != std::string::npos; }, 60s));
+  }
+  ~StandbyJob() {
+    for (const auto& dir : {dir2, dir3, dirs}) finish(dir);
+    for (auto& p : nodes) p.wait(30s);
+    ::kill(d.proc.pid, SIGTERM);
+    d.proc.wait(10s);
+    for (const auto& dir : {dir2, dir3, dirs}) std::filesystem::remove_all(dir);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("standby prestart: the standby's worker starts before the loss, without a rank, and takes the lost node's "
+          "place with its pid") {
+  StandbyJob job;
+  job.start({"--standby-prestart"});
+  // Loaded ahead: started and welcomed while the node is still a standby.
+  REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
+  const auto starts = of(events(job.dirs), "start", 0);
+  REQUIRE(starts.size() == 1);
+  const json pre = starts[0];
+  CHECK(pre["standby"] == true);
+  CHECK(pre["env"]["RANK"].is_null());  // no rank before a place
+  CHECK(pre["env"]["MASTER_PORT"].is_null());
+  CHECK(pre["env"]["TORCHELASTIC_RESTART_COUNT"].is_null());
+  CHECK(pre["env"]["LOCAL_RANK"] == "0");
+  CHECK_THAT(job.nodes[2].err(), Catch::Contains("worker(s) started ahead with MGLAUNCH_STANDBY=1"));
+  ::kill(job.nodes[1].pid, SIGKILL);  // node 127.0.0.3's agent
+  REQUIRE(job.nodes[1].wait(10s));
+  REQUIRE(eventually([&] { return has_event(job.dirs, "assign", 0) && has_event(job.dir2, "assign", 0); }, 60s));
+  for (const auto& dir : {job.dir2, job.dirs}) finish(dir);
+  for (int i : {0, 2}) {
+    REQUIRE(job.nodes[i].wait(60s));
+    INFO(job.nodes[i].err());
+    CHECK(job.nodes[i].exit_code() == 0);
+  }
+  const auto evs = events(job.dirs);
+  CHECK(of(evs, "start", 0).size() == 1);  // no second process: the pre-started one took the place
+  const auto assigns = of(evs, "assign", 0);
+  REQUIRE(assigns.size() == 1);
+  CHECK(assigns[0]["pid"] == pre["pid"]);
+  CHECK(assigns[0]["restart_count"] == 1);
+  const json& env = assigns[0]["env"];
+  CHECK(env["WORLD_SIZE"] == "2");
+  CHECK(env["TORCHELASTIC_RESTART_COUNT"] == "1");
+  const json survivor = of(events(job.dir2), "assign", 0).at(0)["env"];
+  for (const char* k : {"WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"}) {
+    INFO(k);
+    CHECK(env.at(k) == survivor.at(k));  // one round with the survivor
+  }
+  CHECK(env["RANK"] != survivor["RANK"]);
+  CHECK(of(evs, "exit", 0).at(0)["pid"] == pre["pid"]);
+  CHECK_THAT(job.nodes[2].err(),
+             Catch::Contains("local rank 0: the pre-started worker (pid " + std::to_string(pre["pid"].get<int>()) +
+                             ") takes rank " + env["RANK"].get<std::string>()));
+}
+
+TEST_CASE("standby prestart: a worker without the capability is stopped at its hello and the place goes to a fresh "
+          "worker, as without the flag") {
+  StandbyJob job;
+  job.start({"--standby-prestart"}, {"no-standby"});
+  REQUIRE(eventually([&] { return has_event(job.dirs, "term", 0); }, 60s));
+  const pid_t first = of(events(job.dirs), "start", 0).at(0)["pid"];
+  REQUIRE(eventually([&] { return !pid_alive(first); }, 30s));
+  CHECK_THAT(job.nodes[2].err(), Catch::Contains("--standby-prestart: local rank 0's pre-started worker (pid " +
+                                                 std::to_string(first) + ") said hello without \"standby\""));
+  ::kill(job.nodes[1].pid, SIGKILL);
+  REQUIRE(job.nodes[1].wait(10s));
+  REQUIRE(eventually([&] { return has_event(job.dirs, "start", 0, 2) && has_event(job.dir2, "assign", 0); }, 60s));
+  for (const auto& dir : {job.dir2, job.dirs}) finish(dir);
+  for (int i : {0, 2}) {
+    REQUIRE(job.nodes[i].wait(60s));
+    INFO(job.nodes[i].err());
+    CHECK(job.nodes[i].exit_code() == 0);
+  }
+  const auto starts = of(events(job.dirs), "start", 0);
+  REQUIRE(starts.size() == 2);
+  CHECK(starts[1]["pid"] != first);
+  CHECK(starts[1]["standby"] == false);
+  CHECK(starts[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1");
+  CHECK(of(events(job.dirs), "assign", 0).empty());
+}
+
+TEST_CASE("standby prestart: the job ends while the node is still a standby: its pre-started worker gets SIGTERM, "
+          "the standby exits 0 and no process is left") {
+  StandbyJob job;
+  job.start({"--standby-prestart"});
+  REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
+  const pid_t pre = of(events(job.dirs), "start", 0).at(0)["pid"];
+  finish(job.dir2);
+  finish(job.dir3);
+  for (auto& p : job.nodes) {
+    REQUIRE(p.wait(60s));
+    INFO(p.err());
+    CHECK(p.exit_code() == 0);
+  }
+  CHECK_THAT(job.nodes[2].err(), Catch::Contains("stopping this standby's 1 pre-started worker(s): SIGTERM"));
+  CHECK(has_event(job.dirs, "term", 0));  // SIGTERM first, not a bare SIGKILL
+  CHECK_FALSE(pid_alive(pre));
+  CHECK(of(events(job.dirs), "assign", 0).empty());
+}

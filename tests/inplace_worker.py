@@ -2,7 +2,7 @@
 """A worker of the in-place recovery tests (tests/inplace_test.cc), speaking the agent's
 control protocol (docs/in-place-recovery.md) with the standard library only.
 
-    inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once|fail-on-file LOCAL_RANK]
+    inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once|fail-on-file LOCAL_RANK] [no-standby]
 
 Every event goes to OUT_DIR/events.jsonl, one JSON line each (appended in one write):
 start (pid and the torchrun variables), welcome, pause, assign (its env), exit. The local
@@ -10,10 +10,15 @@ ranks listed (comma-separated) connect to MGLAUNCH_CONTROL_SOCKET and opt in; th
 never connect. With `fail-once N`, local rank N of the first attempt exits 1 once every
 opted-in rank of its node was welcomed; with `fail-on-file N`, once OUT_DIR/fail exists
 (the test creates it). Each worker exits 0 once OUT_DIR/finish exists,
-and 3 after 120 s (bounded)."""
+and 3 after 120 s (bounded).
+
+Started with MGLAUNCH_STANDBY=1 (a standby's pre-started worker, mglaunch --standby-prestart)
+it has no rank yet: its start event says standby, its hello says "standby": true (unless
+`no-standby` is given: a worker without the capability), and SIGTERM logs `term` and exits 143."""
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import time
@@ -26,8 +31,10 @@ out_dir = sys.argv[1]
 in_place = {int(x) for x in sys.argv[2].split(",") if x}
 fail_once = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-once" else -1
 fail_on_file = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-on-file" else -1
+capable = "no-standby" not in sys.argv[3:]
+standby = os.environ.get("MGLAUNCH_STANDBY") == "1"
 lr = int(os.environ["LOCAL_RANK"])
-restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))  # unset on a pre-started worker
 
 
 def log(event, **fields):
@@ -42,14 +49,21 @@ def touch(name):
     open(os.path.join(out_dir, name), "w").close()
 
 
-log("start", env={k: os.environ.get(k) for k in KEYS})
+log("start", env={k: os.environ.get(k) for k in KEYS}, standby=standby)
+if standby:
+    def on_term(*_):
+        log("term")
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, on_term)
 sock = None
 buf = b""
 if lr in in_place:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect("\0" + os.environ["MGLAUNCH_CONTROL_SOCKET"][1:])
-    sock.sendall((json.dumps({"type": "hello", "version": 1, "pid": os.getpid(), "local_rank": lr,
-                              "in_place": True}) + "\n").encode())
+    hello = {"type": "hello", "version": 1, "pid": os.getpid(), "local_rank": lr, "in_place": True}
+    if standby and capable:
+        hello["standby"] = True
+    sock.sendall((json.dumps(hello) + "\n").encode())
 
 deadline = time.time() + 120
 while time.time() < deadline:

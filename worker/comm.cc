@@ -199,6 +199,24 @@ Comm connect_interruptible(const Options& o, const Env& env, const std::function
   return std::move(*slot->comm);
 }
 
+Comm unplaced_comm(const Options& o, const Env& env) {
+  Comm c;
+  const bool cuda = cuda_visible();
+  if (o.backend == "nccl" && !cuda)
+    throw SetupError("--backend nccl needs a CUDA build of mgtrain and a visible GPU; use --backend gloo");
+#ifdef MGLAUNCH_WITH_NCCL
+  if (o.backend != "gloo" && cuda) {
+    const int devices = static_cast<int>(torch::cuda::device_count());
+    const int dev = env.local_rank % std::max(1, devices);
+    c10::cuda::set_device(dev);
+    c.device = torch::Device(torch::kCUDA, dev);
+  }
+#else
+  (void)env;
+#endif
+  return c;
+}
+
 Comm local_comm(const Options& o) {
   Comm c;
   if (cuda_visible() && o.backend != "gloo") c.device = torch::Device(torch::kCUDA, 0);

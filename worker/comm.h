@@ -78,6 +78,9 @@ Comm connect(const Options& o, const Env& env);
 // finish or time out by itself (within --timeout); what it builds is kept, never used nor
 // destroyed (as abandon() keeps a group). connect()'s own errors are rethrown.
 Comm connect_interruptible(const Options& o, const Env& env, const std::function<bool()>& give_up);
+// A standby's pre-started worker (MGLAUNCH_STANDBY=1) before its place: no store, no
+// process group, the device connect() will use (NCCL: GPU LOCAL_RANK mod the GPU count).
+Comm unplaced_comm(const Options& o, const Env& env);
 // One process, no store, no process group; the device is the first GPU on CUDA builds.
 Comm local_comm(const Options& o);
 // A Gloo process group over an existing store (the reducer's tests: ranks as threads

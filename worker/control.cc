@@ -35,7 +35,7 @@ void Interrupt::clear() {
 }
 
 ControlChannel::ControlChannel(const std::string& name, int local_rank, std::shared_ptr<Interrupt> interrupt,
-                               std::chrono::milliseconds welcome_timeout)
+                               std::chrono::milliseconds welcome_timeout, bool standby)
     : interrupt_(std::move(interrupt)) {
   if (name.size() < 2 || name[0] != '@')
     throw std::runtime_error("MGLAUNCH_CONTROL_SOCKET='" + name + "' is not an abstract socket name (@name)");
@@ -52,6 +52,7 @@ ControlChannel::ControlChannel(const std::string& name, int local_rank, std::sha
     throw std::runtime_error("cannot connect to the agent's control socket " + name + ": " + std::strerror(err));
   }
   nlohmann::json hello = {{"type", "hello"}, {"version", 1}, {"pid", ::getpid()}, {"local_rank", local_rank}, {"in_place", true}};
+  if (standby) hello["standby"] = true;
   if (!send_line(hello.dump())) {
     ::close(fd_);
     throw std::runtime_error("cannot write hello to the agent's control socket " + name);

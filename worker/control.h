@@ -17,6 +17,10 @@
 
 namespace mg::train {
 
+// "1" in the environment of a standby node's pre-started worker (mglaunch --standby-prestart):
+// no rank yet; it says hello with "standby" and waits for `assign` (docs/in-place-recovery.md).
+inline constexpr const char* kStandbyVar = "MGLAUNCH_STANDBY";
+
 // Raised by the channel's thread when a pause arrives; collectives waiting through
 // comm's wait_work() give up when it is. The trainer clears it once it holds an assignment.
 struct Interrupt {
@@ -46,9 +50,11 @@ struct Assignment {
 class ControlChannel {
  public:
   // Connects to `name` ("@abstract-name"), says hello and waits up to `welcome_timeout`
-  // for the agent's welcome. Throws std::runtime_error with a one-line reason.
+  // for the agent's welcome. With `standby` the hello says "standby": true (a standby's
+  // pre-started worker, MGLAUNCH_STANDBY=1, that waits for its place: wait_assign()).
+  // Throws std::runtime_error with a one-line reason.
   ControlChannel(const std::string& name, int local_rank, std::shared_ptr<Interrupt> interrupt,
-                 std::chrono::milliseconds welcome_timeout = std::chrono::seconds(10));
+                 std::chrono::milliseconds welcome_timeout = std::chrono::seconds(10), bool standby = false);
   ~ControlChannel();
   ControlChannel(const ControlChannel&) = delete;
   ControlChannel& operator=(const ControlChannel&) = delete;

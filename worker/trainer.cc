@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <optional>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -104,8 +105,30 @@ std::string with_rank(std::string path, int rank) {
   return path;
 }
 
+// A standby's pre-started worker (MGLAUNCH_STANDBY=1) with everything that needs no group
+// done: waits for the agent's `assign` (at most --timeout; SIGTERM or SIGUSR1 ends the wait:
+// false), takes its variables and joins the group, as a worker spawned with them would.
+bool take_place(const Options& o, Comm& comm, ControlChannel& control) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(o.timeout_s);
+  std::optional<Assignment> place;
+  while (!place) {
+    if (g_stop_signal.load()) return false;
+    place = control.wait_assign(std::chrono::milliseconds(100));
+    if (place) break;
+    if (const std::string closed = control.closed_reason(); !closed.empty())
+      throw SetupError("a standby's pre-started worker lost its control channel before its place: " + closed);
+    if (std::chrono::steady_clock::now() >= end)
+      throw SetupError(fmt::format("a standby's pre-started worker had no place from the agent within --timeout {} s",
+                                   o.timeout_s));
+  }
+  for (const auto& [k, v] : place->env) ::setenv(k.c_str(), v.c_str(), 1);
+  comm = connect(o, read_env(process_env()));
+  return true;
+}
+
 // `control`: the agent's control channel when --in-place-recovery is on (else null).
-int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt* interrupt) {
+// `standby`: a standby's pre-started worker: `comm` is unplaced_comm() until take_place().
+int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt* interrupt, bool standby) {
   using clock = std::chrono::steady_clock;
   bool recovery = control != nullptr;  // off for every rank when one rank has no channel (establish)
   bool lead = comm.rank == 0;
@@ -152,6 +175,19 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
     return o.lr * (o.lr_scaling == "linear" ? world : o.lr_scaling == "sqrt" ? std::sqrt(world) : 1.0);
   };
   torch::optim::SGD opt(params, torch::optim::SGDOptions(lr_for(comm.world)).momentum(o.momentum));
+  // A standby's pre-started worker: data, model and optimizer are ready; now its place, then
+  // the group, as any newcomer (the state comes from the survivors in establish()).
+  if (standby) {
+    std::printf("mgtrain: standby worker ready (data, model and optimizer loaded): waiting for this node's place\n");
+    std::fflush(stdout);
+    if (!take_place(o, comm, *control)) {
+      std::printf("mgtrain: stopped by a signal while this standby worker waited for its place\n");
+      std::fflush(stdout);
+      return kExitStopped;
+    }
+    lead = comm.rank == 0;
+    static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).lr(lr_for(comm.world));
+  }
   std::unique_ptr<GradientSync> reducer;
   auto make_reducer = [&] {
     reducer.reset();
@@ -605,7 +641,19 @@ int run(const Options& o, const Env& env) {
 #ifndef MGLAUNCH_WITH_NCCL
   if (o.cuda_graphs) throw UsageError("--cuda-graphs needs a CUDA build of mgtrain (LibTorch with CUDA; see docs/mgtrain.md)");
 #endif
-  const Mode mode = resolve_mode(o, env);
+  // A standby node's pre-started worker (mglaunch --standby-prestart): no rank until the
+  // agent's assign; only with --in-place-recovery, which waits for it.
+  const char* standby_var = std::getenv(kStandbyVar);
+  const bool standby = standby_var && std::string_view(standby_var) == "1";
+  if (standby && !o.in_place_recovery)
+    throw UsageError(fmt::format("{}=1 (a standby's pre-started worker, mglaunch --standby-prestart) needs "
+                                 "--in-place-recovery: without it mgtrain cannot wait for its place",
+                                 kStandbyVar));
+  if (standby && o.model == "mlp-rank-branch")
+    throw UsageError(fmt::format("{}=1: --model mlp-rank-branch is built for its rank, which a pre-started worker "
+                                 "does not know yet; leave out --standby-prestart",
+                                 kStandbyVar));
+  const Mode mode = standby ? Mode::ddp : resolve_mode(o, env);
   if (o.threads > 0) torch::set_num_threads(o.threads);
   // --in-place-recovery: the agent's control channel, connected before the group.
   std::shared_ptr<Interrupt> interrupt;
@@ -620,18 +668,21 @@ int run(const Options& o, const Env& env) {
     } else {
       try {
         interrupt = std::make_shared<Interrupt>();
-        control = std::make_unique<ControlChannel>(name, env.local_rank, interrupt);
+        control = std::make_unique<ControlChannel>(name, env.local_rank, interrupt, std::chrono::seconds(10), standby);
         set_interrupt(interrupt);
       } catch (const std::exception& e) {
         off = e.what();
         interrupt.reset();
       }
     }
+    if (!off.empty() && standby)
+      throw SetupError(fmt::format("a standby's pre-started worker ({}=1) needs the control channel: {}", kStandbyVar, off));
     if (!off.empty() && env.rank == 0)
       std::fprintf(stderr, "mgtrain: --in-place-recovery: %s: recovery is off, training goes on as usual\n", off.c_str());
   }
-  Comm comm = mode == Mode::single ? local_comm(o) : connect(o, env);
-  const int code = o.bench == "allreduce" ? run_allreduce_bench(o, comm) : train(o, comm, control.get(), interrupt.get());
+  Comm comm = mode == Mode::single ? local_comm(o) : standby ? unplaced_comm(o, env) : connect(o, env);
+  const int code =
+      o.bench == "allreduce" ? run_allreduce_bench(o, comm) : train(o, comm, control.get(), interrupt.get(), standby);
   comm.shutdown();
   if (abandoned_groups() > 0) {
     // A group abandoned by a recovery may hold a thread blocked on a lost peer: exit

@@ -448,3 +448,20 @@ TEST_CASE("in-place recovery is on for every rank or none: one rank without its 
   CHECK(summary_of(dir + "/s0.json")["weights_sha256"] == summary_of(dir + "/s1.json")["weights_sha256"]);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("a pre-started mgtrain (MGLAUNCH_STANDBY=1) without --in-place-recovery, or without its control channel, "
+          "ends at once with one line (exit 2, exit 3) instead of training alone") {
+  auto alone = run({kMgtrain, "--dataset", "synthetic", "--max-steps", "2"},
+                   {{"MGLAUNCH_STANDBY", "1"}, {"MGLAUNCH_CONTROL_SOCKET", "\x01unset"}}, 60s);
+  INFO(alone.out << alone.err);
+  CHECK(alone.code == 2);
+  CHECK_THAT(alone.err, Catch::StartsWith("mgtrain: error: MGLAUNCH_STANDBY=1") && Catch::Contains("--in-place-recovery"));
+  CHECK(count_of(alone.err, "\n") == 1);
+  auto no_channel = run({kMgtrain, "--dataset", "synthetic", "--max-steps", "2", "--in-place-recovery"},
+                        {{"MGLAUNCH_STANDBY", "1"}, {"MGLAUNCH_CONTROL_SOCKET", "\x01unset"}}, 60s);
+  INFO(no_channel.out << no_channel.err);
+  CHECK(no_channel.code == 3);
+  CHECK_THAT(no_channel.err, Catch::Contains("pre-started worker (MGLAUNCH_STANDBY=1) needs the control channel"));
+  CHECK(count_of(no_channel.err, "\n") == 1);
+  CHECK_THAT(no_channel.out, !Catch::Contains("done:"));
+}

@@ -211,19 +211,7 @@ void Client::on_frame(const proto::Frame& f) {
           pending_ = std::move(a);  // the agent takes it once its workers stopped (rejoin())
           return;
         }
-        round_ = a.round;
-        current_ = a;
-        standby_ = false;
-        standby_of_.reset();
-        standbys_ = a.standbys;
-        opts_.join.last_group_rank = -1;
-        last_ = a;
-        restarts_seen_ = std::max(restarts_seen_, a.restart_count);
-        done_sent_ = false;
-        unsent_failure_.reset();
-        waiting_since_.reset();
-        h_.on_assignment(a);
-        return;
+        return take(a);
       }
       case MsgType::kRestart: {
         auto r = proto::from_frame<proto::Restart>(f);
@@ -348,6 +336,21 @@ void Client::watch() {
   });
 }
 
+void Client::take(const proto::Assignment& a) {
+  round_ = a.round;
+  current_ = a;
+  standby_ = false;
+  standby_of_.reset();
+  standbys_ = a.standbys;
+  opts_.join.last_group_rank = -1;
+  last_ = a;
+  restarts_seen_ = std::max(restarts_seen_, a.restart_count);
+  done_sent_ = false;
+  unsent_failure_.reset();
+  waiting_since_.reset();
+  h_.on_assignment(a);
+}
+
 void Client::rejoin() {
   wait_for_decision();
   join_wanted_ = true;
@@ -357,18 +360,7 @@ void Client::rejoin() {
       if (!alive.lock() || closed_ || !pending_) return;
       auto a = std::move(*pending_);
       pending_.reset();
-      round_ = a.round;
-      current_ = a;
-      standby_ = false;
-      standby_of_.reset();
-      standbys_ = a.standbys;
-      opts_.join.last_group_rank = -1;
-      last_ = a;
-      restarts_seen_ = std::max(restarts_seen_, a.restart_count);
-      done_sent_ = false;
-      unsent_failure_.reset();
-      waiting_since_.reset();
-      h_.on_assignment(a);
+      take(a);
     });
     return;
   }
@@ -430,7 +422,7 @@ void Client::host_lost(const std::string& why) {
   if (takeover_) return next_candidate(why);  // a candidate's connection failed before its welcome
   const std::string lost = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
   // A standby follows the round it was last told of; an active node the round it ran.
-  const bool standby = standby_ && !current_;
+  const bool standby = standby_;
   if (standby && (!standby_of_ || standby_of_->nodes.empty()))
     return end_host_lost(lost + "; this standby was told no round to follow");
   if (!standby && !last_) return end_host_lost(lost + "; no round had started, so no node can take over");

@@ -107,6 +107,7 @@ class Client {
   void failed_attempt(const std::string& why);  // a connection made that proved nothing
   void on_frame(const proto::Frame& f);
   void on_welcome();
+  void take(const proto::Assignment& a);  // this node's place in a round: the agent hears it
   void lost(const std::string& why);
   // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
   // reconnection is tried; a survivor takes it over, or the node ends with the lost host as

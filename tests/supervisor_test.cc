@@ -879,6 +879,14 @@ Actions restart_1(Supervisor& s, const std::string& reason = kNodeLost, bool ans
   return out;
 }
 
+// Round 2 (restart 1) at `ms`: local rank 0 is kept and assigned, local rank 1 spawned anew.
+void round_2_keeps_0_respawns_1(Supervisor& s, int ms) {
+  auto out = s.assignment(assignment(2, 0, 1), at(ms));
+  CHECK(all<act::RetireWorkers>(out).at(0).keep == std::vector<int>{0});
+  CHECK(assigned_ranks(out) == std::vector<int>{0});
+  CHECK(spawned_ranks(out) == std::vector<int>{1});
+}
+
 }  // namespace
 
 TEST_CASE("in place: a local failure with restarts left pauses the opted-in workers and stops only the others") {
@@ -982,10 +990,7 @@ TEST_CASE("in place: a paused worker that ends before its assignment is spawned 
   CHECK(noticed(out, "local rank 1 ended while paused"));
   CHECK_FALSE(taken_as(out).root_cause);
   CHECK_FALSE(has<act::SignalWorkers>(out));
-  out = s.assignment(assignment(2, 0, 1), at(40));
-  CHECK(all<act::RetireWorkers>(out).at(0).keep == std::vector<int>{0});
-  CHECK(assigned_ranks(out) == std::vector<int>{0});
-  CHECK(spawned_ranks(out) == std::vector<int>{1});
+  round_2_keeps_0_respawns_1(s, 40);
 }
 
 TEST_CASE("in place: an assigned worker that fails is a failure of the new round") {
@@ -1035,9 +1040,7 @@ TEST_CASE("in place: a paused worker whose control connection closes is stopped 
   CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{1});
   CHECK(all<act::SignalWorkers>(out)[0].cont);
   CHECK_FALSE(s.paused(1));
-  out = s.assignment(assignment(2, 0, 1), at(40));
-  CHECK(assigned_ranks(out) == std::vector<int>{0});
-  CHECK(spawned_ranks(out) == std::vector<int>{1});
+  round_2_keeps_0_respawns_1(s, 40);
   // A connection that closes while running only withdraws the opt-in.
   CHECK(s.control_closed(0, at(50)).empty());
   CHECK_FALSE(s.in_place(0));
@@ -1096,9 +1099,7 @@ TEST_CASE("in place: between rounds, a paused worker whose control closes gets S
   CHECK_FALSE(has<act::SignalWorkers>(s.timer_fired(Timer::kClosing, at(25 + 6000))));  // once
   out = s.worker_ended(ended(1, 137, SIGKILL), at(3100));
   CHECK_FALSE(has<act::WorkerEnded>(out));
-  out = s.assignment(assignment(2, 0, 1), at(4000));
-  CHECK(assigned_ranks(out) == std::vector<int>{0});
-  CHECK(spawned_ranks(out) == std::vector<int>{1});
+  round_2_keeps_0_respawns_1(s, 4000);
 }
 
 TEST_CASE("in place: a paused worker's Assign waits for its answer (paused); one that does not answer within the "
@@ -1162,10 +1163,7 @@ TEST_CASE("in place: between rounds, a paused worker that does not answer within
   CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{1});
   out = s.worker_ended(ended(1, 137, SIGKILL), at(3100));
   CHECK_FALSE(has<act::WorkerEnded>(out));
-  out = s.assignment(assignment(2, 0, 1), at(4000));
-  CHECK(all<act::RetireWorkers>(out).at(0).keep == std::vector<int>{0});
-  CHECK(assigned_ranks(out) == std::vector<int>{0});
-  CHECK(spawned_ranks(out) == std::vector<int>{1});
+  round_2_keeps_0_respawns_1(s, 4000);
 }
 
 TEST_CASE("in place: a paused worker that ends while its Assign is held is started anew, no failure of the attempt") {

@@ -680,6 +680,7 @@ class Bench:
             deadline = time.monotonic() + 300
             log_lines, killed, t_kill, reached, rank0_node = [], None, None, 0, None
             standby_ready = not use_standby
+            prestart_ready = False  # the standby's pre-started mgtrain was loaded at the kill
             after_marker, resumed_from, t_first, first_step, t_round = set(), None, None, None, None
             new_round = re.compile(r"^\[mglaunch\] round (\d+): ")
             while t_first is None:
@@ -703,6 +704,10 @@ class Bench:
                 if stream != "out":
                     if killed and t_round is None and name != killed and new_round.match(line):
                         t_round = t  # the launcher's part is done: the survivors know the new round
+                    if prestart and not killed and new_round.match(line) and not any(n == "n2" for n, _ in procs):
+                        # The round is full: the standby comes now, so that its pre-started mgtrain
+                        # loads while the others do (60 steps take about a second).
+                        start("n2", agent(4, ["--standby-prestart"]))
                     continue
                 m = progress.match(line)
                 if killed is None:
@@ -712,7 +717,9 @@ class Bench:
                     reached, rank0_node = max(reached, step), name
                     if use_standby and not any(n == "n2" for n, _ in procs):
                         start("n2", agent(4, ["--standby-prestart"] if prestart else []))  # the round is full: a standby
-                    if step >= KILL_AT and standby_ready:
+                    # (a standby still loading at step RECOVERY_STEPS - 20 is killed for all that)
+                    if step >= KILL_AT and (standby_ready or (prestart and step >= RECOVERY_STEPS - 20)):
+                        prestart_ready = prestart and standby_ready
                         killed = victim_of(name)
                         victim = next(p for n, p in procs if n == killed)
                         pids = [victim.pid] + descendants(victim.pid)
@@ -754,7 +761,7 @@ class Bench:
                     "steps_lost": reached - resumed_from, "first_step": first_step,
                     "recovery_ms": (t_first - t_kill) * 1e3, "resumed_ms": (t_marker - t_kill) * 1e3,
                     "round_ms": (t_round - t_kill) * 1e3 if t_round else None,
-                    "summary_s": summary_s,
+                    "summary_s": summary_s, "prestarted": prestart_ready,
                     "codes": " ".join(f"{k} {v}" for k, v in codes.items() if k != killed)}
         finally:
             for name, p in procs:

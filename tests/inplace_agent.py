@@ -15,7 +15,8 @@ workers, and injects one fault once rank 0 reports step --at-step or later:
 --no-control gives the workers no control socket (mgtrain then says recovery is off).
 --again N (with kill or stop): a peer lost again during the recovery, N times: the
 replacement is SIGKILLed as soon as it says hello (before the new group forms), and the
-round after is paused and assigned anew (up to N + 1 restarts).
+round after is paused and assigned anew (up to N + 1 restarts); a survivor that fails
+then ends the job (the others are SIGKILLed).
 --shrink (with kill): the failed worker is not replaced: the survivors are assigned a world
 one smaller, ranked in their old order (an elastic job that lost a node and has no standby).
 
@@ -239,10 +240,15 @@ def main():
                             send(c, {"type": "pause", "round": rnd, "reason": "worker rank %d failed" % r,
                                      "lost": "worker"})
                     fault["term_pending"] = True
-                elif code != 0 and restart_count <= a.again and a.fault != "term":
+                elif (code != 0 and restart_count <= a.again and a.fault != "term" and not fault.get("ended")
+                      and (r == a.victim or not a.again)):
                     new_round(r, "worker rank %d (pid %d) failed: exit %d" % (r, w["proc"].pid, code))
                 elif code != 0:
                     rc = 1
+                    if a.again:  # a survivor gave up: the job ends, as an agent out of restarts ends it
+                        fault["ended"] = True
+                        for ww in workers.values():
+                            ww["proc"].kill()
         if workers:
             rc = 3
             codes["deadline"] = a.deadline

@@ -118,6 +118,18 @@ TEST_CASE("in-place recovery: a peer lost again while the new group forms, twice
   CHECK(recoveries[0]["step"].get<int>() >= 11);
 }
 
+TEST_CASE("in-place recovery gives up after 8 failed attempts in a row from one step: the survivor exits 1 saying so, not after the agent runs out of rounds") {
+  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
+  // 12 replacements in a row lost at their hello: more rounds than mgtrain's bound.
+  auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--again", "12"}, {"--timeout", "600"});
+  INFO(hit.r.out << hit.r.err << hit.logs());
+  const auto report = nlohmann::json::parse(hit.r.out);
+  CHECK(report["codes"]["0/0"] == 1);
+  CHECK_FALSE(report["codes"].contains("deadline"));
+  CHECK(report["fault"]["again"].get<int>() < 12);  // the survivor gave up before the rounds ran out
+  CHECK_THAT(hit.logs(), Catch::Contains("(in-place recovery: 8 attempts in a row at step"));
+}
+
 TEST_CASE("in-place recovery into a smaller world: rank 1 lost mid-epoch and not replaced, rank 0 alone trains the epoch's samples that world 2 had not, once, then whole epochs at world 1") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   // 1024 samples, batch 16: 32 steps an epoch at world 2, 64 at world 1; two epochs.

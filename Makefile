@@ -48,10 +48,14 @@ test-all: build
 # The chaos soak (tests/chaos.py, issue #26): 12 minutes on the daemon, then 8 on a 3-member
 # etcd, faults at random; reports in bench/results/chaos-*.json (README "Chaos").
 CHAOS_SECONDS ?= 720
+# Both soaks run and the README gets both reports, failed ones included; the exit status is
+# the first failure's.
 chaos: build
-	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $(CHAOS_SECONDS) --backend daemon --report bench/results/chaos-daemon.json
-	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $$(( $(CHAOS_SECONDS) * 2 / 3 )) --backend etcd --report bench/results/chaos-etcd.json
-	python3 bench/render_chaos.py bench/results/chaos-daemon.json bench/results/chaos-etcd.json
+	@rc=0; \
+	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $(CHAOS_SECONDS) --backend daemon --report bench/results/chaos-daemon.json || rc=$$?; \
+	/usr/bin/python3 tests/chaos.py $(BUILD_DIR) --seconds $$(( $(CHAOS_SECONDS) * 2 / 3 )) --backend etcd --report bench/results/chaos-etcd.json || [ $$rc -ne 0 ] || rc=$$?; \
+	/usr/bin/python3 bench/render_chaos.py bench/results/chaos-daemon.json bench/results/chaos-etcd.json || [ $$rc -ne 0 ] || rc=$$?; \
+	exit $$rc
 
 # Every benchmark case, mglaunch and torchrun in one run (bench/bench.py; docs/benchmarks.md):
 # bench/results/latest.json, then the tables and guardrails of docs/benchmarks.md, the

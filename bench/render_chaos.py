@@ -80,9 +80,9 @@ def main():
         try:
             with open(p) as f:
                 reports.append(json.load(f))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError) as e:  # the soak died before its report: say so in the README
             print(f"render_chaos: cannot read {p}: {e}", file=sys.stderr)
-            return 1
+            reports.append({"backend": os.path.basename(p), "problems": [f"no report ({type(e).__name__})"]})
     text = table(reports)
     if not splice(a.readme, text):
         print(f"render_chaos: {a.readme} has no {BEGIN} ... {END} markers", file=sys.stderr)

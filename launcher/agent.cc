@@ -718,7 +718,11 @@ void Agent::prestart_retire(std::vector<int>& keep) {
       notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) said no hello with "
                          "\"standby\" before this node was given a place: killed; a fresh worker takes it",
                          lr, e.pid));
-    e = {};  // RetireWorkers SIGKILLs it; its end stays in prestart_pids_ (no worker's)
+    // Killed, but its handle stays until it ended and its output drained (a handle dropped
+    // with reads pending would be used after its end); its end stays in prestart_pids_.
+    launcher_->signal_some(SIGKILL, {lr});
+    keep.push_back(lr);
+    e = {};
   }
   if (prestart_hello_timer_) prestart_hello_timer_->cancel();
 }

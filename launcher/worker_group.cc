@@ -75,7 +75,8 @@ void WorkerGroup::retire(const std::vector<int>& keep) {
   std::vector<std::unique_ptr<WorkerProcess>> kept;
   std::unordered_set<pid_t> spared;  // the kept workers' process groups and descendants
   for (auto& w : workers_) {
-    const bool stays = !w->exited() && w->pid() > 0 &&
+    // (kept until done: a handle dropped before its output drained would be read into after)
+    const bool stays = !w->done() && w->pid() > 0 &&
                        std::find(keep.begin(), keep.end(), w->spec().local_rank) != keep.end();
     if (!stays) {
       w->signal_group(SIGKILL, &groups);
@@ -92,7 +93,7 @@ void WorkerGroup::retire(const std::vector<int>& keep) {
     if (!in_kept_group) ::kill(p.pid, SIGKILL);
   }
   for (auto& p : workers_) {
-    if (spared.contains(p->pid()) && !p->exited()) kept.push_back(std::move(p));
+    if (spared.contains(p->pid()) && !p->done()) kept.push_back(std::move(p));
     else retired_.push_back(std::move(p));
   }
   workers_ = std::move(kept);

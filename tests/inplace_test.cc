@@ -343,21 +343,23 @@ struct StandbyJob {
   Daemon d = start_daemon();
   std::string dir2 = make_temp_dir(), dir3 = make_temp_dir(), dirs = make_temp_dir();
   std::vector<Proc> nodes;
-  Proc node(int index, const std::string& dir, std::vector<std::string> flags = {}, std::vector<std::string> extra = {}) {
+  Proc node(int index, const std::string& dir, std::vector<std::string> flags = {}, std::vector<std::string> extra = {},
+            const std::string& ranks = "0") {
     std::vector<std::string> argv{kMglaunch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                                   "--rdzv_endpoint=" + d.endpoint, "--rdzv_id=prestart", "--max_restarts=2",
                                   "--grace=10", "--local_addr=127.0.0." + std::to_string(index)};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    argv.insert(argv.end(), {"--no_python", "/usr/bin/python3", kWorker, dir, "0"});
+    argv.insert(argv.end(), {"--no_python", "/usr/bin/python3", kWorker, dir, ranks});
     argv.insert(argv.end(), extra.begin(), extra.end());
     return spawn(argv);
   }
   // The active nodes running, then the standby (with `flags`) told it is one.
-  void start(std::vector<std::string> standby_flags, std::vector<std::string> standby_extra = {}) {
+  void start(std::vector<std::string> standby_flags, std::vector<std::string> standby_extra = {},
+             const std::string& standby_ranks = "0") {
     nodes.push_back(node(2, dir2));
     nodes.push_back(node(3, dir3));
     REQUIRE(eventually([&] { return has_event(dir2, "welcome", 0) && has_event(dir3, "welcome", 0); }, 60s));
-    nodes.push_back(node(4, dirs, standby_flags, standby_extra));
+    nodes.push_back(node(4, dirs, standby_flags, standby_extra, standby_ranks));
     REQUIRE(eventually([&] { return nodes[2].err().find("standby for job prestart") != std::string::npos; }, 60s));
   }
   ~StandbyJob() {
@@ -459,4 +461,29 @@ TEST_CASE("standby prestart: the job ends while the node is still a standby: its
   CHECK(has_event(job.dirs, "term", 0));  // SIGTERM first, not a bare SIGKILL
   CHECK_FALSE(pid_alive(pre));
   CHECK(of(events(job.dirs), "assign", 0).empty());
+}
+
+TEST_CASE("standby prestart: a pre-started worker that never said hello when the place comes is killed and a fresh "
+          "worker takes the place; the standby agent lives on and exits 0") {
+  StandbyJob job;
+  job.start({"--standby-prestart"}, {}, "");  // the standby's worker never connects
+  REQUIRE(eventually([&] { return has_event(job.dirs, "start", 0); }, 60s));
+  const pid_t first = of(events(job.dirs), "start", 0).at(0)["pid"];
+  ::kill(job.nodes[1].pid, SIGKILL);
+  REQUIRE(job.nodes[1].wait(10s));
+  REQUIRE(eventually([&] { return has_event(job.dirs, "start", 0, 2) && has_event(job.dir2, "assign", 0); }, 60s));
+  CHECK(eventually([&] { return !pid_alive(first); }, 30s));
+  for (const auto& dir : {job.dir2, job.dirs}) finish(dir);
+  for (int i : {0, 2}) {
+    REQUIRE(job.nodes[i].wait(60s));
+    INFO(job.nodes[i].err());
+    CHECK(job.nodes[i].exit_code() == 0);
+  }
+  CHECK_THAT(job.nodes[2].err(), Catch::Contains("pre-started worker (pid " + std::to_string(first) +
+                                                 ") said no hello with \"standby\" before this node was given a "
+                                                 "place: killed"));
+  const auto starts = of(events(job.dirs), "start", 0);
+  REQUIRE(starts.size() == 2);
+  CHECK(starts[1]["standby"] == false);
+  CHECK(starts[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1");
 }

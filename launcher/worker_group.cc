@@ -97,7 +97,13 @@ void WorkerGroup::retire(const std::vector<int>& keep) {
     else retired_.push_back(std::move(p));
   }
   workers_ = std::move(kept);
-  boost::asio::post(io_, [this] { retired_.clear(); });
+  boost::asio::post(io_, [this] {
+    // A retired worker still running is SIGKILLed and reaped by its handle's destructor:
+    // the reaper must not look its pid up any more.
+    for (const auto& w : retired_)
+      if (auto it = leaders_.find(w->pid()); it != leaders_.end() && it->second == w.get()) leaders_.erase(it);
+    retired_.clear();
+  });
 }
 
 bool WorkerGroup::kill_all() {

@@ -202,6 +202,7 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
 }
 
 WorkerProcess::~WorkerProcess() {
+  alive_.reset();  // before the pipes close: the reads they cancel find the handle gone
   if (pid_ > 0 && !exited_) {
     ::killpg(pid_, SIGKILL);
     int status = 0;
@@ -263,7 +264,11 @@ void WorkerProcess::read_more(int s) {
     });
     return;
   }
-  impl_->pipes[s].async_read_some(asio::buffer(impl_->bufs[s]), [this, s](error_code ec, std::size_t n) {
+  // A handle dropped with its pipes open (a retired worker still running) cancels this read:
+  // the handler then comes after the handle is gone and must not touch it.
+  impl_->pipes[s].async_read_some(asio::buffer(impl_->bufs[s]), [this, s, alive = std::weak_ptr<int>(alive_)](
+                                                                    error_code ec, std::size_t n) {
+    if (alive.expired()) return;
     if (n > 0) on_data(s, std::string_view(impl_->bufs[s].data(), n));
     if (ec) {
       close_stream(s);
@@ -393,8 +398,8 @@ void WorkerProcess::on_exit(int status) {
 
 void WorkerProcess::arm_drain() {
   impl_->drain.expires_after(kDrainTimeout);
-  impl_->drain.async_wait([this](error_code ec) {
-    if (ec) return;
+  impl_->drain.async_wait([this, alive = std::weak_ptr<int>(alive_)](error_code ec) {
+    if (ec || alive.expired()) return;
     // Time spent paused by a congested console does not count: what is in the pipe
     // is still to be shown.
     if ((impl_->open[0] && paused_[0]) || (impl_->open[1] && paused_[1])) {

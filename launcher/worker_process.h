@@ -4,7 +4,9 @@
 // io_context: pipe reads, the drain timer; the exit comes from the agent's one reaper
 // (waitpid(-1) on SIGCHLD), which calls on_exit(). A worker costs the agent one or two
 // descriptors (its pipes, one when stdout and stderr are merged) plus its log files, no
-// pidfd. Destroying a handle whose child still runs SIGKILLs and reaps the child.
+// pidfd. Destroying a handle whose child still runs SIGKILLs and reaps the child; its
+// pending reads and timers are cancelled, and their handlers, which run later, leave the
+// gone handle alone (alive_).
 #pragma once
 
 #include <sched.h>

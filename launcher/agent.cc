@@ -22,6 +22,7 @@
 
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli/args.h"
 #include "cli/errors.h"
@@ -535,7 +536,7 @@ void Agent::start_control() {
     else run(core_.worker_hello(lr, m.in_place, now()));
   };
   h.closed = [this](int lr) {
-    if (prestart_pending(lr)) prestart_fall_back(lr, "closed its control connection");
+    if (prestart_pending(lr)) prestart_fall_back(lr, "closed its control connection", /*closed=*/true);
     else run(core_.control_closed(lr, now()));
   };
   h.paused = [this](int lr, const control::Paused& p) {
@@ -598,57 +599,100 @@ void Agent::prestart_workers() {
     return;
   }
   prestart_.assign(static_cast<std::size_t>(plan_.nproc_per_node), {});
+  for (int lr = 0; lr < plan_.nproc_per_node; ++lr) prestart_one(lr);
+  notice(fmt::format("standby: {} worker(s) started ahead with {}=1 (--standby-prestart); they load and wait for "
+                     "this node's place",
+                     plan_.nproc_per_node, control::kStandbyVar));
+}
+
+void Agent::prestart_one(int lr) {
+  const std::string dir = attempt_dir(lr);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  SpecInputs in;
+  in.local_rank = lr;
+  in.attempt = core_.restart_count();
+  in.dir = dir;
+  in.merge_streams = merge_streams_;
+  {
+    auto inherited = base_env_.find(kRunMarkVar);
+    in.run_mark = launcher_->run_mark(inherited == base_env_.end() ? std::string() : inherited->second);
+  }
+  WorkerSpec spec = make_worker_spec(plan_, opts_, base_env_, in);
   // The round's variables are unknown yet: left out, so that a worker that ignores the
   // marker fails to join any group rather than join a wrong one.
   static const char* const kRoundVars[] = {"RANK",           "GROUP_RANK",      "ROLE_RANK",   "WORLD_SIZE",
                                            "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                            "TORCHELASTIC_RESTART_COUNT"};
-  for (int lr = 0; lr < plan_.nproc_per_node; ++lr) {
-    const std::string dir = attempt_dir(lr);
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    SpecInputs in;
-    in.local_rank = lr;
-    in.attempt = core_.restart_count();
-    in.dir = dir;
-    in.merge_streams = merge_streams_;
-    {
-      auto inherited = base_env_.find(kRunMarkVar);
-      in.run_mark = launcher_->run_mark(inherited == base_env_.end() ? std::string() : inherited->second);
-    }
-    WorkerSpec spec = make_worker_spec(plan_, opts_, base_env_, in);
-    std::erase_if(spec.env, [](const std::string& kv) {
-      const std::string_view name = std::string_view(kv).substr(0, kv.find('='));
-      if (name == control::kStandbyVar) return true;
-      for (const char* v : kRoundVars)
-        if (name == v) return true;
-      return false;
-    });
-    spec.env.push_back(std::string(control::kStandbyVar) + "=1");
-    spec.rank = -1;  // none yet
-    spec.prefix = fmt::format("[standby{}]:", lr);
-    if (worker_nofile_) spec.nofile = &*worker_nofile_;
-    if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
-    const pid_t pid = launcher_->start(std::move(spec), [this](const WorkerEnd& w) {
-      if (prestart_pids_.contains(w.pid)) prestart_ended(w);
-      else on_worker_done(w);
-    });
-    prestart_[static_cast<std::size_t>(lr)].pid = pid;
-    prestart_pids_.insert(pid);
-    trace_instant("prestart", "worker", {{"local_rank", lr}, {"pid", pid}});
-  }
-  notice(fmt::format("standby: {} worker(s) started ahead with {}=1 (--standby-prestart); they load and wait for "
-                     "this node's place",
-                     plan_.nproc_per_node, control::kStandbyVar));
-  prestart_hello_timer_ = std::make_unique<asio::steady_timer>(io_, kPrestartHello);
-  prestart_hello_timer_->async_wait([this](boost::system::error_code ec) {
-    if (ec) return;
-    for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
-      const Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
-      if (e.pid && !e.ready && !e.stopping)
-        prestart_fall_back(lr, fmt::format("said no hello with \"standby\" within {} s", kPrestartHello.count()));
-    }
+  std::erase_if(spec.env, [](const std::string& kv) {
+    const std::string_view name = std::string_view(kv).substr(0, kv.find('='));
+    if (name == control::kStandbyVar) return true;
+    for (const char* v : kRoundVars)
+      if (name == v) return true;
+    return false;
   });
+  spec.env.push_back(std::string(control::kStandbyVar) + "=1");
+  spec.rank = -1;  // none yet
+  spec.prefix = fmt::format("[standby{}]:", lr);
+  if (worker_nofile_) spec.nofile = &*worker_nofile_;
+  if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
+  auto placed = std::make_shared<bool>(false);
+  const pid_t pid = launcher_->start(std::move(spec), [this, placed](const WorkerEnd& w) {
+    if (*placed) on_worker_done(w);
+    else prestart_ended(w);
+  });
+  Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+  e = {};
+  e.pid = pid;
+  e.started = std::chrono::steady_clock::now();
+  e.hello_by = e.started + kPrestartHello;
+  e.placed = std::move(placed);
+  trace_instant("prestart", "worker", {{"local_rank", lr}, {"pid", pid}});
+  prestart_arm();
+}
+
+void Agent::prestart_arm() {
+  auto next = std::chrono::steady_clock::time_point::max();
+  for (const Prestarted& e : prestart_)
+    if (e.pid) next = std::min(next, e.stopping ? e.kill_at : e.ready ? next : e.hello_by);
+  if (!prestart_timer_) prestart_timer_ = std::make_unique<asio::steady_timer>(io_);
+  if (next == std::chrono::steady_clock::time_point::max()) {
+    prestart_timer_->cancel();
+    return;
+  }
+  prestart_timer_->expires_at(next);  // (cancels the wait before it)
+  prestart_timer_->async_wait([this](boost::system::error_code ec) {
+    if (!ec) prestart_due();
+  });
+}
+
+void Agent::prestart_due() {
+  const auto t = std::chrono::steady_clock::now();
+  std::vector<int> late;
+  bool within_grace = false;  // a worker being stopped whose SIGKILL is not due yet
+  for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
+    Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+    if (!e.pid) continue;
+    if (e.stopping && e.kill_at <= t) {
+      late.push_back(lr);
+      e.kill_at = std::chrono::steady_clock::time_point::max();  // once
+    } else if (e.stopping && e.kill_at != std::chrono::steady_clock::time_point::max()) {
+      within_grace = true;
+    } else if (!e.stopping && !e.ready && e.hello_by <= t) {
+      prestart_fall_back(lr, fmt::format("said no hello with \"standby\" within {} s", kPrestartHello.count()));
+      within_grace = true;
+    }
+  }
+  if (!late.empty()) {
+    notice(fmt::format("pre-started worker(s) of local rank(s) {} still running {:.1f}s after SIGTERM: sending SIGKILL",
+                       fmt::join(late, ","), std::chrono::duration<double>(opts_.grace).count()));
+    if (finish_after_prestart_ && !within_grace) {
+      finish(*finish_after_prestart_);  // SIGKILLs and reaps what is left
+      return;
+    }
+    launcher_->signal_some(SIGKILL, late);
+  }
+  prestart_arm();
 }
 
 bool Agent::prestart_pending(int lr) const {
@@ -665,45 +709,55 @@ void Agent::prestart_hello(int lr, const control::Hello& m) {
   }
   e.ready = true;
   trace_instant("prestart ready", "worker", {{"local_rank", lr}, {"pid", e.pid}});
+  prestart_arm();
 }
 
-void Agent::prestart_fall_back(int lr, const std::string& why) {
+void Agent::prestart_fall_back(int lr, const std::string& why, bool closed) {
   Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
   if (!e.pid || e.stopping) return;
   e.stopping = true;
+  e.closed = closed;
   e.ready = false;
-  notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) {}: stopping it; a fresh "
-                     "worker starts when this node is given a place",
-                     lr, e.pid, why));
-  launcher_->signal_some(SIGTERM, {lr});
-  if (finish_after_prestart_) return;  // the stop under way has its own SIGKILL
-  prestart_kill_timer_ = std::make_unique<asio::steady_timer>(io_, opts_.grace);
-  prestart_kill_timer_->async_wait([this](boost::system::error_code ec) {
-    if (ec) return;
-    std::vector<int> late;
-    for (int i = 0; i < static_cast<int>(prestart_.size()); ++i)
-      if (prestart_[static_cast<std::size_t>(i)].pid && prestart_[static_cast<std::size_t>(i)].stopping) late.push_back(i);
-    if (!late.empty()) launcher_->signal_some(SIGKILL, late);
-  });
+  e.kill_at = std::chrono::steady_clock::now() + opts_.grace;  // its own: an earlier one's SIGKILL is not put off
+  // (A worker that exits closes its connection first: what follows is said at its end.)
+  notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) {}: stopping it{}", lr, e.pid,
+                     why, closed ? "" : "; a fresh worker starts when this node is given a place"));
+  signal_workers({SIGTERM, false, std::vector<int>{lr}, /*cont=*/true});
+  prestart_arm();
 }
 
 void Agent::prestart_ended(const WorkerEnd& w) {
-  prestart_pids_.erase(w.pid);
   for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
     Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
     if (e.pid != w.pid) continue;
-    if (!e.stopping)
-      notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) ended ({}) before this node "
-                         "was given a place: a fresh worker starts then",
-                         lr, w.pid,
-                         WIFSIGNALED(w.wait_status) ? fmt::format("signal {}", signal_name(WTERMSIG(w.wait_status)))
-                                                    : fmt::format("exit code {}", shell_exit_code(w.wait_status))));
+    const std::string how = WIFSIGNALED(w.wait_status) ? fmt::format("signal {}", signal_name(WTERMSIG(w.wait_status)))
+                                                       : fmt::format("exit code {}", shell_exit_code(w.wait_status));
+    // Stopped by the agent, for a reason of the agent's (one that closed its connection was
+    // most likely ending on its own).
+    const bool stopped = e.stopping && (!e.closed || finish_after_prestart_);
+    const double lived = std::chrono::duration<double>(std::chrono::steady_clock::now() - e.started).count();
     e = {};
     if (control_) control_->forget(lr);  // no other worker of this local rank runs
+    if (stopped) continue;
+    // Ended on its own while the node waits (a worker that bounds its wait, a crash): another
+    // takes its place ahead, unless it ended soon after its start (it would again).
+    if (lived >= std::chrono::duration<double>(kPrestartMinLife).count() && !finish_after_prestart_ &&
+        core_.is_standby() && core_.state() == sup::State::kWaiting) {
+      notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) ended ({}) after {:.0f} s "
+                         "before this node was given a place: starting another",
+                         lr, w.pid, how, lived));
+      prestart_one(lr);
+      continue;
+    }
+    notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) ended ({}) before this node "
+                       "was given a place: a fresh worker starts then",
+                       lr, w.pid, how));
   }
   if (finish_after_prestart_ &&
       std::none_of(prestart_.begin(), prestart_.end(), [](const Prestarted& e) { return e.pid != 0; }))
     finish(*finish_after_prestart_);
+  else
+    prestart_arm();
 }
 
 void Agent::prestart_retire(std::vector<int>& keep) {
@@ -718,20 +772,23 @@ void Agent::prestart_retire(std::vector<int>& keep) {
       notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) said no hello with "
                          "\"standby\" before this node was given a place: killed; a fresh worker takes it",
                          lr, e.pid));
-    // Killed, but its handle stays until it ended and its output drained (a handle dropped
-    // with reads pending would be used after its end); its end stays in prestart_pids_.
+    // Killed, but its handle stays until it ended and its output drained (not dropped live
+    // by RetireWorkers); its end finds no entry (prestart_ended) and its `placed` stays
+    // false: it is no worker's.
     launcher_->signal_some(SIGKILL, {lr});
     keep.push_back(lr);
     e = {};
   }
-  if (prestart_hello_timer_) prestart_hello_timer_->cancel();
+  prestart_arm();
 }
 
 bool Agent::adopt_prestarted(int lr) {
   if (!prestart_pending(lr)) return false;
   Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
   const pid_t pid = e.pid;
+  std::shared_ptr<bool> placed = e.placed;
   e = {};
+  prestart_arm();
   serve_store();  // the attempt's store, as for a spawned worker
   const std::string dir = attempt_dir(lr);
   std::error_code ec;
@@ -742,10 +799,10 @@ bool Agent::adopt_prestarted(int lr) {
     notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) lost its control connection: "
                        "killed; a fresh worker takes the place",
                        lr, pid));
-    launcher_->signal_some(SIGKILL, {lr});  // its end stays in prestart_pids_ (no worker's)
+    launcher_->signal_some(SIGKILL, {lr});  // its end finds no entry (prestart_ended): no worker's
     return false;
   }
-  prestart_pids_.erase(pid);  // from now on a worker of the attempt
+  if (placed) *placed = true;  // from now on a worker of the attempt
   launcher_->reassign(lr, plan_.rank_offset + lr, worker_line_prefix(plan_, opts_, lr));
   notice(fmt::format("local rank {}: the pre-started worker (pid {}) takes rank {}", lr, pid, plan_.rank_offset + lr));
   if (trace_)
@@ -757,23 +814,23 @@ bool Agent::adopt_prestarted(int lr) {
 }
 
 bool Agent::prestart_stop_before_finish(int code) {
-  std::vector<int> running;
-  for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr)
-    if (prestart_[static_cast<std::size_t>(lr)].pid) running.push_back(lr);
+  std::vector<int> running, to_stop;
+  const auto kill_at = std::chrono::steady_clock::now() + opts_.grace;
+  for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
+    Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
+    if (!e.pid) continue;
+    running.push_back(lr);
+    if (e.stopping) continue;  // stopped already, by its own deadline
+    e.stopping = true;
+    e.kill_at = kill_at;
+    to_stop.push_back(lr);
+  }
   if (running.empty()) return true;
   notice(fmt::format("stopping this standby's {} pre-started worker(s): SIGTERM, SIGKILL after {:.1f}s",
                      running.size(), std::chrono::duration<double>(opts_.grace).count()));
-  for (int lr : running) prestart_[static_cast<std::size_t>(lr)].stopping = true;
-  launcher_->signal_some(SIGTERM, running);
+  if (!to_stop.empty()) signal_workers({SIGTERM, false, to_stop, /*cont=*/true});
   finish_after_prestart_ = code;
-  if (prestart_hello_timer_) prestart_hello_timer_->cancel();
-  prestart_kill_timer_ = std::make_unique<asio::steady_timer>(io_, opts_.grace);
-  prestart_kill_timer_->async_wait([this](boost::system::error_code ec) {
-    if (ec || !finish_after_prestart_) return;
-    notice(fmt::format("pre-started workers still running {:.1f}s after SIGTERM: sending SIGKILL",
-                       std::chrono::duration<double>(opts_.grace).count()));
-    finish(*finish_after_prestart_);  // SIGKILLs and reaps what is left
-  });
+  prestart_arm();
   return false;
 }
 
@@ -868,11 +925,7 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::SpawnMoreLater>) {
             asio::post(io_, [this, gen = a.gen] { run(core_.spawn_batch_due(gen, now())); });
           } else if constexpr (std::is_same_v<A, sup::act::SignalWorkers>) {
-            for (int sig : {a.sig, a.cont ? SIGCONT : 0}) {  // SIGCONT: a SIGSTOPped worker gets the stop signal now
-              if (sig == 0) continue;
-              if (a.only) launcher_->signal_some(sig, *a.only);
-              else launcher_->signal(sig, a.escaped);
-            }
+            signal_workers(a);
           } else if constexpr (std::is_same_v<A, sup::act::PauseOutputDrains>) {
             launcher_->pause_drains();
           } else if constexpr (std::is_same_v<A, sup::act::ResumeOutputDrains>) {
@@ -923,10 +976,17 @@ void Agent::run(sup::Actions actions) {
   }
 }
 
+void Agent::signal_workers(const sup::act::SignalWorkers& a) {
+  for (int sig : {a.sig, a.cont ? SIGCONT : 0}) {  // SIGCONT: a SIGSTOPped worker gets the stop signal now
+    if (sig == 0) continue;
+    if (a.only) launcher_->signal_some(sig, *a.only);
+    else launcher_->signal(sig, a.escaped);
+  }
+}
+
 void Agent::finish(int code) {
   finish_after_prestart_.reset();
-  if (prestart_hello_timer_) prestart_hello_timer_->cancel();
-  if (prestart_kill_timer_) prestart_kill_timer_->cancel();
+  if (prestart_timer_) prestart_timer_->cancel();
   stop_preflight();
   final_events(code);
   if (monitor_) monitor_->stop();
@@ -1157,9 +1217,22 @@ void Agent::end_linger(bool timed_out) {
 void Agent::wait_signal() {
   signals_.async_wait([this](boost::system::error_code ec, int sig) {
     if (ec) return;
-    if (sig != SIGUSR1 && sig != SIGUSR2 && !stop_signal_) stop_signal_ = sig;  // the others stop the run
+    const bool stops = sig != SIGUSR1 && sig != SIGUSR2;  // the others stop the run
+    if (finish_after_prestart_) {
+      // The run is over but for the standby's pre-started workers being stopped: another
+      // signal does not wait for them (as a second Ctrl-C does not wait for the workers).
+      if (!stops) {
+        wait_signal();
+        return;
+      }
+      notice(fmt::format("got {} while stopping this standby's pre-started workers: killing them now (SIGKILL)",
+                         signal_name(sig)));
+      finish(*finish_after_prestart_);  // SIGKILLs and reaps them
+      return;
+    }
+    if (stops && !stop_signal_) stop_signal_ = sig;
     run(core_.signal(sig, now()));
-    if (core_.state() != sup::State::kDone) wait_signal();
+    if (core_.state() != sup::State::kDone || finish_after_prestart_) wait_signal();
   });
 }
 

@@ -463,8 +463,21 @@ TEST_CASE("standby prestart: the job ends while the node is still a standby: its
   CHECK(of(events(job.dirs), "assign", 0).empty());
 }
 
+namespace {
+
+// The state letter of /proc/PID/stat ('T': stopped by a signal); 0 when gone.
+char proc_state(pid_t pid) {
+  const std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  const auto close = stat.rfind(')');
+  return close == std::string::npos || close + 2 >= stat.size() ? '\0' : stat[close + 2];
+}
+
+}  // namespace
+
 TEST_CASE("standby prestart: a pre-started worker that never said hello when the place comes is killed and a fresh "
-          "worker takes the place; the standby agent lives on and exits 0") {
+          "worker takes the place, and the standby agent lives on and exits 0") {
+  // (Its handle dropped while it ran, its pipes open: the agent read them through the freed
+  // handle and died of SIGSEGV, exit 139.)
   StandbyJob job;
   job.start({"--standby-prestart"}, {}, "");  // the standby's worker never connects
   REQUIRE(eventually([&] { return has_event(job.dirs, "start", 0); }, 60s));
@@ -479,6 +492,8 @@ TEST_CASE("standby prestart: a pre-started worker that never said hello when the
     INFO(job.nodes[i].err());
     CHECK(job.nodes[i].exit_code() == 0);
   }
+  // (Had its 30 s for the hello passed first, it would have been stopped before the place.)
+  REQUIRE_THAT(job.nodes[2].err(), !Catch::Contains("within 30 s"));
   CHECK_THAT(job.nodes[2].err(), Catch::Contains("pre-started worker (pid " + std::to_string(first) +
                                                  ") said no hello with \"standby\" before this node was given a "
                                                  "place: killed"));
@@ -486,4 +501,73 @@ TEST_CASE("standby prestart: a pre-started worker that never said hello when the
   REQUIRE(starts.size() == 2);
   CHECK(starts[1]["standby"] == false);
   CHECK(starts[1]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1");
+}
+
+TEST_CASE("standby prestart: a pre-started worker that ends on its own while the node is a standby is replaced by "
+          "another") {
+  StandbyJob job;
+  job.start({"--standby-prestart"}, {"standby-exits-after=6"});  // (kPrestartMinLife is 5 s)
+  if (!eventually([&] { return has_event(job.dirs, "start", 0, 2); }, 60s))
+    FAIL(job.nodes[2].err() << read_file(job.dirs + "/events.jsonl"));
+  const auto starts = of(events(job.dirs), "start", 0);
+  CHECK(starts[1]["standby"] == true);
+  CHECK(starts[1]["pid"] != starts[0]["pid"]);
+  CHECK(starts[1]["env"]["RANK"].is_null());
+  REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0, 2); }, 60s));  // the new one is welcomed too
+  const std::string said = "local rank 0's pre-started worker (pid " + std::to_string(starts[0]["pid"].get<int>()) +
+                           ") ended (";  // (exit code 3, or SIGTERM's 143: its connection closed first)
+  CHECK(eventually([&] { return job.nodes[2].err().find(said) != std::string::npos; }, 30s));
+  INFO(job.nodes[2].err());
+  CHECK_THAT(job.nodes[2].err(), Catch::Contains("before this node was given a place: starting another"));
+  finish(job.dir2);
+  finish(job.dir3);
+  for (auto& p : job.nodes) {
+    REQUIRE(p.wait(60s));
+    INFO(p.err());
+    CHECK(p.exit_code() == 0);
+  }
+  for (const auto& s : of(events(job.dirs), "start", 0)) CHECK_FALSE(pid_alive(s["pid"].get<int>()));
+}
+
+TEST_CASE("standby prestart: a second signal while the standby stops its pre-started workers kills them at once") {
+  StandbyJob job;
+  job.start({"--standby-prestart", "--grace=60"}, {"ignore-term"});
+  REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
+  const pid_t pre = of(events(job.dirs), "start", 0).at(0)["pid"];
+  ::kill(job.nodes[2].pid, SIGTERM);
+  REQUIRE(eventually([&] { return has_event(job.dirs, "term-ignored", 0); }, 60s));  // it ignores the stop
+  REQUIRE(eventually(
+      [&] {
+        return job.nodes[2].err().find("stopping this standby's 1 pre-started worker(s): SIGTERM, SIGKILL after 60.0s") !=
+               std::string::npos;
+      },
+      30s));
+  ::kill(job.nodes[2].pid, SIGINT);
+  REQUIRE(job.nodes[2].wait(30s));  // not the 60 s grace
+  INFO(job.nodes[2].err());
+  CHECK_THAT(job.nodes[2].err(), Catch::Contains("got SIGINT while stopping this standby's pre-started workers: "
+                                                 "killing them now (SIGKILL)"));
+  CHECK(job.nodes[2].exit_code() == 143);  // the first signal's
+  CHECK_FALSE(pid_alive(pre));
+}
+
+TEST_CASE("standby prestart: a SIGSTOPped pre-started worker gets SIGCONT after its SIGTERM at the job's end and ends "
+          "by it, without the SIGKILL") {
+  StandbyJob job;
+  job.start({"--standby-prestart"});
+  REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
+  const pid_t pre = of(events(job.dirs), "start", 0).at(0)["pid"];
+  ::kill(pre, SIGSTOP);
+  REQUIRE(eventually([&] { return proc_state(pre) == 'T'; }, 10s));
+  finish(job.dir2);
+  finish(job.dir3);
+  for (auto& p : job.nodes) {
+    REQUIRE(p.wait(60s));
+    INFO(p.err());
+    CHECK(p.exit_code() == 0);
+  }
+  INFO(job.nodes[2].err());
+  CHECK(has_event(job.dirs, "term", 0));  // it ran its SIGTERM handler: continued
+  CHECK_THAT(job.nodes[2].err(), !Catch::Contains("sending SIGKILL"));
+  CHECK_FALSE(pid_alive(pre));
 }

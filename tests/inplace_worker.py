@@ -3,6 +3,7 @@
 control protocol (docs/in-place-recovery.md) with the standard library only.
 
     inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once|fail-on-file LOCAL_RANK] [no-standby]
+        [ignore-term] [standby-exits-after=SECONDS]
 
 Every event goes to OUT_DIR/events.jsonl, one JSON line each (appended in one write):
 start (pid and the torchrun variables), welcome, pause, assign (its env), exit. The local
@@ -14,7 +15,9 @@ and 3 after 120 s (bounded).
 
 Started with MGLAUNCH_STANDBY=1 (a standby's pre-started worker, mglaunch --standby-prestart)
 it has no rank yet: its start event says standby, its hello says "standby": true (unless
-`no-standby` is given: a worker without the capability), and SIGTERM logs `term` and exits 143."""
+`no-standby` is given: a worker without the capability), and SIGTERM logs `term` and exits 143.
+Such a worker with `ignore-term` logs `term-ignored` for SIGTERM and SIGINT and goes on; with `standby-exits-after=S` it
+logs `gave-up` and exits 3 S seconds after its start unless it was assigned a place."""
 import json
 import os
 import select
@@ -32,6 +35,8 @@ in_place = {int(x) for x in sys.argv[2].split(",") if x}
 fail_once = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-once" else -1
 fail_on_file = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-on-file" else -1
 capable = "no-standby" not in sys.argv[3:]
+ignore_term = "ignore-term" in sys.argv[3:]
+exits_after = next((float(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("standby-exits-after=")), None)
 standby = os.environ.get("MGLAUNCH_STANDBY") == "1"
 lr = int(os.environ["LOCAL_RANK"])
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))  # unset on a pre-started worker
@@ -54,9 +59,16 @@ if standby:
     def on_term(*_):
         log("term")
         sys.exit(143)
-    signal.signal(signal.SIGTERM, on_term)
+
+    def on_ignored(*_):
+        log("term-ignored")
+    signal.signal(signal.SIGTERM, on_ignored if ignore_term else on_term)
+    if ignore_term:
+        signal.signal(signal.SIGINT, on_ignored)
 sock = None
 buf = b""
+placed = False
+started = time.time()
 if lr in in_place:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect("\0" + os.environ["MGLAUNCH_CONTROL_SOCKET"][1:])
@@ -77,6 +89,9 @@ while time.time() < deadline:
     if lr == fail_on_file and restart == 0 and os.path.exists(os.path.join(out_dir, "fail")):
         log("fail")
         sys.exit(1)
+    if standby and exits_after is not None and not placed and time.time() - started >= exits_after:
+        log("gave-up")
+        sys.exit(3)
     if sock is None:
         time.sleep(0.05)
         continue
@@ -100,6 +115,7 @@ while time.time() < deadline:
             sock.sendall(b'{"type":"paused","step":7}\n')
         elif m["type"] == "assign":
             log("assign", round=m["round"], restart_count=m["restart_count"], env=m["env"])
+            placed = True
         else:
             log("other", message=m)
 log("timeout")

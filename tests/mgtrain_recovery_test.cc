@@ -477,3 +477,50 @@ TEST_CASE("a pre-started mgtrain (MGLAUNCH_STANDBY=1) without --in-place-recover
   CHECK(count_of(no_channel.err, "\n") == 1);
   CHECK_THAT(no_channel.out, !Catch::Contains("done:"));
 }
+
+TEST_CASE("a pre-started mgtrain waits for its place past --timeout (the node may stay a standby for the whole job): "
+          "with --timeout 2 it still waits 4 s later, and SIGTERM then ends the wait with exit 75") {
+  // A stand-in agent of its own: welcomes the standby's hello, never assigns, SIGTERMs
+  // mgtrain 4 s after its "standby worker ready" line.
+  const std::string dir = make_temp_dir();
+  const std::string script = dir + "/agent.py";
+  std::ofstream(script) << R"PY(
+import json, os, signal, socket, subprocess, sys, time
+name = "mgtest-standby-%d" % os.getpid()
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind("\0" + name)
+srv.listen(4)
+srv.settimeout(120)
+env = dict(os.environ, MGLAUNCH_STANDBY="1", MGLAUNCH_CONTROL_SOCKET="@" + name, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+p = subprocess.Popen(sys.argv[1:], env=env, stdout=subprocess.PIPE, text=True)
+c, _ = srv.accept()
+c.settimeout(120)
+hello = c.makefile().readline()
+c.sendall(b'{"type":"welcome","version":1}\n')
+out = ""
+while "standby worker ready" not in out:
+    line = p.stdout.readline()
+    if not line:
+        break
+    out += line
+waited = "standby worker ready" in out and p.poll() is None
+if waited:
+    time.sleep(4)  # twice its --timeout
+    waited = p.poll() is None
+    p.send_signal(signal.SIGTERM)
+out += p.stdout.read()
+print(json.dumps({"hello": hello, "waited": waited, "code": p.wait(60), "out": out}))
+)PY";
+  auto r = run({"/usr/bin/python3", script, kMgtrain, "--dataset", "synthetic", "--synthetic-size", "64", "--model",
+                "mlp", "--max-steps", "2", "--in-place-recovery", "--timeout", "2"},
+               {}, 180s);
+  INFO(r.out << r.err);
+  REQUIRE(r.code == 0);
+  const auto got = nlohmann::json::parse(r.out);
+  CHECK_THAT(got["hello"].get<std::string>(), Catch::Contains("\"standby\": true") || Catch::Contains("\"standby\":true"));
+  CHECK(got["waited"] == true);  // still waiting 4 s after --timeout 2 began
+  CHECK(got["code"] == 75);
+  CHECK_THAT(got["out"].get<std::string>(), Catch::Contains("stopped by a signal while this standby worker waited"));
+  CHECK_THAT(r.err, !Catch::Contains("within --timeout"));
+  std::filesystem::remove_all(dir);
+}

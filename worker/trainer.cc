@@ -106,10 +106,11 @@ std::string with_rank(std::string path, int rank) {
 }
 
 // A standby's pre-started worker (MGLAUNCH_STANDBY=1) with everything that needs no group
-// done: waits for the agent's `assign` (at most --timeout; SIGTERM or SIGUSR1 ends the wait:
-// false), takes its variables and joins the group, as a worker spawned with them would.
+// done: waits for the agent's `assign` as long as the node is a standby, which may be the
+// whole job (no --timeout: the agent stops it when the job ends; SIGTERM or SIGUSR1 ends the
+// wait: false; the control channel closing throws), takes its variables and joins the
+// group, as a worker spawned with them would.
 bool take_place(const Options& o, Comm& comm, ControlChannel& control) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(o.timeout_s);
   std::optional<Assignment> place;
   while (!place) {
     if (g_stop_signal.load()) return false;
@@ -117,9 +118,6 @@ bool take_place(const Options& o, Comm& comm, ControlChannel& control) {
     if (place) break;
     if (const std::string closed = control.closed_reason(); !closed.empty())
       throw SetupError("a standby's pre-started worker lost its control channel before its place: " + closed);
-    if (std::chrono::steady_clock::now() >= end)
-      throw SetupError(fmt::format("a standby's pre-started worker had no place from the agent within --timeout {} s",
-                                   o.timeout_s));
   }
   for (const auto& [k, v] : place->env) ::setenv(k.c_str(), v.c_str(), 1);
   comm = connect(o, read_env(process_env()));

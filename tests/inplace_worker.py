@@ -16,8 +16,9 @@ and 3 after 120 s (bounded).
 Started with MGLAUNCH_STANDBY=1 (a standby's pre-started worker, mglaunch --standby-prestart)
 it has no rank yet: its start event says standby, its hello says "standby": true (unless
 `no-standby` is given: a worker without the capability), and SIGTERM logs `term` and exits 143.
-Such a worker with `ignore-term` logs `term-ignored` for SIGTERM and SIGINT and goes on; with `standby-exits-after=S` it
-logs `gave-up` and exits 3 S seconds after its start unless it was assigned a place."""
+Such a worker with `ignore-term` logs `term-ignored` for SIGTERM and SIGINT and goes on; with
+`standby-exits-after=S` it logs `gave-up` and exits 3 S seconds after its start unless it was
+assigned a place."""
 import json
 import os
 import select

@@ -480,7 +480,7 @@ void Client::next_candidate(const std::string& why_previous) {
       // nodes but the lost host and those below this one are expected to re-join.
       const int survivors = std::max(1, t.listed - 1 - static_cast<int>(t.next - 1));
       port = h_.on_take_over
-                 ? h_.on_take_over({t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors})
+                 ? h_.on_take_over({t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors, t.listed})
                  : 0;
       if (port <= 0) {
         t.tried += fmt::format("{}node {} (this one): cannot host", t.tried.empty() ? "" : "; ", c.group_rank);

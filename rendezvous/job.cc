@@ -164,8 +164,19 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       out.insert(out.end(), more.begin(), more.end());
       return out;
     }
-    takeover_reserved_ = std::max(0, takeover_reserved_ - 1);
-    if (j.last_group_rank >= 0) placed_[j.agent_id] = j.last_group_rank;
+    // A survivor's claim takes its kept place once; a newcomer (no rank of the seed's round)
+    // or a second claim of a rank already placed is taken as a newcomer's join.
+    const int r = j.last_group_rank;
+    const bool in_round = r >= 0 && (takeover_->world_size <= 0 || r < takeover_->world_size);
+    const auto mine = placed_.find(j.agent_id);
+    const bool again = mine != placed_.end() && mine->second == r;  // the same survivor, a new session
+    const bool taken = std::any_of(placed_.begin(), placed_.end(), [&](const auto& p) { return p.second == r; });
+    if (in_round && !taken) {
+      takeover_reserved_ = std::max(0, takeover_reserved_ - 1);
+      placed_[j.agent_id] = r;
+    } else if (!again) {
+      placed_.erase(j.agent_id);
+    }
   }
   if (state_ == State::kRunning) {
     if (members_.contains(s)) return {};
@@ -188,8 +199,10 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   }
   if (state_ == State::kRestarting || state_ == State::kJoining) {
     // The places of the nodes told to restart are theirs: a newcomer beyond them waits.
+    // So are the places kept for a taken-over job's survivors (a survivor's own was freed above).
+    const auto kept = static_cast<std::size_t>(takeover_ ? takeover_reserved_ : 0);
     if (rejoining_.erase(s) == 0 && !joined_.contains(s) &&
-        joined_.size() + rejoining_.size() >= static_cast<std::size_t>(config_.max_nodes))
+        joined_.size() + rejoining_.size() + kept >= static_cast<std::size_t>(config_.max_nodes))
       return make_standby(s, j, now);
     if (joined_.empty()) first_join_ = now;
     joined_[s] = {j, now};

@@ -55,6 +55,9 @@ struct TakeoverSeed {
   // The last round's nodes expected to re-join (the new host included): their places are
   // kept from standbys until they joined or the deadline passed.
   int survivors = 0;
+  // The last round's size: only a join claiming a group rank below it (Join::last_group_rank),
+  // not claimed by another node yet, takes one of those kept places. 0: not known (any rank).
+  int world_size = 0;
 };
 
 // A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
@@ -84,7 +87,8 @@ class Job {
   // ranks: Join::last_group_rank) and the standbys that follow (Join::resume_standby), which
   // take the places the survivors leave free at once; with fewer than min nodes joined at
   // seed.deadline it fails with seed.reason as root cause (exit kHostLostExitCode
-  // everywhere). Call before any join.
+  // everywhere). A node that claims no rank of that round, or one another node claimed
+  // first, joins as a newcomer: it takes no survivor's kept place. Call before any join.
   void take_over(const TakeoverSeed& seed, Clock::time_point now);
 
   State state() const { return state_; }

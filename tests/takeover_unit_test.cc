@@ -267,3 +267,84 @@ TEST_CASE("an assignment lists every node's takeover port by group rank") {
   CHECK(got.takeover_ports == std::vector<int>{0, 4002});
   CHECK(got.nodes == std::vector<std::string>{"127.0.0.11", "127.0.0.12"});
 }
+
+namespace {
+
+// Group rank 0 hosted and is lost; ranks 1 and 2 of the 3 survive, so two places are kept.
+TakeoverSeed seed_of_3() {
+  return {4, 1, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1", T0 + 300ms, 2, 3};
+}
+
+std::map<SessionId, proto::Assignment> assignments(const Actions& out) {
+  std::map<SessionId, proto::Assignment> got;
+  for (const auto& o : out)
+    if (proto::type_of(o.frame) == MsgType::kAssignment) got[o.session] = proto::from_frame<proto::Assignment>(o.frame);
+  return got;
+}
+
+}  // namespace
+
+TEST_CASE("a job taken over keeps a late survivor's place from a newcomer and a standby") {
+  Job job("job");
+  job.take_over(seed_of_3(), T0);
+  Actions out;
+  auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+  add(job.join(7, survivor_of("127.0.0.17", -1), T0 + 1ms));  // a fresh node: no last group rank
+  add(job.join(1, survivor_of("127.0.0.12", 1), T0 + 2ms));
+  add(job.join(9, follower("127.0.0.19"), T0 + 3ms));
+  // Rank 2's place is still kept: the standby may not take it.
+  CHECK(job.state() == Job::State::kRestarting);
+  CHECK(job.standbys() == 1);
+  add(job.join(2, survivor_of("127.0.0.13", 2), T0 + 4ms));
+  CHECK(job.state() == Job::State::kRunning);
+  auto got = assignments(out);
+  REQUIRE(got.count(2) == 1);
+  CHECK(got[2].group_rank == 2);
+  CHECK(got[1].group_rank == 1);
+  CHECK(got.count(9) == 0);  // it waits on (told Standby again with the new round)
+  REQUIRE(!to(9, out).empty());
+  CHECK(proto::type_of(to(9, out).back().frame) == MsgType::kStandby);
+}
+
+TEST_CASE("a job taken over takes a second claim of a placed group rank, or a rank beyond the last round, as a "
+          "newcomer: the survivor still coming keeps its place") {
+  for (const int claim : {1, 5}) {
+    INFO("the other node claims group rank " << claim);
+    Job job("job");
+    job.take_over(seed_of_3(), T0);
+    Actions out;
+    auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+    add(job.join(1, survivor_of("127.0.0.12", 1), T0 + 1ms));
+    auto j = survivor_of("127.0.0.17", 0);
+    j.last_group_rank = claim;
+    add(job.join(7, j, T0 + 2ms));  // 5: beyond the round (a decoder refuses it; a Job caller may not)
+    add(job.join(9, follower("127.0.0.19"), T0 + 3ms));
+    CHECK(job.state() == Job::State::kRestarting);
+    CHECK(job.standbys() == 1);
+    add(job.join(2, survivor_of("127.0.0.13", 2), T0 + 4ms));
+    REQUIRE(job.state() == Job::State::kRunning);
+    auto got = assignments(out);
+    REQUIRE(got.size() == 3);
+    CHECK(got[1].group_rank == 1);  // the first claim keeps the rank
+    CHECK(got[2].group_rank == 2);
+    CHECK(got[7].group_rank == 0);  // the second claim is placed as a newcomer
+  }
+}
+
+TEST_CASE("a job taken over makes a newcomer beyond the places kept for survivors a standby") {
+  Job job("job");
+  job.take_over(seed_of_3(), T0);
+  Actions out;
+  auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+  add(job.join(7, survivor_of("127.0.0.17", -1), T0 + 1ms));  // the one free place
+  add(job.join(8, survivor_of("127.0.0.18", -1), T0 + 2ms));  // none left: it waits
+  CHECK(job.standbys() == 1);
+  add(job.join(1, survivor_of("127.0.0.12", 1), T0 + 3ms));
+  add(job.join(2, survivor_of("127.0.0.13", 2), T0 + 4ms));
+  REQUIRE(job.state() == Job::State::kRunning);
+  auto got = assignments(out);
+  CHECK(got.count(8) == 0);
+  CHECK(got[1].group_rank == 1);
+  CHECK(got[2].group_rank == 2);
+  CHECK(got[7].group_rank == 0);
+}

@@ -570,7 +570,7 @@ class Bench:
             binary = f.read()
         standby = b"standby for job" in binary
         # The standby's mgtrain started ahead, loaded and waiting when the place comes (#26).
-        prestart = standby and b"--standby-prestart" in binary
+        prestart = standby and b"--prestart-standby" in binary
         n = size(3, 1, 1)
         ours = [self.recovery_once("ours", mgtrain, standby, prestart) for _ in range(n)]
         peer = [self.recovery_once("peer", None, False) for _ in range(n)] if self.peer else []
@@ -583,7 +583,7 @@ class Bench:
         ms = lambda runs: [r["recovery_ms"] for r in runs]
         lost = lambda runs: [r["steps_lost"] for r in runs]
         how = ("a standby (a third agent, beyond --nnodes=2) takes node 1's place"
-               + (" with its mgtrain pre-started (`--standby-prestart`: loaded and waiting before the kill)"
+               + (" with its mgtrain pre-started (`--prestart-standby`: loaded and waiting before the kill)"
                   if prestart else "") if standby else
                "this build has no standbys: a replacement agent starts at the kill, as for torchrun")
         rows = [row({"what": "SIGKILL of node 1 → first step completed after it (rank 0's progress lines)"},
@@ -697,7 +697,7 @@ class Bench:
                                            "with no step after it: " + " / ".join(log_lines[-8:]))
                     continue
                 log_lines.append(f"{t - t_kill if t_kill else 0:8.3f} {name}/{stream}: {line}"[:300])
-                # With --standby-prestart the kill waits for the standby's worker to be loaded.
+                # With --prestart-standby the kill waits for the standby's worker to be loaded.
                 if use_standby and name == "n2" and (
                         "standby worker ready" in line if prestart else "standby for job" in line):
                     standby_ready = True
@@ -707,7 +707,7 @@ class Bench:
                     if prestart and not killed and new_round.match(line) and not any(n == "n2" for n, _ in procs):
                         # The round is full: the standby comes now, so that its pre-started mgtrain
                         # loads while the others do (60 steps take about a second).
-                        start("n2", agent(4, ["--standby-prestart"]))
+                        start("n2", agent(4, ["--prestart-standby"]))
                     continue
                 m = progress.match(line)
                 if killed is None:
@@ -716,7 +716,7 @@ class Bench:
                     step = int(m.group(1))
                     reached, rank0_node = max(reached, step), name
                     if use_standby and not any(n == "n2" for n, _ in procs):
-                        start("n2", agent(4, ["--standby-prestart"] if prestart else []))  # the round is full: a standby
+                        start("n2", agent(4, ["--prestart-standby"] if prestart else []))  # the round is full: a standby
                     # (a standby still loading at step RECOVERY_STEPS - 20 is killed for all that)
                     if step >= KILL_AT and (standby_ready or (prestart and step >= RECOVERY_STEPS - 20)):
                         prestart_ready = prestart and standby_ready

@@ -19,7 +19,7 @@ inline constexpr std::size_t kMaxMessage = 64 * 1024;  // bytes of one message, 
 // The variable that names the agent's socket in every worker's environment ("@name").
 inline constexpr const char* kSocketVar = "MGLAUNCH_CONTROL_SOCKET";
 // Set to "1" in the environment of a worker that a standby node's agent pre-started
-// (--standby-prestart): it has no rank yet and waits for `assign` (docs/in-place-recovery.md).
+// (--prestart-standby): it has no rank yet and waits for `assign` (docs/in-place-recovery.md).
 inline constexpr const char* kStandbyVar = "MGLAUNCH_STANDBY";
 
 // Splits a byte stream into lines.

@@ -589,18 +589,18 @@ void Agent::assign_worker(const sup::act::Assign& a) {
   }
 }
 
-// ---- --standby-prestart (docs/in-place-recovery.md, "Pre-started workers") ----
+// ---- --prestart-standby (docs/in-place-recovery.md, "Pre-started workers") ----
 
 void Agent::prestart_workers() {
-  if (!opts_.standby_prestart || !prestart_.empty() || !core_.is_standby() || core_.state() != sup::State::kWaiting)
+  if (!opts_.prestart_standby || !prestart_.empty() || !core_.is_standby() || core_.state() != sup::State::kWaiting)
     return;
   if (!control_) {
-    notice("--standby-prestart: no control channel (see above): the workers start when this node is given a place");
+    notice("--prestart-standby: no control channel (see above): the workers start when this node is given a place");
     return;
   }
   prestart_.assign(static_cast<std::size_t>(plan_.nproc_per_node), {});
   for (int lr = 0; lr < plan_.nproc_per_node; ++lr) prestart_one(lr);
-  notice(fmt::format("standby: {} worker(s) started ahead with {}=1 (--standby-prestart); they load and wait for "
+  notice(fmt::format("standby: {} worker(s) started ahead with {}=1 (--prestart-standby); they load and wait for "
                      "this node's place",
                      plan_.nproc_per_node, control::kStandbyVar));
 }
@@ -720,7 +720,7 @@ void Agent::prestart_fall_back(int lr, const std::string& why, bool closed) {
   e.ready = false;
   e.kill_at = std::chrono::steady_clock::now() + opts_.grace;  // its own: an earlier one's SIGKILL is not put off
   // (A worker that exits closes its connection first: what follows is said at its end.)
-  notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) {}: stopping it{}", lr, e.pid,
+  notice(fmt::format("--prestart-standby: local rank {}'s pre-started worker (pid {}) {}: stopping it{}", lr, e.pid,
                      why, closed ? "" : "; a fresh worker starts when this node is given a place"));
   signal_workers({SIGTERM, false, std::vector<int>{lr}, /*cont=*/true});
   prestart_arm();
@@ -743,13 +743,13 @@ void Agent::prestart_ended(const WorkerEnd& w) {
     // takes its place ahead, unless it ended soon after its start (it would again).
     if (lived >= std::chrono::duration<double>(kPrestartMinLife).count() && !finish_after_prestart_ &&
         core_.is_standby() && core_.state() == sup::State::kWaiting) {
-      notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) ended ({}) after {:.0f} s "
+      notice(fmt::format("--prestart-standby: local rank {}'s pre-started worker (pid {}) ended ({}) after {:.0f} s "
                          "before this node was given a place: starting another",
                          lr, w.pid, how, lived));
       prestart_one(lr);
       continue;
     }
-    notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) ended ({}) before this node "
+    notice(fmt::format("--prestart-standby: local rank {}'s pre-started worker (pid {}) ended ({}) before this node "
                        "was given a place: a fresh worker starts then",
                        lr, w.pid, how));
   }
@@ -769,7 +769,7 @@ void Agent::prestart_retire(std::vector<int>& keep) {
       continue;
     }
     if (!e.stopping)
-      notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) said no hello with "
+      notice(fmt::format("--prestart-standby: local rank {}'s pre-started worker (pid {}) said no hello with "
                          "\"standby\" before this node was given a place: killed; a fresh worker takes it",
                          lr, e.pid));
     // Killed, but its handle stays until it ended and its output drained (not dropped live
@@ -796,7 +796,7 @@ bool Agent::adopt_prestarted(int lr) {
   fs::remove(dir + "/error.json", ec);
   const EnvMap env = build_contract_env(plan_, opts_, base_env_, lr, core_.restart_count(), dir + "/error.json");
   if (!control_ || !control_->send(lr, control::assign(core_.round(), core_.restart_count(), env))) {
-    notice(fmt::format("--standby-prestart: local rank {}'s pre-started worker (pid {}) lost its control connection: "
+    notice(fmt::format("--prestart-standby: local rank {}'s pre-started worker (pid {}) lost its control connection: "
                        "killed; a fresh worker takes the place",
                        lr, pid));
     launcher_->signal_some(SIGKILL, {lr});  // its end finds no entry (prestart_ended): no worker's

@@ -156,7 +156,7 @@ class Agent {
   int worker_of(pid_t pid) const;  // the local rank of the worker `pid` is or descends from; -1: none
   void assign_worker(const sup::act::Assign& a);
   std::unique_ptr<control::Server> control_;
-  // --standby-prestart (docs/in-place-recovery.md, "Pre-started workers"): while this node
+  // --prestart-standby (docs/in-place-recovery.md, "Pre-started workers"): while this node
   // is a standby, one worker per local rank runs ahead, with MGLAUNCH_STANDBY=1 and no rank.
   // One that said hello with in_place and standby is handed the place by `assign` when the
   // core spawns its local rank (it keeps its pid); one that did not within kPrestartHello,

@@ -560,7 +560,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   app.add_option("--grace", grace, "Seconds between SIGTERM and SIGKILL when stopping workers (default 30)");
   app.add_option("--summary-json,--summary_json", o.summary_json, "Write the run's summary as JSON to this file");
   flag("--dry-run,--dry_run", "", o.dry_run, "Print the resolved plan as JSON and start nothing");
-  flag("--standby-prestart,--standby_prestart", "", o.standby_prestart,
+  // Not "--standby-...": a flag starting with "stand" would make torchrun's abbreviation
+  // `--stand` (of --standalone) ambiguous.
+  flag("--prestart-standby,--prestart_standby", "", o.prestart_standby,
        "On a standby node, start the workers at once with MGLAUNCH_STANDBY=1 and no rank; a worker that supports it "
        "loads and waits for the place (docs/in-place-recovery.md); only for such workers, e.g. mgtrain "
        "--in-place-recovery");

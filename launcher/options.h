@@ -127,10 +127,10 @@ struct AgentOptions {
   std::chrono::milliseconds grace{30000};
   std::string summary_json;
   bool dry_run = false;
-  // --standby-prestart: a standby node starts its workers at once, with MGLAUNCH_STANDBY=1
+  // --prestart-standby: a standby node starts its workers at once, with MGLAUNCH_STANDBY=1
   // and no rank yet; a worker that says hello with "standby" is handed the place by `assign`
   // (docs/in-place-recovery.md). Opt-in: only for workers that implement it.
-  bool standby_prestart = false;
+  bool prestart_standby = false;
   bool timestamps = false;
   std::string python = "python3";
   std::string python_source = "python3 from PATH";  // how `python` was chosen: --python, MGLAUNCH_PYTHON, default

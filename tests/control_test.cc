@@ -60,7 +60,7 @@ TEST_CASE("hello and paused parse - a wrong version, a bad field or an unknown t
   CHECK_FALSE(std::get<Hello>(h).standby);  // absent: an ordinary worker
   auto s = parse_from_worker(R"({"type":"hello","version":1,"in_place":true,"standby":true})");
   REQUIRE(std::holds_alternative<Hello>(s));
-  CHECK(std::get<Hello>(s).standby);  // a pre-started worker (--standby-prestart)
+  CHECK(std::get<Hello>(s).standby);  // a pre-started worker (--prestart-standby)
   auto p = parse_from_worker(R"({"type":"paused","step":17})");
   REQUIRE(std::holds_alternative<Paused>(p));
   CHECK(std::get<Paused>(p).step == 17);

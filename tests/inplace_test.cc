@@ -334,7 +334,7 @@ open(os.path.join(d, "done"), "w").close()
   std::filesystem::remove_all(dir);
 }
 
-// --standby-prestart (docs/in-place-recovery.md, "Pre-started workers"): two active nodes
+// --prestart-standby (docs/in-place-recovery.md, "Pre-started workers"): two active nodes
 // and a standby on a real mglaunch-rdzv, every worker tests/inplace_worker.py (local rank 0
 // opted in).
 namespace {
@@ -376,7 +376,7 @@ struct StandbyJob {
 TEST_CASE("standby prestart: the standby's worker starts before the loss, without a rank, and takes the lost node's "
           "place with its pid") {
   StandbyJob job;
-  job.start({"--standby-prestart"});
+  job.start({"--prestart-standby"});
   // Loaded ahead: started and welcomed while the node is still a standby.
   REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
   const auto starts = of(events(job.dirs), "start", 0);
@@ -421,11 +421,11 @@ TEST_CASE("standby prestart: the standby's worker starts before the loss, withou
 TEST_CASE("standby prestart: a worker without the capability is stopped at its hello and the place goes to a fresh "
           "worker, as without the flag") {
   StandbyJob job;
-  job.start({"--standby-prestart"}, {"no-standby"});
+  job.start({"--prestart-standby"}, {"no-standby"});
   REQUIRE(eventually([&] { return has_event(job.dirs, "term", 0); }, 60s));
   const pid_t first = of(events(job.dirs), "start", 0).at(0)["pid"];
   REQUIRE(eventually([&] { return !pid_alive(first); }, 30s));
-  CHECK_THAT(job.nodes[2].err(), Catch::Contains("--standby-prestart: local rank 0's pre-started worker (pid " +
+  CHECK_THAT(job.nodes[2].err(), Catch::Contains("--prestart-standby: local rank 0's pre-started worker (pid " +
                                                  std::to_string(first) + ") said hello without \"standby\""));
   ::kill(job.nodes[1].pid, SIGKILL);
   REQUIRE(job.nodes[1].wait(10s));
@@ -447,7 +447,7 @@ TEST_CASE("standby prestart: a worker without the capability is stopped at its h
 TEST_CASE("standby prestart: the job ends while the node is still a standby: its pre-started worker gets SIGTERM, "
           "the standby exits 0 and no process is left") {
   StandbyJob job;
-  job.start({"--standby-prestart"});
+  job.start({"--prestart-standby"});
   REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
   const pid_t pre = of(events(job.dirs), "start", 0).at(0)["pid"];
   finish(job.dir2);
@@ -479,7 +479,7 @@ TEST_CASE("standby prestart: a pre-started worker that never said hello when the
   // (Its handle dropped while it ran, its pipes open: the agent read them through the freed
   // handle and died of SIGSEGV, exit 139.)
   StandbyJob job;
-  job.start({"--standby-prestart"}, {}, "");  // the standby's worker never connects
+  job.start({"--prestart-standby"}, {}, "");  // the standby's worker never connects
   REQUIRE(eventually([&] { return has_event(job.dirs, "start", 0); }, 60s));
   const pid_t first = of(events(job.dirs), "start", 0).at(0)["pid"];
   ::kill(job.nodes[1].pid, SIGKILL);
@@ -506,7 +506,7 @@ TEST_CASE("standby prestart: a pre-started worker that never said hello when the
 TEST_CASE("standby prestart: a pre-started worker that ends on its own while the node is a standby is replaced by "
           "another") {
   StandbyJob job;
-  job.start({"--standby-prestart"}, {"standby-exits-after=6"});  // (kPrestartMinLife is 5 s)
+  job.start({"--prestart-standby"}, {"standby-exits-after=6"});  // (kPrestartMinLife is 5 s)
   if (!eventually([&] { return has_event(job.dirs, "start", 0, 2); }, 60s))
     FAIL(job.nodes[2].err() << read_file(job.dirs + "/events.jsonl"));
   const auto starts = of(events(job.dirs), "start", 0);
@@ -531,7 +531,7 @@ TEST_CASE("standby prestart: a pre-started worker that ends on its own while the
 
 TEST_CASE("standby prestart: a second signal while the standby stops its pre-started workers kills them at once") {
   StandbyJob job;
-  job.start({"--standby-prestart", "--grace=60"}, {"ignore-term"});
+  job.start({"--prestart-standby", "--grace=60"}, {"ignore-term"});
   REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
   const pid_t pre = of(events(job.dirs), "start", 0).at(0)["pid"];
   ::kill(job.nodes[2].pid, SIGTERM);
@@ -554,7 +554,7 @@ TEST_CASE("standby prestart: a second signal while the standby stops its pre-sta
 TEST_CASE("standby prestart: a SIGSTOPped pre-started worker gets SIGCONT after its SIGTERM at the job's end and ends "
           "by it, without the SIGKILL") {
   StandbyJob job;
-  job.start({"--standby-prestart"});
+  job.start({"--prestart-standby"});
   REQUIRE(eventually([&] { return has_event(job.dirs, "welcome", 0); }, 60s));
   const pid_t pre = of(events(job.dirs), "start", 0).at(0)["pid"];
   ::kill(pre, SIGSTOP);

@@ -13,7 +13,7 @@ opted-in rank of its node was welcomed; with `fail-on-file N`, once OUT_DIR/fail
 (the test creates it). Each worker exits 0 once OUT_DIR/finish exists,
 and 3 after 120 s (bounded).
 
-Started with MGLAUNCH_STANDBY=1 (a standby's pre-started worker, mglaunch --standby-prestart)
+Started with MGLAUNCH_STANDBY=1 (a standby's pre-started worker, mglaunch --prestart-standby)
 it has no rank yet: its start event says standby, its hello says "standby": true (unless
 `no-standby` is given: a worker without the capability), and SIGTERM logs `term` and exits 143.
 Such a worker with `ignore-term` logs `term-ignored` for SIGTERM and SIGINT and goes on; with

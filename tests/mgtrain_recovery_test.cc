@@ -339,7 +339,7 @@ std::string standby_done_when(const std::vector<std::string>& standby_flags, con
   }, 120s));
   nodes.push_back(node("hit", 4, dir + "/s{rank}.json", standby_flags));  // the round is full: a standby
   REQUIRE(eventually([&] { return nodes[2].err().find("standby for job") != std::string::npos; }, 60s));
-  if (!standby_flags.empty())  // --standby-prestart: its mgtrain loaded and waiting before the kill
+  if (!standby_flags.empty())  // --prestart-standby: its mgtrain loaded and waiting before the kill
     REQUIRE(eventually([&] { return nodes[2].out().find("standby worker ready") != std::string::npos; }, 120s));
   REQUIRE(eventually([&] { return nodes[lead].out().find(" step 10/") != std::string::npos; }, 120s));
   Proc& victim = nodes[1 - lead];
@@ -373,12 +373,12 @@ TEST_CASE("in-place recovery with a standby (#26's done-when): two active nodes 
   CHECK_THAT(standby, !Catch::Contains("pre-started"));
 }
 
-TEST_CASE("in-place recovery with a pre-started standby (--standby-prestart): the standby's mgtrain is loaded before the kill and takes node 1's place with its pid; the job exits 0 and the weights equal an undisturbed 2-node run's") {
-  const std::string standby = standby_done_when({"--standby-prestart"}, " (--standby-prestart)");
+TEST_CASE("in-place recovery with a pre-started standby (--prestart-standby): the standby's mgtrain is loaded before the kill and takes node 1's place with its pid; the job exits 0 and the weights equal an undisturbed 2-node run's") {
+  const std::string standby = standby_done_when({"--prestart-standby"}, " (--prestart-standby)");
   CHECK_THAT(standby, Catch::Contains("worker(s) started ahead with MGLAUNCH_STANDBY=1"));
   CHECK_THAT(standby, Catch::Contains("[standby0]:mgtrain: standby worker ready"));
   CHECK_THAT(standby, Catch::Contains("local rank 0: the pre-started worker (pid ") && Catch::Contains(") takes rank "));
-  CHECK_THAT(standby, !Catch::Contains("--standby-prestart: local rank"));  // no fallback
+  CHECK_THAT(standby, !Catch::Contains("--prestart-standby: local rank"));  // no fallback
 }
 
 TEST_CASE("in-place recovery when the hosting agent is lost (#26's done-when): three nodes hosted by node 0's agent "

@@ -17,7 +17,7 @@
 
 namespace mg::train {
 
-// "1" in the environment of a standby node's pre-started worker (mglaunch --standby-prestart):
+// "1" in the environment of a standby node's pre-started worker (mglaunch --prestart-standby):
 // no rank yet; it says hello with "standby" and waits for `assign` (docs/in-place-recovery.md).
 inline constexpr const char* kStandbyVar = "MGLAUNCH_STANDBY";
 

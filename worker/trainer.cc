@@ -639,17 +639,17 @@ int run(const Options& o, const Env& env) {
 #ifndef MGLAUNCH_WITH_NCCL
   if (o.cuda_graphs) throw UsageError("--cuda-graphs needs a CUDA build of mgtrain (LibTorch with CUDA; see docs/mgtrain.md)");
 #endif
-  // A standby node's pre-started worker (mglaunch --standby-prestart): no rank until the
+  // A standby node's pre-started worker (mglaunch --prestart-standby): no rank until the
   // agent's assign; only with --in-place-recovery, which waits for it.
   const char* standby_var = std::getenv(kStandbyVar);
   const bool standby = standby_var && std::string_view(standby_var) == "1";
   if (standby && !o.in_place_recovery)
-    throw UsageError(fmt::format("{}=1 (a standby's pre-started worker, mglaunch --standby-prestart) needs "
+    throw UsageError(fmt::format("{}=1 (a standby's pre-started worker, mglaunch --prestart-standby) needs "
                                  "--in-place-recovery: without it mgtrain cannot wait for its place",
                                  kStandbyVar));
   if (standby && o.model == "mlp-rank-branch")
     throw UsageError(fmt::format("{}=1: --model mlp-rank-branch is built for its rank, which a pre-started worker "
-                                 "does not know yet; leave out --standby-prestart",
+                                 "does not know yet; leave out --prestart-standby",
                                  kStandbyVar));
   const Mode mode = standby ? Mode::ddp : resolve_mode(o, env);
   if (o.threads > 0) torch::set_num_threads(o.threads);

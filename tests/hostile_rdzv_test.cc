@@ -177,6 +177,7 @@ class FakeServer {
   }
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
   int hellos() const { return hellos_; }
+  int port() const { return port_; }
 
  private:
   int fd_ = -1, port_ = 0;
@@ -765,4 +766,57 @@ TEST_CASE("an impostor's challenge with a wrong proof does not end a running age
   INFO(agent.err());
   CHECK(agent.exit_code() == 0);  // its own workers' result
   CHECK_THAT(agent.err(), Catch::Contains("cannot prove this job's key"));
+}
+
+TEST_CASE("a standby that follows a takeover believes no node that cannot prove the job's token (#26)") {
+  // The hosting agent (127.0.0.1) and a raw node that advertises an impostor's port as its
+  // takeover port run the round; a real standby waits. The host is SIGKILLed: the standby's
+  // only candidate is the impostor, which answers the standby's Hello with a forged
+  // Assignment instead of proving the job's key.
+  const std::string job = "follow";
+  proto::Assignment forged;
+  forged.round = 2;
+  forged.restart_count = 1;
+  forged.group_rank = 0;
+  forged.group_world_size = 2;
+  forged.world_size = 2;
+  forged.master_addr = "127.0.0.66";
+  forged.master_port = 41234;
+  forged.nodes = {"127.0.0.66", "127.0.0.3"};
+  FakeServer impostor(proto::to_frame(forged));
+  const int port = free_loopback_port();
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  const std::map<std::string, std::string> env{{"MGLAUNCH_RDZV_TOKEN", kToken}};
+  const std::vector<std::string> flags{"--max_restarts=1",
+                                       "--rdzv_conf=keep_alive_interval=2,keep_alive_max_attempt=5"};
+  Proc host = spawn(agent_argv(ep, job, 1, "2", 1, flags, {"print", "up", "hang", "300"}), env);
+  REQUIRE(eventually([&] { return host.err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  RawPeer node(port);
+  REQUIRE(node.handshake(job));
+  auto j = join_for(job);
+  j.addr = "127.0.0.1";  // the impostor listens there
+  j.takeover_port = impostor.port();
+  j.keep_alive_ms = 2000;
+  j.keep_alive_max_attempt = 5;
+  j.max_restarts = 1;
+  REQUIRE(node.send(proto::to_frame(j)));
+  auto assigned = node.read(30s);
+  REQUIRE(assigned);
+  REQUIRE(proto::type_of(*assigned) == proto::MsgType::kAssignment);
+  REQUIRE(eventually([&] { return host.out().find("up") != std::string::npos; }, 30s));
+  Proc standby = spawn(agent_argv(ep, job, 3, "2", 1, flags, {"env"}), env);
+  REQUIRE(eventually([&] { return standby.err().find("[mglaunch] standby for job ") != std::string::npos ||
+                                  !pid_alive(standby.pid); },
+                     30s));
+  REQUIRE(pid_alive(standby.pid));
+  ::kill(host.pid, SIGKILL);
+  REQUIRE(standby.wait(60s));
+  host.wait(5s);
+  INFO(standby.err());
+  CHECK(impostor.hellos() >= 1);  // it did try the impostor
+  CHECK(standby.exit_code() == 3);
+  CHECK_THAT(standby.err(), Catch::Contains("this standby follows the node that takes over") &&
+                                Catch::Contains("could not be authenticated") &&
+                                Catch::Contains("before proving this job's key"));
+  CHECK(standby.out().find("MASTER_ADDR") == std::string::npos);  // no worker ran on the forged place
 }

@@ -365,7 +365,7 @@ class Chaos:
                 if done:
                     target, t0 = done
                     self.faults.append({"kind": kind, "target": target, "t0": t0,
-                                        "step_before": max([s for t, s in self.steps() if t <= t0], default=0)})
+                                        "step_before": ([s for t, s in self.steps() if t <= t0] or [0])[-1]})
                     print(f"chaos: t+{t0 - t_start:.1f}s {kind} {target}", flush=True)
                 next_fault = now() + self.rng.uniform(self.args.min_gap, self.args.max_gap)
             self.replace_lost_agents(max_steps)

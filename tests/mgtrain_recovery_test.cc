@@ -373,7 +373,7 @@ TEST_CASE("in-place recovery with a standby (#26's done-when): two active nodes 
   CHECK_THAT(standby, !Catch::Contains("pre-started"));
 }
 
-TEST_CASE("in-place recovery with a pre-started standby (--prestart-standby): the standby's mgtrain is loaded before the kill and takes node 1's place with its pid; the job exits 0 and the weights equal an undisturbed 2-node run's") {
+TEST_CASE("in-place recovery with a pre-started standby (--prestart-standby): the standby's mgtrain is loaded before the kill and takes node 1's place with its pid, the job exits 0 and the weights equal an undisturbed 2-node run's") {
   const std::string standby = standby_done_when({"--prestart-standby"}, " (--prestart-standby)");
   CHECK_THAT(standby, Catch::Contains("worker(s) started ahead with MGLAUNCH_STANDBY=1"));
   CHECK_THAT(standby, Catch::Contains("[standby0]:mgtrain: standby worker ready"));

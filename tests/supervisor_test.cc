@@ -1102,7 +1102,7 @@ TEST_CASE("in place: between rounds, a paused worker whose control closes gets S
   round_2_keeps_0_respawns_1(s, 4000);
 }
 
-TEST_CASE("in place: a paused worker's Assign waits for its answer (paused); one that does not answer within the "
+TEST_CASE("in place: a paused worker's Assign waits for its answer (paused), and one that does not answer within the "
           "grace (SIGSTOPped) gets SIGKILL and a new process in its place once it ended (#26)") {
   Supervisor s(single(2, 2));
   s.start(at(0));
@@ -1152,7 +1152,7 @@ TEST_CASE("in place: a paused worker that answers after its turn came is assigne
   CHECK_FALSE(has<act::SignalWorkers>(s.timer_fired(Timer::kClosing, at(3010))));
 }
 
-TEST_CASE("in place: between rounds, a paused worker that does not answer within the grace gets SIGKILL; the next "
+TEST_CASE("in place: between rounds, a paused worker that does not answer within the grace gets SIGKILL, the next "
           "round spawns it anew and assigns the one that answered (#26)") {
   Supervisor s = in_round(2, {0, 1});
   auto out = restart_1(s, kNodeLost, /*answer=*/false);

@@ -75,16 +75,23 @@ struct Root {
     path = templ;
     owner = ::getpid();
   }
-  ~Root() {
-    if (::getpid() != owner) return;  // a forked child that exits runs no clean-up of ours
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
 };
 
+// Never destroyed: a static fixture's destructor (the Slurm cluster's) still spawns
+// processes at exit, after the clean-up below; the root is then made again (and swept by a
+// later test process). A destroyed Root there gave mkdtemp a freed path: terminate.
 const std::string& root_dir() {
-  static Root root;
-  return root.path;
+  static Root* root = [] {
+    auto* r = new Root;
+    std::atexit([] {
+      if (::getpid() != root->owner) return;
+      std::error_code ec;
+      std::filesystem::remove_all(root->path, ec);
+    });
+    return r;
+  }();
+  if (::access(root->path.c_str(), F_OK) != 0) ::mkdir(root->path.c_str(), 0700);
+  return root->path;
 }
 
 }  // namespace

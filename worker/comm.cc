@@ -1,5 +1,9 @@
 #include "worker/comm.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <condition_variable>
 #include <cstdlib>
@@ -70,6 +74,27 @@ bool set_libuv(O& so, bool on) {
     return true;
   }
   return false;
+}
+
+// Until something listens at host:port (at most timeout_s; then the store's own connect
+// reports the failure). c10d's client waits a whole second before it retries a refused
+// connection, and a new round's store may open a few milliseconds after the assignment
+// reached a worker that was already running (in-place recovery, a pre-started standby):
+// that second was most of the recovery.
+void wait_until_listening(const std::string& host, int port, int timeout_s) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  for (bool up = false; !up && std::chrono::steady_clock::now() < until;) {
+    const int fd = ::socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC, found->ai_protocol);
+    if (fd < 0) break;
+    up = ::connect(fd, found->ai_addr, found->ai_addrlen) == 0;
+    ::close(fd);
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::freeaddrinfo(found);
 }
 
 bool cuda_visible() {
@@ -238,6 +263,7 @@ Comm connect(const Options& o, const Env& env) {
   so.waitWorkers = false;
   so.timeout = std::chrono::seconds(o.timeout_s);
   const bool libuv_option = set_libuv(so, env.use_libuv.value_or(true));
+  if (!so.isServer) wait_until_listening(env.master_addr, env.master_port, o.timeout_s);
   try {
     try {
       c.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);

@@ -426,25 +426,25 @@ std::string Agent::attempt_dir(int local_rank) const {
   return logs_.attempt_dir(core_.restart_count(), local_rank);
 }
 
+WorkerSpec Agent::attempt_spec(int lr) {
+  SpecInputs in;
+  in.local_rank = lr;
+  in.attempt = core_.restart_count();
+  in.dir = attempt_dir(lr);
+  in.merge_streams = merge_streams_;
+  std::error_code ec;
+  fs::create_directories(in.dir, ec);
+  auto inherited = base_env_.find(kRunMarkVar);
+  in.run_mark = launcher_->run_mark(inherited == base_env_.end() ? std::string() : inherited->second);
+  return make_worker_spec(plan_, opts_, base_env_, in);
+}
+
 void Agent::spawn_worker(int lr) {
   serve_store();  // before the first worker of an attempt can connect to it
   {
-    const std::string dir = attempt_dir(lr);
+    WorkerSpec spec = attempt_spec(lr);
     std::error_code ec;
-    fs::create_directories(dir, ec);
-    const std::string error_file = dir + "/error.json";
-    fs::remove(error_file, ec);  // a stale file from an earlier run must not be taken as this one's
-
-    SpecInputs in;
-    in.local_rank = lr;
-    in.attempt = core_.restart_count();
-    in.dir = dir;
-    in.merge_streams = merge_streams_;
-    {
-      auto inherited = base_env_.find(kRunMarkVar);
-      in.run_mark = launcher_->run_mark(inherited == base_env_.end() ? std::string() : inherited->second);
-    }
-    WorkerSpec spec = make_worker_spec(plan_, opts_, base_env_, in);
+    fs::remove(attempt_dir(lr) + "/error.json", ec);  // a stale file from an earlier run must not be taken as this one's
     int stdin_pipe = -1;
     if (lr == opts_.stdin_rank) {
       if (stdin_relay_) {
@@ -606,19 +606,7 @@ void Agent::prestart_workers() {
 }
 
 void Agent::prestart_one(int lr) {
-  const std::string dir = attempt_dir(lr);
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  SpecInputs in;
-  in.local_rank = lr;
-  in.attempt = core_.restart_count();
-  in.dir = dir;
-  in.merge_streams = merge_streams_;
-  {
-    auto inherited = base_env_.find(kRunMarkVar);
-    in.run_mark = launcher_->run_mark(inherited == base_env_.end() ? std::string() : inherited->second);
-  }
-  WorkerSpec spec = make_worker_spec(plan_, opts_, base_env_, in);
+  WorkerSpec spec = attempt_spec(lr);
   // The round's variables are unknown yet: left out, so that a worker that ignores the
   // marker fails to join any group rather than join a wrong one.
   static const char* const kRoundVars[] = {"RANK",           "GROUP_RANK",      "ROLE_RANK",   "WORLD_SIZE",

@@ -121,6 +121,8 @@ class Agent {
   void hold_master_port(bool fresh);
   void rejoin(bool offer_port);  // re-join the rendezvous for the next round (offering the fresh master port)
   std::string attempt_dir(int local_rank) const;
+  // The spec of local rank's worker in this attempt; its attempt directory is made.
+  WorkerSpec attempt_spec(int local_rank);
   static WorkerOutcome outcome_of(const WorkerEnd& w);
 
   boost::asio::io_context& io_;

@@ -185,6 +185,21 @@ c10::intrusive_ptr<PG> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, i
 #endif
 }
 
+namespace {
+
+// connect() without installing the group's hook (connect_interruptible's thread).
+Comm connect_group(const Options& o, const Env& env);
+
+// The group's hook becomes the Interrupt's (an empty one for Gloo replaces an older group's).
+void install_pause_hook(const Comm& c) {
+  if (const auto& interrupt = interrupt_slot()) {
+    std::lock_guard lk(interrupt->m);
+    interrupt->on_fire = c.on_pause;
+  }
+}
+
+}  // namespace
+
 Comm connect_interruptible(const Options& o, const Env& env, const std::function<bool()>& give_up) {
   struct Slot {
     std::mutex m;
@@ -198,7 +213,7 @@ Comm connect_interruptible(const Options& o, const Env& env, const std::function
     std::optional<Comm> c;
     std::exception_ptr error;
     try {
-      c.emplace(connect(o, env));
+      c.emplace(connect_group(o, env));  // its hook is installed below, if this attempt is kept
     } catch (...) {
       error = std::current_exception();
     }
@@ -221,6 +236,7 @@ Comm connect_interruptible(const Options& o, const Env& env, const std::function
 #ifdef MGLAUNCH_WITH_NCCL
   if (slot->comm->device.is_cuda()) c10::cuda::set_device(slot->comm->device.index());  // thread-local
 #endif
+  install_pause_hook(*slot->comm);
   return std::move(*slot->comm);
 }
 
@@ -249,6 +265,14 @@ Comm local_comm(const Options& o) {
 }
 
 Comm connect(const Options& o, const Env& env) {
+  Comm c = connect_group(o, env);
+  install_pause_hook(c);
+  return c;
+}
+
+namespace {
+
+Comm connect_group(const Options& o, const Env& env) {
   Comm c;
   c.rank = env.rank;
   c.world = env.world;
@@ -291,24 +315,20 @@ Comm connect(const Options& o, const Env& env) {
     const int dev = env.local_rank % std::max(1, devices);
     c10::cuda::set_device(dev);
     c.device = torch::Device(torch::kCUDA, dev);
-    // In-place recovery lives through a peer's death: the agents' value (torchrun's and
-    // ours: TORCH_NCCL_ASYNC_ERROR_HANDLING=1) and torch 2.x's default (3) take the whole
-    // process down on an NCCL error; 2 aborts the communicators and lets the failed
-    // collective throw. The group waits --timeout, as Gloo's does, not NCCL's 10 minutes.
-    if (o.in_place_recovery) ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", 1);
+    // With --in-place-recovery, run() set TORCH_NCCL_ASYNC_ERROR_HANDLING=2 before any
+    // thread started. The group waits --timeout, as Gloo's does, not NCCL's 10 minutes.
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = std::chrono::seconds(o.timeout_s);
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, env.rank, env.world, opts);
     c.shutdown = [nccl] { shutdown_if_supported(*nccl); };
     c.abort = [nccl] { abort_if_supported(*nccl); };
-    if (const auto& interrupt = interrupt_slot()) {  // --in-place-recovery: a pause aborts this group at once
-      std::lock_guard lk(interrupt->m);
-      interrupt->on_fire = abort_while_alive(nccl);
-    }
+    c.on_pause = abort_while_alive(nccl);  // --in-place-recovery: a pause aborts this group at once
     c.pg = nccl;
 #endif
   }
   return c;
 }
+
+}  // namespace
 
 }  // namespace mg::train

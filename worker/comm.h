@@ -41,6 +41,10 @@ struct Comm {
   int rank = 0, world = 1;
   std::function<void()> shutdown = [] {};  // orderly teardown where the backend has one
   std::function<void()> abort = [] {};     // NCCL: abort the communicators (in-place recovery)
+  // What the agent's pause runs for this group (the Interrupt's on_fire, installed by
+  // connect() and connect_interruptible() on the calling thread): NCCL aborts its
+  // communicators (held weakly); empty for Gloo, whose waits end through the Interrupt.
+  std::function<void()> on_pause;
 
   bool distributed() const { return static_cast<bool>(pg); }
   // In-place recovery: lets go of the process group and the store without waiting for
@@ -70,13 +74,16 @@ void set_interrupt(std::shared_ptr<Interrupt> interrupt);
 // How many process groups abandon() kept alive (0: none).
 std::size_t abandoned_groups();
 
-// Joins the process group of the launcher (throws SetupError naming the master).
+// Joins the process group of the launcher (throws SetupError naming the master); with an
+// Interrupt set (set_interrupt), the group's on_pause becomes its on_fire.
 Comm connect(const Options& o, const Env& env);
 // connect() on a thread of its own, for a recovery: `give_up` is asked every 50 ms and,
 // once it says true before the group formed (the agent paused again: a peer lost while the
 // new group forms; a stop signal), Interrupted is thrown at once. The thread is left to
 // finish or time out by itself (within --timeout); what it builds is kept, never used nor
-// destroyed (as abandon() keeps a group). connect()'s own errors are rethrown.
+// destroyed (as abandon() keeps a group), and never installed as the Interrupt's hook:
+// only the group returned is, on the calling thread. connect()'s own errors are rethrown.
+// In-place recovery's TORCH_NCCL_ASYNC_ERROR_HANDLING is set by run(), before any thread.
 Comm connect_interruptible(const Options& o, const Env& env, const std::function<bool()>& give_up);
 // A standby's pre-started worker (MGLAUNCH_STANDBY=1) before its place: no store, no
 // process group, the device connect() will use (NCCL: GPU LOCAL_RANK mod the GPU count).

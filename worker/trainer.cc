@@ -651,6 +651,12 @@ int run(const Options& o, const Env& env) {
     throw UsageError(fmt::format("{}=1: --model mlp-rank-branch is built for its rank, which a pre-started worker "
                                  "does not know yet; leave out --prestart-standby",
                                  kStandbyVar));
+  // In-place recovery lives through a peer's death: the agents' value (torchrun's and
+  // ours: TORCH_NCCL_ASYNC_ERROR_HANDLING=1) and torch 2.x's default (3) take the whole
+  // process down on an NCCL error; 2 aborts the communicators and lets the failed
+  // collective throw. Set here, once, before any thread (the control channel's, a group's)
+  // may read the environment: a setenv beside a getenv is a data race.
+  if (o.in_place_recovery) ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", 1);
   const Mode mode = standby ? Mode::ddp : resolve_mode(o, env);
   if (o.threads > 0) torch::set_num_threads(o.threads);
   // --in-place-recovery: the agent's control channel, connected before the group.

@@ -3,6 +3,7 @@
 
 #include <sched.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -571,4 +572,73 @@ TEST_CASE("signals to handle: SIGQUIT (torchrun's default list) and a listed SIG
     // Handled, not the agent killed by the signal's default action: it says what it did.
     CHECK_THAT(agent.err(), Catch::Contains(sig == SIGQUIT ? "SIGQUIT" : "SIGXCPU"));
   }
+}
+
+namespace {
+
+// mglaunch's default with TMPDIR unset: the agent's log tree in /dev/shm, named by its owner
+// file (".mglaunch-agent": "PID PIDNS"). The trees of agent `pid` there, found by that file
+// (other runs' trees, of other engineers or tests, are left alone).
+std::vector<std::string> shm_trees_of(pid_t pid) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator("/dev/shm", ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    if (!it->path().filename().string().starts_with("mglaunch_")) continue;
+    std::ifstream f(it->path() / ".mglaunch-agent");
+    long long owner = 0;
+    if (f >> owner && owner == pid) out.push_back(it->path().string());
+  }
+  return out;
+}
+
+bool shm_usable() {
+  struct stat st{};
+  return ::stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && ::access("/dev/shm", W_OK) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("with TMPDIR unset a successful run's log tree lives in /dev/shm while it runs and is gone after") {
+  if (!shm_usable()) SKIP_TEST("no writable /dev/shm");
+  const std::string go = make_temp_dir() + "/go";
+  Proc p = spawn(launch({"--standalone", "--nproc_per_node=1"}, {"print", "up", "wait-file", go, "exit", "0"}),
+                 {{"TMPDIR", kUnset}});
+  REQUIRE(eventually([&] { return p.out().find("up") != std::string::npos; }, 30s));
+  const auto trees = shm_trees_of(p.pid);
+  REQUIRE(trees.size() == 1);
+  std::ofstream(go) << "go";
+  REQUIRE(p.wait(60s));
+  INFO(p.err());
+  CHECK(p.exit_code() == 0);
+  CHECK(!fs::exists(trees[0]));
+  CHECK(shm_trees_of(p.pid).empty());
+}
+
+TEST_CASE("with TMPDIR unset a failed run keeps its tree in /dev/shm and says so, and a SIGKILLed agent's empty tree is "
+          "removed by the next run's sweep") {
+  if (!shm_usable()) SKIP_TEST("no writable /dev/shm");
+  // A failed run: its error file is kept, under /dev/shm, in a tree its owner file names.
+  auto failed = spawn(launch({"--standalone", "--nproc_per_node=1"}, {"error-file", "boom: kept", "exit", "3"}),
+                      {{"TMPDIR", kUnset}});
+  REQUIRE(failed.wait(60s));
+  const std::string err = failed.err();
+  INFO(err);
+  CHECK(failed.exit_code() == 3);
+  const auto trees = shm_trees_of(failed.pid);
+  REQUIRE(trees.size() == 1);
+  CHECK_THAT(err, Catch::Contains("kept in " + trees[0]));
+  fs::remove_all(trees[0]);  // the test's own: reported, so a person would remove it
+
+  // An agent SIGKILLed with its workers leaves its tree (directories only) behind.
+  Proc killed = spawn(launch({"--standalone", "--nproc_per_node=1"}, {"print", "up", "hang", "300"}),
+                      {{"TMPDIR", kUnset}});
+  REQUIRE(eventually([&] { return killed.out().find("up") != std::string::npos; }, 30s));
+  const auto left = shm_trees_of(killed.pid);
+  REQUIRE(left.size() == 1);
+  ::killpg(killed.pid, SIGKILL);
+  REQUIRE(killed.wait(30s));
+  // (Another agent with TMPDIR unset on this machine may sweep it first: either way it goes.)
+  auto next = run(launch({"--standalone", "--nproc_per_node=1"}, {"exit", "0"}), {{"TMPDIR", kUnset}});
+  CHECK(next.code == 0);
+  CHECK(!fs::exists(left[0]));
 }

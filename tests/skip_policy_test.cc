@@ -22,8 +22,6 @@ std::string self() {
   return std::string(buf, static_cast<std::size_t>(n));
 }
 
-const std::string kUnset = "\x01unset";
-
 Result probe(const std::string& name, std::map<std::string, std::string> env) {
   return run({self(), name}, env, 30s);
 }

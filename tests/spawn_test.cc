@@ -171,14 +171,25 @@ TEST_CASE("test helper: make a temporary directory and a process handle, and pri
   std::cout << "dir=" << dir << std::endl;
 }
 
-TEST_CASE("a test process's temporary directories go when it exits, and a dead test process's are removed by the next one") {
+TEST_CASE("a test process's temporary directories go when it exits, and a dead test process's are removed by the "
+          "next one, but a root of another pid namespace or boot, or of another name, is never touched") {
   const std::string base = make_temp_dir();  // the child's TMPDIR
   // A root of a test process that is gone (its pid reaped), and one of a live process (ours).
-  Proc gone = spawn({kFakeWorker, "exit", "0"});
+  Proc gone = spawn({kFakeWorker, "hang", "30"});
+  const std::string gone_name = test_root_name_for(gone.pid);
+  ::kill(gone.pid, SIGKILL);
   REQUIRE(gone.wait(30s));
-  const std::string dead_root = base + "/mgtest-" + std::to_string(gone.pid) + "-AbCdEf";
-  const std::string live_root = base + "/mgtest-" + std::to_string(::getpid()) + "-AbCdEf";
-  for (const auto& d : {dead_root, live_root}) {
+  const std::string dead_root = base + "/" + gone_name + "AbCdEf";
+  const std::string live_root = base + "/" + test_root_name_for(::getpid()) + "AbCdEf";
+  // A pid that is gone here, in another container's root (another pid namespace) or
+  // another boot's, or in a name of the old form (no realm): none of them provably ours.
+  const std::string realm = gone_name.substr(gone_name.find('-', gone_name.find('-', 7) + 1) + 1);  // NS-BOOT-
+  const std::string pid_start = gone_name.substr(0, gone_name.size() - realm.size());          // mgtest-PID-START-
+  const std::string other_ns = base + "/" + pid_start + "1" + realm.substr(realm.find('-')) + "AbCdEf";
+  const std::string other_boot = base + "/" + pid_start + realm.substr(0, realm.find('-')) + "-00000000-AbCdEf";
+  const std::string old_form = base + "/mgtest-" + std::to_string(gone.pid) + "-AbCdEf";
+  CHECK(test_root_is_dead(std::filesystem::path(dead_root).filename().string()));
+  for (const auto& d : {dead_root, live_root, other_ns, other_boot, old_form}) {
     std::filesystem::create_directories(d + "/mgtest_x");
     std::ofstream(d + "/mgtest_x/f") << "x";
   }
@@ -197,7 +208,9 @@ TEST_CASE("a test process's temporary directories go when it exits, and a dead t
   CHECK(::stat(made.c_str(), &st) != 0);      // gone with its process
   CHECK(::stat(dead_root.c_str(), &st) != 0);  // swept: its process is gone
   CHECK(::stat(live_root.c_str(), &st) == 0);  // kept: its process runs
-  std::vector<std::string> left;
-  for (const auto& e : std::filesystem::directory_iterator(base)) left.push_back(e.path().filename().string());
-  CHECK(left == std::vector<std::string>{std::filesystem::path(live_root).filename().string()});
+  std::set<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(base)) left.insert(e.path().filename().string());
+  std::set<std::string> kept;
+  for (const auto& d : {live_root, other_ns, other_boot, old_form}) kept.insert(std::filesystem::path(d).filename().string());
+  CHECK(left == kept);
 }

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <stdexcept>
 
@@ -26,12 +27,18 @@ namespace mgtest {
 namespace {
 
 // Every directory a test makes (make_temp_dir) and every process's own TMPDIR (spawn) lie
-// under one root per test process, $TMPDIR/mgtest-<pid>-XXXXXX, removed when the process
-// exits. What the processes a test starts leave in their TMPDIR (an agent's kept log tree
-// of a failed run, torchrun's torchelastic_* directories) goes with its handle, and the
-// directories a test made with the root: before, every run of the suite left thousands of
-// mgtest_* directories in /tmp and mglaunch_* trees in /dev/shm. A root whose process died
-// without exiting (killed at a timeout) is removed by the next test process that makes one.
+// under one root per test process, removed when the process exits. What the processes a
+// test starts leave in their TMPDIR (an agent's kept log tree of a failed run, torchrun's
+// torchelastic_* directories) goes with its handle, and the directories a test made with
+// the root: before, every run of the suite left thousands of mgtest_* directories in /tmp
+// and mglaunch_* trees in /dev/shm. A root whose process died without exiting (killed at a
+// timeout) is removed by the next test process that makes one.
+//
+// The root's name proves whose it is: $TMPDIR/mgtest-<pid>-<start>-<pidns>-<boot>-XXXXXX
+// (the pid's start time in clock ticks since boot, the pid namespace's inode, the first 8
+// characters of the boot id). Only a root of this boot and pid namespace whose pid is gone,
+// or is now another process (another start time), is swept: a /tmp shared with another
+// container (other pids) or a root of another name is never touched.
 constexpr const char* kRootPrefix = "mgtest-";
 
 std::string tmp_base() {
@@ -39,22 +46,70 @@ std::string tmp_base() {
   return base && *base ? base : "/tmp";
 }
 
+// Field 22 of /proc/PID/stat (after the command's closing parenthesis), "" if unreadable.
+std::string start_time_of(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos) return {};
+  std::istringstream rest(stat.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && rest >> field; ++i)
+    if (i == 22) return field;
+  return {};
+}
+
+// "<pidns inode>-<boot id's first 8 characters>": where a pid and a start time mean something.
+std::string pid_realm() {
+  std::error_code ec;
+  const std::string ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();  // pid:[4026531836]
+  const auto a = ns.find('['), b = ns.find(']');
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  f >> boot;
+  if (ec || a == std::string::npos || b == std::string::npos || b <= a + 1 || boot.size() < 8) return {};
+  return ns.substr(a + 1, b - a - 1) + "-" + boot.substr(0, 8);
+}
+
+}  // namespace
+
+bool test_root_is_dead(const std::string& name) {
+  // mgtest-<pid>-<start>-<realm>-XXXXXX, the realm ours.
+  const std::string realm = pid_realm();
+  if (realm.empty() || name.rfind(kRootPrefix, 0) != 0) return false;
+  const std::string rest = name.substr(std::strlen(kRootPrefix));
+  const auto d1 = rest.find('-');
+  const auto d2 = d1 == std::string::npos ? d1 : rest.find('-', d1 + 1);
+  if (d2 == std::string::npos || d1 == 0 || d1 > 9 || d2 == d1 + 1) return false;
+  const std::string pid_text = rest.substr(0, d1), start = rest.substr(d1 + 1, d2 - d1 - 1);
+  if (pid_text.find_first_not_of("0123456789") != std::string::npos ||
+      start.find_first_not_of("0123456789") != std::string::npos)
+    return false;
+  const std::string tail = rest.substr(d2 + 1);  // <realm>-XXXXXX
+  if (tail.size() != realm.size() + 7 || tail.compare(0, realm.size(), realm) != 0 || tail[realm.size()] != '-')
+    return false;
+  const auto pid = static_cast<pid_t>(std::stol(pid_text));
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  const std::string now = start_time_of(pid);
+  return !now.empty() && now != start;  // the pid was taken by another process since
+}
+
+std::string test_root_name_for(pid_t pid) {
+  return kRootPrefix + std::to_string(pid) + "-" + start_time_of(pid) + "-" + pid_realm() + "-";
+}
+
+namespace {
+
 void sweep_dead_roots(const std::string& base) {
   DIR* d = ::opendir(base.c_str());
   if (!d) return;
   std::vector<std::string> dead;
   for (dirent* e; (e = ::readdir(d)) != nullptr;) {
     const std::string name = e->d_name;
-    if (name.rfind(kRootPrefix, 0) != 0) continue;
-    const std::string rest = name.substr(std::strlen(kRootPrefix));
-    const auto dash = rest.find('-');
-    if (dash == std::string::npos || dash == 0 || dash > 9 || rest.find_first_not_of("0123456789") != dash) continue;
-    const pid_t pid = static_cast<pid_t>(std::stol(rest.substr(0, dash)));
     struct stat st {};
     const std::string path = base + "/" + name;
-    // Ours (same user) and its process gone: kill(pid, 0) fails with ESRCH.
-    if (::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == ::getuid() && ::kill(pid, 0) != 0 &&
-        errno == ESRCH)
+    // Ours (same user, our boot and pid namespace) and its process gone.
+    if (test_root_is_dead(name) && ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == ::getuid())
       dead.push_back(path);
   }
   ::closedir(d);
@@ -70,7 +125,7 @@ struct Root {
   Root() {
     const std::string base = tmp_base();
     sweep_dead_roots(base);
-    std::string templ = base + "/" + kRootPrefix + std::to_string(::getpid()) + "-XXXXXX";
+    std::string templ = base + "/" + test_root_name_for(::getpid()) + "XXXXXX";
     if (!::mkdtemp(templ.data())) throw std::runtime_error("mkdtemp " + templ + " failed: " + std::strerror(errno));
     path = templ;
     owner = ::getpid();

@@ -3,7 +3,10 @@
 // Nothing is left behind: each process gets a TMPDIR of its own (unless the test names
 // one), removed with its handle, so an agent's kept log tree or torchrun's directories go
 // with it; make_temp_dir's directories lie under one root per test process
-// ($TMPDIR/mgtest-<pid>-XXXXXX), removed at its exit or, if it was killed, by the next one.
+// ($TMPDIR/mgtest-<pid>-<start>-<pidns>-<boot>-XXXXXX), removed at its exit or, if it was
+// killed, by the next one of the same boot and pid namespace.
+// A test of mglaunch's own default (TMPDIR unset: its log tree in /dev/shm) asks for it:
+// spawn(argv, {{"TMPDIR", kUnset}}).
 #pragma once
 
 #include <sys/types.h>
@@ -37,8 +40,11 @@ struct Proc {
   ~Proc();
 };
 
-// Starts argv in its own process group with `env_add` on top of our environment
-// (a value of "\x01unset" removes the variable).
+// A value of env_add that removes the variable.
+inline const std::string kUnset = "\x01unset";
+
+// Starts argv in its own process group with `env_add` on top of our environment (a value
+// of kUnset removes the variable; TMPDIR, unless named, is the handle's own directory).
 Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env_add = {});
 
 struct Result {
@@ -56,6 +62,11 @@ std::vector<std::string> split_lines(const std::string& text);
 int count_of(const std::string& text, const std::string& what);
 std::string read_file(const std::string& path);
 std::string make_temp_dir();
+// A test process's root directory name up to its random tail, for `pid` (a live process):
+// "mgtest-<pid>-<start>-<pidns>-<boot>-"; and whether a directory `name` in $TMPDIR is the
+// root of a test process of this boot and pid namespace that is gone (what is swept).
+std::string test_root_name_for(pid_t pid);
+bool test_root_is_dead(const std::string& name);
 bool pid_alive(pid_t pid);  // zombies count as gone
 bool python_has_torch();    // /usr/bin/python3 -c "import torch" succeeds (checked once)
 int connect_loopback(int port);  // a connected TCP socket to 127.0.0.1:port, or -1

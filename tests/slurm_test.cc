@@ -266,8 +266,8 @@ TEST_CASE("pre-emption drill: USR1, checkpoint, requeue, resume, same final weig
   auto train_args = [&](const std::string& tag) {
     return std::vector<std::string>{MGTRAIN_BIN,       "--model",       "mlp",  "--dataset",   "synthetic",
                                     "--synthetic-size", "8192", "--epochs", "100", "--batch-size", "64", "--max-steps",
-                                    "600",             "--seed",        "5",    "--log-every", "20",
-                                    "--checkpoint-every", "50",         "--checkpoint-dir", dir + "/" + tag + "-ckpt",
+                                    "200",             "--seed",        "5",    "--log-every", "20",
+                                    "--checkpoint-every", "20",         "--checkpoint-dir", dir + "/" + tag + "-ckpt",
                                     "--summary-json",  dir + "/" + tag + "-{rank}.json", "--threads", "1"};
   };
   // The reference: the same training without interruption (2 ranks, one node).
@@ -297,7 +297,7 @@ TEST_CASE("pre-emption drill: USR1, checkpoint, requeue, resume, same final weig
     const auto state = c->job(id)["JobState"];
     return state == "COMPLETED" || state == "FAILED" || state == "CANCELLED";
   };
-  REQUIRE(eventually([&] { return job_out().find("step 40/600") != std::string::npos || ended(); }, 180s));
+  REQUIRE(eventually([&] { return job_out().find("step 40/200") != std::string::npos || ended(); }, 180s));
   INFO(job_out());
   REQUIRE_FALSE(ended());
   const double t_usr1 = since();
@@ -351,7 +351,7 @@ TEST_CASE("pre-emption drill: USR1, checkpoint, requeue, resume, same final weig
   CHECK(nlohmann::json::parse(read_file(dir + "/drill-1.json"))["weights_sha256"] == ref_sum["weights_sha256"]);
   std::printf(
       "drill timings: uninterrupted run %.1f s; submit -> USR1 %.1f s; USR1 -> requeued (Restarts=1) %.1f s; "
-      "requeued -> running again after StartTime=now %.1f s; running -> completed %.1f s (resumed at step %s of 600); "
+      "requeued -> running again after StartTime=now %.1f s; running -> completed %.1f s (resumed at step %s of 200); "
       "total %.1f s\n",
       ref_s, t_usr1, t_requeued - t_usr1, t_restarted - t_requeued, t_done - t_restarted,
       resumed.size() > 1 ? resumed[1].str().c_str() : "?", t_done);

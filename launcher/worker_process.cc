@@ -103,8 +103,11 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     impl_->splitters[s] = std::make_unique<LineSplitter>(spec_.max_line_bytes);
     if (!spec_.log_file[s].empty()) {
       // O_NONBLOCK only for the open (a FIFO without a reader must not hang the agent);
-      // the console's writer thread writes blocking.
-      const int fd = ::open(spec_.log_file[s].c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0666);
+      // the console's writer thread writes blocking. Appended, not truncated: every run has
+      // a directory of its own (logs/log_layout.cc), and a second process of one local rank
+      // in one attempt (a standby's pre-started worker replaced by another) must not erase
+      // what the first one wrote.
+      const int fd = ::open(spec_.log_file[s].c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK, 0666);
       if (fd < 0) {
         spawn_error_ = fmt::format("cannot open log file {}: {}", spec_.log_file[s], std::strerror(errno));
         continue;

@@ -504,9 +504,11 @@ TEST_CASE("standby prestart: a pre-started worker that never said hello when the
 }
 
 TEST_CASE("standby prestart: a pre-started worker that ends on its own while the node is a standby is replaced by "
-          "another") {
+          "another, and the log file keeps both processes' output") {
   StandbyJob job;
-  job.start({"--prestart-standby"}, {"standby-exits-after=6"});  // (kPrestartMinLife is 5 s)
+  const std::string logs = make_temp_dir();
+  job.start({"--prestart-standby", "--log_dir=" + logs, "--redirects=1"},
+            {"standby-exits-after=6"});  // (kPrestartMinLife is 5 s)
   if (!eventually([&] { return has_event(job.dirs, "start", 0, 2); }, 60s))
     FAIL(job.nodes[2].err() << read_file(job.dirs + "/events.jsonl"));
   const auto starts = of(events(job.dirs), "start", 0);
@@ -527,6 +529,14 @@ TEST_CASE("standby prestart: a pre-started worker that ends on its own while the
     CHECK(p.exit_code() == 0);
   }
   for (const auto& s : of(events(job.dirs), "start", 0)) CHECK_FALSE(pid_alive(s["pid"].get<int>()));
+  // Local rank 0's stdout.log of attempt 0 holds both pre-started processes' lines (the second
+  // one's open truncated the first one's before).
+  std::string out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(logs))
+    if (e.path().filename() == "stdout.log" && e.path().parent_path().parent_path().filename() == "attempt_0")
+      out += read_file(e.path().string());
+  for (int i : {0, 1})
+    CHECK_THAT(out, Catch::Contains("pre-started worker pid " + std::to_string(starts[i]["pid"].get<int>())));
 }
 
 TEST_CASE("standby prestart: a second signal while the standby stops its pre-started workers kills them at once") {

@@ -18,7 +18,7 @@ it has no rank yet: its start event says standby, its hello says "standby": true
 `no-standby` is given: a worker without the capability), and SIGTERM logs `term` and exits 143.
 Such a worker with `ignore-term` logs `term-ignored` for SIGTERM and SIGINT and goes on; with
 `standby-exits-after=S` it logs `gave-up` and exits 3 S seconds after its start unless it was
-assigned a place."""
+assigned a place. A pre-started worker prints `pre-started worker pid PID` on stdout."""
 import json
 import os
 import select
@@ -56,6 +56,8 @@ def touch(name):
 
 
 log("start", env={k: os.environ.get(k) for k in KEYS}, standby=standby)
+if standby:  # one stdout line per pre-started process (the agent's log files keep each one's)
+    print(f"pre-started worker pid {os.getpid()}", flush=True)
 if standby:
     def on_term(*_):
         log("term")

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace mg::rdzv {
 
@@ -138,6 +139,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       restart_count_ = j.resume_restart_count;
       expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
       rebuilding_ = true;
+      rebuild_since_ = now;
     }
     joined_.erase(s);
     members_[s] = {j, now, j.resume_done};
@@ -408,6 +410,7 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     ++restart_count_;
     state_ = State::kRestarting;
     restart_reason_ = reason;
+    restart_host_ = root_cause.host;
     first_join_ = now;
     Actions out;
     const auto restart = proto::to_wire(proto::Restart{restart_count_, reason});
@@ -483,6 +486,7 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   round_ = seed.round;
   restart_count_ = seed.restart_count;
   restart_reason_ = seed.reason;
+  restart_host_ = seed.lost_host;
   state_ = State::kRestarting;
   first_join_ = last_activity_ = now;
   takeover_ = seed;
@@ -540,8 +544,36 @@ Actions Job::tick(Clock::time_point now) {
       rc.rank = -1;
       rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
                                config_.min_nodes, id_);
+      if (state_ == State::kRestarting && !restart_reason_.empty()) {
+        // The restart's cause is the job's: the node lost, not a join that came too late.
+        rc.round = round_;
+        rc.host = restart_host_;
+        rc.message += fmt::format(" after restart {} ({})", restart_count_, restart_reason_);
+      }
       return fail_job(rc, rc.message);
     }
+  }
+  if (state_ == State::kRunning && rebuilding_ && members_.size() < expected_members_ &&
+      now - rebuild_since_ >= milliseconds(config_.join_timeout_ms)) {
+    // A node of the round the restarted server rebuilds never came back: it is lost, as if
+    // its connection had closed (else the nodes that came back waited for it for ever).
+    std::set<int> back;
+    for (const auto& [s, n] : members_) back.insert(n.join.resume_group_rank);
+    std::vector<int> missing;
+    for (int r = 0; r < static_cast<int>(expected_members_) && missing.size() < 8; ++r)
+      if (!back.contains(r)) missing.push_back(r);
+    proto::WorkerFailed rc;
+    rc.round = round_;
+    rc.rank = -1;
+    rc.exit_code = 1;
+    rc.message = fmt::format("{} of the {} nodes of round {} (group rank {}) lost: not re-registered with the "
+                             "restarted rendezvous server within join_timeout ({} s)",
+                             expected_members_ - members_.size(), expected_members_, round_,
+                             fmt::join(missing, ","), config_.join_timeout_ms / 1000.0);
+    rebuilding_ = false;
+    expected_members_ = members_.size();
+    ++disconnects_;
+    return fail_or_restart(rc, rc.message, 0, now);
   }
   if (state_ == State::kRunning) {
     const auto limit = milliseconds(config_.keep_alive_ms) * config_.keep_alive_max_attempt;

@@ -157,8 +157,13 @@ class Job {
   std::map<std::string, int> placed_;  // agent id -> group rank in the last round
   std::size_t expected_members_ = 0;   // size of the running round (members may re-register late)
   bool rebuilding_ = false;            // the round is being rebuilt from re-registrations
+  // Since the first re-registration of the round being rebuilt: a node of that round that
+  // has not re-registered within join_timeout of it is lost (a live node re-registers, or
+  // gives the server up, within its own join_timeout of losing it).
+  Clock::time_point rebuild_since_;
   std::optional<proto::Abort> abort_;  // the decision of a failed job, for late re-registrations
   std::string restart_reason_;         // of the restart in progress
+  std::string restart_host_;           // the host that restart names (root_cause.host), may be empty
   int disconnects_ = 0, missed_heartbeats_ = 0;
   std::optional<Clock::time_point> last_call_deadline_;
   std::optional<TakeoverSeed> takeover_;  // taken over, the survivors' round not closed yet

@@ -228,6 +228,54 @@ std::string error_of(const Actions& a) {
 }
 }  // namespace
 
+TEST_CASE("a node of the rebuilt round that never re-registers with the restarted server is lost after join_timeout, "
+          "and the job's end names that loss (#26, chaos soak)") {
+  // The server restarted while node B died: A re-registers round 3 of 2 nodes, B never
+  // does. The job waited for B for ever (A's workers kept running, A heartbeating).
+  Job job("job");
+  auto a = node("127.0.0.1", 2, 2, 2, /*max_restarts=*/3);
+  a.resume_round = 3;
+  a.resume_group_rank = 0;
+  a.resume_group_world_size = 2;
+  CHECK(job.join(1, a, T0).empty());
+  REQUIRE(job.state() == Job::State::kRunning);
+  auto t = T0;
+  for (; t < T0 + 5000ms; t += 100ms) {
+    job.heartbeat(1, t);
+    REQUIRE(job.tick(t).empty());
+  }
+  job.heartbeat(1, t);
+  auto out = job.tick(t);
+  auto restart = of_type(out, MsgType::kRestart);
+  REQUIRE(restart.size() == 1);
+  CHECK(restart[0].session == 1);
+  const auto why = proto::from_frame<proto::Restart>(restart[0].frame).reason;
+  CHECK_THAT(why, Catch::Contains("1 of the 2 nodes of round 3 (group rank 1) lost") &&
+                      Catch::Contains("not re-registered with the restarted rendezvous server within join_timeout"));
+  CHECK(job.state() == Job::State::kRestarting);
+  // A re-joins; nobody else comes: the job fails at join_timeout with that loss as its cause.
+  CHECK(job.join(1, node("127.0.0.1", 2, 2, 2, 3), t).empty());
+  auto end = of_type(job.tick(t + 5001ms), MsgType::kAbort);
+  REQUIRE(end.size() == 1);
+  CHECK_THAT(proto::from_frame<proto::Abort>(end[0].frame).reason,
+             Catch::Contains("only 1 of at least 2 nodes joined") && Catch::Contains("after restart 1 (1 of the 2 nodes"));
+}
+
+TEST_CASE("a job that fails at join_timeout after a node was lost names the lost node as root cause (#26)") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2, 2, 3), T0);
+  job.join(2, node("127.0.0.2", 2, 2, 2, 3), T0);
+  REQUIRE(job.state() == Job::State::kRunning);
+  CHECK(of_type(job.disconnected(2, T0), MsgType::kRestart).size() == 1);
+  CHECK(job.join(1, node("127.0.0.1", 2, 2, 2, 3), T0).empty());
+  auto end = of_type(job.tick(T0 + 5001ms), MsgType::kAbort);
+  REQUIRE(end.size() == 1);
+  const auto abort = proto::from_frame<proto::Abort>(end[0].frame);
+  CHECK(abort.root_cause.host == "host-127.0.0.2");
+  CHECK_THAT(abort.reason, Catch::Contains("only 1 of at least 2 nodes joined job 'job' within join_timeout after "
+                                           "restart 1 (node host-127.0.0.2 (127.0.0.2) lost: its connection closed)"));
+}
+
 TEST_CASE("a forged re-registration cannot end or enter a job that is not being rebuilt") {
   auto resume = [](proto::Join j, int round, int rank, int world) {
     j.resume_round = round;

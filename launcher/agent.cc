@@ -477,7 +477,7 @@ void Agent::rejoin(bool offer_port) {
 
 void Agent::serve_store() {
   if (!plan_.agent_store || plan_.node_rank != 0) {
-    store_.reset();
+    retire_store();
     return;
   }
   if (store_ && store_->port() == plan_.master_port) {
@@ -487,7 +487,7 @@ void Agent::serve_store() {
     store_attempt_ = core_.restart_count();
     return;
   }
-  store_.reset();
+  retire_store();
   store_attempt_ = core_.restart_count();
   int held = -1;
   if (port_hold_ && port_hold_->port() == plan_.master_port) {
@@ -495,6 +495,14 @@ void Agent::serve_store() {
     port_hold_.reset();
   }
   store_ = make_store_(io_, plan_.master_port, held, [this](const std::string& line) { notice(line); });
+}
+
+void Agent::retire_store() {
+  std::erase_if(retired_stores_, [](const auto& s) { return s->parked() == 0; });
+  if (!store_) return;
+  store_->retire();
+  if (store_->parked() > 0) retired_stores_.push_back(std::move(store_));
+  store_.reset();
 }
 
 void Agent::hold_master_port(bool fresh) {
@@ -986,6 +994,8 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
+  for (auto& s : retired_stores_) s->stop();
+  retired_stores_.clear();
   // Its clients are gone with the workers, but for the static form's other nodes: there
   // no rendezvous says when they are done, so the store outlives this node's workers until
   // the others' leave it (torchrun's exit barrier; a rendezvous' "done" waits for every node).

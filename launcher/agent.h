@@ -224,6 +224,10 @@ class Agent {
   // spawn of an attempt on; moves with a fresh master port; gone with the agent.
   void serve_store();
   std::unique_ptr<AgentStore> store_;  // made by make_store_
+  // Stores of earlier ports, retired (AgentStore::retire) while workers that lived through
+  // the round change still hold their connections; each goes once none is left.
+  void retire_store();
+  std::vector<std::unique_ptr<AgentStore>> retired_stores_;
   int store_attempt_ = 0;  // the attempt the store's keys belong to
   std::vector<hw::Binding> bindings_;  // --cpu-bind, per local rank (empty: none)
   // The FileTimer watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1, launcher/file_timer.h): the

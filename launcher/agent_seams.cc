@@ -86,6 +86,8 @@ class MachineStore final : public AgentStore {
   int port() const override { return s_->port(); }
   void reset() override { s_->reset(); }
   void stop() override { s_->stop(); }
+  void retire() override { s_->retire(); }
+  std::size_t parked() const override { return s_->parked(); }
   std::size_t clients() const override { return s_->clients(); }
   void when_idle(std::function<void()> f) override { s_->when_idle(std::move(f)); }
 

@@ -64,8 +64,14 @@ class AgentStore {
  public:
   virtual ~AgentStore() = default;
   virtual int port() const = 0;
-  // A new attempt: its clients are dropped and its keys forgotten; the port stays.
+  // A new attempt: its keys are forgotten and its clients parked (never served again, kept
+  // until they close: store/server.h); the port stays.
   virtual void reset() = 0;
+  // The store moves to another port: this one stops listening and forgets its keys; its
+  // clients are parked as by reset(). (Default: stop().)
+  virtual void retire() { stop(); }
+  // Parked clients still connected (0 when none is left: a retired store can go).
+  virtual std::size_t parked() const { return 0; }
   // Closes the port and every client.
   virtual void stop() = 0;
   // Clients connected now.

@@ -37,6 +37,9 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   ServerOptions opts;
   Engine engine;
   std::unordered_map<ClientId, std::shared_ptr<Client>> clients;
+  // Clients of an ended attempt (reset, retire): not served, not counted; a read that
+  // returns anything ends them (their data, or their close).
+  std::unordered_map<ClientId, std::shared_ptr<tcp::socket>> parked;
   ClientId next_id = 1;
   std::size_t dropped = 0;
   bool stopped = false;
@@ -207,12 +210,34 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
                       });
   }
 
-  void reset() {
-    boost::system::error_code ignored;
-    for (auto& [id, c] : clients) c->socket.close(ignored);
+  void park_all() {
+    for (auto& [id, c] : clients) {
+      boost::system::error_code ignored;
+      c->socket.cancel(ignored);  // its pending wait ends (operation_aborted) and is ignored
+      auto sock = std::make_shared<tcp::socket>(std::move(c->socket));
+      parked.emplace(id, sock);
+      sock->async_wait(tcp::socket::wait_read, [self = shared_from_this(), id](boost::system::error_code) {
+        // Data from an ended attempt, its close, or an error: it goes (whatever it sent is
+        // never served).
+        if (auto it = self->parked.find(id); it != self->parked.end()) {
+          boost::system::error_code ignored;
+          it->second->close(ignored);
+          self->parked.erase(it);
+        }
+      });
+    }
     clients.clear();
     engine.clear();
     idle_check();
+  }
+
+  void reset() { park_all(); }
+
+  void retire() {
+    boost::system::error_code ignored;
+    acceptor.close(ignored);
+    accept_pause.cancel();
+    park_all();
   }
 
   void stop() {
@@ -222,6 +247,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     acceptor.close(ignored);
     for (auto& [id, c] : clients) c->socket.close(ignored);
     clients.clear();
+    for (auto& [id, p] : parked) p->close(ignored);
+    parked.clear();
     idle = nullptr;
   }
 };
@@ -261,6 +288,8 @@ int StoreServer::port() const {
 }
 void StoreServer::stop() { impl_->stop(); }
 void StoreServer::reset() { impl_->reset(); }
+void StoreServer::retire() { impl_->retire(); }
+std::size_t StoreServer::parked() const { return impl_->parked.size(); }
 std::size_t StoreServer::clients() const { return impl_->clients.size(); }
 void StoreServer::when_idle(std::function<void()> f) {
   impl_->idle = std::move(f);

@@ -42,9 +42,16 @@ class StoreServer {
   int port() const;
   // Closes the acceptor and every client.
   void stop();
-  // A new attempt of the job: every client (of the ended attempt) is disconnected and the
-  // store emptied; the listening socket stays.
+  // A new attempt of the job: the store is emptied and every client (of the ended attempt)
+  // is parked: never served again, disconnected as soon as it sends anything, kept until it
+  // closes. The listening socket stays. (A worker that lives through the attempt, in-place
+  // recovery, keeps its old c10d client: torch 1.13's busy-loops a core for ever once its
+  // server closes the connection.)
   void reset();
+  // The job's store moved to another port: closes the acceptor, empties the store and
+  // parks every client, as reset() does.
+  void retire();
+  std::size_t parked() const;  // clients parked by reset() or retire(), still connected
 
   std::size_t clients() const;
   // `f` runs once, from the io_context, as soon as no client is connected (soon, when none

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <atomic>
 #include <thread>
@@ -287,7 +288,17 @@ TEST_CASE("a client that never reads its replies is disconnected before they pil
   CHECK_THAT(s.log.at(0), Catch::Contains("replies it does not read"));
 }
 
-TEST_CASE("reset disconnects the clients of the ended attempt and empties the store") {
+namespace {
+std::size_t parked_of(ServerThread& s) {
+  std::promise<std::size_t> p;
+  auto f = p.get_future();
+  boost::asio::post(s.io, [&] { p.set_value(s.server->parked()); });
+  return f.get();
+}
+}  // namespace
+
+TEST_CASE("reset empties the store and parks the ended attempt's clients: kept connected, never served (#26: torch "
+          "1.13's c10d client busy-loops a core once its server closes the connection)") {
   ServerThread s;
   boost::asio::io_context io;
   using tcp = boost::asio::ip::tcp;
@@ -298,15 +309,45 @@ TEST_CASE("reset disconnects the clients of the ended attempt and empties the st
   boost::asio::read(c, boost::asio::buffer(&n, 8));
   CHECK(n == 1);
   boost::asio::post(s.io, [&] { s.server->reset(); });
-  char x;
-  boost::system::error_code ec;
-  boost::asio::read(c, boost::asio::buffer(&x, 1), ec);
-  CHECK(ec == boost::asio::error::eof);
+  REQUIRE(eventually([&] { return parked_of(s) == 1; }, 10s));
+  // A new attempt's client finds the store empty; the old one is still connected.
   tcp::socket d(io);
   d.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
   boost::asio::write(d, boost::asio::buffer(validate() + byte(7)));
   boost::asio::read(d, boost::asio::buffer(&n, 8));
   CHECK(n == 0);
+  c.non_blocking(true);
+  char x;
+  boost::system::error_code ec;
+  c.read_some(boost::asio::buffer(&x, 1), ec);
+  CHECK(ec == boost::asio::error::would_block);  // not eof: the old client was not closed
+  c.non_blocking(false);
+  // Anything it sends ends it, unserved.
+  boost::asio::write(c, boost::asio::buffer(byte(7)));
+  boost::asio::read(c, boost::asio::buffer(&x, 1), ec);
+  CHECK((ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset));  // reset: its query unread
+  REQUIRE(eventually([&] { return parked_of(s) == 0; }, 10s));
+  CHECK(s.server->clients() == 1);  // d
+}
+
+TEST_CASE("a retired store stops listening and keeps its clients parked until they close (#26)") {
+  ServerThread s;
+  boost::asio::io_context io;
+  using tcp = boost::asio::ip::tcp;
+  const auto port = static_cast<unsigned short>(s.port());
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), port});
+  boost::asio::write(c, boost::asio::buffer(validate() + byte(7)));
+  std::int64_t n = -1;
+  boost::asio::read(c, boost::asio::buffer(&n, 8));
+  boost::asio::post(s.io, [&] { s.server->retire(); });
+  REQUIRE(eventually([&] { return parked_of(s) == 1; }, 10s));
+  tcp::socket d(io);
+  boost::system::error_code ec;
+  d.connect({boost::asio::ip::make_address("127.0.0.1"), port}, ec);
+  CHECK(ec == boost::asio::error::connection_refused);
+  c.close();
+  REQUIRE(eventually([&] { return parked_of(s) == 0; }, 10s));
 }
 
 TEST_CASE("many clients breaking the protocol at once give one log line, not one each") {

@@ -44,8 +44,18 @@ import skip  # noqa: E402  (tests/support/skip.py: one policy for skipped tests)
 NPROC = 2            # workers per node
 ACTIVE = 2           # --nnodes
 STANDBYS = 1         # agents beyond --nnodes kept waiting
-KEEP_ALIVE = "keep_alive_interval=0.5,keep_alive_max_attempt=4"
+# A node silent for 5 s is hung. 0.5 s x 4 (2 s) declared busy nodes hung on this loaded 2-core
+# machine, twice in one soak, with nothing stopped (torchrun's default is 5 s x 3).
+KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 1.0, 5
+KEEP_ALIVE = f"keep_alive_interval={KEEP_ALIVE_S:g},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"
+HUNG_AFTER = KEEP_ALIVE_S * KEEP_ALIVE_ATTEMPTS
+# A SIGSTOPped agent stays stopped past that bound, so the job goes on without it.
+STOP_AGENT_S = HUNG_AFTER + 3
+# Signals an agent only dies of when it crashes (this harness never sends them): each is a
+# failed check, whatever the job did after it.
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 LOG_EVERY = 2
+CALIBRATION_STEPS = 120  # the undisturbed run that sizes --max-steps: 60 progress lines
 STEP_LINE = re.compile(r"\[rank0\]:epoch \d+/\d+ step (\d+)/(\d+)")
 # Agent lines that show a fault was seen (any node).
 DETECT = re.compile(r"^(\[mglaunch\]|mglaunch:).*(restart|lost|fail|pause|standby|rendezvous)", re.I)
@@ -170,7 +180,9 @@ class Chaos:
         self.faults = []
         self.problems = []
         self.job = f"chaos-{args.seed}-calibration"
-        self.replacements = 0    # agents started to replace lost ones (bounded by the node faults)
+        self.replacements = 0    # agents started to replace lost ones (bounded by the faults)
+        self.join_timeout = args.join_timeout
+        self.phases = {}         # wall seconds of each phase, for the report
 
     # ---- processes ----------------------------------------------------------------------------
     def start(self, name, argv):
@@ -211,7 +223,7 @@ class Chaos:
         backend = ["--rdzv_backend=etcd"] if self.args.backend == "etcd" else ["--rdzv_backend=mglaunch"]
         return [os.path.join(self.bin, "mglaunch"), f"--nnodes={ACTIVE}", f"--nproc_per_node={NPROC}", *backend,
                 f"--rdzv_endpoint={self.endpoint}", f"--rdzv_id={self.job}", f"--local_addr={addr}",
-                "--max_restarts=1000", f"--rdzv_conf=join_timeout={self.args.join_timeout},{KEEP_ALIVE}",
+                "--max_restarts=1000", f"--rdzv_conf=join_timeout={self.join_timeout},{KEEP_ALIVE}",
                 f"--grace={self.args.grace}",
                 os.path.join(self.bin, "mgtrain"), "--dataset", "synthetic", "--synthetic-size", "4096",
                 "--model", "mlp", "--epochs", "1000", "--max-steps", str(max_steps), "--batch-size", "16",
@@ -284,7 +296,7 @@ class Chaos:
             if kind == "stop-agent":
                 # Stopped past the keep-alive bound, so the job goes on without it; then it
                 # resumes, finds itself out of the job and must end.
-                threading.Timer(4.0, lambda: a.send(signal.SIGCONT)).start()
+                threading.Timer(STOP_AGENT_S, lambda: a.send(signal.SIGCONT)).start()
             return f"agent {a.addr}", t0
         if kind in ("kill-daemon", "stop-daemon"):
             d, t0 = self.daemon, now()
@@ -314,10 +326,12 @@ class Chaos:
         raise ValueError(kind)
 
     def replace_lost_agents(self, max_steps):
-        """An agent that ended (killed, or out of the job) is replaced by a fresh standby: at
-        most one per node fault, plus two."""
+        """An agent that ended (killed, out of the job, declared hung, crashed) is replaced by a
+        fresh standby, so that one waits again whatever ended it; bounded: at most one per
+        fault, plus two (an agent that ends at once, again and again, cannot start a storm).
+        A crash is a failed check anyway (crashes())."""
         live = [a for a in self.agents if a.alive()]
-        allowed = 2 + sum(1 for f in self.faults if f["kind"] in ("kill-agent", "stop-agent"))
+        allowed = 2 + len(self.faults)
         for _ in range(ACTIVE + STANDBYS - len(live)):
             if self.replacements >= allowed:
                 return
@@ -329,7 +343,7 @@ class Chaos:
         """Steps per second of the undisturbed job (a short run), to size --max-steps."""
         if self.args.max_steps:
             return self.args.max_steps
-        agents = [self.start_agent(300) for _ in range(ACTIVE)]
+        agents = [self.start_agent(CALIBRATION_STEPS) for _ in range(ACTIVE)]
         for a in agents:
             if a.wait(300) != 0:
                 raise RuntimeError(f"the undisturbed calibration run failed:\n{a.text()[-3000:]}")
@@ -340,14 +354,18 @@ class Chaos:
         if len(steps) < 10:
             raise RuntimeError("the calibration run printed too few progress lines")
         rate = (steps[-1][1] - steps[2][1]) / max(1e-3, steps[-1][0] - steps[2][0])
-        return max(200, int(rate * self.args.seconds * 0.8))
+        # 70% of the run's seconds undisturbed: the faults' recoveries take the rest (the
+        # faults stop at 85%).
+        return max(200, int(rate * self.args.seconds * 0.7))
 
     def run(self):
         if self.args.backend == "etcd":
             self.start_etcd()
         else:
             self.start_daemon()
+        t_cal = now()
         max_steps = self.calibrate()
+        self.phases["calibration"] = round(now() - t_cal, 1)
         self.job = f"chaos-{self.args.seed}-soak"
         t_start = now()
         for _ in range(ACTIVE + STANDBYS):
@@ -370,13 +388,39 @@ class Chaos:
                 next_fault = now() + self.rng.uniform(self.args.min_gap, self.args.max_gap)
             self.replace_lost_agents(max_steps)
             time.sleep(0.05)
+        self.phases["soak"] = round(now() - t_start, 1)
         self.evaluate(t_start, max_steps)
+        self.phases["evaluation"] = round(now() - t_start - self.phases["soak"], 1)
+
+    def crashes(self, agents):
+        """Agents that died of a signal this harness never sends (SIGSEGV...): product bugs."""
+        for a in agents:
+            code = a.p.poll()
+            if code is None:
+                continue
+            sig = -code if code < 0 else 0  # died of the signal (no shell between: its own exit code is its own)
+            if sig in CRASH_SIGNALS:
+                self.problems.append(f"agent {a.addr} crashed: {signal.Signals(sig).name} (exit {code}); "
+                                     f"its last lines: {a.text()[-600:]}")
+
+    def hung_without_fault(self):
+        """Nodes the rendezvous declared hung although no fault stopped them (a loaded
+        machine, or an agent whose loop blocks): in the report, not a failed check."""
+        stopped = {f["target"].split()[-1] for f in self.faults if f["kind"] == "stop-agent"}
+        out = []
+        for a in self.agents:
+            for t, line in a.lines:
+                m = re.search(r"node \S+ \((127\.[0-9.]+)\) missed \d+ heartbeats", line)
+                if m and m.group(1) not in stopped and m.group(1) not in out:
+                    out.append(m.group(1))
+        return out
 
     def evaluate(self, t_start, max_steps):
         # Every agent still alive has ended on its own by now, or it hangs.
         for a in self.agents:
             if a.wait(60) is None:
                 self.problems.append(f"agent {a.addr} did not end (pid {a.pid})")
+        self.crashes(self.agents)
         steps = self.steps()
         for f in self.faults:
             f["detected_s"] = None
@@ -405,12 +449,19 @@ class Chaos:
             self.problems.append(f"{len(unrecovered)} faults without a step after them: {unrecovered[:3]}")
         self.report = {"backend": self.args.backend, "seed": self.args.seed, "seconds": round(now() - t_start, 1),
                        "max_steps": max_steps, "faults": self.faults, "weights_sha256": sorted(map(str, shas)),
+                       "hung_without_fault": self.hung_without_fault(), "agents_started": len(self.agents),
                        "recoveries": [r for s in summaries.values() for r in s.get("recoveries", [])][:1000]}
 
     def unsurvivable(self):
-        """An active node lost with no standby: the survivor ends with the root cause, in bound."""
+        """An active node lost with no standby: the survivor ends, non-zero, with a root cause
+        that names the lost node, within its bound. Through the daemon the job waits
+        join_timeout for a node to take the lost one's place (torchrun's rule; a standby
+        would have taken it at once), so that bound is join_timeout, plus the keep-alive
+        bound, the workers' stop (--grace) and a margin for a loaded machine: a hang never
+        passes. A short join_timeout here: the wait for a node that cannot come is all it adds."""
         max_steps = 100000
         self.job = f"chaos-{self.args.seed}-unsurvivable"
+        self.join_timeout = min(self.args.join_timeout, 10)
         agents = [self.start_agent(max_steps) for _ in range(ACTIVE)]
         deadline = now() + 120
         while now() < deadline and not all(self.workers_of(a) for a in agents):
@@ -420,16 +471,19 @@ class Chaos:
         victim, survivor = agents[1], agents[0]
         t0 = now()
         victim.send(signal.SIGKILL)
-        code = survivor.wait(self.args.join_timeout + 60)
+        bound = self.join_timeout + HUNG_AFTER + self.args.grace + 30
+        code = survivor.wait(bound)
         took = now() - t0
-        result = {"exit_code": code, "seconds": round(took, 2)}
+        result = {"exit_code": code, "seconds": round(took, 2), "bound_s": bound}
+        cause = [t for t in survivor.text().splitlines() if re.match(r"\s*message\s*:", t)]
         if code is None:
-            self.problems.append(f"unsurvivable fault: the survivor hung for {took:.0f} s")
+            self.problems.append(f"unsurvivable fault: the survivor hung for {took:.0f} s (bound {bound:.0f} s)")
         elif code == 0:
             self.problems.append("unsurvivable fault: the survivor exited 0")
-        elif victim.addr not in survivor.text():
+        elif not any(victim.addr + ")" in t for t in cause):
             self.problems.append(f"unsurvivable fault: the root cause does not name {victim.addr}: "
                                  f"{survivor.text()[-800:]}")
+        self.crashes(agents)
         return result
 
     def steps_of(self, agents):
@@ -501,7 +555,9 @@ def main():
     print(f"chaos: seed {args.seed}, backend {args.backend}, {args.seconds:.0f} s, files in {c.root}", flush=True)
     try:
         c.run()
+        t_uns = now()
         c.report["unsurvivable"] = c.unsurvivable()
+        c.phases["unsurvivable"] = round(now() - t_uns, 1)
     except Exception as e:  # noqa: BLE001 (reported as a failed check, after the cleanup)
         c.problems.append(f"{type(e).__name__}: {e}")
         c.report = getattr(c, "report", {"faults": c.faults})
@@ -509,6 +565,8 @@ def main():
         c.cleanup()
     c.report["summary"] = summarize(c.report) if c.report.get("faults") else []
     c.report["problems"] = c.problems
+    c.report["phases_s"] = c.phases
+    print("chaos: phases (s): " + json.dumps(c.phases), flush=True)
     if args.report:
         with open(args.report, "w") as f:
             json.dump(c.report, f, indent=1)

@@ -79,6 +79,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
   std::string address;
   std::unordered_map<std::uint64_t, std::shared_ptr<Session>> sessions;
   std::unordered_map<int, std::uint64_t> by_rank;  // local rank -> the session that said hello
+  std::unordered_map<int, std::string> ended;  // local rank -> why its last session ended (Server::ended_why)
   std::uint64_t next_id = 1;
   bool stopped = false;
 
@@ -168,25 +169,27 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
     if (s.closing) return;
     s.closing = true;
     unpend(s);
-    if (s.said_hello) release_rank(s, /*notify=*/true);
+    if (s.said_hello) release_rank(s, /*notify=*/true, "the agent refused it: " + message);
     s.out += error(message);
     write(s.id);
   }
 
-  void release_rank(Session& s, bool notify) {
+  // `why`: which side ended the session and how (Handlers::closed).
+  void release_rank(Session& s, bool notify, const std::string& why) {
     auto it = by_rank.find(s.local_rank);
     if (it == by_rank.end() || it->second != s.id) return;
     by_rank.erase(it);
-    if (notify && handlers.closed) handlers.closed(s.local_rank);
+    ended[s.local_rank] = why;
+    if (notify && handlers.closed) handlers.closed(s.local_rank, why);
   }
 
-  void drop(std::uint64_t id, bool notify) {
+  void drop(std::uint64_t id, bool notify, const std::string& why) {
     auto it = sessions.find(id);
     if (it == sessions.end()) return;
     auto s = it->second;
     sessions.erase(it);
     unpend(*s);
-    release_rank(*s, notify);
+    release_rank(*s, notify, why);
     boost::system::error_code ignored;
     s->socket.close(ignored);
   }
@@ -195,7 +198,9 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
     s->socket.async_read_some(asio::buffer(s->buf),
                               [self = shared_from_this(), s](boost::system::error_code ec, std::size_t n) {
                                 if (self->stopped || s->closing || !self->sessions.contains(s->id)) return;
-                                if (ec) return self->drop(s->id, /*notify=*/true);
+                                if (ec == asio::error::eof)
+                                  return self->drop(s->id, /*notify=*/true, "the worker closed it (end of file)");
+                                if (ec) return self->drop(s->id, /*notify=*/true, "reading from it failed: " + ec.message());
                                 self->on_data(s, std::string_view(s->buf.data(), n));
                               });
   }
@@ -241,13 +246,14 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
           }
           if (o != sessions.end()) {
             Session& replaced = *o->second;
-            release_rank(replaced, /*notify=*/false);
+            release_rank(replaced, /*notify=*/false, "replaced by a newer hello");
             refuse(replaced, fmt::format("replaced by a newer hello of local rank {} (pid {})", s.local_rank, s.pid));
           }
         }
         s.said_hello = true;
         unpend(s);
         by_rank[s.local_rank] = s.id;
+        ended.erase(s.local_rank);
       }
       s.out += welcome();
       write(s.id);
@@ -268,7 +274,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
     auto s = it->second;
     if (!s->writing.empty()) return;  // one write in flight; the rest follows it
     if (s->out.empty()) {
-      if (s->closing) drop(id, /*notify=*/false);
+      if (s->closing) drop(id, /*notify=*/false, "");  // its rank was released by refuse()
       return;
     }
     s->writing.swap(s->out);
@@ -276,7 +282,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
                       [self = shared_from_this(), s](boost::system::error_code ec, std::size_t) {
                         if (self->stopped || !self->sessions.contains(s->id)) return;
                         s->writing.clear();
-                        if (ec) return self->drop(s->id, /*notify=*/true);
+                        if (ec) return self->drop(s->id, /*notify=*/true, "the agent's write to it failed: " + ec.message());
                         self->write(s->id);
                       });
   }
@@ -308,7 +314,8 @@ bool Server::send(int local_rank, std::string line) {
   if (s == m.sessions.end() || s->second->closing) return false;
   if (s->second->out.size() + line.size() > m.opts.max_unsent) {
     m.log(fmt::format("dropped local rank {}'s connection: it reads nothing", local_rank));
-    m.drop(it->second, /*notify=*/true);
+    m.drop(it->second, /*notify=*/true,
+           fmt::format("the agent dropped it: the worker read nothing while {} bytes waited", m.opts.max_unsent));
     return false;
   }
   s->second->out += line;
@@ -318,10 +325,15 @@ bool Server::send(int local_rank, std::string line) {
 
 bool Server::connected(int local_rank) const { return impl_->by_rank.contains(local_rank); }
 
+std::string Server::ended_why(int local_rank) const {
+  auto it = impl_->ended.find(local_rank);
+  return it == impl_->ended.end() || impl_->by_rank.contains(local_rank) ? "" : it->second;
+}
+
 void Server::forget(int local_rank) {
   Impl& m = *impl_;
   auto it = m.by_rank.find(local_rank);
-  if (it != m.by_rank.end()) m.drop(it->second, /*notify=*/false);
+  if (it != m.by_rank.end()) m.drop(it->second, /*notify=*/false, "the agent let it go (forget: its worker ended)");
 }
 
 void Server::stop() {

@@ -47,8 +47,10 @@ struct Handlers {
   std::function<void(int local_rank, const Hello&)> hello;  // after the welcome went out
   std::function<void(int local_rank, const Paused&)> paused;
   // The session of a worker that said hello ended (closed by the peer or for breaking the
-  // protocol); not called for one replaced by a newer hello, nor after forget().
-  std::function<void(int local_rank)> closed;
+  // protocol); not called for one replaced by a newer hello, nor after forget(). `why`: which
+  // side ended it and how, one phrase ("the worker closed it (end of file)", "the agent
+  // refused it: ...", "the agent's write to it failed: ...").
+  std::function<void(int local_rank, const std::string& why)> closed;
 };
 
 class Server {
@@ -64,6 +66,9 @@ class Server {
   // Queues `line` for local rank `local_rank`'s session; false when it has none.
   bool send(int local_rank, std::string line);
   bool connected(int local_rank) const;
+  // Why local rank `local_rank`'s last session ended, one phrase ("" while it has one, or
+  // never had one): what a failed send() is explained with.
+  std::string ended_why(int local_rank) const;
   // Closes local rank `local_rank`'s session without calling `closed` (its worker ended).
   void forget(int local_rank);
   // Closes the socket and every session.

@@ -41,6 +41,23 @@ namespace mg {
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
 
+namespace {
+
+// "; its process (pid P) still runs" (or "is exiting", "had ended"): said with a closed
+// control connection, it tells a worker's exit or crash from a close while it runs.
+std::string process_state(const std::vector<WorkerState>& workers, int local_rank) {
+  for (const auto& w : workers) {
+    if (w.exited || w.local_rank != local_rank || w.pid <= 0) continue;
+    constexpr std::uint64_t kPfExiting = 0x4;  // PF_EXITING: in exit(), its descriptors closing
+    const auto st = read_proc_stat(w.pid);
+    const bool exiting = !st || st->state == 'Z' || (st->flags & kPfExiting);
+    return fmt::format("; its process (pid {}) {}", w.pid, exiting ? "is exiting" : "still runs");
+  }
+  return "; its process had ended";
+}
+
+}  // namespace
+
 Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_env, AgentDeps deps)
     : io_(io),
       clock_(std::move(deps.clock)),
@@ -543,9 +560,12 @@ void Agent::start_control() {
     if (prestart_pending(lr)) prestart_hello(lr, m);
     else run(core_.worker_hello(lr, m.in_place, now()));
   };
-  h.closed = [this](int lr) {
-    if (prestart_pending(lr)) prestart_fall_back(lr, "closed its control connection", /*closed=*/true);
-    else run(core_.control_closed(lr, now()));
+  h.closed = [this](int lr, const std::string& why) {
+    if (prestart_pending(lr)) {
+      prestart_fall_back(lr, "closed its control connection", /*closed=*/true);
+      return;
+    }
+    run(core_.control_closed(lr, why + process_state(launcher_->workers(), lr), now()));
   };
   h.paused = [this](int lr, const control::Paused& p) {
     trace_instant("paused", "restart", {{"local_rank", lr}, {"step", p.step}});
@@ -952,7 +972,13 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::Pause>) {
             if (!control_ || !control_->send(a.local_rank, control::pause(a.round, a.reason, a.lost))) {
               const int lr = a.local_rank;
-              asio::post(io_, [this, lr] { run(core_.control_closed(lr, now())); });
+              std::string why = "the agent could not send its pause: ";
+              if (!control_) why += "no control channel";
+              else if (const std::string ended = control_->ended_why(lr); !ended.empty())
+                why += "its session had ended (" + ended + ")";
+              else why += "it has no session";
+              why += process_state(launcher_->workers(), lr);
+              asio::post(io_, [this, lr, why] { run(core_.control_closed(lr, why, now())); });
             }
           } else if constexpr (std::is_same_v<A, sup::act::Assign>) {
             assign_worker(a);

@@ -813,7 +813,7 @@ Actions Supervisor::workers_stopped(const std::vector<int>& local_ranks, const N
   return out;
 }
 
-Actions Supervisor::control_closed(int local_rank, const Now& now) {
+Actions Supervisor::control_closed(int local_rank, const std::string& why, const Now& now) {
   Actions out;
   if (!valid(local_rank) || state_ == State::kDone) return out;
   const auto lr = static_cast<std::size_t>(local_rank);
@@ -824,7 +824,7 @@ Actions Supervisor::control_closed(int local_rank, const Now& now) {
   // It can no longer be assigned: stopped (SIGTERM, SIGKILL after the grace), started
   // anew in its next turn, once the old process has ended.
   paused_[lr] = acked_[lr] = 0;
-  notice(fmt::format("local rank {} closed its control connection while paused: stopping it", local_rank), out);
+  notice(fmt::format("local rank {}'s control connection closed while paused ({}): stopping it", local_rank, why), out);
   if (state_ == State::kStopping && stop_only_) stop_only_->push_back(local_rank);
   closing_[lr] = 1;
   closing_due_[lr] = now.steady + cfg_.grace;

@@ -184,9 +184,10 @@ class Supervisor {
   Actions standby(const proto::Standby& s, const Now& now);
   Actions rendezvous_lost(const std::string& why, const Now& now);
   // From the control channel: local rank N's worker said hello (`in_place`: it opts in),
-  // or its connection closed (a paused one is then stopped: it can no longer be assigned).
+  // or its connection closed (a paused one is then stopped: it can no longer be assigned;
+  // `why`: which side ended the connection and how, said in the notice).
   Actions worker_hello(int local_rank, bool in_place, const Now& now);
-  Actions control_closed(int local_rank, const Now& now);
+  Actions control_closed(int local_rank, const std::string& why, const Now& now);
   // Local rank N's worker answered its Pause (`paused`): it is alive and let go of its
   // group; its Assign, if held for this answer, goes now.
   Actions worker_paused(int local_rank, const Now& now);

@@ -125,7 +125,10 @@ struct Fixture {
     Handlers h;
     h.hello = [this](int lr, const Hello& x) { add(fmt("hello", lr, x.in_place)); };
     h.paused = [this](int lr, const Paused& p) { add("paused " + std::to_string(lr) + " " + std::to_string(p.step)); };
-    h.closed = [this](int lr) { add("closed " + std::to_string(lr)); };
+    h.closed = [this](int lr, const std::string& why) {
+      add("closed " + std::to_string(lr));
+      add("closed " + std::to_string(lr) + ": " + why);  // which side ended it, and how
+    };
     server = std::make_unique<Server>(io, std::move(o), std::move(h));
     thread = std::thread([this] { io.run(); });
   }
@@ -239,6 +242,51 @@ TEST_CASE("an unknown message type is answered with an error and the connection 
   CHECK_THAT(e["message"].get<std::string>(), Catch::Contains("unknown message type 'shutdown'"));
   CHECK(c.at_eof());
   CHECK(f.saw("closed 0"));  // the worker is no longer in place
+}
+
+TEST_CASE("a closed session says which side ended it and how - ended_why() explains a failed send") {
+  Fixture f;
+  auto why = [&](int lr) {  // the reason given with the closed event of local rank `lr`
+    const std::string prefix = "closed " + std::to_string(lr) + ": ";
+    std::lock_guard<std::mutex> l(f.m);
+    std::string last;
+    for (auto& e : f.events)
+      if (e.rfind(prefix, 0) == 0) last = e.substr(prefix.size());
+    return last;
+  };
+  {
+    Client c(f.server->address());
+    c.send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+    REQUIRE(json::parse(c.line())["type"] == "welcome");
+  }  // the worker's end: its socket closes
+  REQUIRE(f.saw("closed 0"));
+  CHECK(why(0) == "the worker closed it (end of file)");
+  bool sent = true;
+  std::string ended;
+  f.on_io([&] {
+    sent = f.server->send(0, pause(1, "x", "host"));
+    ended = f.server->ended_why(0);
+  });
+  CHECK_FALSE(sent);
+  CHECK(ended == "the worker closed it (end of file)");
+  f.owner = 1;
+  Client r(f.server->address());
+  r.send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+  REQUIRE(json::parse(r.line())["type"] == "welcome");
+  r.send(R"({"type":"shutdown"})" "\n");
+  CHECK_THAT(r.error_line(), Catch::Contains("unknown message type"));
+  REQUIRE(f.saw("closed 1"));
+  CHECK_THAT(why(1), Catch::StartsWith("the agent refused it: ") && Catch::Contains("unknown message type 'shutdown'"));
+  f.owner = 2;
+  Client g(f.server->address());
+  g.send(R"({"type":"hello","version":1,"in_place":true})" "\n");
+  REQUIRE(json::parse(g.line())["type"] == "welcome");
+  f.on_io([&] {
+    CHECK(f.server->ended_why(2).empty());  // it has a session
+    f.server->forget(2);
+    ended = f.server->ended_why(2);
+  });
+  CHECK_THAT(ended, Catch::Contains("the agent let it go"));
 }
 
 TEST_CASE("a message over 64 KiB closes the connection with an error") {

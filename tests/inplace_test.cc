@@ -128,6 +128,31 @@ TEST_CASE("in place, one node: a local failure pauses the opted-in worker, which
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("in place: a paused worker's control connection that closes is stopped with one line saying which side "
+          "ended it and how - the worker's end of file, the agent's refusal with its reason - and whether it still runs") {
+  struct Case {
+    std::string mode, why;
+  };
+  for (const Case& c : {Case{"close", "the worker closed it (end of file)"},
+                        Case{"junk", "the agent refused it: unknown message type 'junk'"}}) {
+    INFO("on-pause=" << c.mode);
+    const std::string dir = make_temp_dir();
+    Proc agent = spawn({kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", "--no_python",
+                        "/usr/bin/python3", kWorker, dir, "0", "fail-once", "1", "on-pause=" + c.mode});
+    // Local rank 0 is stopped (SIGTERM) and both start anew in attempt 1.
+    REQUIRE(eventually([&] { return has_event(dir, "start", 0, 2) && has_event(dir, "start", 1, 2); }, 60s));
+    finish(dir);
+    REQUIRE(agent.wait(60s));
+    INFO(agent.err());
+    CHECK(agent.exit_code() == 0);
+    const auto starts = of(events(dir), "start", 0);
+    CHECK_THAT(agent.err(), Catch::Contains("local rank 0's control connection closed while paused (" + c.why) &&
+                                Catch::Contains("; its process (pid " + std::to_string(starts.at(0)["pid"].get<int>()) +
+                                                ") still runs): stopping it"));
+    std::filesystem::remove_all(dir);
+  }
+}
+
 // A worker the test SIGSTOPped: SIGKILLed when the test ends, whatever happened (the agent
 // may have died or hung with it still stopped).
 struct StoppedWorker {

@@ -3,7 +3,7 @@
 control protocol (docs/in-place-recovery.md) with the standard library only.
 
     inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once|fail-on-file LOCAL_RANK] [no-standby]
-        [ignore-term] [standby-exits-after=SECONDS]
+        [ignore-term] [standby-exits-after=SECONDS] [on-pause=close|junk]
 
 Every event goes to OUT_DIR/events.jsonl, one JSON line each (appended in one write):
 start (pid and the torchrun variables), welcome, pause, assign (its env), exit. The local
@@ -18,7 +18,10 @@ it has no rank yet: its start event says standby, its hello says "standby": true
 `no-standby` is given: a worker without the capability), and SIGTERM logs `term` and exits 143.
 Such a worker with `ignore-term` logs `term-ignored` for SIGTERM and SIGINT and goes on; with
 `standby-exits-after=S` it logs `gave-up` and exits 3 S seconds after its start unless it was
-assigned a place. A pre-started worker prints `pre-started worker pid PID` on stdout."""
+assigned a place. A pre-started worker prints `pre-started worker pid PID` on stdout. With
+`on-pause=close` a worker answers its first pause by closing its control connection (and
+goes on running); with `on-pause=junk`, by a message of an unknown type (the agent refuses
+it)."""
 import json
 import os
 import select
@@ -37,6 +40,7 @@ fail_once = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-once"
 fail_on_file = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "fail-on-file" else -1
 capable = "no-standby" not in sys.argv[3:]
 ignore_term = "ignore-term" in sys.argv[3:]
+on_pause = next((a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("on-pause=")), None)
 exits_after = next((float(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("standby-exits-after=")), None)
 standby = os.environ.get("MGLAUNCH_STANDBY") == "1"
 lr = int(os.environ["LOCAL_RANK"])
@@ -115,7 +119,11 @@ while time.time() < deadline:
             touch("welcome.%d.%d" % (os.getppid(), lr))
         elif m["type"] == "pause":
             log("pause", round=m["round"], reason=m["reason"], lost=m.get("lost"))
-            sock.sendall(b'{"type":"paused","step":7}\n')
+            if on_pause == "close":
+                sock.close()
+                sock = None
+                break
+            sock.sendall(b'{"type":"junk"}\n' if on_pause == "junk" else b'{"type":"paused","step":7}\n')
         elif m["type"] == "assign":
             log("assign", round=m["round"], restart_count=m["restart_count"], env=m["env"])
             placed = True

@@ -1034,15 +1034,15 @@ TEST_CASE("in place: an abort or a signal while workers are paused stops them be
 TEST_CASE("in place: a paused worker whose control connection closes is stopped and spawned anew") {
   Supervisor s = in_round(2, {0, 1});
   restart_1(s);
-  auto out = s.control_closed(1, at(25));
-  CHECK(noticed(out, "local rank 1 closed its control connection while paused"));
+  auto out = s.control_closed(1, "the worker closed it (end of file)", at(25));
+  CHECK(noticed(out, "local rank 1's control connection closed while paused (the worker closed it (end of file)): stopping it"));
   REQUIRE(all<act::SignalWorkers>(out).size() == 1);
   CHECK(*all<act::SignalWorkers>(out)[0].only == std::vector<int>{1});
   CHECK(all<act::SignalWorkers>(out)[0].cont);
   CHECK_FALSE(s.paused(1));
   round_2_keeps_0_respawns_1(s, 40);
   // A connection that closes while running only withdraws the opt-in.
-  CHECK(s.control_closed(0, at(50)).empty());
+  CHECK(s.control_closed(0, "the worker closed it (end of file)", at(50)).empty());
   CHECK_FALSE(s.in_place(0));
 }
 
@@ -1066,7 +1066,7 @@ TEST_CASE("in place: a paused worker whose control closes gets SIGKILL after the
   REQUIRE(has<act::SpawnMoreLater>(out));
   const auto gen = all<act::SpawnMoreLater>(out)[0].gen;
   // Its control connection closes before its turn: SIGTERM now, SIGKILL after the grace.
-  out = s.control_closed(3, at(40));
+  out = s.control_closed(3, "the worker closed it (end of file)", at(40));
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   REQUIRE(has<act::ArmTimer>(out));
   CHECK(all<act::ArmTimer>(out)[0].timer == Timer::kClosing);
@@ -1092,7 +1092,7 @@ TEST_CASE("in place: between rounds, a paused worker whose control closes gets S
   Supervisor s = in_round(2, {0, 1});
   restart_1(s);
   REQUIRE(s.state() == State::kWaiting);
-  auto out = s.control_closed(1, at(25));
+  auto out = s.control_closed(1, "the worker closed it (end of file)", at(25));
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   out = s.timer_fired(Timer::kClosing, at(25 + 3000));
   CHECK(signals_sent(out) == std::vector<int>{SIGKILL});

@@ -226,6 +226,25 @@ TEST_CASE("in-place recovery under mglaunch: a worker that fails at step 10 is r
             << " s from detection to the first step after it\n";
 }
 
+TEST_CASE("in-place recovery under mglaunch: when another rank has no control channel, a worker withdraws its opt-in: at a failure the agent stops it as any worker instead of pausing it and losing it") {
+  // Local rank 1 starts without MGLAUNCH_CONTROL_SOCKET: recovery is off on every rank.
+  std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", "/bin/sh", "-c",
+                                "if [ \"$LOCAL_RANK\" = 1 ]; then unset MGLAUNCH_CONTROL_SOCKET; fi; exec \"$0\" \"$@\"",
+                                kMgtrain};
+  const std::string dir = make_temp_dir();
+  auto args = job(dir + "/s{rank}.json", {"--fail-at-step", "10", "--fail-rank", "1", "--fail-signal", "9"});
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto hit = run(argv, {}, 240s);
+  INFO(hit.out << hit.err);
+  REQUIRE(hit.code == 0);
+  CHECK_THAT(hit.err, Catch::Contains("rank 0: another rank has no control channel: recovery is off on every rank"));
+  // Before: rank 0 was paused, left with an error and was stopped for its closed connection.
+  CHECK_THAT(hit.err, !Catch::Contains("paused, kept for the next attempt"));
+  CHECK_THAT(hit.err, !Catch::Contains("control connection closed while paused"));
+  CHECK(summary_of(dir + "/s0.json")["restart_count"] == 1);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only (rank 1 left it unapplied, rank 2 lost after it) recovers from the most advanced state, says so, and the weights equal an undisturbed run's") {
   const std::string dir = make_temp_dir();
   auto standalone = [&](std::vector<std::string> args, std::map<std::string, std::string> env) {

@@ -36,7 +36,7 @@ void Interrupt::clear() {
 
 ControlChannel::ControlChannel(const std::string& name, int local_rank, std::shared_ptr<Interrupt> interrupt,
                                std::chrono::milliseconds welcome_timeout, bool standby)
-    : interrupt_(std::move(interrupt)) {
+    : local_rank_(local_rank), interrupt_(std::move(interrupt)) {
   if (name.size() < 2 || name[0] != '@')
     throw std::runtime_error("MGLAUNCH_CONTROL_SOCKET='" + name + "' is not an abstract socket name (@name)");
   sockaddr_un addr{};
@@ -88,6 +88,12 @@ bool ControlChannel::send_line(const std::string& line) {
 }
 
 void ControlChannel::send_paused(std::int64_t step) { send_line(nlohmann::json{{"type", "paused"}, {"step", step}}.dump()); }
+
+void ControlChannel::withdraw() {
+  send_line(nlohmann::json{{"type", "hello"}, {"version", 1}, {"pid", ::getpid()}, {"local_rank", local_rank_},
+                           {"in_place", false}}
+                .dump());
+}
 
 void ControlChannel::read_loop() {
   std::string buf;

@@ -67,6 +67,10 @@ class ControlChannel {
   std::optional<Assignment> wait_assign(std::chrono::milliseconds timeout);
   // `paused` with the last optimizer step this worker applied (best effort).
   void send_paused(std::int64_t step);
+  // Withdraws the opt-in (a hello with "in_place": false on this connection, best effort):
+  // a worker that will not recover in place (another rank has no channel) is then stopped
+  // by the agent on a failure as any worker, instead of paused and left to fail.
+  void withdraw();
   std::string closed_reason();
 
  private:
@@ -75,6 +79,7 @@ class ControlChannel {
   bool send_line(const std::string& line);
 
   int fd_ = -1;
+  int local_rank_ = 0;
   std::shared_ptr<Interrupt> interrupt_;
   std::mutex mu_;
   std::condition_variable cv_;

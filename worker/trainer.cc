@@ -221,9 +221,13 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
       comm.allreduce_sum(steps);
       steps = steps.to(torch::kCPU);
       if (steps.slice(0, comm.world, 2 * comm.world).sum().item<std::int64_t>() < comm.world) {
-        if (recovery)
+        if (recovery) {
           std::fprintf(stderr, "mgtrain: --in-place-recovery: rank %d: another rank has no control channel: "
                                "recovery is off on every rank, training goes on as usual\n", comm.rank);
+          // The agent took this worker's hello for an opt-in: it would pause this worker at a
+          // failure (which it would then leave with an error) instead of stopping it.
+          control->withdraw();
+        }
         recovery = false;
       }
     }

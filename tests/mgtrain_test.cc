@@ -168,6 +168,24 @@ TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun ends bit-id
         nlohmann::json::parse(read_file(dir + "/clean.json"))["weights_sha256"]);
 }
 
+TEST_CASE("a SIGPIPE does not end mgtrain (Gloo writes to its peers with writev: a lost peer raised it and killed a survivor silently)") {
+  std::vector<std::string> argv{kMgtrain};
+  auto args = with({"--model", "mlp", "--synthetic-size", "20000", "--batch-size", "4", "--log-every", "1"});
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::map<std::string, std::string> env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"},
+                                         {"MASTER_PORT", "\x01unset"}};
+  Proc p = spawn(argv, env);
+  INFO(p.out() << p.err());
+  REQUIRE(eventually([&] { return p.out().find("step 3/") != std::string::npos; }, 60s));
+  ::kill(p.pid, SIGPIPE);
+  const std::size_t seen = p.out().size();
+  // It goes on training: a step line after the signal, then SIGTERM ends it as usual (75).
+  CHECK(eventually([&] { return p.out().find(" step ", seen) != std::string::npos; }, 60s));
+  ::kill(p.pid, SIGTERM);
+  REQUIRE(p.wait(60s));
+  CHECK(p.exit_code() == 75);
+}
+
 TEST_CASE("two static agents on 127.0.0.1 and 127.0.0.2 train one model") {
   std::string dir = make_temp_dir();
   auto probe = run({kMglaunch, "--master_port=0", "--dry-run", "/bin/true"});

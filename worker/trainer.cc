@@ -636,6 +636,11 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
 void install_stop_handlers() {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
+  // Gloo writes to its peers with writev(), which raises SIGPIPE on a connection the peer
+  // reset: a peer lost killed this worker silently (no line, no core), typically while an
+  // abandoned group's queued collective still ran after the agent's pause. Python ignores
+  // SIGPIPE for torch; here the write fails with EPIPE instead and Gloo reports it.
+  std::signal(SIGPIPE, SIG_IGN);
 }
 
 int run(const Options& o, const Env& env) {

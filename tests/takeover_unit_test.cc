@@ -41,6 +41,12 @@ proto::Join survivor(const std::string& addr) {
 
 const Clock::time_point T0{};
 
+// Collects the actions of a sequence of calls: add(job.join(...)).
+struct Collected {
+  Actions out;
+  void operator()(Actions more) { out.insert(out.end(), more.begin(), more.end()); }
+};
+
 }  // namespace
 
 TEST_CASE("the lowest live node by group rank is tried first, the lost host and nodes without a port never") {
@@ -157,8 +163,9 @@ TEST_CASE("a job taken over: the standby that follows takes the lost host's plac
     // Group rank 0 hosted and is lost; 1 and 2 survive; 127.0.0.19 was the standby.
     job.take_over({4, 1, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1", T0 + 300ms, 2},
                   T0);
-    Actions out;
-    auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+    Collected add;
+    Actions& out = add.out;
+
     if (standby_first) add(job.join(9, follower("127.0.0.19"), T0 + 1ms));
     add(job.join(1, survivor_of("127.0.0.12", 1), T0 + 2ms));
     add(job.join(2, survivor_of("127.0.0.13", 2), T0 + 3ms));
@@ -287,8 +294,9 @@ std::map<SessionId, proto::Assignment> assignments(const Actions& out) {
 TEST_CASE("a job taken over keeps a late survivor's place from a newcomer and a standby") {
   Job job("job");
   job.take_over(seed_of_3(), T0);
-  Actions out;
-  auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+  Collected add;
+  Actions& out = add.out;
+
   add(job.join(7, survivor_of("127.0.0.17", -1), T0 + 1ms));  // a fresh node: no last group rank
   add(job.join(1, survivor_of("127.0.0.12", 1), T0 + 2ms));
   add(job.join(9, follower("127.0.0.19"), T0 + 3ms));
@@ -312,8 +320,9 @@ TEST_CASE("a job taken over takes a second claim of a placed group rank, or a ra
     INFO("the other node claims group rank " << claim);
     Job job("job");
     job.take_over(seed_of_3(), T0);
-    Actions out;
-    auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+    Collected add;
+    Actions& out = add.out;
+
     add(job.join(1, survivor_of("127.0.0.12", 1), T0 + 1ms));
     auto j = survivor_of("127.0.0.17", 0);
     j.last_group_rank = claim;
@@ -334,8 +343,9 @@ TEST_CASE("a job taken over takes a second claim of a placed group rank, or a ra
 TEST_CASE("a job taken over makes a newcomer beyond the places kept for survivors a standby") {
   Job job("job");
   job.take_over(seed_of_3(), T0);
-  Actions out;
-  auto add = [&](Actions more) { out.insert(out.end(), more.begin(), more.end()); };
+  Collected add;
+  Actions& out = add.out;
+
   add(job.join(7, survivor_of("127.0.0.17", -1), T0 + 1ms));  // the one free place
   add(job.join(8, survivor_of("127.0.0.18", -1), T0 + 2ms));  // none left: it waits
   CHECK(job.standbys() == 1);

@@ -19,10 +19,11 @@ using proto::MsgType;
 namespace {
 constexpr std::size_t kReservedDescriptors = 64;  // logs, the acceptor, the agent's own pipes
 constexpr std::size_t kMaxTrackedAddresses = 4096;
-constexpr auto kMaxBlock = std::chrono::seconds(5);  // below the client's handshake patience
-// Challenges one address may have unanswered at once; its further hellos wait their turn,
-// so parallel connections check no more guesses than this per back-off period.
+// Challenges one address may have unanswered at once; its further hellos wait their turn.
+// How many it may have at all is rate_'s (ChallengeRate: 4, then one per 5 s, a correct
+// proof given back), so parallel connections check no more guesses than one would.
 constexpr std::size_t kMaxChallengesPerAddress = 4;
+constexpr auto kForgetFailures = std::chrono::minutes(1);  // an address's failure count, for the log
 constexpr std::size_t kAcceptBatch = 4096;  // connections taken per wake-up at most (a full backlog)
 }  // namespace
 
@@ -36,7 +37,6 @@ struct Server::Session {
   std::string job;  // from Hello: the only job this session may touch
   bool joined = false;
   bool challenged = false;  // its challenge is out and unanswered (it holds one of its address's turns)
-  Clock::time_point queued_at;  // when it joined its address's queue for a challenge
   std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
 };
 
@@ -226,23 +226,21 @@ void Server::admit_socket(asio::ip::tcp::socket socket, const asio::ip::tcp::end
 
 void Server::auth_failed(const std::string& address) {
   if (failures_.size() >= kMaxTrackedAddresses && !failures_.contains(address)) {
-    // Forget the address whose block ends first.
+    // Forget the address that failed longest ago.
     auto oldest = std::min_element(failures_.begin(), failures_.end(), [](const auto& a, const auto& b) {
-      return a.second.blocked_until < b.second.blocked_until;
+      return a.second.last < b.second.last;
     });
     failures_.erase(oldest);
   }
   ++auth_failures_;
   auto& f = failures_[address];
   ++f.count;
-  // The next challenge to this address waits 100 ms after the first failure, doubling up
-  // to 5 s: guessing stays slow, and an agent sharing the address is delayed, not refused.
-  const auto block = std::min<std::chrono::milliseconds>(
-      std::chrono::milliseconds(100L << std::min(f.count - 1, 16)), kMaxBlock);
-  f.blocked_until = Clock::now() + block;
+  f.last = Clock::now();
+  // The wrong proof kept its challenge's token (rate_): guessing stays slow however many
+  // connections the address opens, and an agent sharing the address is delayed, not refused.
   if (f.count >= 3)
-    log(fmt::format("{}: {} authentication failures; its next challenge waits {} ms", address, f.count,
-                    block.count()));
+    log(fmt::format("{}: {} authentication failures; its challenges are rationed to one every {} s", address, f.count,
+                    std::chrono::duration_cast<std::chrono::seconds>(rate_.options().refill).count()));
 }
 
 void Server::next_challenges(const std::string& address) {
@@ -257,22 +255,18 @@ void Server::next_challenges(const std::string& address) {
       gate.waiting.pop_front();
       continue;
     }
-    // After recent failures the next challenge waits for the back-off, but a queued session
-    // waits at most kMaxBlock from its Hello, whatever failures come meanwhile: a host that
-    // keeps failing delays the agents sharing its address, it cannot starve them.
-    if (auto f = failures_.find(address); f != failures_.end()) {
-      const auto until = std::min(f->second.blocked_until, s->queued_at + kMaxBlock);
-      if (Clock::now() < until) {
-        if (!gate.timer) {
-          gate.timer = std::make_unique<asio::steady_timer>(io_, until);
-          gate.timer->async_wait([this, address](boost::system::error_code ec) {
-            if (ec || stopped_) return;
-            if (auto g = gates_.find(address); g != gates_.end()) g->second.timer.reset();
-            next_challenges(address);
-          });
-        }
-        break;
+    // No token left (wrong proofs took them): the queue waits for the next one, in order of
+    // arrival, whatever the address's number of connections.
+    if (const auto now = Clock::now(); !rate_.take(address, now)) {
+      if (!gate.timer) {
+        gate.timer = std::make_unique<asio::steady_timer>(io_, rate_.next(address, now));
+        gate.timer->async_wait([this, address](boost::system::error_code ec) {
+          if (ec || stopped_) return;
+          if (auto g = gates_.find(address); g != gates_.end()) g->second.timer.reset();
+          next_challenges(address);
+        });
       }
+      break;
     }
     gate.waiting.pop_front();
     s->challenged = true;
@@ -318,7 +312,6 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
       s->key = auth::random_hex(32);  // a job not served here: the proofs fail, nothing is revealed
     }
     s->server_nonce = auth::random_hex(32);
-    s->queued_at = Clock::now();
     gates_[s->address].waiting.push_back(s);
     return next_challenges(s->address);
   }
@@ -333,6 +326,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     throw proto::ProtocolError(fmt::format("authentication failed for job '{}': wrong rendezvous token", s->job));
   }
   failures_.erase(s->address);
+  rate_.give_back(s->address, Clock::now());
   const std::string session = auth::session_key(s->key, s->client_nonce, s->server_nonce);
   std::string().swap(s->key);
   welcome();
@@ -585,7 +579,8 @@ void Server::tick() {
       }
     }
     for (auto it = failures_.begin(); it != failures_.end();)
-      it = now - it->second.blocked_until > kMaxBlock * 2 ? failures_.erase(it) : std::next(it);
+      it = now - it->second.last > kForgetFailures ? failures_.erase(it) : std::next(it);
+    rate_.prune(now);
     account_jobs();
     tick();
   });

@@ -19,6 +19,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
 
+#include "rendezvous/challenge_rate.h"
 #include "rendezvous/connection.h"
 #include "rendezvous/job.h"
 
@@ -91,7 +92,7 @@ class Server {
   };
   struct Failures {
     int count = 0;
-    Clock::time_point blocked_until;
+    Clock::time_point last;  // the latest failure
   };
   void accept();
   void admit_socket(boost::asio::ip::tcp::socket socket, const boost::asio::ip::tcp::endpoint& peer);
@@ -125,6 +126,7 @@ class Server {
   std::map<std::string, std::size_t> per_address_;  // open connections by peer address
   std::map<std::string, Failures> failures_;        // authentication failures by peer address
   std::map<std::string, AuthGate> gates_;           // sessions in authentication by peer address
+  ChallengeRate rate_;                              // challenges by peer address (D7)
   std::shared_ptr<MemoryBudget> budget_ = std::make_shared<MemoryBudget>();
   std::size_t jobs_bytes_ = 0;  // charged to budget_ at each tick
   std::size_t peak_used_ = 0;   // budget use since the last malloc_trim

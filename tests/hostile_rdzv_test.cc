@@ -18,6 +18,7 @@
 
 #include "proto/messages.h"
 #include "rendezvous/auth.h"
+#include "rendezvous/challenge_rate.h"
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
 #include "support/skip.h"
@@ -97,6 +98,7 @@ class RawPeer {
     return false;
   }
   const std::string& received() const { return received_; }
+  int fd() const { return fd_; }
 
   // Hello -> (Challenge -> Auth) -> Welcome for `job`, with the job key derived from
   // `token`; from then on frames are signed and checked. False if refused.
@@ -361,14 +363,14 @@ TEST_CASE("one job's key opens no other job, and a forged done cannot end a wait
 
 TEST_CASE("authentication failures are slowed down per address, other addresses are served") {
   Scene scene;
-  // Each failure doubles the wait for that address's next challenge (100 ms .. 5 s).
+  // The address's 4 tokens go to the first 4 wrong guesses, then one comes back every 5 s.
   for (int i = 0; i < 7; ++i) {
     RawPeer guess(scene.daemon.port(), "127.0.0.7");
     if (guess.handshake("real", "a wrong token")) FAIL("a wrong token was accepted");
   }
   RawPeer slowed(scene.daemon.port(), "127.0.0.7");
   REQUIRE(slowed.send(proto::to_frame(proto::Hello{"x", "real", auth::random_hex(32)})));
-  CHECK_FALSE(slowed.read(1s).has_value());  // the challenge waits for the 5 s block
+  CHECK_FALSE(slowed.read(1s).has_value());  // the challenge waits for the address's next token
   RawPeer other(scene.daemon.port(), "127.0.0.8");
   CHECK(other.handshake("evil"));  // at once
   CHECK(slowed.read(20s).has_value());  // then it comes: the address is slowed, not locked out
@@ -688,13 +690,95 @@ TEST_CASE("one address has at most a few challenges unanswered, so parallel conn
   };
   REQUIRE(eventually([&] { return collect(10ms) >= 4; }, 20s));
   CHECK(collect(200ms) == 4);  // the others wait for a turn
-  // A wrong proof frees one turn: one more challenge comes (after the back-off), no more.
+  // A wrong proof frees one turn: one more challenge comes (with the address's next token), no more.
   const auto first = static_cast<std::size_t>(std::find_if(got.begin(), got.end(), [](const auto& c) { return c.has_value(); }) - got.begin());
   peers[first]->send(proto::to_frame(proto::Auth{auth::client_proof(auth::job_key("wrong", "real"), nonces[first], got[first]->nonce)}));
   CHECK(peers[first]->closed_within(5s));
   CHECK(eventually([&] { return collect(10ms) == 5; }, 10s));
   CHECK(collect(200ms) == 5);
   scene.finish();  // the real agents (127.0.0.1) are not held up
+}
+
+TEST_CASE("the challenge rate of an address: as many wrong proofs checked with 256 parallel connections as with one, "
+          "and correct proofs cost nothing") {
+  using mg::rdzv::ChallengeRate;
+  using Clock = ChallengeRate::Clock;
+  const Clock::time_point t0{};
+  // One address guessing for 60 s (fake clock, 10 ms steps): each challenge it gets is
+  // answered with a wrong proof at once. One connection asks whenever its last answer is
+  // in; 256 connections ask 256 times a step.
+  auto wrong_proofs = [&](int connections) {
+    ChallengeRate rate;
+    int checked = 0;
+    for (auto t = t0; t < t0 + 60s; t += 10ms)
+      for (int c = 0; c < connections; ++c)
+        if (rate.take("127.0.0.5", t)) ++checked;  // a wrong proof: the token is kept
+    return checked;
+  };
+  const int one = wrong_proofs(1), many = wrong_proofs(256);
+  CHECK(one == 4 + 60 / 5 - 1);  // 4 at once, then one each 5 s (the 12th comes at 60 s)
+  CHECK(many == one);
+  // Agents that prove the key give their token back: 1,000 of them in a row never wait.
+  ChallengeRate rate;
+  for (int i = 0; i < 1000; ++i) {
+    REQUIRE(rate.take("127.0.0.6", t0));
+    rate.give_back("127.0.0.6", t0);
+  }
+  CHECK(rate.size() == 0);  // a full bucket is not kept
+  // An address out of tokens is told when its next one comes; another address is not slowed.
+  for (int i = 0; i < 4; ++i) REQUIRE(rate.take("127.0.0.7", t0 + 1s));
+  CHECK_FALSE(rate.take("127.0.0.7", t0 + 2s));
+  CHECK(rate.next("127.0.0.7", t0 + 2s) == t0 + 6s);
+  CHECK(rate.take("127.0.0.7", t0 + 6s));
+  CHECK(rate.take("127.0.0.8", t0 + 2s));
+  // The table of addresses stays within its bound, whoever fills it.
+  ChallengeRate small(ChallengeRate::Options{4, 5s, 100});
+  for (int i = 0; i < 10'000; ++i) small.take("10.0." + std::to_string(i / 256) + "." + std::to_string(i % 256), t0 + 1s);
+  CHECK(small.size() <= 100);
+}
+
+TEST_CASE("64 parallel connections from one address get no more wrong proofs checked than its token rate, and the "
+          "real job is served") {
+  Scene scene({"--handshake-timeout", "120"});  // queued hellos are not closed during the test
+  // 64 connections from 127.0.0.12, each with a Hello; every challenge is answered at once
+  // with a wrong proof (each one a guess checked), and its connection replaced.
+  constexpr int kConnections = 64;
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  std::vector<std::string> nonces;
+  auto open = [&](std::size_t i) {
+    peers[i] = std::make_unique<RawPeer>(scene.daemon.port(), "127.0.0.12");
+    nonces[i] = auth::random_hex(32);
+    REQUIRE(peers[i]->send(proto::to_frame(proto::Hello{"x", "real", nonces[i]})));
+  };
+  peers.resize(kConnections);
+  nonces.resize(kConnections);
+  const auto start = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < kConnections; ++i) open(i);
+  int guesses = 0;
+  // 12 s: the old rule (each queued hello challenged within 5 s of it) checked all 64 by then.
+  while (std::chrono::steady_clock::now() - start < 12s) {
+    std::vector<pollfd> fds;
+    for (auto& p : peers) fds.push_back({p->fd(), POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      if (!fds[i].revents) continue;
+      auto f = peers[i]->read(1s);
+      if (f && proto::type_of(*f) == proto::MsgType::kChallenge) {
+        const auto c = proto::from_frame<proto::Challenge>(*f);
+        peers[i]->send(proto::to_frame(proto::Auth{auth::client_proof(auth::job_key("wrong", "real"), nonces[i], c.nonce)}));
+        ++guesses;
+        CHECK(peers[i]->closed_within(5s));
+      }
+      open(i);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(guesses << " wrong proofs checked in " << seconds << " s");
+  CHECK(guesses >= 4);  // the address's burst
+  // A load slower than us gives fewer, never more: 4 at once, then one per 5 s of what ran.
+  CHECK(guesses <= 4 + static_cast<int>(seconds / 5) + 1);
+  peers.clear();
+  scene.finish();  // the real agents (127.0.0.1) were not held up
 }
 
 TEST_CASE("agents that fail to authenticate (wrong or missing token, wrong job key) count in auth_failures_total") {

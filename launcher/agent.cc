@@ -32,6 +32,7 @@
 #include "process/watchdog.h"
 #include "launcher/worker_spec.h"
 #include "proto/text.h"
+#include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "process/command.h"
 #include "process/proc.h"
@@ -374,6 +375,10 @@ void Agent::start_preflight(const proto::Assignment& a) {
   o.coordinator_host = a.master_addr;
   o.coordinator_port = a.master_port;
   o.job = fmt::format("{}/{}", plan_.run_id, a.round);
+  // With a token the check is authenticated with the job's key, as the rendezvous is.
+  o.key = !opts_.rdzv_job_token.empty() ? opts_.rdzv_job_token
+          : opts_.rdzv_token.empty()    ? std::string()
+                                        : rdzv::auth::job_key(opts_.rdzv_token, plan_.run_id);
   // Test hooks (docs/flags.md): this node's sends paced to N bytes/s; its listener refusing.
   if (auto it = base_env_.find("MGLAUNCH_PREFLIGHT_TEST_SEND_RATE"); it != base_env_.end())
     o.send_rate = std::strtod(it->second.c_str(), nullptr);

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -22,6 +23,8 @@
 
 #include <fmt/format.h>
 
+#include "rendezvous/auth.h"
+
 namespace mg::preflight {
 
 namespace {
@@ -29,11 +32,19 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using TimePoint = Clock::time_point;
 using std::chrono::milliseconds;
+namespace auth = mg::rdzv::auth;
 
 constexpr std::size_t kMaxMessage = 1 << 20;  // a control message (a node's report is a few KiB)
 constexpr std::size_t kChunk = 256 * 1024;    // one send or receive call
 constexpr std::size_t kBurst = 64 * 1024;     // what a paced sender may send at once
 constexpr std::uint32_t kMagic = 0x4d475046;  // "MGPF": a data connection's first word
+constexpr std::size_t kTagBytes = 64;         // a data connection's tag (hex), after its magic and rank
+constexpr std::size_t kHeaderBytes = 8 + kTagBytes;
+// A connection not yet admitted (a node's hello and proof, a peer's data header): at most
+// this many wait at once, each for at most kPatience, each message at most kMaxHello.
+constexpr std::size_t kMaxPending = 64;
+constexpr milliseconds kPatience{2000};
+constexpr std::size_t kMaxHello = 4096;
 // How much longer than the coordinator a node waits for its word: the coordinator's own
 // time-out (a node that never came) must reach the others before theirs.
 constexpr std::chrono::milliseconds kGrace{2000};
@@ -63,11 +74,13 @@ class Fd {
   int fd_ = -1;
 };
 
-std::uint32_t job_hash(const std::string& job) {  // FNV-1a
-  std::uint32_t h = 2166136261u;
-  for (unsigned char c : job) h = (h ^ c) * 16777619u;
-  return h;
-}
+// A control connection, with its frame MACs once both ends proved the job key (none
+// without a key).
+struct Link {
+  Fd fd;
+  std::optional<auth::FrameMac> out, in;
+  explicit operator bool() const { return static_cast<bool>(fd); }
+};
 
 int ms_until(TimePoint t) {
   const auto d = std::chrono::ceil<milliseconds>(t - Clock::now()).count();
@@ -255,30 +268,149 @@ bool recv_all(int fd, void* data, std::size_t n, TimePoint deadline, int cancel_
   return true;
 }
 
-// Control messages: a 4-byte big-endian length, then JSON.
-bool send_msg(int fd, const nlohmann::json& j, TimePoint deadline, int cancel_fd, std::string& error) {
-  const std::string body = j.dump();
-  const std::uint32_t len = htonl(static_cast<std::uint32_t>(body.size()));
-  return send_all(fd, &len, sizeof(len), deadline, cancel_fd, error) &&
-         send_all(fd, body.data(), body.size(), deadline, cancel_fd, error);
-}
-
-std::optional<nlohmann::json> recv_msg(int fd, TimePoint deadline, int cancel_fd, std::string& error) {
-  std::uint32_t len = 0;
-  if (!recv_all(fd, &len, sizeof(len), deadline, cancel_fd, error)) return std::nullopt;
-  len = ntohl(len);
-  if (len > kMaxMessage) {
-    error = fmt::format("a control message of {} bytes (at most {})", len, kMaxMessage);
-    return std::nullopt;
-  }
-  std::string body(len, '\0');
-  if (!recv_all(fd, body.data(), len, deadline, cancel_fd, error)) return std::nullopt;
+std::optional<nlohmann::json> parse_body(std::string_view body, std::string& error) {
   auto j = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     error = "a malformed control message";
     return std::nullopt;
   }
   return j;
+}
+
+// Control messages: a 4-byte big-endian length, then JSON, then (with a key) the frame's
+// MAC (rendezvous/auth.h: HMAC-SHA256 under the session key, the length field counting it).
+bool send_msg(int fd, auth::FrameMac* mac, const nlohmann::json& j, TimePoint deadline, int cancel_fd,
+              std::string& error) {
+  const std::string body = j.dump();
+  const std::uint32_t len = htonl(static_cast<std::uint32_t>(body.size() + (mac ? auth::kFrameMacBytes : 0)));
+  std::vector<std::uint8_t> frame(sizeof(len) + body.size());
+  std::memcpy(frame.data(), &len, sizeof(len));
+  std::memcpy(frame.data() + sizeof(len), body.data(), body.size());
+  if (mac) mac->sign(frame);
+  return send_all(fd, frame.data(), frame.size(), deadline, cancel_fd, error);
+}
+
+bool send_msg(Link& l, const nlohmann::json& j, TimePoint deadline, int cancel_fd, std::string& error) {
+  return send_msg(l.fd.get(), l.out ? &*l.out : nullptr, j, deadline, cancel_fd, error);
+}
+
+std::optional<nlohmann::json> recv_msg(Link& l, TimePoint deadline, int cancel_fd, std::string& error) {
+  std::uint32_t len = 0;
+  if (!recv_all(l.fd.get(), &len, sizeof(len), deadline, cancel_fd, error)) return std::nullopt;
+  len = ntohl(len);
+  if (len > kMaxMessage) {
+    error = fmt::format("a control message of {} bytes (at most {})", len, kMaxMessage);
+    return std::nullopt;
+  }
+  std::vector<std::uint8_t> frame(sizeof(len) + len);
+  const std::uint32_t be = htonl(len);
+  std::memcpy(frame.data(), &be, sizeof(be));
+  if (!recv_all(l.fd.get(), frame.data() + sizeof(len), len, deadline, cancel_fd, error)) return std::nullopt;
+  std::size_t end = frame.size();
+  if (l.in) {
+    if (len < auth::kFrameMacBytes || !l.in->verify(frame)) {
+      error = "a control message whose MAC is wrong (forged or altered on the way)";
+      return std::nullopt;
+    }
+    end -= auth::kFrameMacBytes;
+  }
+  return parse_body(std::string_view(reinterpret_cast<const char*>(frame.data()) + sizeof(len), end - sizeof(len)),
+                    error);
+}
+
+// A connection accepted and not yet admitted: the bytes it sent so far (never more than
+// `need`: what comes after its first messages is not ours to read here).
+struct Pending {
+  Fd fd;
+  TimePoint since;
+  std::size_t need = 4;
+  std::string in;
+  int stage = 0;  // the admission's own
+  int rank = -1, port = 0;
+  std::string client_nonce, server_nonce;
+};
+enum class Step { kMore, kDrop, kAdmitted };
+
+// The next unsigned control message of a pending connection: nullopt while it is not all
+// there (`bad` set when it never can be: too long, or not a JSON object).
+std::optional<nlohmann::json> pending_msg(Pending& p, bool& bad) {
+  if (p.in.size() < p.need) return std::nullopt;
+  if (p.need == 4) {
+    std::uint32_t len = 0;
+    std::memcpy(&len, p.in.data(), sizeof(len));
+    len = ntohl(len);
+    if (len == 0 || len > kMaxHello - 4) bad = true;
+    p.need = 4 + len;
+    return std::nullopt;
+  }
+  std::string error;
+  auto j = parse_body(std::string_view(p.in).substr(4), error);
+  p.in.clear();
+  p.need = 4;
+  if (!j) bad = true;
+  return j;
+}
+
+// Accepts connections on `listener` and hands each one's bytes to `step` as they come, none
+// waiting for another, until `complete()` or `until`. A connection that is not admitted
+// within kPatience, or sends more than its first messages may be, or that `step` refuses,
+// is closed; at most kMaxPending wait at once (the oldest makes room). So strangers that
+// never say a valid hello cost the check neither its time nor a node's place. `step` moves
+// the descriptor of a connection it admits. 1: complete, 0: `until` passed, -1: cancelled.
+int admit(int listener, std::size_t first_need, TimePoint until, int cancel_fd,
+          const std::function<Step(Pending&)>& step, const std::function<bool()>& complete) {
+  ::fcntl(listener, F_SETFL, ::fcntl(listener, F_GETFL) | O_NONBLOCK);
+  std::deque<Pending> pending;  // oldest first
+  std::vector<pollfd> fds;
+  while (!complete()) {
+    const TimePoint now = Clock::now();
+    if (now >= until) return 0;
+    std::erase_if(pending, [&](const Pending& p) { return now - p.since >= kPatience; });
+    TimePoint wake = until;
+    fds.assign(1, {listener, POLLIN, 0});
+    for (const auto& p : pending) {
+      wake = std::min(wake, p.since + kPatience);
+      fds.push_back({p.fd.get(), POLLIN, 0});
+    }
+    if (cancel_fd >= 0) fds.push_back({cancel_fd, POLLIN, 0});
+    const int r = ::poll(fds.data(), static_cast<nfds_t>(fds.size()), std::max(1, ms_until(wake)));
+    if (r < 0 && errno != EINTR) return -1;
+    if (r <= 0) continue;
+    if (cancel_fd >= 0 && fds.back().revents) return -1;
+    std::vector<std::size_t> done;
+    for (std::size_t i = 0; i < pending.size(); ++i) {
+      if (!fds[i + 1].revents) continue;
+      Pending& p = pending[i];
+      char buf[kMaxHello];
+      const ssize_t got = ::recv(p.fd.get(), buf, std::min(sizeof(buf), p.need - p.in.size()), 0);
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      Step st = Step::kDrop;
+      if (got > 0) {
+        p.in.append(buf, static_cast<std::size_t>(got));
+        try {
+          st = step(p);
+        } catch (const nlohmann::json::exception&) {  // a field of the wrong type
+          st = Step::kDrop;
+        }
+      }
+      if (st != Step::kMore) done.push_back(i);
+      if (complete()) break;
+    }
+    for (auto it = done.rbegin(); it != done.rend(); ++it) pending.erase(pending.begin() + static_cast<long>(*it));
+    if (fds[0].revents && !complete())
+      for (int k = 0; k < 64; ++k) {  // what waits in the backlog, a bounded batch per wake-up
+        Fd c(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (!c) break;
+        set_nonblocking(c.get());
+        if (pending.size() >= kMaxPending) pending.pop_front();
+        Pending p;
+        p.fd = std::move(c);
+        p.since = Clock::now();
+        p.need = first_need;
+        pending.push_back(std::move(p));
+      }
+  }
+  return 1;
 }
 
 // One timed transfer: sends `sn` bytes of `sbuf` on `out` while it receives `rn` bytes on
@@ -623,31 +755,45 @@ class Node {
     data_deadline_ = t0_ + o.timeout * 7 / 10;  // the data steps end first: reports still arrive
     report_.rank = o.rank;
     report_.reached = true;
+    // The check's own key, bound to its job and round: its proofs can never stand in for
+    // the rendezvous' (the same functions over K_J), nor for another round's check.
+    if (!o.key.empty()) key_ = auth::hmac_sha256_hex(o.key, "mglaunch-preflight:" + o.job);
   }
 
   Result run() {
-    if (!listen()) return local_failure(fmt::format("{} cannot listen for its peers: {}", node_name(o_.rank, o_.nodes),
-                                                    error_));
-    if (o_.rank == 0 ? !gather_hellos() : !hello()) return std::move(result_);
-    connect_peers();
-    if (!settle_connections()) return std::move(result_);
-    accept_peers();
-    if (report_.errors.empty()) allreduce();
-    if (report_.errors.empty()) bandwidth();
-    report_.reported = true;
-    finish();
+    try {
+      steps();
+    } catch (const nlohmann::json::exception& e) {  // a field of the wrong type from a peer
+      local_failure(fmt::format("{} got a malformed message: {}", node_name(o_.rank, o_.nodes), e.what()));
+    }
+    // Whatever happened, the verdict says something (an empty one read "error: ; fix ...").
+    if (result_.line.empty()) local_failure(fmt::format("{} ended the check without a verdict", node_name(o_.rank, o_.nodes)));
     return std::move(result_);
   }
 
  private:
   double elapsed() const { return std::chrono::duration<double>(Clock::now() - t0_).count(); }
 
-  Result local_failure(const std::string& what) {
+  void steps() {
+    if (!listen()) {
+      local_failure(fmt::format("{} cannot listen for its peers: {}", node_name(o_.rank, o_.nodes), error_));
+      return;
+    }
+    if (o_.rank == 0 ? !gather_hellos() : !hello()) return;
+    connect_peers();
+    if (!settle_connections()) return;
+    accept_peers();
+    if (report_.errors.empty()) allreduce();
+    if (report_.errors.empty()) bandwidth();
+    report_.reported = true;
+    finish();
+  }
+
+  void local_failure(const std::string& what) {
     result_.ok = false;
     result_.line = fmt::format("preflight failed after {:.2f} s: {}", elapsed(), what);
     result_.seconds = elapsed();
     result_.reports = nlohmann::json::array({to_json(report_)});
-    return std::move(result_);
   }
 
   bool listen() {
@@ -670,28 +816,46 @@ class Node {
     return true;
   }
 
-  // Rank 0: every other node's hello (job, rank, data port), then the port table.
+  // Rank 0: every other node's hello (job, rank, data port; with a key, then its proof of
+  // it), then the port table. Connections are served side by side (admit()): one that
+  // never says a valid hello, or fails the proof, is dropped and takes no node's place.
   bool gather_hellos() {
     ports_.assign(static_cast<std::size_t>(n_), 0);
     ports_[0] = data_port_;
     ctl_.resize(static_cast<std::size_t>(n_));
+    secret_ = auth::random_hex(kTagBytes / 2);
     int missing = n_ - 1;
-    while (missing > 0) {
-      const int w = wait_fd(coord_fd_, POLLIN, deadline_, o_.cancel_fd);
-      if (w < 0) return cancelled();
-      if (w == 0) break;
-      Fd c(::accept4(coord_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (!c) continue;
-      set_nonblocking(c.get());
-      std::string err;
-      auto h = recv_msg(c.get(), std::min(deadline_, Clock::now() + milliseconds(2000)), o_.cancel_fd, err);
-      if (!h || h->value("t", "") != "hello" || h->value("job", "") != o_.job) continue;  // not one of ours
-      const int r = h->value("rank", -1);
-      if (r <= 0 || r >= n_ || ctl_[static_cast<std::size_t>(r)]) continue;
-      ports_[static_cast<std::size_t>(r)] = h->value("port", 0);
-      ctl_[static_cast<std::size_t>(r)] = std::move(c);
-      --missing;
-    }
+    auto step = [&](Pending& p) {
+      bool bad = false;
+      auto m = pending_msg(p, bad);
+      if (bad) return Step::kDrop;
+      if (!m) return Step::kMore;
+      if (p.stage == 0) {
+        if (m->value("t", "") != "hello" || m->value("job", "") != o_.job) return Step::kDrop;  // not one of ours
+        p.rank = m->value("rank", -1);
+        p.port = m->value("port", 0);
+        if (p.rank <= 0 || p.rank >= n_ || ctl_[static_cast<std::size_t>(p.rank)]) return Step::kDrop;
+        if (key_.empty()) return take_node(p, {}, missing);
+        // The rendezvous' handshake (rendezvous/auth.h) under the check's key: our proof
+        // over both nonces, then theirs.
+        p.client_nonce = m->value("nonce", "");
+        if (p.client_nonce.size() != 64) return Step::kDrop;
+        p.server_nonce = auth::random_hex(32);
+        std::string err;
+        p.stage = 1;
+        return p.in.empty() && send_msg(p.fd.get(), nullptr,
+                                        {{"t", "challenge"}, {"nonce", p.server_nonce},
+                                         {"proof", auth::server_proof(key_, p.client_nonce, p.server_nonce)}},
+                                        Clock::now() + milliseconds(100), -1, err)
+                   ? Step::kMore
+                   : Step::kDrop;
+      }
+      if (m->value("t", "") != "proof" || ctl_[static_cast<std::size_t>(p.rank)] ||
+          !auth::equal_ct(m->value("proof", ""), auth::client_proof(key_, p.client_nonce, p.server_nonce)))
+        return Step::kDrop;  // a wrong key: not this job's node, whatever rank it claimed
+      return take_node(p, auth::session_key(key_, p.client_nonce, p.server_nonce), missing);
+    };
+    if (admit(coord_fd_, 4, deadline_, o_.cancel_fd, step, [&] { return missing == 0; }) < 0) return cancelled();
     coord_listener_.reset();  // MASTER_PORT is the workers' again (the agent's hold stays)
     if (missing > 0) {
       std::vector<NodeReport> reports;
@@ -706,43 +870,88 @@ class Node {
     }
     std::string err;
     for (int r = 1; r < n_; ++r)
-      send_msg(ctl_[static_cast<std::size_t>(r)].get(), {{"t", "peers"}, {"ports", ports_}}, deadline_, o_.cancel_fd,
-               err);
+      send_msg(ctl_[static_cast<std::size_t>(r)], {{"t", "peers"}, {"ports", ports_}, {"secret", secret_}}, deadline_,
+               o_.cancel_fd, err);
     return true;
   }
 
-  // Others: reach the coordinator (it may not listen yet), say hello, get the port table.
+  // A node's control connection, admitted: its place, its data port, its MACs (with a key).
+  Step take_node(Pending& p, const std::string& session, int& missing) {
+    Link& l = ctl_[static_cast<std::size_t>(p.rank)];
+    l.fd = std::move(p.fd);
+    if (!session.empty()) {
+      l.out.emplace(session, 's');
+      l.in.emplace(session, 'c');
+    }
+    ports_[static_cast<std::size_t>(p.rank)] = p.port;
+    --missing;
+    return Step::kAdmitted;
+  }
+
+  // Others: reach the coordinator (it may not listen yet), say hello (with a key, prove it
+  // and check the coordinator's proof), get the port table.
   bool hello() {
-    coord_ = connect_to(o_.coordinator_host, o_.coordinator_port, deadline_, /*retry_refused=*/true, o_.cancel_fd,
-                        error_);
+    coord_.fd = connect_to(o_.coordinator_host, o_.coordinator_port, deadline_, /*retry_refused=*/true, o_.cancel_fd,
+                           error_);
     if (!coord_) {
       if (error_ == "cancelled") return cancelled();
       local_failure(fmt::format("{} cannot reach the coordinator, {}, at {}:{}: {}", node_name(o_.rank, o_.nodes),
                                 node_name(0, o_.nodes), o_.coordinator_host, o_.coordinator_port, error_));
-      named_ = {0};
-      result_.named = named_;
+      result_.named = {0};
       return false;
     }
-    if (!send_msg(coord_.get(), {{"t", "hello"}, {"job", o_.job}, {"rank", o_.rank}, {"port", data_port_}}, deadline_,
-                  o_.cancel_fd, error_))
-      return lost_coordinator();
+    nlohmann::json h = {{"t", "hello"}, {"job", o_.job}, {"rank", o_.rank}, {"port", data_port_}};
+    const std::string nonce = key_.empty() ? std::string() : auth::random_hex(32);
+    if (!key_.empty()) h["nonce"] = nonce;
+    if (!send_msg(coord_, h, deadline_, o_.cancel_fd, error_)) return lost_coordinator();
+    if (!key_.empty()) {
+      auto c = await_coordinator(deadline_ + kGrace);
+      if (!c) return false;
+      const std::string sn = c->value("nonce", "");
+      if (c->value("t", "") != "challenge" || sn.size() != 64 ||
+          !auth::equal_ct(c->value("proof", ""), auth::server_proof(key_, nonce, sn))) {
+        // Not node 0's agent (it would know the key): whoever listens there is named by no one.
+        local_failure(fmt::format("{}: whatever answers at MASTER_ADDR:MASTER_PORT ({}:{}) cannot prove this job's key "
+                                  "(another process on that port?); the check cannot run",
+                                  node_name(o_.rank, o_.nodes), o_.coordinator_host, o_.coordinator_port));
+        return false;
+      }
+      if (!send_msg(coord_, {{"t", "proof"}, {"proof", auth::client_proof(key_, nonce, sn)}}, deadline_, o_.cancel_fd,
+                    error_))
+        return lost_coordinator();
+      const std::string session = auth::session_key(key_, nonce, sn);
+      coord_.out.emplace(session, 'c');
+      coord_.in.emplace(session, 's');
+    }
     auto m = await_coordinator(deadline_ + kGrace);
     if (!m) return false;
     if ((*m)["t"] == "verdict") return take_verdict(*m);
     ports_ = m->value("ports", std::vector<int>{});
-    if (static_cast<int>(ports_.size()) != n_) return lost_coordinator();
+    secret_ = m->value("secret", "");
+    if (static_cast<int>(ports_.size()) != n_ || secret_.size() != kTagBytes) {
+      error_ = "a malformed port table";
+      return lost_coordinator();
+    }
     return true;
   }
 
+  // What a data connection from `from` to `to` shows: the coordinator's secret of this
+  // check (only its nodes have it), with a key an HMAC of it under the check's key.
+  std::string data_tag(int from, int to) const {
+    return key_.empty() ? secret_
+                        : auth::hmac_sha256_hex(key_, fmt::format("mglaunch-preflight-data|{}|{}|{}", secret_, from, to));
+  }
+
   void connect_peers() {
-    const std::uint32_t hash = job_hash(o_.job);
     for (int s : shifts(n_)) {
       const int peer = (o_.rank + s) % n_;
       std::string err;
       Fd fd = connect_to(o_.nodes[static_cast<std::size_t>(peer)], ports_[static_cast<std::size_t>(peer)],
                          std::min(data_deadline_, Clock::now() + milliseconds(3000)), false, o_.cancel_fd, err);
-      const std::uint32_t header[3] = {htonl(kMagic), htonl(hash), htonl(static_cast<std::uint32_t>(o_.rank))};
-      if (fd && !send_all(fd.get(), header, sizeof(header), data_deadline_, o_.cancel_fd, err)) fd.reset();
+      const std::uint32_t words[2] = {htonl(kMagic), htonl(static_cast<std::uint32_t>(o_.rank))};
+      std::string header(reinterpret_cast<const char*>(words), sizeof(words));
+      header += data_tag(o_.rank, peer);
+      if (fd && !send_all(fd.get(), header.data(), header.size(), data_deadline_, o_.cancel_fd, err)) fd.reset();
       if (!fd) {
         add_unique(report_.unreachable, peer);
         report_.errors.push_back(fmt::format("node {} -> node {}: {}", o_.rank, peer, err));
@@ -756,7 +965,7 @@ class Node {
   bool settle_connections() {
     const nlohmann::json mine = {{"t", "connected"}, {"unreachable", report_.unreachable}, {"errors", report_.errors}};
     if (o_.rank != 0) {
-      if (!send_msg(coord_.get(), mine, deadline_, o_.cancel_fd, error_)) return lost_coordinator();
+      if (!send_msg(coord_, mine, deadline_, o_.cancel_fd, error_)) return lost_coordinator();
       auto m = await_coordinator(deadline_ + kGrace);
       if (!m) return false;
       if ((*m)["t"] == "verdict") return take_verdict(*m);
@@ -775,7 +984,7 @@ class Node {
         continue;
       }
       std::string err;
-      auto m = recv_msg(ctl_[static_cast<std::size_t>(r)].get(), deadline_, o_.cancel_fd, err);
+      auto m = recv_msg(ctl_[static_cast<std::size_t>(r)], deadline_, o_.cancel_fd, err);
       if (err == "cancelled") return cancelled();
       if (!m || m->value("t", "") != "connected") {
         x.reported = false;
@@ -791,32 +1000,29 @@ class Node {
       return false;
     }
     std::string err;
-    for (int r = 1; r < n_; ++r) send_msg(ctl_[static_cast<std::size_t>(r)].get(), {{"t", "go"}}, deadline_, o_.cancel_fd, err);
+    for (int r = 1; r < n_; ++r) send_msg(ctl_[static_cast<std::size_t>(r)], {{"t", "go"}}, deadline_, o_.cancel_fd, err);
     return true;
   }
 
+  // The peers' data connections, each showing its tag (data_tag()); served side by side
+  // like the hellos, so a stranger's connection to this port delays no peer's.
   void accept_peers() {
-    const std::uint32_t hash = job_hash(o_.job);
     std::size_t want = shifts(n_).size();
-    while (want > 0 && data_listener_) {
-      const int w = wait_fd(data_listener_.get(), POLLIN, data_deadline_, o_.cancel_fd);
-      if (w <= 0) break;
-      Fd c(::accept4(data_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (!c) continue;
-      set_nonblocking(c.get());
-      std::uint32_t header[3];
-      std::string err;
-      if (!recv_all(c.get(), header, sizeof(header), std::min(data_deadline_, Clock::now() + milliseconds(2000)),
-                    o_.cancel_fd, err) ||
-          ntohl(header[0]) != kMagic || ntohl(header[1]) != hash)
-        continue;
-      const int from = static_cast<int>(ntohl(header[2]));
+    const auto sh = shifts(n_);
+    auto step = [&](Pending& p) {
+      if (p.in.size() < kHeaderBytes) return Step::kMore;
+      std::uint32_t words[2];
+      std::memcpy(words, p.in.data(), sizeof(words));
+      const int from = static_cast<int>(ntohl(words[1]));
       const int s = ((o_.rank - from) % n_ + n_) % n_;
-      const auto sh = shifts(n_);
-      if (from < 0 || from >= n_ || std::find(sh.begin(), sh.end(), s) == sh.end() || in_.count(s)) continue;
-      in_[s] = std::move(c);
+      if (ntohl(words[0]) != kMagic || from < 0 || from >= n_ || std::find(sh.begin(), sh.end(), s) == sh.end() ||
+          in_.count(s) || !auth::equal_ct(p.in.substr(sizeof(words)), data_tag(from, o_.rank)))
+        return Step::kDrop;
+      in_[s] = std::move(p.fd);
       --want;
-    }
+      return Step::kAdmitted;
+    };
+    if (data_listener_) admit(data_listener_.get(), kHeaderBytes, data_deadline_, o_.cancel_fd, step, [&] { return want == 0; });
     for (int s : shifts(n_))
       if (!in_.count(s)) {
         const int from = ((o_.rank - s) % n_ + n_) % n_;
@@ -888,7 +1094,7 @@ class Node {
     if (o_.rank != 0) {
       nlohmann::json m = to_json(report_);
       m["t"] = "report";
-      if (!send_msg(coord_.get(), m, deadline_, o_.cancel_fd, error_)) {
+      if (!send_msg(coord_, m, deadline_, o_.cancel_fd, error_)) {
         lost_coordinator();
         return;
       }
@@ -900,7 +1106,7 @@ class Node {
     reports.push_back(report_);
     for (int r = 1; r < n_; ++r) {
       std::string err;
-      auto m = recv_msg(ctl_[static_cast<std::size_t>(r)].get(), deadline_, o_.cancel_fd, err);
+      auto m = recv_msg(ctl_[static_cast<std::size_t>(r)], deadline_, o_.cancel_fd, err);
       if (err == "cancelled") {
         cancelled();
         return;
@@ -929,7 +1135,7 @@ class Node {
     const nlohmann::json m = {{"t", "verdict"}, {"ok", v.ok}, {"line", v.line}, {"named", v.named}};
     for (int r = 1; r < static_cast<int>(ctl_.size()); ++r)
       if (ctl_[static_cast<std::size_t>(r)])
-        send_msg(ctl_[static_cast<std::size_t>(r)].get(), m, std::min(deadline_ + milliseconds(1000),
+        send_msg(ctl_[static_cast<std::size_t>(r)], m, std::min(deadline_ + milliseconds(1000),
                                                                       Clock::now() + milliseconds(1000)),
                  o_.cancel_fd, err);
     result_.ok = v.ok;
@@ -946,7 +1152,7 @@ class Node {
   }
 
   std::optional<nlohmann::json> await_coordinator(TimePoint until) {
-    auto m = recv_msg(coord_.get(), until, o_.cancel_fd, error_);
+    auto m = recv_msg(coord_, until, o_.cancel_fd, error_);
     if (!m) {
       if (error_ == "cancelled") cancelled();
       else lost_coordinator();
@@ -983,12 +1189,14 @@ class Node {
   TimePoint deadline_, data_deadline_;
   NodeReport report_;
   Result result_;
-  std::vector<int> named_;
   std::string error_;
-  Fd data_listener_, coord_listener_, coord_;
+  std::string key_;     // the check's key (from the job key), empty without a token
+  std::string secret_;  // the coordinator's secret of this check (data_tag())
+  Fd data_listener_, coord_listener_;
+  Link coord_;  // others: the control connection to the coordinator
   int data_port_ = 0;
   int coord_fd_ = -1;
-  std::vector<Fd> ctl_;         // rank 0: each node's control connection
+  std::vector<Link> ctl_;       // rank 0: each node's control connection
   std::vector<int> ports_;      // each node's data port
   std::map<int, Fd> out_, in_;  // data connections by shift
 };

@@ -8,6 +8,8 @@
 //     coordinator: it listens on MASTER_PORT (free until its workers start; the others
 //     know it from the assignment), the others connect there and say which port they
 //     listen on; the coordinator hands out the table (a node that never comes is named).
+//     With the job's key (Options::key) both sides prove it first; connections that never
+//     say a valid hello are dropped without delaying anyone (see Options::key).
 //  2. Node r connects to r+s for every shift s in 1, 2, 4, ... < n (log2 n connections);
 //     the coordinator hears who could not reach whom, names the node nobody reaches, and
 //     stops there or says go.
@@ -40,6 +42,14 @@ struct Options {
   int coordinator_port = 0;        // rank 0 listens there (SO_REUSEADDR: beside the agent's hold)
   int coordinator_fd = -1;         // rank 0: a listening socket to use instead (not closed here)
   std::string job;                 // a node of another job is refused
+  // The job key K_J (rendezvous/auth.h) when the job has a token, else empty. With it,
+  // every node proves the key to the coordinator and the coordinator to it (the
+  // rendezvous' handshake, under a key of this check's own derived from K_J and `job`),
+  // every control message carries a MAC, and a data connection shows an HMAC of the
+  // check's secret. Without it, a node is still named only from what its own connection
+  // did: connections that never say a valid hello are dropped (at most 64 held, 2 s each,
+  // side by side) and take neither a node's place nor the check's time.
+  std::string key;
   std::size_t allreduce_bytes = 256 * 1024;
   std::size_t p2p_bytes = 4 * 1024 * 1024;  // per node and round
   std::chrono::milliseconds transfer_cap{500};

@@ -1069,6 +1069,7 @@ void Agent::start_file_timer() {
   if (path == base_env_.end() || path->second.empty())
     path = base_env_.insert_or_assign("TORCHELASTIC_TIMER_FILE", ftimer::default_pipe_path()).first;
   ftimer::ServerHooks h;
+  h.admit = [this](pid_t pid) { return worker_of(pid) >= 0; };  // its workers' process trees only
   h.reap = [this](const ftimer::Expired& e) { reap_expired(e); };
   h.log = [this](const std::string& line) { notice(line); };
   h.event = [this](const std::string& name, const ftimer::Request* r) { watchdog_event(name, r); };

@@ -213,22 +213,25 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       bad(error);
       return;
     }
-    if (!table.apply(*r)) dropped(*r);
+    // A release of a timer never held changes nothing: only new deadlines are checked.
+    if (r->expiration_time >= 0 && hooks.admit && !hooks.admit(r->pid))
+      return dropped(*r, "that process is not one of this agent's workers or their descendants");
+    if (!table.apply(*r))
+      dropped(*r, fmt::format("at most {} timers per process and {} in all are kept", Table::kMaxPerPid,
+                              Table::kMaxTimers));
   }
 
   // At most one line a second (the next one counts those left out).
   std::chrono::steady_clock::time_point last_drop_log{};
   std::size_t unlogged_drops = 0;
-  void dropped(const Request& r) {
+  void dropped(const Request& r, const std::string& why) {
     const auto now = std::chrono::steady_clock::now();
     if (last_drop_log != std::chrono::steady_clock::time_point{} && now - last_drop_log < std::chrono::seconds(1)) {
       ++unlogged_drops;
       return;
     }
     last_drop_log = now;
-    log(fmt::format("FileTimer pipe {}: dropped timer '{}' of pid {}: at most {} timers per process and {} in all are "
-                    "kept{}",
-                    path, r.scope_id, r.pid, Table::kMaxPerPid, Table::kMaxTimers,
+    log(fmt::format("FileTimer pipe {}: dropped timer '{}' of pid {}: {}{}", path, r.scope_id, r.pid, why,
                     unlogged_drops ? fmt::format(" (and {} more dropped in the second before)",
                                                  std::exchange(unlogged_drops, 0))
                                    : ""));

@@ -84,6 +84,10 @@ class Table {
 };
 
 struct ServerHooks {
+  // Whether `pid` may hold timers (the agent: its own workers and their process trees);
+  // a new timer of any other pid is refused with a line (at most one a second), so made-up
+  // pids cannot fill the table and push a real worker's timer out. Null: every pid.
+  std::function<bool(pid_t pid)> admit;
   // Reaps `e.pid` with `e.signal` (> 0); the hook decides (the agent only signals its own
   // workers' processes).
   std::function<void(const Expired& e)> reap;

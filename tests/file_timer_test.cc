@@ -129,14 +129,33 @@ TEST_CASE("FileTimer: timers kept and released run to the end, the agent names i
   CHECK(pipe.starts_with("/tmp/watchdog_timer_"));  // torch's name: a uuid4 after it
   CHECK(pipe.size() == std::string("/tmp/watchdog_timer_").size() + 36);
   CHECK_FALSE(exists(pipe));
-  CHECK_THAT(r.err, Catch::Contains("FileTimer 'forged' of pid"));
-  CHECK_THAT(r.err, Catch::Contains("is not one of this agent's workers: left alone"));
+  CHECK_THAT(r.err, Catch::Contains("dropped timer 'forged' of pid"));
+  CHECK_THAT(r.err, Catch::Contains("that process is not one of this agent's workers or their descendants"));
 
   // Off (the default): no pipe, no variable.
   auto off = run({kMglaunch, "--nproc_per_node=1", "--python=/usr/bin/python3", worker_script()},
                  {{"TORCHELASTIC_ENABLE_FILE_TIMER", "\x01unset"}, {"TORCHELASTIC_TIMER_FILE", "\x01unset"}}, 200s);
   CHECK(off.code == 0);
   CHECK_THAT(off.out, Catch::Contains("no timer file"));
+}
+
+TEST_CASE("FileTimer: timers of made-up pids are refused, so 64 x 1,024 of them cannot push out a real worker's "
+          "timer, which still reaps it") {
+  // The worker (python's stdlib, no torch) writes 65,536 timers of 64 pids that are not
+  // processes (the table's bound in all), then its own 1 s timer, then sleeps 30 s.
+  const std::string dir = make_temp_dir();
+  const std::string pipe = dir + "/timer.pipe";
+  auto r = run({kMglaunch, "--nproc_per_node=1", "--python=/usr/bin/python3", worker_script(), "flood"},
+               {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", pipe}}, 200s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 128 + 9);  // reaped by its own timer's SIGKILL (before: it slept on, exit 0)
+  CHECK_THAT(r.out, Catch::Contains("flooded"));
+  CHECK_THAT(r.out, !Catch::Contains("not reaped"));
+  CHECK_THAT(r.err, Catch::Contains("dropped timer 's0' of pid 900000000: that process is not one of this agent's "
+                                    "workers or their descendants"));
+  CHECK_THAT(r.err, Catch::Contains("rank 0: FileTimer 'step' expired; sending SIGKILL to pid"));
+  CHECK(count_of(r.err, "dropped timer") < 100);  // one line a second at most
+  run({"/bin/rm", "-rf", dir});
 }
 
 TEST_CASE("FileTimer: a TORCHELASTIC_TIMER_FILE that is not a pipe is refused before any worker starts") {

@@ -2,6 +2,7 @@
 # (torch.distributed.elastic.timer) against the agent's FileTimer pipe.
 #   hang:   rank 1 takes a 1 s timer (SIGKILL) and sleeps past it; the others finish
 #   forge:  rank 0 also writes a request that names the agent's pid, already expired
+#   flood:  (no torch) 64 made-up pids x 1,024 timers, then its own 1 s timer; sleeps 30 s
 #   (else)  every rank takes and releases a 60 s timer and finishes
 import json, os, stat, sys, time
 
@@ -11,6 +12,18 @@ if path is None:
     print("no timer file", flush=True)
     sys.exit(0)
 print("pipe %s fifo %s" % (path, stat.S_ISFIFO(os.stat(path).st_mode)), flush=True)
+if sys.argv[1:] == ["flood"]:  # no torch: 64 made-up pids x 1,024 timers, then its own 1 s timer
+    def request(pid, scope, after):
+        return json.dumps({"version": 1, "pid": pid, "scope_id": scope,
+                           "expiration_time": time.time() + after, "signal": 9}) + "\n"
+    with open(path, "w") as pipe:
+        for p in range(64):
+            pipe.write("".join(request(900000000 + p, "s%d" % s, 3600) for s in range(1024)))
+        pipe.write(request(os.getpid(), "step", 1))
+    print("flooded", flush=True)
+    time.sleep(30)
+    print("not reaped", flush=True)
+    sys.exit(0)
 import torch.distributed.elastic.timer as timer
 
 timer.configure(timer.FileTimerClient(path))

@@ -354,7 +354,8 @@ std::optional<nlohmann::json> pending_msg(Pending& p, bool& bad) {
 // Accepts connections on `listener` and hands each one's bytes to `step` as they come, none
 // waiting for another, until `complete()` or `until`. A connection that is not admitted
 // within kPatience, or sends more than its first messages may be, or that `step` refuses,
-// is closed; at most kMaxPending wait at once (the oldest makes room). So strangers that
+// is closed; at most kMaxPending wait at once (the oldest silent one makes room, else the
+// oldest). So strangers that
 // never say a valid hello cost the check neither its time nor a node's place. `step` moves
 // the descriptor of a connection it admits. 1: complete, 0: `until` passed, -1: cancelled.
 int admit(int listener, std::size_t first_need, TimePoint until, int cancel_fd,
@@ -402,7 +403,12 @@ int admit(int listener, std::size_t first_need, TimePoint until, int cancel_fd,
         Fd c(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (!c) break;
         set_nonblocking(c.get());
-        if (pending.size() >= kMaxPending) pending.pop_front();
+        if (pending.size() >= kMaxPending) {
+          // Room: the oldest that has sent nothing yet goes first, so silent connections
+          // never push out a node whose hello is under way; else the oldest.
+          auto silent = std::find_if(pending.begin(), pending.end(), [](const Pending& x) { return x.in.empty() && x.stage == 0; });
+          pending.erase(silent != pending.end() ? silent : pending.begin());
+        }
         Pending p;
         p.fd = std::move(c);
         p.since = Clock::now();

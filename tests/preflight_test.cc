@@ -321,6 +321,29 @@ struct TwoNodes {
   void start_second() {
     second = std::async(std::launch::async, [o = of(1)] { return run(o); });
   }
+  // Starts node 1 and checks that both nodes pass, nobody named.
+  void second_passes() {
+    start_second();
+    const auto r0 = first.get(), r1 = second.get();
+    INFO(r0.line << "\n" << r1.line);
+    CHECK(r0.ok);
+    CHECK(r1.ok);
+    CHECK(r0.named.empty());
+    CHECK_THAT(r0.line, Catch::StartsWith("preflight passed") && Catch::Contains("2 nodes"));
+    CHECK(r0.line == r1.line);
+  }
+  // Starts node 1 alone (5 s time-out) and takes its connection to the coordinator's port,
+  // as a fake coordinator, once its hello came.
+  Sock second_with_fake_coordinator() {
+    base.timeout = 5s;
+    start_second();
+    Sock c(::accept(listener.fd, nullptr, nullptr));
+    REQUIRE(c.fd >= 0);
+    auto hello = read_json(c.fd);
+    REQUIRE(hello);
+    CHECK((*hello)["rank"] == 1);
+    return c;
+  }
 };
 
 const std::string kJobKey = auth::job_key("preflight-test-token", "strangers");
@@ -329,24 +352,18 @@ const std::string kJobKey = auth::job_key("preflight-test-token", "strangers");
 
 TEST_CASE("preflight: silent strangers at the coordinator's port cost a 2-node check nothing, nobody is named") {
   TwoNodes check;
-  // Ten connections that never say a word (before: read one after another, 2 s each, so
-  // node 1's hello came after the 15 s time-out and it was named), and ten that say junk.
+  // 100 connections that never say a word, more than the 64 held at once (before: read one
+  // after another, 2 s each, so with ten node 1's hello came after the 15 s time-out and
+  // it was named), and ten that say junk.
   std::vector<Sock> strangers;
-  for (int i = 0; i < 10; ++i) strangers.push_back(connect_at("127.0.0.2", check.port));
+  for (int i = 0; i < 100; ++i) strangers.push_back(connect_at("127.0.0.2", check.port));
   for (int i = 0; i < 10; ++i) {
     strangers.push_back(connect_at("127.0.0.2", check.port));
     send_json(strangers.back().fd, {{"t", "hello"}, {"job", "another job"}, {"rank", 1}, {"port", 1}});
   }
   check.start_first();
   std::this_thread::sleep_for(100ms);  // the strangers are ahead of node 1 (a pass without this proves less)
-  check.start_second();
-  const auto r0 = check.first.get(), r1 = check.second.get();
-  INFO(r0.line << "\n" << r1.line);
-  CHECK(r0.ok);
-  CHECK(r1.ok);
-  CHECK(r0.named.empty());
-  CHECK_THAT(r0.line, Catch::StartsWith("preflight passed") && Catch::Contains("2 nodes"));
-  CHECK(r0.line == r1.line);
+  check.second_passes();
 }
 
 TEST_CASE("preflight with a token: a forged hello must prove the job key and takes no node's place") {
@@ -368,12 +385,7 @@ TEST_CASE("preflight with a token: a forged hello must prove the job key and tak
   Sock bare = connect_at("127.0.0.2", check.port);
   send_json(bare.fd, {{"t", "hello"}, {"job", "strangers/1"}, {"rank", 1}, {"port", 1}});
   CHECK(closed_within(bare.fd, 10s));
-  check.start_second();
-  const auto r0 = check.first.get(), r1 = check.second.get();
-  INFO(r0.line << "\n" << r1.line);
-  CHECK(r0.ok);
-  CHECK(r1.ok);
-  CHECK(r0.named.empty());
+  check.second_passes();
 }
 
 TEST_CASE("preflight never ends a node with an empty verdict: a lost or unproven coordinator is said") {
@@ -381,13 +393,7 @@ TEST_CASE("preflight never ends a node with an empty verdict: a lost or unproven
   // printed as 'mglaunch: error: ; fix or leave out...').
   {
     TwoNodes check;
-    check.base.timeout = 5s;
-    check.start_second();
-    Sock c(::accept(check.listener.fd, nullptr, nullptr));
-    REQUIRE(c.fd >= 0);
-    auto hello = read_json(c.fd);
-    REQUIRE(hello);
-    CHECK((*hello)["rank"] == 1);
+    Sock c = check.second_with_fake_coordinator();
     ::close(std::exchange(c.fd, -1));
     const auto r1 = check.second.get();
     INFO(r1.line);
@@ -399,12 +405,7 @@ TEST_CASE("preflight never ends a node with an empty verdict: a lost or unproven
   // no one: node 1 says so and stops.
   {
     TwoNodes check(kJobKey);
-    check.base.timeout = 5s;
-    check.start_second();
-    Sock c(::accept(check.listener.fd, nullptr, nullptr));
-    REQUIRE(c.fd >= 0);
-    auto hello = read_json(c.fd);
-    REQUIRE(hello);
+    Sock c = check.second_with_fake_coordinator();
     send_json(c.fd, {{"t", "challenge"}, {"nonce", auth::random_hex(32)}, {"proof", auth::random_hex(32)}});
     const auto r1 = check.second.get();
     INFO(r1.line);

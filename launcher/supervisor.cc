@@ -695,9 +695,11 @@ Actions Supervisor::rendezvous_done(const Now&) {
   return out;
 }
 
-Actions Supervisor::preflight_failed(const std::string& line, const Now& now) {
+Actions Supervisor::preflight_failed(const std::string& given, const Now& now) {
   Actions out;
   if (state_ != State::kWaiting || !attempts_.empty() || leaving_code_) return out;
+  // The check always says why; should it not, the line still says what failed.
+  const std::string line = given.empty() ? std::string("preflight failed without a reason") : given;
   RootCause rc;
   rc.time = time_text(now.wall);
   rc.host = cfg_.host;

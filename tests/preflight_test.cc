@@ -144,6 +144,12 @@ TEST_CASE("a failed preflight ends a run still waiting for its first workers wit
   CHECK(s.exit_code() == 5);
   REQUIRE(s.root_cause());
   CHECK(s.root_cause()->worker.exit_code == 5);
+  // A verdict without a line still says what failed (never 'error: ; fix or leave out').
+  sup::Supervisor e(c);
+  e.start(at(0));
+  out = e.preflight_failed("", at(10));
+  REQUIRE(std::holds_alternative<sup::act::ErrorLine>(out.front()));
+  CHECK_THAT(std::get<sup::act::ErrorLine>(out.front()).text, Catch::StartsWith("preflight failed without a reason; fix"));
   // Once workers ran (an assignment applied), a late verdict changes nothing.
   sup::Supervisor t(c);
   t.start(at(0));

@@ -380,7 +380,7 @@ void WorkerProcess::close_stream(int s) {
   if (!impl_->open[s]) return;
   impl_->open[s] = false;
   const bool live = spec_.console[s] && (console_.live(s) || open_line_[s]);
-  if (live) console_.end_relay(s, this, live_[s]);
+  if (live) console_.end_relay(s, this, live_[s], prefix_);
   open_line_[s] = false;
   impl_->splitters[s]->finish([&](std::string_view line, bool cut) { emit(s, line, cut, spec_.console[s] && !live); });
   if (spec_.tap[s]) spec_.tap[s]({}, true);

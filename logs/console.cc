@@ -238,10 +238,10 @@ void Console::break_line(int q, bool interrupted) {
   // comes back with its next redraw, below what came in between, so two workers' bars
   // share one line instead of one line per update. Anything else (a bar whose worker's
   // output ended, before a notice, everything in a pipe or a file) ends with a newline.
-  if (interrupted && live_[q] && can_clear_ && owner_line_[q]->redrawn)
-    buf_[q].append("\r\x1b[K");
-  else
-    buf_[q].push_back('\n');
+  const bool wipe = interrupted && live_[q] && can_clear_ && owner_line_[q]->redrawn;
+  buf_[q].append(wipe ? "\r\x1b[K" : "\n");
+  owner_line_[q]->wiped = wipe;
+  owner_line_[q]->ended = !wipe;
   owner_line_[q]->at_start = true;
   owner_line_[q]->cr_pending = false;
   owner_line_[q]->redrawn = false;
@@ -267,9 +267,10 @@ void Console::relay(int stream, const void* who, LiveLine& state, std::string_vi
   }
 }
 
-void Console::end_relay(int stream, const void* who, LiveLine& state) {
+void Console::end_relay(int stream, const void* who, LiveLine& state, std::string_view prefix) {
   const int q = queue_of(stream);
   if (owner_line_[q] == &state) break_line(q, false);  // its last state stays
+  else if (state.wiped) relay(stream, who, state, prefix, "\n");  // a wiped bar shows its last state again
   state = LiveLine{};
 }
 

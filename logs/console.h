@@ -74,8 +74,9 @@ class Console {
   bool timestamps() const { return timestamps_; }
   // Live output of one worker stream (`who` and its `state` identify it): see above.
   void relay(int stream, const void* who, LiveLine& state, std::string_view prefix, std::string_view data);
-  // The worker stream ended: its open line, if any, gets its newline.
-  void end_relay(int stream, const void* who, LiveLine& state);
+  // The worker stream ended: its open line, if any, gets its newline; a progress bar that
+  // another worker's output wiped shows its last state again, on a line of its own.
+  void end_relay(int stream, const void* who, LiveLine& state, std::string_view prefix);
   // The terminal echoed typed input that ended with a newline: the cursor is at the start
   // of a line, so an open line is closed without writing anything.
   void input_echoed();

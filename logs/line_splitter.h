@@ -151,6 +151,32 @@ struct LiveLine {
   bool at_start = true;     // the cursor is at the start of a visual line: the prefix is still to come
   bool cr_pending = false;  // the last byte was '\r': a new visual line, unless '\n' follows (CRLF)
   bool redrawn = false;     // the line is being redrawn after a '\r' (a progress bar) since its last '\n'
+  // The console ended this open line for its worker (Console::break_line, when another
+  // worker wrote): `ended` with a newline, so a '\n' that comes next is written already;
+  // `wiped` (a progress bar erased), so what comes next, unless a redraw ('\r'), shows
+  // the bar's last state (`shown`) again first.
+  bool ended = false;
+  bool wiped = false;
+  // The text of the current visual line since its prefix, while at most kShownMax bytes
+  // (`shown_lost` beyond): what a wiped bar shows again.
+  std::string shown;
+  bool shown_lost = false;
+  static constexpr std::size_t kShownMax = 4096;
+
+  // `text` went out on the current visual line (`fresh`: it starts that line).
+  void note_shown(std::string_view text, bool fresh) {
+    if (fresh) {
+      shown.clear();
+      shown_lost = false;
+    }
+    if (shown_lost) return;
+    if (shown.size() + text.size() > kShownMax) {
+      shown.clear();
+      shown_lost = true;
+      return;
+    }
+    shown.append(text);
+  }
 };
 
 // Appends to `out` what a terminal gets for `data` from one worker stream, at once (a
@@ -160,13 +186,30 @@ struct LiveLine {
 // A '\r' at the end of `data` waits for the next piece (it may be a CRLF).
 // Without a prefix (raw lines) the bytes go out exactly as they came. Pure.
 inline void live_relay(std::string& out, LiveLine& st, std::string_view prefix, std::string_view data) {
+  if ((st.ended || st.wiped) && !data.empty()) {
+    // The console ended this line when another worker wrote (see LiveLine). A wiped bar's
+    // last state comes back unless the worker redraws it; a newline that only ends the
+    // line is not written again (it would leave an empty line with the prefix).
+    const bool restore = st.wiped && data.front() != '\r' && !st.shown_lost && !st.shown.empty();
+    st.ended = st.wiped = false;
+    if (restore) {
+      out.append(prefix);
+      out.append(st.shown);
+      st.at_start = false;
+    } else if (data.front() == '\n') {
+      data.remove_prefix(1);
+    }
+  }
   if (prefix.empty()) {
     if (data.empty()) return;
     out.append(data);
     const void* nl = ::memrchr(data.data(), '\n', data.size());
     const std::size_t from = nl ? static_cast<std::size_t>(static_cast<const char*>(nl) - data.data()) + 1 : 0;
     if (nl) st.redrawn = false;
-    if (data.find('\r', from) != std::string_view::npos) st.redrawn = true;
+    const std::size_t cr = data.rfind('\r');
+    if (cr != std::string_view::npos && cr >= from) st.redrawn = true;
+    const std::size_t line_from = cr != std::string_view::npos && cr + 1 > from ? cr + 1 : from;
+    st.note_shown(data.substr(line_from), line_from > 0 || st.at_start);
     st.at_start = data.back() == '\n';
     return;
   }
@@ -188,6 +231,7 @@ inline void live_relay(std::string& out, LiveLine& st, std::string_view prefix, 
     const std::string_view text = data.substr(0, stop);
     if (!text.empty()) {
       if (st.at_start) out.append(prefix);
+      st.note_shown(text, st.at_start);
       st.at_start = false;
       out.append(text);
     }

@@ -585,6 +585,32 @@ TEST_CASE("on a terminal two workers' progress bars share one line: an interrupt
         std::string::npos);
 }
 
+TEST_CASE("on a terminal wiped progress bars keep their last state when they end, by a lone newline or with their output") {
+  // tqdm ends a bar with its last draw, then a "\n" of its own: when another worker's bar
+  // wiped it in between, that newline shows the bar's last state again (it printed an
+  // empty "[rank1]:" line before). Rank 0's bar, wiped by that line, ends with its output.
+  const std::string dir = make_temp_dir();
+  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
+             "w() { i=0; while [ ! -e " + dir + "/$1 ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; }\n"
+             "if [ $RANK = 0 ]; then printf '\\rA 1'; w s1; printf '\\rA 2'; w s3;\n"
+             "else w s0; printf '\\rB 1'; w s2; printf '\\n'; fi"},
+            {{"TERM", "xterm"}});
+  REQUIRE(p.wait_for("[rank0]:A 1", 60s));
+  write_text(dir + "/s0", "");
+  REQUIRE(p.wait_for("[rank1]:B 1", 60s));
+  write_text(dir + "/s1", "");
+  REQUIRE(p.wait_for("[rank0]:A 2", 60s));
+  write_text(dir + "/s2", "");
+  REQUIRE(p.wait_for("[rank1]:B 1\n", 60s));
+  write_text(dir + "/s3", "");
+  CHECK(p.wait_exit(60s) == 0);
+  const std::string t = p.text();
+  INFO(t);
+  CHECK(t.find("[rank0]:A 1\r\x1b[K[rank1]:B 1\r\x1b[K[rank0]:A 2\r\x1b[K[rank1]:B 1\n[rank0]:A 2\n") !=
+        std::string::npos);
+  CHECK(t.find("]:\n") == std::string::npos);
+}
+
 TEST_CASE("the --log-line-prefix-template flag sets the prefix as torchrun's and an empty one gives raw lines") {
   auto r = run({kMglaunch, "--nproc_per_node=2", "--role", "trainer",
                 "--log-line-prefix-template=[${role_name}${rank}|${local_rank}]:", "--no_python", "/bin/sh", "-c",

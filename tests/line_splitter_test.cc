@@ -112,6 +112,42 @@ TEST_CASE("live relay marks a line redrawn after a carriage return, and raw line
   CHECK_FALSE(raw.redrawn);
 }
 
+TEST_CASE("live relay after the console ended a line: a lone newline is not written twice, a wiped bar comes back") {
+  std::string out;
+  mg::LiveLine st;
+  mg::live_relay(out, st, "P:", "half");
+  st = mg::LiveLine{.at_start = true, .ended = true};  // as Console::break_line leaves it
+  out.clear();
+  mg::live_relay(out, st, "P:", "\n");
+  CHECK(out.empty());  // the console wrote that newline already: no empty "P:" line
+  mg::live_relay(out, st, "P:", "\n");
+  CHECK(out == "P:\n");  // a second one is the worker's own empty line
+  // A bar wiped by another worker's output: its newline shows its last state again.
+  mg::LiveLine bar;
+  out.clear();
+  mg::live_relay(out, bar, "P:", "\r10%\r20%");
+  bar.at_start = true;
+  bar.wiped = true;
+  bar.redrawn = false;
+  out.clear();
+  mg::live_relay(out, bar, "P:", "\n");
+  CHECK(out == "P:20%\n");
+  // A redraw after the wipe draws afresh; raw lines (no prefix) restore the same way.
+  bar.at_start = true;
+  bar.wiped = true;
+  out.clear();
+  mg::live_relay(out, bar, "P:", "\r30%");
+  CHECK(out == "P:30%");
+  mg::LiveLine raw;
+  out.clear();
+  mg::live_relay(out, raw, "", "a\rb 1");
+  raw.at_start = true;
+  raw.wiped = true;
+  out.clear();
+  mg::live_relay(out, raw, "", "\n");
+  CHECK(out == "b 1\n");
+}
+
 TEST_CASE("the line prefix template substitutes role_name, rank and local_rank as Python's safe_substitute") {
   CHECK(mg::expand_line_prefix("[${role_name}${rank}]:", "default", 3, 1) == "[default3]:");
   CHECK(mg::expand_line_prefix("$rank/$local_rank ", "r", 12, 4) == "12/4 ");

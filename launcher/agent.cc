@@ -192,12 +192,7 @@ void Agent::start() {
     wait_winch();
   }
   python_run_ = opts_.module || (!opts_.no_python && (opts_.run_path || opts_.program.ends_with(".py")));
-  if (opts_.stdin_rank >= 0 && ::isatty(STDIN_FILENO) == 1) {
-    ::signal(SIGTTIN, SIG_IGN);  // in the background a read of the terminal fails instead of stopping us
-    stdin_relay_ = std::make_unique<StdinRelay>(io_, STDIN_FILENO, [this](std::string_view input) {
-      if (!input.empty() && input.back() == '\n') console_.input_echoed();
-    });
-  }
+  stdin_terminal_ = opts_.stdin_rank >= 0 && ::isatty(STDIN_FILENO) == 1;
   // The subreaper, the reaper and the watchdog; a temporary tree nobody was told of goes
   // with the watchdog when the agent is killed.
   launcher_->prepare(logs_.kept() ? std::string() : logs_.root(), [this](const std::string& text) { notice(text); });
@@ -467,16 +462,11 @@ void Agent::spawn_worker(int lr) {
     WorkerSpec spec = attempt_spec(lr);
     std::error_code ec;
     fs::remove(attempt_dir(lr) + "/error.json", ec);  // a stale file from an earlier run must not be taken as this one's
-    int stdin_pipe = -1;
     if (lr == opts_.stdin_rank) {
-      if (stdin_relay_) {
-        std::string error;
-        stdin_pipe = stdin_relay_->open_pipe(error);
-        if (stdin_pipe < 0) notice(error + "; the worker reads /dev/null");
-        spec.stdin_fd = stdin_pipe;
-      } else {
-        spec.stdin_fd = STDIN_FILENO;  // a file or a pipe: passed on as it is
-      }
+      // A file or a pipe is passed on as it is; a terminal too, and the worker joins the
+      // agent's process group, the terminal's foreground job when the agent is in it.
+      spec.stdin_fd = STDIN_FILENO;
+      spec.in_agent_group = stdin_terminal_;
     }
     if (worker_nofile_) spec.nofile = &*worker_nofile_;
     if (!bindings_.empty()) spec.cpus = bindings_[static_cast<std::size_t>(lr)].cpus;
@@ -485,7 +475,6 @@ void Agent::spawn_worker(int lr) {
       trace_->instant(fmt::format("spawn rank {}", plan_.rank_offset + lr), "worker", TraceWriter::worker_tid(lr),
                       {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", pid},
                        {"attempt", core_.restart_count()}});
-    if (stdin_pipe >= 0) ::close(stdin_pipe);  // the worker holds it now
   }
 }
 
@@ -857,7 +846,6 @@ bool Agent::prestart_stop_before_finish(int code) {
 
 void Agent::on_worker_done(const WorkerEnd& w) {
   if (control_) control_->forget(w.local_rank);  // (its connection ended with it)
-  if (stdin_relay_ && w.local_rank == opts_.stdin_rank) stdin_relay_->close_pipe();
   const WorkerOutcome o = outcome_of(w);
   // The core says whether this exit is the root cause (act::WorkerEnded) and asks for its
   // details only then.
@@ -1021,7 +1009,6 @@ void Agent::finish(int code) {
   signals_.cancel(ec);
   job_control_.cancel(ec);
   winch_.cancel(ec);
-  if (stdin_relay_) stdin_relay_->close_pipe();
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);

@@ -39,7 +39,6 @@
 #include "launcher/plan.h"
 #include "launcher/port.h"
 #include "launcher/report.h"
-#include "logs/stdin_relay.h"
 #include "launcher/supervisor.h"
 #include "launcher/worker_launcher.h"
 #include "proto/messages.h"
@@ -143,7 +142,9 @@ class Agent {
   // SIGWINCH (the terminal was resized): passed to the workers' pseudo-terminals.
   boost::asio::signal_set winch_;
   void wait_winch();
-  std::unique_ptr<StdinRelay> stdin_relay_;  // the agent's stdin is a terminal: relayed to --stdin-rank
+  // The agent's stdin is a terminal: the worker of --stdin-rank reads it itself, in the
+  // agent's process group (WorkerSpec::in_agent_group).
+  bool stdin_terminal_ = false;
   bool python_run_ = false;  // the program runs under opts_.python
   bool merge_streams_ = false;  // the agent's stdout and stderr are one file: one pipe per worker
   std::optional<struct rlimit> worker_nofile_;  // the original limit, when the agent raised its own

@@ -523,7 +523,8 @@ Actions Supervisor::job_control(int sig, const Now& now) {
   std::fill(stopped_since_.begin(), stopped_since_.end(), Clock::time_point::max());
   if (sig == SIGTSTP) {
     // Ctrl-Z: the workers first (they are in process groups of their own, the terminal
-    // stopped only us), then the agent, as the shell expects of its job.
+    // stopped only us and the stdin rank in our group), then the agent, as the shell
+    // expects of its job.
     out.push_back(act::SignalWorkers{SIGSTOP, true, std::nullopt});
     trace("stopped (SIGTSTP)", "signal", {{"signal", sig}}, out);
     out.push_back(act::PauseOutputDrains{});

@@ -43,9 +43,14 @@ void WorkerGroup::signal(int sig, bool escaped) {
 }
 
 void WorkerGroup::signal_escaped(int sig, const std::vector<ProcStat>& table) {
+  // The agent's own group holds the family of a worker in it (WorkerSpec::in_agent_group),
+  // which that worker's signal_group() reached already.
+  const bool family_in_agent_group =
+      std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->spec().in_agent_group; });
+  const pid_t agent_group = ::getpgrp();
   for (const auto& p : descendants_of(table, ::getpid())) {
     if (p.pid == watchdog_.pid()) continue;
-    const bool in_worker_group = leaders_.contains(p.pgrp);
+    const bool in_worker_group = leaders_.contains(p.pgrp) || (family_in_agent_group && p.pgrp == agent_group);
     if (!in_worker_group && !is_live_leader(p.pid)) ::kill(p.pid, sig);
   }
 }
@@ -85,11 +90,13 @@ void WorkerGroup::retire(const std::vector<int>& keep) {
     spared.insert(w->pid());
     for (const auto& p : descendants_of(table, w->pid())) spared.insert(p.pid);
   }
+  const pid_t agent_group = ::getpgrp();
   for (const auto& p : descendants_of(table, self)) {
     if (is_live_leader(p.pid) || p.pid == watchdog_.pid() || spared.contains(p.pid)) continue;
     bool in_kept_group = false;
     for (auto& w : workers_)
-      if (p.pgrp == w->pid() && spared.contains(w->pid())) in_kept_group = true;
+      if (spared.contains(w->pid()) && p.pgrp == (w->spec().in_agent_group ? agent_group : w->pid()))
+        in_kept_group = true;
     if (!in_kept_group) ::kill(p.pid, SIGKILL);
   }
   for (auto& p : workers_) {

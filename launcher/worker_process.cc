@@ -169,6 +169,7 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     req.fds[2] = spec_.merge_streams ? ends[0][1] : ends[1][1];
     req.cpus = spec_.cpus.empty() ? nullptr : &cpu_set;
     req.nofile = spec_.nofile;
+    req.own_group = !spec_.in_agent_group;
     SpawnError error;
     pid_ = spawn_process(req, error);
     if (pid_ < 0) {
@@ -207,7 +208,8 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
 WorkerProcess::~WorkerProcess() {
   alive_.reset();  // before the pipes close: the reads they cancel find the handle gone
   if (pid_ > 0 && !exited_) {
-    ::killpg(pid_, SIGKILL);
+    if (spec_.in_agent_group) signal_family(SIGKILL);
+    else ::killpg(pid_, SIGKILL);
     int status = 0;
     while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {  // SIGKILL cannot be ignored
     }
@@ -217,8 +219,19 @@ WorkerProcess::~WorkerProcess() {
   console_.forget(this);
 }
 
+void WorkerProcess::signal_family(int sig) {
+  if (!exited_) ::kill(pid_, sig);  // (an unreaped pid is still ours)
+  const pid_t self = ::getpid(), group = ::getpgrp();
+  for (const auto& p : descendants_of(scan_family(self), self))
+    if (p.pgrp == group && p.pid != pid_) ::kill(p.pid, sig);
+}
+
 void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* groups) {
   if (pid_ <= 0) return;
+  if (spec_.in_agent_group) {
+    signal_family(sig);
+    return;
+  }
   if (!exited_) {  // the unreaped leader holds the group id: it cannot name another group
     ::killpg(pid_, sig);
     return;
@@ -241,7 +254,7 @@ void WorkerProcess::window_changed() {
     any = true;
   }
   // The pty is nobody's controlling terminal, so the kernel tells no one: the agent does.
-  if (any && pid_ > 0 && !exited_) ::killpg(pid_, SIGWINCH);
+  if (any && pid_ > 0 && !exited_) signal_group(SIGWINCH);
 }
 
 void WorkerProcess::reassign(int rank, const std::string& prefix) {

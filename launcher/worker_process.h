@@ -47,6 +47,12 @@ struct WorkerSpec {
   std::size_t tail_lines = 10;       // last stderr lines kept for the failure report
   std::vector<int> cpus;             // CPU affinity set in the child (--cpu-bind); empty: inherited
   int stdin_fd = -1;                 // the worker's stdin (the agent keeps it open); -1: /dev/null
+  // The worker stays in the agent's process group instead of taking its own: the stdin
+  // rank when the agent's stdin is a terminal, so that it is in the terminal's foreground
+  // job with the agent, as torchrun's workers are (getpass, pdb, isatty(0); Ctrl-C and
+  // Ctrl-Z reach it from the terminal). It is then signalled with its descendants in that
+  // group, one by one, never through the group (the agent, or a pipeline's other programs).
+  bool in_agent_group = false;
   bool merge_streams = false;        // stderr into the stdout pipe (the agent's stdout and stderr are one file)
   std::string prefix;                // put before each relayed line, e.g. "[rank3]:"
   // A stream relayed to a terminal comes through a pseudo-terminal of its own, sized like
@@ -72,7 +78,9 @@ class WorkerProcess {
   // Sends `sig` to the worker's process group as long as any member of it lives, also
   // after the leader was reaped (a member is then one of the agent's descendants).
   // `groups`: the result of descendant_groups() for the agent, computed once by a caller
-  // that signals many workers; nullptr: scan /proc here when needed.
+  // that signals many workers; nullptr: scan /proc here when needed. A worker in the
+  // agent's group (in_agent_group): the worker and every descendant of the agent in the
+  // agent's group (its family: every other process the agent starts has a group of its own).
   void signal_group(int sig, const std::unordered_set<pid_t>* groups = nullptr);
   // SIGKILLs what is left of the process group (stragglers of a finished worker).
   void kill_stragglers(const std::unordered_set<pid_t>* groups = nullptr) { signal_group(SIGKILL, groups); }
@@ -103,6 +111,7 @@ class WorkerProcess {
 
  private:
   struct Stream;
+  void signal_family(int sig);  // signal_group() of a worker in the agent's group
   void read_more(int s);
   void on_data(int s, std::string_view data);
   void emit(int s, std::string_view line, bool cut, bool to_console);

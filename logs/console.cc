@@ -274,17 +274,6 @@ void Console::end_relay(int stream, const void* who, LiveLine& state, std::strin
   state = LiveLine{};
 }
 
-void Console::input_echoed() {
-  for (int q = 0; q < 2; ++q) {
-    if (!owner_[q] || !live_[q]) continue;
-    owner_line_[q]->at_start = true;
-    owner_line_[q]->cr_pending = false;
-    owner_line_[q]->redrawn = false;
-    owner_[q] = nullptr;
-    owner_line_[q] = nullptr;
-  }
-}
-
 void Console::forget(const void* who) {
   for (int q = 0; q < 2; ++q)
     if (owner_[q] == who) {

@@ -77,9 +77,6 @@ class Console {
   // The worker stream ended: its open line, if any, gets its newline; a progress bar that
   // another worker's output wiped shows its last state again, on a line of its own.
   void end_relay(int stream, const void* who, LiveLine& state, std::string_view prefix);
-  // The terminal echoed typed input that ended with a newline: the cursor is at the start
-  // of a line, so an open line is closed without writing anything.
-  void input_echoed();
   // `who` is going away: forget it (without writing anything).
   void forget(const void* who);
   // Writes (or queues) what is buffered; called after each batch of lines from one read.

@@ -13,8 +13,10 @@
 //   print T | eprint T  print T on stdout / stderr; print-nonl T: no newline
 //   tty                 print "tty in=I out=O err=E size=COLSxROWS" (isatty of 0, 1, 2; the
 //                       window size of stdout, "none" when it has none)
-//   winch SECS          print "waiting for SIGWINCH", wait for it (exit 8 after SECS), then
-//                       print "winch size=COLSxROWS"
+//   winch SECS          print "waiting for SIGWINCH", wait for one after which stdout's size
+//                       differs from the first (exit 8 after SECS), then print
+//                       "winch size=COLSxROWS" (the stdin rank gets the terminal's own
+//                       SIGWINCH too, maybe before the agent resized its pseudo-terminal)
 //   eprint-lines N      write N lines "err <i>" to stderr in one write() (one read for the agent)
 //   error-file MSG      write a torchelastic error file with MSG to $TORCHELASTIC_ERROR_FILE
 //   pidfile PATH        append our pid to PATH
@@ -51,6 +53,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -200,17 +203,24 @@ int main(int argc, char** argv) {
       std::printf("%s\n", arg());
       std::fflush(stdout);
     } else if (cmd == "tty" || cmd == "winch") {
+      winsize ws{};
       if (cmd == "winch") {
         sigset_t set;
         sigemptyset(&set);
         sigaddset(&set, SIGWINCH);
         ::sigprocmask(SIG_BLOCK, &set, nullptr);
+        winsize first{};
+        ::ioctl(1, TIOCGWINSZ, &first);
         std::printf("waiting for SIGWINCH\n");
         std::fflush(stdout);
-        const timespec limit{std::atol(arg()), 0};
-        if (::sigtimedwait(&set, nullptr, &limit) != SIGWINCH) return 8;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(std::atol(arg()));
+        for (;;) {
+          const auto left = std::chrono::duration_cast<std::chrono::seconds>(until - std::chrono::steady_clock::now());
+          const timespec limit{std::max<long>(left.count(), 0), 0};
+          if (left.count() <= 0 || ::sigtimedwait(&set, nullptr, &limit) != SIGWINCH) return 8;
+          if (::ioctl(1, TIOCGWINSZ, &ws) == 0 && (ws.ws_col != first.ws_col || ws.ws_row != first.ws_row)) break;
+        }
       }
-      winsize ws{};
       const std::string size = ::ioctl(1, TIOCGWINSZ, &ws) == 0
                                    ? std::to_string(ws.ws_col) + "x" + std::to_string(ws.ws_row)
                                    : std::string("none");

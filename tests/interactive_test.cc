@@ -302,6 +302,99 @@ TEST_CASE("on a terminal the stdin rank runs pdb: its prompt shows at once and t
   CHECK(p.text().find("[rank1]:rank1 read ''\n") != std::string::npos);  // the others read /dev/null
 }
 
+namespace {
+
+// A Python worker for the stdin rank: `before` (Python lines) runs first, then a getpass
+// prompt, then it prints what it read and whether stdin, stdout and stderr are terminals.
+// Every other rank prints "idle" and exits.
+std::vector<std::string> getpass_job(const std::string& before, std::vector<std::string> flags = {}) {
+  std::vector<std::string> argv{kMglaunch, "--nproc_per_node=2"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  for (const char* a : {"--no_python", "/usr/bin/python3", "-c"}) argv.emplace_back(a);
+  argv.push_back("import getpass, os, sys\n"
+                 "if os.environ['LOCAL_RANK'] != '0':\n"
+                 "    print('idle')\n"
+                 "    sys.exit(0)\n" +
+                 before +
+                 "pw = getpass.getpass('pw: ')\n"
+                 "print('got', pw, 'tty', sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty())\n");
+  return argv;
+}
+
+}  // namespace
+
+TEST_CASE("on a terminal the stdin rank's getpass shows its prompt, reads the answer unechoed, and all three are terminals") {
+  // The stdin rank is in the terminal's foreground job, with the terminal as its stdin:
+  // getpass opens /dev/tty and turns echo off, which a worker in a background process
+  // group could not (it was stopped by SIGTTOU, and the job hung).
+  PtyProc p(getpass_job(""));
+  REQUIRE(p.wait_for("pw: ", 60s));
+  p.type("s3cret\n");
+  CHECK(p.wait_exit(60s) == 0);
+  const std::string t = p.text();
+  INFO(t);
+  CHECK(t.find("[rank0]:got s3cret tty True True True\n") != std::string::npos);
+  CHECK(t.find("[rank1]:idle") != std::string::npos);  // (the prompt, written to the terminal directly, may follow)
+  CHECK(t.find("s3cret") == t.find("got s3cret") + 4);  // not echoed as it was typed
+}
+
+TEST_CASE("on a terminal Ctrl-Z and fg stop and resume the job with the stdin rank in the foreground, which then reads") {
+  const std::string dir = make_temp_dir();
+  const std::string go = dir + "/go";
+  PtyProc p(getpass_job("import time\n"
+                        "print('up', os.getpid(), flush=True)\n"
+                        "for _ in range(1200):\n"
+                        "    if os.path.exists('" + go + "'): break\n"
+                        "    time.sleep(0.05)\n"));
+  REQUIRE(p.wait_for("[rank0]:up ", 60s));
+  const auto at = p.text().find("[rank0]:up ");
+  const pid_t worker = static_cast<pid_t>(std::stol(p.text().substr(at + 11)));
+  p.type("\x1a");  // Ctrl-Z: the terminal stops the foreground job, the agent and the stdin rank
+  int st = 0;
+  REQUIRE(eventually([&] { return ::waitpid(p.pid, &st, WNOHANG | WUNTRACED) == p.pid; }, 30s));
+  CHECK(WIFSTOPPED(st));
+  CHECK(eventually([&] { return stopped(worker); }, 30s));
+  write_text(go, "");
+  ::kill(-p.pid, SIGCONT);  // fg: the shell continues the job's process group
+  REQUIRE(p.wait_for("pw: ", 60s));
+  p.type("after-fg\n");
+  CHECK(p.wait_exit(60s) == 0);
+  INFO(p.text());
+  CHECK(p.text().find("[rank0]:got after-fg tty True True True\n") != std::string::npos);
+}
+
+TEST_CASE("on a terminal a restarted stdin rank is in the foreground again and its getpass reads the answer") {
+  PtyProc p(getpass_job("if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+                        "    sys.exit(3)\n",
+                        {"--max-restarts=1"}));
+  REQUIRE(p.wait_for("pw: ", 90s));
+  p.type("again\n");
+  CHECK(p.wait_exit(60s) == 0);
+  const std::string t = p.text();
+  INFO(t);
+  CHECK(t.find("[rank0]:got again tty True True True\n") != std::string::npos);
+}
+
+TEST_CASE("on a terminal Ctrl-C at the stdin rank's prompt still stops every worker and the run ends with 130") {
+  const std::string dir = make_temp_dir();
+  KillList kill_list{dir + "/pids"};
+  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/usr/bin/python3", "-c",
+             "import os, time\n"
+             "open('" + kill_list.pidfile + "', 'a').write(f'{os.getpid()}\\n')\n"
+             "if os.environ['LOCAL_RANK'] == '0':\n"
+             "    input('name? ')\n"
+             "else:\n"
+             "    print('waiting', flush=True)\n"
+             "    time.sleep(120)\n"});
+  REQUIRE(p.wait_for("[rank0]:name? ", 60s));
+  REQUIRE(p.wait_for("[rank1]:waiting", 60s));
+  p.type("\x03");  // Ctrl-C
+  CHECK(p.wait_exit(60s) == 128 + SIGINT);
+  INFO(p.text());
+  CHECK(p.text().find("got SIGINT: stopping the workers") != std::string::npos);
+  for (pid_t w : read_pids(kill_list.pidfile)) CHECK_FALSE(pid_alive(w));
+}
+
 TEST_CASE("the --stdin-rank flag picks the worker that reads the terminal, none gives every worker /dev/null") {
   const std::string prog = "read line; echo \"rank $RANK got [$line]\"";
   SECTION("--stdin-rank 1") {
@@ -525,18 +618,19 @@ TEST_CASE("on a terminal each worker writes to a pseudo-terminal as wide as the 
   const std::string t = p.text();
   INFO(t);
   // "[rankN]:" takes 8 columns of each line: a full-width line of the worker still fits.
-  for (const char* line : {"[rank0]:tty in=0 out=1 err=1 size=115x45\n", "[rank1]:tty in=0 out=1 err=1 size=115x45\n",
+  // Rank 0, the stdin rank, reads the terminal itself; rank 1 reads /dev/null.
+  for (const char* line : {"[rank0]:tty in=1 out=1 err=1 size=115x45\n", "[rank1]:tty in=0 out=1 err=1 size=115x45\n",
                            "[rank0]:winch size=91x33\n", "[rank1]:winch size=91x33\n"})
     CHECK(t.find(line) != std::string::npos);
   // A time stamp takes 24 more; a window narrower than what a line's start takes leaves 1.
   size.ws_col = 123;
   PtyProc stamped({kMglaunch, "--timestamps", "--no_python", kFakeWorker, "tty"}, {}, &size);
   CHECK(stamped.wait_exit(60s) == 0);
-  CHECK_THAT(stamped.text(), Catch::Contains("[rank0]:tty in=0 out=1 err=1 size=91x33\n"));
+  CHECK_THAT(stamped.text(), Catch::Contains("[rank0]:tty in=1 out=1 err=1 size=91x33\n"));
   size.ws_col = 5;
   PtyProc narrow({kMglaunch, "--no_python", kFakeWorker, "tty"}, {}, &size);
   CHECK(narrow.wait_exit(60s) == 0);
-  CHECK_THAT(narrow.text(), Catch::Contains("tty in=0 out=1 err=1 size=1x33\n"));
+  CHECK_THAT(narrow.text(), Catch::Contains("tty in=1 out=1 err=1 size=1x33\n"));
 }
 
 TEST_CASE("on a terminal a worker's pager prints instead of waiting for keys nobody types, unless the user chose one") {
@@ -550,7 +644,7 @@ TEST_CASE("on a terminal a stream that also goes to a log file (--tee) is a pipe
   const std::string dir = make_temp_dir();
   PtyProc p({kMglaunch, "--log_dir", dir, "--tee", "1", "--no_python", kFakeWorker, "tty"});
   CHECK(p.wait_exit(60s) == 0);
-  CHECK_THAT(p.text(), Catch::Contains("[rank0]:tty in=0 out=0 err=1 size=none\n"));
+  CHECK_THAT(p.text(), Catch::Contains("[rank0]:tty in=1 out=0 err=1 size=none\n"));
 }
 
 TEST_CASE("on a terminal a progress bar keeps its last state when its worker's output ends") {

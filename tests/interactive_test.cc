@@ -305,7 +305,8 @@ TEST_CASE("on a terminal the stdin rank runs pdb: its prompt shows at once and t
 namespace {
 
 // A Python worker for the stdin rank: `before` (Python lines) runs first, then a getpass
-// prompt, then it prints what it read and whether stdin, stdout and stderr are terminals.
+// prompt, then it prints what it read and whether stdin, stdout and stderr are terminals
+// (each line in one print of one string: one write, never cut by another worker's line).
 // Every other rank prints "idle" and exits.
 std::vector<std::string> getpass_job(const std::string& before, std::vector<std::string> flags = {}) {
   std::vector<std::string> argv{kMglaunch, "--nproc_per_node=2"};
@@ -317,7 +318,7 @@ std::vector<std::string> getpass_job(const std::string& before, std::vector<std:
                  "    sys.exit(0)\n" +
                  before +
                  "pw = getpass.getpass('pw: ')\n"
-                 "print('got', pw, 'tty', sys.stdin.isatty(), sys.stdout.isatty(), sys.stderr.isatty())\n");
+                 "print(f'got {pw} tty {sys.stdin.isatty()} {sys.stdout.isatty()} {sys.stderr.isatty()}')\n");
   return argv;
 }
 
@@ -342,11 +343,13 @@ TEST_CASE("on a terminal Ctrl-Z and fg stop and resume the job with the stdin ra
   const std::string dir = make_temp_dir();
   const std::string go = dir + "/go";
   PtyProc p(getpass_job("import time\n"
-                        "print('up', os.getpid(), flush=True)\n"
+                        "print(f'up {os.getpid()}', flush=True)\n"
                         "for _ in range(1200):\n"
                         "    if os.path.exists('" + go + "'): break\n"
                         "    time.sleep(0.05)\n"));
-  REQUIRE(p.wait_for("[rank0]:up ", 60s));
+  const bool up = p.wait_for("[rank0]:up ", 60s);
+  INFO(p.text());
+  REQUIRE(up);
   const auto at = p.text().find("[rank0]:up ");
   const pid_t worker = static_cast<pid_t>(std::stol(p.text().substr(at + 11)));
   p.type("\x1a");  // Ctrl-Z: the terminal stops the foreground job, the agent and the stdin rank

@@ -659,24 +659,36 @@ TEST_CASE("on a terminal a progress bar keeps its last state when its worker's o
   CHECK(t.find("\x1b[K") == std::string::npos);
 }
 
-TEST_CASE("on a terminal two workers' progress bars share one line: an interrupted bar is wiped, not ended") {
+namespace {
+
+// Two workers taking turns on a terminal (TERM=xterm): rank 0 runs the sh commands
+// `rank0`, rank 1 `rank1`, where `w NAME` waits for the file NAME; `steps` are, in turn,
+// the output awaited and the file then made. The whole output ("\r\n" as "\n"), once the
+// run ended with exit 0.
+std::string take_turns(const std::string& rank0, const std::string& rank1,
+                       const std::vector<std::pair<std::string, std::string>>& steps) {
   const std::string dir = make_temp_dir();
-  // In turn: rank 0 draws, rank 1 draws, rank 0 redraws, rank 1 ends its bar, rank 0 ends its bar.
   PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
              "w() { i=0; while [ ! -e " + dir + "/$1 ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; }\n"
-             "if [ $RANK = 0 ]; then printf '\\rA 1'; w s2; printf '\\rA 2'; w s4; printf '\\rA done\\n';\n"
-             "else w s1; printf '\\rB 1'; w s3; printf '\\rB done\\n'; fi"},
+             "if [ $RANK = 0 ]; then " + rank0 + "\nelse " + rank1 + "\nfi"},
             {{"TERM", "xterm"}});
-  REQUIRE(p.wait_for("[rank0]:A 1", 60s));
-  write_text(dir + "/s1", "");
-  REQUIRE(p.wait_for("[rank1]:B 1", 60s));
-  write_text(dir + "/s2", "");
-  REQUIRE(p.wait_for("[rank0]:A 2", 60s));
-  write_text(dir + "/s3", "");
-  REQUIRE(p.wait_for("[rank1]:B done\n", 60s));
-  write_text(dir + "/s4", "");
+  for (const auto& [awaited, file] : steps) {
+    INFO(p.text());
+    REQUIRE(p.wait_for(awaited, 60s));
+    write_text(dir + "/" + file, "");
+  }
   CHECK(p.wait_exit(60s) == 0);
-  const std::string t = p.text();
+  return p.text();
+}
+
+}  // namespace
+
+TEST_CASE("on a terminal two workers' progress bars share one line: an interrupted bar is wiped, not ended") {
+  // In turn: rank 0 draws, rank 1 draws, rank 0 redraws, rank 1 ends its bar, rank 0 ends its bar.
+  const std::string t = take_turns("printf '\\rA 1'; w s2; printf '\\rA 2'; w s4; printf '\\rA done\\n'",
+                                   "w s1; printf '\\rB 1'; w s3; printf '\\rB done\\n'",
+                                   {{"[rank0]:A 1", "s1"}, {"[rank1]:B 1", "s2"}, {"[rank0]:A 2", "s3"},
+                                    {"[rank1]:B done\n", "s4"}});
   INFO(t);
   CHECK(t.find("[rank0]:A 1\r\x1b[K[rank1]:B 1\r\x1b[K[rank0]:A 2\r\x1b[K[rank1]:B done\n[rank0]:A done\n") !=
         std::string::npos);
@@ -686,22 +698,10 @@ TEST_CASE("on a terminal wiped progress bars keep their last state when they end
   // tqdm ends a bar with its last draw, then a "\n" of its own: when another worker's bar
   // wiped it in between, that newline shows the bar's last state again (it printed an
   // empty "[rank1]:" line before). Rank 0's bar, wiped by that line, ends with its output.
-  const std::string dir = make_temp_dir();
-  PtyProc p({kMglaunch, "--nproc_per_node=2", "--no_python", "/bin/sh", "-c",
-             "w() { i=0; while [ ! -e " + dir + "/$1 ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; }\n"
-             "if [ $RANK = 0 ]; then printf '\\rA 1'; w s1; printf '\\rA 2'; w s3;\n"
-             "else w s0; printf '\\rB 1'; w s2; printf '\\n'; fi"},
-            {{"TERM", "xterm"}});
-  REQUIRE(p.wait_for("[rank0]:A 1", 60s));
-  write_text(dir + "/s0", "");
-  REQUIRE(p.wait_for("[rank1]:B 1", 60s));
-  write_text(dir + "/s1", "");
-  REQUIRE(p.wait_for("[rank0]:A 2", 60s));
-  write_text(dir + "/s2", "");
-  REQUIRE(p.wait_for("[rank1]:B 1\n", 60s));
-  write_text(dir + "/s3", "");
-  CHECK(p.wait_exit(60s) == 0);
-  const std::string t = p.text();
+  const std::string t = take_turns("printf '\\rA 1'; w s1; printf '\\rA 2'; w s3",
+                                   "w s0; printf '\\rB 1'; w s2; printf '\\n'",
+                                   {{"[rank0]:A 1", "s0"}, {"[rank1]:B 1", "s1"}, {"[rank0]:A 2", "s2"},
+                                    {"[rank1]:B 1\n", "s3"}});
   INFO(t);
   CHECK(t.find("[rank0]:A 1\r\x1b[K[rank1]:B 1\r\x1b[K[rank0]:A 2\r\x1b[K[rank1]:B 1\n[rank0]:A 2\n") !=
         std::string::npos);

@@ -313,6 +313,9 @@ std::vector<proto::Frame> JobReplay::apply(const Event& e) {
       actions = job_.tick(at());
       break;
   }
+  for (auto& ev : job_.take_events()) events_.push_back(std::move(ev));
+  if (events_.size() > kMaxEvents)
+    events_.erase(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(events_.size() - kMaxEvents));
   std::vector<proto::Frame> mine;
   auto self = sessions_.find(self_);
   if (self == sessions_.end()) return mine;

@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -110,6 +111,11 @@ class JobReplay {
   bool live(const std::string& agent) const;
   const Job& job() const { return job_; }
   std::int64_t time_ms() const { return vnow_; }
+  // The job's events (JobEvent) of the events applied since the last call, oldest first;
+  // the last kMaxEvents are kept when nobody takes them (the backend prints none: every
+  // agent replays every node's events).
+  std::vector<JobEvent> take_events() { return std::exchange(events_, {}); }
+  static constexpr std::size_t kMaxEvents = 1000;
 
  private:
   void heartbeat_all();
@@ -121,6 +127,7 @@ class JobReplay {
   std::map<std::string, proto::Join> joins_;
   std::set<std::string> gone_;
   std::int64_t vnow_ = 0;
+  std::vector<JobEvent> events_;
 };
 
 }  // namespace mg::rdzv::etcd

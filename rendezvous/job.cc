@@ -10,6 +10,133 @@ namespace mg::rdzv {
 
 using namespace std::chrono;
 
+namespace {
+constexpr const char* kKindNames[] = {"created", "joined", "standby", "round_started", "worker_failed", "node_lost",
+                                      "standby_lost", "restart", "promoted", "takeover", "done", "failed"};
+
+// "HOST (ADDR, agent ID)", or what of it is known.
+std::string node_text(const JobEvent& e) {
+  std::string s = e.host.empty() ? "a node" : "node " + e.host;
+  if (!e.addr.empty() && !e.agent.empty()) s += fmt::format(" ({}, agent {})", e.addr, e.agent);
+  else if (!e.addr.empty()) s += fmt::format(" ({})", e.addr);
+  return s;
+}
+}  // namespace
+
+const char* kind_name(JobEvent::Kind k) { return kKindNames[static_cast<int>(k)]; }
+
+std::string text_of(const JobEvent& e) {
+  using K = JobEvent::Kind;
+  const std::string job = fmt::format("job '{}'", e.job);
+  switch (e.kind) {
+    case K::kCreated:
+      return fmt::format("{} created by {}: --nnodes={}:{}, --max_restarts={}{}", job, node_text(e), e.min_nodes,
+                         e.max_nodes, e.max_restarts,
+                         e.how == "re-registered" ? fmt::format(" (re-registered its round {})", e.round) : "");
+    case K::kJoined:
+      if (e.how == "re-registered")
+        return fmt::format("{}: {} re-registered round {} (restart {})", job, node_text(e), e.round, e.restart_count);
+      if (e.how == "survivor")
+        return fmt::format("{}: {} re-joined for round {} (restart {})", job, node_text(e), e.round + 1, e.restart_count);
+      return fmt::format("{}: {} joined, active, for round {}", job, node_text(e), e.round + 1);
+    case K::kStandby:
+      return fmt::format("{}: {} joined as standby {} (the round is full)", job, node_text(e), e.position);
+    case K::kRoundStarted: {
+      std::string listed;
+      for (const auto& [host, addr] : e.members) listed += fmt::format("{}{} ({})", listed.empty() ? "" : ", ", host, addr);
+      if (static_cast<std::size_t>(e.nodes) > e.members.size())
+        listed += fmt::format(" and {} more", static_cast<std::size_t>(e.nodes) - e.members.size());
+      return fmt::format("{}: round {} started (restart {} of {}): {} node{}, world size {}: {}", job, e.round,
+                         e.restart_count, e.max_restarts, e.nodes, e.nodes == 1 ? "" : "s", e.world_size, listed);
+    }
+    case K::kWorkerFailed:
+      return fmt::format("{}: rank {} on {} failed with exit code {}{}: {}", job, e.rank, node_text(e), e.exit_code,
+                         e.signal > 0 ? fmt::format(" (signal {})", e.signal) : "", e.why);
+    case K::kNodeLost:
+      return fmt::format("{}: {} lost ({}): {}", job, node_text(e), e.cause, e.why);
+    case K::kStandbyLost:
+      return fmt::format("{}: standby {} left: {}", job, node_text(e).substr(5), e.why);
+    case K::kRestart:
+      if (e.cause == "scale-up")
+        return fmt::format("{}: restart without spending one (restarts {} of {}): {}", job, e.restart_count,
+                           e.max_restarts, e.why);
+      return fmt::format("{}: restart {} of {}: {}", job, e.restart_count, e.max_restarts, e.why);
+    case K::kPromoted:
+      return fmt::format("{}: standby {} promoted into round {}{}", job, node_text(e).substr(5), e.round + 1,
+                         e.replaces.empty() ? "" : fmt::format(" in place of lost node {}", e.replaces));
+    case K::kTakeover:
+      return fmt::format("{} taken over after round {} (restart {} of {} next): {}", job, e.round, e.restart_count,
+                         e.max_restarts, e.why);
+    case K::kDone:
+      return fmt::format("{} done: round {}, {} node{}, {} restart{} spent", job, e.round, e.nodes,
+                         e.nodes == 1 ? "" : "s", e.restart_count, e.restart_count == 1 ? "" : "s");
+    case K::kFailed:
+      return fmt::format("{} failed at round {} (restart {} of {}): root cause: {}", job, e.round, e.restart_count,
+                         e.max_restarts, e.why);
+  }
+  return job;
+}
+
+nlohmann::json json_of(const JobEvent& e) {
+  using K = JobEvent::Kind;
+  nlohmann::json j = {{"event", kind_name(e.kind)}, {"job", e.job}, {"round", e.round}, {"restart_count", e.restart_count}};
+  if (!e.host.empty()) j["host"] = e.host;
+  if (!e.addr.empty()) j["addr"] = e.addr;
+  if (!e.agent.empty()) j["agent"] = e.agent;
+  switch (e.kind) {
+    case K::kCreated:
+      j["min_nodes"] = e.min_nodes;
+      j["max_nodes"] = e.max_nodes;
+      j["max_restarts"] = e.max_restarts;
+      j["how"] = e.how.empty() ? "new" : e.how;
+      break;
+    case K::kJoined: j["how"] = e.how; j["role"] = "active"; break;
+    case K::kStandby: j["position"] = e.position; j["role"] = "standby"; break;
+    case K::kRoundStarted:
+      j["nodes"] = e.nodes;
+      j["world_size"] = e.world_size;
+      j["members"] = nlohmann::json::array();
+      for (const auto& [host, addr] : e.members) j["members"].push_back({{"host", host}, {"addr", addr}});
+      break;
+    case K::kWorkerFailed:
+      j["rank"] = e.rank;
+      j["exit_code"] = e.exit_code;
+      j["signal"] = e.signal;
+      j["why"] = e.why;
+      break;
+    case K::kNodeLost: j["cause"] = e.cause; j["why"] = e.why; break;
+    case K::kStandbyLost: j["why"] = e.why; break;
+    case K::kRestart: j["max_restarts"] = e.max_restarts; j["cause"] = e.cause; j["why"] = e.why; break;
+    case K::kPromoted: j["replaces"] = e.replaces; break;
+    case K::kTakeover: j["max_restarts"] = e.max_restarts; j["why"] = e.why; break;
+    case K::kDone: j["nodes"] = e.nodes; break;
+    case K::kFailed:
+      j["max_restarts"] = e.max_restarts;
+      j["rank"] = e.rank;
+      j["exit_code"] = e.exit_code;
+      j["why"] = e.why;
+      break;
+  }
+  return j;
+}
+
+JobEvent& Job::emit(JobEvent::Kind kind, const proto::Join* n) {
+  if (events_.size() >= kMaxPendingEvents)  // nobody takes them: the older half goes (amortized O(1))
+    events_.erase(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(kMaxPendingEvents / 2));
+  JobEvent& e = events_.emplace_back();
+  e.kind = kind;
+  e.job = id_;
+  e.round = round_;
+  e.restart_count = restart_count_;
+  e.max_restarts = config_.max_restarts;
+  if (n) {
+    e.host = n->host;
+    e.addr = n->addr;
+    e.agent = n->agent_id;
+  }
+  return e;
+}
+
 Actions Job::broadcast(const proto::Wire& f, SessionId except) const {
   Actions out;
   out.reserve(members_.size() + joined_.size() + standby_.size());
@@ -28,6 +155,7 @@ Actions Job::make_standby(SessionId s, const proto::Join& j, Clock::time_point n
                                                          config_.max_nodes, standby_.size())})}};
   standby_[s] = {j, now};
   const auto position = static_cast<int>(std::distance(standby_.begin(), standby_.find(s))) + 1;
+  emit(JobEvent::Kind::kStandby, &j).position = position;
   Actions out{{s, proto::StandbyEncoder(standby_fields())(position)}};
   auto told = tell_standby_count();
   out.insert(out.end(), told.begin(), told.end());
@@ -57,8 +185,10 @@ Actions Job::tell_standby_count() const {
 Actions Job::promote_standbys(Clock::time_point now) {
   const auto max = static_cast<std::size_t>(config_.max_nodes);
   const auto reserved = static_cast<std::size_t>(takeover_ ? takeover_reserved_ : 0);
-  while (!standby_.empty() && joined_.size() + rejoining_.size() + reserved < max)
-    joined_.insert(standby_.extract(standby_.begin()));
+  while (!standby_.empty() && joined_.size() + rejoining_.size() + reserved < max) {
+    auto promoted = joined_.insert(standby_.extract(standby_.begin())).position;
+    emit(JobEvent::Kind::kPromoted, &promoted->second.join).replaces = lost_host_;
+  }
   const int n = static_cast<int>(joined_.size());
   if (n >= config_.max_nodes) return close_round(now);
   if (n >= config_.min_nodes && !last_call_deadline_) last_call_deadline_ = now + milliseconds(config_.last_call_ms);
@@ -110,6 +240,14 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     config_ = j;
     configured_ = true;
     first_join_ = now;
+    auto& e = emit(JobEvent::Kind::kCreated, &j);
+    e.min_nodes = j.min_nodes;
+    e.max_nodes = j.max_nodes;
+    e.max_restarts = j.max_restarts;
+    if (j.resume_round > 0) {
+      e.how = "re-registered";
+      e.round = j.resume_round;
+    }
   } else if (j.min_nodes != config_.min_nodes || j.max_nodes != config_.max_nodes) {
     return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' runs with --nnodes={}:{}, this node asked for {}:{}",
                                                          id_, config_.min_nodes, config_.max_nodes, j.min_nodes,
@@ -144,6 +282,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     joined_.erase(s);
     members_[s] = {j, now, j.resume_done};
     placed_[j.agent_id] = j.resume_group_rank;
+    emit(JobEvent::Kind::kJoined, &j).how = "re-registered";
     if (members_.size() >= expected_members_) rebuilding_ = false;
     state_ = State::kRunning;
     Actions out = maybe_done();
@@ -187,7 +326,13 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       return make_standby(s, j, now);
     // Scale up: everybody re-joins a new round with the newcomer; no restart is spent.
     joined_[s] = {j, now};
+    emit(JobEvent::Kind::kJoined, &j).how = "new";
     state_ = State::kRestarting;
+    {
+      auto& e = emit(JobEvent::Kind::kRestart, &j);
+      e.cause = "scale-up";
+      e.why = "a node joined: scaling up";
+    }
     Actions out;
     const auto restart = proto::to_wire(proto::Restart{restart_count_, "a node joined: scaling up"});
     rejoining_.clear();
@@ -203,10 +348,13 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     // The places of the nodes told to restart are theirs: a newcomer beyond them waits.
     // So are the places kept for a taken-over job's survivors (a survivor's own was freed above).
     const auto kept = static_cast<std::size_t>(takeover_ ? takeover_reserved_ : 0);
-    if (rejoining_.erase(s) == 0 && !joined_.contains(s) &&
+    const bool survivor = rejoining_.erase(s) > 0;
+    if (!survivor && !joined_.contains(s) &&
         joined_.size() + rejoining_.size() + kept >= static_cast<std::size_t>(config_.max_nodes))
       return make_standby(s, j, now);
     if (joined_.empty()) first_join_ = now;
+    if (!joined_.contains(s))
+      emit(JobEvent::Kind::kJoined, &j).how = survivor || (takeover_ && j.last_group_rank >= 0) ? "survivor" : "new";
     joined_[s] = {j, now};
     const int n = static_cast<int>(joined_.size());
     if (n >= config_.max_nodes) return close_round(now);
@@ -217,6 +365,13 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
 
 Actions Job::fail_job(const proto::WorkerFailed& root_cause, const std::string& reason) {
   state_ = State::kFailed;
+  {
+    auto& e = emit(JobEvent::Kind::kFailed);
+    e.host = root_cause.host;
+    e.rank = root_cause.rank;
+    e.exit_code = root_cause.exit_code;
+    e.why = reason;
+  }
   abort_ = proto::Abort{root_cause, reason};
   auto out = broadcast(proto::to_wire(*abort_));  // every member, waiting node and standby
   members_.clear();
@@ -365,6 +520,13 @@ Actions Job::close_round(Clock::time_point now) {
     }
     a.world_size += n.join.nproc;
   }
+  {
+    auto& e = emit(JobEvent::Kind::kRoundStarted);
+    e.nodes = a.group_world_size;
+    e.world_size = a.world_size;
+    for (std::size_t i = 0; i < nodes.size() && i < JobEvent::kListedMembers; ++i)
+      e.members.emplace_back(nodes[i].second.join.host, nodes[i].second.join.addr);
+  }
   const proto::AssignmentEncoder assignment(a);
   members_.clear();
   placed_.clear();
@@ -411,7 +573,15 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     state_ = State::kRestarting;
     restart_reason_ = reason;
     restart_host_ = root_cause.host;
+    const bool node_lost = lost != 0 || root_cause.rank < 0;
+    lost_host_ = node_lost ? root_cause.host : std::string();
     first_join_ = now;
+    {
+      auto& e = emit(JobEvent::Kind::kRestart);
+      e.host = root_cause.host;
+      e.cause = node_lost ? "node lost" : "worker failed";
+      e.why = reason;
+    }
     Actions out;
     const auto restart = proto::to_wire(proto::Restart{restart_count_, reason});
     rejoining_.clear();
@@ -433,6 +603,13 @@ Actions Job::worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::tim
   last_activity_ = now;
   if (state_ != State::kRunning || !members_.contains(s) || f.round != round_) return {};
   const std::string reason = fmt::format("rank {} on {} exited with {}", f.rank, f.host, f.exit_code);
+  {
+    auto& e = emit(JobEvent::Kind::kWorkerFailed, &members_.at(s).join);
+    e.rank = f.rank;
+    e.exit_code = f.exit_code;
+    e.signal = f.signal;
+    e.why = proto::truncate_text(f.message, 500);
+  }
   // The failing node stays a member: it re-joins (or aborts) like the others.
   return fail_or_restart(f, reason, 0, now);
 }
@@ -450,6 +627,7 @@ Actions Job::maybe_done() {
       !std::all_of(members_.begin(), members_.end(), [](const auto& m) { return m.second.done; }))
     return {};
   state_ = State::kDone;
+  emit(JobEvent::Kind::kDone).nodes = static_cast<int>(members_.size());
   auto out = broadcast(proto::to_wire(proto::Done{}));
   members_.clear();
   standby_.clear();
@@ -458,7 +636,16 @@ Actions Job::maybe_done() {
 
 Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view why) {
   last_activity_ = now;
-  if (standby_.erase(s)) return tell_standby_count();
+  if (auto sb = standby_.find(s); sb != standby_.end()) {
+    if (!finished()) emit(JobEvent::Kind::kStandbyLost, &sb->second.join).why = why;
+    standby_.erase(sb);
+    return tell_standby_count();
+  }
+  if (auto w = joined_.find(s); w != joined_.end() && !members_.contains(s) && !finished()) {
+    auto& e = emit(JobEvent::Kind::kNodeLost, &w->second.join);
+    e.cause = "connection closed";
+    e.why = fmt::format("{}, waiting for round {}", why, round_ + 1);
+  }
   joined_.erase(s);
   rejoining_.erase(s);
   auto it = members_.find(s);
@@ -478,6 +665,11 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
   rc.rank = -1;
   rc.exit_code = 1;
   rc.message = fmt::format("node {} ({}) lost: {}", it->second.join.host, it->second.join.addr, why);
+  {
+    auto& e = emit(JobEvent::Kind::kNodeLost, &it->second.join);
+    e.cause = "connection closed";
+    e.why = std::string(why);
+  }
   ++disconnects_;
   return fail_or_restart(rc, rc.message, s, now);
 }
@@ -486,11 +678,14 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   round_ = seed.round;
   restart_count_ = seed.restart_count;
   restart_reason_ = seed.reason;
-  restart_host_ = seed.lost_host;
+  restart_host_ = lost_host_ = seed.lost_host;
   state_ = State::kRestarting;
   first_join_ = last_activity_ = now;
   takeover_ = seed;
   takeover_reserved_ = std::max(0, seed.survivors);
+  auto& e = emit(JobEvent::Kind::kTakeover);
+  e.host = seed.lost_host;
+  e.why = seed.reason;
 }
 
 Actions Job::tick(Clock::time_point now) {
@@ -506,6 +701,8 @@ Actions Job::tick(Clock::time_point now) {
     Actions out{{it->first, proto::to_wire(proto::Error{fmt::format(
                                 "standby dropped from job '{}': no heartbeat for more than {} ms", id_,
                                 duration_cast<milliseconds>(silent_limit).count())})}};
+    emit(JobEvent::Kind::kStandbyLost, &it->second.join).why =
+        fmt::format("dropped: no heartbeat for more than {} ms", duration_cast<milliseconds>(silent_limit).count());
     standby_.erase(it);
     auto told = tell_standby_count();
     out.insert(out.end(), told.begin(), told.end());
@@ -572,6 +769,11 @@ Actions Job::tick(Clock::time_point now) {
                              fmt::join(missing, ","), config_.join_timeout_ms / 1000.0);
     rebuilding_ = false;
     expected_members_ = members_.size();
+    {
+      auto& e = emit(JobEvent::Kind::kNodeLost);
+      e.cause = "not re-registered";
+      e.why = rc.message;
+    }
     ++disconnects_;
     return fail_or_restart(rc, rc.message, 0, now);
   }
@@ -586,6 +788,12 @@ Actions Job::tick(Clock::time_point now) {
       rc.exit_code = 1;
       rc.message = fmt::format("node {} ({}) missed {} heartbeats ({} ms apart): hung or unreachable", n.join.host,
                                n.join.addr, config_.keep_alive_max_attempt, config_.keep_alive_ms);
+      {
+        auto& e = emit(JobEvent::Kind::kNodeLost, &n.join);
+        e.cause = "heartbeat timeout";
+        e.why = fmt::format("missed {} heartbeats ({} ms apart): hung or unreachable", config_.keep_alive_max_attempt,
+                            config_.keep_alive_ms);
+      }
       ++missed_heartbeats_;
       auto out = fail_or_restart(rc, rc.message, s, now);
       // The silent node is told too, in case it is only slow.

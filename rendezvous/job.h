@@ -28,6 +28,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -68,6 +69,49 @@ struct Outgoing {
 };
 using Actions = std::vector<Outgoing>;
 
+// What happened to a job, for an operator: the daemon's log lines (text, or one JSON object
+// each with --json-log), the status page's events and the --state-dir journal. The job
+// records them as it acts, beside its actions; the caller takes them after each call
+// (Job::take_events()), so every backend (the daemon, an agent's in-process host, the etcd
+// replay) gets the same events and a fake-clock test sees them.
+struct JobEvent {
+  enum class Kind {
+    kCreated,       // the first join: the node (host, addr, agent), min/max nodes, max restarts
+    kJoined,        // a node joined the next round; how: "new", "survivor" (re-joined after a
+                    // restart), "re-registered" (its round, after a rendezvous server restart)
+    kStandby,       // a node registered as a standby (position: its place in the queue)
+    kRoundStarted,  // round, restart_count, nodes, world_size, members ("HOST (ADDR)" by group rank)
+    kWorkerFailed,  // a node reported a failed worker: rank, exit_code, signal, why
+    kNodeLost,      // cause ("connection closed", "heartbeat timeout", "not re-registered"), why
+    kStandbyLost,   // a standby left or was dropped: why
+    kRestart,       // restart_count of max_restarts, why (the cause); a scale-up spends none
+    kPromoted,      // a standby took a place in the next round; replaces: the host lost, if any
+    kTakeover,      // a survivor took the job over after its hosting agent (host) was lost: why
+    kDone,          // every node finished: round, restart_count, nodes
+    kFailed,        // the job failed: why (the root cause), host, rank, exit_code
+  };
+  Kind kind = Kind::kCreated;
+  std::string job;
+  std::string host, addr, agent;  // the node the event is about (may be empty)
+  int round = 0, restart_count = 0, max_restarts = 0;
+  int min_nodes = 0, max_nodes = 0;
+  int nodes = 0;
+  long long world_size = 0;
+  std::vector<std::pair<std::string, std::string>> members;  // kRoundStarted: (host, addr), at most kListedMembers
+  int position = 0;
+  int rank = -1, exit_code = 0, signal = 0;
+  std::string how, cause, why, replaces;
+
+  static constexpr std::size_t kListedMembers = 8;
+};
+// "created", "joined", "standby", "round_started", "worker_failed", "node_lost",
+// "standby_lost", "restart", "promoted", "takeover", "done", "failed".
+const char* kind_name(JobEvent::Kind k);
+// The event as one line of text ("job 'J': node H (A, agent X) lost: WHY").
+std::string text_of(const JobEvent& e);
+// The event's fields: {"event": kind_name, "job": J, ...}, only those the kind has.
+nlohmann::json json_of(const JobEvent& e);
+
 class Job {
  public:
   enum class State { kJoining, kRunning, kRestarting, kDone, kFailed };
@@ -107,6 +151,10 @@ class Job {
   nlohmann::json describe(Clock::time_point now) const;
   // Memory held for this job's nodes, roughly (the daemon's --max-memory accounting).
   std::size_t approx_bytes() const;
+  // The events recorded since the last call, oldest first (at most kMaxPendingEvents: the
+  // older half is dropped when nobody takes them).
+  std::vector<JobEvent> take_events() { return std::exchange(events_, {}); }
+  static constexpr std::size_t kMaxPendingEvents = 100000;
 
  private:
   struct Node {
@@ -143,6 +191,8 @@ class Job {
   // nodes and standbys) and the job forgets them.
   Actions fail_job(const proto::WorkerFailed& root_cause, const std::string& reason);
   Actions drop_rebuild(const proto::Join& j);
+  // Records an event of `kind` (about node `n` when given), with the job's round and restarts.
+  JobEvent& emit(JobEvent::Kind kind, const proto::Join* n = nullptr);
 
   std::string id_;
   State state_ = State::kJoining;
@@ -164,6 +214,7 @@ class Job {
   std::optional<proto::Abort> abort_;  // the decision of a failed job, for late re-registrations
   std::string restart_reason_;         // of the restart in progress
   std::string restart_host_;           // the host that restart names (root_cause.host), may be empty
+  std::string lost_host_;              // the node lost that restart replaces (empty: a worker failed)
   int disconnects_ = 0, missed_heartbeats_ = 0;
   std::optional<Clock::time_point> last_call_deadline_;
   std::optional<TakeoverSeed> takeover_;  // taken over, the survivors' round not closed yet
@@ -173,6 +224,7 @@ class Job {
   std::vector<int> round_ports_;
   Clock::time_point first_join_;
   Clock::time_point last_activity_;
+  std::vector<JobEvent> events_;  // not taken yet (take_events())
 };
 
 }  // namespace mg::rdzv

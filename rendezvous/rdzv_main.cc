@@ -68,6 +68,7 @@ static int run_daemon(int argc, char** argv) {
   std::string job_token_for;
   std::string metrics_port;
   std::string http_listen;
+  std::string state_dir;
   CLI::App app{"mglaunch-rdzv: rendezvous daemon for mglaunch agents (--rdzv_backend=mglaunch|c10d)", "mglaunch-rdzv"};
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0 picks one; default 127.0.0.1:0)");
   app.add_option("--token-file", token_file, "Require agents to prove this token (HMAC-SHA256); or MGLAUNCH_RDZV_TOKEN");
@@ -88,13 +89,17 @@ static int run_daemon(int argc, char** argv) {
   app.add_option("--http", http_listen,
                  "Serve the status page and /api/jobs at [HOST:]PORT (default host 127.0.0.1; port 0 picks one; "
                  "printed as 'status page on URL'; with a token the API asks for it)");
+  app.add_option("--state-dir", state_dir,
+                 "Journal the jobs' events in this directory (it must exist), so that a restarted daemon keeps its "
+                 "jobs' history and status page");
   app.add_option("--max-nodes-per-job", max_nodes_per_job, "Refuse jobs whose --nnodes allows more nodes");
   app.add_option("--max-frame", max_frame, "Largest accepted frame in bytes");
   app.add_option("--handshake-timeout", handshake_s, "Seconds a new connection has to authenticate");
   app.add_option("--orphan-job-expiry", orphan_expiry_s, "Forget a job nobody is connected to after this many seconds");
   app.add_option("--idle-job-expiry", idle_expiry_s, "Forget a job after this many idle seconds");
   app.footer("Prints 'listening on HOST:PORT' first (then 'metrics on URL' with --metrics-port). Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad flags or token "
-             "file; 3 cannot listen (rendezvous, metrics or status page); 1 internal error.");
+             "file, or a --state-dir that is missing or not writable; 3 cannot listen (rendezvous, metrics or status page); 4 the "
+             "--state-dir journal is damaged or in use by another daemon; 1 internal error.");
   try {
     // argparse's rules as mglaunch: `--flag=` is an empty value, unique prefixes name a flag.
     auto norm = mg::cli::normalize_args(std::vector<std::string>(argv + 1, argv + argc), mg::cli::specs_of(app),
@@ -170,11 +175,38 @@ static int run_daemon(int argc, char** argv) {
     std::printf("%s\n", mg::rdzv::auth::job_key(so.token, job_token_for).c_str());
     return 0;
   }
-  so.log = [json_log](const std::string& line) {
-    std::string out = json_log ? mg::proto::dump_json(nlohmann::json{{"time", std::time(nullptr)}, {"event", line}})
-                               : fmt::format("mglaunch-rdzv: {}", line);
+  // The operator's log on stderr: one line per event, or one JSON object per line (the
+  // event's fields, its "text" and the wall-clock "time", ISO 8601 UTC, and "unix_ms").
+  so.log_json = [json_log](const nlohmann::json& fields) {
+    std::string out;
+    if (json_log) {
+      nlohmann::json j = fields;
+      const auto now = std::chrono::system_clock::now();
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count();
+      const std::time_t secs = static_cast<std::time_t>(ms / 1000);
+      std::tm utc{};
+      ::gmtime_r(&secs, &utc);
+      char stamp[32];
+      std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%S", &utc);
+      j["time"] = fmt::format("{}.{:03}Z", stamp, ms % 1000);
+      j["unix_ms"] = ms;
+      out = mg::proto::dump_json(j);
+    } else {
+      out = fmt::format("mglaunch-rdzv: {}", fields.value("text", std::string()));
+    }
     std::fprintf(stderr, "%s\n", out.c_str());
   };
+  so.log = [log = so.log_json](const std::string& line) { log(nlohmann::json{{"event", "log"}, {"text", line}}); };
+  if (app.count("--state-dir") > 0) {
+    try {
+      std::string warning;
+      so.journal = std::make_shared<mg::rdzv::Journal>(state_dir, warning);
+      if (!warning.empty()) so.log("warning: " + warning);
+    } catch (const mg::rdzv::JournalError& e) {
+      error_line(e.what());
+      return e.kind == mg::rdzv::JournalError::Kind::kBadDir ? 2 : 4;
+    }
+  }
   boost::asio::io_context io(1);
   std::unique_ptr<mg::rdzv::Server> server;
   try {

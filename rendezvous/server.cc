@@ -37,6 +37,7 @@ struct Server::Session {
   std::string job;  // from Hello: the only job this session may touch
   bool joined = false;
   bool challenged = false;  // its challenge is out and unanswered (it holds one of its address's turns)
+  std::string closing_why;  // why this server closed it (a deadline, a refusal), for the job's event
   std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
 };
 
@@ -92,6 +93,12 @@ Server::Server(asio::io_context& io, ServerOptions opts)
     log(fmt::format("warning: listening on {} without a token: anyone who can reach it can join and disturb jobs; "
                     "give it a token (--token-file or MGLAUNCH_RDZV_TOKEN)", address()));
   budget_->limit = opts_.max_memory;
+  if (opts_.journal) {
+    // The status page's events go on from where the journal left them.
+    for (const auto& e : opts_.journal->last_events(1000))
+      events_.push_back({next_event_++, e.value("unix_ms", std::int64_t{0}), e.value("text", std::string()),
+                         e.value("event", std::string()), e.value("job", std::string())});
+  }
   accept();
   tick();
 }
@@ -102,33 +109,74 @@ void Server::take_over(const std::string& job_id, const TakeoverSeed& seed) {
   auto [it, inserted] = jobs_.try_emplace(job_id, job_id);
   if (inserted) ++jobs_created_;
   it->second.take_over(seed, Clock::now());
-  log(fmt::format("job '{}' taken over at round {}: {}", job_id, seed.round, seed.reason));
+  drive(it->second, {});
 }
 
 std::string Server::address() const { return fmt::format("{}:{}", opts_.host, port_); }
 
-void Server::log(const std::string& raw) const {
+void Server::log(const std::string& raw, nlohmann::json fields) const {
   // Peer strings are checked on receipt (validate()); this also covers whatever else a line
   // quotes (an exception's text), so no line can break a JSON writer or a terminal.
   const std::string line = proto::printable(raw);
   const auto unix_ms =
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  events_.push_back({next_event_++, unix_ms, line});
+  if (!fields.is_object()) fields = {{"event", "log"}};
+  const auto job = fields.find("job");
+  events_.push_back({next_event_++, unix_ms, line, fields["event"].get<std::string>(),
+                     job != fields.end() && job->is_string() ? job->get<std::string>() : std::string()});
   if (events_.size() > 1000) events_.pop_front();
-  if (opts_.log) opts_.log(line);
+  if (opts_.log_json) {
+    fields["text"] = line;
+    opts_.log_json(fields);
+  } else if (opts_.log) {
+    opts_.log(line);
+  }
+}
+
+void Server::drive(Job& job, const Actions& actions) {
+  apply(actions);
+  for (const auto& e : job.take_events()) {
+    auto fields = json_of(e);
+    const std::string text = proto::printable(text_of(e));
+    log(text, fields);
+    if (!opts_.journal) continue;
+    fields["text"] = text;
+    fields["unix_ms"] = events_.back().unix_ms;
+    opts_.journal->record(fields);
+    if (opts_.journal->last_error != journal_error_) {
+      journal_error_ = opts_.journal->last_error;
+      if (!journal_error_.empty()) log(fmt::format("warning: --state-dir: {}; the job history is incomplete", journal_error_));
+    }
+  }
 }
 
 nlohmann::json Server::jobs_json() const {
   const auto now = Clock::now();
   nlohmann::json jobs = nlohmann::json::array();
   for (const auto& [id, job] : jobs_) jobs.push_back(job.describe(now));
+  if (opts_.journal)
+    for (const auto& [id, h] : opts_.journal->jobs())
+      if (!jobs_.contains(id) && h.summary.is_object()) {
+        jobs.push_back(h.summary);
+        jobs.back()["journal"] = true;
+      }
   return jobs;
+}
+
+nlohmann::json Server::history_json(const std::string& job) const {
+  if (!opts_.journal) return nullptr;
+  auto it = opts_.journal->jobs().find(job);
+  if (it == opts_.journal->jobs().end()) return nullptr;
+  return nlohmann::json(it->second.events);
 }
 
 nlohmann::json Server::events_json(std::uint64_t since) const {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& e : events_)
-    if (e.seq > since) out.push_back({{"seq", e.seq}, {"unix_ms", e.unix_ms}, {"text", e.text}});
+    if (e.seq > since) {
+      out.push_back({{"seq", e.seq}, {"unix_ms", e.unix_ms}, {"text", e.text}, {"event", e.kind}});
+      if (!e.job.empty()) out.back()["job"] = e.job;
+    }
   return out;
 }
 
@@ -285,6 +333,18 @@ void Server::answered(Session& s) {
   next_challenges(s.address);
 }
 
+std::string Server::no_proof(const Session& s, const proto::Frame& join) const {
+  std::string who = fmt::format("agent at {}", s.conn->peer());
+  try {  // the join it sent names the node (its text is checked by validate())
+    const auto j = proto::from_frame<proto::Join>(join);
+    who = fmt::format("agent {} ({}, connected from {})", j.host, j.addr, s.conn->peer());
+  } catch (const proto::ProtocolError&) {
+  }
+  return fmt::format("{} sent no proof for job '{}': this {} requires a token; give the agent the same one "
+                     "(MGLAUNCH_RDZV_TOKEN, or the job's key from --job-token as MGLAUNCH_RDZV_JOB_TOKEN)",
+                     who, s.job, opts_.host_agent.empty() ? "daemon" : "rendezvous host");
+}
+
 void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f) {
   auto welcome = [&] {
     s->phase = Session::Phase::kReady;
@@ -315,6 +375,8 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     gates_[s->address].waiting.push_back(s);
     return next_challenges(s->address);
   }
+  if (proto::type_of(f) == MsgType::kJoin)  // the agent holds no token: it joins without a proof
+    return refuse(*s, no_proof(*s, f), /*name_peer=*/false);
   auto a = proto::from_frame<proto::Auth>(f);
   // An Auth before its challenge cannot be a guess (the client never saw the nonce): the
   // session is closed, and the address's back-off is not extended, or one host could keep
@@ -334,13 +396,17 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
   s->conn->verify_received(session, 'c');
 }
 
+void Server::refuse(Session& s, const std::string& why, bool name_peer) {
+  ++refusals_;
+  s.closing_why = why;
+  log(name_peer ? fmt::format("{}: {}", s.conn->peer(), why) : why,
+      s.job.empty() ? nlohmann::json(nullptr) : nlohmann::json{{"event", "log"}, {"job", s.job}});
+  s.conn->send(proto::to_frame(proto::Error{proto::truncate_text(proto::printable(why), proto::kMaxTextBytes)}));
+  s.conn->close();
+}
+
 void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) {
-  auto refuse = [&](const std::string& why) {
-    ++refusals_;
-    log(fmt::format("{}: {}", s->conn->peer(), why));
-    s->conn->send(proto::to_frame(proto::Error{proto::truncate_text(proto::printable(why), proto::kMaxTextBytes)}));
-    s->conn->close();
-  };
+  auto refuse = [&](const std::string& why) { this->refuse(*s, why); };
   try {
     if (s->phase != Session::Phase::kReady) return handshake(s, f);
     const auto now = Clock::now();
@@ -355,14 +421,11 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
         return refuse(fmt::format("the rendezvous daemon is at its memory limit ({} MiB); retry later or raise "
                                   "--max-memory", opts_.max_memory >> 20));
       auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id);
-      if (inserted) {
-        ++jobs_created_;
-        log(fmt::format("job '{}' created by {} ({})", join.job_id, join.host, s->conn->peer()));
-      }
+      if (inserted) ++jobs_created_;
       s->joined = true;
       s->idle_limit = std::max<std::chrono::milliseconds>(
           opts_.frame_timeout, std::chrono::milliseconds(join.keep_alive_ms) * (join.keep_alive_max_attempt + 1));
-      apply(it->second.join(s->id, join, now));
+      drive(it->second, it->second.join(s->id, join, now));
       return;
     }
     auto job = jobs_.find(s->job);
@@ -370,19 +433,18 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
     switch (proto::type_of(f)) {
       case MsgType::kHeartbeat: {
         auto hb = proto::from_frame<proto::Heartbeat>(f);
-        apply(job->second.heartbeat(s->id, now));
+        drive(job->second, job->second.heartbeat(s->id, now));
         // The echo lets the client see a hung server; it carries the job's standby count.
         s->conn->send(proto::to_wire(proto::Heartbeat{hb.round, static_cast<int>(job->second.standbys())}));
         break;
       }
       case MsgType::kWorkerFailed: {
         auto wf = proto::from_frame<proto::WorkerFailed>(f);
-        log(fmt::format("job '{}': rank {} on {} failed with exit code {}", s->job, wf.rank, wf.host, wf.exit_code));
-        apply(job->second.worker_failed(s->id, wf, now));
+        drive(job->second, job->second.worker_failed(s->id, wf, now));
         break;
       }
       case MsgType::kNodeDone:
-        apply(job->second.node_done(s->id, proto::from_frame<proto::NodeDone>(f).round, now));
+        drive(job->second, job->second.node_done(s->id, proto::from_frame<proto::NodeDone>(f).round, now));
         break;
       default:
         refuse(fmt::format("unexpected message type {}", f.type));
@@ -417,12 +479,15 @@ void Server::on_close(const std::shared_ptr<Session>& s, const std::string& why)
   if (s->phase == Session::Phase::kAuth && why == "connection closed by peer")
     log(fmt::format("{}: closed during authentication for job '{}' (the client may hold another token)",
                     s->conn->peer(), s->job));
-  else if (why != "closed" && why != "connection closed by peer")
+  else if (why != "closed" && why != "connection closed by peer" && !s->joined)  // a node's: in its job's event
     log(fmt::format("{}: connection dropped: {}", s->conn->peer(), why));
   if (!s->joined) return;
   if (auto job = jobs_.find(s->job); job != jobs_.end()) {
-    if (!job->second.finished()) log(fmt::format("job '{}': {} disconnected ({})", s->job, s->conn->peer(), why));
-    apply(job->second.disconnected(s->id, Clock::now()));
+    // The job's event names the node by its advertised address; how its connection ended:
+    std::string how = "its connection closed";
+    if (!s->closing_why.empty()) how = fmt::format("its connection closed by the rendezvous server: {}", s->closing_why);
+    else if (why != "closed" && why != "connection closed by peer") how = fmt::format("its connection closed ({})", why);
+    drive(job->second, job->second.disconnected(s->id, Clock::now(), how));
   }
 }
 
@@ -452,6 +517,7 @@ void Server::check_deadlines(Clock::time_point now) {
   }
   for (auto& [s, why] : expired) {
     log(fmt::format("{}: {}", s->conn->peer(), why));
+    s->closing_why = why;
     s->conn->close(true);
   }
 }
@@ -561,18 +627,17 @@ void Server::tick() {
     for (const auto& [id, s] : sessions_)
       if (s->joined && (!last || *last != s->job)) attended.insert(*(last = &s->job));
     for (auto it = jobs_.begin(); it != jobs_.end();) {
-      const auto before = it->second.state();
-      apply(it->second.tick(now));
-      if (it->second.state() != before && it->second.state() == Job::State::kFailed)
-        log(fmt::format("job '{}' failed", it->first));
+      drive(it->second, it->second.tick(now));
       const auto idle = now - it->second.last_activity();
       if (it->second.finished() && idle > std::chrono::seconds(60)) {
         forget(it++);  // keep finished jobs a minute for late re-joins to be told
       } else if (!attended.contains(it->first) && idle > opts_.orphan_job_expiry) {
-        log(fmt::format("job '{}' forgotten: nobody connected for {} s", it->first, opts_.orphan_job_expiry.count() / 1000));
+        log(fmt::format("job '{}' forgotten: nobody connected for {} s", it->first, opts_.orphan_job_expiry.count() / 1000),
+            {{"event", "log"}, {"job", it->first}});
         forget(it++);
       } else if (idle > opts_.idle_job_expiry) {
-        log(fmt::format("job '{}' expired after {} s idle", it->first, opts_.idle_job_expiry.count() / 1000));
+        log(fmt::format("job '{}' expired after {} s idle", it->first, opts_.idle_job_expiry.count() / 1000),
+            {{"event", "log"}, {"job", it->first}});
         forget(it++);
       } else {
         ++it;

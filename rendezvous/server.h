@@ -22,6 +22,7 @@
 #include "rendezvous/challenge_rate.h"
 #include "rendezvous/connection.h"
 #include "rendezvous/job.h"
+#include "rendezvous/journal.h"
 
 namespace mg::rdzv {
 
@@ -52,6 +53,13 @@ struct ServerOptions {
   std::chrono::milliseconds orphan_job_expiry{60000};  // a job nobody is connected to
   std::chrono::milliseconds tick{100};
   std::function<void(const std::string&)> log;  // one line per event; may be empty
+  // When set, every line goes here instead, as an object: {"event": KIND, "text": LINE, ...}.
+  // A job's events (JobEvent) carry json_of()'s fields; every other line is {"event": "log"},
+  // with "job" when it is about one.
+  std::function<void(const nlohmann::json&)> log_json;
+  // --state-dir: every job event is journaled there, and the jobs and events it holds from
+  // before a restart are shown (jobs_json(), events_json(), history_json()).
+  std::shared_ptr<Journal> journal;
 };
 
 class Server {
@@ -70,8 +78,12 @@ class Server {
   std::string metrics(bool job_ids = true) const;
   // For the status page: every job (Job::describe), and the events (log lines) after
   // sequence number `since`, oldest first, from a ring of the last 1000.
+  // With a journal, jobs_json() also lists the jobs it holds that are not served now
+  // ("journal": true: ended, or forgotten), and history_json(JOB) is that job's journaled
+  // events (the last Journal::kMaxEventsPerJob), null when it has none.
   nlohmann::json jobs_json() const;
   nlohmann::json events_json(std::uint64_t since) const;
+  nlohmann::json history_json(const std::string& job) const;
   // Serves `job_id` from now on as the survivors of its lost hosting agent left it (see
   // Job::take_over); before any of them joins.
   void take_over(const std::string& job_id, const TakeoverSeed& seed);
@@ -101,6 +113,10 @@ class Server {
   void forget(std::map<std::string, Job>::iterator job);
   void on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
+  // Logs `why` (after the peer's address with `name_peer`), sends it as an Error and closes.
+  void refuse(Session& s, const std::string& why, bool name_peer = true);
+  // The line for an agent that joined without proving the token the server requires.
+  std::string no_proof(const Session& s, const proto::Frame& join) const;
   void on_close(const std::shared_ptr<Session>& s, const std::string& why);
   void auth_failed(const std::string& address);
   // Sends the challenges `address` may have out now (kMaxChallengesPerAddress at most, none
@@ -108,10 +124,13 @@ class Server {
   void next_challenges(const std::string& address);
   void answered(Session& s);
   void apply(const Actions& actions);
+  // Applies a job's actions, then logs the events it recorded (JobEvent).
+  void drive(Job& job, const Actions& actions);
   void tick();
   void check_deadlines(Clock::time_point now);
   void account_jobs();
-  void log(const std::string& line) const;
+  // `fields`: an object ({"event": ..., "job": ...}) or null for a plain line.
+  void log(const std::string& line, nlohmann::json fields = nullptr) const;
 
   boost::asio::io_context& io_;
   ServerOptions opts_;
@@ -139,9 +158,12 @@ class Server {
     std::uint64_t seq;
     std::int64_t unix_ms;
     std::string text;
+    std::string kind;  // JobEvent's kind name, "log" for other lines
+    std::string job;   // empty: not about one job
   };
   mutable std::deque<Event> events_;  // log() is const; the ring is not part of the state
   mutable std::uint64_t next_event_ = 1;
+  std::string journal_error_;  // the journal's last write failure, logged once
 };
 
 }  // namespace mg::rdzv

@@ -1,6 +1,7 @@
 #include "rendezvous/status_page.h"
 
 #include <charconv>
+#include <string_view>
 
 #include "proto/text.h"
 #include "rendezvous/auth.h"
@@ -56,10 +57,11 @@ function showJobs(jobs) {
               text("td", j.restart_count + " of " + j.max_restarts, "restarts"));
     const nodes = document.createElement("td");
     nodes.className = "nodes";
-    nodes.append(...j.nodes.map(n => text("div", n.host + " (" + n.addr + ") x" + n.nproc + " " + n.status,
-                                          "node node-" + n.status)));
+    nodes.append(...j.nodes.map(n => text("div", n.host + " (" + n.addr + ")" + (n.nproc ? " x" + n.nproc : "") + " " +
+                                          n.status, "node node-" + n.status)));
     if (j.standby_nodes) nodes.append(text("small", j.standby_nodes + " standby"));
     if (j.root_cause) nodes.append(text("small", "root cause: " + j.root_cause));
+    if (j.journal) nodes.append(text("small", " (from the --state-dir journal)"));
     tr.append(nodes);
     body.append(tr);
   }
@@ -101,6 +103,22 @@ poll();
 </script></body></html>
 )html";
 
+// A query value: %XX and '+' decoded (a bad escape is kept as it is).
+std::string percent_decoded(std::string_view v) {
+  std::string out;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    unsigned char c = 0;
+    if (v[i] == '%' && i + 2 < v.size() &&
+        std::from_chars(v.data() + i + 1, v.data() + i + 3, c, 16).ptr == v.data() + i + 3) {
+      out += static_cast<char>(c);
+      i += 2;
+    } else {
+      out += v[i] == '+' ? ' ' : v[i];
+    }
+  }
+  return out;
+}
+
 HttpResponse json(const nlohmann::json& j) {
   return {200, "application/json", proto::dump_json(j)};
 }
@@ -123,6 +141,14 @@ HttpResponse serve_status(const Server& server, const std::string& token, const 
       if (query.starts_with("since=")) std::from_chars(query.data() + 6, query.data() + query.size(), since);
     }
     return json(server.events_json(since));
+  }
+  if (path == "/api/history") {
+    // ?job=ID (percent-encoded): that job's journaled events (--state-dir).
+    const std::string query = q == std::string::npos ? std::string() : req.target.substr(q + 1);
+    if (!query.starts_with("job=")) return {400, "application/json", R"({"error":"give ?job=ID"})"};
+    auto events = server.history_json(percent_decoded(query.substr(4)));
+    if (events.is_null()) return {404, "application/json", R"x({"error":"no history of this job (is --state-dir set?)"})x"};
+    return json(events);
   }
   return {404, "application/json", R"({"error":"not found"})"};
 }

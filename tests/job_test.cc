@@ -618,3 +618,82 @@ TEST_CASE("a standby re-registering with a restarted server waits for the rebuil
   REQUIRE(aborts.size() == 1);
   CHECK_THAT(proto::from_frame<proto::Abort>(aborts[0].frame).reason, Catch::Contains("nothing to stand by for"));
 }
+
+namespace {
+// The events a job recorded since the last call, as "KIND" or "KIND HOST" lines.
+std::vector<std::string> kinds(Job& job) {
+  std::vector<std::string> out;
+  for (const auto& e : job.take_events()) out.push_back(e.host.empty() ? kind_name(e.kind) : std::string(kind_name(e.kind)) + " " + e.host);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("the job's events (#38): created, joins, a standby, a round, a lost node, the restart, the promotion, the end") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2, 2, 1), T0);
+  job.join(2, node("127.0.0.2", 2, 2, 2, 1), T0);
+  CHECK(kinds(job) == std::vector<std::string>{"created host-127.0.0.1", "joined host-127.0.0.1", "joined host-127.0.0.2",
+                                               "round_started"});
+  job.join(3, node("127.0.0.3", 2, 2, 2, 1), T0);
+  auto standby = job.take_events();
+  REQUIRE(standby.size() == 1);
+  CHECK(text_of(standby[0]) == "job 'job': node host-127.0.0.3 (127.0.0.3, agent agent-127.0.0.3) joined as standby 1 "
+                               "(the round is full)");
+  CHECK(json_of(standby[0])["role"] == "standby");
+  job.disconnected(2, T0 + 1s);
+  auto lost = job.take_events();
+  REQUIRE(lost.size() == 3);
+  CHECK(text_of(lost[0]) == "job 'job': node host-127.0.0.2 (127.0.0.2, agent agent-127.0.0.2) lost (connection "
+                            "closed): its connection closed");
+  CHECK(text_of(lost[1]) == "job 'job': restart 1 of 1: node host-127.0.0.2 (127.0.0.2) lost: its connection closed");
+  CHECK(text_of(lost[2]) == "job 'job': standby host-127.0.0.3 (127.0.0.3, agent agent-127.0.0.3) promoted into "
+                            "round 2 in place of lost node host-127.0.0.2");
+  const auto j = json_of(lost[0]);
+  CHECK(j["event"] == "node_lost");
+  CHECK(j["addr"] == "127.0.0.2");
+  CHECK(j["cause"] == "connection closed");
+  job.join(1, node("127.0.0.1", 2, 2, 2, 1), T0 + 1s);
+  auto round = job.take_events();
+  REQUIRE(round.size() == 2);
+  CHECK(json_of(round[0])["how"] == "survivor");
+  CHECK(text_of(round[1]) == "job 'job': round 2 started (restart 1 of 1): 2 nodes, world size 4: host-127.0.0.1 "
+                             "(127.0.0.1), host-127.0.0.3 (127.0.0.3)");
+  job.node_done(1, 2, T0 + 2s);
+  job.node_done(3, 2, T0 + 2s);
+  auto done = job.take_events();
+  REQUIRE(done.size() == 1);
+  CHECK(text_of(done[0]) == "job 'job' done: round 2, 2 nodes, 1 restart spent");
+}
+
+TEST_CASE("the job's events (#38): a worker's failure with its exit code, a silent node, and the root cause of the failure") {
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2, 1, 1), T0);
+  job.join(2, node("127.0.0.2", 2, 2, 1, 1), T0);
+  job.take_events();
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.host = "host-127.0.0.2";
+  f.rank = 1;
+  f.exit_code = 137;
+  f.signal = 9;
+  f.message = "killed";
+  job.worker_failed(2, f, T0 + 1s);
+  auto failed = job.take_events();
+  REQUIRE(failed.size() == 2);
+  CHECK(text_of(failed[0]) ==
+        "job 'job': rank 1 on node host-127.0.0.2 (127.0.0.2, agent agent-127.0.0.2) failed with exit code 137 (signal 9): killed");
+  CHECK(json_of(failed[1])["cause"] == "worker failed");
+  job.join(1, node("127.0.0.1", 2, 2, 1, 1), T0 + 1s);
+  job.join(2, node("127.0.0.2", 2, 2, 1, 1), T0 + 1s);
+  job.take_events();
+  job.heartbeat(1, T0 + 1300ms);
+  job.tick(T0 + 1310ms);  // node 2 silent for 310 ms, no restart left
+  auto ended = job.take_events();
+  REQUIRE(ended.size() == 2);
+  CHECK(text_of(ended[0]) == "job 'job': node host-127.0.0.2 (127.0.0.2, agent agent-127.0.0.2) lost (heartbeat "
+                             "timeout): missed 3 heartbeats (100 ms apart): hung or unreachable");
+  CHECK(text_of(ended[1]) == "job 'job' failed at round 2 (restart 1 of 1): root cause: node host-127.0.0.2 "
+                             "(127.0.0.2) missed 3 heartbeats (100 ms apart): hung or unreachable");
+  CHECK(json_of(ended[1])["event"] == "failed");
+  CHECK(job.take_events().empty());
+}

@@ -6,7 +6,6 @@
 #include <signal.h>
 
 #include <fstream>
-#include <regex>
 
 #include <nlohmann/json.hpp>
 
@@ -17,15 +16,6 @@ using namespace mgtest;
 using namespace std::chrono_literals;
 
 namespace {
-
-// The port of a URL the daemon printed on line `index` ("metrics on http://H:P/metrics").
-int port_on_line(const Daemon& d, std::size_t index) {
-  REQUIRE(eventually([&] { return split_lines(d.proc.out()).size() > index; }, 10s));
-  const auto line = split_lines(d.proc.out()).at(index);
-  std::smatch m;
-  REQUIRE(std::regex_search(line, m, std::regex(R"(http://[0-9.]+:([0-9]+)/)")));
-  return std::stoi(m[1]);
-}
 
 const std::string kStandbyLine = "[mglaunch] standby for job ";
 

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -47,6 +48,16 @@ inline Daemon listening_at(const std::string& endpoint) {
   Daemon d = listen_at(endpoint);
   REQUIRE_THAT(d.proc.out(), Catch::Contains("listening on"));
   return d;
+}
+
+// The port of a URL the daemon printed on line `index` ("metrics on http://H:P/metrics").
+inline int port_on_line(const Daemon& d, std::size_t index) {
+  using namespace std::chrono_literals;
+  REQUIRE(eventually([&] { return split_lines(d.proc.out()).size() > index; }, 10s));
+  const auto line = split_lines(d.proc.out()).at(index);
+  std::smatch m;
+  REQUIRE(std::regex_search(line, m, std::regex(R"(http://[0-9.]+:([0-9]+)/)")));
+  return std::stoi(m[1]);
 }
 
 inline std::vector<std::string> agent_argv(const std::string& endpoint, const std::string& job, int index,

@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
   rdzv::Job job("bench");
   const auto now = rdzv::Clock::now();
   const auto t0 = std::chrono::steady_clock::now();
-  std::size_t frames = 0, bytes = 0;
+  std::size_t frames = 0, bytes = 0, log_bytes = 0;
   std::vector<std::uint8_t> wire;  // each frame as the server writes it
   for (int i = 0; i < n; ++i) {
     proto::Join j;
@@ -41,8 +41,11 @@ int main(int argc, char** argv) {
       bytes += wire.size();
       ++frames;
     }
+    // The job's events, taken and formatted as the daemon logs them (#38).
+    for (const auto& e : job.take_events()) log_bytes += rdzv::text_of(e).size();
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("%d agents through the job state machine: %zu assignments (%zu bytes) in %.3f s\n", n, frames, bytes, secs);
+  std::printf("%d agents through the job state machine: %zu assignments (%zu bytes), %zu bytes of event log, in %.3f s\n",
+              n, frames, bytes, log_bytes, secs);
   return frames == static_cast<std::size_t>(n) ? 0 : 1;
 }

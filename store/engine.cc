@@ -41,20 +41,20 @@ std::string Engine::set(const std::string& key, std::string value, std::vector<R
   return {};
 }
 
-std::string Engine::apply(ClientId from, const Query& q, std::vector<Reply>& out) {
+std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
   auto reply = [&]() -> std::string& { return out.emplace_back(Reply{from, {}}).bytes; };
   switch (q.op) {
     case Op::kValidate:
       return {};
     case Op::kSet:
-      return set(q.keys[0], q.values[0], out);
+      return set(q.keys[0], std::move(q.values[0]), out);
     case Op::kAppend: {
       auto it = data_.find(q.keys[0]);
-      return set(q.keys[0], it == data_.end() ? q.values[0] : it->second + q.values[0], out);
+      return set(q.keys[0], it == data_.end() ? std::move(q.values[0]) : it->second + q.values[0], out);
     }
     case Op::kMultiSet:
       for (std::size_t i = 0; i < q.keys.size(); ++i)
-        if (auto e = set(q.keys[i], q.values[i], out); !e.empty()) return e;
+        if (auto e = set(q.keys[i], std::move(q.values[i]), out); !e.empty()) return e;
       return {};
     case Op::kCompareSet: {
       const std::string& key = q.keys[0];

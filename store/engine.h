@@ -29,7 +29,8 @@ class Engine {
 
   // Applies `q` sent by `from`; appends the replies (to `from`, and to the clients a SET
   // wakes). Returns "" or why `from` must be disconnected.
-  std::string apply(ClientId from, const Query& q, std::vector<Reply>& out);
+  // `q`'s values are moved into the store.
+  std::string apply(ClientId from, Query q, std::vector<Reply>& out);
   // `c` is gone: its wait is forgotten.
   void disconnected(ClientId c);
   // Forgets every key and wait (a new attempt of the job starts from an empty store, as

@@ -1,5 +1,6 @@
 #include "store/server.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <stdexcept>
@@ -25,12 +26,17 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     Dialect dialect = Dialect::kUnknown;
     std::string pending;  // the start of a query still arriving
     std::size_t need = 0;  // pending cannot hold a whole query below this size (Parsed::need)
+    Progress progress;     // how far pending's query has been checked (wire.h)
     std::string out;      // replies not yet handed to a write
     std::string writing;  // the bytes of the one write in flight (empty: none)
+    std::size_t held = 0;  // pending + out + writing, as counted in Impl::buffered
+    bool spoke = false;    // it has sent something
   };
 
   Impl(asio::io_context& io, tcp::acceptor a, ServerOptions o)
-      : io(io), acceptor(std::move(a)), opts(std::move(o)), engine(opts.max_bytes) {}
+      : io(io), acceptor(std::move(a)), opts(std::move(o)), engine(opts.max_bytes) {
+    opts.limits.max_query = std::min(opts.limits.max_query, opts.max_buffered);
+  }
 
   asio::io_context& io;
   tcp::acceptor acceptor;
@@ -42,6 +48,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   std::unordered_map<ClientId, std::shared_ptr<tcp::socket>> parked;
   ClientId next_id = 1;
   std::size_t dropped = 0;
+  std::size_t buffered = 0;  // every client's held bytes (ServerOptions::max_buffered)
+  std::size_t parse_fields = 0;  // Parsed::fields, summed
   bool stopped = false;
   asio::steady_timer accept_pause{io};  // after an accept error (EMFILE): a pause, not a spin
   std::array<char, 64 * 1024> scratch{};
@@ -60,7 +68,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     acceptor.async_accept([self = shared_from_this()](boost::system::error_code ec, tcp::socket s) {
       if (self->stopped) return;
       if (!ec) {
-        if (self->clients.size() >= self->opts.max_clients) {
+        if (self->clients.size() + self->parked.size() >= self->opts.max_clients && !self->displace_silent()) {
           ++self->dropped;
           self->log(fmt::format("agent store: refused a client: {} clients is the limit", self->opts.max_clients));
         } else {
@@ -87,6 +95,19 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     });
   }
 
+  // At the client limit: disconnects the oldest client that has sent nothing yet, so that
+  // connections opened and left silent cannot keep the job's workers out (a worker's client
+  // speaks at once: torch 2.x's VALIDATE, 1.x's first query). False when every one spoke.
+  bool displace_silent() {
+    auto oldest = clients.end();
+    for (auto it = clients.begin(); it != clients.end(); ++it)
+      if (!it->second->spoke && (oldest == clients.end() || it->first < oldest->first)) oldest = it;
+    if (oldest == clients.end()) return false;
+    drop(oldest->first, fmt::format("it had sent nothing when a new client came at the limit of {} clients",
+                                    opts.max_clients));
+    return true;
+  }
+
   void read(ClientId id) {
     auto it = clients.find(id);
     if (it == clients.end()) return;
@@ -105,9 +126,35 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     }
     boost::system::error_code ignored;
     it->second->socket.close(ignored);
+    buffered -= it->second->held;
     clients.erase(it);
     engine.disconnected(id);
     idle_check();
+  }
+
+  // `c`'s buffers changed: counts them again in `buffered`.
+  void recount(Client& c) {
+    const std::size_t now = c.pending.size() + c.out.size() + c.writing.size();
+    buffered = buffered - c.held + now;
+    c.held = now;
+  }
+
+  // Over the budget of all clients' buffers: disconnects the client holding the most
+  // until under it again (the newest bytes' owner when it holds as much as any), so that
+  // clients hoarding replies or half-sent queries cannot starve one that holds little.
+  // False when `current` (the client being served) was among them and must not be touched.
+  bool within_budget(ClientId current) {
+    while (buffered > opts.max_buffered) {
+      auto worst = clients.find(current);
+      for (auto it = clients.begin(); it != clients.end(); ++it)
+        if (worst == clients.end() || it->second->held > worst->second->held) worst = it;
+      if (worst == clients.end()) break;
+      const ClientId id = worst->first;
+      drop(id, fmt::format("it held {} bytes of queries and replies when all clients' came to {}, over the store's "
+                           "limit of {}",
+                           worst->second->held, buffered, opts.max_buffered));
+    }
+    return clients.count(current) > 0;
   }
 
   std::function<void()> idle;  // when_idle()'s
@@ -126,9 +173,12 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       const std::size_t n = c.socket.read_some(asio::buffer(scratch), rec);
       if (rec == asio::error::would_block) break;
       if (rec || n == 0) return drop(id, {});  // the client went away (normal at its exit)
+      c.spoke = true;
       std::string_view data(scratch.data(), n);
       if (!c.pending.empty()) {
         c.pending.append(data);
+        recount(c);
+        if (!within_budget(id)) return;
         data = c.pending;
         if (c.pending.size() < c.need) {  // the query cannot be whole yet: no parse
           if (n < scratch.size()) break;
@@ -143,6 +193,11 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
         c.pending.assign(data.substr(used));
       }
       if (c.pending.empty() && c.pending.capacity() > 4096) std::string().swap(c.pending);
+      // A length read says how large the query is: room for all of it at once, not doubled
+      // and copied as it arrives (the pages are touched only as its bytes come).
+      if (c.need > c.pending.capacity() && !c.pending.empty()) c.pending.reserve(c.need);
+      recount(c);
+      if (!within_budget(id)) return;
       if (n < scratch.size()) break;
     }
     read(id);
@@ -153,7 +208,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   std::size_t serve(ClientId id, Client& c, std::string_view data) {
     std::size_t used = 0;
     while (used < data.size()) {
-      Parsed p = parse_query(data.substr(used), c.dialect, opts.limits);
+      Parsed p = parse_query(data.substr(used), c.dialect, opts.limits, &c.progress);
+      parse_fields += p.fields;
       c.need = 0;
       if (p.status == Parsed::kNeedMore) {
         c.need = p.need;
@@ -165,7 +221,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       }
       used += p.consumed;
       replies.clear();
-      if (auto err = engine.apply(id, p.query, replies); !err.empty()) {
+      if (auto err = engine.apply(id, std::move(p.query), replies); !err.empty()) {
         if (!send_all(id)) drop(id, err);
         return std::string::npos;
       }
@@ -175,24 +231,28 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   }
 
   // Queues the replies; true when `current` (the client being served) was dropped for not
-  // reading its replies, and must not be touched any more.
+  // reading its replies or over the budget of all clients, and must not be touched any more.
   bool send_all(ClientId current) {
-    bool dropped_current = false;
     for (auto& r : replies) {
       auto it = clients.find(r.to);
       if (it == clients.end()) continue;
       Client& c = *it->second;
       if (c.out.size() + c.writing.size() + r.bytes.size() > opts.max_unread) {
-        const ClientId to = r.to;
-        drop(to, fmt::format("more than {} bytes of replies it does not read", opts.max_unread));
-        dropped_current = dropped_current || to == current;
+        drop(r.to, fmt::format("more than {} bytes of replies it does not read", opts.max_unread));
         continue;
       }
-      c.out += r.bytes;
+      if (c.out.empty()) {
+        c.out = std::move(r.bytes);  // a large value's reply is not copied again
+      } else {
+        c.out += r.bytes;
+      }
+      recount(c);
+      std::string().swap(r.bytes);
+      if (!within_budget(r.to)) continue;
       if (c.writing.empty()) write(r.to);
     }
     replies.clear();
-    return dropped_current;
+    return clients.count(current) == 0;
   }
 
   // One write in flight per client; replies queued meanwhile go out with the next one.
@@ -206,6 +266,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
                         if (self->stopped || ec == asio::error::operation_aborted) return;
                         if (ec) return self->drop(id, {});
                         std::string().swap(c->writing);
+                        if (self->clients.count(id)) self->recount(*c);
                         if (!c->out.empty()) self->write(id);
                       });
   }
@@ -227,6 +288,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       });
     }
     clients.clear();
+    buffered = 0;
     engine.clear();
     idle_check();
   }
@@ -247,6 +309,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     acceptor.close(ignored);
     for (auto& [id, c] : clients) c->socket.close(ignored);
     clients.clear();
+    buffered = 0;
     for (auto& [id, p] : parked) p->close(ignored);
     parked.clear();
     idle = nullptr;
@@ -296,6 +359,8 @@ void StoreServer::when_idle(std::function<void()> f) {
   impl_->idle_check();
 }
 std::size_t StoreServer::dropped() const { return impl_->dropped; }
+std::size_t StoreServer::buffered() const { return impl_->buffered; }
+std::size_t StoreServer::parse_fields() const { return impl_->parse_fields; }
 const Engine& StoreServer::engine() const { return impl_->engine; }
 
 }  // namespace mg::store

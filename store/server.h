@@ -3,8 +3,11 @@
 // and no worker binds MASTER_PORT. One acceptor, one small session per client; reads go
 // into one shared scratch buffer and only an unfinished query stays with its session, so
 // an idle client costs a socket and a few hundred bytes. Bounded: clients, key and value
-// sizes, keys per query, bytes stored; a client that breaks a bound or the protocol is
-// disconnected with one log line, and nothing a client sends ends the server.
+// sizes, keys per query, bytes stored, and the bytes held for all clients together (their
+// unfinished queries and their replies not yet written: max_buffered, over which the client
+// holding the most is disconnected); a client that breaks a bound or the protocol is
+// disconnected with one log line (at most one a second), and nothing a client sends ends
+// the server. Its memory is thus at most max_bytes + max_buffered + a query being served.
 #pragma once
 
 #include <cstddef>
@@ -21,9 +24,14 @@
 namespace mg::store {
 
 struct ServerOptions {
+  // Clients at once, parked ones included (the agent's share of its descriptors). At the
+  // limit a newcomer displaces the oldest client that has sent nothing yet, or is refused.
   std::size_t max_clients = 100000;
   std::size_t max_bytes = std::size_t{1} << 30;  // keys and values stored
   std::size_t max_unread = std::size_t{64} << 20;  // replies queued for a client that does not read them
+  // Unfinished queries and unwritten replies of all clients together: one largest query
+  // (limits.max_query, lowered to this when larger) and some room for the others.
+  std::size_t max_buffered = std::size_t{160} << 20;
   Limits limits;
   std::function<void(const std::string&)> log;  // one line per dropped client; may be empty
 };
@@ -58,6 +66,10 @@ class StoreServer {
   // is now); a later call replaces it; stop() forgets it.
   void when_idle(std::function<void()> f);
   std::size_t dropped() const;  // clients disconnected for breaking a bound or the protocol
+  std::size_t buffered() const;  // bytes held for clients now (max_buffered's count)
+  // Length fields the parser read, in total (Parsed::fields): linear in the bytes received,
+  // however a query trickles in.
+  std::size_t parse_fields() const;
   const Engine& engine() const;
 
  private:

@@ -41,6 +41,7 @@ class Reader {
     }
     std::memcpy(&v, in_.data() + pos_, sizeof(T));
     pos_ += sizeof(T);
+    ++reads_;
     return true;
   }
   // A uint64 length and that many bytes. `error` is set when the length is over `max`.
@@ -61,12 +62,60 @@ class Reader {
   }
   std::size_t pos() const { return pos_; }
   std::size_t need() const { return need_; }
+  std::size_t reads() const { return reads_; }
 
  private:
   std::string_view in_;
   std::size_t pos_ = 0;
   std::size_t need_ = 0;
+  std::size_t reads_ = 0;
 };
+
+bool multi_key(Op op) { return op == Op::kCheck || op == Op::kWait || op == Op::kMultiGet || op == Op::kMultiSet; }
+
+// A multi-key query's key count and field lengths, checked from where `pr` got to without
+// reading a key: true when the whole query is in `in`. Otherwise `p` says the bytes needed
+// or (error set) the bound broken.
+bool check_lengths(std::string_view in, Op op, const Limits& limits, Progress& pr, Parsed& p) {
+  if (pr.pos > in.size()) pr = {};  // not the same query: start again
+  const bool with_values = op == Op::kMultiSet;
+  auto u64_at = [&](std::size_t at, std::uint64_t& v) {
+    if (in.size() - at < sizeof(v)) {
+      p.need = at + sizeof(v);
+      return false;
+    }
+    std::memcpy(&v, in.data() + at, sizeof(v));
+    ++p.fields;
+    return true;
+  };
+  if (pr.pos == 0) {
+    std::uint64_t n = 0;
+    if (!u64_at(1, n)) return false;  // after the type byte
+    if (n > limits.max_keys) {
+      p.error = fmt::format("a {} of {} keys is over the limit of {}", op_name(op), n, limits.max_keys);
+      return false;
+    }
+    pr.pos = 1 + sizeof(n);
+    pr.fields = with_values ? 2 * n : n;
+  }
+  while (pr.fields > 0) {
+    const bool value = with_values && pr.fields % 2 == 1;  // MULTI_SET's fields: key, value, key, ...
+    std::uint64_t len = 0;
+    if (!u64_at(pr.pos, len)) return false;
+    const std::size_t max = value ? limits.max_value : limits.max_key;
+    if (len > max) {
+      p.error = fmt::format("{} of {} bytes is over the limit of {}", value ? "a value" : "a key", len, max);
+      return false;
+    }
+    if (in.size() - pr.pos - sizeof(len) < len) {
+      p.need = pr.pos + sizeof(len) + len;
+      return false;
+    }
+    pr.pos += sizeof(len) + len;
+    --pr.fields;
+  }
+  return true;
+}
 
 bool op_of(std::uint8_t type, Dialect d, Op& op) {
   static constexpr Op kV1[] = {Op::kSet, Op::kCompareSet, Op::kGet, Op::kAdd, Op::kCheck,
@@ -81,7 +130,7 @@ bool op_of(std::uint8_t type, Dialect d, Op& op) {
 
 }  // namespace
 
-Parsed parse_query(std::string_view in, Dialect& dialect, const Limits& limits) {
+Parsed parse_query(std::string_view in, Dialect& dialect, const Limits& limits, Progress* progress) {
   Parsed p;
   if (in.empty()) return p;
   Reader r(in);
@@ -104,6 +153,30 @@ Parsed parse_query(std::string_view in, Dialect& dialect, const Limits& limits) 
     p.error = fmt::format("unknown query type {} (torch {} client)", type, d == Dialect::kV1 ? "1.x" : "2.x");
     return p;
   }
+  // An unfinished query: the bytes it needs, or kBad when that is over the limit.
+  auto more = [&](std::size_t need, std::size_t fields) {
+    Parsed m;
+    m.need = need;
+    m.fields = fields;
+    if (m.need > limits.max_query) {
+      m.status = Parsed::kBad;
+      m.error = fmt::format("a {} query of more than {} bytes is over the limit", op_name(op), limits.max_query);
+    }
+    return m;
+  };
+  Progress none;
+  Progress& pr = progress ? *progress : none;
+  if (multi_key(op)) {  // its lengths first, resumed: the keys are read once, when all are there
+    if (!check_lengths(in, op, limits, pr, p)) {
+      if (!p.error.empty()) {
+        p.status = Parsed::kBad;
+        pr = {};
+        return p;
+      }
+      return more(p.need, p.fields);
+    }
+  }
+  pr = {};
   Query& q = p.query;
   q.op = op;
   std::string& err = p.error;
@@ -155,17 +228,10 @@ Parsed parse_query(std::string_view in, Dialect& dialect, const Limits& limits) 
     p.status = Parsed::kBad;
     return p;
   }
-  if (!ok) {  // need more
-    Parsed more;
-    more.need = r.need();
-    if (more.need > limits.max_query) {
-      more.status = Parsed::kBad;
-      more.error = fmt::format("a {} query of more than {} bytes is over the limit", op_name(op), limits.max_query);
-    }
-    return more;
-  }
+  if (!ok) return more(r.need(), p.fields + r.reads());
   p.status = Parsed::kOk;
   p.consumed = r.pos();
+  p.fields += r.reads();
   dialect = d;
   return p;
 }

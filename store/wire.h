@@ -40,7 +40,9 @@ struct Limits {
   std::size_t max_key = 64 * 1024;
   std::size_t max_value = std::size_t{64} << 20;
   std::size_t max_keys = 65536;  // per CHECK/WAIT/MULTI_* query
-  std::size_t max_query = std::size_t{256} << 20;  // one whole query, bytes
+  // One whole query, bytes: two values of the largest size (a MULTI_SET, a COMPARE_SET);
+  // the store server holds at most its max_buffered for all clients' queries.
+  std::size_t max_query = std::size_t{128} << 20;
 };
 
 struct Parsed {
@@ -51,11 +53,23 @@ struct Parsed {
   std::size_t need = 0;
   Query query;
   std::string error;  // kBad: what was wrong, e.g. "key of 70000 bytes is over 65536"
+  std::size_t fields = 0;  // length fields this call read: a measure of its work (for tests)
+};
+
+// How far the lengths of an unfinished multi-key query (CHECK, WAIT, MULTI_GET, MULTI_SET)
+// have been checked. Handed back with the same query's bytes grown, the check goes on
+// from there instead of from the first key, so a query costs work linear in its bytes
+// however it trickles in (not quadratic: a 128 MiB CHECK of small keys cost minutes).
+// Start each query with a fresh one ({}).
+struct Progress {
+  std::size_t pos = 0;       // bytes of the query checked (0: not started)
+  std::uint64_t fields = 0;  // key (and value) fields still to check
 };
 
 // Parses the first query of `in`. `dialect` is the connection's; with kUnknown this is its
-// first query and decides it (set on kOk).
-Parsed parse_query(std::string_view in, Dialect& dialect, const Limits& limits = {});
+// first query and decides it (set on kOk). `progress` (may be null) is where an earlier
+// call on the start of the same query got to; on kNeedMore it says where this one did.
+Parsed parse_query(std::string_view in, Dialect& dialect, const Limits& limits = {}, Progress* progress = nullptr);
 
 // Replies, as the clients read them.
 void put_u8(std::string& out, std::uint8_t v);

@@ -1,6 +1,8 @@
 // The agent's store (store/): the pure wire parser and engine, then the server against real
 // torch clients: 1.13 here, 2.6 inside ../shared/peers/torch2's root when it is set up.
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 
 #include <chrono>
 #include <cstring>
@@ -398,4 +400,188 @@ TEST_CASE("when_idle runs once the last client left, not while one is connected"
   boost::asio::post(s.io, [&] { s.server->when_idle([&] { ++again; }); });
   for (int i = 0; i < 1000 && again == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   CHECK(again == 1);
+}
+
+namespace {
+// `f()` run on the server's io thread (its counters are the io thread's).
+template <typename F>
+auto on_io(ServerThread& s, F f) {
+  std::promise<decltype(f())> p;
+  auto r = p.get_future();
+  boost::asio::post(s.io, [&] { p.set_value(f()); });
+  return r.get();
+}
+
+// A 2.x CHECK (type 5) of `n` one-byte keys.
+std::string check_of(std::size_t n) {
+  std::string q = byte(5) + u64(n);
+  for (std::size_t i = 0; i < n; ++i) q += str(std::string(1, static_cast<char>('a' + i % 26)));
+  return q;
+}
+}  // namespace
+
+TEST_CASE("a multi-key query fed in small pieces is parsed in work linear in its bytes, not again from its first "
+          "key at every piece (#35)") {
+  // Re-parsed from the start at every piece (the old parser), the 4,700 pieces of this
+  // CHECK of 50,000 keys read about 118 million length fields; resumed, each field once
+  // to check it, once to read it, and at most one field again per piece.
+  constexpr std::size_t kKeys = 50000, kPiece = 100;
+  const std::string q = check_of(kKeys);
+  Dialect d = Dialect::kV2;
+  Progress pr;
+  std::size_t fields = 0, pieces = 0;
+  Parsed p;
+  for (std::size_t end = kPiece;; end = std::min(end + kPiece, q.size())) {
+    p = parse_query(std::string_view(q).substr(0, end), d, {}, &pr);
+    fields += p.fields;
+    ++pieces;
+    if (p.status != Parsed::kNeedMore) break;
+    REQUIRE(p.need > end);  // it says what it needs, and that is more than it has
+  }
+  REQUIRE(p.status == Parsed::kOk);
+  CHECK(p.consumed == q.size());
+  REQUIRE(p.query.keys.size() == kKeys);
+  CHECK(p.query.keys[27] == "b");
+  CHECK(fields <= 2 * (kKeys + 2) + pieces);
+
+  // MULTI_SET (key and value fields) cut at every byte parses as it does whole, and a
+  // value over the limit is refused when its length arrives, the keys before it unread.
+  const std::string ms = byte(11) + u64(2) + str("k1") + str("v1") + str("k2") + str("value2");
+  Progress pm;
+  for (std::size_t end = 1; end < ms.size(); ++end)
+    REQUIRE(parse_query(std::string_view(ms).substr(0, end), d, {}, &pm).status == Parsed::kNeedMore);
+  p = parse_query(ms, d, {}, &pm);
+  REQUIRE(p.status == Parsed::kOk);
+  CHECK(p.query.keys == std::vector<std::string>{"k1", "k2"});
+  CHECK(p.query.values == std::vector<std::string>{"v1", "value2"});
+  Limits small;
+  small.max_value = 4;
+  Progress pb;
+  p = parse_query(std::string_view(ms).substr(0, 47), d, small, &pb);  // up to value2's length
+  CHECK(p.status == Parsed::kBad);
+  CHECK_THAT(p.error, Catch::Contains("a value of 6 bytes is over the limit of 4"));
+}
+
+TEST_CASE("the store server resumes a multi-key query trickling in: its parse work stays linear in the bytes (#35)") {
+  ServerThread s;
+  boost::asio::io_context io;
+  using tcp = boost::asio::ip::tcp;
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  constexpr std::size_t kKeys = 20000, kPieces = 200;
+  const std::string q = check_of(kKeys);
+  boost::asio::write(c, boost::asio::buffer(validate()));
+  // Each piece is in the server (held, unfinished) before the next is sent: 200 reads.
+  const std::size_t piece = q.size() / kPieces + 1;
+  for (std::size_t at = 0; at < q.size(); at += piece) {
+    const std::size_t end = std::min(at + piece, q.size());
+    boost::asio::write(c, boost::asio::buffer(q.data() + at, end - at));
+    if (end < q.size()) REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->buffered(); }) == end; }, 10s));
+  }
+  std::uint8_t ready = 99;
+  boost::asio::read(c, boost::asio::buffer(&ready, 1));
+  CHECK(ready == kCheckNotReady);
+  // Re-parsed from its start at each piece, about 2 million fields (kPieces * kKeys / 2).
+  CHECK(on_io(s, [&] { return s.server->parse_fields(); }) <= 2 * (kKeys + 1) + 4 * kPieces);
+}
+
+TEST_CASE("the store's buffers over all clients are bounded: over the budget, the client holding the most is "
+          "disconnected with one log line and the others are served (#35)") {
+  using tcp = boost::asio::ip::tcp;
+  ServerOptions o;
+  constexpr std::size_t kValue = 8 << 20;  // more than the kernel buffers of a loopback socket take in
+  o.max_buffered = 20 << 20;               // two unread replies of the value fit, not three
+  ServerThread s(o);
+  boost::asio::io_context io;
+  auto connect = [&] {
+    auto c = std::make_unique<tcp::socket>(io);
+    c->open(tcp::v4());
+    c->set_option(boost::asio::socket_base::receive_buffer_size(64 * 1024));  // a reply stays in the server
+    c->connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+    boost::asio::write(*c, boost::asio::buffer(validate()));
+    return c;
+  };
+  auto setter = connect();
+  boost::asio::write(*setter, boost::asio::buffer(byte(1) + str("big") + str(std::string(kValue, 'x'))));
+  boost::asio::write(*setter, boost::asio::buffer(byte(4) + str("n") + u64(1)));  // ADD: the SET was served
+  std::int64_t v = 0;
+  boost::asio::read(*setter, boost::asio::buffer(&v, 8));
+  REQUIRE(v == 1);
+  // Five clients GET the value and never read it: the first two are kept, each of the
+  // next three is the one holding the most (its reply, as large as theirs) and goes.
+  std::vector<std::unique_ptr<tcp::socket>> hoarders;
+  for (int i = 0; i < 5; ++i) {
+    hoarders.push_back(connect());
+    boost::asio::write(*hoarders.back(), boost::asio::buffer(byte(3) + str("big")));
+    const std::size_t want = i < 2 ? 0 : static_cast<std::size_t>(i - 1);
+    REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->dropped(); }) == want &&
+                                    on_io(s, [&] { return s.server->buffered(); }) >= std::min(i + 1, 2) * kValue; },
+                       20s));
+  }
+  CHECK(on_io(s, [&] { return s.server->buffered(); }) <= o.max_buffered);
+  CHECK(on_io(s, [&] { return s.server->clients(); }) == 3);  // the setter and two hoarders
+  CHECK_THAT(on_io(s, [&] { return s.log.at(0); }), Catch::Contains("over the store's limit of 20971520"));
+  // A client with a small query is still served: an ADD's answer fits.
+  boost::asio::write(*setter, boost::asio::buffer(byte(4) + str("n") + u64(1)));
+  boost::asio::read(*setter, boost::asio::buffer(&v, 8));
+  CHECK(v == 2);
+  // A half-sent SET of a value as large: the budget counts it too; the first hoarder is
+  // then the one holding the most (ties go to the client whose bytes came last).
+  auto half = connect();
+  const std::string partial = byte(1) + str("other") + u64(kValue) + std::string(kValue / 2, 'y');
+  boost::asio::write(*half, boost::asio::buffer(partial));
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->dropped(); }) == 4; }, 20s));
+  CHECK(on_io(s, [&] { return s.server->buffered(); }) <= o.max_buffered);
+}
+
+TEST_CASE("at the client limit a newcomer displaces the oldest client that has sent nothing, never one that has "
+          "(#35)") {
+  using tcp = boost::asio::ip::tcp;
+  ServerOptions o;
+  o.max_clients = 3;
+  ServerThread s(o);
+  boost::asio::io_context io;
+  auto connect = [&] {
+    auto c = std::make_unique<tcp::socket>(io);
+    c->connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+    const timeval bound{20, 0};  // every read below waits at most 20 s
+    ::setsockopt(c->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof bound);
+    return c;
+  };
+  auto served = [](tcp::socket& c) {  // NUMKEYS answered
+    boost::system::error_code ec;
+    boost::asio::write(c, boost::asio::buffer(byte(7)), ec);
+    std::int64_t n = -1;
+    boost::asio::read(c, boost::asio::buffer(&n, 8), ec);
+    return !ec && n == 0;
+  };
+  auto closed = [](tcp::socket& c) {  // by the server: end of file or reset
+    char b;
+    boost::system::error_code ec;
+    boost::asio::read(c, boost::asio::buffer(&b, 1), ec);
+    return ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset;
+  };
+  auto silent1 = connect();
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->clients(); }) == 1; }, 10s));
+  auto silent2 = connect();
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->clients(); }) == 2; }, 10s));
+  auto worker1 = connect();
+  boost::asio::write(*worker1, boost::asio::buffer(validate()));
+  REQUIRE(served(*worker1));
+  // Each newcomer takes the place of the oldest silent client, in order.
+  auto worker2 = connect();
+  boost::asio::write(*worker2, boost::asio::buffer(validate()));
+  CHECK(closed(*silent1));
+  CHECK(served(*worker2));
+  auto worker3 = connect();
+  boost::asio::write(*worker3, boost::asio::buffer(validate()));
+  CHECK(closed(*silent2));
+  CHECK(served(*worker3));
+  // Every client has spoken: the next one is refused, and they are all still served.
+  auto late = connect();
+  CHECK(closed(*late));
+  CHECK(served(*worker1));
+  CHECK(served(*worker2));
+  CHECK(served(*worker3));
+  CHECK_THAT(on_io(s, [&] { return s.log.at(0); }), Catch::Contains("it had sent nothing"));
 }

@@ -37,6 +37,7 @@ struct ServerOptions {
   std::function<void(const std::string&)> log;
   // Connections at once; 0: a quarter of the soft descriptor limit (RLIMIT_NOFILE), at
   // most 4096 and at least 16, so that sessions never take the agent's last descriptors.
+  // The agent gives its share instead (sup::descriptor_shares).
   std::size_t max_sessions = 0;
   std::size_t max_pending_per_rank = 16;  // connections of one local rank before their hello
   std::chrono::milliseconds hello_timeout{10000};  // a connection silent for longer is closed

@@ -129,6 +129,7 @@ void Agent::check_descriptor_budget() {
     }
   }
   if (!sup::fits(need, limit(lim))) throw ResourceError(sup::descriptor_shortfall(need, limit(lim)));
+  shares_ = sup::descriptor_shares(need, limit(lim));
 }
 
 void Agent::start() {
@@ -505,7 +506,7 @@ void Agent::serve_store() {
     held = port_hold_->release();  // the port held since the plan
     port_hold_.reset();
   }
-  store_ = make_store_(io_, plan_.master_port, held, [this](const std::string& line) { notice(line); });
+  store_ = make_store_(io_, plan_.master_port, held, shares_.store, [this](const std::string& line) { notice(line); });
 }
 
 void Agent::retire_store() {
@@ -549,6 +550,7 @@ void Agent::start_control() {
     return 0;
   };
   co.log = [this](const std::string& line) { notice(line); };
+  co.max_sessions = shares_.control;
   control::Handlers h;
   h.hello = [this](int lr, const control::Hello& m) {
     if (prestart_pending(lr)) prestart_hello(lr, m);
@@ -1077,7 +1079,8 @@ void Agent::start_health_check() {
     throw UsageError(e.what());  // names the variable and the fix
   }
   try {
-    health_ = std::make_unique<mon::HealthServer>(io_, opts_.metrics_host, port, [this] { return monitor_facts(); });
+    health_ = std::make_unique<mon::HealthServer>(io_, opts_.metrics_host, port, [this] { return monitor_facts(); },
+                                                  shares_.health);
   } catch (const std::exception& e) {
     // torchrun never fails a run for its health-check server (the stock one listens on
     // nothing; another program may serve the port, as a cluster's own checker does).
@@ -1276,6 +1279,7 @@ void Agent::start_ops() {
   mo.json_file = opts_.metrics_json;
   mo.metrics_port = opts_.metrics_port;
   mo.metrics_host = opts_.metrics_host;
+  mo.metrics_max_connections = shares_.metrics;
   mo.host = local_hostname();
   mo.run_id = plan_.run_id;
   mo.gpu_probe = hardware_->gpu_probe();

@@ -148,6 +148,7 @@ class Agent {
   bool python_run_ = false;  // the program runs under opts_.python
   bool merge_streams_ = false;  // the agent's stdout and stderr are one file: one pipe per worker
   std::optional<struct rlimit> worker_nofile_;  // the original limit, when the agent raised its own
+  sup::DescriptorShares shares_;  // each server's connections (check_descriptor_budget)
   // The workers: spawn, signals, reaping, the watchdog, the exec fence (declared after the
   // console it relays to).
   std::unique_ptr<WorkerLauncher> launcher_;

@@ -96,7 +96,7 @@ class MachineStore final : public AgentStore {
 };
 }  // namespace
 
-std::unique_ptr<AgentStore> serve_machine_store(asio::io_context& io, int port, int held_fd,
+std::unique_ptr<AgentStore> serve_machine_store(asio::io_context& io, int port, int held_fd, std::size_t max_clients,
                                                 std::function<void(const std::string&)> log) {
   namespace ip = asio::ip;
   ip::tcp::acceptor acceptor(io);
@@ -115,6 +115,7 @@ std::unique_ptr<AgentStore> serve_machine_store(asio::io_context& io, int port, 
                                     "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to have rank 0 host it",
                                     port, ec.message()));
   store::ServerOptions so;
+  so.max_clients = max_clients;
   so.log = std::move(log);
   return std::make_unique<MachineStore>(std::make_unique<store::StoreServer>(io, std::move(acceptor), std::move(so)));
 }

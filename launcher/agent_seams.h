@@ -81,12 +81,15 @@ class AgentStore {
   virtual void when_idle(std::function<void()> f) = 0;
 };
 // Starts serving on `port`: on `held_fd` (a socket bound to it, which the factory then
-// owns) when it is >= 0, else on a socket of its own bound to 0.0.0.0:`port`. `log` gets
-// the store's one-line notices. Throws ResourceError naming the port when it cannot listen.
+// owns) when it is >= 0, else on a socket of its own bound to 0.0.0.0:`port`; at most
+// `max_clients` clients (the store's share of the descriptors, sup::descriptor_shares).
+// `log` gets the store's one-line notices. Throws ResourceError naming the port when it
+// cannot listen.
 using StoreFactory = std::function<std::unique_ptr<AgentStore>(boost::asio::io_context& io, int port, int held_fd,
+                                                               std::size_t max_clients,
                                                                std::function<void(const std::string&)> log)>;
 std::unique_ptr<AgentStore> serve_machine_store(boost::asio::io_context& io, int port, int held_fd,
-                                                std::function<void(const std::string&)> log);
+                                                std::size_t max_clients, std::function<void(const std::string&)> log);
 
 // Everything the agent takes from outside. Every member must be set (machine_deps()).
 struct AgentDeps {

@@ -765,6 +765,21 @@ std::string descriptor_shortfall(const DescriptorNeed& need, const DescriptorLim
       soft, lim.hard ? std::to_string(*lim.hard) : std::string("unlimited"), fit);
 }
 
+DescriptorShares descriptor_shares(const DescriptorNeed& need, const DescriptorLimit& lim) {
+  DescriptorShares d;
+  if (!lim.soft) return d;
+  const unsigned long long spare =
+      *lim.soft > static_cast<unsigned long long>(need.needed) ? *lim.soft - static_cast<unsigned long long>(need.needed) : 0;
+  auto share = [&](std::size_t cap, unsigned long long part, std::size_t at_least) {
+    return static_cast<std::size_t>(std::clamp<unsigned long long>(spare / part, at_least, cap));
+  };
+  d.store = share(d.store, 2, 8);
+  d.control = share(d.control, 4, 4);
+  d.metrics = share(d.metrics, 8, 2);
+  d.health = share(d.health, 8, 2);
+  return d;
+}
+
 bool meant_to_host(bool rdzv_server, bool etcd, std::optional<bool> is_host,
                    const std::function<bool()>& endpoint_is_here) {
   if (!rdzv_server || etcd) return false;

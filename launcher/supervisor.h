@@ -27,6 +27,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -330,6 +331,22 @@ bool worth_raising(const DescriptorNeed& need, const DescriptorLimit& lim);
 // The error (ResourceError's text) for a need that does not fit the limit in force: how
 // many workers fit and how to raise the limit.
 std::string descriptor_shortfall(const DescriptorNeed& need, const DescriptorLimit& lim);
+
+// The agent's servers' connections, shared out from one place: what the soft limit leaves
+// over the run's need (DescriptorNeed: the workers' pipes, the logs, the reserve) is split
+// among the store (half), the control socket (a quarter), the metrics and the health
+// check's HTTP endpoints (an eighth each), each capped at its own default (100,000 store
+// clients, 4,096 control sessions, 64 HTTP connections) and given at least a few
+// connections. None can then take the descriptors of another, nor those of the workers
+// (their pipes, a restart's new ones); FileTimer's pipe is in the reserve. Unlimited: the
+// defaults.
+struct DescriptorShares {
+  std::size_t store = 100000;  // the agent store's clients (parked ones included)
+  std::size_t control = 4096;  // control sessions
+  std::size_t metrics = 64;    // connections of the metrics endpoint
+  std::size_t health = 64;     // connections of the health check
+};
+DescriptorShares descriptor_shares(const DescriptorNeed& need, const DescriptorLimit& lim);
 
 // Whether this agent listens for the rendezvous itself (once nothing listens there yet):
 // only with the own daemon's protocol (a rendezvous server that is not etcd), when told

@@ -35,7 +35,7 @@ rdzv::HttpResponse health_response(const rdzv::HttpRequest& req, const AgentFact
 }
 
 HealthServer::HealthServer(boost::asio::io_context& io, const std::string& host, int port,
-                           std::function<AgentFacts()> facts)
+                           std::function<AgentFacts()> facts, std::size_t max_connections)
     : facts_(std::move(facts)) {
   try {
     http_ = std::make_unique<rdzv::HttpServer>(io, host, port, [this](const rdzv::HttpRequest& req) {
@@ -43,7 +43,7 @@ HealthServer::HealthServer(boost::asio::io_context& io, const std::string& host,
                            std::chrono::system_clock::now().time_since_epoch())
                            .count();
       return health_response(req, facts_(), now);
-    });
+    }, max_connections);
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("TORCHELASTIC_HEALTH_CHECK_PORT={}: {}; pick a free port or 0", port,
                                          e.what()));

@@ -37,7 +37,9 @@ class HealthServer {
  public:
   // Listens on `host`:`port` at once. Throws std::runtime_error naming the variable, the
   // address and the fix when it cannot.
-  HealthServer(boost::asio::io_context& io, const std::string& host, int port, std::function<AgentFacts()> facts);
+  // At most `max_connections` at once (the agent's share for it: sup::descriptor_shares).
+  HealthServer(boost::asio::io_context& io, const std::string& host, int port, std::function<AgentFacts()> facts,
+               std::size_t max_connections = rdzv::kHttpLimits.max_connections);
   int port() const { return http_->port(); }
   std::string url() const;
   void stop() { http_->stop(); }

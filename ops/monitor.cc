@@ -425,7 +425,7 @@ AgentMonitor::AgentMonitor(boost::asio::io_context& io, Console& console, Monito
                                     prometheus_text(facts_(), last_ ? &*last_ : nullptr)};
         if (path == "/") return rdzv::HttpResponse{200, "text/plain; charset=utf-8", "mglaunch agent: see /metrics\n"};
         return rdzv::HttpResponse{404, "text/plain; charset=utf-8", "not found: try /metrics\n"};
-      });
+      }, opts_.metrics_max_connections);
     } catch (const std::exception& e) {
       if (json_fd_ >= 0) ::close(json_fd_);
       throw std::runtime_error(fmt::format("--metrics-port {}: {}; pick a free port or 0", opts_.metrics_port, e.what()));

@@ -9,6 +9,7 @@
 
 #include <sys/types.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -173,6 +174,7 @@ struct MonitorOptions {
   std::string json_file;                 // --metrics-json
   int metrics_port = -1;                 // --metrics-port (0: any free port; -1: none)
   std::string metrics_host = "127.0.0.1";  // --metrics-host
+  std::size_t metrics_max_connections = 64;  // connections at once (the agent's share for them)
   std::string host, run_id;
   std::unique_ptr<hw::GpuProbe> gpu_probe;  // the GPUs sampled (make_gpu_probe()); null: no GPU figures
 };

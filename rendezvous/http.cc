@@ -1,5 +1,6 @@
 #include "rendezvous/http.h"
 
+#include <algorithm>
 #include <vector>
 
 #include <boost/beast/core.hpp>
@@ -108,8 +109,14 @@ struct HttpServer::Session : std::enable_shared_from_this<Session> {
   bool released = false;
 };
 
-HttpServer::HttpServer(asio::io_context& io, const std::string& host, int port, HttpHandler handler)
-    : io_(io), host_(host), acceptor_(io), pause_(io), handler_(std::make_shared<HttpHandler>(std::move(handler))) {
+HttpServer::HttpServer(asio::io_context& io, const std::string& host, int port, HttpHandler handler,
+                       std::size_t max_connections)
+    : io_(io),
+      host_(host),
+      acceptor_(io),
+      pause_(io),
+      handler_(std::make_shared<HttpHandler>(std::move(handler))),
+      max_connections_(std::max<std::size_t>(1, max_connections)) {
   boost::system::error_code ec;
   auto addr = asio::ip::make_address(host, ec);
   if (ec) {
@@ -149,6 +156,15 @@ void HttpServer::stop() {
   for (Session* s : open) s->close();  // each leaves the set; its completion comes later
 }
 
+bool HttpServer::evict_oldest_of(const asio::ip::address& peer) {
+  Session* victim = nullptr;
+  for (Session* s : connections_->open)
+    if (s->waiting && s->peer == peer && (!victim || s->seq < victim->seq)) victim = s;
+  if (!victim) return false;
+  victim->close();
+  return true;
+}
+
 bool HttpServer::evict_for(std::size_t newcomer_holds) {
   Session* victim = nullptr;
   std::size_t most = 0;
@@ -174,8 +190,14 @@ void HttpServer::accept() {
       if (peer.is_v6() && peer.to_v6().is_v4_mapped()) peer = asio::ip::make_address_v4(asio::ip::v4_mapped, peer.to_v6());
       const auto it = connections_->per_address.find(peer);
       const std::size_t holds = it == connections_->per_address.end() ? 0 : it->second;
-      if (peer_ec || holds >= kHttpLimits.max_per_address ||
-          (connections_->total >= kHttpLimits.max_connections && !evict_for(holds))) {
+      // At its address's cap, a newcomer displaces that address's connection that has waited
+      // longest for its request: slow connections cannot lock out a prompt one (a loopback
+      // health check) from their own address.
+      const std::size_t per_address = std::min(kHttpLimits.max_per_address, max_connections_);
+      const bool admitted = !peer_ec && (holds >= per_address                ? evict_oldest_of(peer)
+                                         : connections_->total >= max_connections_ ? evict_for(holds)
+                                                                                    : true);
+      if (!admitted) {
         boost::system::error_code ignored;
         socket.close(ignored);
       } else {

@@ -4,12 +4,14 @@
 // starving the others: one request per connection, no request bodies, a request line and
 // headers of at most 8 KiB that must have arrived 5 s after the connection was accepted
 // (however slowly they trickle in), 10 s to write the response, at most 64 connections at
-// once and 8 from one address (a connection beyond either is closed at once, except that
-// with all 64 taken a newcomer displaces the connection that has waited longest for its
-// request among those of the address holding the most, when that holds at least two more
-// than the newcomer's: many addresses holding slow connections cannot lock out one that
-// holds few). A request it does not take is answered 431 (headers too large), 413 (a body)
-// or 400 (malformed).
+// once (or the owner's share of the descriptors) and 8 from one address. A newcomer beyond
+// either displaces a connection still waiting for its request, or is closed at once: at its
+// address's cap, that address's oldest one (slow connections cannot lock out a prompt one
+// from their own address, e.g. the loopback health check); with all connections taken, the
+// oldest of the address holding the most, when that holds at least two more than the
+// newcomer's (many addresses holding slow connections cannot lock out one that holds few).
+// A request it does not take is answered 431 (headers too large), 413 (a body) or 400
+// (malformed).
 #pragma once
 
 #include <chrono>
@@ -51,7 +53,8 @@ inline constexpr HttpLimits kHttpLimits{};
 class HttpServer {
  public:
   // Binds and listens at once; throws std::runtime_error naming the address on failure.
-  HttpServer(boost::asio::io_context& io, const std::string& host, int port, HttpHandler handler);
+  HttpServer(boost::asio::io_context& io, const std::string& host, int port, HttpHandler handler,
+             std::size_t max_connections = kHttpLimits.max_connections);
   ~HttpServer();
   int port() const { return port_; }
   std::string address() const;
@@ -76,6 +79,9 @@ class HttpServer {
   // At the connection limit, for a newcomer whose address holds `newcomer_holds`: closes
   // the connection to displace (see above); false when none may be.
   bool evict_for(std::size_t newcomer_holds);
+  // At the cap of `peer`'s address: closes its connection that has waited longest for its
+  // request; false when none waits.
+  bool evict_oldest_of(const boost::asio::ip::address& peer);
 
   boost::asio::io_context& io_;
   std::string host_;
@@ -83,6 +89,7 @@ class HttpServer {
   boost::asio::steady_timer pause_;  // after an accept error (EMFILE), before the next accept
   std::shared_ptr<HttpHandler> handler_;  // shared with sessions that outlive a stop()
   int port_ = 0;
+  std::size_t max_connections_;
   std::shared_ptr<Connections> connections_ = std::make_shared<Connections>();
   bool stopped_ = false;
 };

@@ -275,7 +275,7 @@ struct Run {
       return std::unique_ptr<rdzv::Link>(std::move(l));
     };
     deps.hardware = std::make_unique<FakeHardware>();
-    deps.store = [this](asio::io_context&, int port, int held_fd, std::function<void(const std::string&)>) {
+    deps.store = [this](asio::io_context&, int port, int held_fd, std::size_t, std::function<void(const std::string&)>) {
       store.held = held_fd >= 0;
       if (held_fd >= 0) ::close(held_fd);
       store.served.push_back(port);

@@ -7,7 +7,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <poll.h>
+
 #include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <regex>
+
+#include <nlohmann/json.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -135,4 +142,118 @@ TEST_CASE("the real agent's store that cannot listen on the master port stops th
   CHECK(r.out.empty());
   CHECK_THAT(r.err, Catch::Contains("cannot serve the agent's store on port " + port) &&
                         Catch::Contains("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"));
+}
+
+namespace {
+
+// A field of /proc/PID/status in KiB ("VmHWM", "VmRSS"); -1 when absent.
+long status_kib(pid_t pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
+  return -1;
+}
+
+bool send_all(int fd, const std::string& bytes) {
+  for (std::size_t at = 0; at < bytes.size();) {
+    const ssize_t n = ::send(fd, bytes.data() + at, bytes.size() - at, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    at += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+std::string u64(std::uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+std::string str(const std::string& s) { return u64(s.size()) + s; }
+// torch 2.x's first query: VALIDATE (type 0) and the magic.
+std::string validate() { return std::string(1, '\0') + std::string("\xce\xf7\x85\x3c", 4); }
+
+// The MASTER_PORT fake_worker's `env` printed (rank-prefixed JSON line), 0 while none.
+int master_port_of(const Proc& p) {
+  for (const auto& l : split_lines(p.out()))
+    if (auto at = l.find('{'); at != std::string::npos)
+      return std::stoi(nlohmann::json::parse(l.substr(at))["MASTER_PORT"].get<std::string>());
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("16 store clients that never read their replies of a 32 MiB value leave the agent under 256 MiB "
+          "resident (#35)") {
+  // Before the budget over all clients, each kept its own copy of the reply: about 600 MiB.
+  Proc agent = spawn(launch({"--nproc_per_node=1", "--master_port=0"}, {"env", "hang", "120"}));
+  REQUIRE(eventually([&] { return master_port_of(agent) > 0; }, 60s));
+  const int port = master_port_of(agent);
+  const int setter = connect_loopback(port);
+  REQUIRE(setter >= 0);
+  REQUIRE(send_all(setter, validate() + '\1' + str("big") + str(std::string(32 << 20, 'x'))));
+  REQUIRE(send_all(setter, '\4' + str("n") + u64(1)));  // ADD: answered once the SET was served
+  std::int64_t v = 0;
+  REQUIRE(::recv(setter, &v, 8, MSG_WAITALL) == 8);
+  REQUIRE(v == 1);
+  std::vector<int> hoarders;
+  for (int i = 0; i < 16; ++i) {
+    const int fd = connect_loopback(port);
+    REQUIRE(fd >= 0);
+    hoarders.push_back(fd);
+    CHECK(send_all(fd, validate() + '\3' + str("big")));  // GET, never read
+  }
+  // Every GET was served: its reply is arriving, or the store closed that client.
+  auto answered = [](int fd) {
+    char c;
+    const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK);
+  };
+  CHECK(eventually([&] { return std::all_of(hoarders.begin(), hoarders.end(), answered); }, 60s));
+  // The store still serves the others.
+  REQUIRE(send_all(setter, '\4' + str("n") + u64(1)));
+  REQUIRE(::recv(setter, &v, 8, MSG_WAITALL) == 8);
+  CHECK(v == 2);
+  const long peak = status_kib(agent.pid, "VmHWM"), now = status_kib(agent.pid, "VmRSS");
+  INFO("agent VmHWM " << peak / 1024 << " MiB, VmRSS " << now / 1024 << " MiB");
+  CHECK(peak > 0);
+  CHECK(peak <= 256 * 1024);
+  CHECK_THAT(agent.err(), Catch::Contains("over the store's limit"));
+  for (int fd : hoarders) ::close(fd);
+  ::close(setter);
+}
+
+TEST_CASE("150 silent connections to the agent's store under ulimit -n 128 leave the health check, the store and "
+          "a restart working: the store takes only its share of the descriptors (#35)") {
+  const std::string go = make_temp_dir() + "/go";
+  auto argv = launch({"--nproc_per_node=1", "--master_port=0", "--max_restarts=1"},
+                     {"when-restart-below", "1", "env", "wait-file", go, "exit", "1"});
+  argv.insert(argv.begin(), {"/bin/sh", "-c", "ulimit -n 128 && exec \"$@\"", "sh"});
+  Proc agent = spawn(argv, {{"TORCHELASTIC_HEALTH_CHECK_PORT", "0"}});
+  auto health_port = [&] {
+    static const std::regex re(R"(health check on http://127\.0\.0\.1:([0-9]+)/health)");
+    std::smatch m;
+    const std::string err = agent.err();
+    return std::regex_search(err, m, re) ? std::stoi(m[1]) : 0;
+  };
+  REQUIRE(eventually([&] { return master_port_of(agent) > 0 && health_port() > 0; }, 60s));
+  const int store = master_port_of(agent);
+  std::vector<int> flood;
+  for (int i = 0; i < 150; ++i)
+    if (const int fd = connect_from("127.0.0.2", store); fd >= 0) flood.push_back(fd);
+  CHECK(flood.size() == 150);  // the kernel takes them all; the agent keeps its share
+  // The health check answers.
+  CHECK(eventually([&] { return http_request(health_port(), "/health").rfind("HTTP/1.1 200", 0) == 0; }, 30s));
+  // A worker's client (it speaks at once) is served: it takes a silent connection's place.
+  const int worker = connect_loopback(store);
+  REQUIRE(worker >= 0);
+  REQUIRE(send_all(worker, validate() + '\4' + str("n") + u64(1)));
+  pollfd p{worker, POLLIN, 0};
+  REQUIRE(::poll(&p, 1, 30000) == 1);
+  std::int64_t v = 0;
+  CHECK(::recv(worker, &v, 8, MSG_WAITALL) == 8);
+  CHECK(v == 1);
+  // A restart gets its pipes: the worker exits 1, the next attempt exits 0.
+  std::ofstream(go).put('\n');
+  REQUIRE(agent.wait(60s));
+  INFO(agent.err());
+  CHECK(agent.exit_code() == 0);
+  CHECK_THAT(agent.err(), Catch::Contains("it had sent nothing"));
+  for (int fd : flood) ::close(fd);
+  ::close(worker);
 }

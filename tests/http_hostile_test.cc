@@ -26,25 +26,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// A TCP connection from `source` (127.0.0.x) to 127.0.0.1:port, or -1.
-int connect_from(const std::string& source, int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  sockaddr_in src{};
-  src.sin_family = AF_INET;
-  ::inet_pton(AF_INET, source.c_str(), &src.sin_addr);
-  sockaddr_in dst{};
-  dst.sin_family = AF_INET;
-  dst.sin_port = htons(static_cast<uint16_t>(port));
-  dst.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof src) != 0 ||
-      ::connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof dst) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 bool send_all(int fd, const std::string& bytes) {
   std::size_t off = 0;
   while (off < bytes.size()) {
@@ -202,6 +183,25 @@ TEST_CASE("slow HTTP connections from one address leave the agent's /metrics to 
     for (int i = 0; i < 3; ++i)
       CHECK_THAT(get_from("127.0.0.3", port, "/metrics"),
                  Catch::StartsWith("HTTP/1.1 200") && Catch::Contains("mglaunch_agent_info"));
+  }
+  ::kill(agent.pid, SIGTERM);
+  REQUIRE(agent.wait(30s));
+  CHECK(agent.exit_code() == 143);
+}
+
+// At its address's cap, a newcomer displaces that address's oldest connection still
+// waiting for its request.
+TEST_CASE("eight slow connections from 127.0.0.1 leave the loopback health check answered (#35)") {
+  Proc agent = spawn(launch({"--nproc_per_node=1", "--master_port=0"}, {"hang", "300"}),
+                     {{"TORCHELASTIC_HEALTH_CHECK_PORT", "0"}});
+  REQUIRE(eventually([&] { return port_on_line(agent.err(), "[mglaunch] health check on http://127.0.0.1:") > 0; }, 20s));
+  const int port = port_on_line(agent.err(), "[mglaunch] health check on http://127.0.0.1:");
+  {
+    SlowHog hog("127.0.0.1", {port}, 8);  // the per-address cap, from the prober's own address
+    for (int i = 0; i < 3; ++i) {
+      INFO("request " << i);
+      CHECK_THAT(get_from("127.0.0.1", port, "/health"), Catch::StartsWith("HTTP/1.1 200"));
+    }
   }
   ::kill(agent.pid, SIGTERM);
   REQUIRE(agent.wait(30s));

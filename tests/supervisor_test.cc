@@ -333,6 +333,32 @@ TEST_CASE("the descriptor budget counts pipes, log files and a reserve, and says
   CHECK_THAT(descriptor_shortfall(need, {256, std::nullopt}), Catch::Contains("hard limit unlimited"));
 }
 
+TEST_CASE("the descriptors the run does not need are shared out among the agent's servers, none taking another's "
+          "(#35)") {
+  const auto need = descriptor_need(1, /*merge_streams=*/false, 0, /*open_now=*/14);  // 80 needed
+  // ulimit -n 128: 48 spare, split 1/2 store, 1/4 control, 1/8 metrics, 1/8 health.
+  const DescriptorShares low = descriptor_shares(need, {128, 128});
+  CHECK(low.store == 24);
+  CHECK(low.control == 12);
+  CHECK(low.metrics == 6);
+  CHECK(low.health == 6);
+  CHECK(low.store + low.control + low.metrics + low.health + static_cast<std::size_t>(need.needed) <= 128);
+  // A large limit: each capped at its own default; none: the defaults.
+  const DescriptorShares high = descriptor_shares(need, {1 << 20, std::nullopt});
+  CHECK(high.store == 100000);
+  CHECK(high.control == 4096);
+  CHECK(high.metrics == 64);
+  CHECK(high.health == 64);
+  const DescriptorShares none = descriptor_shares(need, {});
+  CHECK(none.store == 100000);
+  CHECK(none.health == 64);
+  // Nothing spare (the need just fits): a few each, from the need's reserve.
+  const DescriptorShares tight = descriptor_shares(need, {80, 80});
+  CHECK(tight.store == 8);
+  CHECK(tight.control == 4);
+  CHECK(tight.metrics == 2);
+}
+
 TEST_CASE("an agent hosts the rendezvous when told, or when the endpoint is its own address, and never for etcd") {
   int asked = 0;
   auto here = [&] {

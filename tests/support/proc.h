@@ -70,6 +70,8 @@ bool test_root_is_dead(const std::string& name);
 bool pid_alive(pid_t pid);  // zombies count as gone
 bool python_has_torch();    // /usr/bin/python3 -c "import torch" succeeds (checked once)
 int connect_loopback(int port);  // a connected TCP socket to 127.0.0.1:port, or -1
+// A TCP connection from `source` (127.0.0.x) to 127.0.0.1:port, or -1.
+int connect_from(const std::string& source, int port);
 
 // One HTTP/1.1 request to 127.0.0.1:port (Connection: close): the whole response, head and
 // body, "" when it cannot connect; reads for at most 10 s.

@@ -75,7 +75,12 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
     case Op::kGet:
     case Op::kMultiGet: {
       if (!has_all(q.keys)) return fmt::format("{} of a key that is not set", op_name(q.op));
+      std::size_t size = 0;  // summed first: a key named many times must not build a huge reply
+      for (const auto& k : q.keys) size += 8 + data_.at(k).size();
+      if (size > max_reply_)
+        return fmt::format("a {} reply of {} bytes would be over the limit of {}", op_name(q.op), size, max_reply_);
       std::string& r = reply();
+      r.reserve(size);
       for (const auto& k : q.keys) put_bytes(r, data_.at(k));
       return {};
     }

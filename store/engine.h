@@ -24,8 +24,11 @@ struct Reply {
 
 class Engine {
  public:
-  // `max_bytes`: keys and values together, at most.
-  explicit Engine(std::size_t max_bytes = std::size_t{1} << 30) : max_bytes_(max_bytes) {}
+  // `max_bytes`: keys and values together, at most. `max_reply`: one reply's bytes, at most
+  // (a GET or MULTI_GET over it is refused before its reply is built: one MULTI_GET naming
+  // a large value many times would otherwise build a reply of terabytes).
+  explicit Engine(std::size_t max_bytes = std::size_t{1} << 30, std::size_t max_reply = std::size_t{64} << 20)
+      : max_bytes_(max_bytes), max_reply_(max_reply) {}
 
   // Applies `q` sent by `from`; appends the replies (to `from`, and to the clients a SET
   // wakes). Returns "" or why `from` must be disconnected.
@@ -47,6 +50,7 @@ class Engine {
   bool has_all(const std::vector<std::string>& keys) const;
 
   std::size_t max_bytes_;
+  std::size_t max_reply_;
   std::size_t bytes_ = 0;
   std::unordered_map<std::string, std::string> data_;
   std::unordered_map<std::string, std::vector<ClientId>> waiters_;  // key -> clients waiting for it

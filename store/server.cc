@@ -34,7 +34,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   };
 
   Impl(asio::io_context& io, tcp::acceptor a, ServerOptions o)
-      : io(io), acceptor(std::move(a)), opts(std::move(o)), engine(opts.max_bytes) {
+      : io(io), acceptor(std::move(a)), opts(std::move(o)), engine(opts.max_bytes, opts.max_unread) {
     opts.limits.max_query = std::min(opts.limits.max_query, opts.max_buffered);
   }
 

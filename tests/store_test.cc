@@ -281,8 +281,8 @@ TEST_CASE("a client that never reads its replies is disconnected before they pil
   using tcp = boost::asio::ip::tcp;
   tcp::socket c(io);
   c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
-  std::string q = validate() + byte(1) + str("big") + str(std::string(64 * 1024, 'x'));
-  for (int i = 0; i < 400; ++i) q += byte(3) + str("big");  // 400 GETs of 64 KiB: 25 MiB of replies
+  std::string q = validate() + byte(1) + str("big") + str(std::string(32 * 1024, 'x'));
+  for (int i = 0; i < 400; ++i) q += byte(3) + str("big");  // 400 GETs of 32 KiB: 12.5 MiB of replies
   boost::system::error_code ec;
   boost::asio::write(c, boost::asio::buffer(q), ec);  // may fail once the server has closed it
   REQUIRE(eventually([&] { return s.server->dropped() == 1; }, 30s));
@@ -584,4 +584,46 @@ TEST_CASE("at the client limit a newcomer displaces the oldest client that has s
   CHECK(served(*worker2));
   CHECK(served(*worker3));
   CHECK_THAT(on_io(s, [&] { return s.log.at(0); }), Catch::Contains("it had sent nothing"));
+}
+
+TEST_CASE("a MULTI_GET naming one large key many times is refused before its reply is built: the client is closed "
+          "with one log line and the others are served (#35)") {
+  using tcp = boost::asio::ip::tcp;
+  ServerOptions o;
+  o.max_unread = 4 << 20;  // 200 replies of the 1 MiB value are 50 times that
+  ServerThread s(o);
+  boost::asio::io_context io;
+  tcp::socket good(io), bad(io);
+  good.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  bad.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  boost::asio::write(good, boost::asio::buffer(validate() + byte(1) + str("k") + str(std::string(1 << 20, 'v')) +
+                                               byte(4) + str("n") + u64(1)));  // SET, then ADD: the SET was served
+  std::int64_t v = 0;
+  boost::asio::read(good, boost::asio::buffer(&v, 8));
+  REQUIRE(v == 1);
+  std::string q = validate() + byte(10) + u64(200);  // 2.x MULTI_GET
+  for (int i = 0; i < 200; ++i) q += str("k");
+  boost::asio::write(bad, boost::asio::buffer(q));
+  char c;
+  boost::system::error_code ec;
+  boost::asio::read(bad, boost::asio::buffer(&c, 1), ec);
+  CHECK((ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset));
+  boost::asio::write(good, boost::asio::buffer(byte(4) + str("n") + u64(1)));
+  boost::asio::read(good, boost::asio::buffer(&v, 8));
+  CHECK(v == 2);
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->dropped(); }) == 1; }, 10s));
+  CHECK_THAT(on_io(s, [&] { return s.log.at(0); }), Catch::Contains("a multi_get reply of 209716800 bytes"));
+  // The engine alone: nothing is built, the query is refused.
+  Engine e(1 << 30, 4 << 20);
+  std::vector<Reply> out;
+  Query set;
+  set.op = Op::kSet;
+  set.keys = {"k"};
+  set.values = {std::string(1 << 20, 'v')};
+  REQUIRE(e.apply(1, set, out).empty());
+  Query get;
+  get.op = Op::kMultiGet;
+  get.keys.assign(200, "k");
+  CHECK_THAT(e.apply(2, get, out), Catch::Contains("over the limit of 4194304"));
+  CHECK(out.empty());
 }

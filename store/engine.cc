@@ -50,7 +50,17 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
       return set(q.keys[0], std::move(q.values[0]), out);
     case Op::kAppend: {
       auto it = data_.find(q.keys[0]);
-      return set(q.keys[0], it == data_.end() ? std::move(q.values[0]) : it->second + q.values[0], out);
+      if (it == data_.end()) return set(q.keys[0], std::move(q.values[0]), out);
+      // In place (checked first, then grown): a copy of the whole value at every call made
+      // many small appends quadratic, and held the value twice.
+      const std::string& more = q.values[0];
+      if (bytes_ + more.size() > max_bytes_)
+        return fmt::format("the store would hold more than {} bytes (append of a {}-byte value)", max_bytes_,
+                           more.size());
+      it->second.append(more);
+      bytes_ += more.size();
+      wake(q.keys[0], out);
+      return {};
     }
     case Op::kMultiSet:
       for (std::size_t i = 0; i < q.keys.size(); ++i)

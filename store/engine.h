@@ -41,6 +41,11 @@ class Engine {
   void clear();
 
   std::size_t keys() const { return data_.size(); }
+  // `key`'s value, or null when it is not set.
+  const std::string* value(const std::string& key) const {
+    auto it = data_.find(key);
+    return it == data_.end() ? nullptr : &it->second;
+  }
   std::size_t bytes() const { return bytes_; }
   std::size_t waiting_clients() const { return awaited_.size(); }
 

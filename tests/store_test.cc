@@ -8,6 +8,7 @@
 #include <cstring>
 #include <future>
 #include <limits>
+#include <set>
 #include <atomic>
 #include <thread>
 
@@ -626,4 +627,32 @@ TEST_CASE("a MULTI_GET naming one large key many times is refused before its rep
   get.keys.assign(200, "k");
   CHECK_THAT(e.apply(2, get, out), Catch::Contains("over the limit of 4194304"));
   CHECK(out.empty());
+}
+
+TEST_CASE("APPEND grows the stored value in place, not copying it at every call, and keeps the byte budget (#35)") {
+  Engine e(4 << 20);
+  std::vector<Reply> out;
+  Query set;
+  set.op = Op::kSet;
+  set.keys = {"k"};
+  set.values = {std::string(1 << 20, 'v')};
+  REQUIRE(e.apply(1, set, out).empty());
+  Query app;
+  app.op = Op::kAppend;
+  app.keys = {"k"};
+  // 1000 one-byte appends: a copy each time moves the value every call; in place, its
+  // storage moves only when it grows (geometrically, a few times at most).
+  std::set<const char*> homes;
+  for (int i = 0; i < 1000; ++i) {
+    app.values = {"a"};
+    REQUIRE(e.apply(1, app, out).empty());
+    homes.insert(e.value("k")->data());
+  }
+  CHECK(homes.size() <= 3);
+  CHECK(e.value("k")->size() == (1 << 20) + 1000);
+  CHECK(e.bytes() == 1 + (1 << 20) + 1000);
+  app.values = {std::string(3 << 20, 'b')};  // over the 4 MiB budget: refused, nothing changed
+  CHECK_THAT(e.apply(1, app, out), Catch::Contains("more than 4194304 bytes"));
+  CHECK(e.value("k")->size() == (1 << 20) + 1000);
+  CHECK(e.bytes() == 1 + (1 << 20) + 1000);
 }

@@ -132,9 +132,21 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     idle_check();
   }
 
-  // `c`'s buffers changed: counts them again in `buffered`.
+  // Room in `pending` for `add` more bytes: doubled when short (copies linear in the bytes
+  // received), never past the query's claimed size `need` when that is still ahead. Not
+  // reserved at once from a length read: a 26-byte header claiming a 64 MiB value would
+  // hold 64 MiB; grown with what arrives, a query holds at most twice its bytes received.
+  static void grow(std::string& pending, std::size_t add, std::size_t need) {
+    const std::size_t want = pending.size() + add;
+    if (want <= pending.capacity()) return;
+    const std::size_t doubled = 2 * pending.capacity();
+    pending.reserve(std::max(want, need > want ? std::min(need, doubled) : doubled));
+  }
+
+  // `c`'s buffers changed: counts them again in `buffered` (pending's capacity, the
+  // memory it holds, not just its bytes).
   void recount(Client& c) {
-    const std::size_t now = c.pending.size() + c.out.size() + c.writing.size();
+    const std::size_t now = c.pending.capacity() + c.out.size() + c.writing.size();
     buffered = buffered - c.held + now;
     c.held = now;
   }
@@ -176,6 +188,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       c.spoke = true;
       std::string_view data(scratch.data(), n);
       if (!c.pending.empty()) {
+        grow(c.pending, data.size(), c.need);
         c.pending.append(data);
         recount(c);
         if (!within_budget(id)) return;
@@ -193,9 +206,6 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
         c.pending.assign(data.substr(used));
       }
       if (c.pending.empty() && c.pending.capacity() > 4096) std::string().swap(c.pending);
-      // A length read says how large the query is: room for all of it at once, not doubled
-      // and copied as it arrives (the pages are touched only as its bytes come).
-      if (c.need > c.pending.capacity() && !c.pending.empty()) c.pending.reserve(c.need);
       recount(c);
       if (!within_budget(id)) return;
       if (n < scratch.size()) break;

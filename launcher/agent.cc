@@ -291,6 +291,24 @@ int Agent::take_over(const rdzv::TakeoverSeed& seed) {
   return embedded_server_->port();
 }
 
+void Agent::guarded(const std::function<void()>& work) {
+  int code = exit_code::kInternal;
+  std::string line;
+  try {
+    work();
+    return;
+  } catch (const UsageError& e) {
+    code = exit_code::kUsage, line = e.what();
+  } catch (const ResourceError& e) {
+    code = exit_code::kResource, line = e.what();
+  } catch (const ProgramNotFound& e) {
+    code = exit_code::kNotFound, line = e.what();
+  } catch (const std::exception& e) {
+    line = fmt::format("internal error: {}", e.what());
+  }
+  run(core_.fatal(code, line, now()));
+}
+
 void Agent::start_rendezvous() {
   if (trace_) rdzv_since_us_ = trace_->now();
   rdzv_began_ = std::chrono::steady_clock::now();
@@ -314,12 +332,12 @@ void Agent::start_rendezvous() {
   if (opts_.rdzv_backend != "etcd") bind_takeover_socket();
   j.takeover_port = embedded_server_ ? 0 : takeover_port_;
   rdzv::ClientHandlers h;
-  h.on_assignment = [this](const proto::Assignment& a) { on_assignment(a); };
+  h.on_assignment = [this](const proto::Assignment& a) { guarded([&] { on_assignment(a); }); };
   // During the preflight check the rendezvous' word waits for its verdict (a node that
   // leaves on a failed check must not make the others end on the rendezvous instead).
   auto after_preflight = [this](std::function<void()> f) {
-    if (preflight_thread_.joinable()) deferred_by_preflight_.push_back(std::move(f));
-    else f();
+    if (preflight_thread_.joinable()) deferred_by_preflight_.push_back([this, f = std::move(f)] { guarded(f); });
+    else guarded(f);
   };
   h.on_restart = [this, after_preflight](const proto::Restart& r) {
     after_preflight([this, r] { run(core_.restart(r, now())); });
@@ -329,8 +347,10 @@ void Agent::start_rendezvous() {
   };
   h.on_done = [this, after_preflight] { after_preflight([this] { run(core_.rendezvous_done(now())); }); };
   h.on_standby = [this](const proto::Standby& s) {
-    run(core_.standby(s, now()));
-    prestart_workers();
+    guarded([&] {
+      run(core_.standby(s, now()));
+      prestart_workers();
+    });
   };
   h.on_lost = [this, after_preflight](const std::string& why) {
     after_preflight([this, why] { run(core_.rendezvous_lost(why, now())); });
@@ -386,6 +406,9 @@ void Agent::start_preflight(const proto::Assignment& a) {
     return;
   }
   o.cancel_fd = preflight_cancel_[0];
+  // Group rank 0 coordinates on the master port it holds listening: on a copy of that socket.
+  if (a.group_rank == 0 && port_hold_ && port_hold_->listening() && port_hold_->port() == a.master_port)
+    o.coordinator_fd = preflight_coord_fd_ = ::fcntl(port_hold_->fd(), F_DUPFD_CLOEXEC, 0);
   notice(fmt::format("preflight: checking the network between the {} nodes (--preflight={})", a.group_world_size,
                      opts_.preflight));
   const std::uint64_t gen = ++preflight_gen_;
@@ -401,6 +424,7 @@ void Agent::stop_preflight() {
   ::close(std::exchange(preflight_cancel_[1], -1));  // the check sees its end of the pipe readable
   preflight_thread_.join();
   ::close(std::exchange(preflight_cancel_[0], -1));
+  if (preflight_coord_fd_ >= 0) ::close(std::exchange(preflight_coord_fd_, -1));
 }
 
 void Agent::preflight_done(const proto::Assignment& a, std::uint64_t gen, preflight::Result r) {
@@ -458,7 +482,17 @@ WorkerSpec Agent::attempt_spec(int lr) {
 }
 
 void Agent::spawn_worker(int lr) {
-  serve_store();  // before the first worker of an attempt can connect to it
+  // Before the first worker of an attempt can connect to it. A store that cannot serve
+  // fails the worker before it starts, from the event loop (as a spawn that failed).
+  if (std::string why = serve_store(); !why.empty()) {
+    WorkerEnd end;
+    end.rank = plan_.rank_offset + lr;
+    end.local_rank = lr;
+    end.wait_status = exit_code::kResource << 8;
+    end.spawn_error = std::move(why);
+    asio::post(io_, [this, end = std::move(end)] { on_worker_done(end); });
+    return;
+  }
   {
     WorkerSpec spec = attempt_spec(lr);
     std::error_code ec;
@@ -487,26 +521,41 @@ void Agent::rejoin(bool offer_port) {
   client_->rejoin();
 }
 
-void Agent::serve_store() {
+std::string Agent::serve_store() {
   if (!plan_.agent_store || plan_.node_rank != 0) {
     retire_store();
-    return;
+    // The workers (rank 0's TCPStore) bind the port themselves: the hold must not listen.
+    if (port_hold_ && port_hold_->listening() && !port_hold_->stop_listening()) {
+      notice(fmt::format("the master port {} could not be held again for the workers: {}; something else may take it "
+                         "before rank 0 binds it",
+                         port_hold_->port(), std::strerror(errno)));
+      port_hold_.reset();
+    }
+    return {};
   }
   if (store_ && store_->port() == plan_.master_port) {
     // Each attempt starts from an empty store, as torch's agent gives every attempt a fresh
     // one (torch 2.6 and later no longer put /worker/attempt_N before their keys).
     if (store_attempt_ != core_.restart_count()) store_->reset();
     store_attempt_ = core_.restart_count();
-    return;
+    return {};
   }
+  if (store_error_attempt_ == core_.restart_count()) return store_error_;  // tried for this attempt already
   retire_store();
   store_attempt_ = core_.restart_count();
   int held = -1;
   if (port_hold_ && port_hold_->port() == plan_.master_port) {
-    held = port_hold_->release();  // the port held since the plan
+    held = port_hold_->release();  // the port held (listening) since the plan or the restart
     port_hold_.reset();
   }
-  store_ = make_store_(io_, plan_.master_port, held, shares_.store, [this](const std::string& line) { notice(line); });
+  try {
+    store_ = make_store_(io_, plan_.master_port, held, shares_.store, [this](const std::string& line) { notice(line); });
+  } catch (const ResourceError& e) {
+    store_error_ = e.what();
+    store_error_attempt_ = core_.restart_count();
+    return store_error_;
+  }
+  return {};
 }
 
 void Agent::retire_store() {
@@ -594,8 +643,12 @@ int Agent::worker_of(pid_t pid) const {
 }
 
 void Agent::assign_worker(const sup::act::Assign& a) {
-  serve_store();  // the new attempt's (emptied) store
   const int lr = a.local_rank;
+  if (std::string why = serve_store(); !why.empty()) {  // the new attempt's (emptied) store
+    notice(fmt::format("local rank {} was paused but the attempt's store cannot serve ({}): killing it", lr, why));
+    launcher_->signal_some(SIGKILL, {lr});
+    return;
+  }
   const std::string dir = attempt_dir(lr);
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -801,7 +854,11 @@ bool Agent::adopt_prestarted(int lr) {
   std::shared_ptr<bool> placed = e.placed;
   e = {};
   prestart_arm();
-  serve_store();  // the attempt's store, as for a spawned worker
+  if (std::string why = serve_store(); !why.empty()) {  // the attempt's store, as for a spawned worker
+    notice(fmt::format("--prestart-standby: local rank {}'s pre-started worker (pid {}) killed: {}", lr, pid, why));
+    launcher_->signal_some(SIGKILL, {lr});  // its end finds no entry (prestart_ended): no worker's
+    return false;  // a spawn in its place fails with the same reason
+  }
   const std::string dir = attempt_dir(lr);
   std::error_code ec;
   fs::create_directories(dir, ec);

@@ -79,6 +79,11 @@ class Agent {
 
   void spawn_worker(int local_rank);
   void start_rendezvous();
+  // Runs the work of a rendezvous handler. An exception must not reach the rendezvous
+  // connection, which takes it for a lost link while the core is left half-way through
+  // its actions (it waited for ever on workers it never got): the run ends with the
+  // error's documented code and one line (core's fatal()).
+  void guarded(const std::function<void()>& work);
   // Listens for the rendezvous here when this agent is meant to host it (once; a no-op
   // otherwise). Called early in start(), so the others are not refused while it starts.
   void host_rendezvous();
@@ -96,6 +101,7 @@ class Agent {
   std::uint64_t preflight_gen_ = 0;
   std::thread preflight_thread_;
   int preflight_cancel_[2] = {-1, -1};  // a pipe: the write end closed cancels the check
+  int preflight_coord_fd_ = -1;  // group rank 0: a copy of the held master port's listening socket
   std::vector<std::function<void()>> deferred_by_preflight_;  // the rendezvous' events meanwhile
   void on_worker_done(const WorkerEnd& w);
   void finish(int code);
@@ -220,11 +226,19 @@ class Agent {
   int takeover_port_ = 0;
   std::string takeover_host_;
   std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink
-  std::optional<PortReservation> port_hold_;  // until the core's ReleaseMasterPort
+  // Listening until the store takes it over (launcher/port.h), or only bound once workers
+  // that host the store themselves are due; gone at the core's ReleaseMasterPort.
+  std::optional<PortReservation> port_hold_;
   // The agent's store (plan_.agent_store, on the node of group rank 0): c10d's TCPStore
   // protocol on MASTER_PORT, which workers connect to as clients. Serves from the first
-  // spawn of an attempt on; moves with a fresh master port; gone with the agent.
-  void serve_store();
+  // spawn of an attempt on; moves with a fresh master port; gone with the agent. On the
+  // other nodes, or when the workers host the store, the held port stops listening.
+  // Returns why the store cannot serve this attempt ("" when it serves or is not ours):
+  // the attempt's workers then fail with that reason and exit code 4, as ones that
+  // cannot be started do, and the job decides as for any failure.
+  std::string serve_store();
+  std::string store_error_;        // why the store could not serve attempt store_error_attempt_
+  int store_error_attempt_ = -1;
   std::unique_ptr<AgentStore> store_;  // made by make_store_
   // Stores of earlier ports, retired (AgentStore::retire) while workers that lived through
   // the round change still hold their connections; each goes once none is left.

@@ -80,11 +80,12 @@ class AgentStore {
   // is now); stop() forgets it.
   virtual void when_idle(std::function<void()> f) = 0;
 };
-// Starts serving on `port`: on `held_fd` (a socket bound to it, which the factory then
-// owns) when it is >= 0, else on a socket of its own bound to 0.0.0.0:`port`; at most
-// `max_clients` clients (the store's share of the descriptors, sup::descriptor_shares).
-// `log` gets the store's one-line notices. Throws ResourceError naming the port when it
-// cannot listen.
+// Starts serving on `port`: on `held_fd` (a socket bound to it, listening already when the
+// agent held the port, which the factory then owns) when it is >= 0, else on a socket of
+// its own bound to 0.0.0.0:`port`; at most `max_clients` clients (the store's share of the
+// descriptors, sup::descriptor_shares). `log` gets the store's one-line notices. Throws
+// ResourceError naming the port when it cannot listen (the agent fails the attempt's
+// workers with it).
 using StoreFactory = std::function<std::unique_ptr<AgentStore>(boost::asio::io_context& io, int port, int held_fd,
                                                                std::size_t max_clients,
                                                                std::function<void(const std::string&)> log)>;

@@ -2,10 +2,16 @@
 // machine hands out its ephemeral range to outgoing connections all the time, so a port
 // found by binding port 0 (which the kernel takes from that range) may be in use again
 // before the workers bind it. The agent therefore picks ports outside the range
-// (/proc/sys/net/ipv4/ip_local_port_range) and holds the chosen one with a socket bound
-// to the wildcard address with SO_REUSEADDR, not listening, until the workers start: a
-// bind without SO_REUSEADDR fails meanwhile, while c10d's TCPStore (which sets
-// SO_REUSEADDR) can still bind and listen on it. Header-only.
+// (/proc/sys/net/ipv4/ip_local_port_range) and holds the chosen one until the workers start.
+//
+// The hold listens (a small backlog, SO_REUSEADDR, the wildcard address): Linux lets any
+// user bind and listen beside a socket that is only bound with SO_REUSEADDR, but no one
+// (of any user, with SO_REUSEADDR or SO_REUSEPORT) beside a listening one. The node-0
+// agent's store takes that very listening socket over (release()), so the port is never
+// free between the hold and the store. Where the workers host the store themselves
+// (c10d's TCPStore binds it), stop_listening() turns the hold into a bound socket just
+// before they start, which their SO_REUSEADDR bind can share, and it goes once they have
+// exec'd. Header-only.
 #pragma once
 
 #include <netinet/in.h>
@@ -61,34 +67,27 @@ inline int port_outside(PortRange eph, unsigned r) {
   return k < below ? lo + k : std::max(eph.hi, lo - 1) + 1 + (k - below);
 }
 
-// A held port: a TCP socket bound to 0.0.0.0:port with SO_REUSEADDR, never listening.
+// A held port: a TCP socket bound to 0.0.0.0:port with SO_REUSEADDR, listening (or, after
+// stop_listening(), only bound). Non-blocking, close-on-exec.
 class PortReservation {
  public:
-  // Holds `port`, or nullopt when something else uses it (errno kept).
+  static constexpr int kBacklog = 16;  // connections queued before the store accepts them
+
+  // Holds `port` (listening), or nullopt when something else uses it (errno kept).
   static std::optional<PortReservation> try_hold(int port) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int fd = bound_socket(port, /*listening=*/true);
     if (fd < 0) return std::nullopt;
-    const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-      const int err = errno;
-      ::close(fd);
-      errno = err;
-      return std::nullopt;
-    }
     return PortReservation(fd, port);
   }
 
-  PortReservation(PortReservation&& o) noexcept : fd_(std::exchange(o.fd_, -1)), port_(o.port_) {}
+  PortReservation(PortReservation&& o) noexcept
+      : fd_(std::exchange(o.fd_, -1)), port_(o.port_), listening_(o.listening_) {}
   PortReservation& operator=(PortReservation&& o) noexcept {
     if (this != &o) {
       if (fd_ >= 0) ::close(fd_);
       fd_ = std::exchange(o.fd_, -1);
       port_ = o.port_;
+      listening_ = o.listening_;
     }
     return *this;
   }
@@ -98,16 +97,48 @@ class PortReservation {
     if (fd_ >= 0) ::close(fd_);
   }
   int port() const { return port_; }
-  // Hands the bound socket over (to the agent's store, which listens on it); -1 when empty.
+  int fd() const { return fd_; }
+  bool listening() const { return listening_; }
+  // Hands the socket over (to the agent's store, which accepts on it); -1 when empty.
   int release() {
     port_ = 0;
+    listening_ = false;
     return std::exchange(fd_, -1);
+  }
+  // For workers that bind the port themselves: the listening socket is replaced by one
+  // that is only bound (the port is free for a moment in between). False, with errno, when
+  // the port could not be bound again (then nothing is held).
+  bool stop_listening() {
+    if (!listening_ || fd_ < 0) return fd_ >= 0;
+    ::close(std::exchange(fd_, -1));
+    listening_ = false;
+    fd_ = bound_socket(port_, /*listening=*/false);
+    return fd_ >= 0;
   }
 
  private:
-  PortReservation(int fd, int port) : fd_(fd), port_(port) {}
+  PortReservation(int fd, int port) : fd_(fd), port_(port), listening_(true) {}
+  // A socket on 0.0.0.0:port with SO_REUSEADDR, listening when asked; -1 (errno kept) on failure.
+  static int bound_socket(int port, bool listening) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return -1;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || (listening && ::listen(fd, kBacklog) != 0)) {
+      const int err = errno;
+      ::close(fd);
+      errno = err;
+      return -1;
+    }
+    return fd;
+  }
   int fd_ = -1;
   int port_ = 0;
+  bool listening_ = false;
 };
 
 // Chooses and holds a free master port outside the ephemeral range (random draws, at

@@ -275,6 +275,21 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
     out.push_back(act::SignalWorkers{SIGKILL, true, stop_only_});
   } else if (t == Timer::kLeave) {
     if (state_ != State::kDone) finish(leaving_code_, out);
+  } else if (t == Timer::kOverdue) {
+    if (state_ == State::kDone || !overdue_due_ || now.steady < *overdue_due_) return out;
+    // The stop is waiting for something that did not come (a worker that outlived SIGKILL,
+    // a worker the agent could not start and never heard the end of): end now, as the
+    // stop would have; whatever is left of the workers is killed on the way out.
+    const int code = leaving_code_ ? leaving_code_
+                     : root_cause_ ? root_cause_->worker.exit_code
+                                   : exit_code::kSignalBase + agent_signal_;
+    out.push_back(act::ErrorLine{fmt::format(
+        "the run did not end within {:.1f}s of {} (grace {:.1f}s, then {} s for the workers' ends and the other nodes): "
+        "ending it now and killing what is left of its workers",
+        seconds(cfg_.grace + Config::kOverdueMargin), signal_name(agent_signal_), seconds(cfg_.grace),
+        Config::kOverdueMargin.count())});
+    if (root_cause_ && !leaving_code_) out.push_back(act::PrintRootCause{*root_cause_});
+    finish(code, out);
   } else if (t == Timer::kWatch) {
     watching_ = false;
     if (state_ == State::kDone) return out;
@@ -451,8 +466,15 @@ void Supervisor::finish(int code, Actions& out) {
   out.push_back(act::CancelTimer{Timer::kFence});
   out.push_back(act::CancelTimer{Timer::kClosing});
   out.push_back(act::CancelTimer{Timer::kWatch});
+  if (overdue_due_) out.push_back(act::CancelTimer{Timer::kOverdue});
   watching_ = false;
   out.push_back(act::Finish{code});
+}
+
+void Supervisor::arm_overdue(const Now& now, Actions& out) {
+  if (state_ == State::kDone || overdue_due_) return;
+  overdue_due_ = now.steady + cfg_.grace + Config::kOverdueMargin;
+  out.push_back(act::ArmTimer{Timer::kOverdue, *overdue_due_});
 }
 
 Actions Supervisor::signal(int sig, const Now& now) {
@@ -470,12 +492,20 @@ Actions Supervisor::signal(int sig, const Now& now) {
     out.push_back(act::SignalWorkers{sig, false, std::nullopt});
     return out;
   }
+  stop_on_signal(sig, what, now, out);
+  // Whatever the stop waits for (a worker that outlives SIGKILL, a decision that never
+  // comes), the run ends in bounded time after the first such signal.
+  arm_overdue(now, out);
+  return out;
+}
+
+void Supervisor::stop_on_signal(int sig, OnSignal what, const Now& now, Actions& out) {
   if (what == OnSignal::kKillNow) {
     notice("second interrupt: killing the workers now", out);
     unpause_all();  // the paused ones too: the stop waits for them
     out.push_back(act::SignalWorkers{SIGKILL, true, std::nullopt});
     agent_signal_ = SIGINT;
-    return out;
+    return;
   }
   if (agent_signal_ == 0) agent_signal_ = sig;
   if (what == OnSignal::kEndWhileWaiting && paused_count() > 0 && !leaving_code_) {
@@ -484,16 +514,16 @@ Actions Supervisor::signal(int sig, const Now& now) {
            out);
     unpause_all();
     stop_group(sig, now, out);
-    return out;
+    return;
   }
   if (what == OnSignal::kEndWhileWaiting) {
     if (leaving_code_) {  // a second signal while telling the others: go now
       finish(leaving_code_, out);
-      return out;
+      return;
     }
     notice(fmt::format("got {} while waiting for the rendezvous", signal_name(sig)), out);
     leave_job(sig, now, out);
-    return out;
+    return;
   }
   if (state_ == State::kStopping && handles_ == 0) {
     // Between attempts (every worker gone, the restart due): nothing to stop, and the
@@ -505,7 +535,7 @@ Actions Supervisor::signal(int sig, const Now& now) {
     notice(fmt::format("got {} before restart {} started: not restarting", signal_name(sig), restart_count_ + 1),
            out);
     finish(exit_code::kSignalBase + sig, out);
-    return out;
+    return;
   }
   notice(fmt::format("got {}: stopping the workers (grace {:.1f}s)", signal_name(sig), seconds(cfg_.grace)), out);
   if (what == OnSignal::kForwardWhileStopping) {
@@ -513,7 +543,6 @@ Actions Supervisor::signal(int sig, const Now& now) {
     out.push_back(stop_sig(sig, std::nullopt));
   } else
     stop_group(sig, now, out);
-  return out;
 }
 
 Actions Supervisor::job_control(int sig, const Now& now) {
@@ -531,6 +560,11 @@ Actions Supervisor::job_control(int sig, const Now& now) {
     // The grace must not run out while we are stopped: a timer that expired meanwhile
     // would fire the moment we go on, before the SIGCONT that starts it over is handled.
     if (state_ == State::kStopping) out.push_back(act::CancelTimer{Timer::kGrace});
+    if (overdue_due_) {  // armed anew when we go on (the time stopped does not count)
+      out.push_back(act::CancelTimer{Timer::kOverdue});
+      overdue_due_.reset();
+      overdue_paused_ = true;
+    }
     out.push_back(act::StopSelf{});
     return out;
   }
@@ -543,6 +577,10 @@ Actions Supervisor::job_control(int sig, const Now& now) {
   if (state_ == State::kStopping) {
     grace_due_ = now.steady + cfg_.grace;
     out.push_back(act::ArmTimer{Timer::kGrace, grace_due_});
+  }
+  if (overdue_paused_) {  // the time stopped does not count against it either
+    overdue_paused_ = false;
+    arm_overdue(now, out);
   }
   return out;
 }
@@ -710,6 +748,14 @@ Actions Supervisor::preflight_failed(const std::string& given, const Now& now) {
   root_cause_ = rc;
   out.push_back(act::ErrorLine{line + "; fix or leave out the named node, or run with --preflight=warn"});
   finish(exit_code::kPreflight, out);
+  return out;
+}
+
+Actions Supervisor::fatal(int code, const std::string& line, const Now&) {
+  Actions out;
+  if (state_ == State::kDone) return out;
+  out.push_back(act::ErrorLine{line});
+  finish(code, out);
   return out;
 }
 

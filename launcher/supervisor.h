@@ -58,7 +58,9 @@ enum class State { kRunning, kStopping, kWaiting, kDone };
 // kStoreLinger is the agent's own (the node-0 agent's store outliving its workers), never
 // the supervisor's; kCount sizes the clock's table. kWatch: the next look for workers stopped
 // by a signal (CheckStopped), while a worker that opted in to in-place recovery runs.
-enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kWatch, kCount };
+// kOverdue: armed at the first signal that ends the run (SIGTERM, SIGINT, SIGHUP, a handled
+// one): whatever the run waits for then, it ends at that signal + grace + kOverdueMargin.
+enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kWatch, kOverdue, kCount };
 
 struct Config {
   int nproc = 1;          // workers of this node
@@ -75,6 +77,8 @@ struct Config {
   std::chrono::milliseconds join_timeout{0};
   int spawn_batch = 128;  // workers started before the event loop gets a turn
   static constexpr std::chrono::seconds kLeaveTimeout{5};
+  // After the grace: SIGKILLed workers reaped, the others told (kLeaveTimeout).
+  static constexpr std::chrono::seconds kOverdueMargin{10};
   // A worker stopped before its exec must not keep the master port held for ever.
   static constexpr std::chrono::seconds kExecFenceTimeout{1};
   static constexpr std::chrono::seconds kWatchEvery{1};
@@ -201,6 +205,10 @@ class Supervisor {
   // before any worker of the run started: the run ends with `line` (an error line and the
   // root cause) and exit code 5. Nothing once the run is past that point.
   Actions preflight_failed(const std::string& line, const Now& now);
+  // An error the agent met while carrying out actions (an exception from an effect): the
+  // run ends at once with `line` (an error line) and `code`; the agent's finish kills and
+  // reaps whatever workers there are. Nothing once the run has ended.
+  Actions fatal(int code, const std::string& line, const Now& now);
 
   State state() const { return state_; }
   int restart_count() const { return restart_count_; }
@@ -227,6 +235,7 @@ class Supervisor {
   void stop_group(int sig, const Now& now, Actions& out);
   void group_stopped(const Now& now, Actions& out);
   void leave_job(int sig, const Now& now, Actions& out);
+  void stop_on_signal(int sig, OnSignal what, const Now& now, Actions& out);
   void finish_with_abort(const Now& now, Actions& out);
   void rejoin(Actions& out);
   void retire(Actions& out);
@@ -253,6 +262,9 @@ class Supervisor {
   int node_rank_ = 0;
   int restart_count_ = 0;
   int agent_signal_ = 0;  // TERM/INT/HUP that is stopping the run
+  std::optional<Clock::time_point> overdue_due_;  // kOverdue armed for then (none: not armed)
+  bool overdue_paused_ = false;                   // cancelled by Ctrl-Z, armed again on SIGCONT
+  void arm_overdue(const Now& now, Actions& out);
   int interrupts_ = 0;    // SIGINTs seen (a second one kills at once)
   int stop_signal_ = SIGTERM;  // the signal of the stop under way, for the grace notice
   // When the grace of the stop under way runs out: set by stop_group and started over by

@@ -10,10 +10,12 @@
 #include <stdlib.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -24,7 +26,9 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
+#include <fmt/format.h>
 
+#include "cli/errors.h"
 #include "launcher/agent.h"
 #include "launcher/agent_seams.h"
 #include "launcher/options.h"
@@ -222,6 +226,27 @@ class FakeLink final : public rdzv::Link {
   rdzv::ClientHandlers h_;
 };
 
+// PYTHONPATH of a torch 2.6 that is only its version.py: the plan then takes the workers'
+// torch for 2.x, whose agent shares its store with them for every backend (as torchrun's).
+// Removed at exit.
+EnvMap torch2_env() {
+  static const struct Dir {
+    std::string path;
+    Dir() {
+      char tmpl[] = "/tmp/mg_agent_seams_torch2_XXXXXX";
+      REQUIRE(::mkdtemp(tmpl) != nullptr);
+      path = tmpl;
+      REQUIRE(::mkdir((path + "/torch").c_str(), 0755) == 0);
+      std::ofstream(path + "/torch/version.py") << "__version__ = '2.6.0'\n";
+    }
+    ~Dir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } dir;
+  return {{"PYTHONPATH", dir.path}};
+}
+
 int exited(int code) { return code << 8; }
 int killed(int sig) { return sig; }
 
@@ -242,7 +267,8 @@ struct Run {
   int out_fd = -1;
   std::unique_ptr<Agent> agent;
 
-  explicit Run(std::vector<std::string> flags, EnvMap extra_env = {}) {
+  // `store_made`: runs as the store factory is called (it may throw, as the real one does).
+  explicit Run(std::vector<std::string> flags, EnvMap extra_env = {}, std::function<void(int port)> store_made = {}) {
     char path[] = "/tmp/mg_agent_seams_XXXXXX";
     out_fd = ::mkstemp(path);
     REQUIRE(out_fd >= 0);
@@ -275,9 +301,10 @@ struct Run {
       return std::unique_ptr<rdzv::Link>(std::move(l));
     };
     deps.hardware = std::make_unique<FakeHardware>();
-    deps.store = [this](asio::io_context&, int port, int held_fd, std::size_t, std::function<void(const std::string&)>) {
+    deps.store = [this, store_made](asio::io_context&, int port, int held_fd, std::size_t, std::function<void(const std::string&)>) {
       store.held = held_fd >= 0;
       if (held_fd >= 0) ::close(held_fd);
+      if (store_made) store_made(port);
       store.served.push_back(port);
       return std::unique_ptr<AgentStore>(std::make_unique<FakeStore>(store, port));
     };
@@ -453,6 +480,78 @@ TEST_CASE("agent with fakes: the node-0 agent serves its store through the seam,
   REQUIRE(run.agent->done());
   CHECK(run.agent->exit_code() == 0);
   CHECK(run.store.stops == 1);
+}
+
+TEST_CASE("agent with fakes: a store that cannot serve fails the attempt's workers before any starts, exit 4 with "
+          "its reason, and the run ends (#35)") {
+  // Before: the factory's exception left the agent mid-way through its actions (inside a
+  // rendezvous handler, where the connection took it for a lost link): the core counted
+  // workers never started, and waited for them for ever, signals or not.
+  int tries = 0;
+  auto fails = [&](int port) {
+    ++tries;
+    throw ResourceError(fmt::format("cannot serve the agent's store on port {}: Address already in use", port));
+  };
+  SECTION("one node") {
+    Run run({"--nproc_per_node=2"}, {}, fails);
+    CHECK(run.launcher->started.empty());
+    REQUIRE(run.agent->done());
+    CHECK(run.agent->exit_code() == 4);
+    CHECK(tries == 1);  // once for the attempt, not once per worker
+    const std::string out = run.output();
+    INFO(out);
+    CHECK_THAT(out, Catch::Contains("Root Cause") && Catch::Contains("exitcode   : 4") &&
+                        Catch::Contains("cannot serve the agent's store on port"));
+  }
+  SECTION("node 0 of two: the rendezvous hears the reason, not a lost connection") {
+    Run run({"--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
+             "--rdzv_conf=is_host=false"},
+            torch2_env(), fails);
+    proto::Assignment a;
+    a.round = 1;
+    a.group_rank = 0;
+    a.group_world_size = 2;
+    a.world_size = 4;
+    a.master_addr = "127.0.0.1";
+    a.master_port = run.link->join.master_port;
+    a.nodes = {"127.0.0.1", "127.0.0.1"};
+    run.link->assign(a);
+    run.settle();
+    CHECK(run.launcher->started.empty());
+    REQUIRE(run.link->failures.size() == 1);
+    CHECK(run.link->failures[0].exit_code == 4);
+    CHECK(run.link->failures[0].rank == 0);
+    CHECK_THAT(run.link->failures[0].message, Catch::Contains("cannot serve the agent's store on port"));
+    proto::Abort ab;
+    ab.root_cause = run.link->failures[0];
+    ab.reason = "rank 0 failed";
+    run.link->abort(ab);
+    run.settle();
+    REQUIRE(run.agent->done());
+    CHECK(run.agent->exit_code() == 4);
+  }
+}
+
+TEST_CASE("agent with fakes: an error while carrying out a rendezvous decision ends the run with one line and its "
+          "code, instead of leaving the agent half-way for ever (#35)") {
+  Run run({"--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
+           "--rdzv_conf=is_host=false"},
+          torch2_env(), [](int) { throw std::runtime_error("the store broke"); });
+  proto::Assignment a;
+  a.round = 1;
+  a.group_rank = 0;
+  a.group_world_size = 2;
+  a.world_size = 4;
+  a.master_addr = "127.0.0.1";
+  a.master_port = run.link->join.master_port;
+  a.nodes = {"127.0.0.1", "127.0.0.1"};
+  run.link->assign(a);
+  run.settle();  // before: the exception left the event loop (a real link took it for a lost connection)
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 1);
+  CHECK(run.launcher->finished);
+  CHECK(run.link->closed);
+  CHECK_THAT(run.output(), Catch::Contains("mglaunch: error: internal error: the store broke"));
 }
 
 TEST_CASE("agent with fakes: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 leaves the store unserved") {

@@ -5,10 +5,15 @@
 #include <catch2/catch.hpp>
 
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -903,4 +908,149 @@ TEST_CASE("a standby that follows a takeover believes no node that cannot prove 
                                 Catch::Contains("could not be authenticated") &&
                                 Catch::Contains("before proving this job's key"));
   CHECK(standby.out().find("MASTER_ADDR") == std::string::npos);  // no worker ran on the forged place
+}
+
+namespace {
+
+// The TCP ports `pid` holds on the wildcard address without a peer (its held master port),
+// read through copies of its descriptors (pidfd_getfd: the tests run as root).
+std::vector<int> wildcard_ports_of(pid_t pid) {
+  std::vector<int> ports;
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) return ports;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      char target[64] = {};
+      if (::readlink((dir + "/" + e->d_name).c_str(), target, sizeof target - 1) <= 0 ||
+          std::string_view(target).substr(0, 7) != "socket:")
+        continue;
+      const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, std::atoi(e->d_name), 0));
+      if (fd < 0) continue;
+      int type = 0;
+      socklen_t tl = sizeof type;
+      sockaddr_in a{}, peer{};
+      socklen_t al = sizeof a, pl = sizeof peer;
+      if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) == 0 && type == SOCK_STREAM &&
+          ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &al) == 0 && a.sin_family == AF_INET &&
+          a.sin_addr.s_addr == htonl(INADDR_ANY) && a.sin_port != 0 &&
+          ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0)
+        ports.push_back(ntohs(a.sin_port));
+      ::close(fd);
+    }
+    ::closedir(d);
+  }
+  ::close(pidfd);
+  return ports;
+}
+
+// A process of uid/gid 65534 (nobody) that tries to take `port` as a server: SO_REUSEADDR
+// (and SO_REUSEPORT) on 0.0.0.0 and 127.0.0.1, bind and listen. Keeps what it got until
+// destroyed.
+class Stealer {
+ public:
+  explicit Stealer(int port) {
+    int ends[2];
+    int hold[2];
+    REQUIRE(::pipe2(ends, O_CLOEXEC) == 0);
+    REQUIRE(::pipe2(hold, O_CLOEXEC) == 0);
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {  // async-signal-safe calls only
+      ::close(ends[0]);
+      ::close(hold[1]);
+      char got = 'n';
+      if (::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 && ::setuid(65534) == 0) {
+        for (in_addr_t addr : {htonl(INADDR_ANY), htonl(INADDR_LOOPBACK)})
+          for (int reuseport : {0, 1}) {
+            if (got == 'y') break;
+            const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+            const int one = 1;
+            ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+            if (reuseport) ::setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
+            sockaddr_in a{};
+            a.sin_family = AF_INET;
+            a.sin_addr.s_addr = addr;
+            a.sin_port = htons(static_cast<uint16_t>(port));
+            if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd, 16) == 0) got = 'y';
+            else ::close(fd);
+          }
+      } else {
+        got = 'u';  // could not become nobody
+      }
+      (void)!::write(ends[1], &got, 1);
+      char c;
+      (void)!::read(hold[0], &c, 1);  // until the test lets go
+      ::_exit(0);
+    }
+    ::close(ends[1]);
+    ::close(hold[0]);
+    release_ = hold[1];
+    char got = 0;
+    REQUIRE(::read(ends[0], &got, 1) == 1);
+    ::close(ends[0]);
+    REQUIRE(got != 'u');
+    listening_ = got == 'y';
+  }
+  ~Stealer() {
+    ::close(release_);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+  }
+  bool listening() const { return listening_; }
+
+ private:
+  pid_t pid_ = -1;
+  int release_ = -1;
+  bool listening_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("while node 0 waits for node 1, another user cannot take its held master port, and a SIGTERM, a SIGINT "
+          "or a second signal ends node 0 afterwards (#35)") {
+  // Before: the port was only bound (SO_REUSEADDR), so uid 65534 could listen on it; node 0's
+  // store then failed inside a rendezvous handler, node 1 blamed node 0's lost connection,
+  // and node 0 ran nothing and ignored every SIGTERM and SIGINT for ever.
+  const int which = GENERATE(0, 1, 2);
+  const std::vector<int> signals = which == 0   ? std::vector<int>{SIGTERM}
+                                   : which == 1 ? std::vector<int>{SIGINT}
+                                                : std::vector<int>{SIGTERM, SIGINT};
+  Daemon d = start_daemon();
+  const std::string job = "steal" + std::to_string(signals.size()) + std::to_string(signals[0]);
+  Proc n0 = spawn(agent_argv(d.endpoint, job, 1, "2", 1, {"--node_rank=0", "--grace=2"}, {"print", "started", "hang", "60"}));
+  std::vector<int> held;
+  REQUIRE(eventually([&] { return !(held = wildcard_ports_of(n0.pid)).empty() || !pid_alive(n0.pid); }, 30s));
+  REQUIRE(held.size() == 1);
+  Stealer stealer(held[0]);
+  CHECK_FALSE(stealer.listening());
+  Proc n1 = spawn(agent_argv(d.endpoint, job, 2, "2", 1, {"--node_rank=1", "--grace=2"}, {"print", "started", "hang", "60"}));
+  // Node 1's worker runs (the job started), or node 1 has ended (the job could not).
+  REQUIRE(eventually([&] { return n1.out().find("started") != std::string::npos || !pid_alive(n1.pid); }, 60s));
+  auto send = [&] {
+    for (int sig : signals) {  // one at a time: pending signals arrive lowest number first
+      ::kill(n0.pid, sig);
+      const std::string got = sig == SIGTERM ? "got SIGTERM" : "got SIGINT";
+      CHECK(eventually([&] { return n0.err().find(got) != std::string::npos || !pid_alive(n0.pid); }, 20s));
+    }
+  };
+  if (stealer.listening()) {  // the other way to pass: node 0 ends by itself, exit 4
+    REQUIRE(n1.wait(60s));
+    INFO("node 0: " << n0.out() << n0.err());
+    const bool by_itself = eventually([&] { return !pid_alive(n0.pid); }, 20s);
+    CHECK(by_itself);
+    if (!by_itself) send();  // it must at least hear them
+    REQUIRE(n0.wait(40s));
+    CHECK(n0.exit_code() == 4);
+    return;
+  }
+  REQUIRE(eventually([&] { return n0.out().find("started") != std::string::npos || !pid_alive(n0.pid); }, 60s));
+  send();
+  INFO("node 0: " << n0.out() << n0.err() << "\nnode 1: " << n1.out() << n1.err());
+  // Within its grace (2 s) and the margin, not whenever.
+  REQUIRE(n0.wait(40s));
+  CHECK(n0.exit_code() == 128 + signals[0]);
+  REQUIRE(n1.wait(40s));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
 }

@@ -456,9 +456,11 @@ TEST_CASE("a worker that failed before SIGTERM stays the root cause and its code
   s.start(at(0));
   fail(s, 1, 4, at(10));
   auto out = s.signal(SIGTERM, at(20));
-  // Already stopping: the signal is passed on, the grace timer kept.
+  // Already stopping: the signal is passed on, the grace timer kept (only the bound on the
+  // whole stop is armed).
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
-  CHECK_FALSE(has<act::ArmTimer>(out));
+  REQUIRE(all<act::ArmTimer>(out).size() == 1);
+  CHECK(all<act::ArmTimer>(out)[0].timer == Timer::kOverdue);
   out = s.worker_ended(ended(0, 143, SIGTERM), at(30));
   CHECK(all<act::PrintRootCause>(out).size() == 1);
   CHECK(finished(out) == 4);
@@ -475,6 +477,72 @@ TEST_CASE("a second SIGINT kills the workers at once") {
   s.worker_ended(ended(0, 137, SIGKILL), at(30));
   out = s.worker_ended(ended(1, 137, SIGKILL), at(40));
   CHECK(finished(out) == 128 + SIGINT);
+}
+
+TEST_CASE("a stop whose workers never end (one outlives SIGKILL, or was never started) ends the run at the first "
+          "signal plus the grace plus a margin, whatever signals follow (#35)") {
+  // The agent once waited for ever for a worker it counted but never started (its store
+  // could not serve): SIGTERM, a second SIGTERM and SIGINT changed nothing.
+  const int first = GENERATE(SIGTERM, SIGINT, SIGHUP);
+  CAPTURE(first);
+  Supervisor s(single(2, 3));
+  s.start(at(0));
+  auto out = s.signal(first, at(10));
+  const auto due = at(10 + 3000 + 10000).steady;  // grace 3 s, kOverdueMargin 10 s
+  bool armed = false;
+  for (const auto& t : all<act::ArmTimer>(out)) armed = armed || (t.timer == Timer::kOverdue && t.at == due);
+  CHECK(armed);
+  CHECK(signals_sent(s.timer_fired(Timer::kGrace, at(3010))) == std::vector<int>{SIGKILL});
+  s.worker_ended(ended(0, 137, SIGKILL), at(3020));  // local rank 1 never ends
+  // A second signal of either kind neither ends it at once nor puts the bound off.
+  for (int again : {SIGTERM, SIGINT}) {
+    out = s.signal(again, at(4000));
+    CHECK_FALSE(finished(out));
+    CHECK_FALSE(has<act::ArmTimer>(out));
+  }
+  CHECK(s.timer_fired(Timer::kOverdue, at(13009)).empty());  // early: stale
+  out = s.timer_fired(Timer::kOverdue, at(13010));
+  CHECK(finished(out) == 128 + first);
+  REQUIRE(all<act::ErrorLine>(out).size() == 1);
+  CHECK_THAT(all<act::ErrorLine>(out)[0].text,
+             Catch::Contains("the run did not end within 13.0s of " + signal_name(first) + " (grace 3.0s") &&
+                 Catch::Contains("ending it now"));
+}
+
+TEST_CASE("the bound on a stop keeps a failure that came first as the exit code, and stops with the run") {
+  Supervisor s(single(2, 0));
+  s.start(at(0));
+  fail(s, 1, 7, at(10));
+  s.signal(SIGTERM, at(20));
+  auto out = s.timer_fired(Timer::kOverdue, at(20 + 13000));
+  CHECK(finished(out) == 7);
+  CHECK(all<act::PrintRootCause>(out).size() == 1);
+  // A run that ended in time cancels it.
+  Supervisor t(single(1));
+  t.start(at(0));
+  t.signal(SIGTERM, at(10));
+  out = t.worker_ended(ended(0, 143, SIGTERM), at(20));
+  REQUIRE(finished(out) == 128 + SIGTERM);
+  bool cancelled = false;
+  for (const auto& c : all<act::CancelTimer>(out)) cancelled = cancelled || c.timer == Timer::kOverdue;
+  CHECK(cancelled);
+  CHECK(t.timer_fired(Timer::kOverdue, at(20 + 13000)).empty());
+}
+
+TEST_CASE("time stopped by Ctrl-Z does not count against the bound on a stop") {
+  Supervisor s(single(1));
+  s.start(at(0));
+  s.signal(SIGTERM, at(10));
+  auto out = s.job_control(SIGTSTP, at(20));
+  bool cancelled = false;
+  for (const auto& c : all<act::CancelTimer>(out)) cancelled = cancelled || c.timer == Timer::kOverdue;
+  CHECK(cancelled);
+  out = s.job_control(SIGCONT, at(60000));
+  bool rearmed = false;
+  for (const auto& t : all<act::ArmTimer>(out)) rearmed = rearmed || (t.timer == Timer::kOverdue && t.at == at(73000).steady);
+  CHECK(rearmed);
+  CHECK(s.timer_fired(Timer::kOverdue, at(13010)).empty());
+  CHECK(finished(s.timer_fired(Timer::kOverdue, at(73000))) == 128 + SIGTERM);
 }
 
 TEST_CASE("SIGUSR1 and SIGUSR2 are passed on to the worker groups and nothing else happens") {
@@ -795,9 +863,10 @@ TEST_CASE("a signal while waiting in a round tells the rendezvous and leaves on 
   CHECK(sent[0].f.signal == SIGTERM);
   CHECK(sent[0].f.message == "node node-a (node rank 1) was stopped by SIGTERM");
   auto timers = all<act::ArmTimer>(out);
-  REQUIRE(timers.size() == 1);
+  REQUIRE(timers.size() == 2);
   CHECK(timers[0].timer == Timer::kLeave);
   CHECK(timers[0].at == at(5030).steady);
+  CHECK(timers[1].timer == Timer::kOverdue);  // the bound on the whole stop, beyond the leave's
   CHECK_FALSE(finished(out));
   // No assignment is taken once leaving; the decision (or the timer) ends the node.
   CHECK(s.assignment(assignment(3, 1), at(40)).empty());

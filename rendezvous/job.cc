@@ -50,7 +50,9 @@ std::string text_of(const JobEvent& e) {
                          e.restart_count, e.max_restarts, e.nodes, e.nodes == 1 ? "" : "s", e.world_size, listed);
     }
     case K::kWorkerFailed:
-      return fmt::format("{}: rank {} on {} failed with exit code {}{}: {}", job, e.rank, node_text(e), e.exit_code,
+      // A node that failed as a whole (stopped by a signal) has no rank (#35).
+      return fmt::format("{}: {}{} failed with exit code {}{}: {}", job,
+                         e.rank >= 0 ? fmt::format("rank {} on ", e.rank) : std::string(), node_text(e), e.exit_code,
                          e.signal > 0 ? fmt::format(" (signal {})", e.signal) : "", e.why);
     case K::kNodeLost:
       return fmt::format("{}: {} lost ({}): {}", job, node_text(e), e.cause, e.why);
@@ -99,7 +101,7 @@ nlohmann::json json_of(const JobEvent& e) {
       for (const auto& [host, addr] : e.members) j["members"].push_back({{"host", host}, {"addr", addr}});
       break;
     case K::kWorkerFailed:
-      j["rank"] = e.rank;
+      j["rank"] = e.rank >= 0 ? nlohmann::json(e.rank) : nlohmann::json();  // none: the node as a whole
       j["exit_code"] = e.exit_code;
       j["signal"] = e.signal;
       j["why"] = e.why;
@@ -112,7 +114,7 @@ nlohmann::json json_of(const JobEvent& e) {
     case K::kDone: j["nodes"] = e.nodes; break;
     case K::kFailed:
       j["max_restarts"] = e.max_restarts;
-      j["rank"] = e.rank;
+      j["rank"] = e.rank >= 0 ? nlohmann::json(e.rank) : nlohmann::json();
       j["exit_code"] = e.exit_code;
       j["why"] = e.why;
       break;
@@ -599,10 +601,19 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
   return fail_job(root_cause, reason);
 }
 
+std::string failed_who(const proto::WorkerFailed& f) {
+  return f.rank >= 0 ? fmt::format("rank {} on {}", f.rank, f.host) : fmt::format("node {}", f.host);
+}
+
+std::string failure_text(const proto::WorkerFailed& f) {
+  if (f.rank < 0 && !f.message.empty()) return fmt::format("{} (exit code {})", f.message, f.exit_code);
+  return fmt::format("{} exited with {}", failed_who(f), f.exit_code);
+}
+
 Actions Job::worker_failed(SessionId s, const proto::WorkerFailed& f, Clock::time_point now) {
   last_activity_ = now;
   if (state_ != State::kRunning || !members_.contains(s) || f.round != round_) return {};
-  const std::string reason = fmt::format("rank {} on {} exited with {}", f.rank, f.host, f.exit_code);
+  const std::string reason = failure_text(f);
   {
     auto& e = emit(JobEvent::Kind::kWorkerFailed, &members_.at(s).join);
     e.rank = f.rank;

@@ -45,6 +45,14 @@ using SessionId = std::uint64_t;
 // was lost (exit_code::kRendezvous in cli/errors.h; README, "Exit codes").
 inline constexpr int kHostLostExitCode = 3;
 
+// Who a reported failure is, in the words users read (restart lines, the daemon's log):
+// "rank R on HOST"; a node that failed as a whole (stopped by a signal, cut off) has no
+// rank: "node HOST". Pure.
+std::string failed_who(const proto::WorkerFailed& f);
+// The restart's or abort's reason for it: "rank R on HOST exited with CODE"; for a node as
+// a whole its own message (which names it) with the code, else "node HOST exited with CODE".
+std::string failure_text(const proto::WorkerFailed& f);
+
 // What a survivor that takes over hosting a job knows of it (rendezvous/client.h): the
 // round that ran, the restart its loss costs, and why.
 struct TakeoverSeed {

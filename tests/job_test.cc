@@ -145,6 +145,42 @@ TEST_CASE("a worker failure restarts every node with one restart count, then abo
   CHECK(of_type(job.join(3, node("127.0.0.3", 2, 2), T0 + 3s), MsgType::kError).size() == 1);
 }
 
+TEST_CASE("a failure of a node as a whole (no rank) is told without 'rank -1', in the restart and the abort (#35)") {
+  // Seen before: "restart 2 decided by the rendezvous: rank -1 on vm exited with 143".
+  Job job("job");
+  job.join(1, node("127.0.0.1", 2, 2, 2, 1), T0);
+  job.join(2, node("127.0.0.2", 2, 2, 2, 1), T0);
+  job.take_events();
+  proto::WorkerFailed f;  // as an agent stopped by SIGTERM reports it (launcher/supervisor.cc leave_job)
+  f.round = 1;
+  f.host = "vm";
+  f.rank = f.local_rank = -1;
+  f.exit_code = 143;
+  f.signal = 15;
+  f.message = "node vm (node rank 1) was stopped by SIGTERM";
+  auto restarts = of_type(job.worker_failed(2, f, T0 + 1s), MsgType::kRestart);
+  REQUIRE(restarts.size() == 2);
+  const std::string reason = proto::from_frame<proto::Restart>(restarts[0].frame).reason;
+  CHECK(reason == "node vm (node rank 1) was stopped by SIGTERM (exit code 143)");
+  // The daemon's event log (#38) too: its line and its JSON (rank null).
+  const auto events = job.take_events();
+  REQUIRE_FALSE(events.empty());
+  CHECK(text_of(events[0]) == "job 'job': node host-127.0.0.2 (127.0.0.2, agent agent-127.0.0.2) failed with exit "
+                              "code 143 (signal 15): node vm (node rank 1) was stopped by SIGTERM");
+  CHECK(json_of(events[0])["rank"].is_null());
+  for (const auto& e : events) CHECK_THAT(text_of(e), !Catch::Contains("rank -1"));
+  job.join(1, node("127.0.0.1", 2, 2, 2, 1), T0 + 1s);
+  job.join(2, node("127.0.0.2", 2, 2, 2, 1), T0 + 1s);
+  f.round = 2;
+  f.message.clear();  // (an agent that says nothing more)
+  auto aborts = of_type(job.worker_failed(2, f, T0 + 2s), MsgType::kAbort);
+  REQUIRE(aborts.size() == 2);
+  CHECK(proto::from_frame<proto::Abort>(aborts[0].frame).reason == "node vm exited with 143");
+  CHECK(failed_who(f) == "node vm");
+  f.rank = 3;
+  CHECK(failure_text(f) == "rank 3 on vm exited with 143");
+}
+
 TEST_CASE("a silent node is declared lost after keep_alive_interval x max attempts") {
   Job job("job");
   job.join(1, node("127.0.0.1", 2, 2), T0);

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <signal.h>
@@ -247,17 +248,24 @@ rdzv::ServerOptions Agent::server_options() {
 }
 
 void Agent::bind_takeover_socket() {
-  if (embedded_server_ || takeover_fd_ >= 0) return;
-  // The advertised address when it is one of this machine's (IPv4), else every address.
+  if (embedded_server_ || takeover_fd_ >= 0 || takeover_refused_) return;
+  // Only on the advertised address, where the others will look for this node (its Join's
+  // addr): a name is resolved here, and the first of its IPv4 addresses that is this
+  // machine's is bound. None: this node cannot take over, and says so once.
+  std::string why;
   auto try_bind = [&](in_addr_t addr) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return false;
+    if (fd < 0) {
+      why = std::strerror(errno);
+      return false;
+    }
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = addr;
     socklen_t len = sizeof sa;
     if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+      why = std::strerror(errno);
       ::close(fd);
       return false;
     }
@@ -268,9 +276,24 @@ void Agent::bind_takeover_socket() {
     takeover_host_ = text;
     return true;
   };
-  in_addr advertised{};
-  if (::inet_pton(AF_INET, plan_.master_addr.c_str(), &advertised) == 1 && try_bind(advertised.s_addr)) return;
-  try_bind(htonl(INADDR_ANY));
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int rc = ::getaddrinfo(plan_.master_addr.c_str(), nullptr, &hints, &found); rc != 0) {
+    why = ::gai_strerror(rc);
+  } else {
+    bool bound = false;
+    for (const addrinfo* ai = found; ai && !bound; ai = ai->ai_next)
+      bound = try_bind(reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr);
+    ::freeaddrinfo(found);
+    if (bound) return;
+    if (why.empty()) why = "no IPv4 address";
+  }
+  takeover_refused_ = true;
+  notice(fmt::format("this node cannot take the rendezvous over if its host is lost: its advertised address '{}' "
+                     "cannot be bound here ({}); give --local_addr an IPv4 address of this machine",
+                     plan_.master_addr, why));
 }
 
 int Agent::take_over(const rdzv::TakeoverSeed& seed) {

@@ -217,9 +217,11 @@ class Agent {
   // The rendezvous server's settings for this job (the token, this job only, this agent).
   rdzv::ServerOptions server_options();
   // The socket this agent would host the job on if its host were lost (bound at port 0 on
-  // the advertised address, not listening until then: a connection is refused), advertised
-  // in its Join (takeover_port); -1 when it hosts already or none could be bound.
+  // the advertised address, never on every address; not listening until then: a connection
+  // is refused), advertised in its Join (takeover_port); -1 when it hosts already or none
+  // could be bound (takeover_refused_: said once).
   void bind_takeover_socket();
+  bool takeover_refused_ = false;
   // rdzv::ClientHandlers::on_take_over: serves the job from `seed` on that socket.
   int take_over(const rdzv::TakeoverSeed& seed);
   int takeover_fd_ = -1;

@@ -155,3 +155,43 @@ TEST_CASE("the hosting agent of a 3-node job with one standby SIGKILLed: the sta
   CHECK(started.size() == 6);  // 3 in the first round, 3 in the second
   CHECK(eventually([&] { return std::none_of(started.begin(), started.end(), pid_alive); }, 30s));
 }
+
+TEST_CASE("a survivor of a job whose endpoint is 'localhost', advertising this machine's name, takes over on that "
+          "name's address only, never on every address (#35)") {
+  // Before: the advertised address was bound only when it was an IPv4 literal, else
+  // 0.0.0.0, so the new host listened on every address without a token (a warning only).
+  const std::string ep = "localhost:" + std::to_string(free_loopback_port());
+  const std::string job = "takeover-name";
+  // As a new user runs it: no --local_addr, so each node advertises this machine's name.
+  auto argv = [&] {
+    return std::vector<std::string>{kMglaunch, "--nnodes=2:3", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                    "--rdzv_endpoint=" + ep, "--rdzv_id=" + job, "--max_restarts=1",
+                                    "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1",
+                                    kFakeWorker, "print", "up", "when-restart-below", "1", "hang", "300"};
+  };
+  std::vector<Proc> agents;
+  agents.push_back(spawn(argv()));
+  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  for (int i = 0; i < 2; ++i) agents.push_back(spawn(argv()));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
+  }, 30s));
+  ::kill(agents[0].pid, SIGKILL);
+  std::string took;
+  for (int i : {1, 2}) {
+    REQUIRE(agents[i].wait(60s));
+    INFO(agents[i].err());
+    CHECK(agents[i].exit_code() == 0);
+    CHECK_THAT(agents[i].err(), !Catch::Contains("0.0.0.0"));
+    if (agents[i].err().find("taking over from") != std::string::npos) took = agents[i].err();
+  }
+  INFO(took);
+  const std::string hosting = "hosting the rendezvous for job '" + job + "' on ";
+  const auto at = took.find(hosting);
+  REQUIRE(at != std::string::npos);
+  const std::string addr = took.substr(at + hosting.size(), took.find(':', at + hosting.size()) - at - hosting.size());
+  CHECK(addr != "0.0.0.0");
+  // Where the name is a loopback address (as localhost, in /etc/hosts), no stranger reaches it.
+  if (addr.starts_with("127.")) CHECK_THAT(took, !Catch::Contains("without a token"));
+  agents[0].wait(5s);
+}

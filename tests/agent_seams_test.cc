@@ -332,12 +332,13 @@ struct Run {
     launcher->end(local_rank, status, std::move(tail));
     settle();
   }
-  void assign(int round, int restart_count, int master_port) {
+  // This node as group rank `group_rank` of two nodes of two workers each.
+  void assign(int round, int restart_count, int master_port, int group_rank = 1) {
     proto::Assignment a;
     a.round = round;
-    a.group_rank = 1;
+    a.group_rank = group_rank;
     a.group_world_size = 2;
-    a.rank_offset = 2;
+    a.rank_offset = 2 * group_rank;
     a.world_size = 4;
     a.master_addr = "127.0.0.1";
     a.master_port = master_port;
@@ -507,16 +508,7 @@ TEST_CASE("agent with fakes: a store that cannot serve fails the attempt's worke
     Run run({"--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
              "--rdzv_conf=is_host=false"},
             torch2_env(), fails);
-    proto::Assignment a;
-    a.round = 1;
-    a.group_rank = 0;
-    a.group_world_size = 2;
-    a.world_size = 4;
-    a.master_addr = "127.0.0.1";
-    a.master_port = run.link->join.master_port;
-    a.nodes = {"127.0.0.1", "127.0.0.1"};
-    run.link->assign(a);
-    run.settle();
+    run.assign(1, 0, run.link->join.master_port, /*group_rank=*/0);
     CHECK(run.launcher->started.empty());
     REQUIRE(run.link->failures.size() == 1);
     CHECK(run.link->failures[0].exit_code == 4);
@@ -537,16 +529,8 @@ TEST_CASE("agent with fakes: an error while carrying out a rendezvous decision e
   Run run({"--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
            "--rdzv_conf=is_host=false"},
           torch2_env(), [](int) { throw std::runtime_error("the store broke"); });
-  proto::Assignment a;
-  a.round = 1;
-  a.group_rank = 0;
-  a.group_world_size = 2;
-  a.world_size = 4;
-  a.master_addr = "127.0.0.1";
-  a.master_port = run.link->join.master_port;
-  a.nodes = {"127.0.0.1", "127.0.0.1"};
-  run.link->assign(a);
-  run.settle();  // before: the exception left the event loop (a real link took it for a lost connection)
+  // Before: the exception left the event loop (a real link took it for a lost connection).
+  run.assign(1, 0, run.link->join.master_port, /*group_rank=*/0);
   REQUIRE(run.agent->done());
   CHECK(run.agent->exit_code() == 1);
   CHECK(run.launcher->finished);

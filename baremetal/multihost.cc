@@ -57,6 +57,8 @@ bool is_agent_bool_flag(std::string_view name) {
 // The remote wrapper: reads the token from stdin, runs the agent in the background with
 // stdin from /dev/null, and a watcher that sends it SIGTERM when stdin reaches EOF (the
 // launcher closed the pipe, died, or the connection dropped). Exits with the agent's code.
+// The wait's own stderr is /dev/null: sh (dash) reports an agent that died of that SIGTERM
+// (one stopped before it handles signals) as a line "Terminated", which is not the agent's.
 // With a working directory it is run as `sh -c WRAPPER mglaunch-host -C DIR AGENT...` and
 // first changes to DIR (a directory that is missing there is one error line and exit 2).
 constexpr const char* kWrapper =
@@ -67,7 +69,7 @@ constexpr const char* kWrapper =
     "exec 3<&0; "
     "\"$@\" </dev/null 3<&- & pid=$!; "
     "{ while IFS= read -r _l; do :; done; kill -TERM \"$pid\"; } <&3 >/dev/null 2>&1 & w=$!; "
-    "exec 3<&-; wait \"$pid\"; rc=$?; kill \"$w\" 2>/dev/null; exit \"$rc\"";
+    "exec 3<&-; wait \"$pid\" 2>/dev/null; rc=$?; kill \"$w\" 2>/dev/null; exit \"$rc\"";
 
 std::string self_exe() {
   std::error_code ec;
@@ -324,8 +326,8 @@ std::vector<std::string> OpenSshRunner::argv(const std::string& host, const std:
 
 std::vector<std::string> LocalShellRunner::argv(const std::string& host, const std::string& remote_command) const {
   if (std::find(unreachable_.begin(), unreachable_.end(), host) != unreachable_.end())
-    return {"/bin/sh", "-c",
-            fmt::format("echo 'ssh: connect to host {} port 22: Connection refused' >&2; exit 255", host)};
+    return {"/bin/sh", "-c",  // as OpenSSH writes it: CRLF
+            fmt::format("printf 'ssh: connect to host {} port 22: Connection refused\\r\\n' >&2; exit 255", host)};
   return {"/bin/sh", "-c", remote_command};
 }
 
@@ -632,6 +634,9 @@ void Fanout::relay(Host& h, int s, std::string_view line, bool cut) {
     line.remove_prefix(1);
     s = 1;
   } else if (s == 1) {
+    // ssh ends its own messages with "\r\n" (OpenSSH's log writes CRLF): the line ends before
+    // the '\r', which must not reach an error line (as a literal \r) or the terminal.
+    while (line.ends_with('\r')) line.remove_suffix(1);
     if (!line.empty()) h.last_err = std::string(line.substr(0, 512));
     for (const auto& l : timers_->root_causes.feed(h.cmd.host.host, line)) relay(h, 1, "\x01" + l, cut);
     return;

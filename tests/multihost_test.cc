@@ -69,12 +69,12 @@ struct Captured {
 // Runs the fan-out in this process with the local runner; output goes to temp files.
 Captured run_local(const std::string& dir, const std::string& hostfile, std::vector<std::string> worker,
                    std::vector<std::string> unreachable = {}, std::vector<std::string> forwarded = {},
-                   std::string workdir = "") {
+                   std::string workdir = "", std::string remote_mglaunch = kMglaunch) {
   mg::MultiHostOptions o;
   o.workdir = std::move(workdir);
   o.hostfile = hostfile;
   o.rdzv_host = "127.0.0.1";
-  o.remote_mglaunch = kMglaunch;
+  o.remote_mglaunch = std::move(remote_mglaunch);
   o.forwarded = forwarded;
   o.program = std::move(worker);
   const std::string out_path = dir + "/fan.out", err_path = dir + "/fan.err";
@@ -177,6 +177,25 @@ TEST_CASE("an unreachable host is one error naming it, and the other host is sto
   CHECK_THAT(r.err, Catch::Contains("\nmglaunch: error: cannot reach host 127.0.0.3 over ssh") ||
                         Catch::StartsWith("mglaunch: error: cannot reach host 127.0.0.3 over ssh"));
   CHECK(read_pids(dir + "/pids").empty());  // host 2 never got past the rendezvous
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("an unreachable host's ssh error is one clean line: no literal \\r from ssh's CRLF, no 'Terminated' from the other host's shell (#38)") {
+  const std::string dir = make_temp_dir();
+  // An "agent" that dies of the SIGTERM the wrapper sends when the launcher stops the host
+  // (as mglaunch does when stopped before it handles signals): its shell used to report
+  // "Terminated", relayed as a line of that host.
+  const std::string agent = dir + "/agent.sh";
+  std::ofstream(agent) << "#!/bin/sh\nexec sleep 60\n";
+  fs::permissions(agent, fs::perms::owner_all);
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n"), fw({"hang", "60"}),
+                     {"127.0.0.3"}, {}, "", agent);
+  INFO(r.err);
+  CHECK(r.code == mg::kExitSshFailed);
+  CHECK_THAT(r.err, Catch::Contains("port 22: Connection refused); check the name"));
+  CHECK(r.err.find("\\r") == std::string::npos);
+  CHECK(r.err.find('\r') == std::string::npos);
+  for (const auto& l : split_lines(r.err)) CHECK_THAT(l, !Catch::Contains("Terminated"));
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
 
@@ -424,8 +443,12 @@ TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
   INFO(r.err);
   CHECK(r.code == 255);
   int naming = 0;
-  for (const auto& l : split_lines(r.err)) naming += l.rfind("mglaunch: error: cannot reach host 127.0.0.4", 0) == 0;
+  for (const auto& l : split_lines(r.err)) {
+    naming += l.rfind("mglaunch: error: cannot reach host 127.0.0.4", 0) == 0;
+    CHECK_THAT(l, !Catch::Contains("Terminated"));  // the other host's shell said so (#38)
+  }
   CHECK(naming == 1);
+  CHECK_THAT(r.err, Catch::Contains("Connection refused); check the name"));  // not "refused\r)" (#38)
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
 

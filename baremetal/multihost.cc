@@ -456,7 +456,9 @@ struct Fanout::Host {
   asio::writable_pipe in;
   std::array<asio::readable_pipe, 2> pipes;
   std::array<std::array<char, 16 * 1024>, 2> bufs;
-  std::array<LineSplitter, 2> splitters{LineSplitter(64 * 1024), LineSplitter(64 * 1024)};
+  // An agent's line is its prefix and up to kDefaultMaxLine bytes: relayed whole here too.
+  static constexpr std::size_t kMaxLine = kDefaultMaxLine + 1024;
+  std::array<LineSplitter, 2> splitters{LineSplitter(kMaxLine), LineSplitter(kMaxLine)};
   std::array<bool, 2> open{false, false};
   pid_t pid = -1;  // ours to reap (Timers::children), its own process group
   bool exited = false;

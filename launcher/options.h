@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "logs/line_splitter.h"
+
 namespace mg::cli {
 struct FlagSpec;
 }
@@ -136,7 +138,7 @@ struct AgentOptions {
   std::string python_source = "python3 from PATH";  // how `python` was chosen: --python, MGLAUNCH_PYTHON, default
   int stdin_rank = 0;  // --stdin-rank: the local rank that reads the agent's stdin; -1 (none): all get /dev/null
   std::optional<std::string> log_line_prefix_template;  // --log-line-prefix-template; "" = raw, unprefixed lines
-  std::size_t max_line_bytes = 64 * 1024;
+  std::size_t max_line_bytes = kDefaultMaxLine;  // longer lines are cut (logs/line_splitter.h)
   bool no_slurm = false;                         // --no-slurm
   // monitoring and operations (ops/monitor.h, ops/trace.h); all off by default
   double monitor_s = 0;                          // --monitor[=SECONDS]: console status line (0: off)

@@ -43,7 +43,7 @@ struct WorkerSpec {
   std::vector<std::string> env;   // "KEY=VALUE"
   bool console[2] = {true, true};    // relay stdout / stderr to the console
   std::string log_file[2];           // raw copy of stdout / stderr ("" = none)
-  std::size_t max_line_bytes = 64 * 1024;
+  std::size_t max_line_bytes = kDefaultMaxLine;  // longer lines are cut (logs/line_splitter.h)
   std::size_t tail_lines = 10;       // last stderr lines kept for the failure report
   std::vector<int> cpus;             // CPU affinity set in the child (--cpu-bind); empty: inherited
   int stdin_fd = -1;                 // the worker's stdin (the agent keeps it open); -1: /dev/null

@@ -1,6 +1,9 @@
 // Splits a byte stream into lines for relaying. Complete lines come out whole; a line
 // longer than the limit comes out in pieces of at most `max_line` bytes, each but the last
 // flagged `cut`; finish() flushes a last line that had no newline. Pure: no I/O.
+// Memory: a splitter holds bytes only while a line is unfinished (up to `max_line`, 1 MiB
+// by default), and gives a buffer grown past kKeptCapacity back once that line is out, so
+// an agent of many workers pays for long lines only while one is being written.
 // Also the other pure text rules of the relay: the live form of a worker stream for a
 // terminal (live_relay) and the line prefix template (expand_line_prefix).
 #pragma once
@@ -14,8 +17,14 @@
 
 namespace mg {
 
+// The longest line relayed whole (prefix aside); longer ones are cut (docs/running.md).
+inline constexpr std::size_t kDefaultMaxLine = std::size_t{1} << 20;
+
 class LineSplitter {
  public:
+  // What an unfinished line's buffer keeps between lines; a larger one is freed.
+  static constexpr std::size_t kKeptCapacity = 4096;
+
   explicit LineSplitter(std::size_t max_line) : max_line_(max_line ? max_line : 1) {}
 
   // Calls sink(std::string_view line_without_newline, bool cut) for each line or piece.
@@ -30,7 +39,7 @@ class LineSplitter {
         } else {
           pending_.append(data.substr(0, nl));
           sink(std::string_view(pending_), false);
-          pending_.clear();
+          release();
         }
         data.remove_prefix(nl + 1);
       } else if (nl == std::string_view::npos && data.size() <= room) {
@@ -42,7 +51,7 @@ class LineSplitter {
         // A newline right after a full piece ends the line there: no empty continuation.
         const bool ends_here = !data.empty() && data.front() == '\n';
         sink(std::string_view(pending_), !ends_here);
-        pending_.clear();
+        release();
         if (ends_here) data.remove_prefix(1);
       }
     }
@@ -77,14 +86,22 @@ class LineSplitter {
   template <typename Sink>
   void finish(Sink&& sink) {
     if (!pending_.empty()) sink(std::string_view(pending_), false);
-    pending_.clear();
+    release();
   }
 
   bool has_pending() const { return !pending_.empty(); }
   // The unfinished line kept so far (after the last piece given out).
   std::string_view pending() const { return pending_; }
+  // Bytes held for the unfinished line now (its buffer's capacity).
+  std::size_t held() const { return pending_.capacity(); }
 
  private:
+  // The line went out: empty, and a buffer a long line grew is given back.
+  void release() {
+    if (pending_.capacity() > kKeptCapacity) std::string().swap(pending_);
+    else pending_.clear();
+  }
+
   std::size_t max_line_;
   std::string pending_;
 };

@@ -248,20 +248,25 @@ TEST_CASE("4 workers x 200k lines arrive complete, whole and unmixed") {
   for (int r = 0; r < 4; ++r) CHECK(next[r] == kLines);
 }
 
-TEST_CASE("a last line without newline is flushed and very long lines are cut with a marker") {
-  auto r = run(launch({"--standalone", "--nproc_per_node=1"}, {"long-line", "150000", "print-nonl", "tail"}));
+TEST_CASE("a last line without newline is flushed, a 100,000-byte line stays whole and lines over 1 MiB are cut with a marker (#38)") {
+  // 100,000 bytes came out as 2 lines (65,536 bytes and a marker, then the rest) before.
+  constexpr long kBig = 2 * (1L << 20) + 1000;  // above the 1 MiB limit: 3 pieces
+  auto r = run(launch({"--standalone", "--nproc_per_node=1"},
+                      {"long-line", "100000", "long-line", std::to_string(kBig), "print-nonl", "tail"}));
   CHECK(r.code == 0);
   auto lines = split_lines(r.out);
-  REQUIRE(lines.size() == 4);
-  CHECK(lines[3] == "[rank0]:tail");
+  REQUIRE(lines.size() == 5);
+  CHECK(lines[0] == "[rank0]:" + std::string(100000, 'x'));
+  CHECK(lines[4] == "[rank0]:tail");
   long xs = 0;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 1; i < 4; ++i) {
     CHECK_THAT(lines[i], Catch::StartsWith("[rank0]:x"));
     xs += std::count(lines[i].begin(), lines[i].end(), 'x');
   }
-  CHECK(xs == 150000);
-  CHECK_THAT(lines[0], Catch::EndsWith("[mglaunch: line continues]"));
-  CHECK_THAT(lines[2], !Catch::EndsWith("[mglaunch: line continues]"));
+  CHECK(xs == kBig);
+  CHECK(lines[1].size() == 8 + (1u << 20) + std::string_view(" [mglaunch: line continues]").size());
+  CHECK_THAT(lines[1], Catch::EndsWith("[mglaunch: line continues]"));
+  CHECK_THAT(lines[3], !Catch::EndsWith("[mglaunch: line continues]"));
 }
 
 TEST_CASE("log_dir gets torchrun's layout and redirects, tee and local_ranks_filter act as in torchrun") {

@@ -53,6 +53,34 @@ TEST_CASE("a line of exactly the limit is not cut") {
   CHECK(c.cuts == std::vector<bool>{false, false});
 }
 
+TEST_CASE("a 100,000-byte line read in 64 KiB pieces comes out whole under the default limit (#38)") {
+  LineSplitter s(mg::kDefaultMaxLine);
+  CHECK(mg::kDefaultMaxLine >= std::size_t{1} << 20);
+  const std::string line(100000, 'x');
+  auto c = feed_all(s, {line.substr(0, 65536), line.substr(65536) + "\n"});
+  REQUIRE(c.lines.size() == 1);
+  CHECK(c.lines[0] == line);
+  CHECK(c.cuts == std::vector<bool>{false});
+}
+
+TEST_CASE("a splitter holds memory only while a line is unfinished: a long line's buffer is given back once it is out (#38)") {
+  LineSplitter s(mg::kDefaultMaxLine);
+  auto sink = [](std::string_view, bool) {};
+  s.feed(std::string(300000, 'x'), sink);  // unfinished: held
+  CHECK(s.held() >= 300000);
+  s.feed("y\nshort", sink);  // the line went out; a short unfinished one stays
+  CHECK(s.pending() == "short");
+  CHECK(s.held() <= LineSplitter::kKeptCapacity);
+  s.feed(std::string(200000, 'z') + "\n", sink);
+  CHECK(s.held() <= LineSplitter::kKeptCapacity);
+  // A line above the limit, cut into pieces: nothing kept after its last piece either.
+  LineSplitter small(1000);
+  small.feed(std::string(5000, 'x'), sink);
+  small.finish(sink);
+  CHECK_FALSE(small.has_pending());
+  CHECK(small.held() <= LineSplitter::kKeptCapacity);
+}
+
 TEST_CASE("byte-by-byte feeding gives the same lines as one chunk") {
   std::string text = "alpha\nbeta\n\ngamma delta\nz";
   LineSplitter whole(5), bytes(5);

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "rendezvous/auth.h"
+#include "rendezvous/endpoint.h"
 
 namespace mg::rdzv {
 
@@ -39,6 +40,28 @@ std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t ca
     return fmt::format("{} node(s) left{}, fewer than the {} that --nnodes asks for", left,
                        standbys > 0 ? fmt::format(" ({} of them standbys)", standbys) : std::string(), min_nodes);
   return {};
+}
+
+namespace {
+std::string host_port(const std::string& host, int port) {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+}
+}  // namespace
+
+std::string unanswered_endpoint_hint(const std::string& host, int port, bool own_address, bool loopback) {
+  if (!own_address || loopback) return {};
+  return fmt::format(
+      "{} is an address of this machine, yet no agent here hosts the rendezvous at it: an agent hosts only at the "
+      "address it advertises (--local_addr, else its host name); give the agent that should host --local_addr={} or "
+      "--rdzv_conf is_host=true, or start mglaunch-rdzv --listen {}",
+      host, host, host_port(host, port));
+}
+
+std::string foreign_server_hint(const std::string& host, int port) {
+  return fmt::format(
+      "a program that is not a mglaunch rendezvous may hold {} (see `ss -ltnp 'sport = :{}'` there; or a mglaunch-rdzv "
+      "there is at its --max-connections): give every node a free port in --rdzv_endpoint, or stop that program",
+      host_port(host, port), port);
 }
 
 Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers)
@@ -89,8 +112,13 @@ void Client::try_connect() {
     if (closed_ || gen != connect_gen_) return;
     if (ec) {
       // While a takeover is looked for, its timer moves on from a node that does not answer.
-      if (!takeover_ && Clock::now() >= deadline_)
-        return lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, ec.message()));
+      if (!takeover_ && Clock::now() >= deadline_) {
+        std::string hint;
+        if (ec == asio::error::connection_refused)
+          hint = unanswered_endpoint_hint(opts_.host, opts_.port, is_local_host(opts_.host), is_loopback_host(opts_.host));
+        return lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}{}", opts_.host, opts_.port,
+                                ec.message(), hint.empty() ? "" : "; " + hint));
+      }
       retry_timer_.expires_after(connect_retry_delay(++refused_));
       retry_timer_.async_wait([this](boost::system::error_code ec) {
         if (!ec) try_connect();
@@ -101,7 +129,7 @@ void Client::try_connect() {
     conn_ = std::make_shared<FramedConnection>(std::move(*connecting_), proto::kHandshakeMaxFrame);
     connecting_.reset();
     connected_at_ = Clock::now();
-    challenged_ = welcomed_ = false;
+    challenged_ = welcomed_ = answered_ = false;
     nonce_ = auth::random_hex(32);
     std::weak_ptr<int> alive = alive_;
     const FramedConnection* self = conn_.get();
@@ -114,6 +142,9 @@ void Client::try_connect() {
           if (!alive.lock() || conn_.get() != self) return;
           // A server that welcomed us and then vanished may come back: keep trying.
           if (ever_welcomed_) reconnect_later(why);
+          else if (!welcomed_ && !answered_)  // closed before a word: maybe not our server at all
+            lost(fmt::format("the connection to the rendezvous server at {} ended before its welcome ({}); {}",
+                             host_port(opts_.host, opts_.port), why, foreign_server_hint(opts_.host, opts_.port)));
           else lost(why);
         });
     conn_->send(proto::to_frame(proto::Hello{opts_.join.agent_id, opts_.join.job_id, nonce_}));
@@ -146,6 +177,7 @@ void Client::failed_attempt(const std::string& why) {
 }
 
 void Client::on_frame(const proto::Frame& f) {
+  answered_ = true;
   // The handshake is a state machine: until the Welcome (and with a key, until the server
   // proved it in its Challenge) only Challenge and Welcome are read. Anything else comes
   // from a server that proved nothing: it closes the connection as a failed attempt, and

@@ -80,6 +80,15 @@ inline std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignmen
 std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int standbys,
                             int min_nodes);
 
+// Hints for a rendezvous endpoint that does not work, each one line saying what to do. Pure.
+// Nothing answers (connection refused) at `host`, one of this machine's own addresses
+// (`own_address`) that is not loopback: no agent here hosts it, since an agent hosts only at
+// the address it advertises. Empty when the endpoint is not this machine's or is loopback.
+std::string unanswered_endpoint_hint(const std::string& host, int port, bool own_address, bool loopback);
+// Something answered at host:port and closed the connection (or spoke another protocol)
+// before any welcome: another program may hold that port.
+std::string foreign_server_hint(const std::string& host, int port);
+
 // The wait before the `retry`-th new attempt (1, 2, ...) to reach a server that refused the
 // connection (nothing listens yet). The agents of a job start together and the host listens
 // moments after its own start, so the first retries come within a few milliseconds; the
@@ -171,6 +180,7 @@ class Client {
   bool closed_ = false;
   bool challenged_ = false;
   bool welcomed_ = false;       // this connection completed the handshake
+  bool answered_ = false;       // this connection brought a frame
   bool joined_early_ = false;   // this connection sent its join with the hello (no token)
   bool ever_welcomed_ = false;  // some connection did
   bool in_outage_ = false;      // lost a welcomed connection, not welcomed again yet

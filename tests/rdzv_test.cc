@@ -2,19 +2,24 @@
 // an embedded or standalone mglaunch-rdzv, fake_worker as the workload.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
+#include <thread>
 #include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "support/proc.h"
+#include "rendezvous/client.h"
 #include "support/rdzv_fixture.h"
 
 using namespace mgtest;
@@ -408,4 +413,92 @@ TEST_CASE("two agents given --rdzv_endpoint=localhost:PORT whose advertised addr
   const bool a_hosts = a.err().find("hosting the rendezvous") != std::string::npos;
   const bool b_hosts = b.err().find("hosting the rendezvous") != std::string::npos;
   CHECK(a_hosts != b_hosts);  // one of them
+}
+
+namespace {
+
+// A TCP server on 127.0.0.1 that is not ours: it accepts each connection and closes it
+// at once, until destroyed (its thread polls 100 ms at a time).
+struct ForeignServer {
+  int fd = -1;
+  int port = 0;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+  ForeignServer() {
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof sa;
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+    REQUIRE(::listen(fd, 16) == 0);
+    REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+    port = ntohs(sa.sin_port);
+    thread = std::thread([this] {
+      while (!stop.load()) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 100) > 0)
+          if (const int c = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC); c >= 0) ::close(c);
+      }
+    });
+  }
+  ~ForeignServer() {
+    stop = true;
+    thread.join();
+    ::close(fd);
+  }
+};
+
+// The agent's error lines ("mglaunch: error: ...") of its stderr.
+std::vector<std::string> error_lines(const std::string& err) {
+  std::vector<std::string> out;
+  for (const auto& l : split_lines(err))
+    if (l.starts_with("mglaunch: error: ")) out.push_back(l);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("the hint for an endpoint nobody hosts names --local_addr and is_host only for this machine's non-loopback "
+          "address; the one for a foreign server names the port (#38)") {
+  const std::string own = mg::rdzv::unanswered_endpoint_hint("10.1.2.3", 29400, true, false);
+  CHECK_THAT(own, Catch::Contains("10.1.2.3 is an address of this machine") && Catch::Contains("--local_addr=10.1.2.3") &&
+                      Catch::Contains("is_host=true") && Catch::Contains("mglaunch-rdzv --listen 10.1.2.3:29400"));
+  CHECK_THAT(mg::rdzv::unanswered_endpoint_hint("fd00::5", 29400, true, false),
+             Catch::Contains("--listen [fd00::5]:29400"));
+  CHECK(mg::rdzv::unanswered_endpoint_hint("10.1.2.3", 29400, false, false).empty());  // another machine's
+  CHECK(mg::rdzv::unanswered_endpoint_hint("localhost", 29400, true, true).empty());   // loopback: an agent hosts it
+  CHECK(own.find('\n') == std::string::npos);
+  CHECK_THAT(mg::rdzv::foreign_server_hint("127.0.0.1", 8080),
+             Catch::Contains("not a mglaunch rendezvous") && Catch::Contains("127.0.0.1:8080") &&
+                 Catch::Contains("--rdzv_endpoint"));
+}
+
+TEST_CASE("an endpoint at this machine's own address that no agent advertises: the error after join_timeout says to "
+          "give --local_addr or is_host=true there (#38)") {
+  // 127.0.0.2 is this machine's (bindable) and not loopback for hosting (rendezvous/endpoint.h);
+  // the agent advertises 127.0.0.3, so it does not host, and nothing listens there.
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  auto r = run(agent_argv(ep, "nobody-hosts", 3, "2", 1, {"--rdzv_conf=join_timeout=1"}, {"print", "never"}), {}, 60s);
+  CHECK(r.code == 3);
+  const std::vector<std::string> errors = error_lines(r.err);
+  INFO(r.err);
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("Connection refused") &&
+                            Catch::Contains("127.0.0.2 is an address of this machine") &&
+                            Catch::Contains("--local_addr=127.0.0.2") && Catch::Contains("is_host=true"));
+}
+
+TEST_CASE("an endpoint held by a server that is not ours: one error line that says another program may hold the port "
+          "(#38)") {
+  ForeignServer other;
+  const std::string ep = "127.0.0.1:" + std::to_string(other.port);
+  auto r = run(agent_argv(ep, "foreign", 2, "2", 1, {"--rdzv_conf=join_timeout=30"}, {"print", "never"}), {}, 60s);
+  CHECK(r.code == 3);
+  const std::vector<std::string> errors = error_lines(r.err);
+  INFO(r.err);
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("ended before its welcome") &&
+                            Catch::Contains("not a mglaunch rendezvous may hold 127.0.0.1:" + std::to_string(other.port)));
+  CHECK(r.out.find("never") == std::string::npos);
 }

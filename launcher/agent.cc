@@ -27,6 +27,7 @@
 
 #include "cli/args.h"
 #include "cli/errors.h"
+#include "ops/doctor.h"
 #include "ops/health.h"
 #include "ops/monitor.h"
 #include "ops/trace.h"
@@ -934,9 +935,14 @@ void Agent::on_worker_done(const WorkerEnd& w) {
   run(core_.worker_ended(o, now(), [&] {
     RootCause rc = worker_root_cause(o, local_hostname(), attempt_dir(o.local_rank) + "/error.json", w.spawn_error,
                                      w.stderr_tail);
-    if (python_run_)
-      if (auto hint = missing_torch_hint(rc.stderr_tail, plan_.executable, opts_.python_source); !hint.empty())
-        rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
+    // A module the worker's Python lacks (torch, typically: another python3 first on PATH):
+    // which Python ran, and one that has the module, as doctor finds them.
+    if (const std::string module = python_run_ ? missing_module(rc.stderr_tail) : std::string(); !module.empty()) {
+      const std::string hint = missing_module_hint(
+          module, plan_.executable, opts_.python_source,
+          python_with_module(module, plan_.executable, python_candidates(base_env_), base_env_));
+      rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
+    }
     if (auto hint = libuv_hint(rc.stderr_tail); !hint.empty())
       rc.message = rc.message.empty() ? hint : hint + "; " + rc.message;
     if (auto k = timer_kills_.find(o.local_rank); k != timer_kills_.end()) {

@@ -4,12 +4,15 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cctype>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
 
+#include "launcher/torch_version.h"
+#include "ops/doctor.h"
 #include "proto/text.h"
 
 namespace mg {
@@ -37,6 +40,50 @@ RootCause worker_root_cause(const WorkerOutcome& o, const std::string& host, con
   if (!std::filesystem::exists(rc.error_file, ec)) rc.error_file.clear();
   rc.stderr_tail = std::move(stderr_tail);
   return rc;
+}
+
+std::string missing_module(const std::vector<std::string>& stderr_tail) {
+  static constexpr std::string_view kSays = "No module named ";
+  for (auto l = stderr_tail.rbegin(); l != stderr_tail.rend(); ++l) {
+    const auto at = l->find(kSays);
+    if (at == std::string::npos || (l->find("ModuleNotFoundError") == std::string::npos &&
+                                    l->find("ImportError") == std::string::npos))
+      continue;
+    std::string_view name = std::string_view(*l).substr(at + kSays.size());
+    if (name.starts_with('\'')) {
+      name.remove_prefix(1);
+      name = name.substr(0, name.find('\''));
+    } else {
+      name = name.substr(0, name.find_first_of(" \t"));
+    }
+    const bool valid = !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.';
+    });
+    if (valid) return std::string(name);
+  }
+  return {};
+}
+
+std::string missing_module_hint(const std::string& module, const std::string& interpreter, const std::string& source,
+                                const std::string& alternative) {
+  const std::string top = module.substr(0, module.find('.'));
+  const std::string ran = fmt::format("the worker ran under {} ({}), which has no module '{}'", interpreter, source, module);
+  if (!alternative.empty())
+    return fmt::format("{}; {} has '{}' (`mglaunch doctor` lists each Python and its torch): choose it with --python {} "
+                       "or MGLAUNCH_PYTHON={} (torchrun runs workers under its own Python), or install '{}' for {}",
+                       ran, alternative, top, alternative, alternative, top, interpreter);
+  return fmt::format("{}, nor has any other Python mglaunch knows of (MGLAUNCH_PYTHON, python3 on PATH, "
+                     "/usr/bin/python3; `mglaunch doctor` lists them): install '{}' for {}, or choose a Python that has "
+                     "it with --python PATH or MGLAUNCH_PYTHON=PATH",
+                     ran, top, interpreter);
+}
+
+std::string python_with_module(const std::string& module, const std::string& interpreter,
+                               const std::vector<std::string>& candidates, const std::map<std::string, std::string>& env) {
+  const std::string used = python_identity(interpreter);
+  for (const auto& c : candidates)
+    if (python_identity(c) != used && find_python_module(c, env, module)) return c;
+  return {};
 }
 
 std::string process_limit_text(unsigned long long soft, unsigned long long hard) {

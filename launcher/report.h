@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -64,6 +65,24 @@ std::string read_error_file_message(const std::string& path);
 // is kept only when the file exists), its last stderr lines, the time now.
 RootCause worker_root_cause(const WorkerOutcome& o, const std::string& host, const std::string& error_file,
                             const std::string& spawn_error, std::vector<std::string> stderr_tail);
+
+// The module a Python worker could not import, from its last stderr lines
+// ("ModuleNotFoundError: No module named 'torch.distributed'", Python 2's "ImportError: No
+// module named torch"): "torch.distributed"; empty when there is none.
+std::string missing_module(const std::vector<std::string>& stderr_tail);
+
+// The root cause's message for a worker that could not import `module`: the interpreter
+// that ran it (`interpreter`, how it was chosen: `source`), another Python that has the
+// module (`alternative`, found as `mglaunch doctor` finds Pythons: python_with_module();
+// empty when none has it) and how to choose it. One line.
+std::string missing_module_hint(const std::string& module, const std::string& interpreter, const std::string& source,
+                                const std::string& alternative);
+
+// The first of `candidates` (ops/doctor.h's python_candidates()) that is not `interpreter`
+// (ops/doctor.h's python_identity()) and has `module`'s top-level package on its search path (found without
+// starting Python: launcher/torch_version.h); empty when none.
+std::string python_with_module(const std::string& module, const std::string& interpreter,
+                               const std::vector<std::string>& candidates, const std::map<std::string, std::string>& env);
 
 // The failure report block (several lines, each ending in '\n').
 std::string format_root_cause(const RootCause& rc, const std::string& program);

@@ -92,22 +92,6 @@ inline OnSignal on_agent_signal(const SignalFacts& f) {
   return f.stopping ? OnSignal::kForwardWhileStopping : OnSignal::kStop;
 }
 
-// When a Python worker failed because its interpreter cannot import torch (its last
-// stderr lines hold "No module named 'torch'"), the root cause's message: which
-// interpreter ran (`interpreter`, how it was chosen: `source`) and how to choose another.
-// Empty otherwise.
-inline std::string missing_torch_hint(const std::vector<std::string>& stderr_tail, const std::string& interpreter,
-                                      const std::string& source) {
-  bool missing = false;
-  for (const auto& l : stderr_tail)
-    if (l.find("No module named 'torch'") != std::string::npos || l.find("No module named torch") != std::string::npos)
-      missing = true;
-  if (!missing) return {};
-  return "the worker ran under " + interpreter + " (" + source +
-         "), which cannot import torch: install torch for that interpreter, or choose one that has it with "
-         "--python PATH or MGLAUNCH_PYTHON=PATH";
-}
-
 // When a worker failed because its torch has no libuv (Debian's torch 2.x) and was asked
 // for a libuv TCPStore (torch 2.x's default; its last stderr lines hold "use_libuv was
 // requested but PyTorch was build without libuv support"), the root cause's message: what

@@ -78,7 +78,13 @@ std::vector<fs::path> pth_dirs(const fs::path& site) {
 
 }  // namespace
 
-std::optional<TorchVersion> find_torch_version(const std::string& python, const std::map<std::string, std::string>& env) {
+namespace {
+
+// The directories `python` searches for modules, in order (see the header), each given to
+// `visit` until it returns a value.
+template <typename T, typename Visit>
+std::optional<T> first_on_search_path(const std::string& python, const std::map<std::string, std::string>& env,
+                                      Visit&& visit) {
   std::vector<fs::path> dirs;
   if (auto it = env.find("PYTHONPATH"); it != env.end()) {
     std::string_view rest = it->second;
@@ -124,12 +130,34 @@ std::optional<TorchVersion> find_torch_version(const std::string& python, const 
   // starting with "import" run code, which is not followed: a modern editable install's
   // finder is not seen).
   for (std::size_t i = 0; i < dirs.size() && i < 4096; ++i) {
-    if (auto v = in_dir(dirs[i])) return v;
+    if (auto v = visit(dirs[i])) return v;
     if (i < pythonpath_dirs) continue;  // PYTHONPATH entries are not site directories
     const std::vector<fs::path> extra = pth_dirs(dirs[i]);
     dirs.insert(dirs.begin() + static_cast<std::ptrdiff_t>(i) + 1, extra.begin(), extra.end());
   }
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<TorchVersion> find_torch_version(const std::string& python, const std::map<std::string, std::string>& env) {
+  return first_on_search_path<TorchVersion>(python, env, [](const fs::path& d) { return in_dir(d); });
+}
+
+std::optional<std::string> find_python_module(const std::string& python, const std::map<std::string, std::string>& env,
+                                              std::string_view module) {
+  const std::string top(module.substr(0, module.find('.')));
+  if (top.empty()) return std::nullopt;
+  return first_on_search_path<std::string>(python, env, [&](const fs::path& d) -> std::optional<std::string> {
+    std::error_code ec;
+    if (fs::is_directory(d / top, ec)) return (d / top).string();  // a package (a namespace package too)
+    if (fs::is_regular_file(d / (top + ".py"), ec)) return (d / (top + ".py")).string();
+    for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec)) {  // an extension module
+      const std::string name = it->path().filename().string();
+      if (name.starts_with(top + ".") && name.ends_with(".so")) return it->path().string();
+    }
+    return std::nullopt;
+  });
 }
 
 }  // namespace mg

@@ -28,4 +28,10 @@ std::optional<TorchVersion> parse_torch_version_py(std::string_view text);
 // environment (PYTHONPATH, HOME, PYTHONUSERBASE, PYTHONNOUSERSITE).
 std::optional<TorchVersion> find_torch_version(const std::string& python, const std::map<std::string, std::string>& env);
 
+// Where `python` would import `module` from (its top-level package: "torch" of
+// "torch.distributed"), by the same search: a package directory, a .py file or an
+// extension module (.so). nullopt when not found.
+std::optional<std::string> find_python_module(const std::string& python, const std::map<std::string, std::string>& env,
+                                              std::string_view module);
+
 }  // namespace mg

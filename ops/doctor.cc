@@ -30,7 +30,17 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 std::string gib(std::uint64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<double>(bytes) / kGiB); }
 
-// Pythons worth asking: $MGLAUNCH_PYTHON, python3 on PATH, /usr/bin/python3 (once each).
+}  // namespace
+
+std::string python_identity(const std::string& python) {
+  std::error_code ec;
+  // A virtual environment's python is a link to the base interpreter with search paths of its own.
+  if (fs::exists(fs::path(python).parent_path().parent_path() / "pyvenv.cfg", ec))
+    return fs::absolute(python, ec).lexically_normal().string();
+  const std::string real = fs::canonical(python, ec).string();
+  return ec ? python : real;
+}
+
 std::vector<std::string> python_candidates(const std::map<std::string, std::string>& env) {
   std::vector<std::string> names;
   if (auto it = env.find("MGLAUNCH_PYTHON"); it != env.end() && !it->second.empty()) names.push_back(it->second);
@@ -42,14 +52,10 @@ std::vector<std::string> python_candidates(const std::map<std::string, std::stri
   for (const auto& n : names) {
     std::string p = find_executable(n, path);
     if (p.empty()) continue;
-    std::error_code ec;
-    std::string real = fs::canonical(p, ec).string();
-    if (seen.insert(ec ? p : real).second) out.push_back(p);
+    if (seen.insert(python_identity(p)).second) out.push_back(p);
   }
   return out;
 }
-
-}  // namespace
 
 PythonInfo probe_python(const std::string& python, std::chrono::milliseconds timeout) {
   PythonInfo info;

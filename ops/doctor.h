@@ -76,6 +76,13 @@ BatchPlan batch_for_memory(double gib, int gpus);
 // i). Throws std::invalid_argument when the workers cannot get disjoint CPUs.
 std::vector<hw::Binding> binding_for(const DoctorInputs& in, int nproc);
 
+// The Pythons doctor asks, each found on PATH once (by python_identity()): $MGLAUNCH_PYTHON,
+// python3 on PATH, /usr/bin/python3; the paths as found.
+std::vector<std::string> python_candidates(const std::map<std::string, std::string>& env);
+// What tells two Pythons apart: the real file, except for a virtual environment's (a link
+// to its base interpreter, with its own pyvenv.cfg and site-packages), which is its own path.
+std::string python_identity(const std::string& python);
+
 // Asks `python` for torch's version and whether CUDA, NCCL and gloo are there (`python -c
 // 'import torch ...'`, stdout and stderr read together). The answer is the last line
 // "torch VERSION CUDA NCCL GLOO"; without one, `error` is the last line it printed (the

@@ -386,6 +386,24 @@ TEST_CASE("MGLAUNCH_PYTHON picks the interpreter and --python overrides it") {
   CHECK_THAT(good.out, Catch::Contains("[rank0]:python ok 0 ['x']"));
 }
 
+TEST_CASE("a Python worker whose python3 (first on PATH) lacks torch: the root cause names that interpreter and one "
+          "that has torch (#38)") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  const std::string dir = make_temp_dir();
+  // A python3 without site-packages (-S), as a virtual environment without torch would be.
+  std::ofstream(dir + "/python3") << "#!/bin/sh\nexec /usr/bin/python3 -I -S \"$@\"\n";
+  std::filesystem::permissions(dir + "/python3", std::filesystem::perms::owner_all);
+  std::ofstream(dir + "/train.py") << "import torch\n";
+  auto r = run({kMglaunch, "--standalone", "--nproc_per_node=1", dir + "/train.py"},
+               {{"PATH", dir + ":/usr/bin:/bin"}, {"MGLAUNCH_PYTHON", kUnset}});
+  INFO(r.err);
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("ModuleNotFoundError: No module named 'torch'"));
+  CHECK_THAT(r.err, Catch::Contains("message    : the worker ran under " + dir + "/python3 (python3 from PATH), which "
+                                    "has no module 'torch'; /usr/bin/python3 has 'torch'") &&
+                        Catch::Contains("--python /usr/bin/python3"));
+}
+
 TEST_CASE("cpu-bind cores pins each worker to its own CPUs and says so, and too many workers is exit 2") {
   cpu_set_t mine;
   REQUIRE(::sched_getaffinity(0, sizeof mine, &mine) == 0);

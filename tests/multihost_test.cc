@@ -69,8 +69,10 @@ struct Captured {
 // Runs the fan-out in this process with the local runner; output goes to temp files.
 Captured run_local(const std::string& dir, const std::string& hostfile, std::vector<std::string> worker,
                    std::vector<std::string> unreachable = {}, std::vector<std::string> forwarded = {},
-                   std::string workdir = "", std::string remote_mglaunch = kMglaunch) {
+                   std::string workdir = "", std::string remote_mglaunch = kMglaunch,
+                   std::vector<std::string> exports = {}) {
   mg::MultiHostOptions o;
+  o.exports = std::move(exports);
   o.workdir = std::move(workdir);
   o.hostfile = hostfile;
   o.rdzv_host = "127.0.0.1";
@@ -197,6 +199,21 @@ TEST_CASE("an unreachable host's ssh error is one clean line: no literal \\r fro
   CHECK(r.err.find('\r') == std::string::npos);
   for (const auto& l : split_lines(r.err)) CHECK_THAT(l, !Catch::Contains("Terminated"));
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("over --hostfile a Python worker whose python3 lacks torch gets the root cause naming both interpreters (#38)") {
+  require_installed(python_has_torch(), "torch for /usr/bin/python3", "python3-torch");
+  const std::string dir = make_temp_dir();
+  std::ofstream(dir + "/python3") << "#!/bin/sh\nexec /usr/bin/python3 -I -S \"$@\"\n";
+  fs::permissions(dir + "/python3", fs::perms::owner_all);
+  std::ofstream(dir + "/train.py") << "import torch\n";
+  // The host's agent finds that python3 first on its PATH (exported as a host's own would be).
+  auto r = run_local(dir, write_hostfile(dir, "127.0.0.2 slots=1\n"), {dir + "/train.py"}, {}, {}, "", kMglaunch,
+                     {"PATH=" + dir + ":/usr/bin:/bin"});
+  INFO(r.err);
+  CHECK(r.code == 1);
+  CHECK_THAT(r.err, Catch::Contains("the worker ran under " + dir + "/python3 (python3 from PATH), which has no module "
+                                    "'torch'; /usr/bin/python3 has 'torch'"));
 }
 
 TEST_CASE("a dry run prints the nodes and the exact ssh command per host and starts nothing") {

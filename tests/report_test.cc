@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "launcher/report.h"
@@ -160,4 +161,57 @@ TEST_CASE("the run summary sorts each attempt's workers by rank and names signal
   CHECK(j["root_cause"]["rank"] == 1);
   CHECK(j["root_cause"]["exit_code"] == 5);
   CHECK(j["root_cause"]["stderr_tail"] == nlohmann::json::array({"tail"}));
+}
+
+TEST_CASE("a worker that cannot import a module: the module is read from its last stderr lines, Python 3's and 2's") {
+  const std::vector<std::string> tail = {"Traceback (most recent call last):", "  File \"train.py\", line 1",
+                                         "ModuleNotFoundError: No module named 'torch'"};
+  CHECK(missing_module(tail) == "torch");
+  CHECK(missing_module({"ModuleNotFoundError: No module named 'torch.distributed'"}) == "torch.distributed");
+  CHECK(missing_module({"ImportError: No module named numpy"}) == "numpy");
+  CHECK(missing_module({"print('No module named x')"}).empty());  // not an import error's line
+  CHECK(missing_module({"ModuleNotFoundError: No module named '$(rm -rf)'"}).empty());
+  CHECK(missing_module({}).empty());
+}
+
+TEST_CASE("the missing-module hint names the Python that ran, one that has the module, and how to choose it (#38)") {
+  const auto with = missing_module_hint("torch", "/opt/venv/bin/python3", "python3 from PATH", "/usr/bin/python3");
+  CHECK_THAT(with, Catch::Contains("ran under /opt/venv/bin/python3 (python3 from PATH), which has no module 'torch'") &&
+                       Catch::Contains("/usr/bin/python3 has 'torch'") && Catch::Contains("--python /usr/bin/python3") &&
+                       Catch::Contains("MGLAUNCH_PYTHON=/usr/bin/python3") && Catch::Contains("mglaunch doctor"));
+  const auto without = missing_module_hint("torch.distributed", "/x/python3", "--python", "");
+  CHECK_THAT(without, Catch::Contains("no module 'torch.distributed'") && Catch::Contains("nor has any other Python") &&
+                          Catch::Contains("install 'torch' for /x/python3") && Catch::Contains("--python PATH"));
+  CHECK(with.find('\n') == std::string::npos);
+}
+
+TEST_CASE("python_with_module finds, as doctor does, another Python whose search path has the module, never the one that ran") {
+  namespace fs = std::filesystem;
+  char tmpl[] = "/tmp/mgpymod_XXXXXX";
+  REQUIRE(::mkdtemp(tmpl));
+  const fs::path root(tmpl);
+  // Two installations laid out as Debian's: PREFIX/bin/python3.11, PREFIX/lib/python3/dist-packages.
+  auto install = [&](const std::string& name, bool with_torch) {
+    fs::create_directories(root / name / "bin");
+    fs::create_directories(root / name / "lib" / "python3" / "dist-packages");
+    std::ofstream(root / name / "bin" / "python3.11") << "#!/bin/sh\n";
+    if (with_torch) fs::create_directories(root / name / "lib" / "python3" / "dist-packages" / "torch");
+    return (root / name / "bin" / "python3.11").string();
+  };
+  const std::string bare = install("bare", false), full = install("full", true);
+  const std::map<std::string, std::string> env;
+  CHECK(python_with_module("torch", bare, {bare, full}, env) == full);
+  CHECK(python_with_module("torch.distributed", bare, {bare, full}, env) == full);
+  CHECK(python_with_module("torch", full, {full}, env).empty());  // only the one that ran
+  CHECK(python_with_module("numpy", bare, {bare, full}, env).empty());
+  // A virtual environment without torch whose python3 links to the interpreter that has it:
+  // another Python all the same (its own site-packages).
+  fs::create_directories(root / "venv" / "bin");
+  fs::create_directories(root / "venv" / "lib" / "python3.11" / "site-packages");
+  std::ofstream(root / "venv" / "pyvenv.cfg") << "home = " << (root / "full" / "bin").string()
+                                               << "\ninclude-system-site-packages = false\nversion = 3.11.2\n";
+  fs::create_symlink(full, root / "venv" / "bin" / "python3");
+  const std::string venv = (root / "venv" / "bin" / "python3").string();
+  CHECK(python_with_module("torch", venv, {venv, full}, env) == full);
+  fs::remove_all(root);
 }

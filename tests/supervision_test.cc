@@ -94,17 +94,6 @@ TEST_CASE("a signal to the agent: USR1/USR2 forwarded, a second Ctrl-C kills, wa
   CHECK(with(SIGTERM, 5, false, false) == OnSignal::kStop);  // only SIGINTs count as interrupts
 }
 
-TEST_CASE("a worker that cannot import torch gets a root cause naming its interpreter and the way to choose another") {
-  const std::vector<std::string> tail = {"Traceback (most recent call last):", "  File \"train.py\", line 1",
-                                         "ModuleNotFoundError: No module named 'torch'"};
-  const auto hint = mg::missing_torch_hint(tail, "/usr/bin/python3", "python3 from PATH");
-  CHECK(hint.find("/usr/bin/python3 (python3 from PATH)") != std::string::npos);
-  CHECK(hint.find("--python PATH") != std::string::npos);
-  CHECK(hint.find("MGLAUNCH_PYTHON=PATH") != std::string::npos);
-  CHECK(mg::missing_torch_hint({"ModuleNotFoundError: No module named 'numpy'"}, "/x", "--python").empty());
-  CHECK(mg::missing_torch_hint({}, "/x", "--python").empty());
-}
-
 TEST_CASE("a worker whose torch has no libuv gets a root cause saying to set USE_LIBUV=0") {
   const std::vector<std::string> tail = {
       "  File \"/usr/lib/python3/dist-packages/torch/distributed/rendezvous.py\", line 189, in _create_c10d_store",

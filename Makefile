@@ -1,35 +1,51 @@
 # Two commands for a new checkout: `make run` and `make test` (both install what is
 # missing first). Debian 12 packages only; apt-get runs as root or through sudo.
-# DEBS is everything the build and every test use (tests/support/skip.h: a test whose
-# package is missing skips, and fails under CI=true).
+# RUN_DEBS is what `make run` needs: the compiler, the libraries of mglaunch and mgtrain,
+# the Fashion-MNIST data, and python3-torch for the README's example (examples/ddp_train.py).
+# DEBS is everything the build and every test use
+# (tests/support/skip.h: a test whose package is missing skips, and fails under CI=true).
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
-DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev catch2 \
-        libcli11-dev libssl-dev libtorch-dev libgloo-dev python3-torch dataset-fashion-mnist \
+RUN_DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev libcli11-dev libssl-dev \
+            zlib1g-dev libtorch-dev libgloo-dev dataset-fashion-mnist python3-torch
+DEBS := $(RUN_DEBS) catch2 \
         clang libclang-rt-14-dev openssh-server openssh-client slurm-wlm prometheus \
         chromium chromium-driver python3-selenium help2man etcd-server etcd-client lld \
         python3 openssl dpkg-dev systemd iproute2 hyperfine time gnuplot-nox
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MGLAUNCH := $(BUILD_DIR)/bin/mglaunch
 
-.PHONY: all setup build run test soak test-all chaos bench package clean
+.PHONY: all setup setup-run build run test soak test-all chaos bench package clean
 
 all: build
 
-# Installs only the missing packages; does nothing when all are present.
-setup:
-	@missing=$$(for p in $(DEBS) $(EXTRA_DEBS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+# Installs only the missing packages of $(1) (and EXTRA_DEBS); does nothing when all are present.
+define install_missing
+	@missing=$$(for p in $(1) $(EXTRA_DEBS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
-	  echo "make setup: installing" $$missing; \
+	  echo "make: installing" $$missing; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
 	fi
+endef
 
+setup:
+	$(call install_missing,$(DEBS))
+
+setup-run:
+	$(call install_missing,$(RUN_DEBS))
+
+# Everything, tests included (a build directory that `make run` made without tests gets them).
 build: setup
-	@[ -f $(BUILD_DIR)/build.ninja ] || cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	@if [ ! -f $(BUILD_DIR)/build.ninja ]; then cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo; \
+	elif ! grep -qx 'MGLAUNCH_TESTS:BOOL=ON' $(BUILD_DIR)/CMakeCache.txt; then cmake -S . -B $(BUILD_DIR) -DMGLAUNCH_TESTS=ON; fi
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 # The main job: mgtrain, 4 data-parallel workers (gloo on CPU), one Fashion-MNIST epoch.
-run: build
+# Only RUN_DEBS, and only mglaunch and mgtrain are built (a fresh build directory without
+# the tests; `make build` or `make test` adds them later).
+run: setup-run
+	@[ -f $(BUILD_DIR)/build.ninja ] || cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMGLAUNCH_TESTS=OFF
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target mglaunch mgtrain
 	$(MGLAUNCH) --standalone --nproc_per_node=4 $(BUILD_DIR)/bin/mgtrain --dataset fashion-mnist --model cnn --epochs 1
 
 # Every test but the soaks (label soak: long twins of short checks; README "Tests"); then

@@ -4,7 +4,7 @@ every relative link of README.md and docs/*.md names a file that exists, and a h
 there when it has an #anchor (GitHub's slugs); every long flag that a binary's --help
 prints appears in docs/flags.md (mglaunch, its --hostfile and doctor forms, mglaunch-rdzv,
 and mglaunch-sbatch and mgtrain when they are built); every environment variable named
-MGLAUNCH_* in the product's sources appears there too.
+MGLAUNCH_* in the product's sources appears there too; `make run` installs no test-only package.
 
 Usage: docs_test.py SOURCE_DIR BIN_DIR. Exit 0 when all hold, 1 with one line per problem.
 """
@@ -113,6 +113,23 @@ design = read(os.path.join(SRC, "docs", "design.md"))
 for room in ROOMS:
     if f"| `{room}/` |" not in design:
         problems.append(f"docs/design.md has no row for the room {room}/")
+
+# 6. The front door's `make run` installs only what building and running the main job needs
+# (RUN_DEBS), not every test's package (#38): what `make -n run` would install.
+try:
+    dry = subprocess.run(["make", "-n", "-C", SRC, "run", "BUILD_DIR=/nonexistent-mglaunch-build"],
+                         capture_output=True, text=True, timeout=60)
+    listed = re.search(r"for p in ([^;]*);", dry.stdout)
+    if not listed:
+        problems.append("`make -n run` shows no package list it installs from")
+    else:
+        test_only = {"chromium", "chromium-driver", "python3-selenium", "slurm-wlm", "prometheus", "etcd-server",
+                     "etcd-client", "clang", "catch2", "openssh-server", "hyperfine", "gnuplot-nox"}
+        extra = sorted(test_only & set(listed.group(1).split()))
+        if extra:
+            problems.append(f"`make run` installs test-only packages: {', '.join(extra)} (give it a list of its own)")
+except (OSError, subprocess.TimeoutExpired) as e:
+    problems.append(f"cannot run `make -n run`: {e}")
 
 for p in problems:
     print(p)

@@ -205,7 +205,10 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       } else if (used < data.size()) {
         c.pending.assign(data.substr(used));
       }
+      // Served queries leave their room: the rest (the start of the next query) is kept in
+      // a buffer its size, not in the one a large query grew.
       if (c.pending.empty() && c.pending.capacity() > 4096) std::string().swap(c.pending);
+      if (c.pending.capacity() > 4096 && c.pending.capacity() > 2 * c.pending.size()) std::string(c.pending).swap(c.pending);
       recount(c);
       if (!within_budget(id)) return;
       if (n < scratch.size()) break;

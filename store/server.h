@@ -28,7 +28,9 @@ struct ServerOptions {
   // limit a newcomer displaces the oldest client that has sent nothing yet, or is refused.
   std::size_t max_clients = 100000;
   std::size_t max_bytes = std::size_t{1} << 30;  // keys and values stored
-  std::size_t max_unread = std::size_t{64} << 20;  // replies queued for a client that does not read them
+  // Replies queued for a client that does not read them: one GET of the largest value
+  // (limits.max_value and its 8-byte length) fits.
+  std::size_t max_unread = (std::size_t{64} << 20) + 8;
   // Unfinished queries and unwritten replies of all clients together: one largest query
   // (limits.max_query, lowered to this when larger) and some room for the others.
   std::size_t max_buffered = std::size_t{160} << 20;

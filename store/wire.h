@@ -40,9 +40,10 @@ struct Limits {
   std::size_t max_key = 64 * 1024;
   std::size_t max_value = std::size_t{64} << 20;
   std::size_t max_keys = 65536;  // per CHECK/WAIT/MULTI_* query
-  // One whole query, bytes: two values of the largest size (a MULTI_SET, a COMPARE_SET);
-  // the store server holds at most its max_buffered for all clients' queries.
-  std::size_t max_query = std::size_t{128} << 20;
+  // One whole query, bytes: two of the largest keys and values with their headers (a
+  // MULTI_SET, a COMPARE_SET: the type, a count, a length before each string); the store
+  // server holds at most its max_buffered for all clients' queries.
+  std::size_t max_query = 1 + 8 + 2 * (8 + max_key + 8 + max_value);
 };
 
 struct Parsed {

@@ -698,3 +698,34 @@ TEST_CASE("headers claiming large values reserve no memory ahead of the bytes re
   CHECK(on_io(s, [&] { return s.server->buffered(); }) < kClients * 4096);
   CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
 }
+
+TEST_CASE("the largest value fits the bounds with its headers: its GET's reply is not over max_unread, a "
+          "COMPARE_SET of two of them is not over max_query (#35)") {
+  const Limits l;
+  {  // 2.x COMPARE_SET of the largest key and two largest values: all bytes but the last value's
+    std::string q = byte(2) + str(std::string(l.max_key, 'k')) + str(std::string(l.max_value, 'e')) + u64(l.max_value);
+    Dialect d = Dialect::kV2;
+    const auto p = parse_query(q, d, l);
+    CHECK(p.error == "");
+    CHECK(p.status == Parsed::kNeedMore);
+    CHECK(p.need == q.size() + l.max_value);
+  }
+  using tcp = boost::asio::ip::tcp;
+  ServerThread s;  // the default bounds
+  boost::asio::io_context io;
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  boost::asio::write(c, boost::asio::buffer(validate() + byte(1) + str("big") + str(std::string(l.max_value, 'x'))));
+  boost::asio::write(c, boost::asio::buffer(byte(4) + str("n") + u64(1)));  // ADD: the SET was served
+  std::int64_t v = 0;
+  boost::asio::read(c, boost::asio::buffer(&v, 8));
+  REQUIRE(v == 1);
+  boost::asio::write(c, boost::asio::buffer(byte(3) + str("big")));  // GET
+  std::string reply(8 + l.max_value, '\0');
+  boost::system::error_code ec;
+  boost::asio::read(c, boost::asio::buffer(reply), ec);
+  INFO(on_io(s, [&] { return s.log.empty() ? std::string() : s.log.front(); }));
+  CHECK(!ec);
+  CHECK(reply.substr(0, 8) == u64(l.max_value));
+  CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
+}

@@ -143,6 +143,12 @@ TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun ends bit-id
   REQUIRE(p.wait(60s));
   CHECK(p.exit_code() == 75);
   CHECK(std::filesystem::exists(dir + "/checkpoint.pt"));
+  // Its last line says what was saved and where, and gives no accuracy it did not measure
+  // (it said "done: N steps ... test accuracy 0.0000" without a word of the checkpoint: #38).
+  CHECK_THAT(p.out(), Catch::Contains("stopped by SIGTERM at step ") &&
+                          Catch::Contains("checkpoint written to " + dir + "/checkpoint.pt") &&
+                          Catch::Contains("test accuracy not measured"));
+  CHECK_THAT(p.out(), !Catch::Contains("done:") && !Catch::Contains("test accuracy 0.0000"));
   // The last step it logged; the checkpoint is at most one stop-agreement interval later.
   long last = 0;
   for (const auto& line : split_lines(p.out()))

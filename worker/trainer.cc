@@ -2,6 +2,7 @@
 // broadcasts, checkpoints, stop agreement, evaluation and the summary.
 #include "worker/trainer.h"
 
+#include <string.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -357,6 +358,8 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   const double cpu_start = cpu_seconds();
   std::int64_t samples_done = 0, steps_this_run = 0;
   double last_loss = 0, test_acc = 0;
+  std::int64_t measured_epoch = 0;  // the epoch test_acc was measured after; 0: none finished
+  std::string stop_checkpoint;      // rank 0: the checkpoint written when a signal stopped it
   // Losses stay on the device until a line or the summary needs them: no per-step sync.
   torch::Tensor last_loss_t, loss_sum_t = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(comm.device));
   auto stop_flag = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(comm.device));
@@ -446,7 +449,10 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
           c.epoch_offset = 0;
           ++c.epoch;
         }
-        if (lead) save_checkpoint(with_rank(o.checkpoint_dir, comm.rank), *model.module, opt, c);
+        if (lead) {
+          save_checkpoint(with_rank(o.checkpoint_dir, comm.rank), *model.module, opt, c);
+          if (stop_now) stop_checkpoint = checkpoint_file(with_rank(o.checkpoint_dir, comm.rank));
+        }
       }
       if (stop_now) {
         stopped = true;
@@ -482,6 +488,7 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
     comm.allreduce_sum(acc);
     acc = acc.to(torch::kCPU);
     test_acc = acc[0].item<double>() / std::max(1.0, acc[1].item<double>());
+    measured_epoch = epoch + 1;
     if (lead) {
       std::printf("epoch %lld/%d train loss %.4f test accuracy %.4f\n", static_cast<long long>(epoch + 1), o.epochs,
                   acc[2].item<double>() / std::max(1.0, acc[3].item<double>()), test_acc);
@@ -594,9 +601,26 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
   const double sp_cpu = static_cast<double>(samples_done) / std::max((cpu_seconds() - cpu_start) * comm.world, 1e-9);
   const auto tensors = state_tensors(*model.module);
   const std::string digest = sha256_of(tensors);
-  if (lead) {
+  if (lead && !stopped) {
     std::printf("done: %lld steps, %.0f samples/s, %.0f per cpu-s, test accuracy %.4f, weights sha256 %s\n",
                 static_cast<long long>(state.step), sps, sp_cpu, test_acc, digest.c_str());
+    std::fflush(stdout);
+  } else if (lead) {
+    // Stopped by a signal: what was saved and where, and only an accuracy that was measured.
+    const int sig = g_stop_signal.load();
+    const char* abbrev = sig > 0 ? ::sigabbrev_np(sig) : nullptr;
+    const std::string saved =
+        !stop_checkpoint.empty()
+            ? fmt::format("checkpoint written to {} (a rerun with --checkpoint-dir {} resumes from it)", stop_checkpoint,
+                          o.checkpoint_dir)
+            : o.checkpoint_dir.empty() ? std::string("no checkpoint written (no --checkpoint-dir)")
+                                       : std::string("no checkpoint written (stopped while waiting for the agent)");
+    const std::string accuracy =
+        measured_epoch > 0 ? fmt::format("test accuracy {:.4f} after epoch {}", test_acc, measured_epoch)
+                           : std::string("test accuracy not measured (no epoch finished)");
+    std::printf("stopped by %s at step %lld: %s; %.0f samples/s, %s, weights sha256 %s\n",
+                abbrev ? fmt::format("SIG{}", abbrev).c_str() : "a signal", static_cast<long long>(state.step),
+                saved.c_str(), sps, accuracy.c_str(), digest.c_str());
     std::fflush(stdout);
   }
   if (!o.summary_json.empty()) {
@@ -607,7 +631,8 @@ int train(const Options& o, Comm& comm, ControlChannel* control, const Interrupt
                         {"steps", state.step},
                         {"epochs", o.epochs},
                         {"final_train_loss", last_loss},
-                        {"test_accuracy", test_acc},
+                        {"test_accuracy", measured_epoch > 0 ? nlohmann::json(test_acc) : nlohmann::json()},
+                        {"checkpoint_at_stop", stop_checkpoint.empty() ? nlohmann::json() : nlohmann::json(stop_checkpoint)},
                         {"samples_per_sec", sps},
                         {"samples_per_cpu_sec", sp_cpu},
                         {"restart_count", std::getenv("TORCHELASTIC_RESTART_COUNT") ? std::atoi(std::getenv("TORCHELASTIC_RESTART_COUNT")) : 0},

@@ -139,8 +139,15 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   static void grow(std::string& pending, std::size_t add, std::size_t need) {
     const std::size_t want = pending.size() + add;
     if (want <= pending.capacity()) return;
+    // Past `need` (the query is whole, the rest starts the next one; or `need` was only the
+    // next length field of a multi-key query) it grows by an eighth: still geometric, but a
+    // largest SET followed by a GET does not hold twice the SET beside the GET's reply.
     const std::size_t doubled = 2 * pending.capacity();
-    pending.reserve(std::max(want, need > want ? std::min(need, doubled) : doubled));
+    // (A new string: reserve() on libstdc++'s would double the capacity whatever is asked.)
+    std::string grown;
+    grown.reserve(std::max(want, std::min(doubled, need > want ? need : need + need / 8)));
+    grown.append(pending);
+    pending.swap(grown);
   }
 
   // `c`'s buffers changed: counts them again in `buffered` (pending's capacity, the

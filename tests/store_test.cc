@@ -729,3 +729,21 @@ TEST_CASE("the largest value fits the bounds with its headers: its GET's reply i
   CHECK(reply.substr(0, 8) == u64(l.max_value));
   CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
 }
+
+TEST_CASE("a SET of the largest value and a GET of it sent at once are both served: the SET's buffer does not "
+          "outgrow its query (#35)") {
+  const Limits l;
+  using tcp = boost::asio::ip::tcp;
+  ServerThread s;  // the default bounds
+  boost::asio::io_context io;
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  boost::asio::write(c, boost::asio::buffer(validate() + byte(1) + str("big") + str(std::string(l.max_value, 'x')) +
+                                            byte(3) + str("big")));  // SET, GET
+  std::string reply(8 + l.max_value, '\0');
+  boost::system::error_code ec;
+  boost::asio::read(c, boost::asio::buffer(reply), ec);
+  INFO(on_io(s, [&] { return s.log.empty() ? std::string() : s.log.front(); }));
+  CHECK(!ec);
+  CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
+}

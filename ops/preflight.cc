@@ -172,8 +172,12 @@ Fd listen_on(const std::string& host, int want_port, bool reuse, int& port, std:
 
 // Connects to host:port by `deadline`; with `retry_refused`, a refusal is tried again
 // (every 20 ms: the listener may not be up yet).
+// With `source`, the connection comes from that address of this host when it binds (so
+// the far end can tell a node's connection by its address), else from any.
 Fd connect_to(const std::string& host, int port, TimePoint deadline, bool retry_refused, int cancel_fd,
-              std::string& error) {
+              std::string& error, const std::string& source = {}) {
+  std::string ignored;
+  const std::vector<Addr> sources = source.empty() ? std::vector<Addr>{} : resolve(source, 0, ignored);
   for (;;) {
     std::vector<Addr> addrs = resolve(host, port, error);
     if (addrs.empty()) return Fd();
@@ -181,6 +185,8 @@ Fd connect_to(const std::string& host, int port, TimePoint deadline, bool retry_
     for (const auto& a : addrs) {
       Fd fd(::socket(a.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (!fd) continue;
+      for (const auto& src : sources)
+        if (src.family == a.family && ::bind(fd.get(), src.sa(), src.len) == 0) break;
       int err = 0;
       if (::connect(fd.get(), a.sa(), a.len) != 0) {
         err = errno;
@@ -323,6 +329,7 @@ std::optional<nlohmann::json> recv_msg(Link& l, TimePoint deadline, int cancel_f
 struct Pending {
   Fd fd;
   TimePoint since;
+  std::string from;  // its source address (text; an IPv4-mapped IPv6 one as IPv4)
   std::size_t need = 4;
   std::string in;
   int stage = 0;  // the admission's own
@@ -351,24 +358,114 @@ std::optional<nlohmann::json> pending_msg(Pending& p, bool& bad) {
   return j;
 }
 
+// An address as text, an IPv4-mapped IPv6 one as its IPv4 ("" when neither family).
+std::string addr_text(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof(buf));
+  } else if (ss.ss_family == AF_INET6) {
+    const auto& a6 = reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr;
+    if (IN6_IS_ADDR_V4MAPPED(&a6)) ::inet_ntop(AF_INET, &a6.s6_addr[12], buf, sizeof(buf));
+    else ::inet_ntop(AF_INET6, &a6, buf, sizeof(buf));
+  }
+  return buf;
+}
+
+// Every address `host` resolves to, as addr_text() writes them.
+std::set<std::string> addresses_of(const std::string& host) {
+  std::string error;
+  std::set<std::string> out;
+  for (const auto& a : resolve(host, 0, error)) out.insert(addr_text(a.ss));
+  return out;
+}
+
+// What admit() turned away to keep its table: connections closed unadmitted for want of
+// room, and from where (the first few addresses).
+struct Flood {
+  std::size_t turned_away = 0;
+  std::set<std::string> from;
+  void add(const std::string& a) {
+    ++turned_away;
+    if (from.size() < 8) from.insert(a);
+  }
+  std::string text() const {
+    std::string list;
+    for (const auto& a : from) list += (list.empty() ? "" : ", ") + a;
+    return fmt::format("{} connection{} from {} turned away for want of room", turned_away, turned_away == 1 ? "" : "s",
+                       list);
+  }
+};
+
+// Feeds what a pending connection has sent to `step`, one read after another until it
+// would block or `step` decides: kMore (waits for more), kDrop or kAdmitted.
+Step feed(Pending& p, const std::function<Step(Pending&)>& step) {
+  for (int reads = 0; reads < 8; ++reads) {
+    char buf[kMaxHello];
+    const ssize_t got = ::recv(p.fd.get(), buf, std::min(sizeof(buf), p.need - p.in.size()), 0);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Step::kMore;
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return Step::kDrop;
+    p.in.append(buf, static_cast<std::size_t>(got));
+    Step st = Step::kDrop;
+    try {
+      st = step(p);
+    } catch (const nlohmann::json::exception&) {  // a field of the wrong type
+      st = Step::kDrop;
+    }
+    if (st != Step::kMore) return st;
+  }
+  return Step::kMore;
+}
+
 // Accepts connections on `listener` and hands each one's bytes to `step` as they come, none
 // waiting for another, until `complete()` or `until`. A connection that is not admitted
 // within kPatience, or sends more than its first messages may be, or that `step` refuses,
-// is closed; at most kMaxPending wait at once (the oldest silent one makes room, else the
-// oldest). So strangers that
-// never say a valid hello cost the check neither its time nor a node's place. `step` moves
-// the descriptor of a connection it admits. 1: complete, 0: `until` passed, -1: cancelled.
+// is closed. What a connection sent before it was accepted is read at once, so a node's
+// hello is never taken for silence. Room: at most kMaxPending wait at once, at most
+// kPerAddress from one address (a newer one pushes out that address's oldest); when the
+// table is full a connection from a node's own address (`of_node`) pushes out one from
+// elsewhere, and one from elsewhere only a connection silent for kSilent; else it is
+// closed (counted in `flood`). So strangers that never say a valid hello cost the check
+// neither its time nor a node's place; a node turned away connects again. `step` moves the
+// descriptor of a connection it admits. 1: complete, 0: `until` passed, -1: cancelled.
+constexpr std::size_t kPerAddress = 4;
+constexpr milliseconds kSilent{100};
+constexpr milliseconds kAcceptPause{100};  // after EMFILE and the like (proto/accept_backoff.h's pause)
 int admit(int listener, std::size_t first_need, TimePoint until, int cancel_fd,
-          const std::function<Step(Pending&)>& step, const std::function<bool()>& complete) {
+          const std::function<Step(Pending&)>& step, const std::function<bool()>& complete,
+          const std::function<bool(const std::string&)>& of_node, Flood& flood) {
   ::fcntl(listener, F_SETFL, ::fcntl(listener, F_GETFL) | O_NONBLOCK);
   std::deque<Pending> pending;  // oldest first
   std::vector<pollfd> fds;
+  TimePoint accepts_paused_until{};
+  // Makes room for a new connection from `from`: false when it must go instead.
+  auto make_room = [&](const std::string& from, TimePoint now) {
+    auto oldest = [&](auto pred) { return std::find_if(pending.begin(), pending.end(), pred); };
+    auto it = pending.end();
+    if (std::count_if(pending.begin(), pending.end(), [&](const Pending& x) { return x.from == from; }) >=
+        static_cast<long>(kPerAddress))
+      it = oldest([&](const Pending& x) { return x.from == from; });
+    else if (pending.size() < kMaxPending)
+      return true;
+    else if (of_node(from))
+      it = oldest([&](const Pending& x) { return !of_node(x.from); });
+    if (it == pending.end())
+      it = oldest([&](const Pending& x) {
+        return x.in.empty() && x.stage == 0 && now - x.since >= kSilent && (!of_node(x.from) || of_node(from));
+      });
+    if (it == pending.end()) return false;
+    flood.add(it->from);
+    pending.erase(it);
+    return true;
+  };
   while (!complete()) {
     const TimePoint now = Clock::now();
     if (now >= until) return 0;
     std::erase_if(pending, [&](const Pending& p) { return now - p.since >= kPatience; });
     TimePoint wake = until;
-    fds.assign(1, {listener, POLLIN, 0});
+    const bool accepting = now >= accepts_paused_until;
+    fds.assign(1, {accepting ? listener : -1, POLLIN, 0});
+    if (!accepting) wake = std::min(wake, accepts_paused_until);
     for (const auto& p : pending) {
       wake = std::min(wake, p.since + kPatience);
       fds.push_back({p.fd.get(), POLLIN, 0});
@@ -381,38 +478,35 @@ int admit(int listener, std::size_t first_need, TimePoint until, int cancel_fd,
     std::vector<std::size_t> done;
     for (std::size_t i = 0; i < pending.size(); ++i) {
       if (!fds[i + 1].revents) continue;
-      Pending& p = pending[i];
-      char buf[kMaxHello];
-      const ssize_t got = ::recv(p.fd.get(), buf, std::min(sizeof(buf), p.need - p.in.size()), 0);
-      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
-      Step st = Step::kDrop;
-      if (got > 0) {
-        p.in.append(buf, static_cast<std::size_t>(got));
-        try {
-          st = step(p);
-        } catch (const nlohmann::json::exception&) {  // a field of the wrong type
-          st = Step::kDrop;
-        }
-      }
-      if (st != Step::kMore) done.push_back(i);
+      if (feed(pending[i], step) != Step::kMore) done.push_back(i);
       if (complete()) break;
     }
     for (auto it = done.rbegin(); it != done.rend(); ++it) pending.erase(pending.begin() + static_cast<long>(*it));
     if (fds[0].revents && !complete())
       for (int k = 0; k < 64; ++k) {  // what waits in the backlog, a bounded batch per wake-up
-        Fd c(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-        if (!c) break;
-        set_nonblocking(c.get());
-        if (pending.size() >= kMaxPending) {
-          // Room: the oldest that has sent nothing yet goes first, so silent connections
-          // never push out a node whose hello is under way; else the oldest.
-          auto silent = std::find_if(pending.begin(), pending.end(), [](const Pending& x) { return x.in.empty() && x.stage == 0; });
-          pending.erase(silent != pending.end() ? silent : pending.begin());
+        sockaddr_storage ss{};
+        socklen_t len = sizeof(ss);
+        Fd c(::accept4(listener, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (!c) {
+          // Out of descriptors or memory: the connection stays in the backlog and the
+          // listener readable; serve the others and try again later instead of spinning.
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+            accepts_paused_until = Clock::now() + kAcceptPause;
+          break;
         }
+        set_nonblocking(c.get());
         Pending p;
         p.fd = std::move(c);
         p.since = Clock::now();
+        p.from = addr_text(ss);
         p.need = first_need;
+        const Step st = feed(p, step);
+        if (st == Step::kAdmitted && complete()) break;
+        if (st != Step::kMore) continue;
+        if (!make_room(p.from, p.since)) {
+          flood.add(p.from);
+          continue;
+        }
         pending.push_back(std::move(p));
       }
   }
@@ -840,8 +934,9 @@ class Node {
         if (m->value("t", "") != "hello" || m->value("job", "") != o_.job) return Step::kDrop;  // not one of ours
         p.rank = m->value("rank", -1);
         p.port = m->value("port", 0);
-        if (p.rank <= 0 || p.rank >= n_ || ctl_[static_cast<std::size_t>(p.rank)]) return Step::kDrop;
-        if (key_.empty()) return take_node(p, {}, missing);
+        if (p.rank <= 0 || p.rank >= n_) return Step::kDrop;
+        if (key_.empty()) return claim(p, missing);
+        if (ctl_[static_cast<std::size_t>(p.rank)]) return Step::kDrop;
         // The rendezvous' handshake (rendezvous/auth.h) under the check's key: our proof
         // over both nonces, then theirs.
         p.client_nonce = m->value("nonce", "");
@@ -861,7 +956,9 @@ class Node {
         return Step::kDrop;  // a wrong key: not this job's node, whatever rank it claimed
       return take_node(p, auth::session_key(key_, p.client_nonce, p.server_nonce), missing);
     };
-    if (admit(coord_fd_, 4, deadline_, o_.cancel_fd, step, [&] { return missing == 0; }) < 0) return cancelled();
+    Flood flood;
+    if (admit(coord_fd_, 4, deadline_, o_.cancel_fd, step, [&] { return missing == 0; }, of_node(), flood) < 0)
+      return cancelled();
     coord_listener_.reset();  // MASTER_PORT is the workers' again (the agent's hold stays)
     if (missing > 0) {
       std::vector<NodeReport> reports;
@@ -871,7 +968,19 @@ class Node {
         x.reached = r == 0 || ctl_[static_cast<std::size_t>(r)];
         reports.push_back(x);
       }
-      broadcast_verdict(judge(reports, o_.nodes, o_.slow_fraction, elapsed()), reports);
+      Verdict v = judge(reports, o_.nodes, o_.slow_fraction, elapsed());
+      if (flood.turned_away > 0) {
+        // The missing node may be one of those turned away: whose fault it is, nobody knows.
+        std::vector<int> absent;
+        for (const auto& x : reports)
+          if (!x.reached) absent.push_back(x.rank);
+        v.named.clear();
+        v.line = fmt::format("preflight failed after {:.2f} s: MASTER_PORT {} was flooded ({}) while {} had not come; "
+                             "nobody is named (find what connects to that port; a token, --token-file, lets nodes "
+                             "prove they belong)",
+                             elapsed(), o_.coordinator_port, flood.text(), names(absent, o_.nodes));
+      }
+      broadcast_verdict(v, reports);
       return false;
     }
     std::string err;
@@ -879,6 +988,30 @@ class Node {
       send_msg(ctl_[static_cast<std::size_t>(r)], {{"t", "peers"}, {"ports", ports_}, {"secret", secret_}}, deadline_,
                o_.cancel_fd, err);
     return true;
+  }
+
+  // Whether an address is one of the nodes' (resolved once).
+  std::function<bool(const std::string&)> of_node() {
+    if (node_addrs_.empty())
+      for (const auto& h : o_.nodes) node_addrs_.push_back(addresses_of(h));
+    return [this](const std::string& a) {
+      return std::any_of(node_addrs_.begin(), node_addrs_.end(), [&](const auto& s) { return s.count(a) > 0; });
+    };
+  }
+
+  // Without a key, a hello is all a node shows, and where it comes from: a claim for rank r
+  // is taken only from one of node r's addresses (nodes connect from their own; any claim
+  // when they cannot be resolved). Others are refused, and the rank marked contested
+  // (contested_): a verdict that would name it names nobody, since the node's own hello
+  // may be the one refused.
+  Step claim(Pending& p, int& missing) {
+    of_node();
+    const auto r = static_cast<std::size_t>(p.rank);
+    if (ctl_[r] || (!node_addrs_[r].empty() && !node_addrs_[r].count(p.from))) {
+      contested_[p.rank].insert(p.from);
+      return Step::kDrop;
+    }
+    return take_node(p, {}, missing);
   }
 
   // A node's control connection, admitted: its place, its data port, its MACs (with a key).
@@ -895,10 +1028,26 @@ class Node {
   }
 
   // Others: reach the coordinator (it may not listen yet), say hello (with a key, prove it
-  // and check the coordinator's proof), get the port table.
+  // and check the coordinator's proof), get the port table. A connection closed before the
+  // table came (the coordinator turned it away to keep room in a flood) is made again,
+  // until the deadline.
   bool hello() {
+    for (;;) {
+      bool again = false;
+      const bool ok = hello_once(again);
+      if (!again) return ok;
+      if (Clock::now() + milliseconds(50) >= deadline_) return lost_coordinator();
+      if (o_.cancel_fd >= 0 ? wait_fd(o_.cancel_fd, POLLIN, Clock::now() + milliseconds(50), -1) != 0
+                            : (std::this_thread::sleep_for(milliseconds(50)), false))
+        return cancelled();
+    }
+  }
+
+  // One try of hello(); `again` set when the connection closed before the port table came.
+  bool hello_once(bool& again) {
+    coord_ = Link();
     coord_.fd = connect_to(o_.coordinator_host, o_.coordinator_port, deadline_, /*retry_refused=*/true, o_.cancel_fd,
-                           error_);
+                           error_, o_.nodes[static_cast<std::size_t>(o_.rank)]);
     if (!coord_) {
       if (error_ == "cancelled") return cancelled();
       local_failure(fmt::format("{} cannot reach the coordinator, {}, at {}:{}: {}", node_name(o_.rank, o_.nodes),
@@ -906,13 +1055,17 @@ class Node {
       result_.named = {0};
       return false;
     }
+    auto closed = [&] {
+      again = error_ == "the peer closed the connection" || error_.starts_with("recv: ") || error_.starts_with("send: ");
+      return again ? false : lost_coordinator();
+    };
     nlohmann::json h = {{"t", "hello"}, {"job", o_.job}, {"rank", o_.rank}, {"port", data_port_}};
     const std::string nonce = key_.empty() ? std::string() : auth::random_hex(32);
     if (!key_.empty()) h["nonce"] = nonce;
-    if (!send_msg(coord_, h, deadline_, o_.cancel_fd, error_)) return lost_coordinator();
+    if (!send_msg(coord_, h, deadline_, o_.cancel_fd, error_)) return closed();
     if (!key_.empty()) {
-      auto c = await_coordinator(deadline_ + kGrace);
-      if (!c) return false;
+      auto c = recv_msg(coord_, deadline_ + kGrace, o_.cancel_fd, error_);
+      if (!c) return error_ == "cancelled" ? cancelled() : closed();
       const std::string sn = c->value("nonce", "");
       if (c->value("t", "") != "challenge" || sn.size() != 64 ||
           !auth::equal_ct(c->value("proof", ""), auth::server_proof(key_, nonce, sn))) {
@@ -924,13 +1077,13 @@ class Node {
       }
       if (!send_msg(coord_, {{"t", "proof"}, {"proof", auth::client_proof(key_, nonce, sn)}}, deadline_, o_.cancel_fd,
                     error_))
-        return lost_coordinator();
+        return closed();
       const std::string session = auth::session_key(key_, nonce, sn);
       coord_.out.emplace(session, 'c');
       coord_.in.emplace(session, 's');
     }
-    auto m = await_coordinator(deadline_ + kGrace);
-    if (!m) return false;
+    auto m = recv_msg(coord_, deadline_ + kGrace, o_.cancel_fd, error_);
+    if (!m) return error_ == "cancelled" ? cancelled() : closed();
     if ((*m)["t"] == "verdict") return take_verdict(*m);
     ports_ = m->value("ports", std::vector<int>{});
     secret_ = m->value("secret", "");
@@ -1028,7 +1181,10 @@ class Node {
       --want;
       return Step::kAdmitted;
     };
-    if (data_listener_) admit(data_listener_.get(), kHeaderBytes, data_deadline_, o_.cancel_fd, step, [&] { return want == 0; });
+    Flood flood;
+    if (data_listener_)
+      admit(data_listener_.get(), kHeaderBytes, data_deadline_, o_.cancel_fd, step, [&] { return want == 0; }, of_node(),
+            flood);
     for (int s : shifts(n_))
       if (!in_.count(s)) {
         const int from = ((o_.rank - s) % n_ + n_) % n_;
@@ -1136,8 +1292,21 @@ class Node {
     broadcast_verdict(judge(reports, o_.nodes, o_.slow_fraction, elapsed()), reports);
   }
 
-  void broadcast_verdict(const Verdict& v, const std::vector<NodeReport>& reports) {
+  void broadcast_verdict(Verdict v, const std::vector<NodeReport>& reports) {
     std::string err;
+    if (!v.ok && std::any_of(v.named.begin(), v.named.end(), [&](int r) { return contested_.count(r) > 0; })) {
+      std::string claims;
+      for (const auto& [r, from] : contested_) {
+        std::string list;
+        for (const auto& a : from) list += (list.empty() ? "" : ", ") + a;
+        claims += fmt::format("{}rank {} from {}", claims.empty() ? "" : "; ", r, list);
+      }
+      v.named.clear();
+      v.line += fmt::format("; but nobody is named: without a token anyone who knows the run id can pose as a node, "
+                            "and a hello was refused for {} (a second claim, or not from the node's address; "
+                            "use a token: --token-file)",
+                            claims);
+    }
     const nlohmann::json m = {{"t", "verdict"}, {"ok", v.ok}, {"line", v.line}, {"named", v.named}};
     for (int r = 1; r < static_cast<int>(ctl_.size()); ++r)
       if (ctl_[static_cast<std::size_t>(r)])
@@ -1204,6 +1373,8 @@ class Node {
   int coord_fd_ = -1;
   std::vector<Link> ctl_;       // rank 0: each node's control connection
   std::vector<int> ports_;      // each node's data port
+  std::vector<std::set<std::string>> node_addrs_;  // each node's addresses (of_node())
+  std::map<int, std::set<std::string>> contested_;  // rank 0, no key: ranks claimed twice, by whom
   std::map<int, Fd> out_, in_;  // data connections by shift
 };
 

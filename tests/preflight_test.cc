@@ -11,7 +11,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <deque>
 #include <future>
 #include <map>
 #include <optional>
@@ -566,4 +568,119 @@ TEST_CASE("a standby that takes a lost node's place later skips the check (round
   b.wait(10s);
   CHECK_THAT(s.err(), Catch::Contains("preflight: skipped (this node joins the job at round 2"));
   CHECK(envs(s.out()).size() == 1);
+}
+
+namespace {
+
+// A connection to ip:port from the address `from` (a node's own, or a stranger's).
+Sock connect_from(const std::string& from, const std::string& ip, int port) {
+  Sock s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in me = loopback_addr(from, 0);
+  REQUIRE(::bind(s.fd, reinterpret_cast<sockaddr*>(&me), sizeof me) == 0);
+  sockaddr_in a = loopback_addr(ip, port);
+  REQUIRE(::connect(s.fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  return s;
+}
+
+std::string frame_of(const nlohmann::json& j) {
+  const std::string body = j.dump();
+  const std::uint32_t len = htonl(static_cast<std::uint32_t>(body.size()));
+  return std::string(reinterpret_cast<const char*>(&len), 4) + body;
+}
+
+}  // namespace
+
+TEST_CASE("preflight: a node's hello accepted in one batch with strangers that sent bytes is read, never pushed out") {
+  // 64 strangers that each sent one byte fill the table (none silent); then node 1's valid
+  // hello, with eight bare connections right behind it, all accepted in one batch. Before:
+  // each accept pushed out the connection accepted just before it, hello unread (3 of 10
+  // rounds), and node 0 named node 1.
+  int pushed_out = 0;
+  std::vector<std::string> lines;
+  for (int round = 0; round < 10; ++round) {
+    TwoNodes check;
+    check.base.timeout = 3s;
+    check.start_first();
+    std::vector<Sock> junk;
+    for (int i = 0; i < 64; ++i) {
+      junk.push_back(connect_from("127.0.0." + std::to_string(20 + i), "127.0.0.2", check.port));
+      ::send(junk.back().fd, "\0", 1, MSG_NOSIGNAL);
+    }
+    std::this_thread::sleep_for(200ms);  // all 64 read: none silent, the table full
+    Sock node = connect_from("127.0.0.3", "127.0.0.2", check.port);
+    const std::string hello = frame_of({{"t", "hello"}, {"job", "strangers/1"}, {"rank", 1}, {"port", 1}});
+    ::send(node.fd, hello.data(), hello.size(), MSG_NOSIGNAL);
+    for (int i = 0; i < 8; ++i) junk.push_back(connect_from("127.0.0." + std::to_string(100 + i), "127.0.0.2", check.port));
+    auto m = read_json(node.fd, 10s);
+    if (!m || (*m)["t"] != "peers") ++pushed_out;
+    const auto r0 = check.first.get();
+    lines.push_back(r0.line);
+  }
+  INFO(pushed_out << " of 10 hellos pushed out; node 0's last line: " << lines.back());
+  CHECK(pushed_out == 0);
+}
+
+TEST_CASE("preflight: a flood of connections that each send a byte gets nobody named, and node 1 still comes") {
+  TwoNodes check;
+  check.base.timeout = 10s;
+  std::atomic<bool> stop{false};
+  std::atomic<long> made{0};
+  // Two flooders on 10 addresses each (more than the table holds at 4 an address), each
+  // holding its last 100 connections (bounded in count and time).
+  auto flooder = [&](int id) {
+    std::deque<Sock> held;
+    const auto end = std::chrono::steady_clock::now() + 30s;
+    for (int k = 0; !stop && std::chrono::steady_clock::now() < end; ++k) {
+      Sock s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      sockaddr_in me = loopback_addr("127.0.0." + std::to_string(40 + 10 * id + k % 10), 0);
+      ::bind(s.fd, reinterpret_cast<sockaddr*>(&me), sizeof me);
+      sockaddr_in a = loopback_addr("127.0.0.2", check.port);
+      ::connect(s.fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+      pollfd pf{s.fd, POLLOUT, 0};
+      if (::poll(&pf, 1, 20) > 0 && ::send(s.fd, "\0", 1, MSG_NOSIGNAL) == 1) ++made;
+      held.push_back(std::move(s));
+      if (held.size() > 100) held.pop_front();
+    }
+  };
+  std::vector<std::thread> flood;
+  for (int i = 0; i < 2; ++i) flood.emplace_back(flooder, i);
+  const auto on = std::chrono::steady_clock::now() + 20s;
+  while (made < 200 && std::chrono::steady_clock::now() < on) std::this_thread::sleep_for(10ms);  // the flood is on first
+  check.start_first();
+  check.start_second();
+  const auto r0 = check.first.get(), r1 = check.second.get();
+  stop = true;
+  for (auto& t : flood) t.join();
+  INFO(made.load() << " flood connections\n" << r0.line << "\n" << r1.line);
+  CHECK(r0.named.empty());
+  CHECK(r1.named.empty());
+  CHECK(r0.ok);
+}
+
+TEST_CASE("preflight without a token: a stranger's forged hello for rank 1 takes no node's place and gets nobody named") {
+  // Sent first, from an address that is not node 1's (before: it was node 1, the real one
+  // was refused, and node 0 named node 1).
+  {
+    TwoNodes check;
+    check.base.timeout = 6s;
+    check.start_first();
+    Sock forged = connect_at("127.0.0.2", check.port);  // from 127.0.0.1
+    send_json(forged.fd, {{"t", "hello"}, {"job", "strangers/1"}, {"rank", 1}, {"port", 1}});
+    CHECK(closed_within(forged.fd, 10s));
+    check.second_passes();
+  }
+  // Node 1 never comes; its rank was claimed by a stranger: nobody is named, and the line
+  // says why.
+  {
+    TwoNodes check;
+    check.base.timeout = 2s;
+    check.start_first();
+    Sock forged = connect_at("127.0.0.2", check.port);
+    send_json(forged.fd, {{"t", "hello"}, {"job", "strangers/1"}, {"rank", 1}, {"port", 1}});
+    const auto r0 = check.first.get();
+    INFO(r0.line);
+    CHECK_FALSE(r0.ok);
+    CHECK(r0.named.empty());
+    CHECK_THAT(r0.line, Catch::Contains("nobody is named") && Catch::Contains("rank 1 from 127.0.0.1"));
+  }
 }

@@ -742,6 +742,37 @@ TEST_CASE("the challenge rate of an address: as many wrong proofs checked with 2
   CHECK(small.size() <= 100);
 }
 
+TEST_CASE("the challenge rate counts an IPv6 /64 as one address, and a full table never resets a depleted bucket") {
+  using mg::rdzv::ChallengeRate;
+  using Clock = ChallengeRate::Clock;
+  const Clock::time_point t0{};
+  CHECK(ChallengeRate::bucket_of("10.1.2.3") == "10.1.2.3");
+  CHECK(ChallengeRate::bucket_of("::ffff:10.1.2.3") == "10.1.2.3");
+  CHECK(ChallengeRate::bucket_of("2001:db8:1:2:aaaa:bbbb:cccc:dddd") == "2001:db8:1:2::/64");
+  // An attacker with a /64 gets the tokens of one address, however many of its addresses
+  // it uses (before: 4 each, 2^64 buckets).
+  ChallengeRate rate;
+  int checked = 0;
+  for (int i = 0; i < 1000; ++i)
+    if (rate.take("2001:db8:1:2:0:0:" + std::to_string(i / 1000 + 1) + ":" + std::to_string(i % 1000 + 1), t0)) ++checked;
+  CHECK(checked == 4);
+  CHECK(rate.take("2001:db8:1:3::1", t0));  // the next /64 is another site
+  // IPv4-mapped IPv6 and IPv4 are one address.
+  for (int i = 0; i < 4; ++i) REQUIRE(rate.take("10.0.0.9", t0));
+  CHECK_FALSE(rate.take("::ffff:10.0.0.9", t0));
+  // A table full of depleted buckets: a new address waits (until the first bucket fills)
+  // rather than a depleted one being forgotten and its guesses starting over (before: the
+  // bucket that filled first was dropped, so 3 addresses took turns at 4 guesses each).
+  ChallengeRate small(ChallengeRate::Options{4, 5s, 2});
+  for (const char* a : {"10.0.0.1", "10.0.0.2"})
+    for (int i = 0; i < 4; ++i) REQUIRE(small.take(a, t0));
+  CHECK_FALSE(small.take("10.0.0.3", t0 + 1s));
+  CHECK(small.next("10.0.0.3", t0 + 1s) == t0 + 20s);  // the first bucket is full again at 20 s
+  CHECK_FALSE(small.take("10.0.0.1", t0 + 2s));         // still depleted, not reset
+  CHECK(small.size() == 2);
+  CHECK(small.take("10.0.0.3", t0 + 20s));  // a full bucket made room
+}
+
 TEST_CASE("64 parallel connections from one address get no more wrong proofs checked than its token rate, and the "
           "real job is served") {
   Scene scene({"--handshake-timeout", "120"});  // queued hellos are not closed during the test

@@ -952,7 +952,7 @@ class Node {
                    : Step::kDrop;
       }
       if (m->value("t", "") != "proof" || ctl_[static_cast<std::size_t>(p.rank)] ||
-          !auth::equal_ct(m->value("proof", ""), auth::client_proof(key_, p.client_nonce, p.server_nonce)))
+          !auth::equal_ct(m->value("proof", ""), hello_proof(p.client_nonce, p.server_nonce, p.rank, p.port)))
         return Step::kDrop;  // a wrong key: not this job's node, whatever rank it claimed
       return take_node(p, auth::session_key(key_, p.client_nonce, p.server_nonce), missing);
     };
@@ -1075,8 +1075,8 @@ class Node {
                                   node_name(o_.rank, o_.nodes), o_.coordinator_host, o_.coordinator_port));
         return false;
       }
-      if (!send_msg(coord_, {{"t", "proof"}, {"proof", auth::client_proof(key_, nonce, sn)}}, deadline_, o_.cancel_fd,
-                    error_))
+      if (!send_msg(coord_, {{"t", "proof"}, {"proof", hello_proof(nonce, sn, o_.rank, data_port_)}}, deadline_,
+                    o_.cancel_fd, error_))
         return closed();
       const std::string session = auth::session_key(key_, nonce, sn);
       coord_.out.emplace(session, 'c');
@@ -1091,7 +1091,19 @@ class Node {
       error_ = "a malformed port table";
       return lost_coordinator();
     }
+    if (!key_.empty() && ports_[static_cast<std::size_t>(o_.rank)] != data_port_) {
+      // The table came under the session's MAC, so the coordinator itself said so.
+      local_failure(fmt::format("{}: the coordinator's port table gives it port {}, not its own {}; the check cannot run",
+                                node_name(o_.rank, o_.nodes), ports_[static_cast<std::size_t>(o_.rank)], data_port_));
+      return false;
+    }
     return true;
+  }
+
+  // A node's proof of the key, bound to what its hello said (the job, its rank and data
+  // port) as well as to both nonces: a hello altered on the way fails it.
+  std::string hello_proof(const std::string& cn, const std::string& sn, int rank, int port) const {
+    return auth::client_proof(key_, cn, fmt::format("{}|{}|{}|{}", sn, o_.job, rank, port));
   }
 
   // What a data connection from `from` to `to` shows: the coordinator's secret of this

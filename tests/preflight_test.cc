@@ -684,3 +684,51 @@ TEST_CASE("preflight without a token: a stranger's forged hello for rank 1 takes
     CHECK_THAT(r0.line, Catch::Contains("nobody is named") && Catch::Contains("rank 1 from 127.0.0.1"));
   }
 }
+
+TEST_CASE("preflight with a token: a hello whose port is rewritten on the way fails its proof, and no data goes there") {
+  // An on-path relay in front of the coordinator rewrites node 1's hello to name the
+  // relay's own port as node 1's data port. Before: the proof covered the nonces only, the
+  // coordinator took the altered hello, and node 0 sent its data to the relay's port.
+  TwoNodes check(kJobKey);
+  check.base.timeout = 4s;
+  int relay_port = 0, trap_port = 0;
+  Sock relay = listen_at("127.0.0.2", relay_port);
+  Sock trap = listen_at("127.0.0.3", trap_port);
+  std::atomic<bool> stop{false};
+  std::thread relay_thread([&] {
+    const auto end = std::chrono::steady_clock::now() + 30s;
+    while (!stop && std::chrono::steady_clock::now() < end) {
+      pollfd lp{relay.fd, POLLIN, 0};
+      if (::poll(&lp, 1, 50) <= 0) continue;
+      Sock down(::accept(relay.fd, nullptr, nullptr));
+      if (down.fd < 0) continue;
+      auto hello = read_json(down.fd, 5s);
+      if (!hello) continue;
+      (*hello)["port"] = trap_port;
+      Sock up = connect_at("127.0.0.2", check.port);
+      send_json(up.fd, *hello);
+      // Then both ways, as they come, until one side closes.
+      while (!stop && std::chrono::steady_clock::now() < end) {
+        pollfd p[2] = {{down.fd, POLLIN, 0}, {up.fd, POLLIN, 0}};
+        if (::poll(p, 2, 50) <= 0) continue;
+        char buf[65536];
+        const int from = p[0].revents ? 0 : 1;
+        const ssize_t got = ::recv(p[from].fd, buf, sizeof buf, 0);
+        if (got <= 0) break;
+        ::send(p[1 - from].fd, buf, static_cast<std::size_t>(got), MSG_NOSIGNAL);
+      }
+    }
+  });
+  check.start_first();
+  Options o1 = check.of(1);
+  o1.coordinator_port = relay_port;  // node 1's way to the coordinator goes through the relay
+  auto second = std::async(std::launch::async, [o1] { return run(o1); });
+  const auto r0 = check.first.get(), r1 = second.get();
+  stop = true;
+  relay_thread.join();
+  pollfd tp{trap.fd, POLLIN, 0};
+  const bool data_went_to_trap = ::poll(&tp, 1, 0) > 0;
+  INFO(r0.line << "\n" << r1.line);
+  CHECK_FALSE(data_went_to_trap);
+  CHECK_FALSE(r0.ok);
+}

@@ -121,6 +121,7 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
         if (data_.count(k) || !seen.insert(k).second) continue;
         waiters_[k].push_back(from);
         w.keys.push_back(k);
+        w.bytes += 2 * k.size();
       }
       w.missing = w.keys.size();
       if (w.missing == 0)

@@ -48,6 +48,12 @@ class Engine {
   }
   std::size_t bytes() const { return bytes_; }
   std::size_t waiting_clients() const { return awaited_.size(); }
+  // The bytes `c`'s wait holds (its keys, kept twice: in its wait and as waited-for keys);
+  // 0 when it waits for nothing. The server counts them in its buffer budget.
+  std::size_t wait_bytes(ClientId c) const {
+    auto a = awaited_.find(c);
+    return a == awaited_.end() ? 0 : a->second.bytes;
+  }
 
  private:
   std::string set(const std::string& key, std::string value, std::vector<Reply>& out);
@@ -62,6 +68,7 @@ class Engine {
   struct Wait {
     std::size_t missing = 0;        // keys still to come
     std::vector<std::string> keys;  // the keys it waits for (to forget it in O(its keys))
+    std::size_t bytes = 0;          // 2 x the keys' bytes (wait_bytes)
   };
   std::unordered_map<ClientId, Wait> awaited_;  // client -> its one wait
 };

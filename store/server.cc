@@ -29,7 +29,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     Progress progress;     // how far pending's query has been checked (wire.h)
     std::string out;      // replies not yet handed to a write
     std::string writing;  // the bytes of the one write in flight (empty: none)
-    std::size_t held = 0;  // pending + out + writing, as counted in Impl::buffered
+    std::size_t held = 0;  // pending + out + writing + its wait, as counted in Impl::buffered
     bool spoke = false;    // it has sent something
   };
 
@@ -152,8 +152,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
 
   // `c`'s buffers changed: counts them again in `buffered` (pending's capacity, the
   // memory it holds, not just its bytes).
-  void recount(Client& c) {
-    const std::size_t now = c.pending.capacity() + c.out.size() + c.writing.size();
+  void recount(ClientId id, Client& c) {
+    const std::size_t now = c.pending.capacity() + c.out.size() + c.writing.size() + engine.wait_bytes(id);
     buffered = buffered - c.held + now;
     c.held = now;
   }
@@ -197,7 +197,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       if (!c.pending.empty()) {
         grow(c.pending, data.size(), c.need);
         c.pending.append(data);
-        recount(c);
+        recount(id, c);
         if (!within_budget(id)) return;
         data = c.pending;
         if (c.pending.size() < c.need) {  // the query cannot be whole yet: no parse
@@ -216,7 +216,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       // a buffer its size, not in the one a large query grew.
       if (c.pending.empty() && c.pending.capacity() > 4096) std::string().swap(c.pending);
       if (c.pending.capacity() > 4096 && c.pending.capacity() > 2 * c.pending.size()) std::string(c.pending).swap(c.pending);
-      recount(c);
+      recount(id, c);
       if (!within_budget(id)) return;
       if (n < scratch.size()) break;
     }
@@ -266,7 +266,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       } else {
         c.out += r.bytes;
       }
-      recount(c);
+      recount(r.to, c);
       std::string().swap(r.bytes);
       if (!within_budget(r.to)) continue;
       if (c.writing.empty()) write(r.to);
@@ -286,7 +286,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
                         if (self->stopped || ec == asio::error::operation_aborted) return;
                         if (ec) return self->drop(id, {});
                         std::string().swap(c->writing);
-                        if (self->clients.count(id)) self->recount(*c);
+                        if (self->clients.count(id)) self->recount(id, *c);
                         if (!c->out.empty()) self->write(id);
                       });
   }

@@ -747,3 +747,21 @@ TEST_CASE("a SET of the largest value and a GET of it sent at once are both serv
   CHECK(!ec);
   CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
 }
+
+TEST_CASE("a WAIT's keys are counted in the buffer budget: a client whose wait holds too much is disconnected (#35)") {
+  using tcp = boost::asio::ip::tcp;
+  ServerOptions o;
+  o.max_buffered = 1 << 20;
+  ServerThread s(o);
+  boost::asio::io_context io;
+  tcp::socket c(io);
+  c.connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  // A 2.x WAIT (type 6) for 14 keys of 60,000 bytes: an 840 KB query, held twice by its wait.
+  std::string q = validate() + byte(6) + u64(14);
+  for (int i = 0; i < 14; ++i) q += str(std::string(60000, static_cast<char>('a' + i)));
+  boost::asio::write(c, boost::asio::buffer(q));
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->dropped(); }) == 1; }, 20s));
+  CHECK_THAT(on_io(s, [&] { return s.log.at(0); }), Catch::Contains("over the store's limit of 1048576"));
+  CHECK(on_io(s, [&] { return s.server->buffered(); }) == 0);
+  CHECK(on_io(s, [&] { return s.server->engine().waiting_clients(); }) == 0);
+}

@@ -589,6 +589,15 @@ TEST_CASE("at the client limit a newcomer displaces the oldest client that has s
   CHECK_THAT(on_io(s, [&] { return s.log.at(0); }), Catch::Contains("it had sent nothing"));
 }
 
+namespace {
+Query set_of(std::string key, std::string value) {
+  Query q;
+  q.op = Op::kSet;
+  q.keys = {std::move(key)};
+  q.values = {std::move(value)};
+  return q;
+}
+}  // namespace
 TEST_CASE("a MULTI_GET naming one large key many times is refused before its reply is built: the client is closed "
           "with one log line and the others are served (#35)") {
   using tcp = boost::asio::ip::tcp;
@@ -619,11 +628,7 @@ TEST_CASE("a MULTI_GET naming one large key many times is refused before its rep
   // The engine alone: nothing is built, the query is refused.
   Engine e(1 << 30, 4 << 20);
   std::vector<Reply> out;
-  Query set;
-  set.op = Op::kSet;
-  set.keys = {"k"};
-  set.values = {std::string(1 << 20, 'v')};
-  REQUIRE(e.apply(1, set, out).empty());
+  REQUIRE(e.apply(1, set_of("k", std::string(1 << 20, 'v')), out).empty());
   Query get;
   get.op = Op::kMultiGet;
   get.keys.assign(200, "k");
@@ -634,11 +639,7 @@ TEST_CASE("a MULTI_GET naming one large key many times is refused before its rep
 TEST_CASE("APPEND grows the stored value in place, not copying it at every call, and keeps the byte budget (#35)") {
   Engine e(4 << 20);
   std::vector<Reply> out;
-  Query set;
-  set.op = Op::kSet;
-  set.keys = {"k"};
-  set.values = {std::string(1 << 20, 'v')};
-  REQUIRE(e.apply(1, set, out).empty());
+  REQUIRE(e.apply(1, set_of("k", std::string(1 << 20, 'v')), out).empty());
   Query app;
   app.op = Op::kAppend;
   app.keys = {"k"};

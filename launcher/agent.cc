@@ -280,14 +280,54 @@ void Agent::bind_takeover_socket() {
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (const int rc = ::getaddrinfo(plan_.master_addr.c_str(), nullptr, &hints, &found); rc != 0) {
+  auto ipv4_of = [&](const std::string& host, std::vector<in_addr_t>& out) {
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
+    if (rc != 0) return rc;
+    for (const addrinfo* ai = found; ai; ai = ai->ai_next)
+      out.push_back(reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr);
+    ::freeaddrinfo(found);
+    return 0;
+  };
+  auto in_loopback_net = [](in_addr_t a) { return (ntohl(a) >> 24) == 127; };
+  // A job whose endpoint is off this machine's loopback net is reached over a real network:
+  // a loopback address of the name (Debian's hosts file maps the host name to 127.0.1.1) is
+  // then no address the others can reach, and the address this machine reaches the endpoint
+  // from is bound instead (the route's source address: a UDP connect sends nothing).
+  std::vector<in_addr_t> endpoint_ips, own;
+  if (!opts_.rdzv_endpoint.empty() && opts_.rdzv_backend != "etcd") {
+    try {
+      ipv4_of(rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400).host, endpoint_ips);
+    } catch (const std::exception&) {
+    }
+  }
+  const bool over_network = !endpoint_ips.empty() && !in_loopback_net(endpoint_ips.front());
+  if (const int rc = ipv4_of(plan_.master_addr, own); rc != 0) {
     why = ::gai_strerror(rc);
   } else {
-    bool bound = false;
-    for (const addrinfo* ai = found; ai && !bound; ai = ai->ai_next)
-      bound = try_bind(reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr);
-    ::freeaddrinfo(found);
+    bool bound = false, skipped = false;
+    for (const in_addr_t a : own) {
+      if (bound) break;
+      if (over_network && in_loopback_net(a)) {
+        skipped = true;
+        continue;
+      }
+      bound = try_bind(a);
+    }
+    if (!bound && skipped) {
+      const int u = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+      sockaddr_in to{};
+      to.sin_family = AF_INET;
+      to.sin_port = htons(9);
+      to.sin_addr.s_addr = endpoint_ips.front();
+      sockaddr_in from{};
+      socklen_t len = sizeof from;
+      if (u >= 0 && ::connect(u, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0 &&
+          ::getsockname(u, reinterpret_cast<sockaddr*>(&from), &len) == 0)
+        bound = try_bind(from.sin_addr.s_addr);
+      if (u >= 0) ::close(u);
+      if (!bound && why.empty()) why = "it resolves here only to loopback addresses, which the others cannot reach";
+    }
     if (bound) return;
     if (why.empty()) why = "no IPv4 address";
   }
@@ -297,8 +337,8 @@ void Agent::bind_takeover_socket() {
                      plan_.master_addr, why));
 }
 
-int Agent::take_over(const rdzv::TakeoverSeed& seed) {
-  if (embedded_server_ || takeover_fd_ < 0) return 0;
+rdzv::TakeoverHost Agent::take_over(const rdzv::TakeoverSeed& seed) {
+  if (embedded_server_ || takeover_fd_ < 0) return {};
   try {
     rdzv::ServerOptions so = server_options();
     so.host = takeover_host_;
@@ -308,11 +348,11 @@ int Agent::take_over(const rdzv::TakeoverSeed& seed) {
   } catch (const std::exception& e) {
     embedded_server_.reset();
     notice(fmt::format("cannot take the rendezvous over: {}", e.what()));
-    return 0;
+    return {};
   }
   notice(fmt::format("hosting the rendezvous for job '{}' on {}, taking over from {}", plan_.run_id,
                      embedded_server_->address(), seed.lost_host));
-  return embedded_server_->port();
+  return {takeover_host_, embedded_server_->port()};
 }
 
 void Agent::guarded(const std::function<void()>& work) {

@@ -223,7 +223,7 @@ class Agent {
   void bind_takeover_socket();
   bool takeover_refused_ = false;
   // rdzv::ClientHandlers::on_take_over: serves the job from `seed` on that socket.
-  int take_over(const rdzv::TakeoverSeed& seed);
+  rdzv::TakeoverHost take_over(const rdzv::TakeoverSeed& seed);
   int takeover_fd_ = -1;
   int takeover_port_ = 0;
   std::string takeover_host_;

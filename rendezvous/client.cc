@@ -507,20 +507,24 @@ void Client::next_candidate(const std::string& why_previous) {
   while (t.next < t.candidates.size() && now < t.deadline) {
     const TakeoverCandidate c = t.candidates[t.next++];
     int port = c.port;
+    std::string host = c.addr;
     if (c.group_rank == t.self_rank) {
       // Every node below this one is gone or silent: this one hosts. The last round's
       // nodes but the lost host and those below this one are expected to re-join.
       const int survivors = std::max(1, t.listed - 1 - static_cast<int>(t.next - 1));
-      port = h_.on_take_over
-                 ? h_.on_take_over({t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors, t.listed})
-                 : 0;
+      const TakeoverHost hosted =
+          h_.on_take_over
+              ? h_.on_take_over({t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors, t.listed})
+              : TakeoverHost{};
+      port = hosted.port;
+      if (!hosted.host.empty()) host = hosted.host;
       if (port <= 0) {
         t.tried += fmt::format("{}node {} (this one): cannot host", t.tried.empty() ? "" : "; ", c.group_rank);
         continue;
       }
       opts_.join.takeover_port = 0;  // it hosts from now on
     }
-    opts_.host = c.addr;
+    opts_.host = host;
     opts_.port = port;
     // One keep-alive interval for each node below this one (bounded by the whole search's).
     takeover_timer_.expires_at(std::min(t.deadline, now + milliseconds(opts_.join.keep_alive_ms)));

@@ -44,6 +44,13 @@ struct ClientOptions {
   std::string job_token;  // the job's own key (mglaunch-rdzv --job-token); wins when set
 };
 
+// Where a node that took a job over listens: its advertised name may resolve here to another
+// address than it bound (Debian's 127.0.1.1 for the host name), so it joins itself here.
+struct TakeoverHost {
+  std::string host;
+  int port = 0;
+};
+
 struct ClientHandlers {
   std::function<void(const proto::Assignment&)> on_assignment;
   std::function<void(const proto::Restart&)> on_restart;
@@ -54,9 +61,9 @@ struct ClientHandlers {
   std::function<void(const std::string&)> on_lost;  // refused, or unreachable past join_timeout
   std::function<void(const std::string&)> on_notice;  // connection dropped / re-registered
   // This node is next in line to host the job after its host was lost: serve it from the
-  // seed (Server::take_over) and return the port it listens on (0: it cannot, the next
-  // node is tried). Empty: this node never hosts.
-  std::function<int(const TakeoverSeed&)> on_take_over;
+  // seed (Server::take_over) and return where it listens (port 0: it cannot, the next
+  // node is tried; an empty host: at its advertised address). Empty: this node never hosts.
+  std::function<TakeoverHost(const TakeoverSeed&)> on_take_over;
 };
 
 // Takeover: who hosts a job after its hosting agent was lost. Pure.

@@ -13,6 +13,7 @@
 
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -194,4 +195,50 @@ TEST_CASE("a survivor of a job whose endpoint is 'localhost', advertising this m
   // Where the name is a loopback address (as localhost, in /etc/hosts), no stranger reaches it.
   if (addr.starts_with("127.")) CHECK_THAT(took, !Catch::Contains("without a token"));
   agents[0].wait(5s);
+}
+
+TEST_CASE("a survivor whose host name resolves here only to 127.0.1.1 (Debian's hosts file) while the job's endpoint is "
+          "on a real network takes over on the address it reaches the endpoint from, not on 127.0.1.1 (#35 review)") {
+  // A host of our own: a network namespace with one address on a veth link, its own host
+  // name, and a hosts file mapping that name to 127.0.1.1 (mount namespace). Before: the
+  // survivor bound 127.0.1.1, where no other machine can reach it. Two nodes: in one
+  // namespace the name resolves to 127.0.1.1 for every node, so a third could not reach the
+  // new host at its name as another machine would (that needs hosts of their own, #34).
+  if (run({"/usr/bin/unshare", "-n", "-u", "-m", "/bin/true"}).code != 0)
+    SKIP_TEST("cannot create network, UTS and mount namespaces here (unshare -n -u -m needs root)");
+  Proc host = spawn({"/usr/bin/unshare", "-n", "-u", "-m", "--propagation", "private", "/bin/sh", "-c",
+                     "set -e; ip link set lo up; ip link add d0 type veth peer name d1; ip addr add 10.77.0.1/24 dev d0;"
+                     " ip link set d0 up; ip link set d1 up; hostname nodea; printf '127.0.0.1 localhost\\n127.0.1.1 nodea\\n' > \"$TMPDIR/hosts\";"
+                     " mount --bind \"$TMPDIR/hosts\" /etc/hosts; echo ready; exec sleep 300"});
+  REQUIRE(eventually([&] { return host.out().find("ready") != std::string::npos || !pid_alive(host.pid); }, 20s));
+  INFO(host.err());
+  REQUIRE(host.out().find("ready") != std::string::npos);
+  const std::string ep = "10.77.0.1:" + std::to_string(free_loopback_port());
+  auto argv = [&](bool hosting) {
+    std::vector<std::string> a{"/usr/bin/nsenter", "-t", std::to_string(host.pid), "-n", "-u", "-m", kMglaunch,
+                               "--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=" + ep,
+                               "--rdzv_id=debian-name", "--max_restarts=1",
+                               "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5"};
+    // (min 1: the host waits 5 s for the second node before its first round closes)
+    if (hosting) a.push_back("--local_addr=10.77.0.1");
+    a.insert(a.end(), {kFakeWorker, "print", "up", "when-restart-below", "1", "hang", "300"});
+    return a;
+  };
+  std::vector<Proc> agents;
+  agents.push_back(spawn(argv(true)));
+  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  agents.push_back(spawn(argv(false)));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
+  }, 30s));
+  ::kill(agents[0].pid, SIGKILL);
+  REQUIRE(agents[1].wait(60s));
+  const std::string took = agents[1].err();
+  INFO(took);
+  CHECK(agents[1].exit_code() == 0);
+  CHECK_THAT(took, Catch::Contains("hosting the rendezvous for job 'debian-name' on 10.77.0.1:"));
+  CHECK_THAT(took, !Catch::Contains("127.0.1.1"));
+  agents[0].wait(5s);
+  ::kill(host.pid, SIGKILL);
+  host.wait(5s);
 }

@@ -460,14 +460,14 @@ std::vector<std::string> error_lines(const std::string& err) {
 }  // namespace
 
 TEST_CASE("the hint for an endpoint nobody hosts names --local_addr and is_host only for this machine's non-loopback "
-          "address; the one for a foreign server names the port (#38)") {
-  const std::string own = mg::rdzv::unanswered_endpoint_hint("10.1.2.3", 29400, true, false);
-  CHECK_THAT(own, Catch::Contains("10.1.2.3 is an address of this machine") && Catch::Contains("--local_addr=10.1.2.3") &&
-                      Catch::Contains("is_host=true") && Catch::Contains("mglaunch-rdzv --listen 10.1.2.3:29400"));
-  CHECK_THAT(mg::rdzv::unanswered_endpoint_hint("fd00::5", 29400, true, false),
-             Catch::Contains("--listen [fd00::5]:29400"));
-  CHECK(mg::rdzv::unanswered_endpoint_hint("10.1.2.3", 29400, false, false).empty());  // another machine's
-  CHECK(mg::rdzv::unanswered_endpoint_hint("localhost", 29400, true, true).empty());   // loopback: an agent hosts it
+          "address, and the one for a foreign server names the port (#38)") {
+  const std::string own = mg::rdzv::unanswered_endpoint_hint("198.51.100.7", 29411, true, false);
+  CHECK_THAT(own, Catch::Contains("198.51.100.7 is an address of this machine") && Catch::Contains("--local_addr=198.51.100.7") &&
+                      Catch::Contains("is_host=true") && Catch::Contains("mglaunch-rdzv --listen 198.51.100.7:29411"));
+  CHECK_THAT(mg::rdzv::unanswered_endpoint_hint("fd00::5", 29411, true, false),
+             Catch::Contains("--listen [fd00::5]:29411"));
+  CHECK(mg::rdzv::unanswered_endpoint_hint("198.51.100.7", 29411, false, false).empty());  // another machine's
+  CHECK(mg::rdzv::unanswered_endpoint_hint("localhost", 29411, true, true).empty());   // loopback: an agent hosts it
   CHECK(own.find('\n') == std::string::npos);
   CHECK_THAT(mg::rdzv::foreign_server_hint("127.0.0.1", 8080),
              Catch::Contains("not a mglaunch rendezvous") && Catch::Contains("127.0.0.1:8080") &&

@@ -182,7 +182,7 @@ TEST_CASE("an unreachable host is one error naming it, and the other host is sto
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
 
-TEST_CASE("an unreachable host's ssh error is one clean line: no literal \\r from ssh's CRLF, no 'Terminated' from the other host's shell (#38)") {
+TEST_CASE("an unreachable host's ssh error is one clean line: no carriage return left from ssh's CRLF, no 'Terminated' from the other host's shell (#38)") {
   const std::string dir = make_temp_dir();
   // An "agent" that dies of the SIGTERM the wrapper sends when the launcher stops the host
   // (as mglaunch does when stopped before it handles signals): its shell used to report

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Every Catch2 test name can be a ctest name: catch_discover_tests splits a name at ';'
-(the halves then fail as tests that do not exist) and a name that starts with '--' reads
-as a flag. Usage: test_names_test.py TESTS_DIR. Exit 0 when all hold, 1 with one line per
+(the halves then fail as tests that do not exist), a name that starts with '--' reads
+as a flag, and a backslash is an escape in Catch's filter (the name then matches no test). Usage: test_names_test.py TESTS_DIR. Exit 0 when all hold, 1 with one line per
 bad name."""
 import glob
 import os
@@ -14,9 +14,9 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.cc"))):
         text = f.read()
     for m in re.finditer(r'TEST_CASE\(((?:\s*"(?:[^"\\]|\\.)*")+)', text):
         name = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(1)))
-        if ";" in name or name.startswith("--"):
+        if ";" in name or "\\" in name or name.startswith("--"):
             line = text.count("\n", 0, m.start()) + 1
-            bad.append(f"{os.path.basename(path)}:{line}: test name with ';' or a leading '--': {name[:80]}")
+            bad.append(f"{os.path.basename(path)}:{line}: test name with ';', a backslash or a leading '--': {name[:80]}")
 for b in bad:
     print(b)
 sys.exit(1 if bad else 0)

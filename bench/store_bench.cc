@@ -10,6 +10,10 @@
 //                                          gives up after 120 s (exit 1, "done" < N)
 //   store_bench inprocess N                the same queries for N clients through the parser and
 //                                          the engine alone (no sockets); prints {"clients":N,"seconds":S}
+//   store_bench waits N K                  N clients each WAIT for the same K keys, then all go away
+//                                          (engine alone); prints {"waiters":N,"keys":K,"seconds":S}
+//                                          for the goings: linear in N*K (each client forgets its
+//                                          own K registrations), not quadratic in N
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -194,7 +198,7 @@ int inprocess(int n) {
       in.remove_prefix(p.consumed);
       replies.clear();
       if (auto e = engine.apply(static_cast<ClientId>(r), p.query, replies); !e.empty()) throw std::runtime_error(e);
-      for (auto& rep : replies) last[rep.to] = std::move(rep.bytes);
+      for (auto& rep : replies) last[rep.to] = rep.flat();
     }
   };
   // Every client runs its steps in lock step, as a big job does after its processes start.
@@ -211,6 +215,24 @@ int inprocess(int n) {
   return finished == n ? 0 : 1;
 }
 
+// N waiters of the same K keys disconnecting: each forgets its K registrations in O(K)
+// (Engine keeps their places); a search of each key's waiters would cost O(N*K) a client.
+int waits(int n, int k) {
+  Engine engine;
+  std::vector<Reply> replies;
+  Query q;
+  q.op = Op::kWait;
+  for (int i = 0; i < k; ++i) q.keys.push_back(fmt::format("key{}", i));
+  for (int c = 0; c < n; ++c)
+    if (auto e = engine.apply(static_cast<ClientId>(c), q, replies); !e.empty()) throw std::runtime_error(e);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int c = 0; c < n; ++c) engine.disconnected(static_cast<ClientId>(c));  // first come, first gone
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("{\"waiters\": %d, \"keys\": %d, \"left\": %zu, \"seconds\": %.4f}\n", n, k,
+              engine.registrations(), secs);
+  return engine.registrations() == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -219,10 +241,11 @@ int main(int argc, char** argv) {
     if (mode == "serve") return serve();
     if (mode == "clients" && argc == 5) return clients(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
     if (mode == "inprocess" && argc == 3) return inprocess(std::atoi(argv[2]));
+    if (mode == "waits" && argc == 4) return waits(std::atoi(argv[2]), std::atoi(argv[3]));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "store_bench: %s\n", e.what());
     return 1;
   }
-  std::fprintf(stderr, "usage: store_bench serve | clients PORT N DIALECT | inprocess N\n");
+  std::fprintf(stderr, "usage: store_bench serve | clients PORT N DIALECT | inprocess N | waits N K\n");
   return 2;
 }

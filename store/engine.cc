@@ -9,6 +9,33 @@
 
 namespace mg::store {
 
+std::size_t Reply::size() const {
+  std::size_t n = bytes.size();
+  for (const auto& [at, v] : values) n += v->size();
+  return n;
+}
+
+std::string Reply::flat() const {
+  std::string out;
+  out.reserve(size());
+  std::size_t from = 0;
+  for (const auto& [at, v] : values) {
+    out.append(bytes, from, at - from);
+    out += *v;
+    from = at;
+  }
+  out.append(bytes, from);
+  return out;
+}
+
+namespace {
+// A value's length, then the value itself shared (not copied) into `r`.
+void put_value(Reply& r, const Value& v) {
+  put_i64(r.bytes, static_cast<std::int64_t>(v->size()));
+  r.values.emplace_back(r.bytes.size(), v);
+}
+}  // namespace
+
 bool Engine::has_all(const std::vector<std::string>& keys) const {
   return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return data_.count(k) > 0; });
 }
@@ -16,9 +43,10 @@ bool Engine::has_all(const std::vector<std::string>& keys) const {
 void Engine::wake(const std::string& key, std::vector<Reply>& out) {
   auto it = waiters_.find(key);
   if (it == waiters_.end()) return;
-  for (ClientId c : it->second) {
+  for (const auto& [c, index] : it->second) {
     auto a = awaited_.find(c);
     if (a == awaited_.end()) continue;
+    a->second.keys[index].done = true;
     if (--a->second.missing == 0) {
       awaited_.erase(a);
       Reply r{c, {}};
@@ -31,12 +59,12 @@ void Engine::wake(const std::string& key, std::vector<Reply>& out) {
 
 std::string Engine::set(const std::string& key, std::string value, std::vector<Reply>& out) {
   auto it = data_.find(key);
-  const std::size_t old = it == data_.end() ? 0 : key.size() + it->second.size();
+  const std::size_t old = it == data_.end() ? 0 : key.size() + it->second->size();
   const std::size_t now = key.size() + value.size();
   if (bytes_ - old + now > max_bytes_)
     return fmt::format("the store would hold more than {} bytes (set of a {}-byte value)", max_bytes_, value.size());
   bytes_ = bytes_ - old + now;
-  data_[key] = std::move(value);
+  data_[key] = std::make_shared<std::string>(std::move(value));
   wake(key, out);
   return {};
 }
@@ -57,7 +85,13 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
       if (bytes_ + more.size() > max_bytes_)
         return fmt::format("the store would hold more than {} bytes (append of a {}-byte value)", max_bytes_,
                            more.size());
-      it->second.append(more);
+      if (it->second.use_count() > 1) {  // a reply being written shares it: it keeps the old one
+        auto grown = std::make_shared<std::string>();
+        grown->reserve(it->second->size() + more.size());
+        grown->append(*it->second);
+        it->second = std::move(grown);
+      }
+      it->second->append(more);
       bytes_ += more.size();
       wake(q.keys[0], out);
       return {};
@@ -76,30 +110,31 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
           return {};
         }
         if (auto e = set(key, q.values[1], out); !e.empty()) return e;
-      } else if (it->second == expected) {
+      } else if (*it->second == expected) {
         if (auto e = set(key, q.values[1], out); !e.empty()) return e;
       }
-      put_bytes(reply(), data_.at(key));
+      reply();
+      put_value(out.back(), data_.at(key));
       return {};
     }
     case Op::kGet:
     case Op::kMultiGet: {
       if (!has_all(q.keys)) return fmt::format("{} of a key that is not set", op_name(q.op));
       std::size_t size = 0;  // summed first: a key named many times must not build a huge reply
-      for (const auto& k : q.keys) size += 8 + data_.at(k).size();
+      for (const auto& k : q.keys) size += 8 + data_.at(k)->size();
       if (size > max_reply_)
         return fmt::format("a {} reply of {} bytes would be over the limit of {}", op_name(q.op), size, max_reply_);
-      std::string& r = reply();
-      r.reserve(size);
-      for (const auto& k : q.keys) put_bytes(r, data_.at(k));
+      reply().reserve(8 * q.keys.size());
+      Reply& r = out.back();
+      for (const auto& k : q.keys) put_value(r, data_.at(k));
       return {};
     }
     case Op::kAdd: {
       std::int64_t value = q.number;
       if (auto it = data_.find(q.keys[0]); it != data_.end()) {
         std::int64_t old = 0;
-        const char* b = it->second.data();
-        const char* e = b + it->second.size();
+        const char* b = it->second->data();
+        const char* e = b + it->second->size();
         while (b < e && (*b == ' ' || *b == '\t')) ++b;  // as std::stoll, torch's parser, skips
         auto [p, ec] = std::from_chars(b, e, old);
         if (ec != std::errc() || p == b) return fmt::format("add to key '{}', whose value is not a number", q.keys[0]);
@@ -119,8 +154,8 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
       std::unordered_set<std::string_view> seen;  // a key named twice counts once
       for (const auto& k : q.keys) {
         if (data_.count(k) || !seen.insert(k).second) continue;
-        waiters_[k].push_back(from);
-        w.keys.push_back(k);
+        auto& list = waiters_[k];
+        w.keys.push_back({k, list.insert(list.end(), {from, w.keys.size()})});
         w.bytes += 2 * k.size();
       }
       w.missing = w.keys.size();
@@ -141,7 +176,7 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
       auto it = data_.find(q.keys[0]);
       std::int64_t n = 0;
       if (it != data_.end()) {
-        bytes_ -= it->first.size() + it->second.size();
+        bytes_ -= it->first.size() + it->second->size();
         data_.erase(it);
         n = 1;
       }
@@ -160,12 +195,11 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
 void Engine::disconnected(ClientId c) {
   auto a = awaited_.find(c);
   if (a == awaited_.end()) return;
-  for (const auto& k : a->second.keys) {
-    auto it = waiters_.find(k);
-    if (it == waiters_.end()) continue;
-    auto& v = it->second;
-    v.erase(std::remove(v.begin(), v.end(), c), v.end());
-    if (v.empty()) waiters_.erase(it);
+  for (const auto& r : a->second.keys) {
+    if (r.done) continue;  // its key came: wake() dropped the key's list
+    auto it = waiters_.find(r.key);
+    it->second.erase(r.place);
+    if (it->second.empty()) waiters_.erase(it);
   }
   awaited_.erase(a);
 }

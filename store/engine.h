@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <list>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -17,9 +19,18 @@ namespace mg::store {
 
 using ClientId = std::uint64_t;
 
+// A stored value as replies carry it: shared with the store and never changed once shared,
+// so that N readers of one value cost one copy, not N.
+using Value = std::shared_ptr<const std::string>;
+
 struct Reply {
   ClientId to = 0;
-  std::string bytes;
+  std::string bytes;  // its own bytes (an answer, a value's length): all of it but `values`
+  // The values of a GET, MULTI_GET or COMPARE_SET's answer, not copied: value i goes after
+  // the first values[i].first bytes of `bytes` (a write sends them as one scatter/gather list).
+  std::vector<std::pair<std::size_t, Value>> values;
+  std::size_t size() const;  // all its bytes as sent
+  std::string flat() const;  // all its bytes as sent, in one string (tests, benches)
 };
 
 class Engine {
@@ -44,10 +55,18 @@ class Engine {
   // `key`'s value, or null when it is not set.
   const std::string* value(const std::string& key) const {
     auto it = data_.find(key);
-    return it == data_.end() ? nullptr : &it->second;
+    return it == data_.end() ? nullptr : it->second.get();
   }
   std::size_t bytes() const { return bytes_; }
   std::size_t waiting_clients() const { return awaited_.size(); }
+  // Keys some client waits for, and registrations (a client for a key) in all: both fall
+  // back as waits end or are forgotten (a test's check that nothing is left behind).
+  std::size_t awaited_keys() const { return waiters_.size(); }
+  std::size_t registrations() const {
+    std::size_t n = 0;
+    for (const auto& kv : waiters_) n += kv.second.size();
+    return n;
+  }
   // The bytes `c`'s wait holds (its keys, kept twice: in its wait and as waited-for keys);
   // 0 when it waits for nothing. The server counts them in its buffer budget.
   std::size_t wait_bytes(ClientId c) const {
@@ -63,12 +82,24 @@ class Engine {
   std::size_t max_bytes_;
   std::size_t max_reply_;
   std::size_t bytes_ = 0;
-  std::unordered_map<std::string, std::string> data_;
-  std::unordered_map<std::string, std::vector<ClientId>> waiters_;  // key -> clients waiting for it
+  // Values are changed in place (APPEND) only while no reply shares them (use_count 1);
+  // otherwise a change makes a new one and the replies keep the old.
+  std::unordered_map<std::string, std::shared_ptr<std::string>> data_;
+  // key -> clients waiting for it, in the order they asked. A list: a client's wait keeps
+  // the position of each of its registrations, so forgetting it (disconnect, CANCEL_WAIT)
+  // costs O(its keys), not a search through every other waiter of each key (O(N*K)).
+  // Each entry: the client, and which of its wait's keys this is (Wait::keys' index).
+  using Waiters = std::list<std::pair<ClientId, std::size_t>>;
+  std::unordered_map<std::string, Waiters> waiters_;
+  struct Registration {
+    std::string key;
+    Waiters::iterator place;  // in waiters_[key]
+    bool done = false;        // the key came: its list is gone (wake)
+  };
   struct Wait {
-    std::size_t missing = 0;        // keys still to come
-    std::vector<std::string> keys;  // the keys it waits for (to forget it in O(its keys))
-    std::size_t bytes = 0;          // 2 x the keys' bytes (wait_bytes)
+    std::size_t missing = 0;  // keys still to come
+    std::vector<Registration> keys;
+    std::size_t bytes = 0;  // 2 x the keys' bytes (wait_bytes)
   };
   std::unordered_map<ClientId, Wait> awaited_;  // client -> its one wait
 };

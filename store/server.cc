@@ -27,11 +27,21 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     std::string pending;  // the start of a query still arriving
     std::size_t need = 0;  // pending cannot hold a whole query below this size (Parsed::need)
     Progress progress;     // how far pending's query has been checked (wire.h)
-    std::string out;      // replies not yet handed to a write
-    std::string writing;  // the bytes of the one write in flight (empty: none)
-    std::size_t held = 0;  // pending + out + writing + its wait, as counted in Impl::buffered
+    std::vector<Reply> out;      // replies not yet handed to a write
+    std::vector<Reply> writing;  // the replies of the one write in flight (empty: none)
+    std::vector<asio::const_buffer> iov;  // writing's bytes, its values shared (scatter/gather)
+    std::size_t unwritten = 0;   // out + writing, all their bytes
+    std::size_t reply_own = 0;   // out + writing, their own bytes (not the shared values)
+    std::size_t reply_values = 0;  // out + writing, their shared values' bytes
+    // Its next queries wait until its replies are out (back-pressure, as any server does):
+    // a client that does not read holds one reply, however many queries it sends.
+    bool paused = false;
+    std::size_t held = 0;  // pending + its replies' own bytes + its wait, as counted in Impl::buffered
     bool spoke = false;    // it has sent something
   };
+  // Unwritten reply bytes at which a client's queries are no longer read: small answers
+  // (pipelined PINGs, ADDs) go out together, a value's reply goes out before the next query.
+  static constexpr std::size_t kPauseAt = 64 * 1024;
 
   Impl(asio::io_context& io, tcp::acceptor a, ServerOptions o)
       : io(io), acceptor(std::move(a)), opts(std::move(o)), engine(opts.max_bytes, opts.max_unread) {
@@ -48,8 +58,14 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   std::unordered_map<ClientId, std::shared_ptr<tcp::socket>> parked;
   ClientId next_id = 1;
   std::size_t dropped = 0;
-  std::size_t buffered = 0;  // every client's held bytes (ServerOptions::max_buffered)
+  // Every client's held bytes, and each value its replies share counted once
+  // (ServerOptions::max_buffered).
+  std::size_t buffered = 0;
+  // Replies' shared values: how many queued replies carry each (its bytes are in
+  // `buffered` while one does).
+  std::unordered_map<const std::string*, std::size_t> shares;
   std::size_t parse_fields = 0;  // Parsed::fields, summed
+  std::size_t queries = 0;       // served
   bool stopped = false;
   asio::steady_timer accept_pause{io};  // after an accept error (EMFILE): a pause, not a spin
   std::array<char, 64 * 1024> scratch{};
@@ -127,6 +143,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     boost::system::error_code ignored;
     it->second->socket.close(ignored);
     buffered -= it->second->held;
+    release(it->second->out);
+    release(it->second->writing);
     clients.erase(it);
     engine.disconnected(id);
     idle_check();
@@ -153,25 +171,72 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   // `c`'s buffers changed: counts them again in `buffered` (pending's capacity, the
   // memory it holds, not just its bytes).
   void recount(ClientId id, Client& c) {
-    const std::size_t now = c.pending.capacity() + c.out.size() + c.writing.size() + engine.wait_bytes(id);
+    const std::size_t now = c.pending.capacity() + c.reply_own + engine.wait_bytes(id);
     buffered = buffered - c.held + now;
     c.held = now;
   }
 
-  // Over the budget of all clients' buffers: disconnects the client holding the most
-  // until under it again (the newest bytes' owner when it holds as much as any), so that
-  // clients hoarding replies or half-sent queries cannot starve one that holds little.
+  // Replies queued for a client: their own bytes are its, their values shared (counted in
+  // `buffered` once, however many replies carry one).
+  void hold(Client& c, const Reply& r) {
+    c.unwritten += r.size();
+    c.reply_own += r.bytes.size();
+    for (const auto& [at, v] : r.values) {
+      c.reply_values += v->size();
+      if (shares[v.get()]++ == 0) buffered += v->size();
+    }
+  }
+  // Replies written or dropped: their values' shares go (the client's own bytes are
+  // counted again by the caller, or gone with the client).
+  void release(std::vector<Reply>& rs) {
+    for (const auto& r : rs)
+      for (const auto& [at, v] : r.values) {
+        auto it = shares.find(v.get());
+        if (it != shares.end() && --it->second == 0) {
+          buffered -= v->size();
+          shares.erase(it);
+        }
+      }
+    rs.clear();
+  }
+  // What disconnecting `c` would give back: its own bytes and the values only its replies
+  // carry.
+  std::size_t alone(const Client& c) const {
+    std::size_t n = c.held;
+    std::unordered_map<const std::string*, std::size_t> mine;
+    for (const auto* rs : {&c.out, &c.writing})
+      for (const auto& r : *rs)
+        for (const auto& [at, v] : r.values) ++mine[v.get()];
+    for (const auto& [v, count] : mine)
+      if (shares.at(v) == count) n += v->size();
+    return n;
+  }
+
+  // Over the budget of all clients' buffers: disconnects the client whose going gives back
+  // the most (what it alone holds: a value that many clients read is theirs together, and
+  // disconnecting one of them gives back nothing) until under it again; the newest bytes'
+  // owner when it gives back as much as any; by all it holds, shared values too, when none
+  // holds anything alone. Clients hoarding replies or half-sent queries thus cannot starve
+  // one that holds little, and readers of one large value are not dropped for sharing it.
   // False when `current` (the client being served) was among them and must not be touched.
   bool within_budget(ClientId current) {
     while (buffered > opts.max_buffered) {
-      auto worst = clients.find(current);
-      for (auto it = clients.begin(); it != clients.end(); ++it)
-        if (worst == clients.end() || it->second->held > worst->second->held) worst = it;
+      auto worst = clients.end();
+      std::pair<std::size_t, std::size_t> most{0, 0};  // (alone, all it holds)
+      auto consider = [&](auto it) {
+        const std::pair<std::size_t, std::size_t> gives{alone(*it->second), it->second->held + it->second->reply_values};
+        if (worst == clients.end() || gives > most) {
+          worst = it;
+          most = gives;
+        }
+      };
+      if (auto cur = clients.find(current); cur != clients.end()) consider(cur);
+      for (auto it = clients.begin(); it != clients.end(); ++it) consider(it);
       if (worst == clients.end()) break;
       const ClientId id = worst->first;
-      drop(id, fmt::format("it held {} bytes of queries and replies when all clients' came to {}, over the store's "
-                           "limit of {}",
-                           worst->second->held, buffered, opts.max_buffered));
+      drop(id, fmt::format("it held {} bytes of queries and replies ({} of them its alone) when all clients' came to "
+                           "{}, over the store's limit of {}",
+                           most.second, most.first, buffered, opts.max_buffered));
     }
     return clients.count(current) > 0;
   }
@@ -218,7 +283,26 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       if (c.pending.capacity() > 4096 && c.pending.capacity() > 2 * c.pending.size()) std::string(c.pending).swap(c.pending);
       recount(id, c);
       if (!within_budget(id)) return;
+      if (c.paused) return;  // read again once its replies are out (resume)
       if (n < scratch.size()) break;
+    }
+    read(id);
+  }
+
+  // `id`'s replies are out: the queries it sent meanwhile (in `pending`) are served, then
+  // its socket is read again, unless those replies paused it again.
+  void resume(ClientId id) {
+    auto it = clients.find(id);
+    if (it == clients.end()) return;
+    Client& c = *it->second;
+    c.paused = false;
+    if (!c.pending.empty() && c.pending.size() >= c.need) {
+      const std::size_t used = serve(id, c, c.pending);
+      if (used == std::string::npos) return;  // dropped
+      c.pending.erase(0, used);
+      if (c.pending.empty()) std::string().swap(c.pending);
+      recount(id, c);
+      if (!within_budget(id) || c.paused) return;
     }
     read(id);
   }
@@ -227,7 +311,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   // client was dropped.
   std::size_t serve(ClientId id, Client& c, std::string_view data) {
     std::size_t used = 0;
-    while (used < data.size()) {
+    while (used < data.size() && !c.paused) {
       Parsed p = parse_query(data.substr(used), c.dialect, opts.limits, &c.progress);
       parse_fields += p.fields;
       c.need = 0;
@@ -240,54 +324,76 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
         return std::string::npos;
       }
       used += p.consumed;
+      ++queries;
       replies.clear();
       if (auto err = engine.apply(id, std::move(p.query), replies); !err.empty()) {
         if (!send_all(id)) drop(id, err);
         return std::string::npos;
       }
       if (send_all(id)) return std::string::npos;
+      if (c.unwritten >= kPauseAt) c.paused = true;
     }
     return used;
   }
 
-  // Queues the replies; true when `current` (the client being served) was dropped for not
-  // reading its replies or over the budget of all clients, and must not be touched any more.
+  // Queues the replies; true when `current` (the client being served) was dropped over the
+  // budget of all clients, and must not be touched any more. (A client's replies are bounded
+  // without a limit of their own: one reply is at most max_unread (Engine's max_reply), and a
+  // client with kPauseAt bytes unwritten is not read from, so it never has more than that
+  // and one reply, and a wait's answer.)
   bool send_all(ClientId current) {
     for (auto& r : replies) {
-      auto it = clients.find(r.to);
+      const ClientId to = r.to;
+      auto it = clients.find(to);
       if (it == clients.end()) continue;
       Client& c = *it->second;
-      if (c.out.size() + c.writing.size() + r.bytes.size() > opts.max_unread) {
-        drop(r.to, fmt::format("more than {} bytes of replies it does not read", opts.max_unread));
-        continue;
-      }
-      if (c.out.empty()) {
-        c.out = std::move(r.bytes);  // a large value's reply is not copied again
+      hold(c, r);
+      if (!c.out.empty() && r.values.empty()) {
+        c.out.back().bytes += r.bytes;  // small answers go out together
       } else {
-        c.out += r.bytes;
+        c.out.push_back(std::move(r));
       }
-      recount(r.to, c);
-      std::string().swap(r.bytes);
-      if (!within_budget(r.to)) continue;
-      if (c.writing.empty()) write(r.to);
+      recount(to, c);
+      if (!within_budget(to)) continue;
+      if (c.writing.empty()) write(to);
     }
     replies.clear();
     return clients.count(current) == 0;
   }
 
-  // One write in flight per client; replies queued meanwhile go out with the next one.
+  // One write in flight per client, of every reply queued: their own bytes and their values
+  // as one scatter/gather list (a value read by many clients is never copied for them);
+  // replies queued meanwhile go out with the next one.
   void write(ClientId id) {
     auto it = clients.find(id);
     if (it == clients.end() || it->second->out.empty()) return;
     auto c = it->second;
     c->writing.swap(c->out);
-    asio::async_write(c->socket, asio::buffer(c->writing),
+    c->iov.clear();
+    for (const auto& r : c->writing) {
+      std::size_t from = 0;
+      for (const auto& [at, v] : r.values) {
+        if (at > from) c->iov.emplace_back(r.bytes.data() + from, at - from);
+        if (!v->empty()) c->iov.emplace_back(v->data(), v->size());
+        from = at;
+      }
+      if (from < r.bytes.size()) c->iov.emplace_back(r.bytes.data() + from, r.bytes.size() - from);
+    }
+    asio::async_write(c->socket, c->iov,
                       [self = shared_from_this(), id, c](boost::system::error_code ec, std::size_t) {
                         if (self->stopped || ec == asio::error::operation_aborted) return;
                         if (ec) return self->drop(id, {});
-                        std::string().swap(c->writing);
-                        if (self->clients.count(id)) self->recount(id, *c);
+                        if (!self->clients.count(id)) return;  // dropped meanwhile: released then
+                        for (const auto& r : c->writing) {
+                          c->unwritten -= r.size();
+                          c->reply_own -= r.bytes.size();
+                          for (const auto& [at, v] : r.values) c->reply_values -= v->size();
+                        }
+                        self->release(c->writing);
+                        c->iov.clear();
+                        self->recount(id, *c);
                         if (!c->out.empty()) self->write(id);
+                        if (c->paused && c->unwritten < kPauseAt) self->resume(id);
                       });
   }
 
@@ -309,6 +415,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     }
     clients.clear();
     buffered = 0;
+    shares.clear();
     engine.clear();
     idle_check();
   }
@@ -330,6 +437,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     for (auto& [id, c] : clients) c->socket.close(ignored);
     clients.clear();
     buffered = 0;
+    shares.clear();
     for (auto& [id, p] : parked) p->close(ignored);
     parked.clear();
     idle = nullptr;
@@ -380,6 +488,12 @@ void StoreServer::when_idle(std::function<void()> f) {
 }
 std::size_t StoreServer::dropped() const { return impl_->dropped; }
 std::size_t StoreServer::buffered() const { return impl_->buffered; }
+std::size_t StoreServer::queries() const { return impl_->queries; }
+std::size_t StoreServer::unwritten() const {
+  std::size_t n = 0;
+  for (const auto& [id, c] : impl_->clients) n += c->unwritten;
+  return n;
+}
 std::size_t StoreServer::parse_fields() const { return impl_->parse_fields; }
 const Engine& StoreServer::engine() const { return impl_->engine; }
 

@@ -2,12 +2,16 @@
 // so that workers connect to the agent's store as clients (TORCHELASTIC_USE_AGENT_STORE)
 // and no worker binds MASTER_PORT. One acceptor, one small session per client; reads go
 // into one shared scratch buffer and only an unfinished query stays with its session, so
-// an idle client costs a socket and a few hundred bytes. Bounded: clients, key and value
-// sizes, keys per query, bytes stored, and the bytes held for all clients together (their
-// unfinished queries and their replies not yet written: max_buffered, over which the client
-// holding the most is disconnected); a client that breaks a bound or the protocol is
-// disconnected with one log line (at most one a second), and nothing a client sends ends
-// the server. Its memory is thus at most max_bytes + max_buffered + a query being served.
+// an idle client costs a socket and a few hundred bytes. Replies carry stored values
+// shared, not copied (Engine's Value), and go out as one scatter/gather write: 64 clients
+// reading one 3 MiB value hold it once. A client's next queries are not read while its
+// replies are unwritten (back-pressure), so one that does not read holds one reply.
+// Bounded: clients, key and value sizes, keys per query, bytes stored, and the bytes held
+// for all clients together (their unfinished queries, their replies not yet written, each
+// shared value once: max_buffered, over which the client whose going gives back the most
+// is disconnected); a client that breaks a bound or the protocol is disconnected with one
+// log line (at most one a second), and nothing a client sends ends the server. Its memory
+// is thus at most max_bytes + max_buffered + a query being served.
 #pragma once
 
 #include <cstddef>
@@ -28,11 +32,13 @@ struct ServerOptions {
   // limit a newcomer displaces the oldest client that has sent nothing yet, or is refused.
   std::size_t max_clients = 100000;
   std::size_t max_bytes = std::size_t{1} << 30;  // keys and values stored
-  // Replies queued for a client that does not read them: one GET of the largest value
-  // (limits.max_value and its 8-byte length) fits.
+  // One reply, at most (a GET or MULTI_GET over it closes its client): one GET of the
+  // largest value (limits.max_value and its 8-byte length) fits. A client that does not
+  // read holds at most one reply and 64 KiB of small ones (its queries wait meanwhile).
   std::size_t max_unread = (std::size_t{64} << 20) + 8;
-  // Unfinished queries and unwritten replies of all clients together: one largest query
-  // (limits.max_query, lowered to this when larger) and some room for the others.
+  // Unfinished queries and unwritten replies of all clients together, a value shared by
+  // several replies counted once: one largest query (limits.max_query, lowered to this
+  // when larger) and some room for the others.
   std::size_t max_buffered = std::size_t{160} << 20;
   Limits limits;
   std::function<void(const std::string&)> log;  // one line per dropped client; may be empty
@@ -69,6 +75,10 @@ class StoreServer {
   void when_idle(std::function<void()> f);
   std::size_t dropped() const;  // clients disconnected for breaking a bound or the protocol
   std::size_t buffered() const;  // bytes held for clients now (max_buffered's count)
+  std::size_t queries() const;   // queries served, in total
+  // Bytes of replies not yet written, all clients together (a shared value in each reply
+  // that carries it: what the clients are owed, not what the server holds).
+  std::size_t unwritten() const;
   // Length fields the parser read, in total (Parsed::fields): linear in the bytes received,
   // however a query trickles in.
   std::size_t parse_fields() const;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <map>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
@@ -37,7 +38,11 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     // a client that does not read holds one reply, however many queries it sends.
     bool paused = false;
     std::size_t held = 0;  // pending + its replies' own bytes + its wait, as counted in Impl::buffered
-    bool spoke = false;    // it has sent something
+    // When it connected, or its last query was whole: a client whose query is not whole
+    // long after this is silent (displace_silent), however many bytes of it came.
+    std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
+    bool served = false;  // a query of its was whole (torch's clients send one at once)
+    asio::ip::address from;  // its address (ServerOptions::max_per_address)
   };
   // Unwritten reply bytes at which a client's queries are no longer read: small answers
   // (pipelined PINGs, ADDs) go out together, a value's reply goes out before the next query.
@@ -56,6 +61,15 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   // Clients of an ended attempt (reset, retire): not served, not counted; a read that
   // returns anything ends them (their data, or their close).
   std::unordered_map<ClientId, std::shared_ptr<tcp::socket>> parked;
+  // Clients and parked ones from each address, and each one's address.
+  std::map<asio::ip::address, std::size_t> per_address;
+  std::unordered_map<ClientId, asio::ip::address> address_of;
+  void forget_address(ClientId id) {
+    auto a = address_of.find(id);
+    if (a == address_of.end()) return;
+    if (auto n = per_address.find(a->second); n != per_address.end() && --n->second == 0) per_address.erase(n);
+    address_of.erase(a);
+  }
   ClientId next_id = 1;
   std::size_t dropped = 0;
   // Every client's held bytes, and each value its replies share counted once
@@ -84,15 +98,25 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     acceptor.async_accept([self = shared_from_this()](boost::system::error_code ec, tcp::socket s) {
       if (self->stopped) return;
       if (!ec) {
-        if (self->clients.size() + self->parked.size() >= self->opts.max_clients && !self->displace_silent()) {
+        boost::system::error_code ignored;
+        const auto from = s.remote_endpoint(ignored).address();
+        const auto mine = self->per_address.find(from);
+        if (mine != self->per_address.end() && mine->second >= self->opts.max_per_address && !self->displace_silent(from)) {
+          ++self->dropped;
+          self->log(fmt::format("agent store: refused a client from {}: {} clients from one address is the limit",
+                                from.to_string(), self->opts.max_per_address));
+        } else if (self->clients.size() + self->parked.size() >= self->opts.max_clients && !self->displace_silent({})) {
           ++self->dropped;
           self->log(fmt::format("agent store: refused a client: {} clients is the limit", self->opts.max_clients));
         } else {
-          boost::system::error_code ignored;
           s.set_option(tcp::no_delay(true), ignored);
           s.non_blocking(true, ignored);
           const ClientId id = self->next_id++;
-          self->clients.emplace(id, std::make_shared<Client>(std::move(s)));
+          auto c = std::make_shared<Client>(std::move(s));
+          c->from = from;
+          ++self->per_address[from];
+          self->address_of.emplace(id, from);
+          self->clients.emplace(id, std::move(c));
           self->read(id);
         }
       } else if (ec == asio::error::operation_aborted) {
@@ -111,16 +135,36 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     });
   }
 
-  // At the client limit: disconnects the oldest client that has sent nothing yet, so that
-  // connections opened and left silent cannot keep the job's workers out (a worker's client
-  // speaks at once: torch 2.x's VALIDATE, 1.x's first query). False when every one spoke.
-  bool displace_silent() {
-    auto oldest = clients.end();
-    for (auto it = clients.begin(); it != clients.end(); ++it)
-      if (!it->second->spoke && (oldest == clients.end() || it->first < oldest->first)) oldest = it;
-    if (oldest == clients.end()) return false;
-    drop(oldest->first, fmt::format("it had sent nothing when a new client came at the limit of {} clients",
-                                    opts.max_clients));
+  // At a client limit: disconnects a silent client (of address `from`, when not
+  // unspecified: the per-address limit), so that connections opened and left silent cannot
+  // keep the job's workers out. Silent: it never sent a whole query (a worker's client sends
+  // one at once: torch 2.x's VALIDATE, 1.x's first query), however many bytes of one came;
+  // the oldest of those first. Then a client whose query has not been whole for
+  // query_deadline: one byte now and then does not keep a connection. False when there is
+  // none.
+  bool displace_silent(const asio::ip::address& from) {
+    const auto now = std::chrono::steady_clock::now();
+    auto oldest = clients.end(), stalled = clients.end();
+    for (auto it = clients.begin(); it != clients.end(); ++it) {
+      const Client& c = *it->second;
+      if (!from.is_unspecified() && c.from != from) continue;
+      if (!c.served) {
+        if (oldest == clients.end() || it->first < oldest->first) oldest = it;
+      } else if (!c.pending.empty() && !c.paused && now - c.since >= opts.query_deadline) {
+        if (stalled == clients.end() || c.since < stalled->second->since) stalled = it;
+      }
+    }
+    const auto limit = from.is_unspecified() ? fmt::format("the limit of {} clients", opts.max_clients)
+                                             : fmt::format("the limit of {} clients from {}", opts.max_per_address,
+                                                           from.to_string());
+    if (oldest != clients.end()) {
+      drop(oldest->first, fmt::format("it had sent no whole query when a new client came at {}", limit));
+    } else if (stalled != clients.end()) {
+      drop(stalled->first, fmt::format("its query was not whole after {} ms when a new client came at {}",
+                                       opts.query_deadline.count(), limit));
+    } else {
+      return false;
+    }
     return true;
   }
 
@@ -143,6 +187,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     boost::system::error_code ignored;
     it->second->socket.close(ignored);
     buffered -= it->second->held;
+    forget_address(id);
     release(it->second->out);
     release(it->second->writing);
     clients.erase(it);
@@ -257,7 +302,6 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       const std::size_t n = c.socket.read_some(asio::buffer(scratch), rec);
       if (rec == asio::error::would_block) break;
       if (rec || n == 0) return drop(id, {});  // the client went away (normal at its exit)
-      c.spoke = true;
       std::string_view data(scratch.data(), n);
       if (!c.pending.empty()) {
         grow(c.pending, data.size(), c.need);
@@ -325,6 +369,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       }
       used += p.consumed;
       ++queries;
+      c.served = true;
+      c.since = std::chrono::steady_clock::now();
       replies.clear();
       if (auto err = engine.apply(id, std::move(p.query), replies); !err.empty()) {
         if (!send_all(id)) drop(id, err);
@@ -410,6 +456,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
           boost::system::error_code ignored;
           it->second->close(ignored);
           self->parked.erase(it);
+          self->forget_address(id);
         }
       });
     }
@@ -440,6 +487,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     shares.clear();
     for (auto& [id, p] : parked) p->close(ignored);
     parked.clear();
+    per_address.clear();
+    address_of.clear();
     idle = nullptr;
   }
 };

@@ -14,6 +14,7 @@
 // is thus at most max_bytes + max_buffered + a query being served.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -29,8 +30,16 @@ namespace mg::store {
 
 struct ServerOptions {
   // Clients at once, parked ones included (the agent's share of its descriptors). At the
-  // limit a newcomer displaces the oldest client that has sent nothing yet, or is refused.
+  // limit a newcomer displaces a silent client (one that never sent a whole query, the
+  // oldest first; else one whose query has not been whole for query_deadline), or is
+  // refused.
   std::size_t max_clients = 100000;
+  // Clients at once from one address, parked ones included; at it, a newcomer displaces a
+  // silent client of that address, or is refused. Every local worker connects from
+  // 127.0.0.1: torch's c10d opens about 2 connections a worker, so 64 workers with the
+  // parked clients of an ended attempt come to about 256; twice that keeps them all.
+  std::size_t max_per_address = 512;
+  std::chrono::milliseconds query_deadline{10000};
   std::size_t max_bytes = std::size_t{1} << 30;  // keys and values stored
   // One reply, at most (a GET or MULTI_GET over it closes its client): one GET of the
   // largest value (limits.max_value and its 8-byte length) fits. A client that does not

@@ -4,7 +4,7 @@
 // before the workers bind it. The agent therefore picks ports outside the range
 // (/proc/sys/net/ipv4/ip_local_port_range) and holds the chosen one until the workers start.
 //
-// The hold listens (a small backlog, SO_REUSEADDR, the wildcard address): Linux lets any
+// The hold listens (backlog 128, SO_REUSEADDR, the wildcard address): Linux lets any
 // user bind and listen beside a socket that is only bound with SO_REUSEADDR, but no one
 // (of any user, with SO_REUSEADDR or SO_REUSEPORT) beside a listening one. The node-0
 // agent's store takes that very listening socket over (release()), so the port is never
@@ -71,7 +71,10 @@ inline int port_outside(PortRange eph, unsigned r) {
 // stop_listening(), only bound). Non-blocking, close-on-exec.
 class PortReservation {
  public:
-  static constexpr int kBacklog = 16;  // connections queued before the store accepts them
+  // Connections queued before the store (or preflight's coordinator) accepts them: as many
+  // as a listener of c10d's TCPStore or of preflight's data port queues, so that strangers
+  // connecting while the port is held but not yet served fill it no sooner (#35).
+  static constexpr int kBacklog = 128;
 
   // Holds `port` (listening), or nullopt when something else uses it (errno kept).
   static std::optional<PortReservation> try_hold(int port) {

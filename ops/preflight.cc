@@ -45,6 +45,7 @@ constexpr std::size_t kHeaderBytes = 8 + kTagBytes;
 constexpr std::size_t kMaxPending = 64;
 constexpr milliseconds kPatience{2000};
 constexpr std::size_t kMaxHello = 4096;
+constexpr int kBacklog = 128;  // every listener's accept queue (the coordinator's too)
 // How much longer than the coordinator a node waits for its word: the coordinator's own
 // time-out (a node that never came) must reach the others before theirs.
 constexpr std::chrono::milliseconds kGrace{2000};
@@ -154,7 +155,7 @@ Fd listen_on(const std::string& host, int want_port, bool reuse, int& port, std:
     if (!fd) continue;
     const int one = 1;
     if (reuse) ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd.get(), a.sa(), a.len) != 0 || ::listen(fd.get(), 128) != 0) {
+    if (::bind(fd.get(), a.sa(), a.len) != 0 || ::listen(fd.get(), kBacklog) != 0) {
       error = fmt::format("cannot listen on {}:{}: {}", host.empty() ? "*" : host, want_port, std::strerror(errno));
       continue;
     }
@@ -650,7 +651,7 @@ nlohmann::json to_json(const NodeReport& r) {
   for (const auto& x : r.received) rec.push_back({{"from", x.from}, {"bytes", x.bytes}, {"seconds", x.seconds}});
   return {{"rank", r.rank},           {"unreachable", r.unreachable}, {"waited_on", r.waited_on},
           {"errors", r.errors},       {"allreduce_s", r.allreduce_s}, {"allreduce_wrong", r.allreduce_wrong},
-          {"received", rec}};
+          {"received", rec},          {"flooded", r.flooded}};
 }
 
 NodeReport node_report_from_json(const nlohmann::json& j) {
@@ -661,6 +662,7 @@ NodeReport node_report_from_json(const nlohmann::json& j) {
   r.errors = j.at("errors").get<std::vector<std::string>>();
   r.allreduce_s = j.at("allreduce_s").get<double>();
   r.allreduce_wrong = j.at("allreduce_wrong").get<long long>();
+  r.flooded = j.value("flooded", std::string());
   for (const auto& x : j.at("received"))
     r.received.push_back({x.at("from").get<int>(), x.at("bytes").get<double>(), x.at("seconds").get<double>()});
   return r;
@@ -670,10 +672,23 @@ Verdict judge(const std::vector<NodeReport>& reports, const std::vector<std::str
               double seconds) {
   Verdict v;
   const int n = static_cast<int>(nodes.size());
-  auto fail = [&](std::vector<int> named, const std::string& what) {
+  // A node whose data port strangers flooded: its peers' connections may have been among
+  // those turned away, so what failed between nodes names nobody (as a flood of the
+  // control port does).
+  std::string flooded;
+  for (const auto& r : reports)
+    if (!r.flooded.empty() && r.rank >= 0 && r.rank < n)
+      flooded += fmt::format("{}{}'s data port: {}", flooded.empty() ? "" : "; ", node_name(r.rank, nodes), r.flooded);
+  auto fail = [&](std::vector<int> named, const std::string& what, bool between_nodes = true) {
     std::sort(named.begin(), named.end());
     v.named = std::move(named);
     v.line = fmt::format("preflight failed after {:.2f} s: {}", seconds, what);
+    if (between_nodes && !flooded.empty()) {
+      v.named.clear();
+      v.line += fmt::format("; but nobody is named: strangers flooded {} (find what connects to that port; a token, "
+                            "--token-file, lets nodes prove they belong)",
+                            flooded);
+    }
     return v;
   };
   std::vector<const NodeReport*> by_rank(static_cast<std::size_t>(n), nullptr);
@@ -691,10 +706,12 @@ Verdict judge(const std::vector<NodeReport>& reports, const std::vector<std::str
     if (!absent.empty())
       return fail(absent, fmt::format("{} did not reach the coordinator, {}, at MASTER_ADDR:MASTER_PORT "
                                       "(is its agent running, and can it reach that address?)",
-                                      names(absent, nodes), node_name(0, nodes)));
+                                      names(absent, nodes), node_name(0, nodes)),
+                  /*between_nodes=*/false);
     if (!silent.empty())
       return fail(silent, fmt::format("{} stopped answering during the check (stopped or overloaded?)",
-                                      names(silent, nodes)));
+                                      names(silent, nodes)),
+                  /*between_nodes=*/false);
   }
   // Connections that failed: blame a node nobody reaches, else one that reaches nobody.
   {
@@ -903,6 +920,7 @@ class Node {
     if (o_.rank == 0) {
       if (o_.coordinator_fd >= 0) {
         coord_fd_ = o_.coordinator_fd;
+        ::listen(coord_fd_, kBacklog);  // its queue as long as our own listeners', whoever made it
       } else {
         int port = 0;
         coord_listener_ = listen_on("", o_.coordinator_port, /*reuse=*/true, port, error_);
@@ -1134,7 +1152,11 @@ class Node {
 
   // Everyone says whom it could not reach; the coordinator stops the check there or says go.
   bool settle_connections() {
-    const nlohmann::json mine = {{"t", "connected"}, {"unreachable", report_.unreachable}, {"errors", report_.errors}};
+    note_full_queue();
+    const nlohmann::json mine = {{"t", "connected"},
+                                 {"unreachable", report_.unreachable},
+                                 {"errors", report_.errors},
+                                 {"flooded", report_.flooded}};
     if (o_.rank != 0) {
       if (!send_msg(coord_, mine, deadline_, o_.cancel_fd, error_)) return lost_coordinator();
       auto m = await_coordinator(deadline_ + kGrace);
@@ -1152,6 +1174,7 @@ class Node {
       if (r == 0) {
         x.unreachable = report_.unreachable;
         x.errors = report_.errors;
+        x.flooded = report_.flooded;
         continue;
       }
       std::string err;
@@ -1164,6 +1187,7 @@ class Node {
       }
       x.unreachable = m->value("unreachable", std::vector<int>{});
       x.errors = m->value("errors", std::vector<std::string>{});
+      x.flooded = m->value("flooded", std::string());
       any_failed = any_failed || !x.unreachable.empty();
     }
     if (any_failed) {
@@ -1173,6 +1197,19 @@ class Node {
     std::string err;
     for (int r = 1; r < n_; ++r) send_msg(ctl_[static_cast<std::size_t>(r)], {{"t", "go"}}, deadline_, o_.cancel_fd, err);
     return true;
+  }
+
+  // This node's data port, once its peers have connected (or failed to): an accept queue
+  // that is full refused their connections, and its peers would name this node for it.
+  // TCP_INFO of a listener: tcpi_unacked is the queue's length, tcpi_sacked its bound.
+  void note_full_queue() {
+    if (!data_listener_) return;
+    tcp_info ti{};
+    socklen_t len = sizeof(ti);
+    if (::getsockopt(data_listener_.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0 || ti.tcpi_sacked == 0) return;
+    if (ti.tcpi_unacked >= ti.tcpi_sacked)
+      report_.flooded = fmt::format("its accept queue was full ({} connections waiting) when its peers connected",
+                                    ti.tcpi_unacked);
   }
 
   // The peers' data connections, each showing its tag (data_tag()); served side by side
@@ -1197,6 +1234,7 @@ class Node {
     if (data_listener_)
       admit(data_listener_.get(), kHeaderBytes, data_deadline_, o_.cancel_fd, step, [&] { return want == 0; }, of_node(),
             flood);
+    if (flood.turned_away > 0 && want > 0 && report_.flooded.empty()) report_.flooded = flood.text();
     for (int s : shifts(n_))
       if (!in_.count(s)) {
         const int from = ((o_.rank - s) % n_ + n_) % n_;

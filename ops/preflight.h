@@ -79,6 +79,10 @@ struct NodeReport {
   double allreduce_s = -1;             // -1: not completed
   long long allreduce_wrong = 0;       // elements with a wrong sum
   std::vector<Received> received;
+  // Strangers flooded this node's data port ("" : not seen): its accept queue was full when
+  // its peers connected, or connections were turned away for want of room (what and from
+  // where). A failure between nodes then names nobody.
+  std::string flooded;
 };
 nlohmann::json to_json(const NodeReport& r);
 NodeReport node_report_from_json(const nlohmann::json& j);  // throws nlohmann::json::exception
@@ -93,6 +97,7 @@ struct Verdict {
 
 // The rules, in order (the first that names a node decides):
 //  - a node that never reached the coordinator, or never reported: broken;
+//  (any rule below names nobody when a node's data port was flooded: NodeReport::flooded)
 //  - a node that every peer tried and failed to connect to (its listener cannot be reached);
 //    then a node that could connect to none of its peers;
 //  - a node whose data its peers waited for in vain (most waited on);

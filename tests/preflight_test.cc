@@ -8,12 +8,17 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <dirent.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <deque>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <future>
 #include <map>
 #include <optional>
@@ -22,6 +27,7 @@
 #include <vector>
 
 #include "cli/errors.h"
+#include "launcher/port.h"
 #include "launcher/supervisor.h"
 #include "ops/preflight.h"
 #include "rendezvous/auth.h"
@@ -306,6 +312,7 @@ bool closed_within(int fd, std::chrono::milliseconds timeout) {
 struct TwoNodes {
   Sock listener;
   int port = 0;
+  int held_fd = -1;  // the coordinator listens here instead (the agent's held master port)
   Options base;
   std::future<mg::preflight::Result> first, second;
   explicit TwoNodes(std::string key = {}) {
@@ -320,7 +327,7 @@ struct TwoNodes {
   Options of(int rank) const {
     Options o = base;
     o.rank = rank;
-    o.coordinator_fd = rank == 0 ? listener.fd : -1;
+    o.coordinator_fd = rank == 0 ? (held_fd >= 0 ? held_fd : listener.fd) : -1;
     return o;
   }
   void start_first() {
@@ -731,4 +738,108 @@ TEST_CASE("preflight with a token: a hello whose port is rewritten on the way fa
   INFO(r0.line << "\n" << r1.line);
   CHECK_FALSE(data_went_to_trap);
   CHECK_FALSE(r0.ok);
+}
+
+namespace {
+
+// The ports this process listens on at `ip` (a node thread's data listener), from
+// /proc/net/tcp matched to this process's own sockets (other processes may listen there).
+std::vector<int> own_listeners_at(const std::string& ip) {
+  std::set<std::string> inodes;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(d)) {
+      char target[64] = {};
+      const std::string link = std::string("/proc/self/fd/") + e->d_name;
+      const ssize_t n = ::readlink(link.c_str(), target, sizeof target - 1);
+      if (n > 9 && std::string(target, 8) == "socket:[") inodes.insert(std::string(target + 8, static_cast<std::size_t>(n) - 9));
+    }
+    ::closedir(d);
+  }
+  in_addr a{};
+  ::inet_pton(AF_INET, ip.c_str(), &a);
+  char want[9];
+  std::snprintf(want, sizeof want, "%08X", a.s_addr);  // as the kernel prints it: host order of the raw word
+  std::vector<int> ports;
+  std::ifstream f("/proc/net/tcp");
+  std::string line;
+  std::getline(f, line);
+  while (std::getline(f, line)) {
+    std::istringstream in(line);
+    std::string sl, local, remote, st, queues, tr, retr, uid, timeout, inode;
+    in >> sl >> local >> remote >> st >> queues >> tr >> retr >> uid >> timeout >> inode;
+    if (st != "0A" || local.size() != 13 || local.substr(0, 8) != want || !inodes.count(inode)) continue;
+    ports.push_back(std::stoi(local.substr(9), nullptr, 16));
+  }
+  return ports;
+}
+
+// `count` connections to ip:port from 127.0.0.a, a in [first, first+10), never a word from
+// them; non-blocking (those the listener's queue has no room for stay in SYN_SENT).
+std::vector<Sock> silent_flood(const std::string& ip, int port, int count, int first) {
+  std::vector<Sock> v;
+  for (int k = 0; k < count; ++k) {
+    Sock s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    sockaddr_in me = loopback_addr("127.0.0." + std::to_string(first + k % 10), 0);
+    ::bind(s.fd, reinterpret_cast<sockaddr*>(&me), sizeof me);
+    sockaddr_in a = loopback_addr(ip, port);
+    ::connect(s.fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    v.push_back(std::move(s));
+  }
+  return v;
+}
+
+// How many of `socks` are connected within `timeout` (the listener's queue took them).
+int connected_within(const std::vector<Sock>& socks, std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  int n = 0;
+  for (const auto& s : socks) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+    pollfd p{s.fd, POLLOUT, 0};
+    int err = -1;
+    socklen_t len = sizeof err;
+    if (::poll(&p, 1, static_cast<int>(std::max<long long>(left.count(), 0))) > 0 &&
+        ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0)
+      ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("preflight: a flood of silent connections at node 1's data port gets nobody named") {
+  // Node 1's data port is flooded before node 0 connects: its accept queue is full, node
+  // 0's connection is refused. Before: node 0 reported node 1 unreachable and the verdict
+  // named node 1 ("no node can connect to node 1"), though a stranger caused it.
+  TwoNodes check;
+  check.base.timeout = 30s;  // node 1 waits for the coordinator while the test floods its port
+  check.start_second();  // it listens for data, then waits for the coordinator's table
+  std::vector<int> ports;
+  REQUIRE(eventually([&] { return !(ports = own_listeners_at("127.0.0.3")).empty(); }, 20s));
+  REQUIRE(ports.size() == 1);
+  const std::vector<Sock> flood = silent_flood("127.0.0.3", ports[0], 300, 60);
+  REQUIRE(connected_within(flood, 3s) > 100);  // the queue (128) is full
+  check.base.timeout = 6s;
+  check.start_first();
+  const auto r0 = check.first.get(), r1 = check.second.get();
+  INFO(r0.line << "\n" << r1.line);
+  CHECK_FALSE(r0.ok);
+  CHECK(r0.named.empty());
+  CHECK(r1.named.empty());
+  CHECK_THAT(r0.line, Catch::Contains("nobody is named") && Catch::Contains("node 1 (127.0.0.3)'s data port"));
+  CHECK(r0.line == r1.line);
+}
+
+TEST_CASE("preflight: 100 silent connections queued at the agent's held master port keep no node out") {
+  // The coordinator accepts on the agent's held MASTER_PORT (launcher/port.h). Strangers
+  // connect there before the check starts (nothing accepts yet): each is queued, and once
+  // the check runs they are accepted and dropped while node 1 joins. Before: the hold's
+  // backlog was 16, so 17 were queued and the others' (and a node's) SYNs were dropped.
+  mg::PortReservation hold = mg::reserve_master_port();
+  TwoNodes check;
+  check.held_fd = hold.fd();
+  check.port = check.base.coordinator_port = hold.port();
+  const std::vector<Sock> flood = silent_flood("127.0.0.2", hold.port(), 100, 70);
+  CHECK(connected_within(flood, 10s) == 100);
+  check.start_first();
+  check.second_passes();
 }

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <unordered_set>
 
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
@@ -37,6 +38,7 @@
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 #include "process/command.h"
+#include "process/listeners.h"
 #include "process/proc.h"
 
 namespace mg {
@@ -595,6 +597,7 @@ std::string Agent::serve_store() {
                          port_hold_->port(), std::strerror(errno)));
       port_hold_.reset();
     }
+    if (plan_.node_rank == 0) watch_master_port();
     return {};
   }
   if (store_ && store_->port() == plan_.master_port) {
@@ -620,6 +623,47 @@ std::string Agent::serve_store() {
     return store_error_;
   }
   return {};
+}
+
+void Agent::watch_master_port() {
+  if (!port_watch_) port_watch_ = std::make_unique<asio::steady_timer>(io_);
+  check_master_port(++port_watch_round_, 600);  // 100 ms apart: 60 s for rank 0 to listen
+}
+
+void Agent::check_master_port(int round, int checks_left) {
+  if (round != port_watch_round_ || core_.state() == sup::State::kDone) return;
+  const int port = plan_.master_port;
+  const unsigned me = ::geteuid();
+  std::optional<TcpListener> stranger;
+  bool ours = false;
+  const auto listeners = tcp_listeners_on(port);
+  if (!listeners.empty()) {
+    std::unordered_set<std::uint64_t> mine;  // the sockets of this agent's descendants
+    for (const auto& p : descendants_of(scan_family(::getpid()), ::getpid()))
+      for (auto inode : socket_inodes_of(p.pid)) mine.insert(inode);
+    for (const auto& l : listeners) {
+      if (mine.contains(l.inode)) ours = true;
+      else if (l.uid != me || !stranger) stranger = l;
+    }
+  }
+  if (stranger && (stranger->uid != me || !ours)) {
+    ++port_watch_round_;
+    run(core_.fatal(
+        exit_code::kResource,
+        fmt::format("MASTER_PORT {} was taken by a process of uid {}{} (socket inode {}), not by this run's rank 0: "
+                    "where rank 0's TCPStore hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch 2.0 and "
+                    "2.1, torch 1.x's c10d), the port is only bound from just before the workers start until it "
+                    "listens, and that process listened there meanwhile; find it (ss -ltnp 'sport = :{}') and run again",
+                    port, stranger->uid, stranger->uid == me ? " (this user, not a process of this run)" : "",
+                    stranger->inode, port),
+        now()));
+    return;
+  }
+  if (ours || --checks_left <= 0) return;  // rank 0 listens: nobody else can any more
+  port_watch_->expires_after(std::chrono::milliseconds(100));
+  port_watch_->async_wait([this, round, checks_left](boost::system::error_code ec) {
+    if (!ec) check_master_port(round, checks_left);
+  });
 }
 
 void Agent::retire_store() {

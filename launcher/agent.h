@@ -239,6 +239,15 @@ class Agent {
   // the attempt's workers then fail with that reason and exit code 4, as ones that
   // cannot be started do, and the job decides as for any failure.
   std::string serve_store();
+  // Where the workers host the store (rank 0's TCPStore binds MASTER_PORT; the hold only
+  // bound from just before the spawn): looks at the port's listeners every 100 ms for at
+  // most 60 s, until one of this agent's workers (or their descendants) listens there. A
+  // listener of another uid took the port in that window: the run ends with exit 4 and a
+  // line naming the uid (#35).
+  void watch_master_port();
+  void check_master_port(int round, int checks_left);
+  std::unique_ptr<boost::asio::steady_timer> port_watch_;
+  int port_watch_round_ = 0;  // a check of an older watch finds a newer round and stops
   std::string store_error_;        // why the store could not serve attempt store_error_attempt_
   int store_error_attempt_ = -1;
   std::unique_ptr<AgentStore> store_;  // made by make_store_

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ip/v6_only.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/format.h>
 
@@ -102,12 +103,24 @@ std::unique_ptr<AgentStore> serve_machine_store(asio::io_context& io, int port, 
   ip::tcp::acceptor acceptor(io);
   boost::system::error_code ec;
   if (held_fd >= 0) {
-    acceptor.assign(ip::tcp::v4(), held_fd, ec);
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    const bool v6 = ::getsockname(held_fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0 && ss.ss_family == AF_INET6;
+    acceptor.assign(v6 ? ip::tcp::v6() : ip::tcp::v4(), held_fd, ec);
     if (ec) ::close(held_fd);
   } else {
-    acceptor.open(ip::tcp::v4(), ec);
+    // As the hold (launcher/port.h): both families on [::], else 0.0.0.0.
+    acceptor.open(ip::tcp::v6(), ec);
+    if (!ec) acceptor.set_option(ip::v6_only(false), ec);
     if (!ec) acceptor.set_option(ip::tcp::acceptor::reuse_address(true), ec);
-    if (!ec) acceptor.bind({ip::address_v4::any(), static_cast<unsigned short>(port)}, ec);
+    if (!ec) acceptor.bind({ip::address_v6::any(), static_cast<unsigned short>(port)}, ec);
+    if (ec && ec != asio::error::address_in_use) {
+      acceptor.close(ec);
+      ec = {};
+      acceptor.open(ip::tcp::v4(), ec);
+      if (!ec) acceptor.set_option(ip::tcp::acceptor::reuse_address(true), ec);
+      if (!ec) acceptor.bind({ip::address_v4::any(), static_cast<unsigned short>(port)}, ec);
+    }
   }
   if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
   if (ec)  // the workers would talk to whatever holds the port (another job's store): stop here

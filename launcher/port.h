@@ -4,14 +4,15 @@
 // before the workers bind it. The agent therefore picks ports outside the range
 // (/proc/sys/net/ipv4/ip_local_port_range) and holds the chosen one until the workers start.
 //
-// The hold listens (backlog 128, SO_REUSEADDR, the wildcard address): Linux lets any
+// The hold listens (backlog 128, SO_REUSEADDR, the wildcard address of both families: [::]
+// with IPV6_V6ONLY off): Linux lets any
 // user bind and listen beside a socket that is only bound with SO_REUSEADDR, but no one
 // (of any user, with SO_REUSEADDR or SO_REUSEPORT) beside a listening one. The node-0
 // agent's store takes that very listening socket over (release()), so the port is never
 // free between the hold and the store. Where the workers host the store themselves
 // (c10d's TCPStore binds it), stop_listening() turns the hold into a bound socket just
-// before they start, which their SO_REUSEADDR bind can share, and it goes once they have
-// exec'd. Header-only.
+// before they start (shutdown(): the port stays bound), which their SO_REUSEADDR bind can
+// share, and it goes once they have exec'd. Header-only.
 #pragma once
 
 #include <netinet/in.h>
@@ -67,8 +68,9 @@ inline int port_outside(PortRange eph, unsigned r) {
   return k < below ? lo + k : std::max(eph.hi, lo - 1) + 1 + (k - below);
 }
 
-// A held port: a TCP socket bound to 0.0.0.0:port with SO_REUSEADDR, listening (or, after
-// stop_listening(), only bound). Non-blocking, close-on-exec.
+// A held port: a TCP socket bound to [::]:port, IPv4 included (0.0.0.0:port without IPv6),
+// with SO_REUSEADDR, listening (or, after stop_listening(), only bound). Non-blocking,
+// close-on-exec.
 class PortReservation {
  public:
   // Connections queued before the store (or preflight's coordinator) accepts them: as many
@@ -108,30 +110,56 @@ class PortReservation {
     listening_ = false;
     return std::exchange(fd_, -1);
   }
-  // For workers that bind the port themselves: the listening socket is replaced by one
-  // that is only bound (the port is free for a moment in between). False, with errno, when
-  // the port could not be bound again (then nothing is held).
+  // For workers that bind the port themselves: the socket stops listening but stays bound
+  // (shutdown() of a listener whose port was bound by number keeps the port: Linux moves it
+  // to CLOSE with its bind), so the port is never free between the two; from here until
+  // rank 0's TCPStore listens, another user can bind and listen beside it with SO_REUSEADDR
+  // (the agent then sees that listener's uid: Agent::watch_master_port). Where shutdown()
+  // fails, the socket is replaced by a bound one (free for a moment in between). False,
+  // with errno, when the port could not be bound again (then nothing is held).
   bool stop_listening() {
     if (!listening_ || fd_ < 0) return fd_ >= 0;
-    ::close(std::exchange(fd_, -1));
     listening_ = false;
+    if (::shutdown(fd_, SHUT_RD) == 0) return true;
+    ::close(std::exchange(fd_, -1));
     fd_ = bound_socket(port_, /*listening=*/false);
     return fd_ >= 0;
   }
 
  private:
   PortReservation(int fd, int port) : fd_(fd), port_(port), listening_(true) {}
-  // A socket on 0.0.0.0:port with SO_REUSEADDR, listening when asked; -1 (errno kept) on failure.
+  // A socket on the wildcard address with SO_REUSEADDR, listening when asked; -1 (errno
+  // kept) on failure. Both families at once where the machine has IPv6: [::] with
+  // IPV6_V6ONLY off takes the port on every IPv4 and IPv6 address, so no one else can bind
+  // [::]:port (V6ONLY) beside a hold of 0.0.0.0:port and take the workers that resolve
+  // MASTER_ADDR (localhost) to ::1 (#35). 0.0.0.0 only where IPv6 is missing.
   static int bound_socket(int port, bool listening) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    const int fd6 = bind_wildcard(AF_INET6, port, listening);
+    if (fd6 >= 0 || (errno != EAFNOSUPPORT && errno != EADDRNOTAVAIL && errno != EPROTONOSUPPORT)) return fd6;
+    return bind_wildcard(AF_INET, port, listening);
+  }
+  static int bind_wildcard(int family, int port, bool listening) {
+    const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return -1;
-    const int one = 1;
+    const int one = 1, zero = 0;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || (listening && ::listen(fd, kBacklog) != 0)) {
+    sockaddr_storage ss{};
+    socklen_t len = 0;
+    if (family == AF_INET6) {
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+      auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+      a->sin6_family = AF_INET6;
+      a->sin6_addr = in6addr_any;
+      a->sin6_port = htons(static_cast<uint16_t>(port));
+      len = sizeof(sockaddr_in6);
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+      a->sin_family = AF_INET;
+      a->sin_addr.s_addr = htonl(INADDR_ANY);
+      a->sin_port = htons(static_cast<uint16_t>(port));
+      len = sizeof(sockaddr_in);
+    }
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || (listening && ::listen(fd, kBacklog) != 0)) {
       const int err = errno;
       ::close(fd);
       errno = err;

@@ -1,4 +1,5 @@
 #include "process/proc.h"
+#include "process/listeners.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -216,6 +217,70 @@ std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t r
 std::unordered_set<pid_t> descendant_groups(const std::vector<ProcStat>& table, pid_t root) {
   std::unordered_set<pid_t> out;
   for (const auto& p : descendants_of(table, root)) out.insert(p.pgrp);
+  return out;
+}
+
+std::vector<TcpListener> parse_tcp_listeners(std::string_view text, int port) {
+  // "  sl  local_address rem_address   st tx_queue:rx_queue tr:tm->when retrnsmt   uid  timeout inode"
+  std::vector<TcpListener> out;
+  std::size_t pos = text.find('\n');  // the header
+  while (pos != std::string_view::npos && pos + 1 < text.size()) {
+    const std::size_t end = text.find('\n', pos + 1);
+    const std::string_view line = text.substr(pos + 1, end == std::string_view::npos ? end : end - pos - 1);
+    pos = end;
+    std::string_view f[10];
+    std::size_t n = 0, i = 0;
+    while (n < 10 && i < line.size()) {
+      while (i < line.size() && line[i] == ' ') ++i;
+      const std::size_t b = i;
+      while (i < line.size() && line[i] != ' ') ++i;
+      if (i > b) f[n++] = line.substr(b, i - b);
+    }
+    if (n < 10 || f[3] != "0A") continue;
+    const std::size_t colon = f[1].rfind(':');
+    unsigned local_port = 0;
+    if (colon == std::string_view::npos ||
+        std::from_chars(f[1].data() + colon + 1, f[1].data() + f[1].size(), local_port, 16).ec != std::errc() ||
+        static_cast<int>(local_port) != port)
+      continue;
+    TcpListener l;
+    if (std::from_chars(f[7].data(), f[7].data() + f[7].size(), l.uid).ec != std::errc() ||
+        std::from_chars(f[9].data(), f[9].data() + f[9].size(), l.inode).ec != std::errc())
+      continue;
+    out.push_back(l);
+  }
+  return out;
+}
+
+std::vector<TcpListener> tcp_listeners_on(int port) {
+  std::vector<TcpListener> out;
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::string text;
+    const int fd = ::open(file, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    char buf[64 * 1024];
+    for (ssize_t got; (got = ::read(fd, buf, sizeof(buf))) > 0;) text.append(buf, static_cast<std::size_t>(got));
+    ::close(fd);
+    for (const auto& l : parse_tcp_listeners(text, port)) out.push_back(l);
+  }
+  return out;
+}
+
+std::unordered_set<std::uint64_t> socket_inodes_of(pid_t pid) {
+  std::unordered_set<std::uint64_t> out;
+  const std::string dir = fmt::format("/proc/{}/fd", pid);
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return out;
+  while (dirent* e = ::readdir(d)) {
+    char target[64] = {};
+    const std::string link = dir + "/" + e->d_name;
+    const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    const std::string_view t(target, n > 0 ? static_cast<std::size_t>(n) : 0);
+    if (t.size() < 10 || t.substr(0, 8) != "socket:[") continue;
+    std::uint64_t inode = 0;
+    if (std::from_chars(t.data() + 8, t.data() + t.size() - 1, inode).ec == std::errc()) out.insert(inode);
+  }
+  ::closedir(d);
   return out;
 }
 

@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <fstream>
 #include <optional>
@@ -960,13 +961,18 @@ std::vector<int> wildcard_ports_of(pid_t pid) {
       if (fd < 0) continue;
       int type = 0;
       socklen_t tl = sizeof type;
-      sockaddr_in a{}, peer{};
+      sockaddr_storage a{}, peer{};
       socklen_t al = sizeof a, pl = sizeof peer;
+      const auto* a4 = reinterpret_cast<const sockaddr_in*>(&a);
+      const auto* a6 = reinterpret_cast<const sockaddr_in6*>(&a);
+      auto wildcard_of = [&](const sockaddr_storage& x) {
+        return (x.ss_family == AF_INET && a4->sin_addr.s_addr == htonl(INADDR_ANY) && a4->sin_port != 0) ||
+               (x.ss_family == AF_INET6 && IN6_IS_ADDR_UNSPECIFIED(&a6->sin6_addr) && a6->sin6_port != 0);
+      };
       if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) == 0 && type == SOCK_STREAM &&
-          ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &al) == 0 && a.sin_family == AF_INET &&
-          a.sin_addr.s_addr == htonl(INADDR_ANY) && a.sin_port != 0 &&
+          ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &al) == 0 && wildcard_of(a) &&
           ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0)
-        ports.push_back(ntohs(a.sin_port));
+        ports.push_back(ntohs(a.ss_family == AF_INET ? a4->sin_port : a6->sin6_port));
       ::close(fd);
     }
     ::closedir(d);
@@ -976,8 +982,9 @@ std::vector<int> wildcard_ports_of(pid_t pid) {
 }
 
 // A process of uid/gid 65534 (nobody) that tries to take `port` as a server: SO_REUSEADDR
-// (and SO_REUSEPORT) on 0.0.0.0 and 127.0.0.1, bind and listen. Keeps what it got until
-// destroyed.
+// (and SO_REUSEPORT) on 0.0.0.0 and 127.0.0.1, and on [::] and [::1] with IPV6_V6ONLY (where
+// the machine has IPv6), bind and listen. Keeps what it got until destroyed; `how` says
+// where it listens ("0.0.0.0", "::1" ...).
 class Stealer {
  public:
   explicit Stealer(int port) {
@@ -992,18 +999,31 @@ class Stealer {
       ::close(hold[1]);
       char got = 'n';
       if (::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 && ::setuid(65534) == 0) {
-        for (in_addr_t addr : {htonl(INADDR_ANY), htonl(INADDR_LOOPBACK)})
+        for (int where = 0; where < 4; ++where)  // 0.0.0.0, 127.0.0.1, [::], [::1]
           for (int reuseport : {0, 1}) {
-            if (got == 'y') break;
-            const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+            if (got != 'n') break;
+            const bool v6 = where >= 2;
+            const int fd = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
+            if (fd < 0) continue;  // no IPv6 here
             const int one = 1;
             ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
             if (reuseport) ::setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
-            sockaddr_in a{};
-            a.sin_family = AF_INET;
-            a.sin_addr.s_addr = addr;
-            a.sin_port = htons(static_cast<uint16_t>(port));
-            if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd, 16) == 0) got = 'y';
+            if (v6) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+            sockaddr_storage ss{};
+            socklen_t len = sizeof(sockaddr_in);
+            if (v6) {
+              auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+              a->sin6_family = AF_INET6;
+              a->sin6_addr = where == 2 ? in6addr_any : in6addr_loopback;
+              a->sin6_port = htons(static_cast<uint16_t>(port));
+              len = sizeof(sockaddr_in6);
+            } else {
+              auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+              a->sin_family = AF_INET;
+              a->sin_addr.s_addr = where == 0 ? htonl(INADDR_ANY) : htonl(INADDR_LOOPBACK);
+              a->sin_port = htons(static_cast<uint16_t>(port));
+            }
+            if (::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) == 0 && ::listen(fd, 16) == 0) got = static_cast<char>('0' + where);
             else ::close(fd);
           }
       } else {
@@ -1021,7 +1041,8 @@ class Stealer {
     REQUIRE(::read(ends[0], &got, 1) == 1);
     ::close(ends[0]);
     REQUIRE(got != 'u');
-    listening_ = got == 'y';
+    listening_ = got >= '0' && got <= '3';
+    if (listening_) how_ = std::array<const char*, 4>{"0.0.0.0", "127.0.0.1", "[::]", "[::1]"}[got - '0'];
   }
   ~Stealer() {
     ::close(release_);
@@ -1029,14 +1050,38 @@ class Stealer {
     ::waitpid(pid_, &status, 0);
   }
   bool listening() const { return listening_; }
+  const std::string& how() const { return how_; }
 
  private:
+  std::string how_;
   pid_t pid_ = -1;
   int release_ = -1;
   bool listening_ = false;
 };
 
 }  // namespace
+
+TEST_CASE("another user cannot listen on the IPv6 side of node 0's held master port ([::] or [::1] with "
+          "IPV6_V6ONLY) (#35)") {
+  // Before: the hold was 0.0.0.0 only, so uid 65534 listened on [::]:PORT (V6ONLY), where a
+  // worker that resolves MASTER_ADDR=localhost to ::1 would have reached it.
+  if (const int probe = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0); probe >= 0) ::close(probe);
+  else SKIP_TEST("this machine has no IPv6");
+  Daemon d = start_daemon();
+  Proc n0 = spawn(agent_argv(d.endpoint, "steal6", 1, "2", 1, {"--node_rank=0", "--grace=2"}, {"exit", "0"}));
+  std::vector<int> held;
+  REQUIRE(eventually([&] { return !(held = wildcard_ports_of(n0.pid)).empty() || !pid_alive(n0.pid); }, 30s));
+  REQUIRE(held.size() == 1);
+  {
+    Stealer stealer(held[0]);
+    INFO("uid 65534 listens on " << stealer.how() << ":" << held[0]);
+    CHECK_FALSE(stealer.listening());
+  }
+  ::kill(n0.pid, SIGTERM);
+  REQUIRE(n0.wait(40s));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}
 
 TEST_CASE("while node 0 waits for node 1, another user cannot take its held master port, and a SIGTERM, a SIGINT "
           "or a second signal ends node 0 afterwards (#35)") {
@@ -1084,4 +1129,30 @@ TEST_CASE("while node 0 waits for node 1, another user cannot take its held mast
   REQUIRE(n1.wait(40s));
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
+}
+
+TEST_CASE("where the workers host the store, another user listening on MASTER_PORT before rank 0 ends the run with "
+          "exit 4 and a line naming its uid (#35)") {
+  // Rank 0's TCPStore binds MASTER_PORT itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so the
+  // agent's hold is only bound from just before the spawn: uid 65534 can listen there before
+  // rank 0 does (here rank 0 never does: it hangs). Before: the run went on as if nothing
+  // happened (the workers would have talked to the stranger's store) and ended with the
+  // worker, exit 0.
+  Proc agent = spawn({kMglaunch, "--standalone", "--nproc_per_node=1", "--grace=2", kFakeWorker, "env", "hang", "60"},
+                     {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
+  REQUIRE(eventually([&] { return !envs(agent.out()).empty() || !pid_alive(agent.pid); }, 60s));
+  const auto seen = envs(agent.out());
+  REQUIRE(seen.size() == 1);
+  const int port = std::stoi(seen[0]["MASTER_PORT"].get<std::string>());
+  // The agent lets the port go once the worker has exec'd; the stealer tries until then.
+  std::optional<Stealer> stealer;
+  REQUIRE(eventually([&] {
+    stealer.emplace(port);
+    return stealer->listening() || !pid_alive(agent.pid);
+  }, 20s));
+  INFO(agent.out() << agent.err());
+  REQUIRE(agent.wait(40s));  // by itself, long before the worker's 60 s
+  CHECK(agent.exit_code() == 4);
+  CHECK_THAT(agent.err() + agent.out(), Catch::Contains("MASTER_PORT " + std::to_string(port) + " was taken by a process "
+                                                        "of uid 65534"));
 }

@@ -9,6 +9,9 @@
 #include <unordered_set>
 
 #include <boost/asio/post.hpp>
+#include <fmt/format.h>
+
+#include "process/reap.h"
 
 namespace mg {
 
@@ -16,10 +19,24 @@ bool WorkerGroup::close() {
   // Nothing below the agent at the last scan and no worker left to reap since: nothing can
   // have started since either (only a live descendant could have started it).
   const bool known_clean = clean_ && leaders_.empty();
+  for (auto* list : {&workers_, &retired_})
+    for (auto& w : *list)
+      if (!w->exited() && w->pid() > 0 && !w->left_behind() && !w->kill_and_reap(reap_deadline())) leave_behind(w->pid());
   leaders_.clear();
-  workers_.clear();  // SIGKILLs anything still running
+  workers_.clear();  // (SIGKILLed and reaped above, or left behind)
   retired_.clear();
-  return known_clean || kill_leftovers(/*reap=*/true);
+  return known_clean || (kill_leftovers(/*reap=*/true) && left_behind_.empty());
+}
+
+std::chrono::steady_clock::time_point WorkerGroup::reap_deadline() {
+  if (!reap_deadline_) reap_deadline_ = std::chrono::steady_clock::now() + kReapBound;
+  return *reap_deadline_;
+}
+
+void WorkerGroup::leave_behind(pid_t pid) {
+  const auto st = read_proc_stat(pid);
+  const std::string what = fmt::format("pid {} (state {})", pid, st ? st->state : '?');
+  if (std::find(left_behind_.begin(), left_behind_.end(), what) == left_behind_.end()) left_behind_.push_back(what);
 }
 
 WorkerProcess& WorkerGroup::spawn(WorkerSpec spec, WorkerProcess::DoneHandler on_done) {
@@ -118,7 +135,13 @@ bool WorkerGroup::kill_all() {
   // all), which kill_leftovers() kills one by one: no scan for the groups first.
   for (auto& w : workers_)
     if (!w->exited()) w->signal_group(SIGKILL, nullptr);
-  return kill_leftovers(/*reap=*/true);
+  // The leaders too are reaped here, by the deadline: the reaper (SIGCHLD) is gone by now.
+  for (auto& w : workers_)
+    if (!w->exited() && w->pid() > 0 && !w->left_behind()) {
+      leaders_.erase(w->pid());
+      if (!w->kill_and_reap(reap_deadline())) leave_behind(w->pid());
+    }
+  return kill_leftovers(/*reap=*/true) && left_behind_.empty();
 }
 
 bool WorkerGroup::kill_leftovers(bool reap) {
@@ -134,14 +157,15 @@ bool WorkerGroup::kill_leftovers(bool reap) {
     }
     for (pid_t pid : victims) ::kill(pid, SIGKILL);
     if (!reap) return false;  // reap() reaps them
-    // Blocking waits only for children that cannot outlive them: killed ones, zombies.
+    // Waits only for children that cannot outlive them (killed ones, zombies), and only
+    // until the deadline: one in state D, or traced by another process, is left behind.
     for (const auto& p : scan_family(self)) {
       if (p.ppid != self || is_live_leader(p.pid) || p.pid == watchdog_.pid()) continue;
       if (p.state != 'Z' && !victims.contains(p.pid)) continue;
       int status = 0;
-      while (::waitpid(p.pid, &status, 0) < 0 && errno == EINTR) {
-      }
+      if (!reap_by(p.pid, reap_deadline(), status)) leave_behind(p.pid);
     }
+    if (!left_behind_.empty() && std::chrono::steady_clock::now() >= reap_deadline()) return false;
   }
   return false;
 }

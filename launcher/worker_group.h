@@ -12,7 +12,10 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <memory>
+#include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -31,8 +34,12 @@ class WorkerGroup {
   ~WorkerGroup() { close(); }
   // Drops every handle (SIGKILLing and reaping its worker) and kills what is left. True
   // when a last scan found nothing below the agent alive but the watchdog: then no process
-  // the workers started can remain once the agent exits.
+  // the workers started can remain once the agent exits. Every reap is bounded (kReapBound
+  // in all): what could not be reaped by then is in left_behind().
   bool close();
+  // The processes the end of the run SIGKILLed but could not reap within kReapBound (a
+  // process in state D, or one another process traces), as "pid P (state S)"; empty: none.
+  const std::vector<std::string>& left_behind() const { return left_behind_; }
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
@@ -53,8 +60,8 @@ class WorkerGroup {
   // watchdog, reaping them (kill_leftovers(true)); true as kill_leftovers.
   bool kill_all();
   // SIGKILLs every descendant but the unreaped worker leaders and the watchdog; with
-  // `reap`, waits for the killed children (end of the run) instead of leaving them to reap().
-  // True when its last scan found nothing to kill.
+  // `reap`, waits for the killed children (end of the run; until kReapBound from the first
+  // such wait) instead of leaving them to reap(). True when its last scan found nothing to kill.
   bool kill_leftovers(bool reap);
   // The one reaper (on SIGCHLD): waitpid(-1) until nothing is left to reap; a worker
   // leader's status goes to its handle, anything else (an orphan handed to the subreaper)
@@ -78,6 +85,11 @@ class WorkerGroup {
   // The last kill_leftovers() scan found nothing but the watchdog with every leader reaped,
   // and nothing was spawned since: close() needs no scan of its own.
   bool clean_ = false;
+  // The end of the run's reaps share one deadline (set by the first).
+  std::optional<std::chrono::steady_clock::time_point> reap_deadline_;
+  std::chrono::steady_clock::time_point reap_deadline();
+  void leave_behind(pid_t pid);
+  std::vector<std::string> left_behind_;
 };
 
 }  // namespace mg

@@ -15,6 +15,7 @@
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "process/watchdog.h"
 #include "launcher/worker_group.h"
@@ -42,6 +43,7 @@ class ProcessLauncher final : public WorkerLauncher {
     closed_ = true;
     drop_exec_fence();
     const bool clean = group_.close();  // SIGKILLs anything still running
+    say_left_behind();
     // It kills whatever still carries this run's mark, unless nothing is left to kill. With
     // nothing left, the temporary tree goes while the watchdog exits (~Watchdog waits for it).
     if (clean) {
@@ -152,9 +154,21 @@ class ProcessLauncher final : public WorkerLauncher {
     // Nothing below the agent alive any more: the watchdog may go now, while the agent
     // finishes (its exit is waited for last, in ~Watchdog).
     if (group_.kill_all()) watchdog_.let_go(/*clean=*/true);
+    say_left_behind();
   }
 
  private:
+  // The processes the end of the run could not reap (WorkerGroup::left_behind), said once.
+  void say_left_behind() {
+    const auto& left = group_.left_behind();
+    if (left.size() <= said_left_ || !notice_) return;
+    said_left_ = left.size();
+    notice_(fmt::format("{} process(es) SIGKILLed at the end of the run could not be reaped within {} s: {}; "
+                        "mglaunch exits without them (a process in state D waits on the kernel, a disk or a network "
+                        "file system; one traced by another process is reaped once its tracer lets it go)",
+                        left.size(), kReapBound.count(), fmt::join(left, ", ")));
+  }
+
   void wait_child() {
     children_.async_wait([this](boost::system::error_code ec, int) {
       if (ec) return;
@@ -170,6 +184,7 @@ class ProcessLauncher final : public WorkerLauncher {
   Watchdog watchdog_;  // kills what the workers left behind once the agent is gone, even by kill -9
   WorkerGroup group_;  // the workers of the attempt: spawn, signals, reaping (launcher/worker_group.h)
   bool finished_ = false;
+  std::size_t said_left_ = 0;  // left_behind() entries said already
   bool closed_ = false;
   bool fence_wanted_ = false;  // open_exec_fence() came: the next start opens the pipe
   int exec_fence_w_ = -1;

@@ -20,6 +20,7 @@
 
 #include "cli/errors.h"
 #include "launcher/report.h"
+#include "process/reap.h"
 
 namespace mg {
 
@@ -205,15 +206,23 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
     if (impl_->open[s]) read_more(s);
 }
 
+bool WorkerProcess::kill_and_reap(std::chrono::steady_clock::time_point deadline) {
+  if (pid_ <= 0 || exited_ || left_behind_) return !left_behind_;
+  if (spec_.in_agent_group) signal_family(SIGKILL);
+  else ::killpg(pid_, SIGKILL);
+  int status = 0;
+  if (reap_by(pid_, deadline, status)) {
+    exited_ = true;  // (the handle goes: on_exit's report is not wanted)
+    status_ = status;
+    return true;
+  }
+  left_behind_ = true;
+  return false;
+}
+
 WorkerProcess::~WorkerProcess() {
   alive_.reset();  // before the pipes close: the reads they cancel find the handle gone
-  if (pid_ > 0 && !exited_) {
-    if (spec_.in_agent_group) signal_family(SIGKILL);
-    else ::killpg(pid_, SIGKILL);
-    int status = 0;
-    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {  // SIGKILL cannot be ignored
-    }
-  }
+  kill_and_reap(std::chrono::steady_clock::now() + kReapBound);
   for (int fd : impl_->files)
     if (fd >= 0) console_.close_file(fd);  // after what is queued for it
   console_.forget(this);

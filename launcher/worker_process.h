@@ -4,7 +4,8 @@
 // io_context: pipe reads, the drain timer; the exit comes from the agent's one reaper
 // (waitpid(-1) on SIGCHLD), which calls on_exit(). A worker costs the agent one or two
 // descriptors (its pipes, one when stdout and stderr are merged) plus its log files, no
-// pidfd. Destroying a handle whose child still runs SIGKILLs and reaps the child; its
+// pidfd. Destroying a handle whose child still runs SIGKILLs and reaps the child (a few
+// seconds at most: WorkerGroup::close says what it could not reap); its
 // pending reads and timers are cancelled, and their handlers, which run later, leave the
 // gone handle alone (alive_).
 #pragma once
@@ -64,6 +65,9 @@ struct WorkerSpec {
   std::function<void(std::string_view data, bool end)> tap[2];
 };
 
+// How long the end of the run waits for the processes it SIGKILLed to be reaped.
+inline constexpr std::chrono::seconds kReapBound{2};
+
 class WorkerProcess {
  public:
   using DoneHandler = std::function<void(WorkerProcess&)>;
@@ -86,6 +90,12 @@ class WorkerProcess {
   void kill_stragglers(const std::unordered_set<pid_t>* groups = nullptr) { signal_group(SIGKILL, groups); }
   // The exit, from the agent's reaper: `status` as waitpid returned it.
   void on_exit(int status);
+  // The end of the run: SIGKILL to its process group, then reaped by `deadline`, never in a
+  // blocking waitpid (process/reap.h). False when it could not be reaped by then
+  // (state D, or traced by another process): it is left to the agent's parent (or init),
+  // and the handle's destructor no longer waits for it.
+  bool kill_and_reap(std::chrono::steady_clock::time_point deadline);
+  bool left_behind() const { return left_behind_; }
   // The agent stops (Ctrl-Z) / goes on: an ended worker's output drain (kDrainTimeout)
   // waits meanwhile and starts over, so the time stopped does not count against it.
   // resume_drain() without a pause_drain() before it (anyone's SIGCONT) changes nothing.
@@ -128,6 +138,7 @@ class WorkerProcess {
   std::string prefix_;
   pid_t pid_ = -1;
   bool exited_ = false;
+  bool left_behind_ = false;  // kill_and_reap() could not reap it
   bool done_ = false;
   bool paused_[2] = {false, false};  // not reading: the console is congested
   bool drain_paused_ = false;        // pause_drain() (Ctrl-Z) until resume_drain()

@@ -1,6 +1,8 @@
 #include "process/spawn.h"
+#include "process/reap.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <linux/close_range.h>
@@ -10,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -182,6 +185,34 @@ pid_t spawn_process(const SpawnRequest& req, SpawnError& error) {
     return -1;
   }
   return pid;
+}
+
+bool reap_by(pid_t pid, std::chrono::steady_clock::time_point deadline, int& status) {
+  status = 0;
+  int pidfd = -1;
+#ifdef SYS_pidfd_open
+  pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#endif
+  bool reaped = false;
+  for (;;) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r < 0 && errno == EINTR) continue;
+    if (r == pid || (r < 0 && errno == ECHILD)) {
+      if (r < 0) status = 0;
+      reaped = true;
+      break;
+    }
+    if (r < 0) break;
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) break;
+    // A traced child's pidfd is readable once it exits, before we may reap it: then slices.
+    pollfd p{pidfd, POLLIN, 0};
+    const bool exited = pidfd >= 0 && ::poll(&p, 1, 0) > 0;
+    ::poll(exited || pidfd < 0 ? nullptr : &p, exited || pidfd < 0 ? 0 : 1,
+           static_cast<int>(std::min<long long>(left, exited || pidfd < 0 ? 5 : 1000)));
+  }
+  if (pidfd >= 0) ::close(pidfd);
+  return reaped;
 }
 
 }  // namespace mg

@@ -3,10 +3,13 @@
 
 #include <sched.h>
 #include <signal.h>
+#include <sys/ptrace.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -664,4 +667,58 @@ TEST_CASE("with TMPDIR unset a failed run keeps its tree in /dev/shm and says so
   auto next = run(launch({"--standalone", "--nproc_per_node=1"}, {"exit", "0"}), {{"TMPDIR", kUnset}});
   CHECK(next.code == 0);
   CHECK(!fs::exists(left[0]));
+}
+
+namespace {
+
+// The test traces a process (PTRACE_SEIZE) and never waits for it until it goes: once the
+// process dies, the kernel reports its exit to this tracer first, so its parent (the agent)
+// cannot reap it meanwhile; a waitpid for it there blocks. Released on destruction.
+struct Tracer {
+  pid_t pid = -1;
+  bool attached = false;
+  explicit Tracer(pid_t p) : pid(p) { attached = ::ptrace(PTRACE_SEIZE, p, nullptr, nullptr) == 0; }
+  ~Tracer() {
+    if (!attached) return;
+    ::kill(pid, SIGKILL);  // (dead already when the test went well)
+    int status = 0;
+    for (int i = 0; i < 1000; ++i) {  // the stops it reports, then its exit
+      const pid_t r = ::waitpid(pid, &status, __WALL);
+      if (r < 0 || WIFEXITED(status) || WIFSIGNALED(status)) break;
+      ::ptrace(PTRACE_CONT, pid, nullptr, nullptr);
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a worker the agent cannot reap after SIGKILL (traced by another process) does not hold the agent: it "
+          "ends within grace + 10 s + 2 s, names the pid it left, and exits 143, after one signal or two (#35)") {
+  // Before: the end of the run reaped SIGKILLed workers with a blocking waitpid, which waits
+  // as long as the tracer does (here: for ever), so the agent never exited.
+  const int which = GENERATE(0, 1, 2);
+  const std::vector<int> signals = which == 0   ? std::vector<int>{SIGTERM}
+                                   : which == 1 ? std::vector<int>{SIGTERM, SIGINT}
+                                                : std::vector<int>{SIGINT, SIGINT};
+  const std::string dir = make_temp_dir();
+  Proc agent = spawn(launch({"--standalone", "--nproc_per_node=1", "--grace=1"},
+                            {"pidfile", dir + "/pid", "ignore-term", "print", "started", "hang", "120"}));
+  REQUIRE(eventually([&] { return agent.out().find("started") != std::string::npos || !pid_alive(agent.pid); }, 60s));
+  const pid_t worker = std::stoi(read_file(dir + "/pid"));
+  Tracer tracer(worker);
+  if (!tracer.attached) {
+    ::kill(agent.pid, SIGKILL);
+    agent.wait(10s);
+    SKIP_TEST("cannot trace the worker (ptrace: " << std::strerror(errno) << ")");
+  }
+  for (std::size_t i = 0; i < signals.size(); ++i) {  // one at a time, each heard before the next
+    ::kill(agent.pid, signals[i]);
+    const std::string heard = i == 0 ? (signals[i] == SIGTERM ? "got SIGTERM" : "got SIGINT")
+                                     : (signals[i - 1] == SIGINT ? "second interrupt" : "got SIGINT");
+    CHECK(eventually([&] { return agent.err().find(heard) != std::string::npos || !pid_alive(agent.pid); }, 20s));
+  }
+  INFO(agent.out() << agent.err());
+  REQUIRE(agent.wait(60s));  // by itself: grace (1 s) + 10 s + 2 s, on a loaded machine
+  CHECK(agent.exit_code() == 128 + signals[0]);
+  CHECK_THAT(agent.err() + agent.out(), Catch::Contains("could not be reaped within 2 s: pid " + std::to_string(worker)));
 }

@@ -478,9 +478,14 @@ void Agent::start_preflight(const proto::Assignment& a) {
   notice(fmt::format("preflight: checking the network between the {} nodes (--preflight={})", a.group_world_size,
                      opts_.preflight));
   const std::uint64_t gen = ++preflight_gen_;
-  preflight_thread_ = std::thread([this, o = std::move(o), a, gen] {
+  preflight_end_ = std::make_shared<PreflightEnd>();
+  preflight_thread_ = std::thread([this, o = std::move(o), a, gen, end = preflight_end_] {
     preflight::Result r = preflight::run(o);
-    asio::post(io_, [this, a, gen, r = std::move(r)]() mutable { preflight_done(a, gen, std::move(r)); });
+    std::lock_guard lk(end->m);
+    end->ended = true;
+    end->cv.notify_all();
+    if (!end->abandoned)  // else the agent may be gone
+      asio::post(io_, [this, a, gen, r = std::move(r)]() mutable { preflight_done(a, gen, std::move(r)); });
   });
 }
 
@@ -488,6 +493,20 @@ void Agent::stop_preflight() {
   if (!preflight_thread_.joinable()) return;
   ++preflight_gen_;  // its verdict, if already posted, is dropped
   ::close(std::exchange(preflight_cancel_[1], -1));  // the check sees its end of the pipe readable
+  bool ended = false;
+  {
+    std::unique_lock lk(preflight_end_->m);
+    ended = preflight_end_->cv.wait_for(lk, kThreadStop, [&] { return preflight_end_->ended; });
+    if (!ended) preflight_end_->abandoned = true;
+  }
+  if (!ended) {
+    preflight_thread_.detach();
+    notice(fmt::format("the preflight check did not stop within {} s of being told to (a name lookup that hangs?): "
+                       "left behind",
+                       kThreadStop.count()));
+    preflight_cancel_[0] = preflight_coord_fd_ = -1;  // its descriptors stay open: it may still use them
+    return;
+  }
   preflight_thread_.join();
   ::close(std::exchange(preflight_cancel_[0], -1));
   if (preflight_coord_fd_ >= 0) ::close(std::exchange(preflight_coord_fd_, -1));

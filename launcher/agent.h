@@ -19,6 +19,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <mutex>
+#include <condition_variable>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -100,6 +102,15 @@ class Agent {
   bool preflight_tried_ = false;
   std::uint64_t preflight_gen_ = 0;
   std::thread preflight_thread_;
+  // The check's thread says here that it ended; told to stop, it gets kThreadStop, else it
+  // is abandoned (detached, its descriptors left open, its verdict never posted): a name
+  // lookup (getaddrinfo) cannot be cancelled and may hang, the end of the run may not.
+  struct PreflightEnd {
+    std::mutex m;
+    std::condition_variable cv;
+    bool ended = false, abandoned = false;
+  };
+  std::shared_ptr<PreflightEnd> preflight_end_;
   int preflight_cancel_[2] = {-1, -1};  // a pipe: the write end closed cancels the check
   int preflight_coord_fd_ = -1;  // group rank 0: a copy of the held master port's listening socket
   std::vector<std::function<void()>> deferred_by_preflight_;  // the rendezvous' events meanwhile
@@ -111,6 +122,8 @@ class Agent {
   void end_linger(bool timed_out);
   bool lingering_done_ = false;
   static constexpr std::chrono::seconds kStoreLingerLimit{300};  // torchrun's exit_barrier_timeout
+  // How long a thread of the agent (the preflight check) told to stop is waited for at most.
+  static constexpr std::chrono::seconds kThreadStop{2};
   bool lingering_said_ = false;  // the effects of the end: every handle stops, logs and summary written
   void wait_signal();
   // One "[mglaunch] text" line on stderr, in order with the relayed lines (never blocks).

@@ -19,6 +19,10 @@ namespace {
 
 constexpr milliseconds kRequestTimeout{2000};
 constexpr milliseconds kCloseTimeout{1000};
+// How long close() waits for the request thread's last requests (the queue, the lease's
+// revocation) before it stops them: an endpoint that accepts and never answers would
+// otherwise hold the agent's end for each request's time-out in turn, on every endpoint.
+constexpr milliseconds kFlushBound{3000};
 constexpr milliseconds kWatchIdle{15000};  // a silent watch is reopened (on the next endpoint)
 constexpr milliseconds kStartWindow{5000};  // etcd must answer within this at start
 
@@ -282,7 +286,15 @@ void EtcdLink::close() {
     stopping_ = true;
   }
   cv_.notify_all();
-  if (requests_.joinable()) requests_.join();  // flushes the queue (a "done"), revokes the lease
+  if (requests_.joinable()) {  // it flushes the queue (a "done") and revokes the lease, for kFlushBound at most
+    bool ended = false;
+    {
+      std::unique_lock lk(mutex_);
+      ended = cv_.wait_for(lk, kFlushBound, [&] { return requests_ended_; });
+    }
+    if (!ended) http_->stop();  // what is left is given up: the request under way ends at once
+    requests_.join();
+  }
   {
     std::lock_guard lk(mutex_);
     keeper_stop_ = true;
@@ -499,6 +511,13 @@ void EtcdLink::finish_job(etcd::Http& http) {
 }
 
 void EtcdLink::request_loop() {
+  request_steps();
+  std::lock_guard lk(mutex_);
+  requests_ended_ = true;
+  cv_.notify_all();
+}
+
+void EtcdLink::request_steps() {
   if (!start_sequence(*http_)) return;
   keeper_ = std::thread([this] { keep_alive_loop(); });
   while (true) {

@@ -71,6 +71,7 @@ class EtcdLink : public Link {
   std::int64_t now_ms() const;
   // request thread
   void request_loop();
+  void request_steps();  // request_loop() but for saying that it ended
   bool start_sequence(etcd::Http& http);
   // Ranges the job's keys, posts them to resync(); returns the revision read (either thread).
   std::int64_t read_job(etcd::Http& http);
@@ -108,6 +109,7 @@ class EtcdLink : public Link {
   std::condition_variable cv_;
   std::deque<std::function<void(etcd::Http&)>> queue_;
   bool stopping_ = false;  // finish the queue, then end
+  bool requests_ended_ = false;  // the request thread is done (close() waits for it, kFlushBound at most)
   std::int64_t lease_ = 0;
   std::int64_t job_lease_ = 0;
   std::int64_t ttl_s_ = 0;

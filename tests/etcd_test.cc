@@ -2,7 +2,10 @@
 // started by each test, agents on 127.0.0.1-3 (--local_addr), fake_worker as the workload.
 #include <catch2/catch.hpp>
 
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -430,4 +433,44 @@ TEST_CASE("etcd: a standby still waiting when the job ends exits 0 with the othe
   }
   CHECK(s.out().find("up") == std::string::npos);
   CHECK(etcd.keys("/mglaunch/spare-ends/").empty());
+}
+
+TEST_CASE("etcd: endpoints that accept and never answer during the ending hold the agent's end for seconds, not for "
+          "each request's time-out on every endpoint in turn (#35)") {
+  ETCD_OR_SKIP();
+  EtcdCluster etcd(1);
+  // Sixteen blackholes: listeners of the test's that never accept (the kernel completes the
+  // connection, nothing ever answers), after the real member in the agent's list.
+  std::vector<int> holes;
+  std::string endpoints = etcd.endpoints();
+  for (int i = 0; i < 16; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::listen(fd, 128) == 0);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    endpoints += ",127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+    holes.push_back(fd);
+  }
+  Proc agent = spawn(agent_argv(endpoints, "holes", 1, "1:2", 1, {"--grace=1"}, {"print", "up", "hang", "120"}, "etcd"));
+  REQUIRE(eventually([&] { return agent.out().find("up") != std::string::npos || !pid_alive(agent.pid); }, 60s));
+  const pid_t member = etcd.member(0).proc->pid;
+  ::kill(member, SIGSTOP);  // from now on it answers no more either
+  ::kill(agent.pid, SIGTERM);
+  // Before: the request thread's last requests (the leave, the lease's revocation, the
+  // count) each waited its time-out on all 17 endpoints in turn, some 50 s, and close()
+  // joined it; now close() gives them 3 s. Generous: the supervisor's bound alone is 11 s.
+  const bool ended = agent.wait(35s);
+  ::kill(member, SIGCONT);
+  if (!ended) {
+    ::kill(agent.pid, SIGKILL);
+    agent.wait(60s);
+  }
+  for (int fd : holes) ::close(fd);
+  INFO(agent.err());
+  CHECK(ended);
+  CHECK(agent.exit_code() == 128 + SIGTERM);
 }

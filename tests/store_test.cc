@@ -611,33 +611,43 @@ TEST_CASE("the store's buffers over all clients are bounded: over the budget, th
   CHECK(on_io(s, [&] { return s.server->buffered(); }) <= o.max_buffered);
 }
 
+namespace {
+// A client of `s` from `from` (a 127.0.0.0/8 address); each read waits at most 20 s.
+std::unique_ptr<boost::asio::ip::tcp::socket> client_from(boost::asio::io_context& io, ServerThread& s,
+                                                          const char* from = "127.0.0.1") {
+  using tcp = boost::asio::ip::tcp;
+  auto c = std::make_unique<tcp::socket>(io);
+  c->open(tcp::v4());
+  c->bind({boost::asio::ip::make_address(from), 0});
+  c->connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
+  const timeval bound{20, 0};
+  ::setsockopt(c->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof bound);
+  return c;
+}
+bool numkeys_served(boost::asio::ip::tcp::socket& c) {  // NUMKEYS answered
+  boost::system::error_code ec;
+  boost::asio::write(c, boost::asio::buffer(byte(7)), ec);
+  std::int64_t n = -1;
+  boost::asio::read(c, boost::asio::buffer(&n, 8), ec);
+  return !ec && n >= 0;
+}
+bool closed_by_server(boost::asio::ip::tcp::socket& c) {  // end of file or reset
+  char b;
+  boost::system::error_code ec;
+  boost::asio::read(c, boost::asio::buffer(&b, 1), ec);
+  return ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset;
+}
+}  // namespace
+
 TEST_CASE("at the client limit a newcomer displaces the oldest client that has sent nothing, never one that has "
           "(#35)") {
-  using tcp = boost::asio::ip::tcp;
   ServerOptions o;
   o.max_clients = 3;
   ServerThread s(o);
   boost::asio::io_context io;
-  auto connect = [&] {
-    auto c = std::make_unique<tcp::socket>(io);
-    c->connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
-    const timeval bound{20, 0};  // every read below waits at most 20 s
-    ::setsockopt(c->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof bound);
-    return c;
-  };
-  auto served = [](tcp::socket& c) {  // NUMKEYS answered
-    boost::system::error_code ec;
-    boost::asio::write(c, boost::asio::buffer(byte(7)), ec);
-    std::int64_t n = -1;
-    boost::asio::read(c, boost::asio::buffer(&n, 8), ec);
-    return !ec && n == 0;
-  };
-  auto closed = [](tcp::socket& c) {  // by the server: end of file or reset
-    char b;
-    boost::system::error_code ec;
-    boost::asio::read(c, boost::asio::buffer(&b, 1), ec);
-    return ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset;
-  };
+  auto connect = [&] { return client_from(io, s); };
+  auto served = numkeys_served;
+  auto closed = closed_by_server;
   auto silent1 = connect();
   REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->clients(); }) == 1; }, 10s));
   auto silent2 = connect();
@@ -909,33 +919,6 @@ TEST_CASE("many waiters on many keys that disconnect or cancel leave the engine 
   CHECK(e.registrations() == 0);
 }
 
-namespace {
-// A client of `s` from `from` (a 127.0.0.0/8 address); each read waits at most 20 s.
-std::unique_ptr<boost::asio::ip::tcp::socket> client_from(boost::asio::io_context& io, ServerThread& s,
-                                                          const char* from = "127.0.0.1") {
-  using tcp = boost::asio::ip::tcp;
-  auto c = std::make_unique<tcp::socket>(io);
-  c->open(tcp::v4());
-  c->bind({boost::asio::ip::make_address(from), 0});
-  c->connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
-  const timeval bound{20, 0};
-  ::setsockopt(c->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof bound);
-  return c;
-}
-bool numkeys_served(boost::asio::ip::tcp::socket& c) {  // NUMKEYS answered
-  boost::system::error_code ec;
-  boost::asio::write(c, boost::asio::buffer(byte(7)), ec);
-  std::int64_t n = -1;
-  boost::asio::read(c, boost::asio::buffer(&n, 8), ec);
-  return !ec && n >= 0;
-}
-bool closed_by_server(boost::asio::ip::tcp::socket& c) {  // end of file or reset
-  char b;
-  boost::system::error_code ec;
-  boost::asio::read(c, boost::asio::buffer(&b, 1), ec);
-  return ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset;
-}
-}  // namespace
 
 TEST_CASE("a client that sent a byte but no whole query is still silent: at the client limit a newcomer displaces it "
           "(#35 review: one byte a connection kept the limit full)") {

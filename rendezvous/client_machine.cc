@@ -1,0 +1,599 @@
+#include "rendezvous/client_machine.h"
+
+#include <fmt/format.h>
+
+#include "rendezvous/auth.h"
+
+namespace mg::rdzv {
+
+using proto::MsgType;
+using std::chrono::milliseconds;
+
+std::chrono::milliseconds connect_retry_delay(int retry) {
+  int ms = 5;
+  for (int i = 1; i < retry && ms < 500; ++i) ms = ms * 3 / 2;
+  return milliseconds(std::min(500, ms));
+}
+
+std::vector<TakeoverCandidate> takeover_candidates(const std::vector<std::string>& nodes,
+                                                   const std::vector<int>& ports, const std::string& lost_addr,
+                                                   int lost_port) {
+  std::vector<TakeoverCandidate> out;
+  const std::size_t n = std::min(nodes.size(), ports.size());
+  for (std::size_t g = 0; g < n; ++g)
+    if (ports[g] > 0 && !(nodes[g] == lost_addr && ports[g] == lost_port))
+      out.push_back({static_cast<int>(g), nodes[g], ports[g]});
+  return out;
+}
+
+std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int standbys,
+                            int min_nodes) {
+  if (restarts_spent >= max_restarts)
+    return fmt::format("no restart left for a new round (--max_restarts={})", max_restarts);
+  if (candidates == 0) return "no other node can host the rendezvous";
+  const auto left = static_cast<long long>(candidates) + std::max(0, standbys);
+  if (left < min_nodes)
+    return fmt::format("{} node(s) left{}, fewer than the {} that --nnodes asks for", left,
+                       standbys > 0 ? fmt::format(" ({} of them standbys)", standbys) : std::string(), min_nodes);
+  return {};
+}
+
+namespace {
+std::string host_port(const std::string& host, int port) {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+}
+
+const char* type_name(MsgType t) {
+  switch (t) {
+    case MsgType::kAssignment: return "an Assignment";
+    case MsgType::kHeartbeat: return "a Heartbeat";
+    case MsgType::kRestart: return "a Restart";
+    case MsgType::kAbort: return "an Abort";
+    case MsgType::kDone: return "a Done";
+    case MsgType::kError: return "an Error";
+    case MsgType::kStandby: return "a Standby";
+    default: return "a message of an unexpected type";
+  }
+}
+}  // namespace
+
+std::string unanswered_endpoint_hint(const std::string& host, int port, bool own_address, bool loopback) {
+  if (!own_address || loopback) return {};
+  return fmt::format(
+      "{} is an address of this machine, yet no agent here hosts the rendezvous at it: an agent hosts only at the "
+      "address it advertises (--local_addr, else its host name); give the agent that should host --local_addr={} or "
+      "--rdzv_conf is_host=true, or start mglaunch-rdzv --listen {}",
+      host, host, host_port(host, port));
+}
+
+std::string foreign_server_hint(const std::string& host, int port) {
+  return fmt::format(
+      "a program that is not a mglaunch rendezvous may hold {} (see `ss -ltnp 'sport = :{}'` there; or a mglaunch-rdzv "
+      "there is at its --max-connections): give every node a free port in --rdzv_endpoint, or stop that program",
+      host_port(host, port), port);
+}
+
+std::optional<Decision> decision_of(const proto::Frame& f) {
+  switch (proto::type_of(f)) {
+    case MsgType::kAssignment: return proto::from_frame<proto::Assignment>(f);
+    case MsgType::kRestart: return proto::from_frame<proto::Restart>(f);
+    case MsgType::kAbort: return proto::from_frame<proto::Abort>(f);
+    case MsgType::kDone: return proto::Done{};
+    case MsgType::kStandby: return proto::from_frame<proto::Standby>(f);
+    default: return std::nullopt;
+  }
+}
+
+ClientMachine::ClientMachine(ClientOptions opts) : opts_(std::move(opts)) {
+  key_ = !opts_.job_token.empty() ? opts_.job_token
+         : opts_.token.empty()    ? std::string()
+                                  : auth::job_key(opts_.token, opts_.join.job_id);
+}
+
+// ---- the agent's calls ----
+
+ClientCommands ClientMachine::start(Clock::time_point now) {
+  if (auto bad = proto::validate(opts_.join); !bad.empty()) return give_up("cannot join: " + bad);
+  deadline_ = now + milliseconds(opts_.join.join_timeout_ms);
+  waiting_since_ = now;
+  try_connect();
+  watch(now);
+  return take_out();
+}
+
+ClientCommands ClientMachine::rejoin(Clock::time_point now) {
+  waiting_since_ = now;
+  join_wanted_ = true;
+  // Assigned while the workers stopped (the join went with a reconnection): take it soon.
+  if (pending_) out_.push_back(cmd::TakePending{});
+  // (With the connection between its hello and its welcome, the join goes with the welcome.)
+  else if (connected_ && welcomed_) send(proto::to_wire(opts_.join));
+  return take_out();
+}
+
+ClientCommands ClientMachine::take_pending() {
+  if (closed_ || !pending_) return {};
+  auto a = std::move(*pending_);
+  pending_.reset();
+  take(a);
+  return take_out();
+}
+
+ClientCommands ClientMachine::worker_failed(proto::WorkerFailed f, Clock::time_point now) {
+  proto::truncate_to_limits(f);
+  if (connected_ && welcomed_) send(proto::to_wire(f));
+  else unsent_failure_ = std::move(f);
+  waiting_since_ = now;
+  return take_out();
+}
+
+ClientCommands ClientMachine::node_done(int round) {
+  // No decision deadline here: "done" comes when the slowest node finishes, and the
+  // heartbeat echo already tells a dead server from a slow job.
+  done_sent_ = true;
+  if (connected_ && welcomed_) send(proto::to_wire(proto::NodeDone{round}));
+  return take_out();
+}
+
+ClientCommands ClientMachine::close() {
+  shut(/*flush=*/true);
+  return take_out();
+}
+
+ClientCommands ClientMachine::give_up(const std::string& why) {
+  lost(why);
+  return take_out();
+}
+
+// ---- the effect layer's reports ----
+
+ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_point now) {
+  if (closed_) return {};
+  refused_ = 0;
+  connected_ = true;
+  connected_at_ = last_frame_ = now;
+  challenged_ = welcomed_ = answered_ = false;
+  nonce_ = nonce;
+  send(proto::to_wire(proto::Hello{opts_.join.agent_id, opts_.join.job_id, nonce_}));
+  // Without a token nothing is proven first: the join rides with the hello, saving a
+  // round trip (the server reads them in order; one that wants a token answers the hello
+  // with its challenge, which this client refuses, before it reads the join).
+  joined_early_ = key_.empty();
+  if (joined_early_) send_join();
+  return take_out();
+}
+
+ClientCommands ClientMachine::connect_failed(bool refused, const std::string& error, Clock::time_point now) {
+  if (closed_) return {};
+  // While a takeover is looked for, its timer moves on from a node that does not answer.
+  if (!takeover_ && now >= deadline_) {
+    lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, error), refused);
+    return take_out();
+  }
+  arm(ClientTimer::kRetry, now + connect_retry_delay(++refused_));
+  return take_out();
+}
+
+ClientCommands ClientMachine::unresolvable(Clock::time_point now) {
+  if (closed_) return {};
+  if (takeover_) next_candidate("cannot resolve its address", now);
+  else lost(fmt::format("cannot resolve rendezvous host '{}'", opts_.host));
+  return take_out();
+}
+
+ClientCommands ClientMachine::frame(const proto::Frame& f, Clock::time_point now) {
+  last_frame_ = now;
+  if (closed_ || !connected_) return {};
+  on_frame(f, now);
+  return take_out();
+}
+
+ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::time_point now) {
+  const bool was = connected_;
+  connected_ = false;
+  if (closed_ || !was) return {};
+  // A server that welcomed us and then vanished may come back: keep trying.
+  if (ever_welcomed_) reconnect_later(why, now);
+  else if (!welcomed_ && !answered_)  // closed before a word: maybe not our server at all
+    lost(fmt::format("the connection to the rendezvous server at {} ended before its welcome ({}); {}",
+                     host_port(opts_.host, opts_.port), why, foreign_server_hint(opts_.host, opts_.port)));
+  else lost(why);
+  return take_out();
+}
+
+ClientCommands ClientMachine::timer_fired(ClientTimer t, Clock::time_point now) {
+  if (closed_) return {};
+  switch (t) {
+    case ClientTimer::kRetry: try_connect(); break;
+    case ClientTimer::kHeartbeat:
+      if (connected_) {
+        send(proto::to_wire(proto::Heartbeat{round_}));
+        schedule_heartbeat(now);
+      }
+      break;
+    case ClientTimer::kTakeover:
+      if (takeover_ && !takeover_->asking) next_candidate("no answer", now);
+      break;
+    case ClientTimer::kWatchdog: {
+      const auto join_timeout = milliseconds(opts_.join.join_timeout_ms);
+      // The server decides on join_timeout itself; this catches a server that cannot.
+      if (waiting_since_ && now - *waiting_since_ > join_timeout + std::max(milliseconds(2000), join_timeout / 10)) {
+        lost(fmt::format("no decision from the rendezvous server at {}:{} within join_timeout ({} s): it is "
+                         "unreachable or not answering",
+                         opts_.host, opts_.port, opts_.join.join_timeout_ms / 1000.0));
+        break;
+      }
+      if (connected_) {
+        const auto silent = milliseconds(opts_.join.keep_alive_ms) * (opts_.join.keep_alive_max_attempt + 1);
+        if (!welcomed_ && now - connected_at_ > std::min(join_timeout, std::max(silent, milliseconds(10000)))) {
+          if (!ever_welcomed_ || now >= deadline_) {
+            lost(fmt::format("the rendezvous server at {}:{} accepts connections but does not answer the handshake",
+                             opts_.host, opts_.port));
+            break;
+          }
+          reconnect_later("no answer to the handshake", now);
+        } else if (welcomed_ && now - last_frame_ > silent) {
+          reconnect_later(
+              fmt::format("no answer for {} ms", std::chrono::duration_cast<milliseconds>(now - last_frame_).count()),
+              now);
+        }
+      }
+      if (!closed_) watch(now);
+      break;
+    }
+  }
+  return take_out();
+}
+
+ClientCommands ClientMachine::hosted(const TakeoverHost& where, Clock::time_point now) {
+  if (closed_ || !takeover_ || !takeover_->asking) return {};
+  Takeover& t = *takeover_;
+  t.asking = false;
+  const TakeoverCandidate& c = t.candidates[t.next - 1];
+  if (where.port <= 0) {
+    t.tried += fmt::format("{}node {} (this one): cannot host", t.tried.empty() ? "" : "; ", c.group_rank);
+    next_candidate({}, now);
+  } else {
+    opts_.join.takeover_port = 0;  // it hosts from now on
+    connect_candidate(where.host.empty() ? c.addr : where.host, where.port, now);
+  }
+  return take_out();
+}
+
+// ---- the policy ----
+
+void ClientMachine::try_connect() {
+  if (closed_) return;
+  out_.push_back(cmd::Connect{opts_.host, opts_.port});
+}
+
+void ClientMachine::failed_attempt(const std::string& why, Clock::time_point now) {
+  if (ever_welcomed_) reconnect_later(why, now);  // the real server may come back within join_timeout
+  else lost(why);
+}
+
+void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
+  answered_ = true;
+  // The handshake is a state machine: until the Welcome (and with a key, until the server
+  // proved it in its Challenge) only Challenge and Welcome are read. Anything else comes
+  // from a server that proved nothing: it closes the connection as a failed attempt, and
+  // never counts as a decision, whatever it says.
+  if (!welcomed_ && proto::type_of(f) != MsgType::kChallenge && proto::type_of(f) != MsgType::kWelcome) {
+    std::string said;  // an error's text, shown for what it is: a claim nobody proved
+    if (proto::type_of(f) == MsgType::kError) {
+      try {
+        said = proto::from_frame<proto::Error>(f).message;
+      } catch (const proto::ProtocolError& e) {
+        return failed_attempt(fmt::format("bad message from the rendezvous server at {}:{}: {}", opts_.host,
+                                          opts_.port, e.what()),
+                              now);
+      }
+      // Without a token nothing can be proved: the refusal is all there is to say.
+      if (key_.empty()) return failed_attempt(fmt::format("refused by the rendezvous server: {}", said), now);
+    }
+    if (key_.empty())
+      return failed_attempt(fmt::format("the server at {}:{} sent {} before its welcome: not a mglaunch rendezvous "
+                                        "server; closed the connection and ignored it",
+                                        opts_.host, opts_.port, type_name(proto::type_of(f))),
+                            now);
+    return failed_attempt(
+        fmt::format("the rendezvous server at {}:{} could not be authenticated: it sent {} before proving this job's "
+                    "key{}; closed the connection and ignored it (not the server you meant, or one without this "
+                    "job's key)",
+                    opts_.host, opts_.port, type_name(proto::type_of(f)),
+                    said.empty() ? std::string() : fmt::format(" (unproven: '{}')", proto::truncate_text(said, 200))),
+        now);
+  }
+  try {
+    switch (proto::type_of(f)) {
+      case MsgType::kChallenge: {
+        auto c = proto::from_frame<proto::Challenge>(f);
+        if (challenged_ || welcomed_) return failed_attempt("the rendezvous server repeated its challenge", now);
+        if (key_.empty())
+          return failed_attempt("the rendezvous server wants a token: set --token-file or MGLAUNCH_RDZV_TOKEN", now);
+        if (!auth::equal_ct(c.proof, auth::server_proof(key_, nonce_, c.nonce)))
+          return failed_attempt(fmt::format("the rendezvous server at {}:{} cannot prove this job's key: wrong "
+                                            "rendezvous token here or there, or not the server you meant",
+                                            opts_.host, opts_.port),
+                                now);
+        challenged_ = true;
+        send(proto::to_wire(proto::Auth{auth::client_proof(key_, nonce_, c.nonce)}));
+        session_ = auth::session_key(key_, nonce_, c.nonce);
+        out_.push_back(cmd::SignSent{session_});  // the server's frames are signed from its Welcome on
+        return;
+      }
+      case MsgType::kWelcome: {
+        auto w = proto::from_frame<proto::Welcome>(f);
+        if (welcomed_) return lost("the rendezvous server repeated its welcome");
+        if (!key_.empty() && !challenged_)
+          return failed_attempt(fmt::format("the rendezvous server at {}:{} asks for no token while this agent has "
+                                            "one: refusing an unauthenticated server (give the daemon the same token)",
+                                            opts_.host, opts_.port),
+                                now);
+        // (The Welcome itself carries no MAC: a forged host_agent can only make this node
+        // give up sooner on a server that goes away, never obey one that proved nothing.)
+        host_agent_ = w.host_agent;
+        return on_welcome(now);
+      }
+      case MsgType::kHeartbeat:
+        // The echo (last_frame_ moved), or the job's standby count changed.
+        standbys_ = proto::from_frame<proto::Heartbeat>(f).standbys;
+        return;
+      case MsgType::kAssignment: {
+        auto a = proto::from_frame<proto::Assignment>(f);
+        if (!join_wanted_) {
+          pending_ = std::move(a);  // the agent takes it once its workers stopped (rejoin())
+          return;
+        }
+        return take(a);
+      }
+      case MsgType::kRestart: {
+        auto r = proto::from_frame<proto::Restart>(f);
+        current_.reset();
+        pending_.reset();
+        join_wanted_ = false;
+        restarts_seen_ = std::max(restarts_seen_, r.restart_count);
+        out_.push_back(cmd::Tell{std::move(r)});
+        return;
+      }
+      case MsgType::kAbort: {
+        auto a = proto::from_frame<proto::Abort>(f);
+        waiting_since_.reset();
+        decided_ = true;
+        out_.push_back(cmd::Tell{std::move(a)});
+        return;
+      }
+      case MsgType::kDone:
+        waiting_since_.reset();
+        decided_ = true;
+        out_.push_back(cmd::Tell{proto::Done{}});
+        return;
+      case MsgType::kStandby: {
+        // A decision: the wait for a place has no deadline (the job's end is told).
+        auto m = proto::from_frame<proto::Standby>(f);
+        waiting_since_.reset();
+        standby_ = true;
+        restarts_seen_ = std::max(restarts_seen_, m.restart_count);
+        standbys_ = std::max(standbys_, m.position);
+        // A node that took a job over lists no round before its own closes: keep the last.
+        if (!standby_of_ || !m.nodes.empty()) standby_of_ = m;
+        out_.push_back(cmd::Tell{std::move(m)});
+        return;
+      }
+      case MsgType::kError:
+        return lost(fmt::format("refused by the rendezvous server: {}", proto::from_frame<proto::Error>(f).message));
+      default:
+        return lost(fmt::format("unexpected message type {} from the rendezvous server", f.type));
+    }
+  } catch (const proto::ProtocolError& e) {
+    // Before the welcome nothing is proven: a malformed frame is a failed attempt, not the end.
+    const std::string why = fmt::format("bad message from the rendezvous server: {}", e.what());
+    if (welcomed_) lost(why);
+    else failed_attempt(why, now);
+  }
+}
+
+void ClientMachine::on_welcome(Clock::time_point now) {
+  out_.push_back(cmd::Welcomed{challenged_ ? session_ : std::string()});
+  if (takeover_) {
+    cancel(ClientTimer::kTakeover);
+    out_.push_back(cmd::Notice{fmt::format("the rendezvous is now hosted by {} at {}:{}; joining the next round",
+                                           host_agent_.empty() ? std::string("a daemon") : host_agent_, opts_.host,
+                                           opts_.port)});
+    takeover_.reset();
+  }
+  welcomed_ = ever_welcomed_ = true;
+  in_outage_ = false;
+  backoff_ = milliseconds(100);
+  if (!joined_early_) send_join();
+  if (current_ && unsent_failure_) {
+    // Reported while the server was away: the rebuilt job must hear it.
+    send(proto::to_wire(*unsent_failure_));
+    unsent_failure_.reset();
+  }
+  // The join itself shows this node alive: the first heartbeat is due one interval later.
+  cancel(ClientTimer::kHeartbeat);
+  schedule_heartbeat(now);
+}
+
+void ClientMachine::send_join() {
+  proto::Join j = opts_.join;
+  if (current_) {
+    out_.push_back(cmd::Notice{fmt::format("reconnected; re-registered round {}", current_->round)});
+    j.resume_round = current_->round;
+    j.resume_group_rank = current_->group_rank;
+    j.resume_group_world_size = current_->group_world_size;
+    j.resume_restart_count = current_->restart_count;
+    j.resume_done = done_sent_;
+  } else if (standby_) {
+    out_.push_back(cmd::Notice{"reconnected; re-registered as a standby"});
+    j.resume_standby = true;
+  }
+  send(proto::to_wire(j));
+}
+
+void ClientMachine::schedule_heartbeat(Clock::time_point now) {
+  arm(ClientTimer::kHeartbeat, now + milliseconds(opts_.join.keep_alive_ms));
+}
+
+void ClientMachine::watch(Clock::time_point now) {
+  arm(ClientTimer::kWatchdog, now + milliseconds(opts_.join.keep_alive_ms));
+}
+
+void ClientMachine::take(const proto::Assignment& a) {
+  round_ = a.round;
+  current_ = a;
+  standby_ = false;
+  standby_of_.reset();
+  standbys_ = a.standbys;
+  opts_.join.last_group_rank = -1;
+  last_ = a;
+  restarts_seen_ = std::max(restarts_seen_, a.restart_count);
+  done_sent_ = false;
+  unsent_failure_.reset();
+  waiting_since_.reset();
+  out_.push_back(cmd::Tell{a});
+}
+
+void ClientMachine::reconnect_later(const std::string& why, Clock::time_point now) {
+  if (closed_) return;
+  if (!host_agent_.empty()) return host_lost(why, now);
+  // Connections that are made but fail (an unauthenticated server) count against the
+  // outage's join_timeout like refused ones.
+  if (in_outage_ && now >= deadline_)
+    return lost(fmt::format("no authenticated rendezvous server at {}:{} within join_timeout ({} s): {}", opts_.host,
+                            opts_.port, opts_.join.join_timeout_ms / 1000.0, why));
+  cancel(ClientTimer::kHeartbeat);
+  welcomed_ = connected_ = false;
+  out_.push_back(cmd::Drop{});
+  if (!in_outage_) {  // one join_timeout for the whole outage, however many tries
+    in_outage_ = true;
+    deadline_ = now + milliseconds(opts_.join.join_timeout_ms);
+  }
+  arm(ClientTimer::kRetry, now + backoff_);
+  backoff_ = std::min(backoff_ * 2, milliseconds(2000));
+  out_.push_back(
+      cmd::Notice{fmt::format("lost the rendezvous server ({}); workers keep running, reconnecting", why)});
+}
+
+void ClientMachine::drop_connection() {
+  cancel(ClientTimer::kHeartbeat);
+  cancel(ClientTimer::kRetry);
+  welcomed_ = connected_ = false;
+  out_.push_back(cmd::Drop{});
+}
+
+void ClientMachine::host_lost(const std::string& why, Clock::time_point now) {
+  // The job ended (Abort, Done) and its host closes: nothing was lost, nothing to take over.
+  if (decided_) return drop_connection();
+  if (takeover_) return next_candidate(why, now);  // a candidate's connection failed before its welcome
+  const std::string lost = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
+  // A standby follows the round it was last told of; an active node the round it ran.
+  const bool standby = standby_;
+  if (standby && (!standby_of_ || standby_of_->nodes.empty()))
+    return end_host_lost(lost + "; this standby was told no round to follow");
+  if (!standby && !last_) return end_host_lost(lost + "; no round had started, so no node can take over");
+  auto candidates = standby ? takeover_candidates(standby_of_->nodes, standby_of_->takeover_ports, opts_.host, opts_.port)
+                            : takeover_candidates(*last_, opts_.host, opts_.port);
+  // (#34: a majority of the voters, last_'s nodes and the standbys, will be asked for here.)
+  if (auto no = why_no_takeover(restarts_seen_, opts_.join.max_restarts, candidates.size(), standbys_,
+                                opts_.join.min_nodes);
+      !no.empty())
+    return end_host_lost(lost + "; no survivor can take over: " + no);
+  drop_connection();
+  Takeover t;
+  t.candidates = std::move(candidates);
+  t.deadline = now + milliseconds(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt;
+  t.lost = lost;
+  t.lost_host = host_agent_;
+  t.restart_count = restarts_seen_ = restarts_seen_ + 1;
+  t.round = standby ? standby_of_->round : last_->round;
+  t.self_rank = standby ? -1 : last_->group_rank;
+  t.listed = static_cast<int>(standby ? standby_of_->nodes.size() : last_->nodes.size());
+  takeover_ = std::move(t);
+  if (standby) {
+    // No workers to stop, no restart to take: it re-registers as a standby with the new host.
+    out_.push_back(cmd::Notice{lost + "; this standby follows the node that takes over"});
+    waiting_since_ = now;
+    return next_candidate({}, now);
+  }
+  opts_.join.last_group_rank = last_->group_rank;  // the new host keeps it (until the next assignment)
+  // The round is over, as for any lost node: a restart, then a fresh join with whoever hosts.
+  current_.reset();
+  pending_.reset();
+  unsent_failure_.reset();
+  done_sent_ = false;
+  join_wanted_ = false;
+  waiting_since_ = now;
+  out_.push_back(cmd::Tell{proto::Restart{
+      takeover_->restart_count, lost + "; the survivors go on with the lowest live node as rendezvous host"}});
+  next_candidate({}, now);
+}
+
+void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_point now) {
+  Takeover& t = *takeover_;
+  if (!why_previous.empty() && t.next > 0) {
+    const auto& c = t.candidates[t.next - 1];
+    t.tried += fmt::format("{}node {} at {}:{}: {}", t.tried.empty() ? "" : "; ", c.group_rank, opts_.host,
+                           opts_.port, why_previous);
+  }
+  drop_connection();
+  cancel(ClientTimer::kTakeover);
+  // (#34: the voters that answered are counted here; this node hosts only with a majority.)
+  if (t.next < t.candidates.size() && now < t.deadline) {
+    const TakeoverCandidate c = t.candidates[t.next++];
+    if (c.group_rank != t.self_rank) return connect_candidate(c.addr, c.port, now);
+    // Every node below this one is gone or silent: this one hosts. The last round's
+    // nodes but the lost host and those below this one are expected to re-join.
+    const int survivors = std::max(1, t.listed - 1 - static_cast<int>(t.next - 1));
+    t.asking = true;
+    out_.push_back(
+        cmd::HostTakeover{TakeoverSeed{t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors, t.listed}});
+    return;
+  }
+  std::string reason = t.lost + "; no survivor could take over";
+  if (!t.tried.empty()) reason += " (" + t.tried + ")";
+  takeover_.reset();
+  end_host_lost(reason);
+}
+
+void ClientMachine::connect_candidate(const std::string& host, int port, Clock::time_point now) {
+  const Takeover& t = *takeover_;
+  opts_.host = host;
+  opts_.port = port;
+  // One keep-alive interval for each node below this one (bounded by the whole search's).
+  arm(ClientTimer::kTakeover, std::min(t.deadline, now + milliseconds(opts_.join.keep_alive_ms)));
+  refused_ = 0;
+  try_connect();
+}
+
+void ClientMachine::end_host_lost(const std::string& reason) {
+  if (!last_) return lost(reason);
+  if (!shut(/*flush=*/false)) return;
+  // As the job's own decision would: every worker of this node stops, the root cause names
+  // the node that is gone.
+  proto::Abort a;
+  a.root_cause.round = round_;
+  a.root_cause.host = host_agent_;
+  a.root_cause.rank = -1;
+  a.root_cause.exit_code = kHostLostExitCode;
+  a.reason = a.root_cause.message = reason;
+  waiting_since_.reset();
+  out_.push_back(cmd::Tell{std::move(a)});
+}
+
+void ClientMachine::lost(const std::string& why, bool unanswered) {
+  if (!shut(/*flush=*/false)) return;
+  out_.push_back(cmd::Lost{why, unanswered, opts_.host, opts_.port});
+}
+
+bool ClientMachine::shut(bool flush) {
+  if (closed_) return false;
+  closed_ = true;
+  takeover_.reset();
+  if (!flush) connected_ = false;
+  out_.push_back(cmd::Shut{flush});
+  return true;
+}
+
+}  // namespace mg::rdzv

@@ -1,0 +1,234 @@
+// ClientMachine: the policy of an agent's link to the rendezvous server (rdzv::Client in
+// rendezvous/client.h is its effect layer), pure like rdzv::Job: it owns no socket and no
+// timer and never reads the clock. Each input is an event with the time passed in (the
+// agent's calls, a connection made, refused or closed, a frame received, a timer fired, a
+// takeover hosted or not); each returns the commands to perform, in order (connect to X,
+// send a frame, arm a timer for T, tell the agent, give up with a reason). So every
+// transition is unit-tested with a fake clock (tests/client_machine_test.cc).
+//
+//   connecting --(refused: connect_retry_delay, within join_timeout)--> connecting
+//   connecting --(connected)--> handshake --(Welcome, the key proven)--> welcomed
+//   welcomed --(closed, silent past keep-alive x (attempts + 1))--> outage (a daemon):
+//       reconnect with a back-off of 100 ms doubling to 2 s, one join_timeout for the
+//       whole outage, re-register the round (or the standby) on the next welcome; past
+//       join_timeout the node ends on the lost rendezvous (ClientHandlers::on_lost)
+//   welcomed --(closed, silent; the host is an agent)--> takeover: the survivors restart
+//       and try the last round's candidates (takeover_candidates()) lowest group rank first,
+//       one keep-alive interval each, the whole search bounded by keep-alive x attempts; the
+//       node that reaches itself hosts (cmd::HostTakeover, answered by hosted()); a standby
+//       follows and never hosts; none found, or why_no_takeover(): an Abort with the lost
+//       host as root cause (kHostLostExitCode)
+//   any --(Abort, Done, Error, a bad frame, close())--> closed
+//
+// Quorum (#34, not implemented yet): the partition rules go into this machine, not into the
+// effect layer. The fixed voters (the last round's nodes and the standbys registered with
+// it) are known here from last_ / standby_of_ (Assignment::nodes, Standby::nodes); host_lost()
+// is where a takeover first asks for a majority of them reachable (the candidate search in
+// next_candidate() would count the voters that answered before this node hosts), and the
+// outage branch of reconnect_later() / the watchdog are where a node that has lost its
+// arbiter (daemon, etcd or host) fences itself: a new command (stop the workers, with the
+// reason) armed to fire before the majority may replace it, and a rejoin after the heal.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "proto/messages.h"
+#include "proto/wire.h"
+#include "rendezvous/job.h"
+
+namespace mg::rdzv {
+
+struct ClientOptions {
+  std::string host;
+  int port = 0;
+  std::string token;      // the daemon token (the job key is derived from it), or
+  proto::Join join;       // sent on start() and on every rejoin()
+  std::string job_token;  // the job's own key (mglaunch-rdzv --job-token); wins when set
+};
+
+// Where a node that took a job over listens: its advertised name may resolve here to another
+// address than it bound (Debian's 127.0.1.1 for the host name), so it joins itself here.
+struct TakeoverHost {
+  std::string host;
+  int port = 0;
+};
+
+// Takeover: who hosts a job after its hosting agent was lost. Pure.
+struct TakeoverCandidate {
+  int group_rank = 0;
+  std::string addr;
+  int port = 0;
+};
+// The nodes of round `a` that advertised a takeover port, by group rank, without the lost
+// host at lost_addr:lost_port (after a first takeover, the lost host is one of them): the
+// order in which every survivor tries them.
+std::vector<TakeoverCandidate> takeover_candidates(const std::vector<std::string>& nodes,
+                                                   const std::vector<int>& takeover_ports,
+                                                   const std::string& lost_addr, int lost_port);
+inline std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignment& a, const std::string& lost_addr,
+                                                          int lost_port) {
+  return takeover_candidates(a.nodes, a.takeover_ports, lost_addr, lost_port);
+}
+// Why the job cannot go on after losing its host (empty when a takeover may be tried): no
+// restart left, no node that can host, fewer candidates and standbys than --nnodes' minimum.
+std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int standbys,
+                            int min_nodes);
+
+// Hints for a rendezvous endpoint that does not work, each one line saying what to do. Pure.
+// Nothing answers (connection refused) at `host`, one of this machine's own addresses
+// (`own_address`) that is not loopback: no agent here hosts it, since an agent hosts only at
+// the address it advertises. Empty when the endpoint is not this machine's or is loopback.
+std::string unanswered_endpoint_hint(const std::string& host, int port, bool own_address, bool loopback);
+// Something answered at host:port and closed the connection (or spoke another protocol)
+// before any welcome: another program may hold that port.
+std::string foreign_server_hint(const std::string& host, int port);
+
+// The wait before the `retry`-th new attempt (1, 2, ...) to reach a server that refused the
+// connection (nothing listens yet). The agents of a job start together and the host listens
+// moments after its own start, so the first retries come within a few milliseconds; the
+// wait then grows by half each time, to 500 ms, so a host that is late costs little.
+std::chrono::milliseconds connect_retry_delay(int retry);
+
+// A decision of the rendezvous for the agent (ClientHandlers), whatever backend brought it:
+// the daemon's or a host agent's link (ClientMachine) or etcd's log (EtcdLink).
+using Decision = std::variant<proto::Assignment, proto::Restart, proto::Abort, proto::Done, proto::Standby>;
+// The decision a frame carries (nullopt: a frame of another type). Throws ProtocolError.
+std::optional<Decision> decision_of(const proto::Frame& f);
+
+// The machine's timers: one of each at most is armed (arming again moves it).
+enum class ClientTimer { kRetry, kHeartbeat, kWatchdog, kTakeover };
+
+// What the effect layer does, in the order given.
+namespace cmd {
+struct Connect { std::string host; int port = 0; };  // report connected / connect_failed / unresolvable
+struct Drop {};                    // close the connection and any connect in flight at once, silently
+struct Send { proto::Wire frame; };  // on the connection, if one is open
+struct SignSent { std::string session; };  // frames sent from now on carry a MAC under this key
+// The handshake is over: verify the server's MACs under `session` (none when empty) and
+// accept frames of any size.
+struct Welcomed { std::string session; };
+struct Arm { ClientTimer timer; Clock::time_point at; };  // report timer_fired(timer) at `at`
+struct Cancel { ClientTimer timer; };
+struct Shut { bool flush = false; };  // the link ends: every timer, the connection (flushed or at once)
+struct Tell { Decision d; };  // for the agent (tell() in rendezvous/client.h)
+// The end (on_lost). `unanswered`: nothing answered at host:port; the layer adds
+// unanswered_endpoint_hint() when that address is this machine's.
+struct Lost { std::string why; bool unanswered = false; std::string host; int port = 0; };
+struct Notice { std::string text; };
+// This node is next in line to host: ClientHandlers::on_take_over(seed), answered by hosted().
+struct HostTakeover { TakeoverSeed seed; };
+struct TakePending {};  // call take_pending() soon (not from within the agent's call)
+}  // namespace cmd
+
+using ClientCommand = std::variant<cmd::Connect, cmd::Drop, cmd::Send, cmd::SignSent, cmd::Welcomed, cmd::Arm,
+                                   cmd::Cancel, cmd::Shut, cmd::Tell, cmd::Lost, cmd::Notice, cmd::HostTakeover,
+                                   cmd::TakePending>;
+using ClientCommands = std::vector<ClientCommand>;
+
+class ClientMachine {
+ public:
+  explicit ClientMachine(ClientOptions opts);
+
+  // The agent's calls.
+  ClientCommands start(Clock::time_point now);
+  ClientCommands rejoin(Clock::time_point now);
+  void set_master_port(int port) { opts_.join.master_port = port; }
+  ClientCommands worker_failed(proto::WorkerFailed f, Clock::time_point now);
+  ClientCommands node_done(int round);
+  ClientCommands close();             // flushes what is queued (e.g. NodeDone) first
+  ClientCommands give_up(const std::string& why);  // ends the link: on_lost(why)
+
+  // The effect layer's reports, about the last cmd::Connect and the connection it made.
+  ClientCommands connected(const std::string& nonce, Clock::time_point now);
+  ClientCommands connect_failed(bool refused, const std::string& error, Clock::time_point now);
+  ClientCommands unresolvable(Clock::time_point now);
+  ClientCommands frame(const proto::Frame& f, Clock::time_point now);
+  ClientCommands connection_closed(const std::string& why, Clock::time_point now);  // not by a command
+  ClientCommands timer_fired(ClientTimer t, Clock::time_point now);
+  ClientCommands hosted(const TakeoverHost& where, Clock::time_point now);  // port 0: it cannot host
+  ClientCommands take_pending();
+
+  bool closed() const { return closed_; }
+  const std::string& host() const { return opts_.host; }  // the server tried now
+  int port() const { return opts_.port; }
+  bool searching() const { return takeover_.has_value(); }  // for the node that took over
+
+ private:
+  void try_connect();
+  void reconnect_later(const std::string& why, Clock::time_point now);
+  void failed_attempt(const std::string& why, Clock::time_point now);  // a connection made that proved nothing
+  void on_frame(const proto::Frame& f, Clock::time_point now);
+  void on_welcome(Clock::time_point now);
+  void take(const proto::Assignment& a);  // this node's place in a round: the agent hears it
+  void lost(const std::string& why, bool unanswered = false);
+  // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
+  // reconnection is tried; a survivor takes it over, or the node ends with the lost host as
+  // root cause (end_host_lost).
+  void host_lost(const std::string& why, Clock::time_point now);
+  void next_candidate(const std::string& why_previous, Clock::time_point now);
+  void connect_candidate(const std::string& host, int port, Clock::time_point now);
+  void end_host_lost(const std::string& reason);
+  void drop_connection();  // the connection and any connect in flight, without a notice
+  bool shut(bool flush);   // false when already closed
+  void send_join();
+  void send(proto::Wire w) { out_.push_back(cmd::Send{std::move(w)}); }
+  void arm(ClientTimer t, Clock::time_point at) { out_.push_back(cmd::Arm{t, at}); }
+  void cancel(ClientTimer t) { out_.push_back(cmd::Cancel{t}); }
+  void schedule_heartbeat(Clock::time_point now);
+  void watch(Clock::time_point now);
+  ClientCommands take_out() { return std::exchange(out_, {}); }
+
+  ClientOptions opts_;
+  std::string key_;  // the job key; empty without a token
+  std::string nonce_, session_;
+  ClientCommands out_;                            // of the event being handled
+  Clock::time_point deadline_;                    // connect attempts give up here
+  std::optional<Clock::time_point> waiting_since_;  // joined, no decision yet
+  Clock::time_point connected_at_, last_frame_;
+  int round_ = 0;
+  std::optional<proto::Assignment> current_;  // the round this node runs, for re-registration
+  std::optional<proto::Assignment> last_;  // the last round assigned (kept through restarts)
+  std::optional<proto::Standby> standby_of_;  // told while a standby: the round's takeover candidates
+  int standbys_ = 0;  // the job's standby nodes, as last told (Assignment, Heartbeat)
+  int restarts_seen_ = 0;  // the highest restart count heard (or spent on a takeover)
+  // The agent asked to be in the next round (start, rejoin); false from a Restart until
+  // rejoin(). An assignment that comes before (a join sent on reconnecting) waits in
+  // pending_ for rejoin(): the agent takes one only once its workers stopped.
+  bool join_wanted_ = true;
+  std::optional<proto::Assignment> pending_;
+  struct Takeover {
+    std::vector<TakeoverCandidate> candidates;
+    std::size_t next = 0;
+    Clock::time_point deadline;
+    std::string lost;   // "rendezvous host H (EP) lost: WHY"
+    std::string lost_host;
+    int restart_count = 0;
+    int round = 0;       // the last round (the seed's)
+    int self_rank = -1;  // this node's group rank in it; -1: a standby, which never hosts
+    int listed = 0;      // nodes listed in that round
+    std::string tried;   // what each candidate said, for the root cause
+    bool asking = false;  // cmd::HostTakeover given, hosted() not heard yet
+  };
+  std::optional<Takeover> takeover_;  // looking for the node that took over
+  bool decided_ = false;  // the job ended (Abort or Done heard): its host may go
+  std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
+  std::optional<proto::WorkerFailed> unsent_failure_;
+  bool done_sent_ = false;
+  bool standby_ = false;  // told Standby, no assignment since: said again on re-registering
+  std::chrono::milliseconds backoff_{100};  // between reconnects after a loss
+  int refused_ = 0;  // refused connects in a row at start (connect_retry_delay)
+  bool closed_ = false;
+  bool connected_ = false;      // a connection is open (from connected() to its close)
+  bool challenged_ = false;
+  bool welcomed_ = false;       // this connection completed the handshake
+  bool answered_ = false;       // this connection brought a frame
+  bool joined_early_ = false;   // this connection sent its join with the hello (no token)
+  bool ever_welcomed_ = false;  // some connection did
+  bool in_outage_ = false;      // lost a welcomed connection, not welcomed again yet
+};
+
+}  // namespace mg::rdzv

@@ -1,0 +1,564 @@
+// The rendezvous client's policy (rendezvous/client_machine.h), driven with a fake clock:
+// events in with the time passed in, commands out. No socket, no timer.
+#include <catch2/catch.hpp>
+
+#include "rendezvous/auth.h"
+#include "rendezvous/client_machine.h"
+
+using namespace mg;
+using namespace mg::rdzv;
+using namespace std::chrono_literals;
+using proto::MsgType;
+
+namespace {
+
+const Clock::time_point T0{};
+const std::string kNonce(64, 'a');
+
+proto::Join join_of(const std::string& addr, int max_restarts = 3) {
+  proto::Join j;
+  j.job_id = "job";
+  j.agent_id = "agent-" + addr;
+  j.host = "host-" + addr;
+  j.addr = addr;
+  j.min_nodes = 1;
+  j.max_nodes = 4;
+  j.max_restarts = max_restarts;
+  j.keep_alive_ms = 100;
+  j.keep_alive_max_attempt = 3;
+  j.join_timeout_ms = 5000;
+  j.takeover_port = 7000;
+  return j;
+}
+
+ClientOptions options(const std::string& addr = "127.0.0.3", int max_restarts = 3) {
+  ClientOptions o;
+  o.host = "127.0.0.1";
+  o.port = 29400;
+  o.join = join_of(addr, max_restarts);
+  return o;
+}
+
+template <class T>
+std::vector<T> all(const ClientCommands& cs) {
+  std::vector<T> out;
+  for (const auto& c : cs)
+    if (auto* x = std::get_if<T>(&c)) out.push_back(*x);
+  return out;
+}
+template <class T>
+bool has(const ClientCommands& cs) {
+  return !all<T>(cs).empty();
+}
+template <class T>
+T one(const ClientCommands& cs) {
+  auto xs = all<T>(cs);
+  REQUIRE(xs.size() == 1);
+  return xs.front();
+}
+// The decisions told to the agent, of type T.
+template <class T>
+std::vector<T> told(const ClientCommands& cs) {
+  std::vector<T> out;
+  for (const auto& t : all<cmd::Tell>(cs))
+    if (auto* x = std::get_if<T>(&t.d)) out.push_back(*x);
+  return out;
+}
+template <class T>
+T told_one(const ClientCommands& cs) {
+  auto xs = told<T>(cs);
+  REQUIRE(xs.size() == 1);
+  return xs.front();
+}
+
+std::vector<MsgType> sent(const ClientCommands& cs) {
+  std::vector<MsgType> out;
+  for (const auto& s : all<cmd::Send>(cs)) out.push_back(proto::type_of(s.frame));
+  return out;
+}
+template <class T>
+T sent_of(const ClientCommands& cs) {
+  for (const auto& s : all<cmd::Send>(cs))
+    if (proto::type_of(s.frame) == T::kType) return proto::from_frame<T>(s.frame);
+  FAIL("no " << static_cast<int>(T::kType) << " sent");
+  return {};
+}
+std::optional<Clock::time_point> armed(const ClientCommands& cs, ClientTimer t) {
+  std::optional<Clock::time_point> at;
+  for (const auto& a : all<cmd::Arm>(cs))
+    if (a.timer == t) at = a.at;
+  return at;
+}
+std::string notices(const ClientCommands& cs) {
+  std::string out;
+  for (const auto& n : all<cmd::Notice>(cs)) out += n.text + "\n";
+  return out;
+}
+
+// A round of three nodes: 127.0.0.1 (group rank 0, the host, its takeover port 0 since it
+// hosts), 127.0.0.2 and 127.0.0.3, each with a takeover port.
+proto::Assignment round_of(int group_rank, int round = 1, int restart_count = 0) {
+  proto::Assignment a;
+  a.round = round;
+  a.group_rank = group_rank;
+  a.group_world_size = 3;
+  a.rank_offset = group_rank;
+  a.world_size = 3;
+  a.master_addr = "127.0.0.1";
+  a.master_port = 29500;
+  a.restart_count = restart_count;
+  a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
+  a.takeover_ports = {0, 7002, 7003};
+  return a;
+}
+
+// A machine and its fake clock, with the steps of a handshake without a token.
+struct Link {
+  ClientMachine m;
+  Clock::time_point now = T0;
+  explicit Link(ClientOptions o = options()) : m(std::move(o)) {}
+
+  ClientCommands welcome(const std::string& host_agent = {}) {
+    auto c = m.connected(kNonce, now);
+    auto w = m.frame(proto::to_frame(proto::Welcome{"srv", host_agent}), now);
+    c.insert(c.end(), w.begin(), w.end());
+    return c;
+  }
+  ClientCommands receive(const auto& msg) { return m.frame(proto::to_frame(msg), now); }
+  ClientCommands after(Clock::duration d, ClientTimer t) {
+    now += d;
+    return m.timer_fired(t, now);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("client machine: a refused start is retried soon and more slowly, and ends on the lost rendezvous at "
+          "join_timeout") {
+  Link l;
+  auto c = l.m.start(l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
+  CHECK(one<cmd::Connect>(c).port == 29400);
+  CHECK(armed(c, ClientTimer::kWatchdog) == T0 + 100ms);
+  // Each refusal arms the retry after connect_retry_delay: 5 ms, then growing by half.
+  std::vector<std::chrono::milliseconds> waits;
+  for (int i = 0; i < 5; ++i) {
+    c = l.m.connect_failed(true, "Connection refused", l.now);
+    auto at = armed(c, ClientTimer::kRetry);
+    REQUIRE(at);
+    waits.push_back(std::chrono::duration_cast<std::chrono::milliseconds>(*at - l.now));
+    l.now = *at;
+    CHECK(has<cmd::Connect>(l.m.timer_fired(ClientTimer::kRetry, l.now)));
+  }
+  CHECK(waits == std::vector<std::chrono::milliseconds>{5ms, 7ms, 10ms, 15ms, 22ms});
+  CHECK(connect_retry_delay(100) == 500ms);
+  // At join_timeout the next refusal is the end, with the hint flag for an own address.
+  l.now = T0 + 5000ms;
+  c = l.m.connect_failed(true, "Connection refused", l.now);
+  auto lost = one<cmd::Lost>(c);
+  CHECK(lost.why == "cannot reach the rendezvous server at 127.0.0.1:29400: Connection refused");
+  CHECK(lost.unanswered);
+  CHECK(one<cmd::Shut>(c).flush == false);
+  CHECK(l.m.closed());
+  // A closed machine ignores whatever comes late.
+  CHECK(l.m.timer_fired(ClientTimer::kRetry, l.now).empty());
+  CHECK(l.m.connected(kNonce, l.now).empty());
+}
+
+TEST_CASE("client machine: without a token the join rides with the hello, and the welcome arms the heartbeat") {
+  Link l;
+  l.m.start(l.now);
+  auto c = l.m.connected(kNonce, l.now);
+  CHECK(sent(c) == std::vector<MsgType>{MsgType::kHello, MsgType::kJoin});
+  CHECK(sent_of<proto::Hello>(c).nonce == kNonce);
+  l.now += 3ms;
+  c = l.receive(proto::Welcome{"srv", ""});
+  CHECK(one<cmd::Welcomed>(c).session.empty());
+  CHECK(sent(c).empty());  // the join went already
+  CHECK(armed(c, ClientTimer::kHeartbeat) == l.now + 100ms);
+  c = l.receive(round_of(2));
+  CHECK(told_one<proto::Assignment>(c).group_rank == 2);
+  // Heartbeats carry the round, every keep-alive interval.
+  c = l.after(100ms, ClientTimer::kHeartbeat);
+  CHECK(sent_of<proto::Heartbeat>(c).round == 1);
+  CHECK(armed(c, ClientTimer::kHeartbeat) == l.now + 100ms);
+}
+
+TEST_CASE("client machine: with a token the server proves the job's key before the join, and a wrong proof is "
+          "refused") {
+  auto o = options();
+  o.token = "secret";
+  const std::string key = auth::job_key("secret", "job");
+  const std::string server_nonce(64, 'b');
+  {
+    Link l(o);
+    l.m.start(l.now);
+    auto c = l.m.connected(kNonce, l.now);
+    CHECK(sent(c) == std::vector<MsgType>{MsgType::kHello});
+    c = l.receive(proto::Challenge{server_nonce, auth::server_proof(key, kNonce, server_nonce)});
+    CHECK(sent(c) == std::vector<MsgType>{MsgType::kAuth});
+    const auto session = auth::session_key(key, kNonce, server_nonce);
+    CHECK(one<cmd::SignSent>(c).session == session);
+    c = l.receive(proto::Welcome{"srv", ""});
+    CHECK(one<cmd::Welcomed>(c).session == session);
+    CHECK(sent(c) == std::vector<MsgType>{MsgType::kJoin});
+  }
+  {
+    Link l(o);
+    l.m.start(l.now);
+    l.m.connected(kNonce, l.now);
+    auto c = l.receive(proto::Challenge{server_nonce, std::string(64, '0')});
+    CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("cannot prove this job's key"));
+  }
+  {
+    // A decision from a server that proved nothing is never obeyed.
+    Link l(o);
+    l.m.start(l.now);
+    l.m.connected(kNonce, l.now);
+    auto c = l.receive(proto::Abort{});
+    CHECK(told<proto::Abort>(c).empty());
+    CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("could not be authenticated: it sent an Abort"));
+  }
+}
+
+TEST_CASE("client machine: a daemon's outage that ends within join_timeout: reconnects with a doubling back-off and "
+          "re-registers the round, replaying a failure reported meanwhile") {
+  Link l;
+  l.m.start(l.now);
+  l.welcome();
+  l.receive(round_of(1));
+  l.now += 1s;
+  auto c = l.m.connection_closed("end of file", l.now);
+  CHECK(has<cmd::Drop>(c));
+  CHECK_THAT(notices(c), Catch::Contains("lost the rendezvous server (end of file); workers keep running"));
+  CHECK(armed(c, ClientTimer::kRetry) == l.now + 100ms);
+  // The workers go on; a failure while away waits for the next welcome.
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.host = "host-127.0.0.2";
+  f.rank = 1;
+  CHECK(l.m.worker_failed(f, l.now).empty());
+  c = l.after(100ms, ClientTimer::kRetry);
+  CHECK(has<cmd::Connect>(c));
+  // The server is back but closes again before its welcome: the back-off doubles.
+  l.m.connected(kNonce, l.now);
+  c = l.m.connection_closed("reset", l.now);
+  CHECK(armed(c, ClientTimer::kRetry) == l.now + 200ms);
+  c = l.after(200ms, ClientTimer::kRetry);
+  CHECK(has<cmd::Connect>(c));
+  c = l.m.connect_failed(true, "Connection refused", l.now);  // within the outage's join_timeout: retried
+  REQUIRE(armed(c, ClientTimer::kRetry));
+  l.now = *armed(c, ClientTimer::kRetry);
+  l.m.timer_fired(ClientTimer::kRetry, l.now);
+  c = l.welcome();
+  const auto j = sent_of<proto::Join>(c);
+  CHECK(j.resume_round == 1);
+  CHECK(j.resume_group_rank == 1);
+  CHECK(j.resume_group_world_size == 3);
+  CHECK(sent_of<proto::WorkerFailed>(c).rank == 1);
+  CHECK_THAT(notices(c), Catch::Contains("reconnected; re-registered round 1"));
+  // The outage is over: the next one starts from 100 ms and a full join_timeout again.
+  l.now += 10s;
+  c = l.m.connection_closed("end of file", l.now);
+  CHECK(armed(c, ClientTimer::kRetry) == l.now + 100ms);
+  l.now += 4s;
+  c = l.m.connect_failed(true, "Connection refused", l.now);
+  CHECK_FALSE(has<cmd::Lost>(c));
+}
+
+TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on the lost rendezvous, however the "
+          "tries fail") {
+  SECTION("refused until the end") {
+    Link l;
+    l.m.start(l.now);
+    l.welcome();
+    l.receive(round_of(1));
+    l.now += 1s;
+    l.m.connection_closed("end of file", l.now);
+    for (int i = 0; i < 100 && !l.m.closed(); ++i) {
+      l.now += 100ms;
+      l.m.timer_fired(ClientTimer::kRetry, l.now);
+      auto c = l.m.connect_failed(true, "Connection refused", l.now);
+      if (l.now < T0 + 6s) CHECK_FALSE(has<cmd::Lost>(c));
+      else CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("cannot reach the rendezvous server at 127.0.0.1:29400"));
+    }
+    CHECK(l.m.closed());
+    CHECK(l.now == T0 + 6s);
+  }
+  SECTION("connections made that prove nothing") {
+    Link l;
+    l.m.start(l.now);
+    l.welcome();
+    l.receive(round_of(1));
+    l.m.connection_closed("end of file", l.now);
+    l.now += 5s;
+    l.m.connected(kNonce, l.now);
+    auto c = l.m.connection_closed("reset", l.now);
+    CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("no authenticated rendezvous server at 127.0.0.1:29400 within "
+                                                        "join_timeout (5 s): reset"));
+  }
+  SECTION("a silent server: the heartbeat echo stops") {
+    Link l;
+    l.m.start(l.now);
+    l.welcome();
+    l.receive(round_of(1));
+    ClientCommands c;
+    for (int i = 0; i < 4; ++i) {
+      c = l.after(100ms, ClientTimer::kWatchdog);
+      CHECK_FALSE(has<cmd::Drop>(c));
+    }
+    c = l.after(100ms, ClientTimer::kWatchdog);  // 500 ms > 100 ms x (3 + 1) without a frame
+    CHECK(has<cmd::Drop>(c));
+    CHECK_THAT(notices(c), Catch::Contains("lost the rendezvous server (no answer for 500 ms)"));
+    CHECK(armed(c, ClientTimer::kWatchdog) == l.now + 100ms);
+  }
+}
+
+TEST_CASE("client machine: no decision within join_timeout and a margin ends the wait, a standby's wait has none") {
+  Link l;
+  l.m.start(l.now);
+  l.welcome();
+  // join_timeout 5 s + max(2 s, 0.5 s): the server decides on join_timeout itself.
+  ClientCommands c;
+  while (!l.m.closed() && l.now < T0 + 60s) {
+    l.receive(proto::Heartbeat{});
+    c = l.after(100ms, ClientTimer::kWatchdog);
+  }
+  CHECK(l.now == T0 + 7100ms);
+  CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("no decision from the rendezvous server"));
+
+  Link s;
+  s.m.start(s.now);
+  s.welcome();
+  s.receive(proto::Standby{});
+  for (int i = 0; i < 100; ++i) {
+    s.receive(proto::Heartbeat{});
+    c = s.after(100ms, ClientTimer::kWatchdog);
+  }
+  CHECK_FALSE(s.m.closed());
+}
+
+TEST_CASE("client machine: an assignment that comes while the workers stop waits for rejoin(), outside its call") {
+  Link l;
+  l.m.start(l.now);
+  l.welcome();
+  l.receive(round_of(1));
+  auto c = l.receive(proto::Restart{1, "rank 0 failed"});
+  CHECK(told_one<proto::Restart>(c).restart_count == 1);
+  // The daemon restarts meanwhile; the node's join on reconnecting brings the next round.
+  l.m.connection_closed("end of file", l.now);
+  l.now += 100ms;
+  l.m.timer_fired(ClientTimer::kRetry, l.now);
+  l.welcome();
+  c = l.receive(round_of(1, 2, 1));
+  CHECK(told<proto::Assignment>(c).empty());
+  c = l.m.rejoin(l.now);
+  CHECK(has<cmd::TakePending>(c));
+  CHECK(told<proto::Assignment>(c).empty());
+  c = l.m.take_pending();
+  CHECK(told_one<proto::Assignment>(c).round == 2);
+  CHECK(l.m.take_pending().empty());
+}
+
+TEST_CASE("client machine: the host agent lost: survivors restart and try the lowest live node first, then host "
+          "themselves when nobody below answered") {
+  Link l(options("127.0.0.3"));
+  l.m.start(l.now);
+  l.welcome("host-a");
+  l.receive(round_of(2));
+  l.now += 1s;
+  auto c = l.m.connection_closed("end of file", l.now);
+  auto r = told_one<proto::Restart>(c);
+  CHECK(r.restart_count == 1);
+  CHECK_THAT(r.reason, Catch::StartsWith("rendezvous host host-a (127.0.0.1:29400) lost: end of file"));
+  // Node 1 first (the lost host, node 0, is no candidate), one keep-alive interval.
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  CHECK(one<cmd::Connect>(c).port == 7002);
+  CHECK(armed(c, ClientTimer::kTakeover) == l.now + 100ms);
+  CHECK(l.m.searching());
+  // Node 1 does not answer: this node (2) is next and hosts.
+  c = l.after(100ms, ClientTimer::kTakeover);
+  auto seed = one<cmd::HostTakeover>(c).seed;
+  CHECK_FALSE(has<cmd::Connect>(c));
+  CHECK(seed.round == 1);
+  CHECK(seed.restart_count == 1);
+  CHECK(seed.lost_host == "host-a");
+  CHECK(seed.survivors == 1);  // 3 listed, less the lost host and node 1 that did not answer
+  CHECK(seed.world_size == 3);
+  CHECK(seed.deadline == T0 + 1s + 300ms);  // keep-alive x attempts for the whole search
+  // It hosts at the address it bound, and joins itself there with its last group rank.
+  c = l.m.hosted({"127.0.0.9", 7100}, l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.9");
+  CHECK(one<cmd::Connect>(c).port == 7100);
+  l.m.rejoin(l.now);  // the workers stopped
+  c = l.welcome("host-127.0.0.3");
+  CHECK_THAT(notices(c), Catch::Contains("the rendezvous is now hosted by host-127.0.0.3 at 127.0.0.9:7100"));
+  CHECK(has<cmd::Cancel>(c));
+  const auto j = sent_of<proto::Join>(c);
+  CHECK(j.last_group_rank == 2);
+  CHECK(j.takeover_port == 0);  // it hosts now
+  CHECK(j.resume_round == 0);
+  CHECK_FALSE(l.m.searching());
+}
+
+TEST_CASE("client machine: a survivor above the lowest live node joins it, and a refusal there is retried within "
+          "its interval") {
+  auto o = options("127.0.0.3");
+  Link l(o);
+  l.m.start(l.now);
+  l.welcome("host-a");
+  l.receive(round_of(2));
+  auto c = l.m.connection_closed("end of file", l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  // Node 1 has not opened its server yet: refused, retried soon (not the end of the search).
+  c = l.m.connect_failed(true, "Connection refused", l.now);
+  CHECK(armed(c, ClientTimer::kRetry) == l.now + 5ms);
+  l.now += 5ms;
+  CHECK(one<cmd::Connect>(l.m.timer_fired(ClientTimer::kRetry, l.now)).host == "127.0.0.2");
+  c = l.welcome("host-127.0.0.2");
+  CHECK_THAT(notices(c), Catch::Contains("now hosted by host-127.0.0.2 at 127.0.0.2:7002"));
+  CHECK_FALSE(has<cmd::HostTakeover>(c));
+  // The restart stopped its workers: it joins once rejoin() says so, with its last group rank.
+  c = l.m.rejoin(l.now);
+  CHECK(sent_of<proto::Join>(c).last_group_rank == 2);
+  c = l.receive(round_of(1, 2, 1));
+  CHECK(told_one<proto::Assignment>(c).restart_count == 1);
+}
+
+TEST_CASE("client machine: no survivor can take over: no restart left, too few nodes, no round, or nobody answers "
+          "in time - the node ends with the lost host as root cause") {
+  SECTION("no restart left") {
+    Link l(options("127.0.0.3", /*max_restarts=*/0));
+    l.m.start(l.now);
+    l.welcome("host-a");
+    l.receive(round_of(2));
+    auto c = l.m.connection_closed("end of file", l.now);
+    auto a = told_one<proto::Abort>(c);
+    CHECK(a.root_cause.exit_code == kHostLostExitCode);
+    CHECK(a.root_cause.host == "host-a");
+    CHECK_THAT(a.reason, Catch::Contains("no survivor can take over: no restart left"));
+    CHECK(told<proto::Restart>(c).empty());
+    CHECK(l.m.closed());
+  }
+  SECTION("fewer nodes than --nnodes' minimum") {
+    auto o = options("127.0.0.3");
+    o.join.min_nodes = 3;
+    Link l(o);
+    l.m.start(l.now);
+    l.welcome("host-a");
+    l.receive(round_of(2));
+    auto c = l.m.connection_closed("end of file", l.now);
+    CHECK_THAT(told_one<proto::Abort>(c).reason, Catch::Contains("2 node(s) left, fewer than the 3"));
+  }
+  SECTION("no round had started") {
+    Link l;
+    l.m.start(l.now);
+    l.welcome("host-a");
+    auto c = l.m.connection_closed("end of file", l.now);
+    CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("no round had started, so no node can take over"));
+  }
+  SECTION("the search runs out of time") {
+    Link l(options("127.0.0.3"));
+    l.m.start(l.now);
+    l.welcome("host-a");
+    l.receive(round_of(2));
+    l.m.connection_closed("end of file", l.now);
+    auto c = l.after(100ms, ClientTimer::kTakeover);
+    REQUIRE(has<cmd::HostTakeover>(c));
+    c = l.m.hosted({}, l.now);  // this node cannot host
+    auto a = told_one<proto::Abort>(c);
+    CHECK_THAT(a.reason, Catch::Contains("no survivor could take over (node 1 at 127.0.0.2:7002: no answer; node 2 "
+                                         "(this one): cannot host)"));
+  }
+  SECTION("a job that ended: its host closes, nothing to take over") {
+    Link l(options("127.0.0.3"));
+    l.m.start(l.now);
+    l.welcome("host-a");
+    l.receive(round_of(2));
+    CHECK_FALSE(told<proto::Done>(l.receive(proto::Done{})).empty());
+    auto c = l.m.connection_closed("end of file", l.now);
+    CHECK(has<cmd::Drop>(c));
+    CHECK(told<proto::Restart>(c).empty());
+    CHECK_FALSE(has<cmd::Connect>(c));
+    CHECK(told<proto::Abort>(c).empty());
+  }
+}
+
+TEST_CASE("client machine: a standby follows the takeover of its lost host, never hosts, and re-registers as a "
+          "standby") {
+  Link l(options("127.0.0.4"));
+  l.m.start(l.now);
+  l.welcome("host-a");
+  proto::Standby s;
+  s.active_nodes = 3;
+  s.round = 1;
+  s.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
+  s.takeover_ports = {0, 7002, 7003};
+  CHECK_FALSE(told<proto::Standby>(l.receive(s)).empty());
+  // A node that took a job over lists no round before its own closes: the last list stays.
+  l.receive(proto::Standby{});
+  auto c = l.m.connection_closed("end of file", l.now);
+  CHECK(told<proto::Restart>(c).empty());  // no workers to stop
+  CHECK_THAT(notices(c), Catch::Contains("this standby follows the node that takes over"));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  c = l.after(100ms, ClientTimer::kTakeover);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+  CHECK_FALSE(has<cmd::HostTakeover>(c));
+  c = l.welcome("host-127.0.0.3");
+  CHECK(sent_of<proto::Join>(c).resume_standby);
+  CHECK_FALSE(l.m.searching());
+
+  // A standby told no round gives up with the lost host named.
+  Link t(options("127.0.0.4"));
+  t.m.start(t.now);
+  t.welcome("host-a");
+  t.receive(proto::Standby{});
+  c = t.m.connection_closed("end of file", t.now);
+  CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("this standby was told no round to follow"));
+}
+
+TEST_CASE("client machine: a candidate whose name does not resolve is passed over at once") {
+  Link l(options("127.0.0.4"));
+  l.m.start(l.now);
+  l.welcome("host-a");
+  proto::Assignment a = round_of(3);
+  a.group_world_size = 4;
+  a.world_size = 4;
+  a.rank_offset = 3;
+  a.nodes = {"127.0.0.1", "node-b.invalid", "127.0.0.3", "127.0.0.4"};
+  a.takeover_ports = {0, 7002, 7003, 7004};
+  l.receive(a);
+  auto c = l.m.connection_closed("end of file", l.now);
+  CHECK(one<cmd::Connect>(c).host == "node-b.invalid");
+  c = l.m.unresolvable(l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+}
+
+TEST_CASE("client machine: close() flushes, give_up() says why once, and nothing starts after either") {
+  Link l;
+  l.m.start(l.now);
+  l.welcome();
+  l.receive(round_of(1));
+  auto c = l.m.node_done(1);
+  CHECK(sent_of<proto::NodeDone>(c).round == 1);
+  c = l.m.close();
+  CHECK(one<cmd::Shut>(c).flush);
+  CHECK(l.m.close().empty());
+  CHECK(l.m.give_up("late").empty());
+  CHECK(l.m.connection_closed("end of file", l.now).empty());
+  CHECK(l.m.timer_fired(ClientTimer::kWatchdog, l.now).empty());
+
+  Link bad;
+  bad.m.start(bad.now);
+  bad.m.connected(kNonce, bad.now);
+  c = bad.m.connection_closed("end of file", bad.now);  // before a word: maybe another program
+  CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("ended before its welcome (end of file)"));
+  CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("ss -ltnp"));
+
+  auto o = options();
+  o.join.nproc = 0;
+  Link invalid(o);
+  c = invalid.m.start(invalid.now);
+  CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("cannot join: "));
+  CHECK_FALSE(has<cmd::Connect>(c));
+}

@@ -132,22 +132,12 @@ void EtcdLink::on_changes(const std::vector<Change>& changes) {
 
 void EtcdLink::deliver(const proto::Frame& f) {
   try {
-    switch (proto::type_of(f)) {
-      case proto::MsgType::kAssignment:
-        assigned_ = true;
-        return h_.on_assignment(proto::from_frame<proto::Assignment>(f));
-      case proto::MsgType::kRestart: return h_.on_restart(proto::from_frame<proto::Restart>(f));
-      case proto::MsgType::kAbort: return h_.on_abort(proto::from_frame<proto::Abort>(f));
-      case proto::MsgType::kDone: return h_.on_done();
-      case proto::MsgType::kStandby: {
-        auto m = proto::from_frame<proto::Standby>(f);
-        if (h_.on_standby) h_.on_standby(m);
-        return;
-      }
-      case proto::MsgType::kError:
-        return lost(fmt::format("refused by the rendezvous: {}", proto::from_frame<proto::Error>(f).message));
-      default: return;
-    }
+    if (proto::type_of(f) == proto::MsgType::kError)
+      return lost(fmt::format("refused by the rendezvous: {}", proto::from_frame<proto::Error>(f).message));
+    auto d = decision_of(f);
+    if (!d) return;
+    if (std::holds_alternative<proto::Assignment>(*d)) assigned_ = true;
+    tell(h_, *d);
   } catch (const proto::ProtocolError& e) {
     lost(fmt::format("bad decision from the job's log: {}", e.what()));
   }

@@ -701,24 +701,37 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
 
 Actions Job::tick(Clock::time_point now) {
   if (!configured_ || finished()) return {};
-  // A silent standby is dropped (and told, in case it is only slow) before it could be
-  // given a place it cannot take.
+  // Every silent standby is dropped (and told, in case it is only slow) before it could be
+  // given a place it cannot take; the tick's other deadlines are then checked all the same.
+  Actions out = drop_silent_standbys(now);
+  auto rest = tick_deadlines(now);
+  out.insert(out.end(), std::make_move_iterator(rest.begin()), std::make_move_iterator(rest.end()));
+  return out;
+}
+
+Actions Job::drop_silent_standbys(Clock::time_point now) {
   const auto silent_limit = milliseconds(config_.keep_alive_ms) * config_.keep_alive_max_attempt;
+  const auto limit_ms = duration_cast<milliseconds>(silent_limit).count();
+  Actions out;
   for (auto it = standby_.begin(); it != standby_.end();) {
     if (now - it->second.last_seen <= silent_limit) {
       ++it;
       continue;
     }
-    Actions out{{it->first, proto::to_wire(proto::Error{fmt::format(
-                                "standby dropped from job '{}': no heartbeat for more than {} ms", id_,
-                                duration_cast<milliseconds>(silent_limit).count())})}};
+    out.push_back({it->first, proto::to_wire(proto::Error{fmt::format(
+                                  "standby dropped from job '{}': no heartbeat for more than {} ms", id_, limit_ms)})});
     emit(JobEvent::Kind::kStandbyLost, &it->second.join).why =
-        fmt::format("dropped: no heartbeat for more than {} ms", duration_cast<milliseconds>(silent_limit).count());
-    standby_.erase(it);
+        fmt::format("dropped: no heartbeat for more than {} ms", limit_ms);
+    it = standby_.erase(it);
+  }
+  if (!out.empty()) {
     auto told = tell_standby_count();
     out.insert(out.end(), told.begin(), told.end());
-    return out;
   }
+  return out;
+}
+
+Actions Job::tick_deadlines(Clock::time_point now) {
   if (state_ == State::kJoining && round_ == 0 && joined_.empty() && members_.empty() && !standby_.empty() &&
       now - first_join_ >= milliseconds(config_.join_timeout_ms)) {
     proto::WorkerFailed rc;

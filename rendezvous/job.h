@@ -172,6 +172,9 @@ class Job {
   };
 
   Actions close_round(Clock::time_point now);
+  // tick(): the standbys silent past keep-alive x attempts, all of them; then the rest.
+  Actions drop_silent_standbys(Clock::time_point now);
+  Actions tick_deadlines(Clock::time_point now);
   Actions fail_or_restart(const proto::WorkerFailed& root_cause, const std::string& reason, SessionId lost,
                           Clock::time_point now);
   Actions broadcast(const proto::Wire& w, SessionId except = 0) const;

@@ -621,6 +621,22 @@ TEST_CASE("a silent standby is dropped and told, a closed one forgotten - with e
   CHECK(job.state() == Job::State::kFailed);
 }
 
+TEST_CASE("one tick drops every silent standby and still checks the tick's other deadlines (#36)") {
+  // Before: one standby per tick, and that tick returned before the running node's deadline.
+  Job job("job");
+  job.join(1, node("127.0.0.1", 1, 1, 1, 1), T0);
+  job.join(2, node("127.0.0.2", 1, 1, 1, 1), T0);
+  job.join(3, node("127.0.0.3", 1, 1, 1, 1), T0);
+  REQUIRE(job.standbys() == 2);
+  auto out = job.tick(T0 + 310ms);  // all three silent for 310 ms > 3 x 100 ms
+  std::set<SessionId> dropped;
+  for (auto& e : of_type(out, MsgType::kError)) dropped.insert(e.session);
+  CHECK(dropped == std::set<SessionId>{2, 3});
+  CHECK(job.standbys() == 0);
+  CHECK(job.missed_heartbeats() == 1);  // node 1's deadline in the same tick
+  CHECK_FALSE(of_type(out, MsgType::kAbort).empty());  // the silent node is told
+}
+
 TEST_CASE("a standby re-registering with a restarted server waits for the rebuilt round, or hears that none came back") {
   auto sb = node("127.0.0.9", 2, 2, 1, 1);
   sb.resume_standby = true;

@@ -60,15 +60,15 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   std::unordered_map<ClientId, std::shared_ptr<Client>> clients;
   // Clients of an ended attempt (reset, retire): not served, not counted; a read that
   // returns anything ends them (their data, or their close).
-  std::unordered_map<ClientId, std::shared_ptr<tcp::socket>> parked;
-  // Clients and parked ones from each address, and each one's address.
+  struct Parked {
+    std::shared_ptr<tcp::socket> socket;
+    asio::ip::address from;
+  };
+  std::unordered_map<ClientId, Parked> parked;
+  // Clients and parked ones from each address (ServerOptions::max_per_address).
   std::map<asio::ip::address, std::size_t> per_address;
-  std::unordered_map<ClientId, asio::ip::address> address_of;
-  void forget_address(ClientId id) {
-    auto a = address_of.find(id);
-    if (a == address_of.end()) return;
-    if (auto n = per_address.find(a->second); n != per_address.end() && --n->second == 0) per_address.erase(n);
-    address_of.erase(a);
+  void forget_address(const asio::ip::address& from) {
+    if (auto n = per_address.find(from); n != per_address.end() && --n->second == 0) per_address.erase(n);
   }
   ClientId next_id = 1;
   std::size_t dropped = 0;
@@ -115,7 +115,6 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
           auto c = std::make_shared<Client>(std::move(s));
           c->from = from;
           ++self->per_address[from];
-          self->address_of.emplace(id, from);
           self->clients.emplace(id, std::move(c));
           self->read(id);
         }
@@ -187,7 +186,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     boost::system::error_code ignored;
     it->second->socket.close(ignored);
     buffered -= it->second->held;
-    forget_address(id);
+    forget_address(it->second->from);
     release(it->second->out);
     release(it->second->writing);
     clients.erase(it);
@@ -436,7 +435,9 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
                           for (const auto& [at, v] : r.values) c->reply_values -= v->size();
                         }
                         self->release(c->writing);
-                        c->iov.clear();
+                        // Their room goes too: an idle client holds no buffers.
+                        std::vector<Reply>().swap(c->writing);
+                        std::vector<asio::const_buffer>().swap(c->iov);
                         self->recount(id, *c);
                         if (!c->out.empty()) self->write(id);
                         if (c->paused && c->unwritten < kPauseAt) self->resume(id);
@@ -448,15 +449,15 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       boost::system::error_code ignored;
       c->socket.cancel(ignored);  // its pending wait ends (operation_aborted) and is ignored
       auto sock = std::make_shared<tcp::socket>(std::move(c->socket));
-      parked.emplace(id, sock);
+      parked.emplace(id, Parked{sock, c->from});
       sock->async_wait(tcp::socket::wait_read, [self = shared_from_this(), id](boost::system::error_code) {
         // Data from an ended attempt, its close, or an error: it goes (whatever it sent is
         // never served).
         if (auto it = self->parked.find(id); it != self->parked.end()) {
           boost::system::error_code ignored;
-          it->second->close(ignored);
+          it->second.socket->close(ignored);
+          self->forget_address(it->second.from);
           self->parked.erase(it);
-          self->forget_address(id);
         }
       });
     }
@@ -485,10 +486,9 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     clients.clear();
     buffered = 0;
     shares.clear();
-    for (auto& [id, p] : parked) p->close(ignored);
+    for (auto& [id, p] : parked) p.socket->close(ignored);
     parked.clear();
     per_address.clear();
-    address_of.clear();
     idle = nullptr;
   }
 };

@@ -36,12 +36,21 @@ dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 bound = listens_on(int(os.environ["MASTER_PORT"]))
-dist.barrier()
 late = float(os.environ.get("AGENT_STORE_TEST_LATE", "0"))
+store = dist.distributed_c10d._get_default_store()
+if late and dist.get_rank() == 0:
+    store.set("rank0_pid", str(os.getpid()))
+dist.barrier()
 if late and dist.get_rank() != 0:
-    # Rank 0 (and its node) is done by now: its agent's store must still serve this rank.
+    # Once rank 0's process is gone (same machine; waited for at most 120 s, not guessed with
+    # a sleep that a loaded machine outlasts) and LATE s more, node 0's agent store must
+    # still serve this rank.
+    rank0 = int(store.get("rank0_pid"))
+    end = time.monotonic() + 120
+    while os.path.exists(f"/proc/{rank0}") and time.monotonic() < end:
+        time.sleep(0.05)
     time.sleep(late)
-    dist.distributed_c10d._get_default_store().set("late", "1")
+    store.set("late", "1")
     print("late store use ok", flush=True)
 dist.destroy_process_group()
 print("store", os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), "sum", int(t.item()), "bound", bound, flush=True)

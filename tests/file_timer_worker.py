@@ -32,10 +32,19 @@ if mode == "forge" and rank == 0:
     with open(path, "w") as pipe:  # a request for a process that is not a worker
         pipe.write(json.dumps({"version": 1, "pid": os.getppid(), "scope_id": "forged",
                                "expiration_time": time.time() - 1, "signal": 9}) + "\n")
+# hang: rank 1 takes its timer only once rank 0 is done (a marker beside the pipe, waited for
+# at most 60 s): the agent stops the group when the timer fires, and on a loaded machine
+# rank 0 could still be importing torch then.
+rank0_done = os.path.join(os.path.dirname(path), "rank0.done")
 if mode == "hang" and rank == 1:
+    end = time.monotonic() + 60
+    while not os.path.exists(rank0_done) and time.monotonic() < end:
+        time.sleep(0.05)
     with timer.expires(after=1, scope="step"):
         time.sleep(100)
 else:
     with timer.expires(after=60, scope="step"):
         time.sleep(0.2)
 print("done", flush=True)
+if mode == "hang" and rank == 0:
+    open(rank0_done, "w").close()

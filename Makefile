@@ -49,8 +49,12 @@ run: setup-run
 	$(MGLAUNCH) --standalone --nproc_per_node=4 $(BUILD_DIR)/bin/mgtrain --dataset fashion-mnist --model cnn --epochs 1
 
 # Every test but the soaks (label soak: long twins of short checks; README "Tests"); then
-# the skipped tests, each with its reason.
-CTEST := ctest --test-dir $(BUILD_DIR) -j $(JOBS) --output-on-failure --timeout 600
+# the skipped tests, each with its reason. ctest runs twice as many tests as there are
+# cores: most tests wait on the processes, sockets and daemons they start (at -j2 the tests
+# kept the 2 cores about a third busy); the CPU-heavy ones take 2 slots each (PROCESSORS 2
+# in tests/CMakeLists.txt). TEST_JOBS=N overrides.
+TEST_JOBS ?= $(shell echo $$(( 2 * $(JOBS) )))
+CTEST := ctest --test-dir $(BUILD_DIR) -j $(TEST_JOBS) --output-on-failure --timeout 600
 test: build
 	@rc=0; $(CTEST) -LE soak || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); exit $$rc
 

@@ -1,5 +1,9 @@
 #include "rendezvous/client.h"
 
+#include <mutex>
+#include <optional>
+#include <thread>
+
 #include <boost/asio/connect.hpp>
 #include <boost/asio/post.hpp>
 
@@ -27,8 +31,18 @@ Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers
     : io_(io), m_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io),
       takeover_timer_(io) {}
 
+namespace {
+// Held by a name lookup's thread while it hands its result to the event loop, and by a
+// client going away: no result is posted once the client (and so the io_context) may be gone.
+std::mutex& lookup_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace
+
 Client::~Client() {
   close();
+  std::lock_guard g(lookup_mutex());
   alive_.reset();
 }
 
@@ -133,11 +147,30 @@ void Client::connect(const std::string& host, int port) {
   if (!ec) {
     ep = {addr, static_cast<unsigned short>(port)};
   } else {
-    asio::ip::tcp::resolver resolver(io_);
-    auto results = resolver.resolve(host, std::to_string(port), ec);
-    if (ec || results.empty()) return run(m_.unresolvable(Clock::now()));
-    ep = *results.begin();
+    // Off the io thread: getaddrinfo cannot be cancelled and may wait on a DNS server that
+    // does not answer for minutes, while signals and timers must still be served (#35).
+    // A lookup that outlives the client is abandoned (its thread is detached).
+    std::thread([this, alive = std::weak_ptr<int>(alive_), gen = ++connect_gen_, host, port] {
+      boost::system::error_code ec;
+      asio::io_context own;
+      asio::ip::tcp::resolver resolver(own);
+      auto results = resolver.resolve(host, std::to_string(port), ec);
+      std::optional<asio::ip::tcp::endpoint> found;
+      if (!ec && !results.empty()) found = *results.begin();
+      std::lock_guard g(lookup_mutex());
+      if (alive.expired()) return;
+      asio::post(io_, [this, alive, gen, found] {
+        if (!alive.lock() || m_.closed() || gen != connect_gen_) return;
+        if (!found) return run(m_.unresolvable(Clock::now()));
+        connect_to(*found);
+      });
+    }).detach();
+    return;
   }
+  connect_to(ep);
+}
+
+void Client::connect_to(const asio::ip::tcp::endpoint& ep) {
   connecting_ = std::make_unique<asio::ip::tcp::socket>(io_);
   ++connect_attempts_;
   connecting_->async_connect(ep, [this, gen = ++connect_gen_](boost::system::error_code ec) {

@@ -74,6 +74,7 @@ class Client {
   void run(ClientCommands cmds);  // performs the machine's commands, in order
   void perform(ClientCommand& c);
   void connect(const std::string& host, int port);
+  void connect_to(const boost::asio::ip::tcp::endpoint& ep);  // connect() once the address is known
   void on_connected();
   boost::asio::steady_timer& timer(ClientTimer t);
 

@@ -1156,3 +1156,69 @@ TEST_CASE("where the workers host the store, another user listening on MASTER_PO
   CHECK_THAT(agent.err() + agent.out(), Catch::Contains("MASTER_PORT " + std::to_string(port) + " was taken by a process "
                                                         "of uid 65534"));
 }
+
+TEST_CASE("a rendezvous host whose name lookup hangs while the agent reconnects does not hold the agent: SIGTERM "
+          "still ends it (#35)") {
+  // The agent runs in a mount namespace of its own whose hosts file names rdzv.test at
+  // first, and whose DNS server (a UDP socket of the test's) never answers. Once its worker
+  // runs, the name leaves the hosts file and the daemon is killed: the agent reconnects,
+  // and its lookup of rdzv.test waits on that DNS server. Before: the lookup ran on the io
+  // thread, so the SIGTERM that follows was not served until glibc gave up (3 x 30 s).
+  const std::string dir = make_temp_dir();
+  int dns = -1;
+  std::string dns_ip;
+  for (int i = 0; i < 40 && dns < 0; ++i) {  // a loopback address of our own for port 53
+    dns_ip = "127.0.0." + std::to_string(200 + (::getpid() + i) % 50);
+    dns = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(53);
+    ::inet_pton(AF_INET, dns_ip.c_str(), &a.sin_addr);
+    if (::bind(dns, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(dns);
+      dns = -1;
+    }
+  }
+  if (dns < 0) SKIP_TEST("cannot bind a DNS socket on 127.0.0.x:53 (needs root)");
+  std::ofstream(dir + "/resolv.conf") << "nameserver " << dns_ip << "\noptions timeout:30 attempts:3\n";
+  std::ofstream(dir + "/nsswitch.conf") << "hosts: files dns\n";
+  std::ofstream(dir + "/hosts") << "127.0.0.1 localhost\n127.0.0.1 rdzv.test\n";
+  if (run({"/usr/bin/unshare", "-m", "/bin/true"}).code != 0) {
+    ::close(dns);
+    SKIP_TEST("cannot make a mount namespace (unshare -m needs root)");
+  }
+  Daemon d = start_daemon();
+  std::vector<std::string> argv{"/usr/bin/unshare", "-m", "/bin/sh", "-c",
+                                "mount --bind \"$1/resolv.conf\" /etc/resolv.conf && mount --bind \"$1/nsswitch.conf\" "
+                                "/etc/nsswitch.conf && mount --bind \"$1/hosts\" /etc/hosts && shift && exec \"$@\"",
+                                "sh", dir};
+  for (const auto& a : agent_argv("rdzv.test:" + std::to_string(d.port()), "slowdns", 1, "1:2", 1, {"--grace=1"},
+                                  {"print", "up", "hang", "120"}))
+    argv.push_back(a);
+  Proc agent = spawn(argv);
+  REQUIRE(eventually([&] { return agent.out().find("up") != std::string::npos || !pid_alive(agent.pid); }, 60s));
+  INFO(agent.out() << agent.err());
+  REQUIRE(pid_alive(agent.pid));
+  char drop[512];
+  while (::recv(dns, drop, sizeof drop, MSG_DONTWAIT) > 0) {  // queries before this point are not the reconnect's
+  }
+  std::ofstream(dir + "/hosts", std::ios::trunc) << "127.0.0.1 localhost\n";  // same file: the bind mount sees it
+  ::kill(d.proc.pid, SIGKILL);
+  d.proc.wait(10s);
+  REQUIRE(eventually([&] { return agent.err().find("reconnecting") != std::string::npos || !pid_alive(agent.pid); },
+                     30s));
+  // The reconnect's lookup is under way once its query reaches our DNS socket (unanswered).
+  REQUIRE(eventually([&] {
+    pollfd p{dns, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0 || !pid_alive(agent.pid);
+  }, 30s));
+  ::kill(agent.pid, SIGTERM);
+  const bool ended = agent.wait(40s);
+  if (!ended) {
+    ::kill(agent.pid, SIGKILL);
+    agent.wait(60s);
+  }
+  ::close(dns);
+  CHECK(ended);
+  CHECK(agent.exit_code() == 128 + SIGTERM);
+}

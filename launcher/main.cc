@@ -20,7 +20,6 @@
 #include "launcher/plan.h"
 #include "process/watchdog.h"
 #include "proto/text.h"
-#include "rendezvous/openssl_loader.h"
 
 extern char** environ;
 
@@ -73,11 +72,6 @@ int main(int argc, char** argv) {
     }
     AgentOptions& opts = *parsed.options;
     for (const auto& w : opts.usage_warnings) write_all(STDERR_FILENO, "mglaunch: warning: " + cli::one_line(w) + "\n");
-    // OpenSSL is loaded only when needed (launcher/openssl_lazy.cc): check it before anything starts.
-    if (!opts.rdzv_token.empty() || !opts.rdzv_job_token.empty() ||
-        opts.rdzv_endpoint.find("https://") != std::string::npos) {
-      if (std::string error; !openssl_available(error)) return fail(exit_code::kResource, error);
-    }
     if (opts.slurm) write_all(STDERR_FILENO, "mglaunch: " + opts.slurm->summary + "\n");
     RunPlan plan = make_plan(opts, env);
     if (opts.dry_run) {

@@ -10,21 +10,6 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "rendezvous/openssl_loader.h"
-
-namespace mg {
-
-// Linked OpenSSL (see openssl_loader.h); mglaunch's launcher/openssl_lazy.cc replaces these.
-__attribute__((weak)) bool openssl_available(std::string&) { return true; }
-__attribute__((weak)) bool openssl_loaded_lazily() { return false; }
-
-void require_openssl(const char* what) {
-  std::string error;
-  if (!openssl_available(error)) throw std::runtime_error(std::string(what) + " needs OpenSSL: " + error);
-}
-
-}  // namespace mg
-
 namespace mg::rdzv::auth {
 
 namespace {
@@ -49,7 +34,6 @@ std::string to_hex(const unsigned char* p, std::size_t n) {
 }  // namespace
 
 std::string hmac_sha256_hex(const std::string& key, const std::string& data) {
-  require_openssl("the rendezvous token (HMAC-SHA256)");
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(data.data()),
@@ -95,7 +79,6 @@ void FrameMac::mac(std::span<const std::uint8_t> bytes, unsigned char out[kFrame
   data[0] = static_cast<unsigned char>(direction_);
   for (int i = 0; i < 8; ++i) data[1 + static_cast<std::size_t>(i)] = static_cast<unsigned char>(seq_ >> (56 - 8 * i));
   std::copy(bytes.begin(), bytes.end(), data.begin() + 9);
-  require_openssl("the rendezvous token (HMAC-SHA256)");
   unsigned int len = 0;
   if (!HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), data.data(), data.size(), out, &len) ||
       len != kFrameMacBytes)

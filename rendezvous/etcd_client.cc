@@ -11,7 +11,6 @@
 #include <boost/beast/ssl.hpp>
 #include <fmt/format.h>
 
-#include "rendezvous/openssl_loader.h"
 
 namespace mg::rdzv::etcd {
 
@@ -87,7 +86,6 @@ Http::Http(std::vector<Endpoint> endpoints, Credentials credentials)
   bool tls = false;
   for (const auto& ep : endpoints_) tls = tls || ep.tls;
   if (!tls) return;
-  if (std::string error; !openssl_available(error)) throw Error("TLS to etcd (https://) needs OpenSSL: " + error);
   ssl_ = std::make_unique<asio::ssl::context>(asio::ssl::context::tls_client);
   boost::system::error_code ec;
   if (!cred_.cacert.empty()) ssl_->load_verify_file(cred_.cacert, ec);

@@ -127,10 +127,9 @@ class Console {
 };
 
 // Writes all of `data` to fd, retrying on EINTR/partial writes; gives up silently on
-// errors (a closed console must not kill the agent).
+// errors (a closed console must not kill the agent). process/fd.h's write_fully says
+// whether everything was written.
 void write_all(int fd, std::string_view data);
-// The same, saying whether everything was written (errno set when not).
-bool write_fully(int fd, std::string_view data);
 
 // Opens an output file (a trace, a metrics log) for writing without ever blocking: a FIFO
 // that no process reads is refused (ENXIO) instead of hanging the agent before any worker

@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "logs/console.h"
+#include "process/fd.h"
 
 namespace mg {
 

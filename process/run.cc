@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "process/command.h"
+#include "process/fd.h"
 #include "process/spawn.h"
 
 extern char** environ;
@@ -21,18 +22,6 @@ extern char** environ;
 namespace mg {
 
 namespace {
-
-struct Fd {
-  int fd = -1;
-  Fd() = default;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-  void reset() {
-    if (fd >= 0) ::close(std::exchange(fd, -1));
-  }
-};
 
 // A descriptor that becomes readable when `pid` exits (Linux >= 5.3); -1 elsewhere.
 int open_pidfd(pid_t pid) {
@@ -78,7 +67,7 @@ RunResult run_capture(const std::vector<std::string>& argv, const RunOptions& o)
   Fd out(p[0]), out_w(p[1]);
   Fd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   Fd null_out(o.merge_stderr ? -1 : ::open("/dev/null", O_WRONLY | O_CLOEXEC));
-  if (null_in.fd < 0 || (!o.merge_stderr && null_out.fd < 0)) {
+  if (null_in.get() < 0 || (!o.merge_stderr && null_out.get() < 0)) {
     r.error = std::string("/dev/null: ") + std::strerror(errno);
     return r;
   }
@@ -89,9 +78,9 @@ RunResult run_capture(const std::vector<std::string>& argv, const RunOptions& o)
   req.path = exe.c_str();
   req.argv = args.data();
   req.envp = o.envp ? o.envp : environ;
-  req.fds[0] = null_in.fd;
-  req.fds[1] = out_w.fd;
-  req.fds[2] = o.merge_stderr ? out_w.fd : null_out.fd;
+  req.fds[0] = null_in.get();
+  req.fds[1] = out_w.get();
+  req.fds[2] = o.merge_stderr ? out_w.get() : null_out.get();
   SpawnError error;  // an exec error comes back here: nothing ran
   const pid_t pid = spawn_process(req, error);
   out_w.reset();  // EOF once the command (and whatever it started) has closed its copies
@@ -111,14 +100,14 @@ RunResult run_capture(const std::vector<std::string>& argv, const RunOptions& o)
     pollfd fds[2];
     nfds_t n = 0;
     int out_i = -1, exit_i = -1;
-    if (!eof) out_i = static_cast<int>(n), fds[n++] = {out.fd, POLLIN, 0};
-    if (!exited && pidfd.fd >= 0) exit_i = static_cast<int>(n), fds[n++] = {pidfd.fd, POLLIN, 0};
+    if (!eof) out_i = static_cast<int>(n), fds[n++] = {out.get(), POLLIN, 0};
+    if (!exited && pidfd.get() >= 0) exit_i = static_cast<int>(n), fds[n++] = {pidfd.get(), POLLIN, 0};
     // Without a pidfd (Linux < 5.3) the exit is looked for between slices of the wait.
     long long slice = left;
-    if (!exited && pidfd.fd < 0) slice = std::min<long long>(left, eof ? 10 : 100);
+    if (!exited && pidfd.get() < 0) slice = std::min<long long>(left, eof ? 10 : 100);
     if (::poll(fds, n, static_cast<int>(std::min<long long>(slice, 1 << 30))) < 0 && errno != EINTR) break;
     if (out_i >= 0 && fds[out_i].revents) {
-      const ssize_t got = ::read(out.fd, buf, sizeof(buf));
+      const ssize_t got = ::read(out.get(), buf, sizeof(buf));
       if (got > 0) {
         const std::size_t room = o.max_output - std::min(o.max_output, r.out.size());
         r.out.append(buf, std::min(room, static_cast<std::size_t>(got)));

@@ -14,8 +14,8 @@
 #include <fmt/format.h>
 
 #include "cli/args.h"
-#include "logs/console.h"
 #include "process/command.h"
+#include "process/fd.h"
 #include "process/spawn.h"
 #include "slurm/sbatch.h"
 #include "slurm/sbatch_check.h"

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 SRC, BIN = sys.argv[1], sys.argv[2]
-ROOMS = ["proto", "cli", "process", "store", "rendezvous", "logs", "ops", "slurm", "launcher", "baremetal", "worker"]
+ROOMS = ["proto", "cli", "process", "store", "control", "rendezvous", "logs", "ops", "slurm", "launcher", "baremetal", "worker"]
 problems = []
 
 
@@ -113,6 +113,15 @@ design = read(os.path.join(SRC, "docs", "design.md"))
 for room in ROOMS:
     if f"| `{room}/` |" not in design:
         problems.append(f"docs/design.md has no row for the room {room}/")
+# ... and the README's rooms section names every room, and their number.
+readme_text = read(os.path.join(SRC, "README.md"))
+for room in ROOMS:
+    if f"**`{room}/`**" not in readme_text:
+        problems.append(f"README.md's rooms section does not name {room}/")
+NUMBERS = ["ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen"]
+said = re.search(r"The product is (\w+) rooms", readme_text)
+if not said or said.group(1) != NUMBERS[len(ROOMS) - 10]:
+    problems.append(f"README.md should say 'The product is {NUMBERS[len(ROOMS) - 10]} rooms' ({len(ROOMS)} in all)")
 
 # 6. The front door's `make run` installs only what building and running the main job needs
 # (RUN_DEBS), not every test's package (#38): what `make -n run` would install.

@@ -1,0 +1,17 @@
+#include "process/fd.h"
+
+#include <cerrno>
+
+namespace mg {
+
+bool write_fully(int fd, std::string_view data) {
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    data.remove_prefix(static_cast<std::size_t>(n));
+  }
+  return true;
+}
+
+}  // namespace mg

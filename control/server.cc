@@ -86,6 +86,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
   // At most one line a second (proto/accept_backoff.h): a worker opening connections in a
   // loop must not flood the agent's console. The next line counts the ones left out.
   proto::LogLimiter limiter;
+  proto::PauseEpisode pauses;  // accepts paused for want of descriptors: a line when it starts, one when it ends
   void log(const std::string& line) {
     if (!opts.log) return;
     if (auto l = limiter.admit(line, std::chrono::steady_clock::now())) opts.log("control socket: " + *l);
@@ -95,6 +96,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
     acceptor.async_accept([self = shared_from_this()](boost::system::error_code ec, local::socket s) {
       if (self->stopped || ec == asio::error::operation_aborted) return;
       if (!ec) {
+        if (auto line = self->pauses.accepted()) self->log(*line);
         self->admit(std::move(s));
         self->accept();
         return;
@@ -102,8 +104,7 @@ struct Server::Impl : std::enable_shared_from_this<Server::Impl> {
       // EMFILE, ENFILE and the like: keep serving the sessions we have, pause the accepts
       // (proto/accept_backoff.h, as the store does) instead of spinning.
       ++self->accept_failures;
-      self->log(fmt::format("cannot accept a connection: {}; pausing accepts for {} ms", ec.message(),
-                            proto::kAcceptPause.count()));
+      if (auto line = self->pauses.paused(ec.message())) self->log(*line);
       proto::pause_accepts(self->accept_pause, [self] {
         if (!self->stopped) self->accept();
       });

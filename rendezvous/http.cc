@@ -7,6 +7,8 @@
 #include <boost/beast/http.hpp>
 #include <fmt/format.h>
 
+#include "proto/accept_backoff.h"
+
 namespace mg::rdzv {
 
 namespace asio = boost::asio;
@@ -205,9 +207,8 @@ void HttpServer::accept() {
       }
     } else if (ec != asio::error::operation_aborted) {
       // Out of descriptors (EMFILE) or another accept error: pause instead of spinning.
-      pause_.expires_after(std::chrono::milliseconds(100));
-      pause_.async_wait([this](boost::system::error_code wait_ec) {
-        if (!wait_ec && !stopped_) accept();
+      proto::pause_accepts(pause_, [this] {
+        if (!stopped_) accept();
       });
       return;
     }

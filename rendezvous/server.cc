@@ -218,6 +218,7 @@ void Server::accept() {
   acceptor_.async_accept(accept_peer_, [this](boost::system::error_code ec, asio::ip::tcp::socket socket) {
     if (stopped_) return;
     if (!ec) {
+      if (auto line = pauses_.accepted()) log(*line);
       admit_socket(std::move(socket), accept_peer_);
       // Take every connection already waiting, not one per turn of the event loop: under a
       // burst (10,000 agents at once) the listen backlog fills while the loop serves other
@@ -232,12 +233,12 @@ void Server::accept() {
       if (ec == asio::error::would_block || ec == asio::error::try_again) ec = {};
     }
     if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space || ec == asio::error::no_memory) {
-      // Out of descriptors: pause instead of spinning on the pending connection.
+      // Out of descriptors: pause instead of spinning on the pending connection (one log
+      // line when the episode starts, one when it ends).
       refused("descriptors");
-      log(fmt::format("accept failed: {}; pausing accepts for 100 ms", ec.message()));
-      accept_pause_.expires_after(std::chrono::milliseconds(100));
-      accept_pause_.async_wait([this](boost::system::error_code ec) {
-        if (!ec && !stopped_) accept();
+      if (auto line = pauses_.paused(ec.message())) log(*line);
+      proto::pause_accepts(accept_pause_, [this] {
+        if (!stopped_) accept();
       });
       return;
     }

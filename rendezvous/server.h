@@ -19,6 +19,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
 
+#include "proto/accept_backoff.h"
 #include "rendezvous/challenge_rate.h"
 #include "rendezvous/connection.h"
 #include "rendezvous/job.h"
@@ -137,6 +138,7 @@ class Server {
   boost::asio::ip::tcp::acceptor acceptor_;
   boost::asio::ip::tcp::endpoint accept_peer_;  // filled by the pending async_accept
   boost::asio::steady_timer ticker_, accept_pause_;
+  proto::PauseEpisode pauses_;  // accepts paused for want of descriptors (one log line each way)
   int port_ = 0;
   bool stopped_ = false;
   SessionId next_id_ = 1;

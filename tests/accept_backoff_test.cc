@@ -37,3 +37,18 @@ TEST_CASE("pause_accepts resumes after the pause, and not at all when the timer 
   io.run_for(10s);
   CHECK(resumed == 1);
 }
+
+TEST_CASE("an episode of accept pauses is two lines: its first pause, and its end with the count") {
+  mg::proto::PauseEpisode e;
+  CHECK_FALSE(e.accepted().has_value());  // no episode under way
+  const auto first = e.paused("Too many open files");
+  REQUIRE(first.has_value());
+  CHECK(first->starts_with("accept failed: Too many open files; pausing accepts for 100 ms"));
+  for (int i = 0; i < 49; ++i) CHECK_FALSE(e.paused("Too many open files").has_value());
+  CHECK(e.pauses() == 50);
+  CHECK(e.accepted() == "accepts resumed after 50 pauses of 100 ms");
+  CHECK_FALSE(e.accepted().has_value());
+  // The next episode starts afresh.
+  CHECK(e.paused("Too many open files").has_value());
+  CHECK(e.accepted() == "accepts resumed after 1 pause of 100 ms");
+}

@@ -18,9 +18,13 @@
 
 #include <array>
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <optional>
+#include <regex>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "proto/messages.h"
 #include "rendezvous/auth.h"
@@ -470,6 +474,78 @@ TEST_CASE("at a low descriptor limit the daemon refuses extra connections instea
   REQUIRE(b.wait(30s));
   CHECK(a.exit_code() == 0);
   CHECK(b.exit_code() == 0);
+  ::kill(d.proc.pid, SIGTERM);
+  REQUIRE(d.proc.wait(5s));
+  CHECK(d.proc.exit_code() == 0);
+}
+
+TEST_CASE("out of descriptors, the daemon logs an episode of accept pauses as two lines, and its status page's events "
+          "keep the job's") {
+  // A hard limit of 64 descriptors, and 64 idle status-page connections (8 addresses, 8
+  // each) to use them up: the rendezvous acceptor then fails with EMFILE and pauses 100 ms
+  // at a time until the status page's request timeout (5 s) frees some.
+  Daemon d{spawn({"/bin/sh", "-c", "ulimit -n 64 && exec \"$0\" \"$@\"", kRdzvDaemon, "--listen", "127.0.0.1:0",
+                  "--http", "0"}),
+           ""};
+  REQUIRE(eventually([&] { return split_lines(d.proc.out()).size() >= 2; }, 10s));
+  d.endpoint = split_lines(d.proc.out()).at(0).substr(13);
+  const int http_port = port_on_line(d, 1);
+  {
+    Proc a = spawn(agent_argv(d.endpoint, "real", 1, "2", 1, {}, {"print", "ok"}));
+    Proc b = spawn(agent_argv(d.endpoint, "real", 2, "2", 1, {}, {"print", "ok"}));
+    REQUIRE(a.wait(60s));
+    REQUIRE(b.wait(60s));
+    REQUIRE(a.exit_code() == 0);
+    REQUIRE(b.exit_code() == 0);
+  }
+  std::vector<int> fds;
+  struct Close {
+    std::vector<int>& fds;
+    ~Close() {
+      for (int fd : fds) ::close(fd);
+    }
+  } close_all{fds};
+  for (int i = 0; i < 64; ++i) {
+    const int fd = connect_from("127.0.0." + std::to_string(20 + i / 8), http_port);
+    REQUIRE(fd >= 0);
+    fds.push_back(fd);
+  }
+  // The status page has taken every descriptor the daemon may have.
+  const auto open_fds = [&] {
+    std::size_t n = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(d.proc.pid) + "/fd"))
+      ++n;
+    return n;
+  };
+  REQUIRE(eventually([&] { return open_fds() >= 64; }, 30s));
+  const int waiting = connect_from("127.0.0.9", d.port());  // in the backlog until a descriptor is free
+  REQUIRE(waiting >= 0);
+  fds.push_back(waiting);
+  INFO(d.proc.err());
+  REQUIRE(eventually([&] { return d.proc.err().find("pausing accepts") != std::string::npos; }, 30s));
+  REQUIRE(eventually([&] { return d.proc.err().find("accepts resumed after") != std::string::npos; }, 60s));
+  for (int fd : std::exchange(fds, {})) ::close(fd);
+  const std::string err = d.proc.err();
+  INFO(err);
+  std::size_t pausing = 0, resumed = 0;
+  for (const auto& line : split_lines(err)) {
+    pausing += line.find("pausing accepts") != std::string::npos;
+    resumed += line.find("accepts resumed after") != std::string::npos;
+  }
+  // Two lines for the whole episode (it logged each pause, ten a second, before).
+  CHECK(pausing == 1);
+  CHECK(resumed == 1);
+  std::smatch m;
+  REQUIRE(std::regex_search(err, m, std::regex("accepts resumed after ([0-9]+) pause")));
+  CHECK(std::stoi(m[1]) >= 1);
+  // The status page's events: the job's are there, beside the episode's two lines.
+  std::string events;
+  REQUIRE(eventually([&] { return !(events = body_of(http_request(http_port, "/api/events?since=0"))).empty(); }, 30s));
+  CHECK_THAT(events, Catch::Contains("job 'real' created"));
+  std::size_t accept_events = 0;
+  for (const auto& e : nlohmann::json::parse(events))
+    accept_events += e["text"].get<std::string>().find("accepts") != std::string::npos;
+  CHECK(accept_events == 2);
   ::kill(d.proc.pid, SIGTERM);
   REQUIRE(d.proc.wait(5s));
   CHECK(d.proc.exit_code() == 0);

@@ -23,6 +23,7 @@
 
 #include <fmt/format.h>
 
+#include "process/fd.h"
 #include "rendezvous/auth.h"
 
 namespace mg::preflight {
@@ -49,31 +50,6 @@ constexpr int kBacklog = 128;  // every listener's accept queue (the coordinator
 // How much longer than the coordinator a node waits for its word: the coordinator's own
 // time-out (a node that never came) must reach the others before theirs.
 constexpr std::chrono::milliseconds kGrace{2000};
-
-// A socket closed when it goes.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  ~Fd() { reset(); }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-
- private:
-  int fd_ = -1;
-};
 
 // A control connection, with its frame MACs once both ends proved the job key (none
 // without a key).

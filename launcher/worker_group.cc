@@ -68,7 +68,7 @@ void WorkerGroup::signal_escaped(int sig, const std::vector<ProcStat>& table) {
   for (const auto& p : descendants_of(table, ::getpid())) {
     if (p.pid == watchdog_.pid()) continue;
     const bool in_worker_group = leaders_.contains(p.pgrp) || (family_in_agent_group && p.pgrp == agent_group);
-    if (!in_worker_group && !is_live_leader(p.pid)) ::kill(p.pid, sig);
+    if (!in_worker_group && !is_live_leader(p.pid)) signal_same_process(p, sig);
   }
 }
 
@@ -114,7 +114,7 @@ void WorkerGroup::retire(const std::vector<int>& keep) {
     for (auto& w : workers_)
       if (spared.contains(w->pid()) && p.pgrp == (w->spec().in_agent_group ? agent_group : w->pid()))
         in_kept_group = true;
-    if (!in_kept_group) ::kill(p.pid, SIGKILL);
+    if (!in_kept_group) signal_same_process(p, SIGKILL);
   }
   for (auto& p : workers_) {
     if (spared.contains(p->pid()) && !p->done()) kept.push_back(std::move(p));
@@ -150,12 +150,14 @@ bool WorkerGroup::kill_leftovers(bool reap) {
   for (int round = 0; round < 10; ++round) {
     std::unordered_set<pid_t> victims;
     for (const auto& p : descendants_of(scan_family(self), self))
-      if (!is_live_leader(p.pid) && p.pid != watchdog_.pid()) victims.insert(p.pid);
+      if (!is_live_leader(p.pid) && p.pid != watchdog_.pid()) {
+        victims.insert(p.pid);
+        signal_same_process(p, SIGKILL);  // only the process scanned, never a later one given its pid
+      }
     if (victims.empty()) {
       clean_ = leaders_.empty();
       return true;
     }
-    for (pid_t pid : victims) ::kill(pid, SIGKILL);
     if (!reap) return false;  // reap() reaps them
     // Waits only for children that cannot outlive them (killed ones, zombies), and only
     // until the deadline: one in state D, or traced by another process, is left behind.

@@ -58,6 +58,9 @@ class ProcessLauncher final : public WorkerLauncher {
     if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
       notice_(fmt::format("cannot become a child subreaper ({}): daemonised worker processes may outlive the run",
                           std::strerror(errno)));
+    if (!pidfd_available())
+      notice_("this kernel has no pidfd_open (Linux < 5.3): what the workers leave behind is signalled by pid after a "
+              "/proc start-time check, so a pid reused in between could receive the signal");
     children_.add(SIGCHLD);
     wait_child();
     if (!temporary_tree.empty()) Watchdog::set_temporary_tree(temporary_tree);  // a tree nobody was told of

@@ -232,7 +232,7 @@ void WorkerProcess::signal_family(int sig) {
   if (!exited_) ::kill(pid_, sig);  // (an unreaped pid is still ours)
   const pid_t self = ::getpid(), group = ::getpgrp();
   for (const auto& p : descendants_of(scan_family(self), self))
-    if (p.pgrp == group && p.pid != pid_) ::kill(p.pid, sig);
+    if (p.pgrp == group && p.pid != pid_) signal_same_process(p, sig);
 }
 
 void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* groups) {

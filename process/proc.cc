@@ -3,6 +3,8 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +36,51 @@ bool next_number(std::string_view& t, std::uint64_t& out, bool& neg) {
 }
 
 }  // namespace
+
+int signal_same_process(long pid, unsigned long long starttime, int sig, bool use_pidfd) {
+  if (pid <= 0) return 0;
+  int pidfd = -1;
+#ifdef SYS_pidfd_open
+  if (use_pidfd) {
+    pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+    if (pidfd < 0 && errno != ENOSYS) return errno == ESRCH ? 0 : -1;
+  }
+#endif
+  // The pidfd (when there is one) was opened first: if the start time still matches now,
+  // it refers to that process, and a signal through it cannot reach a later one.
+  const auto st = read_proc_stat(static_cast<pid_t>(pid));
+  if (!st || st->starttime != starttime || st->state == 'Z') {
+    if (pidfd >= 0) ::close(pidfd);
+    return 0;
+  }
+#ifdef SYS_pidfd_send_signal
+  if (pidfd >= 0) {
+    const long r = ::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0U);
+    const int e = errno;
+    ::close(pidfd);
+    if (r == 0) return 1;
+    if (e != ENOSYS) return e == ESRCH ? 0 : -1;
+  }
+#else
+  if (pidfd >= 0) ::close(pidfd);
+#endif
+  return ::kill(static_cast<pid_t>(pid), sig) == 0 ? 1 : (errno == ESRCH ? 0 : -1);
+}
+
+bool pidfd_available() {
+  static const bool available = [] {
+#if defined(SYS_pidfd_open) && defined(SYS_pidfd_send_signal)
+    const int fd = static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0));
+    if (fd < 0) return errno != ENOSYS;  // (EMFILE now says nothing of the kernel)
+    const bool sends = ::syscall(SYS_pidfd_send_signal, fd, 0, nullptr, 0U) == 0 || errno != ENOSYS;
+    ::close(fd);
+    return sends;
+#else
+    return false;
+#endif
+  }();
+  return available;
+}
 
 std::optional<ProcStat> parse_proc_stat(std::string_view text) {
   const auto open = text.find('(');

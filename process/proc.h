@@ -66,6 +66,19 @@ std::vector<ProcStat> scan_processes(std::string_view proc_root = "/proc");
 // where those lists are absent (CONFIG_PROC_CHILDREN off). Feed it to descendants_of(.., root).
 std::vector<ProcStat> scan_family(pid_t root);
 
+// Sends `sig` (0: only checks) to `pid` only while it is still the process that started
+// at `starttime`: a pidfd is opened first (pidfd_open), the start time read after it, and
+// the signal sent through it (pidfd_send_signal), so a pid reused between the check and
+// the signal is never hit. Falls back to kill() after the same check when the kernel has
+// no pidfd (ENOSYS: Linux < 5.3, see pidfd_available()) or `use_pidfd` is false (tests);
+// only that fallback leaves a reuse window between the check and the kill(). Returns 1
+// sent, 0 gone, a zombie or not the same process, -1 another error (EPERM, EMFILE).
+int signal_same_process(long pid, unsigned long long starttime, int sig, bool use_pidfd = true);
+inline int signal_same_process(const ProcStat& p, int sig) { return signal_same_process(p.pid, p.starttime, sig); }
+
+// Whether this kernel has pidfd_open and pidfd_send_signal (Linux >= 5.3); probed once.
+bool pidfd_available();
+
 // The living (non-zombie) descendants of `root` in `table`, `root` excluded. Pure; linear
 // in the table's size.
 std::vector<ProcStat> descendants_of(const std::vector<ProcStat>& table, pid_t root);

@@ -56,6 +56,8 @@
 #include <string>
 #include <string_view>
 
+#include "process/proc.h"  // signal_same_process
+
 namespace mg {
 
 inline constexpr const char* kRunMarkVar = "MGLAUNCH_RUN_MARK";
@@ -65,14 +67,6 @@ inline constexpr const char* kWatchdogMode = "__mglaunch_watchdog__";
 // True when the NUL-separated environment block `environ` holds `token` in the value of
 // MGLAUNCH_RUN_MARK. Pure.
 bool environ_has_mark(std::string_view environ, std::string_view token);
-
-// Sends `sig` (0: only checks) to `pid` only while it is still the process that started
-// at `starttime`: a pidfd is opened first (pidfd_open), the start time read after it, and
-// the signal sent through it (pidfd_send_signal), so a pid reused between the check and
-// the signal is never hit. Falls back to kill() when the kernel has no pidfd (ENOSYS) or
-// `use_pidfd` is false (tests). Returns 1 sent, 0 gone or not the same process, -1 another
-// error (EPERM).
-int signal_same_process(long pid, unsigned long long starttime, int sig, bool use_pidfd = true);
 
 // The watchdog program: argv[1] is kWatchdogMode, then "--agent PID:START", one
 // "--ancestor PID:START" per ancestor of the agent (the agent first, up to pid 1) and

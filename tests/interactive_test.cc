@@ -398,6 +398,68 @@ TEST_CASE("on a terminal Ctrl-C at the stdin rank's prompt still stops every wor
   for (pid_t w : read_pids(kill_list.pidfile)) CHECK_FALSE(pid_alive(w));
 }
 
+TEST_CASE("on a terminal what the stdin rank started is killed at a restart and at the end, though it shares the "
+          "agent's process group") {
+  // The stdin rank runs in the agent's own process group (the terminal's foreground job),
+  // so no kill by process group may reach its children: the agent kills them one by one.
+  // Each attempt's stdin rank leaves a sleeper that ignores SIGTERM, SIGHUP and SIGINT,
+  // in the agent's group (a shell without job control keeps its background jobs there),
+  // and one in a session of its own; attempt 0 then fails, attempt 1 waits for `go`.
+  const std::string dir = make_temp_dir();
+  KillList kill_list{dir + "/pids"};
+  const std::string go = dir + "/go";
+  PtyProc p({kMglaunch, "--nproc_per_node=1", "--max-restarts=1", "--no_python", "/bin/sh", "-c",
+             "trap '' TERM HUP INT\n"
+             "sleep 300 & echo $! >> '" + kill_list.pidfile + "'\n"
+             "setsid sleep 300 & echo $! >> '" + kill_list.pidfile + "'\n"
+             "echo \"attempt $TORCHELASTIC_RESTART_COUNT up\"\n"
+             "[ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && exit 3\n"
+             "while [ ! -e '" + go + "' ]; do sleep 0.1; done\n"});
+  REQUIRE(p.wait_for("attempt 1 up", 120s));
+  const auto first = read_pids(kill_list.pidfile);
+  INFO(p.text());
+  REQUIRE(first.size() >= 2);
+  std::vector<Ident> attempt0;
+  for (std::size_t i = 0; i < 2; ++i)
+    if (auto st = stat_of(first[i])) attempt0.push_back({first[i], st->starttime});
+  CHECK(eventually([&] { return std::none_of(attempt0.begin(), attempt0.end(), same_alive); }, 30s));
+  REQUIRE(eventually([&] { return read_pids(kill_list.pidfile).size() == 4; }, 30s));
+  std::vector<Ident> attempt1;
+  for (pid_t pid : read_pids(kill_list.pidfile))
+    if (auto st = stat_of(pid); st && st->state != 'Z') attempt1.push_back({pid, st->starttime});
+  CHECK(attempt1.size() == 2);
+  write_text(go, "");
+  CHECK(p.wait_exit(60s) == 0);
+  // Killed by the agent before it exited (the watchdog let go without a sweep: "clean").
+  CHECK(std::none_of(attempt1.begin(), attempt1.end(), same_alive));
+}
+
+TEST_CASE("the agent kills what a worker left behind through a pidfd, never by a bare pid a reuse could hand to "
+          "another process") {
+  // strace shows the agent's signals: the leftover (a daemon in a session of its own,
+  // handed to the agent when its worker ended) gets pidfd_send_signal after a
+  // pidfd_open of its pid, and no kill() names its pid (before: kill(PID, SIGKILL) after
+  // a /proc scan, open to the pid's reuse in between).
+  const std::string strace = require_program("strace", "strace");
+  const std::string dir = make_temp_dir();
+  KillList kill_list{dir + "/pids"};
+  const std::string trace = dir + "/strace.txt";
+  auto r = run({strace, "-f", "-qq", "-e", "trace=kill,pidfd_open,pidfd_send_signal", "-e", "signal=none", "-o",
+                trace, kMglaunch, "--nproc_per_node=1", "--no_python", "/bin/sh", "-c",
+                "setsid sleep 300 & echo $! >> '" + kill_list.pidfile + "'; echo up"},
+               {}, 120s);
+  INFO(r.out << r.err << read_file(trace));
+  CHECK(r.code == 0);
+  const auto pids = read_pids(kill_list.pidfile);
+  REQUIRE(pids.size() == 1);
+  const std::string pid = std::to_string(pids[0]);
+  CHECK_FALSE(pid_alive(pids[0]));
+  const std::string t = read_file(trace);
+  CHECK(t.find("pidfd_open(" + pid + ",") != std::string::npos);
+  CHECK(t.find("pidfd_send_signal(") != std::string::npos);
+  CHECK(t.find("kill(" + pid + ",") == std::string::npos);
+}
+
 TEST_CASE("the --stdin-rank flag picks the worker that reads the terminal, none gives every worker /dev/null") {
   const std::string prog = "read line; echo \"rank $RANK got [$line]\"";
   SECTION("--stdin-rank 1") {

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <algorithm>
 #include <type_traits>
 #include <variant>
@@ -919,6 +920,7 @@ void Agent::prestart_fall_back(int lr, const std::string& why, bool closed) {
 }
 
 void Agent::prestart_ended(const WorkerEnd& w) {
+  if (file_timer_) file_timer_->process_ended(w.pid);  // its pid is free: its timers and admission go
   for (int lr = 0; lr < static_cast<int>(prestart_.size()); ++lr) {
     Prestarted& e = prestart_[static_cast<std::size_t>(lr)];
     if (e.pid != w.pid) continue;
@@ -1031,6 +1033,7 @@ bool Agent::prestart_stop_before_finish(int code) {
 }
 
 void Agent::on_worker_done(const WorkerEnd& w) {
+  if (file_timer_) file_timer_->process_ended(w.pid);  // its pid is free: its timers and admission go
   if (control_) control_->forget(w.local_rank);  // (its connection ended with it)
   const WorkerOutcome o = outcome_of(w);
   // The core says whether this exit is the root cause (act::WorkerEnded) and asks for its
@@ -1247,7 +1250,12 @@ void Agent::start_file_timer() {
   if (path == base_env_.end() || path->second.empty())
     path = base_env_.insert_or_assign("TORCHELASTIC_TIMER_FILE", ftimer::default_pipe_path()).first;
   ftimer::ServerHooks h;
-  h.admit = [this](pid_t pid) { return worker_of(pid) >= 0; };  // its workers' process trees only
+  h.admit = [this](const ProcStat& st) { return worker_of(st.pid) >= 0; };  // its workers' process trees only
+  h.is_worker = [this](pid_t pid) {
+    for (const WorkerState& w : launcher_->workers())
+      if (w.pid == pid && !w.exited) return true;
+    return false;
+  };
   h.reap = [this](const ftimer::Expired& e) { reap_expired(e); };
   h.log = [this](const std::string& line) { notice(line); };
   h.event = [this](const std::string& name, const ftimer::Request* r) { watchdog_event(name, r); };
@@ -1280,26 +1288,26 @@ void Agent::start_health_check() {
 }
 
 void Agent::reap_expired(const ftimer::Expired& e) {
-  // Only this agent's workers and the processes they started (their process groups): a
-  // request naming any other pid is not a kill this agent may make.
-  for (const WorkerState& w : launcher_->workers()) {
-    if (w.exited || (e.pid != w.pid && ::getpgid(e.pid) != w.pid)) continue;
-    notice(fmt::format("rank {}: FileTimer '{}' expired; sending {} to pid {}", plan_.rank_offset + w.local_rank,
-                       e.scope_id, signal_name(e.signal), e.pid));
-    if (::kill(e.pid, e.signal) == 0 || errno == ESRCH) {
-      timer_kills_[w.local_rank] = {e.pid, e.signal, e.scope_id};
-      ftimer::Request r;
-      r.pid = e.pid;
-      r.scope_id = e.scope_id;
-      r.expiration_time = e.expiration_time;
-      r.signal = e.signal;
-      watchdog_event("kill worker process", &r);
-    }
+  // The timer was admitted for one of this agent's workers or a process of its tree (a
+  // setsid() daemon of a worker included: its own group, but still below the agent, a
+  // subreaper). As torch's FileTimerServer, the signal goes to that process only (what it
+  // started goes with the worker group, at the latest when the attempt ends), and only
+  // while it is still the same process: through a pidfd, after checking its start time.
+  const int lr = worker_of(e.pid);  // -1: its worker ended since (it lives on below the agent)
+  const std::string who = lr >= 0 ? fmt::format("rank {}: ", plan_.rank_offset + lr) : std::string();
+  notice(fmt::format("{}FileTimer '{}' expired; sending {} to pid {}", who, e.scope_id, signal_name(e.signal), e.pid));
+  if (const int sent = signal_same_process(e.pid, e.start, e.signal); sent != 1) {
+    notice(fmt::format("FileTimer '{}': pid {} {}: nothing sent", e.scope_id, e.pid,
+                       sent == 0 ? std::string("has ended") : std::string("cannot be signalled: ") + std::strerror(errno)));
     return;
   }
-  notice(fmt::format("FileTimer '{}' of pid {} expired, but that process is not one of this agent's workers: left "
-                     "alone",
-                     e.scope_id, e.pid));
+  if (lr >= 0) timer_kills_[lr] = {e.pid, e.signal, e.scope_id};
+  ftimer::Request r;
+  r.pid = e.pid;
+  r.scope_id = e.scope_id;
+  r.expiration_time = e.expiration_time;
+  r.signal = e.signal;
+  watchdog_event("kill worker process", &r);
 }
 
 namespace {

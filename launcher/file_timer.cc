@@ -64,6 +64,8 @@ std::optional<Request> parse_request(std::string_view line, std::string& error) 
 }
 
 bool Table::apply(const Request& r) {
+  // A later process given the pid: the timers of the one that ended cannot reap anything.
+  if (auto p = per_pid_.find(r.pid); p != per_pid_.end() && p->second.start != r.start) forget(r.pid);
   auto key = std::make_pair(r.pid, r.scope_id);
   auto it = timers_.find(key);
   if (r.expiration_time < 0) {
@@ -76,20 +78,26 @@ bool Table::apply(const Request& r) {
     by_deadline_.insert({r.expiration_time, r.pid, r.scope_id});
     return true;
   }
-  std::size_t& mine = per_pid_[r.pid];
-  if (mine >= max_per_pid_ || timers_.size() >= max_timers_) {
-    if (mine == 0) per_pid_.erase(r.pid);
+  PerPid& mine = per_pid_[r.pid];
+  if (mine.timers >= max_per_pid_ || timers_.size() >= max_timers_) {
+    if (mine.timers == 0) per_pid_.erase(r.pid);
     return false;
   }
-  ++mine;
+  ++mine.timers;
+  mine.start = r.start;
   timers_.emplace(std::move(key), r);
   by_deadline_.insert({r.expiration_time, r.pid, r.scope_id});
   return true;
 }
 
+void Table::forget(pid_t pid) {
+  for (auto it = timers_.lower_bound({pid, std::string()}); it != timers_.end() && it->first.first == pid;)
+    erase(it++);
+}
+
 void Table::erase(std::map<std::pair<pid_t, std::string>, Request>::iterator it) {
   by_deadline_.erase({it->second.expiration_time, it->first.first, it->first.second});
-  if (auto p = per_pid_.find(it->first.first); p != per_pid_.end() && --p->second == 0) per_pid_.erase(p);
+  if (auto p = per_pid_.find(it->first.first); p != per_pid_.end() && --p->second.timers == 0) per_pid_.erase(p);
   timers_.erase(it);
 }
 
@@ -106,6 +114,7 @@ std::vector<Expired> Table::expire(double now) {
                      [](const Request* a, const Request* b) { return a->expiration_time < b->expiration_time; });
     Expired e;
     e.pid = pid;
+    e.start = list.front()->start;
     e.scope_id = list.front()->scope_id;
     e.expiration_time = list.front()->expiration_time;
     for (const Request* r : list) {
@@ -118,15 +127,28 @@ std::vector<Expired> Table::expire(double now) {
     }
     out.push_back(std::move(e));
   }
-  for (const Expired& e : out)
-    for (auto it = timers_.lower_bound({e.pid, std::string()}); it != timers_.end() && it->first.first == e.pid;)
-      erase(it++);
+  for (const Expired& e : out) forget(e.pid);
   return out;
 }
 
 std::optional<double> Table::next_deadline() const {
   if (by_deadline_.empty()) return std::nullopt;
   return std::get<0>(*by_deadline_.begin());
+}
+
+void AdmissionCache::add(pid_t pid, std::uint64_t start, bool leader,
+                         const std::function<bool(pid_t, std::uint64_t)>& alive) {
+  if (entries_.size() >= max_ && !entries_.contains(pid)) {
+    std::erase_if(entries_, [&](const auto& e) { return !e.second.leader && !alive(e.first, e.second.start); });
+    if (entries_.size() >= max_) {  // all alive: the older half goes (they are walked again if they ask)
+      std::vector<std::uint64_t> order;
+      for (const auto& [p, e] : entries_) order.push_back(e.added);
+      std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(order.size() / 2), order.end());
+      const std::uint64_t median = order[order.size() / 2];
+      std::erase_if(entries_, [&](const auto& e) { return e.second.added < median; });
+    }
+  }
+  entries_[pid] = Entry{start, leader, next_++};
 }
 
 std::string default_pipe_path() {
@@ -157,6 +179,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   ino_t ino = 0;
   asio::system_timer timer;
   Table table;
+  AdmissionCache cache;
   std::array<char, 8192> chunk{};
   std::string partial;
   bool skipping = false;  // inside a line longer than kMaxLine
@@ -213,12 +236,46 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       bad(error);
       return;
     }
-    // A release of a timer never held changes nothing: only new deadlines are checked.
-    if (r->expiration_time >= 0 && hooks.admit && !hooks.admit(r->pid))
+    if (r->expiration_time < 0) {  // a release: nothing to check (a timer never held changes nothing)
+      r->start = released_start(r->pid);
+    } else if (!admitted(*r)) {
       return dropped(*r, "that process is not one of this agent's workers or their descendants");
+    }
     if (!table.apply(*r))
       dropped(*r, fmt::format("at most {} timers per process and {} in all are kept", Table::kMaxPerPid,
                               Table::kMaxTimers));
+  }
+
+  // Whether r.pid may hold timers, and its start time into r.start: a worker leader the
+  // agent has not reaped is known without /proc; any other process costs one read of its
+  // stat, and the walk up its parent chain (hooks.admit) only the first time.
+  bool admitted(Request& r) {
+    if (hooks.is_worker && hooks.is_worker(r.pid)) {
+      if (auto start = cache.leader_start(r.pid)) {
+        r.start = *start;
+        return true;
+      }
+      const auto st = read_proc_stat(r.pid);
+      if (!st) return false;
+      r.start = st->starttime;
+      cache.add(r.pid, r.start, /*leader=*/true, alive);
+      return true;
+    }
+    const auto st = read_proc_stat(r.pid);
+    if (!st || st->state == 'Z') return false;
+    r.start = st->starttime;
+    if (cache.contains(r.pid, r.start)) return true;
+    if (hooks.admit && !hooks.admit(*st)) return false;
+    cache.add(r.pid, r.start, /*leader=*/false, alive);
+    return true;
+  }
+  // A release names no start time: the timers held for the pid are the ones released
+  // (those of an ended process given the same pid cannot be told apart by a release, and
+  // releasing them reaps nothing).
+  std::uint64_t released_start(pid_t pid) const { return table.start_of(pid).value_or(0); }
+  static bool alive(pid_t pid, std::uint64_t start) {
+    const auto st = read_proc_stat(pid);
+    return st && st->starttime == start && st->state != 'Z';
   }
 
   // At most one line a second (the next one counts those left out).
@@ -345,6 +402,13 @@ const std::string& Server::path() const { return impl_->path; }
 
 void Server::clear() {
   impl_->table.clear();
+  impl_->cache.clear();
+  impl_->arm();
+}
+
+void Server::process_ended(pid_t pid) {
+  impl_->table.forget(pid);
+  impl_->cache.forget(pid);
   impl_->arm();
 }
 

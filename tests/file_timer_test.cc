@@ -2,10 +2,17 @@
 // and timer table against torch's own FileTimerRequest, and whole runs whose workers use
 // torch's FileTimerClient: torch 1.13 here, torch 2.6 inside ../shared/peers/torch2's root
 // (skipped when it is not set up).
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <functional>
+#include <memory>
+
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
 #include "launcher/file_timer.h"
 #include "support/proc.h"
@@ -244,4 +251,123 @@ TEST_CASE("FileTimer: a TORCHELASTIC_TIMER_FILE pipe that a live agent reads is 
   REQUIRE(::mkfifo(path.c_str(), 0600) == 0);  // one left by a dead run: nobody reads it
   mg::ftimer::Server third(io, path, {});
   CHECK(exists(path));
+}
+
+TEST_CASE("FileTimer: a worker's child in a session of its own (setsid) that lets its timer expire is killed, not "
+          "left to run") {
+  // The child left the worker's process group, so a kill by group never reached it: its
+  // timer was admitted (it descends from the worker) and then never reaped.
+  const std::string dir = make_temp_dir();
+  const std::string pipe = dir + "/timer.pipe";
+  auto r = run({kMglaunch, "--nproc_per_node=1", "--python=/usr/bin/python3", worker_script(), "setsid"},
+               {{"TORCHELASTIC_ENABLE_FILE_TIMER", "1"}, {"TORCHELASTIC_TIMER_FILE", pipe}}, 200s);
+  INFO(r.out << r.err);
+  CHECK(r.code == 0);  // the worker itself was not the one named
+  CHECK_THAT(r.out, Catch::Contains("child ended -9"));  // before: "child ended 0", after 30 s
+  CHECK_THAT(r.out, !Catch::Contains("child not reaped"));
+  CHECK_THAT(r.err, Catch::Contains("rank 0: FileTimer 'child' expired; sending SIGKILL to pid"));
+  run({"/bin/rm", "-rf", dir});
+}
+
+namespace {
+
+// A Server on `path` whose admission walk is counted, and what it reaped.
+struct CountingServer {
+  boost::asio::io_context io;
+  int walks = 0;
+  std::vector<mg::ftimer::Expired> reaped;
+  std::unique_ptr<mg::ftimer::Server> server;
+  explicit CountingServer(const std::string& path) {
+    mg::ftimer::ServerHooks h;
+    h.admit = [this](const mg::ProcStat&) { return ++walks, true; };
+    h.reap = [this](const mg::ftimer::Expired& e) { reaped.push_back(e); };
+    server = std::make_unique<mg::ftimer::Server>(io, path, std::move(h));
+  }
+  bool run_until(const std::function<bool()>& done) {
+    for (int i = 0; i < 400 && !done(); ++i) io.run_for(50ms);  // at most 20 s
+    return done();
+  }
+};
+
+std::string request_line(pid_t pid, const std::string& scope, double expiration, int sig) {
+  return fmt::format("{{\"version\": 1, \"pid\": {}, \"scope_id\": \"{}\", \"expiration_time\": {}, \"signal\": {}}}\n",
+                     pid, scope, expiration, sig);
+}
+
+double epoch_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+TEST_CASE("FileTimer: a process's admission walk runs once, not per request, and a timer reaps only the process "
+          "that set it") {
+  const std::string dir = make_temp_dir();
+  const std::string path = dir + "/timer";
+  CountingServer s(path);
+  Proc child = spawn({"/bin/sleep", "60"});
+  const auto st = mg::read_proc_stat(child.pid);
+  REQUIRE(st);
+  const int w = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  REQUIRE(w >= 0);
+  std::string lines;
+  for (int i = 0; i < 200; ++i) {  // torch's client: acquire and release, step after step (~40 KiB: the pipe holds it)
+    lines += request_line(child.pid, "step", epoch_now() + 3600, 9);
+    lines += request_line(child.pid, "step", -1, 0);
+  }
+  lines += request_line(child.pid, "last", epoch_now() - 1, 9);  // due at once
+  REQUIRE(::write(w, lines.data(), lines.size()) == static_cast<ssize_t>(lines.size()));
+  REQUIRE(s.run_until([&] { return !s.reaped.empty(); }));
+  CHECK(s.walks == 1);  // before: one walk up the parent chain per new deadline (201)
+  REQUIRE(s.reaped.size() == 1);
+  CHECK(s.reaped[0].pid == child.pid);
+  CHECK(s.reaped[0].start == st->starttime);  // the reap hook checks it is still this process
+  // A request naming no live process is refused without a walk; the one after it (read
+  // after it) is the child's again, admitted from the cache.
+  const std::string more = request_line(0x3ffffff0, "x", epoch_now() - 1, 9) +
+                           request_line(child.pid, "again", epoch_now() - 1, 9);
+  REQUIRE(::write(w, more.data(), more.size()) == static_cast<ssize_t>(more.size()));
+  REQUIRE(s.run_until([&] { return s.reaped.size() == 2; }));
+  CHECK(s.walks == 1);
+  CHECK(s.reaped[1].pid == child.pid);
+  ::close(w);
+  ::kill(child.pid, SIGKILL);
+  run({"/bin/rm", "-rf", dir});
+}
+
+TEST_CASE("FileTimer: timers of an ended process go when a later process given its pid sets one, and the admission "
+          "cache forgets ended processes first when full") {
+  mg::ftimer::Table t;
+  mg::ftimer::Request r;
+  r.pid = 77;
+  r.scope_id = "old";
+  r.expiration_time = 10;
+  r.signal = 9;
+  r.start = 1000;
+  CHECK(t.apply(r));
+  r.scope_id = "new";
+  r.expiration_time = 20;
+  r.start = 2000;  // the same pid, another process
+  CHECK(t.apply(r));
+  CHECK(t.size() == 1);
+  const auto due = t.expire(30);
+  REQUIRE(due.size() == 1);
+  CHECK(due[0].scope_id == "new");
+  CHECK(due[0].start == 2000);
+
+  mg::ftimer::AdmissionCache c(/*max=*/4);
+  auto alive = [](pid_t pid, std::uint64_t) { return pid % 2 == 0; };
+  for (pid_t p = 1; p <= 4; ++p) c.add(p, 100 + static_cast<std::uint64_t>(p), false, alive);
+  CHECK(c.contains(3, 103));
+  CHECK_FALSE(c.contains(3, 999));  // a later process given pid 3
+  c.add(5, 105, false, alive);      // full: the ended ones (1, 3) go
+  CHECK(c.size() == 3);
+  CHECK_FALSE(c.contains(1, 101));
+  CHECK(c.contains(2, 102));
+  CHECK(c.contains(5, 105));
+  c.add(6, 106, true, alive);
+  CHECK(c.leader_start(6) == 106u);
+  CHECK_FALSE(c.leader_start(2));  // not a worker itself
+  c.forget(6);
+  CHECK_FALSE(c.leader_start(6));
 }

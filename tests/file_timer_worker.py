@@ -3,6 +3,9 @@
 #   hang:   rank 1 takes a 1 s timer (SIGKILL) and sleeps past it; the others finish
 #   forge:  rank 0 also writes a request that names the agent's pid, already expired
 #   flood:  (no torch) 64 made-up pids x 1,024 timers, then its own 1 s timer; sleeps 30 s
+#   setsid: (no torch) starts a child in a session of its own (setsid: out of the worker's
+#           process group), which takes a 1 s timer (SIGKILL) and sleeps 30 s; the worker
+#           prints how the child ended
 #   (else)  every rank takes and releases a 60 s timer and finishes
 import json, os, stat, sys, time
 
@@ -23,6 +26,17 @@ if sys.argv[1:] == ["flood"]:  # no torch: 64 made-up pids x 1,024 timers, then 
     print("flooded", flush=True)
     time.sleep(30)
     print("not reaped", flush=True)
+    sys.exit(0)
+if sys.argv[1:] == ["setsid"]:
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c",
+        "import json, os, sys, time\n"
+        "open(sys.argv[1], 'w').write(json.dumps({'version': 1, 'pid': os.getpid(), 'scope_id': 'child', "
+        "'expiration_time': time.time() + 1, 'signal': 9}) + '\\n')\n"
+        "print('child %d session %d' % (os.getpid(), os.getsid(0)), flush=True)\n"
+        "time.sleep(30)\n"
+        "print('child not reaped', flush=True)\n", path], start_new_session=True)
+    print("child ended %d" % child.wait(), flush=True)
     sys.exit(0)
 import torch.distributed.elastic.timer as timer
 

@@ -20,6 +20,7 @@
 #include "process/run.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/etcd_log.h"
+#include "rendezvous/token_strength.h"
 #include "slurm/env.h"
 
 namespace mg {
@@ -915,6 +916,11 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     std::getline(in, o.rdzv_token);
     if (o.rdzv_token.empty()) throw UsageError(fmt::format("--token-file '{}' is empty", token_file));
   }
+  if (!o.rdzv_token.empty())
+    if (std::string w = rdzv::weak_token_warning(
+            o.rdzv_token, token_file.empty() ? std::string("MGLAUNCH_RDZV_TOKEN") : "--token-file " + token_file);
+        !w.empty())
+      o.usage_warnings.push_back(std::move(w));
   return {std::move(o), {}};
 }
 

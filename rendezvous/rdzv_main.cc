@@ -23,6 +23,7 @@
 #include "rendezvous/http.h"
 #include "rendezvous/server.h"
 #include "rendezvous/status_page.h"
+#include "rendezvous/token_strength.h"
 
 namespace {
 
@@ -167,6 +168,11 @@ static int run_daemon(int argc, char** argv) {
       return 2;
     }
   }
+  if (!so.token.empty())
+    if (const std::string w = mg::rdzv::weak_token_warning(
+            so.token, token_file.empty() ? std::string("MGLAUNCH_RDZV_TOKEN") : "--token-file " + token_file);
+        !w.empty())
+      std::fprintf(stderr, "mglaunch-rdzv: warning: %s\n", w.c_str());
   if (!job_token_for.empty()) {
     if (so.token.empty()) {
       error_line("--job-token needs the daemon token (--token-file or MGLAUNCH_RDZV_TOKEN)");

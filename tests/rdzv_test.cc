@@ -20,6 +20,7 @@
 
 #include "support/proc.h"
 #include "rendezvous/client.h"
+#include "rendezvous/token_strength.h"
 #include "support/rdzv_fixture.h"
 
 using namespace mgtest;
@@ -501,4 +502,30 @@ TEST_CASE("an endpoint held by a server that is not ours: one error line that sa
   CHECK_THAT(errors[0], Catch::Contains("ended before its welcome") &&
                             Catch::Contains("not a mglaunch rendezvous may hold 127.0.0.1:" + std::to_string(other.port)));
   CHECK(r.out.find("never") == std::string::npos);
+}
+
+TEST_CASE("a rendezvous token too short for 128 random bits gets one warning from mglaunch and mglaunch-rdzv, a long "
+          "random one none") {
+  // The server proves the job key first, so anyone who can connect can test guesses of a
+  // weak token offline: the docs ask for 128 random bits, and both programs say so once.
+  CHECK(mg::rdzv::token_bits_at_most("hunter2") < mg::rdzv::kMinTokenBits);
+  CHECK(mg::rdzv::token_bits_at_most(std::string(31, 'a')) < mg::rdzv::kMinTokenBits);  // 31 hex digits: 124
+  CHECK(mg::rdzv::token_bits_at_most(std::string(32, 'a')) == mg::rdzv::kMinTokenBits);
+  CHECK(mg::rdzv::token_bits_at_most("Zm9vYmFyYmF6cXV4cXV1eA") >= mg::rdzv::kMinTokenBits);  // 22 base64 characters
+  CHECK(mg::rdzv::token_bits_at_most("123456789012345678901234567890") < mg::rdzv::kMinTokenBits);  // digits only
+  const std::string strong = "9f1c2a7e5b3d4c6a8e0f1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60";
+  for (const auto& [token, warned] : std::vector<std::pair<std::string, bool>>{{"hunter2", true}, {strong, false}}) {
+    INFO(token);
+    auto agent = run({kMglaunch, "--dry-run", "--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                      "--rdzv_endpoint=127.0.0.1:29400", "--no_python", "/bin/true"},
+                     {{"MGLAUNCH_RDZV_TOKEN", token}});
+    CHECK(agent.code == 0);
+    CHECK(count_of(agent.err, "mglaunch: warning: the rendezvous token from MGLAUNCH_RDZV_TOKEN holds at most") ==
+          (warned ? 1 : 0));
+    auto daemon = run({kRdzvDaemon, "--job-token", "job1"}, {{"MGLAUNCH_RDZV_TOKEN", token}});
+    CHECK(daemon.code == 0);
+    CHECK(count_of(daemon.err, "mglaunch-rdzv: warning: the rendezvous token from MGLAUNCH_RDZV_TOKEN holds at most") ==
+          (warned ? 1 : 0));
+    if (warned) CHECK_THAT(daemon.err, Catch::Contains("128 random bits"));
+  }
 }

@@ -29,8 +29,10 @@ std::string Reply::flat() const {
 }
 
 namespace {
-// A value's length, then the value itself shared (not copied) into `r`.
+// A value's length, then the value itself: shared (not copied) into `r`, or copied when it
+// is small (kCopiedValue).
 void put_value(Reply& r, const Value& v) {
+  if (v->size() <= kCopiedValue) return put_bytes(r.bytes, *v);
   put_i64(r.bytes, static_cast<std::int64_t>(v->size()));
   r.values.emplace_back(r.bytes.size(), v);
 }
@@ -64,6 +66,7 @@ std::string Engine::set(const std::string& key, std::string value, std::vector<R
   if (bytes_ - old + now > max_bytes_)
     return fmt::format("the store would hold more than {} bytes (set of a {}-byte value)", max_bytes_, value.size());
   bytes_ = bytes_ - old + now;
+  if (it != data_.end()) unstore(it->second);
   data_[key] = std::make_shared<std::string>(std::move(value));
   wake(key, out);
   return {};
@@ -89,6 +92,7 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
         auto grown = std::make_shared<std::string>();
         grown->reserve(it->second->size() + more.size());
         grown->append(*it->second);
+        unstore(it->second);
         it->second = std::move(grown);
       }
       it->second->append(more);
@@ -121,11 +125,18 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
     case Op::kMultiGet: {
       if (!has_all(q.keys)) return fmt::format("{} of a key that is not set", op_name(q.op));
       std::size_t size = 0;  // summed first: a key named many times must not build a huge reply
-      for (const auto& k : q.keys) size += 8 + data_.at(k)->size();
+      std::size_t own = 0, shared = 0;  // the reply's own bytes and shared values, reserved at once
+      for (const auto& k : q.keys) {
+        const std::size_t n = data_.at(k)->size();
+        size += 8 + n;
+        own += 8 + (n <= kCopiedValue ? n : 0);
+        shared += n <= kCopiedValue ? 0 : 1;
+      }
       if (size > max_reply_)
         return fmt::format("a {} reply of {} bytes would be over the limit of {}", op_name(q.op), size, max_reply_);
-      reply().reserve(8 * q.keys.size());
+      reply().reserve(own);
       Reply& r = out.back();
+      r.values.reserve(shared);
       for (const auto& k : q.keys) put_value(r, data_.at(k));
       return {};
     }
@@ -177,6 +188,7 @@ std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
       std::int64_t n = 0;
       if (it != data_.end()) {
         bytes_ -= it->first.size() + it->second->size();
+        unstore(it->second);
         data_.erase(it);
         n = 1;
       }
@@ -208,6 +220,7 @@ void Engine::clear() {
   data_.clear();
   waiters_.clear();
   awaited_.clear();
+  unstored_.clear();
   bytes_ = 0;
 }
 

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "store/wire.h"
@@ -32,6 +33,10 @@ struct Reply {
   std::size_t size() const;  // all its bytes as sent
   std::string flat() const;  // all its bytes as sent, in one string (tests, benches)
 };
+// Values up to this size go into a reply's own bytes, copied: sharing one costs a `values`
+// entry and the write's iovecs (56 bytes), more than the copy (a MULTI_GET naming a small
+// key 65536 times holds 65536 x 8 bytes, not 65536 entries).
+inline constexpr std::size_t kCopiedValue = 64;
 
 class Engine {
  public:
@@ -58,6 +63,10 @@ class Engine {
     return it == data_.end() ? nullptr : it->second.get();
   }
   std::size_t bytes() const { return bytes_; }
+  // Values that left the store (replaced, deleted) while a reply shared them, since the last
+  // call: from then on their bytes are the readers' alone (the server's buffer budget counts
+  // them). Pointers only: compared, never read.
+  std::vector<const std::string*> take_unstored() { return std::exchange(unstored_, {}); }
   std::size_t waiting_clients() const { return awaited_.size(); }
   // Keys some client waits for, and registrations (a client for a key) in all: both fall
   // back as waits end or are forgotten (a test's check that nothing is left behind).
@@ -102,6 +111,10 @@ class Engine {
     std::size_t bytes = 0;  // 2 x the keys' bytes (wait_bytes)
   };
   std::unordered_map<ClientId, Wait> awaited_;  // client -> its one wait
+  std::vector<const std::string*> unstored_;    // take_unstored()'s
+  void unstore(const std::shared_ptr<std::string>& v) {
+    if (v.use_count() > 1) unstored_.push_back(v.get());
+  }
 };
 
 }  // namespace mg::store

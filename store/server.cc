@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <map>
+#include <span>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
@@ -32,8 +33,12 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     std::vector<Reply> writing;  // the replies of the one write in flight (empty: none)
     std::vector<asio::const_buffer> iov;  // writing's bytes, its values shared (scatter/gather)
     std::size_t unwritten = 0;   // out + writing, all their bytes
-    std::size_t reply_own = 0;   // out + writing, their own bytes (not the shared values)
-    std::size_t reply_values = 0;  // out + writing, their shared values' bytes
+    std::size_t reply_own = 0;   // out + writing, the memory of their own (cost(): not the shared values)
+    // The shared values its replies carry, each with how many of their entries carry it.
+    std::unordered_map<const std::string*, std::size_t> carries;
+    // Those of them no longer in the store, their bytes (each once): what it is charged for
+    // them when the budget must drop a client (within_budget).
+    std::size_t unstored = 0;
     // Its next queries wait until its replies are out (back-pressure, as any server does):
     // a client that does not read holds one reply, however many queries it sends.
     bool paused = false;
@@ -72,12 +77,17 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   }
   ClientId next_id = 1;
   std::size_t dropped = 0;
-  // Every client's held bytes, and each value its replies share counted once
-  // (ServerOptions::max_buffered).
+  // Every client's held bytes, and each value its replies share that is no longer in the
+  // store counted once (ServerOptions::max_buffered); a value the store still holds is in
+  // its max_bytes, and its readers cost only their own bytes.
   std::size_t buffered = 0;
-  // Replies' shared values: how many queued replies carry each (its bytes are in
-  // `buffered` while one does).
-  std::unordered_map<const std::string*, std::size_t> shares;
+  // Replies' shared values: how many clients carry each, and whether the store still holds
+  // it (its bytes are in `buffered` while a client carries it and the store does not).
+  struct Share {
+    std::size_t clients = 0;
+    bool stored = true;  // a reply is built from the store's values
+  };
+  std::unordered_map<const std::string*, Share> shares;
   std::size_t parse_fields = 0;  // Parsed::fields, summed
   std::size_t queries = 0;       // served
   bool stopped = false;
@@ -187,8 +197,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     it->second->socket.close(ignored);
     buffered -= it->second->held;
     forget_address(it->second->from);
-    release(it->second->out);
-    release(it->second->writing);
+    release(*it->second, it->second->out);
+    release(*it->second, it->second->writing);
     clients.erase(it);
     engine.disconnected(id);
     idle_check();
@@ -220,67 +230,85 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     c.held = now;
   }
 
-  // Replies queued for a client: their own bytes are its, their values shared (counted in
-  // `buffered` once, however many replies carry one).
+  // The memory a reply holds of its own: its bytes, and per shared value its entry and the
+  // write's iovecs (two: the bytes before it, and it), as allocated (capacities).
+  static constexpr std::size_t kEntryCost = sizeof(std::pair<std::size_t, Value>) + 2 * sizeof(asio::const_buffer);
+  static std::size_t cost(const Reply& r) { return r.bytes.capacity() + r.values.capacity() * kEntryCost; }
+
+  // Replies queued for a client: their own memory is its, their values shared (a value
+  // counted in `buffered` once, however many clients carry it, and only once the store no
+  // longer holds it).
   void hold(Client& c, const Reply& r) {
     c.unwritten += r.size();
-    c.reply_own += r.bytes.size();
+    c.reply_own += cost(r);
     for (const auto& [at, v] : r.values) {
-      c.reply_values += v->size();
-      if (shares[v.get()]++ == 0) buffered += v->size();
+      if (c.carries[v.get()]++ > 0) continue;
+      Share& s = shares[v.get()];
+      ++s.clients;
+      if (!s.stored) c.unstored += v->size();
     }
   }
   // Replies written or dropped: their values' shares go (the client's own bytes are
   // counted again by the caller, or gone with the client).
-  void release(std::vector<Reply>& rs) {
-    for (const auto& r : rs)
+  void release(Client& c, std::vector<Reply>& rs) {
+    for (const auto& r : rs) {
+      c.unwritten -= r.size();
+      c.reply_own -= cost(r);
       for (const auto& [at, v] : r.values) {
+        auto mine = c.carries.find(v.get());
+        if (--mine->second > 0) continue;
+        c.carries.erase(mine);
         auto it = shares.find(v.get());
-        if (it != shares.end() && --it->second == 0) {
-          buffered -= v->size();
-          shares.erase(it);
-        }
+        if (!it->second.stored) c.unstored -= v->size();
+        if (--it->second.clients > 0) continue;
+        if (!it->second.stored) buffered -= v->size();
+        shares.erase(it);
       }
+    }
     rs.clear();
   }
-  // What disconnecting `c` would give back: its own bytes and the values only its replies
-  // carry.
-  std::size_t alone(const Client& c) const {
-    std::size_t n = c.held;
-    std::unordered_map<const std::string*, std::size_t> mine;
-    for (const auto* rs : {&c.out, &c.writing})
-      for (const auto& r : *rs)
-        for (const auto& [at, v] : r.values) ++mine[v.get()];
-    for (const auto& [v, count] : mine)
-      if (shares.at(v) == count) n += v->size();
-    return n;
+  // Values the store let go (Engine::take_unstored) that replies carry: from now on their
+  // readers hold them, counted once in `buffered` and charged to each reader.
+  bool unstore_values() {
+    bool any = false;
+    for (const std::string* v : engine.take_unstored()) {
+      auto it = shares.find(v);
+      if (it == shares.end() || !it->second.stored) continue;
+      it->second.stored = false;
+      buffered += v->size();
+      any = true;
+      for (auto& [id, c] : clients)
+        if (c->carries.count(v)) c->unstored += v->size();
+    }
+    return any;
   }
 
-  // Over the budget of all clients' buffers: disconnects the client whose going gives back
-  // the most (what it alone holds: a value that many clients read is theirs together, and
-  // disconnecting one of them gives back nothing) until under it again; the newest bytes'
-  // owner when it gives back as much as any; by all it holds, shared values too, when none
-  // holds anything alone. Clients hoarding replies or half-sent queries thus cannot starve
-  // one that holds little, and readers of one large value are not dropped for sharing it.
-  // False when `current` (the client being served) was among them and must not be touched.
+  // Over the budget of all clients' buffers: disconnects the client charged the most until
+  // under it again; the newest bytes' owner when it is charged as much as any. A client is
+  // charged its own bytes (queries, replies, wait) and each value its replies carry that
+  // the store no longer holds, whole, however many others carry it too: clients hoarding
+  // replies in pairs are charged each for the pair's value, not nothing, and a value still
+  // in the store costs its readers nothing (dropping them would give back nothing). Clients
+  // hoarding replies or half-sent queries thus cannot starve one that holds little. False
+  // when `current` (the client being served) was among them and must not be touched.
   bool within_budget(ClientId current) {
     while (buffered > opts.max_buffered) {
       auto worst = clients.end();
-      std::pair<std::size_t, std::size_t> most{0, 0};  // (alone, all it holds)
+      std::size_t most = 0;
       auto consider = [&](auto it) {
-        const std::pair<std::size_t, std::size_t> gives{alone(*it->second), it->second->held + it->second->reply_values};
-        if (worst == clients.end() || gives > most) {
+        const std::size_t charged = it->second->held + it->second->unstored;
+        if (worst == clients.end() || charged > most) {
           worst = it;
-          most = gives;
+          most = charged;
         }
       };
       if (auto cur = clients.find(current); cur != clients.end()) consider(cur);
       for (auto it = clients.begin(); it != clients.end(); ++it) consider(it);
       if (worst == clients.end()) break;
       const ClientId id = worst->first;
-      drop(id, fmt::format("it held {} bytes of queries and replies ({} of them its alone) when all clients' came to "
-                           "{}, over the store's limit of {}",
-                           most.second, most.first, buffered, opts.max_buffered));
+      drop(id, fmt::format("it held {} bytes of queries and replies when all clients' came to {}, over the store's "
+                           "limit of {}",
+                           most, buffered, opts.max_buffered));
     }
     return clients.count(current) > 0;
   }
@@ -371,7 +399,9 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       c.served = true;
       c.since = std::chrono::steady_clock::now();
       replies.clear();
-      if (auto err = engine.apply(id, std::move(p.query), replies); !err.empty()) {
+      auto err = engine.apply(id, std::move(p.query), replies);
+      if (unstore_values() && !within_budget(id)) return std::string::npos;
+      if (!err.empty()) {
         if (!send_all(id)) drop(id, err);
         return std::string::npos;
       }
@@ -392,10 +422,13 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       auto it = clients.find(to);
       if (it == clients.end()) continue;
       Client& c = *it->second;
-      hold(c, r);
-      if (!c.out.empty() && r.values.empty()) {
-        c.out.back().bytes += r.bytes;  // small answers go out together
+      if (!c.out.empty() && r.values.empty()) {  // small answers go out together
+        c.unwritten += r.bytes.size();
+        c.reply_own -= cost(c.out.back());
+        c.out.back().bytes += r.bytes;
+        c.reply_own += cost(c.out.back());
       } else {
+        hold(c, r);
         c.out.push_back(std::move(r));
       }
       recount(to, c);
@@ -424,17 +457,14 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       }
       if (from < r.bytes.size()) c->iov.emplace_back(r.bytes.data() + from, r.bytes.size() - from);
     }
-    asio::async_write(c->socket, c->iov,
+    // A view of the list, not the list: the write keeps a copy of what it is given (before:
+    // a second iovec list per reply, 16 bytes a value).
+    asio::async_write(c->socket, std::span<const asio::const_buffer>(c->iov),
                       [self = shared_from_this(), id, c](boost::system::error_code ec, std::size_t) {
                         if (self->stopped || ec == asio::error::operation_aborted) return;
                         if (ec) return self->drop(id, {});
                         if (!self->clients.count(id)) return;  // dropped meanwhile: released then
-                        for (const auto& r : c->writing) {
-                          c->unwritten -= r.size();
-                          c->reply_own -= r.bytes.size();
-                          for (const auto& [at, v] : r.values) c->reply_values -= v->size();
-                        }
-                        self->release(c->writing);
+                        self->release(*c, c->writing);
                         // Their room goes too: an idle client holds no buffers.
                         std::vector<Reply>().swap(c->writing);
                         std::vector<asio::const_buffer>().swap(c->iov);

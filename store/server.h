@@ -7,9 +7,9 @@
 // reading one 3 MiB value hold it once. A client's next queries are not read while its
 // replies are unwritten (back-pressure), so one that does not read holds one reply.
 // Bounded: clients, key and value sizes, keys per query, bytes stored, and the bytes held
-// for all clients together (their unfinished queries, their replies not yet written, each
-// shared value once: max_buffered, over which the client whose going gives back the most
-// is disconnected); a client that breaks a bound or the protocol is disconnected with one
+// for all clients together (their unfinished queries, their replies not yet written at the
+// memory they hold, each shared value the store no longer holds once: max_buffered, over
+// which the client charged the most, such values whole, is disconnected); a client that breaks a bound or the protocol is disconnected with one
 // log line (at most one a second), and nothing a client sends ends the server. Its memory
 // is thus at most max_bytes + max_buffered + a query being served.
 #pragma once
@@ -46,7 +46,7 @@ struct ServerOptions {
   // read holds at most one reply and 64 KiB of small ones (its queries wait meanwhile).
   std::size_t max_unread = (std::size_t{64} << 20) + 8;
   // Unfinished queries and unwritten replies of all clients together, a value shared by
-  // several replies counted once: one largest query (limits.max_query, lowered to this
+  // several replies counted once and only once the store no longer holds it: one largest query (limits.max_query, lowered to this
   // when larger) and some room for the others.
   std::size_t max_buffered = std::size_t{160} << 20;
   Limits limits;

@@ -1,5 +1,6 @@
 // The agent's store (store/): the pure wire parser and engine, then the server against real
 // torch clients: 1.13 here, 2.6 inside ../shared/peers/torch2's root when it is set up.
+#include <malloc.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -583,13 +584,19 @@ TEST_CASE("the store's buffers over all clients are bounded: over the budget, th
   std::int64_t v = 0;
   boost::asio::read(*setter, boost::asio::buffer(&v, 8));
   REQUIRE(v == 1);
-  // Five clients each GET a value of their own and never read it: the first two are kept,
-  // each of the next three is the one holding the most alone (its reply, as large as
-  // theirs) and goes. (Clients reading one value share it: see the 64 readers below.)
+  // Five clients each GET a value of their own and never read it, and the value is then
+  // deleted: the first two are kept, each of the next three is charged the most (its
+  // reply, as large as theirs, the newest) and goes. (Clients reading one value share it: see the 64 readers below.)
   std::vector<std::unique_ptr<tcp::socket>> hoarders;
   for (int i = 0; i < 5; ++i) {
     hoarders.push_back(connect());
     boost::asio::write(*hoarders.back(), boost::asio::buffer(byte(3) + str(fmt::format("big{}", i))));
+    // Its GET served, the value leaves the store: it is the hoarder's now (a value the store
+    // holds costs its readers nothing, see the late readers below).
+    REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->queries(); }) == static_cast<std::size_t>(7 + 3 * i + 2); }, 20s));
+    boost::asio::write(*setter, boost::asio::buffer(byte(8) + str(fmt::format("big{}", i))));
+    boost::asio::read(*setter, boost::asio::buffer(&v, 8));
+    REQUIRE(v == 1);
     const std::size_t want = i < 2 ? 0 : static_cast<std::size_t>(i - 1);
     REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->dropped(); }) == want &&
                                     on_io(s, [&] { return s.server->buffered(); }) >= std::min(i + 1, 2) * kValue; },
@@ -613,11 +620,14 @@ TEST_CASE("the store's buffers over all clients are bounded: over the budget, th
 
 namespace {
 // A client of `s` from `from` (a 127.0.0.0/8 address); each read waits at most 20 s.
+// `rcvbuf` (when not 0): its receive buffer, small for a client whose replies must stay in
+// the server while it does not read.
 std::unique_ptr<boost::asio::ip::tcp::socket> client_from(boost::asio::io_context& io, ServerThread& s,
-                                                          const char* from = "127.0.0.1") {
+                                                          const char* from = "127.0.0.1", int rcvbuf = 0) {
   using tcp = boost::asio::ip::tcp;
   auto c = std::make_unique<tcp::socket>(io);
   c->open(tcp::v4());
+  if (rcvbuf) c->set_option(boost::asio::socket_base::receive_buffer_size(rcvbuf));
   c->bind({boost::asio::ip::make_address(from), 0});
   c->connect({boost::asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(s.port())});
   const timeval bound{20, 0};
@@ -999,4 +1009,126 @@ TEST_CASE("clients from one address are capped: over the cap a newcomer displace
   CHECK(numkeys_served(*a2));
   CHECK(numkeys_served(*b1));
   CHECK(on_io(s, [&] { return s.server->clients(); }) == 4);
+}
+
+namespace {
+// Bytes the process has allocated (glibc: every arena's and the mmapped blocks).
+std::size_t allocated() {
+  const auto m = ::mallinfo2();
+  return m.uordblks + m.hblkhd;
+}
+}  // namespace
+
+TEST_CASE("a MULTI_GET's reply counts in the buffer budget at the memory it holds: each shared value's entry and "
+          "iovecs, and small values are copied into it (#35 review 2, item 1)") {
+  // The engine: a small value is copied (8 bytes of length and its bytes a key), a large one
+  // shared.
+  Engine e;
+  std::vector<Reply> out;
+  REQUIRE(e.apply(1, set_of("e", ""), out).empty());
+  REQUIRE(e.apply(1, set_of("h", std::string(100, 'h')), out).empty());
+  Query get;
+  get.op = Op::kMultiGet;
+  get.keys.assign(1000, "e");
+  REQUIRE(e.apply(2, get, out).empty());
+  CHECK(out.back().values.empty());  // before: 1000 entries of 24 bytes, and an iovec each
+  CHECK(out.back().bytes == std::string(8000, '\0'));
+  get.keys.assign(1000, "h");
+  REQUIRE(e.apply(2, get, out).empty());
+  CHECK(out.back().values.size() == 1000);
+  // The server: clients that do not read MULTI_GETs naming a 100-byte key 32768 times. What
+  // the server allocated for them is what `buffered` says (before: about 8 times it).
+  ServerThread s;
+  boost::asio::io_context io;
+  auto setter = client_from(io, s);
+  boost::asio::write(*setter, boost::asio::buffer(validate() + byte(1) + str("h") + str(std::string(100, 'h'))));
+  REQUIRE(numkeys_served(*setter));
+  constexpr int kClients = 8, kKeys = 32768;  // a reply of 3.4 MiB: more than the sockets take in
+  std::string q = validate() + byte(10) + u64(kKeys);
+  for (int i = 0; i < kKeys; ++i) q += str("h");
+  std::vector<std::unique_ptr<boost::asio::ip::tcp::socket>> hoarders;
+  for (int i = 0; i < kClients; ++i) hoarders.push_back(client_from(io, s, "127.0.0.1", 4096));
+  const std::size_t before = on_io(s, [&] { return allocated(); });
+  const std::size_t counted_before = on_io(s, [&] { return s.server->buffered(); });
+  for (auto& h : hoarders) boost::asio::write(*h, boost::asio::buffer(q));
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->queries(); }) == 3 + 2 * kClients; }, 60s));
+  const std::size_t grown = on_io(s, [&] { return allocated(); }) - before;
+  const std::size_t counted = on_io(s, [&] { return s.server->buffered(); }) - counted_before;
+  INFO("allocated " << grown << " bytes, counted " << counted << ", unwritten "
+                    << on_io(s, [&] { return s.server->unwritten(); }));
+  CHECK(on_io(s, [&] { return s.server->unwritten(); }) > kClients * kKeys * 100);  // the replies are held
+  CHECK(grown <= counted + counted / 4 + (1 << 20));
+  CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
+}
+
+TEST_CASE("readers sharing a value the store no longer holds are each charged it: hoarders in pairs go over the "
+          "budget, not a worker's SET (#35 review 2, item 2)") {
+  ServerOptions o;
+  o.max_buffered = 16 << 20;
+  constexpr std::size_t kValue = 6 << 20, kWorker = 5 << 20;
+  ServerThread s(o);
+  boost::asio::io_context io;
+  auto setter = client_from(io, s);
+  boost::asio::write(*setter, boost::asio::buffer(validate()));
+  std::vector<std::unique_ptr<boost::asio::ip::tcp::socket>> hoarders;
+  // Twice: key k gets a new value, and two clients GET it and never read; then k is deleted.
+  // Both values have left the store, held by a pair of clients each (12 MiB).
+  for (int i = 0; i < 2; ++i) {
+    boost::asio::write(*setter, boost::asio::buffer(byte(1) + str("k") + str(std::string(kValue, 'A' + i))));
+    REQUIRE(numkeys_served(*setter));
+    for (int j = 0; j < 2; ++j) {
+      hoarders.push_back(client_from(io, s, "127.0.0.1", 4096));
+      boost::asio::write(*hoarders.back(), boost::asio::buffer(validate() + byte(3) + str("k")));
+    }
+    REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->queries(); }) == static_cast<std::size_t>(1 + 6 * (i + 1)); }, 60s));
+  }
+  boost::asio::write(*setter, boost::asio::buffer(byte(8) + str("k")));
+  std::int64_t deleted = 0;
+  boost::asio::read(*setter, boost::asio::buffer(&deleted, 8));
+  REQUIRE(deleted == 1);
+  CHECK(on_io(s, [&] { return s.server->buffered(); }) >= 2 * kValue);
+  CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
+  // A worker's SET of 5 MiB goes over the budget: a pair holding a value goes (each is
+  // charged its 6 MiB), the worker is served (before: the value was charged to neither of
+  // the pair, and the worker was disconnected).
+  auto worker = client_from(io, s);
+  boost::asio::write(*worker, boost::asio::buffer(validate() + byte(1) + str("ckpt") + str(std::string(kWorker, 'w'))));
+  CHECK(numkeys_served(*worker));
+  CHECK(on_io(s, [&] { const auto* v = s.server->engine().value("ckpt"); return v && v->size() == kWorker; }));
+  CHECK(on_io(s, [&] { return s.server->dropped(); }) == 2);
+  CHECK(on_io(s, [&] { return s.server->buffered(); }) <= o.max_buffered);
+  CHECK_THAT(on_io(s, [&] { return s.log.at(0); }), Catch::Contains("over the store's limit of 16777216"));
+}
+
+TEST_CASE("readers of values the store still holds cost only their own bytes: late readers of three stored values "
+          "over the budget together are all served (#35 review 2, item 5)") {
+  ServerOptions o;
+  o.max_buffered = 16 << 20;
+  constexpr std::size_t kValue = 6 << 20;
+  constexpr int kReaders = 4;  // of each value
+  ServerThread s(o);
+  boost::asio::io_context io;
+  auto setter = client_from(io, s);
+  boost::asio::write(*setter, boost::asio::buffer(validate()));
+  for (int i = 0; i < 3; ++i)
+    boost::asio::write(*setter, boost::asio::buffer(byte(1) + str(fmt::format("v{}", i)) +
+                                                    str(std::string(kValue, 'A' + i))));
+  REQUIRE(numkeys_served(*setter));
+  std::vector<std::pair<int, std::unique_ptr<boost::asio::ip::tcp::socket>>> readers;
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < kReaders; ++j) {
+      readers.emplace_back(i, client_from(io, s, "127.0.0.1", 4096));
+      boost::asio::write(*readers.back().second, boost::asio::buffer(validate() + byte(3) + str(fmt::format("v{}", i))));
+    }
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->queries(); }) == 5 + 2 * 3 * kReaders; }, 60s));
+  CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);  // before: the third value's readers went
+  CHECK(on_io(s, [&] { return s.server->buffered(); }) < (1 << 20));
+  for (auto& [i, r] : readers) {
+    std::string reply(8 + kValue, '\0');
+    boost::system::error_code ec;
+    boost::asio::read(*r, boost::asio::buffer(reply), ec);
+    REQUIRE(!ec);
+    CHECK(reply == u64(kValue) + std::string(kValue, 'A' + i));
+  }
+  CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
 }

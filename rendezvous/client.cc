@@ -105,8 +105,8 @@ void Client::perform(ClientCommand& c) {
         } else if constexpr (std::is_same_v<T, cmd::Arm>) {
           auto& t = timer(x.timer);
           t.expires_at(x.at);
-          t.async_wait([this, which = x.timer](boost::system::error_code ec) {
-            if (!ec) run(m_.timer_fired(which, Clock::now()));
+          t.async_wait([this, which = x.timer, gen = x.generation](boost::system::error_code ec) {
+            if (!ec) run(m_.timer_fired(which, gen, Clock::now()));
           });
         } else if constexpr (std::is_same_v<T, cmd::Cancel>) {
           timer(x.timer).cancel();

@@ -201,8 +201,8 @@ ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::t
   return take_out();
 }
 
-ClientCommands ClientMachine::timer_fired(ClientTimer t, Clock::time_point now) {
-  if (closed_) return {};
+ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generation, Clock::time_point now) {
+  if (closed_ || generation != this->generation(t)) return {};
   switch (t) {
     case ClientTimer::kRetry: try_connect(); break;
     case ClientTimer::kHeartbeat:

@@ -30,7 +30,9 @@
 // reason) armed to fire before the majority may replace it, and a rejoin after the heal.
 #pragma once
 
+#include <array>
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <variant>
@@ -99,7 +101,10 @@ using Decision = std::variant<proto::Assignment, proto::Restart, proto::Abort, p
 // The decision a frame carries (nullopt: a frame of another type). Throws ProtocolError.
 std::optional<Decision> decision_of(const proto::Frame& f);
 
-// The machine's timers: one of each at most is armed (arming again moves it).
+// The machine's timers: one of each at most is armed (arming again moves it). Each arm has
+// a generation, reported back with the fire: a fire of an earlier arm, or of a cancelled one
+// (an Asio handler already queued runs with success after cancel() or expires_at()), is
+// stale and ignored.
 enum class ClientTimer { kRetry, kHeartbeat, kWatchdog, kTakeover };
 
 // What the effect layer does, in the order given.
@@ -111,7 +116,8 @@ struct SignSent { std::string session; };  // frames sent from now on carry a MA
 // The handshake is over: verify the server's MACs under `session` (none when empty) and
 // accept frames of any size.
 struct Welcomed { std::string session; };
-struct Arm { ClientTimer timer; Clock::time_point at; };  // report timer_fired(timer) at `at`
+// Report timer_fired(timer, generation) at `at`.
+struct Arm { ClientTimer timer; Clock::time_point at; std::uint64_t generation = 0; };
 struct Cancel { ClientTimer timer; };
 struct Shut { bool flush = false; };  // the link ends: every timer, the connection (flushed or at once)
 struct Tell { Decision d; };  // for the agent (tell() in rendezvous/client.h)
@@ -148,7 +154,8 @@ class ClientMachine {
   ClientCommands unresolvable(Clock::time_point now);
   ClientCommands frame(const proto::Frame& f, Clock::time_point now);
   ClientCommands connection_closed(const std::string& why, Clock::time_point now);  // not by a command
-  ClientCommands timer_fired(ClientTimer t, Clock::time_point now);
+  // `generation`: the cmd::Arm's; a stale one (re-armed or cancelled since) is ignored.
+  ClientCommands timer_fired(ClientTimer t, std::uint64_t generation, Clock::time_point now);
   ClientCommands hosted(const TakeoverHost& where, Clock::time_point now);  // port 0: it cannot host
   ClientCommands take_pending();
 
@@ -156,6 +163,8 @@ class ClientMachine {
   const std::string& host() const { return opts_.host; }  // the server tried now
   int port() const { return opts_.port; }
   bool searching() const { return takeover_.has_value(); }  // for the node that took over
+  // The generation of t's current arm (what a fire that is not stale carries).
+  std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }
 
  private:
   void try_connect();
@@ -176,8 +185,12 @@ class ClientMachine {
   bool shut(bool flush);   // false when already closed
   void send_join();
   void send(proto::Wire w) { out_.push_back(cmd::Send{std::move(w)}); }
-  void arm(ClientTimer t, Clock::time_point at) { out_.push_back(cmd::Arm{t, at}); }
-  void cancel(ClientTimer t) { out_.push_back(cmd::Cancel{t}); }
+  void arm(ClientTimer t, Clock::time_point at) { out_.push_back(cmd::Arm{t, at, new_generation(t)}); }
+  void cancel(ClientTimer t) {
+    new_generation(t);  // a fire already queued is stale
+    out_.push_back(cmd::Cancel{t});
+  }
+  std::uint64_t new_generation(ClientTimer t) { return generation_[static_cast<std::size_t>(t)] = ++generations_; }
   void schedule_heartbeat(Clock::time_point now);
   void watch(Clock::time_point now);
   ClientCommands take_out() { return std::exchange(out_, {}); }
@@ -186,6 +199,8 @@ class ClientMachine {
   std::string key_;  // the job key; empty without a token
   std::string nonce_, session_;
   ClientCommands out_;                            // of the event being handled
+  std::array<std::uint64_t, 4> generation_{};     // of each timer's current arm (ClientTimer)
+  std::uint64_t generations_ = 0;                 // the last generation given
   Clock::time_point deadline_;                    // connect attempts give up here
   std::optional<Clock::time_point> waiting_since_;  // joined, no decision yet
   Clock::time_point connected_at_, last_frame_;

@@ -125,9 +125,10 @@ struct Link {
     return c;
   }
   ClientCommands receive(const auto& msg) { return m.frame(proto::to_frame(msg), now); }
+  ClientCommands fire(ClientTimer t) { return m.timer_fired(t, m.generation(t), now); }  // its current arm
   ClientCommands after(Clock::duration d, ClientTimer t) {
     now += d;
-    return m.timer_fired(t, now);
+    return fire(t);
   }
 };
 
@@ -148,7 +149,7 @@ TEST_CASE("client machine: a refused start is retried soon and more slowly, and 
     REQUIRE(at);
     waits.push_back(std::chrono::duration_cast<std::chrono::milliseconds>(*at - l.now));
     l.now = *at;
-    CHECK(has<cmd::Connect>(l.m.timer_fired(ClientTimer::kRetry, l.now)));
+    CHECK(has<cmd::Connect>(l.fire(ClientTimer::kRetry)));
   }
   CHECK(waits == std::vector<std::chrono::milliseconds>{5ms, 7ms, 10ms, 15ms, 22ms});
   CHECK(connect_retry_delay(100) == 500ms);
@@ -161,7 +162,7 @@ TEST_CASE("client machine: a refused start is retried soon and more slowly, and 
   CHECK(one<cmd::Shut>(c).flush == false);
   CHECK(l.m.closed());
   // A closed machine ignores whatever comes late.
-  CHECK(l.m.timer_fired(ClientTimer::kRetry, l.now).empty());
+  CHECK(l.fire(ClientTimer::kRetry).empty());
   CHECK(l.m.connected(kNonce, l.now).empty());
 }
 
@@ -249,7 +250,7 @@ TEST_CASE("client machine: a daemon's outage that ends within join_timeout: reco
   c = l.m.connect_failed(true, "Connection refused", l.now);  // within the outage's join_timeout: retried
   REQUIRE(armed(c, ClientTimer::kRetry));
   l.now = *armed(c, ClientTimer::kRetry);
-  l.m.timer_fired(ClientTimer::kRetry, l.now);
+  l.fire(ClientTimer::kRetry);
   c = l.welcome();
   const auto j = sent_of<proto::Join>(c);
   CHECK(j.resume_round == 1);
@@ -277,7 +278,7 @@ TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on 
     l.m.connection_closed("end of file", l.now);
     for (int i = 0; i < 100 && !l.m.closed(); ++i) {
       l.now += 100ms;
-      l.m.timer_fired(ClientTimer::kRetry, l.now);
+      l.fire(ClientTimer::kRetry);
       auto c = l.m.connect_failed(true, "Connection refused", l.now);
       if (l.now < T0 + 6s) CHECK_FALSE(has<cmd::Lost>(c));
       else CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("cannot reach the rendezvous server at 127.0.0.1:29400"));
@@ -348,7 +349,7 @@ TEST_CASE("client machine: an assignment that comes while the workers stop waits
   // The daemon restarts meanwhile; the node's join on reconnecting brings the next round.
   l.m.connection_closed("end of file", l.now);
   l.now += 100ms;
-  l.m.timer_fired(ClientTimer::kRetry, l.now);
+  l.fire(ClientTimer::kRetry);
   l.welcome();
   c = l.receive(round_of(1, 2, 1));
   CHECK(told<proto::Assignment>(c).empty());
@@ -414,7 +415,7 @@ TEST_CASE("client machine: a survivor above the lowest live node joins it, and a
   c = l.m.connect_failed(true, "Connection refused", l.now);
   CHECK(armed(c, ClientTimer::kRetry) == l.now + 5ms);
   l.now += 5ms;
-  CHECK(one<cmd::Connect>(l.m.timer_fired(ClientTimer::kRetry, l.now)).host == "127.0.0.2");
+  CHECK(one<cmd::Connect>(l.fire(ClientTimer::kRetry)).host == "127.0.0.2");
   c = l.welcome("host-127.0.0.2");
   CHECK_THAT(notices(c), Catch::Contains("now hosted by host-127.0.0.2 at 127.0.0.2:7002"));
   CHECK_FALSE(has<cmd::HostTakeover>(c));
@@ -546,7 +547,7 @@ TEST_CASE("client machine: close() flushes, give_up() says why once, and nothing
   CHECK(l.m.close().empty());
   CHECK(l.m.give_up("late").empty());
   CHECK(l.m.connection_closed("end of file", l.now).empty());
-  CHECK(l.m.timer_fired(ClientTimer::kWatchdog, l.now).empty());
+  CHECK(l.fire(ClientTimer::kWatchdog).empty());
 
   Link bad;
   bad.m.start(bad.now);
@@ -561,4 +562,48 @@ TEST_CASE("client machine: close() flushes, give_up() says why once, and nothing
   c = invalid.m.start(invalid.now);
   CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("cannot join: "));
   CHECK_FALSE(has<cmd::Connect>(c));
+}
+
+TEST_CASE("client machine: a stale timer fire (an earlier arm, queued before the re-arm) is ignored: a takeover "
+          "candidate that closed before its welcome is not skipped by its predecessor's timer") {
+  // Four nodes; this one is group rank 3: candidates node 1 (127.0.0.2), node 2 (127.0.0.3), then itself.
+  Link l(options("127.0.0.4"));
+  l.m.start(l.now);
+  l.welcome("host-a");
+  proto::Assignment a = round_of(3);
+  a.group_world_size = a.world_size = 4;
+  a.rank_offset = 3;
+  a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"};
+  a.takeover_ports = {0, 7002, 7003, 7004};
+  l.receive(a);
+  auto c = l.m.connection_closed("end of file", l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  const auto first = one<cmd::Arm>(c);
+  REQUIRE(first.timer == ClientTimer::kTakeover);
+  // Node 1's connection closes before its welcome: node 2 is tried, under a new arm.
+  l.now += 10ms;
+  l.m.connected(kNonce, l.now);
+  c = l.m.connection_closed("end of file", l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+  const auto second = one<cmd::Arm>(c);
+  CHECK(second.generation != first.generation);
+  // Node 1's timer, expired and queued before the re-arm, fires now: stale, node 2 keeps its interval.
+  l.now = first.at;
+  CHECK(l.m.timer_fired(ClientTimer::kTakeover, first.generation, l.now).empty());
+  CHECK(l.m.searching());
+  // A fire after a cancel is stale too.
+  c = l.welcome("host-127.0.0.3");
+  CHECK(has<cmd::Cancel>(c));
+  CHECK(l.m.timer_fired(ClientTimer::kTakeover, second.generation, second.at).empty());
+  // Node 2's own timer, had it not answered, moves on to this node.
+  Link m(options("127.0.0.4"));
+  m.m.start(m.now);
+  m.welcome("host-a");
+  m.receive(a);
+  m.m.connection_closed("end of file", m.now);
+  m.m.connected(kNonce, m.now);
+  c = m.m.connection_closed("end of file", m.now);
+  const auto armed2 = one<cmd::Arm>(c);
+  c = m.m.timer_fired(ClientTimer::kTakeover, armed2.generation, armed2.at);
+  CHECK(has<cmd::HostTakeover>(c));
 }

@@ -647,42 +647,51 @@ std::string Agent::serve_store() {
 
 void Agent::watch_master_port() {
   if (!port_watch_) port_watch_ = std::make_unique<asio::steady_timer>(io_);
-  check_master_port(++port_watch_round_, 600);  // 100 ms apart: 60 s for rank 0 to listen
+  port_watch_warned_ = false;
+  check_master_port(++port_watch_round_, std::chrono::steady_clock::now() + std::chrono::seconds(60));
 }
 
-void Agent::check_master_port(int round, int checks_left) {
+void Agent::check_master_port(int round, std::chrono::steady_clock::time_point until) {
   if (round != port_watch_round_ || core_.state() == sup::State::kDone) return;
   const int port = plan_.master_port;
   const unsigned me = ::geteuid();
-  std::optional<TcpListener> stranger;
   bool ours = false;
   const auto listeners = tcp_listeners_on(port);
-  if (!listeners.empty()) {
-    std::unordered_set<std::uint64_t> mine;  // the sockets of this agent's descendants
-    for (const auto& p : descendants_of(scan_family(::getpid()), ::getpid()))
-      for (auto inode : socket_inodes_of(p.pid)) mine.insert(inode);
-    for (const auto& l : listeners) {
-      if (mine.contains(l.inode)) ours = true;
-      else if (l.uid != me || !stranger) stranger = l;
-    }
-  }
-  if (stranger && (stranger->uid != me || !ours)) {
+  for (const auto& l : listeners) {
+    if (l.uid == me) continue;
+    // Another user listens where this run's workers will connect: they would talk to it.
     ++port_watch_round_;
     run(core_.fatal(
         exit_code::kResource,
-        fmt::format("MASTER_PORT {} was taken by a process of uid {}{} (socket inode {}), not by this run's rank 0: "
+        fmt::format("MASTER_PORT {} was taken by a process of uid {} (socket inode {}), not by this run's rank 0: "
                     "where rank 0's TCPStore hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch 2.0 and "
                     "2.1, torch 1.x's c10d), the port is only bound from just before the workers start until it "
                     "listens, and that process listened there meanwhile; find it (ss -ltnp 'sport = :{}') and run again",
-                    port, stranger->uid, stranger->uid == me ? " (this user, not a process of this run)" : "",
-                    stranger->inode, port),
+                    port, l.uid, l.inode, port),
         now()));
     return;
   }
-  if (ours || --checks_left <= 0) return;  // rank 0 listens: nobody else can any more
+  if (!listeners.empty()) {  // all of this user: rank 0's, or another process of this user's
+    std::unordered_set<std::uint64_t> mine;  // the sockets of this agent's descendants
+    bool unreadable = false;
+    for (const auto& p : descendants_of(scan_family(::getpid()), ::getpid()))
+      for (auto inode : socket_inodes_of(p.pid, &unreadable)) mine.insert(inode);
+    for (const auto& l : listeners) ours = ours || mine.contains(l.inode);
+    if (!ours && !port_watch_warned_) {
+      port_watch_warned_ = true;
+      notice(unreadable ? fmt::format("MASTER_PORT {}: a process of this user listens there (socket inode {}); some of "
+                                      "this run's processes do not let their descriptors be read (not dumpable), so "
+                                      "it may be rank 0's",
+                                      port, listeners.front().inode)
+                        : fmt::format("MASTER_PORT {}: a process of this user that is not of this run listens there "
+                                      "(socket inode {}); rank 0 will find the port in use",
+                                      port, listeners.front().inode));
+    }
+  }
+  if (ours || std::chrono::steady_clock::now() >= until) return;  // rank 0 listens: nobody else can any more
   port_watch_->expires_after(std::chrono::milliseconds(100));
-  port_watch_->async_wait([this, round, checks_left](boost::system::error_code ec) {
-    if (!ec) check_master_port(round, checks_left);
+  port_watch_->async_wait([this, round, until](boost::system::error_code ec) {
+    if (!ec) check_master_port(round, until);
   });
 }
 

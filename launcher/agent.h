@@ -253,13 +253,16 @@ class Agent {
   // cannot be started do, and the job decides as for any failure.
   std::string serve_store();
   // Where the workers host the store (rank 0's TCPStore binds MASTER_PORT; the hold only
-  // bound from just before the spawn): looks at the port's listeners every 100 ms for at
-  // most 60 s, until one of this agent's workers (or their descendants) listens there. A
-  // listener of another uid took the port in that window: the run ends with exit 4 and a
-  // line naming the uid (#35).
+  // bound from just before the spawn): looks at the port's listeners every 100 ms for 60 s
+  // from the spawn, until one of this agent's workers (or their descendants) listens there.
+  // A listener of another uid took the port in that window: the run ends with exit 4 and a
+  // line naming the uid (#35). A listener of this uid is no stranger: one line says so when
+  // it is not provably this run's (another job of this user makes rank 0's bind fail and the
+  // attempt restart with a fresh port; a worker that is not dumpable hides its sockets).
   void watch_master_port();
-  void check_master_port(int round, int checks_left);
+  void check_master_port(int round, std::chrono::steady_clock::time_point until);
   std::unique_ptr<boost::asio::steady_timer> port_watch_;
+  bool port_watch_warned_ = false;  // the one line about a listener of this uid, per watch
   int port_watch_round_ = 0;  // a check of an older watch finds a newer round and stops
   std::string store_error_;        // why the store could not serve attempt store_error_attempt_
   int store_error_attempt_ = -1;

@@ -23,6 +23,9 @@ std::vector<TcpListener> parse_tcp_listeners(std::string_view text, int port);
 // The listeners on `port` of every address, IPv4 and IPv6.
 std::vector<TcpListener> tcp_listeners_on(int port);
 // The socket inodes among `pid`'s descriptors (/proc/PID/fd -> "socket:[N]"); empty when gone.
-std::unordered_set<std::uint64_t> socket_inodes_of(pid_t pid);
+// `unreadable`, when given, is set when the descriptors exist but could not be read (EACCES:
+// a process that is not dumpable, prctl(PR_SET_DUMPABLE, 0), read by one without
+// CAP_SYS_PTRACE), so an empty answer does not prove the process holds no socket.
+std::unordered_set<std::uint64_t> socket_inodes_of(pid_t pid, bool* unreadable = nullptr);
 
 }  // namespace mg

@@ -313,15 +313,19 @@ std::vector<TcpListener> tcp_listeners_on(int port) {
   return out;
 }
 
-std::unordered_set<std::uint64_t> socket_inodes_of(pid_t pid) {
+std::unordered_set<std::uint64_t> socket_inodes_of(pid_t pid, bool* unreadable) {
   std::unordered_set<std::uint64_t> out;
   const std::string dir = fmt::format("/proc/{}/fd", pid);
   DIR* d = ::opendir(dir.c_str());
-  if (!d) return out;
+  if (!d) {
+    if (unreadable && (errno == EACCES || errno == EPERM)) *unreadable = true;
+    return out;
+  }
   while (dirent* e = ::readdir(d)) {
     char target[64] = {};
     const std::string link = dir + "/" + e->d_name;
     const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n < 0 && unreadable && (errno == EACCES || errno == EPERM)) *unreadable = true;
     const std::string_view t(target, n > 0 ? static_cast<std::size_t>(n) : 0);
     if (t.size() < 10 || t.substr(0, 8) != "socket:[") continue;
     std::uint64_t inode = 0;

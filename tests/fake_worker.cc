@@ -37,6 +37,8 @@
 //                       SECS s), release it, print "bound PORT"; exit 1 if it stayed held
 //   listen-master       bind (SO_REUSEADDR, as c10d's TCPStore) and listen on
 //                       0.0.0.0:$MASTER_PORT, print "listening PORT"; exit 1 on failure
+//   listen-master-for SECS  the same, listening SECS seconds before it closes
+//   undumpable          prctl(PR_SET_DUMPABLE, 0): its /proc/PID/fd needs CAP_SYS_PTRACE
 //   when-rank R         ranks other than R hang (60 s) instead of running the rest
 //   when-world-below N  hang (60 s) while WORLD_SIZE < N, then exit 0 (scale-up tests)
 //   when-restart-below K  exit 0 once TORCHELASTIC_RESTART_COUNT >= K
@@ -48,6 +50,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -342,7 +345,12 @@ int main(int argc, char** argv) {
         if (std::chrono::steady_clock::now() > deadline) return 8;
         hang(0.01);
       }
-    } else if (cmd == "listen-master") {
+    } else if (cmd == "undumpable") {
+      // Not dumpable: who lacks CAP_SYS_PTRACE cannot read /proc/PID/fd (#35).
+      if (::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) return 1;
+    } else if (cmd == "listen-master" || cmd == "listen-master-for") {
+      // listen-master-for SECS: keeps listening for SECS seconds before it closes.
+      const double hold = cmd == "listen-master-for" ? std::atof(arg()) : 0;
       const int port = env_int("MASTER_PORT", 0);
       int fd = ::socket(AF_INET, SOCK_STREAM, 0);
       const int one = 1;
@@ -358,6 +366,7 @@ int main(int argc, char** argv) {
       }
       std::printf("listening %d\n", port);
       std::fflush(stdout);
+      if (hold > 0) hang(hold);
       ::close(fd);
     } else if (cmd == "bind-master-plain") {
       // Binds 0.0.0.0:$MASTER_PORT without SO_REUSEADDR (any other socket bound there makes

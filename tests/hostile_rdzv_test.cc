@@ -1233,6 +1233,23 @@ TEST_CASE("where the workers host the store, another user listening on MASTER_PO
                                                         "of uid 65534"));
 }
 
+TEST_CASE("where the workers host the store, a rank 0 that is not dumpable listening on MASTER_PORT is no stranger "
+          "(#35)") {
+  // Rank 0 sets PR_SET_DUMPABLE 0 and listens; the agent runs without CAP_SYS_PTRACE, so it
+  // cannot read rank 0's /proc/PID/fd and cannot match the listener to it. Before: "same
+  // uid, not found" was a stranger and the run ended with exit 4.
+  if (run({"/usr/bin/setpriv", "--bounding-set", "-sys_ptrace", "/bin/true"}).code != 0)
+    SKIP_TEST("cannot drop CAP_SYS_PTRACE (setpriv --bounding-set needs root)");
+  Proc agent = spawn({"/usr/bin/setpriv", "--bounding-set", "-sys_ptrace", kMglaunch, "--standalone",
+                      "--nproc_per_node=1", "--grace=2", kFakeWorker, "undumpable", "listen-master-for", "3"},
+                     {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
+  REQUIRE(agent.wait(60s));
+  INFO(agent.out() << agent.err());
+  CHECK_THAT(agent.out(), Catch::Contains("listening "));
+  CHECK_THAT(agent.err() + agent.out(), !Catch::Contains("was taken by a process"));
+  CHECK(agent.exit_code() == 0);
+}
+
 TEST_CASE("a rendezvous host whose name lookup hangs while the agent reconnects does not hold the agent: SIGTERM "
           "still ends it (#35)") {
   // The agent runs in a mount namespace of its own whose hosts file names rdzv.test at

@@ -62,6 +62,7 @@ void Client::node_done(int round) { run(m_.node_done(round)); }
 void Client::close() { run(m_.close()); }
 
 void Client::run(ClientCommands cmds) {
+  ++running_;
   for (auto& c : cmds) {
     // A handler told earlier in this list may have closed the link (the agent's close()):
     // nothing new is started then.
@@ -70,6 +71,7 @@ void Client::run(ClientCommands cmds) {
       continue;
     perform(c);
   }
+  --running_;
 }
 
 asio::steady_timer& Client::timer(ClientTimer t) {
@@ -192,7 +194,10 @@ void Client::on_connected() {
       [this, alive, self](const std::string& why) {
         // Not when this client dropped it itself (the machine has moved on).
         if (!alive.lock() || conn_.get() != self) return;
-        run(m_.connection_closed(why, Clock::now()));
+        if (running_ == 0) return run(m_.connection_closed(why, Clock::now()));
+        asio::post(io_, [this, alive, self, why] {
+          if (alive.lock() && conn_.get() == self) run(m_.connection_closed(why, Clock::now()));
+        });
       });
   run(m_.connected(auth::random_hex(32), Clock::now()));
 }

@@ -86,6 +86,9 @@ class Client {
   boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_, takeover_timer_;
   std::uint64_t connect_gen_ = 0;  // a connect whose generation is stale is ignored
   int connect_attempts_ = 0;
+  // Inside run(): a connection's close (a send that fails shuts it at once) is reported after
+  // the list, not in its middle, so the rest of the list never runs on a machine moved on.
+  int running_ = 0;
   // Callbacks of a connection that outlives this client (graceful close) check this.
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);
 };

@@ -122,7 +122,7 @@ ClientCommands ClientMachine::take_pending() {
 ClientCommands ClientMachine::worker_failed(proto::WorkerFailed f, Clock::time_point now) {
   proto::truncate_to_limits(f);
   if (connected_ && welcomed_) send(proto::to_wire(f));
-  else unsent_failure_ = std::move(f);
+  unanswered_failure_ = std::move(f);
   waiting_since_ = now;
   return take_out();
 }
@@ -351,6 +351,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         auto r = proto::from_frame<proto::Restart>(f);
         current_.reset();
         pending_.reset();
+        unanswered_failure_.reset();
         join_wanted_ = false;
         restarts_seen_ = std::max(restarts_seen_, r.restart_count);
         out_.push_back(cmd::Tell{std::move(r)});
@@ -406,11 +407,9 @@ void ClientMachine::on_welcome(Clock::time_point now) {
   in_outage_ = false;
   backoff_ = milliseconds(100);
   if (!joined_early_) send_join();
-  if (current_ && unsent_failure_) {
-    // Reported while the server was away: the rebuilt job must hear it.
-    send(proto::to_wire(*unsent_failure_));
-    unsent_failure_.reset();
-  }
+  // Reported while the server was away, or sent on a connection that closed before a
+  // decision came: the rebuilt job must hear it.
+  if (current_ && unanswered_failure_) send(proto::to_wire(*unanswered_failure_));
   // The join itself shows this node alive: the first heartbeat is due one interval later.
   cancel(ClientTimer::kHeartbeat);
   schedule_heartbeat(now);
@@ -450,7 +449,7 @@ void ClientMachine::take(const proto::Assignment& a) {
   last_ = a;
   restarts_seen_ = std::max(restarts_seen_, a.restart_count);
   done_sent_ = false;
-  unsent_failure_.reset();
+  unanswered_failure_.reset();
   waiting_since_.reset();
   out_.push_back(cmd::Tell{a});
 }
@@ -521,7 +520,7 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now) {
   // The round is over, as for any lost node: a restart, then a fresh join with whoever hosts.
   current_.reset();
   pending_.reset();
-  unsent_failure_.reset();
+  unanswered_failure_.reset();
   done_sent_ = false;
   join_wanted_ = false;
   waiting_since_ = now;

@@ -231,7 +231,9 @@ class ClientMachine {
   std::optional<Takeover> takeover_;  // looking for the node that took over
   bool decided_ = false;  // the job ended (Abort or Done heard): its host may go
   std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
-  std::optional<proto::WorkerFailed> unsent_failure_;
+  // Reported, no decision heard since: sent again with every re-registration of the round,
+  // since a connection that closed may have taken it along unsent (the job ignores a repeat).
+  std::optional<proto::WorkerFailed> unanswered_failure_;
   bool done_sent_ = false;
   bool standby_ = false;  // told Standby, no assignment since: said again on re-registering
   std::chrono::milliseconds backoff_{100};  // between reconnects after a loss

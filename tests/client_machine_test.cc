@@ -607,3 +607,44 @@ TEST_CASE("client machine: a stale timer fire (an earlier arm, queued before the
   c = m.m.timer_fired(ClientTimer::kTakeover, armed2.generation, armed2.at);
   CHECK(has<cmd::HostTakeover>(c));
 }
+
+TEST_CASE("client machine: a failure report is not lost when the connection closes during its send: it goes "
+          "again with every re-registration until a decision answers it") {
+  Link l;
+  l.m.start(l.now);
+  l.welcome();
+  l.receive(round_of(1));
+  l.m.connection_closed("end of file", l.now);  // the daemon restarts
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.rank = 1;
+  f.exit_code = 3;
+  auto c = l.m.worker_failed(f, l.now);  // held back: no connection
+  CHECK(sent(c).empty());
+  l.after(100ms, ClientTimer::kRetry);
+  c = l.welcome();
+  CHECK(sent_of<proto::WorkerFailed>(c).exit_code == 3);
+  // The join's send fails and shuts the connection: the failure went nowhere.
+  l.m.connection_closed("Broken pipe", l.now);
+  l.after(200ms, ClientTimer::kRetry);
+  c = l.welcome();
+  CHECK(sent_of<proto::WorkerFailed>(c).exit_code == 3);
+  CHECK(sent_of<proto::Join>(c).resume_round == 1);
+  // Once a decision answered it, it is not sent again.
+  c = l.receive(proto::Restart{1, "rank 1 failed"});
+  CHECK(told_one<proto::Restart>(c).restart_count == 1);
+  l.m.connection_closed("end of file", l.now);
+  l.after(400ms, ClientTimer::kRetry);
+  c = l.welcome();
+  CHECK(std::ranges::count(sent(c), MsgType::kWorkerFailed) == 0);
+
+  // Sent on a live connection that is lost before the decision: sent again on the next welcome.
+  Link m;
+  m.m.start(m.now);
+  m.welcome();
+  m.receive(round_of(1));
+  CHECK(sent_of<proto::WorkerFailed>(m.m.worker_failed(f, m.now)).rank == 1);
+  m.m.connection_closed("end of file", m.now);
+  m.after(100ms, ClientTimer::kRetry);
+  CHECK(sent_of<proto::WorkerFailed>(m.welcome()).rank == 1);
+}

@@ -494,7 +494,6 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now) {
   if (!standby && !last_) return end_host_lost(lost + "; no round had started, so no node can take over");
   auto candidates = standby ? takeover_candidates(standby_of_->nodes, standby_of_->takeover_ports, opts_.host, opts_.port)
                             : takeover_candidates(*last_, opts_.host, opts_.port);
-  // (#34: a majority of the voters, last_'s nodes and the standbys, will be asked for here.)
   if (auto no = why_no_takeover(restarts_seen_, opts_.join.max_restarts, candidates.size(), standbys_,
                                 opts_.join.min_nodes);
       !no.empty())
@@ -538,7 +537,6 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
   }
   drop_connection();
   cancel(ClientTimer::kTakeover);
-  // (#34: the voters that answered are counted here; this node hosts only with a majority.)
   if (t.next < t.candidates.size() && now < t.deadline) {
     const TakeoverCandidate c = t.candidates[t.next++];
     if (c.group_rank != t.self_rank) return connect_candidate(c.addr, c.port, now);

@@ -18,16 +18,18 @@
 //       node that reaches itself hosts (cmd::HostTakeover, answered by hosted()); a standby
 //       follows and never hosts; none found, or why_no_takeover(): an Abort with the lost
 //       host as root cause (kHostLostExitCode)
-//   any --(Abort, Done, Error, a bad frame, close())--> closed
+//   any --(Error, a bad frame after the welcome, give_up(), close())--> closed
+//   Abort and Done are told and only mark the job decided (decided_): the link stays open
+//   until the agent's close(), and a host that then closes is no loss (no takeover).
 //
-// Quorum (#34, not implemented yet): the partition rules go into this machine, not into the
-// effect layer. The fixed voters (the last round's nodes and the standbys registered with
-// it) are known here from last_ / standby_of_ (Assignment::nodes, Standby::nodes); host_lost()
-// is where a takeover first asks for a majority of them reachable (the candidate search in
-// next_candidate() would count the voters that answered before this node hosts), and the
-// outage branch of reconnect_later() / the watchdog are where a node that has lost its
-// arbiter (daemon, etcd or host) fences itself: a new command (stop the workers, with the
-// reason) armed to fire before the majority may replace it, and a rejoin after the heal.
+// Quorum (#34, not implemented yet): see docs/design.md, "Plan for quorum and fencing". In
+// short: the voters (a fixed list with an epoch) are not known to this client today
+// (Assignment lists only the round's nodes, standbys only as a count), so the protocol must
+// change first; the majority is counted where joins arrive (rdzv::Job::take_over and its
+// takeover deadline), not in next_candidate(); the search tells a refused connect (a live
+// node not yet noticing) from a silent one (partitioned); fencing gets its own timer that
+// fires before the server drops the member, and never stops a job on a mere daemon restart;
+// etcd's liveness is EtcdLink's lease thread, not this machine.
 #pragma once
 
 #include <array>

@@ -43,8 +43,9 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     // a client that does not read holds one reply, however many queries it sends.
     bool paused = false;
     std::size_t held = 0;  // pending + its replies' own bytes + its wait, as counted in Impl::buffered
-    // When it connected, or its last query was whole: a client whose query is not whole
-    // long after this is silent (displace_silent), however many bytes of it came.
+    // When it connected, its last query was whole, or its unfinished query began: a client
+    // whose query is not whole long after this is silent (displace_silent), however many
+    // bytes of it came; one idle between queries is not.
     std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
     bool served = false;  // a query of its was whole (torch's clients send one at once)
     asio::ip::address from;  // its address (ServerOptions::max_per_address)
@@ -347,6 +348,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
         c.pending.erase(0, used);
       } else if (used < data.size()) {
         c.pending.assign(data.substr(used));
+        c.since = std::chrono::steady_clock::now();  // its query starts now (query_deadline)
       }
       // Served queries leave their room: the rest (the start of the next query) is kept in
       // a buffer its size, not in the one a large query grew.

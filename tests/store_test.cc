@@ -1132,3 +1132,30 @@ TEST_CASE("readers of values the store still holds cost only their own bytes: la
   }
   CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
 }
+
+TEST_CASE("the query deadline counts from the start of the unfinished query, not from the previous one: a worker idle "
+          "past it that starts a SET is not displaced (#35 review 2, item 4)") {
+  ServerOptions o;
+  o.max_clients = 2;
+  o.query_deadline = 3s;  // generous: the test's steps below take far less on a loaded machine
+  ServerThread s(o);
+  boost::asio::io_context io;
+  auto worker = client_from(io, s), other = client_from(io, s);
+  boost::asio::write(*worker, boost::asio::buffer(validate()));
+  REQUIRE(numkeys_served(*worker));
+  boost::asio::write(*other, boost::asio::buffer(validate()));
+  REQUIRE(numkeys_served(*other));
+  std::this_thread::sleep_for(o.query_deadline + 1s);  // the worker idles between store calls
+  const std::string set = byte(1) + str("ckpt") + str(std::string(1 << 20, 'x'));
+  boost::asio::write(*worker, boost::asio::buffer(set.data(), set.size() / 2));  // its SET's first half
+  REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->buffered(); }) >= set.size() / 2; }, 10s));
+  // A newcomer finds no silent client: it is refused (before: the worker was displaced, its
+  // query "not whole after 3000 ms" though it had just begun).
+  auto late = client_from(io, s);
+  boost::system::error_code ec;  // (refused: the write may find the socket closed)
+  boost::asio::write(*late, boost::asio::buffer(validate()), ec);
+  CHECK(closed_by_server(*late));
+  boost::asio::write(*worker, boost::asio::buffer(set.data() + set.size() / 2, set.size() - set.size() / 2));
+  CHECK(numkeys_served(*worker));
+  CHECK(on_io(s, [&] { return s.server->engine().value("ckpt") != nullptr; }));
+}

@@ -394,7 +394,7 @@ TEST_CASE("client machine: the host agent lost: survivors restart and try the lo
   l.m.rejoin(l.now);  // the workers stopped
   c = l.welcome("host-127.0.0.3");
   CHECK_THAT(notices(c), Catch::Contains("the rendezvous is now hosted by host-127.0.0.3 at 127.0.0.9:7100"));
-  CHECK(has<cmd::Cancel>(c));
+  CHECK(std::ranges::any_of(all<cmd::Cancel>(c), [](const auto& x) { return x.timer == ClientTimer::kTakeover; }));
   const auto j = sent_of<proto::Join>(c);
   CHECK(j.last_group_rank == 2);
   CHECK(j.takeover_port == 0);  // it hosts now
@@ -647,4 +647,95 @@ TEST_CASE("client machine: a failure report is not lost when the connection clos
   m.m.connection_closed("end of file", m.now);
   m.after(100ms, ClientTimer::kRetry);
   CHECK(sent_of<proto::WorkerFailed>(m.welcome()).rank == 1);
+}
+
+TEST_CASE("client machine: the takeover search runs out of time with candidates left: the last interval is cut "
+          "at the search's deadline and this node does not host past it") {
+  auto o = options("127.0.0.5");
+  o.join.keep_alive_max_attempt = 2;  // the whole search: 100 ms x 2
+  Link l(o);
+  l.m.start(l.now);
+  l.welcome("host-a");
+  proto::Assignment a = round_of(4);
+  a.group_world_size = a.world_size = 5;
+  a.rank_offset = 4;
+  a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"};
+  a.takeover_ports = {0, 7002, 7003, 7004, 7005};
+  l.receive(a);
+  const auto lost_at = l.now;
+  auto c = l.m.connection_closed("end of file", l.now);
+  CHECK(armed(c, ClientTimer::kTakeover) == lost_at + 100ms);
+  l.now += 50ms;  // node 1 closes before its welcome
+  l.m.connected(kNonce, l.now);
+  c = l.m.connection_closed("end of file", l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+  CHECK(armed(c, ClientTimer::kTakeover) == lost_at + 150ms);
+  c = l.after(100ms, ClientTimer::kTakeover);  // node 2 silent
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.4");
+  CHECK(armed(c, ClientTimer::kTakeover) == lost_at + 200ms);  // not 250 ms: the search's deadline
+  c = l.after(50ms, ClientTimer::kTakeover);  // node 3 silent: the search is over, node 4 (this one) left
+  CHECK_FALSE(has<cmd::HostTakeover>(c));
+  CHECK_THAT(told_one<proto::Abort>(c).reason,
+             Catch::Contains("no survivor could take over (node 1 at 127.0.0.2:7002: end of file; node 2 at "
+                             "127.0.0.3:7003: no answer; node 3 at 127.0.0.4:7004: no answer)"));
+  CHECK(l.m.closed());
+}
+
+TEST_CASE("client machine: a server that accepts but never answers the handshake: the end at first, a reconnect "
+          "in an outage") {
+  Link l;  // join_timeout 5 s: the handshake may take min(5 s, max(400 ms, 10 s))
+  l.m.start(l.now);
+  l.m.connected(kNonce, l.now);
+  l.now += 5000ms;
+  l.fire(ClientTimer::kWatchdog);
+  CHECK_FALSE(l.m.closed());  // 5 s is not past it
+  auto c = l.after(100ms, ClientTimer::kWatchdog);
+  CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("accepts connections but does not answer the handshake"));
+
+  auto opts = options();
+  opts.join.join_timeout_ms = 20000;  // the handshake: min(20 s, max(400 ms, 10 s)); the outage: 20 s
+  Link o(opts);
+  o.m.start(o.now);
+  o.welcome();
+  o.receive(round_of(1));
+  o.m.connection_closed("end of file", o.now);
+  o.after(100ms, ClientTimer::kRetry);
+  o.m.connected(kNonce, o.now);
+  o.now += 10100ms;
+  c = o.fire(ClientTimer::kWatchdog);
+  CHECK_THAT(notices(c), Catch::Contains("no answer to the handshake"));
+  CHECK(has<cmd::Drop>(c));
+  CHECK_FALSE(o.m.closed());
+}
+
+TEST_CASE("client machine: a node that hosts at an empty address joins itself at its candidate's address") {
+  Link l(options("127.0.0.3"));
+  l.m.start(l.now);
+  l.welcome("host-a");
+  l.receive(round_of(2));
+  l.m.connection_closed("end of file", l.now);
+  REQUIRE(has<cmd::HostTakeover>(l.after(100ms, ClientTimer::kTakeover)));
+  auto c = l.m.hosted({"", 7100}, l.now);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+  CHECK(one<cmd::Connect>(c).port == 7100);
+}
+
+TEST_CASE("client machine: an Error or a bad frame after the welcome ends the link with what it said") {
+  Link l;
+  l.m.start(l.now);
+  l.welcome();
+  auto c = l.receive(proto::Error{"job 'job' is full"});
+  CHECK(one<cmd::Lost>(c).why == "refused by the rendezvous server: job 'job' is full");
+  CHECK(l.m.closed());
+
+  Link b;
+  b.m.start(b.now);
+  b.welcome();
+  proto::Frame f;
+  f.type = static_cast<std::uint8_t>(MsgType::kAssignment);
+  f.payload = "not an assignment";
+  c = b.m.frame(f, b.now);
+  CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("bad message from the rendezvous server: "));
+  CHECK_FALSE(has<cmd::Connect>(c));
+  CHECK(b.m.closed());
 }

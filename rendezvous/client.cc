@@ -51,7 +51,7 @@ void Client::start() {
   // A join that cannot be sent ends the link after start() returned, as a refusal would.
   if (m_.closed())
     asio::post(io_, [this, alive = std::weak_ptr<int>(alive_), cmds = std::move(cmds)]() mutable {
-      if (alive.lock()) run(std::move(cmds));
+      if (alive.lock() && !agent_closed_) run(std::move(cmds));  // not after the agent's close()
     });
   else run(std::move(cmds));
 }
@@ -59,7 +59,10 @@ void Client::start() {
 void Client::rejoin() { run(m_.rejoin(Clock::now())); }
 void Client::worker_failed(proto::WorkerFailed f) { run(m_.worker_failed(std::move(f), Clock::now())); }
 void Client::node_done(int round) { run(m_.node_done(round)); }
-void Client::close() { run(m_.close()); }
+void Client::close() {
+  agent_closed_ = true;
+  run(m_.close());
+}
 
 void Client::run(ClientCommands cmds) {
   ++running_;

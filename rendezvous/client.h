@@ -86,6 +86,7 @@ class Client {
   boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_, takeover_timer_;
   std::uint64_t connect_gen_ = 0;  // a connect whose generation is stale is ignored
   int connect_attempts_ = 0;
+  bool agent_closed_ = false;  // close() was called: a refusal start() posted is not told
   // Inside run(): a connection's close (a send that fails shuts it at once) is reported after
   // the list, not in its middle, so the rest of the list never runs on a machine moved on.
   int running_ = 0;

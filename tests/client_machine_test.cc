@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "rendezvous/auth.h"
+#include "rendezvous/client.h"
 #include "rendezvous/client_machine.h"
 
 using namespace mg;
@@ -738,4 +739,27 @@ TEST_CASE("client machine: an Error or a bad frame after the welcome ends the li
   CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("bad message from the rendezvous server: "));
   CHECK_FALSE(has<cmd::Connect>(c));
   CHECK(b.m.closed());
+}
+
+TEST_CASE("client layer: a join that cannot be sent is not told as lost once the agent closed the link") {
+  boost::asio::io_context io;
+  auto o = options();
+  o.join.nproc = 0;
+  int lost = 0;
+  ClientHandlers h;
+  h.on_lost = [&](const std::string&) { ++lost; };
+  {
+    Client c(io, o, h);
+    c.start();
+    c.close();
+    io.run();
+  }
+  CHECK(lost == 0);
+  lost = 0;
+  io.restart();
+  Client c(io, o, h);
+  c.start();
+  CHECK(lost == 0);  // after start() returned
+  io.run();
+  CHECK(lost == 1);
 }

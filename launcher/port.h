@@ -142,7 +142,11 @@ class PortReservation {
     const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return -1;
     const int one = 1, zero = 0;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    // SO_REUSEADDR only once the socket listens: between bind() and listen() another user's
+    // SO_REUSEADDR socket could bind beside one that has it, and then listen first (seen
+    // under load by the held-port test). Bound without it, the port is ours alone; only
+    // where that fails (connections of an earlier attempt in TIME_WAIT) is it bound with it.
+    bool reuse = false;
     sockaddr_storage ss{};
     socklen_t len = 0;
     if (family == AF_INET6) {
@@ -159,13 +163,22 @@ class PortReservation {
       a->sin_port = htons(static_cast<uint16_t>(port));
       len = sizeof(sockaddr_in);
     }
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || (listening && ::listen(fd, kBacklog) != 0)) {
-      const int err = errno;
-      ::close(fd);
-      errno = err;
-      return -1;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+      reuse = errno == EADDRINUSE;
+      if (reuse) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      if (!reuse || ::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) return close_keeping_errno(fd);
     }
+    if (listening && ::listen(fd, kBacklog) != 0) return close_keeping_errno(fd);
+    // From here on with SO_REUSEADDR: the workers' own SO_REUSEADDR bind after
+    // stop_listening() needs it on both sockets.
+    if (!reuse) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     return fd;
+  }
+  static int close_keeping_errno(int fd) {
+    const int err = errno;
+    ::close(fd);
+    errno = err;
+    return -1;
   }
   int fd_ = -1;
   int port_ = 0;

@@ -110,7 +110,7 @@ TEST_CASE("static form, two nodes: node 0's store serves node 1's workers after 
   auto node = [&](int rank) {
     return spawn({kMglaunch, "--nnodes=2", "--node_rank=" + std::to_string(rank), "--master_addr=127.0.0.1",
                   "--master_port=" + port, "--nproc_per_node=1", "--python=/usr/bin/python3", worker_script()},
-                 {{"AGENT_STORE_TEST_LATE", "1"}});
+                 {{"AGENT_STORE_TEST_LATE", "4"}});
   };
   Proc n0 = node(0), n1 = node(1);
   REQUIRE(n0.wait(240s));

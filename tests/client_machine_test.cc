@@ -1,6 +1,7 @@
 // The rendezvous client's policy (rendezvous/client_machine.h), driven with a fake clock:
 // events in with the time passed in, commands out. No socket, no timer.
 #include <catch2/catch.hpp>
+#include <random>
 
 #include "rendezvous/auth.h"
 #include "rendezvous/client.h"
@@ -15,6 +16,11 @@ namespace {
 
 const Clock::time_point T0{};
 const std::string kNonce(64, 'a');
+// Port numbers are data here (the machine opens no socket), picked at run time all the same,
+// outside the well-known range.
+const int kRdzvPort = 30000 + static_cast<int>(std::random_device{}() % 10000);
+const int kMasterPort = kRdzvPort + 10000;
+const std::string kServer = "127.0.0.1:" + std::to_string(kRdzvPort);
 
 proto::Join join_of(const std::string& addr, int max_restarts = 3) {
   proto::Join j;
@@ -35,7 +41,7 @@ proto::Join join_of(const std::string& addr, int max_restarts = 3) {
 ClientOptions options(const std::string& addr = "127.0.0.3", int max_restarts = 3) {
   ClientOptions o;
   o.host = "127.0.0.1";
-  o.port = 29400;
+  o.port = kRdzvPort;
   o.join = join_of(addr, max_restarts);
   return o;
 }
@@ -106,10 +112,20 @@ proto::Assignment round_of(int group_rank, int round = 1, int restart_count = 0)
   a.rank_offset = group_rank;
   a.world_size = 3;
   a.master_addr = "127.0.0.1";
-  a.master_port = 29500;
+  a.master_port = kMasterPort;
   a.restart_count = restart_count;
   a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
   a.takeover_ports = {0, 7002, 7003};
+  return a;
+}
+
+// round_of's round among `nodes` (node 0 hosts; node i's takeover port is 7001 + i).
+proto::Assignment round_among(const std::vector<std::string>& nodes, int group_rank) {
+  proto::Assignment a = round_of(group_rank);
+  a.group_world_size = a.world_size = static_cast<int>(nodes.size());
+  a.nodes = nodes;
+  a.takeover_ports = {0};
+  for (std::size_t i = 1; i < nodes.size(); ++i) a.takeover_ports.push_back(7001 + static_cast<int>(i));
   return a;
 }
 
@@ -140,7 +156,7 @@ TEST_CASE("client machine: a refused start is retried soon and more slowly, and 
   Link l;
   auto c = l.m.start(l.now);
   CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
-  CHECK(one<cmd::Connect>(c).port == 29400);
+  CHECK(one<cmd::Connect>(c).port == kRdzvPort);
   CHECK(armed(c, ClientTimer::kWatchdog) == T0 + 100ms);
   // Each refusal arms the retry after connect_retry_delay: 5 ms, then growing by half.
   std::vector<std::chrono::milliseconds> waits;
@@ -158,7 +174,7 @@ TEST_CASE("client machine: a refused start is retried soon and more slowly, and 
   l.now = T0 + 5000ms;
   c = l.m.connect_failed(true, "Connection refused", l.now);
   auto lost = one<cmd::Lost>(c);
-  CHECK(lost.why == "cannot reach the rendezvous server at 127.0.0.1:29400: Connection refused");
+  CHECK(lost.why == "cannot reach the rendezvous server at " + kServer + ": Connection refused");
   CHECK(lost.unanswered);
   CHECK(one<cmd::Shut>(c).flush == false);
   CHECK(l.m.closed());
@@ -282,7 +298,7 @@ TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on 
       l.fire(ClientTimer::kRetry);
       auto c = l.m.connect_failed(true, "Connection refused", l.now);
       if (l.now < T0 + 6s) CHECK_FALSE(has<cmd::Lost>(c));
-      else CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("cannot reach the rendezvous server at 127.0.0.1:29400"));
+      else CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("cannot reach the rendezvous server at " + kServer));
     }
     CHECK(l.m.closed());
     CHECK(l.now == T0 + 6s);
@@ -296,7 +312,7 @@ TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on 
     l.now += 5s;
     l.m.connected(kNonce, l.now);
     auto c = l.m.connection_closed("reset", l.now);
-    CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("no authenticated rendezvous server at 127.0.0.1:29400 within "
+    CHECK_THAT(one<cmd::Lost>(c).why, Catch::StartsWith("no authenticated rendezvous server at " + kServer + " within "
                                                         "join_timeout (5 s): reset"));
   }
   SECTION("a silent server: the heartbeat echo stops") {
@@ -372,7 +388,7 @@ TEST_CASE("client machine: the host agent lost: survivors restart and try the lo
   auto c = l.m.connection_closed("end of file", l.now);
   auto r = told_one<proto::Restart>(c);
   CHECK(r.restart_count == 1);
-  CHECK_THAT(r.reason, Catch::StartsWith("rendezvous host host-a (127.0.0.1:29400) lost: end of file"));
+  CHECK_THAT(r.reason, Catch::StartsWith("rendezvous host host-a (" + kServer + ") lost: end of file"));
   // Node 1 first (the lost host, node 0, is no candidate), one keep-alive interval.
   CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
   CHECK(one<cmd::Connect>(c).port == 7002);
@@ -523,12 +539,7 @@ TEST_CASE("client machine: a candidate whose name does not resolve is passed ove
   Link l(options("127.0.0.4"));
   l.m.start(l.now);
   l.welcome("host-a");
-  proto::Assignment a = round_of(3);
-  a.group_world_size = 4;
-  a.world_size = 4;
-  a.rank_offset = 3;
-  a.nodes = {"127.0.0.1", "node-b.invalid", "127.0.0.3", "127.0.0.4"};
-  a.takeover_ports = {0, 7002, 7003, 7004};
+  proto::Assignment a = round_among({"127.0.0.1", "node-b.invalid", "127.0.0.3", "127.0.0.4"}, 3);
   l.receive(a);
   auto c = l.m.connection_closed("end of file", l.now);
   CHECK(one<cmd::Connect>(c).host == "node-b.invalid");
@@ -571,11 +582,7 @@ TEST_CASE("client machine: a stale timer fire (an earlier arm, queued before the
   Link l(options("127.0.0.4"));
   l.m.start(l.now);
   l.welcome("host-a");
-  proto::Assignment a = round_of(3);
-  a.group_world_size = a.world_size = 4;
-  a.rank_offset = 3;
-  a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"};
-  a.takeover_ports = {0, 7002, 7003, 7004};
+  proto::Assignment a = round_among({"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"}, 3);
   l.receive(a);
   auto c = l.m.connection_closed("end of file", l.now);
   CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
@@ -657,11 +664,7 @@ TEST_CASE("client machine: the takeover search runs out of time with candidates 
   Link l(o);
   l.m.start(l.now);
   l.welcome("host-a");
-  proto::Assignment a = round_of(4);
-  a.group_world_size = a.world_size = 5;
-  a.rank_offset = 4;
-  a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"};
-  a.takeover_ports = {0, 7002, 7003, 7004, 7005};
+  proto::Assignment a = round_among({"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"}, 4);
   l.receive(a);
   const auto lost_at = l.now;
   auto c = l.m.connection_closed("end of file", l.now);

@@ -517,7 +517,7 @@ TEST_CASE("a rendezvous token too short for 128 random bits gets one warning fro
   for (const auto& [token, warned] : std::vector<std::pair<std::string, bool>>{{"hunter2", true}, {strong, false}}) {
     INFO(token);
     auto agent = run({kMglaunch, "--dry-run", "--nnodes=1", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                      "--rdzv_endpoint=127.0.0.1:29400", "--no_python", "/bin/true"},
+                      "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_loopback_port()), "--no_python", "/bin/true"},
                      {{"MGLAUNCH_RDZV_TOKEN", token}});
     CHECK(agent.code == 0);
     CHECK(count_of(agent.err, "mglaunch: warning: the rendezvous token from MGLAUNCH_RDZV_TOKEN holds at most") ==

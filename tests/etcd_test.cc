@@ -444,15 +444,10 @@ TEST_CASE("etcd: endpoints that accept and never answer during the ending hold t
   std::vector<int> holes;
   std::string endpoints = etcd.endpoints();
   for (int i = 0; i < 16; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    REQUIRE(::listen(fd, 128) == 0);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    endpoints += ",127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+    int port = 0;
+    const int fd = listen_on_loopback(port, 128);
+    REQUIRE(fd >= 0);
+    endpoints += ",127.0.0.1:" + std::to_string(port);
     holes.push_back(fd);
   }
   Proc agent = spawn(agent_argv(endpoints, "holes", 1, "1:2", 1, {"--grace=1"}, {"print", "up", "hang", "120"}, "etcd"));

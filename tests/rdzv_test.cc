@@ -426,15 +426,8 @@ struct ForeignServer {
   std::atomic<bool> stop{false};
   std::thread thread;
   ForeignServer() {
-    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof sa;
-    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
-    REQUIRE(::listen(fd, 16) == 0);
-    REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
-    port = ntohs(sa.sin_port);
+    fd = listen_on_loopback(port, 16);
+    REQUIRE(fd >= 0);
     thread = std::thread([this] {
       while (!stop.load()) {
         pollfd p{fd, POLLIN, 0};

@@ -88,6 +88,8 @@ std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std:
 // A port that was free on 127.0.0.1 a moment ago, for servers that must come back on the
 // same endpoint (a restarted daemon); everything else binds port 0 and reports it.
 int free_loopback_port();
+// A socket listening on 127.0.0.1 at a port the kernel picked (`port` set to it), or -1.
+int listen_on_loopback(int& port, int backlog);
 
 inline const std::string kMglaunch = MGLAUNCH_BIN;
 inline const std::string kFakeWorker = FAKE_WORKER_BIN;

@@ -1,5 +1,7 @@
 #include "process/fd.h"
 
+#include <sys/syscall.h>
+
 #include <cerrno>
 
 namespace mg {
@@ -12,6 +14,16 @@ bool write_fully(int fd, std::string_view data) {
     data.remove_prefix(static_cast<std::size_t>(n));
   }
   return true;
+}
+
+int open_pidfd(pid_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return -1;
+#endif
 }
 
 }  // namespace mg

@@ -2,6 +2,7 @@
 // (docs/design.md: what two rooms share moves down): logs/, slurm/ and ops/ use it.
 #pragma once
 
+#include <sys/types.h>
 #include <unistd.h>
 
 #include <string_view>
@@ -38,5 +39,9 @@ class Fd {
 // Writes all of `data` to fd, retrying on EINTR and partial writes; whether everything was
 // written (errno set when not).
 bool write_fully(int fd, std::string_view data);
+
+// A descriptor that becomes readable when `pid` exits and signals only that process
+// (pidfd_open, Linux >= 5.3); -1 with errno elsewhere (ENOSYS where the kernel lacks it).
+int open_pidfd(pid_t pid);
 
 }  // namespace mg

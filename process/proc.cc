@@ -1,5 +1,6 @@
 #include "process/proc.h"
 #include "process/listeners.h"
+#include "process/fd.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -40,12 +41,10 @@ bool next_number(std::string_view& t, std::uint64_t& out, bool& neg) {
 int signal_same_process(long pid, unsigned long long starttime, int sig, bool use_pidfd) {
   if (pid <= 0) return 0;
   int pidfd = -1;
-#ifdef SYS_pidfd_open
   if (use_pidfd) {
-    pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+    pidfd = open_pidfd(static_cast<pid_t>(pid));
     if (pidfd < 0 && errno != ENOSYS) return errno == ESRCH ? 0 : -1;
   }
-#endif
   // The pidfd (when there is one) was opened first: if the start time still matches now,
   // it refers to that process, and a signal through it cannot reach a later one.
   const auto st = read_proc_stat(static_cast<pid_t>(pid));

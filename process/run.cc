@@ -23,17 +23,6 @@ namespace mg {
 
 namespace {
 
-// A descriptor that becomes readable when `pid` exits (Linux >= 5.3); -1 elsewhere.
-int open_pidfd(pid_t pid) {
-#ifdef SYS_pidfd_open
-  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#else
-  (void)pid;
-  errno = ENOSYS;
-  return -1;
-#endif
-}
-
 int wait_for(pid_t pid, int flags, int& status) {
   pid_t r;
   while ((r = ::waitpid(pid, &status, flags)) < 0 && errno == EINTR) {

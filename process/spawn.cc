@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "process/dirents.h"
+#include "process/fd.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -189,10 +190,7 @@ pid_t spawn_process(const SpawnRequest& req, SpawnError& error) {
 
 bool reap_by(pid_t pid, std::chrono::steady_clock::time_point deadline, int& status) {
   status = 0;
-  int pidfd = -1;
-#ifdef SYS_pidfd_open
-  pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#endif
+  const int pidfd = open_pidfd(pid);
   bool reaped = false;
   for (;;) {
     const pid_t r = ::waitpid(pid, &status, WNOHANG);

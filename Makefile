@@ -11,7 +11,7 @@ RUN_DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev lib
 DEBS := $(RUN_DEBS) catch2 \
         clang libclang-rt-14-dev openssh-server openssh-client slurm-wlm prometheus \
         chromium chromium-driver python3-selenium help2man etcd-server etcd-client lld \
-        python3 openssl dpkg-dev systemd iproute2 hyperfine time gnuplot-nox strace
+        python3 openssl dpkg-dev systemd iproute2 nftables hyperfine time gnuplot-nox strace
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 MGLAUNCH := $(BUILD_DIR)/bin/mglaunch
 

@@ -82,4 +82,13 @@ void require_path(const std::string& path, const std::string& debian_package) {
   require_installed(!listed_missing(basename_of(path)) && std::filesystem::exists(path, ec), path, debian_package);
 }
 
+void require_in_ci(bool present, const std::string& reason) {
+  if (present) return;
+  if (in_ci()) {
+    std::cout << "error: " << reason << " (CI=true: this must work under CI, it does not skip)" << std::endl;
+    std::exit(1);
+  }
+  skip_test(reason);
+}
+
 }  // namespace mgtest

@@ -7,7 +7,8 @@
 //   it is missing the test skips, but under CI=true it FAILS with one line naming the
 //   package, so CI never passes because something did not run.
 // - What lies outside the repository and its packages (../shared peers, a GPU, root, a
-//   second CPU) is skipped when absent, under CI too.
+//   second CPU) is skipped when absent, under CI too; but what CI always has (network
+//   namespaces as root: require_in_ci) fails under CI=true when absent.
 // A skip after a failed check is a failure (exit 1), so a skip never hides one.
 // MGTEST_MISSING=name,name... makes require_program() treat those programs as absent (to
 // check this policy without uninstalling anything).
@@ -35,6 +36,11 @@ std::string require_program(const std::string& name_or_path, const std::string& 
 
 // A file or directory (a data set) that `debian_package` installs.
 void require_path(const std::string& path, const std::string& debian_package);
+
+// What CI always gives though no package does (network namespaces as root, for the
+// namespace cluster of support/netns_cluster.h): returns when `present`; else skips with
+// `reason`, or under CI=true fails with it (one line).
+void require_in_ci(bool present, const std::string& reason);
 
 namespace detail {
 void note_failed_check();  // called by the Catch2 listener in tests/catch_main.cc

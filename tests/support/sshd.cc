@@ -46,37 +46,60 @@ bool can_connect(const char* addr, int port) {
 
 }  // namespace
 
-SshServer::SshServer() {
+void require_sshd() {
   require_program("/usr/sbin/sshd", "openssh-server");
   require_program("/usr/bin/ssh", "openssh-client");
   require_program("/usr/bin/ssh-keygen", "openssh-client");
   if (::geteuid() != 0) SKIP_TEST("the sshd fixture needs root (privilege separation directory, PermitRootLogin)");
   std::error_code ec;
   std::filesystem::create_directories("/run/sshd", ec);  // sshd's privilege separation directory
+}
+
+void make_ssh_keys(const std::string& dir) {
+  for (const char* key : {"hostkey", "id"}) {
+    auto r = run({"/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", dir + "/" + key}, {}, 30s);
+    if (r.code != 0) throw std::runtime_error("ssh-keygen failed: " + r.err);
+  }
+  std::error_code ec;
+  std::filesystem::copy_file(dir + "/id.pub", dir + "/authorized_keys", ec);
+  // sshd refuses keys readable by others only with StrictModes; keep the client key private anyway.
+  ::chmod((dir + "/id").c_str(), 0600);
+}
+
+void write_sshd_config(const std::string& path, const std::string& dir, int port,
+                       const std::vector<std::string>& listen, const std::string& pid_file) {
+  std::ofstream cfg(path);
+  cfg << "Port " << port << "\n";
+  for (const auto& a : listen) cfg << "ListenAddress " << a << "\n";
+  cfg << "HostKey " << dir << "/hostkey\nAuthorizedKeysFile " << dir << "/authorized_keys\n"
+      << "PidFile " << pid_file << "\nUsePAM no\nStrictModes no\nPermitRootLogin yes\n"
+      << "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
+      << "MaxStartups 100:30:200\nMaxSessions 100\nLogLevel ERROR\n";
+}
+
+std::vector<std::string> ssh_client_opts(const std::string& dir, int port) {
+  return {"-i", dir + "/id", "-p", std::to_string(port), "-o", "StrictHostKeyChecking=no", "-o",
+          "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=10"};
+}
+
+SshServer::SshServer() {
+  require_sshd();
   dir_ = make_temp_dir();
+  std::error_code ec;
   // Installed but not working is a failure, never a skip: clean up, then throw.
   auto fail = [&](const std::string& why) {
     proc_.reset();
     std::filesystem::remove_all(dir_, ec);
     throw std::runtime_error(why);
   };
-  for (const char* key : {"hostkey", "id"}) {
-    auto r = run({"/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", dir_ + "/" + key}, {}, 30s);
-    if (r.code != 0) fail("ssh-keygen failed: " + r.err);
+  try {
+    make_ssh_keys(dir_);
+  } catch (const std::exception& e) {
+    fail(e.what());
   }
-  std::filesystem::copy_file(dir_ + "/id.pub", dir_ + "/authorized_keys", ec);
-  // sshd refuses keys readable by others only with StrictModes; keep the client key private anyway.
-  ::chmod((dir_ + "/id").c_str(), 0600);
   for (int attempt = 0; attempt < 5; ++attempt) {
     port_ = free_port_on("127.0.0.2");
-    {
-      std::ofstream cfg(dir_ + "/sshd_config");
-      cfg << "Port " << port_ << "\nListenAddress 127.0.0.2\nListenAddress 127.0.0.3\n"
-          << "HostKey " << dir_ << "/hostkey\nAuthorizedKeysFile " << dir_ << "/authorized_keys\n"
-          << "PidFile " << dir_ << "/sshd.pid\nUsePAM no\nStrictModes no\nPermitRootLogin yes\n"
-          << "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
-          << "MaxStartups 100:30:200\nMaxSessions 100\nLogLevel ERROR\n";
-    }
+    write_sshd_config(dir_ + "/sshd_config", dir_, port_, {"127.0.0.2", "127.0.0.3"}, dir_ + "/sshd.pid");
     proc_.reset();
     proc_.emplace(spawn({"/usr/sbin/sshd", "-D", "-e", "-f", dir_ + "/sshd_config"}));
     if (eventually([&] { return can_connect("127.0.0.2", port_) && can_connect("127.0.0.3", port_); }, 10s)) return;
@@ -97,10 +120,7 @@ SshServer::~SshServer() {
   }
 }
 
-std::vector<std::string> SshServer::ssh_opts_list() const {
-  return {"-i", dir_ + "/id", "-p", std::to_string(port_), "-o", "StrictHostKeyChecking=no", "-o",
-          "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=10"};
-}
+std::vector<std::string> SshServer::ssh_opts_list() const { return ssh_client_opts(dir_, port_); }
 
 std::string SshServer::ssh_opts() const {
   std::string out;

@@ -15,6 +15,20 @@
 
 namespace mgtest {
 
+// The parts every private sshd of the tests shares (this server, and the namespace cluster's
+// sshd per host in support/netns_cluster.h):
+// Skips (or fails under CI=true) without sshd, ssh and ssh-keygen, or without root.
+void require_sshd();
+// In `dir`: a host key (hostkey), a client key (id, mode 0600) and authorized_keys for it.
+// Throws when ssh-keygen fails.
+void make_ssh_keys(const std::string& dir);
+// Writes `path`: an sshd listening on `port` of each address in `listen`, with the keys of
+// `dir`, its pid file `pid_file`, root by key only, no PAM.
+void write_sshd_config(const std::string& path, const std::string& dir, int port,
+                       const std::vector<std::string>& listen, const std::string& pid_file);
+// The client's options for the keys of `dir`: key, port, no host-key prompts.
+std::vector<std::string> ssh_client_opts(const std::string& dir, int port);
+
 class SshServer {
  public:
   SshServer();

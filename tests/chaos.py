@@ -4,6 +4,12 @@ standbys, through mglaunch-rdzv (or a 3-member etcd), while faults are injected 
 SIGKILL and SIGSTOP of workers, agents and the daemon (or etcd members). A node lost for good
 is replaced by a fresh agent, which becomes the next standby.
 
+With --netns every node, the daemon and each etcd member run on a host of their own
+(tests/support/netns_cluster.py: network namespaces on a bridge), and network faults join
+the others (#34): cut-rdzv (the daemon's host, or an etcd member's, cut off a few seconds),
+cut-node (an active node cut off past the keep-alive bound, then healed), one-way (an active
+node's packets to every host lost), flap (an active node's link down and up every second).
+
 At the end:
   * the job exits 0 and every rank's --summary-json holds the same weights_sha256;
   * no process that carried this run's tag (MGCHAOS_TAG in its environment) is left, and
@@ -15,10 +21,11 @@ At the end:
     surviving agent must end with a root cause naming the lost node and a non-zero exit
     code within its bound, never hang.
 
-  chaos.py BUILD_DIR --seconds N [--seed S] [--backend daemon|etcd] [--report FILE]
+  chaos.py BUILD_DIR --seconds N [--seed S] [--backend daemon|etcd] [--netns] [--report FILE]
 
 Exit codes: 0 every check held; 1 a check failed (each one printed); 77 skipped (mgtrain not
-built, or etcd missing for --backend etcd). Every process is started here in its own
+built, etcd missing for --backend etcd, or no network namespaces for --netns: a failure under
+CI=true). Every process is started here in its own
 session and killed by pid or process group at the end, whatever happened.
 """
 import argparse
@@ -40,6 +47,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "support"))
 import skip  # noqa: E402  (tests/support/skip.py: one policy for skipped tests)
+import netns_cluster  # noqa: E402  (tests/support/netns_cluster.py: hosts of their own, --netns)
 
 NPROC = 2            # workers per node
 ACTIVE = 2           # --nnodes
@@ -49,8 +57,12 @@ STANDBYS = 1         # agents beyond --nnodes kept waiting
 KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 1.0, 5
 KEEP_ALIVE = f"keep_alive_interval={KEEP_ALIVE_S:g},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"
 HUNG_AFTER = KEEP_ALIVE_S * KEEP_ALIVE_ATTEMPTS
-# A SIGSTOPped agent stays stopped past that bound, so the job goes on without it.
+# A SIGSTOPped agent stays stopped past that bound, so the job goes on without it; so does a
+# node cut off.
 STOP_AGENT_S = HUNG_AFTER + 3
+NET_FAULTS = ["cut-rdzv", "cut-node", "one-way", "flap"]
+RDZV_PORT = 29400    # inside the namespace cluster nothing else listens: a fixed port is safe
+AGENT_HOSTS = 6      # hosts for agents in --netns (live at once: 2 active, a standby, stopped or cut ones)
 # Signals an agent only dies of when it crashes (this harness never sends them): each is a
 # failed check, whatever the job did after it.
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
@@ -161,6 +173,9 @@ def cmdline(pid):
 class Chaos:
     def __init__(self, args):
         self.args = args
+        # --netns: the rendezvous on hosts 0-2 (the daemon on 0, etcd members on 0-2), agents on the rest.
+        self.net = netns_cluster.NetCluster(3 + AGENT_HOSTS) if args.netns else None
+        self.healers = []        # threading.Timer ending each network fault
         self.bin = os.path.join(os.path.abspath(args.build), "bin")
         self.rng = random.Random(args.seed)
         self.tag = uuid.uuid4().hex
@@ -190,33 +205,48 @@ class Chaos:
         self.procs.append(p)
         return p
 
-    def start_daemon(self, endpoint="127.0.0.1:0"):
+    def on(self, host):
+        """The command-line prefix that runs on namespace host `host` (nothing without --netns)."""
+        return self.net.on(host) if self.net else []
+
+    def start_daemon(self, endpoint=None):
+        endpoint = endpoint or (f"{self.net.addrs[0]}:{RDZV_PORT}" if self.net else "127.0.0.1:0")
         for _ in range(50):
-            d = self.start(f"daemon{len(self.procs)}", [os.path.join(self.bin, "mglaunch-rdzv"), "--listen", endpoint])
+            d = self.start(f"daemon{len(self.procs)}",
+                           self.on(0) + [os.path.join(self.bin, "mglaunch-rdzv"), "--listen", endpoint])
             deadline = now() + 10
-            while now() < deadline and not d.lines and d.alive():
+            # Its first line, after a warning when it listens beyond loopback without a token (--netns).
+            listening = lambda: [t for _, t in d.lines if t.startswith("listening on ")]  # noqa: E731
+            while now() < deadline and not listening() and d.alive():
                 time.sleep(0.01)
-            if d.lines and d.lines[0][1].startswith("listening on "):
-                self.daemon, self.endpoint = d, d.lines[0][1][len("listening on "):]
+            if listening():
+                self.daemon, self.endpoint = d, listening()[0][len("listening on "):]
                 return
             d.stop_all()
             time.sleep(0.1)  # the port is briefly someone else's: bounded retries
         raise RuntimeError(f"mglaunch-rdzv could not listen on {endpoint}")
 
+    def etcd_addr(self, i):
+        return self.net.addrs[i] if self.net else "127.0.0.1"
+
     def start_etcd(self):
-        members = [(f"m{i}", free_port(), free_port()) for i in range(3)]
-        cluster = ",".join(f"{n}=http://127.0.0.1:{pp}" for n, _, pp in members)
+        if self.net:
+            members = [(f"m{i}", 2379, 2380) for i in range(3)]
+        else:
+            members = [(f"m{i}", free_port(), free_port()) for i in range(3)]
+        cluster = ",".join(f"{n}=http://{self.etcd_addr(i)}:{pp}" for i, (n, _, pp) in enumerate(members))
         for name, cp, pp in members:
             self.etcd.append([None, name, cp, pp, os.path.join(self.root, "etcd-" + name), cluster])
             self.start_etcd_member(len(self.etcd) - 1, "new")
-        self.endpoint = ",".join(f"http://127.0.0.1:{cp}" for _, _, cp, _, _, _ in self.etcd)
+        self.endpoint = ",".join(f"http://{self.etcd_addr(i)}:{e[2]}" for i, e in enumerate(self.etcd))
 
     def start_etcd_member(self, i, state):
         _, name, cp, pp, data, cluster = self.etcd[i]
-        self.etcd[i][0] = self.start(f"etcd-{name}-{len(self.procs)}", [
+        a = self.etcd_addr(i)
+        self.etcd[i][0] = self.start(f"etcd-{name}-{len(self.procs)}", self.on(i) + [
             "/usr/bin/etcd", "--name", name, "--data-dir", data,
-            "--listen-client-urls", f"http://127.0.0.1:{cp}", "--advertise-client-urls", f"http://127.0.0.1:{cp}",
-            "--listen-peer-urls", f"http://127.0.0.1:{pp}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
+            "--listen-client-urls", f"http://{a}:{cp}", "--advertise-client-urls", f"http://{a}:{cp}",
+            "--listen-peer-urls", f"http://{a}:{pp}", "--initial-advertise-peer-urls", f"http://{a}:{pp}",
             "--initial-cluster", cluster, "--initial-cluster-state", state, "--log-level", "error"])
 
     def agent_argv(self, addr, max_steps):
@@ -231,10 +261,21 @@ class Chaos:
                 "--in-place-recovery", "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
 
     def start_agent(self, max_steps):
-        addr = f"127.0.0.{self.next_addr}"
-        self.next_addr += 1
-        a = self.start(f"agent-{addr}", self.agent_argv(addr, max_steps))
-        a.addr = addr
+        """A new agent: on a fresh loopback address, or on a namespace host with no live agent
+        (None when every agent host has one)."""
+        host = None
+        if self.net:
+            busy = {a.host for a in self.agents if a.alive()}
+            free = [h for h in range(3, 3 + AGENT_HOSTS) if h not in busy]
+            if not free:
+                return None
+            host = free[0]
+            addr = self.net.addrs[host]
+        else:
+            addr = f"127.0.0.{self.next_addr}"
+            self.next_addr += 1
+        a = self.start(f"agent-{addr}-{len(self.procs)}", self.on(host) + self.agent_argv(addr, max_steps))
+        a.addr, a.host = addr, host
         self.agents.append(a)
         return a
 
@@ -259,11 +300,11 @@ class Chaos:
                     seen.append((t, int(m.group(1))))
         return sorted(seen)
 
-    def first_line_after(self, t0, pattern):
+    def first_line_after(self, t0, pattern, until=float("inf")):
         best = None
         for p in [*self.agents, *([self.daemon] if self.daemon else [])]:
             for t, line in list(p.lines):
-                if t > t0 and pattern.search(line) and (best is None or t < best):
+                if t0 < t < until and pattern.search(line) and (best is None or t < best):
                     best = t
                     break
         return best
@@ -272,13 +313,22 @@ class Chaos:
     def fault_kinds(self):
         kinds = ["kill-worker", "stop-worker", "kill-agent", "stop-agent"]
         kinds += ["kill-etcd", "stop-etcd"] if self.args.backend == "etcd" else ["kill-daemon", "stop-daemon"]
+        kinds += NET_FAULTS if self.net else []
         if self.args.faults:
             kinds = [k for k in kinds if k in self.args.faults.split(",")]
         return kinds
 
+    def heal_later(self, seconds, heal):
+        t = threading.Timer(seconds, heal)
+        t.daemon = True
+        self.healers.append(t)
+        t.start()
+
     def inject(self, kind, max_steps):
         """Carries out one fault; returns (target, t0) or None when it does not apply now."""
         active = self.active_agents()
+        if kind in NET_FAULTS:
+            return self.inject_network(kind, active)
         if kind in ("kill-worker", "stop-worker"):
             pids = [w for a in active for w in self.workers_of(a)]
             if not pids:
@@ -325,6 +375,32 @@ class Chaos:
             return f"etcd member {self.etcd[i][1]}", t0
         raise ValueError(kind)
 
+    def inject_network(self, kind, active):
+        """A network fault, healed by a timer: the rendezvous's host cut off for 1 s to the
+        keep-alive bound and 3 s; an active node (a standby waiting) cut off past that bound, its
+        packets lost one way as long, or its link flapping (1 s down, 1 s up) for 4-8 s."""
+        net = self.net
+        if kind == "cut-rdzv":
+            host = self.rng.randrange(3) if self.args.backend == "etcd" else 0
+            seconds, t0 = self.rng.uniform(1.0, HUNG_AFTER + 3), now()
+            net.cut(host)
+            self.heal_later(seconds, lambda: net.reconnect(host))
+            return f"{'etcd member m' + str(host) if self.args.backend == 'etcd' else 'daemon'} host {net.addrs[host]}", t0
+        if not active or not self.standby_agents():
+            return None  # keep the fault survivable: a standby must be waiting
+        a = self.rng.choice(active)
+        t0 = now()
+        if kind == "cut-node":
+            net.cut(a.host)
+            self.heal_later(STOP_AGENT_S, lambda: net.reconnect(a.host))
+        elif kind == "one-way":
+            net.drop(a.host)
+            self.heal_later(STOP_AGENT_S, lambda: net.undrop(a.host))
+        else:
+            net.flap(a.host, 1.0, 1.0)
+            self.heal_later(self.rng.uniform(4.0, 8.0), lambda: net.stop_flap(a.host))
+        return f"agent {a.addr}", t0
+
     def replace_lost_agents(self, max_steps):
         """An agent that ended (killed, out of the job, declared hung, crashed) is replaced by a
         fresh standby, so that one waits again whatever ended it; bounded: at most one per
@@ -335,8 +411,9 @@ class Chaos:
         for _ in range(ACTIVE + STANDBYS - len(live)):
             if self.replacements >= allowed:
                 return
+            if self.start_agent(max_steps) is None:
+                return  # every agent host is taken (agents stopped or cut off still live)
             self.replacements += 1
-            self.start_agent(max_steps)
 
     # ---- the run ------------------------------------------------------------------------------
     def calibrate(self):
@@ -374,13 +451,15 @@ class Chaos:
         deadline = t_start + self.args.seconds * 3 + 120
         kinds = self.fault_kinds()
         next_fault = t_start + self.rng.uniform(5, 10)
+        first = self.args.first_fault
         while now() < deadline:
             if any(a.p.poll() == 0 for a in self.agents):
                 break  # the job is done: the others end on their own (evaluate waits for them)
             if now() >= next_fault and now() < faults_until and self.steps():
-                kind = self.rng.choice(kinds)
+                kind = first or self.rng.choice(kinds)
                 done = self.inject(kind, max_steps)
                 if done:
+                    first = ""
                     target, t0 = done
                     self.faults.append({"kind": kind, "target": target, "t0": t0,
                                         "step_before": ([s for t, s in self.steps() if t <= t0] or [0])[-1]})
@@ -406,11 +485,12 @@ class Chaos:
     def hung_without_fault(self):
         """Nodes the rendezvous declared hung although no fault stopped them (a loaded
         machine, or an agent whose loop blocks): in the report, not a failed check."""
-        stopped = {f["target"].split()[-1] for f in self.faults if f["kind"] == "stop-agent"}
+        stopped = {f["target"].split()[-1] for f in self.faults
+                   if f["kind"] in ("stop-agent", "cut-node", "one-way", "flap")}
         out = []
         for a in self.agents:
             for t, line in a.lines:
-                m = re.search(r"node \S+ \((127\.[0-9.]+)\) missed \d+ heartbeats", line)
+                m = re.search(r"node \S+ \(([0-9.]+)\) missed \d+ heartbeats", line)
                 if m and m.group(1) not in stopped and m.group(1) not in out:
                     out.append(m.group(1))
         return out
@@ -422,9 +502,14 @@ class Chaos:
                 self.problems.append(f"agent {a.addr} did not end (pid {a.pid})")
         self.crashes(self.agents)
         steps = self.steps()
-        for f in self.faults:
+        # A fault's detection is an agent line before the next fault and before the last step:
+        # a fault no agent noticed (an etcd member of three cut off a few seconds) has none, and
+        # its recovery is the first step after it (not after some later fault's line).
+        ends = [f["t0"] for f in self.faults[1:]] + [float("inf")]
+        last_step = steps[-1][0] if steps else float("inf")
+        for f, until in zip(self.faults, ends):
             f["detected_s"] = None
-            t_det = self.first_line_after(f["t0"], DETECT)
+            t_det = self.first_line_after(f["t0"], DETECT, min(until, last_step))
             if t_det is not None:
                 f["detected_s"] = round(t_det - f["t0"], 3)
             after = [(t, s) for t, s in steps if t > (t_det or f["t0"])]
@@ -490,8 +575,12 @@ class Chaos:
         return [1 for a in agents for _, t in a.lines if STEP_LINE.search(t)]
 
     def cleanup(self):
+        for t in self.healers:
+            t.cancel()
         for p in self.procs:
             p.stop_all()
+        if self.net:
+            self.net.close()  # every process left in its namespaces, then the namespaces
         time.sleep(0.5)
         left = tagged_pids(self.tag)
         if left:
@@ -546,11 +635,21 @@ def main():
                     help="the agents' --grace: also how long a paused worker has to answer (a SIGSTOPped one is "
                          "SIGKILLed and started anew after it)")
     ap.add_argument("--faults", default="", help="only these kinds (comma-separated), e.g. kill-worker,kill-agent")
+    ap.add_argument("--netns", action="store_true",
+                    help="every node and the rendezvous on hosts of their own (network namespaces), with the network "
+                         "faults cut-rdzv, cut-node, one-way, flap (needs root)")
+    ap.add_argument("--first-fault", default="", help="the first fault's kind (then at random), e.g. cut-node")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.build, "bin", "mgtrain")):
         skip.skip_test("mgtrain is not built (configure with -DMGLAUNCH_WITH_TORCH=ON)")
     if args.backend == "etcd":
         skip.require_program("/usr/bin/etcd", "etcd-server")
+    if args.netns:
+        netns_cluster.require()
+    if args.first_fault and args.faults and args.first_fault not in args.faults.split(","):
+        ap.error(f"--first-fault {args.first_fault} is not among --faults")
+    if args.first_fault in NET_FAULTS and not args.netns:
+        ap.error(f"--first-fault {args.first_fault} is a network fault: give --netns")
     c = Chaos(args)
     print(f"chaos: seed {args.seed}, backend {args.backend}, {args.seconds:.0f} s, files in {c.root}", flush=True)
     try:

@@ -41,6 +41,7 @@
 #include "process/command.h"
 #include "process/listeners.h"
 #include "process/proc.h"
+#include "process/thread.h"
 
 namespace mg {
 
@@ -480,7 +481,7 @@ void Agent::start_preflight(const proto::Assignment& a) {
                      opts_.preflight));
   const std::uint64_t gen = ++preflight_gen_;
   preflight_end_ = std::make_shared<PreflightEnd>();
-  preflight_thread_ = std::thread([this, o = std::move(o), a, gen, end = preflight_end_] {
+  preflight_thread_ = signal_free_thread([this, o = std::move(o), a, gen, end = preflight_end_] {
     preflight::Result r = preflight::run(o);
     std::lock_guard lk(end->m);
     end->ended = true;

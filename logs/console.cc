@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "process/fd.h"
+#include "process/thread.h"
 
 namespace mg {
 
@@ -118,7 +119,7 @@ struct Console::Async {
   void push_item(int stream, Item item) {
     auto& s = streams[stream];
     // A stream's writer starts with its first item: a run with quiet workers starts no thread.
-    if (!s.thread.joinable()) s.thread = std::thread([this, &s] { run(s); });
+    if (!s.thread.joinable()) s.thread = signal_free_thread([this, &s] { run(s); });
     s.queued += item.data.size();
     {
       std::lock_guard<std::mutex> lk(s.m);

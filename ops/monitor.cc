@@ -23,6 +23,7 @@
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
+#include "process/thread.h"
 #include "rendezvous/http.h"
 
 namespace mg::mon {
@@ -334,9 +335,6 @@ struct Sampler::Impl {
       : io(io), opts(std::move(o)), on_sample(std::move(cb)) {}
 
   void run(std::shared_ptr<Impl> self) {
-    sigset_t all;  // the agent's signals are for its io_context, never for this thread
-    sigfillset(&all);
-    ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
     while (true) {
       Sample s;
       {
@@ -371,7 +369,8 @@ Sampler::Sampler(boost::asio::io_context& io, Options opts, std::function<void(S
   if (!opts.wall)
     opts.wall = [] { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); };
   impl_ = std::make_shared<Impl>(io, std::move(opts), std::move(on_sample));
-  impl_->thread = std::thread([impl = impl_.get(), self = impl_] { impl->run(self); });
+  // The agent's signals are for its io_context, never for this thread.
+  impl_->thread = signal_free_thread([impl = impl_.get(), self = impl_] { impl->run(self); });
 }
 
 Sampler::~Sampler() {

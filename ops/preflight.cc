@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "process/fd.h"
+#include "process/thread.h"
 #include "rendezvous/auth.h"
 
 namespace mg::preflight {
@@ -1440,7 +1441,7 @@ Result run_local(int nodes, const std::vector<std::string>& addresses, const Opt
   }
   std::vector<std::thread> threads;
   for (int r = 0; r < nodes; ++r)
-    threads.emplace_back([&, r] { results[static_cast<std::size_t>(r)] = run(opts[static_cast<std::size_t>(r)]); });
+    threads.push_back(signal_free_thread([&, r] { results[static_cast<std::size_t>(r)] = run(opts[static_cast<std::size_t>(r)]); }));
   for (auto& t : threads) t.join();
   return results.front();
 }

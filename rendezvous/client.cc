@@ -7,6 +7,7 @@
 #include <boost/asio/connect.hpp>
 #include <boost/asio/post.hpp>
 
+#include "process/thread.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 
@@ -155,7 +156,7 @@ void Client::connect(const std::string& host, int port) {
     // Off the io thread: getaddrinfo cannot be cancelled and may wait on a DNS server that
     // does not answer for minutes, while signals and timers must still be served (#35).
     // A lookup that outlives the client is abandoned (its thread is detached).
-    std::thread([this, alive = std::weak_ptr<int>(alive_), gen = ++connect_gen_, host, port] {
+    signal_free_thread([this, alive = std::weak_ptr<int>(alive_), gen = ++connect_gen_, host, port] {
       boost::system::error_code ec;
       asio::io_context own;
       asio::ip::tcp::resolver resolver(own);

@@ -3,6 +3,7 @@
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
 
+#include "process/thread.h"
 #include "proto/text.h"
 
 namespace mg::rdzv {
@@ -89,7 +90,7 @@ void EtcdLink::start() {
     return;
   }
   last_ok_ms_ = steady_ms();
-  requests_ = std::thread([this] { request_loop(); });
+  requests_ = signal_free_thread([this] { request_loop(); });
   check();
 }
 
@@ -346,7 +347,7 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
         joined = true;
       }
       const std::int64_t revision = read_job(http);
-      watcher_ = std::thread([this, revision] { watch_loop(revision + 1); });
+      watcher_ = signal_free_thread([this, revision] { watch_loop(revision + 1); });
       return true;
     } catch (const std::exception& e) {
       if (http.stopped()) return false;
@@ -509,7 +510,7 @@ void EtcdLink::request_loop() {
 
 void EtcdLink::request_steps() {
   if (!start_sequence(*http_)) return;
-  keeper_ = std::thread([this] { keep_alive_loop(); });
+  keeper_ = signal_free_thread([this] { keep_alive_loop(); });
   while (true) {
     std::function<void(etcd::Http&)> task;
     {

@@ -51,10 +51,14 @@ run: setup-run
 # Every test but the soaks (label soak: long twins of short checks; README "Tests"); then
 # the skipped tests, each with its reason. ctest runs twice as many tests as there are
 # cores: most tests wait on the processes, sockets and daemons they start (at -j2 the tests
-# kept the 2 cores about a third busy); the CPU-heavy ones take 2 slots each (PROCESSORS 2
-# in tests/CMakeLists.txt). TEST_JOBS=N overrides.
+# kept the 2 cores about a third busy). The CPU-heavy ones (RESOURCE_GROUPS cpus:1 in
+# tests/CMakeLists.txt) each hold one of ctest's `cpus` slots, one per core (CPUS_SPEC,
+# ctest's resource spec file), so at most one per core runs beside the waiting tests.
+# TEST_JOBS=N overrides.
 TEST_JOBS ?= $(shell echo $$(( 2 * $(JOBS) )))
-CTEST := ctest --test-dir $(BUILD_DIR) -j $(TEST_JOBS) --output-on-failure --timeout 600
+CPUS_SPEC = $(abspath $(BUILD_DIR))/ctest-cpus.json
+CTEST := printf '{"version":{"major":1,"minor":0},"local":[{"cpus":[{"id":"0","slots":%d}]}]}\n' $(JOBS) > $(CPUS_SPEC) && \
+         ctest --test-dir $(BUILD_DIR) -j $(TEST_JOBS) --resource-spec-file $(CPUS_SPEC) --output-on-failure --timeout 600
 test: build
 	@rc=0; $(CTEST) -LE soak || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); exit $$rc
 

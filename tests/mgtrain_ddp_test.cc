@@ -105,7 +105,7 @@ TEST_CASE("2 ranks x batch B with --sync-batchnorm train the ResNet like 1 rank 
   CHECK(max_abs_diff(dir + "/one", dir + "/local") > 1e-3);
 }
 
-TEST_CASE("rank 0's checkpoint resumes every rank at the same step, even where only rank 0 has it") {
+TEST_CASE("rank 0's checkpoint resumes every rank at the same step, even where only rank 0 has it", "[long]") {
   std::string dir = make_temp_dir();
   // {rank} gives each rank its own (node-local) directory: only rank 0 writes one.
   const std::string ckpt = dir + "/ckpt{rank}";

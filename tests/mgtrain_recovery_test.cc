@@ -55,7 +55,7 @@ Run train(std::vector<std::string> agent_flags, std::vector<std::string> extra =
 
 }  // namespace
 
-TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor goes on and the weights equal an undisturbed run's") {
+TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor goes on and the weights equal an undisturbed run's", "[long]") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   auto calm = train({"--fault", "none"});
   REQUIRE(calm.r.code == 0);
@@ -200,7 +200,7 @@ nlohmann::json summary_of(const std::string& path) { return nlohmann::json::pars
 
 }  // namespace
 
-TEST_CASE("in-place recovery under mglaunch: a worker that fails at step 10 is restarted, its peer keeps going, the weights equal an undisturbed run's") {
+TEST_CASE("in-place recovery under mglaunch: a worker that fails at step 10 is restarted, its peer keeps going, the weights equal an undisturbed run's", "[long]") {
   const std::string dir = make_temp_dir();
   auto standalone = [&](std::vector<std::string> args) {
     std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=2", "--max_restarts=1", kMgtrain};
@@ -245,7 +245,7 @@ TEST_CASE("in-place recovery under mglaunch: when another rank has no control ch
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only (rank 1 left it unapplied, rank 2 lost after it) recovers from the most advanced state, says so, and the weights equal an undisturbed run's") {
+TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only (rank 1 left it unapplied, rank 2 lost after it) recovers from the most advanced state, says so, and the weights equal an undisturbed run's", "[long]") {
   const std::string dir = make_temp_dir();
   auto standalone = [&](std::vector<std::string> args, std::map<std::string, std::string> env) {
     std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=3", "--max_restarts=1", kMgtrain};
@@ -275,7 +275,7 @@ TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only 
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at step 10 or later, node 1 back, rank 0 goes on and the weights equal an undisturbed 2-node run's") {
+TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at step 10 or later, node 1 back, rank 0 goes on and the weights equal an undisturbed 2-node run's", "[long]") {
   const std::string dir = make_temp_dir();
   Daemon d = start_daemon();
   int jobs = 0;
@@ -387,12 +387,12 @@ std::string standby_done_when(const std::vector<std::string>& standby_flags, con
 
 }  // namespace
 
-TEST_CASE("in-place recovery with a standby (#26's done-when): two active nodes and one standby, node 1's agent SIGKILLed at step 10 or later, the job exits 0 and the weights equal an undisturbed 2-node run's") {
+TEST_CASE("in-place recovery with a standby (#26's done-when): two active nodes and one standby, node 1's agent SIGKILLed at step 10 or later, the job exits 0 and the weights equal an undisturbed 2-node run's", "[long]") {
   const std::string standby = standby_done_when({}, "");
   CHECK_THAT(standby, !Catch::Contains("pre-started"));
 }
 
-TEST_CASE("in-place recovery with a pre-started standby (--prestart-standby): the standby's mgtrain is loaded before the kill and takes node 1's place with its pid, the job exits 0 and the weights equal an undisturbed 2-node run's") {
+TEST_CASE("in-place recovery with a pre-started standby (--prestart-standby): the standby's mgtrain is loaded before the kill and takes node 1's place with its pid, the job exits 0 and the weights equal an undisturbed 2-node run's", "[long]") {
   const std::string standby = standby_done_when({"--prestart-standby"}, " (--prestart-standby)");
   CHECK_THAT(standby, Catch::Contains("worker(s) started ahead with MGLAUNCH_STANDBY=1"));
   CHECK_THAT(standby, Catch::Contains("[standby0]:mgtrain: standby worker ready"));
@@ -402,7 +402,7 @@ TEST_CASE("in-place recovery with a pre-started standby (--prestart-standby): th
 
 TEST_CASE("in-place recovery when the hosting agent is lost (#26's done-when): three nodes hosted by node 0's agent "
           "and one standby, node 0's agent SIGKILLed at step 10 or later, the standby follows the takeover, every node "
-          "exits 0 and the weights equal an undisturbed 3-node run's") {
+          "exits 0 and the weights equal an undisturbed 3-node run's", "[long]") {
   const std::string dir = make_temp_dir();
   const std::string token = "inplace-takeover-token";
   auto node = [&](const std::string& ep, const std::string& id, int index, const std::string& summary) {

@@ -259,7 +259,7 @@ TEST_CASE("mgtrain reports an unreachable master and missing data with exit code
 
 // The short check (make test): the first 12,000 training images, 2,000 test images; the
 // README's training bench measured 0.78 for 2 processes on exactly this (0.81 for 1).
-TEST_CASE("a Fashion-MNIST epoch of the CNN on 12,000 images passes 70% test accuracy") {
+TEST_CASE("a Fashion-MNIST epoch of the CNN on 12,000 images passes 70% test accuracy", "[long]") {
   require_path("/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist");
   std::string dir = make_temp_dir();
   auto r = train(2, {"--model", "cnn", "--epochs", "1", "--train-subset", "12000", "--test-subset", "2000",

@@ -123,14 +123,19 @@ TEST_CASE("rank 0's checkpoint resumes every rank at the same step, even where o
   REQUIRE(clean.code == 0);
   CHECK(nlohmann::json::parse(read_file(dir + "/c1.json"))["weights_sha256"] == summary(dir, 1)["weights_sha256"]);
 
-  SECTION("a checkpoint on rank 1 but not on rank 0 is a setup error, not a fresh start") {
+  // The two setup errors in turn, not as SECTIONs: Catch2 runs a test case again from its top
+  // for each section, which repeated the three training runs above.
+  {
+    INFO("a checkpoint on rank 1 but not on rank 0 is a setup error, not a fresh start");
     fs::create_directories(dir + "/ckpt1");
     fs::rename(dir + "/ckpt0/checkpoint.pt", dir + "/ckpt1/checkpoint.pt");
     auto r = train(2, {"--model", "mlp", "--max-steps", "10", "--checkpoint-dir", ckpt});
     CHECK(r.code == 3);
     CHECK_THAT(r.err, Catch::Contains("rank 0 has no checkpoint"));
+    fs::rename(dir + "/ckpt1/checkpoint.pt", dir + "/ckpt0/checkpoint.pt");
   }
-  SECTION("a corrupt checkpoint on rank 0 is a setup error on every rank") {
+  {
+    INFO("a corrupt checkpoint on rank 0 is a setup error on every rank");
     std::ofstream(dir + "/ckpt0/checkpoint.pt", std::ios::trunc) << "not a checkpoint";
     auto r = train(2, {"--model", "mlp", "--max-steps", "10", "--checkpoint-dir", ckpt});
     CHECK(r.code == 3);

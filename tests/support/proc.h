@@ -68,7 +68,7 @@ std::string make_temp_dir();
 std::string test_root_name_for(pid_t pid);
 bool test_root_is_dead(const std::string& name);
 bool pid_alive(pid_t pid);  // zombies count as gone
-bool python_has_torch();    // /usr/bin/python3 -c "import torch" succeeds (checked once)
+bool python_has_torch();    // /usr/bin/python3 finds the torch package (checked once, nothing imported)
 int connect_loopback(int port);  // a connected TCP socket to 127.0.0.1:port, or -1
 // A TCP connection from `source` (127.0.0.x) to 127.0.0.1:port, or -1.
 int connect_from(const std::string& source, int port);

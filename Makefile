@@ -90,6 +90,7 @@ chaos: build
 QUICK_DIR := $(BUILD_DIR)/bench-quick
 bench:
 	$(MAKE) build
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target benches
 ifeq ($(filter-out 0,$(BENCH_QUICK)),)
 	/usr/bin/python3 bench/bench.py $(BUILD_DIR)
 	/usr/bin/python3 bench/render.py

@@ -131,7 +131,10 @@ ClientCommands ClientMachine::node_done(int round) {
   // No decision deadline here: "done" comes when the slowest node finishes, and the
   // heartbeat echo already tells a dead server from a slow job.
   done_sent_ = true;
-  if (connected_ && welcomed_) send(proto::to_wire(proto::NodeDone{round}));
+  // A connection without a token sent its join with the hello (joined_early_): that join
+  // said "not done", and the welcome sends none again, so the done follows it now (the
+  // server reads them in order); else the rebuilt job waited for this node for ever.
+  if (connected_ && (welcomed_ || joined_early_)) send(proto::to_wire(proto::NodeDone{round}));
   return take_out();
 }
 

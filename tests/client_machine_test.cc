@@ -284,6 +284,32 @@ TEST_CASE("client machine: a daemon's outage that ends within join_timeout: reco
   CHECK_FALSE(has<cmd::Lost>(c));
 }
 
+TEST_CASE("client machine: a node whose workers end between its reconnection and the welcome tells the rebuilt job "
+          "it is done") {
+  // Without a token the join (resume_done false) left with the hello; the welcome sends
+  // no join again, so the done must follow that join on the same connection.
+  Link l;
+  l.m.start(l.now);
+  l.welcome();
+  l.receive(round_of(1));
+  l.now += 1s;
+  l.m.connection_closed("end of file", l.now);
+  CHECK(has<cmd::Connect>(l.after(100ms, ClientTimer::kRetry)));
+  auto c = l.m.connected(kNonce, l.now);
+  CHECK_FALSE(sent_of<proto::Join>(c).resume_done);
+  c = l.m.node_done(1);
+  CHECK(sent_of<proto::NodeDone>(c).round == 1);
+  c = l.receive(proto::Welcome{"srv", ""});
+  CHECK(sent(c).empty());  // neither the join nor the done twice
+  // Done while away altogether: the next join says so, no NodeDone needed.
+  l.now += 1s;
+  l.m.connection_closed("end of file", l.now);
+  CHECK(sent(l.m.node_done(1)).empty());
+  CHECK(has<cmd::Connect>(l.after(100ms, ClientTimer::kRetry)));
+  c = l.m.connected(kNonce, l.now);
+  CHECK(sent_of<proto::Join>(c).resume_done);
+}
+
 TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on the lost rendezvous, however the "
           "tries fail") {
   SECTION("refused until the end") {

@@ -264,7 +264,7 @@ TEST_CASE("a Fashion-MNIST epoch of the CNN on 12,000 images passes 70% test acc
   std::string dir = make_temp_dir();
   auto r = train(2, {"--model", "cnn", "--epochs", "1", "--train-subset", "12000", "--test-subset", "2000",
                      "--log-every", "50", "--summary-json", dir + "/s{rank}.json"},
-                 {}, 300s);
+                 {}, 540s);  // 28 s of CPU: over 300 s at load 30 (ctest's own bound here is 600 s)
   REQUIRE(r.code == 0);
   auto s = nlohmann::json::parse(read_file(dir + "/s0.json"));
   CHECK(s["test_accuracy"].get<double>() > 0.70);

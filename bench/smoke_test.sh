@@ -51,7 +51,8 @@ grep -q '^after$' "$tmp/benchmarks.md"
 grep -q '^#### Guardrails' "$tmp/benchmarks.md"
 [ "$(grep -cE '^\| .* \| (held|\*\*broken\*\*) \|$' "$tmp/benchmarks.md")" = 3 ] || { grep -A9 '^#### Guardrails' "$tmp/benchmarks.md"; exit 1; }
 grep -q '^| 10,000 simulated agents.*not measured' "$tmp/benchmarks.md"
-grep -q '^| launch → exit, 4 × `/bin/true` | [0-9.]* ms |' "$tmp/README.md"
+# 1,000 ms and more are written with a comma (a loaded machine's launch takes that long).
+grep -q '^| launch → exit, 4 × `/bin/true` | [0-9.,]* ms |' "$tmp/README.md" || { grep '^| launch' "$tmp/README.md"; exit 1; }
 if [ -x "$build/bin/mgtrain" ]; then
   grep -q '^#### ([0-9]*) one node SIGKILLed mid-training' "$tmp/benchmarks.md"
   grep -q '^| one node SIGKILLed mid-training .* | [0-9.,]* ms, 0 steps lost |' "$tmp/README.md"

@@ -17,7 +17,8 @@
 //     over the shift-1 ring, its result checked.
 //  4. log2(n) timed rounds, one per shift s: each node sends `p2p_bytes` to r+s while it
 //     receives from r-s (the recursive-doubling pattern): every node meets log2(n)
-//     different partners, as sender and as receiver, in O(log n) rounds.
+//     different partners, as sender and as receiver, in O(log n) rounds. A send begins
+//     once its receiver says it is ready (one byte back on the data connection).
 //  5. Every node reports to the coordinator, which judges (judge(), pure) and sends the
 //     verdict to all.
 // Every wait is bounded by `timeout`; each transfer is timed for at most `transfer_cap`.

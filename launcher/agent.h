@@ -40,6 +40,7 @@
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/port.h"
+#include "launcher/prestart.h"
 #include "launcher/report.h"
 #include "launcher/supervisor.h"
 #include "launcher/worker_launcher.h"
@@ -179,49 +180,20 @@ class Agent {
   int worker_of(pid_t pid) const;  // the local rank of the worker `pid` is or descends from; -1: none
   void assign_worker(const sup::act::Assign& a);
   std::unique_ptr<control::Server> control_;
-  // --prestart-standby (docs/in-place-recovery.md, "Pre-started workers"): while this node
-  // is a standby, one worker per local rank runs ahead, with MGLAUNCH_STANDBY=1 and no rank.
-  // One that said hello with in_place and standby is handed the place by `assign` when the
-  // core spawns its local rank (it keeps its pid); one that did not within kPrestartHello,
-  // said hello without it or closed its channel is stopped (SIGTERM and SIGCONT, SIGKILL
-  // --grace later) with one line, and its local rank starts a fresh worker then, as without
-  // the flag. One that ends on its own after kPrestartMinLife while the node is still a
-  // standby is replaced by another. The job's end while still a standby stops them (the
-  // same way) before the run finishes; a second signal meanwhile SIGKILLs them at once.
-  struct Prestarted {
-    pid_t pid = 0;          // 0: none (not started, handed its place, or ended)
-    bool ready = false;     // said hello with in_place and standby
-    bool stopping = false;  // being stopped: its end is expected
-    bool closed = false;    // stopped for closing its control connection: ending on its own, maybe
-    std::chrono::steady_clock::time_point started{};
-    std::chrono::steady_clock::time_point hello_by = std::chrono::steady_clock::time_point::max();  // !ready
-    std::chrono::steady_clock::time_point kill_at = std::chrono::steady_clock::time_point::max();   // stopping
-    // Shared with its end's callback: set when handed its place (its end is then a worker's
-    // of the attempt); a handle retired unplaced may end unheard (its destructor reaps it).
-    std::shared_ptr<bool> placed;
-  };
-  static constexpr std::chrono::seconds kPrestartHello{30};
-  static constexpr std::chrono::seconds kPrestartMinLife{5};  // a shorter-lived one is not replaced
-  void prestart_workers();
+  // --prestart-standby (docs/in-place-recovery.md, "Pre-started workers"): its rules live in
+  // prestart_ (launcher/prestart.h); the agent starts the workers ahead and carries out the
+  // machine's commands. A pre-started worker's end goes to the machine until its place is
+  // handed to it (adopt_prestarted), then it is a worker of the attempt.
+  void run_prestart(sup::PreCommands commands);
   void prestart_one(int local_rank);
-  bool prestart_pending(int local_rank) const;  // a pre-started worker runs for it, not handed a place
-  void prestart_hello(int local_rank, const control::Hello& m);
-  void prestart_fall_back(int local_rank, const std::string& why, bool closed = false);
-  void prestart_ended(const WorkerEnd& w);
-  // The one timer of the pre-started workers: the earliest hello or SIGKILL deadline.
-  void prestart_arm();
-  void prestart_due();
   // The core's Spawn of `local_rank`: true when its pre-started worker took the place.
   bool adopt_prestarted(int local_rank);
-  // RetireWorkers: the ready pre-started workers are kept; the others go with the retire.
-  void prestart_retire(std::vector<int>& keep);
-  // Finish: false when pre-started workers are still to be stopped (finish(code) follows).
-  bool prestart_stop_before_finish(int code);
+  sup::Prestart prestart_;
+  // Per local rank, shared with the end callback of its pre-started worker: set when handed
+  // its place (its end is then a worker's of the attempt).
+  std::vector<std::shared_ptr<bool>> prestart_placed_;
   // SignalWorkers: the signal, then SIGCONT when asked (a SIGSTOPped worker gets it now).
   void signal_workers(const sup::act::SignalWorkers& a);
-  std::vector<Prestarted> prestart_;
-  std::unique_ptr<boost::asio::steady_timer> prestart_timer_;
-  std::optional<int> finish_after_prestart_;
   LogLayout logs_;  // where this run's files go (logs/log_layout.h)
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().

@@ -60,7 +60,9 @@ enum class State { kRunning, kStopping, kWaiting, kDone };
 // by a signal (CheckStopped), while a worker that opted in to in-place recovery runs.
 // kOverdue: armed at the first signal that ends the run (SIGTERM, SIGINT, SIGHUP, a handled
 // one): whatever the run waits for then, it ends at that signal + grace + kOverdueMargin.
-enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kWatch, kOverdue, kCount };
+// kPrestart is the pre-started workers' (sup::Prestart, launcher/prestart.h): their earliest
+// hello or SIGKILL deadline.
+enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kWatch, kOverdue, kPrestart, kCount };
 
 struct Config {
   int nproc = 1;          // workers of this node

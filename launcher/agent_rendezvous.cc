@@ -1,0 +1,381 @@
+// The Agent's rendezvous side (launcher/agent.h): hosting the rendezvous or joining it,
+// the takeover socket and taking the job over, the rendezvous' handlers, and the
+// preflight network check that the first assignment waits for.
+#include "launcher/agent.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include <boost/asio/post.hpp>
+#include <fmt/format.h>
+
+#include "cli/errors.h"
+#include "ops/trace.h"
+#include "process/thread.h"
+#include "rendezvous/auth.h"
+#include "rendezvous/endpoint.h"
+
+namespace mg {
+
+namespace asio = boost::asio;
+
+void Agent::host_rendezvous() {
+  if (hosting_decided_) return;
+  hosting_decided_ = true;
+  std::optional<rdzv::Endpoint> parsed;  // (an etcd endpoint list is not one)
+  auto endpoint = [&]() -> const rdzv::Endpoint& {
+    if (!parsed) parsed = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
+    return *parsed;
+  };
+  const bool meant =
+      sup::meant_to_host(uses_rendezvous_server(opts_), opts_.rdzv_backend == "etcd", opts_.rdzv_is_host, [&] {
+        // A loopback endpoint is this machine, as for torchrun (a host name on 127.0.1.1, as
+        // Debian's hosts file has it, is not the same address as "localhost").
+        return rdzv::is_loopback_host(endpoint().host) ||
+               (rdzv::is_local_host(endpoint().host) && rdzv::same_address(endpoint().host, plan_.master_addr));
+      });
+  // Only while nothing listens there, and only for this job.
+  if (!meant || rdzv::probe_listen(endpoint().host, endpoint().port)) return;
+  const rdzv::Endpoint& ep = endpoint();
+  try {
+    rdzv::ServerOptions so = server_options();
+    so.host = ep.host;
+    so.port = ep.port;
+    embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
+    notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
+  } catch (const std::exception&) {
+    // Another local agent got there first: join it as a client.
+  }
+}
+
+rdzv::ServerOptions Agent::server_options() {
+  rdzv::ServerOptions so;
+  so.token = opts_.rdzv_token;
+  so.only_job = plan_.run_id;
+  so.host_agent = local_hostname();
+  so.log = [this](const std::string& line) {
+    if (line.starts_with("warning:")) notice("rendezvous server: " + line);
+  };
+  if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
+  return so;
+}
+
+void Agent::bind_takeover_socket() {
+  if (embedded_server_ || takeover_fd_ >= 0 || takeover_refused_) return;
+  // Only on the advertised address, where the others will look for this node (its Join's
+  // addr): a name is resolved here, and the first of its IPv4 addresses that is this
+  // machine's is bound. None: this node cannot take over, and says so once.
+  std::string why;
+  auto try_bind = [&](in_addr_t addr) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      return false;
+    }
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = addr;
+    socklen_t len = sizeof sa;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+      why = std::strerror(errno);
+      ::close(fd);
+      return false;
+    }
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text);
+    takeover_fd_ = fd;
+    takeover_port_ = ntohs(sa.sin_port);
+    takeover_host_ = text;
+    return true;
+  };
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  auto ipv4_of = [&](const std::string& host, std::vector<in_addr_t>& out) {
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
+    if (rc != 0) return rc;
+    for (const addrinfo* ai = found; ai; ai = ai->ai_next)
+      out.push_back(reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr);
+    ::freeaddrinfo(found);
+    return 0;
+  };
+  auto in_loopback_net = [](in_addr_t a) { return (ntohl(a) >> 24) == 127; };
+  // A job whose endpoint is off this machine's loopback net is reached over a real network:
+  // a loopback address of the name (Debian's hosts file maps the host name to 127.0.1.1) is
+  // then no address the others can reach, and the address this machine reaches the endpoint
+  // from is bound instead (the route's source address: a UDP connect sends nothing).
+  std::vector<in_addr_t> endpoint_ips, own;
+  if (!opts_.rdzv_endpoint.empty() && opts_.rdzv_backend != "etcd") {
+    try {
+      ipv4_of(rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400).host, endpoint_ips);
+    } catch (const std::exception&) {
+    }
+  }
+  const bool over_network = !endpoint_ips.empty() && !in_loopback_net(endpoint_ips.front());
+  if (const int rc = ipv4_of(plan_.master_addr, own); rc != 0) {
+    why = ::gai_strerror(rc);
+  } else {
+    bool bound = false, skipped = false;
+    for (const in_addr_t a : own) {
+      if (bound) break;
+      if (over_network && in_loopback_net(a)) {
+        skipped = true;
+        continue;
+      }
+      bound = try_bind(a);
+    }
+    if (!bound && skipped) {
+      const int u = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+      sockaddr_in to{};
+      to.sin_family = AF_INET;
+      to.sin_port = htons(9);
+      to.sin_addr.s_addr = endpoint_ips.front();
+      sockaddr_in from{};
+      socklen_t len = sizeof from;
+      if (u >= 0 && ::connect(u, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0 &&
+          ::getsockname(u, reinterpret_cast<sockaddr*>(&from), &len) == 0)
+        bound = try_bind(from.sin_addr.s_addr);
+      if (u >= 0) ::close(u);
+      if (!bound && why.empty()) why = "it resolves here only to loopback addresses, which the others cannot reach";
+    }
+    if (bound) return;
+    if (why.empty()) why = "no IPv4 address";
+  }
+  takeover_refused_ = true;
+  notice(fmt::format("this node cannot take the rendezvous over if its host is lost: its advertised address '{}' "
+                     "cannot be bound here ({}); give --local_addr an IPv4 address of this machine",
+                     plan_.master_addr, why));
+}
+
+rdzv::TakeoverHost Agent::take_over(const rdzv::TakeoverSeed& seed) {
+  if (embedded_server_ || takeover_fd_ < 0) return {};
+  try {
+    rdzv::ServerOptions so = server_options();
+    so.host = takeover_host_;
+    so.adopt_fd = std::exchange(takeover_fd_, -1);
+    embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
+    embedded_server_->take_over(plan_.run_id, seed);
+  } catch (const std::exception& e) {
+    embedded_server_.reset();
+    notice(fmt::format("cannot take the rendezvous over: {}", e.what()));
+    return {};
+  }
+  notice(fmt::format("hosting the rendezvous for job '{}' on {}, taking over from {}", plan_.run_id,
+                     embedded_server_->address(), seed.lost_host));
+  return {takeover_host_, embedded_server_->port()};
+}
+
+void Agent::guarded(const std::function<void()>& work) {
+  int code = exit_code::kInternal;
+  std::string line;
+  try {
+    work();
+    return;
+  } catch (const UsageError& e) {
+    code = exit_code::kUsage, line = e.what();
+  } catch (const ResourceError& e) {
+    code = exit_code::kResource, line = e.what();
+  } catch (const ProgramNotFound& e) {
+    code = exit_code::kNotFound, line = e.what();
+  } catch (const std::exception& e) {
+    line = fmt::format("internal error: {}", e.what());
+  }
+  run(core_.fatal(code, line, now()));
+}
+
+void Agent::start_rendezvous() {
+  if (trace_) rdzv_since_us_ = trace_->now();
+  rdzv_began_ = std::chrono::steady_clock::now();
+  host_rendezvous();  // done at start() already
+  proto::Join j;
+  j.job_id = plan_.run_id;
+  j.host = local_hostname();
+  j.addr = plan_.master_addr;  // the address this node advertises
+  j.agent_id = fmt::format("{}:{}", local_hostname(), ::getpid());
+  j.nproc = plan_.nproc_per_node;
+  j.node_rank = opts_.node_rank_given ? opts_.node_rank : -1;
+  j.min_nodes = opts_.nnodes.min;
+  j.max_nodes = opts_.nnodes.max;
+  j.max_restarts = opts_.max_restarts;
+  j.master_port = plan_.master_port;
+  j.last_call_ms = static_cast<int>(opts_.last_call_timeout.count());
+  j.join_timeout_ms = static_cast<int>(opts_.join_timeout.count());
+  j.keep_alive_ms = static_cast<int>(opts_.keep_alive_interval.count());
+  j.keep_alive_max_attempt = opts_.keep_alive_max_attempt;
+  // Every node that does not host can take the job over if its host is lost (#26).
+  if (opts_.rdzv_backend != "etcd") bind_takeover_socket();
+  j.takeover_port = embedded_server_ ? 0 : takeover_port_;
+  rdzv::ClientHandlers h;
+  h.on_assignment = [this](const proto::Assignment& a) { guarded([&] { on_assignment(a); }); };
+  // During the preflight check the rendezvous' word waits for its verdict (a node that
+  // leaves on a failed check must not make the others end on the rendezvous instead).
+  auto after_preflight = [this](std::function<void()> f) {
+    if (preflight_thread_.joinable()) deferred_by_preflight_.push_back([this, f = std::move(f)] { guarded(f); });
+    else guarded(f);
+  };
+  h.on_restart = [this, after_preflight](const proto::Restart& r) {
+    after_preflight([this, r] { run(core_.restart(r, now())); });
+  };
+  h.on_abort = [this, after_preflight](const proto::Abort& a) {
+    after_preflight([this, a] { run(core_.abort(a, now())); });
+  };
+  h.on_done = [this, after_preflight] { after_preflight([this] { run(core_.rendezvous_done(now())); }); };
+  h.on_standby = [this](const proto::Standby& s) {
+    guarded([&] {
+      run(core_.standby(s, now()));
+      if (opts_.prestart_standby)
+        run_prestart(prestart_.begin(core_.is_standby() && core_.state() == sup::State::kWaiting, control_ != nullptr,
+                                     now()));
+    });
+  };
+  h.on_lost = [this, after_preflight](const std::string& why) {
+    after_preflight([this, why] { run(core_.rendezvous_lost(why, now())); });
+  };
+  h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
+  h.on_take_over = [this](const rdzv::TakeoverSeed& seed) { return take_over(seed); };
+  // etcd proves nothing with the rendezvous token: say so rather than let its holder think
+  // the decisions it reads are authenticated.
+  if (opts_.rdzv_backend == "etcd" && (!opts_.rdzv_token.empty() || !opts_.rdzv_job_token.empty()))
+    notice("warning: --rdzv_backend=etcd does not use the rendezvous token: whoever can write this job's keys in "
+           "etcd decides for it; protect them with etcd's own authentication (--rdzv_conf user=, cert=, https)");
+  client_ = make_link_(io_, opts_, std::move(j), std::move(h));
+  client_->start();
+}
+
+void Agent::on_assignment(const proto::Assignment& a) {
+  if (opts_.preflight != "off" && !preflight_tried_ && core_.state() == sup::State::kWaiting) {
+    preflight_tried_ = true;  // once: before the job's first workers
+    if (a.round != 1) {  // a standby or a late node: the others checked (or not) at round 1 and will not again
+      notice(fmt::format("preflight: skipped (this node joins the job at round {}, the check is at round 1)", a.round));
+      run(core_.assignment(a, now()));
+      return;
+    }
+    if (a.group_world_size > 1 && static_cast<int>(a.nodes.size()) == a.group_world_size && a.master_port > 0) {
+      start_preflight(a);
+      return;
+    }
+    notice(a.group_world_size > 1 ? "preflight: skipped (the rendezvous gave no master port, or too many nodes to list)"
+                                  : "preflight: one node, nothing to check between nodes");
+  }
+  run(core_.assignment(a, now()));
+}
+
+void Agent::start_preflight(const proto::Assignment& a) {
+  preflight::Options o;
+  o.rank = a.group_rank;
+  o.nodes = a.nodes;
+  o.coordinator_host = a.master_addr;
+  o.coordinator_port = a.master_port;
+  o.job = fmt::format("{}/{}", plan_.run_id, a.round);
+  // With a token the check is authenticated with the job's key, as the rendezvous is.
+  o.key = !opts_.rdzv_job_token.empty() ? opts_.rdzv_job_token
+          : opts_.rdzv_token.empty()    ? std::string()
+                                        : rdzv::auth::job_key(opts_.rdzv_token, plan_.run_id);
+  // Test hooks (docs/flags.md): this node's sends paced to N bytes/s; its listener refusing.
+  if (auto it = base_env_.find("MGLAUNCH_PREFLIGHT_TEST_SEND_RATE"); it != base_env_.end())
+    o.send_rate = std::strtod(it->second.c_str(), nullptr);
+  if (auto it = base_env_.find("MGLAUNCH_PREFLIGHT_TEST_UNREACHABLE"); it != base_env_.end())
+    o.unreachable = it->second == "1";
+  if (::pipe2(preflight_cancel_, O_CLOEXEC) != 0) {
+    notice(fmt::format("preflight: skipped (pipe: {})", std::strerror(errno)));
+    run(core_.assignment(a, now()));
+    return;
+  }
+  o.cancel_fd = preflight_cancel_[0];
+  // Group rank 0 coordinates on the master port it holds listening: on a copy of that socket.
+  if (a.group_rank == 0 && port_hold_ && port_hold_->listening() && port_hold_->port() == a.master_port)
+    o.coordinator_fd = preflight_coord_fd_ = ::fcntl(port_hold_->fd(), F_DUPFD_CLOEXEC, 0);
+  notice(fmt::format("preflight: checking the network between the {} nodes (--preflight={})", a.group_world_size,
+                     opts_.preflight));
+  const std::uint64_t gen = ++preflight_gen_;
+  preflight_end_ = std::make_shared<PreflightEnd>();
+  preflight_thread_ = signal_free_thread([this, o = std::move(o), a, gen, end = preflight_end_] {
+    preflight::Result r = preflight::run(o);
+    std::lock_guard lk(end->m);
+    end->ended = true;
+    end->cv.notify_all();
+    if (!end->abandoned)  // else the agent may be gone
+      asio::post(io_, [this, a, gen, r = std::move(r)]() mutable { preflight_done(a, gen, std::move(r)); });
+  });
+}
+
+void Agent::stop_preflight() {
+  if (!preflight_thread_.joinable()) return;
+  ++preflight_gen_;  // its verdict, if already posted, is dropped
+  ::close(std::exchange(preflight_cancel_[1], -1));  // the check sees its end of the pipe readable
+  bool ended = false;
+  {
+    std::unique_lock lk(preflight_end_->m);
+    ended = preflight_end_->cv.wait_for(lk, kThreadStop, [&] { return preflight_end_->ended; });
+    if (!ended) preflight_end_->abandoned = true;
+  }
+  if (!ended) {
+    preflight_thread_.detach();
+    notice(fmt::format("the preflight check did not stop within {} s of being told to (a name lookup that hangs?): "
+                       "left behind",
+                       kThreadStop.count()));
+    preflight_cancel_[0] = preflight_coord_fd_ = -1;  // its descriptors stay open: it may still use them
+    return;
+  }
+  preflight_thread_.join();
+  ::close(std::exchange(preflight_cancel_[0], -1));
+  if (preflight_coord_fd_ >= 0) ::close(std::exchange(preflight_coord_fd_, -1));
+}
+
+void Agent::preflight_done(const proto::Assignment& a, std::uint64_t gen, preflight::Result r) {
+  if (gen != preflight_gen_) return;
+  stop_preflight();  // (the thread has ended: this joins it)
+  trace_instant("preflight", "rendezvous",
+                {{"ok", r.ok}, {"seconds", r.seconds}, {"line", r.line}, {"named", r.named}});
+  if (core_.state() != sup::State::kWaiting) return;
+  if (r.ok) {
+    notice(r.line);
+  } else if (opts_.preflight == "warn") {
+    notice("warning: " + r.line + "; going on (--preflight=warn)");
+  } else {
+    run(core_.preflight_failed(r.line, now()));
+    return;
+  }
+  if (!deferred_by_preflight_.empty()) {  // the round is over already: what the rendezvous said instead
+    auto deferred = std::move(deferred_by_preflight_);
+    for (auto& f : deferred) f();
+    return;
+  }
+  run(core_.assignment(a, now()));
+}
+
+void Agent::apply_assignment(const proto::Assignment& a) {
+  plan_.nnodes = a.group_world_size;
+  plan_.node_rank = a.group_rank;
+  plan_.rank_offset = a.rank_offset;
+  plan_.world_size = a.world_size;
+  plan_.master_addr = a.master_addr;
+  plan_.master_port = a.master_port;
+  plan_.nodes = a.nodes;
+  if (trace_)
+    trace_->complete(fmt::format("rendezvous round {}", a.round), "rendezvous", 0, rdzv_since_us_,
+                     {{"round", a.round}, {"node_rank", a.group_rank}, {"nnodes", a.group_world_size},
+                      {"world_size", a.world_size}, {"restart_count", a.restart_count},
+                      {"master", fmt::format("{}:{}", a.master_addr, a.master_port)}});
+}
+
+void Agent::rejoin(bool offer_port) {
+  // The core held a fresh master port for the new round (when the port is ours).
+  if (offer_port) client_->set_master_port(plan_.master_port);
+  if (trace_) rdzv_since_us_ = trace_->now();
+  rdzv_began_ = std::chrono::steady_clock::now();
+  client_->rejoin();
+}
+
+}  // namespace mg

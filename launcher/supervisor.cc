@@ -57,18 +57,18 @@ void Supervisor::spawn_batch(std::uint64_t gen, const Now& now, Actions& out) {
   if (spawned_ == 0 && port_held_) out.push_back(act::OpenExecFence{});
   while (state_ == State::kRunning && spawned_ < end) {
     const auto lr = static_cast<std::size_t>(spawned_++);
-    if (paused_[lr]) {  // kept in place: its handle counts already
-      if (acked_[lr]) assign(static_cast<int>(lr), out);
-      else assign_held_[lr] = 1;  // once it answered its pause, or SIGKILL and a new one (timer_fired)
+    if (ranks_[lr].paused) {  // kept in place: its handle counts already
+      if (ranks_[lr].acked) assign(static_cast<int>(lr), out);
+      else ranks_[lr].assign_held = true;  // once it answered its pause, or SIGKILL and a new one (timer_fired)
       continue;
     }
-    if (closing_[lr]) {  // its old process is still being stopped: the new one starts after it ended
-      respawn_[lr] = 1;
+    if (ranks_[lr].closing) {  // its old process is still being stopped: the new one starts after it ended
+      ranks_[lr].respawn = true;
       continue;
     }
     out.push_back(act::Spawn{static_cast<int>(lr), restart_count_});
-    live_[lr] = 1;
-    in_place_[lr] = 0;  // a new process: not opted in until it says so
+    ranks_[lr].live = true;
+    ranks_[lr].in_place = false;  // a new process: not opted in until it says so
     ++handles_;
   }
   if (state_ == State::kRunning && spawned_ < cfg_.nproc) {
@@ -114,17 +114,17 @@ Actions Supervisor::attempt_due(const Now& now) {
 }
 
 bool Supervisor::closing_ended(const WorkerOutcome& o, Actions& out) {
-  if (!valid(o.local_rank) || !closing_[static_cast<std::size_t>(o.local_rank)]) return false;
+  if (!valid(o.local_rank) || !ranks_[static_cast<std::size_t>(o.local_rank)].closing) return false;
   const auto lr = static_cast<std::size_t>(o.local_rank);
-  closing_[lr] = 0;
-  live_[lr] = in_place_[lr] = 0;
+  ranks_[lr].closing = false;
+  ranks_[lr].live = ranks_[lr].in_place = false;
   --handles_;  // a handle kept from the attempt before: no worker of this one
   arm_closing(out);
-  if (respawn_[lr]) {
-    respawn_[lr] = 0;
+  if (ranks_[lr].respawn) {
+    ranks_[lr].respawn = false;
     if (state_ == State::kRunning) {
       out.push_back(act::Spawn{o.local_rank, restart_count_});
-      live_[lr] = 1;
+      ranks_[lr].live = true;
       ++handles_;
     }
   }
@@ -134,16 +134,16 @@ bool Supervisor::closing_ended(const WorkerOutcome& o, Actions& out) {
 Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCauseDetails& details) {
   Actions out;
   if (state_ == State::kDone || attempts_.empty()) return out;
-  if (valid(o.local_rank) && state_ == State::kRunning && paused_[static_cast<std::size_t>(o.local_rank)]) {
+  if (valid(o.local_rank) && state_ == State::kRunning && ranks_[static_cast<std::size_t>(o.local_rank)].paused) {
     // Kept for this attempt, ended before its Assign (held for its answer, or its turn not
     // come yet): no worker of the attempt; a new process takes its place (closing_ended).
     const auto lr = static_cast<std::size_t>(o.local_rank);
     notice(fmt::format("local rank {} ended while paused: it is started anew", o.local_rank), out);
-    paused_[lr] = acked_[lr] = 0;
-    closing_[lr] = 1;
-    closing_due_[lr] = Clock::time_point::max();
-    respawn_[lr] = assign_held_[lr];
-    assign_held_[lr] = 0;
+    ranks_[lr].paused = ranks_[lr].acked = false;
+    ranks_[lr].closing = true;
+    ranks_[lr].closing_due = Clock::time_point::max();
+    ranks_[lr].respawn = ranks_[lr].assign_held;
+    ranks_[lr].assign_held = false;
   }
   if (closing_ended(o, out)) {
     // Not a worker of the attempt under way: neither recorded nor a root cause; a stop may
@@ -170,9 +170,10 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
   out.push_back(act::WorkerEnded{o, restart_count_, cause});
   if (valid(o.local_rank)) {
     const auto lr = static_cast<std::size_t>(o.local_rank);
-    if (paused_[lr])
+    if (ranks_[lr].paused)
       notice(fmt::format("local rank {} ended while paused: it is started anew in the next attempt", o.local_rank), out);
-    live_[lr] = in_place_[lr] = paused_[lr] = acked_[lr] = assign_held_[lr] = 0;
+    Rank& r = ranks_[lr];
+    r.live = r.in_place = r.paused = r.acked = r.assign_held = false;
   }
   if (cause) {
     RootCause rc;
@@ -215,21 +216,23 @@ Actions Supervisor::worker_ended(WorkerOutcome o, const Now& now, const RootCaus
 
 void Supervisor::assign(int local_rank, Actions& out) {
   const auto lr = static_cast<std::size_t>(local_rank);
-  paused_[lr] = acked_[lr] = assign_held_[lr] = 0;
+  ranks_[lr].paused = ranks_[lr].acked = ranks_[lr].assign_held = false;
   out.push_back(act::Assign{local_rank, rdzv_ ? round_ : restart_count_, restart_count_});
   arm_closing(out);  // its answer deadline is gone
 }
 
-int Supervisor::paused_count() const { return static_cast<int>(std::count(paused_.begin(), paused_.end(), 1)); }
+int Supervisor::paused_count() const {
+  return static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.paused; }));
+}
 
 bool Supervisor::pause_in_place(const std::string& reason, const std::string& lost, const Now& now, Actions& out) {
   std::string ranks;
   for (int lr = 0; lr < cfg_.nproc; ++lr) {
     const auto i = static_cast<std::size_t>(lr);
-    if (!live_[i] || !in_place_[i] || paused_[i]) continue;
-    paused_[i] = 1;
-    acked_[i] = 0;
-    ack_due_[i] = now.steady + cfg_.grace;  // the time a stopped worker has to exit
+    if (!ranks_[i].live || !ranks_[i].in_place || ranks_[i].paused) continue;
+    ranks_[i].paused = true;
+    ranks_[i].acked = false;
+    ranks_[i].ack_due = now.steady + cfg_.grace;  // the time a stopped worker has to exit
     out.push_back(act::Pause{lr, rdzv_ ? round_ : restart_count_, reason, lost});
     ranks += (ranks.empty() ? "" : ",") + std::to_string(lr);
   }
@@ -241,22 +244,20 @@ bool Supervisor::pause_in_place(const std::string& reason, const std::string& lo
 }
 
 void Supervisor::unpause_all() {
-  std::fill(paused_.begin(), paused_.end(), 0);
-  std::fill(assign_held_.begin(), assign_held_.end(), 0);
+  for (Rank& r : ranks_) r.paused = r.assign_held = false;
   stop_only_.reset();
 }
 
 void Supervisor::stop_group(int sig, const Now& now, Actions& out) {
   if (state_ == State::kDone) return;
   state_ = State::kStopping;
-  std::fill(respawn_.begin(), respawn_.end(), 0);  // the attempt they were due in is over
-  std::fill(assign_held_.begin(), assign_held_.end(), 0);
+  for (Rank& r : ranks_) r.respawn = r.assign_held = false;  // the attempt they were due in is over
   stop_signal_ = sig;
   stop_only_.reset();
   if (paused_count() > 0) {  // the paused ones are spared
     stop_only_.emplace();
     for (int lr = 0; lr < cfg_.nproc; ++lr)
-      if (live_[static_cast<std::size_t>(lr)] && !paused_[static_cast<std::size_t>(lr)]) stop_only_->push_back(lr);
+      if (const Rank& r = ranks_[static_cast<std::size_t>(lr)]; r.live && !r.paused) stop_only_->push_back(lr);
   }
   trace(fmt::format("send {} to the workers", signal_name(sig)), "signal", {{"signal", sig}}, out);
   if (!stop_only_ || !stop_only_->empty()) out.push_back(stop_sig(sig, stop_only_));
@@ -295,7 +296,7 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
     if (state_ == State::kDone) return out;
     bool any = false;
     for (int lr = 0; lr < cfg_.nproc; ++lr)
-      if (live_[static_cast<std::size_t>(lr)] && in_place_[static_cast<std::size_t>(lr)]) any = true;
+      if (const Rank& r = ranks_[static_cast<std::size_t>(lr)]; r.live && r.in_place) any = true;
     if (!any) return out;  // the next hello with in_place starts it again
     out.push_back(act::CheckStopped{});
     watch(now, out);
@@ -306,8 +307,8 @@ Actions Supervisor::timer_fired(Timer t, const Now& now) {
     std::vector<int> late;
     for (int lr = 0; lr < cfg_.nproc; ++lr) {
       const auto i = static_cast<std::size_t>(lr);
-      if (!closing_[i] || closing_due_[i] > now.steady) continue;
-      closing_due_[i] = Clock::time_point::max();  // SIGKILL once; its end clears closing_
+      if (!ranks_[i].closing || ranks_[i].closing_due > now.steady) continue;
+      ranks_[i].closing_due = Clock::time_point::max();  // SIGKILL once; its end clears closing
       late.push_back(lr);
     }
     if (!late.empty()) {
@@ -325,15 +326,15 @@ void Supervisor::kill_silent(const Now& now, Actions& out) {
   std::vector<int> silent;
   for (int lr = 0; lr < cfg_.nproc; ++lr) {
     const auto i = static_cast<std::size_t>(lr);
-    if (!paused_[i] || acked_[i] || ack_due_[i] > now.steady) continue;
+    if (!ranks_[i].paused || ranks_[i].acked || ranks_[i].ack_due > now.steady) continue;
     // No answer to its pause within the grace: stopped (SIGSTOP, which only SIGKILL gets
     // through) or hung. It can no longer be trusted with the next round: it goes, and a new
     // process takes its place in its turn, once the old one has ended (closing_ended).
-    paused_[i] = 0;
-    closing_[i] = 1;
-    closing_due_[i] = Clock::time_point::max();  // SIGKILL already
-    respawn_[i] = assign_held_[i];  // its turn came already
-    assign_held_[i] = 0;
+    ranks_[i].paused = false;
+    ranks_[i].closing = true;
+    ranks_[i].closing_due = Clock::time_point::max();  // SIGKILL already
+    ranks_[i].respawn = ranks_[i].assign_held;  // its turn came already
+    ranks_[i].assign_held = false;
     if (state_ == State::kStopping && stop_only_) stop_only_->push_back(lr);
     silent.push_back(lr);
   }
@@ -348,9 +349,9 @@ void Supervisor::kill_silent(const Now& now, Actions& out) {
 
 void Supervisor::arm_closing(Actions& out) {
   auto next = Clock::time_point::max();
-  for (std::size_t i = 0; i < closing_.size(); ++i) {
-    if (closing_[i]) next = std::min(next, closing_due_[i]);
-    if (paused_[i] && !acked_[i]) next = std::min(next, ack_due_[i]);
+  for (std::size_t i = 0; i < ranks_.size(); ++i) {
+    if (ranks_[i].closing) next = std::min(next, ranks_[i].closing_due);
+    if (ranks_[i].paused && !ranks_[i].acked) next = std::min(next, ranks_[i].ack_due);
   }
   if (next == Clock::time_point::max()) out.push_back(act::CancelTimer{Timer::kClosing});
   else out.push_back(act::ArmTimer{Timer::kClosing, next});
@@ -433,18 +434,17 @@ void Supervisor::retire(Actions& out) {
   std::vector<int> keep;
   for (int lr = 0; lr < cfg_.nproc; ++lr) {
     const auto i = static_cast<std::size_t>(lr);
-    if (paused_[i]) {
+    if (ranks_[i].paused) {
       keep.push_back(lr);
     } else {
-      live_[i] = in_place_[i] = 0;
+      ranks_[i].live = ranks_[i].in_place = false;
     }
   }
   handles_ = static_cast<int>(keep.size());
   done_ = 0;
   stop_only_.reset();
   // A closing worker's handle goes too (RetireWorkers SIGKILLs it): nothing waits for it.
-  std::fill(closing_.begin(), closing_.end(), 0);
-  std::fill(respawn_.begin(), respawn_.end(), 0);
+  for (Rank& r : ranks_) r.closing = r.respawn = false;
   arm_closing(out);  // what is left: the kept workers' answer deadlines
   out.push_back(act::RetireWorkers{std::move(keep)});
 }
@@ -549,7 +549,7 @@ Actions Supervisor::job_control(int sig, const Now& now) {
   Actions out;
   if (state_ == State::kDone) return out;
   // Stopped with us (Ctrl-Z), or continued: what was seen stopped before does not count.
-  std::fill(stopped_since_.begin(), stopped_since_.end(), Clock::time_point::max());
+  for (Rank& r : ranks_) r.stopped_since = Clock::time_point::max();
   if (sig == SIGTSTP) {
     // Ctrl-Z: the workers first (they are in process groups of their own, the terminal
     // stopped only us and the stdin rank in our group), then the agent, as the shell
@@ -838,8 +838,8 @@ namespace mg::sup {
 
 Actions Supervisor::worker_hello(int local_rank, bool in_place, const Now& now) {
   Actions out;
-  if (!valid(local_rank) || !live_[static_cast<std::size_t>(local_rank)] || state_ == State::kDone) return out;
-  in_place_[static_cast<std::size_t>(local_rank)] = in_place ? 1 : 0;
+  if (!valid(local_rank) || !ranks_[static_cast<std::size_t>(local_rank)].live || state_ == State::kDone) return out;
+  ranks_[static_cast<std::size_t>(local_rank)].in_place = in_place;
   if (in_place) watch(now, out);
   return out;
 }
@@ -858,14 +858,15 @@ Actions Supervisor::workers_stopped(const std::vector<int>& local_ranks, const N
     const auto i = static_cast<std::size_t>(lr);
     const bool stopped = std::find(local_ranks.begin(), local_ranks.end(), lr) != local_ranks.end();
     // Only a running worker of a running attempt that opted in: a paused one has its own
-    // bound (ack_due_), the others are stopped by the stop under way or restarted anyway.
-    if (!stopped || state_ != State::kRunning || !live_[i] || !in_place_[i] || paused_[i] || closing_[i]) {
-      stopped_since_[i] = Clock::time_point::max();
+    // bound (Rank::ack_due), the others are stopped by the stop under way or restarted anyway.
+    Rank& r = ranks_[i];
+    if (!stopped || state_ != State::kRunning || !r.live || !r.in_place || r.paused || r.closing) {
+      r.stopped_since = Clock::time_point::max();
       continue;
     }
-    if (stopped_since_[i] == Clock::time_point::max()) stopped_since_[i] = now.steady;
-    if (now.steady - stopped_since_[i] < cfg_.grace) continue;
-    stopped_since_[i] = Clock::time_point::max();
+    if (r.stopped_since == Clock::time_point::max()) r.stopped_since = now.steady;
+    if (now.steady - r.stopped_since < cfg_.grace) continue;
+    r.stopped_since = Clock::time_point::max();
     hung.push_back(lr);
   }
   if (hung.empty()) return out;
@@ -881,17 +882,17 @@ Actions Supervisor::control_closed(int local_rank, const std::string& why, const
   Actions out;
   if (!valid(local_rank) || state_ == State::kDone) return out;
   const auto lr = static_cast<std::size_t>(local_rank);
-  in_place_[lr] = 0;
-  if (!paused_[lr]) return out;
-  if (assign_held_[lr]) respawn_[lr] = 1;  // its turn came already: the new process starts once it ended
-  assign_held_[lr] = 0;
+  ranks_[lr].in_place = false;
+  if (!ranks_[lr].paused) return out;
+  if (ranks_[lr].assign_held) ranks_[lr].respawn = true;  // its turn came already: the new process starts once it ended
+  ranks_[lr].assign_held = false;
   // It can no longer be assigned: stopped (SIGTERM, SIGKILL after the grace), started
   // anew in its next turn, once the old process has ended.
-  paused_[lr] = acked_[lr] = 0;
+  ranks_[lr].paused = ranks_[lr].acked = false;
   notice(fmt::format("local rank {}'s control connection closed while paused ({}): stopping it", local_rank, why), out);
   if (state_ == State::kStopping && stop_only_) stop_only_->push_back(local_rank);
-  closing_[lr] = 1;
-  closing_due_[lr] = now.steady + cfg_.grace;
+  ranks_[lr].closing = true;
+  ranks_[lr].closing_due = now.steady + cfg_.grace;
   out.push_back(stop_sig(state_ == State::kStopping ? stop_signal_ : SIGTERM, std::vector<int>{local_rank}, false));
   arm_closing(out);
   return out;
@@ -903,10 +904,10 @@ namespace mg::sup {
 
 Actions Supervisor::worker_paused(int local_rank, const Now&) {
   Actions out;
-  if (!valid(local_rank) || state_ == State::kDone || !paused_[static_cast<std::size_t>(local_rank)]) return out;
+  if (!valid(local_rank) || state_ == State::kDone || !ranks_[static_cast<std::size_t>(local_rank)].paused) return out;
   const auto lr = static_cast<std::size_t>(local_rank);
-  acked_[lr] = 1;
-  if (assign_held_[lr] && state_ == State::kRunning) assign(local_rank, out);
+  ranks_[lr].acked = true;
+  if (ranks_[lr].assign_held && state_ == State::kRunning) assign(local_rank, out);
   else arm_closing(out);
   return out;
 }

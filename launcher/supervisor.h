@@ -150,16 +150,7 @@ class Supervisor {
   explicit Supervisor(Config cfg)
       : cfg_(std::move(cfg)),
         node_rank_(cfg_.node_rank),
-        live_(static_cast<std::size_t>(cfg_.nproc), 0),
-        in_place_(live_),
-        paused_(live_),
-        acked_(live_),
-        assign_held_(live_),
-        closing_(live_),
-        respawn_(live_),
-        closing_due_(static_cast<std::size_t>(cfg_.nproc)),
-        ack_due_(closing_due_),
-        stopped_since_(static_cast<std::size_t>(cfg_.nproc), Clock::time_point::max()) {}
+        ranks_(static_cast<std::size_t>(cfg_.nproc)) {}
 
   // The agent is set up: join the rendezvous (multi-node) or start attempt 0.
   Actions start(const Now& now);
@@ -224,10 +215,10 @@ class Supervisor {
   const std::vector<AttemptRecord>& attempts() const { return attempts_; }
   // Worker handles of the attempt (started, not yet retired).
   int handles() const { return handles_; }
-  bool paused(int local_rank) const { return valid(local_rank) && paused_[static_cast<std::size_t>(local_rank)]; }
-  bool in_place(int local_rank) const { return valid(local_rank) && in_place_[static_cast<std::size_t>(local_rank)]; }
+  bool paused(int local_rank) const { return valid(local_rank) && rank(local_rank).paused; }
+  bool in_place(int local_rank) const { return valid(local_rank) && rank(local_rank).in_place; }
   // Paused and its `paused` answer came.
-  bool acknowledged(int local_rank) const { return paused(local_rank) && acked_[static_cast<std::size_t>(local_rank)]; }
+  bool acknowledged(int local_rank) const { return paused(local_rank) && rank(local_rank).acked; }
 
  private:
   void start_attempt(const Now& now, Actions& out);
@@ -288,29 +279,33 @@ class Supervisor {
   bool port_held_ = false;     // HoldMasterPort was the last word on the port
   bool fence_pending_ = false;  // WatchExecs out, ReleaseMasterPort not yet
   Clock::time_point fence_due_{};
-  // In-place recovery, per local rank: a handle is alive; its worker opted in; it was sent
-  // Pause and waits for Assign. stop_only_: the ranks the stop under way signals (none:
-  // every worker).
-  std::vector<char> live_, in_place_, paused_;
-  // acked_: a paused worker answered (`paused`); assign_held_: its turn in the attempt came
-  // before the answer: Assign goes with the answer.
-  std::vector<char> acked_, assign_held_;
+  // In-place recovery, per local rank.
+  struct Rank {
+    bool live = false;      // a handle is alive
+    bool in_place = false;  // its worker opted in (hello with in_place)
+    bool paused = false;    // it was sent Pause and waits for Assign
+    bool acked = false;     // paused, and it answered (`paused`)
+    bool assign_held = false;  // its turn in the attempt came before the answer: Assign goes with the answer
+    // Paused, and its control connection closed: SIGTERM sent, SIGKILL at closing_due
+    // (Timer::kClosing); its handle still counts until it ends.
+    bool closing = false;
+    bool respawn = false;  // closing, and its turn to start came: the new process starts once the old one ended
+    Clock::time_point closing_due{};
+    // A paused worker that has not answered by ack_due (its Pause + the grace) is taken for
+    // dead: SIGKILL, then closing as above. The kClosing timer serves both deadlines.
+    Clock::time_point ack_due{};
+    // Since when CheckStopped has found it stopped (max: not stopped).
+    Clock::time_point stopped_since = Clock::time_point::max();
+  };
+  std::vector<Rank> ranks_;
+  const Rank& rank(int lr) const { return ranks_[static_cast<std::size_t>(lr)]; }
+  // The ranks the stop under way signals (none: every worker).
   std::optional<std::vector<int>> stop_only_;
-  // A paused worker whose control connection closed: SIGTERM sent, SIGKILL at closing_due_
-  // (Timer::kClosing); its handle still counts until it ends. respawn_: its local rank's
-  // turn to start came meanwhile: the new process starts once the old one has ended.
-  std::vector<char> closing_, respawn_;
-  std::vector<Clock::time_point> closing_due_;
-  // A paused worker that has not answered by ack_due_[lr] (its Pause + the grace) is taken
-  // for dead: SIGKILL, then closing_ as above. The kClosing timer serves both deadlines.
-  std::vector<Clock::time_point> ack_due_;
-  // Since when CheckStopped has found each worker stopped (max: not stopped); watching_:
-  // the kWatch timer is armed.
-  std::vector<Clock::time_point> stopped_since_;
+  // watching_: the kWatch timer is armed.
   bool watching_ = false;
   void watch(const Now& now, Actions& out);
   void arm_closing(Actions& out);
-  // The paused workers whose answer is overdue: SIGKILL, closing_ (see ack_due_).
+  // The paused workers whose answer is overdue: SIGKILL, closing (see Rank::ack_due).
   void kill_silent(const Now& now, Actions& out);
   void assign(int local_rank, Actions& out);
   // A stop signal: SIGCONT follows a signal other than SIGKILL (see act::SignalWorkers).

@@ -296,17 +296,9 @@ std::vector<proto::Frame> JobReplay::apply(const Event& e) {
       gone_.insert(e.agent);
       const auto before = job_.state();
       actions = job_.disconnected(session->second, at(), e.why);
-      if (e.agent == self_ && before == Job::State::kRunning && !job_.finished()) {
-        // The others go on without this node: it must stop, as a silent node told by the daemon.
-        const auto& j = joins_[e.agent];
-        proto::WorkerFailed rc;
-        rc.round = job_.round();
-        rc.host = j.host;
-        rc.rank = -1;
-        rc.exit_code = 1;
-        rc.message = fmt::format("node {} ({}) lost: {}", j.host, j.addr, e.why);
-        actions.push_back({session->second, proto::to_wire(proto::Abort{rc, rc.message})});
-      }
+      // The others go on without this node: it must stop, as a silent node told by the daemon.
+      if (e.agent == self_)
+        for (auto& a : job_.abort_lost(session->second, joins_[e.agent], e.why, before)) actions.push_back(std::move(a));
       break;
     }
     case Event::Kind::kTick:

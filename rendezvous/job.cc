@@ -670,12 +670,7 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
     members_.erase(it);
     return {};
   }
-  proto::WorkerFailed rc;
-  rc.round = round_;
-  rc.host = it->second.join.host;
-  rc.rank = -1;
-  rc.exit_code = 1;
-  rc.message = fmt::format("node {} ({}) lost: {}", it->second.join.host, it->second.join.addr, why);
+  const proto::WorkerFailed rc = lost_cause(it->second.join, why);
   {
     auto& e = emit(JobEvent::Kind::kNodeLost, &it->second.join);
     e.cause = "connection closed";
@@ -683,6 +678,22 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
   }
   ++disconnects_;
   return fail_or_restart(rc, rc.message, s, now);
+}
+
+proto::WorkerFailed Job::lost_cause(const proto::Join& j, std::string_view why) const {
+  proto::WorkerFailed rc;
+  rc.round = round_;
+  rc.host = j.host;
+  rc.rank = -1;
+  rc.exit_code = 1;
+  rc.message = fmt::format("node {} ({}) lost: {}", j.host, j.addr, why);
+  return rc;
+}
+
+Actions Job::abort_lost(SessionId s, const proto::Join& j, std::string_view why, State before) const {
+  if (before != State::kRunning || finished()) return {};
+  const proto::WorkerFailed rc = lost_cause(j, why);
+  return {{s, proto::to_wire(proto::Abort{rc, rc.message})}};
 }
 
 void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {

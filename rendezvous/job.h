@@ -132,6 +132,11 @@ class Job {
   Actions node_done(SessionId s, int round, Clock::time_point now);
   // `why` ends the root cause "node H (A) lost: WHY" (the etcd backend: a lease expired).
   Actions disconnected(SessionId s, Clock::time_point now, std::string_view why = "its connection closed");
+  // The node of session `s` (joined as `j`) was declared lost (disconnected()) while the
+  // job was `before`: when that was a running round and the job goes on without it, it is
+  // told Abort with its loss as the root cause, so that it stops as a silent node the daemon
+  // dropped does (the etcd backend, which tells its own agent); else nothing.
+  Actions abort_lost(SessionId s, const proto::Join& j, std::string_view why, State before) const;
   // Closes a round after last call, detects silent nodes, expires a join that waits too long.
   Actions tick(Clock::time_point now);
   // Makes this new job go on from the round its lost hosting agent ran: the next round is
@@ -201,6 +206,8 @@ class Job {
   // The job failed: every node hears `root_cause` (the broadcast reaches members, waiting
   // nodes and standbys) and the job forgets them.
   Actions fail_job(const proto::WorkerFailed& root_cause, const std::string& reason);
+  // The root cause "node H (A) lost: WHY" of a node lost during round_.
+  proto::WorkerFailed lost_cause(const proto::Join& j, std::string_view why) const;
   Actions drop_rebuild(const proto::Join& j);
   // Records an event of `kind` (about node `n` when given), with the job's round and restarts.
   JobEvent& emit(JobEvent::Kind kind, const proto::Join* n = nullptr);

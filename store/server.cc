@@ -100,6 +100,15 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   // once (a port scan, a hostile peer) must not flood the agent's console. The next line
   // counts the ones left out.
   proto::LogLimiter limiter;
+  // Accepts paused for want of descriptors: a line when the episode starts, one when it ends
+  // (as the rendezvous daemon and the control socket say it), not one per pause.
+  proto::PauseEpisode pauses;
+  std::size_t accept_failures = 0;
+  // An episode's two lines are not rate-limited: the end must follow its start, which is
+  // often less than a second before.
+  void log_episode(const std::string& line) {
+    if (opts.log) opts.log("agent store: " + line);
+  }
   void log(const std::string& line) {
     if (!opts.log) return;
     if (auto l = limiter.admit(line, std::chrono::steady_clock::now())) opts.log(*l);
@@ -109,6 +118,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     acceptor.async_accept([self = shared_from_this()](boost::system::error_code ec, tcp::socket s) {
       if (self->stopped) return;
       if (!ec) {
+        if (auto line = self->pauses.accepted()) self->log_episode(*line);
         boost::system::error_code ignored;
         const auto from = s.remote_endpoint(ignored).address();
         const auto mine = self->per_address.find(from);
@@ -134,8 +144,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       } else {
         // EMFILE and the like: keep serving the clients we have, pause the accepts
         // (proto/accept_backoff.h, as the control socket does) instead of spinning.
-        self->log(fmt::format("agent store: cannot accept a client: {}; pausing accepts for {} ms", ec.message(),
-                              proto::kAcceptPause.count()));
+        ++self->accept_failures;
+        if (auto line = self->pauses.paused(ec.message())) self->log_episode(*line);
         proto::pause_accepts(self->accept_pause, [self] {
           if (!self->stopped) self->accept();
         });
@@ -570,6 +580,7 @@ void StoreServer::when_idle(std::function<void()> f) {
 std::size_t StoreServer::dropped() const { return impl_->dropped; }
 std::size_t StoreServer::buffered() const { return impl_->buffered; }
 std::size_t StoreServer::queries() const { return impl_->queries; }
+std::size_t StoreServer::accept_failures() const { return impl_->accept_failures; }
 std::size_t StoreServer::unwritten() const {
   std::size_t n = 0;
   for (const auto& [id, c] : impl_->clients) n += c->unwritten;

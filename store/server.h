@@ -85,6 +85,7 @@ class StoreServer {
   std::size_t dropped() const;  // clients disconnected for breaking a bound or the protocol
   std::size_t buffered() const;  // bytes held for clients now (max_buffered's count)
   std::size_t queries() const;   // queries served, in total
+  std::size_t accept_failures() const;  // accepts that failed (EMFILE and the like), each followed by a pause
   // Bytes of replies not yet written, all clients together (a shared value in each reply
   // that carries it: what the clients are owed, not what the server holds).
   std::size_t unwritten() const;

@@ -1,6 +1,7 @@
 // The agent's store (store/): the pure wire parser and engine, then the server against real
 // torch clients: 1.13 here, 2.6 inside ../shared/peers/torch2's root when it is set up.
 #include <malloc.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -1158,4 +1159,47 @@ TEST_CASE("the query deadline counts from the start of the unfinished query, not
   boost::asio::write(*worker, boost::asio::buffer(set.data() + set.size() / 2, set.size() - set.size() / 2));
   CHECK(numkeys_served(*worker));
   CHECK(on_io(s, [&] { return s.server->engine().value("ckpt") != nullptr; }));
+}
+
+TEST_CASE("out of descriptors, the store logs one line when its accepts pause and one when they resume, not one per "
+          "pause (#36)") {
+  ServerThread s;
+  // Hold the io thread while clients queue in the listen backlog.
+  std::atomic<bool> release{false}, held{false};
+  boost::asio::post(s.io, [&] {
+    held = true;
+    for (int i = 0; i < 3000 && !release; ++i) std::this_thread::sleep_for(10ms);
+  });
+  REQUIRE(eventually([&] { return held.load(); }, 30s));
+  boost::asio::io_context io;
+  std::vector<std::unique_ptr<boost::asio::ip::tcp::socket>> cs;
+  for (int i = 0; i < 4; ++i) cs.push_back(client_from(io, s));
+  // No descriptor left for the store: the lowest free one is the limit.
+  const int probe = ::dup(0);
+  REQUIRE(probe >= 0);
+  ::close(probe);
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(probe);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  release = true;
+  const bool paused = eventually([&] { return on_io(s, [&] { return s.server->accept_failures(); }) >= 3; }, 60s);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+  REQUIRE(paused);
+  auto lines_with = [&](const std::string& text) {
+    return on_io(s, [&] {
+      std::size_t n = 0;
+      for (const auto& l : s.log) n += l.find(text) != std::string::npos;
+      return n;
+    });
+  };
+  REQUIRE(eventually([&] { return lines_with("accepts resumed after") == 1; }, 60s));
+  CHECK(lines_with("agent store: accept failed: Too many open files; pausing accepts for 100 ms") == 1);
+  CHECK(lines_with("pausing") == 1);
+  // Descriptors again: the queued clients are served.
+  for (auto& c : cs) {
+    boost::asio::write(*c, boost::asio::buffer(validate()));
+    CHECK(numkeys_served(*c));
+  }
 }

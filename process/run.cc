@@ -15,6 +15,7 @@
 
 #include "process/command.h"
 #include "process/fd.h"
+#include "process/reap.h"
 #include "process/spawn.h"
 
 extern char** environ;
@@ -22,6 +23,8 @@ extern char** environ;
 namespace mg {
 
 namespace {
+
+constexpr std::chrono::seconds kReapAfterKill{2};
 
 int wait_for(pid_t pid, int flags, int& status) {
   pid_t r;
@@ -126,7 +129,11 @@ RunResult run_capture(const std::vector<std::string>& argv, const RunOptions& o)
     r.error = "killed after " + std::to_string(o.timeout.count()) + " ms without finishing";
     ::killpg(pid, SIGKILL);
     ::kill(pid, SIGKILL);
-    wait_for(pid, 0, r.status);
+    // Bounded: a process in state D, or one another process traces (its exit goes to the
+    // tracer first), cannot be reaped yet, and the caller may be an event loop (#36).
+    if (!reap_by(pid, clock::now() + kReapAfterKill, r.status))
+      r.error += "; it could not be reaped within 2 s of SIGKILL (state D, or traced by another process): left "
+                 "behind";
   }
   return r;
 }

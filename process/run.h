@@ -33,7 +33,8 @@ struct RunResult {
 
 // Runs argv (argv[0] looked up on $PATH like execvp) with stdin from /dev/null, in its own
 // process group, and returns its output and wait status. Blocks until the command has
-// ended and been reaped, at most `o.timeout` (plus the moment a SIGKILL takes). Whatever
+// ended and been reaped, at most `o.timeout` (plus at most 2 s for the SIGKILLed command to
+// be reaped; one that cannot be, in state D or traced, is left behind and `error` says so). Whatever
 // the command leaves in its process group once it has ended is killed too, so a straggler
 // cannot hold the pipe open. Reaps only its own child (waitpid by pid). Never throws for a
 // command that cannot run: `started` is false and `error` is one line.

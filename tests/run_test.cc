@@ -2,15 +2,19 @@
 // deadline. Real processes (sh, sleep), every wait bounded.
 #include <catch2/catch.hpp>
 
+#include <sys/ptrace.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <fstream>
+#include <future>
 #include <string>
 
 #include "process/run.h"
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace std::chrono_literals;
 using mgtest::eventually;
@@ -91,4 +95,50 @@ TEST_CASE("run_capture keeps at most max_output bytes and still reads the comman
   INFO(r.error);
   CHECK(r.ok());
   CHECK(r.out.size() == 10);
+}
+
+TEST_CASE("run_capture past its deadline returns within 2 s of its SIGKILL when the command cannot be reaped "
+          "(traced by another process), and says it left it behind (#36)") {
+  // Before: a blocking waitpid after the SIGKILL, which waits as long as the tracer does.
+  const std::string pidfile = mgtest::make_temp_dir() + "/pid";
+  mg::RunOptions o;
+  o.timeout = 3s;
+  auto result = std::async(std::launch::async,
+                           [&] { return mg::run_capture({"sh", "-c", "echo $$ > " + pidfile + "; exec sleep 600"}, o); });
+  pid_t target = -1;
+  REQUIRE(eventually([&] {
+    std::ifstream in(pidfile);
+    return static_cast<bool>(in >> target) && target > 0;
+  }, 10s));
+  // Another process traces the command and never waits for it.
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t tracer = ::fork();
+  REQUIRE(tracer >= 0);
+  if (tracer == 0) {
+    const char ok = ::ptrace(PTRACE_SEIZE, target, nullptr, nullptr) == 0 ? '1' : '0';
+    (void)!::write(ready[1], &ok, 1);
+    for (;;) ::pause();
+  }
+  ::close(ready[1]);
+  char ok = '0';
+  (void)!::read(ready[0], &ok, 1);
+  ::close(ready[0]);
+  struct Stop {  // the tracer goes, even when a check fails; the command left behind is reaped then
+    pid_t tracer, command;
+    ~Stop() {
+      ::kill(tracer, SIGKILL);
+      int status = 0;
+      ::waitpid(tracer, &status, 0);
+      eventually([&] { return ::waitpid(command, &status, WNOHANG) != 0; }, 10s);
+    }
+  } stop{tracer, target};
+  if (ok != '1') {
+    result.wait();
+    SKIP_TEST("cannot trace the command (ptrace)");
+  }
+  REQUIRE(result.wait_for(60s) == std::future_status::ready);  // 3 s + 2 s, on a loaded machine
+  const mg::RunResult r = result.get();
+  CHECK(r.timed_out);
+  CHECK_THAT(r.error, Catch::Contains("could not be reaped within 2 s of SIGKILL"));
 }

@@ -98,3 +98,19 @@ TEST_CASE("mgtrain refuses, with --cuda-graphs and before training, what a captu
   CHECK_THROWS_AS(parse({"--cuda-graphs", "--bench", "allreduce"}), UsageError);
   CHECK_THROWS_WITH(parse({"--cuda-graphs", "--backend", "gloo"}), Catch::Contains("needs a GPU"));
 }
+
+TEST_CASE("--in-place-recovery on an NCCL build starts mgtrain again with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, never a setenv") {
+  const std::map<std::string, std::string> vars{{"RANK", "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"}};
+  Options o = parse({"--in-place-recovery"});
+  auto env = environment_to_reexec(o, vars, true);
+  REQUIRE(env.has_value());
+  CHECK(env->at("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "2");
+  CHECK(env->at("RANK") == "1");  // everything else as it was
+  CHECK(env->size() == vars.size());
+  CHECK(environment_to_reexec(o, {}, true)->at("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "2");
+  // Already there (the second start), a CPU build, Gloo, or no recovery: no new start.
+  CHECK_FALSE(environment_to_reexec(o, *env, true).has_value());
+  CHECK_FALSE(environment_to_reexec(o, vars, false).has_value());
+  CHECK_FALSE(environment_to_reexec(parse({"--in-place-recovery", "--backend", "gloo"}), vars, true).has_value());
+  CHECK_FALSE(environment_to_reexec(parse({}), vars, true).has_value());
+}

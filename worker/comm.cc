@@ -315,8 +315,8 @@ Comm connect_group(const Options& o, const Env& env) {
     const int dev = env.local_rank % std::max(1, devices);
     c10::cuda::set_device(dev);
     c.device = torch::Device(torch::kCUDA, dev);
-    // With --in-place-recovery, run() set TORCH_NCCL_ASYNC_ERROR_HANDLING=2 before any
-    // thread started. The group waits --timeout, as Gloo's does, not NCCL's 10 minutes.
+    // With --in-place-recovery, mgtrain started with TORCH_NCCL_ASYNC_ERROR_HANDLING=2
+    // (environment_to_reexec). The group waits --timeout, as Gloo's does, not NCCL's 10 minutes.
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = std::chrono::seconds(o.timeout_s);
     auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, env.rank, env.world, opts);

@@ -83,7 +83,8 @@ Comm connect(const Options& o, const Env& env);
 // finish or time out by itself (within --timeout); what it builds is kept, never used nor
 // destroyed (as abandon() keeps a group), and never installed as the Interrupt's hook:
 // only the group returned is, on the calling thread. connect()'s own errors are rethrown.
-// In-place recovery's TORCH_NCCL_ASYNC_ERROR_HANDLING is set by run(), before any thread.
+// In-place recovery's TORCH_NCCL_ASYNC_ERROR_HANDLING=2 is in the environment mgtrain started
+// with (main re-executes it with the variable: environment_to_reexec in options.h).
 Comm connect_interruptible(const Options& o, const Env& env, const std::function<bool()>& give_up);
 // A standby's pre-started worker (MGLAUNCH_STANDBY=1) before its place: no store, no
 // process group, the device connect() will use (NCCL: GPU LOCAL_RANK mod the GPU count).

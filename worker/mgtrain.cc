@@ -2,9 +2,14 @@
 // This thin main parses the flags and the torchrun environment, runs the trainer and maps
 // errors to exit codes; the units beside it hold one concern each (options, comm,
 // models, reducer, checkpoint, allreduce_bench, trainer).
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "cli/args.h"
 #include "worker/options.h"
@@ -17,6 +22,23 @@ namespace {
 void error_line(std::string_view what, bool first_line_only = false) {
   if (first_line_only) what = what.substr(0, what.find('\n'));
   std::fprintf(stderr, "mgtrain: error: %s\n", mg::cli::one_line(what).c_str());
+}
+
+#ifdef MGLAUNCH_WITH_NCCL
+constexpr bool kNccl = true;
+#else
+constexpr bool kNccl = false;
+#endif
+
+// This program again, same pid and arguments, with `vars` as its whole environment
+// (environment_to_reexec). Returns only when execve failed.
+void reexec(char** argv, const std::map<std::string, std::string>& vars) {
+  std::vector<std::string> entries;
+  for (const auto& [k, v] : vars) entries.push_back(k + "=" + v);
+  std::vector<char*> envp;
+  for (auto& e : entries) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  ::execve("/proc/self/exe", argv, envp.data());
 }
 
 }  // namespace
@@ -37,6 +59,13 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     error_line(e.what());
     return kExitUsage;
+  }
+  if (auto vars = environment_to_reexec(o, process_env(), kNccl)) {
+    reexec(argv, *vars);
+    error_line(std::string("cannot start mgtrain again with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (--in-place-recovery): "
+                           "execve /proc/self/exe: ") + std::strerror(errno) +
+               "; set TORCH_NCCL_ASYNC_ERROR_HANDLING=2 in its environment");
+    return kExitSetup;
   }
   install_stop_handlers();
   try {

@@ -189,6 +189,17 @@ std::map<std::string, std::string> process_env() {
   return m;
 }
 
+std::optional<std::map<std::string, std::string>> environment_to_reexec(const Options& o,
+                                                                        const std::map<std::string, std::string>& vars,
+                                                                        bool nccl) {
+  constexpr const char* kVar = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
+  if (!nccl || !o.in_place_recovery || o.backend == "gloo") return std::nullopt;
+  if (auto it = vars.find(kVar); it != vars.end() && it->second == "2") return std::nullopt;
+  auto env = vars;
+  env[kVar] = "2";
+  return env;
+}
+
 Mode resolve_mode(const Options& o, const Env& env) {
   if (o.mode == "single") {
     if (env.world > 1)
@@ -204,13 +215,40 @@ Mode resolve_mode(const Options& o, const Env& env) {
 
 #include <ctime>
 #include <fstream>
+#include <mutex>
 
 #include <nlohmann/json.hpp>
 
 namespace mg::train {
+namespace {
+struct ErrorFile {
+  std::mutex m;
+  std::optional<std::string> path;  // set by use_error_file()
+};
+ErrorFile& error_file() {
+  static ErrorFile f;
+  return f;
+}
+}  // namespace
+
+void use_error_file(const std::string& path) {
+  auto& f = error_file();
+  std::lock_guard lk(f.m);
+  f.path = path;
+}
+
 void write_error_file(const std::string& message) {
-  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
-  if (!path || !*path) return;
+  std::string path;
+  {
+    auto& f = error_file();
+    std::lock_guard lk(f.m);
+    if (f.path) {
+      path = *f.path;
+    } else if (const char* p = std::getenv("TORCHELASTIC_ERROR_FILE")) {
+      path = p;
+    }
+  }
+  if (path.empty()) return;
   nlohmann::json j = {{"message",
                        {{"message", message},
                         {"extraInfo", {{"py_callstack", "mgtrain (C++)"}, {"timestamp", std::to_string(std::time(nullptr))}}}}}};

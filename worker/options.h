@@ -78,6 +78,17 @@ ParseResult parse_options(int argc, const char* const* argv);
 Env read_env(const std::map<std::string, std::string>& vars);
 std::map<std::string, std::string> process_env();
 
+// The environment mgtrain must start with for `o`, when `vars` (the process's) lacks
+// something only the environment can say; nullopt when `vars` will do. NCCL reads
+// TORCH_NCCL_ASYNC_ERROR_HANDLING from the environment when a group is built (no option
+// for it): --in-place-recovery needs 2 (the agents' 1 and torch 2.x's default 3 take the
+// process down on a peer's death). `nccl`: a CUDA build. main starts mgtrain again with it
+// (execve) before anything else: a setenv while another thread reads the environment is a
+// data race, and torch's and the control channel's threads do.
+std::optional<std::map<std::string, std::string>> environment_to_reexec(const Options& o,
+                                                                        const std::map<std::string, std::string>& vars,
+                                                                        bool nccl);
+
 // "8", "64K", "1.5M", "2G" -> bytes; throws UsageError.
 std::int64_t parse_bytes(const std::string& text);
 
@@ -90,6 +101,10 @@ Mode resolve_mode(const Options& o, const Env& env);
 }  // namespace mg::train
 
 namespace mg::train {
-// Writes torchelastic's error file ($TORCHELASTIC_ERROR_FILE) when the launcher set one.
+// Writes torchelastic's error file when the launcher named one: TORCHELASTIC_ERROR_FILE of
+// the round this worker is in (the process environment's, until use_error_file()).
 void write_error_file(const std::string& message);
+// A new round's TORCHELASTIC_ERROR_FILE (an in-place recovery's assignment names the new
+// attempt's): write_error_file() writes there from now on. Thread-safe.
+void use_error_file(const std::string& path);
 }  // namespace mg::train

@@ -1,13 +1,16 @@
 #include "worker/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -68,6 +71,67 @@ void write_state(torch::serialize::OutputArchive& ar, torch::nn::Module& model, 
   ar.write("rng", gen.get_state());
 }
 
+// The newest epoch recorded in `path`'s archive (the checkpoint's own record), nullopt
+// when it has none or cannot be read.
+std::optional<std::int64_t> recorded_epoch(const std::string& path) {
+  if (!std::filesystem::exists(path)) return std::nullopt;
+  try {
+    torch::serialize::InputArchive ar;
+    ar.load_from(path, torch::kCPU);
+    torch::Tensor t;
+    if (ar.try_read("mglaunch_epoch", t)) return t.item<std::int64_t>();
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+// An exclusive flock() of a checkpoint's lock file, held while this object lives. Other
+// writers wait for it; the kernel lets go of it when its holder dies.
+class EpochLock {
+ public:
+  EpochLock(const std::string& path, int timeout_s) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw std::runtime_error(fmt::format("checkpoint: cannot open {}: {}", path, std::strerror(errno)));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err != EWOULDBLOCK && err != EINTR) fail("lock", err);
+      if (std::chrono::steady_clock::now() >= until)
+        fail(fmt::format("lock (another writer held it for {} s)", timeout_s), err);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  ~EpochLock() { ::close(fd_); }  // closing the last descriptor releases the lock
+  EpochLock(const EpochLock&) = delete;
+  EpochLock& operator=(const EpochLock&) = delete;
+
+  // The epoch the file holds; nullopt when it holds none (new, empty, or not a number).
+  std::optional<std::int64_t> epoch() const {
+    char buf[32] = {};
+    const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+    if (n <= 0) return std::nullopt;
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(buf, &end, 10);
+    if (end == buf || errno != 0 || (*end != '\n' && *end != '\0') || v < 0) return std::nullopt;
+    return v;
+  }
+  // Records `epoch` as the newest, on disk before the checkpoint is written.
+  void record(std::int64_t epoch) {
+    const std::string line = std::to_string(epoch) + "\n";
+    if (::ftruncate(fd_, 0) != 0) fail("truncate", errno);
+    if (::pwrite(fd_, line.data(), line.size(), 0) != static_cast<ssize_t>(line.size())) fail("write", errno);
+    if (::fsync(fd_) != 0) fail("fsync", errno);
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what, int err) const {
+    throw std::runtime_error(fmt::format("checkpoint: cannot {} {}: {}", what, path_, std::strerror(err)));
+  }
+  std::string path_;
+  int fd_ = -1;
+};
+
 }  // namespace
 
 std::string state_bytes(torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos) {
@@ -104,14 +168,27 @@ std::string broadcast_bytes(const Comm& comm, int root, std::string bytes) {
 }
 
 std::string checkpoint_file(const std::string& dir) { return dir + "/checkpoint.pt"; }
+std::string checkpoint_lock_file(const std::string& dir) { return dir + "/checkpoint.lock"; }
 
-void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos) {
+Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos,
+                      const Fence& fence) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw std::runtime_error(fmt::format("checkpoint: cannot create directory {}: {}", dir, ec.message()));
   torch::serialize::OutputArchive ar;
   write_state(ar, model, opt, pos);
+  if (fence.epoch) ar.write("mglaunch_epoch", torch::tensor(*fence.epoch));
   const std::string path = checkpoint_file(dir), tmp = path + ".tmp";
+  // Check and write as one step: every fenced writer holds the lock from its comparison
+  // to its rename, so an older epoch never writes after (or while) a newer one does.
+  std::optional<EpochLock> lock;
+  if (fence.epoch) {
+    lock.emplace(checkpoint_lock_file(dir), fence.lock_timeout_s);
+    auto owner = lock->epoch();
+    if (!owner) owner = recorded_epoch(path);  // a lock file lost, or the first fenced write
+    if (owner && *owner > *fence.epoch) return Saved{false, *owner};
+    lock->record(*fence.epoch);
+  }
   try {
     ar.save_to(tmp);
   } catch (const std::exception& e) {
@@ -122,6 +199,7 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
   if (::rename(tmp.c_str(), path.c_str()) != 0)
     throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
   fsync_or_throw(dir);
+  return {};
 }
 
 std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,

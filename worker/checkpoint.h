@@ -1,8 +1,9 @@
 // mgtrain's checkpoints: rank 0 writes model (parameters and buffers), optimizer state,
 // position and RNG state atomically (temp file, fsync, rename, fsync of the directory);
 // on start rank 0 alone reads it and broadcasts its bytes, so every rank resumes from the
-// same state even when the directory is node-local or stale elsewhere. Included only by
-// torch units.
+// same state even when the directory is node-local or stale elsewhere. Under a
+// rendezvous epoch (MGLAUNCH_EPOCH) a write is fenced: only the newest epoch writes.
+// Included only by torch units.
 #pragma once
 
 #include <optional>
@@ -26,10 +27,30 @@ struct Position {
 };
 
 std::string checkpoint_file(const std::string& dir);
+// The fence's lock file beside the checkpoint: flock()ed around a fenced check-and-write;
+// it holds the newest epoch that wrote, or is writing, there (a decimal line).
+std::string checkpoint_lock_file(const std::string& dir);
 
-// Rank 0 only. Throws std::runtime_error naming the path and the failing call (write,
-// fsync, rename) with errno's text.
-void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos);
+// Fencing for data (docs/mgtrain.md, Checkpoints): the rendezvous gives every round an
+// epoch, monotonic per job (MGLAUNCH_EPOCH). A checkpoint records its epoch, and a writer
+// whose epoch is lower than the one that wrote (or is writing) the path writes nothing:
+// it is the stale side of a job that split.
+struct Fence {
+  std::optional<std::int64_t> epoch;  // this round's; nullopt: no fence (torchrun, older agents)
+  int lock_timeout_s = 300;           // the longest wait for another writer's lock
+};
+struct Saved {
+  bool written = true;
+  std::int64_t owner = -1;  // not written: the newer epoch that holds the path
+};
+
+// Rank 0 only. With fence.epoch: under an exclusive flock of checkpoint_lock_file(dir)
+// (waited for at most lock_timeout_s), compares with the epoch it holds (else the one the
+// checkpoint records), writes nothing when that one is newer, else records this epoch
+// there and writes. Throws std::runtime_error naming the path and the failing call (lock,
+// write, fsync, rename) with errno's text.
+Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos,
+                      const Fence& fence = {});
 
 // The whole training state as a checkpoint file holds it (parameters, buffers, optimizer
 // state, position, CPU RNG state), in memory: in-place recovery broadcasts it.

@@ -101,6 +101,7 @@ ParseResult parse_options(int argc, const char* const* argv) {
   app.add_option("--warmup", o.warmup, "Benchmark: warm-up iterations");
   app.add_option("--dtype", o.dtype, "Benchmark: float, double, half or int");
   app.footer("Exit codes: 0 done; 1 failure; 2 bad flags; 3 setup error (data, master, backend, checkpoint); "
+             "4 fenced (a newer MGLAUNCH_EPOCH of the job holds the checkpoint); "
              "75 stopped by SIGTERM/SIGUSR1 after checkpointing (run again to resume).");
   try {
     app.parse(argc, argv);
@@ -172,6 +173,14 @@ Env read_env(const std::map<std::string, std::string>& vars) {
   env.master_port = to_int(vars, "MASTER_PORT", 0);
   if (auto it = vars.find("TORCHELASTIC_USE_AGENT_STORE"); it != vars.end()) env.agent_store = it->second == "True";
   if (auto it = vars.find("USE_LIBUV"); it != vars.end()) env.use_libuv = it->second == "1";
+  if (auto it = vars.find("MGLAUNCH_EPOCH"); it != vars.end() && !it->second.empty()) {  // empty: unset
+    std::int64_t v = -1;
+    const auto [end, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
+    if (ec != std::errc{} || end != it->second.data() + it->second.size() || v < 0)
+      throw UsageError("MGLAUNCH_EPOCH='" + it->second + "' is not a non-negative integer (the rendezvous' epoch of " +
+                       "this round, set by mglaunch); unset it or run under mglaunch");
+    env.epoch = v;
+  }
   env.launched = env.master_port > 0 || env.world > 1;
   if (env.world < 1 || env.rank < 0 || env.rank >= env.world)
     throw UsageError("RANK=" + std::to_string(env.rank) + " WORLD_SIZE=" + std::to_string(env.world) +

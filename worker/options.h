@@ -13,9 +13,9 @@
 namespace mg::train {
 
 // Exit codes (README, docs/mgtrain.md): 0 done; 1 failure (incl. injected); 2 usage; 3 setup error
-// (data, master unreachable, backend, checkpoint); 75 stopped on SIGTERM/SIGUSR1 after
-// checkpointing.
-constexpr int kExitFailure = 1, kExitUsage = 2, kExitSetup = 3, kExitStopped = 75;
+// (data, master unreachable, backend, checkpoint); 4 fenced (a newer epoch of the job holds
+// the checkpoint: this side is stale); 75 stopped on SIGTERM/SIGUSR1 after checkpointing.
+constexpr int kExitFailure = 1, kExitUsage = 2, kExitSetup = 3, kExitFenced = 4, kExitStopped = 75;
 
 // Bad flags or environment: exit 2.
 struct UsageError : std::runtime_error {
@@ -63,6 +63,9 @@ struct Env {
   // USE_LIBUV, as torch 2.x's env:// reads it ("1": the libuv TCPStore, else the classic
   // one; both speak the same protocol). Unset: libuv where this LibTorch has it.
   std::optional<bool> use_libuv;
+  // MGLAUNCH_EPOCH: the rendezvous' epoch of this round, monotonic per job (the fence of
+  // checkpoint writes, docs/mgtrain.md); unset under torchrun and older agents.
+  std::optional<std::int64_t> epoch;
 };
 
 // Parses argv into Options. Returns the text to print and exit 0 for --help; throws
@@ -74,7 +77,8 @@ struct ParseResult {
 ParseResult parse_options(int argc, const char* const* argv);
 
 // Reads the contract from `vars` (the process environment in main). Throws UsageError
-// when RANK/WORLD_SIZE are not a valid pair or a multi-process world has no MASTER_PORT.
+// when RANK/WORLD_SIZE are not a valid pair, a multi-process world has no MASTER_PORT, or
+// MGLAUNCH_EPOCH is not a non-negative integer.
 Env read_env(const std::map<std::string, std::string>& vars);
 std::map<std::string, std::string> process_env();
 

@@ -149,6 +149,7 @@ class Trainer {
   torch::Tensor eager_step(const torch::Tensor& idx, std::int64_t& micro);
   void after_step(std::int64_t epoch, std::int64_t micro);
   bool stop_or_checkpoint();
+  bool checkpoint(bool stop_now);
   void log_progress(std::int64_t epoch);
   void evaluate(std::int64_t epoch, std::int64_t loss_n);
   void recover(const std::string& what);
@@ -208,7 +209,8 @@ class Trainer {
   std::string stop_checkpoint_;      // rank 0: the checkpoint written when a signal stopped it
   // Losses stay on the device until a line or the summary needs them: no per-step sync.
   torch::Tensor last_loss_t_, loss_sum_t_, stop_flag_;
-  bool stopped_ = false;
+  bool stopped_ = false;  // by a signal
+  bool fenced_ = false;   // a newer epoch holds the checkpoint: every rank stops (kExitFenced)
 
   // In-place recovery: the failure being recovered from, until the first step after it.
   struct Pending {
@@ -250,7 +252,7 @@ int Trainer::run(bool standby) {
   prepare_steps();
   train_with_recovery();
   summarise();
-  return stopped_ ? kExitStopped : 0;
+  return fenced_ ? kExitFenced : stopped_ ? kExitStopped : 0;
 }
 
 // ---- load the data, build the model ----
@@ -502,7 +504,7 @@ torch::Tensor Trainer::eager_step(const torch::Tensor& idx, std::int64_t& micro)
 void Trainer::train_loop() {
   for (std::int64_t epoch = state_.epoch; epoch < o_.epochs && state_.step < total_steps_ && !stopped_; ++epoch) {
     const std::int64_t loss_n = train_epoch(epoch);
-    if (stopped_) break;
+    if (stopped_ || fenced_) break;
     evaluate(epoch, loss_n);
     state_.batch_in_epoch = 0;
     state_.epoch_offset = 0;
@@ -542,10 +544,7 @@ std::int64_t Trainer::train_epoch(std::int64_t epoch) {
     loss_sum_t_ += last_loss_t_;
     ++loss_n;
     after_step(epoch, micro);
-    if (stop_or_checkpoint()) {
-      stopped_ = true;
-      break;
-    }
+    if (stop_or_checkpoint()) break;
     log_progress(epoch);
   }
   return loss_n;
@@ -575,10 +574,10 @@ void Trainer::after_step(std::int64_t epoch, std::int64_t micro) {
   }
 }
 
-// Whether every rank stops after this step (a stop signal on any rank), and the checkpoint
-// of a periodic or stopping step. Every rank learns of a stop request at the same step:
-// ranks compare notes every kStopCheckEvery steps (a collective per step would cost ~4%
-// of a CPU step).
+// Whether every rank stops after this step (a stop signal on any rank: stopped_; the
+// checkpoint fenced: fenced_), and the checkpoint of a periodic or stopping step. Every
+// rank learns of a stop request at the same step: ranks compare notes every
+// kStopCheckEvery steps (a collective per step would cost ~4% of a CPU step).
 bool Trainer::stop_or_checkpoint() {
   bool stop_now = false;
   if (state_.step % kStopCheckEvery == 0 || state_.step == total_steps_) {
@@ -587,7 +586,15 @@ bool Trainer::stop_or_checkpoint() {
     stop_now = stop_flag_.item<float>() > 0;
   }
   const bool periodic = o_.checkpoint_every > 0 && state_.step % o_.checkpoint_every == 0;
-  if (o_.checkpoint_dir.empty() || !(periodic || stop_now)) return stop_now;
+  if (!o_.checkpoint_dir.empty() && (periodic || stop_now) && !checkpoint(stop_now)) fenced_ = true;
+  if (stop_now) stopped_ = true;
+  return stop_now || fenced_;
+}
+
+// Rank 0 writes the checkpoint of this step, fenced by this round's epoch (MGLAUNCH_EPOCH).
+// False on every rank when rank 0 refused (a newer epoch of the job holds the path): this
+// side of the job is stale, and every rank stops; rank 0 says why in one line.
+bool Trainer::checkpoint(bool stop_now) {
   broadcast_buffers();  // the checkpoint holds the buffers every rank's next forward gets
   Position c = state_;
   if (c.batch_in_epoch >= micro_per_epoch_) {
@@ -595,11 +602,25 @@ bool Trainer::stop_or_checkpoint() {
     c.epoch_offset = 0;
     ++c.epoch;
   }
+  Saved saved;
   if (lead_) {
-    save_checkpoint(with_rank(o_.checkpoint_dir, comm_.rank), *model_.module, *opt_, c);
-    if (stop_now) stop_checkpoint_ = checkpoint_file(with_rank(o_.checkpoint_dir, comm_.rank));
+    const std::string dir = with_rank(o_.checkpoint_dir, comm_.rank);
+    saved = save_checkpoint(dir, *model_.module, *opt_, c, Fence{env_.epoch, o_.timeout_s});
+    if (saved.written && stop_now) stop_checkpoint_ = checkpoint_file(dir);
+    if (!saved.written) {
+      const std::string why = fmt::format(
+          "checkpoint refused at step {}: {} belongs to epoch {} of this job, newer than this round's MGLAUNCH_EPOCH={}: "
+          "this side of the job is stale (a newer round trains elsewhere), so every rank stops without writing (exit {})",
+          state_.step, checkpoint_file(dir), saved.owner, env_.epoch.value_or(-1), kExitFenced);
+      std::fprintf(stderr, "mgtrain: %s\n", why.c_str());
+      write_error_file(why);
+    }
   }
-  return stop_now;
+  // Only a fenced write can be refused: the ranks agree on it only then (same round, same epoch).
+  if (!env_.epoch || !comm_.distributed()) return saved.written;
+  auto refused = torch::tensor({saved.written ? 0.0f : 1.0f}, torch::TensorOptions().dtype(torch::kFloat)).to(comm_.device);
+  comm_.allreduce_sum(refused);
+  return refused.item<float>() == 0;
 }
 
 void Trainer::log_progress(std::int64_t epoch) {
@@ -751,7 +772,11 @@ void Trainer::summarise() {
       static_cast<double>(samples_done_) / std::max((cpu_seconds() - cpu_start_) * comm_.world, 1e-9);
   const auto tensors = state_tensors(*model_.module);
   const std::string digest = sha256_of(tensors);
-  if (lead_ && !stopped_) {
+  if (lead_ && fenced_) {
+    std::printf("fenced at step %lld: no checkpoint written (a newer epoch of the job holds it; see the error above), "
+                "%.0f samples/s, weights sha256 %s\n", static_cast<long long>(state_.step), sps, digest.c_str());
+    std::fflush(stdout);
+  } else if (lead_ && !stopped_) {
     std::printf("done: %lld steps, %.0f samples/s, %.0f per cpu-s, test accuracy %.4f, weights sha256 %s\n",
                 static_cast<long long>(state_.step), sps, sp_cpu, test_acc_, digest.c_str());
     std::fflush(stdout);
@@ -802,6 +827,8 @@ void Trainer::write_summary(double sps, double sp_cpu, const std::string& digest
                       {"weights_sha256", digest},
                       {"params_sha256", sha256_of(params_)},
                       {"stopped_by_signal", stopped_},
+                      {"mglaunch_epoch", env_.epoch ? nlohmann::json(*env_.epoch) : nlohmann::json()},
+                      {"fenced", fenced_},
                       {"cuda_graphs", graph_ && graph_->captured()},
                       {"recoveries", recoveries_}};
   std::ofstream(with_rank(o_.summary_json, comm_.rank)) << j.dump(2) << "\n";

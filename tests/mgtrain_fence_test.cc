@@ -1,0 +1,203 @@
+// Fencing for data (#34): under a rendezvous epoch (MGLAUNCH_EPOCH) mgtrain writes its
+// checkpoint only under the newest epoch. Real mgtrain processes on one checkpoint path:
+// one after the other in both orders, two at once in both orders, a 2-rank job that is
+// fenced, and without the variable the old behaviour.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "support/proc.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+const std::string kMgtrain = MGTRAIN_BIN;
+
+// The environment of one mgtrain process alone (no launcher, no group) with `epoch` as
+// MGLAUNCH_EPOCH ("": unset).
+std::map<std::string, std::string> alone(const std::string& epoch) {
+  return {{"RANK", "0"},
+          {"WORLD_SIZE", "1"},
+          {"MASTER_PORT", kUnset},
+          {"MGLAUNCH_EPOCH", epoch.empty() ? kUnset : epoch},
+          {"TORCHELASTIC_ERROR_FILE", kUnset}};
+}
+
+// mgtrain checkpointing to `ckpt` every 2 steps (1 with `every_step`), and `extra`.
+std::vector<std::string> command(const std::string& ckpt, std::vector<std::string> extra, bool every_step = false) {
+  std::vector<std::string> v{kMgtrain, "--model", "mlp", "--seed", "5", "--threads", "1",
+                             "--checkpoint-dir", ckpt, "--checkpoint-every", every_step ? "1" : "2"};
+  v.insert(v.end(), extra.begin(), extra.end());
+  return v;
+}
+
+const std::vector<std::string> kShort = {"--dataset", "synthetic", "--synthetic-size", "1024", "--batch-size", "16",
+                                         "--log-every", "0"};
+
+// `max_steps` steps alone under `epoch`, resuming from `ckpt` when it holds a checkpoint.
+Result train(const std::string& epoch, const std::string& ckpt, int max_steps, const std::string& summary) {
+  auto extra = kShort;
+  extra.insert(extra.end(), {"--max-steps", std::to_string(max_steps), "--summary-json", summary});
+  auto r = run(command(ckpt, extra), alone(epoch), 180s);
+  INFO(r.out << r.err);
+  return r;
+}
+
+nlohmann::json summary_of(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
+
+// The one line a refused rank 0 writes.
+std::string refusal(const std::string& ckpt, int owner, int mine) {
+  return ckpt + "/checkpoint.pt belongs to epoch " + std::to_string(owner) +
+         " of this job, newer than this round's MGLAUNCH_EPOCH=" + std::to_string(mine);
+}
+
+void check_refused(const std::string& out, const std::string& err, const std::string& ckpt, int owner, int mine) {
+  CHECK(count_of(err, "checkpoint refused at step") == 1);
+  CHECK_THAT(err, Catch::Contains(refusal(ckpt, owner, mine)));
+  CHECK_THAT(out, Catch::Contains("fenced at step") && !Catch::Contains("done:"));
+}
+
+}  // namespace
+
+TEST_CASE("MGLAUNCH_EPOCH: a rank 0 of an older epoch never overwrites a newer epoch's checkpoint, one after the other in either order") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  SECTION("the newer epoch first: the older one is refused and the checkpoint stays the newer one's, byte for byte") {
+    auto newer = train("7", ckpt, 4, dir + "/new.json");
+    REQUIRE(newer.code == 0);
+    CHECK(summary_of(dir + "/new.json")["mglaunch_epoch"] == 7);
+    CHECK(summary_of(dir + "/new.json")["fenced"] == false);
+    const std::string written = read_file(ckpt + "/checkpoint.pt");
+    CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
+    auto older = train("5", ckpt, 8, dir + "/old.json");
+    INFO(older.out << older.err);
+    CHECK(older.code == 4);
+    CHECK_THAT(older.out, Catch::Contains("resumed from"));
+    check_refused(older.out, older.err, ckpt, 7, 5);
+    CHECK(read_file(ckpt + "/checkpoint.pt") == written);
+    CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
+    const auto s = summary_of(dir + "/old.json");
+    CHECK(s["fenced"] == true);
+    CHECK(s["mglaunch_epoch"] == 5);
+    CHECK(s["steps"] == 6);  // resumed at 4, refused at its first checkpoint
+  }
+  SECTION("the older epoch first: the newer one overwrites it, and the older one is refused afterwards") {
+    REQUIRE(train("5", ckpt, 4, dir + "/old.json").code == 0);
+    CHECK(read_file(ckpt + "/checkpoint.lock") == "5\n");
+    auto newer = train("7", ckpt, 8, dir + "/new.json");
+    REQUIRE(newer.code == 0);
+    CHECK(summary_of(dir + "/new.json")["fenced"] == false);
+    CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
+    auto older = train("5", ckpt, 12, dir + "/old2.json");
+    INFO(older.out << older.err);
+    CHECK(older.code == 4);
+    check_refused(older.out, older.err, ckpt, 7, 5);
+  }
+  SECTION("the lock file lost: the checkpoint's own record of its epoch fences the older writer") {
+    REQUIRE(train("7", ckpt, 4, dir + "/new.json").code == 0);
+    std::filesystem::remove(ckpt + "/checkpoint.lock");
+    auto older = train("5", ckpt, 8, dir + "/old.json");
+    INFO(older.out << older.err);
+    CHECK(older.code == 4);
+    check_refused(older.out, older.err, ckpt, 7, 5);
+  }
+}
+
+TEST_CASE("MGLAUNCH_EPOCH: two mgtrain writers at once on one checkpoint path, whichever started first: the older epoch is refused, the newer one writes to the end") {
+  const std::string first = GENERATE(as<std::string>{}, "older", "newer");
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  // Long runs (5,000 steps) that checkpoint every step; the second starts once the first
+  // has written, resumes from it and writes too.
+  auto start = [&](const std::string& epoch) {
+    return spawn(command(ckpt, {"--dataset", "synthetic", "--synthetic-size", "20000", "--batch-size", "4", "--log-every",
+                                "1", "--summary-json", dir + "/s" + epoch + ".json"},
+                         true),
+                 alone(epoch));
+  };
+  INFO("first: " << first);
+  Proc one = start(first == "older" ? "5" : "7");
+  REQUIRE(eventually([&] { return std::filesystem::exists(ckpt + "/checkpoint.pt"); }, 120s));
+  Proc two = start(first == "older" ? "7" : "5");
+  Proc& older = first == "older" ? one : two;
+  Proc& newer = first == "older" ? two : one;
+  INFO(older.out() << older.err() << newer.out() << newer.err());
+  // The older one is refused at its next write after the newer one's first.
+  REQUIRE(older.wait(180s));
+  CHECK(older.exit_code() == 4);
+  check_refused(older.out(), older.err(), ckpt, 7, 5);
+  CHECK(summary_of(dir + "/s5.json")["fenced"] == true);
+  // The newer one trains on, and its stop checkpoint is the last word.
+  REQUIRE(eventually([&] { return newer.out().find("step ") != std::string::npos; }, 120s));
+  ::kill(newer.pid, SIGTERM);
+  REQUIRE(newer.wait(120s));
+  CHECK(newer.exit_code() == 75);
+  const auto s = summary_of(dir + "/s7.json");
+  CHECK(s["fenced"] == false);
+  CHECK(s["checkpoint_at_stop"] == ckpt + "/checkpoint.pt");
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
+  // What it left resumes at its last step.
+  auto resumed = run(command(ckpt, {"--dataset", "synthetic", "--synthetic-size", "20000", "--batch-size", "4",
+                                    "--log-every", "0", "--max-steps", std::to_string(s["steps"].get<int>())}),
+                     alone("7"), 120s);
+  INFO(resumed.err);
+  CHECK(resumed.code == 0);
+  CHECK_THAT(resumed.out, Catch::Contains("at step " + std::to_string(s["steps"].get<int>())));
+}
+
+TEST_CASE("MGLAUNCH_EPOCH: a fenced 2-rank job stops on every rank with exit 4, rank 0 says why in one line") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  REQUIRE(train("7", ckpt, 4, dir + "/new.json").code == 0);
+  const std::string port = std::to_string(free_loopback_port());
+  auto rank = [&](int r) {
+    auto extra = kShort;
+    extra.insert(extra.end(), {"--max-steps", "8", "--timeout", "60", "--summary-json", dir + "/s{rank}.json"});
+    return spawn(command(ckpt, extra), {{"RANK", std::to_string(r)},
+                                        {"LOCAL_RANK", std::to_string(r)},
+                                        {"WORLD_SIZE", "2"},
+                                        {"MASTER_ADDR", "127.0.0.1"},
+                                        {"MASTER_PORT", port},
+                                        {"MGLAUNCH_EPOCH", "5"},
+                                        {"TORCHELASTIC_ERROR_FILE", dir + "/error" + std::to_string(r) + ".json"}});
+  };
+  Proc r0 = rank(0), r1 = rank(1);
+  REQUIRE(r0.wait(180s));
+  REQUIRE(r1.wait(180s));
+  INFO(r0.out() << r0.err() << r1.out() << r1.err());
+  CHECK(r0.exit_code() == 4);
+  CHECK(r1.exit_code() == 4);
+  check_refused(r0.out(), r0.err(), ckpt, 7, 5);
+  CHECK_THAT(r1.err(), !Catch::Contains("checkpoint refused"));
+  for (int r : {0, 1}) {
+    const auto s = summary_of(dir + "/s" + std::to_string(r) + ".json");
+    CHECK(s["fenced"] == true);
+    CHECK(s["mglaunch_epoch"] == 5);
+    CHECK(s["steps"] == 6);
+  }
+  // The agent's root cause: the refusal in rank 0's error file.
+  CHECK_THAT(read_file(dir + "/error0.json"), Catch::Contains("checkpoint refused at step 6"));
+}
+
+TEST_CASE("without MGLAUNCH_EPOCH (torchrun, older agents) checkpoints are written as before, and a bad one is exit 2 in one line") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  REQUIRE(train("7", ckpt, 4, dir + "/new.json").code == 0);
+  const std::string fenced = read_file(ckpt + "/checkpoint.pt");
+  auto plain = train("", ckpt, 8, dir + "/plain.json");
+  REQUIRE(plain.code == 0);
+  CHECK(read_file(ckpt + "/checkpoint.pt") != fenced);
+  CHECK(summary_of(dir + "/plain.json")["mglaunch_epoch"].is_null());
+  CHECK(summary_of(dir + "/plain.json")["fenced"] == false);
+  for (const std::string bad : {"x", "-1", "7.5"}) {
+    auto env = alone("");
+    env["MGLAUNCH_EPOCH"] = bad;
+    auto r = run(command(ckpt, kShort), env, 60s);
+    INFO("MGLAUNCH_EPOCH='" << bad << "': " << r.err);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.err, Catch::StartsWith("mgtrain: error: MGLAUNCH_EPOCH='" + bad + "' is not a non-negative integer"));
+    CHECK(count_of(r.err, "\n") == 1);
+  }
+}

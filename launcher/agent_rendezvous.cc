@@ -63,7 +63,10 @@ rdzv::ServerOptions Agent::server_options() {
   so.only_job = plan_.run_id;
   so.host_agent = local_hostname();
   so.log = [this](const std::string& line) {
-    if (line.starts_with("warning:")) notice("rendezvous server: " + line);
+    // Warnings, and a round that waits for a majority of the voters (#34: this side of a
+    // partition runs nothing until then), reach the run's output.
+    if (line.starts_with("warning:") || line.find(" waits for a majority of the job's ") != std::string::npos)
+      notice("rendezvous server: " + line);
   };
   if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
   return so;
@@ -363,6 +366,7 @@ void Agent::apply_assignment(const proto::Assignment& a) {
   plan_.master_addr = a.master_addr;
   plan_.master_port = a.master_port;
   plan_.nodes = a.nodes;
+  plan_.epoch = a.epoch;
   if (trace_)
     trace_->complete(fmt::format("rendezvous round {}", a.round), "rendezvous", 0, rdzv_since_us_,
                      {{"round", a.round}, {"node_rank", a.group_rank}, {"nnodes", a.group_world_size},

@@ -56,6 +56,8 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
   // ("use_libuv was requested but PyTorch was build without libuv support"). A USE_LIBUV the
   // user set is inherited.
   if (plan.agent_store && plan.torch_major >= 2) env["USE_LIBUV"] = inherit_or("USE_LIBUV", "0");
+  // The round's epoch (#34): a worker writes its checkpoints only under the newest it saw.
+  if (plan.epoch > 0) env["MGLAUNCH_EPOCH"] = std::to_string(plan.epoch);
   if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
   if (!opts.gpu_ids.empty()) env["CUDA_VISIBLE_DEVICES"] = std::to_string(opts.gpu_ids.at(local_rank));
   if (opts.virtual_local_rank) {

@@ -38,6 +38,9 @@ struct RunPlan {
   // Workers connect to the agent's store at MASTER_ADDR:MASTER_PORT as clients
   // (TORCHELASTIC_USE_AGENT_STORE=True), as torchrun 2.x does; the agent serves it.
   bool agent_store = false;
+  // The round's epoch from the rendezvous (proto::Assignment::epoch), MGLAUNCH_EPOCH in the
+  // workers' environment; 0: none (no rendezvous, or one before #34): not set.
+  int epoch = 0;
   std::vector<std::string> notes;  // "[mglaunch] ..." lines for the agent to print at start
 };
 

@@ -639,7 +639,9 @@ Actions Supervisor::restart(const proto::Restart& r, const Now& now) {
     finish(leaving_code_, out);  // the others heard it: this node is gone
     return out;
   }
-  notice(fmt::format("restart {} decided by the rendezvous: {}", r.restart_count, r.reason), out);
+  // A fence is this node's own decision (rendezvous/client_machine.h): its one line says why.
+  if (r.reason.starts_with("this node fenced itself")) notice(r.reason, out);
+  else notice(fmt::format("restart {} decided by the rendezvous: {}", r.restart_count, r.reason), out);
   trace("restart", "restart", {{"restart_count", r.restart_count}, {"reason", r.reason}, {"by", "rendezvous"}}, out);
   if (state_ == State::kRunning) {
     rejoin_after_stop_ = true;

@@ -56,6 +56,16 @@ std::string node_list(const std::vector<std::string>& nodes, const std::vector<i
   return {};
 }
 
+// The voters of an epoch (Assignment, Standby): agent ids, at most kMaxListedNodes.
+std::string voter_list(int epoch, const std::vector<std::string>& voters) {
+  if (auto bad = range("epoch", epoch, 0, INT32_MAX); !bad.empty()) return bad;
+  if (voters.size() > kMaxListedNodes)
+    return fmt::format("voters lists {} entries (limit {})", voters.size(), kMaxListedNodes);
+  for (const auto& v : voters)
+    if (auto bad = text("a voter", v, kMaxIdBytes, true); !bad.empty()) return bad;
+  return {};
+}
+
 }  // namespace
 
 std::string validate(const Hello& m) {
@@ -86,7 +96,8 @@ std::string validate(const Join& m) {
                range("resume_group_rank", m.resume_group_rank, -1, m.max_nodes - 1),
                range("resume_restart_count", m.resume_restart_count, 0, m.max_restarts),
                range("takeover_port", m.takeover_port, 0, 65535),
-               range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1));
+               range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1),
+               range("epoch", m.epoch, 0, INT32_MAX));
 }
 
 std::string validate(const Assignment& m) {
@@ -99,7 +110,7 @@ std::string validate(const Assignment& m) {
             range("rank_offset", m.rank_offset, 0, m.world_size - 1));
   if (!e.empty()) return e;
   if (auto bad = range("standbys", m.standbys, 0, kMaxNodes); !bad.empty()) return bad;
-  return node_list(m.nodes, m.takeover_ports);
+  return first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters));
 }
 
 std::string validate(const Heartbeat& m) {
@@ -123,7 +134,7 @@ std::string validate(const Error& m) { return text("message", m.message, kMaxTex
 std::string validate(const Standby& m) {
   auto e = first(range("active_nodes", m.active_nodes, 0, kMaxNodes), range("position", m.position, 1, kMaxNodes),
                  range("round", m.round, 0, INT32_MAX), range("restart_count", m.restart_count, 0, kMaxRestarts));
-  return e.empty() ? node_list(m.nodes, m.takeover_ports) : e;
+  return e.empty() ? first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters)) : e;
 }
 
 std::string truncate_text(std::string t, std::size_t max_bytes) {

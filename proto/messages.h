@@ -92,6 +92,9 @@ struct Join {
   // Joining the node that took a job over after its host was lost: this node's group rank
   // in the last round (-1: none), which the new host keeps (Job::keep_places).
   int last_group_rank = -1;
+  // The highest epoch this node was told (Assignment::epoch; 0: none): a node that takes a
+  // job over, or a restarted daemon rebuilding a round, goes on from the highest (#34).
+  int epoch = 0;
 };
 struct Assignment {
   static constexpr MsgType kType = MsgType::kAssignment;
@@ -106,6 +109,14 @@ struct Assignment {
   std::vector<std::string> nodes;  // advertised addresses by group rank
   std::vector<int> takeover_ports;  // by group rank, as nodes (Join::takeover_port); empty: none listed
   int standbys = 0;  // the job's standby nodes when the round closed (Heartbeat::standbys keeps it current)
+  // The round's epoch: monotonic per job, also across a takeover and a daemon restart (#34);
+  // workers see it as MGLAUNCH_EPOCH. 0: not told (a server before #34).
+  int epoch = 0;
+  // The job's voters for this epoch (agent ids): the round's nodes by group rank, then the
+  // standbys registered when it closed. A new round after a node was lost, and a takeover,
+  // need a majority of them (docs/multinode.md, "Network partitions"). Empty: not listed
+  // (more than kMaxListedNodes, or a server before #34).
+  std::vector<std::string> voters;
 };
 struct Heartbeat {
   static constexpr MsgType kType = MsgType::kHeartbeat;
@@ -158,6 +169,8 @@ struct Standby {
   int restart_count = 0;  // of that round
   std::vector<std::string> nodes;   // that round's advertised addresses by group rank (Assignment::nodes)
   std::vector<int> takeover_ports;  // by group rank, as nodes (Assignment::takeover_ports)
+  int epoch = 0;                     // that round's (Assignment::epoch)
+  std::vector<std::string> voters;   // that round's (Assignment::voters)
 };
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
@@ -168,10 +181,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, ad
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
                                                 resume_restart_count, resume_done, resume_standby, takeover_port,
-                                                last_group_rank)
+                                                last_group_rank, epoch)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes,
-                                                takeover_ports, standbys)
+                                                takeover_ports, standbys, epoch, voters)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round, standbys)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank, local_rank, exit_code, signal,
                                                 message, last_lines)
@@ -182,7 +195,7 @@ inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Standby, active_nodes, position, round, restart_count, nodes,
-                                                takeover_ports)
+                                                takeover_ports, epoch, voters)
 
 // Field checks; an empty string means valid. Ranges and lengths are in limits.h; every
 // text is valid UTF-8 without control characters (text_problem() in text.h).

@@ -103,16 +103,26 @@ Frame frame_of(const Wire& w) {
   return f;
 }
 
+namespace {
+void put_texts(std::vector<std::uint8_t>& out, const std::vector<std::string>& texts) {
+  cbor::put_head(out, 4, texts.size());
+  for (const auto& t : texts) cbor::put_text(out, t);
+}
+}  // namespace
+
 AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
-  // The shared fields first; operator() appends group_rank and rank_offset (the map's 10th
-  // and 11th entries). Key order is free in CBOR maps: any decoder of ours reads them.
+  // The shared fields first; operator() appends group_rank and rank_offset (the map's 12th
+  // and 13th entries). Key order is free in CBOR maps: any decoder of ours reads them.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
   std::size_t bytes = 96 + a.master_addr.size();
   for (const auto& n : a.nodes) bytes += 2 + n.size();
   bytes += 20 + 3 * a.takeover_ports.size();
+  for (const auto& v : a.voters) bytes += 2 + v.size();
   out.reserve(bytes);
-  cbor::put_head(out, 5, 11);
+  cbor::put_head(out, 5, 13);
+  cbor::put_text(out, "epoch");
+  cbor::put_int(out, a.epoch);
   cbor::put_text(out, "group_world_size");
   cbor::put_int(out, a.group_world_size);
   cbor::put_text(out, "master_addr");
@@ -120,8 +130,7 @@ AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
   cbor::put_text(out, "master_port");
   cbor::put_int(out, a.master_port);
   cbor::put_text(out, "nodes");
-  cbor::put_head(out, 4, a.nodes.size());
-  for (const auto& n : a.nodes) cbor::put_text(out, n);
+  put_texts(out, a.nodes);
   cbor::put_text(out, "restart_count");
   cbor::put_int(out, a.restart_count);
   cbor::put_text(out, "round");
@@ -131,6 +140,8 @@ AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
   cbor::put_text(out, "takeover_ports");
   cbor::put_head(out, 4, a.takeover_ports.size());
   for (int p : a.takeover_ports) cbor::put_int(out, p);
+  cbor::put_text(out, "voters");
+  put_texts(out, a.voters);
   cbor::put_text(out, "world_size");
   cbor::put_int(out, a.world_size);
   body_ = std::move(body);
@@ -149,19 +160,21 @@ Wire AssignmentEncoder::operator()(int group_rank, int rank_offset) const {
 }
 
 StandbyEncoder::StandbyEncoder(const Standby& m) {
-  // operator() appends position, the map's 6th entry.
+  // operator() appends position, the map's 8th entry.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
   std::size_t bytes = 96;
   for (const auto& n : m.nodes) bytes += 2 + n.size();
   bytes += 3 * m.takeover_ports.size();
+  for (const auto& v : m.voters) bytes += 2 + v.size();
   out.reserve(bytes);
-  cbor::put_head(out, 5, 6);
+  cbor::put_head(out, 5, 8);
   cbor::put_text(out, "active_nodes");
   cbor::put_int(out, m.active_nodes);
+  cbor::put_text(out, "epoch");
+  cbor::put_int(out, m.epoch);
   cbor::put_text(out, "nodes");
-  cbor::put_head(out, 4, m.nodes.size());
-  for (const auto& n : m.nodes) cbor::put_text(out, n);
+  put_texts(out, m.nodes);
   cbor::put_text(out, "restart_count");
   cbor::put_int(out, m.restart_count);
   cbor::put_text(out, "round");
@@ -169,6 +182,8 @@ StandbyEncoder::StandbyEncoder(const Standby& m) {
   cbor::put_text(out, "takeover_ports");
   cbor::put_head(out, 4, m.takeover_ports.size());
   for (int p : m.takeover_ports) cbor::put_int(out, p);
+  cbor::put_text(out, "voters");
+  put_texts(out, m.voters);
   body_ = std::move(body);
 }
 

@@ -30,7 +30,8 @@ void tell(const ClientHandlers& h, const Decision& d) {
 
 Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers)
     : io_(io), m_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io),
-      takeover_timer_(io) {}
+      takeover_timer_(io),
+      fence_timer_(io) {}
 
 namespace {
 // Held by a name lookup's thread while it hands its result to the event loop, and by a
@@ -83,6 +84,7 @@ asio::steady_timer& Client::timer(ClientTimer t) {
     case ClientTimer::kRetry: return retry_timer_;
     case ClientTimer::kHeartbeat: return heartbeat_timer_;
     case ClientTimer::kWatchdog: return watchdog_;
+    case ClientTimer::kFence: return fence_timer_;
     case ClientTimer::kTakeover: break;
   }
   return takeover_timer_;
@@ -117,7 +119,8 @@ void Client::perform(ClientCommand& c) {
         } else if constexpr (std::is_same_v<T, cmd::Cancel>) {
           timer(x.timer).cancel();
         } else if constexpr (std::is_same_v<T, cmd::Shut>) {
-          for (auto t : {ClientTimer::kRetry, ClientTimer::kHeartbeat, ClientTimer::kWatchdog, ClientTimer::kTakeover})
+          for (auto t : {ClientTimer::kRetry, ClientTimer::kHeartbeat, ClientTimer::kWatchdog, ClientTimer::kTakeover,
+                         ClientTimer::kFence})
             timer(t).cancel();
           boost::system::error_code ec;
           if (connecting_) connecting_->close(ec);

@@ -83,7 +83,7 @@ class Client {
   ClientHandlers h_;
   std::shared_ptr<FramedConnection> conn_;
   std::unique_ptr<boost::asio::ip::tcp::socket> connecting_;
-  boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_, takeover_timer_;
+  boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_, takeover_timer_, fence_timer_;
   std::uint64_t connect_gen_ = 0;  // a connect whose generation is stale is ignored
   int connect_attempts_ = 0;
   bool agent_closed_ = false;  // close() was called: a refusal start() posted is not told

@@ -15,6 +15,10 @@ std::chrono::milliseconds connect_retry_delay(int retry) {
   return milliseconds(std::min(500, ms));
 }
 
+std::chrono::milliseconds fence_after(int keep_alive_ms, int keep_alive_max_attempt) {
+  return milliseconds(keep_alive_ms) * keep_alive_max_attempt - milliseconds(keep_alive_ms) / 2;
+}
+
 std::vector<TakeoverCandidate> takeover_candidates(const std::vector<std::string>& nodes,
                                                    const std::vector<int>& ports, const std::string& lost_addr,
                                                    int lost_port) {
@@ -107,7 +111,9 @@ ClientCommands ClientMachine::rejoin(Clock::time_point now) {
   // Assigned while the workers stopped (the join went with a reconnection): take it soon.
   if (pending_) out_.push_back(cmd::TakePending{});
   // (With the connection between its hello and its welcome, the join goes with the welcome.)
-  else if (connected_ && welcomed_) send(proto::to_wire(opts_.join));
+  // A node that fenced itself waits for the decision its failure report brings (a Restart),
+  // or re-registers its round on the next welcome: no fresh join on this session.
+  else if (connected_ && welcomed_ && !fenced_) send(proto::to_wire(opts_.join));
   return take_out();
 }
 
@@ -168,6 +174,10 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
 
 ClientCommands ClientMachine::connect_failed(bool refused, const std::string& error, Clock::time_point now) {
   if (closed_) return {};
+  // A refused connect: that machine answers. The rendezvous is restarting (no fence), or a
+  // takeover candidate has not noticed the loss yet (waited for, #34).
+  if (refused) heard(now);
+  if (refused && takeover_ && !takeover_->asking) takeover_->refused = true;
   // While a takeover is looked for, its timer moves on from a node that does not answer.
   if (!takeover_ && now >= deadline_) {
     lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, error), refused);
@@ -188,6 +198,7 @@ ClientCommands ClientMachine::frame(const proto::Frame& f, Clock::time_point now
   last_frame_ = now;
   if (closed_ || !connected_) return {};
   on_frame(f, now);
+  if (welcomed_ && connected_) heard(now);
   return take_out();
 }
 
@@ -195,7 +206,9 @@ ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::t
   const bool was = connected_;
   connected_ = false;
   if (closed_ || !was) return {};
-  // A server that welcomed us and then vanished may come back: keep trying.
+  // A server that welcomed us and then vanished may come back: keep trying. A closed
+  // connection is an answer of its machine (a restart, not a partition: no fence).
+  heard(now);
   if (ever_welcomed_) reconnect_later(why, now);
   else if (!welcomed_ && !answered_)  // closed before a word: maybe not our server at all
     lost(fmt::format("the connection to the rendezvous server at {} ended before its welcome ({}); {}",
@@ -215,8 +228,16 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
       }
       break;
     case ClientTimer::kTakeover:
-      if (takeover_ && !takeover_->asking) next_candidate("no answer", now);
+      if (!takeover_ || takeover_->asking) break;
+      // A candidate that refuses is alive and will host once it notices: waited for, to the
+      // search's deadline; one that is silent is cut off (or gone): the next is tried.
+      if (takeover_->refused && now < takeover_->deadline) {
+        arm(ClientTimer::kTakeover, std::min(takeover_->deadline, now + milliseconds(opts_.join.keep_alive_ms)));
+        break;
+      }
+      next_candidate(takeover_->refused ? "refused until the search's deadline" : "no answer", now);
       break;
+    case ClientTimer::kFence: fence(now); break;
     case ClientTimer::kWatchdog: {
       const auto join_timeout = milliseconds(opts_.join.join_timeout_ms);
       // The server decides on join_timeout itself; this catches a server that cannot.
@@ -238,7 +259,7 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
         } else if (welcomed_ && now - last_frame_ > silent) {
           reconnect_later(
               fmt::format("no answer for {} ms", std::chrono::duration_cast<milliseconds>(now - last_frame_).count()),
-              now);
+              now, /*silent=*/true);
         }
       }
       if (!closed_) watch(now);
@@ -356,6 +377,8 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         pending_.reset();
         unanswered_failure_.reset();
         join_wanted_ = false;
+        fenced_ = false;
+        cancel(ClientTimer::kFence);  // the workers stop on this Restart
         restarts_seen_ = std::max(restarts_seen_, r.restart_count);
         out_.push_back(cmd::Tell{std::move(r)});
         return;
@@ -364,12 +387,14 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         auto a = proto::from_frame<proto::Abort>(f);
         waiting_since_.reset();
         decided_ = true;
+        cancel(ClientTimer::kFence);
         out_.push_back(cmd::Tell{std::move(a)});
         return;
       }
       case MsgType::kDone:
         waiting_since_.reset();
         decided_ = true;
+        cancel(ClientTimer::kFence);
         out_.push_back(cmd::Tell{proto::Done{}});
         return;
       case MsgType::kStandby: {
@@ -381,6 +406,9 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         standbys_ = std::max(standbys_, m.position);
         // A node that took a job over lists no round before its own closes: keep the last.
         if (!standby_of_ || !m.nodes.empty()) standby_of_ = m;
+        opts_.join.epoch = std::max(opts_.join.epoch, m.epoch);
+        if (!m.voters.empty()) voters_ = m.voters;
+        cancel(ClientTimer::kFence);  // no workers of a round to stop
         out_.push_back(cmd::Tell{std::move(m)});
         return;
       }
@@ -454,12 +482,22 @@ void ClientMachine::take(const proto::Assignment& a) {
   done_sent_ = false;
   unanswered_failure_.reset();
   waiting_since_.reset();
+  fenced_ = false;
+  opts_.join.epoch = std::max(opts_.join.epoch, a.epoch);
+  voters_ = a.voters;
+  if (voters_.size() == 2 && !host_agent_.empty() && !two_voters_told_) {
+    two_voters_told_ = true;
+    out_.push_back(cmd::Notice{
+        "this job has two voters (two nodes, no standby): if a network partition cuts them apart, no side has a "
+        "majority; the side of the rendezvous host goes on and the other stops its workers and waits (a third node "
+        "or a standby rules a split out; docs/multinode.md, \"Network partitions\")"});
+  }
   out_.push_back(cmd::Tell{a});
 }
 
-void ClientMachine::reconnect_later(const std::string& why, Clock::time_point now) {
+void ClientMachine::reconnect_later(const std::string& why, Clock::time_point now, bool silent) {
   if (closed_) return;
-  if (!host_agent_.empty()) return host_lost(why, now);
+  if (!host_agent_.empty()) return host_lost(why, now, silent);
   // Connections that are made but fail (an unauthenticated server) count against the
   // outage's join_timeout like refused ones.
   if (in_outage_ && now >= deadline_)
@@ -485,7 +523,7 @@ void ClientMachine::drop_connection() {
   out_.push_back(cmd::Drop{});
 }
 
-void ClientMachine::host_lost(const std::string& why, Clock::time_point now) {
+void ClientMachine::host_lost(const std::string& why, Clock::time_point now, bool silent) {
   // The job ended (Abort, Done) and its host closes: nothing was lost, nothing to take over.
   if (decided_) return drop_connection();
   if (takeover_) return next_candidate(why, now);  // a candidate's connection failed before its welcome
@@ -511,6 +549,11 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now) {
   t.round = standby ? standby_of_->round : last_->round;
   t.self_rank = standby ? -1 : last_->group_rank;
   t.listed = static_cast<int>(standby ? standby_of_->nodes.size() : last_->nodes.size());
+  t.epoch = opts_.join.epoch;
+  t.voters = voters_;
+  t.host_closed = !silent;
+  cancel(ClientTimer::kFence);  // the round is over: the takeover's Restart stops the workers
+  fenced_ = false;
   takeover_ = std::move(t);
   if (standby) {
     // No workers to stop, no restart to take: it re-registers as a standby with the new host.
@@ -547,8 +590,11 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
     // nodes but the lost host and those below this one are expected to re-join.
     const int survivors = std::max(1, t.listed - 1 - static_cast<int>(t.next - 1));
     t.asking = true;
-    out_.push_back(
-        cmd::HostTakeover{TakeoverSeed{t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors, t.listed}});
+    TakeoverSeed seed{t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors, t.listed};
+    seed.epoch = t.epoch;
+    seed.voters = t.voters;
+    seed.host_closed = t.host_closed;
+    out_.push_back(cmd::HostTakeover{std::move(seed)});
     return;
   }
   std::string reason = t.lost + "; no survivor could take over";
@@ -561,10 +607,44 @@ void ClientMachine::connect_candidate(const std::string& host, int port, Clock::
   const Takeover& t = *takeover_;
   opts_.host = host;
   opts_.port = port;
+  takeover_->refused = false;
   // One keep-alive interval for each node below this one (bounded by the whole search's).
   arm(ClientTimer::kTakeover, std::min(t.deadline, now + milliseconds(opts_.join.keep_alive_ms)));
   refused_ = 0;
   try_connect();
+}
+
+void ClientMachine::heard(Clock::time_point now) {
+  if (closed_ || !current_ || takeover_ || fenced_ || decided_) return;
+  arm(ClientTimer::kFence, now + fence_after(opts_.join.keep_alive_ms, opts_.join.keep_alive_max_attempt));
+}
+
+void ClientMachine::fence(Clock::time_point now) {
+  if (closed_ || !current_ || takeover_ || fenced_ || decided_) return;
+  fenced_ = true;
+  const auto bound = fence_after(opts_.join.keep_alive_ms, opts_.join.keep_alive_max_attempt);
+  const auto drop = milliseconds(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt;
+  const std::string why = fmt::format(
+      "this node fenced itself: no word from the rendezvous at {} for {} s (it may give this node's place away after "
+      "{} s of silence); its workers stop so that a cut-off node never trains beside the majority; waiting to rejoin",
+      host_port(opts_.host, opts_.port), bound.count() / 1000.0, drop.count() / 1000.0);
+  // The round is over for this node: re-registered with the rendezvous, it reports the
+  // fence as a node failure (the job restarts, or has gone on already and says so).
+  proto::WorkerFailed f;
+  f.round = current_->round;
+  f.host = opts_.join.host;
+  f.rank = -1;
+  f.exit_code = 1;
+  f.message = fmt::format("node {} ({}) fenced itself: no word from the rendezvous for {} s", opts_.join.host,
+                          opts_.join.addr, bound.count() / 1000.0);
+  proto::truncate_to_limits(f);
+  // The server may still hear this node (a one-way cut): it hears the fence now.
+  if (connected_ && welcomed_) send(proto::to_wire(f));
+  unanswered_failure_ = std::move(f);
+  join_wanted_ = false;
+  pending_.reset();
+  waiting_since_ = now;
+  out_.push_back(cmd::Tell{proto::Restart{restarts_seen_, why}});
 }
 
 void ClientMachine::end_host_lost(const std::string& reason) {

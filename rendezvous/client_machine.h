@@ -22,14 +22,12 @@
 //   Abort and Done are told and only mark the job decided (decided_): the link stays open
 //   until the agent's close(), and a host that then closes is no loss (no takeover).
 //
-// Quorum (#34, not implemented yet): see docs/design.md, "Plan for quorum and fencing". In
-// short: the voters (a fixed list with an epoch) are not known to this client today
-// (Assignment lists only the round's nodes, standbys only as a count), so the protocol must
-// change first; the majority is counted where joins arrive (rdzv::Job::take_over and its
-// takeover deadline), not in next_candidate(); the search tells a refused connect (a live
-// node not yet noticing) from a silent one (partitioned); fencing gets its own timer that
-// fires before the server drops the member, and never stops a job on a mere daemon restart;
-// etcd's liveness is EtcdLink's lease thread, not this machine.
+// Quorum and fencing (#34; docs/design.md, "Quorum and fencing"): the takeover search waits
+// for a candidate that refuses (alive, not noticed yet) and passes over a silent one; the
+// seed carries the epoch's voters, which the new host's rdzv::Job counts; a node running a
+// round that hears nothing from its rendezvous for fence_after() stops its workers (kFence)
+// before the server may drop it, and a refused or closed connection (a daemon restart) is
+// an answer, never a reason to fence.
 #pragma once
 
 #include <array>
@@ -107,7 +105,13 @@ std::optional<Decision> decision_of(const proto::Frame& f);
 // a generation, reported back with the fire: a fire of an earlier arm, or of a cancelled one
 // (an Asio handler already queued runs with success after cancel() or expires_at()), is
 // stale and ignored.
-enum class ClientTimer { kRetry, kHeartbeat, kWatchdog, kTakeover };
+enum class ClientTimer { kRetry, kHeartbeat, kWatchdog, kTakeover, kFence };
+
+// How long a node that runs a round may go without a word from its rendezvous (a frame, or
+// a refused or closed connection: its machine answered) before it stops its workers on its
+// own: half a keep-alive interval before the server drops a silent member (keep-alive x
+// attempts), so the majority never runs beside a minority that still trains (#34). Pure.
+std::chrono::milliseconds fence_after(int keep_alive_ms, int keep_alive_max_attempt);
 
 // What the effect layer does, in the order given.
 namespace cmd {
@@ -170,7 +174,8 @@ class ClientMachine {
 
  private:
   void try_connect();
-  void reconnect_later(const std::string& why, Clock::time_point now);
+  // `silent`: the server went silent (not a closed connection).
+  void reconnect_later(const std::string& why, Clock::time_point now, bool silent = false);
   void failed_attempt(const std::string& why, Clock::time_point now);  // a connection made that proved nothing
   void on_frame(const proto::Frame& f, Clock::time_point now);
   void on_welcome(Clock::time_point now);
@@ -179,7 +184,7 @@ class ClientMachine {
   // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
   // reconnection is tried; a survivor takes it over, or the node ends with the lost host as
   // root cause (end_host_lost).
-  void host_lost(const std::string& why, Clock::time_point now);
+  void host_lost(const std::string& why, Clock::time_point now, bool silent);
   void next_candidate(const std::string& why_previous, Clock::time_point now);
   void connect_candidate(const std::string& host, int port, Clock::time_point now);
   void end_host_lost(const std::string& reason);
@@ -194,6 +199,12 @@ class ClientMachine {
   }
   std::uint64_t new_generation(ClientTimer t) { return generation_[static_cast<std::size_t>(t)] = ++generations_; }
   void schedule_heartbeat(Clock::time_point now);
+  // The rendezvous' machine answered (a frame, a refused or closed connection): the fence
+  // timer starts again, while this node runs a round (#34).
+  void heard(Clock::time_point now);
+  // Silent past fence_after(): stop the workers (a Restart for the agent, the round kept for
+  // re-registration with a failure report) and wait to rejoin.
+  void fence(Clock::time_point now);
   void watch(Clock::time_point now);
   ClientCommands take_out() { return std::exchange(out_, {}); }
 
@@ -201,7 +212,7 @@ class ClientMachine {
   std::string key_;  // the job key; empty without a token
   std::string nonce_, session_;
   ClientCommands out_;                            // of the event being handled
-  std::array<std::uint64_t, 4> generation_{};     // of each timer's current arm (ClientTimer)
+  std::array<std::uint64_t, 5> generation_{};     // of each timer's current arm (ClientTimer)
   std::uint64_t generations_ = 0;                 // the last generation given
   Clock::time_point deadline_;                    // connect attempts give up here
   std::optional<Clock::time_point> waiting_since_;  // joined, no decision yet
@@ -229,6 +240,12 @@ class ClientMachine {
     int listed = 0;      // nodes listed in that round
     std::string tried;   // what each candidate said, for the root cause
     bool asking = false;  // cmd::HostTakeover given, hosted() not heard yet
+    // The candidate tried now refused a connect: its machine answers, its agent has not
+    // noticed the loss yet; it is waited for (to the search's deadline), not passed over.
+    bool refused = false;
+    int epoch = 0;                    // the highest this node saw (the seed's)
+    std::vector<std::string> voters;  // of that epoch
+    bool host_closed = false;         // the host's connection closed (not silence)
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over
   bool decided_ = false;  // the job ended (Abort or Done heard): its host may go
@@ -238,6 +255,9 @@ class ClientMachine {
   std::optional<proto::WorkerFailed> unanswered_failure_;
   bool done_sent_ = false;
   bool standby_ = false;  // told Standby, no assignment since: said again on re-registering
+  bool fenced_ = false;   // stopped its workers on the fence timer; the round's decision not heard yet
+  std::vector<std::string> voters_;  // of the last epoch told (Assignment, Standby)
+  bool two_voters_told_ = false;     // the two-voter notice was given
   std::chrono::milliseconds backoff_{100};  // between reconnects after a loss
   int refused_ = 0;  // refused connects in a row at start (connect_retry_delay)
   bool closed_ = false;

@@ -12,7 +12,7 @@ using namespace std::chrono;
 
 namespace {
 constexpr const char* kKindNames[] = {"created", "joined", "standby", "round_started", "worker_failed", "node_lost",
-                                      "standby_lost", "restart", "promoted", "takeover", "done", "failed"};
+                                      "standby_lost", "restart", "promoted", "takeover", "done", "failed", "no_quorum"};
 
 // "HOST (ADDR, agent ID)", or what of it is known.
 std::string node_text(const JobEvent& e) {
@@ -36,6 +36,8 @@ std::string text_of(const JobEvent& e) {
     case K::kJoined:
       if (e.how == "re-registered")
         return fmt::format("{}: {} re-registered round {} (restart {})", job, node_text(e), e.round, e.restart_count);
+      if (e.how == "reconnected")
+        return fmt::format("{}: {} re-registered round {} after losing its connection", job, node_text(e), e.round);
       if (e.how == "survivor")
         return fmt::format("{}: {} re-joined for round {} (restart {})", job, node_text(e), e.round + 1, e.restart_count);
       return fmt::format("{}: {} joined, active, for round {}", job, node_text(e), e.round + 1);
@@ -75,6 +77,10 @@ std::string text_of(const JobEvent& e) {
     case K::kFailed:
       return fmt::format("{} failed at round {} (restart {} of {}): root cause: {}", job, e.round, e.restart_count,
                          e.max_restarts, e.why);
+    case K::kNoQuorum:
+      return fmt::format("{}: round {} waits for a majority of the job's {} voters: {} of them joined, {} needed (the "
+                         "others are lost or cut off; no round runs without a majority)",
+                         job, e.round + 1, e.voters, e.nodes, e.voters / 2 + 1);
   }
   return job;
 }
@@ -112,6 +118,7 @@ nlohmann::json json_of(const JobEvent& e) {
     case K::kPromoted: j["replaces"] = e.replaces; break;
     case K::kTakeover: j["max_restarts"] = e.max_restarts; j["why"] = e.why; break;
     case K::kDone: j["nodes"] = e.nodes; break;
+    case K::kNoQuorum: j["nodes"] = e.nodes; j["voters"] = e.voters; break;
     case K::kFailed:
       j["max_restarts"] = e.max_restarts;
       j["rank"] = e.rank >= 0 ? nlohmann::json(e.rank) : nlohmann::json();
@@ -172,6 +179,8 @@ proto::Standby Job::standby_fields() const {
   m.restart_count = restart_count_;
   m.nodes = round_nodes_;
   m.takeover_ports = round_ports_;
+  m.epoch = epoch_;
+  m.voters = voters_;
   return m;
 }
 
@@ -256,6 +265,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
                                                          j.max_nodes)})}};
   }
   if (j.resume_round > 0) {
+    if (auto back = resume_after_outage(s, j, now)) return std::move(*back);
     Actions dropped = newer_than_rebuild(j) ? drop_rebuild(j) : Actions{};
     // A restarted server where a new node (a replacement, started meanwhile) joined before
     // the running round's nodes came back: their round wins, the new node waits as its
@@ -277,6 +287,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       placed_.clear();
       round_ = j.resume_round;
       restart_count_ = j.resume_restart_count;
+      epoch_ = std::max(epoch_, j.epoch);
       expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
       rebuilding_ = true;
       rebuild_since_ = now;
@@ -383,6 +394,37 @@ Actions Job::fail_job(const proto::WorkerFailed& root_cause, const std::string& 
   return out;
 }
 
+std::optional<Actions> Job::resume_after_outage(SessionId s, const proto::Join& j, Clock::time_point now) {
+  // A restarted server rebuilds its round from these (check_resume decides).
+  if ((state_ == State::kJoining && round_ == 0) || rebuilding_) return std::nullopt;
+  if (state_ == State::kRunning && j.resume_round == round_ && j.resume_restart_count == restart_count_) {
+    // A node of the running round whose connection was lost (an outage of its own, the
+    // server never restarted) re-registers: its new session takes the old one's place and its
+    // workers go on. Only a node of the round (its agent id) may; others are refused below.
+    auto old = std::find_if(members_.begin(), members_.end(),
+                            [&](const auto& m) { return m.first != s && m.second.join.agent_id == j.agent_id; });
+    if (old == members_.end()) return std::nullopt;
+    Node n = std::move(old->second);
+    members_.erase(old);
+    n.last_seen = now;
+    n.done = n.done || j.resume_done;
+    emit(JobEvent::Kind::kJoined, &n.join).how = "reconnected";
+    members_[s] = std::move(n);
+    return maybe_done();
+  }
+  if (std::pair(j.resume_restart_count, j.resume_round) < std::pair(restart_count_, round_)) {
+    // The job went on without this node (it was cut off, or away long enough to be dropped):
+    // its round is over. It stops its workers (if it has not fenced them already) and joins
+    // again, as a newcomer: in the next round or as a standby (#34). Never an Error that
+    // ends the node while its workers run on.
+    return Actions{{s, proto::to_wire(proto::Restart{
+                           restart_count_, fmt::format("round {} of job '{}' went on without this node (it is at round "
+                                                       "{}, restart {}): stop and join again",
+                                                       j.resume_round, id_, round_, restart_count_)})}};
+  }
+  return std::nullopt;
+}
+
 bool Job::newer_than_rebuild(const proto::Join& j) const {
   return rebuilding_ && state_ == State::kRunning && !members_.empty() &&
          std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
@@ -463,7 +505,34 @@ std::size_t Job::approx_bytes() const {
   return bytes;
 }
 
+int Job::voters_joined() const {
+  return static_cast<int>(std::count_if(joined_.begin(), joined_.end(), [&](const auto& n) {
+    return std::find(voters_.begin(), voters_.end(), n.second.join.agent_id) != voters_.end();
+  }));
+}
+
+bool Job::has_quorum() const {
+  if (!quorum_ || !need_quorum_ || voters_.empty()) return true;
+  const int voters = static_cast<int>(voters_.size());
+  const int joined = voters_joined();
+  // Two voters: no side of a cut between them has a majority. The side that kept the
+  // rendezvous host goes on (the arbiter's side); a node that took the job over goes on
+  // only after it saw its host's connection close (its agent is gone, its machine
+  // answered), never after silence (docs/multinode.md, "Network partitions").
+  if (voters <= 2) return joined >= 1 && (!took_over_ || voters_host_closed_);
+  return 2 * joined > voters;
+}
+
 Actions Job::close_round(Clock::time_point now) {
+  if (!has_quorum()) {
+    if (!quorum_told_) {  // once per round waited for; the join_timeout's root cause says it again
+      quorum_told_ = true;
+      auto& e = emit(JobEvent::Kind::kNoQuorum);
+      e.nodes = voters_joined();
+      e.voters = static_cast<int>(voters_.size());
+    }
+    return {};
+  }
   // Nodes are moved, not copied: at 100,000 nodes a copy of the round is ~25 MB.
   std::vector<std::pair<SessionId, Node>> nodes;
   nodes.reserve(joined_.size());
@@ -501,7 +570,13 @@ Actions Job::close_round(Clock::time_point now) {
   }
   keep_places(nodes);
   ++round_;
+  // The epoch: one more than any this job or a joining node has seen (a node that took the
+  // job over learns the highest from its survivors' joins).
+  for (const auto& [s, n] : nodes) epoch_ = std::max(epoch_, n.join.epoch);
+  if (epoch_ < INT32_MAX) ++epoch_;
+  need_quorum_ = quorum_told_ = took_over_ = voters_host_closed_ = false;
   proto::Assignment a;
+  a.epoch = epoch_;
   a.round = round_;
   a.group_world_size = static_cast<int>(nodes.size());
   a.restart_count = restart_count_;
@@ -522,6 +597,14 @@ Actions Job::close_round(Clock::time_point now) {
     }
     a.world_size += n.join.nproc;
   }
+  // The voters of this epoch: its nodes, then the standbys registered now (not listed past
+  // kMaxListedNodes: no majority is counted for such a job).
+  voters_.clear();
+  if (nodes.size() + standby_.size() <= proto::kMaxListedNodes) {
+    for (const auto& [s, n] : nodes) voters_.push_back(n.join.agent_id);
+    for (const auto& [s, n] : standby_) voters_.push_back(n.join.agent_id);
+  }
+  a.voters = voters_;
   {
     auto& e = emit(JobEvent::Kind::kRoundStarted);
     e.nodes = a.group_world_size;
@@ -577,6 +660,7 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     restart_host_ = root_cause.host;
     const bool node_lost = lost != 0 || root_cause.rank < 0;
     lost_host_ = node_lost ? root_cause.host : std::string();
+    if (node_lost) need_quorum_ = true;
     first_join_ = now;
     {
       auto& e = emit(JobEvent::Kind::kRestart);
@@ -657,8 +741,9 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
     e.cause = "connection closed";
     e.why = fmt::format("{}, waiting for round {}", why, round_ + 1);
   }
-  joined_.erase(s);
-  rejoining_.erase(s);
+  // A node of the round lost while the next one forms: that round needs a majority too.
+  const bool was_joined = joined_.erase(s) > 0;
+  if ((rejoining_.erase(s) > 0 || was_joined) && state_ == State::kRestarting) need_quorum_ = true;
   auto it = members_.find(s);
   if (it == members_.end()) {
     if (joined_.size() < static_cast<std::size_t>(config_.min_nodes)) last_call_deadline_.reset();
@@ -705,6 +790,10 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   first_join_ = last_activity_ = now;
   takeover_ = seed;
   takeover_reserved_ = std::max(0, seed.survivors);
+  epoch_ = std::max(epoch_, seed.epoch);
+  voters_ = seed.voters;
+  need_quorum_ = took_over_ = true;
+  voters_host_closed_ = seed.host_closed;
   auto& e = emit(JobEvent::Kind::kTakeover);
   e.host = seed.lost_host;
   e.why = seed.reason;
@@ -776,6 +865,10 @@ Actions Job::tick_deadlines(Clock::time_point now) {
       rc.rank = -1;
       rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
                                config_.min_nodes, id_);
+      if (!has_quorum())
+        rc.message = fmt::format("no majority of job '{}''s {} voters within join_timeout: {} of them joined, {} needed "
+                                 "(a network partition may have cut this side off; the majority's side goes on)",
+                                 id_, voters_.size(), voters_joined(), voters_.size() / 2 + 1);
       if (state_ == State::kRestarting && !restart_reason_.empty()) {
         // The restart's cause is the job's: the node lost, not a join that came too late.
         rc.round = round_;

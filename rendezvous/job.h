@@ -67,6 +67,15 @@ struct TakeoverSeed {
   // The last round's size: only a join claiming a group rank below it (Join::last_group_rank),
   // not claimed by another node yet, takes one of those kept places. 0: not known (any rank).
   int world_size = 0;
+  // The highest epoch the new host has seen (its next round's is higher), and the voters of
+  // that epoch (Assignment::voters): the round the new host opens needs a majority of them
+  // among its joins (#34). Empty: none known, no majority asked.
+  int epoch = 0;
+  std::vector<std::string> voters{};
+  // The new host saw its host's connection close (the host's machine answered: its agent is
+  // gone, not cut off), not go silent. With two voters that is enough for the survivor to
+  // go on alone; after silence it is not (docs/multinode.md, "Network partitions").
+  bool host_closed = false;
 };
 
 // A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
@@ -97,6 +106,7 @@ struct JobEvent {
     kTakeover,      // a survivor took the job over after its hosting agent (host) was lost: why
     kDone,          // every node finished: round, restart_count, nodes
     kFailed,        // the job failed: why (the root cause), host, rank, exit_code
+    kNoQuorum,      // the next round waits for a majority of the voters: nodes (joined voters), voters (#34)
   };
   Kind kind = Kind::kCreated;
   std::string job;
@@ -107,13 +117,14 @@ struct JobEvent {
   long long world_size = 0;
   std::vector<std::pair<std::string, std::string>> members;  // kRoundStarted: (host, addr), at most kListedMembers
   int position = 0;
+  int voters = 0;  // kNoQuorum: the epoch's voters (nodes: those that joined)
   int rank = -1, exit_code = 0, signal = 0;
   std::string how, cause, why, replaces;
 
   static constexpr std::size_t kListedMembers = 8;
 };
 // "created", "joined", "standby", "round_started", "worker_failed", "node_lost",
-// "standby_lost", "restart", "promoted", "takeover", "done", "failed".
+// "standby_lost", "restart", "promoted", "takeover", "done", "failed", "no_quorum".
 const char* kind_name(JobEvent::Kind k);
 // The event as one line of text ("job 'J': node H (A, agent X) lost: WHY").
 std::string text_of(const JobEvent& e);
@@ -124,7 +135,10 @@ class Job {
  public:
   enum class State { kJoining, kRunning, kRestarting, kDone, kFailed };
 
-  explicit Job(std::string id) : id_(std::move(id)) {}
+  // `quorum`: the job is hosted by one of its own agents (not a daemon or etcd, arbiters
+  // apart from the nodes), so a new round after nodes were lost needs a majority of the
+  // voters (#34; docs/multinode.md, "Network partitions").
+  explicit Job(std::string id, bool quorum = false) : id_(std::move(id)), quorum_(quorum) {}
 
   Actions join(SessionId s, const proto::Join& j, Clock::time_point now);
   Actions heartbeat(SessionId s, Clock::time_point now);
@@ -151,6 +165,9 @@ class Job {
   State state() const { return state_; }
   int restart_count() const { return restart_count_; }
   int round() const { return round_; }
+  // The epoch of the running (or last) round: one more at every round, never less than any
+  // a joining node reported (Join::epoch), so it grows across a takeover and a daemon restart.
+  int epoch() const { return epoch_; }
   // For metrics: nodes in the running round (or waiting for the next), nodes lost by a
   // closed connection, and by missed heartbeats.
   std::size_t nodes() const { return members_.size() + joined_.size(); }
@@ -203,16 +220,36 @@ class Job {
   // away (one the job declared lost can reach a restarted server before the nodes that went
   // on). drop_rebuild() tells them so and starts the rebuild again from `j`.
   bool newer_than_rebuild(const proto::Join& j) const;
+  // A re-registration (resume_round > 0) with a server that did not restart: a node of the
+  // running round that lost its connection takes its place back on its new session; one the
+  // job went on without (a later restart or round) is told Restart, so that it stops its
+  // workers and joins again (#34). nullopt: neither (a rebuild, or refused by check_resume).
+  std::optional<Actions> resume_after_outage(SessionId s, const proto::Join& j, Clock::time_point now);
   // The job failed: every node hears `root_cause` (the broadcast reaches members, waiting
   // nodes and standbys) and the job forgets them.
   Actions fail_job(const proto::WorkerFailed& root_cause, const std::string& reason);
   // The root cause "node H (A) lost: WHY" of a node lost during round_.
   proto::WorkerFailed lost_cause(const proto::Join& j, std::string_view why) const;
   Actions drop_rebuild(const proto::Join& j);
+  // The voters that joined the next round (joined_ whose agent id is one of voters_).
+  int voters_joined() const;
+  // Whether the next round may open: always, except after a node was lost in a job that
+  // counts a quorum (quorum_), which then needs a majority of voters_ (with two voters, the
+  // side that kept its host: see the .cc).
+  bool has_quorum() const;
   // Records an event of `kind` (about node `n` when given), with the job's round and restarts.
   JobEvent& emit(JobEvent::Kind kind, const proto::Join* n = nullptr);
 
   std::string id_;
+  bool quorum_ = false;       // the job counts a majority after a loss (an agent hosts it)
+  int epoch_ = 0;             // of the last round (epoch())
+  // The voters of epoch_ (agent ids): the round's nodes and the standbys when it closed;
+  // empty when more than kMaxListedNodes (no majority is counted then).
+  std::vector<std::string> voters_;
+  bool need_quorum_ = false;  // a node of the round was lost: the next round needs a majority
+  bool quorum_told_ = false;  // the wait for a majority was recorded (kNoQuorum) for this round
+  bool took_over_ = false;           // this job was taken over; its first round not closed yet
+  bool voters_host_closed_ = false;  // the takeover's host was seen to close (TakeoverSeed)
   State state_ = State::kJoining;
   proto::Join config_;  // settings from the first join (min/max nodes, timeouts, restarts)
   bool configured_ = false;

@@ -106,7 +106,7 @@ Server::Server(asio::io_context& io, ServerOptions opts)
 Server::~Server() { stop(); }
 
 void Server::take_over(const std::string& job_id, const TakeoverSeed& seed) {
-  auto [it, inserted] = jobs_.try_emplace(job_id, job_id);
+  auto [it, inserted] = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty());
   if (inserted) ++jobs_created_;
   it->second.take_over(seed, Clock::now());
   drive(it->second, {});
@@ -421,7 +421,7 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
       if (budget_->used >= budget_->limit)
         return refuse(fmt::format("the rendezvous daemon is at its memory limit ({} MiB); retry later or raise "
                                   "--max-memory", opts_.max_memory >> 20));
-      auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id);
+      auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id, !opts_.host_agent.empty());
       if (inserted) ++jobs_created_;
       s->joined = true;
       s->idle_limit = std::max<std::chrono::milliseconds>(

@@ -116,7 +116,51 @@ TEST_CASE("an assignment listing the most nodes of the longest addresses fits in
   a.world_size = a.group_world_size;
   a.master_addr = "m";
   a.nodes.assign(kMaxListedNodes, std::string(kMaxHostBytes, 'n'));
+  a.voters.assign(kMaxListedNodes, std::string(kMaxIdBytes, 'v'));  // and the most voters (#34)
   CHECK_NOTHROW(encode(to_frame(a)));
+}
+
+TEST_CASE("an assignment and a standby message carry the epoch and its voters; a peer's frame from before #34 "
+          "(no such fields) decodes with epoch 0 and no voters, and one with fields this build does not know "
+          "decodes all the same (#34)") {
+  Assignment a;
+  a.round = 4;
+  a.master_addr = "m";
+  a.epoch = 7;
+  a.voters = {"n0:1", "n1:2", "standby:3"};
+  const auto back = from_frame<Assignment>(to_frame(a));
+  CHECK(back.epoch == 7);
+  CHECK(back.voters == a.voters);
+  Frame old = to_frame(a);
+  old.payload.erase("epoch");
+  old.payload.erase("voters");
+  const auto from_old = from_frame<Assignment>(old);
+  CHECK(from_old.epoch == 0);
+  CHECK(from_old.voters.empty());
+  Frame newer = to_frame(a);
+  newer.payload["a_later_field"] = 1;
+  CHECK(from_frame<Assignment>(newer).epoch == 7);
+  Assignment negative = a;
+  negative.epoch = -1;
+  CHECK(validate(negative).find("epoch") != std::string::npos);
+  Assignment bad_voter = a;
+  bad_voter.voters[1] = "";
+  CHECK(validate(bad_voter).find("voter") != std::string::npos);
+  Assignment too_many = a;
+  too_many.voters.assign(kMaxListedNodes + 1, "v");
+  CHECK(validate(too_many).find("voters lists") != std::string::npos);
+  Standby s;
+  s.epoch = 7;
+  s.voters = a.voters;
+  const auto sb = from_frame<Standby>(to_frame(s));
+  CHECK(sb.epoch == 7);
+  CHECK(sb.voters == a.voters);
+  Join j;
+  j.job_id = "j";
+  j.agent_id = "n0:1";
+  j.addr = "a";
+  j.epoch = 7;
+  CHECK(from_frame<Join>(to_frame(j)).epoch == 7);
 }
 
 TEST_CASE("a standby message takes a node count and a 1-based position, and refuses others (#26)") {

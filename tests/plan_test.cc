@@ -61,6 +61,14 @@ TEST_CASE("the worker environment follows torchrun's contract") {
   CHECK_FALSE(env.contains("CUDA_VISIBLE_DEVICES"));
 }
 
+TEST_CASE("workers see the round's epoch as MGLAUNCH_EPOCH, and no such variable without one (#34)") {
+  AgentOptions opts;
+  RunPlan plan = two_node_plan(1);
+  CHECK_FALSE(build_contract_env(plan, opts, {}, 0, 0, "e").contains("MGLAUNCH_EPOCH"));
+  plan.epoch = 12;
+  CHECK(build_contract_env(plan, opts, {}, 0, 0, "e").at("MGLAUNCH_EPOCH") == "12");
+}
+
 TEST_CASE("user settings of NCCL error handling are kept and gpu ids map per local rank") {
   AgentOptions opts;
   opts.gpu_ids = {4, 6, 1, 0};

@@ -21,6 +21,8 @@ Assignment sample(std::size_t listed) {
   a.master_port = 41234;  // any port: nothing binds it
   a.restart_count = 3;
   for (std::size_t i = 0; i < listed; ++i) a.nodes.push_back("127.0." + std::to_string(i / 256) + "." + std::to_string(i % 256));
+  a.epoch = 9;
+  for (std::size_t i = 0; i < listed; ++i) a.voters.push_back("node" + std::to_string(i) + ":4242");
   return a;
 }
 
@@ -45,6 +47,8 @@ TEST_CASE("an assignment written straight to CBOR decodes to what nlohmann's enc
     CHECK(back.group_rank == 300);
     CHECK(back.rank_offset == 2400000);
     CHECK(back.nodes == a.nodes);
+    CHECK(back.epoch == 9);
+    CHECK(back.voters == a.voters);
   }
 }
 

@@ -206,9 +206,9 @@ ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::t
   const bool was = connected_;
   connected_ = false;
   if (closed_ || !was) return {};
-  // A server that welcomed us and then vanished may come back: keep trying. A closed
-  // connection is an answer of its machine (a restart, not a partition: no fence).
-  heard(now);
+  // A server that welcomed us and then vanished may come back: keep trying. A daemon's
+  // closed connection is an answer of its machine (a restart, not a partition: no fence).
+  if (ever_welcomed_ && host_agent_.empty()) heard(now);
   if (ever_welcomed_) reconnect_later(why, now);
   else if (!welcomed_ && !answered_)  // closed before a word: maybe not our server at all
     lost(fmt::format("the connection to the rendezvous server at {} ended before its welcome ({}); {}",

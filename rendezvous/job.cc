@@ -859,7 +859,10 @@ Actions Job::tick_deadlines(Clock::time_point now) {
     }
   }
   if ((state_ == State::kJoining || state_ == State::kRestarting) && !joined_.empty()) {
-    if (last_call_deadline_ && now >= *last_call_deadline_) return close_round(now);
+    if (last_call_deadline_ && now >= *last_call_deadline_) {
+      auto closed = close_round(now);
+      if (state_ == State::kRunning) return closed;  // else it waits for a majority, to join_timeout
+    }
     if (now - first_join_ >= milliseconds(config_.join_timeout_ms)) {
       proto::WorkerFailed rc;
       rc.rank = -1;

@@ -120,7 +120,7 @@ TEST_CASE("an assignment listing the most nodes of the longest addresses fits in
   CHECK_NOTHROW(encode(to_frame(a)));
 }
 
-TEST_CASE("an assignment and a standby message carry the epoch and its voters; a peer's frame from before #34 "
+TEST_CASE("an assignment and a standby message carry the epoch and its voters, a peer's frame from before #34 "
           "(no such fields) decodes with epoch 0 and no voters, and one with fields this build does not know "
           "decodes all the same (#34)") {
   Assignment a;

@@ -99,7 +99,7 @@ TEST_CASE("mgtrain refuses, with --cuda-graphs and before training, what a captu
   CHECK_THROWS_WITH(parse({"--cuda-graphs", "--backend", "gloo"}), Catch::Contains("needs a GPU"));
 }
 
-TEST_CASE("MGLAUNCH_EPOCH is read as the round's epoch; unset or empty is none, anything but a non-negative integer a usage error") {
+TEST_CASE("MGLAUNCH_EPOCH is read as the round's epoch, unset or empty is none, anything but a non-negative integer a usage error") {
   CHECK_FALSE(read_env({}).epoch.has_value());
   CHECK_FALSE(read_env({{"MGLAUNCH_EPOCH", ""}}).epoch.has_value());
   CHECK(read_env({{"MGLAUNCH_EPOCH", "0"}}).epoch == 0);
@@ -111,7 +111,7 @@ TEST_CASE("MGLAUNCH_EPOCH is read as the round's epoch; unset or empty is none, 
   }
 }
 
-TEST_CASE("--in-place-recovery on an NCCL build starts mgtrain again with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, never a setenv") {
+TEST_CASE("mgtrain --in-place-recovery on an NCCL build starts mgtrain again with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, never a setenv") {
   const std::map<std::string, std::string> vars{{"RANK", "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"}};
   Options o = parse({"--in-place-recovery"});
   auto env = environment_to_reexec(o, vars, true);

@@ -164,7 +164,7 @@ TEST_CASE("prestart: a closed control connection stops the worker without the fr
   }
 }
 
-TEST_CASE("prestart: a worker that ends on its own after 5 s while the node waits is replaced; sooner, or once the "
+TEST_CASE("prestart: a worker that ends on its own after 5 s while the node waits is replaced, sooner, or once the "
           "node has a place, it is not") {
   Standby s;
   PreCommands out = s.p.ended(101, killed_by(SIGSEGV), /*standby_waiting=*/true, at(Prestart::kMinLife));

@@ -71,7 +71,7 @@ Job three_nodes(bool quorum) {
 }  // namespace
 
 TEST_CASE("quorum: every round gets the next epoch and lists its voters (its nodes, then the standbys registered "
-          "when it closed); a standby hears them too") {
+          "when it closed), a standby hears them too") {
   Job job("job", true);
   job.join(1, node("127.0.0.1", 2, 2), T0);
   auto out = job.join(2, node("127.0.0.2", 2, 2), T0);
@@ -174,7 +174,7 @@ TEST_CASE("quorum: in a job an agent hosts, a new round after a node was lost ne
                                                                     "join_timeout: 1 of them joined, 2 needed"));
 }
 
-TEST_CASE("quorum: two survivors of three are a majority and go on; the same lone survivor goes on where a daemon "
+TEST_CASE("quorum: two survivors of three are a majority and go on, the same lone survivor goes on where a daemon "
           "arbitrates (no majority counted there)") {
   SECTION("two of three, an agent hosting") {
     Job job = three_nodes(true);
@@ -197,7 +197,7 @@ TEST_CASE("quorum: two survivors of three are a majority and go on; the same lon
   }
 }
 
-TEST_CASE("quorum: a job taken over opens its round only with a majority of the seed's voters among its joins; a "
+TEST_CASE("quorum: a job taken over opens its round only with a majority of the seed's voters among its joins, a "
           "newcomer is no voter") {
   Job job("job", true);
   TakeoverSeed seed;
@@ -224,7 +224,7 @@ TEST_CASE("quorum: a job taken over opens its round only with a majority of the 
   CHECK(decoded<proto::Assignment>(out[0]).epoch == 3);
 }
 
-TEST_CASE("quorum: two voters - the rendezvous host's side goes on after the other's loss; a node that took over "
+TEST_CASE("quorum: two voters - the rendezvous host's side goes on after the other's loss, a node that took over "
           "goes on after its host's connection closed, never after silence") {
   SECTION("the host's side") {
     Job job("job", true);
@@ -258,7 +258,7 @@ TEST_CASE("quorum: two voters - the rendezvous host's side goes on after the oth
 }
 
 TEST_CASE("quorum: a node of the running round that re-registers after an outage of its own takes its place back "
-          "(no Error while its workers run); one the job went on without is told to restart and join again") {
+          "(no Error while its workers run), one the job went on without is told to restart and join again") {
   auto resume = [](proto::Join j, int round, int rank, int restart_count = 0) {
     j.resume_round = round;
     j.resume_group_rank = rank;
@@ -464,7 +464,7 @@ TEST_CASE("quorum: a daemon restart never fences a running node: each refused or
 }
 
 TEST_CASE("quorum: the takeover search waits for a candidate that refuses (alive, not noticed yet) and passes over "
-          "a silent one; the seed carries the epoch, the voters and how the host was lost") {
+          "a silent one, the seed carries the epoch, the voters and how the host was lost") {
   SECTION("refused: waited for to the search's deadline") {
     Link l;
     l.m.start(l.now);

@@ -1,0 +1,303 @@
+// A network partition never splits a job (#34, Done when): real agents on hosts of their own
+// (support/netns_cluster.h: network namespaces on a bridge), a host cut off, then healed.
+// Each worker (tests/partition_worker.py) appends its round (restart count, master,
+// epoch) five times a second to a file of its own; the test reads the files and checks,
+// from the cut to the end:
+//  - workers of at most one round run at any moment (2 s of hand-over allowed in all);
+//  - the majority trains on: when the cut heals, one round runs on the majority's nodes;
+//  - at the end one round runs, on at least 2 nodes.
+// Whether the node cut off rejoined within 30 s of the heal (in the round, or a standby) is
+// said (a warning), not checked: #34's "Done when" asks for the three points above.
+// Keep-alive 1 s x 3 (the issue's runs used the default 5 s x 3 and a 45 s cut): the cut
+// lasts kCut, over five times the bound in which a lost node is declared lost.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "support/netns_cluster.h"
+#include "support/proc.h"
+#include "support/skip.h"
+
+using namespace mgtest;
+using namespace std::chrono_literals;
+
+namespace {
+
+const std::string kWorker = kSourceDir + "/tests/partition_worker.py";
+constexpr auto kCut = 20s;
+const std::string kTimeouts = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1";
+constexpr double kHandOver = 2.0;  // seconds of two rounds at once, in all
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One line of a worker: when, which round, on which host.
+struct Beat {
+  double t = 0;
+  std::string round, host;
+};
+
+std::vector<Beat> read_beats(const std::string& dir) {
+  std::vector<Beat> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    for (const auto& line : split_lines(read_file(e.path().string()))) {
+      std::istringstream in(line);
+      Beat b;
+      std::string rank;
+      if (in >> b.t >> b.round >> b.host >> rank) out.push_back(b);
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const Beat& a, const Beat& b) { return a.t < b.t; });
+  return out;
+}
+
+// The rounds with a beat in [from, to], each with the hosts that beat in it.
+std::map<std::string, std::set<std::string>> rounds_in(const std::vector<Beat>& beats, double from, double to) {
+  std::map<std::string, std::set<std::string>> out;
+  for (const auto& b : beats)
+    if (b.t >= from && b.t <= to) out[b.round].insert(b.host);
+  return out;
+}
+
+// Seconds within [from, to] in which workers of two rounds or more ran (a round runs from
+// its first beat to its last).
+double overlap(const std::vector<Beat>& beats, double from, double to) {
+  std::map<std::string, std::pair<double, double>> span;
+  for (const auto& b : beats) {
+    auto [it, fresh] = span.try_emplace(b.round, b.t, b.t);
+    if (!fresh) it->second.second = b.t;
+  }
+  std::vector<std::pair<double, int>> edges;
+  for (const auto& [round, s] : span) {
+    const double a = std::max(s.first, from), z = std::min(s.second, to);
+    if (a < z) edges.insert(edges.end(), {{a, +1}, {z, -1}});
+  }
+  std::sort(edges.begin(), edges.end());
+  double total = 0, last = from;
+  int running = 0;
+  for (const auto& [t, d] : edges) {
+    if (running >= 2) total += t - last;
+    running += d;
+    last = t;
+  }
+  return total;
+}
+
+// Each round's hosts and span, relative to `t0` (the cut), for a failure's message.
+std::string story(const std::vector<Beat>& beats, double t0) {
+  std::map<std::string, std::tuple<double, double, std::set<std::string>>> rounds;
+  for (const auto& b : beats) {
+    auto [it, fresh] = rounds.try_emplace(b.round, b.t, b.t, std::set<std::string>{});
+    std::get<1>(it->second) = b.t;
+    std::get<2>(it->second).insert(b.host);
+  }
+  std::vector<std::pair<double, std::string>> lines;
+  for (const auto& [round, r] : rounds) {
+    std::ostringstream s;
+    s.precision(1);
+    s << std::fixed << "round " << round << " on";
+    for (const auto& h : std::get<2>(r)) s << " " << h;
+    s << ": " << std::get<0>(r) - t0 << " s to " << std::get<1>(r) - t0 << " s after the cut";
+    lines.emplace_back(std::get<0>(r), s.str());
+  }
+  std::sort(lines.begin(), lines.end());
+  std::string out;
+  for (const auto& l : lines) out += l.second + "\n";
+  return out;
+}
+
+std::string tail(const std::string& s, std::size_t n = 4000) { return s.size() > n ? s.substr(s.size() - n) : s; }
+
+// A job on the hosts of `c`: its agents by node, the workers' beat directory.
+struct Job {
+  NetCluster& c;
+  std::string beats_dir = make_temp_dir();
+  std::map<int, Proc> agents;
+
+  explicit Job(NetCluster& cluster) : c(cluster) {}
+
+  // mglaunch on node k with `flags`, running the partition worker.
+  void start(int k, std::vector<std::string> flags) {
+    std::vector<std::string> argv{kMglaunch, "--nproc_per_node=1", "--rdzv_id=partition", "--local_addr=" + c.addr(k),
+                                  "--max_restarts=5"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.insert(argv.end(), {"--no_python", "/usr/bin/python3", kWorker, beats_dir});
+    agents.emplace(k, c.spawn_on(k, argv));
+  }
+  std::vector<Beat> beats() const { return read_beats(beats_dir); }
+  // One round, on exactly the hosts of `nodes`, beat in the last second.
+  bool runs_on(const std::vector<int>& nodes) const {
+    const auto r = rounds_in(beats(), now() - 1.0, now());
+    std::set<std::string> want;
+    for (int k : nodes) want.insert(c.name(k));
+    return r.size() == 1 && r.begin()->second == want;
+  }
+  std::string logs() const {
+    std::string out;
+    for (const auto& [k, a] : agents) out += "--- agent on " + c.name(k) + ":\n" + tail(a.err()) + "\n";
+    return out;
+  }
+  ~Job() {
+    for (auto& [k, a] : agents) ::kill(a.pid, SIGTERM);
+    for (auto& [k, a] : agents) a.wait(30s);
+  }
+};
+
+// Cuts with `cut` (undone by NetCluster::heal), kCut later heals, and checks #34's rules:
+// `minority` is the node cut off, `majority` the nodes that must train on.
+void check_partition(Job& job, int minority, const std::vector<int>& majority, const std::function<void()>& cut) {
+  NetCluster& c = job.c;
+  const double t_cut = now();
+  cut();
+  // The cut lasts kCut whatever happens meanwhile: its length is the fault.
+  std::this_thread::sleep_for(kCut - std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::duration<double>(now() - t_cut)));
+  const double t_heal = now();
+  const std::string err_at_heal = job.agents.at(minority).err();
+  c.heal();
+  {
+    const auto beats = job.beats();
+    INFO(story(beats, t_cut) << job.logs());
+    // The majority trains on: in the cut's last 3 s one round ran on every node of it.
+    const auto before_heal = rounds_in(beats, t_heal - 3.0, t_heal);
+    bool majority_trains = false;
+    for (const auto& [round, hosts] : before_heal) {
+      bool all = true;
+      for (int k : majority) all = all && hosts.contains(c.name(k));
+      majority_trains = majority_trains || all;
+    }
+    CHECK(majority_trains);
+  }
+  // After the heal the node cut off rejoins the job, in its round or as a standby (#34's
+  // rules; not yet where the minority took the job over): waited for, and said when not.
+  auto rejoined = [&] {
+    const auto r = rounds_in(job.beats(), now() - 2.0, now());
+    const std::string since_heal = job.agents.at(minority).err().substr(err_at_heal.size());
+    return (r.size() == 1 && r.begin()->second.contains(c.name(minority))) ||
+           since_heal.find("standby") != std::string::npos;
+  };
+  if (!eventually(rejoined, 30s))
+    WARN(c.name(minority) << " did not rejoin the job within 30 s of the heal"
+                          << (pid_alive(job.agents.at(minority).pid) ? "" : " (its agent ended)"));
+  // At the end one round runs, on 2 nodes or more.
+  auto one_round = [&] {
+    const auto r = rounds_in(job.beats(), now() - 2.0, now());
+    return r.size() == 1 && r.begin()->second.size() >= 2;
+  };
+  const bool one_job = eventually(one_round, 30s);
+  const double t_end = now();
+  const auto beats = job.beats();
+  INFO(story(beats, t_cut) << job.logs());
+  CHECK(one_job);
+  // From the cut to the end, workers of at most one round at any moment.
+  const double both = overlap(beats, t_cut, t_end);
+  INFO("two rounds or more ran at once for " << both << " s in all");
+  CHECK(both <= kHandOver);
+}
+
+std::vector<std::string> agent_hosted(const NetCluster& c) {
+  return {"--nnodes=1:3", "--rdzv_backend=c10d", "--rdzv_endpoint=" + c.name(0) + ":29400",
+          "--rdzv_conf=" + kTimeouts};
+}
+
+// The agent-hosted job of the issue on nodes 0-2: node 0 hosts; returns once one round
+// runs on all three.
+void start_agent_hosted(Job& job) {
+  job.start(0, agent_hosted(job.c));
+  REQUIRE(eventually([&] { return job.agents.at(0).err().find("hosting the rendezvous") != std::string::npos; }, 30s));
+  job.start(1, agent_hosted(job.c));
+  job.start(2, agent_hosted(job.c));
+  INFO(job.logs());
+  REQUIRE(eventually([&] { return job.runs_on({0, 1, 2}); }, 60s));
+}
+
+}  // namespace
+
+TEST_CASE("an agent-hosted 3-node job with node 2 cut off, then healed: one round at any moment, the majority "
+          "trains on, one job after the heal") {
+  NetCluster c(3);
+  Job job(c);
+  start_agent_hosted(job);
+  check_partition(job, 2, {0, 1}, [&] { c.cut(2); });
+}
+
+TEST_CASE("an agent-hosted 3-node job with its host (node 0) cut off, then healed: one round at any moment, the "
+          "majority trains on, one job after the heal") {
+  NetCluster c(3);
+  Job job(c);
+  start_agent_hosted(job);
+  check_partition(job, 0, {1, 2}, [&] { c.cut(0); });
+}
+
+TEST_CASE("an agent-hosted 3-node job whose host's packets to the others are lost (one way), then healed: one round "
+          "at any moment, the majority trains on, one job after the heal") {
+  NetCluster c(3);
+  Job job(c);
+  start_agent_hosted(job);
+  check_partition(job, 0, {1, 2}, [&] { c.drop(0, -1); });
+}
+
+TEST_CASE("a job through mglaunch-rdzv on a fourth host, node 1 cut off from the daemon only: its workers stop "
+          "before the standby takes its place, the majority trains on, one job after the heal") {
+  NetCluster c(4);
+  Proc daemon = c.spawn_on(3, {kRdzvDaemon, "--listen", c.addr(3) + ":29400"});
+  REQUIRE(eventually([&] { return daemon.out().find("listening on") != std::string::npos || !pid_alive(daemon.pid); },
+                     30s));
+  {
+    INFO(daemon.err());
+    REQUIRE_THAT(daemon.out(), Catch::Contains("listening on"));
+  }
+  Job job(c);
+  const std::vector<std::string> flags{"--nnodes=2", "--rdzv_backend=mglaunch",
+                                       "--rdzv_endpoint=" + c.name(3) + ":29400", "--rdzv_conf=" + kTimeouts};
+  job.start(0, flags);
+  job.start(1, flags);
+  REQUIRE(eventually([&] { return job.runs_on({0, 1}); }, 60s));
+  job.start(2, flags);
+  REQUIRE(eventually([&] { return job.agents.at(2).err().find("standby for job") != std::string::npos; }, 30s));
+  check_partition(job, 1, {0, 2}, [&] { c.cut_between(1, 3); });
+}
+
+// Hidden ([.]: run by name) until the etcd backend fences on its lease (#34's rules: "not
+// yet"): at 2394811 node 2's worker ran the old round until 2.2 s after the heal, 17.3 s of
+// two rounds at once, then its agent ended (its lease had expired) instead of rejoining.
+TEST_CASE("a 3-node job on etcd on a fourth host with node 2 cut off, then healed: one round at any moment, the "
+          "majority trains on, one job after the heal", "[.]") {
+  const std::string etcd = require_program("/usr/bin/etcd", "etcd-server");
+  const std::string etcdctl = require_program("/usr/bin/etcdctl", "etcd-client");
+  NetCluster c(4);
+  const std::string data = make_temp_dir();
+  const std::string client = "http://" + c.addr(3) + ":2379", peer = "http://" + c.addr(3) + ":2380";
+  Proc member = c.spawn_on(3, {etcd, "--name", "m0", "--data-dir", data + "/m0", "--listen-client-urls", client,
+                               "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                               "--initial-advertise-peer-urls", peer, "--initial-cluster", "m0=" + peer,
+                               "--log-level", "warn"});
+  REQUIRE(eventually([&] {
+    return c.run_on(3, {etcdctl, "--endpoints=" + client, "endpoint", "health"}, {}, 10s).code == 0 ||
+           !pid_alive(member.pid);
+  }, 60s));
+  {
+    INFO(member.err());
+    REQUIRE(pid_alive(member.pid));
+  }
+  Job job(c);
+  const std::vector<std::string> flags{"--nnodes=1:3", "--rdzv_backend=etcd", "--rdzv_endpoint=" + client,
+                                       "--rdzv_conf=" + kTimeouts};
+  for (int k : {0, 1, 2}) job.start(k, flags);
+  REQUIRE(eventually([&] { return job.runs_on({0, 1, 2}); }, 60s));
+  check_partition(job, 2, {0, 1}, [&] { c.cut(2); });
+}

@@ -61,7 +61,6 @@ HUNG_AFTER = KEEP_ALIVE_S * KEEP_ALIVE_ATTEMPTS
 # node cut off.
 STOP_AGENT_S = HUNG_AFTER + 3
 NET_FAULTS = ["cut-rdzv", "cut-node", "one-way", "flap"]
-RDZV_PORT = 29400    # inside the namespace cluster nothing else listens: a fixed port is safe
 AGENT_HOSTS = 6      # hosts for agents in --netns (live at once: 2 active, a standby, stopped or cut ones)
 # Signals an agent only dies of when it crashes (this harness never sends them): each is a
 # failed check, whatever the job did after it.
@@ -210,7 +209,7 @@ class Chaos:
         return self.net.on(host) if self.net else []
 
     def start_daemon(self, endpoint=None):
-        endpoint = endpoint or (f"{self.net.addrs[0]}:{RDZV_PORT}" if self.net else "127.0.0.1:0")
+        endpoint = endpoint or (f"{self.net.addrs[0]}:{free_port()}" if self.net else "127.0.0.1:0")
         for _ in range(50):
             d = self.start(f"daemon{len(self.procs)}",
                            self.on(0) + [os.path.join(self.bin, "mglaunch-rdzv"), "--listen", endpoint])

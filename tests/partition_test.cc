@@ -125,6 +125,8 @@ std::string tail(const std::string& s, std::size_t n = 4000) { return s.size() >
 // A job on the hosts of `c`: its agents by node, the workers' beat directory.
 struct Job {
   NetCluster& c;
+  // The rendezvous port, picked at run time (free here, so free in the cluster's own network too).
+  int port = free_loopback_port();
   std::string beats_dir = make_temp_dir();
   std::map<int, Proc> agents;
 
@@ -209,18 +211,18 @@ void check_partition(Job& job, int minority, const std::vector<int>& majority, c
   CHECK(both <= kHandOver);
 }
 
-std::vector<std::string> agent_hosted(const NetCluster& c) {
-  return {"--nnodes=1:3", "--rdzv_backend=c10d", "--rdzv_endpoint=" + c.name(0) + ":29400",
+std::vector<std::string> agent_hosted(const Job& job) {
+  return {"--nnodes=1:3", "--rdzv_backend=c10d", "--rdzv_endpoint=" + job.c.name(0) + ":" + std::to_string(job.port),
           "--rdzv_conf=" + kTimeouts};
 }
 
 // The agent-hosted job of the issue on nodes 0-2: node 0 hosts; returns once one round
 // runs on all three.
 void start_agent_hosted(Job& job) {
-  job.start(0, agent_hosted(job.c));
+  job.start(0, agent_hosted(job));
   REQUIRE(eventually([&] { return job.agents.at(0).err().find("hosting the rendezvous") != std::string::npos; }, 30s));
-  job.start(1, agent_hosted(job.c));
-  job.start(2, agent_hosted(job.c));
+  job.start(1, agent_hosted(job));
+  job.start(2, agent_hosted(job));
   INFO(job.logs());
   REQUIRE(eventually([&] { return job.runs_on({0, 1, 2}); }, 60s));
 }
@@ -254,7 +256,8 @@ TEST_CASE("an agent-hosted 3-node job whose host's packets to the others are los
 TEST_CASE("a job through mglaunch-rdzv on a fourth host, node 1 cut off from the daemon only: its workers stop "
           "before the standby takes its place, the majority trains on, one job after the heal") {
   NetCluster c(4);
-  Proc daemon = c.spawn_on(3, {kRdzvDaemon, "--listen", c.addr(3) + ":29400"});
+  const std::string port = std::to_string(free_loopback_port());
+  Proc daemon = c.spawn_on(3, {kRdzvDaemon, "--listen", c.addr(3) + ":" + port});
   REQUIRE(eventually([&] { return daemon.out().find("listening on") != std::string::npos || !pid_alive(daemon.pid); },
                      30s));
   {
@@ -262,8 +265,8 @@ TEST_CASE("a job through mglaunch-rdzv on a fourth host, node 1 cut off from the
     REQUIRE_THAT(daemon.out(), Catch::Contains("listening on"));
   }
   Job job(c);
-  const std::vector<std::string> flags{"--nnodes=2", "--rdzv_backend=mglaunch",
-                                       "--rdzv_endpoint=" + c.name(3) + ":29400", "--rdzv_conf=" + kTimeouts};
+  const std::vector<std::string> flags{"--nnodes=2", "--rdzv_backend=mglaunch", "--rdzv_endpoint=" + c.name(3) + ":" + port,
+                                       "--rdzv_conf=" + kTimeouts};
   job.start(0, flags);
   job.start(1, flags);
   REQUIRE(eventually([&] { return job.runs_on({0, 1}); }, 60s));

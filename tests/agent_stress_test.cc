@@ -576,10 +576,7 @@ TEST_CASE("the agent finds its own process tree and its zombies through the kern
   REQUIRE(zombie > 0);
   // The zombie: until it is one, it is simply a child (bounded wait).
   for (int i = 0; i < 500; ++i) {
-    auto st = mg::parse_proc_stat([&] {
-      std::ifstream f("/proc/" + std::to_string(zombie) + "/stat");
-      return std::string(std::istreambuf_iterator<char>(f), {});
-    }());
+    auto st = mg::parse_proc_stat(read_file("/proc/" + std::to_string(zombie) + "/stat"));
     if (st && st->state == 'Z') break;
     ::usleep(10000);
   }

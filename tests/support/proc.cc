@@ -49,8 +49,7 @@ std::string tmp_base() {
 
 // Field 22 of /proc/PID/stat (after the command's closing parenthesis), "" if unreadable.
 std::string start_time_of(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
   const auto close = stat.rfind(')');
   if (close == std::string::npos) return {};
   std::istringstream rest(stat.substr(close + 2));
@@ -152,11 +151,21 @@ const std::string& root_dir() {
 
 }  // namespace
 
+// With read(2), not a stream: libstdc++'s filebuf throws when read fails, and reading
+// /proc/PID/... of a process that exits meanwhile fails with ESRCH (a flake of CI's).
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  std::string out;
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return out;
 }
 
 std::string make_temp_dir() {
@@ -290,9 +299,7 @@ bool python_has_torch() {
 }
 
 bool pid_alive(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat) return false;
-  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const std::string content = read_file("/proc/" + std::to_string(pid) + "/stat");
   auto close = content.rfind(')');
   return close != std::string::npos && close + 2 < content.size() && content[close + 2] != 'Z';
 }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <random>
 
 #include <fmt/format.h>
@@ -59,6 +60,11 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
   // The round's epoch (#34): a worker writes its checkpoints only under the newest it saw.
   if (plan.epoch > 0) env["MGLAUNCH_EPOCH"] = std::to_string(plan.epoch);
   if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
+  // The shipped package first (import mglaunch_recovery with no install step), then the user's path.
+  if (!plan.python_dir.empty()) {
+    const auto pp = base.find("PYTHONPATH");
+    env["PYTHONPATH"] = pp != base.end() && !pp->second.empty() ? plan.python_dir + ":" + pp->second : plan.python_dir;
+  }
   if (!opts.gpu_ids.empty()) env["CUDA_VISIBLE_DEVICES"] = std::to_string(opts.gpu_ids.at(local_rank));
   if (opts.virtual_local_rank) {
     // torch 2.x's --virtual-local-rank: every worker is local rank 0 of its own one GPU: its
@@ -87,6 +93,14 @@ std::vector<std::string> build_worker_argv(const RunPlan& plan, const AgentOptio
   return argv;
 }
 
+
+std::string shipped_python_dir() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  const auto dir = (exe.parent_path() / ".." / "share" / "mglaunch" / "python").lexically_normal();
+  return std::filesystem::is_directory(dir / "mglaunch_recovery", ec) ? dir.string() : "";
+}
 
 std::string local_hostname() {
   char host[256] = {};
@@ -143,6 +157,7 @@ RunPlan make_plan(const AgentOptions& opts, const EnvMap& base_env) {
   plan.rdzv_backend = opts.rdzv_backend;
   plan.run_id = opts.standalone ? random_uuid() : opts.rdzv_id;
   plan.set_omp_threads = opts.nproc_per_node > 1 && !base_env.contains("OMP_NUM_THREADS");
+  plan.python_dir = shipped_python_dir();
 
   // Program and interpreter.
   const auto path_it = base_env.find("PATH");

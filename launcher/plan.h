@@ -41,8 +41,16 @@ struct RunPlan {
   // The round's epoch from the rendezvous (proto::Assignment::epoch), MGLAUNCH_EPOCH in the
   // workers' environment; 0: none (no rendezvous, or one before #34): not set.
   int epoch = 0;
+  // The directory of the Python package mglaunch ships (mglaunch_recovery, in-place recovery
+  // for torch scripts: docs/python-recovery.md), put first on the workers' PYTHONPATH; empty
+  // when this mglaunch has none beside it (<bin>/../share/mglaunch/python).
+  std::string python_dir;
   std::vector<std::string> notes;  // "[mglaunch] ..." lines for the agent to print at start
 };
+
+// <directory of this executable>/../share/mglaunch/python when it exists (the build tree,
+// `make install` and the .deb lay it out so), else empty.
+std::string shipped_python_dir();
 
 // Variables mglaunch sets for one worker (the base environment is added on top at spawn).
 EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const EnvMap& base, int local_rank,

@@ -81,7 +81,7 @@ TEST_CASE("worker environment matches torchrun's for --standalone --nproc_per_no
   // Set by mglaunch on purpose beyond torch 1.13 (torch 2.x's name for the same setting).
   // MGLAUNCH_RUN_MARK: the token of the agent's watchdog (process/watchdog.h).
   // MGLAUNCH_CONTROL_SOCKET: the agent's control channel (docs/in-place-recovery.md).
-  compare_envs(ref.out, ours.out, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "MGLAUNCH_RUN_MARK", "MGLAUNCH_CONTROL_SOCKET"});
+  compare_envs(ref.out, ours.out, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "MGLAUNCH_RUN_MARK", "MGLAUNCH_CONTROL_SOCKET", "PYTHONPATH"});
 }
 
 TEST_CASE("inside the torch 2.6 root, the worker environment matches torchrun 2.6's, agent store included") {
@@ -100,6 +100,6 @@ TEST_CASE("inside the torch 2.6 root, the worker environment matches torchrun 2.
   INFO(ours.err);
   REQUIRE(ours.code == 0);
   // USE_LIBUV=0: the classic store client, which Debian's libuv-less torch 2.6 needs.
-  compare_envs(ref.out, ours.out, {"MGLAUNCH_RUN_MARK", "MGLAUNCH_CONTROL_SOCKET", "USE_LIBUV"});
+  compare_envs(ref.out, ours.out, {"MGLAUNCH_RUN_MARK", "MGLAUNCH_CONTROL_SOCKET", "USE_LIBUV", "PYTHONPATH"});
   CHECK(envs_by_local_rank(ours.out)[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True");
 }

@@ -22,7 +22,8 @@ dpkg-deb -c "$deb" | awk '{print $NF}' > "$out/contents"
 for f in ./usr/bin/mglaunch ./usr/bin/mglaunch-rdzv ./usr/bin/mglaunch-sbatch ./lib/systemd/system/mglaunch-rdzv.service \
          ./etc/mglaunch/rdzv.conf ./usr/share/man/man1/mglaunch.1.gz ./usr/share/man/man1/mglaunch-rdzv.1.gz \
          ./usr/share/doc/mglaunch/README.md ./usr/share/doc/mglaunch/docs/flags.md \
-         ./usr/share/doc/mglaunch/docs/design.md ./usr/share/doc/mglaunch/docs/status_page.png; do
+         ./usr/share/doc/mglaunch/docs/design.md ./usr/share/doc/mglaunch/docs/status_page.png \
+         ./usr/share/mglaunch/python/mglaunch_recovery/__init__.py; do
   grep -qx "$f" "$out/contents" || fail "$f is not in the package"
 done
 dpkg-deb -f "$deb" Depends | grep -q libssl || fail "no libssl in Depends: $(dpkg-deb -f "$deb" Depends)"

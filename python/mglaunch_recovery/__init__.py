@@ -1,0 +1,565 @@
+"""In-place recovery for plain torch.distributed scripts started by mglaunch.
+
+The worker side of mglaunch's control protocol (docs/in-place-recovery.md) in pure Python
+(the standard library and torch): when a peer is lost, the worker is not restarted. It
+lets go of its process group (Gloo; NCCL's abort on CUDA) and keeps its model, optimizer,
+RNG and data position; on the agent's `assign` it builds a new group under the new round's
+store prefix, the ranks agree on the most advanced state (the lowest rank among those with
+the highest step broadcasts it) and the interrupted step is redone. A standby's pre-started
+worker (MGLAUNCH_STANDBY=1, mglaunch --prestart-standby) loads its data and builds its
+model before it has a rank, and takes its state from the survivors when placed.
+
+    rec = mglaunch_recovery.Recovery()          # first: says hello to the agent
+    ... load the data, build the model and the optimizer (no rank needed) ...
+    rec.start(net, opt, wrap=DDP)               # a standby waits here for its place
+    rec.run(train_step, total_steps)            # train_step(step) uses rec.model, rec.rank
+
+Under torchrun, or without mglaunch's control channel, it does nothing (one line on rank
+0 says so): start() is init_process_group plus wrap, run() a plain loop. mglaunch puts this
+package's directory on its workers' PYTHONPATH (docs/python-recovery.md)."""
+import ctypes
+import io
+import json
+import os
+import random
+import socket
+import stat
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Recovery"]
+
+PROTOCOL_VERSION = 1
+MAX_LINE = 64 * 1024  # the protocol's bound on one message
+RECOVERY_ATTEMPTS = 8  # recoveries in a row from one step before giving up (as mgtrain)
+# What a failed collective or store call says (Gloo, NCCL, c10d's store): a peer lost, not a bug.
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection", "broken pipe", "processgroup", "c10d", "socket", "timed out",
+                       "store", "peer", "recv", "send", "read", "write")
+
+
+def _say(msg):
+    print(f"mglaunch_recovery: {msg}", file=sys.stderr, flush=True)
+
+
+class _Channel:
+    """The control connection to the agent: hello, then a reader thread that records the
+    pause and assign it sends (a pause also calls `on_pause`, from the reader thread)."""
+
+    def __init__(self, name, local_rank, standby, on_pause, welcome_timeout=10.0):
+        if len(name) < 2 or name[0] != "@":
+            raise OSError(f"MGLAUNCH_CONTROL_SOCKET={name!r} is not an abstract socket name (@name)")
+        self._local_rank = local_rank
+        self._on_pause = on_pause
+        self._cv = threading.Condition()
+        self._welcomed = False
+        self._closed = ""  # why the channel closed; "" while open
+        self._pause = None
+        self._assign = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect("\0" + name[1:])
+        except OSError as e:
+            self._sock.close()
+            raise OSError(f"cannot connect to the agent's control socket {name}: {e.strerror or e}") from None
+        hello = {"type": "hello", "version": PROTOCOL_VERSION, "pid": os.getpid(), "local_rank": local_rank,
+                 "in_place": True}
+        if standby:
+            hello["standby"] = True
+        self.send(hello)
+        threading.Thread(target=self._read, name="mglaunch-control", daemon=True).start()
+        with self._cv:
+            self._cv.wait_for(lambda: self._welcomed or self._closed, welcome_timeout)
+            if not self._welcomed:
+                why = self._closed or f"no welcome within {welcome_timeout:g} s"
+                self._sock.close()
+                raise OSError(f"the agent's control socket {name} did not welcome this worker: {why}")
+
+    def send(self, msg):
+        try:
+            self._sock.sendall((json.dumps(msg) + "\n").encode())
+            return True
+        except OSError:
+            return False
+
+    def withdraw(self):
+        self.send({"type": "hello", "version": PROTOCOL_VERSION, "pid": os.getpid(), "local_rank": self._local_rank,
+                   "in_place": False})
+
+    def _read(self):
+        buf = b""
+        why = "the agent closed the control channel"
+        while True:
+            try:
+                chunk = self._sock.recv(4096)
+            except OSError as e:
+                why = f"reading the control channel failed: {e}"
+                break
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                self._handle(line)
+            if len(buf) > MAX_LINE:
+                why = "the agent sent a control message over 64 KiB"
+                break
+        with self._cv:
+            self._closed = self._closed or why
+            self._cv.notify_all()
+
+    def _handle(self, line):
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return
+        kind = msg.get("type") if isinstance(msg, dict) else None
+        fire = False
+        with self._cv:
+            if kind == "welcome":
+                self._welcomed = True
+            elif kind == "pause":
+                at = self._pause["at"] if self._pause else time.monotonic()  # a second pause: timed from the first
+                self._pause = {"round": msg.get("round", 0), "reason": msg.get("reason", "the agent starts a new round"),
+                               "lost": msg.get("lost", "peer"), "at": at}
+                self._assign = None  # an assign before this pause is for a round that already ended
+                fire = True
+            elif kind == "assign":
+                env = msg.get("env") if isinstance(msg.get("env"), dict) else {}
+                self._assign = {"round": msg.get("round", 0), "restart_count": msg.get("restart_count", 0),
+                                "env": {k: v if isinstance(v, str) else json.dumps(v) for k, v in env.items()}}
+            elif kind == "error":
+                self._closed = "the agent refused: " + str(msg.get("message", "(no message)"))
+            self._cv.notify_all()
+        if fire:
+            self._on_pause()
+
+    def paused(self):
+        with self._cv:
+            return self._pause is not None
+
+    def wait_pause(self, timeout):
+        """The pending pause (an assign with no pause before it counts as one), or None."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._pause or self._assign or self._closed, timeout)
+            if self._pause:
+                return dict(self._pause)
+            if self._assign:
+                return {"round": self._assign["round"], "reason": "a new round", "lost": "peer", "at": time.monotonic()}
+            return None
+
+    def wait_assign(self, timeout):
+        """The assignment after the last pause (None: timeout or closed); clears both."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._assign or self._closed, timeout)
+            got, self._assign, self._pause = self._assign, None, None
+            return got
+
+    @property
+    def closed(self):
+        with self._cv:
+            return self._closed
+
+
+def _sockets():
+    """{fd: inode} of this process's open sockets."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.fstat(int(name))
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            out[int(name)] = st.st_ino
+    return out
+
+
+def _tcp_peer(fd):
+    """(local port, peer (ip, port)) of a TCP socket, or None (not TCP, not connected)."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if s.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        ip, port = s.getpeername()[:2]
+        return s.getsockname()[1], (ip[7:] if ip.startswith("::ffff:") else ip, port)  # IPv4-mapped: as IPv4
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+class _GroupSockets:
+    """The TCP sockets one process group opened (its store client's and its peers'), told
+    apart by their inode so that a number reused later is never touched. abort() lets go
+    of the group: every peer connection is shut down (a collective blocked on it fails at
+    once, here and at the peer), and each store client connection is shut down and then
+    replaced by one end of a socket pair nobody writes to: torch 1.13's store client thread
+    polls its connection and peeks at it, busy-looping a core once it is closed (a store
+    host SIGKILLed); on the quiet socket its poll() or its blocking peek sleeps for good
+    (a pipe would fail the peek, an exception that ends the process)."""
+
+    _quiet = None  # the socket pair, shared; neither end is ever written or closed
+
+    def __init__(self, store_addr):
+        self.store_ips, self.store_port = store_addr
+        self.before = _sockets()
+        self.fds = None  # {fd: inode}, set by done(); while None, every socket opened since `before`
+
+    def done(self):
+        now = _sockets()
+        self.fds = {fd: ino for fd, ino in now.items() if self.before.get(fd) != ino}
+
+    def abort(self):
+        fds = self.fds if self.fds is not None else {fd: ino for fd, ino in _sockets().items()
+                                                      if self.before.get(fd) != ino}
+        for fd, ino in fds.items():
+            try:
+                if os.fstat(fd).st_ino != ino:
+                    continue  # closed, and the number reused since
+            except OSError:
+                continue
+            ends = _tcp_peer(fd)
+            if ends is None:
+                continue
+            local_port, (peer_ip, peer_port) = ends
+            if local_port == self.store_port and peer_ip in self.store_ips:
+                continue  # this process hosts the store: its server's side stays (parked)
+            try:
+                socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_RDWR)  # the dup closes at GC; fd stays
+            except OSError:
+                pass
+            if peer_port == self.store_port and peer_ip in self.store_ips:
+                if _GroupSockets._quiet is None:
+                    _GroupSockets._quiet = socket.socketpair()
+                try:
+                    os.dup2(_GroupSockets._quiet[0].fileno(), fd)
+                except OSError:
+                    pass
+
+
+def _keep(obj):
+    """Never destroyed, not even at exit: an abandoned group or store may hold a thread blocked
+    on a lost peer or on the quiet socket, which its destructor would join for ever (mgtrain
+    keeps them the same way)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _store_ips(host):
+    try:
+        return {a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return {host}
+
+
+def _rng_state():
+    state = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def _set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["random"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+class _Interrupted(RuntimeError):
+    """A pause came while the new group formed, or the channel closed."""
+
+
+def _is_collective_failure(e):
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in text for m in _COLLECTIVE_MARKERS)
+
+
+class Recovery:
+    """One worker's in-place recovery. Create it first (it says hello to the agent, so a
+    standby's pre-started worker is known as ready early), then start(), then run().
+
+    backend: "gloo" (CPU) or "nccl" (CUDA: NCCL's abort; written, not yet tested on a GPU).
+    timeout: the process group's timeout, and the bound of each wait for the agent's pause
+    and assign (a standby's wait for its place has none: the node may stay a standby)."""
+
+    def __init__(self, backend="gloo", timeout=timedelta(minutes=5)):
+        self.backend = backend
+        self.timeout = timeout
+        self.step = 0  # optimizer steps applied
+        self.recoveries = []  # [{"step", "seconds", "lost"}], as mgtrain's summary
+        self.model = None
+        self._module = self._optimizer = self._wrap = None
+        self._extra = []
+        self._lock = threading.Lock()
+        self._group = None  # _GroupSockets of the current (or forming) group
+        self._pending = None  # (detected, redone step, lost) until the redone step is applied
+        self._attempts, self._attempts_at = 0, -1
+        env = os.environ
+        self.standby = env.get("MGLAUNCH_STANDBY") == "1"
+        self._under_mglaunch = bool(env.get("MGLAUNCH_CONTROL_SOCKET"))
+        self._channel = None
+        rank = env.get("RANK", "0")
+        if not self._under_mglaunch:
+            if self.standby:
+                raise RuntimeError("MGLAUNCH_STANDBY=1 (a pre-started standby worker) needs mglaunch's control channel: "
+                                   "no MGLAUNCH_CONTROL_SOCKET")
+            if rank == "0":
+                _say("no MGLAUNCH_CONTROL_SOCKET (not started by mglaunch, e.g. torchrun): in-place recovery is off, "
+                     "training goes on as usual")
+            return
+        if backend == "nccl":
+            # An NCCL error must surface as an exception, not end the process (the agent's default: 1).
+            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = env["NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            self._channel = _Channel(env["MGLAUNCH_CONTROL_SOCKET"], int(env.get("LOCAL_RANK", "0")), self.standby,
+                                     self._abort_group)
+        except OSError as e:
+            if self.standby:
+                raise RuntimeError(f"a standby's pre-started worker (MGLAUNCH_STANDBY=1) needs the control channel: {e}")
+            if rank == "0":
+                _say(f"{e}: in-place recovery is off, training goes on as usual")
+
+    @property
+    def enabled(self):
+        return self._channel is not None
+
+    @property
+    def rank(self):
+        return dist.get_rank()
+
+    @property
+    def world_size(self):
+        return dist.get_world_size()
+
+    # ---- start ----
+
+    def start(self, model, optimizer, wrap=None, state=()):
+        """The first process group, one state on every rank, then rec.model = wrap(model).
+        `state`: more objects with state_dict()/load_state_dict() that the survivors hand
+        to a rank that is behind (a sampler's, a scheduler's)."""
+        self._module, self._optimizer, self._wrap, self._extra = model, optimizer, wrap, list(state)
+        if not self._under_mglaunch:
+            dist.init_process_group(self.backend, timeout=self.timeout)
+            self._rewrap()
+            return self
+        if self.standby:
+            print("mglaunch_recovery: standby worker ready, waiting for a place", flush=True)
+            got = self._channel.wait_assign(None)
+            if got is None:
+                _say(f"a standby's wait for its place ended: {self._channel.closed}")
+                sys.exit(75)
+            os.environ.update(got["env"])
+            os.environ.pop("MGLAUNCH_STANDBY", None)
+            self.standby = False
+        try:
+            self._form_group()
+            self._agree()
+        except Exception as e:
+            if not self.enabled or not (isinstance(e, _Interrupted) or _is_collective_failure(e)):
+                raise
+            self._recover(str(e))
+        self._rewrap()
+        return self
+
+    def _rewrap(self):
+        self.model = self._wrap(self._module) if self._wrap else self._module
+
+    def _form_group(self):
+        """A process group from the environment's round, under the store prefix
+        /worker/attempt_<TORCHELASTIC_RESTART_COUNT> (torchrun's and mgtrain's)."""
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        group = _GroupSockets((_store_ips(host), port))
+        with self._lock:
+            self._group = group
+        if self._channel is not None and self._channel.paused():
+            raise _Interrupted("a pause came before the new group formed")
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        is_master = not agent_store and rank == 0  # torch 1.x's c10d jobs: rank 0 hosts the store
+        if not is_master:
+            self._wait_listening(host, port)
+        kwargs = {"world_size": world, "is_master": is_master, "timeout": self.timeout, "wait_for_workers": False,
+                  "multi_tenant": True}
+        if "use_libuv" in (dist.TCPStore.__init__.__doc__ or ""):
+            kwargs["use_libuv"] = env.get("USE_LIBUV", "1") != "0"
+        store = dist.PrefixStore(f"/worker/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                 dist.TCPStore(host, port, **kwargs))
+        _keep(store)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world, timeout=self.timeout)
+        with self._lock:
+            group.done()
+
+    def _wait_listening(self, host, port):
+        """Until the store listens: c10d's client waits a whole second before it retries a
+        refused connection, and a new round's store may open just after the assign."""
+        end = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=1.0).close()
+                return
+            except OSError:
+                if time.monotonic() > end:
+                    return  # the store's own connect says why
+            if self._channel is not None and (self._channel.paused() or self._channel.closed):
+                raise _Interrupted("a pause came while waiting for the new round's store")
+            time.sleep(0.005)
+
+    def _agree(self):
+        """Every rank says its step (and whether it has the channel: recovery is on for
+        every rank or none); the lowest rank among the most advanced broadcasts its state
+        to those behind. A fresh job (every rank at step 0) skips the broadcast."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        t = torch.zeros(2 * world, dtype=torch.int64)
+        t[rank], t[world + rank] = self.step, 1 if self.enabled else 0
+        t = t.to(device)
+        dist.all_reduce(t)
+        t = t.cpu().tolist()
+        if sum(t[world:]) < world and self.enabled:
+            _say(f"rank {rank}: another rank has no control channel: recovery is off on every rank, training goes on")
+            self._channel.withdraw()
+            self._channel = None
+        best = max(t[:world])
+        if best == 0:
+            return
+        source = t[:world].index(best)
+        data = b""
+        if rank == source:
+            buf = io.BytesIO()
+            torch.save({"step": self.step, "model": self._module.state_dict(), "optimizer": self._optimizer.state_dict(),
+                        "rng": _rng_state(), "extra": [o.state_dict() for o in self._extra]}, buf)
+            data = buf.getvalue()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        dist.broadcast(size, source)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()), dtype=torch.uint8)
+        payload = payload.to(device)
+        dist.broadcast(payload, source)
+        if self.step < best:
+            got = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu")
+            was = self.step
+            self._module.load_state_dict(got["model"])
+            self._optimizer.load_state_dict(got["optimizer"])
+            for o, s in zip(self._extra, got["extra"]):
+                o.load_state_dict(s)
+            _set_rng_state(got["rng"])
+            self.step = got["step"]
+            print(f"mglaunch_recovery: rank {rank} took step {best}'s state from rank {source} (it was at step {was})",
+                  flush=True)
+        if rank == 0 and any(0 < s < best for s in t[:world]):
+            print(f"mglaunch_recovery: step {best} was applied on some ranks only: recovering from it, the most "
+                  f"advanced state (rank {source}'s)", flush=True)
+
+    # ---- train ----
+
+    def run(self, train_step, steps):
+        """Calls train_step(step) for step = self.step .. steps-1 (the step's index: the
+        data position follows from it); a step a lost peer interrupted is done again."""
+        while self.step < steps:
+            if self._channel is not None and self._channel.paused():
+                self._recover("the agent paused this worker")
+                continue
+            rng = _rng_state()
+            try:
+                train_step(self.step)
+            except Exception as e:
+                if self._channel is None or not (self._channel.paused() or _is_collective_failure(e)):
+                    raise
+                _set_rng_state(rng)  # the step is redone from the state it started from
+                self._recover(str(e).splitlines()[0] if str(e) else type(e).__name__)
+                continue
+            self.step += 1
+            if self._pending:
+                detected, redone, lost = self._pending
+                seconds = time.monotonic() - detected
+                self.recoveries.append({"step": redone, "seconds": seconds, "lost": lost})
+                if dist.get_rank() == 0:
+                    print(f"mglaunch_recovery: recovered in {seconds:.3f} s: step {redone} redone", flush=True)
+                self._pending = None
+        return self
+
+    # ---- recover ----
+
+    def _abort_group(self):
+        """Lets go of the current (or forming) group at once; from the reader thread on a pause."""
+        with self._lock:
+            group = self._group
+        if group is not None:
+            group.abort()
+        if self.backend == "nccl" and dist.is_initialized():
+            pg = dist.distributed_c10d._get_default_group()
+            for abort in (getattr(dist.distributed_c10d, "_abort_process_group", None),
+                          getattr(getattr(pg, "_get_backend", lambda d: pg)(torch.device("cuda")), "abort", None)):
+                if abort is not None:
+                    try:
+                        abort()
+                        break
+                    except Exception:
+                        pass
+
+    def _abandon(self):
+        self._abort_group()
+        if dist.is_initialized():
+            _keep(dist.distributed_c10d._get_default_group())
+            _keep(self.model)
+            dist.destroy_process_group()  # drops torch's references only: ours keep the C++ group alive
+        self.model = None
+
+    def _wait(self, what, timeout):
+        end = time.monotonic() + timeout
+        while True:
+            got = what(min(0.1, max(0.0, end - time.monotonic())))
+            if got is not None or self._channel.closed or time.monotonic() >= end:
+                return got
+
+    def _recover(self, what):
+        """Waits for the agent's pause, lets go of the group, takes the new round's
+        assign, forms the new group and agrees on the state; a failure meanwhile (a peer
+        lost again) goes back to the next pause. Counted from the first detection."""
+        detected = time.monotonic()
+        limit = self.timeout.total_seconds()
+        while True:
+            if self.step != self._attempts_at:
+                self._attempts, self._attempts_at = 0, self.step
+            self._attempts += 1
+            if self._attempts > RECOVERY_ATTEMPTS:
+                raise RuntimeError(f"{what} (in-place recovery: {RECOVERY_ATTEMPTS} attempts in a row at step "
+                                   f"{self.step} failed)")
+            pause = self._wait(self._channel.wait_pause, limit)
+            if pause is None:
+                closed = self._channel.closed
+                raise RuntimeError(f"{what} (in-place recovery: no pause from the agent within {limit:g} s"
+                                   f"{': ' + closed if closed else ''})")
+            detected = min(detected, pause["at"])
+            self._channel.send({"type": "paused", "step": self.step})
+            self._abandon()
+            got = self._wait(self._channel.wait_assign, limit)
+            if got is None:
+                raise RuntimeError(f"in-place recovery: no assignment from the agent within {limit:g} s of its pause "
+                                   f"({pause['reason']}) {self._channel.closed}")
+            os.environ.update(got["env"])
+            try:
+                self._form_group()
+                self._agree()
+            except Exception as e:
+                if not (isinstance(e, _Interrupted) or _is_collective_failure(e)):
+                    raise
+                what = f"the new round's process group did not form: {str(e).splitlines()[0] if str(e) else e}"
+                continue
+            break
+        self._rewrap()
+        self._pending = (min(self._pending[0], detected) if self._pending else detected, self.step + 1, pause["lost"])
+        if dist.get_rank() == 0:
+            print(f"mglaunch_recovery: in-place recovery, round {got['round']} ({pause['reason']}): world "
+                  f"{dist.get_world_size()}, redoing step {self.step + 1}", flush=True)

@@ -1,0 +1,350 @@
+#!/usr/bin/python3
+"""In-place recovery of a plain torch DDP script (examples/ddp_recovery.py with
+python/mglaunch_recovery, issue #37), with real processes: mglaunch-rdzv, mglaunch agents
+and torch 1.13 workers on Gloo over 127.0.0.0/8.
+
+    py_recovery_test.py BIN_DIR CASE [WORK_DIR]
+
+CASE:
+  reference   an undisturbed 2-node run under mglaunch; writes WORK_DIR/reference.json (the
+              weights the other cases compare with: ctest's fixture, run once)
+  done-when   2 active nodes and 1 pre-started standby; node 1's agent SIGKILLed at step 10
+              or later: exit 0, rank 0 records one recovery of at most 2 s, the weights equal
+              the reference's
+  torchrun    the same script under ../shared/peers/torchrun: recovery off in one line, the
+              same weights (exit 77 without ../shared)
+  torch2      the done-when case with torch 2.6 workers from ../shared/peers/torch2's root
+              (exit 77 when it is absent or not set up)
+  quiet-store a store client whose server was SIGKILLed, once its group is let go of, does
+              not spin (torch 1.13's client thread busy-loops on the closed connection)
+  import      a worker mglaunch starts imports the shipped package (PYTHONPATH, no install)
+  off         without a control channel (MGLAUNCH_CONTROL_SOCKET unset) one line says
+              recovery is off and the script trains"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from skip import skip_test  # noqa: E402
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(SRC, "examples", "ddp_recovery.py")
+PEERS = os.path.join(SRC, "..", "shared", "peers")
+STEPS = 30
+# The cheap model, small batches, one thread (every run the same arithmetic), and a
+# sleep per step so that the kill lands mid-run on a loaded machine.
+TRAIN = ["--model", "mlp", "--batch-size", "16", "--steps", str(STEPS), "--seed", "3", "--train-subset", "2048"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+procs = []
+
+
+class Proc:
+    def __init__(self, argv, work, name, env=None):
+        self.out_path = os.path.join(work, name + ".out")
+        self.err_path = os.path.join(work, name + ".err")
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.p = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env or ENV,
+                                      start_new_session=True)
+        procs.append(self)
+
+    def out(self):
+        with open(self.out_path, errors="replace") as f:
+            return f.read()
+
+    def err(self):
+        with open(self.err_path, errors="replace") as f:
+            return f.read()
+
+    def wait(self, seconds):
+        try:
+            return self.p.wait(seconds)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def stop_all():
+    for p in procs:
+        if p.p.poll() is None:
+            try:
+                os.killpg(p.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.p.wait()
+
+
+def fail(msg, *shown):
+    for p in shown:
+        print(f"--- {p.out_path}\n{p.out()[-4000:]}\n--- {p.err_path}\n{p.err()[-6000:]}")
+    print(f"FAILED: {msg}", flush=True)
+    stop_all()
+    sys.exit(1)
+
+
+def eventually(cond, seconds, what, *shown):
+    """Waits for cond() (bounded); fails at once when one of `shown` ended meanwhile."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return
+        ended = [p for p in shown if p.p.poll() is not None]
+        if ended:
+            fail(f"{what}: {ended[0].out_path[:-4]} ended (exit {ended[0].p.returncode}) first", *shown)
+        time.sleep(0.05)
+    fail(f"{what} not within {seconds} s", *shown)
+
+
+def daemon(bin_dir, work):
+    d = Proc([os.path.join(bin_dir, "mglaunch-rdzv"), "--listen", "127.0.0.1:0"], work, "rdzv")
+    eventually(lambda: "\n" in d.out(), 30, "the daemon's first line", d)
+    line = d.out().splitlines()[0]
+    if not line.startswith("listening on "):
+        fail(f"the daemon said {line!r}", d)
+    return d, line[len("listening on "):]
+
+
+def node(bin_dir, work, endpoint, job, host, summary, flags=(), python="/usr/bin/python3", train=()):
+    argv = [os.path.join(bin_dir, "mglaunch"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}", f"--rdzv_id={job}", "--max_restarts=2", f"--local_addr=127.0.0.{host}",
+            f"--python={python}", *flags, EXAMPLE, *TRAIN, *train, "--summary-json", summary]
+    return Proc(argv, work, f"{job}-node{host}")
+
+
+def summary(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def reference(bin_dir, work):
+    d, ep = daemon(bin_dir, work)
+    a = node(bin_dir, work, ep, "calm", 2, work + "/c{rank}.json")
+    b = node(bin_dir, work, ep, "calm", 3, work + "/c{rank}.json")
+    for n in (a, b):
+        if n.wait(300) != 0:
+            fail(f"an undisturbed node exited with {n.p.returncode}", a, b)
+    s0, s1 = summary(work + "/c0.json"), summary(work + "/c1.json")
+    if s0["steps"] != STEPS or s0["weights_sha256"] != s1["weights_sha256"] or s0["recoveries"]:
+        fail(f"the undisturbed run: {s0} {s1}", a, b)
+    with open(work + "/reference.json", "w") as f:
+        json.dump(s0, f)
+    d.p.terminate()
+    d.wait(10)
+    print(f"reference: {STEPS} steps, weights sha256 {s0['weights_sha256']}")
+
+
+def reference_weights(work):
+    path = work + "/reference.json"
+    if not os.path.exists(path):
+        fail(f"{path} is missing: run the reference case first (ctest's fixture py_recovery_reference)")
+    return summary(path)["weights_sha256"]
+
+
+def done_when(bin_dir, work, python="/usr/bin/python3", what="torch 1.13"):
+    want = reference_weights(work)
+    run = tempfile.mkdtemp(dir=work)
+    d, ep = daemon(bin_dir, run)
+    # Steps of 250 ms (a sleep): the standby, started with the active nodes' workers, is
+    # ready well before step 10 even on a loaded machine.
+    slow = ["--step-ms", "250"]
+    nodes = [node(bin_dir, run, ep, "hit", h, run + "/s{rank}.json", python=python, train=slow) for h in (2, 3)]
+    eventually(lambda: all("round 1:" in n.err() for n in nodes), 120, "round 1 of the active nodes", *nodes)
+    standby = node(bin_dir, run, ep, "hit", 4, run + "/s{rank}.json", ["--prestart-standby"], python=python, train=slow)
+    nodes.append(standby)
+    lead = []  # rank 0's progress lines tell which agent hosts it: the other active one is "node 1"
+    eventually(lambda: lead.extend(i for i in (0, 1) if "]:step 1 " in nodes[i].out()) or lead, 180,
+               "rank 0's step 1", *nodes)
+    eventually(lambda: "standby worker ready" in standby.out(), 180, "the pre-started standby's ready line", *nodes)
+    eventually(lambda: "]:step 10 " in nodes[lead[0]].out(), 180, "rank 0's step 10", *nodes)
+    victim = nodes[1 - lead[0]]
+    os.kill(victim.p.pid, signal.SIGKILL)
+    victim.wait(30)
+    survivor = nodes[lead[0]]
+    for n in (survivor, standby):
+        if n.wait(300) is None:
+            fail("the job did not end within 300 s of the kill", survivor, standby)
+    if survivor.p.returncode != 0 or standby.p.returncode != 0:
+        fail(f"exit codes: rank 0's node {survivor.p.returncode}, the standby {standby.p.returncode}", survivor, standby)
+    s0, s1 = summary(run + "/s0.json"), summary(run + "/s1.json")
+    checks = [(s0["steps"] == STEPS, f"rank 0 ran {s0['steps']} steps, not {STEPS}"),
+              (len(s0["recoveries"]) == 1, f"rank 0's recoveries: {s0['recoveries']}"),
+              (s0["weights_sha256"] == want, f"rank 0's weights {s0['weights_sha256']} differ from the undisturbed {want}"),
+              (s1["weights_sha256"] == want, f"rank 1's weights {s1['weights_sha256']} differ from the undisturbed {want}")]
+    for ok, msg in checks:
+        if not ok:
+            fail(msg, survivor, standby)
+    r = s0["recoveries"][0]
+    if r["step"] < 11 or r["lost"] != "host" or r["seconds"] > 2.0:
+        fail(f"rank 0's recovery {r}: want step >= 11, lost host, at most 2 s", survivor, standby)
+    if "the pre-started worker (pid " not in standby.err():
+        fail("the standby's pre-started worker did not take the place", standby)
+    print(f"{what}: node 1's agent SIGKILLed, rank 0 recovered in {r['seconds']:.3f} s (step {r['step']} redone), "
+          f"weights equal the undisturbed run's")
+    d.p.terminate()
+    d.wait(10)
+    if not os.environ.get("MGTEST_KEEP"):
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def torchrun(work):
+    peer = os.path.join(PEERS, "torchrun")
+    if not os.path.exists(peer):
+        skip_test("the reference torchrun is not at ../shared/peers/torchrun (../shared is absent beside this checkout)")
+    want = reference_weights(work)
+    argv = ["/usr/bin/python3", peer, "--standalone", "--nproc_per_node=2", "--monitor_interval=0.1", EXAMPLE, *TRAIN,
+            "--summary-json", work + "/t{rank}.json"]
+    # torch 1.13's --standalone takes a fixed port: in a network namespace of its own (loopback only).
+    if subprocess.run(["/usr/bin/unshare", "-n", "/bin/true"]).returncode == 0 and os.path.exists("/usr/sbin/ip"):
+        argv = ["/usr/bin/unshare", "-n", "/bin/sh", "-c", '/usr/sbin/ip link set lo up && exec "$@"', "sh", *argv]
+    env = {k: v for k, v in ENV.items() if not k.startswith("MGLAUNCH_")}
+    t = Proc(argv, work, "torchrun", env)
+    if t.wait(300) != 0:
+        fail(f"torchrun exited with {t.p.returncode}", t)
+    off = [l for l in t.err().splitlines() if "in-place recovery is off" in l]
+    if len(off) != 1:
+        fail(f"want one line saying recovery is off, got {off}", t)
+    s0 = summary(work + "/t0.json")
+    if s0["steps"] != STEPS or s0["recovery"] or s0["weights_sha256"] != want:
+        fail(f"under torchrun: {s0}, want the undisturbed weights {want}", t)
+    print(f"torchrun: {off[0]}; the same weights")
+
+
+def torch2(bin_dir, work):
+    peer = os.path.join(PEERS, "torch2")
+    if not os.path.exists(peer):
+        skip_test("torch 2.6 is not at ../shared/peers/torch2 (../shared is absent beside this checkout)")
+    root = os.environ.get("TORCH2_ROOT", "/var/cache/mglaunch-peers/torch2-root")
+    if not os.path.exists(root + "/.ready"):
+        skip_test("the torch 2.6 root is not set up: run ../shared/peers/torch2 setup once (~2 min)")
+    # Each worker's python is the root's: the wrapper execs into it (same pid, so the agent
+    # knows it), sharing /tmp (the summaries) and the checkout (the example and the package).
+    wrapper = os.path.join(work, "python-torch2")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\nexec {os.path.abspath(peer)} run /usr/bin/python3 "$@"\n')
+    os.chmod(wrapper, 0o755)
+    done_when(bin_dir, work, python=wrapper, what="torch 2.6")
+
+
+def quiet_store(work):
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import mglaunch_recovery
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    host = Proc(["/usr/bin/python3", "-c", "import sys, time, torch.distributed as d\n"
+                 f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False)\n"
+                 "print('up', flush=True)\ntime.sleep(300)"], work, "store-host")
+    eventually(lambda: "up" in host.out(), 60, "the store host's start", host)
+    group = mglaunch_recovery._GroupSockets(({"127.0.0.1"}, port))
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+    store.set("k", "v")
+    store.get("k")  # a round trip: the host read everything (unread bytes make its kill a reset, not an end)
+    group.done()
+    os.kill(host.p.pid, signal.SIGKILL)
+    host.wait(30)
+
+    def cpu_ns():
+        out = {}
+        for t in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{t}/schedstat") as f:
+                    out[t] = int(f.read().split()[0])
+            except OSError:
+                pass
+        return out
+
+    def busiest(seconds):
+        a = cpu_ns()
+        time.sleep(seconds)
+        b = cpu_ns()
+        return max(b[t] - a[t] for t in b if t in a and t != str(os.getpid())) / 1e6
+
+    spinning = busiest(1.0)  # not asserted: on a loaded machine a spinner's share varies
+    group.abort()
+    after = busiest(2.0)
+    print(f"the store client's busiest thread: {spinning:.1f} ms of CPU in 1 s after its server's SIGKILL, "
+          f"{after:.1f} ms in 2 s once let go of")
+    if after > 20:
+        fail(f"the abandoned store client still spins: {after:.1f} ms of CPU in 2 s")
+    print("passed", flush=True)
+    os._exit(0)  # the store object stays: its destructor is what a worker never runs
+
+
+def off(work):
+    env = {k: v for k, v in ENV.items() if not k.startswith("MGLAUNCH_")}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=os.path.join(SRC, "python"))
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    env["MASTER_PORT"] = str(s.getsockname()[1])
+    s.close()
+    p = Proc(["/usr/bin/python3", EXAMPLE, "--model", "mlp", "--steps", "3", "--batch-size", "8", "--train-subset",
+              "256", "--summary-json", work + "/o{rank}.json"], work, "off", env)
+    if p.wait(120) != 0:
+        fail(f"exit {p.p.returncode}", p)
+    lines = [l for l in p.err().splitlines() if l.startswith("mglaunch_recovery:")]
+    if lines != ["mglaunch_recovery: no MGLAUNCH_CONTROL_SOCKET (not started by mglaunch, e.g. torchrun): in-place "
+                 "recovery is off, training goes on as usual"]:
+        fail(f"want one line saying recovery is off, got {lines}", p)
+    if summary(work + "/o0.json")["steps"] != 3 or "step 3 " not in p.out():
+        fail("it did not train", p)
+
+
+def import_case(bin_dir, work):
+    """A worker mglaunch starts imports the shipped package with no install step, and the
+    inherited PYTHONPATH comes after it."""
+    script = os.path.join(work, "where.py")
+    with open(script, "w") as f:
+        f.write("import os, mglaunch_recovery\nprint(os.path.realpath(mglaunch_recovery.__file__))\n"
+                "print(os.environ['PYTHONPATH'])\n")
+    env = dict(ENV, PYTHONPATH="/nonexistent/inherited")
+    p = Proc([os.path.join(bin_dir, "mglaunch"), "--standalone", "--nproc_per_node=1", "--python=/usr/bin/python3",
+              script], work, "import", env)
+    if p.wait(120) != 0:
+        fail(f"exit {p.p.returncode}", p)
+    shipped = os.path.realpath(os.path.join(bin_dir, "..", "share", "mglaunch", "python"))
+    lines = [l.split(":", 1)[1] for l in p.out().splitlines() if l.startswith("[rank0]:")]
+    want = [os.path.join(os.path.realpath(os.path.join(SRC, "python")), "mglaunch_recovery", "__init__.py"),
+            os.path.join(bin_dir, "..", "share", "mglaunch", "python") + ":/nonexistent/inherited"]
+    if len(lines) != 2 or lines[0] != want[0] or os.path.realpath(lines[1].split(":")[0]) != shipped or \
+            not lines[1].endswith(":/nonexistent/inherited"):
+        fail(f"the worker printed {lines}, want {want}", p)
+
+
+def main():
+    bin_dir, case = sys.argv[1], sys.argv[2]
+    work = sys.argv[3] if len(sys.argv) > 3 else tempfile.mkdtemp(prefix="py_recovery.")
+    os.makedirs(work, exist_ok=True)
+    try:
+        if case == "reference":
+            reference(bin_dir, work)
+        elif case == "done-when":
+            done_when(bin_dir, work)
+        elif case == "torchrun":
+            torchrun(work)
+        elif case == "torch2":
+            torch2(bin_dir, work)
+        elif case == "quiet-store":
+            quiet_store(work)
+        elif case == "import":
+            import_case(bin_dir, work)
+        elif case == "off":
+            off(work)
+        else:
+            print(f"unknown case {case!r}")
+            sys.exit(2)
+    finally:
+        stop_all()
+    print("passed")
+
+
+if __name__ == "__main__":
+    main()

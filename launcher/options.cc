@@ -15,6 +15,7 @@
 
 #include "cli/args.h"
 #include "cli/errors.h"
+#include "launcher/option_values.h"
 #include "ops/hwprobe.h"
 #include "process/proc.h"
 #include "process/run.h"
@@ -25,45 +26,7 @@
 
 namespace mg {
 
-
 namespace {
-
-// `flag` names where the text came from: "--node_rank", "PET_NODE_RANK" or a --config key.
-int parse_int(const std::string& flag, std::string_view text, int min_value,
-              std::optional<int> max_value = std::nullopt) {
-  int v = 0;
-  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  const std::string range =
-      max_value ? fmt::format("use {}..{}", min_value, *max_value) : fmt::format("must be >= {}", min_value);
-  if (text.empty()) throw UsageError(fmt::format("bad {} '': empty (an unset shell variable?); expected an integer", flag));
-  if (ec == std::errc::result_out_of_range) throw UsageError(fmt::format("bad {} '{}': {}", flag, text, range));
-  if (ec != std::errc{} || p != text.data() + text.size())
-    throw UsageError(fmt::format("bad {} '{}': expected an integer", flag, text));
-  if (v < min_value || (max_value && v > *max_value)) throw UsageError(fmt::format("bad {} '{}': {}", flag, text, range));
-  return v;
-}
-
-// Seconds in [min_s, max_s] (a decimal number).
-double parse_seconds(const std::string& flag, std::string_view text, double min_s, double max_s) {
-  if (text.empty()) throw UsageError(fmt::format("bad {} '': empty (an unset shell variable?); expected seconds", flag));
-  double v = -1;
-  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || p != text.data() + text.size() || !(v >= min_s) || v > max_s)
-    throw UsageError(fmt::format("bad {} '{}': use {}..{} seconds", flag, text, min_s, max_s));
-  return v;
-}
-
-std::vector<int> parse_int_list(const std::string& flag, const std::string& text) {
-  std::vector<int> out;
-  std::string_view rest = text;
-  while (true) {
-    auto comma = rest.find(',');
-    out.push_back(parse_int(flag, rest.substr(0, comma), 0));
-    if (comma == std::string_view::npos) break;
-    rest = rest.substr(comma + 1);
-  }
-  return out;
-}
 
 // "--nproc_per_node,--nproc-per-node" for a torchrun flag name with underscores.
 std::string both_spellings(const std::string& name) {
@@ -238,258 +201,70 @@ HardwareProbe HardwareProbe::system() {
   return {gpus, [] { return std::max(1, hw::probe_cpus().usable()); }, system_node_address, system_ephemeral_ports};
 }
 
-Streams StreamSpec::for_rank(int local_rank) const {
-  if (auto it = per_rank.find(local_rank); it != per_rank.end()) return it->second;
-  return all;
-}
-
-bool StreamSpec::covers(int local_rank, Streams which) const {
-  return (static_cast<unsigned>(for_rank(local_rank)) & static_cast<unsigned>(which)) != 0;
-}
-
-StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
-  auto one = [&](std::string_view v) {
-    if (v.size() != 1 || v[0] < '0' || v[0] > '3')
-      throw UsageError(fmt::format("bad {} '{}': use 0 (none), 1 (stdout), 2 (stderr), 3 (both) or "
-                                   "LOCAL_RANK:N,... e.g. 0:3,1:2",
-                                   flag, text));
-    return static_cast<Streams>(v[0] - '0');
-  };
-  StreamSpec spec;
-  if (text.find(':') == std::string::npos) {
-    spec.all = one(text);
-    return spec;
-  }
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    auto comma = rest.find(',');
-    auto item = rest.substr(0, comma);
-    auto colon = item.find(':');
-    if (colon == std::string_view::npos) one("x");
-    spec.per_rank[parse_int(flag, item.substr(0, colon), 0)] = one(item.substr(colon + 1));
-    if (comma == std::string_view::npos) break;
-    rest = rest.substr(comma + 1);
-  }
-  return spec;
-}
-
-NodeRange parse_nnodes(const std::string& text, const std::string& flag) {
-  NodeRange r;
-  auto colon = text.find(':');
-  if (colon == std::string::npos) {
-    r.min = r.max = parse_int(flag, text, 1);
-    return r;
-  }
-  if (text.find(':', colon + 1) != std::string::npos)  // torch's parse_min_max_nnodes refuses it too
-    throw UsageError(fmt::format("bad {} '{}': expected N or MIN:MAX", flag, text));
-  r.min = parse_int(flag, std::string_view(text).substr(0, colon), 1);
-  r.max = parse_int(flag, std::string_view(text).substr(colon + 1), 1);
-  if (r.min > r.max) throw UsageError(fmt::format("bad {} '{}': MIN must be <= MAX", flag, text));
-  return r;
-}
-
-bool uses_rendezvous_server(const AgentOptions& o) { return o.rdzv_backend != "static" && o.nnodes.max > 1; }
 
 namespace {
 
-// One pair of matching outer quotes ('...' or "...") off `text`, as a shell would have
-// removed them: PyTorch's own launcher tests pass --rdzv-conf='join_timeout=5,...' with
-// the quotes inside the value.
-std::string_view strip_outer_quotes(std::string_view text) {
-  if (text.size() >= 2 && (text.front() == '\'' || text.front() == '"') && text.back() == text.front())
-    return text.substr(1, text.size() - 2);
-  return text;
-}
-
-std::string_view strip_space(std::string_view text) {
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.remove_prefix(1);
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);
-  return text;
-}
-
-// torch's RendezvousParameters.get_as_bool spellings.
-std::optional<bool> conf_bool(std::string value) {
-  std::transform(value.begin(), value.end(), value.begin(), ::tolower);
-  for (const char* t : {"1", "true", "t", "yes", "y"})
-    if (value == t) return true;
-  for (const char* f : {"0", "false", "f", "no", "n"})
-    if (value == f) return false;
-  return std::nullopt;
-}
-
-}  // namespace
-
-const std::vector<std::string>& known_rdzv_conf_keys() {
-  static const std::vector<std::string> keys = {
-      // dynamic rendezvous (c10d, mglaunch) and its c10d store
-      "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
-      "keep_alive_max_attempt", "read_timeout", "is_host", "store_type", "use_libuv", "use_agent_store",
-      // LaunchConfig (every backend) and the static backend
-      "timeout", "rank",
-      // etcd (and etcd-v2's spellings of its TLS files); user= is mglaunch's
-      "protocol", "cacert", "cert", "key", "etcd_prefix", "user", "ca_cert", "ssl_cert", "ssl_cert_key"};
-  return keys;
-}
-
-void apply_rdzv_conf(AgentOptions& o, const std::string& conf) {
-  // torchrun's _parse_rendezvous_config: KEY=VALUE items split at commas, spaces around
-  // keys and values dropped. mglaunch also drops one pair of outer quotes of the whole
-  // text and of each value.
-  std::string_view rest = strip_outer_quotes(strip_space(conf));
-  while (!rest.empty()) {
-    auto comma = rest.find(',');
-    auto item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
-    auto eq = item.find('=');
-    const std::string key(strip_space(item.substr(0, eq)));
-    if (eq == std::string_view::npos || key.empty())
-      throw UsageError(fmt::format("bad --rdzv_conf '{}': expected KEY=VALUE,...", conf));
-    const std::string value(strip_outer_quotes(strip_space(item.substr(eq + 1))));
-    const auto& known = known_rdzv_conf_keys();
-    if (std::find(known.begin(), known.end(), key) == known.end()) {
-      auto near = cli::nearest_name(key, known);
-      o.usage_warnings.push_back(fmt::format("--rdzv_conf key '{}' is not one mglaunch or torchrun knows{}; ignored",
-                                             key, near ? fmt::format(" (did you mean '{}'?)", *near) : ""));
-      continue;
-    }
-    if (value.empty()) throw UsageError(fmt::format("bad --rdzv_conf {}='': give a value", key));
-    if (key == "is_host" || key == "use_libuv" || key == "use_agent_store") {
-      auto b = conf_bool(value);
-      if (!b) throw UsageError(fmt::format("bad --rdzv_conf {}='{}': use true or false", key, value));
-      if (key == "is_host") o.rdzv_is_host = *b;
-      continue;
-    }
-    if (key == "cacert" || key == "cert" || key == "key" || key == "user" || key == "etcd_prefix") {
-      (key == "cacert" ? o.etcd_cacert : key == "cert" ? o.etcd_cert : key == "key" ? o.etcd_key
-       : key == "user" ? o.etcd_user : o.etcd_prefix) = value;
-      continue;
-    }
-    if (key == "protocol") {
-      if (value != "http" && value != "https")
-        throw UsageError(fmt::format("bad --rdzv_conf protocol='{}': use http or https", value));
-      o.etcd_https = value == "https";
-      continue;
-    }
-    if (key == "store_type") {
-      std::string t = value;
-      std::transform(t.begin(), t.end(), t.begin(), ::tolower);
-      if (t != "tcp" && t != "file")
-        throw UsageError(fmt::format("bad --rdzv_conf store_type='{}': use tcp or file", value));
-      continue;
-    }
-    // etcd-v2's file names and the static backend's rank (torchrun sets it from --node_rank)
-    if (key == "ca_cert" || key == "ssl_cert" || key == "ssl_cert_key" || key == "rank") continue;
-    double v = -1;
-    try {
-      std::size_t used = 0;
-      v = std::stod(value, &used);
-      if (used != value.size()) v = -1;
-    } catch (const std::exception&) {
-    }
-    if (!(v >= 0) || v > 1e9)
-      throw UsageError(fmt::format("bad --rdzv_conf value {}='{}': expected a number of seconds", key, value));
-    // torch's keys that mean nothing here: the store's read timeout, the close and
-    // heartbeat timeouts, the launcher's overall timeout
-    if (key == "timeout" || key == "read_timeout" || key == "close_timeout" || key == "heartbeat_timeout") continue;
-    auto ms = std::chrono::milliseconds(static_cast<long>(v * 1000));
-    if (key == "join_timeout") o.join_timeout = ms;
-    else if (key == "last_call_timeout") o.last_call_timeout = ms;
-    else if (key == "keep_alive_interval") o.keep_alive_interval = std::max(ms, std::chrono::milliseconds(10));
-    else o.keep_alive_max_attempt = std::max(1, static_cast<int>(v));
+// One parse of mglaunch's command line: the flag table (CLI11 writes into `o` and the
+// text members), where each value came from, and the checks of the values, in the order
+// their errors are reported. Not movable: CLI11 holds pointers to the members.
+struct AgentParse {
+  AgentParse(const std::map<std::string, std::string>& env_in, const HardwareProbe& probe_in)
+      : env(env_in), probe(probe_in) {
+    declare_flags();
   }
-}
+  AgentParse(const AgentParse&) = delete;
+  AgentParse& operator=(const AgentParse&) = delete;
 
-std::vector<std::string> parse_filter_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::string item;
-  for (std::size_t i = 0; i <= text.size(); ++i) {
-    if (i < text.size() && text[i] == ',' && i + 1 < text.size() && text[i + 1] == ',') {
-      item += ',';
-      ++i;
-    } else if (i == text.size() || text[i] == ',') {
-      if (!item.empty()) out.push_back(std::move(item));
-      item.clear();
-    } else {
-      item += text[i];
-    }
-  }
-  return out;
-}
+  ParseOutcome parse(const std::vector<std::string>& argv);
 
-std::vector<int> parse_signal_list(const std::string& flag, const std::string& text) {
-  std::vector<int> out;
-  std::string_view rest = text;
-  while (true) {
-    const auto comma = rest.find(',');
-    std::string name(strip_space(rest.substr(0, comma)));
-    std::transform(name.begin(), name.end(), name.begin(), ::toupper);
-    const std::string bare = name.starts_with("SIG") ? name.substr(3) : name;
-    int sig = 0;
-    for (int n = 1; n < 32 && !bare.empty(); ++n)
-      if (const char* abbrev = ::sigabbrev_np(n); abbrev && bare == abbrev) sig = n;
-    if (bare == "IOT") sig = SIGABRT;
-    if (bare == "POLL") sig = SIGIO;
-    // Python's real-time names: RTMIN, RTMAX, RTMIN+N, RTMAX-N.
-    for (auto [prefix, base, dir] : {std::tuple{"RTMIN", SIGRTMIN, 1}, std::tuple{"RTMAX", SIGRTMAX, -1}}) {
-      const std::string_view p = prefix;
-      if (!bare.starts_with(p)) continue;
-      const std::string_view off = std::string_view(bare).substr(p.size());
-      int n = 0;
-      if (off.empty()) {
-        sig = base;
-      } else if (off.size() > 1 && off[0] == (dir > 0 ? '+' : '-')) {
-        auto [end, ec] = std::from_chars(off.data() + 1, off.data() + off.size(), n);
-        if (ec == std::errc() && end == off.data() + off.size() && n >= 0 && n <= SIGRTMAX - SIGRTMIN)
-          sig = base + dir * n;
-      }
-    }
-    if (sig == 0)
-      throw UsageError(fmt::format("bad {} '{}': '{}' is no signal name; give names such as SIGTERM,SIGINT,SIGUSR1",
-                                   flag, text, std::string(strip_space(rest.substr(0, comma)))));
-    if (sig == SIGKILL || sig == SIGSTOP)
-      throw UsageError(fmt::format("bad {} '{}': SIG{} cannot be caught, so it cannot be handled; drop it", flag, text,
-                                   bare));
-    if (std::find(out.begin(), out.end(), sig) == out.end()) out.push_back(sig);
-    if (comma == std::string_view::npos) break;
-    rest = rest.substr(comma + 1);
-  }
-  return out;
-}
-
-std::string substitute_local_rank(const std::string& arg, int local_rank) {
-  static constexpr std::string_view kName = "local_rank";
-  auto is_ident = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
-  std::string out;
-  out.reserve(arg.size());
-  for (std::size_t i = 0; i < arg.size(); ++i) {
-    if (arg[i] != '$' || i + 1 >= arg.size()) {
-      out += arg[i];
-      continue;
-    }
-    std::string_view rest = std::string_view(arg).substr(i + 1);
-    if (rest[0] == '$') {
-      out += '$';
-      ++i;
-    } else if (rest.starts_with("{local_rank}")) {
-      out += std::to_string(local_rank);
-      i += kName.size() + 2;
-    } else if (rest.starts_with(kName) && (rest.size() == kName.size() || !is_ident(rest[kName.size()]))) {
-      out += std::to_string(local_rank);
-      i += kName.size();
-    } else {
-      out += '$';  // safe_substitute keeps unknown placeholders as written
-    }
-  }
-  return out;
-}
-
-namespace {
-
-// With `specs_only`, fills it with the flag table and returns before parsing anything.
-ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
-                                   const HardwareProbe& probe, std::vector<cli::FlagSpec>* specs_only) {
+  const std::map<std::string, std::string>& env;
+  const HardwareProbe& probe;
   AgentOptions o;
   CLI::App app{"mglaunch: a drop-in for torchrun. Starts and supervises the workers of one node.", "mglaunch"};
+  std::shared_ptr<JsonConfig> json_config = std::make_shared<JsonConfig>();
+  // Options with a PET_* fallback; applied after parsing (flags > PET_* > --config).
+  std::vector<std::pair<CLI::Option*, std::string>> pet_options;
+  // Where each value came from, for error messages: the flag, its PET_* variable or --config.
+  std::map<const CLI::Option*, std::string> source;
+
+  std::string nnodes = "1:1", redirects, tee, filter, gpu_ids;
+  // Numbers are taken as text and checked below, so that every error names where the
+  // value came from (flag, PET_* variable or --config key) and the valid range.
+  std::string node_rank = "0", master_port = "29500", max_restarts = "0", monitor_interval = "5", grace = "30";
+  bool use_env = false;
+  std::string token_file, stdin_rank = "0", prefix_template, monitor, preflight;
+  std::string shutdown_timeout, signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", numa_binding, dup_filters[2], logs_specs;
+
+ private:
+  void declare_flags();
+  static std::string pet(std::string name) {
+    std::transform(name.begin(), name.end(), name.begin(), ::toupper);
+    return "PET_" + name;
+  }
+  template <typename T>
+  CLI::Option* opt(const std::string& name, T& var, const std::string& help) {
+    auto* option = app.add_option(both_spellings(name), var, help);
+    pet_options.emplace_back(option, pet(name));
+    return option;
+  }
+  CLI::Option* flag(const std::string& names, const std::string& env_name, bool& var, const std::string& help) {
+    auto* f = app.add_flag(names, var, help);
+    if (!env_name.empty()) pet_options.emplace_back(f, pet(env_name));
+    return f;
+  }
+  void take_environment(const cli::Normalized& norm, const std::vector<cli::FlagSpec>& specs);
+  std::string from(const std::string& flag_name) const;
+  void read_place_and_program(const cli::Normalized& norm);
+  void check_workers();
+  void check_stop_and_binding();
+  void check_streams_and_gpus();
+  void check_monitoring_and_program();
+  void check_rendezvous();
+  void check_addresses();
+  void read_tokens();
+};
+
+void AgentParse::declare_flags() {
   app.prefix_command();
   app.set_version_flag("--version", std::string("mglaunch ") + MGLAUNCH_VERSION);
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -506,26 +281,6 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
       "2 bad flags or config; 127 program or interpreter not found; 128+S the agent was stopped by signal S;\n"
       "1 internal error. See README.md.");
 
-  std::string nnodes = "1:1", redirects, tee, filter, gpu_ids;
-  // Numbers are taken as text and checked below, so that every error names where the
-  // value came from (flag, PET_* variable or --config key) and the valid range.
-  std::string node_rank = "0", master_port = "29500", max_restarts = "0", monitor_interval = "5", grace = "30";
-  auto pet = [](std::string name) {
-    std::transform(name.begin(), name.end(), name.begin(), ::toupper);
-    return "PET_" + name;
-  };
-  // Options with a PET_* fallback; applied after parsing (flags > PET_* > --config).
-  std::vector<std::pair<CLI::Option*, std::string>> pet_options;
-  auto opt = [&](const std::string& name, auto& var, const std::string& help) {
-    auto* option = app.add_option(both_spellings(name), var, help);
-    pet_options.emplace_back(option, pet(name));
-    return option;
-  };
-  auto flag = [&](const std::string& names, const std::string& env_name, bool& var, const std::string& help) {
-    auto* f = app.add_flag(names, var, help);
-    if (!env_name.empty()) pet_options.emplace_back(f, pet(env_name));
-    return f;
-  };
   opt("nnodes", nnodes, "Number of nodes, N or MIN:MAX (elastic)");
   opt("nproc_per_node", o.nproc_spec, "Workers per node: N, auto, gpu or cpu");
   opt("node_rank", node_rank, "Rank of this node (static rendezvous)");
@@ -552,7 +307,6 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   opt("local_ranks_filter", filter, "Show only these local ranks' output on the console, e.g. 0,3");
   opt("start_method", o.start_method, "Accepted for torchrun compatibility; has no effect (always fork+exec)");
   flag("--local-rank-arg,--local_rank_arg", "", o.local_rank_arg, "Pass --local_rank=N to the program");
-  bool use_env = false;
   flag("--use_env,--use-env", "", use_env, "Accepted for torch.distributed.launch scripts; no effect");
   app.add_option("--cpu-bind,--cpu_bind", o.cpu_bind,
                  "Pin each worker: none (default), cores (disjoint cores, near its GPU), numa (its NUMA node), "
@@ -568,11 +322,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
        "loads and waits for the place (docs/in-place-recovery.md); only for such workers, e.g. mgtrain "
        "--in-place-recovery");
   flag("--timestamps", "", o.timestamps, "Prefix relayed worker lines with the time");
-  std::string token_file;
   app.add_option("--token-file,--token_file", token_file,
                  "File with the rendezvous token (HMAC-SHA256 challenge); or set MGLAUNCH_RDZV_TOKEN");
   app.add_option("--python", o.python, "Interpreter for .py programs and -m (default $MGLAUNCH_PYTHON or python3)");
-  std::string stdin_rank = "0", prefix_template;
   app.add_option("--stdin-rank,--stdin_rank", stdin_rank,
                  "Local rank that reads mglaunch's stdin (default 0), or none: the others read /dev/null");
   app.add_option("--log-line-prefix-template,--log_line_prefix_template", prefix_template,
@@ -581,7 +333,6 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
   flag("--no-slurm,--no_slurm", "", o.no_slurm,
        "Ignore the Slurm step mglaunch runs in (by default its SLURM_* variables fill the flags not given)");
 
-  std::string monitor;
   app.add_flag("--monitor", monitor,
                "Print each worker's CPU%/RSS (whole process tree) and each GPU's figures every SECONDS "
                "(--monitor or --monitor=SECONDS, default 5)")
@@ -591,14 +342,12 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                  "Serve Prometheus metrics at http://METRICS-HOST:P/metrics (0 picks a port; printed)");
   app.add_option("--metrics-host,--metrics_host", o.metrics_host, "Address for --metrics-port (default 127.0.0.1)");
   app.add_option("--trace", o.trace_file, "Write a Chrome/Perfetto trace (JSON) of the run to FILE");
-  std::string preflight;
   app.add_flag("--preflight", preflight,
                "Before the job's workers start, the nodes run a short all-reduce and a point-to-point bandwidth "
                "check between them and name a slow or broken node: fail (the default) ends the run with exit 5, "
                "warn goes on (--preflight or --preflight=fail|warn|off)")
       ->option_text("[=MODE]");
   // torch 2.x's flags (#25; docs/flags.md)
-  std::string shutdown_timeout, signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT", numa_binding, dup_filters[2], logs_specs;
   opt("shutdown_timeout", shutdown_timeout,
       "torchrun's name for --grace: seconds from SIGTERM to SIGKILL (else $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30)");
   opt("signals_to_handle", signals,
@@ -624,15 +373,13 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     o.python_source = "MGLAUNCH_PYTHON";
   }
   json_config->valid_keys = cli::long_names(cli::specs_of(app));
+}
 
+ParseOutcome AgentParse::parse(const std::vector<std::string>& argv) {
   // Argparse's rules first (explicit empty values, unique prefixes, a value never taken
   // from the next flag), then CLI11 on the flags alone; the program and its arguments are
   // never looked at.
   const std::vector<cli::FlagSpec> specs = cli::specs_of(app);
-  if (specs_only) {
-    *specs_only = specs;
-    return {};
-  }
   cli::Normalized norm;
   try {
     norm = cli::normalize_args(std::vector<std::string>(argv.begin() + (argv.empty() ? 0 : 1), argv.end()), specs,
@@ -653,9 +400,19 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     if (auto nl = what.find('\n'); nl != std::string::npos) what.resize(nl);
     throw UsageError(fmt::format("{} (see mglaunch --help)", what));
   }
+  take_environment(norm, specs);
+  read_place_and_program(norm);
+  check_workers();
+  check_stop_and_binding();
+  check_streams_and_gpus();
+  check_monitoring_and_program();
+  check_rendezvous();
+  check_addresses();
+  read_tokens();
+  return {std::move(o), {}};
+}
 
-  // Where each value came from, for error messages: the flag, its PET_* variable or --config.
-  std::map<const CLI::Option*, std::string> source;
+void AgentParse::take_environment(const cli::Normalized& norm, const std::vector<cli::FlagSpec>& specs) {
   for (auto k : norm.given) source[app.get_option(specs[k].display())] = specs[k].display();
   for (auto& [option, var] : pet_options) {
     if (source.count(option)) continue;  // a flag beats the environment
@@ -674,13 +431,16 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     }
     source[option] = var;
   }
-  auto from = [&](const std::string& flag_name) {
-    const CLI::Option* option = app.get_option(flag_name);
-    if (auto it = source.find(option); it != source.end()) return it->second;
-    if (option->count() > 0) return fmt::format("--config key '{}'", option->get_lnames().front());
-    return flag_name;
-  };
+}
 
+std::string AgentParse::from(const std::string& flag_name) const {
+  const CLI::Option* option = app.get_option(flag_name);
+  if (auto it = source.find(option); it != source.end()) return it->second;
+  if (option->count() > 0) return fmt::format("--config key '{}'", option->get_lnames().front());
+  return flag_name;
+}
+
+void AgentParse::read_place_and_program(const cli::Normalized& norm) {
   o.node_rank = parse_int(from("--node_rank"), node_rank, 0);
   o.node_rank_given = app.get_option("--node_rank")->count() > 0;
   o.master_port = parse_int(from("--master_port"), master_port, 0, 65535);
@@ -692,8 +452,10 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     throw UsageError("no training program given: usage is mglaunch [FLAGS] PROGRAM [ARGS...] (see mglaunch --help)");
   o.program = rest.front();
   o.program_args.assign(rest.begin() + 1, rest.end());
+}
 
-  // Values that need more than a type check.
+// Values that need more than a type check.
+void AgentParse::check_workers() {
   o.nnodes = parse_nnodes(nnodes, from("--nnodes"));
   if (o.rdzv_id.empty()) o.rdzv_id = "none";  // as torchrun: an empty run id is no run id
   if (o.nproc_spec == "auto" || o.nproc_spec == "gpu" || o.nproc_spec == "cpu") {
@@ -725,6 +487,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                                  o.nnodes.max, o.nproc_per_node,
                                  static_cast<long long>(o.nnodes.max) * o.nproc_per_node, kMaxRanks));
   o.max_restarts = parse_int(from("--max_restarts"), max_restarts, 0);
+}
+
+void AgentParse::check_stop_and_binding() {
   o.monitor_interval = parse_seconds(from("--monitor_interval"), monitor_interval, 0.001, 86400);
   o.grace = std::chrono::milliseconds(static_cast<long>(parse_seconds(from("--grace"), grace, 0, 86400) * 1000));
   // The stop grace: --shutdown-timeout (or PET_SHUTDOWN_TIMEOUT) > --grace >
@@ -760,6 +525,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
       o.cpu_bind != "core-complex")
     throw UsageError(
         fmt::format("bad --cpu-bind '{}': use none, cores, numa, socket or core-complex", o.cpu_bind));
+}
+
+void AgentParse::check_streams_and_gpus() {
   for (int s = 0; s < 2; ++s) o.duplicate_filters[s] = parse_filter_list(dup_filters[s]);
   if (o.event_log_handler != "null" && o.event_log_handler != "console")
     throw UsageError(fmt::format("bad {} '{}': use null or console (the handlers torchrun registers)",
@@ -789,6 +557,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                                      o.nproc_per_node, it->second, n));
     }
   }
+}
+
+void AgentParse::check_monitoring_and_program() {
   if (monitor == "true") monitor = "5";  // a bare --monitor (CLI11 gives a flag's value as "true")
   if (!monitor.empty()) {
     double v = -1;
@@ -834,7 +605,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
     throw UsageError(fmt::format("bad --start_method '{}': use spawn, fork or forkserver", o.start_method));
   if (o.start_method != "spawn")
     o.warnings.push_back("--start_method has no effect: mglaunch always starts workers with fork+exec");
+}
 
+void AgentParse::check_rendezvous() {
   if (o.standalone) {
     // torchrun 1.13 keeps MIN:MAX and runs the one node it has once its last call ends; no
     // other node can ever join a standalone rendezvous (a free port on localhost, a fresh
@@ -876,8 +649,10 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
                                      "protocol=https to --rdzv_conf (or write it https://HOST:PORT)",
                                      o.etcd_cacert, ep.host, ep.port));
   }
+}
 
-  // Addresses are checked now, not when the run is under way.
+// Addresses are checked now, not when the run is under way.
+void AgentParse::check_addresses() {
   auto check_host = [&](const std::string& flag_name, const std::string& host) {
     if (auto why = rdzv::host_problem(host)) throw UsageError(fmt::format("bad {} '{}': {}", from(flag_name), host, *why));
   };
@@ -903,6 +678,9 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
           "write --rdzv_endpoint={}:{} to use port {}",
           o.rdzv_backend, o.rdzv_endpoint, o.rdzv_endpoint, o.master_port, o.master_port));
   }
+}
+
+void AgentParse::read_tokens() {
   if (auto it = env.find("MGLAUNCH_RDZV_TOKEN"); it != env.end()) o.rdzv_token = it->second;
   if (auto it = env.find("MGLAUNCH_RDZV_JOB_TOKEN"); it != env.end()) {
     o.rdzv_job_token = it->second;
@@ -921,20 +699,20 @@ ParseOutcome parse_agent_args_impl(const std::vector<std::string>& argv, const s
             o.rdzv_token, token_file.empty() ? std::string("MGLAUNCH_RDZV_TOKEN") : "--token-file " + token_file);
         !w.empty())
       o.usage_warnings.push_back(std::move(w));
-  return {std::move(o), {}};
 }
 
 }  // namespace
 
 ParseOutcome parse_agent_args(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
                               const HardwareProbe& probe) {
-  return parse_agent_args_impl(argv, env, probe, nullptr);
+  AgentParse p(env, probe);
+  return p.parse(argv);
 }
 
 std::vector<cli::FlagSpec> agent_flag_specs() {
-  std::vector<cli::FlagSpec> specs;
-  parse_agent_args_impl({"mglaunch"}, {}, HardwareProbe::system(), &specs);
-  return specs;
+  const std::map<std::string, std::string> no_env;
+  AgentParse p(no_env, HardwareProbe::system());
+  return cli::specs_of(p.app);
 }
 
 }  // namespace mg

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <stdexcept>
 
 #include <boost/asio/io_context.hpp>
@@ -54,6 +55,53 @@ std::chrono::milliseconds seconds_in(const char* flag, const std::string& text, 
 // Every error line: one line, `mglaunch-rdzv: error: ...` (a value may hold a newline).
 static void error_line(const std::string& text) {
   std::fprintf(stderr, "mglaunch-rdzv: error: %s\n", mg::cli::one_line(text).c_str());
+}
+
+// The operator's log on stderr: one line per event, or one JSON object per line (the
+// event's fields, its "text" and the wall-clock "time", ISO 8601 UTC, and "unix_ms").
+static std::function<void(const nlohmann::json&)> operator_log(bool json_log) {
+  return [json_log](const nlohmann::json& fields) {
+    std::string out;
+    if (json_log) {
+      nlohmann::json j = fields;
+      const auto now = std::chrono::system_clock::now();
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count();
+      const std::time_t secs = static_cast<std::time_t>(ms / 1000);
+      std::tm utc{};
+      ::gmtime_r(&secs, &utc);
+      char stamp[32];
+      std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%S", &utc);
+      j["time"] = fmt::format("{}.{:03}Z", stamp, ms % 1000);
+      j["unix_ms"] = ms;
+      out = mg::proto::dump_json(j);
+    } else {
+      out = fmt::format("mglaunch-rdzv: {}", fields.value("text", std::string()));
+    }
+    std::fprintf(stderr, "%s\n", out.c_str());
+  };
+}
+
+// --metrics-port's pages: /metrics (the per-job series only for the token's holders
+// unless --metrics-job-ids), / a pointer to it.
+static mg::rdzv::HttpHandler metrics_page(mg::rdzv::Server& server, const std::string& token, bool metrics_job_ids) {
+  return [&server, token, metrics_job_ids](const mg::rdzv::HttpRequest& req) {
+    if (req.method != "GET" && req.method != "HEAD")
+      return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET and HEAD\n"};
+    const std::string& target = req.target;
+    if (target == "/metrics") {
+      // Job ids are what /api/jobs guards with the token: a scraper without it gets
+      // the daemon's totals only.
+      const bool job_ids =
+          token.empty() || metrics_job_ids || mg::rdzv::auth::equal_ct(req.authorization, "Bearer " + token);
+      std::string text = server.metrics(job_ids);
+      if (!job_ids)
+        text += "# per-job series (job ids) need the daemon's token (Authorization: Bearer TOKEN) or "
+                "--metrics-job-ids\n";
+      return mg::rdzv::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", std::move(text)};
+    }
+    if (target == "/") return mg::rdzv::HttpResponse{200, "text/plain; charset=utf-8", "mglaunch-rdzv: see /metrics\n"};
+    return mg::rdzv::HttpResponse{404, "text/plain; charset=utf-8", "not found: try /metrics\n"};
+  };
 }
 
 static int run_daemon(int argc, char** argv) {
@@ -181,27 +229,7 @@ static int run_daemon(int argc, char** argv) {
     std::printf("%s\n", mg::rdzv::auth::job_key(so.token, job_token_for).c_str());
     return 0;
   }
-  // The operator's log on stderr: one line per event, or one JSON object per line (the
-  // event's fields, its "text" and the wall-clock "time", ISO 8601 UTC, and "unix_ms").
-  so.log_json = [json_log](const nlohmann::json& fields) {
-    std::string out;
-    if (json_log) {
-      nlohmann::json j = fields;
-      const auto now = std::chrono::system_clock::now();
-      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count();
-      const std::time_t secs = static_cast<std::time_t>(ms / 1000);
-      std::tm utc{};
-      ::gmtime_r(&secs, &utc);
-      char stamp[32];
-      std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%S", &utc);
-      j["time"] = fmt::format("{}.{:03}Z", stamp, ms % 1000);
-      j["unix_ms"] = ms;
-      out = mg::proto::dump_json(j);
-    } else {
-      out = fmt::format("mglaunch-rdzv: {}", fields.value("text", std::string()));
-    }
-    std::fprintf(stderr, "%s\n", out.c_str());
-  };
+  so.log_json = operator_log(json_log);
   so.log = [log = so.log_json](const std::string& line) { log(nlohmann::json{{"event", "log"}, {"text", line}}); };
   if (app.count("--state-dir") > 0) {
     try {
@@ -227,24 +255,7 @@ static int run_daemon(int argc, char** argv) {
     try {
       metrics = std::make_unique<mg::rdzv::HttpServer>(
           io, so.host, metrics_port_number,
-          [&server, token = so.token, metrics_job_ids](const mg::rdzv::HttpRequest& req) {
-            if (req.method != "GET" && req.method != "HEAD")
-              return mg::rdzv::HttpResponse{405, "text/plain; charset=utf-8", "only GET and HEAD\n"};
-            const std::string& target = req.target;
-            if (target == "/metrics") {
-              // Job ids are what /api/jobs guards with the token: a scraper without it gets
-              // the daemon's totals only.
-              const bool job_ids =
-                  token.empty() || metrics_job_ids || mg::rdzv::auth::equal_ct(req.authorization, "Bearer " + token);
-              std::string text = server->metrics(job_ids);
-              if (!job_ids)
-                text += "# per-job series (job ids) need the daemon's token (Authorization: Bearer TOKEN) or "
-                        "--metrics-job-ids\n";
-              return mg::rdzv::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", std::move(text)};
-            }
-            if (target == "/") return mg::rdzv::HttpResponse{200, "text/plain; charset=utf-8", "mglaunch-rdzv: see /metrics\n"};
-            return mg::rdzv::HttpResponse{404, "text/plain; charset=utf-8", "not found: try /metrics\n"};
-          });
+          metrics_page(*server, so.token, metrics_job_ids));
     } catch (const std::exception& e) {
       error_line(fmt::format("--metrics-port: {}", e.what()));
       return 3;

@@ -67,7 +67,9 @@ AGENT_HOSTS = 6      # hosts for agents in --netns (live at once: 2 active, a st
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 LOG_EVERY = 2
 CALIBRATION_STEPS = 120  # the undisturbed run that sizes --max-steps: 60 progress lines
-STEP_LINE = re.compile(r"\[rank0\]:epoch \d+/\d+ step (\d+)/(\d+)")
+# mgtrain's progress line, or examples/ddp_recovery.py's (--worker python): the step is group 1 or 2.
+STEP_LINE = re.compile(r"\[rank0\]:(?:epoch \d+/\d+ step (\d+)/\d+|step (\d+) )")
+PY_WORKER = os.path.join(os.path.dirname(HERE), "examples", "ddp_recovery.py")
 # Agent lines that show a fault was seen (any node).
 DETECT = re.compile(r"^(\[mglaunch\]|mglaunch:).*(restart|lost|fail|pause|standby|rendezvous)", re.I)
 
@@ -253,8 +255,14 @@ class Chaos:
         return [os.path.join(self.bin, "mglaunch"), f"--nnodes={ACTIVE}", f"--nproc_per_node={NPROC}", *backend,
                 f"--rdzv_endpoint={self.endpoint}", f"--rdzv_id={self.job}", f"--local_addr={addr}",
                 "--max_restarts=1000", f"--rdzv_conf=join_timeout={self.join_timeout},{KEEP_ALIVE}",
-                f"--grace={self.args.grace}",
-                os.path.join(self.bin, "mgtrain"), "--dataset", "synthetic", "--synthetic-size", "4096",
+                f"--grace={self.args.grace}", *self.worker_argv(max_steps)]
+
+    def worker_argv(self, max_steps):
+        if self.args.worker == "python":  # the plain torch DDP script with mglaunch_recovery (#37)
+            return ["--python=/usr/bin/python3", PY_WORKER, "--model", "mlp", "--steps", str(max_steps), "--batch-size",
+                    "16", "--train-subset", "4096", "--seed", str(self.args.seed), "--timeout", "20",
+                    "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
+        return [os.path.join(self.bin, "mgtrain"), "--dataset", "synthetic", "--synthetic-size", "4096",
                 "--model", "mlp", "--epochs", "1000", "--max-steps", str(max_steps), "--batch-size", "16",
                 "--seed", str(self.args.seed), "--threads", "1", "--log-every", str(LOG_EVERY), "--timeout", "20",
                 "--in-place-recovery", "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
@@ -279,7 +287,8 @@ class Chaos:
         return a
 
     def workers_of(self, agent):
-        return [c for c in children(agent.pid) if "mgtrain" in cmdline(c)]
+        worker = "ddp_recovery.py" if self.args.worker == "python" else "mgtrain"
+        return [c for c in children(agent.pid) if worker in cmdline(c)]
 
     def active_agents(self):
         return [a for a in self.agents if a.alive() and self.workers_of(a)]
@@ -296,7 +305,7 @@ class Chaos:
             for t, line in list(a.lines):
                 m = STEP_LINE.search(line)
                 if m:
-                    seen.append((t, int(m.group(1))))
+                    seen.append((t, int(m.group(1) or m.group(2))))
         return sorted(seen)
 
     def first_line_after(self, t0, pattern, until=float("inf")):
@@ -637,9 +646,14 @@ def main():
     ap.add_argument("--netns", action="store_true",
                     help="every node and the rendezvous on hosts of their own (network namespaces), with the network "
                          "faults cut-rdzv, cut-node, one-way, flap (needs root)")
+    ap.add_argument("--worker", choices=["mgtrain", "python"], default="mgtrain",
+                    help="python: examples/ddp_recovery.py (plain torch DDP with mglaunch_recovery) instead of mgtrain")
     ap.add_argument("--first-fault", default="", help="the first fault's kind (then at random), e.g. cut-node")
     args = ap.parse_args()
-    if not os.path.exists(os.path.join(args.build, "bin", "mgtrain")):
+    if args.worker == "python":
+        global LOG_EVERY
+        LOG_EVERY = 1  # its rank 0 prints every step
+    elif not os.path.exists(os.path.join(args.build, "bin", "mgtrain")):
         skip.skip_test("mgtrain is not built (configure with -DMGLAUNCH_WITH_TORCH=ON)")
     if args.backend == "etcd":
         skip.require_program("/usr/bin/etcd", "etcd-server")

@@ -24,6 +24,8 @@
 
 #include "control/protocol.h"
 #include "control/server.h"
+#include "support/net.h"
+#include "support/proc.h"
 #include "support/skip.h"
 
 using namespace mg::control;
@@ -453,22 +455,15 @@ TEST_CASE("out of descriptors, the server pauses its accepts instead of spinning
   REQUIRE(held);
   std::vector<std::unique_ptr<Client>> cs;
   for (int i = 0; i < 4; ++i) cs.push_back(std::make_unique<Client>(f.server->address()));
-  // No descriptor left: the lowest free one is the limit.
-  const int probe = ::dup(0);
-  REQUIRE(probe >= 0);
-  ::close(probe);
-  rlimit saved{};
-  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
-  rlimit low = saved;
-  low.rlim_cur = static_cast<rlim_t>(probe);
-  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  // No descriptor left.
+  mgtest::NoFreeDescriptors none;
   const auto start = std::chrono::steady_clock::now();
   release = true;
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   std::size_t failures = 0;
   f.on_io([&] { failures = f.server->accept_failures(); });
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
-  REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+  REQUIRE(none.restore());
   CHECK(failures >= 1);
   // One try per 100 ms pause (a spinning acceptor tries hundreds of thousands of times).
   CHECK(failures <= static_cast<std::size_t>(ms / 100) + 3);

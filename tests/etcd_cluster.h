@@ -3,9 +3,6 @@
 // removed when the cluster goes out of scope, whatever the test did.
 #pragma once
 
-#include <netinet/in.h>
-#include <arpa/inet.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -15,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "support/net.h"
 #include "support/proc.h"
 #include "support/skip.h"
 
@@ -22,21 +20,6 @@ namespace mgtest {
 
 inline const std::string kEtcd = "/usr/bin/etcd";
 inline const std::string kEtcdctl = "/usr/bin/etcdctl";
-
-// A port that was free on `host` a moment ago (etcd binds its own ports by number).
-inline int free_port_on(const std::string& host) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
-  int port = -1;
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-    port = ntohs(a.sin_port);
-  ::close(fd);
-  return port;
-}
 
 struct EtcdMember {
   std::string name, host;

@@ -26,6 +26,7 @@
 #include "store/engine.h"
 #include "store/server.h"
 #include "store/wire.h"
+#include "support/net.h"
 #include "support/proc.h"
 #include "support/skip.h"
 #include "support/torch2.h"
@@ -1174,18 +1175,11 @@ TEST_CASE("out of descriptors, the store logs one line when its accepts pause an
   boost::asio::io_context io;
   std::vector<std::unique_ptr<boost::asio::ip::tcp::socket>> cs;
   for (int i = 0; i < 4; ++i) cs.push_back(client_from(io, s));
-  // No descriptor left for the store: the lowest free one is the limit.
-  const int probe = ::dup(0);
-  REQUIRE(probe >= 0);
-  ::close(probe);
-  rlimit saved{};
-  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
-  rlimit low = saved;
-  low.rlim_cur = static_cast<rlim_t>(probe);
-  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  // No descriptor left for the store.
+  NoFreeDescriptors none;
   release = true;
   const bool paused = eventually([&] { return on_io(s, [&] { return s.server->accept_failures(); }) >= 3; }, 60s);
-  REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+  REQUIRE(none.restore());
   REQUIRE(paused);
   auto lines_with = [&](const std::string& text) {
     return on_io(s, [&] {

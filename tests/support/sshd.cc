@@ -1,4 +1,5 @@
 #include "support/sshd.h"
+#include "support/net.h"
 #include "support/skip.h"
 
 #include <netinet/in.h>
@@ -17,21 +18,6 @@ using namespace std::chrono_literals;
 namespace mgtest {
 
 namespace {
-
-int free_port_on(const char* addr) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  ::inet_pton(AF_INET, addr, &a.sin_addr);
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-    socklen_t len = sizeof(a);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    port = ntohs(a.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
 
 bool can_connect(const char* addr, int port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -33,6 +33,7 @@
 #include "launcher/agent_seams.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "support/proc.h"
 
 using namespace mg;
 using namespace std::chrono_literals;
@@ -233,9 +234,7 @@ EnvMap torch2_env() {
   static const struct Dir {
     std::string path;
     Dir() {
-      char tmpl[] = "/tmp/mg_agent_seams_torch2_XXXXXX";
-      REQUIRE(::mkdtemp(tmpl) != nullptr);
-      path = tmpl;
+      path = mgtest::make_temp_dir();
       REQUIRE(::mkdir((path + "/torch").c_str(), 0755) == 0);
       std::ofstream(path + "/torch/version.py") << "__version__ = '2.6.0'\n";
     }

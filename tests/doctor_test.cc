@@ -53,11 +53,7 @@ void put(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;
 }
 
-std::string temp_root() {
-  std::string t = (fs::temp_directory_path() / "mg_doctor_XXXXXX").string();
-  REQUIRE(::mkdtemp(t.data()));
-  return t;
-}
+std::string temp_root() { return mgtest::make_temp_dir(); }
 
 const Suggestion* find(const std::vector<Suggestion>& s, const std::string& name) {
   for (const auto& x : s)

@@ -14,6 +14,7 @@
 #include "cli/errors.h"
 #include "logs/filtered_copy.h"
 #include "logs/log_layout.h"
+#include "support/proc.h"
 
 using namespace mg;
 namespace fs = std::filesystem;
@@ -22,12 +23,7 @@ namespace {
 
 struct TempDir {
   std::string path;
-  TempDir() {
-    const char* env = std::getenv("TMPDIR");
-    std::string templ = std::string(env && *env ? env : "/tmp") + "/log_layout_test_XXXXXX";
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    path = templ;
-  }
+  TempDir() : path(mgtest::make_temp_dir()) {}
   ~TempDir() {
     std::error_code ec;
     fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ec);

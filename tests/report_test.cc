@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "launcher/report.h"
+#include "support/proc.h"
 
 using namespace mg;
 
@@ -187,9 +188,7 @@ TEST_CASE("the missing-module hint names the Python that ran, one that has the m
 
 TEST_CASE("python_with_module finds, as doctor does, another Python whose search path has the module, never the one that ran") {
   namespace fs = std::filesystem;
-  char tmpl[] = "/tmp/mgpymod_XXXXXX";
-  REQUIRE(::mkdtemp(tmpl));
-  const fs::path root(tmpl);
+  const fs::path root(mgtest::make_temp_dir());
   // Two installations laid out as Debian's: PREFIX/bin/python3.11, PREFIX/lib/python3/dist-packages.
   auto install = [&](const std::string& name, bool with_torch) {
     fs::create_directories(root / name / "bin");

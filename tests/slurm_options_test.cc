@@ -15,6 +15,7 @@
 #include "cli/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "support/proc.h"
 
 using namespace mg;
 
@@ -187,9 +188,7 @@ TEST_CASE("a taken rendezvous port on node 0 is an error that names it and the w
 }
 
 TEST_CASE("a Slurm node name that does not resolve is looked up with scontrol show node (its NodeAddr)") {
-  char dir_template[] = "/tmp/mg_scontrol_XXXXXX";
-  REQUIRE(::mkdtemp(dir_template));
-  const std::string dir = dir_template;
+  const std::string dir = mgtest::make_temp_dir();
   const std::string args_file = dir + "/args";
   {  // a fake scontrol: records its arguments, answers like Slurm's, noise on stderr
     std::ofstream(dir + "/scontrol") << "#!/bin/sh\necho \"$@\" > " << args_file

@@ -17,6 +17,7 @@
 #include "slurm/sbatch.h"
 #include "slurm/sbatch_check.h"
 #include "process/command.h"
+#include "support/proc.h"
 
 using namespace mg::slurm;
 using mg::shell_quote;
@@ -196,9 +197,7 @@ TEST_CASE("the mglaunch flags after -- go through mglaunch's own parser as node 
 }
 
 TEST_CASE("mglaunch-sbatch refuses a typo in the mglaunch flags before it runs sbatch (one line, exit 2)") {
-  char dir_template[] = "/tmp/mg_sbatch_XXXXXX";
-  REQUIRE(::mkdtemp(dir_template));
-  const std::string dir = dir_template;
+  const std::string dir = mgtest::make_temp_dir();
   const std::string marker = dir + "/sbatch_ran";
   {  // a fake sbatch on PATH that says whether it ran
     FILE* f = std::fopen((dir + "/sbatch").c_str(), "w");
@@ -281,9 +280,7 @@ SbatchRun run_sbatch_main(const std::string& dir, const std::string& path_dirs, 
 }  // namespace
 
 TEST_CASE("mglaunch-sbatch passes sbatch's stdout, stderr and exit code through, the script on its stdin") {
-  char dir_template[] = "/tmp/mg_sbatch_XXXXXX";
-  REQUIRE(::mkdtemp(dir_template));
-  const std::string dir = dir_template;
+  const std::string dir = mgtest::make_temp_dir();
   {  // a fake sbatch that keeps its stdin and arguments and fails its own way
     std::ofstream(dir + "/sbatch") << "#!/bin/sh\ncat > " << dir << "/script\necho \"$@\" > " << dir
                                    << "/args\necho 'Submitted batch job 9'\necho 'sbatch: warning: odd' >&2\nexit 3\n";
@@ -302,9 +299,7 @@ TEST_CASE("mglaunch-sbatch passes sbatch's stdout, stderr and exit code through,
 }
 
 TEST_CASE("mglaunch-sbatch without a runnable sbatch is one line and exit 127") {
-  char dir_template[] = "/tmp/mg_sbatch_XXXXXX";
-  REQUIRE(::mkdtemp(dir_template));
-  const std::string dir = dir_template;
+  const std::string dir = mgtest::make_temp_dir();
   auto r = run_sbatch_main(dir, dir, "--mglaunch=/bin/true -- train.py");  // no sbatch on PATH
   CHECK(r.code == 127);
   CHECK_THAT(r.err, Catch::StartsWith("mglaunch-sbatch: error: cannot run sbatch: not found on PATH;"));

@@ -580,28 +580,11 @@ class Bench:
             t0 = time.monotonic()
             subprocess.run([mgtrain, "--help"], stdout=DEVNULL, stderr=DEVNULL, timeout=120)
             starts.append((time.monotonic() - t0) * 1e3)
-        ms = lambda runs: [r["recovery_ms"] for r in runs]
-        lost = lambda runs: [r["steps_lost"] for r in runs]
         how = ("a standby (a third agent, beyond --nnodes=2) takes node 1's place"
                + (" with its mgtrain pre-started (`--prestart-standby`: loaded and waiting before the kill)"
                   if prestart else "") if standby else
                "this build has no standbys: a replacement agent starts at the kill, as for torchrun")
-        rows = [row({"what": "SIGKILL of node 1 → first step completed after it (rank 0's progress lines)"},
-                    ms(ours), ms(peer), target=("<=", 1000.0)),
-                row({"what": "steps lost (step reached before the kill − step training resumed from)"},
-                    lost(ours), lost(peer), unit="steps", target=("<=", 0)),
-                row({"what": "mgtrain's own figure: summary `recoveries` seconds (detection → first step)"},
-                    [r["summary_s"] * 1e3 for r in ours if r.get("summary_s") is not None])]
-        lines = ["| run | launcher | killed at step (reached) | resumed from | steps lost | kill → first step (ms) | "
-                 "of which kill → new round (ms) | kill → resumed line (ms) | mgtrain `recoveries` (ms) | "
-                 "exit codes |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for who, runs in (("mglaunch", ours), ("torchrun", peer)):
-            for i, r in enumerate(runs, 1):
-                s = f"{r['summary_s'] * 1e3:.0f}" if r.get("summary_s") is not None else "–"
-                lines.append(f"| {i} | {who} | {r['killed_at']} ({r['reached']}) | {r['resumed_from']} | "
-                             f"{r['steps_lost']} | {r['recovery_ms']:.0f} | "
-                             f"{'–' if r.get('round_ms') is None else format(r['round_ms'], '.0f')} | "
-                             f"{r['resumed_ms']:.0f} | {s} | {r['codes']} |")
+        rows, lines = recovery_rows(ours, peer, "mgtrain", 1000.0)
         lines += ["", f"Both sides: 2 nodes × 1 worker, `--nnodes=2 --rdzv_backend=c10d`, OMP_NUM_THREADS=1, "
                   f"the same MLP (784-256-128-10) on synthetic data, batch 16 per rank, {RECOVERY_STEPS} steps; the "
                   f"kill hits node 1's agent and its worker (a node lost) at the first progress line of step ≥ "
@@ -623,8 +606,38 @@ class Bench:
                 "standby": standby, "runs": {"ours": ours, "peer": peer}, "mgtrain_help_ms": starts,
                 "text": "\n".join(lines)}
 
-    def recovery_once(self, side, mgtrain, standby, prestart=False):
-        """One run: returns the figures of this fault (see recovery())."""
+    def py_recovery(self):
+        """recovery() with a plain PyTorch DDP script on mglaunch's side (#37):
+        examples/ddp_recovery.py with mglaunch_recovery, a standby whose worker is pre-started
+        (`--prestart-standby`), against the same torchrun restart plus checkpoint reload of
+        bench/ddp_checkpoint_train.py. Both the MLP 784-256-128-10, batch 16 per rank."""
+        with open(self.ours[0], "rb") as f:
+            if b"--prestart-standby" not in f.read():
+                return {"skipped": "this mglaunch has no --prestart-standby"}
+        n = size(3, 1, 1)
+        ours = [self.recovery_once("ours", None, True, True, python=True, steps=PY_RECOVERY_STEPS) for _ in range(n)]
+        peer = [self.recovery_once("peer", None, False, steps=PY_RECOVERY_STEPS) for _ in range(n)] if self.peer else []
+        rows, lines = recovery_rows(ours, peer, "mglaunch_recovery", 2000.0)
+        lines += ["", f"As the `recovery` case (2 nodes × 1 worker on loopback, OMP_NUM_THREADS=1, node 1's agent and "
+                  f"worker SIGKILLed at the first progress line of step ≥ {KILL_AT}, {PY_RECOVERY_STEPS} steps), with a "
+                  "plain PyTorch DDP script on both sides. mglaunch (mglaunch-rdzv, a third agent as a standby with "
+                  "`--prestart-standby`) runs examples/ddp_recovery.py `--model mlp --batch-size 16 --step-ms 10` "
+                  "(Fashion-MNIST, the seed's MLP; a 10 ms sleep per step so that the standby's worker is loaded "
+                  "before the kill) with mglaunch_recovery: the survivor keeps its process and state, the standby's "
+                  "pre-started worker takes the place and the state. torchrun runs bench/ddp_checkpoint_train.py "
+                  f"(the same MLP on synthetic data), checkpointing every {CKPT_EVERY} steps, a replacement agent "
+                  "started the moment node 1 is killed. First step after the kill: the first progress line after "
+                  "`mglaunch_recovery: in-place recovery ... redoing step K` (mglaunch) or after the restarted rank "
+                  "0's `resumed from` line (torchrun)."]
+        return {"title": "one node SIGKILLed mid-training, a plain PyTorch DDP script → training goes on: torchrun "
+                         "(restart all, checkpoint reload) vs mglaunch + a pre-started standby + mglaunch_recovery",
+                "param": "", "rows": rows, "standby": True, "runs": {"ours": ours, "peer": peer},
+                "text": "\n".join(lines)}
+
+    def recovery_once(self, side, mgtrain, standby, prestart=False, python=False, steps=None):
+        """One run: returns the figures of this fault (see recovery()); `python`: ours runs
+        examples/ddp_recovery.py with mglaunch_recovery instead of mgtrain (py_recovery())."""
+        steps = steps or RECOVERY_STEPS
         tmp = tempfile.mkdtemp(prefix=f"recovery_{side}_", dir=self.tmp)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.pop("PET_MASTER_PORT", None)
@@ -643,9 +656,14 @@ class Bench:
                                      stdout=subprocess.PIPE, stderr=DEVNULL, text=True)
                 procs.append(("daemon", d))
                 endpoint = d.stdout.readline().split()[-1]
-                train = [mgtrain, "--dataset", "synthetic", "--synthetic-size", "4096", "--batch-size", "16",
-                         "--model", "mlp", "--max-steps", str(RECOVERY_STEPS), "--seed", "7", "--log-every", "1",
-                         "--timeout", "60", "--in-place-recovery", "--summary-json", os.path.join(tmp, "s{rank}.json")]
+                if python:
+                    train = [f"--python={PY}", os.path.join(ROOT, "examples", "ddp_recovery.py"), "--model", "mlp",
+                             "--batch-size", "16", "--train-subset", "4096", "--steps", str(steps), "--seed", "7",
+                             "--step-ms", "10", "--timeout", "60", "--summary-json", os.path.join(tmp, "s{rank}.json")]
+                else:
+                    train = [mgtrain, "--dataset", "synthetic", "--synthetic-size", "4096", "--batch-size", "16",
+                             "--model", "mlp", "--max-steps", str(steps), "--seed", "7", "--log-every", "1",
+                             "--timeout", "60", "--in-place-recovery", "--summary-json", os.path.join(tmp, "s{rank}.json")]
 
                 def agent(addr, extra=()):
                     return self.ours + ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
@@ -654,8 +672,9 @@ class Bench:
                 start("n0", agent(2))
                 start("n1", agent(3))
                 victim_of = lambda rank0_node: "n1"
-                progress = re.compile(r"^\[rank0\]:epoch \d+/\d+ step (\d+)/\d+ loss ")
-                marker = re.compile(r"^\[rank0\]:mgtrain: in-place recovery, .*redoing step (\d+)")
+                progress = re.compile(r"^\[rank0\]:step (\d+) loss " if python else
+                                      r"^\[rank0\]:epoch \d+/\d+ step (\d+)/\d+ loss ")
+                marker = re.compile(r"^\[rank0\]:(?:mgtrain|mglaunch_recovery): in-place recovery, .*redoing step (\d+)")
                 resumed = lambda m: int(m.group(1)) - 1
             else:
                 store = subprocess.Popen([PY, os.path.join(ROOT, "bench", "torch_store_server.py")],
@@ -663,7 +682,7 @@ class Bench:
                 procs.append(("store", store))
                 port = int(store.stdout.readline().split()[-1])
                 train = [os.path.join(ROOT, "bench", "ddp_checkpoint_train.py"), "--checkpoint-dir", tmp,
-                         "--checkpoint-every", str(CKPT_EVERY), "--max-steps", str(RECOVERY_STEPS)]
+                         "--checkpoint-every", str(CKPT_EVERY), "--max-steps", str(steps)]
 
                 def agent(addr):  # torch 1.13's torchrun has no --local_addr
                     return self.peer + ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
@@ -718,7 +737,7 @@ class Bench:
                     if use_standby and not any(n == "n2" for n, _ in procs):
                         start("n2", agent(4, ["--prestart-standby"] if prestart else []))  # the round is full: a standby
                     # (a standby still loading at step RECOVERY_STEPS - 20 is killed for all that)
-                    if step >= KILL_AT and (standby_ready or (prestart and step >= RECOVERY_STEPS - 20)):
+                    if step >= KILL_AT and (standby_ready or (prestart and step >= steps - 20)):
                         prestart_ready = prestart and standby_ready
                         killed = victim_of(name)
                         victim = next(p for n, p in procs if n == killed)
@@ -779,6 +798,31 @@ class Bench:
 
 
 RECOVERY_STEPS, KILL_AT, CKPT_EVERY = 60, 15, 10
+PY_RECOVERY_STEPS = 600  # a Python standby takes seconds to load: the kill waits for it (py_recovery)
+
+
+def recovery_rows(ours, peer, trainer, target_ms):
+    """The rows and the per-run table of a recovery case (recovery, py_recovery): `trainer`
+    names whose summary gives the `recoveries` figure."""
+    ms = lambda runs: [r["recovery_ms"] for r in runs]  # noqa: E731
+    lost = lambda runs: [r["steps_lost"] for r in runs]  # noqa: E731
+    rows = [row({"what": "SIGKILL of node 1 → first step completed after it (rank 0's progress lines)"},
+                ms(ours), ms(peer), target=("<=", target_ms)),
+            row({"what": "steps lost (step reached before the kill − step training resumed from)"},
+                lost(ours), lost(peer), unit="steps", target=("<=", 0)),
+            row({"what": f"{trainer}'s own figure: summary `recoveries` seconds (detection → first step)"},
+                [r["summary_s"] * 1e3 for r in ours if r.get("summary_s") is not None])]
+    lines = ["| run | launcher | killed at step (reached) | resumed from | steps lost | kill → first step (ms) | "
+             f"of which kill → new round (ms) | kill → resumed line (ms) | {trainer} `recoveries` (ms) | pre-started | "
+             "exit codes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for who, runs in (("mglaunch", ours), ("torchrun", peer)):
+        for i, r in enumerate(runs, 1):
+            s = f"{r['summary_s'] * 1e3:.0f}" if r.get("summary_s") is not None else "–"
+            lines.append(f"| {i} | {who} | {r['killed_at']} ({r['reached']}) | {r['resumed_from']} | "
+                         f"{r['steps_lost']} | {r['recovery_ms']:.0f} | "
+                         f"{'–' if r.get('round_ms') is None else format(r['round_ms'], '.0f')} | "
+                         f"{r['resumed_ms']:.0f} | {s} | {'yes' if r.get('prestarted') else 'no'} | {r['codes']} |")
+    return rows, lines
 
 
 def read_lines(pipe, name, stream, events):
@@ -922,7 +966,7 @@ def merge(res, path):
 
 
 CASES = ["launch_exit", "agent_rss", "restart", "rdzv_agents", "preflight", "daemon_scale", "store", "relay", "allreduce", "training",
-         "backends", "hung", "recovery"]
+         "backends", "hung", "recovery", "py_recovery"]
 
 
 def main():

@@ -39,7 +39,7 @@ MAX_LINE = 64 * 1024  # the protocol's bound on one message
 RECOVERY_ATTEMPTS = 8  # recoveries in a row from one step before giving up (as mgtrain)
 # What a failed collective or store call says (Gloo, NCCL, c10d's store): a peer lost, not a bug.
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection", "broken pipe", "processgroup", "c10d", "socket", "timed out",
-                       "store", "peer", "recv", "send", "read", "write")
+                       "tcpstore", "by peer")
 
 
 def _say(msg):

@@ -19,7 +19,12 @@ CASE:
               not spin (torch 1.13's client thread busy-loops on the closed connection)
   import      a worker mglaunch starts imports the shipped package (PYTHONPATH, no install)
   off         without a control channel (MGLAUNCH_CONTROL_SOCKET unset) one line says
-              recovery is off and the script trains"""
+              recovery is off and the script trains
+  unit        the package's parts in this one process (one torch start): the state a
+              survivor sends loads as torch 2.6 loads (weights_only), only collective and
+              store errors wait for a pause, a pause stays until an assign, NCCL's error
+              handling per torch version, a peer lost in DDP's rebuild is recovered, and an
+              abandoned DDP is freed"""
 import json
 import os
 import shutil
@@ -319,6 +324,127 @@ def import_case(bin_dir, work):
         fail(f"the worker printed {lines}, want {want}", p)
 
 
+def unit(work):
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    import gc
+    import io
+    import weakref
+    from unittest import mock
+
+    import numpy
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import mglaunch_recovery as mr
+
+    # 1. torch 2.6 loads with weights_only=True by default, which refuses numpy's ndarray
+    # (1.13 has the same loader): the RNG state must load that way, the whole state too.
+    numpy.random.seed(5)
+    numpy.random.rand(3)
+    rng = mr._rng_state()
+    want = numpy.random.rand()
+    try:
+        got = torch.load(io.BytesIO(mr._pack({"rng": rng})), weights_only=True)
+    except Exception as e:
+        fail(f"the RNG state does not load with weights_only=True: {type(e).__name__}: {str(e)[:150]}")
+    load = torch.load
+    def load26(f, map_location=None, *, weights_only=True):  # torch 2.6's default
+        return load(f, map_location=map_location, weights_only=weights_only)
+
+    with mock.patch.object(torch, "load", load26):
+        try:  # a sampler's own state (an ndarray) in `state`, loaded with 2.6's default
+            mr._unpack(mr._pack({"rng": rng, "extra": [{"perm": numpy.arange(4)}]}))
+        except Exception as e:
+            fail(f"a survivor's state does not load under torch 2.6's default: {type(e).__name__}: {str(e)[:150]}")
+    mr._set_rng_state(got["rng"])
+    if numpy.random.rand() != want:
+        fail("numpy's RNG state did not come back")
+
+    # 2. Only a lost peer's errors wait for a pause; a user's bug is raised at once.
+    lost = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:41234",
+            "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation",
+            "Connection reset by peer", "Broken pipe", "Socket Timeout", "NCCL error in: ProcessGroupNCCL.cpp:1191",
+            "[c10d] The client socket has timed out after 20s while trying to connect"]
+    bugs = ["Trying to backward through the graph a second time (or directly access saved tensors after they have "
+            "already been freed). Saved intermediate values of the graph are freed when you call .backward()",
+            "the thread is not ready", "mat1 and mat2 shapes cannot be multiplied (16x784 and 10x10)",
+            "Expected all tensors to be on the same device: the store of results", "cannot send the batch"]
+    wrong = [m for m in lost if not mr._is_collective_failure(RuntimeError(m))] + \
+            [m for m in bugs if mr._is_collective_failure(RuntimeError(m))] + \
+            [m for m in lost[:1] if mr._is_collective_failure(ValueError(m))]
+    if wrong:
+        fail(f"misclassified as (not) a lost peer: {wrong}")
+
+    # 3. A pause stays pending until an assign answers it (a wait that times out keeps it).
+    ch = object.__new__(mr._Channel)
+    ch._cv, ch._welcomed, ch._closed, ch._pause, ch._assign = mr.threading.Condition(), True, "", None, None
+    ch._on_pause = lambda: None
+    ch._handle(b'{"type": "pause", "round": 2, "reason": "a node lost", "lost": "host"}')
+    if ch.wait_assign(0.01) is not None or not ch.paused():
+        fail("a wait for the assign that timed out dropped the pending pause")
+    ch._handle(b'{"type": "assign", "round": 2, "env": {"RANK": "0"}}')
+    if ch.wait_assign(0.01) is None or ch.paused():
+        fail("the assign did not end the pause")
+
+    # 4. NCCL's error handling: torch 1.x takes only 0/1 (left alone), 2.x gets 2 for the agent's 1.
+    for major, env, expect in [(1, {"NCCL_ASYNC_ERROR_HANDLING": "1"}, {"NCCL_ASYNC_ERROR_HANDLING": "1"}),
+                               (2, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                                                                             "NCCL_ASYNC_ERROR_HANDLING": "2"}),
+                               (2, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ASYNC_ERROR_HANDLING": "0"},
+                                {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ASYNC_ERROR_HANDLING": "0"})]:
+        mr._nccl_error_handling(env, major)
+        if env != expect:
+            fail(f"torch {major}.x: NCCL error handling {env}, want {expect}")
+
+    # 5. A peer lost in DDP's rebuild (its constructor's collectives) goes back to the next
+    # pause instead of out of run(); the abandoned DDP is freed (only the group is kept).
+    class Channel:
+        closed = ""
+        sent = []
+
+        def paused(self):
+            return False
+
+        def wait_pause(self, timeout):
+            return {"round": 1, "reason": "a node lost", "lost": "host", "at": time.monotonic()}
+
+        def wait_assign(self, timeout):
+            return {"round": 1, "restart_count": 1, "env": {}}
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    rec = mr.Recovery()
+    rec._channel = Channel()
+    net = torch.nn.Linear(2, 2)
+    rec._module, rec._optimizer = net, torch.optim.SGD(net.parameters(), lr=0.1)
+    rec._form_group = lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rec._agree = lambda: None
+    wraps = []
+
+    def wrap(m):
+        wraps.append(m)
+        if len(wraps) == 1:
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer")
+        return DDP(m)
+
+    rec._wrap = wrap
+    rec._form_group()
+    rec.model = DDP(net)
+    old = weakref.ref(rec.model)
+    try:
+        rec._recover("a peer lost")
+    except RuntimeError as e:
+        fail(f"a peer lost in DDP's rebuild ended the worker: {e}")
+    gc.collect()
+    if len(wraps) != 2 or not isinstance(rec.model, DDP) or len(rec._channel.sent) != 2:
+        fail(f"want a second pause answered and the model wrapped again: {len(wraps)} wraps, {rec._channel.sent}")
+    if old() is not None:
+        fail("the abandoned DDP is still alive (its buckets stay for good: memory grows per recovery)")
+    print("unit: the RNG state loads with weights_only, errors classified, a pause kept until its assign, "
+          "NCCL's error handling, DDP's rebuild recovered, the old DDP freed", flush=True)
+
+
 def main():
     bin_dir, case = sys.argv[1], sys.argv[2]
     work = sys.argv[3] if len(sys.argv) > 3 else tempfile.mkdtemp(prefix="py_recovery.")
@@ -338,6 +464,8 @@ def main():
             import_case(bin_dir, work)
         elif case == "off":
             off(work)
+        elif case == "unit":
+            unit(work)
         else:
             print(f"unknown case {case!r}")
             sys.exit(2)

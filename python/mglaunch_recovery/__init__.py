@@ -18,10 +18,12 @@ Under torchrun, or without mglaunch's control channel, it does nothing (one line
 0 says so): start() is init_process_group plus wrap, run() a plain loop. mglaunch puts this
 package's directory on its workers' PYTHONPATH (docs/python-recovery.md)."""
 import ctypes
+import inspect
 import io
 import json
 import os
 import random
+import re
 import socket
 import stat
 import sys
@@ -37,9 +39,12 @@ __all__ = ["Recovery"]
 PROTOCOL_VERSION = 1
 MAX_LINE = 64 * 1024  # the protocol's bound on one message
 RECOVERY_ATTEMPTS = 8  # recoveries in a row from one step before giving up (as mgtrain)
-# What a failed collective or store call says (Gloo, NCCL, c10d's store): a peer lost, not a bug.
-_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection", "broken pipe", "processgroup", "c10d", "socket", "timed out",
-                       "tcpstore", "by peer")
+# What a failed collective or store call says (Gloo's messages name its source file, NCCL's
+# and c10d's name themselves; the store's are the socket errors): a peer lost, not a bug. Whole
+# phrases only: an ordinary error ("... have already been freed") must not wait for a pause.
+_COLLECTIVE_ERRORS = re.compile(r"gloo|nccl|processgroup|c10d|tcpstore|connection (?:closed|reset|refused)|"
+                                r"broken pipe|socket timeout|wait timeout|timed out waiting|no route to host|"
+                                r"network is unreachable|transport endpoint", re.IGNORECASE)
 
 
 def _say(msg):
@@ -156,7 +161,9 @@ class _Channel:
         """The assignment after the last pause (None: timeout or closed); clears both."""
         with self._cv:
             self._cv.wait_for(lambda: self._assign or self._closed, timeout)
-            got, self._assign, self._pause = self._assign, None, None
+            got = self._assign
+            if got is not None:  # only an assign ends the pause (as mgtrain: a pause stays until answered)
+                self._assign = self._pause = None
             return got
 
     @property
@@ -259,12 +266,30 @@ def _store_ips(host):
 
 
 def _rng_state():
+    """Tensors, tuples, lists, ints and strings only (numpy's key as a list, not an ndarray;
+    its float as hex: torch 1.13's weights_only loader has no floats): what
+    torch.load(weights_only=True), torch 2.6's default, takes."""
     state = {"torch": torch.get_rng_state(), "random": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
+        name, key, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state()
+        state["numpy"] = (str(name), [int(k) for k in key], int(pos), int(has_gauss), float(gauss).hex())
     return state
+
+
+def _pack(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _unpack(data):
+    """A survivor's state (a peer of this job: as trusted as its store). weights_only=False
+    where torch has it (2.6 defaults to True, which refuses the optimizer's or a sampler's
+    own types); the RNG part loads either way."""
+    kwargs = {"weights_only": False} if "weights_only" in inspect.signature(torch.load).parameters else {}
+    return torch.load(io.BytesIO(data), map_location="cpu", **kwargs)
 
 
 def _set_rng_state(state):
@@ -273,7 +298,8 @@ def _set_rng_state(state):
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state and "numpy" in sys.modules:
-        sys.modules["numpy"].random.set_state(state["numpy"])
+        name, key, pos, has_gauss, gauss = state["numpy"]
+        sys.modules["numpy"].random.set_state((name, key, pos, has_gauss, float.fromhex(gauss)))
 
 
 class _Interrupted(RuntimeError):
@@ -281,8 +307,26 @@ class _Interrupted(RuntimeError):
 
 
 def _is_collective_failure(e):
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and any(m in text for m in _COLLECTIVE_MARKERS)
+    """A lost peer's error: torch 2.x's DistError (DistBackendError, DistStoreError,
+    DistNetworkError), or a RuntimeError in Gloo's, NCCL's or the store's words."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    return isinstance(e, RuntimeError) and _COLLECTIVE_ERRORS.search(str(e)) is not None
+
+
+def _nccl_error_handling(env, torch_major):
+    """NCCL errors must raise, not end the process. torch 2.x: TORCH_NCCL_ASYNC_ERROR_HANDLING
+    (2.0/2.1 read NCCL_ASYNC_ERROR_HANDLING) 2, CleanUpOnly, in place of the agent's default 1
+    (TearDown: the process ends); a user's 0, 2 or 3 stays. torch 1.x reads only
+    NCCL_ASYNC_ERROR_HANDLING and takes only 0 or 1 (any other value fails the group's
+    creation): left as the agent set it, so an NCCL error there ends the worker and its agent
+    restarts it as usual."""
+    if torch_major < 2:
+        return
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        if env.get(name, "1") == "1":
+            env[name] = "2"
 
 
 class Recovery:
@@ -319,8 +363,7 @@ class Recovery:
                      "training goes on as usual")
             return
         if backend == "nccl":
-            # An NCCL error must surface as an exception, not end the process (the agent's default: 1).
-            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = env["NCCL_ASYNC_ERROR_HANDLING"] = "2"
+            _nccl_error_handling(env, int(torch.__version__.split(".")[0]))
         try:
             self._channel = _Channel(env["MGLAUNCH_CONTROL_SOCKET"], int(env.get("LOCAL_RANK", "0")), self.standby,
                                      self._abort_group)
@@ -365,11 +408,11 @@ class Recovery:
         try:
             self._form_group()
             self._agree()
+            self._rewrap()  # DDP's constructor runs collectives: a peer lost there is recovered too
         except Exception as e:
             if not self.enabled or not (isinstance(e, _Interrupted) or _is_collective_failure(e)):
                 raise
             self._recover(str(e))
-        self._rewrap()
         return self
 
     def _rewrap(self):
@@ -421,6 +464,8 @@ class Recovery:
         every rank or none); the lowest rank among the most advanced broadcasts its state
         to those behind. A fresh job (every rank at step 0) skips the broadcast."""
         world, rank = dist.get_world_size(), dist.get_rank()
+        # NCCL: the current CUDA device, which the script sets (torch.cuda.set_device(LOCAL_RANK))
+        # before start(), as NCCL itself requires.
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         t = torch.zeros(2 * world, dtype=torch.int64)
         t[rank], t[world + rank] = self.step, 1 if self.enabled else 0
@@ -437,17 +482,15 @@ class Recovery:
         source = t[:world].index(best)
         data = b""
         if rank == source:
-            buf = io.BytesIO()
-            torch.save({"step": self.step, "model": self._module.state_dict(), "optimizer": self._optimizer.state_dict(),
-                        "rng": _rng_state(), "extra": [o.state_dict() for o in self._extra]}, buf)
-            data = buf.getvalue()
+            data = _pack({"step": self.step, "model": self._module.state_dict(), "optimizer": self._optimizer.state_dict(),
+                          "rng": _rng_state(), "extra": [o.state_dict() for o in self._extra]})
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(size, source)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()), dtype=torch.uint8)
         payload = payload.to(device)
         dist.broadcast(payload, source)
         if self.step < best:
-            got = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu")
+            got = _unpack(payload.cpu().numpy().tobytes())
             was = self.step
             self._module.load_state_dict(got["model"])
             self._optimizer.load_state_dict(got["optimizer"])
@@ -511,9 +554,11 @@ class Recovery:
     def _abandon(self):
         self._abort_group()
         if dist.is_initialized():
+            # Only the group stays (its destructor would join threads blocked on lost peers). The
+            # old DDP (its buckets: a model's size per recovery) goes: its reducer holds the group
+            # by reference, and the group outlives it.
             _keep(dist.distributed_c10d._get_default_group())
-            _keep(self.model)
-            dist.destroy_process_group()  # drops torch's references only: ours keep the C++ group alive
+            dist.destroy_process_group()  # drops torch's references only: ours keeps the C++ group alive
         self.model = None
 
     def _wait(self, what, timeout):
@@ -552,13 +597,13 @@ class Recovery:
             try:
                 self._form_group()
                 self._agree()
+                self._rewrap()  # DDP's constructor runs collectives (shapes, rank 0's broadcast)
             except Exception as e:
                 if not (isinstance(e, _Interrupted) or _is_collective_failure(e)):
                     raise
                 what = f"the new round's process group did not form: {str(e).splitlines()[0] if str(e) else e}"
                 continue
             break
-        self._rewrap()
         self._pending = (min(self._pending[0], detected) if self._pending else detected, self.step + 1, pause["lost"])
         if dist.get_rank() == 0:
             print(f"mglaunch_recovery: in-place recovery, round {got['round']} ({pause['reason']}): world "

@@ -55,13 +55,14 @@ def main():
     p.add_argument("--timeout", type=float, default=300, help="seconds: the process group's timeout, and each wait "
                    "for the agent's pause and assign")
     p.add_argument("--step-ms", type=float, default=0, help="sleep this long in each step (benchmarks: a slower step)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout on the input (the RNG's part in the weights)")
     args = p.parse_args()
 
     rec = mglaunch_recovery.Recovery(backend="gloo", timeout=timedelta(seconds=args.timeout))  # first: a standby says it is ready early
     # Everything that needs no rank: a standby's pre-started worker does it before its place.
     train_x, train_y = load_idx(args.data_dir, True, args.train_subset)
     torch.manual_seed(args.seed)
-    net = Cnn() if args.model == "cnn" else Mlp()
+    net = torch.nn.Sequential(torch.nn.Dropout(args.dropout), Cnn() if args.model == "cnn" else Mlp())
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum)
     rec.start(net, opt, wrap=DDP)
     start = time.time()

@@ -48,6 +48,16 @@ json put_op(const std::string& key, const std::string& value, std::int64_t lease
   return {{"request_put", p}};
 }
 
+std::string endpoints_text(const std::vector<etcd::Endpoint>& eps) {
+  std::string out;
+  for (const auto& e : eps) out += (out.empty() ? "" : ", ") + e.text();
+  return out;
+}
+
+// The TTL etcd's answer to a grant or a keep-alive gives (the gateway wraps a streamed
+// answer, as keep-alive's, in "result"); 0: the lease is gone.
+std::int64_t ttl_of(const json& r) { return number(r.contains("result") ? r["result"] : r, "TTL"); }
+
 }  // namespace
 
 EtcdLink::EtcdLink(asio::io_context& io, EtcdOptions opts, ClientHandlers handlers)
@@ -56,6 +66,8 @@ EtcdLink::EtcdLink(asio::io_context& io, EtcdOptions opts, ClientHandlers handle
       h_(std::move(handlers)),
       keys_(etcd::keys_for(opts_.prefix, opts_.join.job_id)),
       agent_(opts_.join.agent_id),
+      self_(opts_.join.agent_id),
+      guard_(opts_.join.keep_alive_ms, endpoints_text(opts_.endpoints)),
       replay_(opts_.join.job_id, opts_.join.agent_id),
       ticker_(io) {}
 
@@ -111,21 +123,29 @@ void EtcdLink::on_changes(const std::vector<Change>& changes) {
         continue;
       }
       if (e.kind == Event::Kind::kJoin) joined_agents_.insert(e.agent);
+      const bool self_lost = e.kind == Event::Kind::kLost && e.agent == self_ && replay_.live(self_);
       const auto frames = replay_.apply(e);
+      if (self_lost) {
+        // The job went on without this identity (its lease expired). Not this node's end:
+        // the lease guard stops its workers if they still run, and it joins again as a
+        // newcomer, unless the job ended meanwhile.
+        if (replay_.job().finished())
+          return lost(fmt::format("this agent was declared lost by the job, which has ended since: {}", e.why));
+        carry_out(guard_.gone(fmt::format("declared lost by the job: {}", e.why)));
+        continue;
+      }
       for (const auto& f : frames) {
         deliver(f);
         if (closed_ || lost_) return;
       }
-      // Declared lost while no round ran for it (joining, or between rounds): nothing will
-      // ever be decided for this agent again.
-      if (e.kind == Event::Kind::kLost && e.agent == agent_ && frames.empty() && !replay_.job().finished())
-        return lost(fmt::format("this agent was declared lost by the job: {}", e.why));
     } else if (auto agent = keys_.agent_of_alive(c.key); !agent.empty()) {
       if (c.put) {
         alive_.insert(agent);
       } else {
         alive_.erase(agent);
         pending_lost_.insert(agent);
+        if (agent == self_) carry_out(guard_.gone("etcd deleted its alive key"));
+        if (closed_ || lost_) return;
       }
     }
   }
@@ -137,7 +157,16 @@ void EtcdLink::deliver(const proto::Frame& f) {
       return lost(fmt::format("refused by the rendezvous: {}", proto::from_frame<proto::Error>(f).message));
     auto d = decision_of(f);
     if (!d) return;
-    if (std::holds_alternative<proto::Assignment>(*d)) assigned_ = true;
+    if (auto* a = std::get_if<proto::Assignment>(&*d)) {
+      assigned_ = true;
+      guard_.assigned(a->round);
+    } else if (std::holds_alternative<proto::Restart>(*d)) {
+      guard_.restarted();
+    } else if (std::holds_alternative<proto::Standby>(*d)) {
+      guard_.waiting();
+    } else {
+      guard_.ended();
+    }
     tell(h_, *d);
   } catch (const proto::ProtocolError& e) {
     lost(fmt::format("bad decision from the job's log: {}", e.what()));
@@ -188,6 +217,8 @@ void EtcdLink::append(Event e, bool conditional) {
 
 void EtcdLink::check() {
   if (closed_ || lost_) return;
+  carry_out(guard_.tick(Clock::now()));
+  if (closed_ || lost_) return;
   if (started_ && !conditional_in_flight_ && !replay_.job().finished()) {
     bool appended = false;
     for (auto it = pending_lost_.begin(); it != pending_lost_.end();) {
@@ -206,24 +237,28 @@ void EtcdLink::check() {
     if (!appended && replay_.tick_due(now_ms())) {
       Event e;
       e.kind = Event::Kind::kTick;
-      e.agent = agent_;
+      e.agent = self_;
       append(std::move(e), /*conditional=*/true);
     }
   }
-  if (started_ && !assigned_ && !fresh_in_flight_ && alive_.size() == 1 && alive_.contains(agent_)) {
+  if (started_ && !assigned_ && !fresh_in_flight_ && alive_.size() == 1 && alive_.contains(self_)) {
     // A log whose agents are all gone (a run killed, its leases expired since this agent
     // joined): nobody will ever decide for this agent there. Start a fresh one.
     bool others = false, live_other = false;
     for (const auto& a : joined_agents_) {
-      if (a == agent_) continue;
+      if (a == self_) continue;
       others = true;
       live_other = live_other || replay_.live(a);
     }
     if (others && !live_other) {
       fresh_in_flight_ = true;
+      Event join;
+      join.kind = Event::Kind::kJoin;
+      join.agent = self_;
+      join.join = opts_.join;
       {
         std::lock_guard lk(mutex_);
-        queue_.push_back([this](etcd::Http& http) { fresh_start(http); });
+        queue_.push_back([this, join = std::move(join)](etcd::Http& http) mutable { fresh_start(http, std::move(join)); });
       }
       cv_.notify_all();
     }
@@ -243,19 +278,62 @@ void EtcdLink::lost(const std::string& why) {
   if (h_.on_lost) h_.on_lost(why);
 }
 
-void EtcdLink::rejoin() {
+void EtcdLink::rejoin() { carry_out(guard_.rejoin()); }
+
+void EtcdLink::append_join() {
   Event e;
   e.kind = Event::Kind::kJoin;
-  e.agent = agent_;
+  e.agent = self_;
   e.join = opts_.join;
   append(std::move(e), false);
+}
+
+void EtcdLink::carry_out(const etcd::LeaseCommands& cmds) {
+  for (const auto& c : cmds) {
+    if (closed_ || lost_) return;
+    if (const auto* stop = std::get_if<etcd::lease_cmd::Stop>(&c)) {
+      if (stop->report_round > 0) {
+        // As a fenced node of a daemon: if etcd hears it before the lease is gone, the job
+        // restarts the round (the others stop waiting for this node's workers).
+        proto::WorkerFailed f;
+        f.round = stop->report_round;
+        f.host = opts_.join.host;
+        f.rank = -1;
+        f.exit_code = 1;
+        f.message = fmt::format("node {} ({}) fenced itself: its etcd lease went unrenewed", opts_.join.host,
+                                opts_.join.addr);
+        worker_failed(std::move(f));
+      }
+      tell(h_, proto::Restart{replay_.job().restart_count(), stop->why});
+    } else if (std::holds_alternative<etcd::lease_cmd::Join>(c)) {
+      append_join();
+    } else {
+      // The job's log keeps a lost agent lost: this node comes back as a new one.
+      self_ = fmt::format("{}~{}", agent_, ++reentries_);
+      opts_.join.agent_id = self_;
+      replay_.set_self(self_);
+      assigned_ = false;
+      Event e;
+      e.kind = Event::Kind::kJoin;
+      e.agent = self_;
+      e.join = opts_.join;
+      if (h_.on_notice)
+        h_.on_notice(fmt::format("this node's etcd lease is gone: joining job '{}' again as agent {}", opts_.join.job_id,
+                                 self_));
+      {
+        std::lock_guard lk(mutex_);
+        queue_.push_back([this, id = self_, e = std::move(e)](etcd::Http& http) { reenter(http, id, e); });
+      }
+      cv_.notify_all();
+    }
+  }
 }
 
 void EtcdLink::worker_failed(proto::WorkerFailed f) {
   proto::truncate_to_limits(f);
   Event e;
   e.kind = Event::Kind::kFailed;
-  e.agent = agent_;
+  e.agent = self_;
   e.failed = std::move(f);
   append(std::move(e), false);
 }
@@ -263,7 +341,7 @@ void EtcdLink::worker_failed(proto::WorkerFailed f) {
 void EtcdLink::node_done(int round) {
   Event e;
   e.kind = Event::Kind::kDone;
-  e.agent = agent_;
+  e.agent = self_;
   e.round = round;
   append(std::move(e), false);
 }
@@ -308,8 +386,6 @@ void EtcdLink::close() {
 bool EtcdLink::start_sequence(etcd::Http& http) {
   const auto deadline = std::chrono::steady_clock::now() +
                         std::min<milliseconds>(kStartWindow, milliseconds(opts_.join.join_timeout_ms));
-  const std::int64_t want_ttl =
-      std::max<std::int64_t>(2, (static_cast<std::int64_t>(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt + 999) / 1000);
   Event join;
   join.kind = Event::Kind::kJoin;
   join.agent = agent_;
@@ -317,13 +393,7 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
   bool joined = false;
   for (int attempt = 0;; ++attempt) {
     try {
-      if (!lease_) {
-        auto g = http.call("/v3/lease/grant", {{"TTL", std::to_string(want_ttl)}}, kRequestTimeout);
-        if (!number(g, "ID")) throw etcd::Error(fmt::format("no lease granted: {}", g.dump()));
-        std::lock_guard lk(mutex_);
-        lease_ = number(g, "ID");
-        ttl_s_ = std::max<std::int64_t>(1, number(g, "TTL"));
-      }
+      if (!lease_) grant_lease(http);
       if (!joined) {
         join.t_ms = now_ms();
         const std::string key = keys_.log_key(agent_, next_seq_);
@@ -366,6 +436,49 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
   }
 }
 
+std::int64_t EtcdLink::grant_lease(etcd::Http& http) {
+  const std::int64_t want_ttl =
+      std::max<std::int64_t>(2, (static_cast<std::int64_t>(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt + 999) / 1000);
+  const auto sent = Clock::now();
+  auto g = http.call("/v3/lease/grant", {{"TTL", std::to_string(want_ttl)}}, kRequestTimeout);
+  const std::int64_t id = number(g, "ID"), ttl = std::max<std::int64_t>(1, ttl_of(g));
+  if (!id) throw etcd::Error(fmt::format("no lease granted: {}", g.dump()));
+  last_ok_ms_ = steady_ms();
+  {
+    std::lock_guard lk(mutex_);
+    lease_ = id;
+    ttl_s_ = ttl;
+  }
+  post([this, id, ttl, sent] { carry_out(guard_.granted(id, ttl, sent)); });
+  return id;
+}
+
+void EtcdLink::reenter(etcd::Http& http, const std::string& id, const Event& join) {
+  for (int attempt = 0;; ++attempt) {
+    try {
+      const std::int64_t lease = grant_lease(http);
+      Event e = join;
+      e.t_ms = now_ms();
+      http.call("/v3/kv/txn",
+                {{"success", json::array({put_op(keys_.alive_key(id), id, lease),
+                                          put_op(keys_.log_key(agent_, next_seq_), proto::dump_json(to_json(e)), job_lease_)})}},
+                kRequestTimeout);
+      ++next_seq_;
+      last_ok_ms_ = steady_ms();
+      return;
+    } catch (const etcd::Error& err) {
+      if (err.status) {  // refused (the job's lease gone with the job, permission): no retry helps
+        post([this, why = std::string(err.what())] { lost("etcd refused this agent's new join: " + why); });
+        return;
+      }
+      std::unique_lock lk(mutex_);
+      if (stopping_ || http.stopped()) return;
+      // etcd is away: try again until it is back (check() gives up after join_timeout).
+      cv_.wait_for(lk, milliseconds(std::min(100 << std::min(attempt, 4), 1000)), [&] { return stopping_; });
+    }
+  }
+}
+
 void EtcdLink::ensure_job_lease(etcd::Http& http) {
   if (job_lease_) return;
   auto g = http.call("/v3/lease/grant", {{"TTL", std::to_string(ttl_s_)}}, kRequestTimeout);
@@ -395,10 +508,10 @@ void EtcdLink::ensure_job_lease(etcd::Http& http) {
   job_lease_ = id;
 }
 
-void EtcdLink::fresh_start(etcd::Http& http) {
+void EtcdLink::fresh_start(etcd::Http& http, Event join) {
   try {
     // Only this agent's alive key: no key before it and none after it under alive/.
-    const std::string mine = keys_.alive_key(agent_);
+    const std::string mine = keys_.alive_key(join.agent);
     json before = {{"key", base64_encode(keys_.alive())}, {"range_end", base64_encode(mine)}};
     json after = {{"key", base64_encode(mine + std::string(1, '\0'))},
                   {"range_end", base64_encode(etcd::prefix_end(keys_.alive()))}};
@@ -429,10 +542,6 @@ void EtcdLink::fresh_start(etcd::Http& http) {
     }
     ensure_job_lease(http);
     post([this, revision] { reset_replay(revision); });
-    Event join;
-    join.kind = Event::Kind::kJoin;
-    join.agent = agent_;
-    join.join = opts_.join;
     join.t_ms = now_ms();
     http.call("/v3/kv/txn",
               {{"success", json::array({put_op(keys_.log_key(agent_, next_seq_++), proto::dump_json(to_json(join)), job_lease_)})}},
@@ -444,7 +553,7 @@ void EtcdLink::fresh_start(etcd::Http& http) {
 
 void EtcdLink::reset_replay(std::int64_t revision) {
   if (h_.on_notice) h_.on_notice("every agent of this job's previous run is gone: starting the job afresh");
-  replay_ = etcd::JobReplay(opts_.join.job_id, agent_);
+  replay_ = etcd::JobReplay(opts_.join.job_id, self_);
   joined_agents_.clear();
   pending_lost_.clear();
   seen_revision_ = std::max(seen_revision_, revision);
@@ -462,13 +571,15 @@ void EtcdLink::keep_alive_loop() {
       leases[0] = lease_;
       leases[1] = job_lease_;
     }
-    for (const auto id : leases) {
+    for (int i = 0; i < 2; ++i) {
+      const auto id = leases[i];
       if (!id) continue;
       try {
-        // TTL 0: the lease is gone; the watch shows this agent's alive key deleted, and
-        // the job's log its loss.
-        keep_http_->call("/v3/lease/keepalive", {{"ID", std::to_string(id)}}, kRequestTimeout);
+        const auto sent = Clock::now();
+        auto r = keep_http_->call("/v3/lease/keepalive", {{"ID", std::to_string(id)}}, kRequestTimeout);
         last_ok_ms_ = steady_ms();
+        // The agent's own lease: its guard fences on the last renewal (TTL 0: it is gone).
+        if (i == 0) post([this, id, ttl = ttl_of(r), sent] { carry_out(guard_.renewed(id, ttl, sent)); });
       } catch (const etcd::Error&) {
         // An outage: check() gives up after join_timeout; the others see the lease expire.
         if (keep_http_->stopped()) return;

@@ -31,6 +31,7 @@
 
 #include "rendezvous/client.h"
 #include "rendezvous/etcd_client.h"
+#include "rendezvous/etcd_lease.h"
 #include "rendezvous/etcd_log.h"
 #include "rendezvous/link.h"
 
@@ -67,6 +68,8 @@ class EtcdLink : public Link {
   void append(etcd::Event e, bool conditional);
   void check();  // every 100 ms: a lost agent or a deadline to record, an etcd outage
   void lost(const std::string& why);
+  void carry_out(const etcd::LeaseCommands& cmds);  // the lease guard's commands
+  void append_join();  // under the current identity
   void resync(const std::vector<Change>& kvs);  // the job's keys as read at one revision
   std::int64_t now_ms() const;
   // request thread
@@ -80,8 +83,11 @@ class EtcdLink : public Link {
   void ensure_job_lease(etcd::Http& http);
   // Only this agent is alive and nobody live is left in the replayed job (a dead run's
   // log): delete the log and join a fresh one (request thread).
-  void fresh_start(etcd::Http& http);
+  void fresh_start(etcd::Http& http, etcd::Event join);
   void reset_replay(std::int64_t revision);  // io thread
+  // A new lease and identity `id` (its lease gone): its alive key and its join in one txn.
+  void reenter(etcd::Http& http, const std::string& id, const etcd::Event& join);
+  std::int64_t grant_lease(etcd::Http& http);  // sets lease_ and ttl_s_; returns the new lease
   // keep-alive thread: both leases, on their own connection and timer
   void keep_alive_loop();
   // watch thread
@@ -92,7 +98,12 @@ class EtcdLink : public Link {
   EtcdOptions opts_;
   ClientHandlers h_;
   etcd::Keys keys_;
-  std::string agent_;
+  std::string agent_;  // the agent's id: its log keys' component, whatever its identity
+  // io thread: the identity in the job (agent_, then agent_~N after each re-entry: the job's
+  // log keeps a lost agent lost) and the policy of its lease
+  std::string self_;
+  int reentries_ = 0;
+  etcd::LeaseGuard guard_;
   etcd::JobReplay replay_;
   boost::asio::steady_timer ticker_;
   std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;

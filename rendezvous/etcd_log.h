@@ -111,6 +111,8 @@ class JobReplay {
   bool live(const std::string& agent) const;
   const Job& job() const { return job_; }
   std::int64_t time_ms() const { return vnow_; }
+  // This agent joins again under a new id (its old one was lost): decisions for `agent` now.
+  void set_self(std::string agent) { self_ = std::move(agent); }
   // The job's events (JobEvent) of the events applied since the last call, oldest first;
   // the last kMaxEvents are kept when nobody takes them (the backend prints none: every
   // agent replays every node's events).

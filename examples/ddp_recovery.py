@@ -55,6 +55,8 @@ def main():
     p.add_argument("--timeout", type=float, default=300, help="seconds: the process group's timeout, and each wait "
                    "for the agent's pause and assign")
     p.add_argument("--step-ms", type=float, default=0, help="sleep this long in each step (benchmarks: a slower step)")
+    p.add_argument("--lag-ms", type=float, default=0, help="tests: ranks other than 0 sleep this long before "
+                   "backward(), so rank 0 spends the step waiting inside the gradient all-reduce")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout on the input (the RNG's part in the weights)")
     args = p.parse_args()
 
@@ -87,6 +89,8 @@ def main():
         bi = batch(step)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(rec.model(train_x[bi]), train_y[bi])
+        if args.lag_ms > 0 and rec.rank != 0:
+            time.sleep(args.lag_ms / 1000)
         loss.backward()
         opt.step()
         if args.step_ms > 0:

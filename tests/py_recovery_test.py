@@ -153,10 +153,11 @@ def done_when(bin_dir, work, python="/usr/bin/python3", what="torch 1.13"):
     want = reference_weights(work)
     run = tempfile.mkdtemp(dir=work)
     d, ep = daemon(bin_dir, run)
-    # Steps of 250 ms (a sleep): the standby, started with the active nodes' workers, is
-    # ready well before step 10 even on a loaded machine. The example's dropout makes the
-    # weights depend on the RNG state restored and handed over.
-    slow = ["--step-ms", "250"]
+    # Steps of 250 ms, which rank 0 spends inside the gradient all-reduce (rank 1 sleeps
+    # before its backward()): the kill lands mid-collective, and the standby, started with
+    # the active nodes' workers, is ready well before step 10 even on a loaded machine. The
+    # example's dropout makes the weights depend on the RNG state restored and handed over.
+    slow = ["--lag-ms", "250"]
     nodes = [node(bin_dir, run, ep, "hit", h, run + "/s{rank}.json", python=python, train=slow) for h in (2, 3)]
     eventually(lambda: all("round 1:" in n.err() for n in nodes), 120, "round 1 of the active nodes", *nodes)
     standby = node(bin_dir, run, ep, "hit", 4, run + "/s{rank}.json", ["--prestart-standby"], python=python, train=slow)

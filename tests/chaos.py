@@ -258,9 +258,12 @@ class Chaos:
                 f"--grace={self.args.grace}", *self.worker_argv(max_steps)]
 
     def worker_argv(self, max_steps):
-        if self.args.worker == "python":  # the plain torch DDP script with mglaunch_recovery (#37)
+        # The plain torch DDP script with mglaunch_recovery (#37). Its --timeout bounds the survivors'
+        # wait for a new group, whose fresh workers (a standby's, no pre-start) take 20-45 s to start
+        # here: with mgtrain's 20 s the group never formed and every recovery became a restart.
+        if self.args.worker == "python":
             return ["--python=/usr/bin/python3", PY_WORKER, "--model", "mlp", "--steps", str(max_steps), "--batch-size",
-                    "16", "--train-subset", "4096", "--seed", str(self.args.seed), "--timeout", "20",
+                    "16", "--train-subset", "4096", "--seed", str(self.args.seed), "--timeout", "120",
                     "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
         return [os.path.join(self.bin, "mgtrain"), "--dataset", "synthetic", "--synthetic-size", "4096",
                 "--model", "mlp", "--epochs", "1000", "--max-steps", str(max_steps), "--batch-size", "16",

@@ -66,6 +66,7 @@ AGENT_HOSTS = 6      # hosts for agents in --netns (live at once: 2 active, a st
 # failed check, whatever the job did after it.
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 LOG_EVERY = 2
+IN_PLACE_LOST = 3     # --worker python: the most steps a fault may cost (its redone step, plus a margin)
 CALIBRATION_STEPS = 120  # the undisturbed run that sizes --max-steps: 60 progress lines
 # mgtrain's progress line, or examples/ddp_recovery.py's (--worker python): the step is group 1 or 2.
 STEP_LINE = re.compile(r"\[rank0\]:(?:epoch \d+/\d+ step (\d+)/\d+|step (\d+) )")
@@ -255,7 +256,12 @@ class Chaos:
         return [os.path.join(self.bin, "mglaunch"), f"--nnodes={ACTIVE}", f"--nproc_per_node={NPROC}", *backend,
                 f"--rdzv_endpoint={self.endpoint}", f"--rdzv_id={self.job}", f"--local_addr={addr}",
                 "--max_restarts=1000", f"--rdzv_conf=join_timeout={self.join_timeout},{KEEP_ALIVE}",
-                f"--grace={self.args.grace}", *self.worker_argv(max_steps)]
+                f"--grace={self.args.grace}", *self.prestart(), *self.worker_argv(max_steps)]
+
+    def prestart(self):
+        # The Python workers take ~20 s to import torch here: a standby's are started ahead
+        # (the package's deployment), so a lost node's place is filled in about a second.
+        return ["--prestart-standby"] if self.args.worker == "python" else []
 
     def worker_argv(self, max_steps):
         # The plain torch DDP script with mglaunch_recovery (#37). Its --timeout bounds the survivors'
@@ -294,11 +300,23 @@ class Chaos:
         return [c for c in children(agent.pid) if worker in cmdline(c)]
 
     def active_agents(self):
-        return [a for a in self.agents if a.alive() and self.workers_of(a)]
+        return [a for a in self.agents if a.alive() and self.workers_of(a) and not self.waiting(a)]
 
     def standby_agents(self):
-        return [a for a in self.agents if a.alive() and not self.workers_of(a)
-                and any("standby" in t for _, t in a.lines)]
+        return [a for a in self.agents if a.alive() and self.waiting(a)]
+
+    def waiting(self, agent):
+        """A standby not placed yet: its last word is its standby line, not a round's; with
+        --prestart-standby its workers already run."""
+        if not self.prestart():
+            return not self.workers_of(agent) and any("standby" in t for _, t in agent.lines)
+        last = ""
+        for _, t in agent.lines:
+            if "standby for job" in t:
+                last = "standby"
+            elif re.search(r"round \d+: node", t):
+                last = "round"
+        return last == "standby"
 
     # ---- progress -----------------------------------------------------------------------------
     def steps(self):
@@ -540,6 +558,17 @@ class Chaos:
         finals = [s.get("steps") for s in summaries.values()]
         if finals and set(finals) != {max_steps}:
             self.problems.append(f"ranks ended at steps {sorted(set(finals))}, expected {max_steps}")
+        if self.args.worker == "python":
+            # In place, a fault costs its interrupted step; a fall-back to a restart from step 0
+            # (the workers ended, every step lost) must not pass as a survived fault.
+            fell_back = [f for f in self.faults if (f["steps_lost"] or 0) > IN_PLACE_LOST]
+            if fell_back:
+                self.problems.append(f"{len(fell_back)} faults lost over {IN_PLACE_LOST} steps (not recovered in place): "
+                                     f"{fell_back[:3]}")
+            if not self.faults:
+                self.problems.append("no fault came while the job trained (nothing was proved)")
+            elif not any(s.get("recoveries") for s in summaries.values()):
+                self.problems.append("no rank recorded an in-place recovery")
         unrecovered = [f for f in self.faults if f["recovered_s"] is None]
         if unrecovered:
             self.problems.append(f"{len(unrecovered)} faults without a step after them: {unrecovered[:3]}")
@@ -641,6 +670,8 @@ def main():
     ap.add_argument("--min-gap", type=float, default=4.0, help="seconds between faults, at least")
     ap.add_argument("--max-gap", type=float, default=10.0)
     ap.add_argument("--max-steps", type=int, default=0, help="skip the calibration run")
+    ap.add_argument("--skip-unsurvivable", action="store_true",
+                    help="no unsurvivable case at the end (the launcher's side: the mgtrain smoke runs it)")
     ap.add_argument("--join-timeout", type=int, default=20)
     ap.add_argument("--grace", type=float, default=5,
                     help="the agents' --grace: also how long a paused worker has to answer (a SIGSTOPped one is "
@@ -670,9 +701,10 @@ def main():
     print(f"chaos: seed {args.seed}, backend {args.backend}, {args.seconds:.0f} s, files in {c.root}", flush=True)
     try:
         c.run()
-        t_uns = now()
-        c.report["unsurvivable"] = c.unsurvivable()
-        c.phases["unsurvivable"] = round(now() - t_uns, 1)
+        if not args.skip_unsurvivable:
+            t_uns = now()
+            c.report["unsurvivable"] = c.unsurvivable()
+            c.phases["unsurvivable"] = round(now() - t_uns, 1)
     except Exception as e:  # noqa: BLE001 (reported as a failed check, after the cleanup)
         c.problems.append(f"{type(e).__name__}: {e}")
         c.report = getattr(c, "report", {"faults": c.faults})

@@ -443,8 +443,27 @@ def unit(work):
         fail(f"want a second pause answered and the model wrapped again: {len(wraps)} wraps, {rec._channel.sent}")
     if old() is not None:
         fail("the abandoned DDP is still alive (its buckets stay for good: memory grows per recovery)")
+    # 6. A step that fails after its optimizer.step() (a logging all_reduce after it) is not
+    # redone (the update would be applied twice): a clear error instead.
+    calls = []
+
+    def late_collective(step):
+        calls.append(step)
+        rec._optimizer.step()
+        if len(calls) == 1:
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer")
+
+    rec._wrap = DDP
+    rec._count_optimizer_steps(rec._optimizer)
+    try:
+        rec.run(late_collective, 1)
+        fail(f"a step that failed after its optimizer.step() was redone: {len(calls)} calls")
+    except RuntimeError as e:
+        if "twice" not in str(e):
+            raise
     print("unit: the RNG state loads with weights_only, errors classified, a pause kept until its assign, "
-          "NCCL's error handling, DDP's rebuild recovered, the old DDP freed", flush=True)
+          "NCCL's error handling, DDP's rebuild recovered, the old DDP freed, a failure after opt.step() not redone",
+          flush=True)
 
 
 def main():

@@ -346,6 +346,7 @@ class Recovery:
         self._module = self._optimizer = self._wrap = None
         self._extra = []
         self._lock = threading.Lock()
+        self._updates = 0  # optimizer.step() calls (_count_optimizer_steps)
         self._group = None  # _GroupSockets of the current (or forming) group
         self._pending = None  # (detected, redone step, lost) until the redone step is applied
         self._attempts, self._attempts_at = 0, -1
@@ -392,6 +393,7 @@ class Recovery:
         `state`: more objects with state_dict()/load_state_dict() that the survivors hand
         to a rank that is behind (a sampler's, a scheduler's)."""
         self._module, self._optimizer, self._wrap, self._extra = model, optimizer, wrap, list(state)
+        self._count_optimizer_steps(optimizer)
         if not self._under_mglaunch:
             dist.init_process_group(self.backend, timeout=self.timeout)
             self._rewrap()
@@ -414,6 +416,18 @@ class Recovery:
                 raise
             self._recover(str(e))
         return self
+
+    def _count_optimizer_steps(self, optimizer):
+        """Counts optimizer.step() calls, so that run() sees a step that failed after its
+        update (a collective after opt.step()): redoing it would apply the update twice."""
+        self._updates = 0
+        step = optimizer.step
+
+        def counted(*args, **kwargs):
+            self._updates += 1
+            return step(*args, **kwargs)
+
+        optimizer.step = counted
 
     def _rewrap(self):
         self.model = self._wrap(self._module) if self._wrap else self._module
@@ -513,12 +527,16 @@ class Recovery:
             if self._channel is not None and self._channel.paused():
                 self._recover("the agent paused this worker")
                 continue
-            rng = _rng_state()
+            rng, updates = _rng_state(), self._updates
             try:
                 train_step(self.step)
             except Exception as e:
                 if self._channel is None or not (self._channel.paused() or _is_collective_failure(e)):
                     raise
+                if self._updates != updates:
+                    raise RuntimeError(f"step {self.step + 1} failed after its optimizer.step() (a collective after "
+                                       "it, e.g. a logging all_reduce): redoing it would apply the update twice; "
+                                       "move such collectives before optimizer.step() (docs/python-recovery.md)") from e
                 _set_rng_state(rng)  # the step is redone from the state it started from
                 self._recover(str(e).splitlines()[0] if str(e) else type(e).__name__)
                 continue

@@ -142,7 +142,7 @@ void Client::perform(ClientCommand& c) {
         } else if constexpr (std::is_same_v<T, cmd::TakePending>) {
           // Not from within the agent's call (rejoin()): it takes the assignment once that returned.
           asio::post(io_, [this, alive = std::weak_ptr<int>(alive_)] {
-            if (alive.lock()) run(m_.take_pending());
+            if (alive.lock()) run(m_.take_pending(Clock::now()));
           });
         }
       },

@@ -16,6 +16,7 @@ std::chrono::milliseconds connect_retry_delay(int retry) {
 }
 
 std::chrono::milliseconds fence_after(int keep_alive_ms, int keep_alive_max_attempt) {
+  if (keep_alive_max_attempt < kMinFenceAttempts) return milliseconds(0);
   return milliseconds(keep_alive_ms) * keep_alive_max_attempt - milliseconds(keep_alive_ms) / 2;
 }
 
@@ -117,11 +118,11 @@ ClientCommands ClientMachine::rejoin(Clock::time_point now) {
   return take_out();
 }
 
-ClientCommands ClientMachine::take_pending() {
+ClientCommands ClientMachine::take_pending(Clock::time_point now) {
   if (closed_ || !pending_) return {};
   auto a = std::move(*pending_);
   pending_.reset();
-  take(a);
+  take(a, now);
   return take_out();
 }
 
@@ -162,6 +163,8 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
   connected_ = true;
   connected_at_ = last_frame_ = now;
   challenged_ = welcomed_ = answered_ = false;
+  beats_.clear();
+  heard(now);  // the server's machine accepted the connection (a REJECT firewall never does)
   nonce_ = nonce;
   send(proto::to_wire(proto::Hello{opts_.join.agent_id, opts_.join.job_id, nonce_}));
   // Without a token nothing is proven first: the join rides with the hello, saving a
@@ -174,9 +177,9 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
 
 ClientCommands ClientMachine::connect_failed(bool refused, const std::string& error, Clock::time_point now) {
   if (closed_) return {};
-  // A refused connect: that machine answers. The rendezvous is restarting (no fence), or a
-  // takeover candidate has not noticed the loss yet (waited for, #34).
-  if (refused) heard(now);
+  // A refused connect: that machine (or a firewall that REJECTs) answers. A takeover
+  // candidate that refuses has not noticed the loss yet (waited for, #34). It never moves
+  // the fence: a firewall's reset is no word from the rendezvous (#34).
   if (refused && takeover_ && !takeover_->asking) takeover_->refused = true;
   // While a takeover is looked for, its timer moves on from a node that does not answer.
   if (!takeover_ && now >= deadline_) {
@@ -198,7 +201,6 @@ ClientCommands ClientMachine::frame(const proto::Frame& f, Clock::time_point now
   last_frame_ = now;
   if (closed_ || !connected_) return {};
   on_frame(f, now);
-  if (welcomed_ && connected_) heard(now);
   return take_out();
 }
 
@@ -206,9 +208,8 @@ ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::t
   const bool was = connected_;
   connected_ = false;
   if (closed_ || !was) return {};
-  // A server that welcomed us and then vanished may come back: keep trying. A daemon's
-  // closed connection is an answer of its machine (a restart, not a partition: no fence).
-  if (ever_welcomed_ && host_agent_.empty()) heard(now);
+  // A server that welcomed us and then vanished may come back: keep trying. A closed (or
+  // reset) connection does not move the fence: a firewall resets too.
   if (ever_welcomed_) reconnect_later(why, now);
   else if (!welcomed_ && !answered_)  // closed before a word: maybe not our server at all
     lost(fmt::format("the connection to the rendezvous server at {} ended before its welcome ({}); {}",
@@ -224,6 +225,7 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
     case ClientTimer::kHeartbeat:
       if (connected_) {
         send(proto::to_wire(proto::Heartbeat{round_}));
+        if (beats_.size() < kMaxBeats) beats_.push_back(now);
         schedule_heartbeat(now);
       }
       break;
@@ -341,6 +343,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
                                             opts_.host, opts_.port),
                                 now);
         challenged_ = true;
+        heard(now);  // the server proved the job's key: it answers
         send(proto::to_wire(proto::Auth{auth::client_proof(key_, nonce_, c.nonce)}));
         session_ = auth::session_key(key_, nonce_, c.nonce);
         out_.push_back(cmd::SignSent{session_});  // the server's frames are signed from its Welcome on
@@ -357,11 +360,19 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         // (The Welcome itself carries no MAC: a forged host_agent can only make this node
         // give up sooner on a server that goes away, never obey one that proved nothing.)
         host_agent_ = w.host_agent;
+        heard(now);
         return on_welcome(now);
       }
       case MsgType::kHeartbeat:
         // The echo (last_frame_ moved), or the job's standby count changed.
         standbys_ = proto::from_frame<proto::Heartbeat>(f).standbys;
+        // The server drops a member on its heartbeats, not on its own frames: the fence moves
+        // to when the oldest heartbeat not echoed yet was sent (the server has heard this
+        // node since), never to now (a one-way cut lets the server's frames through, #34).
+        if (!beats_.empty()) {
+          heard(beats_.front());
+          beats_.pop_front();
+        }
         return;
       case MsgType::kAssignment: {
         auto a = proto::from_frame<proto::Assignment>(f);
@@ -369,7 +380,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
           pending_ = std::move(a);  // the agent takes it once its workers stopped (rejoin())
           return;
         }
-        return take(a);
+        return take(a, now);
       }
       case MsgType::kRestart: {
         auto r = proto::from_frame<proto::Restart>(f);
@@ -470,7 +481,7 @@ void ClientMachine::watch(Clock::time_point now) {
   arm(ClientTimer::kWatchdog, now + milliseconds(opts_.join.keep_alive_ms));
 }
 
-void ClientMachine::take(const proto::Assignment& a) {
+void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
   round_ = a.round;
   current_ = a;
   standby_ = false;
@@ -492,6 +503,17 @@ void ClientMachine::take(const proto::Assignment& a) {
         "majority; the side of the rendezvous host goes on and the other stops its workers and waits (a third node "
         "or a standby rules a split out; docs/multinode.md, \"Network partitions\")"});
   }
+  if (fence_after(opts_.join.keep_alive_ms, opts_.join.keep_alive_max_attempt).count() == 0 && !unfenced_told_) {
+    unfenced_told_ = true;
+    out_.push_back(cmd::Notice{fmt::format(
+        "keep_alive_max_attempt={} (below {}): this node does not fence itself when cut off from the rendezvous (one "
+        "late echo would stop it); a network partition may let its workers run beside their replacement until it "
+        "hears the job's decision (docs/multinode.md, \"Network partitions\")",
+        opts_.join.keep_alive_max_attempt, kMinFenceAttempts)});
+  }
+  // The server set this node's last heartbeat to when it closed the round: the fence starts
+  // here, also for an assignment taken later (take_pending()).
+  heard(now);
   out_.push_back(cmd::Tell{a});
 }
 
@@ -594,6 +616,7 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
     seed.epoch = t.epoch;
     seed.voters = t.voters;
     seed.host_closed = t.host_closed;
+    seed.host_rank = t.self_rank;
     out_.push_back(cmd::HostTakeover{std::move(seed)});
     return;
   }
@@ -614,12 +637,18 @@ void ClientMachine::connect_candidate(const std::string& host, int port, Clock::
   try_connect();
 }
 
-void ClientMachine::heard(Clock::time_point now) {
+void ClientMachine::heard(Clock::time_point at) {
   if (closed_ || !current_ || takeover_ || fenced_ || decided_) return;
-  arm(ClientTimer::kFence, now + fence_after(opts_.join.keep_alive_ms, opts_.join.keep_alive_max_attempt));
+  const auto bound = fence_after(opts_.join.keep_alive_ms, opts_.join.keep_alive_max_attempt);
+  if (bound.count() == 0) return;  // keep_alive_max_attempt < kMinFenceAttempts: no fence (take())
+  // Never earlier than an arm already made (an echo of an older heartbeat after a connect).
+  if (fence_at_ && at + bound <= *fence_at_) return;
+  fence_at_ = at + bound;
+  arm(ClientTimer::kFence, *fence_at_);
 }
 
 void ClientMachine::fence(Clock::time_point now) {
+  fence_at_.reset();
   if (closed_ || !current_ || takeover_ || fenced_ || decided_) return;
   fenced_ = true;
   const auto bound = fence_after(opts_.join.keep_alive_ms, opts_.join.keep_alive_max_attempt);

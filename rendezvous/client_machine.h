@@ -26,12 +26,14 @@
 // for a candidate that refuses (alive, not noticed yet) and passes over a silent one; the
 // seed carries the epoch's voters, which the new host's rdzv::Job counts; a node running a
 // round that hears nothing from its rendezvous for fence_after() stops its workers (kFence)
-// before the server may drop it, and a refused or closed connection (a daemon restart) is
-// an answer, never a reason to fence.
+// before the server may drop it; a heartbeat's echo, an assignment and a reconnection's
+// accept, proven challenge and welcome are words from it, a refused, reset or closed
+// connection is none (a REJECT firewall sends them).
 #pragma once
 
 #include <array>
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -107,10 +109,13 @@ std::optional<Decision> decision_of(const proto::Frame& f);
 // stale and ignored.
 enum class ClientTimer { kRetry, kHeartbeat, kWatchdog, kTakeover, kFence };
 
-// How long a node that runs a round may go without a word from its rendezvous (a frame, or
-// a refused or closed connection: its machine answered) before it stops its workers on its
-// own: half a keep-alive interval before the server drops a silent member (keep-alive x
-// attempts), so the majority never runs beside a minority that still trains (#34). Pure.
+// How long a node that runs a round may go without a word from its rendezvous (heard())
+// before it stops its workers on its own: half a keep-alive interval before the server drops
+// a silent member (this node's keep-alive x attempts), so the majority never runs beside a
+// minority that still trains (#34). Pure.
+// 0 (no fence) below kMinFenceAttempts attempts: with one or two, the bound falls within
+// one or two keep-alive intervals of the last echo, and one late echo would fence the node.
+inline constexpr int kMinFenceAttempts = 3;
 std::chrono::milliseconds fence_after(int keep_alive_ms, int keep_alive_max_attempt);
 
 // What the effect layer does, in the order given.
@@ -163,7 +168,7 @@ class ClientMachine {
   // `generation`: the cmd::Arm's; a stale one (re-armed or cancelled since) is ignored.
   ClientCommands timer_fired(ClientTimer t, std::uint64_t generation, Clock::time_point now);
   ClientCommands hosted(const TakeoverHost& where, Clock::time_point now);  // port 0: it cannot host
-  ClientCommands take_pending();
+  ClientCommands take_pending(Clock::time_point now);
 
   bool closed() const { return closed_; }
   const std::string& host() const { return opts_.host; }  // the server tried now
@@ -179,7 +184,7 @@ class ClientMachine {
   void failed_attempt(const std::string& why, Clock::time_point now);  // a connection made that proved nothing
   void on_frame(const proto::Frame& f, Clock::time_point now);
   void on_welcome(Clock::time_point now);
-  void take(const proto::Assignment& a);  // this node's place in a round: the agent hears it
+  void take(const proto::Assignment& a, Clock::time_point now);  // this node's place in a round: the agent hears it
   void lost(const std::string& why, bool unanswered = false);
   // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
   // reconnection is tried; a survivor takes it over, or the node ends with the lost host as
@@ -194,14 +199,17 @@ class ClientMachine {
   void send(proto::Wire w) { out_.push_back(cmd::Send{std::move(w)}); }
   void arm(ClientTimer t, Clock::time_point at) { out_.push_back(cmd::Arm{t, at, new_generation(t)}); }
   void cancel(ClientTimer t) {
+    if (t == ClientTimer::kFence) fence_at_.reset();
     new_generation(t);  // a fire already queued is stale
     out_.push_back(cmd::Cancel{t});
   }
   std::uint64_t new_generation(ClientTimer t) { return generation_[static_cast<std::size_t>(t)] = ++generations_; }
   void schedule_heartbeat(Clock::time_point now);
-  // The rendezvous' machine answered (a frame, a refused or closed connection): the fence
-  // timer starts again, while this node runs a round (#34).
-  void heard(Clock::time_point now);
+  // The rendezvous answered at `at` (a connection accepted, a proven Challenge, a Welcome,
+  // an assignment, the echo of a heartbeat sent at `at`): the fence timer starts again from
+  // there, while this node runs a round (#34). A refused, reset or closed connection is no
+  // answer (a REJECT firewall sends them).
+  void heard(Clock::time_point at);
   // Silent past fence_after(): stop the workers (a Restart for the agent, the round kept for
   // re-registration with a failure report) and wait to rejoin.
   void fence(Clock::time_point now);
@@ -256,6 +264,11 @@ class ClientMachine {
   bool done_sent_ = false;
   bool standby_ = false;  // told Standby, no assignment since: said again on re-registering
   bool fenced_ = false;   // stopped its workers on the fence timer; the round's decision not heard yet
+  std::optional<Clock::time_point> fence_at_;  // when the armed fence fires (none armed: nullopt)
+  // When each heartbeat not echoed yet went out on this connection, oldest first (heard()).
+  std::deque<Clock::time_point> beats_;
+  static constexpr std::size_t kMaxBeats = 64;
+  bool unfenced_told_ = false;  // the no-fence notice (keep_alive_max_attempt < 3) was given
   std::vector<std::string> voters_;  // of the last epoch told (Assignment, Standby)
   bool two_voters_told_ = false;     // the two-voter notice was given
   std::chrono::milliseconds backoff_{100};  // between reconnects after a loss

@@ -78,7 +78,7 @@ std::string text_of(const JobEvent& e) {
       return fmt::format("{} failed at round {} (restart {} of {}): root cause: {}", job, e.round, e.restart_count,
                          e.max_restarts, e.why);
     case K::kNoQuorum:
-      return fmt::format("{}: round {} waits for a majority of the job's {} voters: {} of them joined, {} needed (the "
+      return fmt::format("{}: round {} waits for a majority of the job's {} voters: {} of them joined or standing by, {} needed (the "
                          "others are lost or cut off; no round runs without a majority)",
                          job, e.round + 1, e.voters, e.nodes, e.voters / 2 + 1);
   }
@@ -351,7 +351,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     rejoining_.clear();
     for (const auto& [m, n] : members_) {
       out.push_back({m, restart});
-      rejoining_.insert(m);
+      rejoining_.emplace(m, n);
     }
     members_.clear();
     last_call_deadline_.reset();
@@ -497,7 +497,7 @@ nlohmann::json Job::describe(Clock::time_point now) const {
 
 std::size_t Job::approx_bytes() const {
   std::size_t bytes = sizeof(Job) + id_.size();
-  for (const auto* m : {&joined_, &members_, &standby_})
+  for (const auto* m : {&joined_, &members_, &standby_, &rejoining_})
     for (const auto& [s, n] : *m)
       bytes += sizeof(Node) + 64 + n.join.job_id.size() + n.join.agent_id.size() + n.join.host.size() + n.join.addr.size();
   for (const auto& [agent, rank] : placed_) bytes += 64 + agent.size();
@@ -506,13 +506,19 @@ std::size_t Job::approx_bytes() const {
 }
 
 int Job::voters_joined() const {
-  return static_cast<int>(std::count_if(joined_.begin(), joined_.end(), [&](const auto& n) {
-    return std::find(voters_.begin(), voters_.end(), n.second.join.agent_id) != voters_.end();
-  }));
+  // The voters this host hears on its side: those that joined the next round and the
+  // standbys registered with it (each heard within its keep-alive x attempts, else dropped),
+  // each agent once. Not the nodes told to restart that have not joined yet: they are no
+  // part of the round that would open, so nothing would notice them go (docs/multinode.md).
+  std::set<std::string_view> present;
+  for (const auto* m : {&joined_, &standby_})
+    for (const auto& [s, n] : *m)
+      if (std::find(voters_.begin(), voters_.end(), n.join.agent_id) != voters_.end()) present.insert(n.join.agent_id);
+  return static_cast<int>(present.size());
 }
 
 bool Job::has_quorum() const {
-  if (!quorum_ || !need_quorum_ || voters_.empty()) return true;
+  if (!quorum_ || voters_.empty() || (round_ == 0 && !took_over_)) return true;
   const int voters = static_cast<int>(voters_.size());
   const int joined = voters_joined();
   // Two voters: no side of a cut between them has a majority. The side that kept the
@@ -574,7 +580,7 @@ Actions Job::close_round(Clock::time_point now) {
   // job over learns the highest from its survivors' joins).
   for (const auto& [s, n] : nodes) epoch_ = std::max(epoch_, n.join.epoch);
   if (epoch_ < INT32_MAX) ++epoch_;
-  need_quorum_ = quorum_told_ = took_over_ = voters_host_closed_ = false;
+  quorum_told_ = took_over_ = voters_host_closed_ = false;
   proto::Assignment a;
   a.epoch = epoch_;
   a.round = round_;
@@ -645,6 +651,7 @@ Actions Job::heartbeat(SessionId s, Clock::time_point now) {
   if (auto it = members_.find(s); it != members_.end()) it->second.last_seen = now;
   if (auto it = joined_.find(s); it != joined_.end()) it->second.last_seen = now;
   if (auto it = standby_.find(s); it != standby_.end()) it->second.last_seen = now;
+  if (auto it = rejoining_.find(s); it != rejoining_.end()) it->second.last_seen = now;
   return {};
 }
 
@@ -660,7 +667,6 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     restart_host_ = root_cause.host;
     const bool node_lost = lost != 0 || root_cause.rank < 0;
     lost_host_ = node_lost ? root_cause.host : std::string();
-    if (node_lost) need_quorum_ = true;
     first_join_ = now;
     {
       auto& e = emit(JobEvent::Kind::kRestart);
@@ -673,7 +679,7 @@ Actions Job::fail_or_restart(const proto::WorkerFailed& root_cause, const std::s
     rejoining_.clear();
     for (const auto& [s, n] : members_) {
       out.push_back({s, restart});
-      rejoining_.insert(s);
+      rejoining_.emplace(s, n);
     }
     members_.clear();
     last_call_deadline_.reset();
@@ -741,9 +747,8 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
     e.cause = "connection closed";
     e.why = fmt::format("{}, waiting for round {}", why, round_ + 1);
   }
-  // A node of the round lost while the next one forms: that round needs a majority too.
-  const bool was_joined = joined_.erase(s) > 0;
-  if ((rejoining_.erase(s) > 0 || was_joined) && state_ == State::kRestarting) need_quorum_ = true;
+  joined_.erase(s);
+  rejoining_.erase(s);
   auto it = members_.find(s);
   if (it == members_.end()) {
     if (joined_.size() < static_cast<std::size_t>(config_.min_nodes)) last_call_deadline_.reset();
@@ -781,6 +786,12 @@ Actions Job::abort_lost(SessionId s, const proto::Join& j, std::string_view why,
   return {{s, proto::to_wire(proto::Abort{rc, rc.message})}};
 }
 
+int takeover_epoch(int seed_epoch, int host_rank) {
+  const long long rank = std::clamp<long long>(host_rank, 0, static_cast<long long>(proto::kMaxListedNodes) - 1);
+  const long long e = (std::max(0, seed_epoch) / kEpochBlock + 2LL) * kEpochBlock + rank + 1;
+  return static_cast<int>(std::min<long long>(e, INT32_MAX));
+}
+
 void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   round_ = seed.round;
   restart_count_ = seed.restart_count;
@@ -790,9 +801,11 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   first_join_ = last_activity_ = now;
   takeover_ = seed;
   takeover_reserved_ = std::max(0, seed.survivors);
-  epoch_ = std::max(epoch_, seed.epoch);
+  // close_round() adds one: the first epoch of this host is takeover_epoch(), never one the
+  // lost host (or another node that took the same round over) mints.
+  epoch_ = std::max(epoch_, takeover_epoch(seed.epoch, seed.host_rank) - 1);
   voters_ = seed.voters;
-  need_quorum_ = took_over_ = true;
+  took_over_ = true;
   voters_host_closed_ = seed.host_closed;
   auto& e = emit(JobEvent::Kind::kTakeover);
   e.host = seed.lost_host;
@@ -804,17 +817,23 @@ Actions Job::tick(Clock::time_point now) {
   // Every silent standby is dropped (and told, in case it is only slow) before it could be
   // given a place it cannot take; the tick's other deadlines are then checked all the same.
   Actions out = drop_silent_standbys(now);
+  auto rejoin = drop_silent_rejoining(now);
+  out.insert(out.end(), std::make_move_iterator(rejoin.begin()), std::make_move_iterator(rejoin.end()));
+  if (finished()) return out;
   auto rest = tick_deadlines(now);
   out.insert(out.end(), std::make_move_iterator(rest.begin()), std::make_move_iterator(rest.end()));
   return out;
 }
 
+Clock::duration Job::silent_limit(const proto::Join& j) {
+  return milliseconds(j.keep_alive_ms) * j.keep_alive_max_attempt;
+}
+
 Actions Job::drop_silent_standbys(Clock::time_point now) {
-  const auto silent_limit = milliseconds(config_.keep_alive_ms) * config_.keep_alive_max_attempt;
-  const auto limit_ms = duration_cast<milliseconds>(silent_limit).count();
   Actions out;
   for (auto it = standby_.begin(); it != standby_.end();) {
-    if (now - it->second.last_seen <= silent_limit) {
+    const auto limit_ms = duration_cast<milliseconds>(silent_limit(it->second.join)).count();
+    if (now - it->second.last_seen <= silent_limit(it->second.join)) {
       ++it;
       continue;
     }
@@ -829,6 +848,28 @@ Actions Job::drop_silent_standbys(Clock::time_point now) {
     out.insert(out.end(), told.begin(), told.end());
   }
   return out;
+}
+
+Actions Job::drop_silent_rejoining(Clock::time_point now) {
+  if (state_ != State::kRestarting) return {};
+  bool dropped = false;
+  for (auto it = rejoining_.begin(); it != rejoining_.end();) {
+    if (now - it->second.last_seen <= silent_limit(it->second.join)) {
+      ++it;
+      continue;
+    }
+    // Silent since before its Restart went out, or since: cut off (or hung). It is lost like a
+    // silent member: its place goes to a standby, and it is no voter of the next round.
+    auto& e = emit(JobEvent::Kind::kNodeLost, &it->second.join);
+    e.cause = "heartbeat timeout";
+    e.why = fmt::format("told to restart for round {}, then missed {} heartbeats ({} ms apart): hung or unreachable",
+                        round_ + 1, it->second.join.keep_alive_max_attempt, it->second.join.keep_alive_ms);
+    ++missed_heartbeats_;
+    it = rejoining_.erase(it);
+    dropped = true;
+  }
+  if (!dropped || standby_.empty()) return {};
+  return promote_standbys(now);
 }
 
 Actions Job::tick_deadlines(Clock::time_point now) {
@@ -869,7 +910,7 @@ Actions Job::tick_deadlines(Clock::time_point now) {
       rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
                                config_.min_nodes, id_);
       if (!has_quorum())
-        rc.message = fmt::format("no majority of job '{}''s {} voters within join_timeout: {} of them joined, {} needed "
+        rc.message = fmt::format("no majority of job '{}''s {} voters within join_timeout: {} of them joined or standing by, {} needed "
                                  "(a network partition may have cut this side off; the majority's side goes on)",
                                  id_, voters_.size(), voters_joined(), voters_.size() / 2 + 1);
       if (state_ == State::kRestarting && !restart_reason_.empty()) {
@@ -909,26 +950,29 @@ Actions Job::tick_deadlines(Clock::time_point now) {
     return fail_or_restart(rc, rc.message, 0, now);
   }
   if (state_ == State::kRunning) {
-    const auto limit = milliseconds(config_.keep_alive_ms) * config_.keep_alive_max_attempt;
     for (const auto& [s, n] : members_) {
-      if (n.done || now - n.last_seen <= limit) continue;
+      if (n.done || now - n.last_seen <= silent_limit(n.join)) continue;
       proto::WorkerFailed rc;
       rc.round = round_;
       rc.host = n.join.host;
       rc.rank = -1;
       rc.exit_code = 1;
       rc.message = fmt::format("node {} ({}) missed {} heartbeats ({} ms apart): hung or unreachable", n.join.host,
-                               n.join.addr, config_.keep_alive_max_attempt, config_.keep_alive_ms);
+                               n.join.addr, n.join.keep_alive_max_attempt, n.join.keep_alive_ms);
       {
         auto& e = emit(JobEvent::Kind::kNodeLost, &n.join);
         e.cause = "heartbeat timeout";
-        e.why = fmt::format("missed {} heartbeats ({} ms apart): hung or unreachable", config_.keep_alive_max_attempt,
-                            config_.keep_alive_ms);
+        e.why = fmt::format("missed {} heartbeats ({} ms apart): hung or unreachable", n.join.keep_alive_max_attempt,
+                            n.join.keep_alive_ms);
       }
       ++missed_heartbeats_;
-      auto out = fail_or_restart(rc, rc.message, s, now);
-      // The silent node is told too, in case it is only slow.
-      out.push_back({s, proto::to_wire(proto::Abort{rc, rc.message})});
+      const SessionId lost = s;  // `s` and `n` refer into members_, which fail_or_restart() empties
+      auto out = fail_or_restart(rc, rc.message, lost, now);
+      // The silent node is told too, in case it is only slow (or its side of a cut hears the
+      // host): as the others, a Restart when the job goes on, so that it stops its workers
+      // and joins again (#34); the Abort only when the job failed.
+      if (state_ == State::kFailed) out.push_back({lost, proto::to_wire(*abort_)});
+      else out.push_back({lost, proto::to_wire(proto::Restart{restart_count_, restart_reason_})});
       return out;
     }
   }

@@ -76,7 +76,18 @@ struct TakeoverSeed {
   // gone, not cut off), not go silent. With two voters that is enough for the survivor to
   // go on alone; after silence it is not (docs/multinode.md, "Network partitions").
   bool host_closed = false;
+  // The new host's group rank in the seed's round: its epochs are its own (takeover_epoch()).
+  int host_rank = 0;
 };
+
+// Epochs after a takeover jump to a block of kEpochBlock of their own: the new host's first
+// epoch is takeover_epoch(seed's epoch, its group rank in that round), at least two blocks
+// past the seed's, offset by its rank. So two hosts never mint the same epoch: the lost host
+// (cut off, not dead) counts on by one from the seed's epoch, within its block for fewer than
+// kEpochBlock rounds; two nodes that each took over the same round differ by their ranks
+// (below kMaxListedNodes); a later takeover lands two blocks further on (#34). Pure.
+inline constexpr int kEpochBlock = 65536;
+int takeover_epoch(int seed_epoch, int host_rank);
 
 // A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
 // for N nodes holds its bytes once.
@@ -196,7 +207,12 @@ class Job {
   Actions close_round(Clock::time_point now);
   // tick(): the standbys silent past keep-alive x attempts, all of them; then the rest.
   Actions drop_silent_standbys(Clock::time_point now);
+  // How long node `j` may be silent before it is lost: its own keep-alive x attempts, the
+  // same numbers its fence timer counts (rendezvous/client_machine.h, fence_after; #34).
+  static Clock::duration silent_limit(const proto::Join& j);
   Actions tick_deadlines(Clock::time_point now);
+  // tick(): the nodes told to restart that stayed silent past keep-alive x attempts are lost.
+  Actions drop_silent_rejoining(Clock::time_point now);
   Actions fail_or_restart(const proto::WorkerFailed& root_cause, const std::string& reason, SessionId lost,
                           Clock::time_point now);
   Actions broadcast(const proto::Wire& w, SessionId except = 0) const;
@@ -231,11 +247,13 @@ class Job {
   // The root cause "node H (A) lost: WHY" of a node lost during round_.
   proto::WorkerFailed lost_cause(const proto::Join& j, std::string_view why) const;
   Actions drop_rebuild(const proto::Join& j);
-  // The voters that joined the next round (joined_ whose agent id is one of voters_).
+  // The voters present for the next round: joined_ and standby_ whose agent id is one of
+  // voters_, each once.
   int voters_joined() const;
-  // Whether the next round may open: always, except after a node was lost in a job that
-  // counts a quorum (quorum_), which then needs a majority of voters_ (with two voters, the
-  // side that kept its host: see the .cc).
+  // Whether the next round may open: always in a job that counts no quorum (a daemon or etcd
+  // arbitrates) and for a first round; else every round after the first (a node lost, a
+  // worker failed, a scale-up: a cut may come during any restart) needs a majority of
+  // voters_ (with two voters, the side that kept its host: see the .cc).
   bool has_quorum() const;
   // Records an event of `kind` (about node `n` when given), with the job's round and restarts.
   JobEvent& emit(JobEvent::Kind kind, const proto::Join* n = nullptr);
@@ -246,7 +264,6 @@ class Job {
   // The voters of epoch_ (agent ids): the round's nodes and the standbys when it closed;
   // empty when more than kMaxListedNodes (no majority is counted then).
   std::vector<std::string> voters_;
-  bool need_quorum_ = false;  // a node of the round was lost: the next round needs a majority
   bool quorum_told_ = false;  // the wait for a majority was recorded (kNoQuorum) for this round
   bool took_over_ = false;           // this job was taken over; its first round not closed yet
   bool voters_host_closed_ = false;  // the takeover's host was seen to close (TakeoverSeed)
@@ -258,7 +275,9 @@ class Job {
   std::map<SessionId, Node> joined_;   // waiting for the next round
   std::map<SessionId, Node> members_;  // in the running round
   std::map<SessionId, Node> standby_;  // waiting for a place; taken in session (arrival) order
-  std::set<SessionId> rejoining_;      // told to restart, not re-joined yet
+  // Told to restart, not re-joined yet, with when each was last heard: one silent past
+  // keep-alive x attempts is lost (its place freed, no voter counted for it).
+  std::map<SessionId, Node> rejoining_;
   std::map<std::string, int> placed_;  // agent id -> group rank in the last round
   std::size_t expected_members_ = 0;   // size of the running round (members may re-register late)
   bool rebuilding_ = false;            // the round is being rebuilt from re-registrations

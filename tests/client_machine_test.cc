@@ -6,6 +6,7 @@
 #include "rendezvous/auth.h"
 #include "rendezvous/client.h"
 #include "rendezvous/client_machine.h"
+#include "support/fake_clock.h"
 
 using namespace mg;
 using namespace mg::rdzv;
@@ -14,11 +15,15 @@ using proto::MsgType;
 
 namespace {
 
-const Clock::time_point T0{};
-const std::string kNonce(64, 'a');
-// Port numbers are data here (the machine opens no socket), picked at run time all the same,
-// outside the well-known range.
-const int kRdzvPort = 30000 + static_cast<int>(std::random_device{}() % 10000);
+using mgtest::rdzv::all;
+using mgtest::rdzv::armed;
+using mgtest::rdzv::has;
+using mgtest::rdzv::kNonce;
+using mgtest::rdzv::kRdzvPort;
+using mgtest::rdzv::Link;
+using mgtest::rdzv::T0;
+using mgtest::rdzv::told;
+
 const int kMasterPort = kRdzvPort + 10000;
 const std::string kServer = "127.0.0.1:" + std::to_string(kRdzvPort);
 
@@ -47,29 +52,10 @@ ClientOptions options(const std::string& addr = "127.0.0.3", int max_restarts = 
 }
 
 template <class T>
-std::vector<T> all(const ClientCommands& cs) {
-  std::vector<T> out;
-  for (const auto& c : cs)
-    if (auto* x = std::get_if<T>(&c)) out.push_back(*x);
-  return out;
-}
-template <class T>
-bool has(const ClientCommands& cs) {
-  return !all<T>(cs).empty();
-}
-template <class T>
 T one(const ClientCommands& cs) {
   auto xs = all<T>(cs);
   REQUIRE(xs.size() == 1);
   return xs.front();
-}
-// The decisions told to the agent, of type T.
-template <class T>
-std::vector<T> told(const ClientCommands& cs) {
-  std::vector<T> out;
-  for (const auto& t : all<cmd::Tell>(cs))
-    if (auto* x = std::get_if<T>(&t.d)) out.push_back(*x);
-  return out;
 }
 template <class T>
 T told_one(const ClientCommands& cs) {
@@ -89,12 +75,6 @@ T sent_of(const ClientCommands& cs) {
     if (proto::type_of(s.frame) == T::kType) return proto::from_frame<T>(s.frame);
   FAIL("no " << static_cast<int>(T::kType) << " sent");
   return {};
-}
-std::optional<Clock::time_point> armed(const ClientCommands& cs, ClientTimer t) {
-  std::optional<Clock::time_point> at;
-  for (const auto& a : all<cmd::Arm>(cs))
-    if (a.timer == t) at = a.at;
-  return at;
 }
 std::string notices(const ClientCommands& cs) {
   std::string out;
@@ -129,31 +109,12 @@ proto::Assignment round_among(const std::vector<std::string>& nodes, int group_r
   return a;
 }
 
-// A machine and its fake clock, with the steps of a handshake without a token.
-struct Link {
-  ClientMachine m;
-  Clock::time_point now = T0;
-  explicit Link(ClientOptions o = options()) : m(std::move(o)) {}
-
-  ClientCommands welcome(const std::string& host_agent = {}) {
-    auto c = m.connected(kNonce, now);
-    auto w = m.frame(proto::to_frame(proto::Welcome{"srv", host_agent}), now);
-    c.insert(c.end(), w.begin(), w.end());
-    return c;
-  }
-  ClientCommands receive(const auto& msg) { return m.frame(proto::to_frame(msg), now); }
-  ClientCommands fire(ClientTimer t) { return m.timer_fired(t, m.generation(t), now); }  // its current arm
-  ClientCommands after(Clock::duration d, ClientTimer t) {
-    now += d;
-    return fire(t);
-  }
-};
 
 }  // namespace
 
 TEST_CASE("client machine: a refused start is retried soon and more slowly, and ends on the lost rendezvous at "
           "join_timeout") {
-  Link l;
+  Link l(options());
   auto c = l.m.start(l.now);
   CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
   CHECK(one<cmd::Connect>(c).port == kRdzvPort);
@@ -184,7 +145,7 @@ TEST_CASE("client machine: a refused start is retried soon and more slowly, and 
 }
 
 TEST_CASE("client machine: without a token the join rides with the hello, and the welcome arms the heartbeat") {
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   auto c = l.m.connected(kNonce, l.now);
   CHECK(sent(c) == std::vector<MsgType>{MsgType::kHello, MsgType::kJoin});
@@ -241,7 +202,7 @@ TEST_CASE("client machine: with a token the server proves the job's key before t
 
 TEST_CASE("client machine: a daemon's outage that ends within join_timeout: reconnects with a doubling back-off and "
           "re-registers the round, replaying a failure reported meanwhile") {
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   l.welcome();
   l.receive(round_of(1));
@@ -288,7 +249,7 @@ TEST_CASE("client machine: a node whose workers end between its reconnection and
           "it is done") {
   // Without a token the join (resume_done false) left with the hello; the welcome sends
   // no join again, so the done must follow that join on the same connection.
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   l.welcome();
   l.receive(round_of(1));
@@ -313,7 +274,7 @@ TEST_CASE("client machine: a node whose workers end between its reconnection and
 TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on the lost rendezvous, however the "
           "tries fail") {
   SECTION("refused until the end") {
-    Link l;
+    Link l(options());
     l.m.start(l.now);
     l.welcome();
     l.receive(round_of(1));
@@ -330,7 +291,7 @@ TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on 
     CHECK(l.now == T0 + 6s);
   }
   SECTION("connections made that prove nothing") {
-    Link l;
+    Link l(options());
     l.m.start(l.now);
     l.welcome();
     l.receive(round_of(1));
@@ -342,7 +303,7 @@ TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on 
                                                         "join_timeout (5 s): reset"));
   }
   SECTION("a silent server: the heartbeat echo stops") {
-    Link l;
+    Link l(options());
     l.m.start(l.now);
     l.welcome();
     l.receive(round_of(1));
@@ -359,7 +320,7 @@ TEST_CASE("client machine: a daemon's outage past join_timeout ends the node on 
 }
 
 TEST_CASE("client machine: no decision within join_timeout and a margin ends the wait, a standby's wait has none") {
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   l.welcome();
   // join_timeout 5 s + max(2 s, 0.5 s): the server decides on join_timeout itself.
@@ -371,7 +332,7 @@ TEST_CASE("client machine: no decision within join_timeout and a margin ends the
   CHECK(l.now == T0 + 7100ms);
   CHECK_THAT(one<cmd::Lost>(c).why, Catch::Contains("no decision from the rendezvous server"));
 
-  Link s;
+  Link s(options());
   s.m.start(s.now);
   s.welcome();
   s.receive(proto::Standby{});
@@ -383,7 +344,7 @@ TEST_CASE("client machine: no decision within join_timeout and a margin ends the
 }
 
 TEST_CASE("client machine: an assignment that comes while the workers stop waits for rejoin(), outside its call") {
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   l.welcome();
   l.receive(round_of(1));
@@ -399,9 +360,9 @@ TEST_CASE("client machine: an assignment that comes while the workers stop waits
   c = l.m.rejoin(l.now);
   CHECK(has<cmd::TakePending>(c));
   CHECK(told<proto::Assignment>(c).empty());
-  c = l.m.take_pending();
+  c = l.m.take_pending(l.now);
   CHECK(told_one<proto::Assignment>(c).round == 2);
-  CHECK(l.m.take_pending().empty());
+  CHECK(l.m.take_pending(l.now).empty());
 }
 
 TEST_CASE("client machine: the host agent lost: survivors restart and try the lowest live node first, then host "
@@ -495,7 +456,7 @@ TEST_CASE("client machine: no survivor can take over: no restart left, too few n
     CHECK_THAT(told_one<proto::Abort>(c).reason, Catch::Contains("2 node(s) left, fewer than the 3"));
   }
   SECTION("no round had started") {
-    Link l;
+    Link l(options());
     l.m.start(l.now);
     l.welcome("host-a");
     auto c = l.m.connection_closed("end of file", l.now);
@@ -574,7 +535,7 @@ TEST_CASE("client machine: a candidate whose name does not resolve is passed ove
 }
 
 TEST_CASE("client machine: close() flushes, give_up() says why once, and nothing starts after either") {
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   l.welcome();
   l.receive(round_of(1));
@@ -587,7 +548,7 @@ TEST_CASE("client machine: close() flushes, give_up() says why once, and nothing
   CHECK(l.m.connection_closed("end of file", l.now).empty());
   CHECK(l.fire(ClientTimer::kWatchdog).empty());
 
-  Link bad;
+  Link bad(options());
   bad.m.start(bad.now);
   bad.m.connected(kNonce, bad.now);
   c = bad.m.connection_closed("end of file", bad.now);  // before a word: maybe another program
@@ -644,7 +605,7 @@ TEST_CASE("client machine: a stale timer fire (an earlier arm, queued before the
 
 TEST_CASE("client machine: a failure report is not lost when the connection closes during its send: it goes "
           "again with every re-registration until a decision answers it") {
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   l.welcome();
   l.receive(round_of(1));
@@ -673,7 +634,7 @@ TEST_CASE("client machine: a failure report is not lost when the connection clos
   CHECK(std::ranges::count(sent(c), MsgType::kWorkerFailed) == 0);
 
   // Sent on a live connection that is lost before the decision: sent again on the next welcome.
-  Link m;
+  Link m(options());
   m.m.start(m.now);
   m.welcome();
   m.receive(round_of(1));
@@ -713,7 +674,7 @@ TEST_CASE("client machine: the takeover search runs out of time with candidates 
 
 TEST_CASE("client machine: a server that accepts but never answers the handshake: the end at first, a reconnect "
           "in an outage") {
-  Link l;  // join_timeout 5 s: the handshake may take min(5 s, max(400 ms, 10 s))
+  Link l(options());  // join_timeout 5 s: the handshake may take min(5 s, max(400 ms, 10 s))
   l.m.start(l.now);
   l.m.connected(kNonce, l.now);
   l.now += 5000ms;
@@ -751,14 +712,14 @@ TEST_CASE("client machine: a node that hosts at an empty address joins itself at
 }
 
 TEST_CASE("client machine: an Error or a bad frame after the welcome ends the link with what it said") {
-  Link l;
+  Link l(options());
   l.m.start(l.now);
   l.welcome();
   auto c = l.receive(proto::Error{"job 'job' is full"});
   CHECK(one<cmd::Lost>(c).why == "refused by the rendezvous server: job 'job' is full");
   CHECK(l.m.closed());
 
-  Link b;
+  Link b(options());
   b.m.start(b.now);
   b.welcome();
   proto::Frame f;

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "rendezvous/job.h"
+#include "support/fake_clock.h"
 
 using namespace mg;
 using namespace mg::rdzv;
@@ -13,32 +14,9 @@ using proto::MsgType;
 
 namespace {
 
-proto::Join node(const std::string& addr, int min_nodes, int max_nodes, int nproc = 2, int max_restarts = 0) {
-  proto::Join j;
-  j.job_id = "job";
-  j.agent_id = "agent-" + addr;
-  j.host = "host-" + addr;
-  j.addr = addr;
-  j.nproc = nproc;
-  j.min_nodes = min_nodes;
-  j.max_nodes = max_nodes;
-  j.max_restarts = max_restarts;
-  j.master_port = 1000;
-  j.last_call_ms = 1000;
-  j.keep_alive_ms = 100;
-  j.keep_alive_max_attempt = 3;
-  j.join_timeout_ms = 5000;
-  return j;
-}
-
-std::vector<Outgoing> of_type(const Actions& a, MsgType t) {
-  std::vector<Outgoing> out;
-  for (const auto& o : a)
-    if (proto::type_of(o.frame) == t) out.push_back(o);
-  return out;
-}
-
-const Clock::time_point T0{};
+using mgtest::rdzv::node;
+using mgtest::rdzv::of_type;
+using mgtest::rdzv::T0;
 
 }  // namespace
 
@@ -538,7 +516,7 @@ TEST_CASE("an elastic job at MAX takes a standby instead of waiting out last_cal
     job.heartbeat(1, T0 + t);
     job.heartbeat(3, T0 + t);
   }
-  CHECK(of_type(job.tick(T0 + 350ms), MsgType::kRestart).size() == 1);  // node 2 missed 3 x 100 ms
+  CHECK(of_type(job.tick(T0 + 350ms), MsgType::kRestart).size() == 2);  // node 2 missed 3 x 100 ms (told too)
   auto a = assignments(job.join(1, node("127.0.0.1", 1, 2, 1, 1), T0 + 400ms));  // no last call (1 s) wait
   REQUIRE(a.size() == 2);
   CHECK(a[1].group_rank == 0);

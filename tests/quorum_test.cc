@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <random>
 
+#include "rendezvous/auth.h"
 #include "rendezvous/client_machine.h"
 #include "rendezvous/job.h"
+#include "support/fake_clock.h"
 
 using namespace mg;
 using namespace mg::rdzv;
@@ -17,34 +19,27 @@ using proto::MsgType;
 
 namespace {
 
-const Clock::time_point T0{};
+using mgtest::rdzv::decoded;
+using mgtest::rdzv::of_type;
+using mgtest::rdzv::T0;
 
+// A node of a job of one to three nodes (by default) with restarts to spare.
 proto::Join node(const std::string& addr, int min_nodes = 1, int max_nodes = 3, int max_restarts = 5) {
-  proto::Join j;
-  j.job_id = "job";
-  j.agent_id = "agent-" + addr;
-  j.host = "host-" + addr;
-  j.addr = addr;
-  j.min_nodes = min_nodes;
-  j.max_nodes = max_nodes;
-  j.max_restarts = max_restarts;
-  j.last_call_ms = 1000;
-  j.keep_alive_ms = 100;
-  j.keep_alive_max_attempt = 3;
-  j.join_timeout_ms = 5000;
-  return j;
+  return mgtest::rdzv::node(addr, min_nodes, max_nodes, 1, max_restarts);
 }
 
-std::vector<Outgoing> of_type(const Actions& a, MsgType t) {
-  std::vector<Outgoing> out;
-  for (const auto& o : a)
-    if (proto::type_of(o.frame) == t) out.push_back(o);
-  return out;
-}
-
-template <class T>
-T decoded(const Outgoing& o) {
-  return proto::from_frame<T>(proto::frame_of(o.frame));
+// A takeover seed of round `round` (restart 1 next) of `world` nodes 127.0.0.1..WORLD, all
+// voters of `epoch`, `survivors` of them expected to re-join by `deadline`.
+TakeoverSeed seed_of(int round, int epoch, int world, int survivors, Clock::time_point deadline) {
+  TakeoverSeed seed;
+  seed.round = round;
+  seed.restart_count = 1;
+  seed.deadline = deadline;
+  seed.survivors = survivors;
+  seed.world_size = world;
+  seed.epoch = epoch;
+  for (int i = 1; i <= world; ++i) seed.voters.push_back("agent-127.0.0." + std::to_string(i));
+  return seed;
 }
 
 bool has_event(Job& job, JobEvent::Kind k, JobEvent* out = nullptr) {
@@ -106,26 +101,19 @@ TEST_CASE("quorum: the epoch goes on from the highest any joining node saw: a no
           "restarted daemon rebuilding its round") {
   SECTION("a takeover: the seed's epoch, or a survivor's higher one") {
     Job job("job", true);
-    TakeoverSeed seed;
-    seed.round = 4;
-    seed.restart_count = 1;
-    seed.deadline = T0 + 1s;
-    seed.survivors = 2;
-    seed.world_size = 3;
-    seed.epoch = 6;
-    seed.voters = {"agent-127.0.0.1", "agent-127.0.0.2", "agent-127.0.0.3"};
+    TakeoverSeed seed = seed_of(4, 6, 3, 2, T0 + 1s);
     job.take_over(seed, T0);
     auto j2 = node("127.0.0.2");
     j2.last_group_rank = 1;
     j2.epoch = 6;
     auto j3 = node("127.0.0.3");
     j3.last_group_rank = 2;
-    j3.epoch = 7;  // it heard of a later round than the new host did
+    j3.epoch = takeover_epoch(6, 1) + 5;  // it heard of a later round than the new host did
     job.join(2, j2, T0);
     job.join(3, j3, T0);
     auto closed = of_type(job.tick(T0 + 1001ms), MsgType::kAssignment);
     REQUIRE(closed.size() == 2);
-    CHECK(decoded<proto::Assignment>(closed[0]).epoch == 8);
+    CHECK(decoded<proto::Assignment>(closed[0]).epoch == takeover_epoch(6, 1) + 6);
     CHECK(job.round() == 5);
   }
   SECTION("a re-registration with a restarted daemon keeps the round's epoch; its next round is one more") {
@@ -149,13 +137,42 @@ TEST_CASE("quorum: the epoch goes on from the highest any joining node saw: a no
   }
 }
 
+TEST_CASE("quorum: two hosts never mint the same epoch: a takeover's epochs jump to a block of their own, offset by "
+          "the new host's group rank") {
+  // The lost host (cut off, not dead) counts on from 6 by one; two nodes that each took round
+  // 4 over (ranks 1 and 2) mint their own; a later takeover of theirs lands further on.
+  const int a = takeover_epoch(6, 1), b = takeover_epoch(6, 2);
+  CHECK(a != b);
+  CHECK(a > 6 + 1000);
+  CHECK(b > 6 + 1000);
+  CHECK(takeover_epoch(a, 1) > b + 1000);
+  CHECK(takeover_epoch(INT32_MAX, 5) == INT32_MAX);
+  auto first_epoch = [](int host_rank) {
+    Job job("job", true);
+    TakeoverSeed seed = seed_of(4, 6, 3, 1, T0 + 1s);
+    seed.host_rank = host_rank;
+    job.take_over(seed, T0);
+    for (int i = 2; i <= 3; ++i) {
+      auto j = node("127.0.0." + std::to_string(i));
+      j.last_group_rank = i - 1;
+      j.epoch = 6;
+      job.join(i, j, T0);
+    }
+    auto closed = of_type(job.tick(T0 + 1001ms), MsgType::kAssignment);
+    REQUIRE(closed.size() == 2);
+    return decoded<proto::Assignment>(closed[0]).epoch;
+  };
+  CHECK(first_epoch(1) == a);  // before: both 7, the lost host's next epoch too
+  CHECK(first_epoch(2) == b);
+}
+
 TEST_CASE("quorum: in a job an agent hosts, a new round after a node was lost needs a majority of the voters: one "
           "survivor of three waits, says so once, and fails at join_timeout with that root cause") {
   Job job = three_nodes(/*quorum=*/true);
   // Nodes 2 and 3 are cut off: their heartbeats stop; node 1 (the host's side) goes on beating.
   for (auto t = T0 + 100ms; t <= T0 + 300ms; t += 100ms) job.heartbeat(1, t);
-  auto out = job.tick(T0 + 301ms);  // node 2 lost: nodes 1 and 3 told to restart; node 3 never comes
-  CHECK(of_type(out, MsgType::kRestart).size() == 2);
+  auto out = job.tick(T0 + 301ms);  // node 2 lost: all told to restart (node 2 too); node 3 never comes
+  CHECK(of_type(out, MsgType::kRestart).size() == 3);
   job.join(1, node("127.0.0.1"), T0 + 400ms);
   job.take_events();
   // The last call passes: with 1 of 3 voters no round opens.
@@ -165,13 +182,13 @@ TEST_CASE("quorum: in a job an agent hosts, a new round after a node was lost ne
   REQUIRE(has_event(job, JobEvent::Kind::kNoQuorum, &e));
   CHECK(e.nodes == 1);
   CHECK(e.voters == 3);
-  CHECK_THAT(text_of(e), Catch::Contains("waits for a majority of the job's 3 voters: 1 of them joined, 2 needed"));
+  CHECK_THAT(text_of(e), Catch::Contains("waits for a majority of the job's 3 voters: 1 of them joined or standing by, 2 needed"));
   CHECK(of_type(job.tick(T0 + 1600ms), MsgType::kAssignment).empty());
   CHECK_FALSE(has_event(job, JobEvent::Kind::kNoQuorum));  // said once
   auto end = of_type(job.tick(T0 + 5401ms), MsgType::kAbort);
   REQUIRE(end.size() == 1);
   CHECK_THAT(decoded<proto::Abort>(end[0]).reason, Catch::Contains("no majority of job 'job''s 3 voters within "
-                                                                    "join_timeout: 1 of them joined, 2 needed"));
+                                                                    "join_timeout: 1 of them joined or standing by, 2 needed"));
 }
 
 TEST_CASE("quorum: two survivors of three are a majority and go on, the same lone survivor goes on where a daemon "
@@ -180,7 +197,7 @@ TEST_CASE("quorum: two survivors of three are a majority and go on, the same lon
     Job job = three_nodes(true);
     job.heartbeat(1, T0 + 250ms);
     job.heartbeat(2, T0 + 250ms);
-    REQUIRE(of_type(job.tick(T0 + 301ms), MsgType::kRestart).size() == 2);
+    REQUIRE(of_type(job.tick(T0 + 301ms), MsgType::kRestart).size() == 3);
     job.join(1, node("127.0.0.1"), T0 + 400ms);
     job.join(2, node("127.0.0.2"), T0 + 400ms);
     auto out = of_type(job.tick(T0 + 1401ms), MsgType::kAssignment);
@@ -197,17 +214,117 @@ TEST_CASE("quorum: two survivors of three are a majority and go on, the same lon
   }
 }
 
+TEST_CASE("quorum: every round after the first needs a majority, not only after a loss: a cut during a worker "
+          "failure's restart or a scale-up leaves the host alone without a round") {
+  SECTION("a worker failed (every node alive), then the cut: the host alone waits and fails at join_timeout") {
+    Job job = three_nodes(true);
+    proto::WorkerFailed f;
+    f.round = 1;
+    f.host = "host-127.0.0.3";
+    f.rank = 2;
+    REQUIRE(of_type(job.worker_failed(3, f, T0 + 100ms), MsgType::kRestart).size() == 3);
+    job.join(1, node("127.0.0.1"), T0 + 150ms);  // nodes 2 and 3 are cut off from here on
+    job.take_events();
+    CHECK(of_type(job.tick(T0 + 1200ms), MsgType::kAssignment).empty());  // before: a round of one, epoch 2
+    CHECK(has_event(job, JobEvent::Kind::kNoQuorum));
+    auto end = of_type(job.tick(T0 + 5200ms), MsgType::kAbort);
+    REQUIRE(end.size() == 1);
+    CHECK_THAT(decoded<proto::Abort>(end[0]).reason, Catch::Contains("no majority of job 'job''s 3 voters"));
+  }
+  SECTION("a scale-up, then the cut: the same") {
+    Job job("job", true);
+    for (int i = 1; i <= 3; ++i) job.join(i, node("127.0.0." + std::to_string(i), 1, 4), T0);
+    REQUIRE(of_type(job.tick(T0 + 1001ms), MsgType::kAssignment).size() == 3);
+    REQUIRE(of_type(job.join(4, node("127.0.0.4", 1, 4), T0 + 1100ms), MsgType::kRestart).size() == 3);
+    job.join(1, node("127.0.0.1", 1, 4), T0 + 1150ms);  // nodes 2 and 3 cut off; node 4 is no voter of epoch 1
+    job.join(4, node("127.0.0.4", 1, 4), T0 + 1150ms);
+    CHECK(of_type(job.tick(T0 + 2200ms), MsgType::kAssignment).empty());  // before: a round of nodes 1 and 4
+    // Node 2 comes back: 2 of the 3 voters, the round opens.
+    job.join(2, node("127.0.0.2", 1, 4), T0 + 2300ms);
+    CHECK(of_type(job.tick(T0 + 2301ms), MsgType::kAssignment).size() == 3);
+  }
+}
+
+TEST_CASE("quorum: a node told to restart that stays silent past keep-alive x attempts is lost: its place goes to a "
+          "standby, the round opens without it") {
+  Job job("job", true);
+  job.join(1, node("127.0.0.1", 2, 2), T0);
+  job.join(2, node("127.0.0.2", 2, 2), T0);
+  REQUIRE(of_type(job.join(3, node("127.0.0.3", 2, 2), T0), MsgType::kStandby).size() == 1);
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.host = "host-127.0.0.1";
+  f.rank = 0;
+  job.worker_failed(1, f, T0 + 50ms);
+  job.join(1, node("127.0.0.1", 2, 2), T0 + 100ms);  // node 2 never answers its Restart
+  for (auto t = T0 + 100ms; t <= T0 + 400ms; t += 100ms) {
+    job.heartbeat(1, t);
+    job.heartbeat(3, t);
+  }
+  job.take_events();
+  auto out = job.tick(T0 + 401ms);  // before: node 2's place held to join_timeout, then the job failed
+  auto assigned = of_type(out, MsgType::kAssignment);
+  REQUIRE(assigned.size() == 2);
+  CHECK(((assigned[0].session == 1 && assigned[1].session == 3) || (assigned[0].session == 3 && assigned[1].session == 1)));
+  JobEvent e;
+  REQUIRE(has_event(job, JobEvent::Kind::kNodeLost, &e));
+  CHECK(e.host == "host-127.0.0.2");
+  CHECK(e.cause == "heartbeat timeout");
+}
+
+TEST_CASE("quorum: a silent member the job drops hears Restart (stop and join again) while the job goes on, the "
+          "Abort only when the job failed") {
+  Job job = three_nodes(true);
+  for (auto t = T0 + 100ms; t <= T0 + 300ms; t += 100ms) {
+    job.heartbeat(1, t);
+    job.heartbeat(2, t);
+  }
+  auto out = job.tick(T0 + 301ms);
+  CHECK(of_type(out, MsgType::kAbort).empty());  // before: an Abort, and node 3 ended
+  auto r = of_type(out, MsgType::kRestart);
+  REQUIRE(r.size() == 3);
+  std::string to;
+  for (const auto& o : r) to += std::to_string(o.session) + " ";
+  INFO("restarts to sessions " << to);
+  CHECK(std::any_of(r.begin(), r.end(), [](const Outgoing& o) { return o.session == 3; }));
+  SECTION("no restart left: the Abort") {
+    Job last("job", true);
+    last.join(1, node("127.0.0.1", 1, 2, 0), T0);
+    last.join(2, node("127.0.0.2", 1, 2, 0), T0);
+    last.heartbeat(1, T0 + 250ms);
+    auto end = last.tick(T0 + 301ms);
+    CHECK(of_type(end, MsgType::kAbort).size() == 2);
+  }
+}
+
+TEST_CASE("quorum: the standbys registered count as present voters: --nnodes=2 with two standbys goes on after one "
+          "node's loss") {
+  Job job("job", true);
+  job.join(1, node("127.0.0.1", 2, 2), T0);
+  job.join(2, node("127.0.0.2", 2, 2), T0);
+  job.join(3, node("127.0.0.3", 2, 2), T0);  // standbys
+  job.join(4, node("127.0.0.4", 2, 2), T0);
+  // A worker fails: round 2's voters are both nodes and both standbys.
+  proto::WorkerFailed f;
+  f.round = 1;
+  f.host = "host-127.0.0.2";
+  f.rank = 1;
+  job.worker_failed(2, f, T0 + 10ms);
+  job.join(1, node("127.0.0.1", 2, 2), T0 + 20ms);
+  auto a = of_type(job.join(2, node("127.0.0.2", 2, 2), T0 + 20ms), MsgType::kAssignment);
+  REQUIRE(a.size() == 2);
+  REQUIRE(decoded<proto::Assignment>(a[0]).voters.size() == 4);
+  // Node 2 crashes: standby 3 takes its place; node 1 and standby 3 joined, standby 4 waits.
+  job.disconnected(2, T0 + 100ms);
+  auto out = of_type(job.join(1, node("127.0.0.1", 2, 2), T0 + 150ms), MsgType::kAssignment);
+  CHECK(out.size() == 2);  // before: 2 of 4 joined, no round, the job failed at join_timeout
+  CHECK(job.state() == Job::State::kRunning);
+}
+
 TEST_CASE("quorum: a job taken over opens its round only with a majority of the seed's voters among its joins, a "
           "newcomer is no voter") {
   Job job("job", true);
-  TakeoverSeed seed;
-  seed.round = 2;
-  seed.restart_count = 1;
-  seed.deadline = T0 + 300ms;
-  seed.survivors = 2;
-  seed.world_size = 3;
-  seed.epoch = 2;
-  seed.voters = {"agent-127.0.0.1", "agent-127.0.0.2", "agent-127.0.0.3"};
+  TakeoverSeed seed = seed_of(2, 2, 3, 2, T0 + 300ms);
   job.take_over(seed, T0);
   auto j3 = node("127.0.0.3");
   j3.last_group_rank = 2;
@@ -221,7 +338,7 @@ TEST_CASE("quorum: a job taken over opens its round only with a majority of the 
   j2.last_group_rank = 1;
   auto out = of_type(job.join(2, j2, T0 + 1100ms), MsgType::kAssignment);
   CHECK(out.size() == 3);
-  CHECK(decoded<proto::Assignment>(out[0]).epoch == 3);
+  CHECK(decoded<proto::Assignment>(out[0]).epoch == takeover_epoch(2, 0));
 }
 
 TEST_CASE("quorum: two voters - the rendezvous host's side goes on after the other's loss, a node that took over "
@@ -239,14 +356,7 @@ TEST_CASE("quorum: two voters - the rendezvous host's side goes on after the oth
   for (bool closed : {true, false}) {
     DYNAMIC_SECTION("a takeover, its host's connection " << (closed ? "closed" : "silent")) {
       Job job("job", true);
-      TakeoverSeed seed;
-      seed.round = 1;
-      seed.restart_count = 1;
-      seed.deadline = T0 + 300ms;
-      seed.survivors = 1;
-      seed.world_size = 2;
-      seed.epoch = 1;
-      seed.voters = {"agent-127.0.0.1", "agent-127.0.0.2"};
+      TakeoverSeed seed = seed_of(1, 1, 2, 1, T0 + 300ms);
       seed.host_closed = closed;
       job.take_over(seed, T0);
       auto j2 = node("127.0.0.2", 1, 2);
@@ -317,8 +427,13 @@ TEST_CASE("quorum: a node of the running round that re-registers after an outage
 
 namespace {
 
-const std::string kNonce(64, 'a');
-const int kRdzvPort = 30000 + static_cast<int>(std::random_device{}() % 10000);
+using mgtest::rdzv::all;
+using mgtest::rdzv::armed;
+using mgtest::rdzv::has;
+using mgtest::rdzv::kNonce;
+using mgtest::rdzv::kRdzvPort;
+using mgtest::rdzv::Link;
+using mgtest::rdzv::told;
 
 ClientOptions client_options(const std::string& addr = "127.0.0.3") {
   ClientOptions o;
@@ -329,30 +444,6 @@ ClientOptions client_options(const std::string& addr = "127.0.0.3") {
   return o;
 }
 
-template <class T>
-std::vector<T> all(const ClientCommands& cs) {
-  std::vector<T> out;
-  for (const auto& c : cs)
-    if (auto* x = std::get_if<T>(&c)) out.push_back(*x);
-  return out;
-}
-template <class T>
-bool has(const ClientCommands& cs) {
-  return !all<T>(cs).empty();
-}
-template <class T>
-std::vector<T> told(const ClientCommands& cs) {
-  std::vector<T> out;
-  for (const auto& t : all<cmd::Tell>(cs))
-    if (auto* x = std::get_if<T>(&t.d)) out.push_back(*x);
-  return out;
-}
-std::optional<Clock::time_point> armed(const ClientCommands& cs, ClientTimer t) {
-  std::optional<Clock::time_point> at;
-  for (const auto& a : all<cmd::Arm>(cs))
-    if (a.timer == t) at = a.at;
-  return at;
-}
 std::vector<proto::Frame> sent(const ClientCommands& cs) {
   std::vector<proto::Frame> out;
   for (const auto& s : all<cmd::Send>(cs)) out.push_back(proto::frame_of(s.frame));
@@ -375,41 +466,57 @@ proto::Assignment round_of(int group_rank) {
   return a;
 }
 
-struct Link {
-  ClientMachine m;
-  Clock::time_point now = T0;
-  explicit Link(ClientOptions o = client_options()) : m(std::move(o)) {}
-  ClientCommands welcome(const std::string& host_agent = {}) {
-    auto c = m.connected(kNonce, now);
-    auto w = m.frame(proto::to_frame(proto::Welcome{"srv", host_agent}), now);
-    c.insert(c.end(), w.begin(), w.end());
-    return c;
-  }
-  ClientCommands receive(const auto& msg) { return m.frame(proto::to_frame(msg), now); }
-  ClientCommands fire(ClientTimer t) { return m.timer_fired(t, m.generation(t), now); }
-};
 
 }  // namespace
 
 TEST_CASE("quorum: the fence fires half a keep-alive interval before the server may drop a silent member") {
   CHECK(fence_after(100, 3) == 250ms);  // the server drops it after 300 ms
   CHECK(fence_after(5000, 3) == 12500ms);
-  CHECK(fence_after(1000, 1) == 500ms);
+  // Below three attempts there is no fence (0): its bound would fall within one or two
+  // keep-alive intervals of the last echo, and every node would fence every cycle.
+  CHECK(fence_after(1000, 1) == 0ms);
+  CHECK(fence_after(1000, 2) == 0ms);
+}
+
+TEST_CASE("quorum: keep_alive_max_attempt below 3 arms no fence and says so once at the first round") {
+  auto o = client_options();
+  o.join.keep_alive_max_attempt = 1;
+  Link l(o);
+  l.m.start(l.now);
+  l.welcome();
+  auto c = l.receive(round_of(2));
+  CHECK_FALSE(armed(c, ClientTimer::kFence));  // before: armed at 50 ms, before the next echo (100 ms)
+  auto notes = all<cmd::Notice>(c);
+  REQUIRE(notes.size() == 1);
+  CHECK_THAT(notes[0].text, Catch::Contains("keep_alive_max_attempt=1 (below 3): this node does not fence itself"));
+  l.now += 100ms;
+  l.fire(ClientTimer::kHeartbeat);
+  c = l.receive(proto::Heartbeat{1, 0});
+  CHECK_FALSE(armed(c, ClientTimer::kFence));
+  CHECK(all<cmd::Notice>(l.receive(round_of(2))).empty());
 }
 
 TEST_CASE("quorum: a node running a round that hears nothing from its rendezvous fences itself: its workers stop "
           "with one line saying why, its fence is reported on re-registering, and the epoch rides on its joins") {
-  Link l;
+  Link l(client_options());
   l.m.start(l.now);
   l.welcome();
   auto c = l.receive(round_of(2));
   REQUIRE(armed(c, ClientTimer::kFence) == l.now + 250ms);
-  // Every frame moves it on.
+  // The echo of a heartbeat moves it on, to when that heartbeat went out (the server heard
+  // this node then, or later).
   l.now += 100ms;
+  l.fire(ClientTimer::kHeartbeat);
+  l.now += 50ms;
   c = l.receive(proto::Heartbeat{1, 0});
-  CHECK(armed(c, ClientTimer::kFence) == l.now + 250ms);
-  // Silence: it fires before the watchdog's outage (350 ms) and before the server's drop.
-  l.now += 250ms;
+  CHECK(armed(c, ClientTimer::kFence) == T0 + 350ms);
+  // A frame the server sends of its own (a standby count) is no echo: the server may hear
+  // nothing of this node (a one-way cut), so the fence stays where it is.
+  l.now += 50ms;
+  c = l.receive(proto::Heartbeat{1, 1});
+  CHECK_FALSE(armed(c, ClientTimer::kFence));  // before: moved to 450 ms, past the server's drop at 400 ms
+  // Silence: it fires before the watchdog's outage and before the server's drop.
+  l.now = T0 + 350ms;
   c = l.fire(ClientTimer::kFence);
   const auto r = told<proto::Restart>(c);
   REQUIRE(r.size() == 1);
@@ -444,29 +551,72 @@ TEST_CASE("quorum: a node running a round that hears nothing from its rendezvous
   CHECK(proto::from_frame<proto::Join>(again[0]).resume_round == 0);
 }
 
-TEST_CASE("quorum: a daemon restart never fences a running node: each refused or closed connection is an answer "
-          "of its machine") {
-  Link l;
+TEST_CASE("quorum: a refused, reset or closed connection is no answer (a REJECT firewall sends them), a connection "
+          "accepted, a proven challenge and a welcome are: a slow handshake after a daemon restart does not fence") {
+  auto o = client_options();
+  o.token = "secret-token";
+  Link l(o);
   l.m.start(l.now);
-  l.welcome();
-  l.receive(round_of(2));
-  l.now += 100ms;
-  auto c = l.m.connection_closed("end of file", l.now);
-  CHECK(armed(c, ClientTimer::kFence) == l.now + 250ms);
-  for (int i = 0; i < 20; ++i) {
-    l.now += 200ms;
+  const auto key = auth::job_key(o.token, o.join.job_id);
+  auto handshake = [&] {
+    auto c = l.m.connected(kNonce, l.now);
+    const std::string server_nonce(64, 'b');
+    auto ch = l.receive(proto::Challenge{server_nonce, auth::server_proof(key, kNonce, server_nonce)});
+    c.insert(c.end(), ch.begin(), ch.end());
+    return c;
+  };
+  handshake();
+  l.receive(proto::Welcome{"srv", ""});
+  l.receive(round_of(2));  // the fence: 250 ms from here
+  SECTION("reset and refused: the fence fires at its bound") {
+    l.now += 100ms;
+    auto c = l.m.connection_closed("Connection reset by peer", l.now);
+    CHECK_FALSE(armed(c, ClientTimer::kFence));  // before: moved on
+    l.now += 100ms;
     c = l.m.connect_failed(true, "Connection refused", l.now);
+    CHECK_FALSE(armed(c, ClientTimer::kFence));  // before: moved on, and a node behind a firewall never fenced
+    l.now = T0 + 250ms;
+    CHECK(told<proto::Restart>(l.fire(ClientTimer::kFence)).size() == 1);
+  }
+  SECTION("the daemon back: its accept and its challenge move the fence on, its slow welcome comes in time") {
+    l.now += 100ms;
+    l.m.connection_closed("end of file", l.now);
+    l.now += 100ms;
+    auto c = handshake();
+    auto at = armed(c, ClientTimer::kFence);
+    REQUIRE(at);
+    CHECK(*at == l.now + 250ms);  // before: not moved, the fence fired at 250 ms mid-handshake
+    l.now += 200ms;
+    c = l.receive(proto::Welcome{"srv", ""});
     CHECK(armed(c, ClientTimer::kFence) == l.now + 250ms);
     CHECK(told<proto::Restart>(c).empty());
   }
-  // A fence fire of an earlier arm is stale.
-  CHECK(l.m.timer_fired(ClientTimer::kFence, l.m.generation(ClientTimer::kFence) - 1, l.now).empty());
+}
+
+TEST_CASE("quorum: an assignment taken after the workers stopped (take_pending) arms the fence") {
+  Link l(client_options());
+  l.m.start(l.now);
+  l.welcome();
+  l.receive(round_of(2));
+  l.receive(proto::Restart{1, "rank 0 failed"});
+  l.m.connection_closed("end of file", l.now);
+  l.now += 100ms;
+  l.fire(ClientTimer::kRetry);
+  l.welcome();
+  auto next = round_of(2);
+  next.round = 2;
+  l.receive(next);  // waits for rejoin()
+  l.now += 50ms;
+  REQUIRE(has<cmd::TakePending>(l.m.rejoin(l.now)));
+  auto c = l.m.take_pending(l.now);
+  REQUIRE(told<proto::Assignment>(c).size() == 1);
+  CHECK(armed(c, ClientTimer::kFence) == l.now + 250ms);  // before: no fence for this round at all
 }
 
 TEST_CASE("quorum: the takeover search waits for a candidate that refuses (alive, not noticed yet) and passes over "
           "a silent one, the seed carries the epoch, the voters and how the host was lost") {
   SECTION("refused: waited for to the search's deadline") {
-    Link l;
+    Link l(client_options());
     l.m.start(l.now);
     l.welcome("host-a");
     l.receive(round_of(2));
@@ -487,7 +637,7 @@ TEST_CASE("quorum: the takeover search waits for a candidate that refuses (alive
   }
   for (bool closed : {true, false}) {
     DYNAMIC_SECTION("silent: passed over, this node hosts; the host " << (closed ? "closed" : "went silent")) {
-      Link l;
+      Link l(client_options());
       l.m.start(l.now);
       l.welcome("host-a");
       l.receive(round_of(2));

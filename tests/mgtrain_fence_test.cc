@@ -6,6 +6,8 @@
 
 #include <signal.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -106,6 +108,36 @@ TEST_CASE("MGLAUNCH_EPOCH: a rank 0 of an older epoch never overwrites a newer e
     CHECK(older.code == 4);
     check_refused(older.out, older.err, ckpt, 7, 5);
   }
+}
+
+TEST_CASE("MGLAUNCH_EPOCH on a file system without locks (flock fails with ENOLCK or ENOSYS): checkpoints are written after one warning line, and an older epoch is still refused") {
+  const int err = GENERATE(ENOLCK, ENOSYS);
+  INFO("flock fails with errno " << err);
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  auto train_unlocked = [&](const std::string& epoch, int max_steps, const std::string& summary) {
+    auto env = alone(epoch);
+    env["LD_PRELOAD"] = FLOCK_FAIL_SHIM;
+    env["MG_FLOCK_ERRNO"] = std::to_string(err);
+    auto extra = kShort;
+    extra.insert(extra.end(), {"--max-steps", std::to_string(max_steps), "--summary-json", summary});
+    return run(command(ckpt, extra), env, 180s);
+  };
+  auto newer = train_unlocked("7", 4, dir + "/new.json");
+  INFO(newer.out << newer.err);
+  REQUIRE(newer.code == 0);  // before: "checkpoint: cannot lock .../checkpoint.lock: No locks available", exit 1
+  // Two checkpoints (steps 2 and 4), one warning.
+  CHECK(count_of(newer.err, "mgtrain: warning: cannot lock " + ckpt + "/checkpoint.lock (" + std::strerror(err)) == 1);
+  CHECK(count_of(newer.err, "warning") == 1);
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
+  CHECK(summary_of(dir + "/new.json")["mglaunch_epoch"] == 7);
+  auto older = train_unlocked("5", 8, dir + "/old.json");
+  INFO(older.out << older.err);
+  CHECK(older.code == 4);
+  check_refused(older.out, older.err, ckpt, 7, 5);
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
+  // Nothing left beside the record.
+  for (const auto& e : std::filesystem::directory_iterator(ckpt))
+    CHECK((e.path().filename() == "checkpoint.pt" || e.path().filename() == "checkpoint.lock"));
 }
 
 TEST_CASE("MGLAUNCH_EPOCH: two mgtrain writers at once on one checkpoint path, whichever started first: the older epoch is refused, the newer one writes to the end") {

@@ -6,11 +6,13 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -85,8 +87,15 @@ std::optional<std::int64_t> recorded_epoch(const std::string& path) {
   return std::nullopt;
 }
 
+// flock() errors of a file system that has no locks: Lustre mounted without flock
+// (ENOSYS), NFS mounted nolock (ENOLCK), others (EOPNOTSUPP, EINVAL).
+bool no_locks_here(int err) { return err == ENOSYS || err == ENOLCK || err == EOPNOTSUPP || err == EINVAL; }
+
 // An exclusive flock() of a checkpoint's lock file, held while this object lives. Other
-// writers wait for it; the kernel lets go of it when its holder dies.
+// writers wait for it; the kernel lets go of it when its holder dies. Where the file system
+// has no locks, the writer goes on unlocked (one warning line per process): the epoch record
+// is then replaced by rename, so that a reader sees the old record or the new one, never a
+// torn one, and only two writers in the same instant can both pass the check.
 class EpochLock {
  public:
   EpochLock(const std::string& path, int timeout_s) : path_(path) {
@@ -95,6 +104,16 @@ class EpochLock {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
     while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
+      if (no_locks_here(err)) {
+        unlocked_ = true;
+        static bool warned = false;
+        if (!std::exchange(warned, true))
+          std::fprintf(stderr,
+                       "mgtrain: warning: cannot lock %s (%s: the file system has no locks, as Lustre without flock "
+                       "or NFS with nolock): checkpoints are fenced by its epoch record alone, replaced by rename\n",
+                       path.c_str(), std::strerror(err));
+        return;
+      }
       if (err != EWOULDBLOCK && err != EINTR) fail("lock", err);
       if (std::chrono::steady_clock::now() >= until)
         fail(fmt::format("lock (another writer held it for {} s)", timeout_s), err);
@@ -119,6 +138,7 @@ class EpochLock {
   // Records `epoch` as the newest, on disk before the checkpoint is written.
   void record(std::int64_t epoch) {
     const std::string line = std::to_string(epoch) + "\n";
+    if (unlocked_) return replace(line);
     if (::ftruncate(fd_, 0) != 0) fail("truncate", errno);
     if (::pwrite(fd_, line.data(), line.size(), 0) != static_cast<ssize_t>(line.size())) fail("write", errno);
     if (::fsync(fd_) != 0) fail("fsync", errno);
@@ -128,8 +148,21 @@ class EpochLock {
   [[noreturn]] void fail(const std::string& what, int err) const {
     throw std::runtime_error(fmt::format("checkpoint: cannot {} {}: {}", what, path_, std::strerror(err)));
   }
+  // The record written whole beside it, then renamed over it (the directory's fsync comes
+  // with the checkpoint's rename).
+  void replace(const std::string& line) const {
+    const std::string tmp = fmt::format("{}.tmp.{}", path_, ::getpid());
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) fail("write the epoch record beside", errno);
+    const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) && ::fsync(fd) == 0;
+    const int err = errno;
+    ::close(fd);
+    if (!ok) fail("write the epoch record beside", err);
+    if (::rename(tmp.c_str(), path_.c_str()) != 0) fail("rename the epoch record over", errno);
+  }
   std::string path_;
   int fd_ = -1;
+  bool unlocked_ = false;  // the file system has no locks
 };
 
 }  // namespace

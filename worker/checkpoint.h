@@ -47,8 +47,10 @@ struct Saved {
 // Rank 0 only. With fence.epoch: under an exclusive flock of checkpoint_lock_file(dir)
 // (waited for at most lock_timeout_s), compares with the epoch it holds (else the one the
 // checkpoint records), writes nothing when that one is newer, else records this epoch
-// there and writes. Throws std::runtime_error naming the path and the failing call (lock,
-// write, fsync, rename) with errno's text.
+// there and writes. A file system without locks (flock's ENOSYS, ENOLCK, EOPNOTSUPP,
+// EINVAL) does the same unlocked, the record replaced by rename, after one warning line per
+// process. Throws std::runtime_error naming the path and the failing call (lock, write,
+// fsync, rename) with errno's text.
 Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos,
                       const Fence& fence = {});
 

@@ -599,6 +599,7 @@ void Agent::signal_workers(const sup::act::SignalWorkers& a) {
 
 void Agent::finish(int code) {
   run_prestart(prestart_.end());
+  if (lookups_) lookups_->cancel();
   stop_preflight();
   final_events(code);
   if (monitor_) monitor_->stop();

@@ -47,6 +47,7 @@
 #include "proto/messages.h"
 #include "rendezvous/client.h"
 #include "rendezvous/link.h"
+#include "rendezvous/lookup.h"
 #include "rendezvous/server.h"
 
 namespace mg {
@@ -207,6 +208,16 @@ class Agent {
   // could be bound (takeover_refused_: said once).
   void bind_takeover_socket();
   bool takeover_refused_ = false;
+  // The IPv4 addresses of the endpoint's host and of the advertised address, which
+  // bind_takeover_socket() needs: looked up off the io thread (rendezvous/lookup.h) before
+  // start_rendezvous() goes on, so a DNS server that does not answer holds no signal (#35).
+  struct TakeoverAddresses {
+    rdzv::Addresses endpoint, own;
+    int left = 0;  // lookups still under way
+  };
+  bool look_up_takeover_addresses();  // false when they are known (or not needed)
+  std::optional<TakeoverAddresses> takeover_addresses_;
+  std::unique_ptr<rdzv::Lookups> lookups_;
   // rdzv::ClientHandlers::on_take_over: serves the job from `seed` on that socket.
   rdzv::TakeoverHost take_over(const rdzv::TakeoverSeed& seed);
   int takeover_fd_ = -1;

@@ -101,33 +101,22 @@ void Agent::bind_takeover_socket() {
     takeover_host_ = text;
     return true;
   };
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  auto ipv4_of = [&](const std::string& host, std::vector<in_addr_t>& out) {
-    addrinfo* found = nullptr;
-    const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
-    if (rc != 0) return rc;
-    for (const addrinfo* ai = found; ai; ai = ai->ai_next)
-      out.push_back(reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr);
-    ::freeaddrinfo(found);
-    return 0;
+  auto ipv4_of = [](const rdzv::Addresses& found) {
+    std::vector<in_addr_t> out;
+    for (const auto& ep : found.found)
+      if (ep.address().is_v4()) out.push_back(htonl(ep.address().to_v4().to_uint()));
+    return out;
   };
   auto in_loopback_net = [](in_addr_t a) { return (ntohl(a) >> 24) == 127; };
   // A job whose endpoint is off this machine's loopback net is reached over a real network:
   // a loopback address of the name (Debian's hosts file maps the host name to 127.0.1.1) is
   // then no address the others can reach, and the address this machine reaches the endpoint
-  // from is bound instead (the route's source address: a UDP connect sends nothing).
-  std::vector<in_addr_t> endpoint_ips, own;
-  if (!opts_.rdzv_endpoint.empty() && opts_.rdzv_backend != "etcd") {
-    try {
-      ipv4_of(rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400).host, endpoint_ips);
-    } catch (const std::exception&) {
-    }
-  }
+  // from is bound instead (the route's source address: a UDP connect sends nothing). The
+  // addresses were looked up before (look_up_takeover_addresses).
+  const std::vector<in_addr_t> endpoint_ips = ipv4_of(takeover_addresses_->endpoint), own = ipv4_of(takeover_addresses_->own);
   const bool over_network = !endpoint_ips.empty() && !in_loopback_net(endpoint_ips.front());
-  if (const int rc = ipv4_of(plan_.master_addr, own); rc != 0) {
-    why = ::gai_strerror(rc);
+  if (own.empty() && !takeover_addresses_->own.error.empty()) {
+    why = takeover_addresses_->own.error;
   } else {
     bool bound = false, skipped = false;
     for (const in_addr_t a : own) {
@@ -197,7 +186,41 @@ void Agent::guarded(const std::function<void()>& work) {
   run(core_.fatal(code, line, now()));
 }
 
+bool Agent::look_up_takeover_addresses() {
+  if (opts_.rdzv_backend == "etcd" || embedded_server_ || takeover_fd_ >= 0 || takeover_refused_ ||
+      takeover_addresses_)
+    return false;
+  if (!lookups_) lookups_ = std::make_unique<rdzv::Lookups>(io_);
+  if (lookups_->pending() > 0) return true;  // under way: start_rendezvous() follows
+  auto got = std::make_shared<TakeoverAddresses>();
+  auto step = [this, got] {
+    if (--got->left > 0 || core_.state() == sup::State::kDone) return;
+    takeover_addresses_ = *got;
+    start_rendezvous();
+  };
+  std::string endpoint_host;
+  if (!opts_.rdzv_endpoint.empty()) {
+    try {
+      endpoint_host = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400).host;
+    } catch (const std::exception&) {
+    }
+  }
+  got->left = endpoint_host.empty() ? 1 : 2;
+  if (!endpoint_host.empty())
+    lookups_->start(endpoint_host, 0, rdzv::kLookupBound, [got, step](rdzv::Addresses a) {
+      got->endpoint = std::move(a);
+      step();
+    }, AF_INET);
+  lookups_->start(plan_.master_addr, 0, rdzv::kLookupBound, [got, step](rdzv::Addresses a) {
+    got->own = std::move(a);
+    step();
+  }, AF_INET);
+  return true;
+}
+
 void Agent::start_rendezvous() {
+  // First the takeover socket's addresses, off the io thread; this runs again once they are in.
+  if (look_up_takeover_addresses()) return;
   if (trace_) rdzv_since_us_ = trace_->now();
   rdzv_began_ = std::chrono::steady_clock::now();
   host_rendezvous();  // done at start() already

@@ -17,6 +17,7 @@
 #include "launcher/torch_version.h"
 #include "ops/hwprobe.h"
 #include "rendezvous/endpoint.h"
+#include "rendezvous/lookup.h"
 #include "process/command.h"
 
 namespace mg {
@@ -109,16 +110,22 @@ std::string local_hostname() {
 
 std::string fq_hostname() {
   const std::string host = local_hostname();
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  addrinfo* ai = nullptr;
-  std::string out = host;
-  if (::getaddrinfo(host.c_str(), nullptr, &hints, &ai) == 0 && ai) {
-    char name[NI_MAXHOST] = {};
-    if (::getnameinfo(ai->ai_addr, ai->ai_addrlen, name, sizeof(name), nullptr, 0, NI_NAMEREQD) == 0) out = name;
-    ::freeaddrinfo(ai);
-  }
-  return out;
+  // Within a bound, off this thread (rendezvous/lookup.h): a DNS server that does not
+  // answer leaves the short name.
+  return rdzv::run_within<std::string>(rdzv::kLookupBound, [host] {
+           addrinfo hints{};
+           hints.ai_family = AF_UNSPEC;
+           addrinfo* ai = nullptr;
+           std::string out = host;
+           if (::getaddrinfo(host.c_str(), nullptr, &hints, &ai) == 0 && ai) {
+             char name[NI_MAXHOST] = {};
+             if (::getnameinfo(ai->ai_addr, ai->ai_addrlen, name, sizeof(name), nullptr, 0, NI_NAMEREQD) == 0)
+               out = name;
+             ::freeaddrinfo(ai);
+           }
+           return out;
+         })
+      .value_or(host);
 }
 
 void random_bytes(void* out, std::size_t n) {

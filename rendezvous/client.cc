@@ -1,15 +1,11 @@
 #include "rendezvous/client.h"
 
-#include <mutex>
-#include <optional>
-#include <thread>
-
 #include <boost/asio/connect.hpp>
 #include <boost/asio/post.hpp>
 
-#include "process/thread.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
+#include "rendezvous/lookup.h"
 
 namespace mg::rdzv {
 
@@ -30,21 +26,10 @@ void tell(const ClientHandlers& h, const Decision& d) {
 
 Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers)
     : io_(io), m_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io),
-      takeover_timer_(io),
-      fence_timer_(io) {}
-
-namespace {
-// Held by a name lookup's thread while it hands its result to the event loop, and by a
-// client going away: no result is posted once the client (and so the io_context) may be gone.
-std::mutex& lookup_mutex() {
-  static std::mutex m;
-  return m;
-}
-}  // namespace
+      takeover_timer_(io), fence_timer_(io), lookups_(io) {}
 
 Client::~Client() {
   close();
-  std::lock_guard g(lookup_mutex());
   alive_.reset();
 }
 
@@ -129,8 +114,11 @@ void Client::perform(ClientCommand& c) {
           tell(h_, x.d);
         } else if constexpr (std::is_same_v<T, cmd::Lost>) {
           std::string why = x.why;
-          if (x.unanswered)
-            if (auto hint = unanswered_endpoint_hint(x.host, x.port, is_local_host(x.host), is_loopback_host(x.host));
+          // From the addresses the refused connects went to, not a new lookup: one that hangs
+          // would hold the event loop (#35).
+          if (x.unanswered && x.host == dialled_.host)
+            if (auto hint = unanswered_endpoint_hint(x.host, x.port, is_local_address(dialled_.found),
+                                                     x.host == "localhost" || is_loopback_address(dialled_.found));
                 !hint.empty())
               why += "; " + hint;
           if (h_.on_lost) h_.on_lost(why);
@@ -153,27 +141,19 @@ void Client::connect(const std::string& host, int port) {
   boost::system::error_code ec;
   auto addr = asio::ip::make_address(host, ec);
   asio::ip::tcp::endpoint ep;
+  dialled_ = {host, {}};
   if (!ec) {
     ep = {addr, static_cast<unsigned short>(port)};
+    dialled_.found = {ep};
   } else {
-    // Off the io thread: getaddrinfo cannot be cancelled and may wait on a DNS server that
-    // does not answer for minutes, while signals and timers must still be served (#35).
-    // A lookup that outlives the client is abandoned (its thread is detached).
-    signal_free_thread([this, alive = std::weak_ptr<int>(alive_), gen = ++connect_gen_, host, port] {
-      boost::system::error_code ec;
-      asio::io_context own;
-      asio::ip::tcp::resolver resolver(own);
-      auto results = resolver.resolve(host, std::to_string(port), ec);
-      std::optional<asio::ip::tcp::endpoint> found;
-      if (!ec && !results.empty()) found = *results.begin();
-      std::lock_guard g(lookup_mutex());
-      if (alive.expired()) return;
-      asio::post(io_, [this, alive, gen, found] {
-        if (!alive.lock() || m_.closed() || gen != connect_gen_) return;
-        if (!found) return run(m_.unresolvable(Clock::now()));
-        connect_to(*found);
-      });
-    }).detach();
+    // Off the io thread (rendezvous/lookup.h): a DNS server that does not answer cannot keep
+    // signals and timers waiting (#35); a lookup that outlives the client is abandoned.
+    lookups_.start(host, port, kLookupBound, [this, gen = ++connect_gen_](Addresses a) {
+      if (m_.closed() || gen != connect_gen_) return;
+      if (a.found.empty()) return run(m_.unresolvable(Clock::now()));
+      dialled_.found = a.found;
+      connect_to(a.found.front());
+    });
     return;
   }
   connect_to(ep);

@@ -34,6 +34,7 @@
 #include "rendezvous/client_machine.h"
 #include "rendezvous/connection.h"
 #include "rendezvous/job.h"
+#include "rendezvous/lookup.h"
 
 namespace mg::rdzv {
 
@@ -84,6 +85,11 @@ class Client {
   std::shared_ptr<FramedConnection> conn_;
   std::unique_ptr<boost::asio::ip::tcp::socket> connecting_;
   boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_, takeover_timer_, fence_timer_;
+  Lookups lookups_;  // the server's name, off the io thread
+  struct Dialled {
+    std::string host;
+    std::vector<boost::asio::ip::tcp::endpoint> found;  // its addresses, as looked up for the last connect
+  } dialled_;
   std::uint64_t connect_gen_ = 0;  // a connect whose generation is stale is ignored
   int connect_attempts_ = 0;
   bool agent_closed_ = false;  // close() was called: a refusal start() posted is not told

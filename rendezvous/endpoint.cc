@@ -13,36 +13,24 @@
 
 #include <fmt/format.h>
 
+#include "rendezvous/lookup.h"
+
 namespace mg::rdzv {
 namespace {
 
-struct AddrInfo {
-  addrinfo* head = nullptr;
-  ~AddrInfo() {
-    if (head) freeaddrinfo(head);
-  }
-};
-
-// Binds a TCP socket to host:port; returns errno (0 on success). Tries every address the
-// name resolves to and reports success for the first that binds.
-int try_bind(const std::string& host, int port, bool listen_too, int* bound_port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  AddrInfo ai;
-  const std::string service = std::to_string(port);
-  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &ai.head); rc != 0) return EADDRNOTAVAIL;
+// Binds a TCP socket to each of `found` in turn; returns errno (0 on success) and reports
+// success for the first that binds.
+int try_bind(const std::vector<boost::asio::ip::tcp::endpoint>& found, bool listen_too, int* bound_port) {
   int last_err = EADDRNOTAVAIL;
-  for (addrinfo* p = ai.head; p; p = p->ai_next) {
-    int fd = ::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC, p->ai_protocol);
+  for (const auto& ep : found) {
+    int fd = ::socket(ep.data()->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
       last_err = errno;
       continue;
     }
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    int rc = ::bind(fd, p->ai_addr, p->ai_addrlen);
+    int rc = ::bind(fd, ep.data(), static_cast<socklen_t>(ep.size()));
     if (rc == 0 && listen_too) rc = ::listen(fd, 1);
     if (rc == 0) {
       if (bound_port) {
@@ -59,6 +47,11 @@ int try_bind(const std::string& host, int port, bool listen_too, int* bound_port
     ::close(fd);
   }
   return last_err;
+}
+
+// try_bind on the addresses `host` resolves to (within kLookupBound: rendezvous/lookup.h).
+int try_bind(const std::string& host, int port, bool listen_too, int* bound_port) {
+  return try_bind(lookup_within(host, port, kLookupBound, AF_UNSPEC, /*passive=*/true).found, listen_too, bound_port);
 }
 
 }  // namespace
@@ -137,21 +130,31 @@ bool is_local_host(const std::string& host) {
   return try_bind(host, 0, false, &port) == 0;
 }
 
+bool is_local_address(std::vector<boost::asio::ip::tcp::endpoint> found) {
+  for (auto& ep : found) ep.port(0);
+  int port = 0;
+  return try_bind(found, false, &port) == 0;
+}
+
+bool is_loopback_address(const std::vector<boost::asio::ip::tcp::endpoint>& found) {
+  if (found.empty()) return false;
+  for (const auto& ep : found) {
+    const auto a = ep.address();
+    const bool one = a.is_v4()   ? a.to_v4() == boost::asio::ip::address_v4::loopback()
+                     : a.is_v6() ? a.to_v6().is_loopback() ||
+                                       (a.to_v6().is_v4_mapped() &&
+                                        boost::asio::ip::make_address_v4(boost::asio::ip::v4_mapped, a.to_v6()) ==
+                                            boost::asio::ip::address_v4::loopback())
+                                 : false;
+    if (!one) return false;
+  }
+  return true;
+}
+
 namespace {
 std::vector<std::string> resolve_all(const std::string& host) {
   std::vector<std::string> out;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return out;
-  for (addrinfo* p = res; p; p = p->ai_next) {
-    char buf[INET6_ADDRSTRLEN] = {};
-    const void* a = p->ai_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr)
-                                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(p->ai_addr)->sin6_addr);
-    if (::inet_ntop(p->ai_family, a, buf, sizeof buf)) out.emplace_back(buf);
-  }
-  ::freeaddrinfo(res);
+  for (const auto& ep : lookup_within(host, 0).found) out.push_back(ep.address().to_string());
   return out;
 }
 }  // namespace
@@ -159,12 +162,7 @@ std::vector<std::string> resolve_all(const std::string& host) {
 bool resolves(const std::string& host) { return !resolve_all(host).empty(); }
 
 bool is_loopback_host(const std::string& host) {
-  if (host == "localhost") return true;
-  const auto addrs = resolve_all(host);
-  if (addrs.empty()) return false;
-  for (const auto& a : addrs)  // inet_ntop's text
-    if (!(a == "127.0.0.1" || a == "::1" || a == "::ffff:127.0.0.1")) return false;
-  return true;
+  return host == "localhost" || is_loopback_address(lookup_within(host, 0).found);
 }
 
 bool same_address(const std::string& a, const std::string& b) {

@@ -7,6 +7,9 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include <boost/asio/ip/tcp.hpp>
 
 namespace mg::rdzv {
 
@@ -26,6 +29,10 @@ std::optional<std::string> host_problem(std::string_view host);
 // True when `host` resolves to an address this machine can bind (loopback included).
 bool is_local_host(const std::string& host);
 
+// The same for addresses already looked up (no lookup: for the event loop's thread). The
+// ports are ignored.
+bool is_local_address(std::vector<boost::asio::ip::tcp::endpoint> found);
+
 // True when `host` resolves here (getaddrinfo; may wait for DNS).
 bool resolves(const std::string& host);
 
@@ -34,6 +41,9 @@ bool resolves(const std::string& host);
 // The rest of 127.0.0.0/8 is not: it emulates other nodes on one machine (tests), and
 // an agent there still hosts only at its own advertised address.
 bool is_loopback_host(const std::string& host);
+// The same for addresses already looked up: every one of `found` is 127.0.0.1 or ::1 (and
+// there is one at least).
+bool is_loopback_address(const std::vector<boost::asio::ip::tcp::endpoint>& found);
 
 // True when `a` and `b` resolve to at least one common IP address (a name and its FQDN,
 // or a name and its address); false when either does not resolve.

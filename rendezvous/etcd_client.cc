@@ -11,6 +11,8 @@
 #include <boost/beast/ssl.hpp>
 #include <fmt/format.h>
 
+#include "rendezvous/lookup.h"
+
 
 namespace mg::rdzv::etcd {
 
@@ -81,7 +83,7 @@ std::string describe(const std::exception_ptr& e) {
 }  // namespace
 
 Http::Http(std::vector<Endpoint> endpoints, Credentials credentials)
-    : endpoints_(std::move(endpoints)), cred_(std::move(credentials)) {
+    : endpoints_(std::move(endpoints)), cred_(std::move(credentials)), lookups_(std::make_unique<Lookups>(ioc_)) {
   if (endpoints_.empty()) throw Error("no etcd endpoint");
   bool tls = false;
   for (const auto& ep : endpoints_) tls = tls || ep.tls;
@@ -121,11 +123,18 @@ std::string Http::run_exchange(const Endpoint& ep, const std::string& path, cons
   if (stopped_) throw Error("stopped");
   auto work = [&]() -> asio::awaitable<std::string> {
     auto ex = co_await asio::this_coro::executor;
-    asio::ip::tcp::resolver resolver(ex);
     beast::tcp_stream tcp(ex);
     tcp.expires_after(timeout);
-    auto results = co_await resolver.async_resolve(ep.host, std::to_string(ep.port), use_awaitable);
-    co_await tcp.async_connect(results, use_awaitable);
+    // The name off this thread and within the try's bound (rendezvous/lookup.h): Asio's
+    // resolver thread would be joined when ioc_ goes, however long getaddrinfo waits (#35).
+    const Addresses found = co_await asio::async_initiate<decltype(use_awaitable), void(Addresses)>(
+        [&](auto handler) {
+          auto h = std::make_shared<decltype(handler)>(std::move(handler));
+          lookups_->start(ep.host, ep.port, timeout, [h](Addresses a) { std::move(*h)(std::move(a)); });
+        },
+        use_awaitable);
+    if (found.found.empty()) throw Error(fmt::format("cannot resolve '{}': {}", ep.host, found.error));
+    co_await tcp.async_connect(found.found, use_awaitable);
     const std::string host = fmt::format("{}:{}", ep.host, ep.port);
     if (!ep.tls) co_return co_await talk(tcp, host, path, body, token_, idle, on_message, status);
     beast::ssl_stream<beast::tcp_stream> tls(std::move(tcp), *ssl_);

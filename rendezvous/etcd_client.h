@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "rendezvous/etcd_log.h"
+#include "rendezvous/lookup.h"
 
 namespace boost::asio::ssl {
 class context;
@@ -72,6 +73,7 @@ class Http {
   std::size_t current_ = 0;
   std::string token_;
   boost::asio::io_context ioc_;
+  std::unique_ptr<Lookups> lookups_;  // on ioc_; goes before it (abandoning a lookup under way)
   std::unique_ptr<boost::asio::ssl::context> ssl_;
   std::atomic<bool> stopped_{false};
 };

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "proto/accept_backoff.h"
+#include "rendezvous/lookup.h"
 
 namespace mg::rdzv {
 
@@ -121,11 +122,12 @@ HttpServer::HttpServer(asio::io_context& io, const std::string& host, int port, 
       max_connections_(std::max<std::size_t>(1, max_connections)) {
   boost::system::error_code ec;
   auto addr = asio::ip::make_address(host, ec);
-  if (ec) {
-    asio::ip::tcp::resolver resolver(io);
-    auto results = resolver.resolve(host, "", ec);
-    if (ec || results.empty()) throw std::runtime_error(fmt::format("cannot resolve HTTP listen address '{}'", host));
-    addr = results.begin()->endpoint().address();
+  if (ec) {  // a name: looked up within a bound (rendezvous/lookup.h)
+    const Addresses found = lookup_within(host, 0);
+    if (found.found.empty())
+      throw std::runtime_error(fmt::format("cannot resolve HTTP listen address '{}': {}", host, found.error));
+    addr = found.found.front().address();
+    ec.clear();
   }
   asio::ip::tcp::endpoint ep(addr, static_cast<unsigned short>(port));
   acceptor_.open(ep.protocol(), ec);

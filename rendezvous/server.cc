@@ -10,6 +10,7 @@
 #include "proto/text.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/http.h"
+#include "rendezvous/lookup.h"
 
 namespace mg::rdzv {
 
@@ -55,12 +56,12 @@ Server::Server(asio::io_context& io, ServerOptions opts)
     }
   } else {
     addr = asio::ip::make_address(opts_.host, ec);
-    if (ec) {
-      asio::ip::tcp::resolver resolver(io);
-      auto results = resolver.resolve(opts_.host, "", ec);
-      if (ec || results.empty())
-        throw std::runtime_error(fmt::format("cannot resolve listen address '{}': {}", opts_.host, ec.message()));
-      addr = results.begin()->endpoint().address();
+    if (ec) {  // a name: looked up within a bound (rendezvous/lookup.h)
+      const Addresses found = lookup_within(opts_.host, 0);
+      if (found.found.empty())
+        throw std::runtime_error(fmt::format("cannot resolve listen address '{}': {}", opts_.host, found.error));
+      addr = found.found.front().address();
+      ec.clear();
     }
     asio::ip::tcp::endpoint ep(addr, static_cast<unsigned short>(opts_.port));
     acceptor_.open(ep.protocol(), ec);

@@ -1307,6 +1307,133 @@ TEST_CASE("where the workers host the store, a rank 0 that is not dumpable liste
   CHECK(agent.exit_code() == 0);
 }
 
+namespace {
+
+// A machine whose DNS server never answers, for the agent only: a mount namespace of its
+// own whose resolv.conf names a UDP socket of the test's on 127.0.0.x:53 (resolv.conf
+// cannot name another port; needs root, else the test is skipped), nsswitch.conf "files
+// dns", and a hosts file the test may change while the agent runs (the bind mount sees the
+// same file). glibc waits 3 x 30 s on that server.
+struct HungDns {
+  std::string dir = make_temp_dir();
+  int dns = -1;
+  std::string dns_ip;
+  explicit HungDns(const std::string& hosts) {
+    for (int i = 0; i < 40 && dns < 0; ++i) {  // a loopback address of our own for port 53
+      dns_ip = "127.0.0." + std::to_string(200 + (::getpid() + i) % 50);
+      dns = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(53);
+      ::inet_pton(AF_INET, dns_ip.c_str(), &a.sin_addr);
+      if (::bind(dns, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+        ::close(dns);
+        dns = -1;
+      }
+    }
+    if (dns < 0) SKIP_TEST("cannot bind a DNS socket on 127.0.0.x:53 (needs root)");
+    std::ofstream(dir + "/resolv.conf") << "nameserver " << dns_ip << "\noptions timeout:30 attempts:3\n";
+    std::ofstream(dir + "/nsswitch.conf") << "hosts: files dns\n";
+    set_hosts(hosts);
+    if (run({"/usr/bin/unshare", "-m", "/bin/true"}).code != 0)
+      SKIP_TEST("cannot make a mount namespace (unshare -m needs root)");
+  }
+  ~HungDns() {
+    stop = true;
+    if (responder.joinable()) responder.join();
+    if (dns >= 0) ::close(dns);
+  }
+  void set_hosts(const std::string& hosts) { std::ofstream(dir + "/hosts", std::ios::trunc) << hosts; }
+  // `argv` run in the namespace.
+  std::vector<std::string> wrap(const std::vector<std::string>& argv) const {
+    std::vector<std::string> out{"/usr/bin/unshare", "-m", "/bin/sh", "-c",
+                                 "mount --bind \"$1/resolv.conf\" /etc/resolv.conf && mount --bind \"$1/nsswitch.conf\" "
+                                 "/etc/nsswitch.conf && mount --bind \"$1/hosts\" /etc/hosts && shift && exec \"$@\"",
+                                 "sh", dir};
+    out.insert(out.end(), argv.begin(), argv.end());
+    return out;
+  }
+  void forget_queries() const {
+    char drop[512];
+    while (::recv(dns, drop, sizeof drop, MSG_DONTWAIT) > 0) {
+    }
+  }
+  // A query for `name` reached the server (and is not answered), or `p` ended. Queries for
+  // other names (the machine's own, looked up first) are read and left unanswered too.
+  bool queried(const Proc& p, const std::string& name) const {
+    return eventually([&] {
+      unsigned char q[512];
+      for (ssize_t n; (n = ::recv(dns, q, sizeof q, MSG_DONTWAIT)) > 0;)
+        if (question(q, static_cast<std::size_t>(n)).first == name) return true;
+      return !pid_alive(p.pid);
+    }, 30s);
+  }
+  // A query's name ("a.b", lower case) and type (1 A, 28 AAAA); an empty name if malformed.
+  static std::pair<std::string, int> question(const unsigned char* q, std::size_t n) {
+    std::string name;
+    std::size_t i = 12;
+    while (i < n && q[i] != 0) {
+      const std::size_t len = q[i++];
+      if (len > 63 || i + len > n) return {};
+      if (!name.empty()) name += '.';
+      for (std::size_t k = 0; k < len; ++k) name += static_cast<char>(std::tolower(q[i + k]));
+      i += len;
+    }
+    if (i + 5 > n) return {};
+    return {name, q[i + 1] << 8 | q[i + 2]};
+  }
+  // Answers on a thread of its own: every A query for `name` with `ipv4`, the first AAAA
+  // query for it with no address; later AAAA queries and every other query are not answered.
+  // So one lookup of `name` (A and AAAA) succeeds, and a second one of both families hangs.
+  void answer_once(const std::string& name, const std::string& ipv4) {
+    responder = std::thread([this, name, ipv4] {
+      in_addr addr{};
+      ::inet_pton(AF_INET, ipv4.c_str(), &addr);
+      bool aaaa_answered = false;
+      while (!stop) {
+        pollfd pf{dns, POLLIN, 0};
+        if (::poll(&pf, 1, 100) <= 0) continue;
+        unsigned char q[512];
+        sockaddr_storage from{};
+        socklen_t len = sizeof from;
+        const ssize_t n = ::recvfrom(dns, q, sizeof q, 0, reinterpret_cast<sockaddr*>(&from), &len);
+        if (n <= 12) continue;
+        const auto [qname, type] = question(q, static_cast<std::size_t>(n));
+        if (qname != name || !(type == 1 || (type == 28 && !aaaa_answered))) continue;
+        if (type == 28) aaaa_answered = true;
+        const std::size_t qend = 12 + qname.size() + 2 + 4;  // the question: labels, root, type, class
+        std::vector<unsigned char> r(q, q + qend);
+        r[2] = 0x81, r[3] = 0x80;            // a response, recursion desired and available, no error
+        r[6] = 0, r[7] = type == 1 ? 1 : 0;  // answers
+        r[8] = r[9] = r[10] = r[11] = 0;     // no authority, no additional records
+        if (type == 1) {
+          const unsigned char rr[] = {0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 0, 0, 4};  // the name, A, IN, TTL 0, 4 bytes
+          r.insert(r.end(), std::begin(rr), std::end(rr));
+          const auto* a = reinterpret_cast<const unsigned char*>(&addr.s_addr);
+          r.insert(r.end(), a, a + 4);
+        }
+        ::sendto(dns, r.data(), r.size(), 0, reinterpret_cast<sockaddr*>(&from), len);
+      }
+    });
+  }
+  std::atomic<bool> stop{false};
+  std::thread responder;
+};
+
+// SIGTERM to `agent`, which must end within 40 s (its grace and margin, not glibc's 90 s) with 143.
+void sigterm_ends(Proc& agent) {
+  ::kill(agent.pid, SIGTERM);
+  const bool ended = agent.wait(40s);
+  if (!ended) {
+    ::kill(agent.pid, SIGKILL);
+    agent.wait(60s);
+  }
+  CHECK(ended);
+  CHECK(agent.exit_code() == 128 + SIGTERM);
+}
+
+}  // namespace
+
 TEST_CASE("a rendezvous host whose name lookup hangs while the agent reconnects does not hold the agent: SIGTERM "
           "still ends it (#35)") {
   // The agent runs in a mount namespace of its own whose hosts file names rdzv.test at
@@ -1314,61 +1441,91 @@ TEST_CASE("a rendezvous host whose name lookup hangs while the agent reconnects 
   // runs, the name leaves the hosts file and the daemon is killed: the agent reconnects,
   // and its lookup of rdzv.test waits on that DNS server. Before: the lookup ran on the io
   // thread, so the SIGTERM that follows was not served until glibc gave up (3 x 30 s).
-  const std::string dir = make_temp_dir();
-  int dns = -1;
-  std::string dns_ip;
-  for (int i = 0; i < 40 && dns < 0; ++i) {  // a loopback address of our own for port 53
-    dns_ip = "127.0.0." + std::to_string(200 + (::getpid() + i) % 50);
-    dns = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(53);
-    ::inet_pton(AF_INET, dns_ip.c_str(), &a.sin_addr);
-    if (::bind(dns, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-      ::close(dns);
-      dns = -1;
-    }
-  }
-  if (dns < 0) SKIP_TEST("cannot bind a DNS socket on 127.0.0.x:53 (needs root)");
-  std::ofstream(dir + "/resolv.conf") << "nameserver " << dns_ip << "\noptions timeout:30 attempts:3\n";
-  std::ofstream(dir + "/nsswitch.conf") << "hosts: files dns\n";
-  std::ofstream(dir + "/hosts") << "127.0.0.1 localhost\n127.0.0.1 rdzv.test\n";
-  if (run({"/usr/bin/unshare", "-m", "/bin/true"}).code != 0) {
-    ::close(dns);
-    SKIP_TEST("cannot make a mount namespace (unshare -m needs root)");
-  }
+  HungDns net("127.0.0.1 localhost\n127.0.0.1 rdzv.test\n");
   Daemon d = start_daemon();
-  std::vector<std::string> argv{"/usr/bin/unshare", "-m", "/bin/sh", "-c",
-                                "mount --bind \"$1/resolv.conf\" /etc/resolv.conf && mount --bind \"$1/nsswitch.conf\" "
-                                "/etc/nsswitch.conf && mount --bind \"$1/hosts\" /etc/hosts && shift && exec \"$@\"",
-                                "sh", dir};
-  for (const auto& a : agent_argv("rdzv.test:" + std::to_string(d.port()), "slowdns", 1, "1:2", 1, {"--grace=1"},
-                                  {"print", "up", "hang", "120"}))
-    argv.push_back(a);
-  Proc agent = spawn(argv);
+  Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(d.port()), "slowdns", 1, "1:2", 1, {"--grace=1"},
+                                         {"print", "up", "hang", "120"})));
   REQUIRE(eventually([&] { return agent.out().find("up") != std::string::npos || !pid_alive(agent.pid); }, 60s));
   INFO(agent.out() << agent.err());
   REQUIRE(pid_alive(agent.pid));
-  char drop[512];
-  while (::recv(dns, drop, sizeof drop, MSG_DONTWAIT) > 0) {  // queries before this point are not the reconnect's
-  }
-  std::ofstream(dir + "/hosts", std::ios::trunc) << "127.0.0.1 localhost\n";  // same file: the bind mount sees it
+  net.forget_queries();  // queries before this point are not the reconnect's
+  net.set_hosts("127.0.0.1 localhost\n");
   ::kill(d.proc.pid, SIGKILL);
   d.proc.wait(10s);
-  REQUIRE(eventually([&] { return agent.err().find("reconnecting") != std::string::npos || !pid_alive(agent.pid); },
-                     30s));
   // The reconnect's lookup is under way once its query reaches our DNS socket (unanswered).
-  REQUIRE(eventually([&] {
-    pollfd p{dns, POLLIN, 0};
-    return ::poll(&p, 1, 0) > 0 || !pid_alive(agent.pid);
-  }, 30s));
-  ::kill(agent.pid, SIGTERM);
-  const bool ended = agent.wait(40s);
-  if (!ended) {
-    ::kill(agent.pid, SIGKILL);
-    agent.wait(60s);
+  REQUIRE(net.queried(agent, "rdzv.test"));
+  sigterm_ends(agent);
+}
+
+TEST_CASE("an etcd endpoint whose name lookup hangs does not hold the agent's end: SIGTERM ends it within its bound "
+          "(#35)") {
+  // The etcd client's requests ran Asio's async_resolve: its resolver thread is joined when
+  // the request's io_context goes, so the agent's end waited for glibc's 90 s (51 s seen).
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);  // the plan's MASTER_ADDR must resolve (from the hosts file)
+  HungDns net(std::string("127.0.0.1 localhost\n127.0.0.1 ") + name + "\n");
+  Proc agent = spawn(net.wrap({kMglaunch, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=etcd",
+                               "--rdzv_endpoint=etcd.test:2379", "--rdzv_id=slowetcd", "--grace=1", kFakeWorker,
+                               "hang", "120"}));
+  INFO(agent.out() << agent.err());
+  // The etcd client's own lookup (not the plan's of this machine's name, which the hosts file
+  // answers; had it hung, the agent would have ended on it before etcd was asked).
+  REQUIRE(net.queried(agent, "etcd.test"));
+  REQUIRE(pid_alive(agent.pid));
+  sigterm_ends(agent);
+  CHECK_THAT(agent.err(), !Catch::Contains("does not resolve"));
+}
+
+TEST_CASE("the takeover socket's lookup of a rendezvous host that hangs does not hold the agent: SIGTERM ends it "
+          "(#35)") {
+  // bind_takeover_socket() looks up the endpoint's host (ipv4_of: is it off this machine's
+  // loopback net?) before the first connect. It ran getaddrinfo on the io thread, so a DNS
+  // server that does not answer held the SIGTERM for glibc's 90 s. is_host=false: the agent
+  // does not ask whether it should host (that lookup, before the event loop, is bounded).
+  HungDns net("127.0.0.1 localhost\n");
+  Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(free_loopback_port()), "slowtakeover", 1,
+                                         "1:2", 1, {"--grace=1", "--rdzv_conf=is_host=false"}, {"hang", "120"})));
+  INFO(agent.out() << agent.err());
+  REQUIRE(net.queried(agent, "rdzv.test"));
+  REQUIRE(pid_alive(agent.pid));
+  sigterm_ends(agent);
+}
+
+TEST_CASE("an endpoint of this machine that refuses until join_timeout gets its hint though its name's next lookup "
+          "would hang: the hint is made from the refused connect's addresses (#35)") {
+  // The DNS server answers one lookup of rdzv.test (127.0.0.7, where nothing listens) and no
+  // more. The client looked the name up again for the hint (is_local_host, is_loopback_host)
+  // on the io thread: that lookup hung (20 s each, glibc's 90 s before), and the hint was
+  // lost as well, since a name that does not resolve is no address of this machine.
+  // A loaded machine may take past the client's own watchdog (join_timeout + 2 s) before the
+  // first refusal: that run proves nothing and is tried again (at most 3 runs).
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    HungDns net("127.0.0.1 localhost\n");
+    net.answer_once("rdzv.test", "127.0.0.7");
+    Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(free_loopback_port()), "refusedhint", 1,
+                                           "1:2", 1, {"--rdzv_conf=is_host=false,join_timeout=0.001"},
+                                           {"hang", "120"})));
+    const bool ended = agent.wait(60s);  // by itself: glibc's 90 s, had a lookup hung
+    if (!ended) {
+      ::kill(agent.pid, SIGKILL);
+      agent.wait(60s);
+    }
+    INFO(agent.out() << agent.err());
+    REQUIRE(ended);
+    if (attempt < 2 && agent.err().find("no decision from the rendezvous server") != std::string::npos) continue;
+    CHECK(agent.exit_code() != 0);
+    CHECK_THAT(agent.err(), Catch::Contains("cannot reach the rendezvous server at rdzv.test") &&
+                                Catch::Contains("rdzv.test is an address of this machine"));
+    break;
   }
-  ::close(dns);
-  CHECK(ended);
-  CHECK(agent.exit_code() == 128 + SIGTERM);
+}
+
+TEST_CASE("a rendezvous daemon whose listen address' lookup hangs gives up within the bound with a clear line (#35)") {
+  // Server's listen address went through a synchronous resolve with no bound (glibc's 90 s).
+  HungDns net("127.0.0.1 localhost\n");
+  Proc daemon = spawn(net.wrap({kRdzvDaemon, "--listen", "rdzv.test:0"}));
+  REQUIRE(daemon.wait(60s));
+  INFO(daemon.out() << daemon.err());
+  CHECK(daemon.exit_code() != 0);
+  CHECK_THAT(daemon.err(), Catch::Contains("rdzv.test") && Catch::Contains("no answer"));
 }

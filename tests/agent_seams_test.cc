@@ -312,6 +312,18 @@ struct Run {
     agent = std::make_unique<Agent>(io, std::move(*parsed.options), std::move(plan), env, std::move(deps));
     agent->start();
     settle();
+    // A node that joins a c10d rendezvous first looks up its takeover addresses on a thread of
+    // their own (#35: no lookup on the io thread); its link is made when the answers are posted.
+    if (std::any_of(flags.begin(), flags.end(), [](const std::string& f) { return f == "--rdzv_backend=c10d"; }))
+      await_link();
+  }
+  // Runs the loop (bounded: 20 s) until the rendezvous link is made or the run ended.
+  void await_link() {
+    for (int i = 0; i < 4000 && link == nullptr && !agent->done(); ++i) {
+      io.restart();
+      io.run_for(std::chrono::milliseconds(5));
+    }
+    settle();
   }
   ~Run() {
     agent.reset();

@@ -1,4 +1,5 @@
 #include "rendezvous/client_machine.h"
+#include "rendezvous/link.h"
 
 #include <fmt/format.h>
 
@@ -659,13 +660,8 @@ void ClientMachine::fence(Clock::time_point now) {
       host_port(opts_.host, opts_.port), bound.count() / 1000.0, drop.count() / 1000.0);
   // The round is over for this node: re-registered with the rendezvous, it reports the
   // fence as a node failure (the job restarts, or has gone on already and says so).
-  proto::WorkerFailed f;
-  f.round = current_->round;
-  f.host = opts_.join.host;
-  f.rank = -1;
-  f.exit_code = 1;
-  f.message = fmt::format("node {} ({}) fenced itself: no word from the rendezvous for {} s", opts_.join.host,
-                          opts_.join.addr, bound.count() / 1000.0);
+  proto::WorkerFailed f = fence_failure(current_->round, opts_.join,
+                                        fmt::format("no word from the rendezvous for {} s", bound.count() / 1000.0));
   proto::truncate_to_limits(f);
   // The server may still hear this node (a one-way cut): it hears the fence now.
   if (connected_ && welcomed_) send(proto::to_wire(f));

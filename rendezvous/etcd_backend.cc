@@ -295,14 +295,7 @@ void EtcdLink::carry_out(const etcd::LeaseCommands& cmds) {
       if (stop->report_round > 0) {
         // As a fenced node of a daemon: if etcd hears it before the lease is gone, the job
         // restarts the round (the others stop waiting for this node's workers).
-        proto::WorkerFailed f;
-        f.round = stop->report_round;
-        f.host = opts_.join.host;
-        f.rank = -1;
-        f.exit_code = 1;
-        f.message = fmt::format("node {} ({}) fenced itself: its etcd lease went unrenewed", opts_.join.host,
-                                opts_.join.addr);
-        worker_failed(std::move(f));
+        worker_failed(fence_failure(stop->report_round, opts_.join, "its etcd lease went unrenewed"));
       }
       tell(h_, proto::Restart{replay_.job().restart_count(), stop->why});
     } else if (std::holds_alternative<etcd::lease_cmd::Join>(c)) {

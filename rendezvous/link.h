@@ -3,11 +3,24 @@
 // Both report through the same ClientHandlers on the agent's io_context.
 #pragma once
 
+#include <string>
 #include <utility>
 
 #include "proto/messages.h"
 
 namespace mg::rdzv {
+
+// What a node that fenced itself reports for its round (`why` ends the message "node H (A)
+// fenced itself: ..."): a node failure without a rank, so the job restarts or says it went on.
+inline proto::WorkerFailed fence_failure(int round, const proto::Join& join, const std::string& why) {
+  proto::WorkerFailed f;
+  f.round = round;
+  f.host = join.host;
+  f.rank = -1;
+  f.exit_code = 1;
+  f.message = "node " + join.host + " (" + join.addr + ") fenced itself: " + why;
+  return f;
+}
 
 class Link {
  public:

@@ -107,6 +107,9 @@ void Client::perform(ClientCommand& c) {
           for (auto t : {ClientTimer::kRetry, ClientTimer::kHeartbeat, ClientTimer::kWatchdog, ClientTimer::kTakeover,
                          ClientTimer::kFence})
             timer(t).cancel();
+          // A lookup of the server's name under way is abandoned: its bound's timer would
+          // otherwise keep the event loop, and so the agent's end, waiting up to 20 s (#35).
+          lookups_.cancel();
           boost::system::error_code ec;
           if (connecting_) connecting_->close(ec);
           if (conn_) conn_->close(!x.flush);

@@ -20,10 +20,12 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <regex>
 #include <thread>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "proto/messages.h"
@@ -1382,14 +1384,17 @@ struct HungDns {
     if (i + 5 > n) return {};
     return {name, q[i + 1] << 8 | q[i + 2]};
   }
-  // Answers on a thread of its own: every A query for `name` with `ipv4`, the first AAAA
-  // query for it with no address; later AAAA queries and every other query are not answered.
-  // So one lookup of `name` (A and AAAA) succeeds, and a second one of both families hangs.
-  void answer_once(const std::string& name, const std::string& ipv4) {
-    responder = std::thread([this, name, ipv4] {
+  // Answers on a thread of its own: every A query for `name` with `ipv4`, and the AAAA
+  // queries for it of the first lookup that asks (one source port: its retransmissions too)
+  // with no address, unless `aaaa` is false; later lookups' AAAA queries and every other
+  // query are not answered. So one lookup of `name` (A and AAAA) succeeds, and a second one
+  // of both families hangs. Every query is kept in log().
+  void answer_once(const std::string& name, const std::string& ipv4, bool aaaa = true) {
+    responder = std::thread([this, name, ipv4, aaaa] {
       in_addr addr{};
       ::inet_pton(AF_INET, ipv4.c_str(), &addr);
-      bool aaaa_answered = false;
+      std::optional<int> aaaa_asker;  // the source port of the AAAA queries answered
+      const auto t0 = std::chrono::steady_clock::now();
       while (!stop) {
         pollfd pf{dns, POLLIN, 0};
         if (::poll(&pf, 1, 100) <= 0) continue;
@@ -1399,8 +1404,17 @@ struct HungDns {
         const ssize_t n = ::recvfrom(dns, q, sizeof q, 0, reinterpret_cast<sockaddr*>(&from), &len);
         if (n <= 12) continue;
         const auto [qname, type] = question(q, static_cast<std::size_t>(n));
-        if (qname != name || !(type == 1 || (type == 28 && !aaaa_answered))) continue;
-        if (type == 28) aaaa_answered = true;
+        const int source = ntohs(reinterpret_cast<const sockaddr_in*>(&from)->sin_port);
+        const bool answer =
+            qname == name && (type == 1 || (type == 28 && aaaa && aaaa_asker.value_or(source) == source));
+        {
+          std::lock_guard g(log_m_);
+          log_ += fmt::format("{:.3f} s {} type {} from port {}{}\n",
+                              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), qname,
+                              type, source, answer ? " answered" : "");
+        }
+        if (!answer) continue;
+        if (type == 28) aaaa_asker = source;
         const std::size_t qend = 12 + qname.size() + 2 + 4;  // the question: labels, root, type, class
         std::vector<unsigned char> r(q, q + qend);
         r[2] = 0x81, r[3] = 0x80;            // a response, recursion desired and available, no error
@@ -1416,6 +1430,13 @@ struct HungDns {
       }
     });
   }
+  // The queries answer_once() saw, one line each (for a failing test's report).
+  std::string log() {
+    std::lock_guard g(log_m_);
+    return log_;
+  }
+  std::mutex log_m_;
+  std::string log_;
   std::atomic<bool> stop{false};
   std::thread responder;
 };
@@ -1510,7 +1531,7 @@ TEST_CASE("an endpoint of this machine that refuses until join_timeout gets its 
       ::kill(agent.pid, SIGKILL);
       agent.wait(60s);
     }
-    INFO(agent.out() << agent.err());
+    INFO(agent.out() << agent.err() << "DNS queries:\n" << net.log());
     REQUIRE(ended);
     if (attempt < 2 && agent.err().find("no decision from the rendezvous server") != std::string::npos) continue;
     CHECK(agent.exit_code() != 0);
@@ -1518,6 +1539,32 @@ TEST_CASE("an endpoint of this machine that refuses until join_timeout gets its 
                                 Catch::Contains("rdzv.test is an address of this machine"));
     break;
   }
+}
+
+TEST_CASE("an agent whose rendezvous server's name lookup hangs ends at its join watchdog, not at the lookup's "
+          "bound (#35)") {
+  // rdzv.test's A queries are answered and its AAAA queries never: the takeover socket's
+  // lookup (IPv4 only) gets its answer, the client's own lookup (both families) hangs. The
+  // client's watchdog gives up (join_timeout + 2 s, seen at its next 5 s tick), and the
+  // agent ends. Before, the abandoned lookup's 20 s timer kept the event loop running: the
+  // agent printed its error, then ended only when the bound passed, 15 s later.
+  HungDns net("127.0.0.1 localhost\n");
+  net.answer_once("rdzv.test", "127.0.0.7", /*aaaa=*/false);
+  Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(free_loopback_port()), "hungconnect", 1,
+                                         "1:2", 1, {"--rdzv_conf=is_host=false,join_timeout=0.001"},
+                                         {"hang", "120"})));
+  INFO(agent.out() << agent.err() << "DNS queries:\n" << net.log());
+  REQUIRE(eventually([&] { return agent.err().find("no decision") != std::string::npos || !pid_alive(agent.pid); },
+                     60s));
+  REQUIRE_THAT(agent.err(), Catch::Contains("no decision from the rendezvous server at rdzv.test"));
+  // Its lookup is still unanswered (the AAAA never comes), 15 s from its bound.
+  const bool ended = agent.wait(8s);
+  if (!ended) {
+    ::kill(agent.pid, SIGKILL);
+    agent.wait(60s);
+  }
+  CHECK(ended);
+  CHECK(agent.exit_code() == 3);
 }
 
 TEST_CASE("a rendezvous daemon whose listen address' lookup hangs gives up within the bound with a clear line (#35)") {

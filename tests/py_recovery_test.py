@@ -20,6 +20,13 @@ CASE:
   import      a worker mglaunch starts imports the shipped package (PYTHONPATH, no install)
   off         without a control channel (MGLAUNCH_CONTROL_SOCKET unset) one line says
               recovery is off and the script trains
+  pause-forming
+              a pause that comes while the worker forms its group, a peer missing (this test
+              is the agent and hosts the store): once while the peer never joins (the worker
+              waits in Gloo's exchange of addresses), once while the peer joined Gloo but never
+              registers (torch 1.13: init_process_group's store barrier). The worker answers
+              at once, not after its --timeout (1 h here), and the next round, with a fresh
+              peer, trains to the end: the same weights on both ranks
   unit        the package's parts in this one process (one torch start): the state a
               survivor sends loads as torch 2.6 loads (weights_only), only collective and
               store errors wait for a pause, a pause stays until an assign, NCCL's error
@@ -28,6 +35,7 @@ CASE:
 import json
 import os
 import shutil
+import uuid
 import signal
 import socket
 import subprocess
@@ -276,7 +284,7 @@ def quiet_store(work):
         return max(b[t] - a[t] for t in b if t in a and t != str(os.getpid())) / 1e6
 
     spinning = busiest(1.0)  # not asserted: on a loaded machine a spinner's share varies
-    group.abort()
+    group.quiet()
     after = busiest(2.0)
     print(f"the store client's busiest thread: {spinning:.1f} ms of CPU in 1 s after its server's SIGKILL, "
           f"{after:.1f} ms in 2 s once let go of")
@@ -303,6 +311,138 @@ def off(work):
         fail(f"want one line saying recovery is off, got {lines}", p)
     if summary(work + "/o0.json")["steps"] != 3 or "step 3 " not in p.out():
         fail("it did not train", p)
+
+
+class FakeAgent:
+    """The agent's side of one worker's control channel (docs/in-place-recovery.md): an
+    abstract Unix socket, the welcome, then the messages this test sends and expects."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"mgtest-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        self.sock.bind("\0" + name)
+        self.sock.listen(4)
+        self.name = "@" + name
+        self.conn, self.buf = None, b""
+
+    def accept(self, seconds, *shown):
+        self.sock.settimeout(seconds)
+        try:
+            self.conn, _ = self.sock.accept()
+        except socket.timeout:
+            fail(f"no worker connected to {self.name} within {seconds} s", *shown)
+        hello = self.expect("hello", seconds, *shown)
+        if not hello.get("in_place"):
+            fail(f"the worker's hello did not opt in: {hello}", *shown)
+        self.send({"type": "welcome", "version": 1})
+
+    def send(self, msg):
+        self.conn.sendall((json.dumps(msg) + "\n").encode())
+
+    def expect(self, kind, seconds, *shown):
+        end = time.monotonic() + seconds
+        while True:
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                msg = json.loads(line)
+                if msg.get("type") == kind:
+                    return msg
+            left = end - time.monotonic()
+            if left <= 0:
+                fail(f"no {kind!r} from the worker within {seconds} s", *shown)
+            self.conn.settimeout(min(left, 0.5))
+            try:
+                chunk = self.conn.recv(4096)
+            except socket.timeout:
+                continue
+            if not chunk:
+                fail(f"the worker closed its control channel before its {kind!r}", *shown)
+            self.buf += chunk
+
+    def close(self):
+        for s in (self.conn, self.sock):
+            if s is not None:
+                s.close()
+
+
+def pause_forming(work):
+    """A pause while the group forms with a peer missing must end the formation at once."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    # The agent's store (TORCHELASTIC_USE_AGENT_STORE=True), hosted here as an agent does, so
+    # that this test sees the worker's keys: it waits for them, not for a time.
+    store = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=60), wait_for_workers=False)
+    train = ["--model", "mlp", "--batch-size", "8", "--steps", "3", "--seed", "5", "--train-subset", "256",
+             "--timeout", "3600"]  # a wait for the timeout fails this test (its bound is 120 s)
+
+    def worker(name, agent, rank, world, restart, standby=False):
+        env = dict(ENV, MGLAUNCH_CONTROL_SOCKET=agent.name, PYTHONPATH=os.path.join(SRC, "python"), LOCAL_RANK="0",
+                   **round_env(rank, world, restart))
+        env.pop("MGLAUNCH_STANDBY", None)
+        return Proc(["/usr/bin/python3", EXAMPLE, *train, "--summary-json", work + f"/{name}.json"], work, name, env)
+
+    def round_env(rank, world, restart):
+        return {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank)}
+
+    def keys():
+        return store.num_keys()
+
+    restart = 0
+    for phase in ("never joins", "joins Gloo, never registers"):
+        agent = FakeAgent()
+        a = worker(f"a{restart}", agent, 0, 2, restart)
+        agent.accept(120, a)
+        before = keys()
+        peer = None
+        if phase != "never joins":
+            # A peer that forms Gloo's connections (the group's own prefix: the attempt's, then
+            # init_process_group's group name "0") and then stops, as one SIGKILLed right after.
+            peer = Proc(["/usr/bin/python3", "-c",
+                         "import sys, time, datetime, torch.distributed as d\n"
+                         f"s = d.PrefixStore('/worker/attempt_{restart}/0', d.TCPStore('127.0.0.1', {port}, 2, False,"
+                         " datetime.timedelta(seconds=3600)))\n"
+                         "g = d.ProcessGroupGloo(s, 1, 2, datetime.timedelta(seconds=3600))\n"
+                         "print('formed', flush=True)\ntime.sleep(3600)"], work, f"peer{restart}")
+            eventually(lambda: "formed" in peer.out(), 120, "the peer's Gloo connections", a, peer)
+        else:
+            eventually(lambda: keys() > before, 120, "the worker's address in the store (its group forming)", a)
+        time.sleep(0.5)  # not a wait for a condition: the worker goes on waiting for its peer meanwhile
+        t0 = time.monotonic()
+        agent.send({"type": "pause", "round": restart + 1, "reason": f"test: a peer {phase}", "lost": "host"})
+        paused = agent.expect("paused", 120, a)
+        took = time.monotonic() - t0
+        print(f"a peer that {phase}: the worker answered the pause in {took:.2f} s (its timeout: 3600 s)", flush=True)
+        if peer is not None:
+            os.killpg(peer.p.pid, signal.SIGKILL)
+            peer.wait(30)
+        # The next round: the worker and a fresh peer (a new process, at step 0) train to the end.
+        restart += 1
+        fresh_agent = FakeAgent()
+        b = worker(f"b{restart}", fresh_agent, 1, 2, restart)
+        fresh_agent.accept(120, a, b)
+        agent.send({"type": "assign", "round": restart + 1, "restart_count": restart,
+                    "env": dict(round_env(0, 2, restart), LOCAL_RANK="0")})
+        for p in (a, b):
+            if p.wait(300) != 0:
+                fail(f"after a pause while a peer {phase}: {os.path.basename(p.out_path)} exited with "
+                     f"{p.p.returncode}", a, b)
+        sa, sb = summary(work + f"/a{restart - 1}.json"), summary(work + f"/b{restart}.json")
+        if sa["steps"] != 3 or sb["steps"] != 3 or sa["weights_sha256"] != sb["weights_sha256"]:
+            fail(f"after a pause while a peer {phase}: {sa} {sb}", a, b)
+        if paused.get("step") != 0:
+            fail(f"the paused answer said step {paused.get('step')}, want 0", a)
+        agent.close()
+        fresh_agent.close()
+        restart += 1
+    print("pause-forming: both pauses answered at once, the next rounds trained", flush=True)
 
 
 def import_case(bin_dir, work):
@@ -485,6 +625,8 @@ def main():
             import_case(bin_dir, work)
         elif case == "off":
             off(work)
+        elif case == "pause-forming":
+            pause_forming(work)
         elif case == "unit":
             unit(work)
         else:

@@ -17,6 +17,7 @@ model before it has a rank, and takes its state from the survivors when placed.
 Under torchrun, or without mglaunch's control channel, it does nothing (one line on rank
 0 says so): start() is init_process_group plus wrap, run() a plain loop. mglaunch puts this
 package's directory on its workers' PYTHONPATH (docs/python-recovery.md)."""
+import contextlib
 import ctypes
 import inspect
 import io
@@ -204,13 +205,17 @@ def _tcp_peer(fd):
 
 class _GroupSockets:
     """The TCP sockets one process group opened (its store client's and its peers'), told
-    apart by their inode so that a number reused later is never touched. abort() lets go
-    of the group: every peer connection is shut down (a collective blocked on it fails at
-    once, here and at the peer), and each store client connection is shut down and then
-    replaced by one end of a socket pair nobody writes to: torch 1.13's store client thread
+    apart by their inode so that a number reused later is never touched. shut(), at the
+    agent's pause (from the control reader thread), shuts every one of them down: a
+    collective or store call blocked on one fails at once, here and at the peer, and every
+    later call on them fails at once too. quiet(), once the group is let go of (the main
+    thread, not inside a torch call of this group), puts in place of each store client
+    connection one end of a socket pair nobody writes to: torch 1.13's store client thread
     polls its connection and peeks at it, busy-looping a core once it is closed (a store
-    host SIGKILLed); on the quiet socket its poll() or its blocking peek sleeps for good
-    (a pipe would fail the peek, an exception that ends the process)."""
+    host SIGKILLed, or shut here); on the quiet socket its poll() or its blocking peek
+    sleeps for good (a pipe would fail the peek, an exception that ends the process). Not
+    at the pause itself: a store call made after it on the quiet socket would wait for
+    ever (init_process_group's store barrier polls the store every 10 ms)."""
 
     _quiet = None  # the socket pair, shared; neither end is ever written or closed
 
@@ -218,12 +223,16 @@ class _GroupSockets:
         self.store_ips, self.store_port = store_addr
         self.before = _sockets()
         self.fds = None  # {fd: inode}, set by done(); while None, every socket opened since `before`
+        self.store_clients = {}  # {fd: inode} of the store client connections shut()
 
     def done(self):
         now = _sockets()
         self.fds = {fd: ino for fd, ino in now.items() if self.before.get(fd) != ino}
 
-    def abort(self):
+    def _connections(self):
+        """(fd, inode, whether it is a client connection to the store) of each of the
+        group's TCP connections still open; this process's own store server's side stays
+        (parked)."""
         fds = self.fds if self.fds is not None else {fd: ino for fd, ino in _sockets().items()
                                                       if self.before.get(fd) != ino}
         for fd, ino in fds.items():
@@ -238,17 +247,28 @@ class _GroupSockets:
             local_port, (peer_ip, peer_port) = ends
             if local_port == self.store_port and peer_ip in self.store_ips:
                 continue  # this process hosts the store: its server's side stays (parked)
+            yield fd, ino, peer_port == self.store_port and peer_ip in self.store_ips
+
+    def shut(self):
+        for fd, ino, store_client in self._connections():
+            if store_client:  # told apart now: once shut and closed by the peer, it has no peer address
+                self.store_clients[fd] = ino
             try:
                 socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_RDWR)  # the dup closes at GC; fd stays
             except OSError:
                 pass
-            if peer_port == self.store_port and peer_ip in self.store_ips:
+
+    def quiet(self):
+        self.shut()
+        for fd, ino in self.store_clients.items():
+            try:
+                if os.fstat(fd).st_ino != ino:
+                    continue  # closed and reused, or quiet already
                 if _GroupSockets._quiet is None:
                     _GroupSockets._quiet = socket.socketpair()
-                try:
-                    os.dup2(_GroupSockets._quiet[0].fileno(), fd)
-                except OSError:
-                    pass
+                os.dup2(_GroupSockets._quiet[0].fileno(), fd)
+            except OSError:
+                pass
 
 
 def _keep(obj):
@@ -256,6 +276,51 @@ def _keep(obj):
     on a lost peer or on the quiet socket, which its destructor would join for ever (mgtrain
     keeps them the same way)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _reset_group_count():
+    """init_process_group names its group after a counter that only destroy_process_group
+    sets back to 0 ("to allow consistent value to be generated when we re-create process
+    groups after some trainers recover from failure", torch's own words); a registration
+    that failed before its group existed (a pause) leaves it counted, and this rank would
+    then use other keys than a fresh peer (torch 1.13: its store barrier's). torch 1.x:
+    _group_count; 2.x: _world.group_count."""
+    c10d = dist.distributed_c10d
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+    elif hasattr(c10d, "_group_count"):
+        c10d._group_count = 0
+
+
+@contextlib.contextmanager
+def _registering(pg):
+    """init_process_group("gloo") inside this block registers `pg` (a ProcessGroupGloo
+    already connected on the formation thread) as the default group, named and kept as
+    it registers its own, instead of building and connecting another one: torch's
+    ProcessGroupGloo in distributed_c10d, which init_process_group calls once, hands back
+    `pg` for the block. None (NCCL): nothing replaced."""
+    if pg is None:
+        yield
+        return
+    c10d = dist.distributed_c10d
+    real = c10d.ProcessGroupGloo
+    handed = []
+
+    def prebuilt(*args, **kwargs):
+        if handed:  # a second group (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper's helper): a real one
+            return real(*args, **kwargs)
+        handed.append(pg)
+        return pg
+
+    c10d.ProcessGroupGloo = prebuilt
+    try:
+        yield
+    finally:
+        c10d.ProcessGroupGloo = real
+    if not handed:
+        raise RuntimeError(f"torch {torch.__version__}'s init_process_group did not build its Gloo group through "
+                           "distributed_c10d.ProcessGroupGloo: mglaunch_recovery does not support this torch")
 
 
 def _store_ips(host):
@@ -434,14 +499,19 @@ class Recovery:
 
     def _form_group(self):
         """A process group from the environment's round, under the store prefix
-        /worker/attempt_<TORCHELASTIC_RESTART_COUNT> (torchrun's and mgtrain's)."""
+        /worker/attempt_<TORCHELASTIC_RESTART_COUNT> (torchrun's and mgtrain's). The store
+        client and Gloo's connections are made on a thread of their own, as mgtrain does
+        (connect_interruptible): a pause meanwhile ends this call at once, while a peer that
+        never comes would hold Gloo's wait for its connection for the whole timeout (nothing
+        else ends it). The group so built becomes the default group through
+        init_process_group (_registering), on this thread."""
         env = os.environ
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         group = _GroupSockets((_store_ips(host), port))
         with self._lock:
             self._group = group
-        if self._channel is not None and self._channel.paused():
+        if self._interrupted():
             raise _Interrupted("a pause came before the new group formed")
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         is_master = not agent_store and rank == 0  # torch 1.x's c10d jobs: rank 0 hosts the store
@@ -451,12 +521,58 @@ class Recovery:
                   "multi_tenant": True}
         if "use_libuv" in (dist.TCPStore.__init__.__doc__ or ""):
             kwargs["use_libuv"] = env.get("USE_LIBUV", "1") != "0"
-        store = dist.PrefixStore(f"/worker/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-                                 dist.TCPStore(host, port, **kwargs))
-        _keep(store)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world, timeout=self.timeout)
+        prefix = f"/worker/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+        def build():
+            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, **kwargs))
+            _keep(store)
+            pg = None
+            if self.backend == "gloo":  # NCCL connects at its first collective: nothing to wait for here
+                # The prefix init_process_group gives its first group ("0"), so that the keys stay its own.
+                pg = dist.ProcessGroupGloo(dist.PrefixStore("0", store), rank, world, self.timeout)
+                _keep(pg)  # given up on, it may still hold threads waiting for a peer
+            return store, pg
+
+        store, pg = self._off_thread("the new group formed", build)
+        if dist.is_initialized():  # a registration an earlier pause cut short (torch 1.13: its store barrier)
+            self._drop_default_group()
+        _reset_group_count()
+        try:
+            with _registering(pg):
+                dist.init_process_group(self.backend, store=store, rank=rank, world_size=world, timeout=self.timeout)
+        except Exception as e:
+            if self._interrupted():  # its store barrier (torch 1.13) failed on the connections the pause shut
+                raise _Interrupted(f"a pause came while the new group registered: {str(e).splitlines()[0] if str(e) else e}") from e
+            raise
         with self._lock:
             group.done()
+
+    def _interrupted(self):
+        return self._channel is not None and (self._channel.paused() or bool(self._channel.closed))
+
+    def _off_thread(self, what, fn):
+        """fn()'s result (or its exception), fn run on a daemon thread of its own; a pause
+        (or the channel's end) meanwhile raises _Interrupted at once and leaves the thread
+        behind: it touches nothing of torch.distributed's global state, and its waits end
+        on their own (the pause shut its connections; Gloo's wait for a peer that never
+        connects ends at the timeout)."""
+        box = {}
+        done = threading.Event()
+
+        def body():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: B036  handed to the waiting thread
+                box["error"] = e
+            done.set()
+
+        threading.Thread(target=body, name="mglaunch-form-group", daemon=True).start()
+        while not done.wait(0.05):
+            if self._interrupted():
+                raise _Interrupted(f"a pause came before {what}")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _wait_listening(self, host, port):
         """Until the store listens: c10d's client waits a whole second before it retries a
@@ -469,7 +585,7 @@ class Recovery:
             except OSError:
                 if time.monotonic() > end:
                     return  # the store's own connect says why
-            if self._channel is not None and (self._channel.paused() or self._channel.closed):
+            if self._interrupted():
                 raise _Interrupted("a pause came while waiting for the new round's store")
             time.sleep(0.005)
 
@@ -557,7 +673,7 @@ class Recovery:
         with self._lock:
             group = self._group
         if group is not None:
-            group.abort()
+            group.shut()
         if self.backend == "nccl" and dist.is_initialized():
             pg = dist.distributed_c10d._get_default_group()
             for abort in (getattr(dist.distributed_c10d, "_abort_process_group", None),
@@ -570,14 +686,23 @@ class Recovery:
                         pass
 
     def _abandon(self):
+        """Lets go of the group for good: its connections shut, its store clients quiet."""
         self._abort_group()
+        with self._lock:
+            group = self._group
+        if group is not None:
+            group.quiet()
         if dist.is_initialized():
-            # Only the group stays (its destructor would join threads blocked on lost peers). The
-            # old DDP (its buckets: a model's size per recovery) goes: its reducer holds the group
-            # by reference, and the group outlives it.
-            _keep(dist.distributed_c10d._get_default_group())
-            dist.destroy_process_group()  # drops torch's references only: ours keeps the C++ group alive
+            self._drop_default_group()
         self.model = None
+
+    @staticmethod
+    def _drop_default_group():
+        # Only the group stays (its destructor would join threads blocked on lost peers). The
+        # old DDP (its buckets: a model's size per recovery) goes: its reducer holds the group
+        # by reference, and the group outlives it.
+        _keep(dist.distributed_c10d._get_default_group())
+        dist.destroy_process_group()  # drops torch's references only: ours keeps the C++ group alive
 
     def _wait(self, what, timeout):
         end = time.monotonic() + timeout

@@ -32,7 +32,9 @@ struct ServerOptions {
   // Clients at once, parked ones included (the agent's share of its descriptors). At the
   // limit a newcomer displaces a silent client (one that never sent a whole query, the
   // oldest first; else one whose query has not been whole for query_deadline), or is
-  // refused.
+  // refused. A silent client paired with a served one of its address, as torch 1.13's
+  // callback connection is with its first, is not displaced while that one is connected
+  // (closed, torch 1.13's client busy-loops a core).
   std::size_t max_clients = 100000;
   // Clients at once from one address, parked ones included; at it, a newcomer displaces a
   // silent client of that address, or is refused. Every local worker connects from

@@ -4,11 +4,19 @@
   store_client.py allreduce HOST PORT RANK WORLD
                                      one env:// gloo worker as mglaunch starts it with the agent
                                      store (TORCHELASTIC_USE_AGENT_STORE=True); prints the sum
+  store_client.py hold HOST PORT WAIT
+                                     one TCPStore client that sets a key, prints "up", waits for
+                                     SIGUSR1, then prints the CPU seconds it used in the next 2 s
+                                     (about 2 when a thread of its busy-loops); WAIT=1: made as an
+                                     agent-store worker makes it (world size given: an ADD before
+                                     its second connection), 0: with wait_for_workers=False (both
+                                     connections before a query)
 
 Exits non-zero with the failed check on stderr.
 """
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
@@ -79,9 +87,27 @@ def allreduce(host, port, rank, world):
     dist.destroy_process_group()
 
 
+def hold(host, port, wait):
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])  # before torch's threads, which inherit it
+    if wait:
+        s = dist.TCPStore(host, port, 1, False, datetime.timedelta(seconds=30))
+    else:
+        s = client(host, port)
+    s.set("up", "1")
+    print("up", flush=True)
+    signal.sigwait([signal.SIGUSR1])
+    start = time.process_time()  # every thread's
+    time.sleep(2)
+    used = time.process_time() - start
+    check(s.get("up") == b"1", "the store still serves")
+    print("cpu", round(used, 2), flush=True)
+
+
 if __name__ == "__main__":
     mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "ops":
         ops(host, port)
+    elif mode == "hold":
+        hold(host, port, sys.argv[4] == "1")
     else:
         allreduce(host, port, int(sys.argv[4]), int(sys.argv[5]))

@@ -20,6 +20,9 @@ CASE:
   import      a worker mglaunch starts imports the shipped package (PYTHONPATH, no install)
   off         without a control channel (MGLAUNCH_CONTROL_SOCKET unset) one line says
               recovery is off and the script trains
+  rng         the state agreement between two ranks seeded per rank (torch.manual_seed(100 +
+              rank)): a rank behind that has steps of its own keeps its own generator state;
+              a fresh one (step 0) takes the source's
   pause-forming
               a pause that comes while the worker forms its group, a peer missing (this test
               is the agent and hosts the store): once while the peer never joins (the worker
@@ -365,6 +368,47 @@ class FakeAgent:
                 s.close()
 
 
+def rng_case(work):
+    """Per-rank RNG streams stay per rank through the state agreement (_agree)."""
+    script = os.path.join(work, "agree.py")
+    with open(script, "w") as f:
+        f.write("import os, sys, torch, torch.distributed as dist\n"
+                f"sys.path.insert(0, {os.path.join(SRC, 'python')!r})\n"
+                "import mglaunch_recovery as mr\n"
+                "rank = int(os.environ['RANK'])\n"
+                "dist.init_process_group('gloo')\n"
+                "torch.manual_seed(100 + rank)\n"
+                "net = torch.nn.Linear(2, 2)\n"
+                "rec = mr.Recovery()\n"
+                "rec._module, rec._optimizer, rec._extra = net, torch.optim.SGD(net.parameters(), lr=0.1), []\n"
+                "rec.step = int(sys.argv[1 + rank])\n"
+                "own = torch.get_rng_state()\n"
+                "rec._agree()\n"
+                "print('step', rec.step, 'own' if torch.equal(own, torch.get_rng_state()) else 'taken', "
+                "torch.rand(1).item(), flush=True)\n")
+    for steps, want in (((5, 3), "own"), ((5, 0), "taken")):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        env = {k: v for k, v in ENV.items() if not k.startswith("MGLAUNCH_")}
+        env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        ranks = [Proc(["/usr/bin/python3", script, *map(str, steps)], work, f"agree{r}-{steps[1]}", dict(env, RANK=str(r)))
+                 for r in (0, 1)]
+        for p in ranks:
+            if p.wait(120) != 0:
+                fail(f"exit {p.p.returncode}", *ranks)
+        out = [[l for l in p.out().splitlines() if l.startswith('step ')][-1:][0].split() if 'step ' in p.out() else []
+               for p in ranks]
+        if out[1][:3] != ["step", "5", want] or out[0][2] != "own":
+            fail(f"rank 1 at step {steps[1]}, rank 0 at 5: want rank 1 at step 5 with the generator state {want}, "
+                 f"got {out}", *ranks)
+        if (out[1][3] == out[0][3]) != (want == "taken"):
+            fail(f"the two ranks' next draws: {out[0][3]} and {out[1][3]}, want them {'equal' if want == 'taken' else 'different'}",
+                 *ranks)
+    print("rng: a rank behind with steps of its own kept its generator, a fresh one took the source's", flush=True)
+
+
 def pause_forming(work):
     """A pause while the group forms with a peer missing must end the formation at once."""
     from datetime import timedelta
@@ -625,6 +669,8 @@ def main():
             import_case(bin_dir, work)
         elif case == "off":
             off(work)
+        elif case == "rng":
+            rng_case(work)
         elif case == "pause-forming":
             pause_forming(work)
         elif case == "unit":

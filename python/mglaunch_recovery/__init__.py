@@ -336,7 +336,7 @@ def _rng_state():
     torch.load(weights_only=True), torch 2.6's default, takes."""
     state = {"torch": torch.get_rng_state(), "random": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's: each rank has its own device
     if "numpy" in sys.modules:
         name, key, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state()
         state["numpy"] = (str(name), [int(k) for k in key], int(pos), int(has_gauss), float(gauss).hex())
@@ -361,7 +361,7 @@ def _set_rng_state(state):
     torch.set_rng_state(state["torch"])
     random.setstate(state["random"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state and "numpy" in sys.modules:
         name, key, pos, has_gauss, gauss = state["numpy"]
         sys.modules["numpy"].random.set_state((name, key, pos, has_gauss, float.fromhex(gauss)))
@@ -626,7 +626,10 @@ class Recovery:
             self._optimizer.load_state_dict(got["optimizer"])
             for o, s in zip(self._extra, got["extra"]):
                 o.load_state_dict(s)
-            _set_rng_state(got["rng"])
+            if was == 0:  # a fresh worker has no stream of its own yet: the source's (every rank's, if seeded alike)
+                _set_rng_state(got["rng"])
+            # A rank with steps of its own keeps its own generators (CPU, CUDA, random, numpy):
+            # per-rank streams stay per rank.
             self.step = got["step"]
             print(f"mglaunch_recovery: rank {rank} took step {best}'s state from rank {source} (it was at step {was})",
                   flush=True)

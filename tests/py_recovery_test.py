@@ -20,6 +20,9 @@ CASE:
   import      a worker mglaunch starts imports the shipped package (PYTHONPATH, no install)
   off         without a control channel (MGLAUNCH_CONTROL_SOCKET unset) one line says
               recovery is off and the script trains
+  store-server
+              a rank that hosts the store (torch 1.x's c10d jobs: rank 0) stops its server
+              when it lets go of the group: one was kept, listening, per recovery
   rng         the state agreement between two ranks seeded per rank (torch.manual_seed(100 +
               rank)): a rank behind that has steps of its own keeps its own generator state;
               a fresh one (step 0) takes the source's
@@ -368,6 +371,46 @@ class FakeAgent:
                 s.close()
 
 
+def store_server(work):
+    """The store server a rank hosted for a group goes with the group (_abandon)."""
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    import mglaunch_recovery as mr
+
+    class Channel:
+        closed = ""
+
+        def paused(self):
+            return False
+
+    def listening(port):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return True
+        except ConnectionRefusedError:
+            return False
+
+    for k in [k for k in os.environ if k.startswith("MGLAUNCH_")]:
+        del os.environ[k]
+    rec = mr.Recovery()
+    rec._channel = Channel()
+    for restart in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          TORCHELASTIC_RESTART_COUNT=str(restart), TORCHELASTIC_USE_AGENT_STORE="False")
+        rec._form_group()
+        if not listening(port):
+            fail(f"round {restart}: this rank's store server does not listen on {port}")
+        rec._abandon()
+        if listening(port):
+            fail(f"round {restart}: the store server of a group let go of still listens on {port} (one kept per "
+                 "recovery)")
+    print("store-server: the server went with its group, twice", flush=True)
+    os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
+
+
 def rng_case(work):
     """Per-rank RNG streams stay per rank through the state agreement (_agree)."""
     script = os.path.join(work, "agree.py")
@@ -669,6 +712,8 @@ def main():
             import_case(bin_dir, work)
         elif case == "off":
             off(work)
+        elif case == "store-server":
+            store_server(work)
         elif case == "rng":
             rng_case(work)
         elif case == "pause-forming":

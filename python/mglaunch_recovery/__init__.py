@@ -413,6 +413,7 @@ class Recovery:
         self._lock = threading.Lock()
         self._updates = 0  # optimizer.step() calls (_count_optimizer_steps)
         self._group = None  # _GroupSockets of the current (or forming) group
+        self._server = None  # the store server this rank hosts for the current group, if any
         self._pending = None  # (detected, redone step, lost) until the redone step is applied
         self._attempts, self._attempts_at = 0, -1
         env = os.environ
@@ -524,16 +525,21 @@ class Recovery:
         prefix = f"/worker/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
         def build():
-            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, **kwargs))
+            server = None
+            if is_master:  # a server of its own, so that it goes when the group is let go of (_abandon)
+                server = dist.TCPStore(host, port, **kwargs)
+            client = dict(kwargs, is_master=False)
+            client.pop("use_libuv", None)  # a server's option
+            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, **client))
             _keep(store)
             pg = None
             if self.backend == "gloo":  # NCCL connects at its first collective: nothing to wait for here
                 # The prefix init_process_group gives its first group ("0"), so that the keys stay its own.
                 pg = dist.ProcessGroupGloo(dist.PrefixStore("0", store), rank, world, self.timeout)
                 _keep(pg)  # given up on, it may still hold threads waiting for a peer
-            return store, pg
+            return store, pg, server
 
-        store, pg = self._off_thread("the new group formed", build)
+        store, pg, self._server = self._off_thread("the new group formed", build)
         if dist.is_initialized():  # a registration an earlier pause cut short (torch 1.13: its store barrier)
             self._drop_default_group()
         _reset_group_count()
@@ -695,6 +701,9 @@ class Recovery:
             group = self._group
         if group is not None:
             group.quiet()
+        # The store server this rank hosted for the group (torch 1.x's c10d jobs: rank 0): its
+        # own client connections are quiet now, so it stops at once (its thread, its port).
+        self._server = None
         if dist.is_initialized():
             self._drop_default_group()
         self.model = None

@@ -4,12 +4,18 @@
 // without exiting, and the final weights equal an undisturbed run's.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -38,8 +44,59 @@ struct Run {
   }
 };
 
+// The weights of an undisturbed run, trained once per ctest run and shared by the cases that
+// compare with it (#36: six cases each trained the same world-2 or world-3 job first). `name`
+// names the run (its job and world); the first case to need it trains it with `calm` (which
+// returns its rank 0's summary, or fails that case), holding an flock, and leaves the summary
+// in the build's tests/mgtrain_references for the others. The file is keyed by the
+// mgtrain binary (size and mtime) and by the process that started the case (its pid and
+// start time: one ctest run), so a rebuilt mgtrain or the next ctest run trains it again, and
+// a failed training leaves nothing behind: the next case trains it itself.
+nlohmann::json undisturbed(const std::string& name, const std::function<nlohmann::json()>& calm) {
+  const std::filesystem::path dir = std::filesystem::path(kMgtrain).parent_path().parent_path() / "tests" / "mgtrain_references";
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  struct stat st {};
+  if (ec || ::stat(kMgtrain.c_str(), &st) != 0) return calm();
+  // /proc/PPID/stat: the 22nd field, the start time, counts from the last ')' (field 2's end).
+  const std::string stat = read_file("/proc/" + std::to_string(::getppid()) + "/stat");
+  std::istringstream rest(stat.substr(std::min(stat.size(), stat.rfind(')') + 1)));
+  std::string field, started;
+  for (int i = 3; i <= 22 && rest >> field; ++i) started = field;
+  const std::string key = name + "-" + std::to_string(st.st_size) + "-" + std::to_string(st.st_mtim.tv_sec) + "." +
+                          std::to_string(st.st_mtim.tv_nsec) + "-" + std::to_string(::getppid()) + "-" + started;
+  const int lock = ::open((dir / (name + ".lock")).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock < 0) return calm();
+  struct Unlock {
+    int fd;
+    ~Unlock() { ::close(fd); }  // releases the flock, also when `calm` fails the case
+  } unlock{lock};
+  ::flock(lock, LOCK_EX);
+  const std::filesystem::path done = dir / (key + ".json");
+  if (std::string known = read_file(done); !known.empty()) return nlohmann::json::parse(known);
+  const nlohmann::json summary = calm();
+  const std::filesystem::path part = dir / (key + ".part");
+  std::ofstream(part) << summary.dump();
+  std::filesystem::rename(part, done, ec);
+  std::cout << "trained the undisturbed run " << name << " (shared with this ctest run's other cases)\n";
+  return summary;
+}
+
 // The stand-in agent with 2 workers; `agent_flags` pick the fault.
-Run train(std::vector<std::string> agent_flags, std::vector<std::string> extra = {}) {
+Run train(std::vector<std::string> agent_flags, std::vector<std::string> extra = {});
+
+// The stand-in's undisturbed run (train's job, no fault): rank 0's summary, both ranks' weights equal.
+nlohmann::json calm_standin() {
+  return undisturbed("standin-2", [] {
+    auto calm = train({"--fault", "none"});
+    REQUIRE(calm.r.code == 0);
+    CHECK(calm.summary(1)["weights_sha256"] == calm.summary(0)["weights_sha256"]);
+    CHECK(calm.summary(0)["recoveries"].empty());
+    return calm.summary(0);
+  });
+}
+
+Run train(std::vector<std::string> agent_flags, std::vector<std::string> extra) {
   Run run_;
   run_.dir = make_temp_dir();
   std::vector<std::string> argv{"/usr/bin/python3", kAgent, "--mgtrain", kMgtrain, "--out", run_.dir, "--deadline", "200"};
@@ -57,11 +114,7 @@ Run train(std::vector<std::string> agent_flags, std::vector<std::string> extra =
 
 TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor goes on and the weights equal an undisturbed run's", "[long]") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
-  auto calm = train({"--fault", "none"});
-  REQUIRE(calm.r.code == 0);
-  const std::string digest = calm.summary(0)["weights_sha256"];
-  CHECK(calm.summary(1)["weights_sha256"] == digest);
-  CHECK(calm.summary(0)["recoveries"].empty());
+  const std::string digest = calm_standin()["weights_sha256"];
   struct Fault {
     std::string kind, victim;
   };
@@ -94,8 +147,7 @@ TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor
 
 TEST_CASE("in-place recovery: a peer lost again while the new group forms, twice, sends the survivor back to the agent's next round instead of ending it, and the weights equal an undisturbed run's") {
   if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
-  auto calm = train({"--fault", "none"});
-  REQUIRE(calm.r.code == 0);
+  const auto calm = calm_standin();
   // Each replacement is SIGKILLed at its hello, while the survivor builds the new group
   // (it waits for the replacement's address): the survivor must leave that round on the
   // next pause. --timeout 600 is longer than the stand-in's deadline (200 s): a survivor
@@ -111,7 +163,7 @@ TEST_CASE("in-place recovery: a peer lost again while the new group forms, twice
   for (int rank : {0, 1}) {
     INFO("rank " << rank);
     CHECK(hit.summary(rank)["steps"] == 30);
-    CHECK(hit.summary(rank)["weights_sha256"] == calm.summary(0)["weights_sha256"]);
+    CHECK(hit.summary(rank)["weights_sha256"] == calm["weights_sha256"]);
   }
   const auto recoveries = hit.summary(0)["recoveries"];
   REQUIRE(recoveries.size() == 1);  // one recovery, from the first detection to the first step after it
@@ -198,6 +250,25 @@ std::vector<std::string> job(const std::string& summary, std::vector<std::string
 
 nlohmann::json summary_of(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
 
+// kJob's undisturbed run at `world` ranks (one mglaunch --standalone, `world` workers): rank
+// 0's summary, every rank's weights equal. A job's ranks train the same whether they share a
+// node or not (the 2- and 3-node cases compare with it; each trained its own before, #36).
+nlohmann::json calm_job(int world) {
+  return undisturbed("job-" + std::to_string(world), [world] {
+    const std::string dir = make_temp_dir();
+    std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=" + std::to_string(world), kMgtrain};
+    for (const std::string& a : job(dir + "/c{rank}.json")) argv.push_back(a);
+    auto r = run(argv, {}, 240s);
+    INFO(r.out << r.err);
+    REQUIRE(r.code == 0);
+    const auto s0 = summary_of(dir + "/c0.json");
+    for (int rank = 1; rank < world; ++rank) CHECK(summary_of(dir + "/c" + std::to_string(rank) + ".json")["weights_sha256"] == s0["weights_sha256"]);
+    CHECK(s0["recoveries"].empty());
+    std::filesystem::remove_all(dir);
+    return s0;
+  });
+}
+
 }  // namespace
 
 TEST_CASE("in-place recovery under mglaunch: a worker that fails at step 10 is restarted, its peer keeps going, the weights equal an undisturbed run's", "[long]") {
@@ -209,13 +280,12 @@ TEST_CASE("in-place recovery under mglaunch: a worker that fails at step 10 is r
     INFO(r.out << r.err);
     return r;
   };
-  auto calm = standalone(job(dir + "/c{rank}.json"));
-  REQUIRE(calm.code == 0);
+  const auto calm = calm_job(2);
   auto hit = standalone(job(dir + "/s{rank}.json", {"--fail-at-step", "10", "--fail-rank", "1", "--fail-signal", "9"}));
   INFO(hit.out << hit.err);
   REQUIRE(hit.code == 0);
   const auto s0 = summary_of(dir + "/s0.json");
-  CHECK(s0["weights_sha256"] == summary_of(dir + "/c0.json")["weights_sha256"]);
+  CHECK(s0["weights_sha256"] == calm["weights_sha256"]);
   CHECK(summary_of(dir + "/s1.json")["weights_sha256"] == s0["weights_sha256"]);
   REQUIRE(s0["recoveries"].size() == 1);  // rank 0 went through the restart in place
   CHECK(s0["recoveries"][0]["step"] == 11);
@@ -254,8 +324,7 @@ TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only 
     INFO(r.out << r.err);
     return r;
   };
-  auto calm = standalone(job(dir + "/c{rank}.json"), {});
-  REQUIRE(calm.code == 0);
+  const auto calm = calm_job(3);
   // Rank 0 applies step 10; rank 1 does not (its all-reduce "failed" after its peers'
   // completed: the documented test hook); rank 2 applies it and is SIGKILLed.
   auto hit = standalone(job(dir + "/s{rank}.json", {"--fail-at-step", "10", "--fail-rank", "2", "--fail-signal", "9"}),
@@ -267,8 +336,8 @@ TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only 
   CHECK_THAT(hit.out, Catch::Contains("rank 1 took step 10's state from rank 0 (it was at step 9)"));
   CHECK_THAT(hit.out, Catch::Contains("rank 2 took step 10's state from rank 0 (it was at step 0)"));
   const auto s0 = summary_of(dir + "/s0.json");
-  CHECK(s0["steps"] == summary_of(dir + "/c0.json")["steps"]);  // one epoch of 43 steps at world 3
-  CHECK(s0["weights_sha256"] == summary_of(dir + "/c0.json")["weights_sha256"]);
+  CHECK(s0["steps"] == calm["steps"]);  // one epoch of 43 steps at world 3
+  CHECK(s0["weights_sha256"] == calm["weights_sha256"]);
   for (int rank : {1, 2}) CHECK(summary_of(dir + "/s" + std::to_string(rank) + ".json")["weights_sha256"] == s0["weights_sha256"]);
   REQUIRE(s0["recoveries"].size() == 1);
   CHECK(s0["recoveries"][0]["step"] == 11);
@@ -278,7 +347,6 @@ TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only 
 TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at step 10 or later, node 1 back, rank 0 goes on and the weights equal an undisturbed 2-node run's", "[long]") {
   const std::string dir = make_temp_dir();
   Daemon d = start_daemon();
-  int jobs = 0;
   auto node = [&](const std::string& id, int node_rank, const std::string& summary) {
     std::vector<std::string> argv{kMglaunch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                                   "--rdzv_endpoint=" + d.endpoint, "--rdzv_id=" + id, "--max_restarts=2",
@@ -288,15 +356,7 @@ TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at st
     argv.insert(argv.end(), args.begin(), args.end());
     return spawn(argv);
   };
-  {
-    const std::string id = "calm" + std::to_string(++jobs);
-    Proc a = node(id, 0, dir + "/c{rank}.json"), b = node(id, 1, dir + "/c{rank}.json");
-    REQUIRE(a.wait(240s));
-    REQUIRE(b.wait(240s));
-    INFO(a.err() << b.err());
-    REQUIRE(a.exit_code() == 0);
-    REQUIRE(b.exit_code() == 0);
-  }
+  const auto calm = calm_job(2);
   Proc n0 = node("hit", 0, dir + "/s{rank}.json"), n1 = node("hit", 1, dir + "/s{rank}.json");
   REQUIRE(eventually([&] { return n0.out().find(" step 10/") != std::string::npos; }, 120s));
   ::kill(n1.pid, SIGKILL);
@@ -309,7 +369,7 @@ TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at st
   CHECK(n1b.exit_code() == 0);
   const auto s0 = summary_of(dir + "/s0.json");
   CHECK(s0["steps"] == 60);
-  CHECK(s0["weights_sha256"] == summary_of(dir + "/c0.json")["weights_sha256"]);
+  CHECK(s0["weights_sha256"] == calm["weights_sha256"]);
   CHECK(summary_of(dir + "/s1.json")["weights_sha256"] == s0["weights_sha256"]);
   REQUIRE(s0["recoveries"].size() == 1);
   CHECK(s0["recoveries"][0]["step"].get<int>() >= 11);
@@ -338,14 +398,7 @@ std::string standby_done_when(const std::vector<std::string>& standby_flags, con
     argv.insert(argv.end(), args.begin(), args.end());
     return spawn(argv);
   };
-  {
-    Proc a = node("calm", 2, dir + "/c{rank}.json"), b = node("calm", 3, dir + "/c{rank}.json");
-    REQUIRE(a.wait(240s));
-    REQUIRE(b.wait(240s));
-    INFO(a.err() << b.err());
-    REQUIRE(a.exit_code() == 0);
-    REQUIRE(b.exit_code() == 0);
-  }
+  const auto calm = calm_job(2);
   std::vector<Proc> nodes;
   nodes.push_back(node("hit", 2, dir + "/s{rank}.json"));
   nodes.push_back(node("hit", 3, dir + "/s{rank}.json"));
@@ -371,7 +424,7 @@ std::string standby_done_when(const std::vector<std::string>& standby_flags, con
   CHECK(nodes[2].exit_code() == 0);
   const auto s0 = summary_of(dir + "/s0.json");
   CHECK(s0["steps"] == 60);
-  CHECK(s0["weights_sha256"] == summary_of(dir + "/c0.json")["weights_sha256"]);
+  CHECK(s0["weights_sha256"] == calm["weights_sha256"]);
   CHECK(summary_of(dir + "/s1.json")["weights_sha256"] == s0["weights_sha256"]);
   REQUIRE(s0["recoveries"].size() == 1);
   CHECK(s0["recoveries"][0]["step"].get<int>() >= 11);
@@ -427,14 +480,7 @@ TEST_CASE("in-place recovery when the hosting agent is lost (#26's done-when): t
     }, 60s));
     return std::pair(ep, std::move(nodes));
   };
-  {
-    auto calm = start("calm", dir + "/c{rank}.json");
-    for (auto& p : calm.second) {
-      REQUIRE(p.wait(240s));
-      INFO(p.err());
-      REQUIRE(p.exit_code() == 0);
-    }
-  }
+  const auto calm = calm_job(3);
   auto hit = start("hit", dir + "/s{rank}.json");
   const std::string ep = hit.first;
   std::vector<Proc>& nodes = hit.second;
@@ -451,10 +497,9 @@ TEST_CASE("in-place recovery when the hosting agent is lost (#26's done-when): t
   }
   INFO(standby.err());
   CHECK_THAT(standby.err(), Catch::Contains("re-registered as a standby") && Catch::Contains("round 2: node 0 of 3"));
-  const auto calm = summary_of(dir + "/c0.json")["weights_sha256"];
-  for (int rank : {0, 1, 2}) CHECK(summary_of(dir + "/s" + std::to_string(rank) + ".json")["weights_sha256"] == calm);
+  for (int rank : {0, 1, 2}) CHECK(summary_of(dir + "/s" + std::to_string(rank) + ".json")["weights_sha256"] == calm["weights_sha256"]);
   const auto s1 = summary_of(dir + "/s1.json");
-  CHECK(s1["steps"] == summary_of(dir + "/c0.json")["steps"]);  // one epoch at world 3
+  CHECK(s1["steps"] == calm["steps"]);  // one epoch at world 3
   REQUIRE(s1["recoveries"].size() == 1);
   CHECK(s1["recoveries"][0]["step"].get<int>() >= 11);
   CHECK(s1["recoveries"][0]["lost"] == "host");

@@ -450,7 +450,9 @@ TEST_CASE("etcd: endpoints that accept and never answer during the ending hold t
     endpoints += ",127.0.0.1:" + std::to_string(port);
     holes.push_back(fd);
   }
-  Proc agent = spawn(agent_argv(endpoints, "holes", 1, "1:2", 1, {"--grace=1"}, {"print", "up", "hang", "120"}, "etcd"));
+  // last_call_timeout=0: the round closes once this one node joined, not 30 s later.
+  Proc agent = spawn(agent_argv(endpoints, "holes", 1, "1:2", 1, {"--grace=1", "--rdzv_conf=last_call_timeout=0"},
+                                {"print", "up", "hang", "120"}, "etcd"));
   REQUIRE(eventually([&] { return agent.out().find("up") != std::string::npos || !pid_alive(agent.pid); }, 60s));
   const pid_t member = etcd.member(0).proc->pid;
   ::kill(member, SIGSTOP);  // from now on it answers no more either

@@ -1464,8 +1464,9 @@ TEST_CASE("a rendezvous host whose name lookup hangs while the agent reconnects 
   // thread, so the SIGTERM that follows was not served until glibc gave up (3 x 30 s).
   HungDns net("127.0.0.1 localhost\n127.0.0.1 rdzv.test\n");
   Daemon d = start_daemon();
-  Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(d.port()), "slowdns", 1, "1:2", 1, {"--grace=1"},
-                                         {"print", "up", "hang", "120"})));
+  // last_call_timeout=0: the round closes once this one node joined, not 30 s later.
+  Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(d.port()), "slowdns", 1, "1:2", 1,
+                                         {"--grace=1", "--rdzv_conf=last_call_timeout=0"}, {"print", "up", "hang", "120"})));
   REQUIRE(eventually([&] { return agent.out().find("up") != std::string::npos || !pid_alive(agent.pid); }, 60s));
   INFO(agent.out() << agent.err());
   REQUIRE(pid_alive(agent.pid));

@@ -13,8 +13,9 @@ CASE:
               the reference's
   torchrun    the same script under ../shared/peers/torchrun: recovery off in one line, the
               same weights (exit 77 without ../shared)
-  torch2      the done-when case with torch 2.6 workers from ../shared/peers/torch2's root
-              (exit 77 when it is absent or not set up)
+  torch2      the done-when case with torch 2.6 workers from ../shared/peers/torch2's root,
+              against an undisturbed run of its own under torch 2.6 (exit 77 when it is absent
+              or not set up)
   quiet-store a store client whose server was SIGKILLed, once its group is let go of, does
               not spin (torch 1.13's client thread busy-loops on the closed connection)
   import      a worker mglaunch starts imports the shipped package (PYTHONPATH, no install)
@@ -139,10 +140,10 @@ def summary(path):
         return json.load(f)
 
 
-def reference(bin_dir, work):
+def reference(bin_dir, work, python="/usr/bin/python3"):
     d, ep = daemon(bin_dir, work)
-    a = node(bin_dir, work, ep, "calm", 2, work + "/c{rank}.json")
-    b = node(bin_dir, work, ep, "calm", 3, work + "/c{rank}.json")
+    a = node(bin_dir, work, ep, "calm", 2, work + "/c{rank}.json", python=python)
+    b = node(bin_dir, work, ep, "calm", 3, work + "/c{rank}.json", python=python)
     for n in (a, b):
         if n.wait(300) != 0:
             fail(f"an undisturbed node exited with {n.p.returncode}", a, b)
@@ -247,7 +248,11 @@ def torch2(bin_dir, work):
     with open(wrapper, "w") as f:
         f.write(f'#!/bin/sh\nexec {os.path.abspath(peer)} run /usr/bin/python3 "$@"\n')
     os.chmod(wrapper, 0o755)
-    done_when(bin_dir, work, python=wrapper, what="torch 2.6")
+    # Its own undisturbed run: another torch's arithmetic and sampler give other weights than 1.13's.
+    own = os.path.join(work, "torch2")
+    os.makedirs(own, exist_ok=True)
+    reference(bin_dir, own, python=wrapper)
+    done_when(bin_dir, own, python=wrapper, what="torch 2.6")
 
 
 def quiet_store(work):

@@ -224,6 +224,7 @@ class _GroupSockets:
         self.before = _sockets()
         self.fds = None  # {fd: inode}, set by done(); while None, every socket opened since `before`
         self.store_clients = {}  # {fd: inode} of the store client connections shut()
+        self.server_own = {}  # {fd: inode} of a store server's own connections (a TCPStore(is_master=True))
 
     def done(self):
         now = _sockets()
@@ -236,6 +237,8 @@ class _GroupSockets:
         fds = self.fds if self.fds is not None else {fd: ino for fd, ino in _sockets().items()
                                                       if self.before.get(fd) != ino}
         for fd, ino in fds.items():
+            if self.server_own.get(fd) == ino:
+                continue  # this process's store server's own: stopped whole when the group is let go of
             try:
                 if os.fstat(fd).st_ino != ino:
                     continue  # closed, and the number reused since
@@ -293,6 +296,23 @@ def _reset_group_count():
         c10d._group_count = 0
 
 
+class _HandBack(type):
+    """The stand-in for torch's ProcessGroupGloo class in distributed_c10d (_registering):
+    its first call hands back the group built, later ones build as the real class does;
+    isinstance() and attributes are the real class's (torch 2.x asserts the type)."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls.pending:
+            return cls.pending.pop()
+        return cls.real(*args, **kwargs)  # a second group (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper's helper)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls.real)
+
+    def __getattr__(cls, name):
+        return getattr(cls.real, name)
+
+
 @contextlib.contextmanager
 def _registering(pg):
     """init_process_group("gloo") inside this block registers `pg` (a ProcessGroupGloo
@@ -305,20 +325,13 @@ def _registering(pg):
         return
     c10d = dist.distributed_c10d
     real = c10d.ProcessGroupGloo
-    handed = []
-
-    def prebuilt(*args, **kwargs):
-        if handed:  # a second group (TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper's helper): a real one
-            return real(*args, **kwargs)
-        handed.append(pg)
-        return pg
-
-    c10d.ProcessGroupGloo = prebuilt
+    stand_in = _HandBack("ProcessGroupGloo", (), {"real": real, "pending": [pg]})
+    c10d.ProcessGroupGloo = stand_in
     try:
         yield
     finally:
         c10d.ProcessGroupGloo = real
-    if not handed:
+    if stand_in.pending:
         raise RuntimeError(f"torch {torch.__version__}'s init_process_group did not build its Gloo group through "
                            "distributed_c10d.ProcessGroupGloo: mglaunch_recovery does not support this torch")
 
@@ -527,7 +540,10 @@ class Recovery:
         def build():
             server = None
             if is_master:  # a server of its own, so that it goes when the group is let go of (_abandon)
+                before = _sockets()
                 server = dist.TCPStore(host, port, **kwargs)
+                with self._lock:  # its own client connections: never shut nor quiet (its end joins their thread)
+                    group.server_own.update({fd: ino for fd, ino in _sockets().items() if before.get(fd) != ino})
             client = dict(kwargs, is_master=False)
             client.pop("use_libuv", None)  # a server's option
             store = dist.PrefixStore(prefix, dist.TCPStore(host, port, **client))

@@ -419,7 +419,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         // A node that took a job over lists no round before its own closes: keep the last.
         if (!standby_of_ || !m.nodes.empty()) standby_of_ = m;
         opts_.join.epoch = std::max(opts_.join.epoch, m.epoch);
-        if (!m.voters.empty()) voters_ = m.voters;
+        if (!m.voters.empty()) learn_voters(m.epoch, m.voters);
         cancel(ClientTimer::kFence);  // no workers of a round to stop
         out_.push_back(cmd::Tell{std::move(m)});
         return;
@@ -482,6 +482,14 @@ void ClientMachine::watch(Clock::time_point now) {
   arm(ClientTimer::kWatchdog, now + milliseconds(opts_.join.keep_alive_ms));
 }
 
+void ClientMachine::learn_voters(int epoch, const std::vector<std::string>& voters) {
+  if (epoch != voters_epoch_) {
+    prev_voters_ = std::move(voters_);
+    voters_epoch_ = epoch;
+  }
+  voters_ = voters;
+}
+
 void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
   round_ = a.round;
   current_ = a;
@@ -496,7 +504,7 @@ void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
   waiting_since_.reset();
   fenced_ = false;
   opts_.join.epoch = std::max(opts_.join.epoch, a.epoch);
-  voters_ = a.voters;
+  learn_voters(a.epoch, a.voters);
   if (voters_.size() == 2 && !host_agent_.empty() && !two_voters_told_) {
     two_voters_told_ = true;
     out_.push_back(cmd::Notice{
@@ -574,6 +582,7 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
   t.listed = static_cast<int>(standby ? standby_of_->nodes.size() : last_->nodes.size());
   t.epoch = opts_.join.epoch;
   t.voters = voters_;
+  t.prev_voters = prev_voters_;
   t.host_closed = !silent;
   cancel(ClientTimer::kFence);  // the round is over: the takeover's Restart stops the workers
   fenced_ = false;
@@ -616,6 +625,7 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
     TakeoverSeed seed{t.round, t.restart_count, t.lost, t.lost_host, t.deadline, survivors, t.listed};
     seed.epoch = t.epoch;
     seed.voters = t.voters;
+    seed.prev_voters = t.prev_voters;
     seed.host_closed = t.host_closed;
     seed.host_rank = t.self_rank;
     out_.push_back(cmd::HostTakeover{std::move(seed)});

@@ -253,6 +253,7 @@ class ClientMachine {
     bool refused = false;
     int epoch = 0;                    // the highest this node saw (the seed's)
     std::vector<std::string> voters;  // of that epoch
+    std::vector<std::string> prev_voters;  // of the epoch told before it (TakeoverSeed::prev_voters)
     bool host_closed = false;         // the host's connection closed (not silence)
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over
@@ -270,6 +271,11 @@ class ClientMachine {
   static constexpr std::size_t kMaxBeats = 64;
   bool unfenced_told_ = false;  // the no-fence notice (keep_alive_max_attempt < 3) was given
   std::vector<std::string> voters_;  // of the last epoch told (Assignment, Standby)
+  int voters_epoch_ = 0;                  // that epoch
+  std::vector<std::string> prev_voters_;  // of the epoch told before it (joint majority, #34)
+  // A new epoch's voters: the last ones become the previous (the same epoch told again, as a
+  // standby is at every round, only replaces them).
+  void learn_voters(int epoch, const std::vector<std::string>& voters);
   bool two_voters_told_ = false;     // the two-voter notice was given
   std::chrono::milliseconds backoff_{100};  // between reconnects after a loss
   int refused_ = 0;  // refused connects in a row at start (connect_retry_delay)

@@ -280,7 +280,6 @@ std::vector<proto::Frame> JobReplay::apply(const Event& e) {
       if (gone_.contains(e.agent)) return {};  // a lost agent stays lost
       if (session == sessions_.end())
         session = sessions_.emplace(e.agent, static_cast<SessionId>(sessions_.size() + 1)).first;
-      joins_[e.agent] = e.join;
       actions = job_.join(session->second, e.join, at());
       break;
     case Event::Kind::kFailed:
@@ -296,9 +295,11 @@ std::vector<proto::Frame> JobReplay::apply(const Event& e) {
       gone_.insert(e.agent);
       const auto before = job_.state();
       actions = job_.disconnected(session->second, at(), e.why);
-      // The others go on without this node: it must stop, as a silent node told by the daemon.
+      // The others go on without this node: it must stop its workers and join again (the job
+      // keeps this identity lost: EtcdLink joins as a newcomer), as a silent node the daemon or
+      // an agent host drops is told Restart; Abort only when the job failed (#34).
       if (e.agent == self_)
-        for (auto& a : job_.abort_lost(session->second, joins_[e.agent], e.why, before)) actions.push_back(std::move(a));
+        for (auto& a : job_.tell_lost(session->second, before)) actions.push_back(std::move(a));
       break;
     }
     case Event::Kind::kTick:

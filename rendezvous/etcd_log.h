@@ -126,7 +126,6 @@ class JobReplay {
   std::string self_;
   Job job_;
   std::map<std::string, SessionId> sessions_;
-  std::map<std::string, proto::Join> joins_;
   std::set<std::string> gone_;
   std::int64_t vnow_ = 0;
   std::vector<JobEvent> events_;

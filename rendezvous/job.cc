@@ -78,9 +78,10 @@ std::string text_of(const JobEvent& e) {
       return fmt::format("{} failed at round {} (restart {} of {}): root cause: {}", job, e.round, e.restart_count,
                          e.max_restarts, e.why);
     case K::kNoQuorum:
-      return fmt::format("{}: round {} waits for a majority of the job's {} voters: {} of them joined or standing by, {} needed (the "
-                         "others are lost or cut off; no round runs without a majority)",
-                         job, e.round + 1, e.voters, e.nodes, e.voters / 2 + 1);
+      return fmt::format("{}: round {} waits for a majority of the job's {} voters{}: {} of them joined or standing by, {} needed (the "
+                         "others are lost or cut off; no round runs without a majority{})",
+                         job, e.round + 1, e.voters, e.previous_voters ? " of the epoch before" : "", e.nodes, e.voters / 2 + 1,
+                         e.previous_voters ? "; the voters changed, so the old set's majority is needed too" : "");
   }
   return job;
 }
@@ -118,7 +119,11 @@ nlohmann::json json_of(const JobEvent& e) {
     case K::kPromoted: j["replaces"] = e.replaces; break;
     case K::kTakeover: j["max_restarts"] = e.max_restarts; j["why"] = e.why; break;
     case K::kDone: j["nodes"] = e.nodes; break;
-    case K::kNoQuorum: j["nodes"] = e.nodes; j["voters"] = e.voters; break;
+    case K::kNoQuorum:
+      j["nodes"] = e.nodes;
+      j["voters"] = e.voters;
+      j["previous_voters"] = e.previous_voters;
+      break;
     case K::kFailed:
       j["max_restarts"] = e.max_restarts;
       j["rank"] = e.rank >= 0 ? nlohmann::json(e.rank) : nlohmann::json();
@@ -505,37 +510,44 @@ std::size_t Job::approx_bytes() const {
   return bytes;
 }
 
-int Job::voters_joined() const {
+int Job::voters_joined(const std::vector<std::string>& voters) const {
   // The voters this host hears on its side: those that joined the next round and the
   // standbys registered with it (each heard within its keep-alive x attempts, else dropped),
   // each agent once. Not the nodes told to restart that have not joined yet: they are no
-  // part of the round that would open, so nothing would notice them go (docs/multinode.md).
+  // part of the round that would open, so nothing would notice them go, and one cut off
+  // after its Restart could be counted here and by the other side's takeover too
+  // (docs/multinode.md).
   std::set<std::string_view> present;
   for (const auto* m : {&joined_, &standby_})
     for (const auto& [s, n] : *m)
-      if (std::find(voters_.begin(), voters_.end(), n.join.agent_id) != voters_.end()) present.insert(n.join.agent_id);
+      if (std::find(voters.begin(), voters.end(), n.join.agent_id) != voters.end()) present.insert(n.join.agent_id);
   return static_cast<int>(present.size());
 }
 
-bool Job::has_quorum() const {
-  if (!quorum_ || voters_.empty() || (round_ == 0 && !took_over_)) return true;
-  const int voters = static_cast<int>(voters_.size());
-  const int joined = voters_joined();
-  // Two voters: no side of a cut between them has a majority. The side that kept the
-  // rendezvous host goes on (the arbiter's side); a node that took the job over goes on
-  // only after it saw its host's connection close (its agent is gone, its machine
-  // answered), never after silence (docs/multinode.md, "Network partitions").
-  if (voters <= 2) return joined >= 1 && (!took_over_ || voters_host_closed_);
-  return 2 * joined > voters;
+std::optional<Job::Tally> Job::short_of_majority() const {
+  if (!quorum_ || voters_.empty() || (round_ == 0 && !took_over_)) return std::nullopt;
+  for (const auto* set : {&voters_, &prev_voters_}) {
+    if (set->empty()) continue;
+    const int voters = static_cast<int>(set->size());
+    const int joined = voters_joined(*set);
+    // Two voters: no side of a cut between them has a majority. The side that kept the
+    // rendezvous host goes on (the arbiter's side); a node that took the job over goes on
+    // only after it saw its host's connection close (its agent is gone, its machine
+    // answered), never after silence (docs/multinode.md, "Network partitions").
+    const bool ok = voters <= 2 ? joined >= 1 && (!took_over_ || voters_host_closed_) : 2 * joined > voters;
+    if (!ok) return Tally{joined, voters, set == &prev_voters_};
+  }
+  return std::nullopt;
 }
 
 Actions Job::close_round(Clock::time_point now) {
-  if (!has_quorum()) {
+  if (const auto short_of = short_of_majority()) {
     if (!quorum_told_) {  // once per round waited for; the join_timeout's root cause says it again
       quorum_told_ = true;
       auto& e = emit(JobEvent::Kind::kNoQuorum);
-      e.nodes = voters_joined();
-      e.voters = static_cast<int>(voters_.size());
+      e.nodes = short_of->present;
+      e.voters = short_of->voters;
+      e.previous_voters = short_of->previous;
     }
     return {};
   }
@@ -604,7 +616,9 @@ Actions Job::close_round(Clock::time_point now) {
     a.world_size += n.join.nproc;
   }
   // The voters of this epoch: its nodes, then the standbys registered now (not listed past
-  // kMaxListedNodes: no majority is counted for such a job).
+  // kMaxListedNodes: no majority is counted for such a job). The last epoch's stay counted
+  // beside them for the next round (joint majority, has_quorum()).
+  prev_voters_ = std::move(voters_);
   voters_.clear();
   if (nodes.size() + standby_.size() <= proto::kMaxListedNodes) {
     for (const auto& [s, n] : nodes) voters_.push_back(n.join.agent_id);
@@ -780,10 +794,10 @@ proto::WorkerFailed Job::lost_cause(const proto::Join& j, std::string_view why) 
   return rc;
 }
 
-Actions Job::abort_lost(SessionId s, const proto::Join& j, std::string_view why, State before) const {
-  if (before != State::kRunning || finished()) return {};
-  const proto::WorkerFailed rc = lost_cause(j, why);
-  return {{s, proto::to_wire(proto::Abort{rc, rc.message})}};
+Actions Job::tell_lost(SessionId s, State before) const {
+  if (before != State::kRunning || state_ == State::kDone) return {};
+  if (state_ == State::kFailed) return abort_ ? Actions{{s, proto::to_wire(*abort_)}} : Actions{};
+  return {{s, proto::to_wire(proto::Restart{restart_count_, restart_reason_})}};
 }
 
 int takeover_epoch(int seed_epoch, int host_rank) {
@@ -805,6 +819,7 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   // lost host (or another node that took the same round over) mints.
   epoch_ = std::max(epoch_, takeover_epoch(seed.epoch, seed.host_rank) - 1);
   voters_ = seed.voters;
+  prev_voters_ = seed.prev_voters;
   took_over_ = true;
   voters_host_closed_ = seed.host_closed;
   auto& e = emit(JobEvent::Kind::kTakeover);
@@ -909,10 +924,11 @@ Actions Job::tick_deadlines(Clock::time_point now) {
       rc.rank = -1;
       rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
                                config_.min_nodes, id_);
-      if (!has_quorum())
-        rc.message = fmt::format("no majority of job '{}''s {} voters within join_timeout: {} of them joined or standing by, {} needed "
+      if (const auto short_of = short_of_majority())
+        rc.message = fmt::format("no majority of job '{}''s {} voters{} within join_timeout: {} of them joined or standing by, {} needed "
                                  "(a network partition may have cut this side off; the majority's side goes on)",
-                                 id_, voters_.size(), voters_joined(), voters_.size() / 2 + 1);
+                                 id_, short_of->voters, short_of->previous ? " of the epoch before" : "",
+                                 short_of->present, short_of->voters / 2 + 1);
       if (state_ == State::kRestarting && !restart_reason_.empty()) {
         // The restart's cause is the job's: the node lost, not a join that came too late.
         rc.round = round_;
@@ -971,8 +987,8 @@ Actions Job::tick_deadlines(Clock::time_point now) {
       // The silent node is told too, in case it is only slow (or its side of a cut hears the
       // host): as the others, a Restart when the job goes on, so that it stops its workers
       // and joins again (#34); the Abort only when the job failed.
-      if (state_ == State::kFailed) out.push_back({lost, proto::to_wire(*abort_)});
-      else out.push_back({lost, proto::to_wire(proto::Restart{restart_count_, restart_reason_})});
+      auto told = tell_lost(lost, State::kRunning);
+      out.insert(out.end(), told.begin(), told.end());
       return out;
     }
   }

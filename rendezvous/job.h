@@ -72,6 +72,9 @@ struct TakeoverSeed {
   // among its joins (#34). Empty: none known, no majority asked.
   int epoch = 0;
   std::vector<std::string> voters{};
+  // The voters of the epoch before that one, as the new host was told them (empty: none):
+  // the new host's round needs a majority of them too (joint majority, see Job::has_quorum).
+  std::vector<std::string> prev_voters{};
   // The new host saw its host's connection close (the host's machine answered: its agent is
   // gone, not cut off), not go silent. With two voters that is enough for the survivor to
   // go on alone; after silence it is not (docs/multinode.md, "Network partitions").
@@ -129,6 +132,7 @@ struct JobEvent {
   std::vector<std::pair<std::string, std::string>> members;  // kRoundStarted: (host, addr), at most kListedMembers
   int position = 0;
   int voters = 0;  // kNoQuorum: the epoch's voters (nodes: those that joined)
+  bool previous_voters = false;  // kNoQuorum: the voters counted are the epoch before's (joint majority)
   int rank = -1, exit_code = 0, signal = 0;
   std::string how, cause, why, replaces;
 
@@ -157,11 +161,12 @@ class Job {
   Actions node_done(SessionId s, int round, Clock::time_point now);
   // `why` ends the root cause "node H (A) lost: WHY" (the etcd backend: a lease expired).
   Actions disconnected(SessionId s, Clock::time_point now, std::string_view why = "its connection closed");
-  // The node of session `s` (joined as `j`) was declared lost (disconnected()) while the
-  // job was `before`: when that was a running round and the job goes on without it, it is
-  // told Abort with its loss as the root cause, so that it stops as a silent node the daemon
-  // dropped does (the etcd backend, which tells its own agent); else nothing.
-  Actions abort_lost(SessionId s, const proto::Join& j, std::string_view why, State before) const;
+  // The node of session `s` was declared lost (disconnected()) while the job was `before`:
+  // when that was a running round, it is told what a silent member the server drops is told
+  // (tick()): Restart when the job goes on without it (it stops its workers and joins again),
+  // the job's Abort when it failed; else nothing. For the etcd backend, which tells its own
+  // agent (#34).
+  Actions tell_lost(SessionId s, State before) const;
   // Closes a round after last call, detects silent nodes, expires a join that waits too long.
   Actions tick(Clock::time_point now);
   // Makes this new job go on from the round its lost hosting agent ran: the next round is
@@ -247,14 +252,26 @@ class Job {
   // The root cause "node H (A) lost: WHY" of a node lost during round_.
   proto::WorkerFailed lost_cause(const proto::Join& j, std::string_view why) const;
   Actions drop_rebuild(const proto::Join& j);
-  // The voters present for the next round: joined_ and standby_ whose agent id is one of
-  // voters_, each once.
-  int voters_joined() const;
-  // Whether the next round may open: always in a job that counts no quorum (a daemon or etcd
-  // arbitrates) and for a first round; else every round after the first (a node lost, a
-  // worker failed, a scale-up: a cut may come during any restart) needs a majority of
-  // voters_ (with two voters, the side that kept its host: see the .cc).
-  bool has_quorum() const;
+  // The voters of `voters` present for the next round: joined_ and standby_ whose agent id
+  // is one of them, each once.
+  int voters_joined(const std::vector<std::string>& voters) const;
+  // A voter set without its majority present: how many of how many, and whether it is the
+  // epoch before's (prev_voters_).
+  struct Tally {
+    int present = 0;
+    int voters = 0;
+    bool previous = false;
+  };
+  // Whether the next round may open (nullopt) or which voter set lacks its majority: none in
+  // a job that counts no quorum (a daemon or etcd arbitrates) and for a first round; else
+  // every round after the first (a node lost, a worker failed, a scale-up: a cut may come
+  // during any restart) needs a majority of voters_ AND of prev_voters_ (with two voters,
+  // the side that kept its host: see the .cc). The joint majority, as Raft's during a
+  // configuration change: two sides that know different epochs' voters (one missed the
+  // assignment that changed them) both need a majority of the older set, so at most one
+  // goes on (docs/multinode.md, "Network partitions").
+  std::optional<Tally> short_of_majority() const;
+  bool has_quorum() const { return !short_of_majority(); }
   // Records an event of `kind` (about node `n` when given), with the job's round and restarts.
   JobEvent& emit(JobEvent::Kind kind, const proto::Join* n = nullptr);
 
@@ -264,6 +281,8 @@ class Job {
   // The voters of epoch_ (agent ids): the round's nodes and the standbys when it closed;
   // empty when more than kMaxListedNodes (no majority is counted then).
   std::vector<std::string> voters_;
+  // The voters of the epoch before epoch_ (those that decided it); empty: none (the first).
+  std::vector<std::string> prev_voters_;
   bool quorum_told_ = false;  // the wait for a majority was recorded (kNoQuorum) for this round
   bool took_over_ = false;           // this job was taken over; its first round not closed yet
   bool voters_host_closed_ = false;  // the takeover's host was seen to close (TakeoverSeed)

@@ -367,6 +367,152 @@ TEST_CASE("quorum: two voters - the rendezvous host's side goes on after the oth
   }
 }
 
+namespace {
+
+// Every node of the job beats at `t` but those in `silent`.
+void beat(Job& job, std::initializer_list<SessionId> sessions, Clock::time_point t) {
+  for (auto s : sessions) job.heartbeat(s, t);
+}
+
+// A worker of node `s` failed in round `round`: everybody is told to restart.
+Actions fail_worker(Job& job, SessionId s, int round, Clock::time_point t) {
+  proto::WorkerFailed f;
+  f.round = round;
+  f.host = "host-127.0.0." + std::to_string(s);
+  f.rank = 0;
+  return job.worker_failed(s, f, t);
+}
+
+}  // namespace
+
+TEST_CASE("quorum: voters that change between epochs need the old set's majority too (joint majority): a standby "
+          "the host counted and then lost to the other side of a cut splits the job no more") {
+  // --nnodes=1:2, nodes A (.1, the host) and B (.2), S (.3) a standby; two worker failures
+  // make S a voter of epochs 2 and 3: voters {A, B, S}.
+  Job host("job", true);
+  host.join(1, node("127.0.0.1", 1, 2), T0);
+  REQUIRE(of_type(host.join(2, node("127.0.0.2", 1, 2), T0), MsgType::kAssignment).size() == 2);
+  REQUIRE(of_type(host.join(3, node("127.0.0.3", 1, 2), T0), MsgType::kStandby).size() == 1);
+  for (int round = 1; round <= 2; ++round) {
+    const auto t = T0 + round * 10ms;
+    fail_worker(host, 2, round, t);
+    host.join(1, node("127.0.0.1", 1, 2), t);
+    REQUIRE(of_type(host.join(2, node("127.0.0.2", 1, 2), t), MsgType::kAssignment).size() == 2);
+  }
+  REQUIRE(host.epoch() == 3);
+  const std::vector<std::string> voters = {"agent-127.0.0.1", "agent-127.0.0.2", "agent-127.0.0.3"};
+  // The cut: {A} | {B, S}. B beat last at 100 ms, S at 150 ms (they beat apart): when B is
+  // lost at 401 ms, S is still counted on the host's side and takes B's place in round 4.
+  beat(host, {1, 2, 3}, T0 + 100ms);
+  beat(host, {1, 3}, T0 + 150ms);
+  for (auto t = T0 + 200ms; t <= T0 + 400ms; t += 100ms) beat(host, {1}, t);
+  host.tick(T0 + 401ms);
+  auto round4 = of_type(host.join(1, node("127.0.0.1", 1, 2), T0 + 410ms), MsgType::kAssignment);
+  REQUIRE(round4.size() == 2);  // A and S (whose assignment never arrives: it is cut off)
+  CHECK(decoded<proto::Assignment>(round4[0]).voters == std::vector<std::string>{"agent-127.0.0.1", "agent-127.0.0.3"});
+  // S, silent, is lost; A alone re-joins. Round 5's voters {A, S} are two and A kept the
+  // host: one epoch's count lets it go on. The epoch before's {A, B, S}: 1 of 3.
+  for (auto t = T0 + 500ms; t <= T0 + 700ms; t += 100ms) beat(host, {1}, t);
+  host.tick(T0 + 711ms);
+  host.join(1, node("127.0.0.1", 1, 2), T0 + 720ms);
+  host.take_events();
+  CHECK(of_type(host.tick(T0 + 1800ms), MsgType::kAssignment).empty());  // before: a round of A alone, epoch 5
+  JobEvent e;
+  REQUIRE(has_event(host, JobEvent::Kind::kNoQuorum, &e));
+  CHECK(e.previous_voters);
+  CHECK(e.voters == 3);
+  CHECK(e.nodes == 1);
+  CHECK_THAT(text_of(e), Catch::Contains("waits for a majority of the job's 3 voters of the epoch before: 1 of them"));
+  auto end = of_type(host.tick(T0 + 5800ms), MsgType::kAbort);
+  REQUIRE(end.size() == 1);
+  CHECK_THAT(decoded<proto::Abort>(end[0]).reason, Catch::Contains("no majority of job 'job''s 3 voters of the epoch "
+                                                                    "before within join_timeout"));
+  // The other side: B took the job over from epoch 3 (its last assignment), S followed it.
+  Job other("job", true);
+  TakeoverSeed seed = seed_of(3, 3, 2, 1, T0 + 5s);
+  seed.voters = voters;
+  seed.prev_voters = voters;
+  seed.host_rank = 1;
+  other.take_over(seed, T0 + 600ms);
+  auto jb = node("127.0.0.2", 1, 2);
+  jb.last_group_rank = 1;
+  jb.epoch = 3;
+  other.join(2, jb, T0 + 600ms);
+  auto js = node("127.0.0.3", 1, 2);
+  js.resume_standby = true;
+  js.epoch = 3;
+  CHECK(of_type(other.join(3, js, T0 + 600ms), MsgType::kAssignment).size() == 2);  // B and S: 2 of 3, one side
+}
+
+TEST_CASE("quorum: a node told to restart that still beats is alive but no vote until it joins: the round waits for "
+          "it instead of opening without it, then opens with it, and cut off after its Restart it is dropped, never counted") {
+  // Nodes A (the host), B, C; a worker fails. A re-joins at once; B beats (its workers take
+  // their time to stop); C is cut off. Counted as present, B would make 2 of 3 at the last
+  // call and open a round of A alone, which B would then join as a scale-up (one more
+  // restart), and a B cut off after its Restart could be counted here and by the other
+  // side's takeover too. Not counted: the round waits for B's join.
+  Job job = three_nodes(true);
+  fail_worker(job, 1, 1, T0 + 50ms);
+  job.join(1, node("127.0.0.1"), T0 + 100ms);
+  job.take_events();
+  for (auto t = T0 + 200ms; t <= T0 + 1300ms; t += 100ms) {
+    beat(job, {1, 2}, t);
+    CHECK(of_type(job.tick(t + 1ms), MsgType::kAssignment).empty());
+  }
+  JobEvent e;
+  REQUIRE(has_event(job, JobEvent::Kind::kNoQuorum, &e));
+  CHECK(e.nodes == 1);
+  auto out = job.join(2, node("127.0.0.2"), T0 + 1350ms);
+  auto more = job.tick(T0 + 1351ms);
+  out.insert(out.end(), more.begin(), more.end());
+  out = of_type(out, MsgType::kAssignment);
+  REQUIRE(out.size() == 2);  // A and B, one round, no scale-up after it
+  CHECK(decoded<proto::Assignment>(out[0]).group_world_size == 2);
+  SECTION("B cut off after its Restart: dropped at keep-alive x attempts, the round never opens on A's side") {
+    Job cut = three_nodes(true);
+    fail_worker(cut, 1, 1, T0 + 50ms);
+    cut.join(1, node("127.0.0.1"), T0 + 100ms);
+    beat(cut, {1, 2}, T0 + 150ms);
+    for (auto t = T0 + 200ms; t <= T0 + 2000ms; t += 100ms) {
+      beat(cut, {1}, t);
+      CHECK(of_type(cut.tick(t + 1ms), MsgType::kAssignment).empty());
+    }
+    CHECK(cut.state() == Job::State::kRestarting);
+  }
+}
+
+TEST_CASE("quorum: a node that joined a round and was cut off before its assignment takes over with the older "
+          "voters: the host's side needs their majority too, so only one side goes on") {
+  // Nodes A (the host), B, C; a worker fails, A and B re-join (C is cut off), round 2 opens
+  // with A and B: voters {A, B}. B's assignment never arrives: the cut is now {A} | {B, C}.
+  Job host = three_nodes(true);
+  fail_worker(host, 3, 1, T0 + 50ms);
+  host.join(1, node("127.0.0.1"), T0 + 100ms);
+  host.join(2, node("127.0.0.2"), T0 + 100ms);
+  auto round2 = of_type(host.tick(T0 + 1101ms), MsgType::kAssignment);
+  REQUIRE(round2.size() == 2);
+  for (auto t = T0 + 1200ms; t <= T0 + 1400ms; t += 100ms) beat(host, {1}, t);
+  host.tick(T0 + 1402ms);  // B lost
+  host.join(1, node("127.0.0.1"), T0 + 1410ms);
+  host.take_events();
+  CHECK(of_type(host.tick(T0 + 2500ms), MsgType::kAssignment).empty());  // before: A alone (two voters, the host's side)
+  JobEvent e;
+  REQUIRE(has_event(host, JobEvent::Kind::kNoQuorum, &e));
+  CHECK(e.previous_voters);
+  // B and C take over from epoch 1 (B's last assignment), voters {A, B, C}: 2 of 3.
+  Job other("job", true);
+  TakeoverSeed seed = seed_of(1, 1, 3, 2, T0 + 5s);
+  seed.host_rank = 1;
+  other.take_over(seed, T0 + 1500ms);
+  for (int i = 2; i <= 3; ++i) {
+    auto j = node("127.0.0." + std::to_string(i));
+    j.last_group_rank = i - 1;
+    j.epoch = 1;
+    other.join(static_cast<SessionId>(i), j, T0 + 1500ms);
+  }
+  CHECK(of_type(other.tick(T0 + 2501ms), MsgType::kAssignment).size() == 2);
+}
+
 TEST_CASE("quorum: a node of the running round that re-registers after an outage of its own takes its place back "
           "(no Error while its workers run), one the job went on without is told to restart and join again") {
   auto resume = [](proto::Join j, int round, int rank, int restart_count = 0) {
@@ -653,7 +799,30 @@ TEST_CASE("quorum: the takeover search waits for a candidate that refuses (alive
       REQUIRE(host.size() == 1);
       CHECK(host[0].seed.epoch == 4);
       CHECK(host[0].seed.voters.size() == 3);
+      CHECK(host[0].seed.prev_voters.empty());  // no epoch before it was told
       CHECK(host[0].seed.host_closed == closed);
     }
+  }
+  SECTION("the voters changed at the last epoch: the seed carries the epoch before's too (joint majority)") {
+    Link l(client_options());
+    l.m.start(l.now);
+    l.welcome("host-a");
+    l.receive(round_of(2));
+    l.receive(proto::Restart{1, "rank 0 failed"});
+    l.m.rejoin(l.now);
+    auto next = round_of(2);
+    next.round = 2;
+    next.restart_count = 1;
+    next.epoch = 5;
+    next.voters.push_back("agent-127.0.0.4");  // a standby registered meanwhile
+    l.receive(next);
+    l.m.take_pending(l.now);
+    l.m.connection_closed("end of file", l.now);
+    l.now += 100ms;
+    auto host = all<cmd::HostTakeover>(l.fire(ClientTimer::kTakeover));
+    REQUIRE(host.size() == 1);
+    CHECK(host[0].seed.epoch == 5);
+    CHECK(host[0].seed.voters == next.voters);
+    CHECK(host[0].seed.prev_voters == round_of(2).voters);
   }
 }

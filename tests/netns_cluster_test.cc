@@ -14,6 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
 #include <optional>
 #include <filesystem>
@@ -66,24 +67,31 @@ Sock bound(const NetCluster& c, int k, int type, int& port) {
   return s;
 }
 
-// Whether a TCP connection from host `from` to ip:port is made within `timeout` (refused,
-// unreachable and no answer are all "no").
-bool connects(const NetCluster& c, int from, const std::string& ip, int port,
-              std::chrono::milliseconds timeout = 1500ms) {
+// How a TCP connect from host `from` to ip:port ends within `timeout`: 0 connected, else the
+// errno (ECONNREFUSED: refused, ETIMEDOUT: no answer in time).
+int connect_result(const NetCluster& c, int from, const std::string& ip, int port,
+                   std::chrono::milliseconds timeout = 1500ms) {
   Sock s(-1);
   {
     NetCluster::InHost in(c, from);
     s.fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   }
   const sockaddr_in a = address(ip, port);
-  if (::connect(s.fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0) return true;
-  if (errno != EINPROGRESS) return false;
+  if (::connect(s.fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0) return 0;
+  if (errno != EINPROGRESS) return errno;
   pollfd p{s.fd, POLLOUT, 0};
-  if (::poll(&p, 1, static_cast<int>(timeout.count())) != 1) return false;
+  if (::poll(&p, 1, static_cast<int>(timeout.count())) != 1) return ETIMEDOUT;
   int err = 0;
   socklen_t len = sizeof err;
   ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
-  return err == 0;
+  return err;
+}
+
+// Whether a TCP connection from host `from` to ip:port is made within `timeout` (refused,
+// unreachable and no answer are all "no").
+bool connects(const NetCluster& c, int from, const std::string& ip, int port,
+              std::chrono::milliseconds timeout = 1500ms) {
+  return connect_result(c, from, ip, port, timeout) == 0;
 }
 
 bool connects(const NetCluster& c, int from, int to, int port, std::chrono::milliseconds timeout = 1500ms) {
@@ -185,6 +193,42 @@ TEST_CASE("a one-way drop loses only that direction's packets, and heal heals") 
   c.heal();
   CHECK(datagrams(c, 0, 1, 20) == 20);
   CHECK_THAT(c.switch_rules(), !Catch::Contains("drop"));
+}
+
+TEST_CASE("a REJECT firewall on a host refuses every connection to and from it at once, resets one made before, "
+          "leaves the others be, and heal heals") {
+  NetCluster c(3);
+  int p0 = 0, p1 = 0;
+  Sock l0 = bound(c, 0, SOCK_STREAM, p0);
+  Sock l1 = bound(c, 1, SOCK_STREAM, p1);
+  REQUIRE(eventually([&] { return connects(c, 1, 0, p0); }, 10s));
+  // A connection from host 1 to host 0, made before the firewall.
+  Sock early(-1);
+  {
+    NetCluster::InHost in(c, 1);
+    early.fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  }
+  const sockaddr_in a0 = address(c.addr(0), p0);
+  REQUIRE(::connect(early.fd, reinterpret_cast<const sockaddr*>(&a0), sizeof a0) == 0);
+  c.reject(0);
+  CHECK(connect_result(c, 1, c.addr(0), p0, 5s) == ECONNREFUSED);  // refused, not a timeout
+  CHECK(connect_result(c, 0, c.addr(1), p1, 5s) == ECONNREFUSED);  // its own connects too
+  CHECK(connects(c, 2, 1, p1));                                     // the others reach each other
+  CHECK(datagrams(c, 1, 0, 5) == 0);
+  // The connection made before is reset on its next segment.
+  bool reset = false;
+  for (int i = 0; i < 50 && !reset; ++i) {
+    if (::send(early.fd, "x", 1, MSG_NOSIGNAL) < 0) reset = errno == ECONNRESET || errno == EPIPE;
+    pollfd p{early.fd, POLLIN, 0};
+    if (!reset && ::poll(&p, 1, 100) == 1) {
+      char b;
+      reset = ::recv(early.fd, &b, 1, 0) < 0 && errno == ECONNRESET;
+    }
+  }
+  CHECK(reset);
+  c.heal();
+  CHECK(connects(c, 1, 0, p0));
+  CHECK(connects(c, 0, 1, p1));
 }
 
 TEST_CASE("packet loss drops about its share at random, and ends") {

@@ -253,6 +253,26 @@ TEST_CASE("an agent-hosted 3-node job whose host's packets to the others are los
   check_partition(job, 0, {1, 2}, [&] { c.drop(0, -1); });
 }
 
+// A REJECT firewall (NetCluster::reject) answers every segment with a reset: connections to
+// and from the host behind it close at once and every connect is refused, instead of
+// silence. A reset is no word from the rendezvous (docs/multinode.md, "Fencing"): the side
+// cut off so must stop its workers and not train on with a rank 0 of its own.
+TEST_CASE("an agent-hosted 3-node job with node 2 behind a REJECT firewall (resets, refused connects), then healed: "
+          "one round at any moment, the majority trains on, one job after the heal") {
+  NetCluster c(3);
+  Job job(c);
+  start_agent_hosted(job);
+  check_partition(job, 2, {0, 1}, [&] { c.reject(2); });
+}
+
+TEST_CASE("an agent-hosted 3-node job with its host (node 0) behind a REJECT firewall, then healed: one round at any "
+          "moment, the majority trains on, one job after the heal") {
+  NetCluster c(3);
+  Job job(c);
+  start_agent_hosted(job);
+  check_partition(job, 0, {1, 2}, [&] { c.reject(0); });
+}
+
 TEST_CASE("a job through mglaunch-rdzv on a fourth host, node 1 cut off from the daemon only: its workers stop "
           "before the standby takes its place, the majority trains on, one job after the heal") {
   NetCluster c(4);

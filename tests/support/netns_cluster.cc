@@ -158,8 +158,8 @@ std::vector<std::string> NetCluster::enter(pid_t holder, bool net_only) const {
   return argv;
 }
 
-void NetCluster::in_switch(const std::vector<std::string>& argv) const {
-  std::vector<std::string> full = enter(switch_.holder, true);
+void NetCluster::in_namespace(pid_t holder, const std::vector<std::string>& argv) const {
+  std::vector<std::string> full = enter(holder, true);
   full.insert(full.end(), argv.begin(), argv.end());
   const Result r = run(full, {}, 30s);
   if (r.code != 0) {
@@ -236,6 +236,34 @@ void NetCluster::loss(int k, int percent) {
   apply_rules();
 }
 
+void NetCluster::reject(int k) {
+  const Host& h = hosts_.at(static_cast<std::size_t>(k));
+  unreject(k);
+  const std::string file = dir_ + "/reject.nft";
+  {
+    std::ofstream f(file);
+    f << "table inet mgreject {\n"
+         "  chain in { type filter hook input priority 0; policy accept;\n"
+         "    iifname != \"lo\" meta l4proto tcp reject with tcp reset\n"
+         "    iifname != \"lo\" meta l4proto udp reject\n  }\n"
+         // The resets and ICMP errors the input chain makes leave through this chain: not
+         // rejected again (a reset is never answered).
+         "  chain out { type filter hook output priority 0; policy accept;\n"
+         "    oifname != \"lo\" tcp flags & rst == 0 reject with tcp reset\n"
+         "    oifname != \"lo\" meta l4proto udp reject\n  }\n"
+         "}\n";
+  }
+  in_namespace(h.holder, {kNft, "-f", file});
+  rejecting_.push_back(k);
+}
+
+void NetCluster::unreject(int k) {
+  const auto it = std::find(rejecting_.begin(), rejecting_.end(), k);
+  if (it == rejecting_.end()) return;
+  in_namespace(hosts_.at(static_cast<std::size_t>(k)).holder, {kNft, "delete", "table", "inet", "mgreject"});
+  rejecting_.erase(it);
+}
+
 // The chain `faults` rewritten whole, in one nft transaction.
 void NetCluster::apply_rules() {
   std::string script = "flush chain bridge mgnet faults\n";
@@ -266,6 +294,7 @@ void NetCluster::stop_flap(int k) {
 
 void NetCluster::heal() {
   flappers_.clear();
+  while (!rejecting_.empty()) unreject(rejecting_.back());
   rules_.clear();
   apply_rules();
   std::string batch;

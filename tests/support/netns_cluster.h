@@ -56,6 +56,12 @@ class NetCluster {
   void undrop(int from, int to);
   void cut_between(int a, int b) { drop(a, b), drop(b, a); }
   void loss(int k, int percent);     // that share of IPv4 frames into and out of host k dropped at random; 0 ends it
+  // A REJECT firewall on host k (an nft inet table in its own namespace): every TCP segment
+  // to or from another host is answered with a reset (a connect is refused, a connection
+  // reset), UDP with ICMP port-unreachable. Not at the switch: the kernel's bridge
+  // family cannot reject everywhere (nft_reject_bridge), a host's firewall can.
+  void reject(int k);
+  void unreject(int k);
   // Host k's port goes down for `down`, up for `up`, again and again (at most 1,000 times)
   // until stop_flap(k) or heal(), which leave it up.
   void flap(int k, std::chrono::milliseconds down, std::chrono::milliseconds up);
@@ -96,7 +102,9 @@ class NetCluster {
   std::string port(int k) const;
   pid_t make_holder(const std::string& hostname, const std::string& hosts_file);
   std::vector<std::string> enter(pid_t holder, bool net_only) const;
-  void in_switch(const std::vector<std::string>& argv) const;
+  void in_switch(const std::vector<std::string>& argv) const { in_namespace(switch_.holder, argv); }
+  // argv in the network namespace of `holder`; a failure throws, naming the command.
+  void in_namespace(pid_t holder, const std::vector<std::string>& argv) const;
   void ip_batch(pid_t holder, const std::string& commands) const;
   void apply_rules();
   void kill_everything_inside();
@@ -106,6 +114,7 @@ class NetCluster {
   std::vector<Host> hosts_;
   std::map<std::string, std::string> rules_;  // fault id -> nft rule
   std::map<int, Proc> flappers_;
+  std::vector<int> rejecting_;  // hosts with a REJECT firewall (reject())
   std::vector<Proc> sshds_;
   std::vector<std::string> namespaces_;
 };

@@ -1554,7 +1554,6 @@ TEST_CASE("an agent whose rendezvous server's name lookup hangs ends at its join
   Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(free_loopback_port()), "hungconnect", 1,
                                          "1:2", 1, {"--rdzv_conf=is_host=false,join_timeout=0.001"},
                                          {"hang", "120"})));
-  INFO(agent.out() << agent.err() << "DNS queries:\n" << net.log());
   REQUIRE(eventually([&] { return agent.err().find("no decision") != std::string::npos || !pid_alive(agent.pid); },
                      60s));
   REQUIRE_THAT(agent.err(), Catch::Contains("no decision from the rendezvous server at rdzv.test"));
@@ -1564,6 +1563,7 @@ TEST_CASE("an agent whose rendezvous server's name lookup hangs ends at its join
     ::kill(agent.pid, SIGKILL);
     agent.wait(60s);
   }
+  INFO(agent.out() << agent.err() << "DNS queries:\n" << net.log());  // (INFO takes its text here)
   CHECK(ended);
   CHECK(agent.exit_code() == 3);
 }

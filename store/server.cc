@@ -43,6 +43,12 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     // a client that does not read holds one reply, however many queries it sends.
     bool paused = false;
     std::size_t held = 0;  // pending + its replies' own bytes + its wait, as counted in Impl::buffered
+    // Bytes at the front of `pending` that serve() has used already: they leave it when that
+    // call returns (on_readable, resume), so they are not counted meanwhile. Else a client was
+    // charged for a finished query while the budget was checked inside serve() (a value its
+    // SET replaced let go, a reply of the queries after it): a largest SET got its setter
+    // dropped for bytes about to be freed, its SET applied.
+    std::size_t used = 0;
     // When it connected, its last query was whole, or its unfinished query began: a client
     // whose query is not whole long after this is silent (displace_silent), however many
     // bytes of it came; one idle between queries is not.
@@ -279,7 +285,8 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   // `c`'s buffers changed: counts them again in `buffered` (pending's capacity, the
   // memory it holds, not just its bytes).
   void recount(ClientId id, Client& c) {
-    const std::size_t now = c.pending.capacity() + c.reply_own + engine.wait_bytes(id);
+    const std::size_t now =
+        c.pending.capacity() - std::min(c.used, c.pending.capacity()) + c.reply_own + engine.wait_bytes(id);
     buffered = buffered - c.held + now;
     c.held = now;
   }
@@ -397,6 +404,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       }
       const std::size_t used = serve(id, c, data);
       if (used == std::string::npos) return;  // dropped
+      c.used = 0;
       if (!c.pending.empty()) {
         c.pending.erase(0, used);
       } else if (used < data.size()) {
@@ -425,6 +433,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     if (!c.pending.empty() && c.pending.size() >= c.need) {
       const std::size_t used = serve(id, c, c.pending);
       if (used == std::string::npos) return;  // dropped
+      c.used = 0;
       c.pending.erase(0, used);
       if (c.pending.empty()) std::string().swap(c.pending);
       recount(id, c);
@@ -450,6 +459,10 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
         return std::string::npos;
       }
       used += p.consumed;
+      if (data.data() == c.pending.data()) {  // its bytes leave `pending` at the caller
+        c.used = used;
+        recount(id, c);
+      }
       ++queries;
       if (!c.served) {
         c.served = true;

@@ -1249,3 +1249,40 @@ TEST_CASE("torch 1.13's silent callback connection is never displaced at the cli
     CHECK(numkeys_served(*other));
   }
 }
+
+TEST_CASE("a finished query's bytes are not charged while the budget is checked inside it, so a SET replacing a "
+          "value that a reader holds does not get its setter dropped (#35)") {
+  // The budget was checked inside serve() while the finished SET's bytes were still in its
+  // client's query buffer (they leave it once serve() returns), beside the value it replaced
+  // (held by a reader that does not read): 11 MiB + 6 MiB over a budget of 16, though 6 MiB
+  // were held once the query was done. The setter was dropped, its SET applied. Both checks:
+  // the one after the value is let go, and the one of a reply to a query sent with the SET.
+  for (const bool pipelined : {false, true}) {
+    INFO("a NUM_KEYS sent with the SET: " << pipelined);
+    ServerOptions o;
+    o.max_buffered = 16 << 20;
+    constexpr std::size_t kOld = 6 << 20, kNew = 11 << 20;
+    ServerThread s(o);
+    boost::asio::io_context io;
+    auto setter = client_from(io, s);
+    boost::asio::write(*setter, boost::asio::buffer(validate() + byte(1) + str("k") + str(std::string(kOld, 'o'))));
+    REQUIRE(numkeys_served(*setter));
+    auto reader = client_from(io, s, "127.0.0.1", 4096);
+    boost::asio::write(*reader, boost::asio::buffer(validate() + byte(3) + str("k")));
+    REQUIRE(eventually([&] { return on_io(s, [&] { return s.server->queries(); }) == 5; }, 60s));
+    const std::string set = byte(1) + str("k") + str(std::string(kNew, 'n'));
+    if (pipelined) {
+      boost::system::error_code ec;
+      boost::asio::write(*setter, boost::asio::buffer(set + byte(7)), ec);
+      std::int64_t n = -1;
+      boost::asio::read(*setter, boost::asio::buffer(&n, 8), ec);
+      CHECK((!ec && n == 1));
+    } else {
+      boost::asio::write(*setter, boost::asio::buffer(set));
+      CHECK(numkeys_served(*setter));
+    }
+    CHECK(on_io(s, [&] { const auto* v = s.server->engine().value("k"); return v && v->size() == kNew; }));
+    CHECK(on_io(s, [&] { return s.server->dropped(); }) == 0);
+    CHECK(on_io(s, [&] { return s.server->buffered(); }) <= o.max_buffered);
+  }
+}

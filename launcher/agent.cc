@@ -63,15 +63,14 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
       make_link_(std::move(deps.link)),
       hardware_(std::move(deps.hardware)),
       make_store_(std::move(deps.store)),
+      make_control_(std::move(deps.control)),
       opts_(std::move(opts)),
       plan_(std::move(plan)),
       base_env_(std::move(base_env)),
       out_fd_(deps.stdout_fd),
       err_fd_(deps.stderr_fd),
       console_(io, out_fd_, err_fd_, opts_.timestamps),
-      signals_(io),
-      job_control_(io),
-      winch_(io),
+      signals_(std::move(deps.signals)),
       launcher_(deps.launcher(io, console_)),
       core_(core_config(opts_, plan_)),
       prestart_(plan_.nproc_per_node, opts_.grace) {
@@ -179,16 +178,17 @@ void Agent::start() {
   // that connects never meets a host that then gives up (a refused agent retries until
   // join_timeout; a connection reset before the welcome ends its run).
   host_rendezvous();
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_.add(sig);
+  using Set = AgentSignals::Set;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_->add(Set::kStop, sig);
   // torchrun's --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT): each one listed
   // stops the workers with that signal and ends the run with 128+S, as the ones above do.
-  for (int sig : opts_.signals_to_handle) signals_.add(sig);
+  for (int sig : opts_.signals_to_handle) signals_->add(Set::kStop, sig);
   wait_signal();
-  job_control_.add(SIGTSTP);
-  job_control_.add(SIGCONT);
+  signals_->add(Set::kJobControl, SIGTSTP);
+  signals_->add(Set::kJobControl, SIGCONT);
   wait_job_control();
   if (console_.live(0) || console_.live(1)) {
-    winch_.add(SIGWINCH);
+    signals_->add(Set::kWinch, SIGWINCH);
     wait_winch();
   }
   python_run_ = opts_.module || (!opts_.no_python && (opts_.run_path || opts_.program.ends_with(".py")));
@@ -288,7 +288,7 @@ void Agent::start_control() {
     run(core_.worker_paused(lr, now()));  // it answered: alive, its Assign may go
   };
   try {
-    control_ = std::make_unique<control::Server>(io_, std::move(co), std::move(h));
+    control_ = make_control_(io_, std::move(co), std::move(h));
     base_env_[control::kSocketVar] = control_->address();
   } catch (const std::runtime_error& e) {
     notice(std::string(e.what()) + ": no worker can opt in to in-place recovery in this run");
@@ -535,7 +535,7 @@ void Agent::run(sup::Actions actions) {
           } else if constexpr (std::is_same_v<A, sup::act::ResumeOutputDrains>) {
             launcher_->resume_drains();
           } else if constexpr (std::is_same_v<A, sup::act::StopSelf>) {
-            ::kill(::getpid(), SIGSTOP);
+            signals_->stop_self();
           } else if constexpr (std::is_same_v<A, sup::act::ArmTimer>) {
             const sup::Timer t = a.timer;
             clock_->arm(t, a.at, [this, t] { run(core_.timer_fired(t, now())); });
@@ -603,10 +603,8 @@ void Agent::finish(int code) {
   stop_preflight();
   final_events(code);
   if (monitor_) monitor_->stop();
-  boost::system::error_code ec;
-  signals_.cancel(ec);
-  job_control_.cancel(ec);
-  winch_.cancel(ec);
+  for (auto set : {AgentSignals::Set::kStop, AgentSignals::Set::kJobControl, AgentSignals::Set::kWinch})
+    signals_->cancel(set);
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
@@ -616,8 +614,8 @@ void Agent::finish(int code) {
   // no rendezvous says when they are done, so the store outlives this node's workers until
   // the others' leave it (torchrun's exit barrier; a rendezvous' "done" waits for every node).
   if (store_ && code == 0 && opts_.rdzv_backend == "static" && opts_.nnodes.max > 1) {
-    signals_.async_wait([this](boost::system::error_code e, int) {
-      if (e || !store_ || lingering_done_) return;
+    signals_->wait(AgentSignals::Set::kStop, [this](int) {
+      if (!store_ || lingering_done_) return;
       lingering_done_ = true;
       clock_->cancel(sup::Timer::kStoreLinger);
       store_->stop();
@@ -646,8 +644,7 @@ void Agent::finish(int code) {
 }
 
 void Agent::wait_signal() {
-  signals_.async_wait([this](boost::system::error_code ec, int sig) {
-    if (ec) return;
+  signals_->wait(AgentSignals::Set::kStop, [this](int sig) {
     const bool stops = sig != SIGUSR1 && sig != SIGUSR2;  // the others stop the run
     if (prestart_.finishing()) {
       // The run is over but for the standby's pre-started workers being stopped: another
@@ -667,8 +664,7 @@ void Agent::notice(const std::string& text) { console_.write(1, "[mglaunch] " + 
 void Agent::error_line(const std::string& text) { console_.write(1, "mglaunch: error: " + cli::one_line(text) + "\n"); }
 
 void Agent::wait_job_control() {
-  job_control_.async_wait([this](boost::system::error_code ec, int sig) {
-    if (ec) return;
+  signals_->wait(AgentSignals::Set::kJobControl, [this](int sig) {
     // SIGTSTP (Ctrl-Z): the workers, then the agent stop; SIGCONT (fg, bg, anyone's): they
     // go on, and the time stopped counts neither against the grace nor the output drains.
     run(core_.job_control(sig, now()));
@@ -677,8 +673,7 @@ void Agent::wait_job_control() {
 }
 
 void Agent::wait_winch() {
-  winch_.async_wait([this](boost::system::error_code ec, int) {
-    if (ec) return;
+  signals_->wait(AgentSignals::Set::kWinch, [this](int) {
     launcher_->window_changed();
     if (core_.state() != sup::State::kDone) wait_winch();
   });

@@ -7,8 +7,9 @@
 // relayed lines, its own one-line notices and the failure report.
 //
 // It takes what it needs from outside (launcher/agent_seams.h): the clock and its timers,
-// the process launcher (launcher/worker_launcher.h), the rendezvous link, the hardware
-// probe and the store's socket; main() passes the machine's (machine_deps()), tests fakes.
+// the signals it handles, the process launcher (launcher/worker_launcher.h), the
+// rendezvous link, the hardware probe, the store's socket and the control channel; main()
+// passes the machine's (machine_deps()), tests fakes.
 #pragma once
 
 #include <chrono>
@@ -26,7 +27,6 @@
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <nlohmann/json.hpp>
 
@@ -150,18 +150,17 @@ class Agent {
   LinkFactory make_link_;
   std::unique_ptr<AgentHardware> hardware_;
   StoreFactory make_store_;
+  ControlFactory make_control_;
   AgentOptions opts_;
   RunPlan plan_;
   EnvMap base_env_;
   int out_fd_, err_fd_;  // the console's stdout and stderr
   Console console_;
-  boost::asio::signal_set signals_;
-  // Ctrl-Z (SIGTSTP): stop every worker group, then the agent itself; SIGCONT (fg, bg):
-  // continue them. See docs/running.md, "Interactive use".
-  boost::asio::signal_set job_control_;
+  // The stop signals (wait_signal); Ctrl-Z (SIGTSTP): stop every worker group, then the
+  // agent itself; SIGCONT (fg, bg): continue them (see docs/running.md, "Interactive
+  // use"); SIGWINCH (the terminal was resized): passed to the workers' pseudo-terminals.
+  std::unique_ptr<AgentSignals> signals_;
   void wait_job_control();
-  // SIGWINCH (the terminal was resized): passed to the workers' pseudo-terminals.
-  boost::asio::signal_set winch_;
   void wait_winch();
   // The agent's stdin is a terminal: the worker of --stdin-rank reads it itself, in the
   // agent's process group (WorkerSpec::in_agent_group).
@@ -180,7 +179,7 @@ class Agent {
   void start_control();
   int worker_of(pid_t pid) const;  // the local rank of the worker `pid` is or descends from; -1: none
   void assign_worker(const sup::act::Assign& a);
-  std::unique_ptr<control::Server> control_;
+  std::unique_ptr<AgentControl> control_;  // made by make_control_
   // --prestart-standby (docs/in-place-recovery.md, "Pre-started workers"): its rules live in
   // prestart_ (launcher/prestart.h); the agent starts the workers ahead and carries out the
   // machine's commands. A pre-started worker's end goes to the machine until its place is

@@ -1,9 +1,14 @@
 #include "launcher/agent_seams.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <array>
 #include <vector>
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ip/v6_only.hpp>
+#include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/format.h>
 
@@ -39,6 +44,26 @@ class SystemClock final : public AgentClock {
   std::vector<asio::steady_timer> timers_;  // by sup::Timer
 };
 
+class ProcessSignals final : public AgentSignals {
+ public:
+  explicit ProcessSignals(asio::io_context& io) : sets_{asio::signal_set(io), asio::signal_set(io), asio::signal_set(io)} {}
+  void add(Set set, int sig) override { of(set).add(sig); }
+  void wait(Set set, std::function<void(int)> got) override {
+    of(set).async_wait([got = std::move(got)](boost::system::error_code ec, int sig) {
+      if (!ec) got(sig);
+    });
+  }
+  void cancel(Set set) override {
+    boost::system::error_code ec;
+    of(set).cancel(ec);
+  }
+  void stop_self() override { ::kill(::getpid(), SIGSTOP); }
+
+ private:
+  asio::signal_set& of(Set set) { return sets_[static_cast<std::size_t>(set)]; }
+  std::array<asio::signal_set, 3> sets_;  // by Set
+};
+
 class MachineProbe final : public AgentHardware {
  public:
   explicit MachineProbe(std::string fake_gpu_json) : fake_gpu_json_(std::move(fake_gpu_json)) {}
@@ -54,6 +79,10 @@ class MachineProbe final : public AgentHardware {
 }  // namespace
 
 std::unique_ptr<AgentClock> make_system_clock(asio::io_context& io) { return std::make_unique<SystemClock>(io); }
+
+std::unique_ptr<AgentSignals> make_process_signals(asio::io_context& io) {
+  return std::make_unique<ProcessSignals>(io);
+}
 
 std::unique_ptr<AgentHardware> make_machine_hardware(std::string fake_gpu_json) {
   return std::make_unique<MachineProbe>(std::move(fake_gpu_json));
@@ -133,12 +162,34 @@ std::unique_ptr<AgentStore> serve_machine_store(asio::io_context& io, int port, 
   return std::make_unique<MachineStore>(std::make_unique<store::StoreServer>(io, std::move(acceptor), std::move(so)));
 }
 
+namespace {
+class MachineControl final : public AgentControl {
+ public:
+  explicit MachineControl(std::unique_ptr<control::Server> s) : s_(std::move(s)) {}
+  const std::string& address() const override { return s_->address(); }
+  bool send(int local_rank, std::string line) override { return s_->send(local_rank, std::move(line)); }
+  std::string ended_why(int local_rank) const override { return s_->ended_why(local_rank); }
+  void forget(int local_rank) override { s_->forget(local_rank); }
+  void stop() override { s_->stop(); }
+
+ private:
+  std::unique_ptr<control::Server> s_;
+};
+}  // namespace
+
+std::unique_ptr<AgentControl> serve_machine_control(asio::io_context& io, control::ServerOptions opts,
+                                                    control::Handlers h) {
+  return std::make_unique<MachineControl>(std::make_unique<control::Server>(io, std::move(opts), std::move(h)));
+}
+
 AgentDeps machine_deps(asio::io_context& io, const EnvMap& env) {
   AgentDeps d;
   d.clock = make_system_clock(io);
+  d.signals = make_process_signals(io);
   d.launcher = make_process_launcher;
   d.link = make_rendezvous_link;
   d.store = serve_machine_store;
+  d.control = serve_machine_control;
   auto gpu_json = env.find("MGLAUNCH_TEST_GPU_JSON");
   d.hardware = make_machine_hardware(gpu_json == env.end() ? std::string() : gpu_json->second);
   return d;

@@ -1,6 +1,7 @@
 // The agent's seams where the outside world enters, besides processes
-// (launcher/worker_launcher.h): the clock and its timers, the hardware probe, the
-// rendezvous link, the agent's store (a listening socket on MASTER_PORT). main() passes the machine's (machine_deps()); tests pass fakes
+// (launcher/worker_launcher.h): the clock and its timers, the signals it handles, the
+// hardware probe, the rendezvous link, the agent's store (a listening socket on
+// MASTER_PORT), the control channel of in-place recovery (an abstract Unix socket). main() passes the machine's (machine_deps()); tests pass fakes
 // (tests/agent_seams_test.cc).
 #pragma once
 
@@ -13,6 +14,7 @@
 
 #include <boost/asio/io_context.hpp>
 
+#include "control/server.h"
 #include "launcher/plan.h"
 #include "launcher/supervisor.h"
 #include "launcher/worker_launcher.h"
@@ -36,6 +38,26 @@ class AgentClock {
 };
 // std::chrono's steady and system clocks, the timers on `io`.
 std::unique_ptr<AgentClock> make_system_clock(boost::asio::io_context& io);
+
+// The signals the agent handles, in three sets it waits on apart: kStop (SIGTERM, SIGINT,
+// SIGHUP, SIGUSR1, SIGUSR2 and --signals-to-handle), kJobControl (SIGTSTP, SIGCONT) and
+// kWinch (SIGWINCH). As boost::asio::signal_set: a signal of a set that comes while no
+// wait is pending is kept for the next wait.
+class AgentSignals {
+ public:
+  enum class Set { kStop, kJobControl, kWinch };
+  virtual ~AgentSignals() = default;
+  virtual void add(Set set, int sig) = 0;
+  // `got` runs once, from the event loop, with the next signal of `set`; cancel(set), or
+  // the seam's end, drops it unrun.
+  virtual void wait(Set set, std::function<void(int sig)> got) = 0;
+  virtual void cancel(Set set) = 0;
+  // The agent stops itself (SIGSTOP: Ctrl-Z, once its workers stopped); the real one
+  // returns when the agent is continued.
+  virtual void stop_self() = 0;
+};
+// This process's signals (asio::signal_set on `io`).
+std::unique_ptr<AgentSignals> make_process_signals(boost::asio::io_context& io);
 
 // What the agent asks of the machine's hardware.
 class AgentHardware {
@@ -92,18 +114,44 @@ using StoreFactory = std::function<std::unique_ptr<AgentStore>(boost::asio::io_c
 std::unique_ptr<AgentStore> serve_machine_store(boost::asio::io_context& io, int port, int held_fd,
                                                 std::size_t max_clients, std::function<void(const std::string&)> log);
 
+// The control channel of in-place recovery (control/server.h): the agent's end, where its
+// workers say hello and paused and hear pause and assign.
+class AgentControl {
+ public:
+  virtual ~AgentControl() = default;
+  // What MGLAUNCH_CONTROL_SOCKET holds ("@name").
+  virtual const std::string& address() const = 0;
+  // Queues `line` for local rank `local_rank`'s session; false when it has none.
+  virtual bool send(int local_rank, std::string line) = 0;
+  // Why local rank `local_rank`'s last session ended, one phrase ("" while it has one).
+  virtual std::string ended_why(int local_rank) const = 0;
+  // Closes local rank `local_rank`'s session without `closed` (its worker ended).
+  virtual void forget(int local_rank) = 0;
+  // Closes the socket and every session.
+  virtual void stop() = 0;
+};
+// Listens at once, with control::Server's options and handlers (called from the event
+// loop). Throws std::runtime_error naming the address when it cannot listen (then no
+// worker can opt in to in-place recovery).
+using ControlFactory = std::function<std::unique_ptr<AgentControl>(boost::asio::io_context& io,
+                                                                   control::ServerOptions opts, control::Handlers h)>;
+std::unique_ptr<AgentControl> serve_machine_control(boost::asio::io_context& io, control::ServerOptions opts,
+                                                    control::Handlers h);
+
 // Everything the agent takes from outside. Every member must be set (machine_deps()).
 struct AgentDeps {
   std::unique_ptr<AgentClock> clock;
+  std::unique_ptr<AgentSignals> signals;
   std::function<std::unique_ptr<WorkerLauncher>(boost::asio::io_context&, Console&)> launcher;
   LinkFactory link;
   std::unique_ptr<AgentHardware> hardware;
   StoreFactory store;
+  ControlFactory control;
   int stdout_fd = STDOUT_FILENO;  // where the console writes
   int stderr_fd = STDERR_FILENO;
 };
-// The real ones: the system clock, real processes, rdzv::Client or etcd, this machine,
-// store::StoreServer.
+// The real ones: the system clock, this process's signals, real processes, rdzv::Client or etcd, this machine,
+// store::StoreServer, control::Server.
 // `env`: the agent's environment (MGLAUNCH_TEST_GPU_JSON).
 AgentDeps machine_deps(boost::asio::io_context& io, const EnvMap& env);
 

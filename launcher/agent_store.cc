@@ -151,8 +151,7 @@ void Agent::end_linger(bool timed_out) {
                        store_->port(), store_->clients(), kStoreLingerLimit.count()));
   clock_->cancel(sup::Timer::kStoreLinger);
   store_->stop();
-  boost::system::error_code ec;
-  signals_.cancel(ec);
+  signals_->cancel(AgentSignals::Set::kStop);
 }
 
 }  // namespace mg

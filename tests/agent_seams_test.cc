@@ -29,6 +29,8 @@
 #include <fmt/format.h>
 
 #include "cli/errors.h"
+#include <nlohmann/json.hpp>
+
 #include "launcher/agent.h"
 #include "launcher/agent_seams.h"
 #include "launcher/options.h"
@@ -51,6 +53,8 @@ class FakeClock final : public AgentClock {
   void cancel(sup::Timer t) override { armed_.erase(t); }
 
   bool armed(sup::Timer t) const { return armed_.contains(t); }
+  // How long from now timer `t` fires (it must be armed).
+  sup::Clock::duration due_in(sup::Timer t) const { return armed_.at(t).at - now_.steady; }
   // Moves the time to the earliest timer and fires it; false when none is armed.
   bool fire_next() {
     if (armed_.empty()) return false;
@@ -78,6 +82,49 @@ class FakeClock final : public AgentClock {
   };
   sup::Now now_{sup::Clock::time_point{} + 1000h, std::chrono::system_clock::time_point{} + 500000h};
   std::map<sup::Timer, Due> armed_;
+};
+
+// The agent's signals as the test delivers them (from the event loop, as a real one's):
+// a signal of a set with no wait pending is kept for the next wait, as asio's signal_set does.
+class FakeSignals final : public AgentSignals {
+ public:
+  explicit FakeSignals(asio::io_context& io) : io_(io) {}
+  void add(Set set, int sig) override { added[set].push_back(sig); }
+  void wait(Set set, std::function<void(int)> got) override {
+    waiting_[set] = std::move(got);
+    pass_on(set);
+  }
+  void cancel(Set set) override { waiting_.erase(set); }
+  void stop_self() override { ++stopped_self; }
+
+  // `sig` comes to the agent; a signal of no set it added is not its to handle.
+  void deliver(int sig) {
+    for (const auto& [set, sigs] : added)
+      if (std::find(sigs.begin(), sigs.end(), sig) != sigs.end()) {
+        queued_[set].push_back(sig);
+        asio::post(io_, [this, set = set] { pass_on(set); });
+        return;
+      }
+    FAIL("the agent does not handle signal " << sig);
+  }
+
+  std::map<Set, std::vector<int>> added;
+  int stopped_self = 0;
+
+ private:
+  void pass_on(Set set) {
+    auto w = waiting_.find(set);
+    auto& q = queued_[set];
+    if (w == waiting_.end() || q.empty()) return;
+    auto got = std::move(w->second);
+    waiting_.erase(w);
+    const int sig = q.front();
+    q.erase(q.begin());
+    got(sig);
+  }
+  asio::io_context& io_;
+  std::map<Set, std::function<void(int)>> waiting_;
+  std::map<Set, std::vector<int>> queued_;
 };
 
 // Workers that run until the test ends them; what the agent asked for is recorded.
@@ -132,7 +179,8 @@ class FakeLauncher final : public WorkerLauncher {
   // Worker `local_rank` of the attempt running now ends with raw wait status `status`
   // (from the event loop, as a real one would).
   void end(int local_rank, int status, std::vector<std::string> tail = {}) {
-    auto it = std::find_if(current_.begin(), current_.end(), [&](const Worker* w) { return w->spec.local_rank == local_rank; });
+    auto it = std::find_if(current_.begin(), current_.end(),
+                           [&](const Worker* w) { return w->spec.local_rank == local_rank && !w->exited; });
     REQUIRE(it != current_.end());
     Worker& w = **it;
     REQUIRE_FALSE(w.exited);
@@ -189,6 +237,44 @@ class FakeStore final : public AgentStore {
  private:
   Record& r_;
   int port_;
+};
+
+// The control channel as the test plays the workers' side: what the agent sent each local
+// rank is recorded; hello and paused come through the handlers the agent gave (from the
+// event loop, as a real server's do).
+class FakeControl final : public AgentControl {
+ public:
+  FakeControl(asio::io_context& io, control::Handlers h) : io_(io), h_(std::move(h)) {}
+  const std::string& address() const override { return address_; }
+  bool send(int local_rank, std::string line) override {
+    if (ended.contains(local_rank)) return false;
+    sent[local_rank].push_back(nlohmann::json::parse(line));
+    return true;
+  }
+  std::string ended_why(int local_rank) const override {
+    auto it = ended.find(local_rank);
+    return it == ended.end() ? std::string() : it->second;
+  }
+  void forget(int) override {}
+  void stop() override { stopped = true; }
+
+  void hello(int local_rank, bool in_place) {
+    control::Hello m;
+    m.in_place = in_place;
+    asio::post(io_, [this, local_rank, m] { h_.hello(local_rank, m); });
+  }
+  void paused(int local_rank, long long step) {
+    asio::post(io_, [this, local_rank, step] { h_.paused(local_rank, control::Paused{step}); });
+  }
+
+  std::map<int, std::vector<nlohmann::json>> sent;  // by local rank
+  std::map<int, std::string> ended;  // local ranks whose session ended, and why (the agent has not heard yet)
+  bool stopped = false;
+
+ private:
+  asio::io_context& io_;
+  control::Handlers h_;
+  std::string address_ = "@fake-control";
 };
 
 // The rendezvous as the test plays it: what the agent sent is recorded, the decisions come
@@ -259,8 +345,10 @@ std::string env_of(const WorkerSpec& spec, const std::string& key) {
 struct Run {
   asio::io_context io{1};
   FakeClock* clock = nullptr;
+  FakeSignals* signals = nullptr;
   FakeLauncher* launcher = nullptr;
   FakeLink* link = nullptr;  // made when the agent joins a rendezvous
+  FakeControl* control = nullptr;
   FakeStore::Record store;
   std::string out_path;
   int out_fd = -1;
@@ -288,6 +376,9 @@ struct Run {
     auto c = std::make_unique<FakeClock>();
     clock = c.get();
     deps.clock = std::move(c);
+    auto sigs = std::make_unique<FakeSignals>(io);
+    signals = sigs.get();
+    deps.signals = std::move(sigs);
     deps.launcher = [this](asio::io_context& io, Console&) {
       auto l = std::make_unique<FakeLauncher>(io);
       launcher = l.get();
@@ -306,6 +397,11 @@ struct Run {
       if (store_made) store_made(port);
       store.served.push_back(port);
       return std::unique_ptr<AgentStore>(std::make_unique<FakeStore>(store, port));
+    };
+    deps.control = [this](asio::io_context& io, control::ServerOptions, control::Handlers h) {
+      auto c = std::make_unique<FakeControl>(io, std::move(h));
+      control = c.get();
+      return std::unique_ptr<AgentControl>(std::move(c));
     };
     deps.stdout_fd = out_fd;
     deps.stderr_fd = out_fd;
@@ -341,6 +437,10 @@ struct Run {
   }
   void end(int local_rank, int status, std::vector<std::string> tail = {}) {
     launcher->end(local_rank, status, std::move(tail));
+    settle();
+  }
+  void signal(int sig) {
+    signals->deliver(sig);
     settle();
   }
   // This node as group rank `group_rank` of two nodes of two workers each.
@@ -650,4 +750,126 @@ TEST_CASE("agent with fakes: a job aborted by the rendezvous prints the job's ro
   INFO(out);
   CHECK_THAT(out, Catch::Contains("host       : node-b"));
   CHECK_THAT(out, Catch::Contains("message    : the other node's failure"));
+}
+
+TEST_CASE("agent with fakes: a SIGTERM while the restart is due ends the run with 143 and no restart starts") {
+  Run run({"--nproc_per_node=2", "--max_restarts=1"});
+  REQUIRE(run.launcher->started.size() == 2);
+  using Set = AgentSignals::Set;
+  CHECK(run.signals->added[Set::kStop] == std::vector<int>{SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGTERM, SIGINT,
+                                                           SIGHUP, SIGQUIT});
+  CHECK(run.signals->added[Set::kJobControl] == std::vector<int>{SIGTSTP, SIGCONT});
+  CHECK_FALSE(run.signals->added.contains(Set::kWinch));  // the console is a file, no terminal
+  run.end(1, exited(3));
+  // The last worker of the failed attempt ends: the restart is due (posted), and SIGTERM
+  // comes before it starts. A real signal can hit this window only by chance.
+  run.launcher->end(0, killed(SIGTERM));
+  run.signals->deliver(SIGTERM);
+  run.settle();
+  CHECK(run.launcher->started.size() == 2);  // restart 1 never started
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 128 + SIGTERM);
+  CHECK(run.launcher->finished);
+  const auto summary = run.agent->summary();
+  INFO(summary.dump(2));
+  CHECK(summary["restarts"] == 0);
+  CHECK_THAT(run.output(), Catch::Contains("got SIGTERM before restart 1 started: not restarting"));
+}
+
+TEST_CASE("agent with fakes: a SIGTERM while the failed group stops keeps the grace, SIGKILLs after it, starts no "
+          "restart and exits with the failure's code") {
+  Run run({"--nproc_per_node=2", "--max_restarts=1", "--grace=7"});
+  run.end(1, exited(3));
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGCONT});
+  REQUIRE(run.clock->armed(sup::Timer::kGrace));
+  run.signal(SIGTERM);  // rank 0 ignores SIGTERM; the agent is told to stop meanwhile
+  CHECK_FALSE(run.agent->done());
+  REQUIRE(run.clock->fire_next());  // the grace runs out: SIGKILL
+  run.settle();
+  CHECK(run.launcher->signals.back() == SIGKILL);
+  run.end(0, killed(SIGKILL));
+  CHECK(run.launcher->started.size() == 2);  // the signal cancelled the restart
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 3);  // the failure came first: a later signal does not change its code
+  const std::string out = run.output();
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("workers still running 7.0s after SIGTERM: sending SIGKILL"));
+}
+
+TEST_CASE("agent with fakes: Ctrl-Z stops the workers, then the agent, and the grace starts over when it goes on") {
+  Run run({"--nproc_per_node=2", "--max_restarts=0", "--grace=7"});
+  run.end(1, exited(3));
+  REQUIRE(run.clock->armed(sup::Timer::kGrace));
+  run.launcher->signals.clear();
+  run.signal(SIGTSTP);
+  CHECK(run.launcher->signals == std::vector<int>{SIGSTOP});
+  CHECK(run.signals->stopped_self == 1);  // after its workers (before: a SIGSTOP to the test itself)
+  CHECK_FALSE(run.clock->armed(sup::Timer::kGrace));  // the time stopped does not count against it
+  run.clock->advance(std::chrono::hours(1));
+  run.signal(SIGCONT);
+  CHECK(run.launcher->signals == std::vector<int>{SIGSTOP, SIGCONT});
+  REQUIRE(run.clock->armed(sup::Timer::kGrace));
+  CHECK(run.clock->due_in(sup::Timer::kGrace) == std::chrono::seconds(7));  // from the SIGCONT
+  REQUIRE(run.clock->fire_next());
+  run.settle();
+  CHECK(run.launcher->signals.back() == SIGKILL);
+  run.end(0, killed(SIGKILL));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 3);
+}
+
+TEST_CASE("agent with fakes: a worker that opted in is paused when another fails, and assigned its place in the "
+          "restart once it answered") {
+  Run run({"--nproc_per_node=2", "--max_restarts=1"});
+  REQUIRE(run.launcher->started.size() == 2);
+  CHECK(env_of(run.launcher->started[1], "MGLAUNCH_CONTROL_SOCKET") == "@fake-control");
+  run.control->hello(1, /*in_place=*/true);
+  run.settle();
+  run.end(0, exited(5));
+  REQUIRE(run.control->sent[1].size() == 1);
+  const auto& pause = run.control->sent[1][0];
+  CHECK(pause["type"] == "pause");
+  CHECK(pause["lost"] == "worker");
+  CHECK(pause["reason"] == "rank 0 (local_rank 0) on " + local_hostname() + " failed with exit code 5");
+  CHECK(run.launcher->signals.empty());  // the failed one is gone, the paused one spared
+  REQUIRE(run.launcher->started.size() == 3);  // restart 1: local rank 0 anew, local rank 1 kept
+  CHECK(run.launcher->started[2].local_rank == 0);
+  CHECK(env_of(run.launcher->started[2], "TORCHELASTIC_RESTART_COUNT") == "1");
+  CHECK(run.control->sent[1].size() == 1);  // its assign waits for its answer
+  run.control->paused(1, 7);
+  run.settle();
+  CHECK(run.launcher->started.size() == 3);
+  REQUIRE(run.control->sent[1].size() == 2);
+  const auto& assign = run.control->sent[1][1];
+  CHECK(assign["type"] == "assign");
+  CHECK(assign["restart_count"] == 1);
+  CHECK(assign["env"]["RANK"] == "1");
+  CHECK(assign["env"]["TORCHELASTIC_RESTART_COUNT"] == "1");
+  run.end(0, exited(0));
+  run.end(1, exited(0));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 0);
+  CHECK(run.control->stopped);
+}
+
+TEST_CASE("agent with fakes: a pause the agent cannot send (the worker's session ended unheard) stops that worker and "
+          "starts it anew instead of waiting for an answer that cannot come") {
+  Run run({"--nproc_per_node=2", "--max_restarts=1", "--grace=7"});
+  run.control->hello(1, /*in_place=*/true);
+  run.settle();
+  run.control->ended[1] = "the worker closed it (end of file)";  // the agent has not heard yet
+  run.end(0, exited(5));
+  CHECK(run.control->sent[1].empty());
+  CHECK(run.launcher->signals == std::vector<int>{SIGTERM, SIGCONT});  // stopped as a worker that did not opt in
+  run.end(1, killed(SIGTERM));
+  REQUIRE(run.launcher->started.size() == 4);  // both anew: nothing to assign
+  CHECK(run.control->sent[1].empty());
+  run.end(0, exited(0));
+  run.end(1, exited(0));
+  REQUIRE(run.agent->done());
+  CHECK(run.agent->exit_code() == 0);
+  const std::string out = run.output();
+  INFO(out);
+  CHECK_THAT(out, Catch::Contains("local rank 1's control connection closed while paused (the agent could not send its "
+                                  "pause: its session had ended (the worker closed it (end of file))"));
 }

@@ -66,6 +66,27 @@ int signal_same_process(long pid, unsigned long long starttime, int sig, bool us
   return ::kill(static_cast<pid_t>(pid), sig) == 0 ? 1 : (errno == ESRCH ? 0 : -1);
 }
 
+std::optional<ProcessGroup> ProcessGroup::open(long pid, unsigned long long starttime) {
+  if (pid <= 1) return std::nullopt;
+  Fd pidfd(open_pidfd(static_cast<pid_t>(pid)));
+  if (!pidfd && errno != ENOSYS) return std::nullopt;  // gone (ESRCH), or no descriptor left
+  // Read after the pidfd was taken: when it matches now, the pidfd is that process's.
+  const auto st = read_proc_stat(static_cast<pid_t>(pid));
+  if (!st || st->starttime != starttime || st->state == 'Z' || st->pgrp != pid) return std::nullopt;
+  return ProcessGroup(std::move(pidfd), static_cast<pid_t>(pid));
+}
+
+int ProcessGroup::signal(int sig) const {
+#ifdef SYS_pidfd_send_signal
+  constexpr unsigned kProcessGroup = 1U << 2;  // PIDFD_SIGNAL_PROCESS_GROUP (linux/pidfd.h, Linux 6.9)
+  if (pidfd_ && use_pidfd_) {
+    if (::syscall(SYS_pidfd_send_signal, pidfd_.get(), sig, nullptr, kProcessGroup) == 0) return 1;
+    if (errno != EINVAL && errno != ENOSYS) return errno == ESRCH ? 0 : -1;  // EINVAL: a kernel without the flag
+  }
+#endif
+  return ::kill(-pid_, sig) == 0 ? 1 : (errno == ESRCH ? 0 : -1);
+}
+
 bool pidfd_available() {
   static const bool available = [] {
 #if defined(SYS_pidfd_open) && defined(SYS_pidfd_send_signal)

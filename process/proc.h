@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "process/fd.h"
+
 namespace mg {
 
 // The fields of /proc/PID/stat the product uses (numbered as in proc(5)).
@@ -75,6 +77,29 @@ std::vector<ProcStat> scan_family(pid_t root);
 // sent, 0 gone, a zombie or not the same process, -1 another error (EPERM, EMFILE).
 int signal_same_process(long pid, unsigned long long starttime, int sig, bool use_pidfd = true);
 inline int signal_same_process(const ProcStat& p, int sig) { return signal_same_process(p.pid, p.starttime, sig); }
+
+// A process group named by its leader as it was when looked at, so that a signal reaches
+// that group and never a later one given the same id. open() takes the leader's pidfd
+// first, then checks that `pid` is still the process that started at `starttime`, alive,
+// and leads its group; signal() sends through that pidfd to the group
+// (pidfd_send_signal's PIDFD_SIGNAL_PROCESS_GROUP, Linux >= 6.9): the group of that very
+// process, also once it ended, was reaped and its pid recycled (then ESRCH, nothing sent).
+// Older kernels: kill(-pid), which leaves a window from open() on.
+class ProcessGroup {
+ public:
+  // nullopt: not that process any more, a zombie, or no group leader.
+  static std::optional<ProcessGroup> open(long pid, unsigned long long starttime);
+  // 1 sent, 0 the group is gone, -1 another error.
+  int signal(int sig) const;
+  // Tests: signal() as on a kernel without the group flag (kill(-pid)).
+  void without_group_pidfd() { use_pidfd_ = false; }
+
+ private:
+  ProcessGroup(Fd pidfd, pid_t pid) : pidfd_(std::move(pidfd)), pid_(pid) {}
+  Fd pidfd_;
+  pid_t pid_ = 0;
+  bool use_pidfd_ = true;
+};
 
 // Whether this kernel has pidfd_open and pidfd_send_signal (Linux >= 5.3); probed once.
 bool pidfd_available();

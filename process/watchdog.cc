@@ -311,9 +311,11 @@ void Watch::sweep() {
       if (!st || st->starttime != v.starttime || st->state == 'Z') continue;  // gone (or its pid reused)
       ++alive;
       // Its group too, when the group's leader is a victim (e.g. a worker's group) and still
-      // alive: a group id cannot be reused while its leader lives.
-      if (st->pgrp > 1 && st->pgrp == v.pid && signal_same_process(st->pid, st->starttime, 0) == 1)
-        ::kill(-st->pgrp, SIGKILL);
+      // alive, through the leader's pidfd (ProcessGroup): the watchdog is not the leader's
+      // parent and cannot keep its zombie, so a kill(-pgrp) after the check could reach a
+      // group that took the id once the leader was reaped.
+      if (st->pgrp > 1 && st->pgrp == v.pid)
+        if (const auto group = ProcessGroup::open(st->pid, st->starttime)) group->signal(SIGKILL);
       signal_same_process(v.pid, v.starttime, SIGKILL);
     }
     trace("kill round alive", static_cast<long>(alive));

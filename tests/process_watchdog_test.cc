@@ -6,18 +6,23 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <string>
 
+#include "process/fd.h"
 #include "process/proc.h"
 #include "process/run.h"
 #include "process/spawn.h"
 #include "process/watchdog.h"
 #include "support/proc.h"
+#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -134,4 +139,111 @@ TEST_CASE("the watchdog mode refuses to run without the agent's arguments, with 
   CHECK(WEXITSTATUS(r.status) == 2);
   CHECK(split_lines(r.out).size() == 1);
   CHECK(r.out.starts_with("mglaunch: error: "));
+}
+
+namespace {
+
+// ProcessGroup (process/proc.h) against a recycled group id, made on purpose: in a user and
+// pid namespace of its own, where this test may choose the next pid (ns_last_pid), a group
+// leader is looked at (open), then killed and reaped, and its pid given to a new process
+// that leads a group of its own; then the old group is signalled with SIGUSR1. Exit 0: the
+// new group was not hit (signal() said the old one is gone); 10: it was hit; 77: this machine
+// gives no such namespace or pid; other: a step failed.
+int recycled_group_case(bool group_pidfd) {
+  const pid_t c = ::fork();
+  if (c < 0) return 2;
+  if (c == 0) {
+    const uid_t uid = ::getuid();
+    const gid_t gid = ::getgid();
+    if (::unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS) != 0) ::_exit(77);
+    auto put = [](const char* path, const std::string& text) {
+      const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+      const bool ok = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+      if (fd >= 0) ::close(fd);
+      return ok;
+    };
+    if (!put("/proc/self/setgroups", "deny") || !put("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1") ||
+        !put("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1"))
+      ::_exit(77);
+    const pid_t d = ::fork();  // pid 1 of the new namespace
+    if (d == 0) {
+      if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+          ::mount("proc", "/proc", "proc", 0, nullptr) != 0)
+        ::_exit(77);
+      auto leader = [] {
+        const pid_t p = ::fork();
+        if (p == 0) {
+          ::setpgid(0, 0);
+          for (;;) ::pause();
+        }
+        if (p > 0) ::setpgid(p, p);
+        return p;
+      };
+      const pid_t l = leader();
+      if (l <= 0) ::_exit(3);
+      const auto st = mg::read_proc_stat(l);
+      if (!st || st->pgrp != l) ::_exit(4);
+      auto group = mg::ProcessGroup::open(l, st->starttime);
+      if (!group) ::_exit(5);
+      if (!group_pidfd) group->without_group_pidfd();
+      ::kill(l, SIGKILL);
+      int status = 0;
+      if (::waitpid(l, &status, 0) != l) ::_exit(6);
+      if (!put("/proc/sys/kernel/ns_last_pid", std::to_string(l - 1))) ::_exit(77);
+      const pid_t x = leader();  // the recycled pid, leading a group of that id
+      if (x != l) ::_exit(77);
+      const int sent = group->signal(SIGUSR1);
+      ::kill(x, SIGKILL);
+      if (::waitpid(x, &status, 0) != x || !WIFSIGNALED(status)) ::_exit(7);
+      // A fatal signal queued first decides the exit (SIGUSR1 when the new group was hit).
+      if (WTERMSIG(status) == SIGUSR1) ::_exit(10);
+      ::_exit(sent == 0 ? 0 : 8);
+    }
+    int status = 0;
+    if (d < 0 || ::waitpid(d, &status, 0) != d) ::_exit(2);
+    ::_exit(WIFEXITED(status) ? WEXITSTATUS(status) : 2);
+  }
+  int status = 0;
+  if (::waitpid(c, &status, 0) != c) return 2;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 2;
+}
+
+// Whether this kernel takes PIDFD_SIGNAL_PROCESS_GROUP (Linux 6.9): an unknown flag is
+// EINVAL; this process leads no group, so a kernel that knows it says ESRCH.
+bool kernel_signals_groups_by_pidfd() {
+  mg::Fd self(mg::open_pidfd(::getpid()));
+  return self && (::syscall(SYS_pidfd_send_signal, self.get(), 0, nullptr, 1U << 2) == 0 || errno == ESRCH);
+}
+
+}  // namespace
+
+TEST_CASE("a process group signalled through its leader's pidfd is never another group that took its id after the "
+          "leader was reaped") {
+  // The watchdog's kill(-pgrp) after its check that the leader lives (#36): the watchdog is
+  // not the leader's parent and cannot keep its zombie.
+  if (!kernel_signals_groups_by_pidfd()) skip_test("this kernel has no PIDFD_SIGNAL_PROCESS_GROUP (Linux 6.9)");
+  const int without = recycled_group_case(/*group_pidfd=*/false);
+  if (without == 77) skip_test("no user and pid namespace, or no pid of our choosing, here (unshare, ns_last_pid)");
+  CHECK(without == 10);  // kill(-pid): the window is real, the new group was hit
+  CHECK(recycled_group_case(/*group_pidfd=*/true) == 0);
+}
+
+TEST_CASE("a process group is not opened for a process that is not its leader, or not the one looked at") {
+  const pid_t p = ::fork();
+  if (p == 0) {
+    for (;;) ::pause();
+  }
+  REQUIRE(p > 0);
+  const auto st = mg::read_proc_stat(p);
+  REQUIRE(st);
+  CHECK_FALSE(mg::ProcessGroup::open(p, st->starttime));  // in the test's group, leads none
+  ::setpgid(p, p);
+  CHECK_FALSE(mg::ProcessGroup::open(p, st->starttime + 1));  // another start: a recycled pid
+  auto group = mg::ProcessGroup::open(p, st->starttime);
+  REQUIRE(group);
+  CHECK(group->signal(SIGKILL) == 1);
+  int status = 0;
+  REQUIRE(::waitpid(p, &status, 0) == p);
+  CHECK(WTERMSIG(status) == SIGKILL);
+  CHECK(group->signal(SIGKILL) == 0);  // gone
 }

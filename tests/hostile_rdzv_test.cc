@@ -1388,9 +1388,11 @@ struct HungDns {
   // queries for it of the first lookup that asks (one source port: its retransmissions too)
   // with no address, unless `aaaa` is false; later lookups' AAAA queries and every other
   // query are not answered. So one lookup of `name` (A and AAAA) succeeds, and a second one
-  // of both families hangs. Every query is kept in log().
-  void answer_once(const std::string& name, const std::string& ipv4, bool aaaa = true) {
-    responder = std::thread([this, name, ipv4, aaaa] {
+  // of both families hangs. Each answer goes `delay` after its query. Every query is kept in
+  // log().
+  void answer_once(const std::string& name, const std::string& ipv4, bool aaaa = true,
+                   std::chrono::milliseconds delay = {}) {
+    responder = std::thread([this, name, ipv4, aaaa, delay] {
       in_addr addr{};
       ::inet_pton(AF_INET, ipv4.c_str(), &addr);
       std::optional<int> aaaa_asker;  // the source port of the AAAA queries answered
@@ -1426,6 +1428,7 @@ struct HungDns {
           const auto* a = reinterpret_cast<const unsigned char*>(&addr.s_addr);
           r.insert(r.end(), a, a + 4);
         }
+        std::this_thread::sleep_for(delay);
         ::sendto(dns, r.data(), r.size(), 0, reinterpret_cast<sockaddr*>(&from), len);
       }
     });
@@ -1519,11 +1522,14 @@ TEST_CASE("an endpoint of this machine that refuses until join_timeout gets its 
   // more. The client looked the name up again for the hint (is_local_host, is_loopback_host)
   // on the io thread: that lookup hung (20 s each, glibc's 90 s before), and the hint was
   // lost as well, since a name that does not resolve is no address of this machine.
-  // A loaded machine may take past the client's own watchdog (join_timeout + 2 s) before the
-  // first refusal: that run proves nothing and is tried again (at most 3 runs).
+  // The answers come 50 ms late, so the first refusal is past join_timeout (1 ms): on a quiet
+  // machine lookup, connect and refusal took under 1 ms, the client retried, and the retry's
+  // own lookup (the second of both families) hung: "no decision" (CI failed so; the log showed
+  // a third lookup). A loaded machine may take past the client's own watchdog (join_timeout +
+  // 2 s) before the first refusal: that run proves nothing and is tried again (at most 3 runs).
   for (int attempt = 0; attempt < 3; ++attempt) {
     HungDns net("127.0.0.1 localhost\n");
-    net.answer_once("rdzv.test", "127.0.0.7");
+    net.answer_once("rdzv.test", "127.0.0.7", /*aaaa=*/true, 50ms);
     Proc agent = spawn(net.wrap(agent_argv("rdzv.test:" + std::to_string(free_loopback_port()), "refusedhint", 1,
                                            "1:2", 1, {"--rdzv_conf=is_host=false,join_timeout=0.001"},
                                            {"hang", "120"})));

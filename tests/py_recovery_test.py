@@ -41,6 +41,7 @@ CASE:
               abandoned DDP is freed"""
 import json
 import os
+import shlex
 import shutil
 import uuid
 import signal
@@ -243,10 +244,13 @@ def torch2(bin_dir, work):
     if not os.path.exists(root + "/.ready"):
         skip_test("the torch 2.6 root is not set up: run ../shared/peers/torch2 setup once (~2 min)")
     # Each worker's python is the root's: the wrapper execs into it (same pid, so the agent
-    # knows it), sharing /tmp (the summaries) and the checkout (the example and the package).
+    # knows it), sharing /tmp (the summaries) and the checkout (the example and the package):
+    # the root sees the current directory, so the wrapper runs from the checkout (ctest runs
+    # this test in the build tree, where the example is not).
     wrapper = os.path.join(work, "python-torch2")
     with open(wrapper, "w") as f:
-        f.write(f'#!/bin/sh\nexec {os.path.abspath(peer)} run /usr/bin/python3 "$@"\n')
+        f.write(f'#!/bin/sh\ncd {shlex.quote(SRC)} && exec {shlex.quote(os.path.abspath(peer))} '
+                'run /usr/bin/python3 "$@"\n')
     os.chmod(wrapper, 0o755)
     # Its own undisturbed run: another torch's arithmetic and sampler give other weights than 1.13's.
     own = os.path.join(work, "torch2")
@@ -433,7 +437,11 @@ def rng_case(work):
                 "own = torch.get_rng_state()\n"
                 "rec._agree()\n"
                 "print('step', rec.step, 'own' if torch.equal(own, torch.get_rng_state()) else 'taken', "
-                "torch.rand(1).item(), flush=True)\n")
+                "torch.rand(1).item(), flush=True)\n"
+                # Both ranks done before the group goes: torch 1.13 aborted ("terminate called without
+                # an active exception") once when the store's host tore it down at exit after its peer left.
+                "dist.barrier()\n"
+                "dist.destroy_process_group()\n")
     for steps, want in (((5, 3), "own"), ((5, 0), "taken")):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))

@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <map>
+#include <set>
 #include <span>
 #include <stdexcept>
 #include <unordered_map>
@@ -55,13 +56,6 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
     bool served = false;  // a query of its was whole (torch's clients send one at once)
     asio::ip::address from;  // its address (ServerOptions::max_per_address)
-    // torch 1.13's TCPStore opens a second connection beside its first, for watchKey's
-    // callbacks, and never sends on it unless a key is watched; its worker thread busy-loops
-    // a core for ever once the server closes it (it peeks 0 bytes and polls again). So a
-    // silent client paired with a served one of its address (one each: the first's sibling)
-    // is never displaced while that one is connected (pair_*, displace_silent).
-    ClientId sibling = 0;   // a silent client: the served client it is paired with (0: none)
-    bool vouches = false;   // a served client: paired with a silent one already
   };
   // Unwritten reply bytes at which a client's queries are no longer read: small answers
   // (pipelined PINGs, ADDs) go out together, a value's reply goes out before the next query.
@@ -150,7 +144,6 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
           c->from = from;
           ++self->per_address[from];
           self->clients.emplace(id, std::move(c));
-          self->pair_newcomer(id);
           self->read(id);
         }
       } else if (ec == asio::error::operation_aborted) {
@@ -169,38 +162,30 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
     });
   }
 
-  // torch 1.13's two connections of one TCPStore, its first and its callback connection:
-  // the callback connection comes right after the first was served (its ADD of the init key,
-  // when it waits for workers), or right after the first connected (when it does not). So a
-  // newcomer pairs with the last served client of its address that has none yet, and a
-  // client served for the first time with the next silent one of its address that came after
-  // it. Pairs cost whoever opens them a served connection each: one that stays connected
-  // holds its place anyway.
-  void pair_newcomer(ClientId id) {
-    Client& c = *clients.at(id);
-    auto voucher = clients.end();
-    for (auto it = clients.begin(); it != clients.end(); ++it)
-      if (it->first != id && it->second->served && !it->second->vouches && it->second->from == c.from &&
-          (voucher == clients.end() || it->first > voucher->first))
-        voucher = it;
-    if (voucher == clients.end()) return;
-    voucher->second->vouches = true;
-    c.sibling = voucher->first;
-  }
-  void pair_served(ClientId id, Client& c) {
-    if (c.sibling != 0) {  // it was paired as a silent one: its voucher may pair again
-      if (auto v = clients.find(c.sibling); v != clients.end()) v->second->vouches = false;
-      c.sibling = 0;
+  // torch 1.13's TCPStore opens a second connection beside its first, for watchKey's
+  // callbacks, and never sends on it unless a key is watched; its worker thread busy-loops a
+  // core for ever once the server closes it (it peeks 0 bytes and polls again). It comes
+  // right after the first connected or was served, so each served client of an address
+  // covers the first silent client of that address that connected after it and is not
+  // covered yet; those are never displaced. Worked out at a limit from the clients connected
+  // now, so no pair outlives either side. A cover costs whoever opens it a served connection,
+  // which holds its place anyway.
+  std::set<ClientId> callback_connections() const {
+    std::vector<ClientId> ids;
+    for (const auto& [id, c] : clients) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());  // ids grow as clients connect
+    std::map<asio::ip::address, int> uncovering;  // served clients not covering one yet
+    std::set<ClientId> covered;
+    for (const ClientId id : ids) {
+      const Client& c = *clients.at(id);
+      if (c.served) {
+        ++uncovering[c.from];
+      } else if (auto u = uncovering.find(c.from); u != uncovering.end() && u->second > 0) {
+        --u->second;
+        covered.insert(id);
+      }
     }
-    if (c.vouches) return;
-    auto next = clients.end();
-    for (auto it = clients.begin(); it != clients.end(); ++it)
-      if (it->first > id && !it->second->served && it->second->sibling == 0 && it->second->from == c.from &&
-          (next == clients.end() || it->first < next->first))
-        next = it;
-    if (next == clients.end()) return;
-    c.vouches = true;
-    next->second->sibling = id;
+    return covered;
   }
 
   // At a client limit: disconnects a silent client (of address `from`, when not
@@ -213,11 +198,12 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
   bool displace_silent(const asio::ip::address& from) {
     const auto now = std::chrono::steady_clock::now();
     auto oldest = clients.end(), stalled = clients.end();
+    const std::set<ClientId> callbacks = callback_connections();
     for (auto it = clients.begin(); it != clients.end(); ++it) {
       const Client& c = *it->second;
       if (!from.is_unspecified() && c.from != from) continue;
       if (!c.served) {
-        if (c.sibling != 0 && clients.contains(c.sibling)) continue;  // a torch 1.13 callback connection
+        if (callbacks.contains(it->first)) continue;  // a torch 1.13 callback connection
         if (oldest == clients.end() || it->first < oldest->first) oldest = it;
       } else if (!c.pending.empty() && !c.paused && now - c.since >= opts.query_deadline) {
         if (stalled == clients.end() || c.since < stalled->second->since) stalled = it;
@@ -464,10 +450,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
         recount(id, c);
       }
       ++queries;
-      if (!c.served) {
-        c.served = true;
-        pair_served(id, c);
-      }
+      c.served = true;
       c.since = std::chrono::steady_clock::now();
       replies.clear();
       auto err = engine.apply(id, std::move(p.query), replies);

@@ -471,13 +471,20 @@ def pause_forming(work):
 
     import torch.distributed as dist
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
     # The agent's store (TORCHELASTIC_USE_AGENT_STORE=True), hosted here as an agent does, so
-    # that this test sees the worker's keys: it waits for them, not for a time.
-    store = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=60), wait_for_workers=False)
+    # that this test sees the worker's keys: it waits for them, not for a time. A port found
+    # free may be taken before the store binds it (a -j8 run saw EADDRINUSE): another, at most 5.
+    for attempt in range(5):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        try:
+            store = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=60), wait_for_workers=False)
+            break
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == 4:
+                raise
     train = ["--model", "mlp", "--batch-size", "8", "--steps", "3", "--seed", "5", "--train-subset", "256",
              "--timeout", "3600"]  # a wait for the timeout fails this test (its bound is 120 s)
 

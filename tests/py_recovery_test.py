@@ -27,6 +27,9 @@ CASE:
   rng         the state agreement between two ranks seeded per rank (torch.manual_seed(100 +
               rank)): a rank behind that has steps of its own keeps its own generator state;
               a fresh one (step 0) takes the source's
+  rng-behind  a step applied on rank 0 only (rank 1 fails after DDP's all-reduce, before
+              its optimizer step; this test is the agent): after the state agreement the
+              example (every rank seeded alike, dropout) ends with an undisturbed run's weights
   pause-forming
               a pause that comes while the worker forms its group, a peer missing (this test
               is the agent and hosts the store): once while the peer never joins (the worker
@@ -434,6 +437,7 @@ def rng_case(work):
                 "rec = mr.Recovery()\n"
                 "rec._module, rec._optimizer, rec._extra = net, torch.optim.SGD(net.parameters(), lr=0.1), []\n"
                 "rec.step = int(sys.argv[1 + rank])\n"
+                "rec._rng_at = {rec.step - 1: mr._rng_state()} if sys.argv[3:] else {}  # the source's last step\n"
                 "own = torch.get_rng_state()\n"
                 "rec._agree()\n"
                 "print('step', rec.step, 'own' if torch.equal(own, torch.get_rng_state()) else 'taken', "
@@ -442,14 +446,14 @@ def rng_case(work):
                 # an active exception") once when the store's host tore it down at exit after its peer left.
                 "dist.barrier()\n"
                 "dist.destroy_process_group()\n")
-    for steps, want in (((5, 3), "own"), ((5, 0), "taken")):
+    for steps, want in (((5, 3), "own"), ((5, 0), "taken"), ((5, 4, "history"), "own")):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
         env = {k: v for k, v in ENV.items() if not k.startswith("MGLAUNCH_")}
         env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        ranks = [Proc(["/usr/bin/python3", script, *map(str, steps)], work, f"agree{r}-{steps[1]}", dict(env, RANK=str(r)))
+        ranks = [Proc(["/usr/bin/python3", script, *map(str, steps)], work, f"agree{r}-{'-'.join(map(str, steps))}", dict(env, RANK=str(r)))
                  for r in (0, 1)]
         for p in ranks:
             if p.wait(120) != 0:
@@ -462,42 +466,55 @@ def rng_case(work):
         if (out[1][3] == out[0][3]) != (want == "taken"):
             fail(f"the two ranks' next draws: {out[0][3]} and {out[1][3]}, want them {'equal' if want == 'taken' else 'different'}",
                  *ranks)
-    print("rng: a rank behind with steps of its own kept its generator, a fresh one took the source's", flush=True)
+        if len(steps) > 2 and "keeps its own RNG stream (torch" not in ranks[1].out():
+            fail("a rank behind whose stream differs from the source's at its step did not say it keeps its own", *ranks)
+    print("rng: a rank behind with steps of its own kept its generator (its stream not the source's at its step), a "
+          "fresh one took the source's", flush=True)
 
 
-def pause_forming(work):
-    """A pause while the group forms with a peer missing must end the formation at once."""
+def agent_store(world):
+    """(store, port): the agent's store (TORCHELASTIC_USE_AGENT_STORE=True), hosted here as
+    an agent does, so that a test sees the workers' keys. A port found free may be taken
+    before the store binds it (a -j8 run saw EADDRINUSE): another, at most 5."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    # The agent's store (TORCHELASTIC_USE_AGENT_STORE=True), hosted here as an agent does, so
-    # that this test sees the worker's keys: it waits for them, not for a time. A port found
-    # free may be taken before the store binds it (a -j8 run saw EADDRINUSE): another, at most 5.
     for attempt in range(5):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
         try:
-            store = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=60), wait_for_workers=False)
-            break
+            return dist.TCPStore("127.0.0.1", port, world, True, timedelta(seconds=60), wait_for_workers=False), port
         except RuntimeError as e:
             if "Address already in use" not in str(e) or attempt == 4:
                 raise
+
+
+def round_env(port, rank, world, restart):
+    """A round's environment as the agent gives it (assign's env), the agent's store at port."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "LOCAL_RANK": "0"}
+
+
+def example_worker(work, name, agent, port, rank, world, restart, train, script=EXAMPLE, env=()):
+    """The example (or `script`) as a worker of round `restart` whose agent is `agent` (a FakeAgent)."""
+    env = dict(ENV, MGLAUNCH_CONTROL_SOCKET=agent.name, PYTHONPATH=os.path.join(SRC, "python"),
+               **round_env(port, rank, world, restart), **dict(env))
+    env.pop("MGLAUNCH_STANDBY", None)
+    return Proc(["/usr/bin/python3", script, *train, "--summary-json", work + f"/{name}.json"], work, name, env)
+
+
+def pause_forming(work):
+    """A pause while the group forms with a peer missing must end the formation at once."""
+    store, port = agent_store(3)
     train = ["--model", "mlp", "--batch-size", "8", "--steps", "3", "--seed", "5", "--train-subset", "256",
              "--timeout", "3600"]  # a wait for the timeout fails this test (its bound is 120 s)
 
-    def worker(name, agent, rank, world, restart, standby=False):
-        env = dict(ENV, MGLAUNCH_CONTROL_SOCKET=agent.name, PYTHONPATH=os.path.join(SRC, "python"), LOCAL_RANK="0",
-                   **round_env(rank, world, restart))
-        env.pop("MGLAUNCH_STANDBY", None)
-        return Proc(["/usr/bin/python3", EXAMPLE, *train, "--summary-json", work + f"/{name}.json"], work, name, env)
-
-    def round_env(rank, world, restart):
-        return {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank)}
+    def worker(name, agent, rank, world, restart):
+        return example_worker(work, name, agent, port, rank, world, restart, train)
 
     def keys():
         return store.num_keys()
@@ -536,7 +553,7 @@ def pause_forming(work):
         b = worker(f"b{restart}", fresh_agent, 1, 2, restart)
         fresh_agent.accept(120, a, b)
         agent.send({"type": "assign", "round": restart + 1, "restart_count": restart,
-                    "env": dict(round_env(0, 2, restart), LOCAL_RANK="0")})
+                    "env": round_env(port, 0, 2, restart)})
         for p in (a, b):
             if p.wait(300) != 0:
                 fail(f"after a pause while a peer {phase}: {os.path.basename(p.out_path)} exited with "
@@ -550,6 +567,66 @@ def pause_forming(work):
         fresh_agent.close()
         restart += 1
     print("pause-forming: both pauses answered at once, the next rounds trained", flush=True)
+
+
+def rng_behind(work):
+    """A step applied on some ranks only: rank 1 fails after DDP's all-reduce of step K and
+    before its optimizer step, rank 0 applies it. The example seeds every rank alike
+    (dropout masks shared), so after the state agreement rank 1 must draw step K+1's masks
+    as an undisturbed run does: the final weights equal that run's."""
+    store, port = agent_store(2)
+    steps, fail_at = 8, 4  # rank 1's 4th backward (step 4) fails after its all-reduce
+    train = ["--model", "mlp", "--batch-size", "8", "--steps", str(steps), "--seed", "5", "--train-subset", "256",
+             "--timeout", "300"]
+    script = os.path.join(work, "fail_after_allreduce.py")
+    with open(script, "w") as f:
+        f.write("import os, runpy, sys, torch\n"
+                "calls = [0]\n"
+                "real = torch.Tensor.backward\n"
+                "def backward(self, *args, **kwargs):\n"
+                "    real(self, *args, **kwargs)  # DDP's gradient all-reduce has ended on both ranks\n"
+                "    calls[0] += 1\n"
+                "    if os.environ['RANK'] == '1' and calls[0] == int(os.environ.get('MGTEST_FAIL_BACKWARD', 0)):\n"
+                "        print('injected', file=sys.stderr, flush=True)\n"
+                "        raise RuntimeError('[test] Connection closed by peer (before this rank applied its step)')\n"
+                "torch.Tensor.backward = backward\n"
+                f"sys.argv[0] = {EXAMPLE!r}\n"
+                f"runpy.run_path({EXAMPLE!r}, run_name='__main__')\n")
+
+    def run(tag, restart, disturbed):
+        agents = [FakeAgent(), FakeAgent()]
+        fault = {"MGTEST_FAIL_BACKWARD": str(fail_at if disturbed else 0)}
+        ranks = [example_worker(work, f"{tag}{r}", agents[r], port, r, 2, restart, train, script, fault) for r in (0, 1)]
+        for a in agents:
+            a.accept(120, *ranks)
+        if disturbed:
+            eventually(lambda: "injected" in ranks[1].err(), 120, "rank 1's failure after its all-reduce", *ranks)
+            eventually(lambda: f"step {fail_at} " in ranks[0].out(), 120, f"rank 0's step {fail_at}", *ranks)
+            for a in agents:
+                a.send({"type": "pause", "round": 2, "reason": "test: step applied on rank 0 only", "lost": "peer"})
+            said = [a.expect("paused", 120, *ranks).get("step") for a in agents]
+            if said != [fail_at, fail_at - 1]:
+                fail(f"the ranks paused at steps {said}, want {[fail_at, fail_at - 1]} (a step applied on rank 0 only)",
+                     *ranks)
+            for r, a in enumerate(agents):
+                a.send({"type": "assign", "round": 2, "restart_count": restart + 1,
+                        "env": round_env(port, r, 2, restart + 1)})
+        for p in ranks:
+            if p.wait(300) != 0:
+                fail(f"{tag}: {os.path.basename(p.out_path)} exited with {p.p.returncode}", *ranks)
+        for a in agents:
+            a.close()
+        return [summary(work + f"/{tag}{r}.json") for r in (0, 1)], ranks
+
+    (calm, _), restart = run("calm", 0, False), 1
+    (hit, ranks) = run("hit", restart, True)
+    want = calm[0]["weights_sha256"]
+    if "took step 4's state from rank 0 (it was at step 3)" not in ranks[1].out():
+        fail("rank 1 did not take rank 0's state", *ranks)
+    if hit[0]["steps"] != steps or [s["weights_sha256"] for s in hit] != [want, want]:
+        fail(f"a rank behind by one step: the final weights {[s['weights_sha256'] for s in hit]} differ from the "
+             f"undisturbed run's {want} (its generator one step out of place)", *ranks)
+    print("rng-behind: a rank behind by one step drew the undisturbed run's dropout masks, the same weights", flush=True)
 
 
 def import_case(bin_dir, work):
@@ -736,6 +813,8 @@ def main():
             store_server(work)
         elif case == "rng":
             rng_case(work)
+        elif case == "rng-behind":
+            rng_behind(work)
         elif case == "pause-forming":
             pause_forming(work)
         elif case == "unit":

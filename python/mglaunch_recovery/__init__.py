@@ -380,6 +380,15 @@ def _set_rng_state(state):
         sys.modules["numpy"].random.set_state((name, key, pos, has_gauss, float.fromhex(gauss)))
 
 
+def _same(a, b):
+    """Whether two RNG states (tensors, tuples, lists, numbers, strings) are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 class _Interrupted(RuntimeError):
     """A pause came while the new group formed, or the channel closed."""
 
@@ -428,6 +437,7 @@ class Recovery:
         self._group = None  # _GroupSockets of the current (or forming) group
         self._server = None  # the store server this rank hosts for the current group, if any
         self._pending = None  # (detected, redone step, lost) until the redone step is applied
+        self._rng_at = {}  # {step: the RNG state at its start} for the last 2 steps run() started
         self._attempts, self._attempts_at = 0, -1
         env = os.environ
         self.standby = env.get("MGLAUNCH_STANDBY") == "1"
@@ -635,7 +645,7 @@ class Recovery:
         data = b""
         if rank == source:
             data = _pack({"step": self.step, "model": self._module.state_dict(), "optimizer": self._optimizer.state_dict(),
-                          "rng": _rng_state(), "extra": [o.state_dict() for o in self._extra]})
+                          "rng": _rng_state(), "rng_at": self._rng_at, "extra": [o.state_dict() for o in self._extra]})
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(size, source)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()), dtype=torch.uint8)
@@ -648,16 +658,33 @@ class Recovery:
             self._optimizer.load_state_dict(got["optimizer"])
             for o, s in zip(self._extra, got["extra"]):
                 o.load_state_dict(s)
-            if was == 0:  # a fresh worker has no stream of its own yet: the source's (every rank's, if seeded alike)
-                _set_rng_state(got["rng"])
-            # A rank with steps of its own keeps its own generators (CPU, CUDA, random, numpy):
-            # per-rank streams stay per rank.
+            lag = self._take_rng(got, was)
             self.step = got["step"]
             print(f"mglaunch_recovery: rank {rank} took step {best}'s state from rank {source} (it was at step {was})",
                   flush=True)
+            if lag:
+                print(f"mglaunch_recovery: rank {rank} keeps its own RNG stream ({', '.join(lag)}: not the source "
+                      f"rank's), {best - was} step(s) behind", flush=True)
         if rank == 0 and any(0 < s < best for s in t[:world]):
             print(f"mglaunch_recovery: step {best} was applied on some ranks only: recovering from it, the most "
                   f"advanced state (rank {source}'s)", flush=True)
+
+    def _take_rng(self, got, was):
+        """A rank behind (at step `was`) and the source's generators (at `best`). A fresh
+        worker (step 0) has no stream of its own yet: it takes the source's. A rank with
+        steps of its own compares, generator by generator (torch's CPU one, CUDA's,
+        random's, numpy's), its state, that of the start of step `was`, with the source's
+        at that step's start (the source keeps its last 2): the same state is a stream
+        every rank shares (seeded alike, as the example), and it takes the source's
+        current one, the undisturbed run's; another is a stream of its own (seeded per
+        rank), which it keeps, `best - was` steps behind. Returns the generators kept."""
+        if was == 0:
+            _set_rng_state(got["rng"])
+            return []
+        own, then = _rng_state(), got.get("rng_at", {}).get(was)
+        lag = [k for k in own if then is None or k not in then or not _same(own[k], then[k])]
+        _set_rng_state({k: own[k] if k in lag else got["rng"].get(k, own[k]) for k in own})
+        return lag
 
     # ---- train ----
 
@@ -669,6 +696,8 @@ class Recovery:
                 self._recover("the agent paused this worker")
                 continue
             rng, updates = _rng_state(), self._updates
+            self._rng_at = {k: v for k, v in self._rng_at.items() if k == self.step - 1}
+            self._rng_at[self.step] = rng
             try:
                 train_step(self.step)
             except Exception as e:

@@ -27,6 +27,11 @@ CASE:
   rng         the state agreement between two ranks seeded per rank (torch.manual_seed(100 +
               rank)): a rank behind that has steps of its own keeps its own generator state;
               a fresh one (step 0) takes the source's
+  group-sockets
+              a pause shuts, and a group let go of makes quiet, only the group's sockets:
+              a user's connection opened while the group forms survives; a store connection
+              the formation thread opens after the group was let go of is made quiet; a
+              second pause racing the quiet loop never shuts the shared quiet socket
   rng-behind  a step applied on rank 0 only (rank 1 fails after DDP's all-reduce, before
               its optimizer step; this test is the agent): after the state agreement the
               example (every rank seeded alike, dropout) ends with an undisturbed run's weights
@@ -423,6 +428,162 @@ def store_server(work):
     os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
 
 
+def group_sockets(work):
+    """Which sockets a pause shuts and a let-go-of group makes quiet (_GroupSockets): only
+    the group's, not a user's own (opened while the group forms); a connection the
+    formation thread opens after the group was let go of is made quiet too; and a second
+    pause racing the quiet loop never shuts the quiet socket every kept store shares."""
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    import threading
+    from unittest import mock
+
+    import mglaunch_recovery as mr
+
+    store, port = agent_store(2)
+
+    class Channel:
+        closed = ""
+        pause = False
+
+        def paused(self):
+            return self.pause
+
+    def user_connection():
+        """A user's own TCP connection (a data loader's, metrics'): both ends."""
+        listener = socket.create_server(("127.0.0.1", 0))
+        mine = socket.create_connection(listener.getsockname(), timeout=10)
+        theirs = listener.accept()[0]
+        listener.close()
+        theirs.settimeout(10)
+        return mine, theirs
+
+    def works(pair):
+        mine, theirs = pair
+        try:
+            mine.sendall(b"x")
+            theirs.sendall(b"y")
+            return theirs.recv(1) == b"x" and mine.recv(1) == b"y"
+        except OSError:
+            return False
+
+    def quiet_ino():
+        return os.fstat(mr._GroupSockets._quiet[0].fileno()).st_ino if mr._GroupSockets._quiet else None
+
+    def live_store_connections(before):
+        """This process's TCP connections to the store opened since `before` and not made quiet."""
+        out = []
+        for fd, ino in mr._sockets().items():
+            if before.get(fd) == ino or ino == quiet_ino():
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as s:
+                    if s.family in (socket.AF_INET, socket.AF_INET6) and s.getpeername()[1] == port:
+                        out.append(fd)
+            except OSError:
+                pass
+        return out
+
+    for k in [k for k in os.environ if k.startswith("MGLAUNCH_")]:
+        del os.environ[k]
+    rec = mr.Recovery()
+    rec._channel = Channel()
+
+    # 1. A pause while the group forms, the formation thread slow to connect to the store
+    # (it connects after the group was let go of); a user's connection opened meanwhile.
+    os.environ.update(round_env(port, 0, 1, 0))
+    entered, go = threading.Event(), threading.Event()
+    real_store = mr.dist.TCPStore
+
+    def slow_store(*args, **kwargs):
+        entered.set()
+        go.wait(60)
+        return real_store(*args, **kwargs)
+
+    before = mr._sockets()
+    user = [None]
+    with mock.patch.object(mr.dist, "TCPStore", slow_store):
+        errors = []
+
+        def form():
+            try:
+                rec._form_group()
+            except Exception as e:
+                errors.append(e)
+
+        forming = threading.Thread(target=form, daemon=True)
+        forming.start()
+        if not entered.wait(60):
+            fail("the formation thread did not start")
+        user[0] = user_connection()
+        rec._channel.pause = True
+        rec._abort_group()  # the pause, as the control reader thread does
+        forming.join(60)
+        if forming.is_alive() or not errors or not isinstance(errors[0], mr._Interrupted):
+            fail(f"the pause did not end the formation: {errors}")
+        rec._abandon()
+        go.set()  # the left-behind formation thread now connects to the store, and ends
+        for t in threading.enumerate():
+            if t.name == "mglaunch-form-group":
+                t.join(60)
+                if t.is_alive():
+                    fail("the left-behind formation thread did not end within 60 s")
+        late = live_store_connections(before)
+        if late:
+            fail(f"store connections the formation thread opened after the group was let go of are neither closed nor "
+                 f"quiet: fds {late} (torch 1.13's client thread spins on them once the store goes)")
+    if not works(user[0]):
+        fail("a pause while the group formed shut a user's own connection opened meanwhile")
+
+    # 2. A group formed while a user's connection opened, then a pause and its let-go.
+    rec._channel.pause = False
+    os.environ.update(round_env(port, 0, 1, 1))
+    mine = [None]
+
+    def store_and_user(*args, **kwargs):
+        mine[0] = user_connection()
+        return real_store(*args, **kwargs)
+
+    with mock.patch.object(mr.dist, "TCPStore", store_and_user):
+        rec._form_group()
+    rec._abort_group()
+    rec._abandon()
+    if not works(mine[0]):
+        fail("the pause and let-go of a formed group shut a user's own connection opened while it formed")
+
+    # 3. A second pause (shut(), the control reader thread) while quiet() (the main thread)
+    # makes a store connection quiet between shut's check of the socket and its shutdown:
+    # shut must not reach the quiet socket, which every kept store client shares.
+    group = mr._GroupSockets(({"127.0.0.1"}, port))
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    group.done()
+    if mr._GroupSockets._quiet is None:
+        mr._GroupSockets._quiet = socket.socketpair()
+    quiet = mr._GroupSockets._quiet
+    real_dup, raced = os.dup, []
+
+    def dup_then_quiet(fd):  # the main thread's dup2 lands right after shut's first look at fd
+        got = real_dup(fd)
+        if fd == conn.fileno() and not raced:
+            raced.append(fd)
+            os.dup2(quiet[0].fileno(), fd)
+        return got
+
+    with mock.patch.object(mr.os, "dup", dup_then_quiet):
+        group.shut()
+    if not raced:
+        fail("the race was not set up: shut() did not look at the store connection")
+    quiet[1].setblocking(False)
+    try:
+        got = quiet[1].recv(1)
+        fail(f"a pause racing the quiet loop shut the quiet socket down (its peer read {got!r}): every kept store "
+             "client's thread would spin")
+    except BlockingIOError:
+        pass
+    print("group-sockets: a user's connections survived a pause while the group formed and after, a late store "
+          "connection was made quiet, the quiet socket survived a racing pause", flush=True)
+    os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
+
+
 def rng_case(work):
     """Per-rank RNG streams stay per rank through the state agreement (_agree)."""
     script = os.path.join(work, "agree.py")
@@ -813,6 +974,8 @@ def main():
             store_server(work)
         elif case == "rng":
             rng_case(work)
+        elif case == "group-sockets":
+            group_sockets(work)
         elif case == "rng-behind":
             rng_behind(work)
         elif case == "pause-forming":

@@ -27,6 +27,7 @@ import random
 import re
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -186,84 +187,165 @@ def _sockets():
     return out
 
 
-def _tcp_peer(fd):
-    """(local port, peer (ip, port)) of a TCP socket, or None (not TCP, not connected)."""
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-    try:
-        if s.family not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        ip, port = s.getpeername()[:2]
-        return s.getsockname()[1], (ip[7:] if ip.startswith("::ffff:") else ip, port)  # IPv4-mapped: as IPv4
-    except OSError:
-        return None
-    finally:
-        s.close()
+def _sockaddr_bytes(family, addr):
+    """The bytes of a struct sockaddr_in/sockaddr_in6 as Gloo publishes its addresses in
+    the store (raw, inside each rank's record): family in host order, then the port."""
+    if family == socket.AF_INET:
+        return struct.pack("=H", family) + struct.pack(">H", addr[1]) + socket.inet_aton(addr[0])
+    return struct.pack("=H", family) + struct.pack(">HI", addr[1], addr[2]) + \
+        socket.inet_pton(socket.AF_INET6, addr[0].split("%")[0])
+
+
+def _plain_ip(ip):
+    return ip[7:] if ip.startswith("::ffff:") else ip  # IPv4-mapped: as IPv4
 
 
 class _GroupSockets:
-    """The TCP sockets one process group opened (its store client's and its peers'), told
-    apart by their inode so that a number reused later is never touched. shut(), at the
-    agent's pause (from the control reader thread), shuts every one of them down: a
-    collective or store call blocked on one fails at once, here and at the peer, and every
-    later call on them fails at once too. quiet(), once the group is let go of (the main
-    thread, not inside a torch call of this group), puts in place of each store client
-    connection one end of a socket pair nobody writes to: torch 1.13's store client thread
-    polls its connection and peeks at it, busy-looping a core once it is closed (a store
-    host SIGKILLed, or shut here); on the quiet socket its poll() or its blocking peek
-    sleeps for good (a pipe would fail the peek, an exception that ends the process). Not
-    at the pause itself: a store call made after it on the quiet socket would wait for
-    ever (init_process_group's store barrier polls the store every 10 ms)."""
+    """The TCP sockets of one process group: its store client's connections (their peer is
+    the store's address) and Gloo's (either end is an address a rank of the group published
+    in the store), each new since the group began to form and told apart by its inode, so
+    that a number reused later is never touched. Any other socket the process opens
+    meanwhile (a user's data loader, metrics) is never touched.
+
+    shut(), at the agent's pause (from the control reader thread), shuts each of them down:
+    a collective or store call blocked on one fails at once, here and at the peer, and
+    every later call on them fails at once too. quiet(), once the group is let go of (the
+    main thread, not inside a torch call of this group), puts in place of each store
+    client connection one end of a socket pair nobody writes to: torch 1.13's store client
+    thread polls its connection and peeks at it, busy-looping a core once it is closed (a
+    store host SIGKILLed, or shut here); on the quiet socket its poll() or its blocking
+    peek sleeps for good (a pipe would fail the peek, an exception that ends the process).
+    Not at the pause itself: a store call made after it on the quiet socket would wait for
+    ever (init_process_group's store barrier polls the store every 10 ms). A formation
+    thread let go of meanwhile (a pause) makes quiet what it opens after that itself
+    (made()). One lock for all groups: shut() and quiet() run on different threads, and
+    the quiet socket is shared."""
 
     _quiet = None  # the socket pair, shared; neither end is ever written or closed
+    _lock = threading.Lock()
 
     def __init__(self, store_addr):
         self.store_ips, self.store_port = store_addr
         self.before = _sockets()
-        self.fds = None  # {fd: inode}, set by done(); while None, every socket opened since `before`
-        self.store_clients = {}  # {fd: inode} of the store client connections shut()
+        self.gloo = []  # each rank's Gloo record in the store (bytes); None: unknown, every new connection is Gloo's
+        self.known = {}  # {fd: (inode, "store" or "gloo")}: the group's connections found so far
         self.server_own = {}  # {fd: inode} of a store server's own connections (a TCPStore(is_master=True))
+        self.server_forming = False  # that server's constructor runs: a store connection now may be its own
+        self.fixed = False  # done(): formed, `known` is the whole group
+        self.store_made = False  # the formation thread's store client exists (its constructor returned)
+        self.forming = True  # the formation thread runs
+        self.abandoned = False  # quiet() ran: let go of for good
 
-    def done(self):
-        now = _sockets()
-        self.fds = {fd: ino for fd, ino in now.items() if self.before.get(fd) != ino}
-
-    def _connections(self):
-        """(fd, inode, whether it is a client connection to the store) of each of the
-        group's TCP connections still open; this process's own store server's side stays
-        (parked)."""
-        fds = self.fds if self.fds is not None else {fd: ino for fd, ino in _sockets().items()
-                                                      if self.before.get(fd) != ino}
-        for fd, ino in fds.items():
+    def _find(self):
+        """Records the group's connections among the sockets opened since `before`."""
+        if self.fixed:
+            return
+        for fd, ino in _sockets().items():
+            if self.before.get(fd) == ino or fd in self.known and self.known[fd][0] == ino:
+                continue
             if self.server_own.get(fd) == ino:
                 continue  # this process's store server's own: stopped whole when the group is let go of
-            try:
-                if os.fstat(fd).st_ino != ino:
-                    continue  # closed, and the number reused since
-            except OSError:
+            got = self._open(fd, ino)
+            if got is None:
                 continue
-            ends = _tcp_peer(fd)
-            if ends is None:
-                continue
-            local_port, (peer_ip, peer_port) = ends
-            if local_port == self.store_port and peer_ip in self.store_ips:
-                continue  # this process hosts the store: its server's side stays (parked)
-            yield fd, ino, peer_port == self.store_port and peer_ip in self.store_ips
+            sock, kind = got
+            sock.close()
+            if kind == "store" and self.server_forming:
+                continue  # perhaps the server's own, known once its constructor returns (never shut: H1)
+            if kind is not None:
+                self.known[fd] = (ino, kind)
+
+    def _open(self, fd, ino, kind=None):
+        """(a dup of fd as a socket, its kind: "store", "gloo" or None) while fd is still
+        the TCP socket of inode `ino`; None otherwise. The one dup is what is checked and
+        what is shut: fd itself may be made quiet meanwhile."""
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return None
+        try:
+            if os.fstat(sock.fileno()).st_ino != ino or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                sock.close()  # closed and reused, made quiet (AF_UNIX), or not TCP
+                return None
+            if kind is None:
+                kind = self._kind(sock)
+            return sock, kind
+        except OSError:
+            sock.close()
+            return None
+
+    def _kind(self, sock):
+        try:
+            local, peer = sock.getsockname(), sock.getpeername()
+        except OSError:
+            return None  # listening or not connected
+        if local[1] == self.store_port and _plain_ip(local[0]) in self.store_ips:
+            return None  # this process hosts the store: its server's side stays (parked)
+        if peer[1] == self.store_port and _plain_ip(peer[0]) in self.store_ips:
+            return "store"
+        if self.gloo is None:
+            return "gloo"  # Gloo's addresses not found in the store: every other new connection, as before
+        ends = (_sockaddr_bytes(sock.family, local), _sockaddr_bytes(sock.family, peer))
+        if any(end in record for record in self.gloo for end in ends):
+            return "gloo"  # accepted on this rank's published address, or connected to a peer's
+        return None
+
+    def made(self, store=False, gloo=False):
+        """From the formation thread after each constructor: what it made is recorded, and
+        if the group was let go of meanwhile (a pause), made quiet now and _Interrupted."""
+        with _GroupSockets._lock:
+            self.store_made = self.store_made or store
+            if gloo is not False:
+                self.gloo = gloo
+            if self.abandoned:
+                self._shut()
+                self._quiet_store()
+                raise _Interrupted("the group was let go of while it formed")
+
+    def formed(self):
+        """From the formation thread, as it ends (done or failed): an abandoned group's
+        connections it made last are made quiet too."""
+        with _GroupSockets._lock:
+            self.forming = False
+            if self.abandoned:
+                self._shut()
+                self._quiet_store()
+
+    def done(self):
+        """The group formed (registered): its connections are the ones found now."""
+        with _GroupSockets._lock:
+            self._find()
+            self.fixed = True
+            self.forming = False
 
     def shut(self):
-        for fd, ino, store_client in self._connections():
-            if store_client:  # told apart now: once shut and closed by the peer, it has no peer address
-                self.store_clients[fd] = ino
+        with _GroupSockets._lock:
+            self._shut()
+
+    def _shut(self):
+        self._find()
+        for fd, (ino, kind) in self.known.items():
+            got = self._open(fd, ino, kind)
+            if got is None:
+                continue
+            sock = got[0]
             try:
-                socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_RDWR)  # the dup closes at GC; fd stays
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            sock.close()  # the dup; fd stays, now a socket that fails every call at once
 
     def quiet(self):
-        self.shut()
-        for fd, ino in self.store_clients.items():
+        with _GroupSockets._lock:
+            self.abandoned = True
+            self._shut()
+            if self.store_made or not self.forming:  # not while the store client's constructor still uses them
+                self._quiet_store()
+
+    def _quiet_store(self):
+        for fd, (ino, kind) in list(self.known.items()):
+            if kind != "store":
+                continue
             try:
                 if os.fstat(fd).st_ino != ino:
                     continue  # closed and reused, or quiet already
@@ -272,6 +354,25 @@ class _GroupSockets:
                 os.dup2(_GroupSockets._quiet[0].fileno(), fd)
             except OSError:
                 pass
+
+
+def _gloo_records(store, world):
+    """Each rank's record of its Gloo addresses, as Gloo published them in the store (under
+    init_process_group's group name "0", then ProcessGroupGloo's device "0"; torch 1.13's
+    Gloo writes raw addresses, 2.6's a record with its host name: each holds the struct
+    sockaddr of the address the rank's pairs listen on). None (and one line) when they are
+    not there: then every connection the formation opened is taken for Gloo's."""
+    records = dist.PrefixStore("0", dist.PrefixStore("0", store))
+    try:
+        got = []
+        for r in range(world):
+            records.wait([str(r)], timedelta(seconds=5))
+            got.append(bytes(records.get(str(r))))
+        return got
+    except Exception as e:  # another torch's layout
+        _say(f"Gloo's addresses are not in the store as expected ({str(e).splitlines()[0] if str(e) else e}): every "
+             "connection opened while the group formed counts as the group's")
+        return None
 
 
 def _keep(obj):
@@ -548,22 +649,32 @@ class Recovery:
         prefix = f"/worker/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
         def build():
-            server = None
-            if is_master:  # a server of its own, so that it goes when the group is let go of (_abandon)
-                before = _sockets()
-                server = dist.TCPStore(host, port, **kwargs)
-                with self._lock:  # its own client connections: never shut nor quiet (its end joins their thread)
-                    group.server_own.update({fd: ino for fd, ino in _sockets().items() if before.get(fd) != ino})
-            client = dict(kwargs, is_master=False)
-            client.pop("use_libuv", None)  # a server's option
-            store = dist.PrefixStore(prefix, dist.TCPStore(host, port, **client))
-            _keep(store)
-            pg = None
-            if self.backend == "gloo":  # NCCL connects at its first collective: nothing to wait for here
-                # The prefix init_process_group gives its first group ("0"), so that the keys stay its own.
-                pg = dist.ProcessGroupGloo(dist.PrefixStore("0", store), rank, world, self.timeout)
-                _keep(pg)  # given up on, it may still hold threads waiting for a peer
-            return store, pg, server
+            try:
+                server = None
+                if is_master:  # a server of its own, so that it goes when the group is let go of (_abandon)
+                    before = _sockets()
+                    with _GroupSockets._lock:
+                        group.server_forming = True
+                    try:
+                        server = dist.TCPStore(host, port, **kwargs)
+                    finally:
+                        with _GroupSockets._lock:  # its own client connections: never shut nor quiet (its end joins their thread)
+                            group.server_own.update({fd: ino for fd, ino in _sockets().items() if before.get(fd) != ino})
+                            group.server_forming = False
+                client = dict(kwargs, is_master=False)
+                client.pop("use_libuv", None)  # a server's option
+                store = dist.PrefixStore(prefix, dist.TCPStore(host, port, **client))
+                _keep(store)
+                group.made(store=True)
+                pg = None
+                if self.backend == "gloo":  # NCCL connects at its first collective: nothing to wait for here
+                    # The prefix init_process_group gives its first group ("0"), so that the keys stay its own.
+                    pg = dist.ProcessGroupGloo(dist.PrefixStore("0", store), rank, world, self.timeout)
+                    _keep(pg)  # given up on, it may still hold threads waiting for a peer
+                    group.made(gloo=_gloo_records(store, world))
+                return store, pg, server
+            finally:
+                group.formed()
 
         store, pg, self._server = self._off_thread("the new group formed", build)
         if dist.is_initialized():  # a registration an earlier pause cut short (torch 1.13: its store barrier)
@@ -576,8 +687,7 @@ class Recovery:
             if self._interrupted():  # its store barrier (torch 1.13) failed on the connections the pause shut
                 raise _Interrupted(f"a pause came while the new group registered: {str(e).splitlines()[0] if str(e) else e}") from e
             raise
-        with self._lock:
-            group.done()
+        group.done()
 
     def _interrupted(self):
         return self._channel is not None and (self._channel.paused() or bool(self._channel.closed))

@@ -329,6 +329,19 @@ class Chaos:
                     seen.append((t, int(m.group(1) or m.group(2))))
         return sorted(seen)
 
+    def whose(self, target):
+        """ (rank 0's node)" when the agent `target` names printed the last rank-0 progress
+        line (it runs rank 0, and hosts the store in torch 1.x's c10d jobs), else " (not
+        rank 0's node)"; "" for other targets."""
+        last = {}
+        for a in self.agents:
+            for t, line in list(a.lines):
+                if STEP_LINE.search(line):
+                    last[a.addr] = t
+        if not target.startswith("agent ") or not last:
+            return ""
+        return " (rank 0's node)" if max(last, key=last.get) == target.split()[-1] else " (not rank 0's node)"
+
     def first_line_after(self, t0, pattern, until=float("inf")):
         best = None
         for p in [*self.agents, *([self.daemon] if self.daemon else [])]:
@@ -492,7 +505,7 @@ class Chaos:
                     target, t0 = done
                     self.faults.append({"kind": kind, "target": target, "t0": t0,
                                         "step_before": ([s for t, s in self.steps() if t <= t0] or [0])[-1]})
-                    print(f"chaos: t+{t0 - t_start:.1f}s {kind} {target}", flush=True)
+                    print(f"chaos: t+{t0 - t_start:.1f}s {kind} {target}{self.whose(target)}", flush=True)
                 next_fault = now() + self.rng.uniform(self.args.min_gap, self.args.max_gap)
             self.replace_lost_agents(max_steps)
             time.sleep(0.05)

@@ -38,6 +38,31 @@ std::vector<Proc> start_job(const std::string& ep, const std::string& job, const
 
 }  // namespace
 
+// docs/multinode.md, "Two voters": with two nodes and no standby no side of a cut has a
+// majority; the run says so once at its first round, on each node. A third node rules a
+// split out: no such line.
+TEST_CASE("an agent-hosted job of two nodes and no standby says at its first round that it has two voters (no "
+          "majority on either side of a cut), on each node, and a job of three nodes does not") {
+  for (const std::string nnodes : {"2", "3"}) {
+    INFO("--nnodes=" << nnodes);
+    const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+    const std::vector<std::string> flags{"--max_restarts=0"};
+    std::vector<Proc> agents;
+    agents.push_back(spawn(agent_argv(ep, "voters" + nnodes, 2, nnodes, 1, flags, {"print", "up"})));
+    REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+    for (int i = 3; i < 2 + std::stoi(nnodes); ++i)
+      agents.push_back(spawn(agent_argv(ep, "voters" + nnodes, i, nnodes, 1, flags, {"print", "up"})));
+    for (auto& a : agents) {
+      REQUIRE(a.wait(60s));
+      INFO(a.err());
+      CHECK(a.exit_code() == 0);
+      const int told = count_of(a.err(), "this job has two voters (two nodes, no standby): if a network "
+                                                 "partition cuts them apart, no side has a majority");
+      CHECK(told == (nnodes == "2" ? 1 : 0));
+    }
+  }
+}
+
 TEST_CASE("the hosting agent SIGKILLed where no survivor can take over (no restart left, too few nodes left): every "
           "survivor ends at once with the lost host as root cause, exit 3, never after join_timeout") {
   struct Case {

@@ -68,6 +68,9 @@ CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, s
 LOG_EVERY = 2
 IN_PLACE_LOST = 3     # --worker python: the most steps a fault may cost (its redone step, plus a margin)
 CALIBRATION_STEPS = 120  # the undisturbed run that sizes --max-steps: 60 progress lines
+# With --plan-bound, a fault comes only while the steps left at the calibrated rate and one
+# fault's recovery fit the planned seconds; the README's soak: stop-daemon's median 16 s.
+RECOVERY_ALLOWANCE_S = 20
 # mgtrain's progress line, or examples/ddp_recovery.py's (--worker python): the step is group 1 or 2.
 STEP_LINE = re.compile(r"\[rank0\]:(?:epoch \d+/\d+ step (\d+)/\d+|step (\d+) )")
 PY_WORKER = os.path.join(os.path.dirname(HERE), "examples", "ddp_recovery.py")
@@ -200,6 +203,9 @@ class Chaos:
         self.replacements = 0    # agents started to replace lost ones (bounded by the faults)
         self.join_timeout = args.join_timeout
         self.phases = {}         # wall seconds of each phase, for the report
+        self.rate = None         # steps per second of the undisturbed calibration run
+        self.startup = None      # seconds from its agents' start to its first step
+        self.faults_stopped = None  # when faults stopped to keep the plan (--plan-bound), from the start
 
     # ---- processes ----------------------------------------------------------------------------
     def start(self, name, argv):
@@ -462,6 +468,7 @@ class Chaos:
         """Steps per second of the undisturbed job (a short run), to size --max-steps."""
         if self.args.max_steps:
             return self.args.max_steps
+        t0 = now()
         agents = [self.start_agent(CALIBRATION_STEPS) for _ in range(ACTIVE)]
         for a in agents:
             if a.wait(300) != 0:
@@ -473,9 +480,29 @@ class Chaos:
         if len(steps) < 10:
             raise RuntimeError("the calibration run printed too few progress lines")
         rate = (steps[-1][1] - steps[2][1]) / max(1e-3, steps[-1][0] - steps[2][0])
+        self.rate = rate
+        # The job's start (the rendezvous, the workers' start, up to the first step): with
+        # --plan-bound it is part of the plan's seconds (before, only the steps were sized, so
+        # a slow start overran the plan by its own length).
+        self.startup = steps[0][0] - t0
+        seconds = self.args.seconds
+        if self.args.plan_bound:
+            seconds = max(seconds / 2, seconds - self.startup)
         # 70% of the run's seconds undisturbed: the faults' recoveries take the rest (the
         # faults stop at 85%).
-        return max(200, int(rate * self.args.seconds * 0.7))
+        return max(200, int(rate * seconds * 0.7))
+
+    def on_plan(self, t_start, max_steps):
+        """With --plan-bound: whether one more fault still fits the plan, i.e. the steps left at
+        the calibrated rate, plus one fault's recovery (RECOVERY_ALLOWANCE_S), end within the
+        planned seconds. The faults came on a wall-clock schedule whatever the progress, so their
+        recoveries were not bounded by the 30% the plan leaves them (the daemon soak of 0bdafd7:
+        75 faults, 450 s from fault to the next step in all, for 216 s)."""
+        if not self.args.plan_bound or not self.rate:
+            return True
+        done = ([s for _, s in self.steps()] or [0])[-1]
+        left = max(0, max_steps - done) / self.rate
+        return now() + left + RECOVERY_ALLOWANCE_S <= t_start + self.args.seconds
 
     def run(self):
         if self.args.backend == "etcd":
@@ -497,7 +524,12 @@ class Chaos:
         while now() < deadline:
             if any(a.p.poll() == 0 for a in self.agents):
                 break  # the job is done: the others end on their own (evaluate waits for them)
-            if now() >= next_fault and now() < faults_until and self.steps():
+            if (now() >= next_fault and now() < faults_until and self.steps() and self.faults_stopped is None
+                    and not self.on_plan(t_start, max_steps)):
+                self.faults_stopped = round(now() - t_start, 1)
+                print(f"chaos: t+{self.faults_stopped:.1f}s no more faults: the steps left would not end within "
+                      f"the plan's {self.args.seconds:.0f} s", flush=True)
+            if now() >= next_fault and now() < faults_until and self.steps() and self.faults_stopped is None:
                 kind = first or self.rng.choice(kinds)
                 done = self.inject(kind, max_steps)
                 if done:
@@ -511,6 +543,7 @@ class Chaos:
             time.sleep(0.05)
         self.phases["soak"] = round(now() - t_start, 1)
         self.evaluate(t_start, max_steps)
+        self.check_plan(t_start, max_steps)
         self.phases["evaluation"] = round(now() - t_start - self.phases["soak"], 1)
 
     def crashes(self, agents):
@@ -589,6 +622,30 @@ class Chaos:
                        "max_steps": max_steps, "faults": self.faults, "weights_sha256": sorted(map(str, shas)),
                        "hung_without_fault": self.hung_without_fault(), "agents_started": len(self.agents),
                        "recoveries": [r for s in summaries.values() for r in s.get("recoveries", [])][:1000]}
+
+    def check_plan(self, t_start, max_steps):
+        """With --plan-bound B: the soak's job took at most B times its planned seconds (#34).
+        Reports the training rate after the last fault's recovery beside the calibrated one: a
+        job slowed for good (a spinning thread in a surviving worker) overruns with no fault left."""
+        soak = self.phases.get("soak", now() - t_start)
+        steps = self.steps()
+        recovered = [f["t"] + f["recovered_s"] for f in self.faults if f.get("recovered_s") is not None]
+        since = t_start + max(recovered) if recovered else t_start
+        tail = [(t, st) for t, st in steps if t >= since]
+        rate_after = None
+        if len(tail) > 1 and tail[-1][0] > tail[0][0]:
+            rate_after = (tail[-1][1] - tail[0][1]) / (tail[-1][0] - tail[0][0])
+        self.report["plan"] = {"seconds": self.args.seconds, "bound": self.args.plan_bound,
+                               "calibrated_steps_per_s": round(self.rate, 2) if self.rate else None,
+                               "calibrated_startup_s": round(self.startup, 1) if self.startup is not None else None,
+                               "steps_per_s_after_last_fault": round(rate_after, 2) if rate_after else None,
+                               "faults_stopped_at_s": self.faults_stopped}
+        if self.args.plan_bound and soak > self.args.plan_bound * self.args.seconds:
+            self.problems.append(
+                f"the soak's job took {soak:.0f} s, over {self.args.plan_bound:g} times its plan of "
+                f"{self.args.seconds:.0f} s ({max_steps} steps at the calibrated "
+                f"{self.rate or 0:.1f} steps/s; after the last fault's recovery "
+                f"{rate_after or 0:.1f} steps/s)")
 
     def unsurvivable(self):
         """An active node lost with no standby: the survivor ends, non-zero, with a root cause
@@ -696,6 +753,10 @@ def main():
     ap.add_argument("--worker", choices=["mgtrain", "python"], default="mgtrain",
                     help="python: examples/ddp_recovery.py (plain torch DDP with mglaunch_recovery) instead of mgtrain")
     ap.add_argument("--first-fault", default="", help="the first fault's kind (then at random), e.g. cut-node")
+    ap.add_argument("--plan-bound", type=float, default=0,
+                    help="the job must end within this many times --seconds (a failed check past it; make chaos: "
+                         "1.25), and faults stop once the steps left would not end within --seconds at the "
+                         "calibrated rate; 0: neither")
     args = ap.parse_args()
     if args.worker == "python":
         global LOG_EVERY

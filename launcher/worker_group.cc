@@ -21,7 +21,8 @@ bool WorkerGroup::close() {
   const bool known_clean = clean_ && leaders_.empty();
   for (auto* list : {&workers_, &retired_})
     for (auto& w : *list)
-      if (!w->exited() && w->pid() > 0 && !w->left_behind() && !w->kill_and_reap(reap_deadline())) leave_behind(w->pid());
+      if ((!w->exited() || w->held()) && w->pid() > 0 && !w->left_behind() && !w->kill_and_reap(reap_deadline()))
+        leave_behind(w->pid());
   leaders_.clear();
   workers_.clear();  // (SIGKILLed and reaped above, or left behind)
   retired_.clear();
@@ -48,15 +49,8 @@ WorkerProcess& WorkerGroup::spawn(WorkerSpec spec, WorkerProcess::DoneHandler on
 }
 
 void WorkerGroup::signal(int sig, bool escaped) {
-  const pid_t self = ::getpid();
-  const bool any_reaped = std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->exited(); });
-  // One scan serves the groups whose leader was reaped and the escaped descendants.
-  std::vector<ProcStat> table;
-  if (any_reaped || escaped) table = scan_family(self);
-  std::unordered_set<pid_t> groups;
-  if (any_reaped) groups = descendant_groups(table, self);
-  for (auto& w : workers_) w->signal_group(sig, &groups);
-  if (escaped) signal_escaped(sig, table);
+  for (auto& w : workers_) w->signal_group(sig);
+  if (escaped) signal_escaped(sig, scan_family(::getpid()));
 }
 
 void WorkerGroup::signal_escaped(int sig, const std::vector<ProcStat>& table) {
@@ -73,19 +67,9 @@ void WorkerGroup::signal_escaped(int sig, const std::vector<ProcStat>& table) {
 }
 
 void WorkerGroup::signal_some(int sig, const std::vector<int>& local_ranks) {
-  const pid_t self = ::getpid();
-  std::vector<ProcStat> table;
-  std::unordered_set<pid_t> groups;
-  bool scanned = false;
-  for (auto& w : workers_) {
-    if (std::find(local_ranks.begin(), local_ranks.end(), w->spec().local_rank) == local_ranks.end()) continue;
-    if (w->exited() && !scanned) {  // its group lives on only in the agent's descendants
-      table = scan_family(self);
-      groups = descendant_groups(table, self);
-      scanned = true;
-    }
-    w->signal_group(sig, scanned ? &groups : nullptr);
-  }
+  for (auto& w : workers_)
+    if (std::find(local_ranks.begin(), local_ranks.end(), w->spec().local_rank) != local_ranks.end())
+      w->signal_group(sig);
 }
 
 void WorkerGroup::retire(const std::vector<int>& keep) {
@@ -93,7 +77,6 @@ void WorkerGroup::retire(const std::vector<int>& keep) {
   // leaders, the kept workers' families and the watchdog (reap() reaps them), from one scan.
   const pid_t self = ::getpid();
   const std::vector<ProcStat> table = scan_family(self);
-  const std::unordered_set<pid_t> groups = descendant_groups(table, self);
   std::vector<std::unique_ptr<WorkerProcess>> kept;
   std::unordered_set<pid_t> spared;  // the kept workers' process groups and descendants
   for (auto& w : workers_) {
@@ -101,7 +84,8 @@ void WorkerGroup::retire(const std::vector<int>& keep) {
     const bool stays = !w->done() && w->pid() > 0 &&
                        std::find(keep.begin(), keep.end(), w->spec().local_rank) != keep.end();
     if (!stays) {
-      w->signal_group(SIGKILL, &groups);
+      w->signal_group(SIGKILL);
+      release(*w);
       continue;
     }
     spared.insert(w->pid());
@@ -134,10 +118,10 @@ bool WorkerGroup::kill_all() {
   // A reaped leader's group holds only descendants of the agent (a subreaper keeps them
   // all), which kill_leftovers() kills one by one: no scan for the groups first.
   for (auto& w : workers_)
-    if (!w->exited()) w->signal_group(SIGKILL, nullptr);
+    if (!w->exited() || w->held()) w->signal_group(SIGKILL);
   // The leaders too are reaped here, by the deadline: the reaper (SIGCHLD) is gone by now.
   for (auto& w : workers_)
-    if (!w->exited() && w->pid() > 0 && !w->left_behind()) {
+    if ((!w->exited() || w->held()) && w->pid() > 0 && !w->left_behind()) {
       leaders_.erase(w->pid());
       if (!w->kill_and_reap(reap_deadline())) leave_behind(w->pid());
     }
@@ -172,23 +156,72 @@ bool WorkerGroup::kill_leftovers(bool reap) {
   return false;
 }
 
+namespace {
+// waitpid's status word for what waitid says of an ended child.
+int wait_status_of(const siginfo_t& si) {
+  switch (si.si_code) {
+    case CLD_EXITED: return (si.si_status & 0xff) << 8;
+    case CLD_KILLED: return si.si_status & 0x7f;
+    case CLD_DUMPED: return (si.si_status & 0x7f) | 0x80;
+    default: return 0;
+  }
+}
+}  // namespace
+
 bool WorkerGroup::reap() {
   bool watchdog_alive = true;
   for (;;) {
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid < 0 && errno == EINTR) continue;
-    if (pid <= 0) return watchdog_alive;
-    if (auto it = leaders_.find(pid); it != leaders_.end()) {
-      WorkerProcess* w = it->second;
-      leaders_.erase(it);
-      w->on_exit(status);
-    } else if (pid == watchdog_.pid()) {
-      // Its exit is news only while the agent still holds the pipe (not yet let go).
-      watchdog_alive = watchdog_.let_go_done();
-      watchdog_.forget();
+    siginfo_t si{};  // the next ended child, looked at, not reaped (WNOWAIT)
+    if (::waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) != 0) {
+      if (errno == EINTR) continue;
+      return watchdog_alive;
     }
+    if (si.si_pid == 0) return watchdog_alive;
+    if (auto it = leaders_.find(si.si_pid); it != leaders_.end() && it->second->held()) {
+      // A held zombie comes first again and again: the others are found through /proc.
+      for (const auto& p : scan_family(::getpid())) {
+        if (p.ppid != ::getpid() || (leaders_.contains(p.pid) && leaders_.at(p.pid)->held())) continue;
+        siginfo_t one{};
+        if (::waitid(P_PID, static_cast<id_t>(p.pid), &one, WEXITED | WNOHANG | WNOWAIT) == 0 && one.si_pid == p.pid)
+          reap_child(one, watchdog_alive);
+      }
+      return watchdog_alive;
+    }
+    reap_child(si, watchdog_alive);
   }
+}
+
+void WorkerGroup::reap_child(const siginfo_t& si, bool& watchdog_alive) {
+  const pid_t pid = si.si_pid;
+  if (auto it = leaders_.find(pid); it != leaders_.end()) {
+    WorkerProcess* w = it->second;
+    if (!w->spec().in_agent_group) {
+      // Its zombie keeps the group's id until the group is SIGKILLed (release): a signal to
+      // the group meanwhile cannot reach another group that took a recycled id.
+      w->on_exit(wait_status_of(si), /*held=*/true);
+      return;
+    }
+    leaders_.erase(it);
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) < 0 && errno == EINTR) {
+    }
+    w->on_exit(status);
+    return;
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) < 0 && errno == EINTR) {
+  }
+  if (pid == watchdog_.pid()) {
+    // Its exit is news only while the agent still holds the pipe (not yet let go).
+    watchdog_alive = watchdog_.let_go_done();
+    watchdog_.forget();
+  }
+}
+
+void WorkerGroup::release(WorkerProcess& w) {
+  if (!w.held()) return;
+  if (auto it = leaders_.find(w.pid()); it != leaders_.end() && it->second == &w) leaders_.erase(it);
+  w.release();
 }
 
 void WorkerGroup::pause_drains() {

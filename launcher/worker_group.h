@@ -10,6 +10,7 @@
 // agent starts nothing else but the watchdog, which is spared).
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -63,9 +64,12 @@ class WorkerGroup {
   // `reap`, waits for the killed children (end of the run; until kReapBound from the first
   // such wait) instead of leaving them to reap(). True when its last scan found nothing to kill.
   bool kill_leftovers(bool reap);
-  // The one reaper (on SIGCHLD): waitpid(-1) until nothing is left to reap; a worker
-  // leader's status goes to its handle, anything else (an orphan handed to the subreaper)
-  // is dropped. False when the watchdog was among them before the agent let it go (it is
+  // The one reaper (on SIGCHLD): every ended child until none is left. A worker leader's
+  // status goes to its handle, and the leader stays a zombie (WorkerProcess::held) until
+  // its group is SIGKILLed (retire, kill_all, close: release), so that its group's id is
+  // never recycled while the agent may still signal the group; a leader in the agent's
+  // group is reaped at once. Anything else (an orphan handed to the subreaper) is reaped and
+  // dropped. False when the watchdog was among them before the agent let it go (it is
   // forgotten either way).
   bool reap();
   void pause_drains();
@@ -74,12 +78,15 @@ class WorkerGroup {
 
  private:
   bool is_live_leader(pid_t pid) const { return leaders_.contains(pid); }
+  void reap_child(const siginfo_t& si, bool& watchdog_alive);
+  // A held zombie's group SIGKILLed and the zombie reaped (WorkerProcess::release).
+  void release(WorkerProcess& w);
   void signal_escaped(int sig, const std::vector<ProcStat>& table);
 
   boost::asio::io_context& io_;
   Console& console_;
   Watchdog& watchdog_;
-  std::unordered_map<pid_t, WorkerProcess*> leaders_;  // unreaped worker leaders, by pid
+  std::unordered_map<pid_t, WorkerProcess*> leaders_;  // unreaped worker leaders (alive or held), by pid
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
   std::vector<std::unique_ptr<WorkerProcess>> retired_;
   // The last kill_leftovers() scan found nothing but the watchdog with every leader reaped,

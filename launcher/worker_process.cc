@@ -207,6 +207,10 @@ WorkerProcess::WorkerProcess(asio::io_context& io, WorkerSpec spec, Console& con
 }
 
 bool WorkerProcess::kill_and_reap(std::chrono::steady_clock::time_point deadline) {
+  if (held_) {
+    release();
+    return true;
+  }
   if (pid_ <= 0 || exited_ || left_behind_) return !left_behind_;
   if (spec_.in_agent_group) signal_family(SIGKILL);
   else ::killpg(pid_, SIGKILL);
@@ -235,23 +239,23 @@ void WorkerProcess::signal_family(int sig) {
     if (p.pgrp == group && p.pid != pid_) signal_same_process(p, sig);
 }
 
-void WorkerProcess::signal_group(int sig, const std::unordered_set<pid_t>* groups) {
+void WorkerProcess::signal_group(int sig) {
   if (pid_ <= 0) return;
   if (spec_.in_agent_group) {
     signal_family(sig);
     return;
   }
-  if (!exited_) {  // the unreaped leader holds the group id: it cannot name another group
-    ::killpg(pid_, sig);
-    return;
-  }
-  // Once the leader is reaped the id could in principle be reused after the group
-  // empties: signal only while one of our own descendants is still in the group.
-  if (groups) {
-    if (groups->contains(pid_)) ::killpg(pid_, sig);
-    return;
-  }
-  if (descendant_groups(scan_family(::getpid()), ::getpid()).contains(pid_)) ::killpg(pid_, sig);
+  // The unreaped leader (alive, or a zombie held) holds the group id: it cannot name
+  // another group. Reaped, it was released after its group's SIGKILL: nothing is left.
+  if (!exited_ || held_) ::killpg(pid_, sig);
+}
+
+void WorkerProcess::release() {
+  if (!held_) return;
+  ::killpg(pid_, SIGKILL);  // while the zombie still holds the id
+  int status = 0;
+  reap_by(pid_, std::chrono::steady_clock::now() + kReapBound, status);  // a zombie: at once
+  held_ = false;
 }
 
 void WorkerProcess::window_changed() {
@@ -412,9 +416,10 @@ void WorkerProcess::close_stream(int s) {
   maybe_done();
 }
 
-void WorkerProcess::on_exit(int status) {
+void WorkerProcess::on_exit(int status, bool held) {
   if (exited_) return;
   exited_ = true;
+  held_ = held;
   status_ = status;
   end_ = std::chrono::steady_clock::now();
   if (impl_->open[0] || impl_->open[1]) arm_drain();

@@ -24,7 +24,6 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_set>
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
@@ -79,17 +78,20 @@ class WorkerProcess {
   WorkerProcess(const WorkerProcess&) = delete;
   WorkerProcess& operator=(const WorkerProcess&) = delete;
 
-  // Sends `sig` to the worker's process group as long as any member of it lives, also
-  // after the leader was reaped (a member is then one of the agent's descendants).
-  // `groups`: the result of descendant_groups() for the agent, computed once by a caller
-  // that signals many workers; nullptr: scan /proc here when needed. A worker in the
-  // agent's group (in_agent_group): the worker and every descendant of the agent in the
-  // agent's group (its family: every other process the agent starts has a group of its own).
-  void signal_group(int sig, const std::unordered_set<pid_t>* groups = nullptr);
-  // SIGKILLs what is left of the process group (stragglers of a finished worker).
-  void kill_stragglers(const std::unordered_set<pid_t>* groups = nullptr) { signal_group(SIGKILL, groups); }
-  // The exit, from the agent's reaper: `status` as waitpid returned it.
-  void on_exit(int status);
+  // Sends `sig` to the worker's process group while its leader is not reaped: alive, or
+  // ended and kept a zombie by the reaper (held()), which it is until its group was
+  // SIGKILLed. The zombie holds the group's id, so the signal cannot reach a later group
+  // that took the same id (a recycled pid). Once reaped (after that SIGKILL) nothing.
+  // A worker in the agent's group (in_agent_group): the worker and every descendant of the
+  // agent in the agent's group (its family: every other process the agent starts has a
+  // group of its own), one by one.
+  void signal_group(int sig);
+  // The exit, from the agent's reaper: `status` as waitpid returned it; `held`: the leader
+  // is left a zombie (WorkerGroup::reap) until release().
+  void on_exit(int status, bool held = false);
+  bool held() const { return held_; }
+  // SIGKILL to the held zombie's group, then the zombie reaped (at once: it has ended).
+  void release();
   // The end of the run: SIGKILL to its process group, then reaped by `deadline`, never in a
   // blocking waitpid (process/reap.h). False when it could not be reaped by then
   // (state D, or traced by another process): it is left to the agent's parent (or init),
@@ -139,6 +141,7 @@ class WorkerProcess {
   pid_t pid_ = -1;
   bool exited_ = false;
   bool left_behind_ = false;  // kill_and_reap() could not reap it
+  bool held_ = false;  // exited, its zombie not reaped yet: its pid still names its group
   bool done_ = false;
   bool paused_[2] = {false, false};  // not reading: the console is congested
   bool drain_paused_ = false;        // pause_drain() (Ctrl-Z) until resume_drain()

@@ -32,6 +32,9 @@ CASE:
               a user's connection opened while the group forms survives; a store connection
               the formation thread opens after the group was let go of is made quiet; a
               second pause racing the quiet loop never shuts the shared quiet socket
+  left-behind a formation thread left behind by a pause in Gloo's constructor ends (raises, or
+              returns) after the next round formed on the same store: the next round's store
+              connections and a user's connection opened after it formed survive
   rng-behind  a step applied on rank 0 only (rank 1 fails after DDP's all-reduce, before
               its optimizer step; this test is the agent): after the state agreement the
               example (every rank seeded alike, dropout) ends with an undisturbed run's weights
@@ -428,6 +431,126 @@ def store_server(work):
     os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
 
 
+class PauseChannel:
+    """The control channel as the package sees it, its pause set by the test."""
+    closed = ""
+    pause = False
+
+    def paused(self):
+        return self.pause
+
+
+def user_connection():
+    """A user's own TCP connection (a data loader's, metrics'): both ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(listener.getsockname(), timeout=10)
+    theirs = listener.accept()[0]
+    listener.close()
+    theirs.settimeout(10)
+    return mine, theirs
+
+
+def works(pair):
+    mine, theirs = pair
+    try:
+        mine.sendall(b"x")
+        theirs.sendall(b"y")
+        return theirs.recv(1) == b"x" and mine.recv(1) == b"y"
+    except OSError:
+        return False
+
+
+def join_left_behind():
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "mglaunch-form-group":
+            t.join(60)
+            if t.is_alive():
+                fail("the left-behind formation thread did not end within 60 s")
+
+
+def left_behind(work):
+    """A formation thread left behind by a pause in Gloo's constructor (a peer that never
+    connects: Gloo waits its whole timeout) ends after the next round formed on the same
+    store (the agent's, MASTER_ADDR:MASTER_PORT the same every round): Gloo's constructor
+    raises at last, or returns (the peer connected late). Neither may shut or make quiet
+    the next round's store connections nor a user's connection opened after it formed."""
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    import threading
+    from datetime import timedelta
+    from unittest import mock
+
+    import mglaunch_recovery as mr
+
+    store, port = agent_store(1)
+    for k in [k for k in os.environ if k.startswith("MGLAUNCH_")]:
+        del os.environ[k]
+    rec = mr.Recovery(timeout=timedelta(seconds=60))
+    rec._channel = PauseChannel()
+    real_gloo = mr.dist.ProcessGroupGloo
+    for restart, ending in ((0, "raises"), (2, "returns")):
+        entered, release = threading.Event(), threading.Event()
+
+        def stuck_gloo(*args, **kwargs):  # Gloo's constructor waiting for a peer until its timeout
+            entered.set()
+            release.wait(120)
+            if ending == "raises":
+                raise RuntimeError("[gloo] Timed out waiting for peer (the test's)")
+            return real_gloo(mr.dist.HashStore(), 0, 1, timedelta(seconds=30))  # the peer connected late
+
+        os.environ.update(round_env(port, 0, 1, restart))
+        errors = []
+
+        def form():
+            try:
+                rec._form_group()
+            except Exception as e:
+                errors.append(e)
+
+        with mock.patch.object(mr.dist, "ProcessGroupGloo", stuck_gloo):
+            forming = threading.Thread(target=form, daemon=True)
+            forming.start()
+            if not entered.wait(60):
+                fail("the formation thread did not reach Gloo's constructor")
+            rec._channel.pause = True
+            rec._abort_group()  # the pause, as the control reader thread does
+            forming.join(60)
+            if forming.is_alive() or not errors or not isinstance(errors[0], mr._Interrupted):
+                fail(f"the pause did not end the formation: {errors}")
+            rec._abandon()
+        rec._channel.pause = False
+        os.environ.update(round_env(port, 0, 1, restart + 1))
+        rec._form_group()  # the next round forms and registers, the old thread still in Gloo's constructor
+        group = rec._group
+        mine = mr.dist.distributed_c10d._get_default_store()
+        mine.set_timeout(timedelta(seconds=10))
+        mine.set("k", "1")
+        user = user_connection()
+        release.set()  # the old round's Gloo constructor ends now
+        join_left_behind()
+        quieted = []
+        for fd in group.known:
+            with socket.socket(fileno=os.dup(fd)) as x:
+                if x.family == socket.AF_UNIX:
+                    quieted.append(fd)
+        if quieted:
+            fail(f"a formation thread left behind whose Gloo constructor {ending} late made the next round's store "
+                 f"connections quiet (fds {quieted})")
+        try:
+            mine.get("k")
+        except Exception as e:
+            fail(f"the next round's store fails once the left-behind Gloo constructor {ending}: {e}")
+        if not works(user):
+            fail(f"a user's connection opened after the next round formed was shut when the left-behind Gloo "
+                 f"constructor {ending}")
+        rec._abort_group()
+        rec._abandon()
+    print("left-behind: the next round's store connections and a user's connection survived a left-behind formation "
+          "thread whose Gloo constructor raised late, and one whose constructor returned late", flush=True)
+    os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
+
+
 def group_sockets(work):
     """Which sockets a pause shuts and a let-go-of group makes quiet (_GroupSockets): only
     the group's, not a user's own (opened while the group forms); a connection the
@@ -440,31 +563,6 @@ def group_sockets(work):
     import mglaunch_recovery as mr
 
     store, port = agent_store(2)
-
-    class Channel:
-        closed = ""
-        pause = False
-
-        def paused(self):
-            return self.pause
-
-    def user_connection():
-        """A user's own TCP connection (a data loader's, metrics'): both ends."""
-        listener = socket.create_server(("127.0.0.1", 0))
-        mine = socket.create_connection(listener.getsockname(), timeout=10)
-        theirs = listener.accept()[0]
-        listener.close()
-        theirs.settimeout(10)
-        return mine, theirs
-
-    def works(pair):
-        mine, theirs = pair
-        try:
-            mine.sendall(b"x")
-            theirs.sendall(b"y")
-            return theirs.recv(1) == b"x" and mine.recv(1) == b"y"
-        except OSError:
-            return False
 
     def quiet_ino():
         return os.fstat(mr._GroupSockets._quiet[0].fileno()).st_ino if mr._GroupSockets._quiet else None
@@ -486,7 +584,7 @@ def group_sockets(work):
     for k in [k for k in os.environ if k.startswith("MGLAUNCH_")]:
         del os.environ[k]
     rec = mr.Recovery()
-    rec._channel = Channel()
+    rec._channel = PauseChannel()
 
     # 1. A pause while the group forms, the formation thread slow to connect to the store
     # (it connects after the group was let go of); a user's connection opened meanwhile.
@@ -522,11 +620,7 @@ def group_sockets(work):
             fail(f"the pause did not end the formation: {errors}")
         rec._abandon()
         go.set()  # the left-behind formation thread now connects to the store, and ends
-        for t in threading.enumerate():
-            if t.name == "mglaunch-form-group":
-                t.join(60)
-                if t.is_alive():
-                    fail("the left-behind formation thread did not end within 60 s")
+        join_left_behind()
         late = live_store_connections(before)
         if late:
             fail(f"store connections the formation thread opened after the group was let go of are neither closed nor "
@@ -976,6 +1070,8 @@ def main():
             rng_case(work)
         elif case == "group-sockets":
             group_sockets(work)
+        elif case == "left-behind":
+            left_behind(work)
         elif case == "rng-behind":
             rng_behind(work)
         elif case == "pause-forming":

@@ -218,11 +218,14 @@ class _GroupSockets:
     Not at the pause itself: a store call made after it on the quiet socket would wait for
     ever (init_process_group's store barrier polls the store every 10 ms). A formation
     thread let go of meanwhile (a pause) makes quiet what it opens after that itself
-    (made()). One lock for all groups: shut() and quiet() run on different threads, and
+    (made()): only what that one constructor opened, never a connection another group
+    claimed (_claimed: a newer round on the same store, formed while Gloo's constructor
+    waited for a peer). One lock for all groups: shut() and quiet() run on different threads, and
     the quiet socket is shared."""
 
     _quiet = None  # the socket pair, shared; neither end is ever written or closed
     _lock = threading.Lock()
+    _claimed = {}  # {fd: inode}: the connections of every group not let go of (under _lock)
 
     def __init__(self, store_addr):
         self.store_ips, self.store_port = store_addr
@@ -236,15 +239,21 @@ class _GroupSockets:
         self.forming = True  # the formation thread runs
         self.abandoned = False  # quiet() ran: let go of for good
 
-    def _find(self):
-        """Records the group's connections among the sockets opened since `before`."""
+    def _find(self, window=None):
+        """Records the group's connections among the sockets opened since `before` (or since
+        `window`, a snapshot taken just before one constructor: only what it opened); a
+        connection another group (a newer round's, on the same store) claimed is not this
+        group's."""
         if self.fixed:
             return
+        since = self.before if window is None else window
         for fd, ino in _sockets().items():
-            if self.before.get(fd) == ino or fd in self.known and self.known[fd][0] == ino:
+            if since.get(fd) == ino or fd in self.known and self.known[fd][0] == ino:
                 continue
             if self.server_own.get(fd) == ino:
                 continue  # this process's store server's own: stopped whole when the group is let go of
+            if _GroupSockets._claimed.get(fd) == ino:
+                continue  # another group's (a newer round formed while this one's thread was left behind)
             got = self._open(fd, ino)
             if got is None:
                 continue
@@ -254,6 +263,8 @@ class _GroupSockets:
                 continue  # perhaps the server's own, known once its constructor returns (never shut: H1)
             if kind is not None:
                 self.known[fd] = (ino, kind)
+                if not self.abandoned:
+                    _GroupSockets._claimed[fd] = ino
 
     def _open(self, fd, ino, kind=None):
         """(a dup of fd as a socket, its kind: "store", "gloo" or None) while fd is still
@@ -290,25 +301,34 @@ class _GroupSockets:
             return "gloo"  # accepted on this rank's published address, or connected to a peer's
         return None
 
-    def made(self, store=False, gloo=False):
-        """From the formation thread after each constructor: what it made is recorded, and
-        if the group was let go of meanwhile (a pause), made quiet now and _Interrupted."""
+    def made(self, window, store=False, gloo=False):
+        """From the formation thread after each constructor (`window`: the sockets just
+        before it): what it made is recorded (and claimed, so that a thread of an older
+        group left behind never takes it), and if the group was let go of meanwhile (a
+        pause), the store connections that constructor opened are made quiet now and
+        _Interrupted. Only those: the thread may end minutes after the pause (Gloo's wait
+        for a peer that never connects), when a newer round's connections to the same store
+        and a user's exist."""
         with _GroupSockets._lock:
             self.store_made = self.store_made or store
-            if gloo is not False:
+            if gloo is not False and not self.abandoned:
                 self.gloo = gloo
             if self.abandoned:
-                self._shut()
+                if store:
+                    self._find(window)
+                self._shut(scan=False)
                 self._quiet_store()
                 raise _Interrupted("the group was let go of while it formed")
+            self._find(window)
 
     def formed(self):
         """From the formation thread, as it ends (done or failed): an abandoned group's
-        connections it made last are made quiet too."""
+        connections found so far are shut and made quiet again. No new look: what a
+        constructor that failed opened, it closed."""
         with _GroupSockets._lock:
             self.forming = False
             if self.abandoned:
-                self._shut()
+                self._shut(scan=False)
                 self._quiet_store()
 
     def done(self):
@@ -322,8 +342,9 @@ class _GroupSockets:
         with _GroupSockets._lock:
             self._shut()
 
-    def _shut(self):
-        self._find()
+    def _shut(self, scan=True):
+        if scan:
+            self._find()
         for fd, (ino, kind) in self.known.items():
             got = self._open(fd, ino, kind)
             if got is None:
@@ -339,6 +360,9 @@ class _GroupSockets:
         with _GroupSockets._lock:
             self.abandoned = True
             self._shut()
+            for fd, (ino, kind) in self.known.items():
+                if _GroupSockets._claimed.get(fd) == ino:
+                    del _GroupSockets._claimed[fd]
             if self.store_made or not self.forming:  # not while the store client's constructor still uses them
                 self._quiet_store()
 
@@ -354,6 +378,14 @@ class _GroupSockets:
                 os.dup2(_GroupSockets._quiet[0].fileno(), fd)
             except OSError:
                 pass
+
+
+def _fresh(group):
+    """The sockets now, before a constructor of the formation thread; _Interrupted when its
+    group was let go of already (a thread left behind builds nothing more)."""
+    if group.abandoned:
+        raise _Interrupted("the group was let go of while it formed")
+    return _sockets()
 
 
 def _gloo_records(store, world):
@@ -663,15 +695,19 @@ class Recovery:
                             group.server_forming = False
                 client = dict(kwargs, is_master=False)
                 client.pop("use_libuv", None)  # a server's option
+                window = _fresh(group)
                 store = dist.PrefixStore(prefix, dist.TCPStore(host, port, **client))
                 _keep(store)
-                group.made(store=True)
+                group.made(window, store=True)
                 pg = None
                 if self.backend == "gloo":  # NCCL connects at its first collective: nothing to wait for here
                     # The prefix init_process_group gives its first group ("0"), so that the keys stay its own.
+                    window = _fresh(group)
                     pg = dist.ProcessGroupGloo(dist.PrefixStore("0", store), rank, world, self.timeout)
                     _keep(pg)  # given up on, it may still hold threads waiting for a peer
-                    group.made(gloo=_gloo_records(store, world))
+                    # Never a store call once paused: its connections are shut or quiet (a wait there
+                    # would fail, or set its timeout on the quiet socket).
+                    group.made(window, gloo=False if group.abandoned else _gloo_records(store, world))
                 return store, pg, server
             finally:
                 group.formed()

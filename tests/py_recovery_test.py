@@ -35,6 +35,10 @@ CASE:
   left-behind a formation thread left behind by a pause in Gloo's constructor ends (raises, or
               returns) after the next round formed on the same store: the next round's store
               connections and a user's connection opened after it formed survive
+  pause-in-gloo
+              a pause while Gloo's constructor connects: a user's connection survives the
+              let-go and no line claims Gloo's addresses are missing; a store call on a quiet
+              connection sets no option on another kept client's
   rng-behind  a step applied on rank 0 only (rank 1 fails after DDP's all-reduce, before
               its optimizer step; this test is the agent): after the state agreement the
               example (every rank seeded alike, dropout) ends with an undisturbed run's weights
@@ -551,11 +555,101 @@ def left_behind(work):
     os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
 
 
+def pause_in_gloo(work):
+    """A pause while Gloo's constructor connects its pairs (its store phase over): the
+    formation thread's late reading of Gloo's addresses must not turn into "every
+    connection is the group's" (a user's connection shut at the let-go, a false line); and
+    a store call on a quiet connection must set no option on another kept client's."""
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    import struct
+    import threading
+    from datetime import timedelta
+    from unittest import mock
+
+    import mglaunch_recovery as mr
+
+    store, port = agent_store(1)
+    for k in [k for k in os.environ if k.startswith("MGLAUNCH_")]:
+        del os.environ[k]
+    rec = mr.Recovery(timeout=timedelta(seconds=60))
+    rec._channel = PauseChannel()
+    real_gloo = mr.dist.ProcessGroupGloo
+    entered, release = threading.Event(), threading.Event()
+
+    def connecting_gloo(*args, **kwargs):  # in its pair-connect phase when the pause comes; done right after
+        entered.set()
+        release.wait(120)
+        return real_gloo(mr.dist.HashStore(), 0, 1, timedelta(seconds=30))
+
+    os.environ.update(round_env(port, 0, 1, 0))
+    errors, said = [], []
+
+    def form():
+        try:
+            rec._form_group()
+        except Exception as e:
+            errors.append(e)
+
+    with mock.patch.object(mr.dist, "ProcessGroupGloo", connecting_gloo), \
+            mock.patch.object(mr, "_say", lambda msg: said.append(msg)):
+        forming = threading.Thread(target=form, daemon=True)
+        forming.start()
+        if not entered.wait(60):
+            fail("the formation thread did not reach Gloo's constructor")
+        user = user_connection()
+        rec._channel.pause = True
+        rec._abort_group()  # the pause, as the control reader thread does
+        forming.join(60)
+        if forming.is_alive() or not errors or not isinstance(errors[0], mr._Interrupted):
+            fail(f"the pause did not end the formation: {errors}")
+        release.set()  # Gloo's constructor returns before the let-go: the thread reads Gloo's addresses
+        join_left_behind()
+        rec._abandon()
+    if not works(user):
+        fail("a pause during Gloo's connect phase shut a user's connection at the let-go (Gloo's addresses unread: "
+             "every connection counted as the group's)")
+    if said:
+        fail(f"a pause during Gloo's connect phase printed a false line: {said}")
+
+    # A store call on a quiet connection (a kept client used after its group was let go of).
+    group = mr._GroupSockets(({"127.0.0.1"}, port))
+    first = mr.dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=30))
+    between = mr._sockets()
+    second = mr.dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=30))
+    seconds = []
+    for fd, ino in mr._sockets().items():
+        if between.get(fd) != ino:
+            with socket.socket(fileno=os.dup(fd)) as x:
+                if x.family in (socket.AF_INET, socket.AF_INET6) and x.getpeername()[1] == port:
+                    seconds.append(fd)
+    if not seconds:
+        fail("the second store client's connections were not found")
+    group.done()
+    group.quiet()
+    first.set_timeout(timedelta(seconds=2))
+    try:
+        first.get("never")
+        fail("a store call on a quiet connection returned")
+    except RuntimeError:
+        pass
+    for fd in seconds:
+        with socket.socket(fileno=os.dup(fd)) as x:
+            if x.family != socket.AF_UNIX:
+                fail(f"the second store client's fd {fd} was not made quiet")
+            got = struct.unpack("ll", x.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+            if got != (0, 0):
+                fail(f"a store call on one quiet connection set SO_RCVTIMEO {got} on another kept client's (fd {fd}): "
+                     "its thread's blocking read would no longer sleep for good")
+    print("pause-in-gloo: a user's connection survived a pause in Gloo's connect phase, no false line; a store call "
+          "on a quiet connection left another kept client's alone", flush=True)
+    os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
+
+
 def group_sockets(work):
     """Which sockets a pause shuts and a let-go-of group makes quiet (_GroupSockets): only
     the group's, not a user's own (opened while the group forms); a connection the
     formation thread opens after the group was let go of is made quiet too; and a second
-    pause racing the quiet loop never shuts the quiet socket every kept store shares."""
+    pause racing the quiet loop never shuts a quiet socket a kept store client sleeps on."""
     sys.path.insert(0, os.path.join(SRC, "python"))
     import threading
     from unittest import mock
@@ -564,14 +658,11 @@ def group_sockets(work):
 
     store, port = agent_store(2)
 
-    def quiet_ino():
-        return os.fstat(mr._GroupSockets._quiet[0].fileno()).st_ino if mr._GroupSockets._quiet else None
-
     def live_store_connections(before):
         """This process's TCP connections to the store opened since `before` and not made quiet."""
         out = []
         for fd, ino in mr._sockets().items():
-            if before.get(fd) == ino or ino == quiet_ino():
+            if before.get(fd) == ino:
                 continue
             try:
                 with socket.socket(fileno=os.dup(fd)) as s:
@@ -646,13 +737,11 @@ def group_sockets(work):
 
     # 3. A second pause (shut(), the control reader thread) while quiet() (the main thread)
     # makes a store connection quiet between shut's check of the socket and its shutdown:
-    # shut must not reach the quiet socket, which every kept store client shares.
+    # shut must not reach the quiet socket, on which the kept store client then sleeps.
     group = mr._GroupSockets(({"127.0.0.1"}, port))
     conn = socket.create_connection(("127.0.0.1", port), timeout=10)
     group.done()
-    if mr._GroupSockets._quiet is None:
-        mr._GroupSockets._quiet = socket.socketpair()
-    quiet = mr._GroupSockets._quiet
+    quiet = socket.socketpair()
     real_dup, raced = os.dup, []
 
     def dup_then_quiet(fd):  # the main thread's dup2 lands right after shut's first look at fd
@@ -670,7 +759,7 @@ def group_sockets(work):
     try:
         got = quiet[1].recv(1)
         fail(f"a pause racing the quiet loop shut the quiet socket down (its peer read {got!r}): every kept store "
-             "client's thread would spin")
+             "client's thread would spin on it")
     except BlockingIOError:
         pass
     print("group-sockets: a user's connections survived a pause while the group formed and after, a late store "
@@ -1072,6 +1161,8 @@ def main():
             group_sockets(work)
         elif case == "left-behind":
             left_behind(work)
+        elif case == "pause-in-gloo":
+            pause_in_gloo(work)
         elif case == "rng-behind":
             rng_behind(work)
         elif case == "pause-forming":

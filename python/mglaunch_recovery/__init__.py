@@ -215,22 +215,24 @@ class _GroupSockets:
     thread polls its connection and peeks at it, busy-looping a core once it is closed (a
     store host SIGKILLed, or shut here); on the quiet socket its poll() or its blocking
     peek sleeps for good (a pipe would fail the peek, an exception that ends the process).
-    Not at the pause itself: a store call made after it on the quiet socket would wait for
+    Each connection gets a socket pair of its own (its other end kept, never written), so
+    that a store call on one (a socket option set, a wait) touches no other kept client's.
+    Not at the pause itself: a store call made after it on a quiet socket would wait for
     ever (init_process_group's store barrier polls the store every 10 ms). A formation
     thread let go of meanwhile (a pause) makes quiet what it opens after that itself
     (made()): only what that one constructor opened, never a connection another group
     claimed (_claimed: a newer round on the same store, formed while Gloo's constructor
-    waited for a peer). One lock for all groups: shut() and quiet() run on different threads, and
-    the quiet socket is shared."""
+    waited for a peer). One lock for all groups: shut() and quiet() run on different
+    threads."""
 
-    _quiet = None  # the socket pair, shared; neither end is ever written or closed
+    _quiet = []  # the other end of each quiet socket pair: never written nor closed
     _lock = threading.Lock()
     _claimed = {}  # {fd: inode}: the connections of every group not let go of (under _lock)
 
     def __init__(self, store_addr):
         self.store_ips, self.store_port = store_addr
         self.before = _sockets()
-        self.gloo = []  # each rank's Gloo record in the store (bytes); None: unknown, every new connection is Gloo's
+        self.gloo = []  # each rank's Gloo record in the store (bytes); none known: no connection is Gloo's
         self.known = {}  # {fd: (inode, "store" or "gloo")}: the group's connections found so far
         self.server_own = {}  # {fd: inode} of a store server's own connections (a TCPStore(is_master=True))
         self.server_forming = False  # that server's constructor runs: a store connection now may be its own
@@ -294,8 +296,6 @@ class _GroupSockets:
             return None  # this process hosts the store: its server's side stays (parked)
         if peer[1] == self.store_port and _plain_ip(peer[0]) in self.store_ips:
             return "store"
-        if self.gloo is None:
-            return "gloo"  # Gloo's addresses not found in the store: every other new connection, as before
         ends = (_sockaddr_bytes(sock.family, local), _sockaddr_bytes(sock.family, peer))
         if any(end in record for record in self.gloo for end in ends):
             return "gloo"  # accepted on this rank's published address, or connected to a peer's
@@ -373,9 +373,10 @@ class _GroupSockets:
             try:
                 if os.fstat(fd).st_ino != ino:
                     continue  # closed and reused, or quiet already
-                if _GroupSockets._quiet is None:
-                    _GroupSockets._quiet = socket.socketpair()
-                os.dup2(_GroupSockets._quiet[0].fileno(), fd)
+                ours, other = socket.socketpair()
+                _GroupSockets._quiet.append(other)
+                with ours:
+                    os.dup2(ours.fileno(), fd)  # fd now holds the pair's end: closing `ours` leaves it
             except OSError:
                 pass
 
@@ -388,12 +389,13 @@ def _fresh(group):
     return _sockets()
 
 
-def _gloo_records(store, world):
+def _gloo_records(store, world, interrupted):
     """Each rank's record of its Gloo addresses, as Gloo published them in the store (under
     init_process_group's group name "0", then ProcessGroupGloo's device "0"; torch 1.13's
     Gloo writes raw addresses, 2.6's a record with its host name: each holds the struct
-    sockaddr of the address the rank's pairs listen on). None (and one line) when they are
-    not there: then every connection the formation opened is taken for Gloo's."""
+    sockaddr of the address the rank's pairs listen on). [] when they cannot be read: then
+    no connection is taken for Gloo's (never a user's), and one line says so unless a pause
+    (interrupted()) came meanwhile, whose shut connections are why."""
     records = dist.PrefixStore("0", dist.PrefixStore("0", store))
     try:
         got = []
@@ -402,9 +404,10 @@ def _gloo_records(store, world):
             got.append(bytes(records.get(str(r))))
         return got
     except Exception as e:  # another torch's layout
-        _say(f"Gloo's addresses are not in the store as expected ({str(e).splitlines()[0] if str(e) else e}): every "
-             "connection opened while the group formed counts as the group's")
-        return None
+        if not interrupted():
+            _say(f"Gloo's addresses are not in the store as expected ({str(e).splitlines()[0] if str(e) else e}): a "
+                 "pause cannot free a collective blocked on Gloo's connections before Gloo's own timeout")
+        return []
 
 
 def _keep(obj):
@@ -707,7 +710,8 @@ class Recovery:
                     _keep(pg)  # given up on, it may still hold threads waiting for a peer
                     # Never a store call once paused: its connections are shut or quiet (a wait there
                     # would fail, or set its timeout on the quiet socket).
-                    group.made(window, gloo=False if group.abandoned else _gloo_records(store, world))
+                    group.made(window, gloo=False if group.abandoned or self._interrupted() else
+                               _gloo_records(store, world, self._interrupted))
                 return store, pg, server
             finally:
                 group.formed()

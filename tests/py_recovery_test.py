@@ -39,6 +39,9 @@ CASE:
               a pause while Gloo's constructor connects: a user's connection survives the
               let-go and no line claims Gloo's addresses are missing; a store call on a quiet
               connection sets no option on another kept client's
+  gloo-devices
+              two Gloo devices (GLOO_SOCKET_IFNAME=lo,lo) between two ranks in one process:
+              every pair of both devices is found as the group's
   rng-behind  a step applied on rank 0 only (rank 1 fails after DDP's all-reduce, before
               its optimizer step; this test is the agent): after the state agreement the
               example (every rank seeded alike, dropout) ends with an undisturbed run's weights
@@ -645,6 +648,60 @@ def pause_in_gloo(work):
     os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
 
 
+def gloo_devices(work):
+    """Several Gloo devices (GLOO_SOCKET_IFNAME=lo,lo: two devices on one host, each with
+    pairs of its own): every pair of every device is the group's (its addresses read from
+    the store), so that a pause can free a collective blocked on device 1 too."""
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    import threading
+    from datetime import timedelta
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo,lo"
+    import mglaunch_recovery as mr
+
+    store, port = agent_store(2)
+    before = mr._sockets()
+    pgs, errors = [None, None], []
+
+    def build(rank):
+        try:
+            client = mr.dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))
+            pgs[rank] = mr.dist.ProcessGroupGloo(mr.dist.PrefixStore("0", client), rank, 2, timedelta(seconds=60))
+        except Exception as e:
+            errors.append(e)
+
+    ranks = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(2)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(120)
+    if errors or None in pgs:
+        fail(f"two ranks' Gloo groups on devices lo,lo did not form: {errors}")
+    group = mr._GroupSockets(({"127.0.0.1"}, port))
+    group.gloo = mr._gloo_records(store, 2)
+    pairs, missed = 0, []
+    for fd, ino in mr._sockets().items():
+        if before.get(fd) == ino:
+            continue
+        with socket.socket(fileno=os.dup(fd)) as x:
+            try:
+                peer = x.getpeername()
+            except OSError:
+                continue  # a listener
+            if port in (peer[1], x.getsockname()[1]):
+                continue  # a store connection: a client's, or the store's (hosted here)
+            pairs += 1
+            if group._kind(x) != "gloo":
+                missed.append((fd, x.getsockname(), peer))
+    if pairs < 4:
+        fail(f"two devices' pairs between two ranks not found: {pairs} connections")
+    if missed:
+        fail(f"{len(missed)} of {pairs} Gloo connections on two devices are not the group's (a pause would not free a "
+             f"collective blocked on them): {missed}")
+    print(f"gloo-devices: all {pairs} connections of two Gloo devices are the group's", flush=True)
+    os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
+
+
 def group_sockets(work):
     """Which sockets a pause shuts and a let-go-of group makes quiet (_GroupSockets): only
     the group's, not a user's own (opened while the group forms); a connection the
@@ -1163,6 +1220,8 @@ def main():
             left_behind(work)
         elif case == "pause-in-gloo":
             pause_in_gloo(work)
+        elif case == "gloo-devices":
+            gloo_devices(work)
         elif case == "rng-behind":
             rng_behind(work)
         elif case == "pause-forming":

@@ -389,19 +389,29 @@ def _fresh(group):
     return _sockets()
 
 
-def _gloo_records(store, world, interrupted):
+def _gloo_devices():
+    """How many devices ProcessGroupGloo(store, rank, size, timeout) makes: one per
+    interface in GLOO_SOCKET_IFNAME (comma-separated; torch 1.13's and 2.6's binding), one
+    default device without it."""
+    names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    return len(names.split(",")) if names else 1
+
+
+def _gloo_records(store, world, interrupted=lambda: False):
     """Each rank's record of its Gloo addresses, as Gloo published them in the store (under
-    init_process_group's group name "0", then ProcessGroupGloo's device "0"; torch 1.13's
+    init_process_group's group name "0", then ProcessGroupGloo's device number: 0, 1, ...
+    with several devices (GLOO_SOCKET_IFNAME=eth0,eth1), each its own pairs; torch 1.13's
     Gloo writes raw addresses, 2.6's a record with its host name: each holds the struct
     sockaddr of the address the rank's pairs listen on). [] when they cannot be read: then
     no connection is taken for Gloo's (never a user's), and one line says so unless a pause
     (interrupted()) came meanwhile, whose shut connections are why."""
-    records = dist.PrefixStore("0", dist.PrefixStore("0", store))
     try:
         got = []
-        for r in range(world):
-            records.wait([str(r)], timedelta(seconds=5))
-            got.append(bytes(records.get(str(r))))
+        for device in range(_gloo_devices()):
+            records = dist.PrefixStore(str(device), dist.PrefixStore("0", store))
+            for r in range(world):
+                records.wait([str(r)], timedelta(seconds=5))
+                got.append(bytes(records.get(str(r))))
         return got
     except Exception as e:  # another torch's layout
         if not interrupted():

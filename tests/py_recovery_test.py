@@ -819,6 +819,16 @@ def group_sockets(work):
              "client's thread would spin on it")
     except BlockingIOError:
         pass
+    # 4. A number reused by a pipe between the look and the dup: the dup is closed, not leaked.
+    r, w = os.pipe()
+    fds = len(os.listdir("/proc/self/fd"))
+    if any(group._open(r, os.fstat(r).st_ino) is not None for _ in range(20)):
+        fail("a pipe was taken for a socket")
+    if len(os.listdir("/proc/self/fd")) != fds:
+        fail(f"a look at an fd reused by a pipe leaked descriptors: {fds} open before, "
+             f"{len(os.listdir('/proc/self/fd'))} after 20 looks")
+    os.close(r)
+    os.close(w)
     print("group-sockets: a user's connections survived a pause while the group formed and after, a late store "
           "connection was made quiet, the quiet socket survived a racing pause", flush=True)
     os._exit(0)  # the kept clients stay: their destructors are what a worker never runs
@@ -1024,6 +1034,9 @@ def rng_behind(work):
     want = calm[0]["weights_sha256"]
     if "took step 4's state from rank 0 (it was at step 3)" not in ranks[1].out():
         fail("rank 1 did not take rank 0's state", *ranks)
+    if "keeps its own RNG stream" in ranks[1].out():
+        fail("rank 1 said it keeps its own RNG stream, but the example draws only from torch's, which every rank "
+             "shares (random's and numpy's, seeded per process, are never drawn from)", *ranks)
     if hit[0]["steps"] != steps or [s["weights_sha256"] for s in hit] != [want, want]:
         fail(f"a rank behind by one step: the final weights {[s['weights_sha256'] for s in hit]} differ from the "
              f"undisturbed run's {want} (its generator one step out of place)", *ranks)

@@ -273,8 +273,13 @@ class _GroupSockets:
         the TCP socket of inode `ino`; None otherwise. The one dup is what is checked and
         what is shut: fd itself may be made quiet meanwhile."""
         try:
-            sock = socket.socket(fileno=os.dup(fd))
+            dup = os.dup(fd)
         except OSError:
+            return None
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # fd closed and reused by a file or pipe meanwhile (ENOTSOCK): the dup is ours to close
+            os.close(dup)
             return None
         try:
             if os.fstat(sock.fileno()).st_ino != ino or sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -837,14 +842,17 @@ class Recovery:
         at that step's start (the source keeps its last 2): the same state is a stream
         every rank shares (seeded alike, as the example), and it takes the source's
         current one, the undisturbed run's; another is a stream of its own (seeded per
-        rank), which it keeps, `best - was` steps behind. Returns the generators kept."""
+        rank), which it keeps, `best - was` steps behind. Returns the generators kept that
+        the source drew from since step `was` (one it never used, e.g. numpy's global one
+        that torch imports, is the same kept or taken: not worth a line)."""
         if was == 0:
             _set_rng_state(got["rng"])
             return []
         own, then = _rng_state(), got.get("rng_at", {}).get(was)
         lag = [k for k in own if then is None or k not in then or not _same(own[k], then[k])]
         _set_rng_state({k: own[k] if k in lag else got["rng"].get(k, own[k]) for k in own})
-        return lag
+        return [k for k in lag if then is None or k not in then or k not in got["rng"] or
+                not _same(then[k], got["rng"][k])]
 
     # ---- train ----
 

@@ -849,6 +849,7 @@ def rng_case(work):
                 "rec._module, rec._optimizer, rec._extra = net, torch.optim.SGD(net.parameters(), lr=0.1), []\n"
                 "rec.step = int(sys.argv[1 + rank])\n"
                 "rec._rng_at = {rec.step - 1: mr._rng_state()} if sys.argv[3:] else {}  # the source's last step\n"
+                "torch.rand(1)  # drawn from during that step (a stream not drawn from is behind by nothing)\n"
                 "own = torch.get_rng_state()\n"
                 "rec._agree()\n"
                 "print('step', rec.step, 'own' if torch.equal(own, torch.get_rng_state()) else 'taken', "

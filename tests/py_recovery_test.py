@@ -477,16 +477,11 @@ def join_left_behind():
                 fail("the left-behind formation thread did not end within 60 s")
 
 
-def left_behind(work):
-    """A formation thread left behind by a pause in Gloo's constructor (a peer that never
-    connects: Gloo waits its whole timeout) ends after the next round formed on the same
-    store (the agent's, MASTER_ADDR:MASTER_PORT the same every round): Gloo's constructor
-    raises at last, or returns (the peer connected late). Neither may shut or make quiet
-    the next round's store connections nor a user's connection opened after it formed."""
+def paused_recovery():
+    """(the package, the agent's store for 1 rank, its port, a Recovery whose channel's
+    pause the test sets)."""
     sys.path.insert(0, os.path.join(SRC, "python"))
-    import threading
     from datetime import timedelta
-    from unittest import mock
 
     import mglaunch_recovery as mr
 
@@ -495,6 +490,47 @@ def left_behind(work):
         del os.environ[k]
     rec = mr.Recovery(timeout=timedelta(seconds=60))
     rec._channel = PauseChannel()
+    return mr, store, port, rec
+
+
+def pause_while_forming(mr, rec, entered, meanwhile=lambda: None):
+    """rec forms its group on a thread until `entered` (a constructor held by the test),
+    then meanwhile() and the pause (as the control reader thread gives it), which must end
+    the formation; meanwhile()'s result."""
+    import threading
+
+    errors = []
+
+    def form():
+        try:
+            rec._form_group()
+        except Exception as e:
+            errors.append(e)
+
+    forming = threading.Thread(target=form, daemon=True)
+    forming.start()
+    if not entered.wait(60):
+        fail("the formation thread did not reach the constructor the test holds")
+    got = meanwhile()
+    rec._channel.pause = True
+    rec._abort_group()
+    forming.join(60)
+    if forming.is_alive() or not errors or not isinstance(errors[0], mr._Interrupted):
+        fail(f"the pause did not end the formation: {errors}")
+    return got
+
+
+def left_behind(work):
+    """A formation thread left behind by a pause in Gloo's constructor (a peer that never
+    connects: Gloo waits its whole timeout) ends after the next round formed on the same
+    store (the agent's, MASTER_ADDR:MASTER_PORT the same every round): Gloo's constructor
+    raises at last, or returns (the peer connected late). Neither may shut or make quiet
+    the next round's store connections nor a user's connection opened after it formed."""
+    import threading
+    from datetime import timedelta
+    from unittest import mock
+
+    mr, store, port, rec = paused_recovery()
     real_gloo = mr.dist.ProcessGroupGloo
     for restart, ending in ((0, "raises"), (2, "returns")):
         entered, release = threading.Event(), threading.Event()
@@ -507,24 +543,8 @@ def left_behind(work):
             return real_gloo(mr.dist.HashStore(), 0, 1, timedelta(seconds=30))  # the peer connected late
 
         os.environ.update(round_env(port, 0, 1, restart))
-        errors = []
-
-        def form():
-            try:
-                rec._form_group()
-            except Exception as e:
-                errors.append(e)
-
         with mock.patch.object(mr.dist, "ProcessGroupGloo", stuck_gloo):
-            forming = threading.Thread(target=form, daemon=True)
-            forming.start()
-            if not entered.wait(60):
-                fail("the formation thread did not reach Gloo's constructor")
-            rec._channel.pause = True
-            rec._abort_group()  # the pause, as the control reader thread does
-            forming.join(60)
-            if forming.is_alive() or not errors or not isinstance(errors[0], mr._Interrupted):
-                fail(f"the pause did not end the formation: {errors}")
+            pause_while_forming(mr, rec, entered)
             rec._abandon()
         rec._channel.pause = False
         os.environ.update(round_env(port, 0, 1, restart + 1))
@@ -563,19 +583,12 @@ def pause_in_gloo(work):
     formation thread's late reading of Gloo's addresses must not turn into "every
     connection is the group's" (a user's connection shut at the let-go, a false line); and
     a store call on a quiet connection must set no option on another kept client's."""
-    sys.path.insert(0, os.path.join(SRC, "python"))
     import struct
     import threading
     from datetime import timedelta
     from unittest import mock
 
-    import mglaunch_recovery as mr
-
-    store, port = agent_store(1)
-    for k in [k for k in os.environ if k.startswith("MGLAUNCH_")]:
-        del os.environ[k]
-    rec = mr.Recovery(timeout=timedelta(seconds=60))
-    rec._channel = PauseChannel()
+    mr, store, port, rec = paused_recovery()
     real_gloo = mr.dist.ProcessGroupGloo
     entered, release = threading.Event(), threading.Event()
 
@@ -585,26 +598,10 @@ def pause_in_gloo(work):
         return real_gloo(mr.dist.HashStore(), 0, 1, timedelta(seconds=30))
 
     os.environ.update(round_env(port, 0, 1, 0))
-    errors, said = [], []
-
-    def form():
-        try:
-            rec._form_group()
-        except Exception as e:
-            errors.append(e)
-
+    said = []
     with mock.patch.object(mr.dist, "ProcessGroupGloo", connecting_gloo), \
             mock.patch.object(mr, "_say", lambda msg: said.append(msg)):
-        forming = threading.Thread(target=form, daemon=True)
-        forming.start()
-        if not entered.wait(60):
-            fail("the formation thread did not reach Gloo's constructor")
-        user = user_connection()
-        rec._channel.pause = True
-        rec._abort_group()  # the pause, as the control reader thread does
-        forming.join(60)
-        if forming.is_alive() or not errors or not isinstance(errors[0], mr._Interrupted):
-            fail(f"the pause did not end the formation: {errors}")
+        user = pause_while_forming(mr, rec, entered, user_connection)
         release.set()  # Gloo's constructor returns before the let-go: the thread reads Gloo's addresses
         join_left_behind()
         rec._abandon()
@@ -748,24 +745,7 @@ def group_sockets(work):
     before = mr._sockets()
     user = [None]
     with mock.patch.object(mr.dist, "TCPStore", slow_store):
-        errors = []
-
-        def form():
-            try:
-                rec._form_group()
-            except Exception as e:
-                errors.append(e)
-
-        forming = threading.Thread(target=form, daemon=True)
-        forming.start()
-        if not entered.wait(60):
-            fail("the formation thread did not start")
-        user[0] = user_connection()
-        rec._channel.pause = True
-        rec._abort_group()  # the pause, as the control reader thread does
-        forming.join(60)
-        if forming.is_alive() or not errors or not isinstance(errors[0], mr._Interrupted):
-            fail(f"the pause did not end the formation: {errors}")
+        user[0] = pause_while_forming(mr, rec, entered, user_connection)
         rec._abandon()
         go.set()  # the left-behind formation thread now connects to the store, and ends
         join_left_behind()

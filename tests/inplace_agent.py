@@ -2,9 +2,10 @@
 """A stand-in agent for mgtrain's in-place recovery tests (docs/in-place-recovery.md).
 
 It does what one mglaunch agent of a one-node job does for the worker side of the
-protocol, and no more: it serves the c10d store (torch's TCPStore, as the agent's store),
-listens on an abstract Unix socket named in MGLAUNCH_CONTROL_SOCKET, spawns --nproc
-workers, and injects one fault once rank 0 reports step --at-step or later:
+protocol, and no more: it serves the c10d store (the agent's own, store/, through
+--store-serve: tests/store_serve, so that no torch is imported here, #36), listens on an
+abstract Unix socket named in MGLAUNCH_CONTROL_SOCKET, spawns --nproc workers, and injects
+one fault once rank 0 reports step --at-step or later:
 
   kill  SIGKILL rank --victim; the survivors see their collective fail.
   stop  SIGSTOP rank --victim (a hung peer: the survivors' collective blocks), pause
@@ -27,11 +28,11 @@ Prints one JSON line: exit codes and the fault it injected. Exit 0 when every wo
 ended with 0.
 """
 import argparse
-import datetime
 import json
 import os
 import re
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -43,6 +44,7 @@ import time
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mgtrain", required=True)
+    ap.add_argument("--store-serve", required=True, help="tests/store_serve: the agent's store on a free port")
     ap.add_argument("--out", required=True, help="directory for the workers' logs")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--fault", choices=["none", "kill", "stop", "term"], default="none")
@@ -57,9 +59,21 @@ def main():
     worker_args = a.args[1:] if a.args[:1] == ["--"] else a.args
     deadline = time.monotonic() + a.deadline
 
-    import torch.distributed as dist  # the agent's store: torch's own TCPStore server
-    store = dist.TCPStore("127.0.0.1", 0, a.nproc, True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
+    # The agent's store: it prints its port, and ends when its stdin closes (we end, however).
+    store = subprocess.Popen([a.store_serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        line = store.stdout.readline() if select.select([store.stdout], [], [], 60)[0] else b""
+        if not line.strip().isdigit():
+            print("inplace_agent: %s printed no port in 60 s (exit %s)" % (a.store_serve, store.poll()),
+                  file=sys.stderr)
+            return 2
+        return run(a, worker_args, deadline, int(line))
+    finally:
+        store.terminate()
+        store.wait()
+
+
+def run(a, worker_args, deadline, store_port):
     name = "mglaunch-standin-%d-%s" % (os.getpid(), secrets.token_hex(8))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)
@@ -82,7 +96,7 @@ def main():
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
             "TORCHELASTIC_RESTART_COUNT": str(restart_count), "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
 

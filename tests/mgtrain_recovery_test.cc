@@ -21,7 +21,6 @@
 
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
-#include "support/skip.h"
 
 using namespace mgtest;
 using namespace std::chrono_literals;
@@ -30,6 +29,7 @@ namespace {
 
 const std::string kMgtrain = MGTRAIN_BIN;
 const std::string kAgent = kSourceDir + "/tests/inplace_agent.py";
+const std::string kStoreServe = STORE_SERVE_BIN;  // the stand-in agent's store (store/), no torch imported
 
 struct Run {
   Result r;
@@ -99,7 +99,8 @@ nlohmann::json calm_standin() {
 Run train(std::vector<std::string> agent_flags, std::vector<std::string> extra) {
   Run run_;
   run_.dir = make_temp_dir();
-  std::vector<std::string> argv{"/usr/bin/python3", kAgent, "--mgtrain", kMgtrain, "--out", run_.dir, "--deadline", "200"};
+  std::vector<std::string> argv{"/usr/bin/python3", kAgent, "--mgtrain", kMgtrain, "--store-serve", kStoreServe,
+                                "--out", run_.dir, "--deadline", "200"};
   argv.insert(argv.end(), agent_flags.begin(), agent_flags.end());
   argv.insert(argv.end(), {"--", "--dataset", "synthetic", "--synthetic-size", "1024", "--batch-size", "16", "--model",
                            "mlp", "--max-steps", "30", "--seed", "7", "--log-every", "1", "--timeout", "60",
@@ -113,7 +114,6 @@ Run train(std::vector<std::string> agent_flags, std::vector<std::string> extra) 
 }  // namespace
 
 TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor goes on and the weights equal an undisturbed run's", "[long]") {
-  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   const std::string digest = calm_standin()["weights_sha256"];
   struct Fault {
     std::string kind, victim;
@@ -146,7 +146,6 @@ TEST_CASE("in-place recovery: a worker lost at step 10 is replaced, the survivor
 }
 
 TEST_CASE("in-place recovery: a peer lost again while the new group forms, twice, sends the survivor back to the agent's next round instead of ending it, and the weights equal an undisturbed run's") {
-  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   const auto calm = calm_standin();
   // Each replacement is SIGKILLed at its hello, while the survivor builds the new group
   // (it waits for the replacement's address): the survivor must leave that round on the
@@ -171,7 +170,6 @@ TEST_CASE("in-place recovery: a peer lost again while the new group forms, twice
 }
 
 TEST_CASE("in-place recovery gives up after 8 failed attempts in a row from one step: the survivor exits 1 saying so, not after the agent runs out of rounds") {
-  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   // 12 replacements in a row lost at their hello: more rounds than mgtrain's bound.
   auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--again", "12"}, {"--timeout", "600"});
   INFO(hit.r.out << hit.r.err << hit.logs());
@@ -183,7 +181,6 @@ TEST_CASE("in-place recovery gives up after 8 failed attempts in a row from one 
 }
 
 TEST_CASE("in-place recovery into a smaller world: rank 1 lost mid-epoch and not replaced, rank 0 alone trains the epoch's samples that world 2 had not, once, then whole epochs at world 1") {
-  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   // 1024 samples, batch 16: 32 steps an epoch at world 2, 64 at world 1; two epochs.
   auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--shrink"}, {"--epochs", "2", "--max-steps", "1000"});
   INFO(hit.r.out << hit.r.err << hit.logs());
@@ -202,7 +199,6 @@ TEST_CASE("in-place recovery into a smaller world: rank 1 lost mid-epoch and not
 }
 
 TEST_CASE("in-place recovery: SIGTERM while waiting for the agent's new round ends the worker with 75, not after --timeout") {
-  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   // --timeout 600 is longer than the stand-in's deadline (200 s): a worker that waited it
   // out would end the stand-in with 3.
   auto hit = train({"--fault", "term", "--victim", "1", "--at-step", "10"}, {"--timeout", "600"});
@@ -216,7 +212,6 @@ TEST_CASE("in-place recovery: SIGTERM while waiting for the agent's new round en
 }
 
 TEST_CASE("in-place recovery off: without a control socket mgtrain says so in one line and trains, and impossible combinations are exit 2") {
-  if (!python_has_torch()) SKIP_TEST("/usr/bin/python3 has no torch (the stand-in agent serves torch's TCPStore)");
   auto plain = train({"--fault", "none", "--no-control"});
   REQUIRE(plain.r.code == 0);
   CHECK_THAT(plain.logs(), Catch::Contains("--in-place-recovery: no MGLAUNCH_CONTROL_SOCKET") &&

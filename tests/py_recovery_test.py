@@ -277,21 +277,17 @@ def torch2(bin_dir, work):
     done_when(bin_dir, own, python=wrapper, what="torch 2.6")
 
 
-def quiet_store(work):
+def quiet_store(bin_dir, work):
     sys.path.insert(0, os.path.join(SRC, "python"))
     from datetime import timedelta
 
     import torch.distributed as dist
     import mglaunch_recovery
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    host = Proc(["/usr/bin/python3", "-c", "import sys, time, torch.distributed as d\n"
-                 f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False)\n"
-                 "print('up', flush=True)\ntime.sleep(300)"], work, "store-host")
-    eventually(lambda: "up" in host.out(), 60, "the store host's start", host)
+    # The agent's store (tests/store_serve: no second torch import, #36) on a free port.
+    host = Proc([os.path.join(bin_dir, "store_serve")], work, "store-host")
+    eventually(lambda: host.out().endswith("\n"), 60, "the store host's start", host)
+    port = int(host.out())
     group = mglaunch_recovery._GroupSockets(({"127.0.0.1"}, port))
     store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
     store.set("k", "v")
@@ -1210,7 +1206,7 @@ def main():
         elif case == "torch2":
             torch2(bin_dir, work)
         elif case == "quiet-store":
-            quiet_store(work)
+            quiet_store(bin_dir, work)
         elif case == "import":
             import_case(bin_dir, work)
         elif case == "off":

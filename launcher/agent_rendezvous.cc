@@ -348,7 +348,7 @@ void Agent::stop_preflight() {
   }
   if (!ended) {
     preflight_thread_.detach();
-    notice(fmt::format("the preflight check did not stop within {} s of being told to (a name lookup that hangs?): "
+    notice(fmt::format("the preflight check did not stop within {} s of being told to: "
                        "left behind",
                        kThreadStop.count()));
     preflight_cancel_[0] = preflight_coord_fd_ = -1;  // its descriptors stay open: it may still use them

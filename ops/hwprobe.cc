@@ -24,6 +24,8 @@
 
 #include <fmt/format.h>
 
+#include "rendezvous/lookup.h"
+
 namespace mg::hw {
 
 namespace fs = std::filesystem;
@@ -558,22 +560,21 @@ std::vector<NetIf> probe_interfaces() {
 }
 
 std::optional<std::string> route_source_address(const std::string& host, std::string& error) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* ai = nullptr;
-  if (int rc = ::getaddrinfo(host.c_str(), "9", &hints, &ai); rc != 0 || !ai) {
-    error = fmt::format("cannot resolve {}: {}", host, ::gai_strerror(rc));
+  // Bounded (rdzv::lookup_within, kLookupBound): a DNS server that does not answer held
+  // doctor and `--hostfile` for glibc's attempts x timeout (90 s with timeout:30 attempts:3) (#35).
+  const rdzv::Addresses found = rdzv::lookup_within(host, 9);
+  if (found.found.empty()) {
+    error = fmt::format("cannot resolve {}: {}", host, found.error);
     return std::nullopt;
   }
   std::optional<std::string> out;
   error = "no route";
-  for (addrinfo* a = ai; a && !out; a = a->ai_next) {
-    int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  for (auto it = found.found.begin(); it != found.found.end() && !out; ++it) {
+    int fd = ::socket(it->data()->sa_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (fd < 0) continue;
     sockaddr_storage local{};
     socklen_t len = sizeof(local);
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+    if (::connect(fd, it->data(), static_cast<socklen_t>(it->size())) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
       char buf[NI_MAXHOST] = {};
       if (::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) == 0)
@@ -583,7 +584,6 @@ std::optional<std::string> route_source_address(const std::string& host, std::st
     }
     ::close(fd);
   }
-  ::freeaddrinfo(ai);
   return out;
 }
 

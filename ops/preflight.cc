@@ -22,6 +22,7 @@
 #include "process/fd.h"
 #include "process/thread.h"
 #include "rendezvous/auth.h"
+#include "rendezvous/lookup.h"
 
 namespace mg::preflight {
 
@@ -33,6 +34,8 @@ namespace auth = mg::rdzv::auth;
 // How much longer than the coordinator a node waits for its word: the coordinator's own
 // time-out (a node that never came) must reach the others before theirs.
 constexpr std::chrono::milliseconds kGrace{2000};
+// How long the coordinator's lookups of the nodes' names may take in all (of_node).
+constexpr std::chrono::milliseconds kNamesBound{2000};
 
 // One node's run; see the header for the steps.
 class Node {
@@ -84,7 +87,8 @@ class Node {
   }
 
   bool listen() {
-    data_listener_ = listen_on(o_.nodes[static_cast<std::size_t>(o_.rank)], 0, false, data_port_, error_);
+    data_listener_ = listen_on(o_.nodes[static_cast<std::size_t>(o_.rank)], 0, false, data_port_, error_, deadline_,
+                               o_.cancel_fd);
     if (!data_listener_) return false;
     if (o_.unreachable) data_listener_.reset();  // test hook: the port it announces refuses
     if (o_.rank == 0) {
@@ -93,7 +97,7 @@ class Node {
         ::listen(coord_fd_, kBacklog);  // its queue as long as our own listeners', whoever made it
       } else {
         int port = 0;
-        coord_listener_ = listen_on("", o_.coordinator_port, /*reuse=*/true, port, error_);
+        coord_listener_ = listen_on("", o_.coordinator_port, /*reuse=*/true, port, error_, deadline_, o_.cancel_fd);
         if (!coord_listener_) {
           error_ = fmt::format("MASTER_PORT {}: {}", o_.coordinator_port, error_);
           return false;
@@ -178,10 +182,16 @@ class Node {
     return true;
   }
 
-  // Whether an address is one of the nodes' (resolved once).
+  // Whether an address is one of the nodes' (resolved once). The lookups get 2 s in all,
+  // not the check's deadline: a name that gets no answer then has no addresses (any claim
+  // for its rank is taken), and the nodes are still admitted in time. Before, a DNS server
+  // that did not answer held the coordinator here until the deadline, and it named a node
+  // that had come as one that never reached it (#35).
   std::function<bool(const std::string&)> of_node() {
-    if (node_addrs_.empty())
-      for (const auto& h : o_.nodes) node_addrs_.push_back(addresses_of(h));
+    if (node_addrs_.empty()) {
+      const TimePoint by = std::min(deadline_, Clock::now() + kNamesBound);
+      for (const auto& h : o_.nodes) node_addrs_.push_back(addresses_of(h, by, o_.cancel_fd));
+    }
     return [this](const std::string& a) {
       return std::any_of(node_addrs_.begin(), node_addrs_.end(), [&](const auto& s) { return s.count(a) > 0; });
     };
@@ -614,7 +624,7 @@ Result run_local(int nodes, const std::vector<std::string>& addresses, const Opt
   for (int r = 0; r < nodes; ++r) where.push_back(addresses[static_cast<std::size_t>(r) % addresses.size()]);
   int port = 0;
   std::string error;
-  Fd coord = listen_on(where[0], 0, true, port, error);
+  Fd coord = listen_on(where[0], 0, true, port, error, Clock::now() + rdzv::kLookupBound, base.cancel_fd);
   if (!coord) {
     Result r;
     r.line = fmt::format("preflight failed: {}", error);

@@ -18,6 +18,8 @@
 
 #include <fmt/format.h>
 
+#include "rendezvous/lookup.h"
+
 namespace mg::preflight {
 
 namespace {
@@ -52,27 +54,29 @@ struct Addr {
   const sockaddr* sa() const { return reinterpret_cast<const sockaddr*>(&ss); }
 };
 
-std::vector<Addr> resolve(const std::string& host, int port, std::string& error) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+// Every lookup of a name is bounded (rdzv::lookup_until: until `deadline`, at most 20 s, and
+// ended early by `cancel_fd`) and runs on a thread of its own: getaddrinfo waits on a DNS
+// server that does not answer for glibc's attempts x timeout (90 s), past the check's
+// deadline and its agent's stop (#35). `gave_up`, when given, is set when no answer came in
+// time or the check was cancelled (not when the name does not resolve).
+std::vector<Addr> resolve(const std::string& host, int port, std::string& error, TimePoint deadline, int cancel_fd,
+                          bool* gave_up = nullptr) {
+  const rdzv::Addresses found = rdzv::lookup_until(host, port, deadline, cancel_fd);
   std::vector<Addr> out;
-  if (rc != 0) {
-    error = fmt::format("cannot resolve '{}': {}", host, ::gai_strerror(rc));
+  if (found.found.empty()) {
+    const bool cancelled = found.error == "cancelled";
+    error = cancelled ? found.error : fmt::format("cannot resolve '{}': {}", host, found.error);  // (as wait_fd's)
+    if (gave_up) *gave_up = found.timed_out || cancelled;
     return out;
   }
-  for (addrinfo* a = res; a; a = a->ai_next) {
-    if (a->ai_addrlen > sizeof(sockaddr_storage)) continue;
+  for (const auto& ep : found.found) {
+    if (ep.size() > sizeof(sockaddr_storage)) continue;
     Addr x;
-    std::memcpy(&x.ss, a->ai_addr, a->ai_addrlen);
-    x.len = a->ai_addrlen;
-    x.family = a->ai_family;
+    std::memcpy(&x.ss, ep.data(), ep.size());
+    x.len = static_cast<socklen_t>(ep.size());
+    x.family = ep.data()->sa_family;
     out.push_back(x);
   }
-  ::freeaddrinfo(res);
   return out;
 }
 
@@ -163,9 +167,15 @@ int wait_fd(int fd, short events, TimePoint deadline, int cancel_fd) {
     if (Clock::now() >= deadline) return 0;
   }
 }
-Fd listen_on(const std::string& host, int want_port, bool reuse, int& port, std::string& error) {
+Fd listen_on(const std::string& host, int want_port, bool reuse, int& port, std::string& error, TimePoint deadline,
+             int cancel_fd) {
   std::string why;
-  std::vector<Addr> addrs = host.empty() ? std::vector<Addr>{} : resolve(host, want_port, why);
+  bool gave_up = false;
+  std::vector<Addr> addrs = host.empty() ? std::vector<Addr>{} : resolve(host, want_port, why, deadline, cancel_fd, &gave_up);
+  if (gave_up) {
+    error = why;
+    return Fd();
+  }
   Addr any;
   auto* in = reinterpret_cast<sockaddr_in*>(&any.ss);
   in->sin_family = AF_INET;
@@ -196,10 +206,12 @@ Fd listen_on(const std::string& host, int want_port, bool reuse, int& port, std:
 Fd connect_to(const std::string& host, int port, TimePoint deadline, bool retry_refused, int cancel_fd,
               std::string& error, const std::string& source) {
   std::string ignored;
-  const std::vector<Addr> sources = source.empty() ? std::vector<Addr>{} : resolve(source, 0, ignored);
+  const std::vector<Addr> sources =
+      source.empty() ? std::vector<Addr>{} : resolve(source, 0, ignored, deadline, cancel_fd);
+  // Looked up once: a retry after a refusal waits for a listener, not for another answer.
+  const std::vector<Addr> addrs = resolve(host, port, error, deadline, cancel_fd);
+  if (addrs.empty()) return Fd();
   for (;;) {
-    std::vector<Addr> addrs = resolve(host, port, error);
-    if (addrs.empty()) return Fd();
     bool refused = false;
     for (const auto& a : addrs) {
       Fd fd(::socket(a.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
@@ -319,10 +331,10 @@ std::optional<nlohmann::json> pending_msg(Pending& p, bool& bad) {
   if (!j) bad = true;
   return j;
 }
-std::set<std::string> addresses_of(const std::string& host) {
+std::set<std::string> addresses_of(const std::string& host, TimePoint deadline, int cancel_fd) {
   std::string error;
   std::set<std::string> out;
-  for (const auto& a : resolve(host, 0, error)) out.insert(addr_text(a.ss));
+  for (const auto& a : resolve(host, 0, error, deadline, cancel_fd)) out.insert(addr_text(a.ss));
   return out;
 }
 std::string Flood::text() const {

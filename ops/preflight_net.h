@@ -43,11 +43,14 @@ struct Link {
 int wait_fd(int fd, short events, TimePoint deadline, int cancel_fd);
 
 // A listener on `host` (its first address that binds here), else on every IPv4 address;
-// port 0 unless given. Sets `port` to the one bound.
-Fd listen_on(const std::string& host, int want_port, bool reuse, int& port, std::string& error);
+// port 0 unless given. Sets `port` to the one bound. Fails when the lookup of `host` got no
+// answer by `deadline` (at most 20 s) or was cancelled.
+Fd listen_on(const std::string& host, int want_port, bool reuse, int& port, std::string& error, TimePoint deadline,
+             int cancel_fd);
 
 // Connects to host:port by `deadline`; with `retry_refused`, a refusal is tried again
-// (every 20 ms: the listener may not be up yet).
+// (every 20 ms: the listener may not be up yet). `host` is looked up once, bounded by
+// `deadline` (at most 20 s) and ended by `cancel_fd`.
 // With `source`, the connection comes from that address of this host when it binds (so
 // the far end can tell a node's connection by its address), else from any.
 Fd connect_to(const std::string& host, int port, TimePoint deadline, bool retry_refused, int cancel_fd,
@@ -82,8 +85,9 @@ enum class Step { kMore, kDrop, kAdmitted };
 // there (`bad` set when it never can be: too long, or not a JSON object).
 std::optional<nlohmann::json> pending_msg(Pending& p, bool& bad);
 
-// Every address `host` resolves to, as addr_text() writes them.
-std::set<std::string> addresses_of(const std::string& host);
+// Every address `host` resolves to, as addr_text() writes them (none when its lookup got no
+// answer by `deadline`, at most 20 s, or was cancelled).
+std::set<std::string> addresses_of(const std::string& host, TimePoint deadline, int cancel_fd);
 
 // What admit() turned away to keep its table: connections closed unadmitted for want of
 // room, and from where (the first few addresses).

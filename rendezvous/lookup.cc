@@ -1,7 +1,12 @@
 #include "rendezvous/lookup.h"
 
 #include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <mutex>
 
@@ -64,13 +69,72 @@ std::string no_answer(const std::string& host, std::chrono::milliseconds bound) 
 }  // namespace
 
 Addresses lookup_within(const std::string& host, int port, std::chrono::milliseconds bound, int family, bool passive) {
+  return lookup_until(host, port, std::chrono::steady_clock::now() + bound, -1, family, passive);
+}
+
+Addresses lookup_until(const std::string& host, int port, std::chrono::steady_clock::time_point deadline,
+                       int cancel_fd, int family, bool passive) {
+  using Clock = std::chrono::steady_clock;
   if (auto a = numeric(host, port, family, passive)) return std::move(*a);
-  if (auto a = run_within<Addresses>(bound, [=] { return resolve_now(host, port, family, passive, false); }))
-    return std::move(*a);
-  Addresses late;
-  late.error = no_answer(host, bound);
-  late.timed_out = true;
-  return late;
+  const auto t0 = Clock::now();
+  deadline = std::min(deadline, t0 + kLookupBound);
+  if (deadline <= t0) {  // no time left: no thread
+    Addresses none;
+    none.error = no_answer(host, std::chrono::milliseconds(0));
+    none.timed_out = true;
+    return none;
+  }
+  // The lookup's thread sets the answer and signals an eventfd, which the caller polls beside
+  // `cancel_fd`; both outlive whichever of them goes first.
+  struct Answer {
+    std::mutex m;
+    std::optional<Addresses> value;
+    int ready = -1;
+    ~Answer() {
+      if (ready >= 0) ::close(ready);
+    }
+  };
+  auto answer = std::make_shared<Answer>();
+  answer->ready = ::eventfd(0, EFD_CLOEXEC);
+  if (answer->ready < 0) {  // no descriptor: wait without the cancel
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - t0);
+    if (auto a = run_within<Addresses>(left, [=] { return resolve_now(host, port, family, passive, false); }))
+      return std::move(*a);
+    Addresses late;
+    late.error = no_answer(host, left);
+    late.timed_out = true;
+    return late;
+  }
+  signal_free_thread([answer, host, port, family, passive] {
+    Addresses a = resolve_now(host, port, family, passive, false);
+    std::lock_guard g(answer->m);
+    answer->value = std::move(a);
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t w = ::write(answer->ready, &one, sizeof one);
+  }).detach();  // abandoned when the caller gives up first: it ends when getaddrinfo returns
+  for (;;) {
+    const auto now = Clock::now();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+    pollfd p[2] = {{answer->ready, POLLIN, 0}, {cancel_fd, POLLIN, 0}};
+    const int r = left > 0 ? ::poll(p, cancel_fd >= 0 ? 2 : 1, static_cast<int>(left)) : 0;
+    if (r < 0 && errno == EINTR) continue;
+    {
+      std::lock_guard g(answer->m);
+      if (answer->value) return std::move(*answer->value);
+    }
+    Addresses none;
+    if (r > 0 && cancel_fd >= 0 && p[1].revents) {
+      none.error = "cancelled";
+    } else if (r < 0) {
+      none.error = std::strerror(errno);
+    } else if (r > 0) {
+      continue;  // (the eventfd, and the answer set before it: not reached)
+    } else {
+      none.error = no_answer(host, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - t0));
+      none.timed_out = true;
+    }
+    return none;
+  }
 }
 
 // A lookup's thread posts its answer only while its owner lives: ~Lookups and cancel() clear

@@ -66,6 +66,13 @@ std::optional<T> run_within(std::chrono::milliseconds bound, F f) {
 Addresses lookup_within(const std::string& host, int port, std::chrono::milliseconds bound = kLookupBound,
                         int family = AF_UNSPEC, bool passive = false);
 
+// The addresses of `host` for TCP port `port`, waiting until `deadline` at most (and at most
+// kLookupBound) and, when `cancel_fd` >= 0, until it is readable: for code on a thread of its
+// own that is told to stop through a pipe (the preflight check, ops/preflight_net.cc). On
+// cancel the error is "cancelled"; past the deadline timed_out is set.
+Addresses lookup_until(const std::string& host, int port, std::chrono::steady_clock::time_point deadline,
+                       int cancel_fd = -1, int family = AF_UNSPEC, bool passive = false);
+
 // The lookups of one owner on its io_context. The answers arrive there; destroying the
 // owner, or cancel(), abandons the lookups under way (their `done` never runs). Use on the
 // io_context's thread only; destroy it before the io_context.

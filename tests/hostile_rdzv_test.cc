@@ -1631,3 +1631,68 @@ TEST_CASE("a rendezvous daemon whose listen address' lookup hangs gives up withi
   CHECK(daemon.exit_code() != 0);
   CHECK_THAT(daemon.err(), Catch::Contains("rdzv.test") && Catch::Contains("no answer"));
 }
+
+TEST_CASE("a preflight whose lookup of the coordinator's name hangs ends within the check's bound with a line naming "
+          "it, not at glibc's 90 s (#35)") {
+  // Node 0 (--node_rank=0: the coordinator) advertises node0.test, which its own
+  // namespace's hosts file names (127.0.0.2); node 1's has no such line, and its DNS server
+  // never answers. Node 1's check looks the coordinator's name up to connect to it. Before,
+  // preflight_net's resolve() called getaddrinfo on the check's thread with no bound: node
+  // 1's check ended only when glibc gave up (3 x 30 s), long past its 15 s bound, and a stop
+  // abandoned the thread.
+  HungDns net0("127.0.0.1 localhost\n127.0.0.2 node0.test\n");
+  HungDns net1("127.0.0.1 localhost\n");
+  Daemon d = start_daemon();
+  Proc a0 = spawn(net0.wrap(agent_argv(d.endpoint, "pfdns", 2, "2", 1,
+                                       {"--preflight", "--local_addr=node0.test", "--node_rank=0"}, {"hang", "120"})));
+  Proc a1 = spawn(net1.wrap(agent_argv(d.endpoint, "pfdns", 3, "2", 1, {"--preflight", "--node_rank=1"},
+                                       {"hang", "120"})));
+  const bool asked = net1.queried(a1, "node0.test");
+  const bool ended = a1.wait(60s);  // the check's 15 s bound and margin, not glibc's 90 s (else killed)
+  a0.wait(30s);                     // node 0's check names node 1 when it never comes
+  INFO("node 0: " << a0.out() << a0.err() << "\nnode 1: " << a1.out() << a1.err());  // (INFO takes its text here)
+  REQUIRE(asked);
+  CHECK(ended);
+  CHECK(a1.exit_code() == 5);
+  CHECK_THAT(a1.err(), Catch::Contains("cannot resolve 'node0.test'") && Catch::Contains("no answer"));
+}
+
+TEST_CASE("a preflight coordinator whose lookup of a node's name hangs still admits that node: it does not name it as "
+          "one that never came (#35)") {
+  // Node 1 advertises node1.test, which only its own namespace's hosts file names
+  // (127.0.0.3); the coordinator's DNS server never answers. The coordinator looks every
+  // node's name up before it admits anyone (to tell the nodes' connections from strangers').
+  // Before, that lookup took the check's whole deadline, and the verdict said node 1 "did
+  // not reach the coordinator" though it had connected; now the names get 2 s, and the
+  // verdict is about what node 0 could not do: reach node1.test.
+  HungDns net0("127.0.0.1 localhost\n");
+  HungDns net1("127.0.0.1 localhost\n127.0.0.3 node1.test\n");
+  Daemon d = start_daemon();
+  Proc a0 = spawn(net0.wrap(agent_argv(d.endpoint, "pfdns2", 2, "2", 1, {"--preflight", "--node_rank=0"},
+                                       {"hang", "120"})));
+  Proc a1 = spawn(net1.wrap(agent_argv(d.endpoint, "pfdns2", 3, "2", 1,
+                                       {"--preflight", "--local_addr=node1.test", "--node_rank=1"}, {"hang", "120"})));
+  const bool asked = net0.queried(a0, "node1.test");
+  const bool ended = a0.wait(60s);  // (else killed)
+  a1.wait(30s);
+  INFO("node 0: " << a0.out() << a0.err() << "\nnode 1: " << a1.out() << a1.err());  // (INFO takes its text here)
+  REQUIRE(asked);
+  CHECK(ended);
+  CHECK(a0.exit_code() == 5);
+  CHECK_THAT(a0.err(), Catch::Contains("node1.test") && !Catch::Contains("did not reach the coordinator"));
+}
+
+TEST_CASE("doctor's route check of a --master_addr whose lookup hangs ends within the lookup's bound with a line "
+          "naming it, not at glibc's 90 s (#35)") {
+  // route_source_address() (doctor's "Master" line, and --hostfile's choice of the address
+  // its hosts reach) called getaddrinfo with no bound: doctor waited for glibc (3 x 30 s).
+  HungDns net("127.0.0.1 localhost\n");
+  Proc doctor = spawn(net.wrap({kMglaunch, "doctor", "--no-python", "--master_addr", "master.test"}));
+  const bool asked = net.queried(doctor, "master.test");
+  const bool ended = doctor.wait(60s);  // the lookup's 20 s bound and margin (else killed)
+  INFO(doctor.out() << doctor.err());
+  REQUIRE(asked);
+  CHECK(ended);
+  CHECK(doctor.exit_code() == 0);
+  CHECK_THAT(doctor.out(), Catch::Contains("master.test cannot be reached") && Catch::Contains("no answer"));
+}

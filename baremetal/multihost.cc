@@ -318,6 +318,8 @@ EnvMap resolve_exports(const std::vector<std::string>& patterns, const EnvMap& e
 std::vector<std::string> OpenSshRunner::argv(const std::string& host, const std::string& remote_command) const {
   std::vector<std::string> a{ssh_, "-T", "-o", "BatchMode=yes"};
   a.insert(a.end(), opts_.begin(), opts_.end());
+  // After the user's options: ssh takes an option's first value, so theirs wins (#35).
+  a.insert(a.end(), {"-o", fmt::format("ConnectTimeout={}", kSshConnectTimeout.count())});
   a.push_back(host);
   a.push_back("--");
   a.push_back(remote_command);

@@ -6,8 +6,8 @@
 //    --exclude, --ssh-opts, --export, --dry-run, ...) and forwards every other flag and
 //    the program verbatim to the agents.
 //  - SshRunner: the seam that turns (host, remote shell command) into a local argv.
-//    OpenSshRunner is `ssh -T -o BatchMode=yes [opts] HOST -- CMD`; LocalShellRunner runs
-//    CMD with /bin/sh -c on this machine (what sshd would do), for tests.
+//    OpenSshRunner is `ssh -T -o BatchMode=yes [opts] -o ConnectTimeout=30 HOST -- CMD`;
+//    LocalShellRunner runs CMD with /bin/sh -c on this machine (what sshd would do), for tests.
 //  - make_multihost_plan: per host its node rank, agent argv and exact local argv.
 //  - Fanout: runs the plan on an io_context: one child per host (own process group), the
 //    rendezvous token written to its stdin (never on a command line) and the pipe kept
@@ -81,6 +81,11 @@ class SshRunner {
   // The local argv that runs `remote_command` (a shell command line) on `host`.
   virtual std::vector<std::string> argv(const std::string& host, const std::string& remote_command) const = 0;
 };
+
+// How long ssh waits for a host's TCP connection and its sshd's banner (ssh's
+// ConnectTimeout; without one a host whose port 22 accepts but never speaks, a hung sshd or
+// a middlebox, held the run for ever). `-o ConnectTimeout=N` in --ssh-opts overrides it.
+inline constexpr std::chrono::seconds kSshConnectTimeout{30};
 
 class OpenSshRunner : public SshRunner {
  public:

@@ -212,17 +212,17 @@ TEST_CASE("each host gets one agent command with its node rank, slots and the sh
   CHECK(plan.hosts[1].agent_argv[3] == "--gpu_ids=1,3");
   CHECK(plan.hosts[2].agent_argv[2] == "--nproc_per_node=auto");
   const auto& argv = plan.hosts[1].argv;
-  CHECK(std::vector<std::string>(argv.begin(), argv.begin() + 7) ==
-        std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "b"});
-  CHECK(argv[7] == "--");
-  CHECK_THAT(argv[8], Catch::Contains("env NCCL_DEBUG=INFO /opt/mg/mglaunch") &&
+  CHECK(std::vector<std::string>(argv.begin(), argv.begin() + 9) ==
+        std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "-o", "ConnectTimeout=30", "b"});
+  CHECK(argv[9] == "--");
+  CHECK_THAT(argv[10], Catch::Contains("env NCCL_DEBUG=INFO /opt/mg/mglaunch") &&
                           Catch::Contains("'it'\\''s'") && !Catch::Contains("MGLAUNCH_RDZV_TOKEN="));
   auto j = multihost_plan_json(plan);
   CHECK(j["nnodes"] == 3);
   CHECK(j["nodes"][1]["host"] == "b");
   CHECK(j["nodes"][1]["gpu_ids"] == nlohmann::json::array({1, 3}));
   CHECK(j["nodes"][2]["slots"] == "auto");
-  CHECK(j["nodes"][0]["ssh"][8] == plan.hosts[0].remote_command);
+  CHECK(j["nodes"][0]["ssh"][10] == plan.hosts[0].remote_command);
 }
 
 TEST_CASE("relayed lines get [host:rankN] for worker lines and [host] for the rest") {

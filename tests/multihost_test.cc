@@ -4,9 +4,12 @@
 // checked by scanning /proc for anything whose command line names the test's directory.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -230,9 +233,9 @@ TEST_CASE("a dry run prints the nodes and the exact ssh command per host and sta
   CHECK(j["nodes"][0]["host"] == "127.0.0.2");
   CHECK(j["nodes"][1]["nproc_per_node"] == "auto");
   auto ssh = j["nodes"][1]["ssh"].get<std::vector<std::string>>();
-  CHECK(std::vector<std::string>(ssh.begin(), ssh.begin() + 6) ==
-        std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222"});
-  CHECK(ssh[6] == "127.0.0.3");
+  CHECK(std::vector<std::string>(ssh.begin(), ssh.begin() + 8) ==
+        std::vector<std::string>{"ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "-o", "ConnectTimeout=30"});
+  CHECK(ssh[8] == "127.0.0.3");
   CHECK_THAT(ssh.back(), Catch::Contains("--node_rank=1") && Catch::Contains("--max_restarts=1") &&
                              Catch::Contains("env A=1 ") && Catch::Contains(kFakeWorker));
   CHECK(r.out.find("sekrit") == std::string::npos);
@@ -466,6 +469,41 @@ TEST_CASE("over real ssh an unreachable host is one clear error naming it") {
   }
   CHECK(naming == 1);
   CHECK_THAT(r.err, Catch::Contains("Connection refused); check the name"));  // not "refused\r)" (#38)
+  CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
+}
+
+TEST_CASE("over real ssh a host whose ssh port accepts but never speaks is one error naming it within ssh's "
+          "connect timeout, not a run that waits for ever (#35)") {
+  SshServer sshd;
+  const std::string dir = make_temp_dir();
+  // 127.0.0.5 at the fixture's port: a listener that never accepts. The kernel completes
+  // the TCP handshake, and ssh waits for sshd's banner. Before, mglaunch gave ssh no
+  // ConnectTimeout (the fixture's own 10 s is left out here): the run waited for ever.
+  const int silent = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(sshd.port()));
+  a.sin_addr.s_addr = htonl(0x7f000005);
+  const bool listening = ::bind(silent, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(silent, 8) == 0;
+  std::string opts;
+  const auto list = sshd.ssh_opts_list();
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    if (list[i] == "-o" && i + 1 < list.size() && list[i + 1].starts_with("ConnectTimeout=")) {
+      ++i;
+      continue;
+    }
+    opts += (opts.empty() ? "" : " ") + list[i];
+  }
+  Proc launcher = spawn({kMglaunch, "--hostfile", write_hostfile(dir, "127.0.0.2 slots=1\n127.0.0.5 slots=1\n"),
+                         "--ssh-opts", opts, kFakeWorker, "pidfile", dir + "/pids", "hang", "120"});
+  const bool ended = launcher.wait(120s);  // ssh's 30 s and margin (else its group is killed)
+  ::close(silent);
+  INFO(launcher.err() << sshd.log());
+  REQUIRE(listening);
+  CHECK(ended);
+  CHECK(launcher.exit_code() == 255);
+  CHECK_THAT(launcher.err(), Catch::Contains("mglaunch: error: cannot reach host 127.0.0.5") &&
+                                 Catch::Contains("timed out"));
   CHECK(eventually([&] { return procs_mentioning(dir).empty(); }, 20s));
 }
 

@@ -139,9 +139,6 @@ class Agent {
   // when it goes); with `fresh`, or when the port was taken meanwhile, chooses a new one
   // and updates the plan.
   void hold_master_port(bool fresh);
-  // The hold only bound from now on, for workers that bind the port themselves (a notice,
-  // and nothing held, when it cannot be bound again).
-  void stop_listening_on_master_port();
   void rejoin(bool offer_port);  // re-join the rendezvous for the next round (offering the fresh master port)
   std::string attempt_dir(int local_rank) const;
   // The spec of local rank's worker in this attempt; its attempt directory is made.

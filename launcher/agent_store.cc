@@ -23,7 +23,12 @@ std::string Agent::serve_store() {
   if (!plan_.agent_store || plan_.node_rank != 0) {
     retire_store();
     // The workers (rank 0's TCPStore) bind the port themselves: the hold must not listen.
-    stop_listening_on_master_port();
+    if (port_hold_ && port_hold_->listening() && !port_hold_->stop_listening()) {
+      notice(fmt::format("the master port {} could not be held again for the workers: {}; something else may take it "
+                         "before rank 0 binds it",
+                         port_hold_->port(), std::strerror(errno)));
+      port_hold_.reset();
+    }
     if (plan_.node_rank == 0) watch_master_port();
     return {};
   }
@@ -113,28 +118,14 @@ void Agent::retire_store() {
 void Agent::hold_master_port(bool fresh) {
   launcher_->drop_exec_fence();  // a release still waiting was for the port this one replaces
   if (!fresh && store_ && store_->port() == plan_.master_port) return;  // the store holds it
-  if (!fresh) port_hold_ = PortReservation::try_hold(plan_.master_port);
-  if (fresh || !port_hold_) {
-    port_hold_ = reserve_master_port();
-    plan_.master_port = port_hold_->port();
+  if (!fresh) {
+    if (auto r = PortReservation::try_hold(plan_.master_port)) {
+      port_hold_ = std::move(r);
+      return;
+    }
   }
-  // Where rank 0's TCPStore hosts the store and the port goes to other nodes with the round,
-  // the round reaches every node at once: another node's worker (a pre-started standby's, ready
-  // at once) may connect before this node's rank 0 is assigned or started. A listening hold
-  // queues that connection and resets it when it stops listening (serve_store) or closes
-  // (ReleaseMasterPort), and torch 1.13's store thread then aborts that worker (#36). Only
-  // bound, the hold refuses it (ECONNREFUSED), which c10d's client retries until rank 0
-  // listens. Another user could listen beside it meanwhile: watch_master_port() finds that
-  // when rank 0 is due. The preflight's coordinator needs it listening.
-  if (!plan_.agent_store && opts_.nnodes.max > 1 && opts_.preflight == "off") stop_listening_on_master_port();
-}
-
-void Agent::stop_listening_on_master_port() {
-  if (!port_hold_ || !port_hold_->listening() || port_hold_->stop_listening()) return;
-  notice(fmt::format("the master port {} could not be held again for the workers: {}; something else may take it "
-                     "before rank 0 binds it",
-                     port_hold_->port(), std::strerror(errno)));
-  port_hold_.reset();
+  port_hold_ = reserve_master_port();
+  plan_.master_port = port_hold_->port();
 }
 
 void Agent::linger_store() {

@@ -12,10 +12,7 @@
 // free between the hold and the store. Where the workers host the store themselves
 // (c10d's TCPStore binds it), stop_listening() turns the hold into a bound socket just
 // before they start (shutdown(): the port stays bound), which their SO_REUSEADDR bind can
-// share, and it goes once they have exec'd; with more than one node from the start
-// (Agent::hold_master_port): a connection a listening hold queued would be reset when it
-// stops listening or closes, and another node's worker may connect before rank 0 listens.
-// Header-only.
+// share, and it goes once they have exec'd. Header-only.
 #pragma once
 
 #include <netinet/in.h>

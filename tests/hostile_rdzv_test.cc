@@ -18,10 +18,8 @@
 
 #include <array>
 #include <atomic>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <regex>
@@ -1212,52 +1210,6 @@ TEST_CASE("while node 0 waits for node 1, another user cannot take its held mast
   REQUIRE(n0.wait(40s));
   CHECK(n0.exit_code() == 128 + signals[0]);
   REQUIRE(n1.wait(40s));
-  ::kill(d.proc.pid, SIGTERM);
-  d.proc.wait(5s);
-}
-
-TEST_CASE("while node 0 waits for node 1 and rank 0 hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), a "
-          "connection to its master port is refused, not queued there and reset once node 0's worker is due (#36)") {
-  // The round reaches every node at once, so a worker of another node (a pre-started
-  // standby's, in place at once) may connect before node 0's rank 0 listens. Before: the
-  // hold listened until then, queued that connection and reset it when it stopped listening;
-  // torch 1.13's store thread aborted that worker (exit 134) and a third round recovered.
-  // Refused, c10d's client retries until rank 0 listens.
-  const std::map<std::string, std::string> env{{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}};
-  Daemon d = start_daemon();
-  Proc n0 = spawn(agent_argv(d.endpoint, "early", 1, "2", 1, {"--node_rank=0", "--grace=2"}, {"print", "started", "hang", "60"}),
-                  env);
-  REQUIRE(eventually([&] { return d.proc.err().find("joined") != std::string::npos || !pid_alive(n0.pid); }, 30s));
-  std::vector<int> held;
-  REQUIRE(eventually([&] { return !(held = wildcard_ports_of(n0.pid)).empty() || !pid_alive(n0.pid); }, 30s));
-  REQUIRE(held.size() == 1);
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(held[0]));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a);  // loopback: answered at once
-  const int err = rc == 0 ? 0 : errno;
-  Proc n1 = spawn(agent_argv(d.endpoint, "early", 2, "2", 1, {"--node_rank=1", "--grace=2"}, {"print", "started", "hang", "60"}),
-                  env);
-  REQUIRE(eventually([&] { return n0.out().find("started") != std::string::npos || !pid_alive(n0.pid); }, 60s));
-  std::string fate = "refused";
-  if (rc == 0) {  // queued by node 0: what became of it once node 0's worker was due
-    pollfd p{fd, POLLIN, 0};
-    ::poll(&p, 1, 10000);
-    char c = 0;
-    const ssize_t n = ::recv(fd, &c, 1, MSG_DONTWAIT);
-    fate = n < 0 ? std::string("accepted, then: ") + std::strerror(errno) : "accepted, then read " + std::to_string(n);
-  }
-  ::close(fd);
-  INFO("a connection to node 0's master port " << held[0] << " before the round: " << fate);
-  CHECK(rc != 0);
-  CHECK(err == ECONNREFUSED);
-  for (Proc* p : {&n0, &n1}) {
-    ::kill(p->pid, SIGTERM);
-    CHECK(p->wait(40s));
-  }
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
 }

@@ -233,6 +233,7 @@ void Agent::spawn_worker(int lr) {
     asio::post(io_, [this, end = std::move(end)] { on_worker_done(end); });
     return;
   }
+  if (run_ended()) return;
   {
     WorkerSpec spec = attempt_spec(lr);
     std::error_code ec;
@@ -251,6 +252,13 @@ void Agent::spawn_worker(int lr) {
                       {{"rank", plan_.rank_offset + lr}, {"local_rank", lr}, {"pid", pid},
                        {"attempt", core_.restart_count()}});
   }
+}
+
+bool Agent::run_ended() const {
+  // serve_store()'s first look at the master port (watch_master_port) can end the run at
+  // once (another user listens there, exit 4): finish() has killed the workers, so the
+  // worker being started or assigned must not be (#35: it was, and node 0 waited for it).
+  return core_.state() == sup::State::kDone;
 }
 
 WorkerOutcome Agent::outcome_of(const WorkerEnd& w) {
@@ -320,6 +328,7 @@ void Agent::assign_worker(const sup::act::Assign& a) {
     launcher_->signal_some(SIGKILL, {lr});
     return;
   }
+  if (run_ended()) return;  // its worker was killed with the others
   const std::string dir = attempt_dir(lr);
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -410,6 +419,7 @@ bool Agent::adopt_prestarted(int lr) {
     launcher_->signal_some(SIGKILL, {lr});  // its end finds no entry in prestart_: no worker's
     return false;  // a spawn in its place fails with the same reason
   }
+  if (run_ended()) return true;  // killed with the others; no spawn in its place
   const std::string dir = attempt_dir(lr);
   std::error_code ec;
   fs::create_directories(dir, ec);

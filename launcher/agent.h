@@ -139,6 +139,9 @@ class Agent {
   // when it goes); with `fresh`, or when the port was taken meanwhile, chooses a new one
   // and updates the plan.
   void hold_master_port(bool fresh);
+  // Whether the run has ended, as it can inside serve_store() (the master port's watch):
+  // then no worker is started or assigned.
+  bool run_ended() const;
   void rejoin(bool offer_port);  // re-join the rendezvous for the next round (offering the fresh master port)
   std::string attempt_dir(int local_rank) const;
   // The spec of local rank's worker in this attempt; its attempt directory is made.

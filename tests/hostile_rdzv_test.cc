@@ -20,6 +20,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <regex>
@@ -1210,6 +1211,44 @@ TEST_CASE("while node 0 waits for node 1, another user cannot take its held mast
   REQUIRE(n0.wait(40s));
   CHECK(n0.exit_code() == 128 + signals[0]);
   REQUIRE(n1.wait(40s));
+  ::kill(d.proc.pid, SIGTERM);
+  d.proc.wait(5s);
+}
+
+TEST_CASE("while node 0 waits for node 1 and rank 0 hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), another "
+          "user listening on its held master port ends node 0 by itself with exit 4, and node 1 too (#35)") {
+  // Where the hold is only bound while node 0 waits (42649cb, reverted in efd0603), uid 65534
+  // can listen beside it; the master port's first look, just before the spawn, ends the run
+  // with exit 4. Before: node 0 then started its worker anyway and waited for it (120 s).
+  // While the hold listens the whole wait (main now), no other user can: skipped.
+  const std::map<std::string, std::string> env{{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}};
+  Daemon d = start_daemon();
+  Proc n0 = spawn(agent_argv(d.endpoint, "taken", 1, "2", 1, {"--node_rank=0", "--grace=2"}, {"print", "started", "hang", "120"}),
+                  env);
+  REQUIRE(eventually([&] { return d.proc.err().find("joined") != std::string::npos || !pid_alive(n0.pid); }, 30s));
+  std::vector<int> held;
+  REQUIRE(eventually([&] { return !(held = wildcard_ports_of(n0.pid)).empty() || !pid_alive(n0.pid); }, 30s));
+  REQUIRE(held.size() == 1);
+  Stealer stealer(held[0]);
+  if (!stealer.listening()) SKIP_TEST("the held master port listens while node 0 waits: no other user can take it");
+  Proc n1 = spawn(agent_argv(d.endpoint, "taken", 2, "2", 1, {"--node_rank=1", "--grace=2"}, {"print", "started", "hang", "120"}),
+                  env);
+  const std::string line = "MASTER_PORT " + std::to_string(held[0]) + " was taken by a process of uid 65534";
+  REQUIRE(eventually([&] { return (n0.err() + n0.out()).find(line) != std::string::npos || !pid_alive(n0.pid); }, 60s));
+  // By itself, long before the workers' 120 s (a generous bound for a loaded machine).
+  const bool n0_ended = n0.wait(60s);
+  const bool n1_ended = n1.wait(60s);
+  INFO("node 0: " << n0.out() << n0.err() << "\nnode 1: " << n1.out() << n1.err());
+  CHECK(n0_ended);
+  CHECK(n1_ended);
+  for (Proc* p : {&n0, &n1})
+    if (pid_alive(p->pid)) {
+      ::kill(p->pid, SIGKILL);
+      p->wait(20s);
+    }
+  CHECK_THAT(n0.err() + n0.out(), Catch::Contains(line));
+  if (n0_ended) CHECK(n0.exit_code() == 4);
+  if (n1_ended) CHECK(n1.exit_code() != 0);
   ::kill(d.proc.pid, SIGTERM);
   d.proc.wait(5s);
 }

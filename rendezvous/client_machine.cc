@@ -1,6 +1,9 @@
 #include "rendezvous/client_machine.h"
 #include "rendezvous/link.h"
 
+#include <cerrno>
+#include <cstring>
+
 #include <fmt/format.h>
 
 #include "rendezvous/auth.h"
@@ -181,7 +184,7 @@ ClientCommands ClientMachine::connect_failed(bool refused, const std::string& er
   // A refused connect: that machine (or a firewall that REJECTs) answers. A takeover
   // candidate that refuses has not noticed the loss yet (waited for, #34). It never moves
   // the fence: a firewall's reset is no word from the rendezvous (#34).
-  if (refused && takeover_ && !takeover_->asking) takeover_->refused = true;
+  if (refused && takeover_ && !takeover_->asking) takeover_->refused = takeover_->refused_any = true;
   // While a takeover is looked for, its timer moves on from a node that does not answer.
   if (!takeover_ && now >= deadline_) {
     lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, error), refused);
@@ -234,7 +237,7 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
       if (!takeover_ || takeover_->asking) break;
       // A candidate that refuses is alive and will host once it notices: waited for, to the
       // search's deadline; one that is silent is cut off (or gone): the next is tried.
-      if (takeover_->refused && now < takeover_->deadline) {
+      if (takeover_->refused && !takeover_->rejoining && now < takeover_->deadline) {
         arm(ClientTimer::kTakeover, std::min(takeover_->deadline, now + milliseconds(opts_.join.keep_alive_ms)));
         break;
       }
@@ -441,9 +444,14 @@ void ClientMachine::on_welcome(Clock::time_point now) {
   out_.push_back(cmd::Welcomed{challenged_ ? session_ : std::string()});
   if (takeover_) {
     cancel(ClientTimer::kTakeover);
-    out_.push_back(cmd::Notice{fmt::format("the rendezvous is now hosted by {} at {}:{}; joining the next round",
-                                           host_agent_.empty() ? std::string("a daemon") : host_agent_, opts_.host,
-                                           opts_.port)});
+    const std::string who = host_agent_.empty() ? std::string("a daemon") : host_agent_;
+    out_.push_back(cmd::Notice{
+        takeover_->rejoining
+            ? fmt::format("reached the job again: its rendezvous is hosted by {} at {}; joining its next round as a "
+                          "new member",
+                          who, host_port(opts_.host, opts_.port))
+            : fmt::format("the rendezvous is now hosted by {} at {}:{}; joining the next round", who, opts_.host,
+                          opts_.port)});
     takeover_.reset();
   }
   welcomed_ = ever_welcomed_ = true;
@@ -584,6 +592,10 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
   t.voters = voters_;
   t.prev_voters = prev_voters_;
   t.host_closed = !silent;
+  t.host_reset = !silent && why.find(std::strerror(ECONNRESET)) != std::string::npos;
+  t.lost_addr = opts_.host;
+  t.lost_port = opts_.port;
+  t.rejoin_deadline = now + milliseconds(opts_.join.join_timeout_ms);
   cancel(ClientTimer::kFence);  // the round is over: the takeover's Restart stops the workers
   fenced_ = false;
   takeover_ = std::move(t);
@@ -608,6 +620,11 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
 
 void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_point now) {
   Takeover& t = *takeover_;
+  if (t.rejoining) {
+    drop_connection();
+    cancel(ClientTimer::kTakeover);
+    return next_rejoin_target(now);
+  }
   if (!why_previous.empty() && t.next > 0) {
     const auto& c = t.candidates[t.next - 1];
     t.tried += fmt::format("{}node {} at {}:{}: {}", t.tried.empty() ? "" : "; ", c.group_rank, opts_.host,
@@ -631,10 +648,43 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
     out_.push_back(cmd::HostTakeover{std::move(seed)});
     return;
   }
+  // The host's connection was reset and a candidate refused: the machines answer, yet no
+  // node took over for this one. The job may well go on (the host only cut off from this
+  // node: a REJECT firewall resets its connections and refuses its connects, #34); this
+  // node's workers stopped on the takeover's Restart, and it waits to rejoin after the heal
+  // instead of ending.
+  if (t.host_reset && t.refused_any && now < t.rejoin_deadline) {
+    t.rejoining = true;
+    out_.push_back(cmd::Notice{fmt::format(
+        "{}; no survivor took over for this node ({}), yet a node refused its connection, so its machine answers: "
+        "this node may be the one cut off (a firewall that resets). Its workers stay stopped; it waits to rejoin the "
+        "job, trying its last host and the nodes that could host in turn, until join_timeout ({} s)",
+        t.lost, t.tried, opts_.join.join_timeout_ms / 1000.0)});
+    return next_rejoin_target(now);
+  }
   std::string reason = t.lost + "; no survivor could take over";
   if (!t.tried.empty()) reason += " (" + t.tried + ")";
   takeover_.reset();
   end_host_lost(reason);
+}
+
+void ClientMachine::next_rejoin_target(Clock::time_point now) {
+  Takeover& t = *takeover_;
+  if (now >= t.rejoin_deadline) {
+    std::string reason = t.lost + "; no survivor could take over";
+    if (!t.tried.empty()) reason += " (" + t.tried + ")";
+    reason += fmt::format("; no host of the job answered this node within join_timeout ({} s)",
+                          opts_.join.join_timeout_ms / 1000.0);
+    takeover_.reset();
+    return end_host_lost(reason);
+  }
+  // The last host first (only cut off, it still hosts the job), then the nodes that could
+  // have taken over; never this node itself, which never hosts on its own side.
+  std::vector<std::pair<std::string, int>> targets{{t.lost_addr, t.lost_port}};
+  for (const auto& c : t.candidates)
+    if (c.group_rank != t.self_rank) targets.emplace_back(c.addr, c.port);
+  const auto& [host, port] = targets[t.turn++ % targets.size()];
+  connect_candidate(host, port, now);
 }
 
 void ClientMachine::connect_candidate(const std::string& host, int port, Clock::time_point now) {
@@ -642,8 +692,10 @@ void ClientMachine::connect_candidate(const std::string& host, int port, Clock::
   opts_.host = host;
   opts_.port = port;
   takeover_->refused = false;
-  // One keep-alive interval for each node below this one (bounded by the whole search's).
-  arm(ClientTimer::kTakeover, std::min(t.deadline, now + milliseconds(opts_.join.keep_alive_ms)));
+  // One keep-alive interval for each node below this one (bounded by the whole search's, or
+  // while waiting to rejoin by the rejoin's).
+  arm(ClientTimer::kTakeover,
+      std::min(t.rejoining ? t.rejoin_deadline : t.deadline, now + milliseconds(opts_.join.keep_alive_ms)));
   refused_ = 0;
   try_connect();
 }

@@ -191,6 +191,9 @@ class ClientMachine {
   // root cause (end_host_lost).
   void host_lost(const std::string& why, Clock::time_point now, bool silent);
   void next_candidate(const std::string& why_previous, Clock::time_point now);
+  // Waiting to rejoin (Takeover::rejoining): the next target in turn, or the end at the
+  // rejoin deadline.
+  void next_rejoin_target(Clock::time_point now);
   void connect_candidate(const std::string& host, int port, Clock::time_point now);
   void end_host_lost(const std::string& reason);
   void drop_connection();  // the connection and any connect in flight, without a notice
@@ -255,6 +258,22 @@ class ClientMachine {
     std::vector<std::string> voters;  // of that epoch
     std::vector<std::string> prev_voters;  // of the epoch told before it (TakeoverSeed::prev_voters)
     bool host_closed = false;         // the host's connection closed (not silence)
+    // The host's connection was reset (not closed: a SIGKILLed host's kernel closes it with
+    // an end of file) and some candidate refused a connect during the search: the machines
+    // answer, yet nobody took over for this node, as when a REJECT firewall cut this node off
+    // (#34). A search that ends so does not end the node: it waits to rejoin (rejoining),
+    // until rejoin_deadline. (A dead host and dead candidates on machines that live answer
+    // the same way, but close rather than reset: they end the node at once, as before.)
+    bool host_reset = false;
+    bool refused_any = false;
+    // Waiting to rejoin: the job's last host (lost_addr:lost_port, which may be only cut off)
+    // and the candidates but this node are tried in turn, one keep-alive interval each; this
+    // node never hosts; the first server that proves the job's key is joined as a newcomer.
+    bool rejoining = false;
+    std::string lost_addr;
+    int lost_port = 0;
+    std::size_t turn = 0;                // the next of the rejoin's targets
+    Clock::time_point rejoin_deadline;  // the loss plus join_timeout
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over
   bool decided_ = false;  // the job ended (Abort or Done heard): its host may go

@@ -1,6 +1,8 @@
 // The rendezvous client's policy (rendezvous/client_machine.h), driven with a fake clock:
 // events in with the time passed in, commands out. No socket, no timer.
 #include <catch2/catch.hpp>
+#include <cerrno>
+#include <cstring>
 #include <random>
 
 #include "rendezvous/auth.h"
@@ -487,6 +489,85 @@ TEST_CASE("client machine: no survivor can take over: no restart left, too few n
     CHECK_FALSE(has<cmd::Connect>(c));
     CHECK(told<proto::Abort>(c).empty());
   }
+}
+
+// #34: a REJECT firewall around this node resets its host's connection and refuses every
+// connect, so every candidate refuses to the search's deadline. Before, the node ended there
+// (exit 3, 'no survivor could take over') and could not rejoin after the heal. A host that
+// closed (not reset) still ends the node there.
+TEST_CASE("client machine: a takeover search whose candidates refused to its deadline waits to rejoin: the last host "
+          "and the others in turn, never hosting, joining the first that welcomes, until join_timeout") {
+  auto search_refused = [](Link& l, const std::string& how = std::strerror(ECONNRESET)) {
+    l.m.start(l.now);
+    l.welcome("host-a");
+    l.receive(round_of(2));
+    auto c = l.m.connection_closed(how, l.now);
+    REQUIRE(told_one<proto::Restart>(c).restart_count == 1);
+    REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+    l.m.rejoin(l.now);  // the workers stopped
+    // Node 1 refuses (the firewall) to the search's deadline (keep-alive x attempts: 300 ms).
+    for (int i = 0; i < 2; ++i) {
+      l.m.connect_failed(true, "Connection refused", l.now);
+      c = l.after(100ms, ClientTimer::kTakeover);
+      REQUIRE_FALSE(has<cmd::Connect>(c));
+    }
+    l.m.connect_failed(true, "Connection refused", l.now);
+    return l.after(100ms, ClientTimer::kTakeover);
+  };
+  Link l(options("127.0.0.3"));
+  auto c = search_refused(l);
+  // Before: an Abort here (the search's end). Now it waits: the last host first.
+  CHECK(told<proto::Abort>(c).empty());
+  CHECK_FALSE(has<cmd::HostTakeover>(c));
+  CHECK_FALSE(l.m.closed());
+  CHECK_THAT(notices(c), Catch::Contains("it waits to rejoin the job") && Catch::Contains("until join_timeout (5 s)"));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
+  CHECK(one<cmd::Connect>(c).port == kRdzvPort);
+  CHECK(armed(c, ClientTimer::kTakeover) == l.now + 100ms);
+  // Refused there too (still cut off): node 1 next, never this node (2), then the host again.
+  l.m.connect_failed(true, "Connection refused", l.now);
+  c = l.after(100ms, ClientTimer::kTakeover);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  c = l.after(100ms, ClientTimer::kTakeover);  // silent
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
+  CHECK_FALSE(has<cmd::HostTakeover>(c));
+  // Healed: the host welcomes; this node joins its next round as a newcomer.
+  c = l.welcome("host-a");
+  CHECK_THAT(notices(c), Catch::Contains("reached the job again: its rendezvous is hosted by host-a at " + kServer));
+  const auto j = sent_of<proto::Join>(c);
+  CHECK(j.resume_round == 0);
+  CHECK_FALSE(j.resume_standby);
+  CHECK_FALSE(l.m.searching());
+  c = l.receive(round_of(2, 3, 1));
+  CHECK(told_one<proto::Assignment>(c).round == 3);
+
+  // Nobody answers within join_timeout (5 s) of the loss: the end, with the lost host as root cause.
+  Link t(options("127.0.0.3"));
+  const auto lost_at = t.now;
+  c = search_refused(t);
+  int fires = 0;
+  while (told<proto::Abort>(c).empty() && fires++ < 100) {
+    CHECK_FALSE(has<cmd::HostTakeover>(c));
+    t.m.connect_failed(true, "Connection refused", t.now);
+    c = t.after(100ms, ClientTimer::kTakeover);
+  }
+  const auto a = told_one<proto::Abort>(c);
+  CHECK(t.now == lost_at + 5s);
+  CHECK(a.root_cause.exit_code == kHostLostExitCode);
+  CHECK_THAT(a.reason, Catch::Contains("no survivor could take over (node 1 at 127.0.0.2:7002: refused until the "
+                                       "search's deadline); no host of the job answered this node within "
+                                       "join_timeout (5 s)"));
+  CHECK(t.m.closed());
+
+  // A host that closed (a SIGKILLed agent's kernel sends an end of file, not a reset) and
+  // candidates that refuse (dead too, on machines that live): the end at the search's
+  // deadline, as before.
+  Link d(options("127.0.0.3"));
+  c = search_refused(d, "end of file");
+  CHECK_THAT(told_one<proto::Abort>(c).reason,
+             Catch::EndsWith("no survivor could take over (node 1 at 127.0.0.2:7002: refused until the search's "
+                             "deadline)"));
+  CHECK(d.m.closed());
 }
 
 TEST_CASE("client machine: a standby follows the takeover of its lost host, never hosts, and re-registers as a "

@@ -380,6 +380,14 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         return;
       case MsgType::kAssignment: {
         auto a = proto::from_frame<proto::Assignment>(f);
+        if (!f.payload.contains("epoch") && !old_server_told_) {
+          // A server before #34: no epoch, no voters, no majority. Said once.
+          old_server_told_ = true;
+          out_.push_back(cmd::Notice{fmt::format(
+              "the rendezvous at {} is older than this agent (its assignment carries no epoch): no MGLAUNCH_EPOCH "
+              "for the workers and no partition rules (voters, majority) there; upgrade it",
+              host_port(opts_.host, opts_.port))});
+        }
         if (!join_wanted_) {
           pending_ = std::move(a);  // the agent takes it once its workers stopped (rejoin())
           return;

@@ -296,6 +296,7 @@ class ClientMachine {
   // standby is at every round, only replaces them).
   void learn_voters(int epoch, const std::vector<std::string>& voters);
   bool two_voters_told_ = false;     // the two-voter notice was given
+  bool old_server_told_ = false;     // an assignment without an epoch (a server before #34) was said
   std::chrono::milliseconds backoff_{100};  // between reconnects after a loss
   int refused_ = 0;  // refused connects in a row at start (connect_retry_delay)
   bool closed_ = false;

@@ -422,6 +422,15 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
       if (budget_->used >= budget_->limit)
         return refuse(fmt::format("the rendezvous daemon is at its memory limit ({} MiB); retry later or raise "
                                   "--max-memory", opts_.max_memory >> 20));
+      // An agent before #34 sends no epoch: it never fences itself when cut off, so the
+      // partition rules do not hold for its node. Said once per agent.
+      if (!f.payload.contains("epoch") && old_peers_.size() < kMaxOldPeersNamed &&
+          old_peers_.emplace(join.job_id, join.agent_id).second)
+        log(fmt::format("job '{}': agent {} on {} ({}) is older than this rendezvous (its join carries no epoch): it "
+                        "does not fence itself when cut off, so a network partition may split the job at that node; "
+                        "upgrade its mglaunch",
+                        join.job_id, join.agent_id, join.host, join.addr),
+            nlohmann::json{{"event", "log"}, {"job", join.job_id}});
       auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id, !opts_.host_agent.empty());
       if (inserted) ++jobs_created_;
       s->joined = true;

@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include <deque>
@@ -166,6 +167,10 @@ class Server {
   mutable std::deque<Event> events_;  // log() is const; the ring is not part of the state
   mutable std::uint64_t next_event_ = 1;
   std::string journal_error_;  // the journal's last write failure, logged once
+  // Agents (job, agent id) whose join carried no epoch (before #34), each said once; at most
+  // kMaxOldPeersNamed remembered.
+  std::set<std::pair<std::string, std::string>> old_peers_;
+  static constexpr std::size_t kMaxOldPeersNamed = 4096;
 };
 
 }  // namespace mg::rdzv

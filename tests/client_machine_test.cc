@@ -834,3 +834,31 @@ TEST_CASE("client layer: a join that cannot be sent is not told as lost once the
   io.run();
   CHECK(lost == 1);
 }
+
+TEST_CASE("client machine: an assignment without an epoch (a server before #34) is said once, naming the server") {
+  Link l(options());
+  l.m.start(l.now);
+  l.welcome();
+  auto old_round = [&](int round) {
+    proto::Frame f = proto::to_frame(round_of(2, round));
+    f.payload.erase("epoch");
+    f.payload.erase("voters");
+    return l.m.frame(f, l.now);
+  };
+  auto c = old_round(1);
+  CHECK(told_one<proto::Assignment>(c).round == 1);
+  CHECK(notices(c) == "the rendezvous at " + kServer + " is older than this agent (its assignment carries no epoch): "
+                      "no MGLAUNCH_EPOCH for the workers and no partition rules (voters, majority) there; upgrade it\n");
+  l.receive(proto::Restart{1, "rank 0 failed"});
+  l.m.rejoin(l.now);
+  c = old_round(2);
+  CHECK(told_one<proto::Assignment>(c).round == 2);
+  CHECK(notices(c).empty());  // once
+  // A server of today sends its epoch: nothing to say.
+  Link n(options());
+  n.m.start(n.now);
+  n.welcome();
+  proto::Assignment a = round_of(2);
+  a.epoch = 1;
+  CHECK(notices(n.receive(a)).empty());
+}

@@ -1692,3 +1692,30 @@ TEST_CASE("doctor's route check of a --master_addr whose lookup hangs ends withi
   CHECK(doctor.exit_code() == 0);
   CHECK_THAT(doctor.out(), Catch::Contains("master.test cannot be reached") && Catch::Contains("no answer"));
 }
+
+TEST_CASE("an agent before #34 (its join carries no epoch) is named once in the daemon's log, however often it joins") {
+  Daemon daemon = start_daemon({{"MGLAUNCH_RDZV_TOKEN", kToken}});
+  auto join = [&](const std::string& agent, bool old) {
+    RawPeer p(daemon.port());
+    REQUIRE(p.handshake("mixed"));
+    proto::Join j = join_for("mixed");
+    j.agent_id = agent;
+    proto::Frame f = proto::to_frame(j);
+    if (old) f.payload.erase("epoch");
+    const int before = count_of(daemon.proc.err(), "mixed");
+    REQUIRE(p.send(f));
+    // Joined (waiting for a second node): the daemon logs the join before this connection closes.
+    REQUIRE(eventually([&] { return count_of(daemon.proc.err(), "mixed") > before; }, 10s));
+  };
+  const std::string line = "job 'mixed': agent old:1 on hostile (127.0.0.9) is older than this rendezvous (its join "
+                           "carries no epoch): it does not fence itself when cut off";
+  join("old:1", true);
+  REQUIRE(eventually([&] { return daemon.proc.err().find(line) != std::string::npos; }, 10s));
+  join("old:1", true);
+  join("new:1", false);
+  ::kill(daemon.proc.pid, SIGTERM);
+  daemon.proc.wait(5s);
+  INFO(daemon.proc.err());
+  CHECK(count_of(daemon.proc.err(), "is older than this rendezvous") == 1);  // before: none
+  CHECK(count_of(daemon.proc.err(), line) == 1);
+}

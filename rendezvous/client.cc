@@ -184,9 +184,10 @@ void Client::on_connected() {
       [this, alive, self](const std::string& why) {
         // Not when this client dropped it itself (the machine has moved on).
         if (!alive.lock() || conn_.get() != self) return;
-        if (running_ == 0) return run(m_.connection_closed(why, Clock::now()));
-        asio::post(io_, [this, alive, self, why] {
-          if (alive.lock() && conn_.get() == self) run(m_.connection_closed(why, Clock::now()));
+        const bool reset = self->reset();
+        if (running_ == 0) return run(m_.connection_closed(why, Clock::now(), reset));
+        asio::post(io_, [this, alive, self, why, reset] {
+          if (alive.lock() && conn_.get() == self) run(m_.connection_closed(why, Clock::now(), reset));
         });
       });
   run(m_.connected(auth::random_hex(32), Clock::now()));

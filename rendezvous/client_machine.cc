@@ -1,9 +1,6 @@
 #include "rendezvous/client_machine.h"
 #include "rendezvous/link.h"
 
-#include <cerrno>
-#include <cstring>
-
 #include <fmt/format.h>
 
 #include "rendezvous/auth.h"
@@ -208,13 +205,13 @@ ClientCommands ClientMachine::frame(const proto::Frame& f, Clock::time_point now
   return take_out();
 }
 
-ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::time_point now) {
+ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::time_point now, bool reset) {
   const bool was = connected_;
   connected_ = false;
   if (closed_ || !was) return {};
   // A server that welcomed us and then vanished may come back: keep trying. A closed (or
   // reset) connection does not move the fence: a firewall resets too.
-  if (ever_welcomed_) reconnect_later(why, now);
+  if (ever_welcomed_) reconnect_later(why, now, /*silent=*/false, reset);
   else if (!welcomed_ && !answered_)  // closed before a word: maybe not our server at all
     lost(fmt::format("the connection to the rendezvous server at {} ended before its welcome ({}); {}",
                      host_port(opts_.host, opts_.port), why, foreign_server_hint(opts_.host, opts_.port)));
@@ -542,9 +539,9 @@ void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
   out_.push_back(cmd::Tell{a});
 }
 
-void ClientMachine::reconnect_later(const std::string& why, Clock::time_point now, bool silent) {
+void ClientMachine::reconnect_later(const std::string& why, Clock::time_point now, bool silent, bool reset) {
   if (closed_) return;
-  if (!host_agent_.empty()) return host_lost(why, now, silent);
+  if (!host_agent_.empty()) return host_lost(why, now, silent, reset);
   // Connections that are made but fail (an unauthenticated server) count against the
   // outage's join_timeout like refused ones.
   if (in_outage_ && now >= deadline_)
@@ -570,7 +567,7 @@ void ClientMachine::drop_connection() {
   out_.push_back(cmd::Drop{});
 }
 
-void ClientMachine::host_lost(const std::string& why, Clock::time_point now, bool silent) {
+void ClientMachine::host_lost(const std::string& why, Clock::time_point now, bool silent, bool reset) {
   // The job ended (Abort, Done) and its host closes: nothing was lost, nothing to take over.
   if (decided_) return drop_connection();
   if (takeover_) return next_candidate(why, now);  // a candidate's connection failed before its welcome
@@ -600,7 +597,7 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
   t.voters = voters_;
   t.prev_voters = prev_voters_;
   t.host_closed = !silent;
-  t.host_reset = !silent && why.find(std::strerror(ECONNRESET)) != std::string::npos;
+  t.host_reset = !silent && reset;
   t.lost_addr = opts_.host;
   t.lost_port = opts_.port;
   t.rejoin_deadline = now + milliseconds(opts_.join.join_timeout_ms);

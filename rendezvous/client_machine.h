@@ -164,7 +164,8 @@ class ClientMachine {
   ClientCommands connect_failed(bool refused, const std::string& error, Clock::time_point now);
   ClientCommands unresolvable(Clock::time_point now);
   ClientCommands frame(const proto::Frame& f, Clock::time_point now);
-  ClientCommands connection_closed(const std::string& why, Clock::time_point now);  // not by a command
+  // not by a command; `reset`: the peer reset it (ECONNRESET), as a firewall that REJECTs does
+  ClientCommands connection_closed(const std::string& why, Clock::time_point now, bool reset = false);
   // `generation`: the cmd::Arm's; a stale one (re-armed or cancelled since) is ignored.
   ClientCommands timer_fired(ClientTimer t, std::uint64_t generation, Clock::time_point now);
   ClientCommands hosted(const TakeoverHost& where, Clock::time_point now);  // port 0: it cannot host
@@ -180,7 +181,7 @@ class ClientMachine {
  private:
   void try_connect();
   // `silent`: the server went silent (not a closed connection).
-  void reconnect_later(const std::string& why, Clock::time_point now, bool silent = false);
+  void reconnect_later(const std::string& why, Clock::time_point now, bool silent = false, bool reset = false);
   void failed_attempt(const std::string& why, Clock::time_point now);  // a connection made that proved nothing
   void on_frame(const proto::Frame& f, Clock::time_point now);
   void on_welcome(Clock::time_point now);
@@ -189,7 +190,7 @@ class ClientMachine {
   // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
   // reconnection is tried; a survivor takes it over, or the node ends with the lost host as
   // root cause (end_host_lost).
-  void host_lost(const std::string& why, Clock::time_point now, bool silent);
+  void host_lost(const std::string& why, Clock::time_point now, bool silent, bool reset);
   void next_candidate(const std::string& why_previous, Clock::time_point now);
   // Waiting to rejoin (Takeover::rejoining): the next target in turn, or the end at the
   // rejoin deadline.

@@ -117,6 +117,7 @@ void FramedConnection::on_readable() {
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      reset_ = errno == ECONNRESET;
       return shut(std::strerror(errno));
     }
     if (n == 0) return shut("connection closed by peer");
@@ -260,6 +261,7 @@ void FramedConnection::flush() {
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return wait_writable();
+      reset_ = errno == ECONNRESET;
       return shut(std::strerror(errno));
     }
     out_sent_ += static_cast<std::size_t>(n);

@@ -77,6 +77,8 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void verify_received(const std::string& session_key, char direction);
 
   bool open() const { return open_; }
+  // Whether it ended on the peer's reset (ECONNRESET), not an end of file or a local close.
+  bool reset() const { return reset_; }
   std::string peer() const;          // "address:port"
   std::string peer_address() const;  // "address"
   // When the first byte of a frame that is still incomplete arrived (nullopt: none pending).
@@ -106,6 +108,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   std::vector<std::uint8_t> out_;  // bytes not written yet (from out_sent_ on); no capacity when none
   std::size_t out_sent_ = 0;
   bool open_ = true;
+  bool reset_ = false;  // reset()
   bool close_after_write_ = false;
   bool lingering_ = false;
   std::unique_ptr<boost::asio::steady_timer> linger_timer_;

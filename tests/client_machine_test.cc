@@ -497,11 +497,11 @@ TEST_CASE("client machine: no survivor can take over: no restart left, too few n
 // closed (not reset) still ends the node there.
 TEST_CASE("client machine: a takeover search whose candidates refused to its deadline waits to rejoin: the last host "
           "and the others in turn, never hosting, joining the first that welcomes, until join_timeout") {
-  auto search_refused = [](Link& l, const std::string& how = std::strerror(ECONNRESET)) {
+  auto search_refused = [](Link& l, bool reset = true) {
     l.m.start(l.now);
     l.welcome("host-a");
     l.receive(round_of(2));
-    auto c = l.m.connection_closed(how, l.now);
+    auto c = l.m.connection_closed(reset ? std::strerror(ECONNRESET) : "end of file", l.now, reset);
     REQUIRE(told_one<proto::Restart>(c).restart_count == 1);
     REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
     l.m.rejoin(l.now);  // the workers stopped
@@ -563,7 +563,7 @@ TEST_CASE("client machine: a takeover search whose candidates refused to its dea
   // candidates that refuse (dead too, on machines that live): the end at the search's
   // deadline, as before.
   Link d(options("127.0.0.3"));
-  c = search_refused(d, "end of file");
+  c = search_refused(d, /*reset=*/false);
   CHECK_THAT(told_one<proto::Abort>(c).reason,
              Catch::EndsWith("no survivor could take over (node 1 at 127.0.0.2:7002: refused until the search's "
                              "deadline)"));

@@ -20,6 +20,11 @@ round after is paused and assigned anew (up to N + 1 restarts); a survivor that 
 then ends the job (the others are SIGKILLed).
 --shrink (with kill): the failed worker is not replaced: the survivors are assigned a world
 one smaller, ranked in their old order (an elastic job that lost a node and has no standby).
+--kill-store S (with kill): the store is SIGKILLed with the victim (its host lost with its
+agent) and a new one serves the next round; once every survivor said paused, each
+survivor's CPU time over the next S seconds (utime + stime of all its threads, from
+/proc/PID/stat) is reported as "paused_cpu_s" {rank: seconds} before the round is assigned:
+a survivor idles then, except for an abandoned store client that spins on its dead connection.
 
 When a worker fails it sends `pause` to every live worker that opted in, spawns a
 replacement with TORCHELASTIC_RESTART_COUNT + 1 and sends `assign` to the paused ones.
@@ -54,26 +59,46 @@ def main():
     ap.add_argument("--no-control", action="store_true", help="give the workers no MGLAUNCH_CONTROL_SOCKET")
     ap.add_argument("--again", type=int, default=0, help="SIGKILL this many replacements at their hello")
     ap.add_argument("--shrink", action="store_true", help="go on without the failed worker, at a smaller world")
+    ap.add_argument("--kill-store", type=float, default=0,
+                    help="SIGKILL the store with the victim; report each survivor's CPU time over this many seconds once paused")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     worker_args = a.args[1:] if a.args[:1] == ["--"] else a.args
     deadline = time.monotonic() + a.deadline
 
-    # The agent's store: it prints its port, and ends when its stdin closes (we end, however).
-    store = subprocess.Popen([a.store_serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    stores = []
     try:
-        line = store.stdout.readline() if select.select([store.stdout], [], [], 60)[0] else b""
-        if not line.strip().isdigit():
-            print("inplace_agent: %s printed no port in 60 s (exit %s)" % (a.store_serve, store.poll()),
-                  file=sys.stderr)
-            return 2
-        return run(a, worker_args, deadline, int(line))
+        port = start_store(a, stores)
+        return 2 if port is None else run(a, worker_args, deadline, stores, port)
     finally:
-        store.terminate()
-        store.wait()
+        for store in stores:
+            store.terminate()
+            store.wait()
 
 
-def run(a, worker_args, deadline, store_port):
+def start_store(a, stores):
+    """The agent's store (appended to `stores`): it prints its port, and ends when its stdin
+    closes (we end, however). Its port, or None after one line saying why."""
+    store = subprocess.Popen([a.store_serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    stores.append(store)
+    line = store.stdout.readline() if select.select([store.stdout], [], [], 60)[0] else b""
+    if not line.strip().isdigit():
+        print("inplace_agent: %s printed no port in 60 s (exit %s)" % (a.store_serve, store.poll()), file=sys.stderr)
+        return None
+    return int(line)
+
+
+def cpu_seconds(pid):
+    """utime + stime of every thread of `pid` (fields 14 and 15 of /proc/PID/stat), or None once it ended."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run(a, worker_args, deadline, stores, store_port):
     name = "mglaunch-standin-%d-%s" % (os.getpid(), secrets.token_hex(8))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)
@@ -143,6 +168,12 @@ def run(a, worker_args, deadline, store_port):
                     send(c, {"type": "assign", "round": rnd, "restart_count": restart_count,
                              "env": env_for(new_rank, len(survivors))})
             return
+        if a.kill_store:
+            held["failed_rank"] = failed_rank  # assigned once the survivors' CPU is measured
+            return
+        assign_round(failed_rank)
+
+    def assign_round(failed_rank):
         spawn(failed_rank)
         for r, w in workers.items():
             if r != failed_rank and w["proc"].poll() is None:
@@ -152,6 +183,7 @@ def run(a, worker_args, deadline, store_port):
 
     for r in range(a.nproc):
         spawn(r)
+    held = {}               # --kill-store: the round held back while the survivors' CPU is measured
     stopped_victim = None   # (rank, pid) SIGSTOPped, waiting for the survivors' paused
     paused_pids = set()
     rc = 0
@@ -214,6 +246,12 @@ def run(a, worker_args, deadline, store_port):
                             fault["victim_pid"] = victim.pid
                             if a.fault in ("kill", "term"):
                                 victim.kill()
+                                if a.kill_store:  # its host lost with the victim: the next round has another
+                                    stores[-1].kill()
+                                    stores[-1].wait()
+                                    store_port = start_store(a, stores)
+                                    if store_port is None:
+                                        return 2
                             else:
                                 victim.send_signal(signal.SIGSTOP)
                                 stopped_victim = (a.victim, victim.pid)
@@ -230,6 +268,18 @@ def run(a, worker_args, deadline, store_port):
                         p.send_signal(signal.SIGTERM)
                     fault["term_pending"] = False
                     fault["terminated"] = True
+            if "failed_rank" in held:
+                survivors = {r: w["proc"].pid for r, w in workers.items() if r != held["failed_rank"]}
+                if "since" not in held and all(p in paused_pids for p in survivors.values()):
+                    held["since"] = time.monotonic()
+                    held["cpu"] = {r: cpu_seconds(p) for r, p in survivors.items()}
+                elif "since" in held and time.monotonic() >= held["since"] + a.kill_store:
+                    fault["paused_cpu_s"] = {str(r): round(cpu_seconds(p) - held["cpu"][r], 3)
+                                             for r, p in survivors.items()
+                                             if held["cpu"].get(r) is not None and cpu_seconds(p) is not None}
+                    fault["paused_window_s"] = round(time.monotonic() - held["since"], 3)
+                    assign_round(held.pop("failed_rank"))
+                    held.clear()
             if stopped_victim:
                 survivors = [w["proc"].pid for r, w in workers.items() if r != stopped_victim[0]]
                 if all(p in paused_pids for p in survivors):

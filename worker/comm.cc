@@ -1,13 +1,21 @@
 #include "worker/comm.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -23,6 +31,174 @@
 #endif
 
 namespace mg::train {
+
+// ---- An abandoned store client made quiet ----
+//
+// Torch 1.13's store client keeps a thread that polls its connection and peeks at it. Once
+// the store's host is gone (SIGKILLed: the kernel closes the connection), poll() says it is
+// readable and the peek returns 0 at once, for ever: a core spins for the process's life
+// (the chaos soak's daemon run took 1,403 s for a 720 s plan). A store let go of is never
+// destroyed (Comm::abandon), so that thread stays: each of the store's connections is
+// replaced (dup3) by one end of a socket pair of its own, whose other end is kept and never
+// written; the thread's poll() then sleeps for good (a pipe would fail its peek). The
+// Python package does the same (python/mglaunch_recovery, _GroupSockets).
+//
+// A store's connections are recorded when its TCPStore is made: the TCP sockets new since
+// just before the constructor (descriptor and inode) whose peer is MASTER_ADDR:MASTER_PORT;
+// never another socket of the process. A formation left behind by connect_interruptible
+// may make a store to the same address while the next one does: each may record the
+// other's connections. So the connections recorded by a group not let go of are claimed,
+// and none of them is made quiet for another group's sake; and nothing is made quiet while
+// a formation not let go of is between its look before the store and its record (its new
+// connections are not claimed yet): that formation's record does it.
+struct StoreSockets {
+  std::vector<std::pair<int, ino_t>> sockets;  // this group's store connections
+  c10::intrusive_ptr<c10d::Store> store;       // kept: a destroyed store's descriptors may be another's by then
+  bool let_go = false;
+  bool forming = false;  // counted in Quiet::forming
+};
+
+namespace {
+
+struct Quiet {
+  std::mutex m;
+  std::map<std::pair<int, ino_t>, int> claimed;       // recorded by groups not let go of
+  std::vector<std::shared_ptr<StoreSockets>> let_go;  // never destroyed
+  std::vector<int> kept_ends;                         // the pairs' other ends: never written nor closed
+  int forming = 0;
+};
+Quiet& quiet() {
+  static auto* q = new Quiet;  // leaked on purpose, as the graveyard
+  return *q;
+}
+
+// This process's sockets now: descriptor -> inode.
+std::map<int, ino_t> open_sockets() {
+  std::map<int, ino_t> out;
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return out;
+  while (const dirent* e = ::readdir(d)) {
+    char link[64];
+    const ssize_t n = ::readlinkat(::dirfd(d), e->d_name, link, sizeof link - 1);
+    if (n <= 0) continue;
+    link[n] = '\0';
+    unsigned long long ino = 0;
+    if (std::sscanf(link, "socket:[%llu]", &ino) == 1) out[std::atoi(e->d_name)] = static_cast<ino_t>(ino);
+  }
+  ::closedir(d);
+  return out;
+}
+
+// `a` with an IPv4-mapped IPv6 address (::ffff:a.b.c.d, how torch 1.13's client connects
+// to an IPv4 address) as its IPv4 address.
+sockaddr_storage unmapped(const sockaddr_storage& a) {
+  const auto& v6 = reinterpret_cast<const sockaddr_in6&>(a);
+  if (a.ss_family != AF_INET6 || !IN6_IS_ADDR_V4MAPPED(&v6.sin6_addr)) return a;
+  sockaddr_storage out{};
+  auto& v4 = reinterpret_cast<sockaddr_in&>(out);
+  v4.sin_family = AF_INET;
+  v4.sin_port = v6.sin6_port;
+  std::memcpy(&v4.sin_addr, v6.sin6_addr.s6_addr + 12, sizeof v4.sin_addr);
+  return out;
+}
+
+// The same address and port (IPv4-mapped IPv6 taken as IPv4).
+bool same_endpoint(const sockaddr_storage& x, const sockaddr_storage& y) {
+  const sockaddr_storage a = unmapped(x), b = unmapped(y);
+  if (a.ss_family != b.ss_family) return false;
+  if (a.ss_family == AF_INET) {
+    const auto &p = reinterpret_cast<const sockaddr_in&>(a), &q = reinterpret_cast<const sockaddr_in&>(b);
+    return p.sin_port == q.sin_port && p.sin_addr.s_addr == q.sin_addr.s_addr;
+  }
+  if (a.ss_family == AF_INET6) {
+    const auto &p = reinterpret_cast<const sockaddr_in6&>(a), &q = reinterpret_cast<const sockaddr_in6&>(b);
+    return p.sin6_port == q.sin6_port && std::memcmp(&p.sin6_addr, &q.sin6_addr, sizeof p.sin6_addr) == 0;
+  }
+  return false;
+}
+
+// The connections of `before`'s complement whose peer is one of `store` (the store's
+// addresses, all with its port).
+std::vector<std::pair<int, ino_t>> new_store_connections(const std::map<int, ino_t>& before,
+                                                          const std::vector<sockaddr_storage>& store) {
+  std::vector<std::pair<int, ino_t>> out;
+  for (const auto& [fd, ino] : open_sockets()) {
+    if (auto it = before.find(fd); it != before.end() && it->second == ino) continue;
+    sockaddr_storage peer{};
+    socklen_t len = sizeof peer;
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0) continue;  // listening, not connected
+    const bool ours =
+        std::any_of(store.begin(), store.end(), [&](const sockaddr_storage& s) { return same_endpoint(peer, s); });
+    struct stat st {};
+    if (ours && ::fstat(fd, &st) == 0 && st.st_ino == ino) out.emplace_back(fd, ino);
+  }
+  return out;
+}
+
+// Makes quiet every connection of a group let go of that no other group claims (under q.m).
+void quiet_let_go(Quiet& q) {
+  if (q.forming > 0) return;  // that formation's record does it
+  for (const auto& group : q.let_go) {
+    for (const auto& id : group->sockets) {
+      struct stat st {};
+      if (q.claimed.count(id) || ::fstat(id.first, &st) != 0 || st.st_ino != id.second || !S_ISSOCK(st.st_mode))
+        continue;  // another group's too, or quiet already
+      int pair[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) continue;
+      if (::dup3(pair[0], id.first, O_CLOEXEC) >= 0) q.kept_ends.push_back(pair[1]);
+      else ::close(pair[1]);
+      ::close(pair[0]);
+    }
+  }
+}
+
+// The sockets before a store is made; a formation not let go of counts as forming until its record.
+std::map<int, ino_t> before_store(StoreSockets& s) {
+  auto& q = quiet();
+  std::lock_guard lk(q.m);
+  if (!s.let_go && !s.forming) {
+    s.forming = true;
+    ++q.forming;
+  }
+  return open_sockets();
+}
+
+// Records the connections `store` made since `before` (none when it was not made: null).
+void record_store(StoreSockets& s, const std::map<int, ino_t>& before, const c10::intrusive_ptr<c10d::Store>& store,
+                  const std::vector<sockaddr_storage>& addresses) {
+  auto found = store ? new_store_connections(before, addresses) : std::vector<std::pair<int, ino_t>>{};
+  auto& q = quiet();
+  std::lock_guard lk(q.m);
+  s.store = store;
+  s.sockets = std::move(found);
+  if (!s.let_go)
+    for (const auto& id : s.sockets) ++q.claimed[id];
+  if (s.forming) {
+    s.forming = false;
+    --q.forming;
+  }
+  quiet_let_go(q);
+}
+
+// The group of `s` is let go of: its connections no longer claimed, made quiet.
+void let_go(const std::shared_ptr<StoreSockets>& s) {
+  if (!s) return;
+  auto& q = quiet();
+  std::lock_guard lk(q.m);
+  if (s->let_go) return;
+  s->let_go = true;
+  for (const auto& id : s->sockets)
+    if (auto it = q.claimed.find(id); it != q.claimed.end() && --it->second == 0) q.claimed.erase(it);
+  if (s->forming) {
+    s->forming = false;
+    --q.forming;
+  }
+  q.let_go.push_back(s);
+  quiet_let_go(q);
+}
+
+}  // namespace
+
 namespace {
 
 // Calls pg.shutdown() on LibTorch versions whose backend has it (NCCL in torch >= 2.4).
@@ -76,25 +252,42 @@ bool set_libuv(O& so, bool on) {
   return false;
 }
 
-// Until something listens at host:port (at most timeout_s; then the store's own connect
-// reports the failure). c10d's client waits a whole second before it retries a refused
-// connection, and a new round's store may open a few milliseconds after the assignment
-// reached a worker that was already running (in-place recovery, a pre-started standby):
-// that second was most of the recovery.
-void wait_until_listening(const std::string& host, int port, int timeout_s) {
+// The store's addresses: MASTER_ADDR's, each with MASTER_PORT (none when it does not resolve:
+// the store's own connect reports that).
+std::vector<sockaddr_storage> store_addresses(const std::string& host, int port) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) return;
+  std::vector<sockaddr_storage> out;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return out;
+  for (const addrinfo* a = found; a; a = a->ai_next) {
+    sockaddr_storage s{};
+    std::memcpy(&s, a->ai_addr, std::min<std::size_t>(a->ai_addrlen, sizeof s));
+    out.push_back(s);
+  }
+  ::freeaddrinfo(found);
+  return out;
+}
+
+socklen_t length_of(const sockaddr_storage& a) {
+  return a.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+}
+
+// Until something listens at the store's first address (at most timeout_s; then the store's
+// own connect reports the failure). c10d's client waits a whole second before it retries a
+// refused connection, and a new round's store may open a few milliseconds after the
+// assignment reached a worker that was already running (in-place recovery, a pre-started
+// standby): that second was most of the recovery.
+void wait_until_listening(const std::vector<sockaddr_storage>& store, int timeout_s) {
+  if (store.empty()) return;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
   for (bool up = false; !up && std::chrono::steady_clock::now() < until;) {
-    const int fd = ::socket(found->ai_family, found->ai_socktype | SOCK_CLOEXEC, found->ai_protocol);
+    const int fd = ::socket(store[0].ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) break;
-    up = ::connect(fd, found->ai_addr, found->ai_addrlen) == 0;
+    up = ::connect(fd, reinterpret_cast<const sockaddr*>(&store[0]), length_of(store[0])) == 0;
     ::close(fd);
     if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  ::freeaddrinfo(found);
 }
 
 bool cuda_visible() {
@@ -139,12 +332,16 @@ std::size_t abandoned_groups() {
 
 void Comm::abandon() {
   abort();
-  auto& g = graveyard();
-  std::lock_guard lk(g.m);
-  if (pg) g.groups.push_back(std::move(pg));
-  if (store) g.stores.push_back(std::move(store));
+  {
+    auto& g = graveyard();
+    std::lock_guard lk(g.m);
+    if (pg) g.groups.push_back(std::move(pg));
+    if (store) g.stores.push_back(std::move(store));
+  }
+  let_go(store_sockets);
   pg.reset();
   store.reset();
+  store_sockets.reset();
   shutdown = [] {};
   abort = [] {};
 }
@@ -187,8 +384,10 @@ c10::intrusive_ptr<PG> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, i
 
 namespace {
 
-// connect() without installing the group's hook (connect_interruptible's thread).
-Comm connect_group(const Options& o, const Env& env);
+// connect() without installing the group's hook (connect_interruptible's thread); the
+// store's connections are recorded in `sockets`.
+Comm connect_group(const Options& o, const Env& env, const std::shared_ptr<StoreSockets>& sockets);
+void make_group(Comm& c, const Options& o, const Env& env);
 
 // The group's hook becomes the Interrupt's (an empty one for Gloo replaces an older group's).
 void install_pause_hook(const Comm& c) {
@@ -209,11 +408,12 @@ Comm connect_interruptible(const Options& o, const Env& env, const std::function
     std::exception_ptr error;
   };
   auto slot = std::make_shared<Slot>();
-  std::thread([slot, o, env] {
+  auto sockets = std::make_shared<StoreSockets>();
+  std::thread([slot, sockets, o, env] {
     std::optional<Comm> c;
     std::exception_ptr error;
     try {
-      c.emplace(connect_group(o, env));  // its hook is installed below, if this attempt is kept
+      c.emplace(connect_group(o, env, sockets));  // its hook is installed below, if this attempt is kept
     } catch (...) {
       error = std::current_exception();
     }
@@ -227,6 +427,7 @@ Comm connect_interruptible(const Options& o, const Env& env, const std::function
   while (!slot->cv.wait_for(lk, std::chrono::milliseconds(50), [&] { return slot->done; })) {
     if (!give_up()) continue;
     lk.unlock();
+    let_go(sockets);  // its store's connections are made quiet once made, if they are
     auto& g = graveyard();
     std::lock_guard glk(g.m);
     g.connections.push_back(slot);
@@ -265,14 +466,14 @@ Comm local_comm(const Options& o) {
 }
 
 Comm connect(const Options& o, const Env& env) {
-  Comm c = connect_group(o, env);
+  Comm c = connect_group(o, env, std::make_shared<StoreSockets>());
   install_pause_hook(c);
   return c;
 }
 
 namespace {
 
-Comm connect_group(const Options& o, const Env& env) {
+Comm connect_group(const Options& o, const Env& env, const std::shared_ptr<StoreSockets>& sockets) {
   Comm c;
   c.rank = env.rank;
   c.world = env.world;
@@ -287,26 +488,44 @@ Comm connect_group(const Options& o, const Env& env) {
   so.waitWorkers = false;
   so.timeout = std::chrono::seconds(o.timeout_s);
   const bool libuv_option = set_libuv(so, env.use_libuv.value_or(true));
-  if (!so.isServer) wait_until_listening(env.master_addr, env.master_port, o.timeout_s);
+  const auto addresses = store_addresses(env.master_addr, env.master_port);
+  if (!so.isServer) wait_until_listening(addresses, o.timeout_s);
+  const auto before = before_store(*sockets);
+  c10::intrusive_ptr<c10d::Store> tcp;
   try {
     try {
-      c.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     } catch (const std::exception& e) {
       // A LibTorch built without libuv (Debian's 2.x) refuses its own default before it
       // binds or connects: unless USE_LIBUV=1 asked for libuv, the classic store (the same
       // protocol) serves instead, as USE_LIBUV=0 would.
       if (!libuv_option || env.use_libuv.has_value() || std::string(e.what()).find("libuv") == std::string::npos) throw;
       set_libuv(so, false);
-      c.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     }
-    // The agent's store outlives a restart: each attempt keeps to its own keys.
-    if (env.agent_store)
-      c.store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), c.store);
   } catch (const std::exception& e) {
+    record_store(*sockets, before, {}, addresses);
     std::string what = e.what();
     throw SetupError(fmt::format("cannot {} the c10d store at {}:{} within {} s: {}", so.isServer ? "serve" : "reach",
                                  env.master_addr, env.master_port, o.timeout_s, what.substr(0, what.find('\n'))));
   }
+  record_store(*sockets, before, tcp, addresses);
+  c.store_sockets = sockets;
+  // The agent's store outlives a restart: each attempt keeps to its own keys.
+  c.store = tcp;
+  if (env.agent_store)
+    c.store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), tcp);
+  try {
+    make_group(c, o, env);
+  } catch (...) {
+    let_go(sockets);  // the store is kept, never destroyed: its connections are made quiet
+    throw;
+  }
+  return c;
+}
+
+// The process group over c.store (connect_group).
+void make_group(Comm& c, const Options& o, const Env& env) {
   if (c.backend == "gloo") {
     c.pg = make_gloo(c.store, env.rank, env.world, o.timeout_s);
   } else {
@@ -326,7 +545,6 @@ Comm connect_group(const Options& o, const Env& env) {
     c.pg = nccl;
 #endif
   }
-  return c;
 }
 
 }  // namespace

@@ -31,11 +31,16 @@ using PG = c10d::Backend;
 using PG = c10d::ProcessGroup;
 #endif
 
+// The connections of one group's store client, recorded when its store was made, made
+// quiet once the group is let go of (comm.cc).
+struct StoreSockets;
+
 // Owns the store and the process group of one rank. `pg` is null in single mode: every
 // collective below is then the identity.
 struct Comm {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<PG> pg;
+  std::shared_ptr<StoreSockets> store_sockets;  // null without a store
   std::string backend = "none";
   torch::Device device{torch::kCPU};
   int rank = 0, world = 1;
@@ -50,7 +55,9 @@ struct Comm {
   // In-place recovery: lets go of the process group and the store without waiting for
   // anything. A Gloo group whose peer is gone may have a thread blocked in a collective,
   // which its destructor would join: the group is kept, unused, for the process's life
-  // (run() then ends with _Exit). NCCL's communicators are aborted.
+  // (run() then ends with _Exit). NCCL's communicators are aborted. The store's
+  // connections are made quiet: torch 1.13's store client thread spins a core on one whose
+  // server is gone (its host SIGKILLed); on a quiet one it sleeps.
   void abandon();
   void allreduce_sum(torch::Tensor& t) const;
   // Broadcasts every tensor from rank 0 in place, coalesced: one collective per dtype.

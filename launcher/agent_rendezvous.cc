@@ -68,6 +68,15 @@ rdzv::ServerOptions Agent::server_options() {
     if (line.starts_with("warning:") || line.find(" waits for a majority of the job's ") != std::string::npos)
       notice("rendezvous server: " + line);
   };
+  // The round this node's server opens waits for a majority of the voters: its link looks
+  // for the job at the other hosts after a grace (rdzv::ClientMachine, "Seeking", #34).
+  // Posted: not from within the server's own call.
+  so.on_event = [this](const rdzv::JobEvent& e) {
+    if (e.kind == rdzv::JobEvent::Kind::kNoQuorum)
+      asio::post(io_, [this] {
+        if (client_ && embedded_server_) client_->host_short_of_majority();
+      });
+  };
   if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;
   return so;
 }
@@ -270,6 +279,13 @@ void Agent::start_rendezvous() {
   };
   h.on_notice = [this](const std::string& text) { notice("rendezvous: " + text); };
   h.on_take_over = [this](const rdzv::TakeoverSeed& seed) { return take_over(seed); };
+  // The job runs elsewhere with a majority: this node's server stops at once (no round of
+  // its own can open from now on) and is destroyed once the calls on the stack returned.
+  h.on_stop_hosting = [this](const std::string&) {
+    if (!embedded_server_) return;
+    embedded_server_->stop();
+    asio::post(io_, [this] { embedded_server_.reset(); });
+  };
   // etcd proves nothing with the rendezvous token: say so rather than let its holder think
   // the decisions it reads are authenticated.
   if (opts_.rdzv_backend == "etcd" && (!opts_.rdzv_token.empty() || !opts_.rdzv_job_token.empty()))

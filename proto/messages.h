@@ -61,6 +61,13 @@ struct Welcome {
   // for the mglaunch-rdzv daemon. A daemon that goes away may come back (its clients wait
   // for it until join_timeout); an agent that goes away does not.
   std::string host_agent;
+  // The job on this server (#34), for a host without a majority that looks for the job
+  // elsewhere (rendezvous/client_machine.h, "Seeking"): the epoch of the round it runs now
+  // (0: none runs: joining, restarting, waiting for a majority) and its epoch as it stands
+  // (Job::epoch(): a node that took the job over counts from its own block). 0 from a server
+  // before this field, or for a job it does not know yet. Not signed (as host_agent).
+  int round_epoch = 0;
+  int epoch = 0;
 };
 struct Join {
   static constexpr MsgType kType = MsgType::kJoin;
@@ -176,7 +183,7 @@ struct Standby {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent, round_epoch, epoch)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,

@@ -46,6 +46,7 @@ void Client::start() {
 void Client::rejoin() { run(m_.rejoin(Clock::now())); }
 void Client::worker_failed(proto::WorkerFailed f) { run(m_.worker_failed(std::move(f), Clock::now())); }
 void Client::node_done(int round) { run(m_.node_done(round)); }
+void Client::host_short_of_majority() { run(m_.host_short_of_majority(Clock::now())); }
 void Client::close() {
   agent_closed_ = true;
   run(m_.close());
@@ -130,6 +131,8 @@ void Client::perform(ClientCommand& c) {
         } else if constexpr (std::is_same_v<T, cmd::HostTakeover>) {
           const TakeoverHost where = h_.on_take_over ? h_.on_take_over(x.seed) : TakeoverHost{};
           run(m_.hosted(where, Clock::now()));
+        } else if constexpr (std::is_same_v<T, cmd::StopHosting>) {
+          if (h_.on_stop_hosting) h_.on_stop_hosting(x.why);
         } else if constexpr (std::is_same_v<T, cmd::TakePending>) {
           // Not from within the agent's call (rejoin()): it takes the assignment once that returned.
           asio::post(io_, [this, alive = std::weak_ptr<int>(alive_)] {

@@ -51,6 +51,9 @@ struct ClientHandlers {
   // seed (Server::take_over) and return where it listens (port 0: it cannot, the next
   // node is tried; an empty host: at its advertised address). Empty: this node never hosts.
   std::function<TakeoverHost(const TakeoverSeed&)> on_take_over;
+  // This node hosts the job without a majority and found it running elsewhere with one: stop
+  // its own server now (ClientMachine's Seeking, #34). Empty: this node never hosts.
+  std::function<void(const std::string&)> on_stop_hosting;
 };
 
 // Calls the handler of `d`: the one dispatch of every backend's decisions (on_standby may
@@ -67,6 +70,8 @@ class Client {
   void set_master_port(int port) { m_.set_master_port(port); }
   void worker_failed(proto::WorkerFailed f);
   void node_done(int round);
+  // This node's own server's next round waits for a majority (JobEvent::Kind::kNoQuorum).
+  void host_short_of_majority();
   void close();
   bool connected() const { return conn_ && conn_->open(); }
   int connect_attempts() const { return connect_attempts_; }  // since start(), refused ones included

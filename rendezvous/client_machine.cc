@@ -94,6 +94,7 @@ ClientMachine::ClientMachine(ClientOptions opts) : opts_(std::move(opts)) {
   key_ = !opts_.job_token.empty() ? opts_.job_token
          : opts_.token.empty()    ? std::string()
                                   : auth::job_key(opts_.token, opts_.join.job_id);
+  job_hosts_.emplace_back(opts_.host, opts_.port);
 }
 
 // ---- the agent's calls ----
@@ -124,6 +125,24 @@ ClientCommands ClientMachine::take_pending(Clock::time_point now) {
   auto a = std::move(*pending_);
   pending_.reset();
   take(a, now);
+  return take_out();
+}
+
+ClientCommands ClientMachine::host_short_of_majority(Clock::time_point now) {
+  // Only while this node waits for its own server's next round (its Restart taken, no
+  // decision since): a running node, a search or a seek already under way ignores it.
+  if (closed_ || decided_ || takeover_ || seek_ || !welcomed_ || current_ || standby_ || !last_) return {};
+  Seek sk;
+  sk.home_host = opts_.host;
+  sk.home_port = opts_.port;
+  sk.home_epoch = std::max(welcome_epoch_, opts_.join.epoch);
+  sk.targets = seek_targets(sk.home_host, sk.home_port);
+  if (sk.targets.empty()) return {};  // no other node could host: nowhere to look
+  sk.deadline = now + milliseconds(opts_.join.join_timeout_ms);
+  seek_ = std::move(sk);
+  waiting_since_ = now;  // the watchdog's bound falls after the seek's
+  // The grace: every live node told to restart joins (or is dropped) within K x A.
+  arm(ClientTimer::kTakeover, now + milliseconds(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt);
   return take_out();
 }
 
@@ -171,7 +190,8 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
   // Without a token nothing is proven first: the join rides with the hello, saving a
   // round trip (the server reads them in order; one that wants a token answers the hello
   // with its challenge, which this client refuses, before it reads the join).
-  joined_early_ = key_.empty();
+  // (Seeking, a server elsewhere joins only once its Welcome was weighed.)
+  joined_early_ = key_.empty() && !(seeking() && !seek_->at_home);
   if (joined_early_) send_join();
   return take_out();
 }
@@ -183,7 +203,7 @@ ClientCommands ClientMachine::connect_failed(bool refused, const std::string& er
   // the fence: a firewall's reset is no word from the rendezvous (#34).
   if (refused && takeover_ && !takeover_->asking) takeover_->refused = takeover_->refused_any = true;
   // While a takeover is looked for, its timer moves on from a node that does not answer.
-  if (!takeover_ && now >= deadline_) {
+  if (!takeover_ && !seek_ && now >= deadline_) {
     lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, error), refused);
     return take_out();
   }
@@ -194,6 +214,7 @@ ClientCommands ClientMachine::connect_failed(bool refused, const std::string& er
 ClientCommands ClientMachine::unresolvable(Clock::time_point now) {
   if (closed_) return {};
   if (takeover_) next_candidate("cannot resolve its address", now);
+  else if (seeking()) next_seek_target(now);
   else lost(fmt::format("cannot resolve rendezvous host '{}'", opts_.host));
   return take_out();
 }
@@ -231,6 +252,21 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
       }
       break;
     case ClientTimer::kTakeover:
+      if (seek_) {
+        if (!seek_->started) {
+          seek_->started = true;
+          std::string where;
+          for (const auto& [h, p] : seek_->targets) where += (where.empty() ? "" : ", ") + host_port(h, p);
+          out_.push_back(cmd::Notice{fmt::format(
+              "this node hosts the job and its next round has had no majority of the voters for {} s: a partition may "
+              "have cut this side off; it looks for the job at its other hosts ({}), one keep-alive interval each, "
+              "until join_timeout ({} s), and leaves for one that runs a newer round",
+              opts_.join.keep_alive_ms * opts_.join.keep_alive_max_attempt / 1000.0, where,
+              opts_.join.join_timeout_ms / 1000.0)});
+        }
+        next_seek_target(now);
+        break;
+      }
       if (!takeover_ || takeover_->asking) break;
       // A candidate that refuses is alive and will host once it notices: waited for, to the
       // search's deadline; one that is silent is cut off (or gone): the next is tried.
@@ -362,6 +398,8 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         // give up sooner on a server that goes away, never obey one that proved nothing.)
         host_agent_ = w.host_agent;
         heard(now);
+        welcome_epoch_ = w.epoch;
+        if (seeking() && !seek_welcomed(w, now)) return;
         return on_welcome(now);
       }
       case MsgType::kHeartbeat:
@@ -408,6 +446,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         waiting_since_.reset();
         decided_ = true;
         cancel(ClientTimer::kFence);
+        end_seek();
         out_.push_back(cmd::Tell{std::move(a)});
         return;
       }
@@ -415,6 +454,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         waiting_since_.reset();
         decided_ = true;
         cancel(ClientTimer::kFence);
+        end_seek();
         out_.push_back(cmd::Tell{proto::Done{}});
         return;
       case MsgType::kStandby: {
@@ -429,6 +469,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         opts_.join.epoch = std::max(opts_.join.epoch, m.epoch);
         if (!m.voters.empty()) learn_voters(m.epoch, m.voters);
         cancel(ClientTimer::kFence);  // no workers of a round to stop
+        end_seek();
         out_.push_back(cmd::Tell{std::move(m)});
         return;
       }
@@ -504,6 +545,7 @@ void ClientMachine::learn_voters(int epoch, const std::vector<std::string>& vote
 }
 
 void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
+  end_seek();  // a round opened: at home (with a majority now), or where this node went
   round_ = a.round;
   current_ = a;
   standby_ = false;
@@ -541,6 +583,8 @@ void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
 
 void ClientMachine::reconnect_later(const std::string& why, Clock::time_point now, bool silent, bool reset) {
   if (closed_) return;
+  if (seeking()) return next_seek_target(now);  // that server is no place for the job: the next
+  end_seek();  // its own server lost before the seek began: the takeover's rules
   if (!host_agent_.empty()) return host_lost(why, now, silent, reset);
   // Connections that are made but fail (an unauthenticated server) count against the
   // outage's join_timeout like refused ones.
@@ -571,6 +615,9 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
   // The job ended (Abort, Done) and its host closes: nothing was lost, nothing to take over.
   if (decided_) return drop_connection();
   if (takeover_) return next_candidate(why, now);  // a candidate's connection failed before its welcome
+  if (job_hosts_.size() < kMaxHosts &&
+      std::find(job_hosts_.begin(), job_hosts_.end(), std::pair{opts_.host, opts_.port}) == job_hosts_.end())
+    job_hosts_.emplace_back(opts_.host, opts_.port);  // a host cut off may host on: a seek looks there
   const std::string lost = fmt::format("rendezvous host {} ({}:{}) lost: {}", host_agent_, opts_.host, opts_.port, why);
   // A standby follows the round it was last told of; an active node the round it ran.
   const bool standby = standby_;
@@ -703,6 +750,85 @@ void ClientMachine::connect_candidate(const std::string& host, int port, Clock::
       std::min(t.rejoining ? t.rejoin_deadline : t.deadline, now + milliseconds(opts_.join.keep_alive_ms)));
   refused_ = 0;
   try_connect();
+}
+
+std::vector<std::pair<std::string, int>> ClientMachine::seek_targets(const std::string& home_host, int home_port) const {
+  std::vector<std::pair<std::string, int>> out;
+  auto add = [&](const std::string& h, int p) {
+    const std::pair<std::string, int> t{h, p};
+    if (p > 0 && !(h == home_host && p == home_port) && std::find(out.begin(), out.end(), t) == out.end())
+      out.push_back(t);
+  };
+  for (const auto& [h, p] : job_hosts_) add(h, p);
+  if (last_)
+    for (const auto& c : takeover_candidates(*last_, {}, 0))
+      if (c.group_rank != last_->group_rank) add(c.addr, c.port);
+  return out;
+}
+
+void ClientMachine::end_seek() {
+  if (!seek_) return;
+  seek_.reset();
+  cancel(ClientTimer::kTakeover);
+}
+
+void ClientMachine::next_seek_target(Clock::time_point now) {
+  Seek& sk = *seek_;
+  drop_connection();
+  cancel(ClientTimer::kTakeover);
+  if (now >= sk.deadline) {
+    const std::string reason = fmt::format(
+        "no majority of the job's voters on this side within join_timeout ({} s), and no other host of the job "
+        "answered with a newer round{}",
+        opts_.join.join_timeout_ms / 1000.0, sk.tried.empty() ? std::string() : " (" + sk.tried + ")");
+    seek_.reset();
+    return end_host_lost(reason);
+  }
+  const std::size_t slot = sk.turn++ % (sk.targets.size() + 1);
+  if (slot == 0) sk.tried.clear();  // what the last round of tries said
+  sk.at_home = slot == sk.targets.size();
+  opts_.host = sk.at_home ? sk.home_host : sk.targets[slot].first;
+  opts_.port = sk.at_home ? sk.home_port : sk.targets[slot].second;
+  // Home for a keep-alive interval past the last call, so that a round a minority host that
+  // left for this one completes opens while this node is there.
+  auto stay = milliseconds(opts_.join.keep_alive_ms);
+  if (sk.at_home) stay += milliseconds(opts_.join.last_call_ms);
+  arm(ClientTimer::kTakeover, std::min(sk.deadline, now + stay));
+  refused_ = 0;
+  try_connect();
+}
+
+bool ClientMachine::seek_welcomed(const proto::Welcome& w, Clock::time_point now) {
+  Seek& sk = *seek_;
+  if (sk.at_home) {
+    sk.home_epoch = std::max(sk.home_epoch, w.epoch);
+    return true;  // joins its own round again
+  }
+  const std::string where = host_port(opts_.host, opts_.port);
+  // A round newer than this node's runs there (a majority opened it), or no round runs
+  // there either and that job's epoch is below home's (it precedes this one).
+  const bool newer = w.round_epoch > opts_.join.epoch;
+  const bool precedes = w.round_epoch == 0 && w.epoch > 0 && w.epoch < sk.home_epoch;
+  if (!newer && !precedes) {
+    sk.tried += fmt::format("{}{}: {}", sk.tried.empty() ? "" : "; ", where,
+                            w.round_epoch > 0 ? fmt::format("runs epoch {}, not newer than {}", w.round_epoch,
+                                                            opts_.join.epoch)
+                                              : fmt::format("runs no round either, epoch {} after this host's {}",
+                                                            w.epoch, sk.home_epoch));
+    next_seek_target(now);
+    return false;
+  }
+  const std::string why = fmt::format(
+      "this node stops hosting the job: {} at {} {}; joining it there as a new member", w.host_agent.empty() ? "a daemon" : w.host_agent,
+      where,
+      newer ? fmt::format("runs a newer round (epoch {}, this node's {}), which a majority opened", w.round_epoch,
+                          opts_.join.epoch)
+            : fmt::format("hosts the job without a majority too and precedes this node (epoch {} below {})", w.epoch,
+                          sk.home_epoch));
+  out_.push_back(cmd::StopHosting{why});
+  out_.push_back(cmd::Notice{why});
+  end_seek();
+  return true;
 }
 
 void ClientMachine::heard(Clock::time_point at) {

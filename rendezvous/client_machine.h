@@ -29,6 +29,20 @@
 // before the server may drop it; a heartbeat's echo, an assignment and a reconnection's
 // accept, proven challenge and welcome are words from it, a refused, reset or closed
 // connection is none (a REJECT firewall sends them).
+//
+// Seeking (#34): an agent that hosts the job (its own server, "home") hears from that server
+// that the next round waits for a majority of the voters (host_short_of_majority()). Still
+// without a decision K x A later (every live node told to restart has joined or been dropped
+// by then), it looks for the job elsewhere: the job's former hosts and the last round's
+// nodes that could host, then home, in turn, one keep-alive interval each, until
+// join_timeout after the shortfall (then it ends, exit 3). A server elsewhere is left for
+// (cmd::StopHosting, then a join as a newcomer: its next round or a standby) only when its
+// Welcome shows that it runs a round newer than this node's (opened with a majority), or
+// that it runs none either and its job's epoch is lower than home's (it precedes: the
+// job's host before a cut precedes a node that took over, and of two that took the same
+// round over the lower group rank). So a host with a majority never seeks, and of two
+// minority hosts exactly one leaves for the other; at home it joins its own round (which
+// opens once a minority host that left for it is there).
 #pragma once
 
 #include <array>
@@ -138,12 +152,15 @@ struct Lost { std::string why; bool unanswered = false; std::string host; int po
 struct Notice { std::string text; };
 // This node is next in line to host: ClientHandlers::on_take_over(seed), answered by hosted().
 struct HostTakeover { TakeoverSeed seed; };
+// This node's own server (it hosts the job) must stop at once, before any other command: the
+// job runs elsewhere with a majority, and this node joins it there (Seeking, #34).
+struct StopHosting { std::string why; };
 struct TakePending {};  // call take_pending() soon (not from within the agent's call)
 }  // namespace cmd
 
 using ClientCommand = std::variant<cmd::Connect, cmd::Drop, cmd::Send, cmd::SignSent, cmd::Welcomed, cmd::Arm,
                                    cmd::Cancel, cmd::Shut, cmd::Tell, cmd::Lost, cmd::Notice, cmd::HostTakeover,
-                                   cmd::TakePending>;
+                                   cmd::TakePending, cmd::StopHosting>;
 using ClientCommands = std::vector<ClientCommand>;
 
 class ClientMachine {
@@ -170,11 +187,15 @@ class ClientMachine {
   ClientCommands timer_fired(ClientTimer t, std::uint64_t generation, Clock::time_point now);
   ClientCommands hosted(const TakeoverHost& where, Clock::time_point now);  // port 0: it cannot host
   ClientCommands take_pending(Clock::time_point now);
+  // This node hosts the job and its server's next round waits for a majority (Seeking).
+  // Ignored unless this node waits for that round on its own server.
+  ClientCommands host_short_of_majority(Clock::time_point now);
 
   bool closed() const { return closed_; }
   const std::string& host() const { return opts_.host; }  // the server tried now
   int port() const { return opts_.port; }
   bool searching() const { return takeover_.has_value(); }  // for the node that took over
+  bool seeking() const { return seek_.has_value() && seek_->started; }  // away from home, or between tries
   // The generation of t's current arm (what a fire that is not stale carries).
   std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }
 
@@ -196,6 +217,14 @@ class ClientMachine {
   // rejoin deadline.
   void next_rejoin_target(Clock::time_point now);
   void connect_candidate(const std::string& host, int port, Clock::time_point now);
+  void end_seek();  // a decision came (or a loss): no seek, its timer cancelled
+  // Seeking: the next of the targets (home after the others), or the end past its deadline.
+  void next_seek_target(Clock::time_point now);
+  // Seeking, a server's Welcome: whether to stay on it (home, or a server left for).
+  bool seek_welcomed(const proto::Welcome& w, Clock::time_point now);
+  // Where the job could be hosted but at home: its former hosts, the last round's nodes
+  // that could host but this one.
+  std::vector<std::pair<std::string, int>> seek_targets(const std::string& home_host, int home_port) const;
   void end_host_lost(const std::string& reason);
   void drop_connection();  // the connection and any connect in flight, without a notice
   bool shut(bool flush);   // false when already closed
@@ -277,6 +306,22 @@ class ClientMachine {
     Clock::time_point rejoin_deadline;  // the loss plus join_timeout
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over
+  struct Seek {
+    std::string home_host;  // this node's own server
+    int home_port = 0;
+    int home_epoch = 0;     // its job's epoch (its Welcome): the tie-break between minority hosts
+    std::vector<std::pair<std::string, int>> targets;
+    std::size_t turn = 0;
+    bool started = false;  // the grace after the shortfall passed
+    bool at_home = false;  // the connection tried now is home's
+    Clock::time_point deadline;  // the shortfall plus join_timeout
+    std::string tried;           // what the servers tried last said, for the end's reason
+  };
+  std::optional<Seek> seek_;  // this node hosts the job without a majority (Seeking)
+  // The hosts this node knew the job at (the endpoint, each host lost since), at most kMaxHosts.
+  std::vector<std::pair<std::string, int>> job_hosts_;
+  static constexpr std::size_t kMaxHosts = 8;
+  int welcome_epoch_ = 0;  // the last Welcome's job epoch
   bool decided_ = false;  // the job ended (Abort or Done heard): its host may go
   std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
   // Reported, no decision heard since: sent again with every re-registration of the round,

@@ -184,6 +184,9 @@ class Job {
   // The epoch of the running (or last) round: one more at every round, never less than any
   // a joining node reported (Join::epoch), so it grows across a takeover and a daemon restart.
   int epoch() const { return epoch_; }
+  // The epoch of the round running now; 0 while none runs (joining, restarting, waiting for
+  // a majority, ended): proto::Welcome::round_epoch (#34).
+  int running_epoch() const { return state_ == State::kRunning ? epoch_ : 0; }
   // For metrics: nodes in the running round (or waiting for the next), nodes lost by a
   // closed connection, and by missed heartbeats.
   std::size_t nodes() const { return members_.size() + joined_.size(); }

@@ -31,6 +31,9 @@ class Link {
   virtual void worker_failed(proto::WorkerFailed f) = 0;
   virtual void node_done(int round) = 0;
   virtual void close() = 0;  // flushes what is queued (a "done") first
+  // The agent hosts the job and its server's next round waits for a majority (#34): the own
+  // daemon's link looks for the job elsewhere (rdzv::Client); etcd has no host to leave.
+  virtual void host_short_of_majority() {}
 };
 
 // Adapts a backend with the same member functions (rdzv::Client) to Link.
@@ -45,6 +48,7 @@ class LinkTo : public Link {
   void worker_failed(proto::WorkerFailed f) override { impl_.worker_failed(std::move(f)); }
   void node_done(int round) override { impl_.node_done(round); }
   void close() override { impl_.close(); }
+  void host_short_of_majority() override { impl_.host_short_of_majority(); }
 
  private:
   T impl_;

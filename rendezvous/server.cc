@@ -137,6 +137,7 @@ void Server::log(const std::string& raw, nlohmann::json fields) const {
 void Server::drive(Job& job, const Actions& actions) {
   apply(actions);
   for (const auto& e : job.take_events()) {
+    if (opts_.on_event) opts_.on_event(e);
     auto fields = json_of(e);
     const std::string text = proto::printable(text_of(e));
     log(text, fields);
@@ -354,7 +355,12 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     // The handshake's nonces and key are spent: an idle session holds none of them.
     std::string().swap(s->client_nonce);
     std::string().swap(s->server_nonce);
-    s->conn->send(proto::to_frame(proto::Welcome{"mglaunch-rdzv", opts_.host_agent}));
+    proto::Welcome w{"mglaunch-rdzv", opts_.host_agent};
+    if (const auto job = jobs_.find(s->job); job != jobs_.end()) {  // #34: for a host that looks for the job
+      w.round_epoch = job->second.running_epoch();
+      w.epoch = job->second.epoch();
+    }
+    s->conn->send(proto::to_frame(w));
     s->conn->set_max_frame(opts_.max_frame);
   };
   if (s->phase == Session::Phase::kHello) {

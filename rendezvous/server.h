@@ -59,6 +59,9 @@ struct ServerOptions {
   // A job's events (JobEvent) carry json_of()'s fields; every other line is {"event": "log"},
   // with "job" when it is about one.
   std::function<void(const nlohmann::json&)> log_json;
+  // Every job event as recorded (beside the log line): an agent hosting its job watches for
+  // the round that waits for a majority (JobEvent::Kind::kNoQuorum, #34). May be empty.
+  std::function<void(const JobEvent&)> on_event;
   // --state-dir: every job event is journaled there, and the jobs and events it holds from
   // before a restart are shown (jobs_json(), events_json(), history_json()).
   std::shared_ptr<Journal> journal;

@@ -862,3 +862,173 @@ TEST_CASE("client machine: an assignment without an epoch (a server before #34) 
   a.epoch = 1;
   CHECK(notices(n.receive(a)).empty());
 }
+
+// #34, Seeking: a host whose own server's next round waits for a majority (the host cut off
+// from the others) looks for the job at the other nodes that could host after K x A, and
+// leaves for one that runs a newer round. Before, it waited for its own round to
+// join_timeout and ended there, though the majority's host answered after the heal.
+namespace {
+
+mg::rdzv::ClientCommands welcome_from(mgtest::rdzv::Link& l, const std::string& host_agent, int round_epoch,
+                                      int epoch) {
+  auto c = l.m.connected(kNonce, l.now);
+  proto::Welcome w{"srv", host_agent};
+  w.round_epoch = round_epoch;
+  w.epoch = epoch;
+  auto f = l.m.frame(proto::to_frame(w), l.now);
+  c.insert(c.end(), f.begin(), f.end());
+  return c;
+}
+
+bool stops_hosting(const ClientCommands& c) { return has<cmd::StopHosting>(c); }
+
+// The host of round_of's round (node 0 at 127.0.0.1, this node's own server at the
+// endpoint), its round at epoch 5 restarted after the other two were dropped: it waits for
+// its own next round.
+void host_waits(Link& l) {
+  l.m.start(l.now);
+  welcome_from(l, "host-127.0.0.1", 0, 0);
+  auto a = round_of(0);
+  a.epoch = 5;
+  l.receive(a);
+  l.receive(proto::Restart{1, "node 127.0.0.2 lost"});
+  l.m.rejoin(l.now);
+}
+
+ClientOptions host_options() {
+  auto o = options("127.0.0.1");
+  o.join.takeover_port = 0;  // it hosts
+  o.join.last_call_ms = 100;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("client machine: a host whose round waits for a majority looks for the job at the other nodes after K x A, "
+          "in turn with its own server, and leaves for one that runs a newer round") {
+  Link l(host_options());
+  host_waits(l);
+  auto c = l.m.host_short_of_majority(l.now);
+  CHECK(armed(c, ClientTimer::kTakeover) == l.now + 300ms);  // the grace: K x A
+  CHECK_FALSE(has<cmd::Connect>(c));
+  CHECK_FALSE(l.m.seeking());
+  // The grace passed without a decision: node 1's takeover port first, never this node's own.
+  c = l.after(300ms, ClientTimer::kTakeover);
+  CHECK_THAT(notices(c), Catch::Contains("looks for the job at its other hosts (127.0.0.2:7002, 127.0.0.3:7003)"));
+  CHECK(has<cmd::Drop>(c));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  CHECK(one<cmd::Connect>(c).port == 7002);
+  CHECK(armed(c, ClientTimer::kTakeover) == l.now + 100ms);
+  CHECK(l.m.seeking());
+  // Node 1 hosts no newer round (it took over too, later in the order, and waits): not left
+  // for, and no join is sent there (not even with the hello, as a job without a token does).
+  c = welcome_from(l, "host-127.0.0.2", 0, 131074);
+  CHECK_FALSE(stops_hosting(c));
+  CHECK(sent(c) == std::vector<MsgType>{MsgType::kHello});
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+  // Node 2 silent (still cut off): home, for K past the last call, joining its own round.
+  c = l.after(100ms, ClientTimer::kTakeover);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
+  CHECK(one<cmd::Connect>(c).port == kRdzvPort);
+  CHECK(armed(c, ClientTimer::kTakeover) == l.now + 200ms);
+  c = welcome_from(l, "host-127.0.0.1", 0, 5);
+  CHECK(sent_of<proto::Join>(c).resume_round == 0);
+  CHECK_FALSE(stops_hosting(c));
+  // Healed: node 1 runs a round of a newer epoch (a majority opened it): this node stops
+  // hosting before anything else and joins there as a new member.
+  c = l.after(200ms, ClientTimer::kTakeover);
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  c = welcome_from(l, "host-127.0.0.2", 131075, 131075);
+  REQUIRE(stops_hosting(c));
+  CHECK_THAT(one<cmd::StopHosting>(c).why, Catch::Contains("runs a newer round (epoch 131075, this node's 5)"));
+  const auto stop_at = std::ranges::find_if(c, [](const auto& x) { return std::holds_alternative<cmd::StopHosting>(x); });
+  const auto join_at = std::ranges::find_if(c, [](const auto& x) {
+    return std::holds_alternative<cmd::Send>(x) && proto::type_of(std::get<cmd::Send>(x).frame) == MsgType::kJoin;
+  });
+  CHECK(stop_at < join_at);
+  CHECK(sent_of<proto::Join>(c).resume_round == 0);
+  CHECK_FALSE(l.m.seeking());
+  auto a = round_of(2, 3, 2);
+  a.epoch = 131076;
+  CHECK(told_one<proto::Assignment>(l.receive(a)).epoch == 131076);
+  // A stale fire of the seek's timer does nothing now.
+  CHECK(l.m.timer_fired(ClientTimer::kTakeover, l.m.generation(ClientTimer::kTakeover) - 1, l.now).empty());
+}
+
+TEST_CASE("client machine: a host whose round opens within the grace, or that runs a round, never looks elsewhere") {
+  Link l(host_options());
+  host_waits(l);
+  const auto gen_before = l.m.generation(ClientTimer::kTakeover);
+  l.m.host_short_of_majority(l.now);
+  const auto gen = l.m.generation(ClientTimer::kTakeover);
+  CHECK(gen != gen_before);
+  // The dropped nodes came back: the round opens at home.
+  auto a = round_of(0, 3, 1);
+  a.epoch = 6;
+  l.receive(a);
+  l.now += 300ms;
+  CHECK_FALSE(has<cmd::Connect>(l.m.timer_fired(ClientTimer::kTakeover, gen, l.now)));
+  CHECK_FALSE(l.m.seeking());
+  // Running a round: the server's word is ignored.
+  CHECK(l.m.host_short_of_majority(l.now).empty());
+}
+
+TEST_CASE("client machine: two hosts without a majority meet: the one whose job's epoch is higher leaves for the "
+          "other, which stays") {
+  // The old host (epoch 5 at home) finds a node that took the round over alone (its job's
+  // epoch in its own block, no round): it stays.
+  Link old_host(host_options());
+  host_waits(old_host);
+  old_host.m.host_short_of_majority(old_host.now);
+  auto c = old_host.after(300ms, ClientTimer::kTakeover);
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+  c = welcome_from(old_host, "host-127.0.0.2", 0, 131074);
+  CHECK_FALSE(stops_hosting(c));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+
+  // Node 2 of that round, cut off from both, took it over alone: its job's epoch is above
+  // the old host's. Its targets: the old host (the endpoint), node 1's takeover port; it
+  // finds the old host waiting too, which precedes it: it leaves for it.
+  Link taker(options("127.0.0.3"));
+  taker.m.start(taker.now);
+  welcome_from(taker, "host-127.0.0.1", 0, 0);
+  auto a = round_of(2);
+  a.epoch = 5;
+  taker.receive(a);
+  taker.now += 1s;
+  c = taker.m.connection_closed("no answer for 400 ms", taker.now);
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+  taker.m.rejoin(taker.now);
+  c = taker.after(100ms, ClientTimer::kTakeover);
+  REQUIRE(has<cmd::HostTakeover>(c));
+  c = taker.m.hosted({"127.0.0.3", 7003}, taker.now);
+  REQUIRE(one<cmd::Connect>(c).port == 7003);
+  welcome_from(taker, "host-127.0.0.3", 0, takeover_epoch(5, 2) - 1);
+  c = taker.m.host_short_of_majority(taker.now);
+  c = taker.after(300ms, ClientTimer::kTakeover);
+  CHECK_THAT(notices(c), Catch::Contains("(127.0.0.1:" + std::to_string(kRdzvPort) + ", 127.0.0.2:7002)"));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
+  c = welcome_from(taker, "host-127.0.0.1", 0, 5);
+  REQUIRE(stops_hosting(c));
+  CHECK_THAT(one<cmd::StopHosting>(c).why,
+             Catch::Contains("without a majority too and precedes this node (epoch 5 below 131074)"));
+  CHECK(sent_of<proto::Join>(c).resume_round == 0);
+}
+
+TEST_CASE("client machine: a host that finds no newer round within join_timeout of the shortfall ends, exit 3") {
+  Link l(host_options());
+  host_waits(l);
+  const auto short_at = l.now;
+  l.m.host_short_of_majority(l.now);
+  auto c = l.after(300ms, ClientTimer::kTakeover);
+  int fires = 0;
+  while (told<proto::Abort>(c).empty() && fires++ < 200) {
+    CHECK_FALSE(stops_hosting(c));
+    c = l.after(100ms, ClientTimer::kTakeover);  // silent, or home where nothing opens
+  }
+  const auto a = told_one<proto::Abort>(c);
+  CHECK(l.now <= short_at + 5s + 200ms);
+  CHECK(a.root_cause.exit_code == kHostLostExitCode);
+  CHECK_THAT(a.reason, Catch::Contains("no majority of the job's voters on this side within join_timeout (5 s)"));
+  CHECK(l.m.closed());
+}

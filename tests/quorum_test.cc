@@ -185,6 +185,9 @@ TEST_CASE("quorum: in a job an agent hosts, a new round after a node was lost ne
   CHECK_THAT(text_of(e), Catch::Contains("waits for a majority of the job's 3 voters: 1 of them joined or standing by, 2 needed"));
   CHECK(of_type(job.tick(T0 + 1600ms), MsgType::kAssignment).empty());
   CHECK_FALSE(has_event(job, JobEvent::Kind::kNoQuorum));  // said once
+  // What its Welcome tells a host that looks for the job (#34, Seeking): no round runs here.
+  CHECK(job.running_epoch() == 0);
+  CHECK(job.epoch() == 1);
   auto end = of_type(job.tick(T0 + 5401ms), MsgType::kAbort);
   REQUIRE(end.size() == 1);
   CHECK_THAT(decoded<proto::Abort>(end[0]).reason, Catch::Contains("no majority of job 'job''s 3 voters within "
@@ -333,12 +336,15 @@ TEST_CASE("quorum: a job taken over opens its round only with a majority of the 
   CHECK(of_type(job.tick(T0 + 1001ms), MsgType::kAssignment).empty());
   CHECK(has_event(job, JobEvent::Kind::kNoQuorum));
   CHECK(job.state() == Job::State::kRestarting);
+  CHECK(job.running_epoch() == 0);  // (its Welcome's epoch: its own block, below the round's)
+  CHECK(job.epoch() == takeover_epoch(2, 0) - 1);
   // The other survivor comes (late, its side healed): 2 of 3 voters, the round opens.
   auto j2 = node("127.0.0.2");
   j2.last_group_rank = 1;
   auto out = of_type(job.join(2, j2, T0 + 1100ms), MsgType::kAssignment);
   CHECK(out.size() == 3);
   CHECK(decoded<proto::Assignment>(out[0]).epoch == takeover_epoch(2, 0));
+  CHECK(job.running_epoch() == takeover_epoch(2, 0));
 }
 
 TEST_CASE("quorum: two voters - the rendezvous host's side goes on after the other's loss, a node that took over "

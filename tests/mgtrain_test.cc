@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "support/hung_dns.h"
 #include "support/proc.h"
 #include "support/skip.h"
 
@@ -255,6 +256,29 @@ TEST_CASE("mgtrain reports an unreachable master and missing data with exit code
   auto amp = run({kMgtrain, "--amp"}, {}, 60s);  // this CPU build has no CUDA autocast
   CHECK(amp.code == 2);
   CHECK_THAT(amp.err, Catch::Contains("--amp needs a CUDA build"));
+}
+
+TEST_CASE("mgtrain whose MASTER_ADDR's name lookup hangs ends by itself at --timeout with exit 3 and one line naming "
+          "the name (#35)") {
+  // Rank 1 of 2 in a mount namespace whose DNS server never answers (glibc waits 3 x 30 s
+  // on it): its lookup of master.test hangs. Before, mgtrain's own getaddrinfo (and then the
+  // store's) held it for those 90 s each, whatever --timeout said.
+  HungDns net("127.0.0.1 localhost\n");
+  const std::string dir = make_temp_dir();
+  Proc p = spawn(net.wrap({kMgtrain, "--timeout", "3", "--dataset", "synthetic"}),
+                 {{"RANK", "1"},
+                  {"WORLD_SIZE", "2"},
+                  {"MASTER_ADDR", "master.test"},
+                  {"MASTER_PORT", std::to_string(free_loopback_port())},
+                  {"TORCHELASTIC_ERROR_FILE", dir + "/error.json"}});
+  INFO(p.out() << p.err() << "DNS queries:\n" << net.log());
+  REQUIRE(net.queried(p, "master.test"));
+  const bool ended = p.wait(45s);  // --timeout and mgtrain's start on a loaded machine; not glibc's 90 s
+  INFO(p.out() << p.err());
+  REQUIRE(ended);
+  CHECK(p.exit_code() == 3);
+  CHECK_THAT(p.err(), Catch::Contains("cannot look up MASTER_ADDR 'master.test' within 3 s (--timeout)"));
+  CHECK(std::filesystem::exists(dir + "/error.json"));
 }
 
 // The short check (make test): the first 12,000 training images, 2,000 test images; the

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,6 +13,8 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -252,42 +255,97 @@ bool set_libuv(O& so, bool on) {
   return false;
 }
 
-// The store's addresses: MASTER_ADDR's, each with MASTER_PORT (none when it does not resolve:
-// the store's own connect reports that).
-std::vector<sockaddr_storage> store_addresses(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  std::vector<sockaddr_storage> out;
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return out;
-  for (const addrinfo* a = found; a; a = a->ai_next) {
-    sockaddr_storage s{};
-    std::memcpy(&s, a->ai_addr, std::min<std::size_t>(a->ai_addrlen, sizeof s));
-    out.push_back(s);
-  }
-  ::freeaddrinfo(found);
-  return out;
+// The store's addresses: MASTER_ADDR's, each with MASTER_PORT. glibc's getaddrinfo has no
+// deadline of its own (a name server that never answers holds it for resolv.conf's
+// attempts x timeout: 90 s with 3 x 30 s, more with several servers), so it runs on a thread
+// of its own, waited for at most `timeout_s` (--timeout); a lookup past it is left to finish
+// there, and mgtrain ends with exit 3 (SetupError).
+std::vector<sockaddr_storage> store_addresses(const std::string& host, int port, int timeout_s) {
+  struct Lookup {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    int rc = 0, error = 0;  // getaddrinfo's, and its errno for EAI_SYSTEM
+    std::vector<sockaddr_storage> found;
+  };
+  auto l = std::make_shared<Lookup>();
+  std::thread([l, host, port] {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+    const int error = errno;
+    std::vector<sockaddr_storage> found;
+    for (const addrinfo* a = rc == 0 ? res : nullptr; a; a = a->ai_next) {
+      sockaddr_storage s{};
+      std::memcpy(&s, a->ai_addr, std::min<std::size_t>(a->ai_addrlen, sizeof s));
+      found.push_back(s);
+    }
+    if (res) ::freeaddrinfo(res);
+    std::lock_guard lk(l->m);
+    l->rc = rc;
+    l->error = error;
+    l->found = std::move(found);
+    l->done = true;
+    l->cv.notify_all();
+  }).detach();
+  std::unique_lock lk(l->m);
+  if (!l->cv.wait_for(lk, std::chrono::seconds(timeout_s), [&] { return l->done; }))
+    throw SetupError(fmt::format("cannot look up MASTER_ADDR '{}' within {} s (--timeout): its name server does not "
+                                 "answer; set MASTER_ADDR to an IP address or fix this host's resolver",
+                                 host, timeout_s));
+  if (l->rc != 0 || l->found.empty())
+    throw SetupError(fmt::format("cannot look up MASTER_ADDR '{}': {}; set MASTER_ADDR to the store host's name or "
+                                 "IP address", host, l->rc == EAI_SYSTEM ? std::strerror(l->error) : ::gai_strerror(l->rc)));
+  return std::move(l->found);
 }
 
 socklen_t length_of(const sockaddr_storage& a) {
   return a.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
 }
 
-// Until something listens at the store's first address (at most timeout_s; then the store's
-// own connect reports the failure). c10d's client waits a whole second before it retries a
-// refused connection, and a new round's store may open a few milliseconds after the
-// assignment reached a worker that was already running (in-place recovery, a pre-started
-// standby): that second was most of the recovery.
-void wait_until_listening(const std::vector<sockaddr_storage>& store, int timeout_s) {
-  if (store.empty()) return;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
-  for (bool up = false; !up && std::chrono::steady_clock::now() < until;) {
-    const int fd = ::socket(store[0].ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) break;
-    up = ::connect(fd, reinterpret_cast<const sockaddr*>(&store[0]), length_of(store[0])) == 0;
-    ::close(fd);
-    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+// `a` as a numeric host ("10.0.0.1", "::1"): what the store is given, so that its own
+// lookup of MASTER_ADDR (unbounded, as glibc's) never runs.
+std::string numeric_host(const sockaddr_storage& a) {
+  char host[NI_MAXHOST] = "";
+  if (::getnameinfo(reinterpret_cast<const sockaddr*>(&a), length_of(a), host, sizeof host, nullptr, 0,
+                    NI_NUMERICHOST) != 0)
+    return {};
+  return host;
+}
+
+// One connect to `a`, bounded by `until` (a blocking connect to a host that drops packets
+// waits for the kernel's SYN retries, about 2 minutes): whether it was accepted.
+bool connects(const sockaddr_storage& a, std::chrono::steady_clock::time_point until) {
+  const int fd = ::socket(a.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return false;
+  bool up = ::connect(fd, reinterpret_cast<const sockaddr*>(&a), length_of(a)) == 0;
+  if (!up && errno == EINPROGRESS) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    pollfd pf{fd, POLLOUT, 0};
+    int err = 0;
+    socklen_t len = sizeof err;
+    up = ::poll(&pf, 1, static_cast<int>(std::max<std::int64_t>(left.count(), 0))) == 1 &&
+         ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
   }
+  ::close(fd);
+  return up;
+}
+
+// Until something listens at one of the store's addresses (at most timeout_s): the one that
+// answered; the first when none did (the store's own connect then reports the failure).
+// c10d's client waits a whole second before it retries a refused connection, and a new
+// round's store may open a few milliseconds after the assignment reached a worker that was
+// already running (in-place recovery, a pre-started standby): that second was most of the
+// recovery.
+const sockaddr_storage& wait_until_listening(const std::vector<sockaddr_storage>& store, int timeout_s) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  while (std::chrono::steady_clock::now() < until) {
+    for (const auto& a : store)  // each at most 2 s, so that a silent address leaves time for the next
+      if (connects(a, std::min(until, std::chrono::steady_clock::now() + std::chrono::seconds(2)))) return a;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return store.front();
 }
 
 bool cuda_visible() {
@@ -488,20 +546,20 @@ Comm connect_group(const Options& o, const Env& env, const std::shared_ptr<Store
   so.waitWorkers = false;
   so.timeout = std::chrono::seconds(o.timeout_s);
   const bool libuv_option = set_libuv(so, env.use_libuv.value_or(true));
-  const auto addresses = store_addresses(env.master_addr, env.master_port);
-  if (!so.isServer) wait_until_listening(addresses, o.timeout_s);
+  const auto addresses = store_addresses(env.master_addr, env.master_port, o.timeout_s);
+  const std::string host = numeric_host(so.isServer ? addresses.front() : wait_until_listening(addresses, o.timeout_s));
   const auto before = before_store(*sockets);
   c10::intrusive_ptr<c10d::Store> tcp;
   try {
     try {
-      tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      tcp = c10::make_intrusive<c10d::TCPStore>(host.empty() ? env.master_addr : host, so);
     } catch (const std::exception& e) {
       // A LibTorch built without libuv (Debian's 2.x) refuses its own default before it
       // binds or connects: unless USE_LIBUV=1 asked for libuv, the classic store (the same
       // protocol) serves instead, as USE_LIBUV=0 would.
       if (!libuv_option || env.use_libuv.has_value() || std::string(e.what()).find("libuv") == std::string::npos) throw;
       set_libuv(so, false);
-      tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+      tcp = c10::make_intrusive<c10d::TCPStore>(host.empty() ? env.master_addr : host, so);
     }
   } catch (const std::exception& e) {
     record_store(*sockets, before, {}, addresses);

@@ -12,6 +12,9 @@ one fault once rank 0 reports step --at-step or later:
         the survivors at once, SIGKILL the victim only once every survivor said paused.
   term  SIGKILL rank --victim, pause the survivors but assign nothing: once every survivor
         said paused, SIGTERM them (the agent stopping the job).
+  kill-all  SIGKILL every worker at once (no rank left holding the state), and once all
+        ended start them all anew with TORCHELASTIC_RESTART_COUNT + 1, as an agent restarting
+        the whole job does.
   none  no fault (the undisturbed twin run).
 --no-control gives the workers no control socket (mgtrain then says recovery is off).
 --again N (with kill or stop): a peer lost again during the recovery, N times: the
@@ -52,7 +55,7 @@ def main():
     ap.add_argument("--store-serve", required=True, help="tests/store_serve: the agent's store on a free port")
     ap.add_argument("--out", required=True, help="directory for the workers' logs")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--fault", choices=["none", "kill", "stop", "term"], default="none")
+    ap.add_argument("--fault", choices=["none", "kill", "stop", "term", "kill-all"], default="none")
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--at-step", type=int, default=10)
     ap.add_argument("--deadline", type=float, default=240)
@@ -244,7 +247,10 @@ def run(a, worker_args, deadline, stores, store_port):
                             victim = workers[a.victim]["proc"]
                             fault["injected_at_step"] = max(steps)
                             fault["victim_pid"] = victim.pid
-                            if a.fault in ("kill", "term"):
+                            if a.fault == "kill-all":
+                                for ww in workers.values():
+                                    ww["proc"].kill()
+                            elif a.fault in ("kill", "term"):
                                 victim.kill()
                                 if a.kill_store:  # its host lost with the victim: the next round has another
                                     stores[-1].kill()
@@ -297,6 +303,13 @@ def run(a, worker_args, deadline, stores, store_port):
                     pass
                 w["log"].close()
                 del workers[r]
+                if a.fault == "kill-all" and fault["injected_at_step"] is not None and not fault.get("respawned"):
+                    if not workers:  # the last one ended: the whole job starts again
+                        restart_count += 1
+                        fault["respawned"] = True
+                        for rr in range(a.nproc):
+                            spawn(rr)
+                    continue
                 if code != 0 and a.fault == "term" and not fault.get("terminated"):
                     for rr, ww in workers.items():
                         c = conn_of_pid(ww["proc"].pid)

@@ -204,6 +204,30 @@ TEST_CASE("in-place recovery: a survivor whose store host was SIGKILLed with its
   CHECK(hit.summary(0)["recoveries"].size() == 1);
 }
 
+TEST_CASE("in-place recovery with no rank left holding the state (every worker SIGKILLed at once) falls back to the newest checkpoint, not to step 0") {
+  // The etcd soak's one loss (#34): both holders lost before a standby took the state.
+  // Every worker of the new round is fresh (step 0), so no rank sends its state and rank 0
+  // reads --checkpoint-dir's checkpoint, as a restarted job does.
+  const std::string ckpt = make_temp_dir();
+  auto hit = train({"--fault", "kill-all", "--at-step", "10"}, {"--checkpoint-dir", ckpt, "--checkpoint-every", "5"});
+  INFO(hit.r.out << hit.r.err << hit.logs());
+  REQUIRE(hit.r.code == 0);
+  const auto report = nlohmann::json::parse(hit.r.out);
+  CHECK(report["restart_count"] == 1);
+  CHECK(report["fault"]["respawned"] == true);
+  const std::string log = read_file(hit.dir + "/worker0.1.log");
+  const auto at = log.find("resumed from " + ckpt + "/checkpoint.pt at step ");
+  REQUIRE(at != std::string::npos);
+  const int step = std::stoi(log.substr(at + ("resumed from " + ckpt + "/checkpoint.pt at step ").size()));
+  CHECK(step >= 5);  // a checkpoint of step 5 or later: written before the kill at step 10 or later
+  CHECK(step % 5 == 0);
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    CHECK(hit.summary(rank)["steps"] == 30);
+  }
+  CHECK(hit.summary(1)["weights_sha256"] == hit.summary(0)["weights_sha256"]);
+}
+
 TEST_CASE("in-place recovery into a smaller world: rank 1 lost mid-epoch and not replaced, rank 0 alone trains the epoch's samples that world 2 had not, once, then whole epochs at world 1") {
   // 1024 samples, batch 16: 32 steps an epoch at world 2, 64 at world 1; two epochs.
   auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--shrink"}, {"--epochs", "2", "--max-steps", "1000"});

@@ -280,13 +280,29 @@ TEST_CASE("in-place recovery off: without a control socket mgtrain says so in on
 // Under the real mglaunch (the agent side of docs/in-place-recovery.md).
 namespace {
 
-const std::vector<std::string> kJob = {"--dataset", "synthetic", "--synthetic-size", "4096", "--batch-size", "32",
-                                       "--model", "cnn", "--max-steps", "60", "--seed", "3", "--log-every", "1",
-                                       "--timeout", "60", "--in-place-recovery"};
+// The job's size: the CNN at batch 16 on `samples` synthetic samples, `steps` steps at most.
+// Each rank's training is most of a case's CPU (#36: 4,096 samples at batch 32 and 60 steps
+// cost twice as much for the same checks).
+struct Size {
+  std::string name;
+  int samples, steps;
+};
+// 32 steps an epoch at world 2 (the job stops at 30, mid-epoch), 22 at world 3 (one whole
+// epoch): a fault at step 10 leaves 12-20 steps after it.
+const Size kShort{"", 1024, 30};
+// 64 steps an epoch at world 2, stopped at 60: a pre-started standby's mgtrain loads while
+// the job trains, before the kill at step 10 or later; in kShort's 30 steps it was ready
+// only after the last one, 1 run in 5 (the standby started before, once the round was
+// decided, its pre-started worker aborted on a reset connection after taking rank 1, 2 runs
+// in 5: not this change's to fix).
+const Size kLong{"-long", 2048, 60};
+const std::vector<std::string> kJob = {"--dataset", "synthetic", "--batch-size", "16", "--model", "cnn", "--seed", "3",
+                                       "--log-every", "1", "--timeout", "60", "--in-place-recovery"};
 
-std::vector<std::string> job(const std::string& summary, std::vector<std::string> extra = {}) {
+std::vector<std::string> job(const std::string& summary, std::vector<std::string> extra = {}, const Size& size = kShort) {
   auto v = kJob;
-  v.insert(v.end(), {"--summary-json", summary});
+  v.insert(v.end(), {"--synthetic-size", std::to_string(size.samples), "--max-steps", std::to_string(size.steps),
+                     "--summary-json", summary});
   v.insert(v.end(), extra.begin(), extra.end());
   return v;
 }
@@ -296,11 +312,11 @@ nlohmann::json summary_of(const std::string& path) { return nlohmann::json::pars
 // kJob's undisturbed run at `world` ranks (one mglaunch --standalone, `world` workers): rank
 // 0's summary, every rank's weights equal. A job's ranks train the same whether they share a
 // node or not (the 2- and 3-node cases compare with it; each trained its own before, #36).
-nlohmann::json calm_job(int world) {
-  return undisturbed("job-" + std::to_string(world), [world] {
+nlohmann::json calm_job(int world, const Size& size = kShort) {
+  return undisturbed("job-" + std::to_string(world) + size.name, [world, size] {
     const std::string dir = make_temp_dir();
     std::vector<std::string> argv{kMglaunch, "--standalone", "--nproc_per_node=" + std::to_string(world), kMgtrain};
-    for (const std::string& a : job(dir + "/c{rank}.json")) argv.push_back(a);
+    for (const std::string& a : job(dir + "/c{rank}.json", {}, size)) argv.push_back(a);
     auto r = run(argv, {}, 240s);
     INFO(r.out << r.err);
     REQUIRE(r.code == 0);
@@ -379,7 +395,7 @@ TEST_CASE("in-place recovery under mglaunch: step 10 applied on some ranks only 
   CHECK_THAT(hit.out, Catch::Contains("rank 1 took step 10's state from rank 0 (it was at step 9)"));
   CHECK_THAT(hit.out, Catch::Contains("rank 2 took step 10's state from rank 0 (it was at step 0)"));
   const auto s0 = summary_of(dir + "/s0.json");
-  CHECK(s0["steps"] == calm["steps"]);  // one epoch of 43 steps at world 3
+  CHECK(s0["steps"] == calm["steps"]);  // one epoch of 22 steps at world 3
   CHECK(s0["weights_sha256"] == calm["weights_sha256"]);
   for (int rank : {1, 2}) CHECK(summary_of(dir + "/s" + std::to_string(rank) + ".json")["weights_sha256"] == s0["weights_sha256"]);
   REQUIRE(s0["recoveries"].size() == 1);
@@ -411,7 +427,7 @@ TEST_CASE("in-place recovery under mglaunch-rdzv: node 1's agent SIGKILLed at st
   CHECK(n0.exit_code() == 0);
   CHECK(n1b.exit_code() == 0);
   const auto s0 = summary_of(dir + "/s0.json");
-  CHECK(s0["steps"] == 60);
+  CHECK(s0["steps"] == kShort.steps);
   CHECK(s0["weights_sha256"] == calm["weights_sha256"]);
   CHECK(summary_of(dir + "/s1.json")["weights_sha256"] == s0["weights_sha256"]);
   REQUIRE(s0["recoveries"].size() == 1);
@@ -428,7 +444,7 @@ namespace {
 // #26's done-when: two active nodes and one standby (`standby_flags`: its own mglaunch
 // flags), node 1's agent SIGKILLed at step 10 or later; the job exits 0 and the weights
 // equal an undisturbed 2-node run's. Returns the standby's stderr; prints rank 0's recovery.
-std::string standby_done_when(const std::vector<std::string>& standby_flags, const std::string& what) {
+std::string standby_done_when(const std::vector<std::string>& standby_flags, const std::string& what, const Size& size) {
   const std::string dir = make_temp_dir();
   Daemon d = start_daemon();
   auto node = [&](const std::string& id, int index, const std::string& summary, std::vector<std::string> flags = {}) {
@@ -437,11 +453,11 @@ std::string standby_done_when(const std::vector<std::string>& standby_flags, con
                                   "--local_addr=127.0.0." + std::to_string(index)};
     argv.insert(argv.end(), flags.begin(), flags.end());
     argv.push_back(kMgtrain);
-    auto args = job(summary);
+    auto args = job(summary, {}, size);
     argv.insert(argv.end(), args.begin(), args.end());
     return spawn(argv);
   };
-  const auto calm = calm_job(2);
+  const auto calm = calm_job(2, size);
   std::vector<Proc> nodes;
   nodes.push_back(node("hit", 2, dir + "/s{rank}.json"));
   nodes.push_back(node("hit", 3, dir + "/s{rank}.json"));
@@ -466,7 +482,7 @@ std::string standby_done_when(const std::vector<std::string>& standby_flags, con
   CHECK(nodes[lead].exit_code() == 0);
   CHECK(nodes[2].exit_code() == 0);
   const auto s0 = summary_of(dir + "/s0.json");
-  CHECK(s0["steps"] == 60);
+  CHECK(s0["steps"] == size.steps);
   CHECK(s0["weights_sha256"] == calm["weights_sha256"]);
   CHECK(summary_of(dir + "/s1.json")["weights_sha256"] == s0["weights_sha256"]);
   REQUIRE(s0["recoveries"].size() == 1);
@@ -484,12 +500,12 @@ std::string standby_done_when(const std::vector<std::string>& standby_flags, con
 }  // namespace
 
 TEST_CASE("in-place recovery with a standby (#26's done-when): two active nodes and one standby, node 1's agent SIGKILLed at step 10 or later, the job exits 0 and the weights equal an undisturbed 2-node run's", "[long]") {
-  const std::string standby = standby_done_when({}, "");
+  const std::string standby = standby_done_when({}, "", kShort);
   CHECK_THAT(standby, !Catch::Contains("pre-started"));
 }
 
 TEST_CASE("in-place recovery with a pre-started standby (--prestart-standby): the standby's mgtrain is loaded before the kill and takes node 1's place with its pid, the job exits 0 and the weights equal an undisturbed 2-node run's", "[long]") {
-  const std::string standby = standby_done_when({"--prestart-standby"}, " (--prestart-standby)");
+  const std::string standby = standby_done_when({"--prestart-standby"}, " (--prestart-standby)", kLong);
   CHECK_THAT(standby, Catch::Contains("worker(s) started ahead with MGLAUNCH_STANDBY=1"));
   CHECK_THAT(standby, Catch::Contains("[standby0]:mgtrain: standby worker ready"));
   CHECK_THAT(standby, Catch::Contains("local rank 0: the pre-started worker (pid ") && Catch::Contains(") takes rank "));

@@ -68,13 +68,16 @@ rdzv::ServerOptions Agent::server_options() {
     if (line.starts_with("warning:") || line.find(" waits for a majority of the job's ") != std::string::npos)
       notice("rendezvous server: " + line);
   };
-  // The round this node's server opens waits for a majority of the voters: its link looks
-  // for the job at the other hosts after a grace (rdzv::ClientMachine, "Seeking", #34).
-  // Posted: not from within the server's own call.
+  // The round this node's server opens waits for a majority of the voters, and the server
+  // hears no majority (the nodes told to restart that still beat count: their workers may
+  // be slow to stop): its link looks for the job at the other hosts after a grace
+  // (rdzv::ClientMachine, "Seeking", #34). Asked again at each node lost; posted, not from
+  // within the server's own call.
   so.on_event = [this](const rdzv::JobEvent& e) {
-    if (e.kind == rdzv::JobEvent::Kind::kNoQuorum)
+    if (e.kind == rdzv::JobEvent::Kind::kNoQuorum || e.kind == rdzv::JobEvent::Kind::kNodeLost)
       asio::post(io_, [this] {
-        if (client_ && embedded_server_) client_->host_short_of_majority();
+        if (client_ && embedded_server_ && !embedded_server_->hears_majority(plan_.run_id))
+          client_->host_short_of_majority();
       });
   };
   if (so.token.empty() && !opts_.rdzv_job_token.empty()) so.job_tokens[plan_.run_id] = opts_.rdzv_job_token;

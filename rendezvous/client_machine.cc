@@ -141,7 +141,7 @@ ClientCommands ClientMachine::host_short_of_majority(Clock::time_point now) {
   sk.deadline = now + milliseconds(opts_.join.join_timeout_ms);
   seek_ = std::move(sk);
   waiting_since_ = now;  // the watchdog's bound falls after the seek's
-  // The grace: every live node told to restart joins (or is dropped) within K x A.
+  // The grace: a node cut off only for a moment may come back (as a server drops a silent one).
   arm(ClientTimer::kTakeover, now + milliseconds(opts_.join.keep_alive_ms) * opts_.join.keep_alive_max_attempt);
   return take_out();
 }

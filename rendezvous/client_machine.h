@@ -31,9 +31,9 @@
 // connection is none (a REJECT firewall sends them).
 //
 // Seeking (#34): an agent that hosts the job (its own server, "home") hears from that server
-// that the next round waits for a majority of the voters (host_short_of_majority()). Still
-// without a decision K x A later (every live node told to restart has joined or been dropped
-// by then), it looks for the job elsewhere: the job's former hosts and the last round's
+// that the next round waits for a majority of the voters and that it hears no majority
+// (Job::hears_majority(): a node told to restart that still beats keeps it home) through
+// host_short_of_majority(). Still without a decision K x A later, it looks for the job elsewhere: the job's former hosts and the last round's
 // nodes that could host, then home, in turn, one keep-alive interval each, until
 // join_timeout after the shortfall (then it ends, exit 3). A server elsewhere is left for
 // (cmd::StopHosting, then a join as a newcomer: its next round or a standby) only when its

@@ -187,6 +187,11 @@ class Job {
   // The epoch of the round running now; 0 while none runs (joining, restarting, waiting for
   // a majority, ended): proto::Welcome::round_epoch (#34).
   int running_epoch() const { return state_ == State::kRunning ? epoch_ : 0; }
+  // Whether this side hears a majority of the voters for the next round: those that joined
+  // or stand by, and the nodes told to restart that still beat (alive, their workers still
+  // stopping). false: the host is cut off from the rest, and looks for the job elsewhere
+  // (rdzv::ClientMachine, "Seeking", #34). true where no majority is counted.
+  bool hears_majority() const { return !short_of_majority(/*heard=*/true); }
   // For metrics: nodes in the running round (or waiting for the next), nodes lost by a
   // closed connection, and by missed heartbeats.
   std::size_t nodes() const { return members_.size() + joined_.size(); }
@@ -257,7 +262,8 @@ class Job {
   Actions drop_rebuild(const proto::Join& j);
   // The voters of `voters` present for the next round: joined_ and standby_ whose agent id
   // is one of them, each once.
-  int voters_joined(const std::vector<std::string>& voters) const;
+  // With `heard`: also the nodes told to restart that still beat (rejoining_).
+  int voters_joined(const std::vector<std::string>& voters, bool heard = false) const;
   // A voter set without its majority present: how many of how many, and whether it is the
   // epoch before's (prev_voters_).
   struct Tally {
@@ -273,7 +279,8 @@ class Job {
   // configuration change: two sides that know different epochs' voters (one missed the
   // assignment that changed them) both need a majority of the older set, so at most one
   // goes on (docs/multinode.md, "Network partitions").
-  std::optional<Tally> short_of_majority() const;
+  // (With `heard`, counting the voters heard: hears_majority().)
+  std::optional<Tally> short_of_majority(bool heard = false) const;
   bool has_quorum() const { return !short_of_majority(); }
   // Records an event of `kind` (about node `n` when given), with the job's round and restarts.
   JobEvent& emit(JobEvent::Kind kind, const proto::Join* n = nullptr);

@@ -92,6 +92,11 @@ class Server {
   // Serves `job_id` from now on as the survivors of its lost hosting agent left it (see
   // Job::take_over); before any of them joins.
   void take_over(const std::string& job_id, const TakeoverSeed& seed);
+  // Job::hears_majority() of `job_id` (true for a job not served here).
+  bool hears_majority(const std::string& job_id) const {
+    const auto it = jobs_.find(job_id);
+    return it == jobs_.end() || it->second.hears_majority();
+  }
   // Stops accepting and closes every connection; with `flush`, after its queued frames
   // (a decision just broadcast) are written.
   void stop(bool flush = false);

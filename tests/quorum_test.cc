@@ -468,6 +468,8 @@ TEST_CASE("quorum: a node told to restart that still beats is alive but no vote 
   JobEvent e;
   REQUIRE(has_event(job, JobEvent::Kind::kNoQuorum, &e));
   CHECK(e.nodes == 1);
+  // Yet A hears a majority (B beats): its host does not look for the job elsewhere (#34).
+  CHECK(job.hears_majority());
   auto out = job.join(2, node("127.0.0.2"), T0 + 1350ms);
   auto more = job.tick(T0 + 1351ms);
   out.insert(out.end(), more.begin(), more.end());
@@ -484,6 +486,7 @@ TEST_CASE("quorum: a node told to restart that still beats is alive but no vote 
       CHECK(of_type(cut.tick(t + 1ms), MsgType::kAssignment).empty());
     }
     CHECK(cut.state() == Job::State::kRestarting);
+    CHECK_FALSE(cut.hears_majority());  // A alone: its host looks for the job (#34, Seeking)
   }
 }
 

@@ -314,6 +314,23 @@ std::string numeric_host(const sockaddr_storage& a) {
   return host;
 }
 
+// The first of the store's addresses this host can bind (rank 0 serving the store: its own
+// client connects there; "localhost" may list ::1 first on a host without IPv6); the first
+// address when none binds.
+const sockaddr_storage& own_address(const std::vector<sockaddr_storage>& store) {
+  for (const auto& a : store) {
+    const int fd = ::socket(a.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage any_port = a;
+    if (any_port.ss_family == AF_INET) reinterpret_cast<sockaddr_in&>(any_port).sin_port = 0;
+    if (any_port.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6&>(any_port).sin6_port = 0;
+    const bool local = ::bind(fd, reinterpret_cast<const sockaddr*>(&any_port), length_of(any_port)) == 0;
+    ::close(fd);
+    if (local) return a;
+  }
+  return store.front();
+}
+
 // One connect to `a`, bounded by `until` (a blocking connect to a host that drops packets
 // waits for the kernel's SYN retries, about 2 minutes): whether it was accepted.
 bool connects(const sockaddr_storage& a, std::chrono::steady_clock::time_point until) {
@@ -547,7 +564,8 @@ Comm connect_group(const Options& o, const Env& env, const std::shared_ptr<Store
   so.timeout = std::chrono::seconds(o.timeout_s);
   const bool libuv_option = set_libuv(so, env.use_libuv.value_or(true));
   const auto addresses = store_addresses(env.master_addr, env.master_port, o.timeout_s);
-  const std::string host = numeric_host(so.isServer ? addresses.front() : wait_until_listening(addresses, o.timeout_s));
+  const std::string host =
+      numeric_host(so.isServer ? own_address(addresses) : wait_until_listening(addresses, o.timeout_s));
   const auto before = before_store(*sockets);
   c10::intrusive_ptr<c10d::Store> tcp;
   try {

@@ -16,7 +16,8 @@
 // checked where this is done (Rejoin::kChecked), else said (a warning). A minority that hosts
 // (the old host, or a node that took over alone) looks for the majority's host and leaves for
 // it (rdzv::ClientMachine, "Seeking"); before, it ended at join_timeout and the rejoin was
-// only said for those cases.
+// only said for those cases. Only said still: etcd's (in one of two runs on 2026-11-30 node
+// 2's agent ended after the heal instead of rejoining).
 // Keep-alive 1 s x 3 (the issue's runs used the default 5 s x 3 and a 45 s cut): the cut
 // lasts kCut, over five times the bound in which a lost node is declared lost.
 #include <catch2/catch.hpp>
@@ -384,7 +385,9 @@ TEST_CASE("a job through mglaunch-rdzv on a fourth host, node 1 cut off from the
   REQUIRE(eventually([&] { return job.agents.at(2).err().find("standby for job") != std::string::npos; }, 30s));
   // Node 1 hears the daemon from afar: it fences (kFenceBound) before the daemon gives its
   // place to the standby (K x A), though it still reaches its peers.
-  check_partition(job, 1, {0, 2}, [&] { c.cut_between(1, 3); });
+  // After the heal it reconnects to the daemon, hears that the job went on without it and
+  // joins again (docs/multinode.md, "Rejoin"): checked.
+  check_partition(job, 1, {0, 2}, [&] { c.cut_between(1, 3); }, kFenceBound, Rejoin::kChecked);
 }
 
 // Before the etcd backend fenced on its lease (main at 656dc3b) node 2's worker ran the old

@@ -62,6 +62,7 @@ rdzv::ServerOptions Agent::server_options() {
   so.token = opts_.rdzv_token;
   so.only_job = plan_.run_id;
   so.host_agent = local_hostname();
+  so.max_connections = shares_.rendezvous;  // its share of the agent's descriptors (check_descriptor_budget)
   so.log = [this](const std::string& line) {
     // Warnings, and a round that waits for a majority of the voters (#34: this side of a
     // partition runs nothing until then), reach the run's output.

@@ -785,7 +785,9 @@ Actions Supervisor::rendezvous_lost(const std::string& why, const Now&) {
 
 namespace mg::sup {
 
-DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now) {
+constexpr unsigned long long kRendezvousHandshakes = 8;  // a hosted rendezvous' connections besides one per agent
+
+DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now, int rendezvous_agents) {
   constexpr int kReserve = 64;  // rendezvous sockets, the watchdog's pipe, files opened while running
   DescriptorNeed n;
   n.nproc = nproc;
@@ -793,6 +795,7 @@ DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int
   n.log_files = log_files;
   n.fixed = static_cast<long long>(open_now) + kReserve + log_files;
   n.needed = n.fixed + static_cast<long long>(n.per_worker) * nproc;
+  n.rendezvous = rendezvous_agents > 0 ? rendezvous_agents + static_cast<long long>(kRendezvousHandshakes) : 0;
   return n;
 }
 
@@ -800,7 +803,10 @@ bool fits(const DescriptorNeed& need, const DescriptorLimit& lim) {
   return !lim.soft || static_cast<unsigned long long>(need.needed) <= *lim.soft;
 }
 
-bool worth_raising(const DescriptorNeed& need, const DescriptorLimit& lim) { return !fits(need, lim) && lim.hard != lim.soft; }
+bool worth_raising(const DescriptorNeed& need, const DescriptorLimit& lim) {
+  const bool short_of = lim.soft && static_cast<unsigned long long>(need.needed + need.rendezvous) > *lim.soft;
+  return short_of && lim.hard != lim.soft;
+}
 
 std::string descriptor_shortfall(const DescriptorNeed& need, const DescriptorLimit& lim) {
   const unsigned long long soft = lim.soft.value_or(0);
@@ -818,8 +824,14 @@ DescriptorShares descriptor_shares(const DescriptorNeed& need, const DescriptorL
   if (!lim.soft) return d;
   const unsigned long long spare =
       *lim.soft > static_cast<unsigned long long>(need.needed) ? *lim.soft - static_cast<unsigned long long>(need.needed) : 0;
+  unsigned long long rest = spare;
+  if (need.rendezvous > 0) {
+    const unsigned long long want = std::max(static_cast<unsigned long long>(need.rendezvous), spare / 8);
+    d.rendezvous = static_cast<std::size_t>(std::clamp(want, kRendezvousHandshakes, std::max(kRendezvousHandshakes, spare / 2)));
+    rest = spare - std::min<unsigned long long>(spare, d.rendezvous);
+  }
   auto share = [&](std::size_t cap, unsigned long long part, std::size_t at_least) {
-    return static_cast<std::size_t>(std::clamp<unsigned long long>(spare / part, at_least, cap));
+    return static_cast<std::size_t>(std::clamp<unsigned long long>(rest / part, at_least, cap));
   };
   d.store = share(d.store, 2, 8);
   d.control = share(d.control, 4, 4);

@@ -327,33 +327,41 @@ struct DescriptorNeed {
   int log_files = 0;   // held open for the run
   long long fixed = 0;   // what is open now + the reserve + the log files
   long long needed = 0;  // fixed + per_worker * nproc
+  // The connections a rendezvous server this agent hosts (or takes over) keeps: one per
+  // agent of the job; 0 when it can host none. Not in `needed` (a host short of them refuses
+  // the agents beyond, as the daemon does), but the soft limit is raised for them.
+  long long rendezvous = 0;
 };
-DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now);
+DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now, int rendezvous_agents = 0);
 // The descriptor limit (RLIMIT_NOFILE); nullopt: unlimited.
 struct DescriptorLimit {
   std::optional<unsigned long long> soft, hard;
 };
 // Whether `need` fits under the soft limit.
 bool fits(const DescriptorNeed& need, const DescriptorLimit& lim);
-// When it does not fit, whether raising the soft limit to the hard one is worth a try.
+// When it does not fit (or leaves too few for the rendezvous' agents), whether raising the
+// soft limit to the hard one is worth a try.
 bool worth_raising(const DescriptorNeed& need, const DescriptorLimit& lim);
 // The error (ResourceError's text) for a need that does not fit the limit in force: how
 // many workers fit and how to raise the limit.
 std::string descriptor_shortfall(const DescriptorNeed& need, const DescriptorLimit& lim);
 
 // The agent's servers' connections, shared out from one place: what the soft limit leaves
-// over the run's need (DescriptorNeed: the workers' pipes, the logs, the reserve) is split
-// among the store (half), the control socket (a quarter), the metrics and the health
-// check's HTTP endpoints (an eighth each), each capped at its own default (100,000 store
-// clients, 4,096 control sessions, 64 HTTP connections) and given at least a few
-// connections. None can then take the descriptors of another, nor those of the workers
-// (their pipes, a restart's new ones); FileTimer's pipe is in the reserve. Unlimited: the
-// defaults.
+// over the run's need (DescriptorNeed: the workers' pipes, the logs, the reserve) goes
+// first to the rendezvous server the agent may host (or take over), when it may: one
+// connection per agent and 8 for handshakes, at least an eighth of it and at most a half.
+// The rest is split among the store (half), the control socket (a quarter), the metrics
+// and the health check's HTTP endpoints (an eighth each), each capped at its own default
+// (100,000 store clients, 4,096 control sessions, 64 HTTP connections) and given at least
+// a few connections. None can then take the descriptors of another, nor those of the
+// workers (their pipes, a restart's new ones); FileTimer's pipe is in the reserve.
+// Unlimited: the defaults.
 struct DescriptorShares {
   std::size_t store = 100000;  // the agent store's clients (parked ones included)
   std::size_t control = 4096;  // control sessions
   std::size_t metrics = 64;    // connections of the metrics endpoint
   std::size_t health = 64;     // connections of the health check
+  std::size_t rendezvous = 0;  // the hosted rendezvous server's (0: its default, what the limit allows)
 };
 DescriptorShares descriptor_shares(const DescriptorNeed& need, const DescriptorLimit& lim);
 

@@ -74,13 +74,20 @@ Server::Server(asio::io_context& io, ServerOptions opts)
   port_ = acceptor_.local_endpoint().port();
   // Connections must run out before descriptors do, or accept() fails with EMFILE.
   rlimit rl{};
+  auto usable_under = [](rlim_t soft) {
+    return soft > kReservedDescriptors * 2 ? static_cast<std::size_t>(soft) - kReservedDescriptors : std::size_t{16};
+  };
   if (::getrlimit(RLIMIT_NOFILE, &rl) == 0) {
-    if (rl.rlim_cur < rl.rlim_max) {
+    // Raised only when the connections asked for (all the limit allows: 0) do not fit: an
+    // agent that hosts the rendezvous gives its server a share that fits its own budget.
+    const bool short_of =
+        opts_.max_connections == 0 || (rl.rlim_cur != RLIM_INFINITY && opts_.max_connections > usable_under(rl.rlim_cur));
+    if (short_of && rl.rlim_cur < rl.rlim_max) {
       rl.rlim_cur = rl.rlim_max;
       ::setrlimit(RLIMIT_NOFILE, &rl);
       ::getrlimit(RLIMIT_NOFILE, &rl);
     }
-    const std::size_t usable = rl.rlim_cur > kReservedDescriptors * 2 ? rl.rlim_cur - kReservedDescriptors : 16;
+    const std::size_t usable = usable_under(rl.rlim_cur);
     if (opts_.max_connections == 0) {
       opts_.max_connections = rl.rlim_cur == RLIM_INFINITY ? 1 << 20 : usable;
     } else if (rl.rlim_cur != RLIM_INFINITY && opts_.max_connections > usable) {

@@ -71,7 +71,8 @@ class Server {
  public:
   // Binds and listens at once; throws std::runtime_error naming the address on failure.
   // Logs a warning when it listens beyond loopback without authentication.
-  // Raises the descriptor soft limit to the hard one and clamps max_connections below it.
+  // Raises the descriptor soft limit to the hard one when max_connections (0: all it allows)
+  // does not fit under it, and clamps max_connections below the limit.
   Server(boost::asio::io_context& io, ServerOptions opts);
   ~Server();
   int port() const { return port_; }

@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <filesystem>
@@ -1586,4 +1587,95 @@ TEST_CASE("an agent before #34 (its join carries no epoch) is named once in the 
   INFO(daemon.proc.err());
   CHECK(count_of(daemon.proc.err(), "is older than this rendezvous") == 1);  // before: none
   CHECK(count_of(daemon.proc.err(), line) == 1);
+}
+
+namespace {
+
+// Silent connections from 127.0.0.2 kept open on each port, `each` per port: one that the
+// agent closes (a handshake's time-out, a refusal) is opened again at once, so the flood
+// lasts until the object goes (at most 5 minutes).
+class SilentFlood {
+ public:
+  SilentFlood(std::vector<int> ports, std::size_t each) : thread_([this, ports, each] { run(ports, each); }) {}
+  ~SilentFlood() {
+    stop_ = true;
+    thread_.join();
+  }
+  SilentFlood(const SilentFlood&) = delete;
+  std::size_t opened() const { return opened_; }
+
+ private:
+  void run(const std::vector<int>& ports, std::size_t each) {
+    std::vector<pollfd> fds;
+    std::vector<int> port_of;
+    const auto end = std::chrono::steady_clock::now() + 5min;
+    while (!stop_ && std::chrono::steady_clock::now() < end) {
+      for (int port : ports)
+        for (auto n = static_cast<std::size_t>(std::count(port_of.begin(), port_of.end(), port)); n < each; ++n) {
+          const int fd = connect_from("127.0.0.2", port);
+          if (fd < 0) break;
+          fds.push_back({fd, POLLIN, 0});
+          port_of.push_back(port);
+          ++opened_;
+        }
+      if (::poll(fds.data(), fds.size(), 50) <= 0) continue;
+      for (std::size_t i = fds.size(); i-- > 0;) {
+        if (fds[i].revents == 0) continue;
+        char buf[4096];
+        const ssize_t n = ::recv(fds[i].fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) continue;
+        ::close(fds[i].fd);
+        fds.erase(fds.begin() + static_cast<std::ptrdiff_t>(i));
+        port_of.erase(port_of.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    }
+    for (const auto& p : fds) ::close(p.fd);
+  }
+  std::atomic<bool> stop_{false};
+  std::atomic<std::size_t> opened_{0};
+  std::thread thread_;
+};
+
+}  // namespace
+
+TEST_CASE("a flood of silent connections to the hosting agent's rendezvous port and its store under ulimit -n 256 "
+          "leaves the health check and a restart working: its rendezvous server takes only its share of the "
+          "agent's descriptors (#35)") {
+  // Before: the agent's rendezvous server allowed the limit less 64 (192 here), the store
+  // its share, and together they took every descriptor.
+  const std::string go = make_temp_dir() + "/go";
+  const int port = free_loopback_port();
+  const std::string ep = "127.0.0.1:" + std::to_string(port);
+  const std::vector<std::string> worker{"when-restart-below", "1", "env", "wait-file", go, "exit", "1"};
+  auto argv = agent_argv(ep, "flooded", 1, "2", 1, {"--max_restarts=1"}, worker);
+  argv.insert(argv.begin(), {"/bin/sh", "-c", "ulimit -n 256 && exec \"$@\"", "sh"});
+  Proc host = spawn(argv, {{"TORCHELASTIC_HEALTH_CHECK_PORT", "0"}});
+  auto health_port = [&] {
+    static const std::regex re(R"(health check on http://127\.0\.0\.1:([0-9]+)/health)");
+    std::smatch m;
+    const std::string err = host.err();
+    return std::regex_search(err, m, re) ? std::stoi(m[1]) : 0;
+  };
+  REQUIRE(eventually([&] { return host.err().find("hosting the rendezvous") != std::string::npos; }, 30s));
+  Proc node2 = spawn(agent_argv(ep, "flooded", 2, "2", 1, {"--max_restarts=1"}, worker));
+  // Both workers run (node 0's store serves MASTER_PORT).
+  auto master_port = [&] {
+    const auto seen = envs(host.out());
+    return seen.empty() ? 0 : std::stoi(seen.front()["MASTER_PORT"].get<std::string>());
+  };
+  REQUIRE(eventually([&] { return master_port() > 0 && !envs(node2.out()).empty() && health_port() > 0; }, 60s));
+  {
+    SilentFlood flood({port, master_port()}, 250);
+    REQUIRE(eventually([&] { return flood.opened() >= 400; }, 60s));
+    // The health check answers through the flood.
+    CHECK(eventually([&] { return http_request(health_port(), "/health").rfind("HTTP/1.1 200", 0) == 0; }, 30s));
+    // A restart gets its pipes and its round: the workers exit 1, the next attempt exits 0.
+    std::ofstream(go).put('\n');
+    REQUIRE(host.wait(120s));
+    REQUIRE(node2.wait(60s));
+  }
+  INFO(host.err());
+  INFO(node2.err());
+  CHECK(host.exit_code() == 0);
+  CHECK(node2.exit_code() == 0);
 }

@@ -357,6 +357,36 @@ TEST_CASE("the descriptors the run does not need are shared out among the agent'
   CHECK(tight.store == 8);
   CHECK(tight.control == 4);
   CHECK(tight.metrics == 2);
+  CHECK(tight.rendezvous == 0);  // no rendezvous to host: the server's default, never used
+}
+
+TEST_CASE("an agent that may host the rendezvous gives its server a share of the same budget: one connection per "
+          "agent and a few, at least an eighth and at most half of what is spare (#35)") {
+  // ulimit -n 128, two agents: 48 spare; the server 2 + 8, the others share the 38 left.
+  const auto two = descriptor_need(1, /*merge_streams=*/false, 0, /*open_now=*/14, /*rendezvous_agents=*/2);
+  CHECK(two.needed == 80);  // not part of the need: a short host refuses the agents beyond
+  CHECK(two.rendezvous == 10);
+  const DescriptorShares low = descriptor_shares(two, {128, 128});
+  CHECK(low.rendezvous == 10);
+  CHECK(low.store == 19);
+  CHECK(low.control == 9);
+  CHECK(low.metrics == 4);
+  CHECK(low.health == 4);
+  CHECK(low.rendezvous + low.store + low.control + low.metrics + low.health + static_cast<std::size_t>(two.needed) <=
+        128);
+  // A roomy limit: at least an eighth of the spare (1,024 - 80 = 944: 118).
+  CHECK(descriptor_shares(two, {1024, 1024}).rendezvous == 118);
+  // Many agents: at most half the spare, and the soft limit is worth raising for them.
+  const auto many = descriptor_need(1, false, 0, 14, 1000);
+  CHECK(descriptor_shares(many, {1024, 1024}).rendezvous == 472);
+  CHECK(descriptor_shares(many, {1024, 1024}).store == 236);
+  CHECK(worth_raising(many, {1024, 65536}));
+  CHECK_FALSE(worth_raising(many, {1024, 1024}));
+  CHECK(fits(many, {1024, 1024}));
+  CHECK(descriptor_shares(many, {4096, 4096}).rendezvous == 1008);  // all its agents and 8
+  // Nothing spare: a few, from the reserve. Unlimited: the server's own default.
+  CHECK(descriptor_shares(two, {80, 80}).rendezvous == 8);
+  CHECK(descriptor_shares(two, {}).rendezvous == 0);
 }
 
 TEST_CASE("an agent hosts the rendezvous when told, or when the endpoint is its own address, and never for etcd") {

@@ -245,8 +245,7 @@ class Agent {
   // it is not provably this run's (another job of this user makes rank 0's bind fail and the
   // attempt restart with a fresh port; a worker that is not dumpable hides its sockets).
   void watch_master_port();
-  void check_master_port(int round, std::chrono::steady_clock::time_point until);
-  std::unique_ptr<boost::asio::steady_timer> port_watch_;
+  void check_master_port(int round, sup::Clock::time_point until);
   bool port_watch_warned_ = false;  // the one line about a listener of this uid, per watch
   int port_watch_round_ = 0;  // a check of an older watch finds a newer round and stops
   std::string store_error_;        // why the store could not serve attempt store_error_attempt_

@@ -58,12 +58,17 @@ std::string Agent::serve_store() {
 }
 
 void Agent::watch_master_port() {
-  if (!port_watch_) port_watch_ = std::make_unique<asio::steady_timer>(io_);
   port_watch_warned_ = false;
-  check_master_port(++port_watch_round_, std::chrono::steady_clock::now() + std::chrono::seconds(60));
+  check_master_port(++port_watch_round_, now().steady + std::chrono::seconds(60));
 }
 
-void Agent::check_master_port(int round, std::chrono::steady_clock::time_point until) {
+// Each look runs on the event loop, on the agent's clock (every 100 ms for 60 s): the
+// listeners come from the kernel's socket diagnostics (tcp_listeners_on: netlink, the
+// listening sockets of this port only), which took 0.1-0.2 ms with 10,000 sockets open, where
+// reading /proc/net/tcp and tcp6 (1.5 MB of text) took 265-295 ms (a loaded 2-core machine),
+// so a thread would cost more than the look. Only while a listener of this user is not yet
+// known to be this run's does it scan the process tree.
+void Agent::check_master_port(int round, sup::Clock::time_point until) {
   if (round != port_watch_round_ || core_.state() == sup::State::kDone) return;
   const int port = plan_.master_port;
   const unsigned me = ::geteuid();
@@ -100,11 +105,9 @@ void Agent::check_master_port(int round, std::chrono::steady_clock::time_point u
                                       port, listeners.front().inode));
     }
   }
-  if (ours || std::chrono::steady_clock::now() >= until) return;  // rank 0 listens: nobody else can any more
-  port_watch_->expires_after(std::chrono::milliseconds(100));
-  port_watch_->async_wait([this, round, until](boost::system::error_code ec) {
-    if (!ec) check_master_port(round, until);
-  });
+  const auto t = now().steady;
+  if (ours || t >= until) return;  // rank 0 listens: nobody else can any more
+  clock_->arm(sup::Timer::kPortWatch, t + std::chrono::milliseconds(100), [this, round, until] { check_master_port(round, until); });
 }
 
 void Agent::retire_store() {

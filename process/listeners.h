@@ -1,7 +1,7 @@
-// Who listens on a TCP port: the listeners /proc/net/tcp and tcp6 show (this network
-// namespace's), and the sockets a process holds. Part of the one /proc reader
-// (process/proc.cc); used by the agent to tell its rank 0's TCPStore from a stranger on
-// MASTER_PORT (#35).
+// Who listens on a TCP port: the listeners the kernel's socket diagnostics or /proc/net/tcp
+// and tcp6 show (this network namespace's), and the sockets a process holds. Part of the
+// one /proc reader (process/proc.cc); used by the agent to tell its rank 0's TCPStore from
+// a stranger on MASTER_PORT (#35).
 #pragma once
 
 #include <sys/types.h>
@@ -20,7 +20,9 @@ struct TcpListener {
 };
 // The listeners in the text of /proc/net/tcp or /proc/net/tcp6 on `port` (state 0A). Pure.
 std::vector<TcpListener> parse_tcp_listeners(std::string_view text, int port);
-// The listeners on `port` of every address, IPv4 and IPv6.
+// The listeners on `port` of every address, IPv4 and IPv6: asked of the kernel's socket
+// diagnostics (netlink, as `ss -ltn`: the kernel lists only the listening sockets of that
+// port), read from /proc/net/tcp and tcp6 where netlink is not there.
 std::vector<TcpListener> tcp_listeners_on(int port);
 // The socket inodes among `pid`'s descriptors (/proc/PID/fd -> "socket:[N]"); empty when gone.
 // `unreadable`, when given, is set when the descriptors exist but could not be read (EACCES:

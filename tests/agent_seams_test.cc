@@ -74,6 +74,12 @@ class FakeClock final : public AgentClock {
     now_.steady += d;
     now_.wall += d;
   }
+  // Fires timer `t` now, whatever its time (it must be armed).
+  void fire(sup::Timer t) {
+    auto f = std::move(armed_.at(t).fire);
+    armed_.erase(t);
+    f();
+  }
 
  private:
   struct Due {
@@ -654,6 +660,26 @@ TEST_CASE("agent with fakes: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 leaves the sto
   REQUIRE(run.launcher->started.size() == 1);
   CHECK(env_of(run.launcher->started[0], "TORCHELASTIC_USE_AGENT_STORE") == "False");
   CHECK(run.store.served.empty());
+  run.end(0, exited(0));
+  CHECK(run.agent->exit_code() == 0);
+}
+
+TEST_CASE("agent with fakes: where the workers host the store, the watch on MASTER_PORT looks every 100 ms of the "
+          "agent's clock and stops after 60 s of it (#35)") {
+  Run run({"--nproc_per_node=1"}, {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
+  REQUIRE(run.launcher->started.size() == 1);
+  REQUIRE(run.clock->armed(sup::Timer::kPortWatch));
+  CHECK(run.clock->due_in(sup::Timer::kPortWatch) == std::chrono::milliseconds(100));
+  // Nobody listens on the port: it looks again until 60 s have passed on the fake clock.
+  int looks = 0;
+  while (run.clock->armed(sup::Timer::kPortWatch) && looks < 1000) {
+    run.clock->advance(std::chrono::milliseconds(100));
+    run.clock->fire(sup::Timer::kPortWatch);
+    run.settle();
+    ++looks;
+  }
+  CHECK(looks >= 590);
+  CHECK(looks <= 600);
   run.end(0, exited(0));
   CHECK(run.agent->exit_code() == 0);
 }

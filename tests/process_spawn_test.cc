@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "process/listeners.h"
 #include "process/proc.h"
 #include "process/spawn.h"
 #include "support/proc.h"
@@ -283,4 +284,30 @@ TEST_CASE("a spawned child dies with the process that spawned it") {
   const bool gone = eventually([&] { return !pid_alive(child); }, 30s);
   if (!gone) ::kill(child, SIGKILL);
   CHECK(gone);
+}
+
+TEST_CASE("tcp_listeners_on names the sockets listening on a port, IPv4 and IPv6, with their owner and inode, and "
+          "no connection of that port (#35)") {
+  int port = 0;
+  const int listener = listen_on_loopback(port, 16);
+  REQUIRE(listener >= 0);
+  const int client = connect_loopback(port);
+  REQUIRE(client >= 0);
+  const int accepted = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+  REQUIRE(accepted >= 0);
+  const auto mine = mg::socket_inodes_of(::getpid());
+  const auto found = mg::tcp_listeners_on(port);
+  REQUIRE(found.size() == 1);  // the two ends of the connection are not listed
+  CHECK(found[0].uid == ::geteuid());
+  CHECK(mine.contains(found[0].inode));
+  // An IPv6 listener on the same port number (another address family) is listed too.
+  const int v6 = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  a.sin6_port = htons(static_cast<std::uint16_t>(port));
+  const bool v6_listens = v6 >= 0 && ::bind(v6, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(v6, 1) == 0;
+  if (v6_listens) CHECK(mg::tcp_listeners_on(port).size() == 2);
+  for (int fd : {listener, client, accepted, v6}) ::close(fd);
+  CHECK(mg::tcp_listeners_on(port).empty());
 }

@@ -15,6 +15,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -538,4 +539,45 @@ TEST_CASE("doctor with a bad flag is one line and exit code 2") {
   auto u = run({kMglaunch, "doctor", "--gpus"});
   CHECK(u.code == 2);
   CHECK_THAT(u.err, Catch::Contains("unknown flag '--gpus'"));
+}
+
+TEST_CASE("the fan-out's end returns within 2 s of its SIGKILL when a host's ssh cannot be reaped (traced by "
+          "another process), and names what it left behind (#36)") {
+  // Before: ~Fanout SIGKILLed the host's ssh and waited for it with a blocking waitpid,
+  // which waits as long as the tracer does (a process in state D holds it the same way).
+  const std::string dir = make_temp_dir();
+  mg::HostCommand stuck;
+  stuck.host.host = "stuck";
+  stuck.argv = {"/bin/sh", "-c", "echo $$ > " + dir + "/pid; exec sleep 600"};
+  mg::MultiHostPlan plan;
+  plan.hosts.push_back(stuck);
+  const std::string err_path = dir + "/fan.err";
+  const int out = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+  const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  boost::asio::io_context io;
+  auto fan = std::make_unique<mg::Fanout>(io, plan, "token", mg::MultiHostOptions{}, mg::FanoutIo{out, err, false});
+  fan->start();
+  pid_t target = -1;
+  REQUIRE(eventually([&] { return (target = std::atoi(read_file(dir + "/pid").c_str())) > 0; }, 30s));
+  struct Reap {  // the ssh left behind, once the tracer let it go (even when a check fails)
+    pid_t pid;
+    ~Reap() {
+      int status = 0;
+      eventually([&] { return ::waitpid(pid, &status, WNOHANG) != 0; }, 10s);
+    }
+  } reap{target};
+  ForeignTracer tracer(target);
+  if (!tracer.attached()) {
+    fan.reset();
+    SKIP_TEST("cannot trace the host's ssh (ptrace)");
+  }
+  auto ended = std::async(std::launch::async, [&] { fan.reset(); });
+  const bool returned = ended.wait_for(60s) == std::future_status::ready;  // 2 s, on a loaded machine
+  tracer.release();  // (before: the end returns only now)
+  ended.wait();
+  ::close(out);
+  ::close(err);
+  CHECK(returned);
+  CHECK_THAT(read_file(err_path), Catch::Contains("the ssh of host stuck (pid " + std::to_string(target) +
+                                                  ") could not be reaped within 2 s of SIGKILL"));
 }

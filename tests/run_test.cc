@@ -2,7 +2,6 @@
 // deadline. Real processes (sh, sleep), every wait bounded.
 #include <catch2/catch.hpp>
 
-#include <sys/ptrace.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -110,30 +109,17 @@ TEST_CASE("run_capture past its deadline returns within 2 s of its SIGKILL when 
     std::ifstream in(pidfile);
     return static_cast<bool>(in >> target) && target > 0;
   }, 10s));
-  // Another process traces the command and never waits for it.
-  int ready[2];
-  REQUIRE(::pipe(ready) == 0);
-  const pid_t tracer = ::fork();
-  REQUIRE(tracer >= 0);
-  if (tracer == 0) {
-    const char ok = ::ptrace(PTRACE_SEIZE, target, nullptr, nullptr) == 0 ? '1' : '0';
-    (void)!::write(ready[1], &ok, 1);
-    for (;;) ::pause();
-  }
-  ::close(ready[1]);
-  char ok = '0';
-  (void)!::read(ready[0], &ok, 1);
-  ::close(ready[0]);
-  struct Stop {  // the tracer goes, even when a check fails; the command left behind is reaped then
-    pid_t tracer, command;
-    ~Stop() {
-      ::kill(tracer, SIGKILL);
+  // Another process traces the command and never waits for it. It goes, even when a check
+  // fails; the command left behind is reaped then.
+  struct Reap {
+    pid_t command;
+    ~Reap() {
       int status = 0;
-      ::waitpid(tracer, &status, 0);
-      eventually([&] { return ::waitpid(command, &status, WNOHANG) != 0; }, 10s);
+      mgtest::eventually([&] { return ::waitpid(command, &status, WNOHANG) != 0; }, 10s);
     }
-  } stop{tracer, target};
-  if (ok != '1') {
+  } reap{target};
+  mgtest::ForeignTracer tracer(target);
+  if (!tracer.attached()) {
     result.wait();
     SKIP_TEST("cannot trace the command (ptrace)");
   }

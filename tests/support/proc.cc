@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/ptrace.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -402,6 +403,31 @@ int count_of(const std::string& text, const std::string& what) {
   int n = 0;
   for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1)) ++n;
   return n;
+}
+
+ForeignTracer::ForeignTracer(pid_t pid) {
+  int ready[2];
+  if (::pipe2(ready, O_CLOEXEC) != 0) return;
+  tracer_ = ::fork();
+  if (tracer_ == 0) {  // only async-signal-safe calls here: the test may run threads
+    const char ok = ::ptrace(PTRACE_SEIZE, pid, nullptr, nullptr) == 0 ? '1' : '0';
+    (void)!::write(ready[1], &ok, 1);
+    for (;;) ::pause();
+  }
+  ::close(ready[1]);
+  char ok = '0';
+  if (tracer_ > 0) (void)!::read(ready[0], &ok, 1);
+  ::close(ready[0]);
+  attached_ = ok == '1';
+}
+
+void ForeignTracer::release() {
+  if (tracer_ <= 0) return;
+  ::kill(tracer_, SIGKILL);
+  int status = 0;
+  while (::waitpid(tracer_, &status, 0) < 0 && errno == EINTR) {
+  }
+  tracer_ = -1;
 }
 
 }  // namespace mgtest

@@ -91,6 +91,24 @@ int free_loopback_port();
 // A socket listening on 127.0.0.1 at a port the kernel picked (`port` set to it), or -1.
 int listen_on_loopback(int& port, int backlog);
 
+// A process of the test's own that traces `pid` (PTRACE_SEIZE) and never waits for it:
+// once `pid` dies, the kernel reports its exit to this tracer first, so its parent cannot
+// reap it meanwhile (a blocking waitpid there waits as long as the tracer lives). The
+// tracer is SIGKILLed and reaped by release() or on destruction; `pid` can be reaped then.
+class ForeignTracer {
+ public:
+  explicit ForeignTracer(pid_t pid);
+  ~ForeignTracer() { release(); }
+  ForeignTracer(const ForeignTracer&) = delete;
+  ForeignTracer& operator=(const ForeignTracer&) = delete;
+  bool attached() const { return attached_; }
+  void release();
+
+ private:
+  pid_t tracer_ = -1;
+  bool attached_ = false;
+};
+
 inline const std::string kMglaunch = MGLAUNCH_BIN;
 inline const std::string kFakeWorker = FAKE_WORKER_BIN;
 inline const std::string kRdzvDaemon = MGLAUNCH_RDZV_BIN;

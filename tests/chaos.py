@@ -21,7 +21,7 @@ At the end:
     surviving agent must end with a root cause naming the lost node and a non-zero exit
     code within its bound, never hang.
 
-  chaos.py BUILD_DIR --seconds N [--seed S] [--backend daemon|etcd] [--netns] [--report FILE]
+  chaos.py BUILD_DIR --seconds N [--seed S] [--backend daemon|etcd] [--netns] [--step-ms MS] [--report FILE]
 
 Exit codes: 0 every check held; 1 a check failed (each one printed); 77 skipped (mgtrain not
 built, etcd missing for --backend etcd, or no network namespaces for --netns: a failure under
@@ -273,14 +273,15 @@ class Chaos:
         # The plain torch DDP script with mglaunch_recovery (#37). Its --timeout bounds the survivors'
         # wait for a new group, whose fresh workers (a standby's, no pre-start) take 20-45 s to start
         # here: with mgtrain's 20 s the group never formed and every recovery became a restart.
+        pace = ["--step-ms", f"{self.args.step_ms:g}"] if self.args.step_ms else []
         if self.args.worker == "python":
             return ["--python=/usr/bin/python3", PY_WORKER, "--model", "mlp", "--steps", str(max_steps), "--batch-size",
-                    "16", "--train-subset", "4096", "--seed", str(self.args.seed), "--timeout", "120",
+                    "16", "--train-subset", "4096", "--seed", str(self.args.seed), "--timeout", "120", *pace,
                     "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
         return [os.path.join(self.bin, "mgtrain"), "--dataset", "synthetic", "--synthetic-size", "4096",
                 "--model", "mlp", "--epochs", "1000", "--max-steps", str(max_steps), "--batch-size", "16",
                 "--seed", str(self.args.seed), "--threads", "1", "--log-every", str(LOG_EVERY), "--timeout", "20",
-                "--in-place-recovery", "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
+                *pace, "--in-place-recovery", "--summary-json", os.path.join(self.out, "summary_{rank}.json")]
 
     def start_agent(self, max_steps):
         """A new agent: on a fresh loopback address, or on a namespace host with no live agent
@@ -740,6 +741,9 @@ def main():
     ap.add_argument("--min-gap", type=float, default=4.0, help="seconds between faults, at least")
     ap.add_argument("--max-gap", type=float, default=10.0)
     ap.add_argument("--max-steps", type=int, default=0, help="skip the calibration run")
+    ap.add_argument("--step-ms", type=int, default=0,
+                    help="the workers sleep this long after each step (--step-ms): a slower pace for the same seconds, "
+                         "less CPU (make test's smoke); the calibration run has it too")
     ap.add_argument("--skip-unsurvivable", action="store_true",
                     help="no unsurvivable case at the end (the launcher's side: the mgtrain smoke runs it)")
     ap.add_argument("--join-timeout", type=int, default=20)

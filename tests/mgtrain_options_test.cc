@@ -29,6 +29,12 @@ TEST_CASE("mgtrain's DDP flags parse with DDP's defaults") {
   CHECK(o.mode == "ddp");  // the guides' DataParallel maps to DDP
 }
 
+TEST_CASE("mgtrain --step-ms sets a sleep after each step, off by default, never negative") {
+  CHECK(parse({}).step_ms == 0);
+  CHECK(parse({"--step-ms", "50"}).step_ms == 50);
+  CHECK_THROWS_AS(parse({"--step-ms", "-1"}), UsageError);
+}
+
 TEST_CASE("mgtrain's bad flags are usage errors that point at --help") {
   CHECK_THROWS_AS(parse({"--model", "resnet50"}), UsageError);
   CHECK_THROWS_WITH(parse({"--mode", "threads"}), Catch::Contains("--help"));

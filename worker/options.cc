@@ -90,6 +90,8 @@ ParseResult parse_options(int argc, const char* const* argv) {
   app.add_option("--fail-at-step", o.fail_at_step, "Fault injection: fail at this step (first attempt only)");
   app.add_option("--fail-rank", o.fail_rank, "Fault injection: the rank that fails");
   app.add_option("--fail-signal", o.fail_signal, "Fault injection: raise this signal instead of exit 1");
+  app.add_option("--step-ms", o.step_ms, "Sleep this long after each step (tests, benchmarks: a slower pace)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", o.threads, "Intra-op threads (default: OMP_NUM_THREADS / torch default)");
   app.add_option("--timeout", o.timeout_s, "Seconds to wait for the store and collectives")->check(positive);
   app.add_option("--bench", o.bench, "allreduce: run the collective benchmark instead of training")

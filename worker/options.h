@@ -35,6 +35,7 @@ struct Options {
   std::int64_t synthetic_size = 8192, train_subset = -1, test_subset = -1, max_steps = -1;
   int epochs = 1, batch_size = 64, grad_accum = 1, log_every = 100, checkpoint_every = 0, threads = 0;
   int fail_at_step = -1, fail_rank = 0, fail_signal = 0, timeout_s = 300;
+  int step_ms = 0;  // --step-ms: a sleep after each step (tests: a slower pace, less CPU)
   double lr = 0.02, momentum = 0.9, clip_grad_norm = 0, bucket_cap_mb = 25;
   std::uint64_t seed = 1;
   bool amp = false, shuffle = true, channels_last = true;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <thread>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -546,6 +547,7 @@ std::int64_t Trainer::train_epoch(std::int64_t epoch) {
     after_step(epoch, micro);
     if (stop_or_checkpoint()) break;
     log_progress(epoch);
+    if (o_.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.step_ms));  // --step-ms
   }
   return loss_n;
 }

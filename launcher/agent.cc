@@ -78,6 +78,7 @@ Agent::Agent(asio::io_context& io, AgentOptions opts, RunPlan plan, EnvMap base_
   base_env_.erase("MGLAUNCH_RDZV_TOKEN");
   base_env_.erase("MGLAUNCH_RDZV_JOB_TOKEN");
   base_env_.erase("MGLAUNCH_ETCD_PASSWORD");
+  started_at_ = now().steady;
 }
 
 Agent::~Agent() {
@@ -515,9 +516,7 @@ void Agent::run(sup::Actions actions) {
             timer_kills_.clear();
             last_outcomes_.clear();
             elastic_event("RENDEZVOUS", false, nullptr, nullptr,
-                          rdzv_began_ ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                                                  *rdzv_began_)
-                                            .count()
+                          rdzv_began_ ? std::chrono::duration<double, std::milli>(now().steady - *rdzv_began_).count()
                                       : 0.0);
             rdzv_began_.reset();
           } else if constexpr (std::is_same_v<A, sup::act::AttemptEnded>) {

@@ -276,7 +276,7 @@ class Agent {
                      const std::string& name = {});
   void final_events(int code);  // each worker of the last attempt, then the agent
   std::vector<WorkerOutcome> last_outcomes_;  // the attempt running or ended last
-  std::chrono::steady_clock::time_point started_at_ = std::chrono::steady_clock::now();
+  sup::Clock::time_point started_at_;  // the agent's clock at construction
   std::optional<std::chrono::steady_clock::time_point> rdzv_began_;  // this round's rendezvous
   int stop_signal_ = 0;  // the signal that stopped the agent (0: none)
   // Monitoring and operations, null unless --monitor/--metrics-json/--metrics-port or

@@ -133,7 +133,7 @@ void Agent::elastic_event(const std::string& state, bool from_worker, const Work
   m["hostname"] = local_hostname();
   m["state"] = state;
   m["total_run_time"] =
-      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - started_at_).count();
+      std::chrono::duration_cast<std::chrono::seconds>(now().steady - started_at_).count();
   m["rdzv_backend"] = opts_.rdzv_backend;
   m["raw_error"] = raw_error;
   m["metadata"] = python_json(md);
@@ -142,9 +142,7 @@ void Agent::elastic_event(const std::string& state, bool from_worker, const Work
   nlohmann::ordered_json e;
   e["name"] = name.empty() ? "torchelastic.worker.status." + state : name;
   e["source"] = from_worker ? "WORKER" : "AGENT";
-  e["timestamp"] = std::chrono::duration_cast<std::chrono::milliseconds>(
-                       std::chrono::system_clock::now().time_since_epoch())
-                       .count();
+  e["timestamp"] = std::chrono::duration_cast<std::chrono::milliseconds>(now().wall.time_since_epoch()).count();
   e["metadata"] = m;
   console_.write(1, python_json(e) + "\n");
 }

@@ -235,7 +235,7 @@ void Agent::start_rendezvous() {
   // First the takeover socket's addresses, off the io thread; this runs again once they are in.
   if (look_up_takeover_addresses()) return;
   if (trace_) rdzv_since_us_ = trace_->now();
-  rdzv_began_ = std::chrono::steady_clock::now();
+  rdzv_began_ = now().steady;
   host_rendezvous();  // done at start() already
   proto::Join j;
   j.job_id = plan_.run_id;
@@ -421,7 +421,7 @@ void Agent::rejoin(bool offer_port) {
   // The core held a fresh master port for the new round (when the port is ours).
   if (offer_port) client_->set_master_port(plan_.master_port);
   if (trace_) rdzv_since_us_ = trace_->now();
-  rdzv_began_ = std::chrono::steady_clock::now();
+  rdzv_began_ = now().steady;
   client_->rejoin();
 }
 

@@ -684,6 +684,30 @@ TEST_CASE("agent with fakes: where the workers host the store, the watch on MAST
   CHECK(run.agent->exit_code() == 0);
 }
 
+TEST_CASE("agent with fakes: torch's events tell the rendezvous' time and their own on the agent's clock (#36)") {
+  Run run({"--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
+           "--rdzv_conf=is_host=false", "--event_log_handler=console"});
+  REQUIRE(run.link != nullptr);
+  // The round takes 3 s of the fake clock (before: the real clock's, well under a second).
+  run.clock->advance(std::chrono::seconds(3));
+  const auto wall_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(run.clock->now().wall.time_since_epoch()).count();
+  run.assign(1, 0, run.link->join.master_port, /*group_rank=*/1);
+  REQUIRE(run.launcher->started.size() == 1);
+  run.end(0, exited(0));
+  run.link->done();
+  run.settle();
+  const std::string out = run.output();
+  std::string line;
+  for (const auto& l : mgtest::split_lines(out))
+    if (l.find("torchelastic.worker.status.RENDEZVOUS") != std::string::npos) line = l;
+  INFO(out);
+  REQUIRE(!line.empty());
+  CHECK_THAT(line, Catch::Contains("\"duration_ms\": 3000.0"));
+  CHECK_THAT(line, Catch::Contains("\"timestamp\": " + std::to_string(wall_ms)));
+  CHECK_THAT(line, Catch::Contains("\"total_run_time\": 3"));
+}
+
 TEST_CASE("agent with fakes: a master port the agent chose is let go once the workers exec'd") {
   // --master_port=0: the agent picks a port outside the ephemeral range and holds it.
   Run run({"--nproc_per_node=1", "--master_port=0"});

@@ -42,6 +42,7 @@ import re
 import secrets
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,6 +65,9 @@ def main():
     ap.add_argument("--shrink", action="store_true", help="go on without the failed worker, at a smaller world")
     ap.add_argument("--kill-store", type=float, default=0,
                     help="SIGKILL the store with the victim; report each survivor's CPU time over this many seconds once paused")
+    ap.add_argument("--plant", default="",
+                    help="SRC:DST (with kill): copy checkpoint SRC to DST as the victim is killed (a newer checkpoint "
+                         "left by the part of the job that trained on while a survivor was cut off)")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     worker_args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -252,6 +256,11 @@ def run(a, worker_args, deadline, stores, store_port):
                                     ww["proc"].kill()
                             elif a.fault in ("kill", "term"):
                                 victim.kill()
+                                if a.plant:
+                                    src, dst = a.plant.split(":", 1)
+                                    victim.wait()
+                                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                                    shutil.copyfile(src, dst)
                                 if a.kill_store:  # its host lost with the victim: the next round has another
                                     stores[-1].kill()
                                     stores[-1].wait()

@@ -228,6 +228,33 @@ TEST_CASE("in-place recovery with no rank left holding the state (every worker S
   CHECK(hit.summary(1)["weights_sha256"] == hit.summary(0)["weights_sha256"]);
 }
 
+TEST_CASE("in-place recovery: a checkpoint newer than every surviving rank's state wins over it, and is not overwritten by an older state") {
+  // Review s36 M3: a rank back from a cut-off side with an old state (here: rank 1 at step
+  // 10 or so) meets a fresh rank 0 whose --checkpoint-dir holds a later step (20, written
+  // by the part of the job that trained on). Before the fix the old state won and the next
+  // checkpoint replaced the newer one with a lower step.
+  const std::string seed = make_temp_dir(), base = make_temp_dir();
+  auto first = run({kMgtrain, "--dataset", "synthetic", "--synthetic-size", "1024", "--batch-size", "16", "--model", "mlp",
+                    "--max-steps", "20", "--seed", "7", "--checkpoint-dir", seed, "--checkpoint-every", "20"},
+                   {}, 120s);
+  INFO(first.out << first.err);
+  REQUIRE(first.code == 0);
+  auto hit = train({"--fault", "kill", "--victim", "0", "--at-step", "8", "--plant",
+                    seed + "/checkpoint.pt:" + base + "/0/checkpoint.pt"},
+                   {"--checkpoint-dir", base + "/{rank}", "--checkpoint-every", "5"});
+  INFO(hit.r.out << hit.r.err << hit.logs());
+  REQUIRE(hit.r.code == 0);
+  const std::string log = read_file(hit.dir + "/worker0.1.log");
+  CHECK(log.find("holds step 20, later than every rank's state") != std::string::npos);
+  CHECK(log.find("resumed from " + base + "/0/checkpoint.pt at step 20") != std::string::npos);
+  CHECK(log.find("took step") == std::string::npos);  // no rank's older state was taken
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    CHECK(hit.summary(rank)["steps"] == 30);
+  }
+  CHECK(hit.summary(1)["weights_sha256"] == hit.summary(0)["weights_sha256"]);
+}
+
 TEST_CASE("in-place recovery into a smaller world: rank 1 lost mid-epoch and not replaced, rank 0 alone trains the epoch's samples that world 2 had not, once, then whole epochs at world 1") {
   // 1024 samples, batch 16: 32 steps an epoch at world 2, 64 at world 1; two epochs.
   auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--shrink"}, {"--epochs", "2", "--max-steps", "1000"});

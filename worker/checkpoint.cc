@@ -235,6 +235,18 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   return {};
 }
 
+std::optional<std::int64_t> checkpoint_step(const std::string& dir) {
+  const std::string path = checkpoint_file(dir);
+  if (dir.empty() || !std::filesystem::exists(path)) return std::nullopt;
+  try {
+    torch::serialize::InputArchive ar;
+    ar.load_from(path, torch::kCPU);
+    return read_int(ar, "step");
+  } catch (const std::exception&) {
+    return std::nullopt;  // resume() reports an unreadable checkpoint
+  }
+}
+
 std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
                                torch::optim::Optimizer& opt) {
   if (dir.empty()) return std::nullopt;

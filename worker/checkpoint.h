@@ -63,6 +63,9 @@ Position load_state(const std::string& bytes, const torch::Device& device, torch
 // Every rank calls it: `bytes` of rank `root` reach every rank (size first, then the bytes).
 std::string broadcast_bytes(const Comm& comm, int root, std::string bytes);
 
+// The step `dir`'s checkpoint holds; nullopt when there is none or it cannot be read.
+std::optional<std::int64_t> checkpoint_step(const std::string& dir);
+
 // Every rank calls it (a collective in ddp mode). Returns the position to resume from, or
 // nullopt for a fresh start (no checkpoint on any rank). Throws SetupError (exit 3) when
 // rank 0 has no checkpoint but another rank has one, when rank 0's checkpoint cannot be

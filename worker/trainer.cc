@@ -142,6 +142,7 @@ class Trainer {
   void establish();
   bool agree_on_recovery(torch::Tensor& steps);
   bool take_most_advanced(const torch::Tensor& steps);
+  bool checkpoint_is_newer(const torch::Tensor& steps, const std::string& ckpt_dir);
   void reshard();
   void prepare_steps();
   void train_with_recovery();
@@ -344,9 +345,9 @@ void Trainer::establish() {
   sync_buffers_ = o_.broadcast_buffers && comm_.distributed() && !buffers_.empty();
   torch::Tensor steps;
   if (o_.in_place_recovery && comm_.distributed() && !agree_on_recovery(steps)) recovery_ = false;
-  if (recovery_ && comm_.distributed() && take_most_advanced(steps)) return;
-  comm_.broadcast_coalesced(state_tensors(*model_.module));
   const std::string ckpt_dir = with_rank(o_.checkpoint_dir, comm_.rank);
+  if (recovery_ && comm_.distributed() && !checkpoint_is_newer(steps, ckpt_dir) && take_most_advanced(steps)) return;
+  comm_.broadcast_coalesced(state_tensors(*model_.module));
   if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_)) {
     state_ = *c;
     if (lead_)
@@ -357,12 +358,14 @@ void Trainer::establish() {
 
 // Every rank asked for recovery (the same flags): each says whether it has its control
 // channel, in the same collective as its step (`steps`: [step of each rank, channel of each
-// rank]). Recovery is on for every rank or none (false): a rank without it would skip the
+// rank, rank 0's checkpoint step + 1 or 0]). Recovery is on for every rank or none (false): a rank without it would skip the
 // collectives of the state agreement (a hang).
 bool Trainer::agree_on_recovery(torch::Tensor& steps) {
-  steps = torch::zeros({2 * comm_.world}, torch::kLong);
+  steps = torch::zeros({2 * comm_.world + 1}, torch::kLong);
   steps[comm_.rank] = state_.step;
   steps[comm_.world + comm_.rank] = recovery_ ? 1 : 0;
+  if (comm_.rank == 0)  // rank 0's checkpoint step + 1 (0: none), for checkpoint_is_newer
+    steps[2 * comm_.world] = checkpoint_step(with_rank(o_.checkpoint_dir, 0)).value_or(-1) + 1;
   steps = steps.to(comm_.device);
   comm_.allreduce_sum(steps);
   steps = steps.to(torch::kCPU);
@@ -375,6 +378,20 @@ bool Trainer::agree_on_recovery(torch::Tensor& steps) {
     control_->withdraw();
   }
   return false;
+}
+
+// Whether rank 0's checkpoint (the one resume() reads; its step in `steps` from
+// agree_on_recovery) holds a later step than every rank's state: a rank back from a cut-off
+// side with an old state must not beat it (nor then overwrite it). The round resumes from
+// it then, as a restarted job does.
+bool Trainer::checkpoint_is_newer(const torch::Tensor& steps, const std::string& ckpt_dir) {
+  const std::int64_t saved = steps[2 * comm_.world].item<std::int64_t>() - 1;  // -1: rank 0 has none
+  const std::int64_t best = steps.slice(0, 0, comm_.world).max().item<std::int64_t>();
+  if (saved <= best || best == 0) return false;  // no rank trained: resume() reads it anyway
+  if (lead_)
+    std::printf("mgtrain: %s holds step %lld, later than every rank's state (at most step %lld): resuming from it\n",
+                checkpoint_file(ckpt_dir).c_str(), static_cast<long long>(saved), static_cast<long long>(best));
+  return true;
 }
 
 // When some rank has trained (`steps` from agree_on_recovery), the lowest rank among the

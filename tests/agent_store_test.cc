@@ -230,12 +230,7 @@ TEST_CASE("150 silent connections to the agent's store under ulimit -n 128 leave
                      {"when-restart-below", "1", "env", "wait-file", go, "exit", "1"});
   argv.insert(argv.begin(), {"/bin/sh", "-c", "ulimit -n 128 && exec \"$@\"", "sh"});
   Proc agent = spawn(argv, {{"TORCHELASTIC_HEALTH_CHECK_PORT", "0"}});
-  auto health_port = [&] {
-    static const std::regex re(R"(health check on http://127\.0\.0\.1:([0-9]+)/health)");
-    std::smatch m;
-    const std::string err = agent.err();
-    return std::regex_search(err, m, re) ? std::stoi(m[1]) : 0;
-  };
+  auto health_port = [&] { return health_port_of(agent); };
   REQUIRE(eventually([&] { return master_port_of(agent) > 0 && health_port() > 0; }, 60s));
   const int store = master_port_of(agent);
   std::vector<int> flood;

@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <fstream>
-#include <regex>
 
 #include <nlohmann/json.hpp>
 
@@ -20,14 +19,6 @@ using namespace mgtest;
 using namespace std::chrono_literals;
 
 namespace {
-
-// The port of "[mglaunch] health check on http://127.0.0.1:PORT/health", 0 until printed.
-int health_port_of(const Proc& p) {
-  static const std::regex re(R"(\[mglaunch\] health check on http://127\.0\.0\.1:([0-9]+)/health)");
-  std::smatch m;
-  const std::string err = p.err();
-  return std::regex_search(err, m, re) ? std::stoi(m[1]) : 0;
-}
 
 // Whether a GET /health sent now is answered within `within` (the connection is accepted
 // by the kernel whether or not the agent runs).

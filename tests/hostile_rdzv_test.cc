@@ -1650,12 +1650,7 @@ TEST_CASE("a flood of silent connections to the hosting agent's rendezvous port 
   auto argv = agent_argv(ep, "flooded", 1, "2", 1, {"--max_restarts=1"}, worker);
   argv.insert(argv.begin(), {"/bin/sh", "-c", "ulimit -n 256 && exec \"$@\"", "sh"});
   Proc host = spawn(argv, {{"TORCHELASTIC_HEALTH_CHECK_PORT", "0"}});
-  auto health_port = [&] {
-    static const std::regex re(R"(health check on http://127\.0\.0\.1:([0-9]+)/health)");
-    std::smatch m;
-    const std::string err = host.err();
-    return std::regex_search(err, m, re) ? std::stoi(m[1]) : 0;
-  };
+  auto health_port = [&] { return health_port_of(host); };
   REQUIRE(eventually([&] { return host.err().find("hosting the rendezvous") != std::string::npos; }, 30s));
   Proc node2 = spawn(agent_argv(ep, "flooded", 2, "2", 1, {"--max_restarts=1"}, worker));
   // Both workers run (node 0's store serves MASTER_PORT).

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
 
@@ -428,6 +429,13 @@ void ForeignTracer::release() {
   while (::waitpid(tracer_, &status, 0) < 0 && errno == EINTR) {
   }
   tracer_ = -1;
+}
+
+int health_port_of(const Proc& p) {
+  static const std::regex re(R"(health check on http://127\.0\.0\.1:([0-9]+)/health)");
+  std::smatch m;
+  const std::string err = p.err();
+  return std::regex_search(err, m, re) ? std::stoi(m[1]) : 0;
 }
 
 }  // namespace mgtest

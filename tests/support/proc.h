@@ -80,6 +80,10 @@ std::string http_request(int port, const std::string& path, const std::string& a
 // The body of a whole HTTP response, "" when it has none.
 std::string body_of(const std::string& response);
 
+// The port of the agent's "health check on http://127.0.0.1:PORT/health" line in `p`'s
+// stderr, 0 until printed.
+int health_port_of(const Proc& p);
+
 // The pids listed in `path`, one per line (fake_worker's pidfile); other lines are skipped.
 std::vector<pid_t> read_pids(const std::string& path);
 

@@ -473,8 +473,13 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         out_.push_back(cmd::Tell{std::move(m)});
         return;
       }
-      case MsgType::kError:
-        return lost(fmt::format("refused by the rendezvous server: {}", proto::from_frame<proto::Error>(f).message));
+      case MsgType::kError: {
+        const std::string said = proto::from_frame<proto::Error>(f).message;
+        // Its own server ended the job while this node looked elsewhere (no majority within
+        // its join_timeout): that is the root cause, not a refusal.
+        if (seek_ && seek_->at_home) return end_seek_no_majority(fmt::format("its own server: {}", said));
+        return lost(fmt::format("refused by the rendezvous server: {}", said));
+      }
       default:
         return lost(fmt::format("unexpected message type {} from the rendezvous server", f.type));
     }
@@ -776,14 +781,7 @@ void ClientMachine::next_seek_target(Clock::time_point now) {
   Seek& sk = *seek_;
   drop_connection();
   cancel(ClientTimer::kTakeover);
-  if (now >= sk.deadline) {
-    const std::string reason = fmt::format(
-        "no majority of the job's voters on this side within join_timeout ({} s), and no other host of the job "
-        "answered with a newer round{}",
-        opts_.join.join_timeout_ms / 1000.0, sk.tried.empty() ? std::string() : " (" + sk.tried + ")");
-    seek_.reset();
-    return end_host_lost(reason);
-  }
+  if (now >= sk.deadline) return end_seek_no_majority(sk.tried);
   const std::size_t slot = sk.turn++ % (sk.targets.size() + 1);
   if (slot == 0) sk.tried.clear();  // what the last round of tries said
   sk.at_home = slot == sk.targets.size();
@@ -796,6 +794,15 @@ void ClientMachine::next_seek_target(Clock::time_point now) {
   arm(ClientTimer::kTakeover, std::min(sk.deadline, now + stay));
   refused_ = 0;
   try_connect();
+}
+
+void ClientMachine::end_seek_no_majority(const std::string& detail) {
+  const std::string reason = fmt::format(
+      "no majority of the job's voters on this side within join_timeout ({} s), and no other host of the job "
+      "answered with a newer round{}",
+      opts_.join.join_timeout_ms / 1000.0, detail.empty() ? std::string() : " (" + detail + ")");
+  end_seek();
+  end_host_lost(reason);
 }
 
 bool ClientMachine::seek_welcomed(const proto::Welcome& w, Clock::time_point now) {

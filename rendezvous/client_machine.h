@@ -220,6 +220,8 @@ class ClientMachine {
   void end_seek();  // a decision came (or a loss): no seek, its timer cancelled
   // Seeking: the next of the targets (home after the others), or the end past its deadline.
   void next_seek_target(Clock::time_point now);
+  // Seeking ends without a majority found: exit 3, the lost host's root cause with `detail`.
+  void end_seek_no_majority(const std::string& detail);
   // Seeking, a server's Welcome: whether to stay on it (home, or a server left for).
   bool seek_welcomed(const proto::Welcome& w, Clock::time_point now);
   // Where the job could be hosted but at home: its former hosts, the last round's nodes

@@ -1031,4 +1031,21 @@ TEST_CASE("client machine: a host that finds no newer round within join_timeout 
   CHECK(a.root_cause.exit_code == kHostLostExitCode);
   CHECK_THAT(a.reason, Catch::Contains("no majority of the job's voters on this side within join_timeout (5 s)"));
   CHECK(l.m.closed());
+
+  // Its own server ended the job (its join_timeout) while this node looked elsewhere: back
+  // home, its join is refused; that ends it with the same root cause, not as a refusal.
+  Link h(host_options());
+  host_waits(h);
+  h.m.host_short_of_majority(h.now);
+  h.after(300ms, ClientTimer::kTakeover);
+  h.after(100ms, ClientTimer::kTakeover);
+  c = h.after(100ms, ClientTimer::kTakeover);
+  REQUIRE(one<cmd::Connect>(c).port == kRdzvPort);  // home
+  welcome_from(h, "host-127.0.0.1", 0, 5);
+  c = h.receive(proto::Error{"job 'job' has already finished; use a new --rdzv_id"});
+  CHECK(all<cmd::Lost>(c).empty());
+  CHECK_THAT(told_one<proto::Abort>(c).reason,
+             Catch::Contains("no majority of the job's voters on this side within join_timeout (5 s)") &&
+                 Catch::Contains("its own server: job 'job' has already finished"));
+  CHECK(h.m.closed());
 }

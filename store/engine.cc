@@ -51,7 +51,7 @@ void Engine::wake(const std::string& key, std::vector<Reply>& out) {
     a->second.keys[index].done = true;
     if (--a->second.missing == 0) {
       awaited_.erase(a);
-      Reply r{c, {}};
+      Reply r{c, {}, {}};
       put_u8(r.bytes, kStopWaiting);
       out.push_back(std::move(r));
     }
@@ -73,7 +73,7 @@ std::string Engine::set(const std::string& key, std::string value, std::vector<R
 }
 
 std::string Engine::apply(ClientId from, Query q, std::vector<Reply>& out) {
-  auto reply = [&]() -> std::string& { return out.emplace_back(Reply{from, {}}).bytes; };
+  auto reply = [&]() -> std::string& { return out.emplace_back(Reply{from, {}, {}}).bytes; };
   switch (q.op) {
     case Op::kValidate:
       return {};

@@ -534,7 +534,7 @@ struct StoreServer::Impl : std::enable_shared_from_this<StoreServer::Impl> {
       c->socket.cancel(ignored);  // its pending wait ends (operation_aborted) and is ignored
       auto sock = std::make_shared<tcp::socket>(std::move(c->socket));
       parked.emplace(id, Parked{sock, c->from});
-      sock->async_wait(tcp::socket::wait_read, [self = shared_from_this(), id](boost::system::error_code) {
+      sock->async_wait(tcp::socket::wait_read, [self = shared_from_this(), id = id](boost::system::error_code) {
         // Data from an ended attempt, its close, or an error: it goes (whatever it sent is
         // never served).
         if (auto it = self->parked.find(id); it != self->parked.end()) {

@@ -126,7 +126,8 @@ const char* term_path = nullptr;
 volatile sig_atomic_t terms = 0;
 char* volatile g_kept = nullptr;  // `alloc`'s memory, reachable so it is never optimised away
 void on_term_file(int) {
-  if (terms++ > 0) ::_exit(0);
+  if (terms > 0) ::_exit(0);  // a read and a write, not ++ on a volatile (deprecated in C++20)
+  terms = 1;
   ::close(::open(term_path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
 }
 

@@ -1,15 +1,20 @@
 # Two commands for a new checkout: `make run` and `make test` (both install what is
 # missing first). Debian 12 packages only; apt-get runs as root or through sudo.
-# RUN_DEBS is what `make run` needs: the compiler, the libraries of mglaunch and mgtrain,
+# RUN_DEBS is what `make run` needs: the compilers (clang++; g++ for libstdc++), the libraries of mglaunch and mgtrain,
 # the Fashion-MNIST data, and python3-torch for the README's example (examples/ddp_train.py).
 # DEBS is everything the build and every test use
 # (tests/support/skip.h: a test whose package is missing skips, and fails under CI=true).
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
-RUN_DEBS := cmake ninja-build g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev libcli11-dev libssl-dev \
+# The compiler of a fresh build directory: clang++ (a third less build CPU than g++ 12, #36:
+# README "Tests", docs/benchmarks.md). An existing build directory keeps the compiler it was
+# configured with; CXX_COMPILER=g++ (or a plain `cmake -S . -B DIR`) builds with GCC.
+CXX_COMPILER ?= clang++
+CONFIGURE = cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=$(CXX_COMPILER)
+RUN_DEBS := cmake ninja-build clang g++ ccache libboost1.81-dev nlohmann-json3-dev libfmt-dev libcli11-dev libssl-dev \
             zlib1g-dev libtorch-dev libgloo-dev dataset-fashion-mnist python3-torch
 DEBS := $(RUN_DEBS) catch2 \
-        clang libclang-rt-14-dev openssh-server openssh-client slurm-wlm prometheus \
+        libclang-rt-14-dev openssh-server openssh-client slurm-wlm prometheus \
         chromium chromium-driver python3-selenium help2man etcd-server etcd-client lld \
         python3 openssl dpkg-dev systemd iproute2 nftables hyperfine time gnuplot-nox strace
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -36,7 +41,7 @@ setup-run:
 
 # Everything, tests included (a build directory that `make run` made without tests gets them).
 build: setup
-	@if [ ! -f $(BUILD_DIR)/build.ninja ]; then cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo; \
+	@if [ ! -f $(BUILD_DIR)/build.ninja ]; then $(CONFIGURE); \
 	elif ! grep -qx 'MGLAUNCH_TESTS:BOOL=ON' $(BUILD_DIR)/CMakeCache.txt; then cmake -S . -B $(BUILD_DIR) -DMGLAUNCH_TESTS=ON; fi
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
@@ -44,7 +49,7 @@ build: setup
 # Only RUN_DEBS, and only mglaunch and mgtrain are built (a fresh build directory without
 # the tests; `make build` or `make test` adds them later).
 run: setup-run
-	@[ -f $(BUILD_DIR)/build.ninja ] || cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMGLAUNCH_TESTS=OFF
+	@[ -f $(BUILD_DIR)/build.ninja ] || $(CONFIGURE) -DMGLAUNCH_TESTS=OFF
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target mglaunch mgtrain
 	$(MGLAUNCH) --standalone --nproc_per_node=4 $(BUILD_DIR)/bin/mgtrain --dataset fashion-mnist --model cnn --epochs 1
 

@@ -919,6 +919,18 @@ def parse_train(text):
     return rows
 
 
+def build_compiler(build):
+    """The C++ compiler the build directory was configured with (CMakeCache.txt), else g++."""
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("CMAKE_CXX_COMPILER:"):
+                    return line.split("=", 1)[1].strip()
+    except OSError:
+        pass
+    return "g++"
+
+
 def meta(bench):
     def version(cmd):
         try:
@@ -941,7 +953,7 @@ def meta(bench):
             "mglaunch": version(["git", "-C", ROOT, "describe", "--always", "--dirty"]),
             "torch (peer and Python loops)": torch_v,
             "hyperfine": version(["hyperfine", "--version"]),
-            "gcc": version(["g++", "--version"]),
+            "compiler": version([build_compiler(bench.build), "--version"]),
             "python": version([PY, "--version"]),
         },
     }

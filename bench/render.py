@@ -294,7 +294,7 @@ def render(res, docs, docs_rel):
            f"`bench/results/latest.json` — do not edit by hand.",
            "",
            f"Run: {m['date']} on {m['machine']}, {m['cores']} cores, Linux {m['kernel']}; mglaunch {v['mglaunch']}, "
-           f"torch {v['torch (peer and Python loops)']}, {v['hyperfine']}, {v['gcc']}, {v['python']}. "
+           f"torch {v['torch (peer and Python loops)']}, {v['hyperfine']}, {v.get('compiler') or v.get('gcc')}, {v['python']}. "
            f"Load average {m['load_at_start']:.1f} at the start, {m.get('load_at_end', 0):.1f} at the end"
            + (" — the machine was shared with other jobs, so absolute times are noisy; "
               "both tools ran in the same run, alternating" if max(m['load_at_start'], m.get('load_at_end', 0)) > 1.0

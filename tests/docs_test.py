@@ -133,7 +133,7 @@ try:
         problems.append("`make -n run` shows no package list it installs from")
     else:
         test_only = {"chromium", "chromium-driver", "python3-selenium", "slurm-wlm", "prometheus", "etcd-server",
-                     "etcd-client", "clang", "catch2", "openssh-server", "hyperfine", "gnuplot-nox"}
+                     "etcd-client", "libclang-rt-14-dev", "catch2", "openssh-server", "hyperfine", "gnuplot-nox"}
         extra = sorted(test_only & set(listed.group(1).split()))
         if extra:
             problems.append(f"`make run` installs test-only packages: {', '.join(extra)} (give it a list of its own)")

@@ -204,7 +204,7 @@ bool new_round_on(const std::vector<Beat>& beats, double from, double to, const 
                   const std::set<std::string>& hosts, const std::string& away) {
   for (const auto& [round, on] : rounds_in(beats, from, to))
     if (round != old_round && !on.contains(away) &&
-        std::all_of(hosts.begin(), hosts.end(), [&](const auto& h) { return on.contains(h); }))
+        std::all_of(hosts.begin(), hosts.end(), [&on = on](const auto& h) { return on.contains(h); }))
       return true;
   return false;
 }

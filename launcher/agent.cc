@@ -565,7 +565,11 @@ void Agent::run(sup::Actions actions) {
             hold_master_port(a.fresh);
           } else if constexpr (std::is_same_v<A, sup::act::ReleaseMasterPort>) {
             launcher_->drop_exec_fence();
-            port_hold_.reset();  // the workers may bind the master port now
+            // For workers that bind the master port themselves. Where this agent serves the
+            // store, the store takes the hold over (serve_store): closing it would reset every
+            // connection queued on it, as a pre-started standby's store client that connected
+            // before this node's paused worker answered (#36, torch 1.13: std::terminate).
+            if (!store_takes_hold()) port_hold_.reset();  // the workers may bind the master port now
           } else if constexpr (std::is_same_v<A, sup::act::Rejoin>) {
             rejoin(a.offer_port);
           } else if constexpr (std::is_same_v<A, sup::act::SendWorkerFailed>) {

@@ -139,6 +139,12 @@ class Agent {
   // when it goes); with `fresh`, or when the port was taken meanwhile, chooses a new one
   // and updates the plan.
   void hold_master_port(bool fresh);
+  // This node's store will be served on the held master port (node 0 with the agent's store):
+  // the hold is handed to it, never closed while workers may have connected to it.
+  bool store_takes_hold() const {
+    return plan_.agent_store && plan_.node_rank == 0 && port_hold_ && port_hold_->listening() &&
+           port_hold_->port() == plan_.master_port;
+  }
   // Whether the run has ended, as it can inside serve_store() (the master port's watch):
   // then no worker is started or assigned.
   bool run_ended() const;

@@ -5,6 +5,9 @@
 // then assign; one that did not is restarted as a new process.
 #include <catch2/catch.hpp>
 
+#include <netinet/in.h>
+#include <sys/time.h>
+#include <arpa/inet.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -16,6 +19,7 @@
 #include <fstream>
 #include <iostream>
 #include <set>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -86,6 +90,39 @@ void check_same_round(const json& assigned, const json& spawned) {
 
 double pause_to_assign_ms(const std::vector<json>& evs, int lr) {
   return (of(evs, "assign", lr).at(0)["time"].get<double>() - of(evs, "pause", lr).at(0)["time"].get<double>()) * 1000;
+}
+
+
+// The TCP ports `pid` listens on (/proc/net/tcp and tcp6: LISTEN sockets among its descriptors).
+std::set<int> listening_ports_of(pid_t pid) {
+  std::set<std::string> inodes;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::set<int> ports;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    const auto lines = split_lines(read_file(table));
+    for (std::size_t i = 1; i < lines.size(); ++i) {
+      std::istringstream in(lines[i]);
+      std::string sl, local, remote, st, queues, tr, retr, uid, timeout, inode;
+      if (!(in >> sl >> local >> remote >> st >> queues >> tr >> retr >> uid >> timeout >> inode)) continue;
+      if (st == "0A" && inodes.contains(inode)) ports.insert(std::stoi(local.substr(local.rfind(':') + 1), nullptr, 16));
+    }
+  }
+  return ports;
+}
+
+// The master port of `err`'s "round N: node ..." notice, 0 while none.
+int round_master_port(const std::string& err, int round) {
+  const auto at = err.find("round " + std::to_string(round) + ": node ");
+  if (at == std::string::npos) return 0;
+  const auto line = err.substr(at, err.find('\n', at) - at);
+  const auto m = line.find("master ");
+  if (m == std::string::npos) return 0;
+  const auto colon = line.find(':', m);
+  return colon == std::string::npos ? 0 : std::atoi(line.c_str() + colon + 1);
 }
 
 }  // namespace
@@ -300,6 +337,85 @@ TEST_CASE("in place, two nodes: node 1's agent SIGKILLed, node 0's opted-in work
   CHECK(new1[0]["env"]["MASTER_PORT"] == env["MASTER_PORT"]);
   std::cout << "in place, two nodes: pause -> assign " << pause_to_assign_ms(evs, 0)
             << " ms (node 1's new agent started and joined meanwhile)\n";
+  ::kill(d.proc.pid, SIGTERM);
+  CHECK(d.proc.wait(10s));
+  for (const auto& dir : {dir0, dir1, dir1b}) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("in place, two nodes: a store client queued on node 0's held master port before the round is decided is "
+          "served once node 0's paused worker answers, not reset when the round opens (#36)") {
+  // A pre-started standby's worker connects to the recovered round's master port as soon as
+  // its own agent places it; node 0's agent, whose paused worker had not answered yet, closed
+  // the held port there (the release meant for workers that bind it) and bound the store
+  // afresh later: the queued connection was reset, and torch 1.13's store thread aborted.
+  Daemon d = start_daemon();
+  const std::string dir0 = make_temp_dir(), dir1 = make_temp_dir(), dir1b = make_temp_dir();
+  auto node = [&](int node_rank, const std::string& dir) {
+    return spawn({kMglaunch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=" + d.endpoint,
+                  "--rdzv_id=inplace-held", "--max_restarts=2", "--node_rank=" + std::to_string(node_rank),
+                  "--local_addr=127.0.0." + std::to_string(node_rank + 2), "--no_python", "/usr/bin/python3", kWorker,
+                  dir, "0", "on-pause=ack-on-file"});
+  };
+  Proc n0 = node(0, dir0);
+  Proc n1 = node(1, dir1);
+  REQUIRE(eventually([&] { return has_event(dir0, "welcome", 0) && has_event(dir1, "welcome", 0); }, 60s));
+  const int first = round_master_port(n0.err(), 1);
+  INFO(n0.err());
+  REQUIRE(first > 0);
+  ::kill(n1.pid, SIGKILL);
+  REQUIRE(n1.wait(10s));
+  // Node 0 re-joins holding a fresh master port (listening) beside its first round's store.
+  int held = 0;
+  REQUIRE(eventually([&] {
+    for (int p : listening_ports_of(n0.pid))
+      if (p != first) held = p;
+    return has_event(dir0, "pause", 0) && held > 0;
+  }, 60s));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  const timeval tv{60, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(held));
+  a.sin_addr.s_addr = htonl(0x7f000002);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);  // queued on the hold
+  // torch 2.x's VALIDATE, then ADD("k", 1): answered once a store serves this connection.
+  std::string q = std::string(1, '\0') + std::string("\xce\xf7\x85\x3c", 4) + '\4';
+  const std::uint64_t one = 1, len = 1;
+  q += std::string(reinterpret_cast<const char*>(&len), 8) + "k" + std::string(reinterpret_cast<const char*>(&one), 8);
+  REQUIRE(::send(fd, q.data(), q.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(q.size()));
+  Proc n1b = node(1, dir1b);  // the round opens on the held port; node 0's worker has not answered
+  REQUIRE(eventually([&] { return round_master_port(n0.err(), 2) > 0; }, 60s));
+  CHECK(round_master_port(n0.err(), 2) == held);
+  REQUIRE(eventually([&] { return has_event(dir1b, "welcome", 0); }, 60s));
+  // Before the fix the hold was closed by now: the connection reset (or, later, refused).
+  std::string ended;  // how the connection ended, if it did (a reset shows once: the error is taken)
+  auto reset = [&] {
+    char c;
+    const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0) ended = "closed";
+    else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) ended = std::strerror(errno);
+    return !ended.empty();
+  };
+  CHECK_FALSE(eventually(reset, 3s));
+  INFO("the connection: " << ended);
+  std::ofstream(dir0 + "/ack").put('\n');  // node 0's worker answers its pause: assigned, the store served
+  std::int64_t v = 0;
+  const ssize_t got = ::recv(fd, &v, 8, MSG_WAITALL);
+  INFO("recv: " << got << " " << (got < 0 ? std::strerror(errno) : ""));
+  CHECK(got == 8);
+  CHECK(v == 1);
+  ::close(fd);
+  REQUIRE(eventually([&] { return has_event(dir0, "assign", 0); }, 60s));
+  CHECK(of(events(dir0), "assign", 0).at(0)["env"]["MASTER_PORT"] == std::to_string(held));
+  finish(dir0);
+  finish(dir1b);
+  for (Proc* p : {&n0, &n1b}) {
+    REQUIRE(p->wait(60s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
   ::kill(d.proc.pid, SIGTERM);
   CHECK(d.proc.wait(10s));
   for (const auto& dir : {dir0, dir1, dir1b}) std::filesystem::remove_all(dir);

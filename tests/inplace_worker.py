@@ -3,7 +3,7 @@
 control protocol (docs/in-place-recovery.md) with the standard library only.
 
     inplace_worker.py OUT_DIR IN_PLACE_LOCAL_RANKS [fail-once|fail-on-file LOCAL_RANK] [no-standby]
-        [ignore-term] [standby-exits-after=SECONDS] [on-pause=close|junk]
+        [ignore-term] [standby-exits-after=SECONDS] [on-pause=close|junk|ack-on-file]
 
 Every event goes to OUT_DIR/events.jsonl, one JSON line each (appended in one write):
 start (pid and the torchrun variables), welcome, pause, assign (its env), exit. The local
@@ -21,7 +21,7 @@ Such a worker with `ignore-term` logs `term-ignored` for SIGTERM and SIGINT and 
 assigned a place. A pre-started worker prints `pre-started worker pid PID` on stdout. With
 `on-pause=close` a worker answers its first pause by closing its control connection (and
 goes on running); with `on-pause=junk`, by a message of an unknown type (the agent refuses
-it)."""
+it); with `on-pause=ack-on-file`, by its "paused" only once OUT_DIR/ack exists (at most 60 s)."""
 import json
 import os
 import select
@@ -123,6 +123,12 @@ while time.time() < deadline:
                 sock.close()
                 sock = None
                 break
+            if on_pause == "ack-on-file":  # bounded: 60 s
+                for _ in range(1200):
+                    if os.path.exists(os.path.join(out_dir, "ack")):
+                        break
+                    time.sleep(0.05)
+                log("ack")
             sock.sendall(b'{"type":"junk"}\n' if on_pause == "junk" else b'{"type":"paused","step":7}\n')
         elif m["type"] == "assign":
             log("assign", round=m["round"], restart_count=m["restart_count"], env=m["env"])

@@ -125,6 +125,19 @@ int round_master_port(const std::string& err, int round) {
   return colon == std::string::npos ? 0 : std::atoi(line.c_str() + colon + 1);
 }
 
+// Node `node_rank` of a two-node in-place job on `d` (id `rdzv_id`, at 127.0.0.(node_rank + 2)): every
+// worker tests/inplace_worker.py writing to `dir`, local rank 0 opted in, `extra` its further arguments.
+Proc two_node_agent(const Daemon& d, const std::string& rdzv_id, int nproc, int node_rank, const std::string& dir,
+                    const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> argv{kMglaunch, "--nnodes=2", "--nproc_per_node=" + std::to_string(nproc),
+                                "--rdzv_backend=c10d", "--rdzv_endpoint=" + d.endpoint, "--rdzv_id=" + rdzv_id,
+                                "--max_restarts=2", "--node_rank=" + std::to_string(node_rank),
+                                "--local_addr=127.0.0." + std::to_string(node_rank + 2), "--no_python",
+                                "/usr/bin/python3", kWorker, dir, "0"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return spawn(argv);
+}
+
 }  // namespace
 
 TEST_CASE("in place, one node: a local failure pauses the opted-in worker, which keeps its pid and is assigned the "
@@ -280,12 +293,7 @@ TEST_CASE("in place, two nodes: node 1's agent SIGKILLed, node 0's opted-in work
           "the next round, its other worker is restarted") {
   Daemon d = start_daemon();
   const std::string dir0 = make_temp_dir(), dir1 = make_temp_dir(), dir1b = make_temp_dir();
-  auto node = [&](int node_rank, const std::string& dir) {
-    return spawn({kMglaunch, "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=" + d.endpoint,
-                  "--rdzv_id=inplace", "--max_restarts=2", "--node_rank=" + std::to_string(node_rank),
-                  "--local_addr=127.0.0." + std::to_string(node_rank + 2), "--no_python", "/usr/bin/python3", kWorker,
-                  dir, "0"});
-  };
+  auto node = [&](int node_rank, const std::string& dir) { return two_node_agent(d, "inplace", 2, node_rank, dir); };
   Proc n0 = node(0, dir0);
   Proc n1 = node(1, dir1);
   REQUIRE(eventually([&] {
@@ -351,10 +359,7 @@ TEST_CASE("in place, two nodes: a store client queued on node 0's held master po
   Daemon d = start_daemon();
   const std::string dir0 = make_temp_dir(), dir1 = make_temp_dir(), dir1b = make_temp_dir();
   auto node = [&](int node_rank, const std::string& dir) {
-    return spawn({kMglaunch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=" + d.endpoint,
-                  "--rdzv_id=inplace-held", "--max_restarts=2", "--node_rank=" + std::to_string(node_rank),
-                  "--local_addr=127.0.0." + std::to_string(node_rank + 2), "--no_python", "/usr/bin/python3", kWorker,
-                  dir, "0", "on-pause=ack-on-file"});
+    return two_node_agent(d, "inplace-held", 1, node_rank, dir, {"on-pause=ack-on-file"});
   };
   Proc n0 = node(0, dir0);
   Proc n1 = node(1, dir1);

@@ -111,8 +111,10 @@ void Agent::check_descriptor_budget() {
     ::closedir(d);
   }
   // A rendezvous server this agent may host or take over (the own daemon's protocol, not
-  // etcd) keeps one connection per agent of the job (the server's own bound is 100,000).
-  const int agents = uses_rendezvous_server(opts_) && opts_.rdzv_backend != "etcd" ? std::min(opts_.nnodes.max, 100000) : 0;
+  // etcd) keeps one connection per agent of the job, up to the server's own bound.
+  const int agents = uses_rendezvous_server(opts_) && opts_.rdzv_backend != "etcd"
+                         ? std::min(opts_.nnodes.max, rdzv::ServerOptions{}.max_nodes_per_job)
+                         : 0;
   const sup::DescriptorNeed need = sup::descriptor_need(plan_.nproc_per_node, merge_streams_, files, open_now, agents);
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return;

@@ -68,6 +68,10 @@ struct Welcome {
   // before this field, or for a job it does not know yet. Not signed (as host_agent).
   int round_epoch = 0;
   int epoch = 0;
+  // The epoch of the last round this host opened or took over (Job::last_round_epoch()): a
+  // host without a majority leaves for one that "precedes" it only when both lead the same
+  // last round (review s36 H1). 0 from a server before this field.
+  int last_round_epoch = 0;
 };
 struct Join {
   static constexpr MsgType kType = MsgType::kJoin;
@@ -183,7 +187,7 @@ struct Standby {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent, round_epoch, epoch)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent, round_epoch, epoch, last_round_epoch)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,

@@ -813,15 +813,22 @@ bool ClientMachine::seek_welcomed(const proto::Welcome& w, Clock::time_point now
   }
   const std::string where = host_port(opts_.host, opts_.port);
   // A round newer than this node's runs there (a majority opened it), or no round runs
-  // there either and that job's epoch is below home's (it precedes this one).
+  // there either, that host leads the same last round as this node (the old host of the
+  // round this node took over, or another node that took it over) and its job's epoch is
+  // below home's (it precedes this one). A host whose last round is another is no peer of
+  // this cut: one cut off epochs ago counts a majority of its own stale voters, and this
+  // node's vote there could open a second round of the job (review s36 H1).
   const bool newer = w.round_epoch > opts_.join.epoch;
-  const bool precedes = w.round_epoch == 0 && w.epoch > 0 && w.epoch < sk.home_epoch;
+  const bool same_round = w.last_round_epoch == opts_.join.epoch;
+  const bool precedes = w.round_epoch == 0 && same_round && w.epoch > 0 && w.epoch < sk.home_epoch;
   if (!newer && !precedes) {
-    sk.tried += fmt::format("{}{}: {}", sk.tried.empty() ? "" : "; ", where,
-                            w.round_epoch > 0 ? fmt::format("runs epoch {}, not newer than {}", w.round_epoch,
-                                                            opts_.join.epoch)
-                                              : fmt::format("runs no round either, epoch {} after this host's {}",
-                                                            w.epoch, sk.home_epoch));
+    std::string said;
+    if (w.round_epoch > 0) said = fmt::format("runs epoch {}, not newer than {}", w.round_epoch, opts_.join.epoch);
+    else if (!same_round)
+      said = fmt::format("runs no round either, its last round's epoch {} is not this node's {}", w.last_round_epoch,
+                         opts_.join.epoch);
+    else said = fmt::format("runs no round either, epoch {} after this host's {}", w.epoch, sk.home_epoch);
+    sk.tried += fmt::format("{}{}: {}", sk.tried.empty() ? "" : "; ", where, said);
     next_seek_target(now);
     return false;
   }

@@ -38,9 +38,11 @@
 // join_timeout after the shortfall (then it ends, exit 3). A server elsewhere is left for
 // (cmd::StopHosting, then a join as a newcomer: its next round or a standby) only when its
 // Welcome shows that it runs a round newer than this node's (opened with a majority), or
-// that it runs none either and its job's epoch is lower than home's (it precedes: the
-// job's host before a cut precedes a node that took over, and of two that took the same
-// round over the lower group rank). So a host with a majority never seeks, and of two
+// that it runs none either, leads the same last round as this node (Welcome's
+// last_round_epoch equals this node's epoch: a host cut off epochs ago counts its own stale
+// voters) and its job's epoch is lower than home's (it precedes: the job's host before a
+// cut precedes a node that took over, and of two that took the same round over the lower
+// group rank). So a host with a majority never seeks, and of two
 // minority hosts exactly one leaves for the other; at home it joins its own round (which
 // opens once a minority host that left for it is there).
 #pragma once

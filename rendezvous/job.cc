@@ -293,6 +293,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       round_ = j.resume_round;
       restart_count_ = j.resume_restart_count;
       epoch_ = std::max(epoch_, j.epoch);
+      last_round_epoch_ = epoch_;
       expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
       rebuilding_ = true;
       rebuild_since_ = now;
@@ -562,6 +563,7 @@ Actions Job::close_round(Clock::time_point now) {
   // job over learns the highest from its survivors' joins).
   for (const auto& [s, n] : nodes) epoch_ = std::max(epoch_, n.join.epoch);
   if (epoch_ < INT32_MAX) ++epoch_;
+  last_round_epoch_ = epoch_;
   quorum_told_ = took_over_ = voters_host_closed_ = false;
   proto::Assignment a;
   a.epoch = epoch_;
@@ -788,6 +790,7 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   // close_round() adds one: the first epoch of this host is takeover_epoch(), never one the
   // lost host (or another node that took the same round over) mints.
   epoch_ = std::max(epoch_, takeover_epoch(seed.epoch, seed.host_rank) - 1);
+  last_round_epoch_ = seed.epoch;
   voters_ = seed.voters;
   prev_voters_ = seed.prev_voters;
   took_over_ = true;

@@ -187,6 +187,10 @@ class Job {
   // The epoch of the round running now; 0 while none runs (joining, restarting, waiting for
   // a majority, ended): proto::Welcome::round_epoch (#34).
   int running_epoch() const { return state_ == State::kRunning ? epoch_ : 0; }
+  // The epoch of the last round this job opened, or (taken over, its first round not closed)
+  // the seed's: the round whose takeover or restart this host leads. Two hosts without a
+  // majority are peers of one cut only when theirs are equal (proto::Welcome, review s36 H1).
+  int last_round_epoch() const { return last_round_epoch_; }
   // Whether this side hears a majority of the voters for the next round: those that joined
   // or stand by, and the nodes told to restart that still beat (alive, their workers still
   // stopping). false: the host is cut off from the rest, and looks for the job elsewhere
@@ -288,6 +292,7 @@ class Job {
   std::string id_;
   bool quorum_ = false;       // the job counts a majority after a loss (an agent hosts it)
   int epoch_ = 0;             // of the last round (epoch())
+  int last_round_epoch_ = 0;  // last_round_epoch()
   // The voters of epoch_ (agent ids): the round's nodes and the standbys when it closed;
   // empty when more than kMaxListedNodes (no majority is counted then).
   std::vector<std::string> voters_;

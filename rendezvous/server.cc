@@ -366,6 +366,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     if (const auto job = jobs_.find(s->job); job != jobs_.end()) {  // #34: for a host that looks for the job
       w.round_epoch = job->second.running_epoch();
       w.epoch = job->second.epoch();
+      w.last_round_epoch = job->second.last_round_epoch();
     }
     s->conn->send(proto::to_frame(w));
     s->conn->set_max_frame(opts_.max_frame);

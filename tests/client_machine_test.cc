@@ -870,11 +870,12 @@ TEST_CASE("client machine: an assignment without an epoch (a server before #34) 
 namespace {
 
 mg::rdzv::ClientCommands welcome_from(mgtest::rdzv::Link& l, const std::string& host_agent, int round_epoch,
-                                      int epoch) {
+                                      int epoch, int last_round_epoch = 0) {
   auto c = l.m.connected(kNonce, l.now);
   proto::Welcome w{"srv", host_agent};
   w.round_epoch = round_epoch;
   w.epoch = epoch;
+  w.last_round_epoch = last_round_epoch;
   auto f = l.m.frame(proto::to_frame(w), l.now);
   c.insert(c.end(), f.begin(), f.end());
   return c;
@@ -900,6 +901,30 @@ ClientOptions host_options() {
   o.join.takeover_port = 0;  // it hosts
   o.join.last_call_ms = 100;
   return o;
+}
+
+// Node 2 of round_of's round (epoch `epoch`), cut off from both others, took it over alone
+// and its round waits for a majority: after the grace it looks for the job, first at the
+// old host (the endpoint), which it is connecting to now.
+void taker_seeks(Link& taker, int epoch) {
+  taker.m.start(taker.now);
+  welcome_from(taker, "host-127.0.0.1", 0, 0);
+  auto a = round_of(2);
+  a.epoch = epoch;
+  taker.receive(a);
+  taker.now += 1s;
+  auto c = taker.m.connection_closed("no answer for 400 ms", taker.now);
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+  taker.m.rejoin(taker.now);
+  c = taker.after(100ms, ClientTimer::kTakeover);
+  REQUIRE(has<cmd::HostTakeover>(c));
+  c = taker.m.hosted({"127.0.0.3", 7003}, taker.now);
+  REQUIRE(one<cmd::Connect>(c).port == 7003);
+  welcome_from(taker, "host-127.0.0.3", 0, takeover_epoch(epoch, 2) - 1, epoch);
+  taker.m.host_short_of_majority(taker.now);
+  c = taker.after(300ms, ClientTimer::kTakeover);
+  CHECK_THAT(notices(c), Catch::Contains("(127.0.0.1:" + std::to_string(kRdzvPort) + ", 127.0.0.2:7002)"));
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.1");
 }
 
 }  // namespace
@@ -988,31 +1013,38 @@ TEST_CASE("client machine: two hosts without a majority meet: the one whose job'
 
   // Node 2 of that round, cut off from both, took it over alone: its job's epoch is above
   // the old host's. Its targets: the old host (the endpoint), node 1's takeover port; it
-  // finds the old host waiting too, which precedes it: it leaves for it.
+  // finds the old host waiting too, leading the same last round (epoch 5), which precedes
+  // it: it leaves for it.
   Link taker(options("127.0.0.3"));
-  taker.m.start(taker.now);
-  welcome_from(taker, "host-127.0.0.1", 0, 0);
-  auto a = round_of(2);
-  a.epoch = 5;
-  taker.receive(a);
-  taker.now += 1s;
-  c = taker.m.connection_closed("no answer for 400 ms", taker.now);
-  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
-  taker.m.rejoin(taker.now);
-  c = taker.after(100ms, ClientTimer::kTakeover);
-  REQUIRE(has<cmd::HostTakeover>(c));
-  c = taker.m.hosted({"127.0.0.3", 7003}, taker.now);
-  REQUIRE(one<cmd::Connect>(c).port == 7003);
-  welcome_from(taker, "host-127.0.0.3", 0, takeover_epoch(5, 2) - 1);
-  c = taker.m.host_short_of_majority(taker.now);
-  c = taker.after(300ms, ClientTimer::kTakeover);
-  CHECK_THAT(notices(c), Catch::Contains("(127.0.0.1:" + std::to_string(kRdzvPort) + ", 127.0.0.2:7002)"));
-  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
-  c = welcome_from(taker, "host-127.0.0.1", 0, 5);
+  taker_seeks(taker, 5);
+  c = welcome_from(taker, "host-127.0.0.1", 0, 5, 5);
   REQUIRE(stops_hosting(c));
   CHECK_THAT(one<cmd::StopHosting>(c).why,
              Catch::Contains("without a majority too and precedes this node (epoch 5 below 131074)"));
   CHECK(sent_of<proto::Join>(c).resume_round == 0);
+}
+
+TEST_CASE("client machine: a host without a majority never leaves for a host whose last round is another: one cut off "
+          "epochs ago counts its own stale voters") {
+  // Review s36 H1: round 5 ran {0,1,2}; node 0 was cut off and waits alone since (its job at
+  // epoch 5, no round); the job went on without it to epoch 131077 (a takeover, a scale-up
+  // to six nodes, a restart). Now this node, which took that round over, has no majority of
+  // its voters and finds node 0: its job's epoch is below this host's, but its last round
+  // is epoch 5, not this node's 131077. Left for, it would count this node's vote (and the
+  // next node's) among its stale voters {0,1,2} and open a round beside the majority's.
+  constexpr int kT3 = 131077;
+  Link taker(options("127.0.0.3"));
+  taker_seeks(taker, kT3);
+  auto c = welcome_from(taker, "host-127.0.0.1", 0, 5, 5);
+  CHECK_FALSE(stops_hosting(c));
+  CHECK(sent(c) == std::vector<MsgType>{MsgType::kHello});  // no join there
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");            // the next target
+  CHECK(taker.m.seeking());
+  // A server before this field names no last round (0): never a peer either.
+  c = welcome_from(taker, "host-127.0.0.2", 0, 5);
+  CHECK_FALSE(stops_hosting(c));
+  CHECK(one<cmd::Connect>(c).port == 7003);  // home
+  // The old host that leads this node's last round is one (the case above).
 }
 
 TEST_CASE("client machine: a host that finds no newer round within join_timeout of the shortfall ends, exit 3") {

@@ -152,6 +152,9 @@ TEST_CASE("quorum: two hosts never mint the same epoch: a takeover's epochs jump
     TakeoverSeed seed = seed_of(4, 6, 3, 1, T0 + 1s);
     seed.host_rank = host_rank;
     job.take_over(seed, T0);
+    // Its last round, for a host that looks for the job (Welcome::last_round_epoch, review
+    // s36 H1): the round taken over until its own opens.
+    CHECK(job.last_round_epoch() == 6);
     for (int i = 2; i <= 3; ++i) {
       auto j = node("127.0.0." + std::to_string(i));
       j.last_group_rank = i - 1;
@@ -160,6 +163,7 @@ TEST_CASE("quorum: two hosts never mint the same epoch: a takeover's epochs jump
     }
     auto closed = of_type(job.tick(T0 + 1001ms), MsgType::kAssignment);
     REQUIRE(closed.size() == 2);
+    CHECK(job.last_round_epoch() == decoded<proto::Assignment>(closed[0]).epoch);
     return decoded<proto::Assignment>(closed[0]).epoch;
   };
   CHECK(first_epoch(1) == a);  // before: both 7, the lost host's next epoch too

@@ -72,10 +72,12 @@ rdzv::ServerOptions Agent::server_options() {
   // The round this node's server opens waits for a majority of the voters, and the server
   // hears no majority (the nodes told to restart that still beat count: their workers may
   // be slow to stop): its link looks for the job at the other hosts after a grace
-  // (rdzv::ClientMachine, "Seeking", #34). Asked again at each node lost; posted, not from
-  // within the server's own call.
+  // (rdzv::ClientMachine, "Seeking", #34). Asked again whenever the answer may turn: at
+  // each node lost (a node told to restart too, silent or closed) and each standby lost
+  // (review s36 M1); posted, not from within the server's own call.
   so.on_event = [this](const rdzv::JobEvent& e) {
-    if (e.kind == rdzv::JobEvent::Kind::kNoQuorum || e.kind == rdzv::JobEvent::Kind::kNodeLost)
+    using K = rdzv::JobEvent::Kind;
+    if (e.kind == K::kNoQuorum || e.kind == K::kNodeLost || e.kind == K::kStandbyLost)
       asio::post(io_, [this] {
         if (client_ && embedded_server_ && !embedded_server_->hears_majority(plan_.run_id))
           client_->host_short_of_majority();

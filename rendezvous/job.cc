@@ -733,8 +733,18 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
     e.cause = "connection closed";
     e.why = fmt::format("{}, waiting for round {}", why, round_ + 1);
   }
+  // A node told to restart is lost too when its connection closes before it re-joined: an
+  // event, as when it goes silent (drop_silent_rejoining), since it counted for
+  // hears_majority() and its host may now have to look for the job (review s36 M1).
+  if (auto r = rejoining_.find(s); r != rejoining_.end()) {
+    if (!finished()) {
+      auto& e = emit(JobEvent::Kind::kNodeLost, &r->second.join);
+      e.cause = "connection closed";
+      e.why = fmt::format("{}, told to restart for round {}", why, round_ + 1);
+    }
+    rejoining_.erase(r);
+  }
   joined_.erase(s);
-  rejoining_.erase(s);
   auto it = members_.find(s);
   if (it == members_.end()) {
     if (joined_.size() < static_cast<std::size_t>(config_.min_nodes)) last_call_deadline_.reset();

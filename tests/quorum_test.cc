@@ -494,6 +494,35 @@ TEST_CASE("quorum: a node told to restart that still beats is alive but no vote 
   }
 }
 
+TEST_CASE("quorum: a node told to restart whose connection closes before it re-joined is lost, an event: its host "
+          "asks again whether it hears a majority") {
+  // Review s36 M1: A (the host) re-joins at once, B and C beat while their workers stop: the
+  // round waits for a majority (kNoQuorum), yet A hears one, so its host stays home. Then a
+  // REJECT cut resets B's and C's connections. The host asks hears_majority() again only on
+  // an event; before, such a node was erased without one and the host waited out join_timeout.
+  Job job = three_nodes(true);
+  fail_worker(job, 1, 1, T0 + 50ms);
+  job.join(1, node("127.0.0.1"), T0 + 100ms);
+  for (auto t = T0 + 200ms; t <= T0 + 1300ms; t += 100ms) {
+    beat(job, {1, 2, 3}, t);
+    REQUIRE(of_type(job.tick(t + 1ms), MsgType::kAssignment).empty());
+  }
+  REQUIRE(has_event(job, JobEvent::Kind::kNoQuorum));
+  REQUIRE(job.hears_majority());
+  job.disconnected(2, T0 + 1350ms, "its connection was reset");
+  JobEvent e;
+  REQUIRE(has_event(job, JobEvent::Kind::kNodeLost, &e));
+  CHECK(e.host == "host-127.0.0.2");
+  CHECK(e.cause == "connection closed");
+  CHECK(e.why == "its connection was reset, told to restart for round 2");
+  CHECK(job.hears_majority());  // A and C: 2 of 3
+  job.disconnected(3, T0 + 1360ms, "its connection was reset");
+  REQUIRE(has_event(job, JobEvent::Kind::kNodeLost, &e));
+  CHECK(e.host == "host-127.0.0.3");
+  CHECK_FALSE(job.hears_majority());  // A alone: its host looks for the job (#34, Seeking)
+  CHECK(job.state() == Job::State::kRestarting);
+}
+
 TEST_CASE("quorum: a node that joined a round and was cut off before its assignment takes over with the older "
           "voters: the host's side needs their majority too, so only one side goes on") {
   // Nodes A (the host), B, C; a worker fails, A and B re-join (C is cut off), round 2 opens

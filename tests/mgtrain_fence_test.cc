@@ -143,13 +143,17 @@ TEST_CASE("MGLAUNCH_EPOCH on a file system without locks (flock fails with ENOLC
 TEST_CASE("MGLAUNCH_EPOCH: two mgtrain writers at once on one checkpoint path, whichever started first: the older epoch is refused, the newer one writes to the end") {
   const std::string first = GENERATE(as<std::string>{}, "older", "newer");
   const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
-  // Long runs (5,000 steps) that checkpoint every step; the second starts once the first
-  // has written, resumes from it and writes too.
+  // Long runs (20 epochs of 256 steps) that checkpoint every step; the second starts once the
+  // first has written, resumes from it and writes too. Each step sleeps 50 ms (--step-ms): at
+  // full speed the first one kept a core busy writing checkpoints while the second loaded
+  // LibTorch, and both did until the older one was refused; and 1,024 samples, not 20,000,
+  // whose making and evaluation took 4.7 CPU-s in each of the 3 processes (#36).
+  const std::vector<std::string> data = {"--dataset", "synthetic", "--synthetic-size", "1024", "--epochs", "20",
+                                         "--batch-size", "4"};
   auto start = [&](const std::string& epoch) {
-    return spawn(command(ckpt, {"--dataset", "synthetic", "--synthetic-size", "20000", "--batch-size", "4", "--log-every",
-                                "1", "--summary-json", dir + "/s" + epoch + ".json"},
-                         true),
-                 alone(epoch));
+    auto extra = data;
+    extra.insert(extra.end(), {"--log-every", "1", "--step-ms", "50", "--summary-json", dir + "/s" + epoch + ".json"});
+    return spawn(command(ckpt, extra, true), alone(epoch));
   };
   INFO("first: " << first);
   Proc one = start(first == "older" ? "5" : "7");
@@ -173,9 +177,9 @@ TEST_CASE("MGLAUNCH_EPOCH: two mgtrain writers at once on one checkpoint path, w
   CHECK(s["checkpoint_at_stop"] == ckpt + "/checkpoint.pt");
   CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
   // What it left resumes at its last step.
-  auto resumed = run(command(ckpt, {"--dataset", "synthetic", "--synthetic-size", "20000", "--batch-size", "4",
-                                    "--log-every", "0", "--max-steps", std::to_string(s["steps"].get<int>())}),
-                     alone("7"), 120s);
+  auto extra = data;
+  extra.insert(extra.end(), {"--log-every", "0", "--max-steps", std::to_string(s["steps"].get<int>())});
+  auto resumed = run(command(ckpt, extra), alone("7"), 120s);
   INFO(resumed.err);
   CHECK(resumed.code == 0);
   CHECK_THAT(resumed.out, Catch::Contains("at step " + std::to_string(s["steps"].get<int>())));

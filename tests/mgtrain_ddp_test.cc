@@ -20,6 +20,9 @@ using namespace mgtest;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
+// The file's own names (mgtrain_tests is one unity unit of its four files: tests/CMakeLists.txt).
+namespace mgtrain_ddp_test {
+
 namespace {
 
 const std::string kMgtrain = MGTRAIN_BIN;
@@ -182,3 +185,5 @@ TEST_CASE("without a launcher mgtrain trains in one process with no process grou
 TEST_CASE("our reducer and c10d::Reducer (Python DDP's engine) give bit-identical weights on a rank-dependent branch") {
   check_reducers_agree({}, kMgtrain, true);
 }
+
+}  // namespace mgtrain_ddp_test

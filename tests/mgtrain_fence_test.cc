@@ -17,6 +17,9 @@
 using namespace mgtest;
 using namespace std::chrono_literals;
 
+// The file's own names (mgtrain_tests is one unity unit of its four files: tests/CMakeLists.txt).
+namespace mgtrain_fence_test {
+
 namespace {
 
 const std::string kMgtrain = MGTRAIN_BIN;
@@ -237,3 +240,5 @@ TEST_CASE("without MGLAUNCH_EPOCH (torchrun, older agents) checkpoints are writt
     CHECK(count_of(r.err, "\n") == 1);
   }
 }
+
+}  // namespace mgtrain_fence_test

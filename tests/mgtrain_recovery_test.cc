@@ -25,6 +25,9 @@
 using namespace mgtest;
 using namespace std::chrono_literals;
 
+// The file's own names (mgtrain_tests is one unity unit of its four files: tests/CMakeLists.txt).
+namespace mgtrain_recovery_test {
+
 namespace {
 
 const std::string kMgtrain = MGTRAIN_BIN;
@@ -684,3 +687,5 @@ print(json.dumps({"hello": hello, "waited": waited, "code": p.wait(60), "out": o
   CHECK_THAT(r.err, !Catch::Contains("within --timeout"));
   std::filesystem::remove_all(dir);
 }
+
+}  // namespace mgtrain_recovery_test

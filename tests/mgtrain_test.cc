@@ -21,6 +21,9 @@
 using namespace mgtest;
 using namespace std::chrono_literals;
 
+// The file's own names (mgtrain_tests is one unity unit of its four files: tests/CMakeLists.txt).
+namespace mgtrain_run_test {
+
 namespace {
 
 const std::string kMgtrain = MGTRAIN_BIN;
@@ -320,3 +323,5 @@ TEST_CASE("mgtrain --help lists --cuda-graphs, and a build without CUDA refuses 
   CHECK(gloo.code == 2);
   CHECK_THAT(gloo.err, Catch::Contains("drop --backend gloo"));
 }
+
+}  // namespace mgtrain_run_test

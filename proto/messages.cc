@@ -98,8 +98,7 @@ std::string validate(const Join& m) {
                range("resume_group_rank", m.resume_group_rank, -1, m.max_nodes - 1),
                range("resume_restart_count", m.resume_restart_count, 0, m.max_restarts),
                range("takeover_port", m.takeover_port, 0, 65535),
-               range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1),
-               range("epoch", m.epoch, 0, INT32_MAX));
+               range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1), voter_list(m.epoch, m.voters));
 }
 
 std::string validate(const Assignment& m) {

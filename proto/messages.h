@@ -106,6 +106,10 @@ struct Join {
   // The highest epoch this node was told (Assignment::epoch; 0: none): a node that takes a
   // job over, or a restarted daemon rebuilding a round, goes on from the highest (#34).
   int epoch = 0;
+  // The voters of that epoch as this node was told them (Assignment::voters; empty: none,
+  // or left out of a join sent before the welcome that would not fit its frame). A host
+  // whose last round is older counts a majority of them too (Job, review s36 H1).
+  std::vector<std::string> voters;
 };
 struct Assignment {
   static constexpr MsgType kType = MsgType::kAssignment;
@@ -192,7 +196,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, ad
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
                                                 resume_restart_count, resume_done, resume_standby, takeover_port,
-                                                last_group_rank, epoch)
+                                                last_group_rank, epoch, voters)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes,
                                                 takeover_ports, standbys, epoch, voters)

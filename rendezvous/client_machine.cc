@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "proto/frame.h"
 #include "rendezvous/auth.h"
 
 namespace mg::rdzv {
@@ -530,7 +531,18 @@ void ClientMachine::send_join() {
     out_.push_back(cmd::Notice{"reconnected; re-registered as a standby"});
     j.resume_standby = true;
   }
-  send(proto::to_wire(j));
+  // The voters of this node's epoch ride along to an agent's server (the job's last host was
+  // one): a host whose last round is older counts a majority of them too (Job::adopt_voters,
+  // review s36 H1); a daemon counts none. Before the welcome the server reads frames of at
+  // most kHandshakeMaxFrame bytes: a list too long for that stays out.
+  if (voters_epoch_ == j.epoch && !host_agent_.empty()) j.voters = voters_;
+  proto::Wire w = proto::to_wire(j);
+  constexpr std::size_t kHeaderRoom = 64;  // the frame's header (the signature comes after the welcome)
+  if (!welcomed_ && !j.voters.empty() && w.payload_size() + kHeaderRoom > proto::kHandshakeMaxFrame) {
+    j.voters.clear();
+    w = proto::to_wire(j);
+  }
+  send(std::move(w));
 }
 
 void ClientMachine::schedule_heartbeat(Clock::time_point now) {

@@ -242,6 +242,15 @@ void Job::keep_places(Nodes& nodes) const {
 }
 
 Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
+  // The voters a join brings count (adopt_voters()); they never stay with its node (a
+  // thousand nodes' lists would be megabytes).
+  if (!j.voters.empty()) {
+    if (configured_ && !finished() && j.min_nodes == config_.min_nodes && j.max_nodes == config_.max_nodes)
+      adopt_voters(j);
+    proto::Join bare = j;
+    bare.voters.clear();
+    return join(s, bare, now);
+  }
   last_activity_ = now;
   // A node re-registering a round that ended while it was away hears how it ended.
   if (j.resume_round > 0 && j.resume_round == round_) {
@@ -590,8 +599,10 @@ Actions Job::close_round(Clock::time_point now) {
   // The voters of this epoch: its nodes, then the standbys registered now (not listed past
   // kMaxListedNodes: no majority is counted for such a job). The last epoch's stay counted
   // beside them for the next round (joint majority, has_quorum()).
-  prev_voters_ = std::move(voters_);
+  prev_voters_ = adopted_voters_.empty() ? std::move(voters_) : std::move(adopted_voters_);
   voters_.clear();
+  adopted_voters_.clear();
+  adopted_epoch_ = 0;
   if (nodes.size() + standby_.size() <= proto::kMaxListedNodes) {
     for (const auto& [s, n] : nodes) voters_.push_back(n.join.agent_id);
     for (const auto& [s, n] : standby_) voters_.push_back(n.join.agent_id);
@@ -803,6 +814,8 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   last_round_epoch_ = seed.epoch;
   voters_ = seed.voters;
   prev_voters_ = seed.prev_voters;
+  adopted_voters_.clear();
+  adopted_epoch_ = 0;
   took_over_ = true;
   voters_host_closed_ = seed.host_closed;
   auto& e = emit(JobEvent::Kind::kTakeover);

@@ -264,6 +264,11 @@ class Job {
   // The root cause "node H (A) lost: WHY" of a node lost during round_.
   proto::WorkerFailed lost_cause(const proto::Join& j, std::string_view why) const;
   Actions drop_rebuild(const proto::Join& j);
+  // A join from a node that knows a newer epoch than this host's last round (a host cut off
+  // epochs ago, reached again) brings that epoch's voters: the next round needs a majority
+  // of them too (strictly more than half, even of two), so the votes of nodes that went on
+  // never count only among this host's stale voters (review s36 H1).
+  void adopt_voters(const proto::Join& j);
   // The voters of `voters` present for the next round: joined_ and standby_ whose agent id
   // is one of them, each once.
   // With `heard`: also the nodes told to restart that still beat (rejoining_).
@@ -278,7 +283,8 @@ class Job {
   // Whether the next round may open (nullopt) or which voter set lacks its majority: none in
   // a job that counts no quorum (a daemon or etcd arbitrates) and for a first round; else
   // every round after the first (a node lost, a worker failed, a scale-up: a cut may come
-  // during any restart) needs a majority of voters_ AND of prev_voters_ (with two voters,
+  // during any restart) needs a majority of voters_ AND of prev_voters_ (and of
+  // adopted_voters_, strictly: adopt_voters()) (with two voters,
   // the side that kept its host: see the .cc). The joint majority, as Raft's during a
   // configuration change: two sides that know different epochs' voters (one missed the
   // assignment that changed them) both need a majority of the older set, so at most one
@@ -298,6 +304,11 @@ class Job {
   std::vector<std::string> voters_;
   // The voters of the epoch before epoch_ (those that decided it); empty: none (the first).
   std::vector<std::string> prev_voters_;
+  // The voters of a newer epoch than last_round_epoch_ (adopted_epoch_), as the join that
+  // reported the highest told them (adopt_voters()); empty: none. Until the next round
+  // opens they count beside voters_ and prev_voters_, and become its prev_voters_.
+  std::vector<std::string> adopted_voters_;
+  int adopted_epoch_ = 0;
   bool quorum_told_ = false;  // the wait for a majority was recorded (kNoQuorum) for this round
   bool took_over_ = false;           // this job was taken over; its first round not closed yet
   bool voters_host_closed_ = false;  // the takeover's host was seen to close (TakeoverSeed)

@@ -25,18 +25,27 @@ int Job::voters_joined(const std::vector<std::string>& voters, bool heard) const
 
 std::optional<Job::Tally> Job::short_of_majority(bool heard) const {
   if (!quorum_ || voters_.empty() || (round_ == 0 && !took_over_)) return std::nullopt;
-  for (const auto* set : {&voters_, &prev_voters_}) {
+  for (const auto* set : {&voters_, &prev_voters_, &adopted_voters_}) {
     if (set->empty()) continue;
     const int voters = static_cast<int>(set->size());
     const int joined = voters_joined(*set, heard);
     // Two voters: no side of a cut between them has a majority. The side that kept the
     // rendezvous host goes on (the arbiter's side); a node that took the job over goes on
     // only after it saw its host's connection close (its agent is gone, its machine
-    // answered), never after silence (docs/multinode.md, "Network partitions").
-    const bool ok = voters <= 2 ? joined >= 1 && (!took_over_ || voters_host_closed_) : 2 * joined > voters;
+    // answered), never after silence (docs/multinode.md, "Network partitions"). Not for a
+    // newer epoch's voters (adopt_voters()): this host was not that epoch's host.
+    const bool ok = voters <= 2 && set != &adopted_voters_ ? joined >= 1 && (!took_over_ || voters_host_closed_)
+                                                           : 2 * joined > voters;
     if (!ok) return Tally{joined, voters, set == &prev_voters_};
   }
   return std::nullopt;
+}
+
+void Job::adopt_voters(const proto::Join& j) {
+  if (!quorum_ || j.resume_round > 0 || j.voters.empty() || j.epoch <= std::max(last_round_epoch_, adopted_epoch_))
+    return;
+  adopted_voters_ = j.voters;
+  adopted_epoch_ = j.epoch;
 }
 
 }  // namespace mg::rdzv

@@ -911,6 +911,7 @@ void taker_seeks(Link& taker, int epoch) {
   welcome_from(taker, "host-127.0.0.1", 0, 0);
   auto a = round_of(2);
   a.epoch = epoch;
+  a.voters = {"agent-127.0.0.1", "agent-127.0.0.2", "agent-127.0.0.3"};
   taker.receive(a);
   taker.now += 1s;
   auto c = taker.m.connection_closed("no answer for 400 ms", taker.now);
@@ -1022,6 +1023,30 @@ TEST_CASE("client machine: two hosts without a majority meet: the one whose job'
   CHECK_THAT(one<cmd::StopHosting>(c).why,
              Catch::Contains("without a majority too and precedes this node (epoch 5 below 131074)"));
   CHECK(sent_of<proto::Join>(c).resume_round == 0);
+  // Its join names its epoch's voters (a host whose last round is older counts them too).
+  CHECK(sent_of<proto::Join>(c).voters == std::vector<std::string>{"agent-127.0.0.1", "agent-127.0.0.2", "agent-127.0.0.3"});
+}
+
+TEST_CASE("client machine: a join carries the voters of this node's epoch, but one sent before the welcome leaves a "
+          "list too long for the handshake's frame out") {
+  for (const std::size_t n : {std::size_t{3}, std::size_t{200}}) {
+    INFO(n << " voters");
+    Link l(options());
+    l.m.start(l.now);
+    welcome_from(l, "host-127.0.0.1", 0, 0);  // an agent hosts: its loss is taken over
+    auto a = round_of(2);
+    a.epoch = 5;
+    for (std::size_t i = 0; i < n; ++i) a.voters.push_back("agent-" + std::string(40, 'x') + std::to_string(i));
+    l.receive(a);
+    l.now += 1s;
+    auto c = l.m.connection_closed("no answer for 400 ms", l.now);
+    REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+    c = l.m.connected(kNonce, l.now);  // no token: the join rides with the hello, before the welcome
+    const auto j = sent_of<proto::Join>(c);
+    CHECK(j.epoch == 5);
+    if (n == 3) CHECK(j.voters == a.voters);
+    else CHECK(j.voters.empty());  // 200 x 47 bytes: past the 4,096 a server reads before its welcome
+  }
 }
 
 TEST_CASE("client machine: a host without a majority never leaves for a host whose last round is another: one cut off "

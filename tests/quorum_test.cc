@@ -523,6 +523,78 @@ TEST_CASE("quorum: a node told to restart whose connection closes before it re-j
   CHECK(job.state() == Job::State::kRestarting);
 }
 
+TEST_CASE("quorum: a host cut off epochs ago counts the voters of a newer epoch that joining nodes bring: the nodes "
+          "that went on never open a round there among its stale voters") {
+  // Review s36 H1: round 1 (epoch 1) ran nodes 1-3, node 1 hosting. Nodes 2 and 3 fell silent
+  // (node 1 cut off) and went on without it: a takeover, a scale-up to six nodes, a restart,
+  // epoch kT with voters 2-6. Then {1,2,3} | {4,5,6}: the other side takes over with 3 of 5.
+  // Nodes 2 and 3 reach node 1 again; counting only its own voters {1,2,3} (3 of 3), node 1
+  // opened a second round of the job. The joins carry epoch kT's voters: 2 of 5, it waits.
+  constexpr int kT = 131077;
+  auto six = [](int i) { return node("127.0.0." + std::to_string(i), 1, 6); };
+  Job job("job", true);
+  for (int i = 1; i <= 3; ++i) job.join(i, six(i), T0);
+  REQUIRE(of_type(job.tick(T0 + 1001ms), MsgType::kAssignment).size() == 3);
+  fail_worker(job, 1, 1, T0 + 1050ms);
+  job.join(1, six(1), T0 + 1100ms);
+  for (auto t = T0 + 1200ms; t <= T0 + 1600ms; t += 100ms) {
+    beat(job, {1}, t);
+    REQUIRE(of_type(job.tick(t + 1ms), MsgType::kAssignment).empty());  // 2 and 3 silent: lost
+  }
+  std::vector<std::string> went_on;
+  for (int i = 2; i <= 6; ++i) went_on.push_back("agent-127.0.0." + std::to_string(i));
+  auto back = [&](int i) {
+    auto j = six(i);
+    j.epoch = kT;
+    j.voters = went_on;
+    return j;
+  };
+  job.take_events();
+  job.join(12, back(2), T0 + 1700ms);
+  job.join(13, back(3), T0 + 1700ms);
+  for (auto t = T0 + 1800ms; t <= T0 + 3000ms; t += 100ms) {
+    beat(job, {1, 12, 13}, t);
+    CHECK(of_type(job.tick(t + 1ms), MsgType::kAssignment).empty());  // before: a round of 1, 2 and 3 at 2.1 s
+  }
+  JobEvent e;
+  REQUIRE(has_event(job, JobEvent::Kind::kNoQuorum, &e));
+  CHECK(e.voters == 5);
+  CHECK(e.nodes == 2);
+  CHECK_FALSE(job.hears_majority());
+  // The other side's nodes come too (healed): a majority of epoch kT's voters, the round
+  // opens past kT, and its voters before are epoch kT's (joint majority from there on).
+  job.join(14, back(4), T0 + 3100ms);
+  auto out = of_type(job.tick(T0 + 3101ms), MsgType::kAssignment);
+  REQUIRE(out.size() == 4);
+  CHECK(decoded<proto::Assignment>(out[0]).epoch == kT + 1);
+  SECTION("a newer epoch of two voters needs both: this host was not its host") {
+    Job two("job", true);
+    for (int i = 1; i <= 3; ++i) two.join(i, six(i), T0);
+    REQUIRE(of_type(two.tick(T0 + 1001ms), MsgType::kAssignment).size() == 3);
+    fail_worker(two, 1, 1, T0 + 1050ms);
+    two.join(1, six(1), T0 + 1100ms);
+    two.join(2, six(2), T0 + 1100ms);
+    two.join(3, six(3), T0 + 1100ms);
+    auto j = six(4);
+    j.epoch = kT;
+    j.voters = {"agent-127.0.0.3", "agent-127.0.0.4"};
+    REQUIRE(of_type(two.join(4, j, T0 + 1100ms), MsgType::kAssignment).empty());
+    // 3 and 4 of {3, 4}, all of {1, 2, 3}: it opens.
+    CHECK(of_type(two.tick(T0 + 2101ms), MsgType::kAssignment).size() == 4);
+    Job one_of_two("job", true);
+    for (int i = 1; i <= 3; ++i) one_of_two.join(i, six(i), T0);
+    REQUIRE(of_type(one_of_two.tick(T0 + 1001ms), MsgType::kAssignment).size() == 3);
+    fail_worker(one_of_two, 1, 1, T0 + 1050ms);
+    for (int i = 1; i <= 2; ++i) one_of_two.join(i, six(i), T0 + 1100ms);
+    j.voters = {"agent-127.0.0.4", "agent-127.0.0.5"};
+    one_of_two.join(4, j, T0 + 1100ms);
+    for (auto t = T0 + 1200ms; t <= T0 + 2100ms; t += 100ms) {
+      beat(one_of_two, {1, 2, 4}, t);
+      CHECK(of_type(one_of_two.tick(t + 1ms), MsgType::kAssignment).empty());  // 1 of {4, 5}
+    }
+  }
+}
+
 TEST_CASE("quorum: a node that joined a round and was cut off before its assignment takes over with the older "
           "voters: the host's side needs their majority too, so only one side goes on") {
   // Nodes A (the host), B, C; a worker fails, A and B re-join (C is cut off), round 2 opens

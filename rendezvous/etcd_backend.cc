@@ -383,29 +383,52 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
   join.kind = Event::Kind::kJoin;
   join.agent = agent_;
   join.join = opts_.join;
-  bool joined = false;
+  bool joined = false, cleared = false;
   for (int attempt = 0;; ++attempt) {
     try {
       if (!lease_) grant_lease(http);
       if (!joined) {
         join.t_ms = now_ms();
         const std::string key = keys_.log_key(agent_, next_seq_);
-        json alive_empty = range_of(keys_.alive());
-        alive_empty["target"] = "CREATE";
-        alive_empty["result"] = "EQUAL";
-        alive_empty["create_revision"] = "0";
-        // No agent alive: whatever the job's keys hold is a dead run's; start afresh. (etcd
-        // allows no put beside a delete of the same range in one txn; the two steps are
-        // safe apart: once an agent put its alive key, nobody clears the job.)
-        http.call("/v3/kv/txn",
-                  {{"compare", json::array({alive_empty})},
-                   {"success", delete_job_ops(keys_)}},
-                  kRequestTimeout);
+        if (!cleared) {
+          json alive_empty = range_of(keys_.alive());
+          alive_empty["target"] = "CREATE";
+          alive_empty["result"] = "EQUAL";
+          alive_empty["create_revision"] = "0";
+          // No agent alive: whatever the job's keys hold is a dead run's; start afresh.
+          // (etcd allows no put beside a delete of the same range in one txn: the join
+          // below holds only if the job lease it read is still the job's.)
+          http.call("/v3/kv/txn",
+                    {{"compare", json::array({alive_empty})},
+                     {"success", delete_job_ops(keys_)}},
+                    kRequestTimeout);
+          cleared = true;
+        }
         ensure_job_lease(http);
-        http.call("/v3/kv/txn",
-                  {{"success", json::array({put_op(keys_.alive_key(agent_), agent_, lease_),
-                                            put_op(key, proto::dump_json(to_json(join)), job_lease_)})}},
-                  kRequestTimeout);
+        // Another agent starting at once may have cleared the job (no alive key yet) after
+        // this one read or made the job lease, and made a new one: a join on the old lease
+        // would be renewed by this agent alone, and etcd would delete its log keys (and
+        // refuse its next events) whenever it stops renewing, cut off for a TTL say (#34).
+        // So the alive key and the join go in only while the lease key names this job
+        // lease; else the lease is read again (each agent clears at most once: no livelock).
+        json same_lease = {{"key", base64_encode(keys_.lease())},
+                           {"target", "VALUE"},
+                           {"result", "EQUAL"},
+                           {"value", base64_encode(std::to_string(job_lease_))}};
+        auto r = http.call("/v3/kv/txn",
+                           {{"compare", json::array({same_lease})},
+                            {"success", json::array({put_op(keys_.alive_key(agent_), agent_, lease_),
+                                                     put_op(key, proto::dump_json(to_json(join)), job_lease_)})}},
+                           kRequestTimeout);
+        if (!r.value("succeeded", false)) {
+          {
+            std::lock_guard lk(mutex_);
+            job_lease_ = 0;
+          }
+          // Answered: the catch below waits a little and tries again until the start window ends.
+          throw etcd::Error(fmt::format("the job lease under {} changed while this agent joined (another agent "
+                                        "cleared the job)", keys_.lease()), /*answered=*/true);
+        }
         ++next_seq_;
         joined = true;
       }

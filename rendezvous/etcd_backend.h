@@ -5,9 +5,10 @@
 // grants this agent's lease, appends events; a keep-alive thread renews this agent's lease
 // and the job lease on its own connection (a slow append never starves it); a watch thread streams
 // the job's keys (/v3/watch) and posts each change to the io_context. Start: lease, then
-// one txn that clears a stale log (no agent alive) and puts this agent's alive key and its
-// join, then a range of the job read in revision order, then the watch from the next
-// revision. A vanished alive key becomes a "lost" event and a due deadline a "tick" event,
+// a txn that clears a stale log (no agent alive), the job lease (made or read), and one txn
+// that puts this agent's alive key and its join only while the job's lease key still names
+// that lease (another agent starting at once may have cleared and replaced it), then a
+// range of the job read in revision order, then the watch from the next revision. A vanished alive key becomes a "lost" event and a due deadline a "tick" event,
 // each appended by a txn that holds only if the log did not move since this agent last
 // looked (so the first agent to notice appends it once). close() revokes the lease and the
 // last agent deletes the job's keys.

@@ -135,7 +135,9 @@ TEST_CASE("a rank killed mid-run is restarted by mglaunch and resumes from the c
 TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun ends bit-identical to an uninterrupted run") {
   std::string dir = make_temp_dir();
   std::vector<std::string> argv{kMgtrain};
-  auto args = with({"--model", "mlp", "--synthetic-size", "20000", "--batch-size", "4", "--log-every", "1",
+  // 20 epochs of kSmall's 1,024 samples (5,120 steps at batch 4): a run long enough to be
+  // stopped, as 20,000 samples were, which took 4.7 CPU-s to make in each process (#36).
+  auto args = with({"--model", "mlp", "--epochs", "20", "--batch-size", "4", "--log-every", "1",
                     "--checkpoint-dir", dir});
   argv.insert(argv.end(), args.begin(), args.end());
   std::map<std::string, std::string> env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"},
@@ -161,7 +163,7 @@ TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun ends bit-id
   const std::string total = std::to_string(last + 24);
   auto command = [&](std::vector<std::string> extra) {
     std::vector<std::string> v{kMgtrain};
-    auto a = with({"--model", "mlp", "--synthetic-size", "20000", "--batch-size", "4", "--max-steps", total});
+    auto a = with({"--model", "mlp", "--epochs", "20", "--batch-size", "4", "--max-steps", total});
     v.insert(v.end(), a.begin(), a.end());
     v.insert(v.end(), extra.begin(), extra.end());
     return v;
@@ -180,7 +182,7 @@ TEST_CASE("SIGTERM makes mgtrain checkpoint and exit 75, and a rerun ends bit-id
 
 TEST_CASE("a SIGPIPE does not end mgtrain (Gloo writes to its peers with writev: a lost peer raised it and killed a survivor silently)") {
   std::vector<std::string> argv{kMgtrain};
-  auto args = with({"--model", "mlp", "--synthetic-size", "20000", "--batch-size", "4", "--log-every", "1"});
+  auto args = with({"--model", "mlp", "--epochs", "20", "--batch-size", "4", "--log-every", "1"});
   argv.insert(argv.end(), args.begin(), args.end());
   std::map<std::string, std::string> env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"},
                                          {"MASTER_PORT", "\x01unset"}};

@@ -137,6 +137,7 @@ ClientCommands ClientMachine::host_short_of_majority(Clock::time_point now) {
   sk.home_host = opts_.host;
   sk.home_port = opts_.port;
   sk.home_epoch = std::max(welcome_epoch_, opts_.join.epoch);
+  sk.home_last = std::max(welcome_last_round_, opts_.join.epoch);
   sk.targets = seek_targets(sk.home_host, sk.home_port);
   if (sk.targets.empty()) return {};  // no other node could host: nowhere to look
   sk.deadline = now + milliseconds(opts_.join.join_timeout_ms);
@@ -400,6 +401,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         host_agent_ = w.host_agent;
         heard(now);
         welcome_epoch_ = w.epoch;
+        welcome_last_round_ = w.last_round_epoch;
         if (seeking() && !seek_welcomed(w, now)) return;
         return on_welcome(now);
       }
@@ -821,24 +823,31 @@ bool ClientMachine::seek_welcomed(const proto::Welcome& w, Clock::time_point now
   Seek& sk = *seek_;
   if (sk.at_home) {
     sk.home_epoch = std::max(sk.home_epoch, w.epoch);
+    sk.home_last = std::max(sk.home_last, w.last_round_epoch);
     return true;  // joins its own round again
   }
   const std::string where = host_port(opts_.host, opts_.port);
   // A round newer than this node's runs there (a majority opened it), or no round runs
-  // there either, that host leads the same last round as this node (the old host of the
-  // round this node took over, or another node that took it over) and its job's epoch is
-  // below home's (it precedes this one). A host whose last round is another is no peer of
-  // this cut: one cut off epochs ago counts a majority of its own stale voters, and this
-  // node's vote there could open a second round of the job (review s36 H1).
+  // there either and that host leads a last round not older than home's: a newer one (it
+  // opened or took over a round after this node's, e.g. a takeover on the majority's side
+  // that lost a node since: this node is among that round's previous voters, which it
+  // counts too), or the same one with its job's epoch below home's (it precedes this one:
+  // the job's host before a cut precedes a node that took over, and of two that took the
+  // same round over the lower group rank). Of two minority hosts exactly one leaves (by
+  // last round, then by job's epoch). A host whose last round is older is no peer: one cut
+  // off epochs ago counts its own stale voters, and this node's vote there could open a
+  // second round of the job (review s36 H1).
   const bool newer = w.round_epoch > opts_.join.epoch;
-  const bool same_round = w.last_round_epoch == opts_.join.epoch;
-  const bool precedes = w.round_epoch == 0 && same_round && w.epoch > 0 && w.epoch < sk.home_epoch;
+  const bool newer_last = w.last_round_epoch > sk.home_last;
+  const bool same_last = w.last_round_epoch == sk.home_last;
+  const bool precedes = w.round_epoch == 0 && w.epoch > 0 && w.last_round_epoch > 0 &&
+                        (newer_last || (same_last && w.epoch < sk.home_epoch));
   if (!newer && !precedes) {
     std::string said;
     if (w.round_epoch > 0) said = fmt::format("runs epoch {}, not newer than {}", w.round_epoch, opts_.join.epoch);
-    else if (!same_round)
-      said = fmt::format("runs no round either, its last round's epoch {} is not this node's {}", w.last_round_epoch,
-                         opts_.join.epoch);
+    else if (!same_last)
+      said = fmt::format("runs no round either, its last round's epoch {} is older than this node's {}",
+                         w.last_round_epoch, sk.home_last);
     else said = fmt::format("runs no round either, epoch {} after this host's {}", w.epoch, sk.home_epoch);
     sk.tried += fmt::format("{}{}: {}", sk.tried.empty() ? "" : "; ", where, said);
     next_seek_target(now);
@@ -849,8 +858,11 @@ bool ClientMachine::seek_welcomed(const proto::Welcome& w, Clock::time_point now
       where,
       newer ? fmt::format("runs a newer round (epoch {}, this node's {}), which a majority opened", w.round_epoch,
                           opts_.join.epoch)
-            : fmt::format("hosts the job without a majority too and precedes this node (epoch {} below {})", w.epoch,
-                          sk.home_epoch));
+      : newer_last
+          ? fmt::format("hosts the job without a majority too and leads a newer last round (epoch {}, this node's {})",
+                        w.last_round_epoch, sk.home_last)
+          : fmt::format("hosts the job without a majority too and precedes this node (epoch {} below {})", w.epoch,
+                        sk.home_epoch));
   out_.push_back(cmd::StopHosting{why});
   out_.push_back(cmd::Notice{why});
   end_seek();

@@ -38,13 +38,15 @@
 // join_timeout after the shortfall (then it ends, exit 3). A server elsewhere is left for
 // (cmd::StopHosting, then a join as a newcomer: its next round or a standby) only when its
 // Welcome shows that it runs a round newer than this node's (opened with a majority), or
-// that it runs none either, leads the same last round as this node (Welcome's
-// last_round_epoch equals this node's epoch: a host cut off epochs ago counts its own stale
-// voters) and its job's epoch is lower than home's (it precedes: the job's host before a
-// cut precedes a node that took over, and of two that took the same round over the lower
-// group rank). So a host with a majority never seeks, and of two
-// minority hosts exactly one leaves for the other; at home it joins its own round (which
-// opens once a minority host that left for it is there).
+// that it runs none either and leads a last round (Welcome's last_round_epoch) not older
+// than home's: a newer one (a takeover on the other side that lost a node since, whose
+// server counts this round's voters and the previous round's), or the same one with its job's epoch lower than
+// home's (it precedes: the job's host before a cut precedes a node that took over, and of
+// two that took the same round over the lower group rank). A host whose last round is older
+// is never left for: one cut off epochs ago counts its own stale voters (review s36 H1). So
+// a host with a majority never seeks, and of two minority hosts that reach each other
+// exactly one leaves for the other (by last round, then by job's epoch); at home it joins
+// its own round (which opens once a minority host that left for it is there).
 #pragma once
 
 #include <array>
@@ -314,6 +316,7 @@ class ClientMachine {
     std::string home_host;  // this node's own server
     int home_port = 0;
     int home_epoch = 0;     // its job's epoch (its Welcome): the tie-break between minority hosts
+    int home_last = 0;      // its last round's epoch (this node's epoch, its Welcome's last_round_epoch)
     std::vector<std::pair<std::string, int>> targets;
     std::size_t turn = 0;
     bool started = false;  // the grace after the shortfall passed
@@ -326,6 +329,7 @@ class ClientMachine {
   std::vector<std::pair<std::string, int>> job_hosts_;
   static constexpr std::size_t kMaxHosts = 8;
   int welcome_epoch_ = 0;  // the last Welcome's job epoch
+  int welcome_last_round_ = 0;  // the last Welcome's last_round_epoch
   bool decided_ = false;  // the job ended (Abort or Done heard): its host may go
   std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
   // Reported, no decision heard since: sent again with every re-registration of the round,

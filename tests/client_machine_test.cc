@@ -1072,6 +1072,47 @@ TEST_CASE("client machine: a host without a majority never leaves for a host who
   // The old host that leads this node's last round is one (the case above).
 }
 
+TEST_CASE("client machine: of two hosts without a majority whose last rounds differ, the one whose last round is "
+          "older leaves for the other, which stays") {
+  // Review s37 H1': round 5 ran {0..4}, node 0 hosting. A cut {0,1} | {2,3,4}: node 2 took
+  // over and opened round T1 on {2,3,4}; then node 4 died, so node 2's restart counts 2 of 3
+  // of T1's voters but 2 of 5 of round 5's: short too. After the heal node 0 (last round 5)
+  // and node 2 (last round T1) meet. Before, neither left for the other (the rule asked for
+  // the same last round) and both ended with exit 3, though {0,1,2,3} is a majority at node
+  // 2's server (of T1's voters {2,3,4}: 2 of 3; of round 5's {0..4}: 4 of 5).
+  const int kT1 = takeover_epoch(5, 2);
+  Link old_host(host_options());
+  host_waits(old_host);
+  old_host.m.host_short_of_majority(old_host.now);
+  auto c = old_host.after(300ms, ClientTimer::kTakeover);
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+  c = old_host.after(100ms, ClientTimer::kTakeover);  // node 1: silent (it waits at home)
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.3");
+  // Node 2's server runs no round, its job at T1's epoch, its last round T1 (newer than 5):
+  // node 0 stops hosting and joins it there.
+  c = welcome_from(old_host, "host-127.0.0.3", 0, kT1, kT1);
+  REQUIRE(stops_hosting(c));
+  CHECK_THAT(one<cmd::StopHosting>(c).why,
+             Catch::Contains("leads a newer last round (epoch " + std::to_string(kT1) + ", this node's 5)"));
+  CHECK(sent_of<proto::Join>(c).resume_round == 0);
+  CHECK_FALSE(old_host.m.seeking());
+
+  // The converse: node 2 (last round T1) finds node 0 (last round 5, its job's epoch below
+  // node 2's): an older last round is never left for, whatever the job's epoch.
+  Link taker(options("127.0.0.3"));
+  taker_seeks(taker, kT1);
+  c = welcome_from(taker, "host-127.0.0.1", 0, 5, 5);
+  CHECK_FALSE(stops_hosting(c));
+  CHECK(sent(c) == std::vector<MsgType>{MsgType::kHello});
+  CHECK(taker.m.seeking());
+  // And a server of the same last round that does not precede it (job's epoch above home's):
+  // not left for either, so exactly one of two leaves.
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+  c = welcome_from(taker, "host-127.0.0.2", 0, takeover_epoch(kT1, 2) + 5, kT1);
+  CHECK_FALSE(stops_hosting(c));
+  CHECK(taker.m.seeking());
+}
+
 TEST_CASE("client machine: a host that finds no newer round within join_timeout of the shortfall ends, exit 3") {
   Link l(host_options());
   host_waits(l);

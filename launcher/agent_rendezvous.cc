@@ -74,7 +74,8 @@ rdzv::ServerOptions Agent::server_options() {
   // be slow to stop): its link looks for the job at the other hosts after a grace
   // (rdzv::ClientMachine, "Seeking", #34). Asked again whenever the answer may turn: at
   // each node lost (a node told to restart too, silent or closed) and each standby lost
-  // (review s36 M1); posted, not from within the server's own call.
+  // (review s36 M1); posted, not from within the server's own call. And every K while this
+  // node waits for a next round (ClientHandlers::hears_majority, review s37 M).
   so.on_event = [this](const rdzv::JobEvent& e) {
     using K = rdzv::JobEvent::Kind;
     if (e.kind == K::kNoQuorum || e.kind == K::kNodeLost || e.kind == K::kStandbyLost)
@@ -287,6 +288,7 @@ void Agent::start_rendezvous() {
   h.on_take_over = [this](const rdzv::TakeoverSeed& seed) { return take_over(seed); };
   // The job runs elsewhere with a majority: this node's server stops at once (no round of
   // its own can open from now on) and is destroyed once the calls on the stack returned.
+  h.hears_majority = [this] { return !embedded_server_ || embedded_server_->hears_majority(plan_.run_id); };
   h.on_stop_hosting = [this](const std::string&) {
     if (!embedded_server_) return;
     embedded_server_->stop();

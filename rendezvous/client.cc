@@ -26,7 +26,7 @@ void tell(const ClientHandlers& h, const Decision& d) {
 
 Client::Client(asio::io_context& io, ClientOptions opts, ClientHandlers handlers)
     : io_(io), m_(std::move(opts)), h_(std::move(handlers)), retry_timer_(io), heartbeat_timer_(io), watchdog_(io),
-      takeover_timer_(io), fence_timer_(io), lookups_(io) {}
+      takeover_timer_(io), fence_timer_(io), majority_timer_(io), lookups_(io) {}
 
 Client::~Client() {
   close();
@@ -71,6 +71,7 @@ asio::steady_timer& Client::timer(ClientTimer t) {
     case ClientTimer::kHeartbeat: return heartbeat_timer_;
     case ClientTimer::kWatchdog: return watchdog_;
     case ClientTimer::kFence: return fence_timer_;
+    case ClientTimer::kMajority: return majority_timer_;
     case ClientTimer::kTakeover: break;
   }
   return takeover_timer_;
@@ -106,7 +107,7 @@ void Client::perform(ClientCommand& c) {
           timer(x.timer).cancel();
         } else if constexpr (std::is_same_v<T, cmd::Shut>) {
           for (auto t : {ClientTimer::kRetry, ClientTimer::kHeartbeat, ClientTimer::kWatchdog, ClientTimer::kTakeover,
-                         ClientTimer::kFence})
+                         ClientTimer::kFence, ClientTimer::kMajority})
             timer(t).cancel();
           // A lookup of the server's name under way is abandoned: its bound's timer would
           // otherwise keep the event loop, and so the agent's end, waiting up to 20 s (#35).
@@ -131,6 +132,8 @@ void Client::perform(ClientCommand& c) {
         } else if constexpr (std::is_same_v<T, cmd::HostTakeover>) {
           const TakeoverHost where = h_.on_take_over ? h_.on_take_over(x.seed) : TakeoverHost{};
           run(m_.hosted(where, Clock::now()));
+        } else if constexpr (std::is_same_v<T, cmd::AskMajority>) {
+          if (h_.hears_majority && !h_.hears_majority()) run(m_.host_short_of_majority(Clock::now()));
         } else if constexpr (std::is_same_v<T, cmd::StopHosting>) {
           if (h_.on_stop_hosting) h_.on_stop_hosting(x.why);
         } else if constexpr (std::is_same_v<T, cmd::TakePending>) {

@@ -54,6 +54,10 @@ struct ClientHandlers {
   // This node hosts the job without a majority and found it running elsewhere with one: stop
   // its own server now (ClientMachine's Seeking, #34). Empty: this node never hosts.
   std::function<void(const std::string&)> on_stop_hosting;
+  // Whether this node's own server hears a majority of the job's voters (true: it hosts
+  // nothing, or its job runs): asked every keep-alive interval while the node waits for a
+  // next round (cmd::AskMajority). Empty: this node never hosts.
+  std::function<bool()> hears_majority;
 };
 
 // Calls the handler of `d`: the one dispatch of every backend's decisions (on_standby may
@@ -89,7 +93,7 @@ class Client {
   ClientHandlers h_;
   std::shared_ptr<FramedConnection> conn_;
   std::unique_ptr<boost::asio::ip::tcp::socket> connecting_;
-  boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_, takeover_timer_, fence_timer_;
+  boost::asio::steady_timer retry_timer_, heartbeat_timer_, watchdog_, takeover_timer_, fence_timer_, majority_timer_;
   Lookups lookups_;  // the server's name, off the io thread
   struct Dialled {
     std::string host;

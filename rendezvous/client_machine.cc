@@ -118,6 +118,9 @@ ClientCommands ClientMachine::rejoin(Clock::time_point now) {
   // A node that fenced itself waits for the decision its failure report brings (a Restart),
   // or re-registers its round on the next welcome: no fresh join on this session.
   else if (connected_ && welcomed_ && !fenced_) send(proto::to_wire(opts_.join));
+  // Waiting for a next round after one of this node's: if it hosts, its server's shortfall
+  // is asked for on this clock too (cmd::AskMajority), not only on the server's events.
+  if (last_ && !decided_) arm(ClientTimer::kMajority, now + milliseconds(opts_.join.keep_alive_ms));
   return take_out();
 }
 
@@ -279,6 +282,12 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
       next_candidate(takeover_->refused ? "refused until the search's deadline" : "no answer", now);
       break;
     case ClientTimer::kFence: fence(now); break;
+    case ClientTimer::kMajority:
+      // Until a round runs again (or the job is decided); a seek under way asks no more.
+      if (decided_ || current_ || standby_ || takeover_ || seek_) break;
+      out_.push_back(cmd::AskMajority{});
+      arm(ClientTimer::kMajority, now + milliseconds(opts_.join.keep_alive_ms));
+      break;
     case ClientTimer::kWatchdog: {
       const auto join_timeout = milliseconds(opts_.join.join_timeout_ms);
       // The server decides on join_timeout itself; this catches a server that cannot.

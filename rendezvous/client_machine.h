@@ -125,7 +125,9 @@ std::optional<Decision> decision_of(const proto::Frame& f);
 // a generation, reported back with the fire: a fire of an earlier arm, or of a cancelled one
 // (an Asio handler already queued runs with success after cancel() or expires_at()), is
 // stale and ignored.
-enum class ClientTimer { kRetry, kHeartbeat, kWatchdog, kTakeover, kFence };
+// kMajority: while this node waits for a next round, every keep-alive interval, ask the
+// agent whether its own server (if it hosts) hears a majority (cmd::AskMajority).
+enum class ClientTimer { kRetry, kHeartbeat, kWatchdog, kTakeover, kFence, kMajority };
 
 // How long a node that runs a round may go without a word from its rendezvous (heard())
 // before it stops its workers on its own: half a keep-alive interval before the server drops
@@ -160,11 +162,17 @@ struct HostTakeover { TakeoverSeed seed; };
 // job runs elsewhere with a majority, and this node joins it there (Seeking, #34).
 struct StopHosting { std::string why; };
 struct TakePending {};  // call take_pending() soon (not from within the agent's call)
+// Ask the agent whether its own server hears a majority of the job's voters; when it hosts
+// and hears none, the answer is host_short_of_majority(). Sent every keep-alive interval
+// while this node waits for a next round, so a shortfall whose event came too early (the
+// Restart not read yet) or never (no last call below --nnodes' minimum) is heard within K
+// (review s37 M).
+struct AskMajority {};
 }  // namespace cmd
 
 using ClientCommand = std::variant<cmd::Connect, cmd::Drop, cmd::Send, cmd::SignSent, cmd::Welcomed, cmd::Arm,
                                    cmd::Cancel, cmd::Shut, cmd::Tell, cmd::Lost, cmd::Notice, cmd::HostTakeover,
-                                   cmd::TakePending, cmd::StopHosting>;
+                                   cmd::TakePending, cmd::StopHosting, cmd::AskMajority>;
 using ClientCommands = std::vector<ClientCommand>;
 
 class ClientMachine {
@@ -259,7 +267,7 @@ class ClientMachine {
   std::string key_;  // the job key; empty without a token
   std::string nonce_, session_;
   ClientCommands out_;                            // of the event being handled
-  std::array<std::uint64_t, 5> generation_{};     // of each timer's current arm (ClientTimer)
+  std::array<std::uint64_t, 6> generation_{};     // of each timer's current arm (ClientTimer)
   std::uint64_t generations_ = 0;                 // the last generation given
   Clock::time_point deadline_;                    // connect attempts give up here
   std::optional<Clock::time_point> waiting_since_;  // joined, no decision yet

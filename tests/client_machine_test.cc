@@ -999,6 +999,43 @@ TEST_CASE("client machine: a host whose round opens within the grace, or that ru
   CHECK(l.m.host_short_of_majority(l.now).empty());
 }
 
+TEST_CASE("client machine: a host waiting for its next round asks every K whether its server hears a majority, so a "
+          "shortfall heard before its Restart is not missed") {
+  // Review s37 M: the server's shortfall (a node lost) came while this node's link had not
+  // read its Restart yet: ignored (a round still runs here). With --nnodes=2:3 below the
+  // minimum no last call and so no "no quorum" event follows: before, nothing asked again
+  // and the host waited out join_timeout (exit 3) while the others ran a round.
+  Link l(host_options());
+  l.m.start(l.now);
+  welcome_from(l, "host-127.0.0.1", 0, 0);
+  auto a = round_of(0);
+  a.epoch = 5;
+  l.receive(a);
+  CHECK(l.m.host_short_of_majority(l.now).empty());  // too early: the round runs here
+  l.receive(proto::Restart{1, "node 127.0.0.2 lost"});
+  auto c = l.m.rejoin(l.now);
+  CHECK(armed(c, ClientTimer::kMajority) == l.now + 100ms);  // K
+  // K later the link asks; the agent's server hears no majority: the seek's grace is armed.
+  c = l.after(100ms, ClientTimer::kMajority);
+  CHECK(has<cmd::AskMajority>(c));
+  CHECK(armed(c, ClientTimer::kMajority) == l.now + 100ms);  // and again every K
+  c = l.m.host_short_of_majority(l.now);
+  CHECK(armed(c, ClientTimer::kTakeover) == l.now + 300ms);
+  // A seek under way: no more asking.
+  CHECK_FALSE(has<cmd::AskMajority>(l.after(100ms, ClientTimer::kMajority)));
+
+  // A host whose round opens again asks no more.
+  Link r(host_options());
+  host_waits(r);
+  CHECK(has<cmd::AskMajority>(r.after(100ms, ClientTimer::kMajority)));
+  a = round_of(0, 3, 1);
+  a.epoch = 6;
+  r.receive(a);
+  c = r.after(100ms, ClientTimer::kMajority);
+  CHECK_FALSE(has<cmd::AskMajority>(c));
+  CHECK_FALSE(armed(c, ClientTimer::kMajority));
+}
+
 TEST_CASE("client machine: two hosts without a majority meet: the one whose job's epoch is higher leaves for the "
           "other, which stays") {
   // The old host (epoch 5 at home) finds a node that took the round over alone (its job's

@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include <boost/asio.hpp>
@@ -201,6 +202,50 @@ TEST_CASE("without a token the agent sends its join with its hello, with a token
     CHECK(lost.empty());
     client.close();
   }
+}
+
+// #34, review s37 L4: a host that looks for the job elsewhere compares the last round that
+// server's welcome names (rdzv::ClientMachine, "Seeking"); its tests build that welcome by
+// hand, so this one reads it from a real server that took a job over at epoch 6.
+TEST_CASE("a server's welcome names its job's last round (last_round_epoch), the round it took over") {
+  asio::io_context io(1);
+  rdzv::ServerOptions so;
+  so.host_agent = "host-a";
+  rdzv::Server server(io, so);
+  rdzv::TakeoverSeed seed{4, 1, "rendezvous host h1 (127.0.0.11:41999) lost: connection closed by peer", "h1",
+                          rdzv::Clock::now() + 600s, 2, 3};
+  seed.epoch = 6;
+  seed.voters = {"agent-a", "agent-b", "agent-c"};
+  seed.host_rank = 1;
+  server.take_over("welcomed", seed);
+  Fds fds;
+  fds.fds.push_back(connect_blocking(server.port()));
+  const int fd = fds.fds.back();
+  const auto hello = bytes_of(proto::to_frame(proto::Hello{"agent-x", "welcomed", std::string(64, 'a')}));
+  send_all(fd, hello.data(), hello.size());
+  std::vector<std::uint8_t> in;
+  std::optional<proto::Welcome> w;
+  const auto end = std::chrono::steady_clock::now() + 30s;
+  while (!w && std::chrono::steady_clock::now() < end) {
+    io.poll();
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 20) != 1) continue;
+    std::uint8_t buf[4096];
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    REQUIRE(n > 0);
+    in.insert(in.end(), buf, buf + n);
+    auto r = proto::decode(in);
+    if (r.status == proto::DecodeResult::Status::kOk) {
+      REQUIRE(proto::type_of(r.frame) == proto::MsgType::kWelcome);
+      w = proto::from_frame<proto::Welcome>(r.frame);
+    }
+  }
+  REQUIRE(w);
+  CHECK(w->host_agent == "host-a");
+  CHECK(w->last_round_epoch == 6);
+  CHECK(w->round_epoch == 0);  // no round runs: the survivors have not joined
+  CHECK(w->epoch == rdzv::takeover_epoch(6, 1) - 1);  // its own block, before its first round
+  server.stop();
 }
 
 TEST_CASE("an agent refused by a host that does not listen yet retries within milliseconds at first, then backs off to 500 ms") {

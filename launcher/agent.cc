@@ -389,7 +389,8 @@ void Agent::prestart_one(int lr) {
   // marker fails to join any group rather than join a wrong one.
   static const char* const kRoundVars[] = {"RANK",           "GROUP_RANK",      "ROLE_RANK",   "WORLD_SIZE",
                                            "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                           "TORCHELASTIC_RESTART_COUNT", "MGLAUNCH_EPOCH"};
+                                           "TORCHELASTIC_RESTART_COUNT", "MGLAUNCH_EPOCH",
+                                           "MGLAUNCH_RUN"};
   std::erase_if(spec.env, [](const std::string& kv) {
     const std::string_view name = std::string_view(kv).substr(0, kv.find('='));
     if (name == control::kStandbyVar) return true;

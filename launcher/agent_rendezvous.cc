@@ -414,6 +414,7 @@ void Agent::apply_assignment(const proto::Assignment& a) {
   plan_.master_port = a.master_port;
   plan_.nodes = a.nodes;
   plan_.epoch = a.epoch;
+  plan_.run = a.run;
   if (trace_)
     trace_->complete(fmt::format("rendezvous round {}", a.round), "rendezvous", 0, rdzv_since_us_,
                      {{"round", a.round}, {"node_rank", a.group_rank}, {"nnodes", a.group_world_size},

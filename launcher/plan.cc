@@ -60,6 +60,9 @@ EnvMap build_contract_env(const RunPlan& plan, const AgentOptions& opts, const E
   if (plan.agent_store && plan.torch_major >= 2) env["USE_LIBUV"] = inherit_or("USE_LIBUV", "0");
   // The round's epoch (#34): a worker writes its checkpoints only under the newest it saw.
   if (plan.epoch > 0) env["MGLAUNCH_EPOCH"] = std::to_string(plan.epoch);
+  // Its run (#37): epochs compare only within one run; a new run of the job adopts the
+  // checkpoint an older one left.
+  if (plan.epoch > 0 && !plan.run.empty()) env["MGLAUNCH_RUN"] = plan.run;
   if (plan.set_omp_threads) env["OMP_NUM_THREADS"] = "1";
   // The shipped package first (import mglaunch_recovery with no install step), then the user's path.
   if (!plan.python_dir.empty()) {

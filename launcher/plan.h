@@ -41,6 +41,9 @@ struct RunPlan {
   // The round's epoch from the rendezvous (proto::Assignment::epoch), MGLAUNCH_EPOCH in the
   // workers' environment; 0: none (no rendezvous, or one before #34): not set.
   int epoch = 0;
+  // The rendezvous run that epoch belongs to (proto::Assignment::run), MGLAUNCH_RUN; empty:
+  // none (no rendezvous, or one before #37): not set.
+  std::string run;
   // The directory of the Python package mglaunch ships (mglaunch_recovery, in-place recovery
   // for torch scripts: docs/python-recovery.md), put first on the workers' PYTHONPATH; empty
   // when this mglaunch has none beside it (<bin>/../share/mglaunch/python).

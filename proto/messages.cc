@@ -1,6 +1,8 @@
 #include "proto/messages.h"
 
+#include <algorithm>
 #include <limits>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -68,6 +70,21 @@ std::string voter_list(int epoch, const std::vector<std::string>& voters) {
 
 }  // namespace
 
+std::string run_problem(const std::string& run) {
+  if (run.empty()) return {};
+  const auto dash = run.find('-');
+  const auto digits = [](std::string_view v, bool hex) {
+    return !v.empty() && std::all_of(v.begin(), v.end(), [hex](char c) {
+      return (c >= '0' && c <= '9') || (hex && c >= 'a' && c <= 'f');
+    });
+  };
+  if (run.size() > kMaxRunBytes || dash == std::string::npos || dash > 19 ||
+      !digits(std::string_view(run).substr(0, dash), false) || !digits(std::string_view(run).substr(dash + 1), true))
+    return fmt::format("run '{}' is not MS-HEX (ms since the Unix epoch, a dash, lowercase hex; at most {} bytes)",
+                       printable(run.substr(0, kMaxRunBytes)), kMaxRunBytes);
+  return {};
+}
+
 std::string validate(const Hello& m) {
   return first(text("agent_id", m.agent_id, kMaxIdBytes), text("job_id", m.job_id, kMaxIdBytes, true),
                hex("nonce", m.nonce, kNonceHexBytes));
@@ -98,7 +115,8 @@ std::string validate(const Join& m) {
                range("resume_group_rank", m.resume_group_rank, -1, m.max_nodes - 1),
                range("resume_restart_count", m.resume_restart_count, 0, m.max_restarts),
                range("takeover_port", m.takeover_port, 0, 65535),
-               range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1), voter_list(m.epoch, m.voters));
+               range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1), voter_list(m.epoch, m.voters),
+               run_problem(m.run));
 }
 
 std::string validate(const Assignment& m) {
@@ -111,7 +129,7 @@ std::string validate(const Assignment& m) {
             range("rank_offset", m.rank_offset, 0, m.world_size - 1));
   if (!e.empty()) return e;
   if (auto bad = range("standbys", m.standbys, 0, kMaxNodes); !bad.empty()) return bad;
-  return first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters));
+  return first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run));
 }
 
 std::string validate(const Heartbeat& m) {
@@ -135,7 +153,7 @@ std::string validate(const Error& m) { return text("message", m.message, kMaxTex
 std::string validate(const Standby& m) {
   auto e = first(range("active_nodes", m.active_nodes, 0, kMaxNodes), range("position", m.position, 1, kMaxNodes),
                  range("round", m.round, 0, INT32_MAX), range("restart_count", m.restart_count, 0, kMaxRestarts));
-  return e.empty() ? first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters)) : e;
+  return e.empty() ? first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run)) : e;
 }
 
 std::string truncate_text(std::string t, std::size_t max_bytes) {

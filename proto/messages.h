@@ -110,6 +110,9 @@ struct Join {
   // or left out of a join sent before the welcome that would not fit its frame). A host
   // whose last round is older counts a majority of them too (Job, review s36 H1).
   std::vector<std::string> voters;
+  // The rendezvous run of that epoch (Assignment::run; empty: none told): a restarted
+  // daemon rebuilding a round keeps the run its nodes ran (#37).
+  std::string run;
 };
 struct Assignment {
   static constexpr MsgType kType = MsgType::kAssignment;
@@ -132,6 +135,11 @@ struct Assignment {
   // need a majority of them (docs/multinode.md, "Network partitions"). Empty: not listed
   // (more than kMaxListedNodes, or a server before #34).
   std::vector<std::string> voters;
+  // The rendezvous run (run_problem()): minted once when the job's rdzv::Job was created,
+  // kept through a takeover and a daemon restart, new for a new run of the same job id (a
+  // rerun, a requeue). Workers see it as MGLAUNCH_RUN beside MGLAUNCH_EPOCH: epochs compare
+  // only within one run (#37). Empty: not told (a server before #37).
+  std::string run;
 };
 struct Heartbeat {
   static constexpr MsgType kType = MsgType::kHeartbeat;
@@ -186,6 +194,7 @@ struct Standby {
   std::vector<int> takeover_ports;  // by group rank, as nodes (Assignment::takeover_ports)
   int epoch = 0;                     // that round's (Assignment::epoch)
   std::vector<std::string> voters;   // that round's (Assignment::voters)
+  std::string run;                   // the job's (Assignment::run)
 };
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
@@ -196,10 +205,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, ad
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
                                                 resume_restart_count, resume_done, resume_standby, takeover_port,
-                                                last_group_rank, epoch, voters)
+                                                last_group_rank, epoch, voters, run)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes,
-                                                takeover_ports, standbys, epoch, voters)
+                                                takeover_ports, standbys, epoch, voters, run)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round, standbys)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank, local_rank, exit_code, signal,
                                                 message, last_lines)
@@ -210,7 +219,13 @@ inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Standby, active_nodes, position, round, restart_count, nodes,
-                                                takeover_ports, epoch, voters)
+                                                takeover_ports, epoch, voters, run)
+
+// A rendezvous run (Assignment::run): "MS-HEX", the wall clock in ms since the Unix epoch
+// when the job's rdzv::Job was created, then 16 random hex digits; runs order by MS, then
+// HEX. "" when `run` is one (or empty: none), else what is wrong with it.
+inline constexpr std::size_t kMaxRunBytes = 64;
+std::string run_problem(const std::string& run);
 
 // Field checks; an empty string means valid. Ranges and lengths are in limits.h; every
 // text is valid UTF-8 without control characters (text_problem() in text.h).

@@ -111,16 +111,16 @@ void put_texts(std::vector<std::uint8_t>& out, const std::vector<std::string>& t
 }  // namespace
 
 AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
-  // The shared fields first; operator() appends group_rank and rank_offset (the map's 12th
-  // and 13th entries). Key order is free in CBOR maps: any decoder of ours reads them.
+  // The shared fields first; operator() appends group_rank and rank_offset (the map's 13th
+  // and 14th entries). Key order is free in CBOR maps: any decoder of ours reads them.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
-  std::size_t bytes = 96 + a.master_addr.size();
+  std::size_t bytes = 104 + a.master_addr.size() + a.run.size();
   for (const auto& n : a.nodes) bytes += 2 + n.size();
   bytes += 20 + 3 * a.takeover_ports.size();
   for (const auto& v : a.voters) bytes += 2 + v.size();
   out.reserve(bytes);
-  cbor::put_head(out, 5, 13);
+  cbor::put_head(out, 5, 14);
   cbor::put_text(out, "epoch");
   cbor::put_int(out, a.epoch);
   cbor::put_text(out, "group_world_size");
@@ -135,6 +135,8 @@ AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
   cbor::put_int(out, a.restart_count);
   cbor::put_text(out, "round");
   cbor::put_int(out, a.round);
+  cbor::put_text(out, "run");
+  cbor::put_text(out, a.run);
   cbor::put_text(out, "standbys");
   cbor::put_int(out, a.standbys);
   cbor::put_text(out, "takeover_ports");
@@ -160,15 +162,15 @@ Wire AssignmentEncoder::operator()(int group_rank, int rank_offset) const {
 }
 
 StandbyEncoder::StandbyEncoder(const Standby& m) {
-  // operator() appends position, the map's 8th entry.
+  // operator() appends position, the map's 9th entry.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
-  std::size_t bytes = 96;
+  std::size_t bytes = 104 + m.run.size();
   for (const auto& n : m.nodes) bytes += 2 + n.size();
   bytes += 3 * m.takeover_ports.size();
   for (const auto& v : m.voters) bytes += 2 + v.size();
   out.reserve(bytes);
-  cbor::put_head(out, 5, 8);
+  cbor::put_head(out, 5, 9);
   cbor::put_text(out, "active_nodes");
   cbor::put_int(out, m.active_nodes);
   cbor::put_text(out, "epoch");
@@ -179,6 +181,8 @@ StandbyEncoder::StandbyEncoder(const Standby& m) {
   cbor::put_int(out, m.restart_count);
   cbor::put_text(out, "round");
   cbor::put_int(out, m.round);
+  cbor::put_text(out, "run");
+  cbor::put_text(out, m.run);
   cbor::put_text(out, "takeover_ports");
   cbor::put_head(out, 4, m.takeover_ports.size());
   for (int p : m.takeover_ports) cbor::put_int(out, p);

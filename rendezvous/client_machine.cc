@@ -479,6 +479,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         // A node that took a job over lists no round before its own closes: keep the last.
         if (!standby_of_ || !m.nodes.empty()) standby_of_ = m;
         opts_.join.epoch = std::max(opts_.join.epoch, m.epoch);
+        if (!m.run.empty()) opts_.join.run = m.run;  // (#37)
         if (!m.voters.empty()) learn_voters(m.epoch, m.voters);
         cancel(ClientTimer::kFence);  // no workers of a round to stop
         end_seek();
@@ -587,6 +588,7 @@ void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
   waiting_since_.reset();
   fenced_ = false;
   opts_.join.epoch = std::max(opts_.join.epoch, a.epoch);
+  if (!a.run.empty()) opts_.join.run = a.run;  // the job's run, for a takeover and a daemon restart (#37)
   learn_voters(a.epoch, a.voters);
   if (voters_.size() == 2 && !host_agent_.empty() && !two_voters_told_) {
     two_voters_told_ = true;
@@ -725,6 +727,7 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
     seed.prev_voters = t.prev_voters;
     seed.host_closed = t.host_closed;
     seed.host_rank = t.self_rank;
+    seed.run = opts_.join.run;
     out_.push_back(cmd::HostTakeover{std::move(seed)});
     return;
   }

@@ -173,6 +173,11 @@ void EtcdLink::deliver(const proto::Frame& f) {
   }
 }
 
+std::string EtcdLink::record(Event e) const {
+  e.run = run_;
+  return proto::dump_json(to_json(e));
+}
+
 void EtcdLink::append(Event e, bool conditional) {
   e.t_ms = now_ms();
   const std::int64_t cond_rev = seen_revision_;
@@ -189,7 +194,7 @@ void EtcdLink::append(Event e, bool conditional) {
       compare = {{"key", base64_encode(key)}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
     }
     const json body = {{"compare", json::array({compare})},
-                       {"success", json::array({put_op(key, proto::dump_json(to_json(e)), job_lease_)})}};
+                       {"success", json::array({put_op(key, record(e), job_lease_)})}};
     for (int attempt = 0;; ++attempt) {
       try {
         http.call("/v3/kv/txn", body, kRequestTimeout);
@@ -418,7 +423,7 @@ bool EtcdLink::start_sequence(etcd::Http& http) {
         auto r = http.call("/v3/kv/txn",
                            {{"compare", json::array({same_lease})},
                             {"success", json::array({put_op(keys_.alive_key(agent_), agent_, lease_),
-                                                     put_op(key, proto::dump_json(to_json(join)), job_lease_)})}},
+                                                     put_op(key, record(join), job_lease_)})}},
                            kRequestTimeout);
         if (!r.value("succeeded", false)) {
           {
@@ -477,7 +482,7 @@ void EtcdLink::reenter(etcd::Http& http, const std::string& id, const Event& joi
       e.t_ms = now_ms();
       http.call("/v3/kv/txn",
                 {{"success", json::array({put_op(keys_.alive_key(id), id, lease),
-                                          put_op(keys_.log_key(agent_, next_seq_), proto::dump_json(to_json(e)), job_lease_)})}},
+                                          put_op(keys_.log_key(agent_, next_seq_), record(e), job_lease_)})}},
                 kRequestTimeout);
       ++next_seq_;
       last_ok_ms_ = steady_ms();
@@ -560,7 +565,7 @@ void EtcdLink::fresh_start(etcd::Http& http, Event join) {
     post([this, revision] { reset_replay(revision); });
     join.t_ms = now_ms();
     http.call("/v3/kv/txn",
-              {{"success", json::array({put_op(keys_.log_key(agent_, next_seq_++), proto::dump_json(to_json(join)), job_lease_)})}},
+              {{"success", json::array({put_op(keys_.log_key(agent_, next_seq_++), record(join), job_lease_)})}},
               kRequestTimeout);
   } catch (const etcd::Error& e) {
     post([this, why = std::string(e.what())] { lost("cannot start a fresh log for this job: " + why); });

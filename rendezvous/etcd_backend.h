@@ -103,6 +103,9 @@ class EtcdLink : public Link {
   // io thread: the identity in the job (agent_, then agent_~N after each re-entry: the job's
   // log keeps a lost agent lost) and the policy of its lease
   std::string self_;
+  // This agent's new run, in every event it appends: the job's is the log's first (#37).
+  const std::string run_ = new_run();
+  std::string record(etcd::Event e) const;  // `e` as a log value (JSON), with run_
   int reentries_ = 0;
   etcd::LeaseGuard guard_;
   etcd::JobReplay replay_;

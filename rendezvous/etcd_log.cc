@@ -207,6 +207,7 @@ nlohmann::json to_json(const Event& e) {
     case Event::Kind::kLost: j["why"] = e.why; break;
     case Event::Kind::kTick: break;
   }
+  if (!e.run.empty()) j["run"] = e.run;
   return j;
 }
 
@@ -249,6 +250,10 @@ Event event_from_json(const nlohmann::json& j) {
         break;
       case Event::Kind::kTick: break;
     }
+    if (const auto run = j.find("run"); run != j.end()) {
+      e.run = run->get<std::string>();
+      if (bad.empty()) bad = proto::run_problem(e.run);
+    }
     if (!bad.empty()) throw std::invalid_argument("invalid event: " + bad);
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(std::string("malformed event: ") + e.what());
@@ -272,6 +277,7 @@ void JobReplay::heartbeat_all() {
 
 std::vector<proto::Frame> JobReplay::apply(const Event& e) {
   vnow_ = std::max(vnow_, e.t_ms);
+  if (!e.run.empty()) job_.set_run(e.run);  // the first record's (one that has one) (#37)
   heartbeat_all();
   Actions actions;
   auto session = sessions_.find(e.agent);

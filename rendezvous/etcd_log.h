@@ -95,6 +95,9 @@ struct Event {
   proto::WorkerFailed failed;    // kFailed
   int round = 0;                 // kDone
   std::string why;               // kLost
+  // The appender's new run (rdzv::new_run()): the job's run is the first record's that has
+  // one, the same for every agent that replays the log (#37). Empty: an agent before #37.
+  std::string run;
 };
 nlohmann::json to_json(const Event& e);
 // Throws std::invalid_argument on an unknown kind, a missing field or an invalid message.

@@ -1,6 +1,7 @@
 #include "rendezvous/job.h"
 
 #include <algorithm>
+#include <random>
 #include <utility>
 
 #include <fmt/format.h>
@@ -186,6 +187,7 @@ proto::Standby Job::standby_fields() const {
   m.takeover_ports = round_ports_;
   m.epoch = epoch_;
   m.voters = voters_;
+  m.run = run_;
   return m;
 }
 
@@ -301,7 +303,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       placed_.clear();
       round_ = j.resume_round;
       restart_count_ = j.resume_restart_count;
-      epoch_ = std::max(epoch_, j.epoch);
+      learn_epoch(j);
       last_round_epoch_ = epoch_;
       expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
       rebuilding_ = true;
@@ -570,12 +572,13 @@ Actions Job::close_round(Clock::time_point now) {
   ++round_;
   // The epoch: one more than any this job or a joining node has seen (a node that took the
   // job over learns the highest from its survivors' joins).
-  for (const auto& [s, n] : nodes) epoch_ = std::max(epoch_, n.join.epoch);
+  for (const auto& [s, n] : nodes) learn_epoch(n.join);
   if (epoch_ < INT32_MAX) ++epoch_;
   last_round_epoch_ = epoch_;
   quorum_told_ = took_over_ = voters_host_closed_ = false;
   proto::Assignment a;
   a.epoch = epoch_;
+  a.run = run_;
   a.round = round_;
   a.group_world_size = static_cast<int>(nodes.size());
   a.restart_count = restart_count_;
@@ -799,6 +802,23 @@ int takeover_epoch(int seed_epoch, int host_rank) {
   return static_cast<int>(std::min<long long>(e, INT32_MAX));
 }
 
+std::string mint_run(std::int64_t unix_ms, std::uint64_t random) {
+  return fmt::format("{}-{:016x}", std::max<std::int64_t>(0, unix_ms), random);
+}
+
+std::string new_run() {
+  std::random_device rd;
+  const std::uint64_t random = (std::uint64_t{rd()} << 32) ^ rd();
+  return mint_run(std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::system_clock::now().time_since_epoch()).count(),
+                  random);
+}
+
+void Job::learn_epoch(const proto::Join& j) {
+  if (j.epoch > epoch_ && !j.run.empty()) run_ = j.run;
+  epoch_ = std::max(epoch_, j.epoch);
+}
+
 void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   round_ = seed.round;
   restart_count_ = seed.restart_count;
@@ -812,6 +832,7 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   // lost host (or another node that took the same round over) mints.
   epoch_ = std::max(epoch_, takeover_epoch(seed.epoch, seed.host_rank) - 1);
   last_round_epoch_ = seed.epoch;
+  if (!seed.run.empty()) run_ = seed.run;  // one run on both sides of a split
   voters_ = seed.voters;
   prev_voters_ = seed.prev_voters;
   adopted_voters_.clear();

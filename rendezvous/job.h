@@ -81,6 +81,9 @@ struct TakeoverSeed {
   bool host_closed = false;
   // The new host's group rank in the seed's round: its epochs are its own (takeover_epoch()).
   int host_rank = 0;
+  // The job's run (Assignment::run): the new host's job keeps it, so both sides of a split
+  // share one run and their epochs compare (#37). Empty: not told (the new host's own).
+  std::string run{};
 };
 
 // Epochs after a takeover jump to a block of kEpochBlock of their own: the new host's first
@@ -91,6 +94,14 @@ struct TakeoverSeed {
 // (below kMaxListedNodes); a later takeover lands two blocks further on (#34). Pure.
 inline constexpr int kEpochBlock = 65536;
 int takeover_epoch(int seed_epoch, int host_rank);
+
+// A new rendezvous run (proto::run_problem(): "MS-HEX"), minted once where a job's Job is
+// first created (the server of an agent or the daemon, the etcd log's first record) and
+// carried from there (#37). mint_run is pure; new_run() reads the wall clock and
+// std::random_device. Runs are ordered by their wall clock: hosts whose clocks differ by
+// more than the time between two runs of a job may order them wrongly (docs/mgtrain.md).
+std::string mint_run(std::int64_t unix_ms, std::uint64_t random);
+std::string new_run();
 
 // A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
 // for N nodes holds its bytes once.
@@ -153,7 +164,10 @@ class Job {
   // `quorum`: the job is hosted by one of its own agents (not a daemon or etcd, arbiters
   // apart from the nodes), so a new round after nodes were lost needs a majority of the
   // voters (#34; docs/multinode.md, "Network partitions").
-  explicit Job(std::string id, bool quorum = false) : id_(std::move(id)), quorum_(quorum) {}
+  // `run`: the rendezvous run minted for this job (new_run()); a job taken over keeps the
+  // seed's, a rebuilt one its nodes' (run()).
+  explicit Job(std::string id, bool quorum = false, std::string run = {})
+      : id_(std::move(id)), quorum_(quorum), run_(std::move(run)) {}
 
   Actions join(SessionId s, const proto::Join& j, Clock::time_point now);
   Actions heartbeat(SessionId s, Clock::time_point now);
@@ -191,6 +205,15 @@ class Job {
   // the seed's: the round whose takeover or restart this host leads. Two hosts without a
   // majority are peers of one cut only when theirs are equal (proto::Welcome, review s36 H1).
   int last_round_epoch() const { return last_round_epoch_; }
+  // The rendezvous run (proto::Assignment::run, MGLAUNCH_RUN): the one this Job was made
+  // with, else the seed's after take_over(), else that of the joining node with the highest
+  // epoch above this job's (a restarted daemon learns the run it rebuilds), so that it is
+  // minted once per run of the job and never again (#37).
+  const std::string& run() const { return run_; }
+  // Sets the run of a Job made without one (the etcd replay: its log's first record's).
+  void set_run(std::string run) {
+    if (run_.empty()) run_ = std::move(run);
+  }
   // Whether this side hears a majority of the voters for the next round: those that joined
   // or stand by, and the nodes told to restart that still beat (alive, their workers still
   // stopping). false: the host is cut off from the rest, and looks for the job elsewhere
@@ -299,6 +322,9 @@ class Job {
   bool quorum_ = false;       // the job counts a majority after a loss (an agent hosts it)
   int epoch_ = 0;             // of the last round (epoch())
   int last_round_epoch_ = 0;  // last_round_epoch()
+  std::string run_;           // run()
+  // A join's epoch raises epoch_ (Join::epoch); the run of the highest comes with it.
+  void learn_epoch(const proto::Join& j);
   // The voters of epoch_ (agent ids): the round's nodes and the standbys when it closed;
   // empty when more than kMaxListedNodes (no majority is counted then).
   std::vector<std::string> voters_;

@@ -114,10 +114,18 @@ Server::Server(asio::io_context& io, ServerOptions opts)
 Server::~Server() { stop(); }
 
 void Server::take_over(const std::string& job_id, const TakeoverSeed& seed) {
-  auto [it, inserted] = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty());
-  if (inserted) ++jobs_created_;
-  it->second.take_over(seed, Clock::now());
-  drive(it->second, {});
+  Job& job = job_of(job_id);
+  job.take_over(seed, Clock::now());
+  drive(job, {});
+}
+
+Job& Server::job_of(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  if (it != jobs_.end()) return it->second;
+  ++jobs_created_;
+  // The run is minted here, once per Job (#37): a takeover's seed and a rebuild's joins
+  // replace it with the run the job ran.
+  return jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), new_run()).first->second;
 }
 
 std::string Server::address() const { return fmt::format("{}:{}", opts_.host, port_); }
@@ -445,12 +453,11 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
                         "upgrade its mglaunch",
                         join.job_id, join.agent_id, join.host, join.addr),
             nlohmann::json{{"event", "log"}, {"job", join.job_id}});
-      auto [it, inserted] = jobs_.try_emplace(join.job_id, join.job_id, !opts_.host_agent.empty());
-      if (inserted) ++jobs_created_;
+      Job& job = job_of(join.job_id);
       s->joined = true;
       s->idle_limit = std::max<std::chrono::milliseconds>(
           opts_.frame_timeout, std::chrono::milliseconds(join.keep_alive_ms) * (join.keep_alive_max_attempt + 1));
-      drive(it->second, it->second.join(s->id, join, now));
+      drive(job, job.join(s->id, join, now));
       return;
     }
     auto job = jobs_.find(s->job);

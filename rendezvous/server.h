@@ -154,6 +154,8 @@ class Server {
   SessionId next_id_ = 1;
   std::map<SessionId, std::shared_ptr<Session>> sessions_;
   std::map<std::string, Job> jobs_;
+  // The job `job_id`, made (with a new run, rdzv::new_run()) when it is not there yet.
+  Job& job_of(const std::string& job_id);
   std::map<std::string, std::size_t> per_address_;  // open connections by peer address
   std::map<std::string, Failures> failures_;        // authentication failures by peer address
   std::map<std::string, AuthGate> gates_;           // sessions in authentication by peer address

@@ -268,3 +268,26 @@ TEST_CASE("a standby in the log: every agent computes the same standby, and it t
   CHECK(group_rank["b"] == 1);  // b keeps its place
   CHECK(group_rank["c"] == 0);  // the standby takes a's
 }
+
+TEST_CASE("the job's run is the log's first record's: every agent that replays the log tells its workers the same run (#37)") {
+  // Each agent writes its own new run into its records; the first record's wins everywhere.
+  std::vector<Event> log = {join_event("c", "127.0.0.3", T0), join_event("a", "127.0.0.1", T0 + 10),
+                            join_event("b", "127.0.0.2", T0 + 20)};
+  const std::vector<std::string> runs = {"1700000000000-0000000000000003", "1700000000010-0000000000000001",
+                                         "1700000000020-0000000000000002"};
+  for (std::size_t i = 0; i < log.size(); ++i) log[i].run = runs[i];
+  for (const std::string self : {"a", "b", "c"}) {
+    JobReplay r("job", self);
+    std::vector<mg::proto::Frame> mine;
+    for (const auto& e : log)
+      for (auto& f : r.apply(event_from_json(to_json(e)))) mine.push_back(f);  // through the log's JSON
+    REQUIRE(mine.size() == 1);
+    CHECK(mg::proto::from_frame<mg::proto::Assignment>(mine[0]).run == runs[0]);  // before: none
+    CHECK(r.job().run() == runs[0]);
+  }
+  // A record of an agent before #37 has none; a run that is not MS-HEX is refused.
+  CHECK_FALSE(to_json(join_event("a", "127.0.0.1", T0)).contains("run"));
+  auto bad = to_json(log[0]);
+  bad["run"] = "yesterday";
+  CHECK_THROWS_AS(event_from_json(bad), std::invalid_argument);
+}

@@ -117,7 +117,40 @@ TEST_CASE("an assignment listing the most nodes of the longest addresses fits in
   a.master_addr = "m";
   a.nodes.assign(kMaxListedNodes, std::string(kMaxHostBytes, 'n'));
   a.voters.assign(kMaxListedNodes, std::string(kMaxIdBytes, 'v'));  // and the most voters (#34)
+  a.run = "1700000000000-" + std::string(kMaxRunBytes - 14, 'f');    // and the longest run (#37)
+  CHECK(run_problem(a.run).empty());
   CHECK_NOTHROW(encode(to_frame(a)));
+}
+
+TEST_CASE("an assignment, a standby message and a join carry the run (MS-HEX), a frame from before #37 decodes with "
+          "none, and a run that is not MS-HEX is refused (#37)") {
+  const std::string run = "1700000000000-00000000000000ab";
+  Assignment a;
+  a.round = 4;
+  a.master_addr = "m";
+  a.run = run;
+  CHECK(from_frame<Assignment>(to_frame(a)).run == run);
+  Frame old = to_frame(a);
+  old.payload.erase("run");
+  CHECK(from_frame<Assignment>(old).run.empty());
+  Standby s;
+  s.run = run;
+  CHECK(from_frame<Standby>(to_frame(s)).run == run);
+  Join j;
+  j.job_id = "j";
+  j.agent_id = "n0:1";
+  j.addr = "a";
+  j.epoch = 7;
+  j.run = run;
+  CHECK(from_frame<Join>(to_frame(j)).run == run);
+  for (const std::string& bad : std::vector<std::string>{"x", "17", "17-", "-ab", "17-AB", "17-ab\n", "12345678901234567890-ab",
+                                "1-" + std::string(kMaxRunBytes, 'a')}) {
+    INFO(bad);
+    a.run = j.run = s.run = bad;
+    CHECK(validate(a).find("is not MS-HEX") != std::string::npos);
+    CHECK(validate(j).find("is not MS-HEX") != std::string::npos);
+    CHECK(validate(s).find("is not MS-HEX") != std::string::npos);
+  }
 }
 
 TEST_CASE("an assignment and a standby message carry the epoch and its voters, a peer's frame from before #34 "

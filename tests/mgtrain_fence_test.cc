@@ -56,6 +56,10 @@ Result train(const std::string& epoch, const std::string& ckpt, int max_steps, c
 
 nlohmann::json summary_of(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
 
+Result run_cmd(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+  return run(argv, env, 180s);
+}
+
 // The one line a refused rank 0 writes.
 std::string refusal(const std::string& ckpt, int owner, int mine) {
   return ckpt + "/checkpoint.pt belongs to epoch " + std::to_string(owner) +
@@ -237,6 +241,107 @@ TEST_CASE("without MGLAUNCH_EPOCH (torchrun, older agents) checkpoints are writt
     INFO("MGLAUNCH_EPOCH='" << bad << "': " << r.err);
     CHECK(r.code == 2);
     CHECK_THAT(r.err, Catch::StartsWith("mgtrain: error: MGLAUNCH_EPOCH='" + bad + "' is not a non-negative integer"));
+    CHECK(count_of(r.err, "\n") == 1);
+  }
+}
+
+// A new run of a job (a rerun, a Slurm requeue, a fixed --rdzv_id used again) counts its
+// epochs from 1 again: its rendezvous run (MGLAUNCH_RUN) tells it apart from the run that
+// left the checkpoint, so it adopts that checkpoint as its start (review finding M4).
+TEST_CASE("a new run of the job resumes from the checkpoint its previous run left at epoch 2 and writes its own, not fenced by the old epochs") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  // One node hosting the rendezvous itself (a static or --standalone launch has no epochs),
+  // the same --rdzv_id both times, as a requeued job or a fixed id in a script.
+  auto launch = [&](int max_steps, std::vector<std::string> extra, const std::string& summary) {
+    const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
+    std::vector<std::string> argv{kMglaunch, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                  "--rdzv_endpoint=" + endpoint, "--rdzv_id=job37",
+                                  "--rdzv_conf=last_call_timeout=1",
+                                  extra.empty() ? "--max_restarts=0" : "--max_restarts=1"};
+    for (const auto& a : command(ckpt, kShort)) argv.push_back(a);
+    argv.insert(argv.end(), {"--max-steps", std::to_string(max_steps), "--summary-json", summary});
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto r = run(argv, {{"MGLAUNCH_EPOCH", kUnset}, {"MGLAUNCH_RUN", kUnset}}, 240s);
+    INFO(r.out << r.err);
+    return r;
+  };
+  // The first run fails at step 5 (attempt 0 only), restarts from step 4's checkpoint under
+  // epoch 2 and ends at step 8.
+  auto first = launch(8, {"--fail-at-step", "5"}, dir + "/first.json");
+  INFO(first.out << first.err);
+  REQUIRE(first.code == 0);
+  CHECK(summary_of(dir + "/first.json")["mglaunch_epoch"] == 2);
+  CHECK_THAT(read_file(ckpt + "/checkpoint.lock"), Catch::StartsWith("2 "));
+  const std::string run1 = summary_of(dir + "/first.json").value("mglaunch_run", "");
+  CHECK_FALSE(run1.empty());
+  // The rerun: epoch 1 of a new run; before, "checkpoint refused at step 10 ... belongs to
+  // epoch 2 of this job, newer than this round's MGLAUNCH_EPOCH=1", exit 4 on every rank
+  // (and with restarts left, each round until its epoch caught up).
+  auto rerun = launch(12, {}, dir + "/rerun.json");
+  INFO(rerun.out << rerun.err);
+  CHECK(rerun.code == 0);
+  CHECK_THAT(rerun.out, Catch::Contains("resumed from " + ckpt + "/checkpoint.pt at step 8"));
+  CHECK_THAT(rerun.err, !Catch::Contains("checkpoint refused"));
+  const auto s = summary_of(dir + "/rerun.json");
+  CHECK(s["fenced"] == false);
+  CHECK(s["steps"] == 12);
+  CHECK(s["mglaunch_epoch"] == 1);
+  const std::string run2 = s.value("mglaunch_run", "");
+  CHECK(run2 != run1);
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + run2 + "\n");
+  // The first run's side, were it still alive (epoch 2 of the older run), is refused now.
+  auto env = alone("2");
+  env["MGLAUNCH_RUN"] = run1;
+  auto extra = kShort;
+  extra.insert(extra.end(), {"--max-steps", "16", "--summary-json", dir + "/stale.json"});
+  auto stale = run(command(ckpt, extra), env, 180s);
+  INFO(stale.out << stale.err);
+  CHECK(stale.code == 4);
+  CHECK_THAT(stale.err, Catch::Contains(ckpt + "/checkpoint.pt belongs to run " + run2 +
+                                        " of this job, newer than this run's MGLAUNCH_RUN=" + run1));
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + run2 + "\n");
+}
+
+TEST_CASE("MGLAUNCH_RUN: a record without a run is an older run's, the checkpoint's own record names its run when the lock is lost, a writer without a run compares epochs alone, and a bad one is exit 2") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  const std::string older = "1700000000000-00000000000000ab", newer = "1700000000001-0000000000000001";
+  auto train_run = [&](const std::string& epoch, const std::string& run, int max_steps, const std::string& summary) {
+    auto env = alone(epoch);
+    env["MGLAUNCH_RUN"] = run.empty() ? kUnset : run;
+    auto extra = kShort;
+    extra.insert(extra.end(), {"--max-steps", std::to_string(max_steps), "--summary-json", summary});
+    return run_cmd(command(ckpt, extra), env);
+  };
+  // Epoch 7 recorded without a run (an mglaunch before #37): a run's epoch 1 takes it over.
+  REQUIRE(train_run("7", "", 4, dir + "/a.json").code == 0);
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
+  auto adopted = train_run("1", newer, 8, dir + "/b.json");
+  INFO(adopted.out << adopted.err);
+  REQUIRE(adopted.code == 0);
+  CHECK_THAT(adopted.out, Catch::Contains("at step 4"));
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + newer + "\n");
+  CHECK(summary_of(dir + "/b.json")["mglaunch_run"] == newer);
+  // The lock lost: the checkpoint's record of its run refuses an older run, whatever its epoch.
+  std::filesystem::remove(ckpt + "/checkpoint.lock");
+  auto stale = train_run("9", older, 12, dir + "/c.json");
+  INFO(stale.out << stale.err);
+  CHECK(stale.code == 4);
+  CHECK_THAT(stale.err, Catch::Contains(ckpt + "/checkpoint.pt belongs to run " + newer +
+                                        " of this job, newer than this run's MGLAUNCH_RUN=" + older + ": this run is stale"));
+  // A writer without a run (its agent before #37) compares epochs, as before.
+  auto unnamed = train_run("0", "", 12, dir + "/d.json");
+  INFO(unnamed.out << unnamed.err);
+  CHECK(unnamed.code == 4);
+  check_refused(unnamed.out, unnamed.err, ckpt, 1, 0);
+  for (const std::string bad : {"x", "1700000000000", "17-AB"}) {
+    auto r = run_cmd(command(ckpt, kShort), [&] {
+      auto env = alone("1");
+      env["MGLAUNCH_RUN"] = bad;
+      return env;
+    }());
+    INFO("MGLAUNCH_RUN='" << bad << "': " << r.err);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.err, Catch::StartsWith("mgtrain: error: MGLAUNCH_RUN='" + bad + "' is not MS-HEX"));
     CHECK(count_of(r.err, "\n") == 1);
   }
 }

@@ -117,6 +117,23 @@ TEST_CASE("MGLAUNCH_EPOCH is read as the round's epoch, unset or empty is none, 
   }
 }
 
+TEST_CASE("MGLAUNCH_RUN is read as the round's rendezvous run (MS-HEX), unset or empty is none, anything else a usage error, and runs order by their time, then their hex") {
+  CHECK(read_env({}).run.empty());
+  CHECK(read_env({{"MGLAUNCH_RUN", ""}}).run.empty());
+  CHECK(read_env({{"MGLAUNCH_RUN", "1700000000000-00ab"}}).run == "1700000000000-00ab");
+  for (const char* bad : {"x", "1700000000000", "-ab", "17-", "17-AB", "17-ab ", "17-ab-cd", "123456789012345678901-ab"}) {
+    INFO(bad);
+    CHECK_THROWS_WITH(read_env({{"MGLAUNCH_RUN", bad}}),
+                      Catch::StartsWith(std::string("MGLAUNCH_RUN='") + bad + "' is not MS-HEX"));
+  }
+  CHECK(run_before("1700000000000-ff", "1700000000001-00"));
+  CHECK(run_before("999-ff", "1000-00"));  // by the number, not the text
+  CHECK(run_before("0999-ff", "1000-00"));
+  CHECK(run_before("1000-0a", "1000-0b"));
+  CHECK_FALSE(run_before("1000-0b", "1000-0b"));
+  CHECK_FALSE(run_before("1700000000001-00", "1700000000000-ff"));
+}
+
 TEST_CASE("mgtrain --in-place-recovery on an NCCL build starts mgtrain again with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, never a setenv") {
   const std::map<std::string, std::string> vars{{"RANK", "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"}};
   Options o = parse({"--in-place-recovery"});

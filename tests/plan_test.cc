@@ -61,12 +61,16 @@ TEST_CASE("the worker environment follows torchrun's contract") {
   CHECK_FALSE(env.contains("CUDA_VISIBLE_DEVICES"));
 }
 
-TEST_CASE("workers see the round's epoch as MGLAUNCH_EPOCH, and no such variable without one (#34)") {
+TEST_CASE("workers see the round's epoch as MGLAUNCH_EPOCH and its run as MGLAUNCH_RUN, and no such variables without them (#34, #37)") {
   AgentOptions opts;
   RunPlan plan = two_node_plan(1);
   CHECK_FALSE(build_contract_env(plan, opts, {}, 0, 0, "e").contains("MGLAUNCH_EPOCH"));
   plan.epoch = 12;
   CHECK(build_contract_env(plan, opts, {}, 0, 0, "e").at("MGLAUNCH_EPOCH") == "12");
+  // Its run beside it (#37), when the rendezvous told one.
+  CHECK_FALSE(build_contract_env(plan, opts, {}, 0, 0, "e").contains("MGLAUNCH_RUN"));
+  plan.run = "1700000000000-00000000000000ab";
+  CHECK(build_contract_env(plan, opts, {}, 0, 0, "e").at("MGLAUNCH_RUN") == plan.run);
 }
 
 TEST_CASE("user settings of NCCL error handling are kept and gpu ids map per local rank") {

@@ -940,3 +940,120 @@ TEST_CASE("quorum: the takeover search waits for a candidate that refuses (alive
     CHECK(host[0].seed.prev_voters == round_of(2).voters);
   }
 }
+
+// The rendezvous run (#37): epochs count from 1 in every run of a job, so workers compare
+// them only within one run (MGLAUNCH_RUN). It is minted once, where the Job is made, and
+// carried: a takeover's Job and a restarted daemon's keep it; both sides of a split share it.
+TEST_CASE("run: every round and standby of a job carries the run its Job was made with, a job taken over carries "
+          "the seed's, one a restarted daemon rebuilds its nodes', and a fresh Job a new one") {
+  const std::string kRun = "1700000000000-00000000000000ab", kMinted = "1700000009999-00000000000000cd";
+  SECTION("the rounds of one job: the same run at every epoch, a standby hears it too") {
+    Job job("job", true, kRun);
+    job.join(1, node("127.0.0.1", 2, 2), T0);
+    auto assigned = of_type(job.join(2, node("127.0.0.2", 2, 2), T0), MsgType::kAssignment);
+    REQUIRE(assigned.size() == 2);
+    CHECK(decoded<proto::Assignment>(assigned[0]).run == kRun);
+    auto told = of_type(job.join(3, node("127.0.0.3", 2, 2), T0), MsgType::kStandby);
+    REQUIRE(told.size() == 1);
+    CHECK(decoded<proto::Standby>(told[0]).run == kRun);
+    proto::WorkerFailed f;
+    f.round = 1;
+    f.host = "host-127.0.0.2";
+    f.rank = 1;
+    job.worker_failed(2, f, T0 + 1s);
+    // A node that says it ran another run at a lower epoch changes nothing.
+    auto j1 = node("127.0.0.1", 2, 2);
+    j1.epoch = 1;
+    j1.run = kMinted;
+    job.join(1, j1, T0 + 1s);
+    assigned = of_type(job.join(2, node("127.0.0.2", 2, 2), T0 + 1s), MsgType::kAssignment);
+    REQUIRE(assigned.size() == 2);
+    CHECK(decoded<proto::Assignment>(assigned[0]).epoch == 2);
+    CHECK(decoded<proto::Assignment>(assigned[0]).run == kRun);
+    CHECK(job.run() == kRun);
+  }
+  SECTION("a takeover: the new host's Job, made with a run of its own, goes on with the seed's") {
+    Job job("job", true, kMinted);
+    TakeoverSeed seed = seed_of(4, 6, 3, 2, T0 + 1s);
+    seed.run = kRun;
+    job.take_over(seed, T0);
+    for (int i = 2; i <= 3; ++i) {
+      auto j = node("127.0.0." + std::to_string(i));
+      j.last_group_rank = i - 1;
+      j.epoch = 6;
+      j.run = kRun;
+      job.join(i, j, T0);
+    }
+    auto closed = of_type(job.tick(T0 + 1001ms), MsgType::kAssignment);
+    REQUIRE(closed.size() == 2);
+    CHECK(decoded<proto::Assignment>(closed[0]).run == kRun);  // before: no run at all
+    // A seed without one (its node was told none: a server before #37) keeps the minted run.
+    Job other("job", true, kMinted);
+    other.take_over(seed_of(4, 6, 3, 2, T0 + 1s), T0);
+    CHECK(other.run() == kMinted);
+  }
+  SECTION("a restarted daemon: the round its nodes re-register keeps their run, and so does the next") {
+    Job job("job", false, kMinted);
+    auto j = node("127.0.0.1", 1, 1);
+    j.resume_round = 3;
+    j.resume_group_rank = 0;
+    j.resume_group_world_size = 1;
+    j.epoch = 9;
+    j.run = kRun;
+    job.join(1, j, T0);
+    REQUIRE(job.state() == Job::State::kRunning);
+    CHECK(job.run() == kRun);
+    proto::WorkerFailed f;
+    f.round = 3;
+    f.host = "host-127.0.0.1";
+    f.rank = 0;
+    job.worker_failed(1, f, T0);
+    auto out = of_type(job.join(1, node("127.0.0.1", 1, 1), T0), MsgType::kAssignment);
+    REQUIRE(out.size() == 1);
+    CHECK(decoded<proto::Assignment>(out[0]).epoch == 10);
+    CHECK(decoded<proto::Assignment>(out[0]).run == kRun);
+  }
+  SECTION("a new run (fresh nodes, no run told): the Job's own, minted as MS-HEX, a different one each time") {
+    CHECK(mint_run(1700000000000, 0xab) == kRun);
+    const std::string a = new_run(), b = new_run();
+    CHECK(proto::run_problem(a).empty());
+    CHECK(a != b);
+    Job job("job", true, a);
+    auto assigned = of_type(job.join(1, node("127.0.0.1", 1, 1), T0), MsgType::kAssignment);
+    REQUIRE(assigned.size() == 1);
+    CHECK(decoded<proto::Assignment>(assigned[0]).run == a);
+    CHECK(decoded<proto::Assignment>(assigned[0]).epoch == 1);
+  }
+}
+
+TEST_CASE("run: a node keeps the run it was told: its re-registration carries it, and so does the seed of the job it "
+          "takes over") {
+  const std::string kRun = "1700000000000-00000000000000ab";
+  auto a = round_of(2);
+  a.run = kRun;
+  SECTION("re-registering after an outage") {
+    Link l(client_options());
+    l.m.start(l.now);
+    l.welcome();
+    l.receive(a);
+    l.now += 200ms;
+    l.m.connection_closed("timed out", l.now);
+    auto frames = sent(l.welcome());
+    auto join = std::find_if(frames.begin(), frames.end(),
+                             [](const auto& x) { return proto::type_of(x) == MsgType::kJoin; });
+    REQUIRE(join != frames.end());
+    CHECK(proto::from_frame<proto::Join>(*join).run == kRun);
+  }
+  SECTION("taking over after its hosting agent was lost") {
+    Link l(client_options());
+    l.m.start(l.now);
+    l.welcome("host-a");
+    l.receive(a);
+    l.now += 1s;
+    l.m.connection_closed("end of file", l.now);
+    auto host = all<cmd::HostTakeover>(l.after(100ms, ClientTimer::kTakeover));  // node 1 silent: this node hosts
+    REQUIRE(host.size() == 1);
+    CHECK(host[0].seed.run == kRun);  // before: none, the new host's Job went on with a run of its own
+    CHECK(host[0].seed.epoch == 4);
+  }
+}

@@ -96,7 +96,7 @@ TEST_CASE("the hosting agent SIGKILLed: the lowest live node takes the rendezvou
                                        "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"};
   // The first round hangs; the restart after the host's loss exits 0.
   std::vector<Proc> agents = start_job(ep, "takeover", "2:3", flags,
-                                       {"print", "up", "env", "when-restart-below", "1", "hang", "300"}, env);
+                                       {"env", "print", "up", "when-restart-below", "1", "hang", "300"}, env);
   ::kill(agents[0].pid, SIGKILL);
   for (int i : {1, 2}) {
     REQUIRE(agents[i].wait(60s));
@@ -108,6 +108,11 @@ TEST_CASE("the hosting agent SIGKILLed: the lowest live node takes the rendezvou
     CHECK(e.back()["WORLD_SIZE"] == "2");
     CHECK(e.back()["MASTER_ADDR"] == "127.0.0.3");  // the new group rank 0
     CHECK_THAT(agents[i].err(), Catch::Contains("(" + ep + ") lost: "));
+    // The new host's job goes on with the run the lost host minted, at a later epoch (#37).
+    CHECK(e.size() == 2);
+    CHECK(std::stoll(e.back()["MGLAUNCH_EPOCH"].get<std::string>()) > std::stoll(e.front()["MGLAUNCH_EPOCH"].get<std::string>()));
+    CHECK(e.front().value("MGLAUNCH_RUN", "").size() > 2);
+    CHECK(e.back().value("MGLAUNCH_RUN", "") == e.front().value("MGLAUNCH_RUN", ""));
   }
   // 127.0.0.3 was group rank 1, the lowest live node: it hosts; 127.0.0.4 joins it.
   CHECK_THAT(agents[1].err(), Catch::Contains("hosting the rendezvous for job 'takeover'") &&

@@ -22,6 +22,7 @@ Assignment sample(std::size_t listed) {
   a.restart_count = 3;
   for (std::size_t i = 0; i < listed; ++i) a.nodes.push_back("127.0." + std::to_string(i / 256) + "." + std::to_string(i % 256));
   a.epoch = 9;
+  a.run = "1700000000000-00000000000000ab";
   for (std::size_t i = 0; i < listed; ++i) a.voters.push_back("node" + std::to_string(i) + ":4242");
   return a;
 }
@@ -49,6 +50,7 @@ TEST_CASE("an assignment written straight to CBOR decodes to what nlohmann's enc
     CHECK(back.nodes == a.nodes);
     CHECK(back.epoch == 9);
     CHECK(back.voters == a.voters);
+    CHECK(back.run == a.run);
   }
 }
 
@@ -96,6 +98,7 @@ TEST_CASE("the standbys told a new round share one encoding of its node list, an
   m.restart_count = 2;
   m.nodes = {"127.0.0.1", "127.0.0.2"};
   m.takeover_ports = {0, 40000};
+  m.run = "1700000000000-00000000000000ab";
   const StandbyEncoder encode(m);
   const Wire first = encode(1), second = encode(70000);
   CHECK(first.body.get() == second.body.get());
@@ -107,6 +110,7 @@ TEST_CASE("the standbys told a new round share one encoding of its node list, an
     CHECK(back.position == position);
     CHECK(back.nodes == m.nodes);
     CHECK(back.takeover_ports == m.takeover_ports);
+    CHECK(back.run == m.run);
   }
 }
 

@@ -73,15 +73,19 @@ void write_state(torch::serialize::OutputArchive& ar, torch::nn::Module& model, 
   ar.write("rng", gen.get_state());
 }
 
-// The newest epoch recorded in `path`'s archive (the checkpoint's own record), nullopt
-// when it has none or cannot be read.
-std::optional<std::int64_t> recorded_epoch(const std::string& path) {
+// The epoch and run recorded in `path`'s archive (the checkpoint's own record), nullopt
+// when it has no epoch or cannot be read.
+std::optional<Owner> recorded_owner(const std::string& path) {
   if (!std::filesystem::exists(path)) return std::nullopt;
   try {
     torch::serialize::InputArchive ar;
     ar.load_from(path, torch::kCPU);
     torch::Tensor t;
-    if (ar.try_read("mglaunch_epoch", t)) return t.item<std::int64_t>();
+    if (!ar.try_read("mglaunch_epoch", t)) return std::nullopt;
+    Owner o{t.item<std::int64_t>(), {}};
+    c10::IValue run;
+    if (ar.try_read("mglaunch_run", run) && run.isString()) o.run = run.toStringRef();
+    return o;
   } catch (const std::exception&) {
   }
   return std::nullopt;
@@ -124,20 +128,31 @@ class EpochLock {
   EpochLock(const EpochLock&) = delete;
   EpochLock& operator=(const EpochLock&) = delete;
 
-  // The epoch the file holds; nullopt when it holds none (new, empty, or not a number).
-  std::optional<std::int64_t> epoch() const {
-    char buf[32] = {};
+  // The epoch (and run) the file holds, "EPOCH[ RUN]\n"; nullopt when it holds none (new,
+  // empty, or not that).
+  std::optional<Owner> owner() const {
+    char buf[128] = {};
     const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
     if (n <= 0) return std::nullopt;
     char* end = nullptr;
     errno = 0;
     const long long v = std::strtoll(buf, &end, 10);
-    if (end == buf || errno != 0 || (*end != '\n' && *end != '\0') || v < 0) return std::nullopt;
-    return v;
+    if (end == buf || errno != 0 || v < 0) return std::nullopt;
+    Owner o{v, {}};
+    if (*end == ' ') {
+      const char* run = end + 1;
+      const char* eol = std::strchr(run, '\n');
+      if (!eol) return std::nullopt;
+      o.run.assign(run, eol);
+      if (!run_problem(o.run).empty()) return std::nullopt;
+      return o;
+    }
+    if (*end != '\n' && *end != '\0') return std::nullopt;
+    return o;
   }
-  // Records `epoch` as the newest, on disk before the checkpoint is written.
-  void record(std::int64_t epoch) {
-    const std::string line = std::to_string(epoch) + "\n";
+  // Records `epoch` of `run` as the newest, on disk before the checkpoint is written.
+  void record(std::int64_t epoch, const std::string& run) {
+    const std::string line = std::to_string(epoch) + (run.empty() ? "" : " " + run) + "\n";
     if (unlocked_) return replace(line);
     if (::ftruncate(fd_, 0) != 0) fail("truncate", errno);
     if (::pwrite(fd_, line.data(), line.size(), 0) != static_cast<ssize_t>(line.size())) fail("write", errno);
@@ -166,6 +181,16 @@ class EpochLock {
 };
 
 }  // namespace
+
+bool refuses(const Owner& owner, const Fence& fence) {
+  if (!fence.epoch) return false;
+  if (!fence.run.empty() && owner.run != fence.run) {
+    // Another run of the job wrote there: an older one (or one without a run, an mglaunch
+    // before #37) left the checkpoint this run starts from; a newer one holds it for good.
+    return !owner.run.empty() && run_before(fence.run, owner.run);
+  }
+  return owner.epoch > *fence.epoch;  // one run (or no runs): the newest epoch writes
+}
 
 std::string state_bytes(torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos) {
   torch::serialize::OutputArchive ar;
@@ -211,16 +236,17 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   torch::serialize::OutputArchive ar;
   write_state(ar, model, opt, pos);
   if (fence.epoch) ar.write("mglaunch_epoch", torch::tensor(*fence.epoch));
+  if (fence.epoch && !fence.run.empty()) ar.write("mglaunch_run", c10::IValue(fence.run));
   const std::string path = checkpoint_file(dir), tmp = path + ".tmp";
   // Check and write as one step: every fenced writer holds the lock from its comparison
   // to its rename, so an older epoch never writes after (or while) a newer one does.
   std::optional<EpochLock> lock;
   if (fence.epoch) {
     lock.emplace(checkpoint_lock_file(dir), fence.lock_timeout_s);
-    auto owner = lock->epoch();
-    if (!owner) owner = recorded_epoch(path);  // a lock file lost, or the first fenced write
-    if (owner && *owner > *fence.epoch) return Saved{false, *owner};
-    lock->record(*fence.epoch);
+    auto owner = lock->owner();
+    if (!owner) owner = recorded_owner(path);  // a lock file lost, or the first fenced write
+    if (owner && refuses(*owner, fence)) return Saved{false, owner->epoch, owner->run};
+    lock->record(*fence.epoch, fence.run);
   }
   try {
     ar.save_to(tmp);

@@ -35,13 +35,30 @@ std::string checkpoint_lock_file(const std::string& dir);
 // epoch, monotonic per job (MGLAUNCH_EPOCH). A checkpoint records its epoch, and a writer
 // whose epoch is lower than the one that wrote (or is writing) the path writes nothing:
 // it is the stale side of a job that split.
+//
+// Epochs count from 1 again in every run of the job (a rerun, a Slurm requeue, the same
+// --rdzv_id used again): MGLAUNCH_RUN names the rendezvous run, "MS-HEX" (ms since the Unix
+// epoch when the run's rendezvous job was made, random hex), and epochs compare only within
+// one run (#37). A checkpoint of another run: an older one's (or one recorded without a run)
+// is this run's start, and this run's first write replaces its record; a newer one's refuses
+// this run (a stale run cannot overwrite a newer run's checkpoint). Runs are ordered by the
+// wall clocks of the hosts that made them.
 struct Fence {
   std::optional<std::int64_t> epoch;  // this round's; nullopt: no fence (torchrun, older agents)
+  std::string run;                    // this round's run; empty: none (an mglaunch before #37)
   int lock_timeout_s = 300;           // the longest wait for another writer's lock
 };
+// Who holds a checkpoint path: the epoch and run recorded (run empty: none recorded).
+struct Owner {
+  std::int64_t epoch = -1;
+  std::string run;
+};
+// Whether a writer under `fence` must leave the path `owner` holds alone (the rule above).
+bool refuses(const Owner& owner, const Fence& fence);
 struct Saved {
   bool written = true;
-  std::int64_t owner = -1;  // not written: the newer epoch that holds the path
+  std::int64_t owner = -1;  // not written: the epoch that holds the path
+  std::string owner_run;    // and its run, when that is another run than this writer's
 };
 
 // Rank 0 only. With fence.epoch: under an exclusive flock of checkpoint_lock_file(dir)

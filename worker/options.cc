@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
+#include <string_view>
+#include <tuple>
 
 #include <CLI/CLI.hpp>
 
@@ -103,7 +106,7 @@ ParseResult parse_options(int argc, const char* const* argv) {
   app.add_option("--warmup", o.warmup, "Benchmark: warm-up iterations");
   app.add_option("--dtype", o.dtype, "Benchmark: float, double, half or int");
   app.footer("Exit codes: 0 done; 1 failure; 2 bad flags; 3 setup error (data, master, backend, checkpoint); "
-             "4 fenced (a newer MGLAUNCH_EPOCH of the job holds the checkpoint); "
+             "4 fenced (a newer MGLAUNCH_EPOCH or MGLAUNCH_RUN of the job holds the checkpoint); "
              "75 stopped by SIGTERM/SIGUSR1 after checkpointing (run again to resume).");
   try {
     app.parse(argc, argv);
@@ -165,6 +168,30 @@ int to_int(const std::map<std::string, std::string>& vars, const char* name, int
 }
 }  // namespace
 
+std::string run_problem(const std::string& run) {
+  const auto dash = run.find('-');
+  const auto digits = [](std::string_view v, bool hex) {
+    return !v.empty() && std::all_of(v.begin(), v.end(), [hex](char c) {
+      return (c >= '0' && c <= '9') || (hex && c >= 'a' && c <= 'f');
+    });
+  };
+  if (run.size() > 64 || dash == std::string::npos || dash > 19 || !digits(std::string_view(run).substr(0, dash), false) ||
+      !digits(std::string_view(run).substr(dash + 1), true))
+    return "is not MS-HEX (ms since the Unix epoch, a dash, lowercase hex digits; at most 64 characters)";
+  return {};
+}
+
+bool run_before(const std::string& a, const std::string& b) {
+  const auto key = [](const std::string& r) {
+    const auto dash = r.find('-');
+    const std::string_view ms = std::string_view(r).substr(0, dash), hex = std::string_view(r).substr(dash + 1);
+    // Numbers without leading zeros compare by length, then digit by digit.
+    return std::tuple{ms.size() - std::min(ms.find_first_not_of('0'), ms.size()),
+                      ms.substr(std::min(ms.find_first_not_of('0'), ms.size())), hex.size(), hex};
+  };
+  return key(a) < key(b);
+}
+
 Env read_env(const std::map<std::string, std::string>& vars) {
   Env env;
   env.rank = to_int(vars, "RANK", 0);
@@ -182,6 +209,12 @@ Env read_env(const std::map<std::string, std::string>& vars) {
       throw UsageError("MGLAUNCH_EPOCH='" + it->second + "' is not a non-negative integer (the rendezvous' epoch of " +
                        "this round, set by mglaunch); unset it or run under mglaunch");
     env.epoch = v;
+  }
+  if (auto it = vars.find("MGLAUNCH_RUN"); it != vars.end() && !it->second.empty()) {  // empty: unset
+    if (auto bad = run_problem(it->second); !bad.empty())
+      throw UsageError("MGLAUNCH_RUN='" + it->second.substr(0, 64) + "' " + bad +
+                       " (the rendezvous run of this round, set by mglaunch); unset it or run under mglaunch");
+    env.run = it->second;
   }
   env.launched = env.master_port > 0 || env.world > 1;
   if (env.world < 1 || env.rank < 0 || env.rank >= env.world)

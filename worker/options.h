@@ -67,7 +67,17 @@ struct Env {
   // MGLAUNCH_EPOCH: the rendezvous' epoch of this round, monotonic per job (the fence of
   // checkpoint writes, docs/mgtrain.md); unset under torchrun and older agents.
   std::optional<std::int64_t> epoch;
+  // MGLAUNCH_RUN: the rendezvous run that epoch belongs to ("MS-HEX", run_problem()): epochs
+  // compare only within one run (#37); empty: unset (torchrun, agents before #37).
+  std::string run;
 };
+
+// "" when `run` is a rendezvous run (MGLAUNCH_RUN: "MS-HEX", ms since the Unix epoch when the
+// run's rendezvous job was made, a dash, lowercase hex; at most 64 characters), else what is
+// wrong with it ("is not MS-HEX ...").
+std::string run_problem(const std::string& run);
+// Whether run `a` was made before run `b` (by MS, then HEX); both valid runs.
+bool run_before(const std::string& a, const std::string& b);
 
 // Parses argv into Options. Returns the text to print and exit 0 for --help; throws
 // UsageError with a one-line message for bad flags.
@@ -79,7 +89,7 @@ ParseResult parse_options(int argc, const char* const* argv);
 
 // Reads the contract from `vars` (the process environment in main). Throws UsageError
 // when RANK/WORLD_SIZE are not a valid pair, a multi-process world has no MASTER_PORT, or
-// MGLAUNCH_EPOCH is not a non-negative integer.
+// MGLAUNCH_EPOCH is not a non-negative integer, or MGLAUNCH_RUN not a run.
 Env read_env(const std::map<std::string, std::string>& vars);
 std::map<std::string, std::string> process_env();
 

@@ -610,8 +610,9 @@ bool Trainer::stop_or_checkpoint() {
   return stop_now || fenced_;
 }
 
-// Rank 0 writes the checkpoint of this step, fenced by this round's epoch (MGLAUNCH_EPOCH).
-// False on every rank when rank 0 refused (a newer epoch of the job holds the path): this
+// Rank 0 writes the checkpoint of this step, fenced by this round's epoch and run
+// (MGLAUNCH_EPOCH, MGLAUNCH_RUN). False on every rank when rank 0 refused (a newer epoch of
+// this run, or a newer run, holds the path): this
 // side of the job is stale, and every rank stops; rank 0 says why in one line.
 bool Trainer::checkpoint(bool stop_now) {
   broadcast_buffers();  // the checkpoint holds the buffers every rank's next forward gets
@@ -624,13 +625,20 @@ bool Trainer::checkpoint(bool stop_now) {
   Saved saved;
   if (lead_) {
     const std::string dir = with_rank(o_.checkpoint_dir, comm_.rank);
-    saved = save_checkpoint(dir, *model_.module, *opt_, c, Fence{env_.epoch, o_.timeout_s});
+    saved = save_checkpoint(dir, *model_.module, *opt_, c, Fence{env_.epoch, env_.run, o_.timeout_s});
     if (saved.written && stop_now) stop_checkpoint_ = checkpoint_file(dir);
     if (!saved.written) {
-      const std::string why = fmt::format(
-          "checkpoint refused at step {}: {} belongs to epoch {} of this job, newer than this round's MGLAUNCH_EPOCH={}: "
-          "this side of the job is stale (a newer round trains elsewhere), so every rank stops without writing (exit {})",
-          state_.step, checkpoint_file(dir), saved.owner, env_.epoch.value_or(-1), kExitFenced);
+      const bool other_run = !env_.run.empty() && saved.owner_run != env_.run;
+      const std::string why =
+          other_run
+              ? fmt::format("checkpoint refused at step {}: {} belongs to run {} of this job, newer than this run's "
+                            "MGLAUNCH_RUN={}: this run is stale (a newer run of the job trains on that checkpoint), so "
+                            "every rank stops without writing (exit {})",
+                            state_.step, checkpoint_file(dir), saved.owner_run, env_.run, kExitFenced)
+              : fmt::format("checkpoint refused at step {}: {} belongs to epoch {} of this job, newer than this round's "
+                            "MGLAUNCH_EPOCH={}: this side of the job is stale (a newer round trains elsewhere), so every "
+                            "rank stops without writing (exit {})",
+                            state_.step, checkpoint_file(dir), saved.owner, env_.epoch.value_or(-1), kExitFenced);
       std::fprintf(stderr, "mgtrain: %s\n", why.c_str());
       write_error_file(why);
     }
@@ -847,6 +855,7 @@ void Trainer::write_summary(double sps, double sp_cpu, const std::string& digest
                       {"params_sha256", sha256_of(params_)},
                       {"stopped_by_signal", stopped_},
                       {"mglaunch_epoch", env_.epoch ? nlohmann::json(*env_.epoch) : nlohmann::json()},
+                      {"mglaunch_run", env_.run.empty() ? nlohmann::json() : nlohmann::json(env_.run)},
                       {"fenced", fenced_},
                       {"cuda_graphs", graph_ && graph_->captured()},
                       {"recoveries", recoveries_}};

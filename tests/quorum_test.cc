@@ -116,16 +116,20 @@ TEST_CASE("quorum: the epoch goes on from the highest any joining node saw: a no
     CHECK(decoded<proto::Assignment>(closed[0]).epoch == takeover_epoch(6, 1) + 6);
     CHECK(job.round() == 5);
   }
-  SECTION("a re-registration with a restarted daemon keeps the round's epoch; its next round is one more") {
-    Job job("job");
+  SECTION("a re-registration with a restarted daemon keeps the round's epoch and run (#37); its next round is one "
+          "more") {
+    const std::string kRun = "1700000000000-00000000000000ab";
+    Job job("job", false, "1700000009999-00000000000000cd");  // the new daemon's own run
     auto j = node("127.0.0.1", 1, 1);
     j.resume_round = 3;
     j.resume_group_rank = 0;
     j.resume_group_world_size = 1;
     j.epoch = 9;
+    j.run = kRun;
     job.join(1, j, T0);
     REQUIRE(job.state() == Job::State::kRunning);
     CHECK(job.epoch() == 9);
+    CHECK(job.run() == kRun);
     proto::WorkerFailed f;
     f.round = 3;
     f.host = "host-127.0.0.1";
@@ -134,6 +138,7 @@ TEST_CASE("quorum: the epoch goes on from the highest any joining node saw: a no
     auto out = of_type(job.join(1, node("127.0.0.1", 1, 1), T0), MsgType::kAssignment);
     REQUIRE(out.size() == 1);
     CHECK(decoded<proto::Assignment>(out[0]).epoch == 10);
+    CHECK(decoded<proto::Assignment>(out[0]).run == kRun);
   }
 }
 
@@ -945,7 +950,7 @@ TEST_CASE("quorum: the takeover search waits for a candidate that refuses (alive
 // them only within one run (MGLAUNCH_RUN). It is minted once, where the Job is made, and
 // carried: a takeover's Job and a restarted daemon's keep it; both sides of a split share it.
 TEST_CASE("run: every round and standby of a job carries the run its Job was made with, a job taken over carries "
-          "the seed's, one a restarted daemon rebuilds its nodes', and a fresh Job a new one") {
+          "the seed's, and a fresh Job a new one (a restarted daemon: above)") {
   const std::string kRun = "1700000000000-00000000000000ab", kMinted = "1700000009999-00000000000000cd";
   SECTION("the rounds of one job: the same run at every epoch, a standby hears it too") {
     Job job("job", true, kRun);
@@ -991,27 +996,6 @@ TEST_CASE("run: every round and standby of a job carries the run its Job was mad
     Job other("job", true, kMinted);
     other.take_over(seed_of(4, 6, 3, 2, T0 + 1s), T0);
     CHECK(other.run() == kMinted);
-  }
-  SECTION("a restarted daemon: the round its nodes re-register keeps their run, and so does the next") {
-    Job job("job", false, kMinted);
-    auto j = node("127.0.0.1", 1, 1);
-    j.resume_round = 3;
-    j.resume_group_rank = 0;
-    j.resume_group_world_size = 1;
-    j.epoch = 9;
-    j.run = kRun;
-    job.join(1, j, T0);
-    REQUIRE(job.state() == Job::State::kRunning);
-    CHECK(job.run() == kRun);
-    proto::WorkerFailed f;
-    f.round = 3;
-    f.host = "host-127.0.0.1";
-    f.rank = 0;
-    job.worker_failed(1, f, T0);
-    auto out = of_type(job.join(1, node("127.0.0.1", 1, 1), T0), MsgType::kAssignment);
-    REQUIRE(out.size() == 1);
-    CHECK(decoded<proto::Assignment>(out[0]).epoch == 10);
-    CHECK(decoded<proto::Assignment>(out[0]).run == kRun);
   }
   SECTION("a new run (fresh nodes, no run told): the Job's own, minted as MS-HEX, a different one each time") {
     CHECK(mint_run(1700000000000, 0xab) == kRun);

@@ -108,7 +108,7 @@ TEST_CASE("2 ranks x batch B with --sync-batchnorm train the ResNet like 1 rank 
   CHECK(max_abs_diff(dir + "/one", dir + "/local") > 1e-3);
 }
 
-TEST_CASE("rank 0's checkpoint resumes every rank at the same step, even where only rank 0 has it", "[long]") {
+TEST_CASE("rank 0's checkpoint resumes every rank at the same step, even where only rank 0 has it, and where rank 0 has none the lowest rank that has one supplies it", "[long]") {
   std::string dir = make_temp_dir();
   // {rank} gives each rank its own (node-local) directory: only rank 0 writes one.
   const std::string ckpt = dir + "/ckpt{rank}";
@@ -126,16 +126,30 @@ TEST_CASE("rank 0's checkpoint resumes every rank at the same step, even where o
   REQUIRE(clean.code == 0);
   CHECK(nlohmann::json::parse(read_file(dir + "/c1.json"))["weights_sha256"] == summary(dir, 1)["weights_sha256"]);
 
-  // The two setup errors in turn, not as SECTIONs: Catch2 runs a test case again from its top
-  // for each section, which repeated the three training runs above.
+  // The next two in turn, not as SECTIONs: Catch2 runs a test case again from its top for
+  // each section, which repeated the three training runs above.
+  fs::copy_file(dir + "/ckpt0/checkpoint.pt", dir + "/ckpt0-keep.pt");
   {
-    INFO("a checkpoint on rank 1 but not on rank 0 is a setup error, not a fresh start");
+    // Node-local directories and a newcomer placed at rank 0 (review M2): rank 0 has none,
+    // the lowest rank that has one supplies it. Before: exit 3 on every rank ('rank 0 has no
+    // checkpoint ... but 1 other rank(s) have one'), in every round until max_restarts.
+    INFO("a checkpoint on rank 1 but not on rank 0: rank 1's resumes every rank");
     fs::create_directories(dir + "/ckpt1");
     fs::rename(dir + "/ckpt0/checkpoint.pt", dir + "/ckpt1/checkpoint.pt");
-    auto r = train(2, {"--model", "mlp", "--max-steps", "10", "--checkpoint-dir", ckpt});
-    CHECK(r.code == 3);
-    CHECK_THAT(r.err, Catch::Contains("rank 0 has no checkpoint"));
-    fs::rename(dir + "/ckpt1/checkpoint.pt", dir + "/ckpt0/checkpoint.pt");
+    auto r = train(2, {"--model", "mlp", "--max-steps", "10", "--checkpoint-dir", ckpt, "--checkpoint-every", "10",
+                       "--summary-json", dir + "/m{rank}.json"});
+    INFO(r.out << r.err);
+    CHECK(r.code == 0);
+    CHECK_THAT(r.out, Catch::Contains("resumed from rank 1's checkpoint " + dir + "/ckpt1/checkpoint.pt at step 6 "
+                                      "(rank 0 has none)"));
+    const auto m1 = nlohmann::json::parse(read_file(dir + "/m1.json"));
+    CHECK(m1["steps"] == 10);
+    CHECK(m1["weights_sha256"] == nlohmann::json::parse(read_file(dir + "/m0.json"))["weights_sha256"]);
+    CHECK(m1["weights_sha256"] == summary(dir, 1)["weights_sha256"]);  // as rank 0's own checkpoint resumed
+    CHECK(fs::exists(dir + "/ckpt0/checkpoint.pt"));  // rank 0 writes its own from then on
+    fs::remove(dir + "/ckpt1/checkpoint.pt");
+    fs::remove(dir + "/ckpt0/checkpoint.pt");
+    fs::rename(dir + "/ckpt0-keep.pt", dir + "/ckpt0/checkpoint.pt");
   }
   {
     INFO("a corrupt checkpoint on rank 0 is a setup error on every rank");

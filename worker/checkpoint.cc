@@ -274,27 +274,29 @@ std::optional<std::int64_t> checkpoint_step(const std::string& dir) {
 }
 
 std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
-                               torch::optim::Optimizer& opt) {
+                               torch::optim::Optimizer& opt, int* source) {
   if (dir.empty()) return std::nullopt;
   const std::string path = checkpoint_file(dir);
   const bool here = std::filesystem::exists(path);
   const auto cpu_long = torch::TensorOptions().dtype(torch::kLong);
-  // Who has a checkpoint: [ranks with one, whether rank 0 has one].
-  auto who = torch::tensor({here ? 1L : 0L, comm.rank == 0 && here ? 1L : 0L}, cpu_long).to(comm.device);
-  comm.allreduce_sum(who);
-  who = who.to(torch::kCPU);
-  const std::int64_t holders = who[0].item<std::int64_t>(), lead_has = who[1].item<std::int64_t>();
-  if (!lead_has) {
-    if (holders > 0)
-      throw SetupError(fmt::format(
-          "rank 0 has no checkpoint at {} but {} other rank(s) have one: rank 0 loads the checkpoint for every rank, so "
-          "give rank 0 the checkpoint (a shared --checkpoint-dir) or remove the stale ones",
-          path, holders));
-    return std::nullopt;
+  // Who supplies the checkpoint: rank 0 when it has one, else the lowest rank that has one
+  // (node-local directories: a newcomer placed at rank 0 has none). One MAX all-reduce of
+  // [world - rank where there is one, else 0].
+  int root = here ? comm.rank : -1;
+  if (comm.distributed()) {
+    auto who = torch::tensor({here ? static_cast<std::int64_t>(comm.world - comm.rank) : 0L}, cpu_long).to(comm.device);
+    std::vector<torch::Tensor> w{who};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    wait_work(comm.pg->allreduce(w, max));
+    const std::int64_t top = who.to(torch::kCPU).item<std::int64_t>();
+    root = top > 0 ? comm.world - static_cast<int>(top) : -1;
   }
-  // Rank 0 reads and parses the file; its bytes travel to every rank (ok flag first).
+  if (root < 0) return std::nullopt;
+  if (source) *source = root;
+  // The root reads and parses the file; its bytes travel to every rank (ok flag first).
   std::string bytes, error;
-  if (comm.rank == 0) {
+  if (comm.rank == root) {
     std::ifstream in(path, std::ios::binary);
     std::ostringstream s;
     s << in.rdbuf();
@@ -303,7 +305,7 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
     if (error.empty() && bytes.empty()) error = path + " is empty";
   }
   Position pos;
-  if (comm.rank == 0 && error.empty()) {
+  if (comm.rank == root && error.empty()) {
     try {
       pos = load_from_bytes(bytes, comm.device, model, opt);
     } catch (const std::exception& e) {
@@ -312,26 +314,30 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
     }
   }
   if (comm.distributed()) {
+    c10d::BroadcastOptions from;
+    from.rootRank = root;
     auto head = torch::tensor({error.empty() ? 1L : 0L, static_cast<std::int64_t>(bytes.size())}, cpu_long).to(comm.device);
     std::vector<torch::Tensor> v{head};
-    comm.pg->broadcast(v)->wait();
+    wait_work(comm.pg->broadcast(v, from));
     head = head.to(torch::kCPU);
     if (head[0].item<std::int64_t>() == 0)
-      throw SetupError(comm.rank == 0 ? error + "; remove it to start afresh, or restore it"
-                                      : "rank 0 could not load its checkpoint (see rank 0's error); nothing was resumed");
+      throw SetupError(comm.rank == root ? error + "; remove it to start afresh, or restore it"
+                                         : fmt::format("rank {} could not load its checkpoint (see rank {}'s error); "
+                                                       "nothing was resumed",
+                                                       root, root));
     const std::int64_t n = head[1].item<std::int64_t>();
-    auto buf = comm.rank == 0 ? torch::from_blob(bytes.data(), {n}, torch::kByte).clone() : torch::empty({n}, torch::kByte);
+    auto buf = comm.rank == root ? torch::from_blob(bytes.data(), {n}, torch::kByte).clone() : torch::empty({n}, torch::kByte);
     buf = buf.to(comm.device);
     std::vector<torch::Tensor> b{buf};
-    comm.pg->broadcast(b)->wait();
-    if (comm.rank != 0) {
+    wait_work(comm.pg->broadcast(b, from));
+    if (comm.rank != root) {
       buf = buf.to(torch::kCPU);
       bytes.assign(static_cast<const char*>(buf.data_ptr()), static_cast<std::size_t>(n));
       try {
         pos = load_from_bytes(bytes, comm.device, model, opt);
       } catch (const std::exception& e) {
         std::string what = e.what();
-        throw SetupError("cannot load rank 0's checkpoint bytes: " + what.substr(0, what.find('\n')));
+        throw SetupError(fmt::format("cannot load rank {}'s checkpoint bytes: {}", root, what.substr(0, what.find('\n'))));
       }
     }
     // Every rank checks that all hold the same step.
@@ -339,7 +345,7 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
     std::vector<torch::Tensor> s{steps};
     c10d::AllreduceOptions max;
     max.reduceOp = c10d::ReduceOp::MAX;
-    comm.pg->allreduce(s, max)->wait();
+    wait_work(comm.pg->allreduce(s, max));
     steps = steps.to(torch::kCPU);
     if (steps[0].item<std::int64_t>() != -steps[1].item<std::int64_t>())
       throw SetupError(fmt::format("ranks resumed at different steps ({}..{}); remove the checkpoints and start again",

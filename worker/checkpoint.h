@@ -1,7 +1,8 @@
 // mgtrain's checkpoints: rank 0 writes model (parameters and buffers), optimizer state,
 // position and RNG state atomically (temp file, fsync, rename, fsync of the directory);
-// on start rank 0 alone reads it and broadcasts its bytes, so every rank resumes from the
-// same state even when the directory is node-local or stale elsewhere. Under a
+// on start rank 0 alone reads it and broadcasts its bytes (where rank 0 has none, the lowest
+// rank that has one), so every rank resumes from the same state even when the directory is
+// node-local or stale elsewhere. Under a
 // rendezvous epoch (MGLAUNCH_EPOCH) a write is fenced: only the newest epoch writes.
 // Included only by torch units.
 #pragma once
@@ -84,10 +85,12 @@ std::string broadcast_bytes(const Comm& comm, int root, std::string bytes);
 std::optional<std::int64_t> checkpoint_step(const std::string& dir);
 
 // Every rank calls it (a collective in ddp mode). Returns the position to resume from, or
-// nullopt for a fresh start (no checkpoint on any rank). Throws SetupError (exit 3) when
-// rank 0 has no checkpoint but another rank has one, when rank 0's checkpoint cannot be
+// nullopt for a fresh start (no checkpoint on any rank). The checkpoint is rank 0's; where
+// rank 0 has none (node-local directories, a newcomer placed at rank 0), the lowest rank
+// that has one supplies it (`source`, when given, says which). That rank alone reads it;
+// its bytes reach every rank. Throws SetupError (exit 3) when that checkpoint cannot be
 // read, or when the ranks end up at different steps.
 std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
-                               torch::optim::Optimizer& opt);
+                               torch::optim::Optimizer& opt, int* source = nullptr);
 
 }  // namespace mg::train

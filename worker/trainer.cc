@@ -348,11 +348,16 @@ void Trainer::establish() {
   const std::string ckpt_dir = with_rank(o_.checkpoint_dir, comm_.rank);
   if (recovery_ && comm_.distributed() && !checkpoint_is_newer(steps, ckpt_dir) && take_most_advanced(steps)) return;
   comm_.broadcast_coalesced(state_tensors(*model_.module));
-  if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_)) {
+  int source = 0;
+  if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_, &source)) {
     state_ = *c;
-    if (lead_)
+    if (lead_ && source == 0)
       std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(ckpt_dir).c_str(),
                   static_cast<long long>(state_.step), static_cast<long long>(state_.epoch + 1));
+    else if (lead_)
+      std::printf("resumed from rank %d's checkpoint %s at step %lld (rank 0 has none) (epoch %lld)\n", source,
+                  checkpoint_file(with_rank(o_.checkpoint_dir, source)).c_str(), static_cast<long long>(state_.step),
+                  static_cast<long long>(state_.epoch + 1));
   }
 }
 

@@ -1,0 +1,62 @@
+// Epochs and runs of rdzv::Job (rendezvous/job.h; docs/multinode.md, "Network partitions" and
+// "Runs", #34): the epoch block a takeover starts, the run identity minted where a job is
+// first created and learnt from newer joiners, and the takeover seed that carries both.
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "rendezvous/job.h"
+
+namespace mg::rdzv {
+
+int takeover_epoch(int seed_epoch, int host_rank) {
+  const long long rank = std::clamp<long long>(host_rank, 0, static_cast<long long>(proto::kMaxListedNodes) - 1);
+  const long long e = (std::max(0, seed_epoch) / kEpochBlock + 2LL) * kEpochBlock + rank + 1;
+  return static_cast<int>(std::min<long long>(e, INT32_MAX));
+}
+
+std::string mint_run(std::int64_t unix_ms, std::uint64_t random) {
+  return fmt::format("{}-{:016x}", std::max<std::int64_t>(0, unix_ms), random);
+}
+
+std::string new_run() {
+  std::random_device rd;
+  const std::uint64_t random = (std::uint64_t{rd()} << 32) ^ rd();
+  return mint_run(std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::system_clock::now().time_since_epoch()).count(),
+                  random);
+}
+
+void Job::learn_epoch(const proto::Join& j) {
+  if (j.epoch > epoch_ && !j.run.empty()) run_ = j.run;
+  epoch_ = std::max(epoch_, j.epoch);
+}
+
+void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
+  round_ = seed.round;
+  restart_count_ = seed.restart_count;
+  restart_reason_ = seed.reason;
+  restart_host_ = lost_host_ = seed.lost_host;
+  state_ = State::kRestarting;
+  first_join_ = last_activity_ = now;
+  takeover_ = seed;
+  takeover_reserved_ = std::max(0, seed.survivors);
+  // close_round() adds one: the first epoch of this host is takeover_epoch(), never one the
+  // lost host (or another node that took the same round over) mints.
+  epoch_ = std::max(epoch_, takeover_epoch(seed.epoch, seed.host_rank) - 1);
+  last_round_epoch_ = seed.epoch;
+  if (!seed.run.empty()) run_ = seed.run;  // one run on both sides of a split
+  voters_ = seed.voters;
+  prev_voters_ = seed.prev_voters;
+  adopted_voters_.clear();
+  adopted_epoch_ = 0;
+  took_over_ = true;
+  voters_host_closed_ = seed.host_closed;
+  auto& e = emit(JobEvent::Kind::kTakeover);
+  e.host = seed.lost_host;
+  e.why = seed.reason;
+}
+
+}  // namespace mg::rdzv

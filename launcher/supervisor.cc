@@ -504,7 +504,7 @@ void Supervisor::stop_on_signal(int sig, OnSignal what, const Now& now, Actions&
     notice("second interrupt: killing the workers now", out);
     unpause_all();  // the paused ones too: the stop waits for them
     out.push_back(act::SignalWorkers{SIGKILL, true, std::nullopt});
-    agent_signal_ = SIGINT;
+    if (agent_signal_ == 0) agent_signal_ = SIGINT;  // the run's code stays the first signal's
     return;
   }
   if (agent_signal_ == 0) agent_signal_ = sig;

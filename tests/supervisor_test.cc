@@ -509,6 +509,23 @@ TEST_CASE("a second SIGINT kills the workers at once") {
   CHECK(finished(out) == 128 + SIGINT);
 }
 
+TEST_CASE("a second SIGINT after a SIGTERM kills the workers at once, and the run still ends with the first "
+          "signal's code, 143 (#35)") {
+  // Before, the kill set the code to SIGINT's: a SIGTERM followed by two SIGINTs during the
+  // stop ended 130, 1 run in many of the hostile SIGINT-stream case under make test.
+  Supervisor s(single(2));
+  s.start(at(0));
+  auto out = s.signal(SIGTERM, at(10));
+  CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
+  s.signal(SIGINT, at(15));
+  out = s.signal(SIGINT, at(20));
+  CHECK(noticed(out, "second interrupt"));
+  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
+  s.worker_ended(ended(0, 137, SIGKILL), at(30));
+  out = s.worker_ended(ended(1, 137, SIGKILL), at(40));
+  CHECK(finished(out) == 128 + SIGTERM);
+}
+
 TEST_CASE("a stop whose workers never end (one outlives SIGKILL, or was never started) ends the run at the first "
           "signal plus the grace plus a margin, whatever signals follow (#35)") {
   // The agent once waited for ever for a worker it counted but never started (its store

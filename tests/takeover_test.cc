@@ -28,7 +28,11 @@ std::vector<Proc> start_job(const std::string& ep, const std::string& job, const
                             const std::map<std::string, std::string>& env = {}) {
   std::vector<Proc> agents;
   agents.push_back(spawn(agent_argv(ep, job, 2, nnodes, 1, flags, worker), env));
-  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  const bool hosting =
+      eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s);
+  INFO("the first agent at " << ep << " (alive: " << pid_alive(agents[0].pid) << "):\n" << agents[0].out()
+                             << agents[0].err());
+  REQUIRE(hosting);
   for (int i : {3, 4}) agents.push_back(spawn(agent_argv(ep, job, i, nnodes, 1, flags, worker), env));
   REQUIRE(eventually([&] {
     return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });

@@ -55,6 +55,17 @@ bool has_event(const std::string& dir, const std::string& type, int lr, std::siz
 
 void finish(const std::string& dir) { std::ofstream(dir + "/finish").put('\n'); }
 
+// Tells both nodes' workers to finish, then checks that both agents end with 0.
+void finish_both_ok(const std::string& dir0, Proc& n0, const std::string& dir1, Proc& n1) {
+  finish(dir0);
+  finish(dir1);
+  for (Proc* p : {&n0, &n1}) {
+    REQUIRE(p->wait(60s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+}
+
 // Connects to an agent's control socket ("@name") and returns its first line ("" if none in 10 s).
 std::string first_line_from(const std::string& at_name) {
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -306,13 +317,7 @@ TEST_CASE("in place, two nodes: node 1's agent SIGKILLed, node 0's opted-in work
   Proc n1b = node(1, dir1b);  // node 1 comes back
   REQUIRE(eventually([&] { return has_event(dir0, "assign", 0) && has_event(dir0, "start", 1, 2); }, 60s));
   REQUIRE(eventually([&] { return has_event(dir1b, "start", 0) && has_event(dir1b, "start", 1); }, 30s));
-  finish(dir0);
-  finish(dir1b);
-  for (Proc* p : {&n0, &n1b}) {
-    REQUIRE(p->wait(60s));
-    INFO(p->err());
-    CHECK(p->exit_code() == 0);
-  }
+  finish_both_ok(dir0, n0, dir1b, n1b);
   INFO(n0.err());
   CHECK_THAT(n0.err(), Catch::Contains("(127.0.0.3) lost: its connection closed"));
   const auto evs = events(dir0);
@@ -414,13 +419,7 @@ TEST_CASE("in place, two nodes: a store client queued on node 0's held master po
   ::close(fd);
   REQUIRE(eventually([&] { return has_event(dir0, "assign", 0); }, 60s));
   CHECK(of(events(dir0), "assign", 0).at(0)["env"]["MASTER_PORT"] == std::to_string(held));
-  finish(dir0);
-  finish(dir1b);
-  for (Proc* p : {&n0, &n1b}) {
-    REQUIRE(p->wait(60s));
-    INFO(p->err());
-    CHECK(p->exit_code() == 0);
-  }
+  finish_both_ok(dir0, n0, dir1b, n1b);
   ::kill(d.proc.pid, SIGTERM);
   CHECK(d.proc.wait(10s));
   for (const auto& dir : {dir0, dir1, dir1b}) std::filesystem::remove_all(dir);

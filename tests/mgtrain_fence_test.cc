@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 
@@ -25,12 +26,13 @@ namespace {
 const std::string kMgtrain = MGTRAIN_BIN;
 
 // The environment of one mgtrain process alone (no launcher, no group) with `epoch` as
-// MGLAUNCH_EPOCH ("": unset).
-std::map<std::string, std::string> alone(const std::string& epoch) {
+// MGLAUNCH_EPOCH and `run` as MGLAUNCH_RUN ("": unset).
+std::map<std::string, std::string> alone(const std::string& epoch, const std::string& run = "") {
   return {{"RANK", "0"},
           {"WORLD_SIZE", "1"},
           {"MASTER_PORT", kUnset},
           {"MGLAUNCH_EPOCH", epoch.empty() ? kUnset : epoch},
+          {"MGLAUNCH_RUN", run.empty() ? kUnset : run},
           {"TORCHELASTIC_ERROR_FILE", kUnset}};
 }
 
@@ -45,13 +47,34 @@ std::vector<std::string> command(const std::string& ckpt, std::vector<std::strin
 const std::vector<std::string> kShort = {"--dataset", "synthetic", "--synthetic-size", "1024", "--batch-size", "16",
                                          "--log-every", "0"};
 
-// `max_steps` steps alone under `epoch`, resuming from `ckpt` when it holds a checkpoint.
-Result train(const std::string& epoch, const std::string& ckpt, int max_steps, const std::string& summary) {
+// `max_steps` steps alone under `epoch` (and `run`), resuming from `ckpt` when it holds a
+// checkpoint; `more` flags.
+Result train(const std::string& epoch, const std::string& ckpt, int max_steps, const std::string& summary,
+             const std::string& run_id = "", const std::vector<std::string>& more = {}) {
   auto extra = kShort;
   extra.insert(extra.end(), {"--max-steps", std::to_string(max_steps), "--summary-json", summary});
-  auto r = run(command(ckpt, extra), alone(epoch), 180s);
+  extra.insert(extra.end(), more.begin(), more.end());
+  auto r = run(command(ckpt, extra), alone(epoch, run_id), 180s);
   INFO(r.out << r.err);
   return r;
+}
+
+// Rank `rank` of a `world`-rank job (no launcher: the contract's variables) on `port` under
+// `epoch` and `run_id`: `max_steps` steps from the newest checkpoint in `ckpt` ({rank}: one
+// directory per rank, as node-local ones), its summary and error file in `dir`.
+Proc spawn_rank(int rank, int world, const std::string& port, const std::string& epoch, const std::string& run_id,
+                const std::string& ckpt, int max_steps, const std::string& dir) {
+  auto extra = kShort;
+  extra.insert(extra.end(), {"--max-steps", std::to_string(max_steps), "--timeout", "60", "--summary-json",
+                             dir + "/s{rank}.json"});
+  return spawn(command(ckpt, extra), {{"RANK", std::to_string(rank)},
+                                      {"LOCAL_RANK", std::to_string(rank)},
+                                      {"WORLD_SIZE", std::to_string(world)},
+                                      {"MASTER_ADDR", "127.0.0.1"},
+                                      {"MASTER_PORT", port},
+                                      {"MGLAUNCH_EPOCH", epoch},
+                                      {"MGLAUNCH_RUN", run_id.empty() ? kUnset : run_id},
+                                      {"TORCHELASTIC_ERROR_FILE", dir + "/error" + std::to_string(rank) + ".json"}});
 }
 
 nlohmann::json summary_of(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
@@ -196,18 +219,7 @@ TEST_CASE("MGLAUNCH_EPOCH: a fenced 2-rank job stops on every rank with exit 4, 
   const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
   REQUIRE(train("7", ckpt, 4, dir + "/new.json").code == 0);
   const std::string port = std::to_string(free_loopback_port());
-  auto rank = [&](int r) {
-    auto extra = kShort;
-    extra.insert(extra.end(), {"--max-steps", "8", "--timeout", "60", "--summary-json", dir + "/s{rank}.json"});
-    return spawn(command(ckpt, extra), {{"RANK", std::to_string(r)},
-                                        {"LOCAL_RANK", std::to_string(r)},
-                                        {"WORLD_SIZE", "2"},
-                                        {"MASTER_ADDR", "127.0.0.1"},
-                                        {"MASTER_PORT", port},
-                                        {"MGLAUNCH_EPOCH", "5"},
-                                        {"TORCHELASTIC_ERROR_FILE", dir + "/error" + std::to_string(r) + ".json"}});
-  };
-  Proc r0 = rank(0), r1 = rank(1);
+  Proc r0 = spawn_rank(0, 2, port, "5", "", ckpt, 8, dir), r1 = spawn_rank(1, 2, port, "5", "", ckpt, 8, dir);
   REQUIRE(r0.wait(180s));
   REQUIRE(r1.wait(180s));
   INFO(r0.out() << r0.err() << r1.out() << r1.err());
@@ -305,12 +317,8 @@ TEST_CASE("a new run of the job resumes from the checkpoint its previous run lef
 TEST_CASE("MGLAUNCH_RUN: a record without a run is an older run's, the checkpoint's own record names its run when the lock is lost, a writer without a run compares epochs alone, and a bad one is exit 2") {
   const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
   const std::string older = "1700000000000-00000000000000ab", newer = "1700000000001-0000000000000001";
-  auto train_run = [&](const std::string& epoch, const std::string& run, int max_steps, const std::string& summary) {
-    auto env = alone(epoch);
-    env["MGLAUNCH_RUN"] = run.empty() ? kUnset : run;
-    auto extra = kShort;
-    extra.insert(extra.end(), {"--max-steps", std::to_string(max_steps), "--summary-json", summary});
-    return run_cmd(command(ckpt, extra), env);
+  auto train_run = [&](const std::string& epoch, const std::string& run_id, int max_steps, const std::string& summary) {
+    return train(epoch, ckpt, max_steps, summary, run_id);
   };
   // Epoch 7 recorded without a run (an mglaunch before #37): a run's epoch 1 takes it over.
   REQUIRE(train_run("7", "", 4, dir + "/a.json").code == 0);
@@ -344,6 +352,111 @@ TEST_CASE("MGLAUNCH_RUN: a record without a run is an older run's, the checkpoin
     CHECK_THAT(r.err, Catch::StartsWith("mgtrain: error: MGLAUNCH_RUN='" + bad + "' is not MS-HEX"));
     CHECK(count_of(r.err, "\n") == 1);
   }
+}
+
+
+// Node-local checkpoint directories ({rank}) hold what their node's rank 0 wrote while it
+// was rank 0: a node away for some rounds holds an old one (review ckpt M3). The round must
+// resume from the newest among the ranks' (by run, then epoch, then step), not from the lowest
+// rank that has one, nor from rank 0's without asking. On main (e38d75b): the first job
+// resumed from rank 1's step 4, the second from rank 0's step 8.
+TEST_CASE("node-local checkpoint directories: the round resumes from the newest checkpoint among the ranks' (by run, epoch, step), not the lowest rank's nor rank 0's") {
+  namespace fs = std::filesystem;
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt{rank}";
+  const std::string run1 = "1700000000000-0000000000000a01", older_run = "1600000000000-0000000000000a00";
+  // The checkpoints the nodes hold: run1 epoch 5 at steps 4 and 8, run1 epoch 6 at step 2
+  // (the side that went on after a split), and an older run's epoch 9 at step 6.
+  auto make = [&](const std::string& epoch, const std::string& run_id, const std::string& where, int steps,
+                  const std::string& keep) {
+    REQUIRE(train(epoch, dir + "/" + where, steps, dir + "/make.json", run_id).code == 0);
+    fs::copy_file(dir + "/" + where + "/checkpoint.pt", dir + "/" + keep);
+  };
+  make("5", run1, "a", 4, "e5s4.pt");
+  make("5", run1, "a", 8, "e5s8.pt");
+  make("6", run1, "b", 2, "e6s2.pt");
+  make("9", older_run, "c", 6, "old-e9s6.pt");
+  auto place = [&](int rank, const std::string& keep) {
+    fs::create_directories(dir + "/ckpt" + std::to_string(rank));
+    fs::copy_file(dir + "/" + keep, dir + "/ckpt" + std::to_string(rank) + "/checkpoint.pt",
+                  fs::copy_options::overwrite_existing);
+  };
+  auto job = [&](int world, int max_steps) {
+    const std::string port = std::to_string(free_loopback_port());
+    std::vector<Proc> ranks;
+    for (int r = 0; r < world; ++r) ranks.push_back(spawn_rank(r, world, port, "6", run1, ckpt, max_steps, dir));
+    std::string out;
+    for (auto& p : ranks) {
+      REQUIRE(p.wait(180s));
+      out += p.out() + p.err();
+      INFO(out);
+      CHECK(p.exit_code() == 0);
+    }
+    for (int r = 1; r < world; ++r) {
+      INFO("rank " << r);
+      CHECK(summary_of(dir + "/s" + std::to_string(r) + ".json")["weights_sha256"] ==
+            summary_of(dir + "/s0.json")["weights_sha256"]);
+      CHECK(summary_of(dir + "/s" + std::to_string(r) + ".json")["steps"] == max_steps);
+    }
+    return ranks[0].out();
+  };
+  {
+    INFO("rank 0 has none, rank 1 an old one (step 4), rank 2 the newest (step 8): rank 2's");
+    place(1, "e5s4.pt");
+    place(2, "e5s8.pt");
+    const std::string out = job(3, 10);
+    CHECK_THAT(out, Catch::Contains("resumed from rank 2's checkpoint " + dir + "/ckpt2/checkpoint.pt at step 8 "
+                                    "(rank 0 has none)"));
+  }
+  {
+    INFO("rank 0 holds epoch 5 at step 8, rank 1 epoch 6 at step 2, rank 2 an older run's epoch 9: rank 1's");
+    place(0, "e5s8.pt");
+    place(1, "e6s2.pt");
+    place(2, "old-e9s6.pt");
+    const std::string out = job(3, 4);
+    CHECK_THAT(out, Catch::Contains("resumed from rank 1's checkpoint " + dir + "/ckpt1/checkpoint.pt at step 2 "
+                                    "(rank 0's holds older training: step 8, epoch 5 of run " + run1 + ")"));
+  }
+}
+
+// A run minted on a host whose clock ran ahead is "newer" than every later real run, which
+// it refuses for ever (review ckpt M2). The refusal says who holds the checkpoint, who this
+// is, how runs are ordered, that the holder is dated in this host's future, and how to go on;
+// --checkpoint-take-over RUN goes on. On main: the line named neither the clock nor a way
+// on, and the flag was exit 2 (unknown).
+TEST_CASE("a run minted on a clock that ran ahead refuses later runs with a line that names both runs, the clock and the way on, and --checkpoint-take-over RUN takes its checkpoint over") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  const std::string ahead = "4102444800000-00000000000000ff";  // minted on a clock that read 2100-01-01
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch());
+  const std::string now_run = std::to_string(ms.count()) + "-0000000000000001",
+                    later_run = std::to_string(ms.count() + 1) + "-0000000000000002";
+  REQUIRE(train("3", ckpt, 4, dir + "/ahead.json", ahead).code == 0);
+  auto refused = train("1", ckpt, 8, dir + "/refused.json", now_run);
+  CHECK(refused.code == 4);
+  CHECK(count_of(refused.err, "checkpoint refused at step 6") == 1);
+  CHECK_THAT(refused.err, Catch::Contains(ckpt + "/checkpoint.pt belongs to run " + ahead +
+                                          " of this job, newer than this run's MGLAUNCH_RUN=" + now_run +
+                                          ": this run is stale") &&
+                              Catch::Contains("Runs are ordered by the clock of the host that made them, and run " +
+                                              ahead + " is dated ") &&
+                              Catch::Contains(" days after this host's clock: the clock that made it was probably ahead; "
+                                              "if run " + ahead + " trains no more, rerun with --checkpoint-take-over " +
+                                              ahead + " to go on from its checkpoint"));
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "3 " + ahead + "\n");
+  // Naming another run takes nothing over.
+  auto other = train("1", ckpt, 8, dir + "/other.json", now_run, {"--checkpoint-take-over", later_run});
+  CHECK(other.code == 4);
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "3 " + ahead + "\n");
+  // The way on: the run named in the line is taken over; this run resumes from its checkpoint
+  // and writes its own from then on, and a later run without the flag goes on from it.
+  auto taken = train("1", ckpt, 8, dir + "/taken.json", now_run, {"--checkpoint-take-over", ahead});
+  CHECK(taken.code == 0);
+  CHECK_THAT(taken.out, Catch::Contains("resumed from " + ckpt + "/checkpoint.pt at step 4") &&
+                            Catch::Contains("checkpoint at step 6: took " + ckpt + "/checkpoint.pt over from run " + ahead));
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + now_run + "\n");
+  auto later = train("1", ckpt, 10, dir + "/later.json", later_run);
+  CHECK(later.code == 0);
+  CHECK_THAT(later.out, Catch::Contains("at step 8"));
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + later_run + "\n");
 }
 
 }  // namespace mgtrain_fence_test

@@ -134,6 +134,43 @@ TEST_CASE("MGLAUNCH_RUN is read as the round's rendezvous run (MS-HEX), unset or
   CHECK_FALSE(run_before("1700000000001-00", "1700000000000-ff"));
 }
 
+TEST_CASE("checkpoints order by run (none recorded first, then by the run's time), then epoch, then step, and --checkpoint-take-over places the named run just below this run") {
+  const std::string r1 = "1700000000000-01", r2 = "1700000000005-02", ahead = "4102444800000-ff";  // ahead: 2100
+  const CheckpointKey none_e9{"", 9, 500}, r1_e1{r1, 1, 4}, r1_e1_s8{r1, 1, 8}, r1_e2_s2{r1, 2, 2}, r2_e1{r2, 1, 2},
+      ahead_e3{ahead, 3, 40};
+  // An older run's checkpoint is older than any of a newer run's, whatever its epoch and step.
+  CHECK(older_checkpoint(none_e9, r1_e1));
+  CHECK(older_checkpoint(r1_e2_s2, r2_e1));
+  CHECK_FALSE(older_checkpoint(r2_e1, r1_e2_s2));
+  // Within a run: the epoch first (a newer round with fewer steps wins), then the step.
+  CHECK(older_checkpoint(r1_e1_s8, r1_e2_s2));
+  CHECK(older_checkpoint(r1_e1, r1_e1_s8));
+  CHECK_FALSE(older_checkpoint(r1_e1_s8, r1_e1_s8));
+  CHECK(older_checkpoint(CheckpointKey{"", -1, 3}, CheckpointKey{"", -1, 4}));  // unfenced: by step
+  // A run minted ahead is the newest ...
+  CHECK(older_checkpoint(r2_e1, ahead_e3, r2));
+  // ... unless this run takes it over: then it stands just below this run, above the rest.
+  CHECK(older_checkpoint(ahead_e3, r2_e1, r2, ahead));
+  CHECK_FALSE(older_checkpoint(r2_e1, ahead_e3, r2, ahead));
+  CHECK(older_checkpoint(r1_e2_s2, ahead_e3, r2, ahead));
+  CHECK(older_checkpoint(none_e9, ahead_e3, r2, ahead));
+  CHECK(older_checkpoint(ahead_e3, CheckpointKey{ahead, 3, 41}, r2, ahead));
+  CHECK(older_checkpoint(r2_e1, ahead_e3, "", ahead));  // no run of its own: nothing to place it under
+}
+
+TEST_CASE("a run's time against this host's clock, and --checkpoint-take-over takes a run (MS-HEX) or is exit 2") {
+  CHECK(run_ahead_ms("1700000060000-ab", 1700000000000) == 60000);
+  CHECK(run_ahead_ms("1700000000000-ab", 1700000060000) == -60000);
+  CHECK(run_ahead_ms("99999999999999999999-ab", 0) == 0);  // past int64: no claim
+  CHECK(parse({}).checkpoint_take_over.empty());
+  CHECK(parse({"--checkpoint-take-over", "4102444800000-ff"}).checkpoint_take_over == "4102444800000-ff");
+  for (const char* bad : {"x", "4102444800000", "41-FF"}) {
+    INFO(bad);
+    CHECK_THROWS_WITH(parse({"--checkpoint-take-over", bad}),
+                      Catch::StartsWith(std::string("--checkpoint-take-over '") + bad + "' is not MS-HEX"));
+  }
+}
+
 TEST_CASE("mgtrain --in-place-recovery on an NCCL build starts mgtrain again with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, never a setenv") {
   const std::map<std::string, std::string> vars{{"RANK", "1"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"}};
   Options o = parse({"--in-place-recovery"});

@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -187,7 +188,8 @@ bool refuses(const Owner& owner, const Fence& fence) {
   if (!fence.run.empty() && owner.run != fence.run) {
     // Another run of the job wrote there: an older one (or one without a run, an mglaunch
     // before #37) left the checkpoint this run starts from; a newer one holds it for good.
-    return !owner.run.empty() && run_before(fence.run, owner.run);
+    // --checkpoint-take-over names a run that counts as older than this one.
+    return !owner.run.empty() && owner.run != fence.take_over && run_before(fence.run, owner.run);
   }
   return owner.epoch > *fence.epoch;  // one run (or no runs): the newest epoch writes
 }
@@ -241,12 +243,15 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   // Check and write as one step: every fenced writer holds the lock from its comparison
   // to its rename, so an older epoch never writes after (or while) a newer one does.
   std::optional<EpochLock> lock;
+  Saved result;
   if (fence.epoch) {
     lock.emplace(checkpoint_lock_file(dir), fence.lock_timeout_s);
     auto owner = lock->owner();
     if (!owner) owner = recorded_owner(path);  // a lock file lost, or the first fenced write
-    if (owner && refuses(*owner, fence)) return Saved{false, owner->epoch, owner->run};
+    if (owner && refuses(*owner, fence)) return Saved{false, owner->epoch, owner->run, {}};
     lock->record(*fence.epoch, fence.run);
+    if (owner && !fence.run.empty() && owner->run == fence.take_over && run_before(fence.run, owner->run))
+      result.taken_over = owner->run;
   }
   try {
     ar.save_to(tmp);
@@ -258,45 +263,114 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   if (::rename(tmp.c_str(), path.c_str()) != 0)
     throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
   fsync_or_throw(dir);
-  return {};
+  return result;
 }
 
-std::optional<std::int64_t> checkpoint_step(const std::string& dir) {
-  const std::string path = checkpoint_file(dir);
-  if (dir.empty() || !std::filesystem::exists(path)) return std::nullopt;
+namespace {
+
+// A duration for a person: minutes up to two days, then days.
+std::string duration(std::int64_t ms) {
+  const std::int64_t min = ms / 60000;
+  return min < 48 * 60 ? fmt::format("{} min", min) : fmt::format("{} days", min / (24 * 60));
+}
+
+}  // namespace
+
+std::string refusal(const Saved& saved, const Fence& fence, std::int64_t step, const std::string& path,
+                    std::int64_t now_ms) {
+  if (fence.run.empty() || saved.owner_run == fence.run)
+    return fmt::format("checkpoint refused at step {}: {} belongs to epoch {} of this job, newer than this round's "
+                       "MGLAUNCH_EPOCH={}: this side of the job is stale (a newer round trains elsewhere), so every "
+                       "rank stops without writing (exit {})",
+                       step, path, saved.owner, fence.epoch.value_or(-1), kExitFenced);
+  const std::int64_t ahead = run_ahead_ms(saved.owner_run, now_ms);
+  const std::string suspect =
+      ahead > kRunAheadSuspectMs
+          ? fmt::format(", and run {} is dated {} after this host's clock: the clock that made it was probably ahead",
+                        saved.owner_run, duration(ahead))
+          : std::string();
+  return fmt::format(
+      "checkpoint refused at step {}: {} belongs to run {} of this job, newer than this run's MGLAUNCH_RUN={}: this "
+      "run is stale, so every rank stops without writing (exit {}). Runs are ordered by the clock of the host that "
+      "made them{}; if run {} trains no more, rerun with --checkpoint-take-over {} to go on from its checkpoint "
+      "(while it still trains, both runs would write it)",
+      step, path, saved.owner_run, fence.run, kExitFenced, suspect, saved.owner_run, saved.owner_run);
+}
+
+namespace {
+
+// What a census row holds per rank: whether there is a checkpoint, its epoch, step and run
+// (its bytes packed into longs; run_problem() bounds a run to 64 characters).
+enum Census : std::int64_t { kAbsent = 0, kPresent = 1, kUnreadable = 2 };
+constexpr int kRunLongs = 8, kRow = 4 + kRunLongs;
+
+// The key of the checkpoint at `path`; kUnreadable with `error` set when it cannot be read.
+Census read_key(const std::string& path, CheckpointKey& key, std::string& error) {
+  if (!std::filesystem::exists(path)) return kAbsent;
   try {
     torch::serialize::InputArchive ar;
     ar.load_from(path, torch::kCPU);
-    return read_int(ar, "step");
-  } catch (const std::exception&) {
-    return std::nullopt;  // resume() reports an unreadable checkpoint
+    key.step = read_int(ar, "step");
+    torch::Tensor t;
+    if (ar.try_read("mglaunch_epoch", t)) key.epoch = t.item<std::int64_t>();
+    c10::IValue run;
+    if (ar.try_read("mglaunch_run", run) && run.isString() && run_problem(run.toStringRef()).empty())
+      key.run = run.toStringRef();
+    return kPresent;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    error = fmt::format("cannot load checkpoint {}: {}", path, what.substr(0, what.find('\n')));
   }
+  return kUnreadable;
+}
+
+}  // namespace
+
+Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence) {
+  Newest out;
+  if (dir.empty()) return out;
+  CheckpointKey mine;
+  std::string error;
+  const Census held = read_key(checkpoint_file(dir), mine, error);
+  if (held == kPresent) out.own = mine;
+  const int world = comm.distributed() ? comm.world : 1, me = comm.distributed() ? comm.rank : 0;
+  // Every rank's row, gathered by one sum all-reduce (each rank fills its own row).
+  auto rows = torch::zeros({world, kRow}, torch::kLong);
+  rows[me][0] = static_cast<std::int64_t>(held);
+  rows[me][1] = mine.epoch;
+  rows[me][2] = mine.step;
+  rows[me][3] = static_cast<std::int64_t>(mine.run.size());
+  std::memcpy(rows[me].data_ptr<std::int64_t>() + 4, mine.run.data(), std::min<std::size_t>(mine.run.size(), 8 * kRunLongs));
+  if (comm.distributed()) {
+    rows = rows.to(comm.device);
+    comm.allreduce_sum(rows);
+    rows = rows.to(torch::kCPU).contiguous();
+  }
+  const auto* r = rows.data_ptr<std::int64_t>();
+  for (int k = 0; k < world; ++k, r += kRow) {
+    if (r[0] == kUnreadable)
+      throw SetupError(k == me ? error + "; remove it to start afresh, or restore it"
+                               : fmt::format("rank {} cannot read its checkpoint (see rank {}'s error), which may be the "
+                                             "newest; nothing was resumed",
+                                             k, k));
+    if (r[0] != kPresent) continue;
+    const auto run_size = static_cast<std::size_t>(std::clamp<std::int64_t>(r[3], 0, 8 * kRunLongs));
+    CheckpointKey key{std::string(reinterpret_cast<const char*>(r + 4), run_size), r[1], r[2]};
+    if (out.rank < 0 || older_checkpoint(out.key, key, fence.run, fence.take_over)) out.rank = k, out.key = key;
+  }
+  return out;
 }
 
 std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
-                               torch::optim::Optimizer& opt, int* source) {
-  if (dir.empty()) return std::nullopt;
+                               torch::optim::Optimizer& opt, const Newest& newest) {
+  if (dir.empty() || newest.rank < 0) return std::nullopt;
   const std::string path = checkpoint_file(dir);
-  const bool here = std::filesystem::exists(path);
   const auto cpu_long = torch::TensorOptions().dtype(torch::kLong);
-  // Who supplies the checkpoint: rank 0 when it has one, else the lowest rank that has one
-  // (node-local directories: a newcomer placed at rank 0 has none). One MAX all-reduce of
-  // [world - rank where there is one, else 0].
-  int root = here ? comm.rank : -1;
-  if (comm.distributed()) {
-    auto who = torch::tensor({here ? static_cast<std::int64_t>(comm.world - comm.rank) : 0L}, cpu_long).to(comm.device);
-    std::vector<torch::Tensor> w{who};
-    c10d::AllreduceOptions max;
-    max.reduceOp = c10d::ReduceOp::MAX;
-    wait_work(comm.pg->allreduce(w, max));
-    const std::int64_t top = who.to(torch::kCPU).item<std::int64_t>();
-    root = top > 0 ? comm.world - static_cast<int>(top) : -1;
-  }
-  if (root < 0) return std::nullopt;
-  if (source) *source = root;
+  const int root = newest.rank;
   // The root reads and parses the file; its bytes travel to every rank (ok flag first).
   std::string bytes, error;
-  if (comm.rank == root) {
+  const bool reader = comm.distributed() ? comm.rank == root : true;
+  if (reader) {
     std::ifstream in(path, std::ios::binary);
     std::ostringstream s;
     s << in.rdbuf();
@@ -305,7 +379,7 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
     if (error.empty() && bytes.empty()) error = path + " is empty";
   }
   Position pos;
-  if (comm.rank == root && error.empty()) {
+  if (reader && error.empty()) {
     try {
       pos = load_from_bytes(bytes, comm.device, model, opt);
     } catch (const std::exception& e) {

@@ -1,8 +1,8 @@
 // mgtrain's checkpoints: rank 0 writes model (parameters and buffers), optimizer state,
 // position and RNG state atomically (temp file, fsync, rename, fsync of the directory);
-// on start rank 0 alone reads it and broadcasts its bytes (where rank 0 has none, the lowest
-// rank that has one), so every rank resumes from the same state even when the directory is
-// node-local or stale elsewhere. Under a
+// on start the ranks compare what their checkpoints hold (run, epoch, step) and the rank
+// with the newest alone reads it and broadcasts its bytes, so every rank resumes from the
+// same state even when the directory is node-local or stale elsewhere. Under a
 // rendezvous epoch (MGLAUNCH_EPOCH) a write is fenced: only the newest epoch writes.
 // Included only by torch units.
 #pragma once
@@ -43,11 +43,13 @@ std::string checkpoint_lock_file(const std::string& dir);
 // one run (#37). A checkpoint of another run: an older one's (or one recorded without a run)
 // is this run's start, and this run's first write replaces its record; a newer one's refuses
 // this run (a stale run cannot overwrite a newer run's checkpoint). Runs are ordered by the
-// wall clocks of the hosts that made them.
+// wall clocks of the hosts that made them; `take_over` (--checkpoint-take-over) names a run
+// this run counts as older than itself (one minted on a clock that ran ahead).
 struct Fence {
   std::optional<std::int64_t> epoch;  // this round's; nullopt: no fence (torchrun, older agents)
   std::string run;                    // this round's run; empty: none (an mglaunch before #37)
   int lock_timeout_s = 300;           // the longest wait for another writer's lock
+  std::string take_over;              // a newer run's record this run overwrites; empty: none
 };
 // Who holds a checkpoint path: the epoch and run recorded (run empty: none recorded).
 struct Owner {
@@ -60,7 +62,13 @@ struct Saved {
   bool written = true;
   std::int64_t owner = -1;  // not written: the epoch that holds the path
   std::string owner_run;    // and its run, when that is another run than this writer's
+  std::string taken_over;   // written over the record of fence.take_over, a run dated after this one
 };
+// The one line of a refused write (`saved`) at `step` of `path` under `fence`: who holds it,
+// who this is, and how to go on; `now_ms` (this host's clock, ms since the Unix epoch) dates
+// a holding run minted on a clock that ran ahead.
+std::string refusal(const Saved& saved, const Fence& fence, std::int64_t step, const std::string& path,
+                    std::int64_t now_ms);
 
 // Rank 0 only. With fence.epoch: under an exclusive flock of checkpoint_lock_file(dir)
 // (waited for at most lock_timeout_s), compares with the epoch it holds (else the one the
@@ -81,16 +89,23 @@ Position load_state(const std::string& bytes, const torch::Device& device, torch
 // Every rank calls it: `bytes` of rank `root` reach every rank (size first, then the bytes).
 std::string broadcast_bytes(const Comm& comm, int root, std::string bytes);
 
-// The step `dir`'s checkpoint holds; nullopt when there is none or it cannot be read.
-std::optional<std::int64_t> checkpoint_step(const std::string& dir);
+// The newest checkpoint among the ranks' (older_checkpoint's order for this run).
+struct Newest {
+  int rank = -1;                     // the rank that holds it (the lowest on ties); -1: no rank has one
+  CheckpointKey key;                 // what it holds
+  std::optional<CheckpointKey> own;  // this rank's checkpoint, when it has one
+};
+// Every rank calls it (a collective in ddp mode; none when `dir` is empty): each reads its
+// checkpoint's run, epoch and step in `dir` and all learn every rank's. Throws SetupError
+// (exit 3) when a rank's checkpoint cannot be read: it may be the newest.
+Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence);
 
 // Every rank calls it (a collective in ddp mode). Returns the position to resume from, or
-// nullopt for a fresh start (no checkpoint on any rank). The checkpoint is rank 0's; where
-// rank 0 has none (node-local directories, a newcomer placed at rank 0), the lowest rank
-// that has one supplies it (`source`, when given, says which). That rank alone reads it;
-// its bytes reach every rank. Throws SetupError (exit 3) when that checkpoint cannot be
-// read, or when the ranks end up at different steps.
+// nullopt for a fresh start (no checkpoint on any rank). Rank `newest.rank` (from
+// newest_checkpoint) alone reads its checkpoint in `dir`; its bytes reach every rank.
+// Throws SetupError (exit 3) when that checkpoint cannot be read, or when the ranks end up
+// at different steps.
 std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
-                               torch::optim::Optimizer& opt, int* source = nullptr);
+                               torch::optim::Optimizer& opt, const Newest& newest);
 
 }  // namespace mg::train

@@ -90,6 +90,10 @@ ParseResult parse_options(int argc, const char* const* argv) {
   app.add_option("--save-weights", o.save_weights, "Rank 0 writes the final parameters and buffers as raw float32");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "Checkpoint directory (resume from it when present)");
   app.add_option("--checkpoint-every", o.checkpoint_every, "Checkpoint every N steps (0: only on signals)");
+  app.add_option("--checkpoint-take-over", o.checkpoint_take_over,
+                 "Take over the checkpoint that run RUN (MGLAUNCH_RUN's MS-HEX) holds, as if RUN were older than this "
+                 "run: the way on when a run minted on a clock that ran ahead refuses every later run (exit 4); "
+                 "never while run RUN still trains");
   app.add_option("--fail-at-step", o.fail_at_step, "Fault injection: fail at this step (first attempt only)");
   app.add_option("--fail-rank", o.fail_rank, "Fault injection: the rank that fails");
   app.add_option("--fail-signal", o.fail_signal, "Fault injection: raise this signal instead of exit 1");
@@ -117,7 +121,11 @@ ParseResult parse_options(int argc, const char* const* argv) {
     std::string what = e.what();
     throw UsageError(what.substr(0, what.find('\n')) + " (see mgtrain --help)");
   }
-  if (o.mode == "data-parallel" || o.mode == "dp") o.mode = "ddp";  // the guides' DataParallel: see docs/mgtrain.md
+  if (o.mode == "data-parallel" || o.mode == "dp") o.mode = "ddp";
+  if (!o.checkpoint_take_over.empty())
+    if (auto bad = run_problem(o.checkpoint_take_over); !bad.empty())
+      throw UsageError("--checkpoint-take-over '" + o.checkpoint_take_over.substr(0, 64) + "' " + bad +
+                       ": name the run that the refusal line ('... belongs to run RUN ...') names");  // the guides' DataParallel: see docs/mgtrain.md
   parse_bytes(o.min_bytes);
   parse_bytes(o.max_bytes);
   if (o.reducer == "c10d" && o.comm_dtype != "fp32")
@@ -190,6 +198,26 @@ bool run_before(const std::string& a, const std::string& b) {
                       ms.substr(std::min(ms.find_first_not_of('0'), ms.size())), hex.size(), hex};
   };
   return key(a) < key(b);
+}
+
+std::int64_t run_ahead_ms(const std::string& run, std::int64_t now_ms) {
+  std::int64_t ms = 0;
+  const char* end = run.data() + std::min(run.find('-'), run.size());
+  if (std::from_chars(run.data(), end, ms).ec != std::errc{}) return 0;  // 19 digits past int64: no claim
+  return ms - now_ms;
+}
+
+bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const std::string& run, const std::string& take_over) {
+  if (a.run.empty() != b.run.empty()) return a.run.empty();  // none recorded: before any run
+  if (a.run != b.run) {
+    // `take_over` stands just below `run`: compared as `run`, and below it.
+    const bool a_taken = !run.empty() && a.run == take_over, b_taken = !run.empty() && b.run == take_over;
+    const std::string& ra = a_taken ? run : a.run;
+    const std::string& rb = b_taken ? run : b.run;
+    if (ra != rb) return run_before(ra, rb);
+    return a_taken;  // one of them is `take_over`, the other `run`
+  }
+  return std::tie(a.epoch, a.step) < std::tie(b.epoch, b.step);
 }
 
 Env read_env(const std::map<std::string, std::string>& vars) {

@@ -30,6 +30,9 @@ struct Options {
   std::string backend = "auto", dataset = "fashion-mnist", data_dir = "/usr/share/datasets/fashion-mnist";
   std::string model = "cnn", lr_scaling = "none", comm_dtype = "fp32", summary_json, checkpoint_dir, save_weights;
   std::string bench;
+  // --checkpoint-take-over RUN: this run takes over a checkpoint that run RUN holds, as if
+  // RUN were older than this run (docs/mgtrain.md: a run minted on a clock that ran ahead).
+  std::string checkpoint_take_over;
   std::string mode = "auto";      // auto | single | ddp (data-parallel is accepted as ddp)
   std::string reducer = "mgtrain";  // mgtrain (our buckets) | c10d (c10d::Reducer, as Python's DDP)
   std::int64_t synthetic_size = 8192, train_subset = -1, test_subset = -1, max_steps = -1;
@@ -78,6 +81,27 @@ struct Env {
 std::string run_problem(const std::string& run);
 // Whether run `a` was made before run `b` (by MS, then HEX); both valid runs.
 bool run_before(const std::string& a, const std::string& b);
+// How many ms run `run` is dated after `now_ms` (its MS minus now; negative: before), for
+// the refusal line: a run dated in this host's future was minted on a clock that ran ahead.
+std::int64_t run_ahead_ms(const std::string& run, std::int64_t now_ms);
+// The clock skew past which a run dated in the future is named as suspect: Kerberos' default
+// (5 minutes); hosts under NTP differ by milliseconds.
+constexpr std::int64_t kRunAheadSuspectMs = 5 * 60 * 1000;
+
+// Where a checkpoint stands in the job's training (docs/mgtrain.md, Checkpoints): the run
+// that wrote it, its epoch in that run and its step.
+struct CheckpointKey {
+  std::string run;          // empty: none recorded (unfenced, or written before #37)
+  std::int64_t epoch = -1;  // -1: none recorded
+  std::int64_t step = 0;
+};
+// Whether checkpoint `a` holds older training than `b`, for a writer of run `run` that takes
+// over run `take_over` (--checkpoint-take-over; empty: none): by run first (none recorded
+// before any run; then run_before, with `take_over` placed just below `run`), then by
+// epoch, then by step. The fence's order: an older run's checkpoint is older than any of a
+// newer run's, whatever its epoch and step.
+bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const std::string& run = {},
+                      const std::string& take_over = {});
 
 // Parses argv into Options. Returns the text to print and exit 0 for --help; throws
 // UsageError with a one-line message for bad flags.

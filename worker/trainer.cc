@@ -142,7 +142,9 @@ class Trainer {
   void establish();
   bool agree_on_recovery(torch::Tensor& steps);
   bool take_most_advanced(const torch::Tensor& steps);
-  bool checkpoint_is_newer(const torch::Tensor& steps, const std::string& ckpt_dir);
+  bool checkpoint_is_newer(const torch::Tensor& steps, const Newest& newest);
+  void say_resumed(const Newest& newest);
+  Fence fence() const { return Fence{env_.epoch, env_.run, o_.timeout_s, o_.checkpoint_take_over}; }
   void reshard();
   void prepare_steps();
   void train_with_recovery();
@@ -337,40 +339,50 @@ void Trainer::make_reducer() {
 
 // ---- establish one state ----
 
-// Every rank starts from one state: rank 0's initial parameters and buffers, and rank
-// 0's checkpoint when there is one. With in-place recovery the ranks first compare
-// their last applied steps: when some rank has trained, the lowest rank among the most
-// advanced sends its whole state (no checkpoint read) to those behind.
+// Every rank starts from one state: rank 0's initial parameters and buffers, and the
+// newest checkpoint among the ranks' when there is one (newest_checkpoint: by run, epoch,
+// step). With in-place recovery the ranks first compare their last applied steps: when some
+// rank has trained, the lowest rank among the most advanced sends its whole state (no
+// checkpoint read) to those behind.
 void Trainer::establish() {
   sync_buffers_ = o_.broadcast_buffers && comm_.distributed() && !buffers_.empty();
   torch::Tensor steps;
   if (o_.in_place_recovery && comm_.distributed() && !agree_on_recovery(steps)) recovery_ = false;
   const std::string ckpt_dir = with_rank(o_.checkpoint_dir, comm_.rank);
-  if (recovery_ && comm_.distributed() && !checkpoint_is_newer(steps, ckpt_dir) && take_most_advanced(steps)) return;
+  const Newest newest = newest_checkpoint(ckpt_dir, comm_, fence());
+  if (recovery_ && comm_.distributed() && !checkpoint_is_newer(steps, newest) && take_most_advanced(steps)) return;
   comm_.broadcast_coalesced(state_tensors(*model_.module));
-  int source = 0;
-  if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_, &source)) {
+  if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_, newest)) {
     state_ = *c;
-    if (lead_ && source == 0)
-      std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(ckpt_dir).c_str(),
-                  static_cast<long long>(state_.step), static_cast<long long>(state_.epoch + 1));
-    else if (lead_)
-      std::printf("resumed from rank %d's checkpoint %s at step %lld (rank 0 has none) (epoch %lld)\n", source,
-                  checkpoint_file(with_rank(o_.checkpoint_dir, source)).c_str(), static_cast<long long>(state_.step),
-                  static_cast<long long>(state_.epoch + 1));
+    if (lead_) say_resumed(newest);
   }
+}
+
+// Rank 0's line of a resume: from its own checkpoint, or from another rank's (where rank 0
+// has none, or an older one).
+void Trainer::say_resumed(const Newest& newest) {
+  const long long step = state_.step, epoch = state_.epoch + 1;
+  if (newest.rank == 0) {
+    std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(with_rank(o_.checkpoint_dir, 0)).c_str(),
+                step, epoch);
+    return;
+  }
+  const std::string why =
+      !newest.own ? std::string("rank 0 has none")
+                  : fmt::format("rank 0's holds older training: step {}, epoch {} of run {}", newest.own->step,
+                                newest.own->epoch, newest.own->run.empty() ? "(none)" : newest.own->run);
+  std::printf("resumed from rank %d's checkpoint %s at step %lld (%s) (epoch %lld)\n", newest.rank,
+              checkpoint_file(with_rank(o_.checkpoint_dir, newest.rank)).c_str(), step, why.c_str(), epoch);
 }
 
 // Every rank asked for recovery (the same flags): each says whether it has its control
 // channel, in the same collective as its step (`steps`: [step of each rank, channel of each
-// rank, rank 0's checkpoint step + 1 or 0]). Recovery is on for every rank or none (false): a rank without it would skip the
+// rank]). Recovery is on for every rank or none (false): a rank without it would skip the
 // collectives of the state agreement (a hang).
 bool Trainer::agree_on_recovery(torch::Tensor& steps) {
-  steps = torch::zeros({2 * comm_.world + 1}, torch::kLong);
+  steps = torch::zeros({2 * comm_.world}, torch::kLong);
   steps[comm_.rank] = state_.step;
   steps[comm_.world + comm_.rank] = recovery_ ? 1 : 0;
-  if (comm_.rank == 0)  // rank 0's checkpoint step + 1 (0: none), for checkpoint_is_newer
-    steps[2 * comm_.world] = checkpoint_step(with_rank(o_.checkpoint_dir, 0)).value_or(-1) + 1;
   steps = steps.to(comm_.device);
   comm_.allreduce_sum(steps);
   steps = steps.to(torch::kCPU);
@@ -385,17 +397,18 @@ bool Trainer::agree_on_recovery(torch::Tensor& steps) {
   return false;
 }
 
-// Whether rank 0's checkpoint (the one resume() reads; its step in `steps` from
-// agree_on_recovery) holds a later step than every rank's state: a rank back from a cut-off
-// side with an old state must not beat it (nor then overwrite it). The round resumes from
-// it then, as a restarted job does.
-bool Trainer::checkpoint_is_newer(const torch::Tensor& steps, const std::string& ckpt_dir) {
-  const std::int64_t saved = steps[2 * comm_.world].item<std::int64_t>() - 1;  // -1: rank 0 has none
+// Whether the newest checkpoint (the one resume() reads) holds a later step than every
+// rank's state (`steps` from agree_on_recovery): a rank back from a cut-off side with an old
+// state must not beat it (nor then overwrite it). The round resumes from it then, as a
+// restarted job does.
+bool Trainer::checkpoint_is_newer(const torch::Tensor& steps, const Newest& newest) {
+  const std::int64_t saved = newest.rank < 0 ? -1 : newest.key.step;
   const std::int64_t best = steps.slice(0, 0, comm_.world).max().item<std::int64_t>();
   if (saved <= best || best == 0) return false;  // no rank trained: resume() reads it anyway
   if (lead_)
     std::printf("mgtrain: %s holds step %lld, later than every rank's state (at most step %lld): resuming from it\n",
-                checkpoint_file(ckpt_dir).c_str(), static_cast<long long>(saved), static_cast<long long>(best));
+                checkpoint_file(with_rank(o_.checkpoint_dir, newest.rank)).c_str(), static_cast<long long>(saved),
+                static_cast<long long>(best));
   return true;
 }
 
@@ -630,20 +643,17 @@ bool Trainer::checkpoint(bool stop_now) {
   Saved saved;
   if (lead_) {
     const std::string dir = with_rank(o_.checkpoint_dir, comm_.rank);
-    saved = save_checkpoint(dir, *model_.module, *opt_, c, Fence{env_.epoch, env_.run, o_.timeout_s});
+    saved = save_checkpoint(dir, *model_.module, *opt_, c, fence());
     if (saved.written && stop_now) stop_checkpoint_ = checkpoint_file(dir);
+    if (!saved.taken_over.empty())
+      std::printf("mgtrain: checkpoint at step %lld: took %s over from run %s (--checkpoint-take-over), dated after "
+                  "this run's MGLAUNCH_RUN=%s\n",
+                  static_cast<long long>(state_.step), checkpoint_file(dir).c_str(), saved.taken_over.c_str(),
+                  env_.run.c_str());
     if (!saved.written) {
-      const bool other_run = !env_.run.empty() && saved.owner_run != env_.run;
-      const std::string why =
-          other_run
-              ? fmt::format("checkpoint refused at step {}: {} belongs to run {} of this job, newer than this run's "
-                            "MGLAUNCH_RUN={}: this run is stale (a newer run of the job trains on that checkpoint), so "
-                            "every rank stops without writing (exit {})",
-                            state_.step, checkpoint_file(dir), saved.owner_run, env_.run, kExitFenced)
-              : fmt::format("checkpoint refused at step {}: {} belongs to epoch {} of this job, newer than this round's "
-                            "MGLAUNCH_EPOCH={}: this side of the job is stale (a newer round trains elsewhere), so every "
-                            "rank stops without writing (exit {})",
-                            state_.step, checkpoint_file(dir), saved.owner, env_.epoch.value_or(-1), kExitFenced);
+      const auto now = std::chrono::system_clock::now().time_since_epoch();
+      const std::string why = refusal(saved, fence(), state_.step, checkpoint_file(dir),
+                                      std::chrono::duration_cast<std::chrono::milliseconds>(now).count());
       std::fprintf(stderr, "mgtrain: %s\n", why.c_str());
       write_error_file(why);
     }
@@ -805,7 +815,7 @@ void Trainer::summarise() {
   const auto tensors = state_tensors(*model_.module);
   const std::string digest = sha256_of(tensors);
   if (lead_ && fenced_) {
-    std::printf("fenced at step %lld: no checkpoint written (a newer epoch of the job holds it; see the error above), "
+    std::printf("fenced at step %lld: no checkpoint written (a newer epoch or run of the job holds it; see the error above), "
                 "%.0f samples/s, weights sha256 %s\n", static_cast<long long>(state_.step), sps, digest.c_str());
     std::fflush(stdout);
   } else if (lead_ && !stopped_) {

@@ -184,7 +184,11 @@ proto::Standby Job::standby_fields() const {
   m.restart_count = restart_count_;
   m.nodes = round_nodes_;
   m.takeover_ports = round_ports_;
-  m.epoch = epoch_;
+  // The last round's epoch and voters. After take_over() epoch_ is a value no round had (its
+  // first is one more) while voters_ are the seed's: a standby told that pair would report
+  // the seed's voters as a newer epoch's, and a host it joins later would adopt them
+  // (adopt_voters()) and count a stale majority (#34).
+  m.epoch = last_round_epoch_;
   m.voters = voters_;
   m.run = run_;
   return m;

@@ -258,7 +258,8 @@ class Job {
   Actions broadcast(const proto::Wire& w, SessionId except = 0) const;
   Actions maybe_done();
   Actions make_standby(SessionId s, const proto::Join& j, Clock::time_point now);
-  // What every standby is told (the last round's candidates; the position is its own).
+  // What every standby is told (the last round's candidates; the position is its own), with
+  // the epoch of the last round that ran and its voters, never a reserved epoch.
   proto::Standby standby_fields() const;
   // The running nodes hear the standby count (after it changed).
   Actions tell_standby_count() const;

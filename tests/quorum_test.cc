@@ -1041,3 +1041,24 @@ TEST_CASE("run: a node keeps the run it was told: its re-registration carries it
     CHECK(host[0].seed.epoch == 4);
   }
 }
+
+TEST_CASE("quorum: a standby registering with a node that took the job over is told the seed's epoch with its voters "
+          "(a round that ran), never the reserved epoch below the new host's first (review s38, 1)") {
+  Job job("job", true);
+  TakeoverSeed seed = seed_of(2, 2, 3, 2, T0 + 300ms);
+  seed.host_rank = 1;
+  job.take_over(seed, T0);
+  REQUIRE(job.epoch() == takeover_epoch(2, 1) - 1);  // its Welcome's: the tie-break of its own block
+  auto sb = node("127.0.0.4");
+  sb.resume_standby = true;  // it followed the takeover
+  sb.epoch = 2;
+  sb.voters = seed.voters;
+  auto told = of_type(job.join(4, sb, T0), MsgType::kStandby);
+  REQUIRE(told.size() == 1);
+  const auto m = decoded<proto::Standby>(told[0]);
+  // Before: takeover_epoch(2, 1) - 1 with epoch 2's voters; the standby reported that pair on
+  // joining another host, which adopted epoch 2's voters as a newer epoch's than any of the
+  // lost host's block (adopt_voters), and so ignored the voters of the rounds that really ran.
+  CHECK(m.epoch == 2);
+  CHECK(m.voters == seed.voters);
+}

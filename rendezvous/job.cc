@@ -247,6 +247,17 @@ void Job::keep_places(Nodes& nodes) const {
 }
 
 Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
+  // A node of another run of this job id (other_run()) joins as a plain newcomer: its epoch,
+  // voters and group rank are that run's, and compare with none of this one's (#34). (A
+  // re-registration is weighed whole: check_resume(), resume_after_outage().)
+  if (other_run(j) && j.resume_round == 0) {
+    proto::Join plain = j;
+    plain.epoch = 0;
+    plain.voters.clear();
+    plain.last_group_rank = -1;
+    plain.run.clear();
+    return join(s, plain, now);
+  }
   // The voters a join brings count (adopt_voters()); they never stay with its node (a
   // thousand nodes' lists would be megabytes).
   if (!j.voters.empty()) {
@@ -306,8 +317,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       placed_.clear();
       round_ = j.resume_round;
       restart_count_ = j.resume_restart_count;
-      learn_epoch(j);
-      last_round_epoch_ = epoch_;
+      rebuild_run(j);
       expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
       rebuilding_ = true;
       rebuild_since_ = now;
@@ -446,7 +456,7 @@ std::optional<Actions> Job::resume_after_outage(SessionId s, const proto::Join& 
 }
 
 bool Job::newer_than_rebuild(const proto::Join& j) const {
-  return rebuilding_ && state_ == State::kRunning && !members_.empty() &&
+  return rebuilding_ && state_ == State::kRunning && !members_.empty() && !other_run(j) &&
          std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
 }
 
@@ -471,9 +481,12 @@ std::string Job::check_resume(SessionId s, const proto::Join& j) const {
     if (state_ != State::kJoining || round_ != 0) return "the job is not being rebuilt";
     if (j.resume_group_world_size < 1 || j.resume_group_rank < 0 || j.resume_group_rank >= j.resume_group_world_size)
       return "the claimed group rank or size is out of range";
+    // An agent's server never restarts: no round of another run is rebuilt in its job.
+    if (quorum_ && other_run(j)) return fmt::format("its run {} is not this job's ({})", j.run, run_);
     return {};
   }
   if (!rebuilding_ || state_ != State::kRunning) return "the job is not being rebuilt";
+  if (other_run(j)) return fmt::format("its run {} is not the rebuilt round's ({})", j.run, run_);
   if (members_.contains(s)) return "this connection is already registered";
   if (j.resume_round != round_ || j.resume_restart_count != restart_count_ ||
       static_cast<std::size_t>(j.resume_group_world_size) != expected_members_)

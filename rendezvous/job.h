@@ -206,9 +206,10 @@ class Job {
   // majority are peers of one cut only when theirs are equal (proto::Welcome, review s36 H1).
   int last_round_epoch() const { return last_round_epoch_; }
   // The rendezvous run (proto::Assignment::run, MGLAUNCH_RUN): the one this Job was made
-  // with, else the seed's after take_over(), else that of the joining node with the highest
-  // epoch above this job's (a restarted daemon learns the run it rebuilds), so that it is
-  // minted once per run of the job and never again (#37).
+  // with, else the seed's after take_over(), else the run of the round its nodes re-register
+  // (a restarted daemon rebuilding it), so that it is minted once per run of the job and
+  // never again (#37). A Job made without one takes that of the joining node with the
+  // highest epoch above its own.
   const std::string& run() const { return run_; }
   // Sets the run of a Job made without one (the etcd replay: its log's first record's).
   void set_run(std::string run) {
@@ -324,8 +325,17 @@ class Job {
   int epoch_ = 0;             // of the last round (epoch())
   int last_round_epoch_ = 0;  // last_round_epoch()
   std::string run_;           // run()
-  // A join's epoch raises epoch_ (Join::epoch); the run of the highest comes with it.
+  // A join's epoch raises epoch_ (Join::epoch), within this job's run only (other_run()); a
+  // Job without a run takes the run of the highest.
   void learn_epoch(const proto::Join& j);
+  // `j` names a run and this job has another (a leftover agent of an earlier run of the job
+  // id: epochs count from 1 again in every run). Its epoch and voters compare with none of
+  // this job's: such a join teaches nothing and takes no survivor's place (#34). A join that
+  // names none (nothing told yet, or an agent before #37) is of this run.
+  bool other_run(const proto::Join& j) const { return !run_.empty() && !j.run.empty() && j.run != run_; }
+  // A restarted server rebuilds the round `j` re-registers (the first such join): that
+  // round's run and epoch become the job's.
+  void rebuild_run(const proto::Join& j);
   // The voters of epoch_ (agent ids): the round's nodes and the standbys when it closed;
   // empty when more than kMaxListedNodes (no majority is counted then).
   std::vector<std::string> voters_;

@@ -30,8 +30,20 @@ std::string new_run() {
 }
 
 void Job::learn_epoch(const proto::Join& j) {
-  if (j.epoch > epoch_ && !j.run.empty()) run_ = j.run;
+  // Epochs compare only within one run: a leftover agent of an earlier run of the job id
+  // (epochs count from 1 again in each run) neither raises this run's epoch nor switches the
+  // job to its own run (#34, docs/multinode.md "Runs").
+  if (other_run(j)) return;
+  if (j.epoch > epoch_ && run_.empty()) run_ = j.run;
   epoch_ = std::max(epoch_, j.epoch);
+}
+
+void Job::rebuild_run(const proto::Join& j) {
+  // No round ran with the run this server minted (a round re-registers only with a job that
+  // has none, check_resume()): the job is its nodes' run, and its epochs theirs.
+  if (!j.run.empty()) run_ = j.run;
+  learn_epoch(j);
+  last_round_epoch_ = epoch_;
 }
 
 void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {

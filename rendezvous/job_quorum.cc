@@ -42,7 +42,10 @@ std::optional<Job::Tally> Job::short_of_majority(bool heard) const {
 }
 
 void Job::adopt_voters(const proto::Join& j) {
-  if (!quorum_ || j.resume_round > 0 || j.voters.empty() || j.epoch <= std::max(last_round_epoch_, adopted_epoch_))
+  // Only a newer epoch of this job's run: another run's epochs count from 1 again, and its
+  // voters may no longer exist (#34).
+  if (!quorum_ || j.resume_round > 0 || j.voters.empty() || other_run(j) ||
+      j.epoch <= std::max(last_round_epoch_, adopted_epoch_))
     return;
   adopted_voters_ = j.voters;
   adopted_epoch_ = j.epoch;

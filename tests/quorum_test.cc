@@ -1062,3 +1062,109 @@ TEST_CASE("quorum: a standby registering with a node that took the job over is t
   CHECK(m.epoch == 2);
   CHECK(m.voters == seed.voters);
 }
+
+namespace {
+const std::string kThisRun = "1700000000000-00000000000000ab", kOldRun = "1600000000000-00000000000000ef";
+
+// A leftover agent of an earlier run of the job id (kOldRun): an epoch far past this run's,
+// voters that exist no more, a group rank of that run's last round.
+proto::Join leftover(const std::string& addr, int last_group_rank = 0) {
+  auto j = node(addr);
+  j.run = kOldRun;
+  j.epoch = 40;
+  j.voters = {"agent-10.0.0.1", "agent-10.0.0.2", "agent-10.0.0.3"};
+  j.last_group_rank = last_group_rank;
+  return j;
+}
+}  // namespace
+
+TEST_CASE("run: a join of another run of the job id (a leftover agent of an earlier run) teaches nothing: no epoch, "
+          "no run switch, no voters, no survivor's place; it joins as a plain newcomer (review s38, 2)") {
+  SECTION("a running job an agent hosts: its scale-up round opens, at this run's next epoch") {
+    Job job("job", true, kThisRun);
+    job.join(1, node("127.0.0.1"), T0);
+    job.join(2, node("127.0.0.2"), T0);
+    REQUIRE(of_type(job.tick(T0 + 1001ms), MsgType::kAssignment).size() == 2);
+    job.join(9, leftover("127.0.0.9"), T0 + 1100ms);  // a scale-up: 1 and 2 told to restart
+    job.join(1, node("127.0.0.1"), T0 + 1200ms);
+    auto out = of_type(job.join(2, node("127.0.0.2"), T0 + 1200ms), MsgType::kAssignment);
+    // Before: none (the leftover's three voters adopted, none of them present: wedged until
+    // join_timeout), and past it epoch 41 of the old run.
+    REQUIRE(out.size() == 3);
+    const auto a = decoded<proto::Assignment>(out[0]);
+    CHECK(a.epoch == 2);
+    CHECK(a.run == kThisRun);
+    CHECK(job.run() == kThisRun);
+  }
+  SECTION("a job with no round yet (a daemon's): its first round is this run's epoch 1") {
+    Job job("job", false, kThisRun);
+    job.join(9, leftover("127.0.0.9"), T0);
+    auto out = of_type(job.tick(T0 + 1001ms), MsgType::kAssignment);
+    REQUIRE(out.size() == 1);
+    CHECK(decoded<proto::Assignment>(out[0]).epoch == 1);  // before: 41
+    CHECK(decoded<proto::Assignment>(out[0]).run == kThisRun);  // before: the old run's
+  }
+  SECTION("a job taken over: the leftover takes no survivor's kept place, the survivor keeps its group rank") {
+    Job job("job", true, "1700000009999-00000000000000cd");
+    TakeoverSeed seed = seed_of(4, 6, 3, 2, T0 + 1s);
+    seed.run = kThisRun;
+    seed.host_rank = 2;
+    job.take_over(seed, T0);
+    job.take_events();
+    job.join(9, leftover("127.0.0.9", 1), T0);  // it claims group rank 1
+    JobEvent e;
+    REQUIRE(has_event(job, JobEvent::Kind::kJoined, &e));
+    CHECK(e.how == "new");  // before: "survivor", in node 2's place
+    Actions out;
+    for (int i = 2; i <= 3; ++i) {
+      auto j = node("127.0.0." + std::to_string(i));
+      j.last_group_rank = i - 1;
+      j.epoch = 6;
+      j.run = kThisRun;
+      auto more = job.join(static_cast<SessionId>(i), j, T0 + 10ms);
+      out.insert(out.end(), more.begin(), more.end());
+    }
+    auto assigned = of_type(out, MsgType::kAssignment);
+    REQUIRE(assigned.size() == 3);
+    for (const auto& o : assigned) {
+      const auto a = decoded<proto::Assignment>(o);
+      CHECK(a.run == kThisRun);
+      CHECK(a.epoch == takeover_epoch(6, 2));
+      if (o.session == 2) CHECK(a.group_rank == 1);  // before: 0, its rank taken by the leftover
+      if (o.session == 3) CHECK(a.group_rank == 2);
+    }
+  }
+  SECTION("a restarted daemon takes the run of the round its nodes re-register; one of another run is refused") {
+    Job job("job", false, "1700000009999-00000000000000cd");  // the new daemon's own run
+    auto resume = [](proto::Join j, const std::string& run, int rank) {
+      j.resume_round = 3;
+      j.resume_group_rank = rank;
+      j.resume_group_world_size = 2;
+      j.epoch = 9;
+      j.run = run;
+      return j;
+    };
+    job.join(1, resume(node("127.0.0.1", 2, 2), kThisRun, 0), T0);
+    REQUIRE(job.state() == Job::State::kRunning);
+    CHECK(job.run() == kThisRun);
+    CHECK(job.epoch() == 9);
+    auto old = resume(node("127.0.0.2", 2, 2), kOldRun, 1);
+    auto refused = of_type(job.join(2, old, T0), MsgType::kError);
+    REQUIRE(refused.size() == 1);  // before: taken as the rebuilt round's rank 1
+    CHECK_THAT(decoded<proto::Error>(refused[0]).message, Catch::Contains("is not the rebuilt round's"));
+    old.resume_round = 7;  // a later round of another run does not end this one's rebuild either
+    CHECK(of_type(job.join(2, old, T0), MsgType::kError).size() == 1);
+    CHECK(job.run() == kThisRun);
+    CHECK(of_type(job.join(3, resume(node("127.0.0.3", 2, 2), kThisRun, 1), T0), MsgType::kError).empty());
+  }
+  SECTION("an agent's server (which never restarts) rebuilds no round of another run") {
+    Job job("job", true, kThisRun);
+    auto j = leftover("127.0.0.9");
+    j.resume_round = 3;
+    j.resume_group_rank = 0;
+    j.resume_group_world_size = 1;
+    CHECK(of_type(job.join(9, j, T0), MsgType::kError).size() == 1);  // before: its round rebuilt, its run taken
+    CHECK(job.run() == kThisRun);
+    CHECK(job.state() == Job::State::kJoining);
+  }
+}

@@ -218,8 +218,10 @@ class Job {
   // Whether this side hears a majority of the voters for the next round: those that joined
   // or stand by, and the nodes told to restart that still beat (alive, their workers still
   // stopping). false: the host is cut off from the rest, and looks for the job elsewhere
-  // (rdzv::ClientMachine, "Seeking", #34). true where no majority is counted.
-  bool hears_majority() const { return !short_of_majority(/*heard=*/true); }
+  // (rdzv::ClientMachine, "Seeking", #34). true where no majority is counted, and in a job
+  // taken over until its seed's deadline: the survivors search for this host for up to
+  // keep-alive x attempts (their places are kept until then), so none is missing yet.
+  bool hears_majority() const;
   // For metrics: nodes in the running round (or waiting for the next), nodes lost by a
   // closed connection, and by missed heartbeats.
   std::size_t nodes() const { return members_.size() + joined_.size(); }

@@ -41,6 +41,15 @@ std::optional<Job::Tally> Job::short_of_majority(bool heard) const {
   return std::nullopt;
 }
 
+bool Job::hears_majority() const {
+  // A node that took the job over waits for survivors whose own searches take up to
+  // keep-alive x attempts after they noticed the loss: until the seed's deadline their places
+  // are kept, and this side is not short of them yet (its shortfall, and with it the host's
+  // seeking, counts from there; review s38).
+  if (takeover_ && !finished()) return true;
+  return !short_of_majority(/*heard=*/true);
+}
+
 void Job::adopt_voters(const proto::Join& j) {
   // Only a newer epoch of this job's run: another run's epochs count from 1 again, and its
   // voters may no longer exist (#34).

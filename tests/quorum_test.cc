@@ -1168,3 +1168,29 @@ TEST_CASE("run: a join of another run of the job id (a leftover agent of an earl
     CHECK(job.state() == Job::State::kJoining);
   }
 }
+
+TEST_CASE("quorum: a node that took the job over hears a majority until its takeover's deadline, while its survivors "
+          "may still be searching; its shortfall (and its agent's seeking) counts from there (review s38, 3)") {
+  Job job("job", true);
+  TakeoverSeed seed = seed_of(2, 2, 3, 2, T0 + 1s);  // the deadline: the survivors search that long
+  seed.host_rank = 1;
+  job.take_over(seed, T0);
+  auto j2 = node("127.0.0.2");
+  j2.last_group_rank = 1;
+  job.join(2, j2, T0);  // the new host itself: 1 of the 3 voters
+  // Before: false here, so its agent began to look elsewhere K x A after its first ask
+  // (client_machine.h, Seeking) while survivors that noticed the loss up to 2 K later still
+  // searched for it, and might stop hosting (leave for the old host back after a short cut).
+  CHECK(job.hears_majority());
+  job.tick(T0 + 999ms);
+  CHECK(job.hears_majority());
+  job.tick(T0 + 1001ms);  // past the deadline: the survivors not here are not coming
+  CHECK_FALSE(job.hears_majority());
+  CHECK(job.state() == Job::State::kRestarting);
+  // A survivor late past the deadline still makes the majority, and the round opens.
+  auto j3 = node("127.0.0.3");
+  j3.last_group_rank = 2;
+  job.join(3, j3, T0 + 1100ms);
+  CHECK(job.hears_majority());
+  CHECK(of_type(job.tick(T0 + 2101ms), MsgType::kAssignment).size() == 2);
+}

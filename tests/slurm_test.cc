@@ -263,9 +263,11 @@ TEST_CASE("pre-emption drill: USR1, checkpoint, requeue, resume, same final weig
   NEED_SLURM(c);
   const TempDir tmp;
   const std::string& dir = tmp.path;
+  // 1,024 synthetic samples (8 steps an epoch at world 2): the 200 steps span 25 epochs, a
+  // checkpoint every 20; 8,192 took 1.2 CPU-s more to make in each of the 6 mgtrain processes (#36).
   auto train_args = [&](const std::string& tag) {
     return std::vector<std::string>{MGTRAIN_BIN,       "--model",       "mlp",  "--dataset",   "synthetic",
-                                    "--synthetic-size", "8192", "--epochs", "100", "--batch-size", "64", "--max-steps",
+                                    "--synthetic-size", "1024", "--epochs", "100", "--batch-size", "64", "--max-steps",
                                     "200",             "--seed",        "5",    "--log-every", "20",
                                     "--checkpoint-every", "20",         "--checkpoint-dir", dir + "/" + tag + "-ckpt",
                                     "--summary-json",  dir + "/" + tag + "-{rank}.json", "--threads", "1"};

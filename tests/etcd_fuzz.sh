@@ -5,8 +5,7 @@
 # response and a small job log.
 set -euo pipefail
 . "$(dirname "$0")/support/fuzz.sh"
-fuzz_build etcd_fuzz "$src/rendezvous/etcd_log.cc" "$src/rendezvous/job.cc" "$src/rendezvous/job_quorum.cc" "$src/rendezvous/job_epochs.cc" "$src/rendezvous/endpoint.cc" "$src/rendezvous/lookup.cc" \
-  "$src/proto/frame.cc" "$src/proto/messages.cc" "$src/proto/text.cc" "$src/proto/wire.cc" "$src/tests/etcd_fuzz.cc"
+fuzz_build etcd_fuzz
 printf '%s\n' '{"result":{"header":{"revision":"5"},"events":[{"kv":{"key":"YQ==","mod_revision":"5","value":"Yg=="}}]}}' \
   > "$out/corpus/watch"
 j='"job_id":"job","agent_id":"A","host":"h","addr":"127.0.0.1","nproc":2,"min_nodes":2,"max_nodes":2,"max_restarts":1'

@@ -283,9 +283,11 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
       break;
     case ClientTimer::kFence: fence(now); break;
     case ClientTimer::kMajority:
-      // Until a round runs again (or the job is decided); a seek under way asks no more.
-      if (decided_ || current_ || standby_ || takeover_ || seek_) break;
-      out_.push_back(cmd::AskMajority{});
+      // Until a round runs again (or the job is decided); a seek under way asks no more. A
+      // takeover search in flight (the agent's rejoin() may come before it ends) asks not yet
+      // but goes on asking after it: this node may host when it ends.
+      if (decided_ || current_ || standby_ || seek_) break;
+      if (!takeover_) out_.push_back(cmd::AskMajority{});
       arm(ClientTimer::kMajority, now + milliseconds(opts_.join.keep_alive_ms));
       break;
     case ClientTimer::kWatchdog: {

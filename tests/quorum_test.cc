@@ -1194,3 +1194,26 @@ TEST_CASE("quorum: a node that took the job over hears a majority until its take
   CHECK(job.hears_majority());
   CHECK(of_type(job.tick(T0 + 2101ms), MsgType::kAssignment).size() == 2);
 }
+
+TEST_CASE("quorum: a node whose workers stopped during its takeover search goes on asking every K, once it hosts, "
+          "whether its server hears a majority (review s38, 3)") {
+  // Before: the ask's timer fired during the search (node 1 silent for K) and was not armed
+  // again; the node took the job over alone and, its server's "no majority" event answered
+  // while its takeover's survivors could still come (above), never looked for the job: in
+  // the partition test 'node 2 cut off' it waited out join_timeout instead of rejoining.
+  Link l(client_options());  // group rank 2
+  l.m.start(l.now);
+  l.welcome("host-a");
+  l.receive(round_of(2));
+  l.m.connection_closed("end of file", l.now);  // the search: node 1 first
+  auto c = l.m.rejoin(l.now);                     // its workers stopped at once
+  REQUIRE(armed(c, ClientTimer::kMajority) == l.now + 100ms);
+  l.now += 100ms;
+  c = l.fire(ClientTimer::kMajority);
+  CHECK_FALSE(has<cmd::AskMajority>(c));  // no server of its own yet
+  CHECK(armed(c, ClientTimer::kMajority) == l.now + 100ms);  // before: none
+  REQUIRE(has<cmd::HostTakeover>(l.fire(ClientTimer::kTakeover)));  // node 1 passed over
+  l.m.hosted({"127.0.0.3", 7003}, l.now);
+  l.welcome("host-127.0.0.3");
+  CHECK(has<cmd::AskMajority>(l.after(100ms, ClientTimer::kMajority)));
+}

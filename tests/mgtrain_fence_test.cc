@@ -4,12 +4,16 @@
 // fenced, and without the variable the old behaviour.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -78,6 +82,58 @@ Proc spawn_rank(int rank, int world, const std::string& port, const std::string&
 }
 
 nlohmann::json summary_of(const std::string& path) { return nlohmann::json::parse(read_file(path)); }
+
+// How the ranks of one job ended: each one's exit code and output.
+struct Ranks {
+  std::vector<int> codes;
+  std::vector<std::string> out, err;
+};
+
+// A `world`-rank job of spawn_rank()s under epoch 6 of `run_id`, `max_steps` steps from the
+// newest checkpoint in `ckpt`; waits for every rank.
+Ranks run_ranks(int world, const std::string& run_id, const std::string& ckpt, int max_steps, const std::string& dir) {
+  const std::string port = std::to_string(free_loopback_port());
+  std::vector<Proc> procs;
+  for (int r = 0; r < world; ++r) procs.push_back(spawn_rank(r, world, port, "6", run_id, ckpt, max_steps, dir));
+  Ranks ranks;
+  for (auto& p : procs) {
+    REQUIRE(p.wait(180s));
+    ranks.codes.push_back(p.exit_code());
+    ranks.out.push_back(p.out());
+    ranks.err.push_back(p.err());
+  }
+  return ranks;
+}
+
+// Every rank of `ranks` ended well, at `max_steps`, with rank 0's weights (summaries in `dir`).
+void check_trained_alike(const Ranks& ranks, int max_steps, const std::string& dir) {
+  std::string all;
+  for (std::size_t r = 0; r < ranks.codes.size(); ++r) all += ranks.out[r] + ranks.err[r];
+  INFO(all);
+  for (std::size_t r = 0; r < ranks.codes.size(); ++r) {
+    INFO("rank " << r);
+    CHECK(ranks.codes[r] == 0);
+    CHECK(summary_of(dir + "/s" + std::to_string(r) + ".json")["weights_sha256"] ==
+          summary_of(dir + "/s0.json")["weights_sha256"]);
+    CHECK(summary_of(dir + "/s" + std::to_string(r) + ".json")["steps"] == max_steps);
+  }
+}
+
+// Overwrites `path` with zeros in place (same inode, same size) and puts its mtime back: an
+// archive gone bad after it was written (a bad disk, a torn copy), that the key file beside
+// it still describes.
+void zero_in_place(const std::string& path) {
+  struct ::stat st {};
+  REQUIRE(::stat(path.c_str(), &st) == 0);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  const std::string zeros(static_cast<std::size_t>(st.st_size), '\0');
+  const bool written = ::pwrite(fd, zeros.data(), zeros.size(), 0) == static_cast<ssize_t>(zeros.size());
+  ::close(fd);
+  REQUIRE(written);
+  const struct ::timespec times[2] = {{0, UTIME_OMIT}, st.st_mtim};
+  REQUIRE(::utimensat(AT_FDCWD, path.c_str(), times, 0) == 0);
+}
 
 Result run_cmd(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
   return run(argv, env, 180s);
@@ -165,9 +221,11 @@ TEST_CASE("MGLAUNCH_EPOCH on a file system without locks (flock fails with ENOLC
   CHECK(older.code == 4);
   check_refused(older.out, older.err, ckpt, 7, 5);
   CHECK(read_file(ckpt + "/checkpoint.lock") == "7\n");
-  // Nothing left beside the record.
-  for (const auto& e : std::filesystem::directory_iterator(ckpt))
-    CHECK((e.path().filename() == "checkpoint.pt" || e.path().filename() == "checkpoint.lock"));
+  // Nothing left beside the checkpoint, its key file and the record.
+  for (const auto& e : std::filesystem::directory_iterator(ckpt)) {
+    const std::string name = e.path().filename();
+    CHECK((name == "checkpoint.pt" || name == "checkpoint.key" || name == "checkpoint.lock"));
+  }
 }
 
 TEST_CASE("MGLAUNCH_EPOCH: two mgtrain writers at once on one checkpoint path, whichever started first: the older epoch is refused, the newer one writes to the end") {
@@ -381,23 +439,9 @@ TEST_CASE("node-local checkpoint directories: the round resumes from the newest 
                   fs::copy_options::overwrite_existing);
   };
   auto job = [&](int world, int max_steps) {
-    const std::string port = std::to_string(free_loopback_port());
-    std::vector<Proc> ranks;
-    for (int r = 0; r < world; ++r) ranks.push_back(spawn_rank(r, world, port, "6", run1, ckpt, max_steps, dir));
-    std::string out;
-    for (auto& p : ranks) {
-      REQUIRE(p.wait(180s));
-      out += p.out() + p.err();
-      INFO(out);
-      CHECK(p.exit_code() == 0);
-    }
-    for (int r = 1; r < world; ++r) {
-      INFO("rank " << r);
-      CHECK(summary_of(dir + "/s" + std::to_string(r) + ".json")["weights_sha256"] ==
-            summary_of(dir + "/s0.json")["weights_sha256"]);
-      CHECK(summary_of(dir + "/s" + std::to_string(r) + ".json")["steps"] == max_steps);
-    }
-    return ranks[0].out();
+    const Ranks ranks = run_ranks(world, run1, ckpt, max_steps, dir);
+    check_trained_alike(ranks, max_steps, dir);
+    return ranks.out[0];
   };
   {
     INFO("rank 0 has none, rank 1 an old one (step 4), rank 2 the newest (step 8): rank 2's");
@@ -415,6 +459,53 @@ TEST_CASE("node-local checkpoint directories: the round resumes from the newest 
     const std::string out = job(3, 4);
     CHECK_THAT(out, Catch::Contains("resumed from rank 1's checkpoint " + dir + "/ckpt1/checkpoint.pt at step 2 "
                                     "(rank 0's holds older training: step 8, epoch 5 of run " + run1 + ")"));
+  }
+}
+
+// The ranks compare their checkpoints by the key files beside them (review of f1feec3: every
+// rank loaded its whole archive to learn its run, epoch and step, 512 full reads of one
+// multi-GiB file at every start on a shared directory); only the newest is loaded, by the
+// rank that holds it, so an unreadable one that is not resumed stops nothing (it is written
+// over at the next checkpoint) and an unreadable newest is exit 3 as before. A key file that
+// does not describe its checkpoint (stale), or none, is not trusted: the archive is read.
+// On main (f1feec3) the first job ended with exit 3 on both ranks (rank 0 loaded its own
+// archive to learn its step), and no key file was written.
+TEST_CASE("checkpoint.key: the ranks compare their checkpoints by the key files beside them and load only the newest, and a stale key file or none is not trusted") {
+  namespace fs = std::filesystem;
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt{rank}", c0 = dir + "/ckpt0", c1 = dir + "/ckpt1";
+  const std::string run1 = "1700000000000-0000000000000a01";
+  REQUIRE(train("5", c0, 4, dir + "/make.json", run1).code == 0);
+  const std::string key_at_4 = read_file(c0 + "/checkpoint.key");
+  CHECK_THAT(key_at_4, Catch::StartsWith("step=4 epoch=5 run=" + run1 + " size="));
+  REQUIRE(train("5", c1, 8, dir + "/make.json", run1).code == 0);
+  {
+    INFO("rank 0's archive (step 4) is unreadable, its key file describes it: rank 1's (step 8) is resumed");
+    zero_in_place(c0 + "/checkpoint.pt");
+    const Ranks ranks = run_ranks(2, run1, ckpt, 10, dir);
+    check_trained_alike(ranks, 10, dir);
+    CHECK_THAT(ranks.out[0], Catch::Contains("resumed from rank 1's checkpoint " + c1 + "/checkpoint.pt at step 8 "
+                                             "(rank 0's holds older training: step 4, epoch 5 of run " + run1 + ")"));
+    CHECK_THAT(read_file(c0 + "/checkpoint.key"), Catch::StartsWith("step=10 epoch=6 run=" + run1 + " size="));
+  }
+  {
+    INFO("rank 0's key file is stale (step 4, its checkpoint holds epoch 6 at step 10), rank 1 has none (an older "
+         "mgtrain's checkpoint, or a crash between the two renames): both read their archives, rank 0's is resumed");
+    std::ofstream(c0 + "/checkpoint.key") << key_at_4;
+    fs::remove(c1 + "/checkpoint.key");
+    const Ranks ranks = run_ranks(2, run1, ckpt, 12, dir);
+    check_trained_alike(ranks, 12, dir);
+    CHECK_THAT(ranks.out[0], Catch::Contains("resumed from " + c0 + "/checkpoint.pt at step 10"));
+    CHECK(count_of(ranks.err[0], c0 + "/checkpoint.key does not describe " + c0 + "/checkpoint.pt") == 1);
+    CHECK(count_of(ranks.err[1], "does not describe") == 0);
+  }
+  {
+    INFO("the newest (rank 0's, step 12) is unreadable, its key file describes it: loaded all the same, exit 3");
+    zero_in_place(c0 + "/checkpoint.pt");
+    const Ranks ranks = run_ranks(2, run1, ckpt, 14, dir);
+    INFO(ranks.err[0] << ranks.err[1]);
+    CHECK(ranks.codes == std::vector<int>{3, 3});
+    CHECK_THAT(ranks.err[0], Catch::Contains("cannot load checkpoint " + c0 + "/checkpoint.pt"));
+    CHECK_THAT(ranks.err[1], Catch::Contains("rank 0 could not load its checkpoint"));
   }
 }
 

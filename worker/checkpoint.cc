@@ -2,15 +2,18 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -74,22 +77,126 @@ void write_state(torch::serialize::OutputArchive& ar, torch::nn::Module& model, 
   ar.write("rng", gen.get_state());
 }
 
-// The epoch and run recorded in `path`'s archive (the checkpoint's own record), nullopt
-// when it has no epoch or cannot be read.
-std::optional<Owner> recorded_owner(const std::string& path) {
-  if (!std::filesystem::exists(path)) return std::nullopt;
+// D/checkpoint.key (docs/mgtrain.md, Checkpoints): the key of D/checkpoint.pt (its step,
+// epoch and run, as the archive records them) and the identity of the file it describes
+// (inode, size, mtime in ns, as stat() gives them), one line written beside it after its
+// rename. A reader trusts the line only while stat() of the checkpoint gives that identity,
+// so that comparing the ranks' checkpoints reads ~100 bytes per rank, not every archive.
+struct FileId {
+  std::uint64_t ino = 0;
+  std::int64_t size = 0, mtime_ns = 0;
+  bool operator==(const FileId&) const = default;
+};
+
+FileId file_id(const struct ::stat& st) {
+  return {static_cast<std::uint64_t>(st.st_ino), static_cast<std::int64_t>(st.st_size),
+          static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+}
+
+std::string key_line(const CheckpointKey& key, const FileId& id) {
+  return fmt::format("step={} epoch={} run={} size={} mtime_ns={} ino={}\n", key.step, key.epoch, key.run, id.size,
+                     id.mtime_ns, id.ino);
+}
+
+// The key and identity in a checkpoint.key line; nullopt when `text` is not one (torn,
+// another format, a field missing or bad).
+std::optional<std::pair<CheckpointKey, FileId>> parse_key_line(const std::string& text) {
+  if (text.empty() || text.back() != '\n' || std::count(text.begin(), text.end(), '\n') != 1) return std::nullopt;
+  std::map<std::string, std::string> f;
+  std::istringstream in(text);
+  for (std::string tok; in >> tok;) {
+    const auto eq = tok.find('=');
+    if (eq == std::string::npos || !f.emplace(tok.substr(0, eq), tok.substr(eq + 1)).second) return std::nullopt;
+  }
+  const auto num = [&](const char* name, auto& out) {
+    const auto it = f.find(name);
+    if (it == f.end()) return false;
+    const auto [end, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), out);
+    return ec == std::errc{} && end == it->second.data() + it->second.size();
+  };
+  std::pair<CheckpointKey, FileId> k;
+  if (f.size() != 6 || !f.contains("run")) return std::nullopt;  // "run=" where none is recorded
+  k.first.run = f["run"];
+  if (!num("step", k.first.step) || !num("epoch", k.first.epoch) || !num("size", k.second.size) ||
+      !num("mtime_ns", k.second.mtime_ns) || !num("ino", k.second.ino) ||
+      (!k.first.run.empty() && !run_problem(k.first.run).empty()))
+    return std::nullopt;
+  return k;
+}
+
+// The text of a small file, nullopt when it cannot be read (absent); at most 512 bytes.
+std::optional<std::string> read_small(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  char buf[512];
+  const ssize_t n = ::read(fd, buf, sizeof buf);
+  ::close(fd);
+  if (n < 0) return std::nullopt;
+  return std::string(buf, static_cast<std::size_t>(n));
+}
+
+// Writes `line` to `path` whole: a temporary file of this process beside it, fsync, rename
+// (the directory's fsync is the caller's). Throws std::runtime_error naming the path.
+void replace_file(const std::string& path, const std::string& line) {
+  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error(fmt::format("checkpoint: cannot create {}: {}", tmp, std::strerror(errno)));
+  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) && ::fsync(fd) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) throw std::runtime_error(fmt::format("checkpoint: cannot write {}: {}", tmp, std::strerror(err)));
+  if (::rename(tmp.c_str(), path.c_str()) != 0)
+    throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
+}
+
+// Whether a rank holds a checkpoint (the first long of its census row, newest_checkpoint).
+enum Census : std::int64_t { kAbsent = 0, kPresent = 1, kUnreadable = 2 };
+
+// The key of the checkpoint in `dir`: from its checkpoint.key when that describes the file
+// stat() finds, else (none: an mgtrain before it, or a crash between the two renames; or one
+// that describes another file) from the archive itself, every tensor loaded. kUnreadable
+// with `error` set when it cannot be read.
+Census read_key(const std::string& dir, CheckpointKey& key, std::string& error) {
+  const std::string path = checkpoint_file(dir), sidecar = checkpoint_key_file(dir);
+  struct ::stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return kAbsent;
+    error = fmt::format("cannot stat checkpoint {}: {}", path, std::strerror(errno));
+    return kUnreadable;
+  }
+  if (const auto text = read_small(sidecar)) {
+    if (const auto k = parse_key_line(*text); k && k->second == file_id(st)) {
+      key = k->first;
+      return kPresent;
+    }
+    std::fprintf(stderr, "mgtrain: %s does not describe %s (another writer replaced it, or a crash came between "
+                 "their renames): reading its step, epoch and run from the checkpoint itself\n",
+                 sidecar.c_str(), path.c_str());
+  }
   try {
     torch::serialize::InputArchive ar;
     ar.load_from(path, torch::kCPU);
+    key.step = read_int(ar, "step");
     torch::Tensor t;
-    if (!ar.try_read("mglaunch_epoch", t)) return std::nullopt;
-    Owner o{t.item<std::int64_t>(), {}};
+    if (ar.try_read("mglaunch_epoch", t)) key.epoch = t.item<std::int64_t>();
     c10::IValue run;
-    if (ar.try_read("mglaunch_run", run) && run.isString()) o.run = run.toStringRef();
-    return o;
-  } catch (const std::exception&) {
+    if (ar.try_read("mglaunch_run", run) && run.isString() && run_problem(run.toStringRef()).empty())
+      key.run = run.toStringRef();
+    return kPresent;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    error = fmt::format("cannot load checkpoint {}: {}", path, what.substr(0, what.find('\n')));
   }
-  return std::nullopt;
+  return kUnreadable;
+}
+
+// The epoch and run recorded for the checkpoint in `dir` (its key), nullopt when it has no
+// epoch or cannot be read.
+std::optional<Owner> recorded_owner(const std::string& dir) {
+  CheckpointKey key;
+  std::string error;
+  if (read_key(dir, key, error) != kPresent || key.epoch < 0) return std::nullopt;
+  return Owner{key.epoch, key.run};
 }
 
 // flock() errors of a file system that has no locks: Lustre mounted without flock
@@ -154,7 +261,9 @@ class EpochLock {
   // Records `epoch` of `run` as the newest, on disk before the checkpoint is written.
   void record(std::int64_t epoch, const std::string& run) {
     const std::string line = std::to_string(epoch) + (run.empty() ? "" : " " + run) + "\n";
-    if (unlocked_) return replace(line);
+    // Unlocked: written whole beside it, then renamed over it (the directory's fsync comes
+    // with the checkpoint's rename).
+    if (unlocked_) return replace_file(path_, line);
     if (::ftruncate(fd_, 0) != 0) fail("truncate", errno);
     if (::pwrite(fd_, line.data(), line.size(), 0) != static_cast<ssize_t>(line.size())) fail("write", errno);
     if (::fsync(fd_) != 0) fail("fsync", errno);
@@ -163,18 +272,6 @@ class EpochLock {
  private:
   [[noreturn]] void fail(const std::string& what, int err) const {
     throw std::runtime_error(fmt::format("checkpoint: cannot {} {}: {}", what, path_, std::strerror(err)));
-  }
-  // The record written whole beside it, then renamed over it (the directory's fsync comes
-  // with the checkpoint's rename).
-  void replace(const std::string& line) const {
-    const std::string tmp = fmt::format("{}.tmp.{}", path_, ::getpid());
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) fail("write the epoch record beside", errno);
-    const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) && ::fsync(fd) == 0;
-    const int err = errno;
-    ::close(fd);
-    if (!ok) fail("write the epoch record beside", err);
-    if (::rename(tmp.c_str(), path_.c_str()) != 0) fail("rename the epoch record over", errno);
   }
   std::string path_;
   int fd_ = -1;
@@ -229,6 +326,7 @@ std::string broadcast_bytes(const Comm& comm, int root, std::string bytes) {
 
 std::string checkpoint_file(const std::string& dir) { return dir + "/checkpoint.pt"; }
 std::string checkpoint_lock_file(const std::string& dir) { return dir + "/checkpoint.lock"; }
+std::string checkpoint_key_file(const std::string& dir) { return dir + "/checkpoint.key"; }
 
 Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos,
                       const Fence& fence) {
@@ -247,7 +345,7 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   if (fence.epoch) {
     lock.emplace(checkpoint_lock_file(dir), fence.lock_timeout_s);
     auto owner = lock->owner();
-    if (!owner) owner = recorded_owner(path);  // a lock file lost, or the first fenced write
+    if (!owner) owner = recorded_owner(dir);  // a lock file lost, or the first fenced write
     if (owner && refuses(*owner, fence)) return Saved{false, owner->epoch, owner->run, {}};
     lock->record(*fence.epoch, fence.run);
     if (owner && !fence.run.empty() && owner->run == fence.take_over && run_before(fence.run, owner->run))
@@ -260,8 +358,15 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
     throw std::runtime_error(fmt::format("checkpoint: cannot write {}: {}", tmp, what.substr(0, what.find('\n'))));
   }
   fsync_or_throw(tmp);
+  struct ::stat st {};
+  if (::stat(tmp.c_str(), &st) != 0)
+    throw std::runtime_error(fmt::format("checkpoint: cannot stat {}: {}", tmp, std::strerror(errno)));
   if (::rename(tmp.c_str(), path.c_str()) != 0)
     throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
+  // Its key beside it, for the next start's comparison (read_key): what the archive records.
+  const bool run_recorded = fence.epoch && !fence.run.empty();
+  replace_file(checkpoint_key_file(dir),
+               key_line({run_recorded ? fence.run : std::string(), fence.epoch.value_or(-1), pos.step}, file_id(st)));
   fsync_or_throw(dir);
   return result;
 }
@@ -299,30 +404,9 @@ std::string refusal(const Saved& saved, const Fence& fence, std::int64_t step, c
 
 namespace {
 
-// What a census row holds per rank: whether there is a checkpoint, its epoch, step and run
-// (its bytes packed into longs; run_problem() bounds a run to 64 characters).
-enum Census : std::int64_t { kAbsent = 0, kPresent = 1, kUnreadable = 2 };
+// A census row per rank: its Census, the checkpoint's epoch, step and run (its size, then its
+// bytes packed into longs; run_problem() bounds a run to 64 characters).
 constexpr int kRunLongs = 8, kRow = 4 + kRunLongs;
-
-// The key of the checkpoint at `path`; kUnreadable with `error` set when it cannot be read.
-Census read_key(const std::string& path, CheckpointKey& key, std::string& error) {
-  if (!std::filesystem::exists(path)) return kAbsent;
-  try {
-    torch::serialize::InputArchive ar;
-    ar.load_from(path, torch::kCPU);
-    key.step = read_int(ar, "step");
-    torch::Tensor t;
-    if (ar.try_read("mglaunch_epoch", t)) key.epoch = t.item<std::int64_t>();
-    c10::IValue run;
-    if (ar.try_read("mglaunch_run", run) && run.isString() && run_problem(run.toStringRef()).empty())
-      key.run = run.toStringRef();
-    return kPresent;
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    error = fmt::format("cannot load checkpoint {}: {}", path, what.substr(0, what.find('\n')));
-  }
-  return kUnreadable;
-}
 
 }  // namespace
 
@@ -331,7 +415,7 @@ Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& 
   if (dir.empty()) return out;
   CheckpointKey mine;
   std::string error;
-  const Census held = read_key(checkpoint_file(dir), mine, error);
+  const Census held = read_key(dir, mine, error);
   if (held == kPresent) out.own = mine;
   const int world = comm.distributed() ? comm.world : 1, me = comm.distributed() ? comm.rank : 0;
   // Every rank's row, gathered by one sum all-reduce (each rank fills its own row).

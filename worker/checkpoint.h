@@ -1,9 +1,10 @@
 // mgtrain's checkpoints: rank 0 writes model (parameters and buffers), optimizer state,
 // position and RNG state atomically (temp file, fsync, rename, fsync of the directory);
-// on start the ranks compare what their checkpoints hold (run, epoch, step) and the rank
-// with the newest alone reads it and broadcasts its bytes, so every rank resumes from the
-// same state even when the directory is node-local or stale elsewhere. Under a
-// rendezvous epoch (MGLAUNCH_EPOCH) a write is fenced: only the newest epoch writes.
+// on start the ranks compare what their checkpoints hold (run, epoch, step: from the small
+// key file beside each, checkpoint_key_file) and the rank with the newest alone reads it
+// and broadcasts its bytes, so every rank resumes from the same state even when the
+// directory is node-local or stale elsewhere. Under a rendezvous epoch (MGLAUNCH_EPOCH) a
+// write is fenced: only the newest epoch writes.
 // Included only by torch units.
 #pragma once
 
@@ -31,6 +32,11 @@ std::string checkpoint_file(const std::string& dir);
 // The fence's lock file beside the checkpoint: flock()ed around a fenced check-and-write;
 // it holds the newest epoch that wrote, or is writing, there (a decimal line).
 std::string checkpoint_lock_file(const std::string& dir);
+// The checkpoint's key file beside it: one line, "step=S epoch=E run=R size=BYTES
+// mtime_ns=NS ino=INODE", what the checkpoint holds and the identity of the file it
+// describes; written (temp file, fsync, rename) after the checkpoint's rename and trusted
+// only while stat() of the checkpoint gives that identity (docs/mgtrain.md).
+std::string checkpoint_key_file(const std::string& dir);
 
 // Fencing for data (docs/mgtrain.md, Checkpoints): the rendezvous gives every round an
 // epoch, monotonic per job (MGLAUNCH_EPOCH). A checkpoint records its epoch, and a writer
@@ -70,13 +76,13 @@ struct Saved {
 std::string refusal(const Saved& saved, const Fence& fence, std::int64_t step, const std::string& path,
                     std::int64_t now_ms);
 
-// Rank 0 only. With fence.epoch: under an exclusive flock of checkpoint_lock_file(dir)
-// (waited for at most lock_timeout_s), compares with the epoch it holds (else the one the
-// checkpoint records), writes nothing when that one is newer, else records this epoch
-// there and writes. A file system without locks (flock's ENOSYS, ENOLCK, EOPNOTSUPP,
-// EINVAL) does the same unlocked, the record replaced by rename, after one warning line per
-// process. Throws std::runtime_error naming the path and the failing call (lock, write,
-// fsync, rename) with errno's text.
+// Rank 0 only. Writes the checkpoint, then its key file. With fence.epoch: under an
+// exclusive flock of checkpoint_lock_file(dir) (waited for at most lock_timeout_s),
+// compares with the epoch it holds (else the one the checkpoint records), writes nothing
+// when that one is newer, else records this epoch there and writes. A file system without
+// locks (flock's ENOSYS, ENOLCK, EOPNOTSUPP, EINVAL) does the same unlocked, the record
+// replaced by rename, after one warning line per process. Throws std::runtime_error naming
+// the path and the failing call (lock, write, fsync, rename) with errno's text.
 Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, const Position& pos,
                       const Fence& fence = {});
 
@@ -96,8 +102,9 @@ struct Newest {
   std::optional<CheckpointKey> own;  // this rank's checkpoint, when it has one
 };
 // Every rank calls it (a collective in ddp mode; none when `dir` is empty): each reads its
-// checkpoint's run, epoch and step in `dir` and all learn every rank's. Throws SetupError
-// (exit 3) when a rank's checkpoint cannot be read: it may be the newest.
+// checkpoint's run, epoch and step in `dir` (from checkpoint_key_file when that describes
+// the checkpoint, else from the archive, every tensor loaded) and all learn every rank's.
+// Throws SetupError (exit 3) when a rank's checkpoint cannot be read: it may be the newest.
 Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence);
 
 // Every rank calls it (a collective in ddp mode). Returns the position to resume from, or

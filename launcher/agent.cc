@@ -183,6 +183,7 @@ void Agent::start() {
   // (the watchdog's fork): the agents started with it find it listening sooner, and one
   // that connects never meets a host that then gives up (a refused agent retries until
   // join_timeout; a connection reset before the welcome ends its run).
+  load_job_record();
   host_rendezvous();
   using Set = AgentSignals::Set;
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}) signals_->add(Set::kStop, sig);
@@ -624,6 +625,9 @@ void Agent::finish(int code) {
   if (monitor_) monitor_->stop();
   for (auto set : {AgentSignals::Set::kStop, AgentSignals::Set::kJobControl, AgentSignals::Set::kWinch})
     signals_->cancel(set);
+  clock_->cancel(sup::Timer::kRecord);
+  // The job ended for good (its end heard from the rendezvous): a rerun starts afresh.
+  if (record_written_ && client_ && client_->job_decided()) remove_job_record(record_dir_, plan_.run_id, record_node_);
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);

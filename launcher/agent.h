@@ -37,6 +37,7 @@
 #include "logs/log_layout.h"
 #include "launcher/agent_seams.h"
 #include "launcher/file_timer.h"
+#include "launcher/job_record.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
 #include "launcher/port.h"
@@ -208,6 +209,19 @@ class Agent {
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;
   bool hosting_decided_ = false;  // host_rendezvous() ran
+  // This node's record of the job (launcher/job_record.h, #34 H1). Read at start: a record
+  // of this job makes the link look for the job at the record's hosts first (recall
+  // pending: no hosting until it found none). Written at each assignment or standby (the
+  // link's job_hosts()), its time refreshed every keep-alive interval, removed when the
+  // job's end was heard from the rendezvous.
+  void load_job_record();
+  void remember_job(int epoch, const std::string& run);
+  void refresh_job_record();
+  void recall_job();  // after the link is made: hands it the record's hosts
+  std::string record_dir_, record_node_;  // record_dir_ empty: no record kept
+  std::optional<JobRecord> recalled_;
+  bool recall_pending_ = false;
+  bool record_written_ = false, record_warned_ = false;
   // The rendezvous server's settings for this job (the token, this job only, this agent).
   rdzv::ServerOptions server_options();
   // The socket this agent would host the job on if its host were lost (bound at port 0 on

@@ -29,7 +29,9 @@ namespace mg {
 namespace asio = boost::asio;
 
 void Agent::host_rendezvous() {
-  if (hosting_decided_) return;
+  // A record of this job: the link looks for it at the record's hosts first, and this node
+  // hosts only once none runs it (rdzv::ClientHandlers::on_recall_ended).
+  if (hosting_decided_ || recall_pending_) return;
   hosting_decided_ = true;
   std::optional<rdzv::Endpoint> parsed;  // (an etcd endpoint list is not one)
   auto endpoint = [&]() -> const rdzv::Endpoint& {
@@ -259,7 +261,12 @@ void Agent::start_rendezvous() {
   if (opts_.rdzv_backend != "etcd") bind_takeover_socket();
   j.takeover_port = embedded_server_ ? 0 : takeover_port_;
   rdzv::ClientHandlers h;
-  h.on_assignment = [this](const proto::Assignment& a) { guarded([&] { on_assignment(a); }); };
+  h.on_assignment = [this](const proto::Assignment& a) {
+    guarded([&] {
+      remember_job(a.epoch, a.run);
+      on_assignment(a);
+    });
+  };
   // During the preflight check the rendezvous' word waits for its verdict (a node that
   // leaves on a failed check must not make the others end on the rendezvous instead).
   auto after_preflight = [this](std::function<void()> f) {
@@ -275,6 +282,7 @@ void Agent::start_rendezvous() {
   h.on_done = [this, after_preflight] { after_preflight([this] { run(core_.rendezvous_done(now())); }); };
   h.on_standby = [this](const proto::Standby& s) {
     guarded([&] {
+      remember_job(s.epoch, s.run);
       run(core_.standby(s, now()));
       if (opts_.prestart_standby)
         run_prestart(prestart_.begin(core_.is_standby() && core_.state() == sup::State::kWaiting, control_ != nullptr,
@@ -299,8 +307,75 @@ void Agent::start_rendezvous() {
   if (opts_.rdzv_backend == "etcd" && (!opts_.rdzv_token.empty() || !opts_.rdzv_job_token.empty()))
     notice("warning: --rdzv_backend=etcd does not use the rendezvous token: whoever can write this job's keys in "
            "etcd decides for it; protect them with etcd's own authentication (--rdzv_conf user=, cert=, https)");
+  h.on_recall_ended = [this] {
+    recall_pending_ = false;
+    host_rendezvous();
+    if (embedded_server_ && takeover_fd_ >= 0) {  // it hosts: it offers no takeover socket
+      ::close(std::exchange(takeover_fd_, -1));
+      takeover_port_ = 0;
+    }
+    return embedded_server_ != nullptr;
+  };
   client_ = make_link_(io_, opts_, std::move(j), std::move(h));
+  recall_job();
   client_->start();
+}
+
+void Agent::load_job_record() {
+  if (!uses_rendezvous_server(opts_) || opts_.rdzv_backend == "etcd") return;  // etcd: no host to lose
+  auto env = [this](const char* name) {
+    const auto it = base_env_.find(name);
+    return it == base_env_.end() ? std::string() : it->second;
+  };
+  record_dir_ = job_record_dir(env("MGLAUNCH_RECORD_DIR"), env("XDG_RUNTIME_DIR"), ::geteuid());
+  record_node_ = node_identity(plan_.master_addr, local_hostname());  // (master_addr: this node's, until assigned)
+  if (std::string why = prepare_job_record_dir(record_dir_); !why.empty()) {
+    notice(fmt::format("warning: this node keeps no record of job '{}' ({}): an agent restarted here while the job "
+                       "runs on elsewhere cannot find it again; set MGLAUNCH_RECORD_DIR to a directory of your own",
+                       plan_.run_id, why));
+    record_dir_.clear();
+    return;
+  }
+  std::string why;
+  recalled_ = read_job_record(record_dir_, plan_.run_id, record_node_, &why);
+  if (!why.empty()) notice("warning: " + why);
+  recall_pending_ = recalled_ && !recalled_->hosts.empty() && !recalled_->run.empty();
+}
+
+void Agent::recall_job() {
+  if (!recall_pending_) return;
+  // Until when the hosts are tried again and again (at least once each): the job's survivors
+  // take it over within K x (A + 1) of silence, a watchdog's K and K x A of search after this
+  // node's last word, and the record's time lags that word by one K at most (its refresh).
+  // Within that bound a takeover socket that refuses may host in a moment. A record of one
+  // host names no node that could take over: one pass.
+  const auto bound = recalled_->hosts.size() > 1 ? opts_.keep_alive_interval * (2 * opts_.keep_alive_max_attempt + 3)
+                                                 : std::chrono::milliseconds(0);
+  const auto written = std::chrono::system_clock::time_point(std::chrono::milliseconds(recalled_->written_ms));
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(written + bound - now().wall);
+  client_->recall(recalled_->hosts, recalled_->run, now().steady + std::max(left, std::chrono::milliseconds(0)));
+}
+
+void Agent::remember_job(int epoch, const std::string& run) {
+  if (record_dir_.empty() || !client_ || run.empty()) return;
+  JobRecord r{plan_.run_id, record_node_, run, epoch, client_->job_hosts()};
+  if (r.hosts.empty()) return;  // a daemon's job: found again at its address
+  if (std::string why = write_job_record(record_dir_, r); !why.empty()) {
+    if (!std::exchange(record_warned_, true))
+      notice(fmt::format("warning: cannot keep this node's record of job '{}' ({}): an agent restarted here while the "
+                         "job runs on elsewhere may not find it again",
+                         plan_.run_id, why));
+    return;
+  }
+  if (!std::exchange(record_written_, true)) refresh_job_record();
+}
+
+void Agent::refresh_job_record() {
+  clock_->arm(sup::Timer::kRecord, now().steady + opts_.keep_alive_interval, [this] {
+    if (core_.state() == sup::State::kDone) return;
+    touch_job_record(record_dir_, plan_.run_id, record_node_);
+    refresh_job_record();
+  });
 }
 
 void Agent::on_assignment(const proto::Assignment& a) {

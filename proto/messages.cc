@@ -96,7 +96,7 @@ std::string validate(const Auth& m) { return hex("mac", m.mac, kMacHexBytes); }
 std::string validate(const Welcome& m) {
   return first(text("server", m.server, kMaxIdBytes), text("host_agent", m.host_agent, kMaxHostBytes),
                range("round_epoch", m.round_epoch, 0, INT32_MAX), range("epoch", m.epoch, 0, INT32_MAX),
-               range("last_round_epoch", m.last_round_epoch, 0, INT32_MAX));
+               range("last_round_epoch", m.last_round_epoch, 0, INT32_MAX), run_problem(m.run));
 }
 
 std::string validate(const Join& m) {

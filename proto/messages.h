@@ -72,6 +72,11 @@ struct Welcome {
   // host without a majority leaves for one that "precedes" it only when both lead the same
   // last round (review s36 H1). 0 from a server before this field.
   int last_round_epoch = 0;
+  // The job's rendezvous run (Assignment::run; empty: the server knows no such job yet, or
+  // it is before this field): an agent restarted on a node of the job joins a server its
+  // record names only when that server runs the same run (launcher/job_record.h, #34 H1).
+  // Not signed (as host_agent).
+  std::string run{};
 };
 struct Join {
   static constexpr MsgType kType = MsgType::kJoin;
@@ -200,7 +205,7 @@ struct Standby {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent, round_epoch, epoch, last_round_epoch)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent, round_epoch, epoch, last_round_epoch, run)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, addr, nproc, node_rank, min_nodes,
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,

@@ -58,7 +58,8 @@ void Client::run(ClientCommands cmds) {
     // A handler told earlier in this list may have closed the link (the agent's close()):
     // nothing new is started then.
     if (m_.closed() && (std::holds_alternative<cmd::Connect>(c) || std::holds_alternative<cmd::Arm>(c) ||
-                        std::holds_alternative<cmd::HostTakeover>(c)))
+                        std::holds_alternative<cmd::HostTakeover>(c) ||
+                        std::holds_alternative<cmd::RecallEnded>(c)))
       continue;
     perform(c);
   }
@@ -136,6 +137,9 @@ void Client::perform(ClientCommand& c) {
           if (h_.hears_majority && !h_.hears_majority()) run(m_.host_short_of_majority(Clock::now()));
         } else if constexpr (std::is_same_v<T, cmd::StopHosting>) {
           if (h_.on_stop_hosting) h_.on_stop_hosting(x.why);
+        } else if constexpr (std::is_same_v<T, cmd::RecallEnded>) {
+          const bool hosting = h_.on_recall_ended && h_.on_recall_ended();
+          run(m_.recall_ended(hosting, Clock::now()));
         } else if constexpr (std::is_same_v<T, cmd::TakePending>) {
           // Not from within the agent's call (rejoin()): it takes the assignment once that returned.
           asio::post(io_, [this, alive = std::weak_ptr<int>(alive_)] {

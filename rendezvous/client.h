@@ -58,6 +58,10 @@ struct ClientHandlers {
   // nothing, or its job runs): asked every keep-alive interval while the node waits for a
   // next round (cmd::AskMajority). Empty: this node never hosts.
   std::function<bool()> hears_majority;
+  // The recall found the job at none of the hosts of this node's record (ClientMachine's
+  // Recall, #34 H1): the agent decides now whether it hosts the job, as at any start, and
+  // says whether it does. Empty: it does not.
+  std::function<bool()> on_recall_ended;
 };
 
 // Calls the handler of `d`: the one dispatch of every backend's decisions (on_standby may
@@ -68,6 +72,10 @@ class Client {
  public:
   Client(boost::asio::io_context& io, ClientOptions opts, ClientHandlers handlers);
   ~Client();
+  // Before start(): look for the job at the hosts of this node's record first (Recall).
+  void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until) {
+    m_.recall(std::move(hosts), std::move(run), until);
+  }
   void start();
   void rejoin();
   // The master port offered in later joins (a fresh one for each round).
@@ -77,6 +85,8 @@ class Client {
   // This node's own server's next round waits for a majority (JobEvent::Kind::kNoQuorum).
   void host_short_of_majority();
   void close();
+  std::vector<std::pair<std::string, int>> job_hosts() const { return m_.job_hosts(); }
+  bool job_decided() const { return m_.decided(); }
   bool connected() const { return conn_ && conn_->open(); }
   int connect_attempts() const { return connect_attempts_; }  // since start(), refused ones included
 

@@ -45,10 +45,11 @@ std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t ca
   return {};
 }
 
-namespace {
 std::string host_port(const std::string& host, int port) {
   return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
 }
+
+namespace {
 
 const char* type_name(MsgType t) {
   switch (t) {
@@ -104,7 +105,8 @@ ClientCommands ClientMachine::start(Clock::time_point now) {
   if (auto bad = proto::validate(opts_.join); !bad.empty()) return give_up("cannot join: " + bad);
   deadline_ = now + milliseconds(opts_.join.join_timeout_ms);
   waiting_since_ = now;
-  try_connect();
+  if (recall_) next_recall_target(now);  // the record's hosts first (Recall)
+  else try_connect();
   watch(now);
   return take_out();
 }
@@ -196,13 +198,18 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
   // round trip (the server reads them in order; one that wants a token answers the hello
   // with its challenge, which this client refuses, before it reads the join).
   // (Seeking, a server elsewhere joins only once its Welcome was weighed.)
-  joined_early_ = key_.empty() && !(seeking() && !seek_->at_home);
+  // (Recalling, a server joins only once its Welcome named the record's run.)
+  joined_early_ = key_.empty() && !(seeking() && !seek_->at_home) && !recall_;
   if (joined_early_) send_join();
   return take_out();
 }
 
 ClientCommands ClientMachine::connect_failed(bool refused, const std::string& error, Clock::time_point now) {
   if (closed_) return {};
+  if (recall_) {  // refused or not: the next of the record's hosts at once
+    next_recall_target(now, refused ? "refused" : error);
+    return take_out();
+  }
   // A refused connect: that machine (or a firewall that REJECTs) answers. A takeover
   // candidate that refuses has not noticed the loss yet (waited for, #34). It never moves
   // the fence: a firewall's reset is no word from the rendezvous (#34).
@@ -218,7 +225,8 @@ ClientCommands ClientMachine::connect_failed(bool refused, const std::string& er
 
 ClientCommands ClientMachine::unresolvable(Clock::time_point now) {
   if (closed_) return {};
-  if (takeover_) next_candidate("cannot resolve its address", now);
+  if (recall_) next_recall_target(now, "cannot resolve its address");
+  else if (takeover_) next_candidate("cannot resolve its address", now);
   else if (seeking()) next_seek_target(now);
   else lost(fmt::format("cannot resolve rendezvous host '{}'", opts_.host));
   return take_out();
@@ -235,6 +243,10 @@ ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::t
   const bool was = connected_;
   connected_ = false;
   if (closed_ || !was) return {};
+  if (recall_) {  // (no welcome yet: one would have ended the recall)
+    next_recall_target(now, "closed the connection: " + why);
+    return take_out();
+  }
   // A server that welcomed us and then vanished may come back: keep trying. A closed (or
   // reset) connection does not move the fence: a firewall resets too.
   if (ever_welcomed_) reconnect_later(why, now, /*silent=*/false, reset);
@@ -257,6 +269,10 @@ ClientCommands ClientMachine::timer_fired(ClientTimer t, std::uint64_t generatio
       }
       break;
     case ClientTimer::kTakeover:
+      if (recall_) {
+        next_recall_target(now, recall_->pausing ? std::string() : "no answer");
+        break;
+      }
       if (seek_) {
         if (!seek_->started) {
           seek_->started = true;
@@ -344,6 +360,7 @@ void ClientMachine::try_connect() {
 }
 
 void ClientMachine::failed_attempt(const std::string& why, Clock::time_point now) {
+  if (recall_) return next_recall_target(now, why);  // not the job's server: the next
   if (ever_welcomed_) reconnect_later(why, now);  // the real server may come back within join_timeout
   else lost(why);
 }
@@ -414,6 +431,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         welcome_epoch_ = w.epoch;
         welcome_last_round_ = w.last_round_epoch;
         if (seeking() && !seek_welcomed(w, now)) return;
+        if (recall_ && !recall_welcomed(w, now)) return;
         return on_welcome(now);
       }
       case MsgType::kHeartbeat:

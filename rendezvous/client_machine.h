@@ -47,6 +47,17 @@
 // a host with a majority never seeks, and of two minority hosts that reach each other
 // exactly one leaves for the other (by last round, then by job's epoch); at home it joins
 // its own round (which opens once a minority host that left for it is there).
+//
+// Recall (#34 H1): an agent restarted on a node of a job hosted by an agent (its record of
+// the job, launcher/job_record.h, names the job's run and where it was hosted) must not
+// host a fresh job at the endpoint, nor join a fresh one there, while the job runs on
+// elsewhere (taken over). recall() before start() gives the record's hosts: start() tries
+// them in turn (a refused or failed connect, a server that proves nothing or runs another
+// run: the next at once; a silent one after one keep-alive interval), in passes until
+// `until` (at least one pass), and joins the first whose Welcome names the record's run, as
+// a new member (its next round, a scale-up, or a standby). None: one line says the record
+// is stale and cmd::RecallEnded lets the agent host as today (recall_ended()), then the
+// endpoint is joined as on any start.
 #pragma once
 
 #include <array>
@@ -99,6 +110,9 @@ inline std::vector<TakeoverCandidate> takeover_candidates(const proto::Assignmen
 // restart left, no node that can host, fewer candidates and standbys than --nnodes' minimum.
 std::string why_no_takeover(int restarts_spent, int max_restarts, std::size_t candidates, int standbys,
                             int min_nodes);
+
+// "HOST:PORT" ("[HOST]:PORT" for an IPv6 address), for messages. Pure.
+std::string host_port(const std::string& host, int port);
 
 // Hints for a rendezvous endpoint that does not work, each one line saying what to do. Pure.
 // Nothing answers (connection refused) at `host`, one of this machine's own addresses
@@ -168,11 +182,14 @@ struct TakePending {};  // call take_pending() soon (not from within the agent's
 // Restart not read yet) or never (no last call below --nnodes' minimum) is heard within K
 // (review s37 M).
 struct AskMajority {};
+// The recall found the job at none of the record's hosts: the agent decides now whether it
+// hosts the job (as at any start), and answers with recall_ended().
+struct RecallEnded {};
 }  // namespace cmd
 
 using ClientCommand = std::variant<cmd::Connect, cmd::Drop, cmd::Send, cmd::SignSent, cmd::Welcomed, cmd::Arm,
                                    cmd::Cancel, cmd::Shut, cmd::Tell, cmd::Lost, cmd::Notice, cmd::HostTakeover,
-                                   cmd::TakePending, cmd::StopHosting, cmd::AskMajority>;
+                                   cmd::TakePending, cmd::StopHosting, cmd::AskMajority, cmd::RecallEnded>;
 using ClientCommands = std::vector<ClientCommand>;
 
 class ClientMachine {
@@ -180,7 +197,13 @@ class ClientMachine {
   explicit ClientMachine(ClientOptions opts);
 
   // The agent's calls.
+  // Before start(): the hosts this node's record of the job names (job_hosts() of its
+  // agent's last run) and its run; start() tries them first until `until` (Recall, above).
+  void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until);
   ClientCommands start(Clock::time_point now);
+  // The answer to cmd::RecallEnded: `hosting`, the agent hosts the job now (its join offers
+  // no takeover port); the endpoint is joined.
+  ClientCommands recall_ended(bool hosting, Clock::time_point now);
   ClientCommands rejoin(Clock::time_point now);
   void set_master_port(int port) { opts_.join.master_port = port; }
   ClientCommands worker_failed(proto::WorkerFailed f, Clock::time_point now);
@@ -208,6 +231,14 @@ class ClientMachine {
   int port() const { return opts_.port; }
   bool searching() const { return takeover_.has_value(); }  // for the node that took over
   bool seeking() const { return seek_.has_value() && seek_->started; }  // away from home, or between tries
+  bool recalling() const { return recall_.has_value(); }
+  bool decided() const { return decided_; }  // the job's end (Abort, Done) was heard from its server
+  // Where the job may be found if this node's agent is restarted (its record): the server it
+  // is joined to now, the job's former hosts, then the last round's nodes that could host
+  // but this one (lowest group rank first), at most kMaxRecallHosts. Empty unless an agent
+  // hosts the job (a daemon or etcd is found again at its own address).
+  std::vector<std::pair<std::string, int>> job_hosts() const;
+  static constexpr std::size_t kMaxRecallHosts = 8;
   // The generation of t's current arm (what a fire that is not stale carries).
   std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }
 
@@ -333,6 +364,19 @@ class ClientMachine {
     std::string tried;           // what the servers tried last said, for the end's reason
   };
   std::optional<Seek> seek_;  // this node hosts the job without a majority (Seeking)
+  struct Recall {
+    std::vector<std::pair<std::string, int>> targets;
+    std::string run;              // the record's: a server running it runs the job
+    Clock::time_point until;      // passes go on until here
+    std::size_t turn = 0;         // the next target
+    bool pausing = false;         // between two passes
+    std::string endpoint_host;    // where a fresh start goes (opts_ before the recall)
+    int endpoint_port = 0;
+    std::string tried;            // what each target said, this pass
+  };
+  std::optional<Recall> recall_;  // start() looks for the job at its record's hosts first
+  void next_recall_target(Clock::time_point now, const std::string& why_previous = {});
+  bool recall_welcomed(const proto::Welcome& w, Clock::time_point now);  // false: not the job's run
   // The hosts this node knew the job at (the endpoint, each host lost since), at most kMaxHosts.
   std::vector<std::pair<std::string, int>> job_hosts_;
   static constexpr std::size_t kMaxHosts = 8;

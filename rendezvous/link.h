@@ -3,8 +3,10 @@
 // Both report through the same ClientHandlers on the agent's io_context.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "proto/messages.h"
 
@@ -34,6 +36,14 @@ class Link {
   // The agent hosts the job and its server's next round waits for a majority (#34): the own
   // daemon's link looks for the job elsewhere (rdzv::Client); etcd has no host to leave.
   virtual void host_short_of_majority() {}
+  // This node's record of an agent-hosted job (launcher/job_record.h, #34 H1): before
+  // start(), the hosts to look for the job at first and its run (rdzv::ClientMachine's
+  // Recall); job_hosts(), what a record names now (empty: nothing to record, as for a
+  // daemon or etcd, which the agent finds again at their own address); job_decided(), the
+  // job's end was heard from the rendezvous (Done, Abort), when the record goes.
+  virtual void recall(std::vector<std::pair<std::string, int>>, std::string, std::chrono::steady_clock::time_point) {}
+  virtual std::vector<std::pair<std::string, int>> job_hosts() const { return {}; }
+  virtual bool job_decided() const { return false; }
 };
 
 // Adapts a backend with the same member functions (rdzv::Client) to Link.
@@ -49,6 +59,12 @@ class LinkTo : public Link {
   void node_done(int round) override { impl_.node_done(round); }
   void close() override { impl_.close(); }
   void host_short_of_majority() override { impl_.host_short_of_majority(); }
+  void recall(std::vector<std::pair<std::string, int>> hosts, std::string run,
+              std::chrono::steady_clock::time_point until) override {
+    impl_.recall(std::move(hosts), std::move(run), until);
+  }
+  std::vector<std::pair<std::string, int>> job_hosts() const override { return impl_.job_hosts(); }
+  bool job_decided() const override { return impl_.job_decided(); }
 
  private:
   T impl_;

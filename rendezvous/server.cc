@@ -375,6 +375,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
       w.round_epoch = job->second.running_epoch();
       w.epoch = job->second.epoch();
       w.last_round_epoch = job->second.last_round_epoch();
+      w.run = job->second.run();  // for an agent restarted with a record of the job (#34 H1)
     }
     s->conn->send(proto::to_frame(w));
     s->conn->set_max_frame(opts_.max_frame);

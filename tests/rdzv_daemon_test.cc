@@ -207,7 +207,9 @@ TEST_CASE("without a token the agent sends its join with its hello, with a token
 // #34, review s37 L4: a host that looks for the job elsewhere compares the last round that
 // server's welcome names (rdzv::ClientMachine, "Seeking"); its tests build that welcome by
 // hand, so this one reads it from a real server that took a job over at epoch 6.
-TEST_CASE("a server's welcome names its job's last round (last_round_epoch), the round it took over") {
+// #34 H1: it names the job's run too, which an agent restarted with a record of the job
+// (launcher/job_record.h) must find before it joins there.
+TEST_CASE("a server's welcome names its job's last round (last_round_epoch), the round it took over, and the job's run") {
   asio::io_context io(1);
   rdzv::ServerOptions so;
   so.host_agent = "host-a";
@@ -217,6 +219,7 @@ TEST_CASE("a server's welcome names its job's last round (last_round_epoch), the
   seed.epoch = 6;
   seed.voters = {"agent-a", "agent-b", "agent-c"};
   seed.host_rank = 1;
+  seed.run = "1764500000000-0123456789abcdef";
   server.take_over("welcomed", seed);
   Fds fds;
   fds.fds.push_back(connect_blocking(server.port()));
@@ -243,6 +246,7 @@ TEST_CASE("a server's welcome names its job's last round (last_round_epoch), the
   REQUIRE(w);
   CHECK(w->host_agent == "host-a");
   CHECK(w->last_round_epoch == 6);
+  CHECK(w->run == seed.run);  // the run it took over
   CHECK(w->round_epoch == 0);  // no round runs: the survivors have not joined
   CHECK(w->epoch == rdzv::takeover_epoch(6, 1) - 1);  // its own block, before its first round
   server.stop();

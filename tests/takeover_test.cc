@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -39,6 +40,13 @@ std::vector<Proc> start_job(const std::string& ep, const std::string& job, const
   }, 30s));
   return agents;
 }
+
+// The agents of the rejoin cases (#34 H1): a token, and their records (launcher/job_record.h)
+// in `records`, a directory of the test's own; a keep-alive interval of 1 s.
+std::map<std::string, std::string> rejoin_env(const std::string& records) {
+  return {{"MGLAUNCH_RDZV_TOKEN", "5f1c0e9a7b2d4c6e8a0b1c2d3e4f5061"}, {"XDG_RUNTIME_DIR", records}};
+}
+const std::string kRejoinConf = "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3";
 
 }  // namespace
 
@@ -275,4 +283,114 @@ TEST_CASE("a survivor whose host name resolves here only to 127.0.1.1 (Debian's 
   agents[0].wait(5s);
   ::kill(host.pid, SIGKILL);
   host.wait(5s);
+}
+
+// #34 H1: the hosting agent's machine comes back and its agent is started again with the
+// same command line (systemd, a user, a Slurm requeue of one node). Before, it found the
+// endpoint's port free and hosted a fresh job (a new run, a first round that needs no
+// majority): with --nnodes=1:3 a round of one beside the survivors' round, two rounds of one
+// job id at once. Now its record of the job (launcher/job_record.h; XDG_RUNTIME_DIR a
+// directory of the test's own) names the survivors' takeover sockets: it joins there.
+TEST_CASE("the hosting agent SIGKILLed and started again with the same command line after the survivors took the job "
+          "over: it joins the job where it runs now, as a new member (the same run, one round on all three at the "
+          "end), and never runs a round of its own (#34 H1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  const auto env = rejoin_env(records);
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf};
+  // Each round prints its environment. The first round (all three, restart 0) hangs; a round
+  // of fewer than three (the survivors') waits (60 s at most, then ends 0); a round of three
+  // after the takeover ends 0, and with it the job.
+  const std::vector<std::string> worker{"env", "print", "up", "when-world-below", "3", "when-restart-below", "1",
+                                        "hang", "300"};
+  std::vector<Proc> agents = start_job(ep, "rejoin", "1:3", flags, worker, env);
+  // (A node late for the first round's last call joins it as a scale-up: all three first.)
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin(), agents.end(), [](Proc& p) {
+      const auto e = envs(p.out());
+      return !e.empty() && e.back().value("WORLD_SIZE", "") == "3";
+    });
+  }, 30s));
+  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  REQUIRE(run.size() > 2);
+  ::kill(-agents[0].pid, SIGKILL);  // the agent, its watchdog and its workers
+  agents[0].wait(5s);
+  // The survivors took the job over and run a round of two.
+  auto in_round_of_two = [&](Proc& p) {
+    const auto e = envs(p.out());
+    return e.size() >= 2 && e.back().value("WORLD_SIZE", "") == "2";
+  };
+  REQUIRE(eventually([&] { return in_round_of_two(agents[1]) && in_round_of_two(agents[2]); }, 60s));
+  Proc again = spawn(agent_argv(ep, "rejoin", 2, "1:3", 1, flags, worker), env);
+  for (Proc* p : {&again, &agents[1], &agents[2]}) {
+    REQUIRE(p->wait(120s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  INFO("the restarted agent:\n" << again.err());
+  CHECK_THAT(again.err(), Catch::Contains("job 'rejoin' runs on at 127.0.0.3:") &&
+                              Catch::Contains("since this node's agent last ran (run " + run +
+                                              "); joining it there as a new member") &&
+                              !Catch::Contains("hosting the rendezvous"));
+  const auto seen = envs(again.out());
+  REQUIRE(!seen.empty());
+  for (const auto& e : seen) {
+    CHECK(e.value("WORLD_SIZE", "") == "3");  // never a round of one (or any round but the job's)
+    CHECK(e.value("MGLAUNCH_RUN", "") == run);
+  }
+  for (int i : {1, 2}) {
+    const auto e = envs(agents[i].out());
+    CHECK(e.back().value("WORLD_SIZE", "") == "3");
+    CHECK(e.back().value("MGLAUNCH_RUN", "") == run);
+  }
+  // The job ended for good: every node's record is gone, so a rerun starts afresh.
+  CHECK(std::filesystem::is_empty(records + "/mglaunch"));
+}
+
+// #34 H1, a node that did not host: after a takeover its endpoint is dead, and before, its
+// agent started again waited there until join_timeout (exit 3) while the job ran on. Its
+// record names the nodes that could take the job over: it joins the one that did. (Five
+// nodes, the host and the last one lost at once: the three left are a majority.)
+TEST_CASE("a node that does not host SIGKILLed with the host and started again with the same command line after the "
+          "takeover joins the job at the node that took it over, as a new member (the same run, one round on four at "
+          "the end) (#34 H1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const auto env = rejoin_env(make_temp_dir());
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=20"};
+  // The first round (five nodes) hangs; the takeover's (three) waits (60 s at most, then
+  // ends 0); a round of four after the takeover ends 0.
+  const std::vector<std::string> worker{"env", "print", "up", "when-world-below", "4", "when-restart-below", "1",
+                                        "hang", "300"};
+  auto argv = [&](int i) { return agent_argv(ep, "rejoin-node", i, "1:5", 1, flags, worker); };
+  auto last_world = [](Proc& p) {
+    const auto e = envs(p.out());
+    return e.empty() ? std::string() : e.back().value("WORLD_SIZE", "");
+  };
+  std::vector<Proc> agents;
+  agents.push_back(spawn(argv(2), env));
+  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  for (int i : {3, 4, 5, 6}) agents.push_back(spawn(argv(i), env));
+  REQUIRE(eventually(
+      [&] { return std::all_of(agents.begin(), agents.end(), [&](Proc& p) { return last_world(p) == "5"; }); }, 30s));
+  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  for (int i : {0, 4}) ::kill(-agents[i].pid, SIGKILL);  // the host and 127.0.0.6, which never hosted
+  for (int i : {0, 4}) agents[i].wait(5s);
+  REQUIRE(eventually([&] { return last_world(agents[1]) == "3" && last_world(agents[2]) == "3" && last_world(agents[3]) == "3"; },
+                     60s));
+  Proc again = spawn(argv(6), env);
+  for (Proc* p : {&again, &agents[1], &agents[2], &agents[3]}) {
+    REQUIRE(p->wait(120s));
+    INFO(p->err());
+    CHECK(p->exit_code() == 0);
+  }
+  INFO("the restarted agent:\n" << again.err());
+  CHECK_THAT(again.err(), Catch::Contains("job 'rejoin-node' runs on at 127.0.0.3:") &&
+                              Catch::Contains("joining it there as a new member"));
+  const auto seen = envs(again.out());
+  REQUIRE(!seen.empty());
+  for (const auto& e : seen) {
+    CHECK(e.value("WORLD_SIZE", "") == "4");
+    CHECK(e.value("MGLAUNCH_RUN", "") == run);
+  }
+  for (int i : {1, 2, 3}) CHECK(last_world(agents[i]) == "4");
 }

@@ -695,6 +695,7 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
   t.prev_voters = prev_voters_;
   t.host_closed = !silent;
   t.host_reset = !silent && reset;
+  t.host_followed = job_hosts_.front() != std::pair{opts_.host, opts_.port};
   t.lost_addr = opts_.host;
   t.lost_port = opts_.port;
   t.rejoin_deadline = now + milliseconds(opts_.join.join_timeout_ms);
@@ -756,13 +757,18 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
   // node: a REJECT firewall resets its connections and refuses its connects, #34); this
   // node's workers stopped on the takeover's Restart, and it waits to rejoin after the heal
   // instead of ending.
-  if (t.host_reset && t.refused_any && now < t.rejoin_deadline) {
+  // So too when the lost host was one this node followed (not the endpoint): it may have left
+  // for the job's host elsewhere (Seeking), which only the job's former hosts lead to.
+  if ((t.host_reset || t.host_followed) && t.refused_any && now < t.rejoin_deadline) {
     t.rejoining = true;
     out_.push_back(cmd::Notice{fmt::format(
         "{}; no survivor took over for this node ({}), yet a node refused its connection, so its machine answers: "
-        "this node may be the one cut off (a firewall that resets). Its workers stay stopped; it waits to rejoin the "
-        "job, trying its last host and the nodes that could host in turn, until join_timeout ({} s)",
-        t.lost, t.tried, opts_.join.join_timeout_ms / 1000.0)});
+        "{}. Its workers stay stopped; it waits to rejoin the job, trying its last host, the nodes that could host "
+        "and the job's former hosts in turn, until join_timeout ({} s)",
+        t.lost, t.tried,
+        t.host_reset ? "this node may be the one cut off (a firewall that resets)"
+                     : "its host, which took the job over, may have left for the job's host elsewhere",
+        opts_.join.join_timeout_ms / 1000.0)});
     return next_rejoin_target(now);
   }
   std::string reason = t.lost + "; no survivor could take over";
@@ -782,10 +788,13 @@ void ClientMachine::next_rejoin_target(Clock::time_point now) {
     return end_host_lost(reason);
   }
   // The last host first (only cut off, it still hosts the job), then the nodes that could
-  // have taken over; never this node itself, which never hosts on its own side.
+  // have taken over, then the job's former hosts; never this node itself, which never hosts
+  // on its own side.
   std::vector<std::pair<std::string, int>> targets{{t.lost_addr, t.lost_port}};
   for (const auto& c : t.candidates)
     if (c.group_rank != t.self_rank) targets.emplace_back(c.addr, c.port);
+  for (const auto& h : job_hosts_)  // the endpoint (its host only cut off may host on), hosts lost since
+    if (std::find(targets.begin(), targets.end(), h) == targets.end()) targets.push_back(h);
   const auto& [host, port] = targets[t.turn++ % targets.size()];
   connect_candidate(host, port, now);
 }

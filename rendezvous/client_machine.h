@@ -341,9 +341,16 @@ class ClientMachine {
     // the same way, but close rather than reset: they end the node at once, as before.)
     bool host_reset = false;
     bool refused_any = false;
-    // Waiting to rejoin: the job's last host (lost_addr:lost_port, which may be only cut off)
-    // and the candidates but this node are tried in turn, one keep-alive interval each; this
-    // node never hosts; the first server that proves the job's key is joined as a newcomer.
+    // The lost host was not the job's endpoint: a node this one reached by an earlier
+    // takeover (or seek). Such a host may have stopped hosting for the job's host elsewhere
+    // (Seeking: a minority host that found the majority), which its nodes and standbys never
+    // try as a candidate (the endpoint offers no takeover port): a search that ends so waits
+    // to rejoin too, the job's former hosts among its targets (review s38, 4).
+    bool host_followed = false;
+    // Waiting to rejoin: the job's last host (lost_addr:lost_port, which may be only cut off),
+    // the candidates but this node and the job's former hosts (job_hosts_) are tried in turn,
+    // one keep-alive interval each; this node never hosts; the first server that proves the
+    // job's key is joined as a newcomer.
     bool rejoining = false;
     std::string lost_addr;
     int lost_port = 0;

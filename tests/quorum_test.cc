@@ -1217,3 +1217,50 @@ TEST_CASE("quorum: a node whose workers stopped during its takeover search goes 
   l.welcome("host-127.0.0.3");
   CHECK(has<cmd::AskMajority>(l.after(100ms, ClientTimer::kMajority)));
 }
+
+TEST_CASE("quorum: a node whose host took the job over and then left it (a minority host that found the majority) "
+          "waits to rejoin and finds the job at its endpoint, never a candidate (review s38, 4)") {
+  // Four nodes, node 0 (the endpoint) hosting. Cut {0, 1} | {2, 3}: node 3 passes over node 1
+  // (silent) and follows node 2, which took over without a majority. After the heal node 2
+  // finds node 0's newer round and stops hosting: its connection closes. Node 1 (alive, not
+  // hosting) refuses; the endpoint, where the job runs, offers no takeover port.
+  proto::Assignment a = round_of(3);
+  a.group_world_size = 4;
+  a.world_size = 4;
+  a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"};
+  a.takeover_ports = {0, 7002, 7003, 7004};
+  a.voters.push_back("agent-127.0.0.4");
+  Link l(client_options("127.0.0.4"));
+  l.m.start(l.now);
+  l.welcome("host-a");
+  l.receive(a);
+  l.now += 450ms;
+  REQUIRE(all<cmd::Connect>(l.fire(ClientTimer::kWatchdog)).at(0).host == "127.0.0.2");
+  l.now += 100ms;
+  REQUIRE(all<cmd::Connect>(l.fire(ClientTimer::kTakeover)).at(0).host == "127.0.0.3");  // node 1 silent
+  l.welcome("host-127.0.0.3");
+  REQUIRE_FALSE(l.m.searching());
+  l.now += 1s;
+  auto c = l.m.connection_closed("end of file", l.now);  // node 2 stops hosting
+  REQUIRE(all<cmd::Connect>(c).at(0).host == "127.0.0.2");
+  for (int i = 0; i < 3; ++i) {  // node 1 refuses to the search's deadline
+    l.m.connect_failed(true, "Connection refused", l.now);
+    l.now += 100ms;
+    c = l.fire(ClientTimer::kTakeover);
+  }
+  // Before: the search's end, an Abort naming the lost host (exit 3), while the job ran at
+  // its endpoint.
+  CHECK(told<proto::Abort>(c).empty());
+  REQUIRE(l.m.searching());
+  bool endpoint = false;
+  for (int i = 0; i < 4 && !endpoint; ++i) {
+    for (const auto& x : all<cmd::Connect>(c)) endpoint = endpoint || (x.host == "127.0.0.1" && x.port == kRdzvPort);
+    if (!endpoint) {
+      l.now += 100ms;
+      c = l.fire(ClientTimer::kTakeover);
+    }
+  }
+  CHECK(endpoint);
+  l.welcome("host-a");
+  CHECK_FALSE(l.m.searching());
+}

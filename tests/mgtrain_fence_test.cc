@@ -462,6 +462,19 @@ TEST_CASE("node-local checkpoint directories: the round resumes from the newest 
   }
 }
 
+// Review s38 M1: a job with no run of its own (torchrun, an agent before #37: no
+// MGLAUNCH_RUN) cannot place its checkpoints among runs, so it orders them by step: rank 0's
+// own unfenced step 6 wins over rank 1's older run-stamped step 4. On main (7218327) every
+// start resumed from rank 1's step 4 ("none recorded" before any run).
+TEST_CASE("node-local checkpoint directories, a job without MGLAUNCH_RUN: the checkpoint with the most steps is resumed, not an older run-stamped one") {
+  const std::string dir = make_temp_dir(), c0 = dir + "/ckpt0", c1 = dir + "/ckpt1";
+  REQUIRE(train("", c0, 6, dir + "/make.json").code == 0);
+  REQUIRE(train("4", c1, 4, dir + "/make.json", "1700000000000-0000000000000a01").code == 0);
+  const Ranks ranks = run_ranks(2, "", dir + "/ckpt{rank}", 8, dir);
+  check_trained_alike(ranks, 8, dir);
+  CHECK_THAT(ranks.out[0], Catch::Contains("resumed from " + c0 + "/checkpoint.pt at step 6"));
+}
+
 // The ranks compare their checkpoints by the key files beside them (review of f1feec3: every
 // rank loaded its whole archive to learn its run, epoch and step, 512 full reads of one
 // multi-GiB file at every start on a shared directory); only the newest is loaded, by the
@@ -488,15 +501,22 @@ TEST_CASE("checkpoint.key: the ranks compare their checkpoints by the key files 
     CHECK_THAT(read_file(c0 + "/checkpoint.key"), Catch::StartsWith("step=10 epoch=6 run=" + run1 + " size="));
   }
   {
+    // Review s38 L5: rank 1's keyless archive is the newest (epoch 7), so a fallback that
+    // took a keyless checkpoint for none would fail here.
     INFO("rank 0's key file is stale (step 4, its checkpoint holds epoch 6 at step 10), rank 1 has none (an older "
-         "mgtrain's checkpoint, or a crash between the two renames): both read their archives, rank 0's is resumed");
+         "mgtrain's checkpoint, or a crash between the two renames) for its epoch 7 at step 2: both read their "
+         "archives, rank 1's is resumed");
     std::ofstream(c0 + "/checkpoint.key") << key_at_4;
+    fs::remove(c1 + "/checkpoint.pt");
+    REQUIRE(train("7", c1, 2, dir + "/make.json", run1).code == 0);
     fs::remove(c1 + "/checkpoint.key");
     const Ranks ranks = run_ranks(2, run1, ckpt, 12, dir);
     check_trained_alike(ranks, 12, dir);
-    CHECK_THAT(ranks.out[0], Catch::Contains("resumed from " + c0 + "/checkpoint.pt at step 10"));
+    CHECK_THAT(ranks.out[0], Catch::Contains("resumed from rank 1's checkpoint " + c1 + "/checkpoint.pt at step 2 "
+                                             "(rank 0's holds older training: step 10, epoch 6 of run " + run1 + ")"));
     CHECK(count_of(ranks.err[0], c0 + "/checkpoint.key does not describe " + c0 + "/checkpoint.pt") == 1);
     CHECK(count_of(ranks.err[1], "does not describe") == 0);
+    fs::remove(c1 + "/checkpoint.pt");  // rank 0's (step 12) the newest below
   }
   {
     INFO("the newest (rank 0's, step 12) is unreadable, its key file describes it: loaded all the same, exit 3");
@@ -507,6 +527,21 @@ TEST_CASE("checkpoint.key: the ranks compare their checkpoints by the key files 
     CHECK_THAT(ranks.err[0], Catch::Contains("cannot load checkpoint " + c0 + "/checkpoint.pt"));
     CHECK_THAT(ranks.err[1], Catch::Contains("rank 0 could not load its checkpoint"));
   }
+}
+
+// Review s38 L2: the key file is written after the checkpoint's rename; one that cannot be
+// written (here a directory in its place) is a warning line, not exit 1 "cannot be written"
+// for a checkpoint that was, and the next start reads the archive. On main (7218327): exit 1.
+TEST_CASE("checkpoint.key that cannot be written: a warning line, the checkpoint is written and resumed from") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
+  std::filesystem::create_directories(ckpt + "/checkpoint.key");
+  auto first = train("2", ckpt, 4, dir + "/first.json", "1700000000000-0000000000000a01");
+  CHECK(first.code == 0);
+  CHECK(count_of(first.err, "mgtrain: warning: checkpoint: cannot rename ") == 2);  // steps 2 and 4
+  CHECK_THAT(first.err, Catch::Contains("the checkpoint " + ckpt + "/checkpoint.pt is written"));
+  auto second = train("2", ckpt, 6, dir + "/second.json", "1700000000000-0000000000000a01");
+  CHECK(second.code == 0);
+  CHECK_THAT(second.out, Catch::Contains("resumed from " + ckpt + "/checkpoint.pt at step 4"));
 }
 
 // A run minted on a host whose clock ran ahead is "newer" than every later real run, which
@@ -531,7 +566,8 @@ TEST_CASE("a run minted on a clock that ran ahead refuses later runs with a line
                                               ahead + " is dated ") &&
                               Catch::Contains(" days after this host's clock: the clock that made it was probably ahead; "
                                               "if run " + ahead + " trains no more, rerun with --checkpoint-take-over " +
-                                              ahead + " to go on from its checkpoint"));
+                                              ahead + " to go on from its checkpoint (it is then refused at its next "
+                                              "checkpoint)"));
   CHECK(read_file(ckpt + "/checkpoint.lock") == "3 " + ahead + "\n");
   // Naming another run takes nothing over.
   auto other = train("1", ckpt, 8, dir + "/other.json", now_run, {"--checkpoint-take-over", later_run});
@@ -543,11 +579,74 @@ TEST_CASE("a run minted on a clock that ran ahead refuses later runs with a line
   CHECK(taken.code == 0);
   CHECK_THAT(taken.out, Catch::Contains("resumed from " + ckpt + "/checkpoint.pt at step 4") &&
                             Catch::Contains("checkpoint at step 6: took " + ckpt + "/checkpoint.pt over from run " + ahead));
-  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + now_run + "\n");
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + now_run + " ~" + ahead + "\n");
+  CHECK_THAT(read_file(ckpt + "/checkpoint.key"), Catch::EndsWith(" supersedes=" + ahead + "\n"));
   auto later = train("1", ckpt, 10, dir + "/later.json", later_run);
   CHECK(later.code == 0);
   CHECK_THAT(later.out, Catch::Contains("at step 8"));
-  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + later_run + "\n");
+  CHECK(read_file(ckpt + "/checkpoint.lock") == "1 " + later_run + " ~" + ahead + "\n");
+}
+
+// Review s38 H2, H1, L4. The take-over is recorded and works both ways: a run T that was
+// taken over and still trains (or starts again) is refused at its next checkpoint instead of
+// writing in turn with the run that took it over; and T's checkpoints left on other nodes
+// (node-local directories, only rank 0 writes) rank below the run that took it over for
+// every later run, without the flag. The refusal of a genuinely newer run (not dated ahead)
+// offers no take-over, and the flag naming this run itself, or without MGLAUNCH_RUN, is exit
+// 2. On main (7218327): T wrote (exit 0), the later 2-rank job resumed from T's step 4 on
+// rank 1, the hint was offered for every run, and both misuses of the flag ran.
+TEST_CASE("a take-over (--checkpoint-take-over) is recorded: the run taken over is refused at its next checkpoint, its checkpoints on other nodes rank below the run that took it over for later runs, and the flag is offered and taken only where it fits") {
+  namespace fs = std::filesystem;
+  const std::string dir = make_temp_dir(), c0 = dir + "/ckpt0", c1 = dir + "/ckpt1";
+  const std::string ahead = "4102444800000-00000000000000ff";  // minted on a clock that read 2100-01-01
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch());
+  const std::string now_run = std::to_string(ms.count()) + "-0000000000000001",
+                    later_run = std::to_string(ms.count() + 1) + "-0000000000000002";
+  REQUIRE(train("3", c0, 4, dir + "/ahead.json", ahead).code == 0);
+  fs::create_directories(c1);
+  fs::copy_file(c0 + "/checkpoint.pt", c1 + "/checkpoint.pt");  // T's step 4 on node B too (no key: read whole)
+  {
+    INFO("misuses of the flag: exit 2 in one line, nothing trained");
+    auto self = train("1", c0, 8, dir + "/self.json", ahead, {"--checkpoint-take-over", ahead});
+    CHECK(self.code == 2);
+    CHECK_THAT(self.err, Catch::Contains("--checkpoint-take-over " + ahead + " names this run itself"));
+    auto no_run = train("1", c0, 8, dir + "/norun.json", "", {"--checkpoint-take-over", ahead});
+    CHECK(no_run.code == 2);
+    CHECK_THAT(no_run.err, Catch::Contains("--checkpoint-take-over needs MGLAUNCH_RUN and MGLAUNCH_EPOCH"));
+  }
+  REQUIRE(train("1", c0, 8, dir + "/taken.json", now_run, {"--checkpoint-take-over", ahead}).code == 0);
+  {
+    INFO("run T, still training or started again, resumes from the take-over's checkpoint and is refused at its next");
+    auto stale = train("3", c0, 12, dir + "/stale.json", ahead);
+    CHECK(stale.code == 4);
+    CHECK(count_of(stale.err, "checkpoint refused at step 10: run " + now_run + " took this run's checkpoints over") == 1);
+    CHECK(read_file(c0 + "/checkpoint.lock") == "1 " + now_run + " ~" + ahead + "\n");
+    // A T that trained on from its own state all along (it never saw the take-over's
+    // checkpoint): the lock's record refuses it.
+    const std::string c3 = dir + "/ckpt3";
+    fs::create_directories(c3);
+    fs::copy_file(c1 + "/checkpoint.pt", c3 + "/checkpoint.pt");
+    fs::copy_file(c0 + "/checkpoint.lock", c3 + "/checkpoint.lock");
+    auto live = train("3", c3, 12, dir + "/live.json", ahead);
+    CHECK(live.code == 4);
+    CHECK(count_of(live.err, "checkpoint refused at step 6: run " + now_run + " took this run's checkpoints over") == 1);
+  }
+  {
+    INFO("a later 2-rank run without the flag: rank 0's step 8 (the take-over's), not T's step 4 on rank 1");
+    const Ranks ranks = run_ranks(2, later_run, dir + "/ckpt{rank}", 10, dir);
+    check_trained_alike(ranks, 10, dir);
+    CHECK_THAT(ranks.out[0], Catch::Contains("resumed from " + c0 + "/checkpoint.pt at step 8"));
+    CHECK(read_file(c0 + "/checkpoint.lock") == "6 " + later_run + " ~" + ahead + "\n");
+  }
+  {
+    INFO("a run not dated ahead holds the checkpoint: the refusal offers no take-over");
+    const std::string c2 = dir + "/ckpt2";
+    REQUIRE(train("1", c2, 2, dir + "/newer.json", later_run).code == 0);
+    auto refused = train("1", c2, 4, dir + "/older.json", now_run);
+    CHECK(refused.code == 4);
+    CHECK_THAT(refused.err, Catch::Contains("belongs to run " + later_run) &&
+                                !Catch::Contains("--checkpoint-take-over") && !Catch::Contains("probably ahead"));
+  }
 }
 
 }  // namespace mgtrain_fence_test

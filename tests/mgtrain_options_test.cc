@@ -136,8 +136,8 @@ TEST_CASE("MGLAUNCH_RUN is read as the round's rendezvous run (MS-HEX), unset or
 
 TEST_CASE("checkpoints order by run (none recorded first, then by the run's time), then epoch, then step, and --checkpoint-take-over places the named run just below this run") {
   const std::string r1 = "1700000000000-01", r2 = "1700000000005-02", ahead = "4102444800000-ff";  // ahead: 2100
-  const CheckpointKey none_e9{"", 9, 500}, r1_e1{r1, 1, 4}, r1_e1_s8{r1, 1, 8}, r1_e2_s2{r1, 2, 2}, r2_e1{r2, 1, 2},
-      ahead_e3{ahead, 3, 40};
+  const CheckpointKey none_e9{"", 9, 500, ""}, r1_e1{r1, 1, 4, ""}, r1_e1_s8{r1, 1, 8, ""}, r1_e2_s2{r1, 2, 2, ""},
+      r2_e1{r2, 1, 2, ""}, ahead_e3{ahead, 3, 40, ""};
   // An older run's checkpoint is older than any of a newer run's, whatever its epoch and step.
   CHECK(older_checkpoint(none_e9, r1_e1));
   CHECK(older_checkpoint(r1_e2_s2, r2_e1));
@@ -146,7 +146,7 @@ TEST_CASE("checkpoints order by run (none recorded first, then by the run's time
   CHECK(older_checkpoint(r1_e1_s8, r1_e2_s2));
   CHECK(older_checkpoint(r1_e1, r1_e1_s8));
   CHECK_FALSE(older_checkpoint(r1_e1_s8, r1_e1_s8));
-  CHECK(older_checkpoint(CheckpointKey{"", -1, 3}, CheckpointKey{"", -1, 4}));  // unfenced: by step
+  CHECK(older_checkpoint(CheckpointKey{"", -1, 3, ""}, CheckpointKey{"", -1, 4, ""}));  // unfenced: by step
   // A run minted ahead is the newest ...
   CHECK(older_checkpoint(r2_e1, ahead_e3, r2));
   // ... unless this run takes it over: then it stands just below this run, above the rest.
@@ -154,8 +154,29 @@ TEST_CASE("checkpoints order by run (none recorded first, then by the run's time
   CHECK_FALSE(older_checkpoint(r2_e1, ahead_e3, r2, ahead));
   CHECK(older_checkpoint(r1_e2_s2, ahead_e3, r2, ahead));
   CHECK(older_checkpoint(none_e9, ahead_e3, r2, ahead));
-  CHECK(older_checkpoint(ahead_e3, CheckpointKey{ahead, 3, 41}, r2, ahead));
+  CHECK(older_checkpoint(ahead_e3, CheckpointKey{ahead, 3, 41, ""}, r2, ahead));
   CHECK(older_checkpoint(r2_e1, ahead_e3, "", ahead));  // no run of its own: nothing to place it under
+}
+
+// Review s38 H1, L3, M1: a take-over a checkpoint records (supersedes=T) places T just below
+// the run that took it over for every later run too, not above every run; a job with no run
+// of its own orders by step. On main (7218327) there was no such order: T, dated 2100, was
+// the newest for every later run without the flag, and a run-stamped checkpoint beat a
+// later one recorded without a run.
+TEST_CASE("a run a checkpoint records as taken over ranks just below the run that took it over, for later runs too, and a job without a run orders checkpoints by step") {
+  const std::string q = "1700000000000-01", r = "1700000000005-02", r2 = "1700000000009-03", t = "4102444800000-ff";
+  const Supersessions taken{{t, r}};
+  const CheckpointKey t_e3{t, 3, 900, ""}, r_e1{r, 1, 906, t}, r_e1_s2{r, 1, 2, t}, q_e9{q, 9, 950, ""}, r2_e1{r2, 1, 4, ""};
+  CHECK(older_checkpoint(t_e3, r_e1, taken, false));   // T's step 900 below R's step 906 (L3)
+  CHECK(older_checkpoint(t_e3, r_e1_s2, taken, false));  // and below any of R's
+  CHECK_FALSE(older_checkpoint(r_e1_s2, t_e3, taken, false));
+  CHECK(older_checkpoint(q_e9, t_e3, taken, false));   // above a run older than R
+  CHECK(older_checkpoint(t_e3, r2_e1, taken, false));  // below a later run without the flag (H1)
+  CHECK(older_checkpoint(r2_e1, t_e3, Supersessions{}, false));  // unrecorded: T is the newest
+  // No run of its own (torchrun, an agent before #37): by step alone (M1).
+  const CheckpointKey none_s500{"", -1, 500, ""}, r_e4_s100{r, 4, 100, ""};
+  CHECK(older_checkpoint(r_e4_s100, none_s500, Supersessions{}, true));
+  CHECK_FALSE(older_checkpoint(none_s500, r_e4_s100, Supersessions{}, true));
 }
 
 TEST_CASE("a run's time against this host's clock, and --checkpoint-take-over takes a run (MS-HEX) or is exit 2") {

@@ -94,8 +94,8 @@ FileId file_id(const struct ::stat& st) {
 }
 
 std::string key_line(const CheckpointKey& key, const FileId& id) {
-  return fmt::format("step={} epoch={} run={} size={} mtime_ns={} ino={}\n", key.step, key.epoch, key.run, id.size,
-                     id.mtime_ns, id.ino);
+  return fmt::format("step={} epoch={} run={} size={} mtime_ns={} ino={}{}\n", key.step, key.epoch, key.run, id.size,
+                     id.mtime_ns, id.ino, key.supersedes.empty() ? "" : " supersedes=" + key.supersedes);
 }
 
 // The key and identity in a checkpoint.key line; nullopt when `text` is not one (torn,
@@ -115,8 +115,11 @@ std::optional<std::pair<CheckpointKey, FileId>> parse_key_line(const std::string
     return ec == std::errc{} && end == it->second.data() + it->second.size();
   };
   std::pair<CheckpointKey, FileId> k;
-  if (f.size() != 6 || !f.contains("run")) return std::nullopt;  // "run=" where none is recorded
+  // "run=" where none is recorded; "supersedes=T" only where the run took run T over
+  if (f.size() != 6u + f.contains("supersedes") || !f.contains("run")) return std::nullopt;
   k.first.run = f["run"];
+  k.first.supersedes = f.contains("supersedes") ? f["supersedes"] : std::string();
+  if (f.contains("supersedes") && !run_problem(k.first.supersedes).empty()) return std::nullopt;
   if (!num("step", k.first.step) || !num("epoch", k.first.epoch) || !num("size", k.second.size) ||
       !num("mtime_ns", k.second.mtime_ns) || !num("ino", k.second.ino) ||
       (!k.first.run.empty() && !run_problem(k.first.run).empty()))
@@ -145,8 +148,11 @@ void replace_file(const std::string& path, const std::string& line) {
   const int err = errno;
   ::close(fd);
   if (!ok) throw std::runtime_error(fmt::format("checkpoint: cannot write {}: {}", tmp, std::strerror(err)));
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
+  }
 }
 
 // Whether a rank holds a checkpoint (the first long of its census row, newest_checkpoint).
@@ -182,6 +188,8 @@ Census read_key(const std::string& dir, CheckpointKey& key, std::string& error) 
     c10::IValue run;
     if (ar.try_read("mglaunch_run", run) && run.isString() && run_problem(run.toStringRef()).empty())
       key.run = run.toStringRef();
+    if (ar.try_read("mglaunch_supersedes", run) && run.isString() && run_problem(run.toStringRef()).empty())
+      key.supersedes = run.toStringRef();
     return kPresent;
   } catch (const std::exception& e) {
     std::string what = e.what();
@@ -196,7 +204,7 @@ std::optional<Owner> recorded_owner(const std::string& dir) {
   CheckpointKey key;
   std::string error;
   if (read_key(dir, key, error) != kPresent || key.epoch < 0) return std::nullopt;
-  return Owner{key.epoch, key.run};
+  return Owner{key.epoch, key.run, key.supersedes};
 }
 
 // flock() errors of a file system that has no locks: Lustre mounted without flock
@@ -235,9 +243,10 @@ class EpochLock {
   ~EpochLock() { ::close(fd_); }  // closing the last descriptor releases the lock
   EpochLock(const EpochLock&) = delete;
   EpochLock& operator=(const EpochLock&) = delete;
+  bool unlocked() const { return unlocked_; }
 
-  // The epoch (and run) the file holds, "EPOCH[ RUN]\n"; nullopt when it holds none (new,
-  // empty, or not that).
+  // The epoch (and run, and the run that run took over) the file holds, "EPOCH[ RUN[ ~T]]\n";
+  // nullopt when it holds none (new, empty, or not that).
   std::optional<Owner> owner() const {
     char buf[128] = {};
     const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
@@ -246,21 +255,28 @@ class EpochLock {
     errno = 0;
     const long long v = std::strtoll(buf, &end, 10);
     if (end == buf || errno != 0 || v < 0) return std::nullopt;
-    Owner o{v, {}};
+    Owner o{v, {}, {}};
     if (*end == ' ') {
       const char* run = end + 1;
       const char* eol = std::strchr(run, '\n');
       if (!eol) return std::nullopt;
       o.run.assign(run, eol);
+      if (const auto tilde = o.run.find(" ~"); tilde != std::string::npos) {
+        o.superseded = o.run.substr(tilde + 2);
+        o.run.resize(tilde);
+        if (!run_problem(o.superseded).empty()) return std::nullopt;
+      }
       if (!run_problem(o.run).empty()) return std::nullopt;
       return o;
     }
     if (*end != '\n' && *end != '\0') return std::nullopt;
     return o;
   }
-  // Records `epoch` of `run` as the newest, on disk before the checkpoint is written.
-  void record(std::int64_t epoch, const std::string& run) {
-    const std::string line = std::to_string(epoch) + (run.empty() ? "" : " " + run) + "\n";
+  // Records `epoch` of `run` (which took run `superseded` over; empty: none) as the newest,
+  // on disk before the checkpoint is written.
+  void record(std::int64_t epoch, const std::string& run, const std::string& superseded) {
+    const std::string line =
+        std::to_string(epoch) + (run.empty() ? "" : " " + run) + (superseded.empty() ? "" : " ~" + superseded) + "\n";
     // Unlocked: written whole beside it, then renamed over it (the directory's fsync comes
     // with the checkpoint's rename).
     if (unlocked_) return replace_file(path_, line);
@@ -282,6 +298,8 @@ class EpochLock {
 
 bool refuses(const Owner& owner, const Fence& fence) {
   if (!fence.epoch) return false;
+  // The holder took this run over (--checkpoint-take-over): this run trains no more here.
+  if (!fence.run.empty() && owner.superseded == fence.run) return true;
   if (!fence.run.empty() && owner.run != fence.run) {
     // Another run of the job wrote there: an older one (or one without a run, an mglaunch
     // before #37) left the checkpoint this run starts from; a newer one holds it for good.
@@ -336,8 +354,11 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   torch::serialize::OutputArchive ar;
   write_state(ar, model, opt, pos);
   if (fence.epoch) ar.write("mglaunch_epoch", torch::tensor(*fence.epoch));
-  if (fence.epoch && !fence.run.empty()) ar.write("mglaunch_run", c10::IValue(fence.run));
-  const std::string path = checkpoint_file(dir), tmp = path + ".tmp";
+  const bool run_recorded = fence.epoch && !fence.run.empty();
+  const std::string supersedes = run_recorded ? fence.take_over : std::string();
+  if (run_recorded) ar.write("mglaunch_run", c10::IValue(fence.run));
+  if (!supersedes.empty()) ar.write("mglaunch_supersedes", c10::IValue(supersedes));
+  const std::string path = checkpoint_file(dir);
   // Check and write as one step: every fenced writer holds the lock from its comparison
   // to its rename, so an older epoch never writes after (or while) a newer one does.
   std::optional<EpochLock> lock;
@@ -346,11 +367,17 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
     lock.emplace(checkpoint_lock_file(dir), fence.lock_timeout_s);
     auto owner = lock->owner();
     if (!owner) owner = recorded_owner(dir);  // a lock file lost, or the first fenced write
-    if (owner && refuses(*owner, fence)) return Saved{false, owner->epoch, owner->run, {}};
-    lock->record(*fence.epoch, fence.run);
+    if (!fence.run.empty() && !fence.taken_by.empty())  // the census: a run took this one over
+      return Saved{false, owner ? owner->epoch : -1, fence.taken_by, {}, true};
+    if (owner && refuses(*owner, fence))
+      return Saved{false, owner->epoch, owner->run, {}, !fence.run.empty() && owner->superseded == fence.run};
+    lock->record(*fence.epoch, fence.run, supersedes);
     if (owner && !fence.run.empty() && owner->run == fence.take_over && run_before(fence.run, owner->run))
       result.taken_over = owner->run;
   }
+  // One writer at a time under the lock; without one (unfenced, or a file system without
+  // locks) each writer its own temporary file, so that two cannot write into one inode.
+  const std::string tmp = lock && !lock->unlocked() ? path + ".tmp" : fmt::format("{}.tmp.{}", path, ::getpid());
   try {
     ar.save_to(tmp);
   } catch (const std::exception& e) {
@@ -364,9 +391,15 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   if (::rename(tmp.c_str(), path.c_str()) != 0)
     throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
   // Its key beside it, for the next start's comparison (read_key): what the archive records.
-  const bool run_recorded = fence.epoch && !fence.run.empty();
-  replace_file(checkpoint_key_file(dir),
-               key_line({run_recorded ? fence.run : std::string(), fence.epoch.value_or(-1), pos.step}, file_id(st)));
+  // The checkpoint is written: a key that cannot be is a warning (the next start reads the archive).
+  try {
+    replace_file(checkpoint_key_file(dir), key_line({run_recorded ? fence.run : std::string(), fence.epoch.value_or(-1),
+                                                     pos.step, supersedes},
+                                                    file_id(st)));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mgtrain: warning: %s: the checkpoint %s is written; the next start reads its step from it\n",
+                 e.what(), path.c_str());
+  }
   fsync_or_throw(dir);
   return result;
 }
@@ -388,25 +421,45 @@ std::string refusal(const Saved& saved, const Fence& fence, std::int64_t step, c
                        "MGLAUNCH_EPOCH={}: this side of the job is stale (a newer round trains elsewhere), so every "
                        "rank stops without writing (exit {})",
                        step, path, saved.owner, fence.epoch.value_or(-1), kExitFenced);
+  if (saved.superseded)
+    return fmt::format("checkpoint refused at step {}: run {} took this run's checkpoints over (--checkpoint-take-over "
+                       "{}), so this run (MGLAUNCH_RUN={}) trains no more and every rank stops without writing {} "
+                       "(exit {})",
+                       step, saved.owner_run, fence.run, fence.run, path, kExitFenced);
   const std::int64_t ahead = run_ahead_ms(saved.owner_run, now_ms);
+  // The way on is offered only for a run dated past the skew bound in this host's future:
+  // otherwise the holder is a genuinely newer run (this one a stale requeue) and the fence
+  // is doing its job.
   const std::string suspect =
       ahead > kRunAheadSuspectMs
-          ? fmt::format(", and run {} is dated {} after this host's clock: the clock that made it was probably ahead",
-                        saved.owner_run, duration(ahead))
+          ? fmt::format(", and run {} is dated {} after this host's clock: the clock that made it was probably ahead; "
+                        "if run {} trains no more, rerun with --checkpoint-take-over {} to go on from its checkpoint "
+                        "(it is then refused at its next checkpoint)",
+                        saved.owner_run, duration(ahead), saved.owner_run, saved.owner_run)
           : std::string();
   return fmt::format(
       "checkpoint refused at step {}: {} belongs to run {} of this job, newer than this run's MGLAUNCH_RUN={}: this "
       "run is stale, so every rank stops without writing (exit {}). Runs are ordered by the clock of the host that "
-      "made them{}; if run {} trains no more, rerun with --checkpoint-take-over {} to go on from its checkpoint "
-      "(while it still trains, both runs would write it)",
-      step, path, saved.owner_run, fence.run, kExitFenced, suspect, saved.owner_run, saved.owner_run);
+      "made them{}",
+      step, path, saved.owner_run, fence.run, kExitFenced, suspect);
 }
 
 namespace {
 
 // A census row per rank: its Census, the checkpoint's epoch, step and run (its size, then its
-// bytes packed into longs; run_problem() bounds a run to 64 characters).
-constexpr int kRunLongs = 8, kRow = 4 + kRunLongs;
+// bytes packed into longs; run_problem() bounds a run to 64 characters), then the run it took
+// over (size, bytes).
+constexpr int kRunLongs = 8, kRow = 5 + 2 * kRunLongs;
+
+void put_run(std::int64_t* at, const std::string& run) {
+  at[0] = static_cast<std::int64_t>(run.size());
+  std::memcpy(at + 1, run.data(), std::min<std::size_t>(run.size(), 8 * kRunLongs));
+}
+
+std::string get_run(const std::int64_t* at) {
+  return std::string(reinterpret_cast<const char*>(at + 1),
+                     static_cast<std::size_t>(std::clamp<std::int64_t>(at[0], 0, 8 * kRunLongs)));
+}
 
 }  // namespace
 
@@ -423,25 +476,40 @@ Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& 
   rows[me][0] = static_cast<std::int64_t>(held);
   rows[me][1] = mine.epoch;
   rows[me][2] = mine.step;
-  rows[me][3] = static_cast<std::int64_t>(mine.run.size());
-  std::memcpy(rows[me].data_ptr<std::int64_t>() + 4, mine.run.data(), std::min<std::size_t>(mine.run.size(), 8 * kRunLongs));
+  put_run(rows[me].data_ptr<std::int64_t>() + 3, mine.run);
+  put_run(rows[me].data_ptr<std::int64_t>() + 4 + kRunLongs, mine.supersedes);
   if (comm.distributed()) {
     rows = rows.to(comm.device);
     comm.allreduce_sum(rows);
     rows = rows.to(torch::kCPU).contiguous();
   }
+  std::vector<CheckpointKey> keys(static_cast<std::size_t>(world));
+  // The take-overs the checkpoints record (the newest taker of a run), and this run's own.
+  Supersessions taken;
   const auto* r = rows.data_ptr<std::int64_t>();
   for (int k = 0; k < world; ++k, r += kRow) {
     if (r[0] == kUnreadable)
-      throw SetupError(k == me ? error + "; remove it to start afresh, or restore it"
+      throw SetupError(k == me ? fmt::format("{}; remove rank {}'s {} (the next newest is then used), or restore it",
+                                             error, k, checkpoint_file(dir))
                                : fmt::format("rank {} cannot read its checkpoint (see rank {}'s error), which may be the "
-                                             "newest; nothing was resumed",
-                                             k, k));
+                                             "newest; nothing was resumed: remove rank {}'s checkpoint.pt (in its "
+                                             "--checkpoint-dir; the next newest is then used), or restore it",
+                                             k, k, k));
     if (r[0] != kPresent) continue;
-    const auto run_size = static_cast<std::size_t>(std::clamp<std::int64_t>(r[3], 0, 8 * kRunLongs));
-    CheckpointKey key{std::string(reinterpret_cast<const char*>(r + 4), run_size), r[1], r[2]};
-    if (out.rank < 0 || older_checkpoint(out.key, key, fence.run, fence.take_over)) out.rank = k, out.key = key;
+    auto& key = keys[static_cast<std::size_t>(k)];
+    key = CheckpointKey{get_run(r + 3), r[1], r[2], get_run(r + 4 + kRunLongs)};
+    if (key.supersedes.empty() || key.run.empty()) continue;
+    auto [it, fresh] = taken.emplace(key.supersedes, key.run);
+    if (!fresh && run_before(it->second, key.run)) it->second = key.run;
   }
+  if (!fence.run.empty() && !fence.take_over.empty()) taken[fence.take_over] = fence.run;
+  r = rows.data_ptr<std::int64_t>();
+  for (int k = 0; k < world; ++k, r += kRow) {
+    if (r[0] != kPresent) continue;
+    const auto& key = keys[static_cast<std::size_t>(k)];
+    if (out.rank < 0 || older_checkpoint(out.key, key, taken, fence.run.empty())) out.rank = k, out.key = key;
+  }
+  if (const auto it = taken.find(fence.run); !fence.run.empty() && it != taken.end()) out.taken_by = it->second;
   return out;
 }
 
@@ -488,6 +556,7 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
     buf = buf.to(comm.device);
     std::vector<torch::Tensor> b{buf};
     wait_work(comm.pg->broadcast(b, from));
+    std::string failed;  // a rank that cannot load the bytes still enters the collective below
     if (comm.rank != root) {
       buf = buf.to(torch::kCPU);
       bytes.assign(static_cast<const char*>(buf.data_ptr()), static_cast<std::size_t>(n));
@@ -495,16 +564,21 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
         pos = load_from_bytes(bytes, comm.device, model, opt);
       } catch (const std::exception& e) {
         std::string what = e.what();
-        throw SetupError(fmt::format("cannot load rank {}'s checkpoint bytes: {}", root, what.substr(0, what.find('\n'))));
+        failed = fmt::format("cannot load rank {}'s checkpoint bytes: {}", root, what.substr(0, what.find('\n')));
       }
     }
-    // Every rank checks that all hold the same step.
-    auto steps = torch::tensor({pos.step, -pos.step}, cpu_long).to(comm.device);
+    // Every rank checks that all loaded them (MAX of world - rank: the lowest that did not) and hold the same step.
+    auto steps = torch::tensor({pos.step, -pos.step, failed.empty() ? 0L : comm.world - comm.rank}, cpu_long).to(comm.device);
     std::vector<torch::Tensor> s{steps};
     c10d::AllreduceOptions max;
     max.reduceOp = c10d::ReduceOp::MAX;
     wait_work(comm.pg->allreduce(s, max));
     steps = steps.to(torch::kCPU);
+    if (const std::int64_t bad = steps[2].item<std::int64_t>(); bad > 0)
+      throw SetupError(!failed.empty() ? failed
+                                       : fmt::format("rank {} could not load rank {}'s checkpoint bytes (see its error); "
+                                                     "nothing was resumed",
+                                                     comm.world - bad, root));
     if (steps[0].item<std::int64_t>() != -steps[1].item<std::int64_t>())
       throw SetupError(fmt::format("ranks resumed at different steps ({}..{}); remove the checkpoints and start again",
                                    -steps[1].item<std::int64_t>(), steps[0].item<std::int64_t>()));

@@ -49,18 +49,22 @@ std::string checkpoint_key_file(const std::string& dir);
 // one run (#37). A checkpoint of another run: an older one's (or one recorded without a run)
 // is this run's start, and this run's first write replaces its record; a newer one's refuses
 // this run (a stale run cannot overwrite a newer run's checkpoint). Runs are ordered by the
-// wall clocks of the hosts that made them; `take_over` (--checkpoint-take-over) names a run
-// this run counts as older than itself (one minted on a clock that ran ahead).
+// wall clocks of the hosts that made them; `take_over` (--checkpoint-take-over, or inherited
+// from the checkpoint this run resumed from) names a run this run counts as older than itself
+// (one minted on a clock that ran ahead). The take-over is recorded ("E R ~T" in the lock,
+// supersedes=T in the key and the archive): a writer of run T is refused from then on.
 struct Fence {
   std::optional<std::int64_t> epoch;  // this round's; nullopt: no fence (torchrun, older agents)
   std::string run;                    // this round's run; empty: none (an mglaunch before #37)
   int lock_timeout_s = 300;           // the longest wait for another writer's lock
   std::string take_over;              // a newer run's record this run overwrites; empty: none
+  std::string taken_by;               // a run that took this run over (the census): every write refused
 };
 // Who holds a checkpoint path: the epoch and run recorded (run empty: none recorded).
 struct Owner {
   std::int64_t epoch = -1;
   std::string run;
+  std::string superseded;  // a run `run` took over (whose writers are refused); empty: none
 };
 // Whether a writer under `fence` must leave the path `owner` holds alone (the rule above).
 bool refuses(const Owner& owner, const Fence& fence);
@@ -69,6 +73,7 @@ struct Saved {
   std::int64_t owner = -1;  // not written: the epoch that holds the path
   std::string owner_run;    // and its run, when that is another run than this writer's
   std::string taken_over;   // written over the record of fence.take_over, a run dated after this one
+  bool superseded = false;  // not written: owner_run took this writer's run over
 };
 // The one line of a refused write (`saved`) at `step` of `path` under `fence`: who holds it,
 // who this is, and how to go on; `now_ms` (this host's clock, ms since the Unix epoch) dates
@@ -76,7 +81,8 @@ struct Saved {
 std::string refusal(const Saved& saved, const Fence& fence, std::int64_t step, const std::string& path,
                     std::int64_t now_ms);
 
-// Rank 0 only. Writes the checkpoint, then its key file. With fence.epoch: under an
+// Rank 0 only. Writes the checkpoint, then its key file (a failure there is a warning line:
+// the checkpoint is written, and the next start reads its archive). With fence.epoch: under an
 // exclusive flock of checkpoint_lock_file(dir) (waited for at most lock_timeout_s),
 // compares with the epoch it holds (else the one the checkpoint records), writes nothing
 // when that one is newer, else records this epoch there and writes. A file system without
@@ -100,10 +106,13 @@ struct Newest {
   int rank = -1;                     // the rank that holds it (the lowest on ties); -1: no rank has one
   CheckpointKey key;                 // what it holds
   std::optional<CheckpointKey> own;  // this rank's checkpoint, when it has one
+  std::string taken_by;              // a run that took this fence's run over (a checkpoint records it)
 };
 // Every rank calls it (a collective in ddp mode; none when `dir` is empty): each reads its
 // checkpoint's run, epoch and step in `dir` (from checkpoint_key_file when that describes
 // the checkpoint, else from the archive, every tensor loaded) and all learn every rank's.
+// A run a checkpoint records as taken over (supersedes=T) ranks just below the run that took
+// it over; in a job with no run (fence.run empty) checkpoints order by step alone.
 // Throws SetupError (exit 3) when a rank's checkpoint cannot be read: it may be the newest.
 Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence);
 

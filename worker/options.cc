@@ -121,11 +121,11 @@ ParseResult parse_options(int argc, const char* const* argv) {
     std::string what = e.what();
     throw UsageError(what.substr(0, what.find('\n')) + " (see mgtrain --help)");
   }
-  if (o.mode == "data-parallel" || o.mode == "dp") o.mode = "ddp";
+  if (o.mode == "data-parallel" || o.mode == "dp") o.mode = "ddp";  // the guides' DataParallel: see docs/mgtrain.md
   if (!o.checkpoint_take_over.empty())
     if (auto bad = run_problem(o.checkpoint_take_over); !bad.empty())
       throw UsageError("--checkpoint-take-over '" + o.checkpoint_take_over.substr(0, 64) + "' " + bad +
-                       ": name the run that the refusal line ('... belongs to run RUN ...') names");  // the guides' DataParallel: see docs/mgtrain.md
+                       ": name the run that the refusal line ('... belongs to run RUN ...') names");
   parse_bytes(o.min_bytes);
   parse_bytes(o.max_bytes);
   if (o.reducer == "c10d" && o.comm_dtype != "fp32")
@@ -207,17 +207,26 @@ std::int64_t run_ahead_ms(const std::string& run, std::int64_t now_ms) {
   return ms - now_ms;
 }
 
-bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const std::string& run, const std::string& take_over) {
-  if (a.run.empty() != b.run.empty()) return a.run.empty();  // none recorded: before any run
-  if (a.run != b.run) {
-    // `take_over` stands just below `run`: compared as `run`, and below it.
-    const bool a_taken = !run.empty() && a.run == take_over, b_taken = !run.empty() && b.run == take_over;
-    const std::string& ra = a_taken ? run : a.run;
-    const std::string& rb = b_taken ? run : b.run;
-    if (ra != rb) return run_before(ra, rb);
-    return a_taken;  // one of them is `take_over`, the other `run`
-  }
+bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const Supersessions& taken, bool by_step) {
+  if (by_step) return a.step < b.step;
+  // A superseded run stands just below the run that took it over: compared as that run, and below it.
+  const auto placed = [&](const CheckpointKey& k) {
+    const auto it = taken.find(k.run);
+    return it == taken.end() || k.run.empty() ? std::pair<std::string, bool>{k.run, false} : std::pair{it->second, true};
+  };
+  const auto [ra, a_taken] = placed(a);
+  const auto [rb, b_taken] = placed(b);
+  if (ra.empty() != rb.empty()) return ra.empty();  // none recorded: before any run
+  if (ra != rb) return run_before(ra, rb);
+  if (a_taken != b_taken) return a_taken;
+  if (a.run != b.run) return run_before(a.run, b.run);  // two runs taken over by one
   return std::tie(a.epoch, a.step) < std::tie(b.epoch, b.step);
+}
+
+bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const std::string& run, const std::string& take_over) {
+  Supersessions taken;
+  if (!run.empty() && !take_over.empty()) taken[take_over] = run;
+  return older_checkpoint(a, b, taken, false);
 }
 
 Env read_env(const std::map<std::string, std::string>& vars) {

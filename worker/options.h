@@ -89,17 +89,23 @@ std::int64_t run_ahead_ms(const std::string& run, std::int64_t now_ms);
 constexpr std::int64_t kRunAheadSuspectMs = 5 * 60 * 1000;
 
 // Where a checkpoint stands in the job's training (docs/mgtrain.md, Checkpoints): the run
-// that wrote it, its epoch in that run and its step.
+// that wrote it, its epoch in that run and its step, and the run its run took over.
 struct CheckpointKey {
   std::string run;          // empty: none recorded (unfenced, or written before #37)
   std::int64_t epoch = -1;  // -1: none recorded
   std::int64_t step = 0;
+  std::string supersedes;   // a run `run` took over (--checkpoint-take-over, or inherited); empty: none
 };
-// Whether checkpoint `a` holds older training than `b`, for a writer of run `run` that takes
-// over run `take_over` (--checkpoint-take-over; empty: none): by run first (none recorded
-// before any run; then run_before, with `take_over` placed just below `run`), then by
-// epoch, then by step. The fence's order: an older run's checkpoint is older than any of a
-// newer run's, whatever its epoch and step.
+// Runs taken over: each superseded run (one minted on a clock that ran ahead) and the run
+// that took it over, from the checkpoints' keys and this run's --checkpoint-take-over.
+using Supersessions = std::map<std::string, std::string>;
+// Whether checkpoint `a` holds older training than `b`: by run first (none recorded before
+// any run; then run_before, a run in `taken` placed just below the run that took it over),
+// then by epoch, then by step. The fence's order: an older run's checkpoint is older than any
+// of a newer run's, whatever its epoch and step. `by_step`: by step alone (a job with no run
+// of its own, torchrun or an agent before #37: its runs and epochs cannot be placed).
+bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const Supersessions& taken, bool by_step);
+// The same for a writer of run `run` that takes over run `take_over` (empty: none).
 bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const std::string& run = {},
                       const std::string& take_over = {});
 

@@ -144,7 +144,9 @@ class Trainer {
   bool take_most_advanced(const torch::Tensor& steps);
   bool checkpoint_is_newer(const torch::Tensor& steps, const Newest& newest);
   void say_resumed(const Newest& newest);
-  Fence fence() const { return Fence{env_.epoch, env_.run, o_.timeout_s, o_.checkpoint_take_over}; }
+  Fence fence() const {
+    return Fence{env_.epoch, env_.run, o_.timeout_s, take_over_.empty() ? o_.checkpoint_take_over : take_over_, taken_by_};
+  }
   void reshard();
   void prepare_steps();
   void train_with_recovery();
@@ -214,6 +216,8 @@ class Trainer {
   // Losses stay on the device until a line or the summary needs them: no per-step sync.
   torch::Tensor last_loss_t_, loss_sum_t_, stop_flag_;
   bool stopped_ = false;  // by a signal
+  std::string take_over_;  // a take-over the resumed checkpoint records (supersedes=T), carried on
+  std::string taken_by_;   // a run that took this run over (a checkpoint records it): no write
   bool fenced_ = false;   // a newer epoch holds the checkpoint: every rank stops (kExitFenced)
 
   // In-place recovery: the failure being recovered from, until the first step after it.
@@ -350,6 +354,11 @@ void Trainer::establish() {
   if (o_.in_place_recovery && comm_.distributed() && !agree_on_recovery(steps)) recovery_ = false;
   const std::string ckpt_dir = with_rank(o_.checkpoint_dir, comm_.rank);
   const Newest newest = newest_checkpoint(ckpt_dir, comm_, fence());
+  // A take-over persists (docs/mgtrain.md): this run records the one its checkpoint records,
+  // and a run that was taken over writes nothing more.
+  if (o_.checkpoint_take_over.empty() && newest.rank >= 0 && newest.key.supersedes != env_.run)
+    take_over_ = newest.key.supersedes;
+  taken_by_ = newest.taken_by;
   if (recovery_ && comm_.distributed() && !checkpoint_is_newer(steps, newest) && take_most_advanced(steps)) return;
   comm_.broadcast_coalesced(state_tensors(*model_.module));
   if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_, newest)) {
@@ -647,9 +656,10 @@ bool Trainer::checkpoint(bool stop_now) {
     if (saved.written && stop_now) stop_checkpoint_ = checkpoint_file(dir);
     if (!saved.taken_over.empty())
       std::printf("mgtrain: checkpoint at step %lld: took %s over from run %s (--checkpoint-take-over), dated after "
-                  "this run's MGLAUNCH_RUN=%s\n",
+                  "this run's MGLAUNCH_RUN=%s; recorded there (lock, key, archive): run %s's checkpoints count as "
+                  "older than this run's from now on, and a writer of run %s is refused\n",
                   static_cast<long long>(state_.step), checkpoint_file(dir).c_str(), saved.taken_over.c_str(),
-                  env_.run.c_str());
+                  env_.run.c_str(), saved.taken_over.c_str(), saved.taken_over.c_str());
     if (!saved.written) {
       const auto now = std::chrono::system_clock::now().time_since_epoch();
       const std::string why = refusal(saved, fence(), state_.step, checkpoint_file(dir),
@@ -929,6 +939,14 @@ int run(const Options& o, const Env& env) {
     throw UsageError(fmt::format("{}=1: --model mlp-rank-branch is built for its rank, which a pre-started worker "
                                  "does not know yet; leave out --prestart-standby",
                                  kStandbyVar));
+  if (!o.checkpoint_take_over.empty() && !standby) {  // a standby learns its run with its place
+    if (!env.epoch || env.run.empty())
+      throw UsageError("--checkpoint-take-over needs MGLAUNCH_RUN and MGLAUNCH_EPOCH (a round of mglaunch after #37): "
+                       "without them this run records no run to take anything over with; leave the flag out");
+    if (env.run == o.checkpoint_take_over)
+      throw UsageError("--checkpoint-take-over " + env.run + " names this run itself (MGLAUNCH_RUN): name the run "
+                       "that the refusal line says holds the checkpoint");
+  }
   const Mode mode = standby ? Mode::ddp : resolve_mode(o, env);
   if (o.threads > 0) torch::set_num_threads(o.threads);
   // --in-place-recovery: the agent's control channel, connected before the group.

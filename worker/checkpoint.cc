@@ -190,6 +190,18 @@ Census read_key(const std::string& dir, CheckpointKey& key, std::string& error) 
       key.run = run.toStringRef();
     if (ar.try_read("mglaunch_supersedes", run) && run.isString() && run_problem(run.toStringRef()).empty())
       key.supersedes = run.toStringRef();
+    // Its key beside it for the next start, when the file read is still the one stat() gave
+    // (review s38 M2: only rank 0 writes checkpoints, so another rank's node-local D was read
+    // whole at every start). No lock is needed: a key that a writer's rename makes stale no
+    // longer matches, and one that cannot be written (a read-only D) only costs the next
+    // start this read again.
+    struct ::stat after {};
+    if (::stat(path.c_str(), &after) == 0 && file_id(after) == file_id(st)) {
+      try {
+        replace_file(sidecar, key_line(key, file_id(st)));
+      } catch (const std::exception&) {
+      }
+    }
     return kPresent;
   } catch (const std::exception& e) {
     std::string what = e.what();

@@ -92,6 +92,9 @@ nlohmann::json json_of(const JobEvent& e) {
   if (!e.host.empty()) j["host"] = e.host;
   if (!e.addr.empty()) j["addr"] = e.addr;
   if (!e.agent.empty()) j["agent"] = e.agent;
+  if (!e.run.empty() && (e.kind == K::kCreated || e.kind == K::kRoundStarted || e.kind == K::kTakeover ||
+                         (e.kind == K::kJoined && e.how == "re-registered")))
+    j["run"] = e.run;
   switch (e.kind) {
     case K::kCreated:
       j["min_nodes"] = e.min_nodes;
@@ -143,6 +146,7 @@ JobEvent& Job::emit(JobEvent::Kind kind, const proto::Join* n) {
   e.round = round_;
   e.restart_count = restart_count_;
   e.max_restarts = config_.max_restarts;
+  e.run = run_;
   if (n) {
     e.host = n->host;
     e.addr = n->addr;
@@ -288,6 +292,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     if (j.resume_round > 0) {
       e.how = "re-registered";
       e.round = j.resume_round;
+      if (!j.run.empty()) e.run = j.run;  // the round it rebuilds (rebuild_run())
     }
   } else if (j.min_nodes != config_.min_nodes || j.max_nodes != config_.max_nodes) {
     return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' runs with --nnodes={}:{}, this node asked for {}:{}",
@@ -584,6 +589,7 @@ Actions Job::close_round(Clock::time_point now) {
       nodes.resize(fit);
     }
   }
+  if (run_open_) settle_run(nodes);
   keep_places(nodes);
   ++round_;
   // The epoch: one more than any this job or a joining node has seen (a node that took the

@@ -102,6 +102,10 @@ int takeover_epoch(int seed_epoch, int host_rank);
 // more than the time between two runs of a job may order them wrongly (docs/mgtrain.md).
 std::string mint_run(std::int64_t unix_ms, std::uint64_t random);
 std::string new_run();
+// Run `a` was minted before run `b` (by MS, then HEX, as numbers; runs checked by
+// proto::run_problem()). mgtrain orders checkpoints' runs the same way (worker/options.cc
+// run_before(); rendezvous may not include worker/, so the rule is written twice).
+bool run_older(const std::string& a, const std::string& b);
 
 // A message for one session. Broadcasts share one encoding (proto::Wire), so a decision
 // for N nodes holds its bytes once.
@@ -146,6 +150,9 @@ struct JobEvent {
   bool previous_voters = false;  // kNoQuorum: the voters counted are the epoch before's (joint majority)
   int rank = -1, exit_code = 0, signal = 0;
   std::string how, cause, why, replaces;
+  // The job's run (Job::run()); in the json of kCreated, kRoundStarted, kTakeover and a
+  // re-registered kJoined, so that a restarted daemon's --state-dir keeps it (review s38 M1).
+  std::string run;
 
   static constexpr std::size_t kListedMembers = 8;
 };
@@ -211,8 +218,18 @@ class Job {
   // never again (#37). A Job made without one takes that of the joining node with the
   // highest epoch above its own.
   const std::string& run() const { return run_; }
+  // The daemon's Job of a job it knows nothing of (no --state-dir record: new, or the
+  // daemon restarted without one while its nodes were between rounds): its minted run is
+  // provisional until its first round closes, which takes the run its joiners name (the
+  // newest by run_older() if they name more than one) and their epochs, so a restart
+  // between rounds never switches the run (review s38 M1). A rebuild or a takeover settles
+  // it too. An agent's server (quorum) keeps its own: it never restarts.
+  void open_run() {
+    if (!quorum_) run_open_ = true;
+  }
   // Sets the run of a Job made without one (the etcd replay: its log's first record's).
   void set_run(std::string run) {
+    run_open_ = false;
     if (run_.empty()) run_ = std::move(run);
   }
   // Whether this side hears a majority of the voters for the next round: those that joined
@@ -334,7 +351,12 @@ class Job {
   // id: epochs count from 1 again in every run). Its epoch and voters compare with none of
   // this job's: such a join teaches nothing and takes no survivor's place (#34). A join that
   // names none (nothing told yet, or an agent before #37) is of this run.
-  bool other_run(const proto::Join& j) const { return !run_.empty() && !j.run.empty() && j.run != run_; }
+  bool other_run(const proto::Join& j) const {
+    return !run_open_ && !run_.empty() && !j.run.empty() && j.run != run_;
+  }
+  bool run_open_ = false;  // open_run(); joins are kept whole until settle_run()
+  // The first round's run of a Job whose run is open: the newest its nodes name, else its own.
+  void settle_run(const std::vector<std::pair<SessionId, Node>>& nodes);
   // A restarted server rebuilds the round `j` re-registers (the first such join): that
   // round's run and epoch become the job's.
   void rebuild_run(const proto::Join& j);

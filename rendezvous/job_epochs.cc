@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <random>
+#include <string_view>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -29,6 +31,30 @@ std::string new_run() {
                   random);
 }
 
+bool run_older(const std::string& a, const std::string& b) {
+  const auto key = [](const std::string& r) {
+    const auto dash = std::min(r.find('-'), r.size());
+    std::string_view ms = std::string_view(r).substr(0, dash), hex = std::string_view(r).substr(dash);
+    ms.remove_prefix(std::min(ms.find_first_not_of('0'), ms.size()));  // numbers: by length, then digits
+    return std::tuple{ms.size(), ms, hex.size(), hex};
+  };
+  return key(a) < key(b);
+}
+
+void Job::settle_run(const std::vector<std::pair<SessionId, Node>>& nodes) {
+  // Its nodes ran the job before this server knew it (a daemon restarted between rounds,
+  // without a journal): their run goes on, at their epochs (learn_epoch() in close_round()).
+  // Nodes that name other runs are leftovers of older runs when they disagree: the newest
+  // named is taken, so that no checkpoint of a named run is newer than the round's (mgtrain
+  // exits 4 for a writer of an older run than its checkpoint's), where a run minted here on a
+  // clock behind theirs would be older than all of them.
+  run_open_ = false;
+  const std::string* newest = nullptr;
+  for (const auto& [s, n] : nodes)
+    if (!n.join.run.empty() && (!newest || run_older(*newest, n.join.run))) newest = &n.join.run;
+  if (newest) run_ = *newest;
+}
+
 void Job::learn_epoch(const proto::Join& j) {
   // Epochs compare only within one run: a leftover agent of an earlier run of the job id
   // (epochs count from 1 again in each run) neither raises this run's epoch nor switches the
@@ -42,6 +68,7 @@ void Job::rebuild_run(const proto::Join& j) {
   // No round ran with the run this server minted (a round re-registers only with a job that
   // has none, check_resume()): the job is its nodes' run, and its epochs theirs.
   if (!j.run.empty()) run_ = j.run;
+  run_open_ = false;
   learn_epoch(j);
   last_round_epoch_ = epoch_;
 }
@@ -60,6 +87,7 @@ void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {
   epoch_ = std::max(epoch_, takeover_epoch(seed.epoch, seed.host_rank) - 1);
   last_round_epoch_ = seed.epoch;
   if (!seed.run.empty()) run_ = seed.run;  // one run on both sides of a split
+  run_open_ = false;
   voters_ = seed.voters;
   prev_voters_ = seed.prev_voters;
   adopted_voters_.clear();

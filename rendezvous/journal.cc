@@ -48,6 +48,8 @@ void fold_event(nlohmann::json& s, const nlohmann::json& e) {
   for (const char* k : {"round", "restart_count", "max_restarts", "min_nodes", "max_nodes"})
     if (e.contains(k) && e[k].is_number_integer()) s[k] = e[k];
   if (kind == "created" && e.contains("unix_ms")) s["created_unix_ms"] = e["unix_ms"];
+  // The job's run, kept across a restart (Server::job_of() seeds its Job with it, review s38 M1).
+  if (e.contains("run") && e["run"].is_string()) s["run"] = e["run"];
   if (rebuilt) s["state"] = "running";  // a restarted daemon rebuilds the round its nodes re-registered
   if (kind == "round_started") {
     s["state"] = "running";

@@ -124,8 +124,24 @@ Job& Server::job_of(const std::string& job_id) {
   if (it != jobs_.end()) return it->second;
   ++jobs_created_;
   // The run is minted here, once per Job (#37): a takeover's seed and a rebuild's joins
-  // replace it with the run the job ran.
-  return jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), new_run()).first->second;
+  // replace it with the run the job ran. A daemon keeps a job's run across its restart: the
+  // --state-dir journal's, for a job it holds that has not ended; else the run is open
+  // (Job::open_run(): the first round takes its nodes', review s38 M1). An id used again
+  // after its job ended is a new run.
+  std::string run = new_run();
+  bool known = false;
+  if (opts_.journal)
+    if (const auto h = opts_.journal->jobs().find(job_id); h != opts_.journal->jobs().end()) {
+      const auto state = h->second.summary.value("state", "");
+      known = state == "done" || state == "failed";
+      if (const auto was = h->second.summary.value("run", ""); !known && proto::run_problem(was).empty() && !was.empty()) {
+        run = was;
+        known = true;
+      }
+    }
+  Job& job = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), std::move(run)).first->second;
+  if (!known) job.open_run();
+  return job;
 }
 
 std::string Server::address() const { return fmt::format("{}:{}", opts_.host, port_); }

@@ -1169,6 +1169,48 @@ TEST_CASE("run: a join of another run of the job id (a leftover agent of an earl
   }
 }
 
+TEST_CASE("run: a daemon restarted between rounds without a journal (a Job whose run is open) goes on with the run "
+          "its nodes' fresh joins name, at their epochs, and joiners that disagree take the newest run (review s38 M1)") {
+  // The restarted daemon minted a run of its own, here on a clock behind the nodes' daemon.
+  Job job("job", false, "1500000000000-00000000000000cd");
+  job.open_run();
+  auto fresh = [](const std::string& addr, const std::string& run, int epoch) {
+    auto j = node(addr);
+    j.run = run;
+    j.epoch = epoch;
+    j.last_group_rank = 0;
+    return j;
+  };
+  SECTION("every joiner names the job's run R at epoch E: the round runs as R, epoch E + 1") {
+    job.join(1, fresh("127.0.0.1", kThisRun, 7), T0);
+    job.join(2, fresh("127.0.0.2", kThisRun, 7), T0);
+    auto out = of_type(job.join(3, node("127.0.0.3"), T0), MsgType::kAssignment);  // a new node names none
+    REQUIRE(out.size() == 3);
+    const auto a = decoded<proto::Assignment>(out[0]);
+    CHECK(a.run == kThisRun);  // before: the daemon's own (older) run, epoch 1
+    CHECK(a.epoch == 8);
+  }
+  SECTION("a leftover of an older run among them: the newest run goes on, the leftover teaches no epoch") {
+    job.join(1, fresh("127.0.0.1", kThisRun, 7), T0);
+    job.join(9, leftover("127.0.0.9"), T0);
+    job.tick(T0 + 1001ms);
+    REQUIRE(job.state() == Job::State::kRunning);
+    CHECK(job.run() == kThisRun);
+    CHECK(job.epoch() == 8);  // not 41
+  }
+  SECTION("its run is settled by its first round: a later join of another run is a plain newcomer") {
+    job.join(1, fresh("127.0.0.1", kThisRun, 7), T0);
+    job.tick(T0 + 1001ms);
+    REQUIRE(job.run() == kThisRun);
+    auto later = fresh("127.0.0.2", "1800000000000-00000000000000ab", 50);
+    job.join(2, later, T0 + 2s);  // a scale-up
+    job.join(1, fresh("127.0.0.1", kThisRun, 8), T0 + 2s);
+    job.tick(T0 + 4s);
+    CHECK(job.run() == kThisRun);
+    CHECK(job.epoch() == 9);
+  }
+}
+
 TEST_CASE("quorum: a node that took the job over hears a majority until its takeover's deadline, while its survivors "
           "may still be searching; its shortfall (and its agent's seeking) counts from there (review s38, 3)") {
   Job job("job", true);

@@ -91,6 +91,27 @@ proto::Join sim_join(const std::string& job, int i, int n, const std::string& ad
   return j;
 }
 
+// Polls `io` (an in-process server) and reads `fd` until a frame of `type` arrives (those
+// before it are skipped), for at most 30 s.
+std::optional<proto::Frame> await_frame(asio::io_context& io, int fd, proto::MsgType type) {
+  std::vector<std::uint8_t> in;
+  const auto end = std::chrono::steady_clock::now() + 30s;
+  while (std::chrono::steady_clock::now() < end) {
+    io.poll();
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 20) != 1) continue;
+    std::uint8_t buf[4096];
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    REQUIRE(n > 0);
+    in.insert(in.end(), buf, buf + n);
+    for (auto r = proto::decode(in); r.status == proto::DecodeResult::Status::kOk; r = proto::decode(in)) {
+      in.erase(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(r.consumed));
+      if (proto::type_of(r.frame) == type) return r.frame;
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 TEST_CASE("the daemon takes every waiting connection at once, so a burst does not overflow its listen backlog") {
@@ -226,29 +247,51 @@ TEST_CASE("a server's welcome names its job's last round (last_round_epoch), the
   const int fd = fds.fds.back();
   const auto hello = bytes_of(proto::to_frame(proto::Hello{"agent-x", "welcomed", std::string(64, 'a')}));
   send_all(fd, hello.data(), hello.size());
-  std::vector<std::uint8_t> in;
-  std::optional<proto::Welcome> w;
-  const auto end = std::chrono::steady_clock::now() + 30s;
-  while (!w && std::chrono::steady_clock::now() < end) {
-    io.poll();
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 20) != 1) continue;
-    std::uint8_t buf[4096];
-    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-    REQUIRE(n > 0);
-    in.insert(in.end(), buf, buf + n);
-    auto r = proto::decode(in);
-    if (r.status == proto::DecodeResult::Status::kOk) {
-      REQUIRE(proto::type_of(r.frame) == proto::MsgType::kWelcome);
-      w = proto::from_frame<proto::Welcome>(r.frame);
-    }
+  const auto frame = await_frame(io, fd, proto::MsgType::kWelcome);
+  REQUIRE(frame);
+  const auto w = proto::from_frame<proto::Welcome>(*frame);
+  CHECK(w.host_agent == "host-a");
+  CHECK(w.last_round_epoch == 6);
+  CHECK(w.run == seed.run);  // the run it took over
+  CHECK(w.round_epoch == 0);  // no round runs: the survivors have not joined
+  CHECK(w.epoch == rdzv::takeover_epoch(6, 1) - 1);  // its own block, before its first round
+  server.stop();
+}
+
+// Review s38 M1: a daemon restarted while its job's nodes were between rounds hears only their
+// fresh joins (no round to rebuild). It keeps the job's run from its --state-dir journal, so
+// MGLAUNCH_RUN does not change in the middle of the job (a run minted on a clock behind the
+// old daemon's would make mgtrain refuse every rank's writes, exit 4).
+TEST_CASE("a daemon restarted between rounds keeps its job's run from --state-dir: the next round is that run, one epoch on") {
+  const std::string dir = make_temp_dir();
+  const std::string run = "1764500000000-0123456789abcdef";  // minted by the daemon before the restart
+  {
+    std::string warning;
+    rdzv::Journal before(dir, warning);
+    before.record({{"event", "created"}, {"job", "kept"}, {"how", "new"}, {"run", run}, {"unix_ms", 1}});
+    before.record({{"event", "round_started"}, {"job", "kept"}, {"round", 3}, {"run", run}, {"unix_ms", 2}});
+    before.record({{"event", "restart"}, {"job", "kept"}, {"round", 3}, {"unix_ms", 3}});
   }
-  REQUIRE(w);
-  CHECK(w->host_agent == "host-a");
-  CHECK(w->last_round_epoch == 6);
-  CHECK(w->run == seed.run);  // the run it took over
-  CHECK(w->round_epoch == 0);  // no round runs: the survivors have not joined
-  CHECK(w->epoch == rdzv::takeover_epoch(6, 1) - 1);  // its own block, before its first round
+  asio::io_context io(1);
+  rdzv::ServerOptions so;
+  std::string warning;
+  so.journal = std::make_shared<rdzv::Journal>(dir, warning);
+  rdzv::Server server(io, so);
+  Fds fds;
+  fds.fds.push_back(connect_blocking(server.port()));
+  auto join = sim_join("kept", 1, 1, "127.0.0.1");
+  join.run = run;
+  join.epoch = 5;
+  join.last_group_rank = 0;
+  for (const auto& f : {proto::to_frame(proto::Hello{"sim-1", "kept", std::string(64, 'a')}), proto::to_frame(join)}) {
+    const auto bytes = bytes_of(f);
+    send_all(fds.fds.back(), bytes.data(), bytes.size());
+  }
+  const auto frame = await_frame(io, fds.fds.back(), proto::MsgType::kAssignment);
+  REQUIRE(frame);
+  const auto a = proto::from_frame<proto::Assignment>(*frame);
+  CHECK(a.run == run);  // before: the restarted daemon's own new run
+  CHECK(a.epoch == 6);  // before: 1
   server.stop();
 }
 

@@ -904,6 +904,14 @@ Actions Job::tick_deadlines(Clock::time_point now) {
                                joined_.size(), config_.min_nodes);
       return fail_job(rc, rc.message);
     }
+    // This host heard a majority until now (hears_majority()); its shortfall counts from
+    // here. Its "no majority" may have been told once already inside the window (a short last
+    // call, a full round) and answered "majority": it is told again, so that the agent asks
+    // and seeks (review s38 M2).
+    if (short_of_majority()) {
+      quorum_told_ = false;
+      return close_round(now);
+    }
   }
   if ((state_ == State::kJoining || state_ == State::kRestarting) && !joined_.empty()) {
     if (last_call_deadline_ && now >= *last_call_deadline_) {

@@ -1237,6 +1237,31 @@ TEST_CASE("quorum: a node that took the job over hears a majority until its take
   CHECK(of_type(job.tick(T0 + 2101ms), MsgType::kAssignment).size() == 2);
 }
 
+TEST_CASE("quorum: a node that took the job over and is still short of a majority at its takeover's deadline tells "
+          "it again there, though its last call told it inside the window (review s38 M2)") {
+  // Node 2 (group rank 1) took round 2 of three voters over, alone; its survivors may come
+  // until T0 + 5 s.
+  Job job("job", true);
+  job.take_over([] {
+    auto seed = seed_of(2, 2, 3, 2, T0 + 5s);
+    seed.host_rank = 1;
+    return seed;
+  }(), T0);
+  auto j2 = node("127.0.0.2");
+  j2.last_group_rank = 1;
+  job.join(2, j2, T0);
+  job.take_events();
+  job.tick(T0 + 1001ms);  // the last call, inside the window: told once, heard as "majority"
+  CHECK(has_event(job, JobEvent::Kind::kNoQuorum));
+  CHECK(job.hears_majority());
+  job.tick(T0 + 3s);
+  CHECK_FALSE(has_event(job, JobEvent::Kind::kNoQuorum));  // once per round, as before
+  job.tick(T0 + 5001ms);  // the deadline: the survivors are not coming
+  CHECK(has_event(job, JobEvent::Kind::kNoQuorum));  // before: nothing, and nobody asked again
+  CHECK_FALSE(job.hears_majority());
+  CHECK(job.state() == Job::State::kRestarting);
+}
+
 TEST_CASE("quorum: a node whose workers stopped during its takeover search goes on asking every K, once it hosts, "
           "whether its server hears a majority (review s38, 3)") {
   // Before: the ask's timer fired during the search (node 1 silent for K) and was not armed

@@ -251,17 +251,9 @@ void Job::keep_places(Nodes& nodes) const {
 }
 
 Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
-  // A node of another run of this job id (other_run()) joins as a plain newcomer: its epoch,
-  // voters and group rank are that run's, and compare with none of this one's (#34). (A
+  // A node of another run of this job id (other_run()): join_of_other_run(). (A
   // re-registration is weighed whole: check_resume(), resume_after_outage().)
-  if (other_run(j) && j.resume_round == 0) {
-    proto::Join plain = j;
-    plain.epoch = 0;
-    plain.voters.clear();
-    plain.last_group_rank = -1;
-    plain.run.clear();
-    return join(s, plain, now);
-  }
+  if (other_run(j) && j.resume_round == 0) return join_of_other_run(s, j, now);
   // The voters a join brings count (adopt_voters()); they never stay with its node (a
   // thousand nodes' lists would be megabytes).
   if (!j.voters.empty()) {

@@ -357,6 +357,9 @@ class Job {
   bool run_open_ = false;  // open_run(); joins are kept whole until settle_run()
   // The first round's run of a Job whose run is open: the newest its nodes name, else its own.
   void settle_run(const std::vector<std::pair<SessionId, Node>>& nodes);
+  // A fresh join (resume_round 0) for which other_run(): refused by a fresh job an agent
+  // hosts when it ran rounds (epoch > 0), else taken as a plain newcomer's.
+  Actions join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now);
   // A restarted server rebuilds the round `j` re-registers (the first such join): that
   // round's run and epoch become the job's.
   void rebuild_run(const proto::Join& j);

@@ -64,6 +64,28 @@ void Job::learn_epoch(const proto::Join& j) {
   epoch_ = std::max(epoch_, j.epoch);
 }
 
+Actions Job::join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now) {
+  // A fresh job an agent hosts (no round closed, nothing taken over) and a node that ran
+  // rounds of another run: the agent that hosted that run was started again at its endpoint.
+  // Folded in, the node would make this server's new run the job's, newer than the one
+  // the majority runs on elsewhere (mgtrain refuses the older run's writes): refused
+  // (review s38 L2). A restarted node finds that run from its record (launcher/job_record.h).
+  if (quorum_ && round_ == 0 && !takeover_ && j.epoch > 0)
+    return {{s, proto::to_wire(proto::Error{fmt::format(
+                    "job '{}': this node ran epoch {} of run {}, and the agent hosting here was started again "
+                    "and hosts a new run ({}) that ran no round: the job goes on elsewhere; start this node's "
+                    "agent again to rejoin it",
+                    id_, j.epoch, j.run, run_)})}};
+  // Else it joins as a plain newcomer: its epoch, voters and group rank are that run's, and
+  // compare with none of this one's (#34).
+  proto::Join plain = j;
+  plain.epoch = 0;
+  plain.voters.clear();
+  plain.last_group_rank = -1;
+  plain.run.clear();
+  return join(s, plain, now);
+}
+
 void Job::rebuild_run(const proto::Join& j) {
   // No round ran with the run this server minted (a round re-registers only with a job that
   // has none, check_resume()): the job is its nodes' run, and its epochs theirs.

@@ -1211,6 +1211,23 @@ TEST_CASE("run: a daemon restarted between rounds without a journal (a Job whose
   }
 }
 
+TEST_CASE("run: a fresh job an agent hosts (its agent started again at the endpoint) refuses a node that ran rounds "
+          "of another run, and never makes its own new run that job's (review s38 L2)") {
+  Job job("job", true, kThisRun);
+  auto j = node("127.0.0.2");
+  j.run = kOldRun;  // the run the majority goes on with elsewhere
+  j.epoch = 3;
+  j.last_group_rank = 1;
+  auto refused = of_type(job.join(2, j, T0), MsgType::kError);
+  REQUIRE(refused.size() == 1);  // before: stripped, and the first round opened as this run, epoch 1
+  CHECK_THAT(decoded<proto::Error>(refused[0]).message, Catch::Contains("ran epoch 3 of run " + kOldRun));
+  CHECK(of_type(job.tick(T0 + 1001ms), MsgType::kAssignment).empty());
+  CHECK(job.state() == Job::State::kJoining);
+  // A node that ran no round (epoch 0) is a plain newcomer, as is any once a round ran here.
+  j.epoch = 0;
+  CHECK(of_type(job.join(2, j, T0), MsgType::kError).empty());
+}
+
 TEST_CASE("quorum: a node that took the job over hears a majority until its takeover's deadline, while its survivors "
           "may still be searching; its shortfall (and its agent's seeking) counts from there (review s38, 3)") {
   Job job("job", true);

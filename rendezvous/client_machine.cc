@@ -498,9 +498,13 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         standbys_ = std::max(standbys_, m.position);
         // A node that took a job over lists no round before its own closes: keep the last.
         if (!standby_of_ || !m.nodes.empty()) standby_of_ = m;
+        // Voters of an epoch older than the one this node knows (a node that took the job over
+        // and missed the last round) are not learnt over the newer ones, within one run (review
+        // s38 L3); another run's epochs count from 1 again.
+        const bool newer = m.epoch >= voters_epoch_ || (!m.run.empty() && m.run != opts_.join.run);
         opts_.join.epoch = std::max(opts_.join.epoch, m.epoch);
         if (!m.run.empty()) opts_.join.run = m.run;  // (#37)
-        if (!m.voters.empty()) learn_voters(m.epoch, m.voters);
+        if (!m.voters.empty() && newer) learn_voters(m.epoch, m.voters);
         cancel(ClientTimer::kFence);  // no workers of a round to stop
         end_seek();
         out_.push_back(cmd::Tell{std::move(m)});

@@ -1211,6 +1211,35 @@ TEST_CASE("run: a daemon restarted between rounds without a journal (a Job whose
   }
 }
 
+TEST_CASE("quorum: a standby told an older epoch's voters than it knows (by a node that took the job over and missed "
+          "the last round) keeps the newer ones, and its next join names them (review s38 L3)") {
+  Link l(client_options());
+  l.m.start(l.now);
+  l.welcome("host-a");
+  auto a = round_of(2);
+  a.epoch = 5;
+  l.receive(a);  // epoch 5, voters 1-3
+  proto::Standby sb;
+  sb.active_nodes = 2;
+  sb.position = 1;
+  sb.round = 2;
+  sb.nodes = {"127.0.0.1", "127.0.0.2"};
+  sb.takeover_ports = {7001, 7002};
+  sb.epoch = 2;
+  sb.voters = {"agent-127.0.0.1", "agent-127.0.0.9"};
+  l.receive(sb);
+  l.m.connection_closed("end of file", l.now);
+  const auto go = all<cmd::Connect>(l.after(100ms, ClientTimer::kTakeover));  // node 1 silent
+  REQUIRE(go.size() == 1);
+  CHECK(go[0].host == "127.0.0.2");
+  auto frames = sent(l.welcome("host-127.0.0.2"));
+  auto join = std::find_if(frames.begin(), frames.end(), [](const auto& x) { return proto::type_of(x) == MsgType::kJoin; });
+  REQUIRE(join != frames.end());
+  const auto j = proto::from_frame<proto::Join>(*join);
+  CHECK(j.epoch == 5);
+  CHECK(j.voters == a.voters);  // before: none (its voters were epoch 2's, its epoch 5)
+}
+
 TEST_CASE("run: a fresh job an agent hosts (its agent started again at the endpoint) refuses a node that ran rounds "
           "of another run, and never makes its own new run that job's (review s38 L2)") {
   Job job("job", true, kThisRun);

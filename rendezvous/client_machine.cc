@@ -882,14 +882,18 @@ bool ClientMachine::seek_welcomed(const proto::Welcome& w, Clock::time_point now
   // last round, then by job's epoch). A host whose last round is older is no peer: one cut
   // off epochs ago counts its own stale voters, and this node's vote there could open a
   // second round of the job (review s36 H1).
-  const bool newer = w.round_epoch > opts_.join.epoch;
+  // Epochs compare only within one run (#34, "Runs"): a server of another run of the job id
+  // (its Welcome names it) runs no newer round of this one (review s38 L4).
+  const bool other_run = !w.run.empty() && !opts_.join.run.empty() && w.run != opts_.join.run;
+  const bool newer = !other_run && w.round_epoch > opts_.join.epoch;
   const bool newer_last = w.last_round_epoch > sk.home_last;
   const bool same_last = w.last_round_epoch == sk.home_last;
-  const bool precedes = w.round_epoch == 0 && w.epoch > 0 && w.last_round_epoch > 0 &&
+  const bool precedes = !other_run && w.round_epoch == 0 && w.epoch > 0 && w.last_round_epoch > 0 &&
                         (newer_last || (same_last && w.epoch < sk.home_epoch));
   if (!newer && !precedes) {
     std::string said;
-    if (w.round_epoch > 0) said = fmt::format("runs epoch {}, not newer than {}", w.round_epoch, opts_.join.epoch);
+    if (other_run) said = fmt::format("serves another run of the job id ({}, this node's {})", w.run, opts_.join.run);
+    else if (w.round_epoch > 0) said = fmt::format("runs epoch {}, not newer than {}", w.round_epoch, opts_.join.epoch);
     else if (!same_last)
       said = fmt::format("runs no round either, its last round's epoch {} is older than this node's {}",
                          w.last_round_epoch, sk.home_last);

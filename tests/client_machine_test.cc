@@ -870,9 +870,10 @@ TEST_CASE("client machine: an assignment without an epoch (a server before #34) 
 namespace {
 
 mg::rdzv::ClientCommands welcome_from(mgtest::rdzv::Link& l, const std::string& host_agent, int round_epoch,
-                                      int epoch, int last_round_epoch = 0) {
+                                      int epoch, int last_round_epoch = 0, const std::string& run = {}) {
   auto c = l.m.connected(kNonce, l.now);
   proto::Welcome w{"srv", host_agent};
+  w.run = run;
   w.round_epoch = round_epoch;
   w.epoch = epoch;
   w.last_round_epoch = last_round_epoch;
@@ -886,11 +887,12 @@ bool stops_hosting(const ClientCommands& c) { return has<cmd::StopHosting>(c); }
 // The host of round_of's round (node 0 at 127.0.0.1, this node's own server at the
 // endpoint), its round at epoch 5 restarted after the other two were dropped: it waits for
 // its own next round.
-void host_waits(Link& l) {
+void host_waits(Link& l, const std::string& run = {}) {
   l.m.start(l.now);
   welcome_from(l, "host-127.0.0.1", 0, 0);
   auto a = round_of(0);
   a.epoch = 5;
+  a.run = run;
   l.receive(a);
   l.receive(proto::Restart{1, "node 127.0.0.2 lost"});
   l.m.rejoin(l.now);
@@ -1183,4 +1185,20 @@ TEST_CASE("client machine: a host that finds no newer round within join_timeout 
              Catch::Contains("no majority of the job's voters on this side within join_timeout (5 s)") &&
                  Catch::Contains("its own server: job 'job' has already finished"));
   CHECK(h.m.closed());
+}
+
+TEST_CASE("client machine: a seeking host takes a server of another run of the job id (its welcome names that run) "
+          "for one with no newer round, whatever its epochs (review s38 L4)") {
+  const std::string run = "1700000000000-00000000000000ab", other = "1800000000000-00000000000000cd";
+  Link l(host_options());
+  host_waits(l, run);
+  l.m.host_short_of_majority(l.now);
+  REQUIRE(one<cmd::Connect>(l.after(300ms, ClientTimer::kTakeover)).host == "127.0.0.2");
+  // Epoch 9 of another run: before, "a newer round", and this host left its job for it.
+  auto c = welcome_from(l, "host-127.0.0.2", 9, 9, 9, other);
+  CHECK_FALSE(stops_hosting(c));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
+  // The same welcome of this job's run is a newer round, as before.
+  c = welcome_from(l, "host-127.0.0.3", 9, 9, 9, run);
+  CHECK(stops_hosting(c));
 }

@@ -318,6 +318,8 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
       expected_members_ = static_cast<std::size_t>(std::max(1, j.resume_group_world_size));
       rebuilding_ = true;
       rebuild_since_ = now;
+    } else if (run_open_ && !j.run.empty()) {
+      rebuild_run(j);  // a rebuild that claimed no run takes the first run named
     }
     joined_.erase(s);
     members_[s] = {j, now, j.resume_done};
@@ -453,8 +455,11 @@ std::optional<Actions> Job::resume_after_outage(SessionId s, const proto::Join& 
 }
 
 bool Job::newer_than_rebuild(const proto::Join& j) const {
-  return rebuilding_ && state_ == State::kRunning && !members_.empty() && !other_run(j) &&
-         std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
+  if (!rebuilding_ || state_ != State::kRunning || members_.empty()) return false;
+  // A daemon's rebuild of an older run (a leftover agent's, first back) gives way to one of
+  // a newer run; rounds compare within one run (review s38 L1).
+  if (other_run(j)) return !quorum_ && run_older(run_, j.run);
+  return std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
 }
 
 Actions Job::drop_rebuild(const proto::Join& j) {
@@ -478,8 +483,9 @@ std::string Job::check_resume(SessionId s, const proto::Join& j) const {
     if (state_ != State::kJoining || round_ != 0) return "the job is not being rebuilt";
     if (j.resume_group_world_size < 1 || j.resume_group_rank < 0 || j.resume_group_rank >= j.resume_group_world_size)
       return "the claimed group rank or size is out of range";
-    // An agent's server never restarts: no round of another run is rebuilt in its job.
-    if (quorum_ && other_run(j)) return fmt::format("its run {} is not this job's ({})", j.run, run_);
+    // An agent's server never restarts: no round of another run is rebuilt in its job; a
+    // daemon's job whose run it kept (--state-dir) rebuilds none of an older run.
+    if (other_run(j) && (quorum_ || run_older(j.run, run_))) return fmt::format("its run {} is not this job's ({})", j.run, run_);
     return {};
   }
   if (!rebuilding_ || state_ != State::kRunning) return "the job is not being rebuilt";

@@ -89,8 +89,11 @@ Actions Job::join_of_other_run(SessionId s, const proto::Join& j, Clock::time_po
 void Job::rebuild_run(const proto::Join& j) {
   // No round ran with the run this server minted (a round re-registers only with a job that
   // has none, check_resume()): the job is its nodes' run, and its epochs theirs.
-  if (!j.run.empty()) run_ = j.run;
-  run_open_ = false;
+  // One that claims none (an agent before #37) leaves the run open: the first named is taken.
+  if (!j.run.empty()) {
+    run_ = j.run;
+    run_open_ = false;
+  }
   learn_epoch(j);
   last_round_epoch_ = epoch_;
 }

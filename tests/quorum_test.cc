@@ -120,6 +120,7 @@ TEST_CASE("quorum: the epoch goes on from the highest any joining node saw: a no
           "more") {
     const std::string kRun = "1700000000000-00000000000000ab";
     Job job("job", false, "1700000009999-00000000000000cd");  // the new daemon's own run
+    job.open_run();  // it has no journal of the job (rdzv::Server::job_of())
     auto j = node("127.0.0.1", 1, 1);
     j.resume_round = 3;
     j.resume_group_rank = 0;
@@ -1136,6 +1137,7 @@ TEST_CASE("run: a join of another run of the job id (a leftover agent of an earl
   }
   SECTION("a restarted daemon takes the run of the round its nodes re-register; one of another run is refused") {
     Job job("job", false, "1700000009999-00000000000000cd");  // the new daemon's own run
+    job.open_run();  // it has no journal of the job (rdzv::Server::job_of())
     auto resume = [](proto::Join j, const std::string& run, int rank) {
       j.resume_round = 3;
       j.resume_group_rank = rank;
@@ -1255,6 +1257,39 @@ TEST_CASE("run: a fresh job an agent hosts (its agent started again at the endpo
   // A node that ran no round (epoch 0) is a plain newcomer, as is any once a round ran here.
   j.epoch = 0;
   CHECK(of_type(job.join(2, j, T0), MsgType::kError).empty());
+}
+
+TEST_CASE("run: a restarted daemon orders the runs its nodes re-register by their MS: a newer run's round replaces "
+          "the rebuild of an older one, and a rebuild that claims no run takes the first run named (review s38 L1)") {
+  Job job("job", false, "1900000000000-00000000000000cd");  // the restarted daemon's own run
+  job.open_run();
+  auto resume = [](const std::string& addr, const std::string& run, int round, int rank) {
+    auto j = node(addr, 2, 2);
+    j.resume_round = round;
+    j.resume_group_rank = rank;
+    j.resume_group_world_size = 2;
+    j.epoch = run.empty() ? 0 : 9;
+    j.run = run;
+    return j;
+  };
+  SECTION("a leftover of an older run re-registers first: the live run's nodes replace its rebuild") {
+    job.join(9, resume("127.0.0.9", kOldRun, 3, 0), T0);
+    REQUIRE(job.run() == kOldRun);
+    auto out = job.join(1, resume("127.0.0.1", kThisRun, 2, 0), T0);
+    CHECK(of_type(out, MsgType::kError).size() == 1);  // to the leftover; before: to node 1
+    CHECK(job.run() == kThisRun);
+    CHECK(of_type(job.join(2, resume("127.0.0.2", kThisRun, 2, 1), T0), MsgType::kError).empty());
+    CHECK(job.state() == Job::State::kRunning);
+    // The older run's leftover, back again, is refused and drops nothing.
+    CHECK(of_type(job.join(9, resume("127.0.0.9", kOldRun, 7, 0), T0), MsgType::kError).size() == 1);
+    CHECK(job.run() == kThisRun);
+  }
+  SECTION("the first re-registration claims no run (an agent before #37): the first run named is the job's") {
+    job.join(1, resume("127.0.0.1", "", 2, 0), T0);
+    CHECK(of_type(job.join(2, resume("127.0.0.2", kThisRun, 2, 1), T0), MsgType::kError).empty());  // before: refused
+    CHECK(job.run() == kThisRun);
+    CHECK(job.epoch() == 9);
+  }
 }
 
 TEST_CASE("quorum: a node that took the job over hears a majority until its takeover's deadline, while its survivors "

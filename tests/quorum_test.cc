@@ -1080,7 +1080,7 @@ proto::Join leftover(const std::string& addr, int last_group_rank = 0) {
 }  // namespace
 
 TEST_CASE("run: a join of another run of the job id (a leftover agent of an earlier run) teaches nothing: no epoch, "
-          "no run switch, no voters, no survivor's place; it joins as a plain newcomer (review s38, 2)") {
+          "no run switch, no voters, no survivor's place: it joins as a plain newcomer (review s38, 2)") {
   SECTION("a running job an agent hosts: its scale-up round opens, at this run's next epoch") {
     Job job("job", true, kThisRun);
     job.join(1, node("127.0.0.1"), T0);
@@ -1293,7 +1293,7 @@ TEST_CASE("run: a restarted daemon orders the runs its nodes re-register by thei
 }
 
 TEST_CASE("quorum: a node that took the job over hears a majority until its takeover's deadline, while its survivors "
-          "may still be searching; its shortfall (and its agent's seeking) counts from there (review s38, 3)") {
+          "may still be searching: its shortfall (and its agent's seeking) counts from there (review s38, 3)") {
   Job job("job", true);
   TakeoverSeed seed = seed_of(2, 2, 3, 2, T0 + 1s);  // the deadline: the survivors search that long
   seed.host_rank = 1;

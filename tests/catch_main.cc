@@ -5,7 +5,16 @@
 // discovered test by name, and a name that ctest mangles (a ';' splits it into two) must not
 // turn into a test that cannot fail.
 // A listener counts failed checks, so that a skip after one (support/skip.h) is a failure.
+// Another gives each test case a records directory of its own (MGLAUNCH_RECORD_DIR, the
+// agents' records of their jobs, launcher/job_record.h), made when the case starts and
+// removed when it ends: no case reads a record an agent of another case (or of an earlier
+// run of the binary) left, and no agent writes into the user's real $XDG_RUNTIME_DIR.
 #define CATCH_CONFIG_RUNNER
+#include <stdlib.h>
+
+#include <filesystem>
+#include <string>
+
 #include <catch2/catch.hpp>
 
 #include "support/main.h"
@@ -21,9 +30,28 @@ struct FailedCheckCounter : Catch::TestEventListenerBase {
   }
 };
 
+struct CaseRecords : Catch::TestEventListenerBase {
+  using TestEventListenerBase::TestEventListenerBase;
+  std::string dir;
+  void testCaseStarting(const Catch::TestCaseInfo&) override {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/mgrecords_XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) return;  // (the spawn()'s own fallback then)
+    dir = templ;
+    ::setenv("MGLAUNCH_RECORD_DIR", dir.c_str(), 1);
+  }
+  void testCaseEnded(const Catch::TestCaseStats&) override {
+    if (dir.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+    dir.clear();
+  }
+};
+
 }  // namespace
 
 CATCH_REGISTER_LISTENER(FailedCheckCounter)
+CATCH_REGISTER_LISTENER(CaseRecords)
 
 int mgtest::run_catch(int argc, char* argv[]) {
   Catch::Session session;

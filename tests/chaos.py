@@ -190,7 +190,9 @@ class Chaos:
         self.out = os.path.join(self.root, "out")        # summaries
         for d in (self.tmp, self.logs, self.out):
             os.makedirs(d)
-        self.env = dict(os.environ, TMPDIR=self.tmp, MGCHAOS_TAG=self.tag, OMP_NUM_THREADS="1")
+        # (MGLAUNCH_RECORD_DIR: the agents' records of their jobs in this run's own directory.)
+        self.env = dict(os.environ, TMPDIR=self.tmp, MGCHAOS_TAG=self.tag, OMP_NUM_THREADS="1",
+                        MGLAUNCH_RECORD_DIR=os.path.join(self.root, "records"))
         self.procs = []          # every Process started, for the final cleanup
         self.agents = []         # Process per agent, in start order
         self.next_addr = 2

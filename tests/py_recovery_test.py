@@ -57,6 +57,7 @@ CASE:
               store errors wait for a pause, a pause stays until an assign, NCCL's error
               handling per torch version, a peer lost in DDP's rebuild is recovered, and an
               abandoned DDP is freed"""
+import atexit
 import json
 import os
 import shlex
@@ -79,7 +80,10 @@ STEPS = 30
 # The cheap model, small batches, one thread (every run the same arithmetic), and a
 # sleep per step so that the kill lands mid-run on a loaded machine.
 TRAIN = ["--model", "mlp", "--batch-size", "16", "--steps", str(STEPS), "--seed", "3", "--train-subset", "2048"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+# MGLAUNCH_RECORD_DIR: the agents' records of their jobs (launcher/job_record.h) in a
+# directory of this run's own, never the user's $XDG_RUNTIME_DIR.
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MGLAUNCH_RECORD_DIR=tempfile.mkdtemp(prefix="mgrecords_"))
+atexit.register(shutil.rmtree, ENV["MGLAUNCH_RECORD_DIR"], True)
 procs = []
 
 

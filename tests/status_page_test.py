@@ -43,7 +43,7 @@ def wait_for(what, pred, timeout=60):
 procs, driver = [], None
 tmp = tempfile.mkdtemp()
 try:
-    env = dict(os.environ, MGLAUNCH_RDZV_TOKEN=TOKEN)
+    env = dict(os.environ, MGLAUNCH_RDZV_TOKEN=TOKEN, MGLAUNCH_RECORD_DIR=tmp + "/records")
     daemon = subprocess.Popen([f"{BIN}/mglaunch-rdzv", "--listen", "127.0.0.1:0", "--http", "0"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     procs.append(daemon)

@@ -76,6 +76,9 @@ def free_port():
 class Case:
     def __init__(self, tmp):
         self.dir = tempfile.mkdtemp(dir=tmp)
+        # The agents' records of their jobs (launcher/job_record.h): the case's own, never the
+        # user's $XDG_RUNTIME_DIR nor another case's (the cases reuse job ids and addresses).
+        self.records = tempfile.mkdtemp(dir=tmp, prefix="records_")
         self.bin = os.path.join(tmp, "bin")
 
     def path(self, name):
@@ -85,6 +88,7 @@ class Case:
         e = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
         e["TEST_SENTINEL_PARENT"] = "FOOBAR"
         e["MGLAUNCH_PYTHON"] = PYTHON
+        e["MGLAUNCH_RECORD_DIR"] = self.records
         e.update(extra or {})
         # No case may take torchrun's default master port: PyTorch runs these cases one at a
         # time, ctest runs the 1.13 and 2.6 suites side by side (and other suites beside them).

@@ -192,11 +192,14 @@ Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std
   // A TMPDIR of its own (unless the test names one), removed with the handle.
   const std::string own_tmp = dir + "/tmp";
   if (!env_add.contains("TMPDIR") && ::mkdir(own_tmp.c_str(), 0700) == 0) env["TMPDIR"] = own_tmp;
-  // The agents' records of their jobs (launcher/job_record.h) in one directory per test
-  // process, unless the test names one: what an agent killed in one case recorded never
-  // reaches another case or the next run of the suite.
-  if (!env_add.contains("MGLAUNCH_RECORD_DIR") && !env_add.contains("XDG_RUNTIME_DIR"))
-    env["MGLAUNCH_RECORD_DIR"] = root_dir() + "/records";
+  // The agents' records of their jobs (launcher/job_record.h): the test case's own directory
+  // (MGLAUNCH_RECORD_DIR, set per case by catch_main.cc's listener), else one per test
+  // process, unless the test names one (or an XDG_RUNTIME_DIR): what an agent killed in one
+  // case recorded never reaches another case or the next run of the suite.
+  if (!env_add.contains("MGLAUNCH_RECORD_DIR")) {
+    if (env_add.contains("XDG_RUNTIME_DIR")) env.erase("MGLAUNCH_RECORD_DIR");
+    else if (!env.contains("MGLAUNCH_RECORD_DIR")) env["MGLAUNCH_RECORD_DIR"] = root_dir() + "/records";
+  }
   for (const auto& [k, v] : env_add) {
     if (v == "\x01unset")
       env.erase(k);

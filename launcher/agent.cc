@@ -626,8 +626,12 @@ void Agent::finish(int code) {
   for (auto set : {AgentSignals::Set::kStop, AgentSignals::Set::kJobControl, AgentSignals::Set::kWinch})
     signals_->cancel(set);
   clock_->cancel(sup::Timer::kRecord);
-  // The job ended for good (its end heard from the rendezvous): a rerun starts afresh.
-  if (record_written_ && client_ && client_->job_decided()) remove_job_record(record_dir_, plan_.run_id, record_node_);
+  // The job ended for good (its end heard from the rendezvous, or no survivor can take it
+  // over: this node saw its host lost so, or it hosts and its own stop leaves none that
+  // could): a rerun starts afresh, without a recall.
+  if (record_written_ && client_ &&
+      (client_->job_decided() || (embedded_server_ && !client_->why_no_takeover_of_self().empty())))
+    remove_job_record(record_dir_, plan_.run_id, record_node_);
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);

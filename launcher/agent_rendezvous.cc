@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -352,8 +353,17 @@ void Agent::recall_job() {
   const auto bound = recalled_->hosts.size() > 1 ? opts_.keep_alive_interval * (2 * opts_.keep_alive_max_attempt + 3)
                                                  : std::chrono::milliseconds(0);
   const auto written = std::chrono::system_clock::time_point(std::chrono::milliseconds(recalled_->written_ms));
+  // (Clamped to [0, bound]: a record's time in the future, after a reboot before the clock
+  // was set or from an NFS server's clock, must not make the wait unbounded. The link ends
+  // the recall by join_timeout at the latest.)
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(written + bound - now().wall);
-  client_->recall(recalled_->hosts, recalled_->run, now().steady + std::max(left, std::chrono::milliseconds(0)));
+  const auto wait = std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(bound));
+  notice(fmt::format("this node has a record of job '{}' (run {}) from its agent's last run, {}: looking for the job "
+                     "at the {} host(s) it names (one pass, then again until {} s from now) before starting afresh; "
+                     "remove that file to start afresh at once",
+                     plan_.run_id, recalled_->run, job_record_path(record_dir_, plan_.run_id, record_node_),
+                     recalled_->hosts.size(), std::min(wait, opts_.join_timeout).count() / 1000.0));
+  client_->recall(recalled_->hosts, recalled_->run, now().steady + wait);
 }
 
 void Agent::remember_job(int epoch, const std::string& run) {

@@ -86,7 +86,8 @@ class Client {
   void host_short_of_majority();
   void close();
   std::vector<std::pair<std::string, int>> job_hosts() const { return m_.job_hosts(); }
-  bool job_decided() const { return m_.decided(); }
+  bool job_decided() const { return m_.job_over(); }
+  std::string why_no_takeover_of_self() const { return m_.why_no_takeover_of_self(); }
   bool connected() const { return conn_ && conn_->open(); }
   int connect_attempts() const { return connect_attempts_; }  // since start(), refused ones included
 

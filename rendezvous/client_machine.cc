@@ -105,7 +105,7 @@ ClientCommands ClientMachine::start(Clock::time_point now) {
   if (auto bad = proto::validate(opts_.join); !bad.empty()) return give_up("cannot join: " + bad);
   deadline_ = now + milliseconds(opts_.join.join_timeout_ms);
   waiting_since_ = now;
-  if (recall_) next_recall_target(now);  // the record's hosts first (Recall)
+  if (recall_) start_recall(now);  // the record's hosts first (Recall)
   else try_connect();
   watch(now);
   return take_out();
@@ -477,6 +477,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         auto a = proto::from_frame<proto::Abort>(f);
         waiting_since_.reset();
         decided_ = true;
+        over_ = true;
         cancel(ClientTimer::kFence);
         end_seek();
         out_.push_back(cmd::Tell{std::move(a)});
@@ -484,7 +485,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
       }
       case MsgType::kDone:
         waiting_since_.reset();
-        decided_ = true;
+        decided_ = over_ = true;
         cancel(ClientTimer::kFence);
         end_seek();
         out_.push_back(cmd::Tell{proto::Done{}});
@@ -682,8 +683,10 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
                             : takeover_candidates(*last_, opts_.host, opts_.port);
   if (auto no = why_no_takeover(restarts_seen_, opts_.join.max_restarts, candidates.size(), standbys_,
                                 opts_.join.min_nodes);
-      !no.empty())
+      !no.empty()) {
+    over_ = true;  // (this node's record goes: the job cannot go on)
     return end_host_lost(lost + "; no survivor can take over: " + no);
+  }
   drop_connection();
   Takeover t;
   t.candidates = std::move(candidates);

@@ -233,6 +233,14 @@ class ClientMachine {
   bool seeking() const { return seek_.has_value() && seek_->started; }  // away from home, or between tries
   bool recalling() const { return recall_.has_value(); }
   bool decided() const { return decided_; }  // the job's end (Abort, Done) was heard from its server
+  // The job cannot go on for this node's record (launcher/job_record.h) to be of use: its end
+  // was heard (Done, or an Abort that is final: not a minority's "no majority" nor a
+  // takeover's shortfall, after which the majority's side may go on), or this node saw its
+  // host lost with no survivor able to take over (why_no_takeover()).
+  bool job_over() const { return over_; }
+  // Why no survivor could take the job over if this node, its host, stopped now
+  // (why_no_takeover() for the last round's other nodes); "" when one could or no round ran.
+  std::string why_no_takeover_of_self() const;
   // Where the job may be found if this node's agent is restarted (its record): the server it
   // is joined to now, the job's former hosts, then the last round's nodes that could host
   // but this one (lowest group rank first), at most kMaxRecallHosts. Empty unless an agent
@@ -382,6 +390,7 @@ class ClientMachine {
     std::string tried;            // what each target said, this pass
   };
   std::optional<Recall> recall_;  // start() looks for the job at its record's hosts first
+  void start_recall(Clock::time_point now);  // from start(): its end no later than join_timeout
   void next_recall_target(Clock::time_point now, const std::string& why_previous = {});
   bool recall_welcomed(const proto::Welcome& w, Clock::time_point now);  // false: not the job's run
   // The hosts this node knew the job at (the endpoint, each host lost since), at most kMaxHosts.
@@ -390,6 +399,7 @@ class ClientMachine {
   int welcome_epoch_ = 0;  // the last Welcome's job epoch
   int welcome_last_round_ = 0;  // the last Welcome's last_round_epoch
   bool decided_ = false;  // the job ended (Abort or Done heard): its host may go
+  bool over_ = false;     // job_over()
   std::string host_agent_;  // the Welcome's: the server is built into that agent (empty: a daemon)
   // Reported, no decision heard since: sent again with every re-registration of the round,
   // since a connection that closed may have taken it along unsent (the job ignores a repeat).

@@ -25,6 +25,13 @@ void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::
   recall_ = std::move(r);
 }
 
+void ClientMachine::start_recall(Clock::time_point now) {
+  // The recall is part of the wait join_timeout bounds: it ends by then at the latest (a
+  // whole job rerun at once finds no record's host running the job, review M2).
+  recall_->until = std::min(recall_->until, now + milliseconds(opts_.join.join_timeout_ms));
+  next_recall_target(now);
+}
+
 void ClientMachine::next_recall_target(Clock::time_point now, const std::string& why_previous) {
   Recall& r = *recall_;
   if (!why_previous.empty())
@@ -83,9 +90,17 @@ ClientCommands ClientMachine::recall_ended(bool hosting, Clock::time_point now) 
   if (closed_ || recall_) return {};
   if (hosting) opts_.join.takeover_port = 0;  // it hosts the job: it offers no takeover
   deadline_ = now + milliseconds(opts_.join.join_timeout_ms);  // a fresh start's
+  waiting_since_ = now;  // (the watchdog's join_timeout too: the recall's time is not the start's)
   refused_ = 0;
   try_connect();
   return take_out();
+}
+
+std::string ClientMachine::why_no_takeover_of_self() const {
+  if (!last_) return {};
+  std::size_t others = 0;
+  for (const auto& c : takeover_candidates(*last_, {}, 0)) others += c.group_rank != last_->group_rank;
+  return why_no_takeover(restarts_seen_, opts_.join.max_restarts, others, standbys_, opts_.join.min_nodes);
 }
 
 std::vector<std::pair<std::string, int>> ClientMachine::job_hosts() const {

@@ -40,10 +40,13 @@ class Link {
   // start(), the hosts to look for the job at first and its run (rdzv::ClientMachine's
   // Recall); job_hosts(), what a record names now (empty: nothing to record, as for a
   // daemon or etcd, which the agent finds again at their own address); job_decided(), the
-  // job's end was heard from the rendezvous (Done, Abort), when the record goes.
+  // job cannot go on (its end heard, Done or a final Abort, or its host lost with no
+  // survivor able to take over), when the record goes; why_no_takeover_of_self(), why no
+  // survivor could take over from this node, its host, if it stopped now ("": one could).
   virtual void recall(std::vector<std::pair<std::string, int>>, std::string, std::chrono::steady_clock::time_point) {}
   virtual std::vector<std::pair<std::string, int>> job_hosts() const { return {}; }
   virtual bool job_decided() const { return false; }
+  virtual std::string why_no_takeover_of_self() const { return {}; }
 };
 
 // Adapts a backend with the same member functions (rdzv::Client) to Link.
@@ -65,6 +68,7 @@ class LinkTo : public Link {
   }
   std::vector<std::pair<std::string, int>> job_hosts() const override { return impl_.job_hosts(); }
   bool job_decided() const override { return impl_.job_decided(); }
+  std::string why_no_takeover_of_self() const override { return impl_.why_no_takeover_of_self(); }
 
  private:
   T impl_;

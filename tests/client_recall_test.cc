@@ -1,6 +1,8 @@
 // ClientMachine's Recall (rendezvous/client_machine.h, #34 H1), driven with a fake clock: an
 // agent restarted with a record of its job looks for the job at the record's hosts before
 // it hosts a fresh one or joins the endpoint, and job_hosts(), what such a record names.
+#include <memory>
+
 #include <catch2/catch.hpp>
 
 #include "rendezvous/client_machine.h"
@@ -196,4 +198,74 @@ TEST_CASE("client machine: job_hosts(), what a node's record names: the server i
     l.receive(a);
     CHECK(l.m.job_hosts().empty());
   }
+}
+
+TEST_CASE("client machine, recall: it ends by join_timeout however far its record's bound lies, and the join_timeout "
+          "watchdog counts from its end, not from the start (review M2)") {
+  ClientOptions o = restarted();
+  o.join.join_timeout_ms = 5000;  // PyTorch's tests pass 5 s
+  Link l(o);
+  l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);  // (a record's bound: K x (2A + 3), or a clock ahead)
+  auto c = l.m.start(l.now);
+  bool ended = false;
+  // Refusals and pauses (at most 100 ms each here) until the recall ends: by join_timeout.
+  for (int i = 0; i < 200 && !ended; ++i) {
+    c = l.m.connect_failed(true, "Connection refused", l.now);
+    ended = has<cmd::RecallEnded>(c);
+    if (!ended) c = l.after(100ms, ClientTimer::kTakeover);
+    ended = ended || has<cmd::RecallEnded>(c);
+  }
+  REQUIRE(ended);
+  CHECK(l.now <= T0 + 5s + 100ms);
+  // It hosts now; the watchdog's join_timeout starts here: no exit 3 just after the recall.
+  l.m.recall_ended(/*hosting=*/true, l.now);
+  c = l.after(3s, ClientTimer::kWatchdog);
+  CHECK(!has<cmd::Lost>(c));
+}
+
+TEST_CASE("client machine: job_over(), when a node's record goes: on Done and an Abort, and on its host lost with no "
+          "survivor able to take over") {
+  proto::Assignment a;
+  a.round = 1;
+  a.group_rank = 1;
+  a.group_world_size = a.world_size = 2;
+  a.master_addr = "127.0.0.1";
+  a.master_port = 40000;
+  a.nodes = {"127.0.0.1", "127.0.0.2"};
+  a.takeover_ports = {0, 7002};
+  a.epoch = 1;
+  a.run = kRun;
+  auto node = [&](int max_restarts, int group_rank = 1) {
+    ClientOptions o = restarted();
+    o.join.addr = a.nodes[static_cast<std::size_t>(group_rank)];
+    a.group_rank = group_rank;
+    o.join.max_restarts = max_restarts;
+    auto l = std::make_unique<Link>(o);
+    l->m.start(l->now);
+    l->welcome("host-1");
+    l->receive(a);
+    return l;
+  };
+  {
+    auto l = node(3);
+    CHECK(!l->m.job_over());
+    l->receive(proto::Abort{{}, "worker failed"});
+    CHECK(l->m.job_over());
+  }
+  {
+    auto l = node(3);
+    l->receive(proto::Done{});
+    CHECK(l->m.job_over());
+  }
+  {
+    auto l = node(0);  // no restart left: no survivor can take over when the host is lost
+    CHECK(l->m.why_no_takeover_of_self() != "");
+    auto c = l->m.connection_closed("end of file", l->now);
+    CHECK(has<cmd::Tell>(c));  // (an Abort with the lost host as root cause: exit 3)
+    CHECK(l->m.job_over());
+  }
+  // The host (group rank 0, no takeover port) at its own stop: 127.0.0.2 could take over,
+  // unless no restart is left.
+  CHECK(node(3, 0)->m.why_no_takeover_of_self() == "");
+  CHECK_THAT(node(0, 0)->m.why_no_takeover_of_self(), Catch::Contains("no restart left"));
 }

@@ -177,6 +177,11 @@ struct Abort {
   static constexpr MsgType kType = MsgType::kAbort;
   WorkerFailed root_cause;
   std::string reason;
+  // The job ends for good. False where the job may go on elsewhere: a minority's "no
+  // majority within join_timeout" (the majority's side goes on), a takeover's shortfall
+  // (the host lost may be only cut off). Agents keep their record of the job then
+  // (launcher/job_record.h). Absent (an older server): true.
+  bool final = true;
 };
 struct Done {
   static constexpr MsgType kType = MsgType::kDone;
@@ -219,7 +224,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank,
                                                 message, last_lines)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(NodeDone, round)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Restart, restart_count, reason)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Abort, root_cause, reason)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Abort, root_cause, reason, final)
 inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object(); }
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)

@@ -477,7 +477,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         auto a = proto::from_frame<proto::Abort>(f);
         waiting_since_.reset();
         decided_ = true;
-        over_ = true;
+        over_ = over_ || a.final;
         cancel(ClientTimer::kFence);
         end_seek();
         out_.push_back(cmd::Tell{std::move(a)});

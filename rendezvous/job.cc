@@ -405,7 +405,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   return {};
 }
 
-Actions Job::fail_job(const proto::WorkerFailed& root_cause, const std::string& reason) {
+Actions Job::fail_job(const proto::WorkerFailed& root_cause, const std::string& reason, bool final) {
   state_ = State::kFailed;
   {
     auto& e = emit(JobEvent::Kind::kFailed);
@@ -414,7 +414,7 @@ Actions Job::fail_job(const proto::WorkerFailed& root_cause, const std::string& 
     e.exit_code = root_cause.exit_code;
     e.why = reason;
   }
-  abort_ = proto::Abort{root_cause, reason};
+  abort_ = proto::Abort{root_cause, reason, final};
   auto out = broadcast(proto::to_wire(*abort_));  // every member, waiting node and standby
   members_.clear();
   joined_.clear();
@@ -900,7 +900,7 @@ Actions Job::tick_deadlines(Clock::time_point now) {
       rc.exit_code = kHostLostExitCode;
       rc.message = fmt::format("{}; only {} of at least {} nodes re-joined the node that took over", seed.reason,
                                joined_.size(), config_.min_nodes);
-      return fail_job(rc, rc.message);
+      return fail_job(rc, rc.message, /*final=*/false);  // (the host lost may be only cut off)
     }
     // This host heard a majority until now (hears_majority()); its shortfall counts from
     // here. Its "no majority" may have been told once already inside the window (a short last
@@ -921,7 +921,8 @@ Actions Job::tick_deadlines(Clock::time_point now) {
       rc.rank = -1;
       rc.message = fmt::format("only {} of at least {} nodes joined job '{}' within join_timeout", joined_.size(),
                                config_.min_nodes, id_);
-      if (const auto short_of = short_of_majority())
+      const auto short_of = short_of_majority();
+      if (short_of)
         rc.message = fmt::format("no majority of job '{}''s {} voters{} within join_timeout: {} of them joined or standing by, {} needed "
                                  "(a network partition may have cut this side off; the majority's side goes on)",
                                  id_, short_of->voters, short_of->previous ? " of the epoch before" : "",
@@ -932,7 +933,7 @@ Actions Job::tick_deadlines(Clock::time_point now) {
         rc.host = restart_host_;
         rc.message += fmt::format(" after restart {} ({})", restart_count_, restart_reason_);
       }
-      return fail_job(rc, rc.message);
+      return fail_job(rc, rc.message, /*final=*/!short_of);  // (a minority's end: the majority goes on)
     }
   }
   if (state_ == State::kRunning && rebuilding_ && members_.size() < expected_members_ &&

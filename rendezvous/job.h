@@ -304,7 +304,9 @@ class Job {
   std::optional<Actions> resume_after_outage(SessionId s, const proto::Join& j, Clock::time_point now);
   // The job failed: every node hears `root_cause` (the broadcast reaches members, waiting
   // nodes and standbys) and the job forgets them.
-  Actions fail_job(const proto::WorkerFailed& root_cause, const std::string& reason);
+  // `final` false: the job may go on elsewhere (a minority's end, a takeover's shortfall;
+  // proto::Abort::final), so the agents keep their records of it.
+  Actions fail_job(const proto::WorkerFailed& root_cause, const std::string& reason, bool final = true);
   // The root cause "node H (A) lost: WHY" of a node lost during round_.
   proto::WorkerFailed lost_cause(const proto::Join& j, std::string_view why) const;
   Actions drop_rebuild(const proto::Join& j);

@@ -223,8 +223,8 @@ TEST_CASE("client machine, recall: it ends by join_timeout however far its recor
   CHECK(!has<cmd::Lost>(c));
 }
 
-TEST_CASE("client machine: job_over(), when a node's record goes: on Done and an Abort, and on its host lost with no "
-          "survivor able to take over") {
+TEST_CASE("client machine: job_over(), when a node's record goes: on Done and a final Abort, not on a minority's "
+          "Abort (the majority goes on, review H1a), and on its host lost with no survivor able to take over") {
   proto::Assignment a;
   a.round = 1;
   a.group_rank = 1;
@@ -249,7 +249,14 @@ TEST_CASE("client machine: job_over(), when a node's record goes: on Done and an
   {
     auto l = node(3);
     CHECK(!l->m.job_over());
-    l->receive(proto::Abort{{}, "worker failed"});
+    proto::Abort minority{{}, "no majority of job 'job''s 3 voters within join_timeout", /*final=*/false};
+    l->receive(minority);
+    CHECK(l->m.decided());
+    CHECK(!l->m.job_over());
+  }
+  {
+    auto l = node(3);
+    l->receive(proto::Abort{{}, "worker failed"});  // (final by default: an older server's too)
     CHECK(l->m.job_over());
   }
   {

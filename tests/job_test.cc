@@ -288,6 +288,7 @@ TEST_CASE("a job that fails at join_timeout after a node was lost names the lost
   CHECK(abort.root_cause.host == "host-127.0.0.2");
   CHECK_THAT(abort.reason, Catch::Contains("only 1 of at least 2 nodes joined job 'job' within join_timeout after "
                                            "restart 1 (node host-127.0.0.2 (127.0.0.2) lost: its connection closed)"));
+  CHECK(abort.final);  // (not short of a majority: the job ends for good)
 }
 
 TEST_CASE("a forged re-registration cannot end or enter a job that is not being rebuilt") {

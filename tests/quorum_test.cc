@@ -202,6 +202,8 @@ TEST_CASE("quorum: in a job an agent hosts, a new round after a node was lost ne
   REQUIRE(end.size() == 1);
   CHECK_THAT(decoded<proto::Abort>(end[0]).reason, Catch::Contains("no majority of job 'job''s 3 voters within "
                                                                     "join_timeout: 1 of them joined or standing by, 2 needed"));
+  // A minority's end: the majority's side goes on, so the agents keep their records of the job.
+  CHECK_FALSE(decoded<proto::Abort>(end[0]).final);
 }
 
 TEST_CASE("quorum: two survivors of three are a majority and go on, the same lone survivor goes on where a daemon "

@@ -218,7 +218,7 @@ class Agent {
   void remember_job(int epoch, const std::string& run);
   void refresh_job_record();
   void recall_job();  // after the link is made: hands it the record's hosts
-  std::string record_dir_, record_node_;  // record_dir_ empty: no record kept
+  std::string record_dir_, record_node_, record_endpoint_;  // record_dir_ empty: no record kept
   std::optional<JobRecord> recalled_;
   bool recall_pending_ = false;
   bool record_written_ = false, record_warned_ = false;

@@ -330,6 +330,7 @@ void Agent::load_job_record() {
   };
   record_dir_ = job_record_dir(env("MGLAUNCH_RECORD_DIR"), env("XDG_RUNTIME_DIR"), ::geteuid());
   record_node_ = node_identity(plan_.master_addr, local_hostname());  // (master_addr: this node's, until assigned)
+  record_endpoint_ = job_endpoint(opts_.rdzv_backend, opts_.rdzv_endpoint);
   if (std::string why = prepare_job_record_dir(record_dir_); !why.empty()) {
     notice(fmt::format("warning: this node keeps no record of job '{}' ({}): an agent restarted here while the job "
                        "runs on elsewhere cannot find it again; set MGLAUNCH_RECORD_DIR to a directory of your own",
@@ -338,7 +339,7 @@ void Agent::load_job_record() {
     return;
   }
   std::string why;
-  recalled_ = read_job_record(record_dir_, plan_.run_id, record_node_, &why);
+  recalled_ = read_job_record(record_dir_, plan_.run_id, record_node_, record_endpoint_, &why);
   if (!why.empty()) notice("warning: " + why);
   recall_pending_ = recalled_ && !recalled_->hosts.empty() && !recalled_->run.empty();
 }
@@ -361,14 +362,14 @@ void Agent::recall_job() {
   notice(fmt::format("this node has a record of job '{}' (run {}) from its agent's last run, {}: looking for the job "
                      "at the {} host(s) it names (one pass, then again until {} s from now) before starting afresh; "
                      "remove that file to start afresh at once",
-                     plan_.run_id, recalled_->run, job_record_path(record_dir_, plan_.run_id, record_node_),
-                     recalled_->hosts.size(), std::min(wait, opts_.join_timeout).count() / 1000.0));
+                     plan_.run_id, recalled_->run,
+                     job_record_path(record_dir_, plan_.run_id, record_node_, record_endpoint_), recalled_->hosts.size(), std::min(wait, opts_.join_timeout).count() / 1000.0));
   client_->recall(recalled_->hosts, recalled_->run, now().steady + wait);
 }
 
 void Agent::remember_job(int epoch, const std::string& run) {
   if (record_dir_.empty() || !client_ || run.empty()) return;
-  JobRecord r{plan_.run_id, record_node_, run, epoch, client_->job_hosts()};
+  JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   if (std::string why = write_job_record(record_dir_, r); !why.empty()) {
     if (!std::exchange(record_warned_, true))
@@ -383,7 +384,7 @@ void Agent::remember_job(int epoch, const std::string& run) {
 void Agent::refresh_job_record() {
   clock_->arm(sup::Timer::kRecord, now().steady + opts_.keep_alive_interval, [this] {
     if (core_.state() == sup::State::kDone) return;
-    touch_job_record(record_dir_, plan_.run_id, record_node_);
+    touch_job_record(record_dir_, plan_.run_id, record_node_, record_endpoint_);
     refresh_job_record();
   });
 }

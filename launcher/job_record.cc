@@ -34,13 +34,18 @@ std::string node_identity(const std::string& advertised, const std::string& host
   return advertised + "@" + hostname;
 }
 
+std::string job_endpoint(const std::string& backend, const std::string& endpoint) {
+  return backend + " " + endpoint;
+}
+
 std::string job_record_dir(const std::string& record_dir_env, const std::string& xdg_runtime_dir, uid_t uid) {
   if (!record_dir_env.empty()) return record_dir_env;
   if (!xdg_runtime_dir.empty()) return xdg_runtime_dir + "/mglaunch";
   return fmt::format("/tmp/mglaunch-{}", uid);
 }
 
-std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node) {
+std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node,
+                            const std::string& endpoint) {
   std::uint64_t h = 14695981039346656037ull;  // FNV-1a, 64 bits
   auto mix = [&h](const std::string& s) {
     for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -48,6 +53,7 @@ std::string job_record_path(const std::string& dir, const std::string& job, cons
   };
   mix(job);
   mix(node);
+  mix(endpoint);
   return fmt::format("{}/job-{:016x}.json", dir, h);
 }
 
@@ -68,9 +74,11 @@ std::string write_job_record(const std::string& dir, const JobRecord& r) {
   nlohmann::json hosts = nlohmann::json::array();
   for (const auto& [h, p] : r.hosts) hosts.push_back({h, p});
   const std::string text =
-      nlohmann::json{{"job", r.job}, {"node", r.node}, {"run", r.run}, {"epoch", r.epoch}, {"hosts", hosts}}.dump() +
+      nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
+                     {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts}}
+          .dump() +
       "\n";
-  const std::string path = job_record_path(dir, r.job, r.node);
+  const std::string path = job_record_path(dir, r.job, r.node, r.endpoint);
   const std::string tmp = fmt::format("{}.{}.tmp", path, ::getpid());
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (fd.get() < 0) return fmt::format("cannot write {}: {}", tmp, errno_text());
@@ -89,8 +97,8 @@ std::string write_job_record(const std::string& dir, const JobRecord& r) {
 }
 
 std::optional<JobRecord> read_job_record(const std::string& dir, const std::string& job, const std::string& node,
-                                         std::string* why) {
-  const std::string path = job_record_path(dir, job, node);
+                                         const std::string& endpoint, std::string* why) {
+  const std::string path = job_record_path(dir, job, node, endpoint);
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
   if (fd.get() < 0) {
     if (errno != ENOENT && why) *why = fmt::format("cannot read {}: {}", path, errno_text());
@@ -113,6 +121,7 @@ std::optional<JobRecord> read_job_record(const std::string& dir, const std::stri
       const auto j = nlohmann::json::parse(text);
       r.job = j.at("job").get<std::string>();
       r.node = j.at("node").get<std::string>();
+      r.endpoint = j.at("endpoint").get<std::string>();
       r.run = j.at("run").get<std::string>();
       r.epoch = j.at("epoch").get<int>();
       for (const auto& h : j.at("hosts")) r.hosts.emplace_back(h.at(0).get<std::string>(), h.at(1).get<int>());
@@ -124,17 +133,20 @@ std::optional<JobRecord> read_job_record(const std::string& dir, const std::stri
     if (why) *why = fmt::format("ignoring {}: {}", path, bad);
     return std::nullopt;
   }
-  if (r.job != job || r.node != node) return std::nullopt;  // another job's or node's (the hash's collision)
+  // Another job's, node's or endpoint's (the hash's collision).
+  if (r.job != job || r.node != node || r.endpoint != endpoint) return std::nullopt;
   r.written_ms = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1000 + st.st_mtim.tv_nsec / 1000000;
   return r;
 }
 
-bool touch_job_record(const std::string& dir, const std::string& job, const std::string& node) {
-  return ::utimensat(AT_FDCWD, job_record_path(dir, job, node).c_str(), nullptr, AT_SYMLINK_NOFOLLOW) == 0;
+bool touch_job_record(const std::string& dir, const std::string& job, const std::string& node,
+                      const std::string& endpoint) {
+  return ::utimensat(AT_FDCWD, job_record_path(dir, job, node, endpoint).c_str(), nullptr, AT_SYMLINK_NOFOLLOW) == 0;
 }
 
-void remove_job_record(const std::string& dir, const std::string& job, const std::string& node) {
-  ::unlink(job_record_path(dir, job, node).c_str());
+void remove_job_record(const std::string& dir, const std::string& job, const std::string& node,
+                       const std::string& endpoint) {
+  ::unlink(job_record_path(dir, job, node, endpoint).c_str());
 }
 
 }  // namespace mg

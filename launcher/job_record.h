@@ -25,6 +25,9 @@ namespace mg {
 struct JobRecord {
   std::string job;   // the rendezvous job id (--rdzv_id)
   std::string node;  // this node: its advertised address and host name (node_identity())
+  // The rendezvous: "BACKEND ENDPOINT" (job_endpoint()). Two jobs of one id (the default
+  // "none") at two endpoints on one machine keep two records, and neither reads the other's.
+  std::string endpoint;
   std::string run;   // the job's rendezvous run (MGLAUNCH_RUN)
   int epoch = 0;     // the last epoch assigned (or told a standby)
   std::vector<std::pair<std::string, int>> hosts;  // where to look for the job, in that order
@@ -35,12 +38,16 @@ struct JobRecord {
 // "nodes" on loopback aliases). Pure.
 std::string node_identity(const std::string& advertised, const std::string& hostname);
 
+// "BACKEND ENDPOINT", the record's `endpoint`. Pure.
+std::string job_endpoint(const std::string& backend, const std::string& endpoint);
+
 // The directory records go to (see above). Pure.
 std::string job_record_dir(const std::string& record_dir_env, const std::string& xdg_runtime_dir, uid_t uid);
 
-// The file of (job, node) in `dir`: job-HASH.json, HASH a 64-bit FNV-1a of both (the file
-// holds them, and a record whose job or node differs is none). Pure.
-std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node);
+// The file of (job, node, endpoint) in `dir`: job-HASH.json, HASH a 64-bit FNV-1a of the
+// three (the file holds them, and a record whose job, node or endpoint differs is none). Pure.
+std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node,
+                            const std::string& endpoint);
 
 // Makes `dir` (0700) when missing. "" when it can be used; else why not, one line.
 std::string prepare_job_record_dir(const std::string& dir);
@@ -48,14 +55,17 @@ std::string prepare_job_record_dir(const std::string& dir);
 // Writes `r` to its file in `dir` whole (temporary file, fsync, rename; 0600). "" or why not.
 std::string write_job_record(const std::string& dir, const JobRecord& r);
 
-// The record of (job, node) in `dir`; nullopt when there is none, or (with `why` set) when
-// the file cannot be used: another user's, open to others, not a regular file, unreadable.
+// The record of (job, node, endpoint) in `dir`; nullopt when there is none, or (with `why`
+// set) when the file cannot be used: another user's, open to others, not a regular file,
+// unreadable.
 std::optional<JobRecord> read_job_record(const std::string& dir, const std::string& job, const std::string& node,
-                                         std::string* why);
+                                         const std::string& endpoint, std::string* why);
 
 // Sets the record's modification time to now (the agent is still in the job). False: none.
-bool touch_job_record(const std::string& dir, const std::string& job, const std::string& node);
+bool touch_job_record(const std::string& dir, const std::string& job, const std::string& node,
+                      const std::string& endpoint);
 
-void remove_job_record(const std::string& dir, const std::string& job, const std::string& node);
+void remove_job_record(const std::string& dir, const std::string& job, const std::string& node,
+                       const std::string& endpoint);
 
 }  // namespace mg

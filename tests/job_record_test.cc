@@ -17,10 +17,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
+const std::string kEndpoint = "c10d localhost:29500";
+
 JobRecord sample(const std::string& job = "job7", const std::string& node = "127.0.0.2@hostA") {
   JobRecord r;
   r.job = job;
   r.node = node;
+  r.endpoint = kEndpoint;
   r.run = "1764500000000-0123456789abcdef";
   r.epoch = 131075;
   r.hosts = {{"127.0.0.2", 29400}, {"127.0.0.3", 40001}, {"127.0.0.4", 40002}};
@@ -34,6 +37,7 @@ TEST_CASE("the record directory: MGLAUNCH_RECORD_DIR, else XDG_RUNTIME_DIR/mglau
   CHECK(job_record_dir("", "/run/user/1000", 1000) == "/run/user/1000/mglaunch");
   CHECK(job_record_dir("", "", 1000) == "/tmp/mglaunch-1000");
   CHECK(node_identity("127.0.0.2", "hostA") == "127.0.0.2@hostA");
+  CHECK(job_endpoint("c10d", "localhost:29500") == "c10d localhost:29500");
 }
 
 TEST_CASE("a record is written whole (0600, in a directory made 0700) and read back for its job and node only") {
@@ -43,13 +47,13 @@ TEST_CASE("a record is written whole (0600, in a directory made 0700) and read b
   REQUIRE(::stat(dir.c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0700);
   REQUIRE(write_job_record(dir, sample()) == "");
-  const std::string path = job_record_path(dir, "job7", "127.0.0.2@hostA");
+  const std::string path = job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint);
   REQUIRE(::stat(path.c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0600);
   // Nothing else is left beside it (the temporary file was renamed).
   CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == 1);
   std::string why;
-  const auto r = read_job_record(dir, "job7", "127.0.0.2@hostA", &why);
+  const auto r = read_job_record(dir, "job7", "127.0.0.2@hostA", kEndpoint, &why);
   REQUIRE(r);
   CHECK(why.empty());
   CHECK(r->run == sample().run);
@@ -57,20 +61,32 @@ TEST_CASE("a record is written whole (0600, in a directory made 0700) and read b
   CHECK(r->hosts == sample().hosts);
   CHECK(r->written_ms > 0);
   // Another node of the same job on this machine, another job: no record, and no complaint.
-  CHECK(!read_job_record(dir, "job7", "127.0.0.3@hostA", &why));
-  CHECK(!read_job_record(dir, "job8", "127.0.0.2@hostA", &why));
+  CHECK(!read_job_record(dir, "job7", "127.0.0.3@hostA", kEndpoint, &why));
+  CHECK(!read_job_record(dir, "job8", "127.0.0.2@hostA", kEndpoint, &why));
+  // The same job id and node at another endpoint or backend (two jobs of the default id
+  // "none" on one machine, review M1): another file, never this one.
+  CHECK(job_record_path(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600") != path);
+  CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600", &why));
+  CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", "static localhost:29500", &why));
+  CHECK(r->endpoint == kEndpoint);
   CHECK(why.empty());
+  // A record of another endpoint found at this one's file (the hash's collision): none.
+  const std::string other = job_record_path(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600");
+  REQUIRE(::link(path.c_str(), other.c_str()) == 0);
+  CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600", &why));
+  CHECK(why.empty());
+  ::unlink(other.c_str());
   // Written again (the next round): the newer one.
   JobRecord next = sample();
   next.epoch = 131076;
   next.hosts.resize(1);
   REQUIRE(write_job_record(dir, next) == "");
-  CHECK(read_job_record(dir, "job7", "127.0.0.2@hostA", &why)->epoch == 131076);
+  CHECK(read_job_record(dir, "job7", "127.0.0.2@hostA", kEndpoint, &why)->epoch == 131076);
   // Touched: still there, its time moved; removed (the job ended): gone.
-  CHECK(touch_job_record(dir, "job7", "127.0.0.2@hostA"));
-  remove_job_record(dir, "job7", "127.0.0.2@hostA");
-  CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", &why));
-  CHECK(!touch_job_record(dir, "job7", "127.0.0.2@hostA"));
+  CHECK(touch_job_record(dir, "job7", "127.0.0.2@hostA", kEndpoint));
+  remove_job_record(dir, "job7", "127.0.0.2@hostA", kEndpoint);
+  CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", kEndpoint, &why));
+  CHECK(!touch_job_record(dir, "job7", "127.0.0.2@hostA", kEndpoint));
   CHECK(why.empty());
 }
 
@@ -78,19 +94,19 @@ TEST_CASE("a record that is not one, or is open to other users, is ignored with 
           "to file names") {
   const std::string dir = mgtest::make_temp_dir() + "/mglaunch";
   REQUIRE(prepare_job_record_dir(dir) == "");
-  const std::string path = job_record_path(dir, "job7", "n");
+  const std::string path = job_record_path(dir, "job7", "n", kEndpoint);
   std::ofstream(path) << "{\"job\": \"job7\"";
   ::chmod(path.c_str(), 0600);
   std::string why;
-  CHECK(!read_job_record(dir, "job7", "n", &why));
+  CHECK(!read_job_record(dir, "job7", "n", kEndpoint, &why));
   CHECK_THAT(why, Catch::Contains("ignoring " + path) && Catch::Contains("not a record"));
   REQUIRE(write_job_record(dir, sample("job7", "n")) == "");
   ::chmod(path.c_str(), 0644);
   why.clear();
-  CHECK(!read_job_record(dir, "job7", "n", &why));
+  CHECK(!read_job_record(dir, "job7", "n", kEndpoint, &why));
   CHECK_THAT(why, Catch::Contains("open to other users"));
   // A job id with slashes and dots stays one file inside the directory.
-  const std::string odd = job_record_path(dir, "../../etc/x/slurm-12.0", "n");
+  const std::string odd = job_record_path(dir, "../../etc/x/slurm-12.0", "n", kEndpoint);
   CHECK(fs::path(odd).parent_path() == fs::path(dir));
 }
 

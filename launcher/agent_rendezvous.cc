@@ -364,7 +364,7 @@ void Agent::recall_job() {
                      "remove that file to start afresh at once",
                      plan_.run_id, recalled_->run,
                      job_record_path(record_dir_, plan_.run_id, record_node_, record_endpoint_), recalled_->hosts.size(), std::min(wait, opts_.join_timeout).count() / 1000.0));
-  client_->recall(recalled_->hosts, recalled_->run, now().steady + wait);
+  client_->recall(recalled_->hosts, recalled_->run, now().steady + wait, recalled_->epoch);
 }
 
 void Agent::remember_job(int epoch, const std::string& run) {

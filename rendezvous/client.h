@@ -73,8 +73,9 @@ class Client {
   Client(boost::asio::io_context& io, ClientOptions opts, ClientHandlers handlers);
   ~Client();
   // Before start(): look for the job at the hosts of this node's record first (Recall).
-  void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until) {
-    m_.recall(std::move(hosts), std::move(run), until);
+  void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
+              int epoch = 0) {
+    m_.recall(std::move(hosts), std::move(run), until, epoch);
   }
   void start();
   void rejoin();

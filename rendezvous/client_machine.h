@@ -199,7 +199,10 @@ class ClientMachine {
   // The agent's calls.
   // Before start(): the hosts this node's record of the job names (job_hosts() of its
   // agent's last run) and its run; start() tries them first until `until` (Recall, above).
-  void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until);
+  // `epoch`, the record's: a server of the run whose rounds are all older (a stale host of it)
+  // is passed over.
+  void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
+              int epoch = 0);
   ClientCommands start(Clock::time_point now);
   // The answer to cmd::RecallEnded: `hosting`, the agent hosts the job now (its join offers
   // no takeover port); the endpoint is joined.
@@ -382,6 +385,7 @@ class ClientMachine {
   struct Recall {
     std::vector<std::pair<std::string, int>> targets;
     std::string run;              // the record's: a server running it runs the job
+    int epoch = 0;                // the record's: a server whose rounds are all older is stale
     Clock::time_point until;      // passes go on until here
     std::size_t turn = 0;         // the next target
     bool pausing = false;         // between two passes

@@ -11,7 +11,8 @@ namespace mg::rdzv {
 
 using std::chrono::milliseconds;
 
-void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until) {
+void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
+                           int epoch) {
   hosts.erase(std::remove_if(hosts.begin(), hosts.end(), [](const auto& h) { return h.first.empty() || h.second <= 0; }),
               hosts.end());
   if (hosts.size() > kMaxRecallHosts) hosts.resize(kMaxRecallHosts);
@@ -19,6 +20,7 @@ void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::
   Recall r;
   r.targets = std::move(hosts);
   r.run = std::move(run);
+  r.epoch = epoch;
   r.until = until;
   r.endpoint_host = opts_.host;
   r.endpoint_port = opts_.port;
@@ -75,6 +77,13 @@ bool ClientMachine::recall_welcomed(const proto::Welcome& w, Clock::time_point n
   if (w.run != r.run) {
     next_recall_target(now, w.run.empty() ? std::string("runs no round of the job")
                                           : fmt::format("runs another run of the job ({})", w.run));
+    return false;
+  }
+  if (const int newest = std::max(w.last_round_epoch, w.round_epoch); newest < r.epoch) {
+    // A host of the run left behind (one SIGSTOPped and resumed, a minority's): the job's
+    // rounds went on elsewhere after this node's last (review s38 M3).
+    next_recall_target(now, fmt::format("a stale host of the run (its newest round's epoch {}, this node's record's {})",
+                                        newest, r.epoch));
     return false;
   }
   out_.push_back(cmd::Notice{fmt::format(

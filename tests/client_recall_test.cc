@@ -276,3 +276,21 @@ TEST_CASE("client machine: job_over(), when a node's record goes: on Done and a 
   CHECK(node(3, 0)->m.why_no_takeover_of_self() == "");
   CHECK_THAT(node(0, 0)->m.why_no_takeover_of_self(), Catch::Contains("no restart left"));
 }
+
+TEST_CASE("client machine, recall: a server of the record's run whose newest round is older than the record's epoch (a "
+          "stale host of the run) is passed over, and the next, which ran the record's round, is joined (review M3)") {
+  Link l(restarted());
+  l.m.recall({{"127.0.0.1", kRdzvPort}, {"127.0.0.2", 7002}}, kRun, T0 + 10s, /*epoch=*/131075);
+  auto c = l.m.start(l.now);
+  l.m.connected(kNonce, l.now);
+  c = l.receive(welcome_of("host-1", kRun));  // epochs 131074: the round before the record's
+  CHECK(!has<cmd::Send>(c));
+  CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
+  l.m.connected(kNonce, l.now);
+  proto::Welcome w = welcome_of("host-2", kRun);
+  w.round_epoch = 131075;
+  w.last_round_epoch = 131074;
+  c = l.receive(w);
+  CHECK_THAT(notices(c), Catch::Contains("joining it there as a new member"));
+  CHECK(sent(c) == std::vector<MsgType>{MsgType::kJoin});
+}

@@ -20,11 +20,13 @@ constexpr std::size_t kMaxRecordBytes = 64 * 1024;
 
 std::string errno_text() { return std::strerror(errno); }
 
-// Why `st` (of `what`) is no file or directory of this user's alone; "" when it is.
-std::string not_ours(const struct stat& st, const std::string& what) {
+// Why `st` (of `what`) is no file or directory of this user's alone; "" when it is. `open`:
+// the mode bits that make it so (077 for a file; 022 for a directory, where only writing
+// matters: a `mkdir` under umask 022 gives 0755, review s38 M4).
+std::string not_ours(const struct stat& st, const std::string& what, mode_t open) {
   if (st.st_uid != ::geteuid())
     return fmt::format("{} belongs to uid {}, not to this user (uid {})", what, st.st_uid, ::geteuid());
-  if ((st.st_mode & 077) != 0) return fmt::format("{} is open to other users (mode {:o})", what, st.st_mode & 0777);
+  if ((st.st_mode & open) != 0) return fmt::format("{} is open to other users (mode {:o})", what, st.st_mode & 0777);
   return {};
 }
 
@@ -66,7 +68,7 @@ std::string prepare_job_record_dir(const std::string& dir) {
     if (::lstat(dir.c_str(), &st) != 0) return fmt::format("cannot use the record directory {}: {}", dir, errno_text());
   }
   if (!S_ISDIR(st.st_mode)) return fmt::format("the record directory {} is not a directory (a link?)", dir);
-  if (auto why = not_ours(st, "the record directory " + dir); !why.empty()) return why;
+  if (auto why = not_ours(st, "the record directory " + dir, 022); !why.empty()) return why;
   return {};
 }
 
@@ -109,7 +111,7 @@ std::optional<JobRecord> read_job_record(const std::string& dir, const std::stri
   if (::fstat(fd.get(), &st) != 0) bad = errno_text();
   else if (!S_ISREG(st.st_mode)) bad = "not a regular file";
   else if (static_cast<std::size_t>(st.st_size) > kMaxRecordBytes) bad = fmt::format("{} bytes", st.st_size);
-  else bad = not_ours(st, "the file");
+  else bad = not_ours(st, "the file", 077);
   std::string text;
   if (bad.empty()) {
     text.resize(static_cast<std::size_t>(st.st_size));

@@ -8,7 +8,7 @@
 //
 // Where: $MGLAUNCH_RECORD_DIR, else $XDG_RUNTIME_DIR/mglaunch, else /tmp/mglaunch-UID; the
 // directory is made 0700 and used only when it is a directory of this user that no one else
-// can write or read (never through a symbolic link). Files are 0600, written whole (a
+// can write (0755 will do; never through a symbolic link). Files are 0600, written whole (a
 // temporary file, fsync, rename) and read back only when this user owns them.
 #pragma once
 

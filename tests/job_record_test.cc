@@ -117,6 +117,11 @@ TEST_CASE("the record directory is refused when it is not this user's alone: ano
   REQUIRE(::mkdir(open_dir.c_str(), 0700) == 0);
   ::chmod(open_dir.c_str(), 0777);
   CHECK_THAT(prepare_job_record_dir(open_dir), Catch::Contains("open to other users"));
+  ::chmod(open_dir.c_str(), 0770);  // the group may write: refused too
+  CHECK_THAT(prepare_job_record_dir(open_dir), Catch::Contains("open to other users"));
+  // Others may read and enter it (a mkdir under umask 022, review M4): used (the files are 0600).
+  ::chmod(open_dir.c_str(), 0755);
+  CHECK(prepare_job_record_dir(open_dir) == "");
   const std::string link = root + "/link";
   const std::string ok = root + "/ok";
   REQUIRE(::mkdir(ok.c_str(), 0700) == 0);

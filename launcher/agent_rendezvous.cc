@@ -368,6 +368,10 @@ void Agent::recall_job() {
 }
 
 void Agent::remember_job(int epoch, const std::string& run) {
+  // A recall under way ends with an assignment or standby: the job was found where it runs,
+  // so this agent never hosts it at the endpoint (review s38 L4: the recall's block on
+  // host_rendezvous() was never lifted; now it is, and hosting is decided: not here).
+  if (std::exchange(recall_pending_, false)) hosting_decided_ = true;
   if (record_dir_.empty() || !client_ || run.empty()) return;
   JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address

@@ -2,6 +2,8 @@
 // agent restarted with a record of its job looks for the job at the record's hosts before
 // it hosts a fresh one or joins the endpoint, and job_hosts(), what such a record names.
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
@@ -45,6 +47,21 @@ proto::Welcome welcome_of(const std::string& host_agent, const std::string& run)
   w.run = run;
   w.round_epoch = w.epoch = w.last_round_epoch = 131074;
   return w;
+}
+
+// Round 1 of the job on `nodes` (group rank 1 this node), with their takeover ports.
+proto::Assignment round_on(std::vector<std::string> nodes, std::vector<int> takeover_ports) {
+  proto::Assignment a;
+  a.round = 1;
+  a.group_rank = 1;
+  a.group_world_size = a.world_size = static_cast<int>(nodes.size());
+  a.master_addr = "127.0.0.1";
+  a.master_port = 40000;
+  a.nodes = std::move(nodes);
+  a.takeover_ports = std::move(takeover_ports);
+  a.epoch = 1;
+  a.run = kRun;
+  return a;
 }
 
 std::vector<MsgType> sent(const ClientCommands& cs) {
@@ -171,16 +188,7 @@ TEST_CASE("client machine, recall: past its bound the last pass of refusals ends
 
 TEST_CASE("client machine: job_hosts(), what a node's record names: the server it is joined to, the job's former "
           "hosts, the last round's nodes that could host but this one, and nothing for a daemon's job") {
-  proto::Assignment a;
-  a.round = 1;
-  a.group_rank = 1;
-  a.group_world_size = a.world_size = 3;
-  a.master_addr = "127.0.0.1";
-  a.master_port = 40000;
-  a.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
-  a.takeover_ports = {0, 7002, 7003};
-  a.epoch = 1;
-  a.run = kRun;
+  const proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
   {
     ClientOptions o = restarted();
     o.join.addr = "127.0.0.2";
@@ -225,16 +233,7 @@ TEST_CASE("client machine, recall: it ends by join_timeout however far its recor
 
 TEST_CASE("client machine: job_over(), when a node's record goes: on Done and a final Abort, not on a minority's "
           "Abort (the majority goes on, review H1a), and on its host lost with no survivor able to take over") {
-  proto::Assignment a;
-  a.round = 1;
-  a.group_rank = 1;
-  a.group_world_size = a.world_size = 2;
-  a.master_addr = "127.0.0.1";
-  a.master_port = 40000;
-  a.nodes = {"127.0.0.1", "127.0.0.2"};
-  a.takeover_ports = {0, 7002};
-  a.epoch = 1;
-  a.run = kRun;
+  proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2"}, {0, 7002});
   auto node = [&](int max_restarts, int group_rank = 1) {
     ClientOptions o = restarted();
     o.join.addr = a.nodes[static_cast<std::size_t>(group_rank)];

@@ -76,7 +76,7 @@ Proc spawn_rank(int rank, int world, const std::string& port, const std::string&
                                       {"WORLD_SIZE", std::to_string(world)},
                                       {"MASTER_ADDR", "127.0.0.1"},
                                       {"MASTER_PORT", port},
-                                      {"MGLAUNCH_EPOCH", epoch},
+                                      {"MGLAUNCH_EPOCH", epoch.empty() ? kUnset : epoch},
                                       {"MGLAUNCH_RUN", run_id.empty() ? kUnset : run_id},
                                       {"TORCHELASTIC_ERROR_FILE", dir + "/error" + std::to_string(rank) + ".json"}});
 }
@@ -91,10 +91,11 @@ struct Ranks {
 
 // A `world`-rank job of spawn_rank()s under epoch 6 of `run_id`, `max_steps` steps from the
 // newest checkpoint in `ckpt`; waits for every rank.
-Ranks run_ranks(int world, const std::string& run_id, const std::string& ckpt, int max_steps, const std::string& dir) {
+Ranks run_ranks(int world, const std::string& run_id, const std::string& ckpt, int max_steps, const std::string& dir,
+                const std::string& epoch = "6") {
   const std::string port = std::to_string(free_loopback_port());
   std::vector<Proc> procs;
-  for (int r = 0; r < world; ++r) procs.push_back(spawn_rank(r, world, port, "6", run_id, ckpt, max_steps, dir));
+  for (int r = 0; r < world; ++r) procs.push_back(spawn_rank(r, world, port, epoch, run_id, ckpt, max_steps, dir));
   Ranks ranks;
   for (auto& p : procs) {
     REQUIRE(p.wait(180s));
@@ -466,13 +467,25 @@ TEST_CASE("node-local checkpoint directories: the round resumes from the newest 
 // MGLAUNCH_RUN) cannot place its checkpoints among runs, so it orders them by step: rank 0's
 // own unfenced step 6 wins over rank 1's older run-stamped step 4. On main (7218327) every
 // start resumed from rank 1's step 4 ("none recorded" before any run).
-TEST_CASE("node-local checkpoint directories, a job without MGLAUNCH_RUN: the checkpoint with the most steps is resumed, not an older run-stamped one") {
+// Review s38 M5: with MGLAUNCH_EPOCH but no MGLAUNCH_RUN (an agent after #34, before #37)
+// the order is by epoch, then step: on main (787f061) rank 0's cut-off epoch-6 step 6 beat
+// rank 1's epoch-7 step 4 (by step alone), and the block below failed.
+TEST_CASE("node-local checkpoint directories, a job without MGLAUNCH_RUN: without an epoch the checkpoint with the most steps is resumed, not an older run-stamped one, and with one the newest epoch's") {
   const std::string dir = make_temp_dir(), c0 = dir + "/ckpt0", c1 = dir + "/ckpt1";
   REQUIRE(train("", c0, 6, dir + "/make.json").code == 0);
   REQUIRE(train("4", c1, 4, dir + "/make.json", "1700000000000-0000000000000a01").code == 0);
-  const Ranks ranks = run_ranks(2, "", dir + "/ckpt{rank}", 8, dir);
+  const Ranks ranks = run_ranks(2, "", dir + "/ckpt{rank}", 8, dir, "");
   check_trained_alike(ranks, 8, dir);
   CHECK_THAT(ranks.out[0], Catch::Contains("resumed from " + c0 + "/checkpoint.pt at step 6"));
+  {
+    INFO("epochs without runs: rank 1's epoch 7 at step 4 over rank 0's cut-off epoch 6 at step 6");
+    const std::string e = make_temp_dir(), e0 = e + "/ckpt0", e1 = e + "/ckpt1";
+    REQUIRE(train("6", e0, 6, e + "/make.json").code == 0);
+    REQUIRE(train("7", e1, 4, e + "/make.json").code == 0);
+    const Ranks by_epoch = run_ranks(2, "", e + "/ckpt{rank}", 8, e, "8");
+    check_trained_alike(by_epoch, 8, e);
+    CHECK_THAT(by_epoch.out[0], Catch::Contains("resumed from rank 1's checkpoint " + e1 + "/checkpoint.pt at step 4"));
+  }
 }
 
 // The ranks compare their checkpoints by the key files beside them (review of f1feec3: every

@@ -167,16 +167,34 @@ TEST_CASE("a run a checkpoint records as taken over ranks just below the run tha
   const std::string q = "1700000000000-01", r = "1700000000005-02", r2 = "1700000000009-03", t = "4102444800000-ff";
   const Supersessions taken{{t, r}};
   const CheckpointKey t_e3{t, 3, 900, ""}, r_e1{r, 1, 906, t}, r_e1_s2{r, 1, 2, t}, q_e9{q, 9, 950, ""}, r2_e1{r2, 1, 4, ""};
-  CHECK(older_checkpoint(t_e3, r_e1, taken, false));   // T's step 900 below R's step 906 (L3)
-  CHECK(older_checkpoint(t_e3, r_e1_s2, taken, false));  // and below any of R's
-  CHECK_FALSE(older_checkpoint(r_e1_s2, t_e3, taken, false));
-  CHECK(older_checkpoint(q_e9, t_e3, taken, false));   // above a run older than R
-  CHECK(older_checkpoint(t_e3, r2_e1, taken, false));  // below a later run without the flag (H1)
-  CHECK(older_checkpoint(r2_e1, t_e3, Supersessions{}, false));  // unrecorded: T is the newest
+  CHECK(older_checkpoint(t_e3, r_e1, taken, CheckpointOrder::kByRun));   // T's step 900 below R's step 906 (L3)
+  CHECK(older_checkpoint(t_e3, r_e1_s2, taken, CheckpointOrder::kByRun));  // and below any of R's
+  CHECK_FALSE(older_checkpoint(r_e1_s2, t_e3, taken, CheckpointOrder::kByRun));
+  CHECK(older_checkpoint(q_e9, t_e3, taken, CheckpointOrder::kByRun));   // above a run older than R
+  CHECK(older_checkpoint(t_e3, r2_e1, taken, CheckpointOrder::kByRun));  // below a later run without the flag (H1)
+  CHECK(older_checkpoint(r2_e1, t_e3, Supersessions{}, CheckpointOrder::kByRun));  // unrecorded: T is the newest
   // No run of its own (torchrun, an agent before #37): by step alone (M1).
   const CheckpointKey none_s500{"", -1, 500, ""}, r_e4_s100{r, 4, 100, ""};
-  CHECK(older_checkpoint(r_e4_s100, none_s500, Supersessions{}, true));
-  CHECK_FALSE(older_checkpoint(none_s500, r_e4_s100, Supersessions{}, true));
+  CHECK(older_checkpoint(r_e4_s100, none_s500, Supersessions{}, CheckpointOrder::kByStep));
+  CHECK_FALSE(older_checkpoint(none_s500, r_e4_s100, Supersessions{}, CheckpointOrder::kByStep));
+}
+
+// Review s38 M5: a job with MGLAUNCH_EPOCH but no MGLAUNCH_RUN (an agent after #34, before
+// #37) ordered by step alone (b3002f8), so on node-local directories a cut-off side's epoch-6
+// checkpoint at step 150 beat the majority's epoch-7 one at step 120 and stale training was
+// resumed. On main (787f061) the census passed by_step = no run, whatever the epoch.
+TEST_CASE("a job with an epoch but no run orders checkpoints by epoch, then step, and by step alone only with neither") {
+  CHECK(checkpoint_order(true, true) == CheckpointOrder::kByRun);
+  CHECK(checkpoint_order(false, true) == CheckpointOrder::kByEpoch);
+  CHECK(checkpoint_order(false, false) == CheckpointOrder::kByStep);
+  const CheckpointKey cut_off{"", 6, 150, ""}, majority{"", 7, 120, ""}, majority_s130{"", 7, 130, ""};
+  const auto epoch_only = checkpoint_order(false, true);
+  CHECK(older_checkpoint(cut_off, majority, Supersessions{}, epoch_only));
+  CHECK_FALSE(older_checkpoint(majority, cut_off, Supersessions{}, epoch_only));
+  CHECK(older_checkpoint(majority, majority_s130, Supersessions{}, epoch_only));
+  // Epoch first whatever the run (the lock, refuses(), compares epochs alone without a run too).
+  CHECK(older_checkpoint(CheckpointKey{"1700000000005-02", 3, 400, ""}, majority, Supersessions{}, epoch_only));
+  CHECK(older_checkpoint(CheckpointKey{"", -1, 900, ""}, majority, Supersessions{}, epoch_only));  // torchrun's: none
 }
 
 TEST_CASE("a run's time against this host's clock, and --checkpoint-take-over takes a run (MS-HEX) or is exit 2") {

@@ -515,11 +515,12 @@ Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& 
     if (!fresh && run_before(it->second, key.run)) it->second = key.run;
   }
   if (!fence.run.empty() && !fence.take_over.empty()) taken[fence.take_over] = fence.run;
+  const CheckpointOrder order = checkpoint_order(!fence.run.empty(), fence.epoch.has_value());
   r = rows.data_ptr<std::int64_t>();
   for (int k = 0; k < world; ++k, r += kRow) {
     if (r[0] != kPresent) continue;
     const auto& key = keys[static_cast<std::size_t>(k)];
-    if (out.rank < 0 || older_checkpoint(out.key, key, taken, fence.run.empty())) out.rank = k, out.key = key;
+    if (out.rank < 0 || older_checkpoint(out.key, key, taken, order)) out.rank = k, out.key = key;
   }
   if (const auto it = taken.find(fence.run); !fence.run.empty() && it != taken.end()) out.taken_by = it->second;
   return out;

@@ -207,8 +207,13 @@ std::int64_t run_ahead_ms(const std::string& run, std::int64_t now_ms) {
   return ms - now_ms;
 }
 
-bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const Supersessions& taken, bool by_step) {
-  if (by_step) return a.step < b.step;
+CheckpointOrder checkpoint_order(bool has_run, bool has_epoch) {
+  return has_run ? CheckpointOrder::kByRun : has_epoch ? CheckpointOrder::kByEpoch : CheckpointOrder::kByStep;
+}
+
+bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const Supersessions& taken, CheckpointOrder order) {
+  if (order == CheckpointOrder::kByStep) return a.step < b.step;
+  if (order == CheckpointOrder::kByEpoch) return std::tie(a.epoch, a.step) < std::tie(b.epoch, b.step);
   // A superseded run stands just below the run that took it over: compared as that run, and below it.
   const auto placed = [&](const CheckpointKey& k) {
     const auto it = taken.find(k.run);
@@ -226,7 +231,7 @@ bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const Supe
 bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const std::string& run, const std::string& take_over) {
   Supersessions taken;
   if (!run.empty() && !take_over.empty()) taken[take_over] = run;
-  return older_checkpoint(a, b, taken, false);
+  return older_checkpoint(a, b, taken, CheckpointOrder::kByRun);
 }
 
 Env read_env(const std::map<std::string, std::string>& vars) {

@@ -102,9 +102,13 @@ using Supersessions = std::map<std::string, std::string>;
 // Whether checkpoint `a` holds older training than `b`: by run first (none recorded before
 // any run; then run_before, a run in `taken` placed just below the run that took it over),
 // then by epoch, then by step. The fence's order: an older run's checkpoint is older than any
-// of a newer run's, whatever its epoch and step. `by_step`: by step alone (a job with no run
-// of its own, torchrun or an agent before #37: its runs and epochs cannot be placed).
-bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const Supersessions& taken, bool by_step);
+// of a newer run's, whatever its epoch and step (kByRun). A job with no run of its own cannot
+// place runs: with an epoch (an agent after #34, before #37) by epoch, then step, whatever the
+// run (kByEpoch: a cut-off side's higher step of an older epoch loses, review s38 M5); with
+// neither (torchrun, an older agent) by step alone (kByStep).
+enum class CheckpointOrder { kByRun, kByEpoch, kByStep };
+CheckpointOrder checkpoint_order(bool has_run, bool has_epoch);
+bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const Supersessions& taken, CheckpointOrder order);
 // The same for a writer of run `run` that takes over run `take_over` (empty: none).
 bool older_checkpoint(const CheckpointKey& a, const CheckpointKey& b, const std::string& run = {},
                       const std::string& take_over = {});

@@ -93,8 +93,10 @@ nlohmann::json json_of(const JobEvent& e) {
   if (!e.addr.empty()) j["addr"] = e.addr;
   if (!e.agent.empty()) j["agent"] = e.agent;
   if (!e.run.empty() && (e.kind == K::kCreated || e.kind == K::kRoundStarted || e.kind == K::kTakeover ||
-                         (e.kind == K::kJoined && e.how == "re-registered")))
+                         (e.kind == K::kJoined && e.how == "re-registered"))) {
     j["run"] = e.run;
+    if (e.epoch > 0) j["epoch"] = e.epoch;
+  }
   switch (e.kind) {
     case K::kCreated:
       j["min_nodes"] = e.min_nodes;
@@ -146,7 +148,10 @@ JobEvent& Job::emit(JobEvent::Kind kind, const proto::Join* n) {
   e.round = round_;
   e.restart_count = restart_count_;
   e.max_restarts = config_.max_restarts;
-  e.run = run_;
+  if (!run_open_) {  // a run not settled is not journaled (review s38-late M2)
+    e.run = run_;
+    e.epoch = epoch_;
+  }
   if (n) {
     e.host = n->host;
     e.addr = n->addr;
@@ -284,7 +289,6 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
     if (j.resume_round > 0) {
       e.how = "re-registered";
       e.round = j.resume_round;
-      if (!j.run.empty()) e.run = j.run;  // the round it rebuilds (rebuild_run())
     }
   } else if (j.min_nodes != config_.min_nodes || j.max_nodes != config_.max_nodes) {
     return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' runs with --nnodes={}:{}, this node asked for {}:{}",

@@ -152,7 +152,10 @@ struct JobEvent {
   std::string how, cause, why, replaces;
   // The job's run (Job::run()); in the json of kCreated, kRoundStarted, kTakeover and a
   // re-registered kJoined, so that a restarted daemon's --state-dir keeps it (review s38 M1).
+  // Not while the run is open (Job::open_run(): not yet settled, review s38-late M2). With
+  // the run, its epoch (Job::epoch(): the highest the job has seen), review s38-late H1.
   std::string run;
+  int epoch = 0;
 
   static constexpr std::size_t kListedMembers = 8;
 };
@@ -226,6 +229,11 @@ class Job {
   // it too. An agent's server (quorum) keeps its own: it never restarts.
   void open_run() {
     if (!quorum_) run_open_ = true;
+  }
+  // The epoch a restarted daemon's --state-dir journal holds with the job's run: its next
+  // round is one on, also for fresh joins that name no epoch (a Slurm requeue's; review s38-late H1).
+  void seed_epoch(int epoch) {
+    if (epoch > epoch_) epoch_ = last_round_epoch_ = epoch;
   }
   // Sets the run of a Job made without one (the etcd replay: its log's first record's).
   void set_run(std::string run) {

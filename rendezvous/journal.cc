@@ -49,7 +49,11 @@ void fold_event(nlohmann::json& s, const nlohmann::json& e) {
     if (e.contains(k) && e[k].is_number_integer()) s[k] = e[k];
   if (kind == "created" && e.contains("unix_ms")) s["created_unix_ms"] = e["unix_ms"];
   // The job's run, kept across a restart (Server::job_of() seeds its Job with it, review s38 M1).
-  if (e.contains("run") && e["run"].is_string()) s["run"] = e["run"];
+  // With it, its epoch (the next round is one on, review s38-late H1).
+  if (e.contains("run") && e["run"].is_string()) {
+    s["run"] = e["run"];
+    s["epoch"] = e.value("epoch", 0);
+  }
   if (rebuilt) s["state"] = "running";  // a restarted daemon rebuilds the round its nodes re-registered
   if (kind == "round_started") {
     s["state"] = "running";
@@ -61,6 +65,10 @@ void fold_event(nlohmann::json& s, const nlohmann::json& e) {
     s["world_size"] = e.value("world_size", 0);
   } else if (kind == "restart" || kind == "takeover") {
     s["state"] = "restarting";
+  } else if (kind == "forgotten") {
+    // The daemon dropped a job that never ended (nobody connected: its agents killed, a
+    // scancel, a preemption): it ended, and its id used again is a new run (review s38-late H1).
+    s["state"] = kind;
   } else if (kind == "done" || kind == "failed") {
     s["state"] = kind;
     for (auto& n : s["nodes"]) n["status"] = kind;

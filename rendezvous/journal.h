@@ -6,9 +6,11 @@
 // It is history, not state: a running job is rebuilt from its re-registering agents as
 // without a journal (rendezvous/job.h), since they, not the journal, know how far it got
 // while the daemon was down; the job's new events go on in the same journal. One thing
-// is kept: the job's run ("run" of its created, round_started, takeover and re-registered
-// events), which a restarted daemon's Job of a job that has not ended goes on with
-// (rdzv::Server::job_of(), review s38 M1).
+// is kept: the job's run and epoch ("run", "epoch" of its created, round_started, takeover
+// and re-registered events, once the run is settled), which a restarted daemon's Job of a job
+// that has not ended goes on with, one epoch on (rdzv::Server::job_of(), review s38 M1,
+// s38-late H1). A job the daemon drops without an end (Server::forget(): nobody connected)
+// gets a "forgotten" event, an end like done and failed: its id used again is a new run.
 //
 //   DIR/journal.jsonl    append-only; fdatasync'd after each event that changes a job's state
 //                        (created, round started, node lost, restart, promoted, takeover, done,

@@ -126,21 +126,24 @@ Job& Server::job_of(const std::string& job_id) {
   // The run is minted here, once per Job (#37): a takeover's seed and a rebuild's joins
   // replace it with the run the job ran. A daemon keeps a job's run across its restart: the
   // --state-dir journal's, for a job it holds that has not ended; else the run is open
-  // (Job::open_run(): the first round takes its nodes', review s38 M1). An id used again
-  // after its job ended is a new run.
+  // (Job::open_run(): the first round takes its nodes', review s38 M1), at the journal's
+  // epoch. An id used again after its job ended (done, failed, forgotten) is a new run.
   std::string run = new_run();
   bool known = false;
+  int epoch = 0;
   if (opts_.journal)
     if (const auto h = opts_.journal->jobs().find(job_id); h != opts_.journal->jobs().end()) {
       const auto state = h->second.summary.value("state", "");
-      known = state == "done" || state == "failed";
+      known = state == "done" || state == "failed" || state == "forgotten";
       if (const auto was = h->second.summary.value("run", ""); !known && proto::run_problem(was).empty() && !was.empty()) {
         run = was;
         known = true;
+        epoch = h->second.summary.value("epoch", 0);
       }
     }
   Job& job = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), std::move(run)).first->second;
   if (!known) job.open_run();
+  job.seed_epoch(epoch);  // its next round is one on (review s38-late H1)
   return job;
 }
 
@@ -571,7 +574,14 @@ void Server::check_deadlines(Clock::time_point now) {
   }
 }
 
-void Server::forget(std::map<std::string, Job>::iterator job) {
+void Server::forget(std::map<std::string, Job>::iterator job, const std::string& why) {
+  if (!why.empty()) log(why, {{"event", "log"}, {"job", job->first}});
+  // A job that never ended (all its agents killed, scancel, preemption) ends here, in the
+  // journal too: its id used again (a Slurm requeue) is a new run, not this one at epoch 1
+  // (review s38-late H1; job_of()).
+  if (opts_.journal && !job->second.finished())
+    opts_.journal->record({{"event", "forgotten"}, {"job", job->first}, {"text", proto::printable(why)},
+                           {"unix_ms", events_.empty() ? 0 : events_.back().unix_ms}});
   forgotten_disconnects_ += static_cast<std::uint64_t>(job->second.disconnects());
   forgotten_missed_heartbeats_ += static_cast<std::uint64_t>(job->second.missed_heartbeats());
   jobs_.erase(job);
@@ -681,13 +691,12 @@ void Server::tick() {
       if (it->second.finished() && idle > std::chrono::seconds(60)) {
         forget(it++);  // keep finished jobs a minute for late re-joins to be told
       } else if (!attended.contains(it->first) && idle > opts_.orphan_job_expiry) {
-        log(fmt::format("job '{}' forgotten: nobody connected for {} s", it->first, opts_.orphan_job_expiry.count() / 1000),
-            {{"event", "log"}, {"job", it->first}});
-        forget(it++);
+        auto why = fmt::format("job '{}' forgotten: nobody connected for {} s", it->first,
+                               opts_.orphan_job_expiry.count() / 1000);
+        forget(it++, why);
       } else if (idle > opts_.idle_job_expiry) {
-        log(fmt::format("job '{}' expired after {} s idle", it->first, opts_.idle_job_expiry.count() / 1000),
-            {{"event", "log"}, {"job", it->first}});
-        forget(it++);
+        auto why = fmt::format("job '{}' expired after {} s idle", it->first, opts_.idle_job_expiry.count() / 1000);
+        forget(it++, why);
       } else {
         ++it;
       }

@@ -121,7 +121,9 @@ class Server {
   void admit_socket(boost::asio::ip::tcp::socket socket, const boost::asio::ip::tcp::endpoint& peer);
   bool admit(const std::string& address);
   void refused(const char* reason) { ++refused_[reason]; }
-  void forget(std::map<std::string, Job>::iterator job);
+  // Drops a job; `why` (logged) says why one that did not end is dropped, which the journal
+  // records as its end ("forgotten").
+  void forget(std::map<std::string, Job>::iterator job, const std::string& why = {});
   void on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
   // Logs `why` (after the peer's address with `name_peer`), sends it as an Error and closes.

@@ -1294,6 +1294,52 @@ TEST_CASE("run: a restarted daemon orders the runs its nodes re-register by thei
   }
 }
 
+TEST_CASE("run: a restarted daemon's Job seeded from its journal with run and epoch runs fresh joins that name neither "
+          "one epoch on and a Job whose run is open journals no run until a round settles it (review s38-late H1 and M2)") {
+  SECTION("seeded: run R at epoch 5, a requeue's fresh join -> (R, 6), and its events carry the epoch") {
+    Job job("job", false, kThisRun);
+    job.seed_epoch(5);
+    job.take_events();
+    const auto out = of_type(job.join(1, node("127.0.0.1", 1, 1), T0), MsgType::kAssignment);
+    REQUIRE(out.size() == 1);
+    const auto a = decoded<proto::Assignment>(out[0]);
+    CHECK(a.run == kThisRun);
+    CHECK(a.epoch == 6);  // before: 1, which mgtrain's same-run fence refuses (exit 4)
+    bool journaled = false;
+    for (const auto& e : job.take_events())
+      if (e.kind == JobEvent::Kind::kRoundStarted) {
+        const auto j = json_of(e);
+        CHECK(j.value("run", "") == kThisRun);
+        CHECK(j.value("epoch", 0) == 6);
+        journaled = true;
+      }
+    CHECK(journaled);
+  }
+  SECTION("open: the created event names no run; the round_started event names the run its nodes settled") {
+    Job job("job", false, "1500000000000-00000000000000cd");
+    job.open_run();
+    auto j1 = node("127.0.0.1", 1, 1);
+    j1.run = kThisRun;
+    j1.epoch = 7;
+    j1.last_group_rank = 0;
+    job.join(1, j1, T0);
+    bool created = false, started = false;
+    for (const auto& e : job.take_events()) {
+      const auto j = json_of(e);
+      if (e.kind == JobEvent::Kind::kCreated) {
+        created = true;
+        CHECK(!j.contains("run"));  // before: the daemon's provisional run
+      } else if (e.kind == JobEvent::Kind::kRoundStarted) {
+        started = true;
+        CHECK(j.value("run", "") == kThisRun);
+        CHECK(j.value("epoch", 0) == 8);
+      }
+    }
+    CHECK(created);
+    CHECK(started);
+  }
+}
+
 TEST_CASE("quorum: a node that took the job over hears a majority until its takeover's deadline, while its survivors "
           "may still be searching: its shortfall (and its agent's seeking) counts from there (review s38, 3)") {
   Job job("job", true);

@@ -258,18 +258,38 @@ TEST_CASE("a server's welcome names its job's last round (last_round_epoch), the
   server.stop();
 }
 
+// Sends `join` (after its Hello) on a new connection to `server`, kept in `fds`.
+void send_join(rdzv::Server& server, Fds& fds, const proto::Join& join) {
+  fds.fds.push_back(connect_blocking(server.port()));
+  for (const auto& f : {proto::to_frame(proto::Hello{join.agent_id, join.job_id, std::string(64, 'a')}), proto::to_frame(join)}) {
+    const auto bytes = bytes_of(f);
+    send_all(fds.fds.back(), bytes.data(), bytes.size());
+  }
+}
+
+// send_join(), then the Assignment it gets (none within 30 s fails the test).
+proto::Assignment assignment_of(asio::io_context& io, rdzv::Server& server, Fds& fds, const proto::Join& join) {
+  send_join(server, fds, join);
+  const auto frame = await_frame(io, fds.fds.back(), proto::MsgType::kAssignment);
+  REQUIRE(frame);
+  return proto::from_frame<proto::Assignment>(*frame);
+}
+
 // Review s38 M1: a daemon restarted while its job's nodes were between rounds hears only their
 // fresh joins (no round to rebuild). It keeps the job's run from its --state-dir journal, so
 // MGLAUNCH_RUN does not change in the middle of the job (a run minted on a clock behind the
-// old daemon's would make mgtrain refuse every rank's writes, exit 4).
-TEST_CASE("a daemon restarted between rounds keeps its job's run from --state-dir: the next round is that run, one epoch on") {
+// old daemon's would make mgtrain refuse every rank's writes, exit 4), and the run's epoch
+// (review s38-late H1): a fresh join that names no run and no epoch (a Slurm requeue's agent)
+// runs one epoch on, not at epoch 1, where mgtrain's same-run fence refuses its writes.
+TEST_CASE("a daemon restarted between rounds keeps its job's run and epoch from --state-dir: the next round is that run, "
+          "one epoch on, also for joins that name neither (review s38-late H1)") {
   const std::string dir = make_temp_dir();
   const std::string run = "1764500000000-0123456789abcdef";  // minted by the daemon before the restart
   {
     std::string warning;
     rdzv::Journal before(dir, warning);
     before.record({{"event", "created"}, {"job", "kept"}, {"how", "new"}, {"run", run}, {"unix_ms", 1}});
-    before.record({{"event", "round_started"}, {"job", "kept"}, {"round", 3}, {"run", run}, {"unix_ms", 2}});
+    before.record({{"event", "round_started"}, {"job", "kept"}, {"round", 3}, {"run", run}, {"epoch", 5}, {"unix_ms", 2}});
     before.record({{"event", "restart"}, {"job", "kept"}, {"round", 3}, {"unix_ms", 3}});
   }
   asio::io_context io(1);
@@ -278,21 +298,53 @@ TEST_CASE("a daemon restarted between rounds keeps its job's run from --state-di
   so.journal = std::make_shared<rdzv::Journal>(dir, warning);
   rdzv::Server server(io, so);
   Fds fds;
-  fds.fds.push_back(connect_blocking(server.port()));
-  auto join = sim_join("kept", 1, 1, "127.0.0.1");
-  join.run = run;
-  join.epoch = 5;
-  join.last_group_rank = 0;
-  for (const auto& f : {proto::to_frame(proto::Hello{"sim-1", "kept", std::string(64, 'a')}), proto::to_frame(join)}) {
-    const auto bytes = bytes_of(f);
-    send_all(fds.fds.back(), bytes.data(), bytes.size());
-  }
-  const auto frame = await_frame(io, fds.fds.back(), proto::MsgType::kAssignment);
-  REQUIRE(frame);
-  const auto a = proto::from_frame<proto::Assignment>(*frame);
-  CHECK(a.run == run);  // before: the restarted daemon's own new run
+  const auto a = assignment_of(io, server, fds, sim_join("kept", 1, 1, "127.0.0.1"));  // names no run, no epoch
+  CHECK(a.run == run);  // before 4a50e25 (and with no journal seed): the restarted daemon's own new run
   CHECK(a.epoch == 6);  // before: 1
   server.stop();
+}
+
+// Review s38-late H1: a job whose agents all went away without an end (killed, scancel,
+// preemption) is forgotten by the daemon (orphan expiry); the journal records that it ended,
+// so the same id used again (a Slurm requeue), here after a daemon restart, is a new run.
+TEST_CASE("a job the daemon forgot (nobody connected) ended in its --state-dir journal: its id used again after a "
+          "restart is a new run from epoch 1 (review s38-late H1)") {
+  const std::string dir = make_temp_dir();
+  std::string warning;
+  auto journal = std::make_shared<rdzv::Journal>(dir, warning);
+  rdzv::ServerOptions so;
+  so.journal = journal;
+  so.orphan_job_expiry = std::chrono::milliseconds(1);
+  so.tick = std::chrono::milliseconds(10);
+  std::string run;
+  {
+    asio::io_context io(1);
+    rdzv::Server server(io, so);
+    Fds fds;
+    for (int i = 1; i <= 2; ++i) {
+      auto join = sim_join("requeued", i, 2, "127.0.0.1");
+      join.max_restarts = 3;  // a loss leaves it restarting, not failed
+      send_join(server, fds, join);
+    }
+    const auto frame = await_frame(io, fds.fds.back(), proto::MsgType::kAssignment);
+    REQUIRE(frame);
+    run = proto::from_frame<proto::Assignment>(*frame).run;
+    REQUIRE(!run.empty());
+    for (int fd : fds.fds) ::close(fd);  // every agent gone (killed, scancel, preemption): no Done, no failure
+    fds.fds.clear();
+    const auto state = [&] { return journal->jobs().at("requeued").summary.value("state", ""); };
+    for (int i = 0; i < 3000 && state() != "forgotten"; ++i) io.run_for(std::chrono::milliseconds(10));
+    CHECK(state() == "forgotten");  // before: "running", and the run was kept
+    server.stop();
+  }
+  so.orphan_job_expiry = std::chrono::milliseconds(60000);
+  asio::io_context io(1);
+  rdzv::Server restarted(io, so);
+  Fds fds;
+  const auto a = assignment_of(io, restarted, fds, sim_join("requeued", 1, 1, "127.0.0.1"));
+  CHECK(a.run != run);  // before: the forgotten run, at epoch 1, whose checkpoints' locks refuse it
+  CHECK(a.epoch == 1);
+  restarted.stop();
 }
 
 TEST_CASE("an agent refused by a host that does not listen yet retries within milliseconds at first, then backs off to 500 ms") {

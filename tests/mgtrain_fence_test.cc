@@ -67,7 +67,7 @@ Result train(const std::string& epoch, const std::string& ckpt, int max_steps, c
 // `epoch` and `run_id`: `max_steps` steps from the newest checkpoint in `ckpt` ({rank}: one
 // directory per rank, as node-local ones), its summary and error file in `dir`.
 Proc spawn_rank(int rank, int world, const std::string& port, const std::string& epoch, const std::string& run_id,
-                const std::string& ckpt, int max_steps, const std::string& dir) {
+                const std::string& ckpt, int max_steps, const std::string& dir, const std::string& census_version = "") {
   auto extra = kShort;
   extra.insert(extra.end(), {"--max-steps", std::to_string(max_steps), "--timeout", "60", "--summary-json",
                              dir + "/s{rank}.json"});
@@ -78,6 +78,7 @@ Proc spawn_rank(int rank, int world, const std::string& port, const std::string&
                                       {"MASTER_PORT", port},
                                       {"MGLAUNCH_EPOCH", epoch.empty() ? kUnset : epoch},
                                       {"MGLAUNCH_RUN", run_id.empty() ? kUnset : run_id},
+                                      {"MGTRAIN_TEST_CENSUS_VERSION", census_version.empty() ? kUnset : census_version},
                                       {"TORCHELASTIC_ERROR_FILE", dir + "/error" + std::to_string(rank) + ".json"}});
 }
 
@@ -485,6 +486,25 @@ TEST_CASE("node-local checkpoint directories, a job without MGLAUNCH_RUN: withou
     const Ranks by_epoch = run_ranks(2, "", e + "/ckpt{rank}", 8, e, "8");
     check_trained_alike(by_epoch, 8, e);
     CHECK_THAT(by_epoch.out[0], Catch::Contains("resumed from rank 1's checkpoint " + e1 + "/checkpoint.pt at step 4"));
+  }
+}
+
+// Review s38 M3: the census and resume collectives changed shape (b3002f8) with nothing to
+// check that every rank runs one build; a mixed job then threw (gloo) or hung (NCCL). Ranks
+// now compare a census version first (MGTRAIN_TEST_CENSUS_VERSION stands in for an other
+// build, test-only). On main (ce5786e) both ranks trained and exited 0.
+TEST_CASE("ranks whose census versions differ (different mgtrain builds) all stop with exit 3 in one line before the census") {
+  const std::string dir = make_temp_dir();
+  const std::string port = std::to_string(free_loopback_port());
+  std::vector<Proc> procs;
+  for (int r = 0; r < 2; ++r)
+    procs.push_back(spawn_rank(r, 2, port, "6", "", dir + "/ckpt{rank}", 4, dir, r == 1 ? "1" : ""));
+  for (auto& p : procs) {
+    REQUIRE(p.wait(180s));
+    INFO(p.out() << p.err());
+    CHECK(p.exit_code() == 3);
+    CHECK_THAT(p.err(), Catch::Contains("ranks run different mgtrain builds (census version 1 and 2): use one "
+                                        "mglaunch/mgtrain release on every node"));
   }
 }
 

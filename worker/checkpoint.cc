@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -473,11 +474,38 @@ std::string get_run(const std::int64_t* at) {
                      static_cast<std::size_t>(std::clamp<std::int64_t>(at[0], 0, 8 * kRunLongs)));
 }
 
+// The shape of the census and resume collectives (kRow, the slots below). Raise it whenever
+// they change: ranks of different builds then stop at check_census_version(), not in a
+// collective of another size (gloo throws, NCCL hangs; review s38 M3). An mgtrain before this
+// check has no such step, so one of those beside a newer one still mismatches there.
+constexpr std::int64_t kCensusVersion = 2;
+
+// Every rank learns the lowest and highest census version among the ranks (one MAX all-reduce
+// of {v, -v}); on a mismatch every rank throws SetupError (exit 3). MGTRAIN_TEST_CENSUS_VERSION
+// replaces this rank's version: for tests only.
+void check_census_version(const Comm& comm) {
+  std::int64_t mine = kCensusVersion;
+  if (const char* v = std::getenv("MGTRAIN_TEST_CENSUS_VERSION"); v != nullptr && *v != 0)
+    std::from_chars(v, v + std::strlen(v), mine);
+  auto t = torch::tensor({mine, -mine}, torch::kLong).to(comm.device);
+  std::vector<torch::Tensor> v{t};
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp::MAX;
+  wait_work(comm.pg->allreduce(v, max));
+  t = t.to(torch::kCPU);
+  const std::int64_t high = t[0].item<std::int64_t>(), low = -t[1].item<std::int64_t>();
+  if (high != low)
+    throw SetupError(fmt::format("ranks run different mgtrain builds (census version {} and {}): use one "
+                                 "mglaunch/mgtrain release on every node",
+                                 low, high));
+}
+
 }  // namespace
 
 Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence) {
   Newest out;
   if (dir.empty()) return out;
+  if (comm.distributed()) check_census_version(comm);
   CheckpointKey mine;
   std::string error;
   const Census held = read_key(dir, mine, error);

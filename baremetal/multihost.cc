@@ -329,8 +329,11 @@ std::vector<std::string> OpenSshRunner::argv(const std::string& host, const std:
 
 std::vector<std::string> LocalShellRunner::argv(const std::string& host, const std::string& remote_command) const {
   if (std::find(unreachable_.begin(), unreachable_.end(), host) != unreachable_.end())
-    return {"/bin/sh", "-c",  // as OpenSSH writes it: CRLF
-            fmt::format("printf 'ssh: connect to host {} port 22: Connection refused\\r\\n' >&2; exit 255", host)};
+    // As OpenSSH writes it (CRLF), but the line reaches the pipe after ssh's exit is
+    // reaped (a child writes it 0.2 s later): the race a loaded machine makes, made certain.
+    return {"/bin/sh", "-c",
+            fmt::format("(sleep 0.2; printf 'ssh: connect to host {} port 22: Connection refused\\r\\n' >&2) & exit 255",
+                        host)};
   return {"/bin/sh", "-c", remote_command};
 }
 
@@ -458,7 +461,8 @@ constexpr std::chrono::seconds kReapAfterKill{2};  // the end reaps SIGKILLed ss
 }  // namespace
 
 struct Fanout::Host {
-  explicit Host(asio::io_context& io) : in(io), pipes{asio::readable_pipe(io), asio::readable_pipe(io)} {}
+  explicit Host(asio::io_context& io)
+      : in(io), pipes{asio::readable_pipe(io), asio::readable_pipe(io)}, stderr_end(io) {}
   HostCommand cmd;
   asio::writable_pipe in;
   std::array<asio::readable_pipe, 2> pipes;
@@ -469,6 +473,9 @@ struct Fanout::Host {
   std::array<bool, 2> open{false, false};
   pid_t pid = -1;  // ours to reap (Timers::children), its own process group
   bool exited = false;
+  // ssh's exit status once reaped; its end is handled when its stderr ends (or stderr_end fires).
+  std::optional<int> reaped;
+  asio::steady_timer stderr_end;
   bool done = false;
   bool saw_output = false;  // the agent printed something: ssh got through
   int code = 0;
@@ -501,10 +508,10 @@ Fanout::~Fanout() {
   // tracer first), cannot be reaped yet; it is left behind, named, after 2 s for them all (#36).
   const auto deadline = std::chrono::steady_clock::now() + kReapAfterKill;
   for (auto& h : hosts_)
-    if (h->pid > 0 && !h->exited) ::killpg(h->pid, SIGKILL);
+    if (h->pid > 0 && !h->exited && !h->reaped) ::killpg(h->pid, SIGKILL);
   for (auto& h : hosts_) {
     int status = 0;
-    if (h->pid > 0 && !h->exited && !reap_by(h->pid, deadline, status))
+    if (h->pid > 0 && !h->exited && !h->reaped && !reap_by(h->pid, deadline, status))
       notice(fmt::format("the ssh of host {} (pid {}) could not be reaped within {} s of SIGKILL (state D, or traced "
                          "by another process): left behind",
                          h->cmd.host.host, h->pid, kReapAfterKill.count()));
@@ -601,13 +608,13 @@ void Fanout::spawn_host(Host& h, const std::string& exe, const char* const* envp
 void Fanout::reap() {
   bool running = false;
   for (auto& h : hosts_) {
-    if (h->pid <= 0 || h->exited) continue;
+    if (h->pid <= 0 || h->exited || h->reaped) continue;
     int status = 0;
     pid_t r;
     while ((r = ::waitpid(h->pid, &status, WNOHANG)) < 0 && errno == EINTR) {
     }
-    if (r == h->pid) on_host_exit(*h, status);
-    else if (r < 0) on_host_exit(*h, 255 << 8);  // not ours to reap after all (ECHILD): count it as lost
+    if (r == h->pid) ssh_ended(*h, status);
+    else if (r < 0) ssh_ended(*h, 255 << 8);  // not ours to reap after all (ECHILD): count it as lost
     else running = true;
   }
   if (running && !waiting_children_) {
@@ -617,6 +624,18 @@ void Fanout::reap() {
       if (!ec) reap();
     });
   }
+}
+
+// ssh says why it could not connect on its stderr, which may still hold that line when its
+// exit is reaped: the exit is handled when that pipe ends, so the error line names the
+// reason (#38), or after a second (a grandchild may hold the pipe open).
+void Fanout::ssh_ended(Host& h, int status) {
+  h.reaped = status;
+  if (!h.open[1]) return on_host_exit(h, status);
+  h.stderr_end.expires_after(std::chrono::seconds(1));
+  h.stderr_end.async_wait([this, hp = &h](boost::system::error_code ec) {
+    if (!ec && !hp->exited) on_host_exit(*hp, *hp->reaped);
+  });
 }
 
 void Fanout::read_more(Host* hp, int s) {
@@ -634,6 +653,10 @@ void Fanout::read_more(Host* hp, int s) {
     hp->open[s] = false;
     boost::system::error_code ignored;
     hp->pipes[s].close(ignored);
+    if (s == 1 && hp->reaped && !hp->exited) {
+      hp->stderr_end.cancel();
+      return on_host_exit(*hp, *hp->reaped);
+    }
     if (hp->exited && !hp->open[0] && !hp->open[1]) maybe_done();
   });
 }
@@ -723,7 +746,7 @@ void Fanout::stop_all(const std::string& why) {
     if (ec) return;
     notice("hosts still running after the grace period: closing their ssh connections");
     for (auto& h : hosts_)
-      if (!h->exited) ::killpg(h->pid, SIGKILL);
+      if (!h->exited && !h->reaped) ::killpg(h->pid, SIGKILL);
   });
 }
 
@@ -752,7 +775,7 @@ void Fanout::wait_signal() {
     if (sig == SIGINT && ++interrupts_ >= 2) {
       notice("second interrupt: closing every ssh connection now");
       for (auto& h : hosts_)
-        if (!h->exited) ::killpg(h->pid, SIGKILL);
+        if (!h->exited && !h->reaped) ::killpg(h->pid, SIGKILL);
     } else {
       notice(fmt::format("got signal {}: stopping the agents on every host", sig));
       stop_all("");

@@ -188,6 +188,7 @@ class Fanout {
   void reap();
   void read_more(Host* h, int s);
   void relay(Host& h, int s, std::string_view line, bool cut);
+  void ssh_ended(Host& h, int status);
   void on_host_exit(Host& h, int code);
   void maybe_done();
   void wait_signal();

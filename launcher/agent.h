@@ -215,6 +215,7 @@ class Agent {
   // link's job_hosts()), its time refreshed every keep-alive interval, removed when the
   // job's end was heard from the rendezvous.
   void load_job_record();
+  void end_recall();
   void remember_job(int epoch, const std::string& run);
   void refresh_job_record();
   void recall_job();  // after the link is made: hands it the record's hosts

@@ -264,8 +264,9 @@ void Agent::start_rendezvous() {
   rdzv::ClientHandlers h;
   h.on_assignment = [this](const proto::Assignment& a) {
     guarded([&] {
-      remember_job(a.epoch, a.run);
+      end_recall();
       on_assignment(a);
+      remember_job(a.epoch, a.run);  // after the workers start: the record's fsync is off the restart's path
     });
   };
   // During the preflight check the rendezvous' word waits for its verdict (a node that
@@ -283,8 +284,9 @@ void Agent::start_rendezvous() {
   h.on_done = [this, after_preflight] { after_preflight([this] { run(core_.rendezvous_done(now())); }); };
   h.on_standby = [this](const proto::Standby& s) {
     guarded([&] {
-      remember_job(s.epoch, s.run);
+      end_recall();
       run(core_.standby(s, now()));
+      remember_job(s.epoch, s.run);
       if (opts_.prestart_standby)
         run_prestart(prestart_.begin(core_.is_standby() && core_.state() == sup::State::kWaiting, control_ != nullptr,
                                      now()));
@@ -367,11 +369,14 @@ void Agent::recall_job() {
   client_->recall(recalled_->hosts, recalled_->run, now().steady + wait, recalled_->epoch);
 }
 
-void Agent::remember_job(int epoch, const std::string& run) {
+void Agent::end_recall() {
   // A recall under way ends with an assignment or standby: the job was found where it runs,
   // so this agent never hosts it at the endpoint (review s38 L4: the recall's block on
   // host_rendezvous() was never lifted; now it is, and hosting is decided: not here).
   if (std::exchange(recall_pending_, false)) hosting_decided_ = true;
+}
+
+void Agent::remember_job(int epoch, const std::string& run) {
   if (record_dir_.empty() || !client_ || run.empty()) return;
   JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address

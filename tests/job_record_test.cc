@@ -17,7 +17,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kEndpoint = "c10d localhost:29500";
+// Ports picked at run time (never a well-known one), though nothing here opens a socket.
+const int kPort = mgtest::free_loopback_port();
+const std::string kEndpoint = "c10d localhost:" + std::to_string(kPort);
 
 JobRecord sample(const std::string& job = "job7", const std::string& node = "127.0.0.2@hostA") {
   JobRecord r;
@@ -26,7 +28,7 @@ JobRecord sample(const std::string& job = "job7", const std::string& node = "127
   r.endpoint = kEndpoint;
   r.run = "1764500000000-0123456789abcdef";
   r.epoch = 131075;
-  r.hosts = {{"127.0.0.2", 29400}, {"127.0.0.3", 40001}, {"127.0.0.4", 40002}};
+  r.hosts = {{"127.0.0.2", kPort}, {"127.0.0.3", kPort + 1}, {"127.0.0.4", kPort + 2}};
   return r;
 }
 
@@ -37,7 +39,7 @@ TEST_CASE("the record directory: MGLAUNCH_RECORD_DIR, else XDG_RUNTIME_DIR/mglau
   CHECK(job_record_dir("", "/run/user/1000", 1000) == "/run/user/1000/mglaunch");
   CHECK(job_record_dir("", "", 1000) == "/tmp/mglaunch-1000");
   CHECK(node_identity("127.0.0.2", "hostA") == "127.0.0.2@hostA");
-  CHECK(job_endpoint("c10d", "localhost:29500") == "c10d localhost:29500");
+  CHECK(job_endpoint("c10d", "localhost:" + std::to_string(kPort)) == kEndpoint);
 }
 
 TEST_CASE("a record is written whole (0600, in a directory made 0700) and read back for its job and node only") {
@@ -67,7 +69,7 @@ TEST_CASE("a record is written whole (0600, in a directory made 0700) and read b
   // "none" on one machine, review M1): another file, never this one.
   CHECK(job_record_path(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600") != path);
   CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600", &why));
-  CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", "static localhost:29500", &why));
+  CHECK(!read_job_record(dir, "job7", "127.0.0.2@hostA", "static localhost:" + std::to_string(kPort), &why));
   CHECK(r->endpoint == kEndpoint);
   CHECK(why.empty());
   // A record of another endpoint found at this one's file (the hash's collision): none.

@@ -496,17 +496,23 @@ TEST_CASE("a worker that failed before SIGTERM stays the root cause and its code
   CHECK(finished(out) == 4);
 }
 
+namespace {
+// The second SIGINT's actions `out` kill both workers at once; they end of it: the run's code.
+std::optional<int> ended_by_second_interrupt(Supervisor& s, const Actions& out) {
+  CHECK(noticed(out, "second interrupt"));
+  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
+  s.worker_ended(ended(0, 137, SIGKILL), at(30));
+  return finished(s.worker_ended(ended(1, 137, SIGKILL), at(40)));
+}
+}  // namespace
+
 TEST_CASE("a second SIGINT kills the workers at once") {
   Supervisor s(single(2));
   s.start(at(0));
   auto out = s.signal(SIGINT, at(10));
   CHECK(signals_sent(out) == std::vector<int>{SIGINT});
   out = s.signal(SIGINT, at(20));
-  CHECK(noticed(out, "second interrupt"));
-  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
-  s.worker_ended(ended(0, 137, SIGKILL), at(30));
-  out = s.worker_ended(ended(1, 137, SIGKILL), at(40));
-  CHECK(finished(out) == 128 + SIGINT);
+  CHECK(ended_by_second_interrupt(s, out) == 128 + SIGINT);
 }
 
 TEST_CASE("a second SIGINT after a SIGTERM kills the workers at once, and the run still ends with the first "
@@ -519,11 +525,7 @@ TEST_CASE("a second SIGINT after a SIGTERM kills the workers at once, and the ru
   CHECK(signals_sent(out) == std::vector<int>{SIGTERM});
   s.signal(SIGINT, at(15));
   out = s.signal(SIGINT, at(20));
-  CHECK(noticed(out, "second interrupt"));
-  CHECK(signals_sent(out) == std::vector<int>{SIGKILL});
-  s.worker_ended(ended(0, 137, SIGKILL), at(30));
-  out = s.worker_ended(ended(1, 137, SIGKILL), at(40));
-  CHECK(finished(out) == 128 + SIGTERM);
+  CHECK(ended_by_second_interrupt(s, out) == 128 + SIGTERM);
 }
 
 TEST_CASE("a stop whose workers never end (one outlives SIGKILL, or was never started) ends the run at the first "

@@ -17,6 +17,8 @@ one fault once rank 0 reports step --at-step or later:
         the whole job does.
   none  no fault (the undisturbed twin run).
 --no-control gives the workers no control socket (mgtrain then says recovery is off).
+--epoch E [--run R]: a fenced job: MGLAUNCH_EPOCH E in the first round, one more in each
+round after, and MGLAUNCH_RUN R in every round.
 --again N (with kill or stop): a peer lost again during the recovery, N times: the
 replacement is SIGKILLed as soon as it says hello (before the new group forms), and the
 round after is paused and assigned anew (up to N + 1 restarts); a survivor that fails
@@ -68,6 +70,9 @@ def main():
     ap.add_argument("--plant", default="",
                     help="SRC:DST (with kill): copy checkpoint SRC to DST as the victim is killed (a newer checkpoint "
                          "left by the part of the job that trained on while a survivor was cut off)")
+    ap.add_argument("--epoch", type=int, default=0,
+                    help="MGLAUNCH_EPOCH of the first round, one more each round after (0: none)")
+    ap.add_argument("--run", default="", help="MGLAUNCH_RUN of every round (with --epoch)")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     worker_args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -130,6 +135,8 @@ def run(a, worker_args, deadline, stores, store_port):
             "ROLE_WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
             "TORCHELASTIC_RESTART_COUNT": str(restart_count), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            **({"MGLAUNCH_EPOCH": str(a.epoch + rnd)} if a.epoch else {}),
+            **({"MGLAUNCH_RUN": a.run} if a.epoch and a.run else {}),
         }
 
     def spawn(rank):

@@ -258,6 +258,40 @@ TEST_CASE("in-place recovery: a checkpoint newer than every surviving rank's sta
   CHECK(hit.summary(1)["weights_sha256"] == hit.summary(0)["weights_sha256"]);
 }
 
+// Review s38 M3: the newest checkpoint beat the live states by step alone, and it is the
+// newest among every rank's directory: a cut-off side of epoch 6 that trained on to step 20
+// and wrote it (here planted in rank 0's node-local directory when rank 0 is lost) beat the
+// epoch-7 majority's live states (step 8 or so), against the fence. The states now carry the
+// run and epoch of the round that held them and compare in the census's order (run, epoch,
+// step). On main (154ccb1) the round resumed from the epoch-6 checkpoint ("holds step 20").
+TEST_CASE("in-place recovery under epochs: a cut-off side's checkpoint of an older epoch at a later step does not beat the newer epoch's live states") {
+  const std::string run_id = "1700000000000-0000000000000a01";
+  const std::string seed = make_temp_dir(), base = make_temp_dir();
+  auto first = run({kMgtrain, "--dataset", "synthetic", "--synthetic-size", "1024", "--batch-size", "16", "--model", "mlp",
+                    "--max-steps", "20", "--seed", "7", "--checkpoint-dir", seed, "--checkpoint-every", "20"},
+                   {{"MGLAUNCH_EPOCH", "6"}, {"MGLAUNCH_RUN", run_id}}, 120s);
+  INFO(first.out << first.err);
+  REQUIRE(first.code == 0);
+  const std::string digest = calm_standin()["weights_sha256"];
+  auto hit = train({"--fault", "kill", "--victim", "0", "--at-step", "8", "--epoch", "7", "--run", run_id, "--plant",
+                    seed + "/checkpoint.pt:" + base + "/0/checkpoint.pt"},
+                   {"--checkpoint-dir", base + "/{rank}", "--checkpoint-every", "5"});
+  INFO(hit.r.out << hit.r.err << hit.logs());
+  REQUIRE(hit.r.code == 0);
+  const std::string log = read_file(hit.dir + "/worker0.1.log");
+  CHECK(log.find("holds step 20") == std::string::npos);
+  CHECK(log.find("resumed from") == std::string::npos);
+  CHECK(log.find("mgtrain: rank 0 took step ") != std::string::npos);
+  CHECK(log.find("from rank 1 (it was at step 0)") != std::string::npos);
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    CHECK(hit.summary(rank)["steps"] == 30);
+    CHECK(hit.summary(rank)["mglaunch_epoch"] == 8);
+  }
+  CHECK(hit.summary(0)["weights_sha256"] == digest);
+  CHECK(hit.summary(1)["weights_sha256"] == digest);
+}
+
 TEST_CASE("in-place recovery into a smaller world: rank 1 lost mid-epoch and not replaced, rank 0 alone trains the epoch's samples that world 2 had not, once, then whole epochs at world 1") {
   // 1024 samples, batch 16: 32 steps an epoch at world 2, 64 at world 1; two epochs.
   auto hit = train({"--fault", "kill", "--victim", "1", "--at-step", "10", "--shrink"}, {"--epochs", "2", "--max-steps", "1000"});

@@ -474,15 +474,14 @@ std::string get_run(const std::int64_t* at) {
                      static_cast<std::size_t>(std::clamp<std::int64_t>(at[0], 0, 8 * kRunLongs)));
 }
 
-// The shape of the census and resume collectives (kRow, the slots below). Raise it whenever
+// The shape of the census, live-state and resume collectives (kRow, the slots below). Raise it whenever
 // they change: ranks of different builds then stop at check_census_version(), not in a
 // collective of another size (gloo throws, NCCL hangs; review s38 M3). An mgtrain before this
 // check has no such step, so one of those beside a newer one still mismatches there.
-constexpr std::int64_t kCensusVersion = 2;
+constexpr std::int64_t kCensusVersion = 3;  // 3: the live states' keys (gather_live_states)
 
-// Every rank learns the lowest and highest census version among the ranks (one MAX all-reduce
-// of {v, -v}); on a mismatch every rank throws SetupError (exit 3). MGTRAIN_TEST_CENSUS_VERSION
-// replaces this rank's version: for tests only.
+}  // namespace
+
 void check_census_version(const Comm& comm) {
   std::int64_t mine = kCensusVersion;
   if (const char* v = std::getenv("MGTRAIN_TEST_CENSUS_VERSION"); v != nullptr && *v != 0)
@@ -500,12 +499,41 @@ void check_census_version(const Comm& comm) {
                                  low, high));
 }
 
-}  // namespace
+LiveStates gather_live_states(const Comm& comm, const CheckpointKey& mine, bool channel) {
+  constexpr int kLive = 4 + kRunLongs;  // step, channel, epoch, run
+  auto rows = torch::zeros({comm.world, kLive}, torch::kLong);
+  rows[comm.rank][0] = mine.step;
+  rows[comm.rank][1] = channel ? 1 : 0;
+  rows[comm.rank][2] = mine.epoch;
+  put_run(rows[comm.rank].data_ptr<std::int64_t>() + 3, mine.run);
+  rows = rows.to(comm.device);
+  comm.allreduce_sum(rows);
+  rows = rows.to(torch::kCPU).contiguous();
+  LiveStates live;
+  const auto* r = rows.data_ptr<std::int64_t>();
+  for (int k = 0; k < comm.world; ++k, r += kLive) {
+    live.keys.push_back(CheckpointKey{get_run(r + 3), r[2], r[0], {}});
+    live.channels += static_cast<int>(r[1]);
+  }
+  return live;
+}
+
+int LiveStates::newest(const Newest& order) const {
+  int best = -1;
+  for (int k = 0; k < static_cast<int>(keys.size()); ++k) {
+    const auto& key = keys[static_cast<std::size_t>(k)];
+    if (key.step > 0 && (best < 0 || older_checkpoint(keys[static_cast<std::size_t>(best)], key, order.taken, order.order)))
+      best = k;
+  }
+  return best;
+}
 
 Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence) {
   Newest out;
+  // The order: this run's own take-over, then the ones the checkpoints record (below).
+  if (!fence.run.empty() && !fence.take_over.empty()) out.taken[fence.take_over] = fence.run;
+  out.order = checkpoint_order(!fence.run.empty(), fence.epoch.has_value());
   if (dir.empty()) return out;
-  if (comm.distributed()) check_census_version(comm);
   CheckpointKey mine;
   std::string error;
   const Census held = read_key(dir, mine, error);
@@ -543,12 +571,12 @@ Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& 
     if (!fresh && run_before(it->second, key.run)) it->second = key.run;
   }
   if (!fence.run.empty() && !fence.take_over.empty()) taken[fence.take_over] = fence.run;
-  const CheckpointOrder order = checkpoint_order(!fence.run.empty(), fence.epoch.has_value());
+  out.taken = taken;
   r = rows.data_ptr<std::int64_t>();
   for (int k = 0; k < world; ++k, r += kRow) {
     if (r[0] != kPresent) continue;
     const auto& key = keys[static_cast<std::size_t>(k)];
-    if (out.rank < 0 || older_checkpoint(out.key, key, taken, order)) out.rank = k, out.key = key;
+    if (out.rank < 0 || older_checkpoint(out.key, key, taken, out.order)) out.rank = k, out.key = key;
   }
   if (const auto it = taken.find(fence.run); !fence.run.empty() && it != taken.end()) out.taken_by = it->second;
   return out;

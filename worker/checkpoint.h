@@ -107,7 +107,30 @@ struct Newest {
   CheckpointKey key;                 // what it holds
   std::optional<CheckpointKey> own;  // this rank's checkpoint, when it has one
   std::string taken_by;              // a run that took this fence's run over (a checkpoint records it)
+  // The order it was picked by (the fence's: checkpoint_order, and the take-overs the
+  // checkpoints and this run record): in-place recovery places the live states by it too.
+  Supersessions taken;
+  CheckpointOrder order = CheckpointOrder::kByStep;
 };
+
+// In-place recovery (docs/mgtrain.md): every rank's live state as a key, the run and epoch
+// of the round that last held it and its step (0: none, a fresh process), so that a cut-off
+// side's state or checkpoint of an older epoch never beats the newer epoch's (review s38 M3);
+// and how many ranks have their control channel.
+struct LiveStates {
+  std::vector<CheckpointKey> keys;  // by rank
+  int channels = 0;
+  // The rank of the newest state in `newest`'s order (the lowest on ties); -1: no rank has trained.
+  int newest(const Newest& order) const;
+};
+// Every rank calls it (one sum all-reduce): `mine` and `channel` of every rank.
+LiveStates gather_live_states(const Comm& comm, const CheckpointKey& mine, bool channel);
+// Every rank calls it first, before the live states and the census (one MAX all-reduce of
+// {v, -v}): the ranks compare the version of those collectives' shapes; on a mismatch (ranks
+// of different mgtrain builds) every rank throws SetupError (exit 3).
+// MGTRAIN_TEST_CENSUS_VERSION replaces this rank's version: for tests only.
+void check_census_version(const Comm& comm);
+
 // Every rank calls it (a collective in ddp mode; none when `dir` is empty): each reads its
 // checkpoint's run, epoch and step in `dir` (from checkpoint_key_file when that describes
 // the checkpoint, else from the archive, every tensor loaded) and all learn every rank's.

@@ -140,9 +140,9 @@ class Trainer {
   bool take_place();
   void make_reducer();
   void establish();
-  bool agree_on_recovery(torch::Tensor& steps);
-  bool take_most_advanced(const torch::Tensor& steps);
-  bool checkpoint_is_newer(const torch::Tensor& steps, const Newest& newest);
+  bool agree_on_recovery(LiveStates& live);
+  void take_most_advanced(const LiveStates& live, int source);
+  bool checkpoint_is_newer(const LiveStates& live, int source, const Newest& newest);
   void say_resumed(const Newest& newest);
   Fence fence() const {
     return Fence{env_.epoch, env_.run, o_.timeout_s, take_over_.empty() ? o_.checkpoint_take_over : take_over_, taken_by_};
@@ -203,6 +203,7 @@ class Trainer {
 
   // Position and shard.
   Position state_;
+  CheckpointKey held_;  // the run and epoch of the round that last established state_ (in-place recovery)
   std::unique_ptr<data::DistributedSampler> sampler_;
   std::int64_t micro_per_epoch_ = 0, steps_per_epoch_ = 0, total_steps_ = 0;
 
@@ -350,8 +351,9 @@ void Trainer::make_reducer() {
 // checkpoint read) to those behind.
 void Trainer::establish() {
   sync_buffers_ = o_.broadcast_buffers && comm_.distributed() && !buffers_.empty();
-  torch::Tensor steps;
-  if (o_.in_place_recovery && comm_.distributed() && !agree_on_recovery(steps)) recovery_ = false;
+  if (comm_.distributed() && (o_.in_place_recovery || !o_.checkpoint_dir.empty())) check_census_version(comm_);
+  LiveStates live;
+  if (o_.in_place_recovery && comm_.distributed() && !agree_on_recovery(live)) recovery_ = false;
   const std::string ckpt_dir = with_rank(o_.checkpoint_dir, comm_.rank);
   const Newest newest = newest_checkpoint(ckpt_dir, comm_, fence());
   // A take-over persists (docs/mgtrain.md): this run records the one its checkpoint records,
@@ -359,7 +361,9 @@ void Trainer::establish() {
   if (o_.checkpoint_take_over.empty() && newest.rank >= 0 && newest.key.supersedes != env_.run)
     take_over_ = newest.key.supersedes;
   taken_by_ = newest.taken_by;
-  if (recovery_ && comm_.distributed() && !checkpoint_is_newer(steps, newest) && take_most_advanced(steps)) return;
+  held_ = CheckpointKey{env_.run, env_.epoch.value_or(-1), 0, {}};
+  const int source = recovery_ && comm_.distributed() ? live.newest(newest) : -1;
+  if (source >= 0 && !checkpoint_is_newer(live, source, newest)) return take_most_advanced(live, source);
   comm_.broadcast_coalesced(state_tensors(*model_.module));
   if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_, newest)) {
     state_ = *c;
@@ -385,17 +389,12 @@ void Trainer::say_resumed(const Newest& newest) {
 }
 
 // Every rank asked for recovery (the same flags): each says whether it has its control
-// channel, in the same collective as its step (`steps`: [step of each rank, channel of each
-// rank]). Recovery is on for every rank or none (false): a rank without it would skip the
-// collectives of the state agreement (a hang).
-bool Trainer::agree_on_recovery(torch::Tensor& steps) {
-  steps = torch::zeros({2 * comm_.world}, torch::kLong);
-  steps[comm_.rank] = state_.step;
-  steps[comm_.world + comm_.rank] = recovery_ ? 1 : 0;
-  steps = steps.to(comm_.device);
-  comm_.allreduce_sum(steps);
-  steps = steps.to(torch::kCPU);
-  if (steps.slice(0, comm_.world, 2 * comm_.world).sum().item<std::int64_t>() >= comm_.world) return true;
+// channel, in the same collective as its live state's key (`live`: its step, and the run and
+// epoch of the round that last held it). Recovery is on for every rank or none (false): a
+// rank without it would skip the collectives of the state agreement (a hang).
+bool Trainer::agree_on_recovery(LiveStates& live) {
+  live = gather_live_states(comm_, CheckpointKey{held_.run, held_.epoch, state_.step, {}}, recovery_);
+  if (live.channels >= comm_.world) return true;
   if (recovery_) {
     std::fprintf(stderr, "mgtrain: --in-place-recovery: rank %d: another rank has no control channel: "
                          "recovery is off on every rank, training goes on as usual\n", comm_.rank);
@@ -406,45 +405,50 @@ bool Trainer::agree_on_recovery(torch::Tensor& steps) {
   return false;
 }
 
-// Whether the newest checkpoint (the one resume() reads) holds a later step than every
-// rank's state (`steps` from agree_on_recovery): a rank back from a cut-off side with an old
-// state must not beat it (nor then overwrite it). The round resumes from it then, as a
-// restarted job does.
-bool Trainer::checkpoint_is_newer(const torch::Tensor& steps, const Newest& newest) {
-  const std::int64_t saved = newest.rank < 0 ? -1 : newest.key.step;
-  const std::int64_t best = steps.slice(0, 0, comm_.world).max().item<std::int64_t>();
-  if (saved <= best || best == 0) return false;  // no rank trained: resume() reads it anyway
+// Whether the newest checkpoint (the one resume() reads) holds newer training than every
+// rank's state (`live`, its newest rank's `source`), in the census's order (run, epoch, step:
+// older_checkpoint): a rank back from a cut-off side with an old state must not beat it (nor
+// then overwrite it), and a cut-off side's checkpoint of an older epoch at a later step must
+// not beat the newer epoch's live states (review s38 M3). The round resumes from it then, as
+// a restarted job does.
+bool Trainer::checkpoint_is_newer(const LiveStates& live, int source, const Newest& newest) {
+  const CheckpointKey& best = live.keys[static_cast<std::size_t>(source)];
+  if (newest.rank < 0 || !older_checkpoint(best, newest.key, newest.taken, newest.order)) return false;
+  // Under an epoch the line says which: a checkpoint of a newer epoch (or run) than the states'.
+  const std::string rounds =
+      newest.order == CheckpointOrder::kByStep
+          ? std::string()
+          : fmt::format(" of epoch {} of run {}; the checkpoint's: epoch {} of run {}", best.epoch,
+                        best.run.empty() ? "(none)" : best.run, newest.key.epoch,
+                        newest.key.run.empty() ? "(none)" : newest.key.run);
   if (lead_)
-    std::printf("mgtrain: %s holds step %lld, later than every rank's state (at most step %lld): resuming from it\n",
-                checkpoint_file(with_rank(o_.checkpoint_dir, newest.rank)).c_str(), static_cast<long long>(saved),
-                static_cast<long long>(best));
+    std::printf("mgtrain: %s holds step %lld, later than every rank's state (the newest: step %lld%s): resuming from it\n",
+                checkpoint_file(with_rank(o_.checkpoint_dir, newest.rank)).c_str(), static_cast<long long>(newest.key.step),
+                static_cast<long long>(best.step), rounds.c_str());
   return true;
 }
 
-// When some rank has trained (`steps` from agree_on_recovery), the lowest rank among the
-// most advanced sends its whole state to every rank; true then. False: no rank has trained.
-bool Trainer::take_most_advanced(const torch::Tensor& steps) {
-  std::int64_t best = 0;
-  int source = 0;
+// Rank `source`, the newest of the ranks' live states (`live`: by run, epoch, step), sends its
+// whole state to every rank; a rank whose state differs (behind, or of an older epoch: a
+// cut-off side's, review s38 M3) takes it.
+void Trainer::take_most_advanced(const LiveStates& live, int source) {
+  const CheckpointKey best = live.keys[static_cast<std::size_t>(source)];
+  const auto same_round = [&](const CheckpointKey& k) { return k.run == best.run && k.epoch == best.epoch; };
   bool partial = false;
-  for (int r = 0; r < comm_.world; ++r)
-    if (steps[r].item<std::int64_t>() > best) best = steps[r].item<std::int64_t>(), source = r;
-  for (int r = 0; r < comm_.world; ++r)
-    partial = partial || (steps[r].item<std::int64_t>() > 0 && steps[r].item<std::int64_t>() < best);
-  if (best == 0) return false;
+  for (const auto& k : live.keys) partial = partial || (k.step > 0 && k.step < best.step && same_round(k));
   std::string bytes = comm_.rank == source ? state_bytes(*model_.module, *opt_, state_) : std::string();
   bytes = broadcast_bytes(comm_, source, std::move(bytes));
-  if (state_.step < best) {
+  if (const auto& mine = live.keys[static_cast<std::size_t>(comm_.rank)]; mine.step != best.step || !same_round(mine)) {
     const std::int64_t was = state_.step;
     state_ = load_state(bytes, comm_.device, *model_.module, *opt_);
-    std::printf("mgtrain: rank %d took step %lld's state from rank %d (it was at step %lld)\n", comm_.rank,
-                static_cast<long long>(best), source, static_cast<long long>(was));
+    std::printf("mgtrain: rank %d took step %lld's state from rank %d (it was at step %lld%s)\n", comm_.rank,
+                static_cast<long long>(best.step), source, static_cast<long long>(was),
+                mine.step > 0 && !same_round(mine) ? fmt::format(" of epoch {}", mine.epoch).c_str() : "");
   }
   if (partial && comm_.rank == 0)
     std::printf("mgtrain: step %lld was applied on some ranks only: recovering from it, the most advanced state "
-                "(rank %d's)\n", static_cast<long long>(best), source);
+                "(rank %d's)\n", static_cast<long long>(best.step), source);
   std::fflush(stdout);
-  return true;
 }
 
 // ---- shard ----

@@ -35,7 +35,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "support"))
 import skip  # noqa: E402  (tests/support/skip.py: one policy for skipped tests)
 import netns_cluster  # noqa: E402  (tests/support/netns_cluster.py: hosts of their own, --netns)
+import ports  # noqa: E402  (tests/support/ports.py: ports no parallel test takes)
 
 NPROC = 2            # workers per node
 ACTIVE = 2           # --nnodes
@@ -80,12 +80,6 @@ DETECT = re.compile(r"^(\[mglaunch\]|mglaunch:).*(restart|lost|fail|pause|standb
 
 def now():
     return time.monotonic()
-
-
-def free_port(host="127.0.0.1"):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Process:
@@ -220,7 +214,7 @@ class Chaos:
         return self.net.on(host) if self.net else []
 
     def start_daemon(self, endpoint=None):
-        endpoint = endpoint or (f"{self.net.addrs[0]}:{free_port()}" if self.net else "127.0.0.1:0")
+        endpoint = endpoint or (f"{self.net.addrs[0]}:{ports.free_port()}" if self.net else "127.0.0.1:0")
         for _ in range(50):
             d = self.start(f"daemon{len(self.procs)}",
                            self.on(0) + [os.path.join(self.bin, "mglaunch-rdzv"), "--listen", endpoint])
@@ -243,7 +237,7 @@ class Chaos:
         if self.net:
             members = [(f"m{i}", 2379, 2380) for i in range(3)]
         else:
-            members = [(f"m{i}", free_port(), free_port()) for i in range(3)]
+            members = [(f"m{i}", ports.free_port(), ports.free_port()) for i in range(3)]
         cluster = ",".join(f"{n}=http://{self.etcd_addr(i)}:{pp}" for i, (n, _, pp) in enumerate(members))
         for name, cp, pp in members:
             self.etcd.append([None, name, cp, pp, os.path.join(self.root, "etcd-" + name), cluster])

@@ -72,6 +72,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 from skip import skip_test  # noqa: E402
+from ports import free_port  # noqa: E402  (tests/support/ports.py: ports no parallel test takes)
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(SRC, "examples", "ddp_recovery.py")
@@ -330,10 +331,7 @@ def quiet_store(bin_dir, work):
 def off(work):
     env = {k: v for k, v in ENV.items() if not k.startswith("MGLAUNCH_")}
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=os.path.join(SRC, "python"))
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    env["MASTER_PORT"] = str(s.getsockname()[1])
-    s.close()
+    env["MASTER_PORT"] = str(free_port())
     p = Proc(["/usr/bin/python3", EXAMPLE, "--model", "mlp", "--steps", "3", "--batch-size", "8", "--train-subset",
               "256", "--summary-json", work + "/o{rank}.json"], work, "off", env)
     if p.wait(120) != 0:
@@ -421,10 +419,7 @@ def store_server(work):
     rec = mr.Recovery()
     rec._channel = Channel()
     for restart in range(2):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           TORCHELASTIC_RESTART_COUNT=str(restart), TORCHELASTIC_USE_AGENT_STORE="False")
         rec._form_group()
@@ -850,10 +845,7 @@ def rng_case(work):
                 "dist.barrier()\n"
                 "dist.destroy_process_group()\n")
     for steps, want in (((5, 3), "own"), ((5, 0), "taken"), ((5, 4, "history"), "own")):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         env = {k: v for k, v in ENV.items() if not k.startswith("MGLAUNCH_")}
         env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         ranks = [Proc(["/usr/bin/python3", script, *map(str, steps)], work, f"agree{r}-{'-'.join(map(str, steps))}", dict(env, RANK=str(r)))
@@ -884,10 +876,7 @@ def agent_store(world):
     import torch.distributed as dist
 
     for attempt in range(5):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+        port = free_port()
         try:
             return dist.TCPStore("127.0.0.1", port, world, True, timedelta(seconds=60), wait_for_workers=False), port
         except RuntimeError as e:

@@ -17,7 +17,6 @@ Prints one line per case, "ok NAME" or "FAIL NAME: why", then "passed N of M"; e
 all pass, 1 otherwise, 77 (skipped) when PYTHON has no torch. Every run is bounded."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 from skip import require_installed  # noqa: E402
+import ports  # noqa: E402  (tests/support/ports.py: ports no parallel test takes)
 
 MGLAUNCH = os.path.abspath(sys.argv[1])
 PYTHON = sys.argv[2] if len(sys.argv) > 2 else "/usr/bin/python3"
@@ -65,12 +65,6 @@ dist.all_reduce(t)
 assert torch.sum(t).item() == dist.get_world_size()
 print("Done")
 '''
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Case:
@@ -130,7 +124,7 @@ def test_launch_user_script_python(c):
 
 def test_launch_user_script_python_caffe2_bc(c):
     ok_run(c.launch(["--nnodes=1", "--nproc-per-node=4", *common(c), "--master-addr=localhost",
-                     f"--master-port={free_port()}", "--node-rank=0", c.path("test_script.py"),
+                     f"--master-port={ports.free_port()}", "--node-rank=0", c.path("test_script.py"),
                      f"--touch-file-dir={c.dir}"]))
     expect(c.files() == ranks(4), f"files {sorted(c.files())}")
 
@@ -183,7 +177,7 @@ def test_nproc_launch_unknown_configurations(c):
 
 
 def _elastic(c, extra, script_args, conf="--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'"):
-    return ["--nnodes=1:2", "--nproc-per-node=4", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
+    return ["--nnodes=1:2", "--nproc-per-node=4", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{ports.free_port()}",
             conf, f"--rdzv-id={uuid.uuid4().int}", *common(c), *extra, c.path("test_script.py"), *script_args]
 
 
@@ -258,7 +252,7 @@ def test_logs_logs_spec_entrypoint_must_be_defined(c):
 
 
 def _init(c, method):
-    port = free_port()
+    port = ports.free_port()
     ok_run(c.launch(["--run-path", "--nnodes=1", "--nproc-per-node=4", "--master-addr=localhost",
                      f"--master-port={port}", "--monitor-interval=1", c.path("test_script_init_method.py"),
                      f"--init-method={method.format(port=port)}"]))

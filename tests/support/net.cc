@@ -3,15 +3,48 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <utility>
+#include <vector>
 #include <stdexcept>
 
 namespace mgtest {
 
-int free_port_on(const std::string& host) {
+namespace {
+
+// Whether a TCP socket binds host:port now (no SO_REUSEADDR: a port in TIME_WAIT is passed
+// over too).
+bool binds(const std::string& host, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::inet_pton(AF_INET, host.c_str(), &a.sin_addr) == 1 &&
+                  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// The kernel's ephemeral range, Linux's default when it cannot be read.
+std::pair<int, int> ephemeral_range() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int lo = 0, hi = 0;
+  if (in >> lo >> hi && lo > 0 && lo <= hi) return {lo, hi};
+  return {32768, 60999};
+}
+
+// The old pick: a port the kernel's bind(0) hands out (its ephemeral range).
+int ephemeral_port_on(const std::string& host) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return 0;
   sockaddr_in a{};
@@ -24,6 +57,33 @@ int free_port_on(const std::string& host) {
     port = ntohs(a.sin_port);
   ::close(fd);
   return port;
+}
+
+}  // namespace
+
+int free_port_on(const std::string& host) {
+  std::vector<int> range;
+  const auto [eph_lo, eph_hi] = ephemeral_range();
+  for (int p = kTestPortLo; p <= kTestPortHi; ++p)
+    if (p < eph_lo || p > eph_hi) range.push_back(p);
+  const std::string dir = "/tmp/mgtest-ports-" + std::to_string(::getuid());
+  if (range.empty() || (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)) return ephemeral_port_on(host);
+  static std::mutex mu;  // the held locks, for the life of this process (close-on-exec: no child holds one)
+  static std::vector<int> held;
+  std::lock_guard lock(mu);
+  std::mt19937 rng(std::random_device{}());
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = range[rng() % range.size()];
+    const int fd = ::open((dir + "/" + std::to_string(port)).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0 || !binds(host, port)) {
+      ::close(fd);  // another test process holds it, or something is bound there
+      continue;
+    }
+    held.push_back(fd);
+    return port;
+  }
+  return 0;
 }
 
 NoFreeDescriptors::NoFreeDescriptors() {

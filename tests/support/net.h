@@ -8,9 +8,20 @@
 
 namespace mgtest {
 
-// A port that was free on `host` (an IPv4 address) a moment ago, for servers that bind
-// their port by number (etcd, sshd, a daemon that must come back on the same endpoint);
-// everything else binds port 0 and reports it. 0 when no port could be had there.
+// A port free on `host` (an IPv4 address), for servers that bind their port by number
+// (etcd, sshd, a daemon that must come back on the same endpoint, an agent hosting the
+// rendezvous, rank 0's store on MASTER_PORT); everything else binds port 0 and reports it.
+// Drawn from [kTestPortLo, kTestPortHi] outside the kernel's ephemeral range, so no bind(0)
+// and no outgoing connection of any process takes it, and below the ports mglaunch draws
+// its master ports from (20000 and up, launcher/port.h), so no agent of a test running beside
+// this one takes it; and reserved for the life of this process: a lock (flock) on
+// /tmp/mgtest-ports-UID/PORT, so no other test process picks it while this one may still
+// hand it out. A port that does not bind now is passed over. Before, a port from the
+// ephemeral range was taken by the parallel tests' own sockets between the pick and the
+// child's bind (#34: an mgtrain fence case's EADDRINUSE, an agent's exit 2 in 0.05 s).
+// The old pick (the kernel's bind(0)) where that range leaves nothing or the lock directory
+// cannot be made; 0 when no port could be had.
+inline constexpr int kTestPortLo = 10000, kTestPortHi = 19999;
 int free_port_on(const std::string& host);
 
 // Leaves this process no free descriptor, from construction until restore() or the

@@ -89,8 +89,10 @@ std::vector<pid_t> read_pids(const std::string& path);
 
 // argv of mglaunch with `flags` running tests/fake_worker with `worker_cmds`.
 std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_cmds);
-// A port that was free on 127.0.0.1 a moment ago, for servers that must come back on the
-// same endpoint (a restarted daemon); everything else binds port 0 and reports it.
+// free_port_on("127.0.0.1") (support/net.h): a port outside the kernel's ephemeral range and
+// mglaunch's master ports, reserved for this test process, for servers that bind a number (a
+// restarted daemon, an agent hosting the rendezvous); everything else binds port 0 and
+// reports it.
 int free_loopback_port();
 // A socket listening on 127.0.0.1 at a port the kernel picked (`port` set to it), or -1.
 int listen_on_loopback(int& port, int backlog);

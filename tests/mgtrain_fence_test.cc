@@ -503,7 +503,7 @@ TEST_CASE("ranks whose census versions differ (different mgtrain builds) all sto
     REQUIRE(p.wait(180s));
     INFO(p.out() << p.err());
     CHECK(p.exit_code() == 3);
-    CHECK_THAT(p.err(), Catch::Contains("ranks run different mgtrain builds (census version 1 and 3): use one "
+    CHECK_THAT(p.err(), Catch::Contains("ranks run different mgtrain builds (census version 1 and 4): use one "
                                         "mglaunch/mgtrain release on every node"));
   }
 }
@@ -578,6 +578,46 @@ TEST_CASE("checkpoint.key that cannot be written: a warning line, the checkpoint
   auto second = train("2", ckpt, 6, dir + "/second.json", "1700000000000-0000000000000a01");
   CHECK(second.code == 0);
   CHECK_THAT(second.out, Catch::Contains("resumed from " + ckpt + "/checkpoint.pt at step 4"));
+}
+
+// Review s38 L2: under the lock every writer wrote its archive into checkpoint.pt.tmp, one
+// file for any two writers that overlap (a lost lock) and a fixed name anything could block
+// (here a directory in its place: every write failed); and rank 0's failed write threw before
+// the all-reduce the other ranks were in (they waited for it; under NCCL until the watchdog).
+// Now each writer has its own temporary file (pid and a random number), a killed writer's
+// leftover is removed under the lock, and a failed write ends every rank with exit 1 in one
+// line. On main (154ccb1's mgtrain): the first job ended with exit 1 on rank 0 ('cannot write
+// .../checkpoint.pt.tmp'), and in the second rank 1 saw only its collective fail.
+TEST_CASE("a checkpoint's temporary file is its writer's own and a killed writer's leftover is removed under the lock, and a write that fails ends every rank with exit 1 in one line") {
+  namespace fs = std::filesystem;
+  const std::string dir = make_temp_dir(), c0 = dir + "/ckpt0";
+  const std::string run1 = "1700000000000-0000000000000a01";
+  const auto temporaries = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(c0)) n += e.path().filename().string().starts_with("checkpoint.pt.tmp.");
+    return n;
+  };
+  {
+    INFO("checkpoint.pt.tmp is a directory, checkpoint.pt.tmp.1.0 a killed writer's file: written, the file removed");
+    fs::create_directories(c0 + "/checkpoint.pt.tmp/x");
+    std::ofstream(c0 + "/checkpoint.pt.tmp.1.0") << "torn";
+    const Ranks ranks = run_ranks(2, run1, dir + "/ckpt{rank}", 4, dir);
+    check_trained_alike(ranks, 4, dir);
+    CHECK(temporaries() == 0);
+    CHECK(fs::is_directory(c0 + "/checkpoint.pt.tmp/x"));  // not a file: left alone
+    CHECK_THAT(read_file(c0 + "/checkpoint.key"), Catch::StartsWith("step=4 epoch=6 run=" + run1 + " size="));
+  }
+  {
+    INFO("checkpoint.lock is a directory: rank 0 cannot take the lock, every rank exits 1 in one line");
+    fs::remove_all(c0);
+    fs::create_directories(c0 + "/checkpoint.lock/x");
+    const Ranks ranks = run_ranks(2, run1, dir + "/ckpt{rank}", 4, dir);
+    INFO(ranks.err[0] << ranks.err[1]);
+    CHECK(ranks.codes == std::vector<int>{1, 1});
+    CHECK_THAT(ranks.err[0], Catch::Contains("checkpoint: cannot open " + c0 + "/checkpoint.lock"));
+    CHECK(count_of(ranks.err[1], "rank 0 could not write its checkpoint (see rank 0's error): every rank stops") == 1);
+    CHECK_THAT(ranks.out[0], !Catch::Contains("done:"));
+  }
 }
 
 // A run minted on a host whose clock ran ahead is "newer" than every later real run, which

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -307,6 +308,19 @@ class EpochLock {
   bool unlocked_ = false;  // the file system has no locks
 };
 
+// Removes the temporary checkpoint files (checkpoint.pt.tmp, checkpoint.pt.tmp.*) in `dir`:
+// under the lock, those of writers killed while writing. Errors are ignored (the next writer
+// tries again).
+void remove_leftovers(const std::string& dir) {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code ignored;
+    if ((name == "checkpoint.pt.tmp" || name.starts_with("checkpoint.pt.tmp.")) && it->is_regular_file(ignored))
+      std::filesystem::remove(it->path(), ignored);
+  }
+}
+
 }  // namespace
 
 bool refuses(const Owner& owner, const Fence& fence) {
@@ -388,9 +402,14 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
     if (owner && !fence.run.empty() && owner->run == fence.take_over && run_before(fence.run, owner->run))
       result.taken_over = owner->run;
   }
-  // One writer at a time under the lock; without one (unfenced, or a file system without
-  // locks) each writer its own temporary file, so that two cannot write into one inode.
-  const std::string tmp = lock && !lock->unlocked() ? path + ".tmp" : fmt::format("{}.tmp.{}", path, ::getpid());
+  // Each writer its own temporary file (pid and a random number: two hosts on one D may share
+  // a pid), so that two writers never write into one inode, whether unlocked (unfenced, a file
+  // system without locks) or once a lock was lost (review s38 L2). Under the lock no other
+  // fenced writer is between its lock and its rename: a temporary file there is one left by a
+  // writer killed while writing (a multi-GiB archive), removed first.
+  if (lock && !lock->unlocked()) remove_leftovers(dir);
+  std::random_device rd;
+  const std::string tmp = fmt::format("{}.tmp.{}.{:08x}{:08x}", path, ::getpid(), rd(), rd());
   try {
     ar.save_to(tmp);
   } catch (const std::exception& e) {
@@ -474,11 +493,12 @@ std::string get_run(const std::int64_t* at) {
                      static_cast<std::size_t>(std::clamp<std::int64_t>(at[0], 0, 8 * kRunLongs)));
 }
 
-// The shape of the census, live-state and resume collectives (kRow, the slots below). Raise it whenever
+// The shape of the census, live-state, resume and checkpoint collectives (kRow, the slots below). Raise it whenever
 // they change: ranks of different builds then stop at check_census_version(), not in a
 // collective of another size (gloo throws, NCCL hangs; review s38 M3). An mgtrain before this
 // check has no such step, so one of those beside a newer one still mismatches there.
-constexpr std::int64_t kCensusVersion = 3;  // 3: the live states' keys (gather_live_states)
+// 3: the live states' keys (gather_live_states); 4: every checkpoint's {refused, failed} all-reduce.
+constexpr std::int64_t kCensusVersion = 4;
 
 }  // namespace
 

@@ -643,8 +643,8 @@ bool Trainer::stop_or_checkpoint() {
 
 // Rank 0 writes the checkpoint of this step, fenced by this round's epoch and run
 // (MGLAUNCH_EPOCH, MGLAUNCH_RUN). False on every rank when rank 0 refused (a newer epoch of
-// this run, or a newer run, holds the path): this
-// side of the job is stale, and every rank stops; rank 0 says why in one line.
+// this run, or a newer run, holds the path): this side of the job is stale, and every rank
+// stops; rank 0 says why in one line. A write that failed throws on every rank (exit 1).
 bool Trainer::checkpoint(bool stop_now) {
   broadcast_buffers();  // the checkpoint holds the buffers every rank's next forward gets
   Position c = state_;
@@ -654,9 +654,14 @@ bool Trainer::checkpoint(bool stop_now) {
     ++c.epoch;
   }
   Saved saved;
+  std::string failed;  // rank 0's write failed: every rank stops after the all-reduce below
   if (lead_) {
     const std::string dir = with_rank(o_.checkpoint_dir, comm_.rank);
-    saved = save_checkpoint(dir, *model_.module, *opt_, c, fence());
+    try {
+      saved = save_checkpoint(dir, *model_.module, *opt_, c, fence());
+    } catch (const std::exception& e) {
+      failed = e.what();
+    }
     if (saved.written && stop_now) stop_checkpoint_ = checkpoint_file(dir);
     if (!saved.taken_over.empty())
       std::printf("mgtrain: checkpoint at step %lld: took %s over from run %s (--checkpoint-take-over), dated after "
@@ -672,11 +677,19 @@ bool Trainer::checkpoint(bool stop_now) {
       write_error_file(why);
     }
   }
-  // Only a fenced write can be refused: the ranks agree on it only then (same round, same epoch).
-  if (!env_.epoch || !comm_.distributed()) return saved.written;
-  auto refused = torch::tensor({saved.written ? 0.0f : 1.0f}, torch::TensorOptions().dtype(torch::kFloat)).to(comm_.device);
-  comm_.allreduce_sum(refused);
-  return refused.item<float>() == 0;
+  // Every rank learns whether rank 0 refused or failed (one all-reduce: rank 0 never throws
+  // before a collective the others enter, review s38 L2), and fails with it.
+  if (!comm_.distributed()) {
+    if (!failed.empty()) throw std::runtime_error(failed);
+    return saved.written;
+  }
+  auto flags = torch::tensor({saved.written ? 0.0f : 1.0f, failed.empty() ? 0.0f : 1.0f},
+                             torch::TensorOptions().dtype(torch::kFloat)).to(comm_.device);
+  comm_.allreduce_sum(flags);
+  flags = flags.to(torch::kCPU);
+  if (flags[1].item<float>() > 0)
+    throw std::runtime_error(lead_ ? failed : "rank 0 could not write its checkpoint (see rank 0's error): every rank stops");
+  return flags[0].item<float>() == 0;  // only a fenced write can be refused
 }
 
 void Trainer::log_progress(std::int64_t epoch) {

@@ -631,7 +631,7 @@ void Agent::finish(int code) {
   // could): a rerun starts afresh, without a recall.
   if (record_written_ && client_ &&
       (client_->job_decided() || (embedded_server_ && !client_->why_no_takeover_of_self().empty())))
-    remove_job_record(record_dir_, plan_.run_id, record_node_, record_endpoint_);
+    record_io_->remove();  // (done before the agent is gone: its destructor waits for it)
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);

@@ -213,13 +213,17 @@ class Agent {
   // of this job makes the link look for the job at the record's hosts first (recall
   // pending: no hosting until it found none). Written at each assignment or standby (the
   // link's job_hosts()), its time refreshed every keep-alive interval, removed when the
-  // job's end was heard from the rendezvous.
+  // job's end was heard from the rendezvous; those on record_io_'s thread. Its first write's
+  // failure is told at the next write or refresh.
   void load_job_record();
   void end_recall();
   void remember_job(int epoch, const std::string& run);
   void refresh_job_record();
+  void warn_record_failure();  // once: the first write that failed
   void recall_job();  // after the link is made: hands it the record's hosts
-  std::string record_dir_, record_node_, record_endpoint_;  // record_dir_ empty: no record kept
+  std::string record_node_, record_endpoint_;
+  std::shared_ptr<JobRecordDir> record_dir_;       // nullptr: no record kept
+  std::unique_ptr<JobRecordWriter> record_io_;     // its writes, off the io thread (with record_dir_)
   std::optional<JobRecord> recalled_;
   bool recall_pending_ = false;
   bool record_written_ = false, record_warned_ = false;

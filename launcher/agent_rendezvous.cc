@@ -330,19 +330,21 @@ void Agent::load_job_record() {
     const auto it = base_env_.find(name);
     return it == base_env_.end() ? std::string() : it->second;
   };
-  record_dir_ = job_record_dir(env("MGLAUNCH_RECORD_DIR"), env("XDG_RUNTIME_DIR"), ::geteuid());
+  const std::string dir = job_record_dir(env("MGLAUNCH_RECORD_DIR"), env("XDG_RUNTIME_DIR"), ::geteuid());
   record_node_ = node_identity(plan_.master_addr, local_hostname());  // (master_addr: this node's, until assigned)
   record_endpoint_ = job_endpoint(opts_.rdzv_backend, opts_.rdzv_endpoint);
-  if (std::string why = prepare_job_record_dir(record_dir_); !why.empty()) {
+  std::string why;
+  record_dir_ = JobRecordDir::open(dir, &why);
+  if (!record_dir_) {
     notice(fmt::format("warning: this node keeps no record of job '{}' ({}): an agent restarted here while the job "
                        "runs on elsewhere cannot find it again; set MGLAUNCH_RECORD_DIR to a directory of your own",
                        plan_.run_id, why));
-    record_dir_.clear();
     return;
   }
-  std::string why;
-  recalled_ = read_job_record(record_dir_, plan_.run_id, record_node_, record_endpoint_, &why);
+  recalled_ = record_dir_->read(plan_.run_id, record_node_, record_endpoint_, &why);
   if (!why.empty()) notice("warning: " + why);
+  record_io_ = std::make_unique<JobRecordWriter>(JobRecordWriter::ops_of(record_dir_));
+  record_io_->sweep();  // what killed agents left (records a week old, temporary files of dead pids)
   recall_pending_ = recalled_ && !recalled_->hosts.empty() && !recalled_->run.empty();
 }
 
@@ -365,7 +367,7 @@ void Agent::recall_job() {
                      "at the {} host(s) it names (one pass, then again until {} s from now) before starting afresh; "
                      "remove that file to start afresh at once",
                      plan_.run_id, recalled_->run,
-                     job_record_path(record_dir_, plan_.run_id, record_node_, record_endpoint_), recalled_->hosts.size(), std::min(wait, opts_.join_timeout).count() / 1000.0));
+                     job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_), recalled_->hosts.size(), std::min(wait, opts_.join_timeout).count() / 1000.0));
   client_->recall(recalled_->hosts, recalled_->run, now().steady + wait, recalled_->epoch);
 }
 
@@ -377,23 +379,26 @@ void Agent::end_recall() {
 }
 
 void Agent::remember_job(int epoch, const std::string& run) {
-  if (record_dir_.empty() || !client_ || run.empty()) return;
+  if (!record_io_ || !client_ || run.empty()) return;
   JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
-  if (std::string why = write_job_record(record_dir_, r); !why.empty()) {
-    if (!std::exchange(record_warned_, true))
-      notice(fmt::format("warning: cannot keep this node's record of job '{}' ({}): an agent restarted here while the "
-                         "job runs on elsewhere may not find it again",
-                         plan_.run_id, why));
-    return;
-  }
+  warn_record_failure();
+  record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)
   if (!std::exchange(record_written_, true)) refresh_job_record();
+}
+
+void Agent::warn_record_failure() {
+  if (std::string why = record_io_->take_error(); !why.empty() && !std::exchange(record_warned_, true))
+    notice(fmt::format("warning: cannot keep this node's record of job '{}' ({}): an agent restarted here while the "
+                       "job runs on elsewhere may not find it again",
+                       plan_.run_id, why));
 }
 
 void Agent::refresh_job_record() {
   clock_->arm(sup::Timer::kRecord, now().steady + opts_.keep_alive_interval, [this] {
     if (core_.state() == sup::State::kDone) return;
-    touch_job_record(record_dir_, plan_.run_id, record_node_, record_endpoint_);
+    warn_record_failure();
+    record_io_->touch();
     refresh_job_record();
   });
 }

@@ -6,19 +6,31 @@
 // and node, written at each assignment or standby, removed when the job ends for good.
 // docs/multinode.md, "A restarted node rejoins the job".
 //
-// Where: $MGLAUNCH_RECORD_DIR, else $XDG_RUNTIME_DIR/mglaunch, else /tmp/mglaunch-UID; the
-// directory is made 0700 and used only when it is a directory of this user that no one else
-// can write (0755 will do; never through a symbolic link). Files are 0600, written whole (a
-// temporary file, fsync, rename) and read back only when this user owns them.
+// Where: $MGLAUNCH_RECORD_DIR, else $XDG_RUNTIME_DIR/mglaunch (when that directory exists:
+// Slurm's --export=ALL passes the login node's), else /tmp/mglaunch-UID; the directory is
+// made 0700 and used only when it is a directory of this user that no one else can write
+// (0755 will do; never through a symbolic link). It is opened once (JobRecordDir) and every
+// file is reached through that descriptor. Files are 0600, written whole (a temporary file,
+// fsync, rename, fsync of the directory) and read back only when this user owns them. The
+// agent's writes, touches and removal run on a helper thread (JobRecordWriter), never on its
+// io thread (the heartbeats').
 #pragma once
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include "process/fd.h"
 
 namespace mg {
 
@@ -41,31 +53,89 @@ std::string node_identity(const std::string& advertised, const std::string& host
 // "BACKEND ENDPOINT", the record's `endpoint`. Pure.
 std::string job_endpoint(const std::string& backend, const std::string& endpoint);
 
-// The directory records go to (see above). Pure.
+// The directory records go to (see above). Pure but for the check that `xdg_runtime_dir`
+// is a directory (a missing one is passed over without a word).
 std::string job_record_dir(const std::string& record_dir_env, const std::string& xdg_runtime_dir, uid_t uid);
 
-// The file of (job, node, endpoint) in `dir`: job-HASH.json, HASH a 64-bit FNV-1a of the
-// three (the file holds them, and a record whose job, node or endpoint differs is none). Pure.
+// The file name of (job, node, endpoint): job-HASH.json, HASH a 64-bit FNV-1a of the three.
+std::string job_record_name(const std::string& job, const std::string& node, const std::string& endpoint);
+
+// The file of (job, node, endpoint) in `dir`: dir/job_record_name() (the file holds the
+// three, and a record whose job, node or endpoint differs is none). Pure.
 std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node,
                             const std::string& endpoint);
 
-// Makes `dir` (0700) when missing. "" when it can be used; else why not, one line.
-std::string prepare_job_record_dir(const std::string& dir);
+// The record directory, open (review s38 L1): made 0700 when missing, opened once with
+// O_DIRECTORY|O_NOFOLLOW and checked by fstat; every file operation after that goes through
+// its descriptor (openat, renameat, unlinkat, utimensat), so a path swapped for another
+// directory or a link after the check changes nothing.
+class JobRecordDir {
+ public:
+  // `dir`, or nullptr with `why` set (one line) when it cannot be used.
+  static std::shared_ptr<JobRecordDir> open(const std::string& dir, std::string* why);
+  const std::string& path() const { return path_; }
 
-// Writes `r` to its file in `dir` whole (temporary file, fsync, rename; 0600). "" or why not.
-std::string write_job_record(const std::string& dir, const JobRecord& r);
+  // Writes `r` to its file whole (temporary file, fsync, rename, fsync of the directory;
+  // 0600). "" or why not.
+  std::string write(const JobRecord& r) const;
+  // The record of (job, node, endpoint); nullopt when there is none, or (with `why` set,
+  // one printable line) when the file cannot be used: another user's, open to others, not
+  // a regular file, unreadable, not a record (a port outside 1..65535 too).
+  std::optional<JobRecord> read(const std::string& job, const std::string& node, const std::string& endpoint,
+                                std::string* why) const;
+  // Sets the record's modification time to now (the agent is still in the job). False: none.
+  bool touch(const std::string& job, const std::string& node, const std::string& endpoint) const;
+  void remove(const std::string& job, const std::string& node, const std::string& endpoint) const;
+  // Removes what killed agents left (review s38 L2): this user's records (job-HASH.json)
+  // last written before `now - max_age`, and temporary files (job-HASH.json.PID.tmp) of
+  // pids `alive` says are gone. How many were removed.
+  int sweep(std::chrono::system_clock::time_point now, std::chrono::seconds max_age,
+            const std::function<bool(pid_t)>& alive) const;
 
-// The record of (job, node, endpoint) in `dir`; nullopt when there is none, or (with `why`
-// set) when the file cannot be used: another user's, open to others, not a regular file,
-// unreadable.
-std::optional<JobRecord> read_job_record(const std::string& dir, const std::string& job, const std::string& node,
-                                         const std::string& endpoint, std::string* why);
+ private:
+  JobRecordDir(Fd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
+  Fd fd_;
+  std::string path_;
+};
 
-// Sets the record's modification time to now (the agent is still in the job). False: none.
-bool touch_job_record(const std::string& dir, const std::string& job, const std::string& node,
-                      const std::string& endpoint);
+// How long a record nobody touched is kept before a starting agent sweeps it.
+inline constexpr std::chrono::seconds kJobRecordMaxAge = std::chrono::hours(24 * 7);
 
-void remove_job_record(const std::string& dir, const std::string& job, const std::string& node,
-                       const std::string& endpoint);
+// The agent's record I/O on a helper thread of its own (review s38 L2): a write's fsync, a
+// touch's utimensat, the removal and the start's sweep, in the order asked, so a hung NFS or
+// a busy disk never delays the io thread (its heartbeats). The queue is bounded: a write
+// asked while another waits replaces it (only the newest record matters); a touch while a
+// write waits is that write's; a removal drops what waits before it.
+class JobRecordWriter {
+ public:
+  struct Ops {  // what the thread does (JobRecordDir's; a test's own to hold it)
+    std::function<std::string(const JobRecord&)> write;
+    std::function<void(const JobRecord&)> touch, remove;
+    std::function<void()> sweep;
+  };
+  static Ops ops_of(std::shared_ptr<const JobRecordDir> dir);
+  explicit JobRecordWriter(Ops ops);
+  ~JobRecordWriter();  // finishes what waits, then joins
+  JobRecordWriter(const JobRecordWriter&) = delete;
+  JobRecordWriter& operator=(const JobRecordWriter&) = delete;
+
+  void write(JobRecord r);
+  void touch();   // the last record written
+  void remove();  // the last record written
+  void sweep();
+  void drain();   // returns once nothing waits or runs
+  std::string take_error();  // the first write's failure not yet taken; "" when none
+
+ private:
+  void loop();
+  Ops ops_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<JobRecord> pending_write_;
+  std::optional<JobRecord> last_;  // the key of touch() and remove()
+  bool pending_touch_ = false, pending_remove_ = false, pending_sweep_ = false, busy_ = false, stop_ = false;
+  std::string error_;
+  std::thread thread_;
+};
 
 }  // namespace mg

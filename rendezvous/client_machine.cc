@@ -198,8 +198,9 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
   // round trip (the server reads them in order; one that wants a token answers the hello
   // with its challenge, which this client refuses, before it reads the join).
   // (Seeking, a server elsewhere joins only once its Welcome was weighed.)
-  // (Recalling, a server joins only once its Welcome named the record's run.)
-  joined_early_ = key_.empty() && !(seeking() && !seek_->at_home) && !recall_;
+  // (Recalling, a server joins only once its Welcome named the record's run; taking over or
+  // rejoining with a run, once it named that run: takeover_welcomed().)
+  joined_early_ = key_.empty() && !(seeking() && !seek_->at_home) && !recall_ && !(takeover_ && !opts_.join.run.empty());
   if (joined_early_) send_join();
   return take_out();
 }
@@ -432,6 +433,7 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         welcome_last_round_ = w.last_round_epoch;
         if (seeking() && !seek_welcomed(w, now)) return;
         if (recall_ && !recall_welcomed(w, now)) return;
+        if (takeover_ && !takeover_welcomed(w, now)) return;
         return on_welcome(now);
       }
       case MsgType::kHeartbeat:
@@ -534,7 +536,8 @@ void ClientMachine::on_welcome(Clock::time_point now) {
   if (takeover_) {
     cancel(ClientTimer::kTakeover);
     const std::string who = host_agent_.empty() ? std::string("a daemon") : host_agent_;
-    out_.push_back(cmd::Notice{
+    if (!takeover_->fresh)  // (a fresh join said so: join_fresh())
+      out_.push_back(cmd::Notice{
         takeover_->rejoining
             ? fmt::format("reached the job again: its rendezvous is hosted by {} at {}; joining its next round as a "
                           "new member",
@@ -731,6 +734,9 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
 void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_point now) {
   Takeover& t = *takeover_;
   if (t.rejoining) {
+    t.pass_unsure = t.pass_unsure || !(t.answered || t.refused);
+    if (t.fresh) t.other_host.clear();  // not joined there either: not tried again unless it answers again
+    t.answered = t.fresh = false;
     drop_connection();
     cancel(ClientTimer::kTakeover);
     return next_rejoin_target(now);
@@ -782,28 +788,6 @@ void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_
   if (!t.tried.empty()) reason += " (" + t.tried + ")";
   takeover_.reset();
   end_host_lost(reason);
-}
-
-void ClientMachine::next_rejoin_target(Clock::time_point now) {
-  Takeover& t = *takeover_;
-  if (now >= t.rejoin_deadline) {
-    std::string reason = t.lost + "; no survivor could take over";
-    if (!t.tried.empty()) reason += " (" + t.tried + ")";
-    reason += fmt::format("; no host of the job answered this node within join_timeout ({} s)",
-                          opts_.join.join_timeout_ms / 1000.0);
-    takeover_.reset();
-    return end_host_lost(reason);
-  }
-  // The last host first (only cut off, it still hosts the job), then the nodes that could
-  // have taken over, then the job's former hosts; never this node itself, which never hosts
-  // on its own side.
-  std::vector<std::pair<std::string, int>> targets{{t.lost_addr, t.lost_port}};
-  for (const auto& c : t.candidates)
-    if (c.group_rank != t.self_rank) targets.emplace_back(c.addr, c.port);
-  for (const auto& h : job_hosts_)  // the endpoint (its host only cut off may host on), hosts lost since
-    if (std::find(targets.begin(), targets.end(), h) == targets.end()) targets.push_back(h);
-  const auto& [host, port] = targets[t.turn++ % targets.size()];
-  connect_candidate(host, port, now);
 }
 
 void ClientMachine::connect_candidate(const std::string& host, int port, Clock::time_point now) {

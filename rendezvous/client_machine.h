@@ -267,9 +267,17 @@ class ClientMachine {
   // root cause (end_host_lost).
   void host_lost(const std::string& why, Clock::time_point now, bool silent, bool reset);
   void next_candidate(const std::string& why_previous, Clock::time_point now);
-  // Waiting to rejoin (Takeover::rejoining): the next target in turn, or the end at the
-  // rejoin deadline.
+  // Waiting to rejoin (Takeover::rejoining): the next target in turn, or a fresh join where
+  // another run was found (Takeover::other_host), or the end at the rejoin deadline.
   void next_rejoin_target(Clock::time_point now);
+  // Taking over or rejoining, a server's Welcome: false when it names another run than this
+  // node's (passed over: the next target), unless this node joins it as a fresh newcomer.
+  bool takeover_welcomed(const proto::Welcome& w, Clock::time_point now);
+  // Rejoining: the server that named another run is tried once more, to be joined afresh.
+  void try_fresh(Clock::time_point now);
+  // This node leaves its run behind: it joins as a newcomer of none (no run, epoch, voters,
+  // group rank or standby place of the old one), with a fresh join_timeout.
+  void join_fresh(Clock::time_point now);
   void connect_candidate(const std::string& host, int port, Clock::time_point now);
   void end_seek();  // a decision came (or a loss): no seek, its timer cancelled
   // Seeking: the next of the targets (home after the others), or the end past its deadline.
@@ -367,6 +375,18 @@ class ClientMachine {
     int lost_port = 0;
     std::size_t turn = 0;                // the next of the rejoin's targets
     Clock::time_point rejoin_deadline;  // the loss plus join_timeout
+    // A server whose Welcome names another run of the job id than this node's (its agent was
+    // started again there and hosts a fresh run) is passed over, as the recall does: joined
+    // with this node's run and epoch, it would refuse the node (Job::join_of_other_run),
+    // while the node's run may go on at a next target (review s38-late M1). The last such
+    // server is remembered: when a whole pass of the targets found this node's run nowhere
+    // (each refused or named another run, none silent) or at rejoin_deadline, this node joins
+    // it as a fresh newcomer (join_fresh()) instead of ending.
+    std::string other_host;
+    int other_port = 0;
+    bool answered = false;     // the target tried now refused, or named another run
+    bool pass_unsure = false;  // a target of this pass did neither (silent, or failed otherwise)
+    bool fresh = false;        // the server tried now is joined as a fresh newcomer
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over
   struct Seek {

@@ -1202,3 +1202,166 @@ TEST_CASE("client machine: a seeking host takes a server of another run of the j
   c = welcome_from(l, "host-127.0.0.3", 9, 9, 9, run);
   CHECK(stops_hosting(c));
 }
+
+// Review s38-late M1: a node that waits to rejoin after a takeover found no host tries the
+// endpoint first. Its agent was started again there and hosts a fresh run: joined with this
+// node's run and epoch, it refused the node (Job::join_of_other_run) and the node ended,
+// never trying its next target, where its run may be hosted.
+namespace {
+const std::string kRunOld = "1700000000000-00000000000000aa";
+const std::string kRunNew = "1700000099000-00000000000000bb";
+
+ClientCommands welcome_run(Link& l, const std::string& host_agent, const std::string& run) {
+  auto c = l.m.connected(kNonce, l.now);
+  proto::Welcome w{"srv", host_agent};
+  w.run = run;
+  auto more = l.receive(w);
+  c.insert(c.end(), more.begin(), more.end());
+  return c;
+}
+
+// Node 2 (127.0.0.3) of round_of's round, epoch 5 of kRunOld (or a standby told that round):
+// its host's connection reset, node 1 refusing to the search's deadline; it waits to
+// rejoin, connecting to the host (127.0.0.1, the endpoint) first.
+ClientCommands rejoining(Link& l, bool standby = false) {
+  l.m.start(l.now);
+  welcome_run(l, "host-a", kRunOld);
+  if (standby) {
+    proto::Standby s;
+    s.active_nodes = 3;
+    s.round = 1;
+    s.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
+    s.takeover_ports = {0, 7002, 7003};
+    s.epoch = 5;
+    s.run = kRunOld;
+    l.receive(s);
+  } else {
+    proto::Assignment a = round_of(2);
+    a.epoch = 5;
+    a.run = kRunOld;
+    l.receive(a);
+  }
+  auto c = l.m.connection_closed(std::strerror(ECONNRESET), l.now, /*reset=*/true);
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+  if (!standby) l.m.rejoin(l.now);
+  for (int i = 0; i < 3; ++i) {
+    l.m.connect_failed(true, "Connection refused", l.now);
+    c = l.after(100ms, ClientTimer::kTakeover);
+  }
+  REQUIRE_THAT(notices(c), Catch::Contains("it waits to rejoin the job"));
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.1");
+  return c;
+}
+
+bool sent_join(const ClientCommands& c) {
+  const auto s = sent(c);
+  return std::find(s.begin(), s.end(), MsgType::kJoin) != s.end();
+}
+}  // namespace
+
+TEST_CASE("client machine: a node waiting to rejoin passes over a server of another run and joins the next target, "
+          "which serves its run, with its run and epoch (review s38-late M1)") {
+  Link l(options("127.0.0.3"));
+  rejoining(l);
+  // The endpoint's agent, started again, hosts a fresh run: no join there (main: the join
+  // rode with the hello, was refused and the node ended), the next target at once.
+  auto c = welcome_run(l, "host-a", kRunNew);
+  CHECK_FALSE(sent_join(c));
+  CHECK(has<cmd::Drop>(c));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+  CHECK_FALSE(l.m.closed());
+  CHECK(l.m.searching());
+  // Node 1 took the job over meanwhile: its server names this node's run.
+  c = welcome_run(l, "host-127.0.0.2", kRunOld);
+  CHECK_THAT(notices(c), Catch::Contains("reached the job again"));
+  const auto j = sent_of<proto::Join>(c);
+  CHECK(j.run == kRunOld);
+  CHECK(j.epoch == 5);
+  CHECK(j.resume_round == 0);
+  CHECK_FALSE(l.m.searching());
+  // An agent's server with no job yet (its own join, which mints a run, to come) is passed over too.
+  Link e(options("127.0.0.3"));
+  rejoining(e);
+  c = welcome_run(e, "host-a", "");
+  CHECK_FALSE(sent_join(c));
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+}
+
+TEST_CASE("client machine: a node waiting to rejoin whose run no target serves (each refused or named another run) "
+          "joins the other run afresh, without its run, epoch and group rank (review s38-late M1)") {
+  Link l(options("127.0.0.3"));
+  rejoining(l);
+  auto c = welcome_run(l, "host-a", kRunNew);
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+  l.m.connect_failed(true, "Connection refused", l.now);
+  c = l.after(100ms, ClientTimer::kTakeover);
+  // The pass is over (the endpoint, node 1): the endpoint again, to be joined afresh.
+  CHECK(told<proto::Abort>(c).empty());
+  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
+  c = welcome_run(l, "host-a", kRunNew);
+  CHECK_THAT(notices(c), Catch::Contains("run " + kRunOld + " of job 'job' runs at none of its hosts this node can "
+                                         "reach, and host-a at " + kServer + " serves another run of the job id"));
+  CHECK_THAT(notices(c), !Catch::Contains("reached the job again"));
+  const auto j = sent_of<proto::Join>(c);
+  CHECK(j.run.empty());
+  CHECK(j.epoch == 0);
+  CHECK(j.last_group_rank == -1);
+  CHECK(j.resume_round == 0);
+  CHECK_FALSE(j.resume_standby);
+  CHECK_FALSE(l.m.searching());
+  proto::Assignment a = round_of(1);
+  a.epoch = 1;
+  a.run = kRunNew;
+  c = l.receive(a);
+  CHECK(told_one<proto::Assignment>(c).run == kRunNew);
+  CHECK(l.m.job_over() == false);
+}
+
+TEST_CASE("client machine: a node waiting to rejoin that found another run but also a silent target joins that run "
+          "afresh at the rejoin deadline instead of ending; nothing there either: the end (review s38-late M1)") {
+  for (const bool answers : {true, false}) {
+    Link l(options("127.0.0.3"));
+    const auto lost_at = l.now;
+    auto c = rejoining(l);
+    int fires = 0;
+    // Each pass: the endpoint names another run, node 1 is silent (it may host the run).
+    while (has<cmd::Connect>(c) && one<cmd::Connect>(c).host == "127.0.0.1" && l.now < lost_at + 5s &&
+           fires++ < 100) {
+      c = welcome_run(l, "host-a", kRunNew);
+      REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+      c = l.after(100ms, ClientTimer::kTakeover);
+    }
+    REQUIRE(l.now >= lost_at + 5s);
+    CHECK(told<proto::Abort>(c).empty());
+    CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
+    if (answers) {
+      c = welcome_run(l, "host-a", kRunNew);
+      CHECK(sent_of<proto::Join>(c).run.empty());
+      CHECK_FALSE(l.m.closed());
+      continue;
+    }
+    c = l.after(100ms, ClientTimer::kTakeover);  // silent now
+    CHECK_THAT(told_one<proto::Abort>(c).reason, Catch::Contains("no host of the job answered this node within"));
+    CHECK(l.m.closed());
+  }
+}
+
+TEST_CASE("client machine: a standby waiting to rejoin passes over a server of another run and joins it afresh, as a "
+          "plain newcomer, when its run is hosted nowhere (review s38-late M1)") {
+  Link l(options("127.0.0.4"));
+  rejoining(l, /*standby=*/true);
+  auto c = welcome_run(l, "host-a", kRunNew);
+  CHECK_FALSE(sent_join(c));
+  // Its targets: the endpoint, node 1, node 2: both refuse.
+  for (const char* next : {"127.0.0.2", "127.0.0.3"}) {
+    REQUIRE(one<cmd::Connect>(c).host == next);
+    l.m.connect_failed(true, "Connection refused", l.now);
+    c = l.after(100ms, ClientTimer::kTakeover);
+  }
+  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.1");
+  c = welcome_run(l, "host-a", kRunNew);
+  const auto j = sent_of<proto::Join>(c);
+  CHECK_FALSE(j.resume_standby);
+  CHECK(j.run.empty());
+  CHECK(j.epoch == 0);
+}

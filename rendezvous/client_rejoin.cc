@@ -1,0 +1,97 @@
+// ClientMachine's rejoin (rendezvous/client_machine.h, #34): a node whose takeover search
+// ended with no host while the machines answer waits to rejoin the job, trying its targets in
+// turn; a server there of another run of the job id is passed over, and where nothing names
+// this node's run any more it joins such a server afresh (review s38-late M1).
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "rendezvous/client_machine.h"
+
+namespace mg::rdzv {
+
+using std::chrono::milliseconds;
+
+void ClientMachine::next_rejoin_target(Clock::time_point now) {
+  Takeover& t = *takeover_;
+  // The last host first (only cut off, it still hosts the job), then the nodes that could
+  // have taken over, then the job's former hosts; never this node itself, which never hosts
+  // on its own side.
+  std::vector<std::pair<std::string, int>> targets{{t.lost_addr, t.lost_port}};
+  for (const auto& c : t.candidates)
+    if (c.group_rank != t.self_rank) targets.emplace_back(c.addr, c.port);
+  for (const auto& h : job_hosts_)  // the endpoint (its host only cut off may host on), hosts lost since
+    if (std::find(targets.begin(), targets.end(), h) == targets.end()) targets.push_back(h);
+  const bool pass_done = t.turn > 0 && t.turn % targets.size() == 0;
+  // This node's run is hosted at none of its targets (each refused or serves another run), or
+  // it was not found within join_timeout: the job goes on as the run found (its agent was
+  // started again at the endpoint, and nobody took this one over), joined afresh.
+  if (!t.other_host.empty() && (now >= t.rejoin_deadline || (pass_done && !t.pass_unsure))) return try_fresh(now);
+  if (pass_done) t.pass_unsure = false;
+  if (now >= t.rejoin_deadline) {
+    std::string reason = t.lost + "; no survivor could take over";
+    if (!t.tried.empty()) reason += " (" + t.tried + ")";
+    reason += fmt::format("; no host of the job answered this node within join_timeout ({} s)",
+                          opts_.join.join_timeout_ms / 1000.0);
+    takeover_.reset();
+    return end_host_lost(reason);
+  }
+  const auto& [host, port] = targets[t.turn++ % targets.size()];
+  connect_candidate(host, port, now);
+}
+
+void ClientMachine::try_fresh(Clock::time_point now) {
+  Takeover& t = *takeover_;
+  t.fresh = true;
+  t.pass_unsure = t.answered = t.refused = false;
+  opts_.host = t.other_host;
+  opts_.port = t.other_port;
+  // One keep-alive interval, past the rejoin deadline too: a server that answered a moment ago.
+  arm(ClientTimer::kTakeover, now + milliseconds(opts_.join.keep_alive_ms));
+  refused_ = 0;
+  try_connect();
+}
+
+bool ClientMachine::takeover_welcomed(const proto::Welcome& w, Clock::time_point now) {
+  Takeover& t = *takeover_;
+  const std::string& run = opts_.join.run;
+  // This node's run, or a node told none (a server before #37): as before. A daemon that
+  // knows no such job yet (restarted without a journal) takes the run its nodes name.
+  if (run.empty() || w.run == run || (w.run.empty() && w.host_agent.empty())) return true;
+  if (t.fresh) {
+    join_fresh(now);
+    return true;
+  }
+  // An agent's server of another run (or of none yet: its own join, which mints one, is yet
+  // to come) would refuse this node's join of its run and end it (Job::join_of_other_run).
+  t.answered = true;
+  if (!w.run.empty()) {
+    t.other_host = opts_.host;
+    t.other_port = opts_.port;
+  }
+  const std::string said = w.run.empty() ? std::string("hosts no run of the job yet")
+                                         : fmt::format("serves another run of the job id ({}, this node's {})", w.run, run);
+  next_candidate(said, now);
+  return false;
+}
+
+void ClientMachine::join_fresh(Clock::time_point now) {
+  out_.push_back(cmd::Notice{fmt::format(
+      "run {} of job '{}' runs at none of its hosts this node can reach, and {} at {} serves another run of the job "
+      "id: this node joins it there as a fresh node (its last run's epoch and group rank left behind)",
+      opts_.join.run, opts_.join.job_id, host_agent_.empty() ? std::string("a daemon") : host_agent_,
+      host_port(opts_.host, opts_.port))});
+  opts_.join.run.clear();
+  opts_.join.epoch = 0;
+  opts_.join.last_group_rank = -1;
+  voters_.clear();
+  prev_voters_.clear();
+  voters_epoch_ = 0;
+  restarts_seen_ = 0;
+  standby_ = false;  // a standby of the old run joins as a plain newcomer
+  standby_of_.reset();
+  deadline_ = now + milliseconds(opts_.join.join_timeout_ms);
+  waiting_since_ = now;
+}
+
+}  // namespace mg::rdzv

@@ -17,6 +17,8 @@ one fault once rank 0 reports step --at-step or later:
         the whole job does.
   none  no fault (the undisturbed twin run).
 --no-control gives the workers no control socket (mgtrain then says recovery is off).
+--garbage PATH[:STEP] (with kill): once the victim ended, PATH holds 4096 zero bytes (a
+checkpoint no one can read), and with STEP a checkpoint.key beside it describes it at that step.
 --epoch E [--run R]: a fenced job: MGLAUNCH_EPOCH E in the first round, one more in each
 round after, and MGLAUNCH_RUN R in every round.
 --again N (with kill or stop): a peer lost again during the recovery, N times: the
@@ -70,6 +72,9 @@ def main():
     ap.add_argument("--plant", default="",
                     help="SRC:DST (with kill): copy checkpoint SRC to DST as the victim is killed (a newer checkpoint "
                          "left by the part of the job that trained on while a survivor was cut off)")
+    ap.add_argument("--garbage", default="",
+                    help="PATH[:STEP]: with kill, once the victim ended PATH holds 4096 zero bytes (an unreadable "
+                         "checkpoint), and with STEP a checkpoint.key beside it describes it at step STEP")
     ap.add_argument("--epoch", type=int, default=0,
                     help="MGLAUNCH_EPOCH of the first round, one more each round after (0: none)")
     ap.add_argument("--run", default="", help="MGLAUNCH_RUN of every round (with --epoch)")
@@ -108,6 +113,18 @@ def cpu_seconds(pid):
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def plant_garbage(spec):
+    path, _, step = spec.partition(":")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(bytes(4096))
+    key = os.path.join(os.path.dirname(path), "checkpoint.key")
+    if step:  # the key line mgtrain writes (worker/checkpoint.cc, key_line), describing the zeros
+        st = os.stat(path)
+        with open(key, "w") as f:
+            f.write("step=%s epoch=-1 run= size=%d mtime_ns=%d ino=%d\n" % (step, st.st_size, st.st_mtime_ns, st.st_ino))
 
 
 def run(a, worker_args, deadline, stores, store_port):
@@ -268,6 +285,9 @@ def run(a, worker_args, deadline, stores, store_port):
                                     victim.wait()
                                     os.makedirs(os.path.dirname(dst), exist_ok=True)
                                     shutil.copyfile(src, dst)
+                                if a.garbage:
+                                    victim.wait()
+                                    plant_garbage(a.garbage)
                                 if a.kill_store:  # its host lost with the victim: the next round has another
                                     stores[-1].kill()
                                     stores[-1].wait()

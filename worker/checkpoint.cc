@@ -40,11 +40,14 @@ std::int64_t read_int(torch::serialize::InputArchive& ar, const char* key) {
   return t.item<std::int64_t>();
 }
 
+// `touched` (when given) is set once the archive parsed and the model starts to take it: a
+// failure before leaves the model and optimizer as they were.
 Position load_from_bytes(const std::string& bytes, const torch::Device& device, torch::nn::Module& model,
-                         torch::optim::Optimizer& opt) {
+                         torch::optim::Optimizer& opt, bool* touched = nullptr) {
   std::istringstream in(bytes);
   torch::serialize::InputArchive ar;
   ar.load_from(in, device);
+  if (touched != nullptr) *touched = true;
   model.load(ar);
   torch::serialize::InputArchive opt_ar;
   ar.read("optimizer", opt_ar);
@@ -369,6 +372,11 @@ std::string broadcast_bytes(const Comm& comm, int root, std::string bytes) {
   return bytes;
 }
 
+std::string with_rank(std::string path, int rank) {
+  if (auto p = path.find("{rank}"); p != std::string::npos) path.replace(p, 6, std::to_string(rank));
+  return path;
+}
+
 std::string checkpoint_file(const std::string& dir) { return dir + "/checkpoint.pt"; }
 std::string checkpoint_lock_file(const std::string& dir) { return dir + "/checkpoint.lock"; }
 std::string checkpoint_key_file(const std::string& dir) { return dir + "/checkpoint.key"; }
@@ -497,8 +505,9 @@ std::string get_run(const std::int64_t* at) {
 // they change: ranks of different builds then stop at check_census_version(), not in a
 // collective of another size (gloo throws, NCCL hangs; review s38 M3). An mgtrain before this
 // check has no such step, so one of those beside a newer one still mismatches there.
-// 3: the live states' keys (gather_live_states); 4: every checkpoint's {refused, failed} all-reduce.
-constexpr std::int64_t kCensusVersion = 4;
+// 3: the live states' keys (gather_live_states); 4: every checkpoint's {refused, failed}
+// all-reduce; 5: resume's head says whether the root's model took part of an unreadable archive.
+constexpr std::int64_t kCensusVersion = 5;
 
 }  // namespace
 
@@ -548,8 +557,26 @@ int LiveStates::newest(const Newest& order) const {
   return best;
 }
 
-Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence) {
+namespace {
+
+// The way on from rank k's checkpoint at `path` that cannot be read (review s38 M4: the same
+// words on every rank, naming the file, for node-local directories too).
+std::string remove_or_restore(int k, const std::string& path) {
+  return fmt::format("remove rank {}'s {} (the next newest is then used), or restore it", k, path);
+}
+
+// Rank k's line where in-place recovery goes on from the live states without its checkpoint.
+void warn_going_on(int k, const std::string& error, const std::string& path) {
+  std::fprintf(stderr, "mgtrain: warning: rank %d: %s: in-place recovery goes on from the ranks' live states without "
+               "it; %s\n", k, error.c_str(), remove_or_restore(k, path).c_str());
+}
+
+}  // namespace
+
+Newest newest_checkpoint(const std::string& dirs, const Comm& comm, const Fence& fence, bool live) {
   Newest out;
+  const int world = comm.distributed() ? comm.world : 1, me = comm.distributed() ? comm.rank : 0;
+  const std::string dir = with_rank(dirs, me);
   // The order: this run's own take-over, then the ones the checkpoints record (below).
   if (!fence.run.empty() && !fence.take_over.empty()) out.taken[fence.take_over] = fence.run;
   out.order = checkpoint_order(!fence.run.empty(), fence.epoch.has_value());
@@ -558,7 +585,6 @@ Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& 
   std::string error;
   const Census held = read_key(dir, mine, error);
   if (held == kPresent) out.own = mine;
-  const int world = comm.distributed() ? comm.world : 1, me = comm.distributed() ? comm.rank : 0;
   // Every rank's row, gathered by one sum all-reduce (each rank fills its own row).
   auto rows = torch::zeros({world, kRow}, torch::kLong);
   rows[me][0] = static_cast<std::int64_t>(held);
@@ -576,13 +602,15 @@ Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& 
   Supersessions taken;
   const auto* r = rows.data_ptr<std::int64_t>();
   for (int k = 0; k < world; ++k, r += kRow) {
-    if (r[0] == kUnreadable)
-      throw SetupError(k == me ? fmt::format("{}; remove rank {}'s {} (the next newest is then used), or restore it",
-                                             error, k, checkpoint_file(dir))
-                               : fmt::format("rank {} cannot read its checkpoint (see rank {}'s error), which may be the "
-                                             "newest; nothing was resumed: remove rank {}'s checkpoint.pt (in its "
-                                             "--checkpoint-dir; the next newest is then used), or restore it",
-                                             k, k, k));
+    const std::string path = checkpoint_file(with_rank(dirs, k));
+    // It may be the newest: nothing is resumed, on every rank, unless in-place recovery goes
+    // on from the ranks' live states (`live`), as it would with no checkpoint at all.
+    if (r[0] == kUnreadable && live && k == me) warn_going_on(k, error, path);
+    if (r[0] == kUnreadable && !live)
+      throw SetupError(k == me ? fmt::format("{}; {}", error, remove_or_restore(k, path))
+                               : fmt::format("rank {} cannot read its checkpoint {} (see rank {}'s error), which may be "
+                                             "the newest; nothing was resumed: {}",
+                                             k, path, k, remove_or_restore(k, path)));
     if (r[0] != kPresent) continue;
     auto& key = keys[static_cast<std::size_t>(k)];
     key = CheckpointKey{get_run(r + 3), r[1], r[2], get_run(r + 4 + kRunLongs)};
@@ -598,14 +626,15 @@ Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& 
     const auto& key = keys[static_cast<std::size_t>(k)];
     if (out.rank < 0 || older_checkpoint(out.key, key, taken, out.order)) out.rank = k, out.key = key;
   }
+  if (out.rank >= 0) out.path = checkpoint_file(with_rank(dirs, out.rank));
   if (const auto it = taken.find(fence.run); !fence.run.empty() && it != taken.end()) out.taken_by = it->second;
   return out;
 }
 
-std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
-                               torch::optim::Optimizer& opt, const Newest& newest) {
-  if (dir.empty() || newest.rank < 0) return std::nullopt;
-  const std::string path = checkpoint_file(dir);
+std::optional<Position> resume(const Comm& comm, torch::nn::Module& model, torch::optim::Optimizer& opt,
+                               const Newest& newest, bool* unreadable) {
+  if (newest.rank < 0) return std::nullopt;
+  const std::string& path = newest.path;
   const auto cpu_long = torch::TensorOptions().dtype(torch::kLong);
   const int root = newest.rank;
   // The root reads and parses the file; its bytes travel to every rank (ok flag first).
@@ -620,9 +649,10 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
     if (error.empty() && bytes.empty()) error = path + " is empty";
   }
   Position pos;
+  bool touched = false;  // the root's model took part of it: no live state to go on from there
   if (reader && error.empty()) {
     try {
-      pos = load_from_bytes(bytes, comm.device, model, opt);
+      pos = load_from_bytes(bytes, comm.device, model, opt, &touched);
     } catch (const std::exception& e) {
       std::string what = e.what();
       error = fmt::format("cannot load checkpoint {}: {}", path, what.substr(0, what.find('\n')));
@@ -631,15 +661,22 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
   if (comm.distributed()) {
     c10d::BroadcastOptions from;
     from.rootRank = root;
-    auto head = torch::tensor({error.empty() ? 1L : 0L, static_cast<std::int64_t>(bytes.size())}, cpu_long).to(comm.device);
+    // 1: loaded; 0: unreadable, nothing taken; 2: failed once the root's model took part of it.
+    auto head = torch::tensor({error.empty() ? 1L : touched ? 2L : 0L, static_cast<std::int64_t>(bytes.size())}, cpu_long)
+                    .to(comm.device);
     std::vector<torch::Tensor> v{head};
     wait_work(comm.pg->broadcast(v, from));
     head = head.to(torch::kCPU);
-    if (head[0].item<std::int64_t>() == 0)
-      throw SetupError(comm.rank == root ? error + "; remove it to start afresh, or restore it"
-                                         : fmt::format("rank {} could not load its checkpoint (see rank {}'s error); "
-                                                       "nothing was resumed",
-                                                       root, root));
+    if (const std::int64_t status = head[0].item<std::int64_t>(); status == 0 && unreadable != nullptr) {
+      if (comm.rank == root) warn_going_on(root, error, path);  // every rank goes on from the live states
+      *unreadable = true;
+      return std::nullopt;
+    } else if (status != 1) {
+      throw SetupError(comm.rank == root ? fmt::format("{}; {}", error, remove_or_restore(root, path))
+                                         : fmt::format("rank {} could not load its checkpoint {} (see rank {}'s error); "
+                                                       "nothing was resumed: {}",
+                                                       root, path, root, remove_or_restore(root, path)));
+    }
     const std::int64_t n = head[1].item<std::int64_t>();
     auto buf = comm.rank == root ? torch::from_blob(bytes.data(), {n}, torch::kByte).clone() : torch::empty({n}, torch::kByte);
     buf = buf.to(comm.device);
@@ -672,7 +709,7 @@ std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::
       throw SetupError(fmt::format("ranks resumed at different steps ({}..{}); remove the checkpoints and start again",
                                    -steps[1].item<std::int64_t>(), steps[0].item<std::int64_t>()));
   } else if (!error.empty()) {
-    throw SetupError(error + "; remove it to start afresh, or restore it");
+    throw SetupError(fmt::format("{}; {}", error, remove_or_restore(root, path)));
   }
   return pos;
 }

@@ -28,6 +28,8 @@ struct Position {
   std::int64_t world = 0;
 };
 
+// `path` with "{rank}" in it replaced by `rank` (node-local checkpoint directories, one per rank).
+std::string with_rank(std::string path, int rank);
 std::string checkpoint_file(const std::string& dir);
 // The fence's lock file beside the checkpoint: flock()ed around a fenced check-and-write;
 // it holds the newest epoch that wrote, or is writing, there (a decimal line).
@@ -107,6 +109,7 @@ struct Newest {
   CheckpointKey key;                 // what it holds
   std::optional<CheckpointKey> own;  // this rank's checkpoint, when it has one
   std::string taken_by;              // a run that took this fence's run over (a checkpoint records it)
+  std::string path;                  // its file (rank `rank`'s)
   // The order it was picked by (the fence's: checkpoint_order, and the take-overs the
   // checkpoints and this run record): in-place recovery places the live states by it too.
   Supersessions taken;
@@ -135,16 +138,22 @@ void check_census_version(const Comm& comm);
 // checkpoint's run, epoch and step in `dir` (from checkpoint_key_file when that describes
 // the checkpoint, else from the archive, every tensor loaded) and all learn every rank's.
 // A run a checkpoint records as taken over (supersedes=T) ranks just below the run that took
-// it over; in a job with no run (fence.run empty) checkpoints order by step alone.
-// Throws SetupError (exit 3) when a rank's checkpoint cannot be read: it may be the newest.
-Newest newest_checkpoint(const std::string& dir, const Comm& comm, const Fence& fence);
+// it over; in a job with no run (fence.run empty) checkpoints order by step alone. `dirs` is
+// --checkpoint-dir (with_rank() of it: each rank's).
+// A rank's checkpoint that cannot be read may be the newest: SetupError (exit 3) on every
+// rank, each line naming it ("remove rank k's D/checkpoint.pt (the next newest is then
+// used), or restore it"); with `live` (in-place recovery, some rank holds a live state) it
+// is left out instead, and its rank says so in one warning line (review s38 M4).
+Newest newest_checkpoint(const std::string& dirs, const Comm& comm, const Fence& fence, bool live = false);
 
 // Every rank calls it (a collective in ddp mode). Returns the position to resume from, or
 // nullopt for a fresh start (no checkpoint on any rank). Rank `newest.rank` (from
-// newest_checkpoint) alone reads its checkpoint in `dir`; its bytes reach every rank.
+// newest_checkpoint) alone reads its checkpoint (newest.path); its bytes reach every rank.
 // Throws SetupError (exit 3) when that checkpoint cannot be read, or when the ranks end up
-// at different steps.
-std::optional<Position> resume(const std::string& dir, const Comm& comm, torch::nn::Module& model,
-                               torch::optim::Optimizer& opt, const Newest& newest);
+// at different steps. With `unreadable` (in-place recovery with live states): a checkpoint
+// that cannot be read or parsed (before any rank's model took part of it) is nullopt on every
+// rank with *unreadable set, after one warning line of its rank, instead.
+std::optional<Position> resume(const Comm& comm, torch::nn::Module& model, torch::optim::Optimizer& opt,
+                               const Newest& newest, bool* unreadable = nullptr);
 
 }  // namespace mg::train

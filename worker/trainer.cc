@@ -106,11 +106,6 @@ double cpu_seconds() {
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
-std::string with_rank(std::string path, int rank) {
-  if (auto p = path.find("{rank}"); p != std::string::npos) path.replace(p, 6, std::to_string(rank));
-  return path;
-}
-
 std::pair<torch::Tensor, torch::Tensor> to_device(const data::Dataset& d, const torch::Device& device) {
   auto x = torch::from_blob(const_cast<float*>(d.images.data()), {d.size(), 1, d.rows, d.cols}, torch::kFloat).clone();
   auto y = torch::from_blob(const_cast<std::int64_t*>(d.labels.data()), {d.size()}, torch::kLong).clone();
@@ -354,8 +349,8 @@ void Trainer::establish() {
   if (comm_.distributed() && (o_.in_place_recovery || !o_.checkpoint_dir.empty())) check_census_version(comm_);
   LiveStates live;
   if (o_.in_place_recovery && comm_.distributed() && !agree_on_recovery(live)) recovery_ = false;
-  const std::string ckpt_dir = with_rank(o_.checkpoint_dir, comm_.rank);
-  const Newest newest = newest_checkpoint(ckpt_dir, comm_, fence());
+  const bool alive = std::any_of(live.keys.begin(), live.keys.end(), [](const auto& k) { return k.step > 0; });
+  const Newest newest = newest_checkpoint(o_.checkpoint_dir, comm_, fence(), recovery_ && alive);
   // A take-over persists (docs/mgtrain.md): this run records the one its checkpoint records,
   // and a run that was taken over writes nothing more.
   if (o_.checkpoint_take_over.empty() && newest.rank >= 0 && newest.key.supersedes != env_.run)
@@ -364,10 +359,16 @@ void Trainer::establish() {
   held_ = CheckpointKey{env_.run, env_.epoch.value_or(-1), 0, {}};
   const int source = recovery_ && comm_.distributed() ? live.newest(newest) : -1;
   if (source >= 0 && !checkpoint_is_newer(live, source, newest)) return take_most_advanced(live, source);
-  comm_.broadcast_coalesced(state_tensors(*model_.module));
-  if (auto c = resume(ckpt_dir, comm_, *model_.module, *opt_, newest)) {
+  // Every rank starts from rank 0's initial parameters, then the checkpoint's whole state. With
+  // a live state that one replaces every rank's whole state, or where it cannot be read the
+  // newest live state does (review s38 M4: it stopped every rank).
+  if (source < 0) comm_.broadcast_coalesced(state_tensors(*model_.module));
+  bool unreadable = false;
+  if (auto c = resume(comm_, *model_.module, *opt_, newest, source >= 0 ? &unreadable : nullptr)) {
     state_ = *c;
     if (lead_) say_resumed(newest);
+  } else if (unreadable) {
+    take_most_advanced(live, source);
   }
 }
 

@@ -94,10 +94,13 @@ TEST_CASE("a restart starts from an empty agent store: keys of the failed attemp
       "except Exception:\n"
       "    print('stale key gone')\n";
   // A port given, as the static form's default is: the same port, so the same store, serves both attempts.
-  auto r = run({kMglaunch, "--master_addr=127.0.0.1", "--master_port=" + std::to_string(free_loopback_port()),
-                "--max_restarts=1", "--nproc_per_node=1",
-                "--no_python", "/usr/bin/python3", "-c", code},
-               {}, 240s);
+  auto r = run_on_free_port(
+      [&](int port) {
+        return std::vector<std::string>{kMglaunch, "--master_addr=127.0.0.1", "--master_port=" + std::to_string(port),
+                                        "--max_restarts=1", "--nproc_per_node=1",
+                                        "--no_python", "/usr/bin/python3", "-c", code};
+      },
+      {}, 240s);
   INFO(r.out << r.err);
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("stale key gone"));

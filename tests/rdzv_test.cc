@@ -192,9 +192,9 @@ TEST_CASE("garbage and oversized frames close only their own connection while a 
 }
 
 TEST_CASE("the daemon killed and restarted mid-run: workers keep running and the job completes") {
-  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
+  Daemon first = first_listening_at("127.0.0.1");
+  const std::string endpoint = first.endpoint;
   auto listen = [&] { return listening_at(endpoint); };
-  Daemon first = listen();
   const std::string go = make_temp_dir() + "/go";  // the workers end only once the new daemon holds the job
   const std::vector<std::string> worker{"print", "up", "wait-file", go, "print", "bye"};
   Proc a = spawn(agent_argv(endpoint, "survive", 1, "2", 1, {}, worker));
@@ -245,9 +245,9 @@ TEST_CASE("a silent client is dropped after the handshake timeout and connection
 TEST_CASE("an agent started during a daemon outage does not take the daemon's port") {
   // The daemon's node is emulated at 127.0.0.5 (127.0.0.1 and localhost are this machine's
   // own loopback, which an agent takes over as torchrun does).
-  const std::string endpoint = "127.0.0.5:" + std::to_string(free_loopback_port());
+  Daemon first = first_listening_at("127.0.0.5");
+  const std::string endpoint = first.endpoint;
   auto listen = [&] { return listen_at(endpoint); };
-  Daemon first = listen();
   REQUIRE_THAT(first.proc.out(), Catch::Contains("listening on"));
   const std::string go = make_temp_dir() + "/go";  // the workers end once the daemon is back
   const std::vector<std::string> worker{"print", "up", "wait-file", go, "print", "bye"};
@@ -290,9 +290,9 @@ TEST_CASE("a hosting agent whose start-up fails never listens, so the agents sta
 }
 
 TEST_CASE("a worker that fails while the daemon is down is reported when the daemon is back") {
-  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
+  Daemon first = first_listening_at("127.0.0.1");
+  const std::string endpoint = first.endpoint;
   auto listen = [&] { return listening_at(endpoint); };
-  Daemon first = listen();
   const std::string go = make_temp_dir() + "/go";
   std::vector<Proc> agents;
   for (int i = 2; i <= 4; ++i)

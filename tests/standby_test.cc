@@ -117,8 +117,8 @@ TEST_CASE("standby: a job that ends while the standby waits ends it too: exit 0 
 }
 
 TEST_CASE("standby: the daemon killed and restarted: the standby re-registers as one, the round is rebuilt, all exit 0") {
-  const std::string endpoint = "127.0.0.1:" + std::to_string(free_loopback_port());
-  Daemon first = listening_at(endpoint);
+  Daemon first = first_listening_at("127.0.0.1");
+  const std::string endpoint = first.endpoint;
   const std::string go = make_temp_dir() + "/go";
   const std::vector<std::string> worker{"print", "up", "wait-file", go};
   Proc a = spawn(agent_argv(endpoint, "spare-restart", 2, "2", 1, {}, worker));

@@ -318,6 +318,16 @@ bool pid_alive(pid_t pid) {
 
 int free_loopback_port() { return free_port_on("127.0.0.1"); }
 
+Result run_on_free_port(const std::function<std::vector<std::string>(int port)>& argv_of,
+                        const std::map<std::string, std::string>& env_add, std::chrono::milliseconds timeout) {
+  for (int attempt = 1;; ++attempt) {
+    Result r = run(argv_of(free_loopback_port()), env_add, timeout);
+    if (r.code != 2 || r.err.find("--master_port") == std::string::npos ||
+        r.err.find("cannot be used") == std::string::npos || attempt == 5)
+      return r;
+  }
+}
+
 int listen_on_loopback(int& port, int backlog) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};

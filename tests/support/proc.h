@@ -94,6 +94,11 @@ std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std:
 // restarted daemon, an agent hosting the rendezvous); everything else binds port 0 and
 // reports it.
 int free_loopback_port();
+// run(argv_of(port)) for a port of free_loopback_port(), again with another one (5 tries at
+// most) while mglaunch ends with exit 2 saying that its --master_port "cannot be used" (node
+// 0's check: the port was taken meanwhile by a process outside the tests' reservation).
+Result run_on_free_port(const std::function<std::vector<std::string>(int port)>& argv_of,
+                        const std::map<std::string, std::string>& env_add, std::chrono::milliseconds timeout);
 // A socket listening on 127.0.0.1 at a port the kernel picked (`port` set to it), or -1.
 int listen_on_loopback(int& port, int backlog);
 

@@ -256,9 +256,9 @@ void Job::keep_places(Nodes& nodes) const {
 }
 
 Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
-  // A node of another run of this job id (other_run()): join_of_other_run(). (A
-  // re-registration is weighed whole: check_resume(), resume_after_outage().)
-  if (other_run(j) && j.resume_round == 0) return join_of_other_run(s, j, now);
+  // A node of another run of this job id (other_run()): join_of_other_run().
+  if (other_run(j))
+    if (auto out = join_of_other_run(s, j, now)) return std::move(*out);
   // The voters a join brings count (adopt_voters()); they never stay with its node (a
   // thousand nodes' lists would be megabytes).
   if (!j.voters.empty()) {

@@ -235,6 +235,14 @@ class Job {
   void seed_epoch(int epoch) {
     if (epoch > epoch_) epoch_ = last_round_epoch_ = epoch;
   }
+  // A restarted daemon's --state-dir journal says this id's last run, `run`, ended: done, or
+  // failed with `abort`. Its agents that re-register that run (a round, or as a standby: the
+  // daemon died before they heard the end) are told that end, not refused; only fresh joins
+  // start this Job's new run (review s38-late L1).
+  void seed_ended(std::string run, std::optional<proto::Abort> abort) {
+    ended_run_ = std::move(run);
+    ended_abort_ = std::move(abort);
+  }
   // Sets the run of a Job made without one (the etcd replay: its log's first record's).
   void set_run(std::string run) {
     run_open_ = false;
@@ -367,9 +375,13 @@ class Job {
   bool run_open_ = false;  // open_run(); joins are kept whole until settle_run()
   // The first round's run of a Job whose run is open: the newest its nodes name, else its own.
   void settle_run(const std::vector<std::pair<SessionId, Node>>& nodes);
-  // A fresh join (resume_round 0) for which other_run(): refused by a fresh job an agent
+  // A join for which other_run(): a re-registration of the ended run (seed_ended()) hears
+  // its end; another re-registration is weighed whole (nullopt: check_resume(),
+  // resume_after_outage()); a fresh join (resume_round 0) is refused by a fresh job an agent
   // hosts when it ran rounds (epoch > 0), else taken as a plain newcomer's.
-  Actions join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now);
+  std::optional<Actions> join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now);
+  std::string ended_run_;                    // seed_ended()
+  std::optional<proto::Abort> ended_abort_;  // its end when it failed (none: done)
   // A restarted server rebuilds the round `j` re-registers (the first such join): that
   // round's run and epoch become the job's.
   void rebuild_run(const proto::Join& j);

@@ -64,14 +64,19 @@ void Job::learn_epoch(const proto::Join& j) {
   epoch_ = std::max(epoch_, j.epoch);
 }
 
-Actions Job::join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now) {
+std::optional<Actions> Job::join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now) {
+  // The run a restarted daemon's journal says ended: a node that re-registers it missed the
+  // end (the daemon died after it journaled it, before the node heard it) and hears it now.
+  if (!ended_run_.empty() && j.run == ended_run_ && (j.resume_round > 0 || j.resume_standby))
+    return Actions{{s, ended_abort_ ? proto::to_wire(*ended_abort_) : proto::to_wire(proto::Done{})}};
+  if (j.resume_round > 0) return std::nullopt;  // weighed whole: check_resume(), resume_after_outage()
   // A fresh job an agent hosts (no round closed, nothing taken over) and a node that ran
   // rounds of another run: the agent that hosted that run was started again at its endpoint.
   // Folded in, the node would make this server's new run the job's, newer than the one
   // the majority runs on elsewhere (mgtrain refuses the older run's writes): refused
   // (review s38 L2). A restarted node finds that run from its record (launcher/job_record.h).
   if (quorum_ && round_ == 0 && !takeover_ && j.epoch > 0)
-    return {{s, proto::to_wire(proto::Error{fmt::format(
+    return Actions{{s, proto::to_wire(proto::Error{fmt::format(
                     "job '{}': this node ran epoch {} of run {}, and the agent hosting here was started again "
                     "and hosts a new run ({}) that ran no round: the job goes on elsewhere; start this node's "
                     "agent again to rejoin it",

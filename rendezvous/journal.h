@@ -14,7 +14,10 @@
 //
 //   DIR/journal.jsonl    append-only; fdatasync'd after each event that changes a job's state
 //                        (created, round started, node lost, restart, promoted, takeover, done,
-//                        failed), not after each node's join
+//                        failed), not after each node's join; written before the frames of the
+//                        call that made the events go out (Server::drive), so a node that heard
+//                        a job's end finds it here, and a restarted daemon tells the nodes that
+//                        re-register an ended run that end (Job::seed_ended, review s38-late L1)
 //   DIR/journal.1.jsonl  the previous file: past kMaxFileBytes the journal moves there (the one
 //                        before is dropped), so the directory holds at most twice that
 //   DIR/lock             flock()ed while a daemon uses DIR

@@ -128,23 +128,65 @@ Job& Server::job_of(const std::string& job_id) {
   // --state-dir journal's, for a job it holds that has not ended; else the run is open
   // (Job::open_run(): the first round takes its nodes', review s38 M1), at the journal's
   // epoch. An id used again after its job ended (done, failed, forgotten) is a new run.
+  // Its agents that re-register the run of a job that ended (done, failed) hear that end
+  // (the daemon died before they did: Job::seed_ended(), review s38-late L1).
   std::string run = new_run();
   bool known = false;
   int epoch = 0;
+  std::string ended;
+  std::optional<proto::Abort> abort;
   if (opts_.journal)
     if (const auto h = opts_.journal->jobs().find(job_id); h != opts_.journal->jobs().end()) {
       const auto state = h->second.summary.value("state", "");
       known = state == "done" || state == "failed" || state == "forgotten";
-      if (const auto was = h->second.summary.value("run", ""); !known && proto::run_problem(was).empty() && !was.empty()) {
+      const auto was = h->second.summary.value("run", "");
+      const bool valid = !was.empty() && proto::run_problem(was).empty();
+      if (!known && valid) {
         run = was;
         known = true;
         epoch = h->second.summary.value("epoch", 0);
+      } else if (valid && state != "forgotten") {
+        ended = was;
+        if (state == "failed") abort = journaled_abort(h->second);
       }
     }
   Job& job = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), std::move(run)).first->second;
   if (!known) job.open_run();
+  if (!ended.empty()) job.seed_ended(std::move(ended), std::move(abort));
   job.seed_epoch(epoch);  // its next round is one on (review s38-late H1)
   return job;
+}
+
+bool Server::ended_in_journal(const std::string& job_id) const {
+  if (!opts_.journal) return false;
+  const auto h = opts_.journal->jobs().find(job_id);
+  if (h == opts_.journal->jobs().end()) return false;
+  const auto state = h->second.summary.value("state", "");
+  return state == "done" || state == "failed" || state == "forgotten";
+}
+
+proto::Abort Server::journaled_abort(const JobHistory& h) {
+  proto::Abort a;
+  a.reason = h.summary.value("root_cause", "");
+  a.root_cause.rank = -1;
+  a.root_cause.message = a.reason;
+  for (auto e = h.events.rbegin(); e != h.events.rend(); ++e) {
+    if (!e->is_object() || e->value("event", "") != "failed") continue;
+    try {
+      a.reason = a.root_cause.message = e->value("why", a.reason);
+      a.root_cause.round = e->value("round", 0);
+      a.root_cause.host = e->value("host", "");
+      if (const auto r = e->find("rank"); r != e->end() && r->is_number_integer()) a.root_cause.rank = r->get<int>();
+      a.root_cause.exit_code = e->value("exit_code", 1);
+    } catch (const nlohmann::json::exception&) {  // an edited journal: what was read so far
+    }
+    break;
+  }
+  a.root_cause.host = proto::printable(a.root_cause.host);
+  a.root_cause.message = proto::printable(a.root_cause.message);
+  proto::truncate_to_limits(a.root_cause);
+  a.reason = proto::truncate_text(proto::printable(a.reason), proto::kMaxTextBytes);
+  return a;
 }
 
 std::string Server::address() const { return fmt::format("{}:{}", opts_.host, port_); }
@@ -169,7 +211,8 @@ void Server::log(const std::string& raw, nlohmann::json fields) const {
 }
 
 void Server::drive(Job& job, const Actions& actions) {
-  apply(actions);
+  // The events are journaled before the frames go out (write-ahead): a node that heard a
+  // decision (Done above all) finds it in a restarted daemon's --state-dir (review s38-late L1).
   for (const auto& e : job.take_events()) {
     if (opts_.on_event) opts_.on_event(e);
     auto fields = json_of(e);
@@ -184,6 +227,7 @@ void Server::drive(Job& job, const Actions& actions) {
       if (!journal_error_.empty()) log(fmt::format("warning: --state-dir: {}; the job history is incomplete", journal_error_));
     }
   }
+  apply(actions);
 }
 
 nlohmann::json Server::jobs_json() const {
@@ -579,7 +623,8 @@ void Server::forget(std::map<std::string, Job>::iterator job, const std::string&
   // A job that never ended (all its agents killed, scancel, preemption) ends here, in the
   // journal too: its id used again (a Slurm requeue) is a new run, not this one at epoch 1
   // (review s38-late H1; job_of()).
-  if (opts_.journal && !job->second.finished())
+  // (Not a job the journal says ended already: a Job made only to tell its agents that end.)
+  if (opts_.journal && !job->second.finished() && !ended_in_journal(job->first))
     opts_.journal->record({{"event", "forgotten"}, {"job", job->first}, {"text", proto::printable(why)},
                            {"unix_ms", events_.empty() ? 0 : events_.back().unix_ms}});
   forgotten_disconnects_ += static_cast<std::uint64_t>(job->second.disconnects());

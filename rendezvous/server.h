@@ -158,6 +158,10 @@ class Server {
   std::map<std::string, Job> jobs_;
   // The job `job_id`, made (with a new run, rdzv::new_run()) when it is not there yet.
   Job& job_of(const std::string& job_id);
+  // The journal says job `job_id` ended (done, failed, forgotten).
+  bool ended_in_journal(const std::string& job_id) const;
+  // The Abort a failed job's agents heard, from its journaled "failed" event (review s38-late L1).
+  static proto::Abort journaled_abort(const JobHistory& h);
   std::map<std::string, std::size_t> per_address_;  // open connections by peer address
   std::map<std::string, Failures> failures_;        // authentication failures by peer address
   std::map<std::string, AuthGate> gates_;           // sessions in authentication by peer address

@@ -728,3 +728,57 @@ TEST_CASE("the job's events (#38): a worker's failure with its exit code, a sile
   CHECK(json_of(ended[1])["event"] == "failed");
   CHECK(job.take_events().empty());
 }
+
+// Review s38-late L1: a daemon journals a job's end after the frames go out, or dies before
+// every node read its Done; restarted, its journal says done (or failed), so its Job is a new
+// run, and the nodes that re-register the old run were refused ("its run R is not this
+// job's") and ended non-zero after the training completed. They hear the end now.
+TEST_CASE("a restarted daemon's Job whose journal says the last run ended tells that run's re-registering nodes and "
+          "standbys the end (Done, the Abort); fresh joins start the new run (review s38-late L1)") {
+  const std::string ended = "1764500000000-0123456789abcdef", fresh = "1764500099000-00000000000000ff";
+  auto claim = [&](const std::string& addr, bool standby) {
+    proto::Join j = node(addr, 2, 2);
+    j.run = ended;
+    j.epoch = 7;
+    if (standby) {
+      j.resume_standby = true;
+      return j;
+    }
+    j.resume_round = 4;
+    j.resume_group_rank = addr == "127.0.0.1" ? 0 : 1;
+    j.resume_group_world_size = 2;
+    j.resume_restart_count = 1;
+    j.resume_done = true;
+    return j;
+  };
+  Job done("job", false, fresh);
+  done.seed_ended(ended, std::nullopt);
+  CHECK(of_type(done.join(1, claim("127.0.0.1", false), T0), MsgType::kDone).size() == 1);  // main: Error
+  CHECK(of_type(done.join(2, claim("127.0.0.3", true), T0), MsgType::kDone).size() == 1);
+  CHECK(done.state() == Job::State::kJoining);
+  // Another run's re-registration is weighed as before (an older one refused).
+  proto::Join older = claim("127.0.0.2", false);
+  older.run = "1764400000000-0000000000000001";
+  CHECK_THAT(error_of(done.join(3, older, T0)), Catch::Contains("re-registration refused"));
+  // Fresh joins, one naming the ended run (a plain newcomer): the new run from epoch 1.
+  proto::Join j1 = node("127.0.0.1", 2, 2);
+  j1.run = ended;
+  j1.epoch = 7;
+  CHECK(done.join(4, j1, T0).empty());
+  auto out = of_type(done.join(5, node("127.0.0.2", 2, 2), T0), MsgType::kAssignment);
+  REQUIRE(out.size() == 2);
+  const auto a = proto::from_frame<proto::Assignment>(out[0].frame);
+  CHECK(a.run == fresh);
+  CHECK(a.epoch == 1);
+
+  Job failed("job", false, fresh);
+  proto::Abort abort;
+  abort.root_cause.rank = 3;
+  abort.root_cause.exit_code = 7;
+  abort.reason = "rank 3 on host-127.0.0.2 exited with 7";
+  failed.seed_ended(ended, abort);
+  auto told = of_type(failed.join(1, claim("127.0.0.2", false), T0), MsgType::kAbort);
+  REQUIRE(told.size() == 1);
+  CHECK(proto::from_frame<proto::Abort>(told[0].frame).root_cause.exit_code == 7);
+  CHECK(proto::from_frame<proto::Abort>(told[0].frame).reason == abort.reason);
+}

@@ -275,6 +275,21 @@ proto::Assignment assignment_of(asio::io_context& io, rdzv::Server& server, Fds&
   return proto::from_frame<proto::Assignment>(*frame);
 }
 
+// A daemon started (again) on the --state-dir journal in `dir`, and its agents' connections.
+struct Journaled {
+  static rdzv::ServerOptions options(const std::string& dir) {
+    rdzv::ServerOptions so;
+    std::string warning;
+    so.journal = std::make_shared<rdzv::Journal>(dir, warning);
+    return so;
+  }
+  asio::io_context io{1};
+  rdzv::ServerOptions so;
+  rdzv::Server server;
+  Fds fds;
+  explicit Journaled(const std::string& dir) : so(options(dir)), server(io, so) {}
+};
+
 // Review s38 M1: a daemon restarted while its job's nodes were between rounds hears only their
 // fresh joins (no round to rebuild). It keeps the job's run from its --state-dir journal, so
 // MGLAUNCH_RUN does not change in the middle of the job (a run minted on a clock behind the
@@ -292,16 +307,11 @@ TEST_CASE("a daemon restarted between rounds keeps its job's run and epoch from 
     before.record({{"event", "round_started"}, {"job", "kept"}, {"round", 3}, {"run", run}, {"epoch", 5}, {"unix_ms", 2}});
     before.record({{"event", "restart"}, {"job", "kept"}, {"round", 3}, {"unix_ms", 3}});
   }
-  asio::io_context io(1);
-  rdzv::ServerOptions so;
-  std::string warning;
-  so.journal = std::make_shared<rdzv::Journal>(dir, warning);
-  rdzv::Server server(io, so);
-  Fds fds;
-  const auto a = assignment_of(io, server, fds, sim_join("kept", 1, 1, "127.0.0.1"));  // names no run, no epoch
+  Journaled d(dir);
+  const auto a = assignment_of(d.io, d.server, d.fds, sim_join("kept", 1, 1, "127.0.0.1"));  // names no run, no epoch
   CHECK(a.run == run);  // before 4a50e25 (and with no journal seed): the restarted daemon's own new run
   CHECK(a.epoch == 6);  // before: 1
-  server.stop();
+  d.server.stop();
 }
 
 // Review s38-late H1: a job whose agents all went away without an end (killed, scancel,
@@ -345,6 +355,76 @@ TEST_CASE("a job the daemon forgot (nobody connected) ended in its --state-dir j
   CHECK(a.run != run);  // before: the forgotten run, at epoch 1, whose checkpoints' locks refuse it
   CHECK(a.epoch == 1);
   restarted.stop();
+}
+
+// Review s38-late L1: the daemon sent Done before it journaled it, and a restarted daemon whose
+// journal said done (or failed) made the id a new run and refused the nodes that re-registered
+// the old one ("its run R is not this job's"): they ended non-zero after the training had
+// completed. Now the journal is written before the frames go out, and the old run's
+// re-registrations hear its end from it.
+TEST_CASE("a restarted daemon tells the nodes that re-register a run its --state-dir journal says ended that end (Done, "
+          "the Abort), and fresh joins start a new run (review s38-late L1)") {
+  const std::string dir = make_temp_dir();
+  const std::string run = "1764500000000-0123456789abcdef";
+  {
+    std::string warning;
+    rdzv::Journal before(dir, warning);
+    for (const std::string job : {"finished", "crashed"}) {
+      before.record({{"event", "created"}, {"job", job}, {"how", "new"}, {"run", run}, {"unix_ms", 1}});
+      before.record({{"event", "round_started"}, {"job", job}, {"round", 4}, {"run", run}, {"epoch", 7}, {"unix_ms", 2}});
+    }
+    before.record({{"event", "done"}, {"job", "finished"}, {"round", 4}, {"nodes", 2}, {"unix_ms", 3}});
+    before.record({{"event", "failed"}, {"job", "crashed"}, {"round", 4}, {"host", "sim2"}, {"rank", 3},
+                   {"exit_code", 7}, {"why", "rank 3 on sim2 exited with 7"}, {"unix_ms", 3}});
+  }
+  Journaled d(dir);
+  auto claim = [&](const std::string& job) {
+    auto j = sim_join(job, 1, 2, "127.0.0.1");
+    j.run = run;
+    j.epoch = 7;
+    j.resume_round = 4;
+    j.resume_group_rank = 0;
+    j.resume_group_world_size = 2;
+    j.resume_done = true;
+    send_join(d.server, d.fds, j);
+    return d.fds.fds.back();
+  };
+  CHECK(await_frame(d.io, claim("finished"), proto::MsgType::kDone));  // before: an Error, exit 1
+  const auto abort = await_frame(d.io, claim("crashed"), proto::MsgType::kAbort);
+  REQUIRE(abort);
+  const auto a = proto::from_frame<proto::Abort>(*abort);
+  CHECK(a.root_cause.exit_code == 7);
+  CHECK(a.root_cause.rank == 3);
+  CHECK(a.reason == "rank 3 on sim2 exited with 7");
+  const auto fresh = assignment_of(d.io, d.server, d.fds, sim_join("finished", 3, 1, "127.0.0.1"));
+  CHECK(fresh.run != run);
+  CHECK(fresh.epoch == 1);
+  d.server.stop();
+}
+
+TEST_CASE("the daemon journals a job's events before their frames go out: no node has its Done when the done event is "
+          "recorded (review s38-late L1)") {
+  const std::string dir = make_temp_dir();
+  std::string warning;
+  asio::io_context io(1);
+  rdzv::ServerOptions so;
+  so.journal = std::make_shared<rdzv::Journal>(dir, warning);
+  Fds fds;
+  int fd = -1, pending_at_done = -1;
+  so.on_event = [&](const rdzv::JobEvent& e) {
+    if (e.kind != rdzv::JobEvent::Kind::kDone) return;
+    pollfd p{fd, POLLIN, 0};
+    pending_at_done = ::poll(&p, 1, 0);  // loopback: a frame sent is readable at once
+  };
+  rdzv::Server server(io, so);
+  const auto a = assignment_of(io, server, fds, sim_join("ahead", 1, 1, "127.0.0.1"));
+  fd = fds.fds.back();
+  const auto done = bytes_of(proto::to_frame(proto::NodeDone{a.round}));
+  send_all(fd, done.data(), done.size());
+  CHECK(await_frame(io, fd, proto::MsgType::kDone));
+  CHECK(pending_at_done == 0);  // before: 1 (the Done was sent first)
+  CHECK(so.journal->jobs().at("ahead").summary.value("state", "") == "done");
+  server.stop();
 }
 
 TEST_CASE("an agent refused by a host that does not listen yet retries within milliseconds at first, then backs off to 500 ms") {

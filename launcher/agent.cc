@@ -96,7 +96,6 @@ Agent::~Agent() {
   if (control_) control_->stop();
   launcher_->close();
   logs_.clean_up();
-  if (takeover_fd_ >= 0) ::close(takeover_fd_);
 }
 
 void Agent::check_descriptor_budget() {
@@ -635,6 +634,7 @@ void Agent::finish(int code) {
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);
+  if (takeover_server_) takeover_server_->stop();  // its accepts and ticks hold the io loop
   for (auto& s : retired_stores_) s->stop();
   retired_stores_.clear();
   // Its clients are gone with the workers, but for the static form's other nodes: there

@@ -47,6 +47,7 @@
 #include "launcher/worker_launcher.h"
 #include "proto/messages.h"
 #include "rendezvous/client.h"
+#include "rendezvous/endpoint.h"
 #include "rendezvous/link.h"
 #include "rendezvous/lookup.h"
 #include "rendezvous/server.h"
@@ -208,6 +209,9 @@ class Agent {
   // Multi-node rendezvous (nullptr in single-node and static runs). The client lives as
   // long as the agent: its cancelled handlers still run inside io.run().
   std::unique_ptr<rdzv::Server> embedded_server_;
+  // The endpoint this agent is to host the job at (a loopback one, or its own address, and
+  // nothing listens there yet); nullopt: none.
+  std::optional<rdzv::Endpoint> endpoint_to_host() const;
   bool hosting_decided_ = false;  // host_rendezvous() ran
   // This node's record of the job (launcher/job_record.h, #34 H1). Read at start: a record
   // of this job makes the link look for the job at the record's hosts first (recall
@@ -229,10 +233,11 @@ class Agent {
   bool record_written_ = false, record_warned_ = false;
   // The rendezvous server's settings for this job (the token, this job only, this agent).
   rdzv::ServerOptions server_options();
-  // The socket this agent would host the job on if its host were lost (bound at port 0 on
-  // the advertised address, never on every address; not listening until then: a connection
-  // is refused), advertised in its Join (takeover_port); -1 when it hosts already or none
-  // could be bound (takeover_refused_: said once).
+  // The socket this agent would host the job on if its host were lost (bound on the
+  // advertised address, never on every address: its record's port, else any), advertised in
+  // its Join (takeover_port); it listens from the start, a server answering "alive, not
+  // hosting" (proto::NotHosting, rdzv::ServerOptions::not_hosting) until it takes the job
+  // over; none when it hosts already or none could be bound (takeover_refused_: said once).
   void bind_takeover_socket();
   bool takeover_refused_ = false;
   // The IPv4 addresses of the endpoint's host and of the advertised address, which
@@ -247,7 +252,7 @@ class Agent {
   std::unique_ptr<rdzv::Lookups> lookups_;
   // rdzv::ClientHandlers::on_take_over: serves the job from `seed` on that socket.
   rdzv::TakeoverHost take_over(const rdzv::TakeoverSeed& seed);
-  int takeover_fd_ = -1;
+  std::unique_ptr<rdzv::Server> takeover_server_;
   int takeover_port_ = 0;
   std::string takeover_host_;
   std::unique_ptr<rdzv::Link> client_;  // rdzv::Client (own daemon) or rdzv::EtcdLink

@@ -34,6 +34,21 @@ void Agent::host_rendezvous() {
   // hosts only once none runs it (rdzv::ClientHandlers::on_recall_ended).
   if (hosting_decided_ || recall_pending_) return;
   hosting_decided_ = true;
+  const std::optional<rdzv::Endpoint> hosted = endpoint_to_host();
+  if (!hosted) return;
+  const rdzv::Endpoint& ep = *hosted;
+  try {
+    rdzv::ServerOptions so = server_options();
+    so.host = ep.host;
+    so.port = ep.port;
+    embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
+    notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
+  } catch (const std::exception&) {
+    // Another local agent got there first: join it as a client.
+  }
+}
+
+std::optional<rdzv::Endpoint> Agent::endpoint_to_host() const {
   std::optional<rdzv::Endpoint> parsed;  // (an etcd endpoint list is not one)
   auto endpoint = [&]() -> const rdzv::Endpoint& {
     if (!parsed) parsed = rdzv::parse_endpoint(opts_.rdzv_endpoint, 29400);
@@ -47,17 +62,8 @@ void Agent::host_rendezvous() {
                (rdzv::is_local_host(endpoint().host) && rdzv::same_address(endpoint().host, plan_.master_addr));
       });
   // Only while nothing listens there, and only for this job.
-  if (!meant || rdzv::probe_listen(endpoint().host, endpoint().port)) return;
-  const rdzv::Endpoint& ep = endpoint();
-  try {
-    rdzv::ServerOptions so = server_options();
-    so.host = ep.host;
-    so.port = ep.port;
-    embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
-    notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
-  } catch (const std::exception&) {
-    // Another local agent got there first: join it as a client.
-  }
+  if (!meant || rdzv::probe_listen(endpoint().host, endpoint().port)) return std::nullopt;
+  return endpoint();
 }
 
 rdzv::ServerOptions Agent::server_options() {
@@ -92,32 +98,56 @@ rdzv::ServerOptions Agent::server_options() {
 }
 
 void Agent::bind_takeover_socket() {
-  if (embedded_server_ || takeover_fd_ >= 0 || takeover_refused_) return;
+  if (embedded_server_ || takeover_server_ || takeover_refused_) return;
   // Only on the advertised address, where the others will look for this node (its Join's
   // addr): a name is resolved here, and the first of its IPv4 addresses that is this
   // machine's is bound. None: this node cannot take over, and says so once.
   std::string why;
-  auto try_bind = [&](in_addr_t addr) {
+  // The port of this node's record first (its last run's): the record of every other node of
+  // the job names it, and a whole job rerun at once finds this node alive there (review s38
+  // M2); taken (or none): any free port.
+  const int recorded_port = recalled_ ? recalled_->takeover_port : 0;
+  auto bind_at = [&](in_addr_t addr, int port) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
       why = std::strerror(errno);
-      return false;
+      return -1;
     }
+    const int on = 1;  // (the last run's connections in TIME_WAIT do not hold its port)
+    if (port > 0) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = addr;
+    sa.sin_port = htons(static_cast<std::uint16_t>(port));
     socklen_t len = sizeof sa;
     if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
       why = std::strerror(errno);
       ::close(fd);
-      return false;
+      return -1;
     }
     char text[INET_ADDRSTRLEN] = {};
     ::inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text);
-    takeover_fd_ = fd;
     takeover_port_ = ntohs(sa.sin_port);
     takeover_host_ = text;
+    return fd;
+  };
+  // It listens from now on, answering "alive, not hosting" (proto::NotHosting) until it hosts.
+  auto try_bind = [&](in_addr_t addr) {
+    int fd = recorded_port > 0 && recorded_port < 65536 ? bind_at(addr, recorded_port) : -1;
+    if (fd < 0) fd = bind_at(addr, 0);
+    if (fd < 0) return false;
+    try {
+      rdzv::ServerOptions so = server_options();
+      so.host = takeover_host_;
+      so.adopt_fd = fd;
+      so.not_hosting = true;
+      takeover_server_ = std::make_unique<rdzv::Server>(io_, so);
+    } catch (const std::exception& e) {
+      why = e.what();
+      takeover_port_ = 0;
+      return false;
+    }
     return true;
   };
   auto ipv4_of = [](const rdzv::Addresses& found) {
@@ -170,12 +200,10 @@ void Agent::bind_takeover_socket() {
 }
 
 rdzv::TakeoverHost Agent::take_over(const rdzv::TakeoverSeed& seed) {
-  if (embedded_server_ || takeover_fd_ < 0) return {};
+  if (embedded_server_ || !takeover_server_) return {};
   try {
-    rdzv::ServerOptions so = server_options();
-    so.host = takeover_host_;
-    so.adopt_fd = std::exchange(takeover_fd_, -1);
-    embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
+    // The socket listening since the start serves the job from now on: no connect refused.
+    embedded_server_ = std::move(takeover_server_);
     embedded_server_->take_over(plan_.run_id, seed);
   } catch (const std::exception& e) {
     embedded_server_.reset();
@@ -206,7 +234,7 @@ void Agent::guarded(const std::function<void()>& work) {
 }
 
 bool Agent::look_up_takeover_addresses() {
-  if (opts_.rdzv_backend == "etcd" || embedded_server_ || takeover_fd_ >= 0 || takeover_refused_ ||
+  if (opts_.rdzv_backend == "etcd" || embedded_server_ || takeover_server_ || takeover_refused_ ||
       takeover_addresses_)
     return false;
   if (!lookups_) lookups_ = std::make_unique<rdzv::Lookups>(io_);
@@ -313,10 +341,9 @@ void Agent::start_rendezvous() {
   h.on_recall_ended = [this] {
     recall_pending_ = false;
     host_rendezvous();
-    if (embedded_server_ && takeover_fd_ >= 0) {  // it hosts: it offers no takeover socket
-      ::close(std::exchange(takeover_fd_, -1));
-      takeover_port_ = 0;
-    }
+    // Hosting now, it offers no takeover port (its Join's is 0); the takeover socket stays,
+    // answering "alive, not hosting" (in this run, or none): the recall of another node of
+    // the last run may still count on it (a loopback endpoint that this node got first).
     return embedded_server_ != nullptr;
   };
   client_ = make_link_(io_, opts_, std::move(j), std::move(h));
@@ -345,30 +372,31 @@ void Agent::load_job_record() {
   if (!why.empty()) notice("warning: " + why);
   record_io_ = std::make_unique<JobRecordWriter>(JobRecordWriter::ops_of(record_dir_));
   record_io_->sweep();  // what killed agents left (records a week old, temporary files of dead pids)
+  if (recalled_ && !recalled_->hosts.empty()) {
+    // The endpoint, where this node is to host and nothing listens: this node itself, which
+    // hosts no run of the job now (a whole job rerun at once: review s38 M2).
+    if (const auto own = endpoint_to_host())
+      std::erase(recalled_->hosts, std::pair<std::string, int>{own->host, own->port});
+    if (recalled_->hosts.empty())
+      notice(fmt::format("this node's record of job '{}' (run {}), {}, names only this node's endpoint, where "
+                         "nothing listens: starting afresh",
+                         plan_.run_id, recalled_->run,
+                         job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_)));
+  }
   recall_pending_ = recalled_ && !recalled_->hosts.empty() && !recalled_->run.empty();
 }
 
 void Agent::recall_job() {
   if (!recall_pending_) return;
-  // Until when the hosts are tried again and again (at least once each): the job's survivors
-  // take it over within K x (A + 1) of silence, a watchdog's K and K x A of search after this
-  // node's last word, and the record's time lags that word by one K at most (its refresh).
-  // Within that bound a takeover socket that refuses may host in a moment. A record of one
-  // host names no node that could take over: one pass.
-  const auto bound = recalled_->hosts.size() > 1 ? opts_.keep_alive_interval * (2 * opts_.keep_alive_max_attempt + 3)
-                                                 : std::chrono::milliseconds(0);
-  const auto written = std::chrono::system_clock::time_point(std::chrono::milliseconds(recalled_->written_ms));
-  // (Clamped to [0, bound]: a record's time in the future, after a reboot before the clock
-  // was set or from an NFS server's clock, must not make the wait unbounded. The link ends
-  // the recall by join_timeout at the latest.)
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(written + bound - now().wall);
-  const auto wait = std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(bound));
+  // The hosts are tried in passes until one runs the job (joined), or every one answered in
+  // one pass that no host of the run is there (a fresh start), or join_timeout (exit 3):
+  // silence and refusals prove nothing (rdzv::ClientMachine's Recall, review s38 H1b).
+  const std::string path = job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_);
   notice(fmt::format("this node has a record of job '{}' (run {}) from its agent's last run, {}: looking for the job "
-                     "at the {} host(s) it names (one pass, then again until {} s from now) before starting afresh; "
-                     "remove that file to start afresh at once",
-                     plan_.run_id, recalled_->run,
-                     job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_), recalled_->hosts.size(), std::min(wait, opts_.join_timeout).count() / 1000.0));
-  client_->recall(recalled_->hosts, recalled_->run, now().steady + wait, recalled_->epoch);
+                     "at the {} host(s) it names before starting afresh, until each answers that the run is over (at "
+                     "most join_timeout, {} s, then exit 3); remove that file to start afresh at once",
+                     plan_.run_id, recalled_->run, path, recalled_->hosts.size(), opts_.join_timeout.count() / 1000.0));
+  client_->recall(recalled_->hosts, recalled_->run, now().steady + opts_.join_timeout, recalled_->epoch, path);
 }
 
 void Agent::end_recall() {
@@ -379,8 +407,10 @@ void Agent::end_recall() {
 }
 
 void Agent::remember_job(int epoch, const std::string& run) {
+  if (takeover_server_ && !run.empty()) takeover_server_->tell_run(run);  // its NotHosting names the run
   if (!record_io_ || !client_ || run.empty()) return;
   JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
+  r.takeover_port = takeover_port_;
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   warn_record_failure();
   record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)

@@ -106,7 +106,8 @@ std::string JobRecordDir::write(const JobRecord& r) const {
   for (const auto& [h, p] : r.hosts) hosts.push_back({h, p});
   const std::string text =
       nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
-                     {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts}}
+                     {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
+                     {"takeover_port", r.takeover_port}}
           .dump() +
       "\n";
   const std::string name = job_record_name(r.job, r.node, r.endpoint);
@@ -167,6 +168,7 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
         }
         r.hosts.emplace_back(h.at(0).get<std::string>(), port);
       }
+      r.takeover_port = j.value("takeover_port", 0);  // (absent from a record before it: none)
     } catch (const nlohmann::json::exception& e) {
       // (nlohmann quotes the file's bytes, control characters and newlines too.)
       bad = fmt::format("not a record ({})", printable_line(e.what()));

@@ -93,6 +93,11 @@ std::string validate(const Challenge& m) {
   return first(hex("nonce", m.nonce, kNonceHexBytes), hex("proof", m.proof, kMacHexBytes));
 }
 std::string validate(const Auth& m) { return hex("mac", m.mac, kMacHexBytes); }
+std::string validate(const NotHosting& m) {
+  return first(text("job_id", m.job_id, kMaxIdBytes, true), run_problem(m.run),
+               text("host_agent", m.host_agent, kMaxHostBytes),
+               m.proof.empty() ? std::string() : hex("proof", m.proof, kMacHexBytes));
+}
 std::string validate(const Welcome& m) {
   return first(text("server", m.server, kMaxIdBytes), text("host_agent", m.host_agent, kMaxHostBytes),
                range("round_epoch", m.round_epoch, 0, INT32_MAX), range("epoch", m.epoch, 0, INT32_MAX),

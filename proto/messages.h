@@ -37,6 +37,7 @@ enum class MsgType : std::uint8_t {
   kDone = 12,       // server -> client: every node finished
   kError = 13,      // either way: a refusal; the sender closes
   kStandby = 14,    // server -> client: the round is full; wait registered for a place
+  kNotHosting = 15,  // a takeover socket -> client, for its Hello: alive, hosting nothing; it closes
 };
 
 struct Hello {
@@ -207,6 +208,21 @@ struct Standby {
   std::string run;                   // the job's (Assignment::run)
 };
 
+// The answer of an agent's takeover socket that does not host (#34, review s38 M2): the
+// agent lives, and it is a node of `job_id` in `run` ("": no round yet), hosting nothing. Sent
+// for a Hello, then the socket closes. `proof` (with a token): HMAC of the job's key over the
+// client's nonce and the run (auth::not_hosting_proof), so that only an agent that holds the
+// key can tell a restarted node "no host of your run here". An agent before this message
+// sees a message of an unexpected type before the welcome: a failed try of that target.
+struct NotHosting {
+  static constexpr MsgType kType = MsgType::kNotHosting;
+  std::string job_id;
+  std::string run;
+  std::string host_agent;  // its host name
+  std::string proof;       // hex; empty without a token
+};
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(NotHosting, job_id, run, host_agent, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
@@ -253,6 +269,7 @@ std::string validate(const Abort& m);
 std::string validate(const Done& m);
 std::string validate(const Error& m);
 std::string validate(const Standby& m);
+std::string validate(const NotHosting& m);
 
 // Makes the free-text fields of a failure report valid for validate() (the sender's side
 // of "cap every string"): message, last lines and host made printable() (a worker's stderr

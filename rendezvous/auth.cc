@@ -66,6 +66,10 @@ std::string server_proof(const std::string& key, const std::string& cn, const st
   return hmac_sha256_hex(key, "mglaunch-server|" + cn + "|" + sn);
 }
 
+std::string not_hosting_proof(const std::string& key, const std::string& cn, const std::string& run) {
+  return hmac_sha256_hex(key, "mglaunch-not-hosting|" + cn + "|" + run);
+}
+
 std::string client_proof(const std::string& key, const std::string& cn, const std::string& sn) {
   return hmac_sha256_hex(key, "mglaunch-client|" + cn + "|" + sn);
 }

@@ -74,8 +74,8 @@ class Client {
   ~Client();
   // Before start(): look for the job at the hosts of this node's record first (Recall).
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-              int epoch = 0) {
-    m_.recall(std::move(hosts), std::move(run), until, epoch);
+              int epoch = 0, std::string record = {}) {
+    m_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record));
   }
   void start();
   void rejoin();

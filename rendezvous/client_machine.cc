@@ -207,21 +207,20 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
 
 ClientCommands ClientMachine::connect_failed(bool refused, const std::string& error, Clock::time_point now) {
   if (closed_) return {};
-  if (recall_) {  // refused or not: the next of the record's hosts at once
-    next_recall_target(now, refused ? "refused" : error);
-    return take_out();
-  }
+  refused_connect(refused, error, now);
+  return take_out();
+}
+
+void ClientMachine::refused_connect(bool refused, const std::string& error, Clock::time_point now) {
+  if (recall_) return next_recall_target(now, refused ? "refused" : error);  // the next of the record's hosts at once
   // A refused connect: that machine (or a firewall that REJECTs) answers. A takeover
   // candidate that refuses has not noticed the loss yet (waited for, #34). It never moves
   // the fence: a firewall's reset is no word from the rendezvous (#34).
   if (refused && takeover_ && !takeover_->asking) takeover_->refused = takeover_->refused_any = true;
   // While a takeover is looked for, its timer moves on from a node that does not answer.
-  if (!takeover_ && !seek_ && now >= deadline_) {
-    lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, error), refused);
-    return take_out();
-  }
+  if (!takeover_ && !seek_ && now >= deadline_)
+    return lost(fmt::format("cannot reach the rendezvous server at {}:{}: {}", opts_.host, opts_.port, error), refused);
   arm(ClientTimer::kRetry, now + connect_retry_delay(++refused_));
-  return take_out();
 }
 
 ClientCommands ClientMachine::unresolvable(Clock::time_point now) {
@@ -368,6 +367,7 @@ void ClientMachine::failed_attempt(const std::string& why, Clock::time_point now
 
 void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
   answered_ = true;
+  if (!welcomed_ && proto::type_of(f) == MsgType::kNotHosting) return not_hosting(f, now);
   // The handshake is a state machine: until the Welcome (and with a key, until the server
   // proved it in its Challenge) only Challenge and Welcome are read. Anything else comes
   // from a server that proved nothing: it closes the connection as a failed attempt, and

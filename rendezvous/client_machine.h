@@ -48,16 +48,16 @@
 // exactly one leaves for the other (by last round, then by job's epoch); at home it joins
 // its own round (which opens once a minority host that left for it is there).
 //
-// Recall (#34 H1): an agent restarted on a node of a job hosted by an agent (its record of
-// the job, launcher/job_record.h, names the job's run and where it was hosted) must not
-// host a fresh job at the endpoint, nor join a fresh one there, while the job runs on
-// elsewhere (taken over). recall() before start() gives the record's hosts: start() tries
-// them in turn (a refused or failed connect, a server that proves nothing or runs another
-// run: the next at once; a silent one after one keep-alive interval), in passes until
-// `until` (at least one pass), and joins the first whose Welcome names the record's run, as
-// a new member (its next round, a scale-up, or a standby). None: one line says the record
-// is stale and cmd::RecallEnded lets the agent host as today (recall_ended()), then the
-// endpoint is joined as on any start.
+// Recall (#34 H1): a restarted agent with a record of its agent-hosted job (its run, hosts;
+// launcher/job_record.h) must not start the job afresh while it runs on elsewhere. start()
+// tries the record's hosts in passes (a refused or failed connect, a server that proves
+// nothing: the next at once; a silent one after one keep-alive interval) and joins the first
+// whose Welcome names the record's run (or, from a server before `run`, shows rounds), as a
+// new member. A pass in which every host answered that no host of the run is there (a
+// takeover socket's proven NotHosting of no run or another, a Welcome of another run or
+// none: a whole job rerun at once) ends it as stale: one line, then cmd::RecallEnded lets
+// the agent host as without a record (recall_ended()). Silence and refusals prove nothing
+// (a partition, review s38 H1b): past `until` (join_timeout at most) it ends (Lost, exit 3).
 #pragma once
 
 #include <array>
@@ -200,9 +200,9 @@ class ClientMachine {
   // Before start(): the hosts this node's record of the job names (job_hosts() of its
   // agent's last run) and its run; start() tries them first until `until` (Recall, above).
   // `epoch`, the record's: a server of the run whose rounds are all older (a stale host of it)
-  // is passed over.
+  // is passed over. `record`: the record's path, which the end past `until` names.
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-              int epoch = 0);
+              int epoch = 0, std::string record = {});
   ClientCommands start(Clock::time_point now);
   // The answer to cmd::RecallEnded: `hosting`, the agent hosts the job now (its join offers
   // no takeover port); the endpoint is joined.
@@ -412,10 +412,18 @@ class ClientMachine {
     std::string endpoint_host;    // where a fresh start goes (opts_ before the recall)
     int endpoint_port = 0;
     std::string tried;            // what each target said, this pass
+    std::string last;             // the last full pass's
+    bool all_positive = true;     // every target of this pass answered that it runs no host of the run
+    std::string record;           // the record's path, for the end past `until`
   };
   std::optional<Recall> recall_;  // start() looks for the job at its record's hosts first
   void start_recall(Clock::time_point now);  // from start(): its end no later than join_timeout
-  void next_recall_target(Clock::time_point now, const std::string& why_previous = {});
+  // `positive`: the target tried answered that no host of the record's run is there (a
+  // takeover socket's NotHosting of another run or none, a Welcome of another run or none).
+  void next_recall_target(Clock::time_point now, const std::string& why_previous = {}, bool positive = false);
+  // A takeover socket's NotHosting before any welcome (#34, review s38 M2).
+  void not_hosting(const proto::Frame& f, Clock::time_point now);
+  void refused_connect(bool refused, const std::string& error, Clock::time_point now);  // connect_failed()'s
   bool recall_welcomed(const proto::Welcome& w, Clock::time_point now);  // false: not the job's run
   // The hosts this node knew the job at (the endpoint, each host lost since), at most kMaxHosts.
   std::vector<std::pair<std::string, int>> job_hosts_;

@@ -2,17 +2,20 @@
 // of a job looks for the job at the hosts its record names before it hosts a fresh job (or
 // joins the endpoint), and job_hosts(), what that record names.
 #include <algorithm>
+#include <utility>
 
 #include <fmt/format.h>
 
 #include "rendezvous/client_machine.h"
+
+#include "rendezvous/auth.h"
 
 namespace mg::rdzv {
 
 using std::chrono::milliseconds;
 
 void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-                           int epoch) {
+                           int epoch, std::string record) {
   hosts.erase(std::remove_if(hosts.begin(), hosts.end(), [](const auto& h) { return h.first.empty() || h.second <= 0; }),
               hosts.end());
   if (hosts.size() > kMaxRecallHosts) hosts.resize(kMaxRecallHosts);
@@ -22,31 +25,35 @@ void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::
   r.run = std::move(run);
   r.epoch = epoch;
   r.until = until;
+  r.record = std::move(record);
   r.endpoint_host = opts_.host;
   r.endpoint_port = opts_.port;
   recall_ = std::move(r);
 }
 
 void ClientMachine::start_recall(Clock::time_point now) {
-  // The recall is part of the wait join_timeout bounds: it ends by then at the latest (a
-  // whole job rerun at once finds no record's host running the job, review M2).
+  // The recall is part of the wait join_timeout bounds: it ends by then at the latest.
   recall_->until = std::min(recall_->until, now + milliseconds(opts_.join.join_timeout_ms));
   next_recall_target(now);
 }
 
-void ClientMachine::next_recall_target(Clock::time_point now, const std::string& why_previous) {
+void ClientMachine::next_recall_target(Clock::time_point now, const std::string& why_previous, bool positive) {
   Recall& r = *recall_;
-  if (!why_previous.empty())
+  if (!why_previous.empty()) {
     r.tried += fmt::format("{}{}: {}", r.tried.empty() ? "" : "; ", host_port(opts_.host, opts_.port), why_previous);
+    r.all_positive = r.all_positive && positive;
+  }
   drop_connection();
   cancel(ClientTimer::kTakeover);
   const bool pass_over = !r.pausing && r.turn > 0 && r.turn % r.targets.size() == 0;
-  if (pass_over && now >= r.until) {
-    // Nobody runs the job's run at any host the record names: the record is stale (the job
-    // ended, or every node of it is gone). A fresh start, as without a record.
+  if (pass_over && r.all_positive) {
+    // Every host the record names answered, in one pass, that no host of the run is there:
+    // an agent alive that hosts nothing of it, a server of another run or none. The job's
+    // run is over (a whole job stopped and rerun: every node answers so at once). A fresh
+    // start, as without a record.
     out_.push_back(cmd::Notice{fmt::format(
-        "this node's record of job '{}' (run {}, from its agent's last run) is stale: no host it names runs that run "
-        "({}); starting as a fresh node of the job",
+        "this node's record of job '{}' (run {}, from its agent's last run) is stale: every host it names answered "
+        "that it runs no host of that run ({}); starting as a fresh node of the job",
         opts_.join.job_id, r.run, r.tried)});
     opts_.host = r.endpoint_host;
     opts_.port = r.endpoint_port;
@@ -54,11 +61,24 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
     out_.push_back(cmd::RecallEnded{});
     return;
   }
+  if (now >= r.until && r.turn >= r.targets.size()) {  // (one pass at least)
+    // Silence or refusals (a machine gone, a partition, a firewall that rejects) prove
+    // nothing: the job may run on beyond them, and a fresh start here would fork it (review
+    // s38 H1b). The node ends instead (exit 3), naming the record.
+    const std::string& said = r.last.empty() ? r.tried : r.last;
+    return lost(fmt::format(
+        "this node has a record of job '{}' (run {}{}), and within join_timeout ({} s) not every host it names "
+        "answered that the run is over ({}): the job may run on beyond a partition, so this node does not start it "
+        "afresh. If the job is over, remove {} and start again",
+        opts_.join.job_id, r.run, r.record.empty() ? std::string() : ", " + r.record, opts_.join.join_timeout_ms / 1000.0,
+        said, r.record.empty() ? std::string("that record") : r.record));
+  }
   if (pass_over) {
-    // Every host refused or failed at once: the survivors may not have taken the job over
-    // yet (their takeover sockets refuse until then). The next pass after a pause.
+    // Not every host answered so: the next pass after a pause (a node of the run restarted
+    // in a moment answers then, a survivor may host by then).
     r.pausing = true;
-    r.tried.clear();
+    r.last = std::exchange(r.tried, {});
+    r.all_positive = true;
     arm(ClientTimer::kTakeover, std::min(r.until, now + std::min(milliseconds(500), milliseconds(opts_.join.keep_alive_ms))));
     return;
   }
@@ -66,17 +86,23 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
   const auto& [host, port] = r.targets[r.turn++ % r.targets.size()];
   opts_.host = host;
   opts_.port = port;
-  // A silent host is passed over after one keep-alive interval.
-  arm(ClientTimer::kTakeover, now + milliseconds(opts_.join.keep_alive_ms));
+  // A silent host is passed over after one keep-alive interval (past `until`, sooner).
+  const auto silent = now + milliseconds(opts_.join.keep_alive_ms);
+  arm(ClientTimer::kTakeover, r.turn > r.targets.size() ? std::min(r.until, silent) : silent);
   refused_ = 0;
   try_connect();
 }
 
 bool ClientMachine::recall_welcomed(const proto::Welcome& w, Clock::time_point now) {
   Recall& r = *recall_;
-  if (w.run != r.run) {
-    next_recall_target(now, w.run.empty() ? std::string("runs no round of the job")
-                                          : fmt::format("runs another run of the job ({})", w.run));
+  // A server before Welcome's run (review s38 L3): one that proved the key (or with no key
+  // to prove) and ran rounds of the job is taken for the job's.
+  const bool older_server_of_job = w.run.empty() && std::max(w.round_epoch, w.last_round_epoch) > 0;
+  if (w.run != r.run && !older_server_of_job) {
+    next_recall_target(now,
+                       w.run.empty() ? std::string("runs no round of the job")
+                                     : fmt::format("runs another run of the job ({})", w.run),
+                       /*positive=*/true);
     return false;
   }
   if (const int newest = std::max(w.last_round_epoch, w.round_epoch); newest < r.epoch) {
@@ -93,6 +119,36 @@ bool ClientMachine::recall_welcomed(const proto::Welcome& w, Clock::time_point n
   recall_.reset();
   cancel(ClientTimer::kTakeover);
   return true;
+}
+
+void ClientMachine::not_hosting(const proto::Frame& f, Clock::time_point now) {
+  proto::NotHosting n;
+  try {
+    n = proto::from_frame<proto::NotHosting>(f);
+  } catch (const proto::ProtocolError& e) {
+    return failed_attempt(fmt::format("bad message from {}: {}", host_port(opts_.host, opts_.port), e.what()), now);
+  }
+  // With a key, only an agent that holds it can say so (its proof over this connection's nonce).
+  const bool proven = key_.empty() || auth::equal_ct(n.proof, auth::not_hosting_proof(key_, nonce_, n.run));
+  if (recall_) {
+    if (!proven) return next_recall_target(now, "answered that it hosts nothing, without proving this job's key");
+    if (n.job_id != opts_.join.job_id)
+      return next_recall_target(now, fmt::format("alive, an agent of another job ('{}')", n.job_id), /*positive=*/true);
+    if (n.run == recall_->run)  // a node of the run: the job may run on, hosted elsewhere
+      return next_recall_target(now, "alive, a node of that run, not hosting it");
+    return next_recall_target(
+        now, n.run.empty() ? std::string("alive, not hosting, in no run yet")
+                           : fmt::format("alive, not hosting, in another run ({})", n.run),
+        /*positive=*/true);
+  }
+  // A takeover search passes over a node of another run at once: it will never host this one.
+  if (takeover_ && !takeover_->asking && !takeover_->rejoining && proven && n.job_id == opts_.join.job_id &&
+      !n.run.empty() && !opts_.join.run.empty() && n.run != opts_.join.run)
+    return next_candidate(fmt::format("alive, a node of another run ({})", n.run), now);
+  // Anywhere else it is what a takeover socket said before it listened (a refused connect):
+  // alive, and not hosting yet (a candidate that has not noticed the loss is waited for).
+  drop_connection();
+  refused_connect(/*refused=*/true, "alive, not hosting", now);
 }
 
 ClientCommands ClientMachine::recall_ended(bool hosting, Clock::time_point now) {

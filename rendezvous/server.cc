@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -97,9 +98,7 @@ Server::Server(asio::io_context& io, ServerOptions opts)
     }
   }
   if (opts_.max_connections == 0) opts_.max_connections = 1024;  // getrlimit failed
-  if (opts_.token.empty() && opts_.job_tokens.empty() && !addr.is_loopback())
-    log(fmt::format("warning: listening on {} without a token: anyone who can reach it can join and disturb jobs; "
-                    "give it a token (--token-file or MGLAUNCH_RDZV_TOKEN)", address()));
+  if (!opts_.not_hosting) warn_if_open();  // (a takeover socket: once it hosts)
   budget_->limit = opts_.max_memory;
   if (opts_.journal) {
     // The status page's events go on from where the journal left them.
@@ -113,7 +112,34 @@ Server::Server(asio::io_context& io, ServerOptions opts)
 
 Server::~Server() { stop(); }
 
+void Server::warn_if_open() const {
+  boost::system::error_code ec;
+  const auto at = acceptor_.local_endpoint(ec);
+  if (opts_.token.empty() && opts_.job_tokens.empty() && !ec && !at.address().is_loopback())
+    log(fmt::format("warning: listening on {} without a token: anyone who can reach it can join and disturb jobs; "
+                    "give it a token (--token-file or MGLAUNCH_RDZV_TOKEN)", address()));
+}
+
+void Server::host() {
+  if (!std::exchange(opts_.not_hosting, false)) return;
+  warn_if_open();
+}
+
+void Server::answer_not_hosting(Session& s) {
+  // One small frame and the close (a lingering close: the client reads it before the end).
+  // The proof is made with this job's key, whatever job the Hello named: a client of
+  // another job cannot check it, and learns only that this node is no host of its own.
+  std::string key;
+  if (!opts_.token.empty()) key = auth::job_key(opts_.token, opts_.only_job);
+  else if (auto it = opts_.job_tokens.find(opts_.only_job); it != opts_.job_tokens.end()) key = it->second;
+  proto::NotHosting n{opts_.only_job, not_hosting_run_, opts_.host_agent,
+                      key.empty() ? std::string() : auth::not_hosting_proof(key, s.client_nonce, not_hosting_run_)};
+  s.conn->send(proto::to_frame(n));
+  s.conn->close();
+}
+
 void Server::take_over(const std::string& job_id, const TakeoverSeed& seed) {
+  host();
   Job& job = job_of(job_id);
   job.take_over(seed, Clock::now());
   drive(job, {});
@@ -447,6 +473,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     auto hello = proto::from_frame<proto::Hello>(f);
     s->job = hello.job_id;
     s->client_nonce = hello.nonce;
+    if (opts_.not_hosting) return answer_not_hosting(*s);
     if (!opts_.only_job.empty() && s->job != opts_.only_job)
       throw proto::ProtocolError(fmt::format("this rendezvous is hosted by an agent of another job and serves only "
                                              "that job; is --rdzv_endpoint right, and is the mglaunch-rdzv daemon up?"));

@@ -44,6 +44,11 @@ struct ServerOptions {
   // host:port (an agent taking over a lost host's job binds one at start); the server
   // owns it from the constructor on, even when that throws.
   int adopt_fd = -1;
+  // An agent's takeover socket (#34, review s38 M2): it listens from the agent's start and
+  // answers every Hello with proto::NotHosting (only_job, the run told by tell_run(), a proof
+  // with the job's key) and closes, until host() or take_over(): then it serves the job on
+  // the same socket, with no moment where a connect is refused.
+  bool not_hosting = false;
   std::size_t max_connections = 0;  // 0: what the descriptor limit allows; clamped below it
   std::size_t max_connections_per_address = 256;
   int max_nodes_per_job = 100000;
@@ -93,6 +98,11 @@ class Server {
   // Serves `job_id` from now on as the survivors of its lost hosting agent left it (see
   // Job::take_over); before any of them joins.
   void take_over(const std::string& job_id, const TakeoverSeed& seed);
+  // ServerOptions::not_hosting: the run its answers name (the agent's, at each assignment),
+  // and the end of that mode (it serves only_job from now on).
+  void tell_run(std::string run) { not_hosting_run_ = std::move(run); }
+  void host();
+  bool hosting() const { return !opts_.not_hosting; }
   // Job::hears_majority() of `job_id` (true for a job not served here).
   bool hears_majority(const std::string& job_id) const {
     const auto it = jobs_.find(job_id);
@@ -126,6 +136,9 @@ class Server {
   void forget(std::map<std::string, Job>::iterator job, const std::string& why = {});
   void on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
+  void answer_not_hosting(Session& s);  // ServerOptions::not_hosting, for its Hello
+  void warn_if_open() const;            // beyond loopback without a token
+  std::string not_hosting_run_;
   // Logs `why` (after the peer's address with `name_peer`), sends it as an Error and closes.
   void refuse(Session& s, const std::string& why, bool name_peer = true);
   // The line for an agent that joined without proving the token the server requires.

@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "rendezvous/auth.h"
 #include "rendezvous/client_machine.h"
 #include "support/fake_clock.h"
 
@@ -111,31 +112,32 @@ TEST_CASE("client machine, recall: a restarted agent tries its record's hosts in
   CHECK(l.m.host() == "127.0.0.2");
 }
 
-TEST_CASE("client machine, recall: a server of another run, one that proves nothing and one silent for a keep-alive "
-          "interval are passed over, and when none runs the run one line says the record is stale, the agent decides to "
-          "host, and the endpoint is joined as on any start") {
+TEST_CASE("client machine, recall: when every host of the record answers in one pass that no host of the run is "
+          "there (a server of another run, an agent alive in no run or another run), one line says the record is "
+          "stale at once, the agent decides to host, and the endpoint is joined as on any start (review s38 M2)") {
   Link l(restarted());
-  l.m.recall(kRecorded, kRun, T0);
+  l.m.recall(kRecorded, kRun, T0 + 1h, 0, "/rec/job-1.json");
   auto c = l.m.start(l.now);
   // The endpoint: a fresh run of the job answers there (another node started it afresh).
   l.m.connected(kNonce, l.now);
   c = l.receive(welcome_of("host-x", "1764500099999-00000000000000ff"));
   CHECK(connect_of(c) == kRecorded[1]);
   CHECK(sent(c).empty());
-  // The second: it closes before any welcome (not a mglaunch server, or another job's).
+  // The second: its agent, restarted too, in no run yet.
   l.m.connected(kNonce, l.now);
-  c = l.m.connection_closed("end of file", l.now);
+  c = l.receive(proto::NotHosting{"job", "", "host-2", ""});
   CHECK(!has<cmd::Lost>(c));
   CHECK(connect_of(c) == kRecorded[2]);
-  // The third is silent: passed over after one interval; the pass is over, past `until`.
+  // The third: in another run.
   l.m.connected(kNonce, l.now);
-  c = l.after(100ms, ClientTimer::kTakeover);
+  c = l.receive(proto::NotHosting{"job", "1764500099999-00000000000000ff", "host-3", ""});
   CHECK_THAT(notices(c), Catch::Contains("this node's record of job 'job' (run " + kRun + ", from its agent's last run) "
-                                         "is stale: no host it names runs that run") &&
+                                         "is stale: every host it names answered that it runs no host of that run") &&
                              Catch::Contains("127.0.0.1:" + std::to_string(kRdzvPort) + ": runs another run of the job") &&
-                             Catch::Contains("127.0.0.2:7002: closed the connection") &&
-                             Catch::Contains("127.0.0.3:7003: no answer"));
+                             Catch::Contains("127.0.0.2:7002: alive, not hosting, in no run yet") &&
+                             Catch::Contains("127.0.0.3:7003: alive, not hosting, in another run"));
   REQUIRE(has<cmd::RecallEnded>(c));
+  CHECK(l.now == T0);  // no wait
   CHECK(!has<cmd::Connect>(c));  // the agent decides to host first
   CHECK(!l.m.recalling());
   // It hosts now: the endpoint is joined, offering no takeover port.
@@ -144,6 +146,48 @@ TEST_CASE("client machine, recall: a server of another run, one that proves noth
   c = l.m.connected(kNonce, l.now);
   REQUIRE(sent(c) == std::vector<MsgType>{MsgType::kHello, MsgType::kJoin});
   CHECK(proto::from_frame<proto::Join>(all<cmd::Send>(c)[1].frame).takeover_port == 0);
+}
+
+TEST_CASE("client machine, recall: silence, refusals, a closed connection, a node of the record's run that does not "
+          "host and an unproven answer never make the record stale: it tries again until join_timeout, then ends "
+          "(exit 3) naming the record, and never hosts (review s38 H1b)") {
+  ClientOptions o = restarted();
+  o.token = "a-token-of-the-job";
+  Link l(o);
+  l.m.recall(kRecorded, kRun, T0 + 1h, 0, "/rec/job-1.json");
+  auto c = l.m.start(l.now);
+  bool lost = false;
+  std::string said;
+  for (int pass = 0; pass < 100 && !lost; ++pass) {
+    for (int target = 0; target < 3 && !lost; ++target) {
+      if (target == 0) {
+        c = l.after(100ms, ClientTimer::kTakeover);  // silent for a keep-alive interval
+      } else if (target == 1) {
+        l.m.connected(kNonce, l.now);
+        c = pass % 2 ? l.receive(proto::NotHosting{"job", kRun, "host-2", ""})  // a node of the run
+                     : l.m.connection_closed("end of file", l.now);
+      } else {
+        l.m.connected(kNonce, l.now);
+        // "In no run", but without the job's key: anyone could say so.
+        c = pass % 2 ? l.receive(proto::NotHosting{"job", "", "host-3", std::string(64, 'a')})
+                     : l.m.connect_failed(true, "Connection refused", l.now);
+      }
+      CHECK(!has<cmd::RecallEnded>(c));
+      lost = has<cmd::Lost>(c);
+      if (lost) said = all<cmd::Lost>(c).front().why;
+    }
+    if (!lost) {
+      c = l.after(100ms, ClientTimer::kTakeover);  // the pause between passes
+      lost = has<cmd::Lost>(c);
+      if (lost) said = all<cmd::Lost>(c).front().why;
+    }
+  }
+  REQUIRE(lost);
+  CHECK(l.now <= T0 + 5s + 100ms);  // join_timeout
+  CHECK_THAT(said, Catch::Contains("this node has a record of job 'job' (run " + kRun + ", /rec/job-1.json)") &&
+                       Catch::Contains("does not start it afresh. If the job is over, remove /rec/job-1.json and start "
+                                       "again"));
+  CHECK(l.m.closed());
 }
 
 TEST_CASE("client machine, recall: within its bound a pass of refusals is tried again after a pause (the survivors' "
@@ -163,8 +207,8 @@ TEST_CASE("client machine, recall: within its bound a pass of refusals is tried 
   CHECK(!has<cmd::RecallEnded>(c));
 }
 
-TEST_CASE("client machine, recall: past its bound the last pass of refusals ends it as stale, and without a record, or "
-          "with an empty one, start() goes to the endpoint as before") {
+TEST_CASE("client machine, recall: past `until` a pass of refusals ends the node, not the record, and without a "
+          "record, or with an empty one, start() goes to the endpoint as before") {
   Link l(restarted());
   l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 150ms);
   l.m.start(l.now);
@@ -172,11 +216,10 @@ TEST_CASE("client machine, recall: past its bound the last pass of refusals ends
   l.after(100ms, ClientTimer::kTakeover);
   l.now += 60ms;
   auto c = l.m.connect_failed(true, "Connection refused", l.now);
-  CHECK(has<cmd::RecallEnded>(c));
-  c = l.m.recall_ended(/*hosting=*/false, l.now);
-  CHECK(connect_of(c) == kRecorded[0]);
-  c = l.m.connected(kNonce, l.now);
-  CHECK(proto::from_frame<proto::Join>(all<cmd::Send>(c)[1].frame).takeover_port == 7001);  // not hosting: offered
+  CHECK(!has<cmd::RecallEnded>(c));
+  REQUIRE(has<cmd::Lost>(c));
+  CHECK_THAT(all<cmd::Lost>(c).front().why, Catch::Contains("127.0.0.2:7002: refused") &&
+                                                Catch::Contains("If the job is over, remove that record"));
 
   for (const auto& [hosts, run] : {std::pair{Hosts{}, kRun}, std::pair{kRecorded, std::string()}}) {
     Link fresh(restarted());
@@ -208,23 +251,33 @@ TEST_CASE("client machine: job_hosts(), what a node's record names: the server i
   }
 }
 
-TEST_CASE("client machine, recall: it ends by join_timeout however far its record's bound lies, and the join_timeout "
-          "watchdog counts from its end, not from the start (review M2)") {
+TEST_CASE("client machine, recall: it ends by join_timeout however far `until` lies, and after a recall that ended "
+          "stale the join_timeout watchdog counts from its end, not from the start (review M2)") {
   ClientOptions o = restarted();
   o.join.join_timeout_ms = 5000;  // PyTorch's tests pass 5 s
-  Link l(o);
-  l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);  // (a record's bound: K x (2A + 3), or a clock ahead)
-  auto c = l.m.start(l.now);
-  bool ended = false;
-  // Refusals and pauses (at most 100 ms each here) until the recall ends: by join_timeout.
-  for (int i = 0; i < 200 && !ended; ++i) {
-    c = l.m.connect_failed(true, "Connection refused", l.now);
-    ended = has<cmd::RecallEnded>(c);
-    if (!ended) c = l.after(100ms, ClientTimer::kTakeover);
-    ended = ended || has<cmd::RecallEnded>(c);
+  {
+    Link l(o);
+    l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);
+    auto c = l.m.start(l.now);
+    bool ended = false;
+    for (int i = 0; i < 200 && !ended; ++i) {
+      c = l.m.connect_failed(true, "Connection refused", l.now);
+      if (!has<cmd::Lost>(c)) c = l.after(100ms, ClientTimer::kTakeover);
+      ended = has<cmd::Lost>(c);
+    }
+    REQUIRE(ended);
+    CHECK(l.now <= T0 + 5s + 100ms);
   }
-  REQUIRE(ended);
-  CHECK(l.now <= T0 + 5s + 100ms);
+  Link l(o);
+  l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);
+  auto c = l.m.start(l.now);
+  for (int i = 0; i < 30; ++i) {  // 3 s of refusals: that node's agent is not up again yet
+    l.m.connect_failed(true, "Connection refused", l.now);
+    l.after(100ms, ClientTimer::kTakeover);
+  }
+  l.m.connected(kNonce, l.now);
+  c = l.receive(proto::NotHosting{"job", "", "host-2", ""});
+  REQUIRE(has<cmd::RecallEnded>(c));
   // It hosts now; the watchdog's join_timeout starts here: no exit 3 just after the recall.
   l.m.recall_ended(/*hosting=*/true, l.now);
   c = l.after(3s, ClientTimer::kWatchdog);
@@ -292,4 +345,58 @@ TEST_CASE("client machine, recall: a server of the record's run whose newest rou
   c = l.receive(w);
   CHECK_THAT(notices(c), Catch::Contains("joining it there as a new member"));
   CHECK(sent(c) == std::vector<MsgType>{MsgType::kJoin});
+}
+
+TEST_CASE("client machine, recall: an answer that no host of the run is there counts only with the job's key proven "
+          "(NotHosting's proof over this connection's nonce), and an older server's Welcome without a run that ran "
+          "rounds is the job's (review s38 L3)") {
+  ClientOptions o = restarted();
+  o.token = "a-token-of-the-job";
+  const std::string key = auth::job_key(o.token, "job");
+  {
+    Link l(o);
+    l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);
+    l.m.start(l.now);
+    l.m.connected(kNonce, l.now);
+    auto c = l.receive(proto::NotHosting{"job", "", "host-2", auth::not_hosting_proof(key, "ff" + kNonce.substr(2), "")});
+    CHECK(!has<cmd::RecallEnded>(c));  // a proof over another nonce (a replay)
+    c = l.after(100ms, ClientTimer::kTakeover);
+    l.m.connected(kNonce, l.now);
+    c = l.receive(proto::NotHosting{"job", "", "host-2", auth::not_hosting_proof(key, kNonce, "")});
+    CHECK(has<cmd::RecallEnded>(c));
+  }
+  Link l(restarted());
+  l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);
+  l.m.start(l.now);
+  l.m.connected(kNonce, l.now);
+  auto c = l.receive(welcome_of("host-2", ""));  // no run, rounds of epoch 131074
+  CHECK_THAT(notices(c), Catch::Contains("joining it there as a new member"));
+  CHECK(sent(c) == std::vector<MsgType>{MsgType::kJoin});
+}
+
+TEST_CASE("client machine, takeover: a candidate's takeover socket that answers 'alive, not hosting' in the job's run "
+          "is waited for (it has not noticed the loss yet, as a refused connect was), and one in another run is passed "
+          "over at once") {
+  for (const bool other_run : {false, true}) {
+    ClientOptions o = restarted();
+    o.join.addr = "127.0.0.3";
+    Link l(o);
+    l.m.start(l.now);
+    l.welcome("host-1");
+    proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
+    a.group_rank = 2;
+    l.receive(a);
+    auto c = l.m.connection_closed("end of file", l.now);  // the host is lost
+    CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
+    l.m.connected(kNonce, l.now);
+    c = l.receive(proto::NotHosting{"job", other_run ? "1764500099999-00000000000000ff" : kRun, "host-2", ""});
+    if (other_run) {
+      CHECK(has<cmd::HostTakeover>(c));  // node 2, this one, hosts
+    } else {
+      CHECK(!has<cmd::HostTakeover>(c));
+      CHECK(armed(c, ClientTimer::kRetry));
+      c = l.after(100ms, ClientTimer::kRetry);
+      CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
+    }
+  }
 }

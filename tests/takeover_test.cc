@@ -46,6 +46,12 @@ std::vector<Proc> start_job(const std::string& ep, const std::string& job, const
 std::map<std::string, std::string> rejoin_env(const std::string& records) {
   return {{"MGLAUNCH_RDZV_TOKEN", "5f1c0e9a7b2d4c6e8a0b1c2d3e4f5061"}, {"XDG_RUNTIME_DIR", records}};
 }
+// The records in `dir` (job-HASH.json; not a write's temporary file).
+std::size_t records_in(const std::string& dir) {
+  std::size_t n = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) n += f.path().extension() == ".json";
+  return n;
+}
 const std::string kRejoinConf = "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3";
 
 }  // namespace
@@ -393,4 +399,73 @@ TEST_CASE("a node that does not host SIGKILLed with the host and started again w
     CHECK(e.value("MGLAUNCH_RUN", "") == run);
   }
   for (int i : {1, 2, 3}) CHECK(last_world(agents[i]) == "4");
+}
+
+// Review s38 M2: a whole agent-hosted job SIGKILLed keeps every node's record, and before,
+// its rerun at once found only refusals (the takeover sockets bound, not listening) and
+// waited K x (2A + 3) before a fresh start. Now each node's takeover socket listens from
+// its start, on its record's port, answering "alive, not hosting" with its run (none yet):
+// every record's hosts answer so in one pass, and the rerun starts at once.
+TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's record is found stale in one pass "
+          "(each recorded host answers 'alive, not hosting'), and the rerun runs a fresh run of three (review s38 "
+          "M2)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  auto env = rejoin_env(records);
+  env["MGLAUNCH_RECORD_DIR"] = records;
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf};
+  std::vector<Proc> agents = start_job(ep, "rerun", "3", flags, {"env", "print", "up", "hang", "300"}, env);
+  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  REQUIRE(run.size() > 2);
+  // Every record is written after its node's workers start.
+  REQUIRE(eventually([&] { return records_in(records) == 3; }, 10s));
+  for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
+  for (Proc& p : agents) p.wait(5s);
+  std::vector<Proc> again;
+  for (int i : {2, 3, 4})
+    again.push_back(spawn(agent_argv(ep, "rerun", i, "3", 1, flags, {"env", "print", "up"}), env));
+  bool ended = true;
+  for (Proc& p : again) ended = p.wait(60s) && ended;
+  INFO("the rerun agents:\n" << again[0].err() << again[0].out() << "\n" << again[1].err() << again[1].out() << "\n" << again[2].err() << again[2].out());
+  REQUIRE(ended);
+  for (Proc& p : again) {
+    CHECK(p.exit_code() == 0);
+    CHECK_THAT(p.err(), Catch::Contains("this node has a record of job 'rerun' (run " + run) &&
+                            Catch::Contains("is stale: every host it names answered that it runs no host of that run") &&
+                            Catch::Contains("alive, not hosting, in "));
+    const auto e = envs(p.out());
+    REQUIRE(e.size() == 1);
+    CHECK(e.front().value("WORLD_SIZE", "") == "3");
+    CHECK(e.front().value("MGLAUNCH_RUN", "") != run);  // a fresh run
+  }
+}
+
+// Review s38 H1b: the host's agent dies while its node is cut off from the others (here the
+// others are SIGSTOPped: their takeover sockets accept in the kernel and never answer, as
+// behind a firewall that drops). Before, its restart declared the record stale after
+// K x (2A + 3) of silence and hosted a fresh job beside the survivors'. Silence proves
+// nothing: it ends with exit 3 at join_timeout, naming the record, and never hosts.
+TEST_CASE("the hosting agent SIGKILLed while the other nodes are silent and started again: it never hosts a fresh job, "
+          "and exits 3 at join_timeout naming its record (review s38 H1b)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  auto env = rejoin_env(records);
+  env["MGLAUNCH_RECORD_DIR"] = records;
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=8"};
+  std::vector<Proc> agents = start_job(ep, "silent", "1:3", flags, {"env", "print", "up", "hang", "300"}, env);
+  REQUIRE(eventually([&] { return records_in(records) == 3; }, 10s));
+  for (int i : {1, 2}) ::kill(-agents[static_cast<std::size_t>(i)].pid, SIGSTOP);
+  ::kill(-agents[0].pid, SIGKILL);
+  agents[0].wait(5s);
+  Proc again = spawn(agent_argv(ep, "silent", 2, "1:3", 1, flags, {"env", "print", "up"}), env);
+  const bool ended = again.wait(60s);
+  for (int i : {1, 2}) ::kill(-agents[static_cast<std::size_t>(i)].pid, SIGKILL);
+  for (int i : {1, 2}) agents[static_cast<std::size_t>(i)].wait(5s);
+  REQUIRE(ended);
+  INFO(again.err());
+  CHECK(again.exit_code() == 3);
+  CHECK_THAT(again.err(), Catch::Contains("does not start it afresh. If the job is over, remove " + records + "/job-") &&
+                              Catch::Contains("127.0.0.3:") && Catch::Contains("no answer") &&
+                              !Catch::Contains("hosting the rendezvous") && !Catch::Contains("is stale"));
+  CHECK(envs(again.out()).empty());  // no worker ran
 }

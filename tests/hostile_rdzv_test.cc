@@ -20,6 +20,7 @@
 #include <array>
 #include <atomic>
 #include <filesystem>
+#include <future>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -33,6 +34,7 @@
 #include "proto/messages.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/challenge_rate.h"
+#include "rendezvous/server.h"
 #include "support/hung_dns.h"
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
@@ -1673,4 +1675,57 @@ TEST_CASE("a flood of silent connections to the hosting agent's rendezvous port 
   INFO(node2.err());
   CHECK(host.exit_code() == 0);
   CHECK(node2.exit_code() == 0);
+}
+
+// #34, review s38 M2: an agent's takeover socket listens from its start (ServerOptions::
+// not_hosting). Every Hello gets one NotHosting frame, whose proof only a holder of the
+// job's key can make for this connection's nonce, and the close; no job is made. Once the
+// agent hosts (host(), as take_over() does), the same socket runs the handshake.
+TEST_CASE("a takeover socket that does not host answers each hello with 'alive, not hosting' (job, run, a proof of "
+          "the job's key over the client's nonce) and closes, and once it hosts the same socket challenges") {
+  namespace asio = boost::asio;
+  const std::string key = auth::job_key(kToken, "job");
+  const std::string run = "1764500000000-0123456789abcdef";
+  asio::io_context io(1);
+  mg::rdzv::ServerOptions so;
+  so.host = "127.0.0.1";
+  so.only_job = "job";
+  so.job_tokens["job"] = key;
+  so.host_agent = "node-2";
+  so.not_hosting = true;
+  mg::rdzv::Server server(io, so);
+  server.tell_run(run);
+  std::thread loop([&] { io.run(); });
+  auto on_loop = [&](auto f) {
+    std::promise<void> done;
+    asio::post(io, [&] {
+      f();
+      done.set_value();
+    });
+    done.get_future().wait();
+  };
+  for (const std::string job : {"job", "another-job"}) {  // (the answer is this job's, whatever the hello named)
+    RawPeer p(server.port());
+    const std::string cn = auth::random_hex(32);
+    REQUIRE(p.send(proto::to_frame(proto::Hello{"hostile", job, cn})));
+    const auto f = p.read(5s);
+    REQUIRE(f);
+    REQUIRE(proto::type_of(*f) == proto::MsgType::kNotHosting);
+    const auto n = proto::from_frame<proto::NotHosting>(*f);
+    CHECK(n.job_id == "job");
+    CHECK(n.run == run);
+    CHECK(n.host_agent == "node-2");
+    CHECK(n.proof == auth::not_hosting_proof(key, cn, run));
+    CHECK(p.closed_within(5s));
+  }
+  on_loop([&] { CHECK(server.jobs_json().empty()); });
+  on_loop([&] { server.host(); });
+  RawPeer p(server.port());
+  REQUIRE(p.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  const auto f = p.read(5s);
+  REQUIRE(f);
+  CHECK(proto::type_of(*f) == proto::MsgType::kChallenge);
+  on_loop([&] { server.stop(); });
+  io.stop();
+  loop.join();
 }

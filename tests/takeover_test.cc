@@ -445,8 +445,10 @@ TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's re
 // behind a firewall that drops). Before, its restart declared the record stale after
 // K x (2A + 3) of silence and hosted a fresh job beside the survivors'. Silence proves
 // nothing: it ends with exit 3 at join_timeout, naming the record, and never hosts.
-TEST_CASE("the hosting agent SIGKILLed while the other nodes are silent and started again: it never hosts a fresh job, "
-          "and exits 3 at join_timeout naming its record (review s38 H1b)") {
+// (No ':' in the name past Catch's 80 columns: its console reporter then loops for ever
+// while printing the header of a failure.)
+TEST_CASE("the hosting agent SIGKILLed and started again while the other nodes are silent never hosts a fresh job, and "
+          "exits 3 at join_timeout naming its record (review s38 H1b)") {
   const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
   const std::string records = make_temp_dir();
   auto env = rejoin_env(records);

@@ -1318,7 +1318,7 @@ TEST_CASE("client machine: a node waiting to rejoin whose run no target serves (
 }
 
 TEST_CASE("client machine: a node waiting to rejoin that found another run but also a silent target joins that run "
-          "afresh at the rejoin deadline instead of ending; nothing there either: the end (review s38-late M1)") {
+          "afresh at the rejoin deadline instead of ending, and where nothing is there either it ends (review s38-late M1)") {
   for (const bool answers : {true, false}) {
     Link l(options("127.0.0.3"));
     const auto lost_at = l.now;

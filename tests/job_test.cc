@@ -734,7 +734,7 @@ TEST_CASE("the job's events (#38): a worker's failure with its exit code, a sile
 // run, and the nodes that re-register the old run were refused ("its run R is not this
 // job's") and ended non-zero after the training completed. They hear the end now.
 TEST_CASE("a restarted daemon's Job whose journal says the last run ended tells that run's re-registering nodes and "
-          "standbys the end (Done, the Abort); fresh joins start the new run (review s38-late L1)") {
+          "standbys the end (Done, the Abort), while fresh joins start the new run (review s38-late L1)") {
   const std::string ended = "1764500000000-0123456789abcdef", fresh = "1764500099000-00000000000000ff";
   auto claim = [&](const std::string& addr, bool standby) {
     proto::Join j = node(addr, 2, 2);

@@ -18,7 +18,8 @@ one fault once rank 0 reports step --at-step or later:
   none  no fault (the undisturbed twin run).
 --no-control gives the workers no control socket (mgtrain then says recovery is off).
 --garbage PATH[:STEP] (with kill): once the victim ended, PATH holds 4096 zero bytes (a
-checkpoint no one can read), and with STEP a checkpoint.key beside it describes it at that step.
+checkpoint no one can read), and with STEP a checkpoint.key beside it describes it at that step;
+with --unreadable a directory takes its place instead (read() fails: EISDIR, an I/O error).
 --epoch E [--run R]: a fenced job: MGLAUNCH_EPOCH E in the first round, one more in each
 round after, and MGLAUNCH_RUN R in every round.
 --again N (with kill or stop): a peer lost again during the recovery, N times: the
@@ -75,6 +76,8 @@ def main():
     ap.add_argument("--garbage", default="",
                     help="PATH[:STEP]: with kill, once the victim ended PATH holds 4096 zero bytes (an unreadable "
                          "checkpoint), and with STEP a checkpoint.key beside it describes it at step STEP")
+    ap.add_argument("--unreadable", action="store_true",
+                    help="with --garbage: a directory in place of the checkpoint (an I/O error, not a parse error)")
     ap.add_argument("--epoch", type=int, default=0,
                     help="MGLAUNCH_EPOCH of the first round, one more each round after (0: none)")
     ap.add_argument("--run", default="", help="MGLAUNCH_RUN of every round (with --epoch)")
@@ -115,11 +118,16 @@ def cpu_seconds(pid):
         return None
 
 
-def plant_garbage(spec):
+def plant_garbage(spec, unreadable):
     path, _, step = spec.partition(":")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(bytes(4096))
+    if unreadable:
+        if os.path.isfile(path):
+            os.unlink(path)
+        os.makedirs(path, exist_ok=True)
+    else:
+        with open(path, "wb") as f:
+            f.write(bytes(4096))
     key = os.path.join(os.path.dirname(path), "checkpoint.key")
     if step:  # the key line mgtrain writes (worker/checkpoint.cc, key_line), describing the zeros
         st = os.stat(path)
@@ -287,7 +295,7 @@ def run(a, worker_args, deadline, stores, store_port):
                                     shutil.copyfile(src, dst)
                                 if a.garbage:
                                     victim.wait()
-                                    plant_garbage(a.garbage)
+                                    plant_garbage(a.garbage, a.unreadable)
                                 if a.kill_store:  # its host lost with the victim: the next round has another
                                     stores[-1].kill()
                                     stores[-1].wait()

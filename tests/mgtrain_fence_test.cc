@@ -503,7 +503,7 @@ TEST_CASE("ranks whose census versions differ (different mgtrain builds) all sto
     REQUIRE(p.wait(180s));
     INFO(p.out() << p.err());
     CHECK(p.exit_code() == 3);
-    CHECK_THAT(p.err(), Catch::Contains("ranks run different mgtrain builds (census version 1 and 5): use one "
+    CHECK_THAT(p.err(), Catch::Contains("ranks run different mgtrain builds (census version 1 and 6): use one "
                                         "mglaunch/mgtrain release on every node"));
   }
 }

@@ -295,23 +295,24 @@ TEST_CASE("in-place recovery under epochs: a cut-off side's checkpoint of an old
 // Review s38 M4: a checkpoint that a rank cannot read stopped every rank with exit 3, in-place
 // recovery included, though the ranks' live states were there to go on from; and its peers'
 // line did not name the file. Rank 0 is lost at step 8 and, before the next round, a file of
-// zeros takes the place of a checkpoint: rank 1's without a key (the census cannot read it),
-// then rank 0's with a key that says step 20 (the newest, which resume cannot read). Each time
-// the round goes on from rank 1's live state, and the rank that holds the file says so in one
-// line naming it. On main (154ccb1's mgtrain) both rounds ended with exit 3 on every rank.
-TEST_CASE("in-place recovery goes on from the live states when a rank's checkpoint cannot be read, keyless or under a key that says it is the newest, and that rank names the file in one line") {
+// zeros takes the place of a checkpoint: rank 1's without a key (the census cannot parse it),
+// then rank 0's with a key that says step 1000 (the newest, which resume cannot parse; review
+// s39 L5: 1000, not 20, which the survivor could reach before the kill on a loaded machine).
+// Each time the round goes on from rank 1's live state, and the rank that holds the file says
+// so in one line naming it. On main (154ccb1's mgtrain) both rounds ended with exit 3 on every rank.
+TEST_CASE("in-place recovery goes on from the live states when a rank's checkpoint does not parse, keyless or under a key that says it is the newest, and that rank names the file in one line") {
   const std::string digest = calm_standin()["weights_sha256"];
-  for (const auto& [rank, step] : {std::pair{1, ""}, std::pair{0, ":20"}}) {
+  for (const auto& [rank, step] : {std::pair{1, ""}, std::pair{0, ":1000"}}) {
     const std::string base = make_temp_dir(), path = base + "/" + std::to_string(rank) + "/checkpoint.pt";
-    INFO("rank " << rank << "'s checkpoint unreadable" << (*step ? ", its key at step 20" : ", no key"));
+    INFO("rank " << rank << "'s checkpoint unreadable" << (*step ? ", its key at step 1000" : ", no key"));
     auto hit = train({"--fault", "kill", "--victim", "0", "--at-step", "8", "--garbage", path + step},
                      {"--checkpoint-dir", base + "/{rank}", "--checkpoint-every", "5"});
     INFO(hit.r.out << hit.r.err << hit.logs());
     REQUIRE(hit.r.code == 0);
     const std::string log = read_file(hit.dir + "/worker" + std::to_string(rank) + (rank == 0 ? ".1" : ".0") + ".log");
     CHECK(count_of(log, "mgtrain: warning: rank " + std::to_string(rank) + ": cannot load checkpoint " + path + ": ") == 1);
-    CHECK(count_of(log, ": in-place recovery goes on from the ranks' live states without it; remove rank " +
-                            std::to_string(rank) + "'s " + path + " (the next newest is then used), or restore it") == 1);
+    CHECK(count_of(log, ": it does not parse: in-place recovery goes on from the ranks' live states, no checkpoint is "
+                        "resumed this round; restore rank " + std::to_string(rank) + "'s " + path + ", or remove it") == 1);
     const std::string fresh = read_file(hit.dir + "/worker0.1.log");
     CHECK(fresh.find("mgtrain: rank 0 took step ") != std::string::npos);
     CHECK(fresh.find("resumed from") == std::string::npos);
@@ -320,6 +321,31 @@ TEST_CASE("in-place recovery goes on from the live states when a rank's checkpoi
       CHECK(hit.summary(r)["steps"] == 30);
       CHECK(hit.summary(r)["weights_sha256"] == digest);
     }
+  }
+}
+
+// Review s39 M2: the fallback above took any checkpoint that could not be read, an I/O error
+// too (a transient EIO or ESTALE on a shared D): the round went on from older live states and
+// the next checkpoint wrote over the newer one. A directory in place of the checkpoint (read()
+// fails with EISDIR) stands in for the I/O error: keyless (the census) and under a key at step
+// 1000 (resume). Every rank of the round after the kill stops with exit 3, and the holder's
+// line names the file and the way on, as before 8bfd4ff. On main (cd9407a's mgtrain) both
+// rounds went on (the agent exited 0).
+TEST_CASE("in-place recovery stops with exit 3 where a rank's checkpoint cannot be read (an I/O error), keyless or under a key that says it is the newest") {
+  for (const auto& [rank, step] : {std::pair{1, ""}, std::pair{0, ":1000"}}) {
+    const std::string base = make_temp_dir(), path = base + "/" + std::to_string(rank) + "/checkpoint.pt";
+    INFO("rank " << rank << "'s checkpoint a directory" << (*step ? ", its key at step 1000" : ", no key"));
+    auto hit = train({"--fault", "kill", "--victim", "0", "--at-step", "8", "--garbage", path + step, "--unreadable"},
+                     {"--checkpoint-dir", base + "/{rank}", "--checkpoint-every", "5"});
+    INFO(hit.r.out << hit.r.err << hit.logs());
+    REQUIRE(hit.r.code != 0);
+    const auto codes = nlohmann::json::parse(hit.r.out)["codes"];
+    CHECK(codes["0/1"] == 3);
+    CHECK(codes["1/0"] == 3);
+    const std::string log = read_file(hit.dir + "/worker" + std::to_string(rank) + (rank == 0 ? ".1" : ".0") + ".log");
+    CHECK(count_of(log, "cannot read " + path + ": Is a directory; remove rank " + std::to_string(rank) + "'s " + path +
+                            " (the next newest is then used), or restore it") == 1);
+    CHECK(log.find("does not parse") == std::string::npos);
   }
 }
 

@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -160,8 +159,30 @@ void replace_file(const std::string& path, const std::string& line) {
   }
 }
 
-// Whether a rank holds a checkpoint (the first long of its census row, newest_checkpoint).
-enum Census : std::int64_t { kAbsent = 0, kPresent = 1, kUnreadable = 2 };
+// Whether a rank holds a checkpoint (the first long of its census row, newest_checkpoint):
+// kUnreadable is an I/O error (EIO, ESTALE, EACCES: perhaps transient, the file perhaps the
+// newest), kCorrupt a file read whole that does not parse (review s39 M2).
+enum Census : std::int64_t { kAbsent = 0, kPresent = 1, kUnreadable = 2, kCorrupt = 3 };
+
+// Reads the whole file at `path` into `bytes` (when given; else reads it through in chunks);
+// false with `error` set ("cannot read PATH: errno's text") on an I/O error.
+bool read_whole(const std::string& path, std::string* bytes, std::string& error) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    error = fmt::format("cannot read {}: {}", path, std::strerror(errno));
+    return false;
+  }
+  std::string chunk(1 << 20, '\0');
+  for (;;) {
+    const ssize_t n = ::read(fd, chunk.data(), chunk.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) error = fmt::format("cannot read {}: {}", path, std::strerror(errno));
+    if (n <= 0) break;
+    if (bytes != nullptr) bytes->append(chunk.data(), static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return error.empty();
+}
 
 // The key of the checkpoint in `dir`: from its checkpoint.key when that describes the file
 // stat() finds, else (none: an mgtrain before it, or a crash between the two renames; or one
@@ -210,9 +231,12 @@ Census read_key(const std::string& dir, CheckpointKey& key, std::string& error) 
     return kPresent;
   } catch (const std::exception& e) {
     std::string what = e.what();
+    // An archive that does not load: the read's error where reading it fails (I/O), else a
+    // file that does not parse.
+    if (!read_whole(path, nullptr, error)) return kUnreadable;
     error = fmt::format("cannot load checkpoint {}: {}", path, what.substr(0, what.find('\n')));
   }
-  return kUnreadable;
+  return kCorrupt;
 }
 
 // The epoch and run recorded for the checkpoint in `dir` (its key), nullopt when it has no
@@ -506,8 +530,9 @@ std::string get_run(const std::int64_t* at) {
 // collective of another size (gloo throws, NCCL hangs; review s38 M3). An mgtrain before this
 // check has no such step, so one of those beside a newer one still mismatches there.
 // 3: the live states' keys (gather_live_states); 4: every checkpoint's {refused, failed}
-// all-reduce; 5: resume's head says whether the root's model took part of an unreadable archive.
-constexpr std::int64_t kCensusVersion = 5;
+// all-reduce; 5: resume's head says whether the root's model took part of an unreadable archive;
+// 6: the census row and resume's head tell an I/O error (exit 3) from an archive that does not parse.
+constexpr std::int64_t kCensusVersion = 6;
 
 }  // namespace
 
@@ -565,10 +590,12 @@ std::string remove_or_restore(int k, const std::string& path) {
   return fmt::format("remove rank {}'s {} (the next newest is then used), or restore it", k, path);
 }
 
-// Rank k's line where in-place recovery goes on from the live states without its checkpoint.
+// Rank k's line where in-place recovery goes on from the live states without its checkpoint,
+// one that does not parse (review s39 M2: no other checkpoint is tried then).
 void warn_going_on(int k, const std::string& error, const std::string& path) {
-  std::fprintf(stderr, "mgtrain: warning: rank %d: %s: in-place recovery goes on from the ranks' live states without "
-               "it; %s\n", k, error.c_str(), remove_or_restore(k, path).c_str());
+  std::fprintf(stderr, "mgtrain: warning: rank %d: %s: it does not parse: in-place recovery goes on from the ranks' "
+               "live states, no checkpoint is resumed this round; restore rank %d's %s, or remove it\n",
+               k, error.c_str(), k, path.c_str());
 }
 
 }  // namespace
@@ -604,9 +631,11 @@ Newest newest_checkpoint(const std::string& dirs, const Comm& comm, const Fence&
   for (int k = 0; k < world; ++k, r += kRow) {
     const std::string path = checkpoint_file(with_rank(dirs, k));
     // It may be the newest: nothing is resumed, on every rank, unless in-place recovery goes
-    // on from the ranks' live states (`live`), as it would with no checkpoint at all.
-    if (r[0] == kUnreadable && live && k == me) warn_going_on(k, error, path);
-    if (r[0] == kUnreadable && !live)
+    // on from the ranks' live states (`live`), as it would with no checkpoint at all, from an
+    // archive that does not parse; never past an I/O error (review s39 M2: a transient EIO
+    // or ESTALE on a shared D would otherwise drop the newest and let it be written over).
+    if (r[0] == kCorrupt && live && k == me) warn_going_on(k, error, path);
+    if (r[0] == kUnreadable || (r[0] == kCorrupt && !live))
       throw SetupError(k == me ? fmt::format("{}; {}", error, remove_or_restore(k, path))
                                : fmt::format("rank {} cannot read its checkpoint {} (see rank {}'s error), which may be "
                                              "the newest; nothing was resumed: {}",
@@ -640,12 +669,9 @@ std::optional<Position> resume(const Comm& comm, torch::nn::Module& model, torch
   // The root reads and parses the file; its bytes travel to every rank (ok flag first).
   std::string bytes, error;
   const bool reader = comm.distributed() ? comm.rank == root : true;
+  bool io = false;  // an I/O error: never passed over (review s39 M2)
   if (reader) {
-    std::ifstream in(path, std::ios::binary);
-    std::ostringstream s;
-    s << in.rdbuf();
-    bytes = s.str();
-    if (!in && !in.eof()) error = fmt::format("cannot read {}: {}", path, std::strerror(errno));
+    io = !read_whole(path, &bytes, error);
     if (error.empty() && bytes.empty()) error = path + " is empty";
   }
   Position pos;
@@ -661,8 +687,9 @@ std::optional<Position> resume(const Comm& comm, torch::nn::Module& model, torch
   if (comm.distributed()) {
     c10d::BroadcastOptions from;
     from.rootRank = root;
-    // 1: loaded; 0: unreadable, nothing taken; 2: failed once the root's model took part of it.
-    auto head = torch::tensor({error.empty() ? 1L : touched ? 2L : 0L, static_cast<std::int64_t>(bytes.size())}, cpu_long)
+    // 1: loaded; 0: does not parse, nothing taken; 2: failed once the root's model took part of
+    // it; 3: cannot be read (I/O).
+    auto head = torch::tensor({error.empty() ? 1L : io ? 3L : touched ? 2L : 0L, static_cast<std::int64_t>(bytes.size())}, cpu_long)
                     .to(comm.device);
     std::vector<torch::Tensor> v{head};
     wait_work(comm.pg->broadcast(v, from));
@@ -712,6 +739,23 @@ std::optional<Position> resume(const Comm& comm, torch::nn::Module& model, torch
     throw SetupError(fmt::format("{}; {}", error, remove_or_restore(root, path)));
   }
   return pos;
+}
+
+// Rank 0's line of a resume: from its own checkpoint, or from another rank's (where rank 0
+// has none, or an older one).
+void say_resumed(const std::string& dirs, const Newest& newest, const Position& pos) {
+  const long long step = pos.step, epoch = pos.epoch + 1;
+  if (newest.rank == 0) {
+    std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(with_rank(dirs, 0)).c_str(),
+                step, epoch);
+    return;
+  }
+  const std::string why =
+      !newest.own ? std::string("rank 0 has none")
+                  : fmt::format("rank 0's holds older training: step {}, epoch {} of run {}", newest.own->step,
+                                newest.own->epoch, newest.own->run.empty() ? "(none)" : newest.own->run);
+  std::printf("resumed from rank %d's checkpoint %s at step %lld (%s) (epoch %lld)\n", newest.rank,
+              checkpoint_file(with_rank(dirs, newest.rank)).c_str(), step, why.c_str(), epoch);
 }
 
 }  // namespace mg::train

@@ -138,12 +138,13 @@ void check_census_version(const Comm& comm);
 // checkpoint's run, epoch and step in `dir` (from checkpoint_key_file when that describes
 // the checkpoint, else from the archive, every tensor loaded) and all learn every rank's.
 // A run a checkpoint records as taken over (supersedes=T) ranks just below the run that took
-// it over; in a job with no run (fence.run empty) checkpoints order by step alone. `dirs` is
-// --checkpoint-dir (with_rank() of it: each rank's).
+// it over; in a job with no run (fence.run empty) checkpoints order by epoch, then step, under
+// MGLAUNCH_EPOCH, else by step alone. `dirs` is --checkpoint-dir (with_rank() of it: each rank's).
 // A rank's checkpoint that cannot be read may be the newest: SetupError (exit 3) on every
 // rank, each line naming it ("remove rank k's D/checkpoint.pt (the next newest is then
-// used), or restore it"); with `live` (in-place recovery, some rank holds a live state) it
-// is left out instead, and its rank says so in one warning line (review s38 M4).
+// used), or restore it"); with `live` (in-place recovery, some rank holds a live state) one
+// read whole that does not parse is left out instead, and its rank says so in one warning
+// line (review s38 M4); an I/O error stays exit 3 (review s39 M2).
 Newest newest_checkpoint(const std::string& dirs, const Comm& comm, const Fence& fence, bool live = false);
 
 // Every rank calls it (a collective in ddp mode). Returns the position to resume from, or
@@ -151,9 +152,14 @@ Newest newest_checkpoint(const std::string& dirs, const Comm& comm, const Fence&
 // newest_checkpoint) alone reads its checkpoint (newest.path); its bytes reach every rank.
 // Throws SetupError (exit 3) when that checkpoint cannot be read, or when the ranks end up
 // at different steps. With `unreadable` (in-place recovery with live states): a checkpoint
-// that cannot be read or parsed (before any rank's model took part of it) is nullopt on every
-// rank with *unreadable set, after one warning line of its rank, instead.
+// read whole that does not parse (before any rank's model took part of it) is nullopt on
+// every rank with *unreadable set, after one warning line of its rank, instead (an I/O
+// error stays SetupError).
 std::optional<Position> resume(const Comm& comm, torch::nn::Module& model, torch::optim::Optimizer& opt,
                                const Newest& newest, bool* unreadable = nullptr);
+
+// Rank 0's line of a resume at `pos` from `newest` (`dirs`: --checkpoint-dir): from its own
+// checkpoint, or from another rank's (where rank 0 has none, or an older one).
+void say_resumed(const std::string& dirs, const Newest& newest, const Position& pos);
 
 }  // namespace mg::train

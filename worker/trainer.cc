@@ -138,7 +138,6 @@ class Trainer {
   bool agree_on_recovery(LiveStates& live);
   void take_most_advanced(const LiveStates& live, int source);
   bool checkpoint_is_newer(const LiveStates& live, int source, const Newest& newest);
-  void say_resumed(const Newest& newest);
   Fence fence() const {
     return Fence{env_.epoch, env_.run, o_.timeout_s, take_over_.empty() ? o_.checkpoint_take_over : take_over_, taken_by_};
   }
@@ -356,9 +355,15 @@ void Trainer::establish() {
   if (o_.checkpoint_take_over.empty() && newest.rank >= 0 && newest.key.supersedes != env_.run)
     take_over_ = newest.key.supersedes;
   taken_by_ = newest.taken_by;
-  held_ = CheckpointKey{env_.run, env_.epoch.value_or(-1), 0, {}};
+  // state_ belongs to this round once it is established: a transfer that throws (a peer lost
+  // again) leaves the old round's key on the old state (review s39 M1).
+  const CheckpointKey round{env_.run, env_.epoch.value_or(-1), 0, {}};
   const int source = recovery_ && comm_.distributed() ? live.newest(newest) : -1;
-  if (source >= 0 && !checkpoint_is_newer(live, source, newest)) return take_most_advanced(live, source);
+  if (source >= 0 && !checkpoint_is_newer(live, source, newest)) {
+    take_most_advanced(live, source);
+    held_ = round;
+    return;
+  }
   // Every rank starts from rank 0's initial parameters, then the checkpoint's whole state. With
   // a live state that one replaces every rank's whole state, or where it cannot be read the
   // newest live state does (review s38 M4: it stopped every rank).
@@ -366,27 +371,11 @@ void Trainer::establish() {
   bool unreadable = false;
   if (auto c = resume(comm_, *model_.module, *opt_, newest, source >= 0 ? &unreadable : nullptr)) {
     state_ = *c;
-    if (lead_) say_resumed(newest);
+    if (lead_) say_resumed(o_.checkpoint_dir, newest, state_);
   } else if (unreadable) {
     take_most_advanced(live, source);
   }
-}
-
-// Rank 0's line of a resume: from its own checkpoint, or from another rank's (where rank 0
-// has none, or an older one).
-void Trainer::say_resumed(const Newest& newest) {
-  const long long step = state_.step, epoch = state_.epoch + 1;
-  if (newest.rank == 0) {
-    std::printf("resumed from %s at step %lld (epoch %lld)\n", checkpoint_file(with_rank(o_.checkpoint_dir, 0)).c_str(),
-                step, epoch);
-    return;
-  }
-  const std::string why =
-      !newest.own ? std::string("rank 0 has none")
-                  : fmt::format("rank 0's holds older training: step {}, epoch {} of run {}", newest.own->step,
-                                newest.own->epoch, newest.own->run.empty() ? "(none)" : newest.own->run);
-  std::printf("resumed from rank %d's checkpoint %s at step %lld (%s) (epoch %lld)\n", newest.rank,
-              checkpoint_file(with_rank(o_.checkpoint_dir, newest.rank)).c_str(), step, why.c_str(), epoch);
+  held_ = round;
 }
 
 // Every rank asked for recovery (the same flags): each says whether it has its control

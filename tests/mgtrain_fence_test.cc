@@ -297,6 +297,39 @@ TEST_CASE("MGLAUNCH_EPOCH: a fenced 2-rank job stops on every rank with exit 4, 
   CHECK_THAT(read_file(dir + "/error0.json"), Catch::Contains("checkpoint refused at step 6"));
 }
 
+// Review s39 L3: rank 0 wrote its error file before the all-reduce the other ranks were in,
+// and nlohmann's dump() threw on a path that is not UTF-8: rank 0 ended there and rank 1 waited
+// in the all-reduce. The error file is written with U+FFFD in their place now, never throwing.
+TEST_CASE("MGLAUNCH_EPOCH: a fenced 2-rank job whose checkpoint path is not UTF-8 stops on every rank with exit 4, and rank 0's error file is written") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt\xff";
+  REQUIRE(train("7", ckpt, 4, dir + "/new.json").code == 0);
+  const std::string port = std::to_string(free_loopback_port());
+  Proc r0 = spawn_rank(0, 2, port, "5", "", ckpt, 8, dir), r1 = spawn_rank(1, 2, port, "5", "", ckpt, 8, dir);
+  REQUIRE(r0.wait(180s));
+  REQUIRE(r1.wait(180s));
+  INFO(r0.out() << r0.err() << r1.out() << r1.err());
+  CHECK(r0.exit_code() == 4);
+  CHECK(r1.exit_code() == 4);
+  CHECK_THAT(read_file(dir + "/error0.json"), Catch::Contains("checkpoint refused at step 6"));
+}
+
+// Review s39 L5: the unfenced 2-rank failed write, the bug 38315d3 fixed (rank 0 threw before
+// the all-reduce the other ranks were in). D is a regular file: the census finds no
+// checkpoint (ENOTDIR), and rank 0's first write cannot create the directory.
+TEST_CASE("without MGLAUNCH_EPOCH, rank 0's failed checkpoint write ends both ranks of a 2-rank job with exit 1") {
+  const std::string dir = make_temp_dir(), ckpt = dir + "/not-a-dir";
+  std::ofstream(ckpt) << "a file\n";
+  const std::string port = std::to_string(free_loopback_port());
+  Proc r0 = spawn_rank(0, 2, port, "", "", ckpt, 8, dir), r1 = spawn_rank(1, 2, port, "", "", ckpt, 8, dir);
+  REQUIRE(r0.wait(180s));
+  REQUIRE(r1.wait(180s));
+  INFO(r0.out() << r0.err() << r1.out() << r1.err());
+  CHECK(r0.exit_code() == 1);
+  CHECK(r1.exit_code() == 1);
+  CHECK_THAT(r0.err(), Catch::Contains("checkpoint: cannot create directory " + ckpt));
+  CHECK_THAT(r1.err(), Catch::Contains("rank 0 could not write its checkpoint (see rank 0's error): every rank stops"));
+}
+
 TEST_CASE("without MGLAUNCH_EPOCH (torchrun, older agents) checkpoints are written as before, and a bad one is exit 2 in one line") {
   const std::string dir = make_temp_dir(), ckpt = dir + "/ckpt";
   REQUIRE(train("7", ckpt, 4, dir + "/new.json").code == 0);
@@ -603,12 +636,20 @@ TEST_CASE("a checkpoint's temporary file is its writer's own and a killed writer
     return n;
   };
   {
-    INFO("checkpoint.pt.tmp is a directory, checkpoint.pt.tmp.1.0 a killed writer's file: written, the file removed");
+    // Review s39 L2: only a leftover unchanged for 10 minutes is removed; a younger one may be
+    // a live writer's on another node (a flock that locks one node only). On main (cd9407a's
+    // mgtrain) the young one was removed too.
+    INFO("checkpoint.pt.tmp is a directory, checkpoint.pt.tmp.1.0 a killed writer's file an hour old, "
+         "checkpoint.pt.tmp.2.0 a young one: written, the old one removed, the young one left");
     fs::create_directories(c0 + "/checkpoint.pt.tmp/x");
     std::ofstream(c0 + "/checkpoint.pt.tmp.1.0") << "torn";
+    fs::last_write_time(c0 + "/checkpoint.pt.tmp.1.0", fs::file_time_type::clock::now() - std::chrono::hours(1));
+    std::ofstream(c0 + "/checkpoint.pt.tmp.2.0") << "being written";
     const Ranks ranks = run_ranks(2, run1, dir + "/ckpt{rank}", 4, dir);
     check_trained_alike(ranks, 4, dir);
-    CHECK(temporaries() == 0);
+    CHECK(temporaries() == 1);
+    CHECK(fs::exists(c0 + "/checkpoint.pt.tmp.2.0"));
+    fs::remove(c0 + "/checkpoint.pt.tmp.2.0");
     CHECK(fs::is_directory(c0 + "/checkpoint.pt.tmp/x"));  // not a file: left alone
     CHECK_THAT(read_file(c0 + "/checkpoint.key"), Catch::StartsWith("step=4 epoch=6 run=" + run1 + " size="));
   }

@@ -335,16 +335,25 @@ class EpochLock {
   bool unlocked_ = false;  // the file system has no locks
 };
 
-// Removes the temporary checkpoint files (checkpoint.pt.tmp, checkpoint.pt.tmp.*) in `dir`:
-// under the lock, those of writers killed while writing. Errors are ignored (the next writer
+// A temporary checkpoint file unchanged for this long is a killed writer's leftover: a
+// live writer's grows, or is renamed, well within it (review s39 L2).
+constexpr auto kLeftoverAge = std::chrono::minutes(10);
+
+// Removes the temporary checkpoint files (checkpoint.pt.tmp, checkpoint.pt.tmp.*) in `dir`
+// not modified for kLeftoverAge: under the lock, those of writers killed while writing. Not
+// younger ones: a flock that locks only this node (Lustre localflock, NFS nolock) lets
+// another node's writer be mid-write (review s39 L2). Errors are ignored (the next writer
 // tries again).
 void remove_leftovers(const std::string& dir) {
   std::error_code ec;
+  const auto now = std::filesystem::file_time_type::clock::now();
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     std::error_code ignored;
-    if ((name == "checkpoint.pt.tmp" || name.starts_with("checkpoint.pt.tmp.")) && it->is_regular_file(ignored))
-      std::filesystem::remove(it->path(), ignored);
+    if (!(name == "checkpoint.pt.tmp" || name.starts_with("checkpoint.pt.tmp.")) || !it->is_regular_file(ignored))
+      continue;
+    const auto mtime = std::filesystem::last_write_time(it->path(), ignored);
+    if (!ignored && now - mtime >= kLeftoverAge) std::filesystem::remove(it->path(), ignored);
   }
 }
 
@@ -442,18 +451,24 @@ Saved save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::o
   if (lock && !lock->unlocked()) remove_leftovers(dir);
   std::random_device rd;
   const std::string tmp = fmt::format("{}.tmp.{}.{:08x}{:08x}", path, ::getpid(), rd(), rd());
-  try {
-    ar.save_to(tmp);
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    throw std::runtime_error(fmt::format("checkpoint: cannot write {}: {}", tmp, what.substr(0, what.find('\n'))));
-  }
-  fsync_or_throw(tmp);
   struct ::stat st {};
-  if (::stat(tmp.c_str(), &st) != 0)
-    throw std::runtime_error(fmt::format("checkpoint: cannot stat {}: {}", tmp, std::strerror(errno)));
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
+  // A failed write removes its own temporary file (review s39 L2: ENOSPC left multi-GiB files).
+  try {
+    try {
+      ar.save_to(tmp);
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      throw std::runtime_error(fmt::format("checkpoint: cannot write {}: {}", tmp, what.substr(0, what.find('\n'))));
+    }
+    fsync_or_throw(tmp);
+    if (::stat(tmp.c_str(), &st) != 0)
+      throw std::runtime_error(fmt::format("checkpoint: cannot stat {}: {}", tmp, std::strerror(errno)));
+    if (::rename(tmp.c_str(), path.c_str()) != 0)
+      throw std::runtime_error(fmt::format("checkpoint: cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
   // Its key beside it, for the next start's comparison (read_key): what the archive records.
   // The checkpoint is written: a key that cannot be is a warning (the next start reads the archive).
   try {

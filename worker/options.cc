@@ -335,9 +335,14 @@ void write_error_file(const std::string& message) {
     }
   }
   if (path.empty()) return;
-  nlohmann::json j = {{"message",
-                       {{"message", message},
-                        {"extraInfo", {{"py_callstack", "mgtrain (C++)"}, {"timestamp", std::to_string(std::time(nullptr))}}}}}};
-  std::ofstream(path) << j.dump();
+  // Never throws (review s39 L3: rank 0 writes it before a collective the others are in):
+  // bytes that are not UTF-8 (a path's) become U+FFFD, and any other failure writes nothing.
+  try {
+    nlohmann::json j = {{"message",
+                         {{"message", message},
+                          {"extraInfo", {{"py_callstack", "mgtrain (C++)"}, {"timestamp", std::to_string(std::time(nullptr))}}}}}};
+    std::ofstream(path) << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  } catch (const std::exception&) {
+  }
 }
 }  // namespace mg::train

@@ -152,6 +152,7 @@ Mode resolve_mode(const Options& o, const Env& env);
 namespace mg::train {
 // Writes torchelastic's error file when the launcher named one: TORCHELASTIC_ERROR_FILE of
 // the round this worker is in (the process environment's, until use_error_file()).
+// Never throws: bytes that are not UTF-8 become U+FFFD (review s39 L3).
 void write_error_file(const std::string& message);
 // A new round's TORCHELASTIC_ERROR_FILE (an in-place recovery's assignment names the new
 // attempt's): write_error_file() writes there from now on. Thread-safe.

@@ -297,6 +297,7 @@ Actions Job::join(SessionId s, const proto::Join& j, Clock::time_point now) {
   }
   if (j.resume_round > 0) {
     if (auto back = resume_after_outage(s, j, now)) return std::move(*back);
+    if (auto held = hold_other_run(s, j, now)) return std::move(*held);
     Actions dropped = newer_than_rebuild(j) ? drop_rebuild(j) : Actions{};
     // A restarted server where a new node (a replacement, started meanwhile) joined before
     // the running round's nodes came back: their round wins, the new node waits as its
@@ -458,29 +459,6 @@ std::optional<Actions> Job::resume_after_outage(SessionId s, const proto::Join& 
   return std::nullopt;
 }
 
-bool Job::newer_than_rebuild(const proto::Join& j) const {
-  if (!rebuilding_ || state_ != State::kRunning || members_.empty()) return false;
-  // A daemon's rebuild of an older run (a leftover agent's, first back) gives way to one of
-  // a newer run; rounds compare within one run (review s38 L1).
-  if (other_run(j)) return !quorum_ && run_older(run_, j.run);
-  return std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
-}
-
-Actions Job::drop_rebuild(const proto::Join& j) {
-  const auto why = proto::to_wire(proto::Error{
-      fmt::format("job '{}': round {} (restart {}) is over: the job went on to round {} (restart {}) without this node",
-                  id_, round_, restart_count_, j.resume_round, j.resume_restart_count)});
-  Actions out;
-  for (const auto& [m, n] : members_) out.push_back({m, why});
-  members_.clear();
-  placed_.clear();
-  state_ = State::kJoining;
-  round_ = 0;
-  expected_members_ = 0;
-  rebuilding_ = false;
-  return out;
-}
-
 std::string Job::check_resume(SessionId s, const proto::Join& j) const {
   if (!joined_.empty()) return "other nodes are waiting for a new round";
   if (members_.empty()) {
@@ -537,7 +515,7 @@ nlohmann::json Job::describe(Clock::time_point now) const {
 
 std::size_t Job::approx_bytes() const {
   std::size_t bytes = sizeof(Job) + id_.size();
-  for (const auto* m : {&joined_, &members_, &standby_, &rejoining_})
+  for (const auto* m : {&joined_, &members_, &standby_, &rejoining_, &held_})
     for (const auto& [s, n] : *m)
       bytes += sizeof(Node) + 64 + n.join.job_id.size() + n.join.agent_id.size() + n.join.host.size() + n.join.addr.size();
   for (const auto& [agent, rank] : placed_) bytes += 64 + agent.size();
@@ -783,6 +761,7 @@ Actions Job::disconnected(SessionId s, Clock::time_point now, std::string_view w
     rejoining_.erase(r);
   }
   joined_.erase(s);
+  held_.erase(s);
   auto it = members_.find(s);
   if (it == members_.end()) {
     if (joined_.size() < static_cast<std::size_t>(config_.min_nodes)) last_call_deadline_.reset();
@@ -821,10 +800,10 @@ Actions Job::tell_lost(SessionId s, State before) const {
 }
 
 Actions Job::tick(Clock::time_point now) {
-  if (!configured_ || finished()) return {};
+  if (!configured_ || finished()) return refuse_held({});
   // Every silent standby is dropped (and told, in case it is only slow) before it could be
   // given a place it cannot take; the tick's other deadlines are then checked all the same.
-  Actions out = drop_silent_standbys(now);
+  Actions out = rebuilding_ ? drop_silent_standbys(now) : refuse_held(drop_silent_standbys(now));
   auto rejoin = drop_silent_rejoining(now);
   out.insert(out.end(), std::make_move_iterator(rejoin.begin()), std::make_move_iterator(rejoin.end()));
   if (finished()) return out;

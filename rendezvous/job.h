@@ -223,8 +223,8 @@ class Job {
   const std::string& run() const { return run_; }
   // The daemon's Job of a job it knows nothing of (no --state-dir record: new, or the
   // daemon restarted without one while its nodes were between rounds): its minted run is
-  // provisional until its first round closes, which takes the run its joiners name (the
-  // newest by run_older() if they name more than one) and their epochs, so a restart
+  // provisional until its first round closes, which takes the run its joiners name (the one
+  // most of them name, the newest by run_older() among as many) and their epochs, so a restart
   // between rounds never switches the run (review s38 M1). A rebuild or a takeover settles
   // it too. An agent's server (quorum) keeps its own: it never restarts.
   void open_run() {
@@ -311,7 +311,8 @@ class Job {
   // A re-registration of a later round (restart count, then round) than the one rebuilt so
   // far: the nodes that claimed the earlier one were left out of the job while they were
   // away (one the job declared lost can reach a restarted server before the nodes that went
-  // on). drop_rebuild() tells them so and starts the rebuild again from `j`.
+  // on). drop_rebuild() tells them so and starts the rebuild again from `j`. (Within one run:
+  // another run's claim is weighed by hold_other_run().)
   bool newer_than_rebuild(const proto::Join& j) const;
   // A re-registration (resume_round > 0) with a server that did not restart: a node of the
   // running round that lost its connection takes its place back on its new session; one the
@@ -326,6 +327,13 @@ class Job {
   // The root cause "node H (A) lost: WHY" of a node lost during round_.
   proto::WorkerFailed lost_cause(const proto::Join& j, std::string_view why) const;
   Actions drop_rebuild(const proto::Join& j);
+  // A daemon's live rebuild and a re-registration of another run: held and counted (held_);
+  // the rebuild is dropped for that run's held claims once more nodes claim it (job_epochs.cc).
+  // nullopt: not such a claim (check_resume() weighs it).
+  std::optional<Actions> hold_other_run(SessionId s, const proto::Join& j, Clock::time_point now);
+  // The held claims hear that the rebuild went on as another run (the rebuild is over): `out` with their Errors.
+  Actions refuse_held(Actions out);
+  std::map<SessionId, Node> held_;  // re-registrations of another run than a live rebuild's
   // A join from a node that knows a newer epoch than this host's last round (a host cut off
   // epochs ago, reached again) brings that epoch's voters: the next round needs a majority
   // of them too (strictly more than half, even of two), so the votes of nodes that went on

@@ -3,7 +3,9 @@
 // first created and learnt from newer joiners, and the takeover seed that carries both.
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <random>
+#include <set>
 #include <string_view>
 #include <tuple>
 
@@ -43,16 +45,21 @@ bool run_older(const std::string& a, const std::string& b) {
 
 void Job::settle_run(const std::vector<std::pair<SessionId, Node>>& nodes) {
   // Its nodes ran the job before this server knew it (a daemon restarted between rounds,
-  // without a journal): their run goes on, at their epochs (learn_epoch() in close_round()).
-  // Nodes that name other runs are leftovers of older runs when they disagree: the newest
-  // named is taken, so that no checkpoint of a named run is newer than the round's (mgtrain
-  // exits 4 for a writer of an older run than its checkpoint's), where a run minted here on a
-  // clock behind theirs would be older than all of them.
+  // without a journal): their run goes on, at their epochs (learn_epoch() in close_round()),
+  // not one minted here (on a clock behind theirs it would be older than all of them, and
+  // mgtrain exits 4 for a writer of an older run than its checkpoint's). When they disagree,
+  // the nodes of the other runs are leftovers: the run most of them name goes on, the newest
+  // by its MS only among as many, since a leftover's run minted on a clock that ran ahead is
+  // newest by MS (review s38-late L2).
   run_open_ = false;
-  const std::string* newest = nullptr;
+  std::map<std::string_view, int> named;
   for (const auto& [s, n] : nodes)
-    if (!n.join.run.empty() && (!newest || run_older(*newest, n.join.run))) newest = &n.join.run;
-  if (newest) run_ = *newest;
+    if (!n.join.run.empty()) ++named[n.join.run];
+  const std::pair<const std::string_view, int>* best = nullptr;
+  for (const auto& r : named)
+    if (!best || r.second > best->second || (r.second == best->second && run_older(std::string(best->first), std::string(r.first))))
+      best = &r;
+  if (best) run_ = std::string(best->first);
 }
 
 void Job::learn_epoch(const proto::Join& j) {
@@ -101,6 +108,71 @@ void Job::rebuild_run(const proto::Join& j) {
   }
   learn_epoch(j);
   last_round_epoch_ = epoch_;
+}
+
+bool Job::newer_than_rebuild(const proto::Join& j) const {
+  if (!rebuilding_ || state_ != State::kRunning || members_.empty()) return false;
+  if (other_run(j)) return false;  // rounds compare within one run: hold_other_run()
+  return std::pair(j.resume_restart_count, j.resume_round) > std::pair(restart_count_, round_);
+}
+
+Actions Job::drop_rebuild(const proto::Join& j) {
+  const auto why = proto::to_wire(proto::Error{
+      fmt::format("job '{}': round {} (restart {}) is over: the job went on to round {} (restart {}) without this node",
+                  id_, round_, restart_count_, j.resume_round, j.resume_restart_count)});
+  Actions out;
+  for (const auto& [m, n] : members_) out.push_back({m, why});
+  members_.clear();
+  placed_.clear();
+  state_ = State::kJoining;
+  round_ = 0;
+  expected_members_ = 0;
+  rebuilding_ = false;
+  return out;
+}
+
+std::optional<Actions> Job::hold_other_run(SessionId s, const proto::Join& j, Clock::time_point now) {
+  // A daemon's live rebuild of run R (the first re-registration named it) and a node that
+  // re-registers run T: one of them is a leftover of an earlier run (first back, or late).
+  // The run more nodes claim wins, so the claim waits (held_) and is counted; it replaces the
+  // rebuild only once more nodes claim T than R's rebuild holds (as many: the newer by its
+  // MS), never for one node (review s38-late L2: a clock-ahead leftover's newer MS dropped a
+  // live rebuild, every member told Error). Still held when the rebuild is over: refused.
+  if (quorum_ || !rebuilding_ || state_ != State::kRunning || members_.empty() || !other_run(j) ||
+      held_.size() >= static_cast<std::size_t>(proto::kMaxNodes))
+    return std::nullopt;
+  held_[s] = {j, now};
+  std::set<std::string_view> claims;
+  for (const auto& [h, n] : held_)
+    if (n.join.run == j.run) claims.insert(n.join.agent_id);
+  const std::size_t live = members_.size();
+  if (claims.size() < 2 || claims.size() < live || (claims.size() == live && !run_older(run_, j.run))) return Actions{};
+  Actions out = drop_rebuild(j);
+  run_ = j.run;  // and its epochs: the dropped run's compare with none of these
+  epoch_ = last_round_epoch_ = 0;
+  std::vector<std::pair<SessionId, Node>> take;
+  for (auto it = held_.begin(); it != held_.end();)
+    if (it->second.join.run == j.run) {
+      take.emplace_back(it->first, std::move(it->second));
+      it = held_.erase(it);
+    } else {
+      ++it;
+    }
+  for (const auto& [h, n] : take) {
+    auto more = join(h, n.join, now);
+    out.insert(out.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+  }
+  return out;
+}
+
+Actions Job::refuse_held(Actions out) {
+  for (const auto& [s, n] : held_)
+    out.push_back({s, proto::to_wire(proto::Error{fmt::format(
+                          "job '{}': re-registration refused: its run {} is not the rebuilt round's ({}), which more "
+                          "of the job's nodes re-registered",
+                          id_, n.join.run, run_)})});
+  held_.clear();
+  return out;
 }
 
 void Job::take_over(const TakeoverSeed& seed, Clock::time_point now) {

@@ -1079,6 +1079,16 @@ proto::Join leftover(const std::string& addr, int last_group_rank = 0) {
   j.last_group_rank = last_group_rank;
   return j;
 }
+
+// `j` re-registering group rank `rank` of round `round` of `world` nodes of run `run`, at epoch 9.
+proto::Join resumed(proto::Join j, const std::string& run, int round, int rank, int world) {
+  j.resume_round = round;
+  j.resume_group_rank = rank;
+  j.resume_group_world_size = world;
+  j.epoch = 9;
+  j.run = run;
+  return j;
+}
 }  // namespace
 
 TEST_CASE("run: a join of another run of the job id (a leftover agent of an earlier run) teaches nothing: no epoch, "
@@ -1140,26 +1150,23 @@ TEST_CASE("run: a join of another run of the job id (a leftover agent of an earl
   SECTION("a restarted daemon takes the run of the round its nodes re-register; one of another run is refused") {
     Job job("job", false, "1700000009999-00000000000000cd");  // the new daemon's own run
     job.open_run();  // it has no journal of the job (rdzv::Server::job_of())
-    auto resume = [](proto::Join j, const std::string& run, int rank) {
-      j.resume_round = 3;
-      j.resume_group_rank = rank;
-      j.resume_group_world_size = 2;
-      j.epoch = 9;
-      j.run = run;
-      return j;
-    };
+    auto resume = [](proto::Join j, const std::string& run, int rank) { return resumed(j, run, 3, rank, 2); };
     job.join(1, resume(node("127.0.0.1", 2, 2), kThisRun, 0), T0);
     REQUIRE(job.state() == Job::State::kRunning);
     CHECK(job.run() == kThisRun);
     CHECK(job.epoch() == 9);
     auto old = resume(node("127.0.0.2", 2, 2), kOldRun, 1);
-    auto refused = of_type(job.join(2, old, T0), MsgType::kError);
-    REQUIRE(refused.size() == 1);  // before: taken as the rebuilt round's rank 1
-    CHECK_THAT(decoded<proto::Error>(refused[0]).message, Catch::Contains("is not the rebuilt round's"));
+    // Held, not taken as the rebuilt round's rank 1 (before #37); one node of another run
+    // never drops the rebuild (review s38-late L2).
+    CHECK(of_type(job.join(2, old, T0), MsgType::kError).empty());
     old.resume_round = 7;  // a later round of another run does not end this one's rebuild either
-    CHECK(of_type(job.join(2, old, T0), MsgType::kError).size() == 1);
+    CHECK(of_type(job.join(2, old, T0), MsgType::kError).empty());
     CHECK(job.run() == kThisRun);
     CHECK(of_type(job.join(3, resume(node("127.0.0.3", 2, 2), kThisRun, 1), T0), MsgType::kError).empty());
+    auto refused = of_type(job.tick(T0 + 100ms), MsgType::kError);  // the rebuild is whole: refused
+    REQUIRE(refused.size() == 1);
+    CHECK(refused[0].session == 2);
+    CHECK_THAT(decoded<proto::Error>(refused[0]).message, Catch::Contains("is not the rebuilt round's"));
   }
   SECTION("an agent's server (which never restarts) rebuilds no round of another run") {
     Job job("job", true, kThisRun);
@@ -1277,11 +1284,17 @@ TEST_CASE("run: a restarted daemon orders the runs its nodes re-register by thei
   SECTION("a leftover of an older run re-registers first: the live run's nodes replace its rebuild") {
     job.join(9, resume("127.0.0.9", kOldRun, 3, 0), T0);
     REQUIRE(job.run() == kOldRun);
-    auto out = job.join(1, resume("127.0.0.1", kThisRun, 2, 0), T0);
-    CHECK(of_type(out, MsgType::kError).size() == 1);  // to the leftover; before: to node 1
+    // One node of the live run waits (one node never drops a rebuild, review s38-late L2) ...
+    CHECK(job.join(1, resume("127.0.0.1", kThisRun, 2, 0), T0).empty());
+    CHECK(job.run() == kOldRun);
+    // ... and the second, more than the rebuild's one, replaces it.
+    auto out = job.join(2, resume("127.0.0.2", kThisRun, 2, 1), T0);
+    CHECK(of_type(out, MsgType::kError).size() == 1);  // to the leftover; before 207dbf4: to node 1
+    CHECK(of_type(out, MsgType::kError)[0].session == 9);
     CHECK(job.run() == kThisRun);
-    CHECK(of_type(job.join(2, resume("127.0.0.2", kThisRun, 2, 1), T0), MsgType::kError).empty());
+    CHECK(job.epoch() == 9);
     CHECK(job.state() == Job::State::kRunning);
+    CHECK(job.round() == 2);
     // The older run's leftover, back again, is refused and drops nothing.
     CHECK(of_type(job.join(9, resume("127.0.0.9", kOldRun, 7, 0), T0), MsgType::kError).size() == 1);
     CHECK(job.run() == kThisRun);
@@ -1459,4 +1472,49 @@ TEST_CASE("quorum: a node whose host took the job over and then left it (a minor
   CHECK(endpoint);
   l.welcome("host-a");
   CHECK_FALSE(l.m.searching());
+}
+
+// Review s38-late L2: runs that disagree were ordered by their MS alone, which favours a
+// leftover of a run minted on a clock that ran ahead: a daemon restarted between rounds took
+// its run for the job's (mgtrain then refuses the majority's writes), and one such node
+// re-registering dropped a live rebuild of the majority's run (Error to every member).
+TEST_CASE("run: joiners and re-registrations that name different runs go on with the run most of them name, by MS "
+          "only between as many, and one node of another run never drops a live rebuild (review s38-late L2)") {
+  const std::string ahead = "1990000000000-00000000000000ff";  // a leftover minted on a clock far ahead
+  SECTION("fresh joins: two name this run, one a clock-ahead leftover's: this run goes on") {
+    Job job("job", false, "1500000000000-00000000000000cd");
+    job.open_run();
+    for (const auto& [s, addr, run] : {std::tuple{1, "127.0.0.1", kThisRun}, std::tuple{2, "127.0.0.2", kThisRun},
+                                       std::tuple{3, "127.0.0.3", ahead}}) {
+      auto j = node(addr);
+      j.run = run;
+      j.epoch = run == kThisRun ? 7 : 40;
+      job.join(static_cast<SessionId>(s), j, T0);
+    }
+    REQUIRE(job.state() == Job::State::kRunning);  // (the third join fills the round)
+    CHECK(job.run() == kThisRun);  // before: the leftover's (newest by MS)
+    CHECK(job.epoch() == 8);
+  }
+  SECTION("a live rebuild of this run and one clock-ahead leftover: nothing dropped; the leftover is refused once the "
+          "rebuild is whole") {
+    Job job("job", false, "1500000000000-00000000000000cd");
+    job.open_run();
+    auto resume = [](const std::string& addr, const std::string& run, int rank) {
+      return resumed(node(addr, 3, 3), run, 4, rank, 3);
+    };
+    job.join(1, resume("127.0.0.1", kThisRun, 0), T0);
+    job.join(2, resume("127.0.0.2", kThisRun, 1), T0);
+    REQUIRE(job.run() == kThisRun);
+    auto out = job.join(9, resume("127.0.0.9", ahead, 0), T0);
+    CHECK(of_type(out, MsgType::kError).empty());  // before: Error to nodes 1 and 2, the rebuild dropped
+    CHECK(job.run() == kThisRun);
+    CHECK(job.tick(T0 + 100ms).empty());  // it waits while the rebuild does
+    job.join(3, resume("127.0.0.3", kThisRun, 2), T0 + 200ms);
+    out = job.tick(T0 + 300ms);
+    REQUIRE(of_type(out, MsgType::kError).size() == 1);
+    CHECK(of_type(out, MsgType::kError)[0].session == 9);
+    CHECK_THAT(decoded<proto::Error>(of_type(out, MsgType::kError)[0]).message, Catch::Contains("its run " + ahead));
+    CHECK(job.state() == Job::State::kRunning);
+    CHECK(job.run() == kThisRun);
+  }
 }

@@ -206,7 +206,10 @@ rdzv::TakeoverHost Agent::take_over(const rdzv::TakeoverSeed& seed) {
     embedded_server_ = std::move(takeover_server_);
     embedded_server_->take_over(plan_.run_id, seed);
   } catch (const std::exception& e) {
-    embedded_server_.reset();
+    // The server has accepted since the start: its aborted handlers still run on io_, so it
+    // is stopped now and freed after them, as on_stop_hosting does (review s39 L6).
+    embedded_server_->stop();
+    asio::post(io_, [server = std::shared_ptr<rdzv::Server>(std::move(embedded_server_))] {});
     notice(fmt::format("cannot take the rendezvous over: {}", e.what()));
     return {};
   }

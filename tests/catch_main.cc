@@ -9,6 +9,12 @@
 // agents' records of their jobs, launcher/job_record.h), made when the case starts and
 // removed when it ends: no case reads a record an agent of another case (or of an earlier
 // run of the binary) left, and no agent writes into the user's real $XDG_RUNTIME_DIR.
+// The console reporter's width: Catch2 2.13's printHeaderString indents a failing case's
+// name past its first ": ", and loops for ever when that indent reaches the width (80 by
+// default): a failure of such a case hung until ctest's timeout and showed no assertion
+// (review s39 T). Every binary's reporter is compiled here (the runner, and the reducer's
+// tests in the top CMakeLists.txt), before any other unit's include of catch.hpp.
+#define CATCH_CONFIG_CONSOLE_WIDTH 300
 #define CATCH_CONFIG_RUNNER
 #include <stdlib.h>
 

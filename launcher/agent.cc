@@ -630,7 +630,7 @@ void Agent::finish(int code) {
   // could): a rerun starts afresh, without a recall.
   if (record_written_ && client_ &&
       (client_->job_decided() || (embedded_server_ && !client_->why_no_takeover_of_self().empty())))
-    record_io_->remove();  // (done before the agent is gone: its destructor waits for it)
+    record_io_->remove();  // (for good; done before the agent is gone: its destructor waits 2 s for it)
   if (client_) client_->close();
   // The other nodes still hear the decision already queued for them.
   if (embedded_server_) embedded_server_->stop(/*flush=*/true);

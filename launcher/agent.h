@@ -217,8 +217,9 @@ class Agent {
   // of this job makes the link look for the job at the record's hosts first (recall
   // pending: no hosting until it found none). Written at each assignment or standby (the
   // link's job_hosts()), its time refreshed every keep-alive interval, removed when the
-  // job's end was heard from the rendezvous; those on record_io_'s thread. Its first write's
-  // failure is told at the next write or refresh.
+  // job's end was heard from the rendezvous (for good: no later write brings it back), or
+  // when its recall found it stale; those on record_io_'s thread. Its first write's failure
+  // is told at the next write or refresh.
   void load_job_record();
   void end_recall();
   void remember_job(int epoch, const std::string& run);

@@ -343,6 +343,7 @@ void Agent::start_rendezvous() {
            "etcd decides for it; protect them with etcd's own authentication (--rdzv_conf user=, cert=, https)");
   h.on_recall_ended = [this] {
     recall_pending_ = false;
+    if (record_io_ && recalled_) record_io_->discard(*recalled_);  // stale: this node starts afresh (review s39 M1)
     host_rendezvous();
     // Hosting now, it offers no takeover port (its Join's is 0); the takeover socket stays,
     // answering "alive, not hosting" (in this run, or none): the recall of another node of
@@ -374,7 +375,7 @@ void Agent::load_job_record() {
   recalled_ = record_dir_->read(plan_.run_id, record_node_, record_endpoint_, &why);
   if (!why.empty()) notice("warning: " + why);
   record_io_ = std::make_unique<JobRecordWriter>(JobRecordWriter::ops_of(record_dir_));
-  record_io_->sweep();  // what killed agents left (records a week old, temporary files of dead pids)
+  record_io_->sweep();  // what killed agents left: their temporary files (never a record, review s39 M1)
   if (recalled_ && !recalled_->hosts.empty()) {
     // The endpoint, where this node is to host and nothing listens: this node itself, which
     // hosts no run of the job now (a whole job rerun at once: review s38 M2).

@@ -6,9 +6,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <charconv>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <stdexcept>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -16,6 +22,7 @@
 
 #include "process/fd.h"
 #include "process/thread.h"
+#include "proto/text.h"
 
 namespace mg {
 
@@ -41,6 +48,27 @@ std::string printable_line(const std::string& text) {
   std::string out;
   for (unsigned char c : text.substr(0, 200)) out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
   return out;
+}
+
+// fsync of the record directory, "" or why not. EINVAL and ENOTSUP (some FUSE and network
+// file systems cannot sync a directory) are no failure: the file itself was synced (review
+// s39 L8).
+std::string sync_dir(int fd, const std::string& path) {
+  if (::fsync(fd) == 0 || errno == EINVAL || errno == ENOTSUP || errno == EOPNOTSUPP) return {};
+  return fmt::format("cannot sync the record directory {}: {}", path, errno_text());
+}
+
+// A whole number in [lo, hi] from `j`, read wide (review s39 L4: get<int>() of 4294996796
+// was 29500); throws std::runtime_error (caught as "not a record") otherwise.
+std::int64_t integer_in(const nlohmann::json& j, std::int64_t lo, std::int64_t hi, const char* what) {
+  if (!j.is_number_integer())
+    throw std::runtime_error(fmt::format("{} {} is not a whole number", what, proto::dump_json(j)));
+  const std::int64_t v = j.is_number_unsigned() && j.get<std::uint64_t>() > static_cast<std::uint64_t>(hi)
+                             ? hi + 1
+                             : j.get<std::int64_t>();
+  if (v < lo || v > hi)
+    throw std::runtime_error(fmt::format("{} {} outside {}..{}", what, proto::dump_json(j), lo, hi));
+  return v;
 }
 
 std::int64_t ms_of(const timespec& t) { return static_cast<std::int64_t>(t.tv_sec) * 1000 + t.tv_nsec / 1000000; }
@@ -104,11 +132,11 @@ std::shared_ptr<JobRecordDir> JobRecordDir::open(const std::string& dir, std::st
 std::string JobRecordDir::write(const JobRecord& r) const {
   nlohmann::json hosts = nlohmann::json::array();
   for (const auto& [h, p] : r.hosts) hosts.push_back({h, p});
+  // (dump_json: a string that is not UTF-8 never throws on the helper thread, review s39 L3.)
   const std::string text =
-      nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
-                     {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
-                     {"takeover_port", r.takeover_port}}
-          .dump() +
+      proto::dump_json(nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
+                                      {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
+                                      {"takeover_port", r.takeover_port}}) +
       "\n";
   const std::string name = job_record_name(r.job, r.node, r.endpoint);
   const std::string tmp = fmt::format("{}.{}.tmp", name, ::getpid());
@@ -127,8 +155,7 @@ std::string JobRecordDir::write(const JobRecord& r) const {
     return why;
   }
   // The rename itself reaches the disk (a record that a power loss took is no record).
-  if (::fsync(fd_.get()) != 0) return fmt::format("cannot sync the record directory {}: {}", path_, errno_text());
-  return {};
+  return sync_dir(fd_.get(), path_);
 }
 
 std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::string& node,
@@ -159,17 +186,12 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
       r.node = j.at("node").get<std::string>();
       r.endpoint = j.at("endpoint").get<std::string>();
       r.run = j.at("run").get<std::string>();
-      r.epoch = j.at("epoch").get<int>();
-      for (const auto& h : j.at("hosts")) {
-        const int port = h.at(1).get<int>();
-        if (port < 1 || port > 65535) {
-          bad = fmt::format("not a record (port {} outside 1..65535)", port);
-          break;
-        }
-        r.hosts.emplace_back(h.at(0).get<std::string>(), port);
-      }
-      r.takeover_port = j.value("takeover_port", 0);  // (absent from a record before it: none)
-    } catch (const nlohmann::json::exception& e) {
+      r.epoch = static_cast<int>(integer_in(j.at("epoch"), 0, INT_MAX, "epoch"));
+      for (const auto& h : j.at("hosts"))
+        r.hosts.emplace_back(h.at(0).get<std::string>(), static_cast<int>(integer_in(h.at(1), 1, 65535, "port")));
+      if (j.contains("takeover_port"))  // (absent from a record before it: none)
+        r.takeover_port = static_cast<int>(integer_in(j.at("takeover_port"), 0, 65535, "takeover_port"));
+    } catch (const std::exception& e) {  // (nlohmann's, and integer_in's)
       // (nlohmann quotes the file's bytes, control characters and newlines too.)
       bad = fmt::format("not a record ({})", printable_line(e.what()));
     }
@@ -189,10 +211,11 @@ bool JobRecordDir::touch(const std::string& job, const std::string& node, const 
 }
 
 void JobRecordDir::remove(const std::string& job, const std::string& node, const std::string& endpoint) const {
-  ::unlinkat(fd_.get(), job_record_name(job, node, endpoint).c_str(), 0);
+  // The removal reaches the disk too: a record back after a power loss costs a recall pass.
+  if (::unlinkat(fd_.get(), job_record_name(job, node, endpoint).c_str(), 0) == 0) sync_dir(fd_.get(), path_);
 }
 
-int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::seconds max_age,
+int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::seconds min_age,
                         const std::function<bool(pid_t)>& alive) const {
   const int again = ::openat(fd_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);  // closedir() closes it
   DIR* d = again < 0 ? nullptr : ::fdopendir(again);
@@ -200,35 +223,39 @@ int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::
     if (again >= 0) ::close(again);
     return 0;
   }
-  const std::int64_t oldest_ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>((now - max_age).time_since_epoch()).count();
-  std::vector<std::string> doomed;
+  const std::int64_t newest_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>((now - min_age).time_since_epoch()).count();
+  auto hex = [](std::string_view v) {
+    return std::all_of(v.begin(), v.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+  };
+  std::vector<std::pair<std::string, struct stat>> doomed;
   while (const dirent* e = ::readdir(d)) {
+    // job-<16 lowercase hex>.json.PID.tmp, as write() names it, and nothing else (review s39 M1, L2)
     const std::string_view n = e->d_name;
-    // job-<16 hex>.json, or that and .PID.tmp
     constexpr std::size_t kRecord = 4 + 16 + 5;
-    if (n.size() < kRecord || !n.starts_with("job-") || n.substr(20, 5) != ".json") continue;
-    bool gone = false;
-    if (n.size() == kRecord) {
-      gone = true;  // by its age, below
-    } else if (n.ends_with(".tmp") && n[kRecord] == '.') {
-      const std::string_view digits = n.substr(kRecord + 1, n.size() - kRecord - 5);
-      pid_t pid = 0;
-      const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
-      gone = ec == std::errc() && end == digits.data() + digits.size() && pid > 0 && !alive(pid);
-      if (!gone) continue;
-    } else {
+    if (n.size() <= kRecord + 5 || !n.starts_with("job-") || !hex(n.substr(4, 16)) || n.substr(20, 6) != ".json." ||
+        !n.ends_with(".tmp"))
       continue;
-    }
+    const std::string_view digits = n.substr(kRecord + 1, n.size() - kRecord - 5);
+    pid_t pid = 0;
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+    if (ec != std::errc() || end != digits.data() + digits.size() || pid <= 0 || digits[0] == '0' || alive(pid))
+      continue;
     struct stat st{};
-    if (::fstatat(fd_.get(), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid())
+    if (::fstatat(fd_.get(), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+        st.st_uid != ::geteuid() || ms_of(st.st_mtim) >= newest_ms)
       continue;
-    if (n.size() == kRecord && ms_of(st.st_mtim) >= oldest_ms) continue;
-    doomed.emplace_back(n);
+    doomed.emplace_back(n, st);
   }
   ::closedir(d);
   int removed = 0;
-  for (const auto& n : doomed) removed += ::unlinkat(fd_.get(), n.c_str(), 0) == 0;
+  for (const auto& [n, was] : doomed) {
+    struct stat st{};  // (still that file: not replaced or written since)
+    if (::fstatat(fd_.get(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_ino != was.st_ino ||
+        ms_of(st.st_mtim) != ms_of(was.st_mtim))
+      continue;
+    removed += ::unlinkat(fd_.get(), n.c_str(), 0) == 0;
+  }
   return removed;
 }
 
@@ -238,104 +265,146 @@ JobRecordWriter::Ops JobRecordWriter::ops_of(std::shared_ptr<const JobRecordDir>
   ops.touch = [dir](const JobRecord& r) { dir->touch(r.job, r.node, r.endpoint); };
   ops.remove = [dir](const JobRecord& r) { dir->remove(r.job, r.node, r.endpoint); };
   ops.sweep = [dir] {
-    dir->sweep(std::chrono::system_clock::now(), kJobRecordMaxAge,
+    dir->sweep(std::chrono::system_clock::now(), kJobRecordTmpMinAge,
                [](pid_t pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; });
   };
   return ops;
 }
 
-JobRecordWriter::JobRecordWriter(Ops ops) : ops_(std::move(ops)) {
-  thread_ = signal_free_thread([this] { loop(); });
+// The writer's state, shared with its thread: a thread left detached by the destructor
+// (a hung NFS server) keeps it alive.
+struct JobRecordWriter::State {
+  explicit State(Ops o) : ops(std::move(o)) {}
+  Ops ops;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<JobRecord> pending_write;
+  std::optional<JobRecord> last;  // the key of touch() and remove()
+  bool pending_touch = false, pending_remove = false, pending_sweep = false, busy = false, stop = false;
+  bool ended = false;     // remove() was asked: the job ended, nothing is written after it
+  bool finished = false;  // the thread returned
+  std::string error;
+  bool idle() const { return !busy && !pending_write && !pending_touch && !pending_remove && !pending_sweep; }
+};
+
+JobRecordWriter::JobRecordWriter(Ops ops, std::chrono::milliseconds wait)
+    : st_(std::make_shared<State>(std::move(ops))), wait_(wait) {
+  thread_ = signal_free_thread([st = st_] { loop(st); });
 }
 
 JobRecordWriter::~JobRecordWriter() {
-  {
-    std::lock_guard lock(mu_);
-    stop_ = true;
+  std::unique_lock lock(st_->mu);
+  st_->stop = true;
+  st_->cv.notify_all();
+  if (st_->cv.wait_for(lock, wait_, [this] { return st_->finished; })) {
+    lock.unlock();
+    thread_.join();
+    return;
   }
-  cv_.notify_all();
-  thread_.join();
+  const bool busy = st_->busy;
+  lock.unlock();
+  thread_.detach();  // (it holds the state; the process's exit ends it)
+  std::fprintf(stderr, "[mglaunch] warning: this node's job record is still being %s after %.1f s (a hung file "
+               "system?): going on without waiting for it\n",
+               busy ? "written" : "queued", static_cast<double>(wait_.count()) / 1000.0);
 }
 
 void JobRecordWriter::write(JobRecord r) {
   {
-    std::lock_guard lock(mu_);
-    last_ = r;
-    pending_write_ = std::move(r);  // the one that waited, if any, is outdated
-    pending_touch_ = pending_remove_ = false;
+    std::lock_guard lock(st_->mu);
+    if (st_->ended) return;  // the job ended: a late write must not bring its record back
+    st_->last = r;
+    st_->pending_write = std::move(r);  // the one that waited, if any, is outdated
+    st_->pending_touch = st_->pending_remove = false;
   }
-  cv_.notify_all();
+  st_->cv.notify_all();
 }
 
 void JobRecordWriter::touch() {
   {
-    std::lock_guard lock(mu_);
-    if (!last_ || pending_write_ || pending_remove_) return;
-    pending_touch_ = true;
+    std::lock_guard lock(st_->mu);
+    if (st_->ended || !st_->last || st_->pending_write || st_->pending_remove) return;
+    st_->pending_touch = true;
   }
-  cv_.notify_all();
+  st_->cv.notify_all();
 }
 
 void JobRecordWriter::remove() {
   {
-    std::lock_guard lock(mu_);
-    if (!last_) return;
-    pending_write_.reset();
-    pending_touch_ = false;
-    pending_remove_ = true;
+    std::lock_guard lock(st_->mu);
+    st_->ended = true;
+    if (!st_->last) return;
+    st_->pending_write.reset();
+    st_->pending_touch = false;
+    st_->pending_remove = true;
   }
-  cv_.notify_all();
+  st_->cv.notify_all();
+}
+
+void JobRecordWriter::discard(JobRecord key) {
+  {
+    std::lock_guard lock(st_->mu);
+    if (st_->ended || st_->last) return;  // (a write since replaced the file)
+    st_->last = std::move(key);
+    st_->pending_remove = true;
+  }
+  st_->cv.notify_all();
 }
 
 void JobRecordWriter::sweep() {
   {
-    std::lock_guard lock(mu_);
-    pending_sweep_ = true;
+    std::lock_guard lock(st_->mu);
+    st_->pending_sweep = true;
   }
-  cv_.notify_all();
+  st_->cv.notify_all();
 }
 
 void JobRecordWriter::drain() {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [this] { return !busy_ && !pending_write_ && !pending_touch_ && !pending_remove_ && !pending_sweep_; });
+  std::unique_lock lock(st_->mu);
+  st_->cv.wait(lock, [this] { return st_->idle(); });
 }
 
 std::string JobRecordWriter::take_error() {
-  std::lock_guard lock(mu_);
-  return std::exchange(error_, {});
+  std::lock_guard lock(st_->mu);
+  return std::exchange(st_->error, {});
 }
 
-void JobRecordWriter::loop() {
-  std::unique_lock lock(mu_);
+void JobRecordWriter::loop(const std::shared_ptr<State>& st) {
+  std::unique_lock lock(st->mu);
   for (;;) {
-    cv_.wait(lock, [this] { return stop_ || pending_write_ || pending_touch_ || pending_remove_ || pending_sweep_; });
-    if (!pending_write_ && !pending_touch_ && !pending_remove_ && !pending_sweep_) return;  // stopped, all done
+    st->cv.wait(lock, [&] { return st->stop || !st->idle(); });
+    if (st->idle()) break;  // stopped, all done
     // One operation at a time, in the order they matter: the start's sweep, then the record.
-    std::function<void()> op;
-    if (std::exchange(pending_sweep_, false)) {
-      op = [this] { ops_.sweep(); };
-    } else if (pending_remove_) {
-      pending_remove_ = false;
-      op = [this, r = *last_] { ops_.remove(r); };
-    } else if (pending_write_) {
-      op = [this, r = std::move(*pending_write_)] {
-        std::string why = ops_.write(r);
-        if (why.empty()) return;
-        std::lock_guard relock(mu_);
-        if (error_.empty()) error_ = std::move(why);
-      };
-      pending_write_.reset();
+    std::function<std::string()> op;
+    if (std::exchange(st->pending_sweep, false)) {
+      op = [&ops = st->ops] { return ops.sweep(), std::string(); };
+    } else if (st->pending_remove) {
+      st->pending_remove = false;
+      op = [&ops = st->ops, r = *st->last] { return ops.remove(r), std::string(); };
+    } else if (st->pending_write) {
+      op = [&ops = st->ops, r = std::move(*st->pending_write)] { return ops.write(r); };
+      st->pending_write.reset();
     } else {
-      pending_touch_ = false;
-      op = [this, r = *last_] { ops_.touch(r); };
+      st->pending_touch = false;
+      op = [&ops = st->ops, r = *st->last] { return ops.touch(r), std::string(); };
     }
-    busy_ = true;
+    st->busy = true;
     lock.unlock();
-    op();
+    std::string why;
+    try {  // (nothing escapes the thread: review s39 L3)
+      why = op();
+    } catch (const std::exception& e) {
+      why = fmt::format("the record's helper thread: {}", printable_line(e.what()));
+    } catch (...) {
+      why = "the record's helper thread: an unknown exception";
+    }
     lock.lock();
-    busy_ = false;
-    cv_.notify_all();
+    if (!why.empty() && st->error.empty()) st->error = std::move(why);
+    st->busy = false;
+    st->cv.notify_all();
   }
+  st->finished = true;
+  st->cv.notify_all();
 }
 
 }  // namespace mg

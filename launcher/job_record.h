@@ -19,11 +19,9 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -87,10 +85,13 @@ class JobRecordDir {
   // Sets the record's modification time to now (the agent is still in the job). False: none.
   bool touch(const std::string& job, const std::string& node, const std::string& endpoint) const;
   void remove(const std::string& job, const std::string& node, const std::string& endpoint) const;
-  // Removes what killed agents left (review s38 L2): this user's records (job-HASH.json)
-  // last written before `now - max_age`, and temporary files (job-HASH.json.PID.tmp) of
-  // pids `alive` says are gone. How many were removed.
-  int sweep(std::chrono::system_clock::time_point now, std::chrono::seconds max_age,
+  // Removes what killed agents left (review s38 L2): the temporary files of this writer's
+  // own name (job-<16 hex digits>.json.PID.tmp, this user's regular files) of pids `alive`
+  // says are gone and last written before `now - min_age` (a pid of another pid namespace,
+  // on a directory shared by pods or hosts, may still write it: review s39 L1). Never a
+  // record: no record is removed for its age (a job taken over may run on for days,
+  // docs/multinode.md; review s39 M1). How many were removed.
+  int sweep(std::chrono::system_clock::time_point now, std::chrono::seconds min_age,
             const std::function<bool(pid_t)>& alive) const;
 
  private:
@@ -99,14 +100,21 @@ class JobRecordDir {
   std::string path_;
 };
 
-// How long a record nobody touched is kept before a starting agent sweeps it.
-inline constexpr std::chrono::seconds kJobRecordMaxAge = std::chrono::hours(24 * 7);
+// How old a dead writer's temporary file must be before a starting agent sweeps it.
+inline constexpr std::chrono::seconds kJobRecordTmpMinAge = std::chrono::hours(1);
 
 // The agent's record I/O on a helper thread of its own (review s38 L2): a write's fsync, a
 // touch's utimensat, the removal and the start's sweep, in the order asked, so a hung NFS or
-// a busy disk never delays the io thread (its heartbeats). The queue is bounded: a write
-// asked while another waits replaces it (only the newest record matters); a touch while a
-// write waits is that write's; a removal drops what waits before it.
+// a busy disk never delays the io thread (its heartbeats). The thread starts with the
+// writer (docs/design.md, "Threads on demand"). The queue is bounded: a write asked while
+// another waits replaces it (only the newest record matters); a touch while a write waits
+// is that write's; a removal drops what waits before it. remove() is final: the job ended,
+// and a write or touch asked after it is dropped, so no late write brings the record back
+// (review s39 L7); discard() removes a stale record the agent recalled, and the job's own
+// records follow it. An exception of an operation is caught and kept as its error (review
+// s39 L3). The destructor waits at most `wait` for what is queued, then leaves the thread
+// detached (its state shared with it) and says so on stderr (a hung NFS server must not
+// keep the agent from exiting: review s39 L5).
 class JobRecordWriter {
  public:
   struct Ops {  // what the thread does (JobRecordDir's; a test's own to hold it)
@@ -115,27 +123,24 @@ class JobRecordWriter {
     std::function<void()> sweep;
   };
   static Ops ops_of(std::shared_ptr<const JobRecordDir> dir);
-  explicit JobRecordWriter(Ops ops);
-  ~JobRecordWriter();  // finishes what waits, then joins
+  explicit JobRecordWriter(Ops ops, std::chrono::milliseconds wait = std::chrono::seconds(2));
+  ~JobRecordWriter();  // finishes what waits (at most `wait`), then joins or detaches
   JobRecordWriter(const JobRecordWriter&) = delete;
   JobRecordWriter& operator=(const JobRecordWriter&) = delete;
 
   void write(JobRecord r);
   void touch();   // the last record written
-  void remove();  // the last record written
+  void remove();  // the last record written, for good: later writes and touches are dropped
+  void discard(JobRecord key);  // that record (a stale one recalled), before any write
   void sweep();
   void drain();   // returns once nothing waits or runs
-  std::string take_error();  // the first write's failure not yet taken; "" when none
+  std::string take_error();  // the first failure not yet taken; "" when none
 
  private:
-  void loop();
-  Ops ops_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::optional<JobRecord> pending_write_;
-  std::optional<JobRecord> last_;  // the key of touch() and remove()
-  bool pending_touch_ = false, pending_remove_ = false, pending_sweep_ = false, busy_ = false, stop_ = false;
-  std::string error_;
+  struct State;
+  static void loop(const std::shared_ptr<State>& st);
+  std::shared_ptr<State> st_;
+  std::chrono::milliseconds wait_;
   std::thread thread_;
 };
 

@@ -10,9 +10,15 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <mutex>
+#include <stdexcept>
+#include <tuple>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "launcher/job_record.h"
+#include "support/net.h"
 #include "support/proc.h"
 
 using namespace mg;
@@ -20,9 +26,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Ports picked at run time (never a well-known one), though nothing here opens a socket.
-const int kPort = mgtest::free_loopback_port();
+// Ports picked at run time (never a well-known one, each a real port: no kPort + 2 past
+// 65535 under the bind(0) fallback, review s39 L13), though nothing here opens a socket.
+const int kPort = mgtest::free_loopback_port(), kPort2 = mgtest::free_loopback_port(),
+          kPort3 = mgtest::free_loopback_port();
 const std::string kEndpoint = "c10d localhost:" + std::to_string(kPort);
+const std::string kOtherEndpoint = "c10d localhost:" + std::to_string(kPort2);
 
 JobRecord sample(const std::string& job = "job7", const std::string& node = "127.0.0.2@hostA") {
   JobRecord r;
@@ -31,7 +40,7 @@ JobRecord sample(const std::string& job = "job7", const std::string& node = "127
   r.endpoint = kEndpoint;
   r.run = "1764500000000-0123456789abcdef";
   r.epoch = 131075;
-  r.hosts = {{"127.0.0.2", kPort}, {"127.0.0.3", kPort + 1}, {"127.0.0.4", kPort + 2}};
+  r.hosts = {{"127.0.0.2", kPort}, {"127.0.0.3", kPort2}, {"127.0.0.4", kPort3}};
   return r;
 }
 
@@ -82,15 +91,15 @@ TEST_CASE("a record is written whole (0600, in a directory made 0700) and read b
   CHECK(!d->read("job8", "127.0.0.2@hostA", kEndpoint, &why));
   // The same job id and node at another endpoint or backend (two jobs of the default id
   // "none" on one machine, review M1): another file, never this one.
-  CHECK(job_record_path(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600") != path);
-  CHECK(!d->read("job7", "127.0.0.2@hostA", "c10d localhost:29600", &why));
+  CHECK(job_record_path(dir, "job7", "127.0.0.2@hostA", kOtherEndpoint) != path);
+  CHECK(!d->read("job7", "127.0.0.2@hostA", kOtherEndpoint, &why));
   CHECK(!d->read("job7", "127.0.0.2@hostA", "static localhost:" + std::to_string(kPort), &why));
   CHECK(r->endpoint == kEndpoint);
   CHECK(why.empty());
   // A record of another endpoint found at this one's file (the hash's collision): none.
-  const std::string other = job_record_path(dir, "job7", "127.0.0.2@hostA", "c10d localhost:29600");
+  const std::string other = job_record_path(dir, "job7", "127.0.0.2@hostA", kOtherEndpoint);
   REQUIRE(::link(path.c_str(), other.c_str()) == 0);
-  CHECK(!d->read("job7", "127.0.0.2@hostA", "c10d localhost:29600", &why));
+  CHECK(!d->read("job7", "127.0.0.2@hostA", kOtherEndpoint, &why));
   CHECK(why.empty());
   ::unlink(other.c_str());
   // Written again (the next round): the newer one.
@@ -202,33 +211,75 @@ TEST_CASE("a record with raw bytes or a port outside 1..65535 is ignored with on
     CHECK(!d->read("job7", "n", kEndpoint, &why));
     CHECK_THAT(why, Catch::Contains("port " + std::to_string(port) + " outside 1..65535"));
   }
+  // Numbers that an int would narrow (4294996796 was read as 29500) or that are no whole
+  // number: refused, never taken as a port or an epoch (review s39 L4).
+  const std::string head = fmt::format(R"({{"job":"job7","node":"n","endpoint":"{}","run":"r",)", kEndpoint);
+  for (const auto& [hosts, epoch, what] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {R"([["127.0.0.2",4294996796]])", "1", "port 4294996796 outside 1..65535"},
+           {R"([["127.0.0.2",18446744073709551615]])", "1", "outside 1..65535"},
+           {R"([["127.0.0.2",1e10]])", "1", "not a whole number"},
+           {R"([["127.0.0.2",29500.5]])", "1", "not a whole number"},
+           {R"([["127.0.0.2",29500]])", "4294967297", "epoch 4294967297 outside"}}) {
+    put(head + R"("epoch":)" + epoch + R"(,"hosts":)" + hosts + "}\n");
+    why.clear();
+    CHECK(!d->read("job7", "n", kEndpoint, &why));
+    CHECK_THAT(why, Catch::Contains("not a record") && Catch::Contains(what));
+  }
+  put(head + R"("epoch":1,"hosts":[["127.0.0.2",29500]]})" "\n");  // (the same, in range: read)
+  REQUIRE(d->read("job7", "n", kEndpoint, &why));
+  CHECK(d->read("job7", "n", kEndpoint, &why)->hosts.at(0).second == 29500);
 }
 
-TEST_CASE("the sweep removes this user's records older than its bound and temporary files of dead pids, nothing "
-          "else") {
+TEST_CASE("a record of text that is not UTF-8 is written (its bad bytes replaced), never thrown on") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  JobRecord r = sample("job7", "n");
+  r.run = "run-\xff\xfe";
+  CHECK(d->write(r) == "");  // (nlohmann's dump() threw type_error.316 here, review s39 L3)
+  const auto back = d->read("job7", "n", kEndpoint, &why);
+  REQUIRE(back);
+  CHECK(back->run == "run-\xef\xbf\xbd\xef\xbf\xbd");
+}
+
+TEST_CASE("the sweep removes only this writer's temporary files of dead pids an hour old: never a record, however "
+          "old, nor a file of another name") {
   std::string dir, why;
   const auto d = open_fresh(dir);
   const auto now = std::chrono::system_clock::now();
   auto put = [&](const std::string& name, std::chrono::hours age) {
     const std::string p = dir + "/" + name;
     std::ofstream(p) << "{}";
+    ::chmod(p.c_str(), 0600);
     const auto t = std::chrono::duration_cast<std::chrono::seconds>((now - age).time_since_epoch()).count();
     const timespec times[2] = {{t, 0}, {t, 0}};
     REQUIRE(::utimensat(AT_FDCWD, p.c_str(), times, 0) == 0);
   };
-  const std::string old_one = job_record_name("old", "n", kEndpoint), fresh = job_record_name("fresh", "n", kEndpoint);
-  put(old_one, std::chrono::hours(24 * 8));
-  put(fresh, std::chrono::hours(24 * 6));
-  put(fresh + ".4000001.tmp", std::chrono::hours(0));   // a dead pid's
-  put(fresh + ".4000002.tmp", std::chrono::hours(0));   // a live one's (writing now)
+  const std::string rec = job_record_name("old", "n", kEndpoint);
+  REQUIRE(d->write(sample("old", "n")) == "");
+  const std::string rec_path = dir + "/" + job_record_name("old", "n", kEndpoint);
+  const auto t = std::chrono::duration_cast<std::chrono::seconds>((now - std::chrono::hours(24 * 30)).time_since_epoch()).count();
+  const timespec month_ago[2] = {{t, 0}, {t, 0}};
+  REQUIRE(::utimensat(AT_FDCWD, rec_path.c_str(), month_ago, 0) == 0);
+  REQUIRE(d->read("old", "n", kEndpoint, &why));  // (the file an agent just read: a month old)
+  const std::string upper = "job-0123456789ABCDEF.json";  // capitals: not a name write() makes
+  put(rec + ".4000001.tmp", std::chrono::hours(2));     // a dead pid's, two hours old: removed
+  put(rec + ".4000003.tmp", std::chrono::hours(0));     // a dead pid's now (another pid namespace's?)
+  put(rec + ".4000002.tmp", std::chrono::hours(2));     // a live one's
   put("notes.txt", std::chrono::hours(24 * 30));         // not a record: never touched
-  put(old_one + ".x.tmp", std::chrono::hours(24 * 30));  // no pid
-  const int removed = d->sweep(now, kJobRecordMaxAge, [](pid_t pid) { return pid == 4000002; });
-  CHECK(removed == 2);
-  CHECK(!fs::exists(dir + "/" + old_one));
-  CHECK(!fs::exists(dir + "/" + fresh + ".4000001.tmp"));
-  for (const auto& kept : {fresh, fresh + ".4000002.tmp", std::string("notes.txt"), old_one + ".x.tmp"})
+  put("job-llama70b_run_042.json", std::chrono::hours(24 * 30));      // a user's file of the shape
+  put("job-llama70b_run_042.json.4000001.tmp", std::chrono::hours(24 * 30));
+  put(upper + ".4000001.tmp", std::chrono::hours(24 * 30));
+  put(rec + ".x.tmp", std::chrono::hours(24 * 30));       // no pid
+  put(rec + ".04000001.tmp", std::chrono::hours(24 * 30));  // not a pid as write() prints it
+  const int removed = d->sweep(now, kJobRecordTmpMinAge, [](pid_t pid) { return pid == 4000002; });
+  CHECK(removed == 1);
+  CHECK(!fs::exists(dir + "/" + rec + ".4000001.tmp"));
+  for (const auto& kept : {rec, rec + ".4000003.tmp", rec + ".4000002.tmp", std::string("notes.txt"),
+                           std::string("job-llama70b_run_042.json"), std::string("job-llama70b_run_042.json.4000001.tmp"),
+                           upper + ".4000001.tmp", rec + ".x.tmp", rec + ".04000001.tmp"})
     CHECK(fs::exists(dir + "/" + kept));
+  // The month-old record is still the agent's (docs/multinode.md: none is ignored for its age).
+  CHECK(d->read("old", "n", kEndpoint, &why));
 }
 
 TEST_CASE("the record's writes run on a helper thread: the caller never waits for the disk, and of the writes "
@@ -274,4 +325,125 @@ TEST_CASE("the record's writes run on a helper thread: the caller never waits fo
   w.remove();
   w.drain();
   CHECK(after == std::vector<std::string>{"touch", "remove"});
+}
+
+namespace {
+
+// Ops that log what the thread did, in order.
+struct LoggedOps {
+  std::mutex mu;
+  std::vector<std::string> log;
+  void add(std::string what) {
+    std::lock_guard lock(mu);
+    log.push_back(std::move(what));
+  }
+  std::vector<std::string> taken() {
+    std::lock_guard lock(mu);
+    return log;
+  }
+  JobRecordWriter::Ops ops() {
+    JobRecordWriter::Ops o;
+    o.write = [this](const JobRecord& r) { return add("write " + std::to_string(r.epoch)), std::string(); };
+    o.touch = [this](const JobRecord&) { add("touch"); };
+    o.remove = [this](const JobRecord& r) { add("remove " + r.job); };
+    o.sweep = [this] { add("sweep"); };
+    return o;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the record's removal at the job's end is final: a write or touch asked after it brings nothing back") {
+  LoggedOps logged;
+  JobRecordWriter w(logged.ops());
+  JobRecord r = sample();
+  r.epoch = 1;
+  w.write(r);
+  w.drain();
+  w.remove();  // the job ended
+  r.epoch = 2;
+  w.write(r);  // (a late remember_job: review s39 L7)
+  w.touch();
+  w.drain();
+  CHECK(logged.taken() == std::vector<std::string>{"write 1", "remove job7"});
+}
+
+TEST_CASE("a stale record recalled is discarded, and the job's own records follow it") {
+  LoggedOps logged;
+  JobRecordWriter w(logged.ops());
+  w.discard(sample("stale"));
+  w.drain();
+  JobRecord r = sample();
+  r.epoch = 5;
+  w.write(r);
+  w.drain();
+  w.discard(sample("stale"));  // (after a write: nothing, the file was written anew)
+  w.drain();
+  CHECK(logged.taken() == std::vector<std::string>{"remove stale", "write 5"});
+}
+
+TEST_CASE("an exception on the record's helper thread is kept as its error, and the thread goes on") {
+  LoggedOps logged;
+  JobRecordWriter::Ops ops = logged.ops();
+  ops.write = [&](const JobRecord& r) -> std::string {
+    if (r.epoch == 1) throw std::runtime_error("bad\nbytes");
+    logged.add("write " + std::to_string(r.epoch));
+    return {};
+  };
+  JobRecordWriter w(ops);
+  JobRecord r = sample();
+  r.epoch = 1;
+  w.write(r);
+  w.drain();
+  CHECK(w.take_error() == "the record's helper thread: bad?bytes");
+  r.epoch = 2;
+  w.write(r);
+  w.drain();
+  CHECK(logged.taken() == std::vector<std::string>{"write 2"});
+}
+
+TEST_CASE("the writer's destructor waits a bounded time for a hung write, then goes on") {
+  using namespace std::chrono_literals;
+  std::promise<void> entered, release;
+  std::shared_future<void> go = release.get_future().share();
+  JobRecordWriter::Ops ops;
+  ops.write = [&entered, go](const JobRecord&) {
+    entered.set_value();
+    go.wait();  // a hung NFS server, until the test releases it
+    return std::string();
+  };
+  ops.touch = ops.remove = [](const JobRecord&) {};
+  ops.sweep = [] {};
+  auto w = std::make_unique<JobRecordWriter>(ops, 50ms);
+  w->write(sample());
+  entered.get_future().wait();
+  auto gone = std::async(std::launch::async, [&w] { w.reset(); });
+  const bool returned = gone.wait_for(60s) == std::future_status::ready;  // (a bound on a hang, no timing)
+  release.set_value();  // the detached thread ends now
+  gone.wait();
+  CHECK(returned);
+}
+
+TEST_CASE("the tests' port-lock directory is used only when it is this user's alone and no link") {
+  const std::string root = mgtest::make_temp_dir();
+  auto usable = [](const std::string& path) {
+    const int fd = mgtest::port_lock_dir_at(path);
+    if (fd >= 0) ::close(fd);
+    return fd >= 0;
+  };
+  CHECK(usable(root + "/made"));  // made 0700 when missing
+  const std::string open_dir = root + "/open", link = root + "/link";
+  REQUIRE(::mkdir(open_dir.c_str(), 0700) == 0);
+  ::chmod(open_dir.c_str(), 0777);  // anyone could flock every port, or plant a link
+  CHECK(!usable(open_dir));
+  ::chmod(open_dir.c_str(), 0755);
+  CHECK(usable(open_dir));
+  REQUIRE(::symlink((root + "/made").c_str(), link.c_str()) == 0);
+  CHECK(!usable(link));
+  const std::string file = root + "/file";
+  std::ofstream(file) << "x";
+  CHECK(!usable(file));
+  if (::geteuid() != 0) CHECK(!usable("/"));  // another user's (root's)
+  // And a port is still had, never 0.
+  CHECK(mgtest::free_loopback_port() > 0);
 }

@@ -19,10 +19,17 @@ namespace mgtest {
 // hand it out. A port that does not bind now is passed over. Before, a port from the
 // ephemeral range was taken by the parallel tests' own sockets between the pick and the
 // child's bind (#34: an mgtrain fence case's EADDRINUSE, an agent's exit 2 in 0.05 s).
-// The old pick (the kernel's bind(0)) where that range leaves nothing or the lock directory
-// cannot be made; 0 when no port could be had.
+// The lock directory is used only when it is a directory of this user that no one else can
+// write, never through a link (else $TMPDIR/mgtest-ports-UID, else one of this process's
+// own). The old pick (the kernel's bind(0)) where that range leaves nothing, no lock
+// directory can be had, or no reserved port is free; 0 only when bind(0) fails too.
 inline constexpr int kTestPortLo = 10000, kTestPortHi = 19999;
 int free_port_on(const std::string& host);
+// The lock directory at `path` as free_port_on() checks it: made 0700 when missing, opened
+// without following a link, a directory of this user that no one else can write (review s39
+// L10: another user's /tmp/mgtest-ports-UID, made first, must neither starve nor steer the
+// tests); its descriptor (close-on-exec), or -1.
+int port_lock_dir_at(const std::string& path);
 
 // Leaves this process no free descriptor, from construction until restore() or the
 // destructor: the soft RLIMIT_NOFILE becomes the lowest free descriptor, so the next

@@ -1,4 +1,5 @@
 #include "support/slurm_cluster.h"
+#include "support/net.h"
 #include "support/skip.h"
 
 #include <fcntl.h>
@@ -37,25 +38,13 @@ std::string find_on_path(const std::string& name) {
   return {};
 }
 
-// A port that was free a moment ago, below the kernel's ephemeral range (32768+ by
-// default) so that no outgoing connection takes it before the daemon binds it.
+// A port for a Slurm daemon (it binds every address): from the tests' reserved range, free on
+// every address and held for the life of this process (support/net.h), so neither a test
+// beside this one nor an agent's master port (20000 and up) takes it (review s39 L11).
 int free_port(std::set<int>& taken) {
-  static std::mt19937 rng(std::random_device{}());
-  for (int attempt = 0; attempt < 1000; ++attempt) {
-    const int port = 20000 + static_cast<int>(rng() % 12000);
-    if (taken.count(port)) continue;
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) break;
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    ::close(fd);
-    if (ok) {
-      taken.insert(port);
-      return port;
-    }
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int port = mgtest::free_port_on("0.0.0.0");
+    if (port > 0 && taken.insert(port).second) return port;
   }
   throw std::runtime_error("cannot find a free port");
 }

@@ -734,9 +734,9 @@ void ClientMachine::host_lost(const std::string& why, Clock::time_point now, boo
 void ClientMachine::next_candidate(const std::string& why_previous, Clock::time_point now) {
   Takeover& t = *takeover_;
   if (t.rejoining) {
-    t.pass_unsure = t.pass_unsure || !(t.answered || t.refused);
+    t.pass_unsure = t.pass_unsure || !t.positive;
     if (t.fresh) t.other_host.clear();  // not joined there either: not tried again unless it answers again
-    t.answered = t.fresh = false;
+    t.positive = t.fresh = false;
     drop_connection();
     cancel(ClientTimer::kTakeover);
     return next_rejoin_target(now);

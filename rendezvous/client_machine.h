@@ -379,13 +379,17 @@ class ClientMachine {
     // started again there and hosts a fresh run) is passed over, as the recall does: joined
     // with this node's run and epoch, it would refuse the node (Job::join_of_other_run),
     // while the node's run may go on at a next target (review s38-late M1). The last such
-    // server is remembered: when a whole pass of the targets found this node's run nowhere
-    // (each refused or named another run, none silent) or at rejoin_deadline, this node joins
-    // it as a fresh newcomer (join_fresh()) instead of ending.
+    // server is remembered: when a whole pass of the targets gave a proven answer that none
+    // hosts this node's run (each a Welcome of another run or of none, or a takeover socket's
+    // proven NotHosting of another run or of none: the recall's rule), this node joins it as
+    // a fresh newcomer (join_fresh()). A refused connect (a REJECT firewall refuses too), a
+    // silent target, a failed handshake or a NotHosting of this node's own run (a live node
+    // of the run: it goes on elsewhere) proves nothing: the node keeps trying, and at
+    // rejoin_deadline it ends (review s39 H1: a fresh join then forked the job).
     std::string other_host;
     int other_port = 0;
-    bool answered = false;     // the target tried now refused, or named another run
-    bool pass_unsure = false;  // a target of this pass did neither (silent, or failed otherwise)
+    bool positive = false;     // the target tried now gave such a proven answer
+    bool pass_unsure = false;  // a target of this pass did not
     bool fresh = false;        // the server tried now is joined as a fresh newcomer
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over

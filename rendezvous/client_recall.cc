@@ -145,6 +145,16 @@ void ClientMachine::not_hosting(const proto::Frame& f, Clock::time_point now) {
   if (takeover_ && !takeover_->asking && !takeover_->rejoining && proven && n.job_id == opts_.join.job_id &&
       !n.run.empty() && !opts_.join.run.empty() && n.run != opts_.join.run)
     return next_candidate(fmt::format("alive, a node of another run ({})", n.run), now);
+  // Waiting to rejoin, a proven "not hosting" of another run or none is a positive answer
+  // that this node's run is not there (the pass's proof for a fresh join, review s39 H1).
+  // One of this node's own run is not: that node lives, the run may go on elsewhere.
+  if (takeover_ && takeover_->rejoining && proven && n.run != opts_.join.run) {
+    takeover_->positive = true;
+    return next_candidate(n.job_id != opts_.join.job_id ? fmt::format("alive, an agent of another job ('{}')", n.job_id)
+                          : n.run.empty()               ? std::string("alive, not hosting, in no run yet")
+                                                        : fmt::format("alive, not hosting, in another run ({})", n.run),
+                          now);
+  }
   // Anywhere else it is what a takeover socket said before it listened (a refused connect):
   // alive, and not hosting yet (a candidate that has not noticed the loss is waited for).
   drop_connection();

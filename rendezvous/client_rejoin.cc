@@ -23,10 +23,13 @@ void ClientMachine::next_rejoin_target(Clock::time_point now) {
   for (const auto& h : job_hosts_)  // the endpoint (its host only cut off may host on), hosts lost since
     if (std::find(targets.begin(), targets.end(), h) == targets.end()) targets.push_back(h);
   const bool pass_done = t.turn > 0 && t.turn % targets.size() == 0;
-  // This node's run is hosted at none of its targets (each refused or serves another run), or
-  // it was not found within join_timeout: the job goes on as the run found (its agent was
-  // started again at the endpoint, and nobody took this one over), joined afresh.
-  if (!t.other_host.empty() && (now >= t.rejoin_deadline || (pass_done && !t.pass_unsure))) return try_fresh(now);
+  // Every target of the last full pass proved that it hosts no round of this node's run (a
+  // Welcome of another run or none, a proven NotHosting of another run or none): the job goes
+  // on as the run found (its agent was started again at the endpoint, and nobody took this
+  // one over), joined afresh. Refusals and silence prove nothing (a REJECT firewall, a
+  // partition: the run may go on beyond it), nor does a node of this run that hosts nothing:
+  // the node keeps trying, and ends at the deadline, never joining afresh (review s39 H1).
+  if (!t.other_host.empty() && pass_done && !t.pass_unsure) return try_fresh(now);
   if (pass_done) t.pass_unsure = false;
   if (now >= t.rejoin_deadline) {
     std::string reason = t.lost + "; no survivor could take over";
@@ -43,7 +46,7 @@ void ClientMachine::next_rejoin_target(Clock::time_point now) {
 void ClientMachine::try_fresh(Clock::time_point now) {
   Takeover& t = *takeover_;
   t.fresh = true;
-  t.pass_unsure = t.answered = t.refused = false;
+  t.pass_unsure = t.positive = t.refused = false;
   opts_.host = t.other_host;
   opts_.port = t.other_port;
   // One keep-alive interval, past the rejoin deadline too: a server that answered a moment ago.
@@ -64,7 +67,7 @@ bool ClientMachine::takeover_welcomed(const proto::Welcome& w, Clock::time_point
   }
   // An agent's server of another run (or of none yet: its own join, which mints one, is yet
   // to come) would refuse this node's join of its run and end it (Job::join_of_other_run).
-  t.answered = true;
+  t.positive = true;
   if (!w.run.empty()) {
     t.other_host = opts_.host;
     t.other_port = opts_.port;
@@ -90,6 +93,17 @@ void ClientMachine::join_fresh(Clock::time_point now) {
   restarts_seen_ = 0;
   standby_ = false;  // a standby of the old run joins as a plain newcomer
   standby_of_.reset();
+  // Nothing of the old run's rounds is kept (review s39 L2): a loss of the new server before
+  // its first assignment never takes over, nor names survivors of, the old run's round, and
+  // heartbeats carry no round of it. Its former hosts are not the new run's: the endpoint
+  // (first) and the new server remain.
+  last_.reset();
+  current_.reset();
+  pending_.reset();
+  round_ = 0;
+  const auto endpoint = job_hosts_.front();
+  job_hosts_.assign({endpoint});
+  if (std::pair{opts_.host, opts_.port} != endpoint) job_hosts_.emplace_back(opts_.host, opts_.port);
   deadline_ = now + milliseconds(opts_.join.join_timeout_ms);
   waiting_since_ = now;
 }

@@ -1287,28 +1287,57 @@ TEST_CASE("client machine: a node waiting to rejoin passes over a server of anot
   CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
 }
 
-TEST_CASE("client machine: a node waiting to rejoin whose run no target serves (each refused or named another run) "
-          "joins the other run afresh, without its run, epoch and group rank (review s38-late M1)") {
+// Review s39 H1: the fresh join needs a pass in which every target proved that it hosts no
+// round of this node's run: a Welcome of another run (or none), a takeover socket's proven
+// NotHosting of another run (or none). A refused connect (a REJECT firewall refuses too), a
+// silent target and a NotHosting of this node's own run (a live node of the run) prove
+// nothing: before, each counted as "not hosted", and a node cut off from the majority joined
+// the restarted endpoint's fresh run beside it (a fork).
+namespace {
+ClientCommands not_hosting_from(Link& l, const std::string& run) {
+  auto c = l.m.connected(kNonce, l.now);
+  auto more = l.receive(proto::NotHosting{"job", run, "host-x", ""});
+  c.insert(c.end(), more.begin(), more.end());
+  return c;
+}
+}  // namespace
+
+TEST_CASE("client machine: a node waiting to rejoin whose run no target serves (each proved it hosts another run or "
+          "none) joins the other run afresh, without its run, epoch, group rank and old round (review s39 H1, L2)") {
+  for (const std::string& other : {kRunNew, std::string()}) {
+    Link l(options("127.0.0.3"));
+    rejoining(l);
+    auto c = welcome_run(l, "host-a", kRunNew);
+    REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
+    // Node 1: its agent's takeover socket, alive, not hosting, in another run (or none yet).
+    c = not_hosting_from(l, other);
+    // The pass is over (the endpoint, node 1): the endpoint again, to be joined afresh.
+    CHECK(told<proto::Abort>(c).empty());
+    REQUIRE(one<cmd::Connect>(c).host == "127.0.0.1");
+    c = welcome_run(l, "host-a", kRunNew);
+    CHECK_THAT(notices(c), Catch::Contains("run " + kRunOld + " of job 'job' runs at none of its hosts this node can "
+                                           "reach, and host-a at " + kServer + " serves another run of the job id"));
+    CHECK_THAT(notices(c), !Catch::Contains("reached the job again"));
+    const auto j = sent_of<proto::Join>(c);
+    CHECK(j.run.empty());
+    CHECK(j.epoch == 0);
+    CHECK(j.last_group_rank == -1);
+    CHECK(j.resume_round == 0);
+    CHECK_FALSE(j.resume_standby);
+    CHECK_FALSE(l.m.searching());
+    // L2: the new server lost before its first assignment: no takeover of the old run's
+    // round (before: a Restart naming its survivors, and node 1 tried as a candidate).
+    c = l.m.connection_closed(std::strerror(ECONNRESET), l.now, /*reset=*/true);
+    CHECK(told<proto::Restart>(c).empty());
+    CHECK_FALSE(has<cmd::HostTakeover>(c));
+    if (has<cmd::Connect>(c)) CHECK(one<cmd::Connect>(c).host != "127.0.0.2");
+  }
+  // And it runs the fresh run's rounds.
   Link l(options("127.0.0.3"));
   rejoining(l);
   auto c = welcome_run(l, "host-a", kRunNew);
-  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
-  l.m.connect_failed(true, "Connection refused", l.now);
-  c = l.after(100ms, ClientTimer::kTakeover);
-  // The pass is over (the endpoint, node 1): the endpoint again, to be joined afresh.
-  CHECK(told<proto::Abort>(c).empty());
-  CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
-  c = welcome_run(l, "host-a", kRunNew);
-  CHECK_THAT(notices(c), Catch::Contains("run " + kRunOld + " of job 'job' runs at none of its hosts this node can "
-                                         "reach, and host-a at " + kServer + " serves another run of the job id"));
-  CHECK_THAT(notices(c), !Catch::Contains("reached the job again"));
-  const auto j = sent_of<proto::Join>(c);
-  CHECK(j.run.empty());
-  CHECK(j.epoch == 0);
-  CHECK(j.last_group_rank == -1);
-  CHECK(j.resume_round == 0);
-  CHECK_FALSE(j.resume_standby);
-  CHECK_FALSE(l.m.searching());
+  not_hosting_from(l, kRunNew);
+  welcome_run(l, "host-a", kRunNew);
   proto::Assignment a = round_of(1);
   a.epoch = 1;
   a.run = kRunNew;
@@ -1317,51 +1346,63 @@ TEST_CASE("client machine: a node waiting to rejoin whose run no target serves (
   CHECK(l.m.job_over() == false);
 }
 
-TEST_CASE("client machine: a node waiting to rejoin that found another run but also a silent target joins that run "
-          "afresh at the rejoin deadline instead of ending, and where nothing is there either it ends (review s38-late M1)") {
-  for (const bool answers : {true, false}) {
+TEST_CASE("client machine: a node waiting to rejoin that found another run while a target refuses, is silent or is a "
+          "live node of its own run that hosts nothing never joins afresh, and ends at the rejoin deadline (review s39 H1)") {
+  enum class Node1 { kRefuses, kSilent, kOwnRun };
+  for (const Node1 node1 : {Node1::kRefuses, Node1::kSilent, Node1::kOwnRun}) {
+    CAPTURE(static_cast<int>(node1));
     Link l(options("127.0.0.3"));
     const auto lost_at = l.now;
     auto c = rejoining(l);
     int fires = 0;
-    // Each pass: the endpoint names another run, node 1 is silent (it may host the run).
-    while (has<cmd::Connect>(c) && one<cmd::Connect>(c).host == "127.0.0.1" && l.now < lost_at + 5s &&
-           fires++ < 100) {
-      c = welcome_run(l, "host-a", kRunNew);
-      REQUIRE(one<cmd::Connect>(c).host == "127.0.0.2");
-      c = l.after(100ms, ClientTimer::kTakeover);
+    bool ended = false;
+    // Each pass: the endpoint names another run, node 1 does not prove its run is not there.
+    while (!ended && fires++ < 200) {
+      if (has<cmd::Connect>(c) && one<cmd::Connect>(c).host == "127.0.0.1") {
+        c = welcome_run(l, "host-a", kRunNew);
+        CHECK_FALSE(sent_join(c));
+      } else if (has<cmd::Connect>(c) && one<cmd::Connect>(c).host == "127.0.0.2") {
+        if (node1 == Node1::kRefuses) l.m.connect_failed(true, "Connection refused", l.now);
+        if (node1 == Node1::kOwnRun) not_hosting_from(l, kRunOld);
+        c = l.after(100ms, ClientTimer::kTakeover);
+      } else {
+        c = l.after(100ms, ClientTimer::kTakeover);
+      }
+      ended = l.m.closed();
     }
-    REQUIRE(l.now >= lost_at + 5s);
-    CHECK(told<proto::Abort>(c).empty());
-    CHECK(one<cmd::Connect>(c).host == "127.0.0.1");
-    if (answers) {
-      c = welcome_run(l, "host-a", kRunNew);
-      CHECK(sent_of<proto::Join>(c).run.empty());
-      CHECK_FALSE(l.m.closed());
-      continue;
-    }
-    c = l.after(100ms, ClientTimer::kTakeover);  // silent now
+    REQUIRE(ended);
+    CHECK(l.now >= lost_at + 5s);
     CHECK_THAT(told_one<proto::Abort>(c).reason, Catch::Contains("no host of the job answered this node within"));
-    CHECK(l.m.closed());
   }
 }
 
 TEST_CASE("client machine: a standby waiting to rejoin passes over a server of another run and joins it afresh, as a "
-          "plain newcomer, when its run is hosted nowhere (review s38-late M1)") {
-  Link l(options("127.0.0.4"));
-  rejoining(l, /*standby=*/true);
-  auto c = welcome_run(l, "host-a", kRunNew);
-  CHECK_FALSE(sent_join(c));
-  // Its targets: the endpoint, node 1, node 2: both refuse.
-  for (const char* next : {"127.0.0.2", "127.0.0.3"}) {
-    REQUIRE(one<cmd::Connect>(c).host == next);
-    l.m.connect_failed(true, "Connection refused", l.now);
-    c = l.after(100ms, ClientTimer::kTakeover);
+          "plain newcomer, only when every target proved its run is not there (review s38-late M1, s39 H1)") {
+  for (const bool proven : {true, false}) {
+    Link l(options("127.0.0.4"));
+    rejoining(l, /*standby=*/true);
+    auto c = welcome_run(l, "host-a", kRunNew);
+    CHECK_FALSE(sent_join(c));
+    // Its targets: the endpoint, node 1, node 2: alive, not hosting, of no run (or refusing).
+    for (const char* next : {"127.0.0.2", "127.0.0.3"}) {
+      REQUIRE(one<cmd::Connect>(c).host == next);
+      if (proven) {
+        c = not_hosting_from(l, "");
+      } else {
+        l.m.connect_failed(true, "Connection refused", l.now);
+        c = l.after(100ms, ClientTimer::kTakeover);
+      }
+    }
+    REQUIRE(one<cmd::Connect>(c).host == "127.0.0.1");
+    c = welcome_run(l, "host-a", kRunNew);
+    if (!proven) {
+      CHECK_FALSE(sent_join(c));
+      CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+      continue;
+    }
+    const auto j = sent_of<proto::Join>(c);
+    CHECK_FALSE(j.resume_standby);
+    CHECK(j.run.empty());
+    CHECK(j.epoch == 0);
   }
-  REQUIRE(one<cmd::Connect>(c).host == "127.0.0.1");
-  c = welcome_run(l, "host-a", kRunNew);
-  const auto j = sent_of<proto::Join>(c);
-  CHECK_FALSE(j.resume_standby);
-  CHECK(j.run.empty());
-  CHECK(j.epoch == 0);
 }

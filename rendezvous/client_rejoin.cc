@@ -59,8 +59,11 @@ bool ClientMachine::takeover_welcomed(const proto::Welcome& w, Clock::time_point
   Takeover& t = *takeover_;
   const std::string& run = opts_.join.run;
   // This node's run, or a node told none (a server before #37): as before. A daemon that
-  // knows no such job yet (restarted without a journal) takes the run its nodes name.
-  if (run.empty() || w.run == run || (w.run.empty() && w.host_agent.empty())) return true;
+  // knows no such job yet (restarted without a journal) takes the run its nodes name. A
+  // server before Welcome's run whose job ran rounds (an older build's taker) is the job's,
+  // as the recall takes it (review s39 M1): passed over, this node could take over beside it.
+  const bool older_server_of_job = w.run.empty() && std::max(w.epoch, w.last_round_epoch) > 0;
+  if (run.empty() || w.run == run || (w.run.empty() && w.host_agent.empty()) || older_server_of_job) return true;
   if (t.fresh) {
     join_fresh(now);
     return true;

@@ -1406,3 +1406,31 @@ TEST_CASE("client machine: a standby waiting to rejoin passes over a server of a
     CHECK(j.epoch == 0);
   }
 }
+
+// Review s39 M1: a server before Welcome's run (an older build's taker) sends no run; one whose
+// job ran rounds is the job's, as the recall takes it. Passed over, a new node could take the
+// job over beside it (two takers of one run); rejoining, it ended at the deadline.
+TEST_CASE("client machine: taking over or rejoining, an older server's welcome without a run whose job ran rounds is "
+          "the job's and is joined, while a new agent's server with no job yet is passed over (review s39 M1)") {
+  for (const bool ran_rounds : {true, false}) {
+    CAPTURE(ran_rounds);
+    Link l(options("127.0.0.3"));
+    rejoining(l);
+    auto c = l.m.connected(kNonce, l.now);
+    proto::Welcome w{"srv", "host-a"};
+    w.epoch = ran_rounds ? 7 : 0;
+    w.last_round_epoch = ran_rounds ? 7 : 0;
+    auto more = l.receive(w);
+    c.insert(c.end(), more.begin(), more.end());
+    if (!ran_rounds) {
+      CHECK_FALSE(sent_join(c));
+      CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
+      continue;
+    }
+    CHECK_THAT(notices(c), Catch::Contains("reached the job again"));
+    const auto j = sent_of<proto::Join>(c);
+    CHECK(j.run == kRunOld);
+    CHECK(j.epoch == 5);
+    CHECK_FALSE(l.m.searching());
+  }
+}

@@ -467,7 +467,7 @@ std::string Job::check_resume(SessionId s, const proto::Join& j) const {
       return "the claimed group rank or size is out of range";
     // An agent's server never restarts: no round of another run is rebuilt in its job; a
     // daemon's job whose run it kept (--state-dir) rebuilds none of an older run.
-    if (other_run(j) && (quorum_ || run_older(j.run, run_))) return fmt::format("its run {} is not this job's ({})", j.run, run_);
+    if (resume_of_other_run(j)) return fmt::format("its run {} is not this job's ({})", j.run, run_);
     return {};
   }
   if (!rebuilding_ || state_ != State::kRunning) return "the job is not being rebuilt";

@@ -243,6 +243,13 @@ class Job {
     ended_run_ = std::move(run);
     ended_abort_ = std::move(abort);
   }
+  // A restarted daemon's --state-dir journal says this id's last run, `run`, was forgotten
+  // (nobody connected for orphan_job_expiry: a daemon restart or an outage its agents ride
+  // out, retrying for up to join_timeout, as well as a job whose agents were all killed).
+  // Ended for fresh joins (a requeue's: this Job's new run), not for re-registrations: a
+  // round of that run is rebuilt as without a journal, its workers still running (#34,
+  // review s39 M2).
+  void seed_forgotten(std::string run) { forgotten_run_ = std::move(run); }
   // Sets the run of a Job made without one (the etcd replay: its log's first record's).
   void set_run(std::string run) {
     run_open_ = false;
@@ -390,6 +397,11 @@ class Job {
   std::optional<Actions> join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now);
   std::string ended_run_;                    // seed_ended()
   std::optional<proto::Abort> ended_abort_;  // its end when it failed (none: done)
+  std::string forgotten_run_;                // seed_forgotten()
+  // Whether a re-registration's run may not rebuild this Job's round (check_resume()).
+  bool resume_of_other_run(const proto::Join& j) const {
+    return other_run(j) && (quorum_ || run_older(j.run, run_)) && j.run != forgotten_run_;
+  }
   // A restarted server rebuilds the round `j` re-registers (the first such join): that
   // round's run and epoch become the job's.
   void rebuild_run(const proto::Join& j);

@@ -153,13 +153,15 @@ Job& Server::job_of(const std::string& job_id) {
   // replace it with the run the job ran. A daemon keeps a job's run across its restart: the
   // --state-dir journal's, for a job it holds that has not ended; else the run is open
   // (Job::open_run(): the first round takes its nodes', review s38 M1), at the journal's
-  // epoch. An id used again after its job ended (done, failed, forgotten) is a new run.
+  // epoch. An id used again after its job ended (done, failed, forgotten) is a new run; a
+  // forgotten run's re-registering agents still rebuild it (a long outage or a restart the
+  // agents rode out: Job::seed_forgotten(), review s39 M2).
   // Its agents that re-register the run of a job that ended (done, failed) hear that end
   // (the daemon died before they did: Job::seed_ended(), review s38-late L1).
   std::string run = new_run();
   bool known = false;
   int epoch = 0;
-  std::string ended;
+  std::string ended, forgotten;
   std::optional<proto::Abort> abort;
   if (opts_.journal)
     if (const auto h = opts_.journal->jobs().find(job_id); h != opts_.journal->jobs().end()) {
@@ -171,7 +173,9 @@ Job& Server::job_of(const std::string& job_id) {
         run = was;
         known = true;
         epoch = h->second.summary.value("epoch", 0);
-      } else if (valid && state != "forgotten") {
+      } else if (valid && state == "forgotten") {
+        forgotten = was;  // its re-registering agents rebuild it (review s39 M2)
+      } else if (valid) {
         ended = was;
         if (state == "failed") abort = journaled_abort(h->second);
       }
@@ -179,6 +183,7 @@ Job& Server::job_of(const std::string& job_id) {
   Job& job = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), std::move(run)).first->second;
   if (!known) job.open_run();
   if (!ended.empty()) job.seed_ended(std::move(ended), std::move(abort));
+  if (!forgotten.empty()) job.seed_forgotten(std::move(forgotten));
   job.seed_epoch(epoch);  // its next round is one on (review s38-late H1)
   return job;
 }

@@ -729,6 +729,21 @@ TEST_CASE("the job's events (#38): a worker's failure with its exit code, a sile
   CHECK(job.take_events().empty());
 }
 
+namespace {
+// Two fresh joins, one naming the run that ended (a plain newcomer): `fresh` from epoch 1.
+void fresh_joins_start_new_run(Job& job, const std::string& ended, const std::string& fresh) {
+  proto::Join j1 = node("127.0.0.1", 2, 2);
+  j1.run = ended;
+  j1.epoch = 7;
+  CHECK(job.join(4, j1, T0).empty());
+  auto out = of_type(job.join(5, node("127.0.0.2", 2, 2), T0), MsgType::kAssignment);
+  REQUIRE(out.size() == 2);
+  const auto a = proto::from_frame<proto::Assignment>(out[0].frame);
+  CHECK(a.run == fresh);
+  CHECK(a.epoch == 1);
+}
+}  // namespace
+
 // Review s38-late L1: a daemon journals a job's end after the frames go out, or dies before
 // every node read its Done; restarted, its journal says done (or failed), so its Job is a new
 // run, and the nodes that re-register the old run were refused ("its run R is not this
@@ -761,15 +776,7 @@ TEST_CASE("a restarted daemon's Job whose journal says the last run ended tells 
   older.run = "1764400000000-0000000000000001";
   CHECK_THAT(error_of(done.join(3, older, T0)), Catch::Contains("re-registration refused"));
   // Fresh joins, one naming the ended run (a plain newcomer): the new run from epoch 1.
-  proto::Join j1 = node("127.0.0.1", 2, 2);
-  j1.run = ended;
-  j1.epoch = 7;
-  CHECK(done.join(4, j1, T0).empty());
-  auto out = of_type(done.join(5, node("127.0.0.2", 2, 2), T0), MsgType::kAssignment);
-  REQUIRE(out.size() == 2);
-  const auto a = proto::from_frame<proto::Assignment>(out[0].frame);
-  CHECK(a.run == fresh);
-  CHECK(a.epoch == 1);
+  fresh_joins_start_new_run(done, ended, fresh);
 
   Job failed("job", false, fresh);
   proto::Abort abort;
@@ -781,4 +788,40 @@ TEST_CASE("a restarted daemon's Job whose journal says the last run ended tells 
   REQUIRE(told.size() == 1);
   CHECK(proto::from_frame<proto::Abort>(told[0].frame).root_cause.exit_code == 7);
   CHECK(proto::from_frame<proto::Abort>(told[0].frame).reason == abort.reason);
+}
+
+// Review s39 M2: a daemon that heard no joined session for orphan_job_expiry (its restart,
+// or an outage its agents ride out: they retry for up to join_timeout, workers running)
+// journals the job forgotten. Restarted with that journal, its Job was a new run and the
+// running round's re-registrations were refused ("its run R is not this job's"): every
+// agent ended, where without --state-dir the round is rebuilt.
+TEST_CASE("a restarted daemon's Job whose journal says the last run was forgotten rebuilds that run's round from its "
+          "re-registering nodes, while a fresh join alone starts the new run (review s39 M2)") {
+  const std::string was = "1764500000000-0123456789abcdef", fresh = "1764500099000-00000000000000ff";
+  auto claim = [&](const std::string& addr) {
+    proto::Join j = node(addr, 2, 2);
+    j.run = was;
+    j.epoch = 7;
+    j.resume_round = 4;
+    j.resume_group_rank = addr == "127.0.0.1" ? 0 : 1;
+    j.resume_group_world_size = 2;
+    j.resume_restart_count = 1;
+    return j;
+  };
+  Job job("job", false, fresh);
+  job.seed_forgotten(was);
+  CHECK(error_of(job.join(1, claim("127.0.0.1"), T0)).empty());  // main: "re-registration refused"
+  CHECK(error_of(job.join(2, claim("127.0.0.2"), T0)).empty());
+  CHECK(job.state() == Job::State::kRunning);
+  CHECK(job.run() == was);
+  // Another older run's re-registration is refused as before.
+  Job other("job", false, fresh);
+  other.seed_forgotten(was);
+  proto::Join older = claim("127.0.0.2");
+  older.run = "1764400000000-0000000000000001";
+  CHECK_THAT(error_of(other.join(3, older, T0)), Catch::Contains("re-registration refused"));
+  // Fresh joins, one naming the forgotten run (a plain newcomer): the new run from epoch 1.
+  Job requeue("job", false, fresh);
+  requeue.seed_forgotten(was);
+  fresh_joins_start_new_run(requeue, was, fresh);
 }

@@ -42,8 +42,20 @@ void fold_event(nlohmann::json& s, const nlohmann::json& e) {
   const bool rebuilt = kind == "created" && e.value("how", "") == "re-registered" && s.is_object();
   if (!s.is_object() || (kind == "created" && !rebuilt)) {
     // A new run of this id starts a new summary (an id may be used again once a job ended).
+    // The last run that ended (done, failed) stays named in it ("ended_run", "ended_state"):
+    // a daemon restarted before the new run's first round still tells that run's stragglers
+    // its end (Server::job_of(), review s39 L1).
+    nlohmann::json ended = nlohmann::json::object();
+    if (s.is_object()) {
+      const std::string state = s.value("state", "");
+      if ((state == "done" || state == "failed") && s.contains("run") && s["run"].is_string())
+        ended = {{"ended_run", s["run"]}, {"ended_state", state}};
+      else if (s.contains("ended_run") && s["ended_run"].is_string())
+        ended = {{"ended_run", s["ended_run"]}, {"ended_state", s.value("ended_state", "done")}};
+    }
     s = {{"id", job}, {"state", "joining"}, {"round", 0}, {"restart_count", 0}, {"max_restarts", 0},
          {"min_nodes", 0}, {"max_nodes", 0}, {"standby_nodes", 0}, {"nodes", nlohmann::json::array()}};
+    s.update(ended);
   }
   for (const char* k : {"round", "restart_count", "max_restarts", "min_nodes", "max_nodes"})
     if (e.contains(k) && e[k].is_number_integer()) s[k] = e[k];

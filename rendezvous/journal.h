@@ -11,7 +11,9 @@
 // that has not ended goes on with, one epoch on (rdzv::Server::job_of(), review s38 M1,
 // s38-late H1). A job the daemon drops without an end (Server::forget(): nobody connected)
 // gets a "forgotten" event, an end like done and failed: its id used again is a new run
-// (but its agents that re-register a round of it rebuild it: Job::seed_forgotten()).
+// (but its agents that re-register a round of it rebuild it: Job::seed_forgotten()). A new
+// run's summary names the last run that ended ("ended_run", "ended_state"), so a daemon
+// restarted before the new run's first round still tells that run's stragglers its end.
 //
 //   DIR/journal.jsonl    append-only; fdatasync'd after each event that changes a job's state
 //                        (created, round started, node lost, restart, promoted, takeover, done,

@@ -179,6 +179,13 @@ Job& Server::job_of(const std::string& job_id) {
         ended = was;
         if (state == "failed") abort = journaled_abort(h->second);
       }
+      // A new run created since the last one ended (a requeue's first join), before its first
+      // round: that ended run's stragglers still hear its end (review s39 L1).
+      const auto before = h->second.summary.value("ended_run", "");
+      if (ended.empty() && !before.empty() && before != was && proto::run_problem(before).empty()) {
+        ended = before;
+        if (h->second.summary.value("ended_state", "") == "failed") abort = journaled_abort(h->second);
+      }
     }
   Job& job = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), std::move(run)).first->second;
   if (!known) job.open_run();

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "rendezvous/job.h"
+#include "rendezvous/journal.h"
 #include "support/fake_clock.h"
 
 using namespace mg;
@@ -824,4 +825,27 @@ TEST_CASE("a restarted daemon's Job whose journal says the last run was forgotte
   Job requeue("job", false, fresh);
   requeue.seed_forgotten(was);
   fresh_joins_start_new_run(requeue, was, fresh);
+}
+
+// Review s39 L1: a requeue's first fresh join journals "created" for the new run, which
+// started a new summary: a daemon restarted a second time, before that run's first round,
+// no longer knew the old run ended, and refused its stragglers' re-registration (exit 1
+// after a completed training).
+TEST_CASE("the journal's summary of a job keeps the run that ended when a new run of its id is created, so that a "
+          "second restart still tells that run's stragglers its end (review s39 L1)") {
+  const std::string r1 = "1764500000000-0123456789abcdef", r2 = "1764500099000-00000000000000ff";
+  for (const std::string end : {"done", "failed"}) {
+    nlohmann::json s;
+    rdzv::fold_event(s, {{"event", "created"}, {"job", "j"}, {"run", r1}, {"epoch", 0}});
+    rdzv::fold_event(s, {{"event", "round_started"}, {"job", "j"}, {"run", r1}, {"epoch", 4}, {"round", 4}});
+    rdzv::fold_event(s, {{"event", end}, {"job", "j"}, {"why", "rank 0 exited with 1"}});
+    rdzv::fold_event(s, {{"event", "created"}, {"job", "j"}, {"run", r2}, {"epoch", 0}});
+    CHECK(s.value("state", "") == "joining");
+    CHECK(s.value("run", "") == r2);
+    CHECK(s.value("ended_run", "") == r1);  // main: absent
+    CHECK(s.value("ended_state", "") == end);
+    // A third run created before the second ran a round: the ended one is still named.
+    rdzv::fold_event(s, {{"event", "created"}, {"job", "j"}, {"run", "1764500199000-00000000000000ff"}});
+    CHECK(s.value("ended_run", "") == r1);
+  }
 }

@@ -143,6 +143,9 @@ void Agent::bind_takeover_socket() {
       so.adopt_fd = fd;
       so.not_hosting = true;
       takeover_server_ = std::make_unique<rdzv::Server>(io_, so);
+      // Recalling: its answers say so, with the record's run and epoch, never "in no run"
+      // (another node's recall counts it as in no round after that epoch; review s39 H1).
+      if (recall_pending_ && recalled_) takeover_server_->tell_recalling(recalled_->run, recalled_->epoch);
     } catch (const std::exception& e) {
       why = e.what();
       takeover_port_ = 0;
@@ -344,6 +347,7 @@ void Agent::start_rendezvous() {
   h.on_recall_ended = [this] {
     recall_pending_ = false;
     if (record_io_ && recalled_) record_io_->discard(*recalled_);  // stale: this node starts afresh (review s39 M1)
+    if (takeover_server_) takeover_server_->tell_run({});  // a fresh node now, in no run yet
     host_rendezvous();
     // Hosting now, it offers no takeover port (its Join's is 0); the takeover socket stays,
     // answering "alive, not hosting" (in this run, or none): the recall of another node of
@@ -400,7 +404,8 @@ void Agent::recall_job() {
                      "at the {} host(s) it names before starting afresh, until each answers that the run is over (at "
                      "most join_timeout, {} s, then exit 3); remove that file to start afresh at once",
                      plan_.run_id, recalled_->run, path, recalled_->hosts.size(), opts_.join_timeout.count() / 1000.0));
-  client_->recall(recalled_->hosts, recalled_->run, now().steady + opts_.join_timeout, recalled_->epoch, path);
+  client_->recall(recalled_->hosts, recalled_->run, now().steady + opts_.join_timeout, recalled_->epoch, path,
+                  recalled_->voters);
 }
 
 void Agent::end_recall() {
@@ -414,6 +419,7 @@ void Agent::remember_job(int epoch, const std::string& run) {
   if (takeover_server_ && !run.empty()) takeover_server_->tell_run(run);  // its NotHosting names the run
   if (!record_io_ || !client_ || run.empty()) return;
   JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
+  r.voters = client_->job_voters();
   r.takeover_port = takeover_port_;
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   warn_record_failure();

@@ -28,7 +28,7 @@ namespace mg {
 
 namespace {
 
-constexpr std::size_t kMaxRecordBytes = 64 * 1024;
+constexpr std::size_t kMaxRecordBytes = 256 * 1024;  // (up to kMaxListedNodes hosts)
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -136,7 +136,7 @@ std::string JobRecordDir::write(const JobRecord& r) const {
   const std::string text =
       proto::dump_json(nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
                                       {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
-                                      {"takeover_port", r.takeover_port}}) +
+                                      {"takeover_port", r.takeover_port}, {"voters", r.voters}}) +
       "\n";
   const std::string name = job_record_name(r.job, r.node, r.endpoint);
   const std::string tmp = fmt::format("{}.{}.tmp", name, ::getpid());
@@ -191,6 +191,8 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
         r.hosts.emplace_back(h.at(0).get<std::string>(), static_cast<int>(integer_in(h.at(1), 1, 65535, "port")));
       if (j.contains("takeover_port"))  // (absent from a record before it: none)
         r.takeover_port = static_cast<int>(integer_in(j.at("takeover_port"), 0, 65535, "takeover_port"));
+      if (j.contains("voters"))  // (absent before review s39 H1: 0, unknown)
+        r.voters = static_cast<int>(integer_in(j.at("voters"), 0, 1 << 20, "voters"));
     } catch (const std::exception& e) {  // (nlohmann's, and integer_in's)
       // (nlohmann quotes the file's bytes, control characters and newlines too.)
       bad = fmt::format("not a record ({})", printable_line(e.what()));

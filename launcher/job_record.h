@@ -42,6 +42,7 @@ struct JobRecord {
   int epoch = 0;     // the last epoch assigned (or told a standby)
   std::vector<std::pair<std::string, int>> hosts;  // where to look for the job, in that order
   int takeover_port = 0;  // this node's takeover socket's (bound again there on a restart)
+  int voters = 0;         // the last round's voters (rdzv::ClientMachine::job_voters()); 0: unknown
   std::int64_t written_ms = 0;  // read: the file's modification time (ms since the Unix epoch)
 };
 

@@ -220,9 +220,13 @@ struct NotHosting {
   std::string run;
   std::string host_agent;  // its host name
   std::string proof;       // hex; empty without a token
+  // An agent restarted with a record of `run` that looks for it (its recall): the record's
+  // epoch, the last round it was in (review s39 H1). Its proof covers both.
+  bool recalling = false;
+  int epoch = 0;
 };
 
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(NotHosting, job_id, run, host_agent, proof)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(NotHosting, job_id, run, host_agent, proof, recalling, epoch)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)

@@ -66,8 +66,10 @@ std::string server_proof(const std::string& key, const std::string& cn, const st
   return hmac_sha256_hex(key, "mglaunch-server|" + cn + "|" + sn);
 }
 
-std::string not_hosting_proof(const std::string& key, const std::string& cn, const std::string& run) {
-  return hmac_sha256_hex(key, "mglaunch-not-hosting|" + cn + "|" + run);
+std::string not_hosting_proof(const std::string& key, const std::string& cn, const std::string& run,
+                              int recalling_epoch) {
+  const std::string recalling = recalling_epoch < 0 ? std::string() : "|recalling|" + std::to_string(recalling_epoch);
+  return hmac_sha256_hex(key, "mglaunch-not-hosting|" + cn + "|" + run + recalling);
 }
 
 std::string client_proof(const std::string& key, const std::string& cn, const std::string& sn) {

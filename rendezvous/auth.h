@@ -34,7 +34,9 @@ std::string server_proof(const std::string& key, const std::string& client_nonce
 std::string client_proof(const std::string& key, const std::string& client_nonce, const std::string& server_nonce);
 std::string session_key(const std::string& key, const std::string& client_nonce, const std::string& server_nonce);
 // proto::NotHosting's proof: the job's key over the client's nonce and the run told.
-std::string not_hosting_proof(const std::string& key, const std::string& client_nonce, const std::string& run);
+// `recalling_epoch` >= 0: the answerer recalls `run` at that epoch (proto::NotHosting).
+std::string not_hosting_proof(const std::string& key, const std::string& client_nonce, const std::string& run,
+                              int recalling_epoch = -1);
 
 // One direction of a session's frame MACs: sign() appends the trailer to an encoded frame
 // (whose length field already counts it), verify() checks the trailer of a whole frame.

@@ -74,8 +74,8 @@ class Client {
   ~Client();
   // Before start(): look for the job at the hosts of this node's record first (Recall).
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-              int epoch = 0, std::string record = {}) {
-    m_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record));
+              int epoch = 0, std::string record = {}, int voters = 0) {
+    m_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record), voters);
   }
   void start();
   void rejoin();
@@ -87,6 +87,7 @@ class Client {
   void host_short_of_majority();
   void close();
   std::vector<std::pair<std::string, int>> job_hosts() const { return m_.job_hosts(); }
+  int job_voters() const { return m_.job_voters(); }
   bool job_decided() const { return m_.job_over(); }
   std::string why_no_takeover_of_self() const { return m_.why_no_takeover_of_self(); }
   bool connected() const { return conn_ && conn_->open(); }

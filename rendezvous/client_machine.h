@@ -201,8 +201,12 @@ class ClientMachine {
   // agent's last run) and its run; start() tries them first until `until` (Recall, above).
   // `epoch`, the record's: a server of the run whose rounds are all older (a stale host of it)
   // is passed over. `record`: the record's path, which the end past `until` names.
+  // `voters`, the record's: its last round's voters (nodes and standbys, this node one of
+  // them); > 0: the record is stale once a strict majority of them, this node counted,
+  // answered that they run no round of the run (review s39 H1); 0 (an older record): once
+  // every host answered so in one pass.
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-              int epoch = 0, std::string record = {});
+              int epoch = 0, std::string record = {}, int voters = 0);
   ClientCommands start(Clock::time_point now);
   // The answer to cmd::RecallEnded: `hosting`, the agent hosts the job now (its join offers
   // no takeover port); the endpoint is joined.
@@ -249,7 +253,9 @@ class ClientMachine {
   // but this one (lowest group rank first), at most kMaxRecallHosts. Empty unless an agent
   // hosts the job (a daemon or etcd is found again at its own address).
   std::vector<std::pair<std::string, int>> job_hosts() const;
-  static constexpr std::size_t kMaxRecallHosts = 8;
+  // The last round's voters (its nodes and the standbys), this node one of them; 0: none.
+  int job_voters() const;
+  static constexpr std::size_t kMaxRecallHosts = proto::kMaxListedNodes;
   // The generation of t's current arm (what a fire that is not stale carries).
   std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }
 
@@ -418,6 +424,8 @@ class ClientMachine {
     std::string tried;            // what each target said, this pass
     std::string last;             // the last full pass's
     bool all_positive = true;     // every target of this pass answered that it runs no host of the run
+    std::size_t positives = 0;    // how many of this pass did
+    int voters = 0;               // the record's (recall())
     std::string record;           // the record's path, for the end past `until`
   };
   std::optional<Recall> recall_;  // start() looks for the job at its record's hosts first

@@ -15,7 +15,7 @@ namespace mg::rdzv {
 using std::chrono::milliseconds;
 
 void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-                           int epoch, std::string record) {
+                           int epoch, std::string record, int voters) {
   hosts.erase(std::remove_if(hosts.begin(), hosts.end(), [](const auto& h) { return h.first.empty() || h.second <= 0; }),
               hosts.end());
   if (hosts.size() > kMaxRecallHosts) hosts.resize(kMaxRecallHosts);
@@ -26,6 +26,7 @@ void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::
   r.epoch = epoch;
   r.until = until;
   r.record = std::move(record);
+  r.voters = std::max(0, voters);
   r.endpoint_host = opts_.host;
   r.endpoint_port = opts_.port;
   recall_ = std::move(r);
@@ -42,19 +43,26 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
   if (!why_previous.empty()) {
     r.tried += fmt::format("{}{}: {}", r.tried.empty() ? "" : "; ", host_port(opts_.host, opts_.port), why_previous);
     r.all_positive = r.all_positive && positive;
+    r.positives += positive;
   }
   drop_connection();
   cancel(ClientTimer::kTakeover);
   const bool pass_over = !r.pausing && r.turn > 0 && r.turn % r.targets.size() == 0;
-  if (pass_over && r.all_positive) {
-    // Every host the record names answered, in one pass, that no host of the run is there:
-    // an agent alive that hosts nothing of it, a server of another run or none. The job's
-    // run is over (a whole job stopped and rerun: every node answers so at once). A fresh
-    // start, as without a record.
+  // A round after the record's epoch needs a majority of its voters (rdzv::Job): a strict
+  // majority, this node counted, that is in no round of the run proves there is none.
+  const bool majority = r.voters > 0 && 2 * (static_cast<long long>(r.positives) + 1) > r.voters;
+  if ((r.voters == 0 && pass_over && r.all_positive) || (!r.pausing && majority)) {
+    // The job's run is over (a whole job stopped and rerun: every node answers so at once).
+    // A fresh start, as without a record.
     out_.push_back(cmd::Notice{fmt::format(
-        "this node's record of job '{}' (run {}, from its agent's last run) is stale: every host it names answered "
-        "that it runs no host of that run ({}); starting as a fresh node of the job",
-        opts_.join.job_id, r.run, r.tried)});
+        "this node's record of job '{}' (run {}, from its agent's last run) is stale: {} of that run ({}); starting "
+        "as a fresh node of the job",
+        opts_.join.job_id, r.run,
+        r.voters > 0 ? fmt::format("a majority of its last round's {} voters (this node and {} more) answered that "
+                                   "they run no round",
+                                   r.voters, r.positives)
+                     : std::string("every host it names answered that it runs no host"),
+        r.tried)});
     opts_.host = r.endpoint_host;
     opts_.port = r.endpoint_port;
     recall_.reset();
@@ -79,6 +87,7 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
     r.pausing = true;
     r.last = std::exchange(r.tried, {});
     r.all_positive = true;
+    r.positives = 0;
     arm(ClientTimer::kTakeover, std::min(r.until, now + std::min(milliseconds(500), milliseconds(opts_.join.keep_alive_ms))));
     return;
   }
@@ -129,11 +138,21 @@ void ClientMachine::not_hosting(const proto::Frame& f, Clock::time_point now) {
     return failed_attempt(fmt::format("bad message from {}: {}", host_port(opts_.host, opts_.port), e.what()), now);
   }
   // With a key, only an agent that holds it can say so (its proof over this connection's nonce).
-  const bool proven = key_.empty() || auth::equal_ct(n.proof, auth::not_hosting_proof(key_, nonce_, n.run));
+  const bool proven = key_.empty() || auth::equal_ct(n.proof, auth::not_hosting_proof(key_, nonce_, n.run,
+                                                                                    n.recalling ? n.epoch : -1));
   if (recall_) {
     if (!proven) return next_recall_target(now, "answered that it hosts nothing, without proving this job's key");
     if (n.job_id != opts_.join.job_id)
       return next_recall_target(now, fmt::format("alive, an agent of another job ('{}')", n.job_id), /*positive=*/true);
+    if (n.run == recall_->run && n.recalling) {
+      // Restarted too, looking for the run: in no round of it after its record's epoch. One
+      // with a newer epoch was in a round this node's record does not know (review s39 H1).
+      const bool newer = n.epoch > recall_->epoch;
+      return next_recall_target(
+          now, fmt::format("alive, restarted too, looking for that run (its record's epoch {}{})", n.epoch,
+                           newer ? ", newer than this node's" : ""),
+          /*positive=*/!newer);
+    }
     if (n.run == recall_->run)  // a node of the run: the job may run on, hosted elsewhere
       return next_recall_target(now, "alive, a node of that run, not hosting it");
     return next_recall_target(
@@ -176,6 +195,12 @@ std::string ClientMachine::why_no_takeover_of_self() const {
   std::size_t others = 0;
   for (const auto& c : takeover_candidates(*last_, {}, 0)) others += c.group_rank != last_->group_rank;
   return why_no_takeover(restarts_seen_, opts_.join.max_restarts, others, standbys_, opts_.join.min_nodes);
+}
+
+int ClientMachine::job_voters() const {
+  if (host_agent_.empty() || !ever_welcomed_) return 0;
+  const std::size_t nodes = standby_ && standby_of_ ? standby_of_->nodes.size() : last_ ? last_->nodes.size() : 0;
+  return nodes == 0 ? 0 : static_cast<int>(nodes) + std::max(0, standbys_);
 }
 
 std::vector<std::pair<std::string, int>> ClientMachine::job_hosts() const {

@@ -44,8 +44,9 @@ class Link {
   // survivor able to take over), when the record goes; why_no_takeover_of_self(), why no
   // survivor could take over from this node, its host, if it stopped now ("": one could).
   virtual void recall(std::vector<std::pair<std::string, int>>, std::string, std::chrono::steady_clock::time_point,
-                      int /*epoch*/, std::string /*record*/) {}
+                      int /*epoch*/, std::string /*record*/, int /*voters*/) {}
   virtual std::vector<std::pair<std::string, int>> job_hosts() const { return {}; }
+  virtual int job_voters() const { return 0; }  // the last round's voters, for the record
   virtual bool job_decided() const { return false; }
   virtual std::string why_no_takeover_of_self() const { return {}; }
 };
@@ -64,10 +65,11 @@ class LinkTo : public Link {
   void close() override { impl_.close(); }
   void host_short_of_majority() override { impl_.host_short_of_majority(); }
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run,
-              std::chrono::steady_clock::time_point until, int epoch, std::string record) override {
-    impl_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record));
+              std::chrono::steady_clock::time_point until, int epoch, std::string record, int voters) override {
+    impl_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record), voters);
   }
   std::vector<std::pair<std::string, int>> job_hosts() const override { return impl_.job_hosts(); }
+  int job_voters() const override { return impl_.job_voters(); }
   bool job_decided() const override { return impl_.job_decided(); }
   std::string why_no_takeover_of_self() const override { return impl_.why_no_takeover_of_self(); }
 

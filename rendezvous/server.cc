@@ -133,7 +133,10 @@ void Server::answer_not_hosting(Session& s) {
   if (!opts_.token.empty()) key = auth::job_key(opts_.token, opts_.only_job);
   else if (auto it = opts_.job_tokens.find(opts_.only_job); it != opts_.job_tokens.end()) key = it->second;
   proto::NotHosting n{opts_.only_job, not_hosting_run_, opts_.host_agent,
-                      key.empty() ? std::string() : auth::not_hosting_proof(key, s.client_nonce, not_hosting_run_)};
+                      key.empty() ? std::string()
+                                  : auth::not_hosting_proof(key, s.client_nonce, not_hosting_run_, recalling_epoch_)};
+  n.recalling = recalling_epoch_ >= 0;
+  n.epoch = std::max(0, recalling_epoch_);
   s.conn->send(proto::to_frame(n));
   s.conn->close();
 }

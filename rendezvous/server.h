@@ -7,6 +7,7 @@
 // connections, frames, per-address use, authentication failures and memory are bounded.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -100,7 +101,15 @@ class Server {
   void take_over(const std::string& job_id, const TakeoverSeed& seed);
   // ServerOptions::not_hosting: the run its answers name (the agent's, at each assignment),
   // and the end of that mode (it serves only_job from now on).
-  void tell_run(std::string run) { not_hosting_run_ = std::move(run); }
+  void tell_run(std::string run) {
+    not_hosting_run_ = std::move(run);
+    recalling_epoch_ = -1;
+  }
+  // Its answers say that this agent recalls `run` (its record's, at `epoch`), in no round yet.
+  void tell_recalling(std::string run, int epoch) {
+    not_hosting_run_ = std::move(run);
+    recalling_epoch_ = std::max(0, epoch);
+  }
   void host();
   bool hosting() const { return !opts_.not_hosting; }
   // Job::hears_majority() of `job_id` (true for a job not served here).
@@ -139,6 +148,7 @@ class Server {
   void answer_not_hosting(Session& s);  // ServerOptions::not_hosting, for its Hello
   void warn_if_open() const;            // beyond loopback without a token
   std::string not_hosting_run_;
+  int recalling_epoch_ = -1;  // tell_recalling()'s; -1: not recalling
   // Logs `why` (after the peer's address with `name_peer`), sends it as an Error and closes.
   void refuse(Session& s, const std::string& why, bool name_peer = true);
   // The line for an agent that joined without proving the token the server requires.

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
 #include "rendezvous/auth.h"
 #include "rendezvous/client_machine.h"
@@ -399,4 +400,96 @@ TEST_CASE("client machine, takeover: a candidate's takeover socket that answers 
       CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
     }
   }
+}
+
+namespace {
+// The 17-node job of review s39 H1: this node (rank 0) hosted at the endpoint; its record
+// names the takeover sockets of ranks 1..16, and the round's 17 voters.
+Hosts ranks_1_to_16() {
+  Hosts out;
+  for (int g = 1; g <= 16; ++g) out.emplace_back(fmt::format("127.0.1.{}", g), 7000 + g);
+  return out;
+}
+constexpr int kRecordEpoch = 131074;
+}  // namespace
+
+TEST_CASE("client machine, recall: restarted with ranks 1..7 while ranks 8..16 run on (a rack's power lost), the host "
+          "does not call its record stale on the 7 that recall the run too: no majority of the 17 voters, then it "
+          "joins the run where it runs (review s39 H1)") {
+  const std::string key = auth::job_key("secret", "job");
+  ClientOptions o = restarted();
+  o.token = "secret";
+  Link l(o);
+  const Hosts hosts = ranks_1_to_16();
+  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/17);
+  auto c = l.m.start(l.now);
+  for (int pass = 0; pass < 2; ++pass)
+    for (int g = 1; g <= 16; ++g) {
+      INFO("pass " << pass << ", rank " << g);
+      REQUIRE(connect_of(c) == hosts[static_cast<std::size_t>(g - 1)]);
+      l.m.connected(kNonce, l.now);
+      proto::NotHosting n{"job", kRun, fmt::format("host-{}", g), ""};
+      if (g <= 7) {  // restarted too: recalling the run at the record's epoch
+        n.recalling = true;
+        n.epoch = kRecordEpoch;
+        n.proof = auth::not_hosting_proof(key, kNonce, kRun, kRecordEpoch);
+      } else {  // a survivor, in the run's round at rank 8's takeover
+        n.proof = auth::not_hosting_proof(key, kNonce, kRun);
+      }
+      c = l.receive(n);
+      CHECK(!has<cmd::RecallEnded>(c));
+      CHECK(notices(c).find("stale") == std::string::npos);
+      if (g == 16) {  // the pass's pause: the next pass
+        REQUIRE(armed(c, ClientTimer::kTakeover));
+        l.now += 500ms;
+        c = l.fire(ClientTimer::kTakeover);
+      }
+    }
+  CHECK(l.m.recalling());
+  // Rank 8 hosts the run now (it took over): the next pass finds it, and this node joins.
+  REQUIRE(connect_of(c) == hosts[0]);
+  c = l.m.connect_failed(true, "Connection refused", l.now);
+  for (int g = 2; g <= 8; ++g) {
+    REQUIRE(connect_of(c) == hosts[static_cast<std::size_t>(g - 1)]);
+    if (g < 8) {
+      c = l.m.connect_failed(true, "Connection refused", l.now);
+      continue;
+    }
+    l.m.connected(kNonce, l.now);
+  }
+  CHECK(!has<cmd::RecallEnded>(c));
+}
+
+TEST_CASE("client machine, recall: a whole job rerun at once (every voter recalls the same run at the record's epoch, "
+          "none hosts) is stale once a majority of the voters answered so, at once; one that recalls a newer epoch "
+          "(it was in a later round) or names a run unproven does not count (review s39 H1)") {
+  const std::string key = auth::job_key("secret", "job");
+  ClientOptions o = restarted();
+  o.token = "secret";
+  Link l(o);
+  const Hosts hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}, {"127.0.0.4", 7004}, {"127.0.0.5", 7005}};
+  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/5);
+  auto c = l.m.start(l.now);
+  auto recalling = [&](int epoch, bool proven) {
+    proto::NotHosting n{"job", kRun, "host", ""};
+    n.recalling = true;
+    n.epoch = epoch;
+    n.proof = auth::not_hosting_proof(key, proven ? kNonce : "ff" + kNonce.substr(2), kRun, epoch);
+    l.m.connected(kNonce, l.now);
+    return l.receive(n);
+  };
+  c = recalling(kRecordEpoch + 65536, true);  // in a round after this node's last: not counted
+  CHECK(!has<cmd::RecallEnded>(c));
+  CHECK(connect_of(c) == hosts[1]);
+  c = recalling(kRecordEpoch, false);  // unproven: not counted
+  CHECK(!has<cmd::RecallEnded>(c));
+  CHECK(connect_of(c) == hosts[2]);
+  c = recalling(kRecordEpoch, true);  // this node and one more: 2 of 5
+  CHECK(!has<cmd::RecallEnded>(c));
+  CHECK(connect_of(c) == hosts[3]);
+  c = recalling(kRecordEpoch - 1, true);  // 3 of 5: a majority, in no round of the run
+  CHECK_THAT(notices(c), Catch::Contains("is stale: a majority of its last round's 5 voters (this node and 2 more) "
+                                         "answered that they run no round of that run"));
+  REQUIRE(has<cmd::RecallEnded>(c));
+  CHECK(l.now == T0);
 }

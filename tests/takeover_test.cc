@@ -404,8 +404,9 @@ TEST_CASE("a node that does not host SIGKILLed with the host and started again w
 // Review s38 M2: a whole agent-hosted job SIGKILLed keeps every node's record, and before,
 // its rerun at once found only refusals (the takeover sockets bound, not listening) and
 // waited K x (2A + 3) before a fresh start. Now each node's takeover socket listens from
-// its start, on its record's port, answering "alive, not hosting" with its run (none yet):
-// every record's hosts answer so in one pass, and the rerun starts at once.
+// its start, on its record's port, answering "alive, not hosting, recalling run R at epoch
+// e" (review s39 H1): a majority of every record's voters answer so in one pass, and the
+// rerun starts at once.
 TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's record is found stale in one pass "
           "(each recorded host answers 'alive, not hosting'), and the rerun runs a fresh run of three (review s38 "
           "M2)") {
@@ -431,8 +432,8 @@ TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's re
   for (Proc& p : again) {
     CHECK(p.exit_code() == 0);
     CHECK_THAT(p.err(), Catch::Contains("this node has a record of job 'rerun' (run " + run) &&
-                            Catch::Contains("is stale: every host it names answered that it runs no host of that run") &&
-                            Catch::Contains("alive, not hosting, in "));
+                            Catch::Contains("is stale: a majority of its last round's 3 voters") &&
+                            Catch::Contains("answered that they run no round of that run"));
     const auto e = envs(p.out());
     REQUIRE(e.size() == 1);
     CHECK(e.front().value("WORLD_SIZE", "") == "3");

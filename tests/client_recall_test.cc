@@ -461,7 +461,7 @@ TEST_CASE("client machine, recall: restarted with ranks 1..7 while ranks 8..16 r
 }
 
 TEST_CASE("client machine, recall: a whole job rerun at once (every voter recalls the same run at the record's epoch, "
-          "none hosts) is stale once a majority of the voters answered so, at once; one that recalls a newer epoch "
+          "none hosts) is stale once a majority of the voters answered so, at once, and one that recalls a newer epoch "
           "(it was in a later round) or names a run unproven does not count (review s39 H1)") {
   const std::string key = auth::job_key("secret", "job");
   ClientOptions o = restarted();

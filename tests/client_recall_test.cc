@@ -411,15 +411,18 @@ Hosts ranks_1_to_16() {
   return out;
 }
 constexpr int kRecordEpoch = 131074;
+ClientOptions restarted_with_token() {
+  ClientOptions o = restarted();
+  o.token = "secret";
+  return o;
+}
 }  // namespace
 
 TEST_CASE("client machine, recall: restarted with ranks 1..7 while ranks 8..16 run on (a rack's power lost), the host "
           "does not call its record stale on the 7 that recall the run too: no majority of the 17 voters, then it "
           "joins the run where it runs (review s39 H1)") {
   const std::string key = auth::job_key("secret", "job");
-  ClientOptions o = restarted();
-  o.token = "secret";
-  Link l(o);
+  Link l(restarted_with_token());
   const Hosts hosts = ranks_1_to_16();
   l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/17);
   auto c = l.m.start(l.now);
@@ -464,9 +467,7 @@ TEST_CASE("client machine, recall: a whole job rerun at once (every voter recall
           "none hosts) is stale once a majority of the voters answered so, at once, and one that recalls a newer epoch "
           "(it was in a later round) or names a run unproven does not count (review s39 H1)") {
   const std::string key = auth::job_key("secret", "job");
-  ClientOptions o = restarted();
-  o.token = "secret";
-  Link l(o);
+  Link l(restarted_with_token());
   const Hosts hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}, {"127.0.0.4", 7004}, {"127.0.0.5", 7005}};
   l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/5);
   auto c = l.m.start(l.now);

@@ -87,7 +87,7 @@ std::pair<std::string, int> connect_of(const ClientCommands& cs) {
 TEST_CASE("client machine, recall: a restarted agent tries its record's hosts in turn (a refusal: the next at once) "
           "and joins the first that runs the record's run, as a new member, with one line") {
   Link l(restarted());
-  l.m.recall(kRecorded, kRun, T0);
+  l.m.recall(kRecorded, kRun, T0 + 1h);
   auto c = l.m.start(l.now);
   CHECK(connect_of(c) == kRecorded[0]);
   CHECK(armed(c, ClientTimer::kTakeover) == T0 + 100ms);  // a silent one: one keep-alive interval
@@ -493,4 +493,19 @@ TEST_CASE("client machine, recall: a whole job rerun at once (every voter recall
                                          "answered that they run no round of that run"));
   REQUIRE(has<cmd::RecallEnded>(c));
   CHECK(l.now == T0);
+}
+
+TEST_CASE("client machine, recall: its first pass ends by `until` too, however many hosts are silent, and the end "
+          "names the record, not the watchdog's server (review s39 L5)") {
+  Link l(restarted());
+  l.m.recall(kRecorded, kRun, T0 + 150ms, 0, "/rec/job-1.json");
+  auto c = l.m.start(l.now);
+  CHECK(armed(c, ClientTimer::kTakeover) == T0 + 100ms);  // a silent one: one keep-alive interval
+  c = l.after(100ms, ClientTimer::kTakeover);
+  CHECK(armed(c, ClientTimer::kTakeover) == T0 + 150ms);  // (before: T0 + 200ms, past `until`)
+  c = l.after(50ms, ClientTimer::kTakeover);
+  CHECK(armed(c, ClientTimer::kTakeover) == T0 + 150ms);  // the last: at once
+  c = l.fire(ClientTimer::kTakeover);
+  REQUIRE(has<cmd::Lost>(c));
+  CHECK_THAT(all<cmd::Lost>(c).front().why, Catch::Contains("If the job is over, remove /rec/job-1.json"));
 }

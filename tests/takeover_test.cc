@@ -455,7 +455,7 @@ TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's re
 }
 
 TEST_CASE("a whole agent-hosted job of two nodes on a loopback endpoint SIGKILLed and rerun at once runs a fresh run "
-          "of two (the agent that hosts at its start listens on its record's takeover port too; review s39 M1)") {
+          "of two (review s39 M1)") {
   const auto [errs, run] = rerun_whole_job(2);
   CHECK(std::any_of(errs.begin(), errs.end(), [](const std::string& e) { return e.find("is stale") != std::string::npos; }));
 }

@@ -200,7 +200,7 @@ void Journal::rotate() {
   }
 }
 
-void Journal::record(const nlohmann::json& event) {
+void Journal::record(const nlohmann::json& event, bool sync_now) {
   remember(event);
   std::string line = proto::dump_json(event);
   if (line.size() > kMaxLineBytes) return;  // never: events hold bounded text
@@ -214,8 +214,14 @@ void Journal::record(const nlohmann::json& event) {
     return;
   }
   size_ += line.size();
-  if (durable(event.value("event", "")) && ::fdatasync(fd_) != 0)
-    last_error = fmt::format("cannot flush {}: {}", path_, errno_text());
+  unsynced_ = unsynced_ || durable(event.value("event", ""));
+  if (sync_now) sync();
+}
+
+void Journal::sync() {
+  if (!unsynced_ || fd_ < 0) return;
+  unsynced_ = false;
+  if (::fdatasync(fd_) != 0) last_error = fmt::format("cannot flush {}: {}", path_, errno_text());
 }
 
 std::vector<nlohmann::json> Journal::last_events(std::size_t n) const {

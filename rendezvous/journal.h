@@ -17,8 +17,8 @@
 //
 //   DIR/journal.jsonl    append-only; fdatasync'd after each event that changes a job's state
 //                        (created, round started, node lost, restart, promoted, takeover, done,
-//                        failed), not after each node's join; written before the frames of the
-//                        call that made the events go out (Server::drive), so a node that heard
+//                        failed), not after each node's join, once for all of a call's events,
+//                        before the frames of the call that made them go out (Server::drive), so a node that heard
 //                        a job's end finds it here, and a restarted daemon tells the nodes that
 //                        re-register an ended run that end (Job::seed_ended, review s38-late L1)
 //   DIR/journal.1.jsonl  the previous file: past kMaxFileBytes the journal moves there (the one
@@ -74,7 +74,11 @@ class Journal {
 
   // Appends one event ({"event": KIND, "job": ID, "text": ..., "unix_ms": ...}). A failed
   // write is reported once through `on_error` (the daemon logs it) and never throws.
-  void record(const nlohmann::json& event);
+  // `sync`: flushed to disk at once when it changes a job's state; else sync() does, once
+  // for all the events of a call (review s39 L3).
+  void record(const nlohmann::json& event, bool sync = true);
+  // Flushes what record(event, false) appended that changes a job's state (one fdatasync).
+  void sync();
   // The jobs the journal knows, most recent last.
   const std::map<std::string, JobHistory>& jobs() const { return jobs_; }
   // The last `n` events of every job, oldest first (the status page's events after a restart).
@@ -90,6 +94,7 @@ class Journal {
   std::string dir_, path_, old_path_;
   int fd_ = -1, lock_fd_ = -1;
   std::uint64_t size_ = 0, max_bytes_;
+  bool unsynced_ = false;  // a durable event appended, not flushed yet (record(e, false))
   std::map<std::string, JobHistory> jobs_;
   std::deque<nlohmann::json> recent_;  // every job's last events, for last_events()
 };

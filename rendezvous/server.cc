@@ -254,6 +254,8 @@ void Server::log(const std::string& raw, nlohmann::json fields) const {
 void Server::drive(Job& job, const Actions& actions) {
   // The events are journaled before the frames go out (write-ahead): a node that heard a
   // decision (Done above all) finds it in a restarted daemon's --state-dir (review s38-late L1).
+  // A call's events are appended, then flushed once (review s39 L3: one tick that drops K
+  // nodes made K fdatasyncs before its frames).
   for (const auto& e : job.take_events()) {
     if (opts_.on_event) opts_.on_event(e);
     auto fields = json_of(e);
@@ -262,7 +264,10 @@ void Server::drive(Job& job, const Actions& actions) {
     if (!opts_.journal) continue;
     fields["text"] = text;
     fields["unix_ms"] = events_.back().unix_ms;
-    opts_.journal->record(fields);
+    opts_.journal->record(fields, /*sync=*/false);
+  }
+  if (opts_.journal) {
+    opts_.journal->sync();
     if (opts_.journal->last_error != journal_error_) {
       journal_error_ = opts_.journal->last_error;
       if (!journal_error_.empty()) log(fmt::format("warning: --state-dir: {}; the job history is incomplete", journal_error_));
@@ -634,6 +639,7 @@ void Server::apply(const Actions& actions) {
     auto it = sessions_.find(a.session);
     if (it == sessions_.end()) continue;
     auto conn = it->second->conn;  // send() may close and erase the session
+    if (opts_.on_send) opts_.on_send(a.frame);
     conn->send(a.frame);
     if (proto::type_of(a.frame) == MsgType::kError) conn->close();
   }

@@ -68,6 +68,9 @@ struct ServerOptions {
   // Every job event as recorded (beside the log line): an agent hosting its job watches for
   // the round that waits for a majority (JobEvent::Kind::kNoQuorum, #34). May be empty.
   std::function<void(const JobEvent&)> on_event;
+  // Each frame a job's decision sends, just before it goes out (the tests check there that
+  // its events are journaled first: the write-ahead, review s39 L4). May be empty.
+  std::function<void(const proto::Wire&)> on_send;
   // --state-dir: every job event is journaled there, and the jobs and events it holds from
   // before a restart are shown (jobs_json(), events_json(), history_json()).
   std::shared_ptr<Journal> journal;

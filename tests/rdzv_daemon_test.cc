@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <set>
@@ -403,7 +405,7 @@ TEST_CASE("a restarted daemon tells the nodes that re-register a run its --state
 }
 
 TEST_CASE("the daemon journals a job's events before their frames go out: no node has its Done when the done event is "
-          "recorded (review s38-late L1)") {
+          "recorded, and the journal file holds it when the Done is sent (review s38-late L1, s39 L4)") {
   const std::string dir = make_temp_dir();
   std::string warning;
   asio::io_context io(1);
@@ -416,6 +418,17 @@ TEST_CASE("the daemon journals a job's events before their frames go out: no nod
     pollfd p{fd, POLLIN, 0};
     pending_at_done = ::poll(&p, 1, 0);  // loopback: a frame sent is readable at once
   };
+  // At the point of sending (on_event alone fires before the journal's record: an order of
+  // on_event, send, record passed it), the file already holds the done event.
+  int sends_of_done = 0;
+  bool journaled_at_send = false;
+  so.on_send = [&](const proto::Wire& f) {
+    if (proto::type_of(f) != proto::MsgType::kDone) return;
+    ++sends_of_done;
+    std::ifstream in(dir + "/journal.jsonl");
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    journaled_at_send = text.find("\"event\":\"done\"") != std::string::npos;
+  };
   rdzv::Server server(io, so);
   const auto a = assignment_of(io, server, fds, sim_join("ahead", 1, 1, "127.0.0.1"));
   fd = fds.fds.back();
@@ -423,6 +436,8 @@ TEST_CASE("the daemon journals a job's events before their frames go out: no nod
   send_all(fd, done.data(), done.size());
   CHECK(await_frame(io, fd, proto::MsgType::kDone));
   CHECK(pending_at_done == 0);  // before: 1 (the Done was sent first)
+  CHECK(sends_of_done == 1);
+  CHECK(journaled_at_send);
   CHECK(so.journal->jobs().at("ahead").summary.value("state", "") == "done");
   server.stop();
 }

@@ -385,9 +385,13 @@ void Agent::load_job_record() {
     // hosts no run of the job now (a whole job rerun at once: review s38 M2).
     if (const auto own = endpoint_to_host())
       std::erase(recalled_->hosts, std::pair<std::string, int>{own->host, own->port});
+    // This node's own takeover address, bound again at the recorded port: it answers
+    // "recalling" and would count twice (review s39-late H1).
+    if (recalled_->takeover_port > 0)
+      std::erase(recalled_->hosts, std::pair<std::string, int>{plan_.master_addr, recalled_->takeover_port});
     if (recalled_->hosts.empty())
-      notice(fmt::format("this node's record of job '{}' (run {}), {}, names only this node's endpoint, where "
-                         "nothing listens: starting afresh",
+      notice(fmt::format("this node's record of job '{}' (run {}), {}, names only this node itself (its "
+                         "endpoint, where nothing listens, or its own takeover address): starting afresh",
                          plan_.run_id, recalled_->run,
                          job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_)));
   }
@@ -405,7 +409,7 @@ void Agent::recall_job() {
                      "most join_timeout, {} s, then exit 3); remove that file to start afresh at once",
                      plan_.run_id, recalled_->run, path, recalled_->hosts.size(), opts_.join_timeout.count() / 1000.0));
   client_->recall(recalled_->hosts, recalled_->run, now().steady + opts_.join_timeout, recalled_->epoch, path,
-                  recalled_->voters);
+                  recalled_->voters, recalled_->voter_hosts);
 }
 
 void Agent::end_recall() {
@@ -420,6 +424,7 @@ void Agent::remember_job(int epoch, const std::string& run) {
   if (!record_io_ || !client_ || run.empty()) return;
   JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
   r.voters = client_->job_voters();
+  r.voter_hosts = client_->job_voter_hosts();
   r.takeover_port = takeover_port_;
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   warn_record_failure();

@@ -132,11 +132,14 @@ std::shared_ptr<JobRecordDir> JobRecordDir::open(const std::string& dir, std::st
 std::string JobRecordDir::write(const JobRecord& r) const {
   nlohmann::json hosts = nlohmann::json::array();
   for (const auto& [h, p] : r.hosts) hosts.push_back({h, p});
+  nlohmann::json voter_hosts = nlohmann::json::array();
+  for (const auto& [h, p] : r.voter_hosts) voter_hosts.push_back({h, p});
   // (dump_json: a string that is not UTF-8 never throws on the helper thread, review s39 L3.)
   const std::string text =
       proto::dump_json(nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
                                       {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
-                                      {"takeover_port", r.takeover_port}, {"voters", r.voters}}) +
+                                      {"takeover_port", r.takeover_port}, {"voters", r.voters},
+                                      {"voter_hosts", voter_hosts}}) +
       "\n";
   const std::string name = job_record_name(r.job, r.node, r.endpoint);
   const std::string tmp = fmt::format("{}.{}.tmp", name, ::getpid());
@@ -189,6 +192,10 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
       r.epoch = static_cast<int>(integer_in(j.at("epoch"), 0, INT_MAX, "epoch"));
       for (const auto& h : j.at("hosts"))
         r.hosts.emplace_back(h.at(0).get<std::string>(), static_cast<int>(integer_in(h.at(1), 1, 65535, "port")));
+      if (j.contains("voter_hosts"))  // (absent before review s39-late H2: none, the every-host rule)
+        for (const auto& h : j.at("voter_hosts"))
+          r.voter_hosts.emplace_back(h.at(0).get<std::string>(),
+                                     static_cast<int>(integer_in(h.at(1), 1, 65535, "port")));
       if (j.contains("takeover_port"))  // (absent from a record before it: none)
         r.takeover_port = static_cast<int>(integer_in(j.at("takeover_port"), 0, 65535, "takeover_port"));
       if (j.contains("voters"))  // (absent before review s39 H1: 0, unknown)

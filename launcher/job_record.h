@@ -43,6 +43,7 @@ struct JobRecord {
   std::vector<std::pair<std::string, int>> hosts;  // where to look for the job, in that order
   int takeover_port = 0;  // this node's takeover socket's (bound again there on a restart)
   int voters = 0;         // the last round's voters (rdzv::ClientMachine::job_voters()); 0: unknown
+  std::vector<std::pair<std::string, int>> voter_hosts;  // their takeover addresses (job_voter_hosts())
   std::int64_t written_ms = 0;  // read: the file's modification time (ms since the Unix epoch)
 };
 

@@ -204,9 +204,14 @@ class ClientMachine {
   // `voters`, the record's: its last round's voters (nodes and standbys, this node one of
   // them); > 0: the record is stale once a strict majority of them, this node counted,
   // answered that they run no round of the run (review s39 H1); 0 (an older record): once
-  // every host answered so in one pass.
+  // every host answered so in one pass. `voter_hosts`, the record's: the voters' takeover
+  // addresses; only their answers count toward that majority, each once a pass (the endpoint
+  // and former hosts are tried, never counted: review s39-late H2); none (an older record):
+  // the every-host rule. This node's own takeover address (its Join's addr and takeover
+  // port, bound again) is no target: it would count itself twice (review s39-late H1).
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-              int epoch = 0, std::string record = {}, int voters = 0);
+              int epoch = 0, std::string record = {}, int voters = 0,
+              std::vector<std::pair<std::string, int>> voter_hosts = {});
   ClientCommands start(Clock::time_point now);
   // The answer to cmd::RecallEnded: `hosting`, the agent hosts the job now (its join offers
   // no takeover port); the endpoint is joined.
@@ -255,6 +260,7 @@ class ClientMachine {
   std::vector<std::pair<std::string, int>> job_hosts() const;
   // The last round's voters (its nodes and the standbys), this node one of them; 0: none.
   int job_voters() const;
+  std::vector<std::pair<std::string, int>> job_voter_hosts() const;  // their takeover addresses
   static constexpr std::size_t kMaxRecallHosts = proto::kMaxListedNodes;
   // The generation of t's current arm (what a fire that is not stale carries).
   std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }
@@ -426,6 +432,8 @@ class ClientMachine {
     bool all_positive = true;     // every target of this pass answered that it runs no host of the run
     std::size_t positives = 0;    // how many of this pass did
     int voters = 0;               // the record's (recall())
+    std::vector<std::pair<std::string, int>> voter_hosts;  // the record's: whose answers count
+    std::vector<std::pair<std::string, int>> counted;      // those counted this pass
     std::string record;           // the record's path, for the end past `until`
   };
   std::optional<Recall> recall_;  // start() looks for the job at its record's hosts first
@@ -436,7 +444,9 @@ class ClientMachine {
   // A takeover socket's NotHosting before any welcome (#34, review s38 M2).
   void not_hosting(const proto::Frame& f, Clock::time_point now);
   void refused_connect(bool refused, const std::string& error, Clock::time_point now);  // connect_failed()'s
-  bool recall_welcomed(const proto::Welcome& w, Clock::time_point now);  // false: not the job's run
+  bool recall_welcomed(const proto::Welcome& w, Clock::time_point now);
+  // The takeover addresses of the last round's voters (this node's too, or not), in order.
+  std::vector<std::pair<std::string, int>> voter_addresses(bool with_self) const;  // false: not the job's run
   // The hosts this node knew the job at (the endpoint, each host lost since), at most kMaxHosts.
   std::vector<std::pair<std::string, int>> job_hosts_;
   static constexpr std::size_t kMaxHosts = 8;

@@ -15,9 +15,14 @@ namespace mg::rdzv {
 using std::chrono::milliseconds;
 
 void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
-                           int epoch, std::string record, int voters) {
-  hosts.erase(std::remove_if(hosts.begin(), hosts.end(), [](const auto& h) { return h.first.empty() || h.second <= 0; }),
-              hosts.end());
+                           int epoch, std::string record, int voters,
+                           std::vector<std::pair<std::string, int>> voter_hosts) {
+  // This node's own takeover address, bound again, answers "recalling": never a target
+  // (review s39-late H1).
+  const std::pair<std::string, int> own{opts_.join.addr, opts_.join.takeover_port};
+  auto not_a_target = [&](const auto& h) { return h.first.empty() || h.second <= 0 || h == own; };
+  hosts.erase(std::remove_if(hosts.begin(), hosts.end(), not_a_target), hosts.end());
+  voter_hosts.erase(std::remove_if(voter_hosts.begin(), voter_hosts.end(), not_a_target), voter_hosts.end());
   if (hosts.size() > kMaxRecallHosts) hosts.resize(kMaxRecallHosts);
   if (hosts.empty() || run.empty()) return;
   Recall r;
@@ -26,7 +31,9 @@ void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::
   r.epoch = epoch;
   r.until = until;
   r.record = std::move(record);
-  r.voters = std::max(0, voters);
+  // (No voters' addresses, an older record: the every-host rule, never a majority of any answers.)
+  r.voters = voter_hosts.empty() ? 0 : std::max(0, voters);
+  r.voter_hosts = std::move(voter_hosts);
   r.endpoint_host = opts_.host;
   r.endpoint_port = opts_.port;
   recall_ = std::move(r);
@@ -43,7 +50,14 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
   if (!why_previous.empty()) {
     r.tried += fmt::format("{}{}: {}", r.tried.empty() ? "" : "; ", host_port(opts_.host, opts_.port), why_previous);
     r.all_positive = r.all_positive && positive;
-    r.positives += positive;
+    // Only a voter's answer counts toward the majority, each voter once a pass (review
+    // s39-late H2): the endpoint and former hosts are no voters of the record's epoch.
+    const std::pair<std::string, int> at{opts_.host, opts_.port};
+    if (positive && std::find(r.voter_hosts.begin(), r.voter_hosts.end(), at) != r.voter_hosts.end() &&
+        std::find(r.counted.begin(), r.counted.end(), at) == r.counted.end()) {
+      r.counted.push_back(at);
+      ++r.positives;
+    }
   }
   drop_connection();
   cancel(ClientTimer::kTakeover);
@@ -88,6 +102,7 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
     r.last = std::exchange(r.tried, {});
     r.all_positive = true;
     r.positives = 0;
+    r.counted.clear();
     arm(ClientTimer::kTakeover, std::min(r.until, now + std::min(milliseconds(500), milliseconds(opts_.join.keep_alive_ms))));
     return;
   }
@@ -204,6 +219,27 @@ int ClientMachine::job_voters() const {
   return nodes == 0 ? 0 : static_cast<int>(nodes) + std::max(0, standbys_);
 }
 
+std::vector<std::pair<std::string, int>> ClientMachine::voter_addresses(bool with_self) const {
+  std::vector<std::pair<std::string, int>> out;
+  if (host_agent_.empty() || !ever_welcomed_) return out;
+  if (standby_ && standby_of_) {
+    for (const auto& c : takeover_candidates(standby_of_->nodes, standby_of_->takeover_ports, {}, 0))
+      out.emplace_back(c.addr, c.port);
+  } else if (last_) {
+    for (const auto& c : takeover_candidates(*last_, {}, 0))
+      if (with_self || c.group_rank != last_->group_rank) out.emplace_back(c.addr, c.port);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, int>> ClientMachine::job_voter_hosts() const {
+  std::vector<std::pair<std::string, int>> out;
+  for (auto& t : voter_addresses(/*with_self=*/true))
+    if (t.second > 0 && out.size() < kMaxRecallHosts && std::find(out.begin(), out.end(), t) == out.end())
+      out.push_back(std::move(t));
+  return out;
+}
+
 std::vector<std::pair<std::string, int>> ClientMachine::job_hosts() const {
   std::vector<std::pair<std::string, int>> out;
   if (host_agent_.empty() || !ever_welcomed_) return out;
@@ -213,12 +249,7 @@ std::vector<std::pair<std::string, int>> ClientMachine::job_hosts() const {
   };
   if (!takeover_ && !seek_ && !recall_) add(opts_.host, opts_.port);  // the server it is joined to
   for (const auto& [h, p] : job_hosts_) add(h, p);
-  if (standby_ && standby_of_) {
-    for (const auto& c : takeover_candidates(standby_of_->nodes, standby_of_->takeover_ports, {}, 0)) add(c.addr, c.port);
-  } else if (last_) {
-    for (const auto& c : takeover_candidates(*last_, {}, 0))
-      if (c.group_rank != last_->group_rank) add(c.addr, c.port);
-  }
+  for (const auto& [h, p] : voter_addresses(/*with_self=*/false)) add(h, p);
   return out;
 }
 

@@ -242,6 +242,8 @@ TEST_CASE("client machine: job_hosts(), what a node's record names: the server i
     l.welcome("host-1");
     l.receive(a);
     CHECK(l.m.job_hosts() == Hosts{{"127.0.0.1", kRdzvPort}, {"127.0.0.3", 7003}});
+    // The voters' takeover addresses (whose answers count, review s39-late H2): no endpoint.
+    CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}});
   }
   {
     Link l(restarted());
@@ -249,6 +251,7 @@ TEST_CASE("client machine: job_hosts(), what a node's record names: the server i
     l.welcome("");  // a daemon: found again at its own address
     l.receive(a);
     CHECK(l.m.job_hosts().empty());
+    CHECK(l.m.job_voter_hosts().empty());
   }
 }
 
@@ -424,7 +427,7 @@ TEST_CASE("client machine, recall: restarted with ranks 1..7 while ranks 8..16 r
   const std::string key = auth::job_key("secret", "job");
   Link l(restarted_with_token());
   const Hosts hosts = ranks_1_to_16();
-  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/17);
+  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/17, hosts);
   auto c = l.m.start(l.now);
   for (int pass = 0; pass < 2; ++pass)
     for (int g = 1; g <= 16; ++g) {
@@ -469,7 +472,7 @@ TEST_CASE("client machine, recall: a whole job rerun at once (every voter recall
   const std::string key = auth::job_key("secret", "job");
   Link l(restarted_with_token());
   const Hosts hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}, {"127.0.0.4", 7004}, {"127.0.0.5", 7005}};
-  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/5);
+  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/5, hosts);
   auto c = l.m.start(l.now);
   auto recalling = [&](int epoch, bool proven) {
     proto::NotHosting n{"job", kRun, "host", ""};
@@ -508,4 +511,86 @@ TEST_CASE("client machine, recall: its first pass ends by `until` too, however m
   c = l.fire(ClientTimer::kTakeover);
   REQUIRE(has<cmd::Lost>(c));
   CHECK_THAT(all<cmd::Lost>(c).front().why, Catch::Contains("If the job is over, remove /rec/job-1.json"));
+}
+
+TEST_CASE("client machine, recall: a node that took the job over, restarted, is no target of its own recall (its "
+          "takeover socket, bound again, answers 'recalling' too): with 3 voters it is not stale after a pass where "
+          "it alone said so (review s39-late H1)") {
+  Link l(restarted());  // this node: 127.0.0.1, takeover port 7001
+  const Hosts hosts{{"127.0.0.1", 7001}, {"127.0.0.2", 7002}, {"127.0.0.3", 7003}};
+  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/3, hosts);
+  auto c = l.m.start(l.now);
+  for (int turn = 0; turn < 3 && has<cmd::Connect>(c); ++turn) {
+    const auto at = connect_of(c);
+    INFO("turn " << turn << ", " << at.first << ":" << at.second);
+    if (at == hosts[0]) {  // itself: recalling the run at the record's epoch
+      l.m.connected(kNonce, l.now);
+      proto::NotHosting n{"job", kRun, "host-1", ""};
+      n.recalling = true;
+      n.epoch = kRecordEpoch;
+      c = l.receive(n);
+    } else if (at == hosts[1]) {  // the other survivor, in the run's round: not hosting it
+      l.m.connected(kNonce, l.now);
+      c = l.receive(proto::NotHosting{"job", kRun, "host-2", ""});
+    } else {  // the third voter: gone
+      c = l.m.connect_failed(true, "Connection refused", l.now);
+    }
+    CHECK(!has<cmd::RecallEnded>(c));
+    CHECK(notices(c).find("stale") == std::string::npos);
+  }
+  CHECK(l.m.recalling());
+  CHECK(armed(c, ClientTimer::kTakeover));  // the pause before the next pass
+}
+
+TEST_CASE("client machine, recall: an answer from a target that is no voter of the record's epoch (the endpoint "
+          "hosting another run) never counts toward the majority, and a voter listed twice counts once: with 5 voters, the "
+          "endpoint and one voter are not a majority (review s39-late H2)") {
+  Link l(restarted());  // this node: 127.0.0.1, takeover port 7001
+  const Hosts voters{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}, {"127.0.0.4", 7004}, {"127.0.0.5", 7005}};
+  const Hosts hosts{{"127.0.0.1", kRdzvPort}, voters[0], voters[0], voters[1], voters[2], voters[3]};
+  l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/5, voters);
+  auto c = l.m.start(l.now);
+  // The endpoint: the agent there restarted without a record and hosts a fresh run.
+  REQUIRE(connect_of(c) == hosts[0]);
+  l.m.connected(kNonce, l.now);
+  c = l.receive(welcome_of("host-x", "1764500099999-00000000000000ff"));
+  CHECK(!has<cmd::RecallEnded>(c));
+  // One voter, restarted too (twice in the targets): recalling the run at the record's epoch.
+  for (int i = 1; i <= 2; ++i) {
+    REQUIRE(connect_of(c) == hosts[static_cast<std::size_t>(i)]);
+    l.m.connected(kNonce, l.now);
+    proto::NotHosting n{"job", kRun, "host-2", ""};
+    n.recalling = true;
+    n.epoch = kRecordEpoch;
+    c = l.receive(n);
+    CHECK(!has<cmd::RecallEnded>(c));
+    CHECK(notices(c).find("stale") == std::string::npos);
+  }
+  // The other voters run on elsewhere, unreachable: no majority in this pass.
+  for (std::size_t i = 3; i < hosts.size(); ++i) {
+    REQUIRE(connect_of(c) == hosts[i]);
+    c = l.m.connect_failed(true, "Connection refused", l.now);
+    CHECK(!has<cmd::RecallEnded>(c));
+    CHECK(notices(c).find("stale") == std::string::npos);
+  }
+  CHECK(l.m.recalling());
+  // A third voter that answers so in the next pass makes the majority: 3 of 5 with this node.
+  REQUIRE(armed(c, ClientTimer::kTakeover));
+  l.now += 500ms;
+  c = l.fire(ClientTimer::kTakeover);
+  for (std::size_t i = 0; i < hosts.size(); ++i) {
+    REQUIRE(connect_of(c) == hosts[i]);
+    if (i == 0 || i == 3) {
+      c = l.m.connect_failed(true, "Connection refused", l.now);
+      continue;
+    }
+    l.m.connected(kNonce, l.now);
+    proto::NotHosting n{"job", kRun, "host", ""};
+    n.recalling = true;
+    n.epoch = kRecordEpoch;
+    c = l.receive(n);
+    if (i == 4) break;
+  }
+  CHECK_THAT(notices(c), Catch::Contains("a majority of its last round's 5 voters (this node and 2 more)"));
+  CHECK(has<cmd::RecallEnded>(c));
 }

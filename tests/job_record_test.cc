@@ -41,6 +41,8 @@ JobRecord sample(const std::string& job = "job7", const std::string& node = "127
   r.run = "1764500000000-0123456789abcdef";
   r.epoch = 131075;
   r.hosts = {{"127.0.0.2", kPort}, {"127.0.0.3", kPort2}, {"127.0.0.4", kPort3}};
+  r.voters = 3;
+  r.voter_hosts = {{"127.0.0.3", kPort2}, {"127.0.0.4", kPort3}};
   return r;
 }
 
@@ -85,6 +87,8 @@ TEST_CASE("a record is written whole (0600, in a directory made 0700) and read b
   CHECK(r->run == sample().run);
   CHECK(r->epoch == 131075);
   CHECK(r->hosts == sample().hosts);
+  CHECK(r->voters == 3);
+  CHECK(r->voter_hosts == sample().voter_hosts);
   CHECK(r->written_ms > 0);
   // Another node of the same job on this machine, another job: no record, and no complaint.
   CHECK(!d->read("job7", "127.0.0.3@hostA", kEndpoint, &why));

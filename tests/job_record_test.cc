@@ -215,23 +215,24 @@ TEST_CASE("a record with raw bytes or a port outside 1..65535 is ignored with on
     CHECK(!d->read("job7", "n", kEndpoint, &why));
     CHECK_THAT(why, Catch::Contains("port " + std::to_string(port) + " outside 1..65535"));
   }
-  // Numbers that an int would narrow (4294996796 was read as 29500) or that are no whole
-  // number: refused, never taken as a port or an epoch (review s39 L4).
+  // Numbers that an int would narrow (2^32 + P was read as P) or that are no whole number:
+  // refused, never taken as a port or an epoch (review s39 L4). P: a port picked at run time.
+  const std::string p = std::to_string(kPort2), narrowed = std::to_string((1LL << 32) + kPort2);
   const std::string head = fmt::format(R"({{"job":"job7","node":"n","endpoint":"{}","run":"r",)", kEndpoint);
   for (const auto& [hosts, epoch, what] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {R"([["127.0.0.2",4294996796]])", "1", "port 4294996796 outside 1..65535"},
+           {R"([["127.0.0.2",)" + narrowed + "]]", "1", "port " + narrowed + " outside 1..65535"},
            {R"([["127.0.0.2",18446744073709551615]])", "1", "outside 1..65535"},
            {R"([["127.0.0.2",1e10]])", "1", "not a whole number"},
-           {R"([["127.0.0.2",29500.5]])", "1", "not a whole number"},
-           {R"([["127.0.0.2",29500]])", "4294967297", "epoch 4294967297 outside"}}) {
+           {R"([["127.0.0.2",)" + p + ".5]]", "1", "not a whole number"},
+           {R"([["127.0.0.2",)" + p + "]]", "4294967297", "epoch 4294967297 outside"}}) {
     put(head + R"("epoch":)" + epoch + R"(,"hosts":)" + hosts + "}\n");
     why.clear();
     CHECK(!d->read("job7", "n", kEndpoint, &why));
     CHECK_THAT(why, Catch::Contains("not a record") && Catch::Contains(what));
   }
-  put(head + R"("epoch":1,"hosts":[["127.0.0.2",29500]]})" "\n");  // (the same, in range: read)
+  put(head + R"("epoch":1,"hosts":[["127.0.0.2",)" + p + "]]}\n");  // (the same, in range: read)
   REQUIRE(d->read("job7", "n", kEndpoint, &why));
-  CHECK(d->read("job7", "n", kEndpoint, &why)->hosts.at(0).second == 29500);
+  CHECK(d->read("job7", "n", kEndpoint, &why)->hosts.at(0).second == kPort2);
 }
 
 TEST_CASE("a record of text that is not UTF-8 is written (its bad bytes replaced), never thrown on") {

@@ -65,14 +65,14 @@ CPUS_SPEC = $(abspath $(BUILD_DIR))/ctest-cpus.json
 CTEST := printf '{"version":{"major":1,"minor":0},"local":[{"cpus":[{"id":"0","slots":%d}]}]}\n' $(JOBS) > $(CPUS_SPEC) && \
          ctest --test-dir $(BUILD_DIR) -j $(TEST_JOBS) --resource-spec-file $(CPUS_SPEC) --output-on-failure --timeout 600
 test: build
-	@rc=0; $(CTEST) -LE soak || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); exit $$rc
+	@rc=0; $(CTEST) -LE soak || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); tests/support/failed.sh $(BUILD_DIR); exit $$rc
 
 # Only the soaks; test-all: everything (what CI runs).
 soak: build
-	@rc=0; $(CTEST) -L soak || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); exit $$rc
+	@rc=0; $(CTEST) -L soak || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); tests/support/failed.sh $(BUILD_DIR); exit $$rc
 
 test-all: build
-	@rc=0; $(CTEST) || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); exit $$rc
+	@rc=0; $(CTEST) || rc=$$?; tests/support/skipped.sh $(BUILD_DIR); tests/support/failed.sh $(BUILD_DIR); exit $$rc
 
 # The chaos soak (tests/chaos.py, issue #26): 12 minutes on the daemon, then 8 on a 3-member
 # etcd, faults at random, network faults among them (--netns: every node and the rendezvous

@@ -521,6 +521,11 @@ class Chaos:
         kinds = self.fault_kinds()
         next_fault = t_start + self.rng.uniform(5, 10)
         first = self.args.first_fault
+        # With --max-steps (no calibration: the smokes) the job's seconds are not known: on a
+        # fast machine its 300 steps were done before the first fault's 5-10 s, and the smoke
+        # failed with no fault. Its first fault comes at a step drawn from 10 to a third of the
+        # steps instead, once rank 0 printed it.
+        fault_step = self.rng.randint(10, max(10, max_steps // 3)) if self.args.max_steps else None
         while now() < deadline:
             if any(a.p.poll() == 0 for a in self.agents):
                 break  # the job is done: the others end on their own (evaluate waits for them)
@@ -529,7 +534,10 @@ class Chaos:
                 self.faults_stopped = round(now() - t_start, 1)
                 print(f"chaos: t+{self.faults_stopped:.1f}s no more faults: the steps left would not end within "
                       f"the plan's {self.args.seconds:.0f} s", flush=True)
-            if now() >= next_fault and now() < faults_until and self.steps() and self.faults_stopped is None:
+            steps = self.steps()
+            due = (steps[-1][1] >= fault_step if fault_step is not None and not self.faults else now() >= next_fault) \
+                if steps else False
+            if due and now() < faults_until and self.faults_stopped is None:
                 kind = first or self.rng.choice(kinds)
                 done = self.inject(kind, max_steps)
                 if done:
@@ -537,8 +545,11 @@ class Chaos:
                     target, t0 = done
                     self.faults.append({"kind": kind, "target": target, "t0": t0,
                                         "step_before": ([s for t, s in self.steps() if t <= t0] or [0])[-1]})
-                    print(f"chaos: t+{t0 - t_start:.1f}s {kind} {target}{self.whose(target)}", flush=True)
-                next_fault = now() + self.rng.uniform(self.args.min_gap, self.args.max_gap)
+                    print(f"chaos: t+{t0 - t_start:.1f}s {kind} {target}{self.whose(target)}, after step "
+                          f"{self.faults[-1]['step_before']}", flush=True)
+                # The first fault, when it does not apply yet (no standby waits), is tried again
+                # on the next pass, not a whole gap later (the smoke's gap outlasts its job).
+                next_fault = now() if not self.faults else now() + self.rng.uniform(self.args.min_gap, self.args.max_gap)
             self.replace_lost_agents(max_steps)
             time.sleep(0.05)
         self.phases["soak"] = round(now() - t_start, 1)

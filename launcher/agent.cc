@@ -624,7 +624,6 @@ void Agent::finish(int code) {
   if (monitor_) monitor_->stop();
   for (auto set : {AgentSignals::Set::kStop, AgentSignals::Set::kJobControl, AgentSignals::Set::kWinch})
     signals_->cancel(set);
-  clock_->cancel(sup::Timer::kRecord);
   // The job ended for good (its end heard from the rendezvous, or no survivor can take it
   // over: this node saw its host lost so, or it hosts and its own stop leaves none that
   // could): a rerun starts afresh, without a recall.

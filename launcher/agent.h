@@ -216,14 +216,12 @@ class Agent {
   // This node's record of the job (launcher/job_record.h, #34 H1). Read at start: a record
   // of this job makes the link look for the job at the record's hosts first (recall
   // pending: no hosting until it found none). Written at each assignment or standby (the
-  // link's job_hosts()), its time refreshed every keep-alive interval, removed when the
-  // job's end was heard from the rendezvous (for good: no later write brings it back), or
-  // when its recall found it stale; those on record_io_'s thread. Its first write's failure
-  // is told at the next write or refresh.
+  // link's job_hosts()), removed when the job's end was heard from the rendezvous (for
+  // good: no later write brings it back), or when its recall found it stale; those on
+  // record_io_'s thread. A write's failure is told at the next write.
   void load_job_record();
   void end_recall();
   void remember_job(int epoch, const std::string& run);
-  void refresh_job_record();
   void warn_record_failure();  // once: the first write that failed
   void recall_job();  // after the link is made: hands it the record's hosts
   std::string record_node_, record_endpoint_;

@@ -429,7 +429,7 @@ void Agent::remember_job(int epoch, const std::string& run) {
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   warn_record_failure();
   record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)
-  if (!std::exchange(record_written_, true)) refresh_job_record();
+  record_written_ = true;
 }
 
 void Agent::warn_record_failure() {
@@ -437,15 +437,6 @@ void Agent::warn_record_failure() {
     notice(fmt::format("warning: cannot keep this node's record of job '{}' ({}): an agent restarted here while the "
                        "job runs on elsewhere may not find it again",
                        plan_.run_id, why));
-}
-
-void Agent::refresh_job_record() {
-  clock_->arm(sup::Timer::kRecord, now().steady + opts_.keep_alive_interval, [this] {
-    if (core_.state() == sup::State::kDone) return;
-    warn_record_failure();
-    record_io_->touch();
-    refresh_job_record();
-  });
 }
 
 void Agent::on_assignment(const proto::Assignment& a) {

@@ -211,12 +211,7 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
   }
   // Another job's, node's or endpoint's (the hash's collision).
   if (r.job != job || r.node != node || r.endpoint != endpoint) return std::nullopt;
-  r.written_ms = ms_of(st.st_mtim);
   return r;
-}
-
-bool JobRecordDir::touch(const std::string& job, const std::string& node, const std::string& endpoint) const {
-  return ::utimensat(fd_.get(), job_record_name(job, node, endpoint).c_str(), nullptr, AT_SYMLINK_NOFOLLOW) == 0;
 }
 
 void JobRecordDir::remove(const std::string& job, const std::string& node, const std::string& endpoint) const {
@@ -271,7 +266,6 @@ int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::
 JobRecordWriter::Ops JobRecordWriter::ops_of(std::shared_ptr<const JobRecordDir> dir) {
   Ops ops;
   ops.write = [dir](const JobRecord& r) { return dir->write(r); };
-  ops.touch = [dir](const JobRecord& r) { dir->touch(r.job, r.node, r.endpoint); };
   ops.remove = [dir](const JobRecord& r) { dir->remove(r.job, r.node, r.endpoint); };
   ops.sweep = [dir] {
     dir->sweep(std::chrono::system_clock::now(), kJobRecordTmpMinAge,
@@ -288,12 +282,12 @@ struct JobRecordWriter::State {
   std::mutex mu;
   std::condition_variable cv;
   std::optional<JobRecord> pending_write;
-  std::optional<JobRecord> last;  // the key of touch() and remove()
-  bool pending_touch = false, pending_remove = false, pending_sweep = false, busy = false, stop = false;
+  std::optional<JobRecord> last;  // the key of remove()
+  bool pending_remove = false, pending_sweep = false, busy = false, stop = false;
   bool ended = false;     // remove() was asked: the job ended, nothing is written after it
   bool finished = false;  // the thread returned
   std::string error;
-  bool idle() const { return !busy && !pending_write && !pending_touch && !pending_remove && !pending_sweep; }
+  bool idle() const { return !busy && !pending_write && !pending_remove && !pending_sweep; }
 };
 
 JobRecordWriter::JobRecordWriter(Ops ops, std::chrono::milliseconds wait)
@@ -324,16 +318,7 @@ void JobRecordWriter::write(JobRecord r) {
     if (st_->ended) return;  // the job ended: a late write must not bring its record back
     st_->last = r;
     st_->pending_write = std::move(r);  // the one that waited, if any, is outdated
-    st_->pending_touch = st_->pending_remove = false;
-  }
-  st_->cv.notify_all();
-}
-
-void JobRecordWriter::touch() {
-  {
-    std::lock_guard lock(st_->mu);
-    if (st_->ended || !st_->last || st_->pending_write || st_->pending_remove) return;
-    st_->pending_touch = true;
+    st_->pending_remove = false;
   }
   st_->cv.notify_all();
 }
@@ -344,7 +329,6 @@ void JobRecordWriter::remove() {
     st_->ended = true;
     if (!st_->last) return;
     st_->pending_write.reset();
-    st_->pending_touch = false;
     st_->pending_remove = true;
   }
   st_->cv.notify_all();
@@ -390,12 +374,9 @@ void JobRecordWriter::loop(const std::shared_ptr<State>& st) {
     } else if (st->pending_remove) {
       st->pending_remove = false;
       op = [&ops = st->ops, r = *st->last] { return ops.remove(r), std::string(); };
-    } else if (st->pending_write) {
+    } else {
       op = [&ops = st->ops, r = std::move(*st->pending_write)] { return ops.write(r); };
       st->pending_write.reset();
-    } else {
-      st->pending_touch = false;
-      op = [&ops = st->ops, r = *st->last] { return ops.touch(r), std::string(); };
     }
     st->busy = true;
     lock.unlock();

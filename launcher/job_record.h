@@ -12,8 +12,8 @@
 // (0755 will do; never through a symbolic link). It is opened once (JobRecordDir) and every
 // file is reached through that descriptor. Files are 0600, written whole (a temporary file,
 // fsync, rename, fsync of the directory) and read back only when this user owns them. The
-// agent's writes, touches and removal run on a helper thread (JobRecordWriter), never on its
-// io thread (the heartbeats').
+// agent's writes and removal run on a helper thread (JobRecordWriter), never on its io
+// thread (the heartbeats').
 #pragma once
 
 #include <sys/types.h>
@@ -44,7 +44,6 @@ struct JobRecord {
   int takeover_port = 0;  // this node's takeover socket's (bound again there on a restart)
   int voters = 0;         // the last round's voters (rdzv::ClientMachine::job_voters()); 0: unknown
   std::vector<std::pair<std::string, int>> voter_hosts;  // their takeover addresses (job_voter_hosts())
-  std::int64_t written_ms = 0;  // read: the file's modification time (ms since the Unix epoch)
 };
 
 // "ADDR@HOSTNAME": one node among the agents a user runs on one machine (tests run several
@@ -68,7 +67,7 @@ std::string job_record_path(const std::string& dir, const std::string& job, cons
 
 // The record directory, open (review s38 L1): made 0700 when missing, opened once with
 // O_DIRECTORY|O_NOFOLLOW and checked by fstat; every file operation after that goes through
-// its descriptor (openat, renameat, unlinkat, utimensat), so a path swapped for another
+// its descriptor (openat, renameat, unlinkat), so a path swapped for another
 // directory or a link after the check changes nothing.
 class JobRecordDir {
  public:
@@ -84,8 +83,6 @@ class JobRecordDir {
   // a regular file, unreadable, not a record (a port outside 1..65535 too).
   std::optional<JobRecord> read(const std::string& job, const std::string& node, const std::string& endpoint,
                                 std::string* why) const;
-  // Sets the record's modification time to now (the agent is still in the job). False: none.
-  bool touch(const std::string& job, const std::string& node, const std::string& endpoint) const;
   void remove(const std::string& job, const std::string& node, const std::string& endpoint) const;
   // Removes what killed agents left (review s38 L2): the temporary files of this writer's
   // own name (job-<16 hex digits>.json.PID.tmp, this user's regular files) of pids `alive`
@@ -105,13 +102,12 @@ class JobRecordDir {
 // How old a dead writer's temporary file must be before a starting agent sweeps it.
 inline constexpr std::chrono::seconds kJobRecordTmpMinAge = std::chrono::hours(1);
 
-// The agent's record I/O on a helper thread of its own (review s38 L2): a write's fsync, a
-// touch's utimensat, the removal and the start's sweep, in the order asked, so a hung NFS or
-// a busy disk never delays the io thread (its heartbeats). The thread starts with the
-// writer (docs/design.md, "Threads on demand"). The queue is bounded: a write asked while
-// another waits replaces it (only the newest record matters); a touch while a write waits
-// is that write's; a removal drops what waits before it. remove() is final: the job ended,
-// and a write or touch asked after it is dropped, so no late write brings the record back
+// The agent's record I/O on a helper thread of its own (review s38 L2): a write's fsync,
+// the removal and the start's sweep, in the order asked, so a hung NFS or a busy disk never
+// delays the io thread (its heartbeats). The thread starts with the writer (docs/design.md,
+// "Threads on demand"). The queue is bounded: a write asked while another waits replaces
+// it (only the newest record matters); a removal drops what waits before it. remove() is
+// final: the job ended, and a write asked after it is dropped, so no late write brings the record back
 // (review s39 L7); discard() removes a stale record the agent recalled, and the job's own
 // records follow it. An exception of an operation is caught and kept as its error (review
 // s39 L3). The destructor waits at most `wait` for what is queued, then leaves the thread
@@ -121,7 +117,7 @@ class JobRecordWriter {
  public:
   struct Ops {  // what the thread does (JobRecordDir's; a test's own to hold it)
     std::function<std::string(const JobRecord&)> write;
-    std::function<void(const JobRecord&)> touch, remove;
+    std::function<void(const JobRecord&)> remove;
     std::function<void()> sweep;
   };
   static Ops ops_of(std::shared_ptr<const JobRecordDir> dir);
@@ -131,8 +127,7 @@ class JobRecordWriter {
   JobRecordWriter& operator=(const JobRecordWriter&) = delete;
 
   void write(JobRecord r);
-  void touch();   // the last record written
-  void remove();  // the last record written, for good: later writes and touches are dropped
+  void remove();  // the last record written, for good: later writes are dropped
   void discard(JobRecord key);  // that record (a stale one recalled), before any write
   void sweep();
   void drain();   // returns once nothing waits or runs

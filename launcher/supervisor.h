@@ -62,10 +62,8 @@ enum class State { kRunning, kStopping, kWaiting, kDone };
 // one): whatever the run waits for then, it ends at that signal + grace + kOverdueMargin.
 // kPrestart is the pre-started workers' (sup::Prestart, launcher/prestart.h): their earliest
 // hello or SIGKILL deadline. kPortWatch is the agent's own: the next look at who listens on
-// MASTER_PORT while the workers host the store (Agent::watch_master_port). kRecord is the
-// agent's own: the next refresh of its record of the job (launcher/job_record.h).
-enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kWatch, kOverdue, kPrestart, kPortWatch, kRecord,
-                   kCount };
+// MASTER_PORT while the workers host the store (Agent::watch_master_port).
+enum class Timer { kGrace, kLeave, kFence, kStoreLinger, kClosing, kWatch, kOverdue, kPrestart, kPortWatch, kCount };
 
 struct Config {
   int nproc = 1;          // workers of this node

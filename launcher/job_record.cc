@@ -42,12 +42,10 @@ std::string not_ours(const struct stat& st, const std::string& what, mode_t open
   return {};
 }
 
-// `text` as one printable line: a control byte or a byte past ASCII (raw bytes a parser
-// quotes from the file) becomes '?', at most 200 characters (review s38 L1).
-std::string printable_line(const std::string& text) {
-  std::string out;
-  for (unsigned char c : text.substr(0, 200)) out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
-  return out;
+// `text` as one printable ASCII line (raw bytes a parser quotes from the file), from its
+// first 200 bytes (review s38 L1).
+std::string printable_line(std::string_view text) {
+  return proto::printable(text.substr(0, 200), proto::Charset::kAscii);
 }
 
 // fsync of the record directory, "" or why not. EINVAL and ENOTSUP (some FUSE and network

@@ -45,19 +45,20 @@ std::string text_problem(std::string_view v) {
   return {};
 }
 
-std::string printable(std::string_view v) {
+std::string printable(std::string_view v, Charset charset) {
+  const std::string_view bad = charset == Charset::kAscii ? "?" : "\xEF\xBF\xBD";  // U+FFFD
   std::string out;
   out.reserve(v.size());
   for (std::size_t i = 0; i < v.size();) {
     char32_t cp = 0;
     const std::size_t n = decode_one(v, i, cp);
     if (n == 0) {
-      out += "\xEF\xBF\xBD";  // U+FFFD for the bad byte; resynchronise at the next one
+      out += bad;  // for the bad byte; resynchronise at the next one
       ++i;
       continue;
     }
     if (cp == '\t' || cp == '\n' || cp == '\r') out += ' ';
-    else if (control(cp)) out += "\xEF\xBF\xBD";
+    else if (control(cp) || (charset == Charset::kAscii && cp > 0x7F)) out += bad;
     else out.append(v.substr(i, n));
     i += n;
   }

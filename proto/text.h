@@ -18,8 +18,10 @@ std::string text_problem(std::string_view v);
 
 // `v` with tabs and line breaks turned into spaces, and every other control character and
 // every byte that is not part of valid UTF-8 turned into U+FFFD: text_problem() of the
-// result is "".
-std::string printable(std::string_view v);
+// result is "". kAscii: into '?' instead, and every code point past ASCII too (a line about
+// a local file's raw bytes, for any terminal or log).
+enum class Charset { kUtf8, kAscii };
+std::string printable(std::string_view v, Charset out = Charset::kUtf8);
 
 // j.dump(indent) that never throws: a string that is not valid UTF-8 is written with
 // U+FFFD in place of its bad bytes (nlohmann's dump() throws type_error.316 otherwise).

@@ -231,7 +231,7 @@ TEST_CASE("a record with raw bytes or a port outside 1..65535 is ignored with on
   CHECK(d->read("job7", "n", kEndpoint, &why)->hosts.at(0).second == kPort2);
 }
 
-TEST_CASE("a record of text that is not UTF-8 is written (its bad?bytes replaced), never thrown on") {
+TEST_CASE("a record of text that is not UTF-8 is written (its bad bytes replaced), never thrown on") {
   std::string dir, why;
   const auto d = open_fresh(dir);
   JobRecord r = sample("job7", "n");
@@ -390,7 +390,7 @@ TEST_CASE("an exception on the record's helper thread is kept as its error, and 
   r.epoch = 1;
   w.write(r);
   w.drain();
-  CHECK(w.take_error() == "the record's helper thread: bad?bytes");
+  CHECK(w.take_error() == "the record's helper thread: bad bytes");
   r.epoch = 2;
   w.write(r);
   w.drain();

@@ -91,6 +91,7 @@ TEST_CASE("every text field must be UTF-8 without control characters and the sen
   CHECK_FALSE(text_problem("tab\there").empty());
   CHECK_FALSE(text_problem("\xc2\x85").empty());  // U+0085, a C1 control
   CHECK(printable("a\tb\nc\x1b\xff日") == "a b c\xEF\xBF\xBD\xEF\xBF\xBD日");
+  CHECK(printable("a\tb\nc\x1b\xff日", mg::proto::Charset::kAscii) == "a b c???");  // (a local file's line)
   for (std::string bad : {"\xff\xfe", "\xc0\xaf", "x\x7f", "\xe6\x97", "\xed\xa0\x80"}) CHECK(text_problem(printable(bad)).empty());
   CHECK(mg::proto::dump_json(nlohmann::json{{"k", "a\xff"}}) == "{\"k\":\"a\xEF\xBF\xBD\"}");
 

@@ -27,6 +27,9 @@ constexpr std::size_t kMaxTrackedAddresses = 4096;
 constexpr std::size_t kMaxChallengesPerAddress = 4;
 constexpr auto kForgetFailures = std::chrono::minutes(1);  // an address's failure count, for the log
 constexpr std::size_t kAcceptBatch = 4096;  // connections taken per wake-up at most (a full backlog)
+
+// A journal summary's state of a job that ended: done, failed, or forgotten (job_of()).
+bool ended_state(const std::string& state) { return state == "done" || state == "failed" || state == "forgotten"; }
 }  // namespace
 
 struct Server::Session {
@@ -169,7 +172,7 @@ Job& Server::job_of(const std::string& job_id) {
   if (opts_.journal)
     if (const auto h = opts_.journal->jobs().find(job_id); h != opts_.journal->jobs().end()) {
       const auto state = h->second.summary.value("state", "");
-      known = state == "done" || state == "failed" || state == "forgotten";
+      known = ended_state(state);
       const auto was = h->second.summary.value("run", "");
       const bool valid = !was.empty() && proto::run_problem(was).empty();
       if (!known && valid) {
@@ -202,8 +205,7 @@ bool Server::ended_in_journal(const std::string& job_id) const {
   if (!opts_.journal) return false;
   const auto h = opts_.journal->jobs().find(job_id);
   if (h == opts_.journal->jobs().end()) return false;
-  const auto state = h->second.summary.value("state", "");
-  return state == "done" || state == "failed" || state == "forgotten";
+  return ended_state(h->second.summary.value("state", ""));
 }
 
 proto::Abort Server::journaled_abort(const JobHistory& h) {

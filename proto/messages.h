@@ -45,6 +45,10 @@ struct Hello {
   std::string agent_id;
   std::string job_id;  // the session serves this job only; its key is derived from it
   std::string nonce;   // hex, 32 random bytes
+  // The client reads NotHosting (review s39-listen M3). A takeover socket that does not
+  // host answers NotHosting only to such a Hello; an older client's (false: the field is
+  // absent) waits unanswered until the socket hosts, as its connect waited when refused.
+  bool reads_not_hosting = false;
 };
 struct Challenge {
   static constexpr MsgType kType = MsgType::kChallenge;
@@ -227,7 +231,7 @@ struct NotHosting {
 };
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(NotHosting, job_id, run, host_agent, proof, recalling, epoch)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Hello, agent_id, job_id, nonce, reads_not_hosting)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Challenge, nonce, proof)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Auth, mac)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Welcome, server, host_agent, round_epoch, epoch, last_round_epoch, run)

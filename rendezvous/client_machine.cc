@@ -193,7 +193,7 @@ ClientCommands ClientMachine::connected(const std::string& nonce, Clock::time_po
   beats_.clear();
   heard(now);  // the server's machine accepted the connection (a REJECT firewall never does)
   nonce_ = nonce;
-  send(proto::to_wire(proto::Hello{opts_.join.agent_id, opts_.join.job_id, nonce_}));
+  send(proto::to_wire(proto::Hello{opts_.join.agent_id, opts_.join.job_id, nonce_, /*reads_not_hosting=*/true}));
   // Without a token nothing is proven first: the join rides with the hello, saving a
   // round trip (the server reads them in order; one that wants a token answers the hello
   // with its challenge, which this client refuses, before it reads the join).

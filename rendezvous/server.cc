@@ -44,6 +44,9 @@ struct Server::Session {
   bool challenged = false;  // its challenge is out and unanswered (it holds one of its address's turns)
   std::string closing_why;  // why this server closed it (a deadline, a refusal), for the job's event
   std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
+  // An older client's Hello (no Hello::reads_not_hosting) to a server that does not host
+  // yet, and the frame that rode with it (a Join): read again once it hosts (resume_held()).
+  std::vector<proto::Frame> held;
 };
 
 Server::Server(asio::io_context& io, ServerOptions opts)
@@ -126,6 +129,18 @@ void Server::warn_if_open() const {
 void Server::host() {
   if (!std::exchange(opts_.not_hosting, false)) return;
   warn_if_open();
+  resume_held();
+}
+
+void Server::resume_held() {
+  std::vector<std::shared_ptr<Session>> held;
+  for (const auto& [id, s] : sessions_)
+    if (!s->held.empty()) held.push_back(s);
+  for (const auto& s : held)
+    for (const auto& f : std::exchange(s->held, {})) {
+      if (!sessions_.contains(s->id) || !s->conn->open() || !s->closing_why.empty()) break;  // (refused)
+      on_frame(s, f);
+    }
 }
 
 void Server::answer_not_hosting(Session& s) {
@@ -145,10 +160,10 @@ void Server::answer_not_hosting(Session& s) {
 }
 
 void Server::take_over(const std::string& job_id, const TakeoverSeed& seed) {
-  host();
   Job& job = job_of(job_id);
   job.take_over(seed, Clock::now());
   drive(job, {});
+  host();  // (after the job: a Hello held until now is welcomed into it)
 }
 
 Job& Server::job_of(const std::string& job_id) {
@@ -495,7 +510,14 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     auto hello = proto::from_frame<proto::Hello>(f);
     s->job = hello.job_id;
     s->client_nonce = hello.nonce;
-    if (opts_.not_hosting) return answer_not_hosting(*s);
+    if (opts_.not_hosting) {
+      if (hello.reads_not_hosting) return answer_not_hosting(*s);
+      // An older client reads NotHosting as a failed try and passes this node over, where
+      // its refused connect was waited for (review s39-listen M3; a reset would be passed
+      // over too): its Hello waits unanswered until this server hosts, or until the
+      // handshake timeout, as a silent node (its own search's interval bounds the wait).
+      return s->held.push_back(f);
+    }
     if (!opts_.only_job.empty() && s->job != opts_.only_job)
       throw proto::ProtocolError(fmt::format("this rendezvous is hosted by an agent of another job and serves only "
                                              "that job; is --rdzv_endpoint right, and is the mglaunch-rdzv daemon up?"));
@@ -545,6 +567,10 @@ void Server::refuse(Session& s, const std::string& why, bool name_peer) {
 void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) {
   auto refuse = [&](const std::string& why) { this->refuse(*s, why); };
   try {
+    if (!s->held.empty()) {  // an older client's, while this server does not host yet
+      if (s->held.size() > 1) return refuse("a third frame before this rendezvous host's answer");
+      return s->held.push_back(f);  // (the Join that rides with the Hello without a token)
+    }
     if (s->phase != Session::Phase::kReady) return handshake(s, f);
     const auto now = Clock::now();
     if (proto::type_of(f) == MsgType::kJoin) {

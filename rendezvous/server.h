@@ -48,7 +48,8 @@ struct ServerOptions {
   // An agent's takeover socket (#34, review s38 M2): it listens from the agent's start and
   // answers every Hello with proto::NotHosting (only_job, the run told by tell_run(), a proof
   // with the job's key) and closes, until host() or take_over(): then it serves the job on
-  // the same socket, with no moment where a connect is refused.
+  // the same socket, with no moment where a connect is refused. An older client's Hello
+  // (without proto::Hello::reads_not_hosting) gets no answer until then (review s39-listen M3).
   bool not_hosting = false;
   std::size_t max_connections = 0;  // 0: what the descriptor limit allows; clamped below it
   std::size_t max_connections_per_address = 256;
@@ -149,6 +150,7 @@ class Server {
   void on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void answer_not_hosting(Session& s);  // ServerOptions::not_hosting, for its Hello
+  void resume_held();  // host(): the held Hellos (Session::held) are read again
   void warn_if_open() const;            // beyond loopback without a token
   std::string not_hosting_run_;
   int recalling_epoch_ = -1;  // tell_recalling()'s; -1: not recalling

@@ -1681,33 +1681,59 @@ TEST_CASE("a flood of silent connections to the hosting agent's rendezvous port 
 // not_hosting). Every Hello gets one NotHosting frame, whose proof only a holder of the
 // job's key can make for this connection's nonce, and the close; no job is made. Once the
 // agent hosts (host(), as take_over() does), the same socket runs the handshake.
-TEST_CASE("a takeover socket that does not host answers each hello with 'alive, not hosting' (job, run, a proof of "
-          "the job's key over the client's nonce) and closes, and once it hosts the same socket challenges") {
-  namespace asio = boost::asio;
-  const std::string key = auth::job_key(kToken, "job");
-  const std::string run = "1764500000000-0123456789abcdef";
-  asio::io_context io(1);
-  mg::rdzv::ServerOptions so;
-  so.host = "127.0.0.1";
-  so.only_job = "job";
-  so.job_tokens["job"] = key;
-  so.host_agent = "node-2";
-  so.not_hosting = true;
-  mg::rdzv::Server server(io, so);
-  server.tell_run(run);
-  std::thread loop([&] { io.run(); });
-  auto on_loop = [&](auto f) {
+namespace {
+
+// An agent's takeover socket that does not host yet (ServerOptions::not_hosting) of job
+// "job" at `run`, on its own io thread; with `token`, the job's key is the token's.
+struct TakeoverSocket {
+  explicit TakeoverSocket(const std::string& run, bool token = true) {
+    mg::rdzv::ServerOptions so;
+    so.host = "127.0.0.1";
+    so.only_job = "job";
+    if (token) so.job_tokens["job"] = key;
+    so.host_agent = "node-2";
+    so.not_hosting = true;
+    server.emplace(io, so);
+    server->tell_run(run);
+    loop = std::thread([this] { io.run(); });
+  }
+  ~TakeoverSocket() {
+    on_loop([&] { server->stop(); });
+    io.stop();
+    loop.join();
+  }
+  // Runs `f` on the server's io thread and waits for it.
+  template <typename F>
+  void on_loop(F f) {
     std::promise<void> done;
-    asio::post(io, [&] {
+    boost::asio::post(io, [&] {
       f();
       done.set_value();
     });
     done.get_future().wait();
-  };
+  }
+  const std::string key = auth::job_key(kToken, "job");
+  boost::asio::io_context io{1};
+  std::optional<mg::rdzv::Server> server;
+  std::thread loop;
+};
+
+proto::Hello hello_reading_not_hosting(const std::string& job, const std::string& nonce) {
+  proto::Hello h{"hostile", job, nonce};
+  h.reads_not_hosting = true;
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("a takeover socket that does not host answers each hello with 'alive, not hosting' (job, run, a proof of "
+          "the job's key over the client's nonce) and closes, and once it hosts the same socket challenges") {
+  const std::string run = "1764500000000-0123456789abcdef";
+  TakeoverSocket t(run);
   for (const std::string job : {"job", "another-job"}) {  // (the answer is this job's, whatever the hello named)
-    RawPeer p(server.port());
+    RawPeer p(t.server->port());
     const std::string cn = auth::random_hex(32);
-    REQUIRE(p.send(proto::to_frame(proto::Hello{"hostile", job, cn})));
+    REQUIRE(p.send(proto::to_frame(hello_reading_not_hosting(job, cn))));
     const auto f = p.read(5s);
     REQUIRE(f);
     REQUIRE(proto::type_of(*f) == proto::MsgType::kNotHosting);
@@ -1715,17 +1741,44 @@ TEST_CASE("a takeover socket that does not host answers each hello with 'alive, 
     CHECK(n.job_id == "job");
     CHECK(n.run == run);
     CHECK(n.host_agent == "node-2");
-    CHECK(n.proof == auth::not_hosting_proof(key, cn, run));
+    CHECK(n.proof == auth::not_hosting_proof(t.key, cn, run));
     CHECK(p.closed_within(5s));
   }
-  on_loop([&] { CHECK(server.jobs_json().empty()); });
-  on_loop([&] { server.host(); });
-  RawPeer p(server.port());
-  REQUIRE(p.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  t.on_loop([&] { CHECK(t.server->jobs_json().empty()); });
+  t.on_loop([&] { t.server->host(); });
+  RawPeer p(t.server->port());
+  REQUIRE(p.send(proto::to_frame(hello_reading_not_hosting("job", auth::random_hex(32)))));
   const auto f = p.read(5s);
   REQUIRE(f);
   CHECK(proto::type_of(*f) == proto::MsgType::kChallenge);
-  on_loop([&] { server.stop(); });
-  io.stop();
-  loop.join();
+}
+
+// Review s39-listen M3: an older client (its Hello has no reads_not_hosting) reads NotHosting
+// as a failed try and passes a candidate over that has not noticed the host's loss yet; a
+// reset or an end of file passes it over too. Its Hello waits unanswered until the socket
+// hosts, and is then served (the Join that rode with it too).
+TEST_CASE("a takeover socket that does not host answers an older client's hello with nothing and keeps it open, and "
+          "serves it once it hosts (review s39-listen M3)") {
+  for (const bool token : {true, false}) {
+    CAPTURE(token);
+    TakeoverSocket t("1764500000000-0123456789abcdef", token);
+    RawPeer old(t.server->port());
+    REQUIRE(old.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+    if (!token) REQUIRE(old.send(proto::to_frame(join_for("job"))));  // (a Join rides with the Hello)
+    // A newer client's hello, sent after it, is answered with NotHosting.
+    RawPeer now(t.server->port());
+    REQUIRE(now.send(proto::to_frame(hello_reading_not_hosting("job", auth::random_hex(32)))));
+    const auto n = now.read(5s);
+    REQUIRE(n);
+    CHECK(proto::type_of(*n) == proto::MsgType::kNotHosting);
+    // The older one: no frame and no close (before: NotHosting and a close).
+    CHECK_FALSE(old.closed_within(500ms));
+    CHECK(old.received().empty());
+    t.on_loop([&] { t.server->host(); });
+    const auto f = old.read(5s);
+    REQUIRE(f);
+    CHECK(proto::type_of(*f) == (token ? proto::MsgType::kChallenge : proto::MsgType::kWelcome));
+    if (!token)  // its Join was read too: the job has its node
+      t.on_loop([&] { CHECK(t.server->jobs_json().dump().find("127.0.0.9") != std::string::npos); });
+  }
 }

@@ -61,6 +61,10 @@ TEST_CASE("handshake messages need hex nonces and MACs of the right length") {
   CHECK_THROWS_AS(from_frame<Hello>(to_frame(Hello{"a", "job", "xyz"})), ProtocolError);
   CHECK_THROWS_AS(from_frame<Hello>(to_frame(Hello{"a", "", std::string(64, 'a')})), ProtocolError);
   CHECK_NOTHROW(from_frame<Hello>(to_frame(Hello{"a", "job", std::string(64, 'a')})));
+  // reads_not_hosting (review s39-listen M3): false when absent (an older client's Hello).
+  const nlohmann::json older = {{"agent_id", "a"}, {"job_id", "job"}, {"nonce", std::string(64, 'a')}};
+  CHECK_FALSE(from_frame<Hello>(Frame{static_cast<std::uint8_t>(MsgType::kHello), older}).reads_not_hosting);
+  CHECK(from_frame<Hello>(to_frame(Hello{"a", "job", std::string(64, 'a'), true})).reads_not_hosting);
   CHECK_THROWS_AS(from_frame<Auth>(to_frame(Auth{std::string(64, 'G')})), ProtocolError);
 }
 

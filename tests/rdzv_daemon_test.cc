@@ -359,6 +359,52 @@ TEST_CASE("a job the daemon forgot (nobody connected) ended in its --state-dir j
   restarted.stop();
 }
 
+// Review s39-late L2: a run journaled "forgotten" was rebuilt by any re-registration, however
+// late: a straggler of it (a node scancel did not reach) re-registering before a requeue's
+// first join captured the requeue. Its agents retry join_timeout + keep-alive x (attempts + 1)
+// at most (sim_join: 600 s + 600 s x 4): a run forgotten a minute ago is rebuilt, one
+// forgotten two hours ago is over, and a fresh join starts a new run.
+TEST_CASE("a restarted daemon rebuilds a run its --state-dir journal says was forgotten only within its agents' retry "
+          "bound after the forgotten event, and past it a straggler hears the run ended (review s39-late L2)") {
+  const std::string dir = make_temp_dir();
+  const std::string run = "1764500000000-0123456789abcdef";
+  const std::int64_t now_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  {
+    std::string warning;
+    rdzv::Journal before(dir, warning);
+    for (const auto& [job, forgotten_ms] : {std::pair{"recent", now_ms - 60000}, std::pair{"stale", now_ms - 7200000}}) {
+      before.record({{"event", "created"}, {"job", job}, {"how", "new"}, {"run", run}, {"unix_ms", forgotten_ms - 2}});
+      before.record({{"event", "round_started"}, {"job", job}, {"round", 4}, {"run", run}, {"epoch", 7},
+                     {"unix_ms", forgotten_ms - 1}});
+      before.record({{"event", "forgotten"}, {"job", job}, {"unix_ms", forgotten_ms}});
+    }
+  }
+  Journaled d(dir);
+  auto claim = [&](const std::string& job) {
+    auto j = sim_join(job, 1, 1, "127.0.0.1");
+    j.run = run;
+    j.epoch = 7;
+    j.resume_round = 4;
+    j.resume_group_rank = 0;
+    j.resume_group_world_size = 1;
+    send_join(d.server, d.fds, j);
+    return d.fds.fds.back();
+  };
+  const auto abort = await_frame(d.io, claim("stale"), proto::MsgType::kAbort);
+  REQUIRE(abort);  // before: none, the round rebuilt as run `run`
+  CHECK_THAT(proto::from_frame<proto::Abort>(*abort).reason, Catch::Contains("run " + run + " ended"));
+  const auto fresh = assignment_of(d.io, d.server, d.fds, sim_join("stale", 2, 1, "127.0.0.1"));
+  CHECK(fresh.run != run);
+  CHECK(fresh.epoch == 1);
+  claim("recent");
+  const auto summary = [&] { return d.so.journal->jobs().at("recent").summary; };
+  for (int i = 0; i < 3000 && summary().value("state", "") != "running"; ++i) d.io.run_for(std::chrono::milliseconds(10));
+  CHECK(summary().value("state", "") == "running");  // rebuilt: a re-registered "created"
+  CHECK(summary().value("run", "") == run);
+  d.server.stop();
+}
+
 // Review s38-late L1: the daemon sent Done before it journaled it, and a restarted daemon whose
 // journal said done (or failed) made the id a new run and refused the nodes that re-registered
 // the old one ("its run R is not this job's"): they ended non-zero after the training had

@@ -60,6 +60,7 @@
 // (a partition, review s38 H1b): past `until` (join_timeout at most) it ends (Lost, exit 3).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <deque>
@@ -285,6 +286,13 @@ class ClientMachine {
   // Taking over or rejoining, a server's Welcome: false when it names another run than this
   // node's (passed over: the next target), unless this node joins it as a fresh newcomer.
   bool takeover_welcomed(const proto::Welcome& w, Clock::time_point now);
+  // A Welcome without a run (a server before #37) from a server whose job ran rounds: the
+  // round it runs, its job's epoch or its last round, any above 0 (a build before
+  // last_round_epoch sends the first two only). The recall and the takeover search take such
+  // a server for the job's; a node waiting to rejoin does not (review s39-late L4). Pure.
+  static bool older_server_ran_rounds(const proto::Welcome& w) {
+    return w.run.empty() && std::max({w.round_epoch, w.epoch, w.last_round_epoch}) > 0;
+  }
   // Rejoining: the server that named another run is tried once more, to be joined afresh.
   void try_fresh(Clock::time_point now);
   // This node leaves its run behind: it joins as a newcomer of none (no run, epoch, voters,
@@ -403,6 +411,10 @@ class ClientMachine {
     bool positive = false;     // the target tried now gave such a proven answer
     bool pass_unsure = false;  // a target of this pass did not
     bool fresh = false;        // the server tried now is joined as a fresh newcomer
+    // An older build's server that ran rounds (older_server_ran_rounds()), last seen while
+    // rejoining: it cannot show which run it hosts, so it is neither joined nor proof that
+    // the run is gone; the end at the deadline names it (review s39-late L4).
+    std::string unproven;
   };
   std::optional<Takeover> takeover_;  // looking for the node that took over
   struct Seek {

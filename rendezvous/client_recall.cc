@@ -121,9 +121,8 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
 bool ClientMachine::recall_welcomed(const proto::Welcome& w, Clock::time_point now) {
   Recall& r = *recall_;
   // A server before Welcome's run (review s38 L3): one that proved the key (or with no key
-  // to prove) and ran rounds of the job is taken for the job's.
-  const bool older_server_of_job = w.run.empty() && std::max(w.round_epoch, w.last_round_epoch) > 0;
-  if (w.run != r.run && !older_server_of_job) {
+  // to prove) and ran rounds of the job is taken for the job's (the takeover search's rule).
+  if (w.run != r.run && !older_server_ran_rounds(w)) {
     next_recall_target(now,
                        w.run.empty() ? std::string("runs no round of the job")
                                      : fmt::format("runs another run of the job ({})", w.run),

@@ -36,6 +36,10 @@ void ClientMachine::next_rejoin_target(Clock::time_point now) {
     if (!t.tried.empty()) reason += " (" + t.tried + ")";
     reason += fmt::format("; no host of the job answered this node within join_timeout ({} s)",
                           opts_.join.join_timeout_ms / 1000.0);
+    if (!t.unproven.empty())
+      reason += fmt::format(" (the server at {} is an older mglaunch: its Welcome names no run, so it cannot show that "
+                            "it hosts this node's run, and a node rejoining does not join it; upgrade it)",
+                            t.unproven);
     takeover_.reset();
     return end_host_lost(reason);
   }
@@ -60,9 +64,20 @@ bool ClientMachine::takeover_welcomed(const proto::Welcome& w, Clock::time_point
   const std::string& run = opts_.join.run;
   // This node's run, or a node told none (a server before #37): as before. A daemon that
   // knows no such job yet (restarted without a journal) takes the run its nodes name. A
-  // server before Welcome's run whose job ran rounds (an older build's taker) is the job's,
-  // as the recall takes it (review s39 M1): passed over, this node could take over beside it.
-  const bool older_server_of_job = w.run.empty() && std::max(w.epoch, w.last_round_epoch) > 0;
+  // server before Welcome's run whose job ran rounds (an older build's taker) is the job's
+  // in the takeover search, as the recall takes it (review s39 M1): passed over, this node
+  // could take over beside it.
+  // Waiting to rejoin, such a server proves nothing: it may be the endpoint's agent started
+  // again, running another run, and joined as the job's it would bypass the rule that a
+  // rejoining node joins afresh only after a pass in which every target proved that it hosts
+  // none of this node's run. Neither joined nor counted as such proof: the node keeps trying,
+  // and at the rejoin deadline it ends (exit 3) naming it (review s39-late L4).
+  const bool older_server_of_job = older_server_ran_rounds(w);
+  if (!run.empty() && older_server_of_job && t.rejoining) {
+    t.unproven = host_port(opts_.host, opts_.port);
+    next_candidate({}, now);
+    return false;
+  }
   if (run.empty() || w.run == run || (w.run.empty() && w.host_agent.empty()) || older_server_of_job) return true;
   if (t.fresh) {
     join_fresh(now);

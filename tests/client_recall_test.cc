@@ -594,3 +594,21 @@ TEST_CASE("client machine, recall: an answer from a target that is no voter of t
   CHECK_THAT(notices(c), Catch::Contains("a majority of its last round's 5 voters (this node and 2 more)"));
   CHECK(has<cmd::RecallEnded>(c));
 }
+
+// Review s39-late L4: the recall read "ran rounds" from round_epoch and last_round_epoch, the
+// takeover search from epoch and last_round_epoch. One reading now (any of the three above 0):
+// a server before Welcome's run whose job is at an epoch, between rounds (a build before
+// last_round_epoch sends no last round), is the job's here too, not "no round of the job".
+TEST_CASE("client machine, recall: an older server's Welcome without a run whose job's epoch alone is above 0 is the "
+          "job's, as in the takeover search (review s39-late L4)") {
+  Link l(restarted());
+  l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);
+  l.m.start(l.now);
+  l.m.connected(kNonce, l.now);
+  proto::Welcome w{"srv", "host-2"};
+  w.epoch = 131074;  // round_epoch, last_round_epoch 0
+  auto c = l.receive(w);
+  CHECK_THAT(notices(c), Catch::Contains("joining it there as a new member"));  // main: "runs no round of the job"
+  CHECK(sent(c) == std::vector<MsgType>{MsgType::kJoin});
+  CHECK_FALSE(has<cmd::RecallEnded>(c));
+}

@@ -791,6 +791,21 @@ TEST_CASE("a restarted daemon's Job whose journal says the last run ended tells 
   CHECK(proto::from_frame<proto::Abort>(told[0].frame).reason == abort.reason);
 }
 
+namespace {
+// Node `addr` (127.0.0.1: group rank 0, else 1) re-registering round 4 (restart 1) of two nodes
+// of run `run` at epoch 7.
+proto::Join forgotten_claim(const std::string& addr, const std::string& run) {
+  proto::Join j = node(addr, 2, 2);
+  j.run = run;
+  j.epoch = 7;
+  j.resume_round = 4;
+  j.resume_group_rank = addr == "127.0.0.1" ? 0 : 1;
+  j.resume_group_world_size = 2;
+  j.resume_restart_count = 1;
+  return j;
+}
+}  // namespace
+
 // Review s39 M2: a daemon that heard no joined session for orphan_job_expiry (its restart,
 // or an outage its agents ride out: they retry for up to join_timeout, workers running)
 // journals the job forgotten. Restarted with that journal, its Job was a new run and the
@@ -799,16 +814,7 @@ TEST_CASE("a restarted daemon's Job whose journal says the last run ended tells 
 TEST_CASE("a restarted daemon's Job whose journal says the last run was forgotten rebuilds that run's round from its "
           "re-registering nodes, while a fresh join alone starts the new run (review s39 M2)") {
   const std::string was = "1764500000000-0123456789abcdef", fresh = "1764500099000-00000000000000ff";
-  auto claim = [&](const std::string& addr) {
-    proto::Join j = node(addr, 2, 2);
-    j.run = was;
-    j.epoch = 7;
-    j.resume_round = 4;
-    j.resume_group_rank = addr == "127.0.0.1" ? 0 : 1;
-    j.resume_group_world_size = 2;
-    j.resume_restart_count = 1;
-    return j;
-  };
+  auto claim = [&](const std::string& addr) { return forgotten_claim(addr, was); };
   Job job("job", false, fresh);
   job.seed_forgotten(was, T0);
   CHECK(error_of(job.join(1, claim("127.0.0.1"), T0)).empty());  // main: "re-registration refused"
@@ -836,16 +842,7 @@ TEST_CASE("a restarted daemon's Job whose journal says the last run was forgotte
 TEST_CASE("a forgotten run is rebuilt only within its agents' retry bound after the forgotten event, and past it a "
           "straggler's re-registration hears that the run ended, and fresh joins start a new run (review s39-late L2)") {
   const std::string was = "1764500000000-0123456789abcdef", fresh = "1764500099000-00000000000000ff";
-  auto claim = [&](const std::string& addr) {
-    proto::Join j = node(addr, 2, 2);
-    j.run = was;
-    j.epoch = 7;
-    j.resume_round = 4;
-    j.resume_group_rank = addr == "127.0.0.1" ? 0 : 1;
-    j.resume_group_world_size = 2;
-    j.resume_restart_count = 1;
-    return j;
-  };
+  auto claim = [&](const std::string& addr) { return forgotten_claim(addr, was); };
   CHECK(Job::forgotten_rebuild_limit(claim("127.0.0.1")) == 5400ms);
   const auto forgotten_at = T0 - 60s;  // the event, 60 s before the daemon (restarted) made this Job
   {

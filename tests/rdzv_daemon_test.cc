@@ -292,6 +292,20 @@ struct Journaled {
   explicit Journaled(const std::string& dir) : so(options(dir)), server(io, so) {}
 };
 
+// Node sim1 (group rank 0 of `world`) re-registers round 4 of run `run` at epoch 7 (its
+// workers `done` or running) with `d`'s restarted daemon; its connection's fd.
+int reregister(Journaled& d, const std::string& job, const std::string& run, int world, bool done) {
+  auto j = sim_join(job, 1, world, "127.0.0.1");
+  j.run = run;
+  j.epoch = 7;
+  j.resume_round = 4;
+  j.resume_group_rank = 0;
+  j.resume_group_world_size = world;
+  j.resume_done = done;
+  send_join(d.server, d.fds, j);
+  return d.fds.fds.back();
+}
+
 // Review s38 M1: a daemon restarted while its job's nodes were between rounds hears only their
 // fresh joins (no round to rebuild). It keeps the job's run from its --state-dir journal, so
 // MGLAUNCH_RUN does not change in the middle of the job (a run minted on a clock behind the
@@ -381,16 +395,7 @@ TEST_CASE("a restarted daemon rebuilds a run its --state-dir journal says was fo
     }
   }
   Journaled d(dir);
-  auto claim = [&](const std::string& job) {
-    auto j = sim_join(job, 1, 1, "127.0.0.1");
-    j.run = run;
-    j.epoch = 7;
-    j.resume_round = 4;
-    j.resume_group_rank = 0;
-    j.resume_group_world_size = 1;
-    send_join(d.server, d.fds, j);
-    return d.fds.fds.back();
-  };
+  auto claim = [&](const std::string& job) { return reregister(d, job, run, 1, false); };
   const auto abort = await_frame(d.io, claim("stale"), proto::MsgType::kAbort);
   REQUIRE(abort);  // before: none, the round rebuilt as run `run`
   CHECK_THAT(proto::from_frame<proto::Abort>(*abort).reason, Catch::Contains("run " + run + " ended"));
@@ -426,17 +431,7 @@ TEST_CASE("a restarted daemon tells the nodes that re-register a run its --state
                    {"exit_code", 7}, {"why", "rank 3 on sim2 exited with 7"}, {"unix_ms", 3}});
   }
   Journaled d(dir);
-  auto claim = [&](const std::string& job) {
-    auto j = sim_join(job, 1, 2, "127.0.0.1");
-    j.run = run;
-    j.epoch = 7;
-    j.resume_round = 4;
-    j.resume_group_rank = 0;
-    j.resume_group_world_size = 2;
-    j.resume_done = true;
-    send_join(d.server, d.fds, j);
-    return d.fds.fds.back();
-  };
+  auto claim = [&](const std::string& job) { return reregister(d, job, run, 2, true); };
   CHECK(await_frame(d.io, claim("finished"), proto::MsgType::kDone));  // before: an Error, exit 1
   const auto abort = await_frame(d.io, claim("crashed"), proto::MsgType::kAbort);
   REQUIRE(abort);

@@ -113,8 +113,11 @@ void Agent::bind_takeover_socket() {
       why = std::strerror(errno);
       return -1;
     }
-    const int on = 1;  // (the last run's connections in TIME_WAIT do not hold its port)
-    if (port > 0) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+    // (The last run's connections in TIME_WAIT do not hold its port: Linux lets a socket
+    // bind over them only when theirs had SO_REUSEADDR too, so every takeover socket sets it,
+    // the first one on a port of the kernel's choice as well.)
+    const int on = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = addr;

@@ -46,13 +46,15 @@ std::string lines(const std::vector<std::string>& v) {
   return {};
 }
 
-// A round's node list and takeover ports (Assignment, Standby).
-std::string node_list(const std::vector<std::string>& nodes, const std::vector<int>& ports) {
-  if (nodes.size() > kMaxListedNodes) return fmt::format("nodes lists {} entries (limit {})", nodes.size(), kMaxListedNodes);
+// A round's node list and takeover ports (Assignment, Standby), or its standbys' (`of`
+// "standby_").
+std::string node_list(const std::vector<std::string>& nodes, const std::vector<int>& ports, const char* of = "") {
+  if (nodes.size() > kMaxListedNodes)
+    return fmt::format("{}nodes lists {} entries (limit {})", of, nodes.size(), kMaxListedNodes);
   for (const auto& n : nodes)
     if (auto bad = text("a node address", n, kMaxHostBytes); !bad.empty()) return bad;
   if (!ports.empty() && ports.size() != nodes.size())
-    return fmt::format("takeover_ports lists {} entries for {} nodes", ports.size(), nodes.size());
+    return fmt::format("{}takeover_ports lists {} entries for {} nodes", of, ports.size(), nodes.size());
   for (int p : ports)
     if (auto bad = range("a takeover port", p, 0, 65535); !bad.empty()) return bad;
   return {};
@@ -134,7 +136,8 @@ std::string validate(const Assignment& m) {
             range("rank_offset", m.rank_offset, 0, m.world_size - 1));
   if (!e.empty()) return e;
   if (auto bad = range("standbys", m.standbys, 0, kMaxNodes); !bad.empty()) return bad;
-  return first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run));
+  return first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run),
+               node_list(m.standby_nodes, m.standby_takeover_ports, "standby_"));
 }
 
 std::string validate(const Heartbeat& m) {
@@ -158,7 +161,9 @@ std::string validate(const Error& m) { return text("message", m.message, kMaxTex
 std::string validate(const Standby& m) {
   auto e = first(range("active_nodes", m.active_nodes, 0, kMaxNodes), range("position", m.position, 1, kMaxNodes),
                  range("round", m.round, 0, INT32_MAX), range("restart_count", m.restart_count, 0, kMaxRestarts));
-  return e.empty() ? first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run)) : e;
+  return e.empty() ? first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run),
+                           node_list(m.standby_nodes, m.standby_takeover_ports, "standby_"))
+                   : e;
 }
 
 std::string truncate_text(std::string t, std::size_t max_bytes) {

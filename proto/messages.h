@@ -145,6 +145,12 @@ struct Assignment {
   // need a majority of them (docs/multinode.md, "Network partitions"). Empty: not listed
   // (more than kMaxListedNodes, or a server before #34).
   std::vector<std::string> voters;
+  // The standbys among those voters (after the nodes, in order): their advertised addresses
+  // and takeover ports (Join::addr, Join::takeover_port), so that a node's record names every
+  // voter that can answer a restarted node's recall (review s39-late M1). Listed with the
+  // voters only; empty: none, or a server before them (older clients ignore both).
+  std::vector<std::string> standby_nodes;
+  std::vector<int> standby_takeover_ports;
   // The rendezvous run (run_problem()): minted once when the job's rdzv::Job was created,
   // kept through a takeover and a daemon restart, new for a new run of the same job id (a
   // rerun, a requeue). Workers see it as MGLAUNCH_RUN beside MGLAUNCH_EPOCH: epochs compare
@@ -210,6 +216,8 @@ struct Standby {
   int epoch = 0;                     // that round's (Assignment::epoch)
   std::vector<std::string> voters;   // that round's (Assignment::voters)
   std::string run;                   // the job's (Assignment::run)
+  std::vector<std::string> standby_nodes;    // that round's (Assignment::standby_nodes)
+  std::vector<int> standby_takeover_ports;   // that round's (Assignment::standby_takeover_ports)
 };
 
 // The answer of an agent's takeover socket that does not host (#34, review s38 M2): the
@@ -242,7 +250,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, ad
                                                 last_group_rank, epoch, voters, run)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes,
-                                                takeover_ports, standbys, epoch, voters, run)
+                                                takeover_ports, standbys, epoch, voters, run, standby_nodes,
+                                                standby_takeover_ports)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round, standbys)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank, local_rank, exit_code, signal,
                                                 message, last_lines)
@@ -253,7 +262,8 @@ inline void to_json(nlohmann::json& j, const Done&) { j = nlohmann::json::object
 inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Standby, active_nodes, position, round, restart_count, nodes,
-                                                takeover_ports, epoch, voters, run)
+                                                takeover_ports, epoch, voters, run, standby_nodes,
+                                                standby_takeover_ports)
 
 // A rendezvous run (Assignment::run): "MS-HEX", the wall clock in ms since the Unix epoch
 // when the job's rdzv::Job was created, then 16 random hex digits; runs order by MS, then

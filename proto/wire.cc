@@ -108,19 +108,33 @@ void put_texts(std::vector<std::uint8_t>& out, const std::vector<std::string>& t
   cbor::put_head(out, 4, texts.size());
   for (const auto& t : texts) cbor::put_text(out, t);
 }
+// The voters' standbys' addresses and takeover ports (Assignment, Standby): two entries.
+std::size_t standby_bytes(const std::vector<std::string>& nodes, const std::vector<int>& ports) {
+  std::size_t bytes = 48 + 3 * ports.size();
+  for (const auto& n : nodes) bytes += 2 + n.size();
+  return bytes;
+}
+void put_standbys(std::vector<std::uint8_t>& out, const std::vector<std::string>& nodes, const std::vector<int>& ports) {
+  cbor::put_text(out, "standby_nodes");
+  put_texts(out, nodes);
+  cbor::put_text(out, "standby_takeover_ports");
+  cbor::put_head(out, 4, ports.size());
+  for (int p : ports) cbor::put_int(out, p);
+}
 }  // namespace
 
 AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
-  // The shared fields first; operator() appends group_rank and rank_offset (the map's 13th
-  // and 14th entries). Key order is free in CBOR maps: any decoder of ours reads them.
+  // The shared fields first; operator() appends group_rank and rank_offset (the map's 15th
+  // and 16th entries). Key order is free in CBOR maps: any decoder of ours reads them.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
   std::size_t bytes = 104 + a.master_addr.size() + a.run.size();
   for (const auto& n : a.nodes) bytes += 2 + n.size();
   bytes += 20 + 3 * a.takeover_ports.size();
   for (const auto& v : a.voters) bytes += 2 + v.size();
+  bytes += standby_bytes(a.standby_nodes, a.standby_takeover_ports);
   out.reserve(bytes);
-  cbor::put_head(out, 5, 14);
+  cbor::put_head(out, 5, 16);
   cbor::put_text(out, "epoch");
   cbor::put_int(out, a.epoch);
   cbor::put_text(out, "group_world_size");
@@ -137,6 +151,7 @@ AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
   cbor::put_int(out, a.round);
   cbor::put_text(out, "run");
   cbor::put_text(out, a.run);
+  put_standbys(out, a.standby_nodes, a.standby_takeover_ports);
   cbor::put_text(out, "standbys");
   cbor::put_int(out, a.standbys);
   cbor::put_text(out, "takeover_ports");
@@ -162,15 +177,16 @@ Wire AssignmentEncoder::operator()(int group_rank, int rank_offset) const {
 }
 
 StandbyEncoder::StandbyEncoder(const Standby& m) {
-  // operator() appends position, the map's 9th entry.
+  // operator() appends position, the map's 11th entry.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
   std::size_t bytes = 104 + m.run.size();
   for (const auto& n : m.nodes) bytes += 2 + n.size();
   bytes += 3 * m.takeover_ports.size();
   for (const auto& v : m.voters) bytes += 2 + v.size();
+  bytes += standby_bytes(m.standby_nodes, m.standby_takeover_ports);
   out.reserve(bytes);
-  cbor::put_head(out, 5, 9);
+  cbor::put_head(out, 5, 11);
   cbor::put_text(out, "active_nodes");
   cbor::put_int(out, m.active_nodes);
   cbor::put_text(out, "epoch");
@@ -183,6 +199,7 @@ StandbyEncoder::StandbyEncoder(const Standby& m) {
   cbor::put_int(out, m.round);
   cbor::put_text(out, "run");
   cbor::put_text(out, m.run);
+  put_standbys(out, m.standby_nodes, m.standby_takeover_ports);
   cbor::put_text(out, "takeover_ports");
   cbor::put_head(out, 4, m.takeover_ports.size());
   for (int p : m.takeover_ports) cbor::put_int(out, p);

@@ -213,21 +213,28 @@ std::string ClientMachine::why_no_takeover_of_self() const {
 }
 
 int ClientMachine::job_voters() const {
-  if (host_agent_.empty() || !ever_welcomed_) return 0;
-  const std::size_t nodes = standby_ && standby_of_ ? standby_of_->nodes.size() : last_ ? last_->nodes.size() : 0;
-  return nodes == 0 ? 0 : static_cast<int>(nodes) + std::max(0, standbys_);
+  // The Job's own voter set of the epoch this node was last told (the Assignment's or the
+  // Standby's list), never a count made up here (review s39-late M2). 0 where it lists none
+  // (more than kMaxListedNodes voters, an older server, or none of that epoch): a recall then
+  // keeps the every-host rule.
+  if (host_agent_.empty() || !ever_welcomed_ || voters_epoch_ != opts_.join.epoch) return 0;
+  return static_cast<int>(voters_.size());
 }
 
 std::vector<std::pair<std::string, int>> ClientMachine::voter_addresses(bool with_self) const {
   std::vector<std::pair<std::string, int>> out;
   if (host_agent_.empty() || !ever_welcomed_) return out;
-  if (standby_ && standby_of_) {
-    for (const auto& c : takeover_candidates(standby_of_->nodes, standby_of_->takeover_ports, {}, 0))
-      out.emplace_back(c.addr, c.port);
-  } else if (last_) {
-    for (const auto& c : takeover_candidates(*last_, {}, 0))
-      if (with_self || c.group_rank != last_->group_rank) out.emplace_back(c.addr, c.port);
-  }
+  const proto::Standby* s = standby_ && standby_of_ ? &*standby_of_ : nullptr;
+  const proto::Assignment* a = s || !last_ ? nullptr : &*last_;
+  if (!s && !a) return out;
+  for (const auto& c : takeover_candidates(s ? s->nodes : a->nodes, s ? s->takeover_ports : a->takeover_ports, {}, 0))
+    if (with_self || !a || c.group_rank != a->group_rank) out.emplace_back(c.addr, c.port);
+  // The standbys among the voters too: a whole rerun with as many standbys as nodes has no
+  // majority without their answers (review s39-late M1).
+  const std::pair<std::string, int> own{opts_.join.addr, opts_.join.takeover_port};
+  for (const auto& c : takeover_candidates(s ? s->standby_nodes : a->standby_nodes,
+                                           s ? s->standby_takeover_ports : a->standby_takeover_ports, {}, 0))
+    if (with_self || std::pair{c.addr, c.port} != own) out.emplace_back(c.addr, c.port);
   return out;
 }
 

@@ -193,6 +193,8 @@ proto::Standby Job::standby_fields() const {
   m.restart_count = restart_count_;
   m.nodes = round_nodes_;
   m.takeover_ports = round_ports_;
+  m.standby_nodes = round_standby_nodes_;
+  m.standby_takeover_ports = round_standby_ports_;
   // The last round's epoch and voters. After take_over() epoch_ is a value no round had (its
   // first is one more) while voters_ are the seed's: a standby told that pair would report
   // the seed's voters as a newer epoch's, and a host it joins later would adopt them
@@ -519,7 +521,8 @@ std::size_t Job::approx_bytes() const {
     for (const auto& [s, n] : *m)
       bytes += sizeof(Node) + 64 + n.join.job_id.size() + n.join.agent_id.size() + n.join.host.size() + n.join.addr.size();
   for (const auto& [agent, rank] : placed_) bytes += 64 + agent.size();
-  for (const auto& n : round_nodes_) bytes += 40 + n.size();
+  for (const auto* l : {&round_nodes_, &round_standby_nodes_})
+    for (const auto& n : *l) bytes += 40 + n.size();
   return bytes;
 }
 
@@ -608,11 +611,19 @@ Actions Job::close_round(Clock::time_point now) {
   voters_.clear();
   adopted_voters_.clear();
   adopted_epoch_ = 0;
+  round_standby_nodes_.clear();
+  round_standby_ports_.clear();
   if (nodes.size() + standby_.size() <= proto::kMaxListedNodes) {
     for (const auto& [s, n] : nodes) voters_.push_back(n.join.agent_id);
-    for (const auto& [s, n] : standby_) voters_.push_back(n.join.agent_id);
+    for (const auto& [s, n] : standby_) {  // (with their takeover addresses: review s39-late M1)
+      voters_.push_back(n.join.agent_id);
+      round_standby_nodes_.push_back(n.join.addr);
+      round_standby_ports_.push_back(n.join.takeover_port);
+    }
   }
   a.voters = voters_;
+  a.standby_nodes = round_standby_nodes_;
+  a.standby_takeover_ports = round_standby_ports_;
   {
     auto& e = emit(JobEvent::Kind::kRoundStarted);
     e.nodes = a.group_world_size;

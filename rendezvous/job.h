@@ -460,6 +460,9 @@ class Job {
   // The last round's advertised addresses and takeover ports by group rank (Standby).
   std::vector<std::string> round_nodes_;
   std::vector<int> round_ports_;
+  // Its standby voters' (Assignment::standby_nodes; empty unless its voters were listed).
+  std::vector<std::string> round_standby_nodes_;
+  std::vector<int> round_standby_ports_;
   Clock::time_point first_join_;
   Clock::time_point last_activity_;
   std::vector<JobEvent> events_;  // not taken yet (take_events())

@@ -612,3 +612,41 @@ TEST_CASE("client machine, recall: an older server's Welcome without a run whose
   CHECK(sent(c) == std::vector<MsgType>{MsgType::kJoin});
   CHECK_FALSE(has<cmd::RecallEnded>(c));
 }
+
+// Review s39-late M2: the record's voters are the Job's voter set of the epoch (the
+// Standby's or Assignment's list). Before, a standby counted the round's nodes plus its own
+// place among the standbys: 4 here, fewer than the Job's 5 (the standby behind it left out),
+// and a majority of too few voters is the unsafe direction. M1: the record names the standby
+// voters' takeover sockets too, so that they can answer a whole rerun's recall.
+TEST_CASE("client machine: job_voters() of a standby behind another is the Standby's voter list (not its nodes plus "
+          "its place), job_voter_hosts() names the standby voters' takeover sockets, and a round that lists no voters "
+          "(over 1,024) makes it 0, the every-host rule (review s39-late M1, M2)") {
+  ClientOptions o = restarted();
+  o.join.addr = "127.0.0.5";
+  o.join.takeover_port = 7005;
+  Link l(o);
+  l.m.start(l.now);
+  l.welcome("host-1");
+  proto::Standby s;
+  s.position = 2;  // one standby ahead of it, one behind
+  s.round = 1;
+  s.nodes = {"127.0.0.1", "127.0.0.2"};
+  s.takeover_ports = {0, 7002};  // (the host offers no takeover)
+  s.epoch = 1;
+  s.run = kRun;
+  s.voters = {"agent-1", "agent-2", "agent-4", "agent-new", "agent-6"};
+  s.standby_nodes = {"127.0.0.4", "127.0.0.5", "127.0.0.6"};
+  s.standby_takeover_ports = {7004, 7005, 7006};
+  l.receive(s);
+  CHECK(l.m.job_voters() == 5);
+  CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.2", 7002}, {"127.0.0.4", 7004}, {"127.0.0.5", 7005}, {"127.0.0.6", 7006}});
+  // Where to look: the server, then every voter's takeover socket but its own.
+  CHECK(l.m.job_hosts() == Hosts{{"127.0.0.1", kRdzvPort}, {"127.0.0.2", 7002}, {"127.0.0.4", 7004}, {"127.0.0.6", 7006}});
+  // Its place comes: a round whose voters are not listed (more than kMaxListedNodes).
+  proto::Assignment a = round_on({"127.0.0.1", "127.0.0.5"}, {0, 7005});
+  a.round = 2;
+  a.epoch = 2;
+  l.receive(a);
+  CHECK(l.m.job_voters() == 0);
+  CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.5", 7005}});
+}

@@ -158,6 +158,37 @@ TEST_CASE("an assignment, a standby message and a join carry the run (MS-HEX), a
   }
 }
 
+TEST_CASE("an assignment and a standby message carry their standby voters' takeover addresses, a frame from before "
+          "them decodes with none, and a port list of another length or a port out of range is refused (review "
+          "s39-late M1)") {
+  Assignment a;
+  a.round = 4;
+  a.master_addr = "m";
+  a.epoch = 7;
+  a.nodes = {"127.0.0.2", "127.0.0.3"};
+  a.takeover_ports = {0, 7003};
+  a.voters = {"n0:1", "n1:2", "s0:3"};
+  a.standby_nodes = {"127.0.0.4"};
+  a.standby_takeover_ports = {7004};
+  CHECK(validate(a).empty());
+  const auto back = from_frame<Assignment>(to_frame(a));
+  CHECK(back.standby_nodes == a.standby_nodes);
+  CHECK(back.standby_takeover_ports == a.standby_takeover_ports);
+  Frame old = to_frame(a);
+  old.payload.erase("standby_nodes");
+  old.payload.erase("standby_takeover_ports");
+  CHECK(from_frame<Assignment>(old).standby_nodes.empty());
+  Standby s;
+  s.standby_nodes = a.standby_nodes;
+  s.standby_takeover_ports = a.standby_takeover_ports;
+  CHECK(from_frame<Standby>(to_frame(s)).standby_takeover_ports == a.standby_takeover_ports);
+  Assignment short_ports = a;
+  short_ports.standby_takeover_ports = {7004, 7005};
+  CHECK(validate(short_ports).find("standby_takeover_ports lists 2 entries for 1 nodes") != std::string::npos);
+  s.standby_takeover_ports = {65536};
+  CHECK(validate(s).find("takeover port") != std::string::npos);
+}
+
 TEST_CASE("an assignment and a standby message carry the epoch and its voters, a peer's frame from before #34 "
           "(no such fields) decodes with epoch 0 and no voters, and one with fields this build does not know "
           "decodes all the same (#34)") {

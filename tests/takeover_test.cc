@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -407,6 +408,49 @@ TEST_CASE("a node that does not host SIGKILLed with the host and started again w
 // its start, on its record's port, answering "alive, not hosting, recalling run R at epoch
 // e" (review s39 H1): a majority of every record's voters answer so in one pass, and the
 // rerun starts at once.
+// The agents of job "rerun" at 127.0.0.2 .. 127.0.0.(1 + total) started again at once (the
+// job SIGKILLed everywhere), with workers that print their environment and exit 0 once every
+// agent ran a worker or stood by (a job that ends at once would leave a late agent no voter
+// to ask): every one ends with exit 0, `nodes` of them in one fresh run of `nodes` (not
+// `run`), the others its standbys. Returns their stderr.
+static std::vector<std::string> rerun_at_once(const std::string& ep, const std::map<std::string, std::string>& env,
+                                              const std::vector<std::string>& flags, int nodes, int total,
+                                              const std::string& run) {
+  const std::string n = std::to_string(nodes);
+  const std::string go = make_temp_dir() + "/go";
+  std::vector<Proc> again;
+  for (int i = 2; i < 2 + total; ++i)
+    again.push_back(spawn(agent_argv(ep, "rerun", i, n, 1, flags, {"env", "print", "up", "wait-file", go}), env));
+  eventually([&] {
+    return std::all_of(again.begin(), again.end(), [](Proc& p) {
+      return p.out().find("up") != std::string::npos || p.err().find("[mglaunch] standby for job ") != std::string::npos ||
+             !pid_alive(p.pid);
+    });
+  }, 60s);
+  std::ofstream(go) << "go\n";
+  bool ended = true;
+  for (Proc& p : again) ended = p.wait(60s) && ended;
+  std::string all;
+  for (Proc& p : again) all += p.err() + p.out() + "\n";
+  INFO("the rerun agents:\n" << all);
+  REQUIRE(ended);
+  std::vector<std::string> errs;
+  int ran = 0;
+  for (Proc& p : again) {
+    CHECK(p.exit_code() == 0);
+    const auto e = envs(p.out());
+    REQUIRE(e.size() <= 1);
+    ran += static_cast<int>(e.size());
+    for (const auto& one : e) {
+      CHECK(one.value("WORLD_SIZE", "") == n);
+      CHECK(one.value("MGLAUNCH_RUN", "") != run);  // a fresh run
+    }
+    errs.push_back(p.err());
+  }
+  CHECK(ran == nodes);
+  return errs;
+}
+
 // The whole job of `count` nodes SIGKILLed, then rerun at once; every rerun agent ends with
 // exit 0 in a fresh run of `count`. Returns the rerun agents' stderr, and the old run.
 static std::pair<std::vector<std::string>, std::string> rerun_whole_job(int count) {
@@ -423,25 +467,7 @@ static std::pair<std::vector<std::string>, std::string> rerun_whole_job(int coun
   REQUIRE(eventually([&] { return records_in(records) == static_cast<std::size_t>(count); }, 10s));
   for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
   for (Proc& p : agents) p.wait(5s);
-  std::vector<Proc> again;
-  for (int i = 2; i < 2 + count; ++i)
-    again.push_back(spawn(agent_argv(ep, "rerun", i, n, 1, flags, {"env", "print", "up"}), env));
-  bool ended = true;
-  for (Proc& p : again) ended = p.wait(60s) && ended;
-  std::string all;
-  for (Proc& p : again) all += p.err() + p.out() + "\n";
-  INFO("the rerun agents:\n" << all);
-  REQUIRE(ended);
-  std::vector<std::string> errs;
-  for (Proc& p : again) {
-    CHECK(p.exit_code() == 0);
-    const auto e = envs(p.out());
-    REQUIRE(e.size() == 1);
-    CHECK(e.front().value("WORLD_SIZE", "") == n);
-    CHECK(e.front().value("MGLAUNCH_RUN", "") != run);  // a fresh run
-    errs.push_back(p.err());
-  }
-  return {errs, run};
+  return {rerun_at_once(ep, env, flags, count, count, run), run};
 }
 
 TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's record is found stale in one pass "
@@ -458,6 +484,53 @@ TEST_CASE("a whole agent-hosted job of two nodes on a loopback endpoint SIGKILLe
           "of two (review s39 M1)") {
   const auto [errs, run] = rerun_whole_job(2);
   CHECK(std::any_of(errs.begin(), errs.end(), [](const std::string& e) { return e.find("is stale") != std::string::npos; }));
+}
+
+// Review s39-late M1: the voters of a round are its nodes and the standbys registered when it
+// closed, and a record is stale once a majority of them answered. Before, a record named only
+// the nodes' takeover sockets: with as many standbys as nodes (--nnodes=2 on 4 machines) the
+// nodes alone are no majority, the standbys were never asked, and every rerun agent ended
+// with exit 3 at join_timeout. Now the record names the standbys' takeover sockets too.
+TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voters SIGKILLed and rerun at once runs a "
+          "fresh run of two, never exit 3 (review s39-late M1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  auto env = rejoin_env(records);
+  env["MGLAUNCH_RECORD_DIR"] = records;
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=20"};
+  // Round 1 (two nodes) fails once the standbys stand by, so that round 2 closes with them:
+  // its voters are 2 nodes + 2 standbys. Round 2 hangs.
+  const std::string go = make_temp_dir() + "/go";
+  const std::vector<std::string> worker{"env", "print", "up", "wait-file", go, "fail-first-attempt", "0", "1",
+                                        "hang", "300"};
+  std::vector<Proc> agents = start_job(ep, "rerun", "2", flags, worker, env, 2);
+  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  REQUIRE(run.size() > 2);
+  for (int i : {4, 5}) agents.push_back(spawn(agent_argv(ep, "rerun", i, "2", 1, flags, worker), env));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin() + 2, agents.end(),
+                       [](Proc& p) { return p.err().find("[mglaunch] standby for job ") != std::string::npos; });
+  }, 30s));
+  std::ofstream(go) << "go\n";
+  // Round 2 runs, and every agent's record is of its epoch (the standbys' too: told at its close).
+  std::string epoch;
+  REQUIRE(eventually([&] {
+    for (Proc& p : agents) {
+      const auto e = envs(p.out());
+      if (!e.empty() && e.back().value("TORCHELASTIC_RESTART_COUNT", "") == "1")
+        epoch = e.back().value("MGLAUNCH_EPOCH", "");
+    }
+    if (epoch.empty() || records_in(records) != 4) return false;
+    for (const auto& f : std::filesystem::directory_iterator(records))
+      if (f.path().extension() == ".json" &&
+          std::to_string(nlohmann::json::parse(read_file(f.path().string())).value("epoch", 0)) != epoch)
+        return false;
+    return true;
+  }, 30s));
+  for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
+  for (Proc& p : agents) p.wait(5s);
+  const auto errs = rerun_at_once(ep, env, flags, 2, 4, run);
+  for (const std::string& err : errs) CHECK_THAT(err, !Catch::Contains("does not start it afresh"));
 }
 
 // Review s38 H1b: the host's agent dies while its node is cut off from the others (here the

@@ -24,6 +24,11 @@ Assignment sample(std::size_t listed) {
   a.epoch = 9;
   a.run = "1700000000000-00000000000000ab";
   for (std::size_t i = 0; i < listed; ++i) a.voters.push_back("node" + std::to_string(i) + ":4242");
+  if (listed > 0 && listed < kMaxListedNodes) {  // a standby voter too (review s39-late M1)
+    a.voters.push_back("standby:4242");
+    a.standby_nodes = {"127.1.0.1"};
+    a.standby_takeover_ports = {40001};
+  }
   return a;
 }
 
@@ -51,6 +56,8 @@ TEST_CASE("an assignment written straight to CBOR decodes to what nlohmann's enc
     CHECK(back.epoch == 9);
     CHECK(back.voters == a.voters);
     CHECK(back.run == a.run);
+    CHECK(back.standby_nodes == a.standby_nodes);
+    CHECK(back.standby_takeover_ports == a.standby_takeover_ports);
   }
 }
 
@@ -99,6 +106,8 @@ TEST_CASE("the standbys told a new round share one encoding of its node list, an
   m.nodes = {"127.0.0.1", "127.0.0.2"};
   m.takeover_ports = {0, 40000};
   m.run = "1700000000000-00000000000000ab";
+  m.standby_nodes = {"127.0.0.3"};  // the round's standby voters (review s39-late M1)
+  m.standby_takeover_ports = {40001};
   const StandbyEncoder encode(m);
   const Wire first = encode(1), second = encode(70000);
   CHECK(first.body.get() == second.body.get());
@@ -111,6 +120,8 @@ TEST_CASE("the standbys told a new round share one encoding of its node list, an
     CHECK(back.nodes == m.nodes);
     CHECK(back.takeover_ports == m.takeover_ports);
     CHECK(back.run == m.run);
+    CHECK(back.standby_nodes == m.standby_nodes);
+    CHECK(back.standby_takeover_ports == m.standby_takeover_ports);
   }
 }
 

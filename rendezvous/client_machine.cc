@@ -247,6 +247,14 @@ ClientCommands ClientMachine::connection_closed(const std::string& why, Clock::t
     next_recall_target(now, "closed the connection: " + why);
     return take_out();
   }
+  // A takeover candidate that closes before any frame (its socket did not admit us: its
+  // connections, per address, memory; an EMFILE pause) is alive: waited for as a refused
+  // connect, never passed over (review s39-listen L1).
+  if (takeover_ && !takeover_->asking && !answered_) {
+    drop_connection();
+    refused_connect(/*refused=*/true, "closed before any answer: " + why, now);
+    return take_out();
+  }
   // A server that welcomed us and then vanished may come back: keep trying. A closed (or
   // reset) connection does not move the fence: a firewall resets too.
   if (ever_welcomed_) reconnect_later(why, now, /*silent=*/false, reset);

@@ -175,10 +175,13 @@ void ClientMachine::not_hosting(const proto::Frame& f, Clock::time_point now) {
                            : fmt::format("alive, not hosting, in another run ({})", n.run),
         /*positive=*/true);
   }
-  // A takeover search passes over a node of another run at once: it will never host this one.
+  // A takeover search passes over a node of another run, or of none (restarted, it will
+  // never host this one: review s39-listen L1), at once.
   if (takeover_ && !takeover_->asking && !takeover_->rejoining && proven && n.job_id == opts_.join.job_id &&
-      !n.run.empty() && !opts_.join.run.empty() && n.run != opts_.join.run)
-    return next_candidate(fmt::format("alive, a node of another run ({})", n.run), now);
+      !opts_.join.run.empty() && n.run != opts_.join.run)
+    return next_candidate(n.run.empty() ? std::string("alive, in no run")
+                                        : fmt::format("alive, a node of another run ({})", n.run),
+                          now);
   // Waiting to rejoin, a proven "not hosting" of another run or none is a positive answer
   // that this node's run is not there (the pass's proof for a fresh join, review s39 H1).
   // One of this node's own run is not: that node lives, the run may go on elsewhere.

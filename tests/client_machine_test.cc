@@ -645,7 +645,7 @@ TEST_CASE("client machine: close() flushes, give_up() says why once, and nothing
 }
 
 TEST_CASE("client machine: a stale timer fire (an earlier arm, queued before the re-arm) is ignored: a takeover "
-          "candidate that closed before its welcome is not skipped by its predecessor's timer") {
+          "candidate that refused its handshake is not skipped by its predecessor's timer") {
   // Four nodes; this one is group rank 3: candidates node 1 (127.0.0.2), node 2 (127.0.0.3), then itself.
   Link l(options("127.0.0.4"));
   l.m.start(l.now);
@@ -656,10 +656,11 @@ TEST_CASE("client machine: a stale timer fire (an earlier arm, queued before the
   CHECK(one<cmd::Connect>(c).host == "127.0.0.2");
   const auto first = one<cmd::Arm>(c);
   REQUIRE(first.timer == ClientTimer::kTakeover);
-  // Node 1's connection closes before its welcome: node 2 is tried, under a new arm.
+  // Node 1 refuses the handshake (a close before any frame would be waited for, review
+  // s39-listen L1): node 2 is tried, under a new arm.
   l.now += 10ms;
   l.m.connected(kNonce, l.now);
-  c = l.m.connection_closed("end of file", l.now);
+  c = l.receive(proto::Error{"not this job"});
   CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
   const auto second = one<cmd::Arm>(c);
   CHECK(second.generation != first.generation);
@@ -678,7 +679,7 @@ TEST_CASE("client machine: a stale timer fire (an earlier arm, queued before the
   m.receive(a);
   m.m.connection_closed("end of file", m.now);
   m.m.connected(kNonce, m.now);
-  c = m.m.connection_closed("end of file", m.now);
+  c = m.receive(proto::Error{"not this job"});
   const auto armed2 = one<cmd::Arm>(c);
   c = m.m.timer_fired(ClientTimer::kTakeover, armed2.generation, armed2.at);
   CHECK(has<cmd::HostTakeover>(c));
@@ -737,9 +738,9 @@ TEST_CASE("client machine: the takeover search runs out of time with candidates 
   const auto lost_at = l.now;
   auto c = l.m.connection_closed("end of file", l.now);
   CHECK(armed(c, ClientTimer::kTakeover) == lost_at + 100ms);
-  l.now += 50ms;  // node 1 closes before its welcome
+  l.now += 50ms;  // node 1 refuses the handshake
   l.m.connected(kNonce, l.now);
-  c = l.m.connection_closed("end of file", l.now);
+  c = l.receive(proto::Error{"not this job"});
   CHECK(one<cmd::Connect>(c).host == "127.0.0.3");
   CHECK(armed(c, ClientTimer::kTakeover) == lost_at + 150ms);
   c = l.after(100ms, ClientTimer::kTakeover);  // node 2 silent
@@ -748,7 +749,8 @@ TEST_CASE("client machine: the takeover search runs out of time with candidates 
   c = l.after(50ms, ClientTimer::kTakeover);  // node 3 silent: the search is over, node 4 (this one) left
   CHECK_FALSE(has<cmd::HostTakeover>(c));
   CHECK_THAT(told_one<proto::Abort>(c).reason,
-             Catch::Contains("no survivor could take over (node 1 at 127.0.0.2:7002: end of file; node 2 at "
+             Catch::Contains("no survivor could take over (node 1 at 127.0.0.2:7002: refused by the rendezvous server: not "
+                             "this job; node 2 at "
                              "127.0.0.3:7003: no answer; node 3 at 127.0.0.4:7004: no answer)"));
   CHECK(l.m.closed());
 }

@@ -378,10 +378,17 @@ TEST_CASE("client machine, recall: an answer that no host of the run is there co
   CHECK(sent(c) == std::vector<MsgType>{MsgType::kJoin});
 }
 
-TEST_CASE("client machine, takeover: a candidate's takeover socket that answers 'alive, not hosting' in the job's run "
-          "is waited for (it has not noticed the loss yet, as a refused connect was), and one in another run is passed "
-          "over at once") {
-  for (const bool other_run : {false, true}) {
+// Review s39-listen L1: a takeover socket that closes a connection before any frame (its
+// admission refused: connections, per address, memory; an EMFILE pause) was passed over at
+// once, so filling a candidate's share turned "waited for" into "passed over" (a second
+// host). A proven "alive, not hosting" in no run (a restarted node that will never host the
+// run) was waited for to the search's deadline.
+TEST_CASE("client machine, takeover: a candidate's takeover socket that answers 'alive, not hosting' in the job's run, "
+          "or closes or resets the connection before any frame, is waited for (as a refused connect was), and one in "
+          "another run or in no run is passed over at once (review s39-listen L1)") {
+  enum class Answer { kOwnRun, kOtherRun, kNoRun, kEndOfFile, kReset };
+  for (const Answer answer : {Answer::kOwnRun, Answer::kOtherRun, Answer::kNoRun, Answer::kEndOfFile, Answer::kReset}) {
+    CAPTURE(static_cast<int>(answer));
     ClientOptions o = restarted();
     o.join.addr = "127.0.0.3";
     Link l(o);
@@ -393,15 +400,27 @@ TEST_CASE("client machine, takeover: a candidate's takeover socket that answers 
     auto c = l.m.connection_closed("end of file", l.now);  // the host is lost
     CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
     l.m.connected(kNonce, l.now);
-    c = l.receive(proto::NotHosting{"job", other_run ? "1764500099999-00000000000000ff" : kRun, "host-2", ""});
-    if (other_run) {
-      CHECK(has<cmd::HostTakeover>(c));  // node 2, this one, hosts
-    } else {
-      CHECK(!has<cmd::HostTakeover>(c));
-      CHECK(armed(c, ClientTimer::kRetry));
-      c = l.after(100ms, ClientTimer::kRetry);
-      CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
+    switch (answer) {
+      case Answer::kOwnRun: c = l.receive(proto::NotHosting{"job", kRun, "host-2", ""}); break;
+      case Answer::kOtherRun: c = l.receive(proto::NotHosting{"job", "1764500099999-00000000000000ff", "host-2", ""}); break;
+      case Answer::kNoRun: c = l.receive(proto::NotHosting{"job", "", "host-2", ""}); break;
+      case Answer::kEndOfFile: c = l.m.connection_closed("end of file", l.now); break;
+      case Answer::kReset: c = l.m.connection_closed("Connection reset by peer", l.now, /*reset=*/true); break;
     }
+    if (answer == Answer::kOtherRun || answer == Answer::kNoRun) {
+      CHECK(has<cmd::HostTakeover>(c));  // node 2, this one, hosts
+      continue;
+    }
+    CHECK(!has<cmd::HostTakeover>(c));
+    CHECK(armed(c, ClientTimer::kRetry));
+    c = l.after(100ms, ClientTimer::kRetry);
+    CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
+    // Its interval ends while it still closes before a word: waited for, to the search's deadline.
+    l.m.connected(kNonce, l.now);
+    CHECK(!has<cmd::HostTakeover>(l.m.connection_closed("end of file", l.now)));
+    c = l.fire(ClientTimer::kTakeover);
+    CHECK(!has<cmd::HostTakeover>(c));
+    CHECK(armed(c, ClientTimer::kTakeover));
   }
 }
 

@@ -43,6 +43,9 @@ void Agent::host_rendezvous() {
     so.port = ep.port;
     embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
     notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
+    // Its takeover socket (kept after a stale recall) answers "not hosting" only: not the
+    // descriptor share that the hosting server holds again (review s39-listen L3).
+    if (takeover_server_) takeover_server_->limit_connections(sup::kRendezvousHandshakes);
   } catch (const std::exception&) {
     // Another local agent got there first: join it as a client.
   }

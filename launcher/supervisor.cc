@@ -785,8 +785,6 @@ Actions Supervisor::rendezvous_lost(const std::string& why, const Now&) {
 
 namespace mg::sup {
 
-constexpr unsigned long long kRendezvousHandshakes = 8;  // a hosted rendezvous' connections besides one per agent
-
 DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now, int rendezvous_agents) {
   constexpr int kReserve = 64;  // rendezvous sockets, the watchdog's pipe, files opened while running
   DescriptorNeed n;

@@ -334,6 +334,9 @@ struct DescriptorNeed {
   long long rendezvous = 0;
 };
 DescriptorNeed descriptor_need(int nproc, bool merge_streams, int log_files, int open_now, int rendezvous_agents = 0);
+// A hosted rendezvous' connections besides one per agent (handshakes); also all that the
+// takeover socket of an agent that hosts elsewhere may hold (review s39-listen L3).
+inline constexpr unsigned long long kRendezvousHandshakes = 8;
 // The descriptor limit (RLIMIT_NOFILE); nullopt: unlimited.
 struct DescriptorLimit {
   std::optional<unsigned long long> soft, hard;

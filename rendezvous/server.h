@@ -116,6 +116,10 @@ class Server {
   }
   void host();
   bool hosting() const { return !opts_.not_hosting; }
+  // From now on at most `n` connections open (those open stay; one more is refused as at
+  // max_connections): an agent's takeover socket once the agent hosts at the endpoint too
+  // (review s39-listen L3).
+  void limit_connections(std::size_t n) { opts_.max_connections = std::min(opts_.max_connections, n); }
   // Job::hears_majority() of `job_id` (true for a job not served here).
   bool hears_majority(const std::string& job_id) const {
     const auto it = jobs_.find(job_id);

@@ -1782,3 +1782,24 @@ TEST_CASE("a takeover socket that does not host answers an older client's hello 
       t.on_loop([&] { CHECK(t.server->jobs_json().dump().find("127.0.0.9") != std::string::npos); });
   }
 }
+
+// Review s39-listen L3: an agent that hosts at the endpoint after a stale recall keeps its
+// takeover socket, which had the hosting server's whole descriptor share too (twice the
+// budget). Limited, it holds the connections it has and refuses any beyond the limit.
+TEST_CASE("a takeover socket limited to N connections keeps those open and closes one more before any frame "
+          "(review s39-listen L3)") {
+  TakeoverSocket t("1764500000000-0123456789abcdef");
+  std::vector<std::unique_ptr<RawPeer>> held;  // older clients' hellos: held open, unanswered
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(std::make_unique<RawPeer>(t.server->port()));
+    REQUIRE(held.back()->send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  }
+  RawPeer probe(t.server->port());  // (once answered, every hello before it was read)
+  REQUIRE(probe.send(proto::to_frame(hello_reading_not_hosting("job", auth::random_hex(32)))));
+  REQUIRE(probe.read(5s));
+  t.on_loop([&] { t.server->limit_connections(2); });
+  RawPeer beyond(t.server->port());
+  CHECK(beyond.closed_within(5s));
+  CHECK(beyond.received().empty());
+  for (auto& p : held) CHECK_FALSE(p->closed_within(100ms));
+}

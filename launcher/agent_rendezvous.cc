@@ -287,7 +287,7 @@ void Agent::start_rendezvous() {
   j.job_id = plan_.run_id;
   j.host = local_hostname();
   j.addr = plan_.master_addr;  // the address this node advertises
-  j.agent_id = fmt::format("{}:{}", local_hostname(), ::getpid());
+  j.agent_id = new_agent_id(j.host, ::getpid());  // unique per start (review s39-late H3)
   j.nproc = plan_.nproc_per_node;
   j.node_rank = opts_.node_rank_given ? opts_.node_rank : -1;
   j.min_nodes = opts_.nnodes.min;
@@ -359,6 +359,12 @@ void Agent::start_rendezvous() {
     // answering "alive, not hosting" (in this run, or none): the recall of another node of
     // the last run may still count on it (a loopback endpoint that this node got first).
     return embedded_server_ != nullptr;
+  };
+  // Welcomed by the run's host, this node is a node of that run from now on: its takeover
+  // socket says so, not "recalling" (another restarted node's recall must not count it as in
+  // no round of the run, review s39-late H3).
+  h.on_recall_welcomed = [this](const std::string& run) {
+    if (takeover_server_) takeover_server_->tell_run(run);
   };
   client_ = make_link_(io_, opts_, std::move(j), std::move(h));
   recall_job();

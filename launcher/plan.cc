@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <filesystem>
 #include <random>
 
@@ -16,6 +17,7 @@
 #include "launcher/port.h"
 #include "launcher/torch_version.h"
 #include "ops/hwprobe.h"
+#include "proto/limits.h"
 #include "rendezvous/endpoint.h"
 #include "rendezvous/lookup.h"
 #include "process/command.h"
@@ -145,6 +147,13 @@ void random_bytes(void* out, std::size_t n) {
       for (; got < n; ++got) p[got] = static_cast<unsigned char>(rd());
     }
   }
+}
+
+std::string new_agent_id(std::string_view host, long pid) {
+  std::uint64_t r = 0;
+  random_bytes(&r, sizeof(r));
+  const std::string tail = fmt::format(":{}:{:016x}", pid, r);
+  return fmt::format("{}{}", host.substr(0, proto::kMaxIdBytes - tail.size()), tail);
 }
 
 std::string random_uuid() {

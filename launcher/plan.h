@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -85,6 +86,12 @@ std::string fq_hostname();
 
 // `n` random bytes from the kernel (getrandom).
 void random_bytes(void* out, std::size_t n);
+// This agent's id in the rendezvous (proto::Join::agent_id): `HOST:PID:` and 64 random bits
+// in 16 hex digits, new at each start. The job counts its voters by this id, and a pod's
+// restart (PID 1, the pod name as host name) or a service started again after a reboot has
+// the same host and pid: without the random part it would count as its former voter
+// (review s39-late H3). HOST is cut so that the id fits proto::kMaxIdBytes.
+std::string new_agent_id(std::string_view host, long pid);
 // A random UUID4 string, used as run id for --standalone.
 std::string random_uuid();
 

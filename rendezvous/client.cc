@@ -140,6 +140,8 @@ void Client::perform(ClientCommand& c) {
         } else if constexpr (std::is_same_v<T, cmd::RecallEnded>) {
           const bool hosting = h_.on_recall_ended && h_.on_recall_ended();
           run(m_.recall_ended(hosting, Clock::now()));
+        } else if constexpr (std::is_same_v<T, cmd::RecallWelcomed>) {
+          if (h_.on_recall_welcomed) h_.on_recall_welcomed(x.run);
         } else if constexpr (std::is_same_v<T, cmd::TakePending>) {
           // Not from within the agent's call (rejoin()): it takes the assignment once that returned.
           asio::post(io_, [this, alive = std::weak_ptr<int>(alive_)] {

@@ -62,6 +62,9 @@ struct ClientHandlers {
   // Recall, #34 H1): the agent decides now whether it hosts the job, as at any start, and
   // says whether it does. Empty: it does not.
   std::function<bool()> on_recall_ended;
+  // The recall found the job: `run`'s host welcomed this node, which joins it there
+  // (cmd::RecallWelcomed). May be empty.
+  std::function<void(const std::string&)> on_recall_welcomed;
 };
 
 // Calls the handler of `d`: the one dispatch of every backend's decisions (on_standby may

@@ -186,11 +186,16 @@ struct AskMajority {};
 // The recall found the job at none of the record's hosts: the agent decides now whether it
 // hosts the job (as at any start), and answers with recall_ended().
 struct RecallEnded {};
+// The recall found the job: the Welcome of `run`'s host. The agent's takeover socket names
+// that run from now on ("a node of the run"), not "recalling it": another restarted node's
+// recall must not count this one as in no round of it (review s39-late H3).
+struct RecallWelcomed { std::string run; };
 }  // namespace cmd
 
 using ClientCommand = std::variant<cmd::Connect, cmd::Drop, cmd::Send, cmd::SignSent, cmd::Welcomed, cmd::Arm,
                                    cmd::Cancel, cmd::Shut, cmd::Tell, cmd::Lost, cmd::Notice, cmd::HostTakeover,
-                                   cmd::TakePending, cmd::StopHosting, cmd::AskMajority, cmd::RecallEnded>;
+                                   cmd::TakePending, cmd::StopHosting, cmd::AskMajority, cmd::RecallEnded,
+                                   cmd::RecallWelcomed>;
 using ClientCommands = std::vector<ClientCommand>;
 
 class ClientMachine {

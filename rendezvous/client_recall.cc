@@ -140,6 +140,7 @@ bool ClientMachine::recall_welcomed(const proto::Welcome& w, Clock::time_point n
       "job '{}' runs on at {} (hosted by {}) since this node's agent last ran (run {}); joining it there as a new "
       "member",
       opts_.join.job_id, host_port(opts_.host, opts_.port), w.host_agent.empty() ? "a daemon" : w.host_agent, r.run)});
+  out_.push_back(cmd::RecallWelcomed{r.run});
   recall_.reset();
   cancel(ClientTimer::kTakeover);
   return true;

@@ -669,3 +669,45 @@ TEST_CASE("client machine: job_voters() of a standby behind another is the Stand
   CHECK(l.m.job_voters() == 0);
   CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.5", 7005}});
 }
+
+// Review s39-late H3: welcomed by the run's host, a recalled node is a node of the run. Its
+// takeover socket says so from then on (cmd::RecallWelcomed: the agent tells it the run), not
+// "recalling the run at epoch e", which another restarted node's recall counts as in no round
+// of the run: with 3 voters, that answer and the reader make a majority, and the reader
+// would start afresh beside the run that this node joins.
+TEST_CASE("client machine, recall: welcomed by the run's host (or an older server of the job), the recall says so "
+          "with the run (the agent's takeover socket names it), and a recalling peer never counts that node's answer "
+          "toward calling its record stale (review s39-late H3)") {
+  for (const std::string& run_in_welcome : {kRun, std::string()}) {
+    Link l(restarted());
+    l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);
+    l.m.start(l.now);
+    l.m.connected(kNonce, l.now);
+    const auto c = l.receive(welcome_of("host-2", run_in_welcome));
+    REQUIRE(all<cmd::RecallWelcomed>(c).size() == 1);
+    CHECK(all<cmd::RecallWelcomed>(c).front().run == kRun);
+    CHECK(!has<cmd::RecallEnded>(c));
+  }
+  {  // A Welcome of another run: no node of it, nothing said.
+    Link l(restarted());
+    l.m.recall({{"127.0.0.2", 7002}}, kRun, T0 + 1h);
+    l.m.start(l.now);
+    l.m.connected(kNonce, l.now);
+    CHECK(!has<cmd::RecallWelcomed>(l.receive(welcome_of("host-2", "1764500099999-00000000000000ff"))));
+  }
+  // Another node restarted with a record of 3 voters reads that node's takeover socket.
+  const std::string key = auth::job_key("secret", "job");
+  for (const bool recalling : {false, true}) {
+    Link l(restarted_with_token());
+    const Hosts hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}};
+    l.m.recall(hosts, kRun, T0 + 1h, kRecordEpoch, "/rec/job-1.json", /*voters=*/3, hosts);
+    l.m.start(l.now);
+    l.m.connected(kNonce, l.now);
+    proto::NotHosting n{"job", kRun, "host-2", ""};
+    n.recalling = recalling;  // after the welcome: false (a node of the run); before: true
+    n.epoch = recalling ? kRecordEpoch : 0;
+    n.proof = auth::not_hosting_proof(key, kNonce, kRun, recalling ? kRecordEpoch : -1);
+    const auto c = l.receive(n);
+    CHECK(has<cmd::RecallEnded>(c) == recalling);  // "recalling": 2 of 3, stale; a node of the run: never
+  }
+}

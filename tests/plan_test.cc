@@ -5,6 +5,7 @@
 #include "cli/errors.h"
 #include "launcher/options.h"
 #include "launcher/plan.h"
+#include "proto/limits.h"
 #include "rendezvous/endpoint.h"
 #include "process/command.h"
 
@@ -265,4 +266,24 @@ TEST_CASE("virtual local rank: --virtual-local-rank makes every worker local ran
   // Off: the real local rank.
   opts.virtual_local_rank = false;
   CHECK(build_contract_env(plan, opts, {}, 1, 0, "e").at("LOCAL_RANK") == "1");
+}
+
+// Review s39-late H3: a pod restarted (PID 1, the pod name as host name) or a service started
+// again after a reboot has the same host and pid. Its agent id must still be new, or the job
+// counts the restarted agent as its former voter.
+TEST_CASE("two starts of the agent on the same host with the same pid never present the same agent id, and it names "
+          "host and pid") {
+  const std::string first = new_agent_id("pod-0", 1);
+  const std::string again = new_agent_id("pod-0", 1);
+  CHECK(first != again);
+  for (const std::string& id : {first, again}) {
+    REQUIRE(id.size() == std::string("pod-0:1:").size() + 16);
+    CHECK(id.starts_with("pod-0:1:"));
+    CHECK(id.find_first_not_of("0123456789abcdef", 8) == std::string::npos);
+  }
+  // A host name too long for the id is cut, never the part that tells two starts apart.
+  const std::string id = new_agent_id(std::string(300, 'h'), 4194304);
+  CHECK(id.size() == mg::proto::kMaxIdBytes);
+  CHECK(id.substr(id.size() - 25, 9) == ":4194304:");
+  CHECK(new_agent_id(std::string(300, 'h'), 4194304) != id);
 }

@@ -3,16 +3,25 @@
 // (#26, "the hosting agent's death is survivable").
 #include <catch2/catch.hpp>
 
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include <arpa/inet.h>
+
+#include "proto/frame.h"
+#include "proto/messages.h"
 #include "support/proc.h"
 #include "support/rdzv_fixture.h"
 #include "support/skip.h"
@@ -54,6 +63,68 @@ std::size_t records_in(const std::string& dir) {
   return n;
 }
 const std::string kRejoinConf = "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3";
+
+// What the takeover socket at addr:port answers a hello for `job` from 127.0.0.1 (one frame,
+// read within 10 s): its NotHosting, or nullopt (refused, silent, closed, another frame).
+std::optional<mg::proto::NotHosting> not_hosting_at(const std::string& addr, int port, const std::string& job) {
+  namespace proto = mg::proto;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  std::optional<proto::NotHosting> out;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  ::inet_pton(AF_INET, addr.c_str(), &a.sin_addr);
+  const auto hello =
+      proto::encode(proto::to_frame(proto::Hello{"test", job, std::string(64, 'a'), /*reads_not_hosting=*/true}));
+  std::vector<std::uint8_t> got;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(hello.size())) {
+    const auto end = std::chrono::steady_clock::now() + 10s;
+    std::uint8_t buf[4096];
+    while (std::chrono::steady_clock::now() < end) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      got.insert(got.end(), buf, buf + n);
+    }
+  }
+  ::close(fd);
+  const auto r = proto::decode(got);
+  if (r.status == proto::DecodeResult::Status::kOk && proto::type_of(r.frame) == proto::MsgType::kNotHosting)
+    out = proto::from_frame<proto::NotHosting>(r.frame);
+  return out;
+}
+
+// A job of `count` agents started as start_job() does (endpoint 127.0.0.2, a free port), each
+// keeping its record in a directory of the test's own (MGLAUNCH_RECORD_DIR); returned once
+// every record is written (after its node's workers start).
+struct RecordedJob {
+  std::string ep, records;
+  std::map<std::string, std::string> env;
+  std::vector<Proc> agents;
+};
+RecordedJob start_recorded_job(const std::string& job, const std::string& nnodes, const std::vector<std::string>& flags,
+                               const std::vector<std::string>& worker, int count = 3) {
+  RecordedJob j{"127.0.0.2:" + std::to_string(free_loopback_port()), make_temp_dir(), {}, {}};
+  j.env = rejoin_env(j.records);
+  j.env["MGLAUNCH_RECORD_DIR"] = j.records;
+  j.agents = start_job(j.ep, job, nnodes, flags, worker, j.env, count);
+  REQUIRE(eventually([&] { return records_in(j.records) == static_cast<std::size_t>(count); }, 10s));
+  return j;
+}
+
+// The takeover port in the record of node 127.0.0.N (in `dir`), 0 if none.
+int recorded_takeover_port(const std::string& dir, int n) {
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    if (f.path().extension() != ".json") continue;
+    const auto j = nlohmann::json::parse(std::ifstream(f.path()), nullptr, false);
+    if (j.is_object() && j.value("node", "").starts_with("127.0.0." + std::to_string(n) + "@"))
+      return j.value("takeover_port", 0);
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -454,20 +525,14 @@ static std::vector<std::string> rerun_at_once(const std::string& ep, const std::
 // The whole job of `count` nodes SIGKILLed, then rerun at once; every rerun agent ends with
 // exit 0 in a fresh run of `count`. Returns the rerun agents' stderr, and the old run.
 static std::pair<std::vector<std::string>, std::string> rerun_whole_job(int count) {
-  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
-  const std::string records = make_temp_dir();
-  auto env = rejoin_env(records);
-  env["MGLAUNCH_RECORD_DIR"] = records;
   const std::string n = std::to_string(count);
   const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf};
-  std::vector<Proc> agents = start_job(ep, "rerun", n, flags, {"env", "print", "up", "hang", "300"}, env, count);
-  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  RecordedJob job = start_recorded_job("rerun", n, flags, {"env", "print", "up", "hang", "300"}, count);
+  const std::string run = envs(job.agents[1].out()).front().value("MGLAUNCH_RUN", "");
   REQUIRE(run.size() > 2);
-  // Every record is written after its node's workers start.
-  REQUIRE(eventually([&] { return records_in(records) == static_cast<std::size_t>(count); }, 10s));
-  for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
-  for (Proc& p : agents) p.wait(5s);
-  return {rerun_at_once(ep, env, flags, count, count, run), run};
+  for (Proc& p : job.agents) ::kill(-p.pid, SIGKILL);
+  for (Proc& p : job.agents) p.wait(5s);
+  return {rerun_at_once(job.ep, job.env, flags, count, count, run), run};
 }
 
 TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's record is found stale in one pass "
@@ -542,13 +607,11 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
 // while printing the header of a failure.)
 TEST_CASE("the hosting agent SIGKILLed and started again while the other nodes are silent never hosts a fresh job, and "
           "exits 3 at join_timeout naming its record (review s38 H1b)") {
-  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
-  const std::string records = make_temp_dir();
-  auto env = rejoin_env(records);
-  env["MGLAUNCH_RECORD_DIR"] = records;
   const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=8"};
-  std::vector<Proc> agents = start_job(ep, "silent", "1:3", flags, {"env", "print", "up", "hang", "300"}, env);
-  REQUIRE(eventually([&] { return records_in(records) == 3; }, 10s));
+  RecordedJob job = start_recorded_job("silent", "1:3", flags, {"env", "print", "up", "hang", "300"});
+  const std::string &ep = job.ep, &records = job.records;
+  const auto& env = job.env;
+  auto& agents = job.agents;
   for (int i : {1, 2}) ::kill(-agents[static_cast<std::size_t>(i)].pid, SIGSTOP);
   ::kill(-agents[0].pid, SIGKILL);
   agents[0].wait(5s);
@@ -563,4 +626,37 @@ TEST_CASE("the hosting agent SIGKILLed and started again while the other nodes a
                               Catch::Contains("127.0.0.3:") && Catch::Contains("no answer") &&
                               !Catch::Contains("hosting the rendezvous") && !Catch::Contains("is stale"));
   CHECK(envs(again.out()).empty());  // no worker ran
+}
+
+// Review s39-late H3: a node restarted with a record, welcomed by the run's host, waits there
+// for a round. Before, its takeover socket still answered "recalling run R at epoch e" until
+// its first assignment, and another restarted node's recall counted that as a voter in no
+// round of R: with ids repeated across restarts (a pod's PID 1), a majority for a fresh start
+// beside the run. Now it answers as a node of R (not recalling), which no recall counts.
+TEST_CASE("a node restarted with a record and welcomed by its run's host answers at its takeover socket as a node of "
+          "that run, no longer as recalling it, while it waits there for a round (review s39-late H3)") {
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=30"};
+  RecordedJob job = start_recorded_job("welcomed", "1:3", flags, {"env", "print", "up", "hang", "300"});
+  std::vector<Proc>& agents = job.agents;
+  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  REQUIRE(run.size() > 2);
+  const int port = recorded_takeover_port(job.records, 3);
+  REQUIRE(port > 0);
+  for (int i : {1, 2}) ::kill(-agents[static_cast<std::size_t>(i)].pid, SIGKILL);  // 127.0.0.3 and .4
+  for (int i : {1, 2}) agents[static_cast<std::size_t>(i)].wait(5s);
+  // The host noticed: its next round waits for a majority of the 3 voters (1 of them there).
+  REQUIRE(eventually([&] { return agents[0].err().find("waits for a majority") != std::string::npos; }, 30s));
+  Proc again = spawn(agent_argv(job.ep, "welcomed", 3, "1:3", 1, flags, {"env", "print", "up", "hang", "300"}), job.env);
+  const bool joined = eventually([&] { return again.err().find("joining it there as a new member") != std::string::npos; },
+                                 20s);
+  const auto n = joined ? not_hosting_at("127.0.0.3", port, "welcomed") : std::nullopt;
+  for (Proc* p : {&agents[0], &again}) ::kill(-p->pid, SIGKILL);
+  for (Proc* p : {&agents[0], &again}) p->wait(5s);
+  INFO("the restarted agent:\n" << again.err() << "\nthe host:\n" << agents[0].err());
+  REQUIRE(joined);
+  CHECK(envs(again.out()).empty());  // no round yet: no majority of the voters
+  REQUIRE(n);
+  CHECK(n->job_id == "welcomed");
+  CHECK(n->run == run);
+  CHECK(!n->recalling);
 }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <regex>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -137,7 +138,10 @@ TEST_CASE("etcd: a SIGSTOPped agent is detected through its lease and named as t
     INFO(agents[i].err());
     CHECK(agents[i].exit_code() == 1);
     CHECK_THAT(agents[i].err(), Catch::Contains("node ") && Catch::Contains("(127.0.0.2) lost: its etcd lease expired") &&
-                                    Catch::Contains("agent ") && Catch::Contains(":" + std::to_string(agents[1].pid) + " "));
+                                    Catch::Contains("agent ") && Catch::Contains(":" + std::to_string(agents[1].pid) + ":"));
+    // The agent id, HOST:PID: and 16 random hex digits (new at each start, review s39-late H3).
+    CHECK(std::regex_search(agents[i].err(),
+                            std::regex("agent [^ ]+:" + std::to_string(agents[1].pid) + ":[0-9a-f]{16} stopped renewing")));
   }
   ::kill(agents[1].pid, SIGKILL);
   agents[1].wait(10s);

@@ -244,24 +244,12 @@ class Job {
     ended_abort_ = std::move(abort);
   }
   // A restarted daemon's --state-dir journal says this id's last run, `run`, was forgotten
-  // at `at` (the "forgotten" event's unix_ms on this clock): nobody connected for
-  // orphan_job_expiry (a daemon restart or an outage its agents ride out, as well as a job
-  // whose agents were all killed). Ended for fresh joins (a requeue's: this Job's new run).
-  // A re-registration of it (a round or a standby) within forgotten_rebuild_limit() of `at`
-  // rebuilds its round as without a journal, workers still running (#34, review s39 M2);
-  // past it, none of its agents is still retrying but a straggler (a node scancel did not
-  // reach), which hears that the run ended (an Abort, exit kHostLostExitCode) instead of
-  // rebuilding it beside a requeue's new nodes (review s39-late L2).
-  void seed_forgotten(std::string run, Clock::time_point at) {
-    forgotten_run_ = std::move(run);
-    forgotten_at_ = at;
-  }
-  // How long after its forgotten event node `j`'s run may be rebuilt: its agents retry an
-  // outage for join_timeout from when they noticed it (rdzv::ClientMachine, "outage"), which
-  // is at most keep-alive x (attempts + 1) after the last word they had from the daemon, and
-  // that word came before the event (the daemon forgets a job only after orphan_job_expiry
-  // without one). So join_timeout + keep-alive x (attempts + 1). Pure.
-  static Clock::duration forgotten_rebuild_limit(const proto::Join& j);
+  // (nobody connected for orphan_job_expiry: a daemon restart or an outage its agents ride
+  // out, retrying for up to join_timeout, as well as a job whose agents were all killed).
+  // Ended for fresh joins (a requeue's: this Job's new run), not for re-registrations: a
+  // round of that run is rebuilt as without a journal, its workers still running (#34,
+  // review s39 M2).
+  void seed_forgotten(std::string run) { forgotten_run_ = std::move(run); }
   // Sets the run of a Job made without one (the etcd replay: its log's first record's).
   void set_run(std::string run) {
     run_open_ = false;
@@ -403,14 +391,13 @@ class Job {
   // The first round's run of a Job whose run is open: the newest its nodes name, else its own.
   void settle_run(const std::vector<std::pair<SessionId, Node>>& nodes);
   // A join for which other_run(): a re-registration of the ended run (seed_ended()) hears
-  // its end, so does one of the forgotten run past forgotten_rebuild_limit(); another re-registration is weighed whole (nullopt: check_resume(),
+  // its end; another re-registration is weighed whole (nullopt: check_resume(),
   // resume_after_outage()); a fresh join (resume_round 0) is refused by a fresh job an agent
   // hosts when it ran rounds (epoch > 0), else taken as a plain newcomer's.
   std::optional<Actions> join_of_other_run(SessionId s, const proto::Join& j, Clock::time_point now);
   std::string ended_run_;                    // seed_ended()
   std::optional<proto::Abort> ended_abort_;  // its end when it failed (none: done)
   std::string forgotten_run_;                // seed_forgotten()
-  Clock::time_point forgotten_at_;           // its forgotten event
   // Whether a re-registration's run may not rebuild this Job's round (check_resume()).
   bool resume_of_other_run(const proto::Join& j) const {
     return other_run(j) && (quorum_ || run_older(j.run, run_)) && j.run != forgotten_run_;

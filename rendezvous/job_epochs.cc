@@ -76,24 +76,6 @@ std::optional<Actions> Job::join_of_other_run(SessionId s, const proto::Join& j,
   // end (the daemon died after it journaled it, before the node heard it) and hears it now.
   if (!ended_run_.empty() && j.run == ended_run_ && (j.resume_round > 0 || j.resume_standby))
     return Actions{{s, ended_abort_ ? proto::to_wire(*ended_abort_) : proto::to_wire(proto::Done{})}};
-  // The run the journal says was forgotten, re-registered after its agents stopped retrying:
-  // a straggler (a node scancel did not reach), not the run coming back. Rebuilt, it would
-  // hold a requeue's fresh nodes as joiners, then train beside them (review s39-late L2).
-  if (!forgotten_run_.empty() && j.run == forgotten_run_ && (j.resume_round > 0 || j.resume_standby) &&
-      now - forgotten_at_ > forgotten_rebuild_limit(j)) {
-    using std::chrono::duration_cast;
-    using std::chrono::seconds;
-    proto::Abort end;
-    end.root_cause.rank = -1;
-    end.root_cause.exit_code = kHostLostExitCode;
-    end.reason = end.root_cause.message = fmt::format(
-        "job '{}': run {} ended: the rendezvous daemon forgot it {} s ago (nobody connected), and its agents retry "
-        "for {} s at most (join_timeout + keep-alive x (attempts + 1)), so it is not rebuilt; stop this node's "
-        "workers (a new run of the job id may be starting)",
-        id_, j.run, duration_cast<seconds>(now - forgotten_at_).count(),
-        duration_cast<seconds>(forgotten_rebuild_limit(j)).count());
-    return Actions{{s, proto::to_wire(end)}};
-  }
   if (j.resume_round > 0) return std::nullopt;  // weighed whole: check_resume(), resume_after_outage()
   // A fresh job an agent hosts (no round closed, nothing taken over) and a node that ran
   // rounds of another run: the agent that hosted that run was started again at its endpoint.
@@ -114,11 +96,6 @@ std::optional<Actions> Job::join_of_other_run(SessionId s, const proto::Join& j,
   plain.last_group_rank = -1;
   plain.run.clear();
   return join(s, plain, now);
-}
-
-Clock::duration Job::forgotten_rebuild_limit(const proto::Join& j) {
-  using std::chrono::milliseconds;
-  return milliseconds(j.join_timeout_ms) + milliseconds(j.keep_alive_ms) * (j.keep_alive_max_attempt + 1);
 }
 
 void Job::rebuild_run(const proto::Join& j) {

@@ -80,9 +80,7 @@ void fold_event(nlohmann::json& s, const nlohmann::json& e) {
   } else if (kind == "forgotten") {
     // The daemon dropped a job that never ended (nobody connected: its agents killed, a
     // scancel, a preemption): it ended, and its id used again is a new run (review s38-late H1).
-    // When: its stragglers past the rebuild bound hear that end (Job::seed_forgotten()).
     s["state"] = kind;
-    if (e.contains("unix_ms")) s["ended_unix_ms"] = e["unix_ms"];
   } else if (kind == "done" || kind == "failed") {
     s["state"] = kind;
     for (auto& n : s["nodes"]) n["status"] = kind;

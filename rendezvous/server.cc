@@ -3,8 +3,6 @@
 #include <malloc.h>
 #include <sys/resource.h>
 
-#include <algorithm>
-#include <chrono>
 #include <set>
 #include <utility>
 
@@ -178,15 +176,13 @@ Job& Server::job_of(const std::string& job_id) {
   // (Job::open_run(): the first round takes its nodes', review s38 M1), at the journal's
   // epoch. An id used again after its job ended (done, failed, forgotten) is a new run; a
   // forgotten run's re-registering agents still rebuild it (a long outage or a restart the
-  // agents rode out: Job::seed_forgotten(), review s39 M2), for as long after the forgotten
-  // event as they retry (its unix_ms, read on this steady clock; review s39-late L2).
+  // agents rode out: Job::seed_forgotten(), review s39 M2).
   // Its agents that re-register the run of a job that ended (done, failed) hear that end
   // (the daemon died before they did: Job::seed_ended(), review s38-late L1).
   std::string run = new_run();
   bool known = false;
   int epoch = 0;
   std::string ended, forgotten;
-  Clock::time_point forgotten_at;
   std::optional<proto::Abort> abort;
   if (opts_.journal)
     if (const auto h = opts_.journal->jobs().find(job_id); h != opts_.journal->jobs().end()) {
@@ -200,7 +196,6 @@ Job& Server::job_of(const std::string& job_id) {
         epoch = h->second.summary.value("epoch", 0);
       } else if (valid && state == "forgotten") {
         forgotten = was;  // its re-registering agents rebuild it (review s39 M2)
-        forgotten_at = steady_of_unix_ms(h->second.summary.value("ended_unix_ms", std::int64_t{0}));
       } else if (valid) {
         ended = was;
         if (state == "failed") abort = journaled_abort(h->second);
@@ -216,18 +211,9 @@ Job& Server::job_of(const std::string& job_id) {
   Job& job = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), std::move(run)).first->second;
   if (!known) job.open_run();
   if (!ended.empty()) job.seed_ended(std::move(ended), std::move(abort));
-  if (!forgotten.empty()) job.seed_forgotten(std::move(forgotten), forgotten_at);
+  if (!forgotten.empty()) job.seed_forgotten(std::move(forgotten));
   job.seed_epoch(epoch);  // its next round is one on (review s38-late H1)
   return job;
-}
-
-Clock::time_point Server::steady_of_unix_ms(std::int64_t unix_ms) {
-  using std::chrono::milliseconds;
-  const auto wall = std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch());
-  // A wall clock set back since then reads as now; none journaled (0) as a year ago: past any bound.
-  constexpr std::int64_t kYearMs = 365LL * 24 * 3600 * 1000;
-  const std::int64_t age = unix_ms <= 0 ? kYearMs : std::clamp<std::int64_t>(wall.count() - unix_ms, 0, kYearMs);
-  return Clock::now() - milliseconds(age);
 }
 
 bool Server::ended_in_journal(const std::string& job_id) const {

@@ -190,9 +190,6 @@ class Server {
   std::map<std::string, Job> jobs_;
   // The job `job_id`, made (with a new run, rdzv::new_run()) when it is not there yet.
   Job& job_of(const std::string& job_id);
-  // The steady clock's reading at wall-clock time `unix_ms` (a journaled event's), never
-  // later than now; 0 (none journaled) reads as a year ago.
-  static Clock::time_point steady_of_unix_ms(std::int64_t unix_ms);
   // The journal says job `job_id` ended (done, failed, forgotten).
   bool ended_in_journal(const std::string& job_id) const;
   // The Abort a failed job's agents heard, from its journaled "failed" event (review s38-late L1).

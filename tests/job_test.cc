@@ -816,63 +816,21 @@ TEST_CASE("a restarted daemon's Job whose journal says the last run was forgotte
   const std::string was = "1764500000000-0123456789abcdef", fresh = "1764500099000-00000000000000ff";
   auto claim = [&](const std::string& addr) { return forgotten_claim(addr, was); };
   Job job("job", false, fresh);
-  job.seed_forgotten(was, T0);
+  job.seed_forgotten(was);
   CHECK(error_of(job.join(1, claim("127.0.0.1"), T0)).empty());  // main: "re-registration refused"
   CHECK(error_of(job.join(2, claim("127.0.0.2"), T0)).empty());
   CHECK(job.state() == Job::State::kRunning);
   CHECK(job.run() == was);
   // Another older run's re-registration is refused as before.
   Job other("job", false, fresh);
-  other.seed_forgotten(was, T0);
+  other.seed_forgotten(was);
   proto::Join older = claim("127.0.0.2");
   older.run = "1764400000000-0000000000000001";
   CHECK_THAT(error_of(other.join(3, older, T0)), Catch::Contains("re-registration refused"));
   // Fresh joins, one naming the forgotten run (a plain newcomer): the new run from epoch 1.
   Job requeue("job", false, fresh);
-  requeue.seed_forgotten(was, T0);
+  requeue.seed_forgotten(was);
   fresh_joins_start_new_run(requeue, was, fresh);
-}
-
-// Review s39-late L2: a forgotten run was rebuilt by any re-registration, however late. A
-// straggler of it (a partitioned node that scancel did not reach) re-registering before a
-// requeue's first join rebuilt the old run: the requeue's fresh nodes waited as joiners while
-// the rebuilt round waited up to join_timeout for its dead members, then trained as that
-// run beside a node outside the new allocation. Its agents retry for join_timeout +
-// keep-alive x (attempts + 1) at most (node(): 5 s + 100 ms x 4); past that, it is over.
-TEST_CASE("a forgotten run is rebuilt only within its agents' retry bound after the forgotten event, and past it a "
-          "straggler's re-registration hears that the run ended, and fresh joins start a new run (review s39-late L2)") {
-  const std::string was = "1764500000000-0123456789abcdef", fresh = "1764500099000-00000000000000ff";
-  auto claim = [&](const std::string& addr) { return forgotten_claim(addr, was); };
-  CHECK(Job::forgotten_rebuild_limit(claim("127.0.0.1")) == 5400ms);
-  const auto forgotten_at = T0 - 60s;  // the event, 60 s before the daemon (restarted) made this Job
-  {
-    Job job("job", false, fresh);
-    job.seed_forgotten(was, forgotten_at);
-    const auto in_time = forgotten_at + 5400ms;  // the bound itself: still rebuilt
-    CHECK(error_of(job.join(1, claim("127.0.0.1"), in_time)).empty());
-    CHECK(error_of(job.join(2, claim("127.0.0.2"), in_time)).empty());
-    CHECK(job.state() == Job::State::kRunning);
-    CHECK(job.run() == was);
-  }
-  Job job("job", false, fresh);
-  job.seed_forgotten(was, forgotten_at);
-  const auto late = forgotten_at + 5401ms;
-  auto told = of_type(job.join(1, claim("127.0.0.1"), late), MsgType::kAbort);  // main: no frame, the round rebuilt
-  REQUIRE(told.size() == 1);
-  const auto end = proto::from_frame<proto::Abort>(told[0].frame);
-  CHECK(end.root_cause.exit_code == kHostLostExitCode);
-  CHECK(end.final);
-  CHECK_THAT(end.reason, Catch::Contains("run " + was + " ended: the rendezvous daemon forgot it 5 s ago"));
-  CHECK(job.state() == Job::State::kJoining);
-  CHECK(job.run() == fresh);
-  // A standby of that run too.
-  proto::Join standby = node("127.0.0.3", 2, 2);
-  standby.run = was;
-  standby.epoch = 7;
-  standby.resume_standby = true;
-  CHECK(of_type(job.join(3, standby, late), MsgType::kAbort).size() == 1);
-  // The requeue's fresh joins start the new run, from epoch 1.
-  fresh_joins_start_new_run(job, was, fresh);
 }
 
 // Review s39 L1: a requeue's first fresh join journals "created" for the new run, which

@@ -373,39 +373,27 @@ TEST_CASE("a job the daemon forgot (nobody connected) ended in its --state-dir j
   restarted.stop();
 }
 
-// Review s39-late L2: a run journaled "forgotten" was rebuilt by any re-registration, however
-// late: a straggler of it (a node scancel did not reach) re-registering before a requeue's
-// first join captured the requeue. Its agents retry join_timeout + keep-alive x (attempts + 1)
-// at most (sim_join: 600 s + 600 s x 4): a run forgotten a minute ago is rebuilt, one
-// forgotten two hours ago is over, and a fresh join starts a new run.
-TEST_CASE("a restarted daemon rebuilds a run its --state-dir journal says was forgotten only within its agents' retry "
-          "bound after the forgotten event, and past it a straggler hears the run ended (review s39-late L2)") {
+// Review s40 M2: 1df99ff rebuilt a forgotten run only within a time bound after the
+// "forgotten" event, so a whole job suspended past it (a Slurm suspend, a paused VM) heard an
+// Abort (exit 3) on resume. However long ago the event (unix_ms 3: decades), a
+// re-registration of the forgotten run's round rebuilds it (review s39 M2).
+TEST_CASE("a restarted daemon rebuilds a run its --state-dir journal says was forgotten long ago from a node that "
+          "re-registers it (a job suspended, then resumed), with no Abort (review s40 M2)") {
   const std::string dir = make_temp_dir();
   const std::string run = "1764500000000-0123456789abcdef";
-  const std::int64_t now_ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   {
     std::string warning;
     rdzv::Journal before(dir, warning);
-    for (const auto& [job, forgotten_ms] : {std::pair{"recent", now_ms - 60000}, std::pair{"stale", now_ms - 7200000}}) {
-      before.record({{"event", "created"}, {"job", job}, {"how", "new"}, {"run", run}, {"unix_ms", forgotten_ms - 2}});
-      before.record({{"event", "round_started"}, {"job", job}, {"round", 4}, {"run", run}, {"epoch", 7},
-                     {"unix_ms", forgotten_ms - 1}});
-      before.record({{"event", "forgotten"}, {"job", job}, {"unix_ms", forgotten_ms}});
-    }
+    before.record({{"event", "created"}, {"job", "suspended"}, {"how", "new"}, {"run", run}, {"unix_ms", 1}});
+    before.record({{"event", "round_started"}, {"job", "suspended"}, {"round", 4}, {"run", run}, {"epoch", 7},
+                   {"unix_ms", 2}});
+    before.record({{"event", "forgotten"}, {"job", "suspended"}, {"unix_ms", 3}});
   }
   Journaled d(dir);
-  auto claim = [&](const std::string& job) { return reregister(d, job, run, 1, false); };
-  const auto abort = await_frame(d.io, claim("stale"), proto::MsgType::kAbort);
-  REQUIRE(abort);  // before: none, the round rebuilt as run `run`
-  CHECK_THAT(proto::from_frame<proto::Abort>(*abort).reason, Catch::Contains("run " + run + " ended"));
-  const auto fresh = assignment_of(d.io, d.server, d.fds, sim_join("stale", 2, 1, "127.0.0.1"));
-  CHECK(fresh.run != run);
-  CHECK(fresh.epoch == 1);
-  claim("recent");
-  const auto summary = [&] { return d.so.journal->jobs().at("recent").summary; };
+  reregister(d, "suspended", run, 1, false);
+  const auto summary = [&] { return d.so.journal->jobs().at("suspended").summary; };
   for (int i = 0; i < 3000 && summary().value("state", "") != "running"; ++i) d.io.run_for(std::chrono::milliseconds(10));
-  CHECK(summary().value("state", "") == "running");  // rebuilt: a re-registered "created"
+  CHECK(summary().value("state", "") == "running");  // 1df99ff: "forgotten", an Abort sent
   CHECK(summary().value("run", "") == run);
   d.server.stop();
 }

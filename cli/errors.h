@@ -16,6 +16,12 @@ struct ProgramNotFound : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// This node cannot take part safely before any worker ran (a record of its job it cannot
+// read: launcher/job_record.h): exit code 3, as a rendezvous that refused it.
+struct RendezvousError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // The machine cannot give what the run needs (descriptors for the workers): exit code 4.
 struct ResourceError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -389,7 +389,13 @@ void Agent::load_job_record() {
     return;
   }
   recalled_ = record_dir_->read(plan_.run_id, record_node_, record_endpoint_, &why);
-  if (!why.empty()) notice("warning: " + why);
+  // A record it cannot read may be of a job that runs on elsewhere: a fresh start could fork
+  // it, so this node ends instead (review s39-late L1).
+  if (!why.empty())
+    throw RendezvousError(fmt::format(
+        "this node has a record of job '{}' that it cannot use ({}), and without it a fresh start could fork a job "
+        "that runs on elsewhere; if the job is over (or to start afresh), remove that file and start again",
+        plan_.run_id, why));
   record_io_ = std::make_unique<JobRecordWriter>(JobRecordWriter::ops_of(record_dir_));
   record_io_->sweep();  // what killed agents left: their temporary files (never a record, review s39 M1)
   if (recalled_ && !recalled_->hosts.empty()) {

@@ -28,8 +28,6 @@ namespace mg {
 
 namespace {
 
-constexpr std::size_t kMaxRecordBytes = 256 * 1024;  // (up to kMaxListedNodes hosts)
-
 std::string errno_text() { return std::strerror(errno); }
 
 // Why `st` (of `what`) is no file or directory of this user's alone; "" when it is. `open`:
@@ -127,19 +125,42 @@ std::shared_ptr<JobRecordDir> JobRecordDir::open(const std::string& dir, std::st
   return std::shared_ptr<JobRecordDir>(new JobRecordDir(std::move(fd), dir));
 }
 
-std::string JobRecordDir::write(const JobRecord& r) const {
+namespace {
+std::string record_text(const JobRecord& r) {
   nlohmann::json hosts = nlohmann::json::array();
   for (const auto& [h, p] : r.hosts) hosts.push_back({h, p});
   nlohmann::json voter_hosts = nlohmann::json::array();
   for (const auto& [h, p] : r.voter_hosts) voter_hosts.push_back({h, p});
   // (dump_json: a string that is not UTF-8 never throws on the helper thread, review s39 L3.)
-  const std::string text =
-      proto::dump_json(nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
-                                      {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
-                                      {"takeover_port", r.takeover_port}, {"voters", r.voters},
-                                      {"voter_hosts", voter_hosts}}) +
-      "\n";
+  return proto::dump_json(nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
+                                         {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
+                                         {"takeover_port", r.takeover_port}, {"voters", r.voters},
+                                         {"voter_hosts", voter_hosts}}) +
+         "\n";
+}
+}  // namespace
+
+std::string fit_job_record(JobRecord& r) {
+  std::string text = record_text(r);
+  if (text.size() <= kMaxJobRecordBytes) return text;
+  // Unused without a voter count (the every-host rule).
+  if (r.voters == 0) r.voter_hosts.clear();
+  // With one, fewer targets or fewer countable answers cost only time: the majority is of
+  // all `voters`. Without one every host must answer, and a host left out could be the
+  // job's: never trimmed then.
+  while ((text = record_text(r)).size() > kMaxJobRecordBytes && r.voters > 0 &&
+         (!r.hosts.empty() || !r.voter_hosts.empty()))
+    (r.hosts.size() >= r.voter_hosts.size() ? r.hosts : r.voter_hosts).pop_back();
+  return text.size() <= kMaxJobRecordBytes ? text : std::string();
+}
+
+std::string JobRecordDir::write(const JobRecord& record) const {
+  JobRecord r = record;
+  const std::string text = fit_job_record(r);
   const std::string name = job_record_name(r.job, r.node, r.endpoint);
+  if (text.empty())  // (review s39-late L1: never a record a restarted agent refuses)
+    return fmt::format("cannot write {}/{}: the record of job '{}' would exceed {} bytes", path_, name, r.job,
+                       kMaxJobRecordBytes);
   const std::string tmp = fmt::format("{}.{}.tmp", name, ::getpid());
   auto where = [&](const std::string& n) { return path_ + "/" + n; };
   Fd fd(::openat(fd_.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
@@ -172,7 +193,8 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
   std::string bad;
   if (::fstat(fd.get(), &st) != 0) bad = errno_text();
   else if (!S_ISREG(st.st_mode)) bad = "not a regular file";
-  else if (static_cast<std::size_t>(st.st_size) > kMaxRecordBytes) bad = fmt::format("{} bytes", st.st_size);
+  else if (static_cast<std::size_t>(st.st_size) > kMaxJobRecordBytes)
+    bad = fmt::format("{} bytes, over the {} a record holds", st.st_size, kMaxJobRecordBytes);
   else bad = not_ours(st, "the file", 077);
   std::string text;
   if (bad.empty()) {
@@ -204,7 +226,7 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
     }
   }
   if (!bad.empty()) {
-    if (why) *why = fmt::format("ignoring {}: {}", path, bad);
+    if (why) *why = fmt::format("cannot use {}: {}", path, bad);
     return std::nullopt;
   }
   // Another job's, node's or endpoint's (the hash's collision).

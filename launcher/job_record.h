@@ -19,6 +19,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -45,6 +46,17 @@ struct JobRecord {
   int voters = 0;         // the last round's voters (rdzv::ClientMachine::job_voters()); 0: unknown
   std::vector<std::pair<std::string, int>> voter_hosts;  // their takeover addresses (job_voter_hosts())
 };
+
+// The most bytes a record file holds: write() trims a record to it (fit_job_record()) and
+// read() refuses a file over it (review s39-late L1). A record of kMaxListedNodes hosts and
+// as many voters' addresses, each of proto::kMaxHostBytes, is ~550 KB.
+inline constexpr std::size_t kMaxJobRecordBytes = 1 << 20;
+
+// The text of `r` as write() writes it, at most kMaxJobRecordBytes: over that, with a voter
+// count, hosts and voters' addresses are left out from the end (fewer targets or countable
+// answers cost a recall only time, its majority being of all the voters); without one (the
+// every-host rule) none is, and "" says it cannot fit. `r` is left as written. Pure.
+std::string fit_job_record(JobRecord& r);
 
 // "ADDR@HOSTNAME": one node among the agents a user runs on one machine (tests run several
 // "nodes" on loopback aliases). Pure.
@@ -79,8 +91,10 @@ class JobRecordDir {
   // 0600). "" or why not.
   std::string write(const JobRecord& r) const;
   // The record of (job, node, endpoint); nullopt when there is none, or (with `why` set,
-  // one printable line) when the file cannot be used: another user's, open to others, not
-  // a regular file, unreadable, not a record (a port outside 1..65535 too).
+  // one printable line, "cannot use PATH: ...") when the file cannot be used: another
+  // user's, open to others, not a regular file, unreadable, over kMaxJobRecordBytes, not a
+  // record (a port outside 1..65535 too). The agent then ends (exit 3): it never starts
+  // afresh past a record it cannot read (review s39-late L1).
   std::optional<JobRecord> read(const std::string& job, const std::string& node, const std::string& endpoint,
                                 std::string* why) const;
   void remove(const std::string& job, const std::string& node, const std::string& endpoint) const;

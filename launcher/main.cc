@@ -102,6 +102,8 @@ int main(int argc, char** argv) {
     return fail(exit_code::kUsage, e.what());
   } catch (const ResourceError& e) {
     return fail(exit_code::kResource, e.what());
+  } catch (const RendezvousError& e) {
+    return fail(exit_code::kRendezvous, e.what());
   } catch (const ProgramNotFound& e) {
     return fail(exit_code::kNotFound, e.what());
   } catch (const std::exception& e) {

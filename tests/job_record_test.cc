@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -117,7 +118,7 @@ TEST_CASE("a record is written whole (0600, in a directory made 0700) and read b
   CHECK(why.empty());
 }
 
-TEST_CASE("a record that is not one, or is open to other users, is ignored with a reason, and job ids of any text map "
+TEST_CASE("a record that is not one, or is open to other users, is refused with a reason, and job ids of any text map "
           "to file names") {
   std::string dir, why;
   const auto d = open_fresh(dir);
@@ -125,7 +126,7 @@ TEST_CASE("a record that is not one, or is open to other users, is ignored with 
   std::ofstream(path) << "{\"job\": \"job7\"";
   ::chmod(path.c_str(), 0600);
   CHECK(!d->read("job7", "n", kEndpoint, &why));
-  CHECK_THAT(why, Catch::Contains("ignoring " + path) && Catch::Contains("not a record"));
+  CHECK_THAT(why, Catch::Contains("cannot use " + path) && Catch::Contains("not a record"));
   REQUIRE(d->write(sample("job7", "n")) == "");
   ::chmod(path.c_str(), 0644);
   why.clear();
@@ -189,7 +190,7 @@ TEST_CASE("a record's file operations go through the directory opened once: a pa
   CHECK(why.empty());
 }
 
-TEST_CASE("a record with raw bytes or a port outside 1..65535 is ignored with one printable line") {
+TEST_CASE("a record with raw bytes or a port outside 1..65535 is refused with one printable line") {
   std::string dir, why;
   const auto d = open_fresh(dir);
   const std::string path = job_record_path(dir, "job7", "n", kEndpoint);
@@ -200,7 +201,7 @@ TEST_CASE("a record with raw bytes or a port outside 1..65535 is ignored with on
   // The parser quotes the bytes it stopped at: an escape sequence and a line break here.
   put(std::string("{\"job\": \"job7\"\x1b[2J\nfake: line\xff\x01"));
   CHECK(!d->read("job7", "n", kEndpoint, &why));
-  CHECK_THAT(why, Catch::Contains("ignoring " + path) && Catch::Contains("not a record"));
+  CHECK_THAT(why, Catch::Contains("cannot use " + path) && Catch::Contains("not a record"));
   CHECK(why.find('\n') == std::string::npos);
   for (unsigned char c : why) CHECK((c >= 0x20 && c < 0x7f));
   for (int port : {0, 70000, -1}) {
@@ -441,4 +442,56 @@ TEST_CASE("the tests' port-lock directory is used only when it is this user's al
   if (::geteuid() != 0) CHECK(!usable("/"));  // another user's (root's)
   // And a port is still had, never 0.
   CHECK(mgtest::free_loopback_port() > 0);
+}
+
+// Review s39-late L1: records were written at any size and read only up to 256 KiB, and a
+// record refused on a restart meant a fresh start (a fork of a job that runs on). Now one
+// bound, kMaxJobRecordBytes, holds for both: the largest record the agent makes (1,024 hosts
+// and 1,024 voters' addresses of 255 bytes) fits whole; past it a record with a voter count
+// loses hosts from its end, and one without (the every-host rule) is not written.
+TEST_CASE("a record of 1,024 hosts and 1,024 voters' addresses of 255 bytes each is written and read back whole, and "
+          "one past the bound is trimmed to it with a voter count or refused without one (review s39-late L1)") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  JobRecord r = sample("big", "n");
+  r.hosts.clear();
+  r.voter_hosts.clear();
+  for (int i = 0; i < 1024; ++i) {
+    const std::string h = fmt::format("{:04}", i) + std::string(251, 'h');
+    r.hosts.emplace_back(h, kPort);
+    r.voter_hosts.emplace_back(h, kPort2);
+  }
+  r.voters = 1024;
+  REQUIRE(d->write(r) == "");
+  const std::string path = job_record_path(dir, "big", "n", kEndpoint);
+  CHECK(fs::file_size(path) > 256 * 1024);
+  auto back = d->read("big", "n", kEndpoint, &why);
+  INFO(why);
+  REQUIRE(back);  // main: "ignoring PATH: 5... bytes"
+  CHECK(back->hosts == r.hosts);
+  CHECK(back->voter_hosts == r.voter_hosts);
+  // Past the bound (names longer than any message carries): trimmed, and read back.
+  for (auto* l : {&r.hosts, &r.voter_hosts})
+    for (auto& [h, p] : *l) h += std::string(400, 'x');
+  REQUIRE(d->write(r) == "");
+  CHECK(fs::file_size(path) <= kMaxJobRecordBytes);
+  back = d->read("big", "n", kEndpoint, &why);
+  REQUIRE(back);
+  CHECK(back->voters == 1024);
+  CHECK(!back->hosts.empty());
+  CHECK(back->hosts.size() < r.hosts.size());
+  CHECK(std::equal(back->hosts.begin(), back->hosts.end(), r.hosts.begin()));  // the first ones kept
+  // Without a voter count every host must answer: none is left out, the write fails, and
+  // the record before it stays.
+  JobRecord every = r;
+  every.voters = 0;
+  for (auto& [h, p] : every.hosts) h += std::string(500, 'y');
+  CHECK_THAT(d->write(every), Catch::Contains("cannot write " + path) && Catch::Contains("would exceed"));
+  back = d->read("big", "n", kEndpoint, &why);
+  REQUIRE(back);
+  CHECK(back->voters == 1024);
+  // A file past the bound is refused, naming it (the agent then ends with exit 3).
+  std::ofstream(path, std::ios::trunc) << std::string(kMaxJobRecordBytes + 1, ' ');
+  CHECK(!d->read("big", "n", kEndpoint, &why));
+  CHECK_THAT(why, Catch::Contains("cannot use " + path) && Catch::Contains("over the 1048576 a record holds"));
 }

@@ -158,16 +158,22 @@ TEST_CASE("an assignment, a standby message and a join carry the run (MS-HEX), a
   }
 }
 
-TEST_CASE("an assignment and a standby message carry their standby voters' takeover addresses, a frame from before "
-          "them decodes with none, and a port list of another length or a port out of range is refused (review "
-          "s39-late M1)") {
+// Round 4 at epoch 7, its voters two nodes and a standby.
+static Assignment epoch_7_of_three() {
   Assignment a;
   a.round = 4;
   a.master_addr = "m";
   a.epoch = 7;
+  a.voters = {"n0:1", "n1:2", "standby:3"};
+  return a;
+}
+
+TEST_CASE("an assignment and a standby message carry their standby voters' takeover addresses, a frame from before "
+          "them decodes with none, and a port list of another length or a port out of range is refused (review "
+          "s39-late M1)") {
+  Assignment a = epoch_7_of_three();
   a.nodes = {"127.0.0.2", "127.0.0.3"};
   a.takeover_ports = {0, 7003};
-  a.voters = {"n0:1", "n1:2", "s0:3"};
   a.standby_nodes = {"127.0.0.4"};
   a.standby_takeover_ports = {7004};
   CHECK(validate(a).empty());
@@ -192,11 +198,7 @@ TEST_CASE("an assignment and a standby message carry their standby voters' takeo
 TEST_CASE("an assignment and a standby message carry the epoch and its voters, a peer's frame from before #34 "
           "(no such fields) decodes with epoch 0 and no voters, and one with fields this build does not know "
           "decodes all the same (#34)") {
-  Assignment a;
-  a.round = 4;
-  a.master_addr = "m";
-  a.epoch = 7;
-  a.voters = {"n0:1", "n1:2", "standby:3"};
+  const Assignment a = epoch_7_of_three();
   const auto back = from_frame<Assignment>(to_frame(a));
   CHECK(back.epoch == 7);
   CHECK(back.voters == a.voters);

@@ -56,6 +56,12 @@ std::vector<Proc> start_job(const std::string& ep, const std::string& job, const
 std::map<std::string, std::string> rejoin_env(const std::string& records) {
   return {{"MGLAUNCH_RDZV_TOKEN", "5f1c0e9a7b2d4c6e8a0b1c2d3e4f5061"}, {"XDG_RUNTIME_DIR", records}};
 }
+// rejoin_env() with the records in `records` itself (MGLAUNCH_RECORD_DIR).
+std::map<std::string, std::string> record_env(const std::string& records) {
+  auto env = rejoin_env(records);
+  env["MGLAUNCH_RECORD_DIR"] = records;
+  return env;
+}
 // The records in `dir` (job-HASH.json; not a write's temporary file).
 std::size_t records_in(const std::string& dir) {
   std::size_t n = 0;
@@ -560,8 +566,7 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
           "fresh run of two, never exit 3 (review s39-late M1)") {
   const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
   const std::string records = make_temp_dir();
-  auto env = rejoin_env(records);
-  env["MGLAUNCH_RECORD_DIR"] = records;
+  const auto env = record_env(records);
   const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=20"};
   // Round 1 (two nodes) fails once the standbys stand by, so that round 2 closes with them:
   // its voters are 2 nodes + 2 standbys. Round 2 hangs.
@@ -596,6 +601,37 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
   for (Proc& p : agents) p.wait(5s);
   const auto errs = rerun_at_once(ep, env, flags, 2, 4, run);
   for (const std::string& err : errs) CHECK_THAT(err, !Catch::Contains("does not start it afresh"));
+}
+
+// Review s39-late L1: a record the agent cannot read (past the size a record holds, not a
+// record) was ignored with a warning, and the agent started afresh: a fork of a job that runs
+// on elsewhere. Now it ends with exit 3 naming the file, before any worker or hosting.
+TEST_CASE("an agent restarted with a record of its job that it cannot read (past the size a record holds) exits 3 "
+          "naming the file, and never hosts a fresh job (review s39-late L1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf};
+  const auto env = record_env(records);
+  std::vector<Proc> agents = start_job(ep, "unreadable", "2", flags, {"env", "print", "up", "hang", "300"}, env, 2);
+  REQUIRE(eventually([&] { return records_in(records) == 2; }, 10s));
+  for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
+  for (Proc& p : agents) p.wait(5s);
+  std::string path;
+  for (const auto& f : std::filesystem::directory_iterator(records))
+    if (f.path().extension() == ".json" &&
+        nlohmann::json::parse(read_file(f.path().string())).value("node", "").starts_with("127.0.0.2@"))
+      path = f.path().string();
+  REQUIRE(!path.empty());
+  std::ofstream(path, std::ios::trunc) << std::string(2 << 20, ' ');  // past kMaxJobRecordBytes (1 MiB)
+  Proc again = spawn(agent_argv(ep, "unreadable", 2, "2", 1, flags, {"env", "print", "up"}), env);
+  REQUIRE(again.wait(30s));  // main: "warning: ignoring PATH", then a fresh job waiting for its second node
+  INFO(again.err());
+  CHECK(again.exit_code() == 3);
+  CHECK_THAT(again.err(), Catch::Contains("this node has a record of job 'unreadable' that it cannot use (cannot use " +
+                                          path) &&
+                              Catch::Contains("remove that file and start again") &&
+                              !Catch::Contains("hosting the rendezvous"));
+  CHECK(envs(again.out()).empty());
 }
 
 // Review s38 H1b: the host's agent dies while its node is cut off from the others (here the

@@ -114,8 +114,7 @@ struct RecordedJob {
 RecordedJob start_recorded_job(const std::string& job, const std::string& nnodes, const std::vector<std::string>& flags,
                                const std::vector<std::string>& worker, int count = 3) {
   RecordedJob j{"127.0.0.2:" + std::to_string(free_loopback_port()), make_temp_dir(), {}, {}};
-  j.env = rejoin_env(j.records);
-  j.env["MGLAUNCH_RECORD_DIR"] = j.records;
+  j.env = record_env(j.records);
   j.agents = start_job(j.ep, job, nnodes, flags, worker, j.env, count);
   REQUIRE(eventually([&] { return records_in(j.records) == static_cast<std::size_t>(count); }, 10s));
   return j;
@@ -485,19 +484,21 @@ TEST_CASE("a node that does not host SIGKILLed with the host and started again w
 // its start, on its record's port, answering "alive, not hosting, recalling run R at epoch
 // e" (review s39 H1): a majority of every record's voters answer so in one pass, and the
 // rerun starts at once.
-// The agents of job "rerun" at 127.0.0.2 .. 127.0.0.(1 + total) started again at once (the
+// The agents of `job` at 127.0.0.2 .. 127.0.0.(1 + total) started again at once (the
 // job SIGKILLed everywhere), with workers that print their environment and exit 0 once every
 // agent ran a worker or stood by (a job that ends at once would leave a late agent no voter
 // to ask): every one ends with exit 0, `nodes` of them in one fresh run of `nodes` (not
-// `run`), the others its standbys. Returns their stderr.
-static std::vector<std::string> rerun_at_once(const std::string& ep, const std::map<std::string, std::string>& env,
+// `run`), the others its standbys. Returns their stderr. (Each case its own job id: cases
+// that ctest runs at once share the addresses and the token, and a port one case's agent
+// left may be another's by then.)
+static std::vector<std::string> rerun_at_once(const std::string& job, const std::string& ep, const std::map<std::string, std::string>& env,
                                               const std::vector<std::string>& flags, int nodes, int total,
                                               const std::string& run) {
   const std::string n = std::to_string(nodes);
   const std::string go = make_temp_dir() + "/go";
   std::vector<Proc> again;
   for (int i = 2; i < 2 + total; ++i)
-    again.push_back(spawn(agent_argv(ep, "rerun", i, n, 1, flags, {"env", "print", "up", "wait-file", go}), env));
+    again.push_back(spawn(agent_argv(ep, job, i, n, 1, flags, {"env", "print", "up", "wait-file", go}), env));
   eventually([&] {
     return std::all_of(again.begin(), again.end(), [](Proc& p) {
       return p.out().find("up") != std::string::npos || p.err().find("[mglaunch] standby for job ") != std::string::npos ||
@@ -533,12 +534,12 @@ static std::vector<std::string> rerun_at_once(const std::string& ep, const std::
 static std::pair<std::vector<std::string>, std::string> rerun_whole_job(int count) {
   const std::string n = std::to_string(count);
   const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf};
-  RecordedJob job = start_recorded_job("rerun", n, flags, {"env", "print", "up", "hang", "300"}, count);
+  RecordedJob job = start_recorded_job("rerun-" + n, n, flags, {"env", "print", "up", "hang", "300"}, count);
   const std::string run = envs(job.agents[1].out()).front().value("MGLAUNCH_RUN", "");
   REQUIRE(run.size() > 2);
   for (Proc& p : job.agents) ::kill(-p.pid, SIGKILL);
   for (Proc& p : job.agents) p.wait(5s);
-  return {rerun_at_once(job.ep, job.env, flags, count, count, run), run};
+  return {rerun_at_once("rerun-" + n, job.ep, job.env, flags, count, count, run), run};
 }
 
 TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's record is found stale in one pass "
@@ -546,7 +547,7 @@ TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's re
           "M2)") {
   const auto [errs, run] = rerun_whole_job(3);
   for (const std::string& err : errs)
-    CHECK_THAT(err, Catch::Contains("this node has a record of job 'rerun' (run " + run) &&
+    CHECK_THAT(err, Catch::Contains("this node has a record of job 'rerun-3' (run " + run) &&
                         Catch::Contains("is stale: a majority of its last round's 3 voters") &&
                         Catch::Contains("answered that they run no round of that run"));
 }
@@ -573,10 +574,10 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
   const std::string go = make_temp_dir() + "/go";
   const std::vector<std::string> worker{"env", "print", "up", "wait-file", go, "fail-first-attempt", "0", "1",
                                         "hang", "300"};
-  std::vector<Proc> agents = start_job(ep, "rerun", "2", flags, worker, env, 2);
+  std::vector<Proc> agents = start_job(ep, "rerun-standbys", "2", flags, worker, env, 2);
   const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
   REQUIRE(run.size() > 2);
-  for (int i : {4, 5}) agents.push_back(spawn(agent_argv(ep, "rerun", i, "2", 1, flags, worker), env));
+  for (int i : {4, 5}) agents.push_back(spawn(agent_argv(ep, "rerun-standbys", i, "2", 1, flags, worker), env));
   REQUIRE(eventually([&] {
     return std::all_of(agents.begin() + 2, agents.end(),
                        [](Proc& p) { return p.err().find("[mglaunch] standby for job ") != std::string::npos; });
@@ -599,7 +600,7 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
   }, 30s));
   for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
   for (Proc& p : agents) p.wait(5s);
-  const auto errs = rerun_at_once(ep, env, flags, 2, 4, run);
+  const auto errs = rerun_at_once("rerun-standbys", ep, env, flags, 2, 4, run);
   for (const std::string& err : errs) CHECK_THAT(err, !Catch::Contains("does not start it afresh"));
 }
 

@@ -440,7 +440,13 @@ void Agent::end_recall() {
 void Agent::remember_job(int epoch, const std::string& run) {
   if (takeover_server_ && !run.empty()) takeover_server_->tell_run(run);  // its NotHosting names the run
   if (!record_io_ || !client_ || run.empty()) return;
-  JobRecord r{plan_.run_id, record_node_, record_endpoint_, run, epoch, client_->job_hosts()};
+  JobRecord r;  // (field by field: a field added later starts at its default, without a warning)
+  r.job = plan_.run_id;
+  r.node = record_node_;
+  r.endpoint = record_endpoint_;
+  r.run = run;
+  r.epoch = epoch;
+  r.hosts = client_->job_hosts();
   r.voters = client_->job_voters();
   r.voter_hosts = client_->job_voter_hosts();
   r.takeover_port = takeover_port_;

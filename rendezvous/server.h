@@ -115,7 +115,6 @@ class Server {
     recalling_epoch_ = std::max(0, epoch);
   }
   void host();
-  bool hosting() const { return !opts_.not_hosting; }
   // From now on at most `n` connections open (those open stay; one more is refused as at
   // max_connections): an agent's takeover socket once the agent hosts at the endpoint too
   // (review s39-listen L3).

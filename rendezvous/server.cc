@@ -139,6 +139,7 @@ void Server::resume_held() {
   for (const auto& s : held)
     for (const auto& f : std::exchange(s->held, {})) {
       if (!sessions_.contains(s->id) || !s->conn->open() || !s->closing_why.empty()) break;  // (refused)
+      s->since = Clock::now();  // its handshake starts now: the hold must not eat its deadline (review s40 L1)
       on_frame(s, f);
     }
 }
@@ -515,7 +516,8 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
       // An older client reads NotHosting as a failed try and passes this node over, where
       // its refused connect was waited for (review s39-listen M3; a reset would be passed
       // over too): its Hello waits unanswered until this server hosts, or until the
-      // handshake timeout, as a silent node (its own search's interval bounds the wait).
+      // handshake timeout from its connect (then closed), as a silent node (its own
+      // search's interval bounds the wait too); served, it has a whole handshake timeout.
       return s->held.push_back(f);
     }
     if (!opts_.only_job.empty() && s->job != opts_.only_job)

@@ -1686,8 +1686,10 @@ namespace {
 // An agent's takeover socket that does not host yet (ServerOptions::not_hosting) of job
 // "job" at `run`, on its own io thread; with `token`, the job's key is the token's.
 struct TakeoverSocket {
-  explicit TakeoverSocket(const std::string& run, bool token = true) {
+  explicit TakeoverSocket(const std::string& run, bool token = true,
+                          std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10)) {
     mg::rdzv::ServerOptions so;
+    so.handshake_timeout = handshake_timeout;
     so.host = "127.0.0.1";
     so.only_job = "job";
     if (token) so.job_tokens["job"] = key;
@@ -1781,6 +1783,28 @@ TEST_CASE("a takeover socket that does not host answers an older client's hello 
     if (!token)  // its Join was read too: the job has its node
       t.on_loop([&] { CHECK(t.server->jobs_json().dump().find("127.0.0.9") != std::string::npos); });
   }
+}
+
+// Review s40 L1: a held Hello's handshake deadline ran from its connect, so a long hold cut
+// the handshake that its replay began. Served, it has the whole deadline again.
+TEST_CASE("an older client's hello held by a takeover socket has the whole handshake deadline again once the socket "
+          "hosts, and a held one is closed at that deadline (review s40 L1)") {
+  TakeoverSocket t("1764500000000-0123456789abcdef", true, 3s);
+  RawPeer old(t.server->port());
+  REQUIRE(old.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  CHECK_FALSE(old.closed_within(2s));  // held two thirds of its deadline
+  t.on_loop([&] { t.server->host(); });
+  const auto f = old.read(5s);
+  REQUIRE(f);
+  CHECK(proto::type_of(*f) == proto::MsgType::kChallenge);
+  CHECK_FALSE(old.closed_within(1500ms));  // (before: closed 3 s after its connect, 1 s after the challenge)
+  CHECK(old.closed_within(10s));           // no Auth: closed at the deadline from the challenge
+  // A hello held that long is closed at the deadline from its connect.
+  TakeoverSocket held("1764500000000-0123456789abcdef", true, 1s);
+  RawPeer waits(held.server->port());
+  REQUIRE(waits.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  CHECK(waits.closed_within(10s));
+  CHECK(waits.received().empty());
 }
 
 // Review s39-listen L3: an agent that hosts at the endpoint after a stale recall keeps its

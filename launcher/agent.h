@@ -218,11 +218,11 @@ class Agent {
   // pending: no hosting until it found none). Written at each assignment or standby (the
   // link's job_hosts()), removed when the job's end was heard from the rendezvous (for
   // good: no later write brings it back), or when its recall found it stale; those on
-  // record_io_'s thread. A write's failure is told at the next write.
+  // record_io_'s thread. A write's failure is told once, when it fails.
   void load_job_record();
   void end_recall();
   void remember_job(int epoch, const std::string& run);
-  void warn_record_failure();  // once: the first write that failed
+  void warn_record_failure();  // once: the first write that failed (posted by record_io_'s thread)
   void recall_job();  // after the link is made: hands it the record's hosts
   std::string record_node_, record_endpoint_;
   std::shared_ptr<JobRecordDir> record_dir_;       // nullptr: no record kept

@@ -397,6 +397,9 @@ void Agent::load_job_record() {
         "that runs on elsewhere; if the job is over (or to start afresh), remove that file and start again",
         plan_.run_id, why));
   record_io_ = std::make_unique<JobRecordWriter>(JobRecordWriter::ops_of(record_dir_));
+  // A failed write is told when it fails, not at the next write, which may never come (a
+  // round that runs for days): the fork guard is off, and the operator hears it (review s40 M2).
+  record_io_->on_failure([this] { asio::post(io_, [this] { warn_record_failure(); }); });
   record_io_->sweep();  // what killed agents left: their temporary files (never a record, review s39 M1)
   if (recalled_ && !recalled_->hosts.empty()) {
     // The endpoint, where this node is to host and nothing listens: this node itself, which
@@ -451,12 +454,12 @@ void Agent::remember_job(int epoch, const std::string& run) {
   r.voter_hosts = client_->job_voter_hosts();
   r.takeover_port = takeover_port_;
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
-  warn_record_failure();
   record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)
   record_written_ = true;
 }
 
 void Agent::warn_record_failure() {
+  if (!record_io_) return;
   if (std::string why = record_io_->take_error(); !why.empty() && !std::exchange(record_warned_, true))
     notice(fmt::format("warning: cannot keep this node's record of job '{}' ({}): an agent restarted here while the "
                        "job runs on elsewhere may not find it again",

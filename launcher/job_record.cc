@@ -307,6 +307,7 @@ struct JobRecordWriter::State {
   bool ended = false;     // remove() was asked: the job ended, nothing is written after it
   bool finished = false;  // the thread returned
   std::string error;
+  std::function<void()> on_failure;  // (cleared by the destructor)
   bool idle() const { return !busy && !pending_write && !pending_remove && !pending_sweep; }
 };
 
@@ -317,6 +318,7 @@ JobRecordWriter::JobRecordWriter(Ops ops, std::chrono::milliseconds wait)
 
 JobRecordWriter::~JobRecordWriter() {
   std::unique_lock lock(st_->mu);
+  st_->on_failure = nullptr;  // (its caller may be gone before a detached thread's next failure)
   st_->stop = true;
   st_->cv.notify_all();
   if (st_->cv.wait_for(lock, wait_, [this] { return st_->finished; })) {
@@ -377,6 +379,11 @@ void JobRecordWriter::drain() {
   st_->cv.wait(lock, [this] { return st_->idle(); });
 }
 
+void JobRecordWriter::on_failure(std::function<void()> f) {
+  std::lock_guard lock(st_->mu);
+  st_->on_failure = std::move(f);
+}
+
 std::string JobRecordWriter::take_error() {
   std::lock_guard lock(st_->mu);
   return std::exchange(st_->error, {});
@@ -409,7 +416,10 @@ void JobRecordWriter::loop(const std::shared_ptr<State>& st) {
       why = "the record's helper thread: an unknown exception";
     }
     lock.lock();
-    if (!why.empty() && st->error.empty()) st->error = std::move(why);
+    if (!why.empty()) {
+      if (st->error.empty()) st->error = std::move(why);
+      if (st->on_failure) st->on_failure();
+    }
     st->busy = false;
     st->cv.notify_all();
   }

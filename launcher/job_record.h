@@ -126,7 +126,8 @@ inline constexpr std::chrono::seconds kJobRecordTmpMinAge = std::chrono::hours(1
 // records follow it. An exception of an operation is caught and kept as its error (review
 // s39 L3). The destructor waits at most `wait` for what is queued, then leaves the thread
 // detached (its state shared with it) and says so on stderr (a hung NFS server must not
-// keep the agent from exiting: review s39 L5).
+// keep the agent from exiting: review s39 L5). on_failure() tells the caller of a failure
+// when it happens.
 class JobRecordWriter {
  public:
   struct Ops {  // what the thread does (JobRecordDir's; a test's own to hold it)
@@ -146,6 +147,11 @@ class JobRecordWriter {
   void sweep();
   void drain();   // returns once nothing waits or runs
   std::string take_error();  // the first failure not yet taken; "" when none
+  // `f` is called on the helper thread (under its lock: keep it short, e.g. a post to the
+  // caller's io context) after each operation that failed, so the caller learns of a
+  // failure without waiting for its next write (review s40 M2); never after the destructor
+  // began (a detached thread calls nothing).
+  void on_failure(std::function<void()> f);
 
  private:
   struct State;

@@ -398,6 +398,21 @@ TEST_CASE("an exception on the record's helper thread is kept as its error, and 
   CHECK(logged.taken() == std::vector<std::string>{"write 2"});
 }
 
+TEST_CASE("a failed write is told on the helper thread when it fails, without a second write (review s40 M2)") {
+  LoggedOps logged;
+  JobRecordWriter::Ops ops = logged.ops();
+  ops.write = [](const JobRecord&) { return std::string("cannot write: disk full"); };
+  JobRecordWriter w(ops);
+  std::promise<std::string> told;
+  w.on_failure([&told] { told.set_value("told"); });
+  w.write(sample());
+  auto f = told.get_future();
+  REQUIRE(f.wait_for(std::chrono::seconds(60)) == std::future_status::ready);  // (a bound on a hang, no timing)
+  CHECK(f.get() == "told");
+  w.drain();
+  CHECK(w.take_error() == "cannot write: disk full");
+}
+
 TEST_CASE("the writer's destructor waits a bounded time for a hung write, then goes on") {
   using namespace std::chrono_literals;
   std::promise<void> entered, release;

@@ -20,6 +20,8 @@
 
 #include <arpa/inet.h>
 
+#include "launcher/job_record.h"
+#include "launcher/plan.h"
 #include "proto/frame.h"
 #include "proto/messages.h"
 #include "support/proc.h"
@@ -696,4 +698,29 @@ TEST_CASE("a node restarted with a record and welcomed by its run's host answers
   CHECK(n->job_id == "welcomed");
   CHECK(n->run == run);
   CHECK(!n->recalling);
+}
+
+TEST_CASE("an agent whose record cannot be written warns when the write fails, in a round that writes no second "
+          "record (review s40 M2)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  auto env = rejoin_env(records);
+  env["MGLAUNCH_RECORD_DIR"] = records;
+  // A directory where each node's record goes: the write's rename onto it fails (EISDIR),
+  // for root too. One round, no restart: no second write comes.
+  for (int n : {2, 3})
+    std::filesystem::create_directory(
+        records + "/" +
+        mg::job_record_name("unwritable", mg::node_identity("127.0.0." + std::to_string(n), mg::local_hostname()),
+                            mg::job_endpoint("c10d", ep)));
+  std::vector<Proc> agents = start_job(ep, "unwritable", "2", {"--max_restarts=0"}, {"print", "up", "hang", "300"},
+                                       env, 2);
+  for (auto& a : agents) {
+    const bool warned = eventually([&] { return a.err().find("cannot keep this node's record") != std::string::npos; },
+                                   30s);
+    INFO(a.err());
+    CHECK(warned);
+    CHECK(count_of(a.err(), "warning: cannot keep this node's record of job 'unwritable'") == 1);
+  }
+  CHECK(records_in(records) == 2);  // (the two directories: nothing was written)
 }

@@ -600,6 +600,16 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
         return false;
     return true;
   }, 30s));
+  // The precondition (review s40-recall L5): the standbys are voters of round 2, so every
+  // record counts 4 voters, and names the 3 takeover sockets that are bound (the host's is
+  // not). A standby registered after the round closed would record the 2 nodes only.
+  for (const auto& f : std::filesystem::directory_iterator(records)) {
+    if (f.path().extension() != ".json") continue;
+    const auto j = nlohmann::json::parse(read_file(f.path().string()));
+    INFO(f.path().string() << ": " << j.dump());
+    CHECK(j.value("voters", 0) == 4);
+    CHECK(j.value("voter_hosts", nlohmann::json::array()).size() == 3);
+  }
   for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
   for (Proc& p : agents) p.wait(5s);
   const auto errs = rerun_at_once("rerun-standbys", ep, env, flags, 2, 4, run);

@@ -72,6 +72,16 @@ std::size_t records_in(const std::string& dir) {
 }
 const std::string kRejoinConf = "--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3";
 
+// A whole job SIGKILLed at once: every agent's process group stopped first, then killed. Killed
+// one after another, a node still running sees its host lost and, with too few survivors
+// to take over, ends the job for good and removes its record (exit 3): a job ended so, not
+// the whole job lost at once that the rerun cases mean.
+void kill_at_once(std::vector<Proc>& agents) {
+  for (Proc& p : agents) ::kill(-p.pid, SIGSTOP);
+  for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
+  for (Proc& p : agents) p.wait(5s);
+}
+
 // What the takeover socket at addr:port answers a hello for `job` from 127.0.0.1 (one frame,
 // read within 10 s): its NotHosting, or nullopt (refused, silent, closed, another frame).
 std::optional<mg::proto::NotHosting> not_hosting_at(const std::string& addr, int port, const std::string& job) {
@@ -511,7 +521,9 @@ static std::vector<std::string> rerun_at_once(const std::string& job, const std:
   bool ended = true;
   for (Proc& p : again) ended = p.wait(60s) && ended;
   std::string all;
-  for (Proc& p : again) all += p.err() + p.out() + "\n";
+  for (Proc& p : again)
+    all += "-- agent, " + (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) + ":\n" +
+           p.err() + p.out() + "\n";
   INFO("the rerun agents:\n" << all);
   REQUIRE(ended);
   std::vector<std::string> errs;
@@ -539,8 +551,7 @@ static std::pair<std::vector<std::string>, std::string> rerun_whole_job(int coun
   RecordedJob job = start_recorded_job("rerun-" + n, n, flags, {"env", "print", "up", "hang", "300"}, count);
   const std::string run = envs(job.agents[1].out()).front().value("MGLAUNCH_RUN", "");
   REQUIRE(run.size() > 2);
-  for (Proc& p : job.agents) ::kill(-p.pid, SIGKILL);
-  for (Proc& p : job.agents) p.wait(5s);
+  kill_at_once(job.agents);
   return {rerun_at_once("rerun-" + n, job.ep, job.env, flags, count, count, run), run};
 }
 
@@ -610,8 +621,7 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
     CHECK(j.value("voters", 0) == 4);
     CHECK(j.value("voter_hosts", nlohmann::json::array()).size() == 3);
   }
-  for (Proc& p : agents) ::kill(-p.pid, SIGKILL);
-  for (Proc& p : agents) p.wait(5s);
+  kill_at_once(agents);
   const auto errs = rerun_at_once("rerun-standbys", ep, env, flags, 2, 4, run);
   for (const std::string& err : errs) CHECK_THAT(err, !Catch::Contains("does not start it afresh"));
 }

@@ -450,7 +450,8 @@ TEST_CASE("a node that does not host SIGKILLed with the host and started again w
           "takeover joins the job at the node that took it over, as a new member (the same run, one round on four at "
           "the end) (#34 H1)") {
   const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
-  const auto env = rejoin_env(make_temp_dir());
+  const std::string records = make_temp_dir();
+  const auto env = rejoin_env(records);
   const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=20"};
   // The first round (five nodes) hangs; the takeover's (three) waits (60 s at most, then
   // ends 0); a round of four after the takeover ends 0.
@@ -468,6 +469,10 @@ TEST_CASE("a node that does not host SIGKILLed with the host and started again w
   REQUIRE(eventually(
       [&] { return std::all_of(agents.begin(), agents.end(), [&](Proc& p) { return last_world(p) == "5"; }); }, 30s));
   const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  // Every node's record written (on a helper thread, after its workers started): killed
+  // before, 127.0.0.6 would restart with no record, as a fresh node.
+  const std::string dir = records + "/mglaunch";
+  REQUIRE(eventually([&] { return std::filesystem::is_directory(dir) && records_in(dir) == 5; }, 10s));
   for (int i : {0, 4}) ::kill(-agents[i].pid, SIGKILL);  // the host and 127.0.0.6, which never hosted
   for (int i : {0, 4}) agents[i].wait(5s);
   REQUIRE(eventually([&] { return last_world(agents[1]) == "3" && last_world(agents[2]) == "3" && last_world(agents[3]) == "3"; },

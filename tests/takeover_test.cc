@@ -408,6 +408,10 @@ TEST_CASE("the hosting agent SIGKILLed and started again with the same command l
   }, 30s));
   const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
   REQUIRE(run.size() > 2);
+  // Every node's record written (on a helper thread, after its workers started): killed
+  // before, the host would restart with no record and host a fresh job.
+  const std::string dir = records + "/mglaunch";
+  REQUIRE(eventually([&] { return std::filesystem::is_directory(dir) && records_in(dir) == 3; }, 10s));
   ::kill(-agents[0].pid, SIGKILL);  // the agent, its watchdog and its workers
   agents[0].wait(5s);
   // The survivors took the job over and run a round of two.

@@ -373,6 +373,12 @@ TEST_CASE("a job the daemon forgot (nobody connected) ended in its --state-dir j
   restarted.stop();
 }
 
+// A journal's record of job `job` running run `run` at its round 4, epoch 7 (unix_ms 1 and 2).
+void journal_ran(rdzv::Journal& j, const std::string& job, const std::string& run) {
+  j.record({{"event", "created"}, {"job", job}, {"how", "new"}, {"run", run}, {"unix_ms", 1}});
+  j.record({{"event", "round_started"}, {"job", job}, {"round", 4}, {"run", run}, {"epoch", 7}, {"unix_ms", 2}});
+}
+
 // Review s40 M2: 1df99ff rebuilt a forgotten run only within a time bound after the
 // "forgotten" event, so a whole job suspended past it (a Slurm suspend, a paused VM) heard an
 // Abort (exit 3) on resume. However long ago the event (unix_ms 3: decades), a
@@ -384,9 +390,7 @@ TEST_CASE("a restarted daemon rebuilds a run its --state-dir journal says was fo
   {
     std::string warning;
     rdzv::Journal before(dir, warning);
-    before.record({{"event", "created"}, {"job", "suspended"}, {"how", "new"}, {"run", run}, {"unix_ms", 1}});
-    before.record({{"event", "round_started"}, {"job", "suspended"}, {"round", 4}, {"run", run}, {"epoch", 7},
-                   {"unix_ms", 2}});
+    journal_ran(before, "suspended", run);
     before.record({{"event", "forgotten"}, {"job", "suspended"}, {"unix_ms", 3}});
   }
   Journaled d(dir);
@@ -411,8 +415,7 @@ TEST_CASE("a restarted daemon tells the nodes that re-register a run its --state
     std::string warning;
     rdzv::Journal before(dir, warning);
     for (const std::string job : {"finished", "crashed"}) {
-      before.record({{"event", "created"}, {"job", job}, {"how", "new"}, {"run", run}, {"unix_ms", 1}});
-      before.record({{"event", "round_started"}, {"job", job}, {"round", 4}, {"run", run}, {"epoch", 7}, {"unix_ms", 2}});
+      journal_ran(before, job, run);
     }
     before.record({{"event", "done"}, {"job", "finished"}, {"round", 4}, {"nodes", 2}, {"unix_ms", 3}});
     before.record({{"event", "failed"}, {"job", "crashed"}, {"round", 4}, {"host", "sim2"}, {"rank", 3},

@@ -45,8 +45,15 @@ struct Server::Session {
   std::string closing_why;  // why this server closed it (a deadline, a refusal), for the job's event
   std::chrono::milliseconds idle_limit{0};  // from the job's keep-alive, once joined
   // An older client's Hello (no Hello::reads_not_hosting) to a server that does not host
-  // yet, and the frame that rode with it (a Join): read again once it hosts (resume_held()).
-  std::vector<proto::Frame> held;
+  // yet, and the Join that rode with it: read again once it hosts (resume_held()). Kept as
+  // bytes (the Hello's validated fields, the Join as received: 4 KiB at most), charged to
+  // the memory budget until then, not as parsed trees (review s40 L2).
+  std::vector<std::vector<std::uint8_t>> held;
+  std::size_t held_bytes = 0;
+  std::shared_ptr<MemoryBudget> budget;  // held_bytes' (set when it holds)
+  ~Session() {
+    if (budget) budget->release(held_bytes);
+  }
 };
 
 Server::Server(asio::io_context& io, ServerOptions opts)
@@ -136,12 +143,35 @@ void Server::resume_held() {
   std::vector<std::shared_ptr<Session>> held;
   for (const auto& [id, s] : sessions_)
     if (!s->held.empty()) held.push_back(s);
-  for (const auto& s : held)
-    for (const auto& f : std::exchange(s->held, {})) {
+  for (const auto& s : held) {
+    budget_->release(std::exchange(s->held_bytes, 0));
+    for (const auto& bytes : std::exchange(s->held, {})) {
       if (!sessions_.contains(s->id) || !s->conn->open() || !s->closing_why.empty()) break;  // (refused)
       s->since = Clock::now();  // its handshake starts now: the hold must not eat its deadline (review s40 L1)
-      on_frame(s, f);
+      auto r = proto::decode(bytes, proto::kHandshakeMaxFrame);
+      if (r.status != proto::DecodeResult::Status::kOk) {  // (it was encoded here: not expected)
+        refuse(*s, fmt::format("a held frame could not be read again: {}", r.error));
+        break;
+      }
+      on_frame(s, r.frame);
     }
+  }
+}
+
+void Server::hold(Session& s, const proto::Frame& f) {
+  std::vector<std::uint8_t> bytes;
+  try {
+    bytes = proto::encode(f, proto::kHandshakeMaxFrame);
+  } catch (const std::length_error&) {  // (a frame of 4 KiB whose numbers encode wider)
+    return refuse(s, fmt::format("a frame of more than {} bytes before this rendezvous host's answer",
+                                 proto::kHandshakeMaxFrame));
+  }
+  if (!budget_->charge(bytes.size()))
+    return refuse(s, fmt::format("the rendezvous server is at its memory limit ({} MiB) and holds no more hellos "
+                                 "until it hosts; retry later", opts_.max_memory >> 20));
+  s.budget = budget_;
+  s.held_bytes += bytes.size();
+  s.held.push_back(std::move(bytes));
 }
 
 void Server::answer_not_hosting(Session& s) {
@@ -518,7 +548,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
       // over too): its Hello waits unanswered until this server hosts, or until the
       // handshake timeout from its connect (then closed), as a silent node (its own
       // search's interval bounds the wait too); served, it has a whole handshake timeout.
-      return s->held.push_back(f);
+      return hold(*s, proto::to_frame(hello));  // (its fields only: no key the Hello does not define)
     }
     if (!opts_.only_job.empty() && s->job != opts_.only_job)
       throw proto::ProtocolError(fmt::format("this rendezvous is hosted by an agent of another job and serves only "
@@ -571,7 +601,9 @@ void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) 
   try {
     if (!s->held.empty()) {  // an older client's, while this server does not host yet
       if (s->held.size() > 1) return refuse("a third frame before this rendezvous host's answer");
-      return s->held.push_back(f);  // (the Join that rides with the Hello without a token)
+      if (proto::type_of(f) != MsgType::kJoin)  // (replayed, it would be refused: before the Welcome, or no Join)
+        return refuse(fmt::format("message type {} before this rendezvous host's answer", f.type));
+      return hold(*s, f);  // (the Join that rides with the Hello without a token)
     }
     if (s->phase != Session::Phase::kReady) return handshake(s, f);
     const auto now = Clock::now();

@@ -154,6 +154,9 @@ class Server {
   void handshake(const std::shared_ptr<Session>& s, const proto::Frame& f);
   void answer_not_hosting(Session& s);  // ServerOptions::not_hosting, for its Hello
   void resume_held();  // host(): the held Hellos (Session::held) are read again
+  // Keeps `f` (an older client's Hello or Join) as its bytes, charged to budget_; refuses the
+  // session when it does not fit.
+  void hold(Session& s, const proto::Frame& f);
   void warn_if_open() const;            // beyond loopback without a token
   std::string not_hosting_run_;
   int recalling_epoch_ = -1;  // tell_recalling()'s; -1: not recalling

@@ -1687,9 +1687,11 @@ namespace {
 // "job" at `run`, on its own io thread; with `token`, the job's key is the token's.
 struct TakeoverSocket {
   explicit TakeoverSocket(const std::string& run, bool token = true,
-                          std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10)) {
+                          std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10),
+                          const std::function<void(mg::rdzv::ServerOptions&)>& tweak = {}) {
     mg::rdzv::ServerOptions so;
     so.handshake_timeout = handshake_timeout;
+    if (tweak) tweak(so);
     so.host = "127.0.0.1";
     so.only_job = "job";
     if (token) so.job_tokens["job"] = key;
@@ -1713,6 +1715,13 @@ struct TakeoverSocket {
       done.set_value();
     });
     done.get_future().wait();
+  }
+  // The value of metrics() series `series` (its labels included), read on the io thread.
+  std::uint64_t metric(const std::string& series) {
+    std::string text;
+    on_loop([&] { text = server->metrics(); });
+    const auto at = text.find("\nmglaunch_rdzv_" + series + " ");
+    return at == std::string::npos ? 0 : std::stoull(text.substr(at + series.size() + 16));
   }
   const std::string key = auth::job_key(kToken, "job");
   boost::asio::io_context io{1};
@@ -1806,6 +1815,49 @@ TEST_CASE("an older client's hello held by a takeover socket has the whole hands
   REQUIRE(waits.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
   CHECK(waits.closed_within(10s));
   CHECK(waits.received().empty());
+}
+
+// Review s40 L2: a held Hello and Join were kept as parsed trees outside the memory budget
+// (a 4 KiB Join of empty arrays parses to about 200 KB), so one address's 256 connections
+// pinned about 100 MB. Held as bytes, charged to the budget: past the limit, refused.
+TEST_CASE("older clients' hellos and joins held by a takeover socket are charged to its memory limit, and those past "
+          "it are refused (review s40 L2)") {
+  constexpr std::size_t kLimit = 64 << 10;
+  TakeoverSocket t("1764500000000-0123456789abcdef", false, 10s,  // (no token: each Join is read once it hosts)
+                   [](mg::rdzv::ServerOptions& so) { so.max_memory = kLimit; });
+  const auto idle = t.metric("memory_bytes");
+  auto join = proto::to_frame(join_for("job"));
+  join.payload["pad"] = std::string(3500, 'x');  // (a key Join does not define: read and ignored)
+  constexpr int kPeers = 40;                       // 40 x 3.6 KiB: more than twice the limit
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  for (int i = 0; i < kPeers; ++i) {
+    peers.push_back(std::make_unique<RawPeer>(t.server->port()));
+    REQUIRE(peers.back()->send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+    peers.back()->send(join);  // (false when refused at the connect: the budget is spent)
+  }
+  // Every frame read, or every connection past those read refused (bounded: 10 s).
+  for (int i = 0; i < 100 && t.metric("frames_received_total") +
+                                     2 * t.metric("connections_refused_total{reason=\"memory\"}") <
+                                 std::uint64_t{2} * kPeers;
+       ++i)
+    std::this_thread::sleep_for(100ms);
+  const auto used = t.metric("memory_bytes");
+  CHECK(used <= kLimit);
+  CHECK(used - idle >= kLimit / 2);  // (before: nothing held was charged)
+  std::vector<bool> closed;
+  for (auto& p : peers) closed.push_back(p->closed_within(100ms));
+  const auto n_closed = std::count(closed.begin(), closed.end(), true);
+  CHECK(n_closed >= kPeers - static_cast<int>(kLimit / 3500));
+  CHECK(n_closed < kPeers);
+  // Those held are served once the socket hosts, and the budget is given back.
+  t.on_loop([&] { t.server->host(); });
+  for (std::size_t i = 0; i < peers.size(); ++i)
+    if (!closed[i]) {
+      const auto f = peers[i]->read(5s);
+      REQUIRE(f);
+      CHECK(proto::type_of(*f) == proto::MsgType::kWelcome);
+    }
+  CHECK(t.metric("memory_bytes") < used);
 }
 
 // Review s39-listen L3: an agent that hosts at the endpoint after a stale recall keeps its

@@ -29,6 +29,15 @@ namespace mg {
 
 namespace asio = boost::asio;
 
+namespace {
+
+// The most a node's first record of a job may hold its first workers back (the io thread
+// waits, well under the silence that loses a node by default: keep_alive_interval x
+// (keep_alive_max_attempt + 1), 20 s).
+constexpr std::chrono::milliseconds kFirstRecordWait{2000};
+
+}  // namespace
+
 void Agent::host_rendezvous() {
   // A record of this job: the link looks for it at the record's hosts first, and this node
   // hosts only once none runs it (rdzv::ClientHandlers::on_recall_ended).
@@ -305,8 +314,14 @@ void Agent::start_rendezvous() {
   h.on_assignment = [this](const proto::Assignment& a) {
     guarded([&] {
       end_recall();
+      // This node's first record of the job is written before its first workers start (an
+      // agent killed in between would restart with none and host a fresh job beside the
+      // survivors: #34); every later one after they start, off a restart's path (643b029: an
+      // older record is still a sound majority rule, so a later write lost costs nothing).
+      const bool later = record_written_;
+      if (!later) remember_job(a.epoch, a.run);
       on_assignment(a);
-      remember_job(a.epoch, a.run);  // after the workers start: the record's fsync is off the restart's path
+      if (later) remember_job(a.epoch, a.run);
     });
   };
   // During the preflight check the rendezvous' word waits for its verdict (a node that
@@ -455,7 +470,12 @@ void Agent::remember_job(int epoch, const std::string& run) {
               .voter_hosts = client_->job_voter_hosts()};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)
-  record_written_ = true;
+  // The first one is waited for (a few ms; at most kFirstRecordWait, then one warning line):
+  // until it is on disk, this node killed would restart as a fresh one.
+  if (!std::exchange(record_written_, true) && !record_io_->drain_for(kFirstRecordWait))
+    notice(fmt::format("warning: this node's first record of job '{}' is not written after {} s (a hung file "
+                       "system?): going on; an agent restarted here before it is written starts afresh",
+                       plan_.run_id, kFirstRecordWait.count() / 1000.0));
 }
 
 void Agent::warn_record_failure() {

@@ -379,6 +379,11 @@ void JobRecordWriter::drain() {
   st_->cv.wait(lock, [this] { return st_->idle(); });
 }
 
+bool JobRecordWriter::drain_for(std::chrono::milliseconds wait) {
+  std::unique_lock lock(st_->mu);
+  return st_->cv.wait_for(lock, wait, [this] { return st_->idle(); });
+}
+
 void JobRecordWriter::on_failure(std::function<void()> f) {
   std::lock_guard lock(st_->mu);
   st_->on_failure = std::move(f);

@@ -146,6 +146,7 @@ class JobRecordWriter {
   void discard(JobRecord key);  // that record (a stale one recalled), before any write
   void sweep();
   void drain();   // returns once nothing waits or runs
+  bool drain_for(std::chrono::milliseconds wait);  // drain(), at most `wait`: false if it did not
   std::string take_error();  // the first failure not yet taken; "" when none
   // `f` is called on the helper thread (under its lock: keep it short, e.g. a post to the
   // caller's io context) after each operation that failed, so the caller learns of a

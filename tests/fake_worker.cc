@@ -31,6 +31,9 @@
 //                       plain child that appends "got SIGUSR1" to PATH.usr on SIGUSR1
 //   expect-dead PATH    exit 9 unless every pid in PATH is gone within 10 s
 //   wait-file PATH      wait until PATH exists (exit 8 after 30 s)
+//   expect-record       exit 9, saying "no job record in DIR", unless $MGLAUNCH_RECORD_DIR
+//                       holds a record (job-*.json) at once: the agent's, a test giving each
+//                       agent a directory of its own
 //   wait-lines PATH N   wait until PATH holds at least N lines (exit 8 after 60 s): orders
 //                       events between workers of different agents without a sleep
 //   bind-master-plain SECS  bind 0.0.0.0:$MASTER_PORT without SO_REUSEADDR (retrying up to
@@ -329,6 +332,20 @@ int main(int argc, char** argv) {
       while (::access(path, F_OK) != 0) {
         if (std::chrono::steady_clock::now() > deadline) return 8;
         hang(0.01);
+      }
+    } else if (cmd == "expect-record") {
+      const char* dir = std::getenv("MGLAUNCH_RECORD_DIR");
+      bool found = false;
+      if (DIR* d = dir ? ::opendir(dir) : nullptr) {
+        while (const dirent* e = ::readdir(d)) {
+          const std::string_view n = e->d_name;
+          found = found || (n.starts_with("job-") && n.ends_with(".json"));
+        }
+        ::closedir(d);
+      }
+      if (!found) {
+        std::fprintf(stderr, "fake_worker: no job record in %s\n", dir ? dir : "(MGLAUNCH_RECORD_DIR unset)");
+        return 9;
       }
     } else if (cmd == "wait-lines") {
       const char* path = arg();

@@ -117,7 +117,7 @@ std::optional<mg::proto::NotHosting> not_hosting_at(const std::string& addr, int
 
 // A job of `count` agents started as start_job() does (endpoint 127.0.0.2, a free port), each
 // keeping its record in a directory of the test's own (MGLAUNCH_RECORD_DIR); returned once
-// every record is written (after its node's workers start).
+// every record is written (before its node's first workers start, so at once).
 struct RecordedJob {
   std::string ep, records;
   std::map<std::string, std::string> env;
@@ -380,6 +380,38 @@ TEST_CASE("a survivor whose host name resolves here only to 127.0.1.1 (Debian's 
   host.wait(5s);
 }
 
+// #34 (session 41): a node's first record of a job is written before its first workers
+// start. Before (643b029), it was written on the helper thread after they started, and an
+// agent SIGKILLed in between (its first round) restarted with no record and hosted a fresh
+// job at the endpoint beside the survivors. Each agent keeps its record in a directory of
+// its own here, and each worker checks, the moment it starts, that its agent's is there
+// (fake_worker's expect-record: exit 9 if not).
+TEST_CASE("every agent of an agent-hosted job has written its record of the job before its first worker starts") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  const std::vector<std::string> flags{"--max_restarts=0", kRejoinConf};
+  std::vector<Proc> agents;
+  auto start = [&](int i) {
+    const std::string dir = records + "/" + std::to_string(i);
+    std::filesystem::create_directory(dir);
+    agents.push_back(spawn(agent_argv(ep, "first-record", i, "3", 1, flags, {"expect-record", "print", "up"}),
+                           record_env(dir)));
+  };
+  start(2);
+  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  for (int i : {3, 4}) start(i);
+  bool ended = true;
+  for (Proc& p : agents) ended = p.wait(60s) && ended;
+  for (Proc& p : agents) {
+    INFO("an agent (" << (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) << "):\n"
+                      << p.err() << p.out());
+    REQUIRE(ended);
+    CHECK_THAT(p.err(), !Catch::Contains("no job record in"));
+    CHECK(p.out().find("up") != std::string::npos);
+    CHECK(p.exit_code() == 0);
+  }
+}
+
 // #34 H1: the hosting agent's machine comes back and its agent is started again with the
 // same command line (systemd, a user, a Slurm requeue of one node). Before, it found the
 // endpoint's port free and hosted a fresh job (a new run, a first round that needs no
@@ -408,8 +440,8 @@ TEST_CASE("the hosting agent SIGKILLed and started again with the same command l
   }, 30s));
   const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
   REQUIRE(run.size() > 2);
-  // Every node's record written (on a helper thread, after its workers started): killed
-  // before, the host would restart with no record and host a fresh job.
+  // Every node's record written (before its first workers start: a guard, since a node
+  // killed with none would restart as a fresh one; here the host would host a fresh job).
   const std::string dir = records + "/mglaunch";
   REQUIRE(eventually([&] { return std::filesystem::is_directory(dir) && records_in(dir) == 3; }, 10s));
   ::kill(-agents[0].pid, SIGKILL);  // the agent, its watchdog and its workers
@@ -473,8 +505,8 @@ TEST_CASE("a node that does not host SIGKILLed with the host and started again w
   REQUIRE(eventually(
       [&] { return std::all_of(agents.begin(), agents.end(), [&](Proc& p) { return last_world(p) == "5"; }); }, 30s));
   const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
-  // Every node's record written (on a helper thread, after its workers started): killed
-  // before, 127.0.0.6 would restart with no record, as a fresh node.
+  // Every node's record written (before its first workers start: a guard, since a node
+  // killed with none would restart as a fresh one; here 127.0.0.6).
   const std::string dir = records + "/mglaunch";
   REQUIRE(eventually([&] { return std::filesystem::is_directory(dir) && records_in(dir) == 5; }, 10s));
   for (int i : {0, 4}) ::kill(-agents[i].pid, SIGKILL);  // the host and 127.0.0.6, which never hosted

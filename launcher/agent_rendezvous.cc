@@ -458,15 +458,18 @@ void Agent::end_recall() {
 void Agent::remember_job(int epoch, const std::string& run) {
   if (takeover_server_ && !run.empty()) takeover_server_->tell_run(run);  // its NotHosting names the run
   if (!record_io_ || !client_ || run.empty()) return;
+  // The voters' epoch with them: a Standby of an older one told since leaves the newer voters
+  // and their addresses (review s40 L1).
+  const int voters = client_->job_voters();
   // Every field named, in order (clang 18+ warns on a missing one: -Wmissing-field-initializers).
   JobRecord r{.job = plan_.run_id,
               .node = record_node_,
               .endpoint = record_endpoint_,
               .run = run,
-              .epoch = epoch,
+              .epoch = voters > 0 ? client_->job_voters_epoch() : epoch,
               .hosts = client_->job_hosts(),
               .takeover_port = takeover_port_,
-              .voters = client_->job_voters(),
+              .voters = voters,
               .voter_hosts = client_->job_voter_hosts()};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)

@@ -220,6 +220,8 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
         r.takeover_port = static_cast<int>(integer_in(j.at("takeover_port"), 0, 65535, "takeover_port"));
       if (j.contains("voters"))  // (absent before review s39 H1: 0, unknown)
         r.voters = static_cast<int>(integer_in(j.at("voters"), 0, 1 << 20, "voters"));
+      // Fewer voters than their addresses: not one epoch's (review s40 L1), the every-host rule.
+      if (static_cast<std::size_t>(r.voters) < r.voter_hosts.size()) r.voters = 0;
     } catch (const std::exception& e) {  // (nlohmann's, and integer_in's)
       // (nlohmann quotes the file's bytes, control characters and newlines too.)
       bad = fmt::format("not a record ({})", printable_line(e.what()));

@@ -92,6 +92,7 @@ class Client {
   void close();
   std::vector<std::pair<std::string, int>> job_hosts() const { return m_.job_hosts(); }
   int job_voters() const { return m_.job_voters(); }
+  int job_voters_epoch() const { return m_.job_voters_epoch(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const { return m_.job_voter_hosts(); }
   bool job_decided() const { return m_.job_over(); }
   std::string why_no_takeover_of_self() const { return m_.why_no_takeover_of_self(); }

@@ -507,12 +507,12 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         standby_ = true;
         restarts_seen_ = std::max(restarts_seen_, m.restart_count);
         standbys_ = std::max(standbys_, m.position);
-        // A node that took a job over lists no round before its own closes: keep the last.
-        if (!standby_of_ || !m.nodes.empty()) standby_of_ = m;
         // Voters of an epoch older than the one this node knows (a node that took the job over
         // and missed the last round) are not learnt over the newer ones, within one run (review
-        // s38 L3); another run's epochs count from 1 again.
+        // s38 L3); another run's epochs count from 1 again. Nor are its nodes (review s40 L1: the
+        // record's count and addresses of one epoch). A taker lists no round before its own closes.
         const bool newer = m.epoch >= voters_epoch_ || (!m.run.empty() && m.run != opts_.join.run);
+        if (!standby_of_ || (!m.nodes.empty() && newer)) standby_of_ = m;
         opts_.join.epoch = std::max(opts_.join.epoch, m.epoch);
         if (!m.run.empty()) opts_.join.run = m.run;  // (#37)
         if (!m.voters.empty() && newer) learn_voters(m.epoch, m.voters);

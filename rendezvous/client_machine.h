@@ -266,6 +266,7 @@ class ClientMachine {
   std::vector<std::pair<std::string, int>> job_hosts() const;
   // The last round's voters (its nodes and the standbys), this node one of them; 0: none.
   int job_voters() const;
+  int job_voters_epoch() const { return voters_epoch_; }  // their epoch (the record's, with them)
   std::vector<std::pair<std::string, int>> job_voter_hosts() const;  // their takeover addresses
   static constexpr std::size_t kMaxRecallHosts = proto::kMaxListedNodes;
   // The generation of t's current arm (what a fire that is not stale carries).
@@ -464,6 +465,8 @@ class ClientMachine {
   bool recall_welcomed(const proto::Welcome& w, Clock::time_point now);
   // The takeover addresses of the last round's voters (this node's too, or not), in order.
   std::vector<std::pair<std::string, int>> voter_addresses(bool with_self) const;  // false: not the job's run
+  // The Standby or (else) the Assignment that voter_addresses() reads: the voters' epoch's.
+  std::pair<const proto::Standby*, const proto::Assignment*> voters_message() const;
   // The hosts this node knew the job at (the endpoint, each host lost since), at most kMaxHosts.
   std::vector<std::pair<std::string, int>> job_hosts_;
   static constexpr std::size_t kMaxHosts = 8;

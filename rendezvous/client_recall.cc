@@ -222,14 +222,28 @@ int ClientMachine::job_voters() const {
   // (more than kMaxListedNodes voters, an older server, or none of that epoch): a recall then
   // keeps the every-host rule.
   if (host_agent_.empty() || !ever_welcomed_ || voters_epoch_ != opts_.join.epoch) return 0;
+  // Their addresses are of their own epoch's message (review s40 L1), and a host older than
+  // standby_nodes lists more voters than nodes but no standby's address: a majority of
+  // voters not all named would count too few answers, so the every-host rule (review s40 L3).
+  const auto [s, a] = voters_message();
+  if ((s ? s->epoch : a ? a->epoch : -1) != voters_epoch_) return 0;
+  const auto& nodes = s ? s->nodes : a->nodes;
+  if (voters_.size() > nodes.size() && (s ? s->standby_nodes : a->standby_nodes).empty()) return 0;
   return static_cast<int>(voters_.size());
+}
+
+std::pair<const proto::Standby*, const proto::Assignment*> ClientMachine::voters_message() const {
+  const proto::Standby* s = standby_ && standby_of_ ? &*standby_of_ : nullptr;
+  // A Standby of an older epoch than the Assignment's voters (a host that missed that round):
+  // the Assignment's addresses go with those voters (review s40 L1).
+  if (s && s->epoch != voters_epoch_ && last_ && last_->epoch == voters_epoch_) s = nullptr;
+  return {s, s || !last_ ? nullptr : &*last_};
 }
 
 std::vector<std::pair<std::string, int>> ClientMachine::voter_addresses(bool with_self) const {
   std::vector<std::pair<std::string, int>> out;
   if (host_agent_.empty() || !ever_welcomed_) return out;
-  const proto::Standby* s = standby_ && standby_of_ ? &*standby_of_ : nullptr;
-  const proto::Assignment* a = s || !last_ ? nullptr : &*last_;
+  const auto [s, a] = voters_message();
   if (!s && !a) return out;
   for (const auto& c : takeover_candidates(s ? s->nodes : a->nodes, s ? s->takeover_ports : a->takeover_ports, {}, 0))
     if (with_self || !a || c.group_rank != a->group_rank) out.emplace_back(c.addr, c.port);

@@ -48,6 +48,7 @@ class Link {
                       std::vector<std::pair<std::string, int>> /*voter_hosts*/) {}
   virtual std::vector<std::pair<std::string, int>> job_hosts() const { return {}; }
   virtual int job_voters() const { return 0; }  // the last round's voters, for the record
+  virtual int job_voters_epoch() const { return 0; }  // their epoch (the record's, with them)
   virtual std::vector<std::pair<std::string, int>> job_voter_hosts() const { return {}; }  // their takeover addresses
   virtual bool job_decided() const { return false; }
   virtual std::string why_no_takeover_of_self() const { return {}; }
@@ -73,6 +74,7 @@ class LinkTo : public Link {
   }
   std::vector<std::pair<std::string, int>> job_hosts() const override { return impl_.job_hosts(); }
   int job_voters() const override { return impl_.job_voters(); }
+  int job_voters_epoch() const override { return impl_.job_voters_epoch(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const override { return impl_.job_voter_hosts(); }
   bool job_decided() const override { return impl_.job_decided(); }
   std::string why_no_takeover_of_self() const override { return impl_.why_no_takeover_of_self(); }

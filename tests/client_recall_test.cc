@@ -711,3 +711,85 @@ TEST_CASE("client machine, recall: welcomed by the run's host (or an older serve
     CHECK(has<cmd::RecallEnded>(c) == recalling);  // "recalling": 2 of 3, stale; a node of the run: never
   }
 }
+
+namespace {
+proto::Standby standby_at(int epoch, std::vector<std::string> nodes, std::vector<int> ports,
+                          std::vector<std::string> voters, std::vector<std::string> standby_nodes,
+                          std::vector<int> standby_ports) {
+  proto::Standby s;
+  s.position = 1;
+  s.round = epoch;
+  s.nodes = std::move(nodes);
+  s.takeover_ports = std::move(ports);
+  s.epoch = epoch;
+  s.run = kRun;
+  s.voters = std::move(voters);
+  s.standby_nodes = std::move(standby_nodes);
+  s.standby_takeover_ports = std::move(standby_ports);
+  return s;
+}
+}  // namespace
+
+// Review s40 L1: the record's epoch, voter count and voters' addresses come from one message.
+// Before, a Standby of an older epoch with nodes (a host that missed the last round) replaced
+// the addresses while the newer voters stayed: epoch 2's count over epoch 1's sockets.
+TEST_CASE("client machine: a Standby of an older epoch after a newer one leaves the newer voters' count, addresses "
+          "and epoch for the record, as does a first Standby of an older epoch after an Assignment (review s40 L1)") {
+  ClientOptions o = restarted();
+  o.join.addr = "127.0.0.5";
+  o.join.takeover_port = 7005;
+  const proto::Standby older = standby_at(1, {"127.0.0.1", "127.0.0.4"}, {0, 7004}, {"agent-1", "agent-4", "agent-new"},
+                                          {"127.0.0.5"}, {7005});
+  {
+    Link l(o);
+    l.m.start(l.now);
+    l.welcome("host-1");
+    l.receive(standby_at(2, {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003},
+                         {"agent-1", "agent-2", "agent-3", "agent-new"}, {"127.0.0.5"}, {7005}));
+    l.receive(older);
+    CHECK(l.m.job_voters() == 4);
+    CHECK(l.m.job_voters_epoch() == 2);
+    CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}, {"127.0.0.5", 7005}});
+  }
+  {
+    Link l(o);
+    l.m.start(l.now);
+    l.welcome("host-1");
+    proto::Assignment a = round_on({"127.0.0.1", "127.0.0.5", "127.0.0.3"}, {0, 7005, 7003});
+    a.epoch = 2;
+    a.voters = {"agent-1", "agent-new", "agent-3"};
+    l.receive(a);
+    l.receive(older);
+    CHECK(l.m.job_voters() == 3);
+    CHECK(l.m.job_voters_epoch() == 2);
+    CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.5", 7005}, {"127.0.0.3", 7003}});
+  }
+}
+
+// Review s40 L3: a host older than standby_nodes lists its standbys among the voters but not
+// their addresses; a record of that count would need answers it cannot name.
+TEST_CASE("client machine: an Assignment or Standby of more voters than nodes that lists no standby's address (an "
+          "older host) makes job_voters() 0, the every-host rule (review s40 L3)") {
+  ClientOptions o = restarted();
+  o.join.addr = "127.0.0.5";
+  o.join.takeover_port = 7005;
+  {
+    Link l(o);
+    l.m.start(l.now);
+    l.welcome("host-1");
+    l.receive(standby_at(1, {"127.0.0.1", "127.0.0.2"}, {0, 7002}, {"agent-1", "agent-2", "agent-new"}, {}, {}));
+    CHECK(l.m.job_voters() == 0);
+    l.receive(standby_at(1, {"127.0.0.1", "127.0.0.2"}, {0, 7002}, {"agent-1", "agent-2", "agent-new"},
+                         {"127.0.0.5"}, {7005}));
+    CHECK(l.m.job_voters() == 3);  // (a newer host: every voter named)
+  }
+  {
+    Link l(o);
+    l.m.start(l.now);
+    l.welcome("host-1");
+    proto::Assignment a = round_on({"127.0.0.1", "127.0.0.5"}, {0, 7005});
+    a.voters = {"agent-1", "agent-new", "agent-6"};
+    l.receive(a);
+    CHECK(l.m.job_voters() == 0);
+  }
+}

@@ -118,6 +118,22 @@ TEST_CASE("a record is written whole (0600, in a directory made 0700) and read b
   CHECK(why.empty());
 }
 
+// Review s40 L1: a count and addresses of two epochs (a record of an older agent) would count
+// the older epoch's answers against too few voters.
+TEST_CASE("a record with fewer voters than voters' addresses is read with voters 0, the every-host rule") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  for (const int voters : {1, 2, 3}) {
+    JobRecord r = sample();
+    r.voters = voters;  // its 2 voter_hosts: 1 is fewer, 2 and 3 are not
+    REQUIRE(d->write(r) == "");
+    const auto back = d->read("job7", "127.0.0.2@hostA", kEndpoint, &why);
+    REQUIRE(back);
+    CHECK(back->voters == (voters < 2 ? 0 : voters));
+    CHECK(back->voter_hosts == sample().voter_hosts);
+  }
+}
+
 TEST_CASE("a record that is not one, or is open to other users, is refused with a reason, and job ids of any text map "
           "to file names") {
   std::string dir, why;

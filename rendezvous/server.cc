@@ -711,7 +711,10 @@ void Server::check_deadlines(Clock::time_point now) {
   std::vector<std::pair<std::shared_ptr<Session>, std::string>> expired;
   for (const auto& [id, s] : sessions_) {
     const auto age = now - s->since;
-    if (s->phase != Session::Phase::kReady && age > opts_.handshake_timeout)
+    if (!s->held.empty() && age > std::max(opts_.handshake_timeout, opts_.held_timeout))
+      expired.emplace_back(s, fmt::format("an older client's hello held {} ms without this node hosting; closing",
+                                          std::max(opts_.handshake_timeout, opts_.held_timeout).count()));
+    else if (s->held.empty() && s->phase != Session::Phase::kReady && age > opts_.handshake_timeout)
       expired.emplace_back(s, fmt::format("no handshake within {} ms; closing", opts_.handshake_timeout.count()));
     else if (s->phase == Session::Phase::kReady && !s->joined && age > opts_.handshake_timeout)
       expired.emplace_back(s, fmt::format("no join within {} ms of the handshake; closing", opts_.handshake_timeout.count()));

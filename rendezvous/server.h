@@ -58,6 +58,12 @@ struct ServerOptions {
   std::size_t max_memory = std::size_t{512} << 20;  // buffers and job state, bytes
   std::chrono::milliseconds handshake_timeout{10000};  // connect -> Welcome, and Welcome -> Join
   std::chrono::milliseconds frame_timeout{10000};      // first byte of a frame -> its last
+  // An older client's Hello held unanswered by a takeover socket that does not host yet
+  // (not_hosting) is closed this long after its connect (handshake_timeout if longer): its
+  // client waits its keep_alive_interval for an answer, often longer than the handshake's
+  // 10 s, and a close passes this node over sooner (review s40 L1). Its bytes are charged to
+  // max_memory, its connection to the per-address cap.
+  std::chrono::milliseconds held_timeout{60000};
   std::chrono::milliseconds idle_job_expiry{3600 * 1000};
   std::chrono::milliseconds orphan_job_expiry{60000};  // a job nobody is connected to
   std::chrono::milliseconds tick{100};

@@ -1809,12 +1809,31 @@ TEST_CASE("an older client's hello held by a takeover socket has the whole hands
   CHECK(proto::type_of(*f) == proto::MsgType::kChallenge);
   CHECK_FALSE(old.closed_within(3500ms));  // (before: closed 6 s after its connect, 3 s after the challenge)
   CHECK(old.closed_within(15s));           // no Auth: closed at the deadline from the challenge
-  // A hello held that long is closed at the deadline from its connect.
-  TakeoverSocket held("1764500000000-0123456789abcdef", true, 1s);
+  // A hello held that long is closed at the deadline from its connect (held_timeout: below).
+  TakeoverSocket held("1764500000000-0123456789abcdef", true, 1s,
+                      [](mg::rdzv::ServerOptions& so) { so.held_timeout = 1s; });
   RawPeer waits(held.server->port());
   REQUIRE(waits.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
   CHECK(waits.closed_within(10s));
   CHECK(waits.received().empty());
+}
+
+// Review s40 L1: a held Hello was closed at the handshake deadline (10 s), which the agent
+// never sets, so an older client whose keep_alive_interval is longer passed this node over
+// at 10 s, not at its interval. A held Hello has its own bound (held_timeout, 60 s); a
+// connection that sends nothing keeps the handshake's.
+TEST_CASE("an older client's hello held by a takeover socket is kept past the handshake deadline until its own bound "
+          "(held_timeout), and a silent connection is still closed at the handshake deadline (review s40 L1)") {
+  // (Margins of 2.5 s each way: a loaded machine's scheduling lag must not decide it.)
+  TakeoverSocket t("1764500000000-0123456789abcdef", true, 1s,
+                   [](mg::rdzv::ServerOptions& so) { so.held_timeout = 6s; });
+  RawPeer old(t.server->port());
+  REQUIRE(old.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  RawPeer silent(t.server->port());
+  CHECK_FALSE(old.closed_within(3500ms));  // (before: closed 1 s after its connect)
+  CHECK(silent.closed_within(10ms));       // (closed 1 s after its connect)
+  CHECK(old.closed_within(15s));
+  CHECK(old.received().empty());
 }
 
 // Review s40 L2: a held Hello and Join were kept as parsed trees outside the memory budget

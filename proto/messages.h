@@ -47,7 +47,10 @@ struct Hello {
   std::string nonce;   // hex, 32 random bytes
   // The client reads NotHosting (review s39-listen M3). A takeover socket that does not
   // host answers NotHosting only to such a Hello; an older client's (false: the field is
-  // absent) waits unanswered until the socket hosts, as its connect waited when refused.
+  // absent) waits unanswered until the socket hosts, for the client's one keep-alive
+  // interval at most (60 s: ServerOptions::held_timeout); its refused connect was retried
+  // to the search's deadline, interval x attempts, and let it wait to rejoin (review
+  // s40-tidy M1: docs/multinode.md says what an older survivor loses).
   bool reads_not_hosting = false;
 };
 struct Challenge {

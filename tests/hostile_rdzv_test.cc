@@ -1879,6 +1879,62 @@ TEST_CASE("older clients' hellos and joins held by a takeover socket are charged
   CHECK(t.metric("memory_bytes") < used);
 }
 
+// Review s40 L3: take_over() makes the job (the seed's run) before host() replays a held
+// Hello; the other way round, a held no-token Hello+Join was welcomed with no run and its
+// Join made a job of a fresh run before the seed came.
+TEST_CASE("a takeover socket that takes the job over welcomes an older client's held hello and join into the seed's "
+          "run (review s40 L3)") {
+  const std::string run = "1764500000000-0123456789abcdef", seed_run = "1764400000000-fedcba9876543210";
+  TakeoverSocket t(run, false);
+  const auto idle = t.metric("memory_bytes");
+  RawPeer old(t.server->port());
+  REQUIRE(old.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  REQUIRE(old.send(proto::to_frame(join_for("job"))));
+  // Held: its bytes are charged (bounded: 10 s), nothing is answered, no job is made.
+  for (int i = 0; i < 100 && t.metric("memory_bytes") <= idle; ++i) std::this_thread::sleep_for(100ms);
+  REQUIRE(t.metric("memory_bytes") > idle);
+  CHECK_FALSE(old.closed_within(200ms));
+  CHECK(old.received().empty());
+  t.on_loop([&] { CHECK(t.server->jobs_json().empty()); });
+  mg::rdzv::TakeoverSeed seed;
+  seed.round = 3;
+  seed.reason = "rendezvous host node-0 lost: silent";
+  seed.lost_host = "node-0";
+  seed.deadline = mg::rdzv::Clock::now() + 60s;
+  seed.survivors = 2;
+  seed.world_size = 2;
+  seed.run = seed_run;
+  t.on_loop([&] { t.server->take_over("job", seed); });
+  const auto f = old.read(5s);
+  REQUIRE(f);
+  REQUIRE(proto::type_of(*f) == proto::MsgType::kWelcome);
+  CHECK(proto::from_frame<proto::Welcome>(*f).run == seed_run);
+  nlohmann::json jobs;
+  t.on_loop([&] { jobs = t.server->jobs_json(); });
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0]["id"] == "job");
+  CHECK(jobs[0]["round"] == 3);
+  CHECK(jobs[0].dump().find("127.0.0.9") != std::string::npos);  // its Join was read into it
+}
+
+// What a held session may send before the socket hosts: the Join that rides with an older
+// client's Hello, and nothing else (review s40 L2, L3).
+TEST_CASE("a takeover socket holding an older client's hello refuses a third frame, and a second that is not a Join "
+          "(review s40 L3)") {
+  TakeoverSocket t("1764500000000-0123456789abcdef", false);
+  RawPeer third(t.server->port());
+  REQUIRE(third.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  REQUIRE(third.send(proto::to_frame(join_for("job"))));
+  third.send(proto::to_frame(proto::Heartbeat{1, 0}));
+  CHECK(third.closed_within(5s));
+  CHECK(third.received().find("a third frame before this rendezvous host's answer") != std::string::npos);
+  RawPeer second(t.server->port());
+  REQUIRE(second.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+  second.send(proto::to_frame(proto::Heartbeat{1, 0}));
+  CHECK(second.closed_within(5s));  // (before: held, and refused only once it hosts)
+  CHECK(second.received().find("before this rendezvous host's answer") != std::string::npos);
+}
+
 // Review s39-listen L3: an agent that hosts at the endpoint after a stale recall keeps its
 // takeover socket, which had the hosting server's whole descriptor share too (twice the
 // budget). Limited, it holds the connections it has and refuses any beyond the limit.

@@ -36,6 +36,19 @@ namespace {
 // (keep_alive_max_attempt + 1), 20 s).
 constexpr std::chrono::milliseconds kFirstRecordWait{2000};
 
+// The line of an agent that could not bind its record's takeover port again (`why`) and bound
+// `port` instead. The other nodes' records name the old port, which refuses from now on, and
+// a refusal never counts: in a whole job's rerun a node that needs this one's answer for a
+// majority waits until join_timeout (review s40-recall M2: 3 voters, the host's port 0).
+std::string takeover_port_lost(const std::string& job, const std::string& host, int recorded, const std::string& why,
+                               int port) {
+  return fmt::format("warning: this node cannot bind its record's takeover port {}:{} again ({}) and listens on {}:{} "
+                     "instead: the other nodes' records of job '{}' name the old port, which now refuses, so in a "
+                     "rerun of the whole job a node that needs this node's answer to find its record stale waits until "
+                     "join_timeout (exit 3); their next records name the new port",
+                     host, recorded, why, host, port, job);
+}
+
 }  // namespace
 
 void Agent::host_rendezvous() {
@@ -150,8 +163,10 @@ void Agent::bind_takeover_socket() {
   // It listens from now on, answering "alive, not hosting" (proto::NotHosting) until it hosts.
   auto try_bind = [&](in_addr_t addr) {
     int fd = recorded_port > 0 && recorded_port < 65536 ? bind_at(addr, recorded_port) : -1;
+    const std::string lost = fd < 0 && recorded_port > 0 ? why : "";  // the recorded port's error
     if (fd < 0) fd = bind_at(addr, 0);
     if (fd < 0) return false;
+    if (!lost.empty()) notice(takeover_port_lost(plan_.run_id, takeover_host_, recorded_port, lost, takeover_port_));
     try {
       rdzv::ServerOptions so = server_options();
       so.host = takeover_host_;

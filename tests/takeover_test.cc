@@ -552,20 +552,34 @@ static std::vector<std::string> rerun_at_once(const std::string& job, const std:
   std::vector<Proc> again;
   for (int i = 2; i < 2 + total; ++i)
     again.push_back(spawn(agent_argv(ep, job, i, n, 1, flags, {"env", "print", "up", "wait-file", go}), env));
+  // A rerun agent that could not bind its record's port again leaves a node that needs its
+  // answer waiting until join_timeout (review s40-recall M2): the case fails at once, saying so.
+  auto port_lost = [&] {
+    return std::any_of(again.begin(), again.end(), [](Proc& p) {
+      return p.err().find("cannot bind its record's takeover port") != std::string::npos;
+    });
+  };
+  auto dump = [&] {
+    std::string all;
+    for (Proc& p : again)
+      all += "-- agent, " + (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) +
+             ":\n" + p.err() + p.out() + "\n";
+    return all;
+  };
   eventually([&] {
-    return std::all_of(again.begin(), again.end(), [](Proc& p) {
+    return port_lost() || std::all_of(again.begin(), again.end(), [](Proc& p) {
       return p.out().find("up") != std::string::npos || p.err().find("[mglaunch] standby for job ") != std::string::npos ||
              !pid_alive(p.pid);
     });
   }, 60s);
+  {
+    INFO("the rerun agents:\n" << dump());
+    REQUIRE_FALSE(port_lost());
+  }
   std::ofstream(go) << "go\n";
   bool ended = true;
   for (Proc& p : again) ended = p.wait(60s) && ended;
-  std::string all;
-  for (Proc& p : again)
-    all += "-- agent, " + (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) + ":\n" +
-           p.err() + p.out() + "\n";
-  INFO("the rerun agents:\n" << all);
+  INFO("the rerun agents:\n" << dump());
   REQUIRE(ended);
   std::vector<std::string> errs;
   int ran = 0;
@@ -759,6 +773,51 @@ TEST_CASE("a node restarted with a record and welcomed by its run's host answers
   CHECK(n->job_id == "welcomed");
   CHECK(n->run == run);
   CHECK(!n->recalling);
+}
+
+// Review s40-recall M2: an agent with a record binds its record's takeover port again; when
+// that port is taken it binds another, and the other nodes' records name a port that refuses
+// from then on (a whole job's rerun of three voters then waits until join_timeout). Before,
+// it did so without a word. Now it says so in one line: the recorded port, why, the new one.
+TEST_CASE("a node started again whose record's takeover port is taken says so in one line, naming that port, the "
+          "error and the port it listens on instead (review s40-recall M2)") {
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=30"};
+  RecordedJob job = start_recorded_job("port-lost", "1:3", flags, {"env", "print", "up", "hang", "300"});
+  const int port = recorded_takeover_port(job.records, 3);
+  REQUIRE(port > 0);
+  ::kill(-job.agents[1].pid, SIGKILL);  // 127.0.0.3
+  job.agents[1].wait(5s);
+  // A listener of the test's own at 127.0.0.3's recorded port (SO_REUSEADDR: the killed
+  // agent's connections in TIME_WAIT do not hold it; a listener refuses every other bind).
+  const int held = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(held >= 0);
+  const int on = 1;
+  ::setsockopt(held, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.3", &a.sin_addr);
+  const bool holding = ::bind(held, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(held, 4) == 0;
+  std::optional<Proc> again;
+  bool said = false;
+  if (holding) {
+    again.emplace(
+        spawn(agent_argv(job.ep, "port-lost", 3, "1:3", 1, flags, {"env", "print", "up", "hang", "300"}), job.env));
+    said = eventually([&] { return again->err().find("cannot bind its record's takeover port") != std::string::npos; },
+                      20s);
+    ::kill(-again->pid, SIGKILL);
+    again->wait(5s);
+  }
+  ::close(held);
+  REQUIRE(holding);
+  const std::string err = again->err();
+  INFO("the restarted agent:\n" << err);
+  REQUIRE(said);
+  const std::string line = "cannot bind its record's takeover port 127.0.0.3:" + std::to_string(port) + " again (";
+  CHECK_THAT(err, Catch::Contains(line + "Address already in use) and listens on 127.0.0.3:") &&
+                      Catch::Contains("name the old port, which now refuses") && Catch::Contains("join_timeout"));
+  CHECK(err.find(line) == err.rfind(line));  // once
+  CHECK_THAT(err, !Catch::Contains("listens on 127.0.0.3:" + std::to_string(port) + " instead"));
 }
 
 TEST_CASE("an agent whose record cannot be written warns when the write fails, in a round that writes no second "

@@ -66,6 +66,37 @@ proto::Assignment round_on(std::vector<std::string> nodes, std::vector<int> take
   return a;
 }
 
+// Node 127.0.0.5 (takeover port 7005), a standby of the job below.
+ClientOptions fifth() {
+  ClientOptions o = restarted();
+  o.join.addr = "127.0.0.5";
+  o.join.takeover_port = 7005;
+  return o;
+}
+
+// Started and welcomed by an agent's server (a host that takes records).
+void welcomed(Link& l) {
+  l.m.start(l.now);
+  l.welcome("host-1");
+}
+
+// A Standby of round `epoch` (the same number as its epoch), told at position 1.
+proto::Standby standby_at(int epoch, std::vector<std::string> nodes, std::vector<int> ports,
+                          std::vector<std::string> voters, std::vector<std::string> standby_nodes,
+                          std::vector<int> standby_ports) {
+  proto::Standby s;
+  s.position = 1;
+  s.round = epoch;
+  s.nodes = std::move(nodes);
+  s.takeover_ports = std::move(ports);
+  s.epoch = epoch;
+  s.run = kRun;
+  s.voters = std::move(voters);
+  s.standby_nodes = std::move(standby_nodes);
+  s.standby_takeover_ports = std::move(standby_ports);
+  return s;
+}
+
 std::vector<MsgType> sent(const ClientCommands& cs) {
   std::vector<MsgType> out;
   for (const auto& s : all<cmd::Send>(cs)) out.push_back(proto::type_of(s.frame));
@@ -392,8 +423,7 @@ TEST_CASE("client machine, takeover: a candidate's takeover socket that answers 
     ClientOptions o = restarted();
     o.join.addr = "127.0.0.3";
     Link l(o);
-    l.m.start(l.now);
-    l.welcome("host-1");
+    welcomed(l);
     proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
     a.group_rank = 2;
     l.receive(a);
@@ -640,12 +670,9 @@ TEST_CASE("client machine, recall: an older server's Welcome without a run whose
 TEST_CASE("client machine: job_voters() of a standby behind another is the Standby's voter list (not its nodes plus "
           "its place), job_voter_hosts() names the standby voters' takeover sockets, and a round that lists no voters "
           "(over 1,024) makes it 0, the every-host rule (review s39-late M1, M2)") {
-  ClientOptions o = restarted();
-  o.join.addr = "127.0.0.5";
-  o.join.takeover_port = 7005;
+  const ClientOptions o = fifth();
   Link l(o);
-  l.m.start(l.now);
-  l.welcome("host-1");
+  welcomed(l);
   proto::Standby s;
   s.position = 2;  // one standby ahead of it, one behind
   s.round = 1;
@@ -712,38 +739,17 @@ TEST_CASE("client machine, recall: welcomed by the run's host (or an older serve
   }
 }
 
-namespace {
-proto::Standby standby_at(int epoch, std::vector<std::string> nodes, std::vector<int> ports,
-                          std::vector<std::string> voters, std::vector<std::string> standby_nodes,
-                          std::vector<int> standby_ports) {
-  proto::Standby s;
-  s.position = 1;
-  s.round = epoch;
-  s.nodes = std::move(nodes);
-  s.takeover_ports = std::move(ports);
-  s.epoch = epoch;
-  s.run = kRun;
-  s.voters = std::move(voters);
-  s.standby_nodes = std::move(standby_nodes);
-  s.standby_takeover_ports = std::move(standby_ports);
-  return s;
-}
-}  // namespace
-
 // Review s40 L1: the record's epoch, voter count and voters' addresses come from one message.
 // Before, a Standby of an older epoch with nodes (a host that missed the last round) replaced
 // the addresses while the newer voters stayed: epoch 2's count over epoch 1's sockets.
 TEST_CASE("client machine: a Standby of an older epoch after a newer one leaves the newer voters' count, addresses "
           "and epoch for the record, as does a first Standby of an older epoch after an Assignment (review s40 L1)") {
-  ClientOptions o = restarted();
-  o.join.addr = "127.0.0.5";
-  o.join.takeover_port = 7005;
+  const ClientOptions o = fifth();
   const proto::Standby older = standby_at(1, {"127.0.0.1", "127.0.0.4"}, {0, 7004}, {"agent-1", "agent-4", "agent-new"},
                                           {"127.0.0.5"}, {7005});
   {
     Link l(o);
-    l.m.start(l.now);
-    l.welcome("host-1");
+    welcomed(l);
     l.receive(standby_at(2, {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003},
                          {"agent-1", "agent-2", "agent-3", "agent-new"}, {"127.0.0.5"}, {7005}));
     l.receive(older);
@@ -753,8 +759,7 @@ TEST_CASE("client machine: a Standby of an older epoch after a newer one leaves 
   }
   {
     Link l(o);
-    l.m.start(l.now);
-    l.welcome("host-1");
+    welcomed(l);
     proto::Assignment a = round_on({"127.0.0.1", "127.0.0.5", "127.0.0.3"}, {0, 7005, 7003});
     a.epoch = 2;
     a.voters = {"agent-1", "agent-new", "agent-3"};
@@ -770,13 +775,10 @@ TEST_CASE("client machine: a Standby of an older epoch after a newer one leaves 
 // their addresses; a record of that count would need answers it cannot name.
 TEST_CASE("client machine: an Assignment or Standby of more voters than nodes that lists no standby's address (an "
           "older host) makes job_voters() 0, the every-host rule (review s40 L3)") {
-  ClientOptions o = restarted();
-  o.join.addr = "127.0.0.5";
-  o.join.takeover_port = 7005;
+  const ClientOptions o = fifth();
   {
     Link l(o);
-    l.m.start(l.now);
-    l.welcome("host-1");
+    welcomed(l);
     l.receive(standby_at(1, {"127.0.0.1", "127.0.0.2"}, {0, 7002}, {"agent-1", "agent-2", "agent-new"}, {}, {}));
     CHECK(l.m.job_voters() == 0);
     l.receive(standby_at(1, {"127.0.0.1", "127.0.0.2"}, {0, 7002}, {"agent-1", "agent-2", "agent-new"},
@@ -785,8 +787,7 @@ TEST_CASE("client machine: an Assignment or Standby of more voters than nodes th
   }
   {
     Link l(o);
-    l.m.start(l.now);
-    l.welcome("host-1");
+    welcomed(l);
     proto::Assignment a = round_on({"127.0.0.1", "127.0.0.5"}, {0, 7005});
     a.voters = {"agent-1", "agent-new", "agent-6"};
     l.receive(a);

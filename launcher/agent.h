@@ -236,7 +236,8 @@ class Agent {
   // advertised address, never on every address: its record's port, else any), advertised in
   // its Join (takeover_port); it listens from the start, a server answering "alive, not
   // hosting" (proto::NotHosting, rdzv::ServerOptions::not_hosting) until it takes the job
-  // over; none when it hosts already or none could be bound (takeover_refused_: said once).
+  // over; none when none could be bound (takeover_refused_: said once). A hosting agent binds
+  // it too, as its vote socket (Join::vote_port, review s40-recall M1): never a takeover port.
   void bind_takeover_socket();
   bool takeover_refused_ = false;
   // The IPv4 addresses of the endpoint's host and of the advertised address, which

@@ -123,7 +123,9 @@ rdzv::ServerOptions Agent::server_options() {
 }
 
 void Agent::bind_takeover_socket() {
-  if (embedded_server_ || takeover_server_ || takeover_refused_) return;
+  // (Hosting, too: its vote socket, where another node's recall counts this one: review
+  // s40-recall M1. It answers "not hosting" only, in its share of handshakes.)
+  if (takeover_server_ || takeover_refused_) return;
   // Only on the advertised address, where the others will look for this node (its Join's
   // addr): a name is resolved here, and the first of its IPv4 addresses that is this
   // machine's is bound. None: this node cannot take over, and says so once.
@@ -173,6 +175,7 @@ void Agent::bind_takeover_socket() {
       so.adopt_fd = fd;
       so.not_hosting = true;
       takeover_server_ = std::make_unique<rdzv::Server>(io_, so);
+      if (embedded_server_) takeover_server_->limit_connections(sup::kRendezvousHandshakes);
       // Recalling: its answers say so, with the record's run and epoch, never "in no run"
       // (another node's recall counts it as in no round after that epoch; review s39 H1).
       if (recall_pending_ && recalled_) takeover_server_->tell_recalling(recalled_->run, recalled_->epoch);
@@ -227,9 +230,10 @@ void Agent::bind_takeover_socket() {
     if (why.empty()) why = "no IPv4 address";
   }
   takeover_refused_ = true;
-  notice(fmt::format("this node cannot take the rendezvous over if its host is lost: its advertised address '{}' "
-                     "cannot be bound here ({}); give --local_addr an IPv4 address of this machine",
-                     plan_.master_addr, why));
+  if (!embedded_server_)  // (a host's vote socket: its recall's count only, said nowhere)
+    notice(fmt::format("this node cannot take the rendezvous over if its host is lost: its advertised address '{}' "
+                       "cannot be bound here ({}); give --local_addr an IPv4 address of this machine",
+                       plan_.master_addr, why));
 }
 
 rdzv::TakeoverHost Agent::take_over(const rdzv::TakeoverSeed& seed) {
@@ -270,8 +274,7 @@ void Agent::guarded(const std::function<void()>& work) {
 }
 
 bool Agent::look_up_takeover_addresses() {
-  if (opts_.rdzv_backend == "etcd" || embedded_server_ || takeover_server_ || takeover_refused_ ||
-      takeover_addresses_)
+  if (opts_.rdzv_backend == "etcd" || takeover_server_ || takeover_refused_ || takeover_addresses_)
     return false;
   if (!lookups_) lookups_ = std::make_unique<rdzv::Lookups>(io_);
   if (lookups_->pending() > 0) return true;  // under way: start_rendezvous() follows
@@ -322,9 +325,11 @@ void Agent::start_rendezvous() {
   j.join_timeout_ms = static_cast<int>(opts_.join_timeout.count());
   j.keep_alive_ms = static_cast<int>(opts_.keep_alive_interval.count());
   j.keep_alive_max_attempt = opts_.keep_alive_max_attempt;
-  // Every node that does not host can take the job over if its host is lost (#26).
+  // Every node that does not host can take the job over if its host is lost (#26); the host's
+  // socket is its vote socket only (never a takeover candidate: its takeover port is 0).
   if (opts_.rdzv_backend != "etcd") bind_takeover_socket();
   j.takeover_port = embedded_server_ ? 0 : takeover_port_;
+  j.vote_port = embedded_server_ ? takeover_port_ : 0;
   rdzv::ClientHandlers h;
   h.on_assignment = [this](const proto::Assignment& a) {
     guarded([&] {
@@ -438,8 +443,10 @@ void Agent::load_job_record() {
       std::erase(recalled_->hosts, std::pair<std::string, int>{own->host, own->port});
     // This node's own takeover address, bound again at the recorded port: it answers
     // "recalling" and would count twice (review s39-late H1).
+    // (Nor a voter to count, if another socket holds it now: review s40-recall M1.)
     if (recalled_->takeover_port > 0)
-      std::erase(recalled_->hosts, std::pair<std::string, int>{plan_.master_addr, recalled_->takeover_port});
+      for (auto* l : {&recalled_->hosts, &recalled_->voter_hosts})
+        std::erase(*l, std::pair<std::string, int>{plan_.master_addr, recalled_->takeover_port});
     if (recalled_->hosts.empty())
       notice(fmt::format("this node's record of job '{}' (run {}), {}, names only this node itself (its "
                          "endpoint, where nothing listens, or its own takeover address): starting afresh",
@@ -460,7 +467,7 @@ void Agent::recall_job() {
                      "most join_timeout, {} s, then exit 3); remove that file to start afresh at once",
                      plan_.run_id, recalled_->run, path, recalled_->hosts.size(), opts_.join_timeout.count() / 1000.0));
   client_->recall(recalled_->hosts, recalled_->run, now().steady + opts_.join_timeout, recalled_->epoch, path,
-                  recalled_->voters, recalled_->voter_hosts);
+                  recalled_->voters, recalled_->voter_hosts, recalled_->self_voter);
 }
 
 void Agent::end_recall() {
@@ -485,7 +492,8 @@ void Agent::remember_job(int epoch, const std::string& run) {
               .hosts = client_->job_hosts(),
               .takeover_port = takeover_port_,
               .voters = voters,
-              .voter_hosts = client_->job_voter_hosts()};
+              .voter_hosts = client_->job_voter_hosts(),
+              .self_voter = client_->job_self_voter()};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)
   // The first one is waited for (a few ms; at most kFirstRecordWait, then one warning line):

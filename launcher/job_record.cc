@@ -135,7 +135,7 @@ std::string record_text(const JobRecord& r) {
   return proto::dump_json(nlohmann::json{{"job", r.job},     {"node", r.node},   {"endpoint", r.endpoint},
                                          {"run", r.run},     {"epoch", r.epoch}, {"hosts", hosts},
                                          {"takeover_port", r.takeover_port}, {"voters", r.voters},
-                                         {"voter_hosts", voter_hosts}}) +
+                                         {"voter_hosts", voter_hosts}, {"self_voter", r.self_voter}}) +
          "\n";
 }
 }  // namespace
@@ -218,6 +218,8 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
                                      static_cast<int>(integer_in(h.at(1), 1, 65535, "port")));
       if (j.contains("takeover_port"))  // (absent from a record before it: none)
         r.takeover_port = static_cast<int>(integer_in(j.at("takeover_port"), 0, 65535, "takeover_port"));
+      if (j.contains("self_voter"))  // (absent before review s40-recall M1: true, the old rule)
+        r.self_voter = j.at("self_voter").get<bool>();
       if (j.contains("voters"))  // (absent before review s39 H1: 0, unknown)
         r.voters = static_cast<int>(integer_in(j.at("voters"), 0, 1 << 20, "voters"));
       // Fewer voters than their addresses: not one epoch's (review s40 L1), the every-host rule.

@@ -45,6 +45,9 @@ struct JobRecord {
   int takeover_port = 0;  // this node's takeover socket's (bound again there on a restart)
   int voters = 0;         // the last round's voters (rdzv::ClientMachine::job_voters()); 0: unknown
   std::vector<std::pair<std::string, int>> voter_hosts;  // their takeover addresses (job_voter_hosts())
+  // This node is one of those voters (job_self_voter()): its recall counts itself only then
+  // (review s40-recall M1). Absent from an older record: true, that record's own rule.
+  bool self_voter = true;
 };
 
 // The most bytes a record file holds: write() trims a record to it (fit_job_record()) and

@@ -60,6 +60,11 @@ std::string node_list(const std::vector<std::string>& nodes, const std::vector<i
   return {};
 }
 
+// The host's vote address (Assignment, Standby).
+std::string host_vote(const std::string& addr, int port) {
+  return first(text("host_vote_addr", addr, kMaxHostBytes), range("host_vote_port", port, 0, 65535));
+}
+
 // The voters of an epoch (Assignment, Standby): agent ids, at most kMaxListedNodes.
 std::string voter_list(int epoch, const std::vector<std::string>& voters) {
   if (auto bad = range("epoch", epoch, 0, INT32_MAX); !bad.empty()) return bad;
@@ -121,7 +126,7 @@ std::string validate(const Join& m) {
                range("resume_group_world_size", m.resume_group_world_size, 0, m.max_nodes),
                range("resume_group_rank", m.resume_group_rank, -1, m.max_nodes - 1),
                range("resume_restart_count", m.resume_restart_count, 0, m.max_restarts),
-               range("takeover_port", m.takeover_port, 0, 65535),
+               range("takeover_port", m.takeover_port, 0, 65535), range("vote_port", m.vote_port, 0, 65535),
                range("last_group_rank", m.last_group_rank, -1, m.max_nodes - 1), voter_list(m.epoch, m.voters),
                run_problem(m.run));
 }
@@ -137,7 +142,8 @@ std::string validate(const Assignment& m) {
   if (!e.empty()) return e;
   if (auto bad = range("standbys", m.standbys, 0, kMaxNodes); !bad.empty()) return bad;
   return first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run),
-               node_list(m.standby_nodes, m.standby_takeover_ports, "standby_"));
+               node_list(m.standby_nodes, m.standby_takeover_ports, "standby_"),
+               host_vote(m.host_vote_addr, m.host_vote_port));
 }
 
 std::string validate(const Heartbeat& m) {
@@ -162,7 +168,8 @@ std::string validate(const Standby& m) {
   auto e = first(range("active_nodes", m.active_nodes, 0, kMaxNodes), range("position", m.position, 1, kMaxNodes),
                  range("round", m.round, 0, INT32_MAX), range("restart_count", m.restart_count, 0, kMaxRestarts));
   return e.empty() ? first(node_list(m.nodes, m.takeover_ports), voter_list(m.epoch, m.voters), run_problem(m.run),
-                           node_list(m.standby_nodes, m.standby_takeover_ports, "standby_"))
+                           node_list(m.standby_nodes, m.standby_takeover_ports, "standby_"),
+                           host_vote(m.host_vote_addr, m.host_vote_port))
                    : e;
 }
 

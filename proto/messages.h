@@ -113,6 +113,10 @@ struct Join {
   // The port this node would host the job on if its hosting agent were lost (bound, not
   // listening, until then); 0: none (the node hosts already, or cannot).
   int takeover_port = 0;
+  // The vote socket of a node that hosts (its takeover socket, bound on while it hosts and
+  // answering "not hosting" as any node's does): where a restarted node's recall counts the
+  // host among the voters (review s40-recall M1). 0: none (not hosting, or an older agent).
+  int vote_port = 0;
   // Joining the node that took a job over after its host was lost: this node's group rank
   // in the last round (-1: none), which the new host keeps (Job::keep_places).
   int last_group_rank = -1;
@@ -154,6 +158,11 @@ struct Assignment {
   // voters only; empty: none, or a server before them (older clients ignore both).
   std::vector<std::string> standby_nodes;
   std::vector<int> standby_takeover_ports;
+  // The hosting agent's vote address among the voters (Join::vote_port of a voter that
+  // offers no takeover port), so that a recall can count the host; never a takeover
+  // candidate (takeover_ports keeps 0 for it). Empty/0: none (an older host or server).
+  std::string host_vote_addr;
+  int host_vote_port = 0;
   // The rendezvous run (run_problem()): minted once when the job's rdzv::Job was created,
   // kept through a takeover and a daemon restart, new for a new run of the same job id (a
   // rerun, a requeue). Workers see it as MGLAUNCH_RUN beside MGLAUNCH_EPOCH: epochs compare
@@ -221,6 +230,8 @@ struct Standby {
   std::string run;                   // the job's (Assignment::run)
   std::vector<std::string> standby_nodes;    // that round's (Assignment::standby_nodes)
   std::vector<int> standby_takeover_ports;   // that round's (Assignment::standby_takeover_ports)
+  std::string host_vote_addr;                // that round's (Assignment::host_vote_addr)
+  int host_vote_port = 0;                    // that round's (Assignment::host_vote_port)
 };
 
 // The answer of an agent's takeover socket that does not host (#34, review s38 M2): the
@@ -250,11 +261,11 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Join, job_id, agent_id, host, ad
                                                 max_nodes, max_restarts, master_port, last_call_ms, join_timeout_ms,
                                                 keep_alive_ms, keep_alive_max_attempt, resume_round, resume_group_rank, resume_group_world_size,
                                                 resume_restart_count, resume_done, resume_standby, takeover_port,
-                                                last_group_rank, epoch, voters, run)
+                                                last_group_rank, epoch, voters, run, vote_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Assignment, round, group_rank, group_world_size, rank_offset,
                                                 world_size, master_addr, master_port, restart_count, nodes,
                                                 takeover_ports, standbys, epoch, voters, run, standby_nodes,
-                                                standby_takeover_ports)
+                                                standby_takeover_ports, host_vote_addr, host_vote_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Heartbeat, round, standbys)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(WorkerFailed, round, host, rank, local_rank, exit_code, signal,
                                                 message, last_lines)
@@ -266,7 +277,7 @@ inline void from_json(const nlohmann::json&, Done&) {}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Error, message)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(Standby, active_nodes, position, round, restart_count, nodes,
                                                 takeover_ports, epoch, voters, run, standby_nodes,
-                                                standby_takeover_ports)
+                                                standby_takeover_ports, host_vote_addr, host_vote_port)
 
 // A rendezvous run (Assignment::run): "MS-HEX", the wall clock in ms since the Unix epoch
 // when the job's rdzv::Job was created, then 16 random hex digits; runs order by MS, then

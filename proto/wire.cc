@@ -108,13 +108,20 @@ void put_texts(std::vector<std::uint8_t>& out, const std::vector<std::string>& t
   cbor::put_head(out, 4, texts.size());
   for (const auto& t : texts) cbor::put_text(out, t);
 }
-// The voters' standbys' addresses and takeover ports (Assignment, Standby): two entries.
-std::size_t standby_bytes(const std::vector<std::string>& nodes, const std::vector<int>& ports) {
-  std::size_t bytes = 48 + 3 * ports.size();
+// The voters' standbys' addresses and takeover ports and the host's vote address
+// (Assignment, Standby): four entries.
+std::size_t standby_bytes(const std::vector<std::string>& nodes, const std::vector<int>& ports,
+                          const std::string& host_vote_addr) {
+  std::size_t bytes = 90 + 3 * ports.size() + host_vote_addr.size();
   for (const auto& n : nodes) bytes += 2 + n.size();
   return bytes;
 }
-void put_standbys(std::vector<std::uint8_t>& out, const std::vector<std::string>& nodes, const std::vector<int>& ports) {
+void put_standbys(std::vector<std::uint8_t>& out, const std::vector<std::string>& nodes, const std::vector<int>& ports,
+                  const std::string& host_vote_addr, int host_vote_port) {
+  cbor::put_text(out, "host_vote_addr");
+  cbor::put_text(out, host_vote_addr);
+  cbor::put_text(out, "host_vote_port");
+  cbor::put_int(out, host_vote_port);
   cbor::put_text(out, "standby_nodes");
   put_texts(out, nodes);
   cbor::put_text(out, "standby_takeover_ports");
@@ -124,17 +131,17 @@ void put_standbys(std::vector<std::uint8_t>& out, const std::vector<std::string>
 }  // namespace
 
 AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
-  // The shared fields first; operator() appends group_rank and rank_offset (the map's 15th
-  // and 16th entries). Key order is free in CBOR maps: any decoder of ours reads them.
+  // The shared fields first; operator() appends group_rank and rank_offset (the map's 17th
+  // and 18th entries). Key order is free in CBOR maps: any decoder of ours reads them.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
   std::size_t bytes = 104 + a.master_addr.size() + a.run.size();
   for (const auto& n : a.nodes) bytes += 2 + n.size();
   bytes += 20 + 3 * a.takeover_ports.size();
   for (const auto& v : a.voters) bytes += 2 + v.size();
-  bytes += standby_bytes(a.standby_nodes, a.standby_takeover_ports);
+  bytes += standby_bytes(a.standby_nodes, a.standby_takeover_ports, a.host_vote_addr);
   out.reserve(bytes);
-  cbor::put_head(out, 5, 16);
+  cbor::put_head(out, 5, 18);
   cbor::put_text(out, "epoch");
   cbor::put_int(out, a.epoch);
   cbor::put_text(out, "group_world_size");
@@ -151,7 +158,7 @@ AssignmentEncoder::AssignmentEncoder(const Assignment& a) {
   cbor::put_int(out, a.round);
   cbor::put_text(out, "run");
   cbor::put_text(out, a.run);
-  put_standbys(out, a.standby_nodes, a.standby_takeover_ports);
+  put_standbys(out, a.standby_nodes, a.standby_takeover_ports, a.host_vote_addr, a.host_vote_port);
   cbor::put_text(out, "standbys");
   cbor::put_int(out, a.standbys);
   cbor::put_text(out, "takeover_ports");
@@ -177,16 +184,16 @@ Wire AssignmentEncoder::operator()(int group_rank, int rank_offset) const {
 }
 
 StandbyEncoder::StandbyEncoder(const Standby& m) {
-  // operator() appends position, the map's 11th entry.
+  // operator() appends position, the map's 13th entry.
   auto body = std::make_shared<std::vector<std::uint8_t>>();
   auto& out = *body;
   std::size_t bytes = 104 + m.run.size();
   for (const auto& n : m.nodes) bytes += 2 + n.size();
   bytes += 3 * m.takeover_ports.size();
   for (const auto& v : m.voters) bytes += 2 + v.size();
-  bytes += standby_bytes(m.standby_nodes, m.standby_takeover_ports);
+  bytes += standby_bytes(m.standby_nodes, m.standby_takeover_ports, m.host_vote_addr);
   out.reserve(bytes);
-  cbor::put_head(out, 5, 11);
+  cbor::put_head(out, 5, 13);
   cbor::put_text(out, "active_nodes");
   cbor::put_int(out, m.active_nodes);
   cbor::put_text(out, "epoch");
@@ -199,7 +206,7 @@ StandbyEncoder::StandbyEncoder(const Standby& m) {
   cbor::put_int(out, m.round);
   cbor::put_text(out, "run");
   cbor::put_text(out, m.run);
-  put_standbys(out, m.standby_nodes, m.standby_takeover_ports);
+  put_standbys(out, m.standby_nodes, m.standby_takeover_ports, m.host_vote_addr, m.host_vote_port);
   cbor::put_text(out, "takeover_ports");
   cbor::put_head(out, 4, m.takeover_ports.size());
   for (int p : m.takeover_ports) cbor::put_int(out, p);

@@ -78,8 +78,9 @@ class Client {
   // Before start(): look for the job at the hosts of this node's record first (Recall).
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
               int epoch = 0, std::string record = {}, int voters = 0,
-              std::vector<std::pair<std::string, int>> voter_hosts = {}) {
-    m_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record), voters, std::move(voter_hosts));
+              std::vector<std::pair<std::string, int>> voter_hosts = {}, bool self_voter = true) {
+    m_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record), voters, std::move(voter_hosts),
+              self_voter);
   }
   void start();
   void rejoin();
@@ -93,6 +94,7 @@ class Client {
   std::vector<std::pair<std::string, int>> job_hosts() const { return m_.job_hosts(); }
   int job_voters() const { return m_.job_voters(); }
   int job_voters_epoch() const { return m_.job_voters_epoch(); }
+  bool job_self_voter() const { return m_.job_self_voter(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const { return m_.job_voter_hosts(); }
   bool job_decided() const { return m_.job_over(); }
   std::string why_no_takeover_of_self() const { return m_.why_no_takeover_of_self(); }

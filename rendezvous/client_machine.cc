@@ -354,7 +354,7 @@ ClientCommands ClientMachine::hosted(const TakeoverHost& where, Clock::time_poin
     t.tried += fmt::format("{}node {} (this one): cannot host", t.tried.empty() ? "" : "; ", c.group_rank);
     next_candidate({}, now);
   } else {
-    opts_.join.takeover_port = 0;  // it hosts from now on
+    opts_.join.vote_port = std::exchange(opts_.join.takeover_port, 0);  // it hosts from now on (its vote socket)
     connect_candidate(where.host.empty() ? c.addr : where.host, where.port, now);
   }
   return take_out();

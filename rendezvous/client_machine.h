@@ -217,7 +217,7 @@ class ClientMachine {
   // port, bound again) is no target: it would count itself twice (review s39-late H1).
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
               int epoch = 0, std::string record = {}, int voters = 0,
-              std::vector<std::pair<std::string, int>> voter_hosts = {});
+              std::vector<std::pair<std::string, int>> voter_hosts = {}, bool self_voter = true);
   ClientCommands start(Clock::time_point now);
   // The answer to cmd::RecallEnded: `hosting`, the agent hosts the job now (its join offers
   // no takeover port); the endpoint is joined.
@@ -264,9 +264,12 @@ class ClientMachine {
   // but this one (lowest group rank first), at most kMaxRecallHosts. Empty unless an agent
   // hosts the job (a daemon or etcd is found again at its own address).
   std::vector<std::pair<std::string, int>> job_hosts() const;
-  // The last round's voters (its nodes and the standbys), this node one of them; 0: none.
+  // The last round's voters (its nodes and the standbys); 0: none. job_self_voter(): this node
+  // is one of them (a standby that registered after that round closed is not: its recall
+  // does not count itself, review s40-recall M1).
   int job_voters() const;
   int job_voters_epoch() const { return voters_epoch_; }  // their epoch (the record's, with them)
+  bool job_self_voter() const;
   std::vector<std::pair<std::string, int>> job_voter_hosts() const;  // their takeover addresses
   static constexpr std::size_t kMaxRecallHosts = proto::kMaxListedNodes;
   // The generation of t's current arm (what a fire that is not stale carries).
@@ -450,6 +453,7 @@ class ClientMachine {
     bool all_positive = true;     // every target of this pass answered that it runs no host of the run
     std::size_t positives = 0;    // how many of this pass did
     int voters = 0;               // the record's (recall())
+    bool self_voter = true;       // the record's: this node is one of them, counted itself
     std::vector<std::pair<std::string, int>> voter_hosts;  // the record's: whose answers count
     std::vector<std::pair<std::string, int>> counted;      // those counted this pass
     std::string record;           // the record's path, for the end past `until`

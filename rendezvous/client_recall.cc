@@ -16,7 +16,7 @@ using std::chrono::milliseconds;
 
 void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::string run, Clock::time_point until,
                            int epoch, std::string record, int voters,
-                           std::vector<std::pair<std::string, int>> voter_hosts) {
+                           std::vector<std::pair<std::string, int>> voter_hosts, bool self_voter) {
   // This node's own takeover address, bound again, answers "recalling": never a target
   // (review s39-late H1).
   const std::pair<std::string, int> own{opts_.join.addr, opts_.join.takeover_port};
@@ -34,6 +34,7 @@ void ClientMachine::recall(std::vector<std::pair<std::string, int>> hosts, std::
   // (No voters' addresses, an older record: the every-host rule, never a majority of any answers.)
   r.voters = voter_hosts.empty() ? 0 : std::max(0, voters);
   r.voter_hosts = std::move(voter_hosts);
+  r.self_voter = self_voter;
   r.endpoint_host = opts_.host;
   r.endpoint_port = opts_.port;
   recall_ = std::move(r);
@@ -63,8 +64,11 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
   cancel(ClientTimer::kTakeover);
   const bool pass_over = !r.pausing && r.turn > 0 && r.turn % r.targets.size() == 0;
   // A round after the record's epoch needs a majority of its voters (rdzv::Job): a strict
-  // majority, this node counted, that is in no round of the run proves there is none.
-  const bool majority = r.voters > 0 && 2 * (static_cast<long long>(r.positives) + 1) > r.voters;
+  // majority that is in no round of the run proves there is none. This node counts itself
+  // only when it is one of those voters: a standby that registered after that round closed
+  // is not, and counting itself could call a live job's record stale (review s40-recall M1).
+  const long long self = r.self_voter ? 1 : 0;
+  const bool majority = r.voters > 0 && 2 * (static_cast<long long>(r.positives) + self) > r.voters;
   if ((r.voters == 0 && pass_over && r.all_positive) || (!r.pausing && majority)) {
     // The job's run is over (a whole job stopped and rerun: every node answers so at once).
     // A fresh start, as without a record.
@@ -72,9 +76,10 @@ void ClientMachine::next_recall_target(Clock::time_point now, const std::string&
         "this node's record of job '{}' (run {}, from its agent's last run) is stale: {} of that run ({}); starting "
         "as a fresh node of the job",
         opts_.join.job_id, r.run,
-        r.voters > 0 ? fmt::format("a majority of its last round's {} voters (this node and {} more) answered that "
-                                   "they run no round",
-                                   r.voters, r.positives)
+        r.voters > 0 ? fmt::format("a majority of its last round's {} voters ({}) answered that they run no round",
+                                   r.voters,
+                                   r.self_voter ? fmt::format("this node and {} more", r.positives)
+                                                : fmt::format("{} of them; this node is none", r.positives))
                      : std::string("every host it names answered that it runs no host"),
         r.tried)});
     opts_.host = r.endpoint_host;
@@ -201,7 +206,8 @@ void ClientMachine::not_hosting(const proto::Frame& f, Clock::time_point now) {
 
 ClientCommands ClientMachine::recall_ended(bool hosting, Clock::time_point now) {
   if (closed_ || recall_) return {};
-  if (hosting) opts_.join.takeover_port = 0;  // it hosts the job: it offers no takeover
+  // It hosts the job: it offers no takeover, and its takeover socket, bound on, is its vote socket.
+  if (hosting) opts_.join.vote_port = std::exchange(opts_.join.takeover_port, 0);
   deadline_ = now + milliseconds(opts_.join.join_timeout_ms);  // a fresh start's
   waiting_since_ = now;  // (the watchdog's join_timeout too: the recall's time is not the start's)
   refused_ = 0;
@@ -214,6 +220,10 @@ std::string ClientMachine::why_no_takeover_of_self() const {
   std::size_t others = 0;
   for (const auto& c : takeover_candidates(*last_, {}, 0)) others += c.group_rank != last_->group_rank;
   return why_no_takeover(restarts_seen_, opts_.join.max_restarts, others, standbys_, opts_.join.min_nodes);
+}
+
+bool ClientMachine::job_self_voter() const {
+  return std::find(voters_.begin(), voters_.end(), opts_.join.agent_id) != voters_.end();
 }
 
 int ClientMachine::job_voters() const {
@@ -253,6 +263,12 @@ std::vector<std::pair<std::string, int>> ClientMachine::voter_addresses(bool wit
   for (const auto& c : takeover_candidates(s ? s->standby_nodes : a->standby_nodes,
                                            s ? s->standby_takeover_ports : a->standby_takeover_ports, {}, 0))
     if (with_self || std::pair{c.addr, c.port} != own) out.emplace_back(c.addr, c.port);
+  // The host's vote socket (review s40-recall M1): never in the takeover lists above.
+  const std::pair<std::string, int> host_vote{s ? s->host_vote_addr : a->host_vote_addr,
+                                              s ? s->host_vote_port : a->host_vote_port};
+  const std::pair<std::string, int> own_vote{opts_.join.addr, opts_.join.vote_port};
+  if (!host_vote.first.empty() && host_vote.second > 0 && (with_self || host_vote != own_vote))
+    out.push_back(host_vote);
   return out;
 }
 

@@ -1,6 +1,7 @@
 #include "rendezvous/job.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -195,6 +196,7 @@ proto::Standby Job::standby_fields() const {
   m.takeover_ports = round_ports_;
   m.standby_nodes = round_standby_nodes_;
   m.standby_takeover_ports = round_standby_ports_;
+  std::tie(m.host_vote_addr, m.host_vote_port) = round_host_vote_;
   // The last round's epoch and voters. After take_over() epoch_ is a value no round had (its
   // first is one more) while voters_ are the seed's: a standby told that pair would report
   // the seed's voters as a newer epoch's, and a host it joins later would adopt them
@@ -613,10 +615,16 @@ Actions Job::close_round(Clock::time_point now) {
   adopted_epoch_ = 0;
   round_standby_nodes_.clear();
   round_standby_ports_.clear();
+  round_host_vote_ = {};
+  // The host's vote socket: counted in a recall, never a takeover candidate (review s40-recall M1).
+  auto vote = [&](const proto::Join& j) {
+    voters_.push_back(j.agent_id);
+    if (j.takeover_port == 0 && j.vote_port > 0 && round_host_vote_.second == 0) round_host_vote_ = {j.addr, j.vote_port};
+  };
   if (nodes.size() + standby_.size() <= proto::kMaxListedNodes) {
-    for (const auto& [s, n] : nodes) voters_.push_back(n.join.agent_id);
+    for (const auto& [s, n] : nodes) vote(n.join);
     for (const auto& [s, n] : standby_) {  // (with their takeover addresses: review s39-late M1)
-      voters_.push_back(n.join.agent_id);
+      vote(n.join);
       round_standby_nodes_.push_back(n.join.addr);
       round_standby_ports_.push_back(n.join.takeover_port);
     }
@@ -624,6 +632,7 @@ Actions Job::close_round(Clock::time_point now) {
   a.voters = voters_;
   a.standby_nodes = round_standby_nodes_;
   a.standby_takeover_ports = round_standby_ports_;
+  std::tie(a.host_vote_addr, a.host_vote_port) = round_host_vote_;
   {
     auto& e = emit(JobEvent::Kind::kRoundStarted);
     e.nodes = a.group_world_size;

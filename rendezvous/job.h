@@ -450,6 +450,7 @@ class Job {
   // Its standby voters' (Assignment::standby_nodes; empty unless its voters were listed).
   std::vector<std::string> round_standby_nodes_;
   std::vector<int> round_standby_ports_;
+  std::pair<std::string, int> round_host_vote_;  // Assignment::host_vote_addr and _port
   Clock::time_point first_join_;
   Clock::time_point last_activity_;
   std::vector<JobEvent> events_;  // not taken yet (take_events())

@@ -45,10 +45,11 @@ class Link {
   // survivor could take over from this node, its host, if it stopped now ("": one could).
   virtual void recall(std::vector<std::pair<std::string, int>>, std::string, std::chrono::steady_clock::time_point,
                       int /*epoch*/, std::string /*record*/, int /*voters*/,
-                      std::vector<std::pair<std::string, int>> /*voter_hosts*/) {}
+                      std::vector<std::pair<std::string, int>> /*voter_hosts*/, bool /*self_voter*/) {}
   virtual std::vector<std::pair<std::string, int>> job_hosts() const { return {}; }
   virtual int job_voters() const { return 0; }  // the last round's voters, for the record
   virtual int job_voters_epoch() const { return 0; }  // their epoch (the record's, with them)
+  virtual bool job_self_voter() const { return true; }  // this node one of them
   virtual std::vector<std::pair<std::string, int>> job_voter_hosts() const { return {}; }  // their takeover addresses
   virtual bool job_decided() const { return false; }
   virtual std::string why_no_takeover_of_self() const { return {}; }
@@ -69,12 +70,14 @@ class LinkTo : public Link {
   void host_short_of_majority() override { impl_.host_short_of_majority(); }
   void recall(std::vector<std::pair<std::string, int>> hosts, std::string run,
               std::chrono::steady_clock::time_point until, int epoch, std::string record, int voters,
-              std::vector<std::pair<std::string, int>> voter_hosts) override {
-    impl_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record), voters, std::move(voter_hosts));
+              std::vector<std::pair<std::string, int>> voter_hosts, bool self_voter) override {
+    impl_.recall(std::move(hosts), std::move(run), until, epoch, std::move(record), voters, std::move(voter_hosts),
+                 self_voter);
   }
   std::vector<std::pair<std::string, int>> job_hosts() const override { return impl_.job_hosts(); }
   int job_voters() const override { return impl_.job_voters(); }
   int job_voters_epoch() const override { return impl_.job_voters_epoch(); }
+  bool job_self_voter() const override { return impl_.job_self_voter(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const override { return impl_.job_voter_hosts(); }
   bool job_decided() const override { return impl_.job_decided(); }
   std::string why_no_takeover_of_self() const override { return impl_.why_no_takeover_of_self(); }

@@ -794,3 +794,123 @@ TEST_CASE("client machine: an Assignment or Standby of more voters than nodes th
     CHECK(l.m.job_voters() == 0);
   }
 }
+
+// Review s40-recall M1: the recall counted this node itself toward the majority always. A
+// standby that registered after the recorded round closed is no voter of that round, yet with
+// 3 voters one positive answer and itself made "2 of 3": it could call a live job's record
+// stale and start a fresh run beside it (a fork). Its record says now whether it is a voter.
+TEST_CASE("client machine, recall: a standby that registered after the recorded round closed (the Standby's voters "
+          "omit this node) does not count itself: one positive of 3 voters does not end its recall, while a voter's "
+          "own record with the same answers does (review s40-recall M1)") {
+  ClientOptions o = restarted();
+  o.join.addr = "127.0.0.4";
+  o.join.takeover_port = 7004;
+  Link told(o);
+  told.m.start(told.now);
+  told.welcome("host-1");
+  proto::Standby s;
+  s.round = 1;
+  s.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
+  s.takeover_ports = {0, 7002, 7003};
+  s.epoch = 1;
+  s.run = kRun;
+  s.voters = {"agent-1", "agent-2", "agent-3"};
+  told.receive(s);
+  CHECK(told.m.job_voters() == 3);
+  CHECK_FALSE(told.m.job_self_voter());
+  const Hosts voter_hosts = told.m.job_voter_hosts();
+  REQUIRE(voter_hosts == Hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}});
+  for (const bool self_voter : {false, true}) {
+    CAPTURE(self_voter);
+    Link l(o);
+    l.m.recall(voter_hosts, kRun, T0 + 1h, 1, "/rec/job-1.json", 3, voter_hosts, self_voter);
+    auto c = l.m.start(l.now);
+    REQUIRE(connect_of(c) == voter_hosts[0]);
+    l.m.connected(kNonce, l.now);
+    proto::NotHosting n{"job", kRun, "host-2", ""};
+    n.recalling = true;  // restarted too, at the record's epoch: in no round of the run since
+    n.epoch = 1;
+    c = l.receive(n);
+    if (self_voter) {  // a voter's own record: itself and that one, 2 of 3
+      CHECK_THAT(notices(c), Catch::Contains("a majority of its last round's 3 voters (this node and 1 more)"));
+      CHECK(has<cmd::RecallEnded>(c));
+      continue;
+    }
+    CHECK(!has<cmd::RecallEnded>(c));  // main: "this node and 1 more", stale
+    REQUIRE(connect_of(c) == voter_hosts[1]);
+    c = l.m.connect_failed(true, "Connection refused", l.now);  // the third runs on, cut off from this node
+    CHECK(!has<cmd::RecallEnded>(c));
+    CHECK(notices(c).find("stale") == std::string::npos);
+    CHECK(l.m.recalling());
+  }
+  // Standing by when a later round closes, it is one of that round's voters.
+  s.round = 2;
+  s.epoch = 2;
+  s.voters = {"agent-1", "agent-2", "agent-3", "agent-new"};
+  s.standby_nodes = {"127.0.0.4"};
+  s.standby_takeover_ports = {7004};
+  told.receive(s);
+  CHECK(told.m.job_voters() == 4);
+  CHECK(told.m.job_self_voter());
+}
+
+// Review s40-recall M1's liveness caveat: the host offered no port (0), so it was never
+// countable, and a late standby of a two-voter job ({host, node}) could prove at most 1 of 2.
+// The host's vote socket rides in the Assignment apart from the takeover ports.
+TEST_CASE("client machine: the host's vote socket in the Assignment is a voter address that a recall counts, and a "
+          "lost host is never a takeover candidate through it (review s40-recall M1)") {
+  ClientOptions o = restarted();
+  o.join.addr = "127.0.0.3";
+  o.join.takeover_port = 7003;
+  Link l(o);
+  l.m.start(l.now);
+  l.welcome("host-1");
+  proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
+  a.group_rank = 2;
+  a.voters = {"agent-1", "agent-2", "agent-new"};
+  a.host_vote_addr = "127.0.0.1";
+  a.host_vote_port = 7101;
+  l.receive(a);
+  CHECK(l.m.job_voters() == 3);
+  CHECK(l.m.job_self_voter());
+  const Hosts voter_hosts = l.m.job_voter_hosts();
+  CHECK(voter_hosts == Hosts{{"127.0.0.2", 7002}, {"127.0.0.3", 7003}, {"127.0.0.1", 7101}});
+  CHECK(l.m.job_hosts() == Hosts{{"127.0.0.1", kRdzvPort}, {"127.0.0.2", 7002}, {"127.0.0.1", 7101}});
+  // The host lost: the candidates are node 1, then this node; never the host's vote socket.
+  auto c = l.m.connection_closed("end of file", l.now);
+  CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.2", 7002});
+  l.m.connected(kNonce, l.now);
+  c = l.receive(proto::NotHosting{"job", "1764500099999-00000000000000ff", "host-2", ""});  // passed over
+  CHECK(all<cmd::Connect>(c).empty());
+  CHECK(has<cmd::HostTakeover>(c));  // this node, the last candidate
+  // Taking over, its next Join offers no takeover port and names its vote socket: its own.
+  c = l.m.hosted(TakeoverHost{"127.0.0.3", 7003}, l.now);
+  CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.3", 7003});
+  // A late standby's recall (no voter itself) counts the host's answer: with node 1's, 2 of 3.
+  ClientOptions late = restarted();
+  late.join.addr = "127.0.0.4";
+  late.join.takeover_port = 7004;
+  for (const bool host_countable : {true, false}) {
+    CAPTURE(host_countable);
+    Link r(late);
+    Hosts counted = voter_hosts;
+    if (!host_countable) counted.pop_back();  // an older host: its port 0, never listed
+    r.m.recall(voter_hosts, kRun, T0 + 1h, 1, "/rec/job-1.json", 3, counted, /*self_voter=*/false);
+    c = r.m.start(r.now);
+    for (std::size_t i = 0; i < voter_hosts.size(); ++i) {
+      REQUIRE(connect_of(c) == voter_hosts[i]);
+      if (i == 1) {
+        c = r.m.connect_failed(true, "Connection refused", r.now);
+        continue;
+      }
+      r.m.connected(kNonce, r.now);
+      proto::NotHosting n{"job", kRun, "host", ""};
+      n.recalling = true;
+      n.epoch = 1;
+      c = r.receive(n);
+    }
+    CHECK(has<cmd::RecallEnded>(c) == host_countable);
+    if (host_countable)
+      CHECK_THAT(notices(c), Catch::Contains("a majority of its last round's 3 voters (2 of them; this node is none)"));
+  }
+}

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "launcher/job_record.h"
 #include "support/net.h"
@@ -525,4 +526,24 @@ TEST_CASE("a record of 1,024 hosts and 1,024 voters' addresses of 255 bytes each
   std::ofstream(path, std::ios::trunc) << std::string(kMaxJobRecordBytes + 1, ' ');
   CHECK(!d->read("big", "n", kEndpoint, &why));
   CHECK_THAT(why, Catch::Contains("cannot use " + path) && Catch::Contains("over the 1048576 a record holds"));
+}
+
+TEST_CASE("a record keeps whether this node is one of its epoch's voters, and one written before that field reads as "
+          "a voter, its own old rule (review s40-recall M1)") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  JobRecord r = sample();
+  r.self_voter = false;  // a standby that registered after the round closed
+  REQUIRE(d->write(r) == "");
+  auto back = d->read("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  REQUIRE(back);
+  CHECK_FALSE(back->self_voter);
+  const std::string path = job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint);
+  auto j = nlohmann::json::parse(mgtest::read_file(path));
+  j.erase("self_voter");
+  std::ofstream(path, std::ios::trunc) << j.dump();
+  back = d->read("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  REQUIRE(back);
+  CHECK(why.empty());
+  CHECK(back->self_voter);
 }

@@ -855,3 +855,34 @@ TEST_CASE("the journal's summary of a job keeps the run that ended when a new ru
     CHECK(s.value("ended_run", "") == r1);
   }
 }
+
+// Review s40-recall M1: the host's vote socket (its Join's vote_port, its takeover port 0)
+// is the round's host vote address in every Assignment and Standby, for the nodes' records; it
+// is never a takeover port. An older host's Join has none: none is listed.
+TEST_CASE("the hosting agent's vote port (a Join without a takeover port) is the round's host vote address in every "
+          "assignment and standby message, never a takeover port, and an older host's Join lists none (review "
+          "s40-recall M1)") {
+  for (const int vote : {7101, 0}) {
+    CAPTURE(vote);
+    Job job("job");
+    auto h = node("127.0.0.1", 2, 2);
+    h.vote_port = vote;
+    auto b = node("127.0.0.2", 2, 2);
+    b.takeover_port = 7002;
+    b.vote_port = 7999;  // (beside a takeover port: no host's)
+    job.join(1, h, T0);
+    auto assigned = of_type(job.join(2, b, T0), MsgType::kAssignment);
+    REQUIRE(assigned.size() == 2);
+    for (const auto& o : assigned) {
+      const auto a = proto::from_frame<proto::Assignment>(o.frame);
+      CHECK(a.takeover_ports == std::vector<int>{0, 7002});
+      CHECK(a.host_vote_addr == (vote > 0 ? "127.0.0.1" : ""));
+      CHECK(a.host_vote_port == vote);
+    }
+    auto told = of_type(job.join(3, node("127.0.0.3", 2, 2), T0), MsgType::kStandby);
+    REQUIRE(told.size() == 1);
+    const auto s = proto::from_frame<proto::Standby>(told.front().frame);
+    CHECK(s.host_vote_addr == (vote > 0 ? "127.0.0.1" : ""));
+    CHECK(s.host_vote_port == vote);
+  }
+}

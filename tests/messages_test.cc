@@ -195,6 +195,31 @@ TEST_CASE("an assignment and a standby message carry their standby voters' takeo
   CHECK(validate(s).find("takeover port") != std::string::npos);
 }
 
+TEST_CASE("an assignment and a standby message carry the host's vote address, a join its vote port, a frame from "
+          "before them decodes with none, and a port out of range is refused (review s40-recall M1)") {
+  Assignment a = epoch_7_of_three();
+  a.host_vote_addr = "127.0.0.2";
+  a.host_vote_port = 7101;
+  CHECK(validate(a).empty());
+  const auto back = from_frame<Assignment>(to_frame(a));
+  CHECK(back.host_vote_addr == "127.0.0.2");
+  CHECK(back.host_vote_port == 7101);
+  Frame old = to_frame(a);
+  old.payload.erase("host_vote_addr");
+  old.payload.erase("host_vote_port");
+  CHECK(from_frame<Assignment>(old).host_vote_port == 0);
+  Standby s;
+  s.host_vote_addr = a.host_vote_addr;
+  s.host_vote_port = 65536;
+  CHECK(validate(s).find("host_vote_port") != std::string::npos);
+  Join j;
+  j.job_id = j.agent_id = j.addr = "x";
+  j.vote_port = 7101;
+  CHECK(from_frame<Join>(to_frame(j)).vote_port == 7101);
+  j.vote_port = -1;
+  CHECK(validate(j).find("vote_port") != std::string::npos);
+}
+
 TEST_CASE("an assignment and a standby message carry the epoch and its voters, a peer's frame from before #34 "
           "(no such fields) decodes with epoch 0 and no voters, and one with fields this build does not know "
           "decodes all the same (#34)") {

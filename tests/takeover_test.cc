@@ -667,17 +667,60 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
     return true;
   }, 30s));
   // The precondition (review s40-recall L5): the standbys are voters of round 2, so every
-  // record counts 4 voters, and names the 3 takeover sockets that are bound (the host's is
-  // not). A standby registered after the round closed would record the 2 nodes only.
+  // record counts 4 voters, and names the 3 takeover sockets and the host's vote socket
+  // (review s40-recall M1). A standby registered after the round closed would record the 2
+  // nodes only.
   for (const auto& f : std::filesystem::directory_iterator(records)) {
     if (f.path().extension() != ".json") continue;
     const auto j = nlohmann::json::parse(read_file(f.path().string()));
     INFO(f.path().string() << ": " << j.dump());
     CHECK(j.value("voters", 0) == 4);
-    CHECK(j.value("voter_hosts", nlohmann::json::array()).size() == 3);
+    CHECK(j.value("voter_hosts", nlohmann::json::array()).size() == 4);
+    CHECK(j.value("self_voter", false));
   }
   kill_at_once(agents);
   const auto errs = rerun_at_once("rerun-standbys", ep, env, flags, 2, 4, run);
+  for (const std::string& err : errs) CHECK_THAT(err, !Catch::Contains("does not start it afresh"));
+}
+
+// Review s40-recall M1: a standby that registered after the last round closed is no voter of
+// it, and counted itself before (with 5 voters, 2 answers made it "3 of 5": a fork of a live
+// job). It does not now, and the host's vote socket makes the host countable: else the late
+// standbys of a whole rerun (--nnodes=2 on 4 machines, all started at once) could prove at
+// most 1 of round 1's 2 voters (the host's port was 0) and ended with exit 3.
+TEST_CASE("a whole agent-hosted job of two nodes and two late standbys (no voters of its round) SIGKILLed and rerun at "
+          "once runs a fresh run of two, never exit 3: the standbys' records say they are no voters, and every "
+          "record names the host's vote socket (review s40-recall M1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  const auto env = record_env(records);
+  const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=20"};
+  const std::vector<std::string> worker{"env", "print", "up", "hang", "300"};
+  std::vector<Proc> agents = start_job(ep, "rerun-late", "2", flags, worker, env, 2);
+  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  REQUIRE(run.size() > 2);
+  // Round 1 closed with the 2 nodes: these 2 stand by after it, no voters of it.
+  for (int i : {4, 5}) agents.push_back(spawn(agent_argv(ep, "rerun-late", i, "2", 1, flags, worker), env));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin() + 2, agents.end(),
+                       [](Proc& p) { return p.err().find("[mglaunch] standby for job ") != std::string::npos; });
+  }, 30s));
+  REQUIRE(eventually([&] { return records_in(records) == 4; }, 10s));
+  int late = 0;
+  for (const auto& f : std::filesystem::directory_iterator(records)) {
+    if (f.path().extension() != ".json") continue;
+    const auto j = nlohmann::json::parse(read_file(f.path().string()));
+    INFO(f.path().string() << ": " << j.dump());
+    const std::string node = j.value("node", "");
+    const bool standby = node.starts_with("127.0.0.4@") || node.starts_with("127.0.0.5@");
+    late += standby;
+    CHECK(j.value("voters", 0) == 2);
+    CHECK(j.value("voter_hosts", nlohmann::json::array()).size() == 2);  // node 3's takeover, the host's vote
+    CHECK(j.value("self_voter", true) == !standby);  // (absent before: counted itself)
+  }
+  CHECK(late == 2);
+  kill_at_once(agents);
+  const auto errs = rerun_at_once("rerun-late", ep, env, flags, 2, 4, run);
   for (const std::string& err : errs) CHECK_THAT(err, !Catch::Contains("does not start it afresh"));
 }
 

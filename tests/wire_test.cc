@@ -28,6 +28,8 @@ Assignment sample(std::size_t listed) {
     a.voters.push_back("standby:4242");
     a.standby_nodes = {"127.1.0.1"};
     a.standby_takeover_ports = {40001};
+    a.host_vote_addr = "127.0.0.0";  // the host's vote socket (review s40-recall M1)
+    a.host_vote_port = 40002;
   }
   return a;
 }
@@ -58,6 +60,8 @@ TEST_CASE("an assignment written straight to CBOR decodes to what nlohmann's enc
     CHECK(back.run == a.run);
     CHECK(back.standby_nodes == a.standby_nodes);
     CHECK(back.standby_takeover_ports == a.standby_takeover_ports);
+    CHECK(back.host_vote_addr == a.host_vote_addr);
+    CHECK(back.host_vote_port == a.host_vote_port);
   }
 }
 
@@ -108,6 +112,8 @@ TEST_CASE("the standbys told a new round share one encoding of its node list, an
   m.run = "1700000000000-00000000000000ab";
   m.standby_nodes = {"127.0.0.3"};  // the round's standby voters (review s39-late M1)
   m.standby_takeover_ports = {40001};
+  m.host_vote_addr = "127.0.0.1";  // the host's vote socket (review s40-recall M1)
+  m.host_vote_port = 40002;
   const StandbyEncoder encode(m);
   const Wire first = encode(1), second = encode(70000);
   CHECK(first.body.get() == second.body.get());
@@ -122,6 +128,7 @@ TEST_CASE("the standbys told a new round share one encoding of its node list, an
     CHECK(back.run == m.run);
     CHECK(back.standby_nodes == m.standby_nodes);
     CHECK(back.standby_takeover_ports == m.standby_takeover_ports);
+    CHECK(back.host_vote_port == m.host_vote_port);
   }
 }
 

@@ -66,13 +66,15 @@ proto::Assignment round_on(std::vector<std::string> nodes, std::vector<int> take
   return a;
 }
 
-// Node 127.0.0.5 (takeover port 7005), a standby of the job below.
-ClientOptions fifth() {
+// Node 127.0.0.N (takeover port 7000 + N).
+ClientOptions node_at(int n) {
   ClientOptions o = restarted();
-  o.join.addr = "127.0.0.5";
-  o.join.takeover_port = 7005;
+  o.join.addr = fmt::format("127.0.0.{}", n);
+  o.join.takeover_port = 7000 + n;
   return o;
 }
+// Node 127.0.0.5 (takeover port 7005), a standby of the job below.
+ClientOptions fifth() { return node_at(5); }
 
 // Started and welcomed by an agent's server (a host that takes records).
 void welcomed(Link& l) {
@@ -802,19 +804,11 @@ TEST_CASE("client machine: an Assignment or Standby of more voters than nodes th
 TEST_CASE("client machine, recall: a standby that registered after the recorded round closed (the Standby's voters "
           "omit this node) does not count itself: one positive of 3 voters does not end its recall, while a voter's "
           "own record with the same answers does (review s40-recall M1)") {
-  ClientOptions o = restarted();
-  o.join.addr = "127.0.0.4";
-  o.join.takeover_port = 7004;
+  const ClientOptions o = node_at(4);
   Link told(o);
-  told.m.start(told.now);
-  told.welcome("host-1");
-  proto::Standby s;
-  s.round = 1;
-  s.nodes = {"127.0.0.1", "127.0.0.2", "127.0.0.3"};
-  s.takeover_ports = {0, 7002, 7003};
-  s.epoch = 1;
-  s.run = kRun;
-  s.voters = {"agent-1", "agent-2", "agent-3"};
+  welcomed(told);
+  proto::Standby s = standby_at(1, {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003},
+                                {"agent-1", "agent-2", "agent-3"}, {}, {});
   told.receive(s);
   CHECK(told.m.job_voters() == 3);
   CHECK_FALSE(told.m.job_self_voter());
@@ -844,12 +838,8 @@ TEST_CASE("client machine, recall: a standby that registered after the recorded 
     CHECK(l.m.recalling());
   }
   // Standing by when a later round closes, it is one of that round's voters.
-  s.round = 2;
-  s.epoch = 2;
-  s.voters = {"agent-1", "agent-2", "agent-3", "agent-new"};
-  s.standby_nodes = {"127.0.0.4"};
-  s.standby_takeover_ports = {7004};
-  told.receive(s);
+  told.receive(standby_at(2, s.nodes, s.takeover_ports, {"agent-1", "agent-2", "agent-3", "agent-new"}, {"127.0.0.4"},
+                          {7004}));
   CHECK(told.m.job_voters() == 4);
   CHECK(told.m.job_self_voter());
 }
@@ -859,12 +849,8 @@ TEST_CASE("client machine, recall: a standby that registered after the recorded 
 // The host's vote socket rides in the Assignment apart from the takeover ports.
 TEST_CASE("client machine: the host's vote socket in the Assignment is a voter address that a recall counts, and a "
           "lost host is never a takeover candidate through it (review s40-recall M1)") {
-  ClientOptions o = restarted();
-  o.join.addr = "127.0.0.3";
-  o.join.takeover_port = 7003;
-  Link l(o);
-  l.m.start(l.now);
-  l.welcome("host-1");
+  Link l(node_at(3));
+  welcomed(l);
   proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
   a.group_rank = 2;
   a.voters = {"agent-1", "agent-2", "agent-new"};
@@ -887,9 +873,7 @@ TEST_CASE("client machine: the host's vote socket in the Assignment is a voter a
   c = l.m.hosted(TakeoverHost{"127.0.0.3", 7003}, l.now);
   CHECK(connect_of(c) == std::pair<std::string, int>{"127.0.0.3", 7003});
   // A late standby's recall (no voter itself) counts the host's answer: with node 1's, 2 of 3.
-  ClientOptions late = restarted();
-  late.join.addr = "127.0.0.4";
-  late.join.takeover_port = 7004;
+  const ClientOptions late = node_at(4);
   for (const bool host_countable : {true, false}) {
     CAPTURE(host_countable);
     Link r(late);

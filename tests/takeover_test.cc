@@ -610,6 +610,23 @@ static std::pair<std::vector<std::string>, std::string> rerun_whole_job(int coun
   return {rerun_at_once("rerun-" + n, job.ep, job.env, flags, count, count, run), run};
 }
 
+// A job of two nodes (start_job(), --nnodes=2), then agents on 127.0.0.4 and 127.0.0.5:
+// returned once both stand by; `run`, the job's run.
+static std::vector<Proc> two_nodes_then_two_standbys(const std::string& ep, const std::string& job,
+                                                     const std::vector<std::string>& flags,
+                                                     const std::vector<std::string>& worker,
+                                                     const std::map<std::string, std::string>& env, std::string& run) {
+  std::vector<Proc> agents = start_job(ep, job, "2", flags, worker, env, 2);
+  run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  REQUIRE(run.size() > 2);
+  for (int i : {4, 5}) agents.push_back(spawn(agent_argv(ep, job, i, "2", 1, flags, worker), env));
+  REQUIRE(eventually([&] {
+    return std::all_of(agents.begin() + 2, agents.end(),
+                       [](Proc& p) { return p.err().find("[mglaunch] standby for job ") != std::string::npos; });
+  }, 30s));
+  return agents;
+}
+
 TEST_CASE("a whole agent-hosted job SIGKILLed and rerun at once: every node's record is found stale in one pass "
           "(each recorded host answers 'alive, not hosting'), and the rerun runs a fresh run of three (review s38 "
           "M2)") {
@@ -642,14 +659,8 @@ TEST_CASE("a whole agent-hosted job of two nodes and two standbys that are voter
   const std::string go = make_temp_dir() + "/go";
   const std::vector<std::string> worker{"env", "print", "up", "wait-file", go, "fail-first-attempt", "0", "1",
                                         "hang", "300"};
-  std::vector<Proc> agents = start_job(ep, "rerun-standbys", "2", flags, worker, env, 2);
-  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
-  REQUIRE(run.size() > 2);
-  for (int i : {4, 5}) agents.push_back(spawn(agent_argv(ep, "rerun-standbys", i, "2", 1, flags, worker), env));
-  REQUIRE(eventually([&] {
-    return std::all_of(agents.begin() + 2, agents.end(),
-                       [](Proc& p) { return p.err().find("[mglaunch] standby for job ") != std::string::npos; });
-  }, 30s));
+  std::string run;
+  std::vector<Proc> agents = two_nodes_then_two_standbys(ep, "rerun-standbys", flags, worker, env, run);
   std::ofstream(go) << "go\n";
   // Round 2 runs, and every agent's record is of its epoch (the standbys' too: told at its close).
   std::string epoch;
@@ -696,15 +707,9 @@ TEST_CASE("a whole agent-hosted job of two nodes and two late standbys (no voter
   const auto env = record_env(records);
   const std::vector<std::string> flags{"--max_restarts=3", kRejoinConf + ",join_timeout=20"};
   const std::vector<std::string> worker{"env", "print", "up", "hang", "300"};
-  std::vector<Proc> agents = start_job(ep, "rerun-late", "2", flags, worker, env, 2);
-  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
-  REQUIRE(run.size() > 2);
-  // Round 1 closed with the 2 nodes: these 2 stand by after it, no voters of it.
-  for (int i : {4, 5}) agents.push_back(spawn(agent_argv(ep, "rerun-late", i, "2", 1, flags, worker), env));
-  REQUIRE(eventually([&] {
-    return std::all_of(agents.begin() + 2, agents.end(),
-                       [](Proc& p) { return p.err().find("[mglaunch] standby for job ") != std::string::npos; });
-  }, 30s));
+  // Round 1 closed with the 2 nodes: the other 2 stand by after it, no voters of it.
+  std::string run;
+  std::vector<Proc> agents = two_nodes_then_two_standbys(ep, "rerun-late", flags, worker, env, run);
   REQUIRE(eventually([&] { return records_in(records) == 4; }, 10s));
   int late = 0;
   for (const auto& f : std::filesystem::directory_iterator(records)) {

@@ -222,6 +222,11 @@ class Agent {
   void load_job_record();
   void end_recall();
   void remember_job(int epoch, const std::string& run);
+  // Hosting: its server's decision about to go out; the first record, from this node's own
+  // Assignment in it, before the other nodes hear the round (review s41-a M2).
+  void record_ahead(const rdzv::Actions& actions);
+  void write_record(int epoch, const std::string& run, rdzv::RecordFields f);
+  std::string agent_id_;  // this start's (its Join's)
   void warn_record_failure();  // once: the first write that failed (posted by record_io_'s thread)
   void recall_job();  // after the link is made: hands it the record's hosts
   std::string record_node_, record_endpoint_;

@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include <boost/asio/post.hpp>
@@ -22,6 +23,7 @@
 #include "cli/errors.h"
 #include "ops/trace.h"
 #include "process/thread.h"
+#include "proto/wire.h"
 #include "rendezvous/auth.h"
 #include "rendezvous/endpoint.h"
 
@@ -63,6 +65,7 @@ void Agent::host_rendezvous() {
     rdzv::ServerOptions so = server_options();
     so.host = ep.host;
     so.port = ep.port;
+    so.before_send = [this](const rdzv::Actions& actions) { record_ahead(actions); };
     embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
     notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
     // Its takeover socket (kept after a stale recall) answers "not hosting" only: not the
@@ -314,7 +317,7 @@ void Agent::start_rendezvous() {
   j.job_id = plan_.run_id;
   j.host = local_hostname();
   j.addr = plan_.master_addr;  // the address this node advertises
-  j.agent_id = new_agent_id(j.host, ::getpid());  // unique per start (review s39-late H3)
+  j.agent_id = agent_id_ = new_agent_id(j.host, ::getpid());  // unique per start (review s39-late H3)
   j.nproc = plan_.nproc_per_node;
   j.node_rank = opts_.node_rank_given ? opts_.node_rank : -1;
   j.min_nodes = opts_.nnodes.min;
@@ -431,7 +434,14 @@ void Agent::load_job_record() {
         "this node has a record of job '{}' that it cannot use ({}), and without it a fresh start could fork a job "
         "that runs on elsewhere; if the job is over (or to start afresh), remove that file and start again",
         plan_.run_id, why));
-  record_io_ = std::make_unique<JobRecordWriter>(JobRecordWriter::ops_of(record_dir_));
+  JobRecordWriter::Ops ops = JobRecordWriter::ops_of(record_dir_);
+  // Test hook (docs/flags.md): each record write takes N ms more (a slow disk, on its thread).
+  if (auto it = base_env_.find("MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"); it != base_env_.end())
+    ops.write = [write = ops.write, ms = std::atoi(it->second.c_str())](const JobRecord& r) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return write(r);
+    };
+  record_io_ = std::make_unique<JobRecordWriter>(std::move(ops));
   // A failed write is told when it fails, not at the next write, which may never come (a
   // round that runs for days): the fork guard is off, and the operator hears it (review s40 M2).
   record_io_->on_failure([this] { asio::post(io_, [this] { warn_record_failure(); }); });
@@ -480,20 +490,41 @@ void Agent::end_recall() {
 void Agent::remember_job(int epoch, const std::string& run) {
   if (takeover_server_ && !run.empty()) takeover_server_->tell_run(run);  // its NotHosting names the run
   if (!record_io_ || !client_ || run.empty()) return;
-  // The voters' epoch with them: a Standby of an older one told since leaves the newer voters
-  // and their addresses (review s40 L1).
-  const int voters = client_->job_voters();
+  write_record(epoch, run,
+               {client_->job_hosts(), client_->job_voters(), client_->job_voters_epoch(), client_->job_self_voter(),
+                client_->job_voter_hosts()});
+}
+
+void Agent::record_ahead(const rdzv::Actions& actions) {
+  // The hosting agent's first record, from its own Assignment (the one to its own agent id),
+  // before its server sends the round to the others (review s41-a M2): else the others' workers
+  // may run while this node, killed, would restart with no record and host a fresh job.
+  if (record_written_ || !record_io_ || !client_ || agent_id_.empty()) return;
+  for (const auto& o : actions) {
+    if (proto::type_of(o.frame) != proto::MsgType::kAssignment) continue;
+    const auto a = proto::from_frame<proto::Assignment>(proto::frame_of(o.frame));
+    if (a.run.empty() || a.group_rank < 0 || a.group_rank >= static_cast<int>(a.voters.size()) ||
+        a.voters[a.group_rank] != agent_id_)
+      continue;  // another node's (or unlisted voters: this node's own Assignment writes it, after)
+    if (const auto fields = client_->record_after(a)) write_record(a.epoch, a.run, *fields);
+    return;
+  }
+}
+
+void Agent::write_record(int epoch, const std::string& run, rdzv::RecordFields f) {
   // Every field named, in order (clang 18+ warns on a missing one: -Wmissing-field-initializers).
   JobRecord r{.job = plan_.run_id,
               .node = record_node_,
               .endpoint = record_endpoint_,
               .run = run,
-              .epoch = voters > 0 ? client_->job_voters_epoch() : epoch,
-              .hosts = client_->job_hosts(),
+              // The voters' epoch with them: a Standby of an older one told since leaves the
+              // newer voters and their addresses (review s40 L1).
+              .epoch = f.voters > 0 ? f.voters_epoch : epoch,
+              .hosts = std::move(f.hosts),
               .takeover_port = takeover_port_,
-              .voters = voters,
-              .voter_hosts = client_->job_voter_hosts(),
-              .self_voter = client_->job_self_voter()};
+              .voters = f.voters,
+              .voter_hosts = std::move(f.voter_hosts),
+              .self_voter = f.self_voter};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)
   // The first one is waited for (a few ms; at most kFirstRecordWait, then one warning line):

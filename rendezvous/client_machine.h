@@ -73,6 +73,7 @@
 #include "proto/messages.h"
 #include "proto/wire.h"
 #include "rendezvous/job.h"
+#include "rendezvous/record_fields.h"
 
 namespace mg::rdzv {
 
@@ -271,6 +272,9 @@ class ClientMachine {
   int job_voters_epoch() const { return voters_epoch_; }  // their epoch (the record's, with them)
   bool job_self_voter() const;
   std::vector<std::pair<std::string, int>> job_voter_hosts() const;  // their takeover addresses
+  // The five above as they would be once this node took `a` (its own Assignment, not heard
+  // yet): the hosting agent's record written before its server sends the round (review s41-a M2).
+  RecordFields record_after(const proto::Assignment& a) const;
   static constexpr std::size_t kMaxRecallHosts = proto::kMaxListedNodes;
   // The generation of t's current arm (what a fire that is not stale carries).
   std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }

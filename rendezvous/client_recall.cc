@@ -280,6 +280,12 @@ std::vector<std::pair<std::string, int>> ClientMachine::job_voter_hosts() const 
   return out;
 }
 
+RecordFields ClientMachine::record_after(const proto::Assignment& a) const {
+  ClientMachine m = *this;  // (a copy: nothing of this node's state changes)
+  m.take(a, Clock::time_point{});
+  return {m.job_hosts(), m.job_voters(), m.job_voters_epoch(), m.job_self_voter(), m.job_voter_hosts()};
+}
+
 std::vector<std::pair<std::string, int>> ClientMachine::job_hosts() const {
   std::vector<std::pair<std::string, int>> out;
   if (host_agent_.empty() || !ever_welcomed_) return out;

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "proto/messages.h"
+#include "rendezvous/record_fields.h"
 
 namespace mg::rdzv {
 
@@ -51,6 +53,10 @@ class Link {
   virtual int job_voters_epoch() const { return 0; }  // their epoch (the record's, with them)
   virtual bool job_self_voter() const { return true; }  // this node one of them
   virtual std::vector<std::pair<std::string, int>> job_voter_hosts() const { return {}; }  // their takeover addresses
+  // What job_hosts() and the voters' getters would say once this node took `a`, its own
+  // Assignment not heard yet: the hosting agent's first record is written from its own
+  // server's round before that round goes out (review s41-a M2). nullopt: nothing to record.
+  virtual std::optional<RecordFields> record_after(const proto::Assignment&) const { return std::nullopt; }
   virtual bool job_decided() const { return false; }
   virtual std::string why_no_takeover_of_self() const { return {}; }
 };
@@ -79,6 +85,7 @@ class LinkTo : public Link {
   int job_voters_epoch() const override { return impl_.job_voters_epoch(); }
   bool job_self_voter() const override { return impl_.job_self_voter(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const override { return impl_.job_voter_hosts(); }
+  std::optional<RecordFields> record_after(const proto::Assignment& a) const override { return impl_.record_after(a); }
   bool job_decided() const override { return impl_.job_decided(); }
   std::string why_no_takeover_of_self() const override { return impl_.why_no_takeover_of_self(); }
 

@@ -78,6 +78,10 @@ struct ServerOptions {
   // Each frame a job's decision sends, just before it goes out (the tests check there that
   // its events are journaled first: the write-ahead, review s39 L4). May be empty.
   std::function<void(const proto::Wire&)> on_send;
+  // Every decision's frames, after its events are journaled and before any goes out: the
+  // hosting agent writes its first record of the job there, from its own Assignment, before
+  // the other nodes hear the round (review s41-a M2). May be empty.
+  std::function<void(const Actions&)> before_send;
   // --state-dir: every job event is journaled there, and the jobs and events it holds from
   // before a restart are shown (jobs_json(), events_json(), history_json()).
   std::shared_ptr<Journal> journal;

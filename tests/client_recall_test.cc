@@ -898,3 +898,24 @@ TEST_CASE("client machine: the host's vote socket in the Assignment is a voter a
       CHECK_THAT(notices(c), Catch::Contains("a majority of its last round's 3 voters (2 of them; this node is none)"));
   }
 }
+
+TEST_CASE("client machine: record_after(a), what the record names once this node took its Assignment, is what the "
+          "getters say after it, and changes nothing before (the host's record written ahead, review s41-a M2)") {
+  Link l(node_at(3));
+  welcomed(l);
+  proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
+  a.group_rank = 2;
+  a.voters = {"agent-1", "agent-2", "agent-new"};
+  a.host_vote_addr = "127.0.0.1";
+  a.host_vote_port = 7101;
+  const RecordFields ahead = l.m.record_after(a);
+  CHECK(l.m.job_voters() == 0);  // not taken yet
+  CHECK(l.m.job_voter_hosts().empty());
+  l.receive(a);
+  CHECK(ahead.hosts == l.m.job_hosts());
+  CHECK(ahead.voters == 3);
+  CHECK(ahead.voters == l.m.job_voters());
+  CHECK(ahead.voters_epoch == l.m.job_voters_epoch());
+  CHECK(ahead.self_voter == l.m.job_self_voter());
+  CHECK(ahead.voter_hosts == l.m.job_voter_hosts());
+}

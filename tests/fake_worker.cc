@@ -34,6 +34,7 @@
 //   expect-record       exit 9, saying "no job record in DIR", unless $MGLAUNCH_RECORD_DIR
 //                       holds a record (job-*.json) at once: the agent's, a test giving each
 //                       agent a directory of its own
+//   expect-record-in DIR  the same for DIR (another agent's directory)
 //   wait-lines PATH N   wait until PATH holds at least N lines (exit 8 after 60 s): orders
 //                       events between workers of different agents without a sleep
 //   bind-master-plain SECS  bind 0.0.0.0:$MASTER_PORT without SO_REUSEADDR (retrying up to
@@ -333,8 +334,8 @@ int main(int argc, char** argv) {
         if (std::chrono::steady_clock::now() > deadline) return 8;
         hang(0.01);
       }
-    } else if (cmd == "expect-record") {
-      const char* dir = std::getenv("MGLAUNCH_RECORD_DIR");
+    } else if (cmd == "expect-record" || cmd == "expect-record-in") {
+      const char* dir = cmd == "expect-record" ? std::getenv("MGLAUNCH_RECORD_DIR") : arg();
       bool found = false;
       if (DIR* d = dir ? ::opendir(dir) : nullptr) {
         while (const dirent* e = ::readdir(d)) {

@@ -412,6 +412,41 @@ TEST_CASE("every agent of an agent-hosted job has written its record of the job 
   }
 }
 
+// Review s41-a M2: the hosting agent's own server sent round 1's Assignments to the other
+// nodes before its own client had read its own and written its record; the host SIGKILLed
+// while the others' workers ran restarted with no record and hosted a fresh job beside them.
+// Now its record is on disk before the round goes out. The host's record writes are slowed
+// here (MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS, 800 ms) and every worker checks, the moment it
+// starts, that the host's record is there (fake_worker's expect-record-in: exit 9 if not).
+TEST_CASE("the hosting agent's record of the job is on disk before any other node's first worker starts, even on a "
+          "slow disk (review s41-a M2)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir(), host_dir = records + "/2";
+  const std::vector<std::string> flags{"--max_restarts=0", kRejoinConf};
+  std::vector<Proc> agents;
+  auto start = [&](int i) {
+    const std::string dir = records + "/" + std::to_string(i);
+    std::filesystem::create_directory(dir);
+    auto env = record_env(dir);
+    if (i == 2) env["MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"] = "800";
+    agents.push_back(
+        spawn(agent_argv(ep, "host-record", i, "3", 1, flags, {"expect-record-in", host_dir, "print", "up"}), env));
+  };
+  start(2);
+  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  for (int i : {3, 4}) start(i);
+  bool ended = true;
+  for (Proc& p : agents) ended = p.wait(60s) && ended;
+  for (Proc& p : agents) {
+    INFO("an agent (" << (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) << "):\n"
+                      << p.err() << p.out());
+    REQUIRE(ended);
+    CHECK_THAT(p.err(), !Catch::Contains("no job record in"));
+    CHECK(p.out().find("up") != std::string::npos);
+    CHECK(p.exit_code() == 0);
+  }
+}
+
 // #34 H1: the hosting agent's machine comes back and its agent is started again with the
 // same command line (systemd, a user, a Slurm requeue of one node). Before, it found the
 // endpoint's port free and hosted a fresh job (a new run, a first round that needs no

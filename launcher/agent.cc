@@ -627,7 +627,7 @@ void Agent::finish(int code) {
   // The job ended for good (its end heard from the rendezvous, or no survivor can take it
   // over: this node saw its host lost so, or it hosts and its own stop leaves none that
   // could): a rerun starts afresh, without a recall.
-  if (record_written_ && client_ &&
+  if (record_io_ && client_ &&  // (remove(): nothing when no record was asked)
       (client_->job_decided() || (embedded_server_ && !client_->why_no_takeover_of_self().empty())))
     record_io_->remove();  // (for good; done before the agent is gone: its destructor waits 2 s for it)
   if (client_) client_->close();

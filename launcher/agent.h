@@ -234,7 +234,10 @@ class Agent {
   std::unique_ptr<JobRecordWriter> record_io_;     // its writes, off the io thread (with record_dir_)
   std::optional<JobRecord> recalled_;
   bool recall_pending_ = false;
-  bool record_written_ = false, record_warned_ = false;
+  bool record_warned_ = false;
+  // A record of the job landed (JobRecordWriter::on_disk()): later ones are written after the
+  // workers start. record_hung_: a first one did not land within its wait, none is waited for.
+  bool record_on_disk_ = false, record_hung_ = false;
   // The rendezvous server's settings for this job (the token, this job only, this agent).
   rdzv::ServerOptions server_options();
   // The socket this agent would host the job on if its host were lost (bound on the

@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <thread>
 #include <utility>
 
@@ -33,10 +34,32 @@ namespace asio = boost::asio;
 
 namespace {
 
-// The most a node's first record of a job may hold its first workers back (the io thread
-// waits, well under the silence that loses a node by default: keep_alive_interval x
-// (keep_alive_max_attempt + 1), 20 s).
+// The most a node's first record of a job may hold its first workers back: the io thread
+// waits, and sends no heartbeat and (hosting) answers none meanwhile, so at most half the
+// bound a node fences itself after (rdzv::fence_after; keep_alive_interval x attempts where
+// it does not fence), and 2 s (review s41-a M1: keep_alive_interval=0.5 fenced after 1.25 s).
 constexpr std::chrono::milliseconds kFirstRecordWait{2000};
+std::chrono::milliseconds first_record_wait(std::chrono::milliseconds keep_alive, int attempts) {
+  const std::chrono::milliseconds fence = rdzv::fence_after(static_cast<int>(keep_alive.count()), attempts);
+  return std::min(kFirstRecordWait, (fence.count() > 0 ? fence : keep_alive * attempts) / 2);
+}
+
+// Test hooks (docs/flags.md): each record write takes MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS more
+// (a slow disk, on its helper thread), and the first MGLAUNCH_RECORD_TEST_FAIL_WRITES fail.
+JobRecordWriter::Ops with_test_hooks(JobRecordWriter::Ops ops, const std::map<std::string, std::string>& env) {
+  auto number = [&](const char* name) {
+    const auto it = env.find(name);
+    return it == env.end() ? 0 : std::atoi(it->second.c_str());
+  };
+  const int delay_ms = number("MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"), fail = number("MGLAUNCH_RECORD_TEST_FAIL_WRITES");
+  if (delay_ms <= 0 && fail <= 0) return ops;
+  ops.write = [write = ops.write, delay_ms, failing = std::make_shared<int>(fail)](const JobRecord& r) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    if (*failing > 0 && (*failing)-- > 0) return std::string("a test hook's failure (MGLAUNCH_RECORD_TEST_FAIL_WRITES)");
+    return write(r);
+  };
+  return ops;
+}
 
 // The line of an agent that could not bind its record's takeover port again (`why`) and bound
 // `port` instead. The other nodes' records name the old port, which refuses from now on, and
@@ -341,7 +364,7 @@ void Agent::start_rendezvous() {
       // agent killed in between would restart with none and host a fresh job beside the
       // survivors: #34); every later one after they start, off a restart's path (643b029: an
       // older record is still a sound majority rule, so a later write lost costs nothing).
-      const bool later = record_written_;
+      const bool later = record_on_disk_ || record_hung_;
       if (!later) remember_job(a.epoch, a.run);
       on_assignment(a);
       if (later) remember_job(a.epoch, a.run);
@@ -434,14 +457,7 @@ void Agent::load_job_record() {
         "this node has a record of job '{}' that it cannot use ({}), and without it a fresh start could fork a job "
         "that runs on elsewhere; if the job is over (or to start afresh), remove that file and start again",
         plan_.run_id, why));
-  JobRecordWriter::Ops ops = JobRecordWriter::ops_of(record_dir_);
-  // Test hook (docs/flags.md): each record write takes N ms more (a slow disk, on its thread).
-  if (auto it = base_env_.find("MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"); it != base_env_.end())
-    ops.write = [write = ops.write, ms = std::atoi(it->second.c_str())](const JobRecord& r) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      return write(r);
-    };
-  record_io_ = std::make_unique<JobRecordWriter>(std::move(ops));
+  record_io_ = std::make_unique<JobRecordWriter>(with_test_hooks(JobRecordWriter::ops_of(record_dir_), base_env_));
   // A failed write is told when it fails, not at the next write, which may never come (a
   // round that runs for days): the fork guard is off, and the operator hears it (review s40 M2).
   record_io_->on_failure([this] { asio::post(io_, [this] { warn_record_failure(); }); });
@@ -499,7 +515,7 @@ void Agent::record_ahead(const rdzv::Actions& actions) {
   // The hosting agent's first record, from its own Assignment (the one to its own agent id),
   // before its server sends the round to the others (review s41-a M2): else the others' workers
   // may run while this node, killed, would restart with no record and host a fresh job.
-  if (record_written_ || !record_io_ || !client_ || agent_id_.empty()) return;
+  if (record_on_disk_ || record_hung_ || !record_io_ || !client_ || agent_id_.empty()) return;
   for (const auto& o : actions) {
     if (proto::type_of(o.frame) != proto::MsgType::kAssignment) continue;
     const auto a = proto::from_frame<proto::Assignment>(proto::frame_of(o.frame));
@@ -526,13 +542,23 @@ void Agent::write_record(int epoch, const std::string& run, rdzv::RecordFields f
               .voter_hosts = std::move(f.voter_hosts),
               .self_voter = f.self_voter};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
-  record_io_->write(std::move(r));  // (its helper thread: the fsync never delays a heartbeat)
-  // The first one is waited for (a few ms; at most kFirstRecordWait, then one warning line):
-  // until it is on disk, this node killed would restart as a fresh one.
-  if (!std::exchange(record_written_, true) && !record_io_->drain_for(kFirstRecordWait))
-    notice(fmt::format("warning: this node's first record of job '{}' is not written after {} s (a hung file "
-                       "system?): going on; an agent restarted here before it is written starts afresh",
-                       plan_.run_id, kFirstRecordWait.count() / 1000.0));
+  record_io_->write(std::move(r));  // (its helper thread)
+  // Until one record is on disk, each is waited for before the workers start (a few ms; at
+  // most first_record_wait(), then one warning line): this node killed meanwhile would restart
+  // as a fresh one. A write that failed is said now, before the workers (review s41-a L1).
+  // After one that did not land in time (a hung file system) no more waits: they would each
+  // cost as much.
+  if (record_on_disk_ || record_hung_) return;
+  const auto wait = first_record_wait(opts_.keep_alive_interval, opts_.keep_alive_max_attempt);
+  if (!record_io_->drain_for(wait)) {
+    record_hung_ = true;
+    return notice(fmt::format("warning: this node's first record of job '{}' is not written after {} s (a hung file "
+                              "system?): going on, though this node's fork guard is off until it is written: an "
+                              "agent restarted here before then starts afresh",
+                              plan_.run_id, wait.count() / 1000.0));
+  }
+  record_on_disk_ = record_io_->on_disk();
+  if (!record_on_disk_) warn_record_failure();
 }
 
 void Agent::warn_record_failure() {

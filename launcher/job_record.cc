@@ -309,6 +309,7 @@ struct JobRecordWriter::State {
   std::optional<JobRecord> last;  // the key of remove()
   bool pending_remove = false, pending_sweep = false, busy = false, stop = false;
   bool ended = false;     // remove() was asked: the job ended, nothing is written after it
+  bool on_disk = false;   // the newest write asked landed (on_disk())
   bool finished = false;  // the thread returned
   std::string error;
   std::function<void()> on_failure;  // (cleared by the destructor)
@@ -343,6 +344,7 @@ void JobRecordWriter::write(JobRecord r) {
     std::lock_guard lock(st_->mu);
     if (st_->ended) return;  // the job ended: a late write must not bring its record back
     st_->last = r;
+    st_->on_disk = false;
     st_->pending_write = std::move(r);  // the one that waited, if any, is outdated
     st_->pending_remove = false;
   }
@@ -388,6 +390,11 @@ bool JobRecordWriter::drain_for(std::chrono::milliseconds wait) {
   return st_->cv.wait_for(lock, wait, [this] { return st_->idle(); });
 }
 
+bool JobRecordWriter::on_disk() const {
+  std::lock_guard lock(st_->mu);
+  return st_->on_disk;
+}
+
 void JobRecordWriter::on_failure(std::function<void()> f) {
   std::lock_guard lock(st_->mu);
   st_->on_failure = std::move(f);
@@ -405,6 +412,7 @@ void JobRecordWriter::loop(const std::shared_ptr<State>& st) {
     if (st->idle()) break;  // stopped, all done
     // One operation at a time, in the order they matter: the start's sweep, then the record.
     std::function<std::string()> op;
+    bool is_write = false;
     if (std::exchange(st->pending_sweep, false)) {
       op = [&ops = st->ops] { return ops.sweep(), std::string(); };
     } else if (st->pending_remove) {
@@ -413,6 +421,7 @@ void JobRecordWriter::loop(const std::shared_ptr<State>& st) {
     } else {
       op = [&ops = st->ops, r = std::move(*st->pending_write)] { return ops.write(r); };
       st->pending_write.reset();
+      is_write = true;
     }
     st->busy = true;
     lock.unlock();
@@ -425,6 +434,7 @@ void JobRecordWriter::loop(const std::shared_ptr<State>& st) {
       why = "the record's helper thread: an unknown exception";
     }
     lock.lock();
+    if (is_write) st->on_disk = why.empty() && !st->pending_write;  // (a newer one asked meanwhile: not yet)
     if (!why.empty()) {
       if (st->error.empty()) st->error = std::move(why);
       if (st->on_failure) st->on_failure();

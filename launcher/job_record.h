@@ -13,7 +13,8 @@
 // file is reached through that descriptor. Files are 0600, written whole (a temporary file,
 // fsync, rename, fsync of the directory) and read back only when this user owns them. The
 // agent's writes and removal run on a helper thread (JobRecordWriter), never on its io
-// thread (the heartbeats').
+// thread; but the io thread waits for a node's first record of the job before its first
+// workers start (the heartbeats' too, so at most half the fence bound: review s41-a M1).
 #pragma once
 
 #include <sys/types.h>
@@ -120,8 +121,8 @@ class JobRecordDir {
 inline constexpr std::chrono::seconds kJobRecordTmpMinAge = std::chrono::hours(1);
 
 // The agent's record I/O on a helper thread of its own (review s38 L2): a write's fsync,
-// the removal and the start's sweep, in the order asked, so a hung NFS or a busy disk never
-// delays the io thread (its heartbeats). The thread starts with the writer (docs/design.md,
+// the removal and the start's sweep, in the order asked, so a hung NFS or a busy disk delays
+// the io thread (its heartbeats) only where it waits (drain_for()). The thread starts with the writer (docs/design.md,
 // "Threads on demand"). The queue is bounded: a write asked while another waits replaces
 // it (only the newest record matters); a removal drops what waits before it. remove() is
 // final: the job ended, and a write asked after it is dropped, so no late write brings the record back
@@ -150,6 +151,9 @@ class JobRecordWriter {
   void sweep();
   void drain();   // returns once nothing waits or runs
   bool drain_for(std::chrono::milliseconds wait);  // drain(), at most `wait`: false if it did not
+  // The newest write asked has landed (written whole and synced); false while it waits or
+  // runs, and after it failed (review s41-a L1: drain_for() is true after a failure too).
+  bool on_disk() const;
   std::string take_error();  // the first failure not yet taken; "" when none
   // `f` is called on the helper thread (under its lock: keep it short, e.g. a post to the
   // caller's io context) after each operation that failed, so the caller learns of a

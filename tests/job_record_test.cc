@@ -430,6 +430,34 @@ TEST_CASE("a failed write is told on the helper thread when it fails, without a 
   CHECK(w.take_error() == "cannot write: disk full");
 }
 
+TEST_CASE("on_disk(): the newest write asked landed; not while it is held (drain_for() is false then), nor after "
+          "it failed (drain_for() is true then: review s41-a L1)") {
+  using namespace std::chrono_literals;
+  std::promise<void> release;
+  std::shared_future<void> go = release.get_future().share();
+  bool fail = false;
+  JobRecordWriter::Ops ops;
+  ops.write = [go, &fail](const JobRecord&) {
+    go.wait();  // a slow disk, until the test releases it
+    return fail ? std::string("cannot write: disk full") : std::string();
+  };
+  ops.remove = [](const JobRecord&) {};
+  ops.sweep = [] {};
+  JobRecordWriter w(ops);
+  CHECK_FALSE(w.on_disk());  // nothing asked
+  w.write(sample());
+  CHECK_FALSE(w.drain_for(50ms));
+  CHECK_FALSE(w.on_disk());
+  release.set_value();
+  w.drain();
+  CHECK(w.on_disk());
+  fail = true;  // (read on the helper thread after the drain: ordered by the writer's lock)
+  w.write(sample());
+  CHECK(w.drain_for(60s));  // (a bound on a hang, no timing)
+  CHECK_FALSE(w.on_disk());
+  CHECK(w.take_error() == "cannot write: disk full");
+}
+
 TEST_CASE("the writer's destructor waits a bounded time for a hung write, then goes on") {
   using namespace std::chrono_literals;
   std::promise<void> entered, release;

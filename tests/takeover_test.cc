@@ -447,6 +447,65 @@ TEST_CASE("the hosting agent's record of the job is on disk before any other nod
   }
 }
 
+// Review s41-a M1: the io thread waits for a node's first record, and sends no heartbeat
+// meanwhile; the wait was up to 2 s whatever keep_alive_interval, and with 0.5 s (a node fences
+// itself after 1.25 s of silence) a slow disk fenced the node and failed the job. Now the wait
+// is at most half the fence bound (0.625 s here), then one warning line and the workers start.
+// Node 3's record writes take 1.8 s (MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS).
+TEST_CASE("a node whose first record is slower than half its fence bound starts its workers after that half with one "
+          "warning line, and never fences itself for the wait (review s41-a M1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  const std::vector<std::string> flags{
+      "--max_restarts=0", "--rdzv_conf=keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=3"};
+  std::vector<Proc> agents;
+  auto start = [&](int i) {
+    const std::string dir = records + "/" + std::to_string(i);
+    std::filesystem::create_directory(dir);
+    auto env = record_env(dir);
+    if (i == 3) env["MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"] = "1800";
+    agents.push_back(spawn(agent_argv(ep, "slow-record", i, "3", 1, flags, {"hang", "3", "print", "up"}), env));
+  };
+  start(2);
+  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  for (int i : {3, 4}) start(i);
+  bool ended = true;
+  for (Proc& p : agents) ended = p.wait(60s) && ended;
+  for (Proc& p : agents) {
+    INFO("an agent (" << (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) << "):\n"
+                      << p.err() << p.out());
+    REQUIRE(ended);
+    CHECK_THAT(p.err(), !Catch::Contains("fenced itself"));
+    CHECK(p.exit_code() == 0);
+  }
+  CHECK_THAT(agents[1].err(), Catch::Contains("first record of job 'slow-record' is not written after 0.625 s"));
+}
+
+// Review s41-a L1: a first record that failed counted as written, and every later one was
+// written after its workers started. Now records are written before the workers until one
+// lands: here round 1's writes fail (MGLAUNCH_RECORD_TEST_FAIL_WRITES=2, said before the
+// workers start), every write takes 0.8 s, the first attempt fails, and the restarted
+// worker checks at its start that its agent's record is there.
+TEST_CASE("after a first record that failed, the next round's record is on disk before its workers start, and the "
+          "failure is said (review s41-a L1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  auto env = record_env(records);
+  env["MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"] = "800";
+  env["MGLAUNCH_RECORD_TEST_FAIL_WRITES"] = "2";  // round 1's two (its server's, its client's)
+  Proc p = spawn(agent_argv(ep, "failed-record", 2, "1:2", 1, {"--max_restarts=1", kRejoinConf},
+                            {"fail-first-attempt", "0", "1", "expect-record", "print", "up"}),
+                 env);
+  const bool ended = p.wait(60s);
+  INFO("the agent (" << (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) << "):\n"
+                     << p.err() << p.out());
+  REQUIRE(ended);
+  CHECK_THAT(p.err(), Catch::Contains("MGLAUNCH_RECORD_TEST_FAIL_WRITES"));
+  CHECK_THAT(p.err(), !Catch::Contains("no job record in"));
+  CHECK(p.out().find("up") != std::string::npos);
+  CHECK(p.exit_code() == 0);
+}
+
 // #34 H1: the hosting agent's machine comes back and its agent is started again with the
 // same command line (systemd, a user, a Slurm requeue of one node). Before, it found the
 // endpoint's port free and hosted a fresh job (a new run, a first round that needs no

@@ -194,7 +194,10 @@ void Agent::bind_takeover_socket() {
     const std::string lost = fd < 0 && recorded_port > 0 ? why : "";  // the recorded port's error
     if (fd < 0) fd = bind_at(addr, 0);
     if (fd < 0) return false;
-    if (!lost.empty()) notice(takeover_port_lost(plan_.run_id, takeover_host_, recorded_port, lost, takeover_port_));
+    // Said once the socket listens (review s41-a L3: a server that failed to start here said
+    // "listens on" a port it never did, and the next address said it again).
+    const std::string lost_line =
+        lost.empty() ? "" : takeover_port_lost(plan_.run_id, takeover_host_, recorded_port, lost, takeover_port_);
     try {
       rdzv::ServerOptions so = server_options();
       so.host = takeover_host_;
@@ -210,6 +213,7 @@ void Agent::bind_takeover_socket() {
       takeover_port_ = 0;
       return false;
     }
+    if (!lost_line.empty()) notice(lost_line);
     return true;
   };
   auto ipv4_of = [](const rdzv::Addresses& found) {

@@ -598,6 +598,10 @@ void Server::refuse(Session& s, const std::string& why, bool name_peer) {
 }
 
 void Server::on_frame(const std::shared_ptr<Session>& s, const proto::Frame& f) {
+  // Refused (or closed for a deadline): the frames that came with the refused one are not
+  // handled (a graceful close lingers, and its buffer is still decoded): no second refusal,
+  // Error frame or log line for one peer (review s41-a L5).
+  if (!s->closing_why.empty()) return;
   auto refuse = [&](const std::string& why) { this->refuse(*s, why); };
   try {
     if (!s->held.empty()) {  // an older client's, while this server does not host yet

@@ -284,6 +284,24 @@ TEST_CASE("a takeover socket holding an older client's hello refuses a third fra
   CHECK(second.received().find("before this rendezvous host's answer") != std::string::npos);
 }
 
+// Review s41-a L5: a refused session went on with the frames already in its read buffer (a
+// graceful close only lingers): a second refusal, a second Error frame and log line, and
+// refusals_total counted twice for one peer. Now a refused session handles no more frames.
+TEST_CASE("a session refused handles none of the frames that came with the refused one: one refusal, one Error "
+          "(review s41-a L5)") {
+  TakeoverSocket t("1764500000000-0123456789abcdef", false);
+  RawPeer peer(t.server->port());
+  std::vector<std::uint8_t> bytes = peer.encoded(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)}));
+  for (int i = 0; i < 2; ++i) {  // refused (not a Join after a held Hello), then one more in the same write
+    const auto beat = peer.encoded(proto::to_frame(proto::Heartbeat{1, 0}));
+    bytes.insert(bytes.end(), beat.begin(), beat.end());
+  }
+  REQUIRE(peer.send_bytes(bytes));
+  CHECK(peer.closed_within(5s));
+  CHECK(peer.received().find("before this rendezvous host's answer") != std::string::npos);
+  CHECK(t.metric("refusals_total") == 1);  // (before: 2)
+}
+
 // Review s39-listen L3: an agent that hosts at the endpoint after a stale recall keeps its
 // takeover socket, which had the hosting server's whole descriptor share too (twice the
 // budget). Limited, it holds the connections it has and refuses any beyond the limit.

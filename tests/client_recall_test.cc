@@ -847,15 +847,24 @@ TEST_CASE("client machine, recall: a standby that registered after the recorded 
 // Review s40-recall M1's liveness caveat: the host offered no port (0), so it was never
 // countable, and a late standby of a two-voter job ({host, node}) could prove at most 1 of 2.
 // The host's vote socket rides in the Assignment apart from the takeover ports.
-TEST_CASE("client machine: the host's vote socket in the Assignment is a voter address that a recall counts, and a "
-          "lost host is never a takeover candidate through it (review s40-recall M1)") {
-  Link l(node_at(3));
-  welcomed(l);
+namespace {
+// A round of three, this node (agent-new, 127.0.0.3) rank 2, whose host lists its vote socket
+// (127.0.0.1:7101).
+proto::Assignment round_with_host_vote() {
   proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
   a.group_rank = 2;
   a.voters = {"agent-1", "agent-2", "agent-new"};
   a.host_vote_addr = "127.0.0.1";
   a.host_vote_port = 7101;
+  return a;
+}
+}  // namespace
+
+TEST_CASE("client machine: the host's vote socket in the Assignment is a voter address that a recall counts, and a "
+          "lost host is never a takeover candidate through it (review s40-recall M1)") {
+  Link l(node_at(3));
+  welcomed(l);
+  const proto::Assignment a = round_with_host_vote();
   l.receive(a);
   CHECK(l.m.job_voters() == 3);
   CHECK(l.m.job_self_voter());
@@ -903,11 +912,7 @@ TEST_CASE("client machine: record_after(a), what the record names once this node
           "getters say after it, and changes nothing before (the host's record written ahead, review s41-a M2)") {
   Link l(node_at(3));
   welcomed(l);
-  proto::Assignment a = round_on({"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003});
-  a.group_rank = 2;
-  a.voters = {"agent-1", "agent-2", "agent-new"};
-  a.host_vote_addr = "127.0.0.1";
-  a.host_vote_port = 7101;
+  const proto::Assignment a = round_with_host_vote();
   const RecordFields ahead = l.m.record_after(a);
   CHECK(l.m.job_voters() == 0);  // not taken yet
   CHECK(l.m.job_voter_hosts().empty());

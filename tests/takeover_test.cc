@@ -13,6 +13,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -380,22 +381,23 @@ TEST_CASE("a survivor whose host name resolves here only to 127.0.1.1 (Debian's 
   host.wait(5s);
 }
 
-// #34 (session 41): a node's first record of a job is written before its first workers
-// start. Before (643b029), it was written on the helper thread after they started, and an
-// agent SIGKILLed in between (its first round) restarted with no record and hosted a fresh
-// job at the endpoint beside the survivors. Each agent keeps its record in a directory of
-// its own here, and each worker checks, the moment it starts, that its agent's is there
-// (fake_worker's expect-record: exit 9 if not).
-TEST_CASE("every agent of an agent-hosted job has written its record of the job before its first worker starts") {
+// Three agents of job `job` at a fresh endpoint, node 2 hosting, each with its records in
+// records/N of its own (record_env; `tweak` adds to node N's environment), each worker
+// running `worker`. Waits (60 s at most) for all three and checks that each ended 0, and
+// `check` on each.
+namespace {
+void three_with_own_records(const std::string& job, const std::vector<std::string>& flags,
+                            const std::vector<std::string>& worker, const std::string& records,
+                            const std::function<void(int, std::map<std::string, std::string>&)>& tweak,
+                            const std::function<void(const Proc&)>& check) {
   const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
-  const std::string records = make_temp_dir();
-  const std::vector<std::string> flags{"--max_restarts=0", kRejoinConf};
   std::vector<Proc> agents;
   auto start = [&](int i) {
     const std::string dir = records + "/" + std::to_string(i);
     std::filesystem::create_directory(dir);
-    agents.push_back(spawn(agent_argv(ep, "first-record", i, "3", 1, flags, {"expect-record", "print", "up"}),
-                           record_env(dir)));
+    auto env = record_env(dir);
+    if (tweak) tweak(i, env);
+    agents.push_back(spawn(agent_argv(ep, job, i, "3", 1, flags, worker), env));
   };
   start(2);
   REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
@@ -406,10 +408,24 @@ TEST_CASE("every agent of an agent-hosted job has written its record of the job 
     INFO("an agent (" << (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) << "):\n"
                       << p.err() << p.out());
     REQUIRE(ended);
-    CHECK_THAT(p.err(), !Catch::Contains("no job record in"));
-    CHECK(p.out().find("up") != std::string::npos);
+    check(p);
     CHECK(p.exit_code() == 0);
   }
+}
+}  // namespace
+
+// #34 (session 41): a node's first record of a job is written before its first workers
+// start. Before (643b029), it was written on the helper thread after they started, and an
+// agent SIGKILLed in between (its first round) restarted with no record and hosted a fresh
+// job at the endpoint beside the survivors. Each agent keeps its record in a directory of
+// its own here, and each worker checks, the moment it starts, that its agent's is there
+// (fake_worker's expect-record: exit 9 if not).
+TEST_CASE("every agent of an agent-hosted job has written its record of the job before its first worker starts") {
+  three_with_own_records("first-record", {"--max_restarts=0", kRejoinConf}, {"expect-record", "print", "up"},
+                         make_temp_dir(), {}, [](const Proc& p) {
+                           CHECK_THAT(p.err(), !Catch::Contains("no job record in"));
+                           CHECK(p.out().find("up") != std::string::npos);
+                         });
 }
 
 // Review s41-a M2: the hosting agent's own server sent round 1's Assignments to the other
@@ -420,31 +436,16 @@ TEST_CASE("every agent of an agent-hosted job has written its record of the job 
 // starts, that the host's record is there (fake_worker's expect-record-in: exit 9 if not).
 TEST_CASE("the hosting agent's record of the job is on disk before any other node's first worker starts, even on a "
           "slow disk (review s41-a M2)") {
-  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
-  const std::string records = make_temp_dir(), host_dir = records + "/2";
-  const std::vector<std::string> flags{"--max_restarts=0", kRejoinConf};
-  std::vector<Proc> agents;
-  auto start = [&](int i) {
-    const std::string dir = records + "/" + std::to_string(i);
-    std::filesystem::create_directory(dir);
-    auto env = record_env(dir);
-    if (i == 2) env["MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"] = "800";
-    agents.push_back(
-        spawn(agent_argv(ep, "host-record", i, "3", 1, flags, {"expect-record-in", host_dir, "print", "up"}), env));
-  };
-  start(2);
-  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
-  for (int i : {3, 4}) start(i);
-  bool ended = true;
-  for (Proc& p : agents) ended = p.wait(60s) && ended;
-  for (Proc& p : agents) {
-    INFO("an agent (" << (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) << "):\n"
-                      << p.err() << p.out());
-    REQUIRE(ended);
-    CHECK_THAT(p.err(), !Catch::Contains("no job record in"));
-    CHECK(p.out().find("up") != std::string::npos);
-    CHECK(p.exit_code() == 0);
-  }
+  const std::string records = make_temp_dir();
+  three_with_own_records(
+      "host-record", {"--max_restarts=0", kRejoinConf}, {"expect-record-in", records + "/2", "print", "up"}, records,
+      [](int i, std::map<std::string, std::string>& env) {
+        if (i == 2) env["MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"] = "800";
+      },
+      [](const Proc& p) {
+        CHECK_THAT(p.err(), !Catch::Contains("no job record in"));
+        CHECK(p.out().find("up") != std::string::npos);
+      });
 }
 
 // Review s41-a M1: the io thread waits for a node's first record, and sends no heartbeat
@@ -454,31 +455,19 @@ TEST_CASE("the hosting agent's record of the job is on disk before any other nod
 // Node 3's record writes take 1.8 s (MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS).
 TEST_CASE("a node whose first record is slower than half its fence bound starts its workers after that half with one "
           "warning line, and never fences itself for the wait (review s41-a M1)") {
-  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
-  const std::string records = make_temp_dir();
-  const std::vector<std::string> flags{
-      "--max_restarts=0", "--rdzv_conf=keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=3"};
-  std::vector<Proc> agents;
-  auto start = [&](int i) {
-    const std::string dir = records + "/" + std::to_string(i);
-    std::filesystem::create_directory(dir);
-    auto env = record_env(dir);
-    if (i == 3) env["MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"] = "1800";
-    agents.push_back(spawn(agent_argv(ep, "slow-record", i, "3", 1, flags, {"hang", "3", "print", "up"}), env));
-  };
-  start(2);
-  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
-  for (int i : {3, 4}) start(i);
-  bool ended = true;
-  for (Proc& p : agents) ended = p.wait(60s) && ended;
-  for (Proc& p : agents) {
-    INFO("an agent (" << (p.status < 0 ? std::string("running") : "exit " + std::to_string(p.exit_code())) << "):\n"
-                      << p.err() << p.out());
-    REQUIRE(ended);
-    CHECK_THAT(p.err(), !Catch::Contains("fenced itself"));
-    CHECK(p.exit_code() == 0);
-  }
-  CHECK_THAT(agents[1].err(), Catch::Contains("first record of job 'slow-record' is not written after 0.625 s"));
+  int index = 0;
+  three_with_own_records(
+      "slow-record",
+      {"--max_restarts=0", "--rdzv_conf=keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=3"},
+      {"hang", "3", "print", "up"}, make_temp_dir(),
+      [](int i, std::map<std::string, std::string>& env) {
+        if (i == 3) env["MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"] = "1800";
+      },
+      [&index](const Proc& p) {
+        CHECK_THAT(p.err(), !Catch::Contains("fenced itself"));
+        if (index++ == 1)  // node 3's
+          CHECK_THAT(p.err(), Catch::Contains("first record of job 'slow-record' is not written after 0.625 s"));
+      });
 }
 
 // Review s41-a L1: a first record that failed counted as written, and every later one was

@@ -430,7 +430,7 @@ TEST_CASE("a failed write is told on the helper thread when it fails, without a 
   CHECK(w.take_error() == "cannot write: disk full");
 }
 
-TEST_CASE("on_disk(): the newest write asked landed; not while it is held (drain_for() is false then), nor after "
+TEST_CASE("on_disk(): the newest write asked landed, not while it is held (drain_for() is false then), nor after "
           "it failed (drain_for() is true then: review s41-a L1)") {
   using namespace std::chrono_literals;
   std::promise<void> release;

@@ -162,7 +162,7 @@ struct JobEvent {
 // "created", "joined", "standby", "round_started", "worker_failed", "node_lost",
 // "standby_lost", "restart", "promoted", "takeover", "done", "failed", "no_quorum".
 const char* kind_name(JobEvent::Kind k);
-// The event as one line of text ("job 'J': node H (A, agent X) lost: WHY").
+// (These three: rendezvous/job_events.cc.) The event as one line of text ("job 'J': node H (A, agent X) lost: WHY").
 std::string text_of(const JobEvent& e);
 // The event's fields: {"event": kind_name, "job": J, ...}, only those the kind has.
 nlohmann::json json_of(const JobEvent& e);

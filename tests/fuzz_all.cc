@@ -18,6 +18,7 @@
 #include "rendezvous/endpoint.cc"
 #include "rendezvous/etcd_log.cc"
 #include "rendezvous/job.cc"
+#include "rendezvous/job_events.cc"
 #include "rendezvous/job_epochs.cc"
 #include "rendezvous/job_quorum.cc"
 #include "rendezvous/lookup.cc"

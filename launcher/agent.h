@@ -226,7 +226,7 @@ class Agent {
   // Assignment in it, before the other nodes hear the round (review s41-a M2).
   void record_ahead(const rdzv::Actions& actions);
   void write_record(int epoch, const std::string& run, rdzv::RecordFields f);
-  std::string agent_id_;  // this start's (its Join's)
+  std::string agent_id_;  // this start's (its Join's, its servers' host_agent_id): agent_id()
   void warn_record_failure();  // once: the first write that failed (posted by record_io_'s thread)
   void recall_job();  // after the link is made: hands it the record's hosts
   std::string record_node_, record_endpoint_;
@@ -238,8 +238,10 @@ class Agent {
   // A record of the job landed (JobRecordWriter::on_disk()): later ones are written after the
   // workers start. record_hung_: a first one did not land within its wait, none is waited for.
   bool record_on_disk_ = false, record_hung_ = false;
-  // The rendezvous server's settings for this job (the token, this job only, this agent).
+  // The rendezvous server's settings for this job (the token, this job only, this agent and
+  // its Join's agent id).
   rdzv::ServerOptions server_options();
+  const std::string& agent_id();  // agent_id_, made at its first use (review s39-late H3)
   // The socket this agent would host the job on if its host were lost (bound on the
   // advertised address, never on every address: its record's port, else any), advertised in
   // its Join (takeover_port); it listens from the start, a server answering "alive, not

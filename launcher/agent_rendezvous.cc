@@ -117,11 +117,17 @@ std::optional<rdzv::Endpoint> Agent::endpoint_to_host() const {
   return endpoint();
 }
 
+const std::string& Agent::agent_id() {
+  if (agent_id_.empty()) agent_id_ = new_agent_id(local_hostname(), ::getpid());
+  return agent_id_;
+}
+
 rdzv::ServerOptions Agent::server_options() {
   rdzv::ServerOptions so;
   so.token = opts_.rdzv_token;
   so.only_job = plan_.run_id;
   so.host_agent = local_hostname();
+  so.host_agent_id = agent_id();  // only its own Join's vote port is listed (review s41-b M1)
   so.max_connections = shares_.rendezvous;  // its share of the agent's descriptors (check_descriptor_budget)
   so.log = [this](const std::string& line) {
     // Warnings, and a round that waits for a majority of the voters (#34: this side of a
@@ -344,7 +350,7 @@ void Agent::start_rendezvous() {
   j.job_id = plan_.run_id;
   j.host = local_hostname();
   j.addr = plan_.master_addr;  // the address this node advertises
-  j.agent_id = agent_id_ = new_agent_id(j.host, ::getpid());  // unique per start (review s39-late H3)
+  j.agent_id = agent_id();
   j.nproc = plan_.nproc_per_node;
   j.node_rank = opts_.node_rank_given ? opts_.node_rank : -1;
   j.min_nodes = opts_.nnodes.min;

@@ -909,6 +909,7 @@ bool ClientMachine::seek_welcomed(const proto::Welcome& w, Clock::time_point now
                         sk.home_epoch));
   out_.push_back(cmd::StopHosting{why});
   out_.push_back(cmd::Notice{why});
+  opts_.join.vote_port = 0;  // a taker's is its server's port, closed now (review s41-b M1)
   end_seek();
   return true;
 }

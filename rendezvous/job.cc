@@ -487,10 +487,12 @@ Actions Job::close_round(Clock::time_point now) {
   round_standby_nodes_.clear();
   round_standby_ports_.clear();
   round_host_vote_ = {};
-  // The host's vote socket: counted in a recall, never a takeover candidate (review s40-recall M1).
+  // The host's vote socket: counted in a recall, never a takeover candidate (review s40-recall M1);
+  // only this server's own agent's (a former host keeps a dead one: review s41-b M1).
   auto vote = [&](const proto::Join& j) {
     voters_.push_back(j.agent_id);
-    if (j.takeover_port == 0 && j.vote_port > 0 && round_host_vote_.second == 0) round_host_vote_ = {j.addr, j.vote_port};
+    if (j.takeover_port == 0 && j.vote_port > 0 && !host_agent_id_.empty() && j.agent_id == host_agent_id_)
+      round_host_vote_ = {j.addr, j.vote_port};
   };
   if (nodes.size() + standby_.size() <= proto::kMaxListedNodes) {
     for (const auto& [s, n] : nodes) vote(n.join);

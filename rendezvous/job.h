@@ -178,6 +178,10 @@ class Job {
   // seed's, a rebuilt one its nodes' (run()).
   explicit Job(std::string id, bool quorum = false, std::string run = {})
       : id_(std::move(id)), quorum_(quorum), run_(std::move(run)) {}
+  // The agent id of the agent this job's server is built into (ServerOptions::host_agent_id):
+  // only its Join's vote_port is the round's host vote address (review s41-b M1: a former
+  // host's stale one is not). Empty (a daemon): none is.
+  void set_host_agent_id(std::string id) { host_agent_id_ = std::move(id); }
 
   Actions join(SessionId s, const proto::Join& j, Clock::time_point now);
   Actions heartbeat(SessionId s, Clock::time_point now);
@@ -451,6 +455,7 @@ class Job {
   std::vector<std::string> round_standby_nodes_;
   std::vector<int> round_standby_ports_;
   std::pair<std::string, int> round_host_vote_;  // Assignment::host_vote_addr and _port
+  std::string host_agent_id_;                    // set_host_agent_id()
   Clock::time_point first_join_;
   Clock::time_point last_activity_;
   std::vector<JobEvent> events_;  // not taken yet (take_events())

@@ -240,6 +240,7 @@ Job& Server::job_of(const std::string& job_id) {
       }
     }
   Job& job = jobs_.try_emplace(job_id, job_id, !opts_.host_agent.empty(), std::move(run)).first->second;
+  job.set_host_agent_id(opts_.host_agent_id);
   if (!known) job.open_run();
   if (!ended.empty()) job.seed_ended(std::move(ended), std::move(abort));
   if (!forgotten.empty()) job.seed_forgotten(std::move(forgotten));

@@ -41,6 +41,9 @@ struct ServerOptions {
   // Non-empty: the host name of the agent this server is built into, told to every client
   // in its Welcome (proto::Welcome::host_agent).
   std::string host_agent;
+  // The agent id (proto::Join::agent_id) of that agent: only its Join's vote_port is listed as
+  // the host's vote socket (rdzv::Job::set_host_agent_id, review s41-b M1).
+  std::string host_agent_id;
   // >= 0: a bound IPv4 socket, not listening yet, to listen on instead of binding
   // host:port (an agent taking over a lost host's job binds one at start); the server
   // owns it from the constructor on, even when that throws.

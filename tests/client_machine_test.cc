@@ -1064,6 +1064,9 @@ TEST_CASE("client machine: two hosts without a majority meet: the one whose job'
   CHECK_THAT(one<cmd::StopHosting>(c).why,
              Catch::Contains("without a majority too and precedes this node (epoch 5 below 131074)"));
   CHECK(sent_of<proto::Join>(c).resume_round == 0);
+  // Nor its vote port: that was its server's, destroyed now (review s41-b M1; main: 7003).
+  CHECK(sent_of<proto::Join>(c).vote_port == 0);
+  CHECK(sent_of<proto::Join>(c).takeover_port == 0);
   // Its join names its epoch's voters (a host whose last round is older counts them too).
   CHECK(sent_of<proto::Join>(c).voters == std::vector<std::string>{"agent-127.0.0.1", "agent-127.0.0.2", "agent-127.0.0.3"});
 }

@@ -865,6 +865,7 @@ TEST_CASE("the hosting agent's vote port (a Join without a takeover port) is the
   for (const int vote : {7101, 0}) {
     CAPTURE(vote);
     Job job("job");
+    job.set_host_agent_id("agent-127.0.0.1");
     auto h = node("127.0.0.1", 2, 2);
     h.vote_port = vote;
     auto b = node("127.0.0.2", 2, 2);
@@ -884,5 +885,33 @@ TEST_CASE("the hosting agent's vote port (a Join without a takeover port) is the
     const auto s = proto::from_frame<proto::Standby>(told.front().frame);
     CHECK(s.host_vote_addr == (vote > 0 ? "127.0.0.1" : ""));
     CHECK(s.host_vote_port == vote);
+  }
+}
+
+// Review s41-b M1: a taker that stopped hosting (its server, on its vote port, destroyed) and
+// joined the majority's host kept that vote_port, and the Job took the first Join with one
+// as the host's: sorted first, every later round listed a dead port (one another agent could
+// bind and answer for it) and dropped the real host's. Only the server's own agent's counts.
+TEST_CASE("only the Join of the agent the job's server is built into gives the round's host vote address: a former "
+          "host's stale vote port sorted before it is not listed, and a daemon's job lists none (review s41-b M1)") {
+  for (const bool daemon : {false, true}) {
+    CAPTURE(daemon);
+    Job job("job");
+    if (!daemon) job.set_host_agent_id("agent-127.0.0.9");
+    auto former = node("127.0.0.1", 2, 2);  // sorts first: a former taker, vote port P kept
+    former.vote_port = 7001;
+    auto h = node("127.0.0.9", 2, 2);
+    h.vote_port = 7109;
+    job.join(1, former, T0);
+    auto assigned = of_type(job.join(2, h, T0), MsgType::kAssignment);
+    REQUIRE(assigned.size() == 2);
+    for (const auto& o : assigned) {
+      const auto a = proto::from_frame<proto::Assignment>(o.frame);
+      CHECK(a.host_vote_addr == (daemon ? "" : "127.0.0.9"));  // main: 127.0.0.1
+      CHECK(a.host_vote_port == (daemon ? 0 : 7109));           // main: 7001
+    }
+    auto told = of_type(job.join(3, node("127.0.0.3", 2, 2), T0), MsgType::kStandby);
+    REQUIRE(told.size() == 1);
+    CHECK(proto::from_frame<proto::Standby>(told.front().frame).host_vote_port == (daemon ? 0 : 7109));
   }
 }

@@ -518,7 +518,7 @@ void Agent::remember_job(int epoch, const std::string& run) {
   if (!record_io_ || !client_ || run.empty()) return;
   write_record(epoch, run,
                {client_->job_hosts(), client_->job_voters(), client_->job_voters_epoch(), client_->job_self_voter(),
-                client_->job_voter_hosts()});
+                client_->job_voter_hosts(), client_->job_epoch()});
 }
 
 void Agent::record_ahead(const rdzv::Actions& actions) {
@@ -543,9 +543,9 @@ void Agent::write_record(int epoch, const std::string& run, rdzv::RecordFields f
               .node = record_node_,
               .endpoint = record_endpoint_,
               .run = run,
-              // The voters' epoch with them: a Standby of an older one told since leaves the
-              // newer voters and their addresses (review s40 L1).
-              .epoch = f.voters > 0 ? f.voters_epoch : epoch,
+              // The newest epoch this node was told (the voters' with them: review s40 L1): a
+              // Standby of an older one told since lowers it never (review s41-b L3).
+              .epoch = std::max(epoch, f.epoch),
               .hosts = std::move(f.hosts),
               .takeover_port = takeover_port_,
               .voters = f.voters,

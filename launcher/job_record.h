@@ -41,7 +41,10 @@ struct JobRecord {
   // "none") at two endpoints on one machine keep two records, and neither reads the other's.
   std::string endpoint;
   std::string run;   // the job's rendezvous run (MGLAUNCH_RUN)
-  int epoch = 0;     // the last epoch assigned (or told a standby)
+  // The newest epoch this node was told (assigned, or told as a standby; its voters' when it
+  // has them): a host whose newest round is older is passed over by its recall, even the
+  // one it stood by at last (review s41-b L1).
+  int epoch = 0;
   std::vector<std::pair<std::string, int>> hosts;  // where to look for the job, in that order
   int takeover_port = 0;  // this node's takeover socket's (bound again there on a restart)
   int voters = 0;         // the last round's voters (rdzv::ClientMachine::job_voters()); 0: unknown

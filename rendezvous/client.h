@@ -94,6 +94,7 @@ class Client {
   std::vector<std::pair<std::string, int>> job_hosts() const { return m_.job_hosts(); }
   int job_voters() const { return m_.job_voters(); }
   int job_voters_epoch() const { return m_.job_voters_epoch(); }
+  int job_epoch() const { return m_.job_epoch(); }
   bool job_self_voter() const { return m_.job_self_voter(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const { return m_.job_voter_hosts(); }
   std::optional<RecordFields> record_after(const proto::Assignment& a) const { return m_.record_after(a); }

@@ -511,9 +511,11 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         // and missed the last round) are not learnt over the newer ones, within one run (review
         // s38 L3); another run's epochs count from 1 again. Nor are its nodes (review s40 L1: the
         // record's count and addresses of one epoch). A taker lists no round before its own closes.
-        const bool newer = m.epoch >= voters_epoch_ || (!m.run.empty() && m.run != opts_.join.run);
-        if (!standby_of_ || (!m.nodes.empty() && newer)) standby_of_ = m;
-        opts_.join.epoch = std::max(opts_.join.epoch, m.epoch);
+        const bool other_run = !m.run.empty() && m.run != opts_.join.run;
+        if (other_run) forget_voters();
+        const bool newer = m.epoch >= voters_epoch_ || other_run;
+        if (!standby_of_ || other_run || (!m.nodes.empty() && newer)) standby_of_ = m;
+        opts_.join.epoch = other_run ? m.epoch : std::max(opts_.join.epoch, m.epoch);
         if (!m.run.empty()) opts_.join.run = m.run;  // (#37)
         if (!m.voters.empty() && newer) learn_voters(m.epoch, m.voters);
         cancel(ClientTimer::kFence);  // no workers of a round to stop
@@ -601,6 +603,12 @@ void ClientMachine::watch(Clock::time_point now) {
   arm(ClientTimer::kWatchdog, now + milliseconds(opts_.join.keep_alive_ms));
 }
 
+void ClientMachine::forget_voters() {
+  voters_.clear();
+  prev_voters_.clear();
+  voters_epoch_ = 0;
+}
+
 void ClientMachine::learn_voters(int epoch, const std::vector<std::string>& voters) {
   if (epoch != voters_epoch_) {
     prev_voters_ = std::move(voters_);
@@ -623,7 +631,9 @@ void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {
   unanswered_failure_.reset();
   waiting_since_.reset();
   fenced_ = false;
-  opts_.join.epoch = std::max(opts_.join.epoch, a.epoch);
+  const bool other_run = !a.run.empty() && a.run != opts_.join.run;
+  if (other_run) forget_voters();
+  opts_.join.epoch = other_run ? a.epoch : std::max(opts_.join.epoch, a.epoch);
   if (!a.run.empty()) opts_.join.run = a.run;  // the job's run, for a takeover and a daemon restart (#37)
   learn_voters(a.epoch, a.voters);
   if (voters_.size() == 2 && !host_agent_.empty() && !two_voters_told_) {

@@ -269,7 +269,9 @@ class ClientMachine {
   // is one of them (a standby that registered after that round closed is not: its recall
   // does not count itself, review s40-recall M1).
   int job_voters() const;
-  int job_voters_epoch() const { return voters_epoch_; }  // their epoch (the record's, with them)
+  int job_voters_epoch() const { return voters_epoch_; }  // their epoch
+  // The newest epoch this node was told (the record's: review s41-b L3), >= job_voters_epoch().
+  int job_epoch() const { return opts_.join.epoch; }
   bool job_self_voter() const;
   std::vector<std::pair<std::string, int>> job_voter_hosts() const;  // their takeover addresses
   // The five above as they would be once this node took `a` (its own Assignment, not heard
@@ -500,6 +502,9 @@ class ClientMachine {
   // A new epoch's voters: the last ones become the previous (the same epoch told again, as a
   // standby is at every round, only replaces them).
   void learn_voters(int epoch, const std::vector<std::string>& voters);
+  // A message of another run (or a fresh start): the voters above are the old run's, counted
+  // or recorded for none of the new one's, whose epochs count from 1 again (review s41-b L6).
+  void forget_voters();
   bool two_voters_told_ = false;     // the two-voter notice was given
   bool old_server_told_ = false;     // an assignment without an epoch (a server before #34) was said
   std::chrono::milliseconds backoff_{100};  // between reconnects after a loss

@@ -244,9 +244,13 @@ int ClientMachine::job_voters() const {
 
 std::pair<const proto::Standby*, const proto::Assignment*> ClientMachine::voters_message() const {
   const proto::Standby* s = standby_ && standby_of_ ? &*standby_of_ : nullptr;
-  // A Standby of an older epoch than the Assignment's voters (a host that missed that round):
-  // the Assignment's addresses go with those voters (review s40 L1).
-  if (s && s->epoch != voters_epoch_ && last_ && last_->epoch == voters_epoch_) s = nullptr;
+  // A Standby of an older epoch than the Assignment's voters (a host that missed that round),
+  // or one that lists no nodes (a taker's before its round, of the seed's epoch: review s41-b
+  // L4): the Assignment's addresses go with those voters (review s40 L1), of the same run only
+  // (another run's epochs count from 1 again: review s41-b L6).
+  if (s && (s->epoch != voters_epoch_ || s->nodes.empty()) && last_ && last_->epoch == voters_epoch_ &&
+      last_->run == s->run)
+    s = nullptr;
   return {s, s || !last_ ? nullptr : &*last_};
 }
 
@@ -283,7 +287,7 @@ std::vector<std::pair<std::string, int>> ClientMachine::job_voter_hosts() const 
 RecordFields ClientMachine::record_after(const proto::Assignment& a) const {
   ClientMachine m = *this;  // (a copy: nothing of this node's state changes)
   m.take(a, Clock::time_point{});
-  return {m.job_hosts(), m.job_voters(), m.job_voters_epoch(), m.job_self_voter(), m.job_voter_hosts()};
+  return {m.job_hosts(), m.job_voters(), m.job_voters_epoch(), m.job_self_voter(), m.job_voter_hosts(), m.job_epoch()};
 }
 
 std::vector<std::pair<std::string, int>> ClientMachine::job_hosts() const {

@@ -105,9 +105,7 @@ void ClientMachine::join_fresh(Clock::time_point now) {
   opts_.join.run.clear();
   opts_.join.epoch = 0;
   opts_.join.last_group_rank = -1;
-  voters_.clear();
-  prev_voters_.clear();
-  voters_epoch_ = 0;
+  forget_voters();
   restarts_seen_ = 0;
   standby_ = false;  // a standby of the old run joins as a plain newcomer
   standby_of_.reset();

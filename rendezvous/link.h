@@ -50,7 +50,8 @@ class Link {
                       std::vector<std::pair<std::string, int>> /*voter_hosts*/, bool /*self_voter*/) {}
   virtual std::vector<std::pair<std::string, int>> job_hosts() const { return {}; }
   virtual int job_voters() const { return 0; }  // the last round's voters, for the record
-  virtual int job_voters_epoch() const { return 0; }  // their epoch (the record's, with them)
+  virtual int job_voters_epoch() const { return 0; }  // their epoch
+  virtual int job_epoch() const { return 0; }  // the newest epoch this node was told (the record's)
   virtual bool job_self_voter() const { return true; }  // this node one of them
   virtual std::vector<std::pair<std::string, int>> job_voter_hosts() const { return {}; }  // their takeover addresses
   // What job_hosts() and the voters' getters would say once this node took `a`, its own
@@ -83,6 +84,7 @@ class LinkTo : public Link {
   std::vector<std::pair<std::string, int>> job_hosts() const override { return impl_.job_hosts(); }
   int job_voters() const override { return impl_.job_voters(); }
   int job_voters_epoch() const override { return impl_.job_voters_epoch(); }
+  int job_epoch() const override { return impl_.job_epoch(); }
   bool job_self_voter() const override { return impl_.job_self_voter(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const override { return impl_.job_voter_hosts(); }
   std::optional<RecordFields> record_after(const proto::Assignment& a) const override { return impl_.record_after(a); }

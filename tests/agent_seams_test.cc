@@ -307,8 +307,16 @@ class FakeLink final : public rdzv::Link {
   void done() {
     asio::post(io_, [this] { h_.on_done(); });
   }
+  void standby(proto::Standby s) {
+    asio::post(io_, [this, s] { h_.on_standby(s); });
+  }
+  // What the client machine would have learnt, for the record (remember_job).
+  std::vector<std::pair<std::string, int>> job_hosts() const override { return hosts; }
+  int job_epoch() const override { return epoch; }
 
   proto::Join join;
+  std::vector<std::pair<std::string, int>> hosts;
+  int epoch = 0;
   int joins = 0;
   bool closed = false;
   std::vector<int> offered_ports, done_rounds;
@@ -922,4 +930,40 @@ TEST_CASE("agent with fakes: a pause the agent cannot send (the worker's session
   INFO(out);
   CHECK_THAT(out, Catch::Contains("local rank 1's control connection closed while paused (the agent could not send its "
                                   "pause: its session had ended (the worker closed it (end of file))"));
+}
+
+// Review s41-b L2/L3: the record's epoch is the newest this node was told (the link's), never
+// an older Standby's: a node whose record is older answers "recalling at" that older epoch,
+// which another node's record counts as "in no round after it" although this node was in a
+// newer one. No test failed with remember_job's epoch line reverted to the message's.
+TEST_CASE("agent with fakes: a Standby of an older epoch than this node was told writes the newer epoch in its record "
+          "(review s41-b L2, L3)") {
+  const std::string records = mgtest::make_temp_dir();
+  const std::string kRunOfSeams = "1764500000000-00000000000000aa";
+  Run run({"--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:1",
+           "--rdzv_conf=is_host=false"},
+          {{"MGLAUNCH_RECORD_DIR", records}});
+  REQUIRE(run.link != nullptr);
+  run.link->hosts = {{"127.0.0.2", 7002}};
+  run.link->epoch = 2;  // it was in round 2 (voters unknown: the every-host rule)
+  proto::Standby s;
+  s.position = 1;
+  s.round = 1;
+  s.epoch = 1;  // a host that missed round 2
+  s.run = kRunOfSeams;
+  run.link->standby(s);
+  run.settle();
+  int seen = 0;
+  for (const auto& f : std::filesystem::directory_iterator(records)) {
+    if (f.path().extension() != ".json") continue;
+    std::ifstream in(f.path());
+    const auto j = nlohmann::json::parse(in);
+    INFO(j.dump());
+    CHECK(j.value("epoch", 0) == 2);  // main: 1
+    CHECK(j.value("run", "") == kRunOfSeams);
+    ++seen;
+  }
+  CHECK(seen == 1);
+  run.agent.reset();
+  std::filesystem::remove_all(records);
 }

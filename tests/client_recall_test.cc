@@ -923,4 +923,62 @@ TEST_CASE("client machine: record_after(a), what the record names once this node
   CHECK(ahead.voters_epoch == l.m.job_voters_epoch());
   CHECK(ahead.self_voter == l.m.job_self_voter());
   CHECK(ahead.voter_hosts == l.m.job_voter_hosts());
+  CHECK(ahead.epoch == l.m.job_epoch());
+}
+
+// Review s41-b L4: a node of round e made a standby by a taker whose seed is e gets the
+// taker's Standby before its own round: epoch e, the seed's voters, no nodes. It hid the
+// Assignment's addresses (the every-host rule, which never completes once the lost host's
+// machine is dead); the Assignment's go with those voters.
+TEST_CASE("client machine: a Standby of the voters' own epoch that lists no nodes (a taker's before its round) leaves "
+          "the Assignment's count and addresses for the record, not the every-host rule (review s41-b L4)") {
+  Link l(fifth());
+  welcomed(l);
+  proto::Assignment a = round_on({"127.0.0.1", "127.0.0.5", "127.0.0.3"}, {0, 7005, 7003});
+  a.epoch = 2;
+  a.voters = {"agent-1", "agent-new", "agent-3"};
+  l.receive(a);
+  l.receive(standby_at(2, {}, {}, a.voters, {}, {}));  // the taker 127.0.0.3's, seed epoch 2
+  CHECK(l.m.job_voters() == 3);  // main: 0
+  CHECK(l.m.job_voters_epoch() == 2);
+  CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.5", 7005}, {"127.0.0.3", 7003}});
+  CHECK(l.m.job_epoch() == 2);
+}
+
+// Review s41-b L6: a Standby of another run that lists no voters left the old run's count and
+// addresses acceptable (its epoch, told as the max of two runs', still the voters'), and the
+// record named the new run with the old run's voters, whose "in another run" counts.
+TEST_CASE("client machine: a Standby or Assignment of another run forgets the old run's voters: no count or address of "
+          "it goes with the new run (review s41-b L6)") {
+  proto::Assignment a = round_on({"127.0.0.1", "127.0.0.5", "127.0.0.3"}, {0, 7005, 7003});
+  a.epoch = 2;
+  a.voters = {"agent-1", "agent-new", "agent-3"};
+  const std::string other = "1764500099999-00000000000000ff";
+  {
+    Link l(fifth());
+    welcomed(l);
+    l.receive(a);
+    REQUIRE(l.m.job_voters() == 3);
+    proto::Standby s = standby_at(1, {}, {}, {}, {}, {});
+    s.run = other;
+    l.receive(s);
+    CHECK(l.m.job_voters() == 0);  // main: 3, the old run's
+    CHECK(l.m.job_voter_hosts().empty());
+    CHECK(l.m.job_voters_epoch() == 0);
+  }
+  {
+    Link l(fifth());
+    welcomed(l);
+    l.receive(standby_at(2, {"127.0.0.1", "127.0.0.3"}, {0, 7003}, a.voters, {"127.0.0.5"}, {7005}));
+    REQUIRE(l.m.job_voters() == 3);
+    proto::Assignment b = round_on({"127.0.0.1", "127.0.0.5"}, {0, 7005});
+    b.run = other;
+    b.epoch = 1;
+    b.voters = {"agent-1", "agent-new"};
+    l.receive(b);
+    // The new run's epoch and voters (main: epoch 2, the old run's, so the count 0).
+    CHECK(l.m.job_epoch() == 1);
+    CHECK(l.m.job_voters() == 2);
+    CHECK(l.m.job_voter_hosts() == Hosts{{"127.0.0.5", 7005}});
+  }
 }

@@ -229,7 +229,14 @@ class Agent {
   std::string agent_id_;  // this start's (its Join's, its servers' host_agent_id): agent_id()
   void warn_record_failure();  // once: the first write that failed (posted by record_io_'s thread)
   void recall_job();  // after the link is made: hands it the record's hosts
+  // Once the takeover socket is bound: this node's own address there is no target, and it
+  // counts itself only when it bound its record's port again (review s41-c M1); a record
+  // that then names only this node starts afresh.
+  void settle_recall();
+  void say_record_names_only_self();
+  std::string record_path() const;  // this node's record file (its slot's)
   std::string record_node_, record_endpoint_;
+  std::optional<JobRecordSlot> record_slot_;  // this agent's record slot, locked for its life
   std::shared_ptr<JobRecordDir> record_dir_;       // nullptr: no record kept
   std::unique_ptr<JobRecordWriter> record_io_;     // its writes, off the io thread (with record_dir_)
   std::optional<JobRecord> recalled_;

@@ -364,6 +364,7 @@ void Agent::start_rendezvous() {
   // Every node that does not host can take the job over if its host is lost (#26); the host's
   // socket is its vote socket only (never a takeover candidate: its takeover port is 0).
   if (opts_.rdzv_backend != "etcd") bind_takeover_socket();
+  settle_recall();
   j.takeover_port = embedded_server_ ? 0 : takeover_port_;
   j.vote_port = embedded_server_ ? takeover_port_ : 0;
   rdzv::ClientHandlers h;
@@ -459,7 +460,12 @@ void Agent::load_job_record() {
                        plan_.run_id, why));
     return;
   }
-  recalled_ = record_dir_->read(plan_.run_id, record_node_, record_endpoint_, &why);
+  // Its own slot (review s41-c M1): agents of this job on this machine that advertise one
+  // address keep one record each, and a slot held is a live agent's, never recalled.
+  record_slot_ = record_dir_->claim(plan_.run_id, record_node_, record_endpoint_, &why);
+  if (!record_slot_)
+    throw RendezvousError(fmt::format("this node cannot keep its record of job '{}': {}", plan_.run_id, why));
+  recalled_ = record_dir_->read(plan_.run_id, record_node_, record_endpoint_, &why, record_slot_->slot);
   // A record it cannot read may be of a job that runs on elsewhere: a fresh start could fork
   // it, so this node ends instead (review s39-late L1).
   if (!why.empty())
@@ -472,24 +478,43 @@ void Agent::load_job_record() {
   // round that runs for days): the fork guard is off, and the operator hears it (review s40 M2).
   record_io_->on_failure([this] { asio::post(io_, [this] { warn_record_failure(); }); });
   record_io_->sweep();  // what killed agents left: their temporary files (never a record, review s39 M1)
-  if (recalled_ && !recalled_->hosts.empty()) {
-    // The endpoint, where this node is to host and nothing listens: this node itself, which
-    // hosts no run of the job now (a whole job rerun at once: review s38 M2).
-    if (const auto own = endpoint_to_host())
-      std::erase(recalled_->hosts, std::pair<std::string, int>{own->host, own->port});
-    // This node's own takeover address, bound again at the recorded port: it answers
-    // "recalling" and would count twice (review s39-late H1).
-    // (Nor a voter to count, if another socket holds it now: review s40-recall M1.)
-    if (recalled_->takeover_port > 0)
-      for (auto* l : {&recalled_->hosts, &recalled_->voter_hosts})
-        std::erase(*l, std::pair<std::string, int>{plan_.master_addr, recalled_->takeover_port});
-    if (recalled_->hosts.empty())
-      notice(fmt::format("this node's record of job '{}' (run {}), {}, names only this node itself (its "
-                         "endpoint, where nothing listens, or its own takeover address): starting afresh",
-                         plan_.run_id, recalled_->run,
-                         job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_)));
-  }
+  // The endpoint, where this node is to host and nothing listens: this node itself, which
+  // hosts no run of the job now (a whole job rerun at once: review s38 M2). Its own takeover
+  // address is settled once bound (settle_recall()).
+  if (const auto own = endpoint_to_host(); recalled_ && own)
+    std::erase(recalled_->hosts, std::pair<std::string, int>{own->host, own->port});
+  if (recalled_ && recalled_->hosts.empty()) say_record_names_only_self();
   recall_pending_ = recalled_ && !recalled_->hosts.empty() && !recalled_->run.empty();
+}
+
+void Agent::say_record_names_only_self() {
+  notice(fmt::format("this node's record of job '{}' (run {}), {}, names only this node itself (its endpoint, where "
+                     "nothing listens, or its own takeover address): starting afresh",
+                     plan_.run_id, recalled_->run, record_path()));
+}
+
+std::string Agent::record_path() const {
+  return job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_,
+                         record_slot_ ? record_slot_->slot : 0);
+}
+
+void Agent::settle_recall() {
+  if (!recall_pending_) return;
+  // This node's own takeover address answers "recalling" and would count twice (review
+  // s39-late H1): never a target. Its record's port bound again, this node is that record's
+  // writer's successor (a live writer holds it) and counts itself when the record says it
+  // was a voter; else not, and the recorded address stays a target: whoever holds it may be
+  // a live node of the run, whose "a node of R" must be heard (review s41-c M1).
+  const bool rebound = recalled_->takeover_port == 0 || takeover_port_ == recalled_->takeover_port;
+  recalled_->self_voter = recalled_->self_voter && rebound;
+  if (takeover_port_ > 0)
+    for (auto* l : {&recalled_->hosts, &recalled_->voter_hosts})
+      std::erase(*l, std::pair<std::string, int>{plan_.master_addr, takeover_port_});
+  if (!recalled_->hosts.empty()) return;
+  say_record_names_only_self();
+  recall_pending_ = false;
+  if (takeover_server_) takeover_server_->tell_run({});  // a fresh node, in no run yet
+  host_rendezvous();
 }
 
 void Agent::recall_job() {
@@ -497,7 +522,7 @@ void Agent::recall_job() {
   // The hosts are tried in passes until one runs the job (joined), or every one answered in
   // one pass that no host of the run is there (a fresh start), or join_timeout (exit 3):
   // silence and refusals prove nothing (rdzv::ClientMachine's Recall, review s38 H1b).
-  const std::string path = job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_);
+  const std::string path = record_path();
   notice(fmt::format("this node has a record of job '{}' (run {}) from its agent's last run, {}: looking for the job "
                      "at the {} host(s) it names before starting afresh, until each answers that the run is over (at "
                      "most join_timeout, {} s, then exit 3); remove that file to start afresh at once",
@@ -550,7 +575,8 @@ void Agent::write_record(int epoch, const std::string& run, rdzv::RecordFields f
               .takeover_port = takeover_port_,
               .voters = f.voters,
               .voter_hosts = std::move(f.voter_hosts),
-              .self_voter = f.self_voter};
+              .self_voter = f.self_voter,
+              .slot = record_slot_ ? record_slot_->slot : 0};
   if (r.hosts.empty()) return;  // a daemon's job: found again at its address
   record_io_->write(std::move(r));  // (its helper thread)
   // Until one record is on disk, each is waited for before the workers start (a few ms; at

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -89,7 +90,8 @@ std::string job_record_dir(const std::string& record_dir_env, const std::string&
   return fmt::format("/tmp/mglaunch-{}", uid);
 }
 
-std::string job_record_name(const std::string& job, const std::string& node, const std::string& endpoint) {
+std::string job_record_name(const std::string& job, const std::string& node, const std::string& endpoint, int slot,
+                            bool lock) {
   std::uint64_t h = 14695981039346656037ull;  // FNV-1a, 64 bits
   auto mix = [&h](const std::string& s) {
     for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -98,12 +100,12 @@ std::string job_record_name(const std::string& job, const std::string& node, con
   mix(job);
   mix(node);
   mix(endpoint);
-  return fmt::format("job-{:016x}.json", h);
+  return fmt::format("job-{:016x}{}.{}", h, slot > 0 ? fmt::format(".{}", slot) : "", lock ? "lock" : "json");
 }
 
 std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node,
-                            const std::string& endpoint) {
-  return dir + "/" + job_record_name(job, node, endpoint);
+                            const std::string& endpoint, int slot) {
+  return dir + "/" + job_record_name(job, node, endpoint, slot);
 }
 
 std::shared_ptr<JobRecordDir> JobRecordDir::open(const std::string& dir, std::string* why) {
@@ -157,7 +159,7 @@ std::string fit_job_record(JobRecord& r) {
 std::string JobRecordDir::write(const JobRecord& record) const {
   JobRecord r = record;
   const std::string text = fit_job_record(r);
-  const std::string name = job_record_name(r.job, r.node, r.endpoint);
+  const std::string name = job_record_name(r.job, r.node, r.endpoint, r.slot);
   if (text.empty())  // (review s39-late L1: never a record a restarted agent refuses)
     return fmt::format("cannot write {}/{}: the record of job '{}' would exceed {} bytes", path_, name, r.job,
                        kMaxJobRecordBytes);
@@ -181,8 +183,8 @@ std::string JobRecordDir::write(const JobRecord& record) const {
 }
 
 std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::string& node,
-                                            const std::string& endpoint, std::string* why) const {
-  const std::string name = job_record_name(job, node, endpoint);
+                                            const std::string& endpoint, std::string* why, int slot) const {
+  const std::string name = job_record_name(job, node, endpoint, slot);
   const std::string path = path_ + "/" + name;
   Fd fd(::openat(fd_.get(), name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
   if (fd.get() < 0) {
@@ -218,10 +220,17 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
                                      static_cast<int>(integer_in(h.at(1), 1, 65535, "port")));
       if (j.contains("takeover_port"))  // (absent from a record before it: none)
         r.takeover_port = static_cast<int>(integer_in(j.at("takeover_port"), 0, 65535, "takeover_port"));
-      if (j.contains("self_voter"))  // (absent before review s40-recall M1: true, the old rule)
-        r.self_voter = j.at("self_voter").get<bool>();
       if (j.contains("voters"))  // (absent before review s39 H1: 0, unknown)
         r.voters = static_cast<int>(integer_in(j.at("voters"), 0, 1 << 20, "voters"));
+      // Absent before review s40-recall M1: an older node wrote its own takeover address
+      // among the voters' when it was one, so it is one only then, or when it had no port
+      // (an older host, a socket never bound: the old rule). An older late standby's record
+      // is none (review s41-c L1).
+      const std::pair<std::string, int> own{node.substr(0, node.rfind('@')), r.takeover_port};
+      r.self_voter = j.contains("self_voter")
+                         ? j.at("self_voter").get<bool>()
+                         : r.takeover_port == 0 || std::find(r.voter_hosts.begin(), r.voter_hosts.end(), own) !=
+                                                       r.voter_hosts.end();
       // Fewer voters than their addresses: not one epoch's (review s40 L1), the every-host rule.
       if (static_cast<std::size_t>(r.voters) < r.voter_hosts.size()) r.voters = 0;
     } catch (const std::exception& e) {  // (nlohmann's, and integer_in's)
@@ -238,9 +247,49 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
   return r;
 }
 
-void JobRecordDir::remove(const std::string& job, const std::string& node, const std::string& endpoint) const {
+void JobRecordDir::remove(const std::string& job, const std::string& node, const std::string& endpoint,
+                          int slot) const {
   // The removal reaches the disk too: a record back after a power loss costs a recall pass.
-  if (::unlinkat(fd_.get(), job_record_name(job, node, endpoint).c_str(), 0) == 0) sync_dir(fd_.get(), path_);
+  if (::unlinkat(fd_.get(), job_record_name(job, node, endpoint, slot).c_str(), 0) == 0) sync_dir(fd_.get(), path_);
+}
+
+void JobRecordDir::release(const std::string& job, const std::string& node, const std::string& endpoint,
+                           int slot) const {
+  ::unlinkat(fd_.get(), job_record_name(job, node, endpoint, slot, /*lock=*/true).c_str(), 0);
+}
+
+std::optional<JobRecordSlot> JobRecordDir::claim(const std::string& job, const std::string& node,
+                                                 const std::string& endpoint, std::string* why) const {
+  auto exists = [&](int n, bool lock) {
+    struct stat st{};
+    return ::fstatat(fd_.get(), job_record_name(job, node, endpoint, n, lock).c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+  };
+  // Slot n's lock, held: its file locked and still the one at its name (one removed by its
+  // agent at the job's end, release(), between the open and the lock is no lock).
+  auto take = [&](int n) -> Fd {
+    const std::string name = job_record_name(job, node, endpoint, n, /*lock=*/true);
+    Fd fd(::openat(fd_.get(), name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600));
+    struct stat held{}, named{};
+    if (fd.get() < 0 || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 || ::fstat(fd.get(), &held) != 0 ||
+        !S_ISREG(held.st_mode) || held.st_uid != ::geteuid() ||
+        ::fstatat(fd_.get(), name.c_str(), &named, AT_SYMLINK_NOFOLLOW) != 0 || named.st_ino != held.st_ino)
+      return Fd();
+    return fd;
+  };
+  std::optional<JobRecordSlot> first;  // the first slot got that holds no record
+  for (int n = 0; n < kMaxJobRecordSlots; ++n) {
+    // (Past the first slot got, only slots in use: one may hold a dead agent's record.)
+    if (first && !exists(n, false) && !exists(n, true)) continue;
+    Fd fd = take(n);
+    if (fd.get() < 0) continue;  // another live agent's (or unusable)
+    if (exists(n, false)) return JobRecordSlot{n, std::move(fd)};  // a dead agent's record
+    if (!first) first = JobRecordSlot{n, std::move(fd)};
+  }
+  if (!first && why)
+    *why = fmt::format("none of the {} record slots of this node in {} can be locked (as many agents of this job "
+                       "on this machine advertise one address?); give each agent --local_addr",
+                       kMaxJobRecordSlots, path_);
+  return first;
 }
 
 int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::seconds min_age,
@@ -258,12 +307,17 @@ int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::
   };
   std::vector<std::pair<std::string, struct stat>> doomed;
   while (const dirent* e = ::readdir(d)) {
-    // job-<16 lowercase hex>.json.PID.tmp, as write() names it, and nothing else (review s39 M1, L2)
+    // job-<16 lowercase hex>[.SLOT].json.PID.tmp, as write() names it, and nothing else (review
+    // s39 M1, L2; the slot: s41-c M1)
     const std::string_view n = e->d_name;
-    constexpr std::size_t kRecord = 4 + 16 + 5;
-    if (n.size() <= kRecord + 5 || !n.starts_with("job-") || !hex(n.substr(4, 16)) || n.substr(20, 6) != ".json." ||
-        !n.ends_with(".tmp"))
-      continue;
+    if (n.size() <= 4 + 16 + 10 || !n.starts_with("job-") || !hex(n.substr(4, 16)) || !n.ends_with(".tmp")) continue;
+    std::size_t at = 20;  // past the hash: the slot, if any
+    if (n[at] == '.' && n[at + 1] >= '1' && n[at + 1] <= '9') {
+      for (++at; at < n.size() && n[at] >= '0' && n[at] <= '9';) ++at;
+    }
+    if (n.substr(at, 6) != ".json.") continue;
+    const std::size_t kRecord = at + 5;
+    if (n.size() <= kRecord + 5) continue;
     const std::string_view digits = n.substr(kRecord + 1, n.size() - kRecord - 5);
     pid_t pid = 0;
     const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
@@ -290,7 +344,8 @@ int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::
 JobRecordWriter::Ops JobRecordWriter::ops_of(std::shared_ptr<const JobRecordDir> dir) {
   Ops ops;
   ops.write = [dir](const JobRecord& r) { return dir->write(r); };
-  ops.remove = [dir](const JobRecord& r) { dir->remove(r.job, r.node, r.endpoint); };
+  ops.remove = [dir](const JobRecord& r) { dir->remove(r.job, r.node, r.endpoint, r.slot); };
+  ops.release = [dir](const JobRecord& r) { dir->release(r.job, r.node, r.endpoint, r.slot); };
   ops.sweep = [dir] {
     dir->sweep(std::chrono::system_clock::now(), kJobRecordTmpMinAge,
                [](pid_t pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; });
@@ -417,7 +472,11 @@ void JobRecordWriter::loop(const std::shared_ptr<State>& st) {
       op = [&ops = st->ops] { return ops.sweep(), std::string(); };
     } else if (st->pending_remove) {
       st->pending_remove = false;
-      op = [&ops = st->ops, r = *st->last] { return ops.remove(r), std::string(); };
+      op = [&ops = st->ops, r = *st->last, ended = st->ended] {
+        ops.remove(r);
+        if (ended && ops.release) ops.release(r);
+        return std::string();
+      };
     } else {
       op = [&ops = st->ops, r = std::move(*st->pending_write)] { return ops.write(r); };
       st->pending_write.reset();

@@ -2,9 +2,10 @@
 // restarted on this node with the same command line (systemd, a user, a Slurm requeue of
 // one node) rejoins a job that went on without it instead of hosting (or joining) a fresh
 // one at the endpoint: the job id, this node's identity, the job's run and epoch, and where
-// the job may be hosted (rdzv::ClientMachine::job_hosts()). One small JSON file per job id
-// and node, written at each assignment or standby, removed when the job ends for good.
-// docs/multinode.md, "A restarted node rejoins the job".
+// the job may be hosted (rdzv::ClientMachine::job_hosts()). One small JSON file per job id,
+// node and agent (its slot: agents of one job on one machine that advertise one address
+// keep one each, review s41-c M1), written at each assignment or standby, removed when the
+// job ends for good. docs/multinode.md, "A restarted node rejoins the job".
 //
 // Where: $MGLAUNCH_RECORD_DIR, else $XDG_RUNTIME_DIR/mglaunch (when that directory exists:
 // Slurm's --export=ALL passes the login node's), else /tmp/mglaunch-UID; the directory is
@@ -50,9 +51,14 @@ struct JobRecord {
   int voters = 0;         // the last round's voters (rdzv::ClientMachine::job_voters()); 0: unknown
   std::vector<std::pair<std::string, int>> voter_hosts;  // their takeover addresses (job_voter_hosts())
   // This node is one of those voters (job_self_voter()): its recall counts itself only then
-  // (review s40-recall M1). Absent from an older record: true, that record's own rule.
+  // (review s40-recall M1). Absent from an older record: inferred (read(), review s41-c L1).
   bool self_voter = true;
+  int slot = 0;  // the file it is in (job_record_name()); not in the file
 };
+
+// The most record slots of one (job, node, endpoint): agents of one job on one machine that
+// advertise one address (JobRecordDir::claim()).
+inline constexpr int kMaxJobRecordSlots = 64;
 
 // The most bytes a record file holds: write() trims a record to it (fit_job_record()) and
 // read() refuses a file over it (review s39-late L1). A record of kMaxListedNodes hosts and
@@ -76,13 +82,23 @@ std::string job_endpoint(const std::string& backend, const std::string& endpoint
 // is a directory (a missing one is passed over without a word).
 std::string job_record_dir(const std::string& record_dir_env, const std::string& xdg_runtime_dir, uid_t uid);
 
-// The file name of (job, node, endpoint): job-HASH.json, HASH a 64-bit FNV-1a of the three.
-std::string job_record_name(const std::string& job, const std::string& node, const std::string& endpoint);
+// The file name of (job, node, endpoint)'s record in slot `slot`: job-HASH.json (slot 0, the
+// only one before review s41-c M1), job-HASH.N.json (slot N), HASH a 64-bit FNV-1a of the
+// three; `lock`: the slot's lock file, job-HASH[.N].lock (JobRecordDir::claim()). Pure.
+std::string job_record_name(const std::string& job, const std::string& node, const std::string& endpoint,
+                            int slot = 0, bool lock = false);
 
 // The file of (job, node, endpoint) in `dir`: dir/job_record_name() (the file holds the
 // three, and a record whose job, node or endpoint differs is none). Pure.
 std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node,
-                            const std::string& endpoint);
+                            const std::string& endpoint, int slot = 0);
+
+// A record slot this agent holds for its whole life (an exclusive flock of its lock file):
+// no other live agent reads or writes that slot's record.
+struct JobRecordSlot {
+  int slot = 0;
+  Fd lock;
+};
 
 // The record directory, open (review s38 L1): made 0700 when missing, opened once with
 // O_DIRECTORY|O_NOFOLLOW and checked by fstat; every file operation after that goes through
@@ -94,6 +110,14 @@ class JobRecordDir {
   static std::shared_ptr<JobRecordDir> open(const std::string& dir, std::string* why);
   const std::string& path() const { return path_; }
 
+  // The slot of (job, node, endpoint) this agent takes, its lock held until `lock` closes
+  // (review s41-c M1): the first whose lock it gets that holds a record (its writer is dead:
+  // this agent recalls it), else the first whose lock it gets. A held slot is another live
+  // agent's, never read. nullopt with `why` set (one line) when none of kMaxJobRecordSlots
+  // can be had.
+  std::optional<JobRecordSlot> claim(const std::string& job, const std::string& node, const std::string& endpoint,
+                                     std::string* why) const;
+
   // Writes `r` to its file whole (temporary file, fsync, rename, fsync of the directory;
   // 0600). "" or why not.
   std::string write(const JobRecord& r) const;
@@ -102,11 +126,15 @@ class JobRecordDir {
   // user's, open to others, not a regular file, unreadable, over kMaxJobRecordBytes, not a
   // record (a port outside 1..65535 too). The agent then ends (exit 3): it never starts
   // afresh past a record it cannot read (review s39-late L1).
+  // A record without self_voter (older) is inferred one of its voters only when its takeover
+  // port is 0 or its own address (`node` before the '@') with that port is a voter's (review
+  // s41-c L1: an older late standby's record names only the others).
   std::optional<JobRecord> read(const std::string& job, const std::string& node, const std::string& endpoint,
-                                std::string* why) const;
-  void remove(const std::string& job, const std::string& node, const std::string& endpoint) const;
+                                std::string* why, int slot = 0) const;
+  void remove(const std::string& job, const std::string& node, const std::string& endpoint, int slot = 0) const;
+  void release(const std::string& job, const std::string& node, const std::string& endpoint, int slot) const;
   // Removes what killed agents left (review s38 L2): the temporary files of this writer's
-  // own name (job-<16 hex digits>.json.PID.tmp, this user's regular files) of pids `alive`
+  // own name (job-<16 hex digits>[.N].json.PID.tmp, this user's regular files) of pids `alive`
   // says are gone and last written before `now - min_age` (a pid of another pid namespace,
   // on a directory shared by pods or hosts, may still write it: review s39 L1). Never a
   // record: no record is removed for its age (a job taken over may run on for days,
@@ -141,6 +169,9 @@ class JobRecordWriter {
     std::function<std::string(const JobRecord&)> write;
     std::function<void(const JobRecord&)> remove;
     std::function<void()> sweep;
+    // After remove() (the job ended for good, its agent exits): the record slot's lock file
+    // too (a claim checks that the file it locked is still the one at its name). May be unset.
+    std::function<void(const JobRecord&)> release;
   };
   static Ops ops_of(std::shared_ptr<const JobRecordDir> dir);
   explicit JobRecordWriter(Ops ops, std::chrono::milliseconds wait = std::chrono::seconds(2));

@@ -290,9 +290,15 @@ TEST_CASE("the sweep removes only this writer's temporary files of dead pids an 
   put(upper + ".4000001.tmp", std::chrono::hours(24 * 30));
   put(rec + ".x.tmp", std::chrono::hours(24 * 30));       // no pid
   put(rec + ".04000001.tmp", std::chrono::hours(24 * 30));  // not a pid as write() prints it
+  const std::string slot = job_record_name("old", "n", kEndpoint, 12);  // (review s41-c M1)
+  put(slot + ".4000001.tmp", std::chrono::hours(2));  // a dead pid's of another slot: removed
+  const std::string zero = rec.substr(0, 20) + ".012.json";  // not a slot as write() prints it
+  put(zero + ".4000001.tmp", std::chrono::hours(2));
   const int removed = d->sweep(now, kJobRecordTmpMinAge, [](pid_t pid) { return pid == 4000002; });
-  CHECK(removed == 1);
+  CHECK(removed == 2);
   CHECK(!fs::exists(dir + "/" + rec + ".4000001.tmp"));
+  CHECK(!fs::exists(dir + "/" + slot + ".4000001.tmp"));
+  CHECK(fs::exists(dir + "/" + zero + ".4000001.tmp"));
   for (const auto& kept : {rec, rec + ".4000003.tmp", rec + ".4000002.tmp", std::string("notes.txt"),
                            std::string("job-llama70b_run_042.json"), std::string("job-llama70b_run_042.json.4000001.tmp"),
                            upper + ".4000001.tmp", rec + ".x.tmp", rec + ".04000001.tmp"})
@@ -556,8 +562,8 @@ TEST_CASE("a record of 1,024 hosts and 1,024 voters' addresses of 255 bytes each
   CHECK_THAT(why, Catch::Contains("cannot use " + path) && Catch::Contains("over the 1048576 a record holds"));
 }
 
-TEST_CASE("a record keeps whether this node is one of its epoch's voters, and one written before that field reads as "
-          "a voter, its own old rule (review s40-recall M1)") {
+TEST_CASE("a record keeps whether this node is one of its epoch's voters, and one written before that field is one "
+          "only when its own takeover address is a voter's or it had none (review s40-recall M1, s41-c L1)") {
   std::string dir, why;
   const auto d = open_fresh(dir);
   JobRecord r = sample();
@@ -567,11 +573,90 @@ TEST_CASE("a record keeps whether this node is one of its epoch's voters, and on
   REQUIRE(back);
   CHECK_FALSE(back->self_voter);
   const std::string path = job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint);
-  auto j = nlohmann::json::parse(mgtest::read_file(path));
-  j.erase("self_voter");
-  std::ofstream(path, std::ios::trunc) << j.dump();
-  back = d->read("job7", "127.0.0.2@hostA", kEndpoint, &why);
-  REQUIRE(back);
-  CHECK(why.empty());
-  CHECK(back->self_voter);
+  // An older record (no self_voter): as an older node wrote it, its own address (127.0.0.2,
+  // kPort) among the voters' when it was one.
+  auto older = [&](int takeover_port, bool listed) {
+    JobRecord o = sample();
+    o.takeover_port = takeover_port;
+    if (listed) o.voter_hosts.emplace_back("127.0.0.2", takeover_port);
+    REQUIRE(d->write(o) == "");
+    auto j = nlohmann::json::parse(mgtest::read_file(path));
+    j.erase("self_voter");
+    std::ofstream(path, std::ios::trunc) << j.dump();
+    auto got = d->read("job7", "127.0.0.2@hostA", kEndpoint, &why);
+    REQUIRE(got);
+    CHECK(why.empty());
+    return got->self_voter;
+  };
+  CHECK(older(0, false));       // an older host, or a socket never bound: the old rule
+  CHECK(older(kPort, true));    // a voter
+  CHECK_FALSE(older(kPort, false));  // a late standby: none (before: counted itself)
+}
+
+TEST_CASE("agents of one job and node take one record slot each, locked for their life, and a slot whose agent is gone "
+          "is the next one's, its record first (review s41-c M1)") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  auto claim = [&] {
+    auto s = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+    REQUIRE(s);
+    CHECK(why.empty());
+    return std::move(*s);
+  };
+  JobRecordSlot a = claim(), b = claim();
+  CHECK(a.slot == 0);
+  CHECK(b.slot == 1);
+  CHECK(job_record_name("job7", "n", kEndpoint, 1) == job_record_name("job7", "n", kEndpoint).substr(0, 20) + ".1.json");
+  JobRecord r = sample();
+  r.slot = 1;
+  REQUIRE(d->write(r) == "");
+  CHECK(fs::exists(job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint, 1)));
+  CHECK_FALSE(fs::exists(job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint)));
+  CHECK(d->read("job7", "127.0.0.2@hostA", kEndpoint, &why, 1));
+  CHECK_FALSE(d->read("job7", "127.0.0.2@hostA", kEndpoint, &why, 0));
+  JobRecordSlot c = claim();  // both held: a new one
+  CHECK(c.slot == 2);
+  // Slot 0's agent and slot 1's (which wrote) are gone: the next one takes slot 1, its record
+  // to recall, before the empty slot 0; the one after takes slot 0.
+  a.lock.reset();
+  b.lock.reset();
+  JobRecordSlot b2 = claim();
+  CHECK(b2.slot == 1);
+  JobRecordSlot a2 = claim();
+  CHECK(a2.slot == 0);
+  // A lock file is this user's alone (0600), and not a record.
+  struct stat st{};
+  REQUIRE(::stat((dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 0, true)).c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+}
+
+TEST_CASE("the job's end removes the record slot's lock file with its record, and a stale record discarded leaves "
+          "the slot's lock in place (review s41-c M1)") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  const std::string lock = dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 0, true);
+  auto slot = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  REQUIRE(slot);
+  REQUIRE(d->write(sample()) == "");
+  {
+    JobRecordWriter w(JobRecordWriter::ops_of(d));
+    w.discard(sample());  // stale: this agent starts afresh in its slot
+    w.drain();
+  }
+  CHECK_FALSE(fs::exists(job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint)));
+  CHECK(fs::exists(lock));
+  {
+    JobRecordWriter w(JobRecordWriter::ops_of(d));
+    w.write(sample());
+    w.drain();
+    w.remove();  // the job ended for good
+    w.drain();
+  }
+  CHECK_FALSE(fs::exists(job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint)));
+  CHECK_FALSE(fs::exists(lock));
+  // The next agent locks a new file there, not the one this agent still holds.
+  auto next = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  REQUIRE(next);
+  CHECK(next->slot == 0);
+  CHECK(fs::exists(lock));
 }

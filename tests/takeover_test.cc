@@ -980,3 +980,102 @@ TEST_CASE("an agent whose record cannot be written warns when the write fails, i
   CHECK(std::filesystem::is_directory(path));  // nothing was written there
   CHECK(agents[1].err().find("cannot keep this node's record") == std::string::npos);
 }
+
+// Review s41-c M1: a record was one file per advertised address, so agents of one job on one
+// machine without --local_addr (each advertises the machine's name) shared one, the last
+// writer's; both rerun agents recalled it, both tried its port, and neither counted the
+// other: exit 3 at join_timeout. Now each agent keeps its own slot (job-HASH[.N].json).
+TEST_CASE("a whole job of two agents on 'localhost' without --local_addr SIGKILLed and rerun at once runs a fresh run "
+          "of two, each agent with a record of its own, never exit 3 (review s41-c M1)") {
+  const std::string ep = "localhost:" + std::to_string(free_loopback_port());
+  const std::string job = "slots-localhost";
+  const std::string records = make_temp_dir();
+  const auto env = record_env(records);
+  auto argv = [&](const std::vector<std::string>& worker) {
+    std::vector<std::string> a{kMglaunch, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                               "--rdzv_endpoint=" + ep, "--rdzv_id=" + job, "--max_restarts=3",
+                               kRejoinConf + ",join_timeout=30", kFakeWorker};
+    a.insert(a.end(), worker.begin(), worker.end());
+    return a;
+  };
+  std::vector<Proc> agents;
+  agents.push_back(spawn(argv({"env", "print", "up", "hang", "300"}), env));
+  REQUIRE(eventually([&] { return agents[0].err().find("hosting the rendezvous") != std::string::npos; }, 20s));
+  agents.push_back(spawn(argv({"env", "print", "up", "hang", "300"}), env));
+  const bool up = eventually([&] {
+    return std::all_of(agents.begin(), agents.end(), [](Proc& p) { return p.out().find("up") != std::string::npos; });
+  }, 30s);
+  INFO("the first run:\n" << agents[0].err() << agents[1].err());
+  REQUIRE(up);
+  const std::string run = envs(agents[1].out()).front().value("MGLAUNCH_RUN", "");
+  REQUIRE(run.size() > 2);
+  CHECK(eventually([&] { return records_in(records) == 2; }, 10s));  // (before: one, shared)
+  kill_at_once(agents);
+  const std::string go = make_temp_dir() + "/go";
+  std::vector<Proc> again;
+  for (int i = 0; i < 2; ++i) again.push_back(spawn(argv({"env", "print", "up", "wait-file", go}), env));
+  eventually([&] {
+    return std::all_of(again.begin(), again.end(),
+                       [](Proc& p) { return p.out().find("up") != std::string::npos || !pid_alive(p.pid); });
+  }, 60s);
+  std::ofstream(go) << "go\n";
+  bool ended = true;
+  for (Proc& p : again) ended = p.wait(60s) && ended;
+  INFO("the rerun:\n" << again[0].err() << "--\n" << again[1].err());
+  REQUIRE(ended);
+  for (Proc& p : again) {
+    CHECK(p.exit_code() == 0);
+    const auto e = envs(p.out());
+    REQUIRE(e.size() == 1);
+    CHECK(e.front().value("MGLAUNCH_RUN", "") != run);  // a fresh run
+  }
+}
+
+// Review s41-c M1: a restarted agent that cannot bind its record's takeover port again is not
+// that record's writer (a live writer holds the port): it counts itself no more, and keeps
+// that address as a target. Before, it dropped the address and counted itself as that voter:
+// here (1 voter, itself) it started afresh at once beside whoever holds the port.
+TEST_CASE("an agent whose record's takeover port is held by another live socket does not count itself as that "
+          "record's voter, and keeps that address as a target (review s41-c M1)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  const auto env = record_env(records);
+  // A live holder of the recorded port: it listens and never answers (silence counts nothing).
+  const int held = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(held >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, "127.0.0.2", &a.sin_addr);
+  socklen_t len = sizeof a;
+  REQUIRE(::bind(held, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(held, 16) == 0);
+  REQUIRE(::getsockname(held, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  const int port = ntohs(a.sin_port);
+  std::string why;
+  const auto dir = mg::JobRecordDir::open(records, &why);
+  REQUIRE(dir);
+  mg::JobRecord r;
+  r.job = "held-port";
+  r.node = mg::node_identity("127.0.0.2", mg::local_hostname());
+  r.endpoint = mg::job_endpoint("c10d", ep);
+  r.run = "1764500000000-0123456789abcdef";
+  r.epoch = 1;
+  r.hosts = {{"127.0.0.2", port}};
+  r.takeover_port = port;
+  r.voters = 1;
+  r.voter_hosts = {{"127.0.0.2", port}};
+  r.self_voter = true;
+  REQUIRE(dir->write(r) == "");
+  Proc agent = spawn(agent_argv(ep, "held-port", 2, "1:2", 1, {"--max_restarts=0", kRejoinConf + ",join_timeout=4"},
+                                {"print", "up"}),
+                     env);
+  const bool ended = agent.wait(60s);
+  ::close(held);
+  INFO(agent.err());
+  REQUIRE(ended);
+  CHECK(agent.exit_code() == 3);
+  CHECK_THAT(agent.err(), Catch::Contains("cannot bind its record's takeover port 127.0.0.2:" + std::to_string(port)) &&
+                              Catch::Contains("not every host it names answered that the run is over") &&
+                              !Catch::Contains("names only this node itself") && !Catch::Contains("is stale"));
+  CHECK(agent.out().find("up") == std::string::npos);
+}

@@ -266,10 +266,16 @@ void Agent::bind_takeover_socket() {
     if (why.empty()) why = "no IPv4 address";
   }
   takeover_refused_ = true;
-  if (!embedded_server_)  // (a host's vote socket: its recall's count only, said nowhere)
+  if (!embedded_server_)
     notice(fmt::format("this node cannot take the rendezvous over if its host is lost: its advertised address '{}' "
                        "cannot be bound here ({}); give --local_addr an IPv4 address of this machine",
                        plan_.master_addr, why));
+  else  // (the host's vote socket, review s41-c L3: said, not silent)
+    notice(fmt::format("warning: this node hosts job '{}' but cannot bind its vote socket on its advertised address "
+                       "'{}' ({}): the recalls of restarted nodes cannot count this host, so in a rerun of the whole "
+                       "job a node that needs its answer waits until join_timeout (exit 3), and if this node stops "
+                       "hosting it cannot take the job over; give --local_addr an IPv4 address of this machine",
+                       plan_.run_id, plan_.master_addr, why));
 }
 
 rdzv::TakeoverHost Agent::take_over(const rdzv::TakeoverSeed& seed) {

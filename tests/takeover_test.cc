@@ -1079,3 +1079,26 @@ TEST_CASE("an agent whose record's takeover port is held by another live socket 
                               !Catch::Contains("names only this node itself") && !Catch::Contains("is stale"));
   CHECK(agent.out().find("up") == std::string::npos);
 }
+
+// Review s41-c L3: a hosting agent whose vote socket cannot bind said nothing, and the
+// rerun it breaks (a node that needs the host's answer) ended with exit 3 unexplained.
+TEST_CASE("a hosting agent that cannot bind its vote socket on its advertised address says so in one line (review "
+          "s41-c L3)") {
+  const std::string ep = "127.0.0.2:" + std::to_string(free_loopback_port());
+  const std::string records = make_temp_dir();
+  // 192.0.2.7 (TEST-NET-1) is no address of this machine; is_host=1: it hosts all the same.
+  Proc host = spawn({kMglaunch, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=c10d", "--rdzv_endpoint=" + ep,
+                     "--rdzv_id=vote-unbound", "--local_addr=192.0.2.7", "--max_restarts=0",
+                     "--rdzv_conf=last_call_timeout=1,is_host=1", kFakeWorker, "print", "up"},
+                    record_env(records));
+  const bool ended = host.wait(60s);
+  INFO(host.err());
+  REQUIRE(ended);
+  CHECK(host.exit_code() == 0);
+  const std::string line = "warning: this node hosts job 'vote-unbound' but cannot bind its vote socket on its "
+                           "advertised address '192.0.2.7' (";
+  CHECK_THAT(host.err(), Catch::Contains("hosting the rendezvous") && Catch::Contains(line) &&
+                             Catch::Contains("cannot count this host"));
+  CHECK(count_of(host.err(), line) == 1);
+  CHECK_THAT(host.err(), !Catch::Contains("cannot take the rendezvous over if its host is lost"));
+}

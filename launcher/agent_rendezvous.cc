@@ -93,7 +93,10 @@ void Agent::host_rendezvous() {
     notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
     // Its takeover socket (kept after a stale recall) answers "not hosting" only: not the
     // descriptor share that the hosting server holds again (review s39-listen L3).
-    if (takeover_server_) takeover_server_->limit_connections(sup::kRendezvousHandshakes);
+    if (takeover_server_) {  // (never hosting: an older Hello is answered, never held, review s41-c L2)
+      takeover_server_->limit_connections(sup::kRendezvousHandshakes);
+      takeover_server_->answer_older_hellos();
+    }
   } catch (const std::exception&) {
     // Another local agent got there first: join it as a client.
   }
@@ -210,7 +213,10 @@ void Agent::bind_takeover_socket() {
       so.adopt_fd = fd;
       so.not_hosting = true;
       takeover_server_ = std::make_unique<rdzv::Server>(io_, so);
-      if (embedded_server_) takeover_server_->limit_connections(sup::kRendezvousHandshakes);
+      if (embedded_server_) {
+        takeover_server_->limit_connections(sup::kRendezvousHandshakes);
+        takeover_server_->answer_older_hellos();
+      }
       // Recalling: its answers say so, with the record's run and epoch, never "in no run"
       // (another node's recall counts it as in no round after that epoch; review s39 H1).
       if (recall_pending_ && recalled_) takeover_server_->tell_recalling(recalled_->run, recalled_->epoch);

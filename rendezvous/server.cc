@@ -139,6 +139,16 @@ void Server::host() {
   resume_held();
 }
 
+void Server::answer_older_hellos() {
+  answer_older_ = true;
+  for (const auto& [id, s] : sessions_)
+    if (!s->held.empty()) {
+      budget_->release(std::exchange(s->held_bytes, 0));
+      s->held.clear();
+      answer_not_hosting(*s);
+    }
+}
+
 void Server::resume_held() {
   std::vector<std::shared_ptr<Session>> held;
   for (const auto& [id, s] : sessions_)
@@ -188,6 +198,7 @@ void Server::answer_not_hosting(Session& s) {
   n.epoch = std::max(0, recalling_epoch_);
   s.conn->send(proto::to_frame(n));
   s.conn->close();
+  s.closing_why = "answered: not hosting";  // (a Join that rode with an older Hello is not read)
 }
 
 void Server::take_over(const std::string& job_id, const TakeoverSeed& seed) {
@@ -544,7 +555,7 @@ void Server::handshake(const std::shared_ptr<Session>& s, const proto::Frame& f)
     s->job = hello.job_id;
     s->client_nonce = hello.nonce;
     if (opts_.not_hosting) {
-      if (hello.reads_not_hosting) return answer_not_hosting(*s);
+      if (hello.reads_not_hosting || answer_older_) return answer_not_hosting(*s);
       // An older client reads NotHosting as a failed try and passes this node over, where
       // its refused connect was waited for (review s39-listen M3; a reset would be passed
       // over too): its Hello waits unanswered until this server hosts, or until the

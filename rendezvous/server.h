@@ -127,6 +127,11 @@ class Server {
     not_hosting_run_ = std::move(run);
     recalling_epoch_ = std::max(0, epoch);
   }
+  // ServerOptions::not_hosting for a socket that never hosts (the hosting agent's vote
+  // socket): an older client's Hello is answered NotHosting at once, as a newer one's, and
+  // those held until now too; never held (review s41-c L2: 8 held connections, renewed each
+  // held_timeout, kept every recall from counting the host).
+  void answer_older_hellos();
   void host();
   // From now on at most `n` connections open (those open stay; one more is refused as at
   // max_connections): an agent's takeover socket once the agent hosts at the endpoint too
@@ -172,6 +177,7 @@ class Server {
   void hold(Session& s, const proto::Frame& f);
   void warn_if_open() const;            // beyond loopback without a token
   std::string not_hosting_run_;
+  bool answer_older_ = false;  // answer_older_hellos()
   int recalling_epoch_ = -1;  // tell_recalling()'s; -1: not recalling
   // Logs `why` (after the peer's address with `name_peer`), sends it as an Error and closes.
   void refuse(Session& s, const std::string& why, bool name_peer = true);

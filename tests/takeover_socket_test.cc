@@ -322,3 +322,29 @@ TEST_CASE("a takeover socket limited to N connections keeps those open and close
   CHECK(beyond.received().empty());
   for (auto& p : held) CHECK_FALSE(p->closed_within(100ms));
 }
+
+// Review s41-c L2: the hosting agent's vote socket never hosts, so an older client's hello
+// held there (60 s, 8 connections in all) only kept others, whose recalls count the host's
+// answer, out. There it is answered at once, and one held before the call is answered then.
+TEST_CASE("a takeover socket that never hosts (the host's vote socket) answers an older client's hello with 'alive, "
+          "not hosting' at once and closes, the held ones too, and reads no join that rode with it (review s41-c L2)") {
+  for (const bool token : {true, false}) {
+    CAPTURE(token);
+    TakeoverSocket t("1764500000000-0123456789abcdef", token);
+    RawPeer before(t.server->port());
+    REQUIRE(before.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+    CHECK_FALSE(before.closed_within(500ms));  // held, as on any takeover socket
+    t.on_loop([&] { t.server->answer_older_hellos(); });
+    const auto b = before.read(5s);
+    REQUIRE(b);
+    CHECK(proto::type_of(*b) == proto::MsgType::kNotHosting);
+    RawPeer old(t.server->port());
+    REQUIRE(old.send(proto::to_frame(proto::Hello{"hostile", "job", auth::random_hex(32)})));
+    if (!token) REQUIRE(old.send(proto::to_frame(join_for("job"))));  // (a Join rides with the Hello)
+    const auto f = old.read(5s);
+    REQUIRE(f);
+    CHECK(proto::type_of(*f) == proto::MsgType::kNotHosting);
+    CHECK(old.closed_within(5s));
+    t.on_loop([&] { CHECK(t.server->jobs_json().dump().find("127.0.0.9") == std::string::npos); });
+  }
+}

@@ -284,6 +284,9 @@ class Agent {
   // the attempt's workers then fail with that reason and exit code 4, as ones that
   // cannot be started do, and the job decides as for any failure.
   std::string serve_store();
+  // The hold stops listening, still bound (PortReservation::stop_listening): for workers
+  // that bind the master port themselves. It resets every connection queued on it.
+  void unlisten_hold();
   // Where the workers host the store (rank 0's TCPStore binds MASTER_PORT; the hold only
   // bound from just before the spawn): looks at the port's listeners every 100 ms for 60 s
   // from the spawn, until one of this agent's workers (or their descendants) listens there.

@@ -737,7 +737,13 @@ void Agent::apply_assignment(const proto::Assignment& a) {
 }
 
 void Agent::rejoin(bool offer_port) {
-  // The core held a fresh master port for the new round (when the port is ours).
+  // The core held a fresh master port for the new round (when the port is ours). Where the
+  // workers host the store, the hold stops listening before the port is offered: once the
+  // round is decided another node's worker (a pre-started standby's, placed at once) may
+  // connect before this node's paused worker answered, and stop_listening() then (at the
+  // assign) reset every connection queued on it: torch 1.13's store thread aborted (exit
+  // 134). Refused instead, a store client retries until rank 0's TCPStore listens.
+  if (offer_port && !plan_.agent_store) unlisten_hold();
   if (offer_port) client_->set_master_port(plan_.master_port);
   if (trace_) rdzv_since_us_ = trace_->now();
   rdzv_began_ = now().steady;

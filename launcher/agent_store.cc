@@ -22,13 +22,7 @@ namespace asio = boost::asio;
 std::string Agent::serve_store() {
   if (!plan_.agent_store || plan_.node_rank != 0) {
     retire_store();
-    // The workers (rank 0's TCPStore) bind the port themselves: the hold must not listen.
-    if (port_hold_ && port_hold_->listening() && !port_hold_->stop_listening()) {
-      notice(fmt::format("the master port {} could not be held again for the workers: {}; something else may take it "
-                         "before rank 0 binds it",
-                         port_hold_->port(), std::strerror(errno)));
-      port_hold_.reset();
-    }
+    unlisten_hold();  // the workers (rank 0's TCPStore) bind the port themselves: the hold must not listen
     if (plan_.node_rank == 0) watch_master_port();
     return {};
   }
@@ -55,6 +49,15 @@ std::string Agent::serve_store() {
     return store_error_;
   }
   return {};
+}
+
+void Agent::unlisten_hold() {
+  if (port_hold_ && port_hold_->listening() && !port_hold_->stop_listening()) {
+    notice(fmt::format("the master port {} could not be held again for the workers: {}; something else may take it "
+                       "before rank 0 binds it",
+                       port_hold_->port(), std::strerror(errno)));
+    port_hold_.reset();
+  }
 }
 
 void Agent::watch_master_port() {

@@ -14,6 +14,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -140,14 +141,14 @@ int round_master_port(const std::string& err, int round) {
 // Node `node_rank` of a two-node in-place job on `d` (id `rdzv_id`, at 127.0.0.(node_rank + 2)): every
 // worker tests/inplace_worker.py writing to `dir`, local rank 0 opted in, `extra` its further arguments.
 Proc two_node_agent(const Daemon& d, const std::string& rdzv_id, int nproc, int node_rank, const std::string& dir,
-                    const std::vector<std::string>& extra = {}) {
+                    const std::vector<std::string>& extra = {}, const std::map<std::string, std::string>& env = {}) {
   std::vector<std::string> argv{kMglaunch, "--nnodes=2", "--nproc_per_node=" + std::to_string(nproc),
                                 "--rdzv_backend=c10d", "--rdzv_endpoint=" + d.endpoint, "--rdzv_id=" + rdzv_id,
                                 "--max_restarts=2", "--node_rank=" + std::to_string(node_rank),
                                 "--local_addr=127.0.0." + std::to_string(node_rank + 2), "--no_python",
                                 "/usr/bin/python3", kWorker, dir, "0"};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  return spawn(argv);
+  return spawn(argv, env);
 }
 
 }  // namespace
@@ -423,6 +424,57 @@ TEST_CASE("in place, two nodes: a store client queued on node 0's held master po
   ::close(fd);
   REQUIRE(eventually([&] { return has_event(dir0, "assign", 0); }, 60s));
   CHECK(of(events(dir0), "assign", 0).at(0)["env"]["MASTER_PORT"] == std::to_string(held));
+  finish_both_ok(dir0, n0, dir1b, n1b);
+  ::kill(d.proc.pid, SIGTERM);
+  CHECK(d.proc.wait(10s));
+  for (const auto& dir : {dir0, dir1, dir1b}) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("in place, two nodes, the workers hosting the store: the fresh master port node 0 offers for the next "
+          "round refuses a store client until rank 0 listens, never queues it on the hold to reset it") {
+  // torch 1.13's c10d workers: rank 0's TCPStore binds MASTER_PORT. A pre-started standby's
+  // worker, placed as soon as the round is decided, connected to node 0's hold, still
+  // listening until node 0's agent took its own assignment in; the hold's close then reset
+  // the queued connection, and torch 1.13's store thread aborted (exit 134: the python
+  // recovery done-when case, now and then under load). Node 0's agent is stopped here
+  // (SIGSTOP) from its re-join until the round is decided, to hold that window open.
+  Daemon d = start_daemon();
+  const std::string dir0 = make_temp_dir(), dir1 = make_temp_dir(), dir1b = make_temp_dir();
+  auto node = [&](int node_rank, const std::string& dir) {
+    return two_node_agent(d, "inplace-unheld", 1, node_rank, dir, {"on-pause=ack-on-file"},
+                          {{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
+  };
+  Proc n0 = node(0, dir0);
+  Proc n1 = node(1, dir1);
+  REQUIRE(eventually([&] { return has_event(dir0, "welcome", 0) && has_event(dir1, "welcome", 0); }, 60s));
+  ::kill(n1.pid, SIGKILL);
+  REQUIRE(n1.wait(10s));
+  // The pause and the re-join with a fresh port are one batch of node 0's agent.
+  REQUIRE(eventually([&] { return has_event(dir0, "pause", 0); }, 60s));
+  ::kill(n0.pid, SIGSTOP);
+  Proc n1b = node(1, dir1b);  // the round is decided; node 0's agent has not read its assignment
+  const bool decided = eventually([&] { return round_master_port(n1b.err(), 2) > 0; }, 60s);
+  const int port = round_master_port(n1b.err(), 2);
+  int rc = -1, err = 0;
+  if (decided) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(0x7f000002);
+    rc = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    err = errno;
+    ::close(fd);
+  }
+  ::kill(n0.pid, SIGCONT);
+  INFO(n1b.err());
+  REQUIRE(decided);
+  INFO("connect to node 0's port " << port << ": " << (rc < 0 ? std::strerror(err) : "queued on the hold"));
+  CHECK(rc < 0);
+  CHECK(err == ECONNREFUSED);
+  std::ofstream(dir0 + "/ack").put('\n');  // node 0's worker answers its pause: assigned
+  REQUIRE(eventually([&] { return has_event(dir0, "assign", 0); }, 60s));
+  CHECK(of(events(dir0), "assign", 0).at(0)["env"]["MASTER_PORT"] == std::to_string(port));
   finish_both_ok(dir0, n0, dir1b, n1b);
   ::kill(d.proc.pid, SIGTERM);
   CHECK(d.proc.wait(10s));

@@ -244,6 +244,7 @@ std::optional<JobRecord> JobRecordDir::read(const std::string& job, const std::s
   }
   // Another job's, node's or endpoint's (the hash's collision).
   if (r.job != job || r.node != node || r.endpoint != endpoint) return std::nullopt;
+  r.slot = slot;  // its file's, the key of a discard (never slot 0's: review s41-d H1)
   return r;
 }
 

@@ -660,3 +660,35 @@ TEST_CASE("the job's end removes the record slot's lock file with its record, an
   CHECK(next->slot == 0);
   CHECK(fs::exists(lock));
 }
+
+TEST_CASE("a stale record recalled from slot 1 and discarded, then the job's end, leave slot 0's record and lock in "
+          "place (review s41-d H1)") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  const std::string lock0 = dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 0, true);
+  const std::string lock1 = dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 1, true);
+  auto a = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  auto b = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  REQUIRE(a);
+  REQUIRE(b);
+  REQUIRE(b->slot == 1);
+  JobRecord r0 = sample(), r1 = sample();
+  r1.slot = 1;
+  r1.run = "old-run";
+  REQUIRE(d->write(r0) == "");
+  REQUIRE(d->write(r1) == "");
+  const auto recalled = d->read("job7", "127.0.0.2@hostA", kEndpoint, &why, 1);
+  REQUIRE(recalled);
+  CHECK(recalled->slot == 1);
+  {
+    JobRecordWriter w(JobRecordWriter::ops_of(d));
+    w.discard(*recalled);  // stale
+    w.drain();
+    w.remove();  // the job ended before this agent wrote
+    w.drain();
+  }
+  CHECK(fs::exists(job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint)));
+  CHECK(fs::exists(lock0));
+  CHECK_FALSE(fs::exists(job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint, 1)));
+  CHECK_FALSE(fs::exists(lock1));
+}

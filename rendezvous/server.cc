@@ -141,12 +141,16 @@ void Server::host() {
 
 void Server::answer_older_hellos() {
   answer_older_ = true;
+  // (A copy: an answer whose send fails at once closes its session, erased from sessions_
+  // under the loop; review s41-d L1.)
+  std::vector<std::shared_ptr<Session>> held;
   for (const auto& [id, s] : sessions_)
-    if (!s->held.empty()) {
-      budget_->release(std::exchange(s->held_bytes, 0));
-      s->held.clear();
-      answer_not_hosting(*s);
-    }
+    if (!s->held.empty()) held.push_back(s);
+  for (const auto& s : held) {
+    budget_->release(std::exchange(s->held_bytes, 0));
+    s->held.clear();
+    if (sessions_.contains(s->id)) answer_not_hosting(*s);
+  }
 }
 
 void Server::resume_held() {

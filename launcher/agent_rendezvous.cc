@@ -477,6 +477,7 @@ void Agent::load_job_record() {
   record_slot_ = record_dir_->claim(plan_.run_id, record_node_, record_endpoint_, &why);
   if (!record_slot_)
     throw RendezvousError(fmt::format("this node cannot keep its record of job '{}': {}", plan_.run_id, why));
+  if (!why.empty()) notice("warning: " + std::exchange(why, {}));  // (no locks here: slot 0, unlocked)
   recalled_ = record_dir_->read(plan_.run_id, record_node_, record_endpoint_, &why, record_slot_->slot);
   // A record it cannot read may be of a job that runs on elsewhere: a fresh start could fork
   // it, so this node ends instead (review s39-late L1).

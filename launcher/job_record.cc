@@ -266,13 +266,26 @@ std::optional<JobRecordSlot> JobRecordDir::claim(const std::string& job, const s
     return ::fstatat(fd_.get(), job_record_name(job, node, endpoint, n, lock).c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
   };
   // Slot n's lock, held: its file locked and still the one at its name (one removed by its
-  // agent at the job's end, release(), between the open and the lock is no lock).
-  auto take = [&](int n) -> Fd {
+  // agent at the job's end, release(), between the open and the lock is no lock). `err`: set
+  // when the directory keeps no locks (record_dir_has_no_locks()).
+  auto take = [&](int n, int& err) -> Fd {
     const std::string name = job_record_name(job, node, endpoint, n, /*lock=*/true);
+    const bool had = exists(n, true);
     Fd fd(::openat(fd_.get(), name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600));
+    if (fd.get() < 0) {
+      if (record_dir_has_no_locks(errno, /*at_open=*/true)) err = errno;
+      return Fd();
+    }
+    int got = -1;
+    while ((got = ::flock(fd.get(), LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+    }
+    if (got != 0 && record_dir_has_no_locks(errno, /*at_open=*/false)) {
+      err = errno;
+      if (!had) ::unlinkat(fd_.get(), name.c_str(), 0);  // (no lock file left where none locks)
+      return Fd();
+    }
     struct stat held{}, named{};
-    if (fd.get() < 0 || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 || ::fstat(fd.get(), &held) != 0 ||
-        !S_ISREG(held.st_mode) || held.st_uid != ::geteuid() ||
+    if (got != 0 || ::fstat(fd.get(), &held) != 0 || !S_ISREG(held.st_mode) || held.st_uid != ::geteuid() ||
         ::fstatat(fd_.get(), name.c_str(), &named, AT_SYMLINK_NOFOLLOW) != 0 || named.st_ino != held.st_ino)
       return Fd();
     return fd;
@@ -281,7 +294,18 @@ std::optional<JobRecordSlot> JobRecordDir::claim(const std::string& job, const s
   for (int n = 0; n < kMaxJobRecordSlots; ++n) {
     // (Past the first slot got, only slots in use: one may hold a dead agent's record.)
     if (first && !exists(n, false) && !exists(n, true)) continue;
-    Fd fd = take(n);
+    int err = 0;
+    Fd fd = take(n, err);
+    if (err != 0 && first) return first;  // (a slot locked already: past it none is tried)
+    if (err != 0) {  // no locks here: slot 0, unlocked, as before slots (review s41-d M2)
+      if (why)
+        *why = fmt::format("cannot lock {}/{} ({}): this directory keeps no locks (as NFS without lockd, Lustre "
+                           "without flock, or a full or read-only file system), so this node's record is kept "
+                           "unlocked in slot 0, shared by the agents of this job on this machine that advertise "
+                           "one address (give each --local_addr, or set MGLAUNCH_RECORD_DIR to a local disk)",
+                           path_, job_record_name(job, node, endpoint, n, /*lock=*/true), std::strerror(err));
+      return JobRecordSlot{0, Fd()};
+    }
     if (fd.get() < 0) continue;  // another live agent's (or unusable)
     if (exists(n, false)) return JobRecordSlot{n, std::move(fd)};  // a dead agent's record
     if (!first) first = JobRecordSlot{n, std::move(fd)};
@@ -291,6 +315,13 @@ std::optional<JobRecordSlot> JobRecordDir::claim(const std::string& job, const s
                        "on this machine advertise one address?); give each agent --local_addr",
                        kMaxJobRecordSlots, path_);
   return first;
+}
+
+bool record_dir_has_no_locks(int err, bool at_open) {
+  // A lock held (EWOULDBLOCK) or one slot's odd file (a link, a directory, another mode) is
+  // that slot's alone; these are the whole directory's.
+  if (at_open) return err == ENOSPC || err == EDQUOT || err == EROFS;
+  return err != EWOULDBLOCK && err != EAGAIN && err != EINTR;
 }
 
 int JobRecordDir::sweep(std::chrono::system_clock::time_point now, std::chrono::seconds min_age,

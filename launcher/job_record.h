@@ -93,6 +93,11 @@ std::string job_record_name(const std::string& job, const std::string& node, con
 std::string job_record_path(const std::string& dir, const std::string& job, const std::string& node,
                             const std::string& endpoint, int slot = 0);
 
+// Whether `err`, of opening a slot's lock file (`at_open`) or of its flock(), is the whole
+// record directory's: it keeps no locks (ENOLCK, ENOSYS, EOPNOTSUPP, ...; at the open ENOSPC,
+// EDQUOT, EROFS), unlike a lock held (EWOULDBLOCK) or one slot's odd file. Pure.
+bool record_dir_has_no_locks(int err, bool at_open);
+
 // A record slot this agent holds for its whole life (an exclusive flock of its lock file):
 // no other live agent reads or writes that slot's record.
 struct JobRecordSlot {
@@ -114,7 +119,8 @@ class JobRecordDir {
   // (review s41-c M1): the first whose lock it gets that holds a record (its writer is dead:
   // this agent recalls it), else the first whose lock it gets. A held slot is another live
   // agent's, never read. nullopt with `why` set (one line) when none of kMaxJobRecordSlots
-  // can be had.
+  // can be had. Where the directory keeps no locks (record_dir_has_no_locks()): slot 0 with
+  // no lock, and `why` set to the warning (review s41-d M2).
   std::optional<JobRecordSlot> claim(const std::string& job, const std::string& node, const std::string& endpoint,
                                      std::string* why) const;
 

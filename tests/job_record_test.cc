@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -691,4 +692,25 @@ TEST_CASE("a stale record recalled from slot 1 and discarded, then the job's end
   CHECK(fs::exists(lock0));
   CHECK_FALSE(fs::exists(job_record_path(dir, "job7", "127.0.0.2@hostA", kEndpoint, 1)));
   CHECK_FALSE(fs::exists(lock1));
+}
+
+TEST_CASE("a record directory that keeps no locks is told from a lock held: the whole directory's errors, not one "
+          "slot's (review s41-d M2)") {
+  for (int err : {ENOLCK, ENOSYS, EOPNOTSUPP, EINVAL, EIO}) CHECK(record_dir_has_no_locks(err, false));
+  for (int err : {EWOULDBLOCK, EAGAIN, EINTR}) CHECK_FALSE(record_dir_has_no_locks(err, false));
+  for (int err : {ENOSPC, EDQUOT, EROFS}) CHECK(record_dir_has_no_locks(err, true));
+  for (int err : {ELOOP, EISDIR, EACCES, ENXIO}) CHECK_FALSE(record_dir_has_no_locks(err, true));
+}
+
+TEST_CASE("a slot whose lock file is a directory or a link is that slot's alone: the next slot is taken, locked "
+          "(review s41-d M2)") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  fs::create_directory(dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 0, true));
+  fs::create_symlink("/dev/null", dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 1, true));
+  auto s = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  REQUIRE(s);
+  CHECK(why.empty());
+  CHECK(s->slot == 2);
+  CHECK(s->lock.get() >= 0);
 }

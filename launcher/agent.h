@@ -224,7 +224,7 @@ class Agent {
   void remember_job(int epoch, const std::string& run);
   // Hosting: its server's decision about to go out; the first record, from this node's own
   // Assignment in it, before the other nodes hear the round (review s41-a M2).
-  void record_ahead(const rdzv::Actions& actions);
+  void record_ahead(const rdzv::Actions& actions, rdzv::SessionId own);
   void write_record(int epoch, const std::string& run, rdzv::RecordFields f);
   std::string agent_id_;  // this start's (its Join's, its servers' host_agent_id): agent_id()
   void warn_record_failure();  // once: the first write that failed (posted by record_io_'s thread)

@@ -88,7 +88,7 @@ void Agent::host_rendezvous() {
     rdzv::ServerOptions so = server_options();
     so.host = ep.host;
     so.port = ep.port;
-    so.before_send = [this](const rdzv::Actions& actions) { record_ahead(actions); };
+    so.before_send = [this](const rdzv::Actions& actions, rdzv::SessionId own) { record_ahead(actions, own); };
     embedded_server_ = std::make_unique<rdzv::Server>(io_, so);
     notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
     // Its takeover socket (kept after a stale recall) answers "not hosting" only: not the
@@ -559,12 +559,20 @@ void Agent::remember_job(int epoch, const std::string& run) {
                 client_->job_voter_hosts(), client_->job_epoch()});
 }
 
-void Agent::record_ahead(const rdzv::Actions& actions) {
+void Agent::record_ahead(const rdzv::Actions& actions, rdzv::SessionId own) {
   // The hosting agent's first record, from its own Assignment (the one to its own agent id),
   // before its server sends the round to the others (review s41-a M2): else the others' workers
-  // may run while this node, killed, would restart with no record and host a fresh job.
+  // may run while this node, killed, would restart with no record and host a fresh job. Or from
+  // its own Standby (to its own session, `own`): others that filled the round before its own
+  // Join run workers as well (review s41-d M1).
   if (record_on_disk_ || record_hung_ || !record_io_ || !client_ || agent_id_.empty()) return;
   for (const auto& o : actions) {
+    if (own != 0 && o.session == own && proto::type_of(o.frame) == proto::MsgType::kStandby) {
+      const auto s = proto::from_frame<proto::Standby>(proto::frame_of(o.frame));
+      if (s.run.empty()) continue;
+      if (const auto fields = client_->record_after(s)) write_record(s.epoch, s.run, *fields);
+      return;
+    }
     if (proto::type_of(o.frame) != proto::MsgType::kAssignment) continue;
     const auto a = proto::from_frame<proto::Assignment>(proto::frame_of(o.frame));
     if (a.run.empty() || a.group_rank < 0 || a.group_rank >= static_cast<int>(a.voters.size()) ||

@@ -98,6 +98,7 @@ class Client {
   bool job_self_voter() const { return m_.job_self_voter(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const { return m_.job_voter_hosts(); }
   std::optional<RecordFields> record_after(const proto::Assignment& a) const { return m_.record_after(a); }
+  std::optional<RecordFields> record_after(const proto::Standby& s) const { return m_.record_after(s); }
   bool job_decided() const { return m_.job_over(); }
   std::string why_no_takeover_of_self() const { return m_.why_no_takeover_of_self(); }
   bool connected() const { return conn_ && conn_->open(); }

@@ -500,29 +500,10 @@ void ClientMachine::on_frame(const proto::Frame& f, Clock::time_point now) {
         end_seek();
         out_.push_back(cmd::Tell{proto::Done{}});
         return;
-      case MsgType::kStandby: {
+      case MsgType::kStandby:
         // A decision: the wait for a place has no deadline (the job's end is told).
-        auto m = proto::from_frame<proto::Standby>(f);
-        waiting_since_.reset();
-        standby_ = true;
-        restarts_seen_ = std::max(restarts_seen_, m.restart_count);
-        standbys_ = std::max(standbys_, m.position);
-        // Voters of an epoch older than the one this node knows (a node that took the job over
-        // and missed the last round) are not learnt over the newer ones, within one run (review
-        // s38 L3); another run's epochs count from 1 again. Nor are its nodes (review s40 L1: the
-        // record's count and addresses of one epoch). A taker lists no round before its own closes.
-        const bool other_run = !m.run.empty() && m.run != opts_.join.run;
-        if (other_run) forget_voters();
-        const bool newer = m.epoch >= voters_epoch_ || other_run;
-        if (!standby_of_ || other_run || (!m.nodes.empty() && newer)) standby_of_ = m;
-        opts_.join.epoch = other_run ? m.epoch : std::max(opts_.join.epoch, m.epoch);
-        if (!m.run.empty()) opts_.join.run = m.run;  // (#37)
-        if (!m.voters.empty() && newer) learn_voters(m.epoch, m.voters);
-        cancel(ClientTimer::kFence);  // no workers of a round to stop
-        end_seek();
-        out_.push_back(cmd::Tell{std::move(m)});
+        take_standby(proto::from_frame<proto::Standby>(f));
         return;
-      }
       case MsgType::kError: {
         const std::string said = proto::from_frame<proto::Error>(f).message;
         // Its own server ended the job while this node looked elsewhere (no majority within
@@ -615,6 +596,27 @@ void ClientMachine::learn_voters(int epoch, const std::vector<std::string>& vote
     voters_epoch_ = epoch;
   }
   voters_ = voters;
+}
+
+void ClientMachine::take_standby(proto::Standby m) {
+  waiting_since_.reset();
+  standby_ = true;
+  restarts_seen_ = std::max(restarts_seen_, m.restart_count);
+  standbys_ = std::max(standbys_, m.position);
+  // Voters of an epoch older than the one this node knows (a node that took the job over
+  // and missed the last round) are not learnt over the newer ones, within one run (review
+  // s38 L3); another run's epochs count from 1 again. Nor are its nodes (review s40 L1: the
+  // record's count and addresses of one epoch). A taker lists no round before its own closes.
+  const bool other_run = !m.run.empty() && m.run != opts_.join.run;
+  if (other_run) forget_voters();
+  const bool newer = m.epoch >= voters_epoch_ || other_run;
+  if (!standby_of_ || other_run || (!m.nodes.empty() && newer)) standby_of_ = m;
+  opts_.join.epoch = other_run ? m.epoch : std::max(opts_.join.epoch, m.epoch);
+  if (!m.run.empty()) opts_.join.run = m.run;  // (#37)
+  if (!m.voters.empty() && newer) learn_voters(m.epoch, m.voters);
+  cancel(ClientTimer::kFence);  // no workers of a round to stop
+  end_seek();
+  out_.push_back(cmd::Tell{std::move(m)});
 }
 
 void ClientMachine::take(const proto::Assignment& a, Clock::time_point now) {

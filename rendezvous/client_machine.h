@@ -277,6 +277,7 @@ class ClientMachine {
   // The five above as they would be once this node took `a` (its own Assignment, not heard
   // yet): the hosting agent's record written before its server sends the round (review s41-a M2).
   RecordFields record_after(const proto::Assignment& a) const;
+  RecordFields record_after(const proto::Standby& s) const;  // (its own Standby: review s41-d M1)
   static constexpr std::size_t kMaxRecallHosts = proto::kMaxListedNodes;
   // The generation of t's current arm (what a fire that is not stale carries).
   std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }
@@ -289,6 +290,7 @@ class ClientMachine {
   void on_frame(const proto::Frame& f, Clock::time_point now);
   void on_welcome(Clock::time_point now);
   void take(const proto::Assignment& a, Clock::time_point now);  // this node's place in a round: the agent hears it
+  void take_standby(proto::Standby m);  // no place in a round: the agent hears it
   void lost(const std::string& why, bool unanswered = false);
   // The agent hosting the rendezvous (host_agent_) is gone: it does not come back, so no
   // reconnection is tried; a survivor takes it over, or the node ends with the lost host as

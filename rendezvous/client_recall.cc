@@ -290,6 +290,12 @@ RecordFields ClientMachine::record_after(const proto::Assignment& a) const {
   return {m.job_hosts(), m.job_voters(), m.job_voters_epoch(), m.job_self_voter(), m.job_voter_hosts(), m.job_epoch()};
 }
 
+RecordFields ClientMachine::record_after(const proto::Standby& s) const {
+  ClientMachine m = *this;
+  m.take_standby(s);
+  return {m.job_hosts(), m.job_voters(), m.job_voters_epoch(), m.job_self_voter(), m.job_voter_hosts(), m.job_epoch()};
+}
+
 std::vector<std::pair<std::string, int>> ClientMachine::job_hosts() const {
   std::vector<std::pair<std::string, int>> out;
   if (host_agent_.empty() || !ever_welcomed_) return out;

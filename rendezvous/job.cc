@@ -44,6 +44,14 @@ Actions Job::broadcast(const proto::Wire& f, SessionId except) const {
   return out;
 }
 
+SessionId Job::host_agent_session() const {
+  if (host_agent_id_.empty()) return 0;
+  for (const auto* nodes : {&members_, &joined_, &standby_})
+    for (const auto& [s, n] : *nodes)
+      if (n.join.agent_id == host_agent_id_) return s;
+  return 0;
+}
+
 Actions Job::make_standby(SessionId s, const proto::Join& j, Clock::time_point now) {
   if (standby_.size() >= static_cast<std::size_t>(proto::kMaxNodes))
     return {{s, proto::to_wire(proto::Error{fmt::format("job '{}' is full ({} nodes) and has {} standbys already", id_,

@@ -182,6 +182,8 @@ class Job {
   // only its Join's vote_port is the round's host vote address (review s41-b M1: a former
   // host's stale one is not). Empty (a daemon): none is.
   void set_host_agent_id(std::string id) { host_agent_id_ = std::move(id); }
+  // The session of that agent's Join (a member, joined or a standby); 0: none (review s41-d M1).
+  SessionId host_agent_session() const;
 
   Actions join(SessionId s, const proto::Join& j, Clock::time_point now);
   Actions heartbeat(SessionId s, Clock::time_point now);

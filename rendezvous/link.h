@@ -58,6 +58,7 @@ class Link {
   // Assignment not heard yet: the hosting agent's first record is written from its own
   // server's round before that round goes out (review s41-a M2). nullopt: nothing to record.
   virtual std::optional<RecordFields> record_after(const proto::Assignment&) const { return std::nullopt; }
+  virtual std::optional<RecordFields> record_after(const proto::Standby&) const { return std::nullopt; }  // (s41-d M1)
   virtual bool job_decided() const { return false; }
   virtual std::string why_no_takeover_of_self() const { return {}; }
 };
@@ -88,6 +89,7 @@ class LinkTo : public Link {
   bool job_self_voter() const override { return impl_.job_self_voter(); }
   std::vector<std::pair<std::string, int>> job_voter_hosts() const override { return impl_.job_voter_hosts(); }
   std::optional<RecordFields> record_after(const proto::Assignment& a) const override { return impl_.record_after(a); }
+  std::optional<RecordFields> record_after(const proto::Standby& s) const override { return impl_.record_after(s); }
   bool job_decided() const override { return impl_.job_decided(); }
   std::string why_no_takeover_of_self() const override { return impl_.why_no_takeover_of_self(); }
 

@@ -337,7 +337,7 @@ void Server::drive(Job& job, const Actions& actions) {
       if (!journal_error_.empty()) log(fmt::format("warning: --state-dir: {}; the job history is incomplete", journal_error_));
     }
   }
-  if (opts_.before_send && !actions.empty()) opts_.before_send(actions);
+  if (opts_.before_send && !actions.empty()) opts_.before_send(actions, job.host_agent_session());
   apply(actions);
 }
 

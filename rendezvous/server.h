@@ -83,8 +83,9 @@ struct ServerOptions {
   std::function<void(const proto::Wire&)> on_send;
   // Every decision's frames, after its events are journaled and before any goes out: the
   // hosting agent writes its first record of the job there, from its own Assignment, before
-  // the other nodes hear the round (review s41-a M2). May be empty.
-  std::function<void(const Actions&)> before_send;
+  // the other nodes hear the round (review s41-a M2), or from its own Standby (its session,
+  // the second argument, Job::host_agent_session(): review s41-d M1). May be empty.
+  std::function<void(const Actions&, SessionId)> before_send;
   // --state-dir: every job event is journaled there, and the jobs and events it holds from
   // before a restart are shown (jobs_json(), events_json(), history_json()).
   std::shared_ptr<Journal> journal;

@@ -858,6 +858,16 @@ proto::Assignment round_with_host_vote() {
   a.host_vote_port = 7101;
   return a;
 }
+// record_after()'s fields: what the getters say once the frame is taken, three voters.
+void check_ahead(const RecordFields& ahead, const ClientMachine& m) {
+  CHECK(ahead.hosts == m.job_hosts());
+  CHECK(ahead.voters == 3);
+  CHECK(ahead.voters == m.job_voters());
+  CHECK(ahead.voters_epoch == m.job_voters_epoch());
+  CHECK(ahead.self_voter == m.job_self_voter());
+  CHECK(ahead.voter_hosts == m.job_voter_hosts());
+  CHECK(ahead.epoch == m.job_epoch());
+}
 }  // namespace
 
 TEST_CASE("client machine: the host's vote socket in the Assignment is a voter address that a recall counts, and a "
@@ -917,13 +927,21 @@ TEST_CASE("client machine: record_after(a), what the record names once this node
   CHECK(l.m.job_voters() == 0);  // not taken yet
   CHECK(l.m.job_voter_hosts().empty());
   l.receive(a);
-  CHECK(ahead.hosts == l.m.job_hosts());
-  CHECK(ahead.voters == 3);
-  CHECK(ahead.voters == l.m.job_voters());
-  CHECK(ahead.voters_epoch == l.m.job_voters_epoch());
-  CHECK(ahead.self_voter == l.m.job_self_voter());
-  CHECK(ahead.voter_hosts == l.m.job_voter_hosts());
-  CHECK(ahead.epoch == l.m.job_epoch());
+  check_ahead(ahead, l.m);
+}
+
+TEST_CASE("client machine: record_after(s), what the record names once this node took its own Standby, is what the "
+          "getters say after it, and changes nothing before (the host a standby of its own round, review s41-d M1)") {
+  Link l(fifth());
+  welcomed(l);
+  const proto::Standby s = standby_at(2, {"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {0, 7002, 7003},
+                                      {"agent-1", "agent-2", "agent-3"}, {}, {});
+  const RecordFields ahead = l.m.record_after(s);
+  CHECK(l.m.job_voters() == 0);  // not taken yet
+  CHECK(l.m.job_voter_hosts().empty());
+  l.receive(s);
+  CHECK_FALSE(ahead.hosts.empty());
+  check_ahead(ahead, l.m);
 }
 
 // Review s41-b L4: a node of round e made a standby by a taker whose seed is e gets the

@@ -915,3 +915,24 @@ TEST_CASE("only the Join of the agent the job's server is built into gives the r
     CHECK(proto::from_frame<proto::Standby>(told.front().frame).host_vote_port == (daemon ? 0 : 7109));
   }
 }
+
+// Review s41-d M1: the hosting agent that arrives last into a full round is a standby of its
+// own server; its agent writes its record from that Standby, found by its Join's session.
+TEST_CASE("job: the session of the hosting agent's Join is found as a member, or as a standby of a full round, and "
+          "none for a daemon (review s41-d M1)") {
+  Job job("job");
+  CHECK(job.host_agent_session() == 0);
+  job.set_host_agent_id("agent-127.0.0.9");
+  CHECK(job.host_agent_session() == 0);  // not joined yet
+  job.join(1, node("127.0.0.1", 2, 2), T0);
+  REQUIRE(of_type(job.join(2, node("127.0.0.2", 2, 2), T0), MsgType::kAssignment).size() == 2);
+  auto told = of_type(job.join(7, node("127.0.0.9", 2, 2), T0), MsgType::kStandby);
+  REQUIRE(told.size() == 1);
+  CHECK(told.front().session == 7);
+  CHECK(job.host_agent_session() == 7);
+  Job member("job");
+  member.set_host_agent_id("agent-127.0.0.9");
+  member.join(4, node("127.0.0.9", 2, 2), T0);
+  member.join(5, node("127.0.0.2", 2, 2), T0);
+  CHECK(member.host_agent_session() == 4);
+}

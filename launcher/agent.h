@@ -236,7 +236,7 @@ class Agent {
   void say_record_names_only_self();
   std::string record_path() const;  // this node's record file (its slot's)
   std::string record_node_, record_endpoint_;
-  std::optional<JobRecordSlot> record_slot_;  // this agent's record slot, locked for its life
+  std::optional<JobRecordSlot> record_slot_;  // this agent's record slot, locked for its life (the lock: record_io_'s)
   std::shared_ptr<JobRecordDir> record_dir_;       // nullptr: no record kept
   std::unique_ptr<JobRecordWriter> record_io_;     // its writes, off the io thread (with record_dir_)
   std::optional<JobRecord> recalled_;

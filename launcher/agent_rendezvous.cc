@@ -487,6 +487,7 @@ void Agent::load_job_record() {
         "that runs on elsewhere; if the job is over (or to start afresh), remove that file and start again",
         plan_.run_id, why));
   record_io_ = std::make_unique<JobRecordWriter>(with_test_hooks(JobRecordWriter::ops_of(record_dir_), base_env_));
+  record_io_->hold(std::move(record_slot_->lock));  // (as long as its thread: review s41-d L2)
   // A failed write is told when it fails, not at the next write, which may never come (a
   // round that runs for days): the fork guard is off, and the operator hears it (review s40 M2).
   record_io_->on_failure([this] { asio::post(io_, [this] { warn_record_failure(); }); });

@@ -400,6 +400,7 @@ struct JobRecordWriter::State {
   bool finished = false;  // the thread returned
   std::string error;
   std::function<void()> on_failure;  // (cleared by the destructor)
+  Fd lock;                           // the slot's (hold()): closed with the last owner, the thread or the writer
   bool idle() const { return !busy && !pending_write && !pending_remove && !pending_sweep; }
 };
 
@@ -485,6 +486,11 @@ bool JobRecordWriter::on_disk() const {
 void JobRecordWriter::on_failure(std::function<void()> f) {
   std::lock_guard lock(st_->mu);
   st_->on_failure = std::move(f);
+}
+
+void JobRecordWriter::hold(Fd lock) {
+  std::lock_guard l(st_->mu);
+  st_->lock = std::move(lock);
 }
 
 std::string JobRecordWriter::take_error() {

@@ -200,6 +200,10 @@ class JobRecordWriter {
   // failure without waiting for its next write (review s40 M2); never after the destructor
   // began (a detached thread calls nothing).
   void on_failure(std::function<void()> f);
+  // Keeps the record slot's lock (JobRecordSlot::lock) as long as its thread lives: a thread
+  // left detached by the destructor (a hung write or removal) still holds it, so no new agent
+  // claims the slot under that thread's late rename or unlink (review s41-d L2).
+  void hold(Fd lock);
 
  private:
   struct State;

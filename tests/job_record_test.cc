@@ -465,18 +465,24 @@ TEST_CASE("on_disk(): the newest write asked landed, not while it is held (drain
   CHECK(w.take_error() == "cannot write: disk full");
 }
 
-TEST_CASE("the writer's destructor waits a bounded time for a hung write, then goes on") {
-  using namespace std::chrono_literals;
-  std::promise<void> entered, release;
-  std::shared_future<void> go = release.get_future().share();
+// Ops whose write hangs (a hung NFS server) until `go` is released, `entered` set when it begins.
+JobRecordWriter::Ops hung_write_ops(std::promise<void>& entered, std::shared_future<void> go) {
   JobRecordWriter::Ops ops;
   ops.write = [&entered, go](const JobRecord&) {
     entered.set_value();
-    go.wait();  // a hung NFS server, until the test releases it
+    go.wait();
     return std::string();
   };
   ops.remove = [](const JobRecord&) {};
   ops.sweep = [] {};
+  return ops;
+}
+
+TEST_CASE("the writer's destructor waits a bounded time for a hung write, then goes on") {
+  using namespace std::chrono_literals;
+  std::promise<void> entered, release;
+  std::shared_future<void> go = release.get_future().share();
+  const JobRecordWriter::Ops ops = hung_write_ops(entered, go);
   auto w = std::make_unique<JobRecordWriter>(ops, 50ms);
   w->write(sample());
   entered.get_future().wait();
@@ -713,4 +719,36 @@ TEST_CASE("a slot whose lock file is a directory or a link is that slot's alone:
   CHECK(why.empty());
   CHECK(s->slot == 2);
   CHECK(s->lock.get() >= 0);
+}
+
+TEST_CASE("a writer's thread left hung by its destructor keeps the record slot's lock until it ends: no new agent "
+          "claims that slot meanwhile (review s41-d L2)") {
+  using namespace std::chrono_literals;
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  auto slot = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+  REQUIRE(slot);
+  REQUIRE(slot->slot == 0);
+  std::promise<void> entered, release;
+  std::shared_future<void> go = release.get_future().share();
+  const JobRecordWriter::Ops ops = hung_write_ops(entered, go);
+  auto w = std::make_unique<JobRecordWriter>(ops, 50ms);
+  w->hold(std::move(slot->lock));
+  w->write(sample());
+  entered.get_future().wait();
+  auto gone = std::async(std::launch::async, [&w] { w.reset(); });
+  const bool returned = gone.wait_for(60s) == std::future_status::ready;  // (a bound on a hang, no timing)
+  auto during = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);  // main: slot 0, under the thread
+  release.set_value();  // the detached thread ends now, and its lock with it
+  gone.wait();
+  CHECK(returned);
+  REQUIRE(during);
+  CHECK(during->slot == 1);
+  std::optional<JobRecordSlot> after;
+  CHECK(mgtest::eventually(
+      [&] {
+        after = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);
+        return after && after->slot == 0;
+      },
+      60s));
 }

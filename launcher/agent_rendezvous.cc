@@ -477,7 +477,6 @@ void Agent::load_job_record() {
   record_slot_ = record_dir_->claim(plan_.run_id, record_node_, record_endpoint_, &why);
   if (!record_slot_)
     throw RendezvousError(fmt::format("this node cannot keep its record of job '{}': {}", plan_.run_id, why));
-  if (!why.empty()) notice("warning: " + std::exchange(why, {}));  // (no locks here: slot 0, unlocked)
   recalled_ = record_dir_->read(plan_.run_id, record_node_, record_endpoint_, &why, record_slot_->slot);
   // A record it cannot read may be of a job that runs on elsewhere: a fresh start could fork
   // it, so this node ends instead (review s39-late L1).
@@ -486,7 +485,9 @@ void Agent::load_job_record() {
         "this node has a record of job '{}' that it cannot use ({}), and without it a fresh start could fork a job "
         "that runs on elsewhere; if the job is over (or to start afresh), remove that file and start again",
         plan_.run_id, why));
-  record_io_ = std::make_unique<JobRecordWriter>(with_test_hooks(JobRecordWriter::ops_of(record_dir_), base_env_));
+  auto ops = with_test_hooks(JobRecordWriter::ops_of(record_dir_), base_env_);
+  if (record_slot_->lock.get() < 0) ops.release = nullptr;  // (never a lock file it does not hold)
+  record_io_ = std::make_unique<JobRecordWriter>(std::move(ops));
   record_io_->hold(std::move(record_slot_->lock));  // (as long as its thread: review s41-d L2)
   // A failed write is told when it fails, not at the next write, which may never come (a
   // round that runs for days): the fork guard is off, and the operator hears it (review s40 M2).

@@ -260,28 +260,36 @@ void JobRecordDir::release(const std::string& job, const std::string& node, cons
 }
 
 std::optional<JobRecordSlot> JobRecordDir::claim(const std::string& job, const std::string& node,
-                                                 const std::string& endpoint, std::string* why) const {
+                                                 const std::string& endpoint, std::string* why,
+                                                 const JobRecordLockOps* ops) const {
+  auto open_at = [&](const char* name, int flags) {
+    return ops && ops->open ? ops->open(fd_.get(), name, flags, 0600) : ::openat(fd_.get(), name, flags, 0600);
+  };
+  auto lock_it = [&](int fd) { return ops && ops->flock ? ops->flock(fd, LOCK_EX | LOCK_NB) : ::flock(fd, LOCK_EX | LOCK_NB); };
   auto exists = [&](int n, bool lock) {
     struct stat st{};
     return ::fstatat(fd_.get(), job_record_name(job, node, endpoint, n, lock).c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
   };
   // Slot n's lock, held: its file locked and still the one at its name (one removed by its
   // agent at the job's end, release(), between the open and the lock is no lock). `err`: set
-  // when the directory keeps no locks (record_dir_has_no_locks()).
-  auto take = [&](int n, int& err) -> Fd {
+  // when the directory keeps no locks (record_dir_has_no_locks()); `created`: this call made
+  // the file (O_EXCL), the only lock file it may remove unheld.
+  auto take = [&](int n, int& err, bool& created) -> Fd {
     const std::string name = job_record_name(job, node, endpoint, n, /*lock=*/true);
-    const bool had = exists(n, true);
-    Fd fd(::openat(fd_.get(), name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600));
+    constexpr int kFlags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
+    Fd fd(open_at(name.c_str(), kFlags | O_CREAT | O_EXCL));
+    created = fd.get() >= 0;
+    if (!created && errno == EEXIST) fd = Fd(open_at(name.c_str(), kFlags));
     if (fd.get() < 0) {
       if (record_dir_has_no_locks(errno, /*at_open=*/true)) err = errno;
       return Fd();
     }
     int got = -1;
-    while ((got = ::flock(fd.get(), LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+    while ((got = lock_it(fd.get())) != 0 && errno == EINTR) {
     }
     if (got != 0 && record_dir_has_no_locks(errno, /*at_open=*/false)) {
       err = errno;
-      if (!had) ::unlinkat(fd_.get(), name.c_str(), 0);  // (no lock file left where none locks)
+      if (created) ::unlinkat(fd_.get(), name.c_str(), 0);  // (no lock file of its own left behind)
       return Fd();
     }
     struct stat held{}, named{};
@@ -291,24 +299,30 @@ std::optional<JobRecordSlot> JobRecordDir::claim(const std::string& job, const s
     return fd;
   };
   std::optional<JobRecordSlot> first;  // the first slot got that holds no record
+  bool first_created = false;
   for (int n = 0; n < kMaxJobRecordSlots; ++n) {
     // (Past the first slot got, only slots in use: one may hold a dead agent's record.)
     if (first && !exists(n, false) && !exists(n, true)) continue;
     int err = 0;
-    Fd fd = take(n, err);
-    if (err != 0 && first) return first;  // (a slot locked already: past it none is tried)
-    if (err != 0) {  // no locks here: slot 0, unlocked, as before slots (review s41-d M2)
+    bool created = false;
+    Fd fd = take(n, err, created);
+    if (err != 0) {
+      // No slot unlocked, ever (review s41-e H1): a one-off ENOSPC or ENOLCK beside a live
+      // agent's held slot 0 would share it, the #34 fork. The agent ends (exit 3).
+      if (first && first_created)  // (held: its own, removed before the lock goes)
+        ::unlinkat(fd_.get(), job_record_name(job, node, endpoint, first->slot, true).c_str(), 0);
       if (why)
-        *why = fmt::format("cannot lock {}/{} ({}): this directory keeps no locks (as NFS without lockd, Lustre "
-                           "without flock, or a full or read-only file system), so this node's record is kept "
-                           "unlocked in slot 0, shared by the agents of this job on this machine that advertise "
-                           "one address (give each --local_addr, or set MGLAUNCH_RECORD_DIR to a local disk)",
+        *why = fmt::format("cannot lock {}/{} ({}): set MGLAUNCH_RECORD_DIR to a directory on a local disk that "
+                           "keeps flock locks (and has room)",
                            path_, job_record_name(job, node, endpoint, n, /*lock=*/true), std::strerror(err));
-      return JobRecordSlot{0, Fd()};
+      return std::nullopt;
     }
     if (fd.get() < 0) continue;  // another live agent's (or unusable)
     if (exists(n, false)) return JobRecordSlot{n, std::move(fd)};  // a dead agent's record
-    if (!first) first = JobRecordSlot{n, std::move(fd)};
+    if (!first) {
+      first = JobRecordSlot{n, std::move(fd)};
+      first_created = created;
+    }
   }
   if (!first && why)
     *why = fmt::format("none of the {} record slots of this node in {} can be locked (as many agents of this job "

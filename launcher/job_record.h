@@ -98,6 +98,12 @@ std::string job_record_path(const std::string& dir, const std::string& job, cons
 // EDQUOT, EROFS), unlike a lock held (EWOULDBLOCK) or one slot's odd file. Pure.
 bool record_dir_has_no_locks(int err, bool at_open);
 
+// The calls claim() locks a slot with: openat(dir, name, flags, mode) and flock(fd, op).
+struct JobRecordLockOps {
+  std::function<int(int, const char*, int, unsigned)> open;
+  std::function<int(int, int)> flock;
+};
+
 // A record slot this agent holds for its whole life (an exclusive flock of its lock file):
 // no other live agent reads or writes that slot's record.
 struct JobRecordSlot {
@@ -119,10 +125,11 @@ class JobRecordDir {
   // (review s41-c M1): the first whose lock it gets that holds a record (its writer is dead:
   // this agent recalls it), else the first whose lock it gets. A held slot is another live
   // agent's, never read. nullopt with `why` set (one line) when none of kMaxJobRecordSlots
-  // can be had. Where the directory keeps no locks (record_dir_has_no_locks()): slot 0 with
-  // no lock, and `why` set to the warning (review s41-d M2).
+  // can be had, or at the first error of the whole directory (record_dir_has_no_locks()):
+  // never a slot unlocked (review s41-e H1), and no lock file it made left behind. `ops`:
+  // the open and flock to use (a test's injected errors); the system's when null.
   std::optional<JobRecordSlot> claim(const std::string& job, const std::string& node, const std::string& endpoint,
-                                     std::string* why) const;
+                                     std::string* why, const JobRecordLockOps* ops = nullptr) const;
 
   // Writes `r` to its file whole (temporary file, fsync, rename, fsync of the directory;
   // 0600). "" or why not.

@@ -4,11 +4,13 @@
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -706,6 +708,41 @@ TEST_CASE("a record directory that keeps no locks is told from a lock held: the 
   for (int err : {EWOULDBLOCK, EAGAIN, EINTR}) CHECK_FALSE(record_dir_has_no_locks(err, false));
   for (int err : {ENOSPC, EDQUOT, EROFS}) CHECK(record_dir_has_no_locks(err, true));
   for (int err : {ELOOP, EISDIR, EACCES, ENXIO}) CHECK_FALSE(record_dir_has_no_locks(err, true));
+}
+
+TEST_CASE("a lock error of the whole record directory beside a live agent's slot 0 ends the claim, never slot 0 "
+          "unlocked, and leaves no lock file it made (review s41-e H1)") {
+  std::string dir, why;
+  const auto d = open_fresh(dir);
+  auto a = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why);  // the live agent: slot 0, held
+  REQUIRE(a);
+  REQUIRE(a->slot == 0);
+  const std::string lock1 = dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 1, true);
+  for (const int err : {ENOSPC, EDQUOT}) {  // a full disk, an inode quota: at a new file's open
+    JobRecordLockOps ops;
+    ops.open = [err](int at, const char* name, int flags, unsigned mode) {
+      if (flags & O_CREAT) return errno = err, -1;
+      return ::openat(at, name, flags, mode);
+    };
+    why.clear();
+    const auto b = d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why, &ops);
+    CHECK_FALSE(b);  // (279e59c: slot 0, unlocked, the live agent's)
+    CHECK(why.find(std::strerror(err)) != std::string::npos);
+    CHECK(why.find("MGLAUNCH_RECORD_DIR") != std::string::npos);
+  }
+  {  // ENOLCK at the flock of slot 1 (slot 0: held): the file it made is gone, slot 0's stays
+    JobRecordLockOps ops;
+    ops.flock = [](int fd, int op) {
+      if (::flock(fd, op) != 0) return -1;  // (slot 0: EWOULDBLOCK)
+      ::flock(fd, LOCK_UN);
+      return errno = ENOLCK, -1;
+    };
+    why.clear();
+    CHECK_FALSE(d->claim("job7", "127.0.0.2@hostA", kEndpoint, &why, &ops));
+    CHECK(why.find(std::strerror(ENOLCK)) != std::string::npos);
+  }
+  CHECK_FALSE(fs::exists(lock1));
+  CHECK(fs::exists(dir + "/" + job_record_name("job7", "127.0.0.2@hostA", kEndpoint, 0, true)));
 }
 
 TEST_CASE("a slot whose lock file is a directory or a link is that slot's alone: the next slot is taken, locked "

@@ -278,6 +278,9 @@ class ClientMachine {
   // yet): the hosting agent's record written before its server sends the round (review s41-a M2).
   RecordFields record_after(const proto::Assignment& a) const;
   RecordFields record_after(const proto::Standby& s) const;  // (its own Standby: review s41-d M1)
+  // A copy of this machine as its own server's Welcome (already sent) makes it: host_agent_
+  // this agent, welcomed (review s41-e M1).
+  ClientMachine own_server_welcomed() const;
   static constexpr std::size_t kMaxRecallHosts = proto::kMaxListedNodes;
   // The generation of t's current arm (what a fire that is not stale carries).
   std::uint64_t generation(ClientTimer t) const { return generation_[static_cast<std::size_t>(t)]; }

@@ -284,14 +284,25 @@ std::vector<std::pair<std::string, int>> ClientMachine::job_voter_hosts() const 
   return out;
 }
 
+ClientMachine ClientMachine::own_server_welcomed() const {
+  ClientMachine m = *this;
+  // Its own server sent the frame, so it has sent its Welcome too, which this client may not
+  // have read yet (a tokenless Join goes with the Hello): host = this agent (review s41-e M1).
+  if (!m.ever_welcomed_) {
+    m.host_agent_ = opts_.join.agent_id;
+    m.ever_welcomed_ = true;
+  }
+  return m;
+}
+
 RecordFields ClientMachine::record_after(const proto::Assignment& a) const {
-  ClientMachine m = *this;  // (a copy: nothing of this node's state changes)
+  ClientMachine m = own_server_welcomed();  // (a copy: nothing of this node's state changes)
   m.take(a, Clock::time_point{});
   return {m.job_hosts(), m.job_voters(), m.job_voters_epoch(), m.job_self_voter(), m.job_voter_hosts(), m.job_epoch()};
 }
 
 RecordFields ClientMachine::record_after(const proto::Standby& s) const {
-  ClientMachine m = *this;
+  ClientMachine m = own_server_welcomed();
   m.take_standby(s);
   return {m.job_hosts(), m.job_voters(), m.job_voters_epoch(), m.job_self_voter(), m.job_voter_hosts(), m.job_epoch()};
 }

@@ -930,6 +930,24 @@ TEST_CASE("client machine: record_after(a), what the record names once this node
   check_ahead(ahead, l.m);
 }
 
+TEST_CASE("client machine: record_after before its client read its own server's Welcome (a tokenless Join goes with "
+          "the Hello) names what it would once that Welcome is read, not nothing (review s41-e M1)") {
+  const proto::Assignment a = round_with_host_vote();
+  Link early(node_at(3));
+  early.m.start(early.now);
+  early.m.connected(kNonce, early.now);  // Hello and Join sent, no Welcome read
+  const RecordFields ahead = early.m.record_after(a);
+  CHECK_FALSE(ahead.hosts.empty());  // main: none, and no record written ahead
+  Link own(node_at(3));
+  own.m.start(own.now);
+  own.welcome("agent-new");  // its own server's Welcome: this agent hosts
+  own.receive(a);
+  check_ahead(ahead, own.m);
+  const proto::Standby sb = standby_at(2, {"127.0.0.1", "127.0.0.2", "127.0.0.4"}, {0, 7002, 7004},
+                                       {"agent-1", "agent-2", "agent-4"}, {}, {});
+  CHECK_FALSE(early.m.record_after(sb).hosts.empty());  // main: none
+}
+
 TEST_CASE("client machine: record_after(s), what the record names once this node took its own Standby, is what the "
           "getters say after it, and changes nothing before (the host a standby of its own round, review s41-d M1)") {
   Link l(fifth());

@@ -294,7 +294,10 @@ class Agent {
   // line naming the uid (#35). A listener of this uid is no stranger: one line says so when
   // it is not provably this run's (another job of this user makes rank 0's bind fail and the
   // attempt restart with a fresh port; a worker that is not dumpable hides its sockets).
-  void watch_master_port();
+  // `until_assigned`: from the re-join, where the fresh port's hold stops listening, with no
+  // end until the assignment (apply_assignment() stops it where this node is not node 0 or
+  // the round's port is another; review s41-e M3).
+  void watch_master_port(bool until_assigned = false);
   void check_master_port(int round, sup::Clock::time_point until);
   bool port_watch_warned_ = false;  // the one line about a listener of this uid, per watch
   int port_watch_round_ = 0;  // a check of an older watch finds a newer round and stops

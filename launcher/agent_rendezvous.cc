@@ -731,6 +731,8 @@ void Agent::preflight_done(const proto::Assignment& a, std::uint64_t gen, prefli
 }
 
 void Agent::apply_assignment(const proto::Assignment& a) {
+  // The re-join's watch (rejoin()) is node 0's of its own port; serve_store() starts the spawn's.
+  if (a.group_rank != 0 || a.master_port != plan_.master_port) ++port_watch_round_;
   plan_.nnodes = a.group_world_size;
   plan_.node_rank = a.group_rank;
   plan_.rank_offset = a.rank_offset;
@@ -754,7 +756,12 @@ void Agent::rejoin(bool offer_port) {
   // connect before this node's paused worker answered, and stop_listening() then (at the
   // assign) reset every connection queued on it: torch 1.13's store thread aborted (exit
   // 134). Refused instead, a store client retries until rank 0's TCPStore listens.
-  if (offer_port && !plan_.agent_store) unlisten_hold();
+  // Bound but not listening, another user can bind and listen beside it until rank 0's
+  // TCPStore listens: watched from now, not only from the spawn (review s41-e M3).
+  if (offer_port && !plan_.agent_store) {
+    unlisten_hold();
+    watch_master_port(/*until_assigned=*/true);
+  }
   if (offer_port) client_->set_master_port(plan_.master_port);
   if (trace_) rdzv_since_us_ = trace_->now();
   rdzv_began_ = now().steady;

@@ -60,9 +60,10 @@ void Agent::unlisten_hold() {
   }
 }
 
-void Agent::watch_master_port() {
+void Agent::watch_master_port(bool until_assigned) {
   port_watch_warned_ = false;
-  check_master_port(++port_watch_round_, now().steady + std::chrono::seconds(60));
+  check_master_port(++port_watch_round_, until_assigned ? sup::Clock::time_point::max()
+                                                        : now().steady + std::chrono::seconds(60));
 }
 
 // Each look runs on the event loop, on the agent's clock (every 100 ms for 60 s): the
@@ -85,8 +86,8 @@ void Agent::check_master_port(int round, sup::Clock::time_point until) {
         exit_code::kResource,
         fmt::format("MASTER_PORT {} was taken by a process of uid {} (socket inode {}), not by this run's rank 0: "
                     "where rank 0's TCPStore hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch 2.0 and "
-                    "2.1, torch 1.x's c10d), the port is only bound from just before the workers start until it "
-                    "listens, and that process listened there meanwhile; find it (ss -ltnp 'sport = :{}') and run again",
+                    "2.1, torch 1.x's c10d), the port is only bound from the re-join or just before the workers start "
+                    "until it listens, and that process listened there meanwhile; find it (ss -ltnp 'sport = :{}') and run again",
                     port, l.uid, l.inode, port),
         now()));
     return;

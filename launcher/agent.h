@@ -233,6 +233,7 @@ class Agent {
   // counts itself only when it bound its record's port again (review s41-c M1); a record
   // that then names only this node starts afresh.
   void settle_recall();
+  void vote_socket_only();  // the hosting agent's takeover socket: answers votes only
   void say_record_names_only_self();
   std::string record_path() const;  // this node's record file (its slot's)
   std::string record_node_, record_endpoint_;

@@ -54,6 +54,7 @@ JobRecordWriter::Ops with_test_hooks(JobRecordWriter::Ops ops, const std::map<st
   const int delay_ms = number("MGLAUNCH_RECORD_TEST_WRITE_DELAY_MS"), fail = number("MGLAUNCH_RECORD_TEST_FAIL_WRITES");
   if (delay_ms <= 0 && fail <= 0) return ops;
   ops.write = [write = ops.write, delay_ms, failing = std::make_shared<int>(fail)](const JobRecord& r) {
+    // (On the record's helper thread, never the io thread: a slow fsync blocks there the same way.)
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     if (*failing > 0 && (*failing)-- > 0) return std::string("a test hook's failure (MGLAUNCH_RECORD_TEST_FAIL_WRITES)");
     return write(r);
@@ -93,10 +94,7 @@ void Agent::host_rendezvous() {
     notice(fmt::format("hosting the rendezvous for job '{}' on {}", plan_.run_id, embedded_server_->address()));
     // Its takeover socket (kept after a stale recall) answers "not hosting" only: not the
     // descriptor share that the hosting server holds again (review s39-listen L3).
-    if (takeover_server_) {  // (never hosting: an older Hello is answered, never held, review s41-c L2)
-      takeover_server_->limit_connections(sup::kRendezvousHandshakes);
-      takeover_server_->answer_older_hellos();
-    }
+    if (takeover_server_) vote_socket_only();
   } catch (const std::exception&) {
     // Another local agent got there first: join it as a client.
   }
@@ -213,10 +211,7 @@ void Agent::bind_takeover_socket() {
       so.adopt_fd = fd;
       so.not_hosting = true;
       takeover_server_ = std::make_unique<rdzv::Server>(io_, so);
-      if (embedded_server_) {
-        takeover_server_->limit_connections(sup::kRendezvousHandshakes);
-        takeover_server_->answer_older_hellos();
-      }
+      if (embedded_server_) vote_socket_only();
       // Recalling: its answers say so, with the record's run and epoch, never "in no run"
       // (another node's recall counts it as in no round after that epoch; review s39 H1).
       if (recall_pending_ && recalled_) takeover_server_->tell_recalling(recalled_->run, recalled_->epoch);
@@ -511,6 +506,13 @@ void Agent::say_record_names_only_self() {
 std::string Agent::record_path() const {
   return job_record_path(record_dir_->path(), plan_.run_id, record_node_, record_endpoint_,
                          record_slot_ ? record_slot_->slot : 0);
+}
+
+void Agent::vote_socket_only() {
+  // The takeover socket of a hosting agent never hosts: a few handshakes at once, and an older
+  // client's Hello answered at once, never held (review s41-c L2).
+  takeover_server_->limit_connections(sup::kRendezvousHandshakes);
+  takeover_server_->answer_older_hellos();
 }
 
 void Agent::settle_recall() {
